@@ -1,0 +1,222 @@
+//! The not-recently-used clock (Difference Engine §4.2) and the policies that read it.
+
+use serde::Serialize;
+
+/// A page's freshness class (DE §4.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum NruState {
+    /// Recently modified (M set).
+    C1,
+    /// Not recently modified, but referenced (R set, M clear).
+    C2,
+    /// Not accessed since the last scan (R and M clear).
+    C3,
+    /// Not accessed for an extended period: C3 in consecutive scans.
+    C4,
+}
+
+impl NruState {
+    /// Index 0..4 for tables.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// One page's clock byte: R (bit 0), M (bit 1) and the number of consecutive scans that
+/// found it idle (bits 2..5, saturating at 7). DE keeps R/M in the P2M entry and "two
+/// additional bits" for C4; we keep a whole idle count so that compression can also wait
+/// for a full multi-pass sharing cycle (DE §4.3).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PageClock(u8);
+
+const R: u8 = 1;
+const M: u8 = 2;
+const AGE_SHIFT: u8 = 2;
+const AGE_MAX: u8 = 7;
+
+impl PageClock {
+    /// A page that was just written (new pages start recently modified).
+    pub const FRESH: PageClock = PageClock(R | M);
+
+    /// Records a guest access: R, and M for a write.
+    #[inline]
+    pub fn touch(&mut self, write: bool) {
+        self.0 |= if write { R | M } else { R };
+    }
+
+    /// Records referenced/modified bits observed by other means (e.g. the kernel's
+    /// dirty tracking in the live layer).
+    #[inline]
+    pub fn observe(&mut self, referenced: bool, modified: bool) {
+        if referenced {
+            self.0 |= R;
+        }
+        if modified {
+            self.0 |= R | M;
+        }
+    }
+
+    /// Consecutive idle scans so far.
+    pub fn idle_scans(self) -> u8 {
+        self.0 >> AGE_SHIFT
+    }
+
+    /// The class the page is in now, without scanning it.
+    pub fn state(self) -> NruState {
+        if self.0 & M != 0 {
+            NruState::C1
+        } else if self.0 & R != 0 {
+            NruState::C2
+        } else if self.idle_scans() >= 2 {
+            NruState::C4
+        } else {
+            NruState::C3
+        }
+    }
+
+    /// One clock scan of the page (DE §4.2): classifies it, clears R and M, and counts
+    /// consecutive idle scans.
+    pub fn scan(&mut self) -> NruState {
+        let idle = self.0 & (R | M) == 0;
+        let age = if idle { (self.idle_scans() + 1).min(AGE_MAX) } else { 0 };
+        self.0 = age << AGE_SHIFT | (self.0 & (R | M));
+        let state = self.state();
+        self.0 &= !(R | M);
+        state
+    }
+}
+
+/// What a policy lets the engine do with a page in a given class.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Actions {
+    /// Share it with an identical page (or reclaim it if zero).
+    pub share: bool,
+    /// Index it as a reference page for patching others.
+    pub reference: bool,
+    /// Store it as a patch against a similar page.
+    pub patch: bool,
+    /// Compress it.
+    pub compress: bool,
+    /// Swap it out when host memory is over budget.
+    pub swap: bool,
+}
+
+impl Actions {
+    const NONE: Actions = Actions { share: false, reference: false, patch: false, compress: false, swap: false };
+}
+
+/// Which mechanisms may touch pages of each class (DE §4.2: "a clean separation between
+/// mechanism and policy").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Policy {
+    /// Name for reports.
+    pub name: &'static str,
+    /// Actions for C1, C2, C3, C4.
+    pub actions: [Actions; 4],
+}
+
+impl Policy {
+    /// DE §4.2's default: C1 ignored; C2 shared or used as reference; C3 shared or patched
+    /// (and usable as reference); C4 anything, including compression and swap.
+    pub fn difference_engine() -> Self {
+        let c2 = Actions { share: true, reference: true, ..Actions::NONE };
+        let c3 = Actions { patch: true, ..c2 };
+        let c4 = Actions { compress: true, swap: true, ..c3 };
+        Policy { name: "de", actions: [Actions::NONE, c2, c3, c4] }
+    }
+
+    /// Sharing only, what ESX and KSM do: identical pages shared once their content has
+    /// been stable for a scan (C2–C4; like KSM's unstable-tree checksum rule), swap in C4.
+    pub fn sharing_only() -> Self {
+        let s = Actions { share: true, ..Actions::NONE };
+        Policy { name: "sharing", actions: [Actions::NONE, s, s, Actions { swap: true, ..s }] }
+    }
+
+    /// DE's "more aggressive" alternative: every page treated as C4.
+    pub fn aggressive() -> Self {
+        let c4 = Policy::difference_engine().actions[3];
+        Policy { name: "aggressive", actions: [c4; 4] }
+    }
+
+    /// Only one mechanism, for the micro-benchmarks of DE §5.3 (each mechanism alone):
+    /// `"share"`, `"patch"` or `"compress"`, allowed from C2 on for sharing and C3/C4 for
+    /// the others as in the default policy. Returns `None` for another name.
+    pub fn single(mechanism: &str) -> Option<Self> {
+        let de = Policy::difference_engine();
+        let mut p = Policy { name: "", actions: [Actions::NONE; 4] };
+        for (i, a) in de.actions.iter().enumerate() {
+            p.actions[i] = match mechanism {
+                "share" => Actions { share: a.share, ..Actions::NONE },
+                "patch" => Actions { patch: a.patch, reference: a.reference, ..Actions::NONE },
+                "compress" => Actions { compress: a.compress, ..Actions::NONE },
+                _ => return None,
+            };
+        }
+        p.name = match mechanism {
+            "share" => "share-only",
+            "patch" => "patch-only",
+            _ => "compress-only",
+        };
+        Some(p)
+    }
+
+    /// Looks a policy up by name: `de`, `sharing`, `aggressive`, `share-only`, `patch-only`,
+    /// `compress-only`.
+    pub fn by_name(name: &str) -> Option<Self> {
+        match name {
+            "de" => Some(Self::difference_engine()),
+            "sharing" => Some(Self::sharing_only()),
+            "aggressive" => Some(Self::aggressive()),
+            n => n.strip_suffix("-only").and_then(Self::single),
+        }
+    }
+
+    /// The actions for a class.
+    pub fn for_state(&self, s: NruState) -> Actions {
+        self.actions[s.index()]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn states_follow_the_paper() {
+        let mut c = PageClock::FRESH;
+        assert_eq!(c.scan(), NruState::C1, "just written");
+        assert_eq!(c.scan(), NruState::C3, "idle for one scan");
+        assert_eq!(c.scan(), NruState::C4, "idle in consecutive scans");
+        assert_eq!(c.scan(), NruState::C4);
+        c.touch(false);
+        assert_eq!(c.state(), NruState::C2);
+        assert_eq!(c.scan(), NruState::C2, "read, not written");
+        assert_eq!(c.idle_scans(), 0);
+        assert_eq!(c.scan(), NruState::C3, "an access resets the idle count");
+        c.touch(true);
+        assert_eq!(c.scan(), NruState::C1);
+        for _ in 0..20 {
+            c.scan();
+        }
+        assert_eq!(c.idle_scans(), 7, "saturates");
+        c.observe(false, true);
+        assert_eq!(c.state(), NruState::C1);
+    }
+
+    #[test]
+    fn policies() {
+        let de = Policy::difference_engine();
+        assert_eq!(de.for_state(NruState::C1), Actions::default());
+        let c2 = de.for_state(NruState::C2);
+        assert!(c2.share && c2.reference && !c2.patch && !c2.compress);
+        let c3 = de.for_state(NruState::C3);
+        assert!(c3.share && c3.patch && !c3.compress && !c3.swap);
+        let c4 = de.for_state(NruState::C4);
+        assert!(c4.share && c4.patch && c4.compress && c4.swap);
+        for name in ["de", "sharing", "aggressive", "share-only", "patch-only", "compress-only"] {
+            assert_eq!(Policy::by_name(name).unwrap().name, name);
+        }
+        assert!(Policy::by_name("nope").is_none());
+        assert!(!Policy::sharing_only().actions.iter().any(|a| a.patch || a.compress));
+    }
+}

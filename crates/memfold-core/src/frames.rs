@@ -1,0 +1,169 @@
+//! Host frames: page-sized storage with compact reference counts (ESX §4.3).
+
+use hashbrown::HashMap;
+
+use crate::types::{Frame, Page, P2mEntry, PAGE_SIZE};
+
+/// Frames per arena chunk: host memory is taken from the allocator 1 MiB at a time.
+const CHUNK_FRAMES: usize = 256;
+/// Refcount value meaning "the true count is in the overflow table".
+const OVERFLOW: u16 = u16::MAX;
+
+/// Frame flag: the frame is entered in the share table as a shared frame.
+pub(crate) const IN_SHARE_TABLE: u8 = 1;
+/// Frame flag: the frame holds sub-page blobs (blob store chunk).
+pub(crate) const BLOB_CHUNK: u8 = 2;
+
+/// The engine's host frames: their bytes, a reference count each and a free list.
+///
+/// Reference counts follow ESX §4.3: a 16-bit count per frame, and an overflow table for
+/// the rare frame (typically the zero page, or a popular library page) referenced more
+/// than 65 534 times. Metadata is 3 bytes per frame (count + flags).
+///
+/// A frame's count is the number of P2M mappings onto it plus the number of patches that
+/// use it as their reference page. A frame is freed when its count reaches zero.
+pub struct FrameStore {
+    chunks: Vec<Box<[u8]>>,
+    refcount: Vec<u16>,
+    flags: Vec<u8>,
+    overflow: HashMap<u32, u32>,
+    free: Vec<u32>,
+    in_use: u32,
+}
+
+impl Default for FrameStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl FrameStore {
+    /// An empty store; frames are allocated on demand.
+    pub fn new() -> Self {
+        FrameStore { chunks: Vec::new(), refcount: Vec::new(), flags: Vec::new(), overflow: HashMap::new(), free: Vec::new(), in_use: 0 }
+    }
+
+    /// Frames currently allocated (count > 0).
+    pub fn in_use(&self) -> u32 {
+        self.in_use
+    }
+
+    /// Allocates a frame with count 1. Its bytes are whatever the last user left: callers
+    /// always overwrite the whole page. Returns `None` when frame numbers are exhausted
+    /// (2^29 frames, 2 TiB).
+    pub fn alloc(&mut self) -> Option<Frame> {
+        let f = match self.free.pop() {
+            Some(f) => f,
+            None => {
+                let n = self.refcount.len();
+                if n + CHUNK_FRAMES > P2mEntry::MAX_PAYLOAD as usize {
+                    return None;
+                }
+                self.chunks.push(vec![0u8; CHUNK_FRAMES * PAGE_SIZE].into_boxed_slice());
+                self.refcount.resize(n + CHUNK_FRAMES, 0);
+                self.flags.resize(n + CHUNK_FRAMES, 0);
+                // Hand out low numbers first so neighbouring allocations stay neighbours.
+                self.free.extend((n as u32 + 1..(n + CHUNK_FRAMES) as u32).rev());
+                n as u32
+            }
+        };
+        debug_assert_eq!(self.refcount[f as usize], 0);
+        self.refcount[f as usize] = 1;
+        self.in_use += 1;
+        Some(Frame(f))
+    }
+
+    /// The frame's bytes.
+    pub fn data(&self, f: Frame) -> &Page {
+        let i = f.0 as usize;
+        let chunk = &self.chunks[i / CHUNK_FRAMES];
+        let off = (i % CHUNK_FRAMES) * PAGE_SIZE;
+        (&chunk[off..off + PAGE_SIZE]).try_into().expect("page-sized slice")
+    }
+
+    /// The frame's bytes, writable. Callers write only frames no one else can see
+    /// (count 1, private) or blob chunks.
+    pub fn data_mut(&mut self, f: Frame) -> &mut Page {
+        let i = f.0 as usize;
+        let chunk = &mut self.chunks[i / CHUNK_FRAMES];
+        let off = (i % CHUNK_FRAMES) * PAGE_SIZE;
+        (&mut chunk[off..off + PAGE_SIZE]).try_into().expect("page-sized slice")
+    }
+
+    /// Current reference count (0 for a free frame).
+    pub fn refcount(&self, f: Frame) -> u32 {
+        match self.refcount[f.0 as usize] {
+            OVERFLOW => self.overflow[&f.0],
+            c => c as u32,
+        }
+    }
+
+    /// Adds one reference.
+    pub fn incref(&mut self, f: Frame) {
+        let c = &mut self.refcount[f.0 as usize];
+        debug_assert!(*c > 0, "incref of free frame {f:?}");
+        if *c == OVERFLOW {
+            *self.overflow.get_mut(&f.0).expect("overflowed frame") += 1;
+        } else if *c == OVERFLOW - 1 {
+            *c = OVERFLOW;
+            self.overflow.insert(f.0, OVERFLOW as u32);
+        } else {
+            *c += 1;
+        }
+    }
+
+    /// Drops one reference; frees the frame (and returns true) when it was the last.
+    /// The caller removes a freed frame from any table first (see [`Self::flags`]).
+    pub fn decref(&mut self, f: Frame) -> bool {
+        let i = f.0 as usize;
+        let c = &mut self.refcount[i];
+        debug_assert!(*c > 0, "decref of free frame {f:?}");
+        if *c == OVERFLOW {
+            let big = self.overflow.get_mut(&f.0).expect("overflowed frame");
+            *big -= 1;
+            if *big == (OVERFLOW - 1) as u32 {
+                self.overflow.remove(&f.0);
+                *c = OVERFLOW - 1;
+            }
+            return false;
+        }
+        *c -= 1;
+        if *c == 0 {
+            self.flags[i] = 0;
+            self.free.push(f.0);
+            self.in_use -= 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// The frame's flags ([`IN_SHARE_TABLE`], [`BLOB_CHUNK`]).
+    pub(crate) fn flags(&self, f: Frame) -> u8 {
+        self.flags[f.0 as usize]
+    }
+
+    pub(crate) fn set_flag(&mut self, f: Frame, flag: u8, on: bool) {
+        let v = &mut self.flags[f.0 as usize];
+        if on {
+            *v |= flag
+        } else {
+            *v &= !flag
+        }
+    }
+
+    /// Frames with count > 0, in frame order (for invariant checks and accounting).
+    pub fn allocated(&self) -> impl Iterator<Item = Frame> + '_ {
+        (0..self.refcount.len() as u32).filter(|&i| self.refcount[i as usize] != 0).map(Frame)
+    }
+
+    /// Bytes of metadata: counts, flags, free list and overflow table (not the frames).
+    pub fn metadata_bytes(&self) -> usize {
+        self.refcount.capacity() * 2 + self.flags.capacity() + self.free.capacity() * 4 + self.overflow.capacity() * 9
+    }
+
+    /// Bytes of host memory reserved for frames (allocated chunks, used or free).
+    pub fn reserved_bytes(&self) -> usize {
+        self.chunks.len() * CHUNK_FRAMES * PAGE_SIZE
+    }
+}

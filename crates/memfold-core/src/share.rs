@@ -1,0 +1,221 @@
+//! The content-hash table of shared and hint entries (ESX §4.3; DE §3.1, §4.3).
+
+use hashbrown::HashTable;
+
+use crate::types::{Frame, Gpn};
+
+/// One entry of the share table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShareEntry {
+    /// A frame shared copy-on-write whose content hashes to the entry's hash (ESX "shared frame").
+    Shared(Frame),
+    /// A page hashed once and not yet shared (ESX "hint frame"). Its content may have
+    /// changed since: a hint is only a candidate, confirmed byte for byte before sharing.
+    Hint(Gpn),
+}
+
+/// Hash table from 64-bit page content hashes to shared frames and hints.
+///
+/// Each entry is one `u64`: the upper 32 bits of the content hash and a 32-bit payload
+/// (top bit: hint, else shared frame). Entries with the same upper hash bits chain in the
+/// table; every match is confirmed byte for byte by the caller, so a hash collision can
+/// never share different pages. Chains are bounded ([`Self::MAX_CHAIN`]): a page whose hash
+/// chain is full is ineligible, as ESX treats a page with a false match.
+///
+/// With partitioning (DE §4.3, after Kloster et al.), only pages whose hash falls into the
+/// current pass's interval are inserted, and the table is emptied after each pass, so it
+/// holds at most about 1/`passes` of memory.
+pub struct ShareTable {
+    table: HashTable<u64>,
+    passes: u32,
+    pass: u32,
+}
+
+const HINT_BIT: u32 = 1 << 31;
+
+#[inline]
+fn table_hash(tag: u32) -> u64 {
+    // The tag is already uniformly distributed (a slice of xxh3); spread it over 64 bits.
+    (tag as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+#[inline]
+fn tag_of(hash: u64) -> u32 {
+    (hash >> 32) as u32
+}
+
+#[inline]
+fn pack(hash: u64, e: ShareEntry) -> u64 {
+    let payload = match e {
+        ShareEntry::Shared(f) => f.0,
+        ShareEntry::Hint(g) => {
+            debug_assert!(g < HINT_BIT);
+            g | HINT_BIT
+        }
+    };
+    (tag_of(hash) as u64) << 32 | payload as u64
+}
+
+#[inline]
+fn unpack(v: u64) -> ShareEntry {
+    let p = v as u32;
+    if p & HINT_BIT != 0 {
+        ShareEntry::Hint(p & !HINT_BIT)
+    } else {
+        ShareEntry::Shared(Frame(p))
+    }
+}
+
+impl ShareTable {
+    /// Longest chain of entries with the same 32-bit hash tag.
+    pub const MAX_CHAIN: usize = 8;
+
+    /// A table processing memory in `passes` hash intervals (1 = no partitioning; DE used 5).
+    pub fn new(passes: u32) -> Self {
+        ShareTable { table: HashTable::new(), passes: passes.max(1), pass: 0 }
+    }
+
+    /// Whether a page with this content hash takes part in the current pass.
+    pub fn in_current_pass(&self, hash: u64) -> bool {
+        self.passes == 1 || ((tag_of(hash) as u64 * self.passes as u64) >> 32) as u32 == self.pass
+    }
+
+    /// The entries whose hash tag equals `hash`'s, at most [`Self::MAX_CHAIN`].
+    pub fn lookup(&self, hash: u64) -> impl Iterator<Item = ShareEntry> + '_ {
+        let tag = tag_of(hash);
+        self.table.iter_hash(table_hash(tag)).filter(move |&&v| (v >> 32) as u32 == tag).map(|&v| unpack(v))
+    }
+
+    /// Inserts an entry. Returns false (and inserts nothing) if the chain for this hash is full.
+    pub fn insert(&mut self, hash: u64, e: ShareEntry) -> bool {
+        if self.lookup(hash).count() >= Self::MAX_CHAIN {
+            return false;
+        }
+        self.table.insert_unique(table_hash(tag_of(hash)), pack(hash, e), |&v| table_hash((v >> 32) as u32));
+        true
+    }
+
+    /// Removes one entry equal to `e` under `hash`; returns whether it was there.
+    pub fn remove(&mut self, hash: u64, e: ShareEntry) -> bool {
+        let v = pack(hash, e);
+        match self.table.find_entry(table_hash(tag_of(hash)), |&x| x == v) {
+            Ok(entry) => {
+                entry.remove();
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Replaces entry `old` by `new` under the same hash; returns whether `old` was there.
+    pub fn replace(&mut self, hash: u64, old: ShareEntry, new: ShareEntry) -> bool {
+        let v = pack(hash, old);
+        match self.table.find_mut(table_hash(tag_of(hash)), |&x| x == v) {
+            Some(slot) => {
+                *slot = pack(hash, new);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Ends a pass: drops every hint, and with partitioning every entry (returning the shared
+    /// frames dropped so the caller can clear their flags). Moves to the next hash interval.
+    pub fn end_pass(&mut self) -> Vec<Frame> {
+        let mut dropped = Vec::new();
+        if self.passes > 1 {
+            for &v in self.table.iter() {
+                if let ShareEntry::Shared(f) = unpack(v) {
+                    dropped.push(f);
+                }
+            }
+            self.table.clear();
+        } else {
+            self.table.retain(|v| matches!(unpack(*v), ShareEntry::Shared(_)));
+        }
+        self.pass = (self.pass + 1) % self.passes;
+        dropped
+    }
+
+    /// Hash intervals per cycle.
+    pub fn passes(&self) -> u32 {
+        self.passes
+    }
+
+    /// Current pass within the cycle, `0..passes`.
+    pub fn pass(&self) -> u32 {
+        self.pass
+    }
+
+    /// Entries held (shared + hints).
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    /// True if the table holds no entry.
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+
+    /// All entries (for invariant checks).
+    pub fn entries(&self) -> impl Iterator<Item = (u32, ShareEntry)> + '_ {
+        self.table.iter().map(|&v| ((v >> 32) as u32, unpack(v)))
+    }
+
+    /// Bytes of memory the table occupies (buckets of 8 bytes plus one control byte).
+    pub fn metadata_bytes(&self) -> usize {
+        hashbrown_bytes(self.table.capacity(), 8)
+    }
+}
+
+/// Approximate heap bytes of a hashbrown table with `capacity` usable slots of `entry`
+/// bytes: buckets are a power of two at most 7/8 full, plus one control byte each.
+pub(crate) fn hashbrown_bytes(capacity: usize, entry: usize) -> usize {
+    if capacity == 0 {
+        return 0;
+    }
+    let buckets = if capacity < 8 { (capacity + 1).next_power_of_two() } else { (capacity * 8 / 7).next_power_of_two() };
+    buckets * (entry + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_round_trip_and_chain() {
+        let mut t = ShareTable::new(1);
+        let h = 0xdead_beef_0000_0001;
+        assert!(t.insert(h, ShareEntry::Hint(7)));
+        assert!(t.insert(h, ShareEntry::Shared(Frame(3))));
+        let got: Vec<_> = t.lookup(h).collect();
+        assert_eq!(got.len(), 2);
+        assert!(got.contains(&ShareEntry::Hint(7)) && got.contains(&ShareEntry::Shared(Frame(3))));
+        assert!(t.replace(h, ShareEntry::Hint(7), ShareEntry::Shared(Frame(9))));
+        assert!(t.remove(h, ShareEntry::Shared(Frame(3))));
+        assert_eq!(t.lookup(h).collect::<Vec<_>>(), vec![ShareEntry::Shared(Frame(9))]);
+        for i in 0..ShareTable::MAX_CHAIN as u32 - 1 {
+            assert!(t.insert(h, ShareEntry::Hint(100 + i)));
+        }
+        assert!(!t.insert(h, ShareEntry::Hint(999)), "chain bound");
+        // End of pass keeps shared entries, drops hints.
+        assert!(t.end_pass().is_empty());
+        assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn partitioning_covers_every_hash_exactly_once_per_cycle() {
+        let mut t = ShareTable::new(5);
+        let hashes: Vec<u64> = (0..1000u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
+        let mut seen = vec![0; hashes.len()];
+        for _ in 0..5 {
+            for (i, &h) in hashes.iter().enumerate() {
+                if t.in_current_pass(h) {
+                    seen[i] += 1;
+                }
+            }
+            t.end_pass();
+        }
+        assert!(seen.iter().all(|&n| n == 1));
+    }
+}
