@@ -70,6 +70,9 @@ pub struct Counters {
     pub swap_io_errors: u64,
     /// Allocations refused for lack of host memory.
     pub out_of_memory: u64,
+    /// Swap-ins kept over the host budget because neither a victim nor the page itself
+    /// could be written to swap (guest data is never dropped).
+    pub budget_overruns: u64,
     /// First writes to zero or never-written pages.
     pub zero_fills: u64,
     /// Guest reads through the API.
@@ -236,7 +239,7 @@ impl Engine {
                     PageState::Shared(f) => shared_maps[f.0 as usize] += 1,
                     PageState::Private(f) => private_maps[f.0 as usize] = 1,
                     PageState::Patched(b) => {
-                        let r = self.blobs.meta(b).reference.expect("patch has a reference");
+                        let r = self.blobs.meta(&self.frames, b).reference.expect("patch has a reference");
                         patch_refs[r.0 as usize] += 1;
                     }
                     _ => {}
@@ -279,7 +282,7 @@ impl Engine {
                     }
                     PageState::Patched(b) => {
                         pc.patched += 1;
-                        let r = self.blobs.meta(b).reference.expect("patch has a reference").0 as usize;
+                        let r = self.blobs.meta(&self.frames, b).reference.expect("patch has a reference").0 as usize;
                         let ref_cost = if shared_maps[r] == 0 && private_maps[r] == 0 { PAGE as f64 / patch_refs[r] as f64 } else { 0.0 };
                         s.patching += PAGE as f64 - self.blobs.slot_bytes_of(b) as f64 - ref_cost;
                         s.blob_fragmentation += frag_per_blob;
@@ -319,7 +322,7 @@ impl Engine {
         let baseline_bytes = (guest_pages - total.unbacked) * PAGE as u64;
         let host_bytes = frames.in_use * PAGE as u64;
         // Exact integer totals (the per-VM fractions add up to these up to rounding).
-        let slot_patch: i64 = self.blobs.live_ids().filter(|&b| matches!(self.blobs.meta(b).kind, BlobKind::Patch(_))).map(|b| self.blobs.slot_bytes_of(b) as i64).sum();
+        let slot_patch: i64 = self.blobs.live_ids().filter(|&b| matches!(self.blobs.meta(&self.frames, b).kind, BlobKind::Patch(_))).map(|b| self.blobs.slot_bytes_of(b) as i64).sum();
         let exact = Savings {
             zero: (total.zero as i64 * PAGE) as f64,
             sharing: ((total.shared as i64 - frames.shared as i64) * PAGE) as f64,

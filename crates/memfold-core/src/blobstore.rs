@@ -1,18 +1,21 @@
 //! Sub-page storage for patches and compressed pages (Difference Engine §4.1).
 
-use std::collections::BTreeSet;
-
-use hashbrown::HashMap;
 use memfold_codecs::{CompressCodec, PatchCodec};
 use serde::Serialize;
 
 use crate::frames::{FrameStore, BLOB_CHUNK};
-use crate::share::hashbrown_bytes;
-use crate::types::{BlobId, Frame, PAGE_SIZE};
+use crate::types::{BlobId, Frame, P2mEntry, PAGE_SIZE};
 
 /// Slots per frame of each size class; a class's slot size is `4096 / slots` rounded down
 /// to 8 bytes. Consecutive classes differ by at most ~33%, which bounds internal waste.
 const SLOTS_PER_FRAME: [u8; 15] = [64, 48, 32, 24, 16, 12, 10, 8, 7, 6, 5, 4, 3, 2, 1];
+
+/// Bytes of the header stored in front of each blob in its slot: reference frame (u32),
+/// payload length (u16), kind (u8), padding.
+pub const BLOB_HEADER: usize = 8;
+
+/// Largest payload a blob can hold, bytes.
+pub const MAX_BLOB: usize = PAGE_SIZE - BLOB_HEADER;
 
 /// What a blob encodes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -34,18 +37,7 @@ pub struct BlobMeta {
     pub len: u16,
 }
 
-#[derive(Clone, Copy)]
-struct Record {
-    chunk: u32,
-    slot: u8,
-    class: u8,
-    len: u16,
-    kind: u8,
-    reference: u32,
-}
-
 const NO_REF: u32 = u32::MAX;
-const FREE_RECORD: u8 = u8::MAX;
 
 fn encode_kind(k: BlobKind) -> u8 {
     match k {
@@ -62,29 +54,40 @@ fn decode_kind(k: u8) -> BlobKind {
     }
 }
 
-struct Class {
-    size: usize,
-    slots: u8,
-    /// Chunk frames of this class with at least one free slot, lowest first.
-    partial: BTreeSet<u32>,
+fn class_size(class: usize) -> usize {
+    (PAGE_SIZE / SLOTS_PER_FRAME[class] as usize) & !7
 }
+
+/// One frame of blob slots, all of one class.
+#[derive(Clone, Copy)]
+struct Chunk {
+    frame: u32,
+    used: u64,
+    class: u8,
+}
+
+/// A blob id is `chunk index << 6 | slot`: it fits a P2M entry's 29-bit payload, for up to
+/// 2^23 chunk frames (32 GiB of blobs).
+const SLOT_BITS: u32 = 6;
 
 /// Packs blobs of up to one page into host frames by size class, a frame per class
 /// holding equal slots (a slab allocator; DE §4.1 wrote a custom block allocator for the
 /// same purpose). Frames come from and return to the [`FrameStore`], so they count as
 /// host memory in use.
 ///
-/// Memory cost per blob is its class's slot size; what frames hold beyond the payloads is
-/// reported as fragmentation ([`BlobStoreStats`]).
+/// Each blob's description (reference frame, length, codec) is an 8-byte header inside its
+/// slot, so the store keeps no per-blob record: its metadata is 16 bytes per chunk frame.
+/// Memory cost per blob is its class's slot size, header included; what frames hold
+/// beyond the slots in use is reported as fragmentation ([`BlobStoreStats`]).
 pub struct BlobStore {
-    classes: Vec<Class>,
-    records: Vec<Record>,
-    free_records: Vec<u32>,
-    /// Per chunk frame: (class, bitmap of used slots).
-    chunks: HashMap<u32, (u8, u64)>,
+    chunks: Vec<Chunk>,
+    free_chunks: Vec<u32>,
+    /// Per class, chunk indexes with a free slot (a stack: most recently freed first).
+    partial: [Vec<u32>; SLOTS_PER_FRAME.len()],
     payload_bytes: u64,
     slot_bytes: u64,
     live: u32,
+    live_chunks: u32,
 }
 
 /// Occupancy of the blob store, bytes unless noted.
@@ -96,7 +99,7 @@ pub struct BlobStoreStats {
     pub frames: u32,
     /// Sum of blob payload lengths.
     pub payload_bytes: u64,
-    /// Sum of the slot sizes of live blobs (payload + internal waste).
+    /// Sum of the slot sizes of live blobs (payload + 8-byte header + internal waste).
     pub slot_bytes: u64,
     /// Bytes of chunk frames not covered by a live slot (external fragmentation).
     pub free_slot_bytes: u64,
@@ -111,139 +114,162 @@ impl Default for BlobStore {
 impl BlobStore {
     /// An empty store.
     pub fn new() -> Self {
-        let classes = SLOTS_PER_FRAME
-            .iter()
-            .map(|&n| Class { size: (PAGE_SIZE / n as usize) & !7, slots: n, partial: BTreeSet::new() })
-            .collect();
-        BlobStore { classes, records: Vec::new(), free_records: Vec::new(), chunks: HashMap::new(), payload_bytes: 0, slot_bytes: 0, live: 0 }
+        BlobStore {
+            chunks: Vec::new(),
+            free_chunks: Vec::new(),
+            partial: Default::default(),
+            payload_bytes: 0,
+            slot_bytes: 0,
+            live: 0,
+            live_chunks: 0,
+        }
     }
 
-    /// Slot size, bytes, that a blob of `len` bytes would occupy.
+    /// Slot size, bytes, that a blob of `len` payload bytes occupies (header included).
     pub fn slot_size(len: usize) -> usize {
-        SLOTS_PER_FRAME.iter().map(|&n| (PAGE_SIZE / n as usize) & !7).find(|&s| s >= len.max(1)).unwrap_or(PAGE_SIZE)
+        class_size(Self::class_for(len))
     }
 
-    /// Stores `bytes` (1..=4096 bytes) and returns its id. Takes a new chunk frame from
-    /// `frames` when the class has no free slot; returns `None` if no frame is left.
-    /// The reference frame's count is *not* touched here: the engine holds it.
+    fn class_for(len: usize) -> usize {
+        (0..SLOTS_PER_FRAME.len()).find(|&c| class_size(c) >= len.max(1) + BLOB_HEADER).expect("a class fits any blob")
+    }
+
+    fn locate(&self, id: BlobId) -> (Chunk, usize) {
+        let chunk = self.chunks[(id >> SLOT_BITS) as usize];
+        let slot = (id & ((1 << SLOT_BITS) - 1)) as usize;
+        assert!(chunk.used & (1 << slot) != 0, "blob {id} is not live");
+        (chunk, slot * class_size(chunk.class as usize))
+    }
+
+    /// Stores `bytes` (1..=[`MAX_BLOB`] bytes) and returns its id. Takes a new chunk frame
+    /// from `frames` when the class has no free slot; returns `None` if no frame (or chunk
+    /// number) is left. The reference frame's count is *not* touched: the engine holds it.
     pub fn store(&mut self, frames: &mut FrameStore, bytes: &[u8], kind: BlobKind, reference: Option<Frame>) -> Option<BlobId> {
-        assert!(!bytes.is_empty() && bytes.len() <= PAGE_SIZE, "blob of {} bytes", bytes.len());
-        let ci = self.classes.iter().position(|c| c.size >= bytes.len()).expect("a class fits any page");
-        let chunk = match self.classes[ci].partial.first() {
+        assert!(!bytes.is_empty() && bytes.len() <= MAX_BLOB, "blob of {} bytes", bytes.len());
+        let class = Self::class_for(bytes.len());
+        let ci = match self.partial[class].last() {
             Some(&c) => c,
             None => {
                 let f = frames.alloc()?;
+                let chunk = Chunk { frame: f.0, used: 0, class: class as u8 };
+                let ci = match self.free_chunks.pop() {
+                    Some(ci) => {
+                        self.chunks[ci as usize] = chunk;
+                        ci
+                    }
+                    None if ((self.chunks.len() as u32) << SLOT_BITS) < P2mEntry::MAX_PAYLOAD => {
+                        self.chunks.push(chunk);
+                        self.chunks.len() as u32 - 1
+                    }
+                    None => {
+                        frames.decref(f);
+                        return None;
+                    }
+                };
                 frames.set_flag(f, BLOB_CHUNK, true);
-                self.chunks.insert(f.0, (ci as u8, 0));
-                self.classes[ci].partial.insert(f.0);
-                f.0
+                self.partial[class].push(ci);
+                self.live_chunks += 1;
+                ci
             }
         };
-        let class = &mut self.classes[ci];
-        let used = &mut self.chunks.get_mut(&chunk).expect("chunk registered").1;
-        let slot = (!*used).trailing_zeros() as u8;
-        *used |= 1 << slot;
-        if used.count_ones() == class.slots as u32 {
-            class.partial.remove(&chunk);
+        let size = class_size(class);
+        let chunk = &mut self.chunks[ci as usize];
+        let slot = (!chunk.used).trailing_zeros();
+        chunk.used |= 1 << slot;
+        if chunk.used.count_ones() == SLOTS_PER_FRAME[class] as u32 {
+            self.partial[class].pop();
         }
-        let off = slot as usize * class.size;
-        frames.data_mut(Frame(chunk))[off..off + bytes.len()].copy_from_slice(bytes);
+        let off = slot as usize * size;
+        let dst = &mut frames.data_mut(Frame(chunk.frame))[off..off + BLOB_HEADER + bytes.len()];
+        dst[0..4].copy_from_slice(&reference.map_or(NO_REF, |f| f.0).to_le_bytes());
+        dst[4..6].copy_from_slice(&(bytes.len() as u16).to_le_bytes());
+        dst[6] = encode_kind(kind);
+        dst[7] = 0;
+        dst[BLOB_HEADER..].copy_from_slice(bytes);
         self.payload_bytes += bytes.len() as u64;
-        self.slot_bytes += class.size as u64;
+        self.slot_bytes += size as u64;
         self.live += 1;
-        let rec = Record {
-            chunk,
-            slot,
-            class: ci as u8,
-            len: bytes.len() as u16,
-            kind: encode_kind(kind),
-            reference: reference.map_or(NO_REF, |f| f.0),
-        };
-        Some(match self.free_records.pop() {
-            Some(id) => {
-                self.records[id as usize] = rec;
-                id
-            }
-            None => {
-                self.records.push(rec);
-                self.records.len() as u32 - 1
-            }
-        })
+        Some(ci << SLOT_BITS | slot)
     }
 
     /// The blob's description. Panics on an id that is not live (an engine bug).
-    pub fn meta(&self, id: BlobId) -> BlobMeta {
-        let r = &self.records[id as usize];
-        assert_ne!(r.kind, FREE_RECORD, "blob {id} is not live");
-        BlobMeta { kind: decode_kind(r.kind), reference: (r.reference != NO_REF).then_some(Frame(r.reference)), len: r.len }
+    pub fn meta(&self, frames: &FrameStore, id: BlobId) -> BlobMeta {
+        let (chunk, off) = self.locate(id);
+        let h = &frames.data(Frame(chunk.frame))[off..off + BLOB_HEADER];
+        let r = u32::from_le_bytes(h[0..4].try_into().expect("4 bytes"));
+        BlobMeta { kind: decode_kind(h[6]), reference: (r != NO_REF).then_some(Frame(r)), len: u16::from_le_bytes([h[4], h[5]]) }
     }
 
-    /// The blob's bytes.
+    /// The blob's payload.
     pub fn bytes<'a>(&self, frames: &'a FrameStore, id: BlobId) -> &'a [u8] {
-        let r = &self.records[id as usize];
-        assert_ne!(r.kind, FREE_RECORD, "blob {id} is not live");
-        let off = r.slot as usize * self.classes[r.class as usize].size;
-        &frames.data(Frame(r.chunk))[off..off + r.len as usize]
+        let (chunk, off) = self.locate(id);
+        let d = &frames.data(Frame(chunk.frame))[off..];
+        let len = u16::from_le_bytes([d[4], d[5]]) as usize;
+        &d[BLOB_HEADER..BLOB_HEADER + len]
     }
 
     /// Frees the blob and returns its description; frees its chunk frame when empty. The
     /// caller drops the reference frame's count.
     pub fn remove(&mut self, frames: &mut FrameStore, id: BlobId) -> BlobMeta {
-        let meta = self.meta(id);
-        let r = self.records[id as usize];
-        self.records[id as usize].kind = FREE_RECORD;
-        self.free_records.push(id);
-        let class = &mut self.classes[r.class as usize];
-        let used = &mut self.chunks.get_mut(&r.chunk).expect("chunk registered").1;
-        *used &= !(1u64 << r.slot);
-        if *used == 0 {
-            self.chunks.remove(&r.chunk);
-            class.partial.remove(&r.chunk);
-            frames.set_flag(Frame(r.chunk), BLOB_CHUNK, false);
-            let freed = frames.decref(Frame(r.chunk));
+        let meta = self.meta(frames, id);
+        let ci = id >> SLOT_BITS;
+        let chunk = &mut self.chunks[ci as usize];
+        let class = chunk.class as usize;
+        let was_full = chunk.used.count_ones() == SLOTS_PER_FRAME[class] as u32;
+        chunk.used &= !(1u64 << (id & ((1 << SLOT_BITS) - 1)));
+        if chunk.used == 0 {
+            let f = Frame(chunk.frame);
+            if let Some(pos) = self.partial[class].iter().rposition(|&c| c == ci) {
+                self.partial[class].swap_remove(pos);
+            }
+            self.free_chunks.push(ci);
+            self.live_chunks -= 1;
+            frames.set_flag(f, BLOB_CHUNK, false);
+            let freed = frames.decref(f);
             debug_assert!(freed);
-        } else {
-            class.partial.insert(r.chunk);
+        } else if was_full {
+            self.partial[class].push(ci);
         }
-        self.payload_bytes -= r.len as u64;
-        self.slot_bytes -= class.size as u64;
+        self.payload_bytes -= meta.len as u64;
+        self.slot_bytes -= class_size(class) as u64;
         self.live -= 1;
         meta
     }
 
     /// Occupancy figures.
     pub fn stats(&self) -> BlobStoreStats {
-        let frames = self.chunks.len() as u32;
         BlobStoreStats {
             blobs: self.live,
-            frames,
+            frames: self.live_chunks,
             payload_bytes: self.payload_bytes,
             slot_bytes: self.slot_bytes,
-            free_slot_bytes: frames as u64 * PAGE_SIZE as u64 - self.slot_bytes,
+            free_slot_bytes: self.live_chunks as u64 * PAGE_SIZE as u64 - self.slot_bytes,
         }
     }
 
     /// Slot size, bytes, of a live blob.
     pub fn slot_bytes_of(&self, id: BlobId) -> usize {
-        self.classes[self.records[id as usize].class as usize].size
+        class_size(self.locate(id).0.class as usize)
     }
 
     /// Live blob ids (for invariant checks).
     pub fn live_ids(&self) -> impl Iterator<Item = BlobId> + '_ {
-        self.records.iter().enumerate().filter(|(_, r)| r.kind != FREE_RECORD).map(|(i, _)| i as u32)
+        self.chunks.iter().enumerate().flat_map(|(ci, c)| {
+            (0..64u32).filter(move |s| c.used & (1 << s) != 0).map(move |s| (ci as u32) << SLOT_BITS | s)
+        })
     }
 
     /// Frames holding blobs (for invariant checks).
     pub fn chunk_frames(&self) -> impl Iterator<Item = Frame> + '_ {
-        self.chunks.keys().map(|&f| Frame(f))
+        self.chunks.iter().filter(|c| c.used != 0).map(|c| Frame(c.frame))
     }
 
-    /// Bytes of metadata: 16 bytes a record plus the chunk map.
+    /// Bytes of metadata: 16 bytes a chunk (its frame, slot bitmap and class) plus the
+    /// partial and free chunk lists.
     pub fn metadata_bytes(&self) -> usize {
-        self.records.capacity() * std::mem::size_of::<Record>()
-            + self.free_records.capacity() * 4
-            + hashbrown_bytes(self.chunks.capacity(), 4 + 16)
-            + self.classes.iter().map(|c| c.partial.len() * 8).sum::<usize>()
+        self.chunks.capacity() * std::mem::size_of::<Chunk>()
+            + self.free_chunks.capacity() * 4
+            + self.partial.iter().map(|p| p.capacity() * 4).sum::<usize>()
     }
 }
 
@@ -257,26 +283,32 @@ mod tests {
         let mut bs = BlobStore::new();
         let kind = BlobKind::Compressed(CompressCodec::Lz4);
         assert_eq!(BlobStore::slot_size(1), 64);
-        assert_eq!(BlobStore::slot_size(65), 80);
-        assert_eq!(BlobStore::slot_size(2048), 2048);
-        assert_eq!(BlobStore::slot_size(2049), 4096);
-        let ids: Vec<_> = (0..100u8).map(|i| bs.store(&mut frames, &[i; 60], kind, None).unwrap()).collect();
+        assert_eq!(BlobStore::slot_size(56), 64);
+        assert_eq!(BlobStore::slot_size(57), 80);
+        assert_eq!(BlobStore::slot_size(2040), 2048);
+        assert_eq!(BlobStore::slot_size(2041), 4096);
+        let ids: Vec<_> = (0..100u8).map(|i| bs.store(&mut frames, &[i; 50], kind, None).unwrap()).collect();
         assert_eq!(bs.stats().frames, 2, "64 slots of 64 bytes per frame");
         assert_eq!(frames.in_use(), 2);
         for (i, &id) in ids.iter().enumerate() {
-            assert_eq!(bs.bytes(&frames, id), &[i as u8; 60][..]);
+            assert_eq!(bs.bytes(&frames, id), &[i as u8; 50][..]);
         }
         let s = bs.stats();
-        assert_eq!((s.payload_bytes, s.slot_bytes, s.free_slot_bytes), (6000, 6400, 8192 - 6400));
+        assert_eq!((s.payload_bytes, s.slot_bytes, s.free_slot_bytes), (5000, 6400, 8192 - 6400));
         for &id in &ids[..64] {
             bs.remove(&mut frames, id);
         }
         assert_eq!(bs.stats().frames, 1);
+        // A freed slot is reused.
+        let again = bs.store(&mut frames, &[7; 10], kind, None).unwrap();
+        assert_eq!(bs.stats().frames, 1);
+        bs.remove(&mut frames, again);
         for &id in &ids[64..] {
             bs.remove(&mut frames, id);
         }
         assert_eq!(frames.in_use(), 0);
         assert_eq!(bs.stats(), BlobStoreStats::default());
+        assert_eq!(bs.live_ids().count(), 0);
     }
 
     #[test]
@@ -285,7 +317,8 @@ mod tests {
         let mut bs = BlobStore::new();
         let r = frames.alloc().unwrap();
         let id = bs.store(&mut frames, &[1; 700], BlobKind::Patch(PatchCodec::ZstdRef), Some(r)).unwrap();
-        assert_eq!(bs.meta(id), BlobMeta { kind: BlobKind::Patch(PatchCodec::ZstdRef), reference: Some(r), len: 700 });
+        assert_eq!(bs.meta(&frames, id), BlobMeta { kind: BlobKind::Patch(PatchCodec::ZstdRef), reference: Some(r), len: 700 });
         assert_eq!(bs.slot_bytes_of(id), 816);
+        assert_eq!(bs.live_ids().collect::<Vec<_>>(), vec![id]);
     }
 }

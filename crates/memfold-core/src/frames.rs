@@ -18,7 +18,8 @@ pub(crate) const BLOB_CHUNK: u8 = 2;
 ///
 /// Reference counts follow ESX §4.3: a 16-bit count per frame, and an overflow table for
 /// the rare frame (typically the zero page, or a popular library page) referenced more
-/// than 65 534 times. Metadata is 3 bytes per frame (count + flags).
+/// than 65 534 times. Metadata is 3 bytes per frame (count + flags); the free list costs
+/// nothing: each free frame holds the number of the next in its first 4 bytes.
 ///
 /// A frame's count is the number of P2M mappings onto it plus the number of patches that
 /// use it as their reference page. A frame is freed when its count reaches zero.
@@ -27,9 +28,11 @@ pub struct FrameStore {
     refcount: Vec<u16>,
     flags: Vec<u8>,
     overflow: HashMap<u32, u32>,
-    free: Vec<u32>,
+    free_head: u32,
     in_use: u32,
 }
+
+const NO_FRAME: u32 = u32::MAX;
 
 impl Default for FrameStore {
     fn default() -> Self {
@@ -40,7 +43,7 @@ impl Default for FrameStore {
 impl FrameStore {
     /// An empty store; frames are allocated on demand.
     pub fn new() -> Self {
-        FrameStore { chunks: Vec::new(), refcount: Vec::new(), flags: Vec::new(), overflow: HashMap::new(), free: Vec::new(), in_use: 0 }
+        FrameStore { chunks: Vec::new(), refcount: Vec::new(), flags: Vec::new(), overflow: HashMap::new(), free_head: NO_FRAME, in_use: 0 }
     }
 
     /// Frames currently allocated (count > 0).
@@ -52,25 +55,33 @@ impl FrameStore {
     /// always overwrite the whole page. Returns `None` when frame numbers are exhausted
     /// (2^29 frames, 2 TiB).
     pub fn alloc(&mut self) -> Option<Frame> {
-        let f = match self.free.pop() {
-            Some(f) => f,
-            None => {
-                let n = self.refcount.len();
-                if n + CHUNK_FRAMES > P2mEntry::MAX_PAYLOAD as usize {
-                    return None;
-                }
-                self.chunks.push(vec![0u8; CHUNK_FRAMES * PAGE_SIZE].into_boxed_slice());
-                self.refcount.resize(n + CHUNK_FRAMES, 0);
-                self.flags.resize(n + CHUNK_FRAMES, 0);
-                // Hand out low numbers first so neighbouring allocations stay neighbours.
-                self.free.extend((n as u32 + 1..(n + CHUNK_FRAMES) as u32).rev());
-                n as u32
+        if self.free_head == NO_FRAME {
+            let n = self.refcount.len();
+            if n + CHUNK_FRAMES > P2mEntry::MAX_PAYLOAD as usize {
+                return None;
             }
-        };
+            self.chunks.push(vec![0u8; CHUNK_FRAMES * PAGE_SIZE].into_boxed_slice());
+            self.refcount.reserve_exact(CHUNK_FRAMES);
+            self.flags.reserve_exact(CHUNK_FRAMES);
+            self.refcount.resize(n + CHUNK_FRAMES, 0);
+            self.flags.resize(n + CHUNK_FRAMES, 0);
+            // Link the new frames low to high so neighbouring allocations stay neighbours.
+            for i in (n..n + CHUNK_FRAMES).rev() {
+                self.push_free(i as u32);
+            }
+        }
+        let f = self.free_head;
+        self.free_head = u32::from_ne_bytes(self.data(Frame(f))[..4].try_into().expect("4 bytes"));
         debug_assert_eq!(self.refcount[f as usize], 0);
         self.refcount[f as usize] = 1;
         self.in_use += 1;
         Some(Frame(f))
+    }
+
+    fn push_free(&mut self, f: u32) {
+        let head = self.free_head;
+        self.data_mut(Frame(f))[..4].copy_from_slice(&head.to_ne_bytes());
+        self.free_head = f;
     }
 
     /// The frame's bytes.
@@ -130,7 +141,7 @@ impl FrameStore {
         *c -= 1;
         if *c == 0 {
             self.flags[i] = 0;
-            self.free.push(f.0);
+            self.push_free(f.0);
             self.in_use -= 1;
             true
         } else {
@@ -157,13 +168,50 @@ impl FrameStore {
         (0..self.refcount.len() as u32).filter(|&i| self.refcount[i as usize] != 0).map(Frame)
     }
 
-    /// Bytes of metadata: counts, flags, free list and overflow table (not the frames).
+    /// Bytes of metadata: counts, flags and overflow table (not the frames).
     pub fn metadata_bytes(&self) -> usize {
-        self.refcount.capacity() * 2 + self.flags.capacity() + self.free.capacity() * 4 + self.overflow.capacity() * 9
+        self.refcount.capacity() * 2 + self.flags.capacity() + crate::share::hashbrown_bytes(self.overflow.capacity(), 8)
     }
 
     /// Bytes of host memory reserved for frames (allocated chunks, used or free).
     pub fn reserved_bytes(&self) -> usize {
         self.chunks.len() * CHUNK_FRAMES * PAGE_SIZE
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refcounts_overflow_into_the_table_and_back() {
+        let mut fs = FrameStore::new();
+        let f = fs.alloc().unwrap();
+        for _ in 0..70_000 {
+            fs.incref(f);
+        }
+        assert_eq!(fs.refcount(f), 70_001);
+        assert_eq!(fs.overflow.len(), 1);
+        for _ in 0..70_000 {
+            assert!(!fs.decref(f));
+        }
+        assert_eq!(fs.refcount(f), 1);
+        assert!(fs.overflow.is_empty());
+        assert!(fs.decref(f));
+        assert_eq!(fs.in_use(), 0);
+    }
+
+    #[test]
+    fn the_free_list_reuses_frames_lowest_first() {
+        let mut fs = FrameStore::new();
+        let a: Vec<_> = (0..300).map(|_| fs.alloc().unwrap()).collect();
+        assert_eq!(a[0], Frame(0));
+        assert_eq!(a[299], Frame(299));
+        fs.decref(a[7]);
+        fs.decref(a[3]);
+        assert_eq!(fs.alloc(), Some(Frame(3)));
+        assert_eq!(fs.alloc(), Some(Frame(7)));
+        assert_eq!(fs.alloc(), Some(Frame(300)));
+        assert_eq!(fs.allocated().count(), 301);
     }
 }

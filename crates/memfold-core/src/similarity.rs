@@ -1,10 +1,8 @@
 //! Finding similar pages: HashSimilarityDetector(k, s) (Difference Engine §3.2, §4.3).
 
-use hashbrown::HashTable;
 use rand::{rngs::SmallRng, seq::index::sample, SeedableRng};
 use serde::Serialize;
 
-use crate::share::hashbrown_bytes;
 use crate::types::{Gpn, Page, PAGE_SIZE};
 
 /// Size of a hashed block, bytes (DE §3.2).
@@ -67,6 +65,11 @@ impl SimilarityDetector {
         &self.cfg
     }
 
+    /// The hashed blocks' indexes (0..64, block i covers bytes 64*i..64*i+64), group by group.
+    pub fn blocks(&self) -> &[u8] {
+        &self.blocks
+    }
+
     /// The page's signature for each group, `hash_bits` wide. Uniform pages (zero pages,
     /// pages filled with one byte) give signatures like any other page; the caller skips
     /// zero pages.
@@ -92,25 +95,33 @@ impl SimilarityDetector {
     }
 }
 
-/// The page-similarity hash table: one table per group, each bucket keeping up to c
-/// candidate pages by gpn. Like DE §4.3 it is kept across share passes and rebuilt
-/// (cleared) once per clock cycle, so stale candidates do not accumulate; candidates are
-/// only hints, and patching re-reads the candidate's current content.
+/// The page-similarity hash table (DE §4.3): for each group a direct-mapped array of
+/// buckets, each holding up to c candidate pages by gpn (4 bytes a slot, `u32::MAX` when
+/// empty). Like the paper's 18-bit table it has a fixed size per cycle: 2^table_bits buckets
+/// per group, table_bits = ⌈log2(managed pages)⌉ − 1 (the paper: 2^18 buckets for 2 GiB),
+/// at most `hash_bits`. A bucket keeps the first c pages that land in it.
+///
+/// Several signatures may share a bucket, so a candidate is only a hint: the caller
+/// recomputes the candidate's signatures from its current content
+/// ([`SimilarityIndex::matches`]), which also weeds out candidates that changed since they
+/// were indexed. The table is kept across share passes and cleared and resized once per
+/// clock cycle.
 pub struct SimilarityIndex {
     det: SimilarityDetector,
-    tables: Vec<HashTable<u64>>,
+    slots: Vec<u32>,
+    table_bits: u8,
+    len: usize,
 }
 
-#[inline]
-fn h(sig: u32) -> u64 {
-    (sig as u64 ^ 0x5555_5555).wrapping_mul(0x9E37_79B9_7F4A_7C15)
-}
+const EMPTY: u32 = u32::MAX;
+const MIN_TABLE_BITS: u8 = 10;
 
 impl SimilarityIndex {
-    /// An empty index for this detector.
+    /// An empty index for this detector, with the smallest table.
     pub fn new(det: SimilarityDetector) -> Self {
-        let tables = (0..det.cfg.groups).map(|_| HashTable::new()).collect();
-        SimilarityIndex { det, tables }
+        let mut idx = SimilarityIndex { det, slots: Vec::new(), table_bits: 0, len: 0 };
+        idx.clear_for(0);
+        idx
     }
 
     /// The detector.
@@ -118,62 +129,81 @@ impl SimilarityIndex {
         &self.det
     }
 
-    /// Indexes page `gpn` under its signatures, in each bucket that has fewer than c
-    /// candidates. Returns how many buckets took it.
-    pub fn insert(&mut self, sigs: &[u32; 8], gpn: Gpn) -> usize {
+    fn bucket(&self, group: usize, sig: u32) -> std::ops::Range<usize> {
         let c = self.det.cfg.candidates as usize;
+        let b = (sig as usize) & ((1usize << self.table_bits) - 1);
+        let start = ((group << self.table_bits) + b) * c;
+        start..start + c
+    }
+
+    /// Indexes page `gpn` under its signatures, in each bucket that has a free slot and
+    /// does not hold it yet. Returns how many buckets took it.
+    pub fn insert(&mut self, sigs: &[u32; 8], gpn: Gpn) -> usize {
         let mut taken = 0;
-        for (g, table) in self.tables.iter_mut().enumerate() {
-            let sig = sigs[g];
-            let mut n = 0;
-            let mut present = false;
-            for &v in table.iter_hash(h(sig)) {
-                if (v >> 32) as u32 == sig {
-                    n += 1;
-                    present |= v as u32 == gpn;
-                }
+        for (g, &sig) in sigs.iter().enumerate().take(self.det.cfg.groups as usize) {
+            let r = self.bucket(g, sig);
+            let bucket = &mut self.slots[r];
+            if bucket.contains(&gpn) {
+                continue;
             }
-            if n < c && !present {
-                table.insert_unique(h(sig), (sig as u64) << 32 | gpn as u64, |&v| h((v >> 32) as u32));
+            if let Some(slot) = bucket.iter_mut().find(|s| **s == EMPTY) {
+                *slot = gpn;
                 taken += 1;
             }
         }
+        self.len += taken;
         taken
     }
 
-    /// Candidate pages sharing at least one signature, without duplicates, at most k*c.
+    /// Candidate pages from the page's buckets, without duplicates, at most k*c. Verify
+    /// each with [`Self::matches`].
     pub fn candidates(&self, sigs: &[u32; 8], out: &mut Vec<Gpn>) {
         out.clear();
-        for (g, table) in self.tables.iter().enumerate() {
-            let sig = sigs[g];
-            for &v in table.iter_hash(h(sig)) {
-                if (v >> 32) as u32 == sig && !out.contains(&(v as u32)) {
-                    out.push(v as u32);
+        for (g, &sig) in sigs.iter().enumerate().take(self.det.cfg.groups as usize) {
+            for &gpn in &self.slots[self.bucket(g, sig)] {
+                if gpn != EMPTY && !out.contains(&gpn) {
+                    out.push(gpn);
                 }
             }
         }
     }
 
-    /// Forgets every candidate (end of a clock cycle, DE §4.3).
-    pub fn clear(&mut self) {
-        for t in &mut self.tables {
-            t.clear();
-        }
+    /// Whether a candidate's current content shares at least one signature with `sigs`.
+    pub fn matches(&self, sigs: &[u32; 8], candidate: &Page) -> bool {
+        let theirs = self.det.signatures(candidate);
+        (0..self.det.cfg.groups as usize).any(|g| theirs[g] == sigs[g])
+    }
+
+    /// Forgets every candidate (end of a clock cycle, DE §4.3) and sizes the table for
+    /// `pages` managed guest pages.
+    pub fn clear_for(&mut self, pages: u64) {
+        let want = (64 - (pages.max(2) - 1).leading_zeros()) as u8; // ⌈log2(pages)⌉
+        self.table_bits = want.saturating_sub(1).clamp(MIN_TABLE_BITS, self.det.cfg.hash_bits);
+        let n = (self.det.cfg.groups as usize) << self.table_bits;
+        self.slots.clear();
+        self.slots.resize(n * self.det.cfg.candidates as usize, EMPTY);
+        self.slots.shrink_to(n * self.det.cfg.candidates as usize);
+        self.len = 0;
     }
 
     /// Candidates held, summed over groups.
     pub fn len(&self) -> usize {
-        self.tables.iter().map(|t| t.len()).sum()
+        self.len
     }
 
     /// True if no candidate is held.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.len == 0
     }
 
-    /// Bytes of memory the tables occupy.
+    /// Buckets per group (2^table_bits).
+    pub fn buckets(&self) -> usize {
+        1 << self.table_bits
+    }
+
+    /// Bytes of memory the table occupies.
     pub fn metadata_bytes(&self) -> usize {
-        self.tables.iter().map(|t| hashbrown_bytes(t.capacity(), 8)).sum()
+        self.slots.capacity() * 4
     }
 }
 
@@ -207,9 +237,16 @@ mod tests {
         let mut out = Vec::new();
         idx.candidates(&sc, &mut out);
         assert_eq!(out, vec![1]);
-        idx.clear();
+        assert!(idx.matches(&sc, &a));
+        let mut unrelated = [0u8; PAGE_SIZE];
+        unrelated[0] = 1;
+        assert!(!idx.matches(&sc, &unrelated));
+        idx.clear_for(1 << 20);
+        assert_eq!(idx.buckets(), 1 << 19, "half the managed pages");
         idx.candidates(&sa, &mut out);
         assert!(out.is_empty());
+        idx.clear_for(100);
+        assert_eq!(idx.buckets(), 1 << MIN_TABLE_BITS);
     }
 
     #[test]
@@ -217,6 +254,9 @@ mod tests {
         let det = SimilarityDetector::new(SimilarityConfig { hash_bits: 18, ..Default::default() }).unwrap();
         let page = [7u8; PAGE_SIZE];
         assert!(det.signatures(&page).iter().all(|&s| s < 1 << 18));
+        let mut idx = SimilarityIndex::new(det);
+        idx.clear_for(1 << 30);
+        assert_eq!(idx.buckets(), 1 << 18, "never wider than the hash");
         assert!(SimilarityDetector::new(SimilarityConfig { groups: 0, ..Default::default() }).is_err());
         assert!(SimilarityDetector::new(SimilarityConfig { hash_bits: 33, ..Default::default() }).is_err());
         let det = SimilarityDetector::new(SimilarityConfig { groups: 8, blocks_per_group: 8, ..Default::default() }).unwrap();

@@ -138,11 +138,17 @@ impl Engine {
     fn fault_in(&mut self, vm: VmId, gfn: Gfn) -> Result<(Access, Frame)> {
         let mut page = [0u8; PAGE_SIZE];
         self.content(vm, gfn, &mut page)?;
-        let f = self.alloc_frame((vm, gfn))?;
-        self.frames.data_mut(f).copy_from_slice(&page);
         let e = self.entry(vm, gfn);
         let kind = Self::fault_kind(e.state());
-        self.release(e);
+        let f = match (self.alloc_frame((vm, gfn)), e.state()) {
+            (Ok(f), _) => {
+                self.release(e);
+                f
+            }
+            (Err(EngineError::OutOfHostMemory { .. }), PageState::Swapped(slot)) => self.swap_exchange(vm, gfn, slot, &page)?,
+            (Err(err), _) => return Err(err),
+        };
+        self.frames.data_mut(f).copy_from_slice(&page);
         self.set_entry(vm, gfn, PageState::Private(f));
         match kind {
             Access::Unpatch => self.counters.unpatches += 1,
@@ -150,6 +156,28 @@ impl Engine {
             _ => self.counters.swap_ins += 1,
         }
         Ok((kind, f))
+    }
+
+    /// Swap-in with host memory and swap both full: the faulting page's slot (its content
+    /// already read into `page`) is given back so that a victim can be swapped out into it.
+    /// If no victim can go, the page goes back to swap; if even that fails, the page is kept
+    /// over budget rather than lose guest data (counted in `budget_overruns`).
+    fn swap_exchange(&mut self, vm: VmId, gfn: Gfn, slot: u32, page: &Page) -> Result<Frame> {
+        self.swap.free(slot);
+        self.set_entry(vm, gfn, PageState::Unbacked);
+        match self.alloc_frame((vm, gfn)) {
+            Ok(f) => Ok(f),
+            Err(err) => match self.swap.put(page) {
+                Ok(Some(s)) => {
+                    self.set_entry(vm, gfn, PageState::Swapped(s));
+                    Err(err)
+                }
+                _ => {
+                    self.counters.budget_overruns += 1;
+                    self.frames.alloc().ok_or(EngineError::FramesExhausted)
+                }
+            },
+        }
     }
 
     /// Gives a page writing to shared frame `f` a private frame (ESX §4.3 copy-on-write).

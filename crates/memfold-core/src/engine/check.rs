@@ -38,7 +38,7 @@ impl Engine {
                         if !blobs_seen.insert(b) {
                             return Err(format!("{}: blob {b} held twice", at()));
                         }
-                        let meta = self.blobs.meta(b);
+                        let meta = self.blobs.meta(&self.frames, b);
                         match (e.state(), meta.kind, meta.reference) {
                             (PageState::Patched(_), BlobKind::Patch(_), Some(r)) => *expect.entry(r).or_default() += 1,
                             (PageState::Compressed(_), BlobKind::Compressed(_), None) => {}

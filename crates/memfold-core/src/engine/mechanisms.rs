@@ -216,6 +216,9 @@ impl Engine {
                 PageState::Private(r) | PageState::Shared(r) => r,
                 _ => continue,
             };
+            if !self.sim.matches(&sigs, self.frames.data(r)) {
+                continue; // bucket neighbour, or changed since it was indexed
+            }
             any = true;
             self.cfg
                 .patch_codec
