@@ -31,8 +31,12 @@ thread_local! {
 
 impl CompressCodec {
     /// All codecs, in the order reports list them.
-    pub const ALL: [CompressCodec; 4] =
-        [CompressCodec::Lz4, CompressCodec::Zstd, CompressCodec::Lzo, CompressCodec::Wkdm];
+    pub const ALL: [CompressCodec; 4] = [
+        CompressCodec::Lz4,
+        CompressCodec::Zstd,
+        CompressCodec::Lzo,
+        CompressCodec::Wkdm,
+    ];
 
     /// Short lowercase name (`lz4`, `zstd`, `lzo`, `wkdm`).
     pub fn name(self) -> &'static str {
@@ -53,8 +57,11 @@ impl CompressCodec {
         match self {
             CompressCodec::Lz4 => {
                 out.resize(lz4_flex::block::get_maximum_output_size(PAGE_SIZE), 0);
-                let n = lz4_flex::block::compress_into(page, out)
-                    .map_err(|e| CodecError::Encode { codec: "lz4", what: e.to_string() })?;
+                let n =
+                    lz4_flex::block::compress_into(page, out).map_err(|e| CodecError::Encode {
+                        codec: "lz4",
+                        what: e.to_string(),
+                    })?;
                 out.truncate(n);
             }
             CompressCodec::Zstd => ZSTD_C.with(|c| {
@@ -65,7 +72,10 @@ impl CompressCodec {
                 let comp = c.as_mut().expect("set above");
                 out.reserve(zstd::zstd_safe::compress_bound(PAGE_SIZE));
                 comp.compress_to_buffer(&page[..], out)
-                    .map_err(|e| CodecError::Encode { codec: "zstd", what: e.to_string() })?;
+                    .map_err(|e| CodecError::Encode {
+                        codec: "zstd",
+                        what: e.to_string(),
+                    })?;
                 Ok::<(), CodecError>(())
             })?,
             CompressCodec::Lzo => {
@@ -85,7 +95,8 @@ impl CompressCodec {
         let bad = |what: String| CodecError::corrupt(name, blob.len(), what);
         match self {
             CompressCodec::Lz4 => {
-                let n = lz4_flex::block::decompress_into(blob, out).map_err(|e| bad(e.to_string()))?;
+                let n =
+                    lz4_flex::block::decompress_into(blob, out).map_err(|e| bad(e.to_string()))?;
                 check_len(n, bad)
             }
             CompressCodec::Zstd => ZSTD_D.with(|d| {
@@ -113,13 +124,18 @@ impl std::str::FromStr for CompressCodec {
         Self::ALL
             .into_iter()
             .find(|c| c.name() == s)
-            .ok_or_else(|| format!("unknown compression codec '{s}' (expected lz4, zstd, lzo or wkdm)"))
+            .ok_or_else(|| {
+                format!("unknown compression codec '{s}' (expected lz4, zstd, lzo or wkdm)")
+            })
     }
 }
 
 fn zstd_compressor() -> Result<zstd::bulk::Compressor<'static>, CodecError> {
     // Level 1: pages are compressed on the fault path's counterpart, speed matters more than ratio.
-    zstd::bulk::Compressor::new(1).map_err(|e| CodecError::Encode { codec: "zstd", what: e.to_string() })
+    zstd::bulk::Compressor::new(1).map_err(|e| CodecError::Encode {
+        codec: "zstd",
+        what: e.to_string(),
+    })
 }
 
 fn check_len(n: usize, bad: impl Fn(String) -> CodecError) -> Result<(), CodecError> {

@@ -52,6 +52,10 @@ pub enum CodecError {
 
 impl CodecError {
     pub(crate) fn corrupt(codec: &'static str, len: usize, what: impl Into<String>) -> Self {
-        CodecError::Corrupt { codec, len, what: what.into() }
+        CodecError::Corrupt {
+            codec,
+            len,
+            what: what.into(),
+        }
     }
 }

@@ -51,19 +51,30 @@ impl PatchCodec {
     /// in bytes, 0 for identical pages with [`PatchCodec::RunDiff`].
     ///
     /// Errors: [`CodecError::Encode`] if the library codec fails.
-    pub fn encode(self, reference: &Page, target: &Page, out: &mut Vec<u8>) -> Result<(), CodecError> {
+    pub fn encode(
+        self,
+        reference: &Page,
+        target: &Page,
+        out: &mut Vec<u8>,
+    ) -> Result<(), CodecError> {
         out.clear();
         match self {
             PatchCodec::RunDiff => run_diff_encode(reference, target, out),
             PatchCodec::XorLz4 => {
                 let x = xor_pages(reference, target);
                 out.resize(lz4_flex::block::get_maximum_output_size(PAGE_SIZE), 0);
-                let n = lz4_flex::block::compress_into(&x, out)
-                    .map_err(|e| CodecError::Encode { codec: "xor-lz4", what: e.to_string() })?;
+                let n =
+                    lz4_flex::block::compress_into(&x, out).map_err(|e| CodecError::Encode {
+                        codec: "xor-lz4",
+                        what: e.to_string(),
+                    })?;
                 out.truncate(n);
             }
             PatchCodec::ZstdRef => ZSTD_C.with(|c| {
-                let enc = |e: std::io::Error| CodecError::Encode { codec: "zstd-ref", what: e.to_string() };
+                let enc = |e: std::io::Error| CodecError::Encode {
+                    codec: "zstd-ref",
+                    what: e.to_string(),
+                };
                 let mut c = c.borrow_mut();
                 if c.is_none() {
                     *c = Some(zstd::bulk::Compressor::new(1).map_err(enc)?);
@@ -88,7 +99,8 @@ impl PatchCodec {
         match self {
             PatchCodec::RunDiff => run_diff_decode(reference, patch, out),
             PatchCodec::XorLz4 => {
-                let n = lz4_flex::block::decompress_into(patch, out).map_err(|e| bad(e.to_string()))?;
+                let n =
+                    lz4_flex::block::decompress_into(patch, out).map_err(|e| bad(e.to_string()))?;
                 if n != PAGE_SIZE {
                     return Err(bad(format!("decoded {n} bytes, expected {PAGE_SIZE}")));
                 }
@@ -103,8 +115,11 @@ impl PatchCodec {
                     *d = Some(zstd::bulk::Decompressor::new().map_err(|e| bad(e.to_string()))?);
                 }
                 let dec = d.as_mut().expect("set above");
-                dec.set_dictionary(reference).map_err(|e| bad(e.to_string()))?;
-                let n = dec.decompress_to_buffer(patch, &mut out[..]).map_err(|e| bad(e.to_string()))?;
+                dec.set_dictionary(reference)
+                    .map_err(|e| bad(e.to_string()))?;
+                let n = dec
+                    .decompress_to_buffer(patch, &mut out[..])
+                    .map_err(|e| bad(e.to_string()))?;
                 if n != PAGE_SIZE {
                     return Err(bad(format!("decoded {n} bytes, expected {PAGE_SIZE}")));
                 }
@@ -121,7 +136,9 @@ impl std::str::FromStr for PatchCodec {
         Self::ALL
             .into_iter()
             .find(|c| c.name() == s)
-            .ok_or_else(|| format!("unknown patch codec '{s}' (expected run-diff, xor-lz4 or zstd-ref)"))
+            .ok_or_else(|| {
+                format!("unknown patch codec '{s}' (expected run-diff, xor-lz4 or zstd-ref)")
+            })
     }
 }
 
@@ -216,7 +233,9 @@ fn run_diff_decode(reference: &Page, patch: &[u8], out: &mut Page) -> Result<(),
         if len == 0 || end > PAGE_SIZE {
             return Err(bad("run outside the page"));
         }
-        let bytes = patch.get(pos..pos + len).ok_or_else(|| bad("truncated run bytes"))?;
+        let bytes = patch
+            .get(pos..pos + len)
+            .ok_or_else(|| bad("truncated run bytes"))?;
         out[start..end].copy_from_slice(bytes);
         pos += len;
         at = end;

@@ -111,7 +111,10 @@ pub fn compress(page: &Page, out: &mut Vec<u8>) {
 pub fn decompress(blob: &[u8], out: &mut Page) -> Result<(), CodecError> {
     let bad = |what: String| CodecError::corrupt("wkdm", blob.len(), what);
     if blob.len() < HEADER + TAG_BYTES {
-        return Err(bad(format!("shorter than the {} byte header and tags", HEADER + TAG_BYTES)));
+        return Err(bad(format!(
+            "shorter than the {} byte header and tags",
+            HEADER + TAG_BYTES
+        )));
     }
     let rd16 = |o: usize| u16::from_le_bytes([blob[o], blob[o + 1]]) as usize;
     let (n_idx, n_low, n_full) = (rd16(0), rd16(2), rd16(4));
@@ -121,7 +124,9 @@ pub fn decompress(blob: &[u8], out: &mut Page) -> Result<(), CodecError> {
     let full_off = low_off + 4 * n_low.div_ceil(3);
     let end = full_off + 4 * n_full;
     if end != blob.len() {
-        return Err(bad(format!("counts ({n_idx} indices, {n_low} low, {n_full} full) need {end} bytes")));
+        return Err(bad(format!(
+            "counts ({n_idx} indices, {n_low} low, {n_full} full) need {end} bytes"
+        )));
     }
 
     // Count tags first so that a corrupt blob cannot index out of its arrays.

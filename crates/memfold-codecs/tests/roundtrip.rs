@@ -50,8 +50,13 @@ fn compress_roundtrip_every_codec_every_page_type() {
                 let mut blob = Vec::new();
                 codec.compress(&page, &mut blob).unwrap();
                 let mut back = [0xAAu8; PAGE_SIZE];
-                codec.decompress(&blob, &mut back).unwrap_or_else(|e| panic!("{codec:?} {kind}: {e}"));
-                assert!(back[..] == page[..], "{codec:?} on {kind} page (seed {seed}) did not round-trip");
+                codec
+                    .decompress(&blob, &mut back)
+                    .unwrap_or_else(|e| panic!("{codec:?} {kind}: {e}"));
+                assert!(
+                    back[..] == page[..],
+                    "{codec:?} on {kind} page (seed {seed}) did not round-trip"
+                );
             }
         }
     }
@@ -71,7 +76,10 @@ fn compression_ratios_have_the_expected_shape() {
         if codec != CompressCodec::Wkdm {
             assert!(size(codec, "text") < PAGE_SIZE / 2, "{codec:?} text page");
         }
-        assert!(size(codec, "random") > PAGE_SIZE - 64, "{codec:?} random page cannot shrink");
+        assert!(
+            size(codec, "random") > PAGE_SIZE - 64,
+            "{codec:?} random page cannot shrink"
+        );
     }
     // WKdm's strength is words sharing high bits; byte-oriented text is not its case
     // (Wilson et al. §4 target in-memory data, not text).
@@ -107,7 +115,10 @@ fn patch_roundtrip_every_codec_on_similar_shifted_and_unrelated_pages() {
                 codec.encode(&base, &target, &mut patch).unwrap();
                 let mut back = [0x55u8; PAGE_SIZE];
                 codec.decode(&base, &patch, &mut back).unwrap();
-                assert!(back[..] == target[..], "{codec:?}: {tkind} against {kind} did not round-trip");
+                assert!(
+                    back[..] == target[..],
+                    "{codec:?}: {tkind} against {kind} did not round-trip"
+                );
             }
         }
     }
@@ -120,9 +131,13 @@ fn run_diff_patch_of_a_95_percent_similar_page_is_small() {
     rng.fill(&mut base[..]);
     let target = similar(&base, &mut rng, 26); // ~5% of bytes
     let mut patch = Vec::new();
-    PatchCodec::RunDiff.encode(&base, &target, &mut patch).unwrap();
+    PatchCodec::RunDiff
+        .encode(&base, &target, &mut patch)
+        .unwrap();
     assert!(patch.len() <= 26 * 11, "patch of {} bytes", patch.len());
-    PatchCodec::RunDiff.encode(&base, &base, &mut patch).unwrap();
+    PatchCodec::RunDiff
+        .encode(&base, &base, &mut patch)
+        .unwrap();
     assert!(patch.is_empty());
 }
 
@@ -134,13 +149,32 @@ fn corrupt_blobs_are_errors_not_pages() {
         codec.compress(&page, &mut blob).unwrap();
         let mut out = [0u8; PAGE_SIZE];
         let truncated = &blob[..blob.len() / 2];
-        assert!(codec.decompress(truncated, &mut out).is_err(), "{codec:?} accepted a truncated blob");
-        assert!(codec.decompress(&[], &mut out).is_err(), "{codec:?} accepted an empty blob");
+        assert!(
+            codec.decompress(truncated, &mut out).is_err(),
+            "{codec:?} accepted a truncated blob"
+        );
+        assert!(
+            codec.decompress(&[], &mut out).is_err(),
+            "{codec:?} accepted an empty blob"
+        );
     }
     let mut out = [0u8; PAGE_SIZE];
-    let err = PatchCodec::RunDiff.decode(&page, &[0x80, 0x40, 5, 1, 2, 3, 4, 5], &mut out).unwrap_err();
-    assert!(matches!(err, CodecError::Corrupt { codec: "run-diff", .. }), "{err}");
-    assert!(PatchCodec::RunDiff.decode(&page, &[3, 9, 1], &mut out).is_err());
+    let err = PatchCodec::RunDiff
+        .decode(&page, &[0x80, 0x40, 5, 1, 2, 3, 4, 5], &mut out)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            CodecError::Corrupt {
+                codec: "run-diff",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(PatchCodec::RunDiff
+        .decode(&page, &[3, 9, 1], &mut out)
+        .is_err());
 }
 
 proptest! {

@@ -141,7 +141,12 @@ pub struct Savings {
 impl Savings {
     /// Sum of all mechanisms, bytes.
     pub fn total(&self) -> f64 {
-        self.zero + self.sharing + self.patching + self.compression + self.swap + self.blob_fragmentation
+        self.zero
+            + self.sharing
+            + self.patching
+            + self.compression
+            + self.swap
+            + self.blob_fragmentation
     }
 }
 
@@ -228,7 +233,11 @@ impl Engine {
     /// Computes the books by walking every P2M map: O(guest pages), for reports, not hot
     /// paths.
     pub fn accounting(&self) -> Accounting {
-        let nframes = self.frames.allocated().last().map_or(0, |f| f.0 as usize + 1);
+        let nframes = self
+            .frames
+            .allocated()
+            .last()
+            .map_or(0, |f| f.0 as usize + 1);
         // Per frame: shared mappings, private mappings, patch references.
         let mut shared_maps = vec![0u32; nframes];
         let mut private_maps = vec![0u8; nframes];
@@ -239,7 +248,11 @@ impl Engine {
                     PageState::Shared(f) => shared_maps[f.0 as usize] += 1,
                     PageState::Private(f) => private_maps[f.0 as usize] = 1,
                     PageState::Patched(b) => {
-                        let r = self.blobs.meta(&self.frames, b).reference.expect("patch has a reference");
+                        let r = self
+                            .blobs
+                            .meta(&self.frames, b)
+                            .reference
+                            .expect("patch has a reference");
                         patch_refs[r.0 as usize] += 1;
                     }
                     _ => {}
@@ -247,7 +260,11 @@ impl Engine {
             }
         }
         let blobs = self.blobs.stats();
-        let mut frames = FrameCounts { in_use: self.frames.in_use() as u64, blob: blobs.frames as u64, ..Default::default() };
+        let mut frames = FrameCounts {
+            in_use: self.frames.in_use() as u64,
+            blob: blobs.frames as u64,
+            ..Default::default()
+        };
         for i in 0..nframes {
             if shared_maps[i] > 0 {
                 frames.shared += 1;
@@ -258,7 +275,11 @@ impl Engine {
             }
         }
         // Blob fragmentation is split among blobs evenly.
-        let frag_per_blob = if blobs.blobs == 0 { 0.0 } else { -(blobs.free_slot_bytes as f64) / blobs.blobs as f64 };
+        let frag_per_blob = if blobs.blobs == 0 {
+            0.0
+        } else {
+            -(blobs.free_slot_bytes as f64) / blobs.blobs as f64
+        };
 
         let mut total = PageCounts::default();
         let mut per_vm = Vec::with_capacity(self.vms.len());
@@ -282,14 +303,26 @@ impl Engine {
                     }
                     PageState::Patched(b) => {
                         pc.patched += 1;
-                        let r = self.blobs.meta(&self.frames, b).reference.expect("patch has a reference").0 as usize;
-                        let ref_cost = if shared_maps[r] == 0 && private_maps[r] == 0 { PAGE as f64 / patch_refs[r] as f64 } else { 0.0 };
-                        s.patching += PAGE as f64 - self.blobs.slot_bytes_of(b) as f64 - ref_cost;
+                        let r = self
+                            .blobs
+                            .meta(&self.frames, b)
+                            .reference
+                            .expect("patch has a reference")
+                            .0 as usize;
+                        let ref_cost = if shared_maps[r] == 0 && private_maps[r] == 0 {
+                            PAGE as f64 / patch_refs[r] as f64
+                        } else {
+                            0.0
+                        };
+                        s.patching += PAGE as f64
+                            - self.blobs.slot_bytes_of(&self.frames, b) as f64
+                            - ref_cost;
                         s.blob_fragmentation += frag_per_blob;
                     }
                     PageState::Compressed(b) => {
                         pc.compressed += 1;
-                        s.compression += PAGE as f64 - self.blobs.slot_bytes_of(b) as f64;
+                        s.compression +=
+                            PAGE as f64 - self.blobs.slot_bytes_of(&self.frames, b) as f64;
                         s.blob_fragmentation += frag_per_blob;
                     }
                     PageState::Swapped(_) => {
@@ -316,22 +349,39 @@ impl Engine {
             saved.compression += s.compression;
             saved.swap += s.swap;
             saved.blob_fragmentation += s.blob_fragmentation;
-            per_vm.push(VmAccounting { vm: id, guest_pages: v.p2m.len() as u64, pages: pc, baseline_bytes: backed * PAGE as u64, saved: s });
+            per_vm.push(VmAccounting {
+                vm: id,
+                guest_pages: v.p2m.len() as u64,
+                pages: pc,
+                baseline_bytes: backed * PAGE as u64,
+                saved: s,
+            });
         }
         let guest_pages: u64 = self.vms.values().map(|v| v.p2m.len() as u64).sum();
         let baseline_bytes = (guest_pages - total.unbacked) * PAGE as u64;
         let host_bytes = frames.in_use * PAGE as u64;
         // Exact integer totals (the per-VM fractions add up to these up to rounding).
-        let slot_patch: i64 = self.blobs.live_ids().filter(|&b| matches!(self.blobs.meta(&self.frames, b).kind, BlobKind::Patch(_))).map(|b| self.blobs.slot_bytes_of(b) as i64).sum();
+        let slot_patch: i64 = self
+            .blobs
+            .live_ids()
+            .filter(|&b| matches!(self.blobs.meta(&self.frames, b).kind, BlobKind::Patch(_)))
+            .map(|b| self.blobs.slot_bytes_of(&self.frames, b) as i64)
+            .sum();
         let exact = Savings {
             zero: (total.zero as i64 * PAGE) as f64,
             sharing: ((total.shared as i64 - frames.shared as i64) * PAGE) as f64,
-            patching: (total.patched as i64 * PAGE - slot_patch - frames.reference_only as i64 * PAGE) as f64,
-            compression: (total.compressed as i64 * PAGE - (blobs.slot_bytes as i64 - slot_patch)) as f64,
+            patching: (total.patched as i64 * PAGE
+                - slot_patch
+                - frames.reference_only as i64 * PAGE) as f64,
+            compression: (total.compressed as i64 * PAGE - (blobs.slot_bytes as i64 - slot_patch))
+                as f64,
             swap: (total.swapped as i64 * PAGE) as f64,
             blob_fragmentation: -(blobs.free_slot_bytes as f64),
         };
-        debug_assert!((exact.total() - saved.total()).abs() < 1.0 + 1e-6 * exact.total().abs(), "{exact:?} vs {saved:?}");
+        debug_assert!(
+            (exact.total() - saved.total()).abs() < 1.0 + 1e-6 * exact.total().abs(),
+            "{exact:?} vs {saved:?}"
+        );
         Accounting {
             guest_pages,
             pages: total,
@@ -350,7 +400,11 @@ impl Engine {
     /// The engine's metadata, bytes, by structure.
     pub fn metadata(&self) -> MetadataUsage {
         let mut m = MetadataUsage {
-            p2m: self.vms.values().map(|v| (v.p2m.capacity() * 4) as u64).sum(),
+            p2m: self
+                .vms
+                .values()
+                .map(|v| (v.p2m.capacity() * 4) as u64)
+                .sum(),
             clock: self.vms.values().map(|v| v.clock.capacity() as u64).sum(),
             frames: self.frames.metadata_bytes() as u64,
             share_table: self.share.metadata_bytes() as u64,
@@ -360,8 +414,16 @@ impl Engine {
             ..Default::default()
         };
         m.total = m.p2m + m.clock + m.frames + m.share_table + m.similarity + m.blob_store + m.swap;
-        m.managed_bytes = self.vms.values().map(|v| v.p2m.len() as u64 * PAGE as u64).sum();
-        m.fraction = if m.managed_bytes == 0 { 0.0 } else { m.total as f64 / m.managed_bytes as f64 };
+        m.managed_bytes = self
+            .vms
+            .values()
+            .map(|v| v.p2m.len() as u64 * PAGE as u64)
+            .sum();
+        m.fraction = if m.managed_bytes == 0 {
+            0.0
+        } else {
+            m.total as f64 / m.managed_bytes as f64
+        };
         m
     }
 }

@@ -3,7 +3,7 @@
 use memfold_codecs::{CompressCodec, PatchCodec};
 use serde::Serialize;
 
-use crate::frames::{FrameStore, BLOB_CHUNK};
+use crate::frames::{FrameStore, BLOB_CHUNK, CLASS_SHIFT};
 use crate::types::{BlobId, Frame, P2mEntry, PAGE_SIZE};
 
 /// Slots per frame of each size class; a class's slot size is `4096 / slots` rounded down
@@ -41,8 +41,16 @@ const NO_REF: u32 = u32::MAX;
 
 fn encode_kind(k: BlobKind) -> u8 {
     match k {
-        BlobKind::Compressed(c) => CompressCodec::ALL.iter().position(|&x| x == c).expect("known codec") as u8,
-        BlobKind::Patch(p) => 16 + PatchCodec::ALL.iter().position(|&x| x == p).expect("known codec") as u8,
+        BlobKind::Compressed(c) => CompressCodec::ALL
+            .iter()
+            .position(|&x| x == c)
+            .expect("known codec") as u8,
+        BlobKind::Patch(p) => {
+            16 + PatchCodec::ALL
+                .iter()
+                .position(|&x| x == p)
+                .expect("known codec") as u8
+        }
     }
 }
 
@@ -58,12 +66,21 @@ fn class_size(class: usize) -> usize {
     (PAGE_SIZE / SLOTS_PER_FRAME[class] as usize) & !7
 }
 
-/// One frame of blob slots, all of one class.
+/// One frame of blob slots, all of one class (kept in the frame's flag byte, so that a
+/// chunk entry is 12 bytes).
 #[derive(Clone, Copy)]
 struct Chunk {
     frame: u32,
-    used: u64,
-    class: u8,
+    used: [u32; 2],
+}
+
+impl Chunk {
+    fn used(&self) -> u64 {
+        self.used[0] as u64 | (self.used[1] as u64) << 32
+    }
+    fn set_used(&mut self, v: u64) {
+        self.used = [v as u32, (v >> 32) as u32];
+    }
 }
 
 /// A blob id is `chunk index << 6 | slot`: it fits a P2M entry's 29-bit payload, for up to
@@ -76,7 +93,7 @@ const SLOT_BITS: u32 = 6;
 /// host memory in use.
 ///
 /// Each blob's description (reference frame, length, codec) is an 8-byte header inside its
-/// slot, so the store keeps no per-blob record: its metadata is 16 bytes per chunk frame.
+/// slot, so the store keeps no per-blob record: its metadata is 12 bytes per chunk frame.
 /// Memory cost per blob is its class's slot size, header included; what frames hold
 /// beyond the slots in use is reported as fragmentation ([`BlobStoreStats`]).
 pub struct BlobStore {
@@ -131,27 +148,44 @@ impl BlobStore {
     }
 
     fn class_for(len: usize) -> usize {
-        (0..SLOTS_PER_FRAME.len()).find(|&c| class_size(c) >= len.max(1) + BLOB_HEADER).expect("a class fits any blob")
+        (0..SLOTS_PER_FRAME.len())
+            .find(|&c| class_size(c) >= len.max(1) + BLOB_HEADER)
+            .expect("a class fits any blob")
     }
 
-    fn locate(&self, id: BlobId) -> (Chunk, usize) {
+    /// The blob's chunk, class and byte offset in the chunk frame.
+    fn locate(&self, frames: &FrameStore, id: BlobId) -> (Chunk, usize, usize) {
         let chunk = self.chunks[(id >> SLOT_BITS) as usize];
         let slot = (id & ((1 << SLOT_BITS) - 1)) as usize;
-        assert!(chunk.used & (1 << slot) != 0, "blob {id} is not live");
-        (chunk, slot * class_size(chunk.class as usize))
+        assert!(chunk.used() & (1 << slot) != 0, "blob {id} is not live");
+        let class = (frames.flags(Frame(chunk.frame)) >> CLASS_SHIFT) as usize;
+        (chunk, class, slot * class_size(class))
     }
 
     /// Stores `bytes` (1..=[`MAX_BLOB`] bytes) and returns its id. Takes a new chunk frame
     /// from `frames` when the class has no free slot; returns `None` if no frame (or chunk
     /// number) is left. The reference frame's count is *not* touched: the engine holds it.
-    pub fn store(&mut self, frames: &mut FrameStore, bytes: &[u8], kind: BlobKind, reference: Option<Frame>) -> Option<BlobId> {
-        assert!(!bytes.is_empty() && bytes.len() <= MAX_BLOB, "blob of {} bytes", bytes.len());
+    pub fn store(
+        &mut self,
+        frames: &mut FrameStore,
+        bytes: &[u8],
+        kind: BlobKind,
+        reference: Option<Frame>,
+    ) -> Option<BlobId> {
+        assert!(
+            !bytes.is_empty() && bytes.len() <= MAX_BLOB,
+            "blob of {} bytes",
+            bytes.len()
+        );
         let class = Self::class_for(bytes.len());
         let ci = match self.partial[class].last() {
             Some(&c) => c,
             None => {
                 let f = frames.alloc()?;
-                let chunk = Chunk { frame: f.0, used: 0, class: class as u8 };
+                let chunk = Chunk {
+                    frame: f.0,
+                    used: [0, 0],
+                };
                 let ci = match self.free_chunks.pop() {
                     Some(ci) => {
                         self.chunks[ci as usize] = chunk;
@@ -167,6 +201,7 @@ impl BlobStore {
                     }
                 };
                 frames.set_flag(f, BLOB_CHUNK, true);
+                frames.set_class(f, class as u8);
                 self.partial[class].push(ci);
                 self.live_chunks += 1;
                 ci
@@ -174,9 +209,9 @@ impl BlobStore {
         };
         let size = class_size(class);
         let chunk = &mut self.chunks[ci as usize];
-        let slot = (!chunk.used).trailing_zeros();
-        chunk.used |= 1 << slot;
-        if chunk.used.count_ones() == SLOTS_PER_FRAME[class] as u32 {
+        let slot = (!chunk.used()).trailing_zeros();
+        chunk.set_used(chunk.used() | 1 << slot);
+        if chunk.used().count_ones() == SLOTS_PER_FRAME[class] as u32 {
             self.partial[class].pop();
         }
         let off = slot as usize * size;
@@ -194,15 +229,19 @@ impl BlobStore {
 
     /// The blob's description. Panics on an id that is not live (an engine bug).
     pub fn meta(&self, frames: &FrameStore, id: BlobId) -> BlobMeta {
-        let (chunk, off) = self.locate(id);
+        let (chunk, _, off) = self.locate(frames, id);
         let h = &frames.data(Frame(chunk.frame))[off..off + BLOB_HEADER];
         let r = u32::from_le_bytes(h[0..4].try_into().expect("4 bytes"));
-        BlobMeta { kind: decode_kind(h[6]), reference: (r != NO_REF).then_some(Frame(r)), len: u16::from_le_bytes([h[4], h[5]]) }
+        BlobMeta {
+            kind: decode_kind(h[6]),
+            reference: (r != NO_REF).then_some(Frame(r)),
+            len: u16::from_le_bytes([h[4], h[5]]),
+        }
     }
 
     /// The blob's payload.
     pub fn bytes<'a>(&self, frames: &'a FrameStore, id: BlobId) -> &'a [u8] {
-        let (chunk, off) = self.locate(id);
+        let (chunk, _, off) = self.locate(frames, id);
         let d = &frames.data(Frame(chunk.frame))[off..];
         let len = u16::from_le_bytes([d[4], d[5]]) as usize;
         &d[BLOB_HEADER..BLOB_HEADER + len]
@@ -212,12 +251,12 @@ impl BlobStore {
     /// caller drops the reference frame's count.
     pub fn remove(&mut self, frames: &mut FrameStore, id: BlobId) -> BlobMeta {
         let meta = self.meta(frames, id);
+        let (_, class, _) = self.locate(frames, id);
         let ci = id >> SLOT_BITS;
         let chunk = &mut self.chunks[ci as usize];
-        let class = chunk.class as usize;
-        let was_full = chunk.used.count_ones() == SLOTS_PER_FRAME[class] as u32;
-        chunk.used &= !(1u64 << (id & ((1 << SLOT_BITS) - 1)));
-        if chunk.used == 0 {
+        let was_full = chunk.used().count_ones() == SLOTS_PER_FRAME[class] as u32;
+        chunk.set_used(chunk.used() & !(1u64 << (id & ((1 << SLOT_BITS) - 1))));
+        if chunk.used() == 0 {
             let f = Frame(chunk.frame);
             if let Some(pos) = self.partial[class].iter().rposition(|&c| c == ci) {
                 self.partial[class].swap_remove(pos);
@@ -248,23 +287,28 @@ impl BlobStore {
     }
 
     /// Slot size, bytes, of a live blob.
-    pub fn slot_bytes_of(&self, id: BlobId) -> usize {
-        class_size(self.locate(id).0.class as usize)
+    pub fn slot_bytes_of(&self, frames: &FrameStore, id: BlobId) -> usize {
+        class_size(self.locate(frames, id).1)
     }
 
     /// Live blob ids (for invariant checks).
     pub fn live_ids(&self) -> impl Iterator<Item = BlobId> + '_ {
         self.chunks.iter().enumerate().flat_map(|(ci, c)| {
-            (0..64u32).filter(move |s| c.used & (1 << s) != 0).map(move |s| (ci as u32) << SLOT_BITS | s)
+            (0..64u32)
+                .filter(move |s| c.used() & (1 << s) != 0)
+                .map(move |s| (ci as u32) << SLOT_BITS | s)
         })
     }
 
     /// Frames holding blobs (for invariant checks).
     pub fn chunk_frames(&self) -> impl Iterator<Item = Frame> + '_ {
-        self.chunks.iter().filter(|c| c.used != 0).map(|c| Frame(c.frame))
+        self.chunks
+            .iter()
+            .filter(|c| c.used() != 0)
+            .map(|c| Frame(c.frame))
     }
 
-    /// Bytes of metadata: 16 bytes a chunk (its frame, slot bitmap and class) plus the
+    /// Bytes of metadata: 12 bytes a chunk (its frame and slot bitmap) plus the
     /// partial and free chunk lists.
     pub fn metadata_bytes(&self) -> usize {
         self.chunks.capacity() * std::mem::size_of::<Chunk>()
@@ -287,14 +331,19 @@ mod tests {
         assert_eq!(BlobStore::slot_size(57), 80);
         assert_eq!(BlobStore::slot_size(2040), 2048);
         assert_eq!(BlobStore::slot_size(2041), 4096);
-        let ids: Vec<_> = (0..100u8).map(|i| bs.store(&mut frames, &[i; 50], kind, None).unwrap()).collect();
+        let ids: Vec<_> = (0..100u8)
+            .map(|i| bs.store(&mut frames, &[i; 50], kind, None).unwrap())
+            .collect();
         assert_eq!(bs.stats().frames, 2, "64 slots of 64 bytes per frame");
         assert_eq!(frames.in_use(), 2);
         for (i, &id) in ids.iter().enumerate() {
             assert_eq!(bs.bytes(&frames, id), &[i as u8; 50][..]);
         }
         let s = bs.stats();
-        assert_eq!((s.payload_bytes, s.slot_bytes, s.free_slot_bytes), (5000, 6400, 8192 - 6400));
+        assert_eq!(
+            (s.payload_bytes, s.slot_bytes, s.free_slot_bytes),
+            (5000, 6400, 8192 - 6400)
+        );
         for &id in &ids[..64] {
             bs.remove(&mut frames, id);
         }
@@ -316,9 +365,23 @@ mod tests {
         let mut frames = FrameStore::new();
         let mut bs = BlobStore::new();
         let r = frames.alloc().unwrap();
-        let id = bs.store(&mut frames, &[1; 700], BlobKind::Patch(PatchCodec::ZstdRef), Some(r)).unwrap();
-        assert_eq!(bs.meta(&frames, id), BlobMeta { kind: BlobKind::Patch(PatchCodec::ZstdRef), reference: Some(r), len: 700 });
-        assert_eq!(bs.slot_bytes_of(id), 816);
+        let id = bs
+            .store(
+                &mut frames,
+                &[1; 700],
+                BlobKind::Patch(PatchCodec::ZstdRef),
+                Some(r),
+            )
+            .unwrap();
+        assert_eq!(
+            bs.meta(&frames, id),
+            BlobMeta {
+                kind: BlobKind::Patch(PatchCodec::ZstdRef),
+                reference: Some(r),
+                len: 700
+            }
+        );
+        assert_eq!(bs.slot_bytes_of(&frames, id), 816);
         assert_eq!(bs.live_ids().collect::<Vec<_>>(), vec![id]);
     }
 }

@@ -78,7 +78,11 @@ impl PageClock {
     /// consecutive idle scans.
     pub fn scan(&mut self) -> NruState {
         let idle = self.0 & (R | M) == 0;
-        let age = if idle { (self.idle_scans() + 1).min(AGE_MAX) } else { 0 };
+        let age = if idle {
+            (self.idle_scans() + 1).min(AGE_MAX)
+        } else {
+            0
+        };
         self.0 = age << AGE_SHIFT | (self.0 & (R | M));
         let state = self.state();
         self.0 &= !(R | M);
@@ -102,7 +106,13 @@ pub struct Actions {
 }
 
 impl Actions {
-    const NONE: Actions = Actions { share: false, reference: false, patch: false, compress: false, swap: false };
+    const NONE: Actions = Actions {
+        share: false,
+        reference: false,
+        patch: false,
+        compress: false,
+        swap: false,
+    };
 }
 
 /// Which mechanisms may touch pages of each class (DE §4.2: "a clean separation between
@@ -119,23 +129,43 @@ impl Policy {
     /// DE §4.2's default: C1 ignored; C2 shared or used as reference; C3 shared or patched
     /// (and usable as reference); C4 anything, including compression and swap.
     pub fn difference_engine() -> Self {
-        let c2 = Actions { share: true, reference: true, ..Actions::NONE };
+        let c2 = Actions {
+            share: true,
+            reference: true,
+            ..Actions::NONE
+        };
         let c3 = Actions { patch: true, ..c2 };
-        let c4 = Actions { compress: true, swap: true, ..c3 };
-        Policy { name: "de", actions: [Actions::NONE, c2, c3, c4] }
+        let c4 = Actions {
+            compress: true,
+            swap: true,
+            ..c3
+        };
+        Policy {
+            name: "de",
+            actions: [Actions::NONE, c2, c3, c4],
+        }
     }
 
     /// Sharing only, what ESX and KSM do: identical pages shared once their content has
     /// been stable for a scan (C2–C4; like KSM's unstable-tree checksum rule), swap in C4.
     pub fn sharing_only() -> Self {
-        let s = Actions { share: true, ..Actions::NONE };
-        Policy { name: "sharing", actions: [Actions::NONE, s, s, Actions { swap: true, ..s }] }
+        let s = Actions {
+            share: true,
+            ..Actions::NONE
+        };
+        Policy {
+            name: "sharing",
+            actions: [Actions::NONE, s, s, Actions { swap: true, ..s }],
+        }
     }
 
     /// DE's "more aggressive" alternative: every page treated as C4.
     pub fn aggressive() -> Self {
         let c4 = Policy::difference_engine().actions[3];
-        Policy { name: "aggressive", actions: [c4; 4] }
+        Policy {
+            name: "aggressive",
+            actions: [c4; 4],
+        }
     }
 
     /// Only one mechanism, for the micro-benchmarks of DE §5.3 (each mechanism alone):
@@ -143,12 +173,25 @@ impl Policy {
     /// the others as in the default policy. Returns `None` for another name.
     pub fn single(mechanism: &str) -> Option<Self> {
         let de = Policy::difference_engine();
-        let mut p = Policy { name: "", actions: [Actions::NONE; 4] };
+        let mut p = Policy {
+            name: "",
+            actions: [Actions::NONE; 4],
+        };
         for (i, a) in de.actions.iter().enumerate() {
             p.actions[i] = match mechanism {
-                "share" => Actions { share: a.share, ..Actions::NONE },
-                "patch" => Actions { patch: a.patch, reference: a.reference, ..Actions::NONE },
-                "compress" => Actions { compress: a.compress, ..Actions::NONE },
+                "share" => Actions {
+                    share: a.share,
+                    ..Actions::NONE
+                },
+                "patch" => Actions {
+                    patch: a.patch,
+                    reference: a.reference,
+                    ..Actions::NONE
+                },
+                "compress" => Actions {
+                    compress: a.compress,
+                    ..Actions::NONE
+                },
                 _ => return None,
             };
         }
@@ -213,10 +256,20 @@ mod tests {
         assert!(c3.share && c3.patch && !c3.compress && !c3.swap);
         let c4 = de.for_state(NruState::C4);
         assert!(c4.share && c4.patch && c4.compress && c4.swap);
-        for name in ["de", "sharing", "aggressive", "share-only", "patch-only", "compress-only"] {
+        for name in [
+            "de",
+            "sharing",
+            "aggressive",
+            "share-only",
+            "patch-only",
+            "compress-only",
+        ] {
             assert_eq!(Policy::by_name(name).unwrap().name, name);
         }
         assert!(Policy::by_name("nope").is_none());
-        assert!(!Policy::sharing_only().actions.iter().any(|a| a.patch || a.compress));
+        assert!(!Policy::sharing_only()
+            .actions
+            .iter()
+            .any(|a| a.patch || a.compress));
     }
 }

@@ -21,7 +21,9 @@ pub enum EngineError {
         pages: u32,
     },
     /// An access runs past the end of the page.
-    #[error("{vm} gfn {gfn}: access of {len} bytes at offset {offset} crosses the 4096-byte page end")]
+    #[error(
+        "{vm} gfn {gfn}: access of {len} bytes at offset {offset} crosses the 4096-byte page end"
+    )]
     BadAccess {
         /// The VM.
         vm: VmId,
@@ -41,13 +43,17 @@ pub enum EngineError {
         max: u32,
     },
     /// The guest page space (2^31 pages over all VMs) is used up.
-    #[error("no room for {pages} more guest pages: the engine manages at most 2^31 pages over all VMs")]
+    #[error(
+        "no room for {pages} more guest pages: the engine manages at most 2^31 pages over all VMs"
+    )]
     GpnExhausted {
         /// Requested size, pages.
         pages: u32,
     },
     /// The host memory budget is used up and nothing could be swapped out.
-    #[error("host memory budget of {limit} frames exhausted and no page could be swapped out: {why}")]
+    #[error(
+        "host memory budget of {limit} frames exhausted and no page could be swapped out: {why}"
+    )]
     OutOfHostMemory {
         /// The budget, frames.
         limit: u32,

@@ -2,7 +2,7 @@
 
 use hashbrown::HashMap;
 
-use crate::types::{Frame, Page, P2mEntry, PAGE_SIZE};
+use crate::types::{Frame, P2mEntry, Page, PAGE_SIZE};
 
 /// Frames per arena chunk: host memory is taken from the allocator 1 MiB at a time.
 const CHUNK_FRAMES: usize = 256;
@@ -13,6 +13,8 @@ const OVERFLOW: u16 = u16::MAX;
 pub(crate) const IN_SHARE_TABLE: u8 = 1;
 /// Frame flag: the frame holds sub-page blobs (blob store chunk).
 pub(crate) const BLOB_CHUNK: u8 = 2;
+/// The upper four flag bits of a blob chunk frame hold its size class.
+pub(crate) const CLASS_SHIFT: u8 = 4;
 
 /// The engine's host frames: their bytes, a reference count each and a free list.
 ///
@@ -43,7 +45,14 @@ impl Default for FrameStore {
 impl FrameStore {
     /// An empty store; frames are allocated on demand.
     pub fn new() -> Self {
-        FrameStore { chunks: Vec::new(), refcount: Vec::new(), flags: Vec::new(), overflow: HashMap::new(), free_head: NO_FRAME, in_use: 0 }
+        FrameStore {
+            chunks: Vec::new(),
+            refcount: Vec::new(),
+            flags: Vec::new(),
+            overflow: HashMap::new(),
+            free_head: NO_FRAME,
+            in_use: 0,
+        }
     }
 
     /// Frames currently allocated (count > 0).
@@ -60,7 +69,8 @@ impl FrameStore {
             if n + CHUNK_FRAMES > P2mEntry::MAX_PAYLOAD as usize {
                 return None;
             }
-            self.chunks.push(vec![0u8; CHUNK_FRAMES * PAGE_SIZE].into_boxed_slice());
+            self.chunks
+                .push(vec![0u8; CHUNK_FRAMES * PAGE_SIZE].into_boxed_slice());
             self.refcount.reserve_exact(CHUNK_FRAMES);
             self.flags.reserve_exact(CHUNK_FRAMES);
             self.refcount.resize(n + CHUNK_FRAMES, 0);
@@ -89,7 +99,9 @@ impl FrameStore {
         let i = f.0 as usize;
         let chunk = &self.chunks[i / CHUNK_FRAMES];
         let off = (i % CHUNK_FRAMES) * PAGE_SIZE;
-        (&chunk[off..off + PAGE_SIZE]).try_into().expect("page-sized slice")
+        (&chunk[off..off + PAGE_SIZE])
+            .try_into()
+            .expect("page-sized slice")
     }
 
     /// The frame's bytes, writable. Callers write only frames no one else can see
@@ -98,7 +110,9 @@ impl FrameStore {
         let i = f.0 as usize;
         let chunk = &mut self.chunks[i / CHUNK_FRAMES];
         let off = (i % CHUNK_FRAMES) * PAGE_SIZE;
-        (&mut chunk[off..off + PAGE_SIZE]).try_into().expect("page-sized slice")
+        (&mut chunk[off..off + PAGE_SIZE])
+            .try_into()
+            .expect("page-sized slice")
     }
 
     /// Current reference count (0 for a free frame).
@@ -154,6 +168,12 @@ impl FrameStore {
         self.flags[f.0 as usize]
     }
 
+    /// Sets the flag byte's upper four bits (a blob chunk's size class).
+    pub(crate) fn set_class(&mut self, f: Frame, class: u8) {
+        let v = &mut self.flags[f.0 as usize];
+        *v = (*v & ((1 << CLASS_SHIFT) - 1)) | class << CLASS_SHIFT;
+    }
+
     pub(crate) fn set_flag(&mut self, f: Frame, flag: u8, on: bool) {
         let v = &mut self.flags[f.0 as usize];
         if on {
@@ -165,12 +185,16 @@ impl FrameStore {
 
     /// Frames with count > 0, in frame order (for invariant checks and accounting).
     pub fn allocated(&self) -> impl Iterator<Item = Frame> + '_ {
-        (0..self.refcount.len() as u32).filter(|&i| self.refcount[i as usize] != 0).map(Frame)
+        (0..self.refcount.len() as u32)
+            .filter(|&i| self.refcount[i as usize] != 0)
+            .map(Frame)
     }
 
     /// Bytes of metadata: counts, flags and overflow table (not the frames).
     pub fn metadata_bytes(&self) -> usize {
-        self.refcount.capacity() * 2 + self.flags.capacity() + crate::share::hashbrown_bytes(self.overflow.capacity(), 8)
+        self.refcount.capacity() * 2
+            + self.flags.capacity()
+            + crate::share::hashbrown_bytes(self.overflow.capacity(), 8)
     }
 
     /// Bytes of host memory reserved for frames (allocated chunks, used or free).

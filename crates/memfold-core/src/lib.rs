@@ -32,7 +32,10 @@ pub mod types;
 
 pub use accounting::{Accounting, Counters, MetadataUsage, Savings};
 pub use clock::{NruState, Policy};
-pub use engine::{Access, CompressOutcome, Engine, EngineConfig, PatchOutcome, ShareOutcome, SwapOutcome, TickReport, ZeroPolicy};
+pub use engine::{
+    Access, CompressOutcome, Engine, EngineConfig, PatchOutcome, ShareOutcome, SwapOutcome,
+    TickReport, ZeroPolicy,
+};
 pub use error::{EngineError, Result};
 pub use memfold_codecs::{CompressCodec, PatchCodec};
 pub use similarity::SimilarityConfig;

@@ -72,7 +72,11 @@ impl ShareTable {
 
     /// A table processing memory in `passes` hash intervals (1 = no partitioning; DE used 5).
     pub fn new(passes: u32) -> Self {
-        ShareTable { table: HashTable::new(), passes: passes.max(1), pass: 0 }
+        ShareTable {
+            table: HashTable::new(),
+            passes: passes.max(1),
+            pass: 0,
+        }
     }
 
     /// Whether a page with this content hash takes part in the current pass.
@@ -83,7 +87,10 @@ impl ShareTable {
     /// The entries whose hash tag equals `hash`'s, at most [`Self::MAX_CHAIN`].
     pub fn lookup(&self, hash: u64) -> impl Iterator<Item = ShareEntry> + '_ {
         let tag = tag_of(hash);
-        self.table.iter_hash(table_hash(tag)).filter(move |&&v| (v >> 32) as u32 == tag).map(|&v| unpack(v))
+        self.table
+            .iter_hash(table_hash(tag))
+            .filter(move |&&v| (v >> 32) as u32 == tag)
+            .map(|&v| unpack(v))
     }
 
     /// Inserts an entry. Returns false (and inserts nothing) if the chain for this hash is full.
@@ -91,7 +98,10 @@ impl ShareTable {
         if self.lookup(hash).count() >= Self::MAX_CHAIN {
             return false;
         }
-        self.table.insert_unique(table_hash(tag_of(hash)), pack(hash, e), |&v| table_hash((v >> 32) as u32));
+        self.table
+            .insert_unique(table_hash(tag_of(hash)), pack(hash, e), |&v| {
+                table_hash((v >> 32) as u32)
+            });
         true
     }
 
@@ -131,7 +141,8 @@ impl ShareTable {
             }
             self.table.clear();
         } else {
-            self.table.retain(|v| matches!(unpack(*v), ShareEntry::Shared(_)));
+            self.table
+                .retain(|v| matches!(unpack(*v), ShareEntry::Shared(_)));
         }
         self.pass = (self.pass + 1) % self.passes;
         dropped
@@ -174,7 +185,11 @@ pub(crate) fn hashbrown_bytes(capacity: usize, entry: usize) -> usize {
     if capacity == 0 {
         return 0;
     }
-    let buckets = if capacity < 8 { (capacity + 1).next_power_of_two() } else { (capacity * 8 / 7).next_power_of_two() };
+    let buckets = if capacity < 8 {
+        (capacity + 1).next_power_of_two()
+    } else {
+        (capacity * 8 / 7).next_power_of_two()
+    };
     buckets * (entry + 1)
 }
 
@@ -193,7 +208,10 @@ mod tests {
         assert!(got.contains(&ShareEntry::Hint(7)) && got.contains(&ShareEntry::Shared(Frame(3))));
         assert!(t.replace(h, ShareEntry::Hint(7), ShareEntry::Shared(Frame(9))));
         assert!(t.remove(h, ShareEntry::Shared(Frame(3))));
-        assert_eq!(t.lookup(h).collect::<Vec<_>>(), vec![ShareEntry::Shared(Frame(9))]);
+        assert_eq!(
+            t.lookup(h).collect::<Vec<_>>(),
+            vec![ShareEntry::Shared(Frame(9))]
+        );
         for i in 0..ShareTable::MAX_CHAIN as u32 - 1 {
             assert!(t.insert(h, ShareEntry::Hint(100 + i)));
         }
@@ -206,7 +224,9 @@ mod tests {
     #[test]
     fn partitioning_covers_every_hash_exactly_once_per_cycle() {
         let mut t = ShareTable::new(5);
-        let hashes: Vec<u64> = (0..1000u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
+        let hashes: Vec<u64> = (0..1000u64)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .collect();
         let mut seen = vec![0; hashes.len()];
         for _ in 0..5 {
             for (i, &h) in hashes.iter().enumerate() {

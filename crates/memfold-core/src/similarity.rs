@@ -28,7 +28,13 @@ impl Default for SimilarityConfig {
     /// HashSimilarityDetector(2,1), one candidate, 32-bit indexes: the paper's choice with
     /// the wider hash it found better.
     fn default() -> Self {
-        SimilarityConfig { groups: 2, blocks_per_group: 1, candidates: 1, hash_bits: 32, seed: 0x6d65_6d66_6f6c_64 }
+        SimilarityConfig {
+            groups: 2,
+            blocks_per_group: 1,
+            candidates: 1,
+            hash_bits: 32,
+            seed: 0x6d_656d_666f_6c64,
+        }
     }
 }
 
@@ -56,7 +62,10 @@ impl SimilarityDetector {
         check(cfg.hash_bits, 8, 32, "hash bits")?;
         let n = cfg.groups as usize * cfg.blocks_per_group as usize;
         let mut rng = SmallRng::seed_from_u64(cfg.seed);
-        let blocks = sample(&mut rng, BLOCKS_PER_PAGE, n).into_iter().map(|b| b as u8).collect();
+        let blocks = sample(&mut rng, BLOCKS_PER_PAGE, n)
+            .into_iter()
+            .map(|b| b as u8)
+            .collect();
         Ok(SimilarityDetector { cfg, blocks })
     }
 
@@ -76,7 +85,11 @@ impl SimilarityDetector {
     pub fn signatures(&self, page: &Page) -> [u32; 8] {
         let mut sigs = [0u32; 8];
         let s = self.cfg.blocks_per_group as usize;
-        let mask = if self.cfg.hash_bits == 32 { u32::MAX } else { (1u32 << self.cfg.hash_bits) - 1 };
+        let mask = if self.cfg.hash_bits == 32 {
+            u32::MAX
+        } else {
+            (1u32 << self.cfg.hash_bits) - 1
+        };
         for (g, sig) in sigs.iter_mut().take(self.cfg.groups as usize).enumerate() {
             let h = if s == 1 {
                 let b = self.blocks[g] as usize * BLOCK;
@@ -119,7 +132,12 @@ const MIN_TABLE_BITS: u8 = 10;
 impl SimilarityIndex {
     /// An empty index for this detector, with the smallest table.
     pub fn new(det: SimilarityDetector) -> Self {
-        let mut idx = SimilarityIndex { det, slots: Vec::new(), table_bits: 0, len: 0 };
+        let mut idx = SimilarityIndex {
+            det,
+            slots: Vec::new(),
+            table_bits: 0,
+            len: 0,
+        };
         idx.clear_for(0);
         idx
     }
@@ -139,6 +157,12 @@ impl SimilarityIndex {
     /// Indexes page `gpn` under its signatures, in each bucket that has a free slot and
     /// does not hold it yet. Returns how many buckets took it.
     pub fn insert(&mut self, sigs: &[u32; 8], gpn: Gpn) -> usize {
+        if self.slots.is_empty() {
+            // Allocated on first use: policies that never patch pay nothing.
+            let n = ((self.det.cfg.groups as usize) << self.table_bits)
+                * self.det.cfg.candidates as usize;
+            self.slots = vec![EMPTY; n];
+        }
         let mut taken = 0;
         for (g, &sig) in sigs.iter().enumerate().take(self.det.cfg.groups as usize) {
             let r = self.bucket(g, sig);
@@ -159,6 +183,9 @@ impl SimilarityIndex {
     /// each with [`Self::matches`].
     pub fn candidates(&self, sigs: &[u32; 8], out: &mut Vec<Gpn>) {
         out.clear();
+        if self.slots.is_empty() {
+            return;
+        }
         for (g, &sig) in sigs.iter().enumerate().take(self.det.cfg.groups as usize) {
             for &gpn in &self.slots[self.bucket(g, sig)] {
                 if gpn != EMPTY && !out.contains(&gpn) {
@@ -178,11 +205,10 @@ impl SimilarityIndex {
     /// `pages` managed guest pages.
     pub fn clear_for(&mut self, pages: u64) {
         let want = (64 - (pages.max(2) - 1).leading_zeros()) as u8; // ⌈log2(pages)⌉
-        self.table_bits = want.saturating_sub(1).clamp(MIN_TABLE_BITS, self.det.cfg.hash_bits);
-        let n = (self.det.cfg.groups as usize) << self.table_bits;
-        self.slots.clear();
-        self.slots.resize(n * self.det.cfg.candidates as usize, EMPTY);
-        self.slots.shrink_to(n * self.det.cfg.candidates as usize);
+        self.table_bits = want
+            .saturating_sub(1)
+            .clamp(MIN_TABLE_BITS, self.det.cfg.hash_bits);
+        self.slots = Vec::new();
         self.len = 0;
     }
 
@@ -251,15 +277,32 @@ mod tests {
 
     #[test]
     fn hash_bits_and_parameters_are_checked() {
-        let det = SimilarityDetector::new(SimilarityConfig { hash_bits: 18, ..Default::default() }).unwrap();
+        let det = SimilarityDetector::new(SimilarityConfig {
+            hash_bits: 18,
+            ..Default::default()
+        })
+        .unwrap();
         let page = [7u8; PAGE_SIZE];
         assert!(det.signatures(&page).iter().all(|&s| s < 1 << 18));
         let mut idx = SimilarityIndex::new(det);
         idx.clear_for(1 << 30);
         assert_eq!(idx.buckets(), 1 << 18, "never wider than the hash");
-        assert!(SimilarityDetector::new(SimilarityConfig { groups: 0, ..Default::default() }).is_err());
-        assert!(SimilarityDetector::new(SimilarityConfig { hash_bits: 33, ..Default::default() }).is_err());
-        let det = SimilarityDetector::new(SimilarityConfig { groups: 8, blocks_per_group: 8, ..Default::default() }).unwrap();
+        assert!(SimilarityDetector::new(SimilarityConfig {
+            groups: 0,
+            ..Default::default()
+        })
+        .is_err());
+        assert!(SimilarityDetector::new(SimilarityConfig {
+            hash_bits: 33,
+            ..Default::default()
+        })
+        .is_err());
+        let det = SimilarityDetector::new(SimilarityConfig {
+            groups: 8,
+            blocks_per_group: 8,
+            ..Default::default()
+        })
+        .unwrap();
         let mut sorted = det.blocks.clone();
         sorted.sort();
         sorted.dedup();

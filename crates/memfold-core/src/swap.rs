@@ -40,7 +40,10 @@ pub struct SwapFaults {
 impl MemSwapDevice {
     /// A device of `slots` pages.
     pub fn new(slots: u32) -> Self {
-        MemSwapDevice { slots: (0..slots).map(|_| None).collect(), faults: SwapFaults::default() }
+        MemSwapDevice {
+            slots: (0..slots).map(|_| None).collect(),
+            faults: SwapFaults::default(),
+        }
     }
 
     /// Handles to this device's failure switches.
@@ -96,7 +99,12 @@ impl SwapSpace {
     /// Slot allocation over `dev`.
     pub fn new(dev: Box<dyn SwapDevice>) -> Self {
         let cap = dev.capacity();
-        SwapSpace { dev, used: vec![0; (cap as usize).div_ceil(64)], in_use: 0, next: 0 }
+        SwapSpace {
+            dev,
+            used: vec![0; (cap as usize).div_ceil(64)],
+            in_use: 0,
+            next: 0,
+        }
     }
 
     /// Allocates a slot and writes `page` to it. `Ok(None)` when the device is full (a
@@ -138,7 +146,10 @@ impl SwapSpace {
 
     /// Occupancy.
     pub fn stats(&self) -> SwapStats {
-        SwapStats { capacity: self.dev.capacity(), in_use: self.in_use }
+        SwapStats {
+            capacity: self.dev.capacity(),
+            in_use: self.in_use,
+        }
     }
 
     /// Bytes of metadata (the bitmap).

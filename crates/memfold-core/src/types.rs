@@ -75,7 +75,10 @@ impl P2mEntry {
             PageState::Compressed(b) => (5, b),
             PageState::Swapped(s) => (6, s),
         };
-        assert!(payload < Self::MAX_PAYLOAD, "P2M payload {payload} out of range");
+        assert!(
+            payload < Self::MAX_PAYLOAD,
+            "P2M payload {payload} out of range"
+        );
         P2mEntry(tag << 29 | payload)
     }
 
@@ -102,5 +105,6 @@ impl std::fmt::Debug for P2mEntry {
 
 /// True if every byte of the page is zero (word at a time).
 pub fn is_zero_page(page: &Page) -> bool {
-    page.chunks_exact(8).all(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")) == 0)
+    page.chunks_exact(8)
+        .all(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")) == 0)
 }

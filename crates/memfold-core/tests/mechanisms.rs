@@ -1,8 +1,9 @@
 //! Unit tests per mechanism with hand-made pages and their edge cases.
 
 use memfold_core::{
-    Access, CompressCodec, CompressOutcome, Engine, EngineConfig, EngineError, MemSwapDevice, PageState, PatchCodec,
-    PatchOutcome, Policy, ShareOutcome, SwapOutcome, VmId, ZeroPolicy, PAGE_SIZE,
+    Access, CompressCodec, CompressOutcome, Engine, EngineConfig, EngineError, MemSwapDevice,
+    PageState, PatchCodec, PatchOutcome, Policy, ShareOutcome, SwapOutcome, VmId, ZeroPolicy,
+    PAGE_SIZE,
 };
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
@@ -13,7 +14,11 @@ fn engine(cfg: EngineConfig) -> Engine {
 /// The defaults with one share pass (identical pages found in one sweep) and no rest
 /// between sweeps, so that tests count sweeps exactly.
 fn cfg() -> EngineConfig {
-    EngineConfig { min_rescan_us: 0, share_passes: 1, ..EngineConfig::default() }
+    EngineConfig {
+        min_rescan_us: 0,
+        share_passes: 1,
+        ..EngineConfig::default()
+    }
 }
 
 fn random_page(seed: u64) -> Vec<u8> {
@@ -58,12 +63,25 @@ fn identical_pages_share_across_and_within_vms_and_cow_break_on_write() {
         assert_eq!(e.write(vm, gfn, 0, &page).unwrap(), Access::ZeroFill);
     }
     assert_eq!(e.try_share(a, 0).unwrap(), ShareOutcome::Hinted);
-    assert_eq!(e.try_share(a, 1).unwrap(), ShareOutcome::Shared, "within a VM");
-    assert_eq!(e.try_share(b, 2).unwrap(), ShareOutcome::Shared, "across VMs");
-    let PageState::Shared(f) = e.page_state(a, 0).unwrap() else { panic!() };
+    assert_eq!(
+        e.try_share(a, 1).unwrap(),
+        ShareOutcome::Shared,
+        "within a VM"
+    );
+    assert_eq!(
+        e.try_share(b, 2).unwrap(),
+        ShareOutcome::Shared,
+        "across VMs"
+    );
+    let PageState::Shared(f) = e.page_state(a, 0).unwrap() else {
+        panic!()
+    };
     assert_eq!(e.page_state(b, 2).unwrap(), PageState::Shared(f));
     let acc = e.accounting();
-    assert_eq!((acc.frames.in_use, acc.frames.shared, acc.pages.shared), (1, 1, 3));
+    assert_eq!(
+        (acc.frames.in_use, acc.frames.shared, acc.pages.shared),
+        (1, 1, 3)
+    );
     assert_eq!(acc.saved.sharing, 2.0 * PAGE_SIZE as f64);
     // Reads are free.
     assert_eq!(e.read(b, 2, 0, &mut [0u8; 16]).unwrap(), Access::Hit);
@@ -115,7 +133,10 @@ fn zero_pages_follow_the_policy_switch() {
         (ZeroPolicy::AsContent, ShareOutcome::Shared),
         (ZeroPolicy::Never, ShareOutcome::NotEligible),
     ] {
-        let mut e = engine(EngineConfig { zero_pages: policy, ..cfg() });
+        let mut e = engine(EngineConfig {
+            zero_pages: policy,
+            ..cfg()
+        });
         let vm = e.create_vm(4).unwrap();
         e.write(vm, 0, 0, &[1]).unwrap();
         e.write(vm, 0, 0, &[0]).unwrap(); // now all zeros, but backed
@@ -137,27 +158,54 @@ fn unbacked_pages_read_zero_and_cost_nothing() {
     let vm = e.create_vm(1000).unwrap();
     assert_eq!(read_page(&mut e, vm, 999), vec![0u8; PAGE_SIZE]);
     let acc = e.accounting();
-    assert_eq!((acc.baseline_bytes, acc.host_bytes, acc.pages.unbacked), (0, 0, 1000));
-    assert!(matches!(e.read(vm, 1000, 0, &mut [0]), Err(EngineError::GfnOutOfRange { pages: 1000, .. })));
-    assert!(matches!(e.write(vm, 0, 4090, &[0; 7]), Err(EngineError::BadAccess { offset: 4090, len: 7, .. })));
-    assert!(matches!(e.read(VmId(77), 0, 0, &mut [0]), Err(EngineError::NoSuchVm(VmId(77)))));
+    assert_eq!(
+        (acc.baseline_bytes, acc.host_bytes, acc.pages.unbacked),
+        (0, 0, 1000)
+    );
+    assert!(matches!(
+        e.read(vm, 1000, 0, &mut [0]),
+        Err(EngineError::GfnOutOfRange { pages: 1000, .. })
+    ));
+    assert!(matches!(
+        e.write(vm, 0, 4090, &[0; 7]),
+        Err(EngineError::BadAccess {
+            offset: 4090,
+            len: 7,
+            ..
+        })
+    ));
+    assert!(matches!(
+        e.read(VmId(77), 0, 0, &mut [0]),
+        Err(EngineError::NoSuchVm(VmId(77)))
+    ));
     assert!(matches!(e.create_vm(0), Err(EngineError::BadVmSize { .. })));
 }
 
 #[test]
 fn similar_pages_are_patched_and_rebuilt_on_access() {
     for codec in PatchCodec::ALL {
-        let mut e = engine(EngineConfig { patch_codec: codec, ..cfg() });
+        let mut e = engine(EngineConfig {
+            patch_codec: codec,
+            ..cfg()
+        });
         let vm = e.create_vm(8).unwrap();
         let base = random_page(3);
         let sim = similar_to(&base, 4, 10);
         e.write(vm, 0, 0, &base).unwrap();
         e.write(vm, 1, 0, &sim).unwrap();
         assert!(e.index_reference(vm, 0).unwrap());
-        let PatchOutcome::Patched(len) = e.try_patch(vm, 1).unwrap() else { panic!("{codec:?} did not patch") };
+        let PatchOutcome::Patched(len) = e.try_patch(vm, 1).unwrap() else {
+            panic!("{codec:?} did not patch")
+        };
         assert!(len < 400, "{codec:?} patch of {len} bytes");
-        assert!(matches!(e.page_state(vm, 1).unwrap(), PageState::Patched(_)));
-        assert!(matches!(e.page_state(vm, 0).unwrap(), PageState::Shared(_)), "reference frozen");
+        assert!(matches!(
+            e.page_state(vm, 1).unwrap(),
+            PageState::Patched(_)
+        ));
+        assert!(
+            matches!(e.page_state(vm, 0).unwrap(), PageState::Shared(_)),
+            "reference frozen"
+        );
         let acc = e.accounting();
         assert!(acc.saved.patching > 3000.0, "{:?}", acc.saved);
         assert_eq!(e.read(vm, 1, 0, &mut [0u8; 4]).unwrap(), Access::Unpatch);
@@ -176,12 +224,21 @@ fn writing_a_reference_page_never_corrupts_its_patches() {
     e.index_reference(vm, 0).unwrap();
     for (i, s) in sims.iter().enumerate() {
         e.write(vm, 1 + i as u32, 0, s).unwrap();
-        assert!(matches!(e.try_patch(vm, 1 + i as u32).unwrap(), PatchOutcome::Patched(_)));
+        assert!(matches!(
+            e.try_patch(vm, 1 + i as u32).unwrap(),
+            PatchOutcome::Patched(_)
+        ));
     }
     // The reference page is rewritten entirely, then discarded.
-    assert_eq!(e.write(vm, 0, 0, &random_page(99)).unwrap(), Access::CowBreak);
+    assert_eq!(
+        e.write(vm, 0, 0, &random_page(99)).unwrap(),
+        Access::CowBreak
+    );
     let acc = e.accounting();
-    assert_eq!(acc.frames.reference_only, 1, "old content kept for the patches");
+    assert_eq!(
+        acc.frames.reference_only, 1,
+        "old content kept for the patches"
+    );
     e.check_invariants().unwrap();
     e.discard(vm, 0).unwrap();
     for (i, s) in sims.iter().enumerate() {
@@ -199,7 +256,10 @@ fn writing_a_reference_page_never_corrupts_its_patches() {
 
 #[test]
 fn patches_over_the_cut_off_are_refused() {
-    let mut e = engine(EngineConfig { patch_cutoff: 2048, ..cfg() });
+    let mut e = engine(EngineConfig {
+        patch_cutoff: 2048,
+        ..cfg()
+    });
     let vm = e.create_vm(4).unwrap();
     let base = random_page(6);
     // Unrelated except for the hashed blocks: a candidate, but its patch is huge.
@@ -214,7 +274,10 @@ fn patches_over_the_cut_off_are_refused() {
     e.write(vm, 1, 0, &far).unwrap();
     assert_eq!(e.try_patch(vm, 1).unwrap(), PatchOutcome::TooLarge);
     assert_eq!(e.counters().patch_rejected, 1);
-    assert!(matches!(e.page_state(vm, 1).unwrap(), PageState::Private(_)));
+    assert!(matches!(
+        e.page_state(vm, 1).unwrap(),
+        PageState::Private(_)
+    ));
     e.write(vm, 2, 0, &random_page(8)).unwrap();
     assert_eq!(e.try_patch(vm, 2).unwrap(), PatchOutcome::NoCandidate);
 }
@@ -222,7 +285,10 @@ fn patches_over_the_cut_off_are_refused() {
 #[test]
 fn every_compression_codec_round_trips_through_the_engine() {
     for codec in CompressCodec::ALL {
-        let mut e = engine(EngineConfig { compress_codec: codec, ..cfg() });
+        let mut e = engine(EngineConfig {
+            compress_codec: codec,
+            ..cfg()
+        });
         let vm = e.create_vm(4).unwrap();
         // Small integers: compressible by every codec, byte- or word-oriented.
         let mut words = vec![0u8; PAGE_SIZE];
@@ -233,9 +299,24 @@ fn every_compression_codec_round_trips_through_the_engine() {
         for (g, p) in pages.iter().enumerate() {
             e.write(vm, g as u32, 0, p).unwrap();
         }
-        assert!(matches!(e.try_compress(vm, 0).unwrap(), CompressOutcome::Compressed(_)) || codec == CompressCodec::Wkdm);
-        assert!(matches!(e.try_compress(vm, 1).unwrap(), CompressOutcome::Compressed(_)), "{codec:?}");
-        assert_eq!(e.try_compress(vm, 2).unwrap(), CompressOutcome::TooLarge, "random pages stay");
+        assert!(
+            matches!(
+                e.try_compress(vm, 0).unwrap(),
+                CompressOutcome::Compressed(_)
+            ) || codec == CompressCodec::Wkdm
+        );
+        assert!(
+            matches!(
+                e.try_compress(vm, 1).unwrap(),
+                CompressOutcome::Compressed(_)
+            ),
+            "{codec:?}"
+        );
+        assert_eq!(
+            e.try_compress(vm, 2).unwrap(),
+            CompressOutcome::TooLarge,
+            "random pages stay"
+        );
         for (g, p) in pages.iter().enumerate() {
             let mut out = [0u8; PAGE_SIZE];
             e.peek(vm, g as u32, &mut out).unwrap();
@@ -253,40 +334,80 @@ fn swap_out_and_in_of_every_page_kind_with_full_swap_and_io_errors() {
     let mut e = Engine::new(cfg(), Box::new(dev)).unwrap();
     let vm = e.create_vm(8).unwrap();
     let base = random_page(1);
-    let pages = [base.clone(), similar_to(&base, 2, 3), text_page(3), base.clone(), random_page(4)];
+    let pages = [
+        base.clone(),
+        similar_to(&base, 2, 3),
+        text_page(3),
+        base.clone(),
+        random_page(4),
+    ];
     for (g, p) in pages.iter().enumerate() {
         e.write(vm, g as u32, 0, p).unwrap();
     }
     e.index_reference(vm, 0).unwrap();
-    assert!(matches!(e.try_patch(vm, 1).unwrap(), PatchOutcome::Patched(_)));
-    assert!(matches!(e.try_compress(vm, 2).unwrap(), CompressOutcome::Compressed(_)));
+    assert!(matches!(
+        e.try_patch(vm, 1).unwrap(),
+        PatchOutcome::Patched(_)
+    ));
+    assert!(matches!(
+        e.try_compress(vm, 2).unwrap(),
+        CompressOutcome::Compressed(_)
+    ));
     assert_eq!(e.try_share(vm, 3).unwrap(), ShareOutcome::Shared);
     for g in [1, 2, 3] {
-        assert!(matches!(e.swap_out(vm, g).unwrap(), SwapOutcome::Swapped(_)), "gfn {g}");
+        assert!(
+            matches!(e.swap_out(vm, g).unwrap(), SwapOutcome::Swapped(_)),
+            "gfn {g}"
+        );
     }
     // Full: a hint, nothing changes.
     assert_eq!(e.swap_out(vm, 4).unwrap(), SwapOutcome::SwapFull);
-    assert!(matches!(e.page_state(vm, 4).unwrap(), PageState::Private(_)));
+    assert!(matches!(
+        e.page_state(vm, 4).unwrap(),
+        PageState::Private(_)
+    ));
     // A failing read leaves the page swapped and intact.
-    faults.reads.store(true, std::sync::atomic::Ordering::Relaxed);
-    assert!(matches!(e.read(vm, 1, 0, &mut [0u8; 4]), Err(EngineError::SwapIo(_))));
-    assert!(matches!(e.page_state(vm, 1).unwrap(), PageState::Swapped(_)));
-    faults.reads.store(false, std::sync::atomic::Ordering::Relaxed);
+    faults
+        .reads
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(matches!(
+        e.read(vm, 1, 0, &mut [0u8; 4]),
+        Err(EngineError::SwapIo(_))
+    ));
+    assert!(matches!(
+        e.page_state(vm, 1).unwrap(),
+        PageState::Swapped(_)
+    ));
+    faults
+        .reads
+        .store(false, std::sync::atomic::Ordering::Relaxed);
     for (g, p) in pages.iter().enumerate() {
         assert_eq!(&read_page(&mut e, vm, g as u32), p, "gfn {g}");
     }
     assert_eq!(e.counters().swap_ins, 3);
     // A failing write leaves the page in memory.
-    faults.writes.store(true, std::sync::atomic::Ordering::Relaxed);
+    faults
+        .writes
+        .store(true, std::sync::atomic::Ordering::Relaxed);
     assert!(matches!(e.swap_out(vm, 4), Err(EngineError::SwapIo(_))));
-    assert!(matches!(e.page_state(vm, 4).unwrap(), PageState::Private(_)));
+    assert!(matches!(
+        e.page_state(vm, 4).unwrap(),
+        PageState::Private(_)
+    ));
     assert_eq!(e.accounting().swap.in_use, 0);
     e.check_invariants().unwrap();
 }
 
 #[test]
 fn a_host_budget_overcommits_through_swap_and_fails_cleanly_when_swap_is_full() {
-    let mut e = Engine::new(EngineConfig { host_frames_limit: Some(10), ..cfg() }, Box::new(MemSwapDevice::new(20))).unwrap();
+    let mut e = Engine::new(
+        EngineConfig {
+            host_frames_limit: Some(10),
+            ..cfg()
+        },
+        Box::new(MemSwapDevice::new(20)),
+    )
+    .unwrap();
     let vm = e.create_vm(40).unwrap();
     for g in 0..30 {
         e.write(vm, g, 0, &random_page(g as u64)).unwrap();
@@ -298,7 +419,10 @@ fn a_host_budget_overcommits_through_swap_and_fails_cleanly_when_swap_is_full() 
     }
     // 10 in memory + 20 in swap: the 31st page has nowhere to go.
     let err = e.write(vm, 30, 0, &random_page(30)).unwrap_err();
-    assert!(matches!(err, EngineError::OutOfHostMemory { limit: 10, .. }), "{err}");
+    assert!(
+        matches!(err, EngineError::OutOfHostMemory { limit: 10, .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("swap file is full"), "{err}");
     assert_eq!(e.page_state(vm, 30).unwrap(), PageState::Unbacked);
     e.check_invariants().unwrap();
@@ -321,14 +445,21 @@ fn the_clock_applies_the_de_policy_by_class() {
     // Sweep 1: everything just written (C1): nothing happens.
     let r = e.tick(0, 64).unwrap();
     assert_eq!(r.states[0], 48);
-    assert_eq!(r.shared + r.patched + r.compressed, 0, "C1 pages are left alone");
+    assert_eq!(
+        r.shared + r.patched + r.compressed,
+        0,
+        "C1 pages are left alone"
+    );
     // Sweep 2 (C3): shared and patched. Sweep 3 (C4): compressed.
     e.tick(1, 64).unwrap();
     let acc = e.accounting();
     // The similar pages' reference is the identical pages' shared frame.
     assert_eq!(acc.pages.shared, 16);
     assert!(acc.pages.patched >= 14, "{:?}", acc.pages);
-    assert_eq!(acc.pages.compressed, 0, "compression waits for a full idle cycle");
+    assert_eq!(
+        acc.pages.compressed, 0,
+        "compression waits for a full idle cycle"
+    );
     e.tick(2, 64).unwrap();
     e.tick(3, 64).unwrap();
     let acc = e.accounting();
@@ -336,7 +467,10 @@ fn the_clock_applies_the_de_policy_by_class() {
     // 15/16 of the identical and ~15/16 of the similar pages, about half of each text page.
     assert!(acc.saved_fraction() > 0.75, "{}", acc.saved_fraction());
     // Sharing-only touches nothing but identical pages.
-    let mut s = engine(EngineConfig { policy: Policy::sharing_only(), ..cfg() });
+    let mut s = engine(EngineConfig {
+        policy: Policy::sharing_only(),
+        ..cfg()
+    });
     let vm2 = s.create_vm(8).unwrap();
     s.write(vm2, 0, 0, &base).unwrap();
     s.write(vm2, 1, 0, &similar_to(&base, 1, 2)).unwrap();
@@ -345,12 +479,18 @@ fn the_clock_applies_the_de_policy_by_class() {
         s.tick(t, 8).unwrap();
     }
     let acc = s.accounting();
-    assert_eq!((acc.pages.patched, acc.pages.compressed, acc.pages.private), (0, 0, 3));
+    assert_eq!(
+        (acc.pages.patched, acc.pages.compressed, acc.pages.private),
+        (0, 0, 3)
+    );
 }
 
 #[test]
 fn the_clock_rests_min_rescan_between_sweeps_and_is_fair_between_vms() {
-    let mut e = engine(EngineConfig { min_rescan_us: 4_000_000, ..cfg() });
+    let mut e = engine(EngineConfig {
+        min_rescan_us: 4_000_000,
+        ..cfg()
+    });
     let a = e.create_vm(100).unwrap();
     let b = e.create_vm(100).unwrap();
     let r = e.tick(0, 50).unwrap();
@@ -369,7 +509,11 @@ fn the_clock_rests_min_rescan_between_sweeps_and_is_fair_between_vms() {
 #[test]
 fn five_pass_partitioning_shares_everything_over_a_cycle_with_a_smaller_table() {
     let mk = |passes| {
-        let mut e = engine(EngineConfig { share_passes: passes, policy: Policy::sharing_only(), ..cfg() });
+        let mut e = engine(EngineConfig {
+            share_passes: passes,
+            policy: Policy::sharing_only(),
+            ..cfg()
+        });
         let vm = e.create_vm(400).unwrap();
         for g in 0..400 {
             e.write(vm, g, 0, &random_page((g % 100) as u64)).unwrap();
@@ -386,16 +530,28 @@ fn five_pass_partitioning_shares_everything_over_a_cycle_with_a_smaller_table() 
         max_table[1] = max_table[1].max(five.metadata().share_table as usize);
     }
     assert_eq!(one.accounting().pages.shared, 400);
-    assert_eq!(five.accounting().pages.shared, 400, "a full cycle covers every hash interval");
+    assert_eq!(
+        five.accounting().pages.shared,
+        400,
+        "a full cycle covers every hash interval"
+    );
     assert!(five.counters().cycles >= 1);
-    assert!(max_table[1] < max_table[0], "partitioned table {} vs {}", max_table[1], max_table[0]);
+    assert!(
+        max_table[1] < max_table[0],
+        "partitioned table {} vs {}",
+        max_table[1],
+        max_table[0]
+    );
     five.check_invariants().unwrap();
 }
 
 #[test]
 fn metadata_stays_under_half_a_percent_of_managed_memory() {
     // The shipped defaults (5 share passes, DE §4.3).
-    let mut e = engine(EngineConfig { min_rescan_us: 0, ..EngineConfig::default() });
+    let mut e = engine(EngineConfig {
+        min_rescan_us: 0,
+        ..EngineConfig::default()
+    });
     let vm = e.create_vm(32768).unwrap(); // 128 MiB
     let base = random_page(1);
     for g in 0..32768u32 {
@@ -416,8 +572,16 @@ fn metadata_stays_under_half_a_percent_of_managed_memory() {
         }
     }
     let acc = e.accounting();
-    assert!(acc.pages.shared > 0 && acc.pages.patched > 0 && acc.pages.compressed > 0, "{:?}", acc.pages);
+    assert!(
+        acc.pages.shared > 0 && acc.pages.patched > 0 && acc.pages.compressed > 0,
+        "{:?}",
+        acc.pages
+    );
     let m = peak;
     println!("{m:#?}");
-    assert!(m.fraction < 0.005, "metadata {:.3}% of managed memory", m.fraction * 100.0);
+    assert!(
+        m.fraction < 0.005,
+        "metadata {:.3}% of managed memory",
+        m.fraction * 100.0
+    );
 }

@@ -29,15 +29,15 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         2 => (1u32..40).prop_map(|pages| Op::CreateVm { pages }),
         1 => any::<u32>().prop_map(|vm| Op::DestroyVm { vm }),
-        20 => (vg.clone(), content()).prop_map(|((vm, gfn), content)| Op::WritePage { vm, gfn, content }),
-        10 => (vg.clone(), any::<u16>(), any::<u16>(), any::<u8>()).prop_map(|((vm, gfn), offset, len, byte)| Op::WritePartial { vm, gfn, offset, len, byte }),
-        15 => (vg.clone(), any::<u16>(), any::<u16>()).prop_map(|((vm, gfn), offset, len)| Op::Read { vm, gfn, offset, len }),
-        3 => vg.clone().prop_map(|(vm, gfn)| Op::Discard { vm, gfn }),
+        20 => (vg, content()).prop_map(|((vm, gfn), content)| Op::WritePage { vm, gfn, content }),
+        10 => (vg, any::<u16>(), any::<u16>(), any::<u8>()).prop_map(|((vm, gfn), offset, len, byte)| Op::WritePartial { vm, gfn, offset, len, byte }),
+        15 => (vg, any::<u16>(), any::<u16>()).prop_map(|((vm, gfn), offset, len)| Op::Read { vm, gfn, offset, len }),
+        3 => vg.prop_map(|(vm, gfn)| Op::Discard { vm, gfn }),
         12 => (1u16..64, 0u32..3000).prop_map(|(budget, advance_ms)| Op::Tick { budget, advance_ms }),
-        8 => vg.clone().prop_map(|(vm, gfn)| Op::Share { vm, gfn }),
-        4 => vg.clone().prop_map(|(vm, gfn)| Op::IndexReference { vm, gfn }),
-        7 => vg.clone().prop_map(|(vm, gfn)| Op::Patch { vm, gfn }),
-        6 => vg.clone().prop_map(|(vm, gfn)| Op::Compress { vm, gfn }),
+        8 => vg.prop_map(|(vm, gfn)| Op::Share { vm, gfn }),
+        4 => vg.prop_map(|(vm, gfn)| Op::IndexReference { vm, gfn }),
+        7 => vg.prop_map(|(vm, gfn)| Op::Patch { vm, gfn }),
+        6 => vg.prop_map(|(vm, gfn)| Op::Compress { vm, gfn }),
         5 => vg.prop_map(|(vm, gfn)| Op::SwapOut { vm, gfn }),
         2 => (1u8..8).prop_map(|pages| Op::SwapHint { pages }),
         1 => any::<u8>().prop_map(Op::SetPolicy),
@@ -47,17 +47,37 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
-    (any::<u8>(), prop_oneof![Just(1u32), Just(5)], any::<u8>(), any::<u8>(), prop::option::of(8u32..80), 0u32..96, prop::bool::weighted(0.15), prop_oneof![Just(0u32), Just(4000)])
-        .prop_map(|(zero, passes, patch_codec, compress_codec, host_limit, swap_slots, collide_hashes, min_rescan_ms)| Setup {
-            zero,
-            passes,
-            patch_codec,
-            compress_codec,
-            host_limit,
-            swap_slots,
-            collide_hashes,
-            min_rescan_ms,
-        })
+    (
+        any::<u8>(),
+        prop_oneof![Just(1u32), Just(5)],
+        any::<u8>(),
+        any::<u8>(),
+        prop::option::of(8u32..80),
+        0u32..96,
+        prop::bool::weighted(0.15),
+        prop_oneof![Just(0u32), Just(4000)],
+    )
+        .prop_map(
+            |(
+                zero,
+                passes,
+                patch_codec,
+                compress_codec,
+                host_limit,
+                swap_slots,
+                collide_hashes,
+                min_rescan_ms,
+            )| Setup {
+                zero,
+                passes,
+                patch_codec,
+                compress_codec,
+                host_limit,
+                swap_slots,
+                collide_hashes,
+                min_rescan_ms,
+            },
+        )
 }
 
 fn run(setup: &Setup, ops: &[Op]) -> Result<(), String> {
@@ -67,7 +87,8 @@ fn run(setup: &Setup, ops: &[Op]) -> Result<(), String> {
     h.step(&Op::CreateVm { pages: 17 })?;
     for (n, op) in ops.iter().enumerate() {
         h.step(op).map_err(|e| format!("step {n}: {e}"))?;
-        h.verify_all().map_err(|e| format!("after step {n} ({op:?}): {e}"))?;
+        h.verify_all()
+            .map_err(|e| format!("after step {n} ({op:?}): {e}"))?;
     }
     h.teardown()
 }
@@ -91,7 +112,10 @@ fn engine_matches_reference_model_seeded() {
 #[test]
 #[ignore = "long: 10^7 operations; run with --ignored (see the module docs)"]
 fn engine_matches_reference_model_long() {
-    let ops: u64 = std::env::var("MEMFOLD_MODEL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000_000);
+    let ops: u64 = std::env::var("MEMFOLD_MODEL_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000_000);
     long_run(ops, 100, 1);
 }
 
@@ -111,12 +135,16 @@ fn long_run(total: u64, seed: u64, full_every: u64) {
         h.step(&Op::CreateVm { pages: 20 }).unwrap();
         for n in 0..per_run {
             let op = random_op(&mut r);
-            let touched = h.step(&op).unwrap_or_else(|e| panic!("run {run_no} step {n}: {e}\n{setup:?}"));
+            let touched = h
+                .step(&op)
+                .unwrap_or_else(|e| panic!("run {run_no} step {n}: {e}\n{setup:?}"));
             if let Some((i, g)) = touched {
-                h.verify_page(i, g).unwrap_or_else(|e| panic!("run {run_no} step {n} ({op:?}): {e}\n{setup:?}"));
+                h.verify_page(i, g)
+                    .unwrap_or_else(|e| panic!("run {run_no} step {n} ({op:?}): {e}\n{setup:?}"));
             }
             if n % full_every == 0 {
-                h.verify_all().unwrap_or_else(|e| panic!("run {run_no} step {n} ({op:?}): {e}\n{setup:?}"));
+                h.verify_all()
+                    .unwrap_or_else(|e| panic!("run {run_no} step {n} ({op:?}): {e}\n{setup:?}"));
             }
         }
         h.verify_all().unwrap();

@@ -29,7 +29,12 @@ impl Engine {
     fn check_access(&self, vm: VmId, gfn: Gfn, offset: usize, len: usize) -> Result<()> {
         self.check(vm, gfn)?;
         if offset.checked_add(len).is_none_or(|end| end > PAGE_SIZE) {
-            return Err(EngineError::BadAccess { vm, gfn, offset, len });
+            return Err(EngineError::BadAccess {
+                vm,
+                gfn,
+                offset,
+                len,
+            });
         }
         Ok(())
     }
@@ -145,7 +150,9 @@ impl Engine {
                 self.release(e);
                 f
             }
-            (Err(EngineError::OutOfHostMemory { .. }), PageState::Swapped(slot)) => self.swap_exchange(vm, gfn, slot, &page)?,
+            (Err(EngineError::OutOfHostMemory { .. }), PageState::Swapped(slot)) => {
+                self.swap_exchange(vm, gfn, slot, &page)?
+            }
             (Err(err), _) => return Err(err),
         };
         self.frames.data_mut(f).copy_from_slice(&page);

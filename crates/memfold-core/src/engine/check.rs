@@ -40,9 +40,16 @@ impl Engine {
                         }
                         let meta = self.blobs.meta(&self.frames, b);
                         match (e.state(), meta.kind, meta.reference) {
-                            (PageState::Patched(_), BlobKind::Patch(_), Some(r)) => *expect.entry(r).or_default() += 1,
+                            (PageState::Patched(_), BlobKind::Patch(_), Some(r)) => {
+                                *expect.entry(r).or_default() += 1
+                            }
                             (PageState::Compressed(_), BlobKind::Compressed(_), None) => {}
-                            _ => return Err(format!("{}: blob {b} kind {meta:?} does not match entry", at())),
+                            _ => {
+                                return Err(format!(
+                                    "{}: blob {b} kind {meta:?} does not match entry",
+                                    at()
+                                ))
+                            }
                         }
                     }
                     PageState::Swapped(s) => {
@@ -59,7 +66,9 @@ impl Engine {
                 return Err(format!("frame {f:?} mapped both private and shared"));
             }
             if expect[f] != 1 {
-                return Err(format!("private frame {f:?} also used as a patch reference"));
+                return Err(format!(
+                    "private frame {f:?} also used as a patch reference"
+                ));
             }
             if self.frames.flags(*f) & IN_SHARE_TABLE != 0 {
                 return Err(format!("private frame {f:?} is in the share table"));
@@ -68,7 +77,9 @@ impl Engine {
         for (&f, &n) in &expect {
             let c = self.frames.refcount(f);
             if c != n {
-                return Err(format!("frame {f:?}: refcount {c}, but {n} mappings and patch references"));
+                return Err(format!(
+                    "frame {f:?}: refcount {c}, but {n} mappings and patch references"
+                ));
             }
             if self.frames.flags(f) & BLOB_CHUNK != 0 {
                 return Err(format!("frame {f:?} is both guest data and a blob chunk"));
@@ -77,7 +88,11 @@ impl Engine {
         let chunks: HashSet<Frame> = self.blobs.chunk_frames().collect();
         for &f in &chunks {
             if self.frames.refcount(f) != 1 || self.frames.flags(f) & BLOB_CHUNK == 0 {
-                return Err(format!("blob chunk {f:?} has refcount {} / flags {}", self.frames.refcount(f), self.frames.flags(f)));
+                return Err(format!(
+                    "blob chunk {f:?} has refcount {} / flags {}",
+                    self.frames.refcount(f),
+                    self.frames.flags(f)
+                ));
             }
         }
         let allocated = self.frames.allocated().count();
@@ -91,22 +106,33 @@ impl Engine {
         }
         let live_blobs = self.blobs.live_ids().count();
         if live_blobs != blobs_seen.len() {
-            return Err(format!("{live_blobs} live blobs, {} held by pages", blobs_seen.len()));
+            return Err(format!(
+                "{live_blobs} live blobs, {} held by pages",
+                blobs_seen.len()
+            ));
         }
         if self.swap.stats().in_use as usize != slots_seen.len() {
-            return Err(format!("{} swap slots used, {} held by pages", self.swap.stats().in_use, slots_seen.len()));
+            return Err(format!(
+                "{} swap slots used, {} held by pages",
+                self.swap.stats().in_use,
+                slots_seen.len()
+            ));
         }
         let mut listed = HashSet::new();
         for (tag, e) in self.share.entries() {
             if let ShareEntry::Shared(f) = e {
                 if !expect.contains_key(&f) || self.frames.flags(f) & IN_SHARE_TABLE == 0 {
-                    return Err(format!("share table names frame {f:?} that is not a flagged live frame"));
+                    return Err(format!(
+                        "share table names frame {f:?} that is not a flagged live frame"
+                    ));
                 }
                 if private.contains(&f) {
                     return Err(format!("share table names private frame {f:?}"));
                 }
                 if (self.hash(self.frames.data(f)) >> 32) as u32 != tag {
-                    return Err(format!("shared frame {f:?} content no longer matches its hash: it was written"));
+                    return Err(format!(
+                        "shared frame {f:?} content no longer matches its hash: it was written"
+                    ));
                 }
                 if !listed.insert(f) {
                     return Err(format!("frame {f:?} listed twice in the share table"));
@@ -115,7 +141,9 @@ impl Engine {
         }
         for f in self.frames.allocated() {
             if self.frames.flags(f) & IN_SHARE_TABLE != 0 && !listed.contains(&f) {
-                return Err(format!("frame {f:?} flagged as listed but missing from the share table"));
+                return Err(format!(
+                    "frame {f:?} flagged as listed but missing from the share table"
+                ));
             }
         }
         Ok(())

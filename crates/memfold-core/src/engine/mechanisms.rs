@@ -53,7 +53,7 @@ pub enum CompressOutcome {
     Compressed(u16),
     /// Compressed size over the cut-off: left as it was.
     TooLarge,
-    /// Not a resident private non-zero page.
+    /// Not a resident private page.
     NotEligible,
 }
 
@@ -83,7 +83,8 @@ impl Engine {
                 // Re-enter the frame after a partitioned pass cleared the table.
                 if self.frames.flags(f) & IN_SHARE_TABLE == 0 {
                     let h = self.hash(self.frames.data(f));
-                    if self.share.in_current_pass(h) && self.share.insert(h, ShareEntry::Shared(f)) {
+                    if self.share.in_current_pass(h) && self.share.insert(h, ShareEntry::Shared(f))
+                    {
                         self.frames.set_flag(f, IN_SHARE_TABLE, true);
                     }
                 }
@@ -120,9 +121,11 @@ impl Engine {
                 }
                 ShareEntry::Hint(g) if g == me => {}
                 ShareEntry::Hint(g) => {
-                    let other = self.gpns.owner(g).and_then(|(v2, gfn2)| match self.entry(v2, gfn2).state() {
-                        PageState::Private(f2) => Some((v2, gfn2, f2)),
-                        _ => None,
+                    let other = self.gpns.owner(g).and_then(|(v2, gfn2)| {
+                        match self.entry(v2, gfn2).state() {
+                            PageState::Private(f2) => Some((v2, gfn2, f2)),
+                            _ => None,
+                        }
                     });
                     match other {
                         Some((v2, gfn2, f2)) if self.frames.data(f2) == self.frames.data(f) => {
@@ -208,7 +211,9 @@ impl Engine {
         let mut best: Option<(VmId, Gfn, Frame)> = None;
         let mut any = false;
         for &g in &cands {
-            let Some((v2, gfn2)) = self.gpns.owner(g) else { continue };
+            let Some((v2, gfn2)) = self.gpns.owner(g) else {
+                continue;
+            };
             if g == me {
                 continue;
             }
@@ -224,7 +229,9 @@ impl Engine {
                 .patch_codec
                 .encode(self.frames.data(r), self.frames.data(f), &mut self.blob_buf)
                 .expect("patch encoding of two pages cannot fail");
-            if self.blob_buf.len() <= self.cfg.patch_cutoff && best.is_none_or(|_| self.blob_buf.len() < self.best_buf.len()) {
+            if self.blob_buf.len() <= self.cfg.patch_cutoff
+                && best.is_none_or(|_| self.blob_buf.len() < self.best_buf.len())
+            {
                 std::mem::swap(&mut self.blob_buf, &mut self.best_buf);
                 best = Some((v2, gfn2, r));
             }
@@ -246,7 +253,9 @@ impl Engine {
         }
         let kind = BlobKind::Patch(self.cfg.patch_codec);
         let best_bytes = std::mem::take(&mut self.best_buf);
-        let stored = self.blobs.store(&mut self.frames, &best_bytes, kind, Some(r));
+        let stored = self
+            .blobs
+            .store(&mut self.frames, &best_bytes, kind, Some(r));
         let len = best_bytes.len() as u16;
         self.best_buf = best_bytes;
         let id = stored.ok_or(EngineError::FramesExhausted)?;
@@ -271,6 +280,8 @@ impl Engine {
     }
 
     /// Tries to compress a resident private page (DE §3.3); keeps it only under the cut-off.
+    /// Zero pages compress too (to one 64-byte slot): under a policy without sharing, or
+    /// with [`ZeroPolicy::Never`], this is what saves them.
     ///
     /// Errors: [`EngineError::NoSuchVm`], [`EngineError::GfnOutOfRange`],
     /// [`EngineError::FramesExhausted`] (page left as it was).
@@ -280,18 +291,22 @@ impl Engine {
             PageState::Private(f) => f,
             _ => return Ok(CompressOutcome::NotEligible),
         };
-        if is_zero_page(self.frames.data(f)) {
-            return Ok(CompressOutcome::NotEligible);
-        }
         let codec = self.cfg.compress_codec;
-        codec.compress(self.frames.data(f), &mut self.blob_buf).expect("page compression cannot fail");
+        codec
+            .compress(self.frames.data(f), &mut self.blob_buf)
+            .expect("page compression cannot fail");
         if self.blob_buf.len() > self.cfg.compress_cutoff {
             self.counters.compress_rejected += 1;
             return Ok(CompressOutcome::TooLarge);
         }
         let id = self
             .blobs
-            .store(&mut self.frames, &self.blob_buf, BlobKind::Compressed(codec), None)
+            .store(
+                &mut self.frames,
+                &self.blob_buf,
+                BlobKind::Compressed(codec),
+                None,
+            )
             .ok_or(EngineError::FramesExhausted)?;
         let len = self.blob_buf.len() as u16;
         self.set_entry(vm, gfn, PageState::Compressed(id));
@@ -309,7 +324,10 @@ impl Engine {
     pub fn swap_out(&mut self, vm: VmId, gfn: Gfn) -> Result<SwapOutcome> {
         self.check(vm, gfn)?;
         let e = self.entry(vm, gfn);
-        if matches!(e.state(), PageState::Unbacked | PageState::Zero | PageState::Swapped(_)) {
+        if matches!(
+            e.state(),
+            PageState::Unbacked | PageState::Zero | PageState::Swapped(_)
+        ) {
             return Ok(SwapOutcome::NotEligible);
         }
         let mut page = [0u8; PAGE_SIZE];
@@ -346,7 +364,11 @@ impl Engine {
 
     /// Swaps out victims until fewer than `limit` frames are in use. Returns why it had to
     /// stop short (for the error message), or an empty string.
-    pub(super) fn reclaim_to_budget(&mut self, limit: u32, exclude: Option<(VmId, Gfn)>) -> Result<String> {
+    pub(super) fn reclaim_to_budget(
+        &mut self,
+        limit: u32,
+        exclude: Option<(VmId, Gfn)>,
+    ) -> Result<String> {
         let mut done = 0;
         self.swap_victims(u32::MAX, exclude, |in_use, _| in_use < limit, &mut done)
     }
@@ -367,7 +389,9 @@ impl Engine {
                 if *done >= max || enough(self.frames.in_use(), *done) {
                     return Ok(String::new());
                 }
-                let Some((vm, gfn)) = self.advance_swap_cursor() else { return Ok("no VM".into()) };
+                let Some((vm, gfn)) = self.advance_swap_cursor() else {
+                    return Ok("no VM".into());
+                };
                 if Some((vm, gfn)) == exclude {
                     continue;
                 }
@@ -380,7 +404,9 @@ impl Engine {
                 };
                 // Swapping a mapping of a frame others keep frees nothing.
                 let frees = match self.entry(vm, gfn).state() {
-                    PageState::Private(_) | PageState::Patched(_) | PageState::Compressed(_) => true,
+                    PageState::Private(_) | PageState::Patched(_) | PageState::Compressed(_) => {
+                        true
+                    }
                     PageState::Shared(f) => self.frames.refcount(f) == 1,
                     _ => false,
                 };
@@ -393,13 +419,24 @@ impl Engine {
                 }
             }
         }
-        Ok(if enough(self.frames.in_use(), *done) { String::new() } else { "no page left to swap out".into() })
+        Ok(if enough(self.frames.in_use(), *done) {
+            String::new()
+        } else {
+            "no page left to swap out".into()
+        })
     }
 
     fn advance_swap_cursor(&mut self) -> Option<(VmId, Gfn)> {
         let (vm, gfn) = self.swap_cursor;
         let cur = match vm {
-            Some(v) if self.vms.get(&v).is_some_and(|x| (gfn as usize) < x.p2m.len()) => (v, gfn),
+            Some(v)
+                if self
+                    .vms
+                    .get(&v)
+                    .is_some_and(|x| (gfn as usize) < x.p2m.len()) =>
+            {
+                (v, gfn)
+            }
             _ => (self.next_vm_after(vm)?, 0),
         };
         self.swap_cursor = (Some(cur.0), cur.1 + 1);

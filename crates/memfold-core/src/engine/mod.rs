@@ -125,7 +125,10 @@ const GPN_LIMIT: u32 = 1 << 31;
 
 impl GpnSpace {
     fn new() -> Self {
-        GpnSpace { free: BTreeMap::from([(0, GPN_LIMIT)]), owners: BTreeMap::new() }
+        GpnSpace {
+            free: BTreeMap::from([(0, GPN_LIMIT)]),
+            owners: BTreeMap::new(),
+        }
     }
 
     fn alloc(&mut self, vm: VmId, len: u32) -> Option<Gpn> {
@@ -193,11 +196,16 @@ impl Engine {
     pub fn new(cfg: EngineConfig, swap: Box<dyn SwapDevice>) -> std::result::Result<Self, String> {
         let det = SimilarityDetector::new(cfg.similarity)?;
         if cfg.share_passes == 0 || cfg.share_passes > 6 {
-            return Err(format!("share passes = {}, must be in 1..=6", cfg.share_passes));
+            return Err(format!(
+                "share passes = {}, must be in 1..=6",
+                cfg.share_passes
+            ));
         }
         let max = crate::blobstore::MAX_BLOB;
         if cfg.patch_cutoff > max || cfg.compress_cutoff > max {
-            return Err(format!("patch and compression cut-offs must be at most {max} bytes"));
+            return Err(format!(
+                "patch and compression cut-offs must be at most {max} bytes"
+            ));
         }
         Ok(Engine {
             share: ShareTable::new(cfg.share_passes),
@@ -244,7 +252,10 @@ impl Engine {
             return Err(EngineError::BadVmSize { pages, max });
         }
         let id = VmId(self.next_vm_id);
-        let base = self.gpns.alloc(id, pages).ok_or(EngineError::GpnExhausted { pages })?;
+        let base = self
+            .gpns
+            .alloc(id, pages)
+            .ok_or(EngineError::GpnExhausted { pages })?;
         self.next_vm_id += 1;
         self.vms.insert(
             id,
@@ -314,7 +325,13 @@ impl Engine {
     /// dirty and access tracking, DE §4.2).
     ///
     /// Errors: [`EngineError::NoSuchVm`], [`EngineError::GfnOutOfRange`].
-    pub fn note_access(&mut self, vm: VmId, gfn: Gfn, referenced: bool, modified: bool) -> Result<()> {
+    pub fn note_access(
+        &mut self,
+        vm: VmId,
+        gfn: Gfn,
+        referenced: bool,
+        modified: bool,
+    ) -> Result<()> {
         self.check(vm, gfn)?;
         self.vms.get_mut(&vm).expect("checked").clock[gfn as usize].observe(referenced, modified);
         Ok(())
@@ -388,14 +405,19 @@ impl Engine {
     fn content(&self, vm: VmId, gfn: Gfn, out: &mut Page) -> Result<()> {
         match self.entry(vm, gfn).state() {
             PageState::Unbacked | PageState::Zero => out.fill(0),
-            PageState::Private(f) | PageState::Shared(f) => out.copy_from_slice(self.frames.data(f)),
+            PageState::Private(f) | PageState::Shared(f) => {
+                out.copy_from_slice(self.frames.data(f))
+            }
             PageState::Patched(b) | PageState::Compressed(b) => {
                 let meta = self.blobs.meta(&self.frames, b);
                 let bytes = self.blobs.bytes(&self.frames, b);
                 let r = match meta.kind {
-                    BlobKind::Patch(codec) => {
-                        codec.decode(self.frames.data(meta.reference.expect("patch has a reference")), bytes, out)
-                    }
+                    BlobKind::Patch(codec) => codec.decode(
+                        self.frames
+                            .data(meta.reference.expect("patch has a reference")),
+                        bytes,
+                        out,
+                    ),
                     BlobKind::Compressed(codec) => codec.decompress(bytes, out),
                 };
                 r.map_err(|source| EngineError::Corrupt { vm, gfn, source })?;
@@ -424,8 +446,13 @@ impl Engine {
     /// that is gone.
     fn next_vm_after(&self, vm: Option<VmId>) -> Option<VmId> {
         use std::ops::Bound::{Excluded, Unbounded};
-        vm.and_then(|v| self.vms.range((Excluded(v), Unbounded)).next().map(|(k, _)| *k))
-            .or_else(|| self.vms.keys().next().copied())
+        vm.and_then(|v| {
+            self.vms
+                .range((Excluded(v), Unbounded))
+                .next()
+                .map(|(k, _)| *k)
+        })
+        .or_else(|| self.vms.keys().next().copied())
     }
 
     fn end_pass(&mut self) {

@@ -55,7 +55,9 @@ impl Engine {
         let mut left = budget;
         let mut resting_in_a_row = 0;
         while left > 0 && resting_in_a_row < n {
-            let Some(vm) = self.next_vm_after(self.clock_cursor) else { break };
+            let Some(vm) = self.next_vm_after(self.clock_cursor) else {
+                break;
+            };
             self.clock_cursor = Some(vm);
             let v = self.vms.get_mut(&vm).expect("live VM");
             if v.hand == 0 {
@@ -93,7 +95,9 @@ impl Engine {
     }
 
     fn over_budget(&self) -> bool {
-        self.cfg.host_frames_limit.is_some_and(|l| self.frames.in_use() as u64 * 100 >= l as u64 * 95)
+        self.cfg
+            .host_frames_limit
+            .is_some_and(|l| self.frames.in_use() as u64 * 100 >= l as u64 * 95)
     }
 
     fn scan_page(&mut self, vm: VmId, gfn: Gfn, rep: &mut TickReport) -> Result<()> {
@@ -134,7 +138,9 @@ impl Engine {
             // Compress only pages idle through a whole sharing cycle, so they had every
             // chance to be shared or serve as a reference first (DE §4.3).
             if a.compress && state == NruState::C4 && idle as u32 > self.cfg.share_passes {
-                if let super::mechanisms::CompressOutcome::Compressed(_) = self.try_compress(vm, gfn)? {
+                if let super::mechanisms::CompressOutcome::Compressed(_) =
+                    self.try_compress(vm, gfn)?
+                {
                     rep.compressed += 1;
                     return Ok(());
                 }

@@ -7,7 +7,8 @@ use std::sync::atomic::Ordering;
 
 use memfold_core::swap::SwapFaults;
 use memfold_core::{
-    CompressCodec, Engine, EngineConfig, EngineError, Page, PatchCodec, Policy, VmId, ZeroPolicy, PAGE_SIZE,
+    CompressCodec, Engine, EngineConfig, EngineError, Page, PatchCodec, Policy, VmId, ZeroPolicy,
+    PAGE_SIZE,
 };
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
@@ -62,19 +63,61 @@ impl Content {
 /// One step. VM and gfn numbers are reduced modulo what exists when the step runs.
 #[derive(Clone, Debug)]
 pub enum Op {
-    CreateVm { pages: u32 },
-    DestroyVm { vm: u32 },
-    WritePage { vm: u32, gfn: u32, content: Content },
-    WritePartial { vm: u32, gfn: u32, offset: u16, len: u16, byte: u8 },
-    Read { vm: u32, gfn: u32, offset: u16, len: u16 },
-    Discard { vm: u32, gfn: u32 },
-    Tick { budget: u16, advance_ms: u32 },
-    Share { vm: u32, gfn: u32 },
-    IndexReference { vm: u32, gfn: u32 },
-    Patch { vm: u32, gfn: u32 },
-    Compress { vm: u32, gfn: u32 },
-    SwapOut { vm: u32, gfn: u32 },
-    SwapHint { pages: u8 },
+    CreateVm {
+        pages: u32,
+    },
+    DestroyVm {
+        vm: u32,
+    },
+    WritePage {
+        vm: u32,
+        gfn: u32,
+        content: Content,
+    },
+    WritePartial {
+        vm: u32,
+        gfn: u32,
+        offset: u16,
+        len: u16,
+        byte: u8,
+    },
+    Read {
+        vm: u32,
+        gfn: u32,
+        offset: u16,
+        len: u16,
+    },
+    Discard {
+        vm: u32,
+        gfn: u32,
+    },
+    Tick {
+        budget: u16,
+        advance_ms: u32,
+    },
+    Share {
+        vm: u32,
+        gfn: u32,
+    },
+    IndexReference {
+        vm: u32,
+        gfn: u32,
+    },
+    Patch {
+        vm: u32,
+        gfn: u32,
+    },
+    Compress {
+        vm: u32,
+        gfn: u32,
+    },
+    SwapOut {
+        vm: u32,
+        gfn: u32,
+    },
+    SwapHint {
+        pages: u8,
+    },
     SetPolicy(u8),
     FailSwapWrites(bool),
     FailSwapReads(bool),
@@ -110,7 +153,11 @@ pub struct Harness {
 impl Harness {
     pub fn new(s: &Setup) -> Self {
         let mut cfg = EngineConfig {
-            zero_pages: [ZeroPolicy::Reclaim, ZeroPolicy::AsContent, ZeroPolicy::Never][s.zero as usize % 3],
+            zero_pages: [
+                ZeroPolicy::Reclaim,
+                ZeroPolicy::AsContent,
+                ZeroPolicy::Never,
+            ][s.zero as usize % 3],
             share_passes: s.passes,
             patch_codec: PatchCodec::ALL[s.patch_codec as usize % 3],
             compress_codec: CompressCodec::ALL[s.compress_codec as usize % 4],
@@ -123,7 +170,14 @@ impl Harness {
         }
         let dev = memfold_core::MemSwapDevice::new(s.swap_slots);
         let faults = dev.faults();
-        Harness { engine: Engine::new(cfg, Box::new(dev)).unwrap(), faults, model: Vec::new(), now_us: 0, steps: 0, tolerated_errors: 0 }
+        Harness {
+            engine: Engine::new(cfg, Box::new(dev)).unwrap(),
+            faults,
+            model: Vec::new(),
+            now_us: 0,
+            steps: 0,
+            tolerated_errors: 0,
+        }
     }
 
     fn pick(&self, vm: u32, gfn: u32) -> Option<(usize, VmId, u32)> {
@@ -156,7 +210,8 @@ impl Harness {
             Op::CreateVm { pages } => {
                 if self.model.len() < 5 {
                     let id = self.engine.create_vm(pages).map_err(|e| e.to_string())?;
-                    self.model.push((id, (0..pages).map(|_| Box::new([0u8; PAGE_SIZE])).collect()));
+                    self.model
+                        .push((id, (0..pages).map(|_| Box::new([0u8; PAGE_SIZE])).collect()));
                 }
             }
             Op::DestroyVm { vm } => {
@@ -176,7 +231,13 @@ impl Harness {
                     touched = Some((i, g));
                 }
             }
-            Op::WritePartial { vm, gfn, offset, len, byte } => {
+            Op::WritePartial {
+                vm,
+                gfn,
+                offset,
+                len,
+                byte,
+            } => {
                 if let Some((i, id, g)) = self.pick(vm, gfn) {
                     let off = offset as usize % PAGE_SIZE;
                     let len = (len as usize % 64 + 1).min(PAGE_SIZE - off);
@@ -189,14 +250,21 @@ impl Harness {
                     touched = Some((i, g));
                 }
             }
-            Op::Read { vm, gfn, offset, len } => {
+            Op::Read {
+                vm,
+                gfn,
+                offset,
+                len,
+            } => {
                 if let Some((i, id, g)) = self.pick(vm, gfn) {
                     let off = offset as usize % PAGE_SIZE;
                     let len = (len as usize % PAGE_SIZE + 1).min(PAGE_SIZE - off);
                     let mut buf = vec![0xEEu8; len];
                     let r = self.engine.read(id, g, off, &mut buf).map(|_| ());
                     if r.is_ok() && buf[..] != self.model[i].1[g as usize][off..off + len] {
-                        return Err(format!("{op:?}: read of {id} gfn {g} returned bytes the guest did not write"));
+                        return Err(format!(
+                            "{op:?}: read of {id} gfn {g} returned bytes the guest did not write"
+                        ));
                     }
                     self.tolerate(r, op)?;
                     touched = Some((i, g));
@@ -214,7 +282,11 @@ impl Harness {
                 let r = self.engine.tick(self.now_us, budget as u32).map(|_| ());
                 self.tolerate(r, op)?;
             }
-            Op::Share { vm, gfn } | Op::IndexReference { vm, gfn } | Op::Patch { vm, gfn } | Op::Compress { vm, gfn } | Op::SwapOut { vm, gfn } => {
+            Op::Share { vm, gfn }
+            | Op::IndexReference { vm, gfn }
+            | Op::Patch { vm, gfn }
+            | Op::Compress { vm, gfn }
+            | Op::SwapOut { vm, gfn } => {
                 if let Some((i, id, g)) = self.pick(vm, gfn) {
                     let r = match op {
                         Op::Share { .. } => self.engine.try_share(id, g).map(|_| ()),
@@ -232,8 +304,16 @@ impl Harness {
                 self.tolerate(r, op)?;
             }
             Op::SetPolicy(p) => {
-                let names = ["de", "sharing", "aggressive", "share-only", "patch-only", "compress-only"];
-                self.engine.set_policy(Policy::by_name(names[p as usize % names.len()]).unwrap());
+                let names = [
+                    "de",
+                    "sharing",
+                    "aggressive",
+                    "share-only",
+                    "patch-only",
+                    "compress-only",
+                ];
+                self.engine
+                    .set_policy(Policy::by_name(names[p as usize % names.len()]).unwrap());
             }
             Op::FailSwapWrites(on) => self.faults.writes.store(on, Ordering::Relaxed),
             Op::FailSwapReads(on) => self.faults.reads.store(on, Ordering::Relaxed),
@@ -266,7 +346,10 @@ impl Harness {
         self.engine.check_invariants()?;
         let acc = self.engine.accounting();
         if (acc.saved.total() - acc.saved_bytes as f64).abs() > 0.5 {
-            return Err(format!("savings by mechanism {:?} do not add up to {}", acc.saved, acc.saved_bytes));
+            return Err(format!(
+                "savings by mechanism {:?} do not add up to {}",
+                acc.saved, acc.saved_bytes
+            ));
         }
         let f = acc.frames;
         if f.private + f.shared + f.reference_only + f.blob != f.in_use {
@@ -274,7 +357,10 @@ impl Harness {
         }
         let per_vm: f64 = acc.per_vm.iter().map(|v| v.saved.total()).sum();
         if (per_vm - acc.saved_bytes as f64).abs() > 1.0 + acc.saved_bytes.abs() as f64 * 1e-9 {
-            return Err(format!("per-VM savings {per_vm} do not add up to {}", acc.saved_bytes));
+            return Err(format!(
+                "per-VM savings {per_vm} do not add up to {}",
+                acc.saved_bytes
+            ));
         }
         Ok(())
     }
@@ -287,7 +373,10 @@ impl Harness {
         self.engine.check_invariants()?;
         let acc = self.engine.accounting();
         if acc.frames.in_use != 0 || acc.swap.in_use != 0 || acc.blobs.blobs != 0 {
-            return Err(format!("leak after all VMs are gone: {:?}, swap {:?}, blobs {:?}", acc.frames, acc.swap, acc.blobs));
+            return Err(format!(
+                "leak after all VMs are gone: {:?}, swap {:?}, blobs {:?}",
+                acc.frames, acc.swap, acc.blobs
+            ));
         }
         Ok(())
     }
@@ -305,23 +394,43 @@ pub fn random_op(r: &mut SmallRng) -> Op {
         _ => Content::Random(r.gen()),
     };
     match r.gen_range(0..100) {
-        0 => Op::CreateVm { pages: r.gen_range(1..48) },
+        0 => Op::CreateVm {
+            pages: r.gen_range(1..48),
+        },
         1 => Op::DestroyVm { vm },
         2..=21 => Op::WritePage { vm, gfn, content },
-        22..=31 => Op::WritePartial { vm, gfn, offset: r.gen(), len: r.gen(), byte: r.gen() },
-        32..=46 => Op::Read { vm, gfn, offset: r.gen(), len: r.gen() },
+        22..=31 => Op::WritePartial {
+            vm,
+            gfn,
+            offset: r.gen(),
+            len: r.gen(),
+            byte: r.gen(),
+        },
+        32..=46 => Op::Read {
+            vm,
+            gfn,
+            offset: r.gen(),
+            len: r.gen(),
+        },
         47..=49 => Op::Discard { vm, gfn },
-        50..=61 => Op::Tick { budget: r.gen_range(1..64), advance_ms: r.gen_range(0..3000) },
+        50..=61 => Op::Tick {
+            budget: r.gen_range(1..64),
+            advance_ms: r.gen_range(0..3000),
+        },
         62..=69 => Op::Share { vm, gfn },
         70..=73 => Op::IndexReference { vm, gfn },
         74..=80 => Op::Patch { vm, gfn },
         81..=86 => Op::Compress { vm, gfn },
         87..=91 => Op::SwapOut { vm, gfn },
-        92..=93 => Op::SwapHint { pages: r.gen_range(1..8) },
+        92..=93 => Op::SwapHint {
+            pages: r.gen_range(1..8),
+        },
         94 => Op::SetPolicy(r.gen()),
         95..=96 => Op::FailSwapWrites(r.gen_bool(0.3)),
         97..=98 => Op::FailSwapReads(r.gen_bool(0.3)),
-        _ => Op::CreateVm { pages: r.gen_range(1..16) },
+        _ => Op::CreateVm {
+            pages: r.gen_range(1..16),
+        },
     }
 }
 
@@ -331,7 +440,11 @@ pub fn random_setup(r: &mut SmallRng) -> Setup {
         passes: if r.gen_bool(0.3) { 5 } else { 1 },
         patch_codec: r.gen(),
         compress_codec: r.gen(),
-        host_limit: if r.gen_bool(0.4) { Some(r.gen_range(8..80)) } else { None },
+        host_limit: if r.gen_bool(0.4) {
+            Some(r.gen_range(8..80))
+        } else {
+            None
+        },
         swap_slots: r.gen_range(0..96),
         collide_hashes: r.gen_bool(0.15),
         min_rescan_ms: if r.gen_bool(0.5) { 0 } else { 4000 },

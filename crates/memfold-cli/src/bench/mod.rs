@@ -1,0 +1,3 @@
+//! Benchmark subcommands.
+
+pub mod micro;

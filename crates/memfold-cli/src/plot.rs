@@ -1,0 +1,122 @@
+//! PNG line charts (plotters with an embedded DejaVu font: no system fonts needed).
+
+use std::path::Path;
+use std::sync::Once;
+
+use anyhow::{anyhow, Result};
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+
+/// One line.
+pub struct Series {
+    pub name: String,
+    pub points: Vec<(f64, f64)>,
+}
+
+/// One chart of several lines, with vertical event markers.
+pub struct Panel {
+    pub title: String,
+    pub series: Vec<Series>,
+    pub markers: Vec<f64>,
+}
+
+static FONT: Once = Once::new();
+
+fn register_font() {
+    FONT.call_once(|| {
+        let _ = plotters::style::register_font(
+            "sans-serif",
+            FontStyle::Normal,
+            dejavu::sans::regular(),
+        );
+    });
+}
+
+const COLORS: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+];
+
+/// Draws `panels` in a grid (two columns) into a PNG at `path`.
+pub fn panels(
+    path: &Path,
+    title: &str,
+    xlabel: &str,
+    ylabel: &str,
+    panels: &[Panel],
+) -> Result<()> {
+    register_font();
+    let cols = if panels.len() > 1 { 2 } else { 1 };
+    let rows = panels.len().div_ceil(cols);
+    let root =
+        BitMapBackend::new(path, (700 * cols as u32, 420 * rows as u32 + 40)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("plot: {e}"))?;
+    let root = root
+        .titled(title, ("sans-serif", 22))
+        .map_err(|e| anyhow!("plot: {e}"))?;
+    for (area, p) in root.split_evenly((rows, cols)).iter().zip(panels) {
+        let xmax = p
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|q| q.0))
+            .fold(1.0, f64::max);
+        let ymax = p
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|q| q.1))
+            .fold(1.0, f64::max);
+        let ymin = p
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|q| q.1))
+            .fold(0.0, f64::min);
+        let mut chart = ChartBuilder::on(area)
+            .caption(&p.title, ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(35)
+            .y_label_area_size(50)
+            .build_cartesian_2d(0.0..xmax, ymin..(ymax * 1.05))
+            .map_err(|e| anyhow!("plot: {e}"))?;
+        chart
+            .configure_mesh()
+            .x_desc(xlabel)
+            .y_desc(ylabel)
+            .draw()
+            .map_err(|e| anyhow!("plot: {e}"))?;
+        for &m in &p.markers {
+            chart
+                .draw_series(LineSeries::new(
+                    [(m, ymin), (m, ymax * 1.05)],
+                    ShapeStyle::from(&BLACK.mix(0.15)).stroke_width(1),
+                ))
+                .map_err(|e| anyhow!("plot: {e}"))?;
+        }
+        for (i, s) in p.series.iter().enumerate() {
+            let c = COLORS[i % COLORS.len()];
+            chart
+                .draw_series(LineSeries::new(
+                    s.points.iter().copied(),
+                    ShapeStyle::from(&c).stroke_width(2),
+                ))
+                .map_err(|e| anyhow!("plot: {e}"))?
+                .label(&s.name)
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 18, y)], ShapeStyle::from(&c).stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()
+            .map_err(|e| anyhow!("plot: {e}"))?;
+    }
+    root.present()
+        .map_err(|e| anyhow!("plot {}: {e}", path.display()))?;
+    Ok(())
+}
