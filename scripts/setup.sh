@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs what memfold needs on a fresh Debian machine; does nothing that is already done.
+# Today: a C compiler (zstd's C library is built from source by the zstd crate) and a Rust
+# toolchain. Later issues add qemu-system-x86, debootstrap and guest images here.
+set -euo pipefail
+
+need_apt=()
+command -v cc >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)
+command -v make >/dev/null 2>&1 || need_apt+=(make)
+command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+if ((${#need_apt[@]})); then
+    echo "setup: installing ${need_apt[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq "${need_apt[@]}"
+fi
+
+# Rust comes with the machine (rustup's toolchain); Debian's packaged rustc is too old for
+# the workspace (rust-version 1.85) and rustup cannot download here, so say so clearly.
+export PATH="$HOME/.cargo/bin:$PATH"
+if ! command -v cargo >/dev/null 2>&1; then
+    echo "setup: no cargo found; memfold needs Rust >= 1.85 (rustup toolchain in ~/.cargo/bin)" >&2
+    exit 1
+fi
+ver=$(rustc --version | awk '{print $2}')
+if [ "$(printf '%s\n1.85.0\n' "$ver" | sort -V | head -1)" != "1.85.0" ]; then
+    echo "setup: rustc $ver is older than 1.85; memfold needs Rust >= 1.85" >&2
+    exit 1
+fi
+if ! cargo clippy --version >/dev/null 2>&1; then
+    if command -v rustup >/dev/null 2>&1; then
+        rustup component add clippy
+    else
+        echo "setup: clippy missing and no rustup; lint will fail" >&2
+    fi
+fi
+echo "setup: ok ($(cargo --version))"
