@@ -8,13 +8,17 @@
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use memfold_core::{CompressCodec, Engine, EngineConfig, MemSwapDevice, PatchCodec, VmId, PAGE_SIZE};
+use memfold_core::{
+    CompressCodec, Engine, EngineConfig, MemSwapDevice, PatchCodec, VmId, PAGE_SIZE,
+};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 const BATCH: u32 = 256;
 
 fn text_page(seed: u64) -> Vec<u8> {
-    let words: [&[u8]; 8] = [b"the ", b"guest ", b"memory ", b"page ", b"is ", b"shared ", b"and ", b"saved\n"];
+    let words: [&[u8]; 8] = [
+        b"the ", b"guest ", b"memory ", b"page ", b"is ", b"shared ", b"and ", b"saved\n",
+    ];
     let mut r = SmallRng::seed_from_u64(seed);
     let mut p = Vec::with_capacity(PAGE_SIZE + 8);
     while p.len() < PAGE_SIZE {
@@ -56,13 +60,27 @@ fn similar(base: &[u8], seed: u64) -> Vec<u8> {
 }
 
 fn engine(cfg: EngineConfig) -> (Engine, VmId) {
-    let mut e = Engine::new(EngineConfig { share_passes: 1, min_rescan_us: 0, ..cfg }, Box::new(MemSwapDevice::new(0))).unwrap();
+    let mut e = Engine::new(
+        EngineConfig {
+            share_passes: 1,
+            min_rescan_us: 0,
+            ..cfg
+        },
+        Box::new(MemSwapDevice::new(0)),
+    )
+    .unwrap();
     let vm = e.create_vm(BATCH + 1).unwrap();
     (e, vm)
 }
 
 /// Times `op` on pages 1..=BATCH, after `prepare` (untimed) before each batch.
-fn per_page(iters: u64, e: &mut Engine, vm: VmId, mut prepare: impl FnMut(&mut Engine, VmId, u32), mut op: impl FnMut(&mut Engine, VmId, u32)) -> Duration {
+fn per_page(
+    iters: u64,
+    e: &mut Engine,
+    vm: VmId,
+    mut prepare: impl FnMut(&mut Engine, VmId, u32),
+    mut op: impl FnMut(&mut Engine, VmId, u32),
+) -> Duration {
     let mut total = Duration::ZERO;
     let mut done = 0;
     while done < iters {
@@ -84,7 +102,9 @@ fn bench_hash(c: &mut Criterion) {
     let page = random_page(1);
     let mut g = c.benchmark_group("hash");
     g.throughput(Throughput::Bytes(PAGE_SIZE as u64));
-    g.bench_function("xxh3_page", |b| b.iter(|| xxhash_rust::xxh3::xxh3_64(std::hint::black_box(&page))));
+    g.bench_function("xxh3_page", |b| {
+        b.iter(|| xxhash_rust::xxh3::xxh3_64(std::hint::black_box(&page)))
+    });
     g.finish();
 }
 
@@ -98,11 +118,17 @@ fn bench_share(c: &mut Criterion) {
         e.write(vm, 1, 0, &base).unwrap();
         e.try_share(vm, 1).unwrap(); // page 0's frame is now shared
         b.iter_custom(|iters| {
-            per_page(iters, &mut e, vm, |e, vm, g| {
-                e.write(vm, g, 0, &base).unwrap();
-            }, |e, vm, g| {
-                e.try_share(vm, g).unwrap();
-            })
+            per_page(
+                iters,
+                &mut e,
+                vm,
+                |e, vm, g| {
+                    e.write(vm, g, 0, &base).unwrap();
+                },
+                |e, vm, g| {
+                    e.try_share(vm, g).unwrap();
+                },
+            )
         })
     });
     g.bench_function("cow_break", |b| {
@@ -110,12 +136,18 @@ fn bench_share(c: &mut Criterion) {
         e.write(vm, 0, 0, &base).unwrap();
         e.try_share(vm, 0).unwrap();
         b.iter_custom(|iters| {
-            per_page(iters, &mut e, vm, |e, vm, g| {
-                e.write(vm, g, 0, &base).unwrap();
-                e.try_share(vm, g).unwrap();
-            }, |e, vm, g| {
-                e.write(vm, g, 8, &[1]).unwrap();
-            })
+            per_page(
+                iters,
+                &mut e,
+                vm,
+                |e, vm, g| {
+                    e.write(vm, g, 0, &base).unwrap();
+                    e.try_share(vm, g).unwrap();
+                },
+                |e, vm, g| {
+                    e.write(vm, g, 8, &[1]).unwrap();
+                },
+            )
         })
     });
     g.finish();
@@ -124,27 +156,52 @@ fn bench_share(c: &mut Criterion) {
 fn bench_compress(c: &mut Criterion) {
     let mut g = c.benchmark_group("engine");
     for codec in CompressCodec::ALL {
-        let page = if codec == CompressCodec::Wkdm { kernel_like_page(3) } else { text_page(3) };
+        let page = if codec == CompressCodec::Wkdm {
+            kernel_like_page(3)
+        } else {
+            text_page(3)
+        };
         g.bench_function(format!("compress_page/{}", codec.name()), |b| {
-            let (mut e, vm) = engine(EngineConfig { compress_codec: codec, ..EngineConfig::default() });
+            let (mut e, vm) = engine(EngineConfig {
+                compress_codec: codec,
+                ..EngineConfig::default()
+            });
             b.iter_custom(|iters| {
-                per_page(iters, &mut e, vm, |e, vm, g| {
-                    e.write(vm, g, 0, &page).unwrap();
-                }, |e, vm, g| {
-                    assert!(matches!(e.try_compress(vm, g).unwrap(), memfold_core::CompressOutcome::Compressed(_)));
-                })
+                per_page(
+                    iters,
+                    &mut e,
+                    vm,
+                    |e, vm, g| {
+                        e.write(vm, g, 0, &page).unwrap();
+                    },
+                    |e, vm, g| {
+                        assert!(matches!(
+                            e.try_compress(vm, g).unwrap(),
+                            memfold_core::CompressOutcome::Compressed(_)
+                        ));
+                    },
+                )
             })
         });
         g.bench_function(format!("uncompress/{}", codec.name()), |b| {
-            let (mut e, vm) = engine(EngineConfig { compress_codec: codec, ..EngineConfig::default() });
+            let (mut e, vm) = engine(EngineConfig {
+                compress_codec: codec,
+                ..EngineConfig::default()
+            });
             let mut buf = [0u8; 8];
             b.iter_custom(|iters| {
-                per_page(iters, &mut e, vm, |e, vm, g| {
-                    e.write(vm, g, 0, &page).unwrap();
-                    e.try_compress(vm, g).unwrap();
-                }, |e, vm, g| {
-                    e.read(vm, g, 0, &mut buf).unwrap();
-                })
+                per_page(
+                    iters,
+                    &mut e,
+                    vm,
+                    |e, vm, g| {
+                        e.write(vm, g, 0, &page).unwrap();
+                        e.try_compress(vm, g).unwrap();
+                    },
+                    |e, vm, g| {
+                        e.read(vm, g, 0, &mut buf).unwrap();
+                    },
+                )
             })
         });
     }
@@ -169,7 +226,10 @@ fn bench_patch(c: &mut Criterion) {
     let mut g = c.benchmark_group("engine");
     for codec in PatchCodec::ALL {
         let setup = || {
-            let (mut e, vm) = engine(EngineConfig { patch_codec: codec, ..EngineConfig::default() });
+            let (mut e, vm) = engine(EngineConfig {
+                patch_codec: codec,
+                ..EngineConfig::default()
+            });
             e.write(vm, 0, 0, &base).unwrap();
             e.index_reference(vm, 0).unwrap();
             (e, vm)
@@ -177,23 +237,38 @@ fn bench_patch(c: &mut Criterion) {
         g.bench_function(format!("patch_page/{}", codec.name()), |b| {
             let (mut e, vm) = setup();
             b.iter_custom(|iters| {
-                per_page(iters, &mut e, vm, |e, vm, g| {
-                    e.write(vm, g, 0, &sims[g as usize]).unwrap();
-                }, |e, vm, g| {
-                    assert!(matches!(e.try_patch(vm, g).unwrap(), memfold_core::PatchOutcome::Patched(_)));
-                })
+                per_page(
+                    iters,
+                    &mut e,
+                    vm,
+                    |e, vm, g| {
+                        e.write(vm, g, 0, &sims[g as usize]).unwrap();
+                    },
+                    |e, vm, g| {
+                        assert!(matches!(
+                            e.try_patch(vm, g).unwrap(),
+                            memfold_core::PatchOutcome::Patched(_)
+                        ));
+                    },
+                )
             })
         });
         g.bench_function(format!("unpatch/{}", codec.name()), |b| {
             let (mut e, vm) = setup();
             let mut buf = [0u8; 8];
             b.iter_custom(|iters| {
-                per_page(iters, &mut e, vm, |e, vm, g| {
-                    e.write(vm, g, 0, &sims[g as usize]).unwrap();
-                    e.try_patch(vm, g).unwrap();
-                }, |e, vm, g| {
-                    e.read(vm, g, 0, &mut buf).unwrap();
-                })
+                per_page(
+                    iters,
+                    &mut e,
+                    vm,
+                    |e, vm, g| {
+                        e.write(vm, g, 0, &sims[g as usize]).unwrap();
+                        e.try_patch(vm, g).unwrap();
+                    },
+                    |e, vm, g| {
+                        e.read(vm, g, 0, &mut buf).unwrap();
+                    },
+                )
             })
         });
     }
@@ -206,7 +281,10 @@ fn bench_similarity(c: &mut Criterion) {
     let mut idx = SimilarityIndex::new(det.clone());
     idx.clear_for(1 << 18);
     for i in 0..(1u32 << 17) {
-        idx.insert(&det.signatures(&random_page(i as u64 + 100).try_into().unwrap()), i);
+        idx.insert(
+            &det.signatures(&random_page(i as u64 + 100).try_into().unwrap()),
+            i,
+        );
     }
     let probe: [u8; PAGE_SIZE] = random_page(150).try_into().unwrap();
     let mut out = Vec::new();
@@ -229,11 +307,17 @@ fn bench_codecs(c: &mut Criterion) {
         let page: [u8; PAGE_SIZE] = p.clone().try_into().unwrap();
         for codec in CompressCodec::ALL {
             let mut blob = Vec::new();
-            g.bench_function(format!("compress/{}/{kind}", codec.name()), |b| b.iter(|| codec.compress(&page, &mut blob).unwrap()));
+            g.bench_function(format!("compress/{}/{kind}", codec.name()), |b| {
+                b.iter(|| codec.compress(&page, &mut blob).unwrap())
+            });
             codec.compress(&page, &mut blob).unwrap();
             let mut out = [0u8; PAGE_SIZE];
             g.bench_function(format!("decompress/{}/{kind}", codec.name()), |b| {
-                b.iter_batched_ref(|| (), |_| codec.decompress(&blob, &mut out).unwrap(), BatchSize::SmallInput)
+                b.iter_batched_ref(
+                    || (),
+                    |_| codec.decompress(&blob, &mut out).unwrap(),
+                    BatchSize::SmallInput,
+                )
             });
         }
     }

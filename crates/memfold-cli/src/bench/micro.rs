@@ -380,6 +380,7 @@ pub fn run(a: &MicroArgs) -> Result<()> {
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
+        print_over_time(&results, &ev);
         println!("\nSavings as a fraction of allocated memory ({} pages of 4 KiB, scan rate {} pages/s, {} s phases):", a.pages, a.scan_rate, a.phase_secs);
         println!(
             "{:<10} {}",
@@ -434,6 +435,48 @@ pub fn run(a: &MicroArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Savings at each phase event, a table per page type (DE Figures 5–7 as numbers).
+fn print_over_time(results: &[RunResult], ev: &Events) {
+    const NAMES: [&str; 9] = [
+        "alloc",
+        "alloc end",
+        "read",
+        "read end",
+        "write",
+        "write end",
+        "free",
+        "free end",
+        "end",
+    ];
+    for &k in &PAGE_TYPES {
+        println!("\n{k} pages: saved (% of allocated) at each event");
+        println!(
+            "{:>4} {:<10} {}",
+            "t(s)",
+            "event",
+            MECHANISMS
+                .iter()
+                .map(|m| format!("{m:>9}"))
+                .collect::<String>()
+        );
+        for (i, &t) in ev.times.iter().enumerate() {
+            // The sample just before the event: the state the previous phase left.
+            let at = t.saturating_sub(1);
+            let cells: String = MECHANISMS
+                .iter()
+                .map(|&m| {
+                    let r = results
+                        .iter()
+                        .find(|r| r.page_type == k && r.mechanism == m)
+                        .expect("every run");
+                    format!("{:>8.1}%", r.samples[at as usize].saved_fraction * 100.0)
+                })
+                .collect();
+            println!("{t:>4} {:<10} {cells}", NAMES[i]);
+        }
+    }
 }
 
 fn write_csv(path: &std::path::Path, results: &[RunResult]) -> Result<()> {
