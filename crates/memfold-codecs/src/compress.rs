@@ -121,12 +121,7 @@ impl std::str::FromStr for CompressCodec {
     type Err = String;
     /// Parses a codec name as printed by [`CompressCodec::name`].
     fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|c| c.name() == s)
-            .ok_or_else(|| {
-                format!("unknown compression codec '{s}' (expected lz4, zstd, lzo or wkdm)")
-            })
+        crate::parse_by_name(&Self::ALL, Self::name, s, "compression")
     }
 }
 

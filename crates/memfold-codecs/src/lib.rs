@@ -50,6 +50,22 @@ pub enum CodecError {
     },
 }
 
+/// Finds the codec in `all` whose `name` is `s`; the error lists the names accepted.
+pub(crate) fn parse_by_name<T: Copy>(
+    all: &[T],
+    name: fn(T) -> &'static str,
+    s: &str,
+    what: &str,
+) -> Result<T, String> {
+    all.iter().copied().find(|&c| name(c) == s).ok_or_else(|| {
+        let names: Vec<_> = all.iter().map(|&c| name(c)).collect();
+        format!(
+            "unknown {what} codec '{s}' (expected one of: {})",
+            names.join(", ")
+        )
+    })
+}
+
 impl CodecError {
     pub(crate) fn corrupt(codec: &'static str, len: usize, what: impl Into<String>) -> Self {
         CodecError::Corrupt {

@@ -133,12 +133,7 @@ impl std::str::FromStr for PatchCodec {
     type Err = String;
     /// Parses a codec name as printed by [`PatchCodec::name`].
     fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|c| c.name() == s)
-            .ok_or_else(|| {
-                format!("unknown patch codec '{s}' (expected run-diff, xor-lz4 or zstd-ref)")
-            })
+        crate::parse_by_name(&Self::ALL, Self::name, s, "patch")
     }
 }
 

@@ -394,10 +394,7 @@ pub fn run(a: &MicroArgs) -> Result<()> {
             let cells: String = MECHANISMS
                 .iter()
                 .map(|&m| {
-                    let r = results
-                        .iter()
-                        .find(|r| r.page_type == k && r.mechanism == m)
-                        .expect("every run");
+                    let r = find(&results, k, m);
                     format!(
                         "{:>20}",
                         format!("{:.1}% / {:.1}%", r.peak * 100.0, r.final_ * 100.0)
@@ -437,6 +434,14 @@ pub fn run(a: &MicroArgs) -> Result<()> {
     Ok(())
 }
 
+/// The run of one page type and mechanism (every pair is run).
+fn find<'a>(results: &'a [RunResult], page_type: &str, mechanism: &str) -> &'a RunResult {
+    results
+        .iter()
+        .find(|r| r.page_type == page_type && r.mechanism == mechanism)
+        .expect("every pair is run")
+}
+
 /// Savings at each phase event, a table per page type (DE Figures 5–7 as numbers).
 fn print_over_time(results: &[RunResult], ev: &Events) {
     const NAMES: [&str; 9] = [
@@ -467,10 +472,7 @@ fn print_over_time(results: &[RunResult], ev: &Events) {
             let cells: String = MECHANISMS
                 .iter()
                 .map(|&m| {
-                    let r = results
-                        .iter()
-                        .find(|r| r.page_type == k && r.mechanism == m)
-                        .expect("every run");
+                    let r = find(results, k, m);
                     format!("{:>8.1}%", r.samples[at as usize].saved_fraction * 100.0)
                 })
                 .collect();

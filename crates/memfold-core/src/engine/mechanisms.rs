@@ -402,15 +402,7 @@ impl Engine {
                     1 => state != crate::clock::NruState::C1,
                     _ => true,
                 };
-                // Swapping a mapping of a frame others keep frees nothing.
-                let frees = match self.entry(vm, gfn).state() {
-                    PageState::Private(_) | PageState::Patched(_) | PageState::Compressed(_) => {
-                        true
-                    }
-                    PageState::Shared(f) => self.frames.refcount(f) == 1,
-                    _ => false,
-                };
-                if ok && frees {
+                if ok && self.swap_frees_memory(vm, gfn) {
                     match self.swap_out(vm, gfn)? {
                         SwapOutcome::Swapped(_) => *done += 1,
                         SwapOutcome::SwapFull => return Ok("the swap file is full".into()),
@@ -424,6 +416,16 @@ impl Engine {
         } else {
             "no page left to swap out".into()
         })
+    }
+
+    /// Whether swapping the page out would free host memory: not for a mapping of a frame
+    /// that others keep, nor for a page that holds nothing.
+    pub(super) fn swap_frees_memory(&self, vm: VmId, gfn: Gfn) -> bool {
+        match self.entry(vm, gfn).state() {
+            PageState::Private(_) | PageState::Patched(_) | PageState::Compressed(_) => true,
+            PageState::Shared(f) => self.frames.refcount(f) == 1,
+            _ => false,
+        }
     }
 
     fn advance_swap_cursor(&mut self) -> Option<(VmId, Gfn)> {

@@ -191,8 +191,8 @@ pub struct Engine {
 impl Engine {
     /// A new engine with no VMs, swapping to `swap`.
     ///
-    /// Errors: none today; the similarity parameters are validated
-    /// (`Err(String)` naming the bad one).
+    /// Errors: `Err(String)` naming the bad parameter: similarity parameters out of range,
+    /// share passes outside 1..=6, or a cut-off above the largest blob (4088 bytes).
     pub fn new(cfg: EngineConfig, swap: Box<dyn SwapDevice>) -> std::result::Result<Self, String> {
         let det = SimilarityDetector::new(cfg.similarity)?;
         if cfg.share_passes == 0 || cfg.share_passes > 6 {

@@ -146,7 +146,7 @@ impl Engine {
                 }
             }
         }
-        if a.swap && self.over_budget() {
+        if a.swap && self.over_budget() && self.swap_frees_memory(vm, gfn) {
             if let super::mechanisms::SwapOutcome::Swapped(_) = self.swap_out(vm, gfn)? {
                 rep.swapped += 1;
             }
