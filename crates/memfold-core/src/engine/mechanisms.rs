@@ -9,7 +9,7 @@ use super::{Engine, ZeroPolicy};
 use crate::blobstore::BlobKind;
 use crate::error::{EngineError, Result};
 use crate::frames::IN_SHARE_TABLE;
-use crate::share::ShareEntry;
+use crate::share::{ShareEntry, ShareTable};
 use crate::types::{is_zero_page, Frame, Gfn, PageState, VmId, PAGE_SIZE};
 
 /// Result of [`Engine::try_share`].
@@ -109,8 +109,13 @@ impl Engine {
             return Ok(ShareOutcome::Deferred);
         }
         let me = self.gpn(vm, gfn);
-        let entries: Vec<ShareEntry> = self.share.lookup(h).collect();
-        for e in entries {
+        // Copy the chain out (at most MAX_CHAIN entries, no allocation): matching mutates it.
+        let mut chain = [None; ShareTable::MAX_CHAIN];
+        for (slot, e) in chain.iter_mut().zip(self.share.lookup(h)) {
+            *slot = Some(e);
+        }
+        let mut hinted_already = false;
+        for e in chain.into_iter().flatten() {
             match e {
                 ShareEntry::Shared(s) => {
                     if self.frames.data(s) == self.frames.data(f) {
@@ -119,7 +124,7 @@ impl Engine {
                     }
                     self.counters.hash_false_matches += 1;
                 }
-                ShareEntry::Hint(g) if g == me => {}
+                ShareEntry::Hint(g) if g == me => hinted_already = true,
                 ShareEntry::Hint(g) => {
                     let other = self.gpns.owner(g).and_then(|(v2, gfn2)| {
                         match self.entry(v2, gfn2).state() {
@@ -147,7 +152,9 @@ impl Engine {
                 }
             }
         }
-        if self.share.insert(h, ShareEntry::Hint(me)) {
+        if hinted_already {
+            Ok(ShareOutcome::Hinted)
+        } else if self.share.insert(h, ShareEntry::Hint(me)) {
             self.counters.hints += 1;
             Ok(ShareOutcome::Hinted)
         } else {

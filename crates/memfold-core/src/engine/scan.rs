@@ -25,7 +25,7 @@ pub struct TickReport {
     pub compressed: u32,
     /// Pages swapped out.
     pub swapped: u32,
-    /// VMs skipped because their last sweep began less than `min_rescan_us` ago.
+    /// Times a VM was passed over because its last sweep began less than `min_rescan_us` ago.
     pub vms_resting: u32,
 }
 
