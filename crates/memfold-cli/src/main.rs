@@ -1,7 +1,12 @@
-//! `memfold`: the command line. Today: `memfold bench micro` (Difference Engine §5.3).
-//! `image build`, `run`, `compare`, `analyze`, `capture` and `ksm` join as the live layer lands.
+//! `memfold`: the command line.
 
+mod analyze;
+mod baseline;
 mod bench;
+mod capture;
+mod guests;
+mod image;
+mod ksm;
 mod plot;
 
 use std::path::PathBuf;
@@ -21,11 +26,33 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Guest images built from Debian packages.
+    Image {
+        #[command(subcommand)]
+        which: ImageCmd,
+    },
+    /// Boot guests and snapshot their RAM (and which pages are host-resident).
+    Capture(capture::CaptureArgs),
+    /// Difference Engine Table 1 on RAM snapshots: zero, duplicate and unique pages, and
+    /// the pages needed with sharing, + patching, + compression, per guest and together.
+    Analyze(analyze::AnalyzeArgs),
+    /// Run a guest set under Linux KSM and measure it.
+    Ksm(ksm::KsmArgs),
+    /// The main job for now: build images, boot a mixed set, analyse it and measure KSM on it.
+    Baseline(baseline::BaselineArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
         which: BenchCmd,
     },
+}
+
+#[derive(Subcommand)]
+enum ImageCmd {
+    /// Build (or reuse) images: tiny, web, db, py, web-trixie, py-trixie (all if none named).
+    Build { names: Vec<String> },
+    /// List the profiles and whether each is built.
+    List,
 }
 
 #[derive(Subcommand)]
@@ -37,9 +64,29 @@ enum BenchCmd {
     Micro(bench::micro::MicroArgs),
 }
 
-fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        // The cause chain, one line: what failed and where, without a backtrace.
+        eprintln!("memfold: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
+        Cmd::Image {
+            which: ImageCmd::Build { names },
+        } => image::build(&names),
+        Cmd::Image {
+            which: ImageCmd::List,
+        } => {
+            image::list();
+            Ok(())
+        }
+        Cmd::Capture(a) => capture::run(&a),
+        Cmd::Analyze(a) => analyze::run(&a),
+        Cmd::Ksm(a) => ksm::run(&a),
+        Cmd::Baseline(a) => baseline::run(&a),
         Cmd::Bench {
             which: BenchCmd::Micro(args),
         } => bench::micro::run(&args),

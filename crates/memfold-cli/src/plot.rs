@@ -120,3 +120,62 @@ pub fn panels(
         .map_err(|e| anyhow!("plot {}: {e}", path.display()))?;
     Ok(())
 }
+
+/// Draws grouped bars: per group (x), one bar per (label, value), into a PNG at `path`.
+pub fn bars(
+    path: &Path,
+    title: &str,
+    ylabel: &str,
+    groups: &[(String, Vec<(String, f64)>)],
+) -> Result<()> {
+    register_font();
+    let per = groups.first().map_or(1, |g| g.1.len()).max(1);
+    let root =
+        BitMapBackend::new(path, (260 * groups.len().max(1) as u32 + 200, 600)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("plot: {e}"))?;
+    let ymax = groups
+        .iter()
+        .flat_map(|g| g.1.iter().map(|v| v.1))
+        .fold(1.0, f64::max)
+        * 1.1;
+    let n = groups.len().max(1);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..n as f64, 0.0..ymax)
+        .map_err(|e| anyhow!("plot: {e}"))?;
+    let names: Vec<String> = groups.iter().map(|g| g.0.clone()).collect();
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(n)
+        .x_label_formatter(&|x| names.get(x.floor() as usize).cloned().unwrap_or_default())
+        .y_desc(ylabel)
+        .draw()
+        .map_err(|e| anyhow!("plot: {e}"))?;
+    let width = 0.8 / per as f64;
+    for k in 0..per {
+        let c = COLORS[k % COLORS.len()];
+        let label = groups.first().map(|g| g.1[k].0.clone()).unwrap_or_default();
+        chart
+            .draw_series(groups.iter().enumerate().map(|(i, g)| {
+                let x0 = i as f64 + 0.1 + k as f64 * width;
+                Rectangle::new([(x0, 0.0), (x0 + width * 0.9, g.1[k].1)], c.filled())
+            }))
+            .map_err(|e| anyhow!("plot: {e}"))?
+            .label(label)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], c.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(|e| anyhow!("plot: {e}"))?;
+    root.present()
+        .map_err(|e| anyhow!("plot {}: {e}", path.display()))?;
+    Ok(())
+}

@@ -20,6 +20,7 @@
 //! Codecs (LZ4, zstd, LZO, WKdm; patch codecs) live in `memfold-codecs`.
 
 pub mod accounting;
+pub mod analysis;
 pub mod blobstore;
 pub mod clock;
 pub mod engine;

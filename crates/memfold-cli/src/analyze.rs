@@ -1,0 +1,219 @@
+//! `memfold analyze SNAPSHOT...`: Difference Engine Table 1 on captured guest RAM.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use memfold_core::analysis::{analyze, AnalysisConfig, GuestMemory, SetAnalysis};
+use memfold_core::{CompressCodec, PatchCodec, SimilarityConfig};
+
+use crate::plot;
+
+/// Arguments of `memfold analyze`.
+#[derive(Args, Clone, Debug)]
+pub struct AnalyzeArgs {
+    /// Snapshot files (`NAME.ram`; a `NAME.resident` beside it gives host residency).
+    #[arg(required = true)]
+    pub snapshots: Vec<PathBuf>,
+    /// HashSimilarityDetector k: indexes per page.
+    #[arg(long, default_value_t = 2)]
+    pub k: u8,
+    /// HashSimilarityDetector s: 64-byte blocks per index.
+    #[arg(long, default_value_t = 1)]
+    pub s: u8,
+    /// Candidates per bucket.
+    #[arg(long, default_value_t = 1)]
+    pub candidates: u8,
+    /// Similarity hash width, bits.
+    #[arg(long, default_value_t = 32)]
+    pub hash_bits: u8,
+    /// Patch codec: run-diff, xor-lz4, zstd-ref.
+    #[arg(long, default_value = "run-diff")]
+    pub patch_codec: PatchCodec,
+    /// Compression codec: lz4, zstd, lzo, wkdm.
+    #[arg(long, default_value = "lz4")]
+    pub codec: CompressCodec,
+    /// Cut-off for patches and compressed pages, bytes.
+    #[arg(long, default_value_t = 2048)]
+    pub cutoff: usize,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Write a bar chart here.
+    #[arg(long)]
+    pub png: Option<PathBuf>,
+}
+
+/// A snapshot mapped into memory.
+pub struct Loaded {
+    pub name: String,
+    pub ram: memmap2::Mmap,
+    pub resident: Option<Vec<u8>>,
+}
+
+/// Maps a snapshot and its residency bitmap, checking both.
+pub fn load(path: &Path) -> Result<Loaded> {
+    let f = std::fs::File::open(path)
+        .with_context(|| format!("snapshot {}: cannot open", path.display()))?;
+    let len = f
+        .metadata()
+        .with_context(|| format!("snapshot {}", path.display()))?
+        .len();
+    if len == 0 || len % 4096 != 0 {
+        bail!("snapshot {}: {len} bytes is not a whole, non-zero number of 4096-byte pages (truncated or not a RAM snapshot?)", path.display());
+    }
+    // SAFETY: the file is only read; a snapshot changed while mapped gives wrong numbers,
+    // never memory unsafety in this process beyond what reading it implies.
+    let ram = unsafe { memmap2::Mmap::map(&f) }
+        .with_context(|| format!("snapshot {}: cannot map", path.display()))?;
+    let res_path = path.with_extension("resident");
+    let resident = if res_path.exists() {
+        let b = std::fs::read(&res_path)
+            .with_context(|| format!("{}: cannot read", res_path.display()))?;
+        let want = (len / 4096).div_ceil(8);
+        if b.len() as u64 != want {
+            bail!(
+                "{}: {} bytes, but the snapshot's {} pages need {want}",
+                res_path.display(),
+                b.len(),
+                len / 4096
+            );
+        }
+        Some(b)
+    } else {
+        None
+    };
+    let name = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string());
+    Ok(Loaded {
+        name,
+        ram,
+        resident,
+    })
+}
+
+/// The analysis configuration of the arguments.
+pub fn config(a: &AnalyzeArgs) -> AnalysisConfig {
+    AnalysisConfig {
+        similarity: SimilarityConfig {
+            groups: a.k,
+            blocks_per_group: a.s,
+            candidates: a.candidates,
+            hash_bits: a.hash_bits,
+            ..Default::default()
+        },
+        patch_codec: a.patch_codec,
+        patch_cutoff: a.cutoff,
+        compress_codec: a.codec,
+        compress_cutoff: a.cutoff,
+        ..AnalysisConfig::default()
+    }
+}
+
+/// Runs the analysis over loaded snapshots.
+pub fn run_on(loaded: &[Loaded], cfg: &AnalysisConfig) -> Result<Vec<SetAnalysis>> {
+    let guests: Vec<GuestMemory> = loaded
+        .iter()
+        .map(|l| GuestMemory {
+            name: l.name.clone(),
+            ram: &l.ram[..],
+            resident: l.resident.as_deref(),
+        })
+        .collect();
+    analyze(&guests, cfg).map_err(anyhow::Error::msg)
+}
+
+/// Prints the DE Table 1 style table.
+pub fn print_table(sets: &[SetAnalysis]) {
+    println!(
+        "{:<14} {:<8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>10} {:>10} {:>10}",
+        "set",
+        "basis",
+        "pages",
+        "zero",
+        "dup",
+        "dist.dup",
+        "unique",
+        "sharing",
+        "+patching",
+        "+compress"
+    );
+    for s in sets {
+        let pct = |x: f64| {
+            if s.pages == 0 {
+                0.0
+            } else {
+                100.0 * (1.0 - x / s.pages as f64)
+            }
+        };
+        println!(
+            "{:<14} {:<8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>9.1}% {:>9.1}% {:>9.1}%",
+            s.name,
+            s.basis,
+            s.pages,
+            s.zero_pages,
+            s.duplicate_pages,
+            s.distinct_duplicate_pages,
+            s.unique_pages,
+            pct(s.pages_sharing_only),
+            pct(s.pages_with_patching),
+            pct(s.pages_with_compression)
+        );
+    }
+    println!("(sharing / +patching / +compress: memory saved, as % of the pages considered)");
+}
+
+/// A grouped bar chart: per set (resident basis), pages needed by each scheme.
+pub fn chart(path: &Path, sets: &[SetAnalysis]) -> Result<()> {
+    let groups: Vec<(String, Vec<(String, f64)>)> = sets
+        .iter()
+        .filter(|s| s.basis == "resident")
+        .map(|s| {
+            (
+                s.name.clone(),
+                vec![
+                    ("pages".into(), s.pages as f64),
+                    ("sharing".into(), s.pages_sharing_only),
+                    ("+patching".into(), s.pages_with_patching),
+                    ("+compression".into(), s.pages_with_compression),
+                ],
+            )
+        })
+        .collect();
+    plot::bars(
+        path,
+        "memfold analyze (DE Table 1): host-resident pages needed",
+        "pages (4 KiB)",
+        &groups,
+    )
+}
+
+/// `memfold analyze`.
+pub fn run(a: &AnalyzeArgs) -> Result<()> {
+    let t = std::time::Instant::now();
+    let loaded: Vec<Loaded> = a.snapshots.iter().map(|p| load(p)).collect::<Result<_>>()?;
+    let bytes: u64 = loaded.iter().map(|l| l.ram.len() as u64).sum();
+    let sets = run_on(&loaded, &config(a))?;
+    let secs = t.elapsed().as_secs_f64();
+    if let Some(png) = &a.png {
+        chart(png, &sets)?;
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &serde_json::json!({ "sets": sets, "bytes": bytes, "seconds": secs })
+            )?
+        );
+    } else {
+        print_table(&sets);
+        eprintln!(
+            "analysed {:.2} GiB in {secs:.2} s ({:.2} GB/s)",
+            bytes as f64 / (1u64 << 30) as f64,
+            bytes as f64 / secs / 1e9
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,68 @@
+//! Booting a set of guests for a command, with progress on stderr.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use memfold_vm::images;
+use memfold_vm::launcher::{detect_accel, Accel, Guest, GuestSpec, RamBackend};
+
+/// Parses `web,db,py` (a profile may repeat: `web,web`) into guest specs named
+/// `web-1`, `web-2`, `db-1`, ...
+pub fn specs(profiles: &str, ram: RamBackend, mem_mib: Option<u32>) -> Result<Vec<GuestSpec>> {
+    let mut out: Vec<GuestSpec> = Vec::new();
+    for p in profiles.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let prof = images::profile(p)?;
+        let n = out.iter().filter(|s| s.profile == p).count() + 1;
+        out.push(GuestSpec {
+            name: format!("{p}-{n}"),
+            profile: p.into(),
+            mem_mib: mem_mib.unwrap_or(prof.mem_mib),
+            ram,
+            cpus: 1,
+        });
+    }
+    anyhow::ensure!(!out.is_empty(), "no guest profile given");
+    Ok(out)
+}
+
+/// Builds any missing image of `specs`, printing the build steps.
+pub fn ensure_images(cache: &Path, specs: &[GuestSpec]) -> Result<()> {
+    let mut names: Vec<&str> = specs.iter().map(|s| s.profile.as_str()).collect();
+    names.push("tiny"); // the KVM probe boots it
+    names.sort();
+    names.dedup();
+    for n in names {
+        images::build(cache, n, |line| {
+            eprintln!("  [{n}] {}", line.trim_start_matches("== step: "))
+        })?;
+    }
+    Ok(())
+}
+
+/// A work folder for one command run under `out`.
+pub fn workdir(out: &Path) -> Result<PathBuf> {
+    let d = out.join("vm");
+    std::fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
+    Ok(d)
+}
+
+/// Starts every guest and waits until all are ready (`timeout` each, from its start).
+pub fn boot(
+    cache: &Path,
+    specs: &[GuestSpec],
+    work: &Path,
+    timeout: Duration,
+) -> Result<(Vec<Guest>, Accel)> {
+    let accel = detect_accel(cache);
+    eprintln!("booting {} guest(s) under {accel:?}", specs.len());
+    let mut guests = Vec::new();
+    for s in specs {
+        guests.push(Guest::start(s, cache, work, accel)?);
+    }
+    for g in &mut guests {
+        let t = g.wait_ready(timeout)?;
+        eprintln!("  {} ready after {:.1} s", g.name, t.as_secs_f64());
+    }
+    Ok((guests, accel))
+}

@@ -1,0 +1,267 @@
+//! `memfold ksm`: a guest set under Linux KSM, measured the way memfold is measured
+//! (`memfold_vm::hostmem`).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use memfold_mem::ksm::{Ksm, KsmMode, KsmStats};
+use memfold_vm::hostmem::guest_ram_usage;
+use memfold_vm::launcher::{Guest, RamBackend};
+use serde::Serialize;
+
+use crate::guests;
+use crate::plot::{self, Panel, Series};
+
+/// Arguments of `memfold ksm`.
+#[derive(Args, Clone, Debug)]
+pub struct KsmArgs {
+    /// Guest profiles, comma-separated (repeat a profile for several guests).
+    #[arg(long, default_value = "web,web,db,py-trixie")]
+    pub profiles: String,
+    /// KSM settings to run: aggressive, default, or both (one after the other, unmerging
+    /// in between).
+    #[arg(long, default_value = "both")]
+    pub mode: String,
+    /// Seconds each mode runs.
+    #[arg(long, default_value_t = 90)]
+    pub secs: u64,
+    /// Seconds to let the guests settle after they are ready, before measuring.
+    #[arg(long, default_value_t = 20)]
+    pub settle: u64,
+    /// RAM per guest, MiB (default: the profile's).
+    #[arg(long)]
+    pub mem_mib: Option<u32>,
+    /// Output folder (CSV, JSON, PNG).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One sample.
+#[derive(Clone, Debug, Serialize)]
+pub struct KsmSample {
+    /// Seconds since KSM started.
+    pub t: f64,
+    /// KSM counters.
+    pub ksm: KsmStats,
+    /// Host memory used by guest RAM (Pss + swap over guests), bytes.
+    pub used_bytes: u64,
+    /// Rss of guest RAM over guests, bytes.
+    pub rss_bytes: u64,
+}
+
+/// One mode's run.
+#[derive(Clone, Debug, Serialize)]
+pub struct KsmRun {
+    /// Mode name.
+    pub mode: &'static str,
+    /// Host memory used by guest RAM just before KSM started, bytes.
+    pub used_before: u64,
+    /// Mean over the last 10 s: host memory saved (used_before − used), bytes.
+    pub saved_bytes: f64,
+    /// Mean over the last 10 s: pages_sharing × 4096 (KSM's own count), bytes.
+    pub ksm_sharing_bytes: f64,
+    /// Seconds until the saving first reached 95% of its plateau.
+    pub t95_s: Option<f64>,
+    /// All samples.
+    pub samples: Vec<KsmSample>,
+}
+
+/// Host memory used by the guests' RAM now: (used, rss), bytes.
+pub fn used(guests: &[Guest]) -> Result<(u64, u64)> {
+    let mut u = (0, 0);
+    for g in guests {
+        let r = guest_ram_usage(g.pid, g.mem_bytes / 2)
+            .with_context(|| format!("guest {}: QEMU gone?", g.name))?;
+        u.0 += r.used();
+        u.1 += r.rss;
+    }
+    Ok(u)
+}
+
+/// Runs one KSM mode on running guests for `secs`, sampling every second.
+pub fn run_mode(ksm: &Ksm, guests: &mut [Guest], mode: KsmMode, secs: u64) -> Result<KsmRun> {
+    let (used_before, _) = used(guests)?;
+    ksm.start(mode)?;
+    let start = Instant::now();
+    let mut samples = Vec::new();
+    while start.elapsed() < Duration::from_secs(secs) {
+        std::thread::sleep(Duration::from_secs(1));
+        for g in guests.iter_mut() {
+            g.check_alive()?;
+        }
+        let (u, rss) = used(guests)?;
+        let s = KsmSample {
+            t: start.elapsed().as_secs_f64(),
+            ksm: ksm.stats()?,
+            used_bytes: u,
+            rss_bytes: rss,
+        };
+        eprint!(
+            "\r  ksm {:<10} {:>5.0} s  saved {:>7.1} MiB  pages_sharing {:>7}   ",
+            mode.name,
+            s.t,
+            (used_before as f64 - u as f64) / 1048576.0,
+            s.ksm.pages_sharing
+        );
+        samples.push(s);
+    }
+    eprintln!();
+    let tail = &samples[samples.len().saturating_sub(10)..];
+    let saved_bytes = tail
+        .iter()
+        .map(|s| used_before as f64 - s.used_bytes as f64)
+        .sum::<f64>()
+        / tail.len().max(1) as f64;
+    let ksm_sharing_bytes = tail
+        .iter()
+        .map(|s| s.ksm.pages_sharing as f64 * 4096.0)
+        .sum::<f64>()
+        / tail.len().max(1) as f64;
+    let t95_s = samples
+        .iter()
+        .find(|s| used_before as f64 - s.used_bytes as f64 >= 0.95 * saved_bytes)
+        .map(|s| s.t);
+    Ok(KsmRun {
+        mode: mode.name,
+        used_before,
+        saved_bytes,
+        ksm_sharing_bytes,
+        t95_s,
+        samples,
+    })
+}
+
+/// Writes a run set's CSV and plot.
+pub fn write_outputs(out: &Path, runs: &[KsmRun]) -> Result<()> {
+    let csv = out.join("ksm.csv");
+    let mut f = std::io::BufWriter::new(
+        std::fs::File::create(&csv).with_context(|| format!("cannot write {}", csv.display()))?,
+    );
+    writeln!(f, "mode,t_s,used_bytes,rss_bytes,saved_bytes,pages_shared,pages_sharing,ksm_zero_pages,general_profit,full_scans")?;
+    for r in runs {
+        for s in &r.samples {
+            writeln!(
+                f,
+                "{},{:.1},{},{},{},{},{},{},{},{}",
+                r.mode,
+                s.t,
+                s.used_bytes,
+                s.rss_bytes,
+                r.used_before as i64 - s.used_bytes as i64,
+                s.ksm.pages_shared,
+                s.ksm.pages_sharing,
+                s.ksm.ksm_zero_pages,
+                s.ksm.general_profit,
+                s.ksm.full_scans
+            )?;
+        }
+    }
+    let panels = vec![Panel {
+        title: "KSM: host memory saved on guest RAM".into(),
+        series: runs
+            .iter()
+            .flat_map(|r| {
+                [
+                    Series {
+                        name: format!("{} (measured)", r.mode),
+                        points: r
+                            .samples
+                            .iter()
+                            .map(|s| {
+                                (
+                                    s.t,
+                                    (r.used_before as f64 - s.used_bytes as f64) / 1048576.0,
+                                )
+                            })
+                            .collect(),
+                    },
+                    Series {
+                        name: format!("{} (pages_sharing)", r.mode),
+                        points: r
+                            .samples
+                            .iter()
+                            .map(|s| (s.t, s.ksm.pages_sharing as f64 * 4096.0 / 1048576.0))
+                            .collect(),
+                    },
+                ]
+            })
+            .collect(),
+        markers: vec![],
+    }];
+    plot::panels(
+        &out.join("ksm.png"),
+        "memfold ksm",
+        "seconds since KSM started",
+        "MiB saved",
+        &panels,
+    )
+}
+
+/// `memfold ksm`.
+pub fn run(a: &KsmArgs) -> Result<()> {
+    let modes: Vec<KsmMode> = match a.mode.as_str() {
+        "aggressive" => vec![KsmMode::AGGRESSIVE],
+        "default" => vec![KsmMode::DEFAULT],
+        "both" => vec![KsmMode::AGGRESSIVE, KsmMode::DEFAULT],
+        m => anyhow::bail!("unknown KSM mode '{m}' (aggressive, default, both)"),
+    };
+    let out = a.out.clone().unwrap_or_else(|| crate::default_out("ksm"));
+    let cache = memfold_vm::images::cache_dir();
+    let specs = guests::specs(&a.profiles, RamBackend::Anonymous, a.mem_mib)?;
+    guests::ensure_images(&cache, &specs)?;
+    let ksm = Ksm::take_control()?;
+    ksm.unmerge()?;
+    let (mut gs, accel) = guests::boot(
+        &cache,
+        &specs,
+        &guests::workdir(&out)?,
+        Duration::from_secs(600),
+    )?;
+    eprintln!("settling {} s", a.settle);
+    std::thread::sleep(Duration::from_secs(a.settle));
+    let mut runs = Vec::new();
+    for m in modes {
+        runs.push(run_mode(&ksm, &mut gs, m, a.secs)?);
+        ksm.unmerge()?;
+        std::thread::sleep(Duration::from_secs(3));
+    }
+    drop(ksm); // restore the host's KSM settings before reporting
+    write_outputs(&out, &runs)?;
+    let mismatches: Vec<String> = gs.iter().flat_map(|g| g.mismatches()).collect();
+    if a.json {
+        let summary: Vec<_> = runs
+            .iter()
+            .map(|r| serde_json::json!({ "mode": r.mode, "used_before_bytes": r.used_before, "saved_bytes": r.saved_bytes, "ksm_sharing_bytes": r.ksm_sharing_bytes, "t95_s": r.t95_s }))
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &serde_json::json!({ "guests": a.profiles, "accel": format!("{accel:?}"), "runs": summary, "guest_mismatches": mismatches })
+            )?
+        );
+    } else {
+        for r in &runs {
+            println!(
+                "KSM {:<10}: saved {:7.1} MiB of {:7.1} MiB used (pages_sharing: {:7.1} MiB), 95% of plateau after {}",
+                r.mode,
+                r.saved_bytes / 1048576.0,
+                r.used_before as f64 / 1048576.0,
+                r.ksm_sharing_bytes / 1048576.0,
+                r.t95_s.map_or("-".into(), |t| format!("{t:.0} s"))
+            );
+        }
+        println!("guest self-check mismatches: {}", mismatches.len());
+        println!(
+            "time series: {}\nplot: {}",
+            out.join("ksm.csv").display(),
+            out.join("ksm.png").display()
+        );
+    }
+    Ok(())
+}

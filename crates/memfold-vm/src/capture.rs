@@ -1,0 +1,248 @@
+//! Snapshots of guest RAM, and of which guest pages are resident on the host.
+//!
+//! A snapshot is three files in one folder: `NAME.ram` (guest-physical memory, 4 KiB
+//! pages, sparse where the host holds nothing), `NAME.resident` (one bit a page, LSB
+//! first: 1 = resident in host memory or swap) and `NAME.json` (what was captured).
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+use serde_json::json;
+
+use crate::launcher::{Guest, RamBackend, VmError};
+
+const PAGE: u64 = 4096;
+
+/// What [`capture`] wrote.
+#[derive(Clone, Debug, Serialize)]
+pub struct CaptureInfo {
+    /// Guest name.
+    pub name: String,
+    /// Profile.
+    pub profile: String,
+    /// Guest pages.
+    pub pages: u64,
+    /// Pages resident on the host.
+    pub resident_pages: u64,
+    /// The RAM file.
+    pub ram: PathBuf,
+    /// The residency bitmap.
+    pub resident: PathBuf,
+    /// Time the guest was paused, ms (0 for a live capture).
+    pub paused_ms: u64,
+    /// Wall time of the capture, ms.
+    pub ms: u64,
+}
+
+/// Capture errors.
+#[derive(Debug, thiserror::Error)]
+pub enum CaptureError {
+    /// The guest side failed.
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    /// The guest RAM could not be found in QEMU's process.
+    #[error("guest {name}: cannot find its {what} in QEMU process {pid}")]
+    NoRam {
+        /// Guest.
+        name: String,
+        /// QEMU pid.
+        pid: u32,
+        /// What was looked for.
+        what: &'static str,
+    },
+    /// I/O.
+    #[error("{path}: {source}")]
+    Io {
+        /// Path.
+        path: PathBuf,
+        /// OS error.
+        source: std::io::Error,
+    },
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> CaptureError + '_ {
+    move |source| CaptureError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Captures `guest`'s RAM into `out` (created if needed). With `pause`, the guest is
+/// stopped (QMP `stop`) for the copy and resumed after, so the snapshot is consistent.
+///
+/// memfd RAM is read from QEMU's memfd with pread (reading through a mapping would
+/// allocate holes), residency from SEEK_DATA/SEEK_HOLE. Anonymous RAM is dumped with QMP
+/// `pmemsave`, residency from `/proc/PID/pagemap`.
+///
+/// Errors: [`CaptureError::Vm`] (QMP), [`CaptureError::NoRam`], [`CaptureError::Io`].
+pub fn capture(guest: &Guest, out: &Path, pause: bool) -> Result<CaptureInfo, CaptureError> {
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    let ram_path = out.join(format!("{}.ram", guest.name));
+    let res_path = out.join(format!("{}.resident", guest.name));
+    let pages = guest.mem_bytes / PAGE;
+    let t0 = Instant::now();
+    let mut qmp = guest.qmp()?;
+    let qerr = |source| VmError::Qmp {
+        name: guest.name.clone(),
+        source,
+    };
+    if pause {
+        qmp.execute("stop", None).map_err(qerr)?;
+    }
+    let paused_at = Instant::now();
+    let result = match guest.ram {
+        RamBackend::Memfd => capture_memfd(guest, &ram_path, pages),
+        RamBackend::Anonymous => {
+            let abs = std::path::absolute(&ram_path).map_err(io(&ram_path))?;
+            qmp.execute("pmemsave", Some(json!({ "val": 0, "size": guest.mem_bytes, "filename": abs.display().to_string() })))
+                .map_err(qerr)?;
+            resident_from_pagemap(guest, pages)
+        }
+    };
+    let paused_ms = if pause {
+        paused_at.elapsed().as_millis() as u64
+    } else {
+        0
+    };
+    if pause {
+        qmp.execute("cont", None).map_err(qerr)?;
+    }
+    let bitmap = result?;
+    std::fs::write(&res_path, &bitmap).map_err(io(&res_path))?;
+    let resident_pages = bitmap.iter().map(|b| b.count_ones() as u64).sum();
+    let info = CaptureInfo {
+        name: guest.name.clone(),
+        profile: guest.profile.clone(),
+        pages,
+        resident_pages,
+        ram: ram_path,
+        resident: res_path,
+        paused_ms,
+        ms: t0.elapsed().as_millis() as u64,
+    };
+    let meta = out.join(format!("{}.json", guest.name));
+    let mut f = File::create(&meta).map_err(io(&meta))?;
+    writeln!(
+        f,
+        "{}",
+        serde_json::to_string_pretty(&info).expect("serializable")
+    )
+    .map_err(io(&meta))?;
+    Ok(info)
+}
+
+/// Finds QEMU's guest-RAM memfd (the one of exactly the RAM's size) and opens it.
+fn open_ram_memfd(guest: &Guest) -> Result<File, CaptureError> {
+    let dir = PathBuf::from(format!("/proc/{}/fd", guest.pid));
+    for entry in std::fs::read_dir(&dir).map_err(io(&dir))?.flatten() {
+        let Ok(link) = std::fs::read_link(entry.path()) else {
+            continue;
+        };
+        if !link.to_string_lossy().starts_with("/memfd:") {
+            continue;
+        }
+        if let Ok(f) = File::open(entry.path()) {
+            if f.metadata().map(|m| m.len()).unwrap_or(0) == guest.mem_bytes {
+                return Ok(f);
+            }
+        }
+    }
+    Err(CaptureError::NoRam {
+        name: guest.name.clone(),
+        pid: guest.pid,
+        what: "RAM memfd",
+    })
+}
+
+fn capture_memfd(guest: &Guest, ram_path: &Path, pages: u64) -> Result<Vec<u8>, CaptureError> {
+    use rustix::fs::{seek, SeekFrom};
+    let src = open_ram_memfd(guest)?;
+    let dst = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(ram_path)
+        .map_err(io(ram_path))?;
+    dst.set_len(guest.mem_bytes).map_err(io(ram_path))?;
+    let mut bitmap = vec![0u8; pages.div_ceil(8) as usize];
+    let mut buf = vec![0u8; 2 << 20];
+    let mut pos = 0u64;
+    while pos < guest.mem_bytes {
+        // Next data extent: [data, hole).
+        let data = match seek(&src, SeekFrom::Data(pos)) {
+            Ok(d) => d,
+            Err(rustix::io::Errno::NXIO) => break, // only holes from here on
+            Err(e) => return Err(io(ram_path)(e.into())),
+        };
+        let hole = seek(&src, SeekFrom::Hole(data))
+            .map_err(|e| io(ram_path)(e.into()))?
+            .min(guest.mem_bytes);
+        let mut off = data;
+        while off < hole {
+            let n = ((hole - off) as usize).min(buf.len());
+            src.read_exact_at(&mut buf[..n], off)
+                .map_err(io(ram_path))?;
+            dst.write_all_at(&buf[..n], off).map_err(io(ram_path))?;
+            off += n as u64;
+        }
+        for p in data / PAGE..hole.div_ceil(PAGE) {
+            bitmap[(p / 8) as usize] |= 1 << (p % 8);
+        }
+        pos = hole;
+    }
+    Ok(bitmap)
+}
+
+/// Residency of anonymous guest RAM from the pagemap of QEMU's RAM mapping (the
+/// read-write anonymous mapping of exactly the RAM's size).
+fn resident_from_pagemap(guest: &Guest, pages: u64) -> Result<Vec<u8>, CaptureError> {
+    let maps_path = PathBuf::from(format!("/proc/{}/maps", guest.pid));
+    let maps = std::fs::read_to_string(&maps_path).map_err(io(&maps_path))?;
+    let start = maps
+        .lines()
+        .filter_map(|l| {
+            let mut p = l.split_whitespace();
+            let range = p.next()?;
+            let perms = p.next()?;
+            let path_present = p.nth(3).is_some();
+            let (s, e) = range.split_once('-')?;
+            let (s, e) = (
+                u64::from_str_radix(s, 16).ok()?,
+                u64::from_str_radix(e, 16).ok()?,
+            );
+            (perms.starts_with("rw") && !path_present && e - s == guest.mem_bytes).then_some(s)
+        })
+        .next()
+        .ok_or(CaptureError::NoRam {
+            name: guest.name.clone(),
+            pid: guest.pid,
+            what: "anonymous RAM mapping",
+        })?;
+    let pm_path = PathBuf::from(format!("/proc/{}/pagemap", guest.pid));
+    let pm = File::open(&pm_path).map_err(io(&pm_path))?;
+    let mut bitmap = vec![0u8; pages.div_ceil(8) as usize];
+    let mut entries = vec![0u8; 8 * 4096];
+    let mut page = 0u64;
+    while page < pages {
+        let n = (pages - page).min(4096);
+        pm.read_exact_at(&mut entries[..(n * 8) as usize], (start / PAGE + page) * 8)
+            .map_err(io(&pm_path))?;
+        for i in 0..n {
+            let e = u64::from_le_bytes(
+                entries[(i * 8) as usize..(i * 8 + 8) as usize]
+                    .try_into()
+                    .expect("8 bytes"),
+            );
+            if e & (3 << 62) != 0 {
+                let p = page + i;
+                bitmap[(p / 8) as usize] |= 1 << (p % 8);
+            }
+        }
+        page += n;
+    }
+    Ok(bitmap)
+}

@@ -1,0 +1,414 @@
+//! Starting, watching and stopping QEMU guests.
+//!
+//! Each guest gets a work folder with its QMP socket and serial log. QEMU runs with the
+//! parent-death signal set to SIGKILL, so it dies with the process that started it even
+//! on a crash or `kill -9` (the signal follows the *thread* that spawned it: spawn guests
+//! from a thread that lives as long as they do). [`Guest`] stops its QEMU on drop.
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::images::{self, ImageError};
+use crate::qmp::{Qmp, QmpError};
+
+/// How guest RAM is backed on the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum RamBackend {
+    /// `memory-backend-memfd,share=on`: what memfold manages (it reads the memfd).
+    Memfd,
+    /// Anonymous private memory, which QEMU marks MADV_MERGEABLE: what KSM scans.
+    Anonymous,
+}
+
+/// CPU virtualization.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Accel {
+    /// Hardware virtualization.
+    Kvm,
+    /// Emulation, with the translation cache limited to `tb-size` MiB (QEMU's default
+    /// cache made TCG guests use 1.4–1.6 GB RSS each here).
+    Tcg,
+}
+
+/// Translation block cache for TCG, MiB.
+pub const TCG_TB_MIB: u32 = 64;
+
+/// What to start.
+#[derive(Clone, Debug)]
+pub struct GuestSpec {
+    /// Unique name in the set (folder and log names).
+    pub name: String,
+    /// Image profile.
+    pub profile: String,
+    /// RAM, MiB.
+    pub mem_mib: u32,
+    /// RAM backing.
+    pub ram: RamBackend,
+    /// Virtual CPUs.
+    pub cpus: u32,
+}
+
+/// Launcher errors.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// No QEMU binary.
+    #[error("qemu-system-x86_64 not found: install Debian's qemu-system-x86 (make setup does)")]
+    QemuMissing,
+    /// Image problem.
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    /// QEMU could not be started.
+    #[error("guest {name}: cannot start QEMU: {source}")]
+    Spawn {
+        /// Guest.
+        name: String,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// QEMU exited.
+    #[error("guest {name}: QEMU exited ({status}); serial log ends:\n{tail}")]
+    Exited {
+        /// Guest.
+        name: String,
+        /// Exit status.
+        status: String,
+        /// End of the serial log and QEMU's stderr.
+        tail: String,
+    },
+    /// No readiness marker in time.
+    #[error("guest {name}: not ready after {secs} s; serial log ends:\n{tail}")]
+    NotReady {
+        /// Guest.
+        name: String,
+        /// Timeout, s.
+        secs: u64,
+        /// End of the serial log.
+        tail: String,
+    },
+    /// QMP failed.
+    #[error("guest {name}: {source}")]
+    Qmp {
+        /// Guest.
+        name: String,
+        /// QMP error.
+        source: QmpError,
+    },
+    /// Work folder I/O.
+    #[error("guest work folder {path}: {source}")]
+    Io {
+        /// Path.
+        path: PathBuf,
+        /// OS error.
+        source: std::io::Error,
+    },
+}
+
+/// A running guest.
+pub struct Guest {
+    /// Its name.
+    pub name: String,
+    /// Its profile.
+    pub profile: String,
+    /// RAM size, bytes.
+    pub mem_bytes: u64,
+    /// RAM backing.
+    pub ram: RamBackend,
+    /// QEMU's pid.
+    pub pid: u32,
+    /// QMP socket.
+    pub qmp_path: PathBuf,
+    /// Serial console log.
+    pub serial_path: PathBuf,
+    stderr_path: PathBuf,
+    child: Option<Child>,
+    /// When QEMU was started.
+    pub started: Instant,
+}
+
+fn qemu_binary() -> Result<PathBuf, VmError> {
+    let name = "qemu-system-x86_64";
+    std::env::var_os("PATH")
+        .and_then(|paths| {
+            std::env::split_paths(&paths)
+                .map(|d| d.join(name))
+                .find(|p| p.is_file())
+        })
+        .ok_or(VmError::QemuMissing)
+}
+
+/// Whether KVM can run guests here: `/dev/kvm` opens and a tiny guest reaches its
+/// readiness marker under KVM within 20 s (on some nested hosts KVM opens but guests hang).
+/// The answer is cached per host boot in the image cache. Needs the `tiny` image; without
+/// it, TCG.
+pub fn detect_accel(cache: &Path) -> Accel {
+    if std::env::var("MEMFOLD_ACCEL").as_deref() == Ok("tcg") {
+        return Accel::Tcg;
+    }
+    if std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_err()
+    {
+        return Accel::Tcg;
+    }
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let stamp = cache.join("accel-probe");
+    if let Ok(s) = std::fs::read_to_string(&stamp) {
+        if let Some((b, a)) = s.split_once(' ') {
+            if b == boot.trim() {
+                return if a.trim() == "kvm" {
+                    Accel::Kvm
+                } else {
+                    Accel::Tcg
+                };
+            }
+        }
+    }
+    let verdict = (|| {
+        let dir = std::env::temp_dir().join(format!("memfold-kvm-probe-{}", std::process::id()));
+        let spec = GuestSpec {
+            name: "kvm-probe".into(),
+            profile: "tiny".into(),
+            mem_mib: 128,
+            ram: RamBackend::Anonymous,
+            cpus: 1,
+        };
+        let mut g = Guest::start(&spec, cache, &dir, Accel::Kvm).ok()?;
+        let ok = g.wait_ready(Duration::from_secs(20)).is_ok();
+        g.stop();
+        let _ = std::fs::remove_dir_all(&dir);
+        Some(ok)
+    })()
+    .unwrap_or(false);
+    let _ = std::fs::write(
+        &stamp,
+        format!("{} {}", boot.trim(), if verdict { "kvm" } else { "tcg" }),
+    );
+    if verdict {
+        Accel::Kvm
+    } else {
+        Accel::Tcg
+    }
+}
+
+impl Guest {
+    /// Starts QEMU for `spec` with its work files under `workdir/<name>`.
+    ///
+    /// Errors: [`VmError::QemuMissing`], [`VmError::Image`] (unknown or unbuilt profile),
+    /// [`VmError::Spawn`], [`VmError::Io`].
+    pub fn start(
+        spec: &GuestSpec,
+        cache: &Path,
+        workdir: &Path,
+        accel: Accel,
+    ) -> Result<Guest, VmError> {
+        let qemu = qemu_binary()?;
+        let img = images::image(cache, &spec.profile)?;
+        let dir = workdir.join(&spec.name);
+        std::fs::create_dir_all(&dir).map_err(|source| VmError::Io {
+            path: dir.clone(),
+            source,
+        })?;
+        let qmp_path = dir.join("qmp.sock");
+        let serial_path = dir.join("serial.log");
+        let stderr_path = dir.join("qemu.stderr");
+        let _ = std::fs::remove_file(&qmp_path);
+        let mut cmd = Command::new(qemu);
+        cmd.arg("-name").arg(&spec.name);
+        match accel {
+            Accel::Kvm => cmd.args(["-accel", "kvm", "-cpu", "host"]),
+            Accel::Tcg => cmd.args(["-accel", &format!("tcg,tb-size={TCG_TB_MIB}")]),
+        };
+        let mem = format!("{}M", spec.mem_mib);
+        match spec.ram {
+            RamBackend::Memfd => {
+                cmd.args([
+                    "-object",
+                    &format!("memory-backend-memfd,id=ram0,size={mem},share=on"),
+                ]);
+                cmd.args(["-machine", "q35,memory-backend=ram0", "-m", &mem]);
+            }
+            RamBackend::Anonymous => {
+                cmd.args(["-machine", "q35,mem-merge=on", "-m", &mem]);
+            }
+        }
+        cmd.args(["-smp", &spec.cpus.to_string()]);
+        cmd.args([
+            "-display",
+            "none",
+            "-vga",
+            "none",
+            "-nodefaults",
+            "-no-reboot",
+        ]);
+        cmd.arg("-serial")
+            .arg(format!("file:{}", serial_path.display()));
+        cmd.arg("-qmp")
+            .arg(format!("unix:{},server=on,wait=off", qmp_path.display()));
+        cmd.arg("-kernel")
+            .arg(&img.kernel)
+            .arg("-initrd")
+            .arg(&img.initrd);
+        let mut append = String::from("console=ttyS0 panic=-1 quiet");
+        if let Some(rootfs) = &img.rootfs {
+            // The image is shared by all guests of a profile: writes go to a throw-away overlay.
+            cmd.arg("-drive").arg(format!(
+                "file={},if=virtio,format=raw,snapshot=on",
+                rootfs.display()
+            ));
+            append.push_str(" root=/dev/vda");
+        }
+        cmd.arg("-append").arg(append);
+        let stderr = File::create(&stderr_path).map_err(|source| VmError::Io {
+            path: stderr_path.clone(),
+            source,
+        })?;
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr);
+        // SAFETY: only async-signal-safe calls (prctl, setpgid) between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                rustix::process::set_parent_process_death_signal(Some(
+                    rustix::process::Signal::KILL,
+                ))?;
+                rustix::process::setsid()?;
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().map_err(|source| VmError::Spawn {
+            name: spec.name.clone(),
+            source,
+        })?;
+        Ok(Guest {
+            name: spec.name.clone(),
+            profile: spec.profile.clone(),
+            mem_bytes: spec.mem_mib as u64 * 1024 * 1024,
+            ram: spec.ram,
+            pid: child.id(),
+            qmp_path,
+            serial_path,
+            stderr_path,
+            child: Some(child),
+            started: Instant::now(),
+        })
+    }
+
+    /// The serial log so far.
+    pub fn serial(&self) -> String {
+        let mut s = String::new();
+        if let Ok(mut f) = File::open(&self.serial_path) {
+            let mut b = Vec::new();
+            let _ = f.read_to_end(&mut b);
+            s = String::from_utf8_lossy(&b).into_owned();
+        }
+        s
+    }
+
+    fn tail(&self) -> String {
+        let serial = self.serial();
+        let lines: Vec<&str> = serial.lines().collect();
+        let mut t = lines[lines.len().saturating_sub(12)..].join("\n");
+        if let Ok(e) = std::fs::read_to_string(&self.stderr_path) {
+            if !e.trim().is_empty() {
+                t.push_str("\nqemu: ");
+                t.push_str(e.trim());
+            }
+        }
+        t
+    }
+
+    /// Checks QEMU still runs.
+    ///
+    /// Errors: [`VmError::Exited`] with the log's end.
+    pub fn check_alive(&mut self) -> Result<(), VmError> {
+        if let Some(c) = self.child.as_mut() {
+            if let Ok(Some(status)) = c.try_wait() {
+                self.child = None;
+                return Err(VmError::Exited {
+                    name: self.name.clone(),
+                    status: status.to_string(),
+                    tail: self.tail(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until the guest prints `MEMFOLD-READY` on its console; returns the time
+    /// since start.
+    ///
+    /// Errors: [`VmError::Exited`], [`VmError::NotReady`] after `timeout`.
+    pub fn wait_ready(&mut self, timeout: Duration) -> Result<Duration, VmError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.serial().contains("MEMFOLD-READY") {
+                return Ok(self.started.elapsed());
+            }
+            self.check_alive()?;
+            if Instant::now() > deadline {
+                return Err(VmError::NotReady {
+                    name: self.name.clone(),
+                    secs: timeout.as_secs(),
+                    tail: self.tail(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Self-check mismatches the guest reported on its console (lines with
+    /// `MEMFOLD-MISMATCH`).
+    pub fn mismatches(&self) -> Vec<String> {
+        self.serial()
+            .lines()
+            .filter(|l| l.contains("MEMFOLD-MISMATCH"))
+            .map(String::from)
+            .collect()
+    }
+
+    /// A QMP session.
+    ///
+    /// Errors: [`VmError::Qmp`].
+    pub fn qmp(&self) -> Result<Qmp, VmError> {
+        Qmp::connect(&self.qmp_path, Duration::from_secs(10)).map_err(|source| VmError::Qmp {
+            name: self.name.clone(),
+            source,
+        })
+    }
+
+    /// Stops QEMU: QMP `quit`, then SIGKILL if it has not exited within 5 s. Idempotent.
+    pub fn stop(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        if let Ok(mut q) = Qmp::connect(&self.qmp_path, Duration::from_millis(500)) {
+            let _ = q.execute("quit", None);
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+impl Drop for Guest {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

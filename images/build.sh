@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Builds one guest image profile from Debian packages only, into OUT (a cache folder).
+#   images/build.sh PROFILE OUT
+# Profiles: tiny (kernel + busybox initramfs, no disk), web, db, py (bookworm), web-trixie, py-trixie.
+# Prints "== step: ..." lines for progress. Idempotent per step: finished steps leave stamps.
+set -euo pipefail
+profile=$1
+out=$2
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$out"
+step() { echo "== step: $*"; }
+
+case "$profile" in
+    tiny) release=; packages= ;;
+    web) release=bookworm; packages="nginx-light curl" ;;
+    web-trixie) release=trixie; packages="nginx-light curl" ;;
+    db) release=bookworm; packages="postgresql postgresql-contrib redis-server redis-tools" ;;
+    py) release=bookworm; packages="python3" ;;
+    py-trixie) release=trixie; packages="python3" ;;
+    *) echo "unknown profile '$profile' (tiny, web, db, py, web-trixie, py-trixie)" >&2; exit 2 ;;
+esac
+
+kernel_dir=$(dirname "$out")/kernel
+# --- kernel: Debian's stock kernel package, unpacked (not installed on the host) ---
+if [ ! -f "$kernel_dir/.done" ]; then
+    step "kernel: downloading Debian's linux-image-amd64"
+    rm -rf "$kernel_dir.tmp"; mkdir -p "$kernel_dir.tmp"
+    pkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+    [ -n "$pkg" ] || { echo "no linux-image package found (run apt-get update)" >&2; exit 1; }
+    (cd "$kernel_dir.tmp" && apt-get download "$pkg" >/dev/null 2>&1 && dpkg-deb -x ./*.deb root && rm -f ./*.deb)
+    cp "$kernel_dir.tmp"/root/boot/vmlinuz-* "$kernel_dir.tmp/vmlinuz"
+    kver=$(ls "$kernel_dir.tmp/root/lib/modules")
+    echo "$kver" > "$kernel_dir.tmp/version"
+    rm -rf "$kernel_dir"; mv "$kernel_dir.tmp" "$kernel_dir"
+    touch "$kernel_dir/.done"
+fi
+kver=$(cat "$kernel_dir/version")
+cp "$kernel_dir/vmlinuz" "$out/vmlinuz"
+
+# --- initramfs: busybox; for disk profiles it loads virtio-blk and ext4 and switches root ---
+step "initramfs"
+ird=$(mktemp -d)
+trap 'rm -rf "$ird"' EXIT
+mkdir -p "$ird"/{bin,proc,sys,dev,tmp,newroot,lib/modules}
+cp /bin/busybox "$ird/bin/busybox"
+if [ "$profile" = tiny ]; then
+    cp "$here/tiny-init" "$ird/init"
+else
+    for m in crc16 crc32c_generic mbcache jbd2 ext4 virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk; do
+        f=$(find "$kernel_dir/root/lib/modules/$kver" -name "$m.ko*" | head -1)
+        [ -n "$f" ] || continue   # built into the kernel
+        case "$f" in
+            *.xz) xz -dc "$f" > "$ird/lib/modules/$m.ko" ;;
+            *.zst) zstd -qdc "$f" > "$ird/lib/modules/$m.ko" ;;
+            *) cp "$f" "$ird/lib/modules/$m.ko" ;;
+        esac
+        echo "$m" >> "$ird/lib/modules/order"
+    done
+    cp "$here/disk-init" "$ird/init"
+fi
+chmod +x "$ird/init"
+(cd "$ird" && find . | cpio -o -H newc 2>/dev/null | gzip -1 > "$out/initrd.img")
+
+if [ -n "$release" ] && [ ! -f "$out/.rootfs-done" ]; then
+    root="$out/rootfs.tmp"
+    rm -rf "$root"
+    step "debootstrap $release (minbase)"
+    debootstrap --variant=minbase "$release" "$root" >"$out/debootstrap.log" 2>&1 || { tail -20 "$out/debootstrap.log" >&2; exit 1; }
+    step "packages: $packages"
+    mount -t proc proc "$root/proc"
+    trap 'umount "$root/proc" 2>/dev/null || true; rm -rf "$ird"' EXIT
+    # No daemons start inside the chroot while installing.
+    printf '#!/bin/sh\nexit 101\n' > "$root/usr/sbin/policy-rc.d"; chmod +x "$root/usr/sbin/policy-rc.d"
+    chroot "$root" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $packages >"$out/apt.log" 2>&1 || { tail -20 "$out/apt.log" >&2; exit 1; }
+    rm -f "$root/usr/sbin/policy-rc.d"
+    install -m 0755 "$here/guest-init" "$root/sbin/memfold-init"
+    install -m 0755 "$here/selfcheck.sh" "$root/usr/local/bin/memfold-selfcheck"
+    echo "$profile" > "$root/etc/memfold-profile"
+    case "$profile" in
+        db)
+            step "db: initialise postgresql and pgbench tables"
+            pgbin=$(ls -d "$root"/usr/lib/postgresql/*/bin | head -1); pgbin=${pgbin#"$root"}
+            chroot "$root" su postgres -s /bin/sh -c "rm -rf /var/lib/postgresql/data && $pgbin/initdb -D /var/lib/postgresql/data -A trust >/dev/null"
+            chroot "$root" su postgres -s /bin/sh -c "$pgbin/pg_ctl -D /var/lib/postgresql/data -o '-k /tmp -c listen_addresses=' -w start >/dev/null && $pgbin/pgbench -h /tmp -i -s 4 postgres >/dev/null 2>&1; $pgbin/pg_ctl -D /var/lib/postgresql/data -w stop >/dev/null"
+            echo "$pgbin" > "$root/etc/memfold-pgbin"
+            ;;
+    esac
+    umount "$root/proc"
+    chroot "$root" apt-get clean
+    rm -rf "$root"/var/lib/apt/lists/*
+    step "rootfs.ext4"
+    size_mb=$(( $(du -sm "$root" | cut -f1) * 13 / 10 + 64 ))
+    rm -f "$out/rootfs.ext4"
+    mkfs.ext4 -q -F -L memfold -d "$root" "$out/rootfs.ext4" "${size_mb}M"
+    rm -rf "$root"
+    touch "$out/.rootfs-done"
+fi
+echo "$profile" > "$out/profile"
+step "done: $out"
