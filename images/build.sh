@@ -25,7 +25,11 @@ kernel_dir=$(dirname "$out")/kernel
 if [ ! -f "$kernel_dir/.done" ]; then
     step "kernel: downloading Debian's linux-image-amd64"
     rm -rf "$kernel_dir.tmp"; mkdir -p "$kernel_dir.tmp"
-    pkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+    pkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+    if [ -z "$pkg" ]; then
+        apt-get update -qq
+        pkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+    fi
     [ -n "$pkg" ] || { echo "no linux-image package found (run apt-get update)" >&2; exit 1; }
     (cd "$kernel_dir.tmp" && apt-get download "$pkg" >/dev/null 2>&1 && dpkg-deb -x ./*.deb root && rm -f ./*.deb)
     cp "$kernel_dir.tmp"/root/boot/vmlinuz-* "$kernel_dir.tmp/vmlinuz"

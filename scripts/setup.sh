@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# Installs what memfold needs on a fresh Debian machine; does nothing that is already done.
-# Today: a C compiler (zstd's C library is built from source by the zstd crate) and a Rust
-# toolchain. Later issues add qemu-system-x86, debootstrap and guest images here.
+# Installs what memfold needs on a fresh Debian machine; does nothing that is already done:
+# a C compiler (the zstd crate builds zstd's C library), QEMU, and the tools that build guest
+# images from Debian packages (debootstrap, busybox-static, e2fsprogs, cpio, xz, zstd).
+# Guest images themselves are built on demand by `memfold image build` (cached).
 set -euo pipefail
 
 need_apt=()
 command -v cc >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)
 command -v make >/dev/null 2>&1 || need_apt+=(make)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+command -v qemu-system-x86_64 >/dev/null 2>&1 || need_apt+=(qemu-system-x86)
+command -v debootstrap >/dev/null 2>&1 || need_apt+=(debootstrap)
+[ -x /bin/busybox ] && /bin/busybox --list 2>/dev/null | grep -qx switch_root || need_apt+=(busybox-static)
+command -v mkfs.ext4 >/dev/null 2>&1 || need_apt+=(e2fsprogs)
+command -v cpio >/dev/null 2>&1 || need_apt+=(cpio)
+command -v xz >/dev/null 2>&1 || need_apt+=(xz-utils)
+command -v zstd >/dev/null 2>&1 || need_apt+=(zstd)
 if ((${#need_apt[@]})); then
     echo "setup: installing ${need_apt[*]}"
     export DEBIAN_FRONTEND=noninteractive

@@ -97,10 +97,13 @@ pub fn capture(guest: &Guest, out: &Path, pause: bool) -> Result<CaptureInfo, Ca
     let result = match guest.ram {
         RamBackend::Memfd => capture_memfd(guest, &ram_path, pages),
         RamBackend::Anonymous => {
+            // Residency first: pmemsave reads every page through QEMU's mapping, which maps
+            // untouched ones to the zero page and would make them look present.
+            let bitmap = resident_from_pagemap(guest, pages);
             let abs = std::path::absolute(&ram_path).map_err(io(&ram_path))?;
             qmp.execute("pmemsave", Some(json!({ "val": 0, "size": guest.mem_bytes, "filename": abs.display().to_string() })))
                 .map_err(qerr)?;
-            resident_from_pagemap(guest, pages)
+            bitmap
         }
     };
     let paused_ms = if pause {
@@ -224,6 +227,7 @@ fn resident_from_pagemap(guest: &Guest, pages: u64) -> Result<Vec<u8>, CaptureEr
         })?;
     let pm_path = PathBuf::from(format!("/proc/{}/pagemap", guest.pid));
     let pm = File::open(&pm_path).map_err(io(&pm_path))?;
+    let zero_pfn = zero_page_pfn().unwrap_or(u64::MAX);
     let mut bitmap = vec![0u8; pages.div_ceil(8) as usize];
     let mut entries = vec![0u8; 8 * 4096];
     let mut page = 0u64;
@@ -237,7 +241,9 @@ fn resident_from_pagemap(guest: &Guest, pages: u64) -> Result<Vec<u8>, CaptureEr
                     .try_into()
                     .expect("8 bytes"),
             );
-            if e & (3 << 62) != 0 {
+            // Present (bit 63) and not the shared zero page, or swapped (bit 62).
+            let present = e & (1 << 63) != 0 && (e & PFN_MASK) != zero_pfn;
+            if present || e & (1 << 62) != 0 {
                 let p = page + i;
                 bitmap[(p / 8) as usize] |= 1 << (p % 8);
             }
@@ -245,4 +251,30 @@ fn resident_from_pagemap(guest: &Guest, pages: u64) -> Result<Vec<u8>, CaptureEr
         page += n;
     }
     Ok(bitmap)
+}
+
+const PFN_MASK: u64 = (1 << 55) - 1;
+
+/// The PFN of the kernel's shared zero page, found by reading a fresh anonymous page of
+/// our own (a read fault maps it to the zero page). Needs root to see PFNs; `None` then.
+fn zero_page_pfn() -> Option<u64> {
+    use rustix::mm::{mmap_anonymous, munmap, MapFlags, ProtFlags};
+    // SAFETY: a private anonymous page of our own, read once and unmapped.
+    unsafe {
+        let p = mmap_anonymous(
+            std::ptr::null_mut(),
+            4096,
+            ProtFlags::READ,
+            MapFlags::PRIVATE,
+        )
+        .ok()?;
+        let _ = std::ptr::read_volatile(p as *const u8);
+        let pm = File::open("/proc/self/pagemap").ok();
+        let mut e = [0u8; 8];
+        let ok = pm.and_then(|f| f.read_exact_at(&mut e, (p as u64 / PAGE) * 8).ok());
+        let _ = munmap(p, 4096);
+        ok?;
+        let e = u64::from_le_bytes(e);
+        (e & (1 << 63) != 0 && e & PFN_MASK != 0).then_some(e & PFN_MASK)
+    }
 }

@@ -1,0 +1,141 @@
+//! The command line on bad input and on synthetic snapshots with known answers.
+
+use std::process::Command;
+
+fn memfold(args: &[&str]) -> (i32, String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_memfold"))
+        .args(args)
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into(),
+        String::from_utf8_lossy(&o.stderr).into(),
+    )
+}
+
+#[test]
+fn bad_snapshots_are_clear_errors() {
+    let d = tempfile::tempdir().unwrap();
+    let missing = d.path().join("missing.ram");
+    let (code, _, err) = memfold(&["analyze", missing.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("missing.ram: cannot open"), "{err}");
+
+    let odd = d.path().join("odd.ram");
+    std::fs::write(&odd, vec![0u8; 5000]).unwrap();
+    let (code, _, err) = memfold(&["analyze", odd.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("5000 bytes is not a whole"), "{err}");
+
+    let empty = d.path().join("empty.ram");
+    std::fs::write(&empty, b"").unwrap();
+    assert_eq!(memfold(&["analyze", empty.to_str().unwrap()]).0, 1);
+
+    let ok = d.path().join("g.ram");
+    std::fs::write(&ok, vec![0u8; 8 * 4096]).unwrap();
+    std::fs::write(d.path().join("g.resident"), [0xFF, 0xFF]).unwrap();
+    let (code, _, err) = memfold(&["analyze", ok.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("g.resident: 2 bytes, but the snapshot's 8 pages need 1"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_profiles_and_missing_qemu_are_clear_errors() {
+    let (code, _, err) = memfold(&["capture", "--profiles", "nope"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("unknown image profile 'nope'"), "{err}");
+    let (code, _, err) = memfold(&["ksm", "--mode", "sometimes", "--profiles", "tiny"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("unknown KSM mode"), "{err}");
+    // No QEMU on PATH: the tiny image is built (or cached) first, then the start fails.
+    let o = Command::new(env!("CARGO_BIN_EXE_memfold"))
+        .args(["capture", "--profiles", "tiny", "--settle", "0"])
+        .env("PATH", "/nonexistent-bin:/usr/sbin:/sbin")
+        .env("MEMFOLD_ACCEL", "tcg")
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("qemu-system-x86_64 not found") || err.contains("building image"),
+        "{err}"
+    );
+}
+
+#[test]
+fn analysis_of_synthetic_snapshots_is_exact() {
+    let d = tempfile::tempdir().unwrap();
+    let page = |b: u8| vec![b; 4096];
+    let mut rnd = vec![0u8; 4096];
+    for (i, x) in rnd.iter_mut().enumerate() {
+        *x = (i * 7919 % 251) as u8 ^ (i / 256) as u8;
+    }
+    // a: zero, zero, A, A, B, rnd ; b: zero, A, C, C
+    let a: Vec<u8> = [page(0), page(0), page(1), page(1), page(2), rnd.clone()].concat();
+    let b: Vec<u8> = [page(0), page(1), page(3), page(3)].concat();
+    std::fs::write(d.path().join("a.ram"), &a).unwrap();
+    std::fs::write(d.path().join("b.ram"), &b).unwrap();
+    std::fs::write(d.path().join("b.resident"), [0b0111u8]).unwrap();
+    let (code, out, err) = memfold(&[
+        "analyze",
+        "--json",
+        d.path().join("a.ram").to_str().unwrap(),
+        d.path().join("b.ram").to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let set = |name: &str, basis: &str| {
+        v["sets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["name"] == name && s["basis"] == basis)
+            .unwrap()
+            .clone()
+    };
+    let all = set("all", "all");
+    for (k, want) in [
+        ("pages", 10),
+        ("zero_pages", 3),
+        ("duplicate_pages", 5),
+        ("distinct_duplicate_pages", 2),
+        ("unique_pages", 2),
+    ] {
+        assert_eq!(all[k], want, "{k}: {all}");
+    }
+    assert_eq!(
+        all["pages_sharing_only"],
+        1.0 + 4.0,
+        "zero page + A, B, C, rnd"
+    );
+    let res = set("all", "resident");
+    for (k, want) in [
+        ("pages", 9),
+        ("zero_pages", 3),
+        ("duplicate_pages", 3),
+        ("distinct_duplicate_pages", 1),
+        ("unique_pages", 3),
+    ] {
+        assert_eq!(res[k], want, "{k}: {res}");
+    }
+    assert_eq!(set("a", "all")["pages_sharing_only"], 1.0 + 3.0);
+    for k in [
+        "name",
+        "pages",
+        "zero_pages",
+        "duplicate_pages",
+        "distinct_duplicate_pages",
+        "unique_pages",
+        "pages_sharing_only",
+        "pages_with_patching",
+        "pages_with_compression",
+    ] {
+        assert!(!all[k].is_null(), "JSON field {k}");
+    }
+}
