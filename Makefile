@@ -6,10 +6,11 @@
 setup:
 	bash scripts/setup.sh
 
-# The main job on the built-in default. Until live guests land (issues 3-4): the
-# Difference Engine micro-benchmark driven through the engine core.
+# The main job on the built-in default: build the guest images, boot a mixed set of
+# real Debian guests, analyse their RAM with the engine's detectors and codecs, and
+# measure Linux KSM on the same guests (until live sharing lands).
 main: setup
-	cargo run --release -p memfold-cli --bin memfold -- bench micro
+	cargo run --release -p memfold-cli --bin memfold -- baseline
 
 # Every test CI runs: unit, property and integration tests, plus lint.
 test: setup

@@ -88,13 +88,7 @@ pub fn run(a: &BaselineArgs) -> Result<()> {
         .find(|s| s.name == "all" && s.basis == "resident")
         .or_else(|| sets.iter().find(|s| s.basis == "resident"))
         .expect("a set");
-    let saved = |pages: f64| (all.pages as f64 - pages) * 4096.0;
-    let static_sharing = saved(all.pages_sharing_only);
-    let diff = if run.saved_bytes > 0.0 {
-        (static_sharing - run.saved_bytes) / run.saved_bytes
-    } else {
-        f64::NAN
-    };
+    let cmp = Comparison::new(all, &run);
     std::fs::write(
         out.join("analysis.json"),
         serde_json::to_string_pretty(&sets)?,
@@ -104,49 +98,97 @@ pub fn run(a: &BaselineArgs) -> Result<()> {
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
                 "guests": a.profiles, "accel": format!("{accel:?}"),
-                "static_sharing_saved_bytes": static_sharing,
-                "static_patching_saved_bytes": saved(all.pages_with_patching),
-                "static_compression_saved_bytes": saved(all.pages_with_compression),
-                "ksm_saved_bytes": run.saved_bytes, "ksm_pages_sharing_bytes": run.ksm_sharing_bytes, "ksm_t95_s": run.t95_s,
-                "static_vs_ksm": diff, "guest_mismatches": mismatches, "sets": sets,
+                "comparison": cmp, "ksm_t95_s": run.t95_s, "guest_mismatches": mismatches, "sets": sets,
             }))?
         );
         return Ok(());
     }
     println!();
     analyze::print_table(&sets);
-    print_comparison(all, static_sharing, &run, diff);
+    cmp.print(all, &run);
     println!("guest self-check mismatches: {}", mismatches.len());
     println!("outputs: {}", out.display());
     Ok(())
 }
 
-fn print_comparison(all: &SetAnalysis, static_sharing: f64, run: &ksm::KsmRun, diff: f64) {
-    let mib = |b: f64| b / 1048576.0;
-    let saved = |pages: f64| (all.pages as f64 - pages) * 4096.0;
-    println!(
-        "\nHost-resident guest RAM: {:.1} MiB ({} pages) in {} guests",
-        mib(all.pages as f64 * 4096.0),
-        all.pages,
-        all.guests.len()
-    );
-    println!(
-        "  static, sharing only:              saves {:7.1} MiB",
-        mib(static_sharing)
-    );
-    println!(
-        "  static, sharing + patching:        saves {:7.1} MiB",
-        mib(saved(all.pages_with_patching))
-    );
-    println!(
-        "  static, + compression:             saves {:7.1} MiB",
-        mib(saved(all.pages_with_compression))
-    );
-    println!(
-        "  Linux KSM (aggressive), measured:  saves {:7.1} MiB (pages_sharing {:.1} MiB), 95% of plateau after {}",
-        mib(run.saved_bytes),
-        mib(run.ksm_sharing_bytes),
-        run.t95_s.map_or("-".into(), |t| format!("{t:.0} s"))
-    );
-    println!("  static sharing vs KSM: {:+.1}%", diff * 100.0);
+/// Static analysis against KSM on the same guests, bytes. KSM's `pages_sharing` counts
+/// merged identical pages; its measured saving (host memory, `memfold_vm::hostmem`) also
+/// includes zero-filled pieces of huge pages it split, which the kernel maps to the zero
+/// page. So identical non-zero pages are compared with `pages_sharing`, and resident zero
+/// pages with the rest of KSM's measured saving.
+#[derive(serde::Serialize)]
+struct Comparison {
+    static_sharing_saved_bytes: f64,
+    static_patching_saved_bytes: f64,
+    static_compression_saved_bytes: f64,
+    static_nonzero_identical_saved_bytes: f64,
+    static_resident_zero_bytes: f64,
+    ksm_saved_bytes: f64,
+    ksm_pages_sharing_bytes: f64,
+    ksm_zero_and_split_bytes: f64,
+    nonzero_identical_vs_pages_sharing: f64,
+    static_sharing_vs_ksm: f64,
+}
+
+impl Comparison {
+    fn new(all: &SetAnalysis, run: &ksm::KsmRun) -> Self {
+        let saved = |pages: f64| (all.pages as f64 - pages) * 4096.0;
+        let rel = |a: f64, b: f64| if b > 0.0 { (a - b) / b } else { f64::NAN };
+        let nonzero = (all.duplicate_pages - all.distinct_duplicate_pages) as f64 * 4096.0;
+        let sharing = saved(all.pages_sharing_only);
+        Comparison {
+            static_sharing_saved_bytes: sharing,
+            static_patching_saved_bytes: saved(all.pages_with_patching),
+            static_compression_saved_bytes: saved(all.pages_with_compression),
+            static_nonzero_identical_saved_bytes: nonzero,
+            static_resident_zero_bytes: all.zero_pages as f64 * 4096.0,
+            ksm_saved_bytes: run.saved_bytes,
+            ksm_pages_sharing_bytes: run.ksm_sharing_bytes,
+            ksm_zero_and_split_bytes: run.saved_bytes - run.ksm_sharing_bytes,
+            nonzero_identical_vs_pages_sharing: rel(nonzero, run.ksm_sharing_bytes),
+            static_sharing_vs_ksm: rel(sharing, run.saved_bytes),
+        }
+    }
+
+    fn print(&self, all: &SetAnalysis, run: &ksm::KsmRun) {
+        let mib = |b: f64| b / 1048576.0;
+        println!(
+            "\nHost-resident guest RAM at capture: {:.1} MiB ({} pages) in {} guests",
+            mib(all.pages as f64 * 4096.0),
+            all.pages,
+            all.guests.len()
+        );
+        println!(
+            "  static, sharing only:               saves {:7.1} MiB",
+            mib(self.static_sharing_saved_bytes)
+        );
+        println!(
+            "  static, sharing + patching:         saves {:7.1} MiB",
+            mib(self.static_patching_saved_bytes)
+        );
+        println!(
+            "  static, + compression:              saves {:7.1} MiB",
+            mib(self.static_compression_saved_bytes)
+        );
+        println!(
+            "  Linux KSM (aggressive), measured:   saves {:7.1} MiB, 95% of plateau after {}",
+            mib(self.ksm_saved_bytes),
+            run.t95_s.map_or("-".into(), |t| format!("{t:.0} s"))
+        );
+        println!(
+            "  identical non-zero pages: static {:.1} MiB, KSM pages_sharing {:.1} MiB ({:+.1}%)",
+            mib(self.static_nonzero_identical_saved_bytes),
+            mib(self.ksm_pages_sharing_bytes),
+            self.nonzero_identical_vs_pages_sharing * 100.0
+        );
+        println!(
+            "  zero pages: {:.1} MiB resident; KSM's saving beyond pages_sharing (zero pieces of split huge pages) {:.1} MiB",
+            mib(self.static_resident_zero_bytes),
+            mib(self.ksm_zero_and_split_bytes)
+        );
+        println!(
+            "  static sharing-only vs KSM measured: {:+.1}%",
+            self.static_sharing_vs_ksm * 100.0
+        );
+    }
 }
