@@ -8,7 +8,9 @@ profile=$1
 out=$2
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
-step() { echo "== step: $*"; }
+current="start"
+step() { current="$*"; echo "== step: $*"; }
+trap 'echo "memfold image build: step \"$current\" failed (profile $profile, into $out)" >&2' ERR
 
 case "$profile" in
     tiny) release=; packages= ;;
@@ -31,7 +33,10 @@ if [ ! -f "$kernel_dir/.done" ]; then
         pkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
     fi
     [ -n "$pkg" ] || { echo "no linux-image package found (run apt-get update)" >&2; exit 1; }
-    (cd "$kernel_dir.tmp" && apt-get download "$pkg" >/dev/null 2>&1 && dpkg-deb -x ./*.deb root && rm -f ./*.deb)
+    (cd "$kernel_dir.tmp" && apt-get download -q "$pkg" >/dev/null && dpkg-deb -x ./*.deb root && rm -f ./*.deb) || {
+        rm -rf "$kernel_dir.tmp"
+        exit 1
+    }
     cp "$kernel_dir.tmp"/root/boot/vmlinuz-* "$kernel_dir.tmp/vmlinuz"
     kver=$(ls "$kernel_dir.tmp/root/lib/modules")
     echo "$kver" > "$kernel_dir.tmp/version"

@@ -52,7 +52,9 @@ fn unknown_profiles_and_missing_qemu_are_clear_errors() {
     let (code, _, err) = memfold(&["ksm", "--mode", "sometimes", "--profiles", "tiny"]);
     assert_eq!(code, 1);
     assert!(err.contains("unknown KSM mode"), "{err}");
-    // No QEMU on PATH: the tiny image is built (or cached) first, then the start fails.
+    // No QEMU on PATH: with the tiny image built (normal PATH), starting the guest fails.
+    let (code, _, err) = memfold(&["image", "build", "tiny"]);
+    assert_eq!(code, 0, "{err}");
     let o = Command::new(env!("CARGO_BIN_EXE_memfold"))
         .args(["capture", "--profiles", "tiny", "--settle", "0"])
         .env("PATH", "/nonexistent-bin:/usr/sbin:/sbin")
@@ -138,4 +140,47 @@ fn analysis_of_synthetic_snapshots_is_exact() {
     ] {
         assert!(!all[k].is_null(), "JSON field {k}");
     }
+}
+
+/// Building an image where there is no room fails with the build's own complaint, and
+/// leaves no half-built image that would later pass for a built one.
+#[test]
+fn no_space_for_an_image_is_a_clear_error() {
+    let d = tempfile::tempdir().unwrap();
+    let mnt = d.path().join("small");
+    std::fs::create_dir(&mnt).unwrap();
+    let st = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+        .arg(&mnt)
+        .status()
+        .unwrap();
+    assert!(
+        st.success(),
+        "mounting a 1 MiB tmpfs (the test runs as root, as CI does)"
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_memfold"))
+        .args(["image", "build", "tiny"])
+        .env("MEMFOLD_IMAGES", &mnt)
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    let listed = Command::new(env!("CARGO_BIN_EXE_memfold"))
+        .args(["image", "list"])
+        .env("MEMFOLD_IMAGES", &mnt)
+        .output()
+        .unwrap();
+    let _ = Command::new("umount").arg(&mnt).status();
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("building image 'tiny' failed"), "{err}");
+    assert!(
+        err.contains("No space left on device")
+            || err.contains("not enough space")
+            || err.contains("No space"),
+        "{err}"
+    );
+    assert!(
+        String::from_utf8_lossy(&listed.stdout).contains("tiny        -         not built"),
+        "no half-built image"
+    );
 }
