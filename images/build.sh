@@ -15,7 +15,7 @@ trap 'echo "memfold image build: step \"$current\" failed (profile $profile, int
 case "$profile" in
     tiny) release=; packages= ;;
     web) release=bookworm; packages="nginx-light curl" ;;
-    web-trixie) release=trixie; packages="nginx-light curl" ;;
+    web-trixie) release=trixie; packages="nginx curl" ;;
     db) release=bookworm; packages="postgresql postgresql-contrib redis-server redis-tools" ;;
     py) release=bookworm; packages="python3" ;;
     py-trixie) release=trixie; packages="python3" ;;

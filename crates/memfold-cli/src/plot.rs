@@ -150,8 +150,15 @@ pub fn bars(
     chart
         .configure_mesh()
         .disable_x_mesh()
-        .x_labels(n)
-        .x_label_formatter(&|x| names.get(x.floor() as usize).cloned().unwrap_or_default())
+        // Ticks every quarter; only each group's centre gets its name.
+        .x_labels(4 * n + 1)
+        .x_label_formatter(&|x| {
+            if (x - x.floor() - 0.5).abs() < 1e-6 {
+                names.get(x.floor() as usize).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
         .y_desc(ylabel)
         .draw()
         .map_err(|e| anyhow!("plot: {e}"))?;
