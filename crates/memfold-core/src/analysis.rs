@@ -184,14 +184,18 @@ pub fn analyze(guests: &[GuestMemory], cfg: &AnalysisConfig) -> Result<Vec<SetAn
 
     // 4. The sets: each guest, then all; each on both bases.
     let mut jobs: Vec<(String, Vec<usize>, &'static str)> = Vec::new();
-    let mut sets: Vec<(String, Vec<usize>)> = guests
-        .iter()
-        .enumerate()
-        .map(|(i, g)| (g.name.clone(), vec![i]))
-        .collect();
+    // The `all` set first: it is the largest job, so it starts while the single guests
+    // share the other threads. The output order is restored below.
+    let mut sets: Vec<(String, Vec<usize>)> = Vec::new();
     if guests.len() > 1 {
         sets.push(("all".into(), (0..guests.len()).collect()));
     }
+    sets.extend(
+        guests
+            .iter()
+            .enumerate()
+            .map(|(i, g)| (g.name.clone(), vec![i])),
+    );
     for (name, members) in sets {
         for basis in ["all", "resident"] {
             jobs.push((name.clone(), members.clone(), basis));
@@ -205,11 +209,14 @@ pub fn analyze(guests: &[GuestMemory], cfg: &AnalysisConfig) -> Result<Vec<SetAn
             Some(o)
         })
         .collect();
-    let results = parallel_map(&jobs, threads, |(name, members, basis)| {
+    let mut results = parallel_map(&jobs, threads, |(name, members, basis)| {
         analyze_set(
             guests, cfg, &det, &contents, &cid_of, &offsets, name, members, basis,
         )
     });
+    if guests.len() > 1 {
+        results.rotate_left(2); // each guest, then `all`
+    }
     Ok(results)
 }
 
@@ -330,26 +337,39 @@ fn analyze_set(
     a
 }
 
-/// Maps `f` over `items` on `threads` threads, keeping order.
+/// Maps `f` over `items` on `threads` threads, keeping order. Work is handed out in small
+/// blocks, so items of uneven cost (the `all` set beside single guests) stay balanced.
 fn parallel_map<T: Sync, R: Send>(
     items: &[T],
     threads: usize,
     f: impl Fn(&T) -> R + Sync,
 ) -> Vec<R> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
     if threads <= 1 || items.len() < 2 {
         return items.iter().map(&f).collect();
     }
-    let chunk = items.len().div_ceil(threads);
+    let block = (items.len() / (threads * 64)).max(1);
+    let next = AtomicUsize::new(0);
+    let done: Mutex<Vec<(usize, Vec<R>)>> = Mutex::new(Vec::new());
     std::thread::scope(|s| {
-        let handles: Vec<_> = items
-            .chunks(chunk)
-            .map(|c| s.spawn(|| c.iter().map(&f).collect::<Vec<R>>()))
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().expect("analysis worker panicked"))
-            .collect()
-    })
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let start = next.fetch_add(block, Ordering::Relaxed);
+                if start >= items.len() {
+                    break;
+                }
+                let out: Vec<R> = items[start..(start + block).min(items.len())]
+                    .iter()
+                    .map(&f)
+                    .collect();
+                done.lock().expect("no poisoned worker").push((start, out));
+            });
+        }
+    });
+    let mut blocks = done.into_inner().expect("no poisoned worker");
+    blocks.sort_by_key(|(start, _)| *start);
+    blocks.into_iter().flat_map(|(_, out)| out).collect()
 }
 
 #[cfg(test)]
