@@ -3,7 +3,6 @@
 //! engine's detectors and codecs (DE Table 1), measures Linux KSM on the very same guests,
 //! and prints the comparison.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Result;
@@ -17,34 +16,23 @@ use crate::{analyze, capture, guests, ksm};
 /// Arguments of `memfold baseline`.
 #[derive(Args, Clone, Debug)]
 pub struct BaselineArgs {
-    /// Guest profiles, comma-separated.
-    #[arg(long, default_value = "web,web,db,py-trixie")]
-    pub profiles: String,
-    /// Seconds to let the guests run after they are ready.
-    #[arg(long, default_value_t = 30)]
-    pub settle: u64,
+    /// The guests.
+    #[command(flatten)]
+    pub set: guests::GuestSetArgs,
     /// Seconds KSM (aggressive) runs.
     #[arg(long, default_value_t = 90)]
     pub ksm_secs: u64,
-    /// RAM per guest, MiB (default: the profile's).
-    #[arg(long)]
-    pub mem_mib: Option<u32>,
-    /// Output folder.
-    #[arg(long)]
-    pub out: Option<PathBuf>,
-    /// Print the result as JSON.
-    #[arg(long)]
-    pub json: bool,
 }
 
 /// `memfold baseline`.
 pub fn run(a: &BaselineArgs) -> Result<()> {
     let out = a
+        .set
         .out
         .clone()
         .unwrap_or_else(|| crate::default_out("baseline"));
     let cache = memfold_vm::images::cache_dir();
-    let specs = guests::specs(&a.profiles, RamBackend::Anonymous, a.mem_mib)?;
+    let specs = guests::specs(&a.set.profiles, RamBackend::Anonymous, a.set.mem_mib)?;
     eprintln!("images ({}):", cache.display());
     guests::ensure_images(&cache, &specs)?;
     let ksm_ctl = Ksm::take_control()?;
@@ -55,8 +43,8 @@ pub fn run(a: &BaselineArgs) -> Result<()> {
         &guests::workdir(&out)?,
         Duration::from_secs(600),
     )?;
-    eprintln!("settling {} s", a.settle);
-    std::thread::sleep(Duration::from_secs(a.settle));
+    eprintln!("settling {} s", a.set.settle);
+    std::thread::sleep(Duration::from_secs(a.set.settle));
 
     eprintln!("capturing RAM (guests paused one at a time)");
     let snaps = out.join("snapshots");
@@ -93,11 +81,11 @@ pub fn run(a: &BaselineArgs) -> Result<()> {
         out.join("analysis.json"),
         serde_json::to_string_pretty(&sets)?,
     )?;
-    if a.json {
+    if a.set.json {
         println!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
-                "guests": a.profiles, "accel": format!("{accel:?}"),
+                "guests": a.set.profiles, "accel": format!("{accel:?}"),
                 "comparison": cmp, "ksm_t95_s": run.t95_s, "guest_mismatches": mismatches, "sets": sets,
             }))?
         );

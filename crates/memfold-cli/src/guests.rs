@@ -4,8 +4,29 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use clap::Args;
 use memfold_vm::images;
 use memfold_vm::launcher::{detect_accel, Accel, Guest, GuestSpec, RamBackend};
+
+/// The guest set of a command that boots guests and measures them.
+#[derive(Args, Clone, Debug)]
+pub struct GuestSetArgs {
+    /// Guest profiles, comma-separated (repeat a profile for several guests).
+    #[arg(long, default_value = "web,web,db,py-trixie")]
+    pub profiles: String,
+    /// Seconds to let the guests run their workloads after they are ready, before measuring.
+    #[arg(long, default_value_t = 30)]
+    pub settle: u64,
+    /// RAM per guest, MiB (default: the profile's).
+    #[arg(long)]
+    pub mem_mib: Option<u32>,
+    /// Output folder.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
 
 /// Parses `web,db,py` (a profile may repeat: `web,web`) into guest specs named
 /// `web-1`, `web-2`, `db-1`, ...

@@ -2,7 +2,7 @@
 //! (`memfold_vm::hostmem`).
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -18,9 +18,9 @@ use crate::plot::{self, Panel, Series};
 /// Arguments of `memfold ksm`.
 #[derive(Args, Clone, Debug)]
 pub struct KsmArgs {
-    /// Guest profiles, comma-separated (repeat a profile for several guests).
-    #[arg(long, default_value = "web,web,db,py-trixie")]
-    pub profiles: String,
+    /// The guests.
+    #[command(flatten)]
+    pub set: guests::GuestSetArgs,
     /// KSM settings to run: aggressive, default, or both (one after the other, unmerging
     /// in between).
     #[arg(long, default_value = "both")]
@@ -28,18 +28,6 @@ pub struct KsmArgs {
     /// Seconds each mode runs.
     #[arg(long, default_value_t = 90)]
     pub secs: u64,
-    /// Seconds to let the guests settle after they are ready, before measuring.
-    #[arg(long, default_value_t = 20)]
-    pub settle: u64,
-    /// RAM per guest, MiB (default: the profile's).
-    #[arg(long)]
-    pub mem_mib: Option<u32>,
-    /// Output folder (CSV, JSON, PNG).
-    #[arg(long)]
-    pub out: Option<PathBuf>,
-    /// Print the summary as JSON.
-    #[arg(long)]
-    pub json: bool,
 }
 
 /// One sample.
@@ -211,9 +199,13 @@ pub fn run(a: &KsmArgs) -> Result<()> {
         "both" => vec![KsmMode::AGGRESSIVE, KsmMode::DEFAULT],
         m => anyhow::bail!("unknown KSM mode '{m}' (aggressive, default, both)"),
     };
-    let out = a.out.clone().unwrap_or_else(|| crate::default_out("ksm"));
+    let out = a
+        .set
+        .out
+        .clone()
+        .unwrap_or_else(|| crate::default_out("ksm"));
     let cache = memfold_vm::images::cache_dir();
-    let specs = guests::specs(&a.profiles, RamBackend::Anonymous, a.mem_mib)?;
+    let specs = guests::specs(&a.set.profiles, RamBackend::Anonymous, a.set.mem_mib)?;
     guests::ensure_images(&cache, &specs)?;
     let ksm = Ksm::take_control()?;
     ksm.unmerge()?;
@@ -223,8 +215,8 @@ pub fn run(a: &KsmArgs) -> Result<()> {
         &guests::workdir(&out)?,
         Duration::from_secs(600),
     )?;
-    eprintln!("settling {} s", a.settle);
-    std::thread::sleep(Duration::from_secs(a.settle));
+    eprintln!("settling {} s", a.set.settle);
+    std::thread::sleep(Duration::from_secs(a.set.settle));
     let mut runs = Vec::new();
     for m in modes {
         runs.push(run_mode(&ksm, &mut gs, m, a.secs)?);
@@ -234,7 +226,7 @@ pub fn run(a: &KsmArgs) -> Result<()> {
     drop(ksm); // restore the host's KSM settings before reporting
     write_outputs(&out, &runs)?;
     let mismatches: Vec<String> = gs.iter().flat_map(|g| g.mismatches()).collect();
-    if a.json {
+    if a.set.json {
         let summary: Vec<_> = runs
             .iter()
             .map(|r| serde_json::json!({ "mode": r.mode, "used_before_bytes": r.used_before, "saved_bytes": r.saved_bytes, "ksm_sharing_bytes": r.ksm_sharing_bytes, "t95_s": r.t95_s }))
@@ -242,7 +234,7 @@ pub fn run(a: &KsmArgs) -> Result<()> {
         println!(
             "{}",
             serde_json::to_string_pretty(
-                &serde_json::json!({ "guests": a.profiles, "accel": format!("{accel:?}"), "runs": summary, "guest_mismatches": mismatches })
+                &serde_json::json!({ "guests": a.set.profiles, "accel": format!("{accel:?}"), "runs": summary, "guest_mismatches": mismatches })
             )?
         );
     } else {

@@ -108,17 +108,9 @@ pub fn panels(
                     PathElement::new([(x, y), (x + 18, y)], ShapeStyle::from(&c).stroke_width(2))
                 });
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()
-            .map_err(|e| anyhow!("plot: {e}"))?;
+        legend(&mut chart)?;
     }
-    root.present()
-        .map_err(|e| anyhow!("plot {}: {e}", path.display()))?;
-    Ok(())
+    present(&root, path)
 }
 
 /// Draws grouped bars: per group (x), one bar per (label, value), into a PNG at `path`.
@@ -175,14 +167,32 @@ pub fn bars(
             .label(label)
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], c.filled()));
     }
+    legend(&mut chart)?;
+    present(&root, path)
+}
+
+type Chart<'a, 'b> = ChartContext<
+    'a,
+    BitMapBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// The series legend, top right.
+fn legend<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>) -> Result<()> {
     chart
         .configure_series_labels()
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .position(SeriesLabelPosition::UpperRight)
         .draw()
-        .map_err(|e| anyhow!("plot: {e}"))?;
+        .map_err(|e| anyhow!("plot: {e}"))
+}
+
+/// Writes the PNG.
+fn present<S>(root: &DrawingArea<BitMapBackend, S>, path: &Path) -> Result<()>
+where
+    S: plotters::coord::CoordTranslate,
+{
     root.present()
-        .map_err(|e| anyhow!("plot {}: {e}", path.display()))?;
-    Ok(())
+        .map_err(|e| anyhow!("plot {}: {e}", path.display()))
 }
