@@ -14,11 +14,11 @@ trap 'echo "memfold image build: step \"$current\" failed (profile $profile, int
 
 case "$profile" in
     tiny) release=; packages= ;;
-    web) release=bookworm; packages="nginx-light curl" ;;
-    web-trixie) release=trixie; packages="nginx curl" ;;
-    db) release=bookworm; packages="postgresql postgresql-contrib redis-server redis-tools" ;;
-    py) release=bookworm; packages="python3" ;;
-    py-trixie) release=trixie; packages="python3" ;;
+    web) release=bookworm; packages="iproute2 nginx-light curl" ;;
+    web-trixie) release=trixie; packages="iproute2 nginx curl" ;;
+    db) release=bookworm; packages="iproute2 postgresql postgresql-contrib redis-server redis-tools" ;;
+    py) release=bookworm; packages="iproute2 python3" ;;
+    py-trixie) release=trixie; packages="iproute2 python3" ;;
     *) echo "unknown profile '$profile' (tiny, web, db, py, web-trixie, py-trixie)" >&2; exit 2 ;;
 esac
 
