@@ -96,15 +96,20 @@ pub fn capture(guest: &Guest, out: &Path, pause: bool) -> Result<CaptureInfo, Ca
     let paused_at = Instant::now();
     let result = match guest.ram {
         RamBackend::Memfd => capture_memfd(guest, &ram_path, pages),
-        RamBackend::Anonymous => {
+        // No early return here: the guest must be resumed below whatever happens.
+        RamBackend::Anonymous => (|| {
             // Residency first: pmemsave reads every page through QEMU's mapping, which maps
             // untouched ones to the zero page and would make them look present.
-            let bitmap = resident_from_pagemap(guest, pages);
+            let bitmap = resident_from_pagemap(guest, pages)?;
             let abs = std::path::absolute(&ram_path).map_err(io(&ram_path))?;
-            qmp.execute("pmemsave", Some(json!({ "val": 0, "size": guest.mem_bytes, "filename": abs.display().to_string() })))
-                .map_err(qerr)?;
-            bitmap
-        }
+            let file = abs.display().to_string();
+            qmp.execute(
+                "pmemsave",
+                Some(json!({ "val": 0, "size": guest.mem_bytes, "filename": file })),
+            )
+            .map_err(qerr)?;
+            Ok(bitmap)
+        })(),
     };
     let paused_ms = if pause {
         paused_at.elapsed().as_millis() as u64
