@@ -3,8 +3,6 @@
 //! engine's detectors and codecs (DE Table 1), measures Linux KSM on the very same guests,
 //! and prints the comparison.
 
-use std::time::Duration;
-
 use anyhow::Result;
 use clap::Args;
 use memfold_core::analysis::{AnalysisConfig, SetAnalysis};
@@ -26,25 +24,10 @@ pub struct BaselineArgs {
 
 /// `memfold baseline`.
 pub fn run(a: &BaselineArgs) -> Result<()> {
-    let out = a
-        .set
-        .out
-        .clone()
-        .unwrap_or_else(|| crate::default_out("baseline"));
-    let cache = memfold_vm::images::cache_dir();
-    let specs = guests::specs(&a.set.profiles, RamBackend::Anonymous, a.set.mem_mib)?;
-    eprintln!("images ({}):", cache.display());
-    guests::ensure_images(&cache, &specs)?;
+    // KSM stopped and unmerged before the guests start: nothing is merged until we say so.
     let ksm_ctl = Ksm::take_control()?;
     ksm_ctl.unmerge()?;
-    let (mut gs, accel) = guests::boot(
-        &cache,
-        &specs,
-        &guests::workdir(&out)?,
-        Duration::from_secs(600),
-    )?;
-    eprintln!("settling {} s", a.set.settle);
-    std::thread::sleep(Duration::from_secs(a.set.settle));
+    let (mut gs, accel, out) = guests::start_set(&a.set, RamBackend::Anonymous, "baseline")?;
 
     eprintln!("capturing RAM (guests paused one at a time)");
     let snaps = out.join("snapshots");

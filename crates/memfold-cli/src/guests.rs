@@ -68,6 +68,28 @@ pub fn workdir(out: &Path) -> Result<PathBuf> {
     Ok(d)
 }
 
+/// The whole start of a measuring command: the set's specs, its images (built if
+/// missing), every guest booted and ready, then `settle` seconds of workload. Returns the
+/// guests, the acceleration used and the output folder.
+pub fn start_set(
+    set: &GuestSetArgs,
+    ram: RamBackend,
+    default_out: &str,
+) -> Result<(Vec<Guest>, Accel, PathBuf)> {
+    let out = set
+        .out
+        .clone()
+        .unwrap_or_else(|| crate::default_out(default_out));
+    let cache = images::cache_dir();
+    let specs = specs(&set.profiles, ram, set.mem_mib)?;
+    eprintln!("images ({}):", cache.display());
+    ensure_images(&cache, &specs)?;
+    let (guests, accel) = boot(&cache, &specs, &workdir(&out)?, Duration::from_secs(600))?;
+    eprintln!("settling {} s", set.settle);
+    std::thread::sleep(Duration::from_secs(set.settle));
+    Ok((guests, accel, out))
+}
+
 /// Starts every guest and waits until all are ready (`timeout` each, from its start).
 pub fn boot(
     cache: &Path,

@@ -199,24 +199,9 @@ pub fn run(a: &KsmArgs) -> Result<()> {
         "both" => vec![KsmMode::AGGRESSIVE, KsmMode::DEFAULT],
         m => anyhow::bail!("unknown KSM mode '{m}' (aggressive, default, both)"),
     };
-    let out = a
-        .set
-        .out
-        .clone()
-        .unwrap_or_else(|| crate::default_out("ksm"));
-    let cache = memfold_vm::images::cache_dir();
-    let specs = guests::specs(&a.set.profiles, RamBackend::Anonymous, a.set.mem_mib)?;
-    guests::ensure_images(&cache, &specs)?;
     let ksm = Ksm::take_control()?;
     ksm.unmerge()?;
-    let (mut gs, accel) = guests::boot(
-        &cache,
-        &specs,
-        &guests::workdir(&out)?,
-        Duration::from_secs(600),
-    )?;
-    eprintln!("settling {} s", a.set.settle);
-    std::thread::sleep(Duration::from_secs(a.set.settle));
+    let (mut gs, accel, out) = guests::start_set(&a.set, RamBackend::Anonymous, "ksm")?;
     let mut runs = Vec::new();
     for m in modes {
         runs.push(run_mode(&ksm, &mut gs, m, a.secs)?);

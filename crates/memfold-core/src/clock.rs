@@ -203,8 +203,17 @@ impl Policy {
         Some(p)
     }
 
-    /// Looks a policy up by name: `de`, `sharing`, `aggressive`, `share-only`, `patch-only`,
-    /// `compress-only`.
+    /// Every policy name [`Policy::by_name`] knows.
+    pub const NAMES: [&'static str; 6] = [
+        "de",
+        "sharing",
+        "aggressive",
+        "share-only",
+        "patch-only",
+        "compress-only",
+    ];
+
+    /// Looks a policy up by name (one of [`Policy::NAMES`]).
     pub fn by_name(name: &str) -> Option<Self> {
         match name {
             "de" => Some(Self::difference_engine()),
@@ -256,14 +265,7 @@ mod tests {
         assert!(c3.share && c3.patch && !c3.compress && !c3.swap);
         let c4 = de.for_state(NruState::C4);
         assert!(c4.share && c4.patch && c4.compress && c4.swap);
-        for name in [
-            "de",
-            "sharing",
-            "aggressive",
-            "share-only",
-            "patch-only",
-            "compress-only",
-        ] {
+        for name in Policy::NAMES {
             assert_eq!(Policy::by_name(name).unwrap().name, name);
         }
         assert!(Policy::by_name("nope").is_none());

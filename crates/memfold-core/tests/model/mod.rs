@@ -304,14 +304,7 @@ impl Harness {
                 self.tolerate(r, op)?;
             }
             Op::SetPolicy(p) => {
-                let names = [
-                    "de",
-                    "sharing",
-                    "aggressive",
-                    "share-only",
-                    "patch-only",
-                    "compress-only",
-                ];
+                let names = Policy::NAMES;
                 self.engine
                     .set_policy(Policy::by_name(names[p as usize % names.len()]).unwrap());
             }
