@@ -16,6 +16,7 @@
 //! | [`clock`] | NRU clock C1–C4 and policies | DE §4.2 |
 //! | [`engine`] | P2M maps, guest access API, mechanisms, clock sweep | all |
 //! | [`accounting`] | savings by mechanism and VM, metadata, counters | DE §3.2 |
+//! | [`analysis`] | static analysis of RAM snapshots: zero, duplicate, unique; pages needed with sharing, + patching, + compression | DE §3.2, Table 1 |
 //!
 //! Codecs (LZ4, zstd, LZO, WKdm; patch codecs) live in `memfold-codecs`.
 
