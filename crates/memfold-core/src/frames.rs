@@ -138,7 +138,7 @@ impl FrameStore {
     }
 
     /// Drops one reference; frees the frame (and returns true) when it was the last.
-    /// The caller removes a freed frame from any table first (see [`Self::flags`]).
+    /// The caller takes a frame that is about to be freed out of the share table first.
     pub fn decref(&mut self, f: Frame) -> bool {
         let i = f.0 as usize;
         let c = &mut self.refcount[i];
