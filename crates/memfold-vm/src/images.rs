@@ -179,6 +179,20 @@ pub fn build(
         let path = path.to_path_buf();
         move |source| ImageError::Io { path, source }
     };
+    // One build at a time per cache (profiles share the kernel download): another process
+    // or thread building the same image makes this wait, then finds it built.
+    std::fs::create_dir_all(cache).map_err(io(cache))?;
+    let lock_path = cache.join(".build.lock");
+    let lock = std::fs::File::create(&lock_path).map_err(io(&lock_path))?;
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive)
+        .map_err(|e| io(&lock_path)(e.into()))?;
+    if let Ok(img) = image(cache, name) {
+        progress(&format!(
+            "== step: built meanwhile: {}",
+            cache.join(name).display()
+        ));
+        return Ok(img);
+    }
     let scripts = cache.join("scripts");
     std::fs::create_dir_all(&scripts).map_err(io(&scripts))?;
     for (file, text) in SCRIPTS {
