@@ -81,13 +81,7 @@ impl Engine {
             PageState::Private(f) => f,
             PageState::Shared(f) => {
                 // Re-enter the frame after a partitioned pass cleared the table.
-                if self.frames.flags(f) & IN_SHARE_TABLE == 0 {
-                    let h = self.hash(self.frames.data(f));
-                    if self.share.in_current_pass(h) && self.share.insert(h, ShareEntry::Shared(f))
-                    {
-                        self.frames.set_flag(f, IN_SHARE_TABLE, true);
-                    }
-                }
+                self.list(f);
                 return Ok(ShareOutcome::AlreadyShared);
             }
             _ => return Ok(ShareOutcome::NotEligible),
@@ -279,10 +273,7 @@ impl Engine {
     fn make_reference(&mut self, vm: VmId, gfn: Gfn, r: Frame) {
         if let PageState::Private(_) = self.entry(vm, gfn).state() {
             self.set_entry(vm, gfn, PageState::Shared(r));
-            let h = self.hash(self.frames.data(r));
-            if self.share.in_current_pass(h) && self.share.insert(h, ShareEntry::Shared(r)) {
-                self.frames.set_flag(r, IN_SHARE_TABLE, true);
-            }
+            self.list(r);
         }
     }
 
@@ -364,9 +355,7 @@ impl Engine {
     ///
     /// Errors: [`EngineError::SwapIo`] or [`EngineError::Corrupt`] from a victim.
     pub fn swap_out_hint(&mut self, pages: u32) -> Result<u32> {
-        let mut done = 0;
-        self.swap_victims(pages, None, |_, _| false, &mut done)?;
-        Ok(done)
+        Ok(self.swap_victims(pages, None, |_| false)?.0)
     }
 
     /// Swaps out victims until fewer than `limit` frames are in use. Returns why it had to
@@ -376,34 +365,34 @@ impl Engine {
         limit: u32,
         exclude: Option<(VmId, Gfn)>,
     ) -> Result<String> {
-        let mut done = 0;
-        self.swap_victims(u32::MAX, exclude, |in_use, _| in_use < limit, &mut done)
+        let (_, short) = self.swap_victims(u32::MAX, exclude, |in_use| in_use < limit)?;
+        Ok(short.unwrap_or_default().to_string())
     }
 
     /// The victim scan shared by [`Self::swap_out_hint`] and the budget: three rounds over
-    /// all pages from the swap cursor, each less picky. `enough(frames_in_use, swapped)`
-    /// ends it early.
+    /// all pages from the swap cursor, each less picky, until `max` pages are swapped out or
+    /// `enough(frames in use)` holds. Returns how many it swapped out, and why it stopped
+    /// short of `enough` if it did.
     fn swap_victims(
         &mut self,
         max: u32,
         exclude: Option<(VmId, Gfn)>,
-        enough: impl Fn(u32, u32) -> bool,
-        done: &mut u32,
-    ) -> Result<String> {
+        enough: impl Fn(u32) -> bool,
+    ) -> Result<(u32, Option<&'static str>)> {
         let total: u64 = self.vms.values().map(|v| v.p2m.len() as u64).sum();
+        let mut done = 0;
         for round in 0..3 {
             for _ in 0..total {
-                if *done >= max || enough(self.frames.in_use(), *done) {
-                    return Ok(String::new());
+                if done >= max || enough(self.frames.in_use()) {
+                    return Ok((done, None));
                 }
                 let Some((vm, gfn)) = self.advance_swap_cursor() else {
-                    return Ok("no VM".into());
+                    return Ok((done, Some("no VM")));
                 };
                 if Some((vm, gfn)) == exclude {
                     continue;
                 }
-                let clock = self.vms[&vm].clock[gfn as usize];
-                let state = clock.state();
+                let state = self.vms[&vm].clock[gfn as usize].state();
                 let ok = match round {
                     0 => self.cfg.policy.for_state(state).swap,
                     1 => state != crate::clock::NruState::C1,
@@ -411,18 +400,15 @@ impl Engine {
                 };
                 if ok && self.swap_frees_memory(vm, gfn) {
                     match self.swap_out(vm, gfn)? {
-                        SwapOutcome::Swapped(_) => *done += 1,
-                        SwapOutcome::SwapFull => return Ok("the swap file is full".into()),
+                        SwapOutcome::Swapped(_) => done += 1,
+                        SwapOutcome::SwapFull => return Ok((done, Some("the swap file is full"))),
                         SwapOutcome::NotEligible => {}
                     }
                 }
             }
         }
-        Ok(if enough(self.frames.in_use(), *done) {
-            String::new()
-        } else {
-            "no page left to swap out".into()
-        })
+        let short = (!enough(self.frames.in_use())).then_some("no page left to swap out");
+        Ok((done, short))
     }
 
     /// Whether swapping the page out would free host memory: not for a mapping of a frame

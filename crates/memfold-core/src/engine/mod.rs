@@ -376,6 +376,17 @@ impl Engine {
         self.frames.decref(f);
     }
 
+    /// Enters a shared frame in the share table if it is not there, its hash falls in the
+    /// current pass and its chain has room (else it stays shared, just not findable).
+    fn list(&mut self, f: Frame) {
+        if self.frames.flags(f) & IN_SHARE_TABLE == 0 {
+            let h = self.hash(self.frames.data(f));
+            if self.share.in_current_pass(h) && self.share.insert(h, ShareEntry::Shared(f)) {
+                self.frames.set_flag(f, IN_SHARE_TABLE, true);
+            }
+        }
+    }
+
     /// Takes a shared frame out of the share table (before it is freed or made private).
     fn unlist(&mut self, f: Frame) {
         if self.frames.flags(f) & IN_SHARE_TABLE != 0 {
