@@ -138,6 +138,29 @@ pub struct Savings {
     pub blob_fragmentation: f64,
 }
 
+impl std::ops::AddAssign for PageCounts {
+    fn add_assign(&mut self, o: PageCounts) {
+        self.unbacked += o.unbacked;
+        self.zero += o.zero;
+        self.private += o.private;
+        self.shared += o.shared;
+        self.patched += o.patched;
+        self.compressed += o.compressed;
+        self.swapped += o.swapped;
+    }
+}
+
+impl std::ops::AddAssign for Savings {
+    fn add_assign(&mut self, o: Savings) {
+        self.zero += o.zero;
+        self.sharing += o.sharing;
+        self.patching += o.patching;
+        self.compression += o.compression;
+        self.swap += o.swap;
+        self.blob_fragmentation += o.blob_fragmentation;
+    }
+}
+
 impl Savings {
     /// Sum of all mechanisms, bytes.
     pub fn total(&self) -> f64 {
@@ -332,23 +355,8 @@ impl Engine {
                 }
             }
             let backed = v.p2m.len() as u64 - pc.unbacked;
-            for (t, x) in [
-                (&mut total.unbacked, pc.unbacked),
-                (&mut total.zero, pc.zero),
-                (&mut total.private, pc.private),
-                (&mut total.shared, pc.shared),
-                (&mut total.patched, pc.patched),
-                (&mut total.compressed, pc.compressed),
-                (&mut total.swapped, pc.swapped),
-            ] {
-                *t += x;
-            }
-            saved.zero += s.zero;
-            saved.sharing += s.sharing;
-            saved.patching += s.patching;
-            saved.compression += s.compression;
-            saved.swap += s.swap;
-            saved.blob_fragmentation += s.blob_fragmentation;
+            total += pc;
+            saved += s;
             per_vm.push(VmAccounting {
                 vm: id,
                 guest_pages: v.p2m.len() as u64,
