@@ -32,9 +32,15 @@ impl RamUsage {
 /// (memfold) and anonymous read-write mappings of at least `min_bytes` (KSM runs; the RAM
 /// is one such mapping, QEMU's other anonymous mappings are smaller).
 ///
-/// Errors: the smaps file cannot be read (the process is gone).
+/// Errors: the smaps file cannot be read, or is empty (the process is gone or a zombie,
+/// e.g. QEMU after a guest kernel panic).
 pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
+    if smaps.is_empty() {
+        return Err(std::io::Error::other(format!(
+            "process {pid} has no memory map: it has exited"
+        )));
+    }
     let mut total = RamUsage::default();
     let mut counting = false;
     for line in smaps.lines() {

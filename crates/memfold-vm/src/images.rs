@@ -145,6 +145,14 @@ pub fn image(cache: &Path, name: &str) -> Result<Image, ImageError> {
         }
     };
     need("profile")?;
+    // An image built from other recipes (an older memfold) is stale: rebuild it.
+    let recipe = dir.join("recipe");
+    if std::fs::read_to_string(&recipe).ok().as_deref() != Some(recipe_fingerprint().as_str()) {
+        return Err(ImageError::NotBuilt {
+            profile: name.into(),
+            missing: recipe,
+        });
+    }
     Ok(Image {
         profile,
         kernel: need("vmlinuz")?,
@@ -160,6 +168,18 @@ const SCRIPTS: [(&str, &str); 5] = [
     ("guest-init", include_str!("../../../images/guest-init")),
     ("selfcheck.sh", include_str!("../../../images/selfcheck.sh")),
 ];
+
+/// Fingerprint of the build recipes (FNV-1a 64 over the embedded scripts), stored in an
+/// image's `recipe` file: an image whose recipes changed is rebuilt.
+fn recipe_fingerprint() -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (file, text) in SCRIPTS {
+        for b in file.bytes().chain([0]).chain(text.bytes()) {
+            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    format!("{h:016x}\n")
+}
 
 /// Builds (or reuses) the image of `name` in `cache`, calling `progress` with each step
 /// line of the build script. Reuses a complete image without running anything.
@@ -234,5 +254,7 @@ pub fn build(
             tail,
         });
     }
+    let recipe = cache.join(name).join("recipe");
+    std::fs::write(&recipe, recipe_fingerprint()).map_err(io(&recipe))?;
     image(cache, name)
 }
