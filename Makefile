@@ -13,7 +13,9 @@ main: setup
 	cargo run --release -p memfold-cli --bin memfold -- baseline
 
 # Every test CI runs: unit, property and integration tests, plus lint.
+# The build comes first: live tests preload the agent library into QEMU.
 test: setup
+	cargo build --workspace --release
 	cargo test --workspace --release
 	cargo clippy --workspace --all-targets --release -- -D warnings
 

@@ -198,6 +198,20 @@ pub fn detect_accel(cache: &Path) -> Accel {
     }
 }
 
+/// Environment that loads memfold's agent (`libmemfold_agent.so` at `agent`) into a
+/// guest's QEMU and points it at memfoldd's `socket`. The guest needs [`RamBackend::Memfd`].
+pub fn agent_env(agent: &Path, socket: &Path, spec: &GuestSpec) -> Vec<(String, String)> {
+    vec![
+        ("LD_PRELOAD".into(), agent.display().to_string()),
+        ("MEMFOLD_SOCKET".into(), socket.display().to_string()),
+        ("MEMFOLD_VM_NAME".into(), spec.name.clone()),
+        (
+            "MEMFOLD_RAM_BYTES".into(),
+            (spec.mem_mib as u64 * 1024 * 1024).to_string(),
+        ),
+    ]
+}
+
 impl Guest {
     /// Starts QEMU for `spec` with its work files under `workdir/<name>`.
     ///
@@ -208,6 +222,20 @@ impl Guest {
         cache: &Path,
         workdir: &Path,
         accel: Accel,
+    ) -> Result<Guest, VmError> {
+        Self::start_with_env(spec, cache, workdir, accel, &[])
+    }
+
+    /// [`Guest::start`] with extra environment variables for QEMU (memfold's agent is
+    /// attached this way: `LD_PRELOAD`, `MEMFOLD_SOCKET`, see [`agent_env`]).
+    ///
+    /// Errors: as [`Guest::start`].
+    pub fn start_with_env(
+        spec: &GuestSpec,
+        cache: &Path,
+        workdir: &Path,
+        accel: Accel,
+        env: &[(String, String)],
     ) -> Result<Guest, VmError> {
         let qemu = qemu_binary()?;
         let img = images::image(cache, &spec.profile)?;
@@ -221,6 +249,7 @@ impl Guest {
         let stderr_path = dir.join("qemu.stderr");
         let _ = std::fs::remove_file(&qmp_path);
         let mut cmd = Command::new(qemu);
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
         cmd.arg("-name").arg(&spec.name);
         match accel {
             Accel::Kvm => cmd.args(["-accel", "kvm", "-cpu", "host"]),

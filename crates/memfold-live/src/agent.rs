@@ -1,0 +1,653 @@
+//! The agent inside QEMU: owns the userfaultfd on guest RAM and carries out the mapping
+//! changes that only code in QEMU's address space can make.
+//!
+//! Loaded with `LD_PRELOAD` (crate `memfold-agent`); it starts only when `MEMFOLD_SOCKET`
+//! is set. It waits for QEMU to map guest RAM (a `memory-backend-memfd` of
+//! `MEMFOLD_RAM_BYTES`), registers it with userfaultfd for write-protect faults, and
+//! attaches to memfoldd with the RAM memfd.
+//!
+//! **Share** (ESX §4.3 "mapped read-only onto a frame shared copy-on-write"): for a run of
+//! guest pages and pool frames, write-protect the guest pages (writers now wait), compare
+//! their bytes (pread of the memfd: reading through the mapping would fault) with the pool
+//! frames, map the equal ones: the pool frames are mapped at a staging address, registered
+//! and write-protected there, then moved over the guest pages with `mremap`. With
+//! `UFFD_FEATURE_EVENT_REMAP` the moved mapping keeps its registration and protected PTEs,
+//! so no writer ever sees an unprotected shared page. The guest memfd's copies are then
+//! punched out: that is the host memory freed.
+//!
+//! **CoW break** (ESX §4.3, DE §3.1): a write fault on a shared page copies the frame into
+//! the guest memfd, maps the guest memfd back over the page, registers it and wakes the
+//! writer. Every writer takes this path: vCPU stores, and the kernel's writes on QEMU's
+//! behalf (disk reads into guest RAM), because the userfaultfd is not user-mode-only.
+//!
+//! Crash safety: the agent, not memfoldd, serves every fault, from the pool memfd it holds
+//! itself, so a guest keeps running correctly if memfoldd dies; the agent reconnects and
+//! re-attaches (listing its shared pages) when memfoldd comes back.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::io_util::{pread_exact, pwrite_all};
+use crate::protocol::{Conn, ToAgent, ToDaemon, PROTOCOL_VERSION};
+use crate::uffd::{self, Event, Uffd};
+
+const PAGE: u64 = 4096;
+/// No frame: the page is private.
+const PRIVATE: u32 = u32::MAX;
+
+/// What the agent needs to know, from its environment.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// memfoldd's socket (`MEMFOLD_SOCKET`).
+    pub socket: PathBuf,
+    /// Guest name (`MEMFOLD_VM_NAME`).
+    pub name: String,
+    /// Guest RAM, bytes (`MEMFOLD_RAM_BYTES`).
+    pub ram_bytes: u64,
+}
+
+impl AgentConfig {
+    /// Reads the configuration from the environment; `None` when `MEMFOLD_SOCKET` is unset
+    /// (the library is then inert).
+    pub fn from_env() -> Option<AgentConfig> {
+        let socket = std::env::var_os("MEMFOLD_SOCKET")?;
+        Some(AgentConfig {
+            socket: socket.into(),
+            name: std::env::var("MEMFOLD_VM_NAME").unwrap_or_else(|_| "guest".into()),
+            ram_bytes: std::env::var("MEMFOLD_RAM_BYTES")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+        })
+    }
+}
+
+/// Starts the agent thread if the environment asks for it. Errors are reported on stderr
+/// (QEMU's log) with the prefix `memfold-agent:`; the guest runs on unmanaged.
+pub fn start_from_env() {
+    let Some(cfg) = AgentConfig::from_env() else {
+        return;
+    };
+    let _ = std::thread::Builder::new()
+        .name("memfold-agent".into())
+        .spawn(move || {
+            if let Err(e) = run(cfg) {
+                eprintln!("memfold-agent: {e}");
+            }
+        });
+}
+
+/// Finds the guest RAM mapping: a shared memfd mapping of `ram_bytes`. Returns its start
+/// address and an fd of the memfd (matched by inode among this process's descriptors).
+fn find_ram(ram_bytes: u64) -> io::Result<Option<(u64, OwnedFd)>> {
+    let maps = std::fs::read_to_string("/proc/self/maps")?;
+    for line in maps.lines() {
+        let mut parts = line.split_whitespace();
+        let (Some(range), Some(perms), _, _, Some(inode)) = (
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+        ) else {
+            continue;
+        };
+        let path: String = parts.collect::<Vec<_>>().join(" ");
+        if !path.starts_with("/memfd:") || !perms.starts_with("rw") || !perms.ends_with('s') {
+            continue;
+        }
+        let (s, e) = range.split_once('-').unwrap_or(("0", "0"));
+        let (s, e) = (
+            u64::from_str_radix(s, 16).unwrap_or(0),
+            u64::from_str_radix(e, 16).unwrap_or(0),
+        );
+        if e - s != ram_bytes {
+            continue;
+        }
+        let inode: u64 = inode.parse().unwrap_or(0);
+        for entry in std::fs::read_dir("/proc/self/fd")?.flatten() {
+            let Ok(target) = std::fs::read_link(entry.path()) else {
+                continue;
+            };
+            if !target.to_string_lossy().starts_with("/memfd:") {
+                continue;
+            }
+            // Read-write: CoW breaks write the private copy with pwrite.
+            let Ok(file) = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(entry.path())
+            else {
+                continue;
+            };
+            let Ok(meta) = file.metadata() else { continue };
+            use std::os::unix::fs::MetadataExt;
+            if meta.ino() == inode && meta.len() == ram_bytes {
+                return Ok(Some((s, OwnedFd::from(file))));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// A memfd holding `pairs` as little-endian u32 pairs (the re-attach list).
+fn pairs_memfd(pairs: &[(u32, u32)]) -> io::Result<OwnedFd> {
+    // SAFETY: creates a new fd.
+    let fd = unsafe { libc::memfd_create(c"memfold-shared-list".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fresh fd we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let bytes: Vec<u8> = pairs
+        .iter()
+        .flat_map(|&(g, f)| g.to_le_bytes().into_iter().chain(f.to_le_bytes()))
+        .collect();
+    pwrite_all(fd.as_raw_fd(), &bytes, 0)?;
+    Ok(fd)
+}
+
+/// Moves mappings with `mremap` on a helper thread: with EVENT_REMAP the mover waits
+/// until the agent reads the event, so the agent's own thread cannot be the mover.
+struct Remapper {
+    tx: mpsc::Sender<(u64, u64, u64)>,
+    done_r: OwnedFd,
+}
+
+impl Remapper {
+    fn new() -> io::Result<Remapper> {
+        let mut p = [0 as RawFd; 2];
+        // SAFETY: pipe2 fills two fds.
+        if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fresh fds we own.
+        let (done_r, done_w) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
+        let (tx, rx) = mpsc::channel::<(u64, u64, u64)>();
+        std::thread::Builder::new()
+            .name("memfold-remap".into())
+            .spawn(move || {
+                for (src, len, dst) in rx {
+                    // SAFETY: moves a mapping the agent created onto guest RAM it manages.
+                    let r = unsafe {
+                        libc::mremap(
+                            src as *mut libc::c_void,
+                            len as usize,
+                            len as usize,
+                            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                            dst as *mut libc::c_void,
+                        )
+                    };
+                    let errno: i32 = if r as u64 == dst {
+                        0
+                    } else {
+                        io::Error::last_os_error().raw_os_error().unwrap_or(-1)
+                    };
+                    // SAFETY: writes 4 bytes from a local.
+                    unsafe {
+                        libc::write(
+                            done_w.as_raw_fd(),
+                            &errno as *const i32 as *const libc::c_void,
+                            4,
+                        )
+                    };
+                }
+            })?;
+        Ok(Remapper { tx, done_r })
+    }
+}
+
+/// The agent's state: guest RAM, its userfaultfd and which pages are mapped onto pool frames.
+pub struct Agent {
+    cfg: AgentConfig,
+    base: u64,
+    memfd: OwnedFd,
+    uffd: Uffd,
+    pool: Option<OwnedFd>,
+    /// Per gfn: the pool frame it is mapped onto, or [`PRIVATE`].
+    frame_of: Vec<u32>,
+    conn: Option<Conn>,
+    /// CoW breaks not yet reported to memfoldd.
+    breaks: Vec<(u32, u32)>,
+    /// Faults read while a share was in progress, handled after it.
+    deferred: Vec<Event>,
+    remapper: Remapper,
+    vma_budget: usize,
+    last_connect: Option<Instant>,
+}
+
+/// Runs the agent until the process exits.
+///
+/// Errors: guest RAM never appeared, or userfaultfd is unavailable. Once attached, the
+/// agent never returns while QEMU lives: losing memfoldd only makes it reconnect.
+pub fn run(cfg: AgentConfig) -> io::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (base, memfd) = loop {
+        if let Some(found) = find_ram(cfg.ram_bytes)? {
+            break found;
+        }
+        if Instant::now() > deadline {
+            return Err(io::Error::other(format!(
+                "no shared memfd mapping of {} bytes (guest RAM) appeared in 120 s; QEMU needs memory-backend-memfd,share=on",
+                cfg.ram_bytes
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    let uffd =
+        Uffd::open(uffd::FEATURE_EVENT_REMAP | uffd::FEATURE_WP_SHMEM | uffd::FEATURE_THREAD_ID)?;
+    uffd.register(base, cfg.ram_bytes, uffd::MODE_WP)?;
+    let max_maps: usize = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(65530);
+    let pages = (cfg.ram_bytes / PAGE) as usize;
+    let mut agent = Agent {
+        cfg,
+        base,
+        memfd,
+        uffd,
+        pool: None,
+        frame_of: vec![PRIVATE; pages],
+        conn: None,
+        breaks: Vec::new(),
+        deferred: Vec::new(),
+        remapper: Remapper::new()?,
+        // Leave QEMU room for its own mappings (threads, libraries, TCG buffers).
+        vma_budget: max_maps.saturating_sub(4096),
+        last_connect: None,
+    };
+    agent.serve()
+}
+
+impl Agent {
+    fn page_addr(&self, gfn: u32) -> u64 {
+        self.base + gfn as u64 * PAGE
+    }
+
+    fn serve(&mut self) -> io::Result<()> {
+        loop {
+            if self.conn.is_none()
+                && self
+                    .last_connect
+                    .is_none_or(|t| t.elapsed() > Duration::from_secs(1))
+            {
+                self.last_connect = Some(Instant::now());
+                self.attach();
+            }
+            let mut fds = vec![libc::pollfd {
+                fd: self.uffd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            }];
+            if let Some(c) = &self.conn {
+                fds.push(libc::pollfd {
+                    fd: c.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+            }
+            // SAFETY: fds is a valid array of pollfd.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 200) };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            while let Some(ev) = self.uffd.read_event()? {
+                self.handle_or_retry(ev);
+            }
+            if fds.len() > 1 && fds[1].revents != 0 {
+                self.command()?;
+            }
+            self.report_breaks();
+        }
+    }
+
+    /// Connects and sends the hello (with the pool and the shared pages when re-attaching).
+    fn attach(&mut self) {
+        let Ok(conn) = Conn::connect(&self.cfg.socket) else {
+            return;
+        };
+        let shared: Vec<(u32, u32)> = self
+            .frame_of
+            .iter()
+            .enumerate()
+            .filter(|(_, &f)| f != PRIVATE)
+            .map(|(g, &f)| (g as u32, f))
+            .collect();
+        let hello = ToDaemon::AgentHello {
+            version: PROTOCOL_VERSION,
+            name: self.cfg.name.clone(),
+            pid: std::process::id(),
+            ram_bytes: self.cfg.ram_bytes,
+            shared: shared.len() as u64,
+        };
+        let mut fds = vec![self.memfd.as_raw_fd()];
+        let list;
+        if let Some(p) = &self.pool {
+            fds.push(p.as_raw_fd());
+            let Ok(l) = pairs_memfd(&shared) else { return };
+            list = l;
+            fds.push(list.as_raw_fd());
+        }
+        if conn.send(&hello, &fds).is_err() {
+            return;
+        }
+        match conn.recv::<ToAgent>() {
+            Ok(Some((ToAgent::Welcome { version }, mut got)))
+                if version == PROTOCOL_VERSION && !got.is_empty() =>
+            {
+                // A restarted memfoldd that adopted our pool hands the same pool back.
+                self.pool = Some(got.remove(0));
+                self.conn = Some(conn);
+                // Breaks done while detached were reflected in `shared` already.
+                self.breaks.clear();
+            }
+            Ok(other) => eprintln!(
+                "memfold-agent: memfoldd refused the attach: {:?}",
+                other.map(|m| m.0)
+            ),
+            Err(e) => eprintln!("memfold-agent: attach: {e}"),
+        }
+    }
+
+    fn report_breaks(&mut self) {
+        if self.breaks.is_empty() {
+            return;
+        }
+        if let Some(c) = &self.conn {
+            let msg = ToDaemon::CowBroken {
+                breaks: std::mem::take(&mut self.breaks),
+            };
+            if c.send(&msg, &[]).is_err() {
+                self.conn = None; // memfoldd gone: the re-attach lists what is still shared
+            }
+        }
+    }
+
+    fn command(&mut self) -> io::Result<()> {
+        let msg = match self.conn.as_ref().map(|c| c.recv::<ToAgent>()) {
+            Some(Ok(Some((m, _)))) => m,
+            Some(Ok(None)) | Some(Err(_)) | None => {
+                self.conn = None;
+                return Ok(());
+            }
+        };
+        if let ToAgent::Share { batch, pages } = msg {
+            let (shared, changed, refused) = self.share(pages)?;
+            let deferred = std::mem::take(&mut self.deferred);
+            for ev in deferred {
+                self.handle_or_retry(ev);
+            }
+            if let Some(c) = &self.conn {
+                if c.send(
+                    &ToDaemon::ShareDone {
+                        batch,
+                        shared,
+                        changed,
+                        refused,
+                    },
+                    &[],
+                )
+                .is_err()
+                {
+                    self.conn = None;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Handles a fault; a failure (the host out of memory for the private copy) is logged
+    /// and retried: the faulting thread waits, it never sees a wrong byte.
+    fn handle_or_retry(&mut self, ev: Event) {
+        let mut delay = Duration::from_millis(1);
+        while let Err(e) = self.handle(ev) {
+            eprintln!("memfold-agent: fault {ev:?}: {e}; retrying");
+            std::thread::sleep(delay);
+            delay = (delay * 2).min(Duration::from_secs(1));
+        }
+    }
+
+    fn handle(&mut self, ev: Event) -> io::Result<()> {
+        let Event::Fault { addr, .. } = ev else {
+            return Ok(()); // reading a remap event is all it needs
+        };
+        let page = addr & !(PAGE - 1);
+        if page < self.base || page >= self.base + self.cfg.ram_bytes {
+            return self.uffd.wake(page, PAGE);
+        }
+        let gfn = ((page - self.base) / PAGE) as u32;
+        match self.frame_of[gfn as usize] {
+            PRIVATE => self.uffd.write_protect(page, PAGE, false), // protected for a share attempt
+            frame => self.cow_break(gfn, frame),
+        }
+    }
+
+    /// Copy-on-write break: the guest gets a private copy of the frame's bytes.
+    fn cow_break(&mut self, gfn: u32, frame: u32) -> io::Result<()> {
+        let pool = self
+            .pool
+            .as_ref()
+            .ok_or_else(|| io::Error::other("shared page without a pool"))?;
+        let mut buf = vec![0u8; PAGE as usize];
+        pread_exact(pool.as_raw_fd(), &mut buf, frame as u64 * PAGE)?;
+        pwrite_all(self.memfd.as_raw_fd(), &buf, gfn as u64 * PAGE)?;
+        let addr = self.page_addr(gfn);
+        // SAFETY: replaces the agent-installed pool mapping of this guest page by the guest
+        // memfd page that now holds the same bytes.
+        let r = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                PAGE as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                self.memfd.as_raw_fd(),
+                (gfn as u64 * PAGE) as libc::off_t,
+            )
+        };
+        if r as u64 != addr {
+            return Err(io::Error::other(format!(
+                "CoW break of gfn {gfn}: mmap: {}",
+                io::Error::last_os_error()
+            )));
+        }
+        self.uffd.register(addr, PAGE, uffd::MODE_WP)?;
+        self.uffd.wake(addr, PAGE)?;
+        self.frame_of[gfn as usize] = PRIVATE;
+        self.breaks.push((gfn, frame));
+        Ok(())
+    }
+
+    fn mappings(&self) -> usize {
+        std::fs::read("/proc/self/maps")
+            .map(|m| m.iter().filter(|&&b| b == b'\n').count())
+            .unwrap_or(0)
+    }
+
+    /// Carries out a share request; returns (shared, changed, refused) gfns.
+    #[allow(clippy::type_complexity)]
+    fn share(&mut self, mut pages: Vec<(u32, u32)>) -> io::Result<(Vec<u32>, Vec<u32>, Vec<u32>)> {
+        let (mut shared, mut changed, mut refused) = (Vec::new(), Vec::new(), Vec::new());
+        let npages = self.frame_of.len() as u32;
+        let Some(pool) = self.pool.as_ref().map(|p| p.as_raw_fd()) else {
+            refused.extend(pages.iter().map(|p| p.0));
+            return Ok((shared, changed, refused));
+        };
+        if self.mappings() + 2 * pages.len() > self.vma_budget {
+            refused.extend(pages.iter().map(|p| p.0));
+            return Ok((shared, changed, refused));
+        }
+        pages.sort_unstable();
+        pages.dedup_by_key(|p| p.0);
+        pages.retain(|&(g, _)| {
+            let ok = g < npages && self.frame_of[g as usize] == PRIVATE;
+            if !ok {
+                refused.push(g);
+            }
+            ok
+        });
+        // Runs of consecutive gfns onto consecutive frames: one mapping each.
+        let mut i = 0;
+        while i < pages.len() {
+            let mut j = i + 1;
+            while j < pages.len()
+                && pages[j].0 == pages[j - 1].0 + 1
+                && pages[j].1 == pages[j - 1].1 + 1
+            {
+                j += 1;
+            }
+            self.share_run(
+                pool,
+                &pages[i..j],
+                [&mut shared, &mut changed, &mut refused],
+            )?;
+            i = j;
+        }
+        Ok((shared, changed, refused))
+    }
+
+    fn share_run(
+        &mut self,
+        pool: RawFd,
+        run: &[(u32, u32)],
+        [shared, changed, refused]: [&mut Vec<u32>; 3],
+    ) -> io::Result<()> {
+        let (g0, f0) = run[0];
+        let n = run.len();
+        let len = n as u64 * PAGE;
+        let addr = self.page_addr(g0);
+        self.uffd.write_protect(addr, len, true)?;
+        let mut guest = vec![0u8; len as usize];
+        let mut frames = vec![0u8; len as usize];
+        pread_exact(self.memfd.as_raw_fd(), &mut guest, g0 as u64 * PAGE)?;
+        pread_exact(pool, &mut frames, f0 as u64 * PAGE)?;
+        let p = PAGE as usize;
+        let equal: Vec<bool> = (0..n)
+            .map(|k| guest[k * p..(k + 1) * p] == frames[k * p..(k + 1) * p])
+            .collect();
+        let mut k = 0;
+        while k < n {
+            let mut e = k + 1;
+            while e < n && equal[e] == equal[k] {
+                e += 1;
+            }
+            let (sub_addr, sub_len) = (addr + k as u64 * PAGE, (e - k) as u64 * PAGE);
+            if equal[k]
+                && self
+                    .install(pool, sub_addr, (f0 as u64 + k as u64) * PAGE, sub_len)
+                    .is_err()
+            {
+                // Nothing was moved: the pages stay private.
+                self.uffd.write_protect(sub_addr, sub_len, false)?;
+                refused.extend((k..e).map(|m| g0 + m as u32));
+            } else if equal[k] {
+                // SAFETY: frees the guest memfd's copy; the page is now read from the pool.
+                unsafe {
+                    libc::fallocate(
+                        self.memfd.as_raw_fd(),
+                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                        ((g0 as u64 + k as u64) * PAGE) as libc::off_t,
+                        sub_len as libc::off_t,
+                    )
+                };
+                for m in k..e {
+                    self.frame_of[g0 as usize + m] = f0 + m as u32;
+                    shared.push(g0 + m as u32);
+                }
+            } else {
+                self.uffd.write_protect(sub_addr, sub_len, false)?;
+                changed.extend((k..e).map(|m| g0 + m as u32));
+            }
+            k = e;
+        }
+        Ok(())
+    }
+
+    /// Maps pool bytes `[pool_off, pool_off+len)` write-protected over guest address `dst`.
+    /// On error nothing has changed at `dst`.
+    fn install(&mut self, pool: RawFd, dst: u64, pool_off: u64, len: u64) -> io::Result<()> {
+        // SAFETY: a new mapping at an address the kernel picks.
+        let staging = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                pool,
+                pool_off as libc::off_t,
+            )
+        };
+        if staging == libc::MAP_FAILED {
+            return Err(io::Error::other(format!(
+                "mapping pool frames: {}",
+                io::Error::last_os_error()
+            )));
+        }
+        let staging = staging as u64;
+        let prepared = self
+            .uffd
+            .register(staging, len, uffd::MODE_WP)
+            .and_then(|_| self.uffd.write_protect(staging, len, true))
+            .and_then(|_| {
+                self.remapper
+                    .tx
+                    .send((staging, len, dst))
+                    .map_err(|_| io::Error::other("remap thread gone"))
+            });
+        if let Err(e) = prepared {
+            // SAFETY: unmaps the staging mapping created above.
+            unsafe { libc::munmap(staging as *mut libc::c_void, len as usize) };
+            return Err(e);
+        }
+        // Read the remap event (the mover waits for it); keep faults for later.
+        loop {
+            let mut fds = [
+                libc::pollfd {
+                    fd: self.uffd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: self.remapper.done_r.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            // SAFETY: valid pollfd array.
+            unsafe { libc::poll(fds.as_mut_ptr(), 2, 1000) };
+            while let Some(ev) = self.uffd.read_event()? {
+                if matches!(ev, Event::Fault { .. }) {
+                    self.deferred.push(ev);
+                }
+            }
+            if fds[1].revents != 0 {
+                let mut errno: i32 = 0;
+                // SAFETY: reads 4 bytes into a local.
+                unsafe {
+                    libc::read(
+                        self.remapper.done_r.as_raw_fd(),
+                        &mut errno as *mut i32 as *mut libc::c_void,
+                        4,
+                    )
+                };
+                return if errno == 0 {
+                    Ok(())
+                } else {
+                    // SAFETY: the failed move left the staging mapping in place.
+                    unsafe { libc::munmap(staging as *mut libc::c_void, len as usize) };
+                    Err(io::Error::other(format!(
+                        "mremap onto guest RAM at {dst:#x}: {}",
+                        io::Error::from_raw_os_error(errno)
+                    )))
+                };
+            }
+        }
+    }
+}

@@ -1,0 +1,42 @@
+//! memfoldd: the memfold daemon. Guests attach through the agent preloaded into QEMU.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use memfold_live::daemon::{run, DaemonConfig};
+
+/// memfoldd: shares identical pages of running QEMU guests (see `memfold run`).
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Socket for agents and clients.
+    #[arg(long, default_value = "/run/memfold/memfoldd.sock")]
+    socket: PathBuf,
+    /// Scan rate limit, pages/s (0: full speed).
+    #[arg(long, default_value_t = 100_000)]
+    rate: u64,
+    /// Do not share zero pages (Satori §4.1).
+    #[arg(long)]
+    no_zero_sharing: bool,
+    /// Shortest time between the starts of two full scans, ms.
+    #[arg(long, default_value_t = 1000)]
+    min_scan_interval_ms: u64,
+}
+
+fn main() {
+    let a = Args::parse();
+    if let Some(dir) = a.socket.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    let cfg = DaemonConfig {
+        socket: a.socket,
+        rate: a.rate,
+        share_zero: !a.no_zero_sharing,
+        min_scan_interval: Duration::from_millis(a.min_scan_interval_ms),
+    };
+    if let Err(e) = run(cfg) {
+        eprintln!("memfoldd: error: {e}");
+        std::process::exit(1);
+    }
+}

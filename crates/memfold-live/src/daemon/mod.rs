@@ -1,0 +1,741 @@
+//! memfoldd: scans attached guests' RAM, finds identical pages and has the agents share
+//! them; keeps the books.
+//!
+//! Content-based page sharing as in ESX §4.3: pages are read (pread of the guest memfd,
+//! skipping holes with SEEK_DATA, so nothing is faulted in), hashed with xxh3 and looked up
+//! in the core's [`ShareTable`]: a match with a shared frame or a hint is confirmed byte for
+//! byte, then the agent is asked to map the page onto the frame; the agent re-checks the
+//! bytes under write-protection, so a page written meanwhile is never shared. Scanning is
+//! rate-limited in pages/s (ESX §4.3) or unlimited; hints are dropped after each full scan.
+//! Zero pages share one zero frame unless disabled (Satori §4.1 argues for not sharing
+//! them). The single main thread owns all state; one thread per connection only reads.
+
+pub mod pool;
+pub mod stats;
+
+use std::collections::{BTreeMap, HashMap};
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use memfold_core::engine::xxh3_page_hash;
+use memfold_core::share::{ShareEntry, ShareTable};
+use memfold_core::{Frame, Page, PAGE_SIZE};
+
+use crate::io_util::pread_exact;
+use crate::protocol::{Conn, Listener, ToAgent, ToClient, ToDaemon, MAX_BATCH, PROTOCOL_VERSION};
+use pool::{Pool, PoolError};
+use stats::{Stats, VmStats};
+
+const PAGE: u64 = PAGE_SIZE as u64;
+const PRIVATE: u32 = u32::MAX;
+/// Pages read per pread while scanning.
+const READ_PAGES: usize = 64;
+
+/// memfoldd's configuration.
+#[derive(Clone, Debug)]
+pub struct DaemonConfig {
+    /// Socket path agents and clients connect to.
+    pub socket: PathBuf,
+    /// Scan rate limit, pages/s; 0 scans at full speed.
+    pub rate: u64,
+    /// Share zero pages (onto one zero frame).
+    pub share_zero: bool,
+    /// Shortest time between the starts of two full scans.
+    pub min_scan_interval: Duration,
+}
+
+/// Daemon errors.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// The socket could not be set up.
+    #[error("memfoldd socket {path}: {source}")]
+    Socket {
+        /// Socket path.
+        path: PathBuf,
+        /// Cause.
+        source: io::Error,
+    },
+    /// The pool failed.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+}
+
+enum Input {
+    Attach {
+        token: u64,
+        conn: Conn,
+        hello: ToDaemon,
+        fds: Vec<OwnedFd>,
+    },
+    Agent {
+        token: u64,
+        msg: ToDaemon,
+    },
+    Gone {
+        token: u64,
+    },
+    Client {
+        conn: Conn,
+        msg: ToDaemon,
+    },
+}
+
+struct Vm {
+    stats: VmStats,
+    base_gpn: u32,
+    memfd: OwnedFd,
+    conn: Option<Conn>,
+    /// Per gfn: pool frame mapped, or PRIVATE.
+    p2m: Vec<u32>,
+    /// Per gfn: named by an unanswered share request.
+    pending: Vec<bool>,
+    cursor: u32,
+    scanned_this_pass: bool,
+    queue: Vec<(u32, u32)>,
+}
+
+/// The daemon's state, owned by its main thread.
+pub struct Daemon {
+    cfg: DaemonConfig,
+    started: Instant,
+    pool: Option<Pool>,
+    adopted: bool,
+    table: ShareTable,
+    vms: HashMap<u64, Vm>,
+    by_base: BTreeMap<u32, u64>,
+    next_base: u32,
+    batches: HashMap<u64, (u64, Vec<(u32, u32)>)>,
+    next_batch: u64,
+    full_scans: u64,
+    pass_started: Instant,
+    zero_frame: Option<u32>,
+    zero_hash: u64,
+}
+
+/// Runs memfoldd until killed.
+///
+/// Errors: the socket cannot be bound; the pool cannot be created.
+pub fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
+    let listener = Listener::bind(&cfg.socket).map_err(|source| DaemonError::Socket {
+        path: cfg.socket.clone(),
+        source,
+    })?;
+    let (tx, rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("accept".into())
+        .spawn(move || accept_loop(listener, tx))
+        .map_err(|source| DaemonError::Socket {
+            path: cfg.socket.clone(),
+            source,
+        })?;
+    let mut d = Daemon::new(cfg);
+    d.main_loop(rx)
+}
+
+fn accept_loop(listener: Listener, tx: mpsc::Sender<Input>) {
+    let mut token = 0u64;
+    while let Ok(conn) = listener.accept() {
+        token += 1;
+        let tx = tx.clone();
+        let t = token;
+        let _ = std::thread::Builder::new().name(format!("conn{t}")).spawn(move || {
+            let Ok(Some((hello, fds))) = conn.recv::<ToDaemon>() else { return };
+            let Ok(writer) = conn.try_clone() else { return };
+            match hello {
+                ToDaemon::AgentHello { .. } => {
+                    if tx.send(Input::Attach { token: t, conn: writer, hello, fds }).is_err() {
+                        return;
+                    }
+                    while let Ok(Some((msg, _))) = conn.recv::<ToDaemon>() {
+                        if tx.send(Input::Agent { token: t, msg }).is_err() {
+                            return;
+                        }
+                    }
+                    let _ = tx.send(Input::Gone { token: t });
+                }
+                ToDaemon::ClientHello { version } if version == PROTOCOL_VERSION => {
+                    while let Ok(Some((msg, _))) = conn.recv::<ToDaemon>() {
+                        let Ok(w) = conn.try_clone() else { return };
+                        if tx.send(Input::Client { conn: w, msg }).is_err() {
+                            return;
+                        }
+                    }
+                }
+                other => {
+                    let message = format!("expected a hello of protocol version {PROTOCOL_VERSION}, got {other:?}");
+                    let _ = writer.send(&ToClient::Error { message }, &[]);
+                }
+            }
+        });
+    }
+}
+
+fn process_alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| s.split(") ").nth(1).is_some_and(|r| r.starts_with('Z')))
+}
+
+impl Daemon {
+    fn new(cfg: DaemonConfig) -> Daemon {
+        let zero = [0u8; PAGE_SIZE];
+        Daemon {
+            cfg,
+            started: Instant::now(),
+            pool: None,
+            adopted: false,
+            table: ShareTable::new(1),
+            vms: HashMap::new(),
+            by_base: BTreeMap::new(),
+            next_base: 0,
+            batches: HashMap::new(),
+            next_batch: 0,
+            full_scans: 0,
+            pass_started: Instant::now(),
+            zero_frame: None,
+            zero_hash: xxh3_page_hash(&zero),
+        }
+    }
+
+    fn main_loop(&mut self, rx: mpsc::Receiver<Input>) -> Result<(), DaemonError> {
+        let mut last = Instant::now();
+        let mut tokens = 0f64;
+        let mut last_reap = Instant::now();
+        loop {
+            let idle = self.vms.values().all(|v| v.conn.is_none()) || self.pass_done_waiting();
+            let wait = if idle {
+                Duration::from_millis(50)
+            } else {
+                Duration::from_millis(1)
+            };
+            match rx.recv_timeout(wait) {
+                Ok(input) => self.input(input)?,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+            }
+            while let Ok(input) = rx.try_recv() {
+                self.input(input)?;
+            }
+            let now = Instant::now();
+            let dt = now.duration_since(last).as_secs_f64();
+            last = now;
+            let budget = if self.cfg.rate == 0 {
+                4096
+            } else {
+                tokens =
+                    (tokens + dt * self.cfg.rate as f64).min(self.cfg.rate as f64 / 10.0 + 64.0);
+                let b = tokens as u32;
+                tokens -= b as f64;
+                b
+            };
+            if !idle && budget > 0 {
+                self.scan(budget)?;
+            }
+            self.flush_all();
+            if last_reap.elapsed() > Duration::from_secs(1) {
+                last_reap = Instant::now();
+                self.reap_detached();
+            }
+        }
+    }
+
+    fn pass_done_waiting(&mut self) -> bool {
+        if self.vms.is_empty()
+            || !self
+                .vms
+                .values()
+                .filter(|v| v.conn.is_some())
+                .all(|v| v.scanned_this_pass)
+        {
+            return false;
+        }
+        if self.pass_started.elapsed() < self.cfg.min_scan_interval {
+            return true;
+        }
+        // Start the next full scan: hints from the last one are stale (ESX §4.3).
+        self.table.end_pass();
+        self.full_scans += 1;
+        self.pass_started = Instant::now();
+        for v in self.vms.values_mut() {
+            v.scanned_this_pass = false;
+        }
+        false
+    }
+
+    fn input(&mut self, input: Input) -> Result<(), DaemonError> {
+        match input {
+            Input::Attach {
+                token,
+                conn,
+                hello,
+                fds,
+            } => self.attach(token, conn, hello, fds)?,
+            Input::Agent { token, msg } => match msg {
+                ToDaemon::ShareDone {
+                    batch,
+                    shared,
+                    changed,
+                    refused,
+                } => self.share_done(batch, &shared, changed.len(), refused.len()),
+                ToDaemon::CowBroken { breaks } => self.cow_broken(token, &breaks),
+                _ => {}
+            },
+            Input::Gone { token } => self.gone(token),
+            Input::Client { conn, msg } => {
+                let reply = match msg {
+                    ToDaemon::Stats => ToClient::Stats(self.stats()),
+                    other => ToClient::Error {
+                        message: format!("unexpected request {other:?}"),
+                    },
+                };
+                let _ = conn.send(&reply, &[]);
+            }
+        }
+        Ok(())
+    }
+
+    fn attach(
+        &mut self,
+        token: u64,
+        conn: Conn,
+        hello: ToDaemon,
+        mut fds: Vec<OwnedFd>,
+    ) -> Result<(), DaemonError> {
+        let ToDaemon::AgentHello {
+            name,
+            pid,
+            ram_bytes,
+            shared,
+            ..
+        } = hello
+        else {
+            return Ok(());
+        };
+        if fds.is_empty() {
+            return Ok(());
+        }
+        let memfd = fds.remove(0);
+        let list = if fds.len() == 2 { fds.pop() } else { None };
+        let their_pool = fds.pop();
+        let mut shared_list = Vec::new();
+        if let Some(l) = list {
+            let mut bytes = vec![0u8; shared as usize * 8];
+            if pread_exact(l.as_raw_fd(), &mut bytes, 0).is_err() {
+                eprintln!(
+                    "memfoldd: {name} (pid {pid}): unreadable re-attach list; left unmanaged"
+                );
+                return Ok(());
+            }
+            shared_list = bytes
+                .chunks_exact(8)
+                .map(|c| {
+                    (
+                        u32::from_le_bytes(c[..4].try_into().expect("4")),
+                        u32::from_le_bytes(c[4..].try_into().expect("4")),
+                    )
+                })
+                .collect();
+        }
+        match (&self.pool, their_pool) {
+            (None, Some(p)) => {
+                self.pool = Some(Pool::adopt(p)?);
+                self.adopted = true;
+            }
+            (None, None) => self.pool = Some(Pool::create()?),
+            (Some(mine), Some(p)) if !mine.is(&p) => {
+                eprintln!("memfoldd: {name} (pid {pid}) maps another pool; left unmanaged");
+                return Ok(());
+            }
+            _ => {}
+        }
+        let pages = (ram_bytes / PAGE) as u32;
+        // A guest whose connection dropped while QEMU lived keeps its record.
+        let old = self
+            .vms
+            .iter()
+            .find(|(_, v)| v.stats.pid == pid && v.conn.is_none())
+            .map(|(t, _)| *t);
+        let mut vm = match old.and_then(|t| self.vms.remove(&t)) {
+            Some(mut v) => {
+                v.conn = None;
+                v.stats.detached = false;
+                v
+            }
+            None => {
+                let base = self.next_base;
+                self.next_base += pages;
+                self.by_base.insert(base, token);
+                Vm {
+                    stats: VmStats {
+                        name: name.clone(),
+                        pid,
+                        pages: pages as u64,
+                        ..Default::default()
+                    },
+                    base_gpn: base,
+                    memfd,
+                    conn: None,
+                    p2m: vec![PRIVATE; pages as usize],
+                    pending: vec![false; pages as usize],
+                    cursor: 0,
+                    scanned_this_pass: false,
+                    queue: Vec::new(),
+                }
+            }
+        };
+        self.by_base.insert(vm.base_gpn, token);
+        // Reconcile with what the agent says is mapped.
+        let pool = self.pool.as_mut().expect("pool set above");
+        let mut page = [0u8; PAGE_SIZE];
+        let mut now = vec![PRIVATE; pages as usize];
+        for &(g, f) in &shared_list {
+            if (g as usize) < now.len() && f < pool.size_frames() {
+                now[g as usize] = f;
+            }
+        }
+        for (g, &is) in now.iter().enumerate() {
+            let was = vm.p2m[g];
+            if was == is {
+                continue;
+            }
+            if was != PRIVATE && pool.decref(was) {
+                self.table
+                    .remove(pool.hash(was), ShareEntry::Shared(Frame(was)));
+            }
+            if is != PRIVATE {
+                if pool.refcount(is) == 0 {
+                    pool.read(is, &mut page)?;
+                    let h = xxh3_page_hash(&page);
+                    pool.adopt_frame(is, h);
+                    self.table.insert(h, ShareEntry::Shared(Frame(is)));
+                    if h == self.zero_hash && page.iter().all(|&b| b == 0) {
+                        self.zero_frame = Some(is);
+                    }
+                }
+                pool.incref(is);
+            }
+            vm.p2m[g] = is;
+        }
+        vm.stats.shared_pages = vm.p2m.iter().filter(|&&f| f != PRIVATE).count() as u64;
+        let welcome = ToAgent::Welcome {
+            version: PROTOCOL_VERSION,
+        };
+        if conn.send(&welcome, &[pool.fd().as_raw_fd()]).is_ok() {
+            vm.conn = Some(conn);
+        }
+        eprintln!(
+            "memfoldd: attached {} (pid {pid}, {pages} pages, {} shared)",
+            vm.stats.name, vm.stats.shared_pages
+        );
+        self.vms.insert(token, vm);
+        Ok(())
+    }
+
+    fn gone(&mut self, token: u64) {
+        let Some(vm) = self.vms.get_mut(&token) else {
+            return;
+        };
+        vm.conn = None;
+        vm.stats.detached = true;
+        // Requests the agent will never answer.
+        let lost: Vec<u64> = self
+            .batches
+            .iter()
+            .filter(|(_, (t, _))| *t == token)
+            .map(|(b, _)| *b)
+            .collect();
+        for b in lost {
+            self.share_done(b, &[], 0, 0);
+        }
+        self.reap_detached();
+    }
+
+    /// Releases detached guests whose QEMU has exited: their mappings are gone.
+    fn reap_detached(&mut self) {
+        let dead: Vec<u64> = self
+            .vms
+            .iter()
+            .filter(|(_, v)| v.conn.is_none() && !process_alive(v.stats.pid))
+            .map(|(t, _)| *t)
+            .collect();
+        for t in dead {
+            let vm = self.vms.remove(&t).expect("listed");
+            self.by_base.remove(&vm.base_gpn);
+            if let Some(pool) = self.pool.as_mut() {
+                for &f in vm.p2m.iter().filter(|&&f| f != PRIVATE) {
+                    if pool.decref(f) {
+                        self.table
+                            .remove(pool.hash(f), ShareEntry::Shared(Frame(f)));
+                        if self.zero_frame == Some(f) {
+                            self.zero_frame = None;
+                        }
+                    }
+                }
+            }
+            eprintln!(
+                "memfoldd: released {} (pid {})",
+                vm.stats.name, vm.stats.pid
+            );
+        }
+    }
+
+    fn share_done(&mut self, batch: u64, shared: &[u32], changed: usize, refused: usize) {
+        let Some((token, pages)) = self.batches.remove(&batch) else {
+            return;
+        };
+        let pool = self.pool.as_mut().expect("requests imply a pool");
+        let shared: std::collections::HashSet<u32> = shared.iter().copied().collect();
+        let vm = self.vms.get_mut(&token);
+        let mut vm = vm;
+        for (g, f) in pages {
+            let mapped = shared.contains(&g);
+            if let Some(v) = vm.as_deref_mut() {
+                v.pending[g as usize] = false;
+                if mapped {
+                    v.p2m[g as usize] = f;
+                    v.stats.shared_pages += 1;
+                    v.stats.shares += 1;
+                    if self.zero_frame == Some(f) {
+                        v.stats.zero_shared_pages += 1;
+                    }
+                }
+            }
+            if pool.answer(f, mapped) {
+                self.table
+                    .remove(pool.hash(f), ShareEntry::Shared(Frame(f)));
+                if self.zero_frame == Some(f) {
+                    self.zero_frame = None;
+                }
+            }
+        }
+        if let Some(v) = vm {
+            v.stats.share_changed += changed as u64;
+            v.stats.share_refused += refused as u64;
+        }
+    }
+
+    fn cow_broken(&mut self, token: u64, breaks: &[(u32, u32)]) {
+        let Some(vm) = self.vms.get_mut(&token) else {
+            return;
+        };
+        let pool = self.pool.as_mut().expect("shared pages imply a pool");
+        for &(g, f) in breaks {
+            if vm.p2m.get(g as usize) != Some(&f) {
+                continue;
+            }
+            vm.p2m[g as usize] = PRIVATE;
+            vm.stats.shared_pages -= 1;
+            vm.stats.cow_breaks += 1;
+            if self.zero_frame == Some(f) {
+                vm.stats.zero_shared_pages = vm.stats.zero_shared_pages.saturating_sub(1);
+            }
+            if pool.decref(f) {
+                self.table
+                    .remove(pool.hash(f), ShareEntry::Shared(Frame(f)));
+                if self.zero_frame == Some(f) {
+                    self.zero_frame = None;
+                }
+            }
+        }
+    }
+
+    /// Scans up to `budget` pages, round-robin over guests (ESX §4.3's rate-limited scan).
+    fn scan(&mut self, mut budget: u32) -> Result<(), DaemonError> {
+        let tokens: Vec<u64> = self
+            .vms
+            .iter()
+            .filter(|(_, v)| v.conn.is_some() && !v.scanned_this_pass)
+            .map(|(t, _)| *t)
+            .collect();
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        let share = (budget / tokens.len() as u32).max(READ_PAGES as u32);
+        let mut buf = vec![0u8; READ_PAGES * PAGE_SIZE];
+        for t in tokens {
+            let mut mine = share.min(budget);
+            while mine > 0 {
+                let Some((gfn, n)) = self.next_chunk(t, mine as usize, &mut buf) else {
+                    break;
+                };
+                mine = mine.saturating_sub(n as u32);
+                budget = budget.saturating_sub(n as u32);
+                for k in 0..n {
+                    let page: &Page = buf[k * PAGE_SIZE..(k + 1) * PAGE_SIZE]
+                        .try_into()
+                        .expect("page");
+                    self.consider(t, gfn + k as u32, page)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the next run of resident pages of guest `t` from its cursor; None at the end
+    /// of its RAM (the guest's pass is then done).
+    fn next_chunk(&mut self, t: u64, max: usize, buf: &mut [u8]) -> Option<(u32, usize)> {
+        let vm = self.vms.get_mut(&t)?;
+        let fd = vm.memfd.as_raw_fd();
+        let end = vm.p2m.len() as u64 * PAGE;
+        let off = vm.cursor as u64 * PAGE;
+        // SAFETY: lseek on our fd.
+        let data = unsafe { libc::lseek(fd, off as libc::off_t, libc::SEEK_DATA) };
+        if data < 0 || data as u64 >= end {
+            vm.cursor = 0;
+            vm.scanned_this_pass = true;
+            return None;
+        }
+        // SAFETY: lseek on our fd.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) }.max(data + PAGE as i64) as u64;
+        let start = data as u64 & !(PAGE - 1);
+        let n = (((hole.min(end) - start).div_ceil(PAGE)) as usize)
+            .min(max)
+            .clamp(1, READ_PAGES);
+        let gfn = (start / PAGE) as u32;
+        if pread_exact(fd, &mut buf[..n * PAGE_SIZE], start).is_err() {
+            vm.cursor = 0;
+            vm.scanned_this_pass = true;
+            return None;
+        }
+        vm.cursor = gfn + n as u32;
+        vm.stats.scanned_pages += n as u64;
+        if vm.cursor as usize >= vm.p2m.len() {
+            vm.cursor = 0;
+            vm.scanned_this_pass = true;
+        }
+        Some((gfn, n))
+    }
+
+    fn locate(&self, gpn: u32) -> Option<(u64, u32)> {
+        let (&base, &t) = self.by_base.range(..=gpn).next_back()?;
+        let vm = self.vms.get(&t)?;
+        let g = gpn - base;
+        (vm.base_gpn == base && (g as usize) < vm.p2m.len()).then_some((t, g))
+    }
+
+    fn sharable(&self, t: u64, g: u32) -> bool {
+        self.vms.get(&t).is_some_and(|v| {
+            v.conn.is_some() && v.p2m[g as usize] == PRIVATE && !v.pending[g as usize]
+        })
+    }
+
+    /// One scanned page: share it with a frame or a hint, or leave a hint.
+    fn consider(&mut self, t: u64, g: u32, page: &Page) -> Result<(), DaemonError> {
+        if !self.sharable(t, g) {
+            return Ok(());
+        }
+        let h = xxh3_page_hash(page);
+        let zero = h == self.zero_hash && page.iter().all(|&b| b == 0);
+        if zero && !self.cfg.share_zero {
+            return Ok(());
+        }
+        let gpn = self.vms[&t].base_gpn + g;
+        let mut other = [0u8; PAGE_SIZE];
+        let candidates: Vec<ShareEntry> = self.table.lookup(h).collect();
+        for e in candidates {
+            match e {
+                ShareEntry::Shared(Frame(f)) => {
+                    let pool = self.pool.as_mut().expect("attached guests imply a pool");
+                    pool.read(f, &mut other)?;
+                    if other == *page {
+                        pool.add_pending(f);
+                        self.enqueue(t, g, f);
+                        return Ok(());
+                    }
+                }
+                ShareEntry::Hint(hint) => {
+                    if hint == gpn {
+                        return Ok(());
+                    }
+                    let Some((t2, g2)) =
+                        self.locate(hint).filter(|&(t2, g2)| self.sharable(t2, g2))
+                    else {
+                        self.table.remove(h, e);
+                        continue;
+                    };
+                    let fd = self.vms[&t2].memfd.as_raw_fd();
+                    if pread_exact(fd, &mut other, g2 as u64 * PAGE).is_err() || other != *page {
+                        self.table.remove(h, e); // the hinted page changed
+                        continue;
+                    }
+                    let pool = self.pool.as_mut().expect("attached guests imply a pool");
+                    let f = pool.alloc(page, h)?;
+                    pool.add_pending(f);
+                    self.table.replace(h, e, ShareEntry::Shared(Frame(f)));
+                    if zero {
+                        self.zero_frame = Some(f);
+                    }
+                    self.enqueue(t2, g2, f);
+                    self.enqueue(t, g, f);
+                    return Ok(());
+                }
+            }
+        }
+        self.table.insert(h, ShareEntry::Hint(gpn));
+        Ok(())
+    }
+
+    fn enqueue(&mut self, t: u64, g: u32, f: u32) {
+        let vm = self.vms.get_mut(&t).expect("sharable");
+        vm.pending[g as usize] = true;
+        vm.queue.push((g, f));
+        if vm.queue.len() >= MAX_BATCH {
+            self.flush(t);
+        }
+    }
+
+    fn flush_all(&mut self) {
+        let ts: Vec<u64> = self
+            .vms
+            .iter()
+            .filter(|(_, v)| !v.queue.is_empty())
+            .map(|(t, _)| *t)
+            .collect();
+        for t in ts {
+            self.flush(t);
+        }
+    }
+
+    fn flush(&mut self, t: u64) {
+        let vm = self.vms.get_mut(&t).expect("listed");
+        let pages = std::mem::take(&mut vm.queue);
+        self.next_batch += 1;
+        let batch = self.next_batch;
+        let sent = vm.conn.as_ref().is_some_and(|c| {
+            c.send(
+                &ToAgent::Share {
+                    batch,
+                    pages: pages.clone(),
+                },
+                &[],
+            )
+            .is_ok()
+        });
+        self.batches.insert(batch, (t, pages));
+        if !sent {
+            self.share_done(batch, &[], 0, 0);
+        }
+    }
+
+    /// Current statistics.
+    pub fn stats(&self) -> Stats {
+        let mut vms: Vec<VmStats> = self.vms.values().map(|v| v.stats.clone()).collect();
+        vms.sort_by(|a, b| a.name.cmp(&b.name));
+        let mapped: u64 = vms.iter().map(|v| v.shared_pages).sum();
+        let frames = self.pool.as_ref().map_or(0, |p| p.in_use()) as u64;
+        Stats {
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            rate_pages_per_s: self.cfg.rate,
+            full_scans: self.full_scans,
+            frames,
+            mapped_pages: mapped,
+            saved_pages: mapped as i64 - frames as i64,
+            table_entries: self.table.len() as u64,
+            adopted_pool: self.adopted,
+            vms,
+        }
+    }
+}

@@ -1,0 +1,42 @@
+//! memfold's live layer: the mechanisms that touch real guest memory.
+//!
+//! - [`agent`]: runs inside QEMU (preloaded by the `memfold-agent` library), owns the
+//!   userfaultfd on guest RAM, maps shared pool frames over guest pages and breaks
+//!   copy-on-write on every write.
+//! - [`daemon`]: memfoldd, which scans guests, decides what to share with the core's share
+//!   table, and keeps the books.
+//! - [`protocol`]: the versioned socket protocol between them (and clients).
+//!
+//! Data flows one way: guest memory (memfd, read with pread) → detection (daemon, core) →
+//! mechanism (agent: mapping changes, userfaultfd) → accounting (daemon statistics).
+
+pub mod agent;
+pub mod daemon;
+pub mod io_util;
+pub mod protocol;
+pub mod uffd;
+
+use std::path::Path;
+
+use protocol::{Conn, ToClient, ToDaemon, PROTOCOL_VERSION};
+
+/// Asks the memfoldd at `socket` for its statistics.
+///
+/// Errors: no daemon there, or it answered with an error.
+pub fn query_stats(socket: &Path) -> std::io::Result<daemon::stats::Stats> {
+    let c = Conn::connect(socket)?;
+    c.send(
+        &ToDaemon::ClientHello {
+            version: PROTOCOL_VERSION,
+        },
+        &[],
+    )?;
+    c.send(&ToDaemon::Stats, &[])?;
+    match c.recv::<ToClient>()? {
+        Some((ToClient::Stats(s), _)) => Ok(s),
+        Some((ToClient::Error { message }, _)) => {
+            Err(std::io::Error::other(format!("memfoldd: {message}")))
+        }
+        None => Err(std::io::Error::other("memfoldd closed the connection")),
+    }
+}

@@ -1,0 +1,369 @@
+//! The memfoldd socket protocol (version [`PROTOCOL_VERSION`]).
+//!
+//! A Unix `SOCK_SEQPACKET` socket: one message per packet, JSON, with file descriptors
+//! passed alongside (SCM_RIGHTS), the way Firecracker hands guest memory to an external
+//! page-fault handler. The first message of a connection says who speaks:
+//! [`ToDaemon::AgentHello`] (an agent in a QEMU process, with the guest memfd) or
+//! [`ToDaemon::ClientHello`] (a command asking for statistics).
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::Path;
+
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+/// Protocol version; a peer with another version is refused with a clear message.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
+pub const MAX_MESSAGE: usize = 256 * 1024;
+
+/// Most pages in one share request.
+pub const MAX_BATCH: usize = 512;
+
+/// Messages to memfoldd.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToDaemon {
+    /// An agent attaches its guest. Carries the guest RAM memfd; when re-attaching after a
+    /// memfoldd restart also the pool memfd and a memfd listing its pool mappings.
+    AgentHello {
+        /// Protocol version.
+        version: u32,
+        /// Guest name.
+        name: String,
+        /// QEMU's pid.
+        pid: u32,
+        /// Guest RAM, bytes.
+        ram_bytes: u64,
+        /// Pages mapped onto pool frames: the third descriptor holds as many (gfn, frame)
+        /// pairs, two little-endian u32 each (a list too long for one message).
+        shared: u64,
+    },
+    /// Result of a [`ToAgent::Share`] request.
+    ShareDone {
+        /// The request's batch number.
+        batch: u64,
+        /// Gfns now mapped onto their frame.
+        shared: Vec<u32>,
+        /// Gfns whose content no longer matched the frame (left private).
+        changed: Vec<u32>,
+        /// Gfns not shared for another reason (already shared, VMA budget reached).
+        refused: Vec<u32>,
+    },
+    /// Copy-on-write breaks done by the agent: (gfn, frame it left).
+    CowBroken {
+        /// (gfn, frame) pairs.
+        breaks: Vec<(u32, u32)>,
+    },
+    /// A command line client attaches (then sends [`ToDaemon::Stats`]).
+    ClientHello {
+        /// Protocol version.
+        version: u32,
+    },
+    /// Asks for [`ToClient::Stats`].
+    Stats,
+}
+
+/// Messages to an agent.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToAgent {
+    /// The guest is attached; carries the pool memfd.
+    Welcome {
+        /// Protocol version.
+        version: u32,
+    },
+    /// Map these guest pages onto these pool frames if their content still equals the
+    /// frame's: (gfn, frame) pairs, at most [`MAX_BATCH`].
+    Share {
+        /// Batch number, echoed in the reply.
+        batch: u64,
+        /// (gfn, frame) pairs.
+        pages: Vec<(u32, u32)>,
+    },
+}
+
+/// Messages to a client.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToClient {
+    /// The daemon's statistics.
+    Stats(crate::daemon::stats::Stats),
+    /// The request was refused.
+    Error {
+        /// Why.
+        message: String,
+    },
+}
+
+/// One end of a memfoldd connection.
+pub struct Conn {
+    fd: OwnedFd,
+}
+
+/// Creates a `SOCK_SEQPACKET` socket.
+fn seqpacket() -> io::Result<OwnedFd> {
+    // SAFETY: plain syscall returning a new fd or -1.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fresh fd we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn sockaddr(path: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: all-zero is a valid sockaddr_un.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.len() >= addr.sun_path.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "socket path too long (max {} bytes): {}",
+                addr.sun_path.len() - 1,
+                path.display()
+            ),
+        ));
+    }
+    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    Ok((
+        addr,
+        std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+    ))
+}
+
+/// A listening memfoldd socket.
+pub struct Listener {
+    fd: OwnedFd,
+}
+
+impl Listener {
+    /// Binds `path` (removing a stale socket file first).
+    ///
+    /// Errors: the path is too long, its folder is missing or not writable.
+    pub fn bind(path: &Path) -> io::Result<Listener> {
+        let _ = std::fs::remove_file(path);
+        let fd = seqpacket()?;
+        let (addr, len) = sockaddr(path)?;
+        // SAFETY: addr is a valid sockaddr_un of length len.
+        if unsafe {
+            libc::bind(
+                fd.as_raw_fd(),
+                &addr as *const _ as *const libc::sockaddr,
+                len,
+            )
+        } != 0
+            || unsafe { libc::listen(fd.as_raw_fd(), 64) } != 0
+        {
+            let e = io::Error::last_os_error();
+            return Err(io::Error::new(
+                e.kind(),
+                format!("binding {}: {e}", path.display()),
+            ));
+        }
+        Ok(Listener { fd })
+    }
+
+    /// Waits for the next connection.
+    ///
+    /// Errors: accept failed.
+    pub fn accept(&self) -> io::Result<Conn> {
+        // SAFETY: accept4 with null address returns a new fd or -1.
+        let fd = unsafe {
+            libc::accept4(
+                self.fd.as_raw_fd(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                libc::SOCK_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fresh fd we own.
+        Ok(Conn {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+}
+
+impl Conn {
+    /// Connects to memfoldd at `path`.
+    ///
+    /// Errors: no daemon listens there.
+    pub fn connect(path: &Path) -> io::Result<Conn> {
+        let fd = seqpacket()?;
+        let (addr, len) = sockaddr(path)?;
+        // SAFETY: addr is a valid sockaddr_un of length len.
+        if unsafe {
+            libc::connect(
+                fd.as_raw_fd(),
+                &addr as *const _ as *const libc::sockaddr,
+                len,
+            )
+        } != 0
+        {
+            let e = io::Error::last_os_error();
+            return Err(io::Error::new(
+                e.kind(),
+                format!("connecting to memfoldd at {}: {e}", path.display()),
+            ));
+        }
+        Ok(Conn { fd })
+    }
+
+    /// A second handle on the same connection (one thread reads, another writes).
+    ///
+    /// Errors: out of file descriptors.
+    pub fn try_clone(&self) -> io::Result<Conn> {
+        Ok(Conn {
+            fd: self.fd.try_clone()?,
+        })
+    }
+
+    /// Sends one message with `fds` attached.
+    ///
+    /// Errors: the peer is gone, or the message exceeds [`MAX_MESSAGE`].
+    pub fn send<T: Serialize>(&self, msg: &T, fds: &[RawFd]) -> io::Result<()> {
+        let bytes = serde_json::to_vec(msg).map_err(io::Error::other)?;
+        if bytes.len() > MAX_MESSAGE {
+            return Err(io::Error::other(format!(
+                "message of {} bytes exceeds {MAX_MESSAGE}",
+                bytes.len()
+            )));
+        }
+        let mut iov = libc::iovec {
+            iov_base: bytes.as_ptr() as *mut libc::c_void,
+            iov_len: bytes.len(),
+        };
+        // SAFETY: msghdr zeroed then filled with valid pointers that outlive the call.
+        let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+        hdr.msg_iov = &mut iov;
+        hdr.msg_iovlen = 1;
+        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) } as usize;
+        let mut cbuf = vec![0u8; space];
+        if !fds.is_empty() {
+            hdr.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
+            hdr.msg_controllen = space;
+            // SAFETY: the control buffer has room for one cmsg with fds.len() fds.
+            unsafe {
+                let c = libc::CMSG_FIRSTHDR(&hdr);
+                (*c).cmsg_level = libc::SOL_SOCKET;
+                (*c).cmsg_type = libc::SCM_RIGHTS;
+                (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as usize;
+                std::ptr::copy_nonoverlapping(
+                    fds.as_ptr(),
+                    libc::CMSG_DATA(c) as *mut RawFd,
+                    fds.len(),
+                );
+            }
+        }
+        loop {
+            // SAFETY: hdr points at valid buffers.
+            let n = unsafe { libc::sendmsg(self.fd.as_raw_fd(), &hdr, libc::MSG_NOSIGNAL) };
+            if n >= 0 {
+                return Ok(());
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
+    /// Receives one message and the descriptors passed with it. `Ok(None)` at end of
+    /// connection.
+    ///
+    /// Errors: a malformed message (says what could not be parsed), or a socket error.
+    pub fn recv<T: DeserializeOwned>(&self) -> io::Result<Option<(T, Vec<OwnedFd>)>> {
+        let mut buf = vec![0u8; MAX_MESSAGE];
+        let mut cbuf = [0u8; 128];
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+            iov_len: buf.len(),
+        };
+        // SAFETY: msghdr zeroed then filled with valid pointers that outlive the call.
+        let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+        hdr.msg_iov = &mut iov;
+        hdr.msg_iovlen = 1;
+        hdr.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
+        hdr.msg_controllen = cbuf.len();
+        let n = loop {
+            // SAFETY: hdr points at valid buffers.
+            let n = unsafe { libc::recvmsg(self.fd.as_raw_fd(), &mut hdr, libc::MSG_CMSG_CLOEXEC) };
+            if n >= 0 {
+                break n as usize;
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        };
+        let mut fds = Vec::new();
+        // SAFETY: walking the control messages the kernel filled in.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&hdr);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let count =
+                        ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                    let data = libc::CMSG_DATA(c) as *const RawFd;
+                    for i in 0..count {
+                        fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+                    }
+                }
+                c = libc::CMSG_NXTHDR(&hdr, c);
+            }
+        }
+        if n == 0 {
+            return Ok(None);
+        }
+        let msg = serde_json::from_slice(&buf[..n]).map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("malformed memfoldd message ({n} bytes): {e}"),
+            )
+        })?;
+        Ok(Some((msg, fds)))
+    }
+}
+
+impl AsRawFd for Conn {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_and_descriptors_cross_the_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let l = Listener::bind(&path).unwrap();
+        let c = Conn::connect(&path).unwrap();
+        let s = l.accept().unwrap();
+        let f = std::fs::File::open("/proc/self/exe").unwrap();
+        let hello = ToDaemon::AgentHello {
+            version: PROTOCOL_VERSION,
+            name: "g".into(),
+            pid: 1,
+            ram_bytes: 4096,
+            shared: 0,
+        };
+        c.send(&hello, &[f.as_raw_fd()]).unwrap();
+        let (m, fds): (ToDaemon, _) = s.recv().unwrap().unwrap();
+        assert_eq!(m, hello);
+        assert_eq!(fds.len(), 1);
+        drop(c);
+        assert!(s.recv::<ToDaemon>().unwrap().is_none(), "end of connection");
+    }
+}
