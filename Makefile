@@ -7,10 +7,10 @@ setup:
 	bash scripts/setup.sh
 
 # The main job on the built-in default: build the guest images, boot a mixed set of
-# real Debian guests, analyse their RAM with the engine's detectors and codecs, and
-# measure Linux KSM on the same guests (until live sharing lands).
+# real Debian guests with memfold's agent, run memfoldd and show live savings.
 main: setup
-	cargo run --release -p memfold-cli --bin memfold -- baseline
+	cargo build --workspace --release
+	./target/release/memfold run
 
 # Every test CI runs: unit, property and integration tests, plus lint.
 # The build comes first: live tests preload the agent library into QEMU.

@@ -80,6 +80,7 @@ pub fn run(a: &CaptureArgs) -> Result<()> {
         &specs,
         &guests::workdir(&out)?,
         Duration::from_secs(600),
+        |_| Vec::new(),
     )?;
     std::thread::sleep(Duration::from_secs(a.settle));
     let infos = capture_all(&gs, &out, !a.live)?;

@@ -76,6 +76,16 @@ pub fn start_set(
     ram: RamBackend,
     default_out: &str,
 ) -> Result<(Vec<Guest>, Accel, PathBuf)> {
+    start_set_with(set, ram, default_out, |_| Vec::new())
+}
+
+/// [`start_set`] with a QEMU environment per guest (memfold's agent).
+pub fn start_set_with(
+    set: &GuestSetArgs,
+    ram: RamBackend,
+    default_out: &str,
+    env: impl Fn(&GuestSpec) -> Vec<(String, String)>,
+) -> Result<(Vec<Guest>, Accel, PathBuf)> {
     let out = set
         .out
         .clone()
@@ -84,24 +94,26 @@ pub fn start_set(
     let specs = specs(&set.profiles, ram, set.mem_mib)?;
     eprintln!("images ({}):", cache.display());
     ensure_images(&cache, &specs)?;
-    let (guests, accel) = boot(&cache, &specs, &workdir(&out)?, Duration::from_secs(600))?;
+    let (guests, accel) = boot(&cache, &specs, &workdir(&out)?, Duration::from_secs(600), env)?;
     eprintln!("settling {} s", set.settle);
     std::thread::sleep(Duration::from_secs(set.settle));
     Ok((guests, accel, out))
 }
 
-/// Starts every guest and waits until all are ready (`timeout` each, from its start).
+/// Starts every guest (with the QEMU environment `env` gives it, e.g. memfold's agent) and
+/// waits until all are ready (`timeout` each, from its start).
 pub fn boot(
     cache: &Path,
     specs: &[GuestSpec],
     work: &Path,
     timeout: Duration,
+    env: impl Fn(&GuestSpec) -> Vec<(String, String)>,
 ) -> Result<(Vec<Guest>, Accel)> {
     let accel = detect_accel(cache);
     eprintln!("booting {} guest(s) under {accel:?}", specs.len());
     let mut guests = Vec::new();
     for s in specs {
-        guests.push(Guest::start(s, cache, work, accel)?);
+        guests.push(Guest::start_with_env(s, cache, work, accel, &env(s))?);
     }
     for g in &mut guests {
         let t = g.wait_ready(timeout)?;

@@ -4,10 +4,12 @@ mod analyze;
 mod baseline;
 mod bench;
 mod capture;
+mod compare;
 mod guests;
 mod image;
 mod ksm;
 mod plot;
+mod run;
 
 use std::path::PathBuf;
 
@@ -40,6 +42,10 @@ enum Cmd {
     Ksm(ksm::KsmArgs),
     /// The main job for now: build images, boot a mixed set, analyse it and measure KSM on it.
     Baseline(baseline::BaselineArgs),
+    /// The main job: boot a guest set with memfold's agent, run memfoldd, show live savings.
+    Run(run::RunArgs),
+    /// The same guest set under memfold (sharing) and under KSM (aggressive), measured alike.
+    Compare(compare::CompareArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -87,6 +93,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Analyze(a) => analyze::run(&a),
         Cmd::Ksm(a) => ksm::run(&a),
         Cmd::Baseline(a) => baseline::run(&a),
+        Cmd::Run(a) => run::run(&a),
+        Cmd::Compare(a) => compare::run(&a),
         Cmd::Bench {
             which: BenchCmd::Micro(args),
         } => bench::micro::run(&args),

@@ -1,0 +1,288 @@
+//! `memfold run`: the main job. Boots a guest set with memfold's agent in each QEMU, starts
+//! memfoldd, and shows live per guest and in total what sharing saves, measured with the
+//! one host-memory definition (`memfold_vm::hostmem`) that `memfold ksm` uses too.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use memfold_live::daemon::stats::Stats;
+use memfold_vm::hostmem::guest_ram_usage;
+use memfold_vm::launcher::{agent_env, Guest, RamBackend};
+use serde::Serialize;
+
+use crate::guests;
+use crate::plot::{self, Panel, Series};
+
+const MIB: f64 = 1048576.0;
+
+/// Arguments of `memfold run`.
+#[derive(Args, Clone, Debug)]
+pub struct RunArgs {
+    /// The guests.
+    #[command(flatten)]
+    pub set: guests::GuestSetArgs,
+    /// Seconds memfoldd runs before the command stops everything (0: until Ctrl-C).
+    #[arg(long, default_value_t = 120)]
+    pub secs: u64,
+    /// memfoldd's scan rate, pages/s (0: full speed).
+    #[arg(long, default_value_t = 0)]
+    pub rate: u64,
+    /// Do not share zero pages (Satori §4.1).
+    #[arg(long)]
+    pub no_zero_sharing: bool,
+}
+
+/// One second of a run.
+#[derive(Clone, Debug, Serialize)]
+pub struct Sample {
+    /// Seconds since memfoldd started.
+    pub t: f64,
+    /// Host memory used by guest RAM (Pss + swap over guests, pool mappings included), bytes.
+    pub used_bytes: u64,
+    /// memfoldd's statistics at that time.
+    pub stats: Stats,
+}
+
+/// A memfold run's result.
+#[derive(Clone, Debug, Serialize)]
+pub struct MemfoldRun {
+    /// Host memory used by guest RAM just before memfoldd started, bytes.
+    pub used_before: u64,
+    /// Mean over the last 10 s of (used_before − used), bytes.
+    pub saved_bytes: f64,
+    /// Mean over the last 10 s of memfoldd's own count (mapped − frames) × 4096, bytes.
+    pub books_saved_bytes: f64,
+    /// Seconds until the measured saving first reached 95% of its plateau.
+    pub t95_s: Option<f64>,
+    /// CPU seconds used by memfoldd and the agents' threads in QEMU.
+    pub cpu_s: f64,
+    /// Samples, one per second.
+    pub samples: Vec<Sample>,
+}
+
+/// The agent library and memfoldd, installed beside the `memfold` binary.
+fn companions() -> Result<(PathBuf, PathBuf)> {
+    let exe = std::env::current_exe().context("cannot find the memfold binary")?;
+    let agent = exe.with_file_name("libmemfold_agent.so");
+    let daemon = exe.with_file_name("memfoldd");
+    for p in [&agent, &daemon] {
+        anyhow::ensure!(
+            p.exists(),
+            "{} is missing: build the whole workspace (`cargo build --release --workspace`; make main does)",
+            p.display()
+        );
+    }
+    Ok((agent, daemon))
+}
+
+/// CPU seconds (user + system) of process `pid`, or only of its threads whose name starts
+/// with `thread_prefix`.
+pub fn cpu_seconds(pid: u32, thread_prefix: Option<&str>) -> f64 {
+    let tck = 100.0; // USER_HZ on Linux x86_64
+    let ticks = |stat: &str| -> f64 {
+        let rest = stat.rsplit_once(") ").map_or("", |r| r.1);
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        // utime and stime are fields 14 and 15 of stat, 12 and 13 after "pid (comm) ".
+        f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
+            + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
+    };
+    match thread_prefix {
+        None => std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(0.0, |s| ticks(&s) / tck),
+        Some(prefix) => std::fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|d| {
+                d.flatten()
+                    .filter(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with(prefix)))
+                    .map(|t| std::fs::read_to_string(t.path().join("stat")).map_or(0.0, |s| ticks(&s)))
+                    .sum::<f64>()
+                    / tck
+            })
+            .unwrap_or(0.0),
+    }
+}
+
+fn used(guests: &[Guest]) -> Result<u64> {
+    let mut u = 0;
+    for g in guests {
+        u += guest_ram_usage(g.pid, g.mem_bytes / 2)
+            .with_context(|| format!("guest {}: QEMU gone?", g.name))?
+            .used();
+    }
+    Ok(u)
+}
+
+/// Kills memfoldd when dropped.
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Boots the set with agents, waits for it to settle, starts memfoldd and samples every
+/// second for `secs` (0: until `stop`), printing the live view.
+pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(MemfoldRun, PathBuf)> {
+    let (agent, daemon_bin) = companions()?;
+    let out = a.set.out.clone().unwrap_or_else(|| crate::default_out(default_out));
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let socket = std::fs::canonicalize(&out)?.join("memfoldd.sock");
+    let (mut guests, _accel, out) =
+        guests::start_set_with(&a.set, RamBackend::Memfd, default_out, |s| agent_env(&agent, &socket, s))?;
+    let used_before = used(&guests)?;
+    let mut cmd = Command::new(&daemon_bin);
+    cmd.arg("--socket").arg(&socket).args(["--rate", &a.rate.to_string()]);
+    if a.no_zero_sharing {
+        cmd.arg("--no-zero-sharing");
+    }
+    let log = std::fs::File::create(out.join("memfoldd.log"))?;
+    cmd.stderr(log);
+    let daemon = Daemon(cmd.spawn().with_context(|| format!("cannot start {}", daemon_bin.display()))?);
+    let dpid = daemon.0.id();
+    let agent_cpu0: f64 = guests.iter().map(|g| cpu_seconds(g.pid, Some("memfold-"))).sum();
+    let start = Instant::now();
+    let mut samples: Vec<Sample> = Vec::new();
+    eprintln!(
+        "memfoldd running (pid {dpid}); host memory used by guest RAM before: {:.1} MiB. Ctrl-C stops.",
+        used_before as f64 / MIB
+    );
+    while !stop.load(Ordering::SeqCst) && (a.secs == 0 || start.elapsed() < Duration::from_secs(a.secs)) {
+        std::thread::sleep(Duration::from_secs(1));
+        for g in guests.iter_mut() {
+            g.check_alive()?;
+            anyhow::ensure!(g.mismatches().is_empty(), "guest {} self-check failed: {:?}", g.name, g.mismatches());
+        }
+        let Ok(stats) = memfold_live::query_stats(&socket) else { continue };
+        let s = Sample { t: start.elapsed().as_secs_f64(), used_bytes: used(&guests)?, stats };
+        print_view(used_before, &s, samples.last());
+        samples.push(s);
+    }
+    let cpu_s = cpu_seconds(dpid, None) + guests.iter().map(|g| cpu_seconds(g.pid, Some("memfold-"))).sum::<f64>() - agent_cpu0;
+    drop(daemon);
+    for g in guests.iter_mut() {
+        anyhow::ensure!(g.mismatches().is_empty(), "guest {} self-check failed: {:?}", g.name, g.mismatches());
+        g.stop();
+    }
+    let tail = &samples[samples.len().saturating_sub(10)..];
+    let n = tail.len().max(1) as f64;
+    let saved_bytes = tail.iter().map(|s| used_before as f64 - s.used_bytes as f64).sum::<f64>() / n;
+    let books_saved_bytes = tail.iter().map(|s| s.stats.saved_pages as f64 * 4096.0).sum::<f64>() / n;
+    let t95_s = samples
+        .iter()
+        .find(|s| used_before as f64 - s.used_bytes as f64 >= 0.95 * saved_bytes)
+        .map(|s| s.t);
+    Ok((MemfoldRun { used_before, saved_bytes, books_saved_bytes, t95_s, cpu_s, samples }, out))
+}
+
+fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
+    let dt = prev.map_or(1.0, |p| (s.t - p.t).max(0.001));
+    eprintln!(
+        "t={:>5.0}s  host {:>7.1} MiB  saved {:>7.1} MiB (books {:>7.1})  frames {:>7}  scans {}",
+        s.t,
+        s.used_bytes as f64 / MIB,
+        (used_before as f64 - s.used_bytes as f64) / MIB,
+        s.stats.saved_pages as f64 * 4096.0 / MIB,
+        s.stats.frames,
+        s.stats.full_scans
+    );
+    for v in &s.stats.vms {
+        let before = prev.and_then(|p| p.stats.vms.iter().find(|w| w.name == v.name));
+        let rate = |f: fn(&memfold_live::daemon::stats::VmStats) -> u64| {
+            before.map_or(0.0, |b| (f(v) - f(b)) as f64 / dt)
+        };
+        eprintln!(
+            "    {:<14} {:>7} pages  shared {:>7} (zero {:>6})  CoW breaks {:>7.0}/s  scanned {:>8.0}/s",
+            v.name,
+            v.pages,
+            v.shared_pages,
+            v.zero_shared_pages,
+            rate(|v| v.cow_breaks),
+            rate(|v| v.scanned_pages)
+        );
+    }
+}
+
+/// Writes `run.csv`, `run.json` and `run.png` for a run.
+pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
+    let csv = out.join("run.csv");
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&csv).with_context(|| format!("cannot write {}", csv.display()))?);
+    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,cow_breaks,scanned_pages,used_bytes,saved_bytes,books_saved_bytes")?;
+    for s in &r.samples {
+        for v in &s.stats.vms {
+            writeln!(
+                f,
+                "{:.1},{},{},{},{},{},{},,,",
+                s.t, v.name, v.pages, v.shared_pages, v.zero_shared_pages, v.cow_breaks, v.scanned_pages
+            )?;
+        }
+        writeln!(
+            f,
+            "{:.1},all,,{},,,,{},{},{}",
+            s.t,
+            s.stats.mapped_pages,
+            s.used_bytes,
+            r.used_before as i64 - s.used_bytes as i64,
+            s.stats.saved_pages * 4096
+        )?;
+    }
+    drop(f);
+    let json = out.join("run.json");
+    std::fs::write(&json, serde_json::to_vec_pretty(r)?).with_context(|| format!("cannot write {}", json.display()))?;
+    let panels = vec![Panel {
+        title: "memfold: host memory saved on guest RAM (sharing)".into(),
+        series: vec![
+            Series {
+                name: "measured (Pss before − now)".into(),
+                points: r.samples.iter().map(|s| (s.t, (r.used_before as f64 - s.used_bytes as f64) / MIB)).collect(),
+            },
+            Series {
+                name: "memfoldd books (mapped − frames)".into(),
+                points: r.samples.iter().map(|s| (s.t, s.stats.saved_pages as f64 * 4096.0 / MIB)).collect(),
+            },
+        ],
+        markers: vec![],
+    }];
+    plot::panels(&out.join("run.png"), "memfold run", "seconds since memfoldd started", "MiB saved", &panels)
+}
+
+/// A flag set by Ctrl-C.
+pub fn ctrl_c_flag() -> Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let s = stop.clone();
+    ctrlc::set_handler(move || s.store(true, Ordering::SeqCst)).context("cannot install the Ctrl-C handler")?;
+    Ok(stop)
+}
+
+/// `memfold run`.
+pub fn run(a: &RunArgs) -> Result<()> {
+    let stop = ctrl_c_flag()?;
+    let (r, out) = measure(a, "run", &stop)?;
+    write_outputs(&out, &r)?;
+    let summary = serde_json::json!({
+        "used_before_bytes": r.used_before,
+        "saved_bytes": r.saved_bytes,
+        "books_saved_bytes": r.books_saved_bytes,
+        "t95_s": r.t95_s,
+        "cpu_s": r.cpu_s,
+    });
+    if a.set.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        println!(
+            "memfold saved {:.1} MiB of {:.1} MiB (measured, mean of the last 10 s; memfoldd's books: {:.1} MiB); 95% of it after {} s; memfoldd + agents used {:.1} CPU s",
+            r.saved_bytes / MIB,
+            r.used_before as f64 / MIB,
+            r.books_saved_bytes / MIB,
+            r.t95_s.map_or("-".into(), |t| format!("{t:.0}")),
+            r.cpu_s
+        );
+        println!("time series: {}, {}", out.join("run.csv").display(), out.join("run.png").display());
+    }
+    Ok(())
+}
