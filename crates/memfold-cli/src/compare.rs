@@ -30,7 +30,10 @@ fn ksmd_pid() -> Option<u32> {
 /// `memfold compare`.
 pub fn run(a: &CompareArgs) -> Result<()> {
     let stop = run::ctrl_c_flag()?;
-    anyhow::ensure!(a.run.secs > 0, "memfold compare needs --secs > 0 (each side runs that long)");
+    anyhow::ensure!(
+        a.run.secs > 0,
+        "memfold compare needs --secs > 0 (each side runs that long)"
+    );
     eprintln!("== memfold (sharing) on the set");
     let (m, out) = run::measure(&a.run, "compare", &stop)?;
     run::write_outputs(&out, &m)?;

@@ -94,7 +94,13 @@ pub fn start_set_with(
     let specs = specs(&set.profiles, ram, set.mem_mib)?;
     eprintln!("images ({}):", cache.display());
     ensure_images(&cache, &specs)?;
-    let (guests, accel) = boot(&cache, &specs, &workdir(&out)?, Duration::from_secs(600), env)?;
+    let (guests, accel) = boot(
+        &cache,
+        &specs,
+        &workdir(&out)?,
+        Duration::from_secs(600),
+        env,
+    )?;
     eprintln!("settling {} s", set.settle);
     std::thread::sleep(Duration::from_secs(set.settle));
     Ok((guests, accel, out))

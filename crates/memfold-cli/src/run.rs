@@ -93,12 +93,19 @@ pub fn cpu_seconds(pid: u32, thread_prefix: Option<&str>) -> f64 {
             + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
     };
     match thread_prefix {
-        None => std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(0.0, |s| ticks(&s) / tck),
+        None => {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(0.0, |s| ticks(&s) / tck)
+        }
         Some(prefix) => std::fs::read_dir(format!("/proc/{pid}/task"))
             .map(|d| {
                 d.flatten()
-                    .filter(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with(prefix)))
-                    .map(|t| std::fs::read_to_string(t.path().join("stat")).map_or(0.0, |s| ticks(&s)))
+                    .filter(|t| {
+                        std::fs::read_to_string(t.path().join("comm"))
+                            .is_ok_and(|c| c.starts_with(prefix))
+                    })
+                    .map(|t| {
+                        std::fs::read_to_string(t.path().join("stat")).map_or(0.0, |s| ticks(&s))
+                    })
                     .sum::<f64>()
                     / tck
             })
@@ -130,54 +137,109 @@ impl Drop for Daemon {
 /// second for `secs` (0: until `stop`), printing the live view.
 pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(MemfoldRun, PathBuf)> {
     let (agent, daemon_bin) = companions()?;
-    let out = a.set.out.clone().unwrap_or_else(|| crate::default_out(default_out));
+    let out = a
+        .set
+        .out
+        .clone()
+        .unwrap_or_else(|| crate::default_out(default_out));
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let socket = std::fs::canonicalize(&out)?.join("memfoldd.sock");
     let (mut guests, _accel, out) =
-        guests::start_set_with(&a.set, RamBackend::Memfd, default_out, |s| agent_env(&agent, &socket, s))?;
+        guests::start_set_with(&a.set, RamBackend::Memfd, default_out, |s| {
+            agent_env(&agent, &socket, s)
+        })?;
     let used_before = used(&guests)?;
     let mut cmd = Command::new(&daemon_bin);
-    cmd.arg("--socket").arg(&socket).args(["--rate", &a.rate.to_string()]);
+    cmd.arg("--socket")
+        .arg(&socket)
+        .args(["--rate", &a.rate.to_string()]);
     if a.no_zero_sharing {
         cmd.arg("--no-zero-sharing");
     }
     let log = std::fs::File::create(out.join("memfoldd.log"))?;
     cmd.stderr(log);
-    let daemon = Daemon(cmd.spawn().with_context(|| format!("cannot start {}", daemon_bin.display()))?);
+    let daemon = Daemon(
+        cmd.spawn()
+            .with_context(|| format!("cannot start {}", daemon_bin.display()))?,
+    );
     let dpid = daemon.0.id();
-    let agent_cpu0: f64 = guests.iter().map(|g| cpu_seconds(g.pid, Some("memfold-"))).sum();
+    let agent_cpu0: f64 = guests
+        .iter()
+        .map(|g| cpu_seconds(g.pid, Some("memfold-")))
+        .sum();
     let start = Instant::now();
     let mut samples: Vec<Sample> = Vec::new();
     eprintln!(
         "memfoldd running (pid {dpid}); host memory used by guest RAM before: {:.1} MiB. Ctrl-C stops.",
         used_before as f64 / MIB
     );
-    while !stop.load(Ordering::SeqCst) && (a.secs == 0 || start.elapsed() < Duration::from_secs(a.secs)) {
+    while !stop.load(Ordering::SeqCst)
+        && (a.secs == 0 || start.elapsed() < Duration::from_secs(a.secs))
+    {
         std::thread::sleep(Duration::from_secs(1));
         for g in guests.iter_mut() {
             g.check_alive()?;
-            anyhow::ensure!(g.mismatches().is_empty(), "guest {} self-check failed: {:?}", g.name, g.mismatches());
+            anyhow::ensure!(
+                g.mismatches().is_empty(),
+                "guest {} self-check failed: {:?}",
+                g.name,
+                g.mismatches()
+            );
         }
-        let Ok(stats) = memfold_live::query_stats(&socket) else { continue };
-        let s = Sample { t: start.elapsed().as_secs_f64(), used_bytes: used(&guests)?, stats };
+        let Ok(stats) = memfold_live::query_stats(&socket) else {
+            continue;
+        };
+        let s = Sample {
+            t: start.elapsed().as_secs_f64(),
+            used_bytes: used(&guests)?,
+            stats,
+        };
         print_view(used_before, &s, samples.last());
         samples.push(s);
     }
-    let cpu_s = cpu_seconds(dpid, None) + guests.iter().map(|g| cpu_seconds(g.pid, Some("memfold-"))).sum::<f64>() - agent_cpu0;
+    let cpu_s = cpu_seconds(dpid, None)
+        + guests
+            .iter()
+            .map(|g| cpu_seconds(g.pid, Some("memfold-")))
+            .sum::<f64>()
+        - agent_cpu0;
     drop(daemon);
     for g in guests.iter_mut() {
-        anyhow::ensure!(g.mismatches().is_empty(), "guest {} self-check failed: {:?}", g.name, g.mismatches());
+        anyhow::ensure!(
+            g.mismatches().is_empty(),
+            "guest {} self-check failed: {:?}",
+            g.name,
+            g.mismatches()
+        );
         g.stop();
     }
     let tail = &samples[samples.len().saturating_sub(10)..];
     let n = tail.len().max(1) as f64;
-    let saved_bytes = tail.iter().map(|s| used_before as f64 - s.used_bytes as f64).sum::<f64>() / n;
-    let books_saved_bytes = tail.iter().map(|s| s.stats.saved_pages as f64 * 4096.0).sum::<f64>() / n;
+    let saved_bytes = tail
+        .iter()
+        .map(|s| used_before as f64 - s.used_bytes as f64)
+        .sum::<f64>()
+        / n;
+    let books_saved_bytes = tail
+        .iter()
+        .map(|s| s.stats.saved_pages as f64 * 4096.0)
+        .sum::<f64>()
+        / n;
     let t95_s = samples
         .iter()
         .find(|s| used_before as f64 - s.used_bytes as f64 >= 0.95 * saved_bytes)
         .map(|s| s.t);
-    Ok((MemfoldRun { used_before, saved_bytes, books_saved_bytes, t95_s, cpu_s, samples }, out))
+    Ok((
+        MemfoldRun {
+            used_before,
+            saved_bytes,
+            books_saved_bytes,
+            t95_s,
+            cpu_s,
+            samples,
+        },
+        out,
+    ))
 }
 
 fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
@@ -211,14 +273,22 @@ fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
 /// Writes `run.csv`, `run.json` and `run.png` for a run.
 pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
     let csv = out.join("run.csv");
-    let mut f = std::io::BufWriter::new(std::fs::File::create(&csv).with_context(|| format!("cannot write {}", csv.display()))?);
+    let mut f = std::io::BufWriter::new(
+        std::fs::File::create(&csv).with_context(|| format!("cannot write {}", csv.display()))?,
+    );
     writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,cow_breaks,scanned_pages,used_bytes,saved_bytes,books_saved_bytes")?;
     for s in &r.samples {
         for v in &s.stats.vms {
             writeln!(
                 f,
                 "{:.1},{},{},{},{},{},{},,,",
-                s.t, v.name, v.pages, v.shared_pages, v.zero_shared_pages, v.cow_breaks, v.scanned_pages
+                s.t,
+                v.name,
+                v.pages,
+                v.shared_pages,
+                v.zero_shared_pages,
+                v.cow_breaks,
+                v.scanned_pages
             )?;
         }
         writeln!(
@@ -233,29 +303,45 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
     }
     drop(f);
     let json = out.join("run.json");
-    std::fs::write(&json, serde_json::to_vec_pretty(r)?).with_context(|| format!("cannot write {}", json.display()))?;
+    std::fs::write(&json, serde_json::to_vec_pretty(r)?)
+        .with_context(|| format!("cannot write {}", json.display()))?;
     let panels = vec![Panel {
         title: "memfold: host memory saved on guest RAM (sharing)".into(),
         series: vec![
             Series {
                 name: "measured (Pss before − now)".into(),
-                points: r.samples.iter().map(|s| (s.t, (r.used_before as f64 - s.used_bytes as f64) / MIB)).collect(),
+                points: r
+                    .samples
+                    .iter()
+                    .map(|s| (s.t, (r.used_before as f64 - s.used_bytes as f64) / MIB))
+                    .collect(),
             },
             Series {
                 name: "memfoldd books (mapped − frames)".into(),
-                points: r.samples.iter().map(|s| (s.t, s.stats.saved_pages as f64 * 4096.0 / MIB)).collect(),
+                points: r
+                    .samples
+                    .iter()
+                    .map(|s| (s.t, s.stats.saved_pages as f64 * 4096.0 / MIB))
+                    .collect(),
             },
         ],
         markers: vec![],
     }];
-    plot::panels(&out.join("run.png"), "memfold run", "seconds since memfoldd started", "MiB saved", &panels)
+    plot::panels(
+        &out.join("run.png"),
+        "memfold run",
+        "seconds since memfoldd started",
+        "MiB saved",
+        &panels,
+    )
 }
 
 /// A flag set by Ctrl-C.
 pub fn ctrl_c_flag() -> Result<Arc<AtomicBool>> {
     let stop = Arc::new(AtomicBool::new(false));
     let s = stop.clone();
-    ctrlc::set_handler(move || s.store(true, Ordering::SeqCst)).context("cannot install the Ctrl-C handler")?;
+    ctrlc::set_handler(move || s.store(true, Ordering::SeqCst))
+        .context("cannot install the Ctrl-C handler")?;
     Ok(stop)
 }
 
@@ -282,7 +368,11 @@ pub fn run(a: &RunArgs) -> Result<()> {
             r.t95_s.map_or("-".into(), |t| format!("{t:.0}")),
             r.cpu_s
         );
-        println!("time series: {}, {}", out.join("run.csv").display(), out.join("run.png").display());
+        println!(
+            "time series: {}, {}",
+            out.join("run.csv").display(),
+            out.join("run.png").display()
+        );
     }
     Ok(())
 }
