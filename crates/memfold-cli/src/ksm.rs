@@ -72,6 +72,19 @@ pub fn used(guests: &[Guest]) -> Result<(u64, u64)> {
     Ok(u)
 }
 
+/// The plateau of a run sampled as (seconds, host memory used): the mean saving
+/// (`used_before` − used) over the last 10 samples, bytes, and the first time the saving
+/// reached 95% of it, s. memfold and KSM runs are summarised by this one function.
+pub fn plateau(used_before: u64, samples: impl Iterator<Item = (f64, u64)>) -> (f64, Option<f64>) {
+    let saved: Vec<(f64, f64)> = samples
+        .map(|(t, u)| (t, used_before as f64 - u as f64))
+        .collect();
+    let tail = &saved[saved.len().saturating_sub(10)..];
+    let mean = tail.iter().map(|s| s.1).sum::<f64>() / tail.len().max(1) as f64;
+    let t95 = saved.iter().find(|s| s.1 >= 0.95 * mean).map(|s| s.0);
+    (mean, t95)
+}
+
 /// Runs one KSM mode on running guests for `secs`, sampling every second.
 pub fn run_mode(ksm: &Ksm, guests: &mut [Guest], mode: KsmMode, secs: u64) -> Result<KsmRun> {
     let (used_before, _) = used(guests)?;
@@ -100,21 +113,13 @@ pub fn run_mode(ksm: &Ksm, guests: &mut [Guest], mode: KsmMode, secs: u64) -> Re
         samples.push(s);
     }
     eprintln!();
+    let (saved_bytes, t95_s) = plateau(used_before, samples.iter().map(|s| (s.t, s.used_bytes)));
     let tail = &samples[samples.len().saturating_sub(10)..];
-    let saved_bytes = tail
-        .iter()
-        .map(|s| used_before as f64 - s.used_bytes as f64)
-        .sum::<f64>()
-        / tail.len().max(1) as f64;
     let ksm_sharing_bytes = tail
         .iter()
         .map(|s| s.ksm.pages_sharing as f64 * 4096.0)
         .sum::<f64>()
         / tail.len().max(1) as f64;
-    let t95_s = samples
-        .iter()
-        .find(|s| used_before as f64 - s.used_bytes as f64 >= 0.95 * saved_bytes)
-        .map(|s| s.t);
     Ok(KsmRun {
         mode: mode.name,
         used_before,

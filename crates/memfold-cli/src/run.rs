@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::Args;
 use memfold_live::daemon::stats::Stats;
-use memfold_vm::hostmem::guest_ram_usage;
-use memfold_vm::launcher::{agent_env, Guest, RamBackend};
+use memfold_vm::launcher::{agent_env, RamBackend};
 use serde::Serialize;
 
 use crate::guests;
@@ -113,16 +112,6 @@ pub fn cpu_seconds(pid: u32, thread_prefix: Option<&str>) -> f64 {
     }
 }
 
-fn used(guests: &[Guest]) -> Result<u64> {
-    let mut u = 0;
-    for g in guests {
-        u += guest_ram_usage(g.pid, g.mem_bytes / 2)
-            .with_context(|| format!("guest {}: QEMU gone?", g.name))?
-            .used();
-    }
-    Ok(u)
-}
-
 /// Kills memfoldd when dropped.
 struct Daemon(Child);
 
@@ -148,7 +137,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         guests::start_set_with(&a.set, RamBackend::Memfd, default_out, |s| {
             agent_env(&agent, &socket, s)
         })?;
-    let used_before = used(&guests)?;
+    let used_before = crate::ksm::used(&guests)?.0;
     let mut cmd = Command::new(&daemon_bin);
     cmd.arg("--socket")
         .arg(&socket)
@@ -191,7 +180,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         };
         let s = Sample {
             t: start.elapsed().as_secs_f64(),
-            used_bytes: used(&guests)?,
+            used_bytes: crate::ksm::used(&guests)?.0,
             stats,
         };
         print_view(used_before, &s, samples.last());
@@ -213,22 +202,14 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         );
         g.stop();
     }
+    let (saved_bytes, t95_s) =
+        crate::ksm::plateau(used_before, samples.iter().map(|s| (s.t, s.used_bytes)));
     let tail = &samples[samples.len().saturating_sub(10)..];
-    let n = tail.len().max(1) as f64;
-    let saved_bytes = tail
-        .iter()
-        .map(|s| used_before as f64 - s.used_bytes as f64)
-        .sum::<f64>()
-        / n;
     let books_saved_bytes = tail
         .iter()
         .map(|s| s.stats.saved_pages as f64 * 4096.0)
         .sum::<f64>()
-        / n;
-    let t95_s = samples
-        .iter()
-        .find(|s| used_before as f64 - s.used_bytes as f64 >= 0.95 * saved_bytes)
-        .map(|s| s.t);
+        / tail.len().max(1) as f64;
     Ok((
         MemfoldRun {
             used_before,

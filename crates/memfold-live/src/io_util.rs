@@ -1,35 +1,33 @@
-//! Positional reads and writes on raw descriptors (memfds).
+//! Positional reads and writes on raw descriptors (memfds), through std's `FileExt`.
 
+use std::fs::File;
 use std::io;
-use std::os::fd::RawFd;
+use std::mem::ManuallyDrop;
+use std::os::fd::{FromRawFd, RawFd};
+use std::os::unix::fs::FileExt;
+
+/// A `File` view of `fd` that does not close it.
+fn borrow(fd: RawFd) -> ManuallyDrop<File> {
+    // SAFETY: the caller's fd stays open for the call; ManuallyDrop never closes it.
+    ManuallyDrop::new(unsafe { File::from_raw_fd(fd) })
+}
 
 /// Reads `buf.len()` bytes at `off`; bytes beyond the end of the file read as zeros.
 ///
 /// Errors: the read failed.
 pub fn pread_exact(fd: RawFd, buf: &mut [u8], off: u64) -> io::Result<()> {
+    let f = borrow(fd);
     let mut done = 0;
     while done < buf.len() {
-        // SAFETY: writes into buf[done..].
-        let n = unsafe {
-            libc::pread(
-                fd,
-                buf[done..].as_mut_ptr() as *mut libc::c_void,
-                buf.len() - done,
-                (off + done as u64) as i64,
-            )
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
+        match f.read_at(&mut buf[done..], off + done as u64) {
+            Ok(0) => {
+                buf[done..].fill(0);
+                break;
             }
-            return Err(e);
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
         }
-        if n == 0 {
-            buf[done..].fill(0); // beyond the end of the file reads as zeros
-            return Ok(());
-        }
-        done += n as usize;
     }
     Ok(())
 }
@@ -38,25 +36,5 @@ pub fn pread_exact(fd: RawFd, buf: &mut [u8], off: u64) -> io::Result<()> {
 ///
 /// Errors: the write failed (ENOSPC, ENOMEM).
 pub fn pwrite_all(fd: RawFd, buf: &[u8], off: u64) -> io::Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        // SAFETY: reads from buf[done..].
-        let n = unsafe {
-            libc::pwrite(
-                fd,
-                buf[done..].as_ptr() as *const libc::c_void,
-                buf.len() - done,
-                (off + done as u64) as i64,
-            )
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        done += n as usize;
-    }
-    Ok(())
+    borrow(fd).write_all_at(buf, off)
 }

@@ -169,16 +169,16 @@ const SCRIPTS: [(&str, &str); 5] = [
     ("selfcheck.sh", include_str!("../../../images/selfcheck.sh")),
 ];
 
-/// Fingerprint of the build recipes (FNV-1a 64 over the embedded scripts), stored in an
-/// image's `recipe` file: an image whose recipes changed is rebuilt.
+/// Fingerprint of the build recipes (xxh3 over the embedded scripts and their names),
+/// stored in an image's `recipe` file: an image whose recipes changed is rebuilt.
 fn recipe_fingerprint() -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
     for (file, text) in SCRIPTS {
-        for b in file.bytes().chain([0]).chain(text.bytes()) {
-            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-        }
+        h.update(file.as_bytes());
+        h.update(&[0]);
+        h.update(text.as_bytes());
     }
-    format!("{h:016x}\n")
+    format!("{:016x}\n", h.digest())
 }
 
 /// Builds (or reuses) the image of `name` in `cache`, calling `progress` with each step

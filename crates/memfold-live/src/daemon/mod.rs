@@ -173,6 +173,14 @@ fn accept_loop(listener: Listener, tx: mpsc::Sender<Input>) {
     }
 }
 
+/// A freed pool frame leaves the share table (and stops being the zero frame).
+fn forget_frame(table: &mut ShareTable, zero_frame: &mut Option<u32>, pool: &Pool, f: u32) {
+    table.remove(pool.hash(f), ShareEntry::Shared(Frame(f)));
+    if *zero_frame == Some(f) {
+        *zero_frame = None;
+    }
+}
+
 fn process_alive(pid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
         && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -402,8 +410,7 @@ impl Daemon {
                 continue;
             }
             if was != PRIVATE && pool.decref(was) {
-                self.table
-                    .remove(pool.hash(was), ShareEntry::Shared(Frame(was)));
+                forget_frame(&mut self.table, &mut self.zero_frame, pool, was);
             }
             if is != PRIVATE {
                 if pool.refcount(is) == 0 {
@@ -467,11 +474,7 @@ impl Daemon {
             if let Some(pool) = self.pool.as_mut() {
                 for &f in vm.p2m.iter().filter(|&&f| f != PRIVATE) {
                     if pool.decref(f) {
-                        self.table
-                            .remove(pool.hash(f), ShareEntry::Shared(Frame(f)));
-                        if self.zero_frame == Some(f) {
-                            self.zero_frame = None;
-                        }
+                        forget_frame(&mut self.table, &mut self.zero_frame, pool, f);
                     }
                 }
             }
@@ -488,8 +491,7 @@ impl Daemon {
         };
         let pool = self.pool.as_mut().expect("requests imply a pool");
         let shared: std::collections::HashSet<u32> = shared.iter().copied().collect();
-        let vm = self.vms.get_mut(&token);
-        let mut vm = vm;
+        let mut vm = self.vms.get_mut(&token);
         for (g, f) in pages {
             let mapped = shared.contains(&g);
             if let Some(v) = vm.as_deref_mut() {
@@ -504,11 +506,7 @@ impl Daemon {
                 }
             }
             if pool.answer(f, mapped) {
-                self.table
-                    .remove(pool.hash(f), ShareEntry::Shared(Frame(f)));
-                if self.zero_frame == Some(f) {
-                    self.zero_frame = None;
-                }
+                forget_frame(&mut self.table, &mut self.zero_frame, pool, f);
             }
         }
         if let Some(v) = vm {
@@ -533,11 +531,7 @@ impl Daemon {
                 vm.stats.zero_shared_pages = vm.stats.zero_shared_pages.saturating_sub(1);
             }
             if pool.decref(f) {
-                self.table
-                    .remove(pool.hash(f), ShareEntry::Shared(Frame(f)));
-                if self.zero_frame == Some(f) {
-                    self.zero_frame = None;
-                }
+                forget_frame(&mut self.table, &mut self.zero_frame, pool, f);
             }
         }
     }

@@ -103,13 +103,14 @@ impl Pool {
     /// Whether `fd` is this pool (same inode).
     pub fn is(&self, other: &OwnedFd) -> bool {
         use std::os::unix::fs::MetadataExt;
-        let ino = |f: &OwnedFd| {
+        let id = |f: &OwnedFd| {
             f.try_clone()
                 .ok()
                 .and_then(|d| std::fs::File::from(d).metadata().ok())
                 .map(|m| (m.dev(), m.ino()))
         };
-        ino(&self.fd).is_some() && ino(&self.fd) == ino(other)
+        let mine = id(&self.fd);
+        mine.is_some() && mine == id(other)
     }
 
     /// Frames holding content (mapped, pending or adopted).
