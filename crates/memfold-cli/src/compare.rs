@@ -67,6 +67,8 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "memfold_cpu_s": m.cpu_s,
         "ksm_cpu_s": ksm_cpu_s,
         "ksm_guest_mismatches": mismatches.len(),
+        "memfold_zero_policy": format!("{:?}", a.run.zero).to_lowercase(),
+        "memfold_latency_us": m.samples.last().map(|s| s.stats.latency),
     });
     std::fs::write(out.join("compare.json"), serde_json::to_vec_pretty(&j)?)?;
     if a.run.set.json {

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
-use memfold_live::daemon::stats::Stats;
+use memfold_live::daemon::stats::{Stats, VmStats};
+use memfold_live::daemon::ZeroPolicy;
 use memfold_vm::launcher::{agent_env, RamBackend};
 use serde::Serialize;
 
@@ -32,9 +33,10 @@ pub struct RunArgs {
     /// memfoldd's scan rate, pages/s (0: full speed).
     #[arg(long, default_value_t = 0)]
     pub rate: u64,
-    /// Do not share zero pages (Satori §4.1).
-    #[arg(long)]
-    pub no_zero_sharing: bool,
+    /// Zero pages: reclaim (punch out, refill on access), share (one zero frame, ESX) or
+    /// keep (Satori §4.1).
+    #[arg(long, value_enum, default_value_t = ZeroPolicy::Reclaim)]
+    pub zero: ZeroPolicy,
 }
 
 /// One second of a run.
@@ -141,10 +143,8 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     let mut cmd = Command::new(&daemon_bin);
     cmd.arg("--socket")
         .arg(&socket)
-        .args(["--rate", &a.rate.to_string()]);
-    if a.no_zero_sharing {
-        cmd.arg("--no-zero-sharing");
-    }
+        .args(["--rate", &a.rate.to_string()])
+        .args(["--zero", zero_arg(a.zero)]);
     let log = std::fs::File::create(out.join("memfoldd.log"))?;
     cmd.stderr(log);
     let daemon = Daemon(
@@ -223,6 +223,14 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     ))
 }
 
+fn zero_arg(z: ZeroPolicy) -> &'static str {
+    match z {
+        ZeroPolicy::Reclaim => "reclaim",
+        ZeroPolicy::Share => "share",
+        ZeroPolicy::Keep => "keep",
+    }
+}
+
 fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
     let dt = prev.map_or(1.0, |p| (s.t - p.t).max(0.001));
     eprintln!(
@@ -236,16 +244,17 @@ fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
     );
     for v in &s.stats.vms {
         let before = prev.and_then(|p| p.stats.vms.iter().find(|w| w.name == v.name));
-        let rate = |f: fn(&memfold_live::daemon::stats::VmStats) -> u64| {
-            before.map_or(0.0, |b| (f(v) - f(b)) as f64 / dt)
+        let rate = |f: fn(&VmStats) -> u64| {
+            before.map_or(0.0, |b| f(v).saturating_sub(f(b)) as f64 / dt)
         };
         eprintln!(
-            "    {:<14} {:>7} pages  shared {:>7} (zero {:>6})  CoW breaks {:>7.0}/s  scanned {:>8.0}/s",
+            "    {:<14} {:>7} pages  shared {:>7}  zero {:>7}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s",
             v.name,
             v.pages,
             v.shared_pages,
-            v.zero_shared_pages,
+            v.zero_shared_pages + v.zero_reclaimed_pages,
             rate(|v| v.cow_breaks),
+            rate(|v| v.wp_faults + v.missing_faults),
             rate(|v| v.scanned_pages)
         );
     }
@@ -257,26 +266,31 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
     let mut f = std::io::BufWriter::new(
         std::fs::File::create(&csv).with_context(|| format!("cannot write {}", csv.display()))?,
     );
-    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,cow_breaks,scanned_pages,used_bytes,saved_bytes,books_saved_bytes")?;
+    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,cow_breaks,wp_faults,missing_faults,refills,scanned_pages,used_bytes,saved_bytes,books_saved_bytes")?;
     for s in &r.samples {
         for v in &s.stats.vms {
             writeln!(
                 f,
-                "{:.1},{},{},{},{},{},{},,,",
+                "{:.1},{},{},{},{},{},{},{},{},{},{},,,",
                 s.t,
                 v.name,
                 v.pages,
                 v.shared_pages,
                 v.zero_shared_pages,
+                v.zero_reclaimed_pages,
                 v.cow_breaks,
+                v.wp_faults,
+                v.missing_faults,
+                v.refills,
                 v.scanned_pages
             )?;
         }
         writeln!(
             f,
-            "{:.1},all,,{},,,,{},{},{}",
+            "{:.1},all,,{},,{},,,,,,{},{},{}",
             s.t,
             s.stats.mapped_pages,
+            s.stats.zero_reclaimed_pages,
             s.used_bytes,
             r.used_before as i64 - s.used_bytes as i64,
             s.stats.saved_pages * 4096
@@ -317,6 +331,24 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
     )
 }
 
+/// Prints the agents' operation latencies (the live DE Table 2 analog).
+pub fn print_latencies(s: &Stats) {
+    println!("live operation latencies over all guests (timed by the agents):");
+    println!("  {:<28} {:>10} {:>9} {:>9} {:>9}", "operation", "count", "p50 µs", "p99 µs", "max µs");
+    let l = &s.latency;
+    for (name, x) in [
+        ("share (per page)", l.share),
+        ("CoW break", l.cow_break),
+        ("missing fault (zero fill)", l.fault),
+        ("zero reclaim (per page)", l.reclaim),
+    ] {
+        println!(
+            "  {:<28} {:>10} {:>9.1} {:>9.1} {:>9.1}",
+            name, x.count, x.p50_us, x.p99_us, x.max_us
+        );
+    }
+}
+
 /// A flag set by Ctrl-C.
 pub fn ctrl_c_flag() -> Result<Arc<AtomicBool>> {
     let stop = Arc::new(AtomicBool::new(false));
@@ -337,6 +369,7 @@ pub fn run(a: &RunArgs) -> Result<()> {
         "books_saved_bytes": r.books_saved_bytes,
         "t95_s": r.t95_s,
         "cpu_s": r.cpu_s,
+        "latency_us": r.samples.last().map(|s| s.stats.latency),
     });
     if a.set.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -349,6 +382,9 @@ pub fn run(a: &RunArgs) -> Result<()> {
             r.t95_s.map_or("-".into(), |t| format!("{t:.0}")),
             r.cpu_s
         );
+        if let Some(s) = r.samples.last() {
+            print_latencies(&s.stats);
+        }
         println!(
             "time series: {}, {}",
             out.join("run.csv").display(),

@@ -20,6 +20,13 @@
 //! writer. Every writer takes this path: vCPU stores, and the kernel's writes on QEMU's
 //! behalf (disk reads into guest RAM), because the userfaultfd is not user-mode-only.
 //!
+//! **Zero pages** (ESX §4.3) are reclaimed rather than shared: write-protect, check they
+//! are still zero, punch them out of the guest memfd, unprotect. The next access faults
+//! as missing and the agent fills a zero page (`UFFDIO_ZEROPAGE`). This costs no frame and
+//! no mapping (no VMA), and a guest that never touches its free pages again never pays.
+//! Guest RAM is registered for missing faults too, so first touches of never-used RAM
+//! also pass through the agent (served with a zero page, as the kernel would).
+//!
 //! Crash safety: the agent, not memfoldd, serves every fault, from the pool memfd it holds
 //! itself, so a guest keeps running correctly if memfoldd dies; the agent reconnects and
 //! re-attaches (listing its shared pages) when memfoldd comes back.
@@ -31,12 +38,19 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::io_util::{pread_exact, pwrite_all};
-use crate::protocol::{Conn, ToAgent, ToDaemon, PROTOCOL_VERSION};
+use crate::latency::OpLatency;
+use crate::protocol::{AgentReport, Conn, ToAgent, ToDaemon, PROTOCOL_VERSION, RECLAIMED_ZERO};
 use crate::uffd::{self, Event, Uffd};
 
 const PAGE: u64 = 4096;
 /// No frame: the page is private.
 const PRIVATE: u32 = u32::MAX;
+/// The page is a reclaimed zero page (a hole in the guest memfd).
+const RECLAIMED: u32 = RECLAIMED_ZERO;
+/// Guest RAM (and pages given back to it) is registered for both fault kinds.
+const RAM_MODE: u64 = uffd::MODE_MISSING | uffd::MODE_WP;
+/// How often the agent reports its counters and latencies.
+const REPORT_EVERY: Duration = Duration::from_secs(1);
 
 /// What the agent needs to know, from its environment.
 #[derive(Clone, Debug)]
@@ -47,6 +61,9 @@ pub struct AgentConfig {
     pub name: String,
     /// Guest RAM, bytes (`MEMFOLD_RAM_BYTES`).
     pub ram_bytes: u64,
+    /// Most mappings (VMAs) the agent lets QEMU have (`MEMFOLD_VMA_BUDGET`); `None`:
+    /// vm.max_map_count less 4096 left for QEMU's own mappings.
+    pub vma_budget: Option<usize>,
 }
 
 impl AgentConfig {
@@ -61,6 +78,9 @@ impl AgentConfig {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(0),
+            vma_budget: std::env::var("MEMFOLD_VMA_BUDGET")
+                .ok()
+                .and_then(|v| v.parse().ok()),
         })
     }
 }
@@ -207,11 +227,21 @@ pub struct Agent {
     memfd: OwnedFd,
     uffd: Uffd,
     pool: Option<OwnedFd>,
-    /// Per gfn: the pool frame it is mapped onto, or [`PRIVATE`].
+    /// Per gfn: the pool frame it is mapped onto, [`PRIVATE`] or [`RECLAIMED`].
     frame_of: Vec<u32>,
     conn: Option<Conn>,
     /// CoW breaks not yet reported to memfoldd.
     breaks: Vec<(u32, u32)>,
+    /// Reclaimed pages filled again, not yet reported.
+    refills: Vec<u32>,
+    /// Counters and latencies since start.
+    wp_faults: u64,
+    missing_faults: u64,
+    share_lat: OpLatency,
+    cow_lat: OpLatency,
+    fault_lat: OpLatency,
+    reclaim_lat: OpLatency,
+    last_report: Instant,
     /// Faults read while a share was in progress, handled after it.
     deferred: Vec<Event>,
     remapper: Remapper,
@@ -237,14 +267,20 @@ pub fn run(cfg: AgentConfig) -> io::Result<()> {
         }
         std::thread::sleep(Duration::from_millis(2));
     };
-    let uffd =
-        Uffd::open(uffd::FEATURE_EVENT_REMAP | uffd::FEATURE_WP_SHMEM | uffd::FEATURE_THREAD_ID)?;
-    uffd.register(base, cfg.ram_bytes, uffd::MODE_WP)?;
+    let uffd = Uffd::open(
+        uffd::FEATURE_EVENT_REMAP
+            | uffd::FEATURE_MISSING_SHMEM
+            | uffd::FEATURE_WP_SHMEM
+            | uffd::FEATURE_THREAD_ID,
+    )?;
+    uffd.register(base, cfg.ram_bytes, RAM_MODE)?;
     let max_maps: usize = std::fs::read_to_string("/proc/sys/vm/max_map_count")
         .ok()
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or(65530);
     let pages = (cfg.ram_bytes / PAGE) as usize;
+    // Leave QEMU room for its own mappings (threads, libraries, TCG buffers).
+    let vma_budget = cfg.vma_budget.unwrap_or(max_maps.saturating_sub(4096));
     let mut agent = Agent {
         cfg,
         base,
@@ -254,10 +290,17 @@ pub fn run(cfg: AgentConfig) -> io::Result<()> {
         frame_of: vec![PRIVATE; pages],
         conn: None,
         breaks: Vec::new(),
+        refills: Vec::new(),
+        wp_faults: 0,
+        missing_faults: 0,
+        share_lat: OpLatency::default(),
+        cow_lat: OpLatency::default(),
+        fault_lat: OpLatency::default(),
+        reclaim_lat: OpLatency::default(),
+        last_report: Instant::now(),
         deferred: Vec::new(),
         remapper: Remapper::new()?,
-        // Leave QEMU room for its own mappings (threads, libraries, TCG buffers).
-        vma_budget: max_maps.saturating_sub(4096),
+        vma_budget,
         last_connect: None,
     };
     agent.serve()
@@ -305,7 +348,7 @@ impl Agent {
             if fds.len() > 1 && fds[1].revents != 0 {
                 self.command()?;
             }
-            self.report_breaks();
+            self.report();
         }
     }
 
@@ -346,8 +389,9 @@ impl Agent {
                 // A restarted memfoldd that adopted our pool hands the same pool back.
                 self.pool = Some(got.remove(0));
                 self.conn = Some(conn);
-                // Breaks done while detached were reflected in `shared` already.
+                // Breaks and refills done while detached are reflected in the list.
                 self.breaks.clear();
+                self.refills.clear();
             }
             Ok(other) => eprintln!(
                 "memfold-agent: memfoldd refused the attach: {:?}",
@@ -357,16 +401,36 @@ impl Agent {
         }
     }
 
-    fn report_breaks(&mut self) {
-        if self.breaks.is_empty() {
-            return;
-        }
-        if let Some(c) = &self.conn {
-            let msg = ToDaemon::CowBroken {
+    /// Sends CoW breaks and refills as they happen, counters and latencies every second.
+    fn report(&mut self) {
+        let Some(c) = &self.conn else { return };
+        let mut msgs = Vec::new();
+        if !self.breaks.is_empty() {
+            msgs.push(ToDaemon::CowBroken {
                 breaks: std::mem::take(&mut self.breaks),
-            };
-            if c.send(&msg, &[]).is_err() {
-                self.conn = None; // memfoldd gone: the re-attach lists what is still shared
+            });
+        }
+        if !self.refills.is_empty() {
+            msgs.push(ToDaemon::Refilled {
+                gfns: std::mem::take(&mut self.refills),
+            });
+        }
+        if self.last_report.elapsed() >= REPORT_EVERY {
+            self.last_report = Instant::now();
+            msgs.push(ToDaemon::AgentStats(AgentReport {
+                wp_faults: self.wp_faults,
+                missing_faults: self.missing_faults,
+                share_ns: self.share_lat.to_pairs(),
+                cow_break_ns: self.cow_lat.to_pairs(),
+                fault_ns: self.fault_lat.to_pairs(),
+                reclaim_ns: self.reclaim_lat.to_pairs(),
+            }));
+        }
+        for m in msgs {
+            if c.send(&m, &[]).is_err() {
+                // memfoldd gone: the re-attach lists what is still shared or reclaimed.
+                self.conn = None;
+                return;
             }
         }
     }
@@ -379,26 +443,43 @@ impl Agent {
                 return Ok(());
             }
         };
-        if let ToAgent::Share { batch, pages } = msg {
-            let (shared, changed, refused) = self.share(pages)?;
-            let deferred = std::mem::take(&mut self.deferred);
-            for ev in deferred {
-                self.handle_or_retry(ev);
-            }
-            if let Some(c) = &self.conn {
-                if c.send(
-                    &ToDaemon::ShareDone {
-                        batch,
-                        shared,
-                        changed,
-                        refused,
-                    },
-                    &[],
-                )
-                .is_err()
-                {
-                    self.conn = None;
+        let started = Instant::now();
+        let reply = match msg {
+            ToAgent::Share { batch, pages } => {
+                let (shared, changed, refused) = self.share(pages)?;
+                if !shared.is_empty() {
+                    let n = shared.len() as u32;
+                    self.share_lat.record(started.elapsed() / n, n as u64);
                 }
+                ToDaemon::ShareDone {
+                    batch,
+                    shared,
+                    changed,
+                    refused,
+                }
+            }
+            ToAgent::ReclaimZero { batch, gfns } => {
+                let (reclaimed, changed, refused) = self.reclaim_zero(gfns)?;
+                if !reclaimed.is_empty() {
+                    let n = reclaimed.len() as u32;
+                    self.reclaim_lat.record(started.elapsed() / n, n as u64);
+                }
+                ToDaemon::ReclaimDone {
+                    batch,
+                    reclaimed,
+                    changed,
+                    refused,
+                }
+            }
+            ToAgent::Welcome { .. } => return Ok(()),
+        };
+        let deferred = std::mem::take(&mut self.deferred);
+        for ev in deferred {
+            self.handle_or_retry(ev);
+        }
+        if let Some(c) = &self.conn {
+            if c.send(&reply, &[]).is_err() {
+                self.conn = None;
             }
         }
         Ok(())
@@ -416,17 +497,42 @@ impl Agent {
     }
 
     fn handle(&mut self, ev: Event) -> io::Result<()> {
-        let Event::Fault { addr, .. } = ev else {
+        let Event::Fault { addr, wp, .. } = ev else {
             return Ok(()); // reading a remap event is all it needs
         };
+        let started = Instant::now();
         let page = addr & !(PAGE - 1);
         if page < self.base || page >= self.base + self.cfg.ram_bytes {
             return self.uffd.wake(page, PAGE);
         }
         let gfn = ((page - self.base) / PAGE) as u32;
-        match self.frame_of[gfn as usize] {
-            PRIVATE => self.uffd.write_protect(page, PAGE, false), // protected for a share attempt
-            frame => self.cow_break(gfn, frame),
+        let frame = self.frame_of[gfn as usize];
+        if wp {
+            self.wp_faults += 1;
+            return match frame {
+                // Protected for a share or reclaim attempt that has ended: let it write
+                // (a reclaimed page then faults as missing).
+                PRIVATE | RECLAIMED => self.uffd.write_protect(page, PAGE, false),
+                frame => {
+                    self.cow_break(gfn, frame)?;
+                    self.cow_lat.record(started.elapsed(), 1);
+                    Ok(())
+                }
+            };
+        }
+        self.missing_faults += 1;
+        match frame {
+            PRIVATE | RECLAIMED => {
+                // A hole reads as zeros: a first touch, or a reclaimed zero page.
+                self.uffd.zeropage(page, PAGE)?;
+                if frame == RECLAIMED {
+                    self.frame_of[gfn as usize] = PRIVATE;
+                    self.refills.push(gfn);
+                }
+                self.fault_lat.record(started.elapsed(), 1);
+                Ok(())
+            }
+            _ => self.uffd.wake(page, PAGE), // pool frames are never holes
         }
     }
 
@@ -458,7 +564,7 @@ impl Agent {
                 io::Error::last_os_error()
             )));
         }
-        self.uffd.register(addr, PAGE, uffd::MODE_WP)?;
+        self.uffd.register(addr, PAGE, RAM_MODE)?;
         self.uffd.wake(addr, PAGE)?;
         self.frame_of[gfn as usize] = PRIVATE;
         self.breaks.push((gfn, frame));
@@ -568,6 +674,62 @@ impl Agent {
             k = e;
         }
         Ok(())
+    }
+
+    /// Carries out a zero-page reclaim request; returns (reclaimed, changed, refused) gfns.
+    #[allow(clippy::type_complexity)]
+    fn reclaim_zero(&mut self, mut gfns: Vec<u32>) -> io::Result<(Vec<u32>, Vec<u32>, Vec<u32>)> {
+        let (mut reclaimed, mut changed, mut refused) = (Vec::new(), Vec::new(), Vec::new());
+        let npages = self.frame_of.len() as u32;
+        gfns.sort_unstable();
+        gfns.dedup();
+        gfns.retain(|&g| {
+            let ok = g < npages && self.frame_of[g as usize] == PRIVATE;
+            if !ok {
+                refused.push(g);
+            }
+            ok
+        });
+        let p = PAGE as usize;
+        let mut i = 0;
+        while i < gfns.len() {
+            let mut j = i + 1;
+            while j < gfns.len() && gfns[j] == gfns[j - 1] + 1 {
+                j += 1;
+            }
+            let (g0, n) = (gfns[i], j - i);
+            let (addr, len) = (self.page_addr(g0), n as u64 * PAGE);
+            // Writers wait from here until the unprotect below.
+            self.uffd.write_protect(addr, len, true)?;
+            let mut bytes = vec![0u8; len as usize];
+            pread_exact(self.memfd.as_raw_fd(), &mut bytes, g0 as u64 * PAGE)?;
+            for k in 0..n {
+                let g = g0 + k as u32;
+                if bytes[k * p..(k + 1) * p].iter().any(|&b| b != 0) {
+                    changed.push(g);
+                    continue;
+                }
+                // SAFETY: frees the guest memfd's page; it was zero and writers wait, so
+                // the next access refills exactly these bytes.
+                let rc = unsafe {
+                    libc::fallocate(
+                        self.memfd.as_raw_fd(),
+                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                        (g as u64 * PAGE) as libc::off_t,
+                        PAGE as libc::off_t,
+                    )
+                };
+                if rc == 0 {
+                    self.frame_of[g as usize] = RECLAIMED;
+                    reclaimed.push(g);
+                } else {
+                    refused.push(g);
+                }
+            }
+            self.uffd.write_protect(addr, len, false)?;
+            i = j;
+        }
+        Ok((reclaimed, changed, refused))
     }
 
     /// Maps pool bytes `[pool_off, pool_off+len)` write-protected over guest address `dst`.

@@ -13,6 +13,7 @@
 pub mod agent;
 pub mod daemon;
 pub mod io_util;
+pub mod latency;
 pub mod protocol;
 pub mod uffd;
 

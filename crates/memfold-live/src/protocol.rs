@@ -13,13 +13,36 @@ use std::path::Path;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 /// Protocol version; a peer with another version is refused with a clear message.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
 pub const MAX_MESSAGE: usize = 256 * 1024;
 
-/// Most pages in one share request.
+/// Most pages in one share or reclaim request.
 pub const MAX_BATCH: usize = 512;
+
+/// In a re-attach list, the "frame" of a reclaimed zero page (it is a hole in the guest
+/// memfd; the agent fills it with zeros on the next access).
+pub const RECLAIMED_ZERO: u32 = u32::MAX - 1;
+
+/// What the agent measured since it started: fault counts and operation latencies as
+/// (ns, count) histogram pairs ([`crate::latency::OpLatency::to_pairs`]).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct AgentReport {
+    /// Write faults on write-protected pages (CoW breaks and writers waiting on a share
+    /// or reclaim in progress).
+    pub wp_faults: u64,
+    /// Faults on missing pages (first touches and reclaimed pages), served by the agent.
+    pub missing_faults: u64,
+    /// Share, per page (a run's time divided over its pages).
+    pub share_ns: Vec<(u64, u64)>,
+    /// CoW break, from reading the fault to waking the writer.
+    pub cow_break_ns: Vec<(u64, u64)>,
+    /// Missing-fault service, from reading the fault to waking the thread.
+    pub fault_ns: Vec<(u64, u64)>,
+    /// Reclaim, per page.
+    pub reclaim_ns: Vec<(u64, u64)>,
+}
 
 /// Messages to memfoldd.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -36,8 +59,9 @@ pub enum ToDaemon {
         pid: u32,
         /// Guest RAM, bytes.
         ram_bytes: u64,
-        /// Pages mapped onto pool frames: the third descriptor holds as many (gfn, frame)
-        /// pairs, two little-endian u32 each (a list too long for one message).
+        /// Pages mapped onto pool frames or reclaimed: the third descriptor holds as many
+        /// (gfn, frame) pairs, two little-endian u32 each (a list too long for one
+        /// message); a reclaimed zero page has frame [`RECLAIMED_ZERO`].
         shared: u64,
     },
     /// Result of a [`ToAgent::Share`] request.
@@ -56,6 +80,24 @@ pub enum ToDaemon {
         /// (gfn, frame) pairs.
         breaks: Vec<(u32, u32)>,
     },
+    /// Result of a [`ToAgent::ReclaimZero`] request.
+    ReclaimDone {
+        /// The request's batch number.
+        batch: u64,
+        /// Gfns now holes in the guest memfd.
+        reclaimed: Vec<u32>,
+        /// Gfns no longer zero (left as they are).
+        changed: Vec<u32>,
+        /// Gfns not reclaimed for another reason (shared or reclaimed already).
+        refused: Vec<u32>,
+    },
+    /// Reclaimed pages the guest accessed again: the agent filled them (private again).
+    Refilled {
+        /// Gfns.
+        gfns: Vec<u32>,
+    },
+    /// The agent's fault counts and latencies, sent about once a second.
+    AgentStats(AgentReport),
     /// A command line client attaches (then sends [`ToDaemon::Stats`]).
     ClientHello {
         /// Protocol version.
@@ -81,6 +123,15 @@ pub enum ToAgent {
         batch: u64,
         /// (gfn, frame) pairs.
         pages: Vec<(u32, u32)>,
+    },
+    /// Reclaim these guest pages if they are still all zero: punch them out of the guest
+    /// memfd; the next access faults (missing) and the agent fills a zero page (ESX §4.3's
+    /// zero page, without a frame or a mapping: no VMA is spent). At most [`MAX_BATCH`].
+    ReclaimZero {
+        /// Batch number, echoed in the reply.
+        batch: u64,
+        /// Gfns.
+        gfns: Vec<u32>,
     },
 }
 

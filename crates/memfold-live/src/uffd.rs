@@ -11,6 +11,8 @@ const UFFDIO_API: libc::c_ulong = 0xC018_AA3F;
 const UFFDIO_REGISTER: libc::c_ulong = 0xC020_AA00;
 const UFFDIO_WAKE: libc::c_ulong = 0x8010_AA02;
 const UFFDIO_WRITEPROTECT: libc::c_ulong = 0xC018_AA06;
+const UFFDIO_COPY: libc::c_ulong = 0xC028_AA03;
+const UFFDIO_ZEROPAGE: libc::c_ulong = 0xC020_AA04;
 
 /// `UFFD_FEATURE_EVENT_REMAP`: a registered VMA moved by mremap keeps its registration
 /// (and its write-protected PTEs); the mover waits until the event is read.
@@ -41,6 +43,22 @@ struct UffdioApi {
     api: u64,
     features: u64,
     ioctls: u64,
+}
+
+#[repr(C)]
+struct UffdioCopy {
+    dst: u64,
+    src: u64,
+    len: u64,
+    mode: u64,
+    copy: i64,
+}
+
+#[repr(C)]
+struct UffdioZeropage {
+    range: UffdioRange,
+    mode: u64,
+    zeropage: i64,
 }
 
 #[repr(C)]
@@ -179,6 +197,50 @@ impl Uffd {
             "UFFDIO_WAKE",
             start,
         )
+    }
+
+    /// Fills the missing page(s) at `[dst, dst+src.len())` with `src` and wakes the
+    /// waiting threads (`UFFDIO_COPY`). A page filled meanwhile (`EEXIST`) only wakes.
+    ///
+    /// Errors: `dst` is not a registered missing range; the host is out of memory.
+    pub fn copy(&self, dst: u64, src: &[u8]) -> io::Result<()> {
+        let mut c = UffdioCopy {
+            dst,
+            src: src.as_ptr() as u64,
+            len: src.len() as u64,
+            mode: 0,
+            copy: 0,
+        };
+        // SAFETY: UFFDIO_COPY reads `src` (valid for len bytes) and writes `c.copy`.
+        let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_COPY, &mut c) };
+        self.filled(rc, "UFFDIO_COPY", dst, src.len() as u64)
+    }
+
+    /// Fills the missing page(s) at `[dst, dst+len)` with zeros and wakes the waiting
+    /// threads (`UFFDIO_ZEROPAGE`; on shmem this allocates a zeroed page). A page filled
+    /// meanwhile (`EEXIST`) only wakes.
+    ///
+    /// Errors: `dst` is not a registered missing range; the host is out of memory.
+    pub fn zeropage(&self, dst: u64, len: u64) -> io::Result<()> {
+        let mut z = UffdioZeropage {
+            range: UffdioRange { start: dst, len },
+            mode: 0,
+            zeropage: 0,
+        };
+        // SAFETY: UFFDIO_ZEROPAGE reads the range and writes `z.zeropage`.
+        let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_ZEROPAGE, &mut z) };
+        self.filled(rc, "UFFDIO_ZEROPAGE", dst, len)
+    }
+
+    fn filled(&self, rc: libc::c_int, what: &str, dst: u64, len: u64) -> io::Result<()> {
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EEXIST) {
+            return self.wake(dst, len);
+        }
+        Err(io::Error::new(e.kind(), format!("{what} at {dst:#x}: {e}")))
     }
 
     /// Reads one event if one is pending (the fd is non-blocking).

@@ -1,7 +1,10 @@
-//! Live sharing on two running `tiny` guests: memfoldd shares their identical pages, the
-//! guests' self-checking workload (files rewritten and verified by md5 every round) keeps
-//! passing through copy-on-write breaks, through `kill -9` of memfoldd, and after a new
-//! memfoldd adopts the pool. Bounded: tiny guests boot in seconds under TCG.
+//! Live sharing on two running `tiny` guests: memfoldd shares their identical pages and
+//! reclaims their zero pages, the guests' self-checking workload (files rewritten and
+//! verified by md5 every round) keeps passing through copy-on-write breaks and refills of
+//! reclaimed pages, through `kill -9` of memfoldd, and after a new memfoldd adopts the
+//! pool. Guest `b` runs with a VMA budget of 1: the agent refuses every share (a share
+//! adds mappings) but still reclaims zero pages (which add none). Bounded: tiny guests
+//! boot in seconds under TCG.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -67,19 +70,30 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
             ram: RamBackend::Memfd,
             cpus: 1,
         };
-        let env = agent_env(&agent, &socket, &spec);
+        let mut env = agent_env(&agent, &socket, &spec);
+        if name == "b" {
+            env.push(("MEMFOLD_VMA_BUDGET".into(), "1".into()));
+        }
         guests.push(Guest::start_with_env(&spec, &cache, work.path(), Accel::Tcg, &env).unwrap());
     }
     for g in &mut guests {
         g.wait_ready(Duration::from_secs(180)).unwrap();
     }
 
-    // Sharing reaches a real saving and the workload's rewrites break CoW.
+    // Sharing and zero reclaim reach a real saving, the workload's rewrites break CoW in
+    // `a` and refill reclaimed pages; `b`'s budget refuses its shares.
     let t = Instant::now();
     let stats = loop {
         let s = query_stats(&socket).unwrap();
-        let ok =
-            s.vms.len() == 2 && s.saved_pages > 10_000 && s.vms.iter().all(|v| v.cow_breaks > 0);
+        let ok = s.vms.len() == 2
+            && s.saved_pages > 10_000
+            && s.vms[0].cow_breaks > 0
+            && s.vms[0].shared_pages > 0
+            && s.vms[1].share_refused > 0
+            && s.vms[1].shared_pages == 0
+            && s.vms.iter().all(|v| v.reclaims > 0 && v.refills > 0)
+            && s.latency.cow_break.count > 0
+            && s.latency.fault.count > 0;
         if ok {
             break s;
         }

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use memfold_live::daemon::{run, DaemonConfig};
+use memfold_live::daemon::{run, DaemonConfig, ZeroPolicy};
 
 /// memfoldd: shares identical pages of running QEMU guests (see `memfold run`).
 #[derive(Parser, Debug)]
@@ -16,12 +16,16 @@ struct Args {
     /// Scan rate limit, pages/s (0: full speed).
     #[arg(long, default_value_t = 100_000)]
     rate: u64,
-    /// Do not share zero pages (Satori §4.1).
-    #[arg(long)]
-    no_zero_sharing: bool,
+    /// Zero pages: reclaim (punch out, refill on access), share (one zero frame, ESX) or
+    /// keep (Satori §4.1).
+    #[arg(long, value_enum, default_value_t = ZeroPolicy::Reclaim)]
+    zero: ZeroPolicy,
     /// Shortest time between the starts of two full scans, ms.
     #[arg(long, default_value_t = 1000)]
     min_scan_interval_ms: u64,
+    /// Longest time between full scans, ms (quiet scans back off up to this).
+    #[arg(long, default_value_t = 8000)]
+    max_scan_interval_ms: u64,
 }
 
 fn main() {
@@ -32,8 +36,9 @@ fn main() {
     let cfg = DaemonConfig {
         socket: a.socket,
         rate: a.rate,
-        share_zero: !a.no_zero_sharing,
+        zero: a.zero,
         min_scan_interval: Duration::from_millis(a.min_scan_interval_ms),
+        max_scan_interval: Duration::from_millis(a.max_scan_interval_ms.max(a.min_scan_interval_ms)),
     };
     if let Err(e) = run(cfg) {
         eprintln!("memfoldd: error: {e}");

@@ -7,8 +7,10 @@
 //! byte, then the agent is asked to map the page onto the frame; the agent re-checks the
 //! bytes under write-protection, so a page written meanwhile is never shared. Scanning is
 //! rate-limited in pages/s (ESX §4.3) or unlimited; hints are dropped after each full scan.
-//! Zero pages share one zero frame unless disabled (Satori §4.1 argues for not sharing
-//! them). The single main thread owns all state; one thread per connection only reads.
+//! Zero pages ([`ZeroPolicy`]) are reclaimed by default (punched out; the agent fills a
+//! zero page on the next access), or share one zero frame as in ESX, or are left alone
+//! (Satori §4.1 argues for not sharing them). The single main thread owns all state; one
+//! thread per connection only reads.
 
 pub mod pool;
 pub mod stats;
@@ -25,12 +27,22 @@ use memfold_core::share::{ShareEntry, ShareTable};
 use memfold_core::{Frame, Page, PAGE_SIZE};
 
 use crate::io_util::pread_exact;
-use crate::protocol::{Conn, Listener, ToAgent, ToClient, ToDaemon, MAX_BATCH, PROTOCOL_VERSION};
+use crate::latency::OpLatency;
+use crate::protocol::{
+    AgentReport, Conn, Listener, ToAgent, ToClient, ToDaemon, MAX_BATCH, PROTOCOL_VERSION,
+    RECLAIMED_ZERO,
+};
 use pool::{Pool, PoolError};
-use stats::{Stats, VmStats};
+use stats::{OpLatencies, Stats, VmStats};
 
 const PAGE: u64 = PAGE_SIZE as u64;
 const PRIVATE: u32 = u32::MAX;
+const RECLAIMED: u32 = RECLAIMED_ZERO;
+
+/// Whether a p2m entry names a pool frame.
+fn is_frame(f: u32) -> bool {
+    f != PRIVATE && f != RECLAIMED
+}
 /// Pages read per pread while scanning.
 const READ_PAGES: usize = 64;
 
@@ -41,10 +53,27 @@ pub struct DaemonConfig {
     pub socket: PathBuf,
     /// Scan rate limit, pages/s; 0 scans at full speed.
     pub rate: u64,
-    /// Share zero pages (onto one zero frame).
-    pub share_zero: bool,
+    /// What to do with zero pages.
+    pub zero: ZeroPolicy,
     /// Shortest time between the starts of two full scans.
     pub min_scan_interval: Duration,
+    /// Longest time between full scans: after a quiet scan (requests for under 0.1% of
+    /// the pages read) the interval doubles up to this; a busy scan resets it to
+    /// `min_scan_interval`.
+    pub max_scan_interval: Duration,
+}
+
+/// What memfoldd does with guest pages that are all zero.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ZeroPolicy {
+    /// Punch them out of guest RAM; the agent fills a zero page on the next access (no
+    /// frame, no mapping: ESX §4.3's zero page without spending a VMA per page).
+    Reclaim,
+    /// Map them onto one shared zero frame, copy-on-write (ESX §4.3).
+    Share,
+    /// Leave them alone (Satori §4.1).
+    Keep,
 }
 
 /// Daemon errors.
@@ -88,13 +117,24 @@ struct Vm {
     base_gpn: u32,
     memfd: OwnedFd,
     conn: Option<Conn>,
-    /// Per gfn: pool frame mapped, or PRIVATE.
+    /// Per gfn: pool frame mapped, PRIVATE, or RECLAIMED (a zero page punched out).
     p2m: Vec<u32>,
-    /// Per gfn: named by an unanswered share request.
+    /// Per gfn: named by an unanswered share or reclaim request.
     pending: Vec<bool>,
     cursor: u32,
     scanned_this_pass: bool,
+    /// Share requests not yet sent: (gfn, frame).
     queue: Vec<(u32, u32)>,
+    /// Zero-page reclaim requests not yet sent: gfns.
+    zero_queue: Vec<u32>,
+    /// The agent's latest latency histograms.
+    latency: [OpLatency; 4],
+}
+
+/// An unanswered request to an agent.
+enum Batch {
+    Share(u64, Vec<(u32, u32)>),
+    Reclaim(u64, Vec<u32>),
 }
 
 /// The daemon's state, owned by its main thread.
@@ -107,10 +147,15 @@ pub struct Daemon {
     vms: HashMap<u64, Vm>,
     by_base: BTreeMap<u32, u64>,
     next_base: u32,
-    batches: HashMap<u64, (u64, Vec<(u32, u32)>)>,
+    batches: HashMap<u64, Batch>,
     next_batch: u64,
     full_scans: u64,
     pass_started: Instant,
+    /// Current time between full scans (backs off while scans find little).
+    scan_interval: Duration,
+    /// Pages read and requests made since the current full scan started.
+    pass_read: u64,
+    pass_requests: u64,
     zero_frame: Option<u32>,
     zero_hash: u64,
 }
@@ -203,6 +248,9 @@ impl Daemon {
             next_batch: 0,
             full_scans: 0,
             pass_started: Instant::now(),
+            scan_interval: Duration::ZERO,
+            pass_read: 0,
+            pass_requests: 0,
             zero_frame: None,
             zero_hash: xxh3_page_hash(&zero),
         }
@@ -260,7 +308,19 @@ impl Daemon {
         {
             return false;
         }
-        if self.pass_started.elapsed() < self.cfg.min_scan_interval {
+        if self.pass_read > 0 {
+            // A quiet scan doubles the interval (saving CPU at the plateau), a busy one
+            // resets it (detecting new sharing quickly).
+            self.scan_interval = if self.pass_requests * 1000 < self.pass_read {
+                (self.scan_interval * 2).min(self.cfg.max_scan_interval)
+            } else {
+                self.cfg.min_scan_interval
+            };
+            self.pass_read = 0;
+            self.pass_requests = 0;
+        }
+        self.scan_interval = self.scan_interval.max(self.cfg.min_scan_interval);
+        if self.pass_started.elapsed() < self.scan_interval {
             return true;
         }
         // Start the next full scan: hints from the last one are stale (ESX §4.3).
@@ -288,7 +348,15 @@ impl Daemon {
                     changed,
                     refused,
                 } => self.share_done(batch, &shared, changed.len(), refused.len()),
+                ToDaemon::ReclaimDone {
+                    batch,
+                    reclaimed,
+                    changed,
+                    refused,
+                } => self.reclaim_done(batch, &reclaimed, changed.len(), refused.len()),
                 ToDaemon::CowBroken { breaks } => self.cow_broken(token, &breaks),
+                ToDaemon::Refilled { gfns } => self.refilled(token, &gfns),
+                ToDaemon::AgentStats(report) => self.agent_stats(token, report),
                 _ => {}
             },
             Input::Gone { token } => self.gone(token),
@@ -391,6 +459,8 @@ impl Daemon {
                     cursor: 0,
                     scanned_this_pass: false,
                     queue: Vec::new(),
+                    zero_queue: Vec::new(),
+                    latency: Default::default(),
                 }
             }
         };
@@ -400,7 +470,7 @@ impl Daemon {
         let mut page = [0u8; PAGE_SIZE];
         let mut now = vec![PRIVATE; pages as usize];
         for &(g, f) in &shared_list {
-            if (g as usize) < now.len() && f < pool.size_frames() {
+            if (g as usize) < now.len() && (f < pool.size_frames() || f == RECLAIMED) {
                 now[g as usize] = f;
             }
         }
@@ -409,10 +479,10 @@ impl Daemon {
             if was == is {
                 continue;
             }
-            if was != PRIVATE && pool.decref(was) {
+            if is_frame(was) && pool.decref(was) {
                 forget_frame(&mut self.table, &mut self.zero_frame, pool, was);
             }
-            if is != PRIVATE {
+            if is_frame(is) {
                 if pool.refcount(is) == 0 {
                     pool.read(is, &mut page)?;
                     let h = xxh3_page_hash(&page);
@@ -426,7 +496,8 @@ impl Daemon {
             }
             vm.p2m[g] = is;
         }
-        vm.stats.shared_pages = vm.p2m.iter().filter(|&&f| f != PRIVATE).count() as u64;
+        vm.stats.shared_pages = vm.p2m.iter().filter(|&&f| is_frame(f)).count() as u64;
+        vm.stats.zero_reclaimed_pages = vm.p2m.iter().filter(|&&f| f == RECLAIMED).count() as u64;
         let welcome = ToAgent::Welcome {
             version: PROTOCOL_VERSION,
         };
@@ -451,11 +522,12 @@ impl Daemon {
         let lost: Vec<u64> = self
             .batches
             .iter()
-            .filter(|(_, (t, _))| *t == token)
+            .filter(|(_, b)| matches!(b, Batch::Share(t, _) | Batch::Reclaim(t, _) if *t == token))
             .map(|(b, _)| *b)
             .collect();
         for b in lost {
             self.share_done(b, &[], 0, 0);
+            self.reclaim_done(b, &[], 0, 0);
         }
         self.reap_detached();
     }
@@ -472,7 +544,7 @@ impl Daemon {
             let vm = self.vms.remove(&t).expect("listed");
             self.by_base.remove(&vm.base_gpn);
             if let Some(pool) = self.pool.as_mut() {
-                for &f in vm.p2m.iter().filter(|&&f| f != PRIVATE) {
+                for &f in vm.p2m.iter().filter(|&&f| is_frame(f)) {
                     if pool.decref(f) {
                         forget_frame(&mut self.table, &mut self.zero_frame, pool, f);
                     }
@@ -486,7 +558,7 @@ impl Daemon {
     }
 
     fn share_done(&mut self, batch: u64, shared: &[u32], changed: usize, refused: usize) {
-        let Some((token, pages)) = self.batches.remove(&batch) else {
+        let Some(Batch::Share(token, pages)) = self.batches.remove(&batch) else {
             return;
         };
         let pool = self.pool.as_mut().expect("requests imply a pool");
@@ -513,6 +585,51 @@ impl Daemon {
             v.stats.share_changed += changed as u64;
             v.stats.share_refused += refused as u64;
         }
+    }
+
+    fn reclaim_done(&mut self, batch: u64, reclaimed: &[u32], changed: usize, refused: usize) {
+        let Some(Batch::Reclaim(token, gfns)) = self.batches.remove(&batch) else {
+            return;
+        };
+        let Some(vm) = self.vms.get_mut(&token) else {
+            return;
+        };
+        for g in gfns {
+            vm.pending[g as usize] = false;
+        }
+        for &g in reclaimed {
+            if vm.p2m.get(g as usize) == Some(&PRIVATE) {
+                vm.p2m[g as usize] = RECLAIMED;
+                vm.stats.zero_reclaimed_pages += 1;
+                vm.stats.reclaims += 1;
+            }
+        }
+        vm.stats.share_changed += changed as u64;
+        vm.stats.share_refused += refused as u64;
+    }
+
+    fn refilled(&mut self, token: u64, gfns: &[u32]) {
+        let Some(vm) = self.vms.get_mut(&token) else {
+            return;
+        };
+        for &g in gfns {
+            if vm.p2m.get(g as usize) == Some(&RECLAIMED) {
+                vm.p2m[g as usize] = PRIVATE;
+                vm.stats.zero_reclaimed_pages -= 1;
+                vm.stats.refills += 1;
+            }
+        }
+    }
+
+    fn agent_stats(&mut self, token: u64, r: AgentReport) {
+        let Some(vm) = self.vms.get_mut(&token) else {
+            return;
+        };
+        vm.stats.wp_faults = r.wp_faults;
+        vm.stats.missing_faults = r.missing_faults;
+        vm.latency = [&r.share_ns, &r.cow_break_ns, &r.fault_ns, &r.reclaim_ns]
+            .map(|p| OpLatency::from_pairs(p));
+        vm.stats.latency = OpLatencies::from_histograms(&vm.latency);
     }
 
     fn cow_broken(&mut self, token: u64, breaks: &[(u32, u32)]) {
@@ -596,6 +713,7 @@ impl Daemon {
         }
         vm.cursor = gfn + n as u32;
         vm.stats.scanned_pages += n as u64;
+        self.pass_read += n as u64;
         if vm.cursor as usize >= vm.p2m.len() {
             vm.cursor = 0;
             vm.scanned_this_pass = true;
@@ -623,8 +741,19 @@ impl Daemon {
         }
         let h = xxh3_page_hash(page);
         let zero = h == self.zero_hash && page.iter().all(|&b| b == 0);
-        if zero && !self.cfg.share_zero {
-            return Ok(());
+        match self.cfg.zero {
+            ZeroPolicy::Keep if zero => return Ok(()),
+            ZeroPolicy::Reclaim if zero => {
+                let vm = self.vms.get_mut(&t).expect("sharable");
+                vm.pending[g as usize] = true;
+                vm.zero_queue.push(g);
+                self.pass_requests += 1;
+                if vm.zero_queue.len() >= MAX_BATCH {
+                    self.flush(t);
+                }
+                return Ok(());
+            }
+            _ => {}
         }
         let gpn = self.vms[&t].base_gpn + g;
         let mut other = [0u8; PAGE_SIZE];
@@ -673,6 +802,7 @@ impl Daemon {
     }
 
     fn enqueue(&mut self, t: u64, g: u32, f: u32) {
+        self.pass_requests += 1;
         let vm = self.vms.get_mut(&t).expect("sharable");
         vm.pending[g as usize] = true;
         vm.queue.push((g, f));
@@ -685,7 +815,7 @@ impl Daemon {
         let ts: Vec<u64> = self
             .vms
             .iter()
-            .filter(|(_, v)| !v.queue.is_empty())
+            .filter(|(_, v)| !v.queue.is_empty() || !v.zero_queue.is_empty())
             .map(|(t, _)| *t)
             .collect();
         for t in ts {
@@ -693,24 +823,41 @@ impl Daemon {
         }
     }
 
+    /// Sends guest `t`'s queued share and reclaim requests.
     fn flush(&mut self, t: u64) {
         let vm = self.vms.get_mut(&t).expect("listed");
         let pages = std::mem::take(&mut vm.queue);
-        self.next_batch += 1;
-        let batch = self.next_batch;
-        let sent = vm.conn.as_ref().is_some_and(|c| {
-            c.send(
-                &ToAgent::Share {
-                    batch,
-                    pages: pages.clone(),
-                },
-                &[],
-            )
-            .is_ok()
-        });
-        self.batches.insert(batch, (t, pages));
-        if !sent {
-            self.share_done(batch, &[], 0, 0);
+        let gfns = std::mem::take(&mut vm.zero_queue);
+        let mut requests = Vec::new();
+        if !pages.is_empty() {
+            self.next_batch += 1;
+            let batch = self.next_batch;
+            let msg = ToAgent::Share {
+                batch,
+                pages: pages.clone(),
+            };
+            requests.push((batch, msg, Batch::Share(t, pages)));
+        }
+        if !gfns.is_empty() {
+            self.next_batch += 1;
+            let batch = self.next_batch;
+            let msg = ToAgent::ReclaimZero {
+                batch,
+                gfns: gfns.clone(),
+            };
+            requests.push((batch, msg, Batch::Reclaim(t, gfns)));
+        }
+        for (batch, msg, pending) in requests {
+            let sent = self.vms[&t]
+                .conn
+                .as_ref()
+                .is_some_and(|c| c.send(&msg, &[]).is_ok());
+            self.batches.insert(batch, pending);
+            if !sent {
+                // Never answered: release the pages.
+                self.share_done(batch, &[], 0, 0);
+                self.reclaim_done(batch, &[], 0, 0);
+            }
         }
     }
 
@@ -719,14 +866,23 @@ impl Daemon {
         let mut vms: Vec<VmStats> = self.vms.values().map(|v| v.stats.clone()).collect();
         vms.sort_by(|a, b| a.name.cmp(&b.name));
         let mapped: u64 = vms.iter().map(|v| v.shared_pages).sum();
+        let reclaimed: u64 = vms.iter().map(|v| v.zero_reclaimed_pages).sum();
         let frames = self.pool.as_ref().map_or(0, |p| p.in_use()) as u64;
+        let mut all: [OpLatency; 4] = Default::default();
+        for v in self.vms.values() {
+            for (a, h) in all.iter_mut().zip(&v.latency) {
+                a.merge(h);
+            }
+        }
         Stats {
             uptime_s: self.started.elapsed().as_secs_f64(),
             rate_pages_per_s: self.cfg.rate,
             full_scans: self.full_scans,
             frames,
             mapped_pages: mapped,
-            saved_pages: mapped as i64 - frames as i64,
+            zero_reclaimed_pages: reclaimed,
+            saved_pages: mapped as i64 - frames as i64 + reclaimed as i64,
+            latency: OpLatencies::from_histograms(&all),
             table_entries: self.table.len() as u64,
             adopted_pool: self.adopted,
             vms,

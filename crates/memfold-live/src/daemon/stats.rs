@@ -3,6 +3,33 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::latency::{LatencySummary, OpLatency};
+
+/// Latencies of the live operations, as the agents timed them (µs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct OpLatencies {
+    /// Share, per page.
+    pub share: LatencySummary,
+    /// CoW break: fault read to writer woken.
+    pub cow_break: LatencySummary,
+    /// Missing-fault service: fault read to thread woken.
+    pub fault: LatencySummary,
+    /// Zero-page reclaim, per page.
+    pub reclaim: LatencySummary,
+}
+
+impl OpLatencies {
+    /// Summaries of [share, CoW break, fault, reclaim] histograms.
+    pub fn from_histograms(h: &[OpLatency; 4]) -> OpLatencies {
+        OpLatencies {
+            share: h[0].summary(),
+            cow_break: h[1].summary(),
+            fault: h[2].summary(),
+            reclaim: h[3].summary(),
+        }
+    }
+}
+
 /// One guest's counters. Pages are 4 KiB; counters are cumulative since attach.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct VmStats {
@@ -16,12 +43,25 @@ pub struct VmStats {
     pub shared_pages: u64,
     /// Of those, pages mapped onto the zero frame.
     pub zero_shared_pages: u64,
+    /// Zero pages reclaimed now (holes the agent refills on access).
+    pub zero_reclaimed_pages: u64,
     /// Pages hashed by the scanner.
     pub scanned_pages: u64,
     /// Pages shared (cumulative).
     pub shares: u64,
     /// Copy-on-write breaks (cumulative).
     pub cow_breaks: u64,
+    /// Zero pages reclaimed (cumulative).
+    pub reclaims: u64,
+    /// Reclaimed pages the guest touched again, refilled by the agent (cumulative).
+    pub refills: u64,
+    /// Write-protect faults the agent served (CoW breaks and writers that waited on a
+    /// share or reclaim in progress; cumulative).
+    pub wp_faults: u64,
+    /// Missing-page faults the agent served (first touches and refills; cumulative).
+    pub missing_faults: u64,
+    /// The agent's operation latencies.
+    pub latency: OpLatencies,
     /// Share requests whose page had changed before the agent protected it.
     pub share_changed: u64,
     /// Share requests the agent refused (VMA budget, already shared).
@@ -43,12 +83,17 @@ pub struct Stats {
     pub frames: u64,
     /// Guest pages mapped onto pool frames (sum of reference counts).
     pub mapped_pages: u64,
-    /// Host pages saved by sharing: mapped pages − frames (ESX §5's "memory saved").
+    /// Zero pages reclaimed now.
+    pub zero_reclaimed_pages: u64,
+    /// Host pages saved: mapped pages − frames + reclaimed zero pages (ESX §5's "memory
+    /// saved").
     pub saved_pages: i64,
     /// Share-table entries (shared frames and hints).
     pub table_entries: u64,
     /// Whether this memfoldd adopted the pool of a previous one (restart).
     pub adopted_pool: bool,
+    /// Operation latencies over all guests.
+    pub latency: OpLatencies,
     /// Per guest.
     pub vms: Vec<VmStats>,
 }
@@ -93,7 +138,7 @@ impl Stats {
             self.table_entries as f64,
         );
         type Field = fn(&VmStats) -> u64;
-        let per_vm: [(&str, &str, Field); 7] = [
+        let per_vm: [(&str, &str, Field); 12] = [
             ("vm_pages", "Guest RAM, pages.", |v| v.pages),
             (
                 "vm_shared_pages",
@@ -117,6 +162,23 @@ impl Stats {
                 "Share requests whose page had changed.",
                 |v| v.share_changed,
             ),
+            (
+                "vm_zero_reclaimed_pages",
+                "Zero pages reclaimed now.",
+                |v| v.zero_reclaimed_pages,
+            ),
+            ("vm_reclaims_total", "Zero pages reclaimed.", |v| v.reclaims),
+            ("vm_refills_total", "Reclaimed pages refilled.", |v| {
+                v.refills
+            }),
+            ("vm_wp_faults_total", "Write-protect faults served.", |v| {
+                v.wp_faults
+            }),
+            (
+                "vm_missing_faults_total",
+                "Missing-page faults served.",
+                |v| v.missing_faults,
+            ),
         ];
         for (name, help, f) in per_vm {
             out.push_str(&format!(
@@ -125,6 +187,19 @@ impl Stats {
             for v in &self.vms {
                 out.push_str(&format!("memfold_{name}{{vm=\"{}\"}} {}\n", v.name, f(v)));
             }
+        }
+        let ops = [
+            ("share", self.latency.share),
+            ("cow_break", self.latency.cow_break),
+            ("fault", self.latency.fault),
+            ("reclaim", self.latency.reclaim),
+        ];
+        out.push_str("# HELP memfold_op_latency_us Live operation latency, µs.\n# TYPE memfold_op_latency_us summary\n");
+        for (op, l) in ops {
+            out.push_str(&format!(
+                "memfold_op_latency_us{{op=\"{op}\",quantile=\"0.5\"}} {}\nmemfold_op_latency_us{{op=\"{op}\",quantile=\"0.99\"}} {}\nmemfold_op_latency_us_count{{op=\"{op}\"}} {}\n",
+                l.p50_us, l.p99_us, l.count
+            ));
         }
         out
     }

@@ -1,0 +1,106 @@
+//! Latencies of live operations (share, CoW break, fault service, reclaim), for the live
+//! analog of DE Table 2.
+//!
+//! The agent times each operation it carries out with an HDR histogram of nanoseconds and
+//! reports it to memfoldd as (value, count) pairs; memfoldd merges the reports of all
+//! agents, so percentiles over all guests are exact to the histogram's precision.
+
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use serde::{Deserialize, Serialize};
+
+/// Largest latency kept exactly: 60 s in ns (longer ones are clamped).
+const MAX_NS: u64 = 60_000_000_000;
+
+/// A latency histogram in nanoseconds, 2 significant digits.
+#[derive(Clone, Debug)]
+pub struct OpLatency {
+    hist: Histogram<u64>,
+}
+
+impl Default for OpLatency {
+    fn default() -> OpLatency {
+        OpLatency {
+            hist: Histogram::new_with_bounds(1, MAX_NS, 2).expect("valid bounds"),
+        }
+    }
+}
+
+/// Percentiles of one operation, µs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LatencySummary {
+    /// Operations timed.
+    pub count: u64,
+    /// Median, µs.
+    pub p50_us: f64,
+    /// 99th percentile, µs.
+    pub p99_us: f64,
+    /// Longest, µs.
+    pub max_us: f64,
+}
+
+impl OpLatency {
+    /// Records `n` operations that took `each` on average.
+    pub fn record(&mut self, each: Duration, n: u64) {
+        let ns = (each.as_nanos() as u64).clamp(1, MAX_NS);
+        let _ = self.hist.record_n(ns, n);
+    }
+
+    /// The histogram as (ns, count) pairs, for the wire.
+    pub fn to_pairs(&self) -> Vec<(u64, u64)> {
+        self.hist
+            .iter_recorded()
+            .map(|v| (v.value_iterated_to(), v.count_at_value()))
+            .collect()
+    }
+
+    /// A histogram from (ns, count) pairs.
+    pub fn from_pairs(pairs: &[(u64, u64)]) -> OpLatency {
+        let mut l = OpLatency::default();
+        for &(ns, n) in pairs {
+            let _ = l.hist.record_n(ns.clamp(1, MAX_NS), n);
+        }
+        l
+    }
+
+    /// Adds another histogram's operations.
+    pub fn merge(&mut self, other: &OpLatency) {
+        let _ = self.hist.add(&other.hist);
+    }
+
+    /// Count, p50, p99 and max in µs.
+    pub fn summary(&self) -> LatencySummary {
+        let us = |ns: u64| ns as f64 / 1000.0;
+        LatencySummary {
+            count: self.hist.len(),
+            p50_us: us(self.hist.value_at_quantile(0.5)),
+            p99_us: us(self.hist.value_at_quantile(0.99)),
+            max_us: us(self.hist.max()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pairs_round_trip_and_merge_keep_percentiles() {
+        let mut a = OpLatency::default();
+        for us in 1..=100u64 {
+            a.record(Duration::from_micros(us), 1);
+        }
+        let b = OpLatency::from_pairs(&a.to_pairs());
+        assert_eq!(a.summary(), b.summary());
+        let s = a.summary();
+        assert_eq!(s.count, 100);
+        assert!((s.p50_us - 50.0).abs() < 1.0, "{s:?}");
+        assert!((s.p99_us - 99.0).abs() < 1.5, "{s:?}");
+        let mut m = b.clone();
+        m.record(Duration::from_millis(10), 100);
+        m.merge(&a);
+        assert_eq!(m.summary().count, 300);
+        assert!(m.summary().p99_us > 9000.0);
+    }
+}
