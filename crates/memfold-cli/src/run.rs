@@ -37,6 +37,10 @@ pub struct RunArgs {
     /// keep (Satori §4.1).
     #[arg(long, value_enum, default_value_t = ZeroPolicy::Reclaim)]
     pub zero: ZeroPolicy,
+    /// NRU clock (DE §4.2): seconds for its hand to pass over each guest once (R/M
+    /// tracking by minor and write-protect faults); 0: off.
+    #[arg(long, default_value_t = 0.0)]
+    pub clock_secs: f64,
 }
 
 /// One second of a run.
@@ -144,7 +148,11 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     cmd.arg("--socket")
         .arg(&socket)
         .args(["--rate", &a.rate.to_string()])
-        .args(["--zero", zero_arg(a.zero)]);
+        .args(["--zero", zero_arg(a.zero)])
+        .args([
+            "--clock-interval-ms",
+            &((a.clock_secs * 1000.0) as u64).to_string(),
+        ]);
     let log = std::fs::File::create(out.join("memfoldd.log"))?;
     cmd.stderr(log);
     let daemon = Daemon(
@@ -247,14 +255,20 @@ fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
         let rate = |f: fn(&VmStats) -> u64| {
             before.map_or(0.0, |b| f(v).saturating_sub(f(b)) as f64 / dt)
         };
+        let nru = if v.clock_passes > 0 {
+            let n = v.nru_pages;
+            format!("  C1-C4 {} {} {} {}", n[0], n[1], n[2], n[3])
+        } else {
+            String::new()
+        };
         eprintln!(
-            "    {:<14} {:>7} pages  shared {:>7}  zero {:>7}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s",
+            "    {:<14} {:>7} pages  shared {:>7}  zero {:>7}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s{nru}",
             v.name,
             v.pages,
             v.shared_pages,
             v.zero_shared_pages + v.zero_reclaimed_pages,
             rate(|v| v.cow_breaks),
-            rate(|v| v.wp_faults + v.missing_faults),
+            rate(|v| v.wp_faults + v.missing_faults + v.minor_faults),
             rate(|v| v.scanned_pages)
         );
     }
@@ -341,6 +355,7 @@ pub fn print_latencies(s: &Stats) {
         ("CoW break", l.cow_break),
         ("missing fault (zero fill)", l.fault),
         ("zero reclaim (per page)", l.reclaim),
+        ("clock minor fault (R/M)", l.track),
     ] {
         println!(
             "  {:<28} {:>10} {:>9.1} {:>9.1} {:>9.1}",

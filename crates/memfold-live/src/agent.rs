@@ -27,6 +27,13 @@
 //! Guest RAM is registered for missing faults too, so first touches of never-used RAM
 //! also pass through the agent (served with a zero page, as the kernel would).
 //!
+//! **R and M bits for the NRU clock** (DE §4.2): memfoldd asks for a slice of guest RAM
+//! at a time; the agent reports which pages were referenced and modified since the slice
+//! was last armed, and arms it again: private pages are write-protected (a write faults:
+//! M) and their PTEs zapped with `MADV_DONTNEED` (the memfd keeps the data; any access is
+//! a minor fault: R). Minor faults are answered with `UFFDIO_CONTINUE`, write-protected
+//! for reads so that a later write still shows.
+//!
 //! Crash safety: the agent, not memfoldd, serves every fault, from the pool memfd it holds
 //! itself, so a guest keeps running correctly if memfoldd dies; the agent reconnects and
 //! re-attaches (listing its shared pages) when memfoldd comes back.
@@ -39,7 +46,9 @@ use std::time::{Duration, Instant};
 
 use crate::io_util::{pread_exact, pwrite_all};
 use crate::latency::OpLatency;
-use crate::protocol::{AgentReport, Conn, ToAgent, ToDaemon, PROTOCOL_VERSION, RECLAIMED_ZERO};
+use crate::protocol::{
+    AgentReport, Conn, ToAgent, ToDaemon, CLOCK_SLICE, PROTOCOL_VERSION, RECLAIMED_ZERO,
+};
 use crate::uffd::{self, Event, Uffd};
 
 const PAGE: u64 = 4096;
@@ -47,8 +56,8 @@ const PAGE: u64 = 4096;
 const PRIVATE: u32 = u32::MAX;
 /// The page is a reclaimed zero page (a hole in the guest memfd).
 const RECLAIMED: u32 = RECLAIMED_ZERO;
-/// Guest RAM (and pages given back to it) is registered for both fault kinds.
-const RAM_MODE: u64 = uffd::MODE_MISSING | uffd::MODE_WP;
+/// Guest RAM (and pages given back to it) is registered for all three fault kinds.
+const RAM_MODE: u64 = uffd::MODE_MISSING | uffd::MODE_WP | uffd::MODE_MINOR;
 /// How often the agent reports its counters and latencies.
 const REPORT_EVERY: Duration = Duration::from_secs(1);
 
@@ -237,6 +246,11 @@ pub struct Agent {
     /// Counters and latencies since start.
     wp_faults: u64,
     missing_faults: u64,
+    minor_faults: u64,
+    /// R and M bits per gfn since the page's clock slice was last armed.
+    referenced: Vec<u64>,
+    modified: Vec<u64>,
+    track_lat: OpLatency,
     share_lat: OpLatency,
     cow_lat: OpLatency,
     fault_lat: OpLatency,
@@ -271,6 +285,7 @@ pub fn run(cfg: AgentConfig) -> io::Result<()> {
         uffd::FEATURE_EVENT_REMAP
             | uffd::FEATURE_MISSING_SHMEM
             | uffd::FEATURE_WP_SHMEM
+            | uffd::FEATURE_MINOR_SHMEM
             | uffd::FEATURE_THREAD_ID,
     )?;
     uffd.register(base, cfg.ram_bytes, RAM_MODE)?;
@@ -293,6 +308,11 @@ pub fn run(cfg: AgentConfig) -> io::Result<()> {
         refills: Vec::new(),
         wp_faults: 0,
         missing_faults: 0,
+        minor_faults: 0,
+        // Never armed: treated as recently modified (PageClock::FRESH).
+        referenced: vec![u64::MAX; pages.div_ceil(64)],
+        modified: vec![u64::MAX; pages.div_ceil(64)],
+        track_lat: OpLatency::default(),
         share_lat: OpLatency::default(),
         cow_lat: OpLatency::default(),
         fault_lat: OpLatency::default(),
@@ -420,6 +440,8 @@ impl Agent {
             msgs.push(ToDaemon::AgentStats(AgentReport {
                 wp_faults: self.wp_faults,
                 missing_faults: self.missing_faults,
+                minor_faults: self.minor_faults,
+                track_ns: self.track_lat.to_pairs(),
                 share_ns: self.share_lat.to_pairs(),
                 cow_break_ns: self.cow_lat.to_pairs(),
                 fault_ns: self.fault_lat.to_pairs(),
@@ -471,6 +493,20 @@ impl Agent {
                     refused,
                 }
             }
+            ToAgent::ClockScan {
+                batch,
+                first,
+                count,
+            } => {
+                let (count, referenced, modified) = self.clock_scan(first, count)?;
+                ToDaemon::ClockBits {
+                    batch,
+                    first,
+                    count,
+                    referenced,
+                    modified,
+                }
+            }
             ToAgent::Welcome { .. } => return Ok(()),
         };
         let deferred = std::mem::take(&mut self.deferred);
@@ -497,7 +533,13 @@ impl Agent {
     }
 
     fn handle(&mut self, ev: Event) -> io::Result<()> {
-        let Event::Fault { addr, wp, .. } = ev else {
+        let Event::Fault {
+            addr,
+            wp,
+            write,
+            minor,
+        } = ev
+        else {
             return Ok(()); // reading a remap event is all it needs
         };
         let started = Instant::now();
@@ -507,12 +549,28 @@ impl Agent {
         }
         let gfn = ((page - self.base) / PAGE) as u32;
         let frame = self.frame_of[gfn as usize];
+        if minor {
+            if frame != PRIVATE {
+                // Read before a share or reclaim changed the page: retry on the new state.
+                return self.uffd.wake(page, PAGE);
+            }
+            // First access since the clock armed the page: R, and M for a write. A read
+            // maps it write-protected, so that a later write still sets M.
+            self.minor_faults += 1;
+            self.mark(gfn, write);
+            self.uffd.cont(page, PAGE, !write)?;
+            self.track_lat.record(started.elapsed(), 1);
+            return Ok(());
+        }
         if wp {
             self.wp_faults += 1;
             return match frame {
-                // Protected for a share or reclaim attempt that has ended: let it write
-                // (a reclaimed page then faults as missing).
-                PRIVATE | RECLAIMED => self.uffd.write_protect(page, PAGE, false),
+                // Armed by the clock, or protected for a share or reclaim attempt that has
+                // ended: let it write (a reclaimed page then faults as missing).
+                PRIVATE | RECLAIMED => {
+                    self.mark(gfn, true);
+                    self.uffd.write_protect(page, PAGE, false)
+                }
                 frame => {
                     self.cow_break(gfn, frame)?;
                     self.cow_lat.record(started.elapsed(), 1);
@@ -523,8 +581,14 @@ impl Agent {
         self.missing_faults += 1;
         match frame {
             PRIVATE | RECLAIMED => {
-                // A hole reads as zeros: a first touch, or a reclaimed zero page.
-                self.uffd.zeropage(page, PAGE)?;
+                // A hole reads as zeros: a first touch, or a reclaimed zero page. A read
+                // gets it write-protected, so that a later write still sets M.
+                self.mark(gfn, write);
+                if write {
+                    self.uffd.zeropage(page, PAGE)?;
+                } else {
+                    self.uffd.copy(page, &[0u8; PAGE as usize], true)?;
+                }
                 if frame == RECLAIMED {
                     self.frame_of[gfn as usize] = PRIVATE;
                     self.refills.push(gfn);
@@ -534,6 +598,64 @@ impl Agent {
             }
             _ => self.uffd.wake(page, PAGE), // pool frames are never holes
         }
+    }
+
+    /// Sets R (and M for a write) of `gfn`.
+    fn mark(&mut self, gfn: u32, write: bool) {
+        let (w, b) = (gfn as usize / 64, 1u64 << (gfn % 64));
+        self.referenced[w] |= b;
+        if write {
+            self.modified[w] |= b;
+        }
+    }
+
+    /// Reports and clears the R and M bits of `[first, first+count)` (clamped to RAM and
+    /// [`CLOCK_SLICE`]) and arms the slice's private pages again. Returns (pages, R bits,
+    /// M bits), bit k of word k/64 for gfn `first + k`.
+    fn clock_scan(&mut self, first: u32, count: u32) -> io::Result<(u32, Vec<u64>, Vec<u64>)> {
+        let npages = self.frame_of.len() as u32;
+        let n = count.min(CLOCK_SLICE).min(npages.saturating_sub(first));
+        let mut r = vec![0u64; (n as usize).div_ceil(64)];
+        let mut m = r.clone();
+        for k in 0..n {
+            let g = (first + k) as usize;
+            let (w, b) = (g / 64, 1u64 << (g % 64));
+            let out = 1u64 << (k % 64);
+            if self.referenced[w] & b != 0 {
+                r[k as usize / 64] |= out;
+            }
+            if self.modified[w] & b != 0 {
+                m[k as usize / 64] |= out;
+            }
+            self.referenced[w] &= !b;
+            self.modified[w] &= !b;
+        }
+        // Arm runs of private pages; shared and reclaimed pages fault anyway.
+        let mut k = 0;
+        while k < n {
+            if self.frame_of[(first + k) as usize] != PRIVATE {
+                k += 1;
+                continue;
+            }
+            let mut e = k + 1;
+            while e < n && self.frame_of[(first + e) as usize] == PRIVATE {
+                e += 1;
+            }
+            let (addr, len) = (self.page_addr(first + k), (e - k) as u64 * PAGE);
+            self.uffd.write_protect(addr, len, true)?;
+            // SAFETY: drops only the PTEs of guest RAM the agent manages; the memfd keeps
+            // the pages, and the next access is a minor fault the agent serves.
+            if unsafe { libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_DONTNEED) }
+                != 0
+            {
+                return Err(io::Error::other(format!(
+                    "arming the clock at {addr:#x}: madvise: {}",
+                    io::Error::last_os_error()
+                )));
+            }
+            k = e;
+        }
+        Ok((n, r, m))
     }
 
     /// Copy-on-write break: the guest gets a private copy of the frame's bytes.

@@ -25,6 +25,9 @@ pub const MAX_BATCH: usize = 512;
 /// memfd; the agent fills it with zeros on the next access).
 pub const RECLAIMED_ZERO: u32 = u32::MAX - 1;
 
+/// Most pages in one clock slice ([`ToAgent::ClockScan`]).
+pub const CLOCK_SLICE: u32 = 16384;
+
 /// What the agent measured since it started: fault counts and operation latencies as
 /// (ns, count) histogram pairs ([`crate::latency::OpLatency::to_pairs`]).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -34,6 +37,8 @@ pub struct AgentReport {
     pub wp_faults: u64,
     /// Faults on missing pages (first touches and reclaimed pages), served by the agent.
     pub missing_faults: u64,
+    /// Minor faults (first access to a page since the clock re-armed it).
+    pub minor_faults: u64,
     /// Share, per page (a run's time divided over its pages).
     pub share_ns: Vec<(u64, u64)>,
     /// CoW break, from reading the fault to waking the writer.
@@ -42,6 +47,8 @@ pub struct AgentReport {
     pub fault_ns: Vec<(u64, u64)>,
     /// Reclaim, per page.
     pub reclaim_ns: Vec<(u64, u64)>,
+    /// Minor-fault service (the clock's R/M tracking), from reading the fault to waking.
+    pub track_ns: Vec<(u64, u64)>,
 }
 
 /// Messages to memfoldd.
@@ -96,6 +103,20 @@ pub enum ToDaemon {
         /// Gfns.
         gfns: Vec<u32>,
     },
+    /// R and M bits of a clock slice since it was last armed (DE §4.2), answering
+    /// [`ToAgent::ClockScan`]: bit k of word k/64 is gfn `first + k`.
+    ClockBits {
+        /// The request's batch number.
+        batch: u64,
+        /// First gfn of the slice.
+        first: u32,
+        /// Pages in the slice.
+        count: u32,
+        /// Referenced bits.
+        referenced: Vec<u64>,
+        /// Modified bits.
+        modified: Vec<u64>,
+    },
     /// The agent's fault counts and latencies, sent about once a second.
     AgentStats(AgentReport),
     /// A command line client attaches (then sends [`ToDaemon::Stats`]).
@@ -132,6 +153,17 @@ pub enum ToAgent {
         batch: u64,
         /// Gfns.
         gfns: Vec<u32>,
+    },
+    /// Report the R and M bits of gfns `[first, first+count)` since they were last armed,
+    /// and arm them again: write-protect private pages (a write faults: M) and zap their
+    /// PTEs (any access faults as minor: R). At most [`CLOCK_SLICE`] pages.
+    ClockScan {
+        /// Batch number, echoed in the reply.
+        batch: u64,
+        /// First gfn.
+        first: u32,
+        /// Pages.
+        count: u32,
     },
 }
 

@@ -13,12 +13,17 @@ const UFFDIO_WAKE: libc::c_ulong = 0x8010_AA02;
 const UFFDIO_WRITEPROTECT: libc::c_ulong = 0xC018_AA06;
 const UFFDIO_COPY: libc::c_ulong = 0xC028_AA03;
 const UFFDIO_ZEROPAGE: libc::c_ulong = 0xC020_AA04;
+const UFFDIO_CONTINUE: libc::c_ulong = 0xC020_AA07;
+/// `UFFDIO_COPY_MODE_WP` / `UFFDIO_CONTINUE_MODE_WP`: install the page write-protected.
+const FILL_MODE_WP: u64 = 1 << 1;
 
 /// `UFFD_FEATURE_EVENT_REMAP`: a registered VMA moved by mremap keeps its registration
 /// (and its write-protected PTEs); the mover waits until the event is read.
 pub const FEATURE_EVENT_REMAP: u64 = 1 << 2;
 /// `UFFD_FEATURE_MISSING_SHMEM`.
 pub const FEATURE_MISSING_SHMEM: u64 = 1 << 5;
+/// `UFFD_FEATURE_MINOR_SHMEM`: minor faults (page in the page cache, no PTE) on shmem.
+pub const FEATURE_MINOR_SHMEM: u64 = 1 << 10;
 /// `UFFD_FEATURE_THREAD_ID`: fault messages carry the faulting thread.
 pub const FEATURE_THREAD_ID: u64 = 1 << 8;
 /// `UFFD_FEATURE_WP_HUGETLBFS_SHMEM`: write-protect on shmem, kept across zaps.
@@ -28,6 +33,8 @@ pub const FEATURE_WP_SHMEM: u64 = 1 << 12;
 pub const MODE_MISSING: u64 = 1;
 /// Register mode: faults on writes to write-protected pages.
 pub const MODE_WP: u64 = 2;
+/// Register mode: minor faults (the page exists, its PTE does not).
+pub const MODE_MINOR: u64 = 4;
 
 /// A page-fault message: `UFFD_EVENT_PAGEFAULT`.
 const EVENT_PAGEFAULT: u8 = 0x12;
@@ -37,6 +44,8 @@ const EVENT_REMAP: u8 = 0x14;
 const PAGEFAULT_FLAG_WRITE: u64 = 1;
 /// Fault flag: a write to a write-protected page.
 const PAGEFAULT_FLAG_WP: u64 = 2;
+/// Fault flag: a minor fault.
+const PAGEFAULT_FLAG_MINOR: u64 = 4;
 
 #[repr(C)]
 struct UffdioApi {
@@ -52,6 +61,13 @@ struct UffdioCopy {
     len: u64,
     mode: u64,
     copy: i64,
+}
+
+#[repr(C)]
+struct UffdioContinue {
+    range: UffdioRange,
+    mode: u64,
+    mapped: i64,
 }
 
 #[repr(C)]
@@ -100,6 +116,8 @@ pub enum Event {
         write: bool,
         /// The page was write-protected.
         wp: bool,
+        /// A minor fault: the page is in the memfd, only its PTE is missing.
+        minor: bool,
     },
     /// A registered range moved (mremap); reading this lets the mover continue.
     Remap,
@@ -199,16 +217,17 @@ impl Uffd {
         )
     }
 
-    /// Fills the missing page(s) at `[dst, dst+src.len())` with `src` and wakes the
-    /// waiting threads (`UFFDIO_COPY`). A page filled meanwhile (`EEXIST`) only wakes.
+    /// Fills the missing page(s) at `[dst, dst+src.len())` with `src`, write-protected if
+    /// `wp`, and wakes the waiting threads (`UFFDIO_COPY`). A page filled meanwhile
+    /// (`EEXIST`) only wakes.
     ///
     /// Errors: `dst` is not a registered missing range; the host is out of memory.
-    pub fn copy(&self, dst: u64, src: &[u8]) -> io::Result<()> {
+    pub fn copy(&self, dst: u64, src: &[u8], wp: bool) -> io::Result<()> {
         let mut c = UffdioCopy {
             dst,
             src: src.as_ptr() as u64,
             len: src.len() as u64,
-            mode: 0,
+            mode: if wp { FILL_MODE_WP } else { 0 },
             copy: 0,
         };
         // SAFETY: UFFDIO_COPY reads `src` (valid for len bytes) and writes `c.copy`.
@@ -230,6 +249,22 @@ impl Uffd {
         // SAFETY: UFFDIO_ZEROPAGE reads the range and writes `z.zeropage`.
         let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_ZEROPAGE, &mut z) };
         self.filled(rc, "UFFDIO_ZEROPAGE", dst, len)
+    }
+
+    /// Maps the memfd's existing page(s) at `[dst, dst+len)` after a minor fault,
+    /// write-protected if `wp`, and wakes the waiting threads (`UFFDIO_CONTINUE`). Already
+    /// mapped (`EEXIST`) only wakes.
+    ///
+    /// Errors: `dst` is not a registered minor range.
+    pub fn cont(&self, dst: u64, len: u64, wp: bool) -> io::Result<()> {
+        let mut c = UffdioContinue {
+            range: UffdioRange { start: dst, len },
+            mode: if wp { FILL_MODE_WP } else { 0 },
+            mapped: 0,
+        };
+        // SAFETY: UFFDIO_CONTINUE reads the range and writes `c.mapped`.
+        let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_CONTINUE, &mut c) };
+        self.filled(rc, "UFFDIO_CONTINUE", dst, len)
     }
 
     fn filled(&self, rc: libc::c_int, what: &str, dst: u64, len: u64) -> io::Result<()> {
@@ -278,6 +313,7 @@ impl Uffd {
                 addr: m.arg[1],
                 write: m.arg[0] & PAGEFAULT_FLAG_WRITE != 0,
                 wp: m.arg[0] & PAGEFAULT_FLAG_WP != 0,
+                minor: m.arg[0] & PAGEFAULT_FLAG_MINOR != 0,
             },
             EVENT_REMAP => Event::Remap,
             other => Event::Other(other),

@@ -294,6 +294,11 @@ impl Guest {
             ));
             append.push_str(" root=/dev/vda");
         }
+        // Experiments (e.g. `init_on_alloc=0`, docs/live.md) add guest kernel arguments.
+        if let Ok(extra) = std::env::var("MEMFOLD_KERNEL_ARGS") {
+            append.push(' ');
+            append.push_str(&extra);
+        }
         cmd.arg("-append").arg(append);
         let stderr = File::create(&stderr_path).map_err(|source| VmError::Io {
             path: stderr_path.clone(),

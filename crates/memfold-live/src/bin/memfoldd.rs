@@ -26,6 +26,10 @@ struct Args {
     /// Longest time between full scans, ms (quiet scans back off up to this).
     #[arg(long, default_value_t = 8000)]
     max_scan_interval_ms: u64,
+    /// NRU clock: ms for the hand to pass over each guest once (DE §4.2 uses ≥ 4000);
+    /// 0 turns the clock and its R/M tracking faults off.
+    #[arg(long, default_value_t = 0)]
+    clock_interval_ms: u64,
 }
 
 fn main() {
@@ -39,6 +43,8 @@ fn main() {
         zero: a.zero,
         min_scan_interval: Duration::from_millis(a.min_scan_interval_ms),
         max_scan_interval: Duration::from_millis(a.max_scan_interval_ms.max(a.min_scan_interval_ms)),
+        clock_interval: (a.clock_interval_ms > 0)
+            .then(|| Duration::from_millis(a.clock_interval_ms)),
     };
     if let Err(e) = run(cfg) {
         eprintln!("memfoldd: error: {e}");

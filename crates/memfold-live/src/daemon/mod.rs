@@ -12,6 +12,7 @@
 //! (Satori §4.1 argues for not sharing them). The single main thread owns all state; one
 //! thread per connection only reads.
 
+pub mod clock;
 pub mod pool;
 pub mod stats;
 
@@ -32,6 +33,7 @@ use crate::protocol::{
     AgentReport, Conn, Listener, ToAgent, ToClient, ToDaemon, MAX_BATCH, PROTOCOL_VERSION,
     RECLAIMED_ZERO,
 };
+use clock::ClockHand;
 use pool::{Pool, PoolError};
 use stats::{OpLatencies, Stats, VmStats};
 
@@ -61,6 +63,9 @@ pub struct DaemonConfig {
     /// the pages read) the interval doubles up to this; a busy scan resets it to
     /// `min_scan_interval`.
     pub max_scan_interval: Duration,
+    /// Time for the NRU clock's hand to pass over each guest once (DE §4.2; at least 4 s
+    /// there); `None`: no clock, so no R/M tracking faults.
+    pub clock_interval: Option<Duration>,
 }
 
 /// What memfoldd does with guest pages that are all zero.
@@ -128,7 +133,9 @@ struct Vm {
     /// Zero-page reclaim requests not yet sent: gfns.
     zero_queue: Vec<u32>,
     /// The agent's latest latency histograms.
-    latency: [OpLatency; 4],
+    latency: [OpLatency; 5],
+    /// The NRU clock's hand over this guest.
+    clock: ClockHand,
 }
 
 /// An unanswered request to an agent.
@@ -291,6 +298,7 @@ impl Daemon {
                 self.scan(budget)?;
             }
             self.flush_all();
+            self.clock_tick();
             if last_reap.elapsed() > Duration::from_secs(1) {
                 last_reap = Instant::now();
                 self.reap_detached();
@@ -357,6 +365,13 @@ impl Daemon {
                 ToDaemon::CowBroken { breaks } => self.cow_broken(token, &breaks),
                 ToDaemon::Refilled { gfns } => self.refilled(token, &gfns),
                 ToDaemon::AgentStats(report) => self.agent_stats(token, report),
+                ToDaemon::ClockBits {
+                    first,
+                    count,
+                    referenced,
+                    modified,
+                    ..
+                } => self.clock_bits(token, first, count, &referenced, &modified),
                 _ => {}
             },
             Input::Gone { token } => self.gone(token),
@@ -461,6 +476,7 @@ impl Daemon {
                     queue: Vec::new(),
                     zero_queue: Vec::new(),
                     latency: Default::default(),
+                    clock: ClockHand::new(pages as usize),
                 }
             }
         };
@@ -615,6 +631,7 @@ impl Daemon {
         for &g in gfns {
             if vm.p2m.get(g as usize) == Some(&RECLAIMED) {
                 vm.p2m[g as usize] = PRIVATE;
+                vm.clock.fresh(g);
                 vm.stats.zero_reclaimed_pages -= 1;
                 vm.stats.refills += 1;
             }
@@ -627,9 +644,50 @@ impl Daemon {
         };
         vm.stats.wp_faults = r.wp_faults;
         vm.stats.missing_faults = r.missing_faults;
-        vm.latency = [&r.share_ns, &r.cow_break_ns, &r.fault_ns, &r.reclaim_ns]
-            .map(|p| OpLatency::from_pairs(p));
+        vm.stats.minor_faults = r.minor_faults;
+        vm.latency = [
+            &r.share_ns,
+            &r.cow_break_ns,
+            &r.fault_ns,
+            &r.reclaim_ns,
+            &r.track_ns,
+        ]
+        .map(|p| OpLatency::from_pairs(p));
         vm.stats.latency = OpLatencies::from_histograms(&vm.latency);
+    }
+
+    /// Sends each attached guest's next clock slice when it is due.
+    fn clock_tick(&mut self) {
+        let Some(interval) = self.cfg.clock_interval else {
+            return;
+        };
+        let now = Instant::now();
+        for vm in self.vms.values_mut() {
+            let Some(conn) = &vm.conn else { continue };
+            if let Some((first, count)) = vm.clock.due_slice(now, interval) {
+                self.next_batch += 1;
+                let msg = ToAgent::ClockScan {
+                    batch: self.next_batch,
+                    first,
+                    count,
+                };
+                // A lost connection is noticed by its reader thread.
+                let _ = conn.send(&msg, &[]);
+            }
+        }
+    }
+
+    fn clock_bits(&mut self, token: u64, first: u32, count: u32, r: &[u64], m: &[u64]) {
+        let Some(vm) = self.vms.get_mut(&token) else {
+            return;
+        };
+        let p2m = &vm.p2m;
+        let pending = &vm.pending;
+        vm.clock.apply(first, count, r, m, |g| {
+            p2m.get(g as usize) == Some(&PRIVATE) && !pending[g as usize]
+        });
+        vm.stats.nru_pages = vm.clock.last_pass;
+        vm.stats.clock_passes = vm.clock.passes;
     }
 
     fn cow_broken(&mut self, token: u64, breaks: &[(u32, u32)]) {
@@ -642,6 +700,7 @@ impl Daemon {
                 continue;
             }
             vm.p2m[g as usize] = PRIVATE;
+            vm.clock.fresh(g);
             vm.stats.shared_pages -= 1;
             vm.stats.cow_breaks += 1;
             if self.zero_frame == Some(f) {
@@ -868,7 +927,7 @@ impl Daemon {
         let mapped: u64 = vms.iter().map(|v| v.shared_pages).sum();
         let reclaimed: u64 = vms.iter().map(|v| v.zero_reclaimed_pages).sum();
         let frames = self.pool.as_ref().map_or(0, |p| p.in_use()) as u64;
-        let mut all: [OpLatency; 4] = Default::default();
+        let mut all: [OpLatency; 5] = Default::default();
         for v in self.vms.values() {
             for (a, h) in all.iter_mut().zip(&v.latency) {
                 a.merge(h);

@@ -16,16 +16,19 @@ pub struct OpLatencies {
     pub fault: LatencySummary,
     /// Zero-page reclaim, per page.
     pub reclaim: LatencySummary,
+    /// Minor-fault service of the clock's R/M tracking.
+    pub track: LatencySummary,
 }
 
 impl OpLatencies {
-    /// Summaries of [share, CoW break, fault, reclaim] histograms.
-    pub fn from_histograms(h: &[OpLatency; 4]) -> OpLatencies {
+    /// Summaries of [share, CoW break, fault, reclaim, track] histograms.
+    pub fn from_histograms(h: &[OpLatency; 5]) -> OpLatencies {
         OpLatencies {
             share: h[0].summary(),
             cow_break: h[1].summary(),
             fault: h[2].summary(),
             reclaim: h[3].summary(),
+            track: h[4].summary(),
         }
     }
 }
@@ -60,6 +63,12 @@ pub struct VmStats {
     pub wp_faults: u64,
     /// Missing-page faults the agent served (first touches and refills; cumulative).
     pub missing_faults: u64,
+    /// Minor faults the agent served for the clock's R/M tracking (cumulative).
+    pub minor_faults: u64,
+    /// Private pages per NRU class C1, C2, C3, C4 in the clock's last full pass (DE §4.2).
+    pub nru_pages: [u64; 4],
+    /// Full clock passes over this guest.
+    pub clock_passes: u64,
     /// The agent's operation latencies.
     pub latency: OpLatencies,
     /// Share requests whose page had changed before the agent protected it.
@@ -138,7 +147,7 @@ impl Stats {
             self.table_entries as f64,
         );
         type Field = fn(&VmStats) -> u64;
-        let per_vm: [(&str, &str, Field); 12] = [
+        let per_vm: [(&str, &str, Field); 17] = [
             ("vm_pages", "Guest RAM, pages.", |v| v.pages),
             (
                 "vm_shared_pages",
@@ -179,6 +188,23 @@ impl Stats {
                 "Missing-page faults served.",
                 |v| v.missing_faults,
             ),
+            (
+                "vm_minor_faults_total",
+                "Minor faults served (clock tracking).",
+                |v| v.minor_faults,
+            ),
+            ("vm_nru_c1_pages", "Private pages in C1 (last pass).", |v| {
+                v.nru_pages[0]
+            }),
+            ("vm_nru_c2_pages", "Private pages in C2 (last pass).", |v| {
+                v.nru_pages[1]
+            }),
+            ("vm_nru_c3_pages", "Private pages in C3 (last pass).", |v| {
+                v.nru_pages[2]
+            }),
+            ("vm_nru_c4_pages", "Private pages in C4 (last pass).", |v| {
+                v.nru_pages[3]
+            }),
         ];
         for (name, help, f) in per_vm {
             out.push_str(&format!(
@@ -193,6 +219,7 @@ impl Stats {
             ("cow_break", self.latency.cow_break),
             ("fault", self.latency.fault),
             ("reclaim", self.latency.reclaim),
+            ("track", self.latency.track),
         ];
         out.push_str("# HELP memfold_op_latency_us Live operation latency, µs.\n# TYPE memfold_op_latency_us summary\n");
         for (op, l) in ops {
