@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::Args;
 use memfold_mem::ksm::{Ksm, KsmMode, KsmStats};
-use memfold_vm::hostmem::guest_ram_usage;
+use memfold_vm::hostmem::{guest_ram_usage, total_used};
 use memfold_vm::launcher::{Guest, RamBackend};
 use serde::Serialize;
 
@@ -62,14 +62,14 @@ pub struct KsmRun {
 
 /// Host memory used by the guests' RAM now: (used, rss), bytes.
 pub fn used(guests: &[Guest]) -> Result<(u64, u64)> {
-    let mut u = (0, 0);
-    for g in guests {
-        let r = guest_ram_usage(g.pid, g.mem_bytes / 2)
-            .with_context(|| format!("guest {}: QEMU gone?", g.name))?;
-        u.0 += r.used();
-        u.1 += r.rss;
-    }
-    Ok(u)
+    let usages = guests
+        .iter()
+        .map(|g| {
+            guest_ram_usage(g.pid, g.mem_bytes / 2)
+                .with_context(|| format!("guest {}: QEMU gone?", g.name))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((total_used(&usages), usages.iter().map(|u| u.rss).sum()))
 }
 
 /// The plateau of a run sampled as (seconds, host memory used): the mean saving

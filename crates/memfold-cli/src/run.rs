@@ -252,9 +252,8 @@ fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
     );
     for v in &s.stats.vms {
         let before = prev.and_then(|p| p.stats.vms.iter().find(|w| w.name == v.name));
-        let rate = |f: fn(&VmStats) -> u64| {
-            before.map_or(0.0, |b| f(v).saturating_sub(f(b)) as f64 / dt)
-        };
+        let rate =
+            |f: fn(&VmStats) -> u64| before.map_or(0.0, |b| f(v).saturating_sub(f(b)) as f64 / dt);
         let nru = if v.clock_passes > 0 {
             let n = v.nru_pages;
             format!("  C1-C4 {} {} {} {}", n[0], n[1], n[2], n[3])
@@ -348,7 +347,10 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
 /// Prints the agents' operation latencies (the live DE Table 2 analog).
 pub fn print_latencies(s: &Stats) {
     println!("live operation latencies over all guests (timed by the agents):");
-    println!("  {:<28} {:>10} {:>9} {:>9} {:>9}", "operation", "count", "p50 µs", "p99 µs", "max µs");
+    println!(
+        "  {:<28} {:>10} {:>9} {:>9} {:>9}",
+        "operation", "count", "p50 µs", "p99 µs", "max µs"
+    );
     let l = &s.latency;
     for (name, x) in [
         ("share (per page)", l.share),

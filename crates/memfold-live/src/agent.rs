@@ -645,8 +645,9 @@ impl Agent {
             self.uffd.write_protect(addr, len, true)?;
             // SAFETY: drops only the PTEs of guest RAM the agent manages; the memfd keeps
             // the pages, and the next access is a minor fault the agent serves.
-            if unsafe { libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_DONTNEED) }
-                != 0
+            if unsafe {
+                libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_DONTNEED)
+            } != 0
             {
                 return Err(io::Error::other(format!(
                     "arming the clock at {addr:#x}: madvise: {}",

@@ -1,31 +1,77 @@
 //! How much host memory a guest's RAM uses: one definition for memfold and KSM.
 //!
-//! **Host memory used by guest RAM** = the proportional set size (Pss) of the QEMU
-//! mappings that hold guest RAM, plus what of them is swapped out, summed over guests.
-//! Pss splits a page shared by n mappings into n parts, so a KSM-merged page or a memfold
-//! pool page counts once in the sum over guests; pages never touched, holes punched in a
-//! memfd and pages mapped to the host zero page (KSM's `use_zero_pages`, zero-filled pieces
-//! of split huge pages) count nothing. The same figure therefore measures KSM (anonymous
-//! RAM) and memfold (memfd RAM with pool pages mapped over it) identically.
+//! **Host memory used by guest RAM**, summed over guests, is what the kernel holds for it:
+//! - anonymous guest RAM (KSM runs): the proportional set size (Pss) of the RAM mapping
+//!   plus what of it is swapped out. Pss splits a page shared by n mappings into n parts,
+//!   so a KSM-merged page counts once over all guests; pages never touched and pages
+//!   mapped to the host zero page (KSM's `use_zero_pages`, zero-filled pieces of split
+//!   huge pages) count nothing.
+//! - memfd guest RAM (memfold runs): the bytes allocated to every memfd QEMU maps (the
+//!   guest's RAM file and memfold's pool file), resident or swapped, each file counted
+//!   once over all guests (every guest maps the one pool). For a file, allocated bytes —
+//!   not Pss — are the memory used: a page in the file whose PTE is gone (the NRU clock
+//!   zaps PTEs; CoW copies are written with pwrite) still uses memory, and a hole punched
+//!   in it uses none.
+//!
+//! A page used by guest RAM is thus counted exactly once either way, and unused pages
+//! never, so KSM and memfold are measured alike.
 
 use serde::Serialize;
 
 /// One guest's RAM mappings as the kernel reports them, bytes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct RamUsage {
-    /// Resident bytes mapped (shared pages counted in full).
+    /// Resident bytes mapped (shared pages counted in full), all RAM mappings.
     pub rss: u64,
-    /// Proportional set size: shared pages split among their mappers.
+    /// Proportional set size: shared pages split among their mappers, all RAM mappings.
     pub pss: u64,
-    /// Bytes swapped out.
+    /// Bytes swapped out, all RAM mappings.
     pub swap: u64,
+    /// Pss + swap of the anonymous RAM mappings.
+    pub anon_used: u64,
+    /// The memfd files mapped: (inode, bytes allocated to the file).
+    pub memfd_files: Vec<(u64, u64)>,
 }
 
 impl RamUsage {
-    /// Host memory used by this guest's RAM per the module's definition, bytes.
+    /// Host memory used by this guest's RAM alone per the module's definition, bytes.
     pub fn used(&self) -> u64 {
-        self.pss + self.swap
+        total_used(std::slice::from_ref(self))
     }
+}
+
+/// Host memory used by the RAM of several guests, bytes: each memfd file (the shared
+/// pool) counted once.
+pub fn total_used(guests: &[RamUsage]) -> u64 {
+    let mut files = std::collections::BTreeMap::new();
+    for g in guests {
+        files.extend(g.memfd_files.iter().copied());
+    }
+    guests.iter().map(|g| g.anon_used).sum::<u64>() + files.values().sum::<u64>()
+}
+
+/// Bytes allocated to each memfd of process `pid` whose inode is in `inodes`.
+fn memfd_allocations(
+    pid: u32,
+    inodes: &std::collections::BTreeSet<u64>,
+) -> std::io::Result<Vec<(u64, u64)>> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))?.flatten() {
+        let is_memfd = std::fs::read_link(entry.path())
+            .is_ok_and(|t| t.to_string_lossy().starts_with("/memfd:"));
+        if !is_memfd {
+            continue;
+        }
+        // Follows the link to the file itself.
+        let Ok(meta) = std::fs::metadata(entry.path()) else {
+            continue;
+        };
+        if inodes.contains(&meta.ino()) && !out.iter().any(|&(i, _)| i == meta.ino()) {
+            out.push((meta.ino(), meta.blocks() * 512));
+        }
+    }
+    Ok(out)
 }
 
 /// Sums Rss, Pss and Swap over QEMU process `pid`'s guest-RAM mappings: memfd mappings
@@ -43,6 +89,8 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
     }
     let mut total = RamUsage::default();
     let mut counting = false;
+    let mut anonymous = false;
+    let mut inodes = std::collections::BTreeSet::new();
     for line in smaps.lines() {
         let mut parts = line.split_whitespace();
         let first = parts.next().unwrap_or("");
@@ -56,12 +104,16 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
                 .unwrap_or(0)
                 .saturating_sub(u64::from_str_radix(s, 16).unwrap_or(0));
             let perms = parts.next().unwrap_or("");
-            let path: Vec<&str> = parts.skip(3).collect();
+            let inode: u64 = parts.nth(2).and_then(|i| i.parse().ok()).unwrap_or(0);
+            let path: Vec<&str> = parts.collect();
             let path = path.join(" ");
+            anonymous = false;
             counting = if path.contains("memfd:") {
+                inodes.insert(inode);
                 true
             } else {
-                path.is_empty() && perms.starts_with("rw") && size >= min_bytes
+                anonymous = path.is_empty() && perms.starts_with("rw") && size >= min_bytes;
+                anonymous
             };
             continue;
         }
@@ -77,11 +129,21 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
         };
         match first {
             "Rss:" => total.rss += kb(),
-            "Pss:" => total.pss += kb(),
-            "Swap:" => total.swap += kb(),
+            "Pss:" | "Swap:" => {
+                let v = kb();
+                if first == "Pss:" {
+                    total.pss += v;
+                } else {
+                    total.swap += v;
+                }
+                if anonymous {
+                    total.anon_used += v;
+                }
+            }
             _ => {}
         }
     }
+    total.memfd_files = memfd_allocations(pid, &inodes)?;
     Ok(total)
 }
 
@@ -96,6 +158,55 @@ mod tests {
         let u = guest_ram_usage(std::process::id(), len as u64).unwrap();
         assert!(u.rss >= len as u64 / 2, "{u:?}");
         assert!(u.pss >= len as u64 / 2 && u.pss <= u.rss, "{u:?}");
+        assert!(u.used() >= len as u64 / 2, "{u:?}");
         drop(v);
+    }
+
+    #[test]
+    fn a_memfd_counts_its_allocated_pages_once_mapped_or_not() {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        // SAFETY: creates a new fd.
+        let fd = unsafe { libc::memfd_create(c"hostmem-test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: fresh fd we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let file = std::fs::File::from(fd);
+        let len = 8 << 20;
+        file.set_len(len).unwrap();
+        // Map it twice (like guest RAM plus a second view) and write 1 MiB by pwrite only.
+        let map = |_| {
+            // SAFETY: a new shared mapping of our memfd.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len as usize,
+                    libc::PROT_READ,
+                    libc::MAP_SHARED,
+                    file.as_raw_fd(),
+                    0,
+                )
+            };
+            assert_ne!(p, libc::MAP_FAILED);
+            p
+        };
+        let maps: Vec<_> = (0..2).map(map).collect();
+        use std::os::unix::fs::FileExt;
+        file.write_all_at(&vec![7u8; 1 << 20], 0).unwrap();
+        let u = guest_ram_usage(std::process::id(), u64::MAX).unwrap();
+        let ino = {
+            use std::os::unix::fs::MetadataExt;
+            file.metadata().unwrap().ino()
+        };
+        let bytes = u.memfd_files.iter().find(|f| f.0 == ino).map(|f| f.1);
+        assert_eq!(bytes, Some(1 << 20), "{u:?}");
+        assert_eq!(
+            total_used(&[u.clone(), u.clone()]),
+            u.used(),
+            "a file counts once"
+        );
+        for p in maps {
+            // SAFETY: unmaps the mappings made above.
+            unsafe { libc::munmap(p, len as usize) };
+        }
     }
 }

@@ -42,7 +42,9 @@ fn main() {
         rate: a.rate,
         zero: a.zero,
         min_scan_interval: Duration::from_millis(a.min_scan_interval_ms),
-        max_scan_interval: Duration::from_millis(a.max_scan_interval_ms.max(a.min_scan_interval_ms)),
+        max_scan_interval: Duration::from_millis(
+            a.max_scan_interval_ms.max(a.min_scan_interval_ms),
+        ),
         clock_interval: (a.clock_interval_ms > 0)
             .then(|| Duration::from_millis(a.clock_interval_ms)),
     };

@@ -52,7 +52,11 @@ impl ClockHand {
         self.due = (self.due + period).max(now);
         let first = self.next;
         let count = CLOCK_SLICE.min(pages - first);
-        self.next = if first + count >= pages { 0 } else { first + count };
+        self.next = if first + count >= pages {
+            0
+        } else {
+            first + count
+        };
         Some((first, count))
     }
 
@@ -67,7 +71,10 @@ impl ClockHand {
         modified: &[u64],
         private: impl Fn(u32) -> bool,
     ) {
-        let bit = |v: &[u64], k: u32| v.get(k as usize / 64).is_some_and(|w| w >> (k % 64) & 1 == 1);
+        let bit = |v: &[u64], k: u32| {
+            v.get(k as usize / 64)
+                .is_some_and(|w| w >> (k % 64) & 1 == 1)
+        };
         let end = (first + count).min(self.clocks.len() as u32);
         for g in first..end {
             if !private(g) {
@@ -105,8 +112,8 @@ mod tests {
         m[0] = 1; // gfn 0 written every pass
         let mut r = m.clone();
         r[0] |= 2; // gfn 1 read every pass
-        // New pages start recently modified; idle ones then age C3, C4 (gfn 99 is not
-        // private and not counted).
+                   // New pages start recently modified; idle ones then age C3, C4 (gfn 99 is not
+                   // private and not counted).
         let expect = [[99, 0, 0, 0], [1, 1, 97, 0], [1, 1, 0, 97], [1, 1, 0, 97]];
         for (pass, want) in expect.iter().enumerate() {
             h.apply(0, pages, &r, &m, |g| g != 99);
@@ -129,8 +136,22 @@ mod tests {
             }
             t += Duration::from_millis(100);
         }
-        assert_eq!(seen, vec![(0, CLOCK_SLICE), (CLOCK_SLICE, CLOCK_SLICE), (2 * CLOCK_SLICE, 5)]);
-        assert!(t - t0 >= Duration::from_secs(2), "slices spread over the interval");
-        assert_eq!(h.due_slice(t + iv, iv).map(|s| s.0), Some(0), "wraps around");
+        assert_eq!(
+            seen,
+            vec![
+                (0, CLOCK_SLICE),
+                (CLOCK_SLICE, CLOCK_SLICE),
+                (2 * CLOCK_SLICE, 5)
+            ]
+        );
+        assert!(
+            t - t0 >= Duration::from_secs(2),
+            "slices spread over the interval"
+        );
+        assert_eq!(
+            h.due_slice(t + iv, iv).map(|s| s.0),
+            Some(0),
+            "wraps around"
+        );
     }
 }

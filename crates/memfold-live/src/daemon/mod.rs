@@ -69,7 +69,9 @@ pub struct DaemonConfig {
 }
 
 /// What memfoldd does with guest pages that are all zero.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum ZeroPolicy {
     /// Punch them out of guest RAM; the agent fills a zero page on the next access (no
