@@ -60,6 +60,9 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "ksm_used_before_bytes": k.used_before,
         "memfold_saved_bytes": m.saved_bytes,
         "ksm_saved_bytes": k.saved_bytes,
+        // Where each side ends: anonymous THP-backed RAM (KSM) starts higher than memfd RAM.
+        "memfold_used_after_bytes": m.used_before as f64 - m.saved_bytes,
+        "ksm_used_after_bytes": k.used_before as f64 - k.saved_bytes,
         "memfold_books_saved_bytes": m.books_saved_bytes,
         "ksm_pages_sharing_bytes": k.ksm_sharing_bytes,
         "memfold_t95_s": m.t95_s,
@@ -76,11 +79,13 @@ pub fn run(a: &CompareArgs) -> Result<()> {
     } else {
         let mib = 1048576.0;
         println!(
-            "memfold: saved {:.1} MiB (95% after {} s, {:.1} CPU s)\nKSM:     saved {:.1} MiB (95% after {} s, {:.1} CPU s)\nratio memfold/KSM: {:.2}",
+            "memfold: saved {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s)\nKSM:     saved {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s)\nratio memfold/KSM: {:.2}",
             m.saved_bytes / mib,
+            m.used_before as f64 / mib,
             m.t95_s.map_or("-".into(), |t| format!("{t:.0}")),
             m.cpu_s,
             k.saved_bytes / mib,
+            k.used_before as f64 / mib,
             k.t95_s.map_or("-".into(), |t| format!("{t:.0}")),
             ksm_cpu_s,
             m.saved_bytes / k.saved_bytes.max(1.0)

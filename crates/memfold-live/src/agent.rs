@@ -469,10 +469,7 @@ impl Agent {
         let reply = match msg {
             ToAgent::Share { batch, pages } => {
                 let (shared, changed, refused) = self.share(pages)?;
-                if !shared.is_empty() {
-                    let n = shared.len() as u32;
-                    self.share_lat.record(started.elapsed() / n, n as u64);
-                }
+                self.share_lat.record_batch(started.elapsed(), shared.len());
                 ToDaemon::ShareDone {
                     batch,
                     shared,
@@ -482,10 +479,8 @@ impl Agent {
             }
             ToAgent::ReclaimZero { batch, gfns } => {
                 let (reclaimed, changed, refused) = self.reclaim_zero(gfns)?;
-                if !reclaimed.is_empty() {
-                    let n = reclaimed.len() as u32;
-                    self.reclaim_lat.record(started.elapsed() / n, n as u64);
-                }
+                self.reclaim_lat
+                    .record_batch(started.elapsed(), reclaimed.len());
                 ToDaemon::ReclaimDone {
                     batch,
                     reclaimed,

@@ -47,6 +47,14 @@ impl OpLatency {
         let _ = self.hist.record_n(ns, n);
     }
 
+    /// Records `n` operations done together in `total` (each: `total / n`); none if `n`
+    /// is 0.
+    pub fn record_batch(&mut self, total: Duration, n: usize) {
+        if n > 0 {
+            self.record(total / n as u32, n as u64);
+        }
+    }
+
     /// The histogram as (ns, count) pairs, for the wire.
     pub fn to_pairs(&self) -> Vec<(u64, u64)> {
         self.hist

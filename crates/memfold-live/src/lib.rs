@@ -34,7 +34,7 @@ pub fn query_stats(socket: &Path) -> std::io::Result<daemon::stats::Stats> {
     )?;
     c.send(&ToDaemon::Stats, &[])?;
     match c.recv::<ToClient>()? {
-        Some((ToClient::Stats(s), _)) => Ok(s),
+        Some((ToClient::Stats(s), _)) => Ok(*s),
         Some((ToClient::Error { message }, _)) => {
             Err(std::io::Error::other(format!("memfoldd: {message}")))
         }

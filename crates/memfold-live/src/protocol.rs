@@ -172,7 +172,7 @@ pub enum ToAgent {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ToClient {
     /// The daemon's statistics.
-    Stats(crate::daemon::stats::Stats),
+    Stats(Box<crate::daemon::stats::Stats>),
     /// The request was refused.
     Error {
         /// Why.

@@ -379,7 +379,7 @@ impl Daemon {
             Input::Gone { token } => self.gone(token),
             Input::Client { conn, msg } => {
                 let reply = match msg {
-                    ToDaemon::Stats => ToClient::Stats(self.stats()),
+                    ToDaemon::Stats => ToClient::Stats(Box::new(self.stats())),
                     other => ToClient::Error {
                         message: format!("unexpected request {other:?}"),
                     },
