@@ -366,7 +366,16 @@ impl Agent {
                 self.handle_or_retry(ev);
             }
             if fds.len() > 1 && fds[1].revents != 0 {
-                self.command()?;
+                if let Err(e) = self.command() {
+                    // The agent must keep serving faults whatever failed: drop the
+                    // connection, the re-attach lists what is shared or reclaimed now.
+                    eprintln!("memfold-agent: request failed: {e}; re-attaching");
+                    self.conn = None;
+                }
+            }
+            // Faults read while a request was carried out (also after a failed one).
+            for ev in std::mem::take(&mut self.deferred) {
+                self.handle_or_retry(ev);
             }
             self.report();
         }
@@ -504,8 +513,7 @@ impl Agent {
             }
             ToAgent::Welcome { .. } => return Ok(()),
         };
-        let deferred = std::mem::take(&mut self.deferred);
-        for ev in deferred {
+        for ev in std::mem::take(&mut self.deferred) {
             self.handle_or_retry(ev);
         }
         if let Some(c) = &self.conn {

@@ -576,6 +576,10 @@ impl Daemon {
     }
 
     fn share_done(&mut self, batch: u64, shared: &[u32], changed: usize, refused: usize) {
+        // Only a share batch: a reclaim batch of that number stays for reclaim_done.
+        if !matches!(self.batches.get(&batch), Some(Batch::Share(..))) {
+            return;
+        }
         let Some(Batch::Share(token, pages)) = self.batches.remove(&batch) else {
             return;
         };
@@ -606,6 +610,9 @@ impl Daemon {
     }
 
     fn reclaim_done(&mut self, batch: u64, reclaimed: &[u32], changed: usize, refused: usize) {
+        if !matches!(self.batches.get(&batch), Some(Batch::Reclaim(..))) {
+            return;
+        }
         let Some(Batch::Reclaim(token, gfns)) = self.batches.remove(&batch) else {
             return;
         };
