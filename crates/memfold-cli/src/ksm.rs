@@ -133,9 +133,7 @@ pub fn run_mode(ksm: &Ksm, guests: &mut [Guest], mode: KsmMode, secs: u64) -> Re
 /// Writes a run set's CSV and plot.
 pub fn write_outputs(out: &Path, runs: &[KsmRun]) -> Result<()> {
     let csv = out.join("ksm.csv");
-    let mut f = std::io::BufWriter::new(
-        std::fs::File::create(&csv).with_context(|| format!("cannot write {}", csv.display()))?,
-    );
+    let mut f = crate::create_output(&csv)?;
     writeln!(f, "mode,t_s,used_bytes,rss_bytes,saved_bytes,pages_shared,pages_sharing,ksm_zero_pages,general_profit,full_scans")?;
     for r in runs {
         for s in &r.samples {

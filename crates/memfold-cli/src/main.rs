@@ -105,3 +105,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 pub(crate) fn default_out(sub: &str) -> PathBuf {
     PathBuf::from("out").join(sub)
 }
+
+/// Creates `path` for a CSV (or other text) output, buffered.
+///
+/// Errors: the file cannot be created (the message names it).
+pub(crate) fn create_output(
+    path: &std::path::Path,
+) -> anyhow::Result<std::io::BufWriter<std::fs::File>> {
+    use anyhow::Context;
+    Ok(std::io::BufWriter::new(
+        std::fs::File::create(path).with_context(|| format!("cannot write {}", path.display()))?,
+    ))
+}

@@ -276,9 +276,7 @@ fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
 /// Writes `run.csv`, `run.json` and `run.png` for a run.
 pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
     let csv = out.join("run.csv");
-    let mut f = std::io::BufWriter::new(
-        std::fs::File::create(&csv).with_context(|| format!("cannot write {}", csv.display()))?,
-    );
+    let mut f = crate::create_output(&csv)?;
     writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,cow_breaks,wp_faults,missing_faults,refills,scanned_pages,used_bytes,saved_bytes,books_saved_bytes")?;
     for s in &r.samples {
         for v in &s.stats.vms {

@@ -483,9 +483,7 @@ fn print_over_time(results: &[RunResult], ev: &Events) {
 
 fn write_csv(path: &std::path::Path, results: &[RunResult]) -> Result<()> {
     use std::io::Write;
-    let mut f = std::io::BufWriter::new(
-        std::fs::File::create(path).with_context(|| format!("cannot write {}", path.display()))?,
-    );
+    let mut f = crate::create_output(path)?;
     writeln!(f, "page_type,mechanism,t_s,saved_fraction,zero_bytes,sharing_bytes,patching_bytes,compression_bytes,blob_fragmentation_bytes")?;
     for r in results {
         for s in &r.samples {
