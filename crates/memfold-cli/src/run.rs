@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
-use memfold_live::daemon::stats::{Stats, VmStats};
+use memfold_live::daemon::stats::{SavedBy, Stats, VmStats};
 use memfold_live::daemon::ZeroPolicy;
 use memfold_vm::launcher::{agent_env, RamBackend};
 use serde::Serialize;
@@ -38,9 +38,27 @@ pub struct RunArgs {
     #[arg(long, value_enum, default_value_t = ZeroPolicy::Reclaim)]
     pub zero: ZeroPolicy,
     /// NRU clock (DE §4.2): seconds for its hand to pass over each guest once (R/M
-    /// tracking by minor and write-protect faults); 0: off.
+    /// tracking by minor and write-protect faults); 0: off, unless the policy patches or
+    /// compresses (then 4 s, DE's rescan interval).
     #[arg(long, default_value_t = 0.0)]
     pub clock_secs: f64,
+    /// Which mechanisms may touch pages of each NRU class (DE §4.2): `sharing` (what
+    /// ESX and KSM do), `de` (the Difference Engine: sharing, patching, compression),
+    /// `aggressive` (every page as C4), or one mechanism alone.
+    #[arg(long, default_value = "sharing", value_parser = clap::builder::PossibleValuesParser::new(memfold_core::Policy::NAMES))]
+    pub policy: String,
+}
+
+impl RunArgs {
+    /// The clock interval memfoldd gets, s: as given, or 4 s for a policy that needs it.
+    pub fn clock_interval_s(&self) -> f64 {
+        let needs = !matches!(self.policy.as_str(), "sharing" | "share-only");
+        if self.clock_secs <= 0.0 && needs {
+            4.0
+        } else {
+            self.clock_secs
+        }
+    }
 }
 
 /// One second of a run.
@@ -151,8 +169,9 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         .args(["--zero", zero_arg(a.zero)])
         .args([
             "--clock-interval-ms",
-            &((a.clock_secs * 1000.0) as u64).to_string(),
-        ]);
+            &((a.clock_interval_s() * 1000.0) as u64).to_string(),
+        ])
+        .args(["--policy", &a.policy]);
     let log = std::fs::File::create(out.join("memfoldd.log"))?;
     cmd.stderr(log);
     let daemon = Daemon(
@@ -241,12 +260,18 @@ fn zero_arg(z: ZeroPolicy) -> &'static str {
 
 fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
     let dt = prev.map_or(1.0, |p| (s.t - p.t).max(0.001));
+    let by = &s.stats.saved_by;
+    let mib = |p: i64| p as f64 * 4096.0 / MIB;
     eprintln!(
-        "t={:>5.0}s  host {:>7.1} MiB  saved {:>7.1} MiB (books {:>7.1})  frames {:>7}  scans {}",
+        "t={:>5.0}s  host {:>7.1} MiB  saved {:>7.1} MiB (books {:>7.1}: share {:.1}, zero {:.1}, patch {:.1}, compress {:.1})  frames {:>7}  scans {}",
         s.t,
         s.used_bytes as f64 / MIB,
         (used_before as f64 - s.used_bytes as f64) / MIB,
-        s.stats.saved_pages as f64 * 4096.0 / MIB,
+        mib(s.stats.saved_pages),
+        mib(by.sharing),
+        mib(by.zero),
+        mib(by.patching),
+        mib(by.compression),
         s.stats.frames,
         s.stats.full_scans
     );
@@ -260,8 +285,18 @@ fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
         } else {
             String::new()
         };
+        let de = if v.patches + v.compressions > 0 {
+            format!(
+                "  patched {} compressed {} decoded back {:.0}/s",
+                v.patched_pages,
+                v.compressed_pages,
+                rate(|v| v.unstashes)
+            )
+        } else {
+            String::new()
+        };
         eprintln!(
-            "    {:<14} {:>7} pages  shared {:>7}  zero {:>7}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s{nru}",
+            "    {:<14} {:>7} pages  shared {:>7}  zero {:>7}{de}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s{nru}",
             v.name,
             v.pages,
             v.shared_pages,
@@ -277,42 +312,62 @@ fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
 pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
     let csv = out.join("run.csv");
     let mut f = crate::create_output(&csv)?;
-    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,cow_breaks,wp_faults,missing_faults,refills,scanned_pages,used_bytes,saved_bytes,books_saved_bytes")?;
+    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes")?;
     for s in &r.samples {
         for v in &s.stats.vms {
             writeln!(
                 f,
-                "{:.1},{},{},{},{},{},{},{},{},{},{},,,",
+                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,",
                 s.t,
                 v.name,
                 v.pages,
                 v.shared_pages,
                 v.zero_shared_pages,
                 v.zero_reclaimed_pages,
+                v.patched_pages,
+                v.compressed_pages,
                 v.cow_breaks,
                 v.wp_faults,
                 v.missing_faults,
                 v.refills,
+                v.unstashes,
                 v.scanned_pages
             )?;
         }
+        let by = &s.stats.saved_by;
         writeln!(
             f,
-            "{:.1},all,,{},,{},,,,,,{},{},{}",
+            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{}",
             s.t,
             s.stats.mapped_pages,
             s.stats.zero_reclaimed_pages,
+            s.stats.patched_pages,
+            s.stats.compressed_pages,
             s.used_bytes,
             r.used_before as i64 - s.used_bytes as i64,
-            s.stats.saved_pages * 4096
+            s.stats.saved_pages * 4096,
+            by.sharing * 4096,
+            by.zero * 4096,
+            by.patching * 4096,
+            by.compression * 4096
         )?;
     }
     drop(f);
     let json = out.join("run.json");
     std::fs::write(&json, serde_json::to_vec_pretty(r)?)
         .with_context(|| format!("cannot write {}", json.display()))?;
-    let panels = vec![Panel {
-        title: "memfold: host memory saved on guest RAM (sharing)".into(),
+    let policy = r
+        .samples
+        .last()
+        .map_or("sharing".to_string(), |s| s.stats.policy.clone());
+    let by = |f: fn(&SavedBy) -> i64| -> Vec<(f64, f64)> {
+        r.samples
+            .iter()
+            .map(|s| (s.t, f(&s.stats.saved_by) as f64 * 4096.0 / MIB))
+            .collect()
+    };
+    let mut panels = vec![Panel {
+        title: format!("memfold ({policy}): host memory saved on guest RAM"),
         series: vec![
             Series {
                 name: "measured (Pss before − now)".into(),
@@ -333,6 +388,29 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
         ],
         markers: vec![],
     }];
+    // DE Fig 9-11: the saving by mechanism over time.
+    panels.push(Panel {
+        title: "memfoldd books by mechanism".into(),
+        series: vec![
+            Series {
+                name: "sharing".into(),
+                points: by(|b| b.sharing),
+            },
+            Series {
+                name: "zero pages".into(),
+                points: by(|b| b.zero),
+            },
+            Series {
+                name: "patching".into(),
+                points: by(|b| b.patching),
+            },
+            Series {
+                name: "compression".into(),
+                points: by(|b| b.compression),
+            },
+        ],
+        markers: vec![],
+    });
     plot::panels(
         &out.join("run.png"),
         "memfold run",
@@ -356,6 +434,10 @@ pub fn print_latencies(s: &Stats) {
         ("missing fault (zero fill)", l.fault),
         ("zero reclaim (per page)", l.reclaim),
         ("clock minor fault (R/M)", l.track),
+        ("stash (per page, agent)", l.stash),
+        ("decode back (missing fault)", l.unstash),
+        ("patch encode (memfoldd)", l.patch_encode),
+        ("compress (memfoldd)", l.compress),
     ] {
         println!(
             "  {:<28} {:>10} {:>9.1} {:>9.1} {:>9.1}",
@@ -385,6 +467,9 @@ pub fn run(a: &RunArgs) -> Result<()> {
         "t95_s": r.t95_s,
         "cpu_s": r.cpu_s,
         "latency_us": r.samples.last().map(|s| s.stats.latency),
+        "policy": a.policy,
+        "saved_by_pages": r.samples.last().map(|s| s.stats.saved_by),
+        "lifetime": r.samples.last().map(|s| s.stats.lifetime.clone()),
     });
     if a.set.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -398,6 +483,25 @@ pub fn run(a: &RunArgs) -> Result<()> {
             r.cpu_s
         );
         if let Some(s) = r.samples.last() {
+            let by = &s.stats.saved_by;
+            let mib = |p: i64| p as f64 * 4096.0 / MIB;
+            println!(
+                "by mechanism at the end (books, MiB): sharing {:.1}, zero pages {:.1}, patching {:.1}, compression {:.1}, store waste {:.1}",
+                mib(by.sharing),
+                mib(by.zero),
+                mib(by.patching),
+                mib(by.compression),
+                mib(by.store_waste)
+            );
+            let l = &s.stats.lifetime;
+            if l.restored + l.stashed_now > 0 {
+                println!(
+                    "patched/compressed pages: {} decoded back, {} still stored; {:.0}% lived ≥ 10 s",
+                    l.restored,
+                    l.stashed_now,
+                    l.lived_10s * 100.0
+                );
+            }
             print_latencies(&s.stats);
         }
         println!(

@@ -1,10 +1,10 @@
 //! Sub-page storage for patches and compressed pages (Difference Engine §4.1).
 
-use memfold_codecs::{CompressCodec, PatchCodec};
+use memfold_codecs::{CodecError, CompressCodec, PatchCodec};
 use serde::Serialize;
 
 use crate::frames::{FrameStore, BLOB_CHUNK, CLASS_SHIFT};
-use crate::types::{BlobId, Frame, P2mEntry, PAGE_SIZE};
+use crate::types::{BlobId, Frame, P2mEntry, Page, PAGE_SIZE};
 
 /// Slots per frame of each size class; a class's slot size is `4096 / slots` rounded down
 /// to 8 bytes. Consecutive classes differ by at most ~33%, which bounds internal waste.
@@ -39,6 +39,68 @@ pub struct BlobMeta {
 
 const NO_REF: u32 = u32::MAX;
 
+/// Number of slot size classes.
+pub const CLASSES: usize = SLOTS_PER_FRAME.len();
+
+/// Slots per frame of size class `class` (0..[`CLASSES`]).
+pub fn class_slots(class: usize) -> u32 {
+    SLOTS_PER_FRAME[class] as u32
+}
+
+/// Slot size of class `class`, bytes.
+pub fn class_size(class: usize) -> usize {
+    (PAGE_SIZE / SLOTS_PER_FRAME[class] as usize) & !7
+}
+
+/// The smallest class whose slots hold `bytes` (1..=[`PAGE_SIZE`]).
+pub fn class_fitting(bytes: usize) -> usize {
+    (0..CLASSES)
+        .find(|&c| class_size(c) >= bytes.max(1))
+        .expect("a class fits any blob up to a page")
+}
+
+impl BlobKind {
+    /// The kind as one byte (0..16 compression codecs, 16.. patch codecs), for blob
+    /// headers and the live protocol.
+    pub fn to_byte(self) -> u8 {
+        encode_kind(self)
+    }
+
+    /// The kind a byte of [`BlobKind::to_byte`] names; `None` for an unknown byte.
+    pub fn from_byte(b: u8) -> Option<BlobKind> {
+        let known = if b >= 16 {
+            ((b - 16) as usize) < PatchCodec::ALL.len()
+        } else {
+            (b as usize) < CompressCodec::ALL.len()
+        };
+        known.then(|| decode_kind(b))
+    }
+
+    /// Decodes a blob of this kind into `out`; a patch needs its reference page.
+    ///
+    /// Errors: [`CodecError::Corrupt`] if the blob does not decode to a whole page, or a
+    /// patch comes without a reference.
+    pub fn decode(
+        self,
+        blob: &[u8],
+        reference: Option<&Page>,
+        out: &mut Page,
+    ) -> Result<(), CodecError> {
+        match self {
+            BlobKind::Patch(codec) => codec.decode(
+                reference.ok_or_else(|| CodecError::Corrupt {
+                    codec: codec.name(),
+                    len: blob.len(),
+                    what: "a patch without its reference page".into(),
+                })?,
+                blob,
+                out,
+            ),
+            BlobKind::Compressed(codec) => codec.decompress(blob, out),
+        }
+    }
+}
+
 fn encode_kind(k: BlobKind) -> u8 {
     match k {
         BlobKind::Compressed(c) => CompressCodec::ALL
@@ -60,10 +122,6 @@ fn decode_kind(k: u8) -> BlobKind {
     } else {
         BlobKind::Compressed(CompressCodec::ALL[k as usize])
     }
-}
-
-fn class_size(class: usize) -> usize {
-    (PAGE_SIZE / SLOTS_PER_FRAME[class] as usize) & !7
 }
 
 /// One frame of blob slots, all of one class (kept in the frame's flag byte, so that a
@@ -148,9 +206,7 @@ impl BlobStore {
     }
 
     fn class_for(len: usize) -> usize {
-        (0..SLOTS_PER_FRAME.len())
-            .find(|&c| class_size(c) >= len.max(1) + BLOB_HEADER)
-            .expect("a class fits any blob")
+        class_fitting(len + BLOB_HEADER)
     }
 
     /// The blob's chunk, class and byte offset in the chunk frame.

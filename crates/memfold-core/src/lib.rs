@@ -29,6 +29,7 @@ pub mod error;
 pub mod frames;
 pub mod share;
 pub mod similarity;
+pub mod slab;
 pub mod swap;
 pub mod types;
 

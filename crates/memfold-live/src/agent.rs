@@ -27,6 +27,13 @@
 //! Guest RAM is registered for missing faults too, so first touches of never-used RAM
 //! also pass through the agent (served with a zero page, as the kernel would).
 //!
+//! **Stashed pages** (Difference Engine §3.2 patches, §3.3 compressed pages, §4.1): memfoldd
+//! writes a cold page's patch or compressed form into the store memfd and asks the agent
+//! to stash the page: under write-protection the agent decodes the blob and compares it
+//! with the page's bytes, and only if equal punches the page out of the guest memfd. The
+//! next access faults as missing; the agent decodes the page again (a patch against its
+//! pool frame, which no guest can write) and installs it with `UFFDIO_COPY`.
+//!
 //! **R and M bits for the NRU clock** (DE §4.2): memfoldd asks for a slice of guest RAM
 //! at a time; the agent reports which pages were referenced and modified since the slice
 //! was last armed, and arms it again: private pages are write-protected (a write faults:
@@ -36,8 +43,11 @@
 //!
 //! Crash safety: the agent, not memfoldd, serves every fault, from the pool memfd it holds
 //! itself, so a guest keeps running correctly if memfoldd dies; the agent reconnects and
-//! re-attaches (listing its shared pages) when memfoldd comes back.
+//! re-attaches (listing its shared pages) when memfoldd comes back. Stashed pages are
+//! decoded from the store memfd the agent holds; before re-attaching, the agent writes
+//! them all back into guest RAM, so a new memfoldd starts with a new, empty store.
 
+use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
@@ -47,15 +57,20 @@ use std::time::{Duration, Instant};
 use crate::io_util::{pread_exact, pwrite_all};
 use crate::latency::OpLatency;
 use crate::protocol::{
-    AgentReport, Conn, ToAgent, ToDaemon, CLOCK_SLICE, PROTOCOL_VERSION, RECLAIMED_ZERO,
+    AgentReport, Conn, StashPage, ToAgent, ToDaemon, CLOCK_SLICE, NO_REFERENCE, PROTOCOL_VERSION,
+    RECLAIMED_ZERO,
 };
 use crate::uffd::{self, Event, Uffd};
+use memfold_core::blobstore::BlobKind;
+use memfold_core::Page;
 
 const PAGE: u64 = 4096;
 /// No frame: the page is private.
 const PRIVATE: u32 = u32::MAX;
 /// The page is a reclaimed zero page (a hole in the guest memfd).
 const RECLAIMED: u32 = RECLAIMED_ZERO;
+/// The page is stashed: a hole in the guest memfd, its blob in the store memfd.
+const STASHED: u32 = u32::MAX - 2;
 /// Guest RAM (and pages given back to it) is registered for all three fault kinds.
 const RAM_MODE: u64 = uffd::MODE_MISSING | uffd::MODE_WP | uffd::MODE_MINOR;
 /// How often the agent reports its counters and latencies.
@@ -236,8 +251,14 @@ pub struct Agent {
     memfd: OwnedFd,
     uffd: Uffd,
     pool: Option<OwnedFd>,
-    /// Per gfn: the pool frame it is mapped onto, [`PRIVATE`] or [`RECLAIMED`].
+    /// The store memfd holding the blobs of stashed pages.
+    store: Option<OwnedFd>,
+    /// Per gfn: the pool frame it is mapped onto, [`PRIVATE`], [`RECLAIMED`] or [`STASHED`].
     frame_of: Vec<u32>,
+    /// Where each stashed page's blob is.
+    stashed: HashMap<u32, StashPage>,
+    /// Stashed pages decoded back, not yet reported.
+    unstashed: Vec<u32>,
     conn: Option<Conn>,
     /// CoW breaks not yet reported to memfoldd.
     breaks: Vec<(u32, u32)>,
@@ -255,6 +276,8 @@ pub struct Agent {
     cow_lat: OpLatency,
     fault_lat: OpLatency,
     reclaim_lat: OpLatency,
+    stash_lat: OpLatency,
+    unstash_lat: OpLatency,
     last_report: Instant,
     /// Faults read while a share was in progress, handled after it.
     deferred: Vec<Event>,
@@ -302,7 +325,10 @@ pub fn run(cfg: AgentConfig) -> io::Result<()> {
         memfd,
         uffd,
         pool: None,
+        store: None,
         frame_of: vec![PRIVATE; pages],
+        stashed: HashMap::new(),
+        unstashed: Vec::new(),
         conn: None,
         breaks: Vec::new(),
         refills: Vec::new(),
@@ -317,6 +343,8 @@ pub fn run(cfg: AgentConfig) -> io::Result<()> {
         cow_lat: OpLatency::default(),
         fault_lat: OpLatency::default(),
         reclaim_lat: OpLatency::default(),
+        stash_lat: OpLatency::default(),
+        unstash_lat: OpLatency::default(),
         last_report: Instant::now(),
         deferred: Vec::new(),
         remapper: Remapper::new()?,
@@ -386,6 +414,11 @@ impl Agent {
         let Ok(conn) = Conn::connect(&self.cfg.socket) else {
             return;
         };
+        // The store belongs to the memfoldd that is gone: bring its pages home first.
+        if let Err(e) = self.unstash_all() {
+            eprintln!("memfold-agent: restoring stashed pages: {e}; attach postponed");
+            return;
+        }
         let shared: Vec<(u32, u32)> = self
             .frame_of
             .iter()
@@ -417,6 +450,7 @@ impl Agent {
             {
                 // A restarted memfoldd that adopted our pool hands the same pool back.
                 self.pool = Some(got.remove(0));
+                self.store = (!got.is_empty()).then(|| got.remove(0));
                 self.conn = Some(conn);
                 // Breaks and refills done while detached are reflected in the list.
                 self.breaks.clear();
@@ -444,6 +478,11 @@ impl Agent {
                 gfns: std::mem::take(&mut self.refills),
             });
         }
+        if !self.unstashed.is_empty() {
+            msgs.push(ToDaemon::Unstashed {
+                gfns: std::mem::take(&mut self.unstashed),
+            });
+        }
         if self.last_report.elapsed() >= REPORT_EVERY {
             self.last_report = Instant::now();
             msgs.push(ToDaemon::AgentStats(AgentReport {
@@ -455,6 +494,8 @@ impl Agent {
                 cow_break_ns: self.cow_lat.to_pairs(),
                 fault_ns: self.fault_lat.to_pairs(),
                 reclaim_ns: self.reclaim_lat.to_pairs(),
+                stash_ns: self.stash_lat.to_pairs(),
+                unstash_ns: self.unstash_lat.to_pairs(),
             }));
         }
         for m in msgs {
@@ -493,6 +534,17 @@ impl Agent {
                 ToDaemon::ReclaimDone {
                     batch,
                     reclaimed,
+                    changed,
+                    refused,
+                }
+            }
+            ToAgent::Stash { batch, pages } => {
+                let (stashed, changed, refused) = self.stash(pages)?;
+                self.stash_lat
+                    .record_batch(started.elapsed(), stashed.len());
+                ToDaemon::StashDone {
+                    batch,
+                    stashed,
                     changed,
                     refused,
                 }
@@ -568,9 +620,10 @@ impl Agent {
         if wp {
             self.wp_faults += 1;
             return match frame {
-                // Armed by the clock, or protected for a share or reclaim attempt that has
-                // ended: let it write (a reclaimed page then faults as missing).
-                PRIVATE | RECLAIMED => {
+                // Armed by the clock, or protected for a share, reclaim or stash attempt
+                // that has ended: let it write (a reclaimed or stashed page then faults
+                // as missing).
+                PRIVATE | RECLAIMED | STASHED => {
                     self.mark(gfn, true);
                     self.uffd.write_protect(page, PAGE, false)
                 }
@@ -583,6 +636,11 @@ impl Agent {
         }
         self.missing_faults += 1;
         match frame {
+            STASHED => {
+                self.unstash(gfn, write)?;
+                self.unstash_lat.record(started.elapsed(), 1);
+                Ok(())
+            }
             PRIVATE | RECLAIMED => {
                 // A hole reads as zeros: a first touch, or a reclaimed zero page. A read
                 // gets it write-protected, so that a later write still sets M.
@@ -856,6 +914,119 @@ impl Agent {
             i = j;
         }
         Ok((reclaimed, changed, refused))
+    }
+
+    /// Decodes a stashed page's blob (and, for a patch, its pool reference frame) into
+    /// `out`.
+    ///
+    /// Errors: no store or pool, a read failed, or the blob does not decode (a corrupt
+    /// store: the page is then never installed).
+    fn decode_stashed(&self, s: &StashPage, out: &mut Page) -> io::Result<()> {
+        let store = self
+            .store
+            .as_ref()
+            .ok_or_else(|| io::Error::other("stashed page without a store"))?;
+        let kind = BlobKind::from_byte(s.kind).ok_or_else(|| {
+            io::Error::other(format!("gfn {}: unknown blob kind {}", s.gfn, s.kind))
+        })?;
+        let mut blob = vec![0u8; s.len as usize];
+        pread_exact(store.as_raw_fd(), &mut blob, s.offset)?;
+        let mut reference = [0u8; PAGE as usize];
+        let has_ref = s.reference != NO_REFERENCE;
+        if has_ref {
+            let pool = self
+                .pool
+                .as_ref()
+                .ok_or_else(|| io::Error::other("patch without a pool"))?;
+            pread_exact(pool.as_raw_fd(), &mut reference, s.reference as u64 * PAGE)?;
+        }
+        kind.decode(&blob, has_ref.then_some(&reference), out)
+            .map_err(|e| io::Error::other(format!("gfn {}: stored blob: {e}", s.gfn)))
+    }
+
+    /// Carries out a stash request; returns (stashed, changed, refused) gfns.
+    #[allow(clippy::type_complexity)]
+    fn stash(&mut self, mut pages: Vec<StashPage>) -> io::Result<(Vec<u32>, Vec<u32>, Vec<u32>)> {
+        let (mut stashed, mut changed, mut refused) = (Vec::new(), Vec::new(), Vec::new());
+        let npages = self.frame_of.len() as u32;
+        pages.sort_unstable_by_key(|p| p.gfn);
+        pages.dedup_by_key(|p| p.gfn);
+        let mut decoded = vec![0u8; PAGE as usize];
+        let mut now = vec![0u8; PAGE as usize];
+        for p in pages {
+            let g = p.gfn;
+            if g >= npages || self.frame_of[g as usize] != PRIVATE || self.store.is_none() {
+                refused.push(g);
+                continue;
+            }
+            let out: &mut Page = (&mut decoded[..]).try_into().expect("page");
+            if let Err(e) = self.decode_stashed(&p, out) {
+                eprintln!("memfold-agent: stash refused: {e}");
+                refused.push(g);
+                continue;
+            }
+            let addr = self.page_addr(g);
+            // Writers wait from here until the unprotect below.
+            self.uffd.write_protect(addr, PAGE, true)?;
+            pread_exact(self.memfd.as_raw_fd(), &mut now, g as u64 * PAGE)?;
+            if now != decoded {
+                changed.push(g);
+            } else {
+                // SAFETY: frees the guest memfd's page; writers wait, and the blob decodes
+                // to exactly its bytes, which the next access gets back.
+                let rc = unsafe {
+                    libc::fallocate(
+                        self.memfd.as_raw_fd(),
+                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                        (g as u64 * PAGE) as libc::off_t,
+                        PAGE as libc::off_t,
+                    )
+                };
+                if rc == 0 {
+                    self.frame_of[g as usize] = STASHED;
+                    self.stashed.insert(g, p);
+                    stashed.push(g);
+                } else {
+                    refused.push(g);
+                }
+            }
+            self.uffd.write_protect(addr, PAGE, false)?;
+        }
+        Ok((stashed, changed, refused))
+    }
+
+    /// A missing fault on a stashed page: decode it and install it (write-protected for a
+    /// read, so that a later write still sets M). On error the page stays stashed.
+    fn unstash(&mut self, gfn: u32, write: bool) -> io::Result<()> {
+        let s = self.stashed[&gfn];
+        let mut page = [0u8; PAGE as usize];
+        self.decode_stashed(&s, &mut page)?;
+        self.uffd.copy(self.page_addr(gfn), &page, !write)?;
+        self.stashed.remove(&gfn);
+        self.frame_of[gfn as usize] = PRIVATE;
+        self.mark(gfn, write);
+        self.unstashed.push(gfn);
+        Ok(())
+    }
+
+    /// Writes every stashed page back into the guest memfd (before re-attaching to a new
+    /// memfoldd, which has a store of its own). A guest thread faulting on one meanwhile
+    /// finds the page present when its fault is handled.
+    fn unstash_all(&mut self) -> io::Result<()> {
+        let mut page = [0u8; PAGE as usize];
+        let gfns: Vec<u32> = self.stashed.keys().copied().collect();
+        for g in gfns {
+            let s = self.stashed[&g];
+            self.decode_stashed(&s, &mut page)?;
+            pwrite_all(self.memfd.as_raw_fd(), &page, g as u64 * PAGE)?;
+            self.stashed.remove(&g);
+            self.frame_of[g as usize] = PRIVATE;
+        }
+        if self.stashed.is_empty() {
+            self.store = None;
+        }
+        self.unstashed.clear();
+        Ok(())
     }
 
     /// Maps pool bytes `[pool_off, pool_off+len)` write-protected over guest address `dst`.

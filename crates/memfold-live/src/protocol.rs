@@ -13,7 +13,7 @@ use std::path::Path;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 /// Protocol version; a peer with another version is refused with a clear message.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
 pub const MAX_MESSAGE: usize = 256 * 1024;
@@ -27,6 +27,25 @@ pub const RECLAIMED_ZERO: u32 = u32::MAX - 1;
 
 /// Most pages in one clock slice ([`ToAgent::ClockScan`]).
 pub const CLOCK_SLICE: u32 = 16384;
+
+/// In [`StashPage::reference`]: the blob is not a patch.
+pub const NO_REFERENCE: u32 = u32::MAX;
+
+/// A page to keep as a blob in the store memfd instead of in guest RAM (Difference
+/// Engine §3.2 patch or §3.3 compressed page).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct StashPage {
+    /// Guest frame.
+    pub gfn: u32,
+    /// Encoding: `memfold_core::blobstore::BlobKind::to_byte`.
+    pub kind: u8,
+    /// Pool frame a patch is made against ([`NO_REFERENCE`] for a compressed page).
+    pub reference: u32,
+    /// Byte offset of the blob in the store memfd.
+    pub offset: u64,
+    /// Blob length, bytes.
+    pub len: u32,
+}
 
 /// What the agent measured since it started: fault counts and operation latencies as
 /// (ns, count) histogram pairs ([`crate::latency::OpLatency::to_pairs`]).
@@ -49,6 +68,10 @@ pub struct AgentReport {
     pub reclaim_ns: Vec<(u64, u64)>,
     /// Minor-fault service (the clock's R/M tracking), from reading the fault to waking.
     pub track_ns: Vec<(u64, u64)>,
+    /// Stash (check a blob still decodes to the page, punch the page), per page.
+    pub stash_ns: Vec<(u64, u64)>,
+    /// Missing fault on a stashed page: read and decode the blob, install the page.
+    pub unstash_ns: Vec<(u64, u64)>,
 }
 
 /// Messages to memfoldd.
@@ -98,6 +121,22 @@ pub enum ToDaemon {
         /// Gfns not reclaimed for another reason (shared or reclaimed already).
         refused: Vec<u32>,
     },
+    /// Result of a [`ToAgent::Stash`] request.
+    StashDone {
+        /// The request's batch number.
+        batch: u64,
+        /// Gfns now holes in the guest memfd, their content in the store.
+        stashed: Vec<u32>,
+        /// Gfns whose content no longer decodes from the blob (left as they are).
+        changed: Vec<u32>,
+        /// Gfns not stashed for another reason (not private, unreadable blob).
+        refused: Vec<u32>,
+    },
+    /// Stashed pages the guest accessed again: the agent decoded them back (private).
+    Unstashed {
+        /// Gfns.
+        gfns: Vec<u32>,
+    },
     /// Reclaimed pages the guest accessed again: the agent filled them (private again).
     Refilled {
         /// Gfns.
@@ -132,7 +171,8 @@ pub enum ToDaemon {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ToAgent {
-    /// The guest is attached; carries the pool memfd.
+    /// The guest is attached; carries the pool memfd and the store memfd (blobs of
+    /// stashed pages).
     Welcome {
         /// Protocol version.
         version: u32,
@@ -153,6 +193,16 @@ pub enum ToAgent {
         batch: u64,
         /// Gfns.
         gfns: Vec<u32>,
+    },
+    /// Keep these guest pages as blobs already written to the store memfd, if each blob
+    /// still decodes to the page's bytes: punch the pages out of the guest memfd; the
+    /// next access faults (missing) and the agent decodes the page back. At most
+    /// [`MAX_BATCH`].
+    Stash {
+        /// Batch number, echoed in the reply.
+        batch: u64,
+        /// The pages and their blobs.
+        pages: Vec<StashPage>,
     },
     /// Report the R and M bits of gfns `[first, first+count)` since they were last armed,
     /// and arm them again: write-protect private pages (a write faults: M) and zap their

@@ -5,7 +5,10 @@
 //! pool. Guest `b` runs with a VMA budget of 1: the agent refuses every share (a share
 //! adds mappings) but still reclaims zero pages (which add none). Bounded: tiny guests
 //! boot in seconds under TCG. The NRU clock runs throughout (R/M tracking by minor and
-//! write-protect faults), so every self-check also covers its faults.
+//! write-protect faults) with the Difference Engine policy, so every self-check also
+//! covers the clock's faults and pages decoded back from patches and compressed blobs;
+//! the kill -9 comes while pages are stashed, and the agents write them all back from
+//! the store they hold before re-attaching to the new memfoldd.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -18,7 +21,7 @@ use memfold_vm::launcher::{agent_env, Accel, Guest, GuestSpec, RamBackend};
 fn memfoldd(socket: &Path) -> Child {
     Command::new(env!("CARGO_BIN_EXE_memfoldd"))
         .args(["--rate", "0", "--min-scan-interval-ms", "500"])
-        .args(["--clock-interval-ms", "2000", "--socket"])
+        .args(["--clock-interval-ms", "2000", "--policy", "de", "--socket"])
         .arg(socket)
         .spawn()
         .expect("memfoldd starts")
@@ -102,7 +105,9 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
                     && v.minor_faults > 0
                     && v.nru_pages[0] > 0
                     && v.nru_pages[2] + v.nru_pages[3] > 0
-            });
+                    && v.compressions > 0
+            })
+            && s.compressed_pages > 0;
         if ok {
             break s;
         }

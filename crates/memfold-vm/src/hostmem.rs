@@ -7,8 +7,9 @@
 //!   mapped to the host zero page (KSM's `use_zero_pages`, zero-filled pieces of split
 //!   huge pages) count nothing.
 //! - memfd guest RAM (memfold runs): the bytes allocated to every memfd QEMU maps (the
-//!   guest's RAM file and memfold's pool file), resident or swapped, each file counted
-//!   once over all guests (every guest maps the one pool). For a file, allocated bytes —
+//!   guest's RAM file and memfold's pool file) or holds (memfold's store of patched and
+//!   compressed pages, which the agent reads but does not map), resident or swapped,
+//!   each file counted once over all guests (every guest maps the one pool). For a file, allocated bytes —
 //!   not Pss — are the memory used: a page in the file whose PTE is gone (the NRU clock
 //!   zaps PTEs; CoW copies are written with pwrite) still uses memory, and a hole punched
 //!   in it uses none.
@@ -50,7 +51,11 @@ pub fn total_used(guests: &[RamUsage]) -> u64 {
     guests.iter().map(|g| g.anon_used).sum::<u64>() + files.values().sum::<u64>()
 }
 
-/// Bytes allocated to each memfd of process `pid` whose inode is in `inodes`.
+/// How memfold's store memfd shows in `/proc/<pid>/fd`.
+const STORE_MEMFD: &str = "/memfd:memfold-store";
+
+/// Bytes allocated to each memfd of process `pid` whose inode is in `inodes`, and to
+/// memfold's store memfd if the process holds it.
 fn memfd_allocations(
     pid: u32,
     inodes: &std::collections::BTreeSet<u64>,
@@ -58,16 +63,19 @@ fn memfd_allocations(
     use std::os::unix::fs::MetadataExt;
     let mut out = Vec::new();
     for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))?.flatten() {
-        let is_memfd = std::fs::read_link(entry.path())
-            .is_ok_and(|t| t.to_string_lossy().starts_with("/memfd:"));
-        if !is_memfd {
+        let Ok(target) = std::fs::read_link(entry.path()) else {
+            continue;
+        };
+        let target = target.to_string_lossy();
+        if !target.starts_with("/memfd:") {
             continue;
         }
+        let store = target.starts_with(STORE_MEMFD);
         // Follows the link to the file itself.
         let Ok(meta) = std::fs::metadata(entry.path()) else {
             continue;
         };
-        if inodes.contains(&meta.ino()) && !out.iter().any(|&(i, _)| i == meta.ino()) {
+        if (store || inodes.contains(&meta.ino())) && !out.iter().any(|&(i, _)| i == meta.ino()) {
             out.push((meta.ino(), meta.blocks() * 512));
         }
     }

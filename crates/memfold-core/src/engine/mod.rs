@@ -16,7 +16,7 @@ use memfold_codecs::{CompressCodec, PatchCodec};
 use serde::Serialize;
 
 use crate::accounting::Counters;
-use crate::blobstore::{BlobKind, BlobStore};
+use crate::blobstore::BlobStore;
 use crate::clock::{PageClock, Policy};
 use crate::error::{EngineError, Result};
 use crate::frames::{FrameStore, IN_SHARE_TABLE};
@@ -422,16 +422,10 @@ impl Engine {
             PageState::Patched(b) | PageState::Compressed(b) => {
                 let meta = self.blobs.meta(&self.frames, b);
                 let bytes = self.blobs.bytes(&self.frames, b);
-                let r = match meta.kind {
-                    BlobKind::Patch(codec) => codec.decode(
-                        self.frames
-                            .data(meta.reference.expect("patch has a reference")),
-                        bytes,
-                        out,
-                    ),
-                    BlobKind::Compressed(codec) => codec.decompress(bytes, out),
-                };
-                r.map_err(|source| EngineError::Corrupt { vm, gfn, source })?;
+                let reference = meta.reference.map(|r| self.frames.data(r));
+                meta.kind
+                    .decode(bytes, reference, out)
+                    .map_err(|source| EngineError::Corrupt { vm, gfn, source })?;
             }
             PageState::Swapped(s) => self.swap.get(s, out).map_err(EngineError::SwapIo)?,
         }

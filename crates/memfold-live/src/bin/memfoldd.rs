@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
+use memfold_core::{CompressCodec, PatchCodec, Policy};
 use memfold_live::daemon::{run, DaemonConfig, ZeroPolicy};
 
 /// memfoldd: shares identical pages of running QEMU guests (see `memfold run`).
@@ -30,6 +31,23 @@ struct Args {
     /// 0 turns the clock and its R/M tracking faults off.
     #[arg(long, default_value_t = 0)]
     clock_interval_ms: u64,
+    /// Which mechanisms may touch pages of each NRU class (DE §4.2): `sharing` (ESX/KSM),
+    /// `de` (the Difference Engine: sharing, patching, compression), `aggressive`, or one
+    /// mechanism alone. Patching and compression need the clock (--clock-interval-ms).
+    #[arg(long, default_value = "sharing", value_parser = clap::builder::PossibleValuesParser::new(Policy::NAMES))]
+    policy: String,
+    /// Patch encoding (DE §3.2).
+    #[arg(long, default_value = "run-diff")]
+    patch_codec: PatchCodec,
+    /// Largest patch kept, bytes.
+    #[arg(long, default_value_t = 2048)]
+    patch_cutoff: usize,
+    /// Page compressor (DE §3.3).
+    #[arg(long, default_value = "lz4")]
+    compress_codec: CompressCodec,
+    /// Largest compressed page kept, bytes.
+    #[arg(long, default_value_t = 2048)]
+    compress_cutoff: usize,
 }
 
 fn main() {
@@ -47,7 +65,16 @@ fn main() {
         ),
         clock_interval: (a.clock_interval_ms > 0)
             .then(|| Duration::from_millis(a.clock_interval_ms)),
+        policy: Policy::by_name(&a.policy).expect("clap checked the name"),
+        patch_codec: a.patch_codec,
+        patch_cutoff: a.patch_cutoff.min(4096),
+        compress_codec: a.compress_codec,
+        compress_cutoff: a.compress_cutoff.min(4096),
     };
+    if a.clock_interval_ms == 0 && a.policy != "sharing" && a.policy != "share-only" {
+        eprintln!("memfoldd: policy {} patches or compresses only pages the NRU clock finds cold: give --clock-interval-ms (e.g. 4000)", a.policy);
+        std::process::exit(2);
+    }
     if let Err(e) = run(cfg) {
         eprintln!("memfoldd: error: {e}");
         std::process::exit(1);

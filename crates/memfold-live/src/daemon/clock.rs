@@ -24,6 +24,11 @@ pub struct ClockHand {
     pub last_pass: [u64; 4],
     /// Full passes completed.
     pub passes: u64,
+    /// memfoldd's full-scan count when each of the last 8 passes started (pass q at
+    /// q % 8): tells whether a sharing cycle has seen a page since it went idle.
+    scan_marks: [u64; 8],
+    /// The pass the last applied slice belonged to.
+    applied_pass: u64,
 }
 
 impl ClockHand {
@@ -36,6 +41,8 @@ impl ClockHand {
             counting: [0; 4],
             last_pass: [0; 4],
             passes: 0,
+            scan_marks: [u64::MAX; 8],
+            applied_pass: 0,
         }
     }
 
@@ -62,13 +69,15 @@ impl ClockHand {
 
     /// Applies a slice's R and M bits (bit k of word k/64 for gfn `first + k`): each
     /// private page (`private(gfn)`) is observed and scanned; at the end of the guest's
-    /// RAM the pass's class counts become [`ClockHand::last_pass`].
+    /// RAM the pass's class counts become [`ClockHand::last_pass`]. `full_scans` is
+    /// memfoldd's count of full sharing scans started (see [`ClockHand::seen_by_sharing`]).
     pub fn apply(
         &mut self,
         first: u32,
         count: u32,
         referenced: &[u64],
         modified: &[u64],
+        full_scans: u64,
         private: impl Fn(u32) -> bool,
     ) {
         let bit = |v: &[u64], k: u32| {
@@ -76,6 +85,10 @@ impl ClockHand {
                 .is_some_and(|w| w >> (k % 64) & 1 == 1)
         };
         let end = (first + count).min(self.clocks.len() as u32);
+        if first == 0 {
+            self.scan_marks[(self.passes % 8) as usize] = full_scans;
+        }
+        self.applied_pass = self.passes;
         for g in first..end {
             if !private(g) {
                 continue;
@@ -89,6 +102,26 @@ impl ClockHand {
             self.last_pass = std::mem::take(&mut self.counting);
             self.passes += 1;
         }
+    }
+
+    /// Page `gfn`'s clock (R, M, idle scans).
+    pub fn page(&self, gfn: u32) -> PageClock {
+        self.clocks[gfn as usize]
+    }
+
+    /// Whether a complete sharing scan has seen page `gfn` since it was last modified
+    /// (DE §4.3: patch and compress only pages "not shared in a full cycle"), given the
+    /// full scans started so far. The page, idle for n scans, was last written before its
+    /// visit in pass p−n; a scan that started after pass p−n+1 began and has finished
+    /// (another one started since) read its present bytes.
+    pub fn seen_by_sharing(&self, gfn: u32, full_scans: u64) -> bool {
+        let n = self.clocks[gfn as usize].idle_scans() as u64;
+        let p = self.applied_pass;
+        if n == 0 || n > p + 1 {
+            return false;
+        }
+        let mark = self.scan_marks[((p + 1 - n) % 8) as usize];
+        mark != u64::MAX && full_scans >= mark + 2
     }
 
     /// A page that became private again (CoW break, refill) starts recently modified.
@@ -116,7 +149,11 @@ mod tests {
                    // private and not counted).
         let expect = [[99, 0, 0, 0], [1, 1, 97, 0], [1, 1, 0, 97], [1, 1, 0, 97]];
         for (pass, want) in expect.iter().enumerate() {
-            h.apply(0, pages, &r, &m, |g| g != 99);
+            h.apply(0, pages, &r, &m, pass as u64 * 2, |g| g != 99);
+            // Idle pages went idle in pass 1; the scan that started after pass 2 began
+            // has finished once a later one started.
+            assert_eq!(h.seen_by_sharing(5, pass as u64 * 2 + 2), pass >= 1);
+            assert!(!h.seen_by_sharing(0, u64::MAX - 2), "written every pass");
             assert_eq!(h.passes, pass as u64 + 1);
             assert_eq!(&h.last_pass, want, "pass {}", pass + 1);
         }

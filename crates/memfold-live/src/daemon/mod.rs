@@ -11,10 +11,17 @@
 //! zero page on the next access), or share one zero frame as in ESX, or are left alone
 //! (Satori §4.1 argues for not sharing them). The single main thread owns all state; one
 //! thread per connection only reads.
+//!
+//! With the NRU clock on and a Difference Engine policy, each classified clock slice also
+//! feeds the Difference Engine (§4.2, §4.3; see [`Daemon::difference_engine`]): its cold
+//! private pages are indexed by HashSimilarityDetector signatures as reference candidates,
+//! patched against a similar page or compressed, the blob written to the store memfd, and
+//! the agent asked to stash the page.
 
 pub mod clock;
 pub mod pool;
 pub mod stats;
+pub mod store;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;
@@ -23,28 +30,37 @@ use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use memfold_core::blobstore::BlobKind;
+use memfold_core::clock::Policy;
 use memfold_core::engine::xxh3_page_hash;
 use memfold_core::share::{ShareEntry, ShareTable};
-use memfold_core::{Frame, Page, PAGE_SIZE};
+use memfold_core::similarity::{SimilarityDetector, SimilarityIndex};
+use memfold_core::{CompressCodec, Frame, Page, PatchCodec, SimilarityConfig, PAGE_SIZE};
 
 use crate::io_util::pread_exact;
 use crate::latency::OpLatency;
 use crate::protocol::{
-    AgentReport, Conn, Listener, ToAgent, ToClient, ToDaemon, MAX_BATCH, PROTOCOL_VERSION,
-    RECLAIMED_ZERO,
+    AgentReport, Conn, Listener, StashPage, ToAgent, ToClient, ToDaemon, MAX_BATCH, NO_REFERENCE,
+    PROTOCOL_VERSION, RECLAIMED_ZERO,
 };
 use clock::ClockHand;
 use pool::{Pool, PoolError};
-use stats::{OpLatencies, Stats, VmStats};
+use stats::{LifetimeCdf, OpLatencies, SavedBy, Stats, VmStats, AGENT_OPS};
+use store::Store;
 
 const PAGE: u64 = PAGE_SIZE as u64;
 const PRIVATE: u32 = u32::MAX;
 const RECLAIMED: u32 = RECLAIMED_ZERO;
+/// The page is stashed (patched or compressed; its blob in the store).
+const STASHED: u32 = u32::MAX - 2;
 
 /// Whether a p2m entry names a pool frame.
 fn is_frame(f: u32) -> bool {
-    f != PRIVATE && f != RECLAIMED
+    f != PRIVATE && f != RECLAIMED && f != STASHED
 }
+
+/// In the similarity index, a pool frame (else a global gpn).
+const FRAME_ID: u32 = 1 << 31;
 /// Pages read per pread while scanning.
 const READ_PAGES: usize = 64;
 
@@ -66,6 +82,17 @@ pub struct DaemonConfig {
     /// Time for the NRU clock's hand to pass over each guest once (DE §4.2; at least 4 s
     /// there); `None`: no clock, so no R/M tracking faults.
     pub clock_interval: Option<Duration>,
+    /// Which mechanisms may touch pages of each NRU class (DE §4.2). Patching and
+    /// compression need the clock; without it only sharing runs.
+    pub policy: Policy,
+    /// Patch encoding (DE §3.2).
+    pub patch_codec: PatchCodec,
+    /// Largest patch kept, bytes (DE §3.2: 2048).
+    pub patch_cutoff: usize,
+    /// Page compressor (DE §3.3).
+    pub compress_codec: CompressCodec,
+    /// Largest compressed page kept, bytes (DE §3.3: 2048).
+    pub compress_cutoff: usize,
 }
 
 /// What memfoldd does with guest pages that are all zero.
@@ -135,15 +162,48 @@ struct Vm {
     /// Zero-page reclaim requests not yet sent: gfns.
     zero_queue: Vec<u32>,
     /// The agent's latest latency histograms.
-    latency: [OpLatency; 5],
+    latency: [OpLatency; AGENT_OPS],
     /// The NRU clock's hand over this guest.
     clock: ClockHand,
+    /// Stashed pages: where their blob is.
+    stash: HashMap<u32, Stashed>,
+    /// Stash requests not yet sent.
+    stash_queue: Vec<Stashed>,
+}
+
+/// A stashed page's blob (or one a stash request names).
+#[derive(Clone, Copy)]
+struct Stashed {
+    gfn: u32,
+    /// Store slot id.
+    slot: u32,
+    offset: u64,
+    len: u32,
+    /// Slot size, bytes.
+    size: u32,
+    kind: BlobKind,
+    /// Pool frame of a patch's reference page (holding a count), or [`NO_REFERENCE`].
+    reference: u32,
+    since: Instant,
+}
+
+impl Stashed {
+    fn page(&self) -> StashPage {
+        StashPage {
+            gfn: self.gfn,
+            kind: self.kind.to_byte(),
+            reference: self.reference,
+            offset: self.offset,
+            len: self.len,
+        }
+    }
 }
 
 /// An unanswered request to an agent.
 enum Batch {
     Share(u64, Vec<(u32, u32)>),
     Reclaim(u64, Vec<u32>),
+    Stash(u64, Vec<Stashed>),
 }
 
 /// The daemon's state, owned by its main thread.
@@ -167,6 +227,21 @@ pub struct Daemon {
     pass_requests: u64,
     zero_frame: Option<u32>,
     zero_hash: u64,
+    /// Blobs of stashed pages (created with the pool).
+    store: Option<Store>,
+    /// Reference-page candidates by similarity signature (DE §4.3): gpns, or pool frames
+    /// tagged [`FRAME_ID`]. Kept across share passes, cleared once per clock cycle.
+    similar: SimilarityIndex,
+    /// Per pool frame used as a patch reference: patches holding it.
+    patch_refs: HashMap<u32, u32>,
+    /// Stash slot bytes by kind: [patches, compressed pages].
+    stash_bytes: [u64; 2],
+    /// Time the Difference Engine took per page: [patch encode, compress], daemon side.
+    encode_lat: [OpLatency; 2],
+    /// How long stashed pages stayed stashed before the guest touched them, ms.
+    lifetimes: hdrhistogram::Histogram<u64>,
+    /// When the similarity index was last cleared.
+    similar_cleared: Instant,
 }
 
 /// Runs memfoldd until killed.
@@ -262,6 +337,16 @@ impl Daemon {
             pass_requests: 0,
             zero_frame: None,
             zero_hash: xxh3_page_hash(&zero),
+            store: None,
+            similar: SimilarityIndex::new(
+                SimilarityDetector::new(SimilarityConfig::default()).expect("default is valid"),
+            ),
+            patch_refs: HashMap::new(),
+            stash_bytes: [0; 2],
+            encode_lat: Default::default(),
+            lifetimes: hdrhistogram::Histogram::new_with_bounds(1, 86_400_000, 2)
+                .expect("valid bounds"),
+            similar_cleared: Instant::now(),
         }
     }
 
@@ -366,6 +451,13 @@ impl Daemon {
                 } => self.reclaim_done(batch, &reclaimed, changed.len(), refused.len()),
                 ToDaemon::CowBroken { breaks } => self.cow_broken(token, &breaks),
                 ToDaemon::Refilled { gfns } => self.refilled(token, &gfns),
+                ToDaemon::StashDone {
+                    batch,
+                    stashed,
+                    changed,
+                    refused,
+                } => self.stash_done(batch, &stashed, changed.len(), refused.len()),
+                ToDaemon::Unstashed { gfns } => self.unstashed(token, &gfns),
                 ToDaemon::AgentStats(report) => self.agent_stats(token, report),
                 ToDaemon::ClockBits {
                     first,
@@ -373,7 +465,7 @@ impl Daemon {
                     referenced,
                     modified,
                     ..
-                } => self.clock_bits(token, first, count, &referenced, &modified),
+                } => self.clock_bits(token, first, count, &referenced, &modified)?,
                 _ => {}
             },
             Input::Gone { token } => self.gone(token),
@@ -455,6 +547,15 @@ impl Daemon {
             Some(mut v) => {
                 v.conn = None;
                 v.stats.detached = false;
+                // The agent wrote its stashed pages back before attaching again.
+                for (_, rec) in std::mem::take(&mut v.stash) {
+                    if v.p2m[rec.gfn as usize] == STASHED {
+                        v.p2m[rec.gfn as usize] = PRIVATE;
+                    }
+                    self.release_stash(rec);
+                }
+                v.stats.patched_pages = 0;
+                v.stats.compressed_pages = 0;
                 v
             }
             None => {
@@ -479,10 +580,15 @@ impl Daemon {
                     zero_queue: Vec::new(),
                     latency: Default::default(),
                     clock: ClockHand::new(pages as usize),
+                    stash: HashMap::new(),
+                    stash_queue: Vec::new(),
                 }
             }
         };
         self.by_base.insert(vm.base_gpn, token);
+        if self.store.is_none() {
+            self.store = Some(Store::create()?);
+        }
         // Reconcile with what the agent says is mapped.
         let pool = self.pool.as_mut().expect("pool set above");
         let mut page = [0u8; PAGE_SIZE];
@@ -519,7 +625,8 @@ impl Daemon {
         let welcome = ToAgent::Welcome {
             version: PROTOCOL_VERSION,
         };
-        if conn.send(&welcome, &[pool.fd().as_raw_fd()]).is_ok() {
+        let store = self.store.as_ref().expect("created above").fd().as_raw_fd();
+        if conn.send(&welcome, &[pool.fd().as_raw_fd(), store]).is_ok() {
             vm.conn = Some(conn);
         }
         eprintln!(
@@ -540,10 +647,20 @@ impl Daemon {
         let lost: Vec<u64> = self
             .batches
             .iter()
-            .filter(|(_, b)| matches!(b, Batch::Share(t, _) | Batch::Reclaim(t, _) if *t == token))
+            .filter(|(_, b)| matches!(b, Batch::Share(t, _) | Batch::Reclaim(t, _) | Batch::Stash(t, _) if *t == token))
             .map(|(b, _)| *b)
             .collect();
         for b in lost {
+            if let Some(Batch::Stash(_, recs)) = self.batches.remove(&b) {
+                // The agent may have stashed them: their blobs stay until it re-attaches
+                // (having written them back) or its QEMU is gone.
+                let vm = self.vms.get_mut(&token).expect("checked");
+                for rec in recs {
+                    vm.pending[rec.gfn as usize] = false;
+                    vm.stash.insert(rec.gfn, rec);
+                }
+                continue;
+            }
             self.share_done(b, &[], 0, 0);
             self.reclaim_done(b, &[], 0, 0);
         }
@@ -559,8 +676,11 @@ impl Daemon {
             .map(|(t, _)| *t)
             .collect();
         for t in dead {
-            let vm = self.vms.remove(&t).expect("listed");
+            let mut vm = self.vms.remove(&t).expect("listed");
             self.by_base.remove(&vm.base_gpn);
+            for (_, rec) in std::mem::take(&mut vm.stash) {
+                self.release_stash(rec);
+            }
             if let Some(pool) = self.pool.as_mut() {
                 for &f in vm.p2m.iter().filter(|&&f| is_frame(f)) {
                     if pool.decref(f) {
@@ -660,6 +780,8 @@ impl Daemon {
             &r.fault_ns,
             &r.reclaim_ns,
             &r.track_ns,
+            &r.stash_ns,
+            &r.unstash_ns,
         ]
         .map(|p| OpLatency::from_pairs(p));
         vm.stats.latency = OpLatencies::from_histograms(&vm.latency);
@@ -686,17 +808,354 @@ impl Daemon {
         }
     }
 
-    fn clock_bits(&mut self, token: u64, first: u32, count: u32, r: &[u64], m: &[u64]) {
+    fn clock_bits(
+        &mut self,
+        token: u64,
+        first: u32,
+        count: u32,
+        r: &[u64],
+        m: &[u64],
+    ) -> Result<(), DaemonError> {
         let Some(vm) = self.vms.get_mut(&token) else {
-            return;
+            return Ok(());
         };
         let p2m = &vm.p2m;
         let pending = &vm.pending;
-        vm.clock.apply(first, count, r, m, |g| {
+        vm.clock.apply(first, count, r, m, self.full_scans, |g| {
             p2m.get(g as usize) == Some(&PRIVATE) && !pending[g as usize]
         });
         vm.stats.nru_pages = vm.clock.last_pass;
         vm.stats.clock_passes = vm.clock.passes;
+        self.difference_engine(token, first, count)
+    }
+
+    /// The Difference Engine over a classified clock slice (DE §4.2, §4.3): each private
+    /// page whose class lets a mechanism touch it is read once; a page a full sharing
+    /// cycle has seen is patched against the most similar reference candidate (if the
+    /// patch is under the cut-off) or else compressed (under the cut-off); pages allowed
+    /// as references are indexed by their HashSimilarityDetector signatures. Zero pages
+    /// are left to the zero policy, identical ones to the sharing scan.
+    fn difference_engine(&mut self, t: u64, first: u32, count: u32) -> Result<(), DaemonError> {
+        let policy = self.cfg.policy;
+        if !policy
+            .actions
+            .iter()
+            .any(|a| a.patch || a.compress || a.reference)
+        {
+            return Ok(());
+        }
+        self.refresh_similarity_index();
+        let Some(vm) = self.vms.get(&t) else {
+            return Ok(());
+        };
+        if vm.conn.is_none() {
+            return Ok(());
+        }
+        let end = (first + count).min(vm.p2m.len() as u32);
+        let todo: Vec<u32> = (first..end)
+            .filter(|&g| {
+                let a = policy.for_state(vm.clock.page(g).state());
+                vm.p2m[g as usize] == PRIVATE
+                    && !vm.pending[g as usize]
+                    && (a.reference || a.patch || a.compress)
+            })
+            .collect();
+        let fd = vm.memfd.as_raw_fd();
+        let mut buf = vec![0u8; READ_PAGES * PAGE_SIZE];
+        let mut i = 0;
+        while i < todo.len() {
+            let mut j = i + 1;
+            while j < todo.len() && todo[j] == todo[j - 1] + 1 && j - i < READ_PAGES {
+                j += 1;
+            }
+            let (g0, n) = (todo[i], j - i);
+            i = j;
+            if pread_exact(fd, &mut buf[..n * PAGE_SIZE], g0 as u64 * PAGE).is_err() {
+                continue;
+            }
+            for k in 0..n {
+                let page: &Page = buf[k * PAGE_SIZE..(k + 1) * PAGE_SIZE]
+                    .try_into()
+                    .expect("page");
+                self.de_page(t, g0 + k as u32, page)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Clears and resizes the similarity index once every four clock intervals (DE §4.3
+    /// clears it once per clock cycle: stale buckets would keep out new candidates).
+    fn refresh_similarity_index(&mut self) {
+        let every = self.cfg.clock_interval.unwrap_or(Duration::from_secs(4)) * 4;
+        let pages: u64 = self.vms.values().map(|v| v.stats.pages).sum();
+        if self.similar_cleared.elapsed() > every || self.similar.buckets() as u64 * 4 < pages {
+            self.similar.clear_for(pages);
+            self.similar_cleared = Instant::now();
+        }
+    }
+
+    /// One page of a clock slice through the Difference Engine.
+    fn de_page(&mut self, t: u64, g: u32, page: &Page) -> Result<(), DaemonError> {
+        if page.iter().all(|&b| b == 0) || !self.sharable(t, g) {
+            return Ok(());
+        }
+        let vm = &self.vms[&t];
+        let a = self.cfg.policy.for_state(vm.clock.page(g).state());
+        let seen = vm.clock.seen_by_sharing(g, self.full_scans);
+        let gpn = vm.base_gpn + g;
+        let sigs = self.similar.detector().signatures(page);
+        if a.patch && seen && self.try_patch(t, g, gpn, &sigs, page)? {
+            return Ok(());
+        }
+        if a.compress && seen && self.try_compress(t, g, page) {
+            return Ok(());
+        }
+        if a.reference {
+            self.similar.insert(&sigs, gpn);
+        }
+        Ok(())
+    }
+
+    /// Reads reference candidate `id` (a pool frame or a sharable guest page) into `out`.
+    fn candidate(&self, id: u32, out: &mut Page) -> bool {
+        if id & FRAME_ID != 0 {
+            let f = id & !FRAME_ID;
+            let pool = self.pool.as_ref().expect("attached guests imply a pool");
+            // Only a frame something holds is immutable.
+            return f < pool.size_frames() && pool.refcount(f) > 0 && pool.read(f, out).is_ok();
+        }
+        let Some((t2, g2)) = self.locate(id).filter(|&(t2, g2)| self.sharable(t2, g2)) else {
+            return false;
+        };
+        pread_exact(self.vms[&t2].memfd.as_raw_fd(), out, g2 as u64 * PAGE).is_ok()
+    }
+
+    /// Patches page `g` of guest `t` against its most similar reference candidate (DE
+    /// §3.2, §4.3): every candidate whose signatures still match gets a patch, the
+    /// smallest under the cut-off is kept. A guest page chosen as reference is copied into
+    /// a pool frame (which no guest can write, so the patch stays valid whatever the
+    /// guest does) and shared onto it. Returns whether a stash was queued.
+    ///
+    /// Errors: the pool failed (host out of memory).
+    fn try_patch(
+        &mut self,
+        t: u64,
+        g: u32,
+        gpn: u32,
+        sigs: &[u32; 8],
+        page: &Page,
+    ) -> Result<bool, DaemonError> {
+        let mut cands = Vec::new();
+        self.similar.candidates(sigs, &mut cands);
+        let codec = self.cfg.patch_codec;
+        let mut other = [0u8; PAGE_SIZE];
+        let mut blob = Vec::new();
+        let mut best: Option<(u32, Vec<u8>, Box<Page>)> = None;
+        for c in cands {
+            if c == gpn || !self.candidate(c, &mut other) {
+                continue;
+            }
+            if !self.similar.matches(sigs, &other) || other == *page {
+                continue; // a bucket neighbour or changed; identical is the share scan's
+            }
+            let started = Instant::now();
+            if codec.encode(&other, page, &mut blob).is_err() {
+                continue;
+            }
+            self.encode_lat[0].record(started.elapsed(), 1);
+            if !blob.is_empty()
+                && blob.len() <= self.cfg.patch_cutoff
+                && best.as_ref().is_none_or(|b| blob.len() < b.1.len())
+            {
+                best = Some((c, blob.clone(), Box::new(other)));
+            }
+        }
+        let Some((c, blob, reference)) = best else {
+            return Ok(false);
+        };
+        let Some(slot) = self.put_blob(&blob) else {
+            return Ok(false);
+        };
+        let f = if c & FRAME_ID != 0 {
+            c & !FRAME_ID
+        } else {
+            let (t2, g2) = self.locate(c).expect("candidate() located it");
+            let h = xxh3_page_hash(&reference);
+            let pool = self.pool.as_mut().expect("attached guests imply a pool");
+            let f = match pool.alloc(&reference[..], h) {
+                Ok(f) => f,
+                Err(e) => {
+                    self.store.as_mut().expect("put above").free(slot.id);
+                    return Err(e.into());
+                }
+            };
+            self.table.insert(h, ShareEntry::Shared(Frame(f)));
+            let ref_sigs = self.similar.detector().signatures(&reference);
+            self.similar.insert(&ref_sigs, FRAME_ID | f);
+            self.enqueue(t2, g2, f);
+            f
+        };
+        let pool = self.pool.as_mut().expect("attached guests imply a pool");
+        pool.incref(f);
+        *self.patch_refs.entry(f).or_default() += 1;
+        self.queue_stash(t, g, slot, blob.len(), BlobKind::Patch(codec), f);
+        Ok(true)
+    }
+
+    /// Compresses page `g` of guest `t` (DE §3.3) and queues its stash if the result is
+    /// under the cut-off. Returns whether it did.
+    fn try_compress(&mut self, t: u64, g: u32, page: &Page) -> bool {
+        let codec = self.cfg.compress_codec;
+        let mut blob = Vec::new();
+        let started = Instant::now();
+        if codec.compress(page, &mut blob).is_err() {
+            return false;
+        }
+        self.encode_lat[1].record(started.elapsed(), 1);
+        if blob.is_empty() || blob.len() > self.cfg.compress_cutoff {
+            return false;
+        }
+        let Some(slot) = self.put_blob(&blob) else {
+            return false;
+        };
+        self.queue_stash(
+            t,
+            g,
+            slot,
+            blob.len(),
+            BlobKind::Compressed(codec),
+            NO_REFERENCE,
+        );
+        true
+    }
+
+    /// Writes a blob into the store; `None` (logged) if the store cannot take it.
+    fn put_blob(&mut self, blob: &[u8]) -> Option<memfold_core::slab::Slot> {
+        let store = self.store.as_mut()?;
+        match store.put(blob) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("memfoldd: {e}; page left in guest RAM");
+                None
+            }
+        }
+    }
+
+    fn queue_stash(
+        &mut self,
+        t: u64,
+        g: u32,
+        slot: memfold_core::slab::Slot,
+        len: usize,
+        kind: BlobKind,
+        reference: u32,
+    ) {
+        self.stash_bytes[matches!(kind, BlobKind::Compressed(_)) as usize] += slot.size as u64;
+        self.pass_requests += 1;
+        let vm = self.vms.get_mut(&t).expect("sharable");
+        vm.pending[g as usize] = true;
+        vm.stash_queue.push(Stashed {
+            gfn: g,
+            slot: slot.id,
+            offset: slot.offset,
+            len: len as u32,
+            size: slot.size,
+            kind,
+            reference,
+            since: Instant::now(),
+        });
+        if vm.stash_queue.len() >= MAX_BATCH {
+            self.flush(t);
+        }
+    }
+
+    /// Frees a stash record's blob and its hold on the reference frame.
+    fn release_stash(&mut self, rec: Stashed) {
+        if let Some(store) = self.store.as_mut() {
+            store.free(rec.slot);
+        }
+        self.stash_bytes[matches!(rec.kind, BlobKind::Compressed(_)) as usize] -= rec.size as u64;
+        if rec.reference == NO_REFERENCE {
+            return;
+        }
+        let f = rec.reference;
+        if let Some(n) = self.patch_refs.get_mut(&f) {
+            *n -= 1;
+            if *n == 0 {
+                self.patch_refs.remove(&f);
+            }
+        }
+        let pool = self.pool.as_mut().expect("patches imply a pool");
+        if pool.decref(f) {
+            forget_frame(&mut self.table, &mut self.zero_frame, pool, f);
+        }
+    }
+
+    fn stash_done(&mut self, batch: u64, stashed: &[u32], changed: usize, refused: usize) {
+        if !matches!(self.batches.get(&batch), Some(Batch::Stash(..))) {
+            return;
+        }
+        let Some(Batch::Stash(token, recs)) = self.batches.remove(&batch) else {
+            return;
+        };
+        let stashed: std::collections::HashSet<u32> = stashed.iter().copied().collect();
+        let mut release = Vec::new();
+        match self.vms.get_mut(&token) {
+            Some(vm) => {
+                for rec in recs {
+                    let g = rec.gfn as usize;
+                    vm.pending[g] = false;
+                    if stashed.contains(&rec.gfn) && vm.p2m[g] == PRIVATE {
+                        vm.p2m[g] = STASHED;
+                        vm.stash.insert(rec.gfn, rec);
+                        if matches!(rec.kind, BlobKind::Patch(_)) {
+                            vm.stats.patched_pages += 1;
+                            vm.stats.patches += 1;
+                        } else {
+                            vm.stats.compressed_pages += 1;
+                            vm.stats.compressions += 1;
+                        }
+                    } else {
+                        release.push(rec);
+                    }
+                }
+                vm.stats.stash_changed += changed as u64;
+                vm.stats.stash_refused += refused as u64;
+            }
+            None => release = recs,
+        }
+        for rec in release {
+            self.release_stash(rec);
+        }
+    }
+
+    fn unstashed(&mut self, token: u64, gfns: &[u32]) {
+        let Some(vm) = self.vms.get_mut(&token) else {
+            return;
+        };
+        let mut release = Vec::new();
+        for &g in gfns {
+            if vm.p2m.get(g as usize) != Some(&STASHED) {
+                continue;
+            }
+            let Some(rec) = vm.stash.remove(&g) else {
+                continue;
+            };
+            vm.p2m[g as usize] = PRIVATE;
+            vm.clock.fresh(g);
+            vm.stats.unstashes += 1;
+            if matches!(rec.kind, BlobKind::Patch(_)) {
+                vm.stats.patched_pages -= 1;
+            } else {
+                vm.stats.compressed_pages -= 1;
+            }
+            let ms = rec.since.elapsed().as_millis().max(1) as u64;
+            let _ = self.lifetimes.record(ms.min(86_400_000));
+            release.push(rec);
+        }
+        for rec in release {
+            self.release_stash(rec);
+        }
     }
 
     fn cow_broken(&mut self, token: u64, breaks: &[(u32, u32)]) {
@@ -883,7 +1342,9 @@ impl Daemon {
         let ts: Vec<u64> = self
             .vms
             .iter()
-            .filter(|(_, v)| !v.queue.is_empty() || !v.zero_queue.is_empty())
+            .filter(|(_, v)| {
+                !v.queue.is_empty() || !v.zero_queue.is_empty() || !v.stash_queue.is_empty()
+            })
             .map(|(t, _)| *t)
             .collect();
         for t in ts {
@@ -896,7 +1357,17 @@ impl Daemon {
         let vm = self.vms.get_mut(&t).expect("listed");
         let pages = std::mem::take(&mut vm.queue);
         let gfns = std::mem::take(&mut vm.zero_queue);
+        let stash = std::mem::take(&mut vm.stash_queue);
         let mut requests = Vec::new();
+        if !stash.is_empty() {
+            self.next_batch += 1;
+            let batch = self.next_batch;
+            let msg = ToAgent::Stash {
+                batch,
+                pages: stash.iter().map(Stashed::page).collect(),
+            };
+            requests.push((batch, msg, Batch::Stash(t, stash)));
+        }
         if !pages.is_empty() {
             self.next_batch += 1;
             let batch = self.next_batch;
@@ -925,7 +1396,44 @@ impl Daemon {
                 // Never answered: release the pages.
                 self.share_done(batch, &[], 0, 0);
                 self.reclaim_done(batch, &[], 0, 0);
+                self.stash_done(batch, &[], 0, 0);
             }
+        }
+    }
+
+    fn lifetime_cdf(&self) -> LifetimeCdf {
+        let h = &self.lifetimes;
+        let restored = h.len();
+        let restored_before = [1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0]
+            .iter()
+            .map(|&s: &f64| {
+                let below = h.count_between(0, (s * 1000.0) as u64 - 1);
+                (
+                    s,
+                    if restored == 0 {
+                        0.0
+                    } else {
+                        below as f64 / restored as f64
+                    },
+                )
+            })
+            .collect();
+        let now: Vec<&Stashed> = self.vms.values().flat_map(|v| v.stash.values()).collect();
+        let old_now = now
+            .iter()
+            .filter(|r| r.since.elapsed() >= Duration::from_secs(10))
+            .count() as u64;
+        let long_restored = restored - h.count_between(0, 9_999);
+        let total = restored + now.len() as u64;
+        LifetimeCdf {
+            restored,
+            stashed_now: now.len() as u64,
+            restored_before,
+            lived_10s: if total == 0 {
+                0.0
+            } else {
+                (long_restored + old_now) as f64 / total as f64
+            },
         }
     }
 
@@ -935,13 +1443,35 @@ impl Daemon {
         vms.sort_by(|a, b| a.name.cmp(&b.name));
         let mapped: u64 = vms.iter().map(|v| v.shared_pages).sum();
         let reclaimed: u64 = vms.iter().map(|v| v.zero_reclaimed_pages).sum();
+        let patched: u64 = vms.iter().map(|v| v.patched_pages).sum();
+        let compressed: u64 = vms.iter().map(|v| v.compressed_pages).sum();
         let frames = self.pool.as_ref().map_or(0, |p| p.in_use()) as u64;
-        let mut all: [OpLatency; 5] = Default::default();
+        let mut all: [OpLatency; AGENT_OPS] = Default::default();
         for v in self.vms.values() {
             for (a, h) in all.iter_mut().zip(&v.latency) {
                 a.merge(h);
             }
         }
+        let mut latency = OpLatencies::from_histograms(&all);
+        latency.patch_encode = self.encode_lat[0].summary();
+        latency.compress = self.encode_lat[1].summary();
+        // Frames only patches hold: no guest page maps them.
+        let reference_frames = self.pool.as_ref().map_or(0, |pool| {
+            self.patch_refs
+                .iter()
+                .filter(|&(&f, &n)| pool.refcount(f) == n)
+                .count() as u64
+        });
+        let store_pages = self.store.as_ref().map_or(0, |s| s.stats().chunks);
+        let page = PAGE as i64;
+        let saved_by = SavedBy {
+            sharing: mapped as i64 - (frames - reference_frames) as i64,
+            zero: reclaimed as i64,
+            patching: patched as i64 - self.stash_bytes[0] as i64 / page - reference_frames as i64,
+            compression: compressed as i64 - self.stash_bytes[1] as i64 / page,
+            store_waste: store_pages as i64
+                - (self.stash_bytes[0] + self.stash_bytes[1]) as i64 / page,
+        };
         Stats {
             uptime_s: self.started.elapsed().as_secs_f64(),
             rate_pages_per_s: self.cfg.rate,
@@ -949,8 +1479,19 @@ impl Daemon {
             frames,
             mapped_pages: mapped,
             zero_reclaimed_pages: reclaimed,
-            saved_pages: mapped as i64 - frames as i64 + reclaimed as i64,
-            latency: OpLatencies::from_histograms(&all),
+            saved_pages: mapped as i64 - frames as i64
+                + reclaimed as i64
+                + patched as i64
+                + compressed as i64
+                - store_pages as i64,
+            saved_by,
+            patched_pages: patched,
+            compressed_pages: compressed,
+            store_pages,
+            reference_frames,
+            lifetime: self.lifetime_cdf(),
+            policy: self.cfg.policy.name.to_string(),
+            latency,
             table_entries: self.table.len() as u64,
             adopted_pool: self.adopted,
             vms,

@@ -18,19 +18,66 @@ pub struct OpLatencies {
     pub reclaim: LatencySummary,
     /// Minor-fault service of the clock's R/M tracking.
     pub track: LatencySummary,
+    /// Stash in the agent (decode check, punch), per page.
+    pub stash: LatencySummary,
+    /// Missing fault on a stashed page: decode and install.
+    pub unstash: LatencySummary,
+    /// Patch encoding in memfoldd, per candidate tried.
+    pub patch_encode: LatencySummary,
+    /// Compression in memfoldd, per page.
+    pub compress: LatencySummary,
 }
 
+/// The agents' histograms, in the order of [`OpLatencies::from_histograms`].
+pub const AGENT_OPS: usize = 7;
+
 impl OpLatencies {
-    /// Summaries of [share, CoW break, fault, reclaim, track] histograms.
-    pub fn from_histograms(h: &[OpLatency; 5]) -> OpLatencies {
+    /// Summaries of the agents' [share, CoW break, fault, reclaim, track, stash, unstash]
+    /// histograms (memfoldd's own encode times are set apart).
+    pub fn from_histograms(h: &[OpLatency; AGENT_OPS]) -> OpLatencies {
         OpLatencies {
             share: h[0].summary(),
             cow_break: h[1].summary(),
             fault: h[2].summary(),
             reclaim: h[3].summary(),
             track: h[4].summary(),
+            stash: h[5].summary(),
+            unstash: h[6].summary(),
+            ..Default::default()
         }
     }
+}
+
+/// How long pages stayed patched or compressed before the guest touched them again
+/// (DE Figure 4: a good clock picks pages that stay cold).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LifetimeCdf {
+    /// Stashed pages the guests touched again.
+    pub restored: u64,
+    /// Pages stashed now (their lifetime is at least their age).
+    pub stashed_now: u64,
+    /// (seconds, fraction of the restored pages restored sooner), at 1, 2, 5, 10, 20,
+    /// 30, 60, 120, 300 s.
+    pub restored_before: Vec<(f64, f64)>,
+    /// Fraction of all pages ever stashed that lived at least 10 s, counting pages
+    /// still stashed for 10 s or more (DE Fig 4's "~80% live ≥ 10 s").
+    pub lived_10s: f64,
+}
+
+/// Host pages saved, by mechanism (DE Fig 9–11's breakdown).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SavedBy {
+    /// Sharing: guest pages mapped onto pool frames − frames mapped.
+    pub sharing: i64,
+    /// Zero pages reclaimed.
+    pub zero: i64,
+    /// Patching: patched pages − their store slots (pages) − frames held only as
+    /// reference pages.
+    pub patching: i64,
+    /// Compression: compressed pages − their store slots (pages).
+    pub compression: i64,
+    /// Store pages not covered by live slots (fragmentation; subtracted from the total).
+    pub store_waste: i64,
 }
 
 /// One guest's counters. Pages are 4 KiB; counters are cumulative since attach.
@@ -75,6 +122,20 @@ pub struct VmStats {
     pub share_changed: u64,
     /// Share requests the agent refused (VMA budget, already shared).
     pub share_refused: u64,
+    /// Pages stored as patches now (DE §3.2).
+    pub patched_pages: u64,
+    /// Pages stored compressed now (DE §3.3).
+    pub compressed_pages: u64,
+    /// Pages patched (cumulative).
+    pub patches: u64,
+    /// Pages compressed (cumulative).
+    pub compressions: u64,
+    /// Patched or compressed pages the guest touched again, decoded back (cumulative).
+    pub unstashes: u64,
+    /// Stash requests whose page had changed before the agent protected it.
+    pub stash_changed: u64,
+    /// Stash requests the agent refused.
+    pub stash_refused: u64,
     /// The agent's connection is lost but QEMU lives (its mappings are kept).
     pub detached: bool,
 }
@@ -94,9 +155,23 @@ pub struct Stats {
     pub mapped_pages: u64,
     /// Zero pages reclaimed now.
     pub zero_reclaimed_pages: u64,
-    /// Host pages saved: mapped pages − frames + reclaimed zero pages (ESX §5's "memory
-    /// saved").
+    /// Host pages saved: mapped pages − frames + reclaimed zero pages + patched and
+    /// compressed pages − store pages (ESX §5's "memory saved", DE §5's savings).
     pub saved_pages: i64,
+    /// The same, by mechanism.
+    pub saved_by: SavedBy,
+    /// Pages stored as patches now.
+    pub patched_pages: u64,
+    /// Pages stored compressed now.
+    pub compressed_pages: u64,
+    /// Pages of the store memfd in use (chunks holding a live blob).
+    pub store_pages: u64,
+    /// Pool frames held only as patch reference pages (no guest page maps them).
+    pub reference_frames: u64,
+    /// Patched/compressed page lifetimes.
+    pub lifetime: LifetimeCdf,
+    /// The Difference Engine policy by name (`sharing`, `de`, ...).
+    pub policy: String,
     /// Share-table entries (shared frames and hints).
     pub table_entries: u64,
     /// Whether this memfoldd adopted the pool of a previous one (restart).
@@ -142,12 +217,33 @@ impl Stats {
             self.saved_pages as f64,
         );
         g(
+            "store_pages",
+            "Pages of the store memfd in use.",
+            self.store_pages as f64,
+        );
+        g(
+            "reference_frames",
+            "Pool frames held only as patch references.",
+            self.reference_frames as f64,
+        );
+        g(
             "table_entries",
             "Share-table entries.",
             self.table_entries as f64,
         );
         type Field = fn(&VmStats) -> u64;
-        let per_vm: [(&str, &str, Field); 17] = [
+        let per_vm: [(&str, &str, Field); 20] = [
+            ("vm_patched_pages", "Pages stored as patches.", |v| {
+                v.patched_pages
+            }),
+            ("vm_compressed_pages", "Pages stored compressed.", |v| {
+                v.compressed_pages
+            }),
+            (
+                "vm_unstashes_total",
+                "Patched or compressed pages decoded back.",
+                |v| v.unstashes,
+            ),
             ("vm_pages", "Guest RAM, pages.", |v| v.pages),
             (
                 "vm_shared_pages",
@@ -220,6 +316,10 @@ impl Stats {
             ("fault", self.latency.fault),
             ("reclaim", self.latency.reclaim),
             ("track", self.latency.track),
+            ("stash", self.latency.stash),
+            ("unstash", self.latency.unstash),
+            ("patch_encode", self.latency.patch_encode),
+            ("compress", self.latency.compress),
         ];
         out.push_str("# HELP memfold_op_latency_us Live operation latency, µs.\n# TYPE memfold_op_latency_us summary\n");
         for (op, l) in ops {
