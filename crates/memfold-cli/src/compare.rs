@@ -1,4 +1,5 @@
-//! `memfold compare`: the same guest set under memfold (sharing) and under Linux KSM
+//! `memfold compare`: the same guest set under memfold (`--policy`: sharing, or the
+//! Difference Engine with `de`) and under Linux KSM
 //! (aggressive settings), one after the other on fresh boots, measured the same way
 //! (`memfold_vm::hostmem`): host memory saved, time to 95% of the plateau, CPU seconds.
 
@@ -34,7 +35,7 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         a.run.secs > 0,
         "memfold compare needs --secs > 0 (each side runs that long)"
     );
-    eprintln!("== memfold (sharing) on the set");
+    eprintln!("== memfold (policy {}) on the set", a.run.policy);
     let (m, out) = run::measure(&a.run, "compare", &stop)?;
     run::write_outputs(&out, &m)?;
 
@@ -71,6 +72,9 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "ksm_cpu_s": ksm_cpu_s,
         "ksm_guest_mismatches": mismatches.len(),
         "memfold_zero_policy": format!("{:?}", a.run.zero).to_lowercase(),
+        "memfold_policy": a.run.policy,
+        "memfold_saved_by_pages": m.samples.last().map(|s| s.stats.saved_by),
+        "memfold_lifetime": m.samples.last().map(|s| s.stats.lifetime.clone()),
         "memfold_latency_us": m.samples.last().map(|s| s.stats.latency),
     });
     std::fs::write(out.join("compare.json"), serde_json::to_vec_pretty(&j)?)?;
@@ -79,7 +83,8 @@ pub fn run(a: &CompareArgs) -> Result<()> {
     } else {
         let mib = 1048576.0;
         println!(
-            "memfold: saved {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s)\nKSM:     saved {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s)\nratio memfold/KSM: {:.2}",
+            "memfold ({}): saved {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s)\nKSM:     saved {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s)\nratio memfold/KSM: {:.2}",
+            a.run.policy,
             m.saved_bytes / mib,
             m.used_before as f64 / mib,
             m.t95_s.map_or("-".into(), |t| format!("{t:.0}")),

@@ -169,6 +169,9 @@ struct Vm {
     stash: HashMap<u32, Stashed>,
     /// Stash requests not yet sent.
     stash_queue: Vec<Stashed>,
+    /// Per gfn (bit): neither a patch nor compression was under the cut-off when last
+    /// tried; not tried again until the guest writes the page.
+    de_failed: Vec<u64>,
 }
 
 /// A stashed page's blob (or one a stash request names).
@@ -300,6 +303,31 @@ fn accept_loop(listener: Listener, tx: mpsc::Sender<Input>) {
             }
         });
     }
+}
+
+/// The runs `[a, b)` of gfns in `[first, end)` that hold data in memfd `fd` (not holes).
+fn data_runs(fd: std::os::fd::RawFd, first: u32, end: u32) -> Vec<(u32, u32)> {
+    let mut runs = Vec::new();
+    let (mut off, end_off) = (first as u64 * PAGE, end as u64 * PAGE);
+    while off < end_off {
+        // SAFETY: lseek on a descriptor we hold.
+        let data = unsafe { libc::lseek(fd, off as libc::off_t, libc::SEEK_DATA) };
+        if data < 0 || data as u64 >= end_off {
+            break;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        let hole = if hole < 0 {
+            end_off
+        } else {
+            (hole as u64).min(end_off)
+        };
+        let a = (data as u64 / PAGE) as u32;
+        let b = hole.div_ceil(PAGE) as u32;
+        runs.push((a, b.max(a + 1)));
+        off = b.max(a + 1) as u64 * PAGE;
+    }
+    runs
 }
 
 /// A freed pool frame leaves the share table (and stops being the zero frame).
@@ -582,6 +610,7 @@ impl Daemon {
                     clock: ClockHand::new(pages as usize),
                     stash: HashMap::new(),
                     stash_queue: Vec::new(),
+                    de_failed: vec![0; (pages as usize).div_ceil(64)],
                 }
             }
         };
@@ -852,7 +881,11 @@ impl Daemon {
             return Ok(());
         }
         let end = (first + count).min(vm.p2m.len() as u32);
-        let todo: Vec<u32> = (first..end)
+        let fd = vm.memfd.as_raw_fd();
+        // Never-touched RAM (holes) is neither patched nor compressed: skip it unread.
+        let todo: Vec<u32> = data_runs(fd, first, end)
+            .into_iter()
+            .flat_map(|(a, b)| a..b)
             .filter(|&g| {
                 let a = policy.for_state(vm.clock.page(g).state());
                 vm.p2m[g as usize] == PRIVATE
@@ -860,7 +893,6 @@ impl Daemon {
                     && (a.reference || a.patch || a.compress)
             })
             .collect();
-        let fd = vm.memfd.as_raw_fd();
         let mut buf = vec![0u8; READ_PAGES * PAGE_SIZE];
         let mut i = 0;
         while i < todo.len() {
@@ -899,16 +931,25 @@ impl Daemon {
         if page.iter().all(|&b| b == 0) || !self.sharable(t, g) {
             return Ok(());
         }
-        let vm = &self.vms[&t];
-        let a = self.cfg.policy.for_state(vm.clock.page(g).state());
-        let seen = vm.clock.seen_by_sharing(g, self.full_scans);
+        let vm = self.vms.get_mut(&t).expect("sharable");
+        let clock = vm.clock.page(g);
+        let a = self.cfg.policy.for_state(clock.state());
+        let (w, bit) = (g as usize / 64, 1u64 << (g % 64));
+        if clock.idle_scans() == 0 {
+            vm.de_failed[w] &= !bit; // written since: worth another try
+        }
+        let seen = vm.clock.seen_by_sharing(g, self.full_scans) && vm.de_failed[w] & bit == 0;
         let gpn = vm.base_gpn + g;
         let sigs = self.similar.detector().signatures(page);
         if a.patch && seen && self.try_patch(t, g, gpn, &sigs, page)? {
             return Ok(());
         }
-        if a.compress && seen && self.try_compress(t, g, page) {
-            return Ok(());
+        if a.compress && seen {
+            if self.try_compress(t, g, page) {
+                return Ok(());
+            }
+            // Incompressible and unpatchable as it is: spare the CPU until it changes.
+            self.vms.get_mut(&t).expect("sharable").de_failed[w] |= bit;
         }
         if a.reference {
             self.similar.insert(&sigs, gpn);
