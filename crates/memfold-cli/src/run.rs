@@ -1,5 +1,6 @@
 //! `memfold run`: the main job. Boots a guest set with memfold's agent in each QEMU, starts
-//! memfoldd, and shows live per guest and in total what sharing saves, measured with the
+//! memfoldd (the Difference Engine policy unless `--policy` says otherwise), and shows
+//! live per guest and in total what it saves, by mechanism, measured with the
 //! one host-memory definition (`memfold_vm::hostmem`) that `memfold ksm` uses too.
 
 use std::io::Write;
@@ -45,7 +46,7 @@ pub struct RunArgs {
     /// Which mechanisms may touch pages of each NRU class (DE §4.2): `sharing` (what
     /// ESX and KSM do), `de` (the Difference Engine: sharing, patching, compression),
     /// `aggressive` (every page as C4), or one mechanism alone.
-    #[arg(long, default_value = "sharing", value_parser = clap::builder::PossibleValuesParser::new(memfold_core::Policy::NAMES))]
+    #[arg(long, default_value = "de", value_parser = clap::builder::PossibleValuesParser::new(memfold_core::Policy::NAMES))]
     pub policy: String,
 }
 
@@ -389,26 +390,22 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
         markers: vec![],
     }];
     // DE Fig 9-11: the saving by mechanism over time.
+    type Mechanism = (&'static str, fn(&SavedBy) -> i64);
+    let mechanisms: [Mechanism; 4] = [
+        ("sharing", |b| b.sharing),
+        ("zero pages", |b| b.zero),
+        ("patching", |b| b.patching),
+        ("compression", |b| b.compression),
+    ];
     panels.push(Panel {
         title: "memfoldd books by mechanism".into(),
-        series: vec![
-            Series {
-                name: "sharing".into(),
-                points: by(|b| b.sharing),
-            },
-            Series {
-                name: "zero pages".into(),
-                points: by(|b| b.zero),
-            },
-            Series {
-                name: "patching".into(),
-                points: by(|b| b.patching),
-            },
-            Series {
-                name: "compression".into(),
-                points: by(|b| b.compression),
-            },
-        ],
+        series: mechanisms
+            .iter()
+            .map(|&(name, f)| Series {
+                name: name.into(),
+                points: by(f),
+            })
+            .collect(),
         markers: vec![],
     });
     plot::panels(

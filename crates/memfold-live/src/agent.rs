@@ -755,6 +755,20 @@ impl Agent {
         Ok(())
     }
 
+    /// Frees `pages` pages of the guest memfd from `gfn` on (the caller made sure their
+    /// bytes are kept elsewhere or are zero). Returns whether the kernel did.
+    fn punch(&self, gfn: u32, pages: u64) -> bool {
+        // SAFETY: punches a range of the guest memfd the agent manages.
+        unsafe {
+            libc::fallocate(
+                self.memfd.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                (gfn as u64 * PAGE) as libc::off_t,
+                (pages * PAGE) as libc::off_t,
+            ) == 0
+        }
+    }
+
     fn mappings(&self) -> usize {
         std::fs::read("/proc/self/maps")
             .map(|m| m.iter().filter(|&&b| b == b'\n').count())
@@ -838,15 +852,9 @@ impl Agent {
                 self.uffd.write_protect(sub_addr, sub_len, false)?;
                 refused.extend((k..e).map(|m| g0 + m as u32));
             } else if equal[k] {
-                // SAFETY: frees the guest memfd's copy; the page is now read from the pool.
-                unsafe {
-                    libc::fallocate(
-                        self.memfd.as_raw_fd(),
-                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                        ((g0 as u64 + k as u64) * PAGE) as libc::off_t,
-                        sub_len as libc::off_t,
-                    )
-                };
+                // The pages are now read from the pool; failing to free the copies only
+                // keeps their memory.
+                self.punch(g0 + k as u32, (e - k) as u64);
                 for m in k..e {
                     self.frame_of[g0 as usize + m] = f0 + m as u32;
                     shared.push(g0 + m as u32);
@@ -893,17 +901,8 @@ impl Agent {
                     changed.push(g);
                     continue;
                 }
-                // SAFETY: frees the guest memfd's page; it was zero and writers wait, so
-                // the next access refills exactly these bytes.
-                let rc = unsafe {
-                    libc::fallocate(
-                        self.memfd.as_raw_fd(),
-                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                        (g as u64 * PAGE) as libc::off_t,
-                        PAGE as libc::off_t,
-                    )
-                };
-                if rc == 0 {
+                // It was zero and writers wait: the next access refills exactly these bytes.
+                if self.punch(g, 1) {
                     self.frame_of[g as usize] = RECLAIMED;
                     reclaimed.push(g);
                 } else {
@@ -972,17 +971,9 @@ impl Agent {
             if now != decoded {
                 changed.push(g);
             } else {
-                // SAFETY: frees the guest memfd's page; writers wait, and the blob decodes
-                // to exactly its bytes, which the next access gets back.
-                let rc = unsafe {
-                    libc::fallocate(
-                        self.memfd.as_raw_fd(),
-                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                        (g as u64 * PAGE) as libc::off_t,
-                        PAGE as libc::off_t,
-                    )
-                };
-                if rc == 0 {
+                // Writers wait, and the blob decodes to exactly its bytes, which the next
+                // access gets back.
+                if self.punch(g, 1) {
                     self.frame_of[g as usize] = STASHED;
                     self.stashed.insert(g, p);
                     stashed.push(g);
