@@ -305,27 +305,33 @@ fn accept_loop(listener: Listener, tx: mpsc::Sender<Input>) {
     }
 }
 
-/// The runs `[a, b)` of gfns in `[first, end)` that hold data in memfd `fd` (not holes).
+/// The first run `[a, b)` of gfns at or after `from` and before `end` that holds data in
+/// memfd `fd` (not a hole); `None` if there is none.
+fn next_data_run(fd: std::os::fd::RawFd, from: u32, end: u32) -> Option<(u32, u32)> {
+    let end_off = end as u64 * PAGE;
+    // SAFETY: lseek on a descriptor we hold.
+    let data = unsafe { libc::lseek(fd, (from as u64 * PAGE) as libc::off_t, libc::SEEK_DATA) };
+    if data < 0 || data as u64 >= end_off {
+        return None;
+    }
+    // SAFETY: as above.
+    let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+    let hole = if hole < 0 {
+        end_off
+    } else {
+        (hole as u64).min(end_off)
+    };
+    let a = (data as u64 / PAGE) as u32;
+    Some((a, (hole.div_ceil(PAGE) as u32).max(a + 1)))
+}
+
+/// All runs of [`next_data_run`] in `[first, end)`.
 fn data_runs(fd: std::os::fd::RawFd, first: u32, end: u32) -> Vec<(u32, u32)> {
     let mut runs = Vec::new();
-    let (mut off, end_off) = (first as u64 * PAGE, end as u64 * PAGE);
-    while off < end_off {
-        // SAFETY: lseek on a descriptor we hold.
-        let data = unsafe { libc::lseek(fd, off as libc::off_t, libc::SEEK_DATA) };
-        if data < 0 || data as u64 >= end_off {
-            break;
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
-        let hole = if hole < 0 {
-            end_off
-        } else {
-            (hole as u64).min(end_off)
-        };
-        let a = (data as u64 / PAGE) as u32;
-        let b = hole.div_ceil(PAGE) as u32;
-        runs.push((a, b.max(a + 1)));
-        off = b.max(a + 1) as u64 * PAGE;
+    let mut from = first;
+    while let Some((a, b)) = next_data_run(fd, from, end) {
+        runs.push((a, b));
+        from = b;
     }
     runs
 }
@@ -1258,23 +1264,13 @@ impl Daemon {
     fn next_chunk(&mut self, t: u64, max: usize, buf: &mut [u8]) -> Option<(u32, usize)> {
         let vm = self.vms.get_mut(&t)?;
         let fd = vm.memfd.as_raw_fd();
-        let end = vm.p2m.len() as u64 * PAGE;
-        let off = vm.cursor as u64 * PAGE;
-        // SAFETY: lseek on our fd.
-        let data = unsafe { libc::lseek(fd, off as libc::off_t, libc::SEEK_DATA) };
-        if data < 0 || data as u64 >= end {
+        let Some((gfn, run_end)) = next_data_run(fd, vm.cursor, vm.p2m.len() as u32) else {
             vm.cursor = 0;
             vm.scanned_this_pass = true;
             return None;
-        }
-        // SAFETY: lseek on our fd.
-        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) }.max(data + PAGE as i64) as u64;
-        let start = data as u64 & !(PAGE - 1);
-        let n = (((hole.min(end) - start).div_ceil(PAGE)) as usize)
-            .min(max)
-            .clamp(1, READ_PAGES);
-        let gfn = (start / PAGE) as u32;
-        if pread_exact(fd, &mut buf[..n * PAGE_SIZE], start).is_err() {
+        };
+        let n = ((run_end - gfn) as usize).min(max).clamp(1, READ_PAGES);
+        if pread_exact(fd, &mut buf[..n * PAGE_SIZE], gfn as u64 * PAGE).is_err() {
             vm.cursor = 0;
             vm.scanned_this_pass = true;
             return None;
