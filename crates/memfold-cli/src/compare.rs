@@ -18,6 +18,22 @@ pub struct CompareArgs {
     /// The guests, memfold's scan rate, and how long each side runs.
     #[command(flatten)]
     pub run: RunArgs,
+    /// Transparent huge pages for the KSM side's QEMUs: `host` (the host's setting; QEMU
+    /// asks for huge pages, so a first touch allocates 2 MiB and KSM's saving includes
+    /// splitting them) or `off` (4 KiB pages, as memfold's memfd RAM has: both sides start
+    /// from the same footprint).
+    #[arg(long, value_enum, default_value_t = KsmThp::Host)]
+    pub ksm_thp: KsmThp,
+}
+
+/// Huge pages on the KSM side of `memfold compare`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KsmThp {
+    /// As the host's THP setting says.
+    Host,
+    /// Off for the guests' QEMUs (PR_SET_THP_DISABLE).
+    Off,
 }
 
 /// ksmd's pid (a kernel thread), if KSM is built in.
@@ -44,7 +60,11 @@ pub fn run(a: &CompareArgs) -> Result<()> {
     ksm.unmerge()?;
     let mut set = a.run.set.clone();
     set.out = Some(out.join("ksm"));
-    let (mut gs, _accel, kout) = guests::start_set(&set, RamBackend::Anonymous, "compare")?;
+    let backend = match a.ksm_thp {
+        KsmThp::Host => RamBackend::Anonymous,
+        KsmThp::Off => RamBackend::AnonymousNoThp,
+    };
+    let (mut gs, _accel, kout) = guests::start_set(&set, backend, "compare")?;
     let kpid = ksmd_pid();
     let cpu0 = kpid.map_or(0.0, |p| cpu_seconds(p, None));
     let k = run_mode(&ksm, &mut gs, KsmMode::AGGRESSIVE, a.run.secs)?;
@@ -57,6 +77,7 @@ pub fn run(a: &CompareArgs) -> Result<()> {
     let j = serde_json::json!({
         "guests": a.run.set.profiles,
         "secs": a.run.secs,
+        "ksm_thp": a.ksm_thp,
         "memfold_used_before_bytes": m.used_before,
         "ksm_used_before_bytes": k.used_before,
         "memfold_saved_bytes": m.saved_bytes,

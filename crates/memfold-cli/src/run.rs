@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
-use memfold_live::daemon::stats::{SavedBy, Stats, VmStats};
+use memfold_live::daemon::stats::{SavedBy, Stats, SwapStats, VmStats};
 use memfold_live::daemon::ZeroPolicy;
 use memfold_vm::launcher::{agent_env, RamBackend};
 use serde::Serialize;
@@ -48,12 +48,21 @@ pub struct RunArgs {
     /// `aggressive` (every page as C4), or one mechanism alone.
     #[arg(long, default_value = "de", value_parser = clap::builder::PossibleValuesParser::new(memfold_core::Policy::NAMES))]
     pub policy: String,
+    /// Host memory budget for the guests' RAM, MiB (DE §4.6): over it, memfoldd swaps
+    /// cold pages out to a swap file in the output folder (turns the clock on). Guests
+    /// whose RAM together exceeds it keep running: overcommit.
+    #[arg(long)]
+    pub host_budget_mib: Option<u64>,
+    /// Swap file capacity, MiB (with --host-budget-mib).
+    #[arg(long, default_value_t = 1024)]
+    pub swap_mib: u64,
 }
 
 impl RunArgs {
     /// The clock interval memfoldd gets, s: as given, or 4 s for a policy that needs it.
     pub fn clock_interval_s(&self) -> f64 {
-        let needs = !matches!(self.policy.as_str(), "sharing" | "share-only");
+        let needs = !matches!(self.policy.as_str(), "sharing" | "share-only")
+            || self.host_budget_mib.is_some();
         if self.clock_secs <= 0.0 && needs {
             4.0
         } else {
@@ -173,6 +182,12 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             &((a.clock_interval_s() * 1000.0) as u64).to_string(),
         ])
         .args(["--policy", &a.policy]);
+    if let Some(b) = a.host_budget_mib {
+        cmd.args(["--host-budget-mib", &b.to_string()])
+            .args(["--swap-mib", &a.swap_mib.to_string()])
+            .arg("--swap-file")
+            .arg(out.join("memfoldd.swap"));
+    }
     let log = std::fs::File::create(out.join("memfoldd.log"))?;
     cmd.stderr(log);
     let daemon = Daemon(
@@ -264,7 +279,7 @@ fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
     let by = &s.stats.saved_by;
     let mib = |p: i64| p as f64 * 4096.0 / MIB;
     eprintln!(
-        "t={:>5.0}s  host {:>7.1} MiB  saved {:>7.1} MiB (books {:>7.1}: share {:.1}, zero {:.1}, patch {:.1}, compress {:.1})  frames {:>7}  scans {}",
+        "t={:>5.0}s  host {:>7.1} MiB  saved {:>7.1} MiB (books {:>7.1}: share {:.1}, zero {:.1}, patch {:.1}, compress {:.1}, swap {:.1})  frames {:>7}  scans {}{}",
         s.t,
         s.used_bytes as f64 / MIB,
         (used_before as f64 - s.used_bytes as f64) / MIB,
@@ -273,8 +288,10 @@ fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
         mib(by.zero),
         mib(by.patching),
         mib(by.compression),
+        mib(by.swap),
         s.stats.frames,
-        s.stats.full_scans
+        s.stats.full_scans,
+        budget_view(&s.stats.swap)
     );
     for v in &s.stats.vms {
         let before = prev.and_then(|p| p.stats.vms.iter().find(|w| w.name == v.name));
@@ -286,11 +303,12 @@ fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
         } else {
             String::new()
         };
-        let de = if v.patches + v.compressions > 0 {
+        let de = if v.patches + v.compressions + v.swap_outs > 0 {
             format!(
-                "  patched {} compressed {} decoded back {:.0}/s",
+                "  patched {} compressed {} swapped {} decoded back {:.0}/s",
                 v.patched_pages,
                 v.compressed_pages,
+                v.swapped_pages,
                 rate(|v| v.unstashes)
             )
         } else {
@@ -309,16 +327,32 @@ fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
     }
 }
 
+/// The budget part of the live view: host use against the budget, the swap file.
+fn budget_view(w: &SwapStats) -> String {
+    let Some(b) = w.budget_pages else {
+        return String::new();
+    };
+    let mib = |p: u64| p as f64 * 4096.0 / MIB;
+    format!(
+        "  budget {:.0} MiB: using {:.1}, swap file {:.1} of {:.0} MiB{}",
+        mib(b),
+        mib(w.host_used_pages),
+        mib(w.file_pages),
+        mib(w.capacity_pages),
+        if w.full > 0 { " (full)" } else { "" }
+    )
+}
+
 /// Writes `run.csv`, `run.json` and `run.png` for a run.
 pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
     let csv = out.join("run.csv");
     let mut f = crate::create_output(&csv)?;
-    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes")?;
+    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes,swapped_pages,saved_swap_bytes")?;
     for s in &r.samples {
         for v in &s.stats.vms {
             writeln!(
                 f,
-                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,",
+                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,,{},",
                 s.t,
                 v.name,
                 v.pages,
@@ -332,13 +366,14 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
                 v.missing_faults,
                 v.refills,
                 v.unstashes,
-                v.scanned_pages
+                v.scanned_pages,
+                v.swapped_pages
             )?;
         }
         let by = &s.stats.saved_by;
         writeln!(
             f,
-            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{}",
+            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{},{},{}",
             s.t,
             s.stats.mapped_pages,
             s.stats.zero_reclaimed_pages,
@@ -350,7 +385,9 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
             by.sharing * 4096,
             by.zero * 4096,
             by.patching * 4096,
-            by.compression * 4096
+            by.compression * 4096,
+            s.stats.swap.swapped_pages,
+            by.swap * 4096
         )?;
     }
     drop(f);
@@ -391,11 +428,12 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
     }];
     // DE Fig 9-11: the saving by mechanism over time.
     type Mechanism = (&'static str, fn(&SavedBy) -> i64);
-    let mechanisms: [Mechanism; 4] = [
+    let mechanisms: [Mechanism; 5] = [
         ("sharing", |b| b.sharing),
         ("zero pages", |b| b.zero),
         ("patching", |b| b.patching),
         ("compression", |b| b.compression),
+        ("swap", |b| b.swap),
     ];
     panels.push(Panel {
         title: "memfoldd books by mechanism".into(),
@@ -483,13 +521,24 @@ pub fn run(a: &RunArgs) -> Result<()> {
             let by = &s.stats.saved_by;
             let mib = |p: i64| p as f64 * 4096.0 / MIB;
             println!(
-                "by mechanism at the end (books, MiB): sharing {:.1}, zero pages {:.1}, patching {:.1}, compression {:.1}, store waste {:.1}",
+                "by mechanism at the end (books, MiB): sharing {:.1}, zero pages {:.1}, patching {:.1}, compression {:.1}, swap {:.1}, store waste {:.1}",
                 mib(by.sharing),
                 mib(by.zero),
                 mib(by.patching),
                 mib(by.compression),
+                mib(by.swap),
                 mib(by.store_waste)
             );
+            let w = &s.stats.swap;
+            if w.budget_pages.is_some() {
+                let ins: u64 = s.stats.vms.iter().map(|v| v.swap_ins).sum();
+                let outs: u64 = s.stats.vms.iter().map(|v| v.swap_outs).sum();
+                println!(
+                    "host budget:{}; {outs} pages swapped out, {ins} read back, {} refused (swap file full)",
+                    budget_view(w).trim_start_matches("  budget"),
+                    w.full
+                );
+            }
             let l = &s.stats.lifetime;
             if l.restored + l.stashed_now > 0 {
                 println!(

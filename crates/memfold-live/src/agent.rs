@@ -32,7 +32,9 @@
 //! to stash the page: under write-protection the agent decodes the blob and compares it
 //! with the page's bytes, and only if equal punches the page out of the guest memfd. The
 //! next access faults as missing; the agent decodes the page again (a patch against its
-//! pool frame, which no guest can write) and installs it with `UFFDIO_COPY`.
+//! pool frame, which no guest can write) and installs it with `UFFDIO_COPY`. Swapped pages
+//! (DE §4.6) are the same with the blob (patch, compressed or raw page) in the swap file,
+//! which the agent also holds; it reads them back without keeping them in the page cache.
 //!
 //! **R and M bits for the NRU clock** (DE §4.2): memfoldd asks for a slice of guest RAM
 //! at a time; the agent reports which pages were referenced and modified since the slice
@@ -58,7 +60,7 @@ use crate::io_util::{pread_exact, pwrite_all};
 use crate::latency::OpLatency;
 use crate::protocol::{
     AgentReport, Conn, StashPage, ToAgent, ToDaemon, CLOCK_SLICE, NO_REFERENCE, PROTOCOL_VERSION,
-    RECLAIMED_ZERO,
+    RAW_PAGE, RECLAIMED_ZERO,
 };
 use crate::uffd::{self, Event, Uffd};
 use memfold_core::blobstore::BlobKind;
@@ -253,6 +255,8 @@ pub struct Agent {
     pool: Option<OwnedFd>,
     /// The store memfd holding the blobs of stashed pages.
     store: Option<OwnedFd>,
+    /// The swap file holding the blobs of swapped pages (DE §4.6), if memfoldd swaps.
+    swap: Option<OwnedFd>,
     /// Per gfn: the pool frame it is mapped onto, [`PRIVATE`], [`RECLAIMED`] or [`STASHED`].
     frame_of: Vec<u32>,
     /// Where each stashed page's blob is.
@@ -326,6 +330,7 @@ pub fn run(cfg: AgentConfig) -> io::Result<()> {
         uffd,
         pool: None,
         store: None,
+        swap: None,
         frame_of: vec![PRIVATE; pages],
         stashed: HashMap::new(),
         unstashed: Vec::new(),
@@ -451,6 +456,7 @@ impl Agent {
                 // A restarted memfoldd that adopted our pool hands the same pool back.
                 self.pool = Some(got.remove(0));
                 self.store = (!got.is_empty()).then(|| got.remove(0));
+                self.swap = (!got.is_empty()).then(|| got.remove(0));
                 self.conn = Some(conn);
                 // Breaks and refills done while detached are reflected in the list.
                 self.breaks.clear();
@@ -915,21 +921,39 @@ impl Agent {
         Ok((reclaimed, changed, refused))
     }
 
-    /// Decodes a stashed page's blob (and, for a patch, its pool reference frame) into
-    /// `out`.
+    /// Decodes a stashed page's blob (from the store or the swap file; for a patch with
+    /// its pool reference frame) into `out`.
     ///
-    /// Errors: no store or pool, a read failed, or the blob does not decode (a corrupt
-    /// store: the page is then never installed).
+    /// Errors: no store, swap file or pool, a read failed, or the blob does not decode (a
+    /// corrupt store: the page is then never installed).
     fn decode_stashed(&self, s: &StashPage, out: &mut Page) -> io::Result<()> {
-        let store = self
-            .store
-            .as_ref()
-            .ok_or_else(|| io::Error::other("stashed page without a store"))?;
-        let kind = BlobKind::from_byte(s.kind).ok_or_else(|| {
-            io::Error::other(format!("gfn {}: unknown blob kind {}", s.gfn, s.kind))
+        let store = if s.in_swap { &self.swap } else { &self.store };
+        let store = store.as_ref().ok_or_else(|| {
+            io::Error::other(format!("gfn {}: stashed page without its store", s.gfn))
         })?;
         let mut blob = vec![0u8; s.len as usize];
         pread_exact(store.as_raw_fd(), &mut blob, s.offset)?;
+        if s.in_swap {
+            // Read once: keep it out of the host's page cache.
+            // SAFETY: advice on our fd.
+            unsafe {
+                libc::posix_fadvise(
+                    store.as_raw_fd(),
+                    s.offset as libc::off_t,
+                    s.len as libc::off_t,
+                    libc::POSIX_FADV_DONTNEED,
+                )
+            };
+        }
+        if s.kind == RAW_PAGE {
+            *out = blob.as_slice().try_into().map_err(|_| {
+                io::Error::other(format!("gfn {}: raw page of {} bytes", s.gfn, s.len))
+            })?;
+            return Ok(());
+        }
+        let kind = BlobKind::from_byte(s.kind).ok_or_else(|| {
+            io::Error::other(format!("gfn {}: unknown blob kind {}", s.gfn, s.kind))
+        })?;
         let mut reference = [0u8; PAGE as usize];
         let has_ref = s.reference != NO_REFERENCE;
         if has_ref {
@@ -954,7 +978,18 @@ impl Agent {
         let mut now = vec![0u8; PAGE as usize];
         for p in pages {
             let g = p.gfn;
-            if g >= npages || self.frame_of[g as usize] != PRIVATE || self.store.is_none() {
+            if p.moving {
+                match self.move_stashed(&p, &mut decoded, &mut now) {
+                    Ok(true) => stashed.push(g),
+                    Ok(false) => changed.push(g),
+                    Err(e) => {
+                        eprintln!("memfold-agent: move refused: {e}");
+                        refused.push(g);
+                    }
+                }
+                continue;
+            }
+            if g >= npages || self.frame_of[g as usize] != PRIVATE {
                 refused.push(g);
                 continue;
             }
@@ -986,6 +1021,36 @@ impl Agent {
         Ok((stashed, changed, refused))
     }
 
+    /// Moves stashed page `p.gfn` to the blob `p` names (in the swap file) if the page is
+    /// still stashed in the store and both blobs decode to the same bytes. Returns whether
+    /// it moved. The page is not in guest RAM, and faults on it are served by this thread:
+    /// nothing can change it meanwhile.
+    ///
+    /// Errors: the page is not stashed in the store, or a blob cannot be read or decoded.
+    fn move_stashed(&mut self, p: &StashPage, new: &mut [u8], old: &mut [u8]) -> io::Result<bool> {
+        let g = p.gfn;
+        let Some(cur) = self.stashed.get(&g).copied().filter(|c| !c.in_swap) else {
+            return Err(io::Error::other(format!(
+                "gfn {g} is not stashed in the store"
+            )));
+        };
+        let old: &mut Page = old.try_into().expect("page");
+        let new: &mut Page = new.try_into().expect("page");
+        self.decode_stashed(&cur, old)?;
+        self.decode_stashed(p, new)?;
+        if old != new {
+            return Ok(false);
+        }
+        self.stashed.insert(
+            g,
+            StashPage {
+                moving: false,
+                ..*p
+            },
+        );
+        Ok(true)
+    }
+
     /// A missing fault on a stashed page: decode it and install it (write-protected for a
     /// read, so that a later write still sets M). On error the page stays stashed.
     fn unstash(&mut self, gfn: u32, write: bool) -> io::Result<()> {
@@ -1015,6 +1080,7 @@ impl Agent {
         }
         if self.stashed.is_empty() {
             self.store = None;
+            self.swap = None;
         }
         self.unstashed.clear();
         Ok(())

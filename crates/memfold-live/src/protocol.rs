@@ -13,7 +13,7 @@ use std::path::Path;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 /// Protocol version; a peer with another version is refused with a clear message.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
 pub const MAX_MESSAGE: usize = 256 * 1024;
@@ -31,20 +31,32 @@ pub const CLOCK_SLICE: u32 = 16384;
 /// In [`StashPage::reference`]: the blob is not a patch.
 pub const NO_REFERENCE: u32 = u32::MAX;
 
-/// A page to keep as a blob in the store memfd instead of in guest RAM (Difference
-/// Engine §3.2 patch or §3.3 compressed page).
+/// In [`StashPage::kind`]: the blob is the page itself, 4096 bytes (a page swapped out
+/// that neither patched nor compressed under the cut-off, DE §4.6).
+pub const RAW_PAGE: u8 = u8::MAX;
+
+/// A page to keep as a blob instead of in guest RAM: a Difference Engine §3.2 patch or
+/// §3.3 compressed page in the store memfd, or (§4.6) any of these or the raw page in
+/// the swap file.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct StashPage {
     /// Guest frame.
     pub gfn: u32,
-    /// Encoding: `memfold_core::blobstore::BlobKind::to_byte`.
+    /// Encoding: `memfold_core::blobstore::BlobKind::to_byte`, or [`RAW_PAGE`].
     pub kind: u8,
     /// Pool frame a patch is made against ([`NO_REFERENCE`] for a compressed page).
     pub reference: u32,
-    /// Byte offset of the blob in the store memfd.
+    /// Byte offset of the blob in the store memfd (or the swap file).
     pub offset: u64,
     /// Blob length, bytes.
     pub len: u32,
+    /// The blob is in the swap file (DE §4.6), not in the store memfd.
+    pub in_swap: bool,
+    /// The page is stashed already (its blob in the store memfd) and this moves it to
+    /// the swap file (DE §4.6: compressed and patched pages are swap candidates too):
+    /// the agent replaces its record only if the page is still stashed in the store and
+    /// the new blob decodes to the same bytes; otherwise it refuses.
+    pub moving: bool,
 }
 
 /// What the agent measured since it started: fault counts and operation latencies as
@@ -171,8 +183,8 @@ pub enum ToDaemon {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ToAgent {
-    /// The guest is attached; carries the pool memfd and the store memfd (blobs of
-    /// stashed pages).
+    /// The guest is attached; carries the pool memfd, the store memfd (blobs of stashed
+    /// pages) and, when memfoldd keeps a host memory budget, the swap file.
     Welcome {
         /// Protocol version.
         version: u32,
@@ -194,10 +206,10 @@ pub enum ToAgent {
         /// Gfns.
         gfns: Vec<u32>,
     },
-    /// Keep these guest pages as blobs already written to the store memfd, if each blob
-    /// still decodes to the page's bytes: punch the pages out of the guest memfd; the
-    /// next access faults (missing) and the agent decodes the page back. At most
-    /// [`MAX_BATCH`].
+    /// Keep these guest pages as blobs already written to the store memfd or the swap
+    /// file, if each blob still decodes to the page's bytes: punch the pages out of the
+    /// guest memfd; the next access faults (missing) and the agent decodes the page back.
+    /// A hint: the agent refuses pages it cannot check. At most [`MAX_BATCH`].
     Stash {
         /// Batch number, echoed in the reply.
         batch: u64,

@@ -4,6 +4,8 @@
 //! writes random pages, checking every read against a plain copy (the model). Pages are
 //! shared, CoW-broken, reclaimed as zero, patched, compressed, decoded back and tracked
 //! by the clock while the guest runs; the guest must never read a byte it did not write.
+//! The second test adds a host memory budget far under the guest's RAM, so that cold
+//! pages are also swapped out to a swap file and read back (DE §4.6).
 
 use std::time::{Duration, Instant};
 
@@ -13,6 +15,8 @@ use memfold_live::daemon::{self, DaemonConfig, ZeroPolicy};
 use memfold_live::query_stats;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
+/// Guest RAM of the first test, pages. The agent finds guest RAM by its size: the two
+/// tests, which run in one process, use different sizes.
 const PAGES: usize = 4096;
 const PAGE: usize = 4096;
 
@@ -49,6 +53,25 @@ fn fill(gfn: usize, templates: &[Vec<u8>], rng: &mut SmallRng, out: &mut [u8]) {
 
 #[test]
 fn guest_reads_what_it_wrote_while_pages_are_shared_reclaimed_patched_and_compressed() {
+    run_model(PAGES, None, 0.1);
+}
+
+#[test]
+fn guest_reads_what_it_wrote_while_pages_are_also_swapped_out_and_in() {
+    // A quarter of the guest's RAM. The guest first uses a fifth of its RAM (under the
+    // budget: cold pages are patched and compressed into the store), then all of it: cold
+    // pages must go to the swap file, stored ones move there, and the guest's RAM must
+    // get under the budget. Cold pages are touched rarely enough (1% of the ops) for the
+    // clock to find them cold; they are still read back now and then.
+    let pages = PAGES + 1024;
+    run_model(pages, Some((pages * PAGE / 4) as u64), 0.01);
+}
+
+/// Runs the model guest for up to 40 s, until every mechanism (and swap, with a budget)
+/// has run, checking every read; then checks every page. `pages`: guest RAM, pages;
+/// `cold`: the fraction of guest ops on a random page of all RAM (the rest go to a hot
+/// set of 300 pages).
+fn run_model(pages: usize, host_budget: Option<u64>, cold: f64) {
     let work = tempfile::tempdir().unwrap();
     let socket = work.path().join("memfoldd.sock");
     let cfg = DaemonConfig {
@@ -63,11 +86,14 @@ fn guest_reads_what_it_wrote_while_pages_are_shared_reclaimed_patched_and_compre
         patch_cutoff: 2048,
         compress_codec: CompressCodec::Lz4,
         compress_cutoff: 2048,
+        host_budget,
+        swap_file: work.path().join("swap"),
+        swap_capacity: 64 << 20,
     };
     std::thread::spawn(move || daemon::run(cfg));
 
     // Guest RAM: a shared memfd mapping, as QEMU's memory-backend-memfd makes it.
-    let bytes = PAGES * PAGE;
+    let bytes = pages * PAGE;
     // SAFETY: plain syscalls on fds and a mapping this test owns.
     let (fd, ram) = unsafe {
         let fd = libc::memfd_create(c"model-guest-ram".as_ptr(), libc::MFD_CLOEXEC);
@@ -93,7 +119,7 @@ fn guest_reads_what_it_wrote_while_pages_are_shared_reclaimed_patched_and_compre
         })
         .collect();
     let mut model = vec![0u8; bytes];
-    for g in 0..PAGES {
+    for g in 0..pages {
         fill(
             g,
             &templates,
@@ -103,7 +129,13 @@ fn guest_reads_what_it_wrote_while_pages_are_shared_reclaimed_patched_and_compre
     }
     // SAFETY: `ram` maps `bytes` bytes.
     let guest = unsafe { std::slice::from_raw_parts_mut(ram, bytes) };
-    guest.copy_from_slice(&model);
+    // Pages the guest uses so far (the rest it writes later: never read before).
+    let mut live = if host_budget.is_some() {
+        pages / 5
+    } else {
+        pages
+    };
+    guest[..live * PAGE].copy_from_slice(&model[..live * PAGE]);
 
     let acfg = AgentConfig {
         socket: socket.clone(),
@@ -128,10 +160,10 @@ fn guest_reads_what_it_wrote_while_pages_are_shared_reclaimed_patched_and_compre
     let mut seen_all = false;
     while start.elapsed() < Duration::from_secs(40) {
         for _ in 0..200 {
-            let g = if rng.gen_bool(0.9) {
+            let g = if !rng.gen_bool(cold) {
                 rng.gen_range(0..hot)
             } else {
-                rng.gen_range(0..PAGES)
+                rng.gen_range(0..live)
             };
             let p = &mut model[g * PAGE..(g + 1) * PAGE];
             match rng.gen_range(0..10) {
@@ -157,13 +189,24 @@ fn guest_reads_what_it_wrote_while_pages_are_shared_reclaimed_patched_and_compre
         if !seen_all && start.elapsed() > Duration::from_secs(8) {
             if let Ok(s) = query_stats(&socket) {
                 let v = &s.vms[0];
+                if live < pages && v.compressions > 50 {
+                    eprintln!("the guest now uses all its RAM: {:?}", s.swap);
+                    guest[live * PAGE..].copy_from_slice(&model[live * PAGE..]);
+                    live = pages;
+                }
                 seen_all = v.shares > 0
                     && v.cow_breaks > 0
                     && v.reclaims > 0
                     && v.refills > 0
                     && v.patches > 0
                     && v.compressions > 0
-                    && v.unstashes > 0;
+                    && v.unstashes > 0
+                    && host_budget.is_none_or(|b| {
+                        v.swap_outs > 0
+                            && v.swap_ins > 0
+                            && v.swap_moves > 0
+                            && s.swap.host_used_pages <= b / PAGE as u64
+                    });
                 if seen_all {
                     eprintln!("after {:?}, {ops} guest ops: {s:#?}", start.elapsed());
                     break;
@@ -174,8 +217,11 @@ fn guest_reads_what_it_wrote_while_pages_are_shared_reclaimed_patched_and_compre
     let s = query_stats(&socket).unwrap();
     assert!(seen_all, "not every mechanism ran: {s:#?}");
     assert!(s.saved_pages > 0, "{s:#?}");
+    if host_budget.is_some() {
+        assert!(s.swap.swapped_pages > 0, "{s:#?}");
+    }
     // Every page, hot or cold, still reads what the guest wrote.
-    for g in 0..PAGES {
+    for g in 0..pages {
         check(g, guest, &model);
     }
     // The memfd and mapping stay until the process exits: the agent thread serves them.

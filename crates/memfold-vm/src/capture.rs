@@ -97,7 +97,7 @@ pub fn capture(guest: &Guest, out: &Path, pause: bool) -> Result<CaptureInfo, Ca
     let result = match guest.ram {
         RamBackend::Memfd => capture_memfd(guest, &ram_path, pages),
         // No early return here: the guest must be resumed below whatever happens.
-        RamBackend::Anonymous => (|| {
+        RamBackend::Anonymous | RamBackend::AnonymousNoThp => (|| {
             // Residency first: pmemsave reads every page through QEMU's mapping, which maps
             // untouched ones to the zero page and would make them look present.
             let bitmap = resident_from_pagemap(guest, pages)?;

@@ -23,7 +23,13 @@ pub enum RamBackend {
     /// `memory-backend-memfd,share=on`: what memfold manages (it reads the memfd).
     Memfd,
     /// Anonymous private memory, which QEMU marks MADV_MERGEABLE: what KSM scans.
+    /// QEMU also marks it MADV_HUGEPAGE, so with the host's THP setting on `madvise` or
+    /// `always` a guest's first touch allocates 2 MiB.
     Anonymous,
+    /// [`RamBackend::Anonymous`] with transparent huge pages off for this QEMU
+    /// (PR_SET_THP_DISABLE): 4 KiB pages, as memfd RAM has, so that KSM's saving does not
+    /// include undoing huge-page bloat (docs/live.md).
+    AnonymousNoThp,
 }
 
 /// CPU virtualization.
@@ -264,7 +270,7 @@ impl Guest {
                 ]);
                 cmd.args(["-machine", "q35,memory-backend=ram0", "-m", &mem]);
             }
-            RamBackend::Anonymous => {
+            RamBackend::Anonymous | RamBackend::AnonymousNoThp => {
                 cmd.args(["-machine", "q35,mem-merge=on", "-m", &mem]);
             }
         }
@@ -307,9 +313,14 @@ impl Guest {
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
+        let no_thp = spec.ram == RamBackend::AnonymousNoThp;
         // SAFETY: only async-signal-safe calls (prctl, setpgid) between fork and exec.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
+                // Inherited across execve: QEMU's MADV_HUGEPAGE then has no effect.
+                if no_thp {
+                    rustix::thread::disable_transparent_huge_pages(true)?;
+                }
                 rustix::process::set_parent_process_death_signal(Some(
                     rustix::process::Signal::KILL,
                 ))?;

@@ -48,6 +48,17 @@ struct Args {
     /// Largest compressed page kept, bytes.
     #[arg(long, default_value_t = 2048)]
     compress_cutoff: usize,
+    /// Host memory budget for the guests' RAM, MiB (their memfds, the pool and the
+    /// store); over it, cold (C4) pages are swapped out (DE §4.6). Needs the clock.
+    #[arg(long)]
+    host_budget_mib: Option<u64>,
+    /// Swap file to create (unlinked once open; default: /var/tmp/memfoldd-swap-PID). It
+    /// belongs on a disk: on tmpfs, swapped pages would still be host memory.
+    #[arg(long)]
+    swap_file: Option<PathBuf>,
+    /// Swap file capacity, MiB.
+    #[arg(long, default_value_t = 1024)]
+    swap_mib: u64,
 }
 
 fn main() {
@@ -55,6 +66,10 @@ fn main() {
     if let Some(dir) = a.socket.parent() {
         let _ = std::fs::create_dir_all(dir);
     }
+    let swap_file = a
+        .swap_file
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("/var/tmp/memfoldd-swap-{}", std::process::id())));
     let cfg = DaemonConfig {
         socket: a.socket,
         rate: a.rate,
@@ -70,9 +85,16 @@ fn main() {
         patch_cutoff: a.patch_cutoff.min(4096),
         compress_codec: a.compress_codec,
         compress_cutoff: a.compress_cutoff.min(4096),
+        host_budget: a.host_budget_mib.map(|m| m << 20),
+        swap_file,
+        swap_capacity: a.swap_mib << 20,
     };
     if a.clock_interval_ms == 0 && a.policy != "sharing" && a.policy != "share-only" {
         eprintln!("memfoldd: policy {} patches or compresses only pages the NRU clock finds cold: give --clock-interval-ms (e.g. 4000)", a.policy);
+        std::process::exit(2);
+    }
+    if a.host_budget_mib.is_some() && a.clock_interval_ms == 0 {
+        eprintln!("memfoldd: --host-budget-mib swaps out pages the NRU clock finds cold: give --clock-interval-ms (e.g. 4000)");
         std::process::exit(2);
     }
     if let Err(e) = run(cfg) {

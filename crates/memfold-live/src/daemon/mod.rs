@@ -17,6 +17,11 @@
 //! private pages are indexed by HashSimilarityDetector signatures as reference candidates,
 //! patched against a similar page or compressed, the blob written to the store memfd, and
 //! the agent asked to stash the page.
+//!
+//! With a host memory budget (DE §4.6), memfoldd measures the host memory its guests use
+//! (their memfds, the pool and the store) and, while it is over the budget, pages cold
+//! (C4) pages out to a swap file instead: patched, compressed or raw. The agent holds the
+//! swap file too and reads a page back on its next access.
 
 pub mod clock;
 pub mod pool;
@@ -41,18 +46,28 @@ use crate::io_util::pread_exact;
 use crate::latency::OpLatency;
 use crate::protocol::{
     AgentReport, Conn, Listener, StashPage, ToAgent, ToClient, ToDaemon, MAX_BATCH, NO_REFERENCE,
-    PROTOCOL_VERSION, RECLAIMED_ZERO,
+    PROTOCOL_VERSION, RAW_PAGE, RECLAIMED_ZERO,
 };
 use clock::ClockHand;
 use pool::{Pool, PoolError};
-use stats::{LifetimeCdf, OpLatencies, SavedBy, Stats, VmStats, AGENT_OPS};
-use store::Store;
+use stats::{LifetimeCdf, OpLatencies, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS};
+use store::{Store, StoreError};
 
 const PAGE: u64 = PAGE_SIZE as u64;
 const PRIVATE: u32 = u32::MAX;
 const RECLAIMED: u32 = RECLAIMED_ZERO;
-/// The page is stashed (patched or compressed; its blob in the store).
+/// The page is stashed (patched, compressed or swapped; its blob in the store or swap file).
 const STASHED: u32 = u32::MAX - 2;
+
+/// Pages of memory (or disk) a file has allocated (its blocks; holes take none).
+fn allocated_pages(fd: std::os::fd::RawFd) -> u64 {
+    // SAFETY: fstat into a zeroed stat buffer.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return 0;
+    }
+    st.st_blocks as u64 * 512 / PAGE
+}
 
 /// Whether a p2m entry names a pool frame.
 fn is_frame(f: u32) -> bool {
@@ -93,6 +108,14 @@ pub struct DaemonConfig {
     pub compress_codec: CompressCodec,
     /// Largest compressed page kept, bytes (DE §3.3: 2048).
     pub compress_cutoff: usize,
+    /// Host memory budget for the guests' RAM (their memfds, the pool and the store),
+    /// bytes; over it, cold pages are swapped out (DE §4.6). `None`: no swapping. Needs
+    /// the clock.
+    pub host_budget: Option<u64>,
+    /// Where to create the swap file (unlinked once open).
+    pub swap_file: PathBuf,
+    /// Swap file capacity, bytes.
+    pub swap_capacity: u64,
 }
 
 /// What memfoldd does with guest pages that are all zero.
@@ -124,6 +147,9 @@ pub enum DaemonError {
     /// The pool failed.
     #[error(transparent)]
     Pool(#[from] PoolError),
+    /// The store memfd or the swap file could not be created.
+    #[error(transparent)]
+    Store(#[from] StoreError),
 }
 
 enum Input {
@@ -169,6 +195,9 @@ struct Vm {
     stash: HashMap<u32, Stashed>,
     /// Stash requests not yet sent.
     stash_queue: Vec<Stashed>,
+    /// Blobs of moves to the swap file whose answer was lost with the agent: kept (the
+    /// agent may use them) until it re-attaches or its QEMU is gone.
+    orphans: Vec<Stashed>,
     /// Per gfn (bit): neither a patch nor compression was under the cut-off when last
     /// tried; not tried again until the guest writes the page.
     de_failed: Vec<u64>,
@@ -178,26 +207,70 @@ struct Vm {
 #[derive(Clone, Copy)]
 struct Stashed {
     gfn: u32,
-    /// Store slot id.
+    /// Store (or swap file) slot id.
     slot: u32,
     offset: u64,
     len: u32,
     /// Slot size, bytes.
     size: u32,
-    kind: BlobKind,
+    /// Encoding; `None`: the raw page (only in the swap file).
+    kind: Option<BlobKind>,
     /// Pool frame of a patch's reference page (holding a count), or [`NO_REFERENCE`].
     reference: u32,
+    /// The blob is in the swap file.
+    in_swap: bool,
+    /// This moves a page stashed in the store to the swap file.
+    moving: bool,
     since: Instant,
+}
+
+/// What keeps a stashed page out of RAM, for the books.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kept {
+    Patched,
+    Compressed,
+    Swapped,
 }
 
 impl Stashed {
     fn page(&self) -> StashPage {
         StashPage {
             gfn: self.gfn,
-            kind: self.kind.to_byte(),
+            kind: self.kind.map_or(RAW_PAGE, BlobKind::to_byte),
             reference: self.reference,
             offset: self.offset,
             len: self.len,
+            in_swap: self.in_swap,
+            moving: self.moving,
+        }
+    }
+
+    /// Host memory this stash frees once done, bytes: a page, or a store slot if it moves
+    /// a stashed page's blob.
+    fn frees(&self) -> u64 {
+        if self.moving {
+            self.size as u64
+        } else {
+            PAGE
+        }
+    }
+
+    fn kept(&self) -> Kept {
+        match (self.in_swap, self.kind) {
+            (true, _) => Kept::Swapped,
+            (false, Some(BlobKind::Patch(_))) => Kept::Patched,
+            (false, _) => Kept::Compressed,
+        }
+    }
+}
+
+impl VmStats {
+    /// The counter of pages kept out of RAM by `k`.
+    fn kept_pages(&mut self, k: Kept) -> &mut u64 {
+        match k {
+            Kept::Patched => &mut self.patched_pages,
+            Kept::Compressed => &mut self.compressed_pages,
+            Kept::Swapped => &mut self.swapped_pages,
         }
     }
 }
@@ -232,13 +305,25 @@ pub struct Daemon {
     zero_hash: u64,
     /// Blobs of stashed pages (created with the pool).
     store: Option<Store>,
+    /// The swap file (DE §4.6), with a host budget (created with the pool).
+    swap: Option<Store>,
+    /// Host pages the guests' RAM used at the last budget check.
+    host_used_pages: u64,
+    /// Bytes still to swap out to get under the budget (the check's estimate).
+    swap_wanted: u64,
+    /// Swap-outs refused because the swap file was full.
+    swap_full: u64,
+    /// When the host memory was last measured.
+    budget_checked: Instant,
     /// Reference-page candidates by similarity signature (DE §4.3): gpns, or pool frames
     /// tagged [`FRAME_ID`]. Kept across share passes, cleared once per clock cycle.
     similar: SimilarityIndex,
     /// Per pool frame used as a patch reference: patches holding it.
     patch_refs: HashMap<u32, u32>,
-    /// Stash slot bytes by kind: [patches, compressed pages].
+    /// Store slot bytes by kind: [patches, compressed pages].
     stash_bytes: [u64; 2],
+    /// Swap file slot bytes.
+    swap_slot_bytes: u64,
     /// Time the Difference Engine took per page: [patch encode, compress], daemon side.
     encode_lat: [OpLatency; 2],
     /// How long stashed pages stayed stashed before the guest touched them, ms.
@@ -372,11 +457,17 @@ impl Daemon {
             zero_frame: None,
             zero_hash: xxh3_page_hash(&zero),
             store: None,
+            swap: None,
+            host_used_pages: 0,
+            swap_wanted: 0,
+            swap_full: 0,
+            budget_checked: Instant::now(),
             similar: SimilarityIndex::new(
                 SimilarityDetector::new(SimilarityConfig::default()).expect("default is valid"),
             ),
             patch_refs: HashMap::new(),
             stash_bytes: [0; 2],
+            swap_slot_bytes: 0,
             encode_lat: Default::default(),
             lifetimes: hdrhistogram::Histogram::new_with_bounds(1, 86_400_000, 2)
                 .expect("valid bounds"),
@@ -419,12 +510,49 @@ impl Daemon {
                 self.scan(budget)?;
             }
             self.flush_all();
+            self.check_budget();
             self.clock_tick();
             if last_reap.elapsed() > Duration::from_secs(1) {
                 last_reap = Instant::now();
                 self.reap_detached();
             }
         }
+    }
+
+    /// With a host budget, measures (every 250 ms) the host memory the guests' RAM uses —
+    /// their memfds, the pool and the store, as allocated pages (fstat), the same
+    /// definition `memfold_vm::hostmem` measures — and sets how many pages the clock
+    /// should swap out to bring it 2% under the budget (DE §4.6), net of swap-outs
+    /// already under way.
+    fn check_budget(&mut self) {
+        let Some(budget) = self.cfg.host_budget else {
+            return;
+        };
+        if self.budget_checked.elapsed() < Duration::from_millis(250) {
+            return;
+        }
+        self.budget_checked = Instant::now();
+        let fds = self
+            .vms
+            .values()
+            .map(|v| v.memfd.as_raw_fd())
+            .chain(self.pool.as_ref().map(|p| p.fd().as_raw_fd()))
+            .chain(self.store.as_ref().map(|s| s.fd().as_raw_fd()));
+        self.host_used_pages = fds.map(allocated_pages).sum();
+        let queued = self.vms.values().flat_map(|v| &v.stash_queue);
+        let sent = self.batches.values().flat_map(|b| match b {
+            Batch::Stash(_, recs) => &recs[..],
+            _ => &[],
+        });
+        let in_flight: u64 = queued
+            .chain(sent)
+            .filter(|r| r.in_swap)
+            .map(Stashed::frees)
+            .sum();
+        let low_water = budget / 100 * 98;
+        self.swap_wanted = (self.host_used_pages * PAGE)
+            .saturating_sub(low_water)
+            .saturating_sub(in_flight);
     }
 
     fn pass_done_waiting(&mut self) -> bool {
@@ -588,8 +716,12 @@ impl Daemon {
                     }
                     self.release_stash(rec);
                 }
+                for rec in std::mem::take(&mut v.orphans) {
+                    self.release_stash(rec);
+                }
                 v.stats.patched_pages = 0;
                 v.stats.compressed_pages = 0;
+                v.stats.swapped_pages = 0;
                 v
             }
             None => {
@@ -616,6 +748,7 @@ impl Daemon {
                     clock: ClockHand::new(pages as usize),
                     stash: HashMap::new(),
                     stash_queue: Vec::new(),
+                    orphans: Vec::new(),
                     de_failed: vec![0; (pages as usize).div_ceil(64)],
                 }
             }
@@ -623,6 +756,12 @@ impl Daemon {
         self.by_base.insert(vm.base_gpn, token);
         if self.store.is_none() {
             self.store = Some(Store::create()?);
+        }
+        if self.swap.is_none() && self.cfg.host_budget.is_some() {
+            self.swap = Some(Store::swap_file(
+                &self.cfg.swap_file,
+                self.cfg.swap_capacity,
+            )?);
         }
         // Reconcile with what the agent says is mapped.
         let pool = self.pool.as_mut().expect("pool set above");
@@ -660,8 +799,12 @@ impl Daemon {
         let welcome = ToAgent::Welcome {
             version: PROTOCOL_VERSION,
         };
-        let store = self.store.as_ref().expect("created above").fd().as_raw_fd();
-        if conn.send(&welcome, &[pool.fd().as_raw_fd(), store]).is_ok() {
+        let mut fds = vec![
+            pool.fd().as_raw_fd(),
+            self.store.as_ref().expect("created above").fd().as_raw_fd(),
+        ];
+        fds.extend(self.swap.as_ref().map(|s| s.fd().as_raw_fd()));
+        if conn.send(&welcome, &fds).is_ok() {
             vm.conn = Some(conn);
         }
         eprintln!(
@@ -692,7 +835,12 @@ impl Daemon {
                 let vm = self.vms.get_mut(&token).expect("checked");
                 for rec in recs {
                     vm.pending[rec.gfn as usize] = false;
-                    vm.stash.insert(rec.gfn, rec);
+                    if rec.moving {
+                        // The agent holds the old blob or this one.
+                        vm.orphans.push(rec);
+                    } else {
+                        vm.stash.insert(rec.gfn, rec);
+                    }
                 }
                 continue;
             }
@@ -714,6 +862,9 @@ impl Daemon {
             let mut vm = self.vms.remove(&t).expect("listed");
             self.by_base.remove(&vm.base_gpn);
             for (_, rec) in std::mem::take(&mut vm.stash) {
+                self.release_stash(rec);
+            }
+            for rec in std::mem::take(&mut vm.orphans) {
                 self.release_stash(rec);
             }
             if let Some(pool) = self.pool.as_mut() {
@@ -872,11 +1023,11 @@ impl Daemon {
     /// are left to the zero policy, identical ones to the sharing scan.
     fn difference_engine(&mut self, t: u64, first: u32, count: u32) -> Result<(), DaemonError> {
         let policy = self.cfg.policy;
-        if !policy
-            .actions
-            .iter()
-            .any(|a| a.patch || a.compress || a.reference)
-        {
+        let swapping = self.swap_wanted > 0;
+        let acts = |a: memfold_core::clock::Actions| {
+            a.reference || a.patch || a.compress || (swapping && a.swap)
+        };
+        if !policy.actions.iter().any(|&a| acts(a)) {
             return Ok(());
         }
         self.refresh_similarity_index();
@@ -893,10 +1044,9 @@ impl Daemon {
             .into_iter()
             .flat_map(|(a, b)| a..b)
             .filter(|&g| {
-                let a = policy.for_state(vm.clock.page(g).state());
                 vm.p2m[g as usize] == PRIVATE
                     && !vm.pending[g as usize]
-                    && (a.reference || a.patch || a.compress)
+                    && acts(policy.for_state(vm.clock.page(g).state()))
             })
             .collect();
         let mut buf = vec![0u8; READ_PAGES * PAGE_SIZE];
@@ -918,7 +1068,53 @@ impl Daemon {
                 self.de_page(t, g0 + k as u32, page)?;
             }
         }
+        self.swap_stashed(t, first, end);
         Ok(())
+    }
+
+    /// Over the budget, after the slice's resident cold pages: moves the blobs of pages
+    /// the slice has stashed in the store to the swap file (DE §4.6: patched and
+    /// compressed pages are swap candidates too). A patch keeps its reference frame.
+    fn swap_stashed(&mut self, t: u64, first: u32, end: u32) {
+        if self.swap_wanted == 0 || self.swap.is_none() {
+            return;
+        }
+        let vm = &self.vms[&t];
+        let mut todo: Vec<Stashed> = (first..end)
+            .filter(|&g| vm.p2m[g as usize] == STASHED && !vm.pending[g as usize])
+            .filter_map(|g| vm.stash.get(&g).copied())
+            .filter(|r| !r.in_swap)
+            .collect();
+        todo.sort_unstable_by_key(|r| r.since);
+        let fd = self
+            .store
+            .as_ref()
+            .expect("stashed pages imply a store")
+            .fd()
+            .as_raw_fd();
+        let mut blob = vec![0u8; PAGE_SIZE];
+        for old in todo {
+            if self.swap_wanted == 0 {
+                break;
+            }
+            let blob = &mut blob[..old.len as usize];
+            if pread_exact(fd, blob, old.offset).is_err() {
+                continue;
+            }
+            let Some(slot) = self.put_blob(blob, true) else {
+                break;
+            };
+            if old.reference != NO_REFERENCE {
+                // The move's record holds the reference frame too until one is released.
+                self.pool
+                    .as_mut()
+                    .expect("patches imply a pool")
+                    .incref(old.reference);
+                *self.patch_refs.entry(old.reference).or_default() += 1;
+            }
+            let (len, kind, r) = (old.len as usize, old.kind, old.reference);
+            self.queue_stash(t, old.gfn, slot, len, kind, r, true, true);
+        }
     }
 
     /// Clears and resizes the similarity index once every four clock intervals (DE §4.3
@@ -932,7 +1128,9 @@ impl Daemon {
         }
     }
 
-    /// One page of a clock slice through the Difference Engine.
+    /// One page of a clock slice through the Difference Engine. Over the host budget, a
+    /// page whose class allows swapping (C4) goes to the swap file in its smallest form
+    /// the policy allows: patch, compressed, or raw (DE §4.6).
     fn de_page(&mut self, t: u64, g: u32, page: &Page) -> Result<(), DaemonError> {
         if page.iter().all(|&b| b == 0) || !self.sharable(t, g) {
             return Ok(());
@@ -944,18 +1142,27 @@ impl Daemon {
         if clock.idle_scans() == 0 {
             vm.de_failed[w] &= !bit; // written since: worth another try
         }
-        let seen = vm.clock.seen_by_sharing(g, self.full_scans) && vm.de_failed[w] & bit == 0;
+        // Sharing goes first: nothing is stored before a full sharing cycle saw the page.
+        let seen = vm.clock.seen_by_sharing(g, self.full_scans);
+        let untried = vm.de_failed[w] & bit == 0;
+        let to_swap = seen && a.swap && self.swap_wanted > 0;
         let gpn = vm.base_gpn + g;
         let sigs = self.similar.detector().signatures(page);
-        if a.patch && seen && self.try_patch(t, g, gpn, &sigs, page)? {
+        if a.patch && seen && untried && self.try_patch(t, g, gpn, &sigs, page, to_swap)? {
             return Ok(());
         }
-        if a.compress && seen {
-            if self.try_compress(t, g, page) {
+        if a.compress && seen && untried {
+            if self.try_compress(t, g, page, to_swap) {
                 return Ok(());
             }
             // Incompressible and unpatchable as it is: spare the CPU until it changes.
             self.vms.get_mut(&t).expect("sharable").de_failed[w] |= bit;
+        }
+        if to_swap {
+            if let Some(slot) = self.put_blob(page, true) {
+                self.queue_stash(t, g, slot, PAGE_SIZE, None, NO_REFERENCE, true, false);
+                return Ok(());
+            }
         }
         if a.reference {
             self.similar.insert(&sigs, gpn);
@@ -981,7 +1188,8 @@ impl Daemon {
     /// §3.2, §4.3): every candidate whose signatures still match gets a patch, the
     /// smallest under the cut-off is kept. A guest page chosen as reference is copied into
     /// a pool frame (which no guest can write, so the patch stays valid whatever the
-    /// guest does) and shared onto it. Returns whether a stash was queued.
+    /// guest does) and shared onto it. The patch goes to the swap file if `to_swap`.
+    /// Returns whether a stash was queued.
     ///
     /// Errors: the pool failed (host out of memory).
     fn try_patch(
@@ -991,6 +1199,7 @@ impl Daemon {
         gpn: u32,
         sigs: &[u32; 8],
         page: &Page,
+        to_swap: bool,
     ) -> Result<bool, DaemonError> {
         let mut cands = Vec::new();
         self.similar.candidates(sigs, &mut cands);
@@ -1020,7 +1229,7 @@ impl Daemon {
         let Some((c, blob, reference)) = best else {
             return Ok(false);
         };
-        let Some(slot) = self.put_blob(&blob) else {
+        let Some(slot) = self.put_blob(&blob, to_swap) else {
             return Ok(false);
         };
         let f = if c & FRAME_ID != 0 {
@@ -1032,7 +1241,7 @@ impl Daemon {
             let f = match pool.alloc(&reference[..], h) {
                 Ok(f) => f,
                 Err(e) => {
-                    self.store.as_mut().expect("put above").free(slot.id);
+                    self.store_for(to_swap).expect("put above").free(slot.id);
                     return Err(e.into());
                 }
             };
@@ -1045,13 +1254,14 @@ impl Daemon {
         let pool = self.pool.as_mut().expect("attached guests imply a pool");
         pool.incref(f);
         *self.patch_refs.entry(f).or_default() += 1;
-        self.queue_stash(t, g, slot, blob.len(), BlobKind::Patch(codec), f);
+        let kind = Some(BlobKind::Patch(codec));
+        self.queue_stash(t, g, slot, blob.len(), kind, f, to_swap, false);
         Ok(true)
     }
 
-    /// Compresses page `g` of guest `t` (DE §3.3) and queues its stash if the result is
-    /// under the cut-off. Returns whether it did.
-    fn try_compress(&mut self, t: u64, g: u32, page: &Page) -> bool {
+    /// Compresses page `g` of guest `t` (DE §3.3) and queues its stash (to the swap file
+    /// if `to_swap`) if the result is under the cut-off. Returns whether it did.
+    fn try_compress(&mut self, t: u64, g: u32, page: &Page, to_swap: bool) -> bool {
         let codec = self.cfg.compress_codec;
         let mut blob = Vec::new();
         let started = Instant::now();
@@ -1062,46 +1272,64 @@ impl Daemon {
         if blob.is_empty() || blob.len() > self.cfg.compress_cutoff {
             return false;
         }
-        let Some(slot) = self.put_blob(&blob) else {
+        let Some(slot) = self.put_blob(&blob, to_swap) else {
             return false;
         };
-        self.queue_stash(
-            t,
-            g,
-            slot,
-            blob.len(),
-            BlobKind::Compressed(codec),
-            NO_REFERENCE,
-        );
+        let kind = Some(BlobKind::Compressed(codec));
+        self.queue_stash(t, g, slot, blob.len(), kind, NO_REFERENCE, to_swap, false);
         true
     }
 
-    /// Writes a blob into the store; `None` (logged) if the store cannot take it.
-    fn put_blob(&mut self, blob: &[u8]) -> Option<memfold_core::slab::Slot> {
-        let store = self.store.as_mut()?;
-        match store.put(blob) {
+    /// The store memfd, or the swap file if `swap`.
+    fn store_for(&mut self, swap: bool) -> Option<&mut Store> {
+        if swap {
+            self.swap.as_mut()
+        } else {
+            self.store.as_mut()
+        }
+    }
+
+    /// Writes a blob into the store memfd or the swap file; `None` if it cannot take it
+    /// (logged; a full swap file stops swapping until the next budget check).
+    fn put_blob(&mut self, blob: &[u8], swap: bool) -> Option<memfold_core::slab::Slot> {
+        match self.store_for(swap)?.put(blob) {
             Ok(s) => Some(s),
             Err(e) => {
+                if matches!(e, StoreError::Full { .. }) {
+                    self.swap_full += 1;
+                    self.swap_wanted = 0;
+                    if !self.swap_full.is_power_of_two() {
+                        return None; // said already
+                    }
+                }
                 eprintln!("memfoldd: {e}; page left in guest RAM");
                 None
             }
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn queue_stash(
         &mut self,
         t: u64,
         g: u32,
         slot: memfold_core::slab::Slot,
         len: usize,
-        kind: BlobKind,
+        kind: Option<BlobKind>,
         reference: u32,
+        in_swap: bool,
+        moving: bool,
     ) {
-        self.stash_bytes[matches!(kind, BlobKind::Compressed(_)) as usize] += slot.size as u64;
+        if in_swap {
+            self.swap_slot_bytes += slot.size as u64;
+        } else {
+            self.stash_bytes[matches!(kind, Some(BlobKind::Compressed(_))) as usize] +=
+                slot.size as u64;
+        }
         self.pass_requests += 1;
         let vm = self.vms.get_mut(&t).expect("sharable");
         vm.pending[g as usize] = true;
-        vm.stash_queue.push(Stashed {
+        let rec = Stashed {
             gfn: g,
             slot: slot.id,
             offset: slot.offset,
@@ -1109,8 +1337,14 @@ impl Daemon {
             size: slot.size,
             kind,
             reference,
+            in_swap,
+            moving,
             since: Instant::now(),
-        });
+        };
+        if in_swap {
+            self.swap_wanted = self.swap_wanted.saturating_sub(rec.frees());
+        }
+        vm.stash_queue.push(rec);
         if vm.stash_queue.len() >= MAX_BATCH {
             self.flush(t);
         }
@@ -1118,10 +1352,15 @@ impl Daemon {
 
     /// Frees a stash record's blob and its hold on the reference frame.
     fn release_stash(&mut self, rec: Stashed) {
-        if let Some(store) = self.store.as_mut() {
+        if let Some(store) = self.store_for(rec.in_swap) {
             store.free(rec.slot);
         }
-        self.stash_bytes[matches!(rec.kind, BlobKind::Compressed(_)) as usize] -= rec.size as u64;
+        if rec.in_swap {
+            self.swap_slot_bytes -= rec.size as u64;
+        } else {
+            self.stash_bytes[matches!(rec.kind, Some(BlobKind::Compressed(_))) as usize] -=
+                rec.size as u64;
+        }
         if rec.reference == NO_REFERENCE {
             return;
         }
@@ -1152,16 +1391,36 @@ impl Daemon {
                 for rec in recs {
                     let g = rec.gfn as usize;
                     vm.pending[g] = false;
+                    if rec.moving {
+                        // Moved only if the agent still had it stashed in the store.
+                        let moved = stashed.contains(&rec.gfn) && vm.p2m[g] == STASHED;
+                        match vm.stash.get_mut(&rec.gfn).filter(|_| moved) {
+                            Some(old) => {
+                                let moved = Stashed {
+                                    moving: false,
+                                    since: old.since,
+                                    ..rec
+                                };
+                                let old = std::mem::replace(old, moved);
+                                *vm.stats.kept_pages(old.kept()) -= 1;
+                                *vm.stats.kept_pages(Kept::Swapped) += 1;
+                                vm.stats.swap_outs += 1;
+                                vm.stats.swap_moves += 1;
+                                release.push(old);
+                            }
+                            None => release.push(rec),
+                        }
+                        continue;
+                    }
                     if stashed.contains(&rec.gfn) && vm.p2m[g] == PRIVATE {
                         vm.p2m[g] = STASHED;
                         vm.stash.insert(rec.gfn, rec);
-                        if matches!(rec.kind, BlobKind::Patch(_)) {
-                            vm.stats.patched_pages += 1;
-                            vm.stats.patches += 1;
-                        } else {
-                            vm.stats.compressed_pages += 1;
-                            vm.stats.compressions += 1;
-                        }
+                        *vm.stats.kept_pages(rec.kept()) += 1;
+                        *match rec.kept() {
+                            Kept::Patched => &mut vm.stats.patches,
+                            Kept::Compressed => &mut vm.stats.compressions,
+                            Kept::Swapped => &mut vm.stats.swap_outs,
+                        } += 1;
                     } else {
                         release.push(rec);
                     }
@@ -1191,10 +1450,9 @@ impl Daemon {
             vm.p2m[g as usize] = PRIVATE;
             vm.clock.fresh(g);
             vm.stats.unstashes += 1;
-            if matches!(rec.kind, BlobKind::Patch(_)) {
-                vm.stats.patched_pages -= 1;
-            } else {
-                vm.stats.compressed_pages -= 1;
+            *vm.stats.kept_pages(rec.kept()) -= 1;
+            if rec.kept() == Kept::Swapped {
+                vm.stats.swap_ins += 1;
             }
             let ms = rec.since.elapsed().as_millis().max(1) as u64;
             let _ = self.lifetimes.record(ms.min(86_400_000));
@@ -1396,6 +1654,12 @@ impl Daemon {
         let gfns = std::mem::take(&mut vm.zero_queue);
         let stash = std::mem::take(&mut vm.stash_queue);
         let mut requests = Vec::new();
+        if stash.iter().any(|r| r.in_swap) {
+            // Swapped pages must leave host memory: not linger in the page cache.
+            if let Some(Err(e)) = self.swap.as_ref().map(Store::write_back) {
+                eprintln!("memfoldd: swap file write-back: {e}");
+            }
+        }
         if !stash.is_empty() {
             self.next_batch += 1;
             let batch = self.next_batch;
@@ -1482,6 +1746,7 @@ impl Daemon {
         let reclaimed: u64 = vms.iter().map(|v| v.zero_reclaimed_pages).sum();
         let patched: u64 = vms.iter().map(|v| v.patched_pages).sum();
         let compressed: u64 = vms.iter().map(|v| v.compressed_pages).sum();
+        let swapped: u64 = vms.iter().map(|v| v.swapped_pages).sum();
         let frames = self.pool.as_ref().map_or(0, |p| p.in_use()) as u64;
         let mut all: [OpLatency; AGENT_OPS] = Default::default();
         for v in self.vms.values() {
@@ -1506,6 +1771,7 @@ impl Daemon {
             zero: reclaimed as i64,
             patching: patched as i64 - self.stash_bytes[0] as i64 / page - reference_frames as i64,
             compression: compressed as i64 - self.stash_bytes[1] as i64 / page,
+            swap: swapped as i64,
             store_waste: store_pages as i64
                 - (self.stash_bytes[0] + self.stash_bytes[1]) as i64 / page,
         };
@@ -1520,12 +1786,27 @@ impl Daemon {
                 + reclaimed as i64
                 + patched as i64
                 + compressed as i64
+                + swapped as i64
                 - store_pages as i64,
             saved_by,
             patched_pages: patched,
             compressed_pages: compressed,
             store_pages,
             reference_frames,
+            swap: SwapStats {
+                budget_pages: self.cfg.host_budget.map(|b| b / PAGE),
+                host_used_pages: self.host_used_pages,
+                swapped_pages: swapped,
+                slot_bytes: self.swap_slot_bytes,
+                file_pages: self.swap.as_ref().map_or(0, |s| s.stats().chunks),
+                capacity_pages: self
+                    .swap
+                    .as_ref()
+                    .and_then(Store::capacity)
+                    .map_or(0, |c| c / PAGE),
+                full: self.swap_full,
+                wanted_pages: self.swap_wanted / PAGE,
+            },
             lifetime: self.lifetime_cdf(),
             policy: self.cfg.policy.name.to_string(),
             latency,

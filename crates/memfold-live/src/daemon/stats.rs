@@ -76,8 +76,32 @@ pub struct SavedBy {
     pub patching: i64,
     /// Compression: compressed pages − their store slots (pages).
     pub compression: i64,
+    /// Swap (DE §4.6): pages in the swap file (patched, compressed or raw); on disk, they
+    /// take no host memory.
+    pub swap: i64,
     /// Store pages not covered by live slots (fragmentation; subtracted from the total).
     pub store_waste: i64,
+}
+
+/// The host memory budget and the swap file (DE §4.6). Pages are 4 KiB.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SwapStats {
+    /// The budget, pages; `None`: no budget, no swapping.
+    pub budget_pages: Option<u64>,
+    /// Host pages the guests' RAM used (memfds, pool, store) at the last check.
+    pub host_used_pages: u64,
+    /// Guest pages in the swap file now.
+    pub swapped_pages: u64,
+    /// Bytes of swap slots in use.
+    pub slot_bytes: u64,
+    /// Swap file pages (disk blocks) in use.
+    pub file_pages: u64,
+    /// Swap file capacity, pages.
+    pub capacity_pages: u64,
+    /// Swap-outs refused because the swap file was full (cumulative).
+    pub full: u64,
+    /// Pages still to swap out to get under the budget.
+    pub wanted_pages: u64,
 }
 
 /// One guest's counters. Pages are 4 KiB; counters are cumulative since attach.
@@ -136,6 +160,14 @@ pub struct VmStats {
     pub stash_changed: u64,
     /// Stash requests the agent refused.
     pub stash_refused: u64,
+    /// Pages in the swap file now (DE §4.6).
+    pub swapped_pages: u64,
+    /// Pages swapped out (cumulative).
+    pub swap_outs: u64,
+    /// Swapped pages the guest touched again, read back (cumulative).
+    pub swap_ins: u64,
+    /// Of the swap-outs, patched or compressed pages moved from the store (cumulative).
+    pub swap_moves: u64,
     /// The agent's connection is lost but QEMU lives (its mappings are kept).
     pub detached: bool,
 }
@@ -168,6 +200,8 @@ pub struct Stats {
     pub store_pages: u64,
     /// Pool frames held only as patch reference pages (no guest page maps them).
     pub reference_frames: u64,
+    /// The host memory budget and the swap file (DE §4.6).
+    pub swap: SwapStats,
     /// Patched/compressed page lifetimes.
     pub lifetime: LifetimeCdf,
     /// The Difference Engine policy by name (`sharing`, `de`, ...).
@@ -227,12 +261,39 @@ impl Stats {
             self.reference_frames as f64,
         );
         g(
+            "host_used_pages",
+            "Host pages the guests' RAM used at the last budget check.",
+            self.swap.host_used_pages as f64,
+        );
+        g(
+            "swapped_pages",
+            "Guest pages in the swap file.",
+            self.swap.swapped_pages as f64,
+        );
+        g(
+            "swap_file_pages",
+            "Swap file pages in use.",
+            self.swap.file_pages as f64,
+        );
+        g(
+            "swap_full_total",
+            "Swap-outs refused because the swap file was full.",
+            self.swap.full as f64,
+        );
+        g(
             "table_entries",
             "Share-table entries.",
             self.table_entries as f64,
         );
         type Field = fn(&VmStats) -> u64;
-        let per_vm: [(&str, &str, Field); 20] = [
+        let per_vm: [(&str, &str, Field); 23] = [
+            ("vm_swapped_pages", "Pages in the swap file.", |v| {
+                v.swapped_pages
+            }),
+            ("vm_swap_outs_total", "Pages swapped out.", |v| v.swap_outs),
+            ("vm_swap_ins_total", "Swapped pages read back.", |v| {
+                v.swap_ins
+            }),
             ("vm_patched_pages", "Pages stored as patches.", |v| {
                 v.patched_pages
             }),
