@@ -1294,14 +1294,15 @@ impl Daemon {
     fn put_blob(&mut self, blob: &[u8], swap: bool) -> Option<memfold_core::slab::Slot> {
         match self.store_for(swap)?.put(blob) {
             Ok(s) => Some(s),
-            Err(e) => {
-                if matches!(e, StoreError::Full { .. }) {
-                    self.swap_full += 1;
-                    self.swap_wanted = 0;
-                    if !self.swap_full.is_power_of_two() {
-                        return None; // said already
-                    }
+            Err(e @ StoreError::Full { .. }) => {
+                self.swap_full += 1;
+                self.swap_wanted = 0;
+                if self.swap_full.is_power_of_two() {
+                    eprintln!("memfoldd: {e} (refusal {})", self.swap_full);
                 }
+                None
+            }
+            Err(e) => {
                 eprintln!("memfoldd: {e}; page left in guest RAM");
                 None
             }
