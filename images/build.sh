@@ -66,6 +66,11 @@ else
         echo "$m" >> "$ird/lib/modules/order"
     done
     cp "$here/disk-init" "$ird/init"
+    # The workload and self-check ride in the initramfs (disk-init copies them into the
+    # throw-away root): changing them rebuilds the initramfs, not the rootfs.
+    mkdir -p "$ird/memfold"
+    cp "$here/guest-init" "$ird/memfold/memfold-init"
+    cp "$here/selfcheck.sh" "$ird/memfold/memfold-selfcheck"
 fi
 chmod +x "$ird/init"
 (cd "$ird" && find . | cpio -o -H newc 2>/dev/null | gzip -1 > "$out/initrd.img")
@@ -82,8 +87,6 @@ if [ -n "$release" ] && [ ! -f "$out/.rootfs-done" ]; then
     printf '#!/bin/sh\nexit 101\n' > "$root/usr/sbin/policy-rc.d"; chmod +x "$root/usr/sbin/policy-rc.d"
     chroot "$root" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $packages >"$out/apt.log" 2>&1 || { tail -20 "$out/apt.log" >&2; exit 1; }
     rm -f "$root/usr/sbin/policy-rc.d"
-    install -m 0755 "$here/guest-init" "$root/sbin/memfold-init"
-    install -m 0755 "$here/selfcheck.sh" "$root/usr/local/bin/memfold-selfcheck"
     echo "$profile" > "$root/etc/memfold-profile"
     case "$profile" in
         db)

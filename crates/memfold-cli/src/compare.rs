@@ -51,6 +51,10 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         a.run.secs > 0,
         "memfold compare needs --secs > 0 (each side runs that long)"
     );
+    anyhow::ensure!(
+        !a.run.plain_twins,
+        "--plain-twins is for memfold run (the KSM side has no twins)"
+    );
     eprintln!("== memfold (policy {}) on the set", a.run.policy);
     let (m, out) = run::measure(&a.run, "compare", &stop)?;
     run::write_outputs(&out, &m)?;

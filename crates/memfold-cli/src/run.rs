@@ -3,6 +3,7 @@
 //! live per guest and in total what it saves, by mechanism, measured with the
 //! one host-memory definition (`memfold_vm::hostmem`) that `memfold ksm` uses too.
 
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -14,7 +15,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use memfold_live::daemon::stats::{SavedBy, Stats, SwapStats, VmStats};
 use memfold_live::daemon::ZeroPolicy;
-use memfold_vm::launcher::{agent_env, RamBackend};
+use memfold_vm::launcher::{agent_env, Guest, RamBackend};
 use serde::Serialize;
 
 use crate::guests;
@@ -56,6 +57,12 @@ pub struct RunArgs {
     /// Swap file capacity, MiB (with --host-budget-mib).
     #[arg(long, default_value_t = 1024)]
     pub swap_mib: u64,
+    /// Boot beside each guest a twin of its profile that memfold does not manage (no
+    /// agent) and report each workload's throughput, managed vs plain, over the same
+    /// seconds on the same host (guest overhead, side by side). Memory figures count the
+    /// managed guests only.
+    #[arg(long)]
+    pub plain_twins: bool,
 }
 
 impl RunArgs {
@@ -97,6 +104,86 @@ pub struct MemfoldRun {
     pub cpu_s: f64,
     /// Samples, one per second.
     pub samples: Vec<Sample>,
+    /// With `--plain-twins`: each workload's throughput, managed vs its plain twin.
+    pub throughput: Vec<Throughput>,
+}
+
+/// A workload's throughput in a managed guest and in its plain twin over the same run
+/// (the `MEMFOLD-RATE <metric> <value>` lines the guests print, one per workload round).
+#[derive(Clone, Debug, Serialize)]
+pub struct Throughput {
+    /// The managed guest.
+    pub guest: String,
+    /// Its plain twin.
+    pub twin: String,
+    /// What the workload reports (`web-req/s`, `pgbench-tps`, `py-req/s`).
+    pub metric: String,
+    /// Mean per round in the managed guest, and rounds.
+    pub managed: f64,
+    /// Rounds reported by the managed guest.
+    pub managed_rounds: usize,
+    /// Mean per round in the plain twin.
+    pub plain: f64,
+    /// Rounds reported by the plain twin.
+    pub plain_rounds: usize,
+}
+
+impl Throughput {
+    /// Managed / plain − 1 (negative: the managed guest is slower).
+    pub fn change(&self) -> f64 {
+        self.managed / self.plain - 1.0
+    }
+}
+
+/// The `MEMFOLD-RATE` values in a guest's console text, by metric.
+fn rates(serial: &str) -> BTreeMap<String, Vec<f64>> {
+    let mut out: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for l in serial.lines() {
+        let Some(rest) = l.split("MEMFOLD-RATE ").nth(1) else {
+            continue;
+        };
+        let mut f = rest.split_whitespace();
+        if let (Some(m), Some(Ok(v))) = (f.next(), f.next().map(str::parse::<f64>)) {
+            if v.is_finite() && v > 0.0 {
+                out.entry(m.to_string()).or_default().push(v);
+            }
+        }
+    }
+    out
+}
+
+/// Pairs each managed guest with its plain twin and compares their rates since
+/// `since` (bytes of each one's console text when memfoldd started).
+fn throughput(
+    managed: &[Guest],
+    plain: &[Guest],
+    since: &HashMap<String, usize>,
+) -> Vec<Throughput> {
+    let window = |g: &Guest| {
+        let s = g.serial();
+        rates(
+            s.get(since.get(&g.name).copied().unwrap_or(0)..)
+                .unwrap_or(""),
+        )
+    };
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let mut out = Vec::new();
+    for (m, p) in managed.iter().zip(plain) {
+        let (rm, rp) = (window(m), window(p));
+        for (metric, vm) in &rm {
+            let Some(vp) = rp.get(metric) else { continue };
+            out.push(Throughput {
+                guest: m.name.clone(),
+                twin: p.name.clone(),
+                metric: metric.clone(),
+                managed: mean(vm),
+                managed_rounds: vm.len(),
+                plain: mean(vp),
+                plain_rounds: vp.len(),
+            });
+        }
+    }
+    out
 }
 
 /// The agent library and memfoldd, installed beside the `memfold` binary.
@@ -167,10 +254,41 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         .unwrap_or_else(|| crate::default_out(default_out));
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let socket = std::fs::canonicalize(&out)?.join("memfoldd.sock");
-    let (mut guests, _accel, out) =
-        guests::start_set_with(&a.set, RamBackend::Memfd, default_out, |s| {
+    let mut set = a.set.clone();
+    if a.plain_twins {
+        // web,db → web,web,db,db: web-1 managed, web-2 its plain twin, ...
+        set.profiles = set
+            .profiles
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .flat_map(|p| [p, p])
+            .collect::<Vec<_>>()
+            .join(",");
+    }
+    // Without twins every guest is managed; with them, the odd-numbered ones.
+    let managed = |name: &str| {
+        !a.plain_twins
+            || name
+                .rsplit('-')
+                .next()
+                .and_then(|n| n.parse::<u32>().ok())
+                .is_some_and(|n| n % 2 == 1)
+    };
+    let (all, _accel, out) = guests::start_set_with(&set, RamBackend::Memfd, default_out, |s| {
+        if managed(&s.name) {
             agent_env(&agent, &socket, s)
-        })?;
+        } else {
+            Vec::new()
+        }
+    })?;
+    let (mut guests, mut plain): (Vec<Guest>, Vec<Guest>) =
+        all.into_iter().partition(|g| managed(&g.name));
+    let since: HashMap<String, usize> = guests
+        .iter()
+        .chain(&plain)
+        .map(|g| (g.name.clone(), g.serial().len()))
+        .collect();
     let used_before = crate::ksm::used(&guests)?.0;
     let mut cmd = Command::new(&daemon_bin);
     cmd.arg("--socket")
@@ -209,7 +327,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         && (a.secs == 0 || start.elapsed() < Duration::from_secs(a.secs))
     {
         std::thread::sleep(Duration::from_secs(1));
-        for g in guests.iter_mut() {
+        for g in guests.iter_mut().chain(plain.iter_mut()) {
             g.check_alive()?;
             anyhow::ensure!(
                 g.mismatches().is_empty(),
@@ -236,7 +354,8 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             .sum::<f64>()
         - agent_cpu0;
     drop(daemon);
-    for g in guests.iter_mut() {
+    let throughput = throughput(&guests, &plain, &since);
+    for g in guests.iter_mut().chain(plain.iter_mut()) {
         anyhow::ensure!(
             g.mismatches().is_empty(),
             "guest {} self-check failed: {:?}",
@@ -261,6 +380,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             t95_s,
             cpu_s,
             samples,
+            throughput,
         },
         out,
     ))
@@ -550,6 +670,22 @@ pub fn run(a: &RunArgs) -> Result<()> {
             }
             print_latencies(&s.stats);
         }
+        if !r.throughput.is_empty() {
+            println!("workload throughput over the run, managed guest vs its plain twin (mean per round):");
+            for t in &r.throughput {
+                println!(
+                    "  {:<12} {:<12} {:>10.2} ({:>3} rounds)  vs {:<12} {:>10.2} ({:>3} rounds)  {:+.1}%",
+                    t.metric,
+                    t.guest,
+                    t.managed,
+                    t.managed_rounds,
+                    t.twin,
+                    t.plain,
+                    t.plain_rounds,
+                    t.change() * 100.0
+                );
+            }
+        }
         println!(
             "time series: {}, {}",
             out.join("run.csv").display(),
@@ -557,4 +693,20 @@ pub fn run(a: &RunArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rates;
+
+    #[test]
+    fn rate_lines_are_read_by_metric_and_junk_is_skipped() {
+        let serial = "boot\nMEMFOLD-RATE web-req/s 12.50\n[ 3.1] x MEMFOLD-RATE pgbench-tps 88\n\
+                      MEMFOLD-RATE web-req/s 7.5\nMEMFOLD-RATE web-req/s nan\nMEMFOLD-RATE py-req/s\n\
+                      MEMFOLD-RATE web-req/s -1\n";
+        let r = rates(serial);
+        assert_eq!(r["web-req/s"], vec![12.5, 7.5]);
+        assert_eq!(r["pgbench-tps"], vec![88.0]);
+        assert_eq!(r.len(), 2);
+    }
 }
