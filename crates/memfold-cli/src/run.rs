@@ -59,10 +59,14 @@ pub struct RunArgs {
     pub swap_mib: u64,
     /// Boot beside each guest a twin of its profile that memfold does not manage (no
     /// agent) and report each workload's throughput, managed vs plain, over the same
-    /// seconds on the same host (guest overhead, side by side). Memory figures count the
-    /// managed guests only.
+    /// seconds on the same host (guest overhead, side by side); each pair is pinned to
+    /// one host CPU. Memory figures count the managed guests only.
     #[arg(long)]
     pub plain_twins: bool,
+    /// With --plain-twins: boot the plain twin of each pair first (the managed one
+    /// second), to tell an order effect from memfold's.
+    #[arg(long, requires = "plain_twins")]
+    pub plain_first: bool,
 }
 
 impl RunArgs {
@@ -118,7 +122,7 @@ pub struct Throughput {
     pub twin: String,
     /// What the workload reports (`web-req/s`, `pgbench-tps`, `py-req/s`).
     pub metric: String,
-    /// Mean per round in the managed guest, and rounds.
+    /// Mean per round in the managed guest.
     pub managed: f64,
     /// Rounds reported by the managed guest.
     pub managed_rounds: usize,
@@ -126,6 +130,10 @@ pub struct Throughput {
     pub plain: f64,
     /// Rounds reported by the plain twin.
     pub plain_rounds: usize,
+    /// CPU seconds the managed guest's QEMU used over the run (its agent included).
+    pub managed_cpu_s: f64,
+    /// CPU seconds the plain twin's QEMU used over the run.
+    pub plain_cpu_s: f64,
 }
 
 impl Throughput {
@@ -153,18 +161,18 @@ fn rates(serial: &str) -> BTreeMap<String, Vec<f64>> {
 }
 
 /// Pairs each managed guest with its plain twin and compares their rates since
-/// `since` (bytes of each one's console text when memfoldd started).
+/// `since` (per guest: bytes of its console text and its QEMU's CPU seconds when memfoldd
+/// started).
 fn throughput(
     managed: &[Guest],
     plain: &[Guest],
-    since: &HashMap<String, usize>,
+    since: &HashMap<String, (usize, f64)>,
 ) -> Vec<Throughput> {
+    let at_start = |g: &Guest| since.get(&g.name).copied().unwrap_or((0, 0.0));
+    let cpu = |g: &Guest| cpu_seconds(g.pid, None) - at_start(g).1;
     let window = |g: &Guest| {
         let s = g.serial();
-        rates(
-            s.get(since.get(&g.name).copied().unwrap_or(0)..)
-                .unwrap_or(""),
-        )
+        rates(s.get(at_start(g).0..).unwrap_or(""))
     };
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     let mut out = Vec::new();
@@ -180,6 +188,8 @@ fn throughput(
                 managed_rounds: vm.len(),
                 plain: mean(vp),
                 plain_rounds: vp.len(),
+                managed_cpu_s: cpu(m),
+                plain_cpu_s: cpu(p),
             });
         }
     }
@@ -266,14 +276,15 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             .collect::<Vec<_>>()
             .join(",");
     }
-    // Without twins every guest is managed; with them, the odd-numbered ones.
+    // Without twins every guest is managed; with them, the odd-numbered ones (the even
+    // ones with --plain-first).
     let managed = |name: &str| {
         !a.plain_twins
             || name
                 .rsplit('-')
                 .next()
                 .and_then(|n| n.parse::<u32>().ok())
-                .is_some_and(|n| n % 2 == 1)
+                .is_some_and(|n| (n % 2 == 1) != a.plain_first)
     };
     let (all, _accel, out) = guests::start_set_with(&set, RamBackend::Memfd, default_out, |s| {
         if managed(&s.name) {
@@ -284,10 +295,21 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     })?;
     let (mut guests, mut plain): (Vec<Guest>, Vec<Guest>) =
         all.into_iter().partition(|g| managed(&g.name));
-    let since: HashMap<String, usize> = guests
+    if a.plain_twins {
+        // Each pair shares one host CPU: equal shares, and the agent's CPU time is the
+        // managed guest's cost (unpinned, the scheduler gave managed QEMUs 30-45% more).
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for (i, (m, p)) in guests.iter().zip(&plain).enumerate() {
+            for g in [m, p] {
+                g.pin_to_cpu(i % cpus)
+                    .with_context(|| format!("cannot pin {} to CPU {}", g.name, i % cpus))?;
+            }
+        }
+    }
+    let since: HashMap<String, (usize, f64)> = guests
         .iter()
         .chain(&plain)
-        .map(|g| (g.name.clone(), g.serial().len()))
+        .map(|g| (g.name.clone(), (g.serial().len(), cpu_seconds(g.pid, None))))
         .collect();
     let used_before = crate::ksm::used(&guests)?.0;
     let mut cmd = Command::new(&daemon_bin);
@@ -674,14 +696,16 @@ pub fn run(a: &RunArgs) -> Result<()> {
             println!("workload throughput over the run, managed guest vs its plain twin (mean per round):");
             for t in &r.throughput {
                 println!(
-                    "  {:<12} {:<12} {:>10.2} ({:>3} rounds)  vs {:<12} {:>10.2} ({:>3} rounds)  {:+.1}%",
+                    "  {:<12} {:<12} {:>10.2} ({:>3} rounds, {:>5.0} CPU s)  vs {:<12} {:>10.2} ({:>3} rounds, {:>5.0} CPU s)  {:+.1}%",
                     t.metric,
                     t.guest,
                     t.managed,
                     t.managed_rounds,
+                    t.managed_cpu_s,
                     t.twin,
                     t.plain,
                     t.plain_rounds,
+                    t.plain_cpu_s,
                     t.change() * 100.0
                 );
             }

@@ -1023,16 +1023,14 @@ impl Agent {
 
     /// Moves stashed page `p.gfn` to the blob `p` names (in the swap file) if the page is
     /// still stashed in the store and both blobs decode to the same bytes. Returns whether
-    /// it moved. The page is not in guest RAM, and faults on it are served by this thread:
-    /// nothing can change it meanwhile.
+    /// it moved (not: the guest touched the page since, or the bytes differ). The page is
+    /// not in guest RAM, and faults on it are served by this thread: nothing can change it
+    /// meanwhile.
     ///
-    /// Errors: the page is not stashed in the store, or a blob cannot be read or decoded.
+    /// Errors: a blob cannot be read or decoded.
     fn move_stashed(&mut self, p: &StashPage, new: &mut [u8], old: &mut [u8]) -> io::Result<bool> {
-        let g = p.gfn;
-        let Some(cur) = self.stashed.get(&g).copied().filter(|c| !c.in_swap) else {
-            return Err(io::Error::other(format!(
-                "gfn {g} is not stashed in the store"
-            )));
+        let Some(cur) = self.stashed.get(&p.gfn).copied().filter(|c| !c.in_swap) else {
+            return Ok(false);
         };
         let old: &mut Page = old.try_into().expect("page");
         let new: &mut Page = new.try_into().expect("page");
@@ -1042,7 +1040,7 @@ impl Agent {
             return Ok(false);
         }
         self.stashed.insert(
-            g,
+            p.gfn,
             StashPage {
                 moving: false,
                 ..*p

@@ -370,6 +370,24 @@ impl Guest {
         t
     }
 
+    /// Pins every thread of this guest's QEMU (and so the threads it starts later, which
+    /// inherit the mask) to host CPU `cpu`. Side-by-side measurements pin two guests to
+    /// one CPU so that they get equal shares of it.
+    ///
+    /// Errors: the threads cannot be listed or a mask cannot be set (QEMU gone, no such
+    /// CPU).
+    pub fn pin_to_cpu(&self, cpu: usize) -> std::io::Result<()> {
+        let mut set = rustix::thread::CpuSet::new();
+        set.set(cpu);
+        for t in std::fs::read_dir(format!("/proc/{}/task", self.pid))? {
+            let tid: i32 = t?.file_name().to_string_lossy().parse().unwrap_or(0);
+            if let Some(tid) = rustix::process::Pid::from_raw(tid) {
+                rustix::thread::sched_setaffinity(Some(tid), &set)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Checks QEMU still runs.
     ///
     /// Errors: [`VmError::Exited`] with the log's end.

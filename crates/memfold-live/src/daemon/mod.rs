@@ -201,7 +201,16 @@ struct Vm {
     /// Per gfn (bit): neither a patch nor compression was under the cut-off when last
     /// tried; not tried again until the guest writes the page.
     de_failed: Vec<u64>,
+    /// Per gfn: idle clock scans the page needs before it is stored again (0: what the
+    /// policy's classes say). A page the guest took back within [`RESTASH_LIVED`] waits
+    /// twice as long next time (2, 4, then 7 scans: 8–28 s at a 4 s clock), so pages a
+    /// workload revisits every few seconds stop cycling through decode faults; one that
+    /// stayed stored longer starts afresh.
+    restash_wait: Vec<u8>,
 }
+
+/// A stored page taken back sooner than this was not cold enough: see `Vm::restash_wait`.
+const RESTASH_LIVED: Duration = Duration::from_secs(30);
 
 /// A stashed page's blob (or one a stash request names).
 #[derive(Clone, Copy)]
@@ -750,6 +759,7 @@ impl Daemon {
                     stash_queue: Vec::new(),
                     orphans: Vec::new(),
                     de_failed: vec![0; (pages as usize).div_ceil(64)],
+                    restash_wait: vec![0; pages as usize],
                 }
             }
         };
@@ -1076,7 +1086,8 @@ impl Daemon {
     /// the slice has stashed in the store to the swap file (DE §4.6: patched and
     /// compressed pages are swap candidates too). A patch keeps its reference frame.
     fn swap_stashed(&mut self, t: u64, first: u32, end: u32) {
-        if self.swap_wanted == 0 || self.swap.is_none() {
+        let allowed = self.cfg.policy.actions.iter().any(|a| a.swap);
+        if !allowed || self.swap_wanted == 0 || self.swap.is_none() {
             return;
         }
         let vm = &self.vms[&t];
@@ -1142,8 +1153,10 @@ impl Daemon {
         if clock.idle_scans() == 0 {
             vm.de_failed[w] &= !bit; // written since: worth another try
         }
-        // Sharing goes first: nothing is stored before a full sharing cycle saw the page.
-        let seen = vm.clock.seen_by_sharing(g, self.full_scans);
+        // Sharing goes first: nothing is stored before a full sharing cycle saw the page,
+        // nor before it has been idle as long as its history asks.
+        let seen = vm.clock.seen_by_sharing(g, self.full_scans)
+            && clock.idle_scans() >= vm.restash_wait[g as usize];
         let untried = vm.de_failed[w] & bit == 0;
         let to_swap = seen && a.swap && self.swap_wanted > 0;
         let gpn = vm.base_gpn + g;
@@ -1451,6 +1464,12 @@ impl Daemon {
             vm.p2m[g as usize] = PRIVATE;
             vm.clock.fresh(g);
             vm.stats.unstashes += 1;
+            let wait = &mut vm.restash_wait[g as usize];
+            *wait = if rec.since.elapsed() >= RESTASH_LIVED {
+                0
+            } else {
+                (*wait * 2).clamp(2, 7)
+            };
             *vm.stats.kept_pages(rec.kept()) -= 1;
             if rec.kept() == Kept::Swapped {
                 vm.stats.swap_ins += 1;
