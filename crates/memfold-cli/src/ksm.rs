@@ -72,15 +72,25 @@ pub fn used(guests: &[Guest]) -> Result<(u64, u64)> {
     Ok((total_used(&usages), usages.iter().map(|u| u.rss).sum()))
 }
 
+/// Samples a run's end figures are averaged over (the last 10 s at one sample a second).
+const PLATEAU_SAMPLES: usize = 10;
+
+/// The mean of `f` over the last [`PLATEAU_SAMPLES`] of `samples` (0 for none): how every
+/// run's end figure (measured saving, KSM's pages_sharing, memfoldd's books) is taken.
+pub fn tail_mean<T>(samples: &[T], f: impl Fn(&T) -> f64) -> f64 {
+    let tail = &samples[samples.len().saturating_sub(PLATEAU_SAMPLES)..];
+    tail.iter().map(f).sum::<f64>() / tail.len().max(1) as f64
+}
+
 /// The plateau of a run sampled as (seconds, host memory used): the mean saving
-/// (`used_before` − used) over the last 10 samples, bytes, and the first time the saving
-/// reached 95% of it, s. memfold and KSM runs are summarised by this one function.
+/// (`used_before` − used) over the last [`PLATEAU_SAMPLES`] samples, bytes, and the first
+/// time the saving reached 95% of it, s. memfold and KSM runs are summarised by this one
+/// function.
 pub fn plateau(used_before: u64, samples: impl Iterator<Item = (f64, u64)>) -> (f64, Option<f64>) {
     let saved: Vec<(f64, f64)> = samples
         .map(|(t, u)| (t, used_before as f64 - u as f64))
         .collect();
-    let tail = &saved[saved.len().saturating_sub(10)..];
-    let mean = tail.iter().map(|s| s.1).sum::<f64>() / tail.len().max(1) as f64;
+    let mean = tail_mean(&saved, |s| s.1);
     let t95 = saved.iter().find(|s| s.1 >= 0.95 * mean).map(|s| s.0);
     (mean, t95)
 }
@@ -114,12 +124,7 @@ pub fn run_mode(ksm: &Ksm, guests: &mut [Guest], mode: KsmMode, secs: u64) -> Re
     }
     eprintln!();
     let (saved_bytes, t95_s) = plateau(used_before, samples.iter().map(|s| (s.t, s.used_bytes)));
-    let tail = &samples[samples.len().saturating_sub(10)..];
-    let ksm_sharing_bytes = tail
-        .iter()
-        .map(|s| s.ksm.pages_sharing as f64 * 4096.0)
-        .sum::<f64>()
-        / tail.len().max(1) as f64;
+    let ksm_sharing_bytes = tail_mean(&samples, |s| s.ksm.pages_sharing as f64 * 4096.0);
     Ok(KsmRun {
         mode: mode.name,
         used_before,

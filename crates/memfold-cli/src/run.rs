@@ -388,12 +388,8 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     }
     let (saved_bytes, t95_s) =
         crate::ksm::plateau(used_before, samples.iter().map(|s| (s.t, s.used_bytes)));
-    let tail = &samples[samples.len().saturating_sub(10)..];
-    let books_saved_bytes = tail
-        .iter()
-        .map(|s| s.stats.saved_pages as f64 * 4096.0)
-        .sum::<f64>()
-        / tail.len().max(1) as f64;
+    let books_saved_bytes =
+        crate::ksm::tail_mean(&samples, |s| s.stats.saved_pages as f64 * 4096.0);
     Ok((
         MemfoldRun {
             used_before,
