@@ -22,10 +22,12 @@ impl NruState {
     }
 }
 
-/// One page's clock byte: R (bit 0), M (bit 1) and the number of consecutive scans that
-/// found it idle (bits 2..5, saturating at 7). DE keeps R/M in the P2M entry and "two
-/// additional bits" for C4; we keep a whole idle count so that compression can also wait
-/// for a full multi-pass sharing cycle (DE §4.3).
+/// One page's clock byte: R (bit 0), M (bit 1), the number of consecutive scans that
+/// found it idle (bits 2..4, saturating at 7) and whether the last scan found it modified
+/// (bit 5). DE keeps R/M in the P2M entry and "two additional bits" for C4; we keep a
+/// whole idle count so that compression can also wait for a full multi-pass sharing cycle
+/// (DE §4.3), and the last class so that a mechanism running between scans (the live
+/// sharing scan) can ignore C1 pages as the policy says.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PageClock(u8);
 
@@ -33,10 +35,16 @@ const R: u8 = 1;
 const M: u8 = 2;
 const AGE_SHIFT: u8 = 2;
 const AGE_MAX: u8 = 7;
+const LAST_M: u8 = 1 << 5;
 
 impl PageClock {
-    /// A page that was just written (new pages start recently modified).
+    /// A page the clock has not scanned yet: recently modified for its first scan, but
+    /// of no known class until then ([`PageClock::last_state`] says C2).
     pub const FRESH: PageClock = PageClock(R | M);
+
+    /// A page just written where the clock could not see it (a CoW break, a refill of a
+    /// reclaimed page, a page decoded back): C1 until a scan finds otherwise.
+    pub const WRITTEN: PageClock = PageClock(R | M | LAST_M);
 
     /// Records a guest access: R, and M for a write.
     #[inline]
@@ -58,7 +66,22 @@ impl PageClock {
 
     /// Consecutive idle scans so far.
     pub fn idle_scans(self) -> u8 {
-        self.0 >> AGE_SHIFT
+        (self.0 >> AGE_SHIFT) & AGE_MAX
+    }
+
+    /// The class the last scan found (DE §4.2): C1 if it found the page modified (or it
+    /// is [`PageClock::WRITTEN`]), C2 if referenced or not scanned yet, C3 after one idle
+    /// scan, C4 after more. For mechanisms that act between scans; R and M seen since the
+    /// last scan do not count until the next.
+    pub fn last_state(self) -> NruState {
+        if self.0 & LAST_M != 0 {
+            return NruState::C1;
+        }
+        match self.idle_scans() {
+            0 => NruState::C2,
+            1 => NruState::C3,
+            _ => NruState::C4,
+        }
     }
 
     /// The class the page is in now, without scanning it.
@@ -86,6 +109,9 @@ impl PageClock {
         self.0 = age << AGE_SHIFT | (self.0 & (R | M));
         let state = self.state();
         self.0 &= !(R | M);
+        if state == NruState::C1 {
+            self.0 |= LAST_M;
+        }
         state
     }
 }
@@ -253,6 +279,33 @@ mod tests {
         assert_eq!(c.idle_scans(), 7, "saturates");
         c.observe(false, true);
         assert_eq!(c.state(), NruState::C1);
+    }
+
+    #[test]
+    fn last_state_is_what_the_last_scan_found() {
+        let mut c = PageClock::FRESH;
+        assert_eq!(c.last_state(), NruState::C2, "not scanned yet: no known class");
+        assert_eq!(c.scan(), NruState::C1);
+        assert_eq!(c.last_state(), NruState::C1);
+        c.touch(false);
+        assert_eq!(c.last_state(), NruState::C1, "bits since the scan wait for the next");
+        assert_eq!(c.scan(), NruState::C2);
+        assert_eq!(c.last_state(), NruState::C2);
+        for want in [NruState::C3, NruState::C4, NruState::C4] {
+            assert_eq!(c.scan(), want);
+            assert_eq!(c.last_state(), want);
+        }
+        for _ in 0..20 {
+            c.scan();
+        }
+        assert_eq!(c.idle_scans(), 7);
+        assert_eq!(c.last_state(), NruState::C4);
+        c = PageClock::WRITTEN;
+        assert_eq!(c.last_state(), NruState::C1);
+        assert_eq!(c.idle_scans(), 0);
+        assert_eq!(c.scan(), NruState::C1, "written counts as modified");
+        assert_eq!(c.scan(), NruState::C3);
+        assert_eq!(c.last_state(), NruState::C3);
     }
 
     #[test]

@@ -124,10 +124,11 @@ impl ClockHand {
         mark != u64::MAX && full_scans >= mark + 2
     }
 
-    /// A page that became private again (CoW break, refill) starts recently modified.
+    /// A page that became private again by a write or an access the clock could not see
+    /// (CoW break, refill, decode back) is C1 until its next scan ([`PageClock::WRITTEN`]).
     pub fn fresh(&mut self, gfn: u32) {
         if let Some(c) = self.clocks.get_mut(gfn as usize) {
-            *c = PageClock::FRESH;
+            *c = PageClock::WRITTEN;
         }
     }
 }

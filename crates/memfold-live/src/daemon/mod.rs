@@ -1576,9 +1576,27 @@ impl Daemon {
         })
     }
 
+    /// Whether the policy lets the sharing scan touch page `g` of guest `t` in the class
+    /// the clock's last scan found (DE §4.2: C1 pages are ignored, so pages the guest is
+    /// writing are not shared only to be CoW-broken, nor zero pages reclaimed only to be
+    /// refilled). Without the clock, every page.
+    fn class_allows_share(&self, t: u64, g: u32) -> bool {
+        self.cfg.clock_interval.is_none()
+            || self.vms.get(&t).is_some_and(|v| {
+                self.cfg
+                    .policy
+                    .for_state(v.clock.page(g).last_state())
+                    .share
+            })
+    }
+
     /// One scanned page: share it with a frame or a hint, or leave a hint.
     fn consider(&mut self, t: u64, g: u32, page: &Page) -> Result<(), DaemonError> {
         if !self.sharable(t, g) {
+            return Ok(());
+        }
+        if !self.class_allows_share(t, g) {
+            self.vms.get_mut(&t).expect("sharable").stats.hot_skipped += 1;
             return Ok(());
         }
         let h = xxh3_page_hash(page);
@@ -1616,7 +1634,9 @@ impl Daemon {
                         return Ok(());
                     }
                     let Some((t2, g2)) =
-                        self.locate(hint).filter(|&(t2, g2)| self.sharable(t2, g2))
+                        self.locate(hint).filter(|&(t2, g2)| {
+                            self.sharable(t2, g2) && self.class_allows_share(t2, g2)
+                        })
                     else {
                         self.table.remove(h, e);
                         continue;

@@ -144,6 +144,9 @@ pub struct VmStats {
     pub latency: OpLatencies,
     /// Share requests whose page had changed before the agent protected it.
     pub share_changed: u64,
+    /// Pages the sharing scan left alone because the clock's last scan found them
+    /// recently modified (C1, which DE §4.2's policies ignore; cumulative).
+    pub hot_skipped: u64,
     /// Share requests the agent refused (VMA budget, already shared).
     pub share_refused: u64,
     /// Pages stored as patches now (DE §3.2).
@@ -286,7 +289,7 @@ impl Stats {
             self.table_entries as f64,
         );
         type Field = fn(&VmStats) -> u64;
-        let per_vm: [(&str, &str, Field); 23] = [
+        let per_vm: [(&str, &str, Field); 24] = [
             ("vm_swapped_pages", "Pages in the swap file.", |v| {
                 v.swapped_pages
             }),
@@ -344,6 +347,11 @@ impl Stats {
                 "vm_missing_faults_total",
                 "Missing-page faults served.",
                 |v| v.missing_faults,
+            ),
+            (
+                "vm_hot_skipped_total",
+                "Pages the sharing scan left alone as C1 (recently modified).",
+                |v| v.hot_skipped,
             ),
             (
                 "vm_minor_faults_total",
