@@ -22,6 +22,8 @@ use crate::guests;
 use crate::plot::{self, Panel, Series};
 
 const MIB: f64 = 1048576.0;
+/// Name prefix of the agent's threads inside QEMU.
+const AGENT_THREADS: &str = "memfold-";
 
 /// Arguments of `memfold run`.
 #[derive(Args, Clone, Debug)]
@@ -57,6 +59,15 @@ pub struct RunArgs {
     /// Swap file capacity, MiB (with --host-budget-mib).
     #[arg(long, default_value_t = 1024)]
     pub swap_mib: u64,
+    /// Page compressor for cold pages (DE §3.3): zstd (level 1), lz4, lzo or wkdm.
+    #[arg(long, default_value = "zstd")]
+    pub compress_codec: memfold_core::CompressCodec,
+    /// Largest compressed page kept, bytes (DE §3.3's cut-off).
+    #[arg(long, default_value_t = 2048)]
+    pub compress_cutoff: usize,
+    /// Largest patch kept, bytes (DE §3.2's cut-off).
+    #[arg(long, default_value_t = 2048)]
+    pub patch_cutoff: usize,
     /// Boot beside each guest a twin of its profile that memfold does not manage (no
     /// agent) and report each workload's throughput, managed vs plain, over the same
     /// seconds on the same host (guest overhead, side by side); each pair is pinned to
@@ -132,8 +143,15 @@ pub struct Throughput {
     pub plain_rounds: usize,
     /// CPU seconds the managed guest's QEMU used over the run (its agent included).
     pub managed_cpu_s: f64,
+    /// Of those, CPU seconds of its memfold agent's threads: with the pair pinned to one
+    /// CPU, time the guest's vCPU did not get (a lower bound of memfold's cost to it;
+    /// the vCPU's own time in the kernel's fault paths is not in it).
+    pub managed_agent_cpu_s: f64,
     /// CPU seconds the plain twin's QEMU used over the run.
     pub plain_cpu_s: f64,
+    /// Two standard errors of [`Throughput::change`], from the spread of the rounds on
+    /// each side (delta method); `None` with fewer than two rounds on a side.
+    pub change_2se: Option<f64>,
 }
 
 impl Throughput {
@@ -141,6 +159,17 @@ impl Throughput {
     pub fn change(&self) -> f64 {
         self.managed / self.plain - 1.0
     }
+}
+
+/// Mean and squared relative standard error of the mean of `v` (None below 2 values).
+fn mean_rel_var(v: &[f64]) -> (f64, Option<f64>) {
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n.max(1.0);
+    if v.len() < 2 || mean <= 0.0 {
+        return (mean, None);
+    }
+    let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (mean, Some(var / n / (mean * mean)))
 }
 
 /// The `MEMFOLD-RATE` values in a guest's console text, by metric.
@@ -160,36 +189,44 @@ fn rates(serial: &str) -> BTreeMap<String, Vec<f64>> {
     out
 }
 
+/// Where a guest stood when memfoldd started: bytes of its console text, its QEMU's CPU
+/// seconds, and those of its agent's threads.
+type StartMark = (usize, f64, f64);
+
 /// Pairs each managed guest with its plain twin and compares their rates since
-/// `since` (per guest: bytes of its console text and its QEMU's CPU seconds when memfoldd
-/// started).
+/// `since` (per guest, see [`StartMark`]).
 fn throughput(
     managed: &[Guest],
     plain: &[Guest],
-    since: &HashMap<String, (usize, f64)>,
+    since: &HashMap<String, StartMark>,
 ) -> Vec<Throughput> {
-    let at_start = |g: &Guest| since.get(&g.name).copied().unwrap_or((0, 0.0));
+    let at_start = |g: &Guest| since.get(&g.name).copied().unwrap_or((0, 0.0, 0.0));
     let cpu = |g: &Guest| cpu_seconds(g.pid, None) - at_start(g).1;
+    let agent_cpu = |g: &Guest| cpu_seconds(g.pid, Some(AGENT_THREADS)) - at_start(g).2;
     let window = |g: &Guest| {
         let s = g.serial();
         rates(s.get(at_start(g).0..).unwrap_or(""))
     };
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     let mut out = Vec::new();
     for (m, p) in managed.iter().zip(plain) {
         let (rm, rp) = (window(m), window(p));
         for (metric, vm) in &rm {
             let Some(vp) = rp.get(metric) else { continue };
+            let ((mm, rvm), (mp, rvp)) = (mean_rel_var(vm), mean_rel_var(vp));
             out.push(Throughput {
                 guest: m.name.clone(),
                 twin: p.name.clone(),
                 metric: metric.clone(),
-                managed: mean(vm),
+                managed: mm,
                 managed_rounds: vm.len(),
-                plain: mean(vp),
+                plain: mp,
                 plain_rounds: vp.len(),
                 managed_cpu_s: cpu(m),
+                managed_agent_cpu_s: agent_cpu(m),
                 plain_cpu_s: cpu(p),
+                change_2se: rvm
+                    .zip(rvp)
+                    .map(|(a, b)| 2.0 * (mm / mp) * (a + b).sqrt()),
             });
         }
     }
@@ -306,10 +343,17 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             }
         }
     }
-    let since: HashMap<String, (usize, f64)> = guests
+    let since: HashMap<String, StartMark> = guests
         .iter()
         .chain(&plain)
-        .map(|g| (g.name.clone(), (g.serial().len(), cpu_seconds(g.pid, None))))
+        .map(|g| {
+            let mark = (
+                g.serial().len(),
+                cpu_seconds(g.pid, None),
+                cpu_seconds(g.pid, Some(AGENT_THREADS)),
+            );
+            (g.name.clone(), mark)
+        })
         .collect();
     let used_before = crate::ksm::used(&guests)?.0;
     let mut cmd = Command::new(&daemon_bin);
@@ -321,7 +365,10 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             "--clock-interval-ms",
             &((a.clock_interval_s() * 1000.0) as u64).to_string(),
         ])
-        .args(["--policy", &a.policy]);
+        .args(["--policy", &a.policy])
+        .args(["--compress-codec", a.compress_codec.name()])
+        .args(["--compress-cutoff", &a.compress_cutoff.to_string()])
+        .args(["--patch-cutoff", &a.patch_cutoff.to_string()]);
     if let Some(b) = a.host_budget_mib {
         cmd.args(["--host-budget-mib", &b.to_string()])
             .args(["--swap-mib", &a.swap_mib.to_string()])
@@ -337,7 +384,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     let dpid = daemon.0.id();
     let agent_cpu0: f64 = guests
         .iter()
-        .map(|g| cpu_seconds(g.pid, Some("memfold-")))
+        .map(|g| cpu_seconds(g.pid, Some(AGENT_THREADS)))
         .sum();
     let start = Instant::now();
     let mut samples: Vec<Sample> = Vec::new();
@@ -372,7 +419,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     let cpu_s = cpu_seconds(dpid, None)
         + guests
             .iter()
-            .map(|g| cpu_seconds(g.pid, Some("memfold-")))
+            .map(|g| cpu_seconds(g.pid, Some(AGENT_THREADS)))
             .sum::<f64>()
         - agent_cpu0;
     drop(daemon);
@@ -686,23 +733,27 @@ pub fn run(a: &RunArgs) -> Result<()> {
                     l.lived_10s * 100.0
                 );
             }
+            print_churn(&s.stats);
             print_latencies(&s.stats);
         }
         if !r.throughput.is_empty() {
             println!("workload throughput over the run, managed guest vs its plain twin (mean per round):");
             for t in &r.throughput {
                 println!(
-                    "  {:<12} {:<12} {:>10.2} ({:>3} rounds, {:>5.0} CPU s)  vs {:<12} {:>10.2} ({:>3} rounds, {:>5.0} CPU s)  {:+.1}%",
+                    "  {:<12} {:<12} {:>10.2} ({:>3} rounds, {:>5.0} CPU s, agent {:.1})  vs {:<12} {:>10.2} ({:>3} rounds, {:>5.0} CPU s)  {:+.1}%{}",
                     t.metric,
                     t.guest,
                     t.managed,
                     t.managed_rounds,
                     t.managed_cpu_s,
+                    t.managed_agent_cpu_s,
                     t.twin,
                     t.plain,
                     t.plain_rounds,
                     t.plain_cpu_s,
-                    t.change() * 100.0
+                    t.change() * 100.0,
+                    t.change_2se
+                        .map_or(String::new(), |e| format!(" ± {:.1}% (2 s.e.)", e * 100.0))
                 );
             }
         }
@@ -715,9 +766,35 @@ pub fn run(a: &RunArgs) -> Result<()> {
     Ok(())
 }
 
+/// What memfold cost the guests in events (all guests, cumulative): the churn of sharing
+/// and zero reclaim, the clock's tracking faults and decodes back.
+fn print_churn(s: &Stats) {
+    let sum = |f: fn(&VmStats) -> u64| s.vms.iter().map(f).sum::<u64>();
+    println!(
+        "guest events: {} shares, {} CoW breaks, {} zero reclaims, {} refills, {} C1 pages left unshared; clock faults {} minor (R), {} write-protect; {} decoded back",
+        sum(|v| v.shares),
+        sum(|v| v.cow_breaks),
+        sum(|v| v.reclaims),
+        sum(|v| v.refills),
+        sum(|v| v.hot_skipped),
+        sum(|v| v.minor_faults),
+        sum(|v| v.wp_faults),
+        sum(|v| v.unstashes),
+    );
+}
+
 #[cfg(test)]
 mod tests {
-    use super::rates;
+    use super::{mean_rel_var, rates};
+
+    #[test]
+    fn two_standard_errors_of_the_mean() {
+        let (m, rv) = mean_rel_var(&[9.0, 11.0]);
+        assert_eq!(m, 10.0);
+        // s = sqrt(2), s.e. = 1, relative 0.1, squared 0.01.
+        assert!((rv.unwrap() - 0.01).abs() < 1e-12);
+        assert_eq!(mean_rel_var(&[5.0]).1, None, "one round has no spread");
+    }
 
     #[test]
     fn rate_lines_are_read_by_metric_and_junk_is_skipped() {
