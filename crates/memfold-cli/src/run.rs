@@ -150,7 +150,9 @@ pub struct Throughput {
     /// CPU seconds the plain twin's QEMU used over the run.
     pub plain_cpu_s: f64,
     /// Two standard errors of [`Throughput::change`], from the spread of the rounds on
-    /// each side (delta method); `None` with fewer than two rounds on a side.
+    /// each side taken as independent (delta method; pessimistic when both guests slow
+    /// down together, as they do when the host is busy); `None` with fewer than two
+    /// rounds on a side.
     pub change_2se: Option<f64>,
 }
 
