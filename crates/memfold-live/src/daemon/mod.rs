@@ -1056,7 +1056,7 @@ impl Daemon {
             .filter(|&g| {
                 vm.p2m[g as usize] == PRIVATE
                     && !vm.pending[g as usize]
-                    && acts(policy.for_state(vm.clock.page(g).state()))
+                    && acts(policy.for_state(vm.clock.page(g).last_state()))
             })
             .collect();
         let mut buf = vec![0u8; READ_PAGES * PAGE_SIZE];
@@ -1148,7 +1148,8 @@ impl Daemon {
         }
         let vm = self.vms.get_mut(&t).expect("sharable");
         let clock = vm.clock.page(g);
-        let a = self.cfg.policy.for_state(clock.state());
+        // The class this slice's scan just found (`state()` would read the cleared bits).
+        let a = self.cfg.policy.for_state(clock.last_state());
         let (w, bit) = (g as usize / 64, 1u64 << (g % 64));
         if clock.idle_scans() == 0 {
             vm.de_failed[w] &= !bit; // written since: worth another try
