@@ -22,6 +22,11 @@ use crate::guests;
 use crate::plot::{self, Panel, Series};
 
 const MIB: f64 = 1048576.0;
+
+/// `pages` 4 KiB pages in MiB.
+fn pages_mib(pages: i64) -> f64 {
+    pages as f64 * 4096.0 / MIB
+}
 /// Name prefix of the agent's threads inside QEMU.
 const AGENT_THREADS: &str = "memfold-";
 
@@ -83,7 +88,7 @@ pub struct RunArgs {
 impl RunArgs {
     /// The clock interval memfoldd gets, s: as given, or 4 s for a policy that needs it.
     pub fn clock_interval_s(&self) -> f64 {
-        let needs = !matches!(self.policy.as_str(), "sharing" | "share-only")
+        let needs = memfold_core::Policy::by_name(&self.policy).is_some_and(|p| p.needs_clock())
             || self.host_budget_mib.is_some();
         if self.clock_secs <= 0.0 && needs {
             4.0
@@ -226,9 +231,7 @@ fn throughput(
                 managed_cpu_s: cpu(m),
                 managed_agent_cpu_s: agent_cpu(m),
                 plain_cpu_s: cpu(p),
-                change_2se: rvm
-                    .zip(rvp)
-                    .map(|(a, b)| 2.0 * (mm / mp) * (a + b).sqrt()),
+                change_2se: rvm.zip(rvp).map(|(a, b)| 2.0 * (mm / mp) * (a + b).sqrt()),
             });
         }
     }
@@ -384,10 +387,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             .with_context(|| format!("cannot start {}", daemon_bin.display()))?,
     );
     let dpid = daemon.0.id();
-    let agent_cpu0: f64 = guests
-        .iter()
-        .map(|g| cpu_seconds(g.pid, Some(AGENT_THREADS)))
-        .sum();
+    let agent_cpu0: f64 = guests.iter().map(|g| since[&g.name].2).sum();
     let start = Instant::now();
     let mut samples: Vec<Sample> = Vec::new();
     eprintln!(
@@ -464,18 +464,17 @@ fn zero_arg(z: ZeroPolicy) -> &'static str {
 fn print_view(used_before: u64, s: &Sample, prev: Option<&Sample>) {
     let dt = prev.map_or(1.0, |p| (s.t - p.t).max(0.001));
     let by = &s.stats.saved_by;
-    let mib = |p: i64| p as f64 * 4096.0 / MIB;
     eprintln!(
         "t={:>5.0}s  host {:>7.1} MiB  saved {:>7.1} MiB (books {:>7.1}: share {:.1}, zero {:.1}, patch {:.1}, compress {:.1}, swap {:.1})  frames {:>7}  scans {}{}",
         s.t,
         s.used_bytes as f64 / MIB,
         (used_before as f64 - s.used_bytes as f64) / MIB,
-        mib(s.stats.saved_pages),
-        mib(by.sharing),
-        mib(by.zero),
-        mib(by.patching),
-        mib(by.compression),
-        mib(by.swap),
+        pages_mib(s.stats.saved_pages),
+        pages_mib(by.sharing),
+        pages_mib(by.zero),
+        pages_mib(by.patching),
+        pages_mib(by.compression),
+        pages_mib(by.swap),
         s.stats.frames,
         s.stats.full_scans,
         budget_view(&s.stats.swap)
@@ -519,7 +518,7 @@ fn budget_view(w: &SwapStats) -> String {
     let Some(b) = w.budget_pages else {
         return String::new();
     };
-    let mib = |p: u64| p as f64 * 4096.0 / MIB;
+    let mib = |p: u64| pages_mib(p as i64);
     format!(
         "  budget {:.0} MiB: using {:.1}, swap file {:.1} of {:.0} MiB{}",
         mib(b),
@@ -588,7 +587,7 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
     let by = |f: fn(&SavedBy) -> i64| -> Vec<(f64, f64)> {
         r.samples
             .iter()
-            .map(|s| (s.t, f(&s.stats.saved_by) as f64 * 4096.0 / MIB))
+            .map(|s| (s.t, pages_mib(f(&s.stats.saved_by))))
             .collect()
     };
     let mut panels = vec![Panel {
@@ -607,7 +606,7 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
                 points: r
                     .samples
                     .iter()
-                    .map(|s| (s.t, s.stats.saved_pages as f64 * 4096.0 / MIB))
+                    .map(|s| (s.t, pages_mib(s.stats.saved_pages)))
                     .collect(),
             },
         ],
@@ -706,15 +705,14 @@ pub fn run(a: &RunArgs) -> Result<()> {
         );
         if let Some(s) = r.samples.last() {
             let by = &s.stats.saved_by;
-            let mib = |p: i64| p as f64 * 4096.0 / MIB;
             println!(
                 "by mechanism at the end (books, MiB): sharing {:.1}, zero pages {:.1}, patching {:.1}, compression {:.1}, swap {:.1}, store waste {:.1}",
-                mib(by.sharing),
-                mib(by.zero),
-                mib(by.patching),
-                mib(by.compression),
-                mib(by.swap),
-                mib(by.store_waste)
+                pages_mib(by.sharing),
+                pages_mib(by.zero),
+                pages_mib(by.patching),
+                pages_mib(by.compression),
+                pages_mib(by.swap),
+                pages_mib(by.store_waste)
             );
             let w = &s.stats.swap;
             if w.budget_pages.is_some() {

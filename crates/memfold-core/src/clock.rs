@@ -253,6 +253,14 @@ impl Policy {
     pub fn for_state(&self, s: NruState) -> Actions {
         self.actions[s.index()]
     }
+
+    /// Whether the policy patches, compresses or indexes reference pages, which it does
+    /// only to pages the NRU clock has classified (sharing alone runs without it).
+    pub fn needs_clock(&self) -> bool {
+        self.actions
+            .iter()
+            .any(|a| a.reference || a.patch || a.compress)
+    }
 }
 
 #[cfg(test)]
@@ -284,11 +292,19 @@ mod tests {
     #[test]
     fn last_state_is_what_the_last_scan_found() {
         let mut c = PageClock::FRESH;
-        assert_eq!(c.last_state(), NruState::C2, "not scanned yet: no known class");
+        assert_eq!(
+            c.last_state(),
+            NruState::C2,
+            "not scanned yet: no known class"
+        );
         assert_eq!(c.scan(), NruState::C1);
         assert_eq!(c.last_state(), NruState::C1);
         c.touch(false);
-        assert_eq!(c.last_state(), NruState::C1, "bits since the scan wait for the next");
+        assert_eq!(
+            c.last_state(),
+            NruState::C1,
+            "bits since the scan wait for the next"
+        );
         assert_eq!(c.scan(), NruState::C2);
         assert_eq!(c.last_state(), NruState::C2);
         for want in [NruState::C3, NruState::C4, NruState::C4] {
@@ -322,6 +338,14 @@ mod tests {
             assert_eq!(Policy::by_name(name).unwrap().name, name);
         }
         assert!(Policy::by_name("nope").is_none());
+        for name in Policy::NAMES {
+            let sharing_alone = matches!(name, "sharing" | "share-only");
+            assert_eq!(
+                Policy::by_name(name).unwrap().needs_clock(),
+                !sharing_alone,
+                "{name}"
+            );
+        }
         assert!(!Policy::sharing_only()
             .actions
             .iter()

@@ -56,7 +56,7 @@ use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::io_util::{pread_exact, pwrite_all};
+use crate::io_util::{pread_exact, punch_hole, pwrite_all};
 use crate::latency::OpLatency;
 use crate::protocol::{
     AgentReport, Conn, StashPage, ToAgent, ToDaemon, CLOCK_SLICE, NO_REFERENCE, PROTOCOL_VERSION,
@@ -764,15 +764,7 @@ impl Agent {
     /// Frees `pages` pages of the guest memfd from `gfn` on (the caller made sure their
     /// bytes are kept elsewhere or are zero). Returns whether the kernel did.
     fn punch(&self, gfn: u32, pages: u64) -> bool {
-        // SAFETY: punches a range of the guest memfd the agent manages.
-        unsafe {
-            libc::fallocate(
-                self.memfd.as_raw_fd(),
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                (gfn as u64 * PAGE) as libc::off_t,
-                (pages * PAGE) as libc::off_t,
-            ) == 0
-        }
+        punch_hole(self.memfd.as_raw_fd(), gfn as u64 * PAGE, pages * PAGE)
     }
 
     fn mappings(&self) -> usize {
@@ -974,8 +966,8 @@ impl Agent {
         let npages = self.frame_of.len() as u32;
         pages.sort_unstable_by_key(|p| p.gfn);
         pages.dedup_by_key(|p| p.gfn);
-        let mut decoded = vec![0u8; PAGE as usize];
-        let mut now = vec![0u8; PAGE as usize];
+        let mut decoded: Page = [0; PAGE as usize];
+        let mut now: Page = [0; PAGE as usize];
         for p in pages {
             let g = p.gfn;
             if p.moving {
@@ -993,8 +985,7 @@ impl Agent {
                 refused.push(g);
                 continue;
             }
-            let out: &mut Page = (&mut decoded[..]).try_into().expect("page");
-            if let Err(e) = self.decode_stashed(&p, out) {
+            if let Err(e) = self.decode_stashed(&p, &mut decoded) {
                 eprintln!("memfold-agent: stash refused: {e}");
                 refused.push(g);
                 continue;
@@ -1028,12 +1019,10 @@ impl Agent {
     /// meanwhile.
     ///
     /// Errors: a blob cannot be read or decoded.
-    fn move_stashed(&mut self, p: &StashPage, new: &mut [u8], old: &mut [u8]) -> io::Result<bool> {
+    fn move_stashed(&mut self, p: &StashPage, new: &mut Page, old: &mut Page) -> io::Result<bool> {
         let Some(cur) = self.stashed.get(&p.gfn).copied().filter(|c| !c.in_swap) else {
             return Ok(false);
         };
-        let old: &mut Page = old.try_into().expect("page");
-        let new: &mut Page = new.try_into().expect("page");
         self.decode_stashed(&cur, old)?;
         self.decode_stashed(p, new)?;
         if old != new {

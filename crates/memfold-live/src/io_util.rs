@@ -1,10 +1,11 @@
-//! Positional reads and writes on raw descriptors (memfds), through std's `FileExt`.
+//! Positional reads and writes on raw descriptors (memfds), through std's `FileExt`, and
+//! the two calls that free and count a memfd's pages.
 
 use std::fs::File;
 use std::io;
 use std::mem::ManuallyDrop;
 use std::os::fd::{FromRawFd, RawFd};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 
 /// A `File` view of `fd` that does not close it.
 fn borrow(fd: RawFd) -> ManuallyDrop<File> {
@@ -37,4 +38,25 @@ pub fn pread_exact(fd: RawFd, buf: &mut [u8], off: u64) -> io::Result<()> {
 /// Errors: the write failed (ENOSPC, ENOMEM).
 pub fn pwrite_all(fd: RawFd, buf: &[u8], off: u64) -> io::Result<()> {
     borrow(fd).write_all_at(buf, off)
+}
+
+/// Frees `len` bytes of `fd` at `off` (a hole: reads as zeros, takes no memory or disk),
+/// keeping the file's size. Returns whether the kernel did; failing only keeps the memory.
+pub fn punch_hole(fd: RawFd, off: u64, len: u64) -> bool {
+    // SAFETY: fallocate on a descriptor the caller holds; the caller made sure nothing
+    // needs the bytes.
+    unsafe {
+        libc::fallocate(
+            fd,
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            off as libc::off_t,
+            len as libc::off_t,
+        ) == 0
+    }
+}
+
+/// Bytes of memory (or disk) `fd` has allocated: its blocks, holes taking none; 0 if
+/// fstat fails.
+pub fn allocated_bytes(fd: RawFd) -> u64 {
+    borrow(fd).metadata().map_or(0, |m| m.blocks() * 512)
 }

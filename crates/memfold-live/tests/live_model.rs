@@ -64,7 +64,12 @@ fn guest_reads_what_it_wrote_while_pages_are_also_swapped_out_and_in() {
     // get under the budget. Cold pages are touched rarely enough (1% of the ops) for the
     // clock to find them cold; they are still read back now and then.
     let pages = PAGES + 1024;
-    run_model(pages, Some((pages * PAGE / 4) as u64), 0.01, CompressCodec::Lz4);
+    run_model(
+        pages,
+        Some((pages * PAGE / 4) as u64),
+        0.01,
+        CompressCodec::Lz4,
+    );
 }
 
 /// Runs the model guest for up to 40 s, until every mechanism (and swap, with a budget)

@@ -71,6 +71,7 @@ fn main() {
         .swap_file
         .clone()
         .unwrap_or_else(|| PathBuf::from(format!("/var/tmp/memfoldd-swap-{}", std::process::id())));
+    let policy = Policy::by_name(&a.policy).expect("clap checked the name");
     let cfg = DaemonConfig {
         socket: a.socket,
         rate: a.rate,
@@ -81,7 +82,7 @@ fn main() {
         ),
         clock_interval: (a.clock_interval_ms > 0)
             .then(|| Duration::from_millis(a.clock_interval_ms)),
-        policy: Policy::by_name(&a.policy).expect("clap checked the name"),
+        policy,
         patch_codec: a.patch_codec,
         patch_cutoff: a.patch_cutoff.min(4096),
         compress_codec: a.compress_codec,
@@ -90,7 +91,7 @@ fn main() {
         swap_file,
         swap_capacity: a.swap_mib << 20,
     };
-    if a.clock_interval_ms == 0 && a.policy != "sharing" && a.policy != "share-only" {
+    if a.clock_interval_ms == 0 && policy.needs_clock() {
         eprintln!("memfoldd: policy {} patches or compresses only pages the NRU clock finds cold: give --clock-interval-ms (e.g. 4000)", a.policy);
         std::process::exit(2);
     }

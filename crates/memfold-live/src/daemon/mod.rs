@@ -42,7 +42,7 @@ use memfold_core::share::{ShareEntry, ShareTable};
 use memfold_core::similarity::{SimilarityDetector, SimilarityIndex};
 use memfold_core::{CompressCodec, Frame, Page, PatchCodec, SimilarityConfig, PAGE_SIZE};
 
-use crate::io_util::pread_exact;
+use crate::io_util::{allocated_bytes, pread_exact};
 use crate::latency::OpLatency;
 use crate::protocol::{
     AgentReport, Conn, Listener, StashPage, ToAgent, ToClient, ToDaemon, MAX_BATCH, NO_REFERENCE,
@@ -58,16 +58,6 @@ const PRIVATE: u32 = u32::MAX;
 const RECLAIMED: u32 = RECLAIMED_ZERO;
 /// The page is stashed (patched, compressed or swapped; its blob in the store or swap file).
 const STASHED: u32 = u32::MAX - 2;
-
-/// Pages of memory (or disk) a file has allocated (its blocks; holes take none).
-fn allocated_pages(fd: std::os::fd::RawFd) -> u64 {
-    // SAFETY: fstat into a zeroed stat buffer.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    if unsafe { libc::fstat(fd, &mut st) } != 0 {
-        return 0;
-    }
-    st.st_blocks as u64 * 512 / PAGE
-}
 
 /// Whether a p2m entry names a pool frame.
 fn is_frame(f: u32) -> bool {
@@ -547,7 +537,7 @@ impl Daemon {
             .map(|v| v.memfd.as_raw_fd())
             .chain(self.pool.as_ref().map(|p| p.fd().as_raw_fd()))
             .chain(self.store.as_ref().map(|s| s.fd().as_raw_fd()));
-        self.host_used_pages = fds.map(allocated_pages).sum();
+        self.host_used_pages = fds.map(|fd| allocated_bytes(fd) / PAGE).sum();
         let queued = self.vms.values().flat_map(|v| &v.stash_queue);
         let sent = self.batches.values().flat_map(|b| match b {
             Batch::Stash(_, recs) => &recs[..],
@@ -719,18 +709,7 @@ impl Daemon {
                 v.conn = None;
                 v.stats.detached = false;
                 // The agent wrote its stashed pages back before attaching again.
-                for (_, rec) in std::mem::take(&mut v.stash) {
-                    if v.p2m[rec.gfn as usize] == STASHED {
-                        v.p2m[rec.gfn as usize] = PRIVATE;
-                    }
-                    self.release_stash(rec);
-                }
-                for rec in std::mem::take(&mut v.orphans) {
-                    self.release_stash(rec);
-                }
-                v.stats.patched_pages = 0;
-                v.stats.compressed_pages = 0;
-                v.stats.swapped_pages = 0;
+                self.release_stashes(&mut v);
                 v
             }
             None => {
@@ -871,12 +850,7 @@ impl Daemon {
         for t in dead {
             let mut vm = self.vms.remove(&t).expect("listed");
             self.by_base.remove(&vm.base_gpn);
-            for (_, rec) in std::mem::take(&mut vm.stash) {
-                self.release_stash(rec);
-            }
-            for rec in std::mem::take(&mut vm.orphans) {
-                self.release_stash(rec);
-            }
+            self.release_stashes(&mut vm);
             if let Some(pool) = self.pool.as_mut() {
                 for &f in vm.p2m.iter().filter(|&&f| is_frame(f)) {
                     if pool.decref(f) {
@@ -1335,12 +1309,7 @@ impl Daemon {
         in_swap: bool,
         moving: bool,
     ) {
-        if in_swap {
-            self.swap_slot_bytes += slot.size as u64;
-        } else {
-            self.stash_bytes[matches!(kind, Some(BlobKind::Compressed(_))) as usize] +=
-                slot.size as u64;
-        }
+        *self.slot_bytes(in_swap, kind) += slot.size as u64;
         self.pass_requests += 1;
         let vm = self.vms.get_mut(&t).expect("sharable");
         vm.pending[g as usize] = true;
@@ -1365,17 +1334,22 @@ impl Daemon {
         }
     }
 
+    /// The slot bytes a blob of `kind` counts under: the swap file's, or the store's
+    /// patches or compressed pages.
+    fn slot_bytes(&mut self, in_swap: bool, kind: Option<BlobKind>) -> &mut u64 {
+        if in_swap {
+            &mut self.swap_slot_bytes
+        } else {
+            &mut self.stash_bytes[matches!(kind, Some(BlobKind::Compressed(_))) as usize]
+        }
+    }
+
     /// Frees a stash record's blob and its hold on the reference frame.
     fn release_stash(&mut self, rec: Stashed) {
         if let Some(store) = self.store_for(rec.in_swap) {
             store.free(rec.slot);
         }
-        if rec.in_swap {
-            self.swap_slot_bytes -= rec.size as u64;
-        } else {
-            self.stash_bytes[matches!(rec.kind, Some(BlobKind::Compressed(_))) as usize] -=
-                rec.size as u64;
-        }
+        *self.slot_bytes(rec.in_swap, rec.kind) -= rec.size as u64;
         if rec.reference == NO_REFERENCE {
             return;
         }
@@ -1390,6 +1364,24 @@ impl Daemon {
         if pool.decref(f) {
             forget_frame(&mut self.table, &mut self.zero_frame, pool, f);
         }
+    }
+
+    /// Releases every blob guest `vm` holds (its stashed pages and lost moves), for a
+    /// guest gone or re-attaching (its agent wrote its stashed pages back first): the
+    /// pages are private again and its stash counters zero.
+    fn release_stashes(&mut self, vm: &mut Vm) {
+        for (_, rec) in std::mem::take(&mut vm.stash) {
+            if vm.p2m[rec.gfn as usize] == STASHED {
+                vm.p2m[rec.gfn as usize] = PRIVATE;
+            }
+            self.release_stash(rec);
+        }
+        for rec in std::mem::take(&mut vm.orphans) {
+            self.release_stash(rec);
+        }
+        vm.stats.patched_pages = 0;
+        vm.stats.compressed_pages = 0;
+        vm.stats.swapped_pages = 0;
     }
 
     fn stash_done(&mut self, batch: u64, stashed: &[u32], changed: usize, refused: usize) {
@@ -1634,11 +1626,9 @@ impl Daemon {
                     if hint == gpn {
                         return Ok(());
                     }
-                    let Some((t2, g2)) =
-                        self.locate(hint).filter(|&(t2, g2)| {
-                            self.sharable(t2, g2) && self.class_allows_share(t2, g2)
-                        })
-                    else {
+                    let Some((t2, g2)) = self.locate(hint).filter(|&(t2, g2)| {
+                        self.sharable(t2, g2) && self.class_allows_share(t2, g2)
+                    }) else {
                         self.table.remove(h, e);
                         continue;
                     };

@@ -13,7 +13,7 @@ use std::collections::BTreeSet;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-use crate::io_util::{pread_exact, pwrite_all};
+use crate::io_util::{pread_exact, punch_hole, pwrite_all};
 
 const PAGE: u64 = 4096;
 /// The pool grows 4 MiB at a time (ftruncate; untouched parts use no memory).
@@ -213,15 +213,8 @@ impl Pool {
         if self.refcount[f as usize] != 0 || self.pending[f as usize] != 0 {
             return false;
         }
-        // SAFETY: punches a hole in our memfd; no guest maps this frame any more.
-        unsafe {
-            libc::fallocate(
-                self.fd.as_raw_fd(),
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                (f as u64 * PAGE) as libc::off_t,
-                PAGE as libc::off_t,
-            )
-        };
+        // No guest maps this frame any more.
+        punch_hole(self.fd.as_raw_fd(), f as u64 * PAGE, PAGE);
         self.free.insert(f);
         self.in_use -= 1;
         true

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use memfold_core::slab::{Slab, SlabStats, Slot};
 
-use crate::io_util::pwrite_all;
+use crate::io_util::{punch_hole, pwrite_all};
 
 /// Why the store could not take a blob, or could not be created.
 #[derive(Debug, thiserror::Error)]
@@ -162,15 +162,8 @@ impl Store {
     /// Frees slot `id`, punching its chunk out of the memfd if it is now empty.
     pub fn free(&mut self, id: u32) {
         if let Some(off) = self.slab.free(id) {
-            // SAFETY: punches a chunk no live slot uses; failure only keeps the memory.
-            unsafe {
-                libc::fallocate(
-                    self.fd.as_raw_fd(),
-                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                    off as libc::off_t,
-                    4096,
-                )
-            };
+            // No live slot uses the chunk.
+            punch_hole(self.fd.as_raw_fd(), off, 4096);
         }
     }
 
