@@ -12,10 +12,12 @@
 //!   reference page as a raw-content dictionary.
 
 mod compress;
+mod encoding;
 mod patch;
 pub mod wkdm;
 
 pub use compress::CompressCodec;
+pub use encoding::Encoding;
 pub use patch::PatchCodec;
 
 /// Size of a guest page and of a host frame, in bytes.

@@ -1,10 +1,9 @@
 //! Sub-page storage for patches and compressed pages (Difference Engine §4.1).
 
-use memfold_codecs::{CodecError, CompressCodec, PatchCodec};
 use serde::Serialize;
 
 use crate::frames::{FrameStore, BLOB_CHUNK, CLASS_SHIFT};
-use crate::types::{BlobId, Frame, P2mEntry, Page, PAGE_SIZE};
+use crate::types::{BlobId, Frame, P2mEntry, PAGE_SIZE};
 
 /// Slots per frame of each size class; a class's slot size is `4096 / slots` rounded down
 /// to 8 bytes. Consecutive classes differ by at most ~33%, which bounds internal waste.
@@ -17,14 +16,8 @@ pub const BLOB_HEADER: usize = 8;
 /// Largest payload a blob can hold, bytes.
 pub const MAX_BLOB: usize = PAGE_SIZE - BLOB_HEADER;
 
-/// What a blob encodes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub enum BlobKind {
-    /// A patch against the reference frame in [`BlobMeta::reference`].
-    Patch(PatchCodec),
-    /// A compressed page.
-    Compressed(CompressCodec),
-}
+/// What a blob encodes: the codecs' [`Encoding`].
+pub use memfold_codecs::Encoding as BlobKind;
 
 /// A stored blob's description.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,69 +52,12 @@ pub fn class_fitting(bytes: usize) -> usize {
         .expect("a class fits any blob up to a page")
 }
 
-impl BlobKind {
-    /// The kind as one byte (0..16 compression codecs, 16.. patch codecs), for blob
-    /// headers and the live protocol.
-    pub fn to_byte(self) -> u8 {
-        encode_kind(self)
-    }
-
-    /// The kind a byte of [`BlobKind::to_byte`] names; `None` for an unknown byte.
-    pub fn from_byte(b: u8) -> Option<BlobKind> {
-        let known = if b >= 16 {
-            ((b - 16) as usize) < PatchCodec::ALL.len()
-        } else {
-            (b as usize) < CompressCodec::ALL.len()
-        };
-        known.then(|| decode_kind(b))
-    }
-
-    /// Decodes a blob of this kind into `out`; a patch needs its reference page.
-    ///
-    /// Errors: [`CodecError::Corrupt`] if the blob does not decode to a whole page, or a
-    /// patch comes without a reference.
-    pub fn decode(
-        self,
-        blob: &[u8],
-        reference: Option<&Page>,
-        out: &mut Page,
-    ) -> Result<(), CodecError> {
-        match self {
-            BlobKind::Patch(codec) => codec.decode(
-                reference.ok_or_else(|| CodecError::Corrupt {
-                    codec: codec.name(),
-                    len: blob.len(),
-                    what: "a patch without its reference page".into(),
-                })?,
-                blob,
-                out,
-            ),
-            BlobKind::Compressed(codec) => codec.decompress(blob, out),
-        }
-    }
-}
-
 fn encode_kind(k: BlobKind) -> u8 {
-    match k {
-        BlobKind::Compressed(c) => CompressCodec::ALL
-            .iter()
-            .position(|&x| x == c)
-            .expect("known codec") as u8,
-        BlobKind::Patch(p) => {
-            16 + PatchCodec::ALL
-                .iter()
-                .position(|&x| x == p)
-                .expect("known codec") as u8
-        }
-    }
+    k.to_byte()
 }
 
 fn decode_kind(k: u8) -> BlobKind {
-    if k >= 16 {
-        BlobKind::Patch(PatchCodec::ALL[(k - 16) as usize])
-    } else {
-        BlobKind::Compressed(CompressCodec::ALL[k as usize])
-    }
+    BlobKind::from_byte(k).expect("written by encode_kind")
 }
 
 /// One frame of blob slots, all of one class (kept in the frame's flag byte, so that a
@@ -376,6 +312,7 @@ impl BlobStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use memfold_codecs::{CompressCodec, PatchCodec};
 
     #[test]
     fn classes_pack_and_free_chunks_when_empty() {
