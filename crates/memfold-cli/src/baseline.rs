@@ -6,7 +6,7 @@
 use anyhow::Result;
 use clap::Args;
 use memfold_core::analysis::{AnalysisConfig, SetAnalysis};
-use memfold_mem::ksm::{Ksm, KsmMode};
+use memfold_sys::ksm::{Ksm, KsmMode};
 use memfold_vm::launcher::RamBackend;
 
 use crate::{analyze, capture, guests, ksm};

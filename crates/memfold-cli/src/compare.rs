@@ -5,7 +5,7 @@
 
 use anyhow::Result;
 use clap::Args;
-use memfold_mem::ksm::{Ksm, KsmMode};
+use memfold_sys::ksm::{Ksm, KsmMode};
 use memfold_vm::launcher::RamBackend;
 
 use crate::guests;

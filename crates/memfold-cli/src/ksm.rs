@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
-use memfold_mem::ksm::{Ksm, KsmMode, KsmStats};
+use memfold_sys::ksm::{Ksm, KsmMode, KsmStats};
 use memfold_vm::hostmem::{guest_ram_usage, total_used};
 use memfold_vm::launcher::{Guest, RamBackend};
 use serde::Serialize;

@@ -1,0 +1,24 @@
+//! # memfold-sys
+//!
+//! The system layer: memfold's thin, typed wrappers over the Linux calls it needs, so
+//! that the rest of memfold (the live daemon, the agent, the wire, the command line)
+//! reads as plain Rust. The engine core (`memfold-core`) decides; this crate carries out
+//! what needs the OS. Every `unsafe` call is here or says why it is elsewhere.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`memfd`] | memfds: create, positional I/O over a borrowed descriptor, punch holes, count allocated bytes, find data runs (SEEK_DATA/SEEK_HOLE) |
+//! | [`socket`] | a `SOCK_SEQPACKET` Unix socket that carries packets of bytes and file descriptors (SCM_RIGHTS) |
+//! | [`uffd`] | userfaultfd on shmem: register, write-protect, copy, zero-page, continue, events |
+//! | [`ksm`] | Linux KSM's sysfs settings and counters (the peer memfold is measured against) |
+//! | [`FileSwapDevice`] | the swap file (Difference Engine §4.6: "a single flat file of configurable size is used as storage for the swap space") |
+
+#![deny(missing_docs)]
+
+pub mod ksm;
+pub mod memfd;
+pub mod socket;
+mod swapfile;
+pub mod uffd;
+
+pub use swapfile::{FileSwapDevice, SwapFileError};

@@ -1,0 +1,152 @@
+//! Memfds: creating one, positional reads and writes, freeing and counting its pages,
+//! and finding the runs of pages that hold data (not holes).
+//!
+//! Every call borrows the descriptor ([`BorrowedFd`]): the caller keeps it open for the
+//! call, and nothing here closes or takes it. The calls work on any file, but memfold uses
+//! them on memfds (guest RAM, the pool, the store) and the swap file.
+
+use std::io;
+use std::os::fd::{BorrowedFd, OwnedFd};
+
+use memfold_ids::Gfn;
+use rustix::fs::{FallocateFlags, MemfdFlags, SeekFrom};
+
+/// Bytes in a page (guest pages, pool frames).
+const PAGE: u64 = 4096;
+
+/// Creates a memfd named `name` (shown as `/memfd:NAME` in `/proc/*/fd`), close-on-exec,
+/// of size 0.
+///
+/// Errors: the process is out of descriptors or the host out of memory.
+pub fn create(name: &str) -> io::Result<OwnedFd> {
+    Ok(rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC)?)
+}
+
+/// Sets the size of `fd` to `len` bytes (growing it adds holes, which take no memory).
+///
+/// Errors: the file cannot be resized (a sealed memfd, a full disk for a file).
+pub fn set_len(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
+    Ok(rustix::fs::ftruncate(fd, len)?)
+}
+
+/// Reads `buf.len()` bytes at `off`; bytes beyond the end of the file read as zeros.
+///
+/// Errors: the read failed.
+pub fn pread_exact(fd: BorrowedFd<'_>, buf: &mut [u8], off: u64) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match rustix::io::pread(fd, &mut buf[done..], off + done as u64) {
+            Ok(0) => {
+                buf[done..].fill(0);
+                break;
+            }
+            Ok(n) => done += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `buf` at `off`.
+///
+/// Errors: the write failed (ENOSPC, ENOMEM), or wrote nothing.
+pub fn pwrite_all(fd: BorrowedFd<'_>, buf: &[u8], off: u64) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match rustix::io::pwrite(fd, &buf[done..], off + done as u64) {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "failed to write whole buffer",
+                ))
+            }
+            Ok(n) => done += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Frees `len` bytes of `fd` at `off` (a hole: reads as zeros, takes no memory or disk),
+/// keeping the file's size. Returns whether the kernel did; failing only keeps the memory.
+pub fn punch_hole(fd: BorrowedFd<'_>, off: u64, len: u64) -> bool {
+    rustix::fs::fallocate(
+        fd,
+        FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+        off,
+        len,
+    )
+    .is_ok()
+}
+
+/// Bytes of memory (or disk) `fd` has allocated: its blocks, holes taking none; 0 if
+/// fstat fails.
+pub fn allocated_bytes(fd: BorrowedFd<'_>) -> u64 {
+    rustix::fs::fstat(fd).map_or(0, |st| st.st_blocks as u64 * 512)
+}
+
+/// The first run `[a, b)` of pages at or after `from` and before `end` that holds data in
+/// `fd` (not a hole; `SEEK_DATA`, then `SEEK_HOLE`); `None` if there is none, or the
+/// seek fails. Page `g` is bytes `[g·4096, (g+1)·4096)`; a run that starts or ends inside
+/// a page covers the whole page.
+pub fn next_data_run(fd: BorrowedFd<'_>, from: Gfn, end: Gfn) -> Option<(Gfn, Gfn)> {
+    let end_off = end.offset();
+    let data = rustix::fs::seek(fd, SeekFrom::Data(from.offset())).ok()?;
+    if data >= end_off {
+        return None;
+    }
+    let hole = rustix::fs::seek(fd, SeekFrom::Hole(data)).map_or(end_off, |h| h.min(end_off));
+    let a = (data / PAGE) as u32;
+    Some((Gfn(a), Gfn((hole.div_ceil(PAGE) as u32).max(a + 1))))
+}
+
+/// All runs of [`next_data_run`] in `[first, end)`, in order.
+pub fn data_runs(fd: BorrowedFd<'_>, first: Gfn, end: Gfn) -> Vec<(Gfn, Gfn)> {
+    let mut runs = Vec::new();
+    let mut from = first;
+    while let Some((a, b)) = next_data_run(fd, from, end) {
+        runs.push((a, b));
+        from = b;
+    }
+    runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn positional_io_holes_and_data_runs() {
+        let fd = create("memfold-sys-test").unwrap();
+        let fd = fd.as_fd();
+        set_len(fd, 16 * PAGE).unwrap();
+        assert_eq!(allocated_bytes(fd), 0, "a new memfd is all holes");
+        assert_eq!(data_runs(fd, Gfn(0), Gfn(16)), vec![]);
+        pwrite_all(fd, &[1u8; 4096 * 2], 2 * PAGE).unwrap();
+        pwrite_all(fd, &[2u8; 10], 9 * PAGE + 100).unwrap();
+        assert_eq!(allocated_bytes(fd), 3 * PAGE);
+        assert_eq!(
+            data_runs(fd, Gfn(0), Gfn(16)),
+            vec![(Gfn(2), Gfn(4)), (Gfn(9), Gfn(10))]
+        );
+        assert_eq!(next_data_run(fd, Gfn(3), Gfn(16)), Some((Gfn(3), Gfn(4))));
+        assert_eq!(next_data_run(fd, Gfn(0), Gfn(3)), Some((Gfn(2), Gfn(3))));
+        assert_eq!(next_data_run(fd, Gfn(10), Gfn(16)), None);
+        let mut buf = [9u8; 8];
+        pread_exact(fd, &mut buf, 3 * PAGE + 4092).unwrap();
+        assert_eq!(buf, [1, 1, 1, 1, 0, 0, 0, 0]);
+        let mut tail = [9u8; 8];
+        pread_exact(fd, &mut tail, 16 * PAGE - 4).unwrap();
+        assert_eq!(tail, [0; 8], "past the end reads as zeros");
+        assert!(punch_hole(fd, 2 * PAGE, PAGE));
+        assert_eq!(allocated_bytes(fd), 2 * PAGE);
+        assert_eq!(
+            data_runs(fd, Gfn(0), Gfn(16)),
+            vec![(Gfn(3), Gfn(4)), (Gfn(9), Gfn(10))]
+        );
+        assert_eq!(rustix::fs::fstat(fd).unwrap().st_size as u64, 16 * PAGE);
+    }
+}

@@ -1,0 +1,339 @@
+//! A Unix `SOCK_SEQPACKET` socket that carries packets of bytes with file descriptors
+//! alongside (`SCM_RIGHTS`): one `sendmsg` is one packet, read whole by one `recvmsg`.
+//!
+//! Bytes only: what the bytes mean is `memfold-wire`'s business.
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::path::Path;
+
+/// Most descriptors one packet carries.
+pub const MAX_FDS: usize = 16;
+
+/// Control buffer words: room for one `SCM_RIGHTS` message of [`MAX_FDS`] descriptors
+/// (`CMSG_SPACE(16 · 4)` is 80 bytes on 64-bit Linux), `u64`s so that it is aligned for
+/// `cmsghdr`.
+const CONTROL_WORDS: usize = 16;
+
+/// Creates a `SOCK_SEQPACKET` socket.
+fn seqpacket() -> io::Result<OwnedFd> {
+    // SAFETY: socket() takes no pointers; it returns a new descriptor or -1.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The `sockaddr_un` of `path`.
+fn sockaddr(path: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: sockaddr_un is plain data (an integer and a byte array): all zeros is a
+    // valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.len() >= addr.sun_path.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "socket path too long (max {} bytes): {}",
+                addr.sun_path.len() - 1,
+                path.display()
+            ),
+        ));
+    }
+    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    Ok((
+        addr,
+        std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+    ))
+}
+
+/// A listening `SOCK_SEQPACKET` socket bound to a path.
+#[derive(Debug)]
+pub struct SeqpacketListener {
+    fd: OwnedFd,
+}
+
+impl SeqpacketListener {
+    /// Binds `path` (removing a stale socket file first) and listens.
+    ///
+    /// Errors: the path is too long, its folder is missing or not writable (the error
+    /// names the path).
+    pub fn bind(path: &Path) -> io::Result<SeqpacketListener> {
+        let _ = std::fs::remove_file(path);
+        let fd = seqpacket()?;
+        let (addr, len) = sockaddr(path)?;
+        // SAFETY: `addr` is a valid sockaddr_un of `len` bytes that outlives the call.
+        let bound = unsafe {
+            libc::bind(
+                fd.as_raw_fd(),
+                &addr as *const libc::sockaddr_un as *const libc::sockaddr,
+                len,
+            )
+        } == 0;
+        // SAFETY: listen() takes no pointers.
+        if !bound || unsafe { libc::listen(fd.as_raw_fd(), 64) } != 0 {
+            let e = io::Error::last_os_error();
+            return Err(io::Error::new(
+                e.kind(),
+                format!("binding {}: {e}", path.display()),
+            ));
+        }
+        Ok(SeqpacketListener { fd })
+    }
+
+    /// Waits for the next connection.
+    ///
+    /// Errors: accept failed.
+    pub fn accept(&self) -> io::Result<Seqpacket> {
+        // SAFETY: null address and length pointers are allowed (the peer's address is not
+        // wanted); accept4 returns a new descriptor or -1.
+        let fd = unsafe {
+            libc::accept4(
+                self.fd.as_raw_fd(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                libc::SOCK_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh descriptor nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Seqpacket { fd })
+    }
+}
+
+/// A packet received by [`Seqpacket::recv`].
+#[derive(Debug)]
+pub struct Packet {
+    /// The packet's length, bytes: more than the buffer if it was cut ([`Packet::truncated`]);
+    /// 0 at the end of the connection.
+    pub len: usize,
+    /// The packet was longer than the buffer: only its first `buf.len()` bytes are there.
+    pub truncated: bool,
+    /// The descriptors that came with it, now owned by the receiver.
+    pub fds: Vec<OwnedFd>,
+}
+
+/// One end of a connected `SOCK_SEQPACKET` socket.
+#[derive(Debug)]
+pub struct Seqpacket {
+    fd: OwnedFd,
+}
+
+impl Seqpacket {
+    /// Connects to the socket at `path`.
+    ///
+    /// Errors: nothing listens there (the error names the path).
+    pub fn connect(path: &Path) -> io::Result<Seqpacket> {
+        let fd = seqpacket()?;
+        let (addr, len) = sockaddr(path)?;
+        // SAFETY: `addr` is a valid sockaddr_un of `len` bytes that outlives the call.
+        let rc = unsafe {
+            libc::connect(
+                fd.as_raw_fd(),
+                &addr as *const libc::sockaddr_un as *const libc::sockaddr,
+                len,
+            )
+        };
+        if rc != 0 {
+            let e = io::Error::last_os_error();
+            return Err(io::Error::new(
+                e.kind(),
+                format!("connecting to {}: {e}", path.display()),
+            ));
+        }
+        Ok(Seqpacket { fd })
+    }
+
+    /// A second handle on the same connection (one thread reads, another writes).
+    ///
+    /// Errors: out of file descriptors.
+    pub fn try_clone(&self) -> io::Result<Seqpacket> {
+        Ok(Seqpacket {
+            fd: self.fd.try_clone()?,
+        })
+    }
+
+    /// Sends `bytes` as one packet with `fds` attached (the peer gets its own copies).
+    ///
+    /// Errors: the peer is gone (no SIGPIPE), the packet is larger than the socket's send
+    /// buffer, or more than [`MAX_FDS`] descriptors.
+    pub fn send(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+        if fds.len() > MAX_FDS {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} descriptors in one packet; at most {MAX_FDS}", fds.len()),
+            ));
+        }
+        let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+        let fd_bytes = std::mem::size_of_val(raw.as_slice()) as u32;
+        let mut iov = libc::iovec {
+            iov_base: bytes.as_ptr() as *mut libc::c_void,
+            iov_len: bytes.len(),
+        };
+        let mut control = [0u64; CONTROL_WORDS];
+        // SAFETY: msghdr is plain data (integers and pointers): all zeros is a valid,
+        // empty header.
+        let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+        hdr.msg_iov = &mut iov;
+        hdr.msg_iovlen = 1;
+        if !raw.is_empty() {
+            // SAFETY: CMSG_SPACE only computes a size.
+            let space = unsafe { libc::CMSG_SPACE(fd_bytes) } as usize;
+            debug_assert!(space <= std::mem::size_of_val(&control));
+            hdr.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+            hdr.msg_controllen = space;
+            // SAFETY: `control` is zeroed, aligned for cmsghdr and has room for one control
+            // message of `raw.len()` ≤ MAX_FDS descriptors (checked above), so
+            // CMSG_FIRSTHDR is non-null and CMSG_DATA points at `fd_bytes` writable bytes
+            // inside it.
+            unsafe {
+                let c = libc::CMSG_FIRSTHDR(&hdr);
+                (*c).cmsg_level = libc::SOL_SOCKET;
+                (*c).cmsg_type = libc::SCM_RIGHTS;
+                (*c).cmsg_len = libc::CMSG_LEN(fd_bytes) as usize;
+                std::ptr::copy_nonoverlapping(
+                    raw.as_ptr() as *const u8,
+                    libc::CMSG_DATA(c),
+                    fd_bytes as usize,
+                );
+            }
+        }
+        loop {
+            // SAFETY: `hdr` points at `iov` (valid for `bytes.len()` readable bytes) and at
+            // `control`, all of which outlive the call; sendmsg only reads them.
+            let n = unsafe { libc::sendmsg(self.fd.as_raw_fd(), &hdr, libc::MSG_NOSIGNAL) };
+            if n >= 0 {
+                return Ok(());
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
+    /// Receives one packet into `buf`, and the descriptors sent with it (close-on-exec).
+    /// A packet longer than `buf` is cut: [`Packet::truncated`], with its full length in
+    /// [`Packet::len`]. A length of 0 is the end of the connection.
+    ///
+    /// Errors: a socket error; more descriptors than [`MAX_FDS`] (those that came are
+    /// closed).
+    pub fn recv(&self, buf: &mut [u8]) -> io::Result<Packet> {
+        let mut control = [0u64; CONTROL_WORDS];
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+            iov_len: buf.len(),
+        };
+        // SAFETY: msghdr is plain data (integers and pointers): all zeros is a valid,
+        // empty header.
+        let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+        hdr.msg_iov = &mut iov;
+        hdr.msg_iovlen = 1;
+        hdr.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+        hdr.msg_controllen = std::mem::size_of_val(&control);
+        let n = loop {
+            // SAFETY: `hdr` points at `iov` (valid for `buf.len()` writable bytes) and at
+            // `control` (writable, aligned), both outliving the call. With MSG_TRUNC the
+            // kernel still writes at most `buf.len()` bytes; it returns the full length.
+            let n = unsafe {
+                libc::recvmsg(
+                    self.fd.as_raw_fd(),
+                    &mut hdr,
+                    libc::MSG_CMSG_CLOEXEC | libc::MSG_TRUNC,
+                )
+            };
+            if n >= 0 {
+                break n as usize;
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        };
+        let mut fds = Vec::new();
+        // SAFETY: the kernel filled `control` with `hdr.msg_controllen` bytes of
+        // well-formed control messages; CMSG_FIRSTHDR/CMSG_NXTHDR walk them within that
+        // length and return null at the end. An SCM_RIGHTS message's data holds
+        // `(cmsg_len - CMSG_LEN(0)) / 4` descriptors newly installed in this process,
+        // which nothing else owns, read unaligned as the data need not be aligned.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&hdr);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let count =
+                        ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                    let data = libc::CMSG_DATA(c) as *const RawFd;
+                    for i in 0..count {
+                        fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+                    }
+                }
+                c = libc::CMSG_NXTHDR(&hdr, c);
+            }
+        }
+        if hdr.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(io::Error::other(format!(
+                "a packet came with more than {MAX_FDS} descriptors"
+            )));
+        }
+        Ok(Packet {
+            len: n,
+            truncated: n > buf.len() || hdr.msg_flags & libc::MSG_TRUNC != 0,
+            fds,
+        })
+    }
+}
+
+impl AsFd for Seqpacket {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+impl AsRawFd for Seqpacket {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packets_and_descriptors_cross_and_long_packets_say_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let l = SeqpacketListener::bind(&path).unwrap();
+        let c = Seqpacket::connect(&path).unwrap();
+        let s = l.accept().unwrap();
+        let f = std::fs::File::open("/proc/self/exe").unwrap();
+        c.send(b"hello", &[f.as_fd(), f.as_fd()]).unwrap();
+        let mut buf = [0u8; 16];
+        let p = s.recv(&mut buf).unwrap();
+        assert_eq!(
+            (&buf[..p.len], p.truncated, p.fds.len()),
+            (&b"hello"[..], false, 2)
+        );
+        c.try_clone().unwrap().send(&[7u8; 40], &[]).unwrap();
+        let p = s.recv(&mut buf).unwrap();
+        assert_eq!((p.len, p.truncated), (40, true));
+        let too_many = vec![f.as_fd(); MAX_FDS + 1];
+        assert!(c.send(b"x", &too_many).is_err());
+        drop(c);
+        assert_eq!(s.recv(&mut buf).unwrap().len, 0, "end of connection");
+        let long = dir.path().join("x".repeat(200));
+        let e = SeqpacketListener::bind(&long).unwrap_err();
+        assert!(e.to_string().contains("too long"), "{e}");
+        let e = Seqpacket::connect(&dir.path().join("none")).unwrap_err();
+        assert!(e.to_string().contains("connecting to"), "{e}");
+    }
+}

@@ -1,0 +1,523 @@
+//! A minimal userfaultfd: the ioctls memfold needs on shmem (memfd) guest RAM.
+//!
+//! Not the `userfaultfd` crate (0.9): its `userfaultfd-sys` runs bindgen, so libclang, at
+//! every build, it has no `UFFDIO_COPY_MODE_WP` / `UFFDIO_CONTINUE_MODE_WP` (installing a
+//! page write-protected) and its feature flags lack `MINOR_SHMEM` and
+//! `WP_HUGETLBFS_SHMEM`. Raw ioctls instead (see the kernel's
+//! `Documentation/admin-guide/mm/userfaultfd.rst`); the ABI below is the stable
+//! `linux/userfaultfd.h` one.
+
+use std::fmt;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+
+use rustix::mm::UserfaultfdFlags;
+
+const UFFDIO_API: libc::c_ulong = 0xC018_AA3F;
+const UFFDIO_REGISTER: libc::c_ulong = 0xC020_AA00;
+const UFFDIO_WAKE: libc::c_ulong = 0x8010_AA02;
+const UFFDIO_WRITEPROTECT: libc::c_ulong = 0xC018_AA06;
+const UFFDIO_COPY: libc::c_ulong = 0xC028_AA03;
+const UFFDIO_ZEROPAGE: libc::c_ulong = 0xC020_AA04;
+const UFFDIO_CONTINUE: libc::c_ulong = 0xC020_AA07;
+/// `UFFDIO_COPY_MODE_WP` / `UFFDIO_CONTINUE_MODE_WP`: install the page write-protected.
+const FILL_MODE_WP: u64 = 1 << 1;
+
+/// `UFFD_FEATURE_EVENT_REMAP`: a registered VMA moved by mremap keeps its registration
+/// (and its write-protected PTEs); the mover waits until the event is read.
+pub const FEATURE_EVENT_REMAP: u64 = 1 << 2;
+/// `UFFD_FEATURE_MISSING_SHMEM`.
+pub const FEATURE_MISSING_SHMEM: u64 = 1 << 5;
+/// `UFFD_FEATURE_MINOR_SHMEM`: minor faults (page in the page cache, no PTE) on shmem.
+pub const FEATURE_MINOR_SHMEM: u64 = 1 << 10;
+/// `UFFD_FEATURE_THREAD_ID`: fault messages carry the faulting thread.
+pub const FEATURE_THREAD_ID: u64 = 1 << 8;
+/// `UFFD_FEATURE_WP_HUGETLBFS_SHMEM`: write-protect on shmem, kept across zaps.
+pub const FEATURE_WP_SHMEM: u64 = 1 << 12;
+
+/// Register mode: faults on missing pages.
+pub const MODE_MISSING: u64 = 1;
+/// Register mode: faults on writes to write-protected pages.
+pub const MODE_WP: u64 = 2;
+/// Register mode: minor faults (the page exists, its PTE does not).
+pub const MODE_MINOR: u64 = 4;
+
+/// A page-fault message: `UFFD_EVENT_PAGEFAULT`.
+const EVENT_PAGEFAULT: u8 = 0x12;
+/// `UFFD_EVENT_REMAP`.
+const EVENT_REMAP: u8 = 0x14;
+/// Fault flag: a write.
+const PAGEFAULT_FLAG_WRITE: u64 = 1;
+/// Fault flag: a write to a write-protected page.
+const PAGEFAULT_FLAG_WP: u64 = 2;
+/// Fault flag: a minor fault.
+const PAGEFAULT_FLAG_MINOR: u64 = 4;
+
+#[repr(C)]
+struct UffdioApi {
+    api: u64,
+    features: u64,
+    ioctls: u64,
+}
+
+#[repr(C)]
+struct UffdioCopy {
+    dst: u64,
+    src: u64,
+    len: u64,
+    mode: u64,
+    copy: i64,
+}
+
+#[repr(C)]
+struct UffdioContinue {
+    range: UffdioRange,
+    mode: u64,
+    mapped: i64,
+}
+
+#[repr(C)]
+struct UffdioZeropage {
+    range: UffdioRange,
+    mode: u64,
+    zeropage: i64,
+}
+
+#[repr(C)]
+struct UffdioRange {
+    start: u64,
+    len: u64,
+}
+
+#[repr(C)]
+struct UffdioRegister {
+    range: UffdioRange,
+    mode: u64,
+    ioctls: u64,
+}
+
+#[repr(C)]
+struct UffdioWriteprotect {
+    range: UffdioRange,
+    mode: u64,
+}
+
+/// `struct uffd_msg`: 32 bytes, the event in byte 0, then three u64 arguments from
+/// byte 8 (for a page fault: flags, address, thread id).
+const MSG_BYTES: usize = 32;
+
+/// One event read from the userfaultfd.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A thread faulted at `addr` (page-aligned by the caller) and waits.
+    Fault {
+        /// Faulting address (exact, not aligned).
+        addr: u64,
+        /// A write (else a read of a missing page).
+        write: bool,
+        /// The page was write-protected.
+        wp: bool,
+        /// A minor fault: the page is in the memfd, only its PTE is missing.
+        minor: bool,
+    },
+    /// A registered range moved (mremap); reading this lets the mover continue.
+    Remap,
+    /// Another event (fork, remove, unmap): nothing to do for memfold.
+    Other(u8),
+}
+
+/// Which userfaultfd ioctl failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ioctl {
+    /// `UFFDIO_API`: the handshake that enables features.
+    Api,
+    /// `UFFDIO_REGISTER`.
+    Register,
+    /// `UFFDIO_WRITEPROTECT`.
+    WriteProtect,
+    /// `UFFDIO_WAKE`.
+    Wake,
+    /// `UFFDIO_COPY`.
+    Copy,
+    /// `UFFDIO_ZEROPAGE`.
+    Zeropage,
+    /// `UFFDIO_CONTINUE`.
+    Continue,
+}
+
+impl fmt::Display for Ioctl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Ioctl::Api => "UFFDIO_API",
+            Ioctl::Register => "UFFDIO_REGISTER",
+            Ioctl::WriteProtect => "UFFDIO_WRITEPROTECT",
+            Ioctl::Wake => "UFFDIO_WAKE",
+            Ioctl::Copy => "UFFDIO_COPY",
+            Ioctl::Zeropage => "UFFDIO_ZEROPAGE",
+            Ioctl::Continue => "UFFDIO_CONTINUE",
+        })
+    }
+}
+
+/// Userfaultfd errors.
+#[derive(Debug, thiserror::Error)]
+pub enum UffdError {
+    /// The `userfaultfd` syscall was refused (it needs CAP_SYS_PTRACE, or
+    /// vm.unprivileged_userfaultfd for user-mode-only faults, which memfold does not use).
+    #[error("userfaultfd: {0}")]
+    Open(#[source] io::Error),
+    /// `UFFDIO_API` failed.
+    #[error("UFFDIO_API with features {features:#x}: {errno}")]
+    Api {
+        /// The features asked for.
+        features: u64,
+        /// The kernel's error.
+        #[source]
+        errno: io::Error,
+    },
+    /// The kernel lacks features memfold asked for.
+    #[error("userfaultfd features {missing:#x} missing (kernel has {available:#x})")]
+    MissingFeatures {
+        /// The missing feature bits.
+        missing: u64,
+        /// Every feature the kernel has.
+        available: u64,
+    },
+    /// An ioctl on a range failed.
+    #[error("{ioctl} at {start:#x} (+{len:#x}): {errno}")]
+    Ioctl {
+        /// Which ioctl.
+        ioctl: Ioctl,
+        /// Start of the range.
+        start: u64,
+        /// Length of the range, bytes.
+        len: u64,
+        /// The kernel's error.
+        #[source]
+        errno: io::Error,
+    },
+    /// Reading an event failed (other than "nothing pending").
+    #[error("reading a userfaultfd event: {0}")]
+    Read(#[source] io::Error),
+    /// The kernel returned a message shorter than `struct uffd_msg`.
+    #[error("short userfaultfd message: {0} bytes")]
+    ShortMessage(usize),
+}
+
+impl UffdError {
+    /// The OS error number, if the kernel refused something.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        match self {
+            UffdError::Open(e) | UffdError::Read(e) => e.raw_os_error(),
+            UffdError::Api { errno, .. } | UffdError::Ioctl { errno, .. } => errno.raw_os_error(),
+            UffdError::MissingFeatures { .. } | UffdError::ShortMessage(_) => None,
+        }
+    }
+}
+
+impl From<UffdError> for io::Error {
+    fn from(e: UffdError) -> io::Error {
+        let kind = match &e {
+            UffdError::Open(e) | UffdError::Read(e) => e.kind(),
+            UffdError::Api { errno, .. } | UffdError::Ioctl { errno, .. } => errno.kind(),
+            UffdError::MissingFeatures { .. } => io::ErrorKind::Unsupported,
+            UffdError::ShortMessage(_) => io::ErrorKind::InvalidData,
+        };
+        io::Error::new(kind, e)
+    }
+}
+
+/// A userfaultfd in this process.
+#[derive(Debug)]
+pub struct Uffd {
+    fd: OwnedFd,
+}
+
+impl Uffd {
+    /// Opens a userfaultfd (non-blocking, close-on-exec) for all faults, kernel ones
+    /// included (not `UFFD_USER_MODE_ONLY`: the kernel's writes into guest RAM for QEMU's
+    /// disk threads must reach us too), and enables `features`.
+    ///
+    /// Errors: the syscall is refused ([`UffdError::Open`]: needs CAP_SYS_PTRACE), or a
+    /// requested feature is not available ([`UffdError::MissingFeatures`] names the bits).
+    pub fn open(features: u64) -> Result<Uffd, UffdError> {
+        // SAFETY: the call itself has no preconditions; what makes a userfaultfd
+        // dangerous is registering memory with it, which `register` guards.
+        let fd = unsafe {
+            rustix::mm::userfaultfd(UserfaultfdFlags::CLOEXEC | UserfaultfdFlags::NONBLOCK)
+        }
+        .map_err(|e| UffdError::Open(e.into()))?;
+        let mut api = UffdioApi {
+            api: 0xAA,
+            features,
+            ioctls: 0,
+        };
+        // SAFETY: UFFDIO_API reads and writes the `UffdioApi` it is given, which lives
+        // across the call.
+        if unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API, &mut api) } != 0 {
+            return Err(UffdError::Api {
+                features,
+                errno: io::Error::last_os_error(),
+            });
+        }
+        // The kernel answers with every feature it has; ours must be among them.
+        if api.features & features != features {
+            return Err(UffdError::MissingFeatures {
+                missing: features & !api.features,
+                available: api.features,
+            });
+        }
+        Ok(Uffd { fd })
+    }
+
+    /// Registers `[start, start+len)` with `mode` ([`MODE_MISSING`], [`MODE_WP`],
+    /// [`MODE_MINOR`], or'ed).
+    ///
+    /// Errors: the range is not page-aligned or not a mapping the mode supports.
+    ///
+    /// # Safety
+    ///
+    /// The range must be memory that no Rust reference or allocation of this program
+    /// uses, such as a shared file mapping this process manages through raw addresses
+    /// (guest RAM): once registered, [`Uffd::copy`], [`Uffd::zeropage`] and
+    /// [`Uffd::cont`] change what its missing pages read as, and every access to a
+    /// faulting page waits until this userfaultfd answers (a thread that holds the only
+    /// handle waits forever).
+    pub unsafe fn register(&self, start: u64, len: u64, mode: u64) -> Result<(), UffdError> {
+        let mut r = UffdioRegister {
+            range: UffdioRange { start, len },
+            mode,
+            ioctls: 0,
+        };
+        // SAFETY: UFFDIO_REGISTER reads and writes the `UffdioRegister` it is given, which
+        // lives across the call; the caller vouches for the range.
+        let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_REGISTER, &mut r) };
+        check(rc, Ioctl::Register, start, len)
+    }
+
+    /// Write-protects (`protect`) or unprotects a registered range; unprotecting wakes
+    /// threads waiting on it.
+    ///
+    /// Errors: the range is not registered with [`MODE_WP`].
+    pub fn write_protect(&self, start: u64, len: u64, protect: bool) -> Result<(), UffdError> {
+        let mut w = UffdioWriteprotect {
+            range: UffdioRange { start, len },
+            mode: protect as u64,
+        };
+        // SAFETY: UFFDIO_WRITEPROTECT reads and writes the `UffdioWriteprotect` it is
+        // given, which lives across the call. It changes page protection only, never
+        // contents, and only of registered ranges.
+        let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut w) };
+        check(rc, Ioctl::WriteProtect, start, len)
+    }
+
+    /// Wakes threads waiting on faults in `[start, start+len)` so they retry.
+    ///
+    /// Errors: invalid range.
+    pub fn wake(&self, start: u64, len: u64) -> Result<(), UffdError> {
+        let mut r = UffdioRange { start, len };
+        // SAFETY: UFFDIO_WAKE reads the `UffdioRange` it is given, which lives across the
+        // call; waking changes no memory.
+        let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_WAKE, &mut r) };
+        check(rc, Ioctl::Wake, start, len)
+    }
+
+    /// Fills the missing page(s) at `[dst, dst+src.len())` with `src`, write-protected if
+    /// `wp`, and wakes the waiting threads (`UFFDIO_COPY`). A page filled meanwhile
+    /// (`EEXIST`) only wakes.
+    ///
+    /// Errors: `dst` is not a registered missing range; the host is out of memory.
+    pub fn copy(&self, dst: u64, src: &[u8], wp: bool) -> Result<(), UffdError> {
+        let mut c = UffdioCopy {
+            dst,
+            src: src.as_ptr() as u64,
+            len: src.len() as u64,
+            mode: if wp { FILL_MODE_WP } else { 0 },
+            copy: 0,
+        };
+        // SAFETY: UFFDIO_COPY reads `src` (valid for `len` bytes) and writes `c.copy`; it
+        // fills only missing pages of a registered range, which `register`'s caller
+        // vouched no Rust value uses.
+        let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_COPY, &mut c) };
+        self.filled(rc, Ioctl::Copy, dst, src.len() as u64)
+    }
+
+    /// Fills the missing page(s) at `[dst, dst+len)` with zeros and wakes the waiting
+    /// threads (`UFFDIO_ZEROPAGE`; on shmem this allocates a zeroed page). A page filled
+    /// meanwhile (`EEXIST`) only wakes.
+    ///
+    /// Errors: `dst` is not a registered missing range; the host is out of memory.
+    pub fn zeropage(&self, dst: u64, len: u64) -> Result<(), UffdError> {
+        let mut z = UffdioZeropage {
+            range: UffdioRange { start: dst, len },
+            mode: 0,
+            zeropage: 0,
+        };
+        // SAFETY: UFFDIO_ZEROPAGE reads the range and writes `z.zeropage`; it fills only
+        // missing pages of a registered range (see `copy`).
+        let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_ZEROPAGE, &mut z) };
+        self.filled(rc, Ioctl::Zeropage, dst, len)
+    }
+
+    /// Maps the memfd's existing page(s) at `[dst, dst+len)` after a minor fault,
+    /// write-protected if `wp`, and wakes the waiting threads (`UFFDIO_CONTINUE`). Already
+    /// mapped (`EEXIST`) only wakes.
+    ///
+    /// Errors: `dst` is not a registered minor range.
+    pub fn cont(&self, dst: u64, len: u64, wp: bool) -> Result<(), UffdError> {
+        let mut c = UffdioContinue {
+            range: UffdioRange { start: dst, len },
+            mode: if wp { FILL_MODE_WP } else { 0 },
+            mapped: 0,
+        };
+        // SAFETY: UFFDIO_CONTINUE reads the range and writes `c.mapped`; it maps pages the
+        // file already holds into a registered range (see `copy`).
+        let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_CONTINUE, &mut c) };
+        self.filled(rc, Ioctl::Continue, dst, len)
+    }
+
+    /// The result of a fill ioctl: `EEXIST` (filled meanwhile) only wakes.
+    fn filled(&self, rc: libc::c_int, ioctl: Ioctl, dst: u64, len: u64) -> Result<(), UffdError> {
+        if rc == 0 {
+            return Ok(());
+        }
+        let errno = io::Error::last_os_error();
+        if errno.raw_os_error() == Some(libc::EEXIST) {
+            return self.wake(dst, len);
+        }
+        Err(UffdError::Ioctl {
+            ioctl,
+            start: dst,
+            len,
+            errno,
+        })
+    }
+
+    /// Reads one event if one is pending (the fd is non-blocking).
+    ///
+    /// Errors: read failures other than "nothing pending".
+    pub fn read_event(&self) -> Result<Option<Event>, UffdError> {
+        let mut m = [0u8; MSG_BYTES];
+        let n = match rustix::io::read(&self.fd, &mut m) {
+            Ok(n) => n,
+            Err(rustix::io::Errno::AGAIN) => return Ok(None),
+            Err(e) => return Err(UffdError::Read(e.into())),
+        };
+        if n != MSG_BYTES {
+            return Err(UffdError::ShortMessage(n));
+        }
+        let arg =
+            |i: usize| u64::from_ne_bytes(m[8 + 8 * i..16 + 8 * i].try_into().expect("8 bytes"));
+        Ok(Some(match m[0] {
+            EVENT_PAGEFAULT => Event::Fault {
+                addr: arg(1),
+                write: arg(0) & PAGEFAULT_FLAG_WRITE != 0,
+                wp: arg(0) & PAGEFAULT_FLAG_WP != 0,
+                minor: arg(0) & PAGEFAULT_FLAG_MINOR != 0,
+            },
+            EVENT_REMAP => Event::Remap,
+            other => Event::Other(other),
+        }))
+    }
+}
+
+/// The result of a range ioctl.
+fn check(rc: libc::c_int, ioctl: Ioctl, start: u64, len: u64) -> Result<(), UffdError> {
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(UffdError::Ioctl {
+            ioctl,
+            start,
+            len,
+            errno: io::Error::last_os_error(),
+        })
+    }
+}
+
+impl AsFd for Uffd {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+impl AsRawFd for Uffd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_name_the_ioctl_the_range_and_the_errno() {
+        let e = UffdError::Ioctl {
+            ioctl: Ioctl::Continue,
+            start: 0x7000,
+            len: 0x1000,
+            errno: io::Error::from_raw_os_error(libc::EINVAL),
+        };
+        let s = e.to_string();
+        assert!(
+            s.starts_with("UFFDIO_CONTINUE at 0x7000 (+0x1000): "),
+            "{s}"
+        );
+        assert_eq!(e.raw_os_error(), Some(libc::EINVAL));
+        let io: io::Error = e.into();
+        assert_eq!(io.kind(), io::ErrorKind::InvalidInput);
+        let m = UffdError::MissingFeatures {
+            missing: 0x400,
+            available: 0x3ff,
+        };
+        assert_eq!(
+            m.to_string(),
+            "userfaultfd features 0x400 missing (kernel has 0x3ff)"
+        );
+    }
+
+    /// Where the kernel lets this process open a userfaultfd (root here), a registered
+    /// memfd mapping faults to us and is filled by `copy`, and protection round-trips.
+    #[test]
+    fn a_registered_memfd_mapping_is_served_by_copy() {
+        let Ok(u) = Uffd::open(FEATURE_MISSING_SHMEM) else {
+            eprintln!("no userfaultfd here; skipped");
+            return;
+        };
+        assert!(matches!(u.read_event(), Ok(None)), "nothing pending");
+        let fd = crate::memfd::create("uffd-test").unwrap();
+        crate::memfd::set_len(fd.as_fd(), 4096).unwrap();
+        // SAFETY: a new shared mapping of our memfd, used only through raw pointers.
+        let p = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                4096,
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::SHARED,
+                &fd,
+                0,
+            )
+        }
+        .unwrap();
+        let addr = p as u64;
+        // SAFETY: the mapping above is ours, and no Rust reference points into it.
+        unsafe { u.register(addr, 4096, MODE_MISSING) }.unwrap();
+        // No thread waits: fill it ahead of the first touch.
+        u.copy(addr, &[5u8; 4096], false).unwrap();
+        u.copy(addr, &[6u8; 4096], false).unwrap(); // EEXIST only wakes
+                                                    // SAFETY: the page is filled: reading it does not fault.
+        assert_eq!(unsafe { std::ptr::read_volatile(p as *const u8) }, 5);
+        match u.write_protect(addr, 4096, true) {
+            Err(UffdError::Ioctl {
+                ioctl: Ioctl::WriteProtect,
+                start,
+                len: 4096,
+                ..
+            }) => assert_eq!(start, addr),
+            other => panic!("write-protect without MODE_WP: {other:?}"),
+        }
+        // SAFETY: unmaps the mapping made above.
+        unsafe { rustix::mm::munmap(p, 4096) }.unwrap();
+    }
+}
