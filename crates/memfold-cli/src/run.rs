@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
-use memfold_live::daemon::stats::{SavedBy, Stats, SwapStats, VmStats};
 use memfold_live::daemon::ZeroPolicy;
 use memfold_vm::launcher::{agent_env, Guest, RamBackend};
+use memfold_wire::{SavedBy, Stats, SwapStats, VmStats};
 use serde::Serialize;
 
 use crate::guests;

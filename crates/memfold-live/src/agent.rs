@@ -51,28 +51,22 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::io_util::{pread_exact, punch_hole, pwrite_all};
-use crate::latency::OpLatency;
-use crate::protocol::{
-    AgentReport, Conn, StashPage, ToAgent, ToDaemon, CLOCK_SLICE, NO_REFERENCE, PROTOCOL_VERSION,
-    RAW_PAGE, RECLAIMED_ZERO,
-};
-use crate::uffd::{self, Event, Uffd};
-use memfold_core::blobstore::BlobKind;
+use crate::legacy::{self, PRIVATE, RECLAIMED, STASHED};
 use memfold_core::Page;
+use memfold_sys::memfd::{drop_cache, pread_exact, punch_hole, pwrite_all};
+use memfold_sys::uffd::{self, Event, Uffd};
+use memfold_wire::latency::OpLatency;
+use memfold_wire::{
+    reattach, AgentReport, BlobHome, Conn, Gfn, StashPage, ToAgent, ToDaemon, CLOCK_SLICE,
+    PROTOCOL_VERSION,
+};
 
 const PAGE: u64 = 4096;
-/// No frame: the page is private.
-const PRIVATE: u32 = u32::MAX;
-/// The page is a reclaimed zero page (a hole in the guest memfd).
-const RECLAIMED: u32 = RECLAIMED_ZERO;
-/// The page is stashed: a hole in the guest memfd, its blob in the store memfd.
-const STASHED: u32 = u32::MAX - 2;
 /// Guest RAM (and pages given back to it) is registered for all three fault kinds.
 const RAM_MODE: u64 = uffd::MODE_MISSING | uffd::MODE_WP | uffd::MODE_MINOR;
 /// How often the agent reports its counters and latencies.
@@ -179,21 +173,13 @@ fn find_ram(ram_bytes: u64) -> io::Result<Option<(u64, OwnedFd)>> {
     Ok(None)
 }
 
-/// A memfd holding `pairs` as little-endian u32 pairs (the re-attach list).
+/// A memfd holding the re-attach list of `pairs` (gfn, frame or [`RECLAIMED`]).
 fn pairs_memfd(pairs: &[(u32, u32)]) -> io::Result<OwnedFd> {
-    // SAFETY: creates a new fd.
-    let fd = unsafe { libc::memfd_create(c"memfold-shared-list".as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fresh fd we own.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let bytes: Vec<u8> = pairs
+    let entries: Vec<_> = pairs
         .iter()
-        .flat_map(|&(g, f)| g.to_le_bytes().into_iter().chain(f.to_le_bytes()))
+        .map(|&(g, f)| (Gfn(g), legacy::mapped(f)))
         .collect();
-    pwrite_all(fd.as_raw_fd(), &bytes, 0)?;
-    Ok(fd)
+    Ok(reattach::to_memfd(&entries)?)
 }
 
 /// Moves mappings with `mremap` on a helper thread: with EVENT_REMAP the mover waits
@@ -315,7 +301,10 @@ pub fn run(cfg: AgentConfig) -> io::Result<()> {
             | uffd::FEATURE_MINOR_SHMEM
             | uffd::FEATURE_THREAD_ID,
     )?;
-    uffd.register(base, cfg.ram_bytes, RAM_MODE)?;
+    // SAFETY: guest RAM is QEMU's shared memfd mapping, which this process touches only
+    // through raw addresses (QEMU's vCPUs and devices), never through Rust references; the
+    // agent thread that answers its faults never touches it through the mapping.
+    unsafe { uffd.register(base, cfg.ram_bytes, RAM_MODE) }?;
     let max_maps: usize = std::fs::read_to_string("/proc/sys/vm/max_map_count")
         .ok()
         .and_then(|s| s.trim().parse().ok())
@@ -438,13 +427,13 @@ impl Agent {
             ram_bytes: self.cfg.ram_bytes,
             shared: shared.len() as u64,
         };
-        let mut fds = vec![self.memfd.as_raw_fd()];
         let list;
+        let mut fds = vec![self.memfd.as_fd()];
         if let Some(p) = &self.pool {
-            fds.push(p.as_raw_fd());
+            fds.push(p.as_fd());
             let Ok(l) = pairs_memfd(&shared) else { return };
             list = l;
-            fds.push(list.as_raw_fd());
+            fds.push(list.as_fd());
         }
         if conn.send(&hello, &fds).is_err() {
             return;
@@ -476,17 +465,17 @@ impl Agent {
         let mut msgs = Vec::new();
         if !self.breaks.is_empty() {
             msgs.push(ToDaemon::CowBroken {
-                breaks: std::mem::take(&mut self.breaks),
+                breaks: legacy::to_pairs(std::mem::take(&mut self.breaks)),
             });
         }
         if !self.refills.is_empty() {
             msgs.push(ToDaemon::Refilled {
-                gfns: std::mem::take(&mut self.refills),
+                gfns: legacy::to_gfns(std::mem::take(&mut self.refills)),
             });
         }
         if !self.unstashed.is_empty() {
             msgs.push(ToDaemon::Unstashed {
-                gfns: std::mem::take(&mut self.unstashed),
+                gfns: legacy::to_gfns(std::mem::take(&mut self.unstashed)),
             });
         }
         if self.last_report.elapsed() >= REPORT_EVERY {
@@ -524,24 +513,24 @@ impl Agent {
         let started = Instant::now();
         let reply = match msg {
             ToAgent::Share { batch, pages } => {
-                let (shared, changed, refused) = self.share(pages)?;
+                let (shared, changed, refused) = self.share(legacy::pairs(&pages))?;
                 self.share_lat.record_batch(started.elapsed(), shared.len());
                 ToDaemon::ShareDone {
                     batch,
-                    shared,
-                    changed,
-                    refused,
+                    shared: legacy::to_gfns(shared),
+                    changed: legacy::to_gfns(changed),
+                    refused: legacy::to_gfns(refused),
                 }
             }
             ToAgent::ReclaimZero { batch, gfns } => {
-                let (reclaimed, changed, refused) = self.reclaim_zero(gfns)?;
+                let (reclaimed, changed, refused) = self.reclaim_zero(legacy::gfns(&gfns))?;
                 self.reclaim_lat
                     .record_batch(started.elapsed(), reclaimed.len());
                 ToDaemon::ReclaimDone {
                     batch,
-                    reclaimed,
-                    changed,
-                    refused,
+                    reclaimed: legacy::to_gfns(reclaimed),
+                    changed: legacy::to_gfns(changed),
+                    refused: legacy::to_gfns(refused),
                 }
             }
             ToAgent::Stash { batch, pages } => {
@@ -550,9 +539,9 @@ impl Agent {
                     .record_batch(started.elapsed(), stashed.len());
                 ToDaemon::StashDone {
                     batch,
-                    stashed,
-                    changed,
-                    refused,
+                    stashed: legacy::to_gfns(stashed),
+                    changed: legacy::to_gfns(changed),
+                    refused: legacy::to_gfns(refused),
                 }
             }
             ToAgent::ClockScan {
@@ -560,7 +549,7 @@ impl Agent {
                 first,
                 count,
             } => {
-                let (count, referenced, modified) = self.clock_scan(first, count)?;
+                let (count, referenced, modified) = self.clock_scan(first.0, count)?;
                 ToDaemon::ClockBits {
                     batch,
                     first,
@@ -606,14 +595,14 @@ impl Agent {
         let started = Instant::now();
         let page = addr & !(PAGE - 1);
         if page < self.base || page >= self.base + self.cfg.ram_bytes {
-            return self.uffd.wake(page, PAGE);
+            return Ok(self.uffd.wake(page, PAGE)?);
         }
         let gfn = ((page - self.base) / PAGE) as u32;
         let frame = self.frame_of[gfn as usize];
         if minor {
             if frame != PRIVATE {
                 // Read before a share or reclaim changed the page: retry on the new state.
-                return self.uffd.wake(page, PAGE);
+                return Ok(self.uffd.wake(page, PAGE)?);
             }
             // First access since the clock armed the page: R, and M for a write. A read
             // maps it write-protected, so that a later write still sets M.
@@ -631,7 +620,7 @@ impl Agent {
                 // as missing).
                 PRIVATE | RECLAIMED | STASHED => {
                     self.mark(gfn, true);
-                    self.uffd.write_protect(page, PAGE, false)
+                    Ok(self.uffd.write_protect(page, PAGE, false)?)
                 }
                 frame => {
                     self.cow_break(gfn, frame)?;
@@ -663,7 +652,7 @@ impl Agent {
                 self.fault_lat.record(started.elapsed(), 1);
                 Ok(())
             }
-            _ => self.uffd.wake(page, PAGE), // pool frames are never holes
+            _ => Ok(self.uffd.wake(page, PAGE)?), // pool frames are never holes
         }
     }
 
@@ -733,8 +722,8 @@ impl Agent {
             .as_ref()
             .ok_or_else(|| io::Error::other("shared page without a pool"))?;
         let mut buf = vec![0u8; PAGE as usize];
-        pread_exact(pool.as_raw_fd(), &mut buf, frame as u64 * PAGE)?;
-        pwrite_all(self.memfd.as_raw_fd(), &buf, gfn as u64 * PAGE)?;
+        pread_exact(pool.as_fd(), &mut buf, frame as u64 * PAGE)?;
+        pwrite_all(self.memfd.as_fd(), &buf, gfn as u64 * PAGE)?;
         let addr = self.page_addr(gfn);
         // SAFETY: replaces the agent-installed pool mapping of this guest page by the guest
         // memfd page that now holds the same bytes.
@@ -754,7 +743,9 @@ impl Agent {
                 io::Error::last_os_error()
             )));
         }
-        self.uffd.register(addr, PAGE, RAM_MODE)?;
+        // SAFETY: the page is guest RAM again (the guest memfd mapped back over it above),
+        // which no Rust reference points into (see `run`).
+        unsafe { self.uffd.register(addr, PAGE, RAM_MODE) }?;
         self.uffd.wake(addr, PAGE)?;
         self.frame_of[gfn as usize] = PRIVATE;
         self.breaks.push((gfn, frame));
@@ -764,7 +755,7 @@ impl Agent {
     /// Frees `pages` pages of the guest memfd from `gfn` on (the caller made sure their
     /// bytes are kept elsewhere or are zero). Returns whether the kernel did.
     fn punch(&self, gfn: u32, pages: u64) -> bool {
-        punch_hole(self.memfd.as_raw_fd(), gfn as u64 * PAGE, pages * PAGE)
+        punch_hole(self.memfd.as_fd(), gfn as u64 * PAGE, pages * PAGE)
     }
 
     fn mappings(&self) -> usize {
@@ -778,10 +769,10 @@ impl Agent {
     fn share(&mut self, mut pages: Vec<(u32, u32)>) -> io::Result<(Vec<u32>, Vec<u32>, Vec<u32>)> {
         let (mut shared, mut changed, mut refused) = (Vec::new(), Vec::new(), Vec::new());
         let npages = self.frame_of.len() as u32;
-        let Some(pool) = self.pool.as_ref().map(|p| p.as_raw_fd()) else {
+        if self.pool.is_none() {
             refused.extend(pages.iter().map(|p| p.0));
             return Ok((shared, changed, refused));
-        };
+        }
         if self.mappings() + 2 * pages.len() > self.vma_budget {
             refused.extend(pages.iter().map(|p| p.0));
             return Ok((shared, changed, refused));
@@ -805,11 +796,7 @@ impl Agent {
             {
                 j += 1;
             }
-            self.share_run(
-                pool,
-                &pages[i..j],
-                [&mut shared, &mut changed, &mut refused],
-            )?;
+            self.share_run(&pages[i..j], [&mut shared, &mut changed, &mut refused])?;
             i = j;
         }
         Ok((shared, changed, refused))
@@ -817,7 +804,6 @@ impl Agent {
 
     fn share_run(
         &mut self,
-        pool: RawFd,
         run: &[(u32, u32)],
         [shared, changed, refused]: [&mut Vec<u32>; 3],
     ) -> io::Result<()> {
@@ -828,8 +814,8 @@ impl Agent {
         self.uffd.write_protect(addr, len, true)?;
         let mut guest = vec![0u8; len as usize];
         let mut frames = vec![0u8; len as usize];
-        pread_exact(self.memfd.as_raw_fd(), &mut guest, g0 as u64 * PAGE)?;
-        pread_exact(pool, &mut frames, f0 as u64 * PAGE)?;
+        pread_exact(self.memfd.as_fd(), &mut guest, g0 as u64 * PAGE)?;
+        pread_exact(self.pool()?, &mut frames, f0 as u64 * PAGE)?;
         let p = PAGE as usize;
         let equal: Vec<bool> = (0..n)
             .map(|k| guest[k * p..(k + 1) * p] == frames[k * p..(k + 1) * p])
@@ -843,7 +829,7 @@ impl Agent {
             let (sub_addr, sub_len) = (addr + k as u64 * PAGE, (e - k) as u64 * PAGE);
             if equal[k]
                 && self
-                    .install(pool, sub_addr, (f0 as u64 + k as u64) * PAGE, sub_len)
+                    .install(sub_addr, (f0 as u64 + k as u64) * PAGE, sub_len)
                     .is_err()
             {
                 // Nothing was moved: the pages stay private.
@@ -892,7 +878,7 @@ impl Agent {
             // Writers wait from here until the unprotect below.
             self.uffd.write_protect(addr, len, true)?;
             let mut bytes = vec![0u8; len as usize];
-            pread_exact(self.memfd.as_raw_fd(), &mut bytes, g0 as u64 * PAGE)?;
+            pread_exact(self.memfd.as_fd(), &mut bytes, g0 as u64 * PAGE)?;
             for k in 0..n {
                 let g = g0 + k as u32;
                 if bytes[k * p..(k + 1) * p].iter().any(|&b| b != 0) {
@@ -919,44 +905,46 @@ impl Agent {
     /// Errors: no store, swap file or pool, a read failed, or the blob does not decode (a
     /// corrupt store: the page is then never installed).
     fn decode_stashed(&self, s: &StashPage, out: &mut Page) -> io::Result<()> {
-        let store = if s.in_swap { &self.swap } else { &self.store };
+        let store = match s.home {
+            BlobHome::Store => &self.store,
+            BlobHome::Swap => &self.swap,
+        };
         let store = store.as_ref().ok_or_else(|| {
-            io::Error::other(format!("gfn {}: stashed page without its store", s.gfn))
+            io::Error::other(format!("{}: stashed page without its store", s.gfn))
         })?;
         let mut blob = vec![0u8; s.len as usize];
-        pread_exact(store.as_raw_fd(), &mut blob, s.offset)?;
-        if s.in_swap {
+        pread_exact(store.as_fd(), &mut blob, s.offset)?;
+        if s.home == BlobHome::Swap {
             // Read once: keep it out of the host's page cache.
-            // SAFETY: advice on our fd.
-            unsafe {
-                libc::posix_fadvise(
-                    store.as_raw_fd(),
-                    s.offset as libc::off_t,
-                    s.len as libc::off_t,
-                    libc::POSIX_FADV_DONTNEED,
-                )
-            };
+            drop_cache(store.as_fd(), s.offset, s.len as u64);
         }
-        if s.kind == RAW_PAGE {
-            *out = blob.as_slice().try_into().map_err(|_| {
-                io::Error::other(format!("gfn {}: raw page of {} bytes", s.gfn, s.len))
-            })?;
+        let Some(encoding) = s.blob.encoding() else {
+            *out = blob
+                .as_slice()
+                .try_into()
+                .map_err(|_| io::Error::other(format!("{}: raw page of {} bytes", s.gfn, s.len)))?;
             return Ok(());
-        }
-        let kind = BlobKind::from_byte(s.kind).ok_or_else(|| {
-            io::Error::other(format!("gfn {}: unknown blob kind {}", s.gfn, s.kind))
-        })?;
+        };
         let mut reference = [0u8; PAGE as usize];
-        let has_ref = s.reference != NO_REFERENCE;
-        if has_ref {
-            let pool = self
-                .pool
-                .as_ref()
-                .ok_or_else(|| io::Error::other("patch without a pool"))?;
-            pread_exact(pool.as_raw_fd(), &mut reference, s.reference as u64 * PAGE)?;
-        }
-        kind.decode(&blob, has_ref.then_some(&reference), out)
-            .map_err(|e| io::Error::other(format!("gfn {}: stored blob: {e}", s.gfn)))
+        let has_ref = if let Some(r) = s.blob.reference() {
+            pread_exact(self.pool()?, &mut reference, r.offset())?;
+            true
+        } else {
+            false
+        };
+        encoding
+            .decode(&blob, has_ref.then_some(&reference), out)
+            .map_err(|e| io::Error::other(format!("{}: stored blob: {e}", s.gfn)))
+    }
+
+    /// The pool memfd.
+    ///
+    /// Errors: not attached yet (no pool).
+    fn pool(&self) -> io::Result<BorrowedFd<'_>> {
+        self.pool
+            .as_ref()
+            .map(|p| p.as_fd())
+            .ok_or_else(|| io::Error::other("patch or share without a pool"))
     }
 
     /// Carries out a stash request; returns (stashed, changed, refused) gfns.
@@ -969,7 +957,7 @@ impl Agent {
         let mut decoded: Page = [0; PAGE as usize];
         let mut now: Page = [0; PAGE as usize];
         for p in pages {
-            let g = p.gfn;
+            let g = p.gfn.0;
             if p.moving {
                 match self.move_stashed(&p, &mut decoded, &mut now) {
                     Ok(true) => stashed.push(g),
@@ -993,7 +981,7 @@ impl Agent {
             let addr = self.page_addr(g);
             // Writers wait from here until the unprotect below.
             self.uffd.write_protect(addr, PAGE, true)?;
-            pread_exact(self.memfd.as_raw_fd(), &mut now, g as u64 * PAGE)?;
+            pread_exact(self.memfd.as_fd(), &mut now, g as u64 * PAGE)?;
             if now != decoded {
                 changed.push(g);
             } else {
@@ -1020,7 +1008,8 @@ impl Agent {
     ///
     /// Errors: a blob cannot be read or decoded.
     fn move_stashed(&mut self, p: &StashPage, new: &mut Page, old: &mut Page) -> io::Result<bool> {
-        let Some(cur) = self.stashed.get(&p.gfn).copied().filter(|c| !c.in_swap) else {
+        let Some(cur) = (self.stashed.get(&p.gfn.0).copied()).filter(|c| c.home == BlobHome::Store)
+        else {
             return Ok(false);
         };
         self.decode_stashed(&cur, old)?;
@@ -1029,7 +1018,7 @@ impl Agent {
             return Ok(false);
         }
         self.stashed.insert(
-            p.gfn,
+            p.gfn.0,
             StashPage {
                 moving: false,
                 ..*p
@@ -1061,7 +1050,7 @@ impl Agent {
         for g in gfns {
             let s = self.stashed[&g];
             self.decode_stashed(&s, &mut page)?;
-            pwrite_all(self.memfd.as_raw_fd(), &page, g as u64 * PAGE)?;
+            pwrite_all(self.memfd.as_fd(), &page, g as u64 * PAGE)?;
             self.stashed.remove(&g);
             self.frame_of[g as usize] = PRIVATE;
         }
@@ -1075,7 +1064,8 @@ impl Agent {
 
     /// Maps pool bytes `[pool_off, pool_off+len)` write-protected over guest address `dst`.
     /// On error nothing has changed at `dst`.
-    fn install(&mut self, pool: RawFd, dst: u64, pool_off: u64, len: u64) -> io::Result<()> {
+    fn install(&mut self, dst: u64, pool_off: u64, len: u64) -> io::Result<()> {
+        let pool = self.pool()?.as_raw_fd();
         // SAFETY: a new mapping at an address the kernel picks.
         let staging = unsafe {
             libc::mmap(
@@ -1094,10 +1084,11 @@ impl Agent {
             )));
         }
         let staging = staging as u64;
-        let prepared = self
-            .uffd
-            .register(staging, len, uffd::MODE_WP)
+        // SAFETY: the staging mapping was just created by this function; nothing but this
+        // function knows its address.
+        let prepared = unsafe { self.uffd.register(staging, len, uffd::MODE_WP) }
             .and_then(|_| self.uffd.write_protect(staging, len, true))
+            .map_err(io::Error::from)
             .and_then(|_| {
                 self.remapper
                     .tx

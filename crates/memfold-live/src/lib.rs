@@ -5,26 +5,25 @@
 //!   copy-on-write on every write.
 //! - [`daemon`]: memfoldd, which scans guests, decides what to share with the core's share
 //!   table, and keeps the books.
-//! - [`protocol`]: the versioned socket protocol between them (and clients).
+//!
+//! They talk over `memfold-wire`'s versioned protocol (as do clients) and reach the OS
+//! through `memfold-sys` (memfd, userfaultfd, the socket).
 //!
 //! Data flows one way: guest memory (memfd, read with pread) → detection (daemon, core) →
 //! mechanism (agent: mapping changes, userfaultfd) → accounting (daemon statistics).
 
 pub mod agent;
 pub mod daemon;
-pub mod io_util;
-pub mod latency;
-pub mod protocol;
-pub mod uffd;
+mod legacy;
 
 use std::path::Path;
 
-use protocol::{Conn, ToClient, ToDaemon, PROTOCOL_VERSION};
+use memfold_wire::{Conn, Stats, ToClient, ToDaemon, PROTOCOL_VERSION};
 
 /// Asks the memfoldd at `socket` for its statistics.
 ///
 /// Errors: no daemon there, or it answered with an error.
-pub fn query_stats(socket: &Path) -> std::io::Result<daemon::stats::Stats> {
+pub fn query_stats(socket: &Path) -> std::io::Result<Stats> {
     let c = Conn::connect(socket)?;
     c.send(
         &ToDaemon::ClientHello {

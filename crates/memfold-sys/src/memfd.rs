@@ -29,6 +29,13 @@ pub fn set_len(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
     Ok(rustix::fs::ftruncate(fd, len)?)
 }
 
+/// The size of `fd`, bytes (holes included).
+///
+/// Errors: fstat failed.
+pub fn size(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    Ok(rustix::fs::fstat(fd)?.st_size as u64)
+}
+
 /// Reads `buf.len()` bytes at `off`; bytes beyond the end of the file read as zeros.
 ///
 /// Errors: the read failed.
@@ -79,6 +86,17 @@ pub fn punch_hole(fd: BorrowedFd<'_>, off: u64, len: u64) -> bool {
         len,
     )
     .is_ok()
+}
+
+/// Drops the page cache of `[off, off+len)` of `fd` (`POSIX_FADV_DONTNEED`): a file
+/// read once keeps no host memory. Advice only: a failure changes nothing.
+pub fn drop_cache(fd: BorrowedFd<'_>, off: u64, len: u64) {
+    let _ = rustix::fs::fadvise(
+        fd,
+        off,
+        std::num::NonZeroU64::new(len),
+        rustix::fs::Advice::DontNeed,
+    );
 }
 
 /// Bytes of memory (or disk) `fd` has allocated: its blocks, holes taking none; 0 if
@@ -147,6 +165,6 @@ mod tests {
             data_runs(fd, Gfn(0), Gfn(16)),
             vec![(Gfn(3), Gfn(4)), (Gfn(9), Gfn(10))]
         );
-        assert_eq!(rustix::fs::fstat(fd).unwrap().st_size as u64, 16 * PAGE);
+        assert_eq!(size(fd).unwrap(), 16 * PAGE);
     }
 }

@@ -172,13 +172,8 @@ mod tests {
 
     #[test]
     fn a_memfd_counts_its_allocated_pages_once_mapped_or_not() {
-        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-        // SAFETY: creates a new fd.
-        let fd = unsafe { libc::memfd_create(c"hostmem-test".as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(fd >= 0);
-        // SAFETY: fresh fd we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let file = std::fs::File::from(fd);
+        use std::os::fd::AsRawFd;
+        let file = std::fs::File::from(memfold_sys::memfd::create("hostmem-test").unwrap());
         let len = 8 << 20;
         file.set_len(len).unwrap();
         // Map it twice (like guest RAM plus a second view) and write 1 MiB by pwrite only.

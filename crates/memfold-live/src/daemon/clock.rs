@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use memfold_core::clock::PageClock;
 
-use crate::protocol::CLOCK_SLICE;
+use memfold_wire::CLOCK_SLICE;
 
 /// One guest's clock hand and the clock state of its pages.
 pub struct ClockHand {

@@ -25,12 +25,11 @@
 
 pub mod clock;
 pub mod pool;
-pub mod stats;
 pub mod store;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -42,22 +41,22 @@ use memfold_core::share::{ShareEntry, ShareTable};
 use memfold_core::similarity::{SimilarityDetector, SimilarityIndex};
 use memfold_core::{CompressCodec, Frame, Page, PatchCodec, SimilarityConfig, PAGE_SIZE};
 
-use crate::io_util::{allocated_bytes, pread_exact};
-use crate::latency::OpLatency;
-use crate::protocol::{
-    AgentReport, Conn, Listener, StashPage, ToAgent, ToClient, ToDaemon, MAX_BATCH, NO_REFERENCE,
-    PROTOCOL_VERSION, RAW_PAGE, RECLAIMED_ZERO,
+use memfold_sys::memfd::{allocated_bytes, data_runs, next_data_run, pread_exact};
+use memfold_wire::latency::OpLatency;
+use memfold_wire::stats::{
+    LifetimeCdf, OpLatencies, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS,
 };
+use memfold_wire::{
+    reattach, AgentReport, BatchId, Conn, Gfn, Listener, StashPage, ToAgent, ToClient, ToDaemon,
+    MAX_BATCH, PROTOCOL_VERSION,
+};
+
+use crate::legacy::{self, NO_REFERENCE, PRIVATE, RECLAIMED, STASHED};
 use clock::ClockHand;
 use pool::{Pool, PoolError};
-use stats::{LifetimeCdf, OpLatencies, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS};
 use store::{Store, StoreError};
 
 const PAGE: u64 = PAGE_SIZE as u64;
-const PRIVATE: u32 = u32::MAX;
-const RECLAIMED: u32 = RECLAIMED_ZERO;
-/// The page is stashed (patched, compressed or swapped; its blob in the store or swap file).
-const STASHED: u32 = u32::MAX - 2;
 
 /// Whether a p2m entry names a pool frame.
 fn is_frame(f: u32) -> bool {
@@ -234,12 +233,11 @@ enum Kept {
 impl Stashed {
     fn page(&self) -> StashPage {
         StashPage {
-            gfn: self.gfn,
-            kind: self.kind.map_or(RAW_PAGE, BlobKind::to_byte),
-            reference: self.reference,
+            gfn: Gfn(self.gfn),
+            blob: legacy::blob(self.kind, self.reference),
+            home: legacy::home(self.in_swap),
             offset: self.offset,
             len: self.len,
-            in_swap: self.in_swap,
             moving: self.moving,
         }
     }
@@ -263,8 +261,12 @@ impl Stashed {
     }
 }
 
-impl VmStats {
-    /// The counter of pages kept out of RAM by `k`.
+/// The counter of pages kept out of RAM by a [`Kept`].
+trait KeptPages {
+    fn kept_pages(&mut self, k: Kept) -> &mut u64;
+}
+
+impl KeptPages for VmStats {
     fn kept_pages(&mut self, k: Kept) -> &mut u64 {
         match k {
             Kept::Patched => &mut self.patched_pages,
@@ -389,37 +391,6 @@ fn accept_loop(listener: Listener, tx: mpsc::Sender<Input>) {
     }
 }
 
-/// The first run `[a, b)` of gfns at or after `from` and before `end` that holds data in
-/// memfd `fd` (not a hole); `None` if there is none.
-fn next_data_run(fd: std::os::fd::RawFd, from: u32, end: u32) -> Option<(u32, u32)> {
-    let end_off = end as u64 * PAGE;
-    // SAFETY: lseek on a descriptor we hold.
-    let data = unsafe { libc::lseek(fd, (from as u64 * PAGE) as libc::off_t, libc::SEEK_DATA) };
-    if data < 0 || data as u64 >= end_off {
-        return None;
-    }
-    // SAFETY: as above.
-    let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
-    let hole = if hole < 0 {
-        end_off
-    } else {
-        (hole as u64).min(end_off)
-    };
-    let a = (data as u64 / PAGE) as u32;
-    Some((a, (hole.div_ceil(PAGE) as u32).max(a + 1)))
-}
-
-/// All runs of [`next_data_run`] in `[first, end)`.
-fn data_runs(fd: std::os::fd::RawFd, first: u32, end: u32) -> Vec<(u32, u32)> {
-    let mut runs = Vec::new();
-    let mut from = first;
-    while let Some((a, b)) = next_data_run(fd, from, end) {
-        runs.push((a, b));
-        from = b;
-    }
-    runs
-}
-
 /// A freed pool frame leaves the share table (and stops being the zero frame).
 fn forget_frame(table: &mut ShareTable, zero_frame: &mut Option<u32>, pool: &Pool, f: u32) {
     table.remove(pool.hash(f), ShareEntry::Shared(Frame(f)));
@@ -534,9 +505,9 @@ impl Daemon {
         let fds = self
             .vms
             .values()
-            .map(|v| v.memfd.as_raw_fd())
-            .chain(self.pool.as_ref().map(|p| p.fd().as_raw_fd()))
-            .chain(self.store.as_ref().map(|s| s.fd().as_raw_fd()));
+            .map(|v| v.memfd.as_fd())
+            .chain(self.pool.as_ref().map(|p| p.fd().as_fd()))
+            .chain(self.store.as_ref().map(|s| s.fd().as_fd()));
         self.host_used_pages = fds.map(|fd| allocated_bytes(fd) / PAGE).sum();
         let queued = self.vms.values().flat_map(|v| &v.stash_queue);
         let sent = self.batches.values().flat_map(|b| match b {
@@ -603,22 +574,37 @@ impl Daemon {
                     shared,
                     changed,
                     refused,
-                } => self.share_done(batch, &shared, changed.len(), refused.len()),
+                } => self.share_done(
+                    batch.0,
+                    &legacy::gfns(&shared),
+                    changed.len(),
+                    refused.len(),
+                ),
                 ToDaemon::ReclaimDone {
                     batch,
                     reclaimed,
                     changed,
                     refused,
-                } => self.reclaim_done(batch, &reclaimed, changed.len(), refused.len()),
-                ToDaemon::CowBroken { breaks } => self.cow_broken(token, &breaks),
-                ToDaemon::Refilled { gfns } => self.refilled(token, &gfns),
+                } => self.reclaim_done(
+                    batch.0,
+                    &legacy::gfns(&reclaimed),
+                    changed.len(),
+                    refused.len(),
+                ),
+                ToDaemon::CowBroken { breaks } => self.cow_broken(token, &legacy::pairs(&breaks)),
+                ToDaemon::Refilled { gfns } => self.refilled(token, &legacy::gfns(&gfns)),
                 ToDaemon::StashDone {
                     batch,
                     stashed,
                     changed,
                     refused,
-                } => self.stash_done(batch, &stashed, changed.len(), refused.len()),
-                ToDaemon::Unstashed { gfns } => self.unstashed(token, &gfns),
+                } => self.stash_done(
+                    batch.0,
+                    &legacy::gfns(&stashed),
+                    changed.len(),
+                    refused.len(),
+                ),
+                ToDaemon::Unstashed { gfns } => self.unstashed(token, &legacy::gfns(&gfns)),
                 ToDaemon::AgentStats(report) => self.agent_stats(token, report),
                 ToDaemon::ClockBits {
                     first,
@@ -626,7 +612,7 @@ impl Daemon {
                     referenced,
                     modified,
                     ..
-                } => self.clock_bits(token, first, count, &referenced, &modified)?,
+                } => self.clock_bits(token, first.0, count, &referenced, &modified)?,
                 _ => {}
             },
             Input::Gone { token } => self.gone(token),
@@ -668,22 +654,20 @@ impl Daemon {
         let their_pool = fds.pop();
         let mut shared_list = Vec::new();
         if let Some(l) = list {
-            let mut bytes = vec![0u8; shared as usize * 8];
-            if pread_exact(l.as_raw_fd(), &mut bytes, 0).is_err() {
-                eprintln!(
-                    "memfoldd: {name} (pid {pid}): unreadable re-attach list; left unmanaged"
-                );
-                return Ok(());
+            match reattach::from_memfd(l.as_fd(), shared) {
+                Ok(entries) => {
+                    shared_list = entries
+                        .into_iter()
+                        .map(|(g, m)| (g.0, legacy::frame_entry(m)))
+                        .collect()
+                }
+                Err(e) => {
+                    eprintln!(
+                        "memfoldd: {name} (pid {pid}): unreadable re-attach list ({e}); left unmanaged"
+                    );
+                    return Ok(());
+                }
             }
-            shared_list = bytes
-                .chunks_exact(8)
-                .map(|c| {
-                    (
-                        u32::from_le_bytes(c[..4].try_into().expect("4")),
-                        u32::from_le_bytes(c[4..].try_into().expect("4")),
-                    )
-                })
-                .collect();
         }
         match (&self.pool, their_pool) {
             (None, Some(p)) => {
@@ -789,10 +773,10 @@ impl Daemon {
             version: PROTOCOL_VERSION,
         };
         let mut fds = vec![
-            pool.fd().as_raw_fd(),
-            self.store.as_ref().expect("created above").fd().as_raw_fd(),
+            pool.fd().as_fd(),
+            self.store.as_ref().expect("created above").fd().as_fd(),
         ];
-        fds.extend(self.swap.as_ref().map(|s| s.fd().as_raw_fd()));
+        fds.extend(self.swap.as_ref().map(|s| s.fd().as_fd()));
         if conn.send(&welcome, &fds).is_ok() {
             vm.conn = Some(conn);
         }
@@ -968,8 +952,8 @@ impl Daemon {
             if let Some((first, count)) = vm.clock.due_slice(now, interval) {
                 self.next_batch += 1;
                 let msg = ToAgent::ClockScan {
-                    batch: self.next_batch,
-                    first,
+                    batch: BatchId(self.next_batch),
+                    first: Gfn(first),
                     count,
                 };
                 // A lost connection is noticed by its reader thread.
@@ -1022,11 +1006,10 @@ impl Daemon {
             return Ok(());
         }
         let end = (first + count).min(vm.p2m.len() as u32);
-        let fd = vm.memfd.as_raw_fd();
         // Never-touched RAM (holes) is neither patched nor compressed: skip it unread.
-        let todo: Vec<u32> = data_runs(fd, first, end)
+        let todo: Vec<u32> = data_runs(vm.memfd.as_fd(), Gfn(first), Gfn(end))
             .into_iter()
-            .flat_map(|(a, b)| a..b)
+            .flat_map(|(Gfn(a), Gfn(b))| a..b)
             .filter(|&g| {
                 vm.p2m[g as usize] == PRIVATE
                     && !vm.pending[g as usize]
@@ -1042,6 +1025,7 @@ impl Daemon {
             }
             let (g0, n) = (todo[i], j - i);
             i = j;
+            let fd = self.vms[&t].memfd.as_fd();
             if pread_exact(fd, &mut buf[..n * PAGE_SIZE], g0 as u64 * PAGE).is_err() {
                 continue;
             }
@@ -1071,19 +1055,14 @@ impl Daemon {
             .filter(|r| !r.in_swap)
             .collect();
         todo.sort_unstable_by_key(|r| r.since);
-        let fd = self
-            .store
-            .as_ref()
-            .expect("stashed pages imply a store")
-            .fd()
-            .as_raw_fd();
         let mut blob = vec![0u8; PAGE_SIZE];
         for old in todo {
             if self.swap_wanted == 0 {
                 break;
             }
             let blob = &mut blob[..old.len as usize];
-            if pread_exact(fd, blob, old.offset).is_err() {
+            let store = self.store.as_ref().expect("stashed pages imply a store");
+            if pread_exact(store.fd().as_fd(), blob, old.offset).is_err() {
                 continue;
             }
             let Some(slot) = self.put_blob(blob, true) else {
@@ -1169,7 +1148,7 @@ impl Daemon {
         let Some((t2, g2)) = self.locate(id).filter(|&(t2, g2)| self.sharable(t2, g2)) else {
             return false;
         };
-        pread_exact(self.vms[&t2].memfd.as_raw_fd(), out, g2 as u64 * PAGE).is_ok()
+        pread_exact(self.vms[&t2].memfd.as_fd(), out, g2 as u64 * PAGE).is_ok()
     }
 
     /// Patches page `g` of guest `t` against its most similar reference candidate (DE
@@ -1534,8 +1513,10 @@ impl Daemon {
     /// of its RAM (the guest's pass is then done).
     fn next_chunk(&mut self, t: u64, max: usize, buf: &mut [u8]) -> Option<(u32, usize)> {
         let vm = self.vms.get_mut(&t)?;
-        let fd = vm.memfd.as_raw_fd();
-        let Some((gfn, run_end)) = next_data_run(fd, vm.cursor, vm.p2m.len() as u32) else {
+        let fd = vm.memfd.as_fd();
+        let Some((Gfn(gfn), Gfn(run_end))) =
+            next_data_run(fd, Gfn(vm.cursor), Gfn(vm.p2m.len() as u32))
+        else {
             vm.cursor = 0;
             vm.scanned_this_pass = true;
             return None;
@@ -1632,7 +1613,7 @@ impl Daemon {
                         self.table.remove(h, e);
                         continue;
                     };
-                    let fd = self.vms[&t2].memfd.as_raw_fd();
+                    let fd = self.vms[&t2].memfd.as_fd();
                     if pread_exact(fd, &mut other, g2 as u64 * PAGE).is_err() || other != *page {
                         self.table.remove(h, e); // the hinted page changed
                         continue;
@@ -1695,7 +1676,7 @@ impl Daemon {
             self.next_batch += 1;
             let batch = self.next_batch;
             let msg = ToAgent::Stash {
-                batch,
+                batch: BatchId(batch),
                 pages: stash.iter().map(Stashed::page).collect(),
             };
             requests.push((batch, msg, Batch::Stash(t, stash)));
@@ -1704,8 +1685,8 @@ impl Daemon {
             self.next_batch += 1;
             let batch = self.next_batch;
             let msg = ToAgent::Share {
-                batch,
-                pages: pages.clone(),
+                batch: BatchId(batch),
+                pages: legacy::to_pairs(pages.clone()),
             };
             requests.push((batch, msg, Batch::Share(t, pages)));
         }
@@ -1713,8 +1694,8 @@ impl Daemon {
             self.next_batch += 1;
             let batch = self.next_batch;
             let msg = ToAgent::ReclaimZero {
-                batch,
-                gfns: gfns.clone(),
+                batch: BatchId(batch),
+                gfns: legacy::to_gfns(gfns.clone()),
             };
             requests.push((batch, msg, Batch::Reclaim(t, gfns)));
         }

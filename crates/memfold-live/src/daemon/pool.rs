@@ -11,9 +11,9 @@
 
 use std::collections::BTreeSet;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 
-use crate::io_util::{pread_exact, punch_hole, pwrite_all};
+use memfold_sys::memfd::{pread_exact, punch_hole, pwrite_all};
 
 const PAGE: u64 = 4096;
 /// The pool grows 4 MiB at a time (ftruncate; untouched parts use no memory).
@@ -144,7 +144,7 @@ impl Pool {
             self.next += 1;
             self.next - 1
         };
-        pwrite_all(self.fd.as_raw_fd(), page, f as u64 * PAGE).map_err(io_err("pwrite"))?;
+        pwrite_all(self.fd.as_fd(), page, f as u64 * PAGE).map_err(io_err("pwrite"))?;
         self.last = Some(f);
         self.pending[f as usize] = 1;
         self.hash[f as usize] = hash;
@@ -169,7 +169,7 @@ impl Pool {
     ///
     /// Errors: pread failed.
     pub fn read(&self, f: u32, out: &mut [u8]) -> Result<(), PoolError> {
-        pread_exact(self.fd.as_raw_fd(), out, f as u64 * PAGE).map_err(io_err("pread"))
+        pread_exact(self.fd.as_fd(), out, f as u64 * PAGE).map_err(io_err("pread"))
     }
 
     /// Content hash recorded for frame `f`.
@@ -214,7 +214,7 @@ impl Pool {
             return false;
         }
         // No guest maps this frame any more.
-        punch_hole(self.fd.as_raw_fd(), f as u64 * PAGE, PAGE);
+        punch_hole(self.fd.as_fd(), f as u64 * PAGE, PAGE);
         self.free.insert(f);
         self.in_use -= 1;
         true

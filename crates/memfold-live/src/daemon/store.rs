@@ -10,12 +10,12 @@
 //! uses only the chunks in use (memory for the memfd, disk blocks for the swap file).
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use memfold_core::slab::{Slab, SlabStats, Slot};
 
-use crate::io_util::{punch_hole, pwrite_all};
+use memfold_sys::memfd::{punch_hole, pwrite_all};
 
 /// Why the store could not take a blob, or could not be created.
 #[derive(Debug, thiserror::Error)]
@@ -147,7 +147,7 @@ impl Store {
                 }
                 self.size = size;
             }
-            pwrite_all(self.fd.as_raw_fd(), blob, slot.offset).map_err(|source| StoreError::Io {
+            pwrite_all(self.fd.as_fd(), blob, slot.offset).map_err(|source| StoreError::Io {
                 what: "store pwrite".into(),
                 source,
             })
@@ -163,7 +163,7 @@ impl Store {
     pub fn free(&mut self, id: u32) {
         if let Some(off) = self.slab.free(id) {
             // No live slot uses the chunk.
-            punch_hole(self.fd.as_raw_fd(), off, 4096);
+            punch_hole(self.fd.as_fd(), off, 4096);
         }
     }
 
@@ -194,7 +194,7 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::io_util::pread_exact;
+    use memfold_sys::memfd::pread_exact;
 
     #[test]
     fn blobs_land_where_the_slab_says_and_empty_chunks_are_punched() {
@@ -202,7 +202,7 @@ mod tests {
         let a = s.put(&[1u8; 100]).unwrap();
         let b = s.put(&[2u8; 3000]).unwrap();
         let mut back = vec![0u8; 100];
-        pread_exact(s.fd().as_raw_fd(), &mut back, a.offset).unwrap();
+        pread_exact(s.fd().as_fd(), &mut back, a.offset).unwrap();
         assert_eq!(back, vec![1u8; 100]);
         let blocks = |s: &Store| {
             std::fs::File::from(s.fd().try_clone().unwrap())
@@ -233,7 +233,7 @@ mod tests {
         assert_eq!(s.stats().slots, 2, "the refused slot is free again");
         s.write_back().unwrap();
         let mut back = vec![0u8; 4096];
-        pread_exact(s.fd().as_raw_fd(), &mut back, a.offset).unwrap();
+        pread_exact(s.fd().as_fd(), &mut back, a.offset).unwrap();
         assert_eq!(back, vec![7u8; 4096], "readable after the cache is dropped");
         s.free(a.id);
         let c = s.put(&[9u8; 4096]).unwrap();

@@ -1,5 +1,5 @@
-//! memfoldd's statistics: every counter, per guest and in total, as JSON over the socket
-//! and in the Prometheus text format.
+//! memfoldd's statistics: every counter, per guest and in total, as a client gets them
+//! ([`crate::ToClient::Stats`]) and in the Prometheus text format.
 
 use serde::{Deserialize, Serialize};
 
@@ -398,5 +398,37 @@ impl Stats {
             ));
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prometheus_text_has_every_gauge_per_guest_and_the_latency_summaries() {
+        let s = Stats {
+            saved_pages: 12,
+            vms: vec![
+                VmStats {
+                    name: "web".into(),
+                    cow_breaks: 3,
+                    nru_pages: [1, 2, 3, 4],
+                    ..Default::default()
+                },
+                VmStats {
+                    name: "db".into(),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+        let text = s.prometheus();
+        assert!(text.contains("# TYPE memfold_saved_pages gauge\nmemfold_saved_pages 12\n"));
+        assert!(text.contains("memfold_vm_cow_breaks_total{vm=\"web\"} 3\n"));
+        assert!(text.contains("memfold_vm_cow_breaks_total{vm=\"db\"} 0\n"));
+        assert!(text.contains("memfold_vm_nru_c4_pages{vm=\"web\"} 4\n"));
+        assert!(text.contains("memfold_op_latency_us_count{op=\"compress\"} 0\n"));
+        assert_eq!(text.matches("# HELP ").count(), 12 + 24 + 1);
     }
 }

@@ -1,0 +1,104 @@
+//! Connections to memfoldd: one [`Message`] per `SOCK_SEQPACKET` packet, with file
+//! descriptors alongside (SCM_RIGHTS), the way Firecracker hands guest memory to an
+//! external page-fault handler. Built on `memfold_sys::socket`.
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::path::Path;
+
+use memfold_sys::socket::{Seqpacket, SeqpacketListener};
+
+use crate::{decode, encode, Message, WireError, MAX_MESSAGE};
+
+/// A listening memfoldd socket.
+#[derive(Debug)]
+pub struct Listener {
+    sock: SeqpacketListener,
+}
+
+impl Listener {
+    /// Binds `path` (removing a stale socket file first).
+    ///
+    /// Errors: the path is too long, its folder is missing or not writable.
+    pub fn bind(path: &Path) -> io::Result<Listener> {
+        Ok(Listener {
+            sock: SeqpacketListener::bind(path)?,
+        })
+    }
+
+    /// Waits for the next connection.
+    ///
+    /// Errors: accept failed.
+    pub fn accept(&self) -> io::Result<Conn> {
+        Ok(Conn {
+            sock: self.sock.accept()?,
+        })
+    }
+}
+
+/// One end of a memfoldd connection.
+#[derive(Debug)]
+pub struct Conn {
+    sock: Seqpacket,
+}
+
+impl Conn {
+    /// Connects to memfoldd at `path`.
+    ///
+    /// Errors: no daemon listens there.
+    pub fn connect(path: &Path) -> io::Result<Conn> {
+        let sock = Seqpacket::connect(path)
+            .map_err(|e| io::Error::new(e.kind(), format!("memfoldd: {e}")))?;
+        Ok(Conn { sock })
+    }
+
+    /// A second handle on the same connection (one thread reads, another writes).
+    ///
+    /// Errors: out of file descriptors.
+    pub fn try_clone(&self) -> io::Result<Conn> {
+        Ok(Conn {
+            sock: self.sock.try_clone()?,
+        })
+    }
+
+    /// Sends one message with `fds` attached.
+    ///
+    /// Errors: the message exceeds [`MAX_MESSAGE`] ([`WireError::TooLarge`]), or the peer
+    /// is gone.
+    pub fn send<M: Message>(&self, msg: &M, fds: &[BorrowedFd<'_>]) -> Result<(), WireError> {
+        let bytes = encode(msg);
+        if bytes.len() > MAX_MESSAGE {
+            return Err(WireError::TooLarge { size: bytes.len() });
+        }
+        Ok(self.sock.send(&bytes, fds)?)
+    }
+
+    /// Receives one message and the descriptors passed with it. `Ok(None)` at end of
+    /// connection.
+    ///
+    /// Errors: a message over [`MAX_MESSAGE`] or malformed (the error says its size and
+    /// what could not be parsed), or a socket error.
+    pub fn recv<M: Message>(&self) -> Result<Option<(M, Vec<OwnedFd>)>, WireError> {
+        let mut buf = vec![0u8; MAX_MESSAGE];
+        let p = self.sock.recv(&mut buf)?;
+        if p.truncated {
+            return Err(WireError::TooLarge { size: p.len });
+        }
+        if p.len == 0 {
+            return Ok(None);
+        }
+        Ok(Some((decode(&buf[..p.len])?, p.fds)))
+    }
+}
+
+impl AsFd for Conn {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.sock.as_fd()
+    }
+}
+
+impl AsRawFd for Conn {
+    fn as_raw_fd(&self) -> RawFd {
+        self.sock.as_raw_fd()
+    }
+}

@@ -1,0 +1,287 @@
+//! The messages between memfoldd, its agents and its clients (protocol version
+//! [`PROTOCOL_VERSION`]).
+//!
+//! The first message of a connection says who speaks: [`ToDaemon::AgentHello`] (an agent
+//! in a QEMU process, with the guest memfd) or [`ToDaemon::ClientHello`] (a command
+//! asking for statistics). Pages are named by the typed ids of `memfold-ids`, which the
+//! JSON carries as plain numbers.
+
+use memfold_codecs::{CompressCodec, Encoding, PatchCodec};
+use memfold_ids::{BatchId, FrameId, Gfn};
+use serde::{Deserialize, Serialize};
+
+use crate::stats::Stats;
+
+/// Protocol version; a peer with another version is refused with a clear message.
+/// Version 5: typed blobs in [`StashPage`].
+pub const PROTOCOL_VERSION: u32 = 5;
+
+/// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
+pub const MAX_MESSAGE: usize = 256 * 1024;
+
+/// Most pages in one share or reclaim request.
+pub const MAX_BATCH: usize = 512;
+
+/// Most pages in one clock slice ([`ToAgent::ClockScan`]).
+pub const CLOCK_SLICE: u32 = 16384;
+
+/// What a stashed page's blob is.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Blob {
+    /// A Difference Engine §3.2 patch against a pool frame (which no guest can write).
+    Patch {
+        /// The patch codec.
+        codec: PatchCodec,
+        /// The pool frame the patch is made against.
+        reference: FrameId,
+    },
+    /// A §3.3 compressed page.
+    Compressed(CompressCodec),
+    /// The page itself, 4096 bytes (a page swapped out that neither patched nor
+    /// compressed under the cut-off, DE §4.6).
+    Raw,
+}
+
+impl Blob {
+    /// A blob of `encoding` (`None`: the raw page); a patch is made against `reference`.
+    pub fn new(encoding: Option<Encoding>, reference: FrameId) -> Blob {
+        match encoding {
+            Some(Encoding::Patch(codec)) => Blob::Patch { codec, reference },
+            Some(Encoding::Compressed(codec)) => Blob::Compressed(codec),
+            None => Blob::Raw,
+        }
+    }
+
+    /// The blob's encoding; `None` for the raw page.
+    pub fn encoding(self) -> Option<Encoding> {
+        match self {
+            Blob::Patch { codec, .. } => Some(Encoding::Patch(codec)),
+            Blob::Compressed(codec) => Some(Encoding::Compressed(codec)),
+            Blob::Raw => None,
+        }
+    }
+
+    /// The pool frame a patch is made against; `None` for other blobs.
+    pub fn reference(self) -> Option<FrameId> {
+        match self {
+            Blob::Patch { reference, .. } => Some(reference),
+            _ => None,
+        }
+    }
+}
+
+/// Where a stashed page's blob is.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum BlobHome {
+    /// The store memfd (host memory).
+    Store,
+    /// The swap file (DE §4.6, on disk).
+    Swap,
+}
+
+/// A page to keep as a blob instead of in guest RAM: a Difference Engine §3.2 patch or
+/// §3.3 compressed page in the store memfd, or (§4.6) any of these or the raw page in
+/// the swap file.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct StashPage {
+    /// Guest frame.
+    pub gfn: Gfn,
+    /// What the blob is.
+    pub blob: Blob,
+    /// Where the blob is.
+    pub home: BlobHome,
+    /// Byte offset of the blob in its home.
+    pub offset: u64,
+    /// Blob length, bytes.
+    pub len: u32,
+    /// The page is stashed already (its blob in the store memfd) and this moves it to
+    /// the swap file (DE §4.6: compressed and patched pages are swap candidates too):
+    /// the agent replaces its record only if the page is still stashed in the store and
+    /// the new blob decodes to the same bytes; otherwise it refuses.
+    pub moving: bool,
+}
+
+/// What the agent measured since it started: fault counts and operation latencies as
+/// (ns, count) histogram pairs ([`crate::OpLatency::to_pairs`]).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct AgentReport {
+    /// Write faults on write-protected pages (CoW breaks and writers waiting on a share
+    /// or reclaim in progress).
+    pub wp_faults: u64,
+    /// Faults on missing pages (first touches and reclaimed pages), served by the agent.
+    pub missing_faults: u64,
+    /// Minor faults (first access to a page since the clock re-armed it).
+    pub minor_faults: u64,
+    /// Share, per page (a run's time divided over its pages).
+    pub share_ns: Vec<(u64, u64)>,
+    /// CoW break, from reading the fault to waking the writer.
+    pub cow_break_ns: Vec<(u64, u64)>,
+    /// Missing-fault service, from reading the fault to waking the thread.
+    pub fault_ns: Vec<(u64, u64)>,
+    /// Reclaim, per page.
+    pub reclaim_ns: Vec<(u64, u64)>,
+    /// Minor-fault service (the clock's R/M tracking), from reading the fault to waking.
+    pub track_ns: Vec<(u64, u64)>,
+    /// Stash (check a blob still decodes to the page, punch the page), per page.
+    pub stash_ns: Vec<(u64, u64)>,
+    /// Missing fault on a stashed page: read and decode the blob, install the page.
+    pub unstash_ns: Vec<(u64, u64)>,
+}
+
+/// Messages to memfoldd.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToDaemon {
+    /// An agent attaches its guest. Carries the guest RAM memfd; when re-attaching after a
+    /// memfoldd restart also the pool memfd and a memfd listing its pool mappings.
+    AgentHello {
+        /// Protocol version.
+        version: u32,
+        /// Guest name.
+        name: String,
+        /// QEMU's pid.
+        pid: u32,
+        /// Guest RAM, bytes.
+        ram_bytes: u64,
+        /// Pages mapped onto pool frames or reclaimed: the third descriptor holds as many
+        /// entries of a re-attach list ([`crate::reattach`]; a list too long for one
+        /// message).
+        shared: u64,
+    },
+    /// Result of a [`ToAgent::Share`] request.
+    ShareDone {
+        /// The request's batch.
+        batch: BatchId,
+        /// Pages now mapped onto their frame.
+        shared: Vec<Gfn>,
+        /// Pages whose content no longer matched the frame (left private).
+        changed: Vec<Gfn>,
+        /// Pages not shared for another reason (already shared, VMA budget reached).
+        refused: Vec<Gfn>,
+    },
+    /// Copy-on-write breaks done by the agent: (page, frame it left).
+    CowBroken {
+        /// (page, frame) pairs.
+        breaks: Vec<(Gfn, FrameId)>,
+    },
+    /// Result of a [`ToAgent::ReclaimZero`] request.
+    ReclaimDone {
+        /// The request's batch.
+        batch: BatchId,
+        /// Pages now holes in the guest memfd.
+        reclaimed: Vec<Gfn>,
+        /// Pages no longer zero (left as they are).
+        changed: Vec<Gfn>,
+        /// Pages not reclaimed for another reason (shared or reclaimed already).
+        refused: Vec<Gfn>,
+    },
+    /// Result of a [`ToAgent::Stash`] request.
+    StashDone {
+        /// The request's batch.
+        batch: BatchId,
+        /// Pages now holes in the guest memfd, their content in the store.
+        stashed: Vec<Gfn>,
+        /// Pages whose content no longer decodes from the blob (left as they are).
+        changed: Vec<Gfn>,
+        /// Pages not stashed for another reason (not private, unreadable blob).
+        refused: Vec<Gfn>,
+    },
+    /// Stashed pages the guest accessed again: the agent decoded them back (private).
+    Unstashed {
+        /// Pages.
+        gfns: Vec<Gfn>,
+    },
+    /// Reclaimed pages the guest accessed again: the agent filled them (private again).
+    Refilled {
+        /// Pages.
+        gfns: Vec<Gfn>,
+    },
+    /// R and M bits of a clock slice since it was last armed (DE §4.2), answering
+    /// [`ToAgent::ClockScan`]: bit k of word k/64 is page `first + k`.
+    ClockBits {
+        /// The request's batch.
+        batch: BatchId,
+        /// First page of the slice.
+        first: Gfn,
+        /// Pages in the slice.
+        count: u32,
+        /// Referenced bits.
+        referenced: Vec<u64>,
+        /// Modified bits.
+        modified: Vec<u64>,
+    },
+    /// The agent's fault counts and latencies, sent about once a second.
+    AgentStats(AgentReport),
+    /// A command line client attaches (then sends [`ToDaemon::Stats`]).
+    ClientHello {
+        /// Protocol version.
+        version: u32,
+    },
+    /// Asks for [`ToClient::Stats`].
+    Stats,
+}
+
+/// Messages to an agent.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToAgent {
+    /// The guest is attached; carries the pool memfd, the store memfd (blobs of stashed
+    /// pages) and, when memfoldd keeps a host memory budget, the swap file.
+    Welcome {
+        /// Protocol version.
+        version: u32,
+    },
+    /// Map these guest pages onto these pool frames if their content still equals the
+    /// frame's: (page, frame) pairs, at most [`MAX_BATCH`].
+    Share {
+        /// The batch, echoed in the reply.
+        batch: BatchId,
+        /// (page, frame) pairs.
+        pages: Vec<(Gfn, FrameId)>,
+    },
+    /// Reclaim these guest pages if they are still all zero: punch them out of the guest
+    /// memfd; the next access faults (missing) and the agent fills a zero page (ESX §4.3's
+    /// zero page, without a frame or a mapping: no VMA is spent). At most [`MAX_BATCH`].
+    ReclaimZero {
+        /// The batch, echoed in the reply.
+        batch: BatchId,
+        /// Pages.
+        gfns: Vec<Gfn>,
+    },
+    /// Keep these guest pages as blobs already written to the store memfd or the swap
+    /// file, if each blob still decodes to the page's bytes: punch the pages out of the
+    /// guest memfd; the next access faults (missing) and the agent decodes the page back.
+    /// A hint: the agent refuses pages it cannot check. At most [`MAX_BATCH`].
+    Stash {
+        /// The batch, echoed in the reply.
+        batch: BatchId,
+        /// The pages and their blobs.
+        pages: Vec<StashPage>,
+    },
+    /// Report the R and M bits of pages `[first, first+count)` since they were last armed,
+    /// and arm them again: write-protect private pages (a write faults: M) and zap their
+    /// PTEs (any access faults as minor: R). At most [`CLOCK_SLICE`] pages.
+    ClockScan {
+        /// The batch, echoed in the reply.
+        batch: BatchId,
+        /// First page.
+        first: Gfn,
+        /// Pages.
+        count: u32,
+    },
+}
+
+/// Messages to a client.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToClient {
+    /// The daemon's statistics.
+    Stats(Box<Stats>),
+    /// The request was refused.
+    Error {
+        /// Why.
+        message: String,
+    },
+}
