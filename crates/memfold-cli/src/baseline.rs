@@ -9,6 +9,7 @@ use memfold_core::analysis::{AnalysisConfig, SetAnalysis};
 use memfold_mem::ksm::{Ksm, KsmMode};
 use memfold_vm::launcher::RamBackend;
 
+use crate::run::measure::MIB;
 use crate::{analyze, capture, guests, ksm};
 
 /// Arguments of `memfold baseline`.
@@ -122,7 +123,7 @@ impl Comparison {
     }
 
     fn print(&self, all: &SetAnalysis, run: &ksm::KsmRun) {
-        let mib = |b: f64| b / 1048576.0;
+        let mib = |b: f64| b / MIB;
         println!(
             "\nHost-resident guest RAM at capture: {:.1} MiB ({} pages) in {} guests",
             mib(all.pages as f64 * 4096.0),

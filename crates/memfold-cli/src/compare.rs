@@ -10,6 +10,7 @@ use memfold_vm::launcher::RamBackend;
 
 use crate::guests;
 use crate::ksm::run_mode;
+use crate::run::measure::{t95_text, MIB};
 use crate::run::{self, cpu_seconds, RunArgs};
 
 /// Arguments of `memfold compare`.
@@ -96,27 +97,26 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "memfold_cpu_s": m.cpu_s,
         "ksm_cpu_s": ksm_cpu_s,
         "ksm_guest_mismatches": mismatches.len(),
-        "memfold_zero_policy": format!("{:?}", a.run.zero).to_lowercase(),
+        "memfold_zero_policy": a.run.zero_name(),
         "memfold_policy": a.run.policy,
-        "memfold_saved_by_pages": m.samples.last().map(|s| s.stats.saved_by),
-        "memfold_lifetime": m.samples.last().map(|s| s.stats.lifetime.clone()),
-        "memfold_latency_us": m.samples.last().map(|s| s.stats.latency),
+        "memfold_saved_by_pages": m.end().map(|s| s.saved_by),
+        "memfold_lifetime": m.end().map(|s| s.lifetime.clone()),
+        "memfold_latency_us": m.end().map(|s| s.latency),
     });
     std::fs::write(out.join("compare.json"), serde_json::to_vec_pretty(&j)?)?;
     if a.run.set.json {
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
-        let mib = 1048576.0;
         println!(
             "memfold ({}): saved {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s)\nKSM:     saved {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s)\nratio memfold/KSM: {:.2}",
             a.run.policy,
-            m.saved_bytes / mib,
-            m.used_before as f64 / mib,
-            m.t95_s.map_or("-".into(), |t| format!("{t:.0}")),
+            m.saved_bytes / MIB,
+            m.used_before as f64 / MIB,
+            t95_text(m.t95_s),
             m.cpu_s,
-            k.saved_bytes / mib,
-            k.used_before as f64 / mib,
-            k.t95_s.map_or("-".into(), |t| format!("{t:.0}")),
+            k.saved_bytes / MIB,
+            k.used_before as f64 / MIB,
+            t95_text(k.t95_s),
             ksm_cpu_s,
             m.saved_bytes / k.saved_bytes.max(1.0)
         );

@@ -4,8 +4,12 @@
 //! managed vs plain.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
+use anyhow::{Context, Result};
 use memfold_live::daemon::stats::{Stats, VmStats};
+use memfold_vm::hostmem::{guest_ram_usage, total_used};
 use memfold_vm::launcher::Guest;
 use serde::Serialize;
 
@@ -15,6 +19,83 @@ pub const MIB: f64 = 1048576.0;
 /// `pages` 4 KiB pages in MiB.
 pub fn pages_mib(pages: i64) -> f64 {
     pages as f64 * 4096.0 / MIB
+}
+
+/// The saving from `before` to `now` (host memory used, bytes), MiB.
+pub fn saved_mib(before: u64, now: u64) -> f64 {
+    (before as f64 - now as f64) / MIB
+}
+
+/// The saving over a run sampled as (seconds, host memory used): (seconds, MiB saved since
+/// `used_before`), the measured line of the memfold and KSM plots.
+pub fn saved_mib_over_time(
+    used_before: u64,
+    samples: impl Iterator<Item = (f64, u64)>,
+) -> Vec<(f64, f64)> {
+    samples
+        .map(|(t, used)| (t, saved_mib(used_before, used)))
+        .collect()
+}
+
+/// A time to 95% of the plateau, s, as the summaries print it (`-`: never reached).
+pub fn t95_text(t95_s: Option<f64>) -> String {
+    t95_s.map_or("-".into(), |t| format!("{t:.0}"))
+}
+
+/// Host memory used by the guests' RAM now (`memfold_vm::hostmem`, summed over `guests`,
+/// each shared memfd counted once): (used, rss), bytes. memfold and KSM runs are sampled
+/// by this one function.
+pub fn used(guests: &[Guest]) -> Result<(u64, u64)> {
+    let usages = guests
+        .iter()
+        .map(|g| {
+            guest_ram_usage(g.pid, g.mem_bytes / 2)
+                .with_context(|| format!("guest {}: QEMU gone?", g.name))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((total_used(&usages), usages.iter().map(|u| u.rss).sum()))
+}
+
+/// Calls `sample` (with the time the sampling started) once a second, after the second,
+/// until `secs` seconds have passed (`None`: no limit) or `stop` is set: the clock of
+/// every memfold and KSM run, whose end figures are means over the last
+/// [`PLATEAU_SAMPLES`] samples.
+pub fn every_second(
+    secs: Option<u64>,
+    stop: Option<&AtomicBool>,
+    mut sample: impl FnMut(Instant) -> Result<()>,
+) -> Result<()> {
+    let start = Instant::now();
+    while !stop.is_some_and(|s| s.load(Ordering::SeqCst))
+        && secs.is_none_or(|s| start.elapsed() < Duration::from_secs(s))
+    {
+        std::thread::sleep(Duration::from_secs(1));
+        sample(start)?;
+    }
+    Ok(())
+}
+
+/// Samples a run's end figures are averaged over (the last 10 s at one sample a second).
+const PLATEAU_SAMPLES: usize = 10;
+
+/// The mean of `f` over the last [`PLATEAU_SAMPLES`] of `samples` (0 for none): how every
+/// run's end figure (measured saving, KSM's pages_sharing, memfoldd's books) is taken.
+pub fn tail_mean<T>(samples: &[T], f: impl Fn(&T) -> f64) -> f64 {
+    let tail = &samples[samples.len().saturating_sub(PLATEAU_SAMPLES)..];
+    tail.iter().map(f).sum::<f64>() / tail.len().max(1) as f64
+}
+
+/// The plateau of a run sampled as (seconds, host memory used): the mean saving
+/// (`used_before` − used) over the last [`PLATEAU_SAMPLES`] samples, bytes, and the first
+/// time the saving reached 95% of it, s. memfold and KSM runs are summarised by this one
+/// function.
+pub fn plateau(used_before: u64, samples: impl Iterator<Item = (f64, u64)>) -> (f64, Option<f64>) {
+    let saved: Vec<(f64, f64)> = samples
+        .map(|(t, u)| (t, used_before as f64 - u as f64))
+        .collect();
+    let mean = tail_mean(&saved, |s| s.1);
+    let t95 = saved.iter().find(|s| s.1 >= 0.95 * mean).map(|s| s.0);
+    (mean, t95)
 }
 
 /// Name prefix of the agent's threads inside QEMU.
@@ -81,6 +162,13 @@ pub struct Throughput {
     /// down together, as they do when the host is busy); `None` with fewer than two
     /// rounds on a side.
     pub change_2se: Option<f64>,
+}
+
+impl MemfoldRun {
+    /// memfoldd's statistics at the last sample (the run's end).
+    pub fn end(&self) -> Option<&Stats> {
+        self.samples.last().map(|s| &s.stats)
+    }
 }
 
 impl Throughput {
@@ -254,7 +342,37 @@ impl GuestEvents {
 
 #[cfg(test)]
 mod tests {
-    use super::{mean_rel_var, rates};
+    use super::*;
+
+    #[test]
+    fn plateau_is_the_mean_of_the_last_ten_samples_and_t95_its_first_reach() {
+        // Used falls from 1000 by 100 a second to 200, then stays: saved 800 at the end.
+        let samples = (1..=30).map(|t| (t as f64, 1000u64.saturating_sub(100 * t).max(200)));
+        let (saved, t95) = plateau(1000, samples);
+        assert_eq!(saved, 800.0);
+        assert_eq!(t95, Some(8.0), "saved 800 ≥ 95% of 800 first at 8 s");
+        assert_eq!(
+            tail_mean(&[1.0, 2.0, 3.0], |x| *x),
+            2.0,
+            "fewer than ten: all"
+        );
+        assert_eq!(tail_mean(&[] as &[f64], |x| *x), 0.0);
+        assert_eq!(plateau(5, std::iter::empty()), (0.0, None));
+        assert_eq!(
+            saved_mib_over_time(3 << 20, [(1.0, 1 << 20)].into_iter()),
+            [(1.0, 2.0)]
+        );
+    }
+
+    #[test]
+    fn sampling_stops_at_once_when_stopped_or_out_of_time() {
+        let stop = AtomicBool::new(true);
+        every_second(None, Some(&stop), |_| {
+            panic!("stopped before the first second")
+        })
+        .unwrap();
+        every_second(Some(0), None, |_| panic!("no time to sample")).unwrap();
+    }
 
     #[test]
     fn two_standard_errors_of_the_mean() {

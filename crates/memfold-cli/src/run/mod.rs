@@ -16,7 +16,6 @@ use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use memfold_vm::launcher::{agent_env, Guest, RamBackend};
@@ -68,11 +67,7 @@ fn self_check(g: &Guest) -> Result<()> {
 /// second for `secs` (0: until `stop`), printing the live view.
 pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(MemfoldRun, PathBuf)> {
     let (agent, daemon_bin) = companions()?;
-    let out = a
-        .set
-        .out
-        .clone()
-        .unwrap_or_else(|| crate::default_out(default_out));
+    let out = a.set.out_dir(default_out);
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let socket = std::fs::canonicalize(&out)?.join("memfoldd.sock");
     let (all, _accel, out) =
@@ -97,7 +92,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         }
     }
     let since = measure::start_marks(guests.iter().chain(&plain));
-    let used_before = crate::ksm::used(&guests)?.0;
+    let used_before = measure::used(&guests)?.0;
     let log = std::fs::File::create(out.join("memfoldd.log"))?;
     let daemon = Daemon(
         Command::new(&daemon_bin)
@@ -108,31 +103,28 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     );
     let dpid = daemon.0.id();
     let agent_cpu0: f64 = guests.iter().map(|g| since[&g.name].2).sum();
-    let start = Instant::now();
     let mut samples: Vec<Sample> = Vec::new();
     eprintln!(
         "memfoldd running (pid {dpid}); host memory used by guest RAM before: {:.1} MiB. Ctrl-C stops.",
         used_before as f64 / MIB
     );
-    while !stop.load(Ordering::SeqCst)
-        && (a.secs == 0 || start.elapsed() < Duration::from_secs(a.secs))
-    {
-        std::thread::sleep(Duration::from_secs(1));
+    measure::every_second((a.secs > 0).then_some(a.secs), Some(stop), |start| {
         for g in guests.iter_mut().chain(plain.iter_mut()) {
             g.check_alive()?;
             self_check(g)?;
         }
         let Ok(stats) = memfold_live::query_stats(&socket) else {
-            continue;
+            return Ok(());
         };
         let s = Sample {
             t: start.elapsed().as_secs_f64(),
-            used_bytes: crate::ksm::used(&guests)?.0,
+            used_bytes: measure::used(&guests)?.0,
             stats,
         };
         view::print(used_before, &s, samples.last());
         samples.push(s);
-    }
+        Ok(())
+    })?;
     let cpu_s = cpu_seconds(dpid, None) + measure::agents_cpu_seconds(&guests) - agent_cpu0;
     drop(daemon);
     let throughput = measure::throughput(&guests, &plain, &since);
@@ -141,9 +133,8 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         g.stop();
     }
     let (saved_bytes, t95_s) =
-        crate::ksm::plateau(used_before, samples.iter().map(|s| (s.t, s.used_bytes)));
-    let books_saved_bytes =
-        crate::ksm::tail_mean(&samples, |s| s.stats.saved_pages as f64 * 4096.0);
+        measure::plateau(used_before, samples.iter().map(|s| (s.t, s.used_bytes)));
+    let books_saved_bytes = measure::tail_mean(&samples, |s| s.stats.saved_pages as f64 * 4096.0);
     Ok((
         MemfoldRun {
             used_before,

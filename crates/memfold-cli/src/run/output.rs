@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use memfold_live::daemon::stats::{SavedBy, Stats};
 
-use super::measure::{pages_mib, GuestEvents, MemfoldRun, MIB};
+use super::measure::{pages_mib, saved_mib_over_time, t95_text, GuestEvents, MemfoldRun, MIB};
 use super::{view, RunArgs};
 use crate::plot::{self, Panel, Series};
 
@@ -86,11 +86,10 @@ fn write_png(png: &Path, r: &MemfoldRun) -> Result<()> {
         series: vec![
             Series {
                 name: "measured (Pss before − now)".into(),
-                points: r
-                    .samples
-                    .iter()
-                    .map(|s| (s.t, (r.used_before as f64 - s.used_bytes as f64) / MIB))
-                    .collect(),
+                points: saved_mib_over_time(
+                    r.used_before,
+                    r.samples.iter().map(|s| (s.t, s.used_bytes)),
+                ),
             },
             Series {
                 name: "memfoldd books (mapped − frames)".into(),
@@ -141,10 +140,10 @@ pub fn print_summary(a: &RunArgs, r: &MemfoldRun, out: &Path) -> Result<()> {
         "books_saved_bytes": r.books_saved_bytes,
         "t95_s": r.t95_s,
         "cpu_s": r.cpu_s,
-        "latency_us": r.samples.last().map(|s| s.stats.latency),
+        "latency_us": r.end().map(|s| s.latency),
         "policy": a.policy,
-        "saved_by_pages": r.samples.last().map(|s| s.stats.saved_by),
-        "lifetime": r.samples.last().map(|s| s.stats.lifetime.clone()),
+        "saved_by_pages": r.end().map(|s| s.saved_by),
+        "lifetime": r.end().map(|s| s.lifetime.clone()),
     });
     if a.set.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -155,13 +154,13 @@ pub fn print_summary(a: &RunArgs, r: &MemfoldRun, out: &Path) -> Result<()> {
         r.saved_bytes / MIB,
         r.used_before as f64 / MIB,
         r.books_saved_bytes / MIB,
-        r.t95_s.map_or("-".into(), |t| format!("{t:.0}")),
+        t95_text(r.t95_s),
         r.cpu_s
     );
-    if let Some(s) = r.samples.last() {
-        print_end_books(&s.stats);
-        print_churn(&s.stats);
-        print_latencies(&s.stats);
+    if let Some(s) = r.end() {
+        print_end_books(s);
+        print_churn(s);
+        print_latencies(s);
     }
     print_throughput(r);
     println!(

@@ -2,7 +2,7 @@
 
 use memfold_live::daemon::stats::{SwapStats, VmStats};
 
-use super::measure::{pages_mib, Sample, MIB};
+use super::measure::{pages_mib, saved_mib, Sample, MIB};
 
 /// Prints sample `s` (rates per second since `prev`), its saving measured against
 /// `used_before`.
@@ -13,7 +13,7 @@ pub fn print(used_before: u64, s: &Sample, prev: Option<&Sample>) {
         "t={:>5.0}s  host {:>7.1} MiB  saved {:>7.1} MiB (books {:>7.1}: share {:.1}, zero {:.1}, patch {:.1}, compress {:.1}, swap {:.1})  frames {:>7}  scans {}{}",
         s.t,
         s.used_bytes as f64 / MIB,
-        (used_before as f64 - s.used_bytes as f64) / MIB,
+        saved_mib(used_before, s.used_bytes),
         pages_mib(s.stats.saved_pages),
         pages_mib(by.sharing),
         pages_mib(by.zero),
