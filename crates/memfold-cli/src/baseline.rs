@@ -1,7 +1,8 @@
-//! `memfold baseline`: the main job until live sharing lands. Builds the default images,
-//! boots a mixed guest set (two Debian releases), analyses its RAM statically with the
-//! engine's detectors and codecs (DE Table 1), measures Linux KSM on the very same guests,
-//! and prints the comparison.
+//! `memfold baseline`: the static baseline (the main job before live sharing; `memfold run`
+//! is now). Builds any missing image, boots a mixed guest set (two Debian releases) on
+//! anonymous RAM, analyses its RAM statically with the engine's detectors and codecs (DE
+//! Table 1), measures Linux KSM (aggressive) on the very same guests, and prints the
+//! comparison.
 
 use anyhow::Result;
 use clap::Args;

@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::guests;
 use crate::plot::{self, Panel, Series};
 use crate::run::measure::{
-    every_second, plateau, saved_mib, saved_mib_over_time, tail_mean, used, MIB,
+    every_second, measured_as, plateau, saved_mib, saved_mib_over_time, tail_mean, used, MIB,
 };
 
 /// Arguments of `memfold ksm`.
@@ -39,7 +39,8 @@ pub struct KsmSample {
     pub t: f64,
     /// KSM counters.
     pub ksm: KsmStats,
-    /// Host memory used by guest RAM (Pss + swap over guests), bytes.
+    /// Host memory used by guest RAM (`memfold_vm::hostmem` for anonymous RAM: Pss + swap
+    /// over guests), bytes.
     pub used_bytes: u64,
     /// Rss of guest RAM over guests, bytes.
     pub rss_bytes: u64,
@@ -131,7 +132,12 @@ pub fn write_outputs(out: &Path, runs: &[KsmRun]) -> Result<()> {
             .flat_map(|r| {
                 [
                     Series {
-                        name: format!("{} (measured)", r.mode),
+                        // KSM runs on anonymous guest RAM.
+                        name: format!(
+                            "{} (measured: {}, before − now)",
+                            r.mode,
+                            measured_as(RamBackend::Anonymous)
+                        ),
                         points: saved_mib_over_time(
                             r.used_before,
                             r.samples.iter().map(|s| (s.t, s.used_bytes)),

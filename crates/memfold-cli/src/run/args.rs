@@ -8,9 +8,28 @@ use memfold_live::daemon::ZeroPolicy;
 
 use crate::guests;
 
-/// Arguments of `memfold run`.
+/// Arguments of `memfold run`: what memfold runs on which guests, and the plain twins.
 #[derive(Args, Clone, Debug)]
 pub struct RunArgs {
+    /// The guests, memfoldd's settings, how long.
+    #[command(flatten)]
+    pub memfold: MemfoldArgs,
+    /// Boot beside each guest a twin of its profile that memfold does not manage (no
+    /// agent) and report each workload's throughput, managed vs plain, over the same
+    /// seconds on the same host (guest overhead, side by side); each pair is pinned to
+    /// one host CPU. Memory figures count the managed guests only.
+    #[arg(long)]
+    pub plain_twins: bool,
+    /// With --plain-twins: boot the plain twin of each pair first (the managed one
+    /// second), to tell an order effect from memfold's.
+    #[arg(long, requires = "plain_twins")]
+    pub plain_first: bool,
+}
+
+/// The guests and memfoldd's settings of `memfold run` and of `memfold compare`'s memfold
+/// side.
+#[derive(Args, Clone, Debug)]
+pub struct MemfoldArgs {
     /// The guests.
     #[command(flatten)]
     pub set: guests::GuestSetArgs,
@@ -26,7 +45,7 @@ pub struct RunArgs {
     pub zero: ZeroPolicy,
     /// NRU clock (DE §4.2): seconds for its hand to pass over each guest once (R/M
     /// tracking by minor and write-protect faults); 0: off, unless the policy patches or
-    /// compresses (then 4 s, DE's rescan interval).
+    /// compresses or --host-budget-mib is given (then 4 s, DE's rescan interval).
     #[arg(long, default_value_t = 0.0)]
     pub clock_secs: f64,
     /// Which mechanisms may touch pages of each NRU class (DE §4.2): `sharing` (what
@@ -51,19 +70,9 @@ pub struct RunArgs {
     /// Largest patch kept, bytes (DE §3.2's cut-off).
     #[arg(long, default_value_t = 2048)]
     pub patch_cutoff: usize,
-    /// Boot beside each guest a twin of its profile that memfold does not manage (no
-    /// agent) and report each workload's throughput, managed vs plain, over the same
-    /// seconds on the same host (guest overhead, side by side); each pair is pinned to
-    /// one host CPU. Memory figures count the managed guests only.
-    #[arg(long)]
-    pub plain_twins: bool,
-    /// With --plain-twins: boot the plain twin of each pair first (the managed one
-    /// second), to tell an order effect from memfold's.
-    #[arg(long, requires = "plain_twins")]
-    pub plain_first: bool,
 }
 
-impl RunArgs {
+impl MemfoldArgs {
     /// The clock interval memfoldd gets, s: as given, or 4 s for a policy that needs it.
     pub fn clock_interval_s(&self) -> f64 {
         let needs = memfold_core::Policy::by_name(&self.policy).is_some_and(|p| p.needs_clock())
@@ -108,11 +117,22 @@ impl RunArgs {
         }
         v
     }
+}
+
+impl RunArgs {
+    /// `memfold` on its guests, without plain twins.
+    pub fn without_twins(memfold: MemfoldArgs) -> Self {
+        RunArgs {
+            memfold,
+            plain_twins: false,
+            plain_first: false,
+        }
+    }
 
     /// The guest set to boot: with `--plain-twins` every profile twice (`web,db` →
     /// `web,web,db,db`: web-1 and its twin web-2, ...).
     pub fn guest_set(&self) -> guests::GuestSetArgs {
-        let mut set = self.set.clone();
+        let mut set = self.memfold.set.clone();
         if self.plain_twins {
             set.profiles = set
                 .profiles
@@ -158,10 +178,14 @@ mod tests {
         run: RunArgs,
     }
 
-    fn parse(args: &[&str]) -> RunArgs {
+    fn parse_run(args: &[&str]) -> RunArgs {
         Cli::try_parse_from(std::iter::once("memfold-run").chain(args.iter().copied()))
             .expect("arguments parse")
             .run
+    }
+
+    fn parse(args: &[&str]) -> MemfoldArgs {
+        parse_run(args).memfold
     }
 
     fn strings(v: Vec<OsString>) -> Vec<String> {
@@ -227,13 +251,13 @@ mod tests {
 
     #[test]
     fn plain_twins_double_the_set_and_alternate_management() {
-        let a = parse(&["--profiles", "web, db", "--plain-twins"]);
+        let a = parse_run(&["--profiles", "web, db", "--plain-twins"]);
         assert_eq!(a.guest_set().profiles, "web,web,db,db");
         assert!(a.is_managed("web-1") && !a.is_managed("web-2"));
         assert!(a.is_managed("py-trixie-3") && !a.is_managed("py-trixie-4"));
-        let b = parse(&["--plain-twins", "--plain-first"]);
+        let b = parse_run(&["--plain-twins", "--plain-first"]);
         assert!(!b.is_managed("web-1") && b.is_managed("web-2"));
-        let c = parse(&["--profiles", "web,db"]);
+        let c = parse_run(&["--profiles", "web,db"]);
         assert_eq!(c.guest_set().profiles, "web,db");
         assert!(c.is_managed("web-1") && c.is_managed("db-2"));
     }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use memfold_live::daemon::stats::{Stats, VmStats};
 use memfold_vm::hostmem::{guest_ram_usage, total_used};
-use memfold_vm::launcher::Guest;
+use memfold_vm::launcher::{Guest, RamBackend};
 use serde::Serialize;
 
 /// Bytes in a MiB.
@@ -24,6 +24,15 @@ pub fn pages_mib(pages: i64) -> f64 {
 /// The saving from `before` to `now` (host memory used, bytes), MiB.
 pub fn saved_mib(before: u64, now: u64) -> f64 {
     (before as f64 - now as f64) / MIB
+}
+
+/// What the measured saving is a difference of, for guest RAM of kind `ram`
+/// (`memfold_vm::hostmem`): the label of the measured line in the plots.
+pub fn measured_as(ram: RamBackend) -> &'static str {
+    match ram {
+        RamBackend::Memfd => "allocated memfd bytes",
+        RamBackend::Anonymous | RamBackend::AnonymousNoThp => "Pss + swap",
+    }
 }
 
 /// The saving over a run sampled as (seconds, host memory used): (seconds, MiB saved since
@@ -106,7 +115,8 @@ pub const AGENT_THREADS: &str = "memfold-";
 pub struct Sample {
     /// Seconds since memfoldd started.
     pub t: f64,
-    /// Host memory used by guest RAM (Pss + swap over guests, pool mappings included), bytes.
+    /// Host memory used by guest RAM (`memfold_vm::hostmem` for memfd RAM: the bytes
+    /// allocated to the guests' memfds, memfold's pool and its store, each counted once).
     pub used_bytes: u64,
     /// memfoldd's statistics at that time.
     pub stats: Stats,
@@ -119,7 +129,9 @@ pub struct MemfoldRun {
     pub used_before: u64,
     /// Mean over the last 10 s of (used_before − used), bytes.
     pub saved_bytes: f64,
-    /// Mean over the last 10 s of memfoldd's own count (mapped − frames) × 4096, bytes.
+    /// Mean over the last 10 s of memfoldd's own count (`Stats::saved_pages`: mapped −
+    /// frames + reclaimed zero pages + patched, compressed and swapped pages − store
+    /// pages) × 4096, bytes.
     pub books_saved_bytes: f64,
     /// Seconds until the measured saving first reached 95% of its plateau.
     pub t95_s: Option<f64>,

@@ -20,12 +20,15 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use memfold_vm::launcher::{agent_env, Guest, RamBackend};
 
-pub use args::RunArgs;
+pub use args::{MemfoldArgs, RunArgs};
 pub use measure::cpu_seconds;
 use measure::{MemfoldRun, Sample, MIB};
 pub use output::write_outputs;
 
 use crate::guests;
+
+/// Guest RAM under memfold: memfd files memfoldd reads and the agent maps.
+const RAM: RamBackend = RamBackend::Memfd;
 
 /// The agent library and memfoldd, installed beside the `memfold` binary.
 fn companions() -> Result<(PathBuf, PathBuf)> {
@@ -67,17 +70,17 @@ fn self_check(g: &Guest) -> Result<()> {
 /// second for `secs` (0: until `stop`), printing the live view.
 pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(MemfoldRun, PathBuf)> {
     let (agent, daemon_bin) = companions()?;
-    let out = a.set.out_dir(default_out);
+    let m = &a.memfold;
+    let out = m.set.out_dir(default_out);
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let socket = std::fs::canonicalize(&out)?.join("memfoldd.sock");
-    let (all, _accel, out) =
-        guests::start_set_with(&a.guest_set(), RamBackend::Memfd, default_out, |s| {
-            if a.is_managed(&s.name) {
-                agent_env(&agent, &socket, s)
-            } else {
-                Vec::new()
-            }
-        })?;
+    let (all, _accel, out) = guests::start_set_with(&a.guest_set(), RAM, default_out, |s| {
+        if a.is_managed(&s.name) {
+            agent_env(&agent, &socket, s)
+        } else {
+            Vec::new()
+        }
+    })?;
     let (mut guests, mut plain): (Vec<Guest>, Vec<Guest>) =
         all.into_iter().partition(|g| a.is_managed(&g.name));
     if a.plain_twins {
@@ -96,7 +99,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     let log = std::fs::File::create(out.join("memfoldd.log"))?;
     let daemon = Daemon(
         Command::new(&daemon_bin)
-            .args(a.memfoldd_args(&socket, &out))
+            .args(m.memfoldd_args(&socket, &out))
             .stderr(log)
             .spawn()
             .with_context(|| format!("cannot start {}", daemon_bin.display()))?,
@@ -108,7 +111,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         "memfoldd running (pid {dpid}); host memory used by guest RAM before: {:.1} MiB. Ctrl-C stops.",
         used_before as f64 / MIB
     );
-    measure::every_second((a.secs > 0).then_some(a.secs), Some(stop), |start| {
+    measure::every_second((m.secs > 0).then_some(m.secs), Some(stop), |start| {
         for g in guests.iter_mut().chain(plain.iter_mut()) {
             g.check_alive()?;
             self_check(g)?;
@@ -163,5 +166,5 @@ pub fn run(a: &RunArgs) -> Result<()> {
     let stop = ctrl_c_flag()?;
     let (r, out) = measure(a, "run", &stop)?;
     write_outputs(&out, &r)?;
-    output::print_summary(a, &r, &out)
+    output::print_summary(&a.memfold, &r, &out)
 }

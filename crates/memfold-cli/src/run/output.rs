@@ -7,8 +7,10 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use memfold_live::daemon::stats::{SavedBy, Stats};
 
-use super::measure::{pages_mib, saved_mib_over_time, t95_text, GuestEvents, MemfoldRun, MIB};
-use super::{view, RunArgs};
+use super::measure::{
+    measured_as, pages_mib, saved_mib_over_time, t95_text, GuestEvents, MemfoldRun, MIB,
+};
+use super::{view, MemfoldArgs};
 use crate::plot::{self, Panel, Series};
 
 /// Writes `run.csv`, `run.json` and `run.png` for a run.
@@ -85,14 +87,14 @@ fn write_png(png: &Path, r: &MemfoldRun) -> Result<()> {
         title: format!("memfold ({policy}): host memory saved on guest RAM"),
         series: vec![
             Series {
-                name: "measured (Pss before − now)".into(),
+                name: format!("measured ({}, before − now)", measured_as(super::RAM)),
                 points: saved_mib_over_time(
                     r.used_before,
                     r.samples.iter().map(|s| (s.t, s.used_bytes)),
                 ),
             },
             Series {
-                name: "memfoldd books (mapped − frames)".into(),
+                name: "memfoldd books (all mechanisms)".into(),
                 points: r
                     .samples
                     .iter()
@@ -133,7 +135,7 @@ fn write_png(png: &Path, r: &MemfoldRun) -> Result<()> {
 
 /// Prints the summary of `memfold run`: JSON with `--json`, else the saving, by mechanism,
 /// the budget, stored pages' lifetimes, guest events, latencies and throughput.
-pub fn print_summary(a: &RunArgs, r: &MemfoldRun, out: &Path) -> Result<()> {
+pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> {
     let summary = serde_json::json!({
         "used_before_bytes": r.used_before,
         "saved_bytes": r.saved_bytes,
@@ -270,5 +272,63 @@ fn print_throughput(r: &MemfoldRun) {
             t.change_2se
                 .map_or(String::new(), |e| format!(" ± {:.1}% (2 s.e.)", e * 100.0))
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run::measure::Sample;
+    use memfold_live::daemon::stats::VmStats;
+
+    #[test]
+    fn a_run_writes_its_csv_json_and_png() {
+        let samples = (1..=3)
+            .map(|t| {
+                let mut stats = Stats {
+                    saved_pages: 100 * t,
+                    ..Stats::default()
+                };
+                stats.saved_by.sharing = 60 * t;
+                stats.vms.push(VmStats {
+                    name: "web-1".into(),
+                    pages: 1000,
+                    ..VmStats::default()
+                });
+                Sample {
+                    t: t as f64,
+                    used_bytes: (2000 - 100 * t as u64) * 4096,
+                    stats,
+                }
+            })
+            .collect();
+        let r = MemfoldRun {
+            used_before: 2000 * 4096,
+            saved_bytes: 0.0,
+            books_saved_bytes: 0.0,
+            t95_s: None,
+            cpu_s: 0.0,
+            samples,
+            throughput: vec![],
+        };
+        let dir = tempfile::tempdir().unwrap();
+        write_outputs(dir.path(), &r).unwrap();
+        let csv = std::fs::read_to_string(dir.path().join("run.csv")).unwrap();
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(
+            lines.len(),
+            1 + 3 * 2,
+            "header, then a guest row and `all` a second"
+        );
+        let columns = lines[0].split(',').count();
+        assert!(lines.iter().all(|l| l.split(',').count() == columns));
+        assert!(lines[1].starts_with("1.0,web-1,1000,"));
+        // used 1900 pages of 2000 at 1 s: saved 100 pages; books 100 pages, sharing 60.
+        assert!(lines[2].starts_with("1.0,all,"));
+        assert!(lines[2].ends_with(",409600,409600,245760,0,0,0,0,0"));
+        let json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.path().join("run.json")).unwrap()).unwrap();
+        assert_eq!(json["samples"].as_array().unwrap().len(), 3);
+        assert!(std::fs::metadata(dir.path().join("run.png")).unwrap().len() > 0);
     }
 }
