@@ -1,7 +1,8 @@
-//! `memfold baseline`: the main job until live sharing lands. Builds the default images,
-//! boots a mixed guest set (two Debian releases), analyses its RAM statically with the
-//! engine's detectors and codecs (DE Table 1), measures Linux KSM on the very same guests,
-//! and prints the comparison.
+//! `memfold baseline`: the static baseline (the main job before live sharing; `memfold run`
+//! is now). Builds any missing image, boots a mixed guest set (two Debian releases) on
+//! anonymous RAM, analyses its RAM statically with the engine's detectors and codecs (DE
+//! Table 1), measures Linux KSM (aggressive) on the very same guests, and prints the
+//! comparison.
 
 use anyhow::Result;
 use clap::Args;
@@ -9,6 +10,7 @@ use memfold_core::analysis::{AnalysisConfig, SetAnalysis};
 use memfold_sys::ksm::{Ksm, KsmMode};
 use memfold_vm::launcher::RamBackend;
 
+use crate::run::measure::MIB;
 use crate::{analyze, capture, guests, ksm};
 
 /// Arguments of `memfold baseline`.
@@ -122,7 +124,7 @@ impl Comparison {
     }
 
     fn print(&self, all: &SetAnalysis, run: &ksm::KsmRun) {
-        let mib = |b: f64| b / 1048576.0;
+        let mib = |b: f64| b / MIB;
         println!(
             "\nHost-resident guest RAM at capture: {:.1} MiB ({} pages) in {} guests",
             mib(all.pages as f64 * 4096.0),

@@ -1,7 +1,7 @@
-//! `memfold compare`: the same guest set under memfold (`--policy`: sharing, or the
-//! Difference Engine with `de`) and under Linux KSM
-//! (aggressive settings), one after the other on fresh boots, measured the same way
-//! (`memfold_vm::hostmem`): host memory saved, time to 95% of the plateau, CPU seconds.
+//! `memfold compare`: the same guest set under memfold (`--policy`: the Difference Engine,
+//! `de`, by default, or `sharing`, ...) and under Linux KSM (aggressive settings), one
+//! after the other on fresh boots, measured the same way (`memfold_vm::hostmem`): host
+//! memory saved, time to 95% of the plateau, CPU seconds.
 
 use anyhow::Result;
 use clap::Args;
@@ -10,14 +10,16 @@ use memfold_vm::launcher::RamBackend;
 
 use crate::guests;
 use crate::ksm::run_mode;
-use crate::run::{self, cpu_seconds, RunArgs};
+use crate::run::measure::{t95_text, MIB};
+use crate::run::{self, cpu_seconds, MemfoldArgs, RunArgs};
 
 /// Arguments of `memfold compare`.
 #[derive(Args, Clone, Debug)]
+#[command(mut_arg("secs", |a| a.help("Seconds each side runs: memfoldd, then KSM (> 0)")))]
 pub struct CompareArgs {
-    /// The guests, memfold's scan rate, and how long each side runs.
+    /// The guests, memfoldd's settings, and how long each side runs.
     #[command(flatten)]
-    pub run: RunArgs,
+    pub memfold: MemfoldArgs,
     /// Transparent huge pages for the KSM side's QEMUs: `host` (the host's setting; QEMU
     /// asks for huge pages, so a first touch allocates 2 MiB and KSM's saving includes
     /// splitting them) or `off` (4 KiB pages, as memfold's memfd RAM has: both sides start
@@ -48,21 +50,17 @@ fn ksmd_pid() -> Option<u32> {
 pub fn run(a: &CompareArgs) -> Result<()> {
     let stop = run::ctrl_c_flag()?;
     anyhow::ensure!(
-        a.run.secs > 0,
+        a.memfold.secs > 0,
         "memfold compare needs --secs > 0 (each side runs that long)"
     );
-    anyhow::ensure!(
-        !a.run.plain_twins,
-        "--plain-twins is for memfold run (the KSM side has no twins)"
-    );
-    eprintln!("== memfold (policy {}) on the set", a.run.policy);
-    let (m, out) = run::measure(&a.run, "compare", &stop)?;
+    eprintln!("== memfold (policy {}) on the set", a.memfold.policy);
+    let (m, out) = run::measure(&RunArgs::without_twins(a.memfold.clone()), "compare", &stop)?;
     run::write_outputs(&out, &m)?;
 
     eprintln!("== Linux KSM (aggressive) on the same set, booted afresh");
     let ksm = Ksm::take_control()?;
     ksm.unmerge()?;
-    let mut set = a.run.set.clone();
+    let mut set = a.memfold.set.clone();
     set.out = Some(out.join("ksm"));
     let backend = match a.ksm_thp {
         KsmThp::Host => RamBackend::Anonymous,
@@ -71,7 +69,7 @@ pub fn run(a: &CompareArgs) -> Result<()> {
     let (mut gs, _accel, kout) = guests::start_set(&set, backend, "compare")?;
     let kpid = ksmd_pid();
     let cpu0 = kpid.map_or(0.0, |p| cpu_seconds(p, None));
-    let k = run_mode(&ksm, &mut gs, KsmMode::AGGRESSIVE, a.run.secs)?;
+    let k = run_mode(&ksm, &mut gs, KsmMode::AGGRESSIVE, a.memfold.secs)?;
     let ksm_cpu_s = kpid.map_or(0.0, |p| cpu_seconds(p, None)) - cpu0;
     ksm.unmerge()?;
     drop(ksm);
@@ -79,8 +77,8 @@ pub fn run(a: &CompareArgs) -> Result<()> {
     let mismatches: Vec<String> = gs.iter().flat_map(|g| g.mismatches()).collect();
     drop(gs);
     let j = serde_json::json!({
-        "guests": a.run.set.profiles,
-        "secs": a.run.secs,
+        "guests": a.memfold.set.profiles,
+        "secs": a.memfold.secs,
         "ksm_thp": a.ksm_thp,
         "memfold_used_before_bytes": m.used_before,
         "ksm_used_before_bytes": k.used_before,
@@ -96,27 +94,26 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "memfold_cpu_s": m.cpu_s,
         "ksm_cpu_s": ksm_cpu_s,
         "ksm_guest_mismatches": mismatches.len(),
-        "memfold_zero_policy": format!("{:?}", a.run.zero).to_lowercase(),
-        "memfold_policy": a.run.policy,
-        "memfold_saved_by_pages": m.samples.last().map(|s| s.stats.saved_by),
-        "memfold_lifetime": m.samples.last().map(|s| s.stats.lifetime.clone()),
-        "memfold_latency_us": m.samples.last().map(|s| s.stats.latency),
+        "memfold_zero_policy": a.memfold.zero_name(),
+        "memfold_policy": a.memfold.policy,
+        "memfold_saved_by_pages": m.end().map(|s| s.saved_by),
+        "memfold_lifetime": m.end().map(|s| s.lifetime.clone()),
+        "memfold_latency_us": m.end().map(|s| s.latency),
     });
     std::fs::write(out.join("compare.json"), serde_json::to_vec_pretty(&j)?)?;
-    if a.run.set.json {
+    if a.memfold.set.json {
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
-        let mib = 1048576.0;
         println!(
             "memfold ({}): saved {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s)\nKSM:     saved {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s)\nratio memfold/KSM: {:.2}",
-            a.run.policy,
-            m.saved_bytes / mib,
-            m.used_before as f64 / mib,
-            m.t95_s.map_or("-".into(), |t| format!("{t:.0}")),
+            a.memfold.policy,
+            m.saved_bytes / MIB,
+            m.used_before as f64 / MIB,
+            t95_text(m.t95_s),
             m.cpu_s,
-            k.saved_bytes / mib,
-            k.used_before as f64 / mib,
-            k.t95_s.map_or("-".into(), |t| format!("{t:.0}")),
+            k.saved_bytes / MIB,
+            k.used_before as f64 / MIB,
+            t95_text(k.t95_s),
             ksm_cpu_s,
             m.saved_bytes / k.saved_bytes.max(1.0)
         );

@@ -28,6 +28,15 @@ pub struct GuestSetArgs {
     pub json: bool,
 }
 
+impl GuestSetArgs {
+    /// The output folder: `--out`, or `out/<default_out>`.
+    pub fn out_dir(&self, default_out: &str) -> PathBuf {
+        self.out
+            .clone()
+            .unwrap_or_else(|| crate::default_out(default_out))
+    }
+}
+
 /// Parses `web,db,py` (a profile may repeat: `web,web`) into guest specs named
 /// `web-1`, `web-2`, `db-1`, ...
 pub fn specs(profiles: &str, ram: RamBackend, mem_mib: Option<u32>) -> Result<Vec<GuestSpec>> {
@@ -86,10 +95,7 @@ pub fn start_set_with(
     default_out: &str,
     env: impl Fn(&GuestSpec) -> Vec<(String, String)>,
 ) -> Result<(Vec<Guest>, Accel, PathBuf)> {
-    let out = set
-        .out
-        .clone()
-        .unwrap_or_else(|| crate::default_out(default_out));
+    let out = set.out_dir(default_out);
     let cache = images::cache_dir();
     let specs = specs(&set.profiles, ram, set.mem_mib)?;
     eprintln!("images ({}):", cache.display());

@@ -3,17 +3,19 @@
 
 use std::io::Write;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use memfold_sys::ksm::{Ksm, KsmMode, KsmStats};
-use memfold_vm::hostmem::{guest_ram_usage, total_used};
 use memfold_vm::launcher::{Guest, RamBackend};
 use serde::Serialize;
 
 use crate::guests;
 use crate::plot::{self, Panel, Series};
+use crate::run::measure::{
+    every_second, measured_as, plateau, saved_mib, saved_mib_over_time, tail_mean, used, MIB,
+};
 
 /// Arguments of `memfold ksm`.
 #[derive(Args, Clone, Debug)]
@@ -37,7 +39,8 @@ pub struct KsmSample {
     pub t: f64,
     /// KSM counters.
     pub ksm: KsmStats,
-    /// Host memory used by guest RAM (Pss + swap over guests), bytes.
+    /// Host memory used by guest RAM (`memfold_vm::hostmem` for anonymous RAM: Pss + swap
+    /// over guests), bytes.
     pub used_bytes: u64,
     /// Rss of guest RAM over guests, bytes.
     pub rss_bytes: u64,
@@ -60,49 +63,12 @@ pub struct KsmRun {
     pub samples: Vec<KsmSample>,
 }
 
-/// Host memory used by the guests' RAM now: (used, rss), bytes.
-pub fn used(guests: &[Guest]) -> Result<(u64, u64)> {
-    let usages = guests
-        .iter()
-        .map(|g| {
-            guest_ram_usage(g.pid, g.mem_bytes / 2)
-                .with_context(|| format!("guest {}: QEMU gone?", g.name))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok((total_used(&usages), usages.iter().map(|u| u.rss).sum()))
-}
-
-/// Samples a run's end figures are averaged over (the last 10 s at one sample a second).
-const PLATEAU_SAMPLES: usize = 10;
-
-/// The mean of `f` over the last [`PLATEAU_SAMPLES`] of `samples` (0 for none): how every
-/// run's end figure (measured saving, KSM's pages_sharing, memfoldd's books) is taken.
-pub fn tail_mean<T>(samples: &[T], f: impl Fn(&T) -> f64) -> f64 {
-    let tail = &samples[samples.len().saturating_sub(PLATEAU_SAMPLES)..];
-    tail.iter().map(f).sum::<f64>() / tail.len().max(1) as f64
-}
-
-/// The plateau of a run sampled as (seconds, host memory used): the mean saving
-/// (`used_before` − used) over the last [`PLATEAU_SAMPLES`] samples, bytes, and the first
-/// time the saving reached 95% of it, s. memfold and KSM runs are summarised by this one
-/// function.
-pub fn plateau(used_before: u64, samples: impl Iterator<Item = (f64, u64)>) -> (f64, Option<f64>) {
-    let saved: Vec<(f64, f64)> = samples
-        .map(|(t, u)| (t, used_before as f64 - u as f64))
-        .collect();
-    let mean = tail_mean(&saved, |s| s.1);
-    let t95 = saved.iter().find(|s| s.1 >= 0.95 * mean).map(|s| s.0);
-    (mean, t95)
-}
-
 /// Runs one KSM mode on running guests for `secs`, sampling every second.
 pub fn run_mode(ksm: &Ksm, guests: &mut [Guest], mode: KsmMode, secs: u64) -> Result<KsmRun> {
     let (used_before, _) = used(guests)?;
     ksm.start(mode)?;
-    let start = Instant::now();
     let mut samples = Vec::new();
-    while start.elapsed() < Duration::from_secs(secs) {
-        std::thread::sleep(Duration::from_secs(1));
+    every_second(Some(secs), None, |start| {
         for g in guests.iter_mut() {
             g.check_alive()?;
         }
@@ -117,11 +83,12 @@ pub fn run_mode(ksm: &Ksm, guests: &mut [Guest], mode: KsmMode, secs: u64) -> Re
             "\r  ksm {:<10} {:>5.0} s  saved {:>7.1} MiB  pages_sharing {:>7}   ",
             mode.name,
             s.t,
-            (used_before as f64 - u as f64) / 1048576.0,
+            saved_mib(used_before, u),
             s.ksm.pages_sharing
         );
         samples.push(s);
-    }
+        Ok(())
+    })?;
     eprintln!();
     let (saved_bytes, t95_s) = plateau(used_before, samples.iter().map(|s| (s.t, s.used_bytes)));
     let ksm_sharing_bytes = tail_mean(&samples, |s| s.ksm.pages_sharing as f64 * 4096.0);
@@ -165,24 +132,23 @@ pub fn write_outputs(out: &Path, runs: &[KsmRun]) -> Result<()> {
             .flat_map(|r| {
                 [
                     Series {
-                        name: format!("{} (measured)", r.mode),
-                        points: r
-                            .samples
-                            .iter()
-                            .map(|s| {
-                                (
-                                    s.t,
-                                    (r.used_before as f64 - s.used_bytes as f64) / 1048576.0,
-                                )
-                            })
-                            .collect(),
+                        // KSM runs on anonymous guest RAM.
+                        name: format!(
+                            "{} (measured: {}, before − now)",
+                            r.mode,
+                            measured_as(RamBackend::Anonymous)
+                        ),
+                        points: saved_mib_over_time(
+                            r.used_before,
+                            r.samples.iter().map(|s| (s.t, s.used_bytes)),
+                        ),
                     },
                     Series {
                         name: format!("{} (pages_sharing)", r.mode),
                         points: r
                             .samples
                             .iter()
-                            .map(|s| (s.t, s.ksm.pages_sharing as f64 * 4096.0 / 1048576.0))
+                            .map(|s| (s.t, s.ksm.pages_sharing as f64 * 4096.0 / MIB))
                             .collect(),
                     },
                 ]
@@ -235,9 +201,9 @@ pub fn run(a: &KsmArgs) -> Result<()> {
             println!(
                 "KSM {:<10}: saved {:7.1} MiB of {:7.1} MiB used (pages_sharing: {:7.1} MiB), 95% of plateau after {}",
                 r.mode,
-                r.saved_bytes / 1048576.0,
-                r.used_before as f64 / 1048576.0,
-                r.ksm_sharing_bytes / 1048576.0,
+                r.saved_bytes / MIB,
+                r.used_before as f64 / MIB,
+                r.ksm_sharing_bytes / MIB,
                 r.t95_s.map_or("-".into(), |t| format!("{t:.0} s"))
             );
         }

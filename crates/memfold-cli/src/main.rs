@@ -38,13 +38,16 @@ enum Cmd {
     /// Difference Engine Table 1 on RAM snapshots: zero, duplicate and unique pages, and
     /// the pages needed with sharing, + patching, + compression, per guest and together.
     Analyze(analyze::AnalyzeArgs),
-    /// Run a guest set under Linux KSM and measure it.
+    /// Run a guest set under Linux KSM (aggressive, default or both settings) and measure it
+    /// as memfold is measured.
     Ksm(ksm::KsmArgs),
-    /// The main job for now: build images, boot a mixed set, analyse it and measure KSM on it.
+    /// The static baseline: boot a guest set, analyse snapshots of its RAM (DE Table 1) and
+    /// measure Linux KSM (aggressive) on the same guests.
     Baseline(baseline::BaselineArgs),
     /// The main job: boot a guest set with memfold's agent, run memfoldd, show live savings.
     Run(run::RunArgs),
-    /// The same guest set under memfold (sharing) and under KSM (aggressive), measured alike.
+    /// The same guest set under memfold (--policy, the Difference Engine by default), then
+    /// under Linux KSM (aggressive) on fresh boots, measured alike.
     Compare(compare::CompareArgs),
     /// Benchmarks.
     Bench {
@@ -65,8 +68,9 @@ enum ImageCmd {
 enum BenchCmd {
     /// The micro-benchmark of Difference Engine §5.3 driven through the engine core: zero,
     /// random, identical and 95%-similar pages; allocate, read, write one byte at 16 fixed
-    /// offsets, free; each mechanism alone and all together. Prints a table of peak and
-    /// final savings; writes a CSV time series and a PNG plot.
+    /// offsets, free; each mechanism alone and all together. Prints the savings at each
+    /// phase event and a table of peak and final savings; writes a CSV time series and a
+    /// PNG plot.
     Micro(bench::micro::MicroArgs),
 }
 

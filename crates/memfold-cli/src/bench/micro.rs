@@ -51,7 +51,7 @@ pub struct MicroArgs {
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Print the results as JSON on stdout (per page type and mechanism: peak and final
-    /// savings as fractions) instead of the table.
+    /// savings as fractions, and faults) instead of the tables.
     #[arg(long)]
     pub json: bool,
     /// Seed for page contents.

@@ -1,0 +1,408 @@
+//! What a run measures: one sample a second of memfoldd's statistics and of the host
+//! memory used by guest RAM (`memfold_vm::hostmem`), the plateau and its time to 95%,
+//! CPU seconds, the guests' event counts, and with plain twins each workload's throughput
+//! managed vs plain.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use memfold_wire::{Stats, VmStats};
+use memfold_vm::hostmem::{guest_ram_usage, total_used};
+use memfold_vm::launcher::{Guest, RamBackend};
+use serde::Serialize;
+
+/// Bytes in a MiB.
+pub const MIB: f64 = 1048576.0;
+
+/// `pages` 4 KiB pages in MiB.
+pub fn pages_mib(pages: i64) -> f64 {
+    pages as f64 * 4096.0 / MIB
+}
+
+/// The saving from `before` to `now` (host memory used, bytes), MiB.
+pub fn saved_mib(before: u64, now: u64) -> f64 {
+    (before as f64 - now as f64) / MIB
+}
+
+/// What the measured saving is a difference of, for guest RAM of kind `ram`
+/// (`memfold_vm::hostmem`): the label of the measured line in the plots.
+pub fn measured_as(ram: RamBackend) -> &'static str {
+    match ram {
+        RamBackend::Memfd => "allocated memfd bytes",
+        RamBackend::Anonymous | RamBackend::AnonymousNoThp => "Pss + swap",
+    }
+}
+
+/// The saving over a run sampled as (seconds, host memory used): (seconds, MiB saved since
+/// `used_before`), the measured line of the memfold and KSM plots.
+pub fn saved_mib_over_time(
+    used_before: u64,
+    samples: impl Iterator<Item = (f64, u64)>,
+) -> Vec<(f64, f64)> {
+    samples
+        .map(|(t, used)| (t, saved_mib(used_before, used)))
+        .collect()
+}
+
+/// A time to 95% of the plateau, s, as the summaries print it (`-`: never reached).
+pub fn t95_text(t95_s: Option<f64>) -> String {
+    t95_s.map_or("-".into(), |t| format!("{t:.0}"))
+}
+
+/// Host memory used by the guests' RAM now (`memfold_vm::hostmem`, summed over `guests`,
+/// each shared memfd counted once): (used, rss), bytes. memfold and KSM runs are sampled
+/// by this one function.
+pub fn used(guests: &[Guest]) -> Result<(u64, u64)> {
+    let usages = guests
+        .iter()
+        .map(|g| {
+            guest_ram_usage(g.pid, g.mem_bytes / 2)
+                .with_context(|| format!("guest {}: QEMU gone?", g.name))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((total_used(&usages), usages.iter().map(|u| u.rss).sum()))
+}
+
+/// Calls `sample` (with the time the sampling started) once a second, after the second,
+/// until `secs` seconds have passed (`None`: no limit) or `stop` is set: the clock of
+/// every memfold and KSM run, whose end figures are means over the last
+/// [`PLATEAU_SAMPLES`] samples.
+pub fn every_second(
+    secs: Option<u64>,
+    stop: Option<&AtomicBool>,
+    mut sample: impl FnMut(Instant) -> Result<()>,
+) -> Result<()> {
+    let start = Instant::now();
+    while !stop.is_some_and(|s| s.load(Ordering::SeqCst))
+        && secs.is_none_or(|s| start.elapsed() < Duration::from_secs(s))
+    {
+        std::thread::sleep(Duration::from_secs(1));
+        sample(start)?;
+    }
+    Ok(())
+}
+
+/// Samples a run's end figures are averaged over (the last 10 s at one sample a second).
+const PLATEAU_SAMPLES: usize = 10;
+
+/// The mean of `f` over the last [`PLATEAU_SAMPLES`] of `samples` (0 for none): how every
+/// run's end figure (measured saving, KSM's pages_sharing, memfoldd's books) is taken.
+pub fn tail_mean<T>(samples: &[T], f: impl Fn(&T) -> f64) -> f64 {
+    let tail = &samples[samples.len().saturating_sub(PLATEAU_SAMPLES)..];
+    tail.iter().map(f).sum::<f64>() / tail.len().max(1) as f64
+}
+
+/// The plateau of a run sampled as (seconds, host memory used): the mean saving
+/// (`used_before` − used) over the last [`PLATEAU_SAMPLES`] samples, bytes, and the first
+/// time the saving reached 95% of it, s. memfold and KSM runs are summarised by this one
+/// function.
+pub fn plateau(used_before: u64, samples: impl Iterator<Item = (f64, u64)>) -> (f64, Option<f64>) {
+    let saved: Vec<(f64, f64)> = samples
+        .map(|(t, u)| (t, used_before as f64 - u as f64))
+        .collect();
+    let mean = tail_mean(&saved, |s| s.1);
+    let t95 = saved.iter().find(|s| s.1 >= 0.95 * mean).map(|s| s.0);
+    (mean, t95)
+}
+
+/// Name prefix of the agent's threads inside QEMU.
+pub const AGENT_THREADS: &str = "memfold-";
+
+/// One second of a run.
+#[derive(Clone, Debug, Serialize)]
+pub struct Sample {
+    /// Seconds since memfoldd started.
+    pub t: f64,
+    /// Host memory used by guest RAM (`memfold_vm::hostmem` for memfd RAM: the bytes
+    /// allocated to the guests' memfds, memfold's pool and its store, each counted once).
+    pub used_bytes: u64,
+    /// memfoldd's statistics at that time.
+    pub stats: Stats,
+}
+
+/// A memfold run's result.
+#[derive(Clone, Debug, Serialize)]
+pub struct MemfoldRun {
+    /// Host memory used by guest RAM just before memfoldd started, bytes.
+    pub used_before: u64,
+    /// Mean over the last 10 s of (used_before − used), bytes.
+    pub saved_bytes: f64,
+    /// Mean over the last 10 s of memfoldd's own count (`Stats::saved_pages`: mapped −
+    /// frames + reclaimed zero pages + patched, compressed and swapped pages − store
+    /// pages) × 4096, bytes.
+    pub books_saved_bytes: f64,
+    /// Seconds until the measured saving first reached 95% of its plateau.
+    pub t95_s: Option<f64>,
+    /// CPU seconds used by memfoldd and the agents' threads in QEMU.
+    pub cpu_s: f64,
+    /// Samples, one per second.
+    pub samples: Vec<Sample>,
+    /// With `--plain-twins`: each workload's throughput, managed vs its plain twin.
+    pub throughput: Vec<Throughput>,
+}
+
+/// A workload's throughput in a managed guest and in its plain twin over the same run
+/// (the `MEMFOLD-RATE <metric> <value>` lines the guests print, one per workload round).
+#[derive(Clone, Debug, Serialize)]
+pub struct Throughput {
+    /// The managed guest.
+    pub guest: String,
+    /// Its plain twin.
+    pub twin: String,
+    /// What the workload reports (`web-req/s`, `pgbench-tps`, `py-req/s`).
+    pub metric: String,
+    /// Mean per round in the managed guest.
+    pub managed: f64,
+    /// Rounds reported by the managed guest.
+    pub managed_rounds: usize,
+    /// Mean per round in the plain twin.
+    pub plain: f64,
+    /// Rounds reported by the plain twin.
+    pub plain_rounds: usize,
+    /// CPU seconds the managed guest's QEMU used over the run (its agent included).
+    pub managed_cpu_s: f64,
+    /// Of those, CPU seconds of its memfold agent's threads: with the pair pinned to one
+    /// CPU, time the guest's vCPU did not get (a lower bound of memfold's cost to it;
+    /// the vCPU's own time in the kernel's fault paths is not in it).
+    pub managed_agent_cpu_s: f64,
+    /// CPU seconds the plain twin's QEMU used over the run.
+    pub plain_cpu_s: f64,
+    /// Two standard errors of [`Throughput::change`], from the spread of the rounds on
+    /// each side taken as independent (delta method; pessimistic when both guests slow
+    /// down together, as they do when the host is busy); `None` with fewer than two
+    /// rounds on a side.
+    pub change_2se: Option<f64>,
+}
+
+impl MemfoldRun {
+    /// memfoldd's statistics at the last sample (the run's end).
+    pub fn end(&self) -> Option<&Stats> {
+        self.samples.last().map(|s| &s.stats)
+    }
+}
+
+impl Throughput {
+    /// Managed / plain − 1 (negative: the managed guest is slower).
+    pub fn change(&self) -> f64 {
+        self.managed / self.plain - 1.0
+    }
+}
+
+/// Mean and squared relative standard error of the mean of `v` (None below 2 values).
+fn mean_rel_var(v: &[f64]) -> (f64, Option<f64>) {
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n.max(1.0);
+    if v.len() < 2 || mean <= 0.0 {
+        return (mean, None);
+    }
+    let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (mean, Some(var / n / (mean * mean)))
+}
+
+/// The `MEMFOLD-RATE` values in a guest's console text, by metric.
+fn rates(serial: &str) -> BTreeMap<String, Vec<f64>> {
+    let mut out: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for l in serial.lines() {
+        let Some(rest) = l.split("MEMFOLD-RATE ").nth(1) else {
+            continue;
+        };
+        let mut f = rest.split_whitespace();
+        if let (Some(m), Some(Ok(v))) = (f.next(), f.next().map(str::parse::<f64>)) {
+            if v.is_finite() && v > 0.0 {
+                out.entry(m.to_string()).or_default().push(v);
+            }
+        }
+    }
+    out
+}
+
+/// Where a guest stood when memfoldd started: bytes of its console text, its QEMU's CPU
+/// seconds, and those of its agent's threads.
+pub type StartMark = (usize, f64, f64);
+
+/// Each guest's [`StartMark`] now, by name.
+pub fn start_marks<'a>(guests: impl Iterator<Item = &'a Guest>) -> HashMap<String, StartMark> {
+    guests
+        .map(|g| {
+            let mark = (
+                g.serial().len(),
+                cpu_seconds(g.pid, None),
+                cpu_seconds(g.pid, Some(AGENT_THREADS)),
+            );
+            (g.name.clone(), mark)
+        })
+        .collect()
+}
+
+/// Pairs each managed guest with its plain twin and compares their rates since
+/// `since` (per guest, see [`StartMark`]).
+pub fn throughput(
+    managed: &[Guest],
+    plain: &[Guest],
+    since: &HashMap<String, StartMark>,
+) -> Vec<Throughput> {
+    let at_start = |g: &Guest| since.get(&g.name).copied().unwrap_or((0, 0.0, 0.0));
+    let cpu = |g: &Guest| cpu_seconds(g.pid, None) - at_start(g).1;
+    let agent_cpu = |g: &Guest| cpu_seconds(g.pid, Some(AGENT_THREADS)) - at_start(g).2;
+    let window = |g: &Guest| {
+        let s = g.serial();
+        rates(s.get(at_start(g).0..).unwrap_or(""))
+    };
+    let mut out = Vec::new();
+    for (m, p) in managed.iter().zip(plain) {
+        let (rm, rp) = (window(m), window(p));
+        for (metric, vm) in &rm {
+            let Some(vp) = rp.get(metric) else { continue };
+            let ((mm, rvm), (mp, rvp)) = (mean_rel_var(vm), mean_rel_var(vp));
+            out.push(Throughput {
+                guest: m.name.clone(),
+                twin: p.name.clone(),
+                metric: metric.clone(),
+                managed: mm,
+                managed_rounds: vm.len(),
+                plain: mp,
+                plain_rounds: vp.len(),
+                managed_cpu_s: cpu(m),
+                managed_agent_cpu_s: agent_cpu(m),
+                plain_cpu_s: cpu(p),
+                change_2se: rvm.zip(rvp).map(|(a, b)| 2.0 * (mm / mp) * (a + b).sqrt()),
+            });
+        }
+    }
+    out
+}
+
+/// CPU seconds (user + system) of process `pid`, or only of its threads whose name starts
+/// with `thread_prefix`.
+pub fn cpu_seconds(pid: u32, thread_prefix: Option<&str>) -> f64 {
+    let tck = 100.0; // USER_HZ on Linux x86_64
+    let ticks = |stat: &str| -> f64 {
+        let rest = stat.rsplit_once(") ").map_or("", |r| r.1);
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        // utime and stime are fields 14 and 15 of stat, 12 and 13 after "pid (comm) ".
+        f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
+            + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
+    };
+    match thread_prefix {
+        None => {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(0.0, |s| ticks(&s) / tck)
+        }
+        Some(prefix) => std::fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|d| {
+                d.flatten()
+                    .filter(|t| {
+                        std::fs::read_to_string(t.path().join("comm"))
+                            .is_ok_and(|c| c.starts_with(prefix))
+                    })
+                    .map(|t| {
+                        std::fs::read_to_string(t.path().join("stat")).map_or(0.0, |s| ticks(&s))
+                    })
+                    .sum::<f64>()
+                    / tck
+            })
+            .unwrap_or(0.0),
+    }
+}
+
+/// CPU seconds of the agents' threads in `guests`, summed.
+pub fn agents_cpu_seconds(guests: &[Guest]) -> f64 {
+    guests
+        .iter()
+        .map(|g| cpu_seconds(g.pid, Some(AGENT_THREADS)))
+        .sum()
+}
+
+/// What memfold cost the guests in events, all guests, cumulative.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GuestEvents {
+    /// Pages shared.
+    pub shares: u64,
+    /// Copy-on-write breaks of shared pages.
+    pub cow_breaks: u64,
+    /// Zero pages reclaimed.
+    pub reclaims: u64,
+    /// Reclaimed zero pages filled again on access.
+    pub refills: u64,
+    /// Pages the sharing scan left alone as modified (C1).
+    pub hot_skipped: u64,
+    /// The clock's minor faults (R bits).
+    pub minor_faults: u64,
+    /// Write-protect faults (the clock's M bits and CoW breaks).
+    pub wp_faults: u64,
+    /// Patched or compressed pages decoded back on access.
+    pub unstashes: u64,
+}
+
+impl GuestEvents {
+    /// The events of every guest in `s`.
+    pub fn of(s: &Stats) -> Self {
+        let sum = |f: fn(&VmStats) -> u64| s.vms.iter().map(f).sum::<u64>();
+        GuestEvents {
+            shares: sum(|v| v.shares),
+            cow_breaks: sum(|v| v.cow_breaks),
+            reclaims: sum(|v| v.reclaims),
+            refills: sum(|v| v.refills),
+            hot_skipped: sum(|v| v.hot_skipped),
+            minor_faults: sum(|v| v.minor_faults),
+            wp_faults: sum(|v| v.wp_faults),
+            unstashes: sum(|v| v.unstashes),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plateau_is_the_mean_of_the_last_ten_samples_and_t95_its_first_reach() {
+        // Used falls from 1000 by 100 a second to 200, then stays: saved 800 at the end.
+        let samples = (1..=30).map(|t| (t as f64, 1000u64.saturating_sub(100 * t).max(200)));
+        let (saved, t95) = plateau(1000, samples);
+        assert_eq!(saved, 800.0);
+        assert_eq!(t95, Some(8.0), "saved 800 ≥ 95% of 800 first at 8 s");
+        assert_eq!(
+            tail_mean(&[1.0, 2.0, 3.0], |x| *x),
+            2.0,
+            "fewer than ten: all"
+        );
+        assert_eq!(tail_mean(&[] as &[f64], |x| *x), 0.0);
+        assert_eq!(plateau(5, std::iter::empty()), (0.0, None));
+        assert_eq!(
+            saved_mib_over_time(3 << 20, [(1.0, 1 << 20)].into_iter()),
+            [(1.0, 2.0)]
+        );
+    }
+
+    #[test]
+    fn sampling_stops_at_once_when_stopped_or_out_of_time() {
+        let stop = AtomicBool::new(true);
+        every_second(None, Some(&stop), |_| {
+            panic!("stopped before the first second")
+        })
+        .unwrap();
+        every_second(Some(0), None, |_| panic!("no time to sample")).unwrap();
+    }
+
+    #[test]
+    fn two_standard_errors_of_the_mean() {
+        let (m, rv) = mean_rel_var(&[9.0, 11.0]);
+        assert_eq!(m, 10.0);
+        // s = sqrt(2), s.e. = 1, relative 0.1, squared 0.01.
+        assert!((rv.unwrap() - 0.01).abs() < 1e-12);
+        assert_eq!(mean_rel_var(&[5.0]).1, None, "one round has no spread");
+    }
+
+    #[test]
+    fn rate_lines_are_read_by_metric_and_junk_is_skipped() {
+        let serial = "boot\nMEMFOLD-RATE web-req/s 12.50\n[ 3.1] x MEMFOLD-RATE pgbench-tps 88\n\
+                      MEMFOLD-RATE web-req/s 7.5\nMEMFOLD-RATE web-req/s nan\nMEMFOLD-RATE py-req/s\n\
+                      MEMFOLD-RATE web-req/s -1\n";
+        let r = rates(serial);
+        assert_eq!(r["web-req/s"], vec![12.5, 7.5]);
+        assert_eq!(r["pgbench-tps"], vec![88.0]);
+        assert_eq!(r.len(), 2);
+    }
+}

@@ -1,0 +1,170 @@
+//! `memfold run`: the main job. Boots a guest set with memfold's agent in each QEMU, starts
+//! memfoldd (the Difference Engine policy unless `--policy` says otherwise), and shows
+//! live per guest and in total what it saves, by mechanism, measured with the
+//! one host-memory definition (`memfold_vm::hostmem`) that `memfold ksm` uses too.
+//!
+//! This module is the orchestration (guests up, memfoldd up, sample each second, all
+//! down); [`args`] has the flags and memfoldd's command line, [`measure`] what is
+//! measured, [`view`] the live view, [`output`] the files and the summary.
+
+mod args;
+pub mod measure;
+mod output;
+mod view;
+
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use memfold_vm::launcher::{agent_env, Guest, RamBackend};
+
+pub use args::{MemfoldArgs, RunArgs};
+pub use measure::cpu_seconds;
+use measure::{MemfoldRun, Sample, MIB};
+pub use output::write_outputs;
+
+use crate::guests;
+
+/// Guest RAM under memfold: memfd files memfoldd reads and the agent maps.
+const RAM: RamBackend = RamBackend::Memfd;
+
+/// The agent library and memfoldd, installed beside the `memfold` binary.
+fn companions() -> Result<(PathBuf, PathBuf)> {
+    let exe = std::env::current_exe().context("cannot find the memfold binary")?;
+    let agent = exe.with_file_name("libmemfold_agent.so");
+    let daemon = exe.with_file_name("memfoldd");
+    for p in [&agent, &daemon] {
+        anyhow::ensure!(
+            p.exists(),
+            "{} is missing: build the whole workspace (`cargo build --release --workspace`; make main does)",
+            p.display()
+        );
+    }
+    Ok((agent, daemon))
+}
+
+/// Kills memfoldd when dropped.
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Fails if guest `g` reported a self-check mismatch.
+fn self_check(g: &Guest) -> Result<()> {
+    anyhow::ensure!(
+        g.mismatches().is_empty(),
+        "guest {} self-check failed: {:?}",
+        g.name,
+        g.mismatches()
+    );
+    Ok(())
+}
+
+/// Boots the set with agents, waits for it to settle, starts memfoldd and samples every
+/// second for `secs` (0: until `stop`), printing the live view.
+pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(MemfoldRun, PathBuf)> {
+    let (agent, daemon_bin) = companions()?;
+    let m = &a.memfold;
+    let out = m.set.out_dir(default_out);
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let socket = std::fs::canonicalize(&out)?.join("memfoldd.sock");
+    let (all, _accel, out) = guests::start_set_with(&a.guest_set(), RAM, default_out, |s| {
+        if a.is_managed(&s.name) {
+            agent_env(&agent, &socket, s)
+        } else {
+            Vec::new()
+        }
+    })?;
+    let (mut guests, mut plain): (Vec<Guest>, Vec<Guest>) =
+        all.into_iter().partition(|g| a.is_managed(&g.name));
+    if a.plain_twins {
+        // Each pair shares one host CPU: equal shares, and the agent's CPU time is the
+        // managed guest's cost (unpinned, the scheduler gave managed QEMUs 30-45% more).
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for (i, (m, p)) in guests.iter().zip(&plain).enumerate() {
+            for g in [m, p] {
+                g.pin_to_cpu(i % cpus)
+                    .with_context(|| format!("cannot pin {} to CPU {}", g.name, i % cpus))?;
+            }
+        }
+    }
+    let since = measure::start_marks(guests.iter().chain(&plain));
+    let used_before = measure::used(&guests)?.0;
+    let log = std::fs::File::create(out.join("memfoldd.log"))?;
+    let daemon = Daemon(
+        Command::new(&daemon_bin)
+            .args(m.memfoldd_args(&socket, &out))
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("cannot start {}", daemon_bin.display()))?,
+    );
+    let dpid = daemon.0.id();
+    let agent_cpu0: f64 = guests.iter().map(|g| since[&g.name].2).sum();
+    let mut samples: Vec<Sample> = Vec::new();
+    eprintln!(
+        "memfoldd running (pid {dpid}); host memory used by guest RAM before: {:.1} MiB. Ctrl-C stops.",
+        used_before as f64 / MIB
+    );
+    measure::every_second((m.secs > 0).then_some(m.secs), Some(stop), |start| {
+        for g in guests.iter_mut().chain(plain.iter_mut()) {
+            g.check_alive()?;
+            self_check(g)?;
+        }
+        let Ok(stats) = memfold_live::query_stats(&socket) else {
+            return Ok(());
+        };
+        let s = Sample {
+            t: start.elapsed().as_secs_f64(),
+            used_bytes: measure::used(&guests)?.0,
+            stats,
+        };
+        view::print(used_before, &s, samples.last());
+        samples.push(s);
+        Ok(())
+    })?;
+    let cpu_s = cpu_seconds(dpid, None) + measure::agents_cpu_seconds(&guests) - agent_cpu0;
+    drop(daemon);
+    let throughput = measure::throughput(&guests, &plain, &since);
+    for g in guests.iter_mut().chain(plain.iter_mut()) {
+        self_check(g)?;
+        g.stop();
+    }
+    let (saved_bytes, t95_s) =
+        measure::plateau(used_before, samples.iter().map(|s| (s.t, s.used_bytes)));
+    let books_saved_bytes = measure::tail_mean(&samples, |s| s.stats.saved_pages as f64 * 4096.0);
+    Ok((
+        MemfoldRun {
+            used_before,
+            saved_bytes,
+            books_saved_bytes,
+            t95_s,
+            cpu_s,
+            samples,
+            throughput,
+        },
+        out,
+    ))
+}
+
+/// A flag set by Ctrl-C.
+pub fn ctrl_c_flag() -> Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let s = stop.clone();
+    ctrlc::set_handler(move || s.store(true, Ordering::SeqCst))
+        .context("cannot install the Ctrl-C handler")?;
+    Ok(stop)
+}
+
+/// `memfold run`.
+pub fn run(a: &RunArgs) -> Result<()> {
+    let stop = ctrl_c_flag()?;
+    let (r, out) = measure(a, "run", &stop)?;
+    write_outputs(&out, &r)?;
+    output::print_summary(&a.memfold, &r, &out)
+}

@@ -1,0 +1,334 @@
+//! What a run leaves: `run.csv`, `run.json` and `run.png` in the output folder, and the
+//! summary on stdout (text or `--json`).
+
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use memfold_wire::{SavedBy, Stats};
+
+use super::measure::{
+    measured_as, pages_mib, saved_mib_over_time, t95_text, GuestEvents, MemfoldRun, MIB,
+};
+use super::{view, MemfoldArgs};
+use crate::plot::{self, Panel, Series};
+
+/// Writes `run.csv`, `run.json` and `run.png` for a run.
+pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
+    write_csv(&out.join("run.csv"), r)?;
+    let json = out.join("run.json");
+    std::fs::write(&json, serde_json::to_vec_pretty(r)?)
+        .with_context(|| format!("cannot write {}", json.display()))?;
+    write_png(&out.join("run.png"), r)
+}
+
+/// `run.csv`: per second a row per guest and a row `all`.
+fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
+    let mut f = crate::create_output(csv)?;
+    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes,swapped_pages,saved_swap_bytes")?;
+    for s in &r.samples {
+        for v in &s.stats.vms {
+            writeln!(
+                f,
+                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,,{},",
+                s.t,
+                v.name,
+                v.pages,
+                v.shared_pages,
+                v.zero_shared_pages,
+                v.zero_reclaimed_pages,
+                v.patched_pages,
+                v.compressed_pages,
+                v.cow_breaks,
+                v.wp_faults,
+                v.missing_faults,
+                v.refills,
+                v.unstashes,
+                v.scanned_pages,
+                v.swapped_pages
+            )?;
+        }
+        let by = &s.stats.saved_by;
+        writeln!(
+            f,
+            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{},{},{}",
+            s.t,
+            s.stats.mapped_pages,
+            s.stats.zero_reclaimed_pages,
+            s.stats.patched_pages,
+            s.stats.compressed_pages,
+            s.used_bytes,
+            r.used_before as i64 - s.used_bytes as i64,
+            s.stats.saved_pages * 4096,
+            by.sharing * 4096,
+            by.zero * 4096,
+            by.patching * 4096,
+            by.compression * 4096,
+            s.stats.swap.swapped_pages,
+            by.swap * 4096
+        )?;
+    }
+    Ok(())
+}
+
+/// `run.png`: the saving measured and by memfoldd's books, and the books by mechanism.
+fn write_png(png: &Path, r: &MemfoldRun) -> Result<()> {
+    let policy = r
+        .samples
+        .last()
+        .map_or("sharing".to_string(), |s| s.stats.policy.clone());
+    let by = |f: fn(&SavedBy) -> i64| -> Vec<(f64, f64)> {
+        r.samples
+            .iter()
+            .map(|s| (s.t, pages_mib(f(&s.stats.saved_by))))
+            .collect()
+    };
+    let mut panels = vec![Panel {
+        title: format!("memfold ({policy}): host memory saved on guest RAM"),
+        series: vec![
+            Series {
+                name: format!("measured ({}, before − now)", measured_as(super::RAM)),
+                points: saved_mib_over_time(
+                    r.used_before,
+                    r.samples.iter().map(|s| (s.t, s.used_bytes)),
+                ),
+            },
+            Series {
+                name: "memfoldd books (all mechanisms)".into(),
+                points: r
+                    .samples
+                    .iter()
+                    .map(|s| (s.t, pages_mib(s.stats.saved_pages)))
+                    .collect(),
+            },
+        ],
+        markers: vec![],
+    }];
+    // DE Fig 9-11: the saving by mechanism over time.
+    type Mechanism = (&'static str, fn(&SavedBy) -> i64);
+    let mechanisms: [Mechanism; 5] = [
+        ("sharing", |b| b.sharing),
+        ("zero pages", |b| b.zero),
+        ("patching", |b| b.patching),
+        ("compression", |b| b.compression),
+        ("swap", |b| b.swap),
+    ];
+    panels.push(Panel {
+        title: "memfoldd books by mechanism".into(),
+        series: mechanisms
+            .iter()
+            .map(|&(name, f)| Series {
+                name: name.into(),
+                points: by(f),
+            })
+            .collect(),
+        markers: vec![],
+    });
+    plot::panels(
+        png,
+        "memfold run",
+        "seconds since memfoldd started",
+        "MiB saved",
+        &panels,
+    )
+}
+
+/// Prints the summary of `memfold run`: JSON with `--json`, else the saving, by mechanism,
+/// the budget, stored pages' lifetimes, guest events, latencies and throughput.
+pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> {
+    let summary = serde_json::json!({
+        "used_before_bytes": r.used_before,
+        "saved_bytes": r.saved_bytes,
+        "books_saved_bytes": r.books_saved_bytes,
+        "t95_s": r.t95_s,
+        "cpu_s": r.cpu_s,
+        "latency_us": r.end().map(|s| s.latency),
+        "policy": a.policy,
+        "saved_by_pages": r.end().map(|s| s.saved_by),
+        "lifetime": r.end().map(|s| s.lifetime.clone()),
+    });
+    if a.set.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+        return Ok(());
+    }
+    println!(
+        "memfold saved {:.1} MiB of {:.1} MiB (measured, mean of the last 10 s; memfoldd's books: {:.1} MiB); 95% of it after {} s; memfoldd + agents used {:.1} CPU s",
+        r.saved_bytes / MIB,
+        r.used_before as f64 / MIB,
+        r.books_saved_bytes / MIB,
+        t95_text(r.t95_s),
+        r.cpu_s
+    );
+    if let Some(s) = r.end() {
+        print_end_books(s);
+        print_churn(s);
+        print_latencies(s);
+    }
+    print_throughput(r);
+    println!(
+        "time series: {}, {}",
+        out.join("run.csv").display(),
+        out.join("run.png").display()
+    );
+    Ok(())
+}
+
+/// The books at the end: by mechanism, the budget and swap, stored pages' lifetimes.
+fn print_end_books(s: &Stats) {
+    let by = &s.saved_by;
+    println!(
+        "by mechanism at the end (books, MiB): sharing {:.1}, zero pages {:.1}, patching {:.1}, compression {:.1}, swap {:.1}, store waste {:.1}",
+        pages_mib(by.sharing),
+        pages_mib(by.zero),
+        pages_mib(by.patching),
+        pages_mib(by.compression),
+        pages_mib(by.swap),
+        pages_mib(by.store_waste)
+    );
+    let w = &s.swap;
+    if w.budget_pages.is_some() {
+        let ins: u64 = s.vms.iter().map(|v| v.swap_ins).sum();
+        let outs: u64 = s.vms.iter().map(|v| v.swap_outs).sum();
+        println!(
+            "host budget:{}; {outs} pages swapped out, {ins} read back, {} refused (swap file full)",
+            view::budget(w).trim_start_matches("  budget"),
+            w.full
+        );
+    }
+    let l = &s.lifetime;
+    if l.restored + l.stashed_now > 0 {
+        println!(
+            "patched/compressed pages: {} decoded back, {} still stored; {:.0}% lived ≥ 10 s",
+            l.restored,
+            l.stashed_now,
+            l.lived_10s * 100.0
+        );
+    }
+}
+
+/// What memfold cost the guests in events (all guests, cumulative): the churn of sharing
+/// and zero reclaim, the clock's tracking faults and decodes back.
+fn print_churn(s: &Stats) {
+    let e = GuestEvents::of(s);
+    println!(
+        "guest events: {} shares, {} CoW breaks, {} zero reclaims, {} refills, {} C1 pages left unshared; clock faults {} minor (R), {} write-protect; {} decoded back",
+        e.shares,
+        e.cow_breaks,
+        e.reclaims,
+        e.refills,
+        e.hot_skipped,
+        e.minor_faults,
+        e.wp_faults,
+        e.unstashes,
+    );
+}
+
+/// Prints the agents' operation latencies (the live DE Table 2 analog).
+fn print_latencies(s: &Stats) {
+    println!("live operation latencies over all guests (timed by the agents):");
+    println!(
+        "  {:<28} {:>10} {:>9} {:>9} {:>9}",
+        "operation", "count", "p50 µs", "p99 µs", "max µs"
+    );
+    let l = &s.latency;
+    for (name, x) in [
+        ("share (per page)", l.share),
+        ("CoW break", l.cow_break),
+        ("missing fault (zero fill)", l.fault),
+        ("zero reclaim (per page)", l.reclaim),
+        ("clock minor fault (R/M)", l.track),
+        ("stash (per page, agent)", l.stash),
+        ("decode back (missing fault)", l.unstash),
+        ("patch encode (memfoldd)", l.patch_encode),
+        ("compress (memfoldd)", l.compress),
+    ] {
+        println!(
+            "  {:<28} {:>10} {:>9.1} {:>9.1} {:>9.1}",
+            name, x.count, x.p50_us, x.p99_us, x.max_us
+        );
+    }
+}
+
+/// With `--plain-twins`: each workload's throughput, managed vs plain.
+fn print_throughput(r: &MemfoldRun) {
+    if r.throughput.is_empty() {
+        return;
+    }
+    println!("workload throughput over the run, managed guest vs its plain twin (mean per round):");
+    for t in &r.throughput {
+        println!(
+            "  {:<12} {:<12} {:>10.2} ({:>3} rounds, {:>5.0} CPU s, agent {:.1})  vs {:<12} {:>10.2} ({:>3} rounds, {:>5.0} CPU s)  {:+.1}%{}",
+            t.metric,
+            t.guest,
+            t.managed,
+            t.managed_rounds,
+            t.managed_cpu_s,
+            t.managed_agent_cpu_s,
+            t.twin,
+            t.plain,
+            t.plain_rounds,
+            t.plain_cpu_s,
+            t.change() * 100.0,
+            t.change_2se
+                .map_or(String::new(), |e| format!(" ± {:.1}% (2 s.e.)", e * 100.0))
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run::measure::Sample;
+    use memfold_wire::VmStats;
+
+    #[test]
+    fn a_run_writes_its_csv_json_and_png() {
+        let samples = (1..=3)
+            .map(|t| {
+                let mut stats = Stats {
+                    saved_pages: 100 * t,
+                    ..Stats::default()
+                };
+                stats.saved_by.sharing = 60 * t;
+                stats.vms.push(VmStats {
+                    name: "web-1".into(),
+                    pages: 1000,
+                    ..VmStats::default()
+                });
+                Sample {
+                    t: t as f64,
+                    used_bytes: (2000 - 100 * t as u64) * 4096,
+                    stats,
+                }
+            })
+            .collect();
+        let r = MemfoldRun {
+            used_before: 2000 * 4096,
+            saved_bytes: 0.0,
+            books_saved_bytes: 0.0,
+            t95_s: None,
+            cpu_s: 0.0,
+            samples,
+            throughput: vec![],
+        };
+        let dir = tempfile::tempdir().unwrap();
+        write_outputs(dir.path(), &r).unwrap();
+        let csv = std::fs::read_to_string(dir.path().join("run.csv")).unwrap();
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(
+            lines.len(),
+            1 + 3 * 2,
+            "header, then a guest row and `all` a second"
+        );
+        let columns = lines[0].split(',').count();
+        assert!(lines.iter().all(|l| l.split(',').count() == columns));
+        assert!(lines[1].starts_with("1.0,web-1,1000,"));
+        // used 1900 pages of 2000 at 1 s: saved 100 pages; books 100 pages, sharing 60.
+        assert!(lines[2].starts_with("1.0,all,"));
+        assert!(lines[2].ends_with(",409600,409600,245760,0,0,0,0,0"));
+        let json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.path().join("run.json")).unwrap()).unwrap();
+        assert_eq!(json["samples"].as_array().unwrap().len(), 3);
+        assert!(std::fs::metadata(dir.path().join("run.png")).unwrap().len() > 0);
+    }
+}

@@ -1,0 +1,76 @@
+//! The live view: one block on stderr per second of a run, the total and a line per guest.
+
+use memfold_wire::{SwapStats, VmStats};
+
+use super::measure::{pages_mib, saved_mib, Sample, MIB};
+
+/// Prints sample `s` (rates per second since `prev`), its saving measured against
+/// `used_before`.
+pub fn print(used_before: u64, s: &Sample, prev: Option<&Sample>) {
+    let dt = prev.map_or(1.0, |p| (s.t - p.t).max(0.001));
+    let by = &s.stats.saved_by;
+    eprintln!(
+        "t={:>5.0}s  host {:>7.1} MiB  saved {:>7.1} MiB (books {:>7.1}: share {:.1}, zero {:.1}, patch {:.1}, compress {:.1}, swap {:.1})  frames {:>7}  scans {}{}",
+        s.t,
+        s.used_bytes as f64 / MIB,
+        saved_mib(used_before, s.used_bytes),
+        pages_mib(s.stats.saved_pages),
+        pages_mib(by.sharing),
+        pages_mib(by.zero),
+        pages_mib(by.patching),
+        pages_mib(by.compression),
+        pages_mib(by.swap),
+        s.stats.frames,
+        s.stats.full_scans,
+        budget(&s.stats.swap)
+    );
+    for v in &s.stats.vms {
+        let before = prev.and_then(|p| p.stats.vms.iter().find(|w| w.name == v.name));
+        let rate =
+            |f: fn(&VmStats) -> u64| before.map_or(0.0, |b| f(v).saturating_sub(f(b)) as f64 / dt);
+        let nru = if v.clock_passes > 0 {
+            let n = v.nru_pages;
+            format!("  C1-C4 {} {} {} {}", n[0], n[1], n[2], n[3])
+        } else {
+            String::new()
+        };
+        let de = if v.patches + v.compressions + v.swap_outs > 0 {
+            format!(
+                "  patched {} compressed {} swapped {} decoded back {:.0}/s",
+                v.patched_pages,
+                v.compressed_pages,
+                v.swapped_pages,
+                rate(|v| v.unstashes)
+            )
+        } else {
+            String::new()
+        };
+        eprintln!(
+            "    {:<14} {:>7} pages  shared {:>7}  zero {:>7}{de}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s{nru}",
+            v.name,
+            v.pages,
+            v.shared_pages,
+            v.zero_shared_pages + v.zero_reclaimed_pages,
+            rate(|v| v.cow_breaks),
+            rate(|v| v.wp_faults + v.missing_faults + v.minor_faults),
+            rate(|v| v.scanned_pages)
+        );
+    }
+}
+
+/// The budget part of the view: host use against the budget, the swap file (empty without
+/// a budget).
+pub fn budget(w: &SwapStats) -> String {
+    let Some(b) = w.budget_pages else {
+        return String::new();
+    };
+    let mib = |p: u64| pages_mib(p as i64);
+    format!(
+        "  budget {:.0} MiB: using {:.1}, swap file {:.1} of {:.0} MiB{}",
+        mib(b),
+        mib(w.host_used_pages),
+        mib(w.file_pages),
+        mib(w.capacity_pages),
+        if w.full > 0 { " (full)" } else { "" }
+    )
+}
