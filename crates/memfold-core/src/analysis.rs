@@ -21,9 +21,14 @@ use std::collections::HashMap;
 use memfold_codecs::{CompressCodec, Page, PatchCodec, PAGE_SIZE};
 use serde::Serialize;
 
-use crate::blobstore::BlobStore;
-use crate::similarity::{SimilarityConfig, SimilarityDetector, SimilarityIndex};
-use crate::types::is_zero_page;
+use crate::ids::Gpn;
+use crate::is_zero_page;
+use crate::similarity::{RefPage, SimilarityConfig, SimilarityDetector, SimilarityIndex};
+use crate::slab::slot_size;
+
+/// Bytes of header counted in front of each blob (reference, length, kind), as a store
+/// that keeps blobs self-describing would.
+const BLOB_HEADER: usize = 8;
 
 /// One guest's snapshot: its pages and, if known, which are host-resident.
 pub struct GuestMemory<'a> {
@@ -172,7 +177,7 @@ pub fn analyze(guests: &[GuestMemory], cfg: &AnalysisConfig) -> Result<Vec<SetAn
         let page = page_of(guests, gp);
         let mut buf = Vec::with_capacity(2 * PAGE_SIZE);
         let comp_slot = match cfg.compress_codec.compress(page, &mut buf) {
-            Ok(()) if buf.len() <= cfg.compress_cutoff => BlobStore::slot_size(buf.len()) as u32,
+            Ok(()) if buf.len() <= cfg.compress_cutoff => slot_size(buf.len() + BLOB_HEADER) as u32,
             _ => 0,
         };
         Content {
@@ -294,7 +299,10 @@ fn analyze_set(
         let page = page_of(guests, c.page);
         index.candidates(&c.sigs, &mut cands);
         let mut best: Option<(usize, usize)> = None; // (reference position, patch length)
-        for &rpos in &cands {
+        for &cand in &cands {
+            let RefPage::Guest(Gpn(rpos)) = cand else {
+                continue;
+            };
             let r = &contents[order[rpos as usize] as usize];
             let rpage = page_of(guests, r.page);
             if !index.matches(&c.sigs, rpage) {
@@ -312,11 +320,11 @@ fn analyze_set(
             Some((rpos, len)) => {
                 a.patched_pages += 1;
                 is_reference[rpos] = true;
-                patch_bytes += BlobStore::slot_size(len);
+                patch_bytes += slot_size(len + BLOB_HEADER);
             }
             None => {
                 stored_whole.push(pos);
-                index.insert(&c.sigs, pos as u32);
+                index.insert(&c.sigs, RefPage::Guest(Gpn(pos as u32)));
             }
         }
     }

@@ -1,205 +1,254 @@
-//! Host frames: page-sized storage with compact reference counts (ESX §4.3).
+//! The pool's frames and their books (ESX §4.3's shared machine pages): which frames hold
+//! content, how many guest pages map each (its sharing rank), how many share requests
+//! name it, how many patches use it as their reference page, and its content hash.
+//!
+//! A frame is in use while anything holds it: a mapping, a request, a patch — or, after a
+//! memfoldd restart, an agent that may still map it (an adopted pool: every frame its
+//! memfd holds counts as taken until freed through these books). Allocation prefers the
+//! frame after the last one allocated, so that runs of equal pages in two guests land on
+//! runs of frames and their mappings merge into one VMA each.
 
-use hashbrown::HashMap;
+use std::collections::BTreeSet;
 
-use crate::types::{Frame, P2mEntry, Page, PAGE_SIZE};
+use crate::ids::FrameId;
 
-/// Frames per arena chunk: host memory is taken from the allocator 1 MiB at a time.
-const CHUNK_FRAMES: usize = 256;
-/// Refcount value meaning "the true count is in the overflow table".
-const OVERFLOW: u16 = u16::MAX;
+/// The pool grows this many frames at a time (untouched parts use no memory).
+pub const GROW_FRAMES: u32 = 1024;
 
-/// Frame flag: the frame is entered in the share table as a shared frame.
-pub(crate) const IN_SHARE_TABLE: u8 = 1;
-/// Frame flag: the frame holds sub-page blobs (blob store chunk).
-pub(crate) const BLOB_CHUNK: u8 = 2;
-/// The upper four flag bits of a blob chunk frame hold its size class.
-pub(crate) const CLASS_SHIFT: u8 = 4;
-
-/// The engine's host frames: their bytes, a reference count each and a free list.
-///
-/// Reference counts follow ESX §4.3: a 16-bit count per frame, and an overflow table for
-/// the rare frame (typically the zero page, or a popular library page) referenced more
-/// than 65 534 times. Metadata is 3 bytes per frame (count + flags); the free list costs
-/// nothing: each free frame holds the number of the next in its first 4 bytes.
-///
-/// A frame's count is the number of P2M mappings onto it plus the number of patches that
-/// use it as their reference page. A frame is freed when its count reaches zero.
-pub struct FrameStore {
-    chunks: Vec<Box<[u8]>>,
-    refcount: Vec<u16>,
-    flags: Vec<u8>,
-    overflow: HashMap<u32, u32>,
-    free_head: u32,
+/// Books of the pool's frames.
+#[derive(Default)]
+pub struct FrameTable {
+    /// Guest pages mapping the frame, plus patches using it as reference.
+    refcount: Vec<u32>,
+    /// Share requests naming the frame, not answered yet.
+    pending: Vec<u32>,
+    /// Of `refcount`, the patches using the frame as their reference page.
+    patch_refs: Vec<u32>,
+    /// Content hash of each frame in use.
+    hash: Vec<u64>,
+    /// Whether the frame is held although no book names it (adopted, not yet seen).
+    adopted: Vec<bool>,
+    free: BTreeSet<u32>,
+    size: u32,
+    next: u32,
+    last: Option<u32>,
     in_use: u32,
 }
 
-const NO_FRAME: u32 = u32::MAX;
-
-impl Default for FrameStore {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl FrameStore {
-    /// An empty store; frames are allocated on demand.
+impl FrameTable {
+    /// Books for an empty pool.
     pub fn new() -> Self {
-        FrameStore {
-            chunks: Vec::new(),
-            refcount: Vec::new(),
-            flags: Vec::new(),
-            overflow: HashMap::new(),
-            free_head: NO_FRAME,
-            in_use: 0,
-        }
+        Self::default()
     }
 
-    /// Frames currently allocated (count > 0).
+    /// Books for a pool of `frames` frames adopted from a previous memfoldd. The frames
+    /// in `held` (those holding data) count as in use until freed through these books:
+    /// an agent not yet re-attached may map any of them. The others are holes, free.
+    pub fn adopted(frames: u32, held: impl IntoIterator<Item = FrameId>) -> Self {
+        let n = frames as usize;
+        let mut t = FrameTable {
+            refcount: vec![0; n],
+            pending: vec![0; n],
+            patch_refs: vec![0; n],
+            hash: vec![0; n],
+            adopted: vec![false; n],
+            free: BTreeSet::new(),
+            size: frames,
+            next: frames,
+            last: None,
+            in_use: 0,
+        };
+        for f in held {
+            if f.0 < frames && !t.adopted[f.index()] {
+                t.adopted[f.index()] = true;
+                t.in_use += 1;
+            }
+        }
+        t.free = (0..frames).filter(|&f| !t.adopted[f as usize]).collect();
+        t
+    }
+
+    /// Frames the pool holds room for.
+    pub fn size(&self) -> u32 {
+        self.size
+    }
+
+    /// Frames in use (mapped, named by a request, a patch reference, or adopted).
     pub fn in_use(&self) -> u32 {
         self.in_use
     }
 
-    /// Allocates a frame with count 1. Its bytes are whatever the last user left: callers
-    /// always overwrite the whole page. Returns `None` when frame numbers are exhausted
-    /// (2^29 frames, 2 TiB).
-    pub fn alloc(&mut self) -> Option<Frame> {
-        if self.free_head == NO_FRAME {
-            let n = self.refcount.len();
-            if n + CHUNK_FRAMES > P2mEntry::MAX_PAYLOAD as usize {
-                return None;
-            }
-            self.chunks
-                .push(vec![0u8; CHUNK_FRAMES * PAGE_SIZE].into_boxed_slice());
-            self.refcount.reserve_exact(CHUNK_FRAMES);
-            self.flags.reserve_exact(CHUNK_FRAMES);
-            self.refcount.resize(n + CHUNK_FRAMES, 0);
-            self.flags.resize(n + CHUNK_FRAMES, 0);
-            // Link the new frames low to high so neighbouring allocations stay neighbours.
-            for i in (n..n + CHUNK_FRAMES).rev() {
-                self.push_free(i as u32);
-            }
-        }
-        let f = self.free_head;
-        self.free_head = u32::from_ne_bytes(self.data(Frame(f))[..4].try_into().expect("4 bytes"));
-        debug_assert_eq!(self.refcount[f as usize], 0);
-        self.refcount[f as usize] = 1;
-        self.in_use += 1;
-        Some(Frame(f))
-    }
-
-    fn push_free(&mut self, f: u32) {
-        let head = self.free_head;
-        self.data_mut(Frame(f))[..4].copy_from_slice(&head.to_ne_bytes());
-        self.free_head = f;
-    }
-
-    /// The frame's bytes.
-    pub fn data(&self, f: Frame) -> &Page {
-        let i = f.0 as usize;
-        let chunk = &self.chunks[i / CHUNK_FRAMES];
-        let off = (i % CHUNK_FRAMES) * PAGE_SIZE;
-        (&chunk[off..off + PAGE_SIZE])
-            .try_into()
-            .expect("page-sized slice")
-    }
-
-    /// The frame's bytes, writable. Callers write only frames no one else can see
-    /// (count 1, private) or blob chunks.
-    pub fn data_mut(&mut self, f: Frame) -> &mut Page {
-        let i = f.0 as usize;
-        let chunk = &mut self.chunks[i / CHUNK_FRAMES];
-        let off = (i % CHUNK_FRAMES) * PAGE_SIZE;
-        (&mut chunk[off..off + PAGE_SIZE])
-            .try_into()
-            .expect("page-sized slice")
-    }
-
-    /// Current reference count (0 for a free frame).
-    pub fn refcount(&self, f: Frame) -> u32 {
-        match self.refcount[f.0 as usize] {
-            OVERFLOW => self.overflow[&f.0],
-            c => c as u32,
-        }
-    }
-
-    /// Adds one reference.
-    pub fn incref(&mut self, f: Frame) {
-        let c = &mut self.refcount[f.0 as usize];
-        debug_assert!(*c > 0, "incref of free frame {f:?}");
-        if *c == OVERFLOW {
-            *self.overflow.get_mut(&f.0).expect("overflowed frame") += 1;
-        } else if *c == OVERFLOW - 1 {
-            *c = OVERFLOW;
-            self.overflow.insert(f.0, OVERFLOW as u32);
+    /// Takes a free frame for content hashing to `hash`, with one pending request (the
+    /// share request that will name it) and no references. Returns the frame and, if the
+    /// pool must grow first to hold it, its new size in frames.
+    pub fn alloc(&mut self, hash: u64) -> (FrameId, Option<u32>) {
+        let preferred = self.last.map(|l| l + 1).filter(|n| self.free.contains(n));
+        let mut grow = None;
+        let f = if let Some(n) = preferred {
+            self.free.remove(&n);
+            n
+        } else if self.next < self.size {
+            self.next += 1;
+            self.next - 1
+        } else if let Some(n) = self.free.pop_first() {
+            n
         } else {
-            *c += 1;
+            let size = self.size + GROW_FRAMES;
+            self.resize(size);
+            grow = Some(size);
+            self.next += 1;
+            self.next - 1
+        };
+        self.last = Some(f);
+        let i = f as usize;
+        self.pending[i] = 1;
+        self.hash[i] = hash;
+        self.in_use += 1;
+        (FrameId(f), grow)
+    }
+
+    fn resize(&mut self, size: u32) {
+        let n = size as usize;
+        self.refcount.resize(n, 0);
+        self.pending.resize(n, 0);
+        self.patch_refs.resize(n, 0);
+        self.hash.resize(n, 0);
+        self.adopted.resize(n, false);
+        self.size = size;
+    }
+
+    /// Gives back a frame [`FrameTable::alloc`] handed out whose content could not be
+    /// written: it was never named anywhere.
+    pub fn unalloc(&mut self, f: FrameId) {
+        self.pending[f.index()] = 0;
+        self.free.insert(f.0);
+        self.in_use -= 1;
+    }
+
+    /// Whether `f` is a frame of the pool.
+    pub fn contains(&self, f: FrameId) -> bool {
+        f.0 < self.size
+    }
+
+    /// Whether `f` is pinned as a frame of an adopted pool.
+    pub fn is_adopted(&self, f: FrameId) -> bool {
+        self.adopted[f.index()]
+    }
+
+    /// Whether any adopted frame is still pinned.
+    pub fn adoption_pending(&self) -> bool {
+        self.adopted.iter().any(|&a| a)
+    }
+
+    /// Unpins every adopted frame; returns those now free (nothing else holds them).
+    pub fn end_adoption(&mut self) -> Vec<FrameId> {
+        let mut freed = Vec::new();
+        for i in 0..self.size as usize {
+            if std::mem::take(&mut self.adopted[i]) && self.maybe_free(FrameId(i as u32)) {
+                freed.push(FrameId(i as u32));
+            }
+        }
+        freed
+    }
+
+    /// Records the content hash of frame `f` (an adopted frame, once read).
+    pub fn set_hash(&mut self, f: FrameId, hash: u64) {
+        self.hash[f.index()] = hash;
+    }
+
+    /// The frame's content hash.
+    pub fn hash(&self, f: FrameId) -> u64 {
+        self.hash[f.index()]
+    }
+
+    /// Guest pages mapping the frame plus patches using it (its sharing rank, with the
+    /// patches).
+    pub fn refcount(&self, f: FrameId) -> u32 {
+        self.refcount[f.index()]
+    }
+
+    /// Share requests naming the frame.
+    pub fn pending(&self, f: FrameId) -> u32 {
+        self.pending[f.index()]
+    }
+
+    /// Patches using the frame as their reference page.
+    pub fn patch_refs(&self, f: FrameId) -> u32 {
+        self.patch_refs[f.index()]
+    }
+
+    /// Whether the frame holds content (something holds it).
+    pub fn is_used(&self, f: FrameId) -> bool {
+        let i = f.index();
+        self.refcount[i] > 0 || self.pending[i] > 0 || self.adopted[i]
+    }
+
+    /// One more share request names `f`.
+    pub fn add_pending(&mut self, f: FrameId) {
+        self.pending[f.index()] += 1;
+    }
+
+    /// A share request naming `f` ended (`mapped`: the page now maps it). Returns true if
+    /// the frame is now free.
+    pub fn answer(&mut self, f: FrameId, mapped: bool) -> bool {
+        let i = f.index();
+        self.pending[i] -= 1;
+        if mapped {
+            self.refcount[i] += 1;
+        }
+        self.maybe_free(f)
+    }
+
+    /// One more mapping of `f` (or, with `patch`, one more patch using it).
+    pub fn incref(&mut self, f: FrameId, patch: bool) {
+        let i = f.index();
+        self.refcount[i] += 1;
+        if patch {
+            self.patch_refs[i] += 1;
         }
     }
 
-    /// Drops one reference; frees the frame (and returns true) when it was the last.
-    /// The caller takes a frame that is about to be freed out of the share table first.
-    pub fn decref(&mut self, f: Frame) -> bool {
-        let i = f.0 as usize;
-        let c = &mut self.refcount[i];
-        debug_assert!(*c > 0, "decref of free frame {f:?}");
-        if *c == OVERFLOW {
-            let big = self.overflow.get_mut(&f.0).expect("overflowed frame");
-            *big -= 1;
-            if *big == (OVERFLOW - 1) as u32 {
-                self.overflow.remove(&f.0);
-                *c = OVERFLOW - 1;
-            }
+    /// One mapping (or patch) fewer. Returns true if the frame is now free.
+    pub fn decref(&mut self, f: FrameId, patch: bool) -> bool {
+        let i = f.index();
+        self.refcount[i] -= 1;
+        if patch {
+            self.patch_refs[i] -= 1;
+        }
+        self.maybe_free(f)
+    }
+
+    fn maybe_free(&mut self, f: FrameId) -> bool {
+        if self.is_used(f) {
             return false;
         }
-        *c -= 1;
-        if *c == 0 {
-            self.flags[i] = 0;
-            self.push_free(f.0);
-            self.in_use -= 1;
-            true
-        } else {
-            false
-        }
+        self.free.insert(f.0);
+        self.in_use -= 1;
+        true
     }
 
-    /// The frame's flags ([`IN_SHARE_TABLE`], [`BLOB_CHUNK`]).
-    pub(crate) fn flags(&self, f: Frame) -> u8 {
-        self.flags[f.0 as usize]
+    /// Frames held only as patch reference pages (no guest page maps them).
+    pub fn reference_only(&self) -> u64 {
+        self.patch_refs
+            .iter()
+            .zip(&self.refcount)
+            .filter(|&(&p, &r)| p > 0 && p == r)
+            .count() as u64
     }
 
-    /// Sets the flag byte's upper four bits (a blob chunk's size class).
-    pub(crate) fn set_class(&mut self, f: Frame, class: u8) {
-        let v = &mut self.flags[f.0 as usize];
-        *v = (*v & ((1 << CLASS_SHIFT) - 1)) | class << CLASS_SHIFT;
+    /// Frames in use, for invariant checks.
+    pub fn used(&self) -> impl Iterator<Item = FrameId> + '_ {
+        (0..self.size).map(FrameId).filter(|&f| self.is_used(f))
     }
 
-    pub(crate) fn set_flag(&mut self, f: Frame, flag: u8, on: bool) {
-        let v = &mut self.flags[f.0 as usize];
-        if on {
-            *v |= flag
-        } else {
-            *v &= !flag
-        }
-    }
-
-    /// Frames with count > 0, in frame order (for invariant checks and accounting).
-    pub fn allocated(&self) -> impl Iterator<Item = Frame> + '_ {
-        (0..self.refcount.len() as u32)
-            .filter(|&i| self.refcount[i as usize] != 0)
-            .map(Frame)
-    }
-
-    /// Bytes of metadata: counts, flags and overflow table (not the frames).
+    /// Bytes of memory these books take.
     pub fn metadata_bytes(&self) -> usize {
-        self.refcount.capacity() * 2
-            + self.flags.capacity()
-            + crate::share::hashbrown_bytes(self.overflow.capacity(), 8)
-    }
-
-    /// Bytes of host memory reserved for frames (allocated chunks, used or free).
-    pub fn reserved_bytes(&self) -> usize {
-        self.chunks.len() * CHUNK_FRAMES * PAGE_SIZE
+        self.refcount.capacity() * 4
+            + self.pending.capacity() * 4
+            + self.patch_refs.capacity() * 4
+            + self.hash.capacity() * 8
+            + self.adopted.capacity()
+            + self.free.len() * 8
     }
 }
 
@@ -208,34 +257,43 @@ mod tests {
     use super::*;
 
     #[test]
-    fn refcounts_overflow_into_the_table_and_back() {
-        let mut fs = FrameStore::new();
-        let f = fs.alloc().unwrap();
-        for _ in 0..70_000 {
-            fs.incref(f);
-        }
-        assert_eq!(fs.refcount(f), 70_001);
-        assert_eq!(fs.overflow.len(), 1);
-        for _ in 0..70_000 {
-            assert!(!fs.decref(f));
-        }
-        assert_eq!(fs.refcount(f), 1);
-        assert!(fs.overflow.is_empty());
-        assert!(fs.decref(f));
-        assert_eq!(fs.in_use(), 0);
+    fn a_frame_lives_while_a_mapping_request_or_patch_holds_it() {
+        let mut t = FrameTable::new();
+        let (f, grow) = t.alloc(7);
+        assert_eq!(grow, Some(GROW_FRAMES), "the first frame grows the pool");
+        assert_eq!((t.pending(f), t.refcount(f), t.in_use()), (1, 0, 1));
+        t.add_pending(f);
+        assert!(!t.answer(f, true));
+        t.incref(f, true);
+        assert_eq!(t.reference_only(), 0);
+        assert!(!t.answer(f, false));
+        assert!(!t.decref(f, false), "the patch still holds it");
+        assert_eq!(t.reference_only(), 1);
+        assert!(t.decref(f, true));
+        assert_eq!(t.in_use(), 0);
+        let (g, grow) = t.alloc(8);
+        assert_eq!(
+            (g, grow),
+            (FrameId(1), None),
+            "the next frame, not the freed one"
+        );
     }
 
     #[test]
-    fn the_free_list_reuses_frames_lowest_first() {
-        let mut fs = FrameStore::new();
-        let a: Vec<_> = (0..300).map(|_| fs.alloc().unwrap()).collect();
-        assert_eq!(a[0], Frame(0));
-        assert_eq!(a[299], Frame(299));
-        fs.decref(a[7]);
-        fs.decref(a[3]);
-        assert_eq!(fs.alloc(), Some(Frame(3)));
-        assert_eq!(fs.alloc(), Some(Frame(7)));
-        assert_eq!(fs.alloc(), Some(Frame(300)));
-        assert_eq!(fs.allocated().count(), 301);
+    fn adopted_frames_stay_taken_until_their_books_free_them() {
+        let mut t = FrameTable::adopted(4, [FrameId(0), FrameId(1), FrameId(2)]);
+        assert_eq!(t.in_use(), 3);
+        let (f, grow) = t.alloc(1);
+        assert_eq!(
+            (f, grow),
+            (FrameId(3), None),
+            "a hole is free; no held frame is reused"
+        );
+        t.incref(FrameId(1), false);
+        assert!(!t.decref(FrameId(1), false), "pinned while adoption lasts");
+        assert_eq!(t.in_use(), 4);
+        t.incref(FrameId(2), false);
+        assert_eq!(t.end_adoption(), vec![FrameId(0), FrameId(1)]);
+        assert_eq!(t.in_use(), 2, "frame 2 is mapped, 3 pending");
     }
 }

@@ -2,13 +2,13 @@
 
 use hashbrown::HashTable;
 
-use crate::types::{Frame, Gpn};
+use crate::ids::{FrameId, Gpn};
 
 /// One entry of the share table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ShareEntry {
     /// A frame shared copy-on-write whose content hashes to the entry's hash (ESX "shared frame").
-    Shared(Frame),
+    Shared(FrameId),
     /// A page hashed once and not yet shared (ESX "hint frame"). Its content may have
     /// changed since: a hint is only a candidate, confirmed byte for byte before sharing.
     Hint(Gpn),
@@ -49,8 +49,8 @@ fn pack(hash: u64, e: ShareEntry) -> u64 {
     let payload = match e {
         ShareEntry::Shared(f) => f.0,
         ShareEntry::Hint(g) => {
-            debug_assert!(g < HINT_BIT);
-            g | HINT_BIT
+            debug_assert!(g.0 < HINT_BIT);
+            g.0 | HINT_BIT
         }
     };
     (tag_of(hash) as u64) << 32 | payload as u64
@@ -60,9 +60,9 @@ fn pack(hash: u64, e: ShareEntry) -> u64 {
 fn unpack(v: u64) -> ShareEntry {
     let p = v as u32;
     if p & HINT_BIT != 0 {
-        ShareEntry::Hint(p & !HINT_BIT)
+        ShareEntry::Hint(Gpn(p & !HINT_BIT))
     } else {
-        ShareEntry::Shared(Frame(p))
+        ShareEntry::Shared(FrameId(p))
     }
 }
 
@@ -131,7 +131,7 @@ impl ShareTable {
 
     /// Ends a pass: drops every hint, and with partitioning every entry (returning the shared
     /// frames dropped so the caller can clear their flags). Moves to the next hash interval.
-    pub fn end_pass(&mut self) -> Vec<Frame> {
+    pub fn end_pass(&mut self) -> Vec<FrameId> {
         let mut dropped = Vec::new();
         if self.passes > 1 {
             for &v in self.table.iter() {
@@ -201,21 +201,24 @@ mod tests {
     fn entries_round_trip_and_chain() {
         let mut t = ShareTable::new(1);
         let h = 0xdead_beef_0000_0001;
-        assert!(t.insert(h, ShareEntry::Hint(7)));
-        assert!(t.insert(h, ShareEntry::Shared(Frame(3))));
+        assert!(t.insert(h, ShareEntry::Hint(Gpn(7))));
+        assert!(t.insert(h, ShareEntry::Shared(FrameId(3))));
         let got: Vec<_> = t.lookup(h).collect();
         assert_eq!(got.len(), 2);
-        assert!(got.contains(&ShareEntry::Hint(7)) && got.contains(&ShareEntry::Shared(Frame(3))));
-        assert!(t.replace(h, ShareEntry::Hint(7), ShareEntry::Shared(Frame(9))));
-        assert!(t.remove(h, ShareEntry::Shared(Frame(3))));
+        assert!(
+            got.contains(&ShareEntry::Hint(Gpn(7)))
+                && got.contains(&ShareEntry::Shared(FrameId(3)))
+        );
+        assert!(t.replace(h, ShareEntry::Hint(Gpn(7)), ShareEntry::Shared(FrameId(9))));
+        assert!(t.remove(h, ShareEntry::Shared(FrameId(3))));
         assert_eq!(
             t.lookup(h).collect::<Vec<_>>(),
-            vec![ShareEntry::Shared(Frame(9))]
+            vec![ShareEntry::Shared(FrameId(9))]
         );
         for i in 0..ShareTable::MAX_CHAIN as u32 - 1 {
-            assert!(t.insert(h, ShareEntry::Hint(100 + i)));
+            assert!(t.insert(h, ShareEntry::Hint(Gpn(100 + i))));
         }
-        assert!(!t.insert(h, ShareEntry::Hint(999)), "chain bound");
+        assert!(!t.insert(h, ShareEntry::Hint(Gpn(999))), "chain bound");
         // End of pass keeps shared entries, drops hints.
         assert!(t.end_pass().is_empty());
         assert_eq!(t.len(), 1);

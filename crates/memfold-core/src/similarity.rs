@@ -3,7 +3,8 @@
 use rand::{rngs::SmallRng, seq::index::sample, SeedableRng};
 use serde::Serialize;
 
-use crate::types::{Gpn, Page, PAGE_SIZE};
+use crate::ids::{FrameId, Gpn};
+use crate::{Page, PAGE_SIZE};
 
 /// Size of a hashed block, bytes (DE §3.2).
 pub const BLOCK: usize = 64;
@@ -108,6 +109,35 @@ impl SimilarityDetector {
     }
 }
 
+/// A reference page candidate (DE §3.2): a guest page, or a pool frame (which no guest
+/// can write, so a patch against it stays valid). Packed into 31 bits + a tag bit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RefPage {
+    /// A guest page, by its global page number.
+    Guest(Gpn),
+    /// A pool frame.
+    Frame(FrameId),
+}
+
+const FRAME_TAG: u32 = 1 << 31;
+
+impl RefPage {
+    fn pack(self) -> u32 {
+        match self {
+            RefPage::Guest(g) => g.0 & !FRAME_TAG,
+            RefPage::Frame(f) => f.0 | FRAME_TAG,
+        }
+    }
+
+    fn unpack(v: u32) -> RefPage {
+        if v & FRAME_TAG != 0 {
+            RefPage::Frame(FrameId(v & !FRAME_TAG))
+        } else {
+            RefPage::Guest(Gpn(v))
+        }
+    }
+}
+
 /// The page-similarity hash table (DE §4.3): for each group a direct-mapped array of
 /// buckets, each holding up to c candidate pages by gpn (4 bytes a slot, `u32::MAX` when
 /// empty). Like the paper's 18-bit table it has a fixed size per cycle: 2^table_bits buckets
@@ -156,7 +186,8 @@ impl SimilarityIndex {
 
     /// Indexes page `gpn` under its signatures, in each bucket that has a free slot and
     /// does not hold it yet. Returns how many buckets took it.
-    pub fn insert(&mut self, sigs: &[u32; 8], gpn: Gpn) -> usize {
+    pub fn insert(&mut self, sigs: &[u32; 8], page: RefPage) -> usize {
+        let gpn = page.pack();
         if self.slots.is_empty() {
             // Allocated on first use: policies that never patch pay nothing.
             let n = ((self.det.cfg.groups as usize) << self.table_bits)
@@ -181,15 +212,15 @@ impl SimilarityIndex {
 
     /// Candidate pages from the page's buckets, without duplicates, at most k*c. Verify
     /// each with [`Self::matches`].
-    pub fn candidates(&self, sigs: &[u32; 8], out: &mut Vec<Gpn>) {
+    pub fn candidates(&self, sigs: &[u32; 8], out: &mut Vec<RefPage>) {
         out.clear();
         if self.slots.is_empty() {
             return;
         }
         for (g, &sig) in sigs.iter().enumerate().take(self.det.cfg.groups as usize) {
             for &gpn in &self.slots[self.bucket(g, sig)] {
-                if gpn != EMPTY && !out.contains(&gpn) {
-                    out.push(gpn);
+                if gpn != EMPTY && !out.contains(&RefPage::unpack(gpn)) {
+                    out.push(RefPage::unpack(gpn));
                 }
             }
         }
@@ -257,12 +288,17 @@ mod tests {
         assert_eq!(sa[1], sc[1]);
 
         let mut idx = SimilarityIndex::new(det.clone());
-        assert_eq!(idx.insert(&sa, 1), 2);
-        assert_eq!(idx.insert(&sa, 1), 0, "no duplicate of the same page");
-        assert_eq!(idx.insert(&sa, 2), 0, "c = 1: first candidate kept");
+        let one = RefPage::Guest(Gpn(1));
+        assert_eq!(idx.insert(&sa, one), 2);
+        assert_eq!(idx.insert(&sa, one), 0, "no duplicate of the same page");
+        assert_eq!(
+            idx.insert(&sa, RefPage::Frame(FrameId(1))),
+            0,
+            "c = 1: first candidate kept"
+        );
         let mut out = Vec::new();
         idx.candidates(&sc, &mut out);
-        assert_eq!(out, vec![1]);
+        assert_eq!(out, vec![one]);
         assert!(idx.matches(&sc, &a));
         let mut unrelated = [0u8; PAGE_SIZE];
         unrelated[0] = 1;

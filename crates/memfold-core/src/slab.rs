@@ -2,16 +2,41 @@
 //! daemon's store file of patches and compressed pages (Difference Engine §4.1's "custom
 //! block allocator").
 //!
-//! The same size classes as [`crate::blobstore::BlobStore`], but no data and no headers:
-//! the store is a file of 4 KiB chunks, each chunk holding equal slots of one class, and
+//! No data and no headers: the store is a file of 4 KiB chunks, each chunk holding equal slots of one class, and
 //! the caller keeps each blob's description. [`Slab::alloc`] says where to write a blob
 //! (a byte offset in the file); [`Slab::free`] says when a chunk has emptied, so the
 //! caller can punch it out of the file and give the memory back.
 
 use serde::Serialize;
 
-use crate::blobstore::{class_fitting, class_size, class_slots, CLASSES};
-use crate::types::PAGE_SIZE;
+use crate::ids::SlotId;
+use crate::PAGE_SIZE;
+
+/// Slots per chunk of each size class; a class's slot size is `4096 / slots` rounded down
+/// to 8 bytes. Consecutive classes differ by at most ~33%, which bounds internal waste.
+const SLOTS_PER_CHUNK: [u8; 15] = [64, 48, 32, 24, 16, 12, 10, 8, 7, 6, 5, 4, 3, 2, 1];
+
+/// Number of slot size classes.
+pub const CLASSES: usize = SLOTS_PER_CHUNK.len();
+
+fn class_slots(class: usize) -> u32 {
+    SLOTS_PER_CHUNK[class] as u32
+}
+
+fn class_size(class: usize) -> usize {
+    (PAGE_SIZE / SLOTS_PER_CHUNK[class] as usize) & !7
+}
+
+fn class_fitting(bytes: usize) -> usize {
+    (0..CLASSES)
+        .find(|&c| class_size(c) >= bytes.max(1))
+        .expect("a class fits any blob up to a page")
+}
+
+/// The slot size, bytes, a blob of `len` bytes (1..=4096) occupies.
+pub fn slot_size(len: usize) -> usize {
+    class_size(class_fitting(len))
+}
 
 /// A slot id is `chunk << 6 | slot` (at most 64 slots a chunk).
 const SLOT_BITS: u32 = 6;
@@ -26,7 +51,7 @@ struct Chunk {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Slot {
     /// Id to free it with.
-    pub id: u32,
+    pub id: SlotId,
     /// Byte offset in the store file.
     pub offset: u64,
     /// Slot size, bytes (at least the blob's length).
@@ -98,7 +123,7 @@ impl Slab {
         self.stats.slots += 1;
         self.stats.slot_bytes += size as u64;
         Some(Slot {
-            id: ci << SLOT_BITS | slot,
+            id: SlotId(ci << SLOT_BITS | slot),
             offset: ci as u64 * PAGE_SIZE as u64 + slot as u64 * size as u64,
             size: size as u32,
         })
@@ -107,7 +132,8 @@ impl Slab {
     /// Frees slot `id`. Returns the byte offset of its chunk if the chunk is now empty
     /// (the caller may punch that page out of the file). Panics on an id that is not live
     /// (a caller bug: a double free would hand one slot to two blobs).
-    pub fn free(&mut self, id: u32) -> Option<u64> {
+    pub fn free(&mut self, id: SlotId) -> Option<u64> {
+        let id = id.0;
         let ci = id >> SLOT_BITS;
         let bit = 1u64 << (id & ((1 << SLOT_BITS) - 1));
         let chunk = &mut self.chunks[ci as usize];

@@ -1,150 +1,198 @@
-//! Consistency checks of the engine's structures against each other, for tests.
+//! Every invariant the engine keeps, checked against each other, for tests: the books of
+//! frames, blobs and slots agree with the pages that hold them, and the counters with
+//! the pages they count.
 
-use hashbrown::{HashMap, HashSet};
+use std::collections::HashMap;
 
-use super::Engine;
-use crate::blobstore::BlobKind;
-use crate::frames::{BLOB_CHUNK, IN_SHARE_TABLE};
+use super::{kept_index, Command, Engine};
+use crate::blobs::{BlobHome, Kept};
+use crate::ids::FrameId;
+use crate::p2m::{BlobId, PageState};
 use crate::share::ShareEntry;
-use crate::types::{Frame, PageState};
 
 impl Engine {
-    /// Verifies every invariant the engine relies on and returns the first violation:
-    /// reference counts equal mappings plus patch references; a private frame has exactly
-    /// one holder; share-table entries name live, flagged frames whose content still hashes
-    /// to the entry; blobs and swap slots are held by exactly one page each; frames in use
-    /// are exactly those reachable. O(memory); meant for tests.
+    /// Verifies every invariant and returns the first violation:
+    /// - a frame's count is its mappings plus the patches using it; its pending count
+    ///   is the share requests naming it; a frame is in use exactly while something
+    ///   holds it (or it is pinned by an adopted pool);
+    /// - each blob is held by exactly one page (a move's new blob and the one it
+    ///   replaces by the same page), names that page, and lives in a slot of its space;
+    /// - share-table entries name frames in use whose recorded hash matches;
+    /// - every queued command's page is in the matching in-flight state;
+    /// - each guest's "now" counters equal the pages in that state; slot bytes add up.
+    ///
+    /// O(guest memory); meant for tests.
     pub fn check_invariants(&self) -> Result<(), String> {
-        let mut expect: HashMap<Frame, u32> = HashMap::new();
-        let mut private: HashSet<Frame> = HashSet::new();
-        let mut shared: HashSet<Frame> = HashSet::new();
-        let mut blobs_seen = HashSet::new();
-        let mut slots_seen = HashSet::new();
+        let mut maps: HashMap<FrameId, u32> = HashMap::new();
+        let mut pending: HashMap<FrameId, u32> = HashMap::new();
+        let mut blob_holders: HashMap<BlobId, u32> = HashMap::new();
         for (id, v) in &self.vms {
-            for (gfn, e) in v.p2m.iter().enumerate() {
-                let at = || format!("{id} gfn {gfn}");
+            let mut kept = [0u64; 3];
+            let (mut shared, mut zero) = (0u64, 0u64);
+            for (i, e) in v.p2m.iter().enumerate() {
+                let at = || format!("{id} gfn {i}");
+                let mut hold = |b: BlobId| -> Result<(), String> {
+                    *blob_holders.entry(b).or_default() += 1;
+                    if !self.blobs.contains(b) {
+                        return Err(format!("{}: blob {b:?} is not live", at()));
+                    }
+                    let blob = self.blobs.get(b);
+                    if blob.vm != *id || blob.gfn.index() != i {
+                        return Err(format!(
+                            "{}: blob {b:?} names {} {}",
+                            at(),
+                            blob.vm,
+                            blob.gfn
+                        ));
+                    }
+                    Ok(())
+                };
                 match e.state() {
-                    PageState::Private(f) => {
-                        if !private.insert(f) {
-                            return Err(format!("{}: private frame {f:?} mapped twice", at()));
-                        }
-                        *expect.entry(f).or_default() += 1;
-                    }
                     PageState::Shared(f) => {
-                        shared.insert(f);
-                        *expect.entry(f).or_default() += 1;
+                        *maps.entry(f).or_default() += 1;
+                        shared += 1;
                     }
-                    PageState::Patched(b) | PageState::Compressed(b) => {
-                        if !blobs_seen.insert(b) {
-                            return Err(format!("{}: blob {b} held twice", at()));
-                        }
-                        let meta = self.blobs.meta(&self.frames, b);
-                        match (e.state(), meta.kind, meta.reference) {
-                            (PageState::Patched(_), BlobKind::Patch(_), Some(r)) => {
-                                *expect.entry(r).or_default() += 1
+                    PageState::Sharing(f) => *pending.entry(f).or_default() += 1,
+                    PageState::Zero => zero += 1,
+                    PageState::Stored(b) => {
+                        hold(b)?;
+                        kept[kept_index(self.blobs.get(b).kept())] += 1;
+                    }
+                    PageState::Stashing(b) => hold(b)?,
+                    PageState::Moving(b) => {
+                        hold(b)?;
+                        let Some(old) = self.blobs.get(b).replaces else {
+                            return Err(format!("{}: moving blob {b:?} replaces nothing", at()));
+                        };
+                        hold(old)?;
+                        kept[kept_index(self.blobs.get(old).kept())] += 1;
+                    }
+                    PageState::Private | PageState::Reclaiming => {}
+                }
+            }
+            let b = &v.books;
+            let want = [b.patched_pages, b.compressed_pages, b.swapped_pages];
+            if (shared, zero, kept) != (b.shared_pages, b.zero_reclaimed_pages, want) {
+                return Err(format!(
+                    "{id}: books say {} shared, {} zero, {want:?} kept; pages say {shared}, {zero}, {kept:?}",
+                    b.shared_pages, b.zero_reclaimed_pages
+                ));
+            }
+            for c in &v.queue {
+                let ok = match *c {
+                    Command::Share { gfn, frame } => v.state(gfn) == PageState::Sharing(frame),
+                    Command::Reclaim { gfn } => v.state(gfn) == PageState::Reclaiming,
+                    Command::Stash { gfn, blob, stash } => {
+                        v.state(gfn)
+                            == if stash.moving {
+                                PageState::Moving(blob)
+                            } else {
+                                PageState::Stashing(blob)
                             }
-                            (PageState::Compressed(_), BlobKind::Compressed(_), None) => {}
-                            _ => {
-                                return Err(format!(
-                                    "{}: blob {b} kind {meta:?} does not match entry",
-                                    at()
-                                ))
-                            }
-                        }
                     }
-                    PageState::Swapped(s) => {
-                        if !slots_seen.insert(s) || !self.swap.is_used(s) {
-                            return Err(format!("{}: swap slot {s} not held exactly once", at()));
+                    Command::ClockScan { .. } => true,
+                };
+                if !ok {
+                    return Err(format!(
+                        "{id}: queued {c:?} but the page is {:?}",
+                        match c {
+                            Command::Share { gfn, .. }
+                            | Command::Reclaim { gfn }
+                            | Command::Stash { gfn, .. } => v.state(*gfn),
+                            Command::ClockScan { .. } => PageState::Private,
                         }
-                    }
-                    PageState::Unbacked | PageState::Zero => {}
+                    ));
                 }
             }
         }
-        for f in &private {
-            if shared.contains(f) {
-                return Err(format!("frame {f:?} mapped both private and shared"));
-            }
-            if expect[f] != 1 {
+        for &b in &self.orphans {
+            if !self.blobs.contains(b) || self.blobs.get(b).replaces.is_some() {
                 return Err(format!(
-                    "private frame {f:?} also used as a patch reference"
+                    "orphan blob {b:?} is not live, or still replaces one"
                 ));
             }
-            if self.frames.flags(*f) & IN_SHARE_TABLE != 0 {
-                return Err(format!("private frame {f:?} is in the share table"));
-            }
+            *blob_holders.entry(b).or_default() += 1;
         }
-        for (&f, &n) in &expect {
-            let c = self.frames.refcount(f);
-            if c != n {
+        let mut patch_refs: HashMap<FrameId, u32> = HashMap::new();
+        let mut slots = [0u64; 2];
+        let mut slot_bytes = [0u64; 3];
+        for (b, blob) in self.blobs.iter() {
+            if blob_holders.get(&b) != Some(&1) {
                 return Err(format!(
-                    "frame {f:?}: refcount {c}, but {n} mappings and patch references"
+                    "blob {b:?} ({} {}) held by {} pages",
+                    blob.vm,
+                    blob.gfn,
+                    blob_holders.get(&b).copied().unwrap_or(0)
                 ));
             }
-            if self.frames.flags(f) & BLOB_CHUNK != 0 {
-                return Err(format!("frame {f:?} is both guest data and a blob chunk"));
+            if let Some(f) = blob.reference {
+                *patch_refs.entry(f).or_default() += 1;
+            }
+            slots[(blob.home == BlobHome::Swap) as usize] += 1;
+            slot_bytes[kept_index(blob.kept())] += blob.size as u64;
+        }
+        if slots[0] != self.store.stats().slots
+            || slots[1] != self.swap.as_ref().map_or(0, |s| s.stats().slots)
+        {
+            return Err(format!(
+                "{slots:?} blobs in store and swap, slabs hold {} and {}",
+                self.store.stats().slots,
+                self.swap.as_ref().map_or(0, |s| s.stats().slots)
+            ));
+        }
+        for k in [Kept::Patched, Kept::Compressed, Kept::Swapped] {
+            if self.slot_bytes_of(k) != slot_bytes[kept_index(k)] {
+                return Err(format!(
+                    "{k:?}: books hold {} slot bytes, blobs {}",
+                    self.slot_bytes_of(k),
+                    slot_bytes[kept_index(k)]
+                ));
             }
         }
-        let chunks: HashSet<Frame> = self.blobs.chunk_frames().collect();
-        for &f in &chunks {
-            if self.frames.refcount(f) != 1 || self.frames.flags(f) & BLOB_CHUNK == 0 {
+        let mut in_use = 0;
+        for i in 0..self.frames.size() {
+            let f = FrameId(i);
+            let (m, p, r) = (
+                maps.get(&f).copied().unwrap_or(0),
+                pending.get(&f).copied().unwrap_or(0),
+                patch_refs.get(&f).copied().unwrap_or(0),
+            );
+            if self.frames.refcount(f) != m + r
+                || self.frames.patch_refs(f) != r
+                || self.frames.pending(f) != p
+            {
                 return Err(format!(
-                    "blob chunk {f:?} has refcount {} / flags {}",
+                    "{f}: refcount {} (patches {}), pending {}; but {m} mappings, {r} patches, {p} requests",
                     self.frames.refcount(f),
-                    self.frames.flags(f)
+                    self.frames.patch_refs(f),
+                    self.frames.pending(f)
                 ));
             }
+            in_use += self.frames.is_used(f) as u32;
         }
-        let allocated = self.frames.allocated().count();
-        if allocated != expect.len() + chunks.len() || allocated != self.frames.in_use() as usize {
+        for f in maps.keys().chain(pending.keys()).chain(patch_refs.keys()) {
+            if !self.frames.contains(*f) {
+                return Err(format!("{f} is past the pool's end"));
+            }
+        }
+        if in_use != self.frames.in_use() {
             return Err(format!(
-                "{allocated} frames allocated ({} in use), {} reachable from pages and {} blob chunks: leak",
-                self.frames.in_use(),
-                expect.len(),
-                chunks.len()
+                "{in_use} frames held, books say {}",
+                self.frames.in_use()
             ));
         }
-        let live_blobs = self.blobs.live_ids().count();
-        if live_blobs != blobs_seen.len() {
-            return Err(format!(
-                "{live_blobs} live blobs, {} held by pages",
-                blobs_seen.len()
-            ));
-        }
-        if self.swap.stats().in_use as usize != slots_seen.len() {
-            return Err(format!(
-                "{} swap slots used, {} held by pages",
-                self.swap.stats().in_use,
-                slots_seen.len()
-            ));
-        }
-        let mut listed = HashSet::new();
         for (tag, e) in self.share.entries() {
             if let ShareEntry::Shared(f) = e {
-                if !expect.contains_key(&f) || self.frames.flags(f) & IN_SHARE_TABLE == 0 {
-                    return Err(format!(
-                        "share table names frame {f:?} that is not a flagged live frame"
-                    ));
+                if !self.frame_held(f) {
+                    return Err(format!("share table names {f}, which nothing holds"));
                 }
-                if private.contains(&f) {
-                    return Err(format!("share table names private frame {f:?}"));
-                }
-                if (self.hash(self.frames.data(f)) >> 32) as u32 != tag {
-                    return Err(format!(
-                        "shared frame {f:?} content no longer matches its hash: it was written"
-                    ));
-                }
-                if !listed.insert(f) {
-                    return Err(format!("frame {f:?} listed twice in the share table"));
+                if (self.frames.hash(f) >> 32) as u32 != tag {
+                    return Err(format!("share table lists {f} under another hash"));
                 }
             }
         }
-        for f in self.frames.allocated() {
-            if self.frames.flags(f) & IN_SHARE_TABLE != 0 && !listed.contains(&f) {
-                return Err(format!(
-                    "frame {f:?} flagged as listed but missing from the share table"
-                ));
-            }
+        if let Some(z) = self.zero_frame.filter(|&z| !self.frame_held(z)) {
+            return Err(format!("zero frame {z} is not held"));
         }
         Ok(())
     }

@@ -1,156 +1,255 @@
-//! The clock sweep (DE §4.2): scans a slice of each VM in turn, classifies pages C1–C4 and
-//! applies the policy's mechanisms to them.
+//! The sharing scan (ESX §4.3): guest pages are read (holes skipped, so nothing is
+//! faulted in), hashed and looked up in the share table; a match with a shared frame or
+//! a hint is confirmed byte for byte, then the agent is asked to map the page onto the
+//! frame. Scanning is rate-limited in pages/s; hints are dropped after each full scan,
+//! and a quiet full scan doubles the time to the next one. Zero pages are reclaimed,
+//! shared onto one zero frame, or kept, as the [`ZeroPolicy`] says.
 
-use serde::Serialize;
+use super::{Command, Engine, EngineError, ZeroPolicy};
+use crate::ids::{Gfn, VmId};
+use crate::p2m::PageState;
+use crate::share::ShareEntry;
+use crate::{is_zero_page, page_hash, Page, PAGE_SIZE};
 
-use super::Engine;
-use crate::clock::NruState;
-use crate::error::Result;
-use crate::types::{Gfn, PageState, VmId};
+/// Pages read at a time.
+pub(crate) const READ_PAGES: usize = 64;
 
-use super::mechanisms::{PatchOutcome, ShareOutcome};
+/// The scan's progress and pacing.
+pub(crate) struct ScanState {
+    /// Full scans started.
+    pub(crate) full_scans: u64,
+    pass_started_us: u64,
+    /// Current time between full scans, µs.
+    interval_us: u64,
+    /// Pages read and requests made since the current full scan started.
+    pass_read: u64,
+    pub(crate) pass_requests: u64,
+    /// Rate limiter: pages that may be read, and when it was last filled.
+    tokens: f64,
+    last_us: u64,
+}
 
-/// What one [`Engine::tick`] did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct TickReport {
-    /// Pages scanned.
-    pub scanned: u32,
-    /// Pages found in C1, C2, C3, C4.
-    pub states: [u32; 4],
-    /// Pages shared or zero-reclaimed.
-    pub shared: u32,
-    /// Pages patched.
-    pub patched: u32,
-    /// Pages compressed.
-    pub compressed: u32,
-    /// Pages swapped out.
-    pub swapped: u32,
-    /// Times a VM was passed over because its last sweep began less than `min_rescan_us` ago.
-    pub vms_resting: u32,
+impl ScanState {
+    pub(crate) fn new(now_us: u64) -> Self {
+        ScanState {
+            full_scans: 0,
+            pass_started_us: now_us,
+            interval_us: 0,
+            pass_read: 0,
+            pass_requests: 0,
+            tokens: 0.0,
+            last_us: now_us,
+        }
+    }
 }
 
 impl Engine {
-    /// Runs the clock for up to `budget` pages at time `now_us` (µs, any monotonic origin;
-    /// the live layer turns a pages/s scan rate into budgets, like ESX's rate limits).
+    /// One step of the sharing scan: up to the pages the rate limit allows since the last
+    /// step (4096 at full speed), round-robin over attached guests. Returns whether the
+    /// scan is busy (false while no guest is attached or the next full scan waits).
     ///
-    /// VMs take turns, a slice of `budget / VMs` pages each (DE §4.2 "for fairness"). A VM
-    /// whose sweep wraps starts its next sweep no sooner than `min_rescan_us` after the
-    /// previous one began (DE: 4 s), giving guests time to set R/M bits. When every VM has
-    /// completed a sweep, a pass ends (share table hints dropped or, partitioned, the table
-    /// emptied); after `share_passes` passes a cycle ends and the similarity index is rebuilt.
-    ///
-    /// For each scanned page, by its class's actions: share (or reclaim a zero page); else
-    /// patch; else index it as a reference; compress once it has stayed idle through a full
-    /// sharing cycle (DE §4.3); swap out when over the host budget.
-    ///
-    /// Errors: [`crate::EngineError::SwapIo`] or [`crate::EngineError::Corrupt`] from a swap-out;
-    /// [`crate::EngineError::FramesExhausted`].
-    pub fn tick(&mut self, now_us: u64, budget: u32) -> Result<TickReport> {
-        let mut rep = TickReport::default();
-        let n = self.vms.len() as u32;
-        if n == 0 {
-            return Ok(rep);
+    /// Errors: [`EngineError::Pool`] if the pool cannot be read or grown.
+    pub fn scan_step(&mut self) -> Result<bool, EngineError> {
+        let now = self.now_us();
+        let idle = !self.vms.values().any(|v| v.attached) || self.pass_done_waiting(now);
+        let s = &mut self.scan;
+        let dt = now.saturating_sub(s.last_us) as f64 / 1e6;
+        s.last_us = now;
+        let rate = self.cfg.rate as f64;
+        let budget = if self.cfg.rate == 0 {
+            4096
+        } else {
+            s.tokens = (s.tokens + dt * rate).min(rate / 10.0 + 64.0);
+            let b = s.tokens as u32;
+            s.tokens -= b as f64;
+            b
+        };
+        if !idle && budget > 0 {
+            self.scan(budget)?;
         }
-        let slice = budget.div_ceil(n).max(1);
-        let mut left = budget;
-        let mut resting_in_a_row = 0;
-        while left > 0 && resting_in_a_row < n {
-            let Some(vm) = self.next_vm_after(self.clock_cursor) else {
-                break;
+        Ok(!idle)
+    }
+
+    /// Whether every attached guest has been scanned in this full scan and the next one
+    /// must wait; starts the next one when it is time.
+    fn pass_done_waiting(&mut self, now: u64) -> bool {
+        let all_done = self
+            .vms
+            .values()
+            .filter(|v| v.attached)
+            .all(|v| v.scanned_this_pass);
+        if self.vms.is_empty() || !all_done {
+            return false;
+        }
+        let (min, max) = (self.cfg.min_scan_interval_us, self.cfg.max_scan_interval_us);
+        let s = &mut self.scan;
+        if s.pass_read > 0 {
+            // A quiet scan doubles the interval (saving CPU at the plateau), a busy one
+            // resets it (detecting new sharing quickly).
+            s.interval_us = if s.pass_requests * 1000 < s.pass_read {
+                (s.interval_us * 2).min(max)
+            } else {
+                min
             };
-            self.clock_cursor = Some(vm);
-            let v = self.vms.get_mut(&vm).expect("live VM");
-            if v.hand == 0 {
-                if let Some(t) = v.sweep_start_us {
-                    if now_us.saturating_sub(t) < self.cfg.min_rescan_us {
-                        resting_in_a_row += 1;
-                        rep.vms_resting += 1;
+            s.pass_read = 0;
+            s.pass_requests = 0;
+        }
+        s.interval_us = s.interval_us.max(min);
+        if now.saturating_sub(s.pass_started_us) < s.interval_us {
+            return true;
+        }
+        // Start the next full scan: hints from the last one are stale (ESX §4.3).
+        self.share.end_pass();
+        s.full_scans += 1;
+        s.pass_started_us = now;
+        for v in self.vms.values_mut() {
+            v.scanned_this_pass = false;
+        }
+        false
+    }
+
+    /// Scans up to `budget` pages, round-robin over guests not yet scanned in this pass.
+    fn scan(&mut self, mut budget: u32) -> Result<(), EngineError> {
+        let ids: Vec<VmId> = self
+            .vms
+            .iter()
+            .filter(|(_, v)| v.attached && !v.scanned_this_pass)
+            .map(|(id, _)| *id)
+            .collect();
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let share = (budget / ids.len() as u32).max(READ_PAGES as u32);
+        let mut buf = vec![0u8; READ_PAGES * PAGE_SIZE];
+        for id in ids {
+            let mut mine = share.min(budget);
+            while mine > 0 {
+                let Some((first, n)) = self.next_chunk(id, mine as usize, &mut buf) else {
+                    break;
+                };
+                mine = mine.saturating_sub(n as u32);
+                budget = budget.saturating_sub(n as u32);
+                for k in 0..n {
+                    let page: &Page = buf[k * PAGE_SIZE..(k + 1) * PAGE_SIZE]
+                        .try_into()
+                        .expect("a page");
+                    self.consider(id, Gfn(first.0 + k as u32), page)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the next run of resident pages of guest `id` from its cursor; `None` at the
+    /// end of its RAM (its part of the full scan is then done).
+    fn next_chunk(&mut self, id: VmId, max: usize, buf: &mut [u8]) -> Option<(Gfn, usize)> {
+        let v = self.vms.get_mut(&id)?;
+        let end = Gfn(v.pages());
+        let Some((first, run_end)) = v.ram.next_data_run(Gfn(v.cursor), end) else {
+            v.cursor = 0;
+            v.scanned_this_pass = true;
+            return None;
+        };
+        let n = ((run_end.0 - first.0) as usize)
+            .min(max)
+            .clamp(1, READ_PAGES);
+        if v.ram.read(first, &mut buf[..n * PAGE_SIZE]).is_err() {
+            v.cursor = 0;
+            v.scanned_this_pass = true;
+            return None;
+        }
+        v.cursor = first.0 + n as u32;
+        v.books.scanned_pages += n as u64;
+        self.scan.pass_read += n as u64;
+        if v.cursor >= v.pages() {
+            v.cursor = 0;
+            v.scanned_this_pass = true;
+        }
+        Some((first, n))
+    }
+
+    /// Whether the policy lets the sharing scan touch page `g` in the class the clock's
+    /// last scan found (DE §4.2: C1 pages are ignored, so pages the guest is writing are
+    /// not shared only to be CoW-broken). Without the clock, every page.
+    pub(crate) fn class_allows_share(&self, id: VmId, g: Gfn) -> bool {
+        self.cfg.clock_interval_us.is_none()
+            || self.vms.get(&id).is_some_and(|v| {
+                self.cfg
+                    .policy
+                    .for_state(v.clock.page(g.0).last_state())
+                    .share
+            })
+    }
+
+    /// One scanned page: reclaim it if zero, share it with a frame or a hint, or leave a
+    /// hint.
+    fn consider(&mut self, id: VmId, g: Gfn, page: &Page) -> Result<(), EngineError> {
+        if !self.sharable(id, g) {
+            return Ok(());
+        }
+        if !self.class_allows_share(id, g) {
+            self.vms.get_mut(&id).expect("sharable").books.hot_skipped += 1;
+            return Ok(());
+        }
+        let h = page_hash(page);
+        let zero = h == self.zero_hash && is_zero_page(page);
+        match self.cfg.zero {
+            ZeroPolicy::Keep if zero => return Ok(()),
+            ZeroPolicy::Reclaim if zero => {
+                let v = self.vms.get_mut(&id).expect("sharable");
+                v.set(g, PageState::Reclaiming);
+                v.queue.push(Command::Reclaim { gfn: g });
+                self.scan.pass_requests += 1;
+                return Ok(());
+            }
+            _ => {}
+        }
+        let gpn = crate::ids::Gpn(self.vms[&id].base.0 + g.0);
+        let mut other = [0u8; PAGE_SIZE];
+        let candidates: Vec<ShareEntry> = self.share.lookup(h).collect();
+        for e in candidates {
+            match e {
+                ShareEntry::Shared(f) => {
+                    self.pool
+                        .read(f.offset(), &mut other)
+                        .map_err(EngineError::Pool)?;
+                    if other == *page {
+                        self.frames.add_pending(f);
+                        self.enqueue_share(id, g, f);
+                        return Ok(());
+                    }
+                }
+                ShareEntry::Hint(hint) => {
+                    if hint == gpn {
+                        return Ok(());
+                    }
+                    let Some((id2, g2)) = self.locate(hint).filter(|&(id2, g2)| {
+                        self.sharable(id2, g2) && self.class_allows_share(id2, g2)
+                    }) else {
+                        self.share.remove(h, e);
+                        continue;
+                    };
+                    if self.vms[&id2].ram.read(g2, &mut other).is_err() || other != *page {
+                        self.share.remove(h, e); // the hinted page changed
                         continue;
                     }
-                }
-                v.sweep_start_us = Some(now_us);
-            }
-            resting_in_a_row = 0;
-            let take = slice.min(left);
-            for _ in 0..take {
-                let v = self.vms.get_mut(&vm).expect("live VM");
-                let gfn = v.hand;
-                v.hand += 1;
-                let wrapped = v.hand as usize == v.p2m.len();
-                if wrapped {
-                    v.hand = 0;
-                }
-                self.scan_page(vm, gfn, &mut rep)?;
-                left -= 1;
-                if wrapped {
-                    self.pass_pending.remove(&vm);
-                    if self.pass_pending.is_empty() {
-                        self.end_pass();
-                    }
-                    break;
-                }
-            }
-        }
-        Ok(rep)
-    }
-
-    fn over_budget(&self) -> bool {
-        self.cfg
-            .host_frames_limit
-            .is_some_and(|l| self.frames.in_use() as u64 * 100 >= l as u64 * 95)
-    }
-
-    fn scan_page(&mut self, vm: VmId, gfn: Gfn, rep: &mut TickReport) -> Result<()> {
-        let clock = &mut self.vms.get_mut(&vm).expect("live VM").clock[gfn as usize];
-        let state = clock.scan();
-        let idle = clock.idle_scans();
-        rep.scanned += 1;
-        rep.states[state.index()] += 1;
-        self.counters.pages_scanned += 1;
-        let a = self.cfg.policy.for_state(state);
-        let entry = self.entry(vm, gfn).state();
-        if let PageState::Private(_) | PageState::Shared(_) = entry {
-            if a.share {
-                match self.try_share(vm, gfn)? {
-                    ShareOutcome::Shared | ShareOutcome::ZeroReclaimed => {
-                        rep.shared += 1;
+                    // A pool that cannot take the frame (host out of memory) only means no
+                    // share: the pages stay private and the hint stays.
+                    let Some(f) = self.alloc_frame_or_skip(page, h) else {
                         return Ok(());
+                    };
+                    self.frames.add_pending(f);
+                    self.share.replace(h, e, ShareEntry::Shared(f));
+                    if zero {
+                        self.zero_frame = Some(f);
                     }
-                    _ => {}
-                }
-            }
-            if a.patch {
-                match self.try_patch(vm, gfn)? {
-                    PatchOutcome::Patched(_) => {
-                        rep.patched += 1;
-                        return Ok(());
-                    }
-                    PatchOutcome::Shared => {
-                        rep.shared += 1;
-                        return Ok(());
-                    }
-                    _ => {}
-                }
-            }
-            if a.reference {
-                self.index_reference(vm, gfn)?;
-            }
-            // Compress only pages idle through a whole sharing cycle, so they had every
-            // chance to be shared or serve as a reference first (DE §4.3).
-            if a.compress && state == NruState::C4 && idle as u32 > self.cfg.share_passes {
-                if let super::mechanisms::CompressOutcome::Compressed(_) =
-                    self.try_compress(vm, gfn)?
-                {
-                    rep.compressed += 1;
+                    self.enqueue_share(id2, g2, f);
+                    self.enqueue_share(id, g, f);
                     return Ok(());
                 }
             }
         }
-        if a.swap && self.over_budget() && self.swap_frees_memory(vm, gfn) {
-            if let super::mechanisms::SwapOutcome::Swapped(_) = self.swap_out(vm, gfn)? {
-                rep.swapped += 1;
-            }
-        }
+        self.share.insert(h, ShareEntry::Hint(gpn));
         Ok(())
     }
 }

@@ -1,18 +1,26 @@
-//! A plain reference model of guest memory and an executor that drives the engine and the
-//! model with the same operations, checking them against each other after every step.
+//! A plain reference model of guest memory, and a harness that drives the engine memfoldd
+//! runs — [`Engine`], over in-memory backings — with simulated agents ([`SimAgent`]) and
+//! an unreliable wire: commands are delivered late, in part, refused, or lost with their
+//! connection; agents re-attach; memfoldd restarts and adopts the pool. After every step
+//! each guest page must read as the model says, the engine's invariants must hold, and
+//! every frame or blob an agent relies on must still be held by the engine.
 
 #![allow(dead_code)]
 
-use std::sync::atomic::Ordering;
+use std::collections::VecDeque;
 
-use memfold_core::swap::SwapFaults;
+use memfold_core::backing::mem::{ManualClock, MemGuestRam};
+use memfold_core::backing::Backing;
+use memfold_core::engine::{Attach, Backings, Command, Outcome};
+use memfold_core::ids::{FrameId, Gfn, VmId};
+use memfold_core::p2m::PageState;
+use memfold_core::sim::{Event, Home, Shared, SimAgent};
 use memfold_core::{
-    CompressCodec, Engine, EngineConfig, EngineError, Page, PatchCodec, Policy, VmId, ZeroPolicy,
-    PAGE_SIZE,
+    CompressCodec, Engine, EngineConfig, Page, PatchCodec, Policy, ZeroPolicy, PAGE_SIZE,
 };
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
-/// Page content the generator picks from: few distinct pages so that sharing and
+/// Page content the generator picks from: few distinct pages, so that sharing and
 /// similarity happen often.
 #[derive(Clone, Copy, Debug)]
 pub enum Content {
@@ -60,12 +68,13 @@ impl Content {
     }
 }
 
-/// One step. VM and gfn numbers are reduced modulo what exists when the step runs.
+/// One step. VM numbers and gfns are reduced modulo what exists when the step runs.
 #[derive(Clone, Debug)]
 pub enum Op {
     CreateVm {
         pages: u32,
     },
+    /// QEMU exits.
     DestroyVm {
         vm: u32,
     },
@@ -84,151 +93,281 @@ pub enum Op {
     Read {
         vm: u32,
         gfn: u32,
-        offset: u16,
-        len: u16,
     },
-    Discard {
-        vm: u32,
-        gfn: u32,
-    },
-    Tick {
-        budget: u16,
+    /// Time passes; memfoldd scans, runs the clock, checks the budget and sends.
+    Step {
         advance_ms: u32,
     },
-    Share {
+    /// The agent carries out up to `n` of the commands it was sent.
+    Deliver {
         vm: u32,
-        gfn: u32,
+        n: u8,
+        refuse: bool,
     },
-    IndexReference {
+    /// The agent reports its events (CoW breaks, refills, decodes).
+    Report {
         vm: u32,
-        gfn: u32,
     },
-    Patch {
+    /// The connection drops; the agent had received each sent command with 1/2 chance.
+    Disconnect {
         vm: u32,
-        gfn: u32,
+        seed: u64,
     },
-    Compress {
+    /// A disconnected agent re-attaches.
+    Reattach {
         vm: u32,
-        gfn: u32,
     },
-    SwapOut {
-        vm: u32,
-        gfn: u32,
+    /// memfoldd is killed and a new one starts, adopting the pool.
+    Restart {
+        seed: u64,
     },
-    SwapHint {
-        pages: u8,
+    /// A backing starts or stops failing: 0 pool writes, 1 store writes, 2 swap writes,
+    /// 3 swap write-back.
+    Fail {
+        which: u8,
+        on: bool,
     },
-    SetPolicy(u8),
-    FailSwapWrites(bool),
-    FailSwapReads(bool),
 }
 
-/// Engine parameters a run uses.
+/// What the engine runs with.
 #[derive(Clone, Debug)]
 pub struct Setup {
     pub zero: u8,
-    pub passes: u32,
+    pub policy: u8,
     pub patch_codec: u8,
     pub compress_codec: u8,
-    pub host_limit: Option<u32>,
-    pub swap_slots: u32,
-    pub collide_hashes: bool,
-    pub min_rescan_ms: u32,
+    /// Host budget, pages (swapping past it).
+    pub budget_pages: Option<u32>,
+    pub swap_pages: u32,
+    pub rate: u32,
 }
 
-fn collide(_: &Page) -> u64 {
-    0x0123_4567_89ab_cdef
+pub fn random_setup(rng: &mut SmallRng) -> Setup {
+    Setup {
+        zero: rng.gen(),
+        policy: rng.gen(),
+        patch_codec: rng.gen(),
+        compress_codec: rng.gen(),
+        budget_pages: rng.gen_bool(0.5).then(|| rng.gen_range(8..80)),
+        swap_pages: rng.gen_range(0..96),
+        rate: [0, 50, 1000][rng.gen_range(0..3)],
+    }
+}
+
+fn random_content(rng: &mut SmallRng) -> Content {
+    match rng.gen_range(0..10) {
+        0 | 1 => Content::Zero,
+        2..=4 => Content::Base(rng.gen()),
+        5..=7 => Content::Similar(rng.gen(), rng.gen()),
+        8 => Content::Text(rng.gen()),
+        _ => Content::Random(rng.gen()),
+    }
+}
+
+pub fn random_op(rng: &mut SmallRng) -> Op {
+    let (vm, gfn) = (rng.gen(), rng.gen());
+    match rng.gen_range(0..100) {
+        0..=1 => Op::CreateVm {
+            pages: rng.gen_range(1..40),
+        },
+        2 => Op::DestroyVm { vm },
+        3..=17 => Op::WritePage {
+            vm,
+            gfn,
+            content: random_content(rng),
+        },
+        18..=24 => Op::WritePartial {
+            vm,
+            gfn,
+            offset: rng.gen(),
+            len: rng.gen(),
+            byte: rng.gen(),
+        },
+        25..=36 => Op::Read { vm, gfn },
+        37..=58 => Op::Step {
+            advance_ms: rng.gen_range(0..1500),
+        },
+        59..=80 => Op::Deliver {
+            vm,
+            n: rng.gen_range(1..64),
+            refuse: rng.gen_bool(0.05),
+        },
+        81..=90 => Op::Report { vm },
+        91..=93 => Op::Disconnect {
+            vm,
+            seed: rng.gen(),
+        },
+        94..=96 => Op::Reattach { vm },
+        97 => Op::Restart { seed: rng.gen() },
+        _ => Op::Fail {
+            which: rng.gen_range(0..4),
+            on: rng.gen_bool(0.3),
+        },
+    }
+}
+
+/// Most guests at once: enough for sharing across several, few enough to check every
+/// page after every step.
+const MAX_VMS: usize = 5;
+
+struct ModelVm {
+    /// The engine's id (a new engine gives new ids).
+    id: Option<VmId>,
+    pid: u32,
+    agent: SimAgent,
+    model: Vec<Box<Page>>,
+    /// Commands sent and not answered.
+    wire: VecDeque<Command>,
+    connected: bool,
 }
 
 pub struct Harness {
-    pub engine: Engine,
-    faults: SwapFaults,
-    /// The reference model: per live VM, its pages' bytes.
-    model: Vec<(VmId, Vec<Box<Page>>)>,
-    now_us: u64,
+    engine: Engine,
+    cfg: EngineConfig,
+    setup: Setup,
+    clock: ManualClock,
+    shared: Shared,
+    vms: Vec<ModelVm>,
+    next_pid: u32,
     pub steps: u64,
-    pub tolerated_errors: u64,
+}
+
+fn config(s: &Setup) -> EngineConfig {
+    let policy = match s.policy % 4 {
+        0 | 1 => Policy::difference_engine(),
+        2 => Policy::sharing_only(),
+        _ => Policy::aggressive(),
+    };
+    EngineConfig {
+        policy,
+        zero: [ZeroPolicy::Reclaim, ZeroPolicy::Share, ZeroPolicy::Keep][s.zero as usize % 3],
+        patch_codec: PatchCodec::ALL[s.patch_codec as usize % PatchCodec::ALL.len()],
+        patch_cutoff: 2048,
+        compress_codec: CompressCodec::ALL[s.compress_codec as usize % CompressCodec::ALL.len()],
+        compress_cutoff: 2048,
+        rate: s.rate as u64,
+        min_scan_interval_us: 100_000,
+        max_scan_interval_us: 400_000,
+        clock_interval_us: Some(300_000),
+        host_budget: s.budget_pages.map(|p| p as u64 * PAGE_SIZE as u64),
+        ..EngineConfig::default()
+    }
+}
+
+fn new_engine(cfg: &EngineConfig, setup: &Setup, clock: &ManualClock, shared: &Shared) -> Engine {
+    let backings = Backings {
+        pool: Box::new(shared.pool.clone()),
+        store: Box::new(shared.store.clone()),
+        swap: setup.budget_pages.map(|_| {
+            (
+                Box::new(shared.swap.clone()) as Box<dyn Backing>,
+                setup.swap_pages as u64 * 4096,
+            )
+        }),
+    };
+    Engine::new(cfg.clone(), backings, Box::new(clock.clone())).expect("valid config")
 }
 
 impl Harness {
-    pub fn new(s: &Setup) -> Self {
-        let mut cfg = EngineConfig {
-            zero_pages: [
-                ZeroPolicy::Reclaim,
-                ZeroPolicy::AsContent,
-                ZeroPolicy::Never,
-            ][s.zero as usize % 3],
-            share_passes: s.passes,
-            patch_codec: PatchCodec::ALL[s.patch_codec as usize % 3],
-            compress_codec: CompressCodec::ALL[s.compress_codec as usize % 4],
-            host_frames_limit: s.host_limit,
-            min_rescan_us: s.min_rescan_ms as u64 * 1000,
-            ..EngineConfig::default()
-        };
-        if s.collide_hashes {
-            cfg.page_hash = collide;
-        }
-        let dev = memfold_core::MemSwapDevice::new(s.swap_slots);
-        let faults = dev.faults();
+    pub fn new(setup: &Setup) -> Harness {
+        let cfg = config(setup);
+        let clock = ManualClock::new();
+        let shared = Shared::default();
         Harness {
-            engine: Engine::new(cfg, Box::new(dev)).unwrap(),
-            faults,
-            model: Vec::new(),
-            now_us: 0,
+            engine: new_engine(&cfg, setup, &clock, &shared),
+            cfg,
+            setup: setup.clone(),
+            clock,
+            shared,
+            vms: Vec::new(),
+            next_pid: 100,
             steps: 0,
-            tolerated_errors: 0,
         }
     }
 
-    fn pick(&self, vm: u32, gfn: u32) -> Option<(usize, VmId, u32)> {
-        if self.model.is_empty() {
-            return None;
-        }
-        let i = vm as usize % self.model.len();
-        let (id, pages) = &self.model[i];
-        Some((i, *id, gfn % pages.len() as u32))
+    fn pick(&self, vm: u32) -> Option<usize> {
+        (!self.vms.is_empty()).then(|| vm as usize % self.vms.len())
     }
 
-    /// Errors the engine may legitimately return in this harness: the host budget with a
-    /// full swap file, and injected swap I/O failures. Anything else fails the test.
-    fn tolerate(&mut self, r: Result<(), EngineError>, what: &Op) -> Result<(), String> {
-        match r {
-            Ok(()) => Ok(()),
-            Err(EngineError::OutOfHostMemory { .. }) | Err(EngineError::SwapIo(_)) => {
-                self.tolerated_errors += 1;
-                Ok(())
+    fn attach(&mut self, i: usize) -> Result<(), String> {
+        let v = &mut self.vms[i];
+        let mapped = v.agent.prepare_reattach()?;
+        // A new memfoldd's store and swap file replace the old ones once the stashed
+        // pages are home.
+        v.agent.shared = self.shared.clone();
+        let id = self
+            .engine
+            .attach(Attach {
+                name: format!("g{}", v.pid),
+                pid: v.pid,
+                pages: v.agent.pages(),
+                ram: Box::new(v.agent.ram.clone()),
+                mapped,
+            })
+            .map_err(|e| e.to_string())?;
+        v.id = Some(id);
+        v.connected = true;
+        if self.vms.iter().all(|v| v.connected) && self.engine.adoption_pending() {
+            self.engine.end_adoption();
+        }
+        Ok(())
+    }
+
+    /// Applies an outcome for VM `i`'s command.
+    fn answer(&mut self, i: usize, cmd: &Command, o: Outcome) -> Result<(), String> {
+        let id = self.vms[i].id.expect("connected VMs have an id");
+        if let Command::ClockScan { first, count } = *cmd {
+            if o == Outcome::Done {
+                let (n, r, m) = self.vms[i].agent.clock_scan(first, count);
+                self.engine
+                    .clock_bits(id, first, n, &r, &m)
+                    .map_err(|e| e.to_string())?;
             }
-            Err(e) => Err(format!("{what:?}: unexpected error {e}")),
+            return Ok(());
         }
+        self.engine.outcome(id, cmd, o);
+        Ok(())
     }
 
-    /// Runs one op on engine and model; returns the (vm index, gfn) touched, if any.
-    pub fn step(&mut self, op: &Op) -> Result<Option<(usize, u32)>, String> {
+    pub fn step(&mut self, op: &Op) -> Result<(), String> {
         self.steps += 1;
-        let mut touched = None;
         match *op {
             Op::CreateVm { pages } => {
-                if self.model.len() < 5 {
-                    let id = self.engine.create_vm(pages).map_err(|e| e.to_string())?;
-                    self.model
-                        .push((id, (0..pages).map(|_| Box::new([0u8; PAGE_SIZE])).collect()));
+                if self.vms.len() >= MAX_VMS {
+                    return Ok(());
                 }
+                let pages = pages.clamp(1, 64);
+                let ram = MemGuestRam::new(pages);
+                let agent = SimAgent::new(ram, pages, self.shared.clone());
+                self.next_pid += 1;
+                self.vms.push(ModelVm {
+                    id: None,
+                    pid: self.next_pid,
+                    agent,
+                    model: (0..pages).map(|_| Box::new([0u8; PAGE_SIZE])).collect(),
+                    wire: VecDeque::new(),
+                    connected: false,
+                });
+                self.attach(self.vms.len() - 1)?;
             }
             Op::DestroyVm { vm } => {
-                if let Some((i, id, _)) = self.pick(vm, 0) {
-                    self.engine.destroy_vm(id).map_err(|e| e.to_string())?;
-                    self.model.remove(i);
+                if let Some(i) = self.pick(vm) {
+                    let v = self.vms.remove(i);
+                    if let Some(id) = v.id {
+                        self.engine.remove(id);
+                    }
+                    if self.vms.iter().all(|v| v.connected) && self.engine.adoption_pending() {
+                        self.engine.end_adoption();
+                    }
                 }
             }
             Op::WritePage { vm, gfn, content } => {
-                if let Some((i, id, g)) = self.pick(vm, gfn) {
-                    let page = content.render();
-                    let r = self.engine.write(id, g, 0, &page[..]).map(|_| ());
-                    if r.is_ok() {
-                        self.model[i].1[g as usize] = page;
-                    }
-                    self.tolerate(r, op)?;
-                    touched = Some((i, g));
+                if let Some(i) = self.pick(vm) {
+                    let v = &mut self.vms[i];
+                    let g = gfn % v.agent.pages();
+                    let p = content.render();
+                    v.agent.write(Gfn(g), 0, &p[..])?;
+                    v.model[g as usize] = p;
                 }
             }
             Op::WritePartial {
@@ -238,208 +377,216 @@ impl Harness {
                 len,
                 byte,
             } => {
-                if let Some((i, id, g)) = self.pick(vm, gfn) {
+                if let Some(i) = self.pick(vm) {
+                    let v = &mut self.vms[i];
+                    let g = gfn % v.agent.pages();
                     let off = offset as usize % PAGE_SIZE;
-                    let len = (len as usize % 64 + 1).min(PAGE_SIZE - off);
-                    let data = vec![byte; len];
-                    let r = self.engine.write(id, g, off, &data).map(|_| ());
-                    if r.is_ok() {
-                        self.model[i].1[g as usize][off..off + len].copy_from_slice(&data);
-                    }
-                    self.tolerate(r, op)?;
-                    touched = Some((i, g));
+                    let len = (len as usize % 64).min(PAGE_SIZE - off);
+                    let bytes = vec![byte; len];
+                    v.agent.write(Gfn(g), off, &bytes)?;
+                    v.model[g as usize][off..off + len].copy_from_slice(&bytes);
                 }
             }
-            Op::Read {
-                vm,
-                gfn,
-                offset,
-                len,
-            } => {
-                if let Some((i, id, g)) = self.pick(vm, gfn) {
-                    let off = offset as usize % PAGE_SIZE;
-                    let len = (len as usize % PAGE_SIZE + 1).min(PAGE_SIZE - off);
-                    let mut buf = vec![0xEEu8; len];
-                    let r = self.engine.read(id, g, off, &mut buf).map(|_| ());
-                    if r.is_ok() && buf[..] != self.model[i].1[g as usize][off..off + len] {
+            Op::Read { vm, gfn } => {
+                if let Some(i) = self.pick(vm) {
+                    let v = &mut self.vms[i];
+                    let g = gfn % v.agent.pages();
+                    let got = v.agent.read(Gfn(g))?;
+                    if got != *v.model[g as usize] {
                         return Err(format!(
-                            "{op:?}: read of {id} gfn {g} returned bytes the guest did not write"
+                            "vm {i} gfn {g}: the guest read bytes it did not write"
                         ));
                     }
-                    self.tolerate(r, op)?;
-                    touched = Some((i, g));
                 }
             }
-            Op::Discard { vm, gfn } => {
-                if let Some((i, id, g)) = self.pick(vm, gfn) {
-                    self.engine.discard(id, g).map_err(|e| e.to_string())?;
-                    self.model[i].1[g as usize].fill(0);
-                    touched = Some((i, g));
+            Op::Step { advance_ms } => {
+                self.clock.advance(advance_ms as u64 * 1000);
+                self.engine.scan_step().map_err(|e| e.to_string())?;
+                self.engine.clock_step();
+                self.engine.check_budget();
+                for v in self.vms.iter_mut().filter(|v| v.connected) {
+                    let cmds = self.engine.take_commands(v.id.expect("connected"));
+                    v.wire.extend(cmds);
                 }
             }
-            Op::Tick { budget, advance_ms } => {
-                self.now_us += advance_ms as u64 * 1000;
-                let r = self.engine.tick(self.now_us, budget as u32).map(|_| ());
-                self.tolerate(r, op)?;
-            }
-            Op::Share { vm, gfn }
-            | Op::IndexReference { vm, gfn }
-            | Op::Patch { vm, gfn }
-            | Op::Compress { vm, gfn }
-            | Op::SwapOut { vm, gfn } => {
-                if let Some((i, id, g)) = self.pick(vm, gfn) {
-                    let r = match op {
-                        Op::Share { .. } => self.engine.try_share(id, g).map(|_| ()),
-                        Op::IndexReference { .. } => self.engine.index_reference(id, g).map(|_| ()),
-                        Op::Patch { .. } => self.engine.try_patch(id, g).map(|_| ()),
-                        Op::Compress { .. } => self.engine.try_compress(id, g).map(|_| ()),
-                        _ => self.engine.swap_out(id, g).map(|_| ()),
-                    };
-                    self.tolerate(r, op)?;
-                    touched = Some((i, g));
+            Op::Deliver { vm, n, refuse } => {
+                if let Some(i) = self.pick(vm).filter(|&i| self.vms[i].connected) {
+                    self.vms[i].agent.refuse = refuse;
+                    for _ in 0..n {
+                        let Some(cmd) = self.vms[i].wire.pop_front() else {
+                            break;
+                        };
+                        let o = self.vms[i].agent.execute(&cmd);
+                        self.answer(i, &cmd, o)?;
+                    }
+                    self.vms[i].agent.refuse = false;
                 }
             }
-            Op::SwapHint { pages } => {
-                let r = self.engine.swap_out_hint(pages as u32).map(|_| ());
-                self.tolerate(r, op)?;
+            Op::Report { vm } => {
+                if let Some(i) = self.pick(vm).filter(|&i| self.vms[i].connected) {
+                    let id = self.vms[i].id.expect("connected");
+                    for e in std::mem::take(&mut self.vms[i].agent.events) {
+                        match e {
+                            Event::CowBroken(g, f) => self.engine.cow_broken(id, g, f),
+                            Event::Refilled(g) => self.engine.refilled(id, g),
+                            Event::Unstashed(g) => self.engine.unstashed(id, g),
+                        }
+                    }
+                }
             }
-            Op::SetPolicy(p) => {
-                let names = Policy::NAMES;
-                self.engine
-                    .set_policy(Policy::by_name(names[p as usize % names.len()]).unwrap());
+            Op::Disconnect { vm, seed } => {
+                if let Some(i) = self.pick(vm).filter(|&i| self.vms[i].connected) {
+                    self.disconnect(i, seed);
+                }
             }
-            Op::FailSwapWrites(on) => self.faults.writes.store(on, Ordering::Relaxed),
-            Op::FailSwapReads(on) => self.faults.reads.store(on, Ordering::Relaxed),
-        }
-        Ok(touched)
-    }
-
-    /// Checks one page's content against the model without disturbing the engine.
-    pub fn verify_page(&self, i: usize, gfn: u32) -> Result<(), String> {
-        let (id, pages) = &self.model[i];
-        let reads = self.faults.reads.swap(false, Ordering::Relaxed);
-        let mut out = [0u8; PAGE_SIZE];
-        let r = self.engine.peek(*id, gfn, &mut out);
-        self.faults.reads.store(reads, Ordering::Relaxed);
-        r.map_err(|e| format!("peek {id} gfn {gfn}: {e}"))?;
-        if out[..] != pages[gfn as usize][..] {
-            let state = self.engine.page_state(*id, gfn).unwrap();
-            return Err(format!("{id} gfn {gfn} ({state:?}) differs from the model"));
+            Op::Reattach { vm } => {
+                if let Some(i) = self.pick(vm).filter(|&i| !self.vms[i].connected) {
+                    self.attach(i)?;
+                }
+            }
+            Op::Restart { seed } => {
+                for i in 0..self.vms.len() {
+                    if self.vms[i].connected {
+                        self.disconnect(i, seed.wrapping_add(i as u64));
+                    }
+                }
+                // The old memfoldd's store and swap file live on in the agents that hold
+                // them; the new one starts with its own and adopts the pool.
+                let pool = self.shared.pool.clone();
+                self.shared = Shared {
+                    pool: pool.clone(),
+                    ..Shared::default()
+                };
+                self.engine = new_engine(&self.cfg, &self.setup, &self.clock, &self.shared);
+                let (frames, held): (u32, Vec<FrameId>) = {
+                    let f = pool.file();
+                    let frames = (f.bytes.len() / PAGE_SIZE) as u32;
+                    (
+                        frames,
+                        f.allocated.iter().map(|&p| FrameId(p as u32)).collect(),
+                    )
+                };
+                assert!(self.engine.adopt_pool(Box::new(pool), frames, held));
+                for v in &mut self.vms {
+                    v.id = None;
+                }
+            }
+            Op::Fail { which, on } => {
+                let s = &self.shared;
+                match which % 4 {
+                    0 => s.pool.file().fail_writes = on,
+                    1 => s.store.file().fail_writes = on,
+                    2 => s.swap.file().fail_writes = on,
+                    _ => s.swap.file().fail_sync = on,
+                }
+            }
         }
         Ok(())
     }
 
-    /// Every page, every invariant, the books.
+    /// The connection of VM `i` drops: each command sent reached the agent or not.
+    fn disconnect(&mut self, i: usize, seed: u64) {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let id = self.vms[i].id.expect("connected");
+        for cmd in std::mem::take(&mut self.vms[i].wire) {
+            if rng.gen_bool(0.5) {
+                let v = &mut self.vms[i];
+                if let Command::ClockScan { first, count } = cmd {
+                    v.agent.clock_scan(first, count);
+                } else {
+                    v.agent.execute(&cmd);
+                }
+            }
+            self.engine.outcome(id, &cmd, Outcome::Lost);
+        }
+        self.engine.detach(id);
+        self.vms[i].connected = false;
+    }
+
+    /// Every page reads as the model says; the engine's invariants hold; every frame and
+    /// blob an agent relies on is held by the engine.
     pub fn verify_all(&self) -> Result<(), String> {
-        for (i, (_, pages)) in self.model.iter().enumerate() {
-            for g in 0..pages.len() as u32 {
-                self.verify_page(i, g)?;
+        self.engine.check_invariants()?;
+        for (i, v) in self.vms.iter().enumerate() {
+            for g in 0..v.agent.pages() {
+                let g = Gfn(g);
+                let got = v.agent.peek(g).map_err(|e| format!("vm {i} {g}: {e}"))?;
+                if got != *v.model[g.index()] {
+                    return Err(format!(
+                        "vm {i} {g} ({:?}): reads bytes the guest did not write",
+                        v.agent.home(g)
+                    ));
+                }
+                match v.agent.home(g) {
+                    Home::Frame(f) => {
+                        if !self.engine.frame_held(f) {
+                            return Err(format!("vm {i} {g} maps {f}, which the engine freed"));
+                        }
+                        if let Some(id) = v.id.filter(|_| v.connected) {
+                            let s = self.engine.page_state(id, g);
+                            if !matches!(s, Some(PageState::Shared(x) | PageState::Sharing(x)) if x == f)
+                            {
+                                return Err(format!("vm {i} {g} maps {f}, the engine says {s:?}"));
+                            }
+                        }
+                    }
+                    Home::Stashed(_) => {
+                        if let Some(id) = v.id.filter(|_| v.connected) {
+                            let s = self.engine.page_state(id, g);
+                            if !matches!(
+                                s,
+                                Some(
+                                    PageState::Stored(_)
+                                        | PageState::Stashing(_)
+                                        | PageState::Moving(_)
+                                )
+                            ) {
+                                return Err(format!(
+                                    "vm {i} {g} is stashed, the engine says {s:?}"
+                                ));
+                            }
+                        }
+                    }
+                    Home::Zero | Home::Private => {}
+                }
             }
         }
+        Ok(())
+    }
+
+    /// Drains every wire, re-attaches everyone, removes every guest: nothing may remain.
+    pub fn teardown(mut self) -> Result<(), String> {
+        for i in 0..self.vms.len() {
+            if !self.vms[i].connected {
+                self.attach(i)?;
+            }
+            while let Some(cmd) = self.vms[i].wire.pop_front() {
+                let o = self.vms[i].agent.execute(&cmd);
+                self.answer(i, &cmd, o)?;
+            }
+        }
+        self.verify_all()?;
+        for v in std::mem::take(&mut self.vms) {
+            self.engine.remove(v.id.expect("attached"));
+        }
+        if self.engine.adoption_pending() {
+            self.engine.end_adoption();
+        }
         self.engine.check_invariants()?;
-        let acc = self.engine.accounting();
-        if (acc.saved.total() - acc.saved_bytes as f64).abs() > 0.5 {
-            return Err(format!(
-                "savings by mechanism {:?} do not add up to {}",
-                acc.saved, acc.saved_bytes
-            ));
+        let b = self.engine.books();
+        if b.frames != 0 || b.store_pages != 0 || b.swap.file_pages != 0 {
+            return Err(format!("leak after teardown: {b:?}"));
         }
-        let f = acc.frames;
-        if f.private + f.shared + f.reference_only + f.blob != f.in_use {
-            return Err(format!("frame breakdown {f:?} does not add up"));
-        }
-        let per_vm: f64 = acc.per_vm.iter().map(|v| v.saved.total()).sum();
-        if (per_vm - acc.saved_bytes as f64).abs() > 1.0 + acc.saved_bytes.abs() as f64 * 1e-9 {
+        if self.shared.pool.allocated_bytes() != 0 {
             return Err(format!(
-                "per-VM savings {per_vm} do not add up to {}",
-                acc.saved_bytes
+                "{} pool bytes still allocated after teardown",
+                self.shared.pool.allocated_bytes()
             ));
         }
         Ok(())
     }
 
-    /// Destroys every VM and checks nothing leaked.
-    pub fn teardown(&mut self) -> Result<(), String> {
-        for (id, _) in std::mem::take(&mut self.model) {
-            self.engine.destroy_vm(id).map_err(|e| e.to_string())?;
-        }
-        self.engine.check_invariants()?;
-        let acc = self.engine.accounting();
-        if acc.frames.in_use != 0 || acc.swap.in_use != 0 || acc.blobs.blobs != 0 {
-            return Err(format!(
-                "leak after all VMs are gone: {:?}, swap {:?}, blobs {:?}",
-                acc.frames, acc.swap, acc.blobs
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// A random op for the long run (the proptest run has its own strategy with the same mix).
-pub fn random_op(r: &mut SmallRng) -> Op {
-    let vm = r.gen();
-    let gfn = r.gen();
-    let content = match r.gen_range(0..10) {
-        0..=1 => Content::Zero,
-        2..=4 => Content::Base(r.gen()),
-        5..=7 => Content::Similar(r.gen(), r.gen()),
-        8 => Content::Text(r.gen()),
-        _ => Content::Random(r.gen()),
-    };
-    match r.gen_range(0..100) {
-        0 => Op::CreateVm {
-            pages: r.gen_range(1..48),
-        },
-        1 => Op::DestroyVm { vm },
-        2..=21 => Op::WritePage { vm, gfn, content },
-        22..=31 => Op::WritePartial {
-            vm,
-            gfn,
-            offset: r.gen(),
-            len: r.gen(),
-            byte: r.gen(),
-        },
-        32..=46 => Op::Read {
-            vm,
-            gfn,
-            offset: r.gen(),
-            len: r.gen(),
-        },
-        47..=49 => Op::Discard { vm, gfn },
-        50..=61 => Op::Tick {
-            budget: r.gen_range(1..64),
-            advance_ms: r.gen_range(0..3000),
-        },
-        62..=69 => Op::Share { vm, gfn },
-        70..=73 => Op::IndexReference { vm, gfn },
-        74..=80 => Op::Patch { vm, gfn },
-        81..=86 => Op::Compress { vm, gfn },
-        87..=91 => Op::SwapOut { vm, gfn },
-        92..=93 => Op::SwapHint {
-            pages: r.gen_range(1..8),
-        },
-        94 => Op::SetPolicy(r.gen()),
-        95..=96 => Op::FailSwapWrites(r.gen_bool(0.3)),
-        97..=98 => Op::FailSwapReads(r.gen_bool(0.3)),
-        _ => Op::CreateVm {
-            pages: r.gen_range(1..16),
-        },
-    }
-}
-
-pub fn random_setup(r: &mut SmallRng) -> Setup {
-    Setup {
-        zero: r.gen(),
-        passes: if r.gen_bool(0.3) { 5 } else { 1 },
-        patch_codec: r.gen(),
-        compress_codec: r.gen(),
-        host_limit: if r.gen_bool(0.4) {
-            Some(r.gen_range(8..80))
-        } else {
-            None
-        },
-        swap_slots: r.gen_range(0..96),
-        collide_hashes: r.gen_bool(0.15),
-        min_rescan_ms: if r.gen_bool(0.5) { 0 } else { 4000 },
+    pub fn books(&self) -> memfold_core::engine::Books {
+        self.engine.books()
     }
 }

@@ -1,0 +1,410 @@
+//! The books: what each mechanism saves, per guest and in total (DE Fig 9–11's
+//! breakdown), the host budget and the swap file (DE §4.6), and how long stored pages
+//! stay stored (DE Fig 4).
+
+use serde::Serialize;
+
+use super::{kept_index, Engine};
+use crate::blobs::{BlobHome, Kept};
+use crate::ids::VmId;
+use crate::p2m::PageState;
+use crate::PAGE_SIZE;
+
+const PAGE: u64 = PAGE_SIZE as u64;
+
+/// One guest's counters. Pages are 4 KiB; "now" counts are pages in that state now, the
+/// others cumulative since the guest attached.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct VmBooks {
+    /// Pages mapped onto pool frames now.
+    pub shared_pages: u64,
+    /// Of those, pages mapped onto the zero frame.
+    pub zero_shared_pages: u64,
+    /// Zero pages reclaimed now.
+    pub zero_reclaimed_pages: u64,
+    /// Pages hashed by the sharing scan.
+    pub scanned_pages: u64,
+    /// Pages shared.
+    pub shares: u64,
+    /// Copy-on-write breaks.
+    pub cow_breaks: u64,
+    /// Zero pages reclaimed.
+    pub reclaims: u64,
+    /// Reclaimed pages the guest touched again, refilled.
+    pub refills: u64,
+    /// Private pages per NRU class C1..C4 in the clock's last full pass (DE §4.2).
+    pub nru_pages: [u64; 4],
+    /// Full clock passes over the guest.
+    pub clock_passes: u64,
+    /// Share or reclaim requests whose page had changed before the agent protected it.
+    pub share_changed: u64,
+    /// Pages the sharing scan left alone as C1 (recently modified).
+    pub hot_skipped: u64,
+    /// Share or reclaim requests the agent refused (VMA budget, not private).
+    pub share_refused: u64,
+    /// Pages stored as patches now (DE §3.2).
+    pub patched_pages: u64,
+    /// Pages stored compressed now (DE §3.3).
+    pub compressed_pages: u64,
+    /// Pages patched.
+    pub patches: u64,
+    /// Pages compressed.
+    pub compressions: u64,
+    /// Stored pages the guest touched again, decoded back.
+    pub unstashes: u64,
+    /// Stash requests whose page had changed before the agent protected it.
+    pub stash_changed: u64,
+    /// Stash requests the agent refused.
+    pub stash_refused: u64,
+    /// Pages in the swap file now (DE §4.6).
+    pub swapped_pages: u64,
+    /// Pages swapped out.
+    pub swap_outs: u64,
+    /// Swapped pages the guest touched again, read back.
+    pub swap_ins: u64,
+    /// Of the swap-outs, stored pages moved from the store.
+    pub swap_moves: u64,
+    /// Requests lost with a connection (in doubt until the agent re-attached).
+    pub lost: u64,
+}
+
+/// One guest in [`Books`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct VmReport {
+    /// Its id.
+    pub id: VmId,
+    /// Guest name.
+    pub name: String,
+    /// QEMU's pid.
+    pub pid: u32,
+    /// Guest RAM, pages.
+    pub pages: u64,
+    /// Whether its agent is connected.
+    pub attached: bool,
+    /// Its counters.
+    pub books: VmBooks,
+}
+
+/// Host pages saved, by mechanism. Pages are 4 KiB.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SavedBy {
+    /// Sharing: guest pages mapped onto frames − frames held for them.
+    pub sharing: i64,
+    /// Zero pages reclaimed.
+    pub zero: i64,
+    /// Patching: patched pages − their store slots − frames held only as references.
+    pub patching: i64,
+    /// Compression: compressed pages − their store slots.
+    pub compression: i64,
+    /// Swap: pages in the swap file (on disk, no host memory).
+    pub swap: i64,
+    /// Store pages not covered by live slots (fragmentation; subtracted from the total).
+    pub store_waste: i64,
+}
+
+/// The host budget and the swap file (DE §4.6). Pages are 4 KiB.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SwapBooks {
+    /// The budget, pages; `None`: no budget.
+    pub budget_pages: Option<u64>,
+    /// Host pages the guests' RAM used at the last check (memfds, pool, store).
+    pub host_used_pages: u64,
+    /// Guest pages in the swap file now.
+    pub swapped_pages: u64,
+    /// Bytes of swap slots in use.
+    pub slot_bytes: u64,
+    /// Swap file pages (chunks) in use.
+    pub file_pages: u64,
+    /// Swap file capacity, pages.
+    pub capacity_pages: u64,
+    /// Swap-outs refused because the swap file was full (cumulative).
+    pub full: u64,
+    /// Pages still to swap out to get under the budget.
+    pub wanted_pages: u64,
+    /// Write-backs of the swap file that failed (cumulative).
+    pub sync_errors: u64,
+}
+
+/// The lifetime thresholds of [`LifetimeBooks`], seconds.
+pub const LIFETIME_MARKS_S: [u64; 9] = [1, 2, 5, 10, 20, 30, 60, 120, 300];
+
+/// How long stored pages stayed stored before the guest touched them (DE Figure 4).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct LifetimeBooks {
+    /// Stored pages the guests touched again.
+    pub restored: u64,
+    /// Pages stored now.
+    pub stored_now: u64,
+    /// (seconds, fraction of the restored pages restored sooner), at [`LIFETIME_MARKS_S`].
+    pub restored_before: Vec<(f64, f64)>,
+    /// Fraction of all pages ever stored that lived at least 10 s, counting pages still
+    /// stored for 10 s or more (DE Fig 4's "~80% live ≥ 10 s").
+    pub lived_10s: f64,
+}
+
+/// Restored pages by lifetime.
+#[derive(Default)]
+pub(crate) struct Lifetimes {
+    /// Restored pages that lived under each mark.
+    below: [u64; LIFETIME_MARKS_S.len()],
+    restored: u64,
+}
+
+impl Lifetimes {
+    pub(crate) fn record(&mut self, lived_us: u64) {
+        self.restored += 1;
+        for (n, &s) in self.below.iter_mut().zip(&LIFETIME_MARKS_S) {
+            if lived_us < s * 1_000_000 {
+                *n += 1;
+            }
+        }
+    }
+}
+
+/// Engine-wide books besides the guests'.
+pub(crate) struct EngineBooks {
+    /// Slot bytes by what they keep: [patches, compressed pages, swap].
+    pub(crate) slot_bytes: [u64; 3],
+    pub(crate) swap_sync_errors: u64,
+    /// Frames the pool could not take (host out of memory).
+    pub(crate) pool_errors: u64,
+    pub(crate) lifetimes: Lifetimes,
+    /// Encode times, ns: [patch encode per candidate, compress per page].
+    encode_ns: [hdrhistogram::Histogram<u64>; 2],
+}
+
+impl EngineBooks {
+    pub(crate) fn new() -> Self {
+        let h = || {
+            hdrhistogram::Histogram::new_with_bounds(1, 60_000_000_000, 2).expect("valid bounds")
+        };
+        EngineBooks {
+            slot_bytes: [0; 3],
+            swap_sync_errors: 0,
+            pool_errors: 0,
+            lifetimes: Lifetimes::default(),
+            encode_ns: [h(), h()],
+        }
+    }
+
+    pub(crate) fn record_encode(&mut self, which: usize, ns: u64) {
+        let _ = self.encode_ns[which].record(ns.max(1));
+    }
+}
+
+/// The host budget's state.
+pub(crate) struct BudgetState {
+    pub(crate) host_used_pages: u64,
+    /// Bytes still to swap out to get under the budget (the check's estimate).
+    pub(crate) swap_wanted: u64,
+    /// Swap-outs refused because the swap file was full.
+    pub(crate) swap_full: u64,
+    checked_us: u64,
+}
+
+impl BudgetState {
+    pub(crate) fn new(now_us: u64) -> Self {
+        BudgetState {
+            host_used_pages: 0,
+            swap_wanted: 0,
+            swap_full: 0,
+            checked_us: now_us,
+        }
+    }
+}
+
+/// Everything the engine knows, in numbers: what memfoldd exports.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Books {
+    /// Seconds since the engine started.
+    pub uptime_s: f64,
+    /// Full sharing scans started.
+    pub full_scans: u64,
+    /// Pool frames in use.
+    pub frames: u64,
+    /// Guest pages mapped onto pool frames (sum of sharing ranks).
+    pub mapped_pages: u64,
+    /// Zero pages reclaimed now.
+    pub zero_reclaimed_pages: u64,
+    /// Host pages saved: mapped pages − frames + reclaimed zero pages + stored pages −
+    /// store pages.
+    pub saved_pages: i64,
+    /// The same, by mechanism.
+    pub saved_by: SavedBy,
+    /// Pages stored as patches now.
+    pub patched_pages: u64,
+    /// Pages stored compressed now.
+    pub compressed_pages: u64,
+    /// Store pages (chunks) in use.
+    pub store_pages: u64,
+    /// Pool frames held only as patch references.
+    pub reference_frames: u64,
+    /// Budget and swap file.
+    pub swap: SwapBooks,
+    /// Stored page lifetimes.
+    pub lifetime: LifetimeBooks,
+    /// The policy's name.
+    pub policy: String,
+    /// Share-table entries.
+    pub table_entries: u64,
+    /// Whether the pool was adopted from a previous memfoldd.
+    pub adopted_pool: bool,
+    /// Frames the pool could not take (host out of memory; cumulative).
+    pub pool_errors: u64,
+    /// Encode times as (ns, count) pairs: [patch encode per candidate, compress].
+    pub encode_ns: [Vec<(u64, u64)>; 2],
+    /// Per guest, by id.
+    pub vms: Vec<VmReport>,
+}
+
+impl Engine {
+    /// With a host budget, measures (at most every 250 ms) the host memory the guests'
+    /// RAM uses — their memfds, the pool and the store, holes taking none — and sets how
+    /// many bytes the clock should swap out to bring it 2% under the budget (DE §4.6), net
+    /// of swap-outs already under way.
+    pub fn check_budget(&mut self) {
+        let Some(budget) = self.cfg.host_budget else {
+            return;
+        };
+        let now = self.now_us();
+        if now.saturating_sub(self.budget.checked_us) < 250_000 {
+            return;
+        }
+        self.budget.checked_us = now;
+        let used: u64 = self
+            .vms
+            .values()
+            .map(|v| v.ram.allocated_bytes())
+            .sum::<u64>()
+            + self.pool.allocated_bytes()
+            + self.store.allocated_bytes();
+        self.budget.host_used_pages = used / PAGE;
+        let in_flight: u64 = self
+            .blobs
+            .iter()
+            .filter(|(id, b)| {
+                b.home == BlobHome::Swap
+                    && self.vms.get(&b.vm).is_some_and(|v| {
+                        matches!(v.state(b.gfn), PageState::Stashing(x) | PageState::Moving(x) if x == *id)
+                    })
+            })
+            .map(|(_, b)| if b.replaces.is_some() { b.size as u64 } else { PAGE })
+            .sum();
+        let low_water = budget / 100 * 98;
+        self.budget.swap_wanted = used.saturating_sub(low_water).saturating_sub(in_flight);
+    }
+
+    /// The books now.
+    pub fn books(&self) -> Books {
+        let vms: Vec<VmReport> = self
+            .vms
+            .iter()
+            .map(|(id, v)| VmReport {
+                id: *id,
+                name: v.name.clone(),
+                pid: v.pid,
+                pages: v.pages() as u64,
+                attached: v.attached,
+                books: v.books.clone(),
+            })
+            .collect();
+        let sum = |f: fn(&VmBooks) -> u64| vms.iter().map(|v| f(&v.books)).sum::<u64>();
+        let mapped = sum(|b| b.shared_pages);
+        let reclaimed = sum(|b| b.zero_reclaimed_pages);
+        let patched = sum(|b| b.patched_pages);
+        let compressed = sum(|b| b.compressed_pages);
+        let swapped = sum(|b| b.swapped_pages);
+        let frames = self.frames.in_use() as u64;
+        let reference_frames = self.frames.reference_only();
+        let store_pages = self.store.stats().chunks;
+        let [patch_bytes, compressed_bytes, swap_bytes] = self.books.slot_bytes;
+        let page = PAGE as i64;
+        let saved_by = SavedBy {
+            sharing: mapped as i64 - (frames - reference_frames) as i64,
+            zero: reclaimed as i64,
+            patching: patched as i64 - patch_bytes as i64 / page - reference_frames as i64,
+            compression: compressed as i64 - compressed_bytes as i64 / page,
+            swap: swapped as i64,
+            store_waste: store_pages as i64 - (patch_bytes + compressed_bytes) as i64 / page,
+        };
+        let stored_now: Vec<u64> = self
+            .blobs
+            .iter()
+            .filter(|(id, b)| {
+                self.vms
+                    .get(&b.vm)
+                    .is_some_and(|v| v.state(b.gfn) == PageState::Stored(*id))
+            })
+            .map(|(_, b)| b.since_us)
+            .collect();
+        let now = self.now_us();
+        let l = &self.books.lifetimes;
+        let old_now = stored_now
+            .iter()
+            .filter(|&&t| now.saturating_sub(t) >= 10_000_000)
+            .count() as u64;
+        let total = l.restored + stored_now.len() as u64;
+        let frac = |n: u64, d: u64| if d == 0 { 0.0 } else { n as f64 / d as f64 };
+        let lifetime = LifetimeBooks {
+            restored: l.restored,
+            stored_now: stored_now.len() as u64,
+            restored_before: LIFETIME_MARKS_S
+                .iter()
+                .zip(&l.below)
+                .map(|(&s, &n)| (s as f64, frac(n, l.restored)))
+                .collect(),
+            lived_10s: frac(l.restored - l.below[3] + old_now, total),
+        };
+        let pairs = |h: &hdrhistogram::Histogram<u64>| {
+            h.iter_recorded()
+                .map(|v| (v.value_iterated_to(), v.count_at_value()))
+                .collect()
+        };
+        Books {
+            uptime_s: now.saturating_sub(self.started_us) as f64 / 1e6,
+            full_scans: self.scan.full_scans,
+            frames,
+            mapped_pages: mapped,
+            zero_reclaimed_pages: reclaimed,
+            saved_pages: mapped as i64 - frames as i64
+                + reclaimed as i64
+                + (patched + compressed + swapped) as i64
+                - store_pages as i64,
+            saved_by,
+            patched_pages: patched,
+            compressed_pages: compressed,
+            store_pages,
+            reference_frames,
+            swap: SwapBooks {
+                budget_pages: self.cfg.host_budget.map(|b| b / PAGE),
+                host_used_pages: self.budget.host_used_pages,
+                swapped_pages: swapped,
+                slot_bytes: swap_bytes,
+                file_pages: self.swap.as_ref().map_or(0, |s| s.stats().chunks),
+                capacity_pages: self
+                    .swap
+                    .as_ref()
+                    .and_then(|s| s.capacity())
+                    .map_or(0, |c| c / PAGE),
+                full: self.budget.swap_full,
+                wanted_pages: self.budget.swap_wanted / PAGE,
+                sync_errors: self.books.swap_sync_errors,
+            },
+            lifetime,
+            policy: self.cfg.policy.name.to_string(),
+            table_entries: self.share.len() as u64,
+            adopted_pool: self.adopted,
+            pool_errors: self.books.pool_errors,
+            encode_ns: [
+                pairs(&self.books.encode_ns[0]),
+                pairs(&self.books.encode_ns[1]),
+            ],
+            vms,
+        }
+    }
+
+    /// Slot bytes the books hold for `k`.
+    pub(crate) fn slot_bytes_of(&self, k: Kept) -> u64 {
+        self.books.slot_bytes[kept_index(k)]
+    }
+}

@@ -1,0 +1,451 @@
+//! The NRU clock over live guests and the Difference Engine over its slices (DE §4.2,
+//! §4.3, §4.6): each classified slice's cold private pages are indexed as reference
+//! candidates, patched against a similar page or compressed, their blob written to the
+//! store, and the agent asked to stash them; over the host budget, C4 pages go to the
+//! swap file in their smallest form, and stored blobs move there too.
+
+use memfold_codecs::Encoding;
+
+use super::{kept_index, Command, Engine, EngineError, Stash, RESTASH_LIVED_US};
+use crate::blobs::{Blob, BlobHome, Form, StoreError};
+use crate::clock::Actions;
+use crate::ids::{FrameId, Gfn, Gpn, VmId};
+use crate::p2m::{BlobId, PageState};
+use crate::share::ShareEntry;
+use crate::similarity::RefPage;
+use crate::slab::Slot;
+use crate::{is_zero_page, page_hash, Page, PAGE_SIZE};
+
+use super::scan::READ_PAGES;
+
+impl Engine {
+    /// Queues each attached guest's next clock slice when it is due (a pass over a guest
+    /// spread evenly over the clock interval).
+    pub fn clock_step(&mut self) {
+        let Some(interval) = self.cfg.clock_interval_us else {
+            return;
+        };
+        let now = self.now_us();
+        for v in self.vms.values_mut().filter(|v| v.attached) {
+            if let Some((first, count)) = v.clock.due_slice(now, interval) {
+                v.queue.push(Command::ClockScan {
+                    first: Gfn(first),
+                    count,
+                });
+            }
+        }
+    }
+
+    /// Applies a clock slice's R and M bits (bit k of word k/64 for page `first + k`),
+    /// classifying each private page C1–C4 (DE §4.2), then runs the Difference Engine over
+    /// the slice. Bits for pages past the guest's end are ignored.
+    ///
+    /// Errors: [`EngineError::Pool`] if a reference page cannot be copied into the pool.
+    pub fn clock_bits(
+        &mut self,
+        id: VmId,
+        first: Gfn,
+        count: u32,
+        referenced: &[u64],
+        modified: &[u64],
+    ) -> Result<(), EngineError> {
+        let full_scans = self.scan.full_scans;
+        let Some(v) = self.vms.get_mut(&id) else {
+            return Ok(());
+        };
+        if first.0 >= v.pages() {
+            return Ok(());
+        }
+        let p2m = &v.p2m;
+        v.clock
+            .apply(first.0, count, referenced, modified, full_scans, |g| {
+                p2m[g as usize].state() == PageState::Private
+            });
+        v.books.nru_pages = v.clock.last_pass;
+        v.books.clock_passes = v.clock.passes;
+        let end = Gfn((first.0 + count).min(v.pages()));
+        self.difference_engine(id, first, end)
+    }
+
+    fn acts(&self, a: Actions) -> bool {
+        a.reference || a.patch || a.compress || (self.budget.swap_wanted > 0 && a.swap)
+    }
+
+    /// The Difference Engine over pages `[first, end)` of guest `id` (DE §4.2, §4.3): each
+    /// private page whose class lets a mechanism touch it is read once (holes skipped);
+    /// zero pages are left to the zero policy, identical ones to the sharing scan.
+    fn difference_engine(&mut self, id: VmId, first: Gfn, end: Gfn) -> Result<(), EngineError> {
+        let policy = self.cfg.policy;
+        if !policy.actions.iter().any(|&a| self.acts(a)) {
+            return Ok(());
+        }
+        self.refresh_similarity_index();
+        let Some(v) = self.vms.get(&id).filter(|v| v.attached) else {
+            return Ok(());
+        };
+        let mut todo = Vec::new();
+        let mut from = first;
+        while let Some((a, b)) = v.ram.next_data_run(from, end) {
+            todo.extend((a.0..b.0).map(Gfn).filter(|&g| {
+                v.state(g) == PageState::Private
+                    && self.acts(policy.for_state(v.clock.page(g.0).last_state()))
+            }));
+            from = b;
+        }
+        let mut buf = vec![0u8; READ_PAGES * PAGE_SIZE];
+        let mut i = 0;
+        while i < todo.len() {
+            let mut j = i + 1;
+            while j < todo.len() && todo[j].0 == todo[j - 1].0 + 1 && j - i < READ_PAGES {
+                j += 1;
+            }
+            let (g0, n) = (todo[i], j - i);
+            i = j;
+            if self.vms[&id]
+                .ram
+                .read(g0, &mut buf[..n * PAGE_SIZE])
+                .is_err()
+            {
+                continue;
+            }
+            for k in 0..n {
+                let page: &Page = buf[k * PAGE_SIZE..(k + 1) * PAGE_SIZE]
+                    .try_into()
+                    .expect("a page");
+                self.de_page(id, Gfn(g0.0 + k as u32), page)?;
+            }
+        }
+        self.swap_stored(id, first, end);
+        Ok(())
+    }
+
+    /// Clears and resizes the similarity index once every four clock intervals (DE §4.3
+    /// clears it once per clock cycle: stale buckets would keep out new candidates).
+    fn refresh_similarity_index(&mut self) {
+        let every = self.cfg.clock_interval_us.unwrap_or(4_000_000) * 4;
+        let pages: u64 = self.vms.values().map(|v| v.pages() as u64).sum();
+        let now = self.now_us();
+        if now.saturating_sub(self.similar_cleared_us) > every
+            || self.similar.buckets() as u64 * 4 < pages
+        {
+            self.similar.clear_for(pages);
+            self.similar_cleared_us = now;
+        }
+    }
+
+    /// One page of a clock slice. Over the host budget, a page whose class allows swap
+    /// (C4) goes to the swap file in its smallest form: patch, compressed, or raw (§4.6).
+    fn de_page(&mut self, id: VmId, g: Gfn, page: &Page) -> Result<(), EngineError> {
+        if is_zero_page(page) || !self.sharable(id, g) {
+            return Ok(());
+        }
+        let full_scans = self.scan.full_scans;
+        let swap_wanted = self.budget.swap_wanted > 0;
+        let v = self.vms.get_mut(&id).expect("sharable");
+        let clock = v.clock.page(g.0);
+        // The class this slice's scan just found (`state()` would read the cleared bits).
+        let a = self.cfg.policy.for_state(clock.last_state());
+        let (w, bit) = (g.index() / 64, 1u64 << (g.0 % 64));
+        if clock.idle_scans() == 0 {
+            v.de_failed[w] &= !bit; // written since: worth another try
+        }
+        // Sharing goes first: nothing is stored before a full sharing cycle saw the page,
+        // nor before it has been idle as long as its history asks.
+        let seen = v.clock.seen_by_sharing(g.0, full_scans)
+            && clock.idle_scans() >= v.restash_wait[g.index()];
+        let untried = v.de_failed[w] & bit == 0;
+        let to_swap = seen && a.swap && swap_wanted;
+        let home = if to_swap {
+            BlobHome::Swap
+        } else {
+            BlobHome::Store
+        };
+        let gpn = Gpn(v.base.0 + g.0);
+        let sigs = self.similar.detector().signatures(page);
+        if a.patch && seen && untried && self.try_patch(id, g, gpn, &sigs, page, home)? {
+            return Ok(());
+        }
+        if a.compress && seen && untried {
+            if self.try_compress(id, g, page, home) {
+                return Ok(());
+            }
+            // Incompressible and unpatchable as it is: spare the CPU until it changes.
+            self.vms.get_mut(&id).expect("sharable").de_failed[w] |= bit;
+        }
+        if to_swap {
+            if let Some(slot) = self.put_blob(page, BlobHome::Swap) {
+                self.queue_stash(
+                    id,
+                    g,
+                    slot,
+                    PAGE_SIZE,
+                    Form::Raw,
+                    None,
+                    BlobHome::Swap,
+                    None,
+                );
+                return Ok(());
+            }
+        }
+        if a.reference {
+            self.similar.insert(&sigs, RefPage::Guest(gpn));
+        }
+        Ok(())
+    }
+
+    /// Reads reference candidate `c` (a pool frame something holds, or a sharable guest
+    /// page) into `out`.
+    fn candidate(&self, c: RefPage, out: &mut Page) -> bool {
+        match c {
+            RefPage::Frame(f) => {
+                // Only a frame something maps or patches against is immutable.
+                self.frames.contains(f)
+                    && self.frames.refcount(f) > 0
+                    && self.pool.read(f.offset(), out).is_ok()
+            }
+            RefPage::Guest(gpn) => self
+                .locate(gpn)
+                .filter(|&(id2, g2)| self.sharable(id2, g2))
+                .is_some_and(|(id2, g2)| self.vms[&id2].ram.read(g2, out).is_ok()),
+        }
+    }
+
+    /// Patches page `g` against its most similar reference candidate (DE §3.2, §4.3):
+    /// every candidate whose signatures still match gets a patch, the smallest under the
+    /// cut-off is kept. A guest page chosen as reference is copied into a pool frame
+    /// (which no guest can write, so the patch stays valid whatever the guest does) and
+    /// shared onto it. Returns whether a stash was queued.
+    ///
+    /// Errors: [`EngineError::Pool`] (host out of memory for the reference frame).
+    #[allow(clippy::too_many_arguments)]
+    fn try_patch(
+        &mut self,
+        id: VmId,
+        g: Gfn,
+        gpn: Gpn,
+        sigs: &[u32; 8],
+        page: &Page,
+        home: BlobHome,
+    ) -> Result<bool, EngineError> {
+        let mut cands = Vec::new();
+        self.similar.candidates(sigs, &mut cands);
+        let codec = self.cfg.patch_codec;
+        let mut other = [0u8; PAGE_SIZE];
+        let mut blob = Vec::new();
+        let mut best: Option<(RefPage, Vec<u8>, Box<Page>)> = None;
+        for c in cands {
+            if c == RefPage::Guest(gpn) || !self.candidate(c, &mut other) {
+                continue;
+            }
+            if !self.similar.matches(sigs, &other) || other == *page {
+                continue; // a bucket neighbour or changed; identical is the share scan's
+            }
+            let started = self.clock.now_ns();
+            if codec.encode(&other, page, &mut blob).is_err() {
+                continue;
+            }
+            let took = self.clock.now_ns().saturating_sub(started);
+            self.books.record_encode(0, took);
+            if !blob.is_empty()
+                && blob.len() <= self.cfg.patch_cutoff
+                && best.as_ref().is_none_or(|b| blob.len() < b.1.len())
+            {
+                best = Some((c, blob.clone(), Box::new(other)));
+            }
+        }
+        let Some((c, blob, reference)) = best else {
+            return Ok(false);
+        };
+        let Some(slot) = self.put_blob(&blob, home) else {
+            return Ok(false);
+        };
+        let f = match c {
+            RefPage::Frame(f) => f,
+            RefPage::Guest(rgpn) => {
+                let (id2, g2) = self.locate(rgpn).expect("candidate() located it");
+                let h = page_hash(&reference);
+                let Some(f) = self.alloc_frame_or_skip(&reference, h) else {
+                    self.space(home).expect("put above").free(slot.id);
+                    return Ok(false);
+                };
+                self.share.insert(h, ShareEntry::Shared(f));
+                let ref_sigs = self.similar.detector().signatures(&reference);
+                self.similar.insert(&ref_sigs, RefPage::Frame(f));
+                self.enqueue_share(id2, g2, f);
+                f
+            }
+        };
+        self.frames.incref(f, true);
+        let form = Form::Encoded(Encoding::Patch(codec));
+        self.queue_stash(id, g, slot, blob.len(), form, Some(f), home, None);
+        Ok(true)
+    }
+
+    /// Compresses page `g` (DE §3.3) and queues its stash if the result is under the
+    /// cut-off. Returns whether it did.
+    fn try_compress(&mut self, id: VmId, g: Gfn, page: &Page, home: BlobHome) -> bool {
+        let codec = self.cfg.compress_codec;
+        let mut blob = Vec::new();
+        let started = self.clock.now_ns();
+        if codec.compress(page, &mut blob).is_err() {
+            return false;
+        }
+        let took = self.clock.now_ns().saturating_sub(started);
+        self.books.record_encode(1, took);
+        if blob.is_empty() || blob.len() > self.cfg.compress_cutoff {
+            return false;
+        }
+        let Some(slot) = self.put_blob(&blob, home) else {
+            return false;
+        };
+        let form = Form::Encoded(Encoding::Compressed(codec));
+        self.queue_stash(id, g, slot, blob.len(), form, None, home, None);
+        true
+    }
+
+    /// Writes a blob into the store or the swap file; `None` if it cannot take it (a full
+    /// swap file stops swapping until the next budget check).
+    fn put_blob(&mut self, blob: &[u8], home: BlobHome) -> Option<Slot> {
+        let result = self.space(home)?.put(blob);
+        match result {
+            Ok(s) => Some(s),
+            Err(e @ StoreError::Full { .. }) => {
+                self.budget.swap_full += 1;
+                self.budget.swap_wanted = 0;
+                if self.budget.swap_full.is_power_of_two() {
+                    tracing::warn!("{e} (refusal {})", self.budget.swap_full);
+                }
+                None
+            }
+            Err(e) => {
+                tracing::warn!("{e}; page left in guest RAM");
+                None
+            }
+        }
+    }
+
+    /// Records a blob and queues the stash of page `g` as it (`replaces`: a move of the
+    /// stored page's blob `replaces` to this one).
+    #[allow(clippy::too_many_arguments)]
+    fn queue_stash(
+        &mut self,
+        id: VmId,
+        g: Gfn,
+        slot: Slot,
+        len: usize,
+        form: Form,
+        reference: Option<FrameId>,
+        home: BlobHome,
+        replaces: Option<BlobId>,
+    ) {
+        let since_us = match replaces {
+            Some(old) => self.blobs.get(old).since_us,
+            None => self.now_us(),
+        };
+        let blob = Blob {
+            vm: id,
+            gfn: g,
+            home,
+            slot: slot.id,
+            offset: slot.offset,
+            len: len as u32,
+            size: slot.size,
+            form,
+            reference,
+            since_us,
+            replaces,
+        };
+        self.books.slot_bytes[kept_index(blob.kept())] += slot.size as u64;
+        let b = self.blobs.insert(blob);
+        let frees = if replaces.is_some() {
+            slot.size as u64
+        } else {
+            PAGE_SIZE as u64
+        };
+        if home == BlobHome::Swap {
+            self.budget.swap_wanted = self.budget.swap_wanted.saturating_sub(frees);
+        }
+        self.scan.pass_requests += 1;
+        let v = self.vms.get_mut(&id).expect("sharable");
+        v.set(
+            g,
+            match replaces {
+                Some(_) => PageState::Moving(b),
+                None => PageState::Stashing(b),
+            },
+        );
+        v.queue.push(Command::Stash {
+            gfn: g,
+            blob: b,
+            stash: Stash {
+                home,
+                offset: slot.offset,
+                len: len as u32,
+                form,
+                reference,
+                moving: replaces.is_some(),
+            },
+        });
+    }
+
+    /// Over the budget, after the slice's private cold pages: moves the blobs of pages
+    /// the slice keeps in the store to the swap file, oldest first (DE §4.6: patched and
+    /// compressed pages are swap candidates too). A patch keeps its reference frame.
+    fn swap_stored(&mut self, id: VmId, first: Gfn, end: Gfn) {
+        let allowed = self.cfg.policy.actions.iter().any(|a| a.swap);
+        if !allowed || self.budget.swap_wanted == 0 || self.swap.is_none() {
+            return;
+        }
+        let v = &self.vms[&id];
+        let mut todo: Vec<(u64, Gfn, BlobId)> = (first.0..end.0)
+            .map(Gfn)
+            .filter_map(|g| match v.state(g) {
+                PageState::Stored(b) if self.blobs.get(b).home == BlobHome::Store => {
+                    Some((self.blobs.get(b).since_us, g, b))
+                }
+                _ => None,
+            })
+            .collect();
+        todo.sort_unstable();
+        let mut bytes = vec![0u8; PAGE_SIZE];
+        for (_, g, old) in todo {
+            if self.budget.swap_wanted == 0 {
+                break;
+            }
+            let o = *self.blobs.get(old);
+            let bytes = &mut bytes[..o.len as usize];
+            if self.store.read(o.offset, bytes).is_err() {
+                continue;
+            }
+            let Some(slot) = self.put_blob(bytes, BlobHome::Swap) else {
+                break;
+            };
+            if let Some(r) = o.reference {
+                // The move's blob holds the reference frame too until one is released.
+                self.frames.incref(r, true);
+            }
+            let len = o.len as usize;
+            self.queue_stash(
+                id,
+                g,
+                slot,
+                len,
+                o.form,
+                o.reference,
+                BlobHome::Swap,
+                Some(old),
+            );
+        }
+    }
+
+    /// How long a page taken back after `lived_us` waits before it is stored again.
+    pub(crate) fn restash_after(&mut self, id: VmId, g: Gfn, lived_us: u64) {
+        let v = self.vms.get_mut(&id).expect("live");
+        let wait = &mut v.restash_wait[g.index()];
+        *wait = if lived_us >= RESTASH_LIVED_US {
+            0
+        } else {
+            (*wait * 2).clamp(2, 7)
+        };
+    }
+}

@@ -1,0 +1,216 @@
+//! What the agents did, applied back to the books: answers to commands, and the events of
+//! pages that came back into guest RAM on their own (CoW breaks, refills, decodes).
+
+use super::{Command, Engine, Outcome};
+use crate::blobs::Kept;
+use crate::ids::{FrameId, Gfn, VmId};
+use crate::p2m::{BlobId, PageState};
+
+impl Engine {
+    /// Applies the agent's answer to a command of guest `id`. A [`Outcome::Lost`] answer
+    /// changes nothing: the page stays in doubt (see [`Outcome::Lost`]). Answers for a
+    /// guest removed meanwhile, or that do not match the page's state, only release what
+    /// the command held.
+    pub fn outcome(&mut self, id: VmId, cmd: &Command, o: Outcome) {
+        match self.vms.get_mut(&id) {
+            Some(v) if o == Outcome::Lost => {
+                v.books.lost += 1;
+                return;
+            }
+            // Once a guest is detached (or removed) no answer reaches the books: its sent
+            // requests were all lost, and blob ids are reused.
+            Some(v) if v.attached => {}
+            _ => return,
+        }
+        match *cmd {
+            Command::Share { gfn, frame } => self.share_outcome(id, gfn, frame, o),
+            Command::Reclaim { gfn } => self.reclaim_outcome(id, gfn, o),
+            Command::Stash { gfn, blob, stash } => {
+                if stash.moving {
+                    self.move_outcome(id, gfn, blob, o)
+                } else {
+                    self.stash_outcome(id, gfn, blob, o)
+                }
+            }
+            Command::ClockScan { .. } => {}
+        }
+    }
+
+    fn count_answer(&mut self, id: VmId, o: Outcome, stash: bool) {
+        if let Some(v) = self.vms.get_mut(&id) {
+            let b = &mut v.books;
+            match (o, stash) {
+                (Outcome::Changed, false) => b.share_changed += 1,
+                (Outcome::Refused, false) => b.share_refused += 1,
+                (Outcome::Changed, true) => b.stash_changed += 1,
+                (Outcome::Refused, true) => b.stash_refused += 1,
+                _ => {}
+            }
+        }
+    }
+
+    fn share_outcome(&mut self, id: VmId, g: Gfn, f: FrameId, o: Outcome) {
+        self.count_answer(id, o, false);
+        let mapped = o == Outcome::Done;
+        let zero = self.zero_frame == Some(f);
+        let v = self.vms.get_mut(&id).expect("outcome() checked");
+        if v.state(g) != PageState::Sharing(f) {
+            debug_assert!(
+                false,
+                "{id} {g}: share answer for a page in {:?}",
+                v.state(g)
+            );
+            return;
+        }
+        if mapped {
+            v.set(g, PageState::Shared(f));
+            v.books.shared_pages += 1;
+            v.books.shares += 1;
+            if zero {
+                v.books.zero_shared_pages += 1;
+            }
+        } else {
+            v.set(g, PageState::Private);
+        }
+        self.frame_answer(f, mapped);
+    }
+
+    fn reclaim_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) {
+        self.count_answer(id, o, false);
+        let v = self.vms.get_mut(&id).expect("outcome() checked");
+        if v.state(g) != PageState::Reclaiming {
+            return;
+        }
+        if o == Outcome::Done {
+            v.set(g, PageState::Zero);
+            v.books.zero_reclaimed_pages += 1;
+            v.books.reclaims += 1;
+        } else {
+            v.set(g, PageState::Private);
+        }
+    }
+
+    fn stash_outcome(&mut self, id: VmId, g: Gfn, b: BlobId, o: Outcome) {
+        self.count_answer(id, o, true);
+        let kept = self.blobs.get(b).kept();
+        let v = self.vms.get_mut(&id).expect("outcome() checked");
+        if v.state(g) != PageState::Stashing(b) {
+            debug_assert!(
+                false,
+                "{id} {g}: stash answer for a page in {:?}",
+                v.state(g)
+            );
+            return;
+        }
+        if o == Outcome::Done {
+            v.set(g, PageState::Stored(b));
+            *v.books.kept_pages(kept) += 1;
+            *match kept {
+                Kept::Patched => &mut v.books.patches,
+                Kept::Compressed => &mut v.books.compressions,
+                Kept::Swapped => &mut v.books.swap_outs,
+            } += 1;
+            return;
+        }
+        v.set(g, PageState::Private);
+        self.release_blob(b);
+    }
+
+    /// A move of a stored page's blob to the swap file: done only if the agent still had
+    /// the page stored and both blobs decode alike.
+    fn move_outcome(&mut self, id: VmId, g: Gfn, b: BlobId, o: Outcome) {
+        self.count_answer(id, o, true);
+        if self.orphans.remove(&b) {
+            // The guest took the page back meanwhile (its old blob went then).
+            self.release_blob(b);
+            return;
+        }
+        let old = self.blobs.get_mut(b).replaces.take();
+        let state = self.vms[&id].state(g);
+        let (PageState::Moving(_), Some(old)) = (state, old) else {
+            debug_assert!(false, "{id} {g}: move answer for a page in {state:?}");
+            return;
+        };
+        debug_assert_eq!(state, PageState::Moving(b));
+        let old_kept = self.blobs.get(old).kept();
+        let v = self.vms.get_mut(&id).expect("outcome() checked");
+        if o == Outcome::Done {
+            v.set(g, PageState::Stored(b));
+            *v.books.kept_pages(old_kept) -= 1;
+            *v.books.kept_pages(Kept::Swapped) += 1;
+            v.books.swap_outs += 1;
+            v.books.swap_moves += 1;
+            self.release_blob(old);
+        } else {
+            v.set(g, PageState::Stored(old));
+            self.release_blob(b);
+        }
+    }
+
+    /// The agent broke copy-on-write on page `g`, which left frame `f`: the page is
+    /// private again (C1 until its next clock scan).
+    pub fn cow_broken(&mut self, id: VmId, g: Gfn, f: FrameId) {
+        let zero = self.zero_frame == Some(f);
+        let Some(v) = self.vms.get_mut(&id).filter(|v| g.0 < v.pages()) else {
+            return;
+        };
+        if v.state(g) != PageState::Shared(f) {
+            return;
+        }
+        v.set(g, PageState::Private);
+        v.clock.fresh(g.0);
+        v.books.shared_pages -= 1;
+        v.books.cow_breaks += 1;
+        if zero {
+            v.books.zero_shared_pages = v.books.zero_shared_pages.saturating_sub(1);
+        }
+        self.frame_decref(f, false);
+    }
+
+    /// The guest touched reclaimed zero page `g` and the agent filled it.
+    pub fn refilled(&mut self, id: VmId, g: Gfn) {
+        let Some(v) = self.vms.get_mut(&id).filter(|v| g.0 < v.pages()) else {
+            return;
+        };
+        if v.state(g) != PageState::Zero {
+            return;
+        }
+        v.set(g, PageState::Private);
+        v.clock.fresh(g.0);
+        v.books.zero_reclaimed_pages -= 1;
+        v.books.refills += 1;
+    }
+
+    /// The guest touched stored page `g` and the agent decoded it back.
+    pub fn unstashed(&mut self, id: VmId, g: Gfn) {
+        let Some(v) = self.vms.get(&id).filter(|v| g.0 < v.pages()) else {
+            return;
+        };
+        let b = match v.state(g) {
+            PageState::Stored(b) => b,
+            // Its move's answer releases the new blob.
+            PageState::Moving(new) => match self.blobs.get(new).replaces {
+                Some(old) => old,
+                None => return,
+            },
+            _ => return,
+        };
+        if let PageState::Moving(new) = v.state(g) {
+            self.blobs.get_mut(new).replaces = None;
+            self.orphans.insert(new);
+        }
+        let blob = *self.blobs.get(b);
+        let lived = self.now_us().saturating_sub(blob.since_us);
+        self.restash_after(id, g, lived);
+        let v = self.vms.get_mut(&id).expect("checked");
+        v.set(g, PageState::Private);
+        v.clock.fresh(g.0);
+        v.books.unstashes += 1;
+        *v.books.kept_pages(blob.kept()) -= 1;
+        if blob.kept() == Kept::Swapped {
+            v.books.swap_ins += 1;
+        }
+        self.books.lifetimes.record(lived);
+        self.release_blob(b);
+    }
+}

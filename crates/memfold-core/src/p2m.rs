@@ -1,0 +1,137 @@
+//! The P2M map: what backs each guest page, one packed 32-bit entry per gfn (DE §4.1
+//! keeps the same per-gfn entry in Xen's P2M map). It includes the in-flight states of a
+//! live system, where every change of a page is a request to the agent in the guest's
+//! QEMU, answered later, refused, or lost with the connection.
+
+use serde::Serialize;
+
+use crate::ids::FrameId;
+
+/// A blob the engine keeps for a page out of guest RAM: an index into its blob table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct BlobId(pub u32);
+
+/// What backs one guest page.
+///
+/// ```text
+///            share requested        agent: shared             guest writes (CoW break)
+///  Private ───────────────▶ Sharing(f) ──────────▶ Shared(f) ─────────────────────────▶ Private
+///     │  ▲                      │ changed / refused ▲
+///     │  └──────────────────────┘                   │
+///     │ reclaim requested          agent: punched       guest touches (refill)
+///     ├──────────────▶ Reclaiming ─────────▶ Zero ─────────────────────────▶ Private
+///     │ stash requested (blob written)  agent: punched   guest touches (decode back)
+///     └──────────────▶ Stashing(b) ────────▶ Stored(b) ────────────────────▶ Private
+///                                              │ move to swap requested: Moving(b')
+/// ```
+/// A request lost with its connection leaves the page in its in-flight state ("in
+/// doubt") until the agent re-attaches with the list of what it maps, or its QEMU exits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum PageState {
+    /// In guest RAM, the guest's own (also a page never touched: a hole in the memfd).
+    Private,
+    /// A zero page reclaimed (ESX §4.3): a hole the agent refills with zeros on access.
+    Zero,
+    /// Mapped read-only onto a pool frame shared copy-on-write (ESX §4.3, DE §3.1).
+    Shared(FrameId),
+    /// Out of guest RAM as a blob: a patch (DE §3.2), a compressed page (DE §3.3), or any
+    /// of these or the raw page in the swap file (DE §4.6).
+    Stored(BlobId),
+    /// A share onto this frame is requested, not answered yet.
+    Sharing(FrameId),
+    /// A zero-page reclaim is requested, not answered yet.
+    Reclaiming,
+    /// A stash as this blob (already written) is requested, not answered yet.
+    Stashing(BlobId),
+    /// Stored; a move of its blob to this new blob (in the swap file) is requested.
+    Moving(BlobId),
+}
+
+impl PageState {
+    /// Whether a request about this page is under way (or lost, in doubt).
+    pub fn in_flight(self) -> bool {
+        matches!(
+            self,
+            PageState::Sharing(_)
+                | PageState::Reclaiming
+                | PageState::Stashing(_)
+                | PageState::Moving(_)
+        )
+    }
+}
+
+/// One packed P2M entry: 3 bits of state, 29 bits of payload (frame or blob). 4 bytes a
+/// guest page, 0.1% of guest RAM.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct P2mEntry(u32);
+
+impl P2mEntry {
+    /// Largest payload (frame or blob id) an entry holds, exclusive.
+    pub const MAX_PAYLOAD: u32 = 1 << 29;
+    /// A private page.
+    pub const PRIVATE: P2mEntry = P2mEntry(0);
+
+    /// Packs a state. Panics if the payload is not below [`Self::MAX_PAYLOAD`]; the
+    /// allocators never hand out such numbers.
+    pub fn new(s: PageState) -> P2mEntry {
+        let (tag, payload) = match s {
+            PageState::Private => (0, 0),
+            PageState::Zero => (1, 0),
+            PageState::Shared(f) => (2, f.0),
+            PageState::Stored(b) => (3, b.0),
+            PageState::Sharing(f) => (4, f.0),
+            PageState::Reclaiming => (5, 0),
+            PageState::Stashing(b) => (6, b.0),
+            PageState::Moving(b) => (7, b.0),
+        };
+        assert!(
+            payload < Self::MAX_PAYLOAD,
+            "P2M payload {payload} out of range"
+        );
+        P2mEntry(tag << 29 | payload)
+    }
+
+    /// Unpacks the entry.
+    pub fn state(self) -> PageState {
+        let p = self.0 & (Self::MAX_PAYLOAD - 1);
+        match self.0 >> 29 {
+            0 => PageState::Private,
+            1 => PageState::Zero,
+            2 => PageState::Shared(FrameId(p)),
+            3 => PageState::Stored(BlobId(p)),
+            4 => PageState::Sharing(FrameId(p)),
+            5 => PageState::Reclaiming,
+            6 => PageState::Stashing(BlobId(p)),
+            _ => PageState::Moving(BlobId(p)),
+        }
+    }
+}
+
+impl std::fmt::Debug for P2mEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.state().fmt(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_state_round_trips_through_its_packed_entry() {
+        let m = P2mEntry::MAX_PAYLOAD - 1;
+        for s in [
+            PageState::Private,
+            PageState::Zero,
+            PageState::Shared(FrameId(m)),
+            PageState::Stored(BlobId(3)),
+            PageState::Sharing(FrameId(0)),
+            PageState::Reclaiming,
+            PageState::Stashing(BlobId(m)),
+            PageState::Moving(BlobId(9)),
+        ] {
+            assert_eq!(P2mEntry::new(s).state(), s);
+        }
+        assert_eq!(P2mEntry::PRIVATE.state(), PageState::Private);
+    }
+}

@@ -1,0 +1,338 @@
+//! An agent in memory: carries out the engine's commands on a guest's RAM the way the
+//! real agent in QEMU does (`memfold-agent`), for the reference model and `bench micro`.
+//!
+//! Like the real one it serves the guest's accesses itself from where each page lives —
+//! its RAM, a pool frame (copy-on-write on a write), a hole refilled with zeros, a blob
+//! decoded back — and reports those as events afterwards; it checks every command against
+//! the page's bytes before acting (a page written meanwhile is left alone), and it
+//! reads the pool, the store and the swap file through handles of its own. It keeps the
+//! R and M bits of the NRU clock for every access.
+
+use crate::backing::mem::{MemBacking, MemGuestRam};
+use crate::backing::Backing;
+use crate::blobs::{BlobHome, Form};
+use crate::engine::{Command, Mapped, Outcome, Stash};
+use crate::ids::{FrameId, Gfn};
+use crate::{Page, PAGE_SIZE};
+
+/// Where the agent finds a page's bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Home {
+    /// In guest RAM.
+    Private,
+    /// A reclaimed zero page: a hole refilled with zeros on access.
+    Zero,
+    /// Mapped onto a pool frame, write-protected.
+    Frame(FrameId),
+    /// Out of RAM as a blob.
+    Stashed(Stash),
+}
+
+/// What the agent did on its own, reported after the fact.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A write broke copy-on-write on the page, which left the frame.
+    CowBroken(Gfn, FrameId),
+    /// An access refilled a reclaimed zero page.
+    Refilled(Gfn),
+    /// An access decoded a stashed page back.
+    Unstashed(Gfn),
+}
+
+/// The agent's handles on memfoldd's pool, store and swap file.
+#[derive(Clone, Default)]
+pub struct Shared {
+    /// The pool of frames.
+    pub pool: MemBacking,
+    /// The store of blobs.
+    pub store: MemBacking,
+    /// The swap file.
+    pub swap: MemBacking,
+}
+
+/// One guest's agent.
+pub struct SimAgent {
+    /// The guest's RAM (the engine reads the same).
+    pub ram: MemGuestRam,
+    /// memfoldd's backings.
+    pub shared: Shared,
+    home: Vec<Home>,
+    referenced: Vec<bool>,
+    modified: Vec<bool>,
+    /// Events not yet reported.
+    pub events: Vec<Event>,
+    /// Refuse every command (as at the VMA budget).
+    pub refuse: bool,
+}
+
+const PAGE: u64 = PAGE_SIZE as u64;
+
+impl SimAgent {
+    /// An agent for `ram` of `pages` pages, all private.
+    pub fn new(ram: MemGuestRam, pages: u32, shared: Shared) -> Self {
+        let n = pages as usize;
+        SimAgent {
+            ram,
+            shared,
+            home: vec![Home::Private; n],
+            // Never armed: recently modified, as the clock assumes of new pages.
+            referenced: vec![true; n],
+            modified: vec![true; n],
+            events: Vec::new(),
+            refuse: false,
+        }
+    }
+
+    /// Guest RAM, pages.
+    pub fn pages(&self) -> u32 {
+        self.home.len() as u32
+    }
+
+    /// Where page `g` lives now.
+    pub fn home(&self, g: Gfn) -> Home {
+        self.home[g.index()]
+    }
+
+    fn ram_page(&self, g: Gfn) -> Page {
+        let f = self.ram.file();
+        f.bytes[g.offset() as usize..(g.offset() + PAGE) as usize]
+            .try_into()
+            .expect("a page")
+    }
+
+    fn set_ram_page(&mut self, g: Gfn, page: &Page) {
+        let mut f = self.ram.file();
+        f.bytes[g.offset() as usize..(g.offset() + PAGE) as usize].copy_from_slice(page);
+        f.touch(g.offset(), PAGE);
+    }
+
+    fn punch(&mut self, g: Gfn) {
+        self.ram.file().punch(g.offset(), PAGE);
+    }
+
+    /// Decodes a blob into `out`.
+    ///
+    /// Errors: the blob cannot be read or does not decode.
+    fn decode(&self, s: &Stash, out: &mut Page) -> Result<(), String> {
+        let space = match s.home {
+            BlobHome::Store => &self.shared.store,
+            BlobHome::Swap => &self.shared.swap,
+        };
+        let mut blob = vec![0u8; s.len as usize];
+        space.read(s.offset, &mut blob).map_err(|e| e.to_string())?;
+        match s.form {
+            Form::Raw => {
+                *out = blob
+                    .as_slice()
+                    .try_into()
+                    .map_err(|_| "raw blob is not a page")?;
+                Ok(())
+            }
+            Form::Encoded(e) => {
+                let mut reference = [0u8; PAGE_SIZE];
+                if let Some(f) = s.reference {
+                    self.shared
+                        .pool
+                        .read(f.offset(), &mut reference)
+                        .map_err(|e| e.to_string())?;
+                }
+                e.decode(&blob, s.reference.map(|_| &reference), out)
+                    .map_err(|e| e.to_string())
+            }
+        }
+    }
+
+    /// Page `g`'s bytes as the guest would read them, without serving the access.
+    pub fn peek(&self, g: Gfn) -> Result<Page, String> {
+        match self.home[g.index()] {
+            Home::Private => Ok(self.ram_page(g)),
+            Home::Zero => Ok([0u8; PAGE_SIZE]),
+            Home::Frame(f) => {
+                let mut p = [0u8; PAGE_SIZE];
+                self.shared
+                    .pool
+                    .read(f.offset(), &mut p)
+                    .map_err(|e| e.to_string())?;
+                Ok(p)
+            }
+            Home::Stashed(s) => {
+                let mut p = [0u8; PAGE_SIZE];
+                self.decode(&s, &mut p)?;
+                Ok(p)
+            }
+        }
+    }
+
+    /// Serves an access to page `g` (the fault path): a zero page is refilled, a stashed
+    /// page decoded back, and for a write a shared page gets a private copy. Returns the
+    /// page's bytes.
+    ///
+    /// Errors: a blob that does not decode (the page stays stashed).
+    fn fault_in(&mut self, g: Gfn, write: bool) -> Result<Page, String> {
+        let i = g.index();
+        self.referenced[i] = true;
+        self.modified[i] |= write;
+        match self.home[i] {
+            Home::Private => Ok(self.ram_page(g)),
+            Home::Zero => {
+                let zero = [0u8; PAGE_SIZE];
+                self.set_ram_page(g, &zero);
+                self.home[i] = Home::Private;
+                self.events.push(Event::Refilled(g));
+                Ok(zero)
+            }
+            Home::Frame(f) => {
+                let p = self.peek(g)?;
+                if write {
+                    self.set_ram_page(g, &p);
+                    self.home[i] = Home::Private;
+                    self.events.push(Event::CowBroken(g, f));
+                }
+                Ok(p)
+            }
+            Home::Stashed(s) => {
+                let mut p = [0u8; PAGE_SIZE];
+                self.decode(&s, &mut p)?;
+                self.set_ram_page(g, &p);
+                self.home[i] = Home::Private;
+                self.events.push(Event::Unstashed(g));
+                Ok(p)
+            }
+        }
+    }
+
+    /// The guest reads page `g`.
+    ///
+    /// Errors: as [`SimAgent::peek`].
+    pub fn read(&mut self, g: Gfn) -> Result<Page, String> {
+        self.fault_in(g, false)
+    }
+
+    /// The guest writes `bytes` at `offset` in page `g`.
+    ///
+    /// Errors: as [`SimAgent::peek`]; nothing is written then.
+    pub fn write(&mut self, g: Gfn, offset: usize, bytes: &[u8]) -> Result<(), String> {
+        let mut p = self.fault_in(g, true)?;
+        p[offset..offset + bytes.len()].copy_from_slice(bytes);
+        self.set_ram_page(g, &p);
+        Ok(())
+    }
+
+    /// Carries out a command as the real agent does; `ClockScan` is answered by
+    /// [`SimAgent::clock_scan`], here `Done`.
+    pub fn execute(&mut self, cmd: &Command) -> Outcome {
+        if self.refuse {
+            return Outcome::Refused;
+        }
+        match *cmd {
+            Command::Share { gfn, frame } => {
+                if gfn.0 >= self.pages() || self.home[gfn.index()] != Home::Private {
+                    return Outcome::Refused;
+                }
+                let mut p = [0u8; PAGE_SIZE];
+                if self.shared.pool.read(frame.offset(), &mut p).is_err() {
+                    return Outcome::Refused;
+                }
+                if p != self.ram_page(gfn) {
+                    return Outcome::Changed;
+                }
+                self.home[gfn.index()] = Home::Frame(frame);
+                self.punch(gfn);
+                Outcome::Done
+            }
+            Command::Reclaim { gfn } => {
+                if gfn.0 >= self.pages() || self.home[gfn.index()] != Home::Private {
+                    return Outcome::Refused;
+                }
+                if self.ram_page(gfn) != [0u8; PAGE_SIZE] {
+                    return Outcome::Changed;
+                }
+                self.home[gfn.index()] = Home::Zero;
+                self.punch(gfn);
+                Outcome::Done
+            }
+            Command::Stash { gfn, stash, .. } => self.stash(gfn, stash),
+            Command::ClockScan { .. } => Outcome::Done,
+        }
+    }
+
+    fn stash(&mut self, g: Gfn, s: Stash) -> Outcome {
+        if g.0 >= self.pages() {
+            return Outcome::Refused;
+        }
+        let mut new = [0u8; PAGE_SIZE];
+        if s.moving {
+            let Home::Stashed(cur) = self.home[g.index()] else {
+                return Outcome::Changed;
+            };
+            if cur.home != BlobHome::Store {
+                return Outcome::Changed;
+            }
+            let mut old = [0u8; PAGE_SIZE];
+            if self.decode(&cur, &mut old).is_err() || self.decode(&s, &mut new).is_err() {
+                return Outcome::Refused;
+            }
+            if old != new {
+                return Outcome::Changed;
+            }
+            self.home[g.index()] = Home::Stashed(Stash { moving: false, ..s });
+            return Outcome::Done;
+        }
+        if self.home[g.index()] != Home::Private {
+            return Outcome::Refused;
+        }
+        if self.decode(&s, &mut new).is_err() {
+            return Outcome::Refused;
+        }
+        if new != self.ram_page(g) {
+            return Outcome::Changed;
+        }
+        self.home[g.index()] = Home::Stashed(s);
+        self.punch(g);
+        Outcome::Done
+    }
+
+    /// Reports and clears the R and M bits of `[first, first+count)` (bit k of word k/64
+    /// for page `first + k`), clamped to the guest's RAM.
+    pub fn clock_scan(&mut self, first: Gfn, count: u32) -> (u32, Vec<u64>, Vec<u64>) {
+        let n = count.min(self.pages().saturating_sub(first.0));
+        let mut r = vec![0u64; (n as usize).div_ceil(64)];
+        let mut m = r.clone();
+        for k in 0..n as usize {
+            let i = first.index() + k;
+            if std::mem::take(&mut self.referenced[i]) {
+                r[k / 64] |= 1 << (k % 64);
+            }
+            if std::mem::take(&mut self.modified[i]) {
+                m[k / 64] |= 1 << (k % 64);
+            }
+        }
+        (n, r, m)
+    }
+
+    /// Before re-attaching to a (new) memfoldd: writes every stashed page back into guest
+    /// RAM, drops unreported events (the list says it all), and lists what it maps.
+    ///
+    /// Errors: a blob that does not decode (the page stays stashed; no attach).
+    pub fn prepare_reattach(&mut self) -> Result<Vec<(Gfn, Mapped)>, String> {
+        for i in 0..self.home.len() {
+            if let Home::Stashed(s) = self.home[i] {
+                let mut p = [0u8; PAGE_SIZE];
+                self.decode(&s, &mut p)?;
+                self.set_ram_page(Gfn(i as u32), &p);
+                self.home[i] = Home::Private;
+            }
+        }
+        self.events.clear();
+        Ok(self
+            .home
+            .iter()
+            .enumerate()
+            .filter_map(|(i, h)| match h {
+                Home::Frame(f) => Some((Gfn(i as u32), Mapped::Frame(*f))),
+                Home::Zero => Some((Gfn(i as u32), Mapped::Zero)),
+                _ => None,
+            })
+            .collect())
+    }
+}
