@@ -53,7 +53,7 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         a.memfold.secs > 0,
         "memfold compare needs --secs > 0 (each side runs that long)"
     );
-    eprintln!("== memfold (policy {}) on the set", a.memfold.policy);
+    eprintln!("== memfold (policy {}) on the set", a.memfold.engine.policy);
     let (m, out) = run::measure(&RunArgs::without_twins(a.memfold.clone()), "compare", &stop)?;
     run::write_outputs(&out, &m)?;
 
@@ -94,8 +94,8 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "memfold_cpu_s": m.cpu_s,
         "ksm_cpu_s": ksm_cpu_s,
         "ksm_guest_mismatches": mismatches.len(),
-        "memfold_zero_policy": a.memfold.zero_name(),
-        "memfold_policy": a.memfold.policy,
+        "memfold_zero_policy": a.memfold.engine.zero,
+        "memfold_policy": a.memfold.engine.policy,
         "memfold_saved_by_pages": m.end().map(|s| s.saved_by),
         "memfold_lifetime": m.end().map(|s| s.lifetime.clone()),
         "memfold_latency_us": m.end().map(|s| s.latency),
@@ -106,7 +106,7 @@ pub fn run(a: &CompareArgs) -> Result<()> {
     } else {
         println!(
             "memfold ({}): saved {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s)\nKSM:     saved {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s)\nratio memfold/KSM: {:.2}",
-            a.memfold.policy,
+            a.memfold.engine.policy,
             m.saved_bytes / MIB,
             m.used_before as f64 / MIB,
             t95_text(m.t95_s),

@@ -54,9 +54,10 @@ fn setup() -> impl Strategy<Value = Setup> {
         prop::option::of(8u32..80),
         0u32..96,
         prop_oneof![Just(0u32), Just(50), Just(1000)],
+        prop::bool::weighted(0.2),
     )
         .prop_map(
-            |(zero, policy, patch_codec, compress_codec, budget_pages, swap_pages, rate)| Setup {
+            |(
                 zero,
                 policy,
                 patch_codec,
@@ -64,6 +65,16 @@ fn setup() -> impl Strategy<Value = Setup> {
                 budget_pages,
                 swap_pages,
                 rate,
+                collide_hashes,
+            )| Setup {
+                zero,
+                policy,
+                patch_codec,
+                compress_codec,
+                budget_pages,
+                swap_pages,
+                rate,
+                collide_hashes,
             },
         )
 }

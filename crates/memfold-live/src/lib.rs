@@ -1,19 +1,23 @@
-//! memfold's live layer: the mechanisms that touch real guest memory.
+//! memfold's live layer: memfoldd, which runs the one engine (`memfold-core`) over
+//! running QEMU guests, with the engine's backings on memfds and files.
 //!
+//! - [`daemon`]: memfoldd — connections, the executor that turns the engine's commands
+//!   into requests to the agents and their answers into outcomes, the backings, the
+//!   books' export.
 //! - [`agent`]: runs inside QEMU (preloaded by the `memfold-agent` library), owns the
-//!   userfaultfd on guest RAM, maps shared pool frames over guest pages and breaks
-//!   copy-on-write on every write.
-//! - [`daemon`]: memfoldd, which scans guests, decides what to share with the core's share
-//!   table, and keeps the books.
+//!   userfaultfd on guest RAM and carries the requests out.
 //!
 //! They talk over `memfold-wire`'s versioned protocol (as do clients) and reach the OS
 //! through `memfold-sys` (memfd, userfaultfd, the socket).
 //!
-//! Data flows one way: guest memory (memfd, read with pread) → detection (daemon, core) →
-//! mechanism (agent: mapping changes, userfaultfd) → accounting (daemon statistics).
+//! Data flows one way: guest memory (memfd, read with pread) → detection and decision
+//! (the engine) → mechanism (agent: mapping changes, userfaultfd) → outcome → books.
+
+#![deny(missing_docs)]
 
 pub mod agent;
 pub mod daemon;
+#[allow(dead_code)] // the agent half goes with the agent's move to memfold-agent
 mod legacy;
 
 use std::path::Path;

@@ -10,8 +10,9 @@
 use std::time::{Duration, Instant};
 
 use memfold_core::{CompressCodec, PatchCodec, Policy};
+use memfold_core::{EngineConfig, ZeroPolicy};
 use memfold_live::agent::{self, AgentConfig};
-use memfold_live::daemon::{self, DaemonConfig, ZeroPolicy};
+use memfold_live::daemon::{self, DaemonConfig};
 use memfold_live::query_stats;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
@@ -82,17 +83,20 @@ fn run_model(pages: usize, host_budget: Option<u64>, cold: f64, codec: CompressC
     let socket = work.path().join("memfoldd.sock");
     let cfg = DaemonConfig {
         socket: socket.clone(),
-        rate: 0,
-        zero: ZeroPolicy::Reclaim,
-        min_scan_interval: Duration::from_millis(100),
-        max_scan_interval: Duration::from_millis(400),
-        clock_interval: Some(Duration::from_millis(300)),
-        policy: Policy::difference_engine(),
-        patch_codec: PatchCodec::RunDiff,
-        patch_cutoff: 2048,
-        compress_codec: codec,
-        compress_cutoff: 2048,
-        host_budget,
+        engine: EngineConfig {
+            rate: 0,
+            zero: ZeroPolicy::Reclaim,
+            min_scan_interval_us: 100_000,
+            max_scan_interval_us: 400_000,
+            clock_interval_us: Some(300_000),
+            policy: Policy::difference_engine(),
+            patch_codec: PatchCodec::RunDiff,
+            patch_cutoff: 2048,
+            compress_codec: codec,
+            compress_cutoff: 2048,
+            host_budget,
+            ..EngineConfig::default()
+        },
         swap_file: work.path().join("swap"),
         swap_capacity: 64 << 20,
     };

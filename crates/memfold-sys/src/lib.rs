@@ -11,14 +11,10 @@
 //! | [`socket`] | a `SOCK_SEQPACKET` Unix socket that carries packets of bytes and file descriptors (SCM_RIGHTS) |
 //! | [`uffd`] | userfaultfd on shmem: register, write-protect, copy, zero-page, continue, events |
 //! | [`ksm`] | Linux KSM's sysfs settings and counters (the peer memfold is measured against) |
-//! | [`FileSwapDevice`] | the swap file (Difference Engine §4.6: "a single flat file of configurable size is used as storage for the swap space") |
 
 #![deny(missing_docs)]
 
 pub mod ksm;
 pub mod memfd;
 pub mod socket;
-mod swapfile;
 pub mod uffd;
-
-pub use swapfile::{FileSwapDevice, SwapFileError};

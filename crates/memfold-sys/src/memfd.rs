@@ -88,6 +88,13 @@ pub fn punch_hole(fd: BorrowedFd<'_>, off: u64, len: u64) -> bool {
     .is_ok()
 }
 
+/// Writes what was written to `fd` through to its disk (fdatasync).
+///
+/// Errors: the write-back failed (EIO, ENOSPC).
+pub fn sync_data(fd: BorrowedFd<'_>) -> io::Result<()> {
+    Ok(rustix::fs::fdatasync(fd)?)
+}
+
 /// Drops the page cache of `[off, off+len)` of `fd` (`POSIX_FADV_DONTNEED`): a file
 /// read once keeps no host memory. Advice only: a failure changes nothing.
 pub fn drop_cache(fd: BorrowedFd<'_>, off: u64, len: u64) {

@@ -40,7 +40,7 @@ pub use messages::{
     MAX_MESSAGE, PROTOCOL_VERSION,
 };
 pub use reattach::Mapped;
-pub use stats::{LifetimeCdf, OpLatencies, SavedBy, Stats, SwapStats, VmStats};
+pub use stats::{LifetimeCdf, OpLatencies, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS};
 
 /// Wire errors.
 #[derive(Debug, thiserror::Error)]

@@ -1,9 +1,13 @@
 //! `memfold bench micro`: Difference Engine §5.3's micro-benchmark, through the engine core.
 //!
 //! One VM per (page type, mechanism) run. Its size is 4/3 of the allocated pages (the paper
-//! allocates 75% of a 256 MB VM). Time is simulated: every simulated second the workload
-//! does its share of page operations, then the clock scans `scan_rate` pages (as a live
-//! scanner rate-limited in pages/s would), then the books are sampled.
+//! allocates 75% of a 256 MB VM). It runs the engine memfoldd runs ([`Engine`]) over
+//! in-memory guest RAM, with an in-memory agent ([`SimAgent`]) carrying out its commands
+//! at once and reporting its events at once. Time is simulated: every simulated second
+//! the workload does its share of page operations through the agent (guest accesses:
+//! CoW breaks, refills and decodes happen there), then the engine runs ten 100 ms steps of
+//! its sharing scan (rate-limited to `scan_rate` pages/s) and NRU clock, then the books
+//! are sampled.
 //!
 //! Phases, with `phase_secs` of stabilisation after each (the paper: 80 s): allocate (write
 //! every page), read (every page, whole), write (one constant byte at 16 fixed offsets of
@@ -15,7 +19,11 @@ use std::sync::Mutex;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use memfold_core::{Engine, EngineConfig, MemSwapDevice, Policy, PAGE_SIZE};
+use memfold_core::backing::mem::{ManualClock, MemGuestRam};
+use memfold_core::engine::{Attach, Backings, Command, Outcome};
+use memfold_core::ids::{Gfn, VmId};
+use memfold_core::sim::{Event, Shared, SimAgent};
+use memfold_core::{Engine, EngineConfig, Policy, PAGE_SIZE};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 use serde::Serialize;
 
@@ -41,9 +49,9 @@ pub struct MicroArgs {
     /// Simulated seconds each workload phase lasts.
     #[arg(long, default_value_t = 10)]
     pub op_secs: u32,
-    /// Share-table passes per clock cycle (DE §4.3: 5).
-    #[arg(long, default_value_t = 5)]
-    pub share_passes: u32,
+    /// NRU clock interval, simulated seconds (DE §4.2: 4).
+    #[arg(long, default_value_t = 4)]
+    pub clock_secs: u32,
     /// Share of bytes changed in a "similar" page, percent (DE: 95%-similar pages → 5).
     #[arg(long, default_value_t = 5)]
     pub similar_diff_pct: u32,
@@ -83,7 +91,8 @@ pub struct RunResult {
     pub final_: f64,
     pub samples: Vec<Sample>,
     pub faults: u64,
-    pub metadata_peak: memfold_core::MetadataUsage,
+    /// Peak engine metadata, bytes.
+    pub metadata_peak: u64,
 }
 
 /// Simulated times of the phase events (1)–(9) of DE Figures 5–7.
@@ -169,6 +178,77 @@ const WRITE_OFFSETS: [usize; 16] = [
     0, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2304, 2560, 2816, 3072, 3328, 3584, 3840,
 ];
 
+/// One engine over one in-memory guest and its agent.
+struct Bench {
+    engine: Engine,
+    agent: SimAgent,
+    vm: VmId,
+    clock: ManualClock,
+}
+
+impl Bench {
+    fn new(cfg: EngineConfig, pages: u32) -> Result<Bench> {
+        let clock = ManualClock::new();
+        let shared = Shared::default();
+        let backings = Backings {
+            pool: Box::new(shared.pool.clone()),
+            store: Box::new(shared.store.clone()),
+            swap: None,
+        };
+        let mut engine = Engine::new(cfg, backings, Box::new(clock.clone()))?;
+        let ram = MemGuestRam::new(pages);
+        let agent = SimAgent::new(ram.clone(), pages, shared);
+        let vm = engine.attach(Attach {
+            name: "micro".into(),
+            pid: 1,
+            pages,
+            ram: Box::new(ram),
+            mapped: Vec::new(),
+        })?;
+        Ok(Bench {
+            engine,
+            agent,
+            vm,
+            clock,
+        })
+    }
+
+    /// The agent's events reach the engine.
+    fn report(&mut self) {
+        for e in std::mem::take(&mut self.agent.events) {
+            match e {
+                Event::CowBroken(g, f) => self.engine.cow_broken(self.vm, g, f),
+                Event::Refilled(g) => self.engine.refilled(self.vm, g),
+                Event::Unstashed(g) => self.engine.unstashed(self.vm, g),
+            }
+        }
+    }
+
+    /// 100 ms of memfoldd: scan, clock, commands carried out and answered.
+    fn step(&mut self) -> Result<()> {
+        self.clock.advance(100_000);
+        self.engine.scan_step()?;
+        self.engine.clock_step();
+        for _ in 0..8 {
+            let cmds = self.engine.take_commands(self.vm);
+            if cmds.is_empty() {
+                break;
+            }
+            for c in cmds {
+                if let Command::ClockScan { first, count } = c {
+                    let (n, r, m) = self.agent.clock_scan(first, count);
+                    self.engine.clock_bits(self.vm, first, n, &r, &m)?;
+                } else {
+                    let o: Outcome = self.agent.execute(&c);
+                    self.engine.outcome(self.vm, &c, o);
+                }
+            }
+        }
+        self.report();
+        Ok(())
+    }
+}
+
 fn run_one(
     a: &MicroArgs,
     pages_gen: &Pages,
@@ -182,20 +262,22 @@ fn run_one(
     };
     let cfg = EngineConfig {
         policy,
-        share_passes: a.share_passes,
+        rate: a.scan_rate as u64,
+        min_scan_interval_us: 1_000_000,
+        max_scan_interval_us: 4_000_000,
+        clock_interval_us: Some(a.clock_secs as u64 * 1_000_000),
         ..EngineConfig::default()
     };
-    let mut e = Engine::new(cfg, Box::new(MemSwapDevice::new(0))).map_err(anyhow::Error::msg)?;
     let n = a.pages;
-    let vm = e.create_vm(n + n / 3)?;
+    let mut b = Bench::new(cfg, n + n / 3)?;
     let ev = Events::new(a);
     let per_sec = n.div_ceil(a.op_secs.max(1));
     let mut samples = Vec::new();
     let mut peak: f64 = 0.0;
     let mut final_ = 0.0;
-    let mut meta_peak = memfold_core::MetadataUsage::default();
+    let mut meta_peak = 0u64;
     let alloc_bytes = n as f64 * PAGE_SIZE as f64;
-    let mut buf = vec![0u8; PAGE_SIZE];
+    let page = PAGE_SIZE as f64;
     for t in 0..=ev.times[8] {
         // The workload's operations for this second.
         for (phase, &start) in [ev.times[0], ev.times[2], ev.times[4], ev.times[6]]
@@ -205,55 +287,57 @@ fn run_one(
             if t >= start && t < start + a.op_secs {
                 let from = (t - start) * per_sec;
                 for g in from..(from + per_sec).min(n) {
-                    match phase {
-                        0 => {
-                            e.write(vm, g, 0, &pages_gen.page(kind, g))?;
-                        }
-                        1 => {
-                            e.read(vm, g, 0, &mut buf)?;
-                        }
-                        2 => {
-                            for &off in &WRITE_OFFSETS {
-                                e.write(vm, g, off, &[0x5A])?;
-                            }
-                        }
-                        _ => e.discard(vm, g)?,
-                    }
+                    let g = Gfn(g);
+                    let r = match phase {
+                        0 => b.agent.write(g, 0, &pages_gen.page(kind, g.0)),
+                        1 => b.agent.read(g).map(|_| ()),
+                        2 => WRITE_OFFSETS
+                            .iter()
+                            .try_for_each(|&off| b.agent.write(g, off, &[0x5A])),
+                        // The guest frees the page: zeros, as a balloon or init_on_free
+                        // leaves it.
+                        _ => b.agent.write(g, 0, &[0u8; PAGE_SIZE]),
+                    };
+                    r.map_err(anyhow::Error::msg)?;
                 }
             }
         }
-        e.tick(t as u64 * 1_000_000, a.scan_rate)?;
-        let acc = e.accounting();
-        let f = acc.saved_bytes as f64 / alloc_bytes;
-        peak = peak.max(f);
-        if acc.metadata.fraction > meta_peak.fraction {
-            meta_peak = acc.metadata;
+        b.report();
+        for _ in 0..10 {
+            b.step()?;
         }
+        let books = b.engine.books();
+        let f = books.saved_pages as f64 * page / alloc_bytes;
+        peak = peak.max(f);
+        meta_peak = meta_peak.max(books.metadata_bytes);
         if t == ev.final_at() {
             final_ = f;
         }
+        let s = &books.saved_by;
         samples.push(Sample {
             t,
             saved_fraction: f,
-            zero: acc.saved.zero,
-            sharing: acc.saved.sharing,
-            patching: acc.saved.patching,
-            compression: acc.saved.compression,
-            blob_fragmentation: acc.saved.blob_fragmentation,
+            zero: s.zero as f64 * page,
+            sharing: s.sharing as f64 * page,
+            patching: s.patching as f64 * page,
+            compression: s.compression as f64 * page,
+            blob_fragmentation: s.store_waste as f64 * page,
         });
     }
-    e.check_invariants()
+    b.engine
+        .check_invariants()
         .map_err(anyhow::Error::msg)
         .context("engine invariants after the run")?;
-    let c = *e.counters();
-    e.destroy_vm(vm)?;
+    let v = &b.engine.books().vms[0].books;
+    let faults = v.unstashes + v.refills + v.cow_breaks;
+    b.engine.remove(b.vm);
     Ok(RunResult {
         page_type: kind,
         mechanism: mech,
         peak,
         final_,
         samples,
-        faults: c.unpatches + c.decompressions + c.swap_ins + c.cow_breaks,
+        faults,
         metadata_peak: meta_peak,
     })
 }
@@ -371,10 +455,10 @@ pub fn run(a: &MicroArgs) -> Result<()> {
             "pages": a.pages,
             "scan_rate": a.scan_rate,
             "phase_secs": a.phase_secs,
-            "share_passes": a.share_passes,
+            "clock_secs": a.clock_secs,
             "events_s": ev.times,
             "savings": savings,
-            "metadata_peak_fraction": results.iter().map(|r| r.metadata_peak.fraction).fold(0.0, f64::max),
+            "metadata_peak_bytes": results.iter().map(|r| r.metadata_peak).max(),
             "csv": out.join("micro.csv"),
             "png": png,
         });
@@ -405,24 +489,15 @@ pub fn run(a: &MicroArgs) -> Result<()> {
         }
         let worst = results
             .iter()
-            .max_by(|a, b| {
-                a.metadata_peak
-                    .fraction
-                    .total_cmp(&b.metadata_peak.fraction)
-            })
+            .max_by_key(|r| r.metadata_peak)
             .expect("runs");
-        let m = &worst.metadata_peak;
+        let managed = (a.pages + a.pages / 3) as f64 * PAGE_SIZE as f64;
         println!(
-            "\nengine metadata, peak: {:.3}% of managed memory ({} / {}): P2M {} B, clock {} B, frames {} B, share table {} B, similarity {} B, blob store {} B",
-            m.fraction * 100.0,
+            "\nengine metadata, peak: {} bytes, {:.3}% of managed memory ({} / {})",
+            worst.metadata_peak,
+            worst.metadata_peak as f64 / managed * 100.0,
             worst.page_type,
-            worst.mechanism,
-            m.p2m,
-            m.clock,
-            m.frames,
-            m.share_table,
-            m.similarity,
-            m.blob_store
+            worst.mechanism
         );
         println!(
             "time series: {}\nplot: {}\n({:.1} s)",

@@ -4,7 +4,7 @@ use std::ffi::OsString;
 use std::path::Path;
 
 use clap::Args;
-use memfold_live::daemon::ZeroPolicy;
+use memfold_cli::engine_args::EngineArgs;
 
 use crate::guests;
 
@@ -36,82 +36,19 @@ pub struct MemfoldArgs {
     /// Seconds memfoldd runs before the command stops everything (0: until Ctrl-C).
     #[arg(long, default_value_t = 120)]
     pub secs: u64,
-    /// memfoldd's scan rate, pages/s (0: full speed).
-    #[arg(long, default_value_t = 0)]
-    pub rate: u64,
-    /// Zero pages: reclaim (punch out, refill on access), share (one zero frame, ESX) or
-    /// keep (Satori §4.1).
-    #[arg(long, value_enum, default_value_t = ZeroPolicy::Reclaim)]
-    pub zero: ZeroPolicy,
-    /// NRU clock (DE §4.2): seconds for its hand to pass over each guest once (R/M
-    /// tracking by minor and write-protect faults); 0: off, unless the policy patches or
-    /// compresses or --host-budget-mib is given (then 4 s, DE's rescan interval).
-    #[arg(long, default_value_t = 0.0)]
-    pub clock_secs: f64,
-    /// Which mechanisms may touch pages of each NRU class (DE §4.2): `sharing` (what
-    /// ESX and KSM do), `de` (the Difference Engine: sharing, patching, compression),
-    /// `aggressive` (every page as C4), or one mechanism alone.
-    #[arg(long, default_value = "de", value_parser = clap::builder::PossibleValuesParser::new(memfold_core::Policy::NAMES))]
-    pub policy: String,
-    /// Host memory budget for the guests' RAM, MiB (DE §4.6): over it, memfoldd swaps
-    /// cold pages out to a swap file in the output folder (turns the clock on). Guests
-    /// whose RAM together exceeds it keep running: overcommit.
-    #[arg(long)]
-    pub host_budget_mib: Option<u64>,
-    /// Swap file capacity, MiB (with --host-budget-mib).
-    #[arg(long, default_value_t = 1024)]
-    pub swap_mib: u64,
-    /// Page compressor for cold pages (DE §3.3): zstd (level 1), lz4, lzo or wkdm.
-    #[arg(long, default_value = "zstd")]
-    pub compress_codec: memfold_core::CompressCodec,
-    /// Largest compressed page kept, bytes (DE §3.3's cut-off).
-    #[arg(long, default_value_t = 2048)]
-    pub compress_cutoff: usize,
-    /// Largest patch kept, bytes (DE §3.2's cut-off).
-    #[arg(long, default_value_t = 2048)]
-    pub patch_cutoff: usize,
+    /// The engine's settings (memfoldd's own flags and defaults).
+    #[command(flatten)]
+    pub engine: EngineArgs,
 }
 
 impl MemfoldArgs {
-    /// The clock interval memfoldd gets, s: as given, or 4 s for a policy that needs it.
-    pub fn clock_interval_s(&self) -> f64 {
-        let needs = memfold_core::Policy::by_name(&self.policy).is_some_and(|p| p.needs_clock())
-            || self.host_budget_mib.is_some();
-        if self.clock_secs <= 0.0 && needs {
-            4.0
-        } else {
-            self.clock_secs
-        }
-    }
-
-    /// The zero policy's name, as memfoldd's `--zero` takes it.
-    pub fn zero_name(&self) -> &'static str {
-        zero_name(self.zero)
-    }
-
-    /// memfoldd's command line for this run (after the program name): the one place where
-    /// `memfold run` (and `memfold compare`) turn their flags into memfoldd's. The socket
-    /// and, with a host budget, the swap file (`memfoldd.swap`) are in `out`. Every
-    /// setting is passed explicitly, so memfoldd's own defaults do not apply.
+    /// memfoldd's command line for this run (after the program name): the socket and,
+    /// with a host budget, the swap file (`memfoldd.swap`) in `out`, then every engine
+    /// setting explicitly ([`EngineArgs::to_args`]).
     pub fn memfoldd_args(&self, socket: &Path, out: &Path) -> Vec<OsString> {
         let mut v: Vec<OsString> = vec!["--socket".into(), socket.into()];
-        let mut opt = |name: &str, value: String| {
-            v.push(name.into());
-            v.push(value.into());
-        };
-        opt("--rate", self.rate.to_string());
-        opt("--zero", self.zero_name().into());
-        opt(
-            "--clock-interval-ms",
-            ((self.clock_interval_s() * 1000.0) as u64).to_string(),
-        );
-        opt("--policy", self.policy.clone());
-        opt("--compress-codec", self.compress_codec.name().into());
-        opt("--compress-cutoff", self.compress_cutoff.to_string());
-        opt("--patch-cutoff", self.patch_cutoff.to_string());
-        if let Some(b) = self.host_budget_mib {
-            opt("--host-budget-mib", b.to_string());
-            opt("--swap-mib", self.swap_mib.to_string());
+        v.extend(self.engine.to_args());
+        if self.engine.host_budget_mib.is_some() {
             v.push("--swap-file".into());
             v.push(out.join("memfoldd.swap").into());
         }
@@ -158,19 +95,10 @@ impl RunArgs {
     }
 }
 
-/// A zero policy's name on the command line (`reclaim`, `share`, `keep`).
-fn zero_name(z: ZeroPolicy) -> &'static str {
-    match z {
-        ZeroPolicy::Reclaim => "reclaim",
-        ZeroPolicy::Share => "share",
-        ZeroPolicy::Keep => "keep",
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::{Parser, ValueEnum};
+    use clap::Parser;
 
     #[derive(Parser)]
     struct Cli {
@@ -195,40 +123,14 @@ mod tests {
     }
 
     #[test]
-    fn memfoldd_gets_every_setting_with_run_defaults() {
+    fn memfoldd_gets_the_socket_every_engine_setting_and_the_swap_file() {
         let a = parse(&[]);
-        assert_eq!(
-            strings(a.memfoldd_args(Path::new("/o/memfoldd.sock"), Path::new("/o"))),
-            [
-                "--socket",
-                "/o/memfoldd.sock",
-                "--rate",
-                "0",
-                "--zero",
-                "reclaim",
-                "--clock-interval-ms",
-                "4000",
-                "--policy",
-                "de",
-                "--compress-codec",
-                "zstd",
-                "--compress-cutoff",
-                "2048",
-                "--patch-cutoff",
-                "2048",
-            ]
-        );
-    }
-
-    #[test]
-    fn sharing_runs_without_the_clock_unless_a_budget_needs_it() {
-        let a = parse(&["--policy", "sharing", "--zero", "keep"]);
-        assert_eq!(a.clock_interval_s(), 0.0);
-        let v = strings(a.memfoldd_args(Path::new("s"), Path::new("/o")));
-        assert!(v.windows(2).any(|w| w == ["--zero", "keep"]));
+        let v = strings(a.memfoldd_args(Path::new("/o/memfoldd.sock"), Path::new("/o")));
+        assert_eq!(&v[..2], ["--socket", "/o/memfoldd.sock"]);
+        assert!(v.windows(2).any(|w| w == ["--policy", "de"]));
+        assert!(v.windows(2).any(|w| w == ["--clock-secs", "4"]));
         assert!(!v.iter().any(|s| s == "--swap-file"));
         let b = parse(&["--policy", "sharing", "--host-budget-mib", "200"]);
-        assert_eq!(b.clock_interval_s(), 4.0);
         let v = strings(b.memfoldd_args(Path::new("s"), Path::new("/o")));
         assert!(v.ends_with(&[
             "--host-budget-mib".into(),
@@ -238,15 +140,6 @@ mod tests {
             "--swap-file".into(),
             "/o/memfoldd.swap".into()
         ]));
-        assert_eq!(parse(&["--clock-secs", "8"]).clock_interval_s(), 8.0);
-    }
-
-    #[test]
-    fn zero_names_are_the_ones_clap_parses() {
-        for z in ZeroPolicy::value_variants() {
-            let parsed = ZeroPolicy::from_str(zero_name(*z), false).expect("a value name");
-            assert_eq!(parsed, *z);
-        }
     }
 
     #[test]

@@ -143,7 +143,7 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         "t95_s": r.t95_s,
         "cpu_s": r.cpu_s,
         "latency_us": r.end().map(|s| s.latency),
-        "policy": a.policy,
+        "policy": a.engine.policy,
         "saved_by_pages": r.end().map(|s| s.saved_by),
         "lifetime": r.end().map(|s| s.lifetime.clone()),
     });

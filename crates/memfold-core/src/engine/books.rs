@@ -251,6 +251,9 @@ pub struct Books {
     pub adopted_pool: bool,
     /// Frames the pool could not take (host out of memory; cumulative).
     pub pool_errors: u64,
+    /// Bytes of the engine's own metadata: P2M entries, clock bytes and per-page hints,
+    /// the pool's books, the share table, the similarity index, the blob table.
+    pub metadata_bytes: u64,
     /// Encode times as (ns, count) pairs: [patch encode per candidate, compress].
     pub encode_ns: [Vec<(u64, u64)>; 2],
     /// Per guest, by id.
@@ -395,12 +398,27 @@ impl Engine {
             table_entries: self.share.len() as u64,
             adopted_pool: self.adopted,
             pool_errors: self.books.pool_errors,
+            metadata_bytes: self.metadata_bytes(),
             encode_ns: [
                 pairs(&self.books.encode_ns[0]),
                 pairs(&self.books.encode_ns[1]),
             ],
             vms,
         }
+    }
+
+    /// Bytes of the engine's own metadata (see [`Books::metadata_bytes`]).
+    pub fn metadata_bytes(&self) -> u64 {
+        let per_vm: usize = self
+            .vms
+            .values()
+            .map(|v| v.p2m.capacity() * 4 + v.p2m.len() * 2 + v.de_failed.capacity() * 8)
+            .sum();
+        (per_vm
+            + self.frames.metadata_bytes()
+            + self.share.metadata_bytes()
+            + self.similar.metadata_bytes()
+            + self.blobs.len() * std::mem::size_of::<crate::blobs::Blob>()) as u64
     }
 
     /// Slot bytes the books hold for `k`.

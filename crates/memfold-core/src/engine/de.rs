@@ -14,7 +14,7 @@ use crate::p2m::{BlobId, PageState};
 use crate::share::ShareEntry;
 use crate::similarity::RefPage;
 use crate::slab::Slot;
-use crate::{is_zero_page, page_hash, Page, PAGE_SIZE};
+use crate::{is_zero_page, Page, PAGE_SIZE};
 
 use super::scan::READ_PAGES;
 
@@ -263,7 +263,7 @@ impl Engine {
             RefPage::Frame(f) => f,
             RefPage::Guest(rgpn) => {
                 let (id2, g2) = self.locate(rgpn).expect("candidate() located it");
-                let h = page_hash(&reference);
+                let h = (self.cfg.page_hash)(&reference);
                 let Some(f) = self.alloc_frame_or_skip(&reference, h) else {
                     self.space(home).expect("put above").free(slot.id);
                     return Ok(false);

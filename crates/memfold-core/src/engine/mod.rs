@@ -112,6 +112,9 @@ pub struct EngineConfig {
     /// Host memory budget for the guests' RAM (their memfds, the pool and the store),
     /// bytes; over it, cold pages are swapped out (DE §4.6). `None`: no swapping.
     pub host_budget: Option<u64>,
+    /// The share table's content hash ([`page_hash`], xxh3-64). Tests replace it with
+    /// one that collides, so that every match must be confirmed byte for byte.
+    pub page_hash: fn(&Page) -> u64,
 }
 
 impl Default for EngineConfig {
@@ -132,6 +135,7 @@ impl Default for EngineConfig {
             max_scan_interval_us: 8_000_000,
             clock_interval_us: Some(4_000_000),
             host_budget: None,
+            page_hash,
         }
     }
 }
@@ -407,7 +411,7 @@ impl Engine {
             blobs: BlobTable::default(),
             orphans: Default::default(),
             share: ShareTable::new(1),
-            zero_hash: page_hash(&[0u8; PAGE_SIZE]),
+            zero_hash: (cfg.page_hash)(&[0u8; PAGE_SIZE]),
             zero_frame: None,
             similar: SimilarityIndex::new(det),
             similar_cleared_us: now,
@@ -613,7 +617,7 @@ impl Engine {
         self.pool
             .read(f.offset(), page)
             .map_err(EngineError::Pool)?;
-        let h = page_hash(page);
+        let h = (self.cfg.page_hash)(page);
         if self.frames.hash(f) != h || !self.share.lookup(h).any(|e| e == ShareEntry::Shared(f)) {
             self.frames.set_hash(f, h);
             self.share.insert(h, ShareEntry::Shared(f));

@@ -9,7 +9,7 @@ use super::{Command, Engine, EngineError, ZeroPolicy};
 use crate::ids::{Gfn, VmId};
 use crate::p2m::PageState;
 use crate::share::ShareEntry;
-use crate::{is_zero_page, page_hash, Page, PAGE_SIZE};
+use crate::{is_zero_page, Page, PAGE_SIZE};
 
 /// Pages read at a time.
 pub(crate) const READ_PAGES: usize = 64;
@@ -191,7 +191,7 @@ impl Engine {
             self.vms.get_mut(&id).expect("sharable").books.hot_skipped += 1;
             return Ok(());
         }
-        let h = page_hash(page);
+        let h = (self.cfg.page_hash)(page);
         let zero = h == self.zero_hash && is_zero_page(page);
         match self.cfg.zero {
             ZeroPolicy::Keep if zero => return Ok(()),

@@ -140,6 +140,13 @@ pub struct Setup {
     pub budget_pages: Option<u32>,
     pub swap_pages: u32,
     pub rate: u32,
+    /// A content hash that collides for most pages: every match must be confirmed.
+    pub collide_hashes: bool,
+}
+
+/// Four hash values in all: pages of different content collide all the time.
+fn colliding_hash(p: &Page) -> u64 {
+    ((p[100] & 3) as u64) << 32
 }
 
 pub fn random_setup(rng: &mut SmallRng) -> Setup {
@@ -151,6 +158,7 @@ pub fn random_setup(rng: &mut SmallRng) -> Setup {
         budget_pages: rng.gen_bool(0.5).then(|| rng.gen_range(8..80)),
         swap_pages: rng.gen_range(0..96),
         rate: [0, 50, 1000][rng.gen_range(0..3)],
+        collide_hashes: rng.gen_bool(0.2),
     }
 }
 
@@ -250,6 +258,11 @@ fn config(s: &Setup) -> EngineConfig {
         max_scan_interval_us: 400_000,
         clock_interval_us: Some(300_000),
         host_budget: s.budget_pages.map(|p| p as u64 * PAGE_SIZE as u64),
+        page_hash: if s.collide_hashes {
+            colliding_hash
+        } else {
+            memfold_core::page_hash
+        },
         ..EngineConfig::default()
     }
 }

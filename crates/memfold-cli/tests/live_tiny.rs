@@ -23,7 +23,7 @@ use memfold_vm::launcher::{agent_env, Accel, Guest, GuestSpec, RamBackend};
 fn memfoldd(socket: &Path) -> Child {
     Command::new(env!("CARGO_BIN_EXE_memfoldd"))
         .args(["--rate", "0", "--min-scan-interval-ms", "500"])
-        .args(["--clock-interval-ms", "2000", "--policy", "de"])
+        .args(["--clock-secs", "2", "--policy", "de"])
         .args(["--host-budget-mib", "64", "--swap-file"])
         .arg(socket.with_file_name("swap"))
         .arg("--socket")

@@ -1,0 +1,55 @@
+//! memfoldd: the memfold daemon. Guests attach through the agent preloaded into QEMU;
+//! memfoldd runs the engine over them: sharing, zero pages, the Difference Engine's
+//! patching and compression of cold pages, and swap over a host budget.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use memfold_cli::engine_args::EngineArgs;
+use memfold_live::daemon::{run, DaemonConfig};
+
+/// memfoldd: saves the host memory of running QEMU guests (see `memfold run`).
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Socket for agents and clients.
+    #[arg(long, default_value = "/run/memfold/memfoldd.sock")]
+    socket: PathBuf,
+    /// The engine's settings.
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Swap file to create (unlinked once open; default: /var/tmp/memfoldd-swap-PID). It
+    /// belongs on a disk: on tmpfs, swapped pages would still be host memory.
+    #[arg(long)]
+    swap_file: Option<PathBuf>,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    let a = Args::parse();
+    let engine = match a.engine.config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("memfoldd: {e}");
+            std::process::exit(2);
+        }
+    };
+    if let Some(dir) = a.socket.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    let cfg = DaemonConfig {
+        socket: a.socket,
+        engine,
+        swap_file: a.swap_file.unwrap_or_else(|| {
+            PathBuf::from(format!("/var/tmp/memfoldd-swap-{}", std::process::id()))
+        }),
+        swap_capacity: a.engine.swap_mib << 20,
+    };
+    if let Err(e) = run(cfg) {
+        tracing::error!("{e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,189 @@
+//! The engine's settings on the command line: one set of flags and defaults, flattened
+//! into `memfoldd`'s arguments and into `memfold run`'s and `memfold compare`'s, whose
+//! defaults are the engine's own ([`EngineConfig::default`]). `memfold run` hands them to
+//! the memfoldd it starts with [`EngineArgs::to_args`].
+
+use std::ffi::OsString;
+
+use clap::builder::PossibleValuesParser;
+use clap::Args;
+use memfold_core::engine::ConfigError;
+use memfold_core::{CompressCodec, EngineConfig, PatchCodec, Policy, ZeroPolicy};
+
+fn defaults() -> EngineConfig {
+    EngineConfig::default()
+}
+
+/// The engine's settings.
+#[derive(Args, Clone, Debug)]
+pub struct EngineArgs {
+    /// Sharing scan rate, pages/s (0: full speed, a scan step of 4096 pages each loop).
+    #[arg(long, default_value_t = defaults().rate)]
+    pub rate: u64,
+    /// Zero pages: reclaim (punch out, refill on access), share (one zero frame, ESX) or
+    /// keep (Satori §4.1).
+    #[arg(long, default_value = defaults().zero.name(), value_parser = PossibleValuesParser::new(ZeroPolicy::NAMES))]
+    pub zero: String,
+    /// Shortest time between the starts of two full sharing scans, ms.
+    #[arg(long, default_value_t = defaults().min_scan_interval_us / 1000)]
+    pub min_scan_interval_ms: u64,
+    /// Longest time between full scans, ms (quiet scans back off up to this).
+    #[arg(long, default_value_t = defaults().max_scan_interval_us / 1000)]
+    pub max_scan_interval_ms: u64,
+    /// NRU clock (DE §4.2): seconds for its hand to pass over each guest once (R/M
+    /// tracking by minor and write-protect faults); 0: off. Default: 4 s when the policy
+    /// patches or compresses or --host-budget-mib is given, else off.
+    #[arg(long)]
+    pub clock_secs: Option<f64>,
+    /// Which mechanisms may touch pages of each NRU class (DE §4.2): `sharing` (what ESX
+    /// and KSM do), `de` (the Difference Engine: sharing, patching, compression),
+    /// `aggressive` (every page as C4), or one mechanism alone.
+    #[arg(long, default_value = defaults().policy.name, value_parser = PossibleValuesParser::new(Policy::NAMES))]
+    pub policy: String,
+    /// Patch encoding (DE §3.2).
+    #[arg(long, default_value = defaults().patch_codec.name())]
+    pub patch_codec: PatchCodec,
+    /// Largest patch kept, bytes (DE §3.2's cut-off; at most 4096).
+    #[arg(long, default_value_t = defaults().patch_cutoff)]
+    pub patch_cutoff: usize,
+    /// Page compressor for cold pages (DE §3.3): zstd (level 1), lz4, lzo or wkdm.
+    #[arg(long, default_value = defaults().compress_codec.name())]
+    pub compress_codec: CompressCodec,
+    /// Largest compressed page kept, bytes (DE §3.3's cut-off; at most 4096).
+    #[arg(long, default_value_t = defaults().compress_cutoff)]
+    pub compress_cutoff: usize,
+    /// Host memory budget for the guests' RAM, MiB (DE §4.6): over it, cold pages are
+    /// swapped out to a swap file (turns the clock on). Guests whose RAM together exceeds
+    /// it keep running: overcommit.
+    #[arg(long)]
+    pub host_budget_mib: Option<u64>,
+    /// Swap file capacity, MiB (with --host-budget-mib).
+    #[arg(long, default_value_t = 1024)]
+    pub swap_mib: u64,
+}
+
+impl EngineArgs {
+    fn policy(&self) -> Policy {
+        Policy::by_name(&self.policy).expect("clap checked the name")
+    }
+
+    /// The clock interval, s: as given, or 4 s when the policy or a budget needs it.
+    pub fn clock_interval_s(&self) -> f64 {
+        match self.clock_secs {
+            Some(s) => s.max(0.0),
+            None if self.policy().needs_clock() || self.host_budget_mib.is_some() => {
+                defaults().clock_interval_us.unwrap_or(4_000_000) as f64 / 1e6
+            }
+            None => 0.0,
+        }
+    }
+
+    /// The engine configuration these flags ask for.
+    ///
+    /// Errors: [`ConfigError`] (a cut-off over a page, a policy or budget without the
+    /// clock), saying which flag to change.
+    pub fn config(&self) -> Result<EngineConfig, ConfigError> {
+        let clock = self.clock_interval_s();
+        let cfg = EngineConfig {
+            policy: self.policy(),
+            zero: ZeroPolicy::from_name(&self.zero).expect("clap checked the name"),
+            patch_codec: self.patch_codec,
+            patch_cutoff: self.patch_cutoff,
+            compress_codec: self.compress_codec,
+            compress_cutoff: self.compress_cutoff,
+            rate: self.rate,
+            min_scan_interval_us: self.min_scan_interval_ms * 1000,
+            max_scan_interval_us: self.max_scan_interval_ms.max(self.min_scan_interval_ms) * 1000,
+            clock_interval_us: (clock > 0.0).then_some((clock * 1e6) as u64),
+            host_budget: self.host_budget_mib.map(|m| m << 20),
+            ..defaults()
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// These settings as memfoldd's command line, every one explicit.
+    pub fn to_args(&self) -> Vec<OsString> {
+        let mut v: Vec<OsString> = Vec::new();
+        let mut opt = |name: &str, value: String| {
+            v.push(name.into());
+            v.push(value.into());
+        };
+        opt("--rate", self.rate.to_string());
+        opt("--zero", self.zero.clone());
+        opt(
+            "--min-scan-interval-ms",
+            self.min_scan_interval_ms.to_string(),
+        );
+        opt(
+            "--max-scan-interval-ms",
+            self.max_scan_interval_ms.to_string(),
+        );
+        opt("--clock-secs", self.clock_interval_s().to_string());
+        opt("--policy", self.policy.clone());
+        opt("--patch-codec", self.patch_codec.name().into());
+        opt("--patch-cutoff", self.patch_cutoff.to_string());
+        opt("--compress-codec", self.compress_codec.name().into());
+        opt("--compress-cutoff", self.compress_cutoff.to_string());
+        if let Some(b) = self.host_budget_mib {
+            opt("--host-budget-mib", b.to_string());
+            opt("--swap-mib", self.swap_mib.to_string());
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        e: EngineArgs,
+    }
+
+    fn parse(args: &[&str]) -> EngineArgs {
+        Cli::try_parse_from(std::iter::once("x").chain(args.iter().copied()))
+            .expect("arguments parse")
+            .e
+    }
+
+    #[test]
+    fn defaults_are_the_engines_and_survive_the_round_trip() {
+        let a = parse(&[]);
+        let c = a.config().unwrap();
+        let d = EngineConfig::default();
+        assert_eq!((c.policy, c.zero, c.rate), (d.policy, d.zero, d.rate));
+        assert_eq!(
+            (c.patch_codec, c.compress_codec),
+            (d.patch_codec, d.compress_codec)
+        );
+        assert_eq!(c.clock_interval_us, d.clock_interval_us);
+        let args: Vec<String> = a
+            .to_args()
+            .into_iter()
+            .map(|s| s.into_string().unwrap())
+            .collect();
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let b = parse(&refs);
+        assert_eq!(format!("{:?}", b.config().unwrap()), format!("{c:?}"));
+    }
+
+    #[test]
+    fn sharing_runs_without_the_clock_unless_a_budget_needs_it() {
+        assert_eq!(parse(&["--policy", "sharing"]).clock_interval_s(), 0.0);
+        assert_eq!(
+            parse(&["--policy", "sharing", "--host-budget-mib", "9"]).clock_interval_s(),
+            4.0
+        );
+        assert_eq!(parse(&["--clock-secs", "8"]).clock_interval_s(), 8.0);
+        let e = parse(&["--policy", "de", "--clock-secs", "0"])
+            .config()
+            .unwrap_err();
+        assert!(e.to_string().contains("clock"), "{e}");
+        let e = parse(&["--patch-cutoff", "5000"]).config().unwrap_err();
+        assert!(e.to_string().contains("patch cut-off of 5000"), "{e}");
+    }
+}

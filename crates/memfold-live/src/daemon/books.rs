@@ -1,0 +1,108 @@
+//! The books' export: the engine's books and the agents' reports, as the wire's
+//! statistics (JSON to clients, Prometheus text).
+
+use memfold_core::engine::{Books, VmReport};
+use memfold_core::Engine;
+use memfold_wire::{
+    LifetimeCdf, OpLatencies, OpLatency, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS,
+};
+
+use super::guests::Guests;
+
+fn vm_stats(v: &VmReport, guests: &Guests) -> VmStats {
+    let b = &v.books;
+    let g = guests.by_vm.get(&v.id);
+    VmStats {
+        name: v.name.clone(),
+        pid: v.pid,
+        pages: v.pages,
+        shared_pages: b.shared_pages,
+        zero_shared_pages: b.zero_shared_pages,
+        zero_reclaimed_pages: b.zero_reclaimed_pages,
+        scanned_pages: b.scanned_pages,
+        shares: b.shares,
+        cow_breaks: b.cow_breaks,
+        reclaims: b.reclaims,
+        refills: b.refills,
+        wp_faults: g.map_or(0, |g| g.wp_faults),
+        missing_faults: g.map_or(0, |g| g.missing_faults),
+        minor_faults: g.map_or(0, |g| g.minor_faults),
+        nru_pages: b.nru_pages,
+        clock_passes: b.clock_passes,
+        latency: guests.latencies(v.id),
+        share_changed: b.share_changed,
+        hot_skipped: b.hot_skipped,
+        share_refused: b.share_refused,
+        patched_pages: b.patched_pages,
+        compressed_pages: b.compressed_pages,
+        patches: b.patches,
+        compressions: b.compressions,
+        unstashes: b.unstashes,
+        stash_changed: b.stash_changed,
+        stash_refused: b.stash_refused,
+        swapped_pages: b.swapped_pages,
+        swap_outs: b.swap_outs,
+        swap_ins: b.swap_ins,
+        swap_moves: b.swap_moves,
+        detached: !v.attached,
+    }
+}
+
+/// memfoldd's statistics now.
+pub(crate) fn stats(engine: &Engine, guests: &Guests) -> Stats {
+    let b: Books = engine.books();
+    let mut vms: Vec<VmStats> = b.vms.iter().map(|v| vm_stats(v, guests)).collect();
+    vms.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut all: [OpLatency; AGENT_OPS] = Default::default();
+    for g in guests.by_vm.values() {
+        for (a, h) in all.iter_mut().zip(&g.latency) {
+            a.merge(h);
+        }
+    }
+    let mut latency = OpLatencies::from_histograms(&all);
+    latency.patch_encode = OpLatency::from_pairs(&b.encode_ns[0]).summary();
+    latency.compress = OpLatency::from_pairs(&b.encode_ns[1]).summary();
+    let s = &b.saved_by;
+    Stats {
+        uptime_s: b.uptime_s,
+        rate_pages_per_s: engine.config().rate,
+        full_scans: b.full_scans,
+        frames: b.frames,
+        mapped_pages: b.mapped_pages,
+        zero_reclaimed_pages: b.zero_reclaimed_pages,
+        saved_pages: b.saved_pages,
+        saved_by: SavedBy {
+            sharing: s.sharing,
+            zero: s.zero,
+            patching: s.patching,
+            compression: s.compression,
+            swap: s.swap,
+            store_waste: s.store_waste,
+        },
+        patched_pages: b.patched_pages,
+        compressed_pages: b.compressed_pages,
+        store_pages: b.store_pages,
+        reference_frames: b.reference_frames,
+        swap: SwapStats {
+            budget_pages: b.swap.budget_pages,
+            host_used_pages: b.swap.host_used_pages,
+            swapped_pages: b.swap.swapped_pages,
+            slot_bytes: b.swap.slot_bytes,
+            file_pages: b.swap.file_pages,
+            capacity_pages: b.swap.capacity_pages,
+            full: b.swap.full,
+            wanted_pages: b.swap.wanted_pages,
+        },
+        lifetime: LifetimeCdf {
+            restored: b.lifetime.restored,
+            stashed_now: b.lifetime.stored_now,
+            restored_before: b.lifetime.restored_before.clone(),
+            lived_10s: b.lifetime.lived_10s,
+        },
+        policy: b.policy.clone(),
+        table_entries: b.table_entries,
+        adopted_pool: b.adopted_pool,
+        latency,
+        vms,
+    }
+}

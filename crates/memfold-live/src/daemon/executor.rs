@@ -1,0 +1,232 @@
+//! The executor: takes the engine's commands, sends them to the agents in batches, and
+//! hands each answer back to the engine as the outcome of each command it named.
+//!
+//! An answer counts only from the agent the batch went to and only for a batch of its
+//! kind; anything else is logged and ignored. A batch that could not be sent is refused;
+//! a batch whose connection dropped before the answer is lost (the engine keeps its
+//! pages in doubt until the agent re-attaches).
+
+use std::collections::{HashMap, HashSet};
+
+use memfold_core::blobs::{BlobHome, Form};
+use memfold_core::engine::{Command, Outcome, Stash};
+use memfold_core::ids::{BatchId, Gfn, VmId};
+use memfold_core::Engine;
+use memfold_wire::{Blob, StashPage, ToAgent, MAX_BATCH};
+
+use super::guests::Guests;
+
+/// The kind of a batch, for matching answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Share,
+    Reclaim,
+    Stash,
+    Clock,
+}
+
+struct Batch {
+    vm: VmId,
+    kind: Kind,
+    cmds: Vec<Command>,
+}
+
+/// Batches sent and not yet answered.
+#[derive(Default)]
+pub(crate) struct Executor {
+    batches: HashMap<BatchId, Batch>,
+    next: u64,
+}
+
+/// The wire's form of a stash.
+fn stash_page(gfn: Gfn, s: &Stash) -> StashPage {
+    let blob = match (s.form, s.reference) {
+        (Form::Encoded(e), r) => Blob::new(Some(e), r.unwrap_or_default()),
+        (Form::Raw, _) => Blob::Raw,
+    };
+    StashPage {
+        gfn,
+        blob,
+        home: match s.home {
+            BlobHome::Store => memfold_wire::BlobHome::Store,
+            BlobHome::Swap => memfold_wire::BlobHome::Swap,
+        },
+        offset: s.offset,
+        len: s.len,
+        moving: s.moving,
+    }
+}
+
+impl Executor {
+    /// Sends every guest's waiting commands: stashes, shares, reclaims, each in batches of
+    /// at most [`MAX_BATCH`] pages, and clock scans one by one.
+    pub(crate) fn flush(&mut self, engine: &mut Engine, guests: &Guests) {
+        for vm in engine.vms_with_commands() {
+            let cmds = engine.take_commands(vm);
+            let mut by_kind: [Vec<Command>; 3] = Default::default();
+            for c in cmds {
+                match c {
+                    Command::Stash { .. } => by_kind[0].push(c),
+                    Command::Share { .. } => by_kind[1].push(c),
+                    Command::Reclaim { .. } => by_kind[2].push(c),
+                    Command::ClockScan { .. } => {
+                        self.send(engine, guests, vm, Kind::Clock, vec![c])
+                    }
+                }
+            }
+            for (kind, cmds) in [Kind::Stash, Kind::Share, Kind::Reclaim]
+                .into_iter()
+                .zip(by_kind)
+            {
+                let mut cmds = cmds;
+                while !cmds.is_empty() {
+                    let rest = cmds.split_off(cmds.len().min(MAX_BATCH));
+                    self.send(engine, guests, vm, kind, cmds);
+                    cmds = rest;
+                }
+            }
+        }
+    }
+
+    fn send(
+        &mut self,
+        engine: &mut Engine,
+        guests: &Guests,
+        vm: VmId,
+        kind: Kind,
+        cmds: Vec<Command>,
+    ) {
+        self.next += 1;
+        let batch = BatchId(self.next);
+        let msg = match kind {
+            Kind::Share => ToAgent::Share {
+                batch,
+                pages: cmds
+                    .iter()
+                    .filter_map(|c| match *c {
+                        Command::Share { gfn, frame } => Some((gfn, frame)),
+                        _ => None,
+                    })
+                    .collect(),
+            },
+            Kind::Reclaim => ToAgent::ReclaimZero {
+                batch,
+                gfns: cmds
+                    .iter()
+                    .filter_map(|c| match *c {
+                        Command::Reclaim { gfn } => Some(gfn),
+                        _ => None,
+                    })
+                    .collect(),
+            },
+            Kind::Stash => ToAgent::Stash {
+                batch,
+                pages: cmds
+                    .iter()
+                    .filter_map(|c| match c {
+                        Command::Stash { gfn, stash, .. } => Some(stash_page(*gfn, stash)),
+                        _ => None,
+                    })
+                    .collect(),
+            },
+            Kind::Clock => match cmds[0] {
+                Command::ClockScan { first, count } => ToAgent::ClockScan {
+                    batch,
+                    first,
+                    count,
+                },
+                _ => unreachable!("clock batches hold one clock scan"),
+            },
+        };
+        let sent = guests.conn(vm).is_some_and(|c| c.send(&msg, &[]).is_ok());
+        if sent {
+            self.batches.insert(batch, Batch { vm, kind, cmds });
+        } else {
+            // Never delivered: the pages stay as they were.
+            for c in &cmds {
+                engine.outcome(vm, c, Outcome::Refused);
+            }
+        }
+    }
+
+    /// Takes the batch `batch` out if guest `vm` was sent it and it is of `kind`.
+    fn answered(&mut self, vm: VmId, batch: BatchId, kind: Kind) -> Option<Vec<Command>> {
+        match self.batches.get(&batch) {
+            Some(b) if b.vm == vm && b.kind == kind => self.batches.remove(&batch).map(|b| b.cmds),
+            Some(b) => {
+                tracing::warn!(
+                    "{vm} answered {batch} as {kind:?}, but it was sent to {} as {:?}: ignored",
+                    b.vm,
+                    b.kind
+                );
+                None
+            }
+            None => {
+                tracing::warn!("{vm} answered {batch}, which is not under way: ignored");
+                None
+            }
+        }
+    }
+
+    /// An agent's answer to a share, reclaim or stash batch: each command's page is done,
+    /// changed, or else refused.
+    pub(crate) fn reply(
+        &mut self,
+        engine: &mut Engine,
+        vm: VmId,
+        batch: BatchId,
+        kind: Kind,
+        done: &[Gfn],
+        changed: &[Gfn],
+    ) {
+        let Some(cmds) = self.answered(vm, batch, kind) else {
+            return;
+        };
+        let done: HashSet<Gfn> = done.iter().copied().collect();
+        let changed: HashSet<Gfn> = changed.iter().copied().collect();
+        for c in &cmds {
+            let g = match *c {
+                Command::Share { gfn, .. }
+                | Command::Reclaim { gfn }
+                | Command::Stash { gfn, .. } => gfn,
+                Command::ClockScan { .. } => continue,
+            };
+            let o = if done.contains(&g) {
+                Outcome::Done
+            } else if changed.contains(&g) {
+                Outcome::Changed
+            } else {
+                Outcome::Refused
+            };
+            engine.outcome(vm, c, o);
+        }
+    }
+
+    /// An agent's clock bits: the slice asked for, if guest `vm` was asked for it.
+    pub(crate) fn clock_reply(&mut self, vm: VmId, batch: BatchId, first: Gfn) -> Option<u32> {
+        let cmds = self.answered(vm, batch, Kind::Clock)?;
+        match cmds[0] {
+            Command::ClockScan { first: f, count } if f == first => Some(count),
+            _ => {
+                tracing::warn!("{vm} answered {batch} for another slice: ignored");
+                None
+            }
+        }
+    }
+
+    /// Guest `vm`'s connection dropped: its batches are lost.
+    pub(crate) fn lost(&mut self, engine: &mut Engine, vm: VmId) {
+        let mine: Vec<BatchId> = self
+            .batches
+            .iter()
+            .filter(|(_, b)| b.vm == vm)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in mine {
+            let b = self.batches.remove(&id).expect("listed");
+            for c in &b.cmds {
+                engine.outcome(vm, c, Outcome::Lost);
+            }
+        }
+    }
+}

@@ -1,0 +1,255 @@
+//! Guests and their connections: the socket's accept thread and one reader thread per
+//! connection (they only read and forward), each guest's connection for replies, what
+//! its agent last reported (fault counts, latencies), and whether its QEMU still lives.
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::OwnedFd;
+use std::sync::mpsc;
+
+use memfold_core::ids::VmId;
+use memfold_wire::{
+    AgentReport, Conn, Listener, OpLatencies, OpLatency, ToClient, ToDaemon, AGENT_OPS,
+    PROTOCOL_VERSION,
+};
+
+/// What the reader threads hand the main thread.
+pub(crate) enum Input {
+    /// An agent's hello, with the descriptors it passed.
+    Attach {
+        token: u64,
+        conn: Conn,
+        hello: ToDaemon,
+        fds: Vec<OwnedFd>,
+    },
+    /// A message from an attached agent.
+    Agent { token: u64, msg: ToDaemon },
+    /// An agent's connection ended.
+    Gone { token: u64 },
+    /// A client's request.
+    Client { conn: Conn, msg: ToDaemon },
+}
+
+/// Accepts connections until the listener fails; each gets a reader thread.
+pub(crate) fn accept_loop(listener: Listener, tx: mpsc::Sender<Input>) {
+    let mut token = 0u64;
+    loop {
+        let conn = match listener.accept() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("accept: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                continue;
+            }
+        };
+        token += 1;
+        let tx = tx.clone();
+        let t = token;
+        let spawned = std::thread::Builder::new()
+            .name(format!("conn{t}"))
+            .spawn(move || read_loop(t, conn, tx));
+        if let Err(e) = spawned {
+            tracing::warn!("no thread for connection {t}: {e}");
+        }
+    }
+}
+
+/// Reads one connection: an agent's messages, or a client's requests.
+fn read_loop(t: u64, conn: Conn, tx: mpsc::Sender<Input>) {
+    let Ok(Some((hello, fds))) = conn.recv::<ToDaemon>() else {
+        return;
+    };
+    let Ok(writer) = conn.try_clone() else {
+        return;
+    };
+    match hello {
+        ToDaemon::AgentHello { version, .. } if version == PROTOCOL_VERSION => {
+            if tx
+                .send(Input::Attach {
+                    token: t,
+                    conn: writer,
+                    hello,
+                    fds,
+                })
+                .is_err()
+            {
+                return;
+            }
+            loop {
+                match conn.recv::<ToDaemon>() {
+                    Ok(Some((msg, _))) => {
+                        if tx.send(Input::Agent { token: t, msg }).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!("connection {t}: {e}; dropped");
+                        break;
+                    }
+                }
+            }
+            let _ = tx.send(Input::Gone { token: t });
+        }
+        ToDaemon::ClientHello { version } if version == PROTOCOL_VERSION => {
+            while let Ok(Some((msg, _))) = conn.recv::<ToDaemon>() {
+                let Ok(w) = conn.try_clone() else { return };
+                if tx.send(Input::Client { conn: w, msg }).is_err() {
+                    return;
+                }
+            }
+        }
+        other => {
+            let message = format!(
+                "expected a hello of protocol version {PROTOCOL_VERSION}, got {}",
+                hello_kind(&other)
+            );
+            tracing::warn!("connection {t}: {message}");
+            let _ = writer.send(&ToClient::Error { message }, &[]);
+        }
+    }
+}
+
+fn hello_kind(m: &ToDaemon) -> String {
+    match m {
+        ToDaemon::AgentHello { version, .. } => format!("an agent hello of version {version}"),
+        ToDaemon::ClientHello { version } => format!("a client hello of version {version}"),
+        _ => "another message".into(),
+    }
+}
+
+/// One guest memfoldd manages.
+pub(crate) struct Guest {
+    /// The connection replies go out on; `None` while detached.
+    pub(crate) conn: Option<Conn>,
+    /// The reader thread's token of that connection.
+    pub(crate) token: Option<u64>,
+    pub(crate) pid: u32,
+    /// The agent's counters and latency histograms, as last reported.
+    pub(crate) wp_faults: u64,
+    pub(crate) missing_faults: u64,
+    pub(crate) minor_faults: u64,
+    pub(crate) latency: [OpLatency; AGENT_OPS],
+}
+
+/// The guests, by engine id, and which connection is whose.
+#[derive(Default)]
+pub(crate) struct Guests {
+    pub(crate) by_vm: BTreeMap<VmId, Guest>,
+    by_token: HashMap<u64, VmId>,
+}
+
+impl Guests {
+    /// Records guest `vm` (re-)attached on connection `token`.
+    pub(crate) fn attached(&mut self, vm: VmId, token: u64, conn: Conn, pid: u32) {
+        self.by_token.insert(token, vm);
+        let g = self.by_vm.entry(vm).or_insert_with(|| Guest {
+            conn: None,
+            token: None,
+            pid,
+            wp_faults: 0,
+            missing_faults: 0,
+            minor_faults: 0,
+            latency: Default::default(),
+        });
+        g.conn = Some(conn);
+        g.token = Some(token);
+    }
+
+    /// The guest whose agent speaks on connection `token`.
+    pub(crate) fn vm_of(&self, token: u64) -> Option<VmId> {
+        self.by_token.get(&token).copied()
+    }
+
+    /// Connection `token` ended: its guest is detached. Returns the guest.
+    pub(crate) fn gone(&mut self, token: u64) -> Option<VmId> {
+        let vm = self.by_token.remove(&token)?;
+        if let Some(g) = self.by_vm.get_mut(&vm).filter(|g| g.token == Some(token)) {
+            g.conn = None;
+            g.token = None;
+        }
+        Some(vm)
+    }
+
+    /// The connection to guest `vm`'s agent.
+    pub(crate) fn conn(&self, vm: VmId) -> Option<&Conn> {
+        self.by_vm.get(&vm).and_then(|g| g.conn.as_ref())
+    }
+
+    /// Takes in an agent's report.
+    pub(crate) fn report(&mut self, vm: VmId, r: &AgentReport) {
+        let Some(g) = self.by_vm.get_mut(&vm) else {
+            return;
+        };
+        g.wp_faults = r.wp_faults;
+        g.missing_faults = r.missing_faults;
+        g.minor_faults = r.minor_faults;
+        g.latency = [
+            &r.share_ns,
+            &r.cow_break_ns,
+            &r.fault_ns,
+            &r.reclaim_ns,
+            &r.track_ns,
+            &r.stash_ns,
+            &r.unstash_ns,
+        ]
+        .map(|p| OpLatency::from_pairs(p));
+    }
+
+    /// The agent's latency summaries for guest `vm`.
+    pub(crate) fn latencies(&self, vm: VmId) -> OpLatencies {
+        self.by_vm.get(&vm).map_or_else(OpLatencies::default, |g| {
+            OpLatencies::from_histograms(&g.latency)
+        })
+    }
+
+    /// Detached guests whose QEMU has exited: their mappings are gone.
+    pub(crate) fn exited(&self) -> Vec<VmId> {
+        self.by_vm
+            .iter()
+            .filter(|(_, g)| g.conn.is_none() && !process_alive(g.pid))
+            .map(|(vm, _)| *vm)
+            .collect()
+    }
+
+    /// Forgets guest `vm`.
+    pub(crate) fn remove(&mut self, vm: VmId) {
+        self.by_vm.remove(&vm);
+        self.by_token.retain(|_, v| *v != vm);
+    }
+}
+
+/// Whether process `pid` lives (and is not a zombie).
+pub(crate) fn process_alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| s.split(") ").nth(1).is_some_and(|r| r.starts_with('Z')))
+}
+
+/// Pids of the processes (other than this one) holding a descriptor of the file with
+/// this device and inode: who may still map an adopted pool.
+pub(crate) fn holders(dev: u64, ino: u64) -> Vec<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let me = std::process::id();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for p in procs.flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
+            continue;
+        };
+        let holds = fds
+            .flatten()
+            .any(|fd| std::fs::metadata(fd.path()).is_ok_and(|m| m.dev() == dev && m.ino() == ino));
+        if holds {
+            out.push(pid);
+        }
+    }
+    out
+}
