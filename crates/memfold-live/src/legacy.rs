@@ -1,6 +1,7 @@
-//! The daemon's and the agent's internal page states are still `u32`s with sentinel
-//! values; the wire names pages with typed ids and enums. This module converts at the
-//! boundary, and goes away when the engine rewrite gives both sides typed states.
+//! The daemon's internal page states are still `u32`s with sentinel values; the wire
+//! names pages with typed ids and enums. This module converts at the boundary, and goes
+//! away when the engine rewrite gives the daemon typed states (the agent has its own:
+//! `memfold-agent`'s `PageHome`).
 
 use memfold_codecs::Encoding;
 use memfold_wire::{Blob, BlobHome, FrameId, Gfn, Mapped};
@@ -38,16 +39,6 @@ pub(crate) fn pairs(pairs: &[(Gfn, FrameId)]) -> Vec<(u32, u32)> {
     pairs.iter().map(|&(g, f)| (g.0, f.0)).collect()
 }
 
-/// A re-attach list entry of a page whose internal frame entry is `f` (a frame or
-/// [`RECLAIMED`]).
-pub(crate) fn mapped(f: u32) -> Mapped {
-    if f == RECLAIMED {
-        Mapped::ReclaimedZero
-    } else {
-        Mapped::Frame(FrameId(f))
-    }
-}
-
 /// The internal frame entry of a re-attach list entry.
 pub(crate) fn frame_entry(m: Mapped) -> u32 {
     match m {
@@ -83,10 +74,8 @@ mod tests {
 
     #[test]
     fn sentinels_convert_to_the_wire_and_back() {
-        assert_eq!(mapped(RECLAIMED), Mapped::ReclaimedZero);
-        assert_eq!(mapped(5), Mapped::Frame(FrameId(5)));
-        assert_eq!(frame_entry(mapped(RECLAIMED)), RECLAIMED);
-        assert_eq!(frame_entry(mapped(5)), 5);
+        assert_eq!(frame_entry(Mapped::ReclaimedZero), RECLAIMED);
+        assert_eq!(frame_entry(Mapped::Frame(FrameId(5))), 5);
         assert_eq!(pairs(&to_pairs(vec![(1, 2)])), vec![(1, 2)]);
         assert_eq!(gfns(&to_gfns(vec![3, 4])), vec![3, 4]);
         assert_eq!(blob(None, NO_REFERENCE), Blob::Raw);

@@ -1,18 +1,18 @@
-//! memfold's live layer: the mechanisms that touch real guest memory.
+//! memfold's live layer: memfoldd, the daemon that manages live guests.
 //!
-//! - [`agent`]: runs inside QEMU (preloaded by the `memfold-agent` library), owns the
-//!   userfaultfd on guest RAM, maps shared pool frames over guest pages and breaks
-//!   copy-on-write on every write.
 //! - [`daemon`]: memfoldd, which scans guests, decides what to share with the core's share
 //!   table, and keeps the books.
+//! - [`query_stats`]: a client's request for memfoldd's statistics.
 //!
-//! They talk over `memfold-wire`'s versioned protocol (as do clients) and reach the OS
-//! through `memfold-sys` (memfd, userfaultfd, the socket).
+//! The agent inside each QEMU (crate `memfold-agent`: owns the userfaultfd on guest RAM,
+//! maps shared pool frames over guest pages and breaks copy-on-write on every write)
+//! carries out memfoldd's requests. They talk over `memfold-wire`'s versioned protocol
+//! (as do clients) and reach the OS through `memfold-sys` (memfd, userfaultfd, the
+//! socket).
 //!
 //! Data flows one way: guest memory (memfd, read with pread) → detection (daemon, core) →
 //! mechanism (agent: mapping changes, userfaultfd) → accounting (daemon statistics).
 
-pub mod agent;
 pub mod daemon;
 mod legacy;
 

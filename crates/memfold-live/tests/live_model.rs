@@ -9,8 +9,8 @@
 
 use std::time::{Duration, Instant};
 
+use memfold_agent::{self as agent, AgentConfig};
 use memfold_core::{CompressCodec, PatchCodec, Policy};
-use memfold_live::agent::{self, AgentConfig};
 use memfold_live::daemon::{self, DaemonConfig, ZeroPolicy};
 use memfold_live::query_stats;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
