@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use memfold_wire::{Stats, VmStats};
 use memfold_vm::hostmem::{guest_ram_usage, total_used};
 use memfold_vm::launcher::{Guest, RamBackend};
+use memfold_wire::{Stats, VmStats};
 use serde::Serialize;
 
 /// Bytes in a MiB.
