@@ -4,21 +4,20 @@
 //! - [`daemon`]: memfoldd — connections, the executor that turns the engine's commands
 //!   into requests to the agents and their answers into outcomes, the backings, the
 //!   books' export.
-//! - [`agent`]: runs inside QEMU (preloaded by the `memfold-agent` library), owns the
-//!   userfaultfd on guest RAM and carries the requests out.
+//! - [`query_stats`]: a client's request for memfoldd's statistics.
 //!
-//! They talk over `memfold-wire`'s versioned protocol (as do clients) and reach the OS
-//! through `memfold-sys` (memfd, userfaultfd, the socket).
+//! The agent inside each QEMU (crate `memfold-agent`: owns the userfaultfd on guest RAM,
+//! maps shared pool frames over guest pages and breaks copy-on-write on every write)
+//! carries out memfoldd's requests. They talk over `memfold-wire`'s versioned protocol
+//! (as do clients) and reach the OS through `memfold-sys` (memfd, userfaultfd, the
+//! socket).
 //!
 //! Data flows one way: guest memory (memfd, read with pread) → detection and decision
 //! (the engine) → mechanism (agent: mapping changes, userfaultfd) → outcome → books.
 
 #![deny(missing_docs)]
 
-pub mod agent;
 pub mod daemon;
-#[allow(dead_code)] // the agent half goes with the agent's move to memfold-agent
-mod legacy;
 
 use std::path::Path;
 

@@ -9,9 +9,9 @@
 
 use std::time::{Duration, Instant};
 
+use memfold_agent::{self as agent, AgentConfig};
 use memfold_core::{CompressCodec, PatchCodec, Policy};
 use memfold_core::{EngineConfig, ZeroPolicy};
-use memfold_live::agent::{self, AgentConfig};
 use memfold_live::daemon::{self, DaemonConfig};
 use memfold_live::query_stats;
 use rand::{rngs::SmallRng, Rng, SeedableRng};

@@ -1,0 +1,200 @@
+//! The agent's side of its connection to memfoldd: attaching (the hello with the guest
+//! memfd, and when re-attaching the pool and the re-attach list; the welcome with the
+//! pool, store and swap file), bringing stashed pages home before a re-attach, and the
+//! reports (CoW breaks, refills and unstashed pages as they happen, counters and
+//! latencies every second).
+
+use std::io;
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use memfold_codecs::PAGE_SIZE;
+use memfold_ids::{FrameId, Gfn};
+use memfold_sys::memfd::pwrite_all;
+use memfold_wire::{reattach, AgentReport, Conn, OpLatency, ToAgent, ToDaemon, PROTOCOL_VERSION};
+
+use crate::state::PageHome;
+use crate::Agent;
+
+/// How often the agent reports its counters and latencies.
+const REPORT_EVERY: Duration = Duration::from_secs(1);
+
+/// Changes of page state the agent made on its own (serving faults), not yet reported.
+#[derive(Default)]
+pub(crate) struct Pending {
+    /// CoW breaks: (page, the frame it left).
+    pub(crate) breaks: Vec<(Gfn, FrameId)>,
+    /// Reclaimed zero pages filled again.
+    pub(crate) refills: Vec<Gfn>,
+    /// Stashed pages decoded back.
+    pub(crate) unstashed: Vec<Gfn>,
+}
+
+/// Fault counts and operation latencies since the agent started.
+pub(crate) struct Counters {
+    /// Write faults on write-protected pages.
+    pub(crate) wp_faults: u64,
+    /// Faults on missing pages.
+    pub(crate) missing_faults: u64,
+    /// Minor faults (clock tracking).
+    pub(crate) minor_faults: u64,
+    /// Minor-fault service.
+    pub(crate) track: OpLatency,
+    /// Share, per page.
+    pub(crate) share: OpLatency,
+    /// CoW break.
+    pub(crate) cow: OpLatency,
+    /// Missing-fault service (zero fill).
+    pub(crate) fault: OpLatency,
+    /// Reclaim, per page.
+    pub(crate) reclaim: OpLatency,
+    /// Stash, per page.
+    pub(crate) stash: OpLatency,
+    /// Missing fault on a stashed page.
+    pub(crate) unstash: OpLatency,
+    /// When the counters were last sent.
+    last_report: Instant,
+}
+
+impl Counters {
+    /// Nothing counted yet.
+    pub(crate) fn new() -> Counters {
+        Counters {
+            wp_faults: 0,
+            missing_faults: 0,
+            minor_faults: 0,
+            track: OpLatency::default(),
+            share: OpLatency::default(),
+            cow: OpLatency::default(),
+            fault: OpLatency::default(),
+            reclaim: OpLatency::default(),
+            stash: OpLatency::default(),
+            unstash: OpLatency::default(),
+            last_report: Instant::now(),
+        }
+    }
+
+    /// The counters as the wire carries them.
+    fn report(&self) -> AgentReport {
+        AgentReport {
+            wp_faults: self.wp_faults,
+            missing_faults: self.missing_faults,
+            minor_faults: self.minor_faults,
+            track_ns: self.track.to_pairs(),
+            share_ns: self.share.to_pairs(),
+            cow_break_ns: self.cow.to_pairs(),
+            fault_ns: self.fault.to_pairs(),
+            reclaim_ns: self.reclaim.to_pairs(),
+            stash_ns: self.stash.to_pairs(),
+            unstash_ns: self.unstash.to_pairs(),
+        }
+    }
+}
+
+impl Agent {
+    /// Connects and sends the hello (with the pool and the shared pages when re-attaching).
+    /// Any failure leaves the agent detached; it tries again later.
+    pub(crate) fn attach(&mut self) {
+        let Ok(conn) = Conn::connect(&self.cfg.socket) else {
+            return;
+        };
+        // The store belongs to the memfoldd that is gone: bring its pages home first.
+        if let Err(e) = self.unstash_all() {
+            eprintln!("memfold-agent: restoring stashed pages: {e}; attach postponed");
+            return;
+        }
+        let shared = self.pages.reattach_list();
+        let hello = ToDaemon::AgentHello {
+            version: PROTOCOL_VERSION,
+            name: self.cfg.name.clone(),
+            pid: std::process::id(),
+            ram_bytes: self.cfg.ram_bytes,
+            shared: shared.len() as u64,
+        };
+        let list;
+        let mut fds = vec![self.memfd.as_fd()];
+        if let Some(p) = &self.pool {
+            fds.push(p.as_fd());
+            let Ok(l) = reattach::to_memfd(&shared) else {
+                return;
+            };
+            list = l;
+            fds.push(list.as_fd());
+        }
+        if conn.send(&hello, &fds).is_err() {
+            return;
+        }
+        match conn.recv::<ToAgent>() {
+            Ok(Some((ToAgent::Welcome { version }, mut got)))
+                if version == PROTOCOL_VERSION && !got.is_empty() =>
+            {
+                // A restarted memfoldd that adopted our pool hands the same pool back.
+                self.pool = Some(got.remove(0));
+                self.store = (!got.is_empty()).then(|| got.remove(0));
+                self.swap = (!got.is_empty()).then(|| got.remove(0));
+                self.conn = Some(conn);
+                // Breaks and refills done while detached are reflected in the list.
+                self.pending.breaks.clear();
+                self.pending.refills.clear();
+            }
+            Ok(other) => eprintln!(
+                "memfold-agent: memfoldd refused the attach: {:?}",
+                other.map(|m| m.0)
+            ),
+            Err(e) => eprintln!("memfold-agent: attach: {e}"),
+        }
+    }
+
+    /// Writes every stashed page back into the guest memfd (before re-attaching to a new
+    /// memfoldd, which has a store of its own), then lets go of the store and swap file. A
+    /// guest thread faulting on one meanwhile finds the page present when its fault is
+    /// handled.
+    ///
+    /// Errors: a blob cannot be read or decoded, or the write failed; the pages not yet
+    /// written back stay stashed.
+    fn unstash_all(&mut self) -> io::Result<()> {
+        let mut page = [0u8; PAGE_SIZE];
+        for (g, s) in self.pages.stashed() {
+            self.decode_stashed(g, &s, &mut page)?;
+            pwrite_all(self.memfd.as_fd(), &page, g.offset())?;
+            self.pages.set(g, PageHome::Private);
+        }
+        self.store = None;
+        self.swap = None;
+        self.pending.unstashed.clear();
+        Ok(())
+    }
+
+    /// Sends CoW breaks, refills and unstashed pages as they happen, counters and
+    /// latencies every second. A failed send drops the connection.
+    pub(crate) fn report(&mut self) {
+        let Some(c) = &self.conn else { return };
+        let mut msgs = Vec::new();
+        if !self.pending.breaks.is_empty() {
+            msgs.push(ToDaemon::CowBroken {
+                breaks: std::mem::take(&mut self.pending.breaks),
+            });
+        }
+        if !self.pending.refills.is_empty() {
+            msgs.push(ToDaemon::Refilled {
+                gfns: std::mem::take(&mut self.pending.refills),
+            });
+        }
+        if !self.pending.unstashed.is_empty() {
+            msgs.push(ToDaemon::Unstashed {
+                gfns: std::mem::take(&mut self.pending.unstashed),
+            });
+        }
+        if self.counters.last_report.elapsed() >= REPORT_EVERY {
+            self.counters.last_report = Instant::now();
+            msgs.push(ToDaemon::AgentStats(self.counters.report()));
+        }
+        for m in msgs {
+            if c.send(&m, &[]).is_err() {
+                // memfoldd gone: the re-attach lists what is still shared or reclaimed.
+                self.conn = None;
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! Page faults on guest RAM, served by where the faulting page lives ([`PageHome`]):
+//!
+//! | fault | `Private` | `Zero` | `Frame` | `Stashed` |
+//! |---|---|---|---|---|
+//! | minor (armed by the clock) | R (M on a write), `UFFDIO_CONTINUE` | wake | wake | wake |
+//! | write-protect | M, unprotect | M, unprotect | CoW break | M, unprotect |
+//! | missing | zeros (first touch) | zeros, refill | wake | decode the blob |
+//!
+//! "wake" lets the thread retry: the page changed home since it faulted. A read is
+//! answered write-protected (`UFFDIO_CONTINUE` / `UFFDIO_COPY` with `MODE_WP`), so that a
+//! later write still sets M. Every fault is answered by this thread, from descriptors the
+//! agent holds (guest memfd, pool, store, swap file), so guests stay correct without
+//! memfoldd.
+
+use std::io;
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use memfold_codecs::{Page, PAGE_SIZE};
+use memfold_ids::{FrameId, Gfn};
+use memfold_sys::memfd::{drop_cache, pread_exact, pwrite_all};
+use memfold_sys::uffd::Event;
+use memfold_wire::BlobHome;
+
+use crate::state::{PageHome, Stash};
+use crate::{Agent, PAGE};
+
+impl Agent {
+    /// Handles a fault; a failure (the host out of memory for the private copy) is logged
+    /// and retried: the faulting thread waits, it never sees a wrong byte.
+    pub(crate) fn handle_or_retry(&mut self, ev: Event) {
+        let mut delay = Duration::from_millis(1);
+        while let Err(e) = self.handle(ev) {
+            eprintln!("memfold-agent: fault {ev:?}: {e}; retrying");
+            std::thread::sleep(delay);
+            delay = (delay * 2).min(Duration::from_secs(1));
+        }
+    }
+
+    /// Handles one event: a fault by where its page lives (the table above); other events
+    /// need nothing but being read.
+    fn handle(&mut self, ev: Event) -> io::Result<()> {
+        let Event::Fault {
+            addr,
+            wp,
+            write,
+            minor,
+        } = ev
+        else {
+            return Ok(()); // reading a remap event is all it needs
+        };
+        let started = Instant::now();
+        let page = addr & !(PAGE - 1);
+        if page < self.base || page >= self.base + self.cfg.ram_bytes {
+            return Ok(self.uffd.wake(page, PAGE)?);
+        }
+        let gfn = Gfn(((page - self.base) / PAGE) as u32);
+        let home = self.pages.home(gfn);
+        if minor {
+            if home != PageHome::Private {
+                // Read before a share or reclaim changed the page: retry on the new state.
+                return Ok(self.uffd.wake(page, PAGE)?);
+            }
+            // First access since the clock armed the page: R, and M for a write. A read
+            // maps it write-protected, so that a later write still sets M.
+            self.counters.minor_faults += 1;
+            self.pages.mark(gfn, write);
+            self.uffd.cont(page, PAGE, !write)?;
+            self.counters.track.record(started.elapsed(), 1);
+            return Ok(());
+        }
+        if wp {
+            self.counters.wp_faults += 1;
+            return match home {
+                // Armed by the clock, or protected for a share, reclaim or stash attempt
+                // that has ended: let it write (a reclaimed or stashed page then faults
+                // as missing).
+                PageHome::Private | PageHome::Zero | PageHome::Stashed(_) => {
+                    self.pages.mark(gfn, true);
+                    Ok(self.uffd.write_protect(page, PAGE, false)?)
+                }
+                PageHome::Frame(frame) => {
+                    self.cow_break(gfn, frame)?;
+                    self.counters.cow.record(started.elapsed(), 1);
+                    Ok(())
+                }
+            };
+        }
+        self.counters.missing_faults += 1;
+        match home {
+            PageHome::Stashed(stash) => {
+                self.unstash(gfn, &stash, write)?;
+                self.counters.unstash.record(started.elapsed(), 1);
+                Ok(())
+            }
+            PageHome::Private | PageHome::Zero => {
+                // A hole reads as zeros: a first touch, or a reclaimed zero page. A read
+                // gets it write-protected, so that a later write still sets M.
+                self.pages.mark(gfn, write);
+                if write {
+                    self.uffd.zeropage(page, PAGE)?;
+                } else {
+                    self.uffd.copy(page, &[0u8; PAGE_SIZE], true)?;
+                }
+                if home == PageHome::Zero {
+                    self.pages.set(gfn, PageHome::Private);
+                    self.pending.refills.push(gfn);
+                }
+                self.counters.fault.record(started.elapsed(), 1);
+                Ok(())
+            }
+            PageHome::Frame(_) => Ok(self.uffd.wake(page, PAGE)?), // pool frames are never holes
+        }
+    }
+
+    /// Copy-on-write break: the guest gets a private copy of the frame's bytes.
+    fn cow_break(&mut self, gfn: Gfn, frame: FrameId) -> io::Result<()> {
+        let pool = self
+            .pool
+            .as_ref()
+            .ok_or_else(|| io::Error::other("shared page without a pool"))?;
+        let mut buf = vec![0u8; PAGE_SIZE];
+        pread_exact(pool.as_fd(), &mut buf, frame.offset())?;
+        pwrite_all(self.memfd.as_fd(), &buf, gfn.offset())?;
+        self.map_guest_page(gfn)?;
+        self.uffd.wake(self.page_addr(gfn), PAGE)?;
+        self.pages.set(gfn, PageHome::Private);
+        self.pending.breaks.push((gfn, frame));
+        Ok(())
+    }
+
+    /// A missing fault on a stashed page: decode it and install it (write-protected for a
+    /// read, so that a later write still sets M). On error the page stays stashed.
+    fn unstash(&mut self, gfn: Gfn, stash: &Stash, write: bool) -> io::Result<()> {
+        let mut page = [0u8; PAGE_SIZE];
+        self.decode_stashed(gfn, stash, &mut page)?;
+        self.uffd.copy(self.page_addr(gfn), &page, !write)?;
+        self.pages.set(gfn, PageHome::Private);
+        self.pages.mark(gfn, write);
+        self.pending.unstashed.push(gfn);
+        Ok(())
+    }
+
+    /// Decodes the blob of stashed page `gfn` (from the store or the swap file; for a
+    /// patch with its pool reference frame) into `out`.
+    ///
+    /// Errors: no store, swap file or pool, a read failed, or the blob does not decode (a
+    /// corrupt store: the page is then never installed).
+    pub(crate) fn decode_stashed(&self, gfn: Gfn, s: &Stash, out: &mut Page) -> io::Result<()> {
+        let store = match s.home {
+            BlobHome::Store => &self.store,
+            BlobHome::Swap => &self.swap,
+        };
+        let store = store
+            .as_ref()
+            .ok_or_else(|| io::Error::other(format!("{gfn}: stashed page without its store")))?;
+        let mut blob = vec![0u8; s.len as usize];
+        pread_exact(store.as_fd(), &mut blob, s.offset)?;
+        if s.home == BlobHome::Swap {
+            // Read once: keep it out of the host's page cache.
+            drop_cache(store.as_fd(), s.offset, s.len as u64);
+        }
+        let Some(encoding) = s.blob.encoding() else {
+            *out = blob
+                .as_slice()
+                .try_into()
+                .map_err(|_| io::Error::other(format!("{gfn}: raw page of {} bytes", s.len)))?;
+            return Ok(());
+        };
+        let mut reference = [0u8; PAGE_SIZE];
+        let has_ref = if let Some(r) = s.blob.reference() {
+            pread_exact(self.pool()?, &mut reference, r.offset())?;
+            true
+        } else {
+            false
+        };
+        encoding
+            .decode(&blob, has_ref.then_some(&reference), out)
+            .map_err(|e| io::Error::other(format!("{gfn}: stored blob: {e}")))
+    }
+}

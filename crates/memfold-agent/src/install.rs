@@ -1,0 +1,192 @@
+//! Mapping changes over guest RAM: pool frames mapped over guest pages (a share), and the
+//! guest memfd mapped back over a page (the mapping half of a CoW break).
+//!
+//! A share maps the pool frames at a staging address, registers them with the userfaultfd
+//! and write-protects them there, then moves them over the guest pages with `mremap`.
+//! With `UFFD_FEATURE_EVENT_REMAP` the moved mapping keeps its registration and its
+//! protected PTEs, so no writer ever sees an unprotected shared page; but the mover waits
+//! until the agent reads the remap event, so the move runs on a helper thread
+//! ([`Remapper`]) while the agent's thread reads events.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::mpsc;
+
+use memfold_ids::Gfn;
+use memfold_sys::uffd::{self, Event};
+
+use crate::{Agent, PAGE, RAM_MODE};
+
+/// Moves mappings with `mremap` on a helper thread: with EVENT_REMAP the mover waits
+/// until the agent reads the event, so the agent's own thread cannot be the mover.
+pub(crate) struct Remapper {
+    /// Moves to make: (source, length, destination).
+    tx: mpsc::Sender<(u64, u64, u64)>,
+    /// One errno (native-endian i32, 0 on success) per move made.
+    done_r: OwnedFd,
+}
+
+impl Remapper {
+    /// Starts the helper thread.
+    ///
+    /// Errors: no pipe, or the thread could not be started.
+    pub(crate) fn new() -> io::Result<Remapper> {
+        let mut p = [0 as RawFd; 2];
+        // SAFETY: pipe2 fills the two fds of the array it is given, which lives across
+        // the call.
+        if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fresh fds we own, and nothing else does.
+        let (done_r, done_w) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
+        let (tx, rx) = mpsc::channel::<(u64, u64, u64)>();
+        std::thread::Builder::new()
+            .name("memfold-remap".into())
+            .spawn(move || {
+                for (src, len, dst) in rx {
+                    // SAFETY: moves a mapping the agent created onto guest RAM it manages,
+                    // which no Rust reference points into (see `run`).
+                    let r = unsafe {
+                        libc::mremap(
+                            src as *mut libc::c_void,
+                            len as usize,
+                            len as usize,
+                            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                            dst as *mut libc::c_void,
+                        )
+                    };
+                    let errno: i32 = if r as u64 == dst {
+                        0
+                    } else {
+                        io::Error::last_os_error().raw_os_error().unwrap_or(-1)
+                    };
+                    // SAFETY: writes 4 bytes from a local.
+                    unsafe {
+                        libc::write(
+                            done_w.as_raw_fd(),
+                            &errno as *const i32 as *const libc::c_void,
+                            4,
+                        )
+                    };
+                }
+            })?;
+        Ok(Remapper { tx, done_r })
+    }
+}
+
+impl Agent {
+    /// Maps pool bytes `[pool_off, pool_off+len)` write-protected over guest address `dst`.
+    /// On error nothing has changed at `dst`. Faults read meanwhile are kept in
+    /// `deferred`.
+    pub(crate) fn install(&mut self, dst: u64, pool_off: u64, len: u64) -> io::Result<()> {
+        let pool = self.pool()?.as_raw_fd();
+        // SAFETY: a new mapping at an address the kernel picks.
+        let staging = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                pool,
+                pool_off as libc::off_t,
+            )
+        };
+        if staging == libc::MAP_FAILED {
+            return Err(io::Error::other(format!(
+                "mapping pool frames: {}",
+                io::Error::last_os_error()
+            )));
+        }
+        let staging = staging as u64;
+        // SAFETY: the staging mapping was just created by this function; nothing but this
+        // function knows its address.
+        let prepared = unsafe { self.uffd.register(staging, len, uffd::MODE_WP) }
+            .and_then(|_| self.uffd.write_protect(staging, len, true))
+            .map_err(io::Error::from)
+            .and_then(|_| {
+                self.remapper
+                    .tx
+                    .send((staging, len, dst))
+                    .map_err(|_| io::Error::other("remap thread gone"))
+            });
+        if let Err(e) = prepared {
+            // SAFETY: unmaps the staging mapping created above.
+            unsafe { libc::munmap(staging as *mut libc::c_void, len as usize) };
+            return Err(e);
+        }
+        // Read the remap event (the mover waits for it); keep faults for later.
+        loop {
+            let mut fds = [
+                libc::pollfd {
+                    fd: self.uffd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: self.remapper.done_r.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            // SAFETY: polls a valid array of two pollfd that lives across the call.
+            unsafe { libc::poll(fds.as_mut_ptr(), 2, 1000) };
+            while let Some(ev) = self.uffd.read_event()? {
+                if matches!(ev, Event::Fault { .. }) {
+                    self.deferred.push(ev);
+                }
+            }
+            if fds[1].revents != 0 {
+                let mut errno: i32 = 0;
+                // SAFETY: reads 4 bytes into a local.
+                unsafe {
+                    libc::read(
+                        self.remapper.done_r.as_raw_fd(),
+                        &mut errno as *mut i32 as *mut libc::c_void,
+                        4,
+                    )
+                };
+                return if errno == 0 {
+                    Ok(())
+                } else {
+                    // SAFETY: the failed move left the staging mapping in place.
+                    unsafe { libc::munmap(staging as *mut libc::c_void, len as usize) };
+                    Err(io::Error::other(format!(
+                        "mremap onto guest RAM at {dst:#x}: {}",
+                        io::Error::from_raw_os_error(errno)
+                    )))
+                };
+            }
+        }
+    }
+
+    /// Maps the guest memfd's page `gfn` back over its address (replacing the pool
+    /// mapping a share installed) and registers it for all fault kinds, as guest RAM.
+    /// Does not wake the faulting thread.
+    ///
+    /// Errors: the mapping or the registration failed.
+    pub(crate) fn map_guest_page(&self, gfn: Gfn) -> io::Result<()> {
+        let addr = self.page_addr(gfn);
+        // SAFETY: replaces the agent-installed pool mapping of this guest page by the guest
+        // memfd page that now holds the same bytes.
+        let r = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                PAGE as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                self.memfd.as_raw_fd(),
+                gfn.offset() as libc::off_t,
+            )
+        };
+        if r as u64 != addr {
+            return Err(io::Error::other(format!(
+                "CoW break of {gfn}: mmap: {}",
+                io::Error::last_os_error()
+            )));
+        }
+        // SAFETY: the page is guest RAM again (the guest memfd mapped back over it above),
+        // which no Rust reference points into (see `run`).
+        unsafe { self.uffd.register(addr, PAGE, RAM_MODE) }?;
+        Ok(())
+    }
+}

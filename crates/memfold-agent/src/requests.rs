@@ -1,0 +1,363 @@
+//! memfoldd's requests ([`ToAgent`]) and their replies: share pages onto pool frames,
+//! reclaim zero pages, stash pages as blobs (or move a stashed page's blob to the swap
+//! file), and report and re-arm a clock slice's R and M bits.
+//!
+//! Each request is a hint: the agent checks every page under write-protection (writers
+//! wait) against what memfoldd read, carries out what still holds and answers, per page,
+//! done, changed (the guest wrote it since) or refused.
+
+use std::io;
+use std::os::fd::AsFd;
+use std::time::Instant;
+
+use memfold_codecs::{Page, PAGE_SIZE};
+use memfold_ids::{FrameId, Gfn};
+use memfold_sys::memfd::pread_exact;
+use memfold_wire::{BlobHome, StashPage, ToAgent, ToDaemon, CLOCK_SLICE};
+
+use crate::state::{plus, PageHome, Stash};
+use crate::{Agent, PAGE};
+
+/// A request's answer, page by page.
+#[derive(Default)]
+struct Outcome {
+    /// Carried out: shared, reclaimed or stashed.
+    done: Vec<Gfn>,
+    /// Changed since memfoldd read them (left as they are).
+    changed: Vec<Gfn>,
+    /// Refused for another reason (not private, no pool, VMA budget, unreadable blob).
+    refused: Vec<Gfn>,
+}
+
+impl Agent {
+    /// Receives one request from memfoldd, carries it out and replies. End of connection
+    /// or a bad message drops the connection.
+    ///
+    /// Errors: a mapping change or userfaultfd call failed midway (the caller drops the
+    /// connection: the re-attach lists what is shared or reclaimed now).
+    pub(crate) fn command(&mut self) -> io::Result<()> {
+        let msg = match self.conn.as_ref().map(|c| c.recv::<ToAgent>()) {
+            Some(Ok(Some((m, _)))) => m,
+            Some(Ok(None)) | Some(Err(_)) | None => {
+                self.conn = None;
+                return Ok(());
+            }
+        };
+        let started = Instant::now();
+        let reply = match msg {
+            ToAgent::Share { batch, pages } => {
+                let o = self.share(pages)?;
+                self.counters
+                    .share
+                    .record_batch(started.elapsed(), o.done.len());
+                ToDaemon::ShareDone {
+                    batch,
+                    shared: o.done,
+                    changed: o.changed,
+                    refused: o.refused,
+                }
+            }
+            ToAgent::ReclaimZero { batch, gfns } => {
+                let o = self.reclaim_zero(gfns)?;
+                self.counters
+                    .reclaim
+                    .record_batch(started.elapsed(), o.done.len());
+                ToDaemon::ReclaimDone {
+                    batch,
+                    reclaimed: o.done,
+                    changed: o.changed,
+                    refused: o.refused,
+                }
+            }
+            ToAgent::Stash { batch, pages } => {
+                let o = self.stash(pages)?;
+                self.counters
+                    .stash
+                    .record_batch(started.elapsed(), o.done.len());
+                ToDaemon::StashDone {
+                    batch,
+                    stashed: o.done,
+                    changed: o.changed,
+                    refused: o.refused,
+                }
+            }
+            ToAgent::ClockScan {
+                batch,
+                first,
+                count,
+            } => {
+                let (count, referenced, modified) = self.clock_scan(first, count)?;
+                ToDaemon::ClockBits {
+                    batch,
+                    first,
+                    count,
+                    referenced,
+                    modified,
+                }
+            }
+            ToAgent::Welcome { .. } => return Ok(()),
+        };
+        for ev in std::mem::take(&mut self.deferred) {
+            self.handle_or_retry(ev);
+        }
+        if let Some(c) = &self.conn {
+            if c.send(&reply, &[]).is_err() {
+                self.conn = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// Mappings (VMAs) in this process now.
+    fn mappings(&self) -> usize {
+        std::fs::read("/proc/self/maps")
+            .map(|m| m.iter().filter(|&&b| b == b'\n').count())
+            .unwrap_or(0)
+    }
+
+    /// Carries out a share request (ESX §4.3): maps the private pages whose bytes still
+    /// equal their frame's onto it, a run of consecutive pages onto consecutive frames
+    /// with one mapping.
+    fn share(&mut self, mut pages: Vec<(Gfn, FrameId)>) -> io::Result<Outcome> {
+        let mut out = Outcome::default();
+        if self.pool.is_none() || self.mappings() + 2 * pages.len() > self.vma_budget {
+            out.refused.extend(pages.iter().map(|p| p.0));
+            return Ok(out);
+        }
+        pages.sort_unstable();
+        pages.dedup_by_key(|p| p.0);
+        pages.retain(|&(g, _)| {
+            let ok = self.pages.is_private(g);
+            if !ok {
+                out.refused.push(g);
+            }
+            ok
+        });
+        // Runs of consecutive gfns onto consecutive frames: one mapping each.
+        let mut i = 0;
+        while i < pages.len() {
+            let mut j = i + 1;
+            while j < pages.len()
+                && pages[j].0 .0 == pages[j - 1].0 .0 + 1
+                && pages[j].1 .0 == pages[j - 1].1 .0 + 1
+            {
+                j += 1;
+            }
+            self.share_run(&pages[i..j], &mut out)?;
+            i = j;
+        }
+        Ok(out)
+    }
+
+    /// Shares one run of consecutive pages onto consecutive frames: write-protects the
+    /// run, compares it with the frames and maps each sub-run of equal pages.
+    fn share_run(&mut self, run: &[(Gfn, FrameId)], out: &mut Outcome) -> io::Result<()> {
+        let (g0, f0) = run[0];
+        let n = run.len();
+        let len = n as u64 * PAGE;
+        let addr = self.page_addr(g0);
+        self.uffd.write_protect(addr, len, true)?;
+        let mut guest = vec![0u8; len as usize];
+        let mut frames = vec![0u8; len as usize];
+        pread_exact(self.memfd.as_fd(), &mut guest, g0.offset())?;
+        pread_exact(self.pool()?, &mut frames, f0.offset())?;
+        let p = PAGE_SIZE;
+        let equal: Vec<bool> = (0..n)
+            .map(|k| guest[k * p..(k + 1) * p] == frames[k * p..(k + 1) * p])
+            .collect();
+        let mut k = 0;
+        while k < n {
+            let mut e = k + 1;
+            while e < n && equal[e] == equal[k] {
+                e += 1;
+            }
+            let (sub_addr, sub_len) = (addr + k as u64 * PAGE, (e - k) as u64 * PAGE);
+            if equal[k]
+                && self
+                    .install(sub_addr, f0.offset() + k as u64 * PAGE, sub_len)
+                    .is_err()
+            {
+                // Nothing was moved: the pages stay private.
+                self.uffd.write_protect(sub_addr, sub_len, false)?;
+                out.refused.extend(run[k..e].iter().map(|p| p.0));
+            } else if equal[k] {
+                // The pages are now read from the pool; failing to free the copies only
+                // keeps their memory.
+                self.punch(plus(g0, k), (e - k) as u64);
+                for &(g, f) in &run[k..e] {
+                    self.pages.set(g, PageHome::Frame(f));
+                    out.done.push(g);
+                }
+            } else {
+                self.uffd.write_protect(sub_addr, sub_len, false)?;
+                out.changed.extend(run[k..e].iter().map(|p| p.0));
+            }
+            k = e;
+        }
+        Ok(())
+    }
+
+    /// Carries out a zero-page reclaim request (ESX §4.3's zero page, without a frame):
+    /// punches the private pages that are still zero out of the guest memfd.
+    fn reclaim_zero(&mut self, mut gfns: Vec<Gfn>) -> io::Result<Outcome> {
+        let mut out = Outcome::default();
+        gfns.sort_unstable();
+        gfns.dedup();
+        gfns.retain(|&g| {
+            let ok = self.pages.is_private(g);
+            if !ok {
+                out.refused.push(g);
+            }
+            ok
+        });
+        let p = PAGE_SIZE;
+        let mut i = 0;
+        while i < gfns.len() {
+            let mut j = i + 1;
+            while j < gfns.len() && gfns[j].0 == gfns[j - 1].0 + 1 {
+                j += 1;
+            }
+            let (g0, n) = (gfns[i], j - i);
+            let (addr, len) = (self.page_addr(g0), n as u64 * PAGE);
+            // Writers wait from here until the unprotect below.
+            self.uffd.write_protect(addr, len, true)?;
+            let mut bytes = vec![0u8; len as usize];
+            pread_exact(self.memfd.as_fd(), &mut bytes, g0.offset())?;
+            for k in 0..n {
+                let g = plus(g0, k);
+                if bytes[k * p..(k + 1) * p].iter().any(|&b| b != 0) {
+                    out.changed.push(g);
+                    continue;
+                }
+                // It was zero and writers wait: the next access refills exactly these bytes.
+                if self.punch(g, 1) {
+                    self.pages.set(g, PageHome::Zero);
+                    out.done.push(g);
+                } else {
+                    out.refused.push(g);
+                }
+            }
+            self.uffd.write_protect(addr, len, false)?;
+            i = j;
+        }
+        Ok(out)
+    }
+
+    /// Carries out a stash request (DE §3.2–3.3, §4.6): punches out of the guest memfd
+    /// each private page whose blob decodes to its bytes; moves the blobs of pages marked
+    /// `moving`.
+    fn stash(&mut self, mut pages: Vec<StashPage>) -> io::Result<Outcome> {
+        let mut out = Outcome::default();
+        pages.sort_unstable_by_key(|p| p.gfn);
+        pages.dedup_by_key(|p| p.gfn);
+        let mut decoded: Page = [0; PAGE_SIZE];
+        let mut now: Page = [0; PAGE_SIZE];
+        for p in pages {
+            let g = p.gfn;
+            if p.moving {
+                match self.move_stashed(&p, &mut decoded, &mut now) {
+                    Ok(true) => out.done.push(g),
+                    Ok(false) => out.changed.push(g),
+                    Err(e) => {
+                        eprintln!("memfold-agent: move refused: {e}");
+                        out.refused.push(g);
+                    }
+                }
+                continue;
+            }
+            if !self.pages.is_private(g) {
+                out.refused.push(g);
+                continue;
+            }
+            let stash = Stash::from(&p);
+            if let Err(e) = self.decode_stashed(g, &stash, &mut decoded) {
+                eprintln!("memfold-agent: stash refused: {e}");
+                out.refused.push(g);
+                continue;
+            }
+            let addr = self.page_addr(g);
+            // Writers wait from here until the unprotect below.
+            self.uffd.write_protect(addr, PAGE, true)?;
+            pread_exact(self.memfd.as_fd(), &mut now, g.offset())?;
+            if now != decoded {
+                out.changed.push(g);
+            } else {
+                // Writers wait, and the blob decodes to exactly its bytes, which the next
+                // access gets back.
+                if self.punch(g, 1) {
+                    self.pages.set(g, PageHome::Stashed(stash));
+                    out.done.push(g);
+                } else {
+                    out.refused.push(g);
+                }
+            }
+            self.uffd.write_protect(addr, PAGE, false)?;
+        }
+        Ok(out)
+    }
+
+    /// Moves stashed page `p.gfn` to the blob `p` names (in the swap file) if the page is
+    /// still stashed in the store and both blobs decode to the same bytes. Returns whether
+    /// it moved (not: the guest touched the page since, or the bytes differ). The page is
+    /// not in guest RAM, and faults on it are served by this thread: nothing can change it
+    /// meanwhile.
+    ///
+    /// Errors: a blob cannot be read or decoded.
+    fn move_stashed(&mut self, p: &StashPage, new: &mut Page, old: &mut Page) -> io::Result<bool> {
+        let cur = match self.pages.get(p.gfn) {
+            Some(PageHome::Stashed(cur)) if cur.home == BlobHome::Store => cur,
+            _ => return Ok(false),
+        };
+        let to = Stash::from(p);
+        self.decode_stashed(p.gfn, &cur, old)?;
+        self.decode_stashed(p.gfn, &to, new)?;
+        if old != new {
+            return Ok(false);
+        }
+        self.pages.set(p.gfn, PageHome::Stashed(to));
+        Ok(true)
+    }
+
+    /// Reports and clears the R and M bits of `[first, first+count)` (clamped to RAM and
+    /// [`CLOCK_SLICE`]) and arms the slice's private pages again (DE §4.2). Returns (pages,
+    /// R bits, M bits), bit k of word k/64 for gfn `first + k`.
+    ///
+    /// Errors: write-protecting or zapping a run failed.
+    fn clock_scan(&mut self, first: Gfn, count: u32) -> io::Result<(u32, Vec<u64>, Vec<u64>)> {
+        let npages = self.pages.len();
+        let n = count.min(CLOCK_SLICE).min(npages.saturating_sub(first.0));
+        let (r, m) = self.pages.take_bits(first, n);
+        // Arm runs of private pages; shared and reclaimed pages fault anyway.
+        let private =
+            |agent: &Agent, k: u32| agent.pages.home(plus(first, k as usize)) == PageHome::Private;
+        let mut k = 0;
+        while k < n {
+            if !private(self, k) {
+                k += 1;
+                continue;
+            }
+            let mut e = k + 1;
+            while e < n && private(self, e) {
+                e += 1;
+            }
+            let (addr, len) = (
+                self.page_addr(plus(first, k as usize)),
+                (e - k) as u64 * PAGE,
+            );
+            self.uffd.write_protect(addr, len, true)?;
+            // SAFETY: drops only the PTEs of guest RAM the agent manages; the memfd keeps
+            // the pages, and the next access is a minor fault the agent serves.
+            if unsafe {
+                libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_DONTNEED)
+            } != 0
+            {
+                return Err(io::Error::other(format!(
+                    "arming the clock at {addr:#x}: madvise: {}",
+                    io::Error::last_os_error()
+                )));
+            }
+            k = e;
+        }
+        Ok((n, r, m))
+    }
+}

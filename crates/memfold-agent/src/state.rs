@@ -1,0 +1,221 @@
+//! The agent's record of guest RAM: where each page lives ([`PageHome`]) and its R and M
+//! bits for the NRU clock since its slice was last armed.
+
+use memfold_ids::{FrameId, Gfn};
+use memfold_wire::{Blob, BlobHome, Mapped, StashPage};
+
+/// Where a guest page lives, as the agent knows it; a fault on the page is served by
+/// where it lives (see the fault module).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PageHome {
+    /// In the guest memfd, mapped as QEMU mapped it (or a hole never touched yet: the
+    /// first touch gets zeros).
+    Private,
+    /// A reclaimed zero page: a hole in the guest memfd, refilled with zeros on the next
+    /// access.
+    Zero,
+    /// Mapped onto this pool frame, write-protected: a write breaks copy-on-write.
+    Frame(FrameId),
+    /// Out of RAM as a blob in the store memfd or the swap file (a hole in the guest
+    /// memfd): decoded back on the next access.
+    Stashed(Stash),
+}
+
+/// A stashed page's blob: what it is and where. A [`StashPage`] without its gfn (the
+/// record's index) and its `moving` flag (a request's, never a state's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Stash {
+    /// What the blob is (a patch names its pool reference frame).
+    pub(crate) blob: Blob,
+    /// Where the blob is.
+    pub(crate) home: BlobHome,
+    /// Byte offset of the blob in its home.
+    pub(crate) offset: u64,
+    /// Blob length, bytes.
+    pub(crate) len: u32,
+}
+
+impl From<&StashPage> for Stash {
+    fn from(p: &StashPage) -> Stash {
+        Stash {
+            blob: p.blob,
+            home: p.home,
+            offset: p.offset,
+            len: p.len,
+        }
+    }
+}
+
+/// `gfn + k`.
+pub(crate) fn plus(gfn: Gfn, k: usize) -> Gfn {
+    Gfn(gfn.0 + k as u32)
+}
+
+/// Every guest page's home, and its R and M bits since its clock slice was last armed
+/// (bit `g % 64` of word `g / 64`).
+pub(crate) struct Pages {
+    homes: Vec<PageHome>,
+    referenced: Vec<u64>,
+    modified: Vec<u64>,
+}
+
+impl Pages {
+    /// `pages` private pages, never armed: treated as recently modified (R and M set, as
+    /// the engine's `PageClock::FRESH`).
+    pub(crate) fn new(pages: usize) -> Pages {
+        Pages {
+            homes: vec![PageHome::Private; pages],
+            referenced: vec![u64::MAX; pages.div_ceil(64)],
+            modified: vec![u64::MAX; pages.div_ceil(64)],
+        }
+    }
+
+    /// Pages of guest RAM.
+    pub(crate) fn len(&self) -> u32 {
+        self.homes.len() as u32
+    }
+
+    /// Where page `gfn` lives.
+    ///
+    /// Panics: `gfn` is beyond guest RAM (callers check faults against the RAM's range).
+    pub(crate) fn home(&self, gfn: Gfn) -> PageHome {
+        self.homes[gfn.index()]
+    }
+
+    /// Where page `gfn` lives; `None` beyond guest RAM.
+    pub(crate) fn get(&self, gfn: Gfn) -> Option<PageHome> {
+        self.homes.get(gfn.index()).copied()
+    }
+
+    /// Whether `gfn` is a page of guest RAM, private.
+    pub(crate) fn is_private(&self, gfn: Gfn) -> bool {
+        self.get(gfn) == Some(PageHome::Private)
+    }
+
+    /// Records that page `gfn` now lives at `home`.
+    pub(crate) fn set(&mut self, gfn: Gfn, home: PageHome) {
+        self.homes[gfn.index()] = home;
+    }
+
+    /// Sets R (and M for a write) of `gfn`.
+    pub(crate) fn mark(&mut self, gfn: Gfn, write: bool) {
+        let (w, b) = (gfn.index() / 64, 1u64 << (gfn.0 % 64));
+        self.referenced[w] |= b;
+        if write {
+            self.modified[w] |= b;
+        }
+    }
+
+    /// Takes the R and M bits of pages `[first, first+n)` (in RAM), clearing them.
+    /// Returns (R bits, M bits): bit k of word k/64 for gfn `first + k`.
+    pub(crate) fn take_bits(&mut self, first: Gfn, n: u32) -> (Vec<u64>, Vec<u64>) {
+        let mut r = vec![0u64; (n as usize).div_ceil(64)];
+        let mut m = r.clone();
+        for k in 0..n {
+            let g = first.index() + k as usize;
+            let (w, b) = (g / 64, 1u64 << (g % 64));
+            let out = 1u64 << (k % 64);
+            if self.referenced[w] & b != 0 {
+                r[k as usize / 64] |= out;
+            }
+            if self.modified[w] & b != 0 {
+                m[k as usize / 64] |= out;
+            }
+            self.referenced[w] &= !b;
+            self.modified[w] &= !b;
+        }
+        (r, m)
+    }
+
+    /// The re-attach list: every page mapped onto a pool frame or reclaimed, in gfn order.
+    /// Stashed pages are not in it: the agent brings them home before it re-attaches.
+    pub(crate) fn reattach_list(&self) -> Vec<(Gfn, Mapped)> {
+        self.homes
+            .iter()
+            .enumerate()
+            .filter_map(|(g, h)| {
+                let m = match h {
+                    PageHome::Private => return None,
+                    PageHome::Zero => Mapped::ReclaimedZero,
+                    PageHome::Frame(f) => Mapped::Frame(*f),
+                    PageHome::Stashed(_) => {
+                        debug_assert!(false, "stashed pages are restored before a re-attach");
+                        return None;
+                    }
+                };
+                Some((Gfn(g as u32), m))
+            })
+            .collect()
+    }
+
+    /// The stashed pages and their blobs, in gfn order.
+    pub(crate) fn stashed(&self) -> Vec<(Gfn, Stash)> {
+        self.homes
+            .iter()
+            .enumerate()
+            .filter_map(|(g, h)| match h {
+                PageHome::Stashed(s) => Some((Gfn(g as u32), *s)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memfold_codecs::PatchCodec;
+
+    #[test]
+    fn a_page_record_stays_small() {
+        // One per guest page: 6 words per KiB of guest RAM.
+        assert!(std::mem::size_of::<PageHome>() <= 24);
+    }
+
+    #[test]
+    fn pages_start_private_and_fresh_and_bits_are_taken_once() {
+        let mut p = Pages::new(130);
+        assert_eq!(p.len(), 130);
+        assert!(p.is_private(Gfn(129)));
+        assert!(!p.is_private(Gfn(130)), "beyond RAM");
+        assert_eq!(p.get(Gfn(130)), None);
+        // Never armed: R and M set.
+        let (r, m) = p.take_bits(Gfn(60), 70);
+        assert_eq!((r.len(), m.len()), (2, 2));
+        assert_eq!((r[0], r[1]), (u64::MAX, (1 << 6) - 1));
+        assert_eq!(m, r);
+        assert_eq!(p.take_bits(Gfn(60), 70), (vec![0, 0], vec![0, 0]));
+        p.mark(Gfn(61), false);
+        p.mark(Gfn(129), true);
+        let (r, m) = p.take_bits(Gfn(60), 70);
+        assert_eq!(r, vec![0b10, 1 << 5]);
+        assert_eq!(m, vec![0, 1 << 5]);
+    }
+
+    #[test]
+    fn the_reattach_list_names_frames_and_zero_pages() {
+        let mut p = Pages::new(8);
+        p.set(Gfn(1), PageHome::Frame(FrameId(4)));
+        p.set(Gfn(3), PageHome::Zero);
+        let stash = Stash {
+            blob: Blob::Patch {
+                codec: PatchCodec::XorLz4,
+                reference: FrameId(4),
+            },
+            home: BlobHome::Store,
+            offset: 64,
+            len: 100,
+        };
+        p.set(Gfn(5), PageHome::Stashed(stash));
+        assert_eq!(p.stashed(), vec![(Gfn(5), stash)]);
+        p.set(Gfn(5), PageHome::Private);
+        assert_eq!(
+            p.reattach_list(),
+            vec![
+                (Gfn(1), Mapped::Frame(FrameId(4))),
+                (Gfn(3), Mapped::ReclaimedZero)
+            ]
+        );
+        assert_eq!(plus(Gfn(3), 2), Gfn(5));
+    }
+}
