@@ -100,7 +100,7 @@ impl Agent {
         };
         // The store belongs to the memfoldd that is gone: bring its pages home first.
         if let Err(e) = self.unstash_all() {
-            eprintln!("memfold-agent: restoring stashed pages: {e}; attach postponed");
+            tracing::warn!("restoring stashed pages: {e}; attach postponed");
             return;
         }
         let shared = self.pages.reattach_list();
@@ -137,11 +137,8 @@ impl Agent {
                 self.pending.breaks.clear();
                 self.pending.refills.clear();
             }
-            Ok(other) => eprintln!(
-                "memfold-agent: memfoldd refused the attach: {:?}",
-                other.map(|m| m.0)
-            ),
-            Err(e) => eprintln!("memfold-agent: attach: {e}"),
+            Ok(other) => tracing::warn!("memfoldd refused the attach: {:?}", other.map(|m| m.0)),
+            Err(e) => tracing::warn!("attach: {e}"),
         }
     }
 

@@ -31,7 +31,7 @@ impl Agent {
     pub(crate) fn handle_or_retry(&mut self, ev: Event) {
         let mut delay = Duration::from_millis(1);
         while let Err(e) = self.handle(ev) {
-            eprintln!("memfold-agent: fault {ev:?}: {e}; retrying");
+            tracing::error!("fault {ev:?}: {e}; retrying");
             std::thread::sleep(delay);
             delay = (delay * 2).min(Duration::from_secs(1));
         }

@@ -93,17 +93,24 @@ const PAGE: u64 = 4096;
 /// Guest RAM (and pages given back to it) is registered for all three fault kinds.
 const RAM_MODE: u64 = uffd::MODE_MISSING | uffd::MODE_WP | uffd::MODE_MINOR;
 
-/// Starts the agent thread if the environment asks for it. Errors are reported on stderr
-/// (QEMU's log) with the prefix `memfold-agent:`; the guest runs on unmanaged.
+/// Starts the agent thread if the environment asks for it. Its log goes to stderr
+/// (QEMU's log), each line naming `memfold-agent`; after an error the guest runs on
+/// unmanaged.
 pub fn start_from_env() {
     let Some(cfg) = AgentConfig::from_env() else {
         return;
     };
+    // QEMU is C: nothing else in its process installs a subscriber.
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_target(true)
+        .try_init();
     let _ = std::thread::Builder::new()
         .name("memfold-agent".into())
         .spawn(move || {
             if let Err(e) = run(cfg) {
-                eprintln!("memfold-agent: {e}");
+                tracing::error!("guest left unmanaged: {e}");
             }
         });
 }
@@ -244,7 +251,7 @@ impl Agent {
                 if let Err(e) = self.command() {
                     // The agent must keep serving faults whatever failed: drop the
                     // connection, the re-attach lists what is shared or reclaimed now.
-                    eprintln!("memfold-agent: request failed: {e}; re-attaching");
+                    tracing::warn!("request failed: {e}; re-attaching");
                     self.conn = None;
                 }
             }

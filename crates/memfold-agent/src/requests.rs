@@ -259,7 +259,7 @@ impl Agent {
                     Ok(true) => out.done.push(g),
                     Ok(false) => out.changed.push(g),
                     Err(e) => {
-                        eprintln!("memfold-agent: move refused: {e}");
+                        tracing::warn!("move refused: {e}");
                         out.refused.push(g);
                     }
                 }
@@ -271,7 +271,7 @@ impl Agent {
             }
             let stash = Stash::from(&p);
             if let Err(e) = self.decode_stashed(g, &stash, &mut decoded) {
-                eprintln!("memfold-agent: stash refused: {e}");
+                tracing::warn!("stash refused: {e}");
                 out.refused.push(g);
                 continue;
             }

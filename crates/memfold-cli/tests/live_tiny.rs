@@ -6,11 +6,15 @@
 //! adds mappings) but still reclaims zero pages (which add none). Bounded: tiny guests
 //! boot in seconds under TCG. The NRU clock runs throughout (R/M tracking by minor and
 //! write-protect faults) with the Difference Engine policy, so every self-check also
-//! covers the clock's faults and pages decoded back from patches and compressed blobs;
-//! the kill -9 comes while pages are stashed, and the agents write them all back from
-//! the store they hold before re-attaching to the new memfoldd. memfoldd keeps a host
-//! memory budget (64 MiB for 512 MiB of guest RAM: overcommit) and swaps cold pages out to
-//! a swap file (DE §4.6), which the agents also hold and read back from after the kill.
+//! covers the clock's faults and pages decoded back from patches and compressed blobs.
+//! memfoldd keeps a host memory budget (64 MiB for 512 MiB of guest RAM: overcommit) and
+//! swaps cold pages out to a swap file (DE §4.6), which the agents also hold. Before the
+//! kill -9 the test requires compressed or swapped pages in each guest and pages in the
+//! swap file; it does not check that pages are still stored at the moment of the kill
+//! (issue "Isolation and faults" tightens that). After the kill the agents serve every
+//! fault themselves, and write their stored pages back before re-attaching to the new
+//! memfoldd, which adopts the pool. memfoldd here is the `memfoldd` of this crate, running
+//! the engine (`memfold_core::Engine`) the reference model checks.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};

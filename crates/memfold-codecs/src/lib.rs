@@ -11,6 +11,9 @@
 //!   (Difference Engine §3.2): our own run diff, XOR + LZ4, and zstd with the
 //!   reference page as a raw-content dictionary.
 
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
 mod compress;
 mod encoding;
 mod patch;

@@ -5,6 +5,9 @@
 //!
 //! `cargo bench -p memfold-core --bench ops` (or `make bench`).
 
+// criterion_group!/criterion_main! generate undocumented public functions.
+#![allow(missing_docs)]
+
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use memfold_core::backing::mem::{ManualClock, MemGuestRam};
 use memfold_core::engine::{Attach, Backings, Command};

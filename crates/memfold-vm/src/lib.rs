@@ -10,6 +10,8 @@
 //! - [`capture`]: snapshots of guest RAM and of which pages are host-resident.
 //! - [`hostmem`]: how much host memory guest RAM uses, one definition for memfold and KSM.
 
+#![deny(missing_docs)]
+
 pub mod capture;
 pub mod hostmem;
 pub mod images;

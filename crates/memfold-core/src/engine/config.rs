@@ -1,0 +1,155 @@
+//! The engine's parameters: one set of defaults memfoldd and `memfold run` share.
+
+use memfold_codecs::{CompressCodec, PatchCodec};
+use serde::Serialize;
+
+use crate::clock::Policy;
+use crate::similarity::{SimilarityConfig, SimilarityDetector};
+use crate::{page_hash, Page, PAGE_SIZE};
+
+/// What to do with guest pages that are all zero.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum ZeroPolicy {
+    /// Punch them out of guest RAM; the agent fills a zero page on the next access (ESX
+    /// §4.3's zero page without a frame or a mapping, so no VMA is spent).
+    Reclaim,
+    /// Map them onto one shared zero frame, copy-on-write (ESX §4.3).
+    Share,
+    /// Leave them alone (Satori §4.1: zero pages are mostly short-lived free memory).
+    Keep,
+}
+
+impl ZeroPolicy {
+    /// The names [`ZeroPolicy::from_name`] takes.
+    pub const NAMES: [&'static str; 3] = ["reclaim", "share", "keep"];
+
+    /// The policy named `name` (one of [`ZeroPolicy::NAMES`]).
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "reclaim" => Some(ZeroPolicy::Reclaim),
+            "share" => Some(ZeroPolicy::Share),
+            "keep" => Some(ZeroPolicy::Keep),
+            _ => None,
+        }
+    }
+
+    /// The policy's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ZeroPolicy::Reclaim => "reclaim",
+            ZeroPolicy::Share => "share",
+            ZeroPolicy::Keep => "keep",
+        }
+    }
+}
+
+/// The engine's parameters. [`EngineConfig::default`] is the one set of defaults memfoldd
+/// and `memfold run` share.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Which mechanisms may touch pages of each NRU class (DE §4.2).
+    pub policy: Policy,
+    /// What to do with zero pages.
+    pub zero: ZeroPolicy,
+    /// HashSimilarityDetector parameters (DE §3.2).
+    pub similarity: SimilarityConfig,
+    /// Patch encoding (DE §3.2).
+    pub patch_codec: PatchCodec,
+    /// Largest patch kept, bytes (DE §3.2: 2048).
+    pub patch_cutoff: usize,
+    /// Page compressor (DE §3.3).
+    pub compress_codec: CompressCodec,
+    /// Largest compressed page kept, bytes (DE §3.3: 2048).
+    pub compress_cutoff: usize,
+    /// Sharing scan rate limit, pages/s (ESX §4.3); 0 scans at full speed.
+    pub rate: u64,
+    /// Shortest time between the starts of two full sharing scans, µs.
+    pub min_scan_interval_us: u64,
+    /// Longest time between full scans, µs: after a quiet scan (requests for under 0.1%
+    /// of the pages read) the interval doubles up to this; a busy one resets it.
+    pub max_scan_interval_us: u64,
+    /// Time for the NRU clock's hand to pass over each guest once, µs (DE §4.2: ≥ 4 s);
+    /// `None`: no clock, so no R/M tracking faults and sharing alone.
+    pub clock_interval_us: Option<u64>,
+    /// Host memory budget for the guests' RAM (their memfds, the pool and the store),
+    /// bytes; over it, cold pages are swapped out (DE §4.6). `None`: no swapping.
+    pub host_budget: Option<u64>,
+    /// The share table's content hash ([`page_hash`], xxh3-64). Tests replace it with
+    /// one that collides, so that every match must be confirmed byte for byte.
+    pub page_hash: fn(&Page) -> u64,
+}
+
+impl Default for EngineConfig {
+    /// The Difference Engine policy with a 4 s clock, zero pages reclaimed, run-diff
+    /// patches and zstd compression under 2 KiB cut-offs, scanning 100 000 pages/s with
+    /// full scans 1–8 s apart; no host budget.
+    fn default() -> Self {
+        EngineConfig {
+            policy: Policy::difference_engine(),
+            zero: ZeroPolicy::Reclaim,
+            similarity: SimilarityConfig::default(),
+            patch_codec: PatchCodec::RunDiff,
+            patch_cutoff: 2048,
+            compress_codec: CompressCodec::Zstd,
+            compress_cutoff: 2048,
+            rate: 100_000,
+            min_scan_interval_us: 1_000_000,
+            max_scan_interval_us: 8_000_000,
+            clock_interval_us: Some(4_000_000),
+            host_budget: None,
+            page_hash,
+        }
+    }
+}
+
+/// A configuration the engine cannot run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// A cut-off over one page.
+    #[error("{which} cut-off of {bytes} bytes: at most 4096")]
+    Cutoff {
+        /// `patch` or `compression`.
+        which: &'static str,
+        /// The value given.
+        bytes: usize,
+    },
+    /// A policy that patches or compresses, or a host budget, without the NRU clock.
+    #[error("{what} needs the NRU clock: give a clock interval (e.g. 4 s)")]
+    NeedsClock {
+        /// What needs it.
+        what: String,
+    },
+    /// Similarity parameters out of range.
+    #[error("similarity: {0}")]
+    Similarity(String),
+}
+
+impl EngineConfig {
+    /// Checks the configuration.
+    ///
+    /// Errors: [`ConfigError`], saying which parameter and why.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (which, bytes) in [
+            ("patch", self.patch_cutoff),
+            ("compression", self.compress_cutoff),
+        ] {
+            if bytes > PAGE_SIZE {
+                return Err(ConfigError::Cutoff { which, bytes });
+            }
+        }
+        if self.clock_interval_us.is_none() {
+            if self.policy.needs_clock() {
+                return Err(ConfigError::NeedsClock {
+                    what: format!("policy {} (patching or compression)", self.policy.name),
+                });
+            }
+            if self.host_budget.is_some() {
+                return Err(ConfigError::NeedsClock {
+                    what: "a host budget (swap picks C4 pages)".into(),
+                });
+            }
+        }
+        SimilarityDetector::new(self.similarity).map_err(ConfigError::Similarity)?;
+        Ok(())
+    }
+}

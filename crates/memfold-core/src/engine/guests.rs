@@ -1,0 +1,309 @@
+//! Guests coming and going: attach, re-attach after a lost connection or a memfoldd
+//! restart (reconciling the books with what the agent maps), detach, removal when QEMU
+//! exits; and the adoption of a previous memfoldd's pool.
+
+use super::{Engine, EngineError, Outcome};
+use crate::backing::{Backing, GuestRam};
+use crate::clock::ClockHand;
+use crate::frames::FrameTable;
+use crate::ids::{FrameId, Gfn, Gpn, VmId};
+use crate::p2m::{BlobId, P2mEntry, PageState};
+use crate::share::ShareEntry;
+use crate::{Page, PAGE_SIZE};
+
+use super::books::VmBooks;
+use super::Vm;
+
+/// An attach (or re-attach) of a guest.
+pub struct Attach {
+    /// Guest name.
+    pub name: String,
+    /// QEMU's pid (from the socket's peer credentials, not the peer's word).
+    pub pid: u32,
+    /// Guest RAM, pages.
+    pub pages: u32,
+    /// Its RAM.
+    pub ram: Box<dyn GuestRam>,
+    /// What the agent maps now (re-attach): pool frames and reclaimed zero pages.
+    pub mapped: Vec<(Gfn, Mapped)>,
+}
+
+/// A page a re-attaching agent maps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mapped {
+    /// Onto this pool frame.
+    Frame(FrameId),
+    /// A reclaimed zero page (a hole the agent refills).
+    Zero,
+}
+
+impl Engine {
+    /// Whether the engine's pool is still untouched: no frame ever allocated, no guest
+    /// attached. Only then may it adopt another ([`Engine::adopt_pool`]).
+    pub fn pool_untouched(&self) -> bool {
+        self.frames.size() == 0 && self.vms.is_empty()
+    }
+
+    /// Adopts the pool of a previous memfoldd, handed back by a re-attaching agent: its
+    /// `frames` frames, of which those in `held` hold data. Those stay pinned until
+    /// [`Engine::end_adoption`]: an agent not yet re-attached may map any of them.
+    ///
+    /// Errors: [`EngineError::Attach`]-free; refuses (returns false) unless
+    /// [`Engine::pool_untouched`].
+    pub fn adopt_pool(
+        &mut self,
+        pool: Box<dyn Backing>,
+        frames: u32,
+        held: impl IntoIterator<Item = FrameId>,
+    ) -> bool {
+        if !self.pool_untouched() {
+            return false;
+        }
+        self.pool = pool;
+        self.frames = FrameTable::adopted(frames, held);
+        self.adopted = true;
+        true
+    }
+
+    /// Ends the adoption of a pool: every process that held the old pool has re-attached
+    /// or exited, so adopted frames no guest maps are freed.
+    pub fn end_adoption(&mut self) {
+        for f in self.frames.end_adoption() {
+            self.forget_frame(f);
+        }
+    }
+
+    /// Whether adopted frames are still pinned.
+    pub fn adoption_pending(&self) -> bool {
+        self.frames.adoption_pending()
+    }
+
+    /// Attaches a guest, or re-attaches one whose connection was lost while its QEMU
+    /// lived (same pid): its agent wrote every stashed page back before re-attaching, so
+    /// their blobs are released; what it maps now (`a.mapped`) replaces what the books said,
+    /// including requests lost in doubt. Frames of an adopted pool that a guest maps are
+    /// read, hashed and entered in the share table.
+    ///
+    /// Errors: [`EngineError::Attach`] for a guest of 0 pages, or pages past the 2^31
+    /// global page space; [`EngineError::Pool`] if an adopted frame cannot be read.
+    pub fn attach(&mut self, a: Attach) -> Result<VmId, EngineError> {
+        let refuse = |why: String| EngineError::Attach {
+            name: a.name.clone(),
+            pid: a.pid,
+            why,
+        };
+        let old = self
+            .vms
+            .iter()
+            .find(|(_, v)| v.pid == a.pid && !v.attached && v.pages() == a.pages)
+            .map(|(id, _)| *id);
+        let id = match old {
+            Some(id) => {
+                self.release_blobs(id);
+                let v = self.vms.get_mut(&id).expect("found above");
+                v.ram = a.ram;
+                v.name = a.name;
+                id
+            }
+            None => {
+                if a.pages == 0 {
+                    return Err(refuse("a guest of 0 pages".into()));
+                }
+                let base = self.next_base;
+                let end = base as u64 + a.pages as u64;
+                if end > 1 << 31 {
+                    return Err(refuse(format!(
+                        "{} pages would pass the 2^31-page global page space",
+                        a.pages
+                    )));
+                }
+                let id = VmId(self.next_vm);
+                self.next_vm += 1;
+                self.next_base = end as u32;
+                self.by_base.insert(Gpn(base), id);
+                let n = a.pages as usize;
+                self.vms.insert(
+                    id,
+                    Vm {
+                        name: a.name,
+                        pid: a.pid,
+                        base: Gpn(base),
+                        ram: a.ram,
+                        attached: false,
+                        p2m: vec![P2mEntry::PRIVATE; n],
+                        cursor: 0,
+                        scanned_this_pass: false,
+                        queue: Vec::new(),
+                        clock: ClockHand::new(n),
+                        de_failed: vec![0; n.div_ceil(64)],
+                        restash_wait: vec![0; n],
+                        books: VmBooks::default(),
+                    },
+                );
+                id
+            }
+        };
+        self.reconcile(id, &a.mapped)?;
+        let v = self.vms.get_mut(&id).expect("attached above");
+        v.attached = true;
+        v.scanned_this_pass = false;
+        tracing::info!(
+            vm = %id, name = %v.name, pid = v.pid, pages = v.pages(),
+            shared = v.books.shared_pages, "attached"
+        );
+        Ok(id)
+    }
+
+    /// Makes the books of guest `id` say what its agent maps (`mapped`): requests in
+    /// doubt end, mappings no longer there are dropped, new ones are counted.
+    fn reconcile(&mut self, id: VmId, mapped: &[(Gfn, Mapped)]) -> Result<(), EngineError> {
+        let pages = self.vms[&id].pages();
+        let mut now = vec![None; pages as usize];
+        for &(g, m) in mapped {
+            let ok = g.0 < pages
+                && match m {
+                    Mapped::Frame(f) => self.frames.contains(f) && self.frames.is_used(f),
+                    Mapped::Zero => true,
+                };
+            if ok {
+                now[g.index()] = Some(m);
+            } else {
+                tracing::warn!(vm = %id, gfn = %g, "re-attach lists a page memfoldd cannot hold; ignored");
+            }
+        }
+        // New holds first, then the old ones go: a frame whose only holder was a request
+        // in doubt must not be freed before the mapping the agent reports takes it over.
+        let mut page = [0u8; PAGE_SIZE];
+        let mut changes = Vec::new();
+        for (i, is) in now.into_iter().enumerate() {
+            let g = Gfn(i as u32);
+            let was = self.vms[&id].state(g);
+            let next = match is {
+                Some(Mapped::Frame(f)) => PageState::Shared(f),
+                Some(Mapped::Zero) => PageState::Zero,
+                None => PageState::Private,
+            };
+            if was == next {
+                continue;
+            }
+            if let PageState::Shared(f) = next {
+                if self.frames.is_adopted(f) && self.frames.refcount(f) == 0 {
+                    self.claim_adopted(f, &mut page)?;
+                }
+                self.frames.incref(f, false);
+            }
+            changes.push((g, was, next));
+        }
+        for (g, was, next) in changes {
+            match was {
+                // Requests in doubt end here: the agent's list says what happened.
+                PageState::Sharing(f) => self.frame_answer(f, false),
+                PageState::Shared(f) => self.frame_decref(f, false),
+                _ => {}
+            }
+            self.vms.get_mut(&id).expect("live").set(g, next);
+        }
+        let v = self.vms.get_mut(&id).expect("live");
+        let count =
+            |want: fn(PageState) -> bool| v.p2m.iter().filter(|e| want(e.state())).count() as u64;
+        v.books.shared_pages = count(|s| matches!(s, PageState::Shared(_)));
+        v.books.zero_reclaimed_pages = count(|s| s == PageState::Zero);
+        let zero = self.zero_frame;
+        v.books.zero_shared_pages = v
+            .p2m
+            .iter()
+            .filter(|e| zero.is_some_and(|z| e.state() == PageState::Shared(z)))
+            .count() as u64;
+        Ok(())
+    }
+
+    /// An adopted frame a re-attaching guest maps: read, hash and list it once.
+    fn claim_adopted(&mut self, f: FrameId, page: &mut Page) -> Result<(), EngineError> {
+        self.pool
+            .read(f.offset(), page)
+            .map_err(EngineError::Pool)?;
+        let h = (self.cfg.page_hash)(page);
+        if self.frames.hash(f) != h || !self.share.lookup(h).any(|e| e == ShareEntry::Shared(f)) {
+            self.frames.set_hash(f, h);
+            self.share.insert(h, ShareEntry::Shared(f));
+        }
+        if h == self.zero_hash && crate::is_zero_page(page) {
+            self.zero_frame = Some(f);
+        }
+        Ok(())
+    }
+
+    /// The agent of guest `id` is gone but its QEMU may live: requests not yet handed out
+    /// are dropped (their pages as they were); requests sent stay in doubt until it
+    /// re-attaches ([`Engine::attach`]) or its QEMU exits ([`Engine::remove`]).
+    pub fn detach(&mut self, id: VmId) {
+        let Some(v) = self.vms.get_mut(&id) else {
+            return;
+        };
+        let queued = std::mem::take(&mut v.queue);
+        for c in queued {
+            self.outcome(id, &c, Outcome::Refused);
+        }
+        self.vms.get_mut(&id).expect("checked").attached = false;
+        tracing::info!(vm = %id, "detached");
+    }
+
+    /// Guest `id`'s QEMU has exited: its mappings are gone. Releases every frame
+    /// reference, request and blob it held.
+    pub fn remove(&mut self, id: VmId) {
+        if !self.vms.contains_key(&id) {
+            return;
+        }
+        self.release_blobs(id);
+        let v = self.vms.remove(&id).expect("checked");
+        self.by_base.remove(&v.base);
+        for e in &v.p2m {
+            match e.state() {
+                PageState::Shared(f) => {
+                    self.frame_decref(f, false);
+                }
+                PageState::Sharing(f) => {
+                    self.frame_answer(f, false);
+                }
+                _ => {}
+            }
+        }
+        tracing::info!(vm = %id, name = %v.name, pid = v.pid, "released");
+    }
+
+    /// Releases every blob guest `id` holds (its agent wrote its stashed pages back, or
+    /// its QEMU is gone): the pages are private again and its stash counters zero.
+    pub(crate) fn release_blobs(&mut self, id: VmId) {
+        let pages = self.vms[&id].pages();
+        for i in 0..pages {
+            let g = Gfn(i);
+            let st = self.vms[&id].state(g);
+            let held: [Option<BlobId>; 2] = match st {
+                PageState::Stored(b) | PageState::Stashing(b) => [Some(b), None],
+                PageState::Moving(b) => [Some(b), self.blobs.get(b).replaces],
+                _ => continue,
+            };
+            for b in held.into_iter().flatten() {
+                self.release_blob(b);
+            }
+            self.vms
+                .get_mut(&id)
+                .expect("live")
+                .set(g, PageState::Private);
+        }
+        let mine: Vec<BlobId> = self
+            .orphans
+            .iter()
+            .copied()
+            .filter(|&b| self.blobs.get(b).vm == id)
+            .collect();
+        for b in mine {
+            self.orphans.remove(&b);
+            self.release_blob(b);
+        }
+        let v = self.vms.get_mut(&id).expect("live");
+        v.books.patched_pages = 0;
+        v.books.compressed_pages = 0;
+        v.books.swapped_pages = 0;
+    }
+}
