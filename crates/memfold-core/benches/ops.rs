@@ -9,11 +9,9 @@
 #![allow(missing_docs)]
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use memfold_core::backing::mem::{ManualClock, MemGuestRam};
-use memfold_core::engine::{Attach, Backings, Command};
-use memfold_core::ids::{Gfn, VmId};
-use memfold_core::sim::{Event, Shared, SimAgent};
-use memfold_core::{page_hash, CompressCodec, Engine, EngineConfig, PatchCodec, Policy, PAGE_SIZE};
+use memfold_core::ids::Gfn;
+use memfold_core::sim::Rig;
+use memfold_core::{page_hash, CompressCodec, EngineConfig, PatchCodec, Policy, PAGE_SIZE};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 /// Content of page `g`.
@@ -22,85 +20,29 @@ type PageFn = fn(u32) -> Vec<u8>;
 /// Pages per timed batch.
 const PAGES: u32 = 512;
 
-struct Bench {
-    engine: Engine,
-    agent: SimAgent,
-    vm: VmId,
-    clock: ManualClock,
-}
+/// The engine over one guest of [`PAGES`] pages, with helpers for the benchmarks.
+struct Bench(Rig);
 
 impl Bench {
     fn new(cfg: EngineConfig) -> Bench {
-        let clock = ManualClock::new();
-        let shared = Shared::default();
-        let backings = Backings {
-            pool: Box::new(shared.pool.clone()),
-            store: Box::new(shared.store.clone()),
-            swap: None,
-        };
-        let mut engine = Engine::new(cfg, backings, Box::new(clock.clone())).unwrap();
-        let ram = MemGuestRam::new(PAGES);
-        let agent = SimAgent::new(ram.clone(), PAGES, shared);
-        let vm = engine
-            .attach(Attach {
-                name: "bench".into(),
-                pid: 1,
-                pages: PAGES,
-                ram: Box::new(ram),
-                mapped: Vec::new(),
-            })
-            .unwrap();
-        Bench {
-            engine,
-            agent,
-            vm,
-            clock,
-        }
+        Bench(Rig::new(cfg, PAGES).unwrap())
     }
 
     fn fill(&mut self, page: impl Fn(u32) -> Vec<u8>) {
         for g in 0..PAGES {
-            self.agent.write(Gfn(g), 0, &page(g)).unwrap();
+            self.0.agent.write(Gfn(g), 0, &page(g)).unwrap();
         }
     }
 
-    fn report(&mut self) {
-        for e in std::mem::take(&mut self.agent.events) {
-            match e {
-                Event::CowBroken(g, f) => self.engine.cow_broken(self.vm, g, f),
-                Event::Refilled(g) => self.engine.refilled(self.vm, g),
-                Event::Unstashed(g) => self.engine.unstashed(self.vm, g),
-            }
-        }
-    }
-
-    /// `ms` of memfoldd: scan, clock, every command carried out and answered.
+    /// `ms` of memfoldd in 10 ms steps.
     fn run_ms(&mut self, ms: u64) {
         for _ in 0..ms / 10 {
-            self.clock.advance(10_000);
-            self.engine.scan_step().unwrap();
-            self.engine.clock_step();
-            loop {
-                let cmds = self.engine.take_commands(self.vm);
-                if cmds.is_empty() {
-                    break;
-                }
-                for c in cmds {
-                    if let Command::ClockScan { first, count } = c {
-                        let (n, r, m) = self.agent.clock_scan(first, count);
-                        self.engine.clock_bits(self.vm, first, n, &r, &m).unwrap();
-                    } else {
-                        let o = self.agent.execute(&c);
-                        self.engine.outcome(self.vm, &c, o);
-                    }
-                }
-            }
-            self.report();
+            self.0.step(10_000).unwrap();
         }
     }
 
     fn stored(&self) -> u64 {
-        let b = &self.engine.books().vms[0].books;
+        let b = &self.0.engine.books().vms[0].books;
         b.patched_pages + b.compressed_pages
     }
 }
@@ -184,14 +126,14 @@ fn scan(c: &mut Criterion) {
                 let mut x = Bench::new(config(Policy::sharing_only()));
                 x.fill(|_| random_page(3));
                 x.run_ms(10);
-                assert_eq!(x.engine.books().vms[0].books.shared_pages, PAGES as u64);
+                assert_eq!(x.0.engine.books().vms[0].books.shared_pages, PAGES as u64);
                 x
             },
             |mut x| {
                 for p in 0..PAGES {
-                    x.agent.write(Gfn(p), 8, &[1]).unwrap();
+                    x.0.agent.write(Gfn(p), 8, &[1]).unwrap();
                 }
-                x.report();
+                x.0.report();
             },
             BatchSize::PerIteration,
         )
@@ -261,9 +203,9 @@ fn store_and_decode(c: &mut Criterion) {
                 },
                 |mut x| {
                     for p in 0..PAGES {
-                        x.agent.read(Gfn(p)).unwrap();
+                        x.0.agent.read(Gfn(p)).unwrap();
                     }
-                    x.report();
+                    x.0.report();
                 },
                 BatchSize::PerIteration,
             )

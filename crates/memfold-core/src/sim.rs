@@ -8,12 +8,12 @@
 //! reads the pool, the store and the swap file through handles of its own. It keeps the
 //! R and M bits of the NRU clock for every access.
 
-use crate::backing::mem::{MemBacking, MemGuestRam};
+use crate::backing::mem::{ManualClock, MemBacking, MemGuestRam};
 use crate::backing::Backing;
 use crate::blobs::{BlobHome, Form};
-use crate::engine::{Command, Mapped, Outcome, Stash};
-use crate::ids::{FrameId, Gfn};
-use crate::{Page, PAGE_SIZE};
+use crate::engine::{Attach, Backings, Command, Mapped, Outcome, Stash};
+use crate::ids::{FrameId, Gfn, VmId};
+use crate::{Engine, EngineConfig, EngineError, Page, PAGE_SIZE};
 
 /// Where the agent finds a page's bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -334,5 +334,89 @@ impl SimAgent {
                 _ => None,
             })
             .collect())
+    }
+}
+
+/// One engine over one in-memory guest and its agent, which carries out every command at
+/// once and reports its events at once: what `memfold bench micro` and the criterion
+/// benchmarks run (the reference model runs several guests over an unreliable wire).
+pub struct Rig {
+    /// The engine.
+    pub engine: Engine,
+    /// The guest's agent (guest accesses go through it).
+    pub agent: SimAgent,
+    /// The guest.
+    pub vm: VmId,
+    /// The engine's clock.
+    pub clock: ManualClock,
+}
+
+impl Rig {
+    /// An engine with `cfg` and one guest of `pages` pages (no swap file).
+    ///
+    /// Errors: the configuration is invalid.
+    pub fn new(cfg: EngineConfig, pages: u32) -> Result<Rig, EngineError> {
+        let clock = ManualClock::new();
+        let shared = Shared::default();
+        let backings = Backings {
+            pool: Box::new(shared.pool.clone()),
+            store: Box::new(shared.store.clone()),
+            swap: None,
+        };
+        let mut engine = Engine::new(cfg, backings, Box::new(clock.clone()))?;
+        let ram = MemGuestRam::new(pages);
+        let agent = SimAgent::new(ram.clone(), pages, shared);
+        let vm = engine.attach(Attach {
+            name: "rig".into(),
+            pid: 1,
+            pages,
+            ram: Box::new(ram),
+            mapped: Vec::new(),
+        })?;
+        Ok(Rig {
+            engine,
+            agent,
+            vm,
+            clock,
+        })
+    }
+
+    /// The agent's events reach the engine.
+    pub fn report(&mut self) {
+        for e in std::mem::take(&mut self.agent.events) {
+            match e {
+                Event::CowBroken(g, f) => self.engine.cow_broken(self.vm, g, f),
+                Event::Refilled(g) => self.engine.refilled(self.vm, g),
+                Event::Unstashed(g) => self.engine.unstashed(self.vm, g),
+            }
+        }
+    }
+
+    /// `us` µs of memfoldd in one step: the clock moves, the engine scans and runs the NRU
+    /// clock, and every command is carried out and answered (with the commands that
+    /// answers lead to), then the agent reports.
+    ///
+    /// Errors: the engine's.
+    pub fn step(&mut self, us: u64) -> Result<(), EngineError> {
+        self.clock.advance(us);
+        self.engine.scan_step()?;
+        self.engine.clock_step();
+        loop {
+            let cmds = self.engine.take_commands(self.vm);
+            if cmds.is_empty() {
+                break;
+            }
+            for c in cmds {
+                if let Command::ClockScan { first, count } = c {
+                    let (n, r, m) = self.agent.clock_scan(first, count);
+                    self.engine.clock_bits(self.vm, first, n, &r, &m)?;
+                } else {
+                    let o = self.agent.execute(&c);
+                    self.engine.outcome(self.vm, &c, o);
+                }
+            }
+        }
+        self.report();
+        Ok(())
     }
 }

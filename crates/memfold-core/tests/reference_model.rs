@@ -116,7 +116,7 @@ fn engine_matches_reference_model_long() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(10_000_000);
-    long_run(ops, 1);
+    long_run(ops, 100);
 }
 
 /// `total` operations over runs of `total / runs` each, every step verified; each run

@@ -2,7 +2,7 @@
 //!
 //! One VM per (page type, mechanism) run. Its size is 4/3 of the allocated pages (the paper
 //! allocates 75% of a 256 MB VM). It runs the engine memfoldd runs ([`Engine`]) over
-//! in-memory guest RAM, with an in-memory agent ([`SimAgent`]) carrying out its commands
+//! in-memory guest RAM, with an in-memory agent (`memfold_core::sim::Rig`) carrying out its commands
 //! at once and reporting its events at once. Time is simulated: every simulated second
 //! the workload does its share of page operations through the agent (guest accesses:
 //! CoW breaks, refills and decodes happen there), then the engine runs ten 100 ms steps of
@@ -19,11 +19,9 @@ use std::sync::Mutex;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use memfold_core::backing::mem::{ManualClock, MemGuestRam};
-use memfold_core::engine::{Attach, Backings, Command, Outcome};
-use memfold_core::ids::{Gfn, VmId};
-use memfold_core::sim::{Event, Shared, SimAgent};
-use memfold_core::{Engine, EngineConfig, Policy, PAGE_SIZE};
+use memfold_core::ids::Gfn;
+use memfold_core::sim::Rig;
+use memfold_core::{EngineConfig, Policy, PAGE_SIZE};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 use serde::Serialize;
 
@@ -178,77 +176,6 @@ const WRITE_OFFSETS: [usize; 16] = [
     0, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2304, 2560, 2816, 3072, 3328, 3584, 3840,
 ];
 
-/// One engine over one in-memory guest and its agent.
-struct Bench {
-    engine: Engine,
-    agent: SimAgent,
-    vm: VmId,
-    clock: ManualClock,
-}
-
-impl Bench {
-    fn new(cfg: EngineConfig, pages: u32) -> Result<Bench> {
-        let clock = ManualClock::new();
-        let shared = Shared::default();
-        let backings = Backings {
-            pool: Box::new(shared.pool.clone()),
-            store: Box::new(shared.store.clone()),
-            swap: None,
-        };
-        let mut engine = Engine::new(cfg, backings, Box::new(clock.clone()))?;
-        let ram = MemGuestRam::new(pages);
-        let agent = SimAgent::new(ram.clone(), pages, shared);
-        let vm = engine.attach(Attach {
-            name: "micro".into(),
-            pid: 1,
-            pages,
-            ram: Box::new(ram),
-            mapped: Vec::new(),
-        })?;
-        Ok(Bench {
-            engine,
-            agent,
-            vm,
-            clock,
-        })
-    }
-
-    /// The agent's events reach the engine.
-    fn report(&mut self) {
-        for e in std::mem::take(&mut self.agent.events) {
-            match e {
-                Event::CowBroken(g, f) => self.engine.cow_broken(self.vm, g, f),
-                Event::Refilled(g) => self.engine.refilled(self.vm, g),
-                Event::Unstashed(g) => self.engine.unstashed(self.vm, g),
-            }
-        }
-    }
-
-    /// 100 ms of memfoldd: scan, clock, commands carried out and answered.
-    fn step(&mut self) -> Result<()> {
-        self.clock.advance(100_000);
-        self.engine.scan_step()?;
-        self.engine.clock_step();
-        for _ in 0..8 {
-            let cmds = self.engine.take_commands(self.vm);
-            if cmds.is_empty() {
-                break;
-            }
-            for c in cmds {
-                if let Command::ClockScan { first, count } = c {
-                    let (n, r, m) = self.agent.clock_scan(first, count);
-                    self.engine.clock_bits(self.vm, first, n, &r, &m)?;
-                } else {
-                    let o: Outcome = self.agent.execute(&c);
-                    self.engine.outcome(self.vm, &c, o);
-                }
-            }
-        }
-        self.report();
-        Ok(())
-    }
-}
-
 fn run_one(
     a: &MicroArgs,
     pages_gen: &Pages,
@@ -269,7 +196,7 @@ fn run_one(
         ..EngineConfig::default()
     };
     let n = a.pages;
-    let mut b = Bench::new(cfg, n + n / 3)?;
+    let mut b = Rig::new(cfg, n + n / 3)?;
     let ev = Events::new(a);
     let per_sec = n.div_ceil(a.op_secs.max(1));
     let mut samples = Vec::new();
@@ -304,7 +231,7 @@ fn run_one(
         }
         b.report();
         for _ in 0..10 {
-            b.step()?;
+            b.step(100_000)?;
         }
         let books = b.engine.books();
         let f = books.saved_pages as f64 * page / alloc_bytes;
