@@ -16,6 +16,12 @@ use memfold_wire::{reattach, AgentReport, Conn, OpLatency, ToAgent, ToDaemon, PR
 use crate::state::PageHome;
 use crate::Agent;
 
+/// Longest wait for memfoldd's welcome: the handshake runs on the fault-serving thread.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Wait before attaching again after memfoldd refused.
+const REFUSED_BACK_OFF: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// How often the agent reports its counters and latencies.
 const REPORT_EVERY: Duration = Duration::from_secs(1);
 
@@ -98,6 +104,31 @@ impl Agent {
         let Ok(conn) = Conn::connect(&self.cfg.socket) else {
             return;
         };
+        // Only a memfoldd of root or our own user gets our guest's RAM.
+        match conn.peer() {
+            Ok(p) if p.trusted_by(memfold_sys::socket::my_uid()) => {}
+            Ok(p) => {
+                tracing::warn!(
+                    "the process at {} (pid {}, uid {}) is not a memfoldd of root or our user; not attaching",
+                    self.cfg.socket.display(),
+                    p.pid,
+                    p.uid
+                );
+                self.back_off();
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "no credentials of the peer at {}: {e}",
+                    self.cfg.socket.display()
+                );
+                return;
+            }
+        }
+        // This runs on the thread that serves the guest's faults: never wait long.
+        if conn.set_recv_timeout(HANDSHAKE_TIMEOUT).is_err() {
+            return;
+        }
         // The store belongs to the memfoldd that is gone: bring its pages home first.
         if let Err(e) = self.unstash_all() {
             tracing::warn!("restoring stashed pages: {e}; attach postponed");
@@ -137,9 +168,23 @@ impl Agent {
                 self.pending.breaks.clear();
                 self.pending.refills.clear();
             }
+            Ok(Some((ToAgent::Refused { message }, _))) => {
+                tracing::warn!("memfoldd refused the attach: {message}");
+                self.back_off();
+            }
             Ok(other) => tracing::warn!("memfoldd refused the attach: {:?}", other.map(|m| m.0)),
-            Err(e) => tracing::warn!("attach: {e}"),
+            Err(e) => {
+                // No welcome in time: whatever listens there, do not block the guest's
+                // faults on it every second.
+                tracing::warn!("attach: {e}");
+                self.back_off();
+            }
         }
+    }
+
+    /// After a refusal, the next attach waits [`REFUSED_BACK_OFF`] rather than a second.
+    fn back_off(&mut self) {
+        self.last_connect = Some(std::time::Instant::now() + REFUSED_BACK_OFF);
     }
 
     /// Writes every stashed page back into the guest memfd (before re-attaching to a new

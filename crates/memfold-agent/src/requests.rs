@@ -95,7 +95,7 @@ impl Agent {
                     modified,
                 }
             }
-            ToAgent::Welcome { .. } => return Ok(()),
+            ToAgent::Welcome { .. } | ToAgent::Refused { .. } => return Ok(()),
         };
         for ev in std::mem::take(&mut self.deferred) {
             self.handle_or_retry(ev);

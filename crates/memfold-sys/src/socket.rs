@@ -60,7 +60,9 @@ pub struct SeqpacketListener {
 }
 
 impl SeqpacketListener {
-    /// Binds `path` (removing a stale socket file first) and listens.
+    /// Binds `path` (removing a stale socket file first) and listens. The socket file is
+    /// made mode 0600: only its owner (and root) may connect; a process that can reach
+    /// it is then checked by its credentials ([`Seqpacket::peer`]).
     ///
     /// Errors: the path is too long, its folder is missing or not writable (the error
     /// names the path).
@@ -84,6 +86,13 @@ impl SeqpacketListener {
                 format!("binding {}: {e}", path.display()),
             ));
         }
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("making {} mode 0600: {e}", path.display()),
+            )
+        })?;
         Ok(SeqpacketListener { fd })
     }
 
@@ -108,6 +117,29 @@ impl SeqpacketListener {
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         Ok(Seqpacket { fd })
     }
+}
+
+/// A connected peer's credentials (SO_PEERCRED).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peer {
+    /// Its process.
+    pub pid: u32,
+    /// Its user.
+    pub uid: u32,
+    /// Its group.
+    pub gid: u32,
+}
+
+impl Peer {
+    /// Whether this peer may talk to a process of user `me`: root, or the same user.
+    pub fn trusted_by(&self, me: u32) -> bool {
+        self.uid == 0 || self.uid == me
+    }
+}
+
+/// This process's effective user.
+pub fn my_uid() -> u32 {
+    rustix::process::geteuid().as_raw()
 }
 
 /// A packet received by [`Seqpacket::recv`].
@@ -160,6 +192,47 @@ impl Seqpacket {
         Ok(Seqpacket {
             fd: self.fd.try_clone()?,
         })
+    }
+
+    /// The peer's credentials as the kernel recorded them when it connected (SO_PEERCRED):
+    /// who is at the other end, whatever its messages say.
+    ///
+    /// Errors: getsockopt failed.
+    pub fn peer(&self) -> io::Result<Peer> {
+        let c = rustix::net::sockopt::socket_peercred(&self.fd)?;
+        Ok(Peer {
+            pid: c.pid.as_raw_nonzero().get() as u32,
+            uid: c.uid.as_raw(),
+            gid: c.gid.as_raw(),
+        })
+    }
+
+    /// Makes sends that wait longer than `t` fail (EAGAIN) instead of blocking: a peer
+    /// that stops reading cannot stall the sender.
+    ///
+    /// Errors: setsockopt failed.
+    pub fn set_send_timeout(&self, t: std::time::Duration) -> io::Result<()> {
+        Ok(rustix::net::sockopt::set_socket_timeout(
+            &self.fd,
+            rustix::net::sockopt::Timeout::Send,
+            Some(t),
+        )?)
+    }
+
+    /// Makes receives that wait longer than `t` fail (EAGAIN) instead of blocking.
+    ///
+    /// Errors: setsockopt failed.
+    pub fn set_recv_timeout(&self, t: std::time::Duration) -> io::Result<()> {
+        Ok(rustix::net::sockopt::set_socket_timeout(
+            &self.fd,
+            rustix::net::sockopt::Timeout::Recv,
+            Some(t),
+        )?)
+    }
+
+    /// Ends the connection both ways (the peer and our reader see its end).
+    pub fn shutdown(&self) {
+        let _ = rustix::net::shutdown(&self.fd, rustix::net::Shutdown::Both);
     }
 
     /// Sends `bytes` as one packet with `fds` attached (the peer gets its own copies).

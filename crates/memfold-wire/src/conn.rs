@@ -61,6 +61,33 @@ impl Conn {
         })
     }
 
+    /// Who is at the other end, as the kernel says (SO_PEERCRED), never as it claims.
+    ///
+    /// Errors: getsockopt failed.
+    pub fn peer(&self) -> io::Result<memfold_sys::socket::Peer> {
+        self.sock.peer()
+    }
+
+    /// Sends that wait longer than `t` fail instead of blocking (a peer that stops
+    /// reading cannot stall the sender).
+    ///
+    /// Errors: setsockopt failed.
+    pub fn set_send_timeout(&self, t: std::time::Duration) -> io::Result<()> {
+        self.sock.set_send_timeout(t)
+    }
+
+    /// Receives that wait longer than `t` fail instead of blocking.
+    ///
+    /// Errors: setsockopt failed.
+    pub fn set_recv_timeout(&self, t: std::time::Duration) -> io::Result<()> {
+        self.sock.set_recv_timeout(t)
+    }
+
+    /// Ends the connection both ways.
+    pub fn shutdown(&self) {
+        self.sock.shutdown()
+    }
+
     /// Sends one message with `fds` attached.
     ///
     /// Errors: the message exceeds [`MAX_MESSAGE`] ([`WireError::TooLarge`]), or the peer

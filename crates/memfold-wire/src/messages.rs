@@ -233,6 +233,11 @@ pub enum ToAgent {
         /// Protocol version.
         version: u32,
     },
+    /// memfoldd will not manage this guest, and says why; the connection closes.
+    Refused {
+        /// Why.
+        message: String,
+    },
     /// Map these guest pages onto these pool frames if their content still equals the
     /// frame's: (page, frame) pairs, at most [`MAX_BATCH`].
     Share {

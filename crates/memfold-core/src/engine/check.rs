@@ -82,14 +82,12 @@ impl Engine {
                 let ok = match *c {
                     Command::Share { gfn, frame } => v.state(gfn) == PageState::Sharing(frame),
                     Command::Reclaim { gfn } => v.state(gfn) == PageState::Reclaiming,
-                    Command::Stash { gfn, blob, stash } => {
-                        v.state(gfn)
-                            == if stash.moving {
-                                PageState::Moving(blob)
-                            } else {
-                                PageState::Stashing(blob)
-                            }
+                    // A move whose page the guest took back meanwhile stays queued,
+                    // its blob an orphan: the agent will answer it `Changed`.
+                    Command::Stash { gfn, blob, stash } if stash.moving => {
+                        v.state(gfn) == PageState::Moving(blob) || self.orphans.contains(&blob)
                     }
+                    Command::Stash { gfn, blob, .. } => v.state(gfn) == PageState::Stashing(blob),
                     Command::ClockScan { .. } => true,
                 };
                 if !ok {

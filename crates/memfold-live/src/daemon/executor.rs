@@ -138,15 +138,29 @@ impl Executor {
                 _ => unreachable!("clock batches hold one clock scan"),
             },
         };
-        let sent = guests.conn(vm).is_some_and(|c| c.send(&msg, &[]).is_ok());
+        let sent = guests.conn(vm).is_some_and(|c| match c.send(&msg, &[]) {
+            Ok(()) => true,
+            Err(e) => {
+                // Gone, or not reading for the send timeout: either way it is dropped, so
+                // that one slow agent cannot stall memfoldd (its reader sees the end).
+                tracing::warn!("{vm}: send failed ({e}); its connection is closed");
+                c.shutdown();
+                false
+            }
+        });
         if sent {
-            self.batches.insert(batch, Batch { vm, kind, cmds });
+            self.track(batch, vm, kind, cmds);
         } else {
             // Never delivered: the pages stay as they were.
             for c in &cmds {
                 engine.outcome(vm, c, Outcome::Refused);
             }
         }
+    }
+
+    /// Records batch `batch` of `cmds`, sent to guest `vm`, until it is answered.
+    fn track(&mut self, batch: BatchId, vm: VmId, kind: Kind, cmds: Vec<Command>) {
+        self.batches.insert(batch, Batch { vm, kind, cmds });
     }
 
     /// Takes the batch `batch` out if guest `vm` was sent it and it is of `kind`.
@@ -228,5 +242,80 @@ impl Executor {
                 engine.outcome(vm, c, Outcome::Lost);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memfold_core::backing::mem::{ManualClock, MemBacking, MemGuestRam};
+    use memfold_core::engine::{Attach, Backings};
+    use memfold_core::p2m::PageState;
+    use memfold_core::{EngineConfig, Policy};
+
+    /// An answer counts only from the guest the batch went to: another guest's agent
+    /// answering it (forging the batch number) changes nothing.
+    #[test]
+    fn answers_are_bound_to_the_guest_the_batch_went_to() {
+        let backings = Backings {
+            pool: Box::new(MemBacking::new()),
+            store: Box::new(MemBacking::new()),
+            swap: None,
+        };
+        let cfg = EngineConfig {
+            policy: Policy::sharing_only(),
+            clock_interval_us: None,
+            rate: 0,
+            ..EngineConfig::default()
+        };
+        let mut e = Engine::new(cfg, backings, Box::new(ManualClock::new())).unwrap();
+        let mut vms = Vec::new();
+        for (pid, name) in [(10, "a"), (11, "b")] {
+            let ram = MemGuestRam::new(4);
+            {
+                let mut f = ram.file();
+                f.bytes[..4096].fill(7);
+                f.touch(0, 4096);
+            }
+            let vm = e
+                .attach(Attach {
+                    name: name.into(),
+                    pid,
+                    pages: 4,
+                    ram: Box::new(ram),
+                    mapped: vec![],
+                })
+                .unwrap();
+            vms.push(vm);
+        }
+        e.scan_step().unwrap();
+        let (a, b) = (vms[0], vms[1]);
+        let mut x = Executor::default();
+        let cmds = e.take_commands(a);
+        let Some(Command::Share { gfn, frame }) = cmds.first().copied() else {
+            panic!("a share for guest a: {cmds:?}");
+        };
+        x.track(BatchId(1), a, Kind::Share, cmds);
+        // Guest b answers a's batch: ignored; a's page and b's (asked to share the same
+        // frame, its answer not in yet) stay requested.
+        let requested = Some(PageState::Sharing(frame));
+        assert_eq!(e.page_state(b, gfn), requested);
+        x.reply(&mut e, b, BatchId(1), Kind::Share, &[], &[]);
+        assert_eq!(
+            (e.page_state(a, gfn), e.page_state(b, gfn)),
+            (requested, requested)
+        );
+        x.reply(&mut e, b, BatchId(1), Kind::Share, &[gfn], &[]);
+        assert_eq!(
+            (e.page_state(a, gfn), e.page_state(b, gfn)),
+            (requested, requested)
+        );
+        // An answer of the wrong kind from the right guest: ignored too.
+        x.reply(&mut e, a, BatchId(1), Kind::Stash, &[gfn], &[]);
+        assert_eq!(e.page_state(a, gfn), Some(PageState::Sharing(frame)));
+        // Its own agent's answer counts.
+        x.reply(&mut e, a, BatchId(1), Kind::Share, &[gfn], &[]);
+        assert_eq!(e.page_state(a, gfn), Some(PageState::Shared(frame)));
+        e.check_invariants().unwrap();
     }
 }

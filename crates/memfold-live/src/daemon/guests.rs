@@ -14,12 +14,14 @@ use memfold_wire::{
 
 /// What the reader threads hand the main thread.
 pub(crate) enum Input {
-    /// An agent's hello, with the descriptors it passed.
+    /// An agent's hello, with the descriptors it passed and the pid the kernel says the
+    /// peer has (SO_PEERCRED; the hello's own pid is never trusted).
     Attach {
         token: u64,
         conn: Conn,
         hello: ToDaemon,
         fds: Vec<OwnedFd>,
+        pid: u32,
     },
     /// A message from an attached agent.
     Agent { token: u64, msg: ToDaemon },
@@ -53,14 +55,40 @@ pub(crate) fn accept_loop(listener: Listener, tx: mpsc::Sender<Input>) {
     }
 }
 
-/// Reads one connection: an agent's messages, or a client's requests.
+/// How long a send to a peer may wait before the peer is taken as gone: a peer that
+/// stops reading must not stall memfoldd.
+pub(crate) const SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Reads one connection: an agent's messages, or a client's requests. Only root and
+/// memfoldd's own user may talk to memfoldd (the socket is mode 0600, and the peer's
+/// credentials are checked again here); anyone else is refused with a message.
 fn read_loop(t: u64, conn: Conn, tx: mpsc::Sender<Input>) {
+    let peer = match conn.peer() {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::warn!("connection {t}: no peer credentials ({e}); closed");
+            return;
+        }
+    };
+    if !peer.trusted_by(memfold_sys::socket::my_uid()) {
+        let message = format!(
+            "uid {} may not talk to memfoldd (root or uid {} only)",
+            peer.uid,
+            memfold_sys::socket::my_uid()
+        );
+        tracing::warn!("connection {t} from pid {}: {message}", peer.pid);
+        let _ = conn.send(&ToClient::Error { message }, &[]);
+        return;
+    }
     let Ok(Some((hello, fds))) = conn.recv::<ToDaemon>() else {
         return;
     };
     let Ok(writer) = conn.try_clone() else {
         return;
     };
+    if let Err(e) = writer.set_send_timeout(SEND_TIMEOUT) {
+        tracing::warn!("connection {t}: {e}");
+    }
     match hello {
         ToDaemon::AgentHello { version, .. } if version == PROTOCOL_VERSION => {
             if tx
@@ -69,6 +97,7 @@ fn read_loop(t: u64, conn: Conn, tx: mpsc::Sender<Input>) {
                     conn: writer,
                     hello,
                     fds,
+                    pid: peer.pid,
                 })
                 .is_err()
             {
@@ -119,6 +148,8 @@ fn hello_kind(m: &ToDaemon) -> String {
 
 /// One guest memfoldd manages.
 pub(crate) struct Guest {
+    /// Its RAM memfd's (device, inode): a re-attach must bring the same memfd.
+    pub(crate) ram_id: (u64, u64),
     /// The connection replies go out on; `None` while detached.
     pub(crate) conn: Option<Conn>,
     /// The reader thread's token of that connection.
@@ -140,9 +171,17 @@ pub(crate) struct Guests {
 
 impl Guests {
     /// Records guest `vm` (re-)attached on connection `token`.
-    pub(crate) fn attached(&mut self, vm: VmId, token: u64, conn: Conn, pid: u32) {
+    pub(crate) fn attached(
+        &mut self,
+        vm: VmId,
+        token: u64,
+        conn: Conn,
+        pid: u32,
+        ram_id: (u64, u64),
+    ) {
         self.by_token.insert(token, vm);
         let g = self.by_vm.entry(vm).or_insert_with(|| Guest {
+            ram_id,
             conn: None,
             token: None,
             pid,
@@ -168,6 +207,14 @@ impl Guests {
             g.token = None;
         }
         Some(vm)
+    }
+
+    /// The RAM memfd identity of the detached guest of QEMU `pid`, if there is one.
+    pub(crate) fn detached_ram(&self, pid: u32) -> Option<(u64, u64)> {
+        self.by_vm
+            .values()
+            .find(|g| g.pid == pid && g.conn.is_none())
+            .map(|g| g.ram_id)
     }
 
     /// The connection to guest `vm`'s agent.

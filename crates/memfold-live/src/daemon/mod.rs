@@ -39,6 +39,11 @@ use guests::{Guests, Input};
 
 const PAGE: u64 = PAGE_SIZE as u64;
 
+/// The largest guest memfoldd takes, pages (256 GiB): the engine's books for a guest
+/// are sized by what its agent says, so an agent must not be able to make memfoldd
+/// allocate without bound.
+const MAX_GUEST_PAGES: u64 = 1 << 26;
+
 /// memfoldd's configuration.
 #[derive(Clone, Debug)]
 pub struct DaemonConfig {
@@ -176,7 +181,8 @@ impl Daemon {
                 conn,
                 hello,
                 fds,
-            } => self.attach(token, conn, hello, fds)?,
+                pid,
+            } => self.attach(token, conn, hello, fds, pid)?,
             Input::Agent { token, msg } => {
                 if let Some(vm) = self.guests.vm_of(token) {
                     self.agent_message(vm, msg)?;
@@ -265,18 +271,20 @@ impl Daemon {
     }
 
     /// An agent's hello: its guest RAM memfd, and when re-attaching after a restart the
-    /// pool it maps and the list of what it maps. Refusals are logged; the guest then runs
-    /// on unmanaged.
+    /// pool it maps and the list of what it maps. `pid` is the peer's, from the kernel.
+    /// Refusals are logged and sent to the agent, and the connection closed; the guest then
+    /// runs on unmanaged.
     fn attach(
         &mut self,
         token: u64,
         conn: memfold_wire::Conn,
         hello: ToDaemon,
         mut fds: Vec<OwnedFd>,
+        pid: u32,
     ) -> Result<(), DaemonError> {
         let ToDaemon::AgentHello {
             name,
-            pid,
+            pid: claimed,
             ram_bytes,
             shared,
             ..
@@ -284,7 +292,16 @@ impl Daemon {
         else {
             return Ok(());
         };
-        let refuse = |why: String| tracing::warn!("{name} (pid {pid}): {why}; left unmanaged");
+        let refuse = |why: String| {
+            tracing::warn!("{name} (pid {pid}): {why}; left unmanaged");
+            let _ = conn.send(&ToAgent::Refused { message: why }, &[]);
+            conn.shutdown();
+        };
+        if claimed != pid {
+            tracing::warn!(
+                "{name}: the hello claims pid {claimed}, the kernel says {pid}: using {pid}"
+            );
+        }
         if fds.is_empty() || fds.len() > 3 {
             refuse(format!("{} descriptors in the hello (1 or 3)", fds.len()));
             return Ok(());
@@ -297,6 +314,26 @@ impl Daemon {
             refuse(format!(
                 "guest RAM of {ram_bytes} bytes in a memfd of {ram_size} bytes"
             ));
+            return Ok(());
+        }
+        if ram_bytes / PAGE > MAX_GUEST_PAGES {
+            refuse(format!(
+                "guest RAM of {ram_bytes} bytes: memfoldd manages guests of at most {} GiB",
+                (MAX_GUEST_PAGES * PAGE) >> 30
+            ));
+            return Ok(());
+        }
+        let ram_id = match rustix::fs::fstat(&ram) {
+            Ok(st) => (st.st_dev, st.st_ino),
+            Err(e) => {
+                refuse(format!("guest RAM descriptor: {e}"));
+                return Ok(());
+            }
+        };
+        // A re-attach proves it is the same VM: the same QEMU (pid from the kernel) with
+        // the same RAM memfd.
+        if self.guests.detached_ram(pid).is_some_and(|id| id != ram_id) {
+            refuse("re-attach with another RAM memfd than its QEMU attached with".into());
             return Ok(());
         }
         let mapped = match list.map(|l| reattach::from_memfd(l.as_fd(), shared)) {
@@ -346,7 +383,7 @@ impl Daemon {
             self.engine.detach(vm);
             return Ok(());
         }
-        self.guests.attached(vm, token, conn, pid);
+        self.guests.attached(vm, token, conn, pid, ram_id);
         Ok(())
     }
 

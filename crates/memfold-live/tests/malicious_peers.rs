@@ -1,0 +1,462 @@
+//! memfoldd against peers that lie — the inverse of Firecracker's malicious-handler test.
+//! This test process plays QEMU for one honest guest (its RAM a memfd, the real agent in
+//! a thread, as in `live_model`) and, beside it, for attackers that speak the wire
+//! themselves: they answer batches that were never theirs, report CoW breaks, refills and
+//! decodes of pages they do not have, send clock bits nobody asked for, claim other pids,
+//! send garbage, oversized packets, the wrong protocol version, /dev/null for guest RAM, a
+//! guest too large to book, and one stops reading. memfoldd must stay up and answer, refuse
+//! each offender with a clear message, and the honest guest must read every byte it
+//! wrote, while its pages keep being shared, reclaimed and stored.
+//!
+//! A second test puts a fake memfoldd that never answers at an agent's socket: the agent
+//! must keep serving its guest's faults (the handshake runs on the fault thread, bounded).
+
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use memfold_agent::{self as agent, AgentConfig};
+use memfold_core::{EngineConfig, Policy};
+use memfold_live::daemon::{self, DaemonConfig};
+use memfold_live::query_stats;
+use memfold_sys::memfd;
+use memfold_sys::socket::Seqpacket;
+use memfold_wire::{BatchId, Conn, FrameId, Gfn, ToAgent, ToClient, ToDaemon, PROTOCOL_VERSION};
+use rand::{rngs::SmallRng, Rng, SeedableRng};
+
+const PAGE: usize = 4096;
+
+/// Guest RAM as QEMU makes it: a memfd mapped shared. The agent finds it by its size.
+struct Ram {
+    ptr: *mut u8,
+    pages: usize,
+}
+
+// SAFETY: the mapping lives until the process exits; one thread uses it at a time.
+unsafe impl Send for Ram {}
+
+impl Ram {
+    fn new(pages: usize) -> Ram {
+        let fd = memfd::create("guest-ram").unwrap();
+        memfd::set_len(fd.as_fd(), (pages * PAGE) as u64).unwrap();
+        // SAFETY: a new shared mapping of a memfd this test owns; it is never unmapped
+        // (the agent thread serves it until the process exits), and the fd is leaked with
+        // it so that the agent finds it among our descriptors.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                pages * PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                std::os::fd::AsRawFd::as_raw_fd(&fd),
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        std::mem::forget(fd);
+        Ram {
+            ptr: ptr as *mut u8,
+            pages,
+        }
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` maps `pages` pages for the life of the process.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.pages * PAGE) }
+    }
+}
+
+/// Content every mechanism takes: zeros, duplicates, near-duplicates, text, random.
+fn fill(g: usize, base: &[u8], rng: &mut SmallRng, out: &mut [u8]) {
+    match g % 5 {
+        0 => out.fill(0),
+        1 => out.copy_from_slice(base),
+        2 => {
+            out.copy_from_slice(base);
+            out[rng.gen_range(0..PAGE)] ^= 1;
+        }
+        3 => {
+            for (i, b) in out.iter_mut().enumerate() {
+                *b = b"guest page text "[i % 16];
+            }
+        }
+        _ => rng.fill(out),
+    }
+}
+
+fn memfoldd(dir: &std::path::Path) -> std::path::PathBuf {
+    let socket = dir.join("memfoldd.sock");
+    let cfg = DaemonConfig {
+        socket: socket.clone(),
+        engine: EngineConfig {
+            policy: Policy::difference_engine(),
+            rate: 0,
+            min_scan_interval_us: 100_000,
+            max_scan_interval_us: 400_000,
+            clock_interval_us: Some(300_000),
+            ..EngineConfig::default()
+        },
+        swap_file: dir.join("swap"),
+        swap_capacity: 16 << 20,
+    };
+    std::thread::spawn(move || daemon::run(cfg));
+    let t = Instant::now();
+    while query_stats(&socket).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "memfoldd did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    socket
+}
+
+/// An attacker's hello with a memfd of `pages` pages of its own.
+fn hello(socket: &std::path::Path, name: &str, pid: u32, pages: u64) -> (Conn, ToAgent) {
+    let c = Conn::connect(socket).unwrap();
+    let ram = memfd::create("attacker-ram").unwrap();
+    memfd::set_len(ram.as_fd(), pages * PAGE as u64).unwrap();
+    let hello = ToDaemon::AgentHello {
+        version: PROTOCOL_VERSION,
+        name: name.into(),
+        pid,
+        ram_bytes: pages * PAGE as u64,
+        shared: 0,
+    };
+    c.send(&hello, &[ram.as_fd()]).unwrap();
+    c.set_recv_timeout(Duration::from_secs(5)).unwrap();
+    let (reply, _) = c.recv::<ToAgent>().unwrap().expect("an answer");
+    (c, reply)
+}
+
+fn attacks(socket: &std::path::Path) {
+    // Answers for batches that are not its own (the honest guest's are among 1..5000),
+    // events about pages and frames it does not have, clock bits nobody asked for.
+    let (c, welcome) = hello(socket, "liar", 1, 1024);
+    assert!(matches!(welcome, ToAgent::Welcome { .. }), "{welcome:?}");
+    // For 8 s it answers every batch number memfoldd is about to use — the honest guest's
+    // among them; it learns the current numbers from the commands memfoldd sends it — as
+    // refused (and now and then as done), so that a memfoldd that matched answers by batch
+    // number alone would free frames the honest guest maps, or book shares never made.
+    c.set_recv_timeout(Duration::from_millis(1)).unwrap();
+    let t = Instant::now();
+    let mut cur = 1u64;
+    let none = Vec::new;
+    let mut rounds = 0u64;
+    while t.elapsed() < Duration::from_secs(8) {
+        while let Ok(Some((m, _))) = c.recv::<ToAgent>() {
+            if let ToAgent::ClockScan { batch, .. }
+            | ToAgent::Share { batch, .. }
+            | ToAgent::Stash { batch, .. }
+            | ToAgent::ReclaimZero { batch, .. } = m
+            {
+                cur = cur.max(batch.0);
+            }
+        }
+        for b in cur + 1..cur + 64 {
+            let batch = BatchId(b);
+            let msgs = [
+                ToDaemon::ShareDone {
+                    batch,
+                    shared: none(),
+                    changed: none(),
+                    refused: none(),
+                },
+                ToDaemon::StashDone {
+                    batch,
+                    stashed: none(),
+                    changed: none(),
+                    refused: none(),
+                },
+                ToDaemon::ReclaimDone {
+                    batch,
+                    reclaimed: none(),
+                    changed: none(),
+                    refused: none(),
+                },
+            ];
+            for m in &msgs {
+                let _ = c.send(m, &[]);
+            }
+        }
+        rounds += 1;
+        if rounds % 100 == 0 {
+            let gfns: Vec<Gfn> = (0..3000).map(Gfn).collect();
+            let batch = BatchId(cur + 1);
+            let _ = c.send(
+                &ToDaemon::ShareDone {
+                    batch,
+                    shared: gfns.clone(),
+                    changed: none(),
+                    refused: none(),
+                },
+                &[],
+            );
+            let _ = c.send(
+                &ToDaemon::ReclaimDone {
+                    batch: BatchId(cur + 2),
+                    reclaimed: gfns,
+                    changed: none(),
+                    refused: none(),
+                },
+                &[],
+            );
+            let breaks = (0..512).map(|i| (Gfn(i), FrameId(i))).collect();
+            let _ = c.send(&ToDaemon::CowBroken { breaks }, &[]);
+            let _ = c.send(
+                &ToDaemon::Unstashed {
+                    gfns: vec![Gfn(u32::MAX), Gfn(5000)],
+                },
+                &[],
+            );
+            let _ = c.send(
+                &ToDaemon::Refilled {
+                    gfns: vec![Gfn(u32::MAX - 1)],
+                },
+                &[],
+            );
+            let _ = c.send(
+                &ToDaemon::ClockBits {
+                    batch: BatchId(u64::MAX),
+                    first: Gfn(u32::MAX),
+                    count: u32::MAX,
+                    referenced: vec![u64::MAX; 4096],
+                    modified: vec![],
+                },
+                &[],
+            );
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Then it stops reading: memfoldd's commands pile up until its sends time out.
+    std::mem::forget(c);
+
+    // The wrong protocol version.
+    let (_c, reply) = {
+        let c = Conn::connect(socket).unwrap();
+        c.send(
+            &ToDaemon::AgentHello {
+                version: PROTOCOL_VERSION + 7,
+                name: "old".into(),
+                pid: 2,
+                ram_bytes: 4096,
+                shared: 0,
+            },
+            &[],
+        )
+        .unwrap();
+        c.set_recv_timeout(Duration::from_secs(5)).unwrap();
+        let r = c.recv::<ToClient>().unwrap().expect("an answer").0;
+        (c, r)
+    };
+    assert!(
+        matches!(&reply, ToClient::Error { message } if message.contains("protocol version")),
+        "{reply:?}"
+    );
+
+    // A file that is not a memfd for guest RAM.
+    let c = Conn::connect(socket).unwrap();
+    let r = std::fs::File::open("/dev/null").unwrap();
+    c.send(
+        &ToDaemon::AgentHello {
+            version: PROTOCOL_VERSION,
+            name: "devnull".into(),
+            pid: 3,
+            ram_bytes: 1 << 20,
+            shared: 0,
+        },
+        &[r.as_fd()],
+    )
+    .unwrap();
+    c.set_recv_timeout(Duration::from_secs(5)).unwrap();
+    let reply = c.recv::<ToAgent>().unwrap().expect("an answer").0;
+    assert!(
+        matches!(&reply, ToAgent::Refused { message } if message.contains("memfd of 0 bytes")),
+        "{reply:?}"
+    );
+
+    // A guest too large for memfoldd to book (a sparse memfd of 1 TiB).
+    let (_c, reply) = hello(socket, "huge", 4, 1 << 28);
+    assert!(
+        matches!(&reply, ToAgent::Refused { message } if message.contains("at most")),
+        "{reply:?}"
+    );
+
+    // RAM larger than its memfd.
+    let c = Conn::connect(socket).unwrap();
+    let ram = memfd::create("small").unwrap();
+    memfd::set_len(ram.as_fd(), 4096).unwrap();
+    c.send(
+        &ToDaemon::AgentHello {
+            version: PROTOCOL_VERSION,
+            name: "short".into(),
+            pid: 5,
+            ram_bytes: 1 << 30,
+            shared: 0,
+        },
+        &[ram.as_fd()],
+    )
+    .unwrap();
+    c.set_recv_timeout(Duration::from_secs(5)).unwrap();
+    let reply = c.recv::<ToAgent>().unwrap().expect("an answer").0;
+    assert!(matches!(reply, ToAgent::Refused { .. }), "{reply:?}");
+
+    // Garbage, and a packet over the largest message.
+    for junk in [vec![0xffu8; 100], vec![b'{'; 300 * 1024]] {
+        let s = Seqpacket::connect(socket).unwrap();
+        let _ = s.send(&junk, &[]);
+    }
+}
+
+#[test]
+fn lying_peers_neither_stop_memfoldd_nor_reach_another_guests_pages() {
+    let work = tempfile::tempdir().unwrap();
+    let socket = memfoldd(work.path());
+
+    // The honest guest.
+    let pages = 3000;
+    let mut ram = Ram::new(pages);
+    let mut rng = SmallRng::seed_from_u64(14);
+    let mut base = vec![0u8; PAGE];
+    rng.fill(&mut base[..]);
+    let mut model = vec![0u8; pages * PAGE];
+    for g in 0..pages {
+        fill(g, &base, &mut rng, &mut model[g * PAGE..(g + 1) * PAGE]);
+    }
+    ram.bytes().copy_from_slice(&model);
+    let acfg = AgentConfig {
+        socket: socket.clone(),
+        name: "honest".into(),
+        ram_bytes: (pages * PAGE) as u64,
+        vma_budget: None,
+    };
+    std::thread::spawn(move || agent::run(acfg));
+    let t = Instant::now();
+    loop {
+        let s = query_stats(&socket).unwrap();
+        if s.vms
+            .iter()
+            .any(|v| v.name == "honest" && v.shares > 0 && v.reclaims > 0)
+        {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "honest guest never shared: {s:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    let sock = socket.clone();
+    let attacker = std::thread::spawn(move || attacks(&sock));
+
+    // The honest guest works on while the attacks go on, reading only what it wrote.
+    let t = Instant::now();
+    let mut ops = 0u64;
+    while t.elapsed() < Duration::from_secs(12) || !attacker.is_finished() {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the attacks did not end"
+        );
+        for _ in 0..200 {
+            let g = rng.gen_range(0..pages);
+            let bytes = ram.bytes();
+            if rng.gen_bool(0.7) {
+                assert!(
+                    bytes[g * PAGE..(g + 1) * PAGE] == model[g * PAGE..(g + 1) * PAGE],
+                    "gfn {g}: the honest guest read bytes it did not write"
+                );
+            } else {
+                let off = rng.gen_range(0..PAGE - 8);
+                let v: u64 = rng.gen();
+                model[g * PAGE + off..g * PAGE + off + 8].copy_from_slice(&v.to_le_bytes());
+                bytes[g * PAGE + off..g * PAGE + off + 8].copy_from_slice(&v.to_le_bytes());
+            }
+            ops += 1;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    attacker
+        .join()
+        .expect("every attack got the answer it should");
+
+    // memfoldd is up, answers at once, and still works for the honest guest.
+    let t = Instant::now();
+    let s = query_stats(&socket).expect("memfoldd answers after the attacks");
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "memfoldd was slow to answer: {:?}",
+        t.elapsed()
+    );
+    let honest = s
+        .vms
+        .iter()
+        .find(|v| v.name == "honest")
+        .expect("honest guest attached");
+    assert!(!honest.detached && honest.shares > 0, "{honest:#?}");
+    let liar = s
+        .vms
+        .iter()
+        .find(|v| v.name == "liar")
+        .expect("the liar was attached");
+    assert_eq!(
+        liar.shared_pages + liar.patched_pages + liar.compressed_pages,
+        0,
+        "{liar:#?}"
+    );
+    for name in ["old", "devnull", "huge", "short"] {
+        assert!(s.vms.iter().all(|v| v.name != name), "{name} was attached");
+    }
+    let bytes = ram.bytes();
+    for g in 0..pages {
+        assert!(
+            bytes[g * PAGE..(g + 1) * PAGE] == model[g * PAGE..(g + 1) * PAGE],
+            "gfn {g}: the honest guest read bytes it did not write"
+        );
+    }
+    eprintln!("{ops} guest ops; honest: {honest:#?}");
+}
+
+#[test]
+fn a_fake_memfoldd_that_never_answers_does_not_freeze_the_guest() {
+    let work = tempfile::tempdir().unwrap();
+    let socket = work.path().join("fake.sock");
+    let fake = memfold_sys::socket::SeqpacketListener::bind(&socket).unwrap();
+    // Accepts and holds connections, never answers.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        while let Ok(c) = fake.accept() {
+            held.push(c);
+        }
+    });
+    let pages = 1500;
+    let ram = Ram::new(pages);
+    let acfg = AgentConfig {
+        socket,
+        name: "victim".into(),
+        ram_bytes: (pages * PAGE) as u64,
+        vma_budget: None,
+    };
+    std::thread::spawn(move || agent::run(acfg));
+    std::thread::sleep(Duration::from_millis(500));
+    // Every first touch is a fault the agent serves; it must not be stuck waiting for the
+    // fake memfoldd's welcome. The guest runs in a thread, so a stuck agent fails the test
+    // (bounded) instead of hanging it.
+    let mut ram = ram;
+    let guest = std::thread::spawn(move || {
+        for round in 1..=3u8 {
+            for b in ram.bytes().chunks_mut(PAGE) {
+                assert_eq!(b[PAGE - 1], 0);
+                b[0] = round;
+            }
+        }
+    });
+    let t = Instant::now();
+    while !guest.is_finished() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the guest is frozen: its faults are not served"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    guest.join().unwrap();
+}
