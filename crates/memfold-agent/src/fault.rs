@@ -25,12 +25,24 @@ use memfold_wire::BlobHome;
 use crate::state::{PageHome, Stash};
 use crate::{Agent, PAGE};
 
+/// How long one fault may keep failing before the agent fails closed.
+pub(crate) const FAULT_GIVE_UP: Duration = Duration::from_secs(30);
+
 impl Agent {
-    /// Handles a fault; a failure (the host out of memory for the private copy) is logged
-    /// and retried: the faulting thread waits, it never sees a wrong byte.
+    /// Handles a fault; a failure (the host out of memory for the private copy, the VMA
+    /// limit) is logged and retried with back-off: the faulting thread waits, it never sees
+    /// a wrong byte. A fault that still fails after [`FAULT_GIVE_UP`] fails closed: the
+    /// QEMU process is aborted with a log line rather than spin forever or let the guest
+    /// run on unprotected (its RAM stays in its memfd).
     pub(crate) fn handle_or_retry(&mut self, ev: Event) {
         let mut delay = Duration::from_millis(1);
+        let started = std::time::Instant::now();
         while let Err(e) = self.handle(ev) {
+            if started.elapsed() > FAULT_GIVE_UP {
+                crate::fail_closed(&format!(
+                    "fault {ev:?} still fails after {FAULT_GIVE_UP:?}: {e}"
+                ));
+            }
             tracing::error!("fault {ev:?}: {e}; retrying");
             std::thread::sleep(delay);
             delay = (delay * 2).min(Duration::from_secs(1));

@@ -109,10 +109,30 @@ pub fn start_from_env() {
     let _ = std::thread::Builder::new()
         .name("memfold-agent".into())
         .spawn(move || {
-            if let Err(e) = run(cfg) {
+            let ended = std::panic::catch_unwind(|| run(cfg));
+            if REGISTERED.load(std::sync::atomic::Ordering::SeqCst) {
+                // The userfaultfd closes with this thread: write-protection, which keeps
+                // the guest's writes out of shared pool frames, would be gone.
+                fail_closed(&format!("the agent thread ended: {ended:?}"));
+            }
+            if let Ok(Err(e)) = ended {
                 tracing::error!("guest left unmanaged: {e}");
             }
         });
+}
+
+/// Set once guest RAM is registered with the agent's userfaultfd: from then on the agent
+/// must outlive the guest.
+static REGISTERED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Fails closed: logs why and aborts the QEMU process, so that no guest runs on without
+/// the agent's protection (a shared frame written through, a fault never served). The
+/// guest's RAM stays in its memfd; nothing another guest holds is touched.
+pub(crate) fn fail_closed(why: &str) -> ! {
+    tracing::error!("failing closed, aborting QEMU: {why}");
+    // Straight to stderr too: the last line of QEMU's log, subscriber or not.
+    eprintln!("memfold-agent: failing closed, aborting QEMU: {why}");
+    std::process::abort()
 }
 
 extern "C" fn memfold_agent_init() {
@@ -183,6 +203,7 @@ pub fn run(cfg: AgentConfig) -> io::Result<()> {
     // through raw addresses (QEMU's vCPUs and devices), never through Rust references; the
     // agent thread that answers its faults never touches it through the mapping.
     unsafe { uffd.register(base, cfg.ram_bytes, RAM_MODE) }?;
+    REGISTERED.store(true, std::sync::atomic::Ordering::SeqCst);
     let max_maps: usize = std::fs::read_to_string("/proc/sys/vm/max_map_count")
         .ok()
         .and_then(|s| s.trim().parse().ok())

@@ -92,6 +92,7 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "memfold_t95_s": m.t95_s,
         "ksm_t95_s": k.t95_s,
         "memfold_cpu_s": m.cpu_s,
+        "memfold_daemon_restarts": m.daemon_restarts,
         "ksm_cpu_s": ksm_cpu_s,
         "ksm_guest_mismatches": mismatches.len(),
         "memfold_zero_policy": a.memfold.engine.zero,

@@ -138,16 +138,18 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
     let mut daemon = memfoldd(&socket);
     let t = Instant::now();
     loop {
-        if let Ok(s) = query_stats(&socket) {
+        let s = query_stats(&socket);
+        if let Ok(s) = &s {
             if s.vms.len() == 2 && s.adopted_pool && s.mapped_pages > 0 {
                 eprintln!("after restart: {s:#?}");
                 break;
             }
-            assert!(
-                t.elapsed() < Duration::from_secs(60),
-                "agents did not re-attach: {s:#?}"
-            );
         }
+        // Bounded whether or not the new memfoldd answers at all.
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "agents did not re-attach within 60 s: {s:#?}"
+        );
         std::thread::sleep(Duration::from_millis(300));
     }
     rounds_pass(&guests, 2, Duration::from_secs(90));

@@ -120,6 +120,9 @@ pub struct Sample {
     pub used_bytes: u64,
     /// memfoldd's statistics at that time.
     pub stats: Stats,
+    /// memfoldd restarts so far in the run: a sample after a restart counts the new
+    /// memfoldd's books (the gap is where this changes).
+    pub daemon_restarts: u32,
 }
 
 /// A memfold run's result.
@@ -137,6 +140,8 @@ pub struct MemfoldRun {
     pub t95_s: Option<f64>,
     /// CPU seconds used by memfoldd and the agents' threads in QEMU.
     pub cpu_s: f64,
+    /// Times memfoldd died and was restarted during the run.
+    pub daemon_restarts: u32,
     /// Samples, one per second.
     pub samples: Vec<Sample>,
     /// With `--plain-twins`: each workload's throughput, managed vs its plain twin.

@@ -45,6 +45,9 @@ fn companions() -> Result<(PathBuf, PathBuf)> {
     Ok((agent, daemon))
 }
 
+/// Restarts of memfoldd a run makes before it gives up (and ends non-zero).
+const MAX_DAEMON_RESTARTS: u32 = 3;
+
 /// Kills memfoldd when dropped.
 struct Daemon(Child);
 
@@ -96,26 +99,52 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     }
     let since = measure::start_marks(guests.iter().chain(&plain));
     let used_before = measure::used(&guests)?.0;
-    let log = std::fs::File::create(out.join("memfoldd.log"))?;
-    let daemon = Daemon(
-        Command::new(&daemon_bin)
-            .args(m.memfoldd_args(&socket, &out))
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("cannot start {}", daemon_bin.display()))?,
-    );
-    let dpid = daemon.0.id();
+    let log_path = out.join("memfoldd.log");
+    let start_daemon = || -> Result<Daemon> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)?;
+        Ok(Daemon(
+            Command::new(&daemon_bin)
+                .args(m.memfoldd_args(&socket, &out))
+                .stderr(log)
+                .spawn()
+                .with_context(|| format!("cannot start {}", daemon_bin.display()))?,
+        ))
+    };
+    let mut daemon = start_daemon()?;
     let agent_cpu0: f64 = guests.iter().map(|g| since[&g.name].2).sum();
     let mut samples: Vec<Sample> = Vec::new();
     eprintln!(
-        "memfoldd running (pid {dpid}); host memory used by guest RAM before: {:.1} MiB. Ctrl-C stops.",
+        "memfoldd running (pid {}); host memory used by guest RAM before: {:.1} MiB. Ctrl-C stops.",
+        daemon.0.id(),
         used_before as f64 / MIB
     );
+    // memfoldd is supervised: if it dies, the run says so, restarts it (the agents serve
+    // their guests meanwhile and re-attach), marks the gap, and measures on.
+    let (mut restarts, mut cpu_dead, mut cpu_last) = (0u32, 0.0, 0.0);
     measure::every_second((m.secs > 0).then_some(m.secs), Some(stop), |start| {
         for g in guests.iter_mut().chain(plain.iter_mut()) {
             g.check_alive()?;
             self_check(g)?;
         }
+        if let Some(status) = daemon.0.try_wait()? {
+            restarts += 1;
+            anyhow::ensure!(
+                restarts <= MAX_DAEMON_RESTARTS,
+                "memfoldd died again ({status}) after {MAX_DAEMON_RESTARTS} restarts: giving up (log: {})",
+                log_path.display()
+            );
+            eprintln!(
+                "memfoldd exited ({status}) at {:.0} s; restarting it (restart {restarts}; the agents re-attach)",
+                start.elapsed().as_secs_f64()
+            );
+            cpu_dead += cpu_last;
+            cpu_last = 0.0;
+            daemon = start_daemon()?;
+        }
+        cpu_last = cpu_seconds(daemon.0.id(), None);
         let Ok(stats) = memfold_live::query_stats(&socket) else {
             return Ok(());
         };
@@ -123,12 +152,14 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             t: start.elapsed().as_secs_f64(),
             used_bytes: measure::used(&guests)?.0,
             stats,
+            daemon_restarts: restarts,
         };
         view::print(used_before, &s, samples.last());
         samples.push(s);
         Ok(())
     })?;
-    let cpu_s = cpu_seconds(dpid, None) + measure::agents_cpu_seconds(&guests) - agent_cpu0;
+    let cpu_s = cpu_dead + cpu_seconds(daemon.0.id(), None) + measure::agents_cpu_seconds(&guests)
+        - agent_cpu0;
     drop(daemon);
     let throughput = measure::throughput(&guests, &plain, &since);
     for g in guests.iter_mut().chain(plain.iter_mut()) {
@@ -145,6 +176,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             books_saved_bytes,
             t95_s,
             cpu_s,
+            daemon_restarts: restarts,
             samples,
             throughput,
         },

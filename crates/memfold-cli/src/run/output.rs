@@ -25,12 +25,12 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
 /// `run.csv`: per second a row per guest and a row `all`.
 fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
     let mut f = crate::create_output(csv)?;
-    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes,swapped_pages,saved_swap_bytes")?;
+    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes,swapped_pages,saved_swap_bytes,memfoldd_restarts")?;
     for s in &r.samples {
         for v in &s.stats.vms {
             writeln!(
                 f,
-                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,,{},",
+                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,,{},,{}",
                 s.t,
                 v.name,
                 v.pages,
@@ -45,13 +45,14 @@ fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
                 v.refills,
                 v.unstashes,
                 v.scanned_pages,
-                v.swapped_pages
+                v.swapped_pages,
+                s.daemon_restarts
             )?;
         }
         let by = &s.stats.saved_by;
         writeln!(
             f,
-            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{},{},{}",
+            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{},{},{},{}",
             s.t,
             s.stats.mapped_pages,
             s.stats.zero_reclaimed_pages,
@@ -65,7 +66,8 @@ fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
             by.patching * 4096,
             by.compression * 4096,
             s.stats.swap.swapped_pages,
-            by.swap * 4096
+            by.swap * 4096,
+            s.daemon_restarts
         )?;
     }
     Ok(())
@@ -145,11 +147,18 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         "latency_us": r.end().map(|s| s.latency),
         "policy": a.engine.policy,
         "saved_by_pages": r.end().map(|s| s.saved_by),
+        "memfoldd_restarts": r.daemon_restarts,
         "lifetime": r.end().map(|s| s.lifetime.clone()),
     });
     if a.set.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
         return Ok(());
+    }
+    if r.daemon_restarts > 0 {
+        println!(
+            "memfoldd died and was restarted {} time(s); run.csv's memfoldd_restarts column marks where (memfoldd's books restart from zero there)",
+            r.daemon_restarts
+        );
     }
     println!(
         "memfold saved {:.1} MiB of {:.1} MiB (measured, mean of the last 10 s; memfoldd's books: {:.1} MiB); 95% of it after {} s; memfoldd + agents used {:.1} CPU s",
@@ -299,6 +308,7 @@ mod tests {
                     t: t as f64,
                     used_bytes: (2000 - 100 * t as u64) * 4096,
                     stats,
+                    daemon_restarts: 0,
                 }
             })
             .collect();
@@ -308,6 +318,7 @@ mod tests {
             books_saved_bytes: 0.0,
             t95_s: None,
             cpu_s: 0.0,
+            daemon_restarts: 0,
             samples,
             throughput: vec![],
         };
