@@ -336,7 +336,11 @@ mod tests {
         assert!(lines[1].starts_with("1.0,web-1,1000,"));
         // used 1900 pages of 2000 at 1 s: saved 100 pages; books 100 pages, sharing 60.
         assert!(lines[2].starts_with("1.0,all,"));
-        assert!(lines[2].ends_with(",409600,409600,245760,0,0,0,0,0"));
+        assert!(
+            lines[2].ends_with(",409600,409600,245760,0,0,0,0,0,0"),
+            "{}",
+            lines[2]
+        );
         let json: serde_json::Value =
             serde_json::from_slice(&std::fs::read(dir.path().join("run.json")).unwrap()).unwrap();
         assert_eq!(json["samples"].as_array().unwrap().len(), 3);
