@@ -54,6 +54,7 @@ mkdir -p "$ird"/{bin,proc,sys,dev,tmp,newroot,lib/modules}
 cp /bin/busybox "$ird/bin/busybox"
 if [ "$profile" = tiny ]; then
     cp "$here/tiny-init" "$ird/init"
+    cp "$here/mechanism-data" "$ird/memfold-mechanism-data"
 else
     for m in crc16 crc32c_generic mbcache jbd2 ext4 virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk; do
         f=$(find "$kernel_dir/root/lib/modules/$kver" -name "$m.ko*" | head -1)
@@ -71,6 +72,7 @@ else
     mkdir -p "$ird/memfold"
     cp "$here/guest-init" "$ird/memfold/memfold-init"
     cp "$here/selfcheck.sh" "$ird/memfold/memfold-selfcheck"
+    cp "$here/mechanism-data" "$ird/memfold/memfold-mechanism-data"
 fi
 chmod +x "$ird/init"
 (cd "$ird" && find . | cpio -o -H newc 2>/dev/null | gzip -1 > "$out/initrd.img")

@@ -24,16 +24,29 @@ use memfold_live::query_stats;
 use memfold_vm::images;
 use memfold_vm::launcher::{agent_env, Accel, Guest, GuestSpec, RamBackend};
 
-fn memfoldd(socket: &Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_memfoldd"))
-        .args(["--rate", "0", "--min-scan-interval-ms", "500"])
-        .args(["--clock-secs", "2", "--policy", "de"])
-        .args(["--host-budget-mib", "64", "--swap-file"])
-        .arg(socket.with_file_name("swap"))
-        .arg("--socket")
-        .arg(socket)
-        .spawn()
-        .expect("memfoldd starts")
+/// memfoldd, killed when dropped (also when the test fails: an orphan would hold the
+/// test's output open).
+struct Memfoldd(Child);
+
+impl Drop for Memfoldd {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn memfoldd(socket: &Path) -> Memfoldd {
+    Memfoldd(
+        Command::new(env!("CARGO_BIN_EXE_memfoldd"))
+            .args(["--rate", "0", "--min-scan-interval-ms", "500"])
+            .args(["--clock-secs", "2", "--policy", "de"])
+            .args(["--host-budget-mib", "64", "--swap-file"])
+            .arg(socket.with_file_name("swap"))
+            .arg("--socket")
+            .arg(socket)
+            .spawn()
+            .expect("memfoldd starts"),
+    )
 }
 
 fn agent_lib() -> PathBuf {
@@ -46,25 +59,46 @@ fn agent_lib() -> PathBuf {
     p
 }
 
-fn checks(g: &Guest) -> usize {
-    g.serial()
-        .lines()
-        .filter(|l| l.starts_with("MEMFOLD-CHECK ok"))
-        .count()
+/// Self-check rounds the guest has passed: all of them (`MEMFOLD-CHECK`), or only those
+/// that also verified the cold data — zeros, text, near-copies — that the mechanisms
+/// store between checks (`MEMFOLD-COLD-CHECK`).
+fn checks(g: &Guest, marker: &str) -> usize {
+    g.serial().lines().filter(|l| l.starts_with(marker)).count()
 }
 
-/// Waits until every guest has printed `more` further self-check rounds.
-fn rounds_pass(guests: &[Guest], more: usize, within: Duration) {
-    let start: Vec<usize> = guests.iter().map(checks).collect();
+/// Waits until every guest has printed `more` further `marker` lines.
+fn passes(guests: &[Guest], marker: &str, more: usize, within: Duration) {
+    let start: Vec<usize> = guests.iter().map(|g| checks(g, marker)).collect();
     let t = Instant::now();
     while guests
         .iter()
         .zip(&start)
-        .any(|(g, &s)| checks(g) < s + more)
+        .any(|(g, &s)| checks(g, marker) < s + more)
     {
-        assert!(t.elapsed() < within, "guests stopped passing self-checks");
+        for g in guests {
+            assert!(
+                g.mismatches().is_empty(),
+                "{}: {:?}",
+                g.name,
+                g.mismatches()
+            );
+        }
+        assert!(
+            t.elapsed() < within,
+            "guests stopped passing self-checks ({marker})"
+        );
         std::thread::sleep(Duration::from_millis(500));
     }
+}
+
+/// Waits until every guest has passed `more` further self-check rounds.
+fn rounds_pass(guests: &[Guest], more: usize, within: Duration) {
+    passes(guests, "MEMFOLD-CHECK ok", more, within);
+}
+
+/// Waits until every guest has verified its cold data `more` more times.
+fn cold_rounds_pass(guests: &[Guest], more: usize, within: Duration) {
+    passes(guests, "MEMFOLD-COLD-CHECK ok", more, within);
 }
 
 #[test]
@@ -128,14 +162,17 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
     };
     eprintln!("{stats:#?}");
     rounds_pass(&guests, 2, Duration::from_secs(90));
+    // The cold data (stored by then: compressed, patched, reclaimed or swapped) is read
+    // back through the agents' decode and checked.
+    cold_rounds_pass(&guests, 1, Duration::from_secs(120));
 
     // kill -9 memfoldd: the agents serve faults on their own, guests keep passing.
-    daemon.kill().unwrap();
-    daemon.wait().unwrap();
+    daemon.0.kill().unwrap();
+    daemon.0.wait().unwrap();
     rounds_pass(&guests, 3, Duration::from_secs(90));
 
     // A new memfoldd adopts the pool from the agents that re-attach.
-    let mut daemon = memfoldd(&socket);
+    let daemon = memfoldd(&socket);
     let t = Instant::now();
     loop {
         let s = query_stats(&socket);
@@ -153,6 +190,8 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
         std::thread::sleep(Duration::from_millis(300));
     }
     rounds_pass(&guests, 2, Duration::from_secs(90));
+    // And again after the agents wrote their stored pages back for the new memfoldd.
+    cold_rounds_pass(&guests, 1, Duration::from_secs(120));
     for g in &mut guests {
         assert!(
             g.mismatches().is_empty(),
@@ -162,6 +201,5 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
         );
         g.stop();
     }
-    daemon.kill().unwrap();
-    daemon.wait().unwrap();
+    drop(daemon);
 }

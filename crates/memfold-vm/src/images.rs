@@ -161,12 +161,16 @@ pub fn image(cache: &Path, name: &str) -> Result<Image, ImageError> {
     })
 }
 
-const SCRIPTS: [(&str, &str); 5] = [
+const SCRIPTS: [(&str, &str); 6] = [
     ("build.sh", include_str!("../../../images/build.sh")),
     ("tiny-init", include_str!("../../../images/tiny-init")),
     ("disk-init", include_str!("../../../images/disk-init")),
     ("guest-init", include_str!("../../../images/guest-init")),
     ("selfcheck.sh", include_str!("../../../images/selfcheck.sh")),
+    (
+        "mechanism-data",
+        include_str!("../../../images/mechanism-data"),
+    ),
 ];
 
 /// Fingerprint of the build recipes (xxh3 over the embedded scripts and their names),
