@@ -1,3 +1,6 @@
+//! (Over 600 lines: the harness is one piece — guests, wire, restarts and the checks
+//! that tie them — and splitting it would scatter what one step does.)
+//!
 //! A plain reference model of guest memory, and a harness that drives the engine memfoldd
 //! runs — [`Engine`], over in-memory backings — with simulated agents ([`SimAgent`]) and
 //! an unreliable wire: commands are delivered late, in part, refused, or lost with their
