@@ -1,0 +1,119 @@
+//! Exact counts, in the manner of the kernel's KSM selftests
+//! (`tools/testing/selftests/mm/ksm_tests.c`, `ksm_functional_tests.c`): identical pages
+//! merge onto one frame, a one-byte write unmerges exactly that page, zero pages are
+//! reclaimed (or merged onto one zero frame), and the bytes stay right throughout. Run on
+//! the engine memfoldd runs, with the in-memory agent (`memfold_core::sim::Rig`).
+
+use memfold_core::ids::Gfn;
+use memfold_core::sim::Rig;
+use memfold_core::{EngineConfig, Policy, ZeroPolicy, PAGE_SIZE};
+
+const PAGES: u32 = 64;
+
+fn rig(zero: ZeroPolicy) -> Rig {
+    let cfg = EngineConfig {
+        policy: Policy::sharing_only(),
+        zero,
+        rate: 0,
+        clock_interval_us: None,
+        min_scan_interval_us: 10_000,
+        max_scan_interval_us: 10_000,
+        ..EngineConfig::default()
+    };
+    Rig::new(cfg, PAGES).unwrap()
+}
+
+/// Runs memfoldd for `ms` of simulated time.
+fn settle(r: &mut Rig, ms: u64) {
+    for _ in 0..ms / 10 {
+        r.step(10_000).unwrap();
+    }
+    r.engine.check_invariants().unwrap();
+}
+
+fn page(byte: u8) -> Vec<u8> {
+    (0..PAGE_SIZE).map(|i| byte ^ (i % 251) as u8).collect()
+}
+
+#[test]
+fn identical_pages_merge_onto_one_frame_and_a_write_unmerges_exactly_one() {
+    let mut r = rig(ZeroPolicy::Reclaim);
+    for g in 0..PAGES {
+        r.agent.write(Gfn(g), 0, &page(7)).unwrap();
+    }
+    settle(&mut r, 200);
+    let b = r.engine.books();
+    // KSM: pages_shared 1, pages_sharing PAGES - 1.
+    assert_eq!((b.frames, b.mapped_pages), (1, PAGES as u64), "{b:#?}");
+    assert_eq!(b.saved_pages, PAGES as i64 - 1);
+
+    // A one-byte write unmerges that page alone.
+    r.agent.write(Gfn(5), 100, &[0xAA]).unwrap();
+    r.report();
+    let b = r.engine.books();
+    assert_eq!((b.frames, b.mapped_pages), (1, PAGES as u64 - 1), "{b:#?}");
+    assert_eq!(b.vms[0].books.cow_breaks, 1);
+    let mut want = page(7);
+    want[100] = 0xAA;
+    assert_eq!(r.agent.read(Gfn(5)).unwrap()[..], want[..]);
+    for g in (0..PAGES).filter(|&g| g != 5) {
+        assert_eq!(r.agent.read(Gfn(g)).unwrap()[..], page(7)[..], "gfn {g}");
+    }
+
+    // Every page written apart: nothing stays merged, the frame is freed.
+    for g in 0..PAGES {
+        r.agent.write(Gfn(g), 0, &page(g as u8 + 1)).unwrap();
+    }
+    r.report();
+    settle(&mut r, 100);
+    let b = r.engine.books();
+    assert_eq!(
+        (b.frames, b.mapped_pages, b.saved_pages),
+        (0, 0, 0),
+        "{b:#?}"
+    );
+}
+
+#[test]
+fn zero_pages_are_reclaimed_or_merged_onto_one_zero_frame() {
+    // Reclaimed (memfold's default): no frame at all, refilled on the next touch.
+    let mut r = rig(ZeroPolicy::Reclaim);
+    for g in 0..PAGES {
+        r.agent.write(Gfn(g), 0, &[0u8; PAGE_SIZE]).unwrap();
+    }
+    settle(&mut r, 200);
+    let b = r.engine.books();
+    assert_eq!(
+        (b.zero_reclaimed_pages, b.frames),
+        (PAGES as u64, 0),
+        "{b:#?}"
+    );
+    assert_eq!(r.agent.read(Gfn(3)).unwrap()[..], [0u8; PAGE_SIZE][..]);
+    r.report();
+    assert_eq!(
+        r.engine.books().zero_reclaimed_pages,
+        PAGES as u64 - 1,
+        "a touch refills one"
+    );
+
+    // Shared (KSM's use_zero_pages=0 way): all onto one frame.
+    let mut r = rig(ZeroPolicy::Share);
+    for g in 0..PAGES {
+        r.agent.write(Gfn(g), 0, &[0u8; PAGE_SIZE]).unwrap();
+    }
+    settle(&mut r, 200);
+    let b = r.engine.books();
+    assert_eq!(
+        (b.frames, b.mapped_pages, b.vms[0].books.zero_shared_pages),
+        (1, PAGES as u64, PAGES as u64),
+        "{b:#?}"
+    );
+
+    // Kept (Satori's argument): nothing.
+    let mut r = rig(ZeroPolicy::Keep);
+    for g in 0..PAGES {
+        r.agent.write(Gfn(g), 0, &[0u8; PAGE_SIZE]).unwrap();
+    }
+    settle(&mut r, 200);
+    assert_eq!(r.engine.books().saved_pages, 0);
+}
