@@ -16,6 +16,7 @@ use std::io;
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
+use memfold_codecs::page_checksum;
 use memfold_codecs::{Page, PAGE_SIZE};
 use memfold_ids::{FrameId, Gfn};
 use memfold_sys::memfd::{drop_cache, pread_exact, pwrite_all};
@@ -38,6 +39,10 @@ impl Agent {
         let mut delay = Duration::from_millis(1);
         let started = std::time::Instant::now();
         while let Err(e) = self.handle(ev) {
+            // A blob that no longer decodes to its page will not on a retry either.
+            if e.kind() == io::ErrorKind::InvalidData {
+                crate::fail_closed(&format!("fault {ev:?}: {e}"));
+            }
             if started.elapsed() > FAULT_GIVE_UP {
                 crate::fail_closed(&format!(
                     "fault {ev:?} still fails after {FAULT_GIVE_UP:?}: {e}"
@@ -177,7 +182,7 @@ impl Agent {
                 .as_slice()
                 .try_into()
                 .map_err(|_| io::Error::other(format!("{gfn}: raw page of {} bytes", s.len)))?;
-            return Ok(());
+            return self.check_sum(gfn, s, out);
         };
         let mut reference = [0u8; PAGE_SIZE];
         let has_ref = if let Some(r) = s.blob.reference() {
@@ -188,6 +193,25 @@ impl Agent {
         };
         encoding
             .decode(&blob, has_ref.then_some(&reference), out)
-            .map_err(|e| io::Error::other(format!("{gfn}: stored blob: {e}")))
+            .map_err(|e| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{gfn}: stored blob: {e}"),
+                )
+            })?;
+        self.check_sum(gfn, s, out)
+    }
+
+    /// The page decoded from a blob must be the page stored: a blob changed in its store
+    /// or swap file, or a patch against a changed reference frame, is an `InvalidData`
+    /// error, never a page installed.
+    fn check_sum(&self, gfn: Gfn, s: &Stash, page: &Page) -> io::Result<()> {
+        if page_checksum(page) == s.checksum {
+            return Ok(());
+        }
+        Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{gfn}: the decoded page does not match its checksum: its blob was changed"),
+        ))
     }
 }

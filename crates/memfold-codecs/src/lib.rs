@@ -29,6 +29,14 @@ pub const PAGE_SIZE: usize = 4096;
 /// One page of memory.
 pub type Page = [u8; PAGE_SIZE];
 
+/// A page's checksum (xxh3-64), kept with every stored blob: whoever decodes the blob
+/// checks the page it gets against it before installing it, so a blob changed in its
+/// store or swap file (or a patch applied to a changed reference) is an error, never a
+/// wrong page.
+pub fn page_checksum(page: &Page) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(page)
+}
+
 /// Why a blob could not be encoded or decoded.
 ///
 /// Decoding errors mean the stored blob is corrupt or was produced by another

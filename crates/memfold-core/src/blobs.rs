@@ -175,6 +175,8 @@ pub struct Blob {
     pub since_us: u64,
     /// For a move to swap: the blob this one replaces once the agent confirms.
     pub replaces: Option<BlobId>,
+    /// The page's checksum (`memfold_codecs::page_checksum`): checked on every decode.
+    pub checksum: u64,
 }
 
 /// What keeps a stored page out of RAM, for the books.

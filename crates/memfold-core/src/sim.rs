@@ -14,6 +14,7 @@ use crate::blobs::{BlobHome, Form};
 use crate::engine::{Attach, Backings, Command, Mapped, Outcome, Stash};
 use crate::ids::{FrameId, Gfn, VmId};
 use crate::{Engine, EngineConfig, EngineError, Page, PAGE_SIZE};
+use memfold_codecs::page_checksum;
 
 /// Where the agent finds a page's bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,9 +111,9 @@ impl SimAgent {
         self.ram.file().punch(g.offset(), PAGE);
     }
 
-    /// Decodes a blob into `out`.
+    /// Decodes a blob into `out` and checks the page against the blob's checksum.
     ///
-    /// Errors: the blob cannot be read or does not decode.
+    /// Errors: the blob cannot be read, does not decode, or decodes to another page.
     fn decode(&self, s: &Stash, out: &mut Page) -> Result<(), String> {
         let space = match s.home {
             BlobHome::Store => &self.shared.store,
@@ -126,7 +127,6 @@ impl SimAgent {
                     .as_slice()
                     .try_into()
                     .map_err(|_| "raw blob is not a page")?;
-                Ok(())
             }
             Form::Encoded(e) => {
                 let mut reference = [0u8; PAGE_SIZE];
@@ -137,9 +137,16 @@ impl SimAgent {
                         .map_err(|e| e.to_string())?;
                 }
                 e.decode(&blob, s.reference.map(|_| &reference), out)
-                    .map_err(|e| e.to_string())
+                    .map_err(|e| e.to_string())?;
             }
         }
+        // As the real agent: a page that does not match its checksum is never installed.
+        if page_checksum(out) != s.checksum {
+            return Err(
+                "the decoded page does not match its checksum: the blob was changed".into(),
+            );
+        }
+        Ok(())
     }
 
     /// Page `g`'s bytes as the guest would read them, without serving the access.

@@ -148,6 +148,7 @@ mod tests {
             offset: 4096 * gfn as u64,
             len: 300,
             moving,
+            checksum: 0x5eed,
         };
         vec![
             page(

@@ -14,7 +14,7 @@ use crate::stats::Stats;
 
 /// Protocol version; a peer with another version is refused with a clear message.
 /// Version 5: typed blobs in [`StashPage`].
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
 pub const MAX_MESSAGE: usize = 256 * 1024;
@@ -101,6 +101,9 @@ pub struct StashPage {
     /// the agent replaces its record only if the page is still stashed in the store and
     /// the new blob decodes to the same bytes; otherwise it refuses.
     pub moving: bool,
+    /// The page's checksum (`memfold_codecs::page_checksum`): the agent checks every page
+    /// it decodes against it and never installs one that differs.
+    pub checksum: u64,
 }
 
 /// What the agent measured since it started: fault counts and operation latencies as

@@ -20,6 +20,7 @@ fn samples() -> Vec<Vec<u8>> {
         offset: 4096,
         len: 100,
         moving: true,
+        checksum: 42,
     };
     vec![
         encode(&ToDaemon::AgentHello {

@@ -4,7 +4,7 @@
 //! store, and the agent asked to stash them; over the host budget, C4 pages go to the
 //! swap file in their smallest form, and stored blobs move there too.
 
-use memfold_codecs::Encoding;
+use memfold_codecs::{page_checksum, Encoding};
 
 use super::{kept_index, Command, Engine, EngineError, Stash, RESTASH_LIVED_US};
 use crate::blobs::{Blob, BlobHome, Form, StoreError};
@@ -183,6 +183,7 @@ impl Engine {
                     None,
                     BlobHome::Swap,
                     None,
+                    page_checksum(page),
                 );
                 return Ok(());
             }
@@ -277,7 +278,17 @@ impl Engine {
         };
         self.frames.incref(f, true);
         let form = Form::Encoded(Encoding::Patch(codec));
-        self.queue_stash(id, g, slot, blob.len(), form, Some(f), home, None);
+        self.queue_stash(
+            id,
+            g,
+            slot,
+            blob.len(),
+            form,
+            Some(f),
+            home,
+            None,
+            page_checksum(page),
+        );
         Ok(true)
     }
 
@@ -299,7 +310,17 @@ impl Engine {
             return false;
         };
         let form = Form::Encoded(Encoding::Compressed(codec));
-        self.queue_stash(id, g, slot, blob.len(), form, None, home, None);
+        self.queue_stash(
+            id,
+            g,
+            slot,
+            blob.len(),
+            form,
+            None,
+            home,
+            None,
+            page_checksum(page),
+        );
         true
     }
 
@@ -337,6 +358,7 @@ impl Engine {
         reference: Option<FrameId>,
         home: BlobHome,
         replaces: Option<BlobId>,
+        checksum: u64,
     ) {
         let since_us = match replaces {
             Some(old) => self.blobs.get(old).since_us,
@@ -354,6 +376,7 @@ impl Engine {
             reference,
             since_us,
             replaces,
+            checksum,
         };
         self.books.slot_bytes[kept_index(blob.kept())] += slot.size as u64;
         let b = self.blobs.insert(blob);
@@ -384,6 +407,7 @@ impl Engine {
                 form,
                 reference,
                 moving: replaces.is_some(),
+                checksum,
             },
         });
     }
@@ -434,6 +458,7 @@ impl Engine {
                 o.reference,
                 BlobHome::Swap,
                 Some(old),
+                o.checksum,
             );
         }
     }

@@ -131,6 +131,8 @@ pub struct Stash {
     /// The page is stashed already; this moves its blob to the swap file (the agent
     /// replaces its record only if the page is still stashed and both decode alike).
     pub moving: bool,
+    /// The page's checksum: the decoded page must match it before it is installed.
+    pub checksum: u64,
 }
 
 /// How the agent answered a command.

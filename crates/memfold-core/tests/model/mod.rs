@@ -130,6 +130,14 @@ pub enum Op {
         which: u8,
         on: bool,
     },
+    /// A bit of the store (or the swap file) is flipped, as a compromised QEMU holding it
+    /// could: from then on a page whose blob it hit must fail to decode (its checksum),
+    /// never read as other bytes.
+    Corrupt {
+        swap: bool,
+        at: u64,
+        bit: u8,
+    },
 }
 
 /// What the engine runs with.
@@ -210,6 +218,11 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
         },
         94..=96 => Op::Reattach { vm },
         97 => Op::Restart { seed: rng.gen() },
+        98 if rng.gen_bool(0.05) => Op::Corrupt {
+            swap: rng.gen(),
+            at: rng.gen(),
+            bit: rng.gen_range(0..8),
+        },
         _ => Op::Fail {
             which: rng.gen_range(0..4),
             on: rng.gen_bool(0.3),
@@ -241,6 +254,9 @@ pub struct Harness {
     vms: Vec<ModelVm>,
     next_pid: u32,
     pub steps: u64,
+    /// A blob was corrupted: from then on a page may fail to decode (an error, the guest
+    /// "fails closed"), but never read other bytes.
+    corrupted: bool,
 }
 
 fn config(s: &Setup) -> EngineConfig {
@@ -298,6 +314,7 @@ impl Harness {
             vms: Vec::new(),
             next_pid: 100,
             steps: 0,
+            corrupted: false,
         }
     }
 
@@ -307,7 +324,18 @@ impl Harness {
 
     fn attach(&mut self, i: usize) -> Result<(), String> {
         let v = &mut self.vms[i];
-        let mapped = v.agent.prepare_reattach()?;
+        let mapped = match v.agent.prepare_reattach() {
+            Ok(m) => m,
+            // A corrupted blob: this guest fails closed (its QEMU stops).
+            Err(_) if self.corrupted => {
+                let v = self.vms.remove(i);
+                if let Some(id) = v.id {
+                    self.engine.remove(id);
+                }
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
         // A new memfoldd's store and swap file replace the old ones once the stashed
         // pages are home.
         v.agent.shared = self.shared.clone();
@@ -382,8 +410,11 @@ impl Harness {
                     let v = &mut self.vms[i];
                     let g = gfn % v.agent.pages();
                     let p = content.render();
-                    v.agent.write(Gfn(g), 0, &p[..])?;
-                    v.model[g as usize] = p;
+                    match v.agent.write(Gfn(g), 0, &p[..]) {
+                        Ok(()) => v.model[g as usize] = p,
+                        Err(_) if self.corrupted => {}
+                        Err(e) => return Err(e),
+                    }
                 }
             }
             Op::WritePartial {
@@ -399,15 +430,22 @@ impl Harness {
                     let off = offset as usize % PAGE_SIZE;
                     let len = (len as usize % 64).min(PAGE_SIZE - off);
                     let bytes = vec![byte; len];
-                    v.agent.write(Gfn(g), off, &bytes)?;
-                    v.model[g as usize][off..off + len].copy_from_slice(&bytes);
+                    match v.agent.write(Gfn(g), off, &bytes) {
+                        Ok(()) => v.model[g as usize][off..off + len].copy_from_slice(&bytes),
+                        Err(_) if self.corrupted => {}
+                        Err(e) => return Err(e),
+                    }
                 }
             }
             Op::Read { vm, gfn } => {
                 if let Some(i) = self.pick(vm) {
                     let v = &mut self.vms[i];
                     let g = gfn % v.agent.pages();
-                    let got = v.agent.read(Gfn(g))?;
+                    let got = match v.agent.read(Gfn(g)) {
+                        Ok(got) => got,
+                        Err(_) if self.corrupted => return Ok(()),
+                        Err(e) => return Err(e),
+                    };
                     if got != *v.model[g as usize] {
                         return Err(format!(
                             "vm {i} gfn {g}: the guest read bytes it did not write"
@@ -487,6 +525,38 @@ impl Harness {
                     v.id = None;
                 }
             }
+            Op::Corrupt { swap, at, bit } => {
+                // A bit of a stored page's blob, as a QEMU holding the store could flip it
+                // (`swap` picks among the blobs in the swap file first).
+                let mut blobs: Vec<(usize, _)> = self
+                    .vms
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(i, v)| (0..v.agent.pages()).map(move |g| (i, v.agent.home(Gfn(g)))))
+                    .filter_map(|(i, h)| match h {
+                        Home::Stashed(st) => Some((i, st)),
+                        _ => None,
+                    })
+                    .collect();
+                blobs.sort_by_key(|(_, st)| {
+                    (st.home != memfold_core::blobs::BlobHome::Swap) == swap
+                });
+                if let Some(&(i, st)) = blobs.get((at % blobs.len().max(1) as u64) as usize) {
+                    // The store or swap file this guest's agent holds (after a restart, an
+                    // agent not yet re-attached still holds the old memfoldd's).
+                    let shared = &self.vms[i].agent.shared;
+                    let b = match st.home {
+                        memfold_core::blobs::BlobHome::Swap => &shared.swap,
+                        memfold_core::blobs::BlobHome::Store => &shared.store,
+                    };
+                    let mut f = b.file();
+                    let at = (st.offset + at % st.len as u64) as usize;
+                    if at < f.bytes.len() {
+                        f.bytes[at] ^= 1 << bit;
+                        self.corrupted = true;
+                    }
+                }
+            }
             Op::Fail { which, on } => {
                 let s = &self.shared;
                 match which % 4 {
@@ -526,7 +596,11 @@ impl Harness {
         for (i, v) in self.vms.iter().enumerate() {
             for g in 0..v.agent.pages() {
                 let g = Gfn(g);
-                let got = v.agent.peek(g).map_err(|e| format!("vm {i} {g}: {e}"))?;
+                let got = match v.agent.peek(g) {
+                    Ok(got) => got,
+                    Err(_) if self.corrupted => continue,
+                    Err(e) => return Err(format!("vm {i} {g}: {e}")),
+                };
                 if got != *v.model[g.index()] {
                     return Err(format!(
                         "vm {i} {g} ({:?}): reads bytes the guest did not write",
@@ -572,14 +646,20 @@ impl Harness {
 
     /// Drains every wire, re-attaches everyone, removes every guest: nothing may remain.
     pub fn teardown(mut self) -> Result<(), String> {
-        for i in 0..self.vms.len() {
+        let mut i = 0;
+        while i < self.vms.len() {
             if !self.vms[i].connected {
+                let n = self.vms.len();
                 self.attach(i)?;
+                if self.vms.len() < n {
+                    continue; // failed closed and removed
+                }
             }
             while let Some(cmd) = self.vms[i].wire.pop_front() {
                 let o = self.vms[i].agent.execute(&cmd);
                 self.answer(i, &cmd, o)?;
             }
+            i += 1;
         }
         self.verify_all()?;
         for v in std::mem::take(&mut self.vms) {

@@ -54,6 +54,7 @@ fn stash_page(gfn: Gfn, s: &Stash) -> StashPage {
         offset: s.offset,
         len: s.len,
         moving: s.moving,
+        checksum: s.checksum,
     }
 }
 
