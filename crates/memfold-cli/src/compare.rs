@@ -53,6 +53,11 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         a.memfold.secs > 0,
         "memfold compare needs --secs > 0 (each side runs that long)"
     );
+    // KSM's controls are checked before the memfold half runs, not after it.
+    anyhow::ensure!(
+        std::path::Path::new("/sys/kernel/mm/ksm/run").exists(),
+        "/sys/kernel/mm/ksm is missing: this kernel has no KSM (CONFIG_KSM), so compare has no peer to measure"
+    );
     eprintln!("== memfold (policy {}) on the set", a.memfold.engine.policy);
     let (m, out) = run::measure(&RunArgs::without_twins(a.memfold.clone()), "compare", &stop)?;
     run::write_outputs(&out, &m)?;

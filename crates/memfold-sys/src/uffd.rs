@@ -164,7 +164,7 @@ impl fmt::Display for Ioctl {
 pub enum UffdError {
     /// The `userfaultfd` syscall was refused (it needs CAP_SYS_PTRACE, or
     /// vm.unprivileged_userfaultfd for user-mode-only faults, which memfold does not use).
-    #[error("userfaultfd: {0}")]
+    #[error("userfaultfd: {0} (memfold's agent needs QEMU to run as root or with CAP_SYS_PTRACE: kernel faults, not user-mode-only ones, so sysctl vm.unprivileged_userfaultfd does not help)")]
     Open(#[source] io::Error),
     /// `UFFDIO_API` failed.
     #[error("UFFDIO_API with features {features:#x}: {errno}")]

@@ -30,8 +30,13 @@ use crate::guests;
 /// Guest RAM under memfold: memfd files memfoldd reads and the agent maps.
 const RAM: RamBackend = RamBackend::Memfd;
 
-/// The agent library and memfoldd, installed beside the `memfold` binary.
+/// The agent library and memfoldd, installed beside the `memfold` binary; and the
+/// privileges a run needs, checked before any guest boots.
 fn companions() -> Result<(PathBuf, PathBuf)> {
+    anyhow::ensure!(
+        rustix::process::geteuid().is_root(),
+        "memfold run and compare need root: the agent in each QEMU opens a userfaultfd for kernel faults (CAP_SYS_PTRACE), and compare drives KSM's sysfs; run them with sudo"
+    );
     let exe = std::env::current_exe().context("cannot find the memfold binary")?;
     let agent = exe.with_file_name("libmemfold_agent.so");
     let daemon = exe.with_file_name("memfoldd");
