@@ -287,7 +287,7 @@ mod tests {
         let json = serde_json::to_string(&stash_pages()[0]).unwrap();
         assert_eq!(
             json,
-            r#"{"gfn":1,"blob":{"patch":{"codec":"zstd-ref","reference":9}},"home":"store","offset":4096,"len":300,"moving":false}"#
+            r#"{"gfn":1,"blob":{"patch":{"codec":"zstd-ref","reference":9}},"home":"store","offset":4096,"len":300,"moving":false,"checksum":24301}"#
         );
         let raw = serde_json::to_string(&stash_pages()[2].blob).unwrap();
         assert_eq!(raw, r#""raw""#);
