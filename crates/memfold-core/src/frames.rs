@@ -236,11 +236,6 @@ impl FrameTable {
             .count() as u64
     }
 
-    /// Frames in use, for invariant checks.
-    pub fn used(&self) -> impl Iterator<Item = FrameId> + '_ {
-        (0..self.size).map(FrameId).filter(|&f| self.is_used(f))
-    }
-
     /// Bytes of memory these books take.
     pub fn metadata_bytes(&self) -> usize {
         self.refcount.capacity() * 4

@@ -416,7 +416,7 @@ impl Rig {
             for c in cmds {
                 if let Command::ClockScan { first, count } = c {
                     let (n, r, m) = self.agent.clock_scan(first, count);
-                    self.engine.clock_bits(self.vm, first, n, &r, &m)?;
+                    self.engine.clock_bits(self.vm, first, n, &r, &m);
                 } else {
                     let o = self.agent.execute(&c);
                     self.engine.outcome(self.vm, &c, o);

@@ -88,6 +88,15 @@ pub fn punch_hole(fd: BorrowedFd<'_>, off: u64, len: u64) -> bool {
     .is_ok()
 }
 
+/// The (device, inode) of the file `fd` refers to: which memfd or file it is, whoever
+/// holds it.
+///
+/// Errors: fstat failed.
+pub fn file_id(fd: BorrowedFd<'_>) -> io::Result<(u64, u64)> {
+    let st = rustix::fs::fstat(fd)?;
+    Ok((st.st_dev, st.st_ino))
+}
+
 /// Writes what was written to `fd` through to its disk (fdatasync).
 ///
 /// Errors: the write-back failed (EIO, ENOSPC).

@@ -291,10 +291,13 @@ mod tests {
         );
         let raw = serde_json::to_string(&stash_pages()[2].blob).unwrap();
         assert_eq!(raw, r#""raw""#);
-        let b = Blob::new(Some(Encoding::Patch(PatchCodec::RunDiff)), FrameId(4));
+        let b = Blob::Patch {
+            codec: PatchCodec::RunDiff,
+            reference: FrameId(4),
+        };
         assert_eq!(b.reference(), Some(FrameId(4)));
         assert_eq!(b.encoding(), Some(Encoding::Patch(PatchCodec::RunDiff)));
-        assert_eq!(Blob::new(None, FrameId(4)), Blob::Raw);
+        assert_eq!(Blob::Raw.encoding(), None);
         assert_eq!(Blob::Raw.reference(), None);
     }
 

@@ -44,15 +44,6 @@ pub enum Blob {
 }
 
 impl Blob {
-    /// A blob of `encoding` (`None`: the raw page); a patch is made against `reference`.
-    pub fn new(encoding: Option<Encoding>, reference: FrameId) -> Blob {
-        match encoding {
-            Some(Encoding::Patch(codec)) => Blob::Patch { codec, reference },
-            Some(Encoding::Compressed(codec)) => Blob::Compressed(codec),
-            None => Blob::Raw,
-        }
-    }
-
     /// The blob's encoding; `None` for the raw page.
     pub fn encoding(self) -> Option<Encoding> {
         match self {

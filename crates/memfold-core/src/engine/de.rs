@@ -6,7 +6,7 @@
 
 use memfold_codecs::{page_checksum, Encoding};
 
-use super::{kept_index, Command, Engine, EngineError, Stash, RESTASH_LIVED_US};
+use super::{kept_index, Command, Engine, Stash, RESTASH_LIVED_US};
 use crate::blobs::{Blob, BlobHome, Form, StoreError};
 use crate::clock::Actions;
 use crate::ids::{FrameId, Gfn, Gpn, VmId};
@@ -39,8 +39,6 @@ impl Engine {
     /// Applies a clock slice's R and M bits (bit k of word k/64 for page `first + k`),
     /// classifying each private page C1–C4 (DE §4.2), then runs the Difference Engine over
     /// the slice. Bits for pages past the guest's end are ignored.
-    ///
-    /// Errors: [`EngineError::Pool`] if a reference page cannot be copied into the pool.
     pub fn clock_bits(
         &mut self,
         id: VmId,
@@ -48,13 +46,13 @@ impl Engine {
         count: u32,
         referenced: &[u64],
         modified: &[u64],
-    ) -> Result<(), EngineError> {
+    ) {
         let full_scans = self.scan.full_scans;
         let Some(v) = self.vms.get_mut(&id) else {
-            return Ok(());
+            return;
         };
         if first.0 >= v.pages() {
-            return Ok(());
+            return;
         }
         let p2m = &v.p2m;
         v.clock
@@ -64,7 +62,7 @@ impl Engine {
         v.books.nru_pages = v.clock.last_pass;
         v.books.clock_passes = v.clock.passes;
         let end = Gfn((first.0 + count).min(v.pages()));
-        self.difference_engine(id, first, end)
+        self.difference_engine(id, first, end);
     }
 
     fn acts(&self, a: Actions) -> bool {
@@ -74,14 +72,14 @@ impl Engine {
     /// The Difference Engine over pages `[first, end)` of guest `id` (DE §4.2, §4.3): each
     /// private page whose class lets a mechanism touch it is read once (holes skipped);
     /// zero pages are left to the zero policy, identical ones to the sharing scan.
-    fn difference_engine(&mut self, id: VmId, first: Gfn, end: Gfn) -> Result<(), EngineError> {
+    fn difference_engine(&mut self, id: VmId, first: Gfn, end: Gfn) {
         let policy = self.cfg.policy;
         if !policy.actions.iter().any(|&a| self.acts(a)) {
-            return Ok(());
+            return;
         }
         self.refresh_similarity_index();
         let Some(v) = self.vms.get(&id).filter(|v| v.attached) else {
-            return Ok(());
+            return;
         };
         let mut todo = Vec::new();
         let mut from = first;
@@ -112,11 +110,10 @@ impl Engine {
                 let page: &Page = buf[k * PAGE_SIZE..(k + 1) * PAGE_SIZE]
                     .try_into()
                     .expect("a page");
-                self.de_page(id, Gfn(g0.0 + k as u32), page)?;
+                self.de_page(id, Gfn(g0.0 + k as u32), page);
             }
         }
         self.swap_stored(id, first, end);
-        Ok(())
     }
 
     /// Clears and resizes the similarity index once every four clock intervals (DE §4.3
@@ -135,9 +132,9 @@ impl Engine {
 
     /// One page of a clock slice. Over the host budget, a page whose class allows swap
     /// (C4) goes to the swap file in its smallest form: patch, compressed, or raw (§4.6).
-    fn de_page(&mut self, id: VmId, g: Gfn, page: &Page) -> Result<(), EngineError> {
+    fn de_page(&mut self, id: VmId, g: Gfn, page: &Page) {
         if is_zero_page(page) || !self.sharable(id, g) {
-            return Ok(());
+            return;
         }
         let full_scans = self.scan.full_scans;
         let swap_wanted = self.budget.swap_wanted > 0;
@@ -162,12 +159,12 @@ impl Engine {
         };
         let gpn = Gpn(v.base.0 + g.0);
         let sigs = self.similar.detector().signatures(page);
-        if a.patch && seen && untried && self.try_patch(id, g, gpn, &sigs, page, home)? {
-            return Ok(());
+        if a.patch && seen && untried && self.try_patch(id, g, gpn, &sigs, page, home) {
+            return;
         }
         if a.compress && seen && untried {
             if self.try_compress(id, g, page, home) {
-                return Ok(());
+                return;
             }
             // Incompressible and unpatchable as it is: spare the CPU until it changes.
             self.vms.get_mut(&id).expect("sharable").de_failed[w] |= bit;
@@ -185,13 +182,12 @@ impl Engine {
                     None,
                     page_checksum(page),
                 );
-                return Ok(());
+                return;
             }
         }
         if a.reference {
             self.similar.insert(&sigs, RefPage::Guest(gpn));
         }
-        Ok(())
     }
 
     /// Reads reference candidate `c` (a pool frame something holds, or a sharable guest
@@ -215,9 +211,8 @@ impl Engine {
     /// every candidate whose signatures still match gets a patch, the smallest under the
     /// cut-off is kept. A guest page chosen as reference is copied into a pool frame
     /// (which no guest can write, so the patch stays valid whatever the guest does) and
-    /// shared onto it. Returns whether a stash was queued.
-    ///
-    /// Errors: [`EngineError::Pool`] (host out of memory for the reference frame).
+    /// shared onto it. Returns whether a stash was queued (not if the pool cannot take
+    /// the reference frame).
     #[allow(clippy::too_many_arguments)]
     fn try_patch(
         &mut self,
@@ -227,7 +222,7 @@ impl Engine {
         sigs: &[u32; 8],
         page: &Page,
         home: BlobHome,
-    ) -> Result<bool, EngineError> {
+    ) -> bool {
         let mut cands = Vec::new();
         self.similar.candidates(sigs, &mut cands);
         let codec = self.cfg.patch_codec;
@@ -255,19 +250,19 @@ impl Engine {
             }
         }
         let Some((c, blob, reference)) = best else {
-            return Ok(false);
+            return false;
         };
         let Some(slot) = self.put_blob(&blob, home) else {
-            return Ok(false);
+            return false;
         };
         let f = match c {
             RefPage::Frame(f) => f,
             RefPage::Guest(rgpn) => {
                 let (id2, g2) = self.locate(rgpn).expect("candidate() located it");
                 let h = (self.cfg.page_hash)(&reference);
-                let Some(f) = self.alloc_frame_or_skip(&reference, h) else {
+                let Some(f) = self.alloc_frame(&reference, h) else {
                     self.space(home).expect("put above").free(slot.id);
-                    return Ok(false);
+                    return false;
                 };
                 self.share.insert(h, ShareEntry::Shared(f));
                 let ref_sigs = self.similar.detector().signatures(&reference);
@@ -289,7 +284,7 @@ impl Engine {
             None,
             page_checksum(page),
         );
-        Ok(true)
+        true
     }
 
     /// Compresses page `g` (DE §3.3) and queues its stash if the result is under the

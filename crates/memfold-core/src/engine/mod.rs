@@ -339,10 +339,10 @@ impl Engine {
             .is_some_and(|v| v.attached && v.state(g) == PageState::Private)
     }
 
-    /// A new frame holding `page` (hashing to `h`), with one pending request.
-    ///
-    /// Errors: the pool could not grow or be written (host out of memory).
-    pub(crate) fn alloc_frame(&mut self, page: &Page, h: u64) -> Result<FrameId, EngineError> {
+    /// A new frame holding `page` (hashing to `h`), with one pending request; `None`
+    /// (counted and logged) if the pool cannot grow or be written (host out of memory):
+    /// a share or a reference page is a hint, given up then.
+    pub(crate) fn alloc_frame(&mut self, page: &Page, h: u64) -> Option<FrameId> {
         let (f, grow) = self.frames.alloc(h);
         let written = (|| {
             if let Some(frames) = grow {
@@ -350,26 +350,18 @@ impl Engine {
             }
             self.pool.write(f.offset(), page)
         })();
-        if let Err(e) = written {
-            self.frames.unalloc(f);
-            return Err(EngineError::Pool(e));
+        let Err(e) = written else {
+            return Some(f);
+        };
+        self.frames.unalloc(f);
+        self.books.pool_errors += 1;
+        if self.books.pool_errors.is_power_of_two() {
+            tracing::warn!(
+                "pool: {e}; page left private (error {})",
+                self.books.pool_errors
+            );
         }
-        Ok(f)
-    }
-
-    /// [`Engine::alloc_frame`], or `None` (counted and logged) if the pool cannot take
-    /// the frame: a share or a reference page is a hint, given up then.
-    pub(crate) fn alloc_frame_or_skip(&mut self, page: &Page, h: u64) -> Option<FrameId> {
-        match self.alloc_frame(page, h) {
-            Ok(f) => Some(f),
-            Err(e) => {
-                self.books.pool_errors += 1;
-                if self.books.pool_errors.is_power_of_two() {
-                    tracing::warn!("{e}; page left private (error {})", self.books.pool_errors);
-                }
-                None
-            }
-        }
+        None
     }
 
     /// A share request naming `f` ended; frees the frame if nothing holds it any more.

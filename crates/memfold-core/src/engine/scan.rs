@@ -48,7 +48,7 @@ impl Engine {
     /// step (4096 at full speed), round-robin over attached guests. Returns whether the
     /// scan is busy (false while no guest is attached or the next full scan waits).
     ///
-    /// Errors: [`EngineError::Pool`] if the pool cannot be read or grown.
+    /// Errors: [`EngineError::Pool`] if a pool frame cannot be read.
     pub fn scan_step(&mut self) -> Result<bool, EngineError> {
         let now = self.now_us();
         let idle = !self.vms.values().any(|v| v.attached) || self.pass_done_waiting(now);
@@ -235,7 +235,7 @@ impl Engine {
                     }
                     // A pool that cannot take the frame (host out of memory) only means no
                     // share: the pages stay private and the hint stays.
-                    let Some(f) = self.alloc_frame_or_skip(page, h) else {
+                    let Some(f) = self.alloc_frame(page, h) else {
                         return Ok(());
                     };
                     self.frames.add_pending(f);

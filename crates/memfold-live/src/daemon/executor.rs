@@ -11,6 +11,7 @@ use std::collections::{HashMap, HashSet};
 use memfold_core::blobs::{BlobHome, Form};
 use memfold_core::engine::{Command, Outcome, Stash};
 use memfold_core::ids::{BatchId, Gfn, VmId};
+use memfold_core::Encoding;
 use memfold_core::Engine;
 use memfold_wire::{Blob, StashPage, ToAgent, MAX_BATCH};
 
@@ -41,8 +42,14 @@ pub(crate) struct Executor {
 /// The wire's form of a stash.
 fn stash_page(gfn: Gfn, s: &Stash) -> StashPage {
     let blob = match (s.form, s.reference) {
-        (Form::Encoded(e), r) => Blob::new(Some(e), r.unwrap_or_default()),
         (Form::Raw, _) => Blob::Raw,
+        (Form::Encoded(Encoding::Compressed(c)), _) => Blob::Compressed(c),
+        (Form::Encoded(Encoding::Patch(codec)), Some(reference)) => {
+            Blob::Patch { codec, reference }
+        }
+        (Form::Encoded(Encoding::Patch(_)), None) => {
+            unreachable!("the engine records a reference frame with every patch")
+        }
     };
     StashPage {
         gfn,

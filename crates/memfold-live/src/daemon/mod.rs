@@ -21,7 +21,6 @@ mod executor;
 mod guests;
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -185,7 +184,7 @@ impl Daemon {
             } => self.attach(token, conn, hello, fds, pid)?,
             Input::Agent { token, msg } => {
                 if let Some(vm) = self.guests.vm_of(token) {
-                    self.agent_message(vm, msg)?;
+                    self.agent_message(vm, msg);
                 }
             }
             Input::Gone { token } => {
@@ -210,7 +209,7 @@ impl Daemon {
         Ok(())
     }
 
-    fn agent_message(&mut self, vm: VmId, msg: ToDaemon) -> Result<(), DaemonError> {
+    fn agent_message(&mut self, vm: VmId, msg: ToDaemon) {
         let e = &mut self.engine;
         match msg {
             ToDaemon::ShareDone {
@@ -261,13 +260,12 @@ impl Daemon {
             } => {
                 // Only a slice this memfoldd asked that agent for.
                 if let Some(asked) = self.executor.clock_reply(vm, batch, first) {
-                    e.clock_bits(vm, first, count.min(asked), &referenced, &modified)?;
+                    e.clock_bits(vm, first, count.min(asked), &referenced, &modified);
                 }
             }
             ToDaemon::AgentStats(r) => self.guests.report(vm, &r),
             other => tracing::warn!("{vm}: unexpected message {other:?}"),
         }
-        Ok(())
     }
 
     /// An agent's hello: its guest RAM memfd, and when re-attaching after a restart the
@@ -323,8 +321,8 @@ impl Daemon {
             ));
             return Ok(());
         }
-        let ram_id = match rustix::fs::fstat(&ram) {
-            Ok(st) => (st.st_dev, st.st_ino),
+        let ram_id = match memfd::file_id(ram.as_fd()) {
+            Ok(id) => id,
             Err(e) => {
                 refuse(format!("guest RAM descriptor: {e}"));
                 return Ok(());
@@ -390,7 +388,7 @@ impl Daemon {
     /// A re-attaching agent's pool: adopted if this memfoldd has not used its own yet,
     /// else it must be this memfoldd's pool. Returns whether the agent may attach.
     fn adopt_or_match_pool(&mut self, theirs: OwnedFd) -> bool {
-        let id = |f: &OwnedFd| rustix::fs::fstat(f).ok().map(|s| (s.st_dev, s.st_ino));
+        let id = |f: &OwnedFd| memfd::file_id(f.as_fd()).ok();
         if id(&theirs).is_some() && id(&theirs) == id(&self.pool_fd) {
             return true;
         }
@@ -424,10 +422,7 @@ impl Daemon {
             self.guests.remove(vm);
         }
         if self.engine.adoption_pending() {
-            let Ok(st) = std::fs::metadata(format!("/proc/self/fd/{}", {
-                use std::os::fd::AsRawFd;
-                self.pool_fd.as_raw_fd()
-            })) else {
+            let Ok((dev, ino)) = memfd::file_id(self.pool_fd.as_fd()) else {
                 return;
             };
             let attached: Vec<u32> = self
@@ -437,7 +432,7 @@ impl Daemon {
                 .filter(|v| v.2)
                 .map(|v| v.1)
                 .collect();
-            if guests::holders(st.dev(), st.ino())
+            if guests::holders(dev, ino)
                 .iter()
                 .all(|p| attached.contains(p))
             {
