@@ -9,6 +9,7 @@ use clap::builder::PossibleValuesParser;
 use clap::Args;
 use memfold_core::engine::ConfigError;
 use memfold_core::{CompressCodec, EngineConfig, PatchCodec, Policy, ZeroPolicy};
+use memfold_live::daemon::DomainRule;
 
 fn defaults() -> EngineConfig {
     EngineConfig::default()
@@ -57,12 +58,22 @@ pub struct EngineArgs {
     /// it keep running: overcommit.
     #[arg(long)]
     pub host_budget_mib: Option<u64>,
-    /// Swap file capacity, MiB (with --host-budget-mib).
+    /// Swap capacity of all guests' swap files together, MiB (with --host-budget-mib).
     #[arg(long, default_value_t = 1024)]
     pub swap_mib: u64,
+    /// Sharing domains: which guests may share frames and patch against each other's
+    /// pages, each domain with a pool of its own. `user`: the guests whose QEMU runs as one
+    /// user; `vm`: each guest alone (the strict setting, as ESX's salting).
+    #[arg(long, default_value = "user", value_parser = PossibleValuesParser::new(DomainRule::NAMES))]
+    pub share_domains: String,
 }
 
 impl EngineArgs {
+    /// The sharing-domain rule.
+    pub fn domain_rule(&self) -> DomainRule {
+        DomainRule::by_name(&self.share_domains).expect("clap checked the name")
+    }
+
     fn policy(&self) -> Policy {
         Policy::by_name(&self.policy).expect("clap checked the name")
     }
@@ -125,6 +136,7 @@ impl EngineArgs {
         opt("--patch-cutoff", self.patch_cutoff.to_string());
         opt("--compress-codec", self.compress_codec.name().into());
         opt("--compress-cutoff", self.compress_cutoff.to_string());
+        opt("--share-domains", self.share_domains.clone());
         if let Some(b) = self.host_budget_mib {
             opt("--host-budget-mib", b.to_string());
             opt("--swap-mib", self.swap_mib.to_string());

@@ -106,8 +106,12 @@ pub mod mem {
         pub allocated: BTreeSet<u64>,
         /// Fail every write from now on (injected ENOSPC).
         pub fail_writes: bool,
-        /// Fail every sync from now on (injected EIO).
+        /// Fail every sync from now on (injected EIO). A failed sync loses what was
+        /// written since the last good one, as a failed write-back of a file does once
+        /// its page cache is dropped: the bytes revert to [`MemFile::durable`].
         pub fail_sync: bool,
+        /// The bytes as the last good sync left them on "disk".
+        pub durable: Vec<u8>,
     }
 
     impl MemFile {
@@ -123,6 +127,10 @@ pub mod mem {
             let end = (offset + len).min(self.bytes.len() as u64);
             if offset < end {
                 self.bytes[offset as usize..end as usize].fill(0);
+            }
+            let end = (offset + len).min(self.durable.len() as u64);
+            if offset < end {
+                self.durable[offset as usize..end as usize].fill(0);
             }
             for p in offset.div_ceil(PAGE)..(offset + len) / PAGE {
                 self.allocated.remove(&p);
@@ -191,9 +199,14 @@ pub mod mem {
         }
 
         fn sync(&mut self) -> Result<(), BackingError> {
-            if self.file().fail_sync {
+            let mut f = self.file();
+            if f.fail_sync {
+                let mut lost = f.durable.clone();
+                lost.resize(f.bytes.len(), 0);
+                f.bytes = lost;
                 return Err(BackingError::new("sync", "input/output error (injected)"));
             }
+            f.durable = f.bytes.clone();
             Ok(())
         }
 

@@ -11,8 +11,8 @@
 use crate::backing::mem::{ManualClock, MemBacking, MemGuestRam};
 use crate::backing::Backing;
 use crate::blobs::{BlobHome, Form};
-use crate::engine::{Attach, Backings, Command, Mapped, Outcome, Stash};
-use crate::ids::{FrameId, Gfn, VmId};
+use crate::engine::{Attach, Command, Mapped, Outcome, Stash};
+use crate::ids::{DomainId, FrameId, Gfn, VmId};
 use crate::{Engine, EngineConfig, EngineError, Page, PAGE_SIZE};
 use memfold_codecs::page_checksum;
 
@@ -40,14 +40,15 @@ pub enum Event {
     Unstashed(Gfn),
 }
 
-/// The agent's handles on memfoldd's pool, store and swap file.
+/// The agent's handles on what memfoldd hands it: its domain's pool, its own store and
+/// its own swap file.
 #[derive(Clone, Default)]
 pub struct Shared {
-    /// The pool of frames.
+    /// The pool of frames of its domain.
     pub pool: MemBacking,
-    /// The store of blobs.
+    /// Its store of blobs.
     pub store: MemBacking,
-    /// The swap file.
+    /// Its swap file.
     pub swap: MemBacking,
 }
 
@@ -363,23 +364,30 @@ impl Rig {
     ///
     /// Errors: the configuration is invalid.
     pub fn new(cfg: EngineConfig, pages: u32) -> Result<Rig, EngineError> {
+        Rig::with_swap(cfg, pages, 0)
+    }
+
+    /// As [`Rig::new`], the guest with a swap file of `swap_bytes` bytes (none if 0; the
+    /// agent's `shared.swap`).
+    ///
+    /// Errors: the configuration is invalid.
+    pub fn with_swap(cfg: EngineConfig, pages: u32, swap_bytes: u64) -> Result<Rig, EngineError> {
         let clock = ManualClock::new();
         let shared = Shared::default();
-        let backings = Backings {
-            pool: Box::new(shared.pool.clone()),
-            store: Box::new(shared.store.clone()),
-            swap: None,
-        };
-        let mut engine = Engine::new(cfg, backings, Box::new(clock.clone()))?;
+        let mut engine = Engine::new(cfg, Box::new(clock.clone()), swap_bytes)?;
+        engine.add_domain(DomainId(0), Box::new(shared.pool.clone()));
         let ram = MemGuestRam::new(pages);
-        let agent = SimAgent::new(ram.clone(), pages, shared);
         let vm = engine.attach(Attach {
             name: "rig".into(),
             pid: 1,
             pages,
-            ram: Box::new(ram),
+            ram: Box::new(ram.clone()),
             mapped: Vec::new(),
+            domain: DomainId(0),
+            store: Box::new(shared.store.clone()),
+            swap: (swap_bytes > 0).then(|| Box::new(shared.swap.clone()) as Box<dyn Backing>),
         })?;
+        let agent = SimAgent::new(ram, pages, shared);
         Ok(Rig {
             engine,
             agent,
@@ -399,8 +407,8 @@ impl Rig {
         }
     }
 
-    /// `us` µs of memfoldd in one step: the clock moves, the engine scans and runs the NRU
-    /// clock, and every command is carried out and answered (with the commands that
+    /// `us` µs of memfoldd in one step: the clock moves, the engine scans, runs the NRU
+    /// clock and checks the host budget, and every command is carried out and answered (with the commands that
     /// answers lead to), then the agent reports.
     ///
     /// Errors: the engine's.
@@ -408,6 +416,7 @@ impl Rig {
         self.clock.advance(us);
         self.engine.scan_step()?;
         self.engine.clock_step();
+        self.engine.check_budget();
         loop {
             let cmds = self.engine.take_commands(self.vm);
             if cmds.is_empty() {

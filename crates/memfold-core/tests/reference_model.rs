@@ -56,6 +56,7 @@ fn setup() -> impl Strategy<Value = Setup> {
         0u32..96,
         prop_oneof![Just(0u32), Just(50), Just(1000)],
         prop::bool::weighted(0.2),
+        1u8..=3,
     )
         .prop_map(
             |(
@@ -67,6 +68,7 @@ fn setup() -> impl Strategy<Value = Setup> {
                 swap_pages,
                 rate,
                 collide_hashes,
+                domains,
             )| Setup {
                 zero,
                 policy,
@@ -76,6 +78,7 @@ fn setup() -> impl Strategy<Value = Setup> {
                 swap_pages,
                 rate,
                 collide_hashes,
+                domains,
             },
         )
 }

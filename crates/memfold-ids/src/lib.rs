@@ -10,7 +10,8 @@
 //! | [`VmId`] | a guest managed by memfoldd | |
 //! | [`Gfn`] | a 4 KiB page of one guest's physical memory | DE §4.1 (gfn) |
 //! | [`Gpn`] | a gfn offset by its VM's base: one page space over all guests | ESX §4.3 hint frames |
-//! | [`FrameId`] | a 4 KiB frame of memfold's pool (shared pages, reference pages) | ESX §4.3 (MPN), DE §4.1 (mfn) |
+//! | [`DomainId`] | a sharing domain: the guests that may share frames, with a pool of their own | ESX §4.3, issue 14 |
+//! | [`FrameId`] | a 4 KiB frame of a domain's pool (shared pages, reference pages) | ESX §4.3 (MPN), DE §4.1 (mfn) |
 //! | [`SlotId`] | a blob slot in the store or the swap file | DE §4.1 block allocator |
 //! | [`BatchId`] | one request to an agent and its answer | |
 
@@ -63,7 +64,15 @@ id!(
     "gpn "
 );
 id!(
-    /// A 4 KiB frame of the pool: bytes `[id·4096, (id+1)·4096)` of the pool memfd. Holds
+    /// A sharing domain: the guests that may share frames with one another. Each domain
+    /// has a pool of its own, and a guest's agent only ever receives its own domain's
+    /// pool, so no QEMU holds a descriptor through which it could read frames of another
+    /// domain. Never reused within one memfoldd.
+    DomainId(u32),
+    "domain "
+);
+id!(
+    /// A 4 KiB frame of a domain's pool: bytes `[id·4096, (id+1)·4096)` of the pool memfd. Holds
     /// a page shared copy-on-write (ESX §4.3) or a patch reference page (DE §3.2).
     FrameId(u32),
     "frame "

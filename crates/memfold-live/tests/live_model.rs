@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use memfold_agent::{self as agent, AgentConfig};
 use memfold_core::{CompressCodec, PatchCodec, Policy};
 use memfold_core::{EngineConfig, ZeroPolicy};
-use memfold_live::daemon::{self, DaemonConfig};
+use memfold_live::daemon::{self, DaemonConfig, DomainRule};
 use memfold_live::query_stats;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
@@ -97,8 +97,9 @@ fn run_model(pages: usize, host_budget: Option<u64>, cold: f64, codec: CompressC
             host_budget,
             ..EngineConfig::default()
         },
-        swap_file: work.path().join("swap"),
+        swap_dir: work.path().to_path_buf(),
         swap_capacity: 64 << 20,
+        domains: DomainRule::User,
     };
     std::thread::spawn(move || daemon::run(cfg));
 

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use memfold_agent::{self as agent, AgentConfig};
 use memfold_core::{EngineConfig, Policy};
-use memfold_live::daemon::{self, DaemonConfig};
+use memfold_live::daemon::{self, DaemonConfig, DomainRule};
 use memfold_live::query_stats;
 use memfold_sys::memfd;
 use memfold_sys::socket::Seqpacket;
@@ -95,8 +95,9 @@ fn memfoldd(dir: &std::path::Path) -> std::path::PathBuf {
             clock_interval_us: Some(300_000),
             ..EngineConfig::default()
         },
-        swap_file: dir.join("swap"),
+        swap_dir: dir.to_path_buf(),
         swap_capacity: 16 << 20,
+        domains: DomainRule::User,
     };
     std::thread::spawn(move || daemon::run(cfg));
     let t = Instant::now();

@@ -22,6 +22,21 @@ pub fn create(name: &str) -> io::Result<OwnedFd> {
     Ok(rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC)?)
 }
 
+/// A new, unnamed file in folder `dir`, mode 0600 (`O_TMPFILE`): no other process can open
+/// it by name, and nothing is left behind when its last descriptor closes. A swap file.
+///
+/// Errors: the folder is missing or unwritable, or its file system lacks `O_TMPFILE`
+/// (then: pick a folder on ext4, xfs, btrfs or tmpfs).
+pub fn tmpfile(dir: &std::path::Path) -> io::Result<OwnedFd> {
+    use rustix::fs::{Mode, OFlags};
+    rustix::fs::open(
+        dir,
+        OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC,
+        Mode::RUSR | Mode::WUSR,
+    )
+    .map_err(io::Error::from)
+}
+
 /// Sets the size of `fd` to `len` bytes (growing it adds holes, which take no memory).
 ///
 /// Errors: the file cannot be resized (a sealed memfd, a full disk for a file).

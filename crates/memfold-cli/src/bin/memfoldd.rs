@@ -18,10 +18,11 @@ struct Args {
     /// The engine's settings.
     #[command(flatten)]
     engine: EngineArgs,
-    /// Swap file to create (unlinked once open; default: /var/tmp/memfoldd-swap-PID). It
-    /// belongs on a disk: on tmpfs, swapped pages would still be host memory.
-    #[arg(long)]
-    swap_file: Option<PathBuf>,
+    /// Folder for the guests' swap files (with --host-budget-mib): one per guest, unnamed
+    /// (`O_TMPFILE`, mode 0600). It belongs on a disk: on tmpfs, swapped pages would still
+    /// be host memory.
+    #[arg(long, default_value = "/var/tmp")]
+    swap_dir: PathBuf,
 }
 
 fn main() {
@@ -44,10 +45,9 @@ fn main() {
     let cfg = DaemonConfig {
         socket: a.socket,
         engine,
-        swap_file: a.swap_file.unwrap_or_else(|| {
-            PathBuf::from(format!("/var/tmp/memfoldd-swap-{}", std::process::id()))
-        }),
+        swap_dir: a.swap_dir,
         swap_capacity: a.engine.swap_mib << 20,
+        domains: a.engine.domain_rule(),
     };
     if let Err(e) = run(cfg) {
         tracing::error!("{e}");

@@ -43,14 +43,14 @@ pub struct MemfoldArgs {
 
 impl MemfoldArgs {
     /// memfoldd's command line for this run (after the program name): the socket and,
-    /// with a host budget, the swap file (`memfoldd.swap`) in `out`, then every engine
+    /// with a host budget, `out` as the folder of the guests' swap files, then every engine
     /// setting explicitly ([`EngineArgs::to_args`]).
     pub fn memfoldd_args(&self, socket: &Path, out: &Path) -> Vec<OsString> {
         let mut v: Vec<OsString> = vec!["--socket".into(), socket.into()];
         v.extend(self.engine.to_args());
         if self.engine.host_budget_mib.is_some() {
-            v.push("--swap-file".into());
-            v.push(out.join("memfoldd.swap").into());
+            v.push("--swap-dir".into());
+            v.push(out.into());
         }
         v
     }
@@ -123,13 +123,14 @@ mod tests {
     }
 
     #[test]
-    fn memfoldd_gets_the_socket_every_engine_setting_and_the_swap_file() {
+    fn memfoldd_gets_the_socket_every_engine_setting_and_the_swap_folder() {
         let a = parse(&[]);
         let v = strings(a.memfoldd_args(Path::new("/o/memfoldd.sock"), Path::new("/o")));
         assert_eq!(&v[..2], ["--socket", "/o/memfoldd.sock"]);
         assert!(v.windows(2).any(|w| w == ["--policy", "de"]));
         assert!(v.windows(2).any(|w| w == ["--clock-secs", "4"]));
-        assert!(!v.iter().any(|s| s == "--swap-file"));
+        assert!(!v.iter().any(|s| s == "--swap-dir"));
+        assert!(v.windows(2).any(|w| w == ["--share-domains", "user"]));
         let b = parse(&["--policy", "sharing", "--host-budget-mib", "200"]);
         let v = strings(b.memfoldd_args(Path::new("s"), Path::new("/o")));
         assert!(v.ends_with(&[
@@ -137,8 +138,8 @@ mod tests {
             "200".into(),
             "--swap-mib".into(),
             "1024".into(),
-            "--swap-file".into(),
-            "/o/memfoldd.swap".into()
+            "--swap-dir".into(),
+            "/o".into()
         ]));
     }
 

@@ -247,8 +247,10 @@ pub struct Books {
     pub policy: String,
     /// Share-table entries.
     pub table_entries: u64,
-    /// Whether the pool was adopted from a previous memfoldd.
+    /// Whether a domain's pool was adopted from a previous memfoldd.
     pub adopted_pool: bool,
+    /// Sharing domains now, each with a pool of its own.
+    pub domains: u64,
     /// Frames the pool could not take (host out of memory; cumulative).
     pub pool_errors: u64,
     /// Bytes of the engine's own metadata: P2M entries, clock bytes and per-page hints,
@@ -277,10 +279,13 @@ impl Engine {
         let used: u64 = self
             .vms
             .values()
-            .map(|v| v.ram.allocated_bytes())
+            .map(|v| v.ram.allocated_bytes() + v.store.allocated_bytes())
             .sum::<u64>()
-            + self.pool.allocated_bytes()
-            + self.store.allocated_bytes();
+            + self
+                .domains
+                .values()
+                .map(|d| d.pool.allocated_bytes())
+                .sum::<u64>();
         self.budget.host_used_pages = used / PAGE;
         let in_flight: u64 = self
             .blobs
@@ -317,9 +322,17 @@ impl Engine {
         let patched = sum(|b| b.patched_pages);
         let compressed = sum(|b| b.compressed_pages);
         let swapped = sum(|b| b.swapped_pages);
-        let frames = self.frames.in_use() as u64;
-        let reference_frames = self.frames.reference_only();
-        let store_pages = self.store.stats().chunks;
+        let frames: u64 = self
+            .domains
+            .values()
+            .map(|d| d.frames.in_use() as u64)
+            .sum();
+        let reference_frames: u64 = self
+            .domains
+            .values()
+            .map(|d| d.frames.reference_only())
+            .sum();
+        let store_pages: u64 = self.vms.values().map(|v| v.store.stats().chunks).sum();
         let [patch_bytes, compressed_bytes, swap_bytes] = self.books.slot_bytes;
         let page = PAGE as i64;
         let saved_by = SavedBy {
@@ -383,20 +396,26 @@ impl Engine {
                 host_used_pages: self.budget.host_used_pages,
                 swapped_pages: swapped,
                 slot_bytes: swap_bytes,
-                file_pages: self.swap.as_ref().map_or(0, |s| s.stats().chunks),
-                capacity_pages: self
-                    .swap
-                    .as_ref()
-                    .and_then(|s| s.capacity())
-                    .map_or(0, |c| c / PAGE),
+                file_pages: self
+                    .vms
+                    .values()
+                    .filter_map(|v| v.swap.as_ref())
+                    .map(|s| s.stats().chunks)
+                    .sum(),
+                capacity_pages: if self.vms.values().any(|v| v.swap.is_some()) {
+                    self.swap_capacity / PAGE
+                } else {
+                    0
+                },
                 full: self.budget.swap_full,
                 wanted_pages: self.budget.swap_wanted / PAGE,
                 sync_errors: self.books.swap_sync_errors,
             },
             lifetime,
             policy: self.cfg.policy.name.to_string(),
-            table_entries: self.share.len() as u64,
-            adopted_pool: self.adopted,
+            table_entries: self.domains.values().map(|d| d.share.len() as u64).sum(),
+            adopted_pool: self.domains.values().any(|d| d.adopted),
+            domains: self.domains.len() as u64,
             pool_errors: self.books.pool_errors,
             metadata_bytes: self.metadata_bytes(),
             encode_ns: [
@@ -414,11 +433,14 @@ impl Engine {
             .values()
             .map(|v| v.p2m.capacity() * 4 + v.p2m.len() * 2 + v.de_failed.capacity() * 8)
             .sum();
-        (per_vm
-            + self.frames.metadata_bytes()
-            + self.share.metadata_bytes()
-            + self.similar.metadata_bytes()
-            + self.blobs.len() * std::mem::size_of::<crate::blobs::Blob>()) as u64
+        let per_domain: usize = self
+            .domains
+            .values()
+            .map(|d| {
+                d.frames.metadata_bytes() + d.share.metadata_bytes() + d.similar.metadata_bytes()
+            })
+            .sum();
+        (per_vm + per_domain + self.blobs.len() * std::mem::size_of::<crate::blobs::Blob>()) as u64
     }
 
     /// Slot bytes the books hold for `k`.

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use super::{kept_index, Command, Engine};
 use crate::blobs::{BlobHome, Kept};
-use crate::ids::FrameId;
+use crate::ids::{DomainId, FrameId, VmId};
 use crate::p2m::{BlobId, PageState};
 use crate::share::ShareEntry;
 
@@ -17,16 +17,25 @@ impl Engine {
     ///   holds it (or it is pinned by an adopted pool);
     /// - each blob is held by exactly one page (a move's new blob and the one it
     ///   replaces by the same page), names that page, and lives in a slot of its space;
-    /// - share-table entries name frames in use whose recorded hash matches;
+    /// - share-table entries name frames in use whose recorded hash matches, and hints
+    ///   name pages of guests of the table's own domain (no share crosses domains);
+    /// - every guest's domain exists; a blob lives in its own guest's store or swap file
+    ///   and patches against a frame of its guest's domain;
     /// - every queued command's page is in the matching in-flight state;
     /// - each guest's "now" counters equal the pages in that state; slot bytes add up.
     ///
     /// O(guest memory); meant for tests.
     pub fn check_invariants(&self) -> Result<(), String> {
-        let mut maps: HashMap<FrameId, u32> = HashMap::new();
-        let mut pending: HashMap<FrameId, u32> = HashMap::new();
+        let mut maps: HashMap<(DomainId, FrameId), u32> = HashMap::new();
+        let mut pending: HashMap<(DomainId, FrameId), u32> = HashMap::new();
+        let mut slots: HashMap<VmId, [u64; 2]> = HashMap::new();
         let mut blob_holders: HashMap<BlobId, u32> = HashMap::new();
         for (id, v) in &self.vms {
+            if !self.domains.contains_key(&v.domain) {
+                return Err(format!("{id}: its {} does not exist", v.domain));
+            }
+            let d = v.domain;
+            slots.insert(*id, [0, 0]);
             let mut kept = [0u64; 3];
             let (mut shared, mut zero) = (0u64, 0u64);
             for (i, e) in v.p2m.iter().enumerate() {
@@ -49,10 +58,10 @@ impl Engine {
                 };
                 match e.state() {
                     PageState::Shared(f) => {
-                        *maps.entry(f).or_default() += 1;
+                        *maps.entry((d, f)).or_default() += 1;
                         shared += 1;
                     }
-                    PageState::Sharing(f) => *pending.entry(f).or_default() += 1,
+                    PageState::Sharing(f) => *pending.entry((d, f)).or_default() += 1,
                     PageState::Zero => zero += 1,
                     PageState::Stored(b) => {
                         hold(b)?;
@@ -111,8 +120,7 @@ impl Engine {
             }
             *blob_holders.entry(b).or_default() += 1;
         }
-        let mut patch_refs: HashMap<FrameId, u32> = HashMap::new();
-        let mut slots = [0u64; 2];
+        let mut patch_refs: HashMap<(DomainId, FrameId), u32> = HashMap::new();
         let mut slot_bytes = [0u64; 3];
         for (b, blob) in self.blobs.iter() {
             if blob_holders.get(&b) != Some(&1) {
@@ -123,20 +131,30 @@ impl Engine {
                     blob_holders.get(&b).copied().unwrap_or(0)
                 ));
             }
+            let Some(owner) = self.vms.get(&blob.vm) else {
+                return Err(format!("blob {b:?} of {}, which is gone", blob.vm));
+            };
             if let Some(f) = blob.reference {
-                *patch_refs.entry(f).or_default() += 1;
+                *patch_refs.entry((owner.domain, f)).or_default() += 1;
             }
-            slots[(blob.home == BlobHome::Swap) as usize] += 1;
+            if blob.home == BlobHome::Swap && owner.swap.is_none() {
+                return Err(format!("blob {b:?} in the swap file {} lacks", blob.vm));
+            }
+            slots.get_mut(&blob.vm).expect("every guest listed")
+                [(blob.home == BlobHome::Swap) as usize] += 1;
             slot_bytes[kept_index(blob.kept())] += blob.size as u64;
         }
-        if slots[0] != self.store.stats().slots
-            || slots[1] != self.swap.as_ref().map_or(0, |s| s.stats().slots)
-        {
-            return Err(format!(
-                "{slots:?} blobs in store and swap, slabs hold {} and {}",
-                self.store.stats().slots,
-                self.swap.as_ref().map_or(0, |s| s.stats().slots)
-            ));
+        for (id, v) in &self.vms {
+            let held = [
+                v.store.stats().slots,
+                v.swap.as_ref().map_or(0, |s| s.stats().slots),
+            ];
+            if slots[id] != held {
+                return Err(format!(
+                    "{id}: {:?} blobs in its store and swap, its slabs hold {held:?}",
+                    slots[id]
+                ));
+            }
         }
         for k in [Kept::Patched, Kept::Compressed, Kept::Swapped] {
             if self.slot_bytes_of(k) != slot_bytes[kept_index(k)] {
@@ -147,50 +165,70 @@ impl Engine {
                 ));
             }
         }
-        let mut in_use = 0;
-        for i in 0..self.frames.size() {
-            let f = FrameId(i);
-            let (m, p, r) = (
-                maps.get(&f).copied().unwrap_or(0),
-                pending.get(&f).copied().unwrap_or(0),
-                patch_refs.get(&f).copied().unwrap_or(0),
-            );
-            if self.frames.refcount(f) != m + r
-                || self.frames.patch_refs(f) != r
-                || self.frames.pending(f) != p
-            {
+        for (&d, dom) in &self.domains {
+            let mut in_use = 0;
+            for i in 0..dom.frames.size() {
+                let f = FrameId(i);
+                let (m, p, r) = (
+                    maps.get(&(d, f)).copied().unwrap_or(0),
+                    pending.get(&(d, f)).copied().unwrap_or(0),
+                    patch_refs.get(&(d, f)).copied().unwrap_or(0),
+                );
+                if dom.frames.refcount(f) != m + r
+                    || dom.frames.patch_refs(f) != r
+                    || dom.frames.pending(f) != p
+                {
+                    return Err(format!(
+                        "{d} {f}: refcount {} (patches {}), pending {}; but {m} mappings, {r} patches, {p} requests",
+                        dom.frames.refcount(f),
+                        dom.frames.patch_refs(f),
+                        dom.frames.pending(f)
+                    ));
+                }
+                in_use += dom.frames.is_used(f) as u32;
+            }
+            if in_use != dom.frames.in_use() {
                 return Err(format!(
-                    "{f}: refcount {} (patches {}), pending {}; but {m} mappings, {r} patches, {p} requests",
-                    self.frames.refcount(f),
-                    self.frames.patch_refs(f),
-                    self.frames.pending(f)
+                    "{d}: {in_use} frames held, books say {}",
+                    dom.frames.in_use()
                 ));
             }
-            in_use += self.frames.is_used(f) as u32;
-        }
-        for f in maps.keys().chain(pending.keys()).chain(patch_refs.keys()) {
-            if !self.frames.contains(*f) {
-                return Err(format!("{f} is past the pool's end"));
+            for (tag, e) in dom.share.entries() {
+                match e {
+                    ShareEntry::Shared(f) => {
+                        if !self.frame_held(d, f) {
+                            return Err(format!("{d}: share table names {f}, which nothing holds"));
+                        }
+                        if (dom.frames.hash(f) >> 32) as u32 != tag {
+                            return Err(format!("{d}: share table lists {f} under another hash"));
+                        }
+                    }
+                    ShareEntry::Hint(gpn) => {
+                        // A stale hint (its guest gone) is dropped when next looked up; a
+                        // live one must be of this domain.
+                        if let Some((id, _)) = self.locate(gpn) {
+                            if self.vms[&id].domain != d {
+                                return Err(format!(
+                                    "{d}: share table hints at {gpn} of {id}, in {}",
+                                    self.vms[&id].domain
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+            if let Some(z) = dom.zero_frame.filter(|&z| !self.frame_held(d, z)) {
+                return Err(format!("{d}: zero frame {z} is not held"));
             }
         }
-        if in_use != self.frames.in_use() {
-            return Err(format!(
-                "{in_use} frames held, books say {}",
-                self.frames.in_use()
-            ));
-        }
-        for (tag, e) in self.share.entries() {
-            if let ShareEntry::Shared(f) = e {
-                if !self.frame_held(f) {
-                    return Err(format!("share table names {f}, which nothing holds"));
-                }
-                if (self.frames.hash(f) >> 32) as u32 != tag {
-                    return Err(format!("share table lists {f} under another hash"));
-                }
+        for (d, f) in maps.keys().chain(pending.keys()).chain(patch_refs.keys()) {
+            if !self
+                .domains
+                .get(d)
+                .is_some_and(|dom| dom.frames.contains(*f))
+            {
+                return Err(format!("{f} is past the end of the pool of {d}"));
             }
-        }
-        if let Some(z) = self.zero_frame.filter(|&z| !self.frame_held(z)) {
-            return Err(format!("zero frame {z} is not held"));
         }
         Ok(())
     }

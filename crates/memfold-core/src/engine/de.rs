@@ -9,7 +9,7 @@ use memfold_codecs::{page_checksum, Encoding};
 use super::{kept_index, Command, Engine, Stash, RESTASH_LIVED_US};
 use crate::blobs::{Blob, BlobHome, Form, StoreError};
 use crate::clock::Actions;
-use crate::ids::{FrameId, Gfn, Gpn, VmId};
+use crate::ids::{DomainId, FrameId, Gfn, Gpn, VmId};
 use crate::p2m::{BlobId, PageState};
 use crate::share::ShareEntry;
 use crate::similarity::RefPage;
@@ -77,10 +77,12 @@ impl Engine {
         if !policy.actions.iter().any(|&a| self.acts(a)) {
             return;
         }
-        self.refresh_similarity_index();
         let Some(v) = self.vms.get(&id).filter(|v| v.attached) else {
             return;
         };
+        let d = v.domain;
+        self.refresh_similarity_index(d);
+        let v = &self.vms[&id];
         let mut todo = Vec::new();
         let mut from = first;
         while let Some((a, b)) = v.ram.next_data_run(from, end) {
@@ -116,17 +118,24 @@ impl Engine {
         self.swap_stored(id, first, end);
     }
 
-    /// Clears and resizes the similarity index once every four clock intervals (DE §4.3
-    /// clears it once per clock cycle: stale buckets would keep out new candidates).
-    fn refresh_similarity_index(&mut self) {
+    /// Clears and resizes domain `d`'s similarity index once every four clock intervals
+    /// (DE §4.3 clears it once per clock cycle: stale buckets would keep out new
+    /// candidates), sized by its guests' pages.
+    fn refresh_similarity_index(&mut self, d: DomainId) {
         let every = self.cfg.clock_interval_us.unwrap_or(4_000_000) * 4;
-        let pages: u64 = self.vms.values().map(|v| v.pages() as u64).sum();
+        let pages: u64 = self
+            .vms
+            .values()
+            .filter(|v| v.domain == d)
+            .map(|v| v.pages() as u64)
+            .sum();
         let now = self.now_us();
-        if now.saturating_sub(self.similar_cleared_us) > every
-            || self.similar.buckets() as u64 * 4 < pages
+        let dom = self.domain_mut(d);
+        if now.saturating_sub(dom.similar_cleared_us) > every
+            || dom.similar.buckets() as u64 * 4 < pages
         {
-            self.similar.clear_for(pages);
-            self.similar_cleared_us = now;
+            dom.similar.clear_for(pages);
+            dom.similar_cleared_us = now;
         }
     }
 
@@ -158,7 +167,8 @@ impl Engine {
             BlobHome::Store
         };
         let gpn = Gpn(v.base.0 + g.0);
-        let sigs = self.similar.detector().signatures(page);
+        let d = v.domain;
+        let sigs = self.domain(d).similar.detector().signatures(page);
         if a.patch && seen && untried && self.try_patch(id, g, gpn, &sigs, page, home) {
             return;
         }
@@ -170,7 +180,7 @@ impl Engine {
             self.vms.get_mut(&id).expect("sharable").de_failed[w] |= bit;
         }
         if to_swap {
-            if let Some(slot) = self.put_blob(page, BlobHome::Swap) {
+            if let Some(slot) = self.put_blob(id, page, BlobHome::Swap) {
                 self.queue_stash(
                     id,
                     g,
@@ -186,23 +196,28 @@ impl Engine {
             }
         }
         if a.reference {
-            self.similar.insert(&sigs, RefPage::Guest(gpn));
+            self.domain_mut(d)
+                .similar
+                .insert(&sigs, RefPage::Guest(gpn));
         }
     }
 
-    /// Reads reference candidate `c` (a pool frame something holds, or a sharable guest
-    /// page) into `out`.
-    fn candidate(&self, c: RefPage, out: &mut Page) -> bool {
+    /// Reads reference candidate `c` of domain `d` (a pool frame something holds, or a
+    /// sharable guest page of the same domain) into `out`.
+    fn candidate(&self, d: DomainId, c: RefPage, out: &mut Page) -> bool {
+        let dom = self.domain(d);
         match c {
             RefPage::Frame(f) => {
                 // Only a frame something maps or patches against is immutable.
-                self.frames.contains(f)
-                    && self.frames.refcount(f) > 0
-                    && self.pool.read(f.offset(), out).is_ok()
+                dom.frames.contains(f)
+                    && dom.frames.refcount(f) > 0
+                    && dom.pool.read(f.offset(), out).is_ok()
             }
+            // A candidate's guest may have left and its gpn gone to another domain's guest:
+            // patch references come from the guest's own domain only.
             RefPage::Guest(gpn) => self
                 .locate(gpn)
-                .filter(|&(id2, g2)| self.sharable(id2, g2))
+                .filter(|&(id2, g2)| self.dom(id2) == d && self.sharable(id2, g2))
                 .is_some_and(|(id2, g2)| self.vms[&id2].ram.read(g2, out).is_ok()),
         }
     }
@@ -223,17 +238,18 @@ impl Engine {
         page: &Page,
         home: BlobHome,
     ) -> bool {
+        let d = self.dom(id);
         let mut cands = Vec::new();
-        self.similar.candidates(sigs, &mut cands);
+        self.domain(d).similar.candidates(sigs, &mut cands);
         let codec = self.cfg.patch_codec;
         let mut other = [0u8; PAGE_SIZE];
         let mut blob = Vec::new();
         let mut best: Option<(RefPage, Vec<u8>, Box<Page>)> = None;
         for c in cands {
-            if c == RefPage::Guest(gpn) || !self.candidate(c, &mut other) {
+            if c == RefPage::Guest(gpn) || !self.candidate(d, c, &mut other) {
                 continue;
             }
-            if !self.similar.matches(sigs, &other) || other == *page {
+            if !self.domain(d).similar.matches(sigs, &other) || other == *page {
                 continue; // a bucket neighbour or changed; identical is the share scan's
             }
             let started = self.clock.now_ns();
@@ -252,7 +268,7 @@ impl Engine {
         let Some((c, blob, reference)) = best else {
             return false;
         };
-        let Some(slot) = self.put_blob(&blob, home) else {
+        let Some(slot) = self.put_blob(id, &blob, home) else {
             return false;
         };
         let f = match c {
@@ -260,18 +276,19 @@ impl Engine {
             RefPage::Guest(rgpn) => {
                 let (id2, g2) = self.locate(rgpn).expect("candidate() located it");
                 let h = (self.cfg.page_hash)(&reference);
-                let Some(f) = self.alloc_frame(&reference, h) else {
-                    self.space(home).expect("put above").free(slot.id);
+                let Some(f) = self.alloc_frame(d, &reference, h) else {
+                    self.space(id, home).expect("put above").free(slot.id);
                     return false;
                 };
-                self.share.insert(h, ShareEntry::Shared(f));
-                let ref_sigs = self.similar.detector().signatures(&reference);
-                self.similar.insert(&ref_sigs, RefPage::Frame(f));
+                let dom = self.domain_mut(d);
+                dom.share.insert(h, ShareEntry::Shared(f));
+                let ref_sigs = dom.similar.detector().signatures(&reference);
+                dom.similar.insert(&ref_sigs, RefPage::Frame(f));
                 self.enqueue_share(id2, g2, f);
                 f
             }
         };
-        self.frames.incref(f, true);
+        self.domain_mut(d).frames.incref(f, true);
         let form = Form::Encoded(Encoding::Patch(codec));
         self.queue_stash(
             id,
@@ -301,7 +318,7 @@ impl Engine {
         if blob.is_empty() || blob.len() > self.cfg.compress_cutoff {
             return false;
         }
-        let Some(slot) = self.put_blob(&blob, home) else {
+        let Some(slot) = self.put_blob(id, &blob, home) else {
             return false;
         };
         let form = Form::Encoded(Encoding::Compressed(codec));
@@ -319,10 +336,25 @@ impl Engine {
         true
     }
 
-    /// Writes a blob into the store or the swap file; `None` if it cannot take it (a full
-    /// swap file stops swapping until the next budget check).
-    fn put_blob(&mut self, blob: &[u8], home: BlobHome) -> Option<Slot> {
-        let result = self.space(home)?.put(blob);
+    /// Writes a blob into guest `id`'s store or swap file; `None` if it cannot take it (a
+    /// full swap — the guests' swap files together at their capacity — stops swapping
+    /// until the next budget check).
+    fn put_blob(&mut self, id: VmId, blob: &[u8], home: BlobHome) -> Option<Slot> {
+        let swap_chunks: u64 = self
+            .vms
+            .values()
+            .filter_map(|v| v.swap.as_ref())
+            .map(|s| s.stats().chunks)
+            .sum();
+        let result = if home == BlobHome::Swap
+            && (swap_chunks + 1) * PAGE_SIZE as u64 > self.swap_capacity
+        {
+            Err(StoreError::Full {
+                capacity: self.swap_capacity,
+            })
+        } else {
+            self.space(id, home)?.put(blob)
+        };
         match result {
             Ok(s) => Some(s),
             Err(e @ StoreError::Full { .. }) => {
@@ -412,10 +444,11 @@ impl Engine {
     /// compressed pages are swap candidates too). A patch keeps its reference frame.
     fn swap_stored(&mut self, id: VmId, first: Gfn, end: Gfn) {
         let allowed = self.cfg.policy.actions.iter().any(|a| a.swap);
-        if !allowed || self.budget.swap_wanted == 0 || self.swap.is_none() {
+        let v = &self.vms[&id];
+        if !allowed || self.budget.swap_wanted == 0 || v.swap.is_none() {
             return;
         }
-        let v = &self.vms[&id];
+        let d = v.domain;
         let mut todo: Vec<(u64, Gfn, BlobId)> = (first.0..end.0)
             .map(Gfn)
             .filter_map(|g| match v.state(g) {
@@ -433,15 +466,15 @@ impl Engine {
             }
             let o = *self.blobs.get(old);
             let bytes = &mut bytes[..o.len as usize];
-            if self.store.read(o.offset, bytes).is_err() {
+            if self.vms[&id].store.read(o.offset, bytes).is_err() {
                 continue;
             }
-            let Some(slot) = self.put_blob(bytes, BlobHome::Swap) else {
+            let Some(slot) = self.put_blob(id, bytes, BlobHome::Swap) else {
                 break;
             };
             if let Some(r) = o.reference {
                 // The move's blob holds the reference frame too until one is released.
-                self.frames.incref(r, true);
+                self.domain_mut(d).frames.incref(r, true);
             }
             let len = o.len as usize;
             self.queue_stash(

@@ -4,9 +4,10 @@
 
 use super::{Engine, EngineError, Outcome};
 use crate::backing::{Backing, GuestRam};
+use crate::blobs::{BlobHome, BlobSpace};
 use crate::clock::ClockHand;
 use crate::frames::FrameTable;
-use crate::ids::{FrameId, Gfn, Gpn, VmId};
+use crate::ids::{DomainId, FrameId, Gfn, Gpn, VmId};
 use crate::p2m::{BlobId, P2mEntry, PageState};
 use crate::share::ShareEntry;
 use crate::{Page, PAGE_SIZE};
@@ -26,6 +27,13 @@ pub struct Attach {
     pub ram: Box<dyn GuestRam>,
     /// What the agent maps now (re-attach): pool frames and reclaimed zero pages.
     pub mapped: Vec<(Gfn, Mapped)>,
+    /// Its sharing domain (must exist: [`Engine::add_domain`], [`Engine::adopt_pool`]);
+    /// a re-attach must name the domain of its first attach.
+    pub domain: DomainId,
+    /// Its own store (host memory) for patches and compressed pages, empty.
+    pub store: Box<dyn Backing>,
+    /// Its own swap file, empty (under a host budget; `None`: it never swaps).
+    pub swap: Option<Box<dyn Backing>>,
 }
 
 /// A page a re-attaching agent maps.
@@ -38,44 +46,70 @@ pub enum Mapped {
 }
 
 impl Engine {
-    /// Whether the engine's pool is still untouched: no frame ever allocated, no guest
-    /// attached. Only then may it adopt another ([`Engine::adopt_pool`]).
-    pub fn pool_untouched(&self) -> bool {
-        self.frames.size() == 0 && self.vms.is_empty()
+    /// Whether domain `d` may still adopt a pool: it does not exist yet, or its pool is
+    /// untouched (no frame ever allocated, no guest attached).
+    pub fn pool_untouched(&self, d: DomainId) -> bool {
+        self.domains
+            .get(&d)
+            .is_none_or(|dom| dom.frames.size() == 0 && !self.vms.values().any(|v| v.domain == d))
     }
 
-    /// Adopts the pool of a previous memfoldd, handed back by a re-attaching agent: its
-    /// `frames` frames, of which those in `held` hold data. Those stay pinned until
-    /// [`Engine::end_adoption`]: an agent not yet re-attached may map any of them.
+    /// Domain `d` adopts the pool of a previous memfoldd, handed back by a re-attaching
+    /// agent of that domain: its `frames` frames, of which those in `held` hold data. Those
+    /// stay pinned until [`Engine::end_adoption`]: an agent not yet re-attached may map
+    /// any of them. Creates the domain if it does not exist.
     ///
-    /// Errors: [`EngineError::Attach`]-free; refuses (returns false) unless
-    /// [`Engine::pool_untouched`].
+    /// Refuses (returns false) unless [`Engine::pool_untouched`].
     pub fn adopt_pool(
         &mut self,
+        d: DomainId,
         pool: Box<dyn Backing>,
         frames: u32,
         held: impl IntoIterator<Item = FrameId>,
     ) -> bool {
-        if !self.pool_untouched() {
+        if !self.pool_untouched(d) {
             return false;
         }
-        self.pool = pool;
-        self.frames = FrameTable::adopted(frames, held);
-        self.adopted = true;
+        self.domains.remove(&d);
+        self.add_domain(d, pool);
+        let dom = self.domain_mut(d);
+        dom.frames = FrameTable::adopted(frames, held);
+        dom.adopted = true;
         true
     }
 
-    /// Ends the adoption of a pool: every process that held the old pool has re-attached
-    /// or exited, so adopted frames no guest maps are freed.
-    pub fn end_adoption(&mut self) {
-        for f in self.frames.end_adoption() {
-            self.forget_frame(f);
+    /// Ends the adoption of domain `d`'s pool: every process that held the old pool has
+    /// re-attached or exited, so adopted frames no guest maps are freed.
+    pub fn end_adoption(&mut self, d: DomainId) {
+        let Some(dom) = self.domains.get_mut(&d) else {
+            return;
+        };
+        for f in dom.frames.end_adoption() {
+            self.forget_frame(d, f);
         }
+        self.drop_domain_if_empty(d);
     }
 
-    /// Whether adopted frames are still pinned.
-    pub fn adoption_pending(&self) -> bool {
-        self.frames.adoption_pending()
+    /// Whether adopted frames of domain `d` are still pinned.
+    pub fn adoption_pending(&self, d: DomainId) -> bool {
+        self.domains
+            .get(&d)
+            .is_some_and(|dom| dom.frames.adoption_pending())
+    }
+
+    /// Drops domain `d` (and its pool) if no guest is in it and no frame held (a detached
+    /// guest still counts: it re-attaches into it). Removing a domain's last guest and
+    /// ending its adoption drop it too.
+    pub fn drop_domain_if_empty(&mut self, d: DomainId) {
+        let empty = self
+            .domains
+            .get(&d)
+            .is_some_and(|dom| dom.frames.in_use() == 0 && !dom.frames.adoption_pending())
+            && !self.vms.values().any(|v| v.domain == d);
+        if empty {
+            self.domains.remove(&d);
+            tracing::info!(domain = %d, "domain dropped: no guest, no frame");
+        }
     }
 
     /// Attaches a guest, or re-attaches one whose connection was lost while its QEMU
@@ -84,14 +118,22 @@ impl Engine {
     /// including requests lost in doubt. Frames of an adopted pool that a guest maps are
     /// read, hashed and entered in the share table.
     ///
-    /// Errors: [`EngineError::Attach`] for a guest of 0 pages, or pages past the 2^31
-    /// global page space; [`EngineError::Pool`] if an adopted frame cannot be read.
+    /// Errors: [`EngineError::Attach`] for a guest of 0 pages, pages past the 2^31
+    /// global page space, a domain that does not exist, or a re-attach naming another
+    /// domain than its first attach; [`EngineError::Pool`] if an adopted frame cannot be
+    /// read.
     pub fn attach(&mut self, a: Attach) -> Result<VmId, EngineError> {
         let refuse = |why: String| EngineError::Attach {
             name: a.name.clone(),
             pid: a.pid,
             why,
         };
+        if !self.domains.contains_key(&a.domain) {
+            return Err(refuse(format!("{} does not exist", a.domain)));
+        }
+        let cap = self.swap_capacity;
+        let swap_space =
+            |b: Option<Box<dyn Backing>>| b.map(|b| BlobSpace::new(BlobHome::Swap, b, Some(cap)));
         let old = self
             .vms
             .iter()
@@ -99,10 +141,20 @@ impl Engine {
             .map(|(id, _)| *id);
         let id = match old {
             Some(id) => {
+                if self.vms[&id].domain != a.domain {
+                    return Err(refuse(format!(
+                        "re-attach names {}, its first attach {}",
+                        a.domain, self.vms[&id].domain
+                    )));
+                }
                 self.release_blobs(id);
+                let swap = swap_space(a.swap);
                 let v = self.vms.get_mut(&id).expect("found above");
                 v.ram = a.ram;
                 v.name = a.name;
+                // Its old store and swap file hold nothing now; new ones replace them.
+                v.store = BlobSpace::new(BlobHome::Store, a.store, None);
+                v.swap = swap;
                 id
             }
             None => {
@@ -122,13 +174,17 @@ impl Engine {
                 self.next_base = end as u32;
                 self.by_base.insert(Gpn(base), id);
                 let n = a.pages as usize;
+                let swap = swap_space(a.swap);
                 self.vms.insert(
                     id,
                     Vm {
                         name: a.name,
                         pid: a.pid,
                         base: Gpn(base),
+                        domain: a.domain,
                         ram: a.ram,
+                        store: BlobSpace::new(BlobHome::Store, a.store, None),
+                        swap,
                         attached: false,
                         p2m: vec![P2mEntry::PRIVATE; n],
                         cursor: 0,
@@ -148,7 +204,7 @@ impl Engine {
         v.attached = true;
         v.scanned_this_pass = false;
         tracing::info!(
-            vm = %id, name = %v.name, pid = v.pid, pages = v.pages(),
+            vm = %id, name = %v.name, pid = v.pid, pages = v.pages(), domain = %v.domain,
             shared = v.books.shared_pages, "attached"
         );
         Ok(id)
@@ -158,11 +214,12 @@ impl Engine {
     /// doubt end, mappings no longer there are dropped, new ones are counted.
     fn reconcile(&mut self, id: VmId, mapped: &[(Gfn, Mapped)]) -> Result<(), EngineError> {
         let pages = self.vms[&id].pages();
+        let d = self.dom(id);
         let mut now = vec![None; pages as usize];
         for &(g, m) in mapped {
             let ok = g.0 < pages
                 && match m {
-                    Mapped::Frame(f) => self.frames.contains(f) && self.frames.is_used(f),
+                    Mapped::Frame(f) => self.frame_held(d, f),
                     Mapped::Zero => true,
                 };
             if ok {
@@ -187,28 +244,29 @@ impl Engine {
                 continue;
             }
             if let PageState::Shared(f) = next {
-                if self.frames.is_adopted(f) && self.frames.refcount(f) == 0 {
-                    self.claim_adopted(f, &mut page)?;
+                let frames = &self.domain(d).frames;
+                if frames.is_adopted(f) && frames.refcount(f) == 0 {
+                    self.claim_adopted(d, f, &mut page)?;
                 }
-                self.frames.incref(f, false);
+                self.domain_mut(d).frames.incref(f, false);
             }
             changes.push((g, was, next));
         }
         for (g, was, next) in changes {
             match was {
                 // Requests in doubt end here: the agent's list says what happened.
-                PageState::Sharing(f) => self.frame_answer(f, false),
-                PageState::Shared(f) => self.frame_decref(f, false),
+                PageState::Sharing(f) => self.frame_answer(d, f, false),
+                PageState::Shared(f) => self.frame_decref(d, f, false),
                 _ => {}
             }
             self.vms.get_mut(&id).expect("live").set(g, next);
         }
+        let zero = self.domain(d).zero_frame;
         let v = self.vms.get_mut(&id).expect("live");
         let count =
             |want: fn(PageState) -> bool| v.p2m.iter().filter(|e| want(e.state())).count() as u64;
         v.books.shared_pages = count(|s| matches!(s, PageState::Shared(_)));
         v.books.zero_reclaimed_pages = count(|s| s == PageState::Zero);
-        let zero = self.zero_frame;
         v.books.zero_shared_pages = v
             .p2m
             .iter()
@@ -217,18 +275,25 @@ impl Engine {
         Ok(())
     }
 
-    /// An adopted frame a re-attaching guest maps: read, hash and list it once.
-    fn claim_adopted(&mut self, f: FrameId, page: &mut Page) -> Result<(), EngineError> {
-        self.pool
-            .read(f.offset(), page)
-            .map_err(EngineError::Pool)?;
-        let h = (self.cfg.page_hash)(page);
-        if self.frames.hash(f) != h || !self.share.lookup(h).any(|e| e == ShareEntry::Shared(f)) {
-            self.frames.set_hash(f, h);
-            self.share.insert(h, ShareEntry::Shared(f));
+    /// An adopted frame of domain `d` a re-attaching guest maps: read, hash and list it
+    /// once.
+    fn claim_adopted(
+        &mut self,
+        d: DomainId,
+        f: FrameId,
+        page: &mut Page,
+    ) -> Result<(), EngineError> {
+        let hash = self.cfg.page_hash;
+        let zero_hash = self.zero_hash;
+        let dom = self.domain_mut(d);
+        dom.pool.read(f.offset(), page).map_err(EngineError::Pool)?;
+        let h = hash(page);
+        if dom.frames.hash(f) != h || !dom.share.lookup(h).any(|e| e == ShareEntry::Shared(f)) {
+            dom.frames.set_hash(f, h);
+            dom.share.insert(h, ShareEntry::Shared(f));
         }
-        if h == self.zero_hash && crate::is_zero_page(page) {
-            self.zero_frame = Some(f);
+        if h == zero_hash && crate::is_zero_page(page) {
+            dom.zero_frame = Some(f);
         }
         Ok(())
     }
@@ -256,19 +321,21 @@ impl Engine {
         }
         self.release_blobs(id);
         let v = self.vms.remove(&id).expect("checked");
+        let d = v.domain;
         self.by_base.remove(&v.base);
         for e in &v.p2m {
             match e.state() {
                 PageState::Shared(f) => {
-                    self.frame_decref(f, false);
+                    self.frame_decref(d, f, false);
                 }
                 PageState::Sharing(f) => {
-                    self.frame_answer(f, false);
+                    self.frame_answer(d, f, false);
                 }
                 _ => {}
             }
         }
         tracing::info!(vm = %id, name = %v.name, pid = v.pid, "released");
+        self.drop_domain_if_empty(d);
     }
 
     /// Releases every blob guest `id` holds (its agent wrote its stashed pages back, or

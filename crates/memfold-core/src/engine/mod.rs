@@ -38,7 +38,7 @@ use crate::backing::{Backing, BackingError, Clock, GuestRam};
 use crate::blobs::{BlobHome, BlobSpace, BlobTable, Form, Kept};
 use crate::clock::ClockHand;
 use crate::frames::FrameTable;
-use crate::ids::{FrameId, Gfn, Gpn, VmId};
+use crate::ids::{DomainId, FrameId, Gfn, Gpn, VmId};
 use crate::p2m::{BlobId, P2mEntry, PageState};
 use crate::share::{ShareEntry, ShareTable};
 use crate::similarity::{SimilarityDetector, SimilarityIndex};
@@ -71,14 +71,23 @@ pub enum EngineError {
     },
 }
 
-/// The backings an engine keeps frames and blobs in.
-pub struct Backings {
+/// A sharing domain (issue 14; ESX §4.3 shares "across VMs", the strict setting of which is
+/// one VM): the guests that may share frames and patch against each other's pages. Each
+/// domain has its own pool, frame table, share table, zero frame and similarity index, so
+/// no scan, share or patch ever pairs pages of two domains, and a guest's agent — given
+/// only its domain's pool — holds no descriptor through which it could read another
+/// domain's frames.
+pub(crate) struct Domain {
     /// The pool of frames (frame `f` at byte `f·4096`).
-    pub pool: Box<dyn Backing>,
-    /// The store of patches and compressed pages (host memory).
-    pub store: Box<dyn Backing>,
-    /// The swap file and its capacity, bytes (with a host budget).
-    pub swap: Option<(Box<dyn Backing>, u64)>,
+    pub(crate) pool: Box<dyn Backing>,
+    pub(crate) frames: FrameTable,
+    /// Whether the pool was adopted from a previous memfoldd.
+    pub(crate) adopted: bool,
+    pub(crate) share: ShareTable,
+    pub(crate) zero_frame: Option<FrameId>,
+    /// Reference-page candidates by signature (DE §4.3), cleared every 4 clock intervals.
+    pub(crate) similar: SimilarityIndex,
+    pub(crate) similar_cleared_us: u64,
 }
 
 /// One command for the agent of a guest: the engine's plan. Each names the page and what
@@ -156,7 +165,13 @@ pub(crate) struct Vm {
     pub(crate) name: String,
     pub(crate) pid: u32,
     pub(crate) base: Gpn,
+    /// Its sharing domain (fixed at its first attach).
+    pub(crate) domain: DomainId,
     pub(crate) ram: Box<dyn GuestRam>,
+    /// Its store of patches and compressed pages (host memory), and its swap file: its
+    /// own, so its QEMU reads no other guest's stored pages (issue 14).
+    pub(crate) store: BlobSpace,
+    pub(crate) swap: Option<BlobSpace>,
     /// The agent is connected.
     pub(crate) attached: bool,
     pub(crate) p2m: Vec<P2mEntry>,
@@ -198,22 +213,14 @@ impl Vm {
 pub struct Engine {
     pub(crate) cfg: EngineConfig,
     pub(crate) clock: Box<dyn Clock>,
-    pub(crate) pool: Box<dyn Backing>,
-    pub(crate) frames: FrameTable,
-    /// Whether the pool was adopted from a previous memfoldd.
-    pub(crate) adopted: bool,
-    pub(crate) store: BlobSpace,
-    pub(crate) swap: Option<BlobSpace>,
+    pub(crate) domains: BTreeMap<DomainId, Domain>,
+    /// The capacity of all guests' swap files together, bytes.
+    pub(crate) swap_capacity: u64,
     pub(crate) blobs: BlobTable,
     /// Blobs of moves to swap whose page the guest took back meanwhile: held by the move
     /// request alone until it is answered (or lost with its guest's connection).
     pub(crate) orphans: std::collections::BTreeSet<BlobId>,
-    pub(crate) share: ShareTable,
     pub(crate) zero_hash: u64,
-    pub(crate) zero_frame: Option<FrameId>,
-    /// Reference-page candidates by signature (DE §4.3), cleared every 4 clock intervals.
-    pub(crate) similar: SimilarityIndex,
-    pub(crate) similar_cleared_us: u64,
     pub(crate) vms: BTreeMap<VmId, Vm>,
     /// VM by first gpn.
     pub(crate) by_base: BTreeMap<Gpn, VmId>,
@@ -226,32 +233,25 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// An engine with no guests over empty backings.
+    /// An engine with no guests and no domains. `swap_capacity` bounds the guests' swap
+    /// files together, bytes (used by guests attached with a swap file, under a host
+    /// budget).
     ///
     /// Errors: [`EngineError::Config`].
     pub fn new(
         cfg: EngineConfig,
-        backings: Backings,
         clock: Box<dyn Clock>,
+        swap_capacity: u64,
     ) -> Result<Engine, EngineError> {
         cfg.validate()?;
-        let det = SimilarityDetector::new(cfg.similarity).map_err(ConfigError::Similarity)?;
+        SimilarityDetector::new(cfg.similarity).map_err(ConfigError::Similarity)?;
         let now = clock.now_us();
         Ok(Engine {
-            pool: backings.pool,
-            frames: FrameTable::new(),
-            adopted: false,
-            store: BlobSpace::new(BlobHome::Store, backings.store, None),
-            swap: backings
-                .swap
-                .map(|(b, cap)| BlobSpace::new(BlobHome::Swap, b, Some(cap))),
+            domains: BTreeMap::new(),
+            swap_capacity,
             blobs: BlobTable::default(),
             orphans: Default::default(),
-            share: ShareTable::new(1),
             zero_hash: (cfg.page_hash)(&[0u8; PAGE_SIZE]),
-            zero_frame: None,
-            similar: SimilarityIndex::new(det),
-            similar_cleared_us: now,
             vms: BTreeMap::new(),
             by_base: BTreeMap::new(),
             next_base: 0,
@@ -263,6 +263,50 @@ impl Engine {
             clock,
             cfg,
         })
+    }
+
+    /// Adds sharing domain `d` over an empty `pool`. Returns false (and leaves the engine
+    /// as it was) if `d` exists.
+    pub fn add_domain(&mut self, d: DomainId, pool: Box<dyn Backing>) -> bool {
+        if self.domains.contains_key(&d) {
+            return false;
+        }
+        let det = SimilarityDetector::new(self.cfg.similarity).expect("validated in new()");
+        let now = self.now_us();
+        self.domains.insert(
+            d,
+            Domain {
+                pool,
+                frames: FrameTable::new(),
+                adopted: false,
+                share: ShareTable::new(1),
+                zero_frame: None,
+                similar: SimilarityIndex::new(det),
+                similar_cleared_us: now,
+            },
+        );
+        true
+    }
+
+    /// Whether domain `d` exists.
+    pub fn has_domain(&self, d: DomainId) -> bool {
+        self.domains.contains_key(&d)
+    }
+
+    /// The domains, with the guests in each.
+    pub fn domains(&self) -> Vec<(DomainId, Vec<VmId>)> {
+        self.domains
+            .keys()
+            .map(|&d| {
+                let vms = self
+                    .vms
+                    .iter()
+                    .filter(|(_, v)| v.domain == d)
+                    .map(|(id, _)| *id)
+                    .collect();
+                (d, vms)
+            })
+            .collect()
     }
 
     /// The configuration.
@@ -278,15 +322,22 @@ impl Engine {
             .collect()
     }
 
+    /// Guest `id`'s sharing domain.
+    pub fn domain_of(&self, id: VmId) -> Option<DomainId> {
+        self.vms.get(&id).map(|v| v.domain)
+    }
+
     /// A guest page's state.
     pub fn page_state(&self, id: VmId, g: Gfn) -> Option<PageState> {
         let v = self.vms.get(&id)?;
         (g.0 < v.pages()).then(|| v.state(g))
     }
 
-    /// Whether frame `f` is held (so no other content may take its place).
-    pub fn frame_held(&self, f: FrameId) -> bool {
-        self.frames.contains(f) && self.frames.is_used(f)
+    /// Whether frame `f` of domain `d` is held (so no other content may take its place).
+    pub fn frame_held(&self, d: DomainId, f: FrameId) -> bool {
+        self.domains
+            .get(&d)
+            .is_some_and(|dom| dom.frames.contains(f) && dom.frames.is_used(f))
     }
 
     /// Guests with commands waiting.
@@ -299,22 +350,30 @@ impl Engine {
     }
 
     /// Hands out guest `id`'s waiting commands (the executor sends them). Blobs written to
-    /// the swap file are synced first, so that swapped pages really leave host memory.
+    /// its swap file are synced first, so that swapped pages really leave host memory; if
+    /// the sync fails (EIO, a full disk), the stashes to swap are refused here and never
+    /// sent — their blobs may not be on disk, and the pages stay in guest RAM (issue 14:
+    /// a failed `fdatasync` must not lose a byte).
     pub fn take_commands(&mut self, id: VmId) -> Vec<Command> {
         let Some(v) = self.vms.get_mut(&id) else {
             return Vec::new();
         };
-        let cmds = std::mem::take(&mut v.queue);
-        let to_swap = cmds
-            .iter()
-            .any(|c| matches!(c, Command::Stash { stash, .. } if stash.home == BlobHome::Swap));
-        if to_swap {
-            if let Some(Err(e)) = self.swap.as_mut().map(BlobSpace::sync) {
-                self.books.swap_sync_errors += 1;
-                tracing::warn!("swap file write-back: {e}");
-            }
+        let mut cmds = std::mem::take(&mut v.queue);
+        let to_swap =
+            |c: &Command| matches!(c, Command::Stash { stash, .. } if stash.home == BlobHome::Swap);
+        if !cmds.iter().any(to_swap) {
+            return cmds;
         }
-        cmds
+        let Some(Err(e)) = v.swap.as_mut().map(BlobSpace::sync) else {
+            return cmds;
+        };
+        self.books.swap_sync_errors += 1;
+        tracing::warn!("{id}: swap file write-back: {e}; its swap-outs are refused");
+        let (refused, sent): (Vec<Command>, Vec<Command>) = cmds.drain(..).partition(to_swap);
+        for c in &refused {
+            self.outcome(id, c, Outcome::Refused);
+        }
+        sent
     }
 
     // ---- helpers shared by the submodules ----
@@ -339,73 +398,99 @@ impl Engine {
             .is_some_and(|v| v.attached && v.state(g) == PageState::Private)
     }
 
-    /// A new frame holding `page` (hashing to `h`), with one pending request; `None`
-    /// (counted and logged) if the pool cannot grow or be written (host out of memory):
-    /// a share or a reference page is a hint, given up then.
-    pub(crate) fn alloc_frame(&mut self, page: &Page, h: u64) -> Option<FrameId> {
-        let (f, grow) = self.frames.alloc(h);
+    /// Guest `id`'s domain (the guest must exist).
+    pub(crate) fn dom(&self, id: VmId) -> DomainId {
+        self.vms[&id].domain
+    }
+
+    /// Domain `d` (it must exist: every guest's does).
+    pub(crate) fn domain(&self, d: DomainId) -> &Domain {
+        &self.domains[&d]
+    }
+
+    /// Domain `d`, mutably.
+    pub(crate) fn domain_mut(&mut self, d: DomainId) -> &mut Domain {
+        self.domains
+            .get_mut(&d)
+            .expect("every guest's domain exists")
+    }
+
+    /// A new frame of domain `d`'s pool holding `page` (hashing to `h`), with one pending
+    /// request; `None` (counted and logged) if the pool cannot grow or be written (host out
+    /// of memory): a share or a reference page is a hint, given up then.
+    pub(crate) fn alloc_frame(&mut self, d: DomainId, page: &Page, h: u64) -> Option<FrameId> {
+        let dom = self
+            .domains
+            .get_mut(&d)
+            .expect("every guest's domain exists");
+        let (f, grow) = dom.frames.alloc(h);
         let written = (|| {
             if let Some(frames) = grow {
-                self.pool.resize(frames as u64 * PAGE)?;
+                dom.pool.resize(frames as u64 * PAGE)?;
             }
-            self.pool.write(f.offset(), page)
+            dom.pool.write(f.offset(), page)
         })();
         let Err(e) = written else {
             return Some(f);
         };
-        self.frames.unalloc(f);
+        dom.frames.unalloc(f);
         self.books.pool_errors += 1;
         if self.books.pool_errors.is_power_of_two() {
             tracing::warn!(
-                "pool: {e}; page left private (error {})",
+                "pool of {d}: {e}; page left private (error {})",
                 self.books.pool_errors
             );
         }
         None
     }
 
-    /// A share request naming `f` ended; frees the frame if nothing holds it any more.
-    pub(crate) fn frame_answer(&mut self, f: FrameId, mapped: bool) {
-        if self.frames.answer(f, mapped) {
-            self.forget_frame(f);
+    /// A share request naming frame `f` of domain `d` ended; frees the frame if nothing
+    /// holds it any more.
+    pub(crate) fn frame_answer(&mut self, d: DomainId, f: FrameId, mapped: bool) {
+        if self.domain_mut(d).frames.answer(f, mapped) {
+            self.forget_frame(d, f);
         }
     }
 
-    /// One mapping (or patch) of `f` fewer; frees the frame if nothing holds it any more.
-    pub(crate) fn frame_decref(&mut self, f: FrameId, patch: bool) {
-        if self.frames.decref(f, patch) {
-            self.forget_frame(f);
+    /// One mapping (or patch) of frame `f` of domain `d` fewer; frees the frame if nothing
+    /// holds it any more.
+    pub(crate) fn frame_decref(&mut self, d: DomainId, f: FrameId, patch: bool) {
+        if self.domain_mut(d).frames.decref(f, patch) {
+            self.forget_frame(d, f);
         }
     }
 
     /// A freed frame leaves the share table (and stops being the zero frame), and its
     /// bytes leave the pool.
-    fn forget_frame(&mut self, f: FrameId) {
-        self.share
-            .remove(self.frames.hash(f), ShareEntry::Shared(f));
-        if self.zero_frame == Some(f) {
-            self.zero_frame = None;
+    pub(crate) fn forget_frame(&mut self, d: DomainId, f: FrameId) {
+        let dom = self.domain_mut(d);
+        dom.share.remove(dom.frames.hash(f), ShareEntry::Shared(f));
+        if dom.zero_frame == Some(f) {
+            dom.zero_frame = None;
         }
-        self.pool.release(f.offset(), PAGE);
+        dom.pool.release(f.offset(), PAGE);
     }
 
-    /// The blob space of `home`.
-    pub(crate) fn space(&mut self, home: BlobHome) -> Option<&mut BlobSpace> {
+    /// Guest `id`'s blob space of `home` (`None`: no such guest, or no swap file).
+    pub(crate) fn space(&mut self, id: VmId, home: BlobHome) -> Option<&mut BlobSpace> {
+        let v = self.vms.get_mut(&id)?;
         match home {
-            BlobHome::Store => Some(&mut self.store),
-            BlobHome::Swap => self.swap.as_mut(),
+            BlobHome::Store => Some(&mut v.store),
+            BlobHome::Swap => v.swap.as_mut(),
         }
     }
 
     /// Frees a blob: its slot, its slot bytes in the books, its hold on a reference frame.
+    /// The blob's guest must still exist.
     pub(crate) fn release_blob(&mut self, b: BlobId) {
         let blob = self.blobs.remove(b);
-        if let Some(space) = self.space(blob.home) {
+        if let Some(space) = self.space(blob.vm, blob.home) {
             space.free(blob.slot);
         }
         self.books.slot_bytes[kept_index(blob.kept())] -= blob.size as u64;
         if let Some(f) = blob.reference {
-            self.frame_decref(f, true);
+            let d = self.dom(blob.vm);
+            self.frame_decref(d, f, true);
         }
     }
 

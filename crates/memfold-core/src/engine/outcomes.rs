@@ -52,7 +52,8 @@ impl Engine {
     fn share_outcome(&mut self, id: VmId, g: Gfn, f: FrameId, o: Outcome) {
         self.count_answer(id, o, false);
         let mapped = o == Outcome::Done;
-        let zero = self.zero_frame == Some(f);
+        let d = self.dom(id);
+        let zero = self.domain(d).zero_frame == Some(f);
         let v = self.vms.get_mut(&id).expect("outcome() checked");
         if v.state(g) != PageState::Sharing(f) {
             debug_assert!(
@@ -72,7 +73,7 @@ impl Engine {
         } else {
             v.set(g, PageState::Private);
         }
-        self.frame_answer(f, mapped);
+        self.frame_answer(d, f, mapped);
     }
 
     fn reclaim_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) {
@@ -150,10 +151,15 @@ impl Engine {
     /// The agent broke copy-on-write on page `g`, which left frame `f`: the page is
     /// private again (C1 until its next clock scan).
     pub fn cow_broken(&mut self, id: VmId, g: Gfn, f: FrameId) {
-        let zero = self.zero_frame == Some(f);
         let Some(v) = self.vms.get_mut(&id).filter(|v| g.0 < v.pages()) else {
             return;
         };
+        let d = v.domain;
+        let zero = self
+            .domains
+            .get(&d)
+            .is_some_and(|dom| dom.zero_frame == Some(f));
+        let v = self.vms.get_mut(&id).expect("checked");
         if v.state(g) != PageState::Shared(f) {
             return;
         }
@@ -164,7 +170,7 @@ impl Engine {
         if zero {
             v.books.zero_shared_pages = v.books.zero_shared_pages.saturating_sub(1);
         }
-        self.frame_decref(f, false);
+        self.frame_decref(d, f, false);
     }
 
     /// The guest touched reclaimed zero page `g` and the agent filled it.

@@ -99,7 +99,10 @@ impl Engine {
             return true;
         }
         // Start the next full scan: hints from the last one are stale (ESX §4.3).
-        self.share.end_pass();
+        for dom in self.domains.values_mut() {
+            dom.share.end_pass();
+        }
+        let s = &mut self.scan;
         s.full_scans += 1;
         s.pass_started_us = now;
         for v in self.vms.values_mut() {
@@ -205,16 +208,19 @@ impl Engine {
             _ => {}
         }
         let gpn = crate::ids::Gpn(self.vms[&id].base.0 + g.0);
+        // Only the guest's own domain's share table: no share ever crosses domains.
+        let d = self.dom(id);
         let mut other = [0u8; PAGE_SIZE];
-        let candidates: Vec<ShareEntry> = self.share.lookup(h).collect();
+        let candidates: Vec<ShareEntry> = self.domain(d).share.lookup(h).collect();
         for e in candidates {
             match e {
                 ShareEntry::Shared(f) => {
-                    self.pool
+                    self.domain(d)
+                        .pool
                         .read(f.offset(), &mut other)
                         .map_err(EngineError::Pool)?;
                     if other == *page {
-                        self.frames.add_pending(f);
+                        self.domain_mut(d).frames.add_pending(f);
                         self.enqueue_share(id, g, f);
                         return Ok(());
                     }
@@ -223,25 +229,30 @@ impl Engine {
                     if hint == gpn {
                         return Ok(());
                     }
+                    // A hint's guest may have left (and its gpn gone to another domain's
+                    // guest): only a guest of this domain may pair with this page.
                     let Some((id2, g2)) = self.locate(hint).filter(|&(id2, g2)| {
-                        self.sharable(id2, g2) && self.class_allows_share(id2, g2)
+                        self.dom(id2) == d
+                            && self.sharable(id2, g2)
+                            && self.class_allows_share(id2, g2)
                     }) else {
-                        self.share.remove(h, e);
+                        self.domain_mut(d).share.remove(h, e);
                         continue;
                     };
                     if self.vms[&id2].ram.read(g2, &mut other).is_err() || other != *page {
-                        self.share.remove(h, e); // the hinted page changed
+                        self.domain_mut(d).share.remove(h, e); // the hinted page changed
                         continue;
                     }
                     // A pool that cannot take the frame (host out of memory) only means no
                     // share: the pages stay private and the hint stays.
-                    let Some(f) = self.alloc_frame(page, h) else {
+                    let Some(f) = self.alloc_frame(d, page, h) else {
                         return Ok(());
                     };
-                    self.frames.add_pending(f);
-                    self.share.replace(h, e, ShareEntry::Shared(f));
+                    let dom = self.domain_mut(d);
+                    dom.frames.add_pending(f);
+                    dom.share.replace(h, e, ShareEntry::Shared(f));
                     if zero {
-                        self.zero_frame = Some(f);
+                        dom.zero_frame = Some(f);
                     }
                     self.enqueue_share(id2, g2, f);
                     self.enqueue_share(id, g, f);
@@ -249,7 +260,7 @@ impl Engine {
                 }
             }
         }
-        self.share.insert(h, ShareEntry::Hint(gpn));
+        self.domain_mut(d).share.insert(h, ShareEntry::Hint(gpn));
         Ok(())
     }
 }

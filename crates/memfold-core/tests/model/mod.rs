@@ -12,10 +12,12 @@
 
 use std::collections::VecDeque;
 
-use memfold_core::backing::mem::{ManualClock, MemGuestRam};
+use std::collections::BTreeMap;
+
+use memfold_core::backing::mem::{ManualClock, MemBacking, MemGuestRam};
 use memfold_core::backing::Backing;
-use memfold_core::engine::{Attach, Backings, Command, Outcome};
-use memfold_core::ids::{FrameId, Gfn, VmId};
+use memfold_core::engine::{Attach, Command, Outcome};
+use memfold_core::ids::{DomainId, FrameId, Gfn, VmId};
 use memfold_core::p2m::PageState;
 use memfold_core::sim::{Event, Home, Shared, SimAgent};
 use memfold_core::{
@@ -153,6 +155,8 @@ pub struct Setup {
     pub rate: u32,
     /// A content hash that collides for most pages: every match must be confirmed.
     pub collide_hashes: bool,
+    /// Sharing domains (1..=3): guest of pid `p` is in domain `p % domains`.
+    pub domains: u8,
 }
 
 /// Four hash values in all: pages of different content collide all the time.
@@ -170,6 +174,7 @@ pub fn random_setup(rng: &mut SmallRng) -> Setup {
         swap_pages: rng.gen_range(0..96),
         rate: [0, 50, 1000][rng.gen_range(0..3)],
         collide_hashes: rng.gen_bool(0.2),
+        domains: rng.gen_range(1..=3),
     }
 }
 
@@ -250,7 +255,10 @@ pub struct Harness {
     cfg: EngineConfig,
     setup: Setup,
     clock: ManualClock,
-    shared: Shared,
+    /// Each domain's pool, as the agents of its guests hold it.
+    pools: BTreeMap<DomainId, MemBacking>,
+    /// Injected faults: pool writes, store writes, swap writes, swap syncs fail.
+    faults: [bool; 4],
     vms: Vec<ModelVm>,
     next_pid: u32,
     pub steps: u64,
@@ -286,35 +294,73 @@ fn config(s: &Setup) -> EngineConfig {
     }
 }
 
-fn new_engine(cfg: &EngineConfig, setup: &Setup, clock: &ManualClock, shared: &Shared) -> Engine {
-    let backings = Backings {
-        pool: Box::new(shared.pool.clone()),
-        store: Box::new(shared.store.clone()),
-        swap: setup.budget_pages.map(|_| {
-            (
-                Box::new(shared.swap.clone()) as Box<dyn Backing>,
-                setup.swap_pages as u64 * 4096,
-            )
-        }),
-    };
-    Engine::new(cfg.clone(), backings, Box::new(clock.clone())).expect("valid config")
+fn new_engine(cfg: &EngineConfig, setup: &Setup, clock: &ManualClock) -> Engine {
+    Engine::new(
+        cfg.clone(),
+        Box::new(clock.clone()),
+        setup.swap_pages as u64 * 4096,
+    )
+    .expect("valid config")
 }
 
 impl Harness {
     pub fn new(setup: &Setup) -> Harness {
         let cfg = config(setup);
         let clock = ManualClock::new();
-        let shared = Shared::default();
         Harness {
-            engine: new_engine(&cfg, setup, &clock, &shared),
+            engine: new_engine(&cfg, setup, &clock),
             cfg,
             setup: setup.clone(),
             clock,
-            shared,
+            pools: BTreeMap::new(),
+            faults: [false; 4],
             vms: Vec::new(),
             next_pid: 100,
             steps: 0,
             corrupted: false,
+        }
+    }
+
+    fn domain_of(&self, pid: u32) -> DomainId {
+        DomainId(pid % self.setup.domains.max(1) as u32)
+    }
+
+    /// A new backing with the faults injected now.
+    fn backing(&self, write: usize) -> MemBacking {
+        let b = MemBacking::new();
+        b.file().fail_writes = self.faults[write];
+        if write == 2 {
+            b.file().fail_sync = self.faults[3];
+        }
+        b
+    }
+
+    /// What memfoldd hands a guest of domain `d` at attach: the domain's pool (created if
+    /// the engine has no such domain), a new store and a new swap file of its own.
+    fn hand_out(&mut self, d: DomainId) -> Shared {
+        if !self.engine.has_domain(d) {
+            let pool = self.backing(0);
+            self.engine.add_domain(d, Box::new(pool.clone()));
+            self.pools.insert(d, pool);
+        }
+        Shared {
+            pool: self.pools[&d].clone(),
+            store: self.backing(1),
+            swap: self.backing(2),
+        }
+    }
+
+    /// Ends each domain's adoption once every guest of it is connected.
+    fn end_adoptions(&mut self) {
+        for &d in self.pools.keys() {
+            let all = self
+                .vms
+                .iter()
+                .filter(|v| self.domain_of(v.pid) == d)
+                .all(|v| v.connected);
+            if all && self.engine.adoption_pending(d) {
+                self.engine.end_adoption(d);
+            }
         }
     }
 
@@ -336,9 +382,12 @@ impl Harness {
             }
             Err(e) => return Err(e),
         };
-        // A new memfoldd's store and swap file replace the old ones once the stashed
-        // pages are home.
-        v.agent.shared = self.shared.clone();
+        // A new store and swap file replace the old ones once the stashed pages are home.
+        let d = self.domain_of(self.vms[i].pid);
+        let shared = self.hand_out(d);
+        let with_swap = self.setup.budget_pages.is_some();
+        let v = &mut self.vms[i];
+        v.agent.shared = shared.clone();
         let id = self
             .engine
             .attach(Attach {
@@ -347,13 +396,14 @@ impl Harness {
                 pages: v.agent.pages(),
                 ram: Box::new(v.agent.ram.clone()),
                 mapped,
+                domain: d,
+                store: Box::new(shared.store),
+                swap: with_swap.then(|| Box::new(shared.swap) as Box<dyn Backing>),
             })
             .map_err(|e| e.to_string())?;
         v.id = Some(id);
         v.connected = true;
-        if self.vms.iter().all(|v| v.connected) && self.engine.adoption_pending() {
-            self.engine.end_adoption();
-        }
+        self.end_adoptions();
         Ok(())
     }
 
@@ -380,7 +430,7 @@ impl Harness {
                 }
                 let pages = pages.clamp(1, 64);
                 let ram = MemGuestRam::new(pages);
-                let agent = SimAgent::new(ram, pages, self.shared.clone());
+                let agent = SimAgent::new(ram, pages, Shared::default());
                 self.next_pid += 1;
                 self.vms.push(ModelVm {
                     id: None,
@@ -398,9 +448,7 @@ impl Harness {
                     if let Some(id) = v.id {
                         self.engine.remove(id);
                     }
-                    if self.vms.iter().all(|v| v.connected) && self.engine.adoption_pending() {
-                        self.engine.end_adoption();
-                    }
+                    self.end_adoptions();
                 }
             }
             Op::WritePage { vm, gfn, content } => {
@@ -502,23 +550,24 @@ impl Harness {
                         self.disconnect(i, seed.wrapping_add(i as u64));
                     }
                 }
-                // The old memfoldd's store and swap file live on in the agents that hold
-                // them; the new one starts with its own and adopts the pool.
-                let pool = self.shared.pool.clone();
-                self.shared = Shared {
-                    pool: pool.clone(),
-                    ..Shared::default()
-                };
-                self.engine = new_engine(&self.cfg, &self.setup, &self.clock, &self.shared);
-                let (frames, held): (u32, Vec<FrameId>) = {
-                    let f = pool.file();
-                    let frames = (f.bytes.len() / PAGE_SIZE) as u32;
-                    (
-                        frames,
-                        f.allocated.iter().map(|&p| FrameId(p as u32)).collect(),
-                    )
-                };
-                assert!(self.engine.adopt_pool(Box::new(pool), frames, held));
+                // The old memfoldd's stores and swap files live on in the agents that hold
+                // them; the new one hands out its own and adopts each domain's pool.
+                self.engine = new_engine(&self.cfg, &self.setup, &self.clock);
+                let live: Vec<DomainId> = self.vms.iter().map(|v| self.domain_of(v.pid)).collect();
+                self.pools.retain(|d, _| live.contains(d));
+                for (&d, pool) in &self.pools {
+                    let (frames, held): (u32, Vec<FrameId>) = {
+                        let f = pool.file();
+                        let frames = (f.bytes.len() / PAGE_SIZE) as u32;
+                        (
+                            frames,
+                            f.allocated.iter().map(|&p| FrameId(p as u32)).collect(),
+                        )
+                    };
+                    assert!(self
+                        .engine
+                        .adopt_pool(d, Box::new(pool.clone()), frames, held));
+                }
                 for v in &mut self.vms {
                     v.id = None;
                 }
@@ -556,12 +605,14 @@ impl Harness {
                 }
             }
             Op::Fail { which, on } => {
-                let s = &self.shared;
-                match which % 4 {
-                    0 => s.pool.file().fail_writes = on,
-                    1 => s.store.file().fail_writes = on,
-                    2 => s.swap.file().fail_writes = on,
-                    _ => s.swap.file().fail_sync = on,
+                let which = which as usize % 4;
+                self.faults[which] = on;
+                let agents = self.vms.iter().map(|v| &v.agent.shared);
+                match which {
+                    0 => self.pools.values().for_each(|p| p.file().fail_writes = on),
+                    1 => agents.for_each(|s| s.store.file().fail_writes = on),
+                    2 => agents.for_each(|s| s.swap.file().fail_writes = on),
+                    _ => agents.for_each(|s| s.swap.file().fail_sync = on),
                 }
             }
         }
@@ -607,7 +658,7 @@ impl Harness {
                 }
                 match v.agent.home(g) {
                     Home::Frame(f) => {
-                        if !self.engine.frame_held(f) {
+                        if !self.engine.frame_held(self.domain_of(v.pid), f) {
                             return Err(format!("vm {i} {g} maps {f}, which the engine freed"));
                         }
                         if let Some(id) = v.id.filter(|_| v.connected) {
@@ -663,19 +714,21 @@ impl Harness {
         for v in std::mem::take(&mut self.vms) {
             self.engine.remove(v.id.expect("attached"));
         }
-        if self.engine.adoption_pending() {
-            self.engine.end_adoption();
+        for &d in self.pools.keys() {
+            self.engine.end_adoption(d);
         }
         self.engine.check_invariants()?;
         let b = self.engine.books();
-        if b.frames != 0 || b.store_pages != 0 || b.swap.file_pages != 0 {
+        if b.frames != 0 || b.store_pages != 0 || b.swap.file_pages != 0 || b.domains != 0 {
             return Err(format!("leak after teardown: {b:?}"));
         }
-        if self.shared.pool.allocated_bytes() != 0 {
-            return Err(format!(
-                "{} pool bytes still allocated after teardown",
-                self.shared.pool.allocated_bytes()
-            ));
+        for (d, pool) in &self.pools {
+            if pool.allocated_bytes() != 0 {
+                return Err(format!(
+                    "{} bytes of the pool of {d} still allocated after teardown",
+                    pool.allocated_bytes()
+                ));
+            }
         }
         Ok(())
     }

@@ -19,7 +19,7 @@ pub struct FileBacking {
 }
 
 impl FileBacking {
-    /// A new, empty memfd named `memfold-<what>` (the pool, the store).
+    /// A new, empty memfd named `memfold-<what>` (a domain's pool, a guest's store).
     ///
     /// Errors: memfd_create failed.
     pub fn memfd(what: &'static str) -> Result<FileBacking, BackingError> {
@@ -41,21 +41,18 @@ impl FileBacking {
         }
     }
 
-    /// A new swap file at `path`, unlinked at once: it lives while memfoldd or an agent
-    /// holds it, so no crash leaves it behind.
+    /// A new swap file in folder `dir`, unnamed and mode 0600 (`O_TMPFILE`): it lives
+    /// while memfoldd or the guest's agent holds it, no other process can open it, and no
+    /// crash leaves it behind. One per guest, so a QEMU reads no other guest's swapped
+    /// pages.
     ///
-    /// Errors: the file cannot be created (missing folder, permissions) or unlinked.
-    pub fn swap_file(path: &Path) -> Result<FileBacking, BackingError> {
-        let what = |w: &str| format!("swap file {}: {w}", path.display());
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(path)
-            .map_err(|e| BackingError::new(what("create"), e))?;
-        std::fs::remove_file(path).map_err(|e| BackingError::new(what("unlink"), e))?;
+    /// Errors: the folder is missing or unwritable, or its file system lacks `O_TMPFILE`.
+    pub fn swap_file(dir: &Path) -> Result<FileBacking, BackingError> {
+        let fd = memfd::tmpfile(dir).map_err(|e| {
+            BackingError::new(format!("swap file in {}: O_TMPFILE", dir.display()), e)
+        })?;
         Ok(FileBacking {
-            fd: file.into(),
+            fd,
             what: "swap file",
             on_disk: true,
         })

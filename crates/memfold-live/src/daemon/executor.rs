@@ -257,7 +257,8 @@ impl Executor {
 mod tests {
     use super::*;
     use memfold_core::backing::mem::{ManualClock, MemBacking, MemGuestRam};
-    use memfold_core::engine::{Attach, Backings};
+    use memfold_core::engine::Attach;
+    use memfold_core::ids::DomainId;
     use memfold_core::p2m::PageState;
     use memfold_core::{EngineConfig, Policy};
 
@@ -265,18 +266,14 @@ mod tests {
     /// answering it (forging the batch number) changes nothing.
     #[test]
     fn answers_are_bound_to_the_guest_the_batch_went_to() {
-        let backings = Backings {
-            pool: Box::new(MemBacking::new()),
-            store: Box::new(MemBacking::new()),
-            swap: None,
-        };
         let cfg = EngineConfig {
             policy: Policy::sharing_only(),
             clock_interval_us: None,
             rate: 0,
             ..EngineConfig::default()
         };
-        let mut e = Engine::new(cfg, backings, Box::new(ManualClock::new())).unwrap();
+        let mut e = Engine::new(cfg, Box::new(ManualClock::new()), 0).unwrap();
+        e.add_domain(DomainId(0), Box::new(MemBacking::new()));
         let mut vms = Vec::new();
         for (pid, name) in [(10, "a"), (11, "b")] {
             let ram = MemGuestRam::new(4);
@@ -292,6 +289,9 @@ mod tests {
                     pages: 4,
                     ram: Box::new(ram),
                     mapped: vec![],
+                    domain: DomainId(0),
+                    store: Box::new(MemBacking::new()),
+                    swap: None,
                 })
                 .unwrap();
             vms.push(vm);

@@ -22,6 +22,8 @@ pub(crate) enum Input {
         hello: ToDaemon,
         fds: Vec<OwnedFd>,
         pid: u32,
+        /// The peer's user (SO_PEERCRED), which names its sharing domain by default.
+        uid: u32,
     },
     /// A message from an attached agent.
     Agent { token: u64, msg: ToDaemon },
@@ -98,6 +100,7 @@ fn read_loop(t: u64, conn: Conn, tx: mpsc::Sender<Input>) {
                     hello,
                     fds,
                     pid: peer.pid,
+                    uid: peer.uid,
                 })
                 .is_err()
             {

@@ -2,8 +2,8 @@
 //!
 //! The engine decides — the sharing scan (ESX §4.3), the NRU clock and the Difference
 //! Engine over its slices (DE §4.2–4.6), the host budget — reading guest RAM through its
-//! memfd and keeping frames and blobs in the pool memfd, the store memfd and the swap file
-//! ([`backings`]). This daemon carries its plan out:
+//! memfd and keeping frames in each sharing domain's pool memfd and blobs in each guest's
+//! own store memfd and swap file ([`backings`]). This daemon carries its plan out:
 //!
 //! | file | concern |
 //! |---|---|
@@ -20,14 +20,15 @@ mod books;
 mod executor;
 mod guests;
 
+use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use memfold_core::backing::{Backing, BackingError, Clock};
-use memfold_core::engine::{Attach, Backings, Mapped};
-use memfold_core::ids::{FrameId, Gfn, VmId};
+use memfold_core::engine::{Attach, Mapped};
+use memfold_core::ids::{DomainId, FrameId, Gfn, VmId};
 use memfold_core::{Engine, EngineConfig, EngineError, PAGE_SIZE};
 use memfold_sys::memfd;
 use memfold_wire::{reattach, Listener, ToAgent, ToClient, ToDaemon, PROTOCOL_VERSION};
@@ -43,6 +44,43 @@ const PAGE: u64 = PAGE_SIZE as u64;
 /// allocate without bound.
 const MAX_GUEST_PAGES: u64 = 1 << 26;
 
+/// Which guests form a sharing domain: they share frames and patch against each other's
+/// pages, and each of their QEMUs holds the domain's pool (issue 14). Decided from what
+/// the kernel says of the peer, never from what the peer says.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DomainRule {
+    /// The guests whose QEMU runs as one user (uid from SO_PEERCRED): a host that runs
+    /// each tenant's VMs as a user of its own keeps tenants apart.
+    #[default]
+    User,
+    /// Each guest alone: pages are shared only within one VM (the strict setting, as
+    /// ESX's salting); nothing of one VM is in any descriptor another QEMU holds.
+    Vm,
+}
+
+impl DomainRule {
+    /// The rules' names, for the command line.
+    pub const NAMES: [&'static str; 2] = ["user", "vm"];
+
+    /// The rule of `name` (one of [`DomainRule::NAMES`]).
+    pub fn by_name(name: &str) -> Option<DomainRule> {
+        match name {
+            "user" => Some(DomainRule::User),
+            "vm" => Some(DomainRule::Vm),
+            _ => None,
+        }
+    }
+}
+
+/// What a domain is keyed by under its rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum DomainKey {
+    /// A user's guests.
+    User(u32),
+    /// One guest: its RAM memfd's (device, inode), the same on every re-attach.
+    Vm(u64, u64),
+}
+
 /// memfoldd's configuration.
 #[derive(Clone, Debug)]
 pub struct DaemonConfig {
@@ -50,10 +88,12 @@ pub struct DaemonConfig {
     pub socket: PathBuf,
     /// The engine's parameters.
     pub engine: EngineConfig,
-    /// Where to create the swap file (unlinked once open), with a host budget.
-    pub swap_file: PathBuf,
-    /// Swap file capacity, bytes.
+    /// Folder for the guests' swap files (one each, `O_TMPFILE`), with a host budget.
+    pub swap_dir: PathBuf,
+    /// The capacity of all swap files together, bytes.
     pub swap_capacity: u64,
+    /// Which guests share with one another.
+    pub domains: DomainRule,
 }
 
 /// Daemon errors.
@@ -93,10 +133,14 @@ struct Daemon {
     engine: Engine,
     guests: Guests,
     executor: Executor,
-    /// Descriptors of the pool, the store and the swap file, handed to agents.
-    pool_fd: OwnedFd,
-    store_fd: OwnedFd,
-    swap_fd: Option<OwnedFd>,
+    /// Each domain's pool, handed to its guests' agents (and only theirs).
+    pools: BTreeMap<DomainId, OwnedFd>,
+    /// Domains by what keys them under `rule`.
+    keys: BTreeMap<DomainKey, DomainId>,
+    next_domain: u32,
+    rule: DomainRule,
+    /// Where guests' swap files go, if memfoldd swaps (a host budget).
+    swap_dir: Option<PathBuf>,
     last_reap: Instant,
 }
 
@@ -125,27 +169,16 @@ fn dup(b: &FileBacking) -> Result<OwnedFd, BackingError> {
 
 impl Daemon {
     fn new(cfg: &DaemonConfig) -> Result<Daemon, DaemonError> {
-        let pool = FileBacking::memfd("pool")?;
-        let store = FileBacking::memfd("store")?;
-        let swap = match cfg.engine.host_budget {
-            Some(_) => Some(FileBacking::swap_file(&cfg.swap_file)?),
-            None => None,
-        };
-        let (pool_fd, store_fd) = (dup(&pool)?, dup(&store)?);
-        let swap_fd = swap.as_ref().map(dup).transpose()?;
-        let backings = Backings {
-            pool: Box::new(pool),
-            store: Box::new(store),
-            swap: swap.map(|s| (Box::new(s) as Box<dyn Backing>, cfg.swap_capacity)),
-        };
         let clock = Box::new(MonotonicClock(Instant::now()));
         Ok(Daemon {
-            engine: Engine::new(cfg.engine.clone(), backings, clock)?,
+            engine: Engine::new(cfg.engine.clone(), clock, cfg.swap_capacity)?,
             guests: Guests::default(),
             executor: Executor::default(),
-            pool_fd,
-            store_fd,
-            swap_fd,
+            pools: BTreeMap::new(),
+            keys: BTreeMap::new(),
+            next_domain: 0,
+            rule: cfg.domains,
+            swap_dir: cfg.engine.host_budget.map(|_| cfg.swap_dir.clone()),
             last_reap: Instant::now(),
         })
     }
@@ -181,7 +214,8 @@ impl Daemon {
                 hello,
                 fds,
                 pid,
-            } => self.attach(token, conn, hello, fds, pid)?,
+                uid,
+            } => self.attach(token, conn, hello, fds, pid, uid)?,
             Input::Agent { token, msg } => {
                 if let Some(vm) = self.guests.vm_of(token) {
                     self.agent_message(vm, msg);
@@ -269,9 +303,11 @@ impl Daemon {
     }
 
     /// An agent's hello: its guest RAM memfd, and when re-attaching after a restart the
-    /// pool it maps and the list of what it maps. `pid` is the peer's, from the kernel.
-    /// Refusals are logged and sent to the agent, and the connection closed; the guest then
-    /// runs on unmanaged.
+    /// pool it maps and the list of what it maps. `pid` and `uid` are the peer's, from the
+    /// kernel. The guest joins its domain (by `uid` or alone, as the rule says) and gets
+    /// that domain's pool and a store and swap file of its own. Refusals are logged and
+    /// sent to the agent, and the connection closed; the guest then runs on unmanaged.
+    #[allow(clippy::too_many_arguments)]
     fn attach(
         &mut self,
         token: u64,
@@ -279,6 +315,7 @@ impl Daemon {
         hello: ToDaemon,
         mut fds: Vec<OwnedFd>,
         pid: u32,
+        uid: u32,
     ) -> Result<(), DaemonError> {
         let ToDaemon::AgentHello {
             name,
@@ -342,12 +379,45 @@ impl Daemon {
                 return Ok(());
             }
         };
+        let key = match self.rule {
+            DomainRule::User => DomainKey::User(uid),
+            DomainRule::Vm => DomainKey::Vm(ram_id.0, ram_id.1),
+        };
+        let d = match self.keys.get(&key) {
+            Some(&d) => d,
+            None => {
+                let d = DomainId(self.next_domain);
+                self.next_domain += 1;
+                self.keys.insert(key, d);
+                d
+            }
+        };
         if let Some(p) = their_pool {
-            if !self.adopt_or_match_pool(p) {
-                refuse("it maps another pool".into());
+            if !self.adopt_or_match_pool(d, p) {
+                refuse(format!("it maps another pool than {d}'s"));
                 return Ok(());
             }
         }
+        if !self.engine.has_domain(d) {
+            let pool = FileBacking::memfd("pool")?;
+            self.pools.insert(d, dup(&pool)?);
+            self.engine.add_domain(d, Box::new(pool));
+            tracing::info!("{d}: new sharing domain ({key:?})");
+        }
+        // The guest's own store and swap file: its QEMU reads no other guest's blobs.
+        let store = FileBacking::memfd("store")?;
+        let swap = match &self.swap_dir {
+            Some(dir) => match FileBacking::swap_file(dir) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    refuse(format!("no swap file for it: {e}"));
+                    return Ok(());
+                }
+            },
+            None => None,
+        };
+        let store_fd = dup(&store)?;
+        let swap_fd = swap.as_ref().map(dup).transpose()?;
         let mapped = mapped
             .into_iter()
             .map(|(g, m)| {
@@ -364,6 +434,9 @@ impl Daemon {
             pages: (ram_bytes / PAGE) as u32,
             ram: Box::new(MemfdRam::new(ram)),
             mapped,
+            domain: d,
+            store: Box::new(store),
+            swap: swap.map(|s| Box::new(s) as Box<dyn Backing>),
         }) {
             Ok(vm) => vm,
             Err(EngineError::Attach { why, .. }) => {
@@ -372,8 +445,8 @@ impl Daemon {
             }
             Err(e) => return Err(e.into()),
         };
-        let mut send = vec![self.pool_fd.as_fd(), self.store_fd.as_fd()];
-        send.extend(self.swap_fd.as_ref().map(|f| f.as_fd()));
+        let mut send = vec![self.pools[&d].as_fd(), store_fd.as_fd()];
+        send.extend(swap_fd.as_ref().map(|f| f.as_fd()));
         let welcome = ToAgent::Welcome {
             version: PROTOCOL_VERSION,
         };
@@ -385,14 +458,24 @@ impl Daemon {
         Ok(())
     }
 
-    /// A re-attaching agent's pool: adopted if this memfoldd has not used its own yet,
-    /// else it must be this memfoldd's pool. Returns whether the agent may attach.
-    fn adopt_or_match_pool(&mut self, theirs: OwnedFd) -> bool {
+    /// A re-attaching agent's pool: adopted into domain `d` if `d` has not used a pool of
+    /// its own yet, else it must be `d`'s pool. Returns whether the agent may attach.
+    fn adopt_or_match_pool(&mut self, d: DomainId, theirs: OwnedFd) -> bool {
         let id = |f: &OwnedFd| memfd::file_id(f.as_fd()).ok();
-        if id(&theirs).is_some() && id(&theirs) == id(&self.pool_fd) {
-            return true;
+        if let Some(mine) = self.pools.get(&d) {
+            if id(&theirs).is_some() && id(&theirs) == id(mine) {
+                return true;
+            }
         }
-        if !self.engine.pool_untouched() {
+        // Another domain's pool may never be adopted into this one.
+        if self
+            .pools
+            .iter()
+            .any(|(&o, p)| o != d && id(p) == id(&theirs))
+        {
+            return false;
+        }
+        if !self.engine.pool_untouched(d) {
             return false;
         }
         let size = memfd::size(theirs.as_fd()).unwrap_or(0);
@@ -405,40 +488,53 @@ impl Daemon {
             return false;
         };
         tracing::info!(
-            "adopting the pool of a previous memfoldd: {frames} frames, {} held",
+            "{d} adopts the pool of a previous memfoldd: {frames} frames, {} held",
             held.len()
         );
         self.engine
-            .adopt_pool(Box::new(FileBacking::adopt(mine)), frames, held);
-        self.pool_fd = theirs;
+            .adopt_pool(d, Box::new(FileBacking::adopt(mine)), frames, held);
+        self.pools.insert(d, theirs);
         true
     }
 
-    /// Releases detached guests whose QEMU has exited, and ends the adoption of a pool
-    /// once no process but attached guests' QEMUs holds it.
+    /// Releases detached guests whose QEMU has exited; ends each domain's adoption of a
+    /// pool once no process but its attached guests' QEMUs holds it; forgets domains the
+    /// engine dropped (no guest, no frame).
     fn reap(&mut self) {
         for vm in self.guests.exited() {
             self.engine.remove(vm);
             self.guests.remove(vm);
         }
-        if self.engine.adoption_pending() {
-            let Ok((dev, ino)) = memfd::file_id(self.pool_fd.as_fd()) else {
-                return;
+        let attached: Vec<u32> = self
+            .engine
+            .vms()
+            .into_iter()
+            .filter(|v| v.2)
+            .map(|v| v.1)
+            .collect();
+        for (&d, pool) in &self.pools {
+            if !self.engine.adoption_pending(d) {
+                continue;
+            }
+            let Ok((dev, ino)) = memfd::file_id(pool.as_fd()) else {
+                continue;
             };
-            let attached: Vec<u32> = self
-                .engine
-                .vms()
-                .into_iter()
-                .filter(|v| v.2)
-                .map(|v| v.1)
-                .collect();
             if guests::holders(dev, ino)
                 .iter()
                 .all(|p| attached.contains(p))
             {
-                tracing::info!("every holder of the adopted pool has re-attached: adoption ends");
-                self.engine.end_adoption();
+                tracing::info!(
+                    "{d}: every holder of the adopted pool has re-attached: adoption ends"
+                );
+                self.engine.end_adoption(d);
             }
         }
+        for &d in self.pools.keys() {
+            self.engine.drop_domain_if_empty(d);
+        }
+        let engine = &self.engine;
+        self.pools.retain(|d, _| engine.has_domain(*d));
+        let pools = &self.pools;
+        self.keys.retain(|_, d| pools.contains_key(d));
     }
 }

@@ -1,0 +1,105 @@
+//! Faults of the backings memfoldd keeps pages in (issue 14: "no fault loses a byte").
+//! A swap file whose write-back fails (EIO, a full disk) may not hold the blobs written
+//! since its last good sync: memfoldd must not hand out the swap-outs that rely on them.
+//! Run on the engine memfoldd runs, with the in-memory agent (`memfold_core::sim::Rig`);
+//! the in-memory swap file loses what a failed sync did not make durable.
+
+use memfold_core::blobs::BlobHome;
+use memfold_core::engine::Command;
+use memfold_core::ids::{Gfn, VmId};
+use memfold_core::sim::Rig;
+use memfold_core::{EngineConfig, Policy, PAGE_SIZE};
+use rand::{rngs::SmallRng, Rng, SeedableRng};
+
+const PAGES: u32 = 64;
+
+fn vm_books(r: &Rig, vm: VmId) -> memfold_core::engine::VmBooks {
+    let b = r.engine.books();
+    b.vms
+        .into_iter()
+        .find(|v| v.id == vm)
+        .expect("the guest")
+        .books
+}
+
+#[test]
+fn a_failed_swap_write_back_refuses_its_swap_outs_and_loses_nothing() {
+    let cfg = EngineConfig {
+        policy: Policy::aggressive(),
+        rate: 0,
+        clock_interval_us: Some(100_000),
+        min_scan_interval_us: 10_000,
+        max_scan_interval_us: 10_000,
+        // Far under the guest's RAM: every cold page is wanted in the swap file.
+        host_budget: Some(8 * PAGE_SIZE as u64),
+        ..EngineConfig::default()
+    };
+    let mut r = Rig::with_swap(cfg, PAGES, 1 << 20).unwrap();
+    // Random pages: neither shared, patched nor compressed; swapped raw.
+    let mut rng = SmallRng::seed_from_u64(3);
+    let mut model = Vec::new();
+    for g in 0..PAGES {
+        let mut p = vec![0u8; PAGE_SIZE];
+        rng.fill(&mut p[..]);
+        r.agent.write(Gfn(g), 0, &p).unwrap();
+        model.push(p);
+    }
+    r.agent.shared.swap.file().fail_sync = true;
+    // memfoldd's loop by hand, to see every command it hands out.
+    for _ in 0..300 {
+        r.clock.advance(10_000);
+        r.engine.scan_step().unwrap();
+        r.engine.clock_step();
+        r.engine.check_budget();
+        for c in r.engine.take_commands(r.vm) {
+            if let Command::Stash { stash, .. } = c {
+                assert_ne!(
+                    stash.home,
+                    BlobHome::Swap,
+                    "a swap-out handed out after its swap file failed to sync"
+                );
+            }
+            if let Command::ClockScan { first, count } = c {
+                let (n, rb, mb) = r.agent.clock_scan(first, count);
+                r.engine.clock_bits(r.vm, first, n, &rb, &mb);
+            } else {
+                let o = r.agent.execute(&c);
+                r.engine.outcome(r.vm, &c, o);
+            }
+        }
+        r.report();
+    }
+    r.engine.check_invariants().unwrap();
+    let b = vm_books(&r, r.vm);
+    let sync_errors = r.engine.books().swap.sync_errors;
+    assert!(sync_errors > 0, "the budget never asked for a swap-out");
+    assert_eq!(
+        b.swapped_pages, 0,
+        "pages swapped out to a file that failed its sync"
+    );
+    assert!(b.stash_refused > 0, "{b:?}");
+    for g in 0..PAGES {
+        assert_eq!(
+            r.agent.peek(Gfn(g)).unwrap()[..],
+            model[g as usize][..],
+            "gfn {g}"
+        );
+    }
+    // The disk recovers: swapping resumes, and every byte still reads right.
+    r.agent.shared.swap.file().fail_sync = false;
+    for _ in 0..300 {
+        r.step(10_000).unwrap();
+    }
+    r.engine.check_invariants().unwrap();
+    assert!(
+        vm_books(&r, r.vm).swapped_pages > 0,
+        "no swap-out after the disk recovered"
+    );
+    for g in 0..PAGES {
+        assert_eq!(
+            r.agent.read(Gfn(g)).unwrap()[..],
+            model[g as usize][..],
+            "gfn {g}"
+        );
+    }
+}
