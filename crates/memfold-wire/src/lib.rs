@@ -40,7 +40,9 @@ pub use messages::{
     MAX_MESSAGE, PROTOCOL_VERSION,
 };
 pub use reattach::Mapped;
-pub use stats::{LifetimeCdf, OpLatencies, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS};
+pub use stats::{
+    HeldBytes, LifetimeCdf, OpLatencies, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS,
+};
 
 /// Wire errors.
 #[derive(Debug, thiserror::Error)]

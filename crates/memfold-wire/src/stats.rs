@@ -83,6 +83,32 @@ pub struct SavedBy {
     pub store_waste: i64,
 }
 
+/// What the backings hold against what the books say they should: a leak check. The
+/// pools (every domain's), the stores and the swap files (every guest's), bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldBytes {
+    /// Bytes the pools hold (holes taking none).
+    pub pool: u64,
+    /// Bytes of the frames the books hold (in use or pinned by an adopted pool).
+    pub pool_booked: u64,
+    /// Bytes the stores hold.
+    pub store: u64,
+    /// Bytes of the store chunks holding a live blob.
+    pub store_booked: u64,
+    /// Bytes the swap files hold.
+    pub swap: u64,
+    /// Bytes of the swap chunks holding a live blob.
+    pub swap_booked: u64,
+}
+
+impl HeldBytes {
+    /// Bytes held past the books', over the pools, stores and swap files.
+    pub fn unbooked(&self) -> i64 {
+        (self.pool + self.store + self.swap) as i64
+            - (self.pool_booked + self.store_booked + self.swap_booked) as i64
+    }
+}
+
 /// The host memory budget and the swap file (DE §4.6). Pages are 4 KiB.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SwapStats {
@@ -213,6 +239,12 @@ pub struct Stats {
     pub table_entries: u64,
     /// Whether this memfoldd adopted the pool of a previous one (restart).
     pub adopted_pool: bool,
+    /// Sharing domains, each with a pool of its own.
+    #[serde(default)]
+    pub domains: u64,
+    /// What the backings hold against the books (a leak check).
+    #[serde(default)]
+    pub held: HeldBytes,
     /// Operation latencies over all guests.
     pub latency: OpLatencies,
     /// Per guest.

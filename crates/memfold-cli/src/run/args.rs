@@ -24,6 +24,12 @@ pub struct RunArgs {
     /// second), to tell an order effect from memfold's.
     #[arg(long, requires = "plain_twins")]
     pub plain_first: bool,
+    /// Kill memfoldd with SIGKILL every this many seconds and start it again (a soak of
+    /// the crash-safety path: the agents serve their guests meanwhile and re-attach, the
+    /// pools are adopted). These kills do not count against the restart limit; the run
+    /// ends non-zero if a guest's self-check fails or memory is left unbooked.
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(5..))]
+    pub kill_memfoldd_every: Option<u64>,
 }
 
 /// The guests and memfoldd's settings of `memfold run` and of `memfold compare`'s memfold
@@ -63,6 +69,7 @@ impl RunArgs {
             memfold,
             plain_twins: false,
             plain_first: false,
+            kill_memfoldd_every: None,
         }
     }
 

@@ -120,8 +120,8 @@ pub struct Sample {
     pub used_bytes: u64,
     /// memfoldd's statistics at that time.
     pub stats: Stats,
-    /// memfoldd restarts so far in the run: a sample after a restart counts the new
-    /// memfoldd's books (the gap is where this changes).
+    /// memfoldd restarts so far in the run (deliberate kills included): a sample after a
+    /// restart counts the new memfoldd's books (the gap is where this changes).
     pub daemon_restarts: u32,
 }
 
@@ -142,6 +142,8 @@ pub struct MemfoldRun {
     pub cpu_s: f64,
     /// Times memfoldd died and was restarted during the run.
     pub daemon_restarts: u32,
+    /// Times the run killed memfoldd on purpose (`--kill-memfoldd-every`) and restarted it.
+    pub daemon_kills: u32,
     /// Samples, one per second.
     pub samples: Vec<Sample>,
     /// With `--plain-twins`: each workload's throughput, managed vs its plain twin.

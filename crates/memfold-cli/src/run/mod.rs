@@ -129,10 +129,27 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     // memfoldd is supervised: if it dies, the run says so, restarts it (the agents serve
     // their guests meanwhile and re-attach), marks the gap, and measures on.
     let (mut restarts, mut cpu_dead, mut cpu_last) = (0u32, 0.0, 0.0);
+    let (mut kills, mut killed_at) = (0u32, 0.0);
     measure::every_second((m.secs > 0).then_some(m.secs), Some(stop), |start| {
         for g in guests.iter_mut().chain(plain.iter_mut()) {
             g.check_alive()?;
             self_check(g)?;
+        }
+        let now = start.elapsed().as_secs_f64();
+        if let Some(every) = a
+            .kill_memfoldd_every
+            .filter(|&e| now - killed_at >= e as f64)
+        {
+            killed_at = now;
+            kills += 1;
+            eprintln!(
+                "killing memfoldd (SIGKILL, kill {kills}, every {every} s) at {now:.0} s; restarting it"
+            );
+            let _ = daemon.0.kill();
+            let _ = daemon.0.wait();
+            cpu_dead += cpu_last;
+            cpu_last = 0.0;
+            daemon = start_daemon()?;
         }
         if let Some(status) = daemon.0.try_wait()? {
             restarts += 1;
@@ -157,7 +174,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             t: start.elapsed().as_secs_f64(),
             used_bytes: measure::used(&guests)?.0,
             stats,
-            daemon_restarts: restarts,
+            daemon_restarts: restarts + kills,
         };
         view::print(used_before, &s, samples.last());
         samples.push(s);
@@ -182,6 +199,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             t95_s,
             cpu_s,
             daemon_restarts: restarts,
+            daemon_kills: kills,
             samples,
             throughput,
         },

@@ -148,11 +148,30 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         "policy": a.engine.policy,
         "saved_by_pages": r.end().map(|s| s.saved_by),
         "memfoldd_restarts": r.daemon_restarts,
+        "memfoldd_kills": r.daemon_kills,
+        "held_bytes": r.end().map(|s| s.held),
         "lifetime": r.end().map(|s| s.lifetime.clone()),
     });
     if a.set.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
-        return Ok(());
+        return leak_check(r);
+    }
+    if r.daemon_kills > 0 {
+        println!(
+            "memfoldd was killed (SIGKILL) and restarted {} time(s) on purpose",
+            r.daemon_kills
+        );
+    }
+    if let Some(h) = r.end().map(|s| s.held) {
+        println!(
+            "held vs booked, MiB: pools {:.1} / {:.1}, stores {:.1} / {:.1}, swap files {:.1} / {:.1}",
+            h.pool as f64 / MIB,
+            h.pool_booked as f64 / MIB,
+            h.store as f64 / MIB,
+            h.store_booked as f64 / MIB,
+            h.swap as f64 / MIB,
+            h.swap_booked as f64 / MIB
+        );
     }
     if r.daemon_restarts > 0 {
         println!(
@@ -178,6 +197,23 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         "time series: {}, {}",
         out.join("run.csv").display(),
         out.join("run.png").display()
+    );
+    leak_check(r)
+}
+
+/// Memory the pools, stores and swap files may hold past their books at the end of a run
+/// before it counts as a leak, bytes (one 4 MiB growth step of a store).
+const LEAK_SLACK_BYTES: i64 = 4 << 20;
+
+/// Fails if memfoldd's backings ended holding more than its books account for.
+fn leak_check(r: &MemfoldRun) -> Result<()> {
+    let Some(h) = r.end().map(|s| s.held) else {
+        return Ok(());
+    };
+    anyhow::ensure!(
+        h.unbooked() <= LEAK_SLACK_BYTES,
+        "leak: memfoldd's pools, stores and swap files hold {} bytes past its books ({h:?})",
+        h.unbooked()
     );
     Ok(())
 }
@@ -319,9 +355,17 @@ mod tests {
             t95_s: None,
             cpu_s: 0.0,
             daemon_restarts: 0,
+            daemon_kills: 0,
             samples,
             throughput: vec![],
         };
+        leak_check(&r).unwrap();
+        let mut leaky = r.clone();
+        let end = leaky.samples.last_mut().unwrap();
+        end.stats.held.store = 4096 * 2000;
+        end.stats.held.store_booked = 4096 * 900;
+        let e = leak_check(&leaky).unwrap_err().to_string();
+        assert!(e.contains("hold 4505600 bytes past its books"), "{e}");
         let dir = tempfile::tempdir().unwrap();
         write_outputs(dir.path(), &r).unwrap();
         let csv = std::fs::read_to_string(dir.path().join("run.csv")).unwrap();

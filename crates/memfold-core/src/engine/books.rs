@@ -251,6 +251,9 @@ pub struct Books {
     pub adopted_pool: bool,
     /// Sharing domains now, each with a pool of its own.
     pub domains: u64,
+    /// Bytes the backings hold against the books: [pools, stores, swap files] as
+    /// (held, booked) — a leak check (held past booked is memory nothing accounts for).
+    pub held: [(u64, u64); 3],
     /// Frames the pool could not take (host out of memory; cumulative).
     pub pool_errors: u64,
     /// Bytes of the engine's own metadata: P2M entries, clock bytes and per-page hints,
@@ -416,6 +419,7 @@ impl Engine {
             table_entries: self.domains.values().map(|d| d.share.len() as u64).sum(),
             adopted_pool: self.domains.values().any(|d| d.adopted),
             domains: self.domains.len() as u64,
+            held: self.held_bytes(),
             pool_errors: self.books.pool_errors,
             metadata_bytes: self.metadata_bytes(),
             encode_ns: [
@@ -424,6 +428,31 @@ impl Engine {
             ],
             vms,
         }
+    }
+
+    /// [pools, stores, swap files]: (bytes their backings hold, bytes the books hold).
+    fn held_bytes(&self) -> [(u64, u64); 3] {
+        let pool = self.domains.values().fold((0, 0), |(h, b), d| {
+            (
+                h + d.pool.allocated_bytes(),
+                b + d.frames.in_use() as u64 * PAGE,
+            )
+        });
+        let spaces = |swap: bool| {
+            self.vms
+                .values()
+                .filter_map(|v| {
+                    if swap {
+                        v.swap.as_ref()
+                    } else {
+                        Some(&v.store)
+                    }
+                })
+                .fold((0, 0), |(h, b), s| {
+                    (h + s.allocated_bytes(), b + s.stats().chunks * PAGE)
+                })
+        };
+        [pool, spaces(false), spaces(true)]
     }
 
     /// Bytes of the engine's own metadata (see [`Books::metadata_bytes`]).

@@ -642,6 +642,13 @@ impl Harness {
     /// blob an agent relies on is held by the engine.
     pub fn verify_all(&self) -> Result<(), String> {
         self.engine.check_invariants()?;
+        // No leak: each pool, store and swap file holds exactly what the books hold.
+        let held = self.engine.books().held;
+        for (what, (h, b)) in ["pools", "stores", "swap files"].iter().zip(held) {
+            if h != b {
+                return Err(format!("the {what} hold {h} bytes, the books {b}"));
+            }
+        }
         for (i, v) in self.vms.iter().enumerate() {
             for g in 0..v.agent.pages() {
                 let g = Gfn(g);

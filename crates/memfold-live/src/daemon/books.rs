@@ -4,7 +4,7 @@
 use memfold_core::engine::{Books, VmReport};
 use memfold_core::Engine;
 use memfold_wire::{
-    LifetimeCdf, OpLatencies, OpLatency, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS,
+    HeldBytes, LifetimeCdf, OpLatencies, OpLatency, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS,
 };
 
 use super::guests::Guests;
@@ -100,6 +100,15 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests) -> Stats {
             lived_10s: b.lifetime.lived_10s,
         },
         policy: b.policy.clone(),
+        domains: b.domains,
+        held: HeldBytes {
+            pool: b.held[0].0,
+            pool_booked: b.held[0].1,
+            store: b.held[1].0,
+            store_booked: b.held[1].1,
+            swap: b.held[2].0,
+            swap_booked: b.held[2].1,
+        },
         table_entries: b.table_entries,
         adopted_pool: b.adopted_pool,
         latency,
