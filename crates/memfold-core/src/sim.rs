@@ -260,8 +260,31 @@ impl SimAgent {
                 Outcome::Done
             }
             Command::Stash { gfn, stash, .. } => self.stash(gfn, stash),
+            Command::TakeBack { gfn } => self.take_back(gfn),
             Command::ClockScan { .. } => Outcome::Done,
         }
+    }
+
+    /// Takes page `g` back as a private page (an opt-out), reporting it as the event it
+    /// is; a private page needs nothing. Refused if a blob does not decode.
+    fn take_back(&mut self, g: Gfn) -> Outcome {
+        if g.0 >= self.pages() {
+            return Outcome::Refused;
+        }
+        let i = g.index();
+        let event = match self.home[i] {
+            Home::Private => return Outcome::Done,
+            Home::Zero => Event::Refilled(g),
+            Home::Frame(f) => Event::CowBroken(g, f),
+            Home::Stashed(_) => Event::Unstashed(g),
+        };
+        let Ok(p) = self.peek(g) else {
+            return Outcome::Refused;
+        };
+        self.set_ram_page(g, &p);
+        self.home[i] = Home::Private;
+        self.events.push(event);
+        Outcome::Done
     }
 
     fn stash(&mut self, g: Gfn, s: Stash) -> Outcome {

@@ -117,3 +117,73 @@ fn zero_pages_are_reclaimed_or_merged_onto_one_zero_frame() {
     settle(&mut r, 200);
     assert_eq!(r.engine.books().saved_pages, 0);
 }
+
+/// The operator's opt-out of a whole guest, as KSM's `MADV_UNMERGEABLE` (or
+/// `PR_SET_MEMORY_MERGE` 0) of a process: every merged page is unmerged, with memfold's
+/// other mechanisms too — stored (patched, compressed) pages decoded back, reclaimed zero
+/// pages handed back as holes — exact counts to zero, bytes unchanged, and nothing merged
+/// again until the guest is opted back in.
+#[test]
+fn an_opted_out_guest_has_every_page_taken_back_and_none_merged_again() {
+    let cfg = EngineConfig {
+        policy: Policy::difference_engine(),
+        zero: ZeroPolicy::Reclaim,
+        rate: 0,
+        clock_interval_us: Some(100_000),
+        min_scan_interval_us: 10_000,
+        max_scan_interval_us: 10_000,
+        ..EngineConfig::default()
+    };
+    let mut r = Rig::new(cfg, PAGES).unwrap();
+    // Text unique to each page: compressed, not shared.
+    let text = |g: u32| -> Vec<u8> {
+        let mut p: Vec<u8> = (0..PAGE_SIZE).map(|i| b"opted out text "[i % 15]).collect();
+        p[..4].copy_from_slice(&g.to_le_bytes());
+        p
+    };
+    let want: Vec<Vec<u8>> = (0..PAGES)
+        .map(|g| match g % 4 {
+            0 => vec![0u8; PAGE_SIZE],
+            1 => page(9),
+            _ => text(g),
+        })
+        .collect();
+    for (g, p) in want.iter().enumerate() {
+        r.agent.write(Gfn(g as u32), 0, p).unwrap();
+    }
+    settle(&mut r, 3000);
+    let b = r.engine.books().vms[0].books.clone();
+    assert!(b.shared_pages > 0 && b.zero_reclaimed_pages > 0, "{b:#?}");
+    assert!(b.compressed_pages + b.patched_pages > 0, "{b:#?}");
+
+    let queued = r.engine.opt_out(r.vm).unwrap();
+    assert_eq!(
+        queued as u64,
+        b.shared_pages + b.zero_reclaimed_pages + b.compressed_pages + b.patched_pages
+    );
+    settle(&mut r, 3000);
+    let books = r.engine.books();
+    let b = &books.vms[0].books;
+    assert!(b.opted_out);
+    assert_eq!(
+        (
+            b.shared_pages,
+            b.zero_reclaimed_pages,
+            b.patched_pages,
+            b.compressed_pages,
+            b.swapped_pages
+        ),
+        (0, 0, 0, 0, 0),
+        "{b:#?}"
+    );
+    assert_eq!((books.frames, books.store_pages, books.saved_pages), (0, 0, 0));
+    for (g, p) in want.iter().enumerate() {
+        assert_eq!(r.agent.peek(Gfn(g as u32)).unwrap()[..], p[..], "gfn {g}");
+    }
+
+    // Opted back in: memfold manages it again.
+    assert!(r.engine.opt_in(r.vm));
+    settle(&mut r, 3000);
+    let b = &r.engine.books().vms[0].books;
+    assert!(!b.opted_out && b.shared_pages > 0, "{b:#?}");
+}

@@ -39,6 +39,7 @@ fn op() -> impl Strategy<Value = Op> {
         22 => (any::<u32>(), 1u8..64, prop::bool::weighted(0.05)).prop_map(|(vm, n, refuse)| Op::Deliver { vm, n, refuse }),
         10 => any::<u32>().prop_map(|vm| Op::Report { vm }),
         3 => (any::<u32>(), any::<u64>()).prop_map(|(vm, seed)| Op::Disconnect { vm, seed }),
+        1 => (any::<u32>(), prop::bool::weighted(0.6)).prop_map(|(vm, out)| Op::OptOut { vm, out }),
         3 => any::<u32>().prop_map(|vm| Op::Reattach { vm }),
         1 => any::<u64>().prop_map(|seed| Op::Restart { seed }),
         2 => (0u8..4, prop::bool::weighted(0.3)).prop_map(|(which, on)| Op::Fail { which, on }),

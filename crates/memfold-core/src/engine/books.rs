@@ -16,6 +16,10 @@ const PAGE: u64 = PAGE_SIZE as u64;
 /// others cumulative since the guest attached.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct VmBooks {
+    /// The operator opted the guest out ([`Engine::opt_out`]).
+    pub opted_out: bool,
+    /// Pages the agent could not take back after an opt-out (cumulative).
+    pub take_back_refused: u64,
     /// Pages mapped onto pool frames now.
     pub shared_pages: u64,
     /// Of those, pages mapped onto the zero frame.

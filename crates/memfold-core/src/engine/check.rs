@@ -97,7 +97,7 @@ impl Engine {
                         v.state(gfn) == PageState::Moving(blob) || self.orphans.contains(&blob)
                     }
                     Command::Stash { gfn, blob, .. } => v.state(gfn) == PageState::Stashing(blob),
-                    Command::ClockScan { .. } => true,
+                    Command::ClockScan { .. } | Command::TakeBack { .. } => true,
                 };
                 if !ok {
                     return Err(format!(
@@ -106,6 +106,7 @@ impl Engine {
                             Command::Share { gfn, .. }
                             | Command::Reclaim { gfn }
                             | Command::Stash { gfn, .. } => v.state(*gfn),
+                            Command::TakeBack { gfn } => v.state(*gfn),
                             Command::ClockScan { .. } => PageState::Private,
                         }
                     ));

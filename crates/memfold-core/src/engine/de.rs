@@ -26,7 +26,7 @@ impl Engine {
             return;
         };
         let now = self.now_us();
-        for v in self.vms.values_mut().filter(|v| v.attached) {
+        for v in self.vms.values_mut().filter(|v| v.attached && !v.opted_out) {
             if let Some((first, count)) = v.clock.due_slice(now, interval) {
                 v.queue.push(Command::ClockScan {
                     first: Gfn(first),

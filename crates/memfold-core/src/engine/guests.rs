@@ -186,6 +186,7 @@ impl Engine {
                         store: BlobSpace::new(BlobHome::Store, a.store, None),
                         swap,
                         attached: false,
+                        opted_out: false,
                         p2m: vec![P2mEntry::PRIVATE; n],
                         cursor: 0,
                         scanned_this_pass: false,
@@ -203,6 +204,11 @@ impl Engine {
         let v = self.vms.get_mut(&id).expect("attached above");
         v.attached = true;
         v.scanned_this_pass = false;
+        if v.opted_out {
+            // Its take-backs were dropped with the connection: ask again.
+            self.opt_out(id);
+        }
+        let v = &self.vms[&id];
         tracing::info!(
             vm = %id, name = %v.name, pid = v.pid, pages = v.pages(), domain = %v.domain,
             shared = v.books.shared_pages, "attached"

@@ -115,6 +115,15 @@ pub enum Command {
         /// Where the blob is and how it decodes.
         stash: Stash,
     },
+    /// Take the page back into guest RAM as a private page, whatever memfold made of it:
+    /// copy a shared frame back (a CoW break), decode a stored page, let a reclaimed zero
+    /// page be an ordinary hole. The operator's opt-out of a guest ([`Engine::opt_out`],
+    /// as KSM's `MADV_UNMERGEABLE`). The agent reports each page as the event it is
+    /// ([`Engine::cow_broken`], [`Engine::unstashed`], [`Engine::refilled`]).
+    TakeBack {
+        /// The page.
+        gfn: Gfn,
+    },
     /// Report the slice's R and M bits since it was last armed and arm it again (DE §4.2).
     ClockScan {
         /// First page.
@@ -174,6 +183,9 @@ pub(crate) struct Vm {
     pub(crate) swap: Option<BlobSpace>,
     /// The agent is connected.
     pub(crate) attached: bool,
+    /// The operator took the guest out of memfold ([`Engine::opt_out`]): nothing is
+    /// shared, stored or reclaimed for it, and what was is taken back.
+    pub(crate) opted_out: bool,
     pub(crate) p2m: Vec<P2mEntry>,
     /// The sharing scan's next page and whether this full scan has covered the guest.
     pub(crate) cursor: u32,
@@ -390,12 +402,13 @@ impl Engine {
         (g < v.pages()).then_some((id, Gfn(g)))
     }
 
-    /// Whether a mechanism may act on page `g` of guest `id` now: attached and private,
-    /// nothing under way.
+    /// Whether a mechanism may act on page `g` of guest `id` now: attached, not opted
+    /// out, and private, nothing under way. (An opted-out guest's pages are neither
+    /// shared nor stored, nor hints or reference pages for another guest.)
     pub(crate) fn sharable(&self, id: VmId, g: Gfn) -> bool {
-        self.vms
-            .get(&id)
-            .is_some_and(|v| v.attached && v.state(g) == PageState::Private)
+        self.vms.get(&id).is_some_and(|v| {
+            v.attached && !v.opted_out && v.state(g) == PageState::Private
+        })
     }
 
     /// Guest `id`'s domain (the guest must exist).

@@ -6,6 +6,15 @@ use crate::blobs::Kept;
 use crate::ids::{FrameId, Gfn, VmId};
 use crate::p2m::{BlobId, PageState};
 
+/// Whether a page in state `s` is one memfold holds outside the guest's own RAM (or as a
+/// hole it refills), which an opt-out takes back.
+fn g_taken_back(s: PageState) -> bool {
+    matches!(
+        s,
+        PageState::Shared(_) | PageState::Stored(_) | PageState::Zero
+    )
+}
+
 impl Engine {
     /// Applies the agent's answer to a command of guest `id`. A [`Outcome::Lost`] answer
     /// changes nothing: the page stays in doubt (see [`Outcome::Lost`]). Answers for a
@@ -22,18 +31,73 @@ impl Engine {
             Some(v) if v.attached => {}
             _ => return,
         }
-        match *cmd {
-            Command::Share { gfn, frame } => self.share_outcome(id, gfn, frame, o),
-            Command::Reclaim { gfn } => self.reclaim_outcome(id, gfn, o),
+        let gfn = match *cmd {
+            Command::Share { gfn, frame } => {
+                self.share_outcome(id, gfn, frame, o);
+                gfn
+            }
+            Command::Reclaim { gfn } => {
+                self.reclaim_outcome(id, gfn, o);
+                gfn
+            }
             Command::Stash { gfn, blob, stash } => {
                 if stash.moving {
                     self.move_outcome(id, gfn, blob, o)
                 } else {
                     self.stash_outcome(id, gfn, blob, o)
                 }
+                gfn
             }
-            Command::ClockScan { .. } => {}
+            // Done: its events did the books. Refused (a page the agent could not take
+            // back): left as it is until the operator asks again (`opt_out` is idempotent).
+            Command::TakeBack { .. } => {
+                if o != Outcome::Done {
+                    self.vms.get_mut(&id).expect("checked").books.take_back_refused += 1;
+                }
+                return;
+            }
+            Command::ClockScan { .. } => return,
+        };
+        // A request under way when the operator opted the guest out ended with the page
+        // shared, stored or reclaimed after all: take it back too.
+        let v = self.vms.get_mut(&id).expect("outcome() checked");
+        if v.opted_out && g_taken_back(v.state(gfn)) {
+            v.queue.push(Command::TakeBack { gfn });
         }
+    }
+
+    /// The operator takes guest `id` out of memfold (KSM's `MADV_UNMERGEABLE` for a whole
+    /// VM): from now on none of its pages is shared, stored, reclaimed, or used as a hint
+    /// or reference page, and each page memfold holds is taken back into its RAM
+    /// ([`Command::TakeBack`]; requests under way are taken back when they end). Returns
+    /// the pages queued; `None` if there is no such guest.
+    pub fn opt_out(&mut self, id: VmId) -> Option<u32> {
+        let v = self.vms.get_mut(&id)?;
+        v.opted_out = true;
+        v.books.opted_out = true;
+        let mut n = 0;
+        for i in 0..v.pages() {
+            let g = Gfn(i);
+            if g_taken_back(v.state(g)) {
+                v.queue.push(Command::TakeBack { gfn: g });
+                n += 1;
+            }
+        }
+        tracing::info!(vm = %id, name = %v.name, pages = n, "opted out by the operator: taking its pages back");
+        Some(n)
+    }
+
+    /// Guest `id` is managed again after [`Engine::opt_out`]. Returns false if there is no
+    /// such guest.
+    pub fn opt_in(&mut self, id: VmId) -> bool {
+        let Some(v) = self.vms.get_mut(&id) else {
+            return false;
+        };
+        v.opted_out = false;
+        v.books.opted_out = false;
+        v.scanned_this_pass = false;
+        tracing::info!(vm = %id, name = %v.name, "opted in again by the operator");
+        true
     }
 
     fn count_answer(&mut self, id: VmId, o: Outcome, stash: bool) {

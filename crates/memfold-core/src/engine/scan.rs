@@ -76,7 +76,7 @@ impl Engine {
         let all_done = self
             .vms
             .values()
-            .filter(|v| v.attached)
+            .filter(|v| v.attached && !v.opted_out)
             .all(|v| v.scanned_this_pass);
         if self.vms.is_empty() || !all_done {
             return false;
@@ -116,7 +116,7 @@ impl Engine {
         let ids: Vec<VmId> = self
             .vms
             .iter()
-            .filter(|(_, v)| v.attached && !v.scanned_this_pass)
+            .filter(|(_, v)| v.attached && !v.opted_out && !v.scanned_this_pass)
             .map(|(id, _)| *id)
             .collect();
         if ids.is_empty() {

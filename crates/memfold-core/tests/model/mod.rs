@@ -126,6 +126,11 @@ pub enum Op {
     Restart {
         seed: u64,
     },
+    /// The operator opts a guest out of memfold (every page taken back) or in again.
+    OptOut {
+        vm: u32,
+        out: bool,
+    },
     /// A backing starts or stops failing: 0 pool writes, 1 store writes, 2 swap writes,
     /// 3 swap write-back.
     Fail {
@@ -221,7 +226,11 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
             vm,
             seed: rng.gen(),
         },
-        94..=96 => Op::Reattach { vm },
+        94..=95 => Op::Reattach { vm },
+        96 => Op::OptOut {
+            vm,
+            out: rng.gen_bool(0.6),
+        },
         97 => Op::Restart { seed: rng.gen() },
         98 if rng.gen_bool(0.05) => Op::Corrupt {
             swap: rng.gen(),
@@ -537,6 +546,15 @@ impl Harness {
             Op::Disconnect { vm, seed } => {
                 if let Some(i) = self.pick(vm).filter(|&i| self.vms[i].connected) {
                     self.disconnect(i, seed);
+                }
+            }
+            Op::OptOut { vm, out } => {
+                if let Some(id) = self.pick(vm).and_then(|i| self.vms[i].id) {
+                    if out {
+                        self.engine.opt_out(id);
+                    } else {
+                        self.engine.opt_in(id);
+                    }
                 }
             }
             Op::Reattach { vm } => {
