@@ -131,7 +131,7 @@ impl Agent {
     }
 
     /// Copy-on-write break: the guest gets a private copy of the frame's bytes.
-    fn cow_break(&mut self, gfn: Gfn, frame: FrameId) -> io::Result<()> {
+    pub(crate) fn cow_break(&mut self, gfn: Gfn, frame: FrameId) -> io::Result<()> {
         let pool = self
             .pool
             .as_ref()
@@ -148,7 +148,7 @@ impl Agent {
 
     /// A missing fault on a stashed page: decode it and install it (write-protected for a
     /// read, so that a later write still sets M). On error the page stays stashed.
-    fn unstash(&mut self, gfn: Gfn, stash: &Stash, write: bool) -> io::Result<()> {
+    pub(crate) fn unstash(&mut self, gfn: Gfn, stash: &Stash, write: bool) -> io::Result<()> {
         let mut page = [0u8; PAGE_SIZE];
         self.decode_stashed(gfn, stash, &mut page)?;
         self.uffd.copy(self.page_addr(gfn), &page, !write)?;

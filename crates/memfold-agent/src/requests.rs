@@ -95,6 +95,14 @@ impl Agent {
                     modified,
                 }
             }
+            ToAgent::TakeBack { batch, gfns } => {
+                let o = self.take_back(gfns);
+                ToDaemon::TakeBackDone {
+                    batch,
+                    taken: o.done,
+                    refused: o.refused,
+                }
+            }
             ToAgent::Welcome { .. } | ToAgent::Refused { .. } => return Ok(()),
         };
         for ev in std::mem::take(&mut self.deferred) {
@@ -195,6 +203,38 @@ impl Agent {
             k = e;
         }
         Ok(())
+    }
+
+    /// Carries out a take-back request (the operator's opt-out): each page memfold holds
+    /// becomes private again as the event it is — a shared page by a CoW break, a stored
+    /// page decoded back, a reclaimed zero page a plain hole (zeros on the next touch).
+    /// A page that cannot be taken back (a blob that does not decode, no VMA left) stays
+    /// as it is, protected, and is refused; nothing here fails the agent.
+    fn take_back(&mut self, mut gfns: Vec<Gfn>) -> Outcome {
+        let mut out = Outcome::default();
+        gfns.sort_unstable();
+        gfns.dedup();
+        for g in gfns {
+            let taken = match self.pages.get(g) {
+                None => Err(io::Error::other("past guest RAM")),
+                Some(PageHome::Private) => Ok(()),
+                Some(PageHome::Zero) => {
+                    self.pages.set(g, PageHome::Private);
+                    self.pending.refills.push(g);
+                    Ok(())
+                }
+                Some(PageHome::Frame(f)) => self.cow_break(g, f),
+                Some(PageHome::Stashed(s)) => self.unstash(g, &s, false),
+            };
+            match taken {
+                Ok(()) => out.done.push(g),
+                Err(e) => {
+                    tracing::warn!("take-back of {g} refused: {e}");
+                    out.refused.push(g);
+                }
+            }
+        }
+        out
     }
 
     /// Carries out a zero-page reclaim request (ESX §4.3's zero page, without a frame):

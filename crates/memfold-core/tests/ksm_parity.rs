@@ -176,7 +176,10 @@ fn an_opted_out_guest_has_every_page_taken_back_and_none_merged_again() {
         (0, 0, 0, 0, 0),
         "{b:#?}"
     );
-    assert_eq!((books.frames, books.store_pages, books.saved_pages), (0, 0, 0));
+    assert_eq!(
+        (books.frames, books.store_pages, books.saved_pages),
+        (0, 0, 0)
+    );
     for (g, p) in want.iter().enumerate() {
         assert_eq!(r.agent.peek(Gfn(g as u32)).unwrap()[..], p[..], "gfn {g}");
     }

@@ -4,7 +4,8 @@
 //! - [`daemon`]: memfoldd — connections, the executor that turns the engine's commands
 //!   into requests to the agents and their answers into outcomes, the backings, the
 //!   books' export.
-//! - [`query_stats`]: a client's request for memfoldd's statistics.
+//! - [`query_stats`], [`opt_out`]: a client's requests: memfoldd's statistics, the
+//!   operator's opt-out of a guest.
 //!
 //! The agent inside each QEMU (crate `memfold-agent`: owns the userfaultfd on guest RAM,
 //! maps shared pool frames over guest pages and breaks copy-on-write on every write)
@@ -23,10 +24,8 @@ use std::path::Path;
 
 use memfold_wire::{Conn, Stats, ToClient, ToDaemon, PROTOCOL_VERSION};
 
-/// Asks the memfoldd at `socket` for its statistics.
-///
-/// Errors: no daemon there, or it answered with an error.
-pub fn query_stats(socket: &Path) -> std::io::Result<Stats> {
+/// Sends one client request to the memfoldd at `socket` and reads its answer.
+fn request(socket: &Path, req: &ToDaemon) -> std::io::Result<ToClient> {
     let c = Conn::connect(socket)?;
     c.send(
         &ToDaemon::ClientHello {
@@ -34,12 +33,42 @@ pub fn query_stats(socket: &Path) -> std::io::Result<Stats> {
         },
         &[],
     )?;
-    c.send(&ToDaemon::Stats, &[])?;
+    c.send(req, &[])?;
     match c.recv::<ToClient>()? {
-        Some((ToClient::Stats(s), _)) => Ok(*s),
         Some((ToClient::Error { message }, _)) => {
             Err(std::io::Error::other(format!("memfoldd: {message}")))
         }
+        Some((reply, _)) => Ok(reply),
         None => Err(std::io::Error::other("memfoldd closed the connection")),
+    }
+}
+
+/// Asks the memfoldd at `socket` for its statistics.
+///
+/// Errors: no daemon there, or it answered with an error.
+pub fn query_stats(socket: &Path) -> std::io::Result<Stats> {
+    match request(socket, &ToDaemon::Stats)? {
+        ToClient::Stats(s) => Ok(*s),
+        other => Err(std::io::Error::other(format!(
+            "memfoldd answered {other:?} to a request for statistics"
+        ))),
+    }
+}
+
+/// Asks the memfoldd at `socket` to take the guests named `name` out of memfold (`out`:
+/// every page it holds taken back into guest RAM, nothing shared or stored again) or back
+/// in. Returns the pages being taken back.
+///
+/// Errors: no daemon there, or no such guest.
+pub fn opt_out(socket: &Path, name: &str, out: bool) -> std::io::Result<u32> {
+    let req = ToDaemon::OptOut {
+        name: name.into(),
+        out,
+    };
+    match request(socket, &req)? {
+        ToClient::OptedOut { pages } => Ok(pages),
+        other => Err(std::io::Error::other(format!(
+            "memfoldd answered {other:?} to an opt-out"
+        ))),
     }
 }

@@ -13,8 +13,9 @@ use serde::{Deserialize, Serialize};
 use crate::stats::Stats;
 
 /// Protocol version; a peer with another version is refused with a clear message.
-/// Version 5: typed blobs in [`StashPage`].
-pub const PROTOCOL_VERSION: u32 = 6;
+/// Version 5: typed blobs in [`StashPage`]; 6: a checksum with every stashed page; 7:
+/// the operator's opt-out ([`ToDaemon::OptOut`], [`ToAgent::TakeBack`]).
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
 pub const MAX_MESSAGE: usize = 256 * 1024;
@@ -215,6 +216,24 @@ pub enum ToDaemon {
     },
     /// Asks for [`ToClient::Stats`].
     Stats,
+    /// The operator takes guest `name` out of memfold (`out`: every page it holds taken
+    /// back, nothing shared or stored again, as KSM's `MADV_UNMERGEABLE`) or back in.
+    /// Answered with [`ToClient::OptedOut`] or [`ToClient::Error`].
+    OptOut {
+        /// The guest's name.
+        name: String,
+        /// Out (true) or back in (false).
+        out: bool,
+    },
+    /// Result of a [`ToAgent::TakeBack`] request.
+    TakeBackDone {
+        /// The request's batch.
+        batch: BatchId,
+        /// Pages private again (reported as CoW breaks, decodes or refills first).
+        taken: Vec<Gfn>,
+        /// Pages not taken back (a blob that does not decode, a VMA limit).
+        refused: Vec<Gfn>,
+    },
 }
 
 /// Messages to an agent.
@@ -239,6 +258,15 @@ pub enum ToAgent {
         batch: BatchId,
         /// (page, frame) pairs.
         pages: Vec<(Gfn, FrameId)>,
+    },
+    /// Take these guest pages back as private pages, whatever memfold made of them: copy a
+    /// shared frame into guest RAM (a CoW break), decode a stored page, let a reclaimed
+    /// zero page be a plain hole; report each as that event. At most [`MAX_BATCH`].
+    TakeBack {
+        /// The batch, echoed in the reply.
+        batch: BatchId,
+        /// Pages.
+        gfns: Vec<Gfn>,
     },
     /// Reclaim these guest pages if they are still all zero: punch them out of the guest
     /// memfd; the next access faults (missing) and the agent fills a zero page (ESX §4.3's
@@ -278,6 +306,12 @@ pub enum ToAgent {
 pub enum ToClient {
     /// The daemon's statistics.
     Stats(Box<Stats>),
+    /// A [`ToDaemon::OptOut`] was carried out: `pages` pages are being taken back (0 for
+    /// an opt-in).
+    OptedOut {
+        /// Pages queued to be taken back.
+        pages: u32,
+    },
     /// The request was refused.
     Error {
         /// Why.

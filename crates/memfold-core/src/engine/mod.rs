@@ -334,6 +334,15 @@ impl Engine {
             .collect()
     }
 
+    /// The guests named `name` (names come from the agents: several may share one).
+    pub fn vms_named(&self, name: &str) -> Vec<VmId> {
+        self.vms
+            .iter()
+            .filter(|(_, v)| v.name == name)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
     /// Guest `id`'s sharing domain.
     pub fn domain_of(&self, id: VmId) -> Option<DomainId> {
         self.vms.get(&id).map(|v| v.domain)
@@ -406,9 +415,9 @@ impl Engine {
     /// out, and private, nothing under way. (An opted-out guest's pages are neither
     /// shared nor stored, nor hints or reference pages for another guest.)
     pub(crate) fn sharable(&self, id: VmId, g: Gfn) -> bool {
-        self.vms.get(&id).is_some_and(|v| {
-            v.attached && !v.opted_out && v.state(g) == PageState::Private
-        })
+        self.vms
+            .get(&id)
+            .is_some_and(|v| v.attached && !v.opted_out && v.state(g) == PageState::Private)
     }
 
     /// Guest `id`'s domain (the guest must exist).

@@ -52,7 +52,11 @@ impl Engine {
             // back): left as it is until the operator asks again (`opt_out` is idempotent).
             Command::TakeBack { .. } => {
                 if o != Outcome::Done {
-                    self.vms.get_mut(&id).expect("checked").books.take_back_refused += 1;
+                    self.vms
+                        .get_mut(&id)
+                        .expect("checked")
+                        .books
+                        .take_back_refused += 1;
                 }
                 return;
             }

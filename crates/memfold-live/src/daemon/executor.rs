@@ -23,6 +23,7 @@ pub(crate) enum Kind {
     Share,
     Reclaim,
     Stash,
+    TakeBack,
     Clock,
 }
 
@@ -71,18 +72,19 @@ impl Executor {
     pub(crate) fn flush(&mut self, engine: &mut Engine, guests: &Guests) {
         for vm in engine.vms_with_commands() {
             let cmds = engine.take_commands(vm);
-            let mut by_kind: [Vec<Command>; 3] = Default::default();
+            let mut by_kind: [Vec<Command>; 4] = Default::default();
             for c in cmds {
                 match c {
                     Command::Stash { .. } => by_kind[0].push(c),
                     Command::Share { .. } => by_kind[1].push(c),
                     Command::Reclaim { .. } => by_kind[2].push(c),
+                    Command::TakeBack { .. } => by_kind[3].push(c),
                     Command::ClockScan { .. } => {
                         self.send(engine, guests, vm, Kind::Clock, vec![c])
                     }
                 }
             }
-            for (kind, cmds) in [Kind::Stash, Kind::Share, Kind::Reclaim]
+            for (kind, cmds) in [Kind::Stash, Kind::Share, Kind::Reclaim, Kind::TakeBack]
                 .into_iter()
                 .zip(by_kind)
             {
@@ -123,6 +125,16 @@ impl Executor {
                     .iter()
                     .filter_map(|c| match *c {
                         Command::Reclaim { gfn } => Some(gfn),
+                        _ => None,
+                    })
+                    .collect(),
+            },
+            Kind::TakeBack => ToAgent::TakeBack {
+                batch,
+                gfns: cmds
+                    .iter()
+                    .filter_map(|c| match *c {
+                        Command::TakeBack { gfn } => Some(gfn),
                         _ => None,
                     })
                     .collect(),
@@ -190,8 +202,8 @@ impl Executor {
         }
     }
 
-    /// An agent's answer to a share, reclaim or stash batch: each command's page is done,
-    /// changed, or else refused.
+    /// An agent's answer to a share, reclaim, stash or take-back batch: each command's page
+    /// is done, changed, or else refused.
     pub(crate) fn reply(
         &mut self,
         engine: &mut Engine,
@@ -210,6 +222,7 @@ impl Executor {
             let g = match *c {
                 Command::Share { gfn, .. }
                 | Command::Reclaim { gfn }
+                | Command::TakeBack { gfn }
                 | Command::Stash { gfn, .. } => gfn,
                 Command::ClockScan { .. } => continue,
             };

@@ -233,6 +233,7 @@ impl Daemon {
                     ToDaemon::Stats => {
                         ToClient::Stats(Box::new(books::stats(&self.engine, &self.guests)))
                     }
+                    ToDaemon::OptOut { name, out } => self.opt_out(&name, out),
                     other => ToClient::Error {
                         message: format!("unexpected request {other:?}"),
                     },
@@ -297,9 +298,32 @@ impl Daemon {
                     e.clock_bits(vm, first, count.min(asked), &referenced, &modified);
                 }
             }
+            ToDaemon::TakeBackDone { batch, taken, .. } => {
+                self.executor
+                    .reply(e, vm, batch, Kind::TakeBack, &taken, &[])
+            }
             ToDaemon::AgentStats(r) => self.guests.report(vm, &r),
             other => tracing::warn!("{vm}: unexpected message {other:?}"),
         }
+    }
+
+    /// The operator's opt-out (or opt-in) of the guests named `name`.
+    fn opt_out(&mut self, name: &str, out: bool) -> ToClient {
+        let ids = self.engine.vms_named(name);
+        if ids.is_empty() {
+            return ToClient::Error {
+                message: format!("no guest named {name:?}"),
+            };
+        }
+        let mut pages = 0;
+        for id in ids {
+            if out {
+                pages += self.engine.opt_out(id).unwrap_or(0);
+            } else {
+                self.engine.opt_in(id);
+            }
+        }
+        ToClient::OptedOut { pages }
     }
 
     /// An agent's hello: its guest RAM memfd, and when re-attaching after a restart the
