@@ -76,7 +76,7 @@
 //! | `attach` | connecting, the hello and re-attach list, the welcome, the reports |
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use memfold_ids::Gfn;
@@ -197,14 +197,18 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> &str {
 /// they were, or private and write-protected, and the next write is served; the agent
 /// drops the connection and re-attaches), or before guest RAM is registered (nothing
 /// to protect: the guest runs unmanaged).
-pub(crate) fn fail_closed(mode: FailMode, why: &str) -> ! {
+///
+/// `ram` is this process's descriptor of guest RAM's memfd, named in the log line: pages
+/// not mapped now (stashed, reclaimed, or unmapped by the clock) read as `EIO` through
+/// `/proc/PID/mem`, while the memfd holds every page that is in RAM.
+fn fail_closed(mode: FailMode, why: &str, ram: RawFd) -> ! {
     let pid = rustix::process::getpid();
     if mode == FailMode::Abort {
         log_line(&format!("failing closed, aborting QEMU (pid {pid}): {why}"));
         std::process::abort()
     }
     log_line(&format!(
-        "failing closed: {why}. VM PAUSED: QEMU pid {pid} is stopped (SIGSTOP) with guest RAM mapped and intact; inspect it with `gcore {pid}` or /proc/{pid}/mem, end it with `kill -9 {pid}` (SIGCONT stops it again; MEMFOLD_FAIL=abort aborts instead of pausing)"
+        "failing closed: {why}. VM PAUSED: QEMU pid {pid} is stopped (SIGSTOP) with guest RAM mapped and intact; inspect it with `gcore {pid}`, /proc/{pid}/mem or guest RAM's memfd /proc/{pid}/fd/{ram}; end it with `kill -9 {pid}` (SIGCONT stops it again; MEMFOLD_FAIL=abort aborts instead of pausing)"
     ));
     loop {
         // To this thread, not kill(getpid()): another thread may take a process-directed
@@ -399,7 +403,7 @@ impl Agent {
 
     /// Fails closed as configured ([`fail_closed`]), holding on to the agent.
     fn fail_closed(&self, why: &str) -> ! {
-        fail_closed(self.cfg.on_failure, why)
+        fail_closed(self.cfg.on_failure, why, self.memfd.as_raw_fd())
     }
 
     /// Address of page `gfn` in this process.

@@ -433,7 +433,8 @@ impl Qemu {
 
     /// Checks the paused child: its userfaultfd still open (write-protection and missing
     /// pages still in force), each page but `except` reading what the guest wrote through
-    /// `/proc/PID/mem` at guest RAM's address, and the one line saying what failed.
+    /// `/proc/PID/mem` at guest RAM's address and in the memfd, and the one line saying
+    /// what failed, how to inspect and how to end it.
     fn check_paused(&self, except: Option<usize>, failed: &str) {
         let pid = self.pid();
         let fds: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
@@ -474,6 +475,27 @@ impl Qemu {
             assert!(
                 line.contains(must),
                 "the fail-closed line lacks {must:?}: {line}"
+            );
+        }
+        // The memfd the line names holds the same pages (a stashed one is a hole there).
+        let memfd = line
+            .split(&format!("/proc/{pid}/fd/"))
+            .nth(1)
+            .map(|r| {
+                r.chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect::<String>()
+            })
+            .unwrap_or_else(|| panic!("the fail-closed line names no memfd: {line}"));
+        let ram = File::open(format!("/proc/{pid}/fd/{memfd}")).unwrap();
+        for g in 0..PAGES {
+            ram.read_exact_at(&mut page, (g * PAGE_SIZE) as u64)
+                .unwrap();
+            let want = |i| if Some(g) == except { 0 } else { pattern(g, i) };
+            let bad = (0..PAGE_SIZE).find(|&i| page[i] != want(i));
+            assert_eq!(
+                bad, None,
+                "page {g} of the memfd the fail-closed line names"
             );
         }
     }
