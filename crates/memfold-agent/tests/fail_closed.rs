@@ -487,10 +487,11 @@ impl Qemu {
                     .collect::<String>()
             })
             .unwrap_or_else(|| panic!("the fail-closed line names no memfd: {line}"));
-        let ram = File::open(format!("/proc/{pid}/fd/{memfd}")).unwrap();
+        let ram = File::open(format!("/proc/{pid}/fd/{memfd}"))
+            .unwrap_or_else(|e| panic!("the memfd the fail-closed line names: {e}: {line}"));
         for g in 0..PAGES {
             ram.read_exact_at(&mut page, (g * PAGE_SIZE) as u64)
-                .unwrap();
+                .unwrap_or_else(|e| panic!("page {g} of the memfd the line names: {e}"));
             let want = |i| if Some(g) == except { 0 } else { pattern(g, i) };
             let bad = (0..PAGE_SIZE).find(|&i| page[i] != want(i));
             assert_eq!(
