@@ -32,19 +32,19 @@ pub(crate) const FAULT_GIVE_UP: Duration = Duration::from_secs(30);
 impl Agent {
     /// Handles a fault; a failure (the host out of memory for the private copy, the VMA
     /// limit) is logged and retried with back-off: the faulting thread waits, it never sees
-    /// a wrong byte. A fault that still fails after [`FAULT_GIVE_UP`] fails closed: the
-    /// QEMU process is aborted with a log line rather than spin forever or let the guest
-    /// run on unprotected (its RAM stays in its memfd).
+    /// a wrong byte. A fault that still fails after [`FAULT_GIVE_UP`], or on a blob that
+    /// no longer decodes to its page, fails closed ([`crate::fail_closed`]: QEMU paused,
+    /// or aborted) rather than spin forever or let the guest run on unprotected.
     pub(crate) fn handle_or_retry(&mut self, ev: Event) {
         let mut delay = Duration::from_millis(1);
         let started = std::time::Instant::now();
         while let Err(e) = self.handle(ev) {
             // A blob that no longer decodes to its page will not on a retry either.
             if e.kind() == io::ErrorKind::InvalidData {
-                crate::fail_closed(&format!("fault {ev:?}: {e}"));
+                self.fail_closed(&format!("fault {ev:?}: {e}"));
             }
             if started.elapsed() > FAULT_GIVE_UP {
-                crate::fail_closed(&format!(
+                self.fail_closed(&format!(
                     "fault {ev:?} still fails after {FAULT_GIVE_UP:?}: {e}"
                 ));
             }

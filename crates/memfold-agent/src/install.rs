@@ -137,14 +137,26 @@ impl Agent {
             }
             if fds[1].revents != 0 {
                 let mut errno: i32 = 0;
-                // SAFETY: reads 4 bytes into a local.
-                unsafe {
-                    libc::read(
-                        self.remapper.done_r.as_raw_fd(),
-                        &mut errno as *mut i32 as *mut libc::c_void,
-                        4,
-                    )
+                let n = loop {
+                    // SAFETY: reads 4 bytes into a local.
+                    let n = unsafe {
+                        libc::read(
+                            self.remapper.done_r.as_raw_fd(),
+                            &mut errno as *mut i32 as *mut libc::c_void,
+                            4,
+                        )
+                    };
+                    if n >= 0 || io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+                        break n;
+                    }
                 };
+                if n != 4 {
+                    // The helper is gone without a word: whether pool frames now back
+                    // these guest pages, unprotected, is unknown.
+                    self.fail_closed(&format!(
+                        "the remap thread ended during a move onto guest RAM at {dst:#x}"
+                    ));
+                }
                 return if errno == 0 {
                     Ok(())
                 } else {

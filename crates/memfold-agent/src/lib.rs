@@ -54,12 +54,21 @@
 //! decoded from the store memfd the agent holds; before re-attaching, the agent writes
 //! them all back into guest RAM, so a new memfoldd starts with a new, empty store.
 //!
+//! **Failing closed**: when the agent cannot serve a fault (a stored page that fails its
+//! checksum, a fault still failing after 30 s, the agent's loop ending or panicking), no
+//! guest may run on without its protection. By default (`MEMFOLD_FAIL=pause`) the agent
+//! stops the whole QEMU process with `SIGSTOP`, keeping the userfaultfd and guest RAM
+//! mapped: the VM is paused with its data intact, for the operator to inspect (`gcore`,
+//! `/proc/PID/mem`) or end (`kill -9`); one log line says what failed and how.
+//! `MEMFOLD_FAIL=abort` aborts QEMU instead. Every path that gets there is listed at
+//! `fail_closed`.
+//!
 //! The agent's record of each page is where it lives: private, a reclaimed zero page, on
 //! a pool frame, or stashed as a blob; every fault is served by that.
 //!
 //! | module | what |
 //! |---|---|
-//! | `config` | [`AgentConfig`] from the environment; finding guest RAM in this process |
+//! | `config` | [`AgentConfig`] (with [`FailMode`]) from the environment; finding guest RAM in this process |
 //! | `state` | each page's home (`PageHome`) and its R and M bits |
 //! | `fault` | the fault handler: by the faulting page's home (CoW break, refill, decode) |
 //! | `requests` | memfoldd's requests (share, reclaim, stash, move, clock scan) and replies |
@@ -67,7 +76,7 @@
 //! | `attach` | connecting, the hello and re-attach list, the welcome, the reports |
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use memfold_ids::Gfn;
@@ -82,7 +91,7 @@ mod install;
 mod requests;
 mod state;
 
-pub use config::AgentConfig;
+pub use config::{AgentConfig, ConfigError, FailMode};
 
 use attach::{Counters, Pending};
 use install::Remapper;
@@ -93,46 +102,140 @@ const PAGE: u64 = 4096;
 /// Guest RAM (and pages given back to it) is registered for all three fault kinds.
 const RAM_MODE: u64 = uffd::MODE_MISSING | uffd::MODE_WP | uffd::MODE_MINOR;
 
-/// Starts the agent thread if the environment asks for it. Its log goes to stderr
-/// (QEMU's log), each line naming `memfold-agent`; after an error the guest runs on
-/// unmanaged.
+/// Starts the agent thread if the environment asks for it (once per process: the
+/// library's constructor calls it, and a host program may too). Its log goes to stderr
+/// (QEMU's log), each line naming `memfold-agent`. If the agent cannot start (no guest
+/// RAM, no userfaultfd, a bad `MEMFOLD_FAIL`) the guest runs on unmanaged; once it
+/// manages guest RAM it never ends but by failing closed ([`run`]).
 pub fn start_from_env() {
-    let Some(cfg) = AgentConfig::from_env() else {
-        return;
-    };
+    static STARTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     // QEMU is C: nothing else in its process installs a subscriber.
-    let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .with_target(true)
-        .try_init();
+    let logger = || {
+        let _ = tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .with_target(true)
+            .try_init();
+    };
+    let cfg = match AgentConfig::from_env() {
+        Ok(Some(cfg)) => cfg,
+        Ok(None) => return,
+        Err(e) => {
+            logger();
+            tracing::error!("{e}; the agent does not start, the guest runs unmanaged");
+            return;
+        }
+    };
+    if STARTED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        return;
+    }
+    logger();
     let _ = std::thread::Builder::new()
         .name("memfold-agent".into())
         .spawn(move || {
-            let ended = std::panic::catch_unwind(|| run(cfg));
-            if REGISTERED.load(std::sync::atomic::Ordering::SeqCst) {
-                // The userfaultfd closes with this thread: write-protection, which keeps
-                // the guest's writes out of shared pool frames, would be gone.
-                fail_closed(&format!("the agent thread ended: {ended:?}"));
-            }
-            if let Ok(Err(e)) = ended {
-                tracing::error!("guest left unmanaged: {e}");
+            // `run` catches panics once guest RAM is registered; this one is from before:
+            // nothing is registered, so the guest runs on unmanaged.
+            match std::panic::catch_unwind(|| run(cfg)) {
+                Ok(Err(e)) => tracing::error!("guest left unmanaged: {e}"),
+                Err(p) => tracing::error!(
+                    "guest left unmanaged: the agent panicked: {}",
+                    panic_text(&*p)
+                ),
             }
         });
 }
 
-/// Set once guest RAM is registered with the agent's userfaultfd: from then on the agent
-/// must outlive the guest.
-static REGISTERED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// A panic's message.
+fn panic_text(p: &(dyn std::any::Any + Send)) -> &str {
+    p.downcast_ref::<&str>()
+        .copied()
+        .or_else(|| p.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
+}
 
-/// Fails closed: logs why and aborts the QEMU process, so that no guest runs on without
-/// the agent's protection (a shared frame written through, a fault never served). The
-/// guest's RAM stays in its memfd; nothing another guest holds is touched.
-pub(crate) fn fail_closed(why: &str) -> ! {
-    tracing::error!("failing closed, aborting QEMU: {why}");
-    // Straight to stderr too: the last line of QEMU's log, subscriber or not.
-    eprintln!("memfold-agent: failing closed, aborting QEMU: {why}");
-    std::process::abort()
+/// Fails closed: no guest runs on without the agent's protection (a shared frame written
+/// through, a stale or corrupt page read, a fault never served). Never returns, so the
+/// caller, the agent thread, keeps holding the userfaultfd and the descriptors and
+/// mappings of guest RAM: write-protection and missing pages stay in force whatever
+/// happens next. Nothing another guest holds is touched.
+///
+/// What it does is `mode` (`MEMFOLD_FAIL`):
+///
+/// - [`FailMode::Pause`] (the default): `SIGSTOP`, raised on the agent thread, stops
+///   every thread of QEMU — vCPUs, the main loop, I/O threads — with guest RAM mapped
+///   and its memfd open, for the operator to inspect (`gcore PID`, `/proc/PID/mem`) or
+///   end (`kill -9 PID`; `kill -ABRT PID; kill -CONT PID` for a core dump). A `SIGCONT`
+///   alone only stops it again (logged): the fault that failed is still unserved. If
+///   the stop itself fails, QEMU is aborted.
+/// - [`FailMode::Abort`]: QEMU aborts (`SIGABRT`); the guest is gone.
+///
+/// Why not QMP `stop`, which would pause only the vCPUs: the agent has no QMP channel.
+/// The monitor socket is QEMU's own, set on its command line and normally held by the
+/// manager (libvirt keeps the one connection); the agent could only guess it from
+/// `/proc/self/cmdline`. And QMP commands are carried out by QEMU's main loop thread,
+/// which may be the very thread waiting on the fault the agent cannot serve (device
+/// emulation touching guest RAM), so the `stop` would never happen. QEMU's `vm_stop` is
+/// not an exported symbol a preloaded library could call. A signal needs nothing from
+/// QEMU and stops its own threads too, which a QMP `stop` leaves running against RAM.
+///
+/// Reached on every path where the agent cannot go on serving faults:
+///
+/// - a fault still failing after [`fault::FAULT_GIVE_UP`] (30 s) of retries: the host
+///   out of memory (`ENOMEM` from `UFFDIO_COPY`/`ZEROPAGE`/`CONTINUE`, or the CoW
+///   break's copy), `EIO` or any other error from a userfaultfd ioctl, or the VMA limit
+///   (vm.max_map_count) when a CoW break maps the guest memfd back over one page of a
+///   pool mapping (`fault.rs`, `handle_or_retry`);
+/// - at once, a stashed page whose blob does not decode to the page's checksum (a
+///   corrupt store or swap file, or a changed reference frame: a retry reads the same);
+/// - the agent's loop ending with an error (polling or reading the userfaultfd) or a
+///   panic on the agent thread, once guest RAM is registered ([`run`] catches both
+///   with the agent still alive);
+/// - the remap helper thread gone in the middle of a move, so that whether pool frames
+///   now back guest pages is unknown (`install.rs`).
+///
+/// Not on these: an error carrying out one of memfoldd's requests (its pages stay as
+/// they were, or private and write-protected, and the next write is served; the agent
+/// drops the connection and re-attaches), or before guest RAM is registered (nothing
+/// to protect: the guest runs unmanaged).
+///
+/// `ram` is this process's descriptor of guest RAM's memfd, named in the log line: pages
+/// not mapped now (stashed, reclaimed, or unmapped by the clock) read as `EIO` through
+/// `/proc/PID/mem`, while the memfd holds every page that is in RAM.
+fn fail_closed(mode: FailMode, why: &str, ram: RawFd) -> ! {
+    let pid = rustix::process::getpid();
+    if mode == FailMode::Abort {
+        log_line(&format!("failing closed, aborting QEMU (pid {pid}): {why}"));
+        std::process::abort()
+    }
+    log_line(&format!(
+        "failing closed: {why}. VM PAUSED: QEMU pid {pid} is stopped (SIGSTOP) with guest RAM mapped and intact; inspect it with `gcore {pid}`, /proc/{pid}/mem or guest RAM's memfd /proc/{pid}/fd/{ram}; end it with `kill -9 {pid}` (SIGCONT stops it again; MEMFOLD_FAIL=abort aborts instead of pausing)"
+    ));
+    loop {
+        // To this thread, not kill(getpid()): another thread may take a process-directed
+        // signal, and this one would run on until the group stop reached it. A stop
+        // signal stops the whole process whichever thread takes it.
+        // SAFETY: raise only sends a signal; SIGSTOP has no handler to run.
+        if unsafe { libc::raise(libc::SIGSTOP) } != 0 {
+            let e = io::Error::last_os_error();
+            log_line(&format!(
+                "cannot stop QEMU (pid {pid}): {e}; aborting it instead ({why})"
+            ));
+            std::process::abort()
+        }
+        // Here only once the process is continued (or a tracer swallowed the stop).
+        log_line(&format!(
+            "QEMU pid {pid} was continued, but the agent failed closed ({why}): stopping it again; `kill -9 {pid}` ends it"
+        ));
+    }
+}
+
+/// Logs an error line of failing closed, and writes it straight to stderr too: the last
+/// line of QEMU's log, subscriber or not. Never panics: failing closed must not unwind
+/// (stderr may be closed, a subscriber may panic).
+fn log_line(line: &str) {
+    use std::io::Write;
+    let _ = std::panic::catch_unwind(|| tracing::error!("{line}"));
+    let _ = writeln!(std::io::stderr(), "memfold-agent: {line}");
 }
 
 extern "C" fn memfold_agent_init() {
@@ -176,9 +279,12 @@ struct Agent {
 
 /// Runs the agent until the process exits.
 ///
-/// Errors: guest RAM never appeared, or userfaultfd is unavailable. Once attached, the
-/// agent never returns while QEMU lives: losing memfoldd only makes it reconnect.
-pub fn run(cfg: AgentConfig) -> io::Result<()> {
+/// Errors: guest RAM never appeared, or userfaultfd is unavailable (the guest runs on
+/// unmanaged). Once guest RAM is registered the agent never returns: losing memfoldd
+/// only makes it reconnect, and if its loop ends with an error or panics it fails closed
+/// (`cfg.on_failure`) with the agent, its userfaultfd and guest RAM's descriptors still
+/// held.
+pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
     let deadline = Instant::now() + Duration::from_secs(120);
     let (base, memfd) = loop {
         if let Some(found) = config::find_ram(cfg.ram_bytes)? {
@@ -192,6 +298,8 @@ pub fn run(cfg: AgentConfig) -> io::Result<()> {
         }
         std::thread::sleep(Duration::from_millis(2));
     };
+    // Everything that can fail comes before registering: afterwards only failing closed.
+    let remapper = Remapper::new()?;
     let uffd = Uffd::open(
         uffd::FEATURE_EVENT_REMAP
             | uffd::FEATURE_MISSING_SHMEM
@@ -203,7 +311,6 @@ pub fn run(cfg: AgentConfig) -> io::Result<()> {
     // through raw addresses (QEMU's vCPUs and devices), never through Rust references; the
     // agent thread that answers its faults never touches it through the mapping.
     unsafe { uffd.register(base, cfg.ram_bytes, RAM_MODE) }?;
-    REGISTERED.store(true, std::sync::atomic::Ordering::SeqCst);
     let max_maps: usize = std::fs::read_to_string("/proc/sys/vm/max_map_count")
         .ok()
         .and_then(|s| s.trim().parse().ok())
@@ -225,16 +332,22 @@ pub fn run(cfg: AgentConfig) -> io::Result<()> {
         pending: Pending::default(),
         counters: Counters::new(),
         deferred: Vec::new(),
-        remapper: Remapper::new()?,
+        remapper,
         vma_budget,
     };
-    agent.serve()
+    // A panic unwinds to here, not past: `agent` (the userfaultfd, guest RAM's memfd, the
+    // pool) must outlive failing closed, or write-protection would be gone.
+    let why = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| agent.serve())) {
+        Ok(e) => format!("the agent's loop ended: {e}"),
+        Err(p) => format!("the agent thread panicked: {}", panic_text(&*p)),
+    };
+    agent.fail_closed(&why)
 }
 
 impl Agent {
     /// The agent's loop: (re)attach when detached, serve faults, carry out requests,
-    /// report. Returns only if polling fails.
-    fn serve(&mut self) -> io::Result<()> {
+    /// report. Returns only if polling or reading the userfaultfd fails.
+    fn serve(&mut self) -> io::Error {
         loop {
             if self.conn.is_none()
                 && self
@@ -263,10 +376,14 @@ impl Agent {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
-                return Err(e);
+                return e;
             }
-            while let Some(ev) = self.uffd.read_event()? {
-                self.handle_or_retry(ev);
+            loop {
+                match self.uffd.read_event() {
+                    Ok(Some(ev)) => self.handle_or_retry(ev),
+                    Ok(None) => break,
+                    Err(e) => return e.into(),
+                }
             }
             if fds.len() > 1 && fds[1].revents != 0 {
                 if let Err(e) = self.command() {
@@ -282,6 +399,11 @@ impl Agent {
             }
             self.report();
         }
+    }
+
+    /// Fails closed as configured ([`fail_closed`]), holding on to the agent.
+    fn fail_closed(&self, why: &str) -> ! {
+        fail_closed(self.cfg.on_failure, why, self.memfd.as_raw_fd())
     }
 
     /// Address of page `gfn` in this process.

@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use memfold_agent::{self as agent, AgentConfig};
+use memfold_agent::{self as agent, AgentConfig, FailMode};
 use memfold_core::{CompressCodec, PatchCodec, Policy};
 use memfold_core::{EngineConfig, ZeroPolicy};
 use memfold_live::daemon::{self, DaemonConfig, DomainRule};
@@ -153,6 +153,8 @@ fn run_model(pages: usize, host_budget: Option<u64>, cold: f64, codec: CompressC
         name: "model".into(),
         ram_bytes: bytes as u64,
         vma_budget: None,
+        // The agent runs in this test process: pausing would stop the test run for good.
+        on_failure: FailMode::Abort,
     };
     std::thread::spawn(move || agent::run(acfg));
 

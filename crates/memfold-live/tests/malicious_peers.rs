@@ -14,7 +14,7 @@
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use memfold_agent::{self as agent, AgentConfig};
+use memfold_agent::{self as agent, AgentConfig, FailMode};
 use memfold_core::{EngineConfig, Policy};
 use memfold_live::daemon::{self, DaemonConfig, DomainRule};
 use memfold_live::query_stats;
@@ -329,6 +329,8 @@ fn lying_peers_neither_stop_memfoldd_nor_reach_another_guests_pages() {
         name: "honest".into(),
         ram_bytes: (pages * PAGE) as u64,
         vma_budget: None,
+        // The agent runs in this test process: pausing would stop the test run for good.
+        on_failure: FailMode::Abort,
     };
     std::thread::spawn(move || agent::run(acfg));
     let t = Instant::now();
@@ -436,6 +438,8 @@ fn a_fake_memfoldd_that_never_answers_does_not_freeze_the_guest() {
         name: "victim".into(),
         ram_bytes: (pages * PAGE) as u64,
         vma_budget: None,
+        // The agent runs in this test process: pausing would stop the test run for good.
+        on_failure: FailMode::Abort,
     };
     std::thread::spawn(move || agent::run(acfg));
     std::thread::sleep(Duration::from_millis(500));

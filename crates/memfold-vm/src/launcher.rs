@@ -447,12 +447,27 @@ impl Guest {
         })
     }
 
-    /// Stops QEMU: QMP `quit`, then SIGKILL if it has not exited within 5 s. Idempotent.
+    /// Whether QEMU is stopped (state `T`): paused by its memfold agent failing closed
+    /// (`SIGSTOP`), or by someone else's stop signal.
+    pub fn is_stopped(&self) -> bool {
+        self.child.is_some()
+            && std::fs::read_to_string(format!("/proc/{}/stat", self.pid))
+                .is_ok_and(|s| stat_state(&s) == Some('T'))
+    }
+
+    /// Stops QEMU: QMP `quit`, then SIGKILL if it has not exited within 5 s; a stopped
+    /// QEMU (which cannot answer QMP) gets SIGKILL at once. Idempotent.
     pub fn stop(&mut self) {
+        let stopped = self.is_stopped();
         let Some(mut child) = self.child.take() else {
             return;
         };
         if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        if stopped {
+            let _ = child.kill();
+            let _ = child.wait();
             return;
         }
         if let Ok(mut q) = Qmp::connect(&self.qmp_path, Duration::from_millis(500)) {
@@ -470,8 +485,61 @@ impl Guest {
     }
 }
 
+/// The state letter of a `/proc/PID/stat` line: `R` running, `S` sleeping, `D` waiting
+/// on I/O, `T` stopped, `t` stopped by a tracer, `Z` a zombie. The command before it is
+/// in parentheses and may itself hold spaces and parentheses: the state follows the last
+/// `) `. `None` for a line without one.
+pub fn stat_state(stat: &str) -> Option<char> {
+    stat.rsplit_once(") ")?.1.chars().next()
+}
+
 impl Drop for Guest {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_state_is_read_after_the_command_whatever_it_holds() {
+        assert_eq!(
+            stat_state("4242 (qemu-system-x86) T 1 4242 4242 0 -1 4194560 9 0"),
+            Some('T')
+        );
+        assert_eq!(stat_state("17 (bash) S 16 17"), Some('S'));
+        // A command may hold spaces and ") " itself (comm is up to 15 bytes of anything).
+        assert_eq!(stat_state("9 (a) R (b c) t 1 9"), Some('t'));
+        assert_eq!(stat_state("9 (x)) Z 1"), Some('Z'));
+        assert_eq!(stat_state(""), None);
+        assert_eq!(stat_state("9 (no state)"), None);
+    }
+
+    #[test]
+    fn a_stopped_process_reads_as_stopped() {
+        struct Killed(Child);
+        impl Drop for Killed {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let p = Killed(Command::new("sleep").arg("30").spawn().unwrap());
+        let pid = rustix::process::Pid::from_child(&p.0);
+        let state =
+            || stat_state(&std::fs::read_to_string(format!("/proc/{}/stat", p.0.id())).unwrap());
+        rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
+        let t = Instant::now();
+        while state() != Some('T') {
+            assert!(t.elapsed() < Duration::from_secs(5), "state {:?}", state());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
+        while state() == Some('T') {
+            assert!(t.elapsed() < Duration::from_secs(5), "still stopped");
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 }

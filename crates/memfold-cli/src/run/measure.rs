@@ -123,6 +123,23 @@ pub struct Sample {
     /// memfoldd restarts so far in the run (deliberate kills included): a sample after a
     /// restart counts the new memfoldd's books (the gap is where this changes).
     pub daemon_restarts: u32,
+    /// Managed guests whose QEMU was stopped at that time: paused by their agent failing
+    /// closed (docs/security.md), not running.
+    pub paused: Vec<String>,
+}
+
+/// Each guest found paused (fail closed) in `samples`, with the time of the first sample
+/// that found it so, s; in that order.
+pub fn paused_since(samples: &[Sample]) -> Vec<(String, f64)> {
+    let mut out: Vec<(String, f64)> = Vec::new();
+    for s in samples {
+        for name in &s.paused {
+            if !out.iter().any(|(n, _)| n == name) {
+                out.push((name.clone(), s.t));
+            }
+        }
+    }
+    out
 }
 
 /// A memfold run's result.
@@ -391,6 +408,28 @@ mod tests {
         })
         .unwrap();
         every_second(Some(0), None, |_| panic!("no time to sample")).unwrap();
+    }
+
+    #[test]
+    fn a_paused_guest_is_reported_from_the_first_sample_that_found_it() {
+        let sample = |t: f64, paused: &[&str]| Sample {
+            t,
+            used_bytes: 0,
+            stats: Stats::default(),
+            daemon_restarts: 0,
+            paused: paused.iter().map(|p| p.to_string()).collect(),
+        };
+        let samples = [
+            sample(1.0, &[]),
+            sample(2.0, &["web-1"]),
+            sample(3.0, &["web-1", "db-1"]),
+            sample(4.0, &["db-1"]),
+        ];
+        assert_eq!(
+            paused_since(&samples),
+            [("web-1".to_string(), 2.0), ("db-1".to_string(), 3.0)]
+        );
+        assert!(paused_since(&samples[..1]).is_empty());
     }
 
     #[test]

@@ -130,6 +130,9 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     // their guests meanwhile and re-attach), marks the gap, and measures on.
     let (mut restarts, mut cpu_dead, mut cpu_last) = (0u32, 0.0, 0.0);
     let (mut kills, mut killed_at) = (0u32, 0.0);
+    // A managed QEMU found stopped was paused by its agent failing closed: said once, shown
+    // in the view and the summary, and the run goes on.
+    let mut announced: Vec<String> = Vec::new();
     measure::every_second((m.secs > 0).then_some(m.secs), Some(stop), |start| {
         for g in guests.iter_mut().chain(plain.iter_mut()) {
             g.check_alive()?;
@@ -150,6 +153,24 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             cpu_dead += cpu_last;
             cpu_last = 0.0;
             daemon = start_daemon()?;
+        }
+        let paused: Vec<String> = guests
+            .iter()
+            .filter(|g| g.is_stopped())
+            .map(|g| g.name.clone())
+            .collect();
+        for g in guests.iter().filter(|g| paused.contains(&g.name)) {
+            if !announced.contains(&g.name) {
+                announced.push(g.name.clone());
+                eprintln!(
+                    "guest {}: paused (fail closed) at {:.0} s: its memfold agent could not serve a fault and stopped QEMU (pid {}) with guest RAM intact; {} says why. Inspect it with `gcore {}`; the run goes on and kills it at the end",
+                    g.name,
+                    start.elapsed().as_secs_f64(),
+                    g.pid,
+                    g.serial_path.with_file_name("qemu.stderr").display(),
+                    g.pid
+                );
+            }
         }
         if let Some(status) = daemon.0.try_wait()? {
             restarts += 1;
@@ -175,6 +196,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             used_bytes: measure::used(&guests)?.0,
             stats,
             daemon_restarts: restarts + kills,
+            paused,
         };
         view::print(used_before, &s, samples.last());
         samples.push(s);

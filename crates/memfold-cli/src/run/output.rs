@@ -8,7 +8,8 @@ use anyhow::{Context, Result};
 use memfold_wire::{SavedBy, Stats};
 
 use super::measure::{
-    measured_as, pages_mib, saved_mib_over_time, t95_text, GuestEvents, MemfoldRun, MIB,
+    measured_as, pages_mib, paused_since, saved_mib_over_time, t95_text, GuestEvents, MemfoldRun,
+    MIB,
 };
 use super::{view, MemfoldArgs};
 use crate::plot::{self, Panel, Series};
@@ -151,6 +152,10 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         "memfoldd_kills": r.daemon_kills,
         "held_bytes": r.end().map(|s| s.held),
         "lifetime": r.end().map(|s| s.lifetime.clone()),
+        "paused": paused_since(&r.samples)
+            .iter()
+            .map(|(name, t)| serde_json::json!({"guest": name, "since_s": t}))
+            .collect::<Vec<_>>(),
     });
     if a.set.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -187,6 +192,11 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         t95_text(r.t95_s),
         r.cpu_s
     );
+    for (name, t) in paused_since(&r.samples) {
+        println!(
+            "guest {name}: paused (fail closed) from {t:.0} s on: its agent stopped QEMU rather than let it run unprotected (its qemu.stderr says why); its figures since then are of a stopped guest"
+        );
+    }
     if let Some(s) = r.end() {
         print_end_books(s);
         print_churn(s);
@@ -345,6 +355,7 @@ mod tests {
                     used_bytes: (2000 - 100 * t as u64) * 4096,
                     stats,
                     daemon_restarts: 0,
+                    paused: vec![],
                 }
             })
             .collect();

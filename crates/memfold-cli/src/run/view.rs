@@ -46,17 +46,33 @@ pub fn print(used_before: u64, s: &Sample, prev: Option<&Sample>) {
             String::new()
         };
         eprintln!(
-            "    {:<14} {:>7} pages  shared {:>7}  zero {:>7}{de}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s{nru}",
+            "    {:<14} {:>7} pages  shared {:>7}  zero {:>7}{de}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s{nru}{}",
             v.name,
             v.pages,
             v.shared_pages,
             v.zero_shared_pages + v.zero_reclaimed_pages,
             rate(|v| v.cow_breaks),
             rate(|v| v.wp_faults + v.missing_faults + v.minor_faults),
-            rate(|v| v.scanned_pages)
+            rate(|v| v.scanned_pages),
+            if s.paused.contains(&v.name) {
+                PAUSED
+            } else {
+                ""
+            }
         );
     }
+    // Paused guests memfoldd does not list (not attached) are shown too.
+    for name in s
+        .paused
+        .iter()
+        .filter(|n| s.stats.vms.iter().all(|v| &v.name != *n))
+    {
+        eprintln!("    {name:<14}{PAUSED}");
+    }
 }
+
+/// How the view marks a guest whose QEMU its agent stopped.
+const PAUSED: &str = "  paused (fail closed)";
 
 /// The budget part of the view: host use against the budget, the swap file (empty without
 /// a budget).

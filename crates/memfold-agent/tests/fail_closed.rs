@@ -1,0 +1,649 @@
+//! Failing closed (issue 14): when the agent cannot serve a fault, QEMU is paused with
+//! guest RAM intact (`MEMFOLD_FAIL=pause`, the default), or aborted (`abort`).
+//!
+//! Each test re-runs this test binary as a child that plays QEMU: the agent starts in it
+//! from the environment (the library's constructor, as `LD_PRELOAD` starts it in QEMU),
+//! guest RAM is a shared memfd mapping (as `memory-backend-memfd` makes it) filled with
+//! a known pattern, and a thread plays memfoldd, speaking the wire. Then the child makes
+//! the agent fail:
+//!
+//! - a corrupt blob: the fake memfoldd stashes a page, then flips a byte of its blob in
+//!   the store; the guest reads the page, the decoded page fails its checksum;
+//! - a panic on the agent thread: the child's logger (QEMU's process, the agent's
+//!   subscriber) panics on the agent's warning that it refused a stash;
+//! - the agent's loop ending with an error: the child lowers its RLIMIT_NOFILE to 0, so
+//!   the agent's next `poll` fails (`EINVAL`).
+//!
+//! The test process watches the child: stopped (`/proc/PID/stat` state `T`, every
+//! thread), its userfaultfd still open, every page it wrote still reading the same
+//! through `/proc/PID/mem`, one log line that says what failed and how to inspect or end
+//! it; or, with `MEMFOLD_FAIL=abort`, dead by `SIGABRT`. Children are killed when a test
+//! ends, however it ends.
+
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::os::unix::fs::FileExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use memfold_codecs::{page_checksum, Page, PAGE_SIZE};
+use memfold_sys::memfd;
+use memfold_wire::{BatchId, Gfn, PROTOCOL_VERSION};
+use memfold_wire::{Blob, BlobHome, Conn, Listener, StashPage, ToAgent, ToDaemon};
+use rustix::process::{Pid, Resource, Rlimit, Signal};
+
+/// Set in a child: what to make fail.
+const ROLE: &str = "MEMFOLD_FAIL_CLOSED_ROLE";
+/// Set in a child: its work folder (the fake memfoldd's socket).
+const DIR: &str = "MEMFOLD_FAIL_CLOSED_DIR";
+/// Guest RAM, pages.
+const PAGES: usize = 64;
+/// The page the fake memfoldd stashes.
+const STASHED: usize = 7;
+/// The memfd's name: the parent finds guest RAM in the child's maps by it.
+const RAM_NAME: &str = "fail-closed-guest-ram";
+/// Longest wait for the child to stop or exit.
+const WAIT: Duration = Duration::from_secs(20);
+
+/// Byte `i` of page `g` as the guest writes it: no page is zero or equal to another.
+fn pattern(g: usize, i: usize) -> u8 {
+    (g * 131 + i * 7 + 1) as u8 ^ (i >> 8) as u8
+}
+
+// ---- the child: QEMU, its guest and a fake memfoldd ----
+
+/// What the child makes fail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Failure {
+    /// A stashed page's blob changed in the store, then read by the guest.
+    CorruptBlob,
+    /// A panic on the agent thread.
+    Panic,
+    /// The agent's loop ends with an error.
+    LoopError,
+}
+
+impl Failure {
+    fn name(self) -> &'static str {
+        match self {
+            Failure::CorruptBlob => "corrupt-blob",
+            Failure::Panic => "panic",
+            Failure::LoopError => "loop-error",
+        }
+    }
+}
+
+/// In a child, its role.
+fn child_role() -> Option<Failure> {
+    let role = std::env::var(ROLE).ok()?;
+    [Failure::CorruptBlob, Failure::Panic, Failure::LoopError]
+        .into_iter()
+        .find(|f| f.name() == role)
+}
+
+/// The child: maps guest RAM, lets the agent manage it, makes it fail; never returns
+/// (it is stopped, aborted or killed by the parent).
+fn child(failure: Failure) -> ! {
+    // SIGABRT would leave a core file.
+    rustix::process::setrlimit(
+        Resource::Core,
+        Rlimit {
+            current: Some(0),
+            maximum: Some(0),
+        },
+    )
+    .unwrap();
+    let dir = PathBuf::from(std::env::var_os(DIR).expect("work folder"));
+    let socket = dir.join("memfoldd.sock");
+    let listener = Listener::bind(&socket).unwrap();
+    // memfoldd answers before guest RAM appears: the agent's handshake runs on the thread
+    // that serves the fill's first touches.
+    let (attached_tx, attached) = std::sync::mpsc::channel();
+    std::thread::spawn(move || fake_memfoldd(&listener, failure, attached_tx));
+
+    let fd = memfd::create(RAM_NAME).unwrap();
+    memfd::set_len(fd.as_fd(), (PAGES * PAGE_SIZE) as u64).unwrap();
+    // SAFETY: a new shared mapping of a memfd this child owns; it is never unmapped, and
+    // the fd is leaked with it so that the agent finds it among the descriptors.
+    let ram = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            PAGES * PAGE_SIZE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            0,
+        )
+    };
+    assert_ne!(ram, libc::MAP_FAILED);
+    std::mem::forget(fd);
+    let ram = ram as *mut u8;
+    for g in 0..PAGES {
+        for i in 0..PAGE_SIZE {
+            // SAFETY: within the mapping, which no Rust reference covers (the agent may
+            // already serve its first touches).
+            unsafe { ram.add(g * PAGE_SIZE + i).write_volatile(pattern(g, i)) };
+        }
+    }
+
+    if failure == Failure::Panic {
+        // The agent's constructor saw no MEMFOLD_SOCKET (the parent leaves it out): the
+        // logger goes in first, then the agent starts as the constructor would.
+        tracing::subscriber::set_global_default(PanicOn("stash refused")).unwrap();
+        std::env::set_var("MEMFOLD_SOCKET", &socket);
+        memfold_agent::start_from_env();
+    }
+    // Otherwise the constructor started the agent at load; it finds RAM now.
+
+    attached
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the agent attached and the fake memfoldd did its part");
+    match failure {
+        Failure::CorruptBlob => {
+            eprintln!("child: the guest touches page {STASHED}");
+            // SAFETY: within the mapping; a fault the agent serves (or fails closed on).
+            let b = unsafe { ram.add(STASHED * PAGE_SIZE).read_volatile() };
+            eprintln!(
+                "child: the guest got past page {STASHED}: read {b:#x} (wrote {:#x})",
+                pattern(STASHED, 0)
+            );
+        }
+        Failure::LoopError => {
+            // The agent has its welcome (the pool among its descriptors): it only polls
+            // and serves from here.
+            let t = Instant::now();
+            while fds_to("/memfd:fake-pool") < 2 {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "the agent never got its pool"
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let maximum = rustix::process::getrlimit(Resource::Nofile).maximum;
+            rustix::process::setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: Some(0),
+                    maximum,
+                },
+            )
+            .unwrap();
+            eprintln!("child: RLIMIT_NOFILE is 0");
+        }
+        Failure::Panic => {}
+    }
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// memfoldd as the agent sees it: welcomes it with a pool and a store, and for
+/// `CorruptBlob` stashes page [`STASHED`] and then corrupts its blob, for `Panic` asks to
+/// stash it with a wrong checksum (the agent refuses, with a warning). Sends on
+/// `attached` when done, then holds the connection.
+fn fake_memfoldd(listener: &Listener, failure: Failure, attached: std::sync::mpsc::Sender<()>) {
+    let conn = listener.accept().unwrap();
+    let (hello, mut fds) = conn.recv::<ToDaemon>().unwrap().expect("a hello");
+    assert!(matches!(hello, ToDaemon::AgentHello { .. }), "{hello:?}");
+    let guest = fds.remove(0);
+    let pool = memfd::create("fake-pool").unwrap();
+    let store = memfd::create("fake-store").unwrap();
+    memfd::set_len(store.as_fd(), PAGE_SIZE as u64).unwrap();
+    conn.send(
+        &ToAgent::Welcome {
+            version: PROTOCOL_VERSION,
+        },
+        &[pool.as_fd(), store.as_fd()],
+    )
+    .unwrap();
+    if failure != Failure::LoopError {
+        let mut page: Page = [0; PAGE_SIZE];
+        memfd::pread_exact(guest.as_fd(), &mut page, (STASHED * PAGE_SIZE) as u64).unwrap();
+        memfd::pwrite_all(store.as_fd(), &page, 0).unwrap();
+        let good = page_checksum(&page);
+        let stash = StashPage {
+            gfn: Gfn(STASHED as u32),
+            blob: Blob::Raw,
+            home: BlobHome::Store,
+            offset: 0,
+            len: PAGE_SIZE as u32,
+            moving: false,
+            checksum: if failure == Failure::Panic {
+                !good
+            } else {
+                good
+            },
+        };
+        conn.send(
+            &ToAgent::Stash {
+                batch: BatchId(1),
+                pages: vec![stash],
+            },
+            &[],
+        )
+        .unwrap();
+        if failure == Failure::CorruptBlob {
+            let stashed = wait_stash_done(&conn);
+            assert_eq!(stashed, [Gfn(STASHED as u32)], "the agent stashed the page");
+            // The store, writable by whoever holds it, changes under the agent.
+            memfd::pwrite_all(store.as_fd(), &[page[0] ^ 0x5a], 0).unwrap();
+        }
+    }
+    attached.send(()).unwrap();
+    loop {
+        let _ = conn.recv::<ToDaemon>();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// How many of this process's descriptors name a file starting with `name`.
+fn fds_to(name: &str) -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .filter(|p| p.to_string_lossy().starts_with(name))
+        .count()
+}
+
+/// The pages of the agent's answer to the stash (its reports may come first).
+fn wait_stash_done(conn: &Conn) -> Vec<Gfn> {
+    conn.set_recv_timeout(Duration::from_secs(5)).unwrap();
+    loop {
+        match conn.recv::<ToDaemon>().unwrap().expect("an answer").0 {
+            ToDaemon::StashDone { stashed, .. } => return stashed,
+            _ => continue,
+        }
+    }
+}
+
+/// A logger that prints every event and panics on the first whose message contains its
+/// text: a panic injected into whichever thread logs it, the agent's.
+struct PanicOn(&'static str);
+
+impl tracing::Subscriber for PanicOn {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        struct Message(String);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                if f.name() == "message" {
+                    self.0 = format!("{v:?}");
+                }
+            }
+        }
+        let mut m = Message(String::new());
+        event.record(&mut m);
+        eprintln!("{} {}", event.metadata().level(), m.0);
+        static FIRED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if m.0.contains(self.0) && !FIRED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            panic!("injected: the logger panics on the agent thread");
+        }
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+// ---- the parent: watches the child ----
+
+/// A child playing QEMU; killed when dropped, stopped or not.
+struct Qemu {
+    child: Child,
+    log: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl Drop for Qemu {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Qemu {
+    /// Runs test `test` of this binary as a child with role `failure`; `fail`: the
+    /// child's `MEMFOLD_FAIL` (`None`: unset).
+    fn start(test: &str, failure: Failure, fail: Option<&str>) -> Qemu {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("child.log");
+        let out = File::create(&log).unwrap();
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env(ROLE, failure.name())
+            .env(DIR, dir.path())
+            .env("MEMFOLD_VM_NAME", "fail-closed")
+            .env("MEMFOLD_RAM_BYTES", (PAGES * PAGE_SIZE).to_string())
+            .env_remove("MEMFOLD_FAIL")
+            .current_dir(dir.path())
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out);
+        if failure == Failure::Panic {
+            // The child starts the agent itself once its logger is in.
+            cmd.env_remove("MEMFOLD_SOCKET");
+        } else {
+            cmd.env("MEMFOLD_SOCKET", dir.path().join("memfoldd.sock"));
+        }
+        if let Some(f) = fail {
+            cmd.env("MEMFOLD_FAIL", f);
+        }
+        Qemu {
+            child: cmd.spawn().unwrap(),
+            log,
+            dir,
+        }
+    }
+
+    /// The child's work folder (and current directory).
+    fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// What the child printed so far.
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The state letter of each of the child's threads (`/proc/PID/task/*/stat`).
+    fn thread_states(&self) -> Vec<char> {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", self.pid())) else {
+            return Vec::new();
+        };
+        tasks
+            .flatten()
+            .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
+            .filter_map(|s| state_of(&s))
+            .collect()
+    }
+
+    /// Waits until the process and every thread of it is stopped (`T`).
+    fn wait_stopped(&mut self, what: &str) {
+        let t = Instant::now();
+        loop {
+            let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid()));
+            let threads = self.thread_states();
+            if stat.as_deref().ok().and_then(state_of) == Some('T')
+                && !threads.is_empty()
+                && threads.iter().all(|&s| s == 'T')
+            {
+                return;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "{what}: the child exited ({status}) instead of pausing; its log:\n{}",
+                    self.log()
+                );
+            }
+            assert!(
+                t.elapsed() < WAIT,
+                "{what}: the child is not stopped after {WAIT:?} (threads {threads:?}); its log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits for the child to exit.
+    fn wait_exit(&mut self, what: &str) -> ExitStatus {
+        let t = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                t.elapsed() < WAIT,
+                "{what}: the child did not exit in {WAIT:?} (state {:?}); its log:\n{}",
+                self.thread_states(),
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until the child's log has `n` lines containing `text`.
+    fn wait_log(&self, text: &str, n: usize) {
+        let t = Instant::now();
+        while self.log().matches(text).count() < n {
+            assert!(
+                t.elapsed() < WAIT,
+                "no {n} lines with {text:?} in the child's log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn signal(&self, sig: Signal) {
+        let pid = Pid::from_raw(self.pid() as i32).unwrap();
+        rustix::process::kill_process(pid, sig).unwrap();
+    }
+
+    /// Checks the paused child: its userfaultfd still open (write-protection and missing
+    /// pages still in force), each page but `except` reading what the guest wrote through
+    /// `/proc/PID/mem` at guest RAM's address and in the memfd, and the one line saying
+    /// what failed, how to inspect and how to end it.
+    fn check_paused(&self, except: Option<usize>, failed: &str) {
+        let pid = self.pid();
+        let fds: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read_link(e.path()).ok())
+            .map(|p| p.display().to_string())
+            .collect();
+        assert!(
+            fds.iter().any(|f| f == "anon_inode:[userfaultfd]"),
+            "the paused child no longer holds its userfaultfd (write-protection would be gone on SIGCONT): {fds:?}"
+        );
+        let base = ram_address(pid);
+        let mem = File::open(format!("/proc/{pid}/mem")).unwrap();
+        let mut page = vec![0u8; PAGE_SIZE];
+        for g in (0..PAGES).filter(|&g| Some(g) != except) {
+            mem.read_exact_at(&mut page, base + (g * PAGE_SIZE) as u64)
+                .unwrap_or_else(|e| panic!("reading page {g} of the paused guest: {e}"));
+            let bad = (0..PAGE_SIZE).find(|&i| page[i] != pattern(g, i));
+            assert_eq!(
+                bad, None,
+                "page {g} of the paused guest does not read what it wrote"
+            );
+        }
+        let log = self.log();
+        let line = log
+            .lines()
+            .find(|l| l.starts_with("memfold-agent: failing closed"))
+            .unwrap_or_else(|| panic!("no fail-closed line in the child's log:\n{log}"));
+        for must in [
+            failed,
+            "VM PAUSED",
+            &format!("pid {pid}"),
+            &format!("gcore {pid}"),
+            &format!("/proc/{pid}/mem"),
+            &format!("kill -9 {pid}"),
+        ] {
+            assert!(
+                line.contains(must),
+                "the fail-closed line lacks {must:?}: {line}"
+            );
+        }
+        // The memfd the line names holds the same pages (a stashed one is a hole there).
+        let memfd = line
+            .split(&format!("/proc/{pid}/fd/"))
+            .nth(1)
+            .map(|r| {
+                r.chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect::<String>()
+            })
+            .unwrap_or_else(|| panic!("the fail-closed line names no memfd: {line}"));
+        let ram = File::open(format!("/proc/{pid}/fd/{memfd}"))
+            .unwrap_or_else(|e| panic!("the memfd the fail-closed line names: {e}: {line}"));
+        for g in 0..PAGES {
+            ram.read_exact_at(&mut page, (g * PAGE_SIZE) as u64)
+                .unwrap_or_else(|e| panic!("page {g} of the memfd the line names: {e}"));
+            let want = |i| if Some(g) == except { 0 } else { pattern(g, i) };
+            let bad = (0..PAGE_SIZE).find(|&i| page[i] != want(i));
+            assert_eq!(
+                bad, None,
+                "page {g} of the memfd the fail-closed line names"
+            );
+        }
+    }
+}
+
+/// The state letter of a `/proc/PID/stat` line (after the command, which may hold
+/// spaces and parentheses).
+fn state_of(stat: &str) -> Option<char> {
+    stat.rsplit_once(") ")?.1.chars().next()
+}
+
+/// Address of guest RAM in process `pid`: its memfd's shared mapping.
+fn ram_address(pid: u32) -> u64 {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let line = maps
+        .lines()
+        .find(|l| l.contains(&format!("/memfd:{RAM_NAME}")))
+        .unwrap_or_else(|| panic!("no guest RAM mapping in the child:\n{maps}"));
+    u64::from_str_radix(line.split('-').next().unwrap(), 16).unwrap()
+}
+
+// ---- the tests ----
+
+#[test]
+fn a_corrupt_blob_pauses_qemu_by_default_with_its_ram_intact() {
+    if let Some(f) = child_role() {
+        child(f);
+    }
+    let mut q = Qemu::start(
+        "a_corrupt_blob_pauses_qemu_by_default_with_its_ram_intact",
+        Failure::CorruptBlob,
+        None,
+    );
+    q.wait_stopped("a corrupt blob with MEMFOLD_FAIL unset");
+    q.check_paused(Some(STASHED), "does not match its checksum");
+    assert!(
+        !q.log().contains("the guest got past"),
+        "the guest went past the corrupt page:\n{}",
+        q.log()
+    );
+
+    // Stopped for good the first time: nothing continued it yet.
+    let continued = |q: &Qemu| {
+        let log = q.log();
+        let lines = log.lines();
+        lines
+            .filter(|l| l.starts_with("memfold-agent: ") && l.contains("was continued"))
+            .count()
+    };
+    assert_eq!(
+        continued(&q),
+        0,
+        "stopped only after running on:\n{}",
+        q.log()
+    );
+    // Continued, it stops again at once: the fault is still unserved.
+    q.signal(Signal::CONT);
+    q.wait_log("was continued", 1);
+    q.wait_stopped("after SIGCONT");
+    q.check_paused(Some(STASHED), "does not match its checksum");
+    assert_eq!(continued(&q), 1, "{}", q.log());
+
+    // The way to a core dump the docs give: SIGABRT waits until SIGCONT.
+    q.signal(Signal::ABORT);
+    q.wait_stopped("SIGABRT pending");
+    q.signal(Signal::CONT);
+    let status = q.wait_exit("kill -ABRT then -CONT");
+    assert_eq!(status.signal(), Some(libc::SIGABRT), "{status}");
+}
+
+#[test]
+fn a_corrupt_blob_aborts_qemu_with_memfold_fail_abort() {
+    if let Some(f) = child_role() {
+        child(f);
+    }
+    let mut q = Qemu::start(
+        "a_corrupt_blob_aborts_qemu_with_memfold_fail_abort",
+        Failure::CorruptBlob,
+        Some("abort"),
+    );
+    let status = q.wait_exit("a corrupt blob with MEMFOLD_FAIL=abort");
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGABRT),
+        "{status}; the child's log:\n{}",
+        q.log()
+    );
+    let log = q.log();
+    assert!(
+        log.contains("failing closed, aborting QEMU")
+            && log.contains("does not match its checksum")
+            && !log.contains("the guest got past"),
+        "{log}"
+    );
+    assert!(!q.dir().join("core").exists(), "a core file was left");
+}
+
+#[test]
+fn a_panic_on_the_agent_thread_pauses_qemu_holding_its_userfaultfd() {
+    if let Some(f) = child_role() {
+        child(f);
+    }
+    let mut q = Qemu::start(
+        "a_panic_on_the_agent_thread_pauses_qemu_holding_its_userfaultfd",
+        Failure::Panic,
+        Some("pause"),
+    );
+    q.wait_stopped("a panic on the agent thread");
+    q.check_paused(None, "the agent thread panicked: injected");
+}
+
+#[test]
+fn the_agent_loop_ending_with_an_error_pauses_qemu() {
+    if let Some(f) = child_role() {
+        child(f);
+    }
+    let mut q = Qemu::start(
+        "the_agent_loop_ending_with_an_error_pauses_qemu",
+        Failure::LoopError,
+        None,
+    );
+    q.wait_stopped("the agent's loop ending with an error");
+    q.check_paused(None, "the agent's loop ended: Invalid argument");
+}
+
+#[test]
+fn a_mistyped_failure_mode_leaves_the_guest_unmanaged() {
+    if let Some(f) = child_role() {
+        child(f);
+    }
+    // The agent refuses to guess: no agent, so the fake memfoldd never sees it attach
+    // and the child stays up, running (never stopped) and aborts nothing.
+    let q = Qemu::start(
+        "a_mistyped_failure_mode_leaves_the_guest_unmanaged",
+        Failure::CorruptBlob,
+        Some("abrot"),
+    );
+    q.wait_log("MEMFOLD_FAIL=\"abrot\": expected pause or abort", 1);
+    std::thread::sleep(Duration::from_millis(300));
+    let fds: Vec<String> = std::fs::read_dir(format!("/proc/{}/fd", q.pid()))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .map(|p| p.display().to_string())
+        .collect();
+    assert!(
+        !fds.iter().any(|f| f == "anon_inode:[userfaultfd]"),
+        "an agent started with a bad MEMFOLD_FAIL"
+    );
+}
