@@ -153,33 +153,6 @@ fn second_mapping(ram: &GuestRam) -> *mut u8 {
     p as *mut u8
 }
 
-/// The line of /proc/self/maps that maps `addr`.
-fn mapping_of(addr: *mut u8) -> String {
-    let addr = addr as u64;
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-    maps.lines()
-        .find(|l| {
-            let (a, b) = l
-                .split_whitespace()
-                .next()
-                .unwrap()
-                .split_once('-')
-                .unwrap();
-            let (a, b) = (
-                u64::from_str_radix(a, 16).unwrap(),
-                u64::from_str_radix(b, 16).unwrap(),
-            );
-            (a..b).contains(&addr)
-        })
-        .unwrap_or_default()
-        .to_string()
-}
-
-/// Whether page `g` is mapped from memfoldd's pool (shared), not from guest RAM's memfd.
-fn on_pool(ram: &GuestRam, g: usize) -> bool {
-    mapping_of(ram.page_ptr(g)).contains("/memfd:memfold-pool")
-}
-
 /// Faults the agent has served and reported (it reports about once a second).
 fn faults(socket: &std::path::Path) -> u64 {
     let s = query_stats(socket).unwrap();
@@ -264,7 +237,7 @@ fn each_bypass_write_on_each_page_home_does_what_the_table_says() {
     for w in WRITES {
         for h in HOMES {
             let g = page(h, w);
-            let (on_pool, data) = (on_pool(&ram, g), ram.has_data(g));
+            let (on_pool, data) = (ram.on_pool(g), ram.has_data(g));
             match h {
                 Home::Shared => assert!(on_pool && !data, "gfn {g} is not shared"),
                 // A hole under a mapping of guest RAM: stored (text) or reclaimed (zeros).
@@ -343,12 +316,12 @@ fn each_bypass_write_on_each_page_home_does_what_the_table_says() {
                     now == written(old),
                     "{w:?} {h:?}: the guest reads the write"
                 );
-                assert!(!on_pool(&ram, g) && ram.has_data(g), "{w:?} {h:?}: private");
+                assert!(!ram.on_pool(g) && ram.has_data(g), "{w:?} {h:?}: private");
             }
             Outcome::Stalls => unreachable!(),
         }
         if outcome == Outcome::InvisibleThenLost {
-            assert!(on_pool(&ram, g), "{w:?}: still shared");
+            assert!(ram.on_pool(g), "{w:?}: still shared");
             // The guest's own write breaks CoW: the frame is copied over the bypass bytes.
             ram.write(g, 1024, &[7u8; 8]);
             ram.read(g, &mut now);
@@ -420,7 +393,7 @@ fn proc_mem_writes_a_private_page_no_clock_armed_without_a_fault() {
     });
     let quiet = faults(&socket);
     let (shared, private) = (1, 65);
-    assert!(on_pool(&ram, shared) && !on_pool(&ram, private) && ram.has_data(private));
+    assert!(ram.on_pool(shared) && !ram.on_pool(private) && ram.has_data(private));
     let no_second = std::ptr::null_mut();
     let e = bypass_write(&ram, no_second, Write::ProcMem, shared).unwrap_err();
     assert_eq!(

@@ -132,6 +132,25 @@ impl GuestRam {
         memfd::next_data_run(self.memfd(), g, memfold_ids::Gfn(g.0 + 1)).is_some()
     }
 
+    /// Whether page `g` is mapped from memfoldd's pool (shared), not from the RAM memfd.
+    pub fn on_pool(&self, g: usize) -> bool {
+        let addr = self.page_ptr(g) as u64;
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        maps.lines().any(|l| {
+            let (a, b) = l
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .split_once('-')
+                .unwrap();
+            let (a, b) = (
+                u64::from_str_radix(a, 16).unwrap(),
+                u64::from_str_radix(b, 16).unwrap(),
+            );
+            (a..b).contains(&addr) && l.contains("/memfd:memfold-pool")
+        })
+    }
+
     /// Copies page `g` out through the mapping, a word at a time with volatile reads (other
     /// threads may write it meanwhile; a seqlock says whether the copy is whole).
     pub fn read(&self, g: usize, out: &mut [u8]) {
