@@ -19,10 +19,11 @@
 //!   reads are checked exactly under the lock, or lock-free by the seqlock as above, so
 //!   that reads race with the CoW breaks of other vCPUs' writes on the same page.
 //! - **Contended**: every vCPU writes its own word of the same page at the same moment
-//!   (after a barrier), so several vCPUs fault on one shared, reclaimed or stored page
-//!   at once. The rest of the page is one of two templates, so quiet pages are shared
-//!   with their twins or patched against them. Their content is known from the round
-//!   number, and every vCPU checks them exactly between rounds.
+//!   (after a barrier), so several vCPUs fault on one shared or stored page at once. The
+//!   rest of the page is one of two templates and the words name the pass over these
+//!   pages (and in every other pass the page), so that pages are equal (shared) or near
+//!   each other (patched). Their content is known from the round number, and every vCPU checks them
+//!   exactly between rounds.
 
 mod common;
 
@@ -129,6 +130,9 @@ struct Seqlock {
 
 /// A vCPU's panic when another one failed first.
 const OTHER_FAILED: &str = "another guest thread failed";
+/// A round takes milliseconds: a vCPU this late is stuck (a fault never served), and
+/// the test fails rather than hang.
+const STUCK: Duration = Duration::from_secs(20);
 
 /// A barrier that gives up when a vCPU has failed (a plain one would wait forever for
 /// it).
@@ -149,19 +153,27 @@ impl Rendezvous {
         }
     }
 
-    /// Waits for every party; false if a party failed meanwhile.
-    fn wait(&self) -> bool {
+    /// Waits for every party. Errors: a party failed meanwhile, or one did not come within
+    /// [`STUCK`] (a fault never served): the rendezvous is then failed for all.
+    fn wait(&self) -> Result<(), String> {
+        let deadline = Instant::now() + STUCK;
         let mut st = self.state.lock().unwrap();
         let generation = st.1;
         st.0 += 1;
         if st.0 == self.parties {
             *st = (0, generation + 1);
             self.cv.notify_all();
-            return true;
+            return Ok(());
         }
         while st.1 == generation {
             if self.failed.load(Ordering::SeqCst) {
-                return false;
+                return Err(OTHER_FAILED.into());
+            }
+            if Instant::now() > deadline {
+                self.failed.store(true, Ordering::SeqCst);
+                return Err(format!(
+                    "a guest thread did not come back within {STUCK:?}: stuck on a fault"
+                ));
             }
             st = self
                 .cv
@@ -169,7 +181,7 @@ impl Rendezvous {
                 .unwrap()
                 .0;
         }
-        true
+        Ok(())
     }
 }
 
@@ -212,15 +224,15 @@ fn word_at(v: usize) -> usize {
     v * (PAGE / VCPUS)
 }
 
-/// The word vCPU `v` writes in the `k`-th contended write: usually zero (so that pages
-/// with all words zero equal their twins), sometimes a tag naming the vCPU and `k`.
-fn contended_word(v: usize, k: usize) -> u64 {
-    let h = ((v as u64) << 32 | k as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 59;
-    if h < 6 {
-        ((v as u64 + 1) << 56) | k as u64
-    } else {
-        0
-    }
+/// The word vCPU `v` writes in the `k`-th contended write, to page `k % n`: it names the
+/// vCPU and the pass `k / n` over the pages, so every write changes the word (a lost one
+/// shows). In even passes pages of one template written in the same pass are equal (they
+/// are shared); in odd passes the word also names the page, so pages are only near each
+/// other (patched).
+fn contended_word(v: usize, k: usize, n: usize) -> u64 {
+    let pass = k / n;
+    let page = if pass % 2 == 1 { k % n } else { 0 };
+    ((v as u64 + 1) << 56) | (pass as u64) << 16 | page as u64
 }
 
 impl Guest {
@@ -231,7 +243,7 @@ impl Guest {
         let n = self.contended.len();
         let last = (writes > i).then(|| i + n * ((writes - 1 - i) / n));
         for v in 0..VCPUS {
-            let w = last.map_or(0, |k| contended_word(v, k));
+            let w = last.map_or(0, |k| contended_word(v, k, n));
             p[word_at(v)..word_at(v) + 8].copy_from_slice(&w.to_ne_bytes());
         }
         p
@@ -333,16 +345,16 @@ impl Vcpu {
         let mut round = 0;
         let mut grown = false;
         loop {
-            assert!(guest.rendezvous.wait(), "{OTHER_FAILED}");
+            guest.rendezvous.wait().unwrap_or_else(|e| panic!("{e}"));
             if round % CONTENDED_EVERY == 0 {
                 // Every vCPU writes its word of the same page now.
-                let k = round / CONTENDED_EVERY;
-                let g = guest.contended[k % guest.contended.len()];
+                let (k, n) = (round / CONTENDED_EVERY, guest.contended.len());
+                let w = contended_word(self.v, k, n);
                 guest
                     .ram
-                    .write(g, word_at(self.v), &contended_word(self.v, k).to_ne_bytes());
+                    .write(guest.contended[k % n], word_at(self.v), &w.to_ne_bytes());
             }
-            assert!(guest.rendezvous.wait(), "{OTHER_FAILED}");
+            guest.rendezvous.wait().unwrap_or_else(|e| panic!("{e}"));
             round += 1;
             if guest.stop.load(Ordering::SeqCst) {
                 break;
@@ -583,6 +595,7 @@ fn run_model(pages: usize, host_budget: Option<u64>, cold: f64, codec: CompressC
     let (mut racing_shared, mut racing_stored) = (0, 0);
     let mut seen_all = false;
     let mut stats = None;
+    let mut failed = None;
     loop {
         if round % CONTENDED_EVERY == 0 {
             let k = round / CONTENDED_EVERY;
@@ -593,7 +606,8 @@ fn run_model(pages: usize, host_budget: Option<u64>, cold: f64, codec: CompressC
                 racing_stored += 1;
             }
         }
-        if !guest.rendezvous.wait() {
+        if let Err(e) = guest.rendezvous.wait() {
+            failed = Some(e);
             break;
         }
         let timeout = start.elapsed() > Duration::from_secs(40);
@@ -636,7 +650,8 @@ fn run_model(pages: usize, host_budget: Option<u64>, cold: f64, codec: CompressC
                 stats = Some(s);
             }
         }
-        if !guest.rendezvous.wait() {
+        if let Err(e) = guest.rendezvous.wait() {
+            failed = Some(e);
             break;
         }
         round += 1;
@@ -644,9 +659,23 @@ fn run_model(pages: usize, host_budget: Option<u64>, cold: f64, codec: CompressC
             break;
         }
     }
-    // A vCPU's failure is the test's: the first that is not only a consequence of another.
-    let (mut ops, mut failures) = (Vec::new(), Vec::new());
-    for t in threads {
+    // A vCPU's failure is the test's: the first that is not only a consequence of
+    // another. A vCPU stuck on a fault is never joined.
+    let deadline = Instant::now()
+        + if failed.is_some() {
+            Duration::from_secs(2)
+        } else {
+            STUCK
+        };
+    while threads.iter().any(|t| !t.is_finished()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (mut ops, mut failures, mut stuck) = (Vec::new(), Vec::new(), Vec::new());
+    for (v, t) in threads.into_iter().enumerate() {
+        if !t.is_finished() {
+            stuck.push(v);
+            continue;
+        }
         match t.join() {
             Ok(n) => ops.push(n),
             Err(e) => failures.push(e),
@@ -657,7 +686,11 @@ fn run_model(pages: usize, host_budget: Option<u64>, cold: f64, codec: CompressC
     if let Some(i) = (0..failures.len()).find(|&i| message(&failures[i]) != OTHER_FAILED) {
         std::panic::resume_unwind(failures.swap_remove(i));
     }
-    assert!(failures.is_empty(), "{OTHER_FAILED}");
+    assert!(
+        stuck.is_empty(),
+        "vCPUs {stuck:?} are stuck on a fault ({failed:?})"
+    );
+    assert!(failed.is_none(), "{failed:?}");
     eprintln!(
         "stopped after {:?}, {round} rounds; contended writes on {racing_shared} shared and {racing_stored} stored pages; guest ops by vCPU {ops:?}; {} cross reads checked, {} retaken",
         start.elapsed(),
