@@ -451,8 +451,8 @@ impl Vcpu {
         }
     }
 
-    /// The guest starts using all its RAM: each vCPU writes its pages beyond the old
-    /// `live`, vCPU 0 the locked ones too.
+    /// The guest starts using all its RAM: each vCPU writes its pages beyond the first
+    /// fifth (the old `live`), vCPU 0 the locked ones too.
     fn grow(&mut self, guest: &Guest) {
         let from = guest.ram.pages / 5;
         for g in from..guest.ram.pages {
