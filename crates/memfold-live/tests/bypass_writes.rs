@@ -1,0 +1,415 @@
+//! Writes to guest RAM that do not come from a vCPU or QEMU's own stores: `/proc/PID/mem`,
+//! `process_vm_writev`, `pwrite` on the RAM memfd and a second mapping of it (what a
+//! vhost-user backend or any holder of the memfd has). memfold guards guest RAM through
+//! QEMU's mapping of it (userfaultfd on that range); this test pins what each kind of
+//! write does to a page in each home, as observed on this kernel:
+//!
+//! | write | shared | stored | private, armed by the clock | reclaimed zero |
+//! |---|---|---|---|---|
+//! | `/proc/PID/mem` | refused (EIO) | refused | refused | refused |
+//! | `process_vm_writev` | caught (CoW break) | caught (decoded) | caught (minor fault) | caught (refilled) |
+//! | `pwrite` to the memfd | invisible, then lost | stalls the guest | seen by the guest, not the agent | stalls the guest |
+//! | second mapping | invisible, then lost | stalls the guest | seen by the guest, not the agent | stalls the guest |
+//!
+//! A private page that is mapped writable (no clock armed it) takes a `/proc/PID/mem`
+//! write without any fault (the second test). docs/security.md says which of these are in
+//! scope.
+
+mod common;
+
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use common::{
+    fast_engine, start_agent, start_memfoldd, texty, thread_cpu_secs, wait_for, GuestRam, PAGE,
+};
+use memfold_core::Policy;
+use memfold_live::query_stats;
+use memfold_sys::memfd;
+use rand::{rngs::SmallRng, Rng, SeedableRng};
+
+/// The bytes every bypass write writes, at [`AT`] of its page.
+const BYTES: [u8; 16] = [0xab; 16];
+/// Where in the page.
+const AT: usize = 64;
+
+/// The writes that bypass the vCPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Write {
+    /// `pwrite` to `/proc/self/mem` at the page's address (what a debugger does).
+    ProcMem,
+    /// `process_vm_writev` into this process at the page's address.
+    VmWritev,
+    /// `pwrite` to the RAM memfd at the page's offset.
+    Pwrite,
+    /// A store through a second shared mapping of the RAM memfd.
+    SecondMapping,
+}
+
+/// Where a page lives when the write comes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Home {
+    Shared,
+    Stored,
+    /// Private, its PTE dropped and write-protected by the clock.
+    ArmedPrivate,
+    ReclaimedZero,
+}
+
+/// What a write does, all of it observed and asserted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    /// The write fails with EIO and nothing changes: the kernel's access to another
+    /// mm for /proc/PID/mem may not drop the mmap lock, so it may not wait for a
+    /// userfaultfd, and the fault fails (as SIGBUS would) instead of reaching the agent.
+    Refused,
+    /// A fault the agent serves (CoW break, decode, refill, minor), as for a vCPU's store:
+    /// `process_vm_writev` pins the pages with a lock it may drop, so it can wait. The
+    /// guest reads the new bytes; a shared page's other sharers keep the old ones.
+    Caught,
+    /// No fault; the bytes land in the memfd under a shared page, which the guest does not
+    /// read (it reads the pool frame): invisible, and lost at the next CoW break, which
+    /// copies the frame over them.
+    InvisibleThenLost,
+    /// No fault; the bytes fill the memfd's hole under a stored or reclaimed page. The
+    /// guest's next access is a minor fault the agent answers with a wake (the page is not
+    /// private), forever: the vCPU spins until the hole is punched again, then reads the
+    /// old page.
+    Stalls,
+    /// No fault; the guest reads the new bytes (same page cache), but the agent never saw
+    /// the write: the clock misses the M bit.
+    Unseen,
+}
+
+/// The table in the module docs.
+fn expected(w: Write, h: Home) -> Outcome {
+    use Outcome::*;
+    match (w, h) {
+        (Write::ProcMem, _) => Refused,
+        (Write::VmWritev, _) => Caught,
+        (_, Home::Shared) => InvisibleThenLost,
+        (_, Home::Stored | Home::ReclaimedZero) => Stalls,
+        (_, Home::ArmedPrivate) => Unseen,
+    }
+}
+
+/// Writes [`BYTES`] at [`AT`] of page `g` the `w` way (`second`: the second mapping).
+fn bypass_write(ram: &GuestRam, second: *mut u8, w: Write, g: usize) -> io::Result<usize> {
+    let addr = ram.page_ptr(g) as u64 + AT as u64;
+    let off = (g * PAGE + AT) as u64;
+    match w {
+        Write::ProcMem => std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/proc/self/mem")?
+            .write_at(&BYTES, addr),
+        Write::VmWritev => {
+            let local = libc::iovec {
+                iov_base: BYTES.as_ptr() as *mut libc::c_void,
+                iov_len: BYTES.len(),
+            };
+            let remote = libc::iovec {
+                iov_base: addr as *mut libc::c_void,
+                iov_len: BYTES.len(),
+            };
+            // SAFETY: reads BYTES, writes guest RAM of this process, which no Rust
+            // reference points into.
+            let n = unsafe { libc::process_vm_writev(libc::getpid(), &local, 1, &remote, 1, 0) };
+            if n < 0 {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(n as usize)
+            }
+        }
+        Write::Pwrite => ram.fd.write_at(&BYTES, off),
+        Write::SecondMapping => {
+            for (i, &b) in BYTES.iter().enumerate() {
+                // SAFETY: within the second mapping, which spans the memfd.
+                unsafe { second.add(off as usize + i).write_volatile(b) };
+            }
+            Ok(BYTES.len())
+        }
+    }
+}
+
+/// Maps the RAM memfd a second time, shared, outside the agent's userfaultfd: only after
+/// the agent found guest RAM (it looks for a mapping of the RAM's size).
+fn second_mapping(ram: &GuestRam) -> *mut u8 {
+    // SAFETY: a new shared mapping of the memfd at an address the kernel picks; never
+    // unmapped.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            ram.bytes(),
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&ram.fd),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    p as *mut u8
+}
+
+/// Faults the agent has served and reported (it reports about once a second).
+fn faults(socket: &std::path::Path) -> u64 {
+    let s = query_stats(socket).unwrap();
+    let v = &s.vms[0];
+    v.wp_faults + v.missing_faults + v.minor_faults
+}
+
+/// Reads page `g` through guest RAM on another thread (the access may stall).
+fn read_async(ram: &Arc<GuestRam>, g: usize) -> mpsc::Receiver<Vec<u8>> {
+    let (tx, rx) = mpsc::channel();
+    let ram = ram.clone();
+    std::thread::spawn(move || {
+        let mut p = vec![0u8; PAGE];
+        ram.read(g, &mut p);
+        let _ = tx.send(p);
+    });
+    rx
+}
+
+/// `page` with [`BYTES`] at [`AT`].
+fn written(page: &[u8]) -> Vec<u8> {
+    let mut p = page.to_vec();
+    p[AT..AT + BYTES.len()].copy_from_slice(&BYTES);
+    p
+}
+
+#[test]
+fn each_bypass_write_on_each_page_home_does_what_the_table_says() {
+    const WRITES: [Write; 4] = [
+        Write::ProcMem,
+        Write::VmWritev,
+        Write::Pwrite,
+        Write::SecondMapping,
+    ];
+    // In the order of the ranges of guest RAM they start in.
+    const HOMES: [Home; 4] = [
+        Home::Shared,
+        Home::Stored,
+        Home::ArmedPrivate,
+        Home::ReclaimedZero,
+    ];
+    // 128 pages for each home: copies of one page, text, random, zeros.
+    let dir = tempfile::tempdir().unwrap();
+    let socket = start_memfoldd(dir.path(), fast_engine());
+    let ram = Arc::new(GuestRam::new("bypass-de-ram", 512));
+    let mut rng = SmallRng::seed_from_u64(14);
+    let mut template = vec![0u8; PAGE];
+    rng.fill(&mut template[..]);
+    let mut before = vec![vec![0u8; PAGE]; ram.pages];
+    for (g, p) in before.iter_mut().enumerate() {
+        match g / 128 {
+            0 => p.copy_from_slice(&template),
+            1 => texty(&mut rng, p),
+            2 => rng.fill(&mut p[..]),
+            _ => {}
+        }
+        ram.write(g, 0, p);
+    }
+    start_agent(&socket, "bypass-de", &ram);
+    // Every page in its home, and the private ones armed by three clock passes since the
+    // guest last touched them (it never touches them again until the writes).
+    wait_for(
+        &socket,
+        Duration::from_secs(40),
+        "pages in every home",
+        |s| {
+            let v = &s.vms[0];
+            v.shared_pages >= 128
+                && v.patched_pages + v.compressed_pages >= 128
+                && v.zero_reclaimed_pages >= 128
+                && v.clock_passes >= 3
+        },
+    );
+    let second = second_mapping(&ram);
+
+    // Page `k` of each home's range takes write `k`.
+    let page = |h: Home, w: Write| {
+        let k = WRITES.iter().position(|&x| x == w).unwrap();
+        k + 128 * HOMES.iter().position(|&x| x == h).unwrap()
+    };
+    // Each is in its home, checked without touching it through guest RAM.
+    for w in WRITES {
+        for h in HOMES {
+            let g = page(h, w);
+            let (on_pool, data) = (ram.on_pool(g), ram.has_data(g));
+            match h {
+                Home::Shared => assert!(on_pool && !data, "gfn {g} is not shared"),
+                // A hole under a mapping of guest RAM: stored (text) or reclaimed (zeros).
+                Home::Stored | Home::ReclaimedZero => assert!(!on_pool && !data, "gfn {g}"),
+                Home::ArmedPrivate => assert!(!on_pool && data, "gfn {g} is not private"),
+            }
+        }
+    }
+
+    // The writes. Which of them fault: the ones that do not are done first, and the
+    // agent's reports after them must show no fault at all.
+    let mut results = Vec::new();
+    let quiet = faults(&socket);
+    for w in [Write::ProcMem, Write::Pwrite, Write::SecondMapping] {
+        for h in HOMES {
+            results.push((w, h, bypass_write(&ram, second, w, page(h, w))));
+        }
+    }
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(
+        faults(&socket),
+        quiet,
+        "/proc/PID/mem, pwrite and a second mapping raise no userfaultfd fault"
+    );
+    for h in HOMES {
+        results.push((
+            Write::VmWritev,
+            h,
+            bypass_write(&ram, second, Write::VmWritev, page(h, Write::VmWritev)),
+        ));
+    }
+    wait_for(
+        &socket,
+        Duration::from_secs(5),
+        "process_vm_writev faults",
+        |s| {
+            let v = &s.vms[0];
+            v.wp_faults + v.missing_faults + v.minor_faults >= quiet + 4
+        },
+    );
+
+    // What the guest reads now: stalled accesses are all started at once.
+    let mut stalled = Vec::new();
+    for &(w, h, ref r) in &results {
+        let g = page(h, w);
+        let outcome = expected(w, h);
+        eprintln!("{w:?} on a {h:?} page (gfn {g}): {r:?}, expected: {outcome:?}");
+        let old = &before[g];
+        let mut memfd_now = vec![0u8; PAGE];
+        ram.fd.read_at(&mut memfd_now, (g * PAGE) as u64).unwrap();
+        if outcome == Outcome::Refused {
+            let e = r.as_ref().expect_err("refused");
+            assert_eq!(e.raw_os_error(), Some(libc::EIO), "{w:?} {h:?}: {e}");
+            // The memfd is as it was: a hole stays a hole.
+            assert_eq!(ram.has_data(g), h == Home::ArmedPrivate, "{w:?} {h:?}");
+            if h == Home::ArmedPrivate {
+                assert!(memfd_now == *old, "{w:?} {h:?}");
+            }
+        } else {
+            assert_eq!(r.as_ref().ok(), Some(&BYTES.len()), "{w:?} {h:?}");
+            // Every write that is not refused is in the memfd, whatever the guest reads.
+            assert_eq!(memfd_now[AT..AT + 16], BYTES, "{w:?} {h:?}");
+        }
+        if outcome == Outcome::Stalls {
+            stalled.push((w, h, g, read_async(&ram, g)));
+            continue;
+        }
+        let mut now = vec![0u8; PAGE];
+        ram.read(g, &mut now);
+        match outcome {
+            Outcome::Refused | Outcome::InvisibleThenLost => {
+                assert!(now == *old, "{w:?} {h:?}: the guest reads the page it had");
+            }
+            Outcome::Caught | Outcome::Unseen => {
+                assert!(
+                    now == written(old),
+                    "{w:?} {h:?}: the guest reads the write"
+                );
+                assert!(!ram.on_pool(g) && ram.has_data(g), "{w:?} {h:?}: private");
+            }
+            Outcome::Stalls => unreachable!(),
+        }
+        if outcome == Outcome::InvisibleThenLost {
+            assert!(ram.on_pool(g), "{w:?}: still shared");
+            // The guest's own write breaks CoW: the frame is copied over the bypass bytes.
+            ram.write(g, 1024, &[7u8; 8]);
+            ram.read(g, &mut now);
+            let mut expect = old.clone();
+            expect[1024..1032].fill(7);
+            assert!(
+                now == expect,
+                "{w:?}: the bypass bytes are gone after a CoW break"
+            );
+        }
+    }
+    // The other sharers of the template still read it.
+    let mut sibling = vec![0u8; PAGE];
+    ram.read(100, &mut sibling);
+    assert!(sibling == template);
+
+    // The stalled accesses spin: each retry is a minor fault (the memfd has the page
+    // now) that the agent answers with a wake (the page is not private); no read ends.
+    let (cpu, t) = (thread_cpu_secs("agent-bypass-de"), Instant::now());
+    std::thread::sleep(Duration::from_secs(2));
+    let busy = (thread_cpu_secs("agent-bypass-de") - cpu) / t.elapsed().as_secs_f64();
+    eprintln!("the agent thread was busy {:.0}% of the time", busy * 100.0);
+    assert!(busy > 0.15, "the agent does not spin: {busy}");
+    for (w, h, g, rx) in stalled {
+        assert!(rx.try_recv().is_err(), "{w:?} {h:?}: the access completed");
+        // Punching the memfd's copy again is what ends it: the guest gets its stored or
+        // zero page back, without the bypass write.
+        assert!(memfd::punch_hole(
+            ram.memfd(),
+            (g * PAGE) as u64,
+            PAGE as u64
+        ));
+        let now = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the access ends");
+        assert!(
+            now == before[g],
+            "{w:?} {h:?}: the old page, the write lost"
+        );
+    }
+}
+
+#[test]
+fn proc_mem_writes_a_private_page_no_clock_armed_without_a_fault() {
+    // Sharing only, no clock: private pages stay mapped writable.
+    let dir = tempfile::tempdir().unwrap();
+    let engine = memfold_core::EngineConfig {
+        clock_interval_us: None,
+        policy: Policy::sharing_only(),
+        ..fast_engine()
+    };
+    let socket = start_memfoldd(dir.path(), engine);
+    let ram = Arc::new(GuestRam::new("bypass-sharing-ram", 256));
+    let mut rng = SmallRng::seed_from_u64(15);
+    let mut template = vec![0u8; PAGE];
+    rng.fill(&mut template[..]);
+    let mut before = vec![vec![0u8; PAGE]; ram.pages];
+    for (g, p) in before.iter_mut().enumerate() {
+        match g / 64 {
+            0 => p.copy_from_slice(&template),
+            1 => rng.fill(&mut p[..]),
+            _ => {}
+        }
+        ram.write(g, 0, p);
+    }
+    start_agent(&socket, "bypass-sharing", &ram);
+    wait_for(&socket, Duration::from_secs(20), "shared pages", |s| {
+        s.vms[0].shared_pages >= 64
+    });
+    let quiet = faults(&socket);
+    let (shared, private) = (1, 65);
+    assert!(ram.on_pool(shared) && !ram.on_pool(private) && ram.has_data(private));
+    let no_second = std::ptr::null_mut();
+    let e = bypass_write(&ram, no_second, Write::ProcMem, shared).unwrap_err();
+    assert_eq!(
+        e.raw_os_error(),
+        Some(libc::EIO),
+        "a shared page refuses it"
+    );
+    assert_eq!(
+        bypass_write(&ram, no_second, Write::ProcMem, private).unwrap(),
+        BYTES.len()
+    );
+    let mut now = vec![0u8; PAGE];
+    ram.read(private, &mut now);
+    assert!(now == written(&before[private]));
+    ram.read(shared, &mut now);
+    assert!(now == template);
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(faults(&socket), quiet, "no fault: the PTE was writable");
+}

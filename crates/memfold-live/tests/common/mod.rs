@@ -1,0 +1,262 @@
+//! What the in-process tests share: they play QEMU themselves. Guest RAM is a memfd
+//! mapped shared (as QEMU's memory-backend-memfd makes it), the real agent serves it
+//! from a thread, and memfoldd runs in another thread with a fast configuration.
+
+// Each test file uses its own part of this module.
+#![allow(dead_code)]
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use memfold_agent::{self as agent, AgentConfig, FailMode};
+use memfold_core::{CompressCodec, EngineConfig, PatchCodec, Policy, ZeroPolicy};
+use memfold_live::daemon::{self, DaemonConfig, DomainRule};
+use memfold_live::query_stats;
+use memfold_sys::memfd;
+use memfold_wire::stats::Stats;
+use rand::{rngs::SmallRng, Rng};
+
+/// Bytes in a guest page.
+pub const PAGE: usize = 4096;
+
+/// memfoldd's engine for tests: full-speed scans every 0.1–0.4 s, zero pages reclaimed,
+/// the Difference Engine policy with a 0.3 s clock (pages turn cold within a second),
+/// cut-offs at half a page. Callers change what they test with struct update syntax.
+pub fn fast_engine() -> EngineConfig {
+    EngineConfig {
+        rate: 0,
+        zero: ZeroPolicy::Reclaim,
+        min_scan_interval_us: 100_000,
+        max_scan_interval_us: 400_000,
+        clock_interval_us: Some(300_000),
+        policy: Policy::difference_engine(),
+        patch_codec: PatchCodec::RunDiff,
+        patch_cutoff: 2048,
+        compress_codec: CompressCodec::Zstd,
+        compress_cutoff: 2048,
+        ..EngineConfig::default()
+    }
+}
+
+/// The one place these tests build a [`DaemonConfig`]: its socket and swap live in `dir`.
+pub fn daemon_config(dir: &Path, engine: EngineConfig) -> DaemonConfig {
+    DaemonConfig {
+        socket: dir.join("memfoldd.sock"),
+        engine,
+        swap_dir: dir.to_path_buf(),
+        swap_capacity: 64 << 20,
+        domains: DomainRule::User,
+    }
+}
+
+/// Starts memfoldd in a thread with [`daemon_config`]; returns its socket once it answers.
+pub fn start_memfoldd(dir: &Path, engine: EngineConfig) -> PathBuf {
+    let cfg = daemon_config(dir, engine);
+    let socket = cfg.socket.clone();
+    std::thread::spawn(move || daemon::run(cfg));
+    let t = Instant::now();
+    while query_stats(&socket).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "memfoldd did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    socket
+}
+
+/// Guest RAM: a memfd mapped shared. Never unmapped: the agent serves it until the
+/// process exits.
+pub struct GuestRam {
+    /// This test's descriptor of the memfd (the agent finds and reopens it).
+    pub fd: std::fs::File,
+    /// Start of the mapping.
+    pub ptr: *mut u8,
+    /// Pages.
+    pub pages: usize,
+}
+
+// SAFETY: the mapping lives as long as the process; the tests synchronise their own
+// accesses to it (each through raw pointers or one thread at a time).
+unsafe impl Send for GuestRam {}
+// SAFETY: as above.
+unsafe impl Sync for GuestRam {}
+
+impl GuestRam {
+    /// `pages` pages of RAM, all holes. The agent finds guest RAM by its size: tests that
+    /// run in one process use different sizes.
+    pub fn new(name: &str, pages: usize) -> GuestRam {
+        let fd = memfd::create(name).unwrap();
+        memfd::set_len(fd.as_fd(), (pages * PAGE) as u64).unwrap();
+        // SAFETY: a new shared mapping of a memfd this test owns, at an address the
+        // kernel picks; it is never unmapped.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                pages * PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        GuestRam {
+            fd: fd.into(),
+            ptr: ptr as *mut u8,
+            pages,
+        }
+    }
+
+    /// Bytes of guest RAM.
+    pub fn bytes(&self) -> usize {
+        self.pages * PAGE
+    }
+
+    /// Address of page `g`.
+    pub fn page_ptr(&self, g: usize) -> *mut u8 {
+        assert!(g < self.pages);
+        // SAFETY: within the mapping.
+        unsafe { self.ptr.add(g * PAGE) }
+    }
+
+    /// The memfd.
+    pub fn memfd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Whether the memfd holds data (not a hole) at page `g`: a shared, reclaimed or
+    /// stored page is a hole; a private one is not.
+    pub fn has_data(&self, g: usize) -> bool {
+        let g = memfold_ids::Gfn(g as u32);
+        memfd::next_data_run(self.memfd(), g, memfold_ids::Gfn(g.0 + 1)).is_some()
+    }
+
+    /// Whether page `g` is mapped from memfoldd's pool (shared), not from the RAM memfd.
+    pub fn on_pool(&self, g: usize) -> bool {
+        let addr = self.page_ptr(g) as u64;
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        maps.lines().any(|l| {
+            let (a, b) = l
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .split_once('-')
+                .unwrap();
+            let (a, b) = (
+                u64::from_str_radix(a, 16).unwrap(),
+                u64::from_str_radix(b, 16).unwrap(),
+            );
+            (a..b).contains(&addr) && l.contains("/memfd:memfold-pool")
+        })
+    }
+
+    /// Copies page `g` out through the mapping, a word at a time with volatile reads (other
+    /// threads may write it meanwhile; a seqlock says whether the copy is whole).
+    pub fn read(&self, g: usize, out: &mut [u8]) {
+        assert_eq!(out.len(), PAGE);
+        let src = self.page_ptr(g) as *const u64;
+        for (i, chunk) in out.chunks_exact_mut(8).enumerate() {
+            // SAFETY: an aligned word of the page.
+            let w = unsafe { src.add(i).read_volatile() };
+            chunk.copy_from_slice(&w.to_ne_bytes());
+        }
+    }
+
+    /// Writes `bytes` at byte `off` of page `g` through the mapping (volatile: readers may
+    /// copy it meanwhile).
+    pub fn write(&self, g: usize, off: usize, bytes: &[u8]) {
+        assert!(off + bytes.len() <= PAGE);
+        let dst = self.page_ptr(g);
+        if off % 8 == 0 && bytes.len() % 8 == 0 {
+            for (i, chunk) in bytes.chunks_exact(8).enumerate() {
+                let w = u64::from_ne_bytes(chunk.try_into().unwrap());
+                // SAFETY: an aligned word of the page.
+                unsafe { (dst.add(off) as *mut u64).add(i).write_volatile(w) };
+            }
+        } else {
+            for (i, &b) in bytes.iter().enumerate() {
+                // SAFETY: a byte of the page.
+                unsafe { dst.add(off + i).write_volatile(b) };
+            }
+        }
+    }
+}
+
+/// Starts the agent on `ram` in a thread, attached to memfoldd at `socket`, and waits
+/// until memfoldd lists the guest.
+pub fn start_agent(socket: &Path, name: &str, ram: &GuestRam) {
+    let cfg = AgentConfig {
+        socket: socket.to_path_buf(),
+        name: name.into(),
+        ram_bytes: ram.bytes() as u64,
+        vma_budget: None,
+        // The agent runs in this test process: pausing would stop the test run for good.
+        on_failure: FailMode::Abort,
+    };
+    // Named, so that a test can find the agent's thread in /proc (comm: 15 bytes).
+    std::thread::Builder::new()
+        .name(format!("agent-{name}"))
+        .spawn(move || agent::run(cfg))
+        .unwrap();
+    let t = Instant::now();
+    while !query_stats(socket).is_ok_and(|s| s.vms.iter().any(|v| v.name == name)) {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the agent did not attach"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// CPU time the thread named `comm` (the first 15 bytes of its name) has used, seconds.
+pub fn thread_cpu_secs(comm: &str) -> f64 {
+    let comm = &comm[..comm.len().min(15)];
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let name = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if name.trim_end() != comm {
+            continue;
+        }
+        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap();
+        // After the ")" that ends comm: state is field 3, utime and stime fields 14, 15.
+        let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+        let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+        // SAFETY: sysconf reads a constant.
+        return ticks as f64 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    }
+    panic!("no thread named {comm}");
+}
+
+/// Polls memfoldd's statistics until `done` holds; panics with them after `limit`.
+pub fn wait_for(
+    socket: &Path,
+    limit: Duration,
+    what: &str,
+    done: impl Fn(&Stats) -> bool,
+) -> Stats {
+    let t = Instant::now();
+    loop {
+        if let Ok(s) = query_stats(socket) {
+            if done(&s) {
+                return s;
+            }
+            assert!(t.elapsed() < limit, "{what}: not after {limit:?}: {s:#?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A page of text-like bytes that LZ4 and zstd compress well below the cut-off.
+pub fn texty(rng: &mut SmallRng, out: &mut [u8]) {
+    let words: [&[u8]; 6] = [
+        b"memory ", b"page ", b"guest ", b"frame ", b"share ", b"0x1f ",
+    ];
+    let mut i = 0;
+    while i < out.len() {
+        let w = words[rng.gen_range(0..words.len())];
+        let n = w.len().min(out.len() - i);
+        out[i..i + n].copy_from_slice(&w[..n]);
+        i += n;
+    }
+}
