@@ -49,11 +49,28 @@ enum Cmd {
     /// The same guest set under memfold (--policy, the Difference Engine by default), then
     /// under Linux KSM (aggressive) on fresh boots, measured alike.
     Compare(compare::CompareArgs),
+    /// Take a running guest out of memfold (as KSM's MADV_UNMERGEABLE): every page
+    /// memfoldd holds for it — shared, stored, reclaimed — goes back into its own RAM,
+    /// and nothing of it is shared or stored again until `memfold merge`. memfoldd
+    /// forgets an opt-out when it restarts.
+    Unmerge(OptArgs),
+    /// Let memfold manage a guest taken out by `memfold unmerge` again.
+    Merge(OptArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
         which: BenchCmd,
     },
+}
+
+/// A guest and the memfoldd that manages it.
+#[derive(clap::Args)]
+struct OptArgs {
+    /// The guest's name (as memfoldd lists it).
+    name: String,
+    /// memfoldd's socket.
+    #[arg(long, default_value = "/run/memfold/memfoldd.sock")]
+    socket: PathBuf,
 }
 
 #[derive(Subcommand)]
@@ -99,6 +116,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Baseline(a) => baseline::run(&a),
         Cmd::Run(a) => run::run(&a),
         Cmd::Compare(a) => compare::run(&a),
+        Cmd::Unmerge(a) => {
+            let pages = memfold_live::opt_out(&a.socket, &a.name, true)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", a.socket.display()))?;
+            println!(
+                "{}: opted out; {pages} pages are being taken back into its RAM",
+                a.name
+            );
+            Ok(())
+        }
+        Cmd::Merge(a) => {
+            memfold_live::opt_out(&a.socket, &a.name, false)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", a.socket.display()))?;
+            println!("{}: managed by memfold again", a.name);
+            Ok(())
+        }
         Cmd::Bench {
             which: BenchCmd::Micro(args),
         } => bench::micro::run(&args),

@@ -184,3 +184,15 @@ fn no_space_for_an_image_is_a_clear_error() {
         "no half-built image"
     );
 }
+
+#[test]
+fn unmerge_without_a_memfoldd_names_the_socket() {
+    let d = tempfile::tempdir().unwrap();
+    let sock = d.path().join("none.sock");
+    let (code, _, err) = memfold(&["unmerge", "web-1", "--socket", sock.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("none.sock") && err.contains("No such file"),
+        "{err}"
+    );
+}

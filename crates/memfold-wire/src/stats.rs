@@ -199,6 +199,9 @@ pub struct VmStats {
     pub swap_moves: u64,
     /// The agent's connection is lost but QEMU lives (its mappings are kept).
     pub detached: bool,
+    /// The operator opted the guest out: its pages are taken back, none managed.
+    #[serde(default)]
+    pub opted_out: bool,
 }
 
 /// memfoldd's statistics.

@@ -45,6 +45,7 @@ fn vm_stats(v: &VmReport, guests: &Guests) -> VmStats {
         swap_ins: b.swap_ins,
         swap_moves: b.swap_moves,
         detached: !v.attached,
+        opted_out: b.opted_out,
     }
 }
 

@@ -1,0 +1,110 @@
+//! The operator's opt-out of a guest, live (issue 14, KSM parity: `MADV_UNMERGEABLE` for a
+//! whole VM): this test process plays QEMU — guest RAM a memfd mapping, the real agent in
+//! a thread, memfoldd in another. Once the guest's pages are shared, reclaimed as zero,
+//! patched and compressed, `memfold_live::opt_out` asks memfoldd to take the guest out:
+//! every page must come back into the guest's own RAM (its books count each mechanism
+//! to zero, no page is left on the pool or a hole), its bytes unchanged, and nothing is
+//! managed again until it is opted back in.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{fast_engine, start_agent, start_memfoldd, texty, wait_for, GuestRam, PAGE};
+use memfold_wire::stats::{Stats, VmStats};
+use rand::{rngs::SmallRng, Rng, SeedableRng};
+
+const PAGES: usize = 1536;
+
+fn guest(s: &Stats) -> &VmStats {
+    s.vms
+        .iter()
+        .find(|v| v.name == "opted")
+        .expect("the guest is attached")
+}
+
+fn managed(v: &VmStats) -> u64 {
+    v.shared_pages + v.zero_reclaimed_pages + v.patched_pages + v.compressed_pages
+}
+
+#[test]
+fn an_opted_out_guest_gets_every_page_back_and_nothing_is_managed_again() {
+    let work = tempfile::tempdir().unwrap();
+    let socket = start_memfoldd(work.path(), fast_engine());
+    let ram = GuestRam::new("opted-guest-ram", PAGES);
+    // Zeros, duplicates, near-duplicates, text, random: every mechanism takes some.
+    let mut rng = SmallRng::seed_from_u64(11);
+    let mut base = vec![0u8; PAGE];
+    rng.fill(&mut base[..]);
+    let mut want = vec![vec![0u8; PAGE]; PAGES];
+    for (g, p) in want.iter_mut().enumerate() {
+        match g % 5 {
+            0 => {}
+            1 => p.copy_from_slice(&base),
+            2 => {
+                p.copy_from_slice(&base);
+                p[g % PAGE] ^= 0x5a;
+                p[(g * 7) % PAGE] ^= 0xa5;
+            }
+            3 => texty(&mut rng, p),
+            _ => rng.fill(&mut p[..]),
+        }
+        ram.write(g, 0, p);
+    }
+    start_agent(&socket, "opted", &ram);
+    let s = wait_for(&socket, Duration::from_secs(30), "every mechanism", |s| {
+        let v = guest(s);
+        v.shared_pages > 0
+            && v.zero_reclaimed_pages > 0
+            && v.patched_pages > 0
+            && v.compressed_pages > 0
+    });
+    let before = managed(guest(&s));
+
+    let queued = memfold_live::opt_out(&socket, "opted", true).unwrap();
+    assert!(
+        queued as u64 >= before / 2,
+        "{queued} pages queued of {before}"
+    );
+    let s = wait_for(
+        &socket,
+        Duration::from_secs(20),
+        "every page taken back",
+        |s| managed(guest(s)) == 0,
+    );
+    let v = guest(&s);
+    assert!(v.opted_out);
+    assert_eq!((s.frames, s.store_pages), (0, 0), "{s:#?}");
+    // In its own RAM again: no page on a pool frame, each non-zero page's bytes in the
+    // memfd (zero pages may stay holes, as any never-touched page).
+    for (g, w) in want.iter().enumerate() {
+        assert!(!ram.on_pool(g), "gfn {g} still maps a pool frame");
+        assert!(
+            ram.has_data(g) || w.iter().all(|&b| b == 0),
+            "gfn {g} is a hole"
+        );
+        let mut got = vec![0u8; PAGE];
+        ram.read(g, &mut got);
+        assert_eq!(&got, w, "gfn {g} reads other bytes after the opt-out");
+    }
+    // Nothing is managed again while it is out (several scans and clock passes).
+    std::thread::sleep(Duration::from_secs(3));
+    let s = memfold_live::query_stats(&socket).unwrap();
+    assert_eq!(
+        managed(guest(&s)),
+        0,
+        "managed again while opted out: {s:#?}"
+    );
+
+    // Back in: memfold manages it again.
+    assert_eq!(memfold_live::opt_out(&socket, "opted", false).unwrap(), 0);
+    wait_for(&socket, Duration::from_secs(30), "managed again", |s| {
+        let v = guest(s);
+        !v.opted_out && v.shared_pages > 0
+    });
+    let err = memfold_live::opt_out(&socket, "nobody", true).unwrap_err();
+    assert!(
+        err.to_string().contains("no guest named \"nobody\""),
+        "{err}"
+    );
+}
