@@ -248,6 +248,10 @@ pub struct Stats {
     /// What the backings hold against the books (a leak check).
     #[serde(default)]
     pub held: HeldBytes,
+    /// Blobs a store or swap file could not take (out of memory, disk full, EIO;
+    /// cumulative): each page stayed in guest RAM.
+    #[serde(default)]
+    pub blob_write_errors: u64,
     /// Operation latencies over all guests.
     pub latency: OpLatencies,
     /// Per guest.

@@ -172,6 +172,7 @@ pub(crate) struct EngineBooks {
     pub(crate) swap_sync_errors: u64,
     /// Frames the pool could not take (host out of memory).
     pub(crate) pool_errors: u64,
+    pub(crate) blob_write_errors: u64,
     pub(crate) lifetimes: Lifetimes,
     /// Encode times, ns: [patch encode per candidate, compress per page].
     encode_ns: [hdrhistogram::Histogram<u64>; 2],
@@ -186,6 +187,7 @@ impl EngineBooks {
             slot_bytes: [0; 3],
             swap_sync_errors: 0,
             pool_errors: 0,
+            blob_write_errors: 0,
             lifetimes: Lifetimes::default(),
             encode_ns: [h(), h()],
         }
@@ -260,6 +262,9 @@ pub struct Books {
     pub held: [(u64, u64); 3],
     /// Frames the pool could not take (host out of memory; cumulative).
     pub pool_errors: u64,
+    /// Blobs a store or swap file could not take (host out of memory, disk full, EIO;
+    /// cumulative): each page stayed in guest RAM.
+    pub blob_write_errors: u64,
     /// Bytes of the engine's own metadata: P2M entries, clock bytes and per-page hints,
     /// the pool's books, the share table, the similarity index, the blob table.
     pub metadata_bytes: u64,
@@ -425,6 +430,7 @@ impl Engine {
             domains: self.domains.len() as u64,
             held: self.held_bytes(),
             pool_errors: self.books.pool_errors,
+            blob_write_errors: self.books.blob_write_errors,
             metadata_bytes: self.metadata_bytes(),
             encode_ns: [
                 pairs(&self.books.encode_ns[0]),

@@ -366,7 +366,13 @@ impl Engine {
                 None
             }
             Err(e) => {
-                tracing::warn!("{e}; page left in guest RAM");
+                self.books.blob_write_errors += 1;
+                if self.books.blob_write_errors.is_power_of_two() {
+                    tracing::warn!(
+                        "{id}: {e}; page left in guest RAM (error {})",
+                        self.books.blob_write_errors
+                    );
+                }
                 None
             }
         }

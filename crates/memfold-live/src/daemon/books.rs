@@ -102,6 +102,7 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests) -> Stats {
         },
         policy: b.policy.clone(),
         domains: b.domains,
+        blob_write_errors: b.blob_write_errors,
         held: HeldBytes {
             pool: b.held[0].0,
             pool_booked: b.held[0].1,
