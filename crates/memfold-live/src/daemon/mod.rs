@@ -23,6 +23,7 @@ mod guests;
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -135,8 +136,11 @@ struct Daemon {
     executor: Executor,
     /// Each domain's pool, handed to its guests' agents (and only theirs).
     pools: BTreeMap<DomainId, OwnedFd>,
-    /// Domains by what keys them under `rule`.
+    /// The domain a new guest joins, by what keys it under `rule`.
     keys: BTreeMap<DomainKey, DomainId>,
+    /// What keys each domain (several domains may share a key: a pool adopted after a
+    /// restart in which a new guest of that key attached first).
+    key_of: BTreeMap<DomainId, DomainKey>,
     next_domain: u32,
     rule: DomainRule,
     /// Where guests' swap files go, if memfoldd swaps (a host budget).
@@ -149,6 +153,15 @@ struct Daemon {
 /// Errors: the socket cannot be bound; the configuration is invalid; the pool, the store
 /// or the swap file cannot be created; the engine cannot read its pool.
 pub fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
+    run_until(cfg, &AtomicBool::new(false))
+}
+
+/// Runs memfoldd until `stop` is set, then returns as a killed memfoldd would leave
+/// things: its descriptors closed, the agents on their own (they re-attach to the next
+/// memfoldd at the socket). For tests of restarts within one process.
+///
+/// Errors: as [`run`].
+pub fn run_until(cfg: DaemonConfig, stop: &AtomicBool) -> Result<(), DaemonError> {
     let socket_err = |source| DaemonError::Socket {
         path: cfg.socket.clone(),
         source,
@@ -160,7 +173,7 @@ pub fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
         .spawn(move || guests::accept_loop(listener, tx))
         .map_err(socket_err)?;
     let mut d = Daemon::new(&cfg)?;
-    d.main_loop(rx)
+    d.main_loop(rx, stop)
 }
 
 fn dup(b: &FileBacking) -> Result<OwnedFd, BackingError> {
@@ -176,6 +189,7 @@ impl Daemon {
             executor: Executor::default(),
             pools: BTreeMap::new(),
             keys: BTreeMap::new(),
+            key_of: BTreeMap::new(),
             next_domain: 0,
             rule: cfg.domains,
             swap_dir: cfg.engine.host_budget.map(|_| cfg.swap_dir.clone()),
@@ -183,9 +197,13 @@ impl Daemon {
         })
     }
 
-    fn main_loop(&mut self, rx: mpsc::Receiver<Input>) -> Result<(), DaemonError> {
+    fn main_loop(
+        &mut self,
+        rx: mpsc::Receiver<Input>,
+        stop: &AtomicBool,
+    ) -> Result<(), DaemonError> {
         let mut busy = false;
-        loop {
+        while !stop.load(Ordering::Relaxed) {
             let wait = Duration::from_millis(if busy { 1 } else { 50 });
             match rx.recv_timeout(wait) {
                 Ok(input) => self.input(input)?,
@@ -204,6 +222,8 @@ impl Daemon {
                 self.reap();
             }
         }
+        tracing::info!("stopped");
+        Ok(())
     }
 
     fn input(&mut self, input: Input) -> Result<(), DaemonError> {
@@ -407,21 +427,16 @@ impl Daemon {
             DomainRule::User => DomainKey::User(uid),
             DomainRule::Vm => DomainKey::Vm(ram_id.0, ram_id.1),
         };
-        let d = match self.keys.get(&key) {
-            Some(&d) => d,
-            None => {
-                let d = DomainId(self.next_domain);
-                self.next_domain += 1;
-                self.keys.insert(key, d);
-                d
-            }
+        let d = match their_pool {
+            None => self.domain_for(key),
+            Some(p) => match self.pool_domain(key, p) {
+                Ok(d) => d,
+                Err(why) => {
+                    refuse(why);
+                    return Ok(());
+                }
+            },
         };
-        if let Some(p) = their_pool {
-            if !self.adopt_or_match_pool(d, p) {
-                refuse(format!("it maps another pool than {d}'s"));
-                return Ok(());
-            }
-        }
         if !self.engine.has_domain(d) {
             let pool = FileBacking::memfd("pool")?;
             self.pools.insert(d, dup(&pool)?);
@@ -482,35 +497,57 @@ impl Daemon {
         Ok(())
     }
 
-    /// A re-attaching agent's pool: adopted into domain `d` if `d` has not used a pool of
-    /// its own yet, else it must be `d`'s pool. Returns whether the agent may attach.
-    fn adopt_or_match_pool(&mut self, d: DomainId, theirs: OwnedFd) -> bool {
+    /// The domain a new guest of `key` joins (created on first use).
+    fn domain_for(&mut self, key: DomainKey) -> DomainId {
+        if let Some(&d) = self.keys.get(&key) {
+            return d;
+        }
+        let d = self.new_domain(key);
+        self.keys.insert(key, d);
+        d
+    }
+
+    fn new_domain(&mut self, key: DomainKey) -> DomainId {
+        let d = DomainId(self.next_domain);
+        self.next_domain += 1;
+        self.key_of.insert(d, key);
+        d
+    }
+
+    /// The domain of a re-attaching agent of `key` that maps pool `theirs`: the domain
+    /// whose pool it is; else (a restart) the domain of `key` adopts it if it has not used
+    /// a pool of its own yet; else — a new guest of `key` attached first and made a pool —
+    /// a new domain of the same key adopts it, so both keep their frames (they share
+    /// within each pool only, until the old one's guests are gone).
+    ///
+    /// Errors (a refusal's message): the pool is another key's domain's, or not a memfd.
+    fn pool_domain(&mut self, key: DomainKey, theirs: OwnedFd) -> Result<DomainId, String> {
         let id = |f: &OwnedFd| memfd::file_id(f.as_fd()).ok();
-        if let Some(mine) = self.pools.get(&d) {
-            if id(&theirs).is_some() && id(&theirs) == id(mine) {
-                return true;
+        let Some(theirs_id) = id(&theirs) else {
+            return Err("its pool is not a file".into());
+        };
+        if let Some((&d, _)) = self.pools.iter().find(|(_, p)| id(p) == Some(theirs_id)) {
+            return if self.key_of.get(&d) == Some(&key) {
+                Ok(d)
+            } else {
+                Err(format!("it maps the pool of {d}, another sharing domain's"))
+            };
+        }
+        let d = match self.keys.get(&key) {
+            Some(&d) if self.engine.pool_untouched(d) => d,
+            _ => {
+                let d = self.new_domain(key);
+                self.keys.entry(key).or_insert(d);
+                d
             }
-        }
-        // Another domain's pool may never be adopted into this one.
-        if self
-            .pools
-            .iter()
-            .any(|(&o, p)| o != d && id(p) == id(&theirs))
-        {
-            return false;
-        }
-        if !self.engine.pool_untouched(d) {
-            return false;
-        }
+        };
         let size = memfd::size(theirs.as_fd()).unwrap_or(0);
         let frames = (size / PAGE) as u32;
         let held: Vec<FrameId> = memfd::data_runs(theirs.as_fd(), Gfn(0), Gfn(frames))
             .into_iter()
             .flat_map(|(a, b)| (a.0..b.0).map(FrameId))
             .collect();
-        let Ok(mine) = theirs.try_clone() else {
-            return false;
-        };
+        let mine = theirs.try_clone().map_err(|e| format!("its pool: {e}"))?;
         tracing::info!(
             "{d} adopts the pool of a previous memfoldd: {frames} frames, {} held",
             held.len()
@@ -518,7 +555,7 @@ impl Daemon {
         self.engine
             .adopt_pool(d, Box::new(FileBacking::adopt(mine)), frames, held);
         self.pools.insert(d, theirs);
-        true
+        Ok(d)
     }
 
     /// Releases detached guests whose QEMU has exited; ends each domain's adoption of a
@@ -560,5 +597,10 @@ impl Daemon {
         self.pools.retain(|d, _| engine.has_domain(*d));
         let pools = &self.pools;
         self.keys.retain(|_, d| pools.contains_key(d));
+        self.key_of.retain(|d, _| pools.contains_key(d));
+        // New guests of a key whose domain went join another domain of that key.
+        for (&d, &k) in &self.key_of {
+            self.keys.entry(k).or_insert(d);
+        }
     }
 }
