@@ -13,8 +13,11 @@
 //! swap file; it does not check that pages are still stored at the moment of the kill
 //! (issue "Isolation and faults" tightens that). After the kill the agents serve every
 //! fault themselves, and write their stored pages back before re-attaching to the new
-//! memfoldd, which adopts the pool. memfoldd here is the `memfoldd` of this crate, running
-//! the engine (`memfold_core::Engine`) the reference model checks.
+//! memfoldd, which adopts the pool. Last, the operator opts both guests out: every page
+//! comes back into their RAM, and the host memory measured for their RAM must grow by at
+//! least half of what memfoldd booked as saved (the saving is real, not only counted).
+//! memfoldd here is the `memfoldd` of this crate, running the engine
+//! (`memfold_core::Engine`) the reference model checks.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -192,6 +195,53 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
     rounds_pass(&guests, 2, Duration::from_secs(90));
     // And again after the agents wrote their stored pages back for the new memfoldd.
     cold_rounds_pass(&guests, 1, Duration::from_secs(120));
+
+    // The saving is real host memory, measured (not memfoldd's counters): the operator's
+    // opt-out (`memfold unmerge`) takes every page of both guests back, and the host
+    // memory their RAM uses grows by at least half of what memfoldd booked as saved.
+    let measured = |guests: &[Guest]| -> u64 {
+        let u: Vec<_> = guests
+            .iter()
+            .map(|g| memfold_vm::hostmem::guest_ram_usage(g.pid, 64 << 20).unwrap())
+            .collect();
+        memfold_vm::hostmem::total_used(&u)
+    };
+    let booked = query_stats(&socket).unwrap().saved_pages.max(0) as u64 * 4096;
+    let before = measured(&guests);
+    for name in ["a", "b"] {
+        memfold_live::opt_out(&socket, name, true).unwrap();
+    }
+    let t = Instant::now();
+    loop {
+        let s = query_stats(&socket).unwrap();
+        let held: u64 = s
+            .vms
+            .iter()
+            .map(|v| v.shared_pages + v.zero_reclaimed_pages + v.patched_pages)
+            .chain(s.vms.iter().map(|v| v.compressed_pages + v.swapped_pages))
+            .sum();
+        if held == 0 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "pages not taken back after the opt-out: {s:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let after = measured(&guests);
+    eprintln!(
+        "opt-out: measured {:.1} -> {:.1} MiB; memfoldd had booked {:.1} MiB saved",
+        before as f64 / 1048576.0,
+        after as f64 / 1048576.0,
+        booked as f64 / 1048576.0
+    );
+    assert!(
+        after >= before + booked / 2,
+        "taking every page back grew host memory by {} bytes, memfoldd had booked {booked} saved",
+        after as i64 - before as i64
+    );
+    rounds_pass(&guests, 1, Duration::from_secs(90));
     for g in &mut guests {
         assert!(
             g.mismatches().is_empty(),
