@@ -43,7 +43,9 @@ impl FrameTable {
 
     /// Books for a pool of `frames` frames adopted from a previous memfoldd. The frames
     /// in `held` (those holding data) count as in use until freed through these books:
-    /// an agent not yet re-attached may map any of them. The others are holes, free.
+    /// an agent not yet re-attached may map any of them. The others are holes, free —
+    /// handed out from the bottom up as [`FrameTable::alloc`] passes them, not listed
+    /// (a pool's size comes from a peer: the books cost O(frames) words, no more).
     pub fn adopted(frames: u32, held: impl IntoIterator<Item = FrameId>) -> Self {
         let n = frames as usize;
         let mut t = FrameTable {
@@ -54,7 +56,7 @@ impl FrameTable {
             adopted: vec![false; n],
             free: BTreeSet::new(),
             size: frames,
-            next: frames,
+            next: 0,
             last: None,
             in_use: 0,
         };
@@ -64,7 +66,6 @@ impl FrameTable {
                 t.in_use += 1;
             }
         }
-        t.free = (0..frames).filter(|&f| !t.adopted[f as usize]).collect();
         t
     }
 
@@ -87,9 +88,8 @@ impl FrameTable {
         let f = if let Some(n) = preferred {
             self.free.remove(&n);
             n
-        } else if self.next < self.size {
-            self.next += 1;
-            self.next - 1
+        } else if let Some(n) = self.next_unheld() {
+            n
         } else if let Some(n) = self.free.pop_first() {
             n
         } else {
@@ -105,6 +105,18 @@ impl FrameTable {
         self.hash[i] = hash;
         self.in_use += 1;
         (FrameId(f), grow)
+    }
+
+    /// The next frame from `next` on that nothing holds (advancing `next`): past an
+    /// adopted pool's held frames, pinned or — once the adoption ended — still mapped.
+    fn next_unheld(&mut self) -> Option<u32> {
+        while self.next < self.size && self.is_used(FrameId(self.next)) {
+            self.next += 1;
+        }
+        (self.next < self.size).then(|| {
+            self.next += 1;
+            self.next - 1
+        })
     }
 
     fn resize(&mut self, size: u32) {
@@ -222,7 +234,10 @@ impl FrameTable {
         if self.is_used(f) {
             return false;
         }
-        self.free.insert(f.0);
+        // A frame past `next` (an adopted pool's) is handed out from there.
+        if f.0 < self.next {
+            self.free.insert(f.0);
+        }
         self.in_use -= 1;
         true
     }

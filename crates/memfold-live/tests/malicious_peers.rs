@@ -129,6 +129,27 @@ fn hello(socket: &std::path::Path, name: &str, pid: u32, pages: u64) -> (Conn, T
     (c, reply)
 }
 
+/// A memfd with a page of data, reopened write-only through /proc.
+fn write_only_pool() -> std::os::fd::OwnedFd {
+    let fd = memfd::create("memfold-pool").unwrap();
+    memfd::pwrite_all(fd.as_fd(), &[7u8; PAGE], 0).unwrap();
+    let path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .into()
+}
+
+/// A sparse memfd of 2^32 - 1 pages with data in its last one.
+fn huge_pool() -> std::os::fd::OwnedFd {
+    let fd = memfd::create("memfold-pool").unwrap();
+    let end = (u32::MAX as u64) * PAGE as u64;
+    memfd::set_len(fd.as_fd(), end).unwrap();
+    memfd::pwrite_all(fd.as_fd(), &[7u8; PAGE], end - PAGE as u64).unwrap();
+    fd
+}
+
 fn attacks(socket: &std::path::Path) {
     // Answers for batches that are not its own (the honest guest's are among 1..5000),
     // events about pages and frames it does not have, clock bits nobody asked for.
@@ -230,6 +251,29 @@ fn attacks(socket: &std::path::Path) {
     }
     // Then it stops reading: memfoldd's commands pile up until its sends time out.
     std::mem::forget(c);
+
+    // Pools no memfoldd made, handed back as if after a restart: a write-only reopening of
+    // a memfd (memfoldd could write frames but not read them), and a sparse memfd of 2^32
+    // pages (its frame table would take all memory). Both refused, memfoldd up.
+    for (what, pool) in [("write-only", write_only_pool()), ("huge", huge_pool())] {
+        let c = Conn::connect(socket).unwrap();
+        let ram = memfd::create("attacker-ram").unwrap();
+        memfd::set_len(ram.as_fd(), 64 * PAGE as u64).unwrap();
+        let hello = ToDaemon::AgentHello {
+            version: PROTOCOL_VERSION,
+            name: format!("pool-{what}"),
+            pid: 3,
+            ram_bytes: 64 * PAGE as u64,
+            shared: 0,
+        };
+        c.send(&hello, &[ram.as_fd(), pool.as_fd()]).unwrap();
+        c.set_recv_timeout(Duration::from_secs(5)).unwrap();
+        let (reply, _) = c.recv::<ToAgent>().unwrap().expect("an answer");
+        assert!(
+            matches!(&reply, ToAgent::Refused { message } if message.contains("pool")),
+            "{what} pool: {reply:?}"
+        );
+    }
 
     // The wrong protocol version.
     let (_c, reply) = {

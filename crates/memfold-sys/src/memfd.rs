@@ -37,6 +37,15 @@ pub fn tmpfile(dir: &std::path::Path) -> io::Result<OwnedFd> {
     .map_err(io::Error::from)
 }
 
+/// Whether `fd` is a memfd open for reading and writing: what a pool handed back by a
+/// peer must be before memfoldd adopts it (only memfds take seals; a read-only or
+/// write-only descriptor would fail memfoldd's reads or the agents' mappings later).
+pub fn is_read_write_memfd(fd: BorrowedFd<'_>) -> bool {
+    let rw = rustix::fs::fcntl_getfl(fd)
+        .is_ok_and(|f| f & rustix::fs::OFlags::RWMODE == rustix::fs::OFlags::RDWR);
+    rw && rustix::fs::fcntl_get_seals(fd).is_ok()
+}
+
 /// Sets the size of `fd` to `len` bytes (growing it adds holes, which take no memory).
 ///
 /// Errors: the file cannot be resized (a sealed memfd, a full disk for a file).
@@ -173,6 +182,15 @@ mod tests {
         let fd = fd.as_fd();
         set_len(fd, 16 * PAGE).unwrap();
         assert_eq!(allocated_bytes(fd), 0, "a new memfd is all holes");
+        assert!(is_read_write_memfd(fd));
+        let file = tempfile::tempfile().unwrap();
+        assert!(
+            !is_read_write_memfd(file.as_fd()),
+            "a plain file is no memfd"
+        );
+        let path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd));
+        let write_only = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+        assert!(!is_read_write_memfd(write_only.as_fd()));
         assert_eq!(data_runs(fd, Gfn(0), Gfn(16)), vec![]);
         pwrite_all(fd, &[1u8; 4096 * 2], 2 * PAGE).unwrap();
         pwrite_all(fd, &[2u8; 10], 9 * PAGE + 100).unwrap();

@@ -241,19 +241,26 @@ impl Engine {
         for (i, is) in now.into_iter().enumerate() {
             let g = Gfn(i as u32);
             let was = self.vms[&id].state(g);
-            let next = match is {
+            let mut next = match is {
                 Some(Mapped::Frame(f)) => PageState::Shared(f),
                 Some(Mapped::Zero) => PageState::Zero,
                 None => PageState::Private,
             };
+            if let PageState::Shared(f) = next {
+                let frames = &self.domain(d).frames;
+                if frames.is_adopted(f)
+                    && frames.refcount(f) == 0
+                    && !self.claim_adopted(d, f, &mut page)
+                {
+                    // An adopted frame memfoldd cannot read is not booked: the page counts
+                    // as private (the agent, which maps it, refuses any request on it).
+                    next = PageState::Private;
+                }
+            }
             if was == next {
                 continue;
             }
             if let PageState::Shared(f) = next {
-                let frames = &self.domain(d).frames;
-                if frames.is_adopted(f) && frames.refcount(f) == 0 {
-                    self.claim_adopted(d, f, &mut page)?;
-                }
                 self.domain_mut(d).frames.incref(f, false);
             }
             changes.push((g, was, next));
@@ -282,17 +289,16 @@ impl Engine {
     }
 
     /// An adopted frame of domain `d` a re-attaching guest maps: read, hash and list it
-    /// once.
-    fn claim_adopted(
-        &mut self,
-        d: DomainId,
-        f: FrameId,
-        page: &mut Page,
-    ) -> Result<(), EngineError> {
+    /// once. False (logged) if the pool cannot be read there: a pool handed back by a peer
+    /// is the peer's word, and never stops memfoldd.
+    fn claim_adopted(&mut self, d: DomainId, f: FrameId, page: &mut Page) -> bool {
         let hash = self.cfg.page_hash;
         let zero_hash = self.zero_hash;
         let dom = self.domain_mut(d);
-        dom.pool.read(f.offset(), page).map_err(EngineError::Pool)?;
+        if let Err(e) = dom.pool.read(f.offset(), page) {
+            tracing::warn!("{d}: adopted {f} unreadable ({e}); not booked");
+            return false;
+        }
         let h = hash(page);
         if dom.frames.hash(f) != h || !dom.share.lookup(h).any(|e| e == ShareEntry::Shared(f)) {
             dom.frames.set_hash(f, h);
@@ -301,7 +307,7 @@ impl Engine {
         if h == zero_hash && crate::is_zero_page(page) {
             dom.zero_frame = Some(f);
         }
-        Ok(())
+        true
     }
 
     /// The agent of guest `id` is gone but its QEMU may live: requests not yet handed out

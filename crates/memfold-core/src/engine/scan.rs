@@ -215,10 +215,15 @@ impl Engine {
         for e in candidates {
             match e {
                 ShareEntry::Shared(f) => {
-                    self.domain(d)
-                        .pool
-                        .read(f.offset(), &mut other)
-                        .map_err(EngineError::Pool)?;
+                    // An unreadable pool (an adopted one is a peer's file) only means no
+                    // share with this frame.
+                    if let Err(e) = self.domain(d).pool.read(f.offset(), &mut other) {
+                        self.books.pool_errors += 1;
+                        if self.books.pool_errors.is_power_of_two() {
+                            tracing::warn!("pool of {d}: {e}; not shared");
+                        }
+                        continue;
+                    }
                     if other == *page {
                         self.domain_mut(d).frames.add_pending(f);
                         self.enqueue_share(id, g, f);

@@ -45,6 +45,11 @@ const PAGE: u64 = PAGE_SIZE as u64;
 /// allocate without bound.
 const MAX_GUEST_PAGES: u64 = 1 << 26;
 
+/// The largest pool memfoldd adopts from a re-attaching agent, frames (64 GiB of shared
+/// frames in one domain): its frame table is sized by the pool's length, which the peer
+/// sets.
+const MAX_ADOPTED_FRAMES: u64 = 1 << 24;
+
 /// Which guests form a sharing domain: they share frames and patch against each other's
 /// pages, and each of their QEMUs holds the domain's pool (issue 14). Decided from what
 /// the kernel says of the peer, never from what the peer says.
@@ -429,7 +434,7 @@ impl Daemon {
         };
         let d = match their_pool {
             None => self.domain_for(key),
-            Some(p) => match self.pool_domain(key, p) {
+            Some(p) => match self.pool_domain(key, p, ram_id) {
                 Ok(d) => d,
                 Err(why) => {
                     refuse(why);
@@ -520,12 +525,21 @@ impl Daemon {
     /// a new domain of the same key adopts it, so both keep their frames (they share
     /// within each pool only, until the old one's guests are gone).
     ///
-    /// Errors (a refusal's message): the pool is another key's domain's, or not a memfd.
-    fn pool_domain(&mut self, key: DomainKey, theirs: OwnedFd) -> Result<DomainId, String> {
+    /// Errors (a refusal's message): the pool is another key's domain's, its guest RAM,
+    /// not a memfd open for reading and writing, or larger than [`MAX_ADOPTED_FRAMES`].
+    fn pool_domain(
+        &mut self,
+        key: DomainKey,
+        theirs: OwnedFd,
+        ram_id: (u64, u64),
+    ) -> Result<DomainId, String> {
         let id = |f: &OwnedFd| memfd::file_id(f.as_fd()).ok();
         let Some(theirs_id) = id(&theirs) else {
             return Err("its pool is not a file".into());
         };
+        if !memfd::is_read_write_memfd(theirs.as_fd()) || theirs_id == ram_id {
+            return Err("its pool is not a memfd open for reading and writing".into());
+        }
         if let Some((&d, _)) = self.pools.iter().find(|(_, p)| id(p) == Some(theirs_id)) {
             return if self.key_of.get(&d) == Some(&key) {
                 Ok(d)
@@ -542,6 +556,12 @@ impl Daemon {
             }
         };
         let size = memfd::size(theirs.as_fd()).unwrap_or(0);
+        if size / PAGE > MAX_ADOPTED_FRAMES {
+            return Err(format!(
+                "its pool of {size} bytes is over the {} GiB memfoldd adopts",
+                (MAX_ADOPTED_FRAMES * PAGE) >> 30
+            ));
+        }
         let frames = (size / PAGE) as u32;
         let held: Vec<FrameId> = memfd::data_runs(theirs.as_fd(), Gfn(0), Gfn(frames))
             .into_iter()
