@@ -39,6 +39,7 @@ fn memfoldd(dir: &Path, domains: DomainRule) -> PathBuf {
         swap_dir: dir.to_path_buf(),
         swap_capacity: 16 << 20,
         domains,
+        agent_gid: None,
     };
     std::thread::spawn(move || daemon::run(cfg));
     let t = Instant::now();

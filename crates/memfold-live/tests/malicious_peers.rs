@@ -98,6 +98,7 @@ fn memfoldd(dir: &std::path::Path) -> std::path::PathBuf {
         swap_dir: dir.to_path_buf(),
         swap_capacity: 16 << 20,
         domains: DomainRule::User,
+        agent_gid: None,
     };
     std::thread::spawn(move || daemon::run(cfg));
     let t = Instant::now();

@@ -96,6 +96,22 @@ impl SeqpacketListener {
         Ok(SeqpacketListener { fd })
     }
 
+    /// Opens the socket at `path` to group `gid` too (mode 0660, group `gid`): the
+    /// agents of QEMUs that run as other users in that group may connect.
+    ///
+    /// Errors: chown or chmod failed.
+    pub fn share_with_group(path: &Path, gid: u32) -> io::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        std::os::unix::fs::chown(path, None, Some(gid))
+            .and_then(|_| std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)))
+            .map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("opening {} to group {gid}: {e}", path.display()),
+                )
+            })
+    }
+
     /// Waits for the next connection.
     ///
     /// Errors: accept failed.

@@ -26,6 +26,13 @@ impl Listener {
         })
     }
 
+    /// Opens the socket at `path` to group `gid` (mode 0660).
+    ///
+    /// Errors: chown or chmod failed.
+    pub fn share_with_group(path: &Path, gid: u32) -> io::Result<()> {
+        SeqpacketListener::share_with_group(path, gid)
+    }
+
     /// Waits for the next connection.
     ///
     /// Errors: accept failed.

@@ -23,6 +23,12 @@ struct Args {
     /// be host memory.
     #[arg(long, default_value = "/var/tmp")]
     swap_dir: PathBuf,
+    /// A group whose members' QEMUs may attach (the socket becomes mode 0660, that
+    /// group's): QEMUs run as a user per tenant, each user its own sharing domain under
+    /// `--share-domains user`. They may attach and read statistics; only root and
+    /// memfoldd's user may opt a guest out.
+    #[arg(long, value_name = "GID")]
+    agent_gid: Option<u32>,
 }
 
 fn main() {
@@ -48,6 +54,7 @@ fn main() {
         swap_dir: a.swap_dir,
         swap_capacity: a.engine.swap_mib << 20,
         domains: a.engine.domain_rule(),
+        agent_gid: a.agent_gid,
     };
     if let Err(e) = run(cfg) {
         tracing::error!("{e}");

@@ -29,12 +29,18 @@ pub(crate) enum Input {
     Agent { token: u64, msg: ToDaemon },
     /// An agent's connection ended.
     Gone { token: u64 },
-    /// A client's request.
-    Client { conn: Conn, msg: ToDaemon },
+    /// A client's request; `operator`: the peer is root or memfoldd's own user, who may
+    /// change what memfoldd does (an opt-out), not only read its statistics.
+    Client {
+        conn: Conn,
+        msg: ToDaemon,
+        operator: bool,
+    },
 }
 
-/// Accepts connections until the listener fails; each gets a reader thread.
-pub(crate) fn accept_loop(listener: Listener, tx: mpsc::Sender<Input>) {
+/// Accepts connections until the listener fails; each gets a reader thread. `agent_gid`:
+/// a group whose members' QEMUs may attach too (besides root and memfoldd's user).
+pub(crate) fn accept_loop(listener: Listener, tx: mpsc::Sender<Input>, agent_gid: Option<u32>) {
     let mut token = 0u64;
     loop {
         let conn = match listener.accept() {
@@ -50,7 +56,7 @@ pub(crate) fn accept_loop(listener: Listener, tx: mpsc::Sender<Input>) {
         let t = token;
         let spawned = std::thread::Builder::new()
             .name(format!("conn{t}"))
-            .spawn(move || read_loop(t, conn, tx));
+            .spawn(move || read_loop(t, conn, tx, agent_gid));
         if let Err(e) = spawned {
             tracing::warn!("no thread for connection {t}: {e}");
         }
@@ -61,10 +67,13 @@ pub(crate) fn accept_loop(listener: Listener, tx: mpsc::Sender<Input>) {
 /// stops reading must not stall memfoldd.
 pub(crate) const SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Reads one connection: an agent's messages, or a client's requests. Only root and
-/// memfoldd's own user may talk to memfoldd (the socket is mode 0600, and the peer's
-/// credentials are checked again here); anyone else is refused with a message.
-fn read_loop(t: u64, conn: Conn, tx: mpsc::Sender<Input>) {
+/// Reads one connection: an agent's messages, or a client's requests. Only root,
+/// memfoldd's own user and members of the agent group may talk to memfoldd (the socket is
+/// mode 0600, or 0660 for the agent group, and the peer's credentials are checked again
+/// here); anyone else is refused with a message. Only root and memfoldd's user are
+/// operators: a QEMU of the agent group may attach and read statistics, never opt
+/// another guest out.
+fn read_loop(t: u64, conn: Conn, tx: mpsc::Sender<Input>, agent_gid: Option<u32>) {
     let peer = match conn.peer() {
         Ok(p) => p,
         Err(e) => {
@@ -72,11 +81,14 @@ fn read_loop(t: u64, conn: Conn, tx: mpsc::Sender<Input>) {
             return;
         }
     };
-    if !peer.trusted_by(memfold_sys::socket::my_uid()) {
+    let operator = peer.trusted_by(memfold_sys::socket::my_uid());
+    if !operator && agent_gid != Some(peer.gid) {
         let message = format!(
-            "uid {} may not talk to memfoldd (root or uid {} only)",
+            "uid {} (gid {}) may not talk to memfoldd (root, uid {}{} only)",
             peer.uid,
-            memfold_sys::socket::my_uid()
+            peer.gid,
+            memfold_sys::socket::my_uid(),
+            agent_gid.map_or(String::new(), |g| format!(" or group {g}"))
         );
         tracing::warn!("connection {t} from pid {}: {message}", peer.pid);
         let _ = conn.send(&ToClient::Error { message }, &[]);
@@ -125,7 +137,14 @@ fn read_loop(t: u64, conn: Conn, tx: mpsc::Sender<Input>) {
         ToDaemon::ClientHello { version } if version == PROTOCOL_VERSION => {
             while let Ok(Some((msg, _))) = conn.recv::<ToDaemon>() {
                 let Ok(w) = conn.try_clone() else { return };
-                if tx.send(Input::Client { conn: w, msg }).is_err() {
+                if tx
+                    .send(Input::Client {
+                        conn: w,
+                        msg,
+                        operator,
+                    })
+                    .is_err()
+                {
                     return;
                 }
             }

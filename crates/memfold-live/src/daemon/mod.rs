@@ -100,6 +100,11 @@ pub struct DaemonConfig {
     pub swap_capacity: u64,
     /// Which guests share with one another.
     pub domains: DomainRule,
+    /// A group whose members' QEMUs may attach (the socket becomes mode 0660, that
+    /// group's): QEMUs that run as users of their own (one per tenant, a domain each
+    /// under [`DomainRule::User`]). They are not operators. `None`: root and memfoldd's
+    /// own user only (mode 0600).
+    pub agent_gid: Option<u32>,
 }
 
 /// Daemon errors.
@@ -172,10 +177,14 @@ pub fn run_until(cfg: DaemonConfig, stop: &AtomicBool) -> Result<(), DaemonError
         source,
     };
     let listener = Listener::bind(&cfg.socket).map_err(socket_err)?;
+    if let Some(gid) = cfg.agent_gid {
+        Listener::share_with_group(&cfg.socket, gid).map_err(socket_err)?;
+    }
     let (tx, rx) = mpsc::channel();
+    let agent_gid = cfg.agent_gid;
     std::thread::Builder::new()
         .name("accept".into())
-        .spawn(move || guests::accept_loop(listener, tx))
+        .spawn(move || guests::accept_loop(listener, tx, agent_gid))
         .map_err(socket_err)?;
     let mut d = Daemon::new(&cfg)?;
     d.main_loop(rx, stop)
@@ -253,12 +262,19 @@ impl Daemon {
                     self.reap();
                 }
             }
-            Input::Client { conn, msg } => {
+            Input::Client {
+                conn,
+                msg,
+                operator,
+            } => {
                 let reply = match msg {
                     ToDaemon::Stats => {
                         ToClient::Stats(Box::new(books::stats(&self.engine, &self.guests)))
                     }
-                    ToDaemon::OptOut { name, out } => self.opt_out(&name, out),
+                    ToDaemon::OptOut { name, out } if operator => self.opt_out(&name, out),
+                    ToDaemon::OptOut { .. } => ToClient::Error {
+                        message: "only root or memfoldd's user may opt a guest out or in".into(),
+                    },
                     other => ToClient::Error {
                         message: format!("unexpected request {other:?}"),
                     },

@@ -47,6 +47,7 @@ pub fn daemon_config(dir: &Path, engine: EngineConfig) -> DaemonConfig {
         swap_dir: dir.to_path_buf(),
         swap_capacity: 64 << 20,
         domains: DomainRule::User,
+        agent_gid: None,
     }
 }
 

@@ -1,0 +1,154 @@
+//! Who may talk to memfoldd (issue 14, "Authentication"): with an agent group, QEMUs that
+//! run as an unprivileged user in that group may attach (each user its own sharing
+//! domain) and read statistics, but only root and memfoldd's own user are operators — a
+//! tenant's QEMU cannot opt another guest out; a user outside the group is refused at the
+//! door. The test re-runs this binary as child processes under uid 65534 (`nobody`) with
+//! group 65534 (the agent group) or 65533 (a stranger), each checking what it is allowed.
+
+use std::os::fd::AsFd;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use memfold_core::{EngineConfig, Policy};
+use memfold_live::daemon::{self, DaemonConfig, DomainRule};
+use memfold_live::query_stats;
+use memfold_sys::memfd;
+use memfold_wire::{Conn, ToAgent, ToClient, ToDaemon, PROTOCOL_VERSION};
+
+const ROLE: &str = "MEMFOLD_ACCESS_ROLE";
+const SOCKET: &str = "MEMFOLD_ACCESS_SOCKET";
+const AGENT_GID: u32 = 65534;
+
+fn client(socket: &Path, req: &ToDaemon) -> ToClient {
+    let c = Conn::connect(socket).unwrap();
+    c.set_recv_timeout(Duration::from_secs(5)).unwrap();
+    let hello = ToDaemon::ClientHello {
+        version: PROTOCOL_VERSION,
+    };
+    c.send(&hello, &[]).unwrap();
+    let _ = c.send(req, &[]);
+    c.recv::<ToClient>().unwrap().expect("an answer").0
+}
+
+/// What each child checks, as the user it runs as.
+#[test]
+fn child_role() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return; // run by the parent below only
+    };
+    let socket = std::path::PathBuf::from(std::env::var(SOCKET).unwrap());
+    match role.as_str() {
+        "tenant" => {
+            let stats = client(&socket, &ToDaemon::Stats);
+            assert!(matches!(stats, ToClient::Stats(_)), "{stats:?}");
+            let out = ToDaemon::OptOut {
+                name: "operator-guest".into(),
+                out: true,
+            };
+            let reply = client(&socket, &out);
+            assert!(
+                matches!(&reply, ToClient::Error { message } if message.contains("only root")),
+                "a tenant opted a guest out: {reply:?}"
+            );
+            // It may attach its own guest.
+            let c = Conn::connect(&socket).unwrap();
+            let ram = memfd::create("tenant-ram").unwrap();
+            memfd::set_len(ram.as_fd(), 64 * 4096).unwrap();
+            let hello = ToDaemon::AgentHello {
+                version: PROTOCOL_VERSION,
+                name: "tenant-guest".into(),
+                pid: 0,
+                ram_bytes: 64 * 4096,
+                shared: 0,
+            };
+            c.send(&hello, &[ram.as_fd()]).unwrap();
+            c.set_recv_timeout(Duration::from_secs(5)).unwrap();
+            let (reply, _) = c.recv::<ToAgent>().unwrap().expect("an answer");
+            assert!(matches!(reply, ToAgent::Welcome { .. }), "{reply:?}");
+        }
+        "stranger" => {
+            // The socket's mode keeps it out (0660, the agent group's); were it open, the
+            // peer check would refuse it with a message.
+            match Conn::connect(&socket) {
+                Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}"),
+                Ok(_) => {
+                    let reply = client(&socket, &ToDaemon::Stats);
+                    assert!(
+                        matches!(&reply, ToClient::Error { message } if message.contains("may not talk")),
+                        "a stranger was let in: {reply:?}"
+                    );
+                }
+            }
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+fn run_child(socket: &Path, role: &str, gid: u32) {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["child_role", "--exact", "--nocapture"])
+        .env(ROLE, role)
+        .env(SOCKET, socket)
+        .uid(65534)
+        .gid(gid)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{role}: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn tenants_of_the_agent_group_attach_but_are_not_operators() {
+    let dir = tempfile::tempdir().unwrap();
+    // The folder lets the tenant reach the socket; the socket's mode decides the rest.
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let socket = dir.path().join("memfoldd.sock");
+    let cfg = DaemonConfig {
+        socket: socket.clone(),
+        engine: EngineConfig {
+            policy: Policy::sharing_only(),
+            clock_interval_us: None,
+            ..EngineConfig::default()
+        },
+        swap_dir: dir.path().to_path_buf(),
+        swap_capacity: 1 << 20,
+        domains: DomainRule::User,
+        agent_gid: Some(AGENT_GID),
+    };
+    std::thread::spawn(move || daemon::run(cfg));
+    let t = Instant::now();
+    while query_stats(&socket).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "memfoldd did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    run_child(&socket, "tenant", AGENT_GID);
+    run_child(&socket, "stranger", AGENT_GID - 1);
+    // The operator (this process, root) may.
+    let reply = client(
+        &socket,
+        &ToDaemon::OptOut {
+            name: "tenant-guest".into(),
+            out: true,
+        },
+    );
+    assert!(
+        matches!(reply, ToClient::OptedOut { .. } | ToClient::Error { .. }),
+        "{reply:?}"
+    );
+    if let ToClient::Error { message } = &reply {
+        assert!(message.contains("no guest named"), "{message}");
+    }
+}
