@@ -41,8 +41,8 @@ impl Agent {
     /// limit) is logged and retried with back-off: the faulting thread waits, it never sees
     /// a wrong byte. A fault that still fails after [`FAULT_GIVE_UP`], on a blob that no
     /// longer decodes to its page, or on a stored page written outside QEMU's mapping,
-    /// fails closed ([`crate::fail_closed`]: QEMU paused,
-    /// or aborted) rather than spin forever or let the guest run on unprotected.
+    /// fails closed ([`crate::fail_closed`]: QEMU paused, or aborted) rather than spin
+    /// forever or let the guest run on unprotected.
     pub(crate) fn handle_or_retry(&mut self, ev: Event) {
         let mut delay = Duration::from_millis(1);
         let started = std::time::Instant::now();
