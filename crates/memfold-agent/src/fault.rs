@@ -2,11 +2,18 @@
 //!
 //! | fault | `Private` | `Zero` | `Frame` | `Stashed` |
 //! |---|---|---|---|---|
-//! | minor (armed by the clock) | R (M on a write), `UFFDIO_CONTINUE` | wake | wake | wake |
+//! | minor (armed by the clock) | R (M on a write), `UFFDIO_CONTINUE` | wake; filled: refill, `UFFDIO_CONTINUE` | wake | wake; filled: fail closed |
 //! | write-protect | M, unprotect | M, unprotect | CoW break | M, unprotect |
-//! | missing | zeros (first touch) | zeros, refill | wake | decode the blob |
+//! | missing | zeros (first touch) | zeros, refill | wake | decode the blob; filled: fail closed |
 //!
-//! "wake" lets the thread retry: the page changed home since it faulted. A read is
+//! "wake" lets the thread retry: the page changed home since it faulted. "filled": the
+//! guest memfd holds data at a page the agent holds as a hole, so it was written outside
+//! QEMU's mapping (`pwrite`, a second mapping: a vhost-user backend); a wake would only
+//! bring the same minor fault back, forever. A zero page so written is exactly the
+//! memfd's bytes; a stored one is no page the guest ever wrote (docs/security.md, "Writes
+//! that bypass the page tables"). A `Frame` page takes no minor fault: the pool mapping
+//! over it is registered for write-protect faults only (`install`), so one read there is
+//! from before the share. A read is
 //! answered write-protected (`UFFDIO_CONTINUE` / `UFFDIO_COPY` with `MODE_WP`), so that a
 //! later write still sets M. Every fault is answered by this thread, from descriptors the
 //! agent holds (guest memfd, pool, store, swap file), so guests stay correct without
@@ -19,11 +26,11 @@ use std::time::{Duration, Instant};
 use memfold_codecs::page_checksum;
 use memfold_codecs::{Page, PAGE_SIZE};
 use memfold_ids::{FrameId, Gfn};
-use memfold_sys::memfd::{drop_cache, pread_exact, pwrite_all};
+use memfold_sys::memfd::{drop_cache, next_data_run, pread_exact, pwrite_all};
 use memfold_sys::uffd::Event;
 use memfold_wire::BlobHome;
 
-use crate::state::{PageHome, Stash};
+use crate::state::{plus, PageHome, Stash};
 use crate::{Agent, PAGE};
 
 /// How long one fault may keep failing before the agent fails closed.
@@ -32,9 +39,10 @@ pub(crate) const FAULT_GIVE_UP: Duration = Duration::from_secs(30);
 impl Agent {
     /// Handles a fault; a failure (the host out of memory for the private copy, the VMA
     /// limit) is logged and retried with back-off: the faulting thread waits, it never sees
-    /// a wrong byte. A fault that still fails after [`FAULT_GIVE_UP`], or on a blob that
-    /// no longer decodes to its page, fails closed ([`crate::fail_closed`]: QEMU paused,
-    /// or aborted) rather than spin forever or let the guest run on unprotected.
+    /// a wrong byte. A fault that still fails after [`FAULT_GIVE_UP`], on a blob that no
+    /// longer decodes to its page, or on a stored page written outside QEMU's mapping,
+    /// fails closed ([`crate::fail_closed`]: QEMU paused, or aborted) rather than spin
+    /// forever or let the guest run on unprotected.
     pub(crate) fn handle_or_retry(&mut self, ev: Event) {
         let mut delay = Duration::from_millis(1);
         let started = std::time::Instant::now();
@@ -74,9 +82,24 @@ impl Agent {
         let gfn = Gfn(((page - self.base) / PAGE) as u32);
         let home = self.pages.home(gfn);
         if minor {
-            if home != PageHome::Private {
-                // Read before a share or reclaim changed the page: retry on the new state.
-                return Ok(self.uffd.wake(page, PAGE)?);
+            match home {
+                PageHome::Private => {}
+                // A minor fault means the memfd holds the page, yet the agent holds it as
+                // a hole: written outside QEMU's mapping (`pwrite`, a second mapping).
+                // Onto a zero page, so the memfd's bytes are the page: a refill.
+                PageHome::Zero if self.holds_data(gfn) => {
+                    self.pages.set(gfn, PageHome::Private);
+                    self.pending.refills.push(gfn);
+                }
+                // Onto a stored page: the unwritten bytes read as the hole's zeros, and the
+                // write cannot be merged with the blob. No page is right to give the guest.
+                PageHome::Stashed(_) if self.holds_data(gfn) => {
+                    return Err(bypass_written(gfn));
+                }
+                // Read before a share, reclaim or stash changed the page (punched since,
+                // or a pool mapping now; pool mappings take no minor faults): retry on
+                // the new state.
+                _ => return Ok(self.uffd.wake(page, PAGE)?),
             }
             // First access since the clock armed the page: R, and M for a write. A read
             // maps it write-protected, so that a later write still sets M.
@@ -147,8 +170,14 @@ impl Agent {
     }
 
     /// A missing fault on a stashed page: decode it and install it (write-protected for a
-    /// read, so that a later write still sets M). On error the page stays stashed.
+    /// read, so that a later write still sets M). On error the page stays stashed; the
+    /// memfd written at the page since it was stashed is an `InvalidData` error.
     pub(crate) fn unstash(&mut self, gfn: Gfn, stash: &Stash, write: bool) -> io::Result<()> {
+        // Filled since it was stashed: `UFFDIO_COPY` would find the page present and map
+        // the memfd's bytes, not the stored page.
+        if self.holds_data(gfn) {
+            return Err(bypass_written(gfn));
+        }
         let mut page = [0u8; PAGE_SIZE];
         self.decode_stashed(gfn, stash, &mut page)?;
         self.uffd.copy(self.page_addr(gfn), &page, !write)?;
@@ -156,6 +185,11 @@ impl Agent {
         self.pages.mark(gfn, write);
         self.pending.unstashed.push(gfn);
         Ok(())
+    }
+
+    /// Whether the guest memfd holds data (not a hole) at page `gfn` now (`SEEK_DATA`).
+    fn holds_data(&self, gfn: Gfn) -> bool {
+        next_data_run(self.memfd.as_fd(), gfn, plus(gfn, 1)).is_some()
     }
 
     /// Decodes the blob of stashed page `gfn` (from the store or the swap file; for a
@@ -214,4 +248,15 @@ impl Agent {
             format!("{gfn}: the decoded page does not match its checksum: its blob was changed"),
         ))
     }
+}
+
+/// A stored page whose hole in the guest memfd was filled outside QEMU's mapping: an
+/// `InvalidData` error, so that a fault on it fails closed at once (a retry finds the same).
+fn bypass_written(gfn: Gfn) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!(
+            "{gfn} is stored by memfold, but guest RAM's memfd was written at that page outside QEMU's mapping of it (pwrite, or a second mapping such as a vhost-user backend's): the write cannot be merged with the stored page, so the guest gets neither"
+        ),
+    )
 }

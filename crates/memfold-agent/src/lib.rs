@@ -55,7 +55,7 @@
 //! them all back into guest RAM, so a new memfoldd starts with a new, empty store.
 //!
 //! **Failing closed**: when the agent cannot serve a fault (a stored page that fails its
-//! checksum, a fault still failing after 30 s, the agent's loop ending or panicking), no
+//! checksum or was written outside QEMU's mapping, a fault still failing after 30 s, the agent's loop ending or panicking), no
 //! guest may run on without its protection. By default (`MEMFOLD_FAIL=pause`) the agent
 //! stops the whole QEMU process with `SIGSTOP`, keeping the userfaultfd and guest RAM
 //! mapped: the VM is paused with its data intact, for the operator to inspect (`gcore`,
@@ -187,6 +187,10 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> &str {
 ///   pool mapping (`fault.rs`, `handle_or_retry`);
 /// - at once, a stashed page whose blob does not decode to the page's checksum (a
 ///   corrupt store or swap file, or a changed reference frame: a retry reads the same);
+/// - at once, a fault on a stashed page whose hole in guest RAM's memfd was filled
+///   outside QEMU's mapping (`pwrite`, a second mapping: a vhost-user backend): neither
+///   the stored page nor the memfd's bytes are what the guest wrote, and a wake would
+///   only bring the fault back forever (`fault.rs`);
 /// - the agent's loop ending with an error (polling or reading the userfaultfd) or a
 ///   panic on the agent thread, once guest RAM is registered ([`run`] catches both
 ///   with the agent still alive);

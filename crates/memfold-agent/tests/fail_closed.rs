@@ -12,7 +12,11 @@
 //! - a panic on the agent thread: the child's logger (QEMU's process, the agent's
 //!   subscriber) panics on the agent's warning that it refused a stash;
 //! - the agent's loop ending with an error: the child lowers its RLIMIT_NOFILE to 0, so
-//!   the agent's next `poll` fails (`EINVAL`).
+//!   the agent's next `poll` fails (`EINVAL`);
+//! - a stored page written outside QEMU's mapping: the fake memfoldd stashes a page, then
+//!   `pwrite`s a few bytes into guest RAM's memfd at it (as a vhost-user backend could),
+//!   filling its hole; the guest reads the page, a minor fault on a page the agent holds
+//!   as stored (before the fix: a wake, forever).
 //!
 //! The test process watches the child: stopped (`/proc/PID/stat` state `T`, every
 //! thread), its userfaultfd still open, every page it wrote still reading the same
@@ -44,6 +48,11 @@ const PAGES: usize = 64;
 const STASHED: usize = 7;
 /// The memfd's name: the parent finds guest RAM in the child's maps by it.
 const RAM_NAME: &str = "fail-closed-guest-ram";
+/// What the bypass writer writes into guest RAM's memfd at [`BYPASS_AT`] of page
+/// [`STASHED`] once it is stashed.
+const BYPASS: [u8; 16] = [0xab; 16];
+/// Where in the page.
+const BYPASS_AT: usize = 64;
 /// Longest wait for the child to stop or exit.
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -63,6 +72,9 @@ enum Failure {
     Panic,
     /// The agent's loop ends with an error.
     LoopError,
+    /// A stashed page's hole in guest RAM's memfd filled by a `pwrite`, then read by the
+    /// guest.
+    BypassWrite,
 }
 
 impl Failure {
@@ -71,6 +83,18 @@ impl Failure {
             Failure::CorruptBlob => "corrupt-blob",
             Failure::Panic => "panic",
             Failure::LoopError => "loop-error",
+            Failure::BypassWrite => "bypass-write",
+        }
+    }
+
+    /// Byte `i` of page [`STASHED`] in guest RAM's memfd once the child failed: a hole,
+    /// with what the bypass writer wrote.
+    fn stashed_memfd_byte(self, i: usize) -> u8 {
+        let written = self == Failure::BypassWrite && (BYPASS_AT..BYPASS_AT + 16).contains(&i);
+        if written {
+            BYPASS[i - BYPASS_AT]
+        } else {
+            0
         }
     }
 }
@@ -78,9 +102,14 @@ impl Failure {
 /// In a child, its role.
 fn child_role() -> Option<Failure> {
     let role = std::env::var(ROLE).ok()?;
-    [Failure::CorruptBlob, Failure::Panic, Failure::LoopError]
-        .into_iter()
-        .find(|f| f.name() == role)
+    [
+        Failure::CorruptBlob,
+        Failure::Panic,
+        Failure::LoopError,
+        Failure::BypassWrite,
+    ]
+    .into_iter()
+    .find(|f| f.name() == role)
 }
 
 /// The child: maps guest RAM, lets the agent manage it, makes it fail; never returns
@@ -141,7 +170,7 @@ fn child(failure: Failure) -> ! {
         .recv_timeout(Duration::from_secs(10))
         .expect("the agent attached and the fake memfoldd did its part");
     match failure {
-        Failure::CorruptBlob => {
+        Failure::CorruptBlob | Failure::BypassWrite => {
             eprintln!("child: the guest touches page {STASHED}");
             // SAFETY: within the mapping; a fault the agent serves (or fails closed on).
             let b = unsafe { ram.add(STASHED * PAGE_SIZE).read_volatile() };
@@ -180,8 +209,9 @@ fn child(failure: Failure) -> ! {
 }
 
 /// memfoldd as the agent sees it: welcomes it with a pool and a store, and for
-/// `CorruptBlob` stashes page [`STASHED`] and then corrupts its blob, for `Panic` asks to
-/// stash it with a wrong checksum (the agent refuses, with a warning). Sends on
+/// `CorruptBlob` stashes page [`STASHED`] and then corrupts its blob, for `BypassWrite`
+/// stashes it and then writes [`BYPASS`] into guest RAM's memfd at it, for `Panic` asks
+/// to stash it with a wrong checksum (the agent refuses, with a warning). Sends on
 /// `attached` when done, then holds the connection.
 fn fake_memfoldd(listener: &Listener, failure: Failure, attached: std::sync::mpsc::Sender<()>) {
     let conn = listener.accept().unwrap();
@@ -224,11 +254,22 @@ fn fake_memfoldd(listener: &Listener, failure: Failure, attached: std::sync::mps
             &[],
         )
         .unwrap();
-        if failure == Failure::CorruptBlob {
+        if matches!(failure, Failure::CorruptBlob | Failure::BypassWrite) {
             let stashed = wait_stash_done(&conn);
             assert_eq!(stashed, [Gfn(STASHED as u32)], "the agent stashed the page");
+        }
+        match failure {
             // The store, writable by whoever holds it, changes under the agent.
-            memfd::pwrite_all(store.as_fd(), &[page[0] ^ 0x5a], 0).unwrap();
+            Failure::CorruptBlob => {
+                memfd::pwrite_all(store.as_fd(), &[page[0] ^ 0x5a], 0).unwrap();
+            }
+            // Guest RAM's memfd written at the stashed page, not through QEMU's mapping:
+            // the hole fills (with zeros but for these bytes), and no fault is raised.
+            Failure::BypassWrite => {
+                let at = (STASHED * PAGE_SIZE + BYPASS_AT) as u64;
+                memfd::pwrite_all(guest.as_fd(), &BYPASS, at).unwrap();
+            }
+            Failure::Panic | Failure::LoopError => {}
         }
     }
     attached.send(()).unwrap();
@@ -298,6 +339,7 @@ impl tracing::Subscriber for PanicOn {
 /// A child playing QEMU; killed when dropped, stopped or not.
 struct Qemu {
     child: Child,
+    failure: Failure,
     log: PathBuf,
     dir: tempfile::TempDir,
 }
@@ -338,6 +380,7 @@ impl Qemu {
         }
         Qemu {
             child: cmd.spawn().unwrap(),
+            failure,
             log,
             dir,
         }
@@ -477,7 +520,8 @@ impl Qemu {
                 "the fail-closed line lacks {must:?}: {line}"
             );
         }
-        // The memfd the line names holds the same pages (a stashed one is a hole there).
+        // The memfd the line names holds the same pages (a stashed one is a hole there,
+        // but for what a bypass writer wrote).
         let memfd = line
             .split(&format!("/proc/{pid}/fd/"))
             .nth(1)
@@ -492,7 +536,13 @@ impl Qemu {
         for g in 0..PAGES {
             ram.read_exact_at(&mut page, (g * PAGE_SIZE) as u64)
                 .unwrap_or_else(|e| panic!("page {g} of the memfd the line names: {e}"));
-            let want = |i| if Some(g) == except { 0 } else { pattern(g, i) };
+            let want = |i| {
+                if Some(g) == except {
+                    self.failure.stashed_memfd_byte(i)
+                } else {
+                    pattern(g, i)
+                }
+            };
             let bad = (0..PAGE_SIZE).find(|&i| page[i] != want(i));
             assert_eq!(
                 bad, None,
@@ -645,5 +695,29 @@ fn a_mistyped_failure_mode_leaves_the_guest_unmanaged() {
     assert!(
         !fds.iter().any(|f| f == "anon_inode:[userfaultfd]"),
         "an agent started with a bad MEMFOLD_FAIL"
+    );
+}
+
+#[test]
+fn a_stored_page_written_outside_qemus_mapping_pauses_qemu() {
+    if let Some(f) = child_role() {
+        child(f);
+    }
+    let mut q = Qemu::start(
+        "a_stored_page_written_outside_qemus_mapping_pauses_qemu",
+        Failure::BypassWrite,
+        Some("pause"),
+    );
+    q.wait_stopped("a stored page written through guest RAM's memfd");
+    // Neither version reaches the guest: not the stored page (the write lost), not the
+    // memfd's (zeros the guest never wrote).
+    q.check_paused(
+        Some(STASHED),
+        &format!("gfn {STASHED} is stored by memfold, but guest RAM's memfd was written at that page outside QEMU's mapping"),
+    );
+    assert!(
+        !q.log().contains("the guest got past"),
+        "the guest read the page:\n{}",
+        q.log()
     );
 }

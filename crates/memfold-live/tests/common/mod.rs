@@ -211,24 +211,6 @@ pub fn start_agent(socket: &Path, name: &str, ram: &GuestRam) {
     }
 }
 
-/// CPU time the thread named `comm` (the first 15 bytes of its name) has used, seconds.
-pub fn thread_cpu_secs(comm: &str) -> f64 {
-    let comm = &comm[..comm.len().min(15)];
-    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
-        let name = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if name.trim_end() != comm {
-            continue;
-        }
-        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap();
-        // After the ")" that ends comm: state is field 3, utime and stime fields 14, 15.
-        let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
-        let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
-        // SAFETY: sysconf reads a constant.
-        return ticks as f64 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    }
-    panic!("no thread named {comm}");
-}
-
 /// Polls memfoldd's statistics until `done` holds; panics with them after `limit`.
 pub fn wait_for(
     socket: &Path,
