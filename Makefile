@@ -1,6 +1,10 @@
 # memfold: the two commands of the README, and the parts they are made of.
 
-.PHONY: setup main test test-long bench lint
+.PHONY: setup main test test-long fuzz bench lint
+
+# Seconds of fuzzing per target (scripts/fuzz.sh): a short bound in `make test`, a long run.
+FUZZ_CI_SECONDS ?= 10
+FUZZ_SECONDS ?= 300
 
 # Installs what a fresh machine lacks (idempotent).
 setup:
@@ -12,12 +16,18 @@ main: setup
 	cargo build --workspace --release
 	./target/release/memfold run
 
-# Every test CI runs: unit, property and integration tests, plus lint.
+# Every test CI runs: unit, property and integration tests, lint, and a short fuzz of
+# every decoder (skipped, saying so, where there is no nightly toolchain).
 # The build comes first: live tests preload the agent library into QEMU.
 test: setup
 	cargo build --workspace --release
 	cargo test --workspace --release
 	cargo clippy --workspace --all-targets --release -- -D warnings
+	bash scripts/fuzz.sh $(FUZZ_CI_SECONDS)
+
+# A long fuzz run: every target for FUZZ_SECONDS (13 targets: about an hour at 300 s).
+fuzz: setup
+	FUZZ_REQUIRED=1 bash scripts/fuzz.sh $(FUZZ_SECONDS)
 
 # The reference-model run of 10^7 operations (about 6 minutes; not in CI).
 test-long:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what memfold needs on a fresh Debian machine; does nothing that is already done:
 # a C compiler (the zstd crate builds zstd's C library), QEMU, and the tools that build guest
-# images from Debian packages (debootstrap, busybox-static, e2fsprogs, cpio, xz, zstd).
+# images from Debian packages (debootstrap, busybox-static, e2fsprogs, cpio, xz, zstd), and
+# for fuzzing a nightly toolchain (if rustup can get one) and cargo-fuzz.
 # Guest images themselves are built on demand by `memfold image build` (cached).
 set -euo pipefail
 
@@ -40,6 +41,22 @@ if ! cargo clippy --version >/dev/null 2>&1; then
         rustup component add clippy
     else
         echo "setup: clippy missing and no rustup; lint will fail" >&2
+    fi
+fi
+
+# Fuzzing (scripts/fuzz.sh) needs a nightly toolchain and cargo-fuzz. A machine without
+# nightly tries rustup once; where it cannot download, fuzz.sh says it skips, and the rest
+# of CI runs as before. cargo-fuzz builds from crates.io.
+if command -v rustup >/dev/null 2>&1; then
+    if ! rustup toolchain list | grep -q '^nightly'; then
+        echo "setup: installing the nightly toolchain (for cargo fuzz)"
+        timeout 300 rustup toolchain install nightly --profile minimal ||
+            echo "setup: no nightly toolchain (rustup could not install one): fuzzing will be skipped" >&2
+    fi
+    if rustup toolchain list | grep -q '^nightly' && ! cargo +nightly fuzz --version >/dev/null 2>&1; then
+        echo "setup: installing cargo-fuzz"
+        cargo install cargo-fuzz --locked ||
+            echo "setup: cargo-fuzz did not install: fuzzing will be skipped" >&2
     fi
 fi
 echo "setup: ok ($(cargo --version))"
