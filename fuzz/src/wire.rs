@@ -167,6 +167,15 @@ pub enum DaemonMsg {
     },
     ClientHello(u32),
     Stats,
+    OptOut {
+        name: String,
+        out: bool,
+    },
+    TakeBackDone {
+        batch: u64,
+        taken: Vec<u32>,
+        refused: Vec<u32>,
+    },
 }
 
 /// A [`ToAgent`] described by a fuzzer.
@@ -179,6 +188,7 @@ pub enum AgentMsg {
     ReclaimZero { batch: u64, gfns: Vec<u32> },
     Stash { batch: u64, pages: Vec<StashSpec> },
     ClockScan { batch: u64, first: u32, count: u32 },
+    TakeBack { batch: u64, gfns: Vec<u32> },
 }
 
 /// A [`StashPage`] described by a fuzzer; codecs by index into their `ALL`.
@@ -298,6 +308,19 @@ impl DaemonMsg {
             }),
             DaemonMsg::ClientHello(v) => ToDaemon::ClientHello { version: *v },
             DaemonMsg::Stats => ToDaemon::Stats,
+            DaemonMsg::OptOut { name, out } => ToDaemon::OptOut {
+                name: name.clone(),
+                out: *out,
+            },
+            DaemonMsg::TakeBackDone {
+                batch,
+                taken,
+                refused,
+            } => ToDaemon::TakeBackDone {
+                batch: BatchId(*batch),
+                taken: gfns(taken),
+                refused: gfns(refused),
+            },
         }
     }
 }
@@ -328,6 +351,10 @@ impl AgentMsg {
                 batch: BatchId(*batch),
                 first: Gfn(*first),
                 count: *count,
+            },
+            AgentMsg::TakeBack { batch, gfns: g } => ToAgent::TakeBack {
+                batch: BatchId(*batch),
+                gfns: gfns(g),
             },
         }
     }
@@ -376,7 +403,9 @@ fn every_kind_is_built(d: &ToDaemon, a: &ToAgent) {
         | ToDaemon::ClockBits { .. }
         | ToDaemon::AgentStats(_)
         | ToDaemon::ClientHello { .. }
-        | ToDaemon::Stats => {}
+        | ToDaemon::Stats
+        | ToDaemon::OptOut { .. }
+        | ToDaemon::TakeBackDone { .. } => {}
     }
     match a {
         ToAgent::Welcome { .. }
@@ -384,7 +413,8 @@ fn every_kind_is_built(d: &ToDaemon, a: &ToAgent) {
         | ToAgent::Share { .. }
         | ToAgent::ReclaimZero { .. }
         | ToAgent::Stash { .. }
-        | ToAgent::ClockScan { .. } => {}
+        | ToAgent::ClockScan { .. }
+        | ToAgent::TakeBack { .. } => {}
     }
 }
 

@@ -451,7 +451,7 @@ impl Engine {
     fn swap_stored(&mut self, id: VmId, first: Gfn, end: Gfn) {
         let allowed = self.cfg.policy.actions.iter().any(|a| a.swap);
         let v = &self.vms[&id];
-        if !allowed || self.budget.swap_wanted == 0 || v.swap.is_none() {
+        if !allowed || self.budget.swap_wanted == 0 || v.swap.is_none() || v.opted_out {
             return;
         }
         let d = v.domain;

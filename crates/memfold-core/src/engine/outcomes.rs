@@ -79,10 +79,32 @@ impl Engine {
         let v = self.vms.get_mut(&id)?;
         v.opted_out = true;
         v.books.opted_out = true;
+        // Shares, reclaims and stashes not yet sent are dropped (their pages stay as they
+        // are); clock scans and take-backs stay.
+        let (dropped, kept): (Vec<Command>, Vec<Command>) =
+            std::mem::take(&mut v.queue).into_iter().partition(|c| {
+                matches!(
+                    c,
+                    Command::Share { .. } | Command::Reclaim { .. } | Command::Stash { .. }
+                )
+            });
+        v.queue = kept;
+        for c in &dropped {
+            self.outcome(id, c, Outcome::Refused);
+        }
+        let v = self.vms.get_mut(&id).expect("checked");
+        let queued: std::collections::HashSet<Gfn> = v
+            .queue
+            .iter()
+            .filter_map(|c| match *c {
+                Command::TakeBack { gfn } => Some(gfn),
+                _ => None,
+            })
+            .collect();
         let mut n = 0;
         for i in 0..v.pages() {
             let g = Gfn(i);
-            if g_taken_back(v.state(g)) {
+            if g_taken_back(v.state(g)) && !queued.contains(&g) {
                 v.queue.push(Command::TakeBack { gfn: g });
                 n += 1;
             }

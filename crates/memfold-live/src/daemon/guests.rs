@@ -295,13 +295,13 @@ pub(crate) fn process_alive(pid: u32) -> bool {
 }
 
 /// Pids of the processes (other than this one) holding a descriptor of the file with
-/// this device and inode: who may still map an adopted pool.
-pub(crate) fn holders(dev: u64, ino: u64) -> Vec<u32> {
+/// this device and inode: who may still map an adopted pool. `None` if memfoldd cannot
+/// tell: `/proc`, or a live process's descriptors, cannot be read (another user's, or
+/// `hidepid`) — that process may hold it.
+pub(crate) fn holders(dev: u64, ino: u64) -> Option<Vec<u32>> {
     use std::os::unix::fs::MetadataExt;
     let me = std::process::id();
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
+    let procs = std::fs::read_dir("/proc").ok()?;
     let mut out = Vec::new();
     for p in procs.flatten() {
         let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
@@ -310,8 +310,11 @@ pub(crate) fn holders(dev: u64, ino: u64) -> Vec<u32> {
         if pid == me {
             continue;
         }
-        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
-            continue;
+        let fds = match std::fs::read_dir(p.path().join("fd")) {
+            Ok(fds) => fds,
+            // Exited meanwhile.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(_) => return None,
         };
         let holds = fds
             .flatten()
@@ -320,5 +323,5 @@ pub(crate) fn holders(dev: u64, ino: u64) -> Vec<u32> {
             out.push(pid);
         }
     }
-    out
+    Some(out)
 }

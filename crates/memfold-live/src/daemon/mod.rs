@@ -436,6 +436,13 @@ impl Daemon {
             refuse("re-attach with another RAM memfd than its QEMU attached with".into());
             return Ok(());
         }
+        if shared > ram_bytes / PAGE {
+            refuse(format!(
+                "a re-attach list of {shared} pages for a guest of {} pages",
+                ram_bytes / PAGE
+            ));
+            return Ok(());
+        }
         let mapped = match list.map(|l| reattach::from_memfd(l.as_fd(), shared)) {
             None => Vec::new(),
             Some(Ok(m)) => m,
@@ -510,9 +517,11 @@ impl Daemon {
         let welcome = ToAgent::Welcome {
             version: PROTOCOL_VERSION,
         };
-        if conn.send(&welcome, &send).is_err() {
-            self.engine.detach(vm);
-            return Ok(());
+        // Booked as attached either way: if the welcome is lost, the closed connection's
+        // reader reports it gone, and the guest is detached and reaped with its QEMU.
+        let sent = conn.send(&welcome, &send).is_ok();
+        if !sent {
+            conn.shutdown();
         }
         self.guests.attached(vm, token, conn, pid, ram_id);
         Ok(())
@@ -616,10 +625,9 @@ impl Daemon {
             let Ok((dev, ino)) = memfd::file_id(pool.as_fd()) else {
                 continue;
             };
-            if guests::holders(dev, ino)
-                .iter()
-                .all(|p| attached.contains(p))
-            {
+            // Unknown holders (a /proc entry memfoldd cannot read) keep the adoption:
+            // ending it early would free frames a QEMU may still map.
+            if guests::holders(dev, ino).is_some_and(|h| h.iter().all(|p| attached.contains(p))) {
                 tracing::info!(
                     "{d}: every holder of the adopted pool has re-attached: adoption ends"
                 );
