@@ -181,7 +181,7 @@ pub fn check_patch(p: PatchCodec, blob: &[u8]) {
     let ra = p.decode(r, blob, &mut a);
     let rb = p.decode(r, blob, &mut b);
     let re = Encoding::Patch(p).decode(blob, Some(r), &mut e);
-    let none = Encoding::Patch(p).decode(blob, None, &mut e);
+    let none = Encoding::Patch(p).decode(blob, None, &mut [0u8; PAGE_SIZE]);
     assert_corrupt(
         &none.expect_err("a patch without its reference decoded"),
         p.name(),
@@ -217,10 +217,6 @@ pub fn check_patch(p: PatchCodec, blob: &[u8]) {
                 "{}: the decoded page keeps bytes the output held before",
                 p.name()
             );
-            e = [0x5A; PAGE_SIZE];
-            Encoding::Patch(p)
-                .decode(blob, Some(r), &mut e)
-                .expect("decoded above");
             assert!(
                 a == e,
                 "{}: Encoding::decode differs from the codec",
