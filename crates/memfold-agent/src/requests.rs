@@ -15,6 +15,7 @@ use memfold_ids::{FrameId, Gfn};
 use memfold_sys::memfd::pread_exact;
 use memfold_wire::{BlobHome, StashPage, ToAgent, ToDaemon, CLOCK_SLICE};
 
+use crate::install::Job;
 use crate::state::{plus, PageHome, Stash};
 use crate::{Agent, PAGE};
 
@@ -102,6 +103,10 @@ impl Agent {
                     taken: o.done,
                     refused: o.refused,
                 }
+            }
+            ToAgent::OptedOut { out } => {
+                self.opted_out = out;
+                return Ok(());
             }
             ToAgent::Welcome { .. } | ToAgent::Refused { .. } => return Ok(()),
         };
@@ -370,6 +375,7 @@ impl Agent {
         // Arm runs of private pages; shared and reclaimed pages fault anyway.
         let private =
             |agent: &Agent, k: u32| agent.pages.home(plus(first, k as usize)) == PageHome::Private;
+        let mut runs = Vec::new();
         let mut k = 0;
         while k < n {
             if !private(self, k) {
@@ -385,18 +391,18 @@ impl Agent {
                 (e - k) as u64 * PAGE,
             );
             self.uffd.write_protect(addr, len, true)?;
-            // SAFETY: drops only the PTEs of guest RAM the agent manages; the memfd keeps
-            // the pages, and the next access is a minor fault the agent serves.
-            if unsafe {
-                libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_DONTNEED)
-            } != 0
-            {
+            runs.push((addr, len));
+            k = e;
+        }
+        // On the helper thread: the caller of MADV_DONTNEED waits for its remove event.
+        if !runs.is_empty() {
+            let errno = self.helper(Job::Zap(runs));
+            if errno != 0 {
                 return Err(io::Error::other(format!(
-                    "arming the clock at {addr:#x}: madvise: {}",
-                    io::Error::last_os_error()
+                    "arming the clock: madvise: {}",
+                    io::Error::from_raw_os_error(errno)
                 )));
             }
-            k = e;
         }
         Ok((n, r, m))
     }

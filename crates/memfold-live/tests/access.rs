@@ -62,6 +62,7 @@ fn child_role() {
                 pid: 0,
                 ram_bytes: 64 * 4096,
                 shared: 0,
+                opted_out: false,
             };
             c.send(&hello, &[ram.as_fd()]).unwrap();
             c.set_recv_timeout(Duration::from_secs(5)).unwrap();

@@ -66,6 +66,7 @@ fn attach(socket: &Path, name: &str, ram: &[u8]) -> (Conn, Vec<OwnedFd>, OwnedFd
         pid: std::process::id(),
         ram_bytes: ram.len() as u64,
         shared: 0,
+        opted_out: false,
     };
     c.send(&hello, &[fd.as_fd()]).unwrap();
     c.set_recv_timeout(Duration::from_secs(5)).unwrap();

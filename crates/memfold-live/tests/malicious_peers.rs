@@ -123,6 +123,7 @@ fn hello(socket: &std::path::Path, name: &str, pid: u32, pages: u64) -> (Conn, T
         pid,
         ram_bytes: pages * PAGE as u64,
         shared: 0,
+        opted_out: false,
     };
     c.send(&hello, &[ram.as_fd()]).unwrap();
     c.set_recv_timeout(Duration::from_secs(5)).unwrap();
@@ -266,6 +267,7 @@ fn attacks(socket: &std::path::Path) {
             pid: 3,
             ram_bytes: 64 * PAGE as u64,
             shared: 0,
+            opted_out: false,
         };
         c.send(&hello, &[ram.as_fd(), pool.as_fd()]).unwrap();
         c.set_recv_timeout(Duration::from_secs(5)).unwrap();
@@ -286,6 +288,7 @@ fn attacks(socket: &std::path::Path) {
                 pid: 2,
                 ram_bytes: 4096,
                 shared: 0,
+                opted_out: false,
             },
             &[],
         )
@@ -309,6 +312,7 @@ fn attacks(socket: &std::path::Path) {
             pid: 3,
             ram_bytes: 1 << 20,
             shared: 0,
+            opted_out: false,
         },
         &[r.as_fd()],
     )
@@ -338,6 +342,7 @@ fn attacks(socket: &std::path::Path) {
             pid: 5,
             ram_bytes: 1 << 30,
             shared: 0,
+            opted_out: false,
         },
         &[ram.as_fd()],
     )
