@@ -131,9 +131,20 @@ impl Agent {
     /// Carries out a share request (ESX §4.3): maps the private pages whose bytes still
     /// equal their frame's onto it, a run of consecutive pages onto consecutive frames
     /// with one mapping.
+    ///
+    /// VMA headroom: a CoW break cannot be refused, and one inside a shared run maps guest
+    /// RAM back over one page of it (one mapping becomes three). Bound: two neighbouring
+    /// pages on consecutive frames of one run are one mapping; a break turns at most those
+    /// pairs into mapping boundaries (+1 each, once: a boundary never joins again), and
+    /// every other pair it touches stays or stops being a boundary. A run of n pages has
+    /// n − 1 such pairs, so no sequence of breaks (or discards, take-backs) adds more
+    /// mappings than there are pages on frames. A share of k pages adds at most 2k
+    /// mappings itself (a run dropped into guest RAM splits it) and k pages on frames. So
+    /// only the first k pages of a request are shared such that the mappings now + the
+    /// pages on frames + 3k stay within the budget; the rest are refused.
     fn share(&mut self, mut pages: Vec<(Gfn, FrameId)>) -> io::Result<Outcome> {
         let mut out = Outcome::default();
-        if self.pool.is_none() || self.mappings() + 2 * pages.len() > self.vma_budget {
+        if self.pool.is_none() {
             out.refused.extend(pages.iter().map(|p| p.0));
             return Ok(out);
         }
@@ -146,6 +157,13 @@ impl Agent {
             }
             ok
         });
+        let room = self
+            .vma_budget
+            .saturating_sub(self.mappings() + self.pages.on_frames())
+            / 3;
+        if pages.len() > room {
+            out.refused.extend(pages.drain(room..).map(|p| p.0));
+        }
         // Runs of consecutive gfns onto consecutive frames: one mapping each.
         let mut i = 0;
         while i < pages.len() {

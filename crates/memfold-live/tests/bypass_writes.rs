@@ -361,7 +361,10 @@ fn each_bypass_write_on_each_page_home_does_what_the_table_says() {
     let now = read_async(&ram, g)
         .recv_timeout(Duration::from_secs(5))
         .expect("a shared page read after MADV_DONTNEED stalls");
-    assert!(now.iter().all(|&b| b == 0), "a discarded page reads as zeros");
+    assert!(
+        now.iter().all(|&b| b == 0),
+        "a discarded page reads as zeros"
+    );
     assert!(!ram.on_pool(g), "a discarded page leaves its frame");
     // A write lands in the guest's own RAM; the frame, and so the other sharers, keep the
     // template.

@@ -165,7 +165,10 @@ fn an_opt_out_outlives_a_memfoldd_restart() {
     std::thread::sleep(Duration::from_secs(3));
     let s = memfold_live::query_stats(&socket).unwrap();
     let v = attached(&s, "kept-out").unwrap();
-    assert!(v.opted_out && managed(v) == 0, "managed after the restart: {v:#?}");
+    assert!(
+        v.opted_out && managed(v) == 0,
+        "managed after the restart: {v:#?}"
+    );
 
     // Opted in on the new memfoldd: managed again.
     memfold_live::opt_out(&socket, "kept-out", false).unwrap();

@@ -188,11 +188,23 @@ impl GuestRam {
 /// Starts the agent on `ram` in a thread, attached to memfoldd at `socket`, and waits
 /// until memfoldd lists the guest.
 pub fn start_agent(socket: &Path, name: &str, ram: &GuestRam) {
+    start_agent_with_budget(socket, name, ram, None);
+}
+
+/// As [`start_agent`], with at most `vma_budget` mappings in this process (`None`: the
+/// agent's default).
+#[allow(dead_code)]
+pub fn start_agent_with_budget(
+    socket: &Path,
+    name: &str,
+    ram: &GuestRam,
+    vma_budget: Option<usize>,
+) {
     let cfg = AgentConfig {
         socket: socket.to_path_buf(),
         name: name.into(),
         ram_bytes: ram.bytes() as u64,
-        vma_budget: None,
+        vma_budget,
         // The agent runs in this test process: pausing would stop the test run for good.
         on_failure: FailMode::Abort,
     };
