@@ -12,9 +12,11 @@ mod common;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
-use common::{fast_engine, start_agent, start_memfoldd, texty, wait_for, GuestRam, PAGE};
+use common::{
+    every_mechanism, fast_engine, fill_every_mechanism, managed, start_agent, start_memfoldd,
+    wait_for, GuestRam, PAGE,
+};
 use memfold_wire::stats::{Stats, VmStats};
-use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 const PAGES: usize = 1280;
 
@@ -25,40 +27,15 @@ fn guest(s: &Stats) -> &VmStats {
         .expect("the guest is attached")
 }
 
-fn managed(v: &VmStats) -> u64 {
-    v.shared_pages + v.zero_reclaimed_pages + v.patched_pages + v.compressed_pages
-}
-
 #[test]
 fn a_discarded_range_is_let_go_exactly_and_reads_as_zeros() {
     let work = tempfile::tempdir().unwrap();
     let socket = start_memfoldd(work.path(), fast_engine());
     let ram = GuestRam::new("ballooned-guest-ram", PAGES);
-    let mut rng = SmallRng::seed_from_u64(17);
-    let mut base = vec![0u8; PAGE];
-    rng.fill(&mut base[..]);
-    let mut want = vec![vec![0u8; PAGE]; PAGES];
-    for (g, p) in want.iter_mut().enumerate() {
-        match g % 5 {
-            0 => {}
-            1 => p.copy_from_slice(&base),
-            2 => {
-                p.copy_from_slice(&base);
-                p[g % PAGE] ^= 0x5a;
-                p[(g * 7) % PAGE] ^= 0xa5;
-            }
-            3 => texty(&mut rng, p),
-            _ => rng.fill(&mut p[..]),
-        }
-        ram.write(g, 0, p);
-    }
+    let want = fill_every_mechanism(&ram, 17);
     start_agent(&socket, "ballooned", &ram);
     wait_for(&socket, Duration::from_secs(30), "every mechanism", |s| {
-        let v = guest(s);
-        v.shared_pages > 0
-            && v.zero_reclaimed_pages > 0
-            && v.patched_pages > 0
-            && v.compressed_pages > 0
+        every_mechanism(guest(s))
     });
     // Settled: nothing left for memfoldd to do, so that what it holds in the range does
     // not change while it is counted.

@@ -8,12 +8,12 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::{
-    daemon_config, fast_engine, start_agent, start_memfoldd, texty, wait_for, GuestRam, PAGE,
+    daemon_config, every_mechanism, fast_engine, fill_every_mechanism, managed, start_agent,
+    start_memfoldd, start_stoppable_memfoldd, texty, wait_for, GuestRam, PAGE,
 };
 use memfold_live::daemon;
 use memfold_wire::stats::{Stats, VmStats};
@@ -32,41 +32,16 @@ fn attached<'a>(s: &'a Stats, name: &str) -> Option<&'a VmStats> {
     s.vms.iter().find(|v| v.name == name && !v.detached)
 }
 
-fn managed(v: &VmStats) -> u64 {
-    v.shared_pages + v.zero_reclaimed_pages + v.patched_pages + v.compressed_pages
-}
-
 #[test]
 fn an_opted_out_guest_gets_every_page_back_and_nothing_is_managed_again() {
     let work = tempfile::tempdir().unwrap();
     let socket = start_memfoldd(work.path(), fast_engine());
     let ram = GuestRam::new("opted-guest-ram", PAGES);
     // Zeros, duplicates, near-duplicates, text, random: every mechanism takes some.
-    let mut rng = SmallRng::seed_from_u64(11);
-    let mut base = vec![0u8; PAGE];
-    rng.fill(&mut base[..]);
-    let mut want = vec![vec![0u8; PAGE]; PAGES];
-    for (g, p) in want.iter_mut().enumerate() {
-        match g % 5 {
-            0 => {}
-            1 => p.copy_from_slice(&base),
-            2 => {
-                p.copy_from_slice(&base);
-                p[g % PAGE] ^= 0x5a;
-                p[(g * 7) % PAGE] ^= 0xa5;
-            }
-            3 => texty(&mut rng, p),
-            _ => rng.fill(&mut p[..]),
-        }
-        ram.write(g, 0, p);
-    }
+    let want = fill_every_mechanism(&ram, 11);
     start_agent(&socket, "opted", &ram);
     let s = wait_for(&socket, Duration::from_secs(30), "every mechanism", |s| {
-        let v = guest(s);
-        v.shared_pages > 0
-            && v.zero_reclaimed_pages > 0
-            && v.patched_pages > 0
-            && v.compressed_pages > 0
+        every_mechanism(guest(s))
     });
     let before = managed(guest(&s));
 
@@ -124,12 +99,7 @@ fn an_opted_out_guest_gets_every_page_back_and_nothing_is_managed_again() {
 #[test]
 fn an_opt_out_outlives_a_memfoldd_restart() {
     let work = tempfile::tempdir().unwrap();
-    let first = daemon_config(work.path(), fast_engine());
-    let socket = first.socket.clone();
-    let stop = Arc::new(AtomicBool::new(false));
-    let s2 = stop.clone();
-    let a = std::thread::spawn(move || daemon::run_until(first, &s2));
-    wait_for(&socket, Duration::from_secs(10), "memfoldd", |_| true);
+    let (socket, stop, first) = start_stoppable_memfoldd(work.path(), fast_engine());
     let ram = GuestRam::new("kept-out-ram", 1100);
     let mut rng = SmallRng::seed_from_u64(5);
     let mut base = vec![0u8; PAGE];
@@ -154,7 +124,7 @@ fn an_opt_out_outlives_a_memfoldd_restart() {
 
     // memfoldd goes and a new one starts at the same path; the agent re-attaches.
     stop.store(true, Ordering::Relaxed);
-    a.join().unwrap().unwrap();
+    first.join().unwrap().unwrap();
     let second = daemon_config(work.path(), fast_engine());
     std::thread::spawn(move || daemon::run(second));
     let s = wait_for(&socket, Duration::from_secs(20), "re-attached", |s| {
