@@ -67,6 +67,7 @@ fn main() {
             pid: 42,
             ram_bytes: 1 << 29,
             shared: 2,
+            opted_out: false,
         },
         ToDaemon::ShareDone {
             batch: BatchId(7),

@@ -7,8 +7,8 @@ use std::fmt::Debug;
 use arbitrary::Arbitrary;
 use memfold_codecs::{CompressCodec, PatchCodec};
 use memfold_wire::{
-    decode, encode, reattach, AgentReport, BatchId, Blob, BlobHome, FrameId, Gfn, Mapped, Message,
-    StashPage, ToAgent, ToClient, ToDaemon, WireError, MAX_MESSAGE,
+    decode, encode, reattach, AgentReport, BatchId, Blob, BlobHome, Discarded, FrameId, Gfn,
+    Mapped, Message, StashPage, ToAgent, ToClient, ToDaemon, WireError, MAX_MESSAGE,
 };
 
 /// A decode that failed must say why in the wire's terms: too large only over
@@ -132,6 +132,7 @@ pub enum DaemonMsg {
         pid: u32,
         ram_bytes: u64,
         shared: u64,
+        opted_out: bool,
     },
     ShareDone {
         batch: u64,
@@ -154,6 +155,8 @@ pub enum DaemonMsg {
     },
     Unstashed(Vec<u32>),
     Refilled(Vec<u32>),
+    /// (gfn, 0 frame / 1 zero / 2 stashed, frame).
+    Discarded(Vec<(u32, u8, u32)>),
     ClockBits {
         batch: u64,
         first: u32,
@@ -189,6 +192,7 @@ pub enum AgentMsg {
     Stash { batch: u64, pages: Vec<StashSpec> },
     ClockScan { batch: u64, first: u32, count: u32 },
     TakeBack { batch: u64, gfns: Vec<u32> },
+    OptedOut(bool),
 }
 
 /// A [`StashPage`] described by a fuzzer; codecs by index into their `ALL`.
@@ -236,12 +240,14 @@ impl DaemonMsg {
                 pid,
                 ram_bytes,
                 shared,
+                opted_out,
             } => ToDaemon::AgentHello {
                 version: *version,
                 name: name.clone(),
                 pid: *pid,
                 ram_bytes: *ram_bytes,
                 shared: *shared,
+                opted_out: *opted_out,
             },
             DaemonMsg::ShareDone {
                 batch,
@@ -281,6 +287,19 @@ impl DaemonMsg {
             },
             DaemonMsg::Unstashed(g) => ToDaemon::Unstashed { gfns: gfns(g) },
             DaemonMsg::Refilled(g) => ToDaemon::Refilled { gfns: gfns(g) },
+            DaemonMsg::Discarded(p) => ToDaemon::Discarded {
+                pages: p
+                    .iter()
+                    .map(|&(g, k, f)| {
+                        let what = match k % 3 {
+                            0 => Discarded::Frame(FrameId(f)),
+                            1 => Discarded::Zero,
+                            _ => Discarded::Stashed,
+                        };
+                        (Gfn(g), what)
+                    })
+                    .collect(),
+            },
             DaemonMsg::ClockBits {
                 batch,
                 first,
@@ -356,6 +375,7 @@ impl AgentMsg {
                 batch: BatchId(*batch),
                 gfns: gfns(g),
             },
+            AgentMsg::OptedOut(out) => ToAgent::OptedOut { out: *out },
         }
     }
 }
@@ -400,6 +420,7 @@ fn every_kind_is_built(d: &ToDaemon, a: &ToAgent) {
         | ToDaemon::StashDone { .. }
         | ToDaemon::Unstashed { .. }
         | ToDaemon::Refilled { .. }
+        | ToDaemon::Discarded { .. }
         | ToDaemon::ClockBits { .. }
         | ToDaemon::AgentStats(_)
         | ToDaemon::ClientHello { .. }
@@ -414,7 +435,8 @@ fn every_kind_is_built(d: &ToDaemon, a: &ToAgent) {
         | ToAgent::ReclaimZero { .. }
         | ToAgent::Stash { .. }
         | ToAgent::ClockScan { .. }
-        | ToAgent::TakeBack { .. } => {}
+        | ToAgent::TakeBack { .. }
+        | ToAgent::OptedOut { .. } => {}
     }
 }
 

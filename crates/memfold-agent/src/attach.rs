@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use memfold_codecs::PAGE_SIZE;
 use memfold_ids::{FrameId, Gfn};
 use memfold_sys::memfd::pwrite_all;
-use memfold_wire::{reattach, AgentReport, Conn, OpLatency, ToAgent, ToDaemon, PROTOCOL_VERSION};
+use memfold_wire::{
+    reattach, AgentReport, Conn, Discarded, OpLatency, ToAgent, ToDaemon, PROTOCOL_VERSION,
+};
 
 use crate::state::PageHome;
 use crate::Agent;
@@ -34,6 +36,8 @@ pub(crate) struct Pending {
     pub(crate) refills: Vec<Gfn>,
     /// Stashed pages decoded back.
     pub(crate) unstashed: Vec<Gfn>,
+    /// Pages QEMU discarded that memfold held, and what it held.
+    pub(crate) discards: Vec<(Gfn, Discarded)>,
 }
 
 /// Fault counts and operation latencies since the agent started.
@@ -141,6 +145,7 @@ impl Agent {
             pid: std::process::id(),
             ram_bytes: self.cfg.ram_bytes,
             shared: shared.len() as u64,
+            opted_out: self.opted_out,
         };
         let list;
         let mut fds = vec![self.memfd.as_fd()];
@@ -167,6 +172,7 @@ impl Agent {
                 // Breaks and refills done while detached are reflected in the list.
                 self.pending.breaks.clear();
                 self.pending.refills.clear();
+                self.pending.discards.clear();
             }
             Ok(Some((ToAgent::Refused { message }, _))) => {
                 tracing::warn!("memfoldd refused the attach: {message}");
@@ -207,7 +213,7 @@ impl Agent {
         Ok(())
     }
 
-    /// Sends CoW breaks, refills and unstashed pages as they happen, counters and
+    /// Sends CoW breaks, refills, unstashed and discarded pages as they happen, counters and
     /// latencies every second. A failed send drops the connection.
     pub(crate) fn report(&mut self) {
         let Some(c) = &self.conn else { return };
@@ -225,6 +231,11 @@ impl Agent {
         if !self.pending.unstashed.is_empty() {
             msgs.push(ToDaemon::Unstashed {
                 gfns: std::mem::take(&mut self.pending.unstashed),
+            });
+        }
+        if !self.pending.discards.is_empty() {
+            msgs.push(ToDaemon::Discarded {
+                pages: std::mem::take(&mut self.pending.discards),
             });
         }
         if self.counters.last_report.elapsed() >= REPORT_EVERY {

@@ -62,9 +62,13 @@ impl Agent {
         }
     }
 
-    /// Handles one event: a fault by where its page lives (the table above); other events
-    /// need nothing but being read.
+    /// Handles one event: a fault by where its page lives (the table above), a discarded
+    /// range ([`Agent::discard`]); other events need nothing but being read.
     fn handle(&mut self, ev: Event) -> io::Result<()> {
+        if let Event::Remove { start, end } = ev {
+            self.discard(start, end);
+            return Ok(());
+        }
         let Event::Fault {
             addr,
             wp,
@@ -205,15 +209,22 @@ impl Agent {
         let store = store
             .as_ref()
             .ok_or_else(|| io::Error::other(format!("{gfn}: stashed page without its store")))?;
-        let mut blob = vec![0u8; s.len as usize];
-        pread_exact(store.as_fd(), &mut blob, s.offset)?;
+        // No blob is longer than the page it holds: never allocate what memfoldd says.
+        if s.len as usize > PAGE_SIZE {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{gfn}: a stored blob of {} bytes, over a page", s.len),
+            ));
+        }
+        let mut buf = [0u8; PAGE_SIZE];
+        let blob = &mut buf[..s.len as usize];
+        pread_exact(store.as_fd(), blob, s.offset)?;
         if s.home == BlobHome::Swap {
             // Read once: keep it out of the host's page cache.
             drop_cache(store.as_fd(), s.offset, s.len as u64);
         }
         let Some(encoding) = s.blob.encoding() else {
-            *out = blob
-                .as_slice()
+            *out = (&*blob)
                 .try_into()
                 .map_err(|_| io::Error::other(format!("{gfn}: raw page of {} bytes", s.len)))?;
             return self.check_sum(gfn, s, out);
@@ -226,7 +237,7 @@ impl Agent {
             false
         };
         encoding
-            .decode(&blob, has_ref.then_some(&reference), out)
+            .decode(blob, has_ref.then_some(&reference), out)
             .map_err(|e| {
                 io::Error::new(
                     io::ErrorKind::InvalidData,

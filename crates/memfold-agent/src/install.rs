@@ -17,12 +17,29 @@ use memfold_sys::uffd::{self, Event};
 
 use crate::{Agent, PAGE, RAM_MODE};
 
-/// Moves mappings with `mremap` on a helper thread: with EVENT_REMAP the mover waits
-/// until the agent reads the event, so the agent's own thread cannot be the mover.
+/// A mapping change made on the helper thread.
+pub(crate) enum Job {
+    /// `mremap` `len` bytes from `src` onto `dst`.
+    Move {
+        /// Source address.
+        src: u64,
+        /// Bytes.
+        len: u64,
+        /// Destination address.
+        dst: u64,
+    },
+    /// `MADV_DONTNEED` each (address, bytes) range: private guest pages whose PTEs the
+    /// clock drops (the memfd keeps the pages).
+    Zap(Vec<(u64, u64)>),
+}
+
+/// Makes mapping changes on a helper thread: with EVENT_REMAP and EVENT_REMOVE the thread
+/// that moves a registered mapping or drops its PTEs waits until the agent reads the
+/// event, so the agent's own thread cannot be the one making them.
 pub(crate) struct Remapper {
-    /// Moves to make: (source, length, destination).
-    tx: mpsc::Sender<(u64, u64, u64)>,
-    /// One errno (native-endian i32, 0 on success) per move made.
+    /// Changes to make.
+    tx: mpsc::Sender<Job>,
+    /// One errno (native-endian i32, 0 on success) per job done.
     done_r: OwnedFd,
 }
 
@@ -39,27 +56,12 @@ impl Remapper {
         }
         // SAFETY: fresh fds we own, and nothing else does.
         let (done_r, done_w) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
-        let (tx, rx) = mpsc::channel::<(u64, u64, u64)>();
+        let (tx, rx) = mpsc::channel::<Job>();
         std::thread::Builder::new()
             .name("memfold-remap".into())
             .spawn(move || {
-                for (src, len, dst) in rx {
-                    // SAFETY: moves a mapping the agent created onto guest RAM it manages,
-                    // which no Rust reference points into (see `run`).
-                    let r = unsafe {
-                        libc::mremap(
-                            src as *mut libc::c_void,
-                            len as usize,
-                            len as usize,
-                            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
-                            dst as *mut libc::c_void,
-                        )
-                    };
-                    let errno: i32 = if r as u64 == dst {
-                        0
-                    } else {
-                        io::Error::last_os_error().raw_os_error().unwrap_or(-1)
-                    };
+                for job in rx {
+                    let errno = run_job(&job);
                     // SAFETY: writes 4 bytes from a local.
                     unsafe {
                         libc::write(
@@ -71,6 +73,45 @@ impl Remapper {
                 }
             })?;
         Ok(Remapper { tx, done_r })
+    }
+}
+
+/// Carries out one job; returns 0 or the errno of the first call that failed.
+fn run_job(job: &Job) -> i32 {
+    let errno = || io::Error::last_os_error().raw_os_error().unwrap_or(-1);
+    match *job {
+        Job::Move { src, len, dst } => {
+            // SAFETY: moves a mapping the agent created onto guest RAM it manages, which
+            // no Rust reference points into (see `run`).
+            let r = unsafe {
+                libc::mremap(
+                    src as *mut libc::c_void,
+                    len as usize,
+                    len as usize,
+                    libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                    dst as *mut libc::c_void,
+                )
+            };
+            if r as u64 == dst {
+                0
+            } else {
+                errno()
+            }
+        }
+        Job::Zap(ref ranges) => {
+            for &(addr, len) in ranges {
+                // SAFETY: drops only the PTEs of private guest RAM the agent manages; the
+                // memfd keeps the pages, and the next access is a minor fault the agent
+                // serves.
+                if unsafe {
+                    libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_DONTNEED)
+                } != 0
+                {
+                    return errno();
+                }
+            }
+            0
+        }
     }
 }
 
@@ -102,19 +143,40 @@ impl Agent {
         // function knows its address.
         let prepared = unsafe { self.uffd.register(staging, len, uffd::MODE_WP) }
             .and_then(|_| self.uffd.write_protect(staging, len, true))
-            .map_err(io::Error::from)
-            .and_then(|_| {
-                self.remapper
-                    .tx
-                    .send((staging, len, dst))
-                    .map_err(|_| io::Error::other("remap thread gone"))
-            });
+            .map_err(io::Error::from);
         if let Err(e) = prepared {
             // SAFETY: unmaps the staging mapping created above.
             unsafe { libc::munmap(staging as *mut libc::c_void, len as usize) };
             return Err(e);
         }
-        // Read the remap event (the mover waits for it); keep faults for later.
+        let errno = self.helper(Job::Move {
+            src: staging,
+            len,
+            dst,
+        });
+        if errno == 0 {
+            return Ok(());
+        }
+        // SAFETY: the failed move left the staging mapping in place.
+        unsafe { libc::munmap(staging as *mut libc::c_void, len as usize) };
+        Err(io::Error::other(format!(
+            "mremap onto guest RAM at {dst:#x}: {}",
+            io::Error::from_raw_os_error(errno)
+        )))
+    }
+
+    /// Has the helper thread carry out `job` and returns its errno (0: done), reading the
+    /// userfaultfd meanwhile (the helper waits for its own events to be read): faults are
+    /// kept in `deferred`, discarded ranges handled at once. Fails closed if the helper
+    /// is gone, since whether the job changed guest RAM's mappings is then unknown.
+    pub(crate) fn helper(&mut self, job: Job) -> i32 {
+        let what = match &job {
+            Job::Move { dst, .. } => format!("a move onto guest RAM at {dst:#x}"),
+            Job::Zap(r) => format!("arming the clock over {} runs", r.len()),
+        };
+        if self.remapper.tx.send(job).is_err() {
+            self.fail_closed(&format!("the remap thread is gone, before {what}"));
+        }
         loop {
             let mut fds = [
                 libc::pollfd {
@@ -130,9 +192,15 @@ impl Agent {
             ];
             // SAFETY: polls a valid array of two pollfd that lives across the call.
             unsafe { libc::poll(fds.as_mut_ptr(), 2, 1000) };
-            while let Some(ev) = self.uffd.read_event()? {
-                if matches!(ev, Event::Fault { .. }) {
-                    self.deferred.push(ev);
+            loop {
+                match self.uffd.read_event() {
+                    Ok(Some(ev @ Event::Fault { .. })) => self.deferred.push(ev),
+                    Ok(Some(Event::Remove { start, end })) => self.discard(start, end),
+                    Ok(Some(_)) => {}
+                    Ok(None) => break,
+                    Err(e) => {
+                        self.fail_closed(&format!("reading the userfaultfd during {what}: {e}"))
+                    }
                 }
             }
             if fds[1].revents != 0 {
@@ -152,21 +220,10 @@ impl Agent {
                 };
                 if n != 4 {
                     // The helper is gone without a word: whether pool frames now back
-                    // these guest pages, unprotected, is unknown.
-                    self.fail_closed(&format!(
-                        "the remap thread ended during a move onto guest RAM at {dst:#x}"
-                    ));
+                    // guest pages, unprotected, is unknown.
+                    self.fail_closed(&format!("the remap thread ended during {what}"));
                 }
-                return if errno == 0 {
-                    Ok(())
-                } else {
-                    // SAFETY: the failed move left the staging mapping in place.
-                    unsafe { libc::munmap(staging as *mut libc::c_void, len as usize) };
-                    Err(io::Error::other(format!(
-                        "mremap onto guest RAM at {dst:#x}: {}",
-                        io::Error::from_raw_os_error(errno)
-                    )))
-                };
+                return errno;
             }
         }
     }

@@ -63,6 +63,16 @@
 //! `MEMFOLD_FAIL=abort` aborts QEMU instead. Every path that gets there is listed at
 //! `fail_closed`.
 //!
+//! **Discarded pages** (a balloon inflating, free page reporting, virtio-mem): QEMU punches
+//! the range out of guest RAM's memfd and drops its mapping with `MADV_DONTNEED`, which
+//! the kernel reports (`UFFD_EVENT_REMOVE`). Whatever memfold held there is let go, as
+//! KSM unmerges a range dropped with `MADV_DONTNEED`: a page on a pool frame gets guest
+//! RAM's memfd (now a hole) mapped back, a reclaimed or stashed page becomes a plain hole;
+//! each reads as zeros, as it would without memfold, and memfoldd is told
+//! (`ToDaemon::Discarded`) so the frame's reference or the blob is released. The agent's
+//! own `MADV_DONTNEED` (arming the clock, on private pages only) runs on the helper
+//! thread, since the caller waits until the event is read.
+//!
 //! The agent's record of each page is where it lives: private, a reclaimed zero page, on
 //! a pool frame, or stashed as a blob; every fault is served by that.
 //!
@@ -70,6 +80,7 @@
 //! |---|---|
 //! | `config` | [`AgentConfig`] (with [`FailMode`]) from the environment; finding guest RAM in this process |
 //! | `state` | each page's home (`PageHome`) and its R and M bits |
+//! | `discard` | ranges QEMU discarded (`UFFD_EVENT_REMOVE`): what memfold held there let go |
 //! | `fault` | the fault handler: by the faulting page's home (CoW break, refill, decode) |
 //! | `requests` | memfoldd's requests (share, reclaim, stash, move, clock scan) and replies |
 //! | `install` | mapping pool frames over guest pages (`mremap`, `EVENT_REMAP`) and back |
@@ -86,6 +97,7 @@ use memfold_wire::Conn;
 
 mod attach;
 mod config;
+mod discard;
 mod fault;
 mod install;
 mod requests;
@@ -279,6 +291,9 @@ struct Agent {
     remapper: Remapper,
     /// Most mappings (VMAs) shares may bring this process to.
     vma_budget: usize,
+    /// The operator opted this guest out (memfoldd's `ToAgent::OptedOut`); carried to a
+    /// restarted memfoldd in the hello.
+    opted_out: bool,
 }
 
 /// Runs the agent until the process exits.
@@ -306,6 +321,7 @@ pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
     let remapper = Remapper::new()?;
     let uffd = Uffd::open(
         uffd::FEATURE_EVENT_REMAP
+            | uffd::FEATURE_EVENT_REMOVE
             | uffd::FEATURE_MISSING_SHMEM
             | uffd::FEATURE_WP_SHMEM
             | uffd::FEATURE_MINOR_SHMEM
@@ -338,6 +354,7 @@ pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
         deferred: Vec::new(),
         remapper,
         vma_budget,
+        opted_out: false,
     };
     // A panic unwinds to here, not past: `agent` (the userfaultfd, guest RAM's memfd, the
     // pool) must outlive failing closed, or write-protection would be gone.

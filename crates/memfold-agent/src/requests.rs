@@ -15,6 +15,7 @@ use memfold_ids::{FrameId, Gfn};
 use memfold_sys::memfd::pread_exact;
 use memfold_wire::{BlobHome, StashPage, ToAgent, ToDaemon, CLOCK_SLICE};
 
+use crate::install::Job;
 use crate::state::{plus, PageHome, Stash};
 use crate::{Agent, PAGE};
 
@@ -103,6 +104,10 @@ impl Agent {
                     refused: o.refused,
                 }
             }
+            ToAgent::OptedOut { out } => {
+                self.opted_out = out;
+                return Ok(());
+            }
             ToAgent::Welcome { .. } | ToAgent::Refused { .. } => return Ok(()),
         };
         for ev in std::mem::take(&mut self.deferred) {
@@ -126,9 +131,20 @@ impl Agent {
     /// Carries out a share request (ESX §4.3): maps the private pages whose bytes still
     /// equal their frame's onto it, a run of consecutive pages onto consecutive frames
     /// with one mapping.
+    ///
+    /// VMA headroom: a CoW break cannot be refused, and one inside a shared run maps guest
+    /// RAM back over one page of it (one mapping becomes three). Bound: two neighbouring
+    /// pages on consecutive frames of one run are one mapping; a break turns at most those
+    /// pairs into mapping boundaries (+1 each, once: a boundary never joins again), and
+    /// every other pair it touches stays or stops being a boundary. A run of n pages has
+    /// n − 1 such pairs, so no sequence of breaks (or discards, take-backs) adds more
+    /// mappings than there are pages on frames. A share of k pages adds at most 2k
+    /// mappings itself (a run dropped into guest RAM splits it) and k pages on frames. So
+    /// only the first k pages of a request are shared such that the mappings now + the
+    /// pages on frames + 3k stay within the budget; the rest are refused.
     fn share(&mut self, mut pages: Vec<(Gfn, FrameId)>) -> io::Result<Outcome> {
         let mut out = Outcome::default();
-        if self.pool.is_none() || self.mappings() + 2 * pages.len() > self.vma_budget {
+        if self.pool.is_none() {
             out.refused.extend(pages.iter().map(|p| p.0));
             return Ok(out);
         }
@@ -141,6 +157,13 @@ impl Agent {
             }
             ok
         });
+        let room = self
+            .vma_budget
+            .saturating_sub(self.mappings() + self.pages.on_frames())
+            / 3;
+        if pages.len() > room {
+            out.refused.extend(pages.drain(room..).map(|p| p.0));
+        }
         // Runs of consecutive gfns onto consecutive frames: one mapping each.
         let mut i = 0;
         while i < pages.len() {
@@ -370,6 +393,7 @@ impl Agent {
         // Arm runs of private pages; shared and reclaimed pages fault anyway.
         let private =
             |agent: &Agent, k: u32| agent.pages.home(plus(first, k as usize)) == PageHome::Private;
+        let mut runs = Vec::new();
         let mut k = 0;
         while k < n {
             if !private(self, k) {
@@ -385,18 +409,18 @@ impl Agent {
                 (e - k) as u64 * PAGE,
             );
             self.uffd.write_protect(addr, len, true)?;
-            // SAFETY: drops only the PTEs of guest RAM the agent manages; the memfd keeps
-            // the pages, and the next access is a minor fault the agent serves.
-            if unsafe {
-                libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_DONTNEED)
-            } != 0
-            {
+            runs.push((addr, len));
+            k = e;
+        }
+        // On the helper thread: the caller of MADV_DONTNEED waits for its remove event.
+        if !runs.is_empty() {
+            let errno = self.helper(Job::Zap(runs));
+            if errno != 0 {
                 return Err(io::Error::other(format!(
-                    "arming the clock at {addr:#x}: madvise: {}",
-                    io::Error::last_os_error()
+                    "arming the clock: madvise: {}",
+                    io::Error::from_raw_os_error(errno)
                 )));
             }
-            k = e;
         }
         Ok((n, r, m))
     }

@@ -58,6 +58,8 @@ pub(crate) fn plus(gfn: Gfn, k: usize) -> Gfn {
 /// (bit `g % 64` of word `g / 64`).
 pub(crate) struct Pages {
     homes: Vec<PageHome>,
+    /// Pages whose home is a pool frame.
+    on_frames: usize,
     referenced: Vec<u64>,
     modified: Vec<u64>,
 }
@@ -68,6 +70,7 @@ impl Pages {
     pub(crate) fn new(pages: usize) -> Pages {
         Pages {
             homes: vec![PageHome::Private; pages],
+            on_frames: 0,
             referenced: vec![u64::MAX; pages.div_ceil(64)],
             modified: vec![u64::MAX; pages.div_ceil(64)],
         }
@@ -97,7 +100,14 @@ impl Pages {
 
     /// Records that page `gfn` now lives at `home`.
     pub(crate) fn set(&mut self, gfn: Gfn, home: PageHome) {
-        self.homes[gfn.index()] = home;
+        let old = std::mem::replace(&mut self.homes[gfn.index()], home);
+        let frame = |h: PageHome| matches!(h, PageHome::Frame(_)) as usize;
+        self.on_frames = self.on_frames + frame(home) - frame(old);
+    }
+
+    /// Pages mapped onto pool frames now.
+    pub(crate) fn on_frames(&self) -> usize {
+        self.on_frames
     }
 
     /// Sets R (and M for a write) of `gfn`.
@@ -199,6 +209,10 @@ mod tests {
     fn the_reattach_list_names_frames_and_zero_pages() {
         let mut p = Pages::new(8);
         p.set(Gfn(1), PageHome::Frame(FrameId(4)));
+        p.set(Gfn(1), PageHome::Frame(FrameId(4)));
+        p.set(Gfn(2), PageHome::Frame(FrameId(5)));
+        p.set(Gfn(2), PageHome::Private);
+        assert_eq!(p.on_frames(), 1);
         p.set(Gfn(3), PageHome::Zero);
         let stash = Stash {
             blob: Blob::Patch {

@@ -16,7 +16,13 @@
 //! - a stored page written outside QEMU's mapping: the fake memfoldd stashes a page, then
 //!   `pwrite`s a few bytes into guest RAM's memfd at it (as a vhost-user backend could),
 //!   filling its hole; the guest reads the page, a minor fault on a page the agent holds
-//!   as stored (before the fix: a wake, forever).
+//!   as stored (before the fix: a wake, forever);
+//! - `EIO` from the swap file, for good: the fake memfoldd hands the agent
+//!   `/proc/self/mem` as its swap file, swaps page [`STASHED`] out to an anonymous page of
+//!   its own (the agent reads it back and checks it before it punches the page), then
+//!   unmaps that page: every read of the blob is `EIO` from then on, as from a failed
+//!   disk. The guest reads the page; the agent retries the fault for
+//!   `FAULT_GIVE_UP` (30 s), then fails closed.
 //!
 //! The test process watches the child: stopped (`/proc/PID/stat` state `T`, every
 //! thread), its userfaultfd still open, every page it wrote still reading the same
@@ -75,6 +81,8 @@ enum Failure {
     /// A stashed page's hole in guest RAM's memfd filled by a `pwrite`, then read by the
     /// guest.
     BypassWrite,
+    /// A swapped page whose blob reads as `EIO` for good, then read by the guest.
+    SwapEio,
 }
 
 impl Failure {
@@ -84,6 +92,7 @@ impl Failure {
             Failure::Panic => "panic",
             Failure::LoopError => "loop-error",
             Failure::BypassWrite => "bypass-write",
+            Failure::SwapEio => "swap-eio",
         }
     }
 
@@ -107,6 +116,7 @@ fn child_role() -> Option<Failure> {
         Failure::Panic,
         Failure::LoopError,
         Failure::BypassWrite,
+        Failure::SwapEio,
     ]
     .into_iter()
     .find(|f| f.name() == role)
@@ -170,7 +180,7 @@ fn child(failure: Failure) -> ! {
         .recv_timeout(Duration::from_secs(10))
         .expect("the agent attached and the fake memfoldd did its part");
     match failure {
-        Failure::CorruptBlob | Failure::BypassWrite => {
+        Failure::CorruptBlob | Failure::BypassWrite | Failure::SwapEio => {
             eprintln!("child: the guest touches page {STASHED}");
             // SAFETY: within the mapping; a fault the agent serves (or fails closed on).
             let b = unsafe { ram.add(STASHED * PAGE_SIZE).read_volatile() };
@@ -221,23 +231,46 @@ fn fake_memfoldd(listener: &Listener, failure: Failure, attached: std::sync::mps
     let pool = memfd::create("fake-pool").unwrap();
     let store = memfd::create("fake-store").unwrap();
     memfd::set_len(store.as_fd(), PAGE_SIZE as u64).unwrap();
+    // A "swap file" whose bytes are this process's memory: readable while the page below
+    // is mapped, `EIO` once it is not.
+    let swap = File::open("/proc/self/mem").unwrap();
+    // SAFETY: a new anonymous page at an address the kernel picks, used only through raw
+    // pointers and unmapped below.
+    let swapped = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            PAGE_SIZE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(swapped, libc::MAP_FAILED);
     conn.send(
         &ToAgent::Welcome {
             version: PROTOCOL_VERSION,
         },
-        &[pool.as_fd(), store.as_fd()],
+        &[pool.as_fd(), store.as_fd(), swap.as_fd()],
     )
     .unwrap();
     if failure != Failure::LoopError {
         let mut page: Page = [0; PAGE_SIZE];
         memfd::pread_exact(guest.as_fd(), &mut page, (STASHED * PAGE_SIZE) as u64).unwrap();
         memfd::pwrite_all(store.as_fd(), &page, 0).unwrap();
+        // SAFETY: the anonymous page mapped above, one page long.
+        unsafe { std::ptr::copy_nonoverlapping(page.as_ptr(), swapped as *mut u8, PAGE_SIZE) };
         let good = page_checksum(&page);
+        let (home, offset) = if failure == Failure::SwapEio {
+            (BlobHome::Swap, swapped as u64)
+        } else {
+            (BlobHome::Store, 0)
+        };
         let stash = StashPage {
             gfn: Gfn(STASHED as u32),
             blob: Blob::Raw,
-            home: BlobHome::Store,
-            offset: 0,
+            home,
+            offset,
             len: PAGE_SIZE as u32,
             moving: false,
             checksum: if failure == Failure::Panic {
@@ -254,7 +287,10 @@ fn fake_memfoldd(listener: &Listener, failure: Failure, attached: std::sync::mps
             &[],
         )
         .unwrap();
-        if matches!(failure, Failure::CorruptBlob | Failure::BypassWrite) {
+        if matches!(
+            failure,
+            Failure::CorruptBlob | Failure::BypassWrite | Failure::SwapEio
+        ) {
             let stashed = wait_stash_done(&conn);
             assert_eq!(stashed, [Gfn(STASHED as u32)], "the agent stashed the page");
         }
@@ -268,6 +304,14 @@ fn fake_memfoldd(listener: &Listener, failure: Failure, attached: std::sync::mps
             Failure::BypassWrite => {
                 let at = (STASHED * PAGE_SIZE + BYPASS_AT) as u64;
                 memfd::pwrite_all(guest.as_fd(), &BYPASS, at).unwrap();
+            }
+            // The disk fails: the blob is gone from under every read.
+            Failure::SwapEio => {
+                // SAFETY: unmaps the anonymous page mapped above; nothing else uses it.
+                unsafe { libc::munmap(swapped, PAGE_SIZE) };
+                let mut b = [0u8; 1];
+                let e = swap.read_exact_at(&mut b, swapped as u64).unwrap_err();
+                assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
             }
             Failure::Panic | Failure::LoopError => {}
         }
@@ -414,6 +458,11 @@ impl Qemu {
 
     /// Waits until the process and every thread of it is stopped (`T`).
     fn wait_stopped(&mut self, what: &str) {
+        self.wait_stopped_within(what, WAIT)
+    }
+
+    /// As [`Qemu::wait_stopped`], waiting at most `limit`.
+    fn wait_stopped_within(&mut self, what: &str, limit: Duration) {
         let t = Instant::now();
         loop {
             let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid()));
@@ -431,8 +480,8 @@ impl Qemu {
                 );
             }
             assert!(
-                t.elapsed() < WAIT,
-                "{what}: the child is not stopped after {WAIT:?} (threads {threads:?}); its log:\n{}",
+                t.elapsed() < limit,
+                "{what}: the child is not stopped after {limit:?} (threads {threads:?}); its log:\n{}",
                 self.log()
             );
             std::thread::sleep(Duration::from_millis(20));
@@ -715,6 +764,34 @@ fn a_stored_page_written_outside_qemus_mapping_pauses_qemu() {
         Some(STASHED),
         &format!("gfn {STASHED} is stored by memfold, but guest RAM's memfd was written at that page outside QEMU's mapping"),
     );
+    assert!(
+        !q.log().contains("the guest got past"),
+        "the guest read the page:\n{}",
+        q.log()
+    );
+}
+
+#[test]
+fn a_swap_file_failing_with_eio_for_good_pauses_qemu_after_the_give_up_time() {
+    if let Some(f) = child_role() {
+        child(f);
+    }
+    let mut q = Qemu::start(
+        "a_swap_file_failing_with_eio_for_good_pauses_qemu_after_the_give_up_time",
+        Failure::SwapEio,
+        None,
+    );
+    q.wait_log("child: the guest touches page", 1);
+    let t = Instant::now();
+    // Retried, not given up at once: the guest waits on its fault meanwhile.
+    q.wait_log("Input/output error (os error 5); retrying", 1);
+    q.wait_stopped_within("EIO from the swap file for good", Duration::from_secs(60));
+    let waited = t.elapsed();
+    assert!(
+        waited >= Duration::from_secs(25),
+        "gave up after {waited:?}, before the 30 s retry time"
+    );
+    q.check_paused(Some(STASHED), "still fails after 30s");
     assert!(
         !q.log().contains("the guest got past"),
         "the guest read the page:\n{}",

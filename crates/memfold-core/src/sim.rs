@@ -11,7 +11,7 @@
 use crate::backing::mem::{ManualClock, MemBacking, MemGuestRam};
 use crate::backing::Backing;
 use crate::blobs::{BlobHome, Form};
-use crate::engine::{Attach, Command, Mapped, Outcome, Stash};
+use crate::engine::{Attach, Command, Discard, Mapped, Outcome, Stash};
 use crate::ids::{DomainId, FrameId, Gfn, VmId};
 use crate::{Engine, EngineConfig, EngineError, Page, PAGE_SIZE};
 use memfold_codecs::page_checksum;
@@ -38,6 +38,8 @@ pub enum Event {
     Refilled(Gfn),
     /// An access decoded a stashed page back.
     Unstashed(Gfn),
+    /// The guest's VMM discarded the page, which the agent held as this.
+    Discarded(Gfn, Discard),
 }
 
 /// The agent's handles on what memfoldd hands it: its domain's pool, its own store and
@@ -224,6 +226,22 @@ impl SimAgent {
         p[offset..offset + bytes.len()].copy_from_slice(bytes);
         self.set_ram_page(g, &p);
         Ok(())
+    }
+
+    /// The guest's VMM discards page `g` (a balloon, free page reporting): QEMU punches it
+    /// out of guest RAM and drops its mapping, and the agent forgets what it held there
+    /// (a frame, a zero page, a blob), reporting it. The page reads as zeros afterwards.
+    pub fn discard(&mut self, g: Gfn) {
+        let i = g.index();
+        self.punch(g);
+        let what = match self.home[i] {
+            Home::Private => return,
+            Home::Zero => Discard::Zero,
+            Home::Frame(f) => Discard::Frame(f),
+            Home::Stashed(_) => Discard::Stored,
+        };
+        self.home[i] = Home::Private;
+        self.events.push(Event::Discarded(g, what));
     }
 
     /// Carries out a command as the real agent does; `ClockScan` is answered by
@@ -426,6 +444,7 @@ impl Rig {
                 Event::CowBroken(g, f) => self.engine.cow_broken(self.vm, g, f),
                 Event::Refilled(g) => self.engine.refilled(self.vm, g),
                 Event::Unstashed(g) => self.engine.unstashed(self.vm, g),
+                Event::Discarded(g, what) => self.engine.discarded(self.vm, g, what),
             }
         }
     }

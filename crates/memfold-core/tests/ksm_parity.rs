@@ -35,6 +35,39 @@ fn page(byte: u8) -> Vec<u8> {
     (0..PAGE_SIZE).map(|i| byte ^ (i % 251) as u8).collect()
 }
 
+/// A guest under the Difference Engine with data each mechanism takes, by `g % 4`: zeros,
+/// one shared page, text unique to each page (compressed or patched); memfoldd has run
+/// 3 s. Returns the rig and what each page holds.
+fn de_rig_with_every_mechanism(word: &[u8; 15]) -> (Rig, Vec<Vec<u8>>) {
+    let cfg = EngineConfig {
+        policy: Policy::difference_engine(),
+        zero: ZeroPolicy::Reclaim,
+        rate: 0,
+        clock_interval_us: Some(100_000),
+        min_scan_interval_us: 10_000,
+        max_scan_interval_us: 10_000,
+        ..EngineConfig::default()
+    };
+    let mut r = Rig::new(cfg, PAGES).unwrap();
+    let text = |g: u32| -> Vec<u8> {
+        let mut p: Vec<u8> = (0..PAGE_SIZE).map(|i| word[i % 15]).collect();
+        p[..4].copy_from_slice(&g.to_le_bytes());
+        p
+    };
+    let want: Vec<Vec<u8>> = (0..PAGES)
+        .map(|g| match g % 4 {
+            0 => vec![0u8; PAGE_SIZE],
+            1 => page(9),
+            _ => text(g),
+        })
+        .collect();
+    for (g, p) in want.iter().enumerate() {
+        r.agent.write(Gfn(g as u32), 0, p).unwrap();
+    }
+    settle(&mut r, 3000);
+    (r, want)
+}
+
 #[test]
 fn identical_pages_merge_onto_one_frame_and_a_write_unmerges_exactly_one() {
     let mut r = rig(ZeroPolicy::Reclaim);
@@ -125,33 +158,7 @@ fn zero_pages_are_reclaimed_or_merged_onto_one_zero_frame() {
 /// again until the guest is opted back in.
 #[test]
 fn an_opted_out_guest_has_every_page_taken_back_and_none_merged_again() {
-    let cfg = EngineConfig {
-        policy: Policy::difference_engine(),
-        zero: ZeroPolicy::Reclaim,
-        rate: 0,
-        clock_interval_us: Some(100_000),
-        min_scan_interval_us: 10_000,
-        max_scan_interval_us: 10_000,
-        ..EngineConfig::default()
-    };
-    let mut r = Rig::new(cfg, PAGES).unwrap();
-    // Text unique to each page: compressed, not shared.
-    let text = |g: u32| -> Vec<u8> {
-        let mut p: Vec<u8> = (0..PAGE_SIZE).map(|i| b"opted out text "[i % 15]).collect();
-        p[..4].copy_from_slice(&g.to_le_bytes());
-        p
-    };
-    let want: Vec<Vec<u8>> = (0..PAGES)
-        .map(|g| match g % 4 {
-            0 => vec![0u8; PAGE_SIZE],
-            1 => page(9),
-            _ => text(g),
-        })
-        .collect();
-    for (g, p) in want.iter().enumerate() {
-        r.agent.write(Gfn(g as u32), 0, p).unwrap();
-    }
-    settle(&mut r, 3000);
+    let (mut r, want) = de_rig_with_every_mechanism(b"opted out text ");
     let b = r.engine.books().vms[0].books.clone();
     assert!(b.shared_pages > 0 && b.zero_reclaimed_pages > 0, "{b:#?}");
     assert!(b.compressed_pages + b.patched_pages > 0, "{b:#?}");
@@ -189,4 +196,82 @@ fn an_opted_out_guest_has_every_page_taken_back_and_none_merged_again() {
     settle(&mut r, 3000);
     let b = &r.engine.books().vms[0].books;
     assert!(!b.opted_out && b.shared_pages > 0, "{b:#?}");
+}
+
+/// A discarded range, as the KSM selftests' unmerge of a range dropped with
+/// `MADV_DONTNEED` (QEMU's balloon and free page reporting punch guest RAM and drop its
+/// mapping): every merged page in the range leaves its frame, every reclaimed or stored
+/// one is released, exact counts, and the range reads as zeros; nothing outside it
+/// changes. A discarded page is not a CoW break, a refill or a decode.
+#[test]
+fn a_discarded_range_is_unmerged_and_released_exactly() {
+    let (mut r, want) = de_rig_with_every_mechanism(b"discarded text ");
+    let before = r.engine.books().vms[0].books.clone();
+    assert!(
+        before.shared_pages > 4 && before.zero_reclaimed_pages > 4,
+        "{before:#?}"
+    );
+    assert!(
+        before.compressed_pages + before.patched_pages > 4,
+        "{before:#?}"
+    );
+
+    // Discard the first half: count what memfold held there, by kind.
+    let range = 0..PAGES / 2;
+    let (mut shared, mut zero, mut stored) = (0, 0, 0);
+    for g in range.clone() {
+        match r.agent.home(Gfn(g)) {
+            memfold_core::sim::Home::Frame(_) => shared += 1,
+            memfold_core::sim::Home::Zero => zero += 1,
+            memfold_core::sim::Home::Stashed(_) => stored += 1,
+            memfold_core::sim::Home::Private => {}
+        }
+        r.agent.discard(Gfn(g));
+    }
+    assert!(shared > 0 && zero > 0 && stored > 0);
+    r.report();
+    r.engine.check_invariants().unwrap();
+    let b = r.engine.books().vms[0].books.clone();
+    assert_eq!(b.discards, shared + zero + stored, "{b:#?}");
+    assert_eq!(b.shared_pages, before.shared_pages - shared);
+    assert_eq!(b.zero_reclaimed_pages, before.zero_reclaimed_pages - zero);
+    assert_eq!(
+        b.compressed_pages + b.patched_pages + b.swapped_pages,
+        before.compressed_pages + before.patched_pages + before.swapped_pages - stored
+    );
+    // Not accesses: no CoW breaks, refills or decodes counted.
+    assert_eq!(
+        (b.cow_breaks, b.refills, b.unstashes),
+        (before.cow_breaks, before.refills, before.unstashes)
+    );
+    for g in 0..PAGES {
+        let got = r.agent.peek(Gfn(g)).unwrap();
+        if range.contains(&g) {
+            assert_eq!(
+                got[..],
+                [0u8; PAGE_SIZE][..],
+                "discarded gfn {g} reads zeros"
+            );
+        } else {
+            assert_eq!(got[..], want[g as usize][..], "gfn {g} unchanged");
+        }
+    }
+    // The whole guest discarded: nothing held, no frame, no blob.
+    for g in 0..PAGES {
+        r.agent.discard(Gfn(g));
+    }
+    r.report();
+    let books = r.engine.books();
+    let b = &books.vms[0].books;
+    assert_eq!(
+        (
+            b.shared_pages,
+            b.zero_reclaimed_pages,
+            b.patched_pages,
+            b.compressed_pages
+        ),
+        (0, 0, 0, 0),
+        "{b:#?}"
+    );
+    assert_eq!((books.frames, books.store_pages), (0, 0), "{books:#?}");
 }

@@ -5,15 +5,16 @@
 //! door. The test re-runs this binary as child processes under uid 65534 (`nobody`) with
 //! group 65534 (the agent group) or 65533 (a stranger), each checking what it is allowed.
 
+mod common;
+
 use std::os::fd::AsFd;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use memfold_core::{EngineConfig, Policy};
-use memfold_live::daemon::{self, DaemonConfig, DomainRule};
-use memfold_live::query_stats;
+use memfold_live::daemon::{DaemonConfig, DomainRule};
 use memfold_sys::memfd;
 use memfold_wire::{Conn, ToAgent, ToClient, ToDaemon, PROTOCOL_VERSION};
 
@@ -62,6 +63,7 @@ fn child_role() {
                 pid: 0,
                 ram_bytes: 64 * 4096,
                 shared: 0,
+                opted_out: false,
             };
             c.send(&hello, &[ram.as_fd()]).unwrap();
             c.set_recv_timeout(Duration::from_secs(5)).unwrap();
@@ -125,15 +127,7 @@ fn tenants_of_the_agent_group_attach_but_are_not_operators() {
         domains: DomainRule::User,
         agent_gid: Some(AGENT_GID),
     };
-    std::thread::spawn(move || daemon::run(cfg));
-    let t = Instant::now();
-    while query_stats(&socket).is_err() {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "memfoldd did not start"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::start_memfoldd_with(cfg);
     run_child(&socket, "tenant", AGENT_GID);
     run_child(&socket, "stranger", AGENT_GID - 1);
     // The operator (this process, root) may.

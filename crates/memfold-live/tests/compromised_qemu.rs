@@ -10,13 +10,14 @@
 //! `user` (both QEMUs are this process, one user) it reads the victim's secret from the
 //! pool they share — what a domain means, and the control that the search would find it.
 
+mod common;
+
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use memfold_core::{EngineConfig, Policy};
-use memfold_live::daemon::{self, DaemonConfig, DomainRule};
-use memfold_live::query_stats;
+use memfold_live::daemon::{DaemonConfig, DomainRule};
 use memfold_sys::memfd;
 use memfold_wire::{Conn, ToAgent, ToDaemon, PROTOCOL_VERSION};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
@@ -41,15 +42,7 @@ fn memfoldd(dir: &Path, domains: DomainRule) -> PathBuf {
         domains,
         agent_gid: None,
     };
-    std::thread::spawn(move || daemon::run(cfg));
-    let t = Instant::now();
-    while query_stats(&socket).is_err() {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "memfoldd did not start"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::start_memfoldd_with(cfg);
     socket
 }
 
@@ -66,6 +59,7 @@ fn attach(socket: &Path, name: &str, ram: &[u8]) -> (Conn, Vec<OwnedFd>, OwnedFd
         pid: std::process::id(),
         ram_bytes: ram.len() as u64,
         shared: 0,
+        opted_out: false,
     };
     c.send(&hello, &[fd.as_fd()]).unwrap();
     c.set_recv_timeout(Duration::from_secs(5)).unwrap();

@@ -11,12 +11,14 @@
 //! A second test puts a fake memfoldd that never answers at an agent's socket: the agent
 //! must keep serving its guest's faults (the handshake runs on the fault thread, bounded).
 
+mod common;
+
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use memfold_agent::{self as agent, AgentConfig, FailMode};
 use memfold_core::{EngineConfig, Policy};
-use memfold_live::daemon::{self, DaemonConfig, DomainRule};
+use memfold_live::daemon::{DaemonConfig, DomainRule};
 use memfold_live::query_stats;
 use memfold_sys::memfd;
 use memfold_sys::socket::Seqpacket;
@@ -100,15 +102,7 @@ fn memfoldd(dir: &std::path::Path) -> std::path::PathBuf {
         domains: DomainRule::User,
         agent_gid: None,
     };
-    std::thread::spawn(move || daemon::run(cfg));
-    let t = Instant::now();
-    while query_stats(&socket).is_err() {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "memfoldd did not start"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::start_memfoldd_with(cfg);
     socket
 }
 
@@ -123,6 +117,7 @@ fn hello(socket: &std::path::Path, name: &str, pid: u32, pages: u64) -> (Conn, T
         pid,
         ram_bytes: pages * PAGE as u64,
         shared: 0,
+        opted_out: false,
     };
     c.send(&hello, &[ram.as_fd()]).unwrap();
     c.set_recv_timeout(Duration::from_secs(5)).unwrap();
@@ -266,6 +261,7 @@ fn attacks(socket: &std::path::Path) {
             pid: 3,
             ram_bytes: 64 * PAGE as u64,
             shared: 0,
+            opted_out: false,
         };
         c.send(&hello, &[ram.as_fd(), pool.as_fd()]).unwrap();
         c.set_recv_timeout(Duration::from_secs(5)).unwrap();
@@ -286,6 +282,7 @@ fn attacks(socket: &std::path::Path) {
                 pid: 2,
                 ram_bytes: 4096,
                 shared: 0,
+                opted_out: false,
             },
             &[],
         )
@@ -309,6 +306,7 @@ fn attacks(socket: &std::path::Path) {
             pid: 3,
             ram_bytes: 1 << 20,
             shared: 0,
+            opted_out: false,
         },
         &[r.as_fd()],
     )
@@ -338,6 +336,7 @@ fn attacks(socket: &std::path::Path) {
             pid: 5,
             ram_bytes: 1 << 30,
             shared: 0,
+            opted_out: false,
         },
         &[ram.as_fd()],
     )

@@ -8,9 +8,14 @@
 
 mod common;
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::{fast_engine, start_agent, start_memfoldd, texty, wait_for, GuestRam, PAGE};
+use common::{
+    daemon_config, every_mechanism, fast_engine, fill_every_mechanism, managed, start_agent,
+    start_memfoldd, start_stoppable_memfoldd, texty, wait_for, GuestRam, PAGE,
+};
+use memfold_live::daemon;
 use memfold_wire::stats::{Stats, VmStats};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
@@ -23,8 +28,8 @@ fn guest(s: &Stats) -> &VmStats {
         .expect("the guest is attached")
 }
 
-fn managed(v: &VmStats) -> u64 {
-    v.shared_pages + v.zero_reclaimed_pages + v.patched_pages + v.compressed_pages
+fn attached<'a>(s: &'a Stats, name: &str) -> Option<&'a VmStats> {
+    s.vms.iter().find(|v| v.name == name && !v.detached)
 }
 
 #[test]
@@ -33,31 +38,10 @@ fn an_opted_out_guest_gets_every_page_back_and_nothing_is_managed_again() {
     let socket = start_memfoldd(work.path(), fast_engine());
     let ram = GuestRam::new("opted-guest-ram", PAGES);
     // Zeros, duplicates, near-duplicates, text, random: every mechanism takes some.
-    let mut rng = SmallRng::seed_from_u64(11);
-    let mut base = vec![0u8; PAGE];
-    rng.fill(&mut base[..]);
-    let mut want = vec![vec![0u8; PAGE]; PAGES];
-    for (g, p) in want.iter_mut().enumerate() {
-        match g % 5 {
-            0 => {}
-            1 => p.copy_from_slice(&base),
-            2 => {
-                p.copy_from_slice(&base);
-                p[g % PAGE] ^= 0x5a;
-                p[(g * 7) % PAGE] ^= 0xa5;
-            }
-            3 => texty(&mut rng, p),
-            _ => rng.fill(&mut p[..]),
-        }
-        ram.write(g, 0, p);
-    }
+    let want = fill_every_mechanism(&ram, 11);
     start_agent(&socket, "opted", &ram);
     let s = wait_for(&socket, Duration::from_secs(30), "every mechanism", |s| {
-        let v = guest(s);
-        v.shared_pages > 0
-            && v.zero_reclaimed_pages > 0
-            && v.patched_pages > 0
-            && v.compressed_pages > 0
+        every_mechanism(guest(s))
     });
     let before = managed(guest(&s));
 
@@ -107,4 +91,58 @@ fn an_opted_out_guest_gets_every_page_back_and_nothing_is_managed_again() {
         err.to_string().contains("no guest named \"nobody\""),
         "{err}"
     );
+}
+
+/// An opt-out outlives memfoldd (as KSM's `MADV_UNMERGEABLE` outlives ksmd's restarts):
+/// the agent remembers it and says so when it re-attaches, so the next memfoldd keeps
+/// the guest out — nothing shared, reclaimed or stored — until the operator opts it in.
+#[test]
+fn an_opt_out_outlives_a_memfoldd_restart() {
+    let work = tempfile::tempdir().unwrap();
+    let (socket, stop, first) = start_stoppable_memfoldd(work.path(), fast_engine());
+    let ram = GuestRam::new("kept-out-ram", 1100);
+    let mut rng = SmallRng::seed_from_u64(5);
+    let mut base = vec![0u8; PAGE];
+    rng.fill(&mut base[..]);
+    for g in 0..1100 {
+        let mut p = vec![0u8; PAGE];
+        match g % 3 {
+            0 => {}
+            1 => p.copy_from_slice(&base),
+            _ => texty(&mut rng, &mut p),
+        }
+        ram.write(g, 0, &p);
+    }
+    start_agent(&socket, "kept-out", &ram);
+    wait_for(&socket, Duration::from_secs(30), "shared", |s| {
+        attached(s, "kept-out").is_some_and(|v| v.shared_pages > 0)
+    });
+    memfold_live::opt_out(&socket, "kept-out", true).unwrap();
+    wait_for(&socket, Duration::from_secs(20), "taken back", |s| {
+        attached(s, "kept-out").is_some_and(|v| v.opted_out && managed(v) == 0)
+    });
+
+    // memfoldd goes and a new one starts at the same path; the agent re-attaches.
+    stop.store(true, Ordering::Relaxed);
+    first.join().unwrap().unwrap();
+    let second = daemon_config(work.path(), fast_engine());
+    std::thread::spawn(move || daemon::run(second));
+    let s = wait_for(&socket, Duration::from_secs(20), "re-attached", |s| {
+        attached(s, "kept-out").is_some()
+    });
+    assert!(attached(&s, "kept-out").unwrap().opted_out, "{s:#?}");
+    // Several scans and clock passes: still nothing managed.
+    std::thread::sleep(Duration::from_secs(3));
+    let s = memfold_live::query_stats(&socket).unwrap();
+    let v = attached(&s, "kept-out").unwrap();
+    assert!(
+        v.opted_out && managed(v) == 0,
+        "managed after the restart: {v:#?}"
+    );
+
+    // Opted in on the new memfoldd: managed again.
+    memfold_live::opt_out(&socket, "kept-out", false).unwrap();
+    wait_for(&socket, Duration::from_secs(30), "managed again", |s| {
+        attached(s, "kept-out").is_some_and(|v| !v.opted_out && v.shared_pages > 0)
+    });
 }

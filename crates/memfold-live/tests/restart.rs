@@ -10,11 +10,13 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::{daemon_config, fast_engine, start_agent, texty, wait_for, GuestRam, PAGE};
+use common::{
+    daemon_config, fast_engine, start_agent, start_stoppable_memfoldd, texty, wait_for, GuestRam,
+    PAGE,
+};
 use memfold_live::daemon;
 use memfold_wire::stats::{Stats, VmStats};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
@@ -50,17 +52,7 @@ fn check(ram: &GuestRam, want: &[Vec<u8>], who: &str) {
 #[test]
 fn a_new_guest_attaching_first_after_a_restart_does_not_lock_out_the_old_ones() {
     let work = tempfile::tempdir().unwrap();
-    let first = daemon_config(work.path(), fast_engine());
-    let socket = first.socket.clone();
-    let stop = Arc::new(AtomicBool::new(false));
-    let s2 = stop.clone();
-    let a = std::thread::spawn(move || daemon::run_until(first, &s2));
-    wait_for(
-        &socket,
-        Duration::from_secs(10),
-        "the first memfoldd",
-        |_| true,
-    );
+    let (socket, stop, a) = start_stoppable_memfoldd(work.path(), fast_engine());
 
     let mut rng = SmallRng::seed_from_u64(31);
     let mut base = vec![0u8; PAGE];

@@ -7,9 +7,11 @@
 //! `Documentation/admin-guide/mm/userfaultfd.rst`); the ABI below is the stable
 //! `linux/userfaultfd.h` one.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::Mutex;
 
 use rustix::mm::UserfaultfdFlags;
 
@@ -26,6 +28,9 @@ const FILL_MODE_WP: u64 = 1 << 1;
 /// `UFFD_FEATURE_EVENT_REMAP`: a registered VMA moved by mremap keeps its registration
 /// (and its write-protected PTEs); the mover waits until the event is read.
 pub const FEATURE_EVENT_REMAP: u64 = 1 << 2;
+/// `UFFD_FEATURE_EVENT_REMOVE`: `MADV_DONTNEED`/`MADV_REMOVE` on a registered range is
+/// reported ([`Event::Remove`]); the caller of `madvise` waits until the event is read.
+pub const FEATURE_EVENT_REMOVE: u64 = 1 << 3;
 /// `UFFD_FEATURE_MISSING_SHMEM`.
 pub const FEATURE_MISSING_SHMEM: u64 = 1 << 5;
 /// `UFFD_FEATURE_MINOR_SHMEM`: minor faults (page in the page cache, no PTE) on shmem.
@@ -46,6 +51,11 @@ pub const MODE_MINOR: u64 = 4;
 const EVENT_PAGEFAULT: u8 = 0x12;
 /// `UFFD_EVENT_REMAP`.
 const EVENT_REMAP: u8 = 0x14;
+/// `UFFD_EVENT_REMOVE`.
+const EVENT_REMOVE: u8 = 0x15;
+/// How often an ioctl refused with `EAGAIN` (a non-cooperative event not yet read) is
+/// tried again, the pending events read in between: about a second of yields.
+const AGAIN_TRIES: u32 = 100_000;
 /// Fault flag: a write.
 const PAGEFAULT_FLAG_WRITE: u64 = 1;
 /// Fault flag: a write to a write-protected page.
@@ -122,7 +132,15 @@ pub enum Event {
     },
     /// A registered range moved (mremap); reading this lets the mover continue.
     Remap,
-    /// Another event (fork, remove, unmap): nothing to do for memfold.
+    /// `MADV_DONTNEED` or `MADV_REMOVE` dropped `[start, end)` of a registered range (its
+    /// PTEs; for `MADV_REMOVE` its file pages too); reading this lets the caller continue.
+    Remove {
+        /// First byte.
+        start: u64,
+        /// One past the last byte.
+        end: u64,
+    },
+    /// Another event (fork, unmap): nothing to do for memfold.
     Other(u8),
 }
 
@@ -228,9 +246,15 @@ impl From<UffdError> for io::Error {
 }
 
 /// A userfaultfd in this process.
+///
+/// While a non-cooperative event (remove, remap) is queued unread, the kernel refuses
+/// the ioctls that change pages with `EAGAIN` (`mmap_changing`). Each ioctl here then
+/// reads the pending events into a backlog, which [`Uffd::read_event`] returns first, and
+/// tries again: callers never see `EAGAIN`, and no event is lost or reordered.
 #[derive(Debug)]
 pub struct Uffd {
     fd: OwnedFd,
+    backlog: Mutex<VecDeque<Event>>,
 }
 
 impl Uffd {
@@ -267,7 +291,44 @@ impl Uffd {
                 available: api.features,
             });
         }
-        Ok(Uffd { fd })
+        Ok(Uffd {
+            fd,
+            backlog: Mutex::new(VecDeque::new()),
+        })
+    }
+
+    /// `ioctl(req, arg)`, tried again while the kernel refuses it with `EAGAIN` (see
+    /// [`Uffd`]); returns the last result, `errno` set as the kernel left it. Used for one
+    /// page at a time by the fills, so an `EAGAIN` never leaves a range half filled.
+    ///
+    /// # Safety
+    ///
+    /// `arg` is the argument struct request `req` reads and writes, and what `req` does
+    /// to memory is the caller's to vouch for.
+    unsafe fn ioctl<T>(&self, req: libc::c_ulong, arg: &mut T) -> libc::c_int {
+        let mut rc = -1;
+        for _ in 0..AGAIN_TRIES {
+            // SAFETY: the caller's contract; `arg` lives across the call.
+            rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), req, arg as *mut T) };
+            if rc == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::EAGAIN) {
+                return rc;
+            }
+            // Reading the pending events is what lets the kernel go on.
+            let mut queued = false;
+            while let Ok(Some(ev)) = self.read_raw() {
+                self.backlog
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push_back(ev);
+                queued = true;
+            }
+            if !queued {
+                std::thread::yield_now();
+            }
+            // SAFETY: sets this thread's errno, so the caller sees the EAGAIN if the last try fails.
+            unsafe { *libc::__errno_location() = libc::EAGAIN };
+        }
+        rc
     }
 
     /// Registers `[start, start+len)` with `mode` ([`MODE_MISSING`], [`MODE_WP`],
@@ -307,7 +368,7 @@ impl Uffd {
         // SAFETY: UFFDIO_WRITEPROTECT reads and writes the `UffdioWriteprotect` it is
         // given, which lives across the call. It changes page protection only, never
         // contents, and only of registered ranges.
-        let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut w) };
+        let rc = unsafe { self.ioctl(UFFDIO_WRITEPROTECT, &mut w) };
         check(rc, Ioctl::WriteProtect, start, len)
     }
 
@@ -318,7 +379,7 @@ impl Uffd {
         let mut r = UffdioRange { start, len };
         // SAFETY: UFFDIO_WAKE reads the `UffdioRange` it is given, which lives across the
         // call; waking changes no memory.
-        let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_WAKE, &mut r) };
+        let rc = unsafe { self.ioctl(UFFDIO_WAKE, &mut r) };
         check(rc, Ioctl::Wake, start, len)
     }
 
@@ -338,7 +399,7 @@ impl Uffd {
         // SAFETY: UFFDIO_COPY reads `src` (valid for `len` bytes) and writes `c.copy`; it
         // fills only missing pages of a registered range, which `register`'s caller
         // vouched no Rust value uses.
-        let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_COPY, &mut c) };
+        let rc = unsafe { self.ioctl(UFFDIO_COPY, &mut c) };
         self.filled(rc, Ioctl::Copy, dst, src.len() as u64)
     }
 
@@ -355,7 +416,7 @@ impl Uffd {
         };
         // SAFETY: UFFDIO_ZEROPAGE reads the range and writes `z.zeropage`; it fills only
         // missing pages of a registered range (see `copy`).
-        let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_ZEROPAGE, &mut z) };
+        let rc = unsafe { self.ioctl(UFFDIO_ZEROPAGE, &mut z) };
         self.filled(rc, Ioctl::Zeropage, dst, len)
     }
 
@@ -372,7 +433,7 @@ impl Uffd {
         };
         // SAFETY: UFFDIO_CONTINUE reads the range and writes `c.mapped`; it maps pages the
         // file already holds into a registered range (see `copy`).
-        let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_CONTINUE, &mut c) };
+        let rc = unsafe { self.ioctl(UFFDIO_CONTINUE, &mut c) };
         self.filled(rc, Ioctl::Continue, dst, len)
     }
 
@@ -393,10 +454,24 @@ impl Uffd {
         })
     }
 
-    /// Reads one event if one is pending (the fd is non-blocking).
+    /// Reads one event if one is pending (the fd is non-blocking): first those an ioctl
+    /// read while it waited (see [`Uffd`]).
     ///
     /// Errors: read failures other than "nothing pending".
     pub fn read_event(&self) -> Result<Option<Event>, UffdError> {
+        if let Some(ev) = self
+            .backlog
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop_front()
+        {
+            return Ok(Some(ev));
+        }
+        self.read_raw()
+    }
+
+    /// Reads one event from the kernel if one is pending.
+    fn read_raw(&self) -> Result<Option<Event>, UffdError> {
         let mut m = [0u8; MSG_BYTES];
         let n = match rustix::io::read(&self.fd, &mut m) {
             Ok(n) => n,
@@ -416,6 +491,10 @@ impl Uffd {
                 minor: arg(0) & PAGEFAULT_FLAG_MINOR != 0,
             },
             EVENT_REMAP => Event::Remap,
+            EVENT_REMOVE => Event::Remove {
+                start: arg(0),
+                end: arg(1),
+            },
             other => Event::Other(other),
         }))
     }

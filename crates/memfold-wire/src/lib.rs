@@ -36,8 +36,8 @@ pub use conn::{Conn, Listener};
 pub use latency::{LatencySummary, OpLatency};
 pub use memfold_ids::{BatchId, FrameId, Gfn};
 pub use messages::{
-    AgentReport, Blob, BlobHome, StashPage, ToAgent, ToClient, ToDaemon, CLOCK_SLICE, MAX_BATCH,
-    MAX_MESSAGE, PROTOCOL_VERSION,
+    AgentReport, Blob, BlobHome, Discarded, StashPage, ToAgent, ToClient, ToDaemon, CLOCK_SLICE,
+    MAX_BATCH, MAX_MESSAGE, PROTOCOL_VERSION,
 };
 pub use reattach::Mapped;
 pub use stats::{
@@ -189,6 +189,7 @@ mod tests {
                 pid: 42,
                 ram_bytes: 1 << 29,
                 shared: 3,
+                opted_out: true,
             },
             ToDaemon::ShareDone {
                 batch,
@@ -213,6 +214,13 @@ mod tests {
             },
             ToDaemon::Unstashed { gfns: gfns() },
             ToDaemon::Refilled { gfns: gfns() },
+            ToDaemon::Discarded {
+                pages: vec![
+                    (Gfn(1), Discarded::Frame(FrameId(3))),
+                    (Gfn(2), Discarded::Zero),
+                    (Gfn(4), Discarded::Stashed),
+                ],
+            },
             ToDaemon::ClockBits {
                 batch,
                 first: Gfn(128),
@@ -238,6 +246,7 @@ mod tests {
             ToAgent::Welcome {
                 version: PROTOCOL_VERSION,
             },
+            ToAgent::OptedOut { out: true },
             ToAgent::Share {
                 batch,
                 pages: vec![(Gfn(1), FrameId(0)), (Gfn(2), FrameId(1))],
@@ -337,6 +346,7 @@ mod tests {
             name: "g".into(),
             pid: 1,
             ram_bytes: 4096,
+            opted_out: false,
             shared: 0,
         };
         c.send(&hello, &[f.as_fd()]).unwrap();

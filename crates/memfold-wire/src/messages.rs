@@ -14,8 +14,10 @@ use crate::stats::Stats;
 
 /// Protocol version; a peer with another version is refused with a clear message.
 /// Version 5: typed blobs in [`StashPage`]; 6: a checksum with every stashed page; 7:
-/// the operator's opt-out ([`ToDaemon::OptOut`], [`ToAgent::TakeBack`]).
-pub const PROTOCOL_VERSION: u32 = 7;
+/// the operator's opt-out ([`ToDaemon::OptOut`], [`ToAgent::TakeBack`]); 8: discarded
+/// pages ([`ToDaemon::Discarded`]) and the opt-out carried across a restart
+/// (`AgentHello::opted_out`).
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
 pub const MAX_MESSAGE: usize = 256 * 1024;
@@ -25,6 +27,18 @@ pub const MAX_BATCH: usize = 512;
 
 /// Most pages in one clock slice ([`ToAgent::ClockScan`]).
 pub const CLOCK_SLICE: u32 = 16384;
+
+/// What memfold held of a page QEMU discarded ([`ToDaemon::Discarded`]).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Discarded {
+    /// Mapped onto this pool frame.
+    Frame(FrameId),
+    /// A reclaimed zero page.
+    Zero,
+    /// A stashed page (a blob in the store or the swap file).
+    Stashed,
+}
 
 /// What a stashed page's blob is.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -144,6 +158,9 @@ pub enum ToDaemon {
         /// entries of a re-attach list ([`crate::reattach`]; a list too long for one
         /// message).
         shared: u64,
+        /// The operator opted this guest out of memfold ([`ToDaemon::OptOut`]) and has not
+        /// opted it back in: a memfoldd it re-attaches to after a restart keeps it out.
+        opted_out: bool,
     },
     /// Result of a [`ToAgent::Share`] request.
     ShareDone {
@@ -192,6 +209,13 @@ pub enum ToDaemon {
     Refilled {
         /// Pages.
         gfns: Vec<Gfn>,
+    },
+    /// Pages QEMU discarded (punched out of guest RAM and unmapped: a balloon, free page
+    /// reporting, virtio-mem) that memfold held: each with what the agent held, now a hole
+    /// reading as zeros.
+    Discarded {
+        /// (page, what it was).
+        pages: Vec<(Gfn, Discarded)>,
     },
     /// R and M bits of a clock slice since it was last armed (DE §4.2), answering
     /// [`ToAgent::ClockScan`]: bit k of word k/64 is page `first + k`.
@@ -267,6 +291,14 @@ pub enum ToAgent {
         batch: BatchId,
         /// Pages.
         gfns: Vec<Gfn>,
+    },
+    /// The operator opted this guest out of memfold (`out`) or back in: the agent
+    /// remembers it and says so in the hello of its next re-attach
+    /// (`ToDaemon::AgentHello::opted_out`), so that a restarted memfoldd keeps it out. Not
+    /// answered.
+    OptedOut {
+        /// Out (true) or back in (false).
+        out: bool,
     },
     /// Reclaim these guest pages if they are still all zero: punch them out of the guest
     /// memfd; the next access faults (missing) and the agent fills a zero page (ESX §4.3's

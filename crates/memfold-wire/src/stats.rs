@@ -155,6 +155,10 @@ pub struct VmStats {
     pub reclaims: u64,
     /// Reclaimed pages the guest touched again, refilled by the agent (cumulative).
     pub refills: u64,
+    /// Shared, reclaimed or stored pages QEMU discarded (a balloon, free page reporting),
+    /// released without being brought back (cumulative).
+    #[serde(default)]
+    pub discards: u64,
     /// Write-protect faults the agent served (CoW breaks and writers that waited on a
     /// share or reclaim in progress; cumulative).
     pub wp_faults: u64,
@@ -328,7 +332,7 @@ impl Stats {
             self.table_entries as f64,
         );
         type Field = fn(&VmStats) -> u64;
-        let per_vm: [(&str, &str, Field); 24] = [
+        let per_vm: [(&str, &str, Field); 25] = [
             ("vm_swapped_pages", "Pages in the swap file.", |v| {
                 v.swapped_pages
             }),
@@ -379,6 +383,11 @@ impl Stats {
             ("vm_refills_total", "Reclaimed pages refilled.", |v| {
                 v.refills
             }),
+            (
+                "vm_discards_total",
+                "Shared, reclaimed or stored pages QEMU discarded (balloon, free page reporting).",
+                |v| v.discards,
+            ),
             ("vm_wp_faults_total", "Write-protect faults served.", |v| {
                 v.wp_faults
             }),

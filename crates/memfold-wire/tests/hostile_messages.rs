@@ -29,6 +29,7 @@ fn samples() -> Vec<Vec<u8>> {
             pid: 1,
             ram_bytes: 1 << 20,
             shared: 2,
+            opted_out: false,
         }),
         encode(&ToDaemon::ShareDone {
             batch: BatchId(7),

@@ -215,9 +215,20 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
 /// before it counts as a leak, bytes (one 4 MiB growth step of a store).
 const LEAK_SLACK_BYTES: i64 = 4 << 20;
 
-/// Fails if memfoldd's backings ended holding more than its books account for.
+/// How long a memfoldd must have run before its books count for the leak check, s: one
+/// just restarted has adopted pools whose frames it books as their agents re-attach.
+const LEAK_SETTLE_S: f64 = 10.0;
+
+/// Fails if memfoldd's backings ended holding more than its books account for: in the
+/// last sample of a memfoldd that had run [`LEAK_SETTLE_S`] (none: nothing to check).
 fn leak_check(r: &MemfoldRun) -> Result<()> {
-    let Some(h) = r.end().map(|s| s.held) else {
+    let Some(h) = r
+        .samples
+        .iter()
+        .rev()
+        .find(|s| s.stats.uptime_s >= LEAK_SETTLE_S)
+        .map(|s| s.stats.held)
+    else {
         return Ok(());
     };
     anyhow::ensure!(
@@ -342,6 +353,7 @@ mod tests {
             .map(|t| {
                 let mut stats = Stats {
                     saved_pages: 100 * t,
+                    uptime_s: 30.0 + t as f64,
                     ..Stats::default()
                 };
                 stats.saved_by.sharing = 60 * t;
@@ -377,6 +389,14 @@ mod tests {
         end.stats.held.store_booked = 4096 * 900;
         let e = leak_check(&leaky).unwrap_err().to_string();
         assert!(e.contains("hold 4505600 bytes past its books"), "{e}");
+        // A sample of a memfoldd restarted a second ago is not yet settled: the check
+        // reads the last settled one.
+        let mut restarted = r.clone();
+        let mut young = restarted.samples.last().unwrap().clone();
+        young.stats.uptime_s = 1.0;
+        young.stats.held.store = 4096 * 2000;
+        restarted.samples.push(young);
+        leak_check(&restarted).unwrap();
         let dir = tempfile::tempdir().unwrap();
         write_outputs(dir.path(), &r).unwrap();
         let csv = std::fs::read_to_string(dir.path().join("run.csv")).unwrap();

@@ -36,6 +36,9 @@ pub struct VmBooks {
     pub reclaims: u64,
     /// Reclaimed pages the guest touched again, refilled.
     pub refills: u64,
+    /// Shared, reclaimed or stored pages the guest's VMM discarded (balloon, free page
+    /// reporting): released without being brought back ([`super::Engine::discarded`]).
+    pub discards: u64,
     /// Private pages per NRU class C1..C4 in the clock's last full pass (DE §4.2).
     pub nru_pages: [u64; 4],
     /// Full clock passes over the guest.

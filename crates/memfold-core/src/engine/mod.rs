@@ -47,6 +47,7 @@ use crate::{Page, PAGE_SIZE};
 pub use books::{Books, LifetimeBooks, SavedBy, SwapBooks, VmBooks, VmReport, LIFETIME_MARKS_S};
 pub use config::{ConfigError, EngineConfig, ZeroPolicy};
 pub use guests::{Attach, Mapped};
+pub use outcomes::Discard;
 
 const PAGE: u64 = PAGE_SIZE as u64;
 

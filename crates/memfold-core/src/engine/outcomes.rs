@@ -1,5 +1,6 @@
 //! What the agents did, applied back to the books: answers to commands, and the events of
-//! pages that came back into guest RAM on their own (CoW breaks, refills, decodes).
+//! pages that came back into guest RAM on their own (CoW breaks, refills, decodes) or
+//! that the guest's VMM discarded (a balloon, free page reporting, virtio-mem).
 
 use super::{Command, Engine, Outcome};
 use crate::blobs::Kept;
@@ -15,7 +16,39 @@ fn g_taken_back(s: PageState) -> bool {
     )
 }
 
+/// What memfold held of a page that QEMU discarded (its RAM punched and unmapped: a
+/// balloon inflating, free page reporting, virtio-mem unplugging), as the agent last knew
+/// it. A discard matches the engine's state exactly or is ignored, so a report that
+/// crossed a later command on the wire changes nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Discard {
+    /// The page was mapped onto this pool frame.
+    Frame(FrameId),
+    /// A reclaimed zero page.
+    Zero,
+    /// A stored page (a blob in the store or the swap file).
+    Stored,
+}
+
 impl Engine {
+    /// The guest's VMM discarded page `g`, which memfold held as `what` (KSM's unmerge of a
+    /// discarded range: `MADV_DONTNEED`/`MADV_REMOVE` on a merged page drops the merge).
+    /// The page is a hole in guest RAM again, private and reading as zeros; the frame's
+    /// reference or the blob is released, so the saving goes with the page. Counted in
+    /// [`super::VmBooks::discards`]. A report that does not match the page's state (the
+    /// page changed since, or the guest is gone) is ignored.
+    pub fn discarded(&mut self, id: VmId, g: Gfn, what: Discard) {
+        let taken = match what {
+            Discard::Frame(f) => self.take_shared(id, g, f),
+            Discard::Zero => self.take_zero(id, g),
+            // Not an access: no lifetime recorded, no wait before storing it again.
+            Discard::Stored => self.take_stored(id, g).is_some(),
+        };
+        if taken {
+            self.vms.get_mut(&id).expect("taken").books.discards += 1;
+        }
+    }
+
     /// Applies the agent's answer to a command of guest `id`. A [`Outcome::Lost`] answer
     /// changes nothing: the page stays in doubt (see [`Outcome::Lost`]). Answers for a
     /// guest removed meanwhile, or that do not match the page's state, only release what
@@ -241,72 +274,94 @@ impl Engine {
     /// The agent broke copy-on-write on page `g`, which left frame `f`: the page is
     /// private again (C1 until its next clock scan).
     pub fn cow_broken(&mut self, id: VmId, g: Gfn, f: FrameId) {
+        if self.take_shared(id, g, f) {
+            self.vms.get_mut(&id).expect("checked").books.cow_breaks += 1;
+        }
+    }
+
+    /// Page `g`, shared onto frame `f`, is private again (C1 until its next clock scan):
+    /// the frame's reference is released. Returns false (nothing changed) if the page is
+    /// not shared onto `f`.
+    fn take_shared(&mut self, id: VmId, g: Gfn, f: FrameId) -> bool {
         let Some(v) = self.vms.get_mut(&id).filter(|v| g.0 < v.pages()) else {
-            return;
+            return false;
         };
+        if v.state(g) != PageState::Shared(f) {
+            return false;
+        }
         let d = v.domain;
+        v.set(g, PageState::Private);
+        v.clock.fresh(g.0);
+        v.books.shared_pages -= 1;
         let zero = self
             .domains
             .get(&d)
             .is_some_and(|dom| dom.zero_frame == Some(f));
-        let v = self.vms.get_mut(&id).expect("checked");
-        if v.state(g) != PageState::Shared(f) {
-            return;
-        }
-        v.set(g, PageState::Private);
-        v.clock.fresh(g.0);
-        v.books.shared_pages -= 1;
-        v.books.cow_breaks += 1;
         if zero {
+            let v = self.vms.get_mut(&id).expect("checked");
             v.books.zero_shared_pages = v.books.zero_shared_pages.saturating_sub(1);
         }
         self.frame_decref(d, f, false);
+        true
     }
 
     /// The guest touched reclaimed zero page `g` and the agent filled it.
     pub fn refilled(&mut self, id: VmId, g: Gfn) {
+        if self.take_zero(id, g) {
+            self.vms.get_mut(&id).expect("checked").books.refills += 1;
+        }
+    }
+
+    /// Reclaimed zero page `g` is private again. Returns false if it was not reclaimed.
+    fn take_zero(&mut self, id: VmId, g: Gfn) -> bool {
         let Some(v) = self.vms.get_mut(&id).filter(|v| g.0 < v.pages()) else {
-            return;
+            return false;
         };
         if v.state(g) != PageState::Zero {
-            return;
+            return false;
         }
         v.set(g, PageState::Private);
         v.clock.fresh(g.0);
         v.books.zero_reclaimed_pages -= 1;
-        v.books.refills += 1;
+        true
     }
 
     /// The guest touched stored page `g` and the agent decoded it back.
     pub fn unstashed(&mut self, id: VmId, g: Gfn) {
-        let Some(v) = self.vms.get(&id).filter(|v| g.0 < v.pages()) else {
+        let Some(blob) = self.take_stored(id, g) else {
             return;
         };
+        let lived = self.now_us().saturating_sub(blob.since_us);
+        self.restash_after(id, g, lived);
+        let v = self.vms.get_mut(&id).expect("take_stored checked");
+        v.books.unstashes += 1;
+        if blob.kept() == Kept::Swapped {
+            v.books.swap_ins += 1;
+        }
+        self.books.lifetimes.record(lived);
+    }
+
+    /// Stored (or moving) page `g` is private again: its blob is released (a move's new
+    /// blob is orphaned, for the move's answer to release) and its kind's count lowered.
+    /// Returns the released blob's record; `None` if the page is not stored.
+    fn take_stored(&mut self, id: VmId, g: Gfn) -> Option<crate::blobs::Blob> {
+        let v = self.vms.get(&id).filter(|v| g.0 < v.pages())?;
         let b = match v.state(g) {
             PageState::Stored(b) => b,
             // Its move's answer releases the new blob.
-            PageState::Moving(new) => match self.blobs.get(new).replaces {
-                Some(old) => old,
-                None => return,
-            },
-            _ => return,
+            PageState::Moving(new) => self.blobs.get(new).replaces?,
+            _ => return None,
         };
         if let PageState::Moving(new) = v.state(g) {
             self.blobs.get_mut(new).replaces = None;
             self.orphans.insert(new);
         }
         let blob = *self.blobs.get(b);
-        let lived = self.now_us().saturating_sub(blob.since_us);
-        self.restash_after(id, g, lived);
         let v = self.vms.get_mut(&id).expect("checked");
         v.set(g, PageState::Private);
         v.clock.fresh(g.0);
-        v.books.unstashes += 1;
         *v.books.kept_pages(blob.kept()) -= 1;
-        if blob.kept() == Kept::Swapped {
-            v.books.swap_ins += 1;
-        }
-        self.books.lifetimes.record(lived);
         self.release_blob(b);
+        Some(blob)
     }
 }

@@ -99,6 +99,13 @@ pub enum Op {
         vm: u32,
         gfn: u32,
     },
+    /// QEMU discards `n` pages from `gfn` on (a balloon, free page reporting): they read
+    /// as zeros afterwards, and whatever memfold held of them is released.
+    Discard {
+        vm: u32,
+        gfn: u32,
+        n: u8,
+    },
     /// Time passes; memfoldd scans, runs the clock, checks the budget and sends.
     Step {
         advance_ms: u32,
@@ -212,7 +219,12 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
             len: rng.gen(),
             byte: rng.gen(),
         },
-        25..=36 => Op::Read { vm, gfn },
+        25..=34 => Op::Read { vm, gfn },
+        35..=36 => Op::Discard {
+            vm,
+            gfn,
+            n: rng.gen_range(1..9),
+        },
         37..=58 => Op::Step {
             advance_ms: rng.gen_range(0..1500),
         },
@@ -492,6 +504,17 @@ impl Harness {
                     }
                 }
             }
+            Op::Discard { vm, gfn, n } => {
+                if let Some(i) = self.pick(vm) {
+                    let v = &mut self.vms[i];
+                    let pages = v.agent.pages();
+                    for k in 0..n as u32 {
+                        let g = (gfn % pages + k).min(pages - 1);
+                        v.agent.discard(Gfn(g));
+                        *v.model[g as usize] = [0u8; PAGE_SIZE];
+                    }
+                }
+            }
             Op::Read { vm, gfn } => {
                 if let Some(i) = self.pick(vm) {
                     let v = &mut self.vms[i];
@@ -539,6 +562,7 @@ impl Harness {
                             Event::CowBroken(g, f) => self.engine.cow_broken(id, g, f),
                             Event::Refilled(g) => self.engine.refilled(id, g),
                             Event::Unstashed(g) => self.engine.unstashed(id, g),
+                            Event::Discarded(g, what) => self.engine.discarded(id, g, what),
                         }
                     }
                 }

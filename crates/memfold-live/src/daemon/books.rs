@@ -24,6 +24,7 @@ fn vm_stats(v: &VmReport, guests: &Guests) -> VmStats {
         cow_breaks: b.cow_breaks,
         reclaims: b.reclaims,
         refills: b.refills,
+        discards: b.discards,
         wp_faults: g.map_or(0, |g| g.wp_faults),
         missing_faults: g.map_or(0, |g| g.missing_faults),
         minor_faults: g.map_or(0, |g| g.minor_faults),

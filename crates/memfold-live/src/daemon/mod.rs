@@ -28,11 +28,11 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use memfold_core::backing::{Backing, BackingError, Clock};
-use memfold_core::engine::{Attach, Mapped};
+use memfold_core::engine::{Attach, Discard, Mapped};
 use memfold_core::ids::{DomainId, FrameId, Gfn, VmId};
 use memfold_core::{Engine, EngineConfig, EngineError, PAGE_SIZE};
 use memfold_sys::memfd;
-use memfold_wire::{reattach, Listener, ToAgent, ToClient, ToDaemon, PROTOCOL_VERSION};
+use memfold_wire::{reattach, Discarded, Listener, ToAgent, ToClient, ToDaemon, PROTOCOL_VERSION};
 
 use backings::{FileBacking, MemfdRam};
 use executor::{Executor, Kind};
@@ -327,6 +327,16 @@ impl Daemon {
                     e.unstashed(vm, g);
                 }
             }
+            ToDaemon::Discarded { pages } => {
+                for (g, what) in pages {
+                    let what = match what {
+                        Discarded::Frame(f) => Discard::Frame(f),
+                        Discarded::Zero => Discard::Zero,
+                        Discarded::Stashed => Discard::Stored,
+                    };
+                    e.discarded(vm, g, what);
+                }
+            }
             ToDaemon::ClockBits {
                 batch,
                 first,
@@ -363,6 +373,11 @@ impl Daemon {
             } else {
                 self.engine.opt_in(id);
             }
+            // The agent carries it to a restarted memfoldd. Lost with a dead connection:
+            // the guest is detached, and a re-attach is a new guest.
+            if let Some(c) = self.guests.conn(id) {
+                let _ = c.send(&ToAgent::OptedOut { out }, &[]);
+            }
         }
         ToClient::OptedOut { pages }
     }
@@ -387,6 +402,7 @@ impl Daemon {
             pid: claimed,
             ram_bytes,
             shared,
+            opted_out,
             ..
         } = hello
         else {
@@ -524,6 +540,14 @@ impl Daemon {
             conn.shutdown();
         }
         self.guests.attached(vm, token, conn, pid, ram_id);
+        // Opted out before a restart (the agent says so): still out, and whatever the
+        // re-attach list maps is taken back.
+        if opted_out {
+            let pages = self.engine.opt_out(vm).unwrap_or(0);
+            tracing::info!(
+                "{name}: opted out before the restart; kept out, {pages} pages to take back"
+            );
+        }
         Ok(())
     }
 

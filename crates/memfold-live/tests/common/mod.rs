@@ -7,6 +7,9 @@
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use memfold_agent::{self as agent, AgentConfig, FailMode};
@@ -14,8 +17,8 @@ use memfold_core::{CompressCodec, EngineConfig, PatchCodec, Policy, ZeroPolicy};
 use memfold_live::daemon::{self, DaemonConfig, DomainRule};
 use memfold_live::query_stats;
 use memfold_sys::memfd;
-use memfold_wire::stats::Stats;
-use rand::{rngs::SmallRng, Rng};
+use memfold_wire::stats::{Stats, VmStats};
+use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 /// Bytes in a guest page.
 pub const PAGE: usize = 4096;
@@ -39,6 +42,26 @@ pub fn fast_engine() -> EngineConfig {
     }
 }
 
+/// Starts memfoldd in a thread with [`daemon_config`], to run until the flag it returns is
+/// set (as a killed memfoldd, its descriptors close); returns its socket once it answers,
+/// the flag and the thread.
+pub fn start_stoppable_memfoldd(
+    dir: &Path,
+    engine: EngineConfig,
+) -> (
+    PathBuf,
+    Arc<AtomicBool>,
+    JoinHandle<Result<(), daemon::DaemonError>>,
+) {
+    let cfg = daemon_config(dir, engine);
+    let socket = cfg.socket.clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    let thread = std::thread::spawn(move || daemon::run_until(cfg, &flag));
+    wait_for(&socket, Duration::from_secs(10), "memfoldd", |_| true);
+    (socket, stop, thread)
+}
+
 /// The one place these tests build a [`DaemonConfig`]: its socket and swap live in `dir`.
 pub fn daemon_config(dir: &Path, engine: EngineConfig) -> DaemonConfig {
     DaemonConfig {
@@ -53,7 +76,11 @@ pub fn daemon_config(dir: &Path, engine: EngineConfig) -> DaemonConfig {
 
 /// Starts memfoldd in a thread with [`daemon_config`]; returns its socket once it answers.
 pub fn start_memfoldd(dir: &Path, engine: EngineConfig) -> PathBuf {
-    let cfg = daemon_config(dir, engine);
+    start_memfoldd_with(daemon_config(dir, engine))
+}
+
+/// Starts memfoldd in a thread with `cfg`; returns its socket once it answers.
+pub fn start_memfoldd_with(cfg: DaemonConfig) -> PathBuf {
     let socket = cfg.socket.clone();
     std::thread::spawn(move || daemon::run(cfg));
     let t = Instant::now();
@@ -188,11 +215,23 @@ impl GuestRam {
 /// Starts the agent on `ram` in a thread, attached to memfoldd at `socket`, and waits
 /// until memfoldd lists the guest.
 pub fn start_agent(socket: &Path, name: &str, ram: &GuestRam) {
+    start_agent_with_budget(socket, name, ram, None);
+}
+
+/// As [`start_agent`], with at most `vma_budget` mappings in this process (`None`: the
+/// agent's default).
+#[allow(dead_code)]
+pub fn start_agent_with_budget(
+    socket: &Path,
+    name: &str,
+    ram: &GuestRam,
+    vma_budget: Option<usize>,
+) {
     let cfg = AgentConfig {
         socket: socket.to_path_buf(),
         name: name.into(),
         ram_bytes: ram.bytes() as u64,
-        vma_budget: None,
+        vma_budget,
         // The agent runs in this test process: pausing would stop the test run for good.
         on_failure: FailMode::Abort,
     };
@@ -242,4 +281,42 @@ pub fn texty(rng: &mut SmallRng, out: &mut [u8]) {
         out[i..i + n].copy_from_slice(&w[..n]);
         i += n;
     }
+}
+
+/// Fills every page of `ram` with data each mechanism takes, by `g % 5`: zeros, copies of
+/// one random page (shared), near-copies with two bytes changed (patched), text
+/// (compressed), random (none). Returns what each page holds.
+pub fn fill_every_mechanism(ram: &GuestRam, seed: u64) -> Vec<Vec<u8>> {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut base = vec![0u8; PAGE];
+    rng.fill(&mut base[..]);
+    let mut want = vec![vec![0u8; PAGE]; ram.pages];
+    for (g, p) in want.iter_mut().enumerate() {
+        match g % 5 {
+            0 => {}
+            1 => p.copy_from_slice(&base),
+            2 => {
+                p.copy_from_slice(&base);
+                p[g % PAGE] ^= 0x5a;
+                p[(g * 7) % PAGE] ^= 0xa5;
+            }
+            3 => texty(&mut rng, p),
+            _ => rng.fill(&mut p[..]),
+        }
+        ram.write(g, 0, p);
+    }
+    want
+}
+
+/// Pages memfold holds of guest `v`: shared, reclaimed, patched or compressed.
+pub fn managed(v: &VmStats) -> u64 {
+    v.shared_pages + v.zero_reclaimed_pages + v.patched_pages + v.compressed_pages
+}
+
+/// Whether every mechanism holds some of guest `v`'s pages.
+pub fn every_mechanism(v: &VmStats) -> bool {
+    v.shared_pages > 0
+        && v.zero_reclaimed_pages > 0
+        && v.patched_pages > 0
+        && v.compressed_pages > 0
 }

@@ -1,0 +1,77 @@
+//! Ranges of guest RAM that QEMU discarded (`UFFD_EVENT_REMOVE`): a balloon inflating,
+//! free page reporting, virtio-mem unplugging. QEMU's `ram_block_discard_range` punches
+//! the range out of guest RAM's memfd, then drops its mapping with `MADV_DONTNEED`; the
+//! kernel reports the second to us, and the caller waits until the event is read.
+//!
+//! memfold lets go of what it held there, as KSM unmerges a range dropped with
+//! `MADV_DONTNEED` (its selftests' "unmerge discarded"), and the pages read as zeros, as
+//! they would without memfold:
+//!
+//! | page was | now |
+//! |---|---|
+//! | private | nothing to do: QEMU's punch made it a hole |
+//! | on a pool frame | guest RAM's memfd (a hole) mapped back over it and registered |
+//! | a reclaimed zero page | a plain hole |
+//! | stashed | a plain hole; its blob is memfoldd's to release |
+//!
+//! Each non-private page is reported to memfoldd with what it was
+//! (`ToDaemon::Discarded`), which releases the frame's reference or the blob.
+//!
+//! Why it is safe to treat the event as a discard: it is read only after the punch (QEMU
+//! punches first), so whenever it is handled, even after a share or stash that compared
+//! the page's bytes in between, the bytes the guest may expect are the hole's zeros. The
+//! one `MADV_DONTNEED` without a punch is the agent's own, arming the clock, and only over
+//! private pages, while the agent waits for the helper thread and changes no page's home:
+//! its events find private pages only, and change nothing.
+//!
+//! What memfold assumes: every other `MADV_DONTNEED`/`MADV_REMOVE` of guest RAM discards
+//! it, as QEMU's does (for memfd-backed RAM it always punches first). A process that drops
+//! PTEs of guest RAM expecting the memfd to keep the bytes would read zeros on the pages
+//! memfold held (its own bytes on private ones). QEMU has no such caller; its guest cannot
+//! make one (tests/bypass_writes.rs, tests/discard.rs).
+
+use memfold_ids::Gfn;
+use memfold_wire::Discarded;
+
+use crate::state::PageHome;
+use crate::{Agent, PAGE};
+
+impl Agent {
+    /// QEMU discarded `[start, end)` of this process's memory (bytes); the part in guest RAM
+    /// is handled as the table above says. A page on a pool frame whose mapping cannot be
+    /// replaced (the VMA limit) stays on its frame, as it was: the guest still reads its
+    /// own bytes, and nothing is reported.
+    pub(crate) fn discard(&mut self, start: u64, end: u64) {
+        let ram_end = self.base + self.cfg.ram_bytes;
+        let (start, end) = (start.max(self.base), end.min(ram_end));
+        if start >= end {
+            return;
+        }
+        let first = (start - self.base) / PAGE;
+        let last = (end - self.base).div_ceil(PAGE);
+        for g in first..last {
+            let gfn = Gfn(g as u32);
+            let home = self.pages.home(gfn);
+            if home == PageHome::Private {
+                continue;
+            }
+            // A hole already, unless written outside QEMU's mapping (a vhost-user
+            // backend): discarded either way, so that the page reads as zeros.
+            self.punch(gfn, 1);
+            let what = match home {
+                PageHome::Private => continue,
+                PageHome::Zero => Discarded::Zero,
+                PageHome::Stashed(_) => Discarded::Stashed,
+                PageHome::Frame(f) => {
+                    if let Err(e) = self.map_guest_page(gfn) {
+                        tracing::warn!("discard of {gfn} left it on its frame: {e}");
+                        continue;
+                    }
+                    Discarded::Frame(f)
+                }
+            };
+            self.pages.set(gfn, PageHome::Private);
+            self.pending.discards.push((gfn, what));
+        }
+    }
+}
