@@ -20,8 +20,8 @@
 //! - `EIO` from the swap file, for good: the fake memfoldd hands the agent
 //!   `/proc/self/mem` as its swap file, swaps page [`STASHED`] out to an anonymous page of
 //!   its own (the agent reads it back and checks it before it punches the page), then
-//!   unmaps that page: every read of the blob is `EIO` from then on, as from a failed
-//!   disk. The guest reads the page; the agent retries the fault for
+//!   maps a page past the end of an empty memfd there: every read of the blob is `EIO`
+//!   from then on, as from a failed disk. The guest reads the page; the agent retries the fault for
 //!   `FAULT_GIVE_UP` (30 s), then fails closed.
 //!
 //! The test process watches the child: stopped (`/proc/PID/stat` state `T`, every
@@ -306,9 +306,24 @@ fn fake_memfoldd(listener: &Listener, failure: Failure, attached: std::sync::mps
                 memfd::pwrite_all(guest.as_fd(), &BYPASS, at).unwrap();
             }
             // The disk fails: the blob is gone from under every read.
+            // Replaced, not unmapped, so that no later mapping of this process reuses the
+            // address (the agent would read its bytes: a checksum mismatch, not `EIO`): by
+            // a page of an empty memfd, which no read reaches (past its end).
             Failure::SwapEio => {
-                // SAFETY: unmaps the anonymous page mapped above; nothing else uses it.
-                unsafe { libc::munmap(swapped, PAGE_SIZE) };
+                let gone = memfd::create("fake-swap-gone").unwrap();
+                // SAFETY: replaces the anonymous page mapped above, which nothing else uses.
+                let r = unsafe {
+                    libc::mmap(
+                        swapped,
+                        PAGE_SIZE,
+                        libc::PROT_READ,
+                        libc::MAP_SHARED | libc::MAP_FIXED,
+                        std::os::fd::AsRawFd::as_raw_fd(&gone),
+                        0,
+                    )
+                };
+                assert_eq!(r, swapped);
+                std::mem::forget(gone);
                 let mut b = [0u8; 1];
                 let e = swap.read_exact_at(&mut b, swapped as u64).unwrap_err();
                 assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
@@ -789,7 +804,8 @@ fn a_swap_file_failing_with_eio_for_good_pauses_qemu_after_the_give_up_time() {
     let waited = t.elapsed();
     assert!(
         waited >= Duration::from_secs(25),
-        "gave up after {waited:?}, before the 30 s retry time"
+        "gave up after {waited:?}, before the 30 s retry time; the child's log:\n{}",
+        q.log()
     );
     q.check_paused(Some(STASHED), "still fails after 30s");
     assert!(

@@ -44,16 +44,19 @@ pub struct AnalyzeArgs {
     pub png: Option<PathBuf>,
 }
 
-/// A snapshot mapped into memory.
+/// A snapshot read into memory.
 pub struct Loaded {
     pub name: String,
-    pub ram: memmap2::Mmap,
+    pub ram: Vec<u8>,
     pub resident: Option<Vec<u8>>,
 }
 
-/// Maps a snapshot and its residency bitmap, checking both.
+/// Reads a snapshot and its residency bitmap, checking both. Read, not mapped: a snapshot
+/// truncated while mapped would kill this process with SIGBUS; one truncated while it is
+/// read is an error that says so, and the copy cannot change afterwards.
 pub fn load(path: &Path) -> Result<Loaded> {
-    let f = std::fs::File::open(path)
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)
         .with_context(|| format!("snapshot {}: cannot open", path.display()))?;
     let len = f
         .metadata()
@@ -62,10 +65,20 @@ pub fn load(path: &Path) -> Result<Loaded> {
     if len == 0 || len % 4096 != 0 {
         bail!("snapshot {}: {len} bytes is not a whole, non-zero number of 4096-byte pages (truncated or not a RAM snapshot?)", path.display());
     }
-    // SAFETY: the file is only read; a snapshot changed while mapped gives wrong numbers,
-    // never memory unsafety in this process beyond what reading it implies.
-    let ram = unsafe { memmap2::Mmap::map(&f) }
-        .with_context(|| format!("snapshot {}: cannot map", path.display()))?;
+    let mut ram = Vec::new();
+    ram.try_reserve_exact(len as usize)
+        .with_context(|| format!("snapshot {}: no memory for its {len} bytes", path.display()))?;
+    (&mut f)
+        .take(len)
+        .read_to_end(&mut ram)
+        .with_context(|| format!("snapshot {}: cannot read", path.display()))?;
+    if ram.len() as u64 != len {
+        bail!(
+            "snapshot {}: {} bytes read of {len}: it was truncated while being read",
+            path.display(),
+            ram.len()
+        );
+    }
     let res_path = path.with_extension("resident");
     let resident = if res_path.exists() {
         let b = std::fs::read(&res_path)
@@ -216,4 +229,34 @@ pub fn run(a: &AnalyzeArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshots_that_are_not_whole_pages_are_clear_errors_and_copies_do_not_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("g.ram");
+        std::fs::write(&p, vec![7u8; 3 * 4096]).unwrap();
+        let l = load(&p).unwrap();
+        assert_eq!((l.name.as_str(), l.ram.len()), ("g", 3 * 4096));
+        // Truncated afterwards: the loaded copy is what was read (a mapping would SIGBUS).
+        std::fs::File::options()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        assert!(l.ram.iter().all(|&b| b == 7));
+        std::fs::write(&p, vec![7u8; 4097]).unwrap();
+        let e = load(&p).err().unwrap().to_string();
+        assert!(e.contains("4097 bytes is not a whole"), "{e}");
+        let e = load(&dir.path().join("none.ram"))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("cannot open"), "{e}");
+    }
 }

@@ -37,6 +37,16 @@ fn companions() -> Result<(PathBuf, PathBuf)> {
         rustix::process::geteuid().is_root(),
         "memfold run and compare need root: the agent in each QEMU opens a userfaultfd for kernel faults (CAP_SYS_PTRACE), and compare drives KSM's sysfs; run them with sudo"
     );
+    // The agent's userfaultfd, with every feature it asks for, before any guest boots.
+    use memfold_sys::uffd;
+    uffd::Uffd::open(
+        uffd::FEATURE_EVENT_REMAP
+            | uffd::FEATURE_EVENT_REMOVE
+            | uffd::FEATURE_MISSING_SHMEM
+            | uffd::FEATURE_WP_SHMEM
+            | uffd::FEATURE_MINOR_SHMEM,
+    )
+    .context("memfold's agent needs a userfaultfd for shmem missing, write-protect and minor faults (Linux 6.1 or later, CONFIG_USERFAULTFD, CONFIG_PTE_MARKER_UFFD_WP)")?;
     let exe = std::env::current_exe().context("cannot find the memfold binary")?;
     let agent = exe.with_file_name("libmemfold_agent.so");
     let daemon = exe.with_file_name("memfoldd");
@@ -48,6 +58,24 @@ fn companions() -> Result<(PathBuf, PathBuf)> {
         );
     }
     Ok((agent, daemon))
+}
+
+/// How long after memfoldd starts every managed guest's agent must have attached, s (the
+/// agents retry every second; QEMU has mapped guest RAM long before).
+const ATTACH_WAIT_S: f64 = 30.0;
+
+/// The managed guests memfoldd does not list as attached: neither in `stats` (not
+/// detached) nor paused by their agent failing closed.
+fn unattached<'a>(
+    managed: impl Iterator<Item = &'a str>,
+    stats: &memfold_wire::Stats,
+    paused: &[String],
+) -> Vec<String> {
+    managed
+        .filter(|n| !paused.iter().any(|p| p == n))
+        .filter(|n| !stats.vms.iter().any(|v| v.name == *n && !v.detached))
+        .map(String::from)
+        .collect()
 }
 
 /// Restarts of memfoldd a run makes before it gives up (and ends non-zero).
@@ -133,6 +161,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     // A managed QEMU found stopped was paused by its agent failing closed: said once, shown
     // in the view and the summary, and the run goes on.
     let mut announced: Vec<String> = Vec::new();
+    let mut attach_checked = false;
     measure::every_second((m.secs > 0).then_some(m.secs), Some(stop), |start| {
         for g in guests.iter_mut().chain(plain.iter_mut()) {
             g.check_alive()?;
@@ -188,9 +217,33 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             daemon = start_daemon()?;
         }
         cpu_last = cpu_seconds(daemon.0.id(), None);
-        let Ok(stats) = memfold_live::query_stats(&socket) else {
-            return Ok(());
+        let stats = match memfold_live::query_stats(&socket) {
+            Ok(stats) => stats,
+            Err(e) => {
+                anyhow::ensure!(
+                    now < ATTACH_WAIT_S || !samples.is_empty(),
+                    "memfoldd never answered at {} in {ATTACH_WAIT_S} s: {e} (log: {})",
+                    socket.display(),
+                    log_path.display()
+                );
+                return Ok(());
+            }
         };
+        if !attach_checked && now >= ATTACH_WAIT_S {
+            attach_checked = true;
+            let missing = unattached(guests.iter().map(|g| g.name.as_str()), &stats, &paused);
+            anyhow::ensure!(
+                missing.is_empty(),
+                "the memfold agent of {} never attached to memfoldd in {ATTACH_WAIT_S} s: the guest would run unmanaged. Its QEMU log says why (lines with memfold-agent): {}",
+                missing.join(", "),
+                missing
+                    .iter()
+                    .filter_map(|n| guests.iter().find(|g| &g.name == n))
+                    .map(|g| g.serial_path.with_file_name("qemu.stderr").display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
         let s = Sample {
             t: start.elapsed().as_secs_f64(),
             used_bytes: measure::used(&guests)?.0,
@@ -244,4 +297,29 @@ pub fn run(a: &RunArgs) -> Result<()> {
     let (r, out) = measure(a, "run", &stop)?;
     write_outputs(&out, &r)?;
     output::print_summary(&a.memfold, &r, &out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memfold_wire::{Stats, VmStats};
+
+    #[test]
+    fn a_managed_guest_memfoldd_does_not_list_is_unattached_unless_paused() {
+        let vm = |name: &str, detached| VmStats {
+            name: name.into(),
+            detached,
+            ..VmStats::default()
+        };
+        let stats = Stats {
+            vms: vec![vm("web-1", false), vm("db-1", true)],
+            ..Stats::default()
+        };
+        let names = ["web-1", "db-1", "py-1", "web-2"];
+        assert_eq!(
+            unattached(names.into_iter(), &stats, &["web-2".to_string()]),
+            ["db-1", "py-1"]
+        );
+        assert!(unattached(["web-1"].into_iter(), &stats, &[]).is_empty());
+    }
 }
