@@ -1,9 +1,11 @@
 //! `memfold compare`: the same guest set under memfold (`--policy`: the Difference Engine,
-//! `de`, by default, or `sharing`, ...) and under Linux KSM (aggressive settings), one
-//! after the other on fresh boots, measured the same way (`memfold_vm::hostmem`): host
-//! memory saved, time to 95% of the plateau, CPU seconds.
+//! `de`, by default, or `sharing`, ...) and under a peer — Linux KSM (aggressive
+//! settings), or the kernel's whole kit, KSM + zswap + proactive reclaim
+//! (`--peer ksm+zswap`, [`crate::peer`]) — one after the other on fresh boots, measured
+//! the same way: host memory saved and left, time to 95% of the plateau, CPU seconds,
+//! memory stall.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use memfold_sys::ksm::{Ksm, KsmMode};
 use memfold_vm::launcher::RamBackend;
@@ -26,6 +28,30 @@ pub struct CompareArgs {
     /// from the same footprint).
     #[arg(long, value_enum, default_value_t = KsmThp::Host)]
     pub ksm_thp: KsmThp,
+    /// The peer: `ksm` (KSM alone) or `ksm+zswap` (KSM, zswap with a swap file, and a
+    /// Senpai-style controller lowering the QEMUs' memory cgroup limit while memory
+    /// pressure stays under `--pressure-target`).
+    #[arg(long, value_enum, default_value_t = Peer::Ksm)]
+    pub peer: Peer,
+    /// The `ksm+zswap` controller's pressure target, % of time some task stalls on memory
+    /// (Senpai's default: 0.1).
+    #[arg(long, default_value_t = 0.1)]
+    pub pressure_target: f64,
+    /// zswap's compressor for `ksm+zswap` (default: the first the kernel takes of zstd,
+    /// deflate, lz4, lzo-rle, lzo).
+    #[arg(long)]
+    pub zswap_compressor: Option<String>,
+}
+
+/// The peer of `memfold compare`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum Peer {
+    /// KSM alone (aggressive).
+    #[value(name = "ksm")]
+    Ksm,
+    /// KSM + zswap + proactive reclaim.
+    #[value(name = "ksm+zswap")]
+    KsmZswap,
 }
 
 /// Huge pages on the KSM side of `memfold compare`.
@@ -53,14 +79,40 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         a.memfold.secs > 0,
         "memfold compare needs --secs > 0 (each side runs that long)"
     );
-    // KSM's controls are checked before the memfold half runs, not after it.
+    // The peer's controls are checked before the memfold half runs, not after it.
     anyhow::ensure!(
         std::path::Path::new("/sys/kernel/mm/ksm/run").exists(),
         "/sys/kernel/mm/ksm is missing: this kernel has no KSM (CONFIG_KSM), so compare has no peer to measure"
     );
+    if a.peer == Peer::KsmZswap {
+        anyhow::ensure!(
+            a.pressure_target > 0.0 && a.pressure_target < 100.0,
+            "--pressure-target {} is not a percentage in (0, 100)",
+            a.pressure_target
+        );
+        memfold_sys::reclaim::memory_stall_us()
+            .context("the ksm+zswap peer's controller needs memory PSI")?;
+        memfold_sys::reclaim::zswap_pool().context("the ksm+zswap peer needs zswap")?;
+        anyhow::ensure!(
+            std::path::Path::new(memfold_sys::reclaim::MEMCG_V1)
+                .join("memory.limit_in_bytes")
+                .exists(),
+            "the ksm+zswap peer needs the cgroup v1 memory controller at {} (cgroup v2 hosts are not driven yet)",
+            memfold_sys::reclaim::MEMCG_V1
+        );
+    }
     eprintln!("== memfold (policy {}) on the set", a.memfold.engine.policy);
+    let stall0 = memfold_sys::reclaim::memory_stall_us().ok();
     let (m, out) = run::measure(&RunArgs::without_twins(a.memfold.clone()), "compare", &stop)?;
+    // Over the sampled seconds (booting under no memory pressure stalls nothing).
+    let memfold_stall_pct = stall0.and_then(|s0| {
+        let s1 = memfold_sys::reclaim::memory_stall_us().ok()?;
+        Some(s1.saturating_sub(s0) as f64 / (a.memfold.secs as f64 * 1e6) * 100.0)
+    });
     run::write_outputs(&out, &m)?;
+    if a.peer == Peer::KsmZswap {
+        return compare_kit(a, &m, memfold_stall_pct, &out);
+    }
 
     eprintln!("== Linux KSM (aggressive) on the same set, booted afresh");
     let ksm = Ksm::take_control()?;
@@ -122,6 +174,83 @@ pub fn run(a: &CompareArgs) -> Result<()> {
             t95_text(k.t95_s),
             ksm_cpu_s,
             m.saved_bytes / k.saved_bytes.max(1.0)
+        );
+    }
+    Ok(())
+}
+
+/// The memfold half against the kernel's whole kit (`--peer ksm+zswap`).
+fn compare_kit(
+    a: &CompareArgs,
+    m: &run::measure::MemfoldRun,
+    memfold_stall_pct: Option<f64>,
+    out: &std::path::Path,
+) -> Result<()> {
+    eprintln!(
+        "== the kernel's kit: KSM (aggressive) + zswap + proactive reclaim at {}% pressure, on the same set booted afresh",
+        a.pressure_target
+    );
+    let mut set = a.memfold.set.clone();
+    set.out = Some(out.join("peer"));
+    let backend = match a.ksm_thp {
+        KsmThp::Host => RamBackend::Anonymous,
+        KsmThp::Off => RamBackend::AnonymousNoThp,
+    };
+    let p = crate::peer::run_ksm_zswap(
+        &set,
+        backend,
+        a.pressure_target / 100.0,
+        a.zswap_compressor.as_deref(),
+        a.memfold.secs,
+    )?;
+    crate::peer::write_csv(&out.join("peer").join("peer.csv"), &p)?;
+    let memfold_left = m.used_before as f64 - m.saved_bytes;
+    let peer_left = p.used_before as f64 - p.saved_bytes;
+    let j = serde_json::json!({
+        "guests": a.memfold.set.profiles,
+        "secs": a.memfold.secs,
+        "peer": "ksm+zswap",
+        "ksm_thp": a.ksm_thp,
+        "pressure_target_pct": a.pressure_target,
+        "zswap_compressor": p.compressor,
+        "memfold_policy": a.memfold.engine.policy,
+        "memfold_used_before_bytes": m.used_before,
+        "memfold_used_after_bytes": memfold_left,
+        "memfold_saved_bytes": m.saved_bytes,
+        "memfold_t95_s": m.t95_s,
+        "memfold_cpu_s": m.cpu_s,
+        "memfold_memory_stall_pct": memfold_stall_pct,
+        "memfold_daemon_restarts": m.daemon_restarts,
+        "peer_used_before_bytes": p.used_before,
+        "peer_used_after_bytes": peer_left,
+        "peer_saved_bytes": p.saved_bytes,
+        "peer_t95_s": p.t95_s,
+        "peer_cpu_s": p.cpu_s,
+        "peer_memory_stall_pct": p.stall_pct,
+        "peer_guest_mismatches": p.mismatches,
+        "peer_senpai": p.senpai,
+        "left_ratio_memfold_over_peer": memfold_left / peer_left.max(1.0),
+    });
+    std::fs::write(out.join("compare.json"), serde_json::to_vec_pretty(&j)?)?;
+    if a.memfold.set.json {
+        println!("{}", serde_json::to_string_pretty(&j)?);
+    } else {
+        println!(
+            "memfold ({}):            leaves {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s, memory stall {})\nKSM + zswap + reclaim ({}% pressure target, {}): leaves {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s, memory stall {:.2}%)\nhost memory left, memfold / peer: {:.2}",
+            a.memfold.engine.policy,
+            memfold_left / MIB,
+            m.used_before as f64 / MIB,
+            t95_text(m.t95_s),
+            m.cpu_s,
+            memfold_stall_pct.map_or("-".into(), |s| format!("{s:.2}%")),
+            a.pressure_target,
+            p.compressor,
+            peer_left / MIB,
+            p.used_before as f64 / MIB,
+            t95_text(p.t95_s),
+            p.cpu_s,
+            p.stall_pct,
+            memfold_left / peer_left.max(1.0)
         );
     }
     Ok(())

@@ -50,6 +50,7 @@ pub fn specs(profiles: &str, ram: RamBackend, mem_mib: Option<u32>) -> Result<Ve
             mem_mib: mem_mib.unwrap_or(prof.mem_mib),
             ram,
             cpus: 1,
+            cgroup_procs: None,
         });
     }
     anyhow::ensure!(!out.is_empty(), "no guest profile given");
@@ -95,9 +96,23 @@ pub fn start_set_with(
     default_out: &str,
     env: impl Fn(&GuestSpec) -> Vec<(String, String)>,
 ) -> Result<(Vec<Guest>, Accel, PathBuf)> {
+    start_set_in(set, ram, default_out, None, env)
+}
+
+/// [`start_set_with`], each QEMU joining the cgroup of `cgroup_procs` before it execs.
+pub fn start_set_in(
+    set: &GuestSetArgs,
+    ram: RamBackend,
+    default_out: &str,
+    cgroup_procs: Option<&Path>,
+    env: impl Fn(&GuestSpec) -> Vec<(String, String)>,
+) -> Result<(Vec<Guest>, Accel, PathBuf)> {
     let out = set.out_dir(default_out);
     let cache = images::cache_dir();
-    let specs = specs(&set.profiles, ram, set.mem_mib)?;
+    let mut specs = specs(&set.profiles, ram, set.mem_mib)?;
+    for s in &mut specs {
+        s.cgroup_procs = cgroup_procs.map(Path::to_path_buf);
+    }
     eprintln!("images ({}):", cache.display());
     ensure_images(&cache, &specs)?;
     let (guests, accel) = boot(

@@ -8,6 +8,7 @@ mod compare;
 mod guests;
 mod image;
 mod ksm;
+mod peer;
 mod plot;
 mod run;
 

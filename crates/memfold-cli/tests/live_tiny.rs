@@ -120,6 +120,7 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
             mem_mib: 256,
             ram: RamBackend::Memfd,
             cpus: 1,
+            cgroup_procs: None,
         };
         let mut env = agent_env(&agent, &socket, &spec);
         if name == "b" {

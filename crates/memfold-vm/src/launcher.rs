@@ -58,6 +58,9 @@ pub struct GuestSpec {
     pub ram: RamBackend,
     /// Virtual CPUs.
     pub cpus: u32,
+    /// A cgroup's `cgroup.procs` file that QEMU joins before it execs ("from birth": all
+    /// it allocates is charged there; the kernel-kit peer of `memfold compare`).
+    pub cgroup_procs: Option<PathBuf>,
 }
 
 /// Launcher errors.
@@ -185,6 +188,7 @@ pub fn detect_accel(cache: &Path) -> Accel {
             mem_mib: 128,
             ram: RamBackend::Anonymous,
             cpus: 1,
+            cgroup_procs: None,
         };
         let mut g = Guest::start(&spec, cache, &dir, Accel::Kvm).ok()?;
         let ok = g.wait_ready(Duration::from_secs(20)).is_ok();
@@ -314,9 +318,27 @@ impl Guest {
             .stdout(Stdio::null())
             .stderr(stderr);
         let no_thp = spec.ram == RamBackend::AnonymousNoThp;
-        // SAFETY: only async-signal-safe calls (prctl, setpgid) between fork and exec.
+        let cgroup = spec
+            .cgroup_procs
+            .as_ref()
+            .map(|p| std::ffi::CString::new(p.as_os_str().as_encoded_bytes()))
+            .transpose()
+            .map_err(|e| VmError::Io {
+                path: spec.cgroup_procs.clone().unwrap_or_default(),
+                source: e.into(),
+            })?;
+        // SAFETY: only async-signal-safe calls (open, write, close, prctl, setsid) between
+        // fork and exec, on memory made before the fork.
         unsafe {
             cmd.pre_exec(move || {
+                if let Some(procs) = &cgroup {
+                    // "0": the writing process itself joins.
+                    let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                    if fd < 0 || libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    libc::close(fd);
+                }
                 // Inherited across execve: QEMU's MADV_HUGEPAGE then has no effect.
                 if no_thp {
                     rustix::thread::disable_transparent_huge_pages(true)?;

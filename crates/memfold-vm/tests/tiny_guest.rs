@@ -20,6 +20,7 @@ fn boot_capture_analyse(ram: RamBackend, name: &str) {
         mem_mib: 128,
         ram,
         cpus: 1,
+        cgroup_procs: None,
     };
     // TCG: the KVM probe is exercised by the commands; tests must not depend on it.
     let mut g = Guest::start(&spec, &cache, work.path(), Accel::Tcg).unwrap();
@@ -106,6 +107,7 @@ fn missing_images_and_profiles_are_clear_errors() {
         mem_mib: 128,
         ram: RamBackend::Memfd,
         cpus: 1,
+        cgroup_procs: None,
     };
     let err = Guest::start(&spec, empty.path(), work.path(), Accel::Tcg)
         .err()

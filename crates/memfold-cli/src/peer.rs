@@ -1,0 +1,348 @@
+//! The kernel's whole kit as `memfold compare`'s peer (issue 15, `--peer ksm+zswap`): KSM
+//! (aggressive) for sharing, zswap for compressing what reclaim pushes out, a swap file
+//! behind it, and a proactive-reclaim controller in the manner of Meta's Senpai (TMO,
+//! ASPLOS 2022): the guests' QEMUs live in a memory cgroup from birth, and every
+//! [`INTERVAL`] the controller lowers its limit while the host's memory pressure stays
+//! under a target and raises it when pressure goes over.
+//!
+//! Host memory the peer leaves is measured like memfold's and KSM's: the Pss of guest RAM
+//! (KSM-merged pages split among their mappers; pages swapped out count nothing there)
+//! plus the zswap pool's own bytes (the compressed pages, not the 4 KiB they stand for).
+//! Pages zswap sent on to the swap file left host memory.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use memfold_sys::ksm::{Ksm, KsmMode};
+use memfold_sys::reclaim::{self, MemCgroup, SwapFile, Zswap};
+use memfold_vm::hostmem::guest_ram_usage;
+use memfold_vm::launcher::{Guest, RamBackend};
+use serde::Serialize;
+
+use crate::guests::{self, GuestSetArgs};
+use crate::run::cpu_seconds;
+use crate::run::measure::{every_second, plateau};
+
+/// How often the controller adjusts the limit (Senpai's default is 6 s; runs here are
+/// minutes, not days).
+pub const INTERVAL: Duration = Duration::from_secs(2);
+
+/// Compressors zswap is offered, best ratio first: the first the kernel takes is used.
+pub const COMPRESSORS: [&str; 5] = ["zstd", "deflate", "lz4", "lzo-rle", "lzo"];
+
+/// Senpai's rule: one step of the limit, bytes, from the limit now, the group's usage and
+/// the memory pressure over the last interval (fraction of time some task stalled).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Senpai {
+    /// Pressure to hold, fraction (0.001 = 0.1%, Senpai's default).
+    pub target: f64,
+    /// Most the limit drops in one interval, fraction of usage (at zero pressure).
+    pub max_probe: f64,
+    /// Most the limit rises in one interval, fraction of the limit.
+    pub max_backoff: f64,
+    /// The limit never goes under this, bytes.
+    pub min_limit: u64,
+}
+
+impl Senpai {
+    /// The next limit: under the target, `usage` less up to [`Senpai::max_probe`] of it,
+    /// the closer to zero pressure the more; over the target, the limit raised by up to
+    /// [`Senpai::max_backoff`], the further over the more. Never under
+    /// [`Senpai::min_limit`].
+    pub fn next(&self, limit: u64, usage: u64, pressure: f64) -> u64 {
+        let next = if pressure < self.target {
+            let adj = (self.target - pressure) / self.target * self.max_probe;
+            usage.min(limit) as f64 * (1.0 - adj)
+        } else {
+            let adj =
+                ((pressure - self.target) / self.target * self.max_backoff).min(self.max_backoff);
+            limit as f64 * (1.0 + adj)
+        };
+        (next as u64).max(self.min_limit)
+    }
+}
+
+/// One sample of the peer.
+#[derive(Clone, Debug, Serialize)]
+pub struct PeerSample {
+    /// Seconds since KSM and the controller started.
+    pub t: f64,
+    /// Host memory the guests' RAM takes: `pss_bytes` + `zswap_pool_bytes`.
+    pub used_bytes: u64,
+    /// Pss of the guests' RAM mappings, bytes.
+    pub pss_bytes: u64,
+    /// The zswap pool's own bytes (host-wide).
+    pub zswap_pool_bytes: u64,
+    /// Bytes of the pages zswap holds (uncompressed).
+    pub zswapped_bytes: u64,
+    /// The cgroup's swapped-out bytes (in zswap or the swap file).
+    pub swapped_bytes: u64,
+    /// The cgroup's usage, bytes (QEMU's own memory included).
+    pub usage_bytes: u64,
+    /// The cgroup's limit now, bytes.
+    pub limit_bytes: u64,
+    /// Host memory pressure over the last second, fraction of time some task stalled.
+    pub pressure: f64,
+    /// KSM's pages_sharing.
+    pub pages_sharing: u64,
+}
+
+/// The peer's run.
+#[derive(Clone, Debug, Serialize)]
+pub struct PeerRun {
+    /// The controller's settings.
+    pub senpai: Senpai,
+    /// The zswap compressor used.
+    pub compressor: String,
+    /// Host memory used by guest RAM before KSM and the controller started, bytes.
+    pub used_before: u64,
+    /// Mean over the last 10 s of `used_before − used`, bytes.
+    pub saved_bytes: f64,
+    /// Seconds until the saving first reached 95% of its plateau.
+    pub t95_s: Option<f64>,
+    /// CPU seconds of ksmd, kswapd and the controller (whose limit writes reclaim and
+    /// compress in its own thread).
+    pub cpu_s: f64,
+    /// Memory stall over the run, % of time some task stalled (host-wide).
+    pub stall_pct: f64,
+    /// Guest self-check mismatches.
+    pub mismatches: usize,
+    /// Samples, one a second.
+    pub samples: Vec<PeerSample>,
+}
+
+/// Pids of the kernel threads named `name` (ksmd, kswapd0, ...).
+fn kernel_threads(prefix: &str) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
+            comm.trim().starts_with(prefix).then_some(pid)
+        })
+        .collect()
+}
+
+/// CPU seconds of ksmd and every kswapd.
+fn kernel_cpu() -> f64 {
+    ["ksmd", "kswapd"]
+        .iter()
+        .flat_map(|p| kernel_threads(p))
+        .map(|pid| cpu_seconds(pid, None))
+        .sum()
+}
+
+/// Host memory the guests use now by the peer's measure: (Pss of guest RAM, bytes).
+fn guests_pss(guests: &[Guest]) -> Result<u64> {
+    guests
+        .iter()
+        .map(|g| {
+            guest_ram_usage(g.pid, g.mem_bytes / 2)
+                .map(|u| u.pss)
+                .with_context(|| format!("guest {}: QEMU gone?", g.name))
+        })
+        .sum()
+}
+
+/// Boots `set` in a memory cgroup of its own with zswap and a swap file on, then runs KSM
+/// (aggressive) and the Senpai controller at `target` for `secs`, sampling every second.
+/// Everything is put back afterwards (zswap's settings, KSM's, the swap file, the group).
+///
+/// Errors: a piece of the kit is missing (zswap, cgroup v1 memory, PSI, mkswap), a guest
+/// fails, or the sampling fails.
+pub fn run_ksm_zswap(
+    set: &GuestSetArgs,
+    ram: RamBackend,
+    target: f64,
+    compressor: Option<&str>,
+    secs: u64,
+) -> Result<PeerRun> {
+    let out = set.out_dir("compare");
+    std::fs::create_dir_all(&out)?;
+    // Offered best ratio first unless one is named.
+    let offered: Vec<&str> = compressor.map_or(COMPRESSORS.to_vec(), |c| vec![c]);
+    let (zswap, compressor) = offered
+        .iter()
+        .find_map(|c| Zswap::enable(c, 25).ok().map(|z| (z, c.to_string())))
+        .with_context(|| format!("zswap took none of the compressors {offered:?}"))?;
+    let group = Arc::new(MemCgroup::create(&format!(
+        "memfold-peer-{}",
+        std::process::id()
+    ))?);
+    let (mut gs, _accel, gout) =
+        guests::start_set_in(set, ram, "compare", Some(&group.procs_file()), |_| {
+            Vec::new()
+        })?;
+    let ram_bytes: u64 = gs.iter().map(|g| g.mem_bytes).sum();
+    let swap_path = gout.join("peer.swap");
+    let _ = std::fs::remove_file(&swap_path);
+    let swap = SwapFile::create(&swap_path, ram_bytes)?;
+    let ksm = Ksm::take_control()?;
+    ksm.unmerge()?;
+    let used_before = guests_pss(&gs)? + reclaim::zswap_pool()?.0;
+    let usage0 = group.usage()?;
+    let senpai = Senpai {
+        target,
+        max_probe: 0.02,
+        max_backoff: 0.5,
+        // Never squeeze the guests under a tenth of their RAM.
+        min_limit: ram_bytes / 10,
+    };
+    let stall0 = reclaim::memory_stall_us()?;
+    let cpu0 = kernel_cpu();
+    let t0 = Instant::now();
+    ksm.start(KsmMode::AGGRESSIVE)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let controller = {
+        let stop = stop.clone();
+        let g = group.clone();
+        std::thread::Builder::new()
+            .name("memfold-senpai".into())
+            .spawn(move || -> Result<f64> {
+                // Starts at what the group uses: the first steps reclaim at once.
+                let mut limit = usage0;
+                let mut last = (Instant::now(), reclaim::memory_stall_us()?);
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(INTERVAL);
+                    let now = (Instant::now(), reclaim::memory_stall_us()?);
+                    let dt = now.0.duration_since(last.0).as_micros().max(1) as f64;
+                    let pressure = now.1.saturating_sub(last.1) as f64 / dt;
+                    last = now;
+                    let next = senpai.next(limit, g.usage()?, pressure);
+                    if g.set_limit(next)? {
+                        limit = next;
+                    } else {
+                        limit = g.limit()?;
+                    }
+                }
+                // Its own CPU, read before it ends (its /proc entry goes with it).
+                Ok(cpu_seconds(std::process::id(), Some("memfold-senpai")))
+            })?
+    };
+    let mut samples = Vec::new();
+    let mut last = (Instant::now(), stall0);
+    let sampled = every_second(Some(secs), None, |start| {
+        for g in gs.iter_mut() {
+            g.check_alive()?;
+        }
+        let (pool, zswapped) = reclaim::zswap_pool()?;
+        let pss = guests_pss(&gs)?;
+        let now = (Instant::now(), reclaim::memory_stall_us()?);
+        let pressure = now.1.saturating_sub(last.1) as f64
+            / now.0.duration_since(last.0).as_micros().max(1) as f64;
+        last = now;
+        let s = PeerSample {
+            t: start.elapsed().as_secs_f64(),
+            used_bytes: pss + pool,
+            pss_bytes: pss,
+            zswap_pool_bytes: pool,
+            zswapped_bytes: zswapped,
+            swapped_bytes: group.swapped()?,
+            usage_bytes: group.usage()?,
+            limit_bytes: group.limit()?,
+            pressure,
+            pages_sharing: ksm.stats()?.pages_sharing,
+        };
+        eprint!(
+            "\r  ksm+zswap {:>5.0} s  used {:>7.1} MiB (pss {:>6.1}, zswap pool {:>6.1})  limit {:>7.1} MiB  pressure {:>5.2}%   ",
+            s.t,
+            s.used_bytes as f64 / crate::run::measure::MIB,
+            pss as f64 / crate::run::measure::MIB,
+            pool as f64 / crate::run::measure::MIB,
+            s.limit_bytes as f64 / crate::run::measure::MIB,
+            pressure * 100.0
+        );
+        samples.push(s);
+        Ok(())
+    });
+    eprintln!();
+    stop.store(true, Ordering::Relaxed);
+    let controller_cpu = controller
+        .join()
+        .map_err(|_| anyhow::anyhow!("the reclaim controller panicked"))??;
+    sampled?;
+    let elapsed_us = t0.elapsed().as_micros().max(1) as f64;
+    let stall_pct = reclaim::memory_stall_us()?.saturating_sub(stall0) as f64 / elapsed_us * 100.0;
+    let cpu_s = kernel_cpu() - cpu0 + controller_cpu;
+    let mismatches = gs.iter().map(|g| g.mismatches().len()).sum();
+    ksm.unmerge()?;
+    drop(ksm);
+    for g in gs.iter_mut() {
+        g.stop();
+    }
+    drop(gs);
+    drop(swap);
+    drop(group);
+    drop(zswap);
+    let (saved_bytes, t95_s) = plateau(used_before, samples.iter().map(|s| (s.t, s.used_bytes)));
+    Ok(PeerRun {
+        senpai,
+        compressor,
+        used_before,
+        saved_bytes,
+        t95_s,
+        cpu_s,
+        stall_pct,
+        mismatches,
+        samples,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Senpai = Senpai {
+        target: 0.001,
+        max_probe: 0.02,
+        max_backoff: 0.5,
+        min_limit: 100,
+    };
+
+    #[test]
+    fn the_limit_probes_down_under_the_target_and_backs_off_over_it() {
+        // No pressure: the full probe off the usage.
+        assert_eq!(S.next(10_000, 10_000, 0.0), 9_800);
+        // Half the target: half the probe.
+        assert_eq!(S.next(10_000, 10_000, 0.0005), 9_900);
+        // A limit above usage (it never reached it): probed from usage.
+        assert_eq!(S.next(50_000, 10_000, 0.0), 9_800);
+        // Twice the target: the limit rises by the most it may.
+        assert_eq!(S.next(10_000, 10_000, 0.002), 15_000);
+        // 1.2× the target: a fifth of the most.
+        assert_eq!(S.next(10_000, 10_000, 0.0012), 11_000);
+        // Never under the floor.
+        assert_eq!(S.next(101, 101, 0.0), 100);
+    }
+}
+
+/// Writes the peer's samples as CSV.
+///
+/// Errors: the file cannot be written.
+pub fn write_csv(path: &std::path::Path, p: &PeerRun) -> Result<()> {
+    use std::io::Write;
+    let mut f = crate::create_output(path)?;
+    writeln!(f, "t_s,used_bytes,saved_bytes,pss_bytes,zswap_pool_bytes,zswapped_bytes,swapped_bytes,usage_bytes,limit_bytes,pressure_pct,pages_sharing")?;
+    for s in &p.samples {
+        writeln!(
+            f,
+            "{:.1},{},{},{},{},{},{},{},{},{:.3},{}",
+            s.t,
+            s.used_bytes,
+            p.used_before as i64 - s.used_bytes as i64,
+            s.pss_bytes,
+            s.zswap_pool_bytes,
+            s.zswapped_bytes,
+            s.swapped_bytes,
+            s.usage_bytes,
+            s.limit_bytes,
+            s.pressure * 100.0,
+            s.pages_sharing
+        )?;
+    }
+    Ok(())
+}
