@@ -60,7 +60,7 @@ impl Senpai {
                 ((pressure - self.target) / self.target * self.max_backoff).min(self.max_backoff);
             limit as f64 * (1.0 + adj)
         };
-        (next as u64).max(self.min_limit)
+        (next.round() as u64).max(self.min_limit)
     }
 }
 
