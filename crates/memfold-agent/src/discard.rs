@@ -19,10 +19,13 @@
 //!
 //! Why it is safe to treat the event as a discard: it is read only after the punch (QEMU
 //! punches first), so whenever it is handled, even after a share or stash that compared
-//! the page's bytes in between, the bytes the guest may expect are the hole's zeros. The
-//! one `MADV_DONTNEED` without a punch is the agent's own, arming the clock, and only over
-//! private pages, while the agent waits for the helper thread and changes no page's home:
-//! its events find private pages only, and change nothing.
+//! the page's bytes in between, the bytes the guest may expect are the hole's zeros. So
+//! an event read in the middle of a request is handled after it (`deferred`, in order
+//! with faults): a page being shared is on its frame by then, and is let go. The one
+//! `MADV_DONTNEED` without a punch is the agent's own, arming the clock, over private
+//! pages only; its events are handled right after the clock request, before any other
+//! request can change a page's home, so they find private pages only and change
+//! nothing.
 //!
 //! What memfold assumes: every other `MADV_DONTNEED`/`MADV_REMOVE` of guest RAM discards
 //! it, as QEMU's does (for memfd-backed RAM it always punches first). A process that drops

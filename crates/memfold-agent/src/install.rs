@@ -166,8 +166,8 @@ impl Agent {
     }
 
     /// Has the helper thread carry out `job` and returns its errno (0: done), reading the
-    /// userfaultfd meanwhile (the helper waits for its own events to be read): faults are
-    /// kept in `deferred`, discarded ranges handled at once. Fails closed if the helper
+    /// userfaultfd meanwhile (the helper waits for its own events to be read): faults and
+    /// discarded ranges are kept in `deferred`, in order, for after the request. Fails closed if the helper
     /// is gone, since whether the job changed guest RAM's mappings is then unknown.
     pub(crate) fn helper(&mut self, job: Job) -> i32 {
         let what = match &job {
@@ -194,8 +194,12 @@ impl Agent {
             unsafe { libc::poll(fds.as_mut_ptr(), 2, 1000) };
             loop {
                 match self.uffd.read_event() {
-                    Ok(Some(ev @ Event::Fault { .. })) => self.deferred.push(ev),
-                    Ok(Some(Event::Remove { start, end })) => self.discard(start, end),
+                    // Both in order, handled once the request is done: a discard must
+                    // find the pages as the request leaves them (a page being shared is
+                    // on its frame by then, and let go), and after earlier faults.
+                    Ok(Some(ev @ (Event::Fault { .. } | Event::Remove { .. }))) => {
+                        self.deferred.push(ev)
+                    }
                     Ok(Some(_)) => {}
                     Ok(None) => break,
                     Err(e) => {
@@ -255,7 +259,13 @@ impl Agent {
         }
         // SAFETY: the page is guest RAM again (the guest memfd mapped back over it above),
         // which no Rust reference points into (see `run`).
-        unsafe { self.uffd.register(addr, PAGE, RAM_MODE) }?;
+        if let Err(e) = unsafe { self.uffd.register(addr, PAGE, RAM_MODE) } {
+            // Guest RAM is mapped there now, but no fault reaches the agent: writes would
+            // land unseen, under a page it still holds as shared. No way back is safe.
+            self.fail_closed(&format!(
+                "{gfn}: guest RAM mapped back over a shared page, but registering it failed: {e}"
+            ));
+        }
         Ok(())
     }
 }

@@ -390,8 +390,10 @@ impl Agent {
                     revents: 0,
                 });
             }
+            // Events an ioctl read into the backlog do not make the fd readable.
+            let wait = if self.uffd.has_backlog() { 0 } else { 200 };
             // SAFETY: polls a valid array of pollfd that lives across the call.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 200) };
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait) };
             if n < 0 {
                 let e = io::Error::last_os_error();
                 if e.kind() == io::ErrorKind::Interrupted {

@@ -22,7 +22,12 @@
 //!   its own (the agent reads it back and checks it before it punches the page), then
 //!   maps a page past the end of an empty memfd there: every read of the blob is `EIO`
 //!   from then on, as from a failed disk. The guest reads the page; the agent retries the fault for
-//!   `FAULT_GIVE_UP` (30 s), then fails closed.
+//!   `FAULT_GIVE_UP` (30 s), then fails closed;
+//! - the host out of memory for the page the agent installs (`ENOMEM` from `UFFDIO_COPY`):
+//!   the fake memfoldd stashes page [`STASHED`]; the child then joins a memory cgroup
+//!   (v1) of the parent's with its OOM killer off, and fills it with a memfd ballast
+//!   (`fallocate`, which fails cleanly at the limit). The guest reads the page; every
+//!   `UFFDIO_COPY` fails with `ENOMEM`, the agent retries for 30 s, then fails closed.
 //!
 //! The test process watches the child: stopped (`/proc/PID/stat` state `T`, every
 //! thread), its userfaultfd still open, every page it wrote still reading the same
@@ -83,6 +88,8 @@ enum Failure {
     BypassWrite,
     /// A swapped page whose blob reads as `EIO` for good, then read by the guest.
     SwapEio,
+    /// A stashed page read by the guest with no memory left to install it in.
+    CopyEnomem,
 }
 
 impl Failure {
@@ -93,6 +100,7 @@ impl Failure {
             Failure::LoopError => "loop-error",
             Failure::BypassWrite => "bypass-write",
             Failure::SwapEio => "swap-eio",
+            Failure::CopyEnomem => "copy-enomem",
         }
     }
 
@@ -117,6 +125,7 @@ fn child_role() -> Option<Failure> {
         Failure::LoopError,
         Failure::BypassWrite,
         Failure::SwapEio,
+        Failure::CopyEnomem,
     ]
     .into_iter()
     .find(|f| f.name() == role)
@@ -180,7 +189,10 @@ fn child(failure: Failure) -> ! {
         .recv_timeout(Duration::from_secs(10))
         .expect("the agent attached and the fake memfoldd did its part");
     match failure {
-        Failure::CorruptBlob | Failure::BypassWrite | Failure::SwapEio => {
+        Failure::CorruptBlob | Failure::BypassWrite | Failure::SwapEio | Failure::CopyEnomem => {
+            if failure == Failure::CopyEnomem {
+                fill_memory_cgroup();
+            }
             eprintln!("child: the guest touches page {STASHED}");
             // SAFETY: within the mapping; a fault the agent serves (or fails closed on).
             let b = unsafe { ram.add(STASHED * PAGE_SIZE).read_volatile() };
@@ -289,7 +301,7 @@ fn fake_memfoldd(listener: &Listener, failure: Failure, attached: std::sync::mps
         .unwrap();
         if matches!(
             failure,
-            Failure::CorruptBlob | Failure::BypassWrite | Failure::SwapEio
+            Failure::CorruptBlob | Failure::BypassWrite | Failure::SwapEio | Failure::CopyEnomem
         ) {
             let stashed = wait_stash_done(&conn);
             assert_eq!(stashed, [Gfn(STASHED as u32)], "the agent stashed the page");
@@ -328,14 +340,48 @@ fn fake_memfoldd(listener: &Listener, failure: Failure, attached: std::sync::mps
                 let e = swap.read_exact_at(&mut b, swapped as u64).unwrap_err();
                 assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
             }
-            Failure::Panic | Failure::LoopError => {}
+            Failure::Panic | Failure::LoopError | Failure::CopyEnomem => {}
         }
     }
     attached.send(()).unwrap();
     loop {
-        let _ = conn.recv::<ToDaemon>();
+        // Out of memory, receiving would fault on new heap pages: only wait.
+        if failure != Failure::CopyEnomem {
+            let _ = conn.recv::<ToDaemon>();
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// Set in a child: the memory cgroup (v1) folder a `CopyEnomem` child joins.
+const CGROUP: &str = "MEMFOLD_FAIL_CLOSED_CGROUP";
+
+/// The memory cgroup the `CopyEnomem` test makes for its child.
+fn enomem_cgroup() -> PathBuf {
+    PathBuf::from(format!(
+        "/sys/fs/cgroup/memory/memfold-fail-closed-{}",
+        std::process::id()
+    ))
+}
+
+/// Moves this whole process into the parent's memory cgroup, then fills the cgroup to its
+/// limit with a memfd ballast: from then on no new page can be charged here, and with
+/// the cgroup's OOM killer off an allocation outside a page fault fails with `ENOMEM`.
+fn fill_memory_cgroup() {
+    let dir = PathBuf::from(std::env::var_os(CGROUP).expect("the cgroup folder"));
+    std::fs::write(dir.join("cgroup.procs"), "0").unwrap();
+    let ballast = memfd::create("ballast").unwrap();
+    let mut len = 0u64;
+    // Big steps, then pages: to the last page the limit allows.
+    for step in [64 * 1024, PAGE_SIZE as u64] {
+        while rustix::fs::fallocate(&ballast, rustix::fs::FallocateFlags::empty(), len, step)
+            .is_ok()
+        {
+            len += step;
+        }
+    }
+    eprintln!("child: the cgroup is full after {len} bytes of ballast");
+    std::mem::forget(ballast);
 }
 
 /// How many of this process's descriptors name a file starting with `name`.
@@ -399,9 +445,15 @@ impl tracing::Subscriber for PanicOn {
 struct Qemu {
     child: Child,
     failure: Failure,
-    log: PathBuf,
+    /// The child's stdout and stderr: a memfd whose pages the parent allocated, so that
+    /// a child out of memory still logs (writing a file would need page cache it has no
+    /// room to charge).
+    log: File,
     dir: tempfile::TempDir,
 }
+
+/// Bytes of the child's log (allocated up front).
+const LOG_BYTES: u64 = 4 << 20;
 
 impl Drop for Qemu {
     fn drop(&mut self) {
@@ -415,12 +467,14 @@ impl Qemu {
     /// child's `MEMFOLD_FAIL` (`None`: unset).
     fn start(test: &str, failure: Failure, fail: Option<&str>) -> Qemu {
         let dir = tempfile::tempdir().unwrap();
-        let log = dir.path().join("child.log");
-        let out = File::create(&log).unwrap();
+        let log = File::from(memfd::create("child-log").unwrap());
+        rustix::fs::fallocate(&log, rustix::fs::FallocateFlags::empty(), 0, LOG_BYTES).unwrap();
+        let out = log.try_clone().unwrap();
         let mut cmd = Command::new(std::env::current_exe().unwrap());
         cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
             .env(ROLE, failure.name())
             .env(DIR, dir.path())
+            .env(CGROUP, enomem_cgroup())
             .env("MEMFOLD_VM_NAME", "fail-closed")
             .env("MEMFOLD_RAM_BYTES", (PAGES * PAGE_SIZE).to_string())
             .env_remove("MEMFOLD_FAIL")
@@ -456,7 +510,10 @@ impl Qemu {
 
     /// What the child printed so far.
     fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        let mut buf = vec![0u8; LOG_BYTES as usize];
+        let n = self.log.read_at(&mut buf, 0).unwrap_or(0);
+        let end = buf[..n].iter().position(|&b| b == 0).unwrap_or(n);
+        String::from_utf8_lossy(&buf[..end]).into_owned()
     }
 
     /// The state letter of each of the child's threads (`/proc/PID/task/*/stat`).
@@ -813,4 +870,50 @@ fn a_swap_file_failing_with_eio_for_good_pauses_qemu_after_the_give_up_time() {
         "the guest read the page:\n{}",
         q.log()
     );
+}
+
+#[test]
+fn no_memory_for_a_stored_page_pauses_qemu_after_the_give_up_time() {
+    if let Some(f) = child_role() {
+        child(f);
+    }
+    let root = Path::new("/sys/fs/cgroup/memory");
+    if !root.join("memory.oom_control").exists() {
+        eprintln!("no cgroup v1 memory controller here: skipped");
+        return;
+    }
+    // The child's own: its new pages are charged here, against 16 MiB, with no OOM
+    // killer (allocations outside page faults fail instead).
+    let group = memfold_sys::reclaim::MemCgroup::create(&format!(
+        "memfold-fail-closed-{}",
+        std::process::id()
+    ))
+    .unwrap();
+    let dir = group.procs_file().parent().unwrap().to_path_buf();
+    assert!(group.set_limit(16 << 20).unwrap());
+    std::fs::write(dir.join("memory.oom_control"), "1").unwrap();
+    assert_eq!(dir, enomem_cgroup());
+    let mut q = Qemu::start(
+        "no_memory_for_a_stored_page_pauses_qemu_after_the_give_up_time",
+        Failure::CopyEnomem,
+        None,
+    );
+    q.wait_log("child: the guest touches page", 1);
+    let t = Instant::now();
+    q.wait_log("Cannot allocate memory (os error 12); retrying", 1);
+    q.wait_stopped_within("ENOMEM on every UFFDIO_COPY", Duration::from_secs(60));
+    let waited = t.elapsed();
+    assert!(
+        waited >= Duration::from_secs(25),
+        "gave up after {waited:?}, before the 30 s retry time; the child's log:\n{}",
+        q.log()
+    );
+    q.check_paused(Some(STASHED), "still fails after 30s");
+    assert!(
+        !q.log().contains("the guest got past"),
+        "the guest read the page:\n{}",
+        q.log()
+    );
+    // The child goes first (the group cannot go with a process in it).
+    drop(q);
 }

@@ -113,6 +113,19 @@ pub struct PeerRun {
     pub samples: Vec<PeerSample>,
 }
 
+/// Stops the controller and lifts the group's limit when dropped.
+struct Lift {
+    stop: Arc<AtomicBool>,
+    group: Arc<MemCgroup>,
+}
+
+impl Drop for Lift {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = self.group.unlimit();
+    }
+}
+
 /// Pids of the kernel threads named `name` (ksmd, kswapd0, ...).
 fn kernel_threads(prefix: &str) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
@@ -173,14 +186,19 @@ pub fn run_ksm_zswap(
         "memfold-peer-{}",
         std::process::id()
     ))?);
-    let (mut gs, _accel, gout) =
+    // Made before the guests, so that it is switched off after they are gone, whatever
+    // ends the run (locals drop in reverse order).
+    let ram_bytes: u64 = guests::specs(&set.profiles, ram, set.mem_mib)?
+        .iter()
+        .map(|s| (s.mem_mib as u64) << 20)
+        .sum();
+    let swap_path = out.join("peer.swap");
+    let _ = std::fs::remove_file(&swap_path);
+    let swap = SwapFile::create(&swap_path, ram_bytes)?;
+    let (mut gs, _accel, _) =
         guests::start_set_in(set, ram, "compare", Some(&group.procs_file()), |_| {
             Vec::new()
         })?;
-    let ram_bytes: u64 = gs.iter().map(|g| g.mem_bytes).sum();
-    let swap_path = gout.join("peer.swap");
-    let _ = std::fs::remove_file(&swap_path);
-    let swap = SwapFile::create(&swap_path, ram_bytes)?;
     let ksm = Ksm::take_control()?;
     ksm.unmerge()?;
     let used_before = guests_pss(&gs)? + reclaim::zswap_pool()?.0;
@@ -197,6 +215,12 @@ pub fn run_ksm_zswap(
     let t0 = Instant::now();
     ksm.start(KsmMode::AGGRESSIVE)?;
     let stop = Arc::new(AtomicBool::new(false));
+    // Dropped first on any early return: the controller stops and the limit is lifted
+    // before the guests go and the swap file is switched off.
+    let _lift = Lift {
+        stop: stop.clone(),
+        group: group.clone(),
+    };
     let controller = {
         let stop = stop.clone();
         let g = group.clone();
@@ -269,12 +293,15 @@ pub fn run_ksm_zswap(
     let stall_pct = reclaim::memory_stall_us()?.saturating_sub(stall0) as f64 / elapsed_us * 100.0;
     let cpu_s = kernel_cpu() - cpu0 + controller_cpu;
     let mismatches = gs.iter().map(|g| g.mismatches().len()).sum();
-    ksm.unmerge()?;
-    drop(ksm);
+    // Unlimited before anything is undone: unmerging or swapping back in under the
+    // squeezed limit could fail or wake the OOM killer.
+    group.unlimit()?;
     for g in gs.iter_mut() {
         g.stop();
     }
     drop(gs);
+    ksm.unmerge()?;
+    drop(ksm);
     drop(swap);
     drop(group);
     drop(zswap);
@@ -290,6 +317,33 @@ pub fn run_ksm_zswap(
         mismatches,
         samples,
     })
+}
+
+/// Writes the peer's samples as CSV.
+///
+/// Errors: the file cannot be written.
+pub fn write_csv(path: &std::path::Path, p: &PeerRun) -> Result<()> {
+    use std::io::Write;
+    let mut f = crate::create_output(path)?;
+    writeln!(f, "t_s,used_bytes,saved_bytes,pss_bytes,zswap_pool_bytes,zswapped_bytes,swapped_bytes,usage_bytes,limit_bytes,pressure_pct,pages_sharing")?;
+    for s in &p.samples {
+        writeln!(
+            f,
+            "{:.1},{},{},{},{},{},{},{},{},{:.3},{}",
+            s.t,
+            s.used_bytes,
+            p.used_before as i64 - s.used_bytes as i64,
+            s.pss_bytes,
+            s.zswap_pool_bytes,
+            s.zswapped_bytes,
+            s.swapped_bytes,
+            s.usage_bytes,
+            s.limit_bytes,
+            s.pressure * 100.0,
+            s.pages_sharing
+        )?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -318,31 +372,4 @@ mod tests {
         // Never under the floor.
         assert_eq!(S.next(101, 101, 0.0), 100);
     }
-}
-
-/// Writes the peer's samples as CSV.
-///
-/// Errors: the file cannot be written.
-pub fn write_csv(path: &std::path::Path, p: &PeerRun) -> Result<()> {
-    use std::io::Write;
-    let mut f = crate::create_output(path)?;
-    writeln!(f, "t_s,used_bytes,saved_bytes,pss_bytes,zswap_pool_bytes,zswapped_bytes,swapped_bytes,usage_bytes,limit_bytes,pressure_pct,pages_sharing")?;
-    for s in &p.samples {
-        writeln!(
-            f,
-            "{:.1},{},{},{},{},{},{},{},{},{:.3},{}",
-            s.t,
-            s.used_bytes,
-            p.used_before as i64 - s.used_bytes as i64,
-            s.pss_bytes,
-            s.zswap_pool_bytes,
-            s.zswapped_bytes,
-            s.swapped_bytes,
-            s.usage_bytes,
-            s.limit_bytes,
-            s.pressure * 100.0,
-            s.pages_sharing
-        )?;
-    }
-    Ok(())
 }

@@ -171,12 +171,23 @@ impl SwapFile {
 }
 
 impl Drop for SwapFile {
+    /// Switches the file off, then removes it; a file still in use as swap (swapoff
+    /// refused: the pages on it had no memory to come back to) is left in place, named
+    /// in a warning, rather than unlinked under the kernel.
     fn drop(&mut self) {
-        if let Ok(c) = CString::new(self.path.as_os_str().as_bytes()) {
-            // SAFETY: as in `create`; swapping the file's pages back in may take a while.
-            unsafe { libc::swapoff(c.as_ptr()) };
+        let Ok(c) = CString::new(self.path.as_os_str().as_bytes()) else {
+            return;
+        };
+        // SAFETY: as in `create`; swapping the file's pages back in may take a while.
+        if unsafe { libc::swapoff(c.as_ptr()) } == 0 {
+            let _ = std::fs::remove_file(&self.path);
+        } else {
+            eprintln!(
+                "swapoff {}: {}; the swap file is left in place (swapoff it, then remove it)",
+                self.path.display(),
+                std::io::Error::last_os_error()
+            );
         }
-        let _ = std::fs::remove_file(&self.path);
     }
 }
 
@@ -250,6 +261,13 @@ impl MemCgroup {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// Lifts the limit (`-1`: none), so that nothing more is reclaimed from the group.
+    ///
+    /// Errors: the file cannot be written.
+    pub fn unlimit(&self) -> Result<(), ReclaimError> {
+        write(&self.dir.join("memory.limit_in_bytes"), "-1")
     }
 
     /// Pages of the group swapped out now (`swap` of memory.stat), bytes.

@@ -454,6 +454,16 @@ impl Uffd {
         })
     }
 
+    /// Whether events an ioctl read while it waited are queued here: the descriptor no
+    /// longer polls readable for them, so a caller about to poll should not wait.
+    pub fn has_backlog(&self) -> bool {
+        !self
+            .backlog
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
+    }
+
     /// Reads one event if one is pending (the fd is non-blocking): first those an ioctl
     /// read while it waited (see [`Uffd`]).
     ///

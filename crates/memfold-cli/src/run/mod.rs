@@ -44,7 +44,8 @@ fn companions() -> Result<(PathBuf, PathBuf)> {
             | uffd::FEATURE_EVENT_REMOVE
             | uffd::FEATURE_MISSING_SHMEM
             | uffd::FEATURE_WP_SHMEM
-            | uffd::FEATURE_MINOR_SHMEM,
+            | uffd::FEATURE_MINOR_SHMEM
+            | uffd::FEATURE_THREAD_ID,
     )
     .context("memfold's agent needs a userfaultfd for shmem missing, write-protect and minor faults (Linux 6.1 or later, CONFIG_USERFAULTFD, CONFIG_PTE_MARKER_UFFD_WP)")?;
     let exe = std::env::current_exe().context("cannot find the memfold binary")?;
@@ -64,16 +65,26 @@ fn companions() -> Result<(PathBuf, PathBuf)> {
 /// agents retry every second; QEMU has mapped guest RAM long before).
 const ATTACH_WAIT_S: f64 = 30.0;
 
-/// The managed guests memfoldd does not list as attached: neither in `stats` (not
-/// detached) nor paused by their agent failing closed.
+/// Names of the guests `stats` lists as attached.
+fn attached_names(stats: &memfold_wire::Stats) -> impl Iterator<Item = String> + '_ {
+    stats
+        .vms
+        .iter()
+        .filter(|v| !v.detached)
+        .map(|v| v.name.clone())
+}
+
+/// The managed guests never seen attached (`seen`: every name any memfoldd of the run
+/// listed as attached, so a restart's gap does not count) and not paused by their agent
+/// failing closed.
 fn unattached<'a>(
     managed: impl Iterator<Item = &'a str>,
-    stats: &memfold_wire::Stats,
+    seen: &std::collections::BTreeSet<String>,
     paused: &[String],
 ) -> Vec<String> {
     managed
         .filter(|n| !paused.iter().any(|p| p == n))
-        .filter(|n| !stats.vms.iter().any(|v| v.name == *n && !v.detached))
+        .filter(|n| !seen.contains(*n))
         .map(String::from)
         .collect()
 }
@@ -162,6 +173,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     // in the view and the summary, and the run goes on.
     let mut announced: Vec<String> = Vec::new();
     let mut attach_checked = false;
+    let mut seen = std::collections::BTreeSet::new();
     measure::every_second((m.secs > 0).then_some(m.secs), Some(stop), |start| {
         for g in guests.iter_mut().chain(plain.iter_mut()) {
             g.check_alive()?;
@@ -229,9 +241,10 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
                 return Ok(());
             }
         };
+        seen.extend(attached_names(&stats));
         if !attach_checked && now >= ATTACH_WAIT_S {
             attach_checked = true;
-            let missing = unattached(guests.iter().map(|g| g.name.as_str()), &stats, &paused);
+            let missing = unattached(guests.iter().map(|g| g.name.as_str()), &seen, &paused);
             anyhow::ensure!(
                 missing.is_empty(),
                 "the memfold agent of {} never attached to memfoldd in {ATTACH_WAIT_S} s: the guest would run unmanaged. Its QEMU log says why (lines with memfold-agent): {}",
@@ -305,7 +318,7 @@ mod tests {
     use memfold_wire::{Stats, VmStats};
 
     #[test]
-    fn a_managed_guest_memfoldd_does_not_list_is_unattached_unless_paused() {
+    fn a_managed_guest_never_listed_attached_is_unattached_unless_paused() {
         let vm = |name: &str, detached| VmStats {
             name: name.into(),
             detached,
@@ -315,11 +328,14 @@ mod tests {
             vms: vec![vm("web-1", false), vm("db-1", true)],
             ..Stats::default()
         };
+        let mut seen: std::collections::BTreeSet<String> = attached_names(&stats).collect();
         let names = ["web-1", "db-1", "py-1", "web-2"];
         assert_eq!(
-            unattached(names.into_iter(), &stats, &["web-2".to_string()]),
+            unattached(names.into_iter(), &seen, &["web-2".to_string()]),
             ["db-1", "py-1"]
         );
-        assert!(unattached(["web-1"].into_iter(), &stats, &[]).is_empty());
+        // Seen once (before a memfoldd restart, say): attached.
+        seen.insert("db-1".into());
+        assert_eq!(unattached(names.into_iter(), &seen, &[]), ["py-1", "web-2"]);
     }
 }

@@ -146,6 +146,11 @@ impl Engine {
         Some(n)
     }
 
+    /// Whether the operator opted guest `id` out (false for an unknown guest).
+    pub fn is_opted_out(&self, id: VmId) -> bool {
+        self.vms.get(&id).is_some_and(|v| v.opted_out)
+    }
+
     /// Guest `id` is managed again after [`Engine::opt_out`]. Returns false if there is no
     /// such guest.
     pub fn opt_in(&mut self, id: VmId) -> bool {

@@ -373,8 +373,8 @@ impl Daemon {
             } else {
                 self.engine.opt_in(id);
             }
-            // The agent carries it to a restarted memfoldd. Lost with a dead connection:
-            // the guest is detached, and a re-attach is a new guest.
+            // The agent carries it to a restarted memfoldd. With no connection now, the
+            // re-attach tells it (`attach`).
             if let Some(c) = self.guests.conn(id) {
                 let _ = c.send(&ToAgent::OptedOut { out }, &[]);
             }
@@ -448,6 +448,7 @@ impl Daemon {
         };
         // A re-attach proves it is the same VM: the same QEMU (pid from the kernel) with
         // the same RAM memfd.
+        let known = self.guests.detached_ram(pid).is_some();
         if self.guests.detached_ram(pid).is_some_and(|id| id != ram_id) {
             refuse("re-attach with another RAM memfd than its QEMU attached with".into());
             return Ok(());
@@ -540,13 +541,19 @@ impl Daemon {
             conn.shutdown();
         }
         self.guests.attached(vm, token, conn, pid, ram_id);
-        // Opted out before a restart (the agent says so): still out, and whatever the
-        // re-attach list maps is taken back.
-        if opted_out {
+        // A guest this memfoldd knew: its own record of the opt-out holds (an opt-in or
+        // opt-out made while the agent was detached included). A guest it did not (a
+        // restart): the agent's word, so an opt-out outlives the restart.
+        if opted_out && !known {
             let pages = self.engine.opt_out(vm).unwrap_or(0);
             tracing::info!(
                 "{name}: opted out before the restart; kept out, {pages} pages to take back"
             );
+        }
+        // The agent remembers what holds now, for the next restart.
+        let out = self.engine.is_opted_out(vm);
+        if let Some(c) = self.guests.conn(vm) {
+            let _ = c.send(&ToAgent::OptedOut { out }, &[]);
         }
         Ok(())
     }
