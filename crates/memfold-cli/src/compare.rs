@@ -37,6 +37,13 @@ pub struct CompareArgs {
     /// (Senpai's default: 0.1).
     #[arg(long, default_value_t = 0.1)]
     pub pressure_target: f64,
+    /// The `ksm+zswap` controller's largest step down, % of the group's usage per
+    /// interval (Senpai's default: 1).
+    #[arg(long, default_value_t = 2.0)]
+    pub reclaim_probe: f64,
+    /// Seconds between the `ksm+zswap` controller's steps (Senpai's default: 6).
+    #[arg(long, default_value_t = 2.0)]
+    pub reclaim_interval: f64,
     /// zswap's compressor for `ksm+zswap` (default: the first the kernel takes of zstd,
     /// deflate, lz4, lzo-rle, lzo).
     #[arg(long)]
@@ -89,6 +96,16 @@ pub fn run(a: &CompareArgs) -> Result<()> {
             a.pressure_target > 0.0 && a.pressure_target < 100.0,
             "--pressure-target {} is not a percentage in (0, 100)",
             a.pressure_target
+        );
+        anyhow::ensure!(
+            a.reclaim_probe > 0.0 && a.reclaim_probe < 100.0,
+            "--reclaim-probe {} is not a percentage in (0, 100)",
+            a.reclaim_probe
+        );
+        anyhow::ensure!(
+            a.reclaim_interval >= 0.1 && a.reclaim_interval <= 3600.0,
+            "--reclaim-interval {} s is not between 0.1 and 3600",
+            a.reclaim_interval
         );
         memfold_sys::reclaim::memory_stall_us()
             .context("the ksm+zswap peer's controller needs memory PSI")?;
@@ -199,7 +216,11 @@ fn compare_kit(
     let p = crate::peer::run_ksm_zswap(
         &set,
         backend,
-        a.pressure_target / 100.0,
+        crate::peer::Pace {
+            target: a.pressure_target / 100.0,
+            max_probe: a.reclaim_probe / 100.0,
+            interval_s: a.reclaim_interval,
+        },
         a.zswap_compressor.as_deref(),
         a.memfold.secs,
     )?;

@@ -2,8 +2,8 @@
 //! (aggressive) for sharing, zswap for compressing what reclaim pushes out, a swap file
 //! behind it, and a proactive-reclaim controller in the manner of Meta's Senpai (TMO,
 //! ASPLOS 2022): the guests' QEMUs live in a memory cgroup from birth, and every
-//! [`INTERVAL`] the controller lowers its limit while the host's memory pressure stays
-//! under a target and raises it when pressure goes over.
+//! interval (2 s by default) the controller lowers its limit while the host's memory
+//! pressure stays under a target and raises it when pressure goes over.
 //!
 //! Host memory the peer leaves is measured like memfold's and KSM's: the Pss of guest RAM
 //! (KSM-merged pages split among their mappers; pages swapped out count nothing there)
@@ -25,10 +25,6 @@ use crate::guests::{self, GuestSetArgs};
 use crate::run::cpu_seconds;
 use crate::run::measure::{every_second, plateau};
 
-/// How often the controller adjusts the limit (Senpai's default is 6 s; runs here are
-/// minutes, not days).
-pub const INTERVAL: Duration = Duration::from_secs(2);
-
 /// Compressors zswap is offered, best ratio first: the first the kernel takes is used.
 pub const COMPRESSORS: [&str; 5] = ["zstd", "deflate", "lz4", "lzo-rle", "lzo"];
 
@@ -42,6 +38,8 @@ pub struct Senpai {
     pub max_probe: f64,
     /// Most the limit rises in one interval, fraction of the limit.
     pub max_backoff: f64,
+    /// How often the limit is set, s (Senpai's default: 6).
+    pub interval_s: f64,
     /// The limit never goes under this, bytes.
     pub min_limit: u64,
 }
@@ -161,6 +159,17 @@ fn guests_pss(guests: &[Guest]) -> Result<u64> {
         .sum()
 }
 
+/// The controller's pace: what `memfold compare` sets of [`Senpai`].
+#[derive(Clone, Copy, Debug)]
+pub struct Pace {
+    /// Pressure to hold, fraction.
+    pub target: f64,
+    /// Most the limit drops in one interval, fraction of usage.
+    pub max_probe: f64,
+    /// Seconds between steps.
+    pub interval_s: f64,
+}
+
 /// Boots `set` in a memory cgroup of its own with zswap and a swap file on, then runs KSM
 /// (aggressive) and the Senpai controller at `target` for `secs`, sampling every second.
 /// Everything is put back afterwards (zswap's settings, KSM's, the swap file, the group).
@@ -170,7 +179,7 @@ fn guests_pss(guests: &[Guest]) -> Result<u64> {
 pub fn run_ksm_zswap(
     set: &GuestSetArgs,
     ram: RamBackend,
-    target: f64,
+    pace: Pace,
     compressor: Option<&str>,
     secs: u64,
 ) -> Result<PeerRun> {
@@ -204,9 +213,10 @@ pub fn run_ksm_zswap(
     let used_before = guests_pss(&gs)? + reclaim::zswap_pool()?.0;
     let usage0 = group.usage()?;
     let senpai = Senpai {
-        target,
-        max_probe: 0.02,
+        target: pace.target,
+        max_probe: pace.max_probe,
         max_backoff: 0.5,
+        interval_s: pace.interval_s,
         // Never squeeze the guests under a tenth of their RAM.
         min_limit: ram_bytes / 10,
     };
@@ -231,7 +241,7 @@ pub fn run_ksm_zswap(
                 let mut limit = usage0;
                 let mut last = (Instant::now(), reclaim::memory_stall_us()?);
                 while !stop.load(Ordering::Relaxed) {
-                    std::thread::sleep(INTERVAL);
+                    std::thread::sleep(Duration::from_secs_f64(senpai.interval_s));
                     let now = (Instant::now(), reclaim::memory_stall_us()?);
                     let dt = now.0.duration_since(last.0).as_micros().max(1) as f64;
                     let pressure = now.1.saturating_sub(last.1) as f64 / dt;
@@ -354,6 +364,7 @@ mod tests {
         target: 0.001,
         max_probe: 0.02,
         max_backoff: 0.5,
+        interval_s: 2.0,
         min_limit: 100,
     };
 
