@@ -319,14 +319,7 @@ pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
     };
     // Everything that can fail comes before registering: afterwards only failing closed.
     let remapper = Remapper::new()?;
-    let uffd = Uffd::open(
-        uffd::FEATURE_EVENT_REMAP
-            | uffd::FEATURE_EVENT_REMOVE
-            | uffd::FEATURE_MISSING_SHMEM
-            | uffd::FEATURE_WP_SHMEM
-            | uffd::FEATURE_MINOR_SHMEM
-            | uffd::FEATURE_THREAD_ID,
-    )?;
+    let uffd = Uffd::open(uffd::AGENT_FEATURES)?;
     // SAFETY: guest RAM is QEMU's shared memfd mapping, which this process touches only
     // through raw addresses (QEMU's vCPUs and devices), never through Rust references; the
     // agent thread that answers its faults never touches it through the mapping.

@@ -533,6 +533,28 @@ impl Qemu {
         self.wait_stopped_within(what, WAIT)
     }
 
+    /// The guest touched page [`STASHED`], whose fault fails with `error` every time: the
+    /// agent retries it (logged), not giving up at once, and pauses QEMU after its 30 s
+    /// give-up time with every other page intact; the guest never read the page.
+    fn given_up_after_retrying(&mut self, error: &str) {
+        self.wait_log("child: the guest touches page", 1);
+        let t = Instant::now();
+        self.wait_log(&format!("{error}; retrying"), 1);
+        self.wait_stopped_within(error, Duration::from_secs(60));
+        let waited = t.elapsed();
+        assert!(
+            waited >= Duration::from_secs(25),
+            "gave up after {waited:?}, before the 30 s retry time; the child's log:\n{}",
+            self.log()
+        );
+        self.check_paused(Some(STASHED), "still fails after 30s");
+        assert!(
+            !self.log().contains("the guest got past"),
+            "the guest read the page:\n{}",
+            self.log()
+        );
+    }
+
     /// As [`Qemu::wait_stopped`], waiting at most `limit`.
     fn wait_stopped_within(&mut self, what: &str, limit: Duration) {
         let t = Instant::now();
@@ -853,23 +875,7 @@ fn a_swap_file_failing_with_eio_for_good_pauses_qemu_after_the_give_up_time() {
         Failure::SwapEio,
         None,
     );
-    q.wait_log("child: the guest touches page", 1);
-    let t = Instant::now();
-    // Retried, not given up at once: the guest waits on its fault meanwhile.
-    q.wait_log("Input/output error (os error 5); retrying", 1);
-    q.wait_stopped_within("EIO from the swap file for good", Duration::from_secs(60));
-    let waited = t.elapsed();
-    assert!(
-        waited >= Duration::from_secs(25),
-        "gave up after {waited:?}, before the 30 s retry time; the child's log:\n{}",
-        q.log()
-    );
-    q.check_paused(Some(STASHED), "still fails after 30s");
-    assert!(
-        !q.log().contains("the guest got past"),
-        "the guest read the page:\n{}",
-        q.log()
-    );
+    q.given_up_after_retrying("Input/output error (os error 5)");
 }
 
 #[test]
@@ -898,22 +904,7 @@ fn no_memory_for_a_stored_page_pauses_qemu_after_the_give_up_time() {
         Failure::CopyEnomem,
         None,
     );
-    q.wait_log("child: the guest touches page", 1);
-    let t = Instant::now();
-    q.wait_log("Cannot allocate memory (os error 12); retrying", 1);
-    q.wait_stopped_within("ENOMEM on every UFFDIO_COPY", Duration::from_secs(60));
-    let waited = t.elapsed();
-    assert!(
-        waited >= Duration::from_secs(25),
-        "gave up after {waited:?}, before the 30 s retry time; the child's log:\n{}",
-        q.log()
-    );
-    q.check_paused(Some(STASHED), "still fails after 30s");
-    assert!(
-        !q.log().contains("the guest got past"),
-        "the guest read the page:\n{}",
-        q.log()
-    );
+    q.given_up_after_retrying("Cannot allocate memory (os error 12)");
     // The child goes first (the group cannot go with a process in it).
     drop(q);
 }

@@ -40,6 +40,16 @@ pub const FEATURE_THREAD_ID: u64 = 1 << 8;
 /// `UFFD_FEATURE_WP_HUGETLBFS_SHMEM`: write-protect on shmem, kept across zaps.
 pub const FEATURE_WP_SHMEM: u64 = 1 << 12;
 
+/// Every feature memfold's agent opens its userfaultfd with: remap and remove events,
+/// missing, write-protect and minor faults on shmem, the faulting thread's id. `memfold
+/// run` checks the same set before any guest boots.
+pub const AGENT_FEATURES: u64 = FEATURE_EVENT_REMAP
+    | FEATURE_EVENT_REMOVE
+    | FEATURE_MISSING_SHMEM
+    | FEATURE_WP_SHMEM
+    | FEATURE_MINOR_SHMEM
+    | FEATURE_THREAD_ID;
+
 /// Register mode: faults on missing pages.
 pub const MODE_MISSING: u64 = 1;
 /// Register mode: faults on writes to write-protected pages.

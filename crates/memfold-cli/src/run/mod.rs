@@ -39,14 +39,7 @@ fn companions() -> Result<(PathBuf, PathBuf)> {
     );
     // The agent's userfaultfd, with every feature it asks for, before any guest boots.
     use memfold_sys::uffd;
-    uffd::Uffd::open(
-        uffd::FEATURE_EVENT_REMAP
-            | uffd::FEATURE_EVENT_REMOVE
-            | uffd::FEATURE_MISSING_SHMEM
-            | uffd::FEATURE_WP_SHMEM
-            | uffd::FEATURE_MINOR_SHMEM
-            | uffd::FEATURE_THREAD_ID,
-    )
+    uffd::Uffd::open(uffd::AGENT_FEATURES)
     .context("memfold's agent needs a userfaultfd for shmem missing, write-protect and minor faults (Linux 6.1 or later, CONFIG_USERFAULTFD, CONFIG_PTE_MARKER_UFFD_WP)")?;
     let exe = std::env::current_exe().context("cannot find the memfold binary")?;
     let agent = exe.with_file_name("libmemfold_agent.so");
