@@ -557,10 +557,8 @@ pub fn sample_blobs(enc: Encoding) -> Vec<(&'static str, Vec<u8>)> {
         .into_iter()
         .map(|(name, page)| {
             let mut out = Vec::new();
-            match enc {
-                Encoding::Compressed(c) => c.compress(&page, &mut out).expect("compress"),
-                Encoding::Patch(p) => p.encode(reference_page(), &page, &mut out).expect("encode"),
-            }
+            enc.encode(reference_page(), &page, &mut out)
+                .expect("encode");
             (name, out)
         })
         .collect()

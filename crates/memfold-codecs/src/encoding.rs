@@ -52,6 +52,23 @@ impl Encoding {
         matches!(self, Encoding::Patch(_))
     }
 
+    /// Encodes `page` as a blob of this encoding into `out` (cleared first); a patch is
+    /// made against `reference`, which a compressed page ignores. The inverse of
+    /// [`Encoding::decode`].
+    ///
+    /// Errors: [`CodecError::Encode`] if the library codec fails.
+    pub fn encode(
+        self,
+        reference: &Page,
+        page: &Page,
+        out: &mut Vec<u8>,
+    ) -> Result<(), CodecError> {
+        match self {
+            Encoding::Patch(codec) => codec.encode(reference, page, out),
+            Encoding::Compressed(codec) => codec.compress(page, out),
+        }
+    }
+
     /// Decodes a blob of this encoding into `out`; a patch needs its reference page.
     ///
     /// Errors: [`CodecError::Corrupt`] if the blob does not decode to a whole page, or a
