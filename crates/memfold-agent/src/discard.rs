@@ -54,25 +54,21 @@ impl Agent {
         let last = (end - self.base).div_ceil(PAGE);
         for g in first..last {
             let gfn = Gfn(g as u32);
-            let home = self.pages.home(gfn);
-            if home == PageHome::Private {
-                continue;
-            }
-            // A hole already, unless written outside QEMU's mapping (a vhost-user
-            // backend): discarded either way, so that the page reads as zeros.
-            self.punch(gfn, 1);
-            let what = match home {
+            let what = match self.pages.home(gfn) {
                 PageHome::Private => continue,
                 PageHome::Zero => Discarded::Zero,
                 PageHome::Stashed(_) => Discarded::Stashed,
-                PageHome::Frame(f) => {
-                    if let Err(e) = self.map_guest_page(gfn) {
-                        tracing::warn!("discard of {gfn} left it on its frame: {e}");
-                        continue;
-                    }
-                    Discarded::Frame(f)
-                }
+                PageHome::Frame(f) => Discarded::Frame(f),
             };
+            // A hole already, unless written outside QEMU's mapping (a vhost-user
+            // backend): discarded either way, so that the page reads as zeros.
+            self.punch(gfn, 1);
+            if let Discarded::Frame(_) = what {
+                if let Err(e) = self.map_guest_page(gfn) {
+                    tracing::warn!("discard of {gfn} left it on its frame: {e}");
+                    continue;
+                }
+            }
             self.pages.set(gfn, PageHome::Private);
             self.pending.discards.push((gfn, what));
         }

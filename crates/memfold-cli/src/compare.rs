@@ -12,8 +12,8 @@ use memfold_vm::launcher::RamBackend;
 
 use crate::guests;
 use crate::ksm::run_mode;
-use crate::run::measure::{t95_text, MIB};
-use crate::run::{self, cpu_seconds, MemfoldArgs, RunArgs};
+use crate::run::measure::{kernel_threads_cpu_seconds, t95_text, MIB};
+use crate::run::{self, MemfoldArgs, RunArgs};
 
 /// Arguments of `memfold compare`.
 #[derive(Args, Clone, Debug)]
@@ -61,7 +61,7 @@ pub enum Peer {
     KsmZswap,
 }
 
-/// Huge pages on the KSM side of `memfold compare`.
+/// Huge pages on the KSM side of `memfold compare` (and on the kit's).
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KsmThp {
@@ -71,12 +71,14 @@ pub enum KsmThp {
     Off,
 }
 
-/// ksmd's pid (a kernel thread), if KSM is built in.
-fn ksmd_pid() -> Option<u32> {
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-        (std::fs::read_to_string(e.path().join("comm")).ok()?.trim() == "ksmd").then_some(pid)
-    })
+impl KsmThp {
+    /// The guest RAM backing of the peer's QEMUs.
+    pub fn backend(self) -> RamBackend {
+        match self {
+            KsmThp::Host => RamBackend::Anonymous,
+            KsmThp::Off => RamBackend::AnonymousNoThp,
+        }
+    }
 }
 
 /// `memfold compare`.
@@ -136,15 +138,11 @@ pub fn run(a: &CompareArgs) -> Result<()> {
     ksm.unmerge()?;
     let mut set = a.memfold.set.clone();
     set.out = Some(out.join("ksm"));
-    let backend = match a.ksm_thp {
-        KsmThp::Host => RamBackend::Anonymous,
-        KsmThp::Off => RamBackend::AnonymousNoThp,
-    };
+    let backend = a.ksm_thp.backend();
     let (mut gs, _accel, kout) = guests::start_set(&set, backend, "compare")?;
-    let kpid = ksmd_pid();
-    let cpu0 = kpid.map_or(0.0, |p| cpu_seconds(p, None));
+    let cpu0 = kernel_threads_cpu_seconds(&["ksmd"]);
     let k = run_mode(&ksm, &mut gs, KsmMode::AGGRESSIVE, a.memfold.secs)?;
-    let ksm_cpu_s = kpid.map_or(0.0, |p| cpu_seconds(p, None)) - cpu0;
+    let ksm_cpu_s = kernel_threads_cpu_seconds(&["ksmd"]) - cpu0;
     ksm.unmerge()?;
     drop(ksm);
     crate::ksm::write_outputs(&kout, std::slice::from_ref(&k))?;
@@ -209,10 +207,7 @@ fn compare_kit(
     );
     let mut set = a.memfold.set.clone();
     set.out = Some(out.join("peer"));
-    let backend = match a.ksm_thp {
-        KsmThp::Host => RamBackend::Anonymous,
-        KsmThp::Off => RamBackend::AnonymousNoThp,
-    };
+    let backend = a.ksm_thp.backend();
     let p = crate::peer::run_ksm_zswap(
         &set,
         backend,

@@ -17,13 +17,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use memfold_sys::ksm::{Ksm, KsmMode};
 use memfold_sys::reclaim::{self, MemCgroup, SwapFile, Zswap};
-use memfold_vm::hostmem::guest_ram_usage;
 use memfold_vm::launcher::{Guest, RamBackend};
 use serde::Serialize;
 
 use crate::guests::{self, GuestSetArgs};
 use crate::run::cpu_seconds;
-use crate::run::measure::{every_second, plateau};
+use crate::run::measure::{every_second, kernel_threads_cpu_seconds, plateau, ram_usages};
 
 /// Compressors zswap is offered, best ratio first: the first the kernel takes is used.
 pub const COMPRESSORS: [&str; 5] = ["zstd", "deflate", "lz4", "lzo-rle", "lzo"];
@@ -124,39 +123,44 @@ impl Drop for Lift {
     }
 }
 
-/// Pids of the kernel threads named `name` (ksmd, kswapd0, ...).
-fn kernel_threads(prefix: &str) -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.flatten()
-        .filter_map(|e| {
-            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-            let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
-            comm.trim().starts_with(prefix).then_some(pid)
+/// Host memory pressure measured from a mark: the fraction of the time since then that
+/// some task stalled on memory (PSI `some`).
+struct Stall {
+    at: Instant,
+    total_us: u64,
+}
+
+impl Stall {
+    /// A mark now.
+    ///
+    /// Errors: no memory PSI.
+    fn mark() -> Result<Stall> {
+        Ok(Stall {
+            at: Instant::now(),
+            total_us: reclaim::memory_stall_us()?,
         })
-        .collect()
+    }
+
+    /// The fraction stalled since the mark; the mark moves to now.
+    ///
+    /// Errors: no memory PSI.
+    fn lap(&mut self) -> Result<f64> {
+        let now = Stall::mark()?;
+        let fraction = now.total_us.saturating_sub(self.total_us) as f64
+            / now.at.duration_since(self.at).as_micros().max(1) as f64;
+        *self = now;
+        Ok(fraction)
+    }
 }
 
 /// CPU seconds of ksmd and every kswapd.
 fn kernel_cpu() -> f64 {
-    ["ksmd", "kswapd"]
-        .iter()
-        .flat_map(|p| kernel_threads(p))
-        .map(|pid| cpu_seconds(pid, None))
-        .sum()
+    kernel_threads_cpu_seconds(&["ksmd", "kswapd"])
 }
 
-/// Host memory the guests use now by the peer's measure: (Pss of guest RAM, bytes).
+/// Host memory the guests use now by the peer's measure: Pss of guest RAM, bytes.
 fn guests_pss(guests: &[Guest]) -> Result<u64> {
-    guests
-        .iter()
-        .map(|g| {
-            guest_ram_usage(g.pid, g.mem_bytes / 2)
-                .map(|u| u.pss)
-                .with_context(|| format!("guest {}: QEMU gone?", g.name))
-        })
-        .sum()
+    Ok(ram_usages(guests)?.iter().map(|u| u.pss).sum())
 }
 
 /// The controller's pace: what `memfold compare` sets of [`Senpai`].
@@ -220,9 +224,8 @@ pub fn run_ksm_zswap(
         // Never squeeze the guests under a tenth of their RAM.
         min_limit: ram_bytes / 10,
     };
-    let stall0 = reclaim::memory_stall_us()?;
+    let mut whole_run = Stall::mark()?;
     let cpu0 = kernel_cpu();
-    let t0 = Instant::now();
     ksm.start(KsmMode::AGGRESSIVE)?;
     let stop = Arc::new(AtomicBool::new(false));
     // Dropped first on any early return: the controller stops and the limit is lifted
@@ -239,13 +242,10 @@ pub fn run_ksm_zswap(
             .spawn(move || -> Result<f64> {
                 // Starts at what the group uses: the first steps reclaim at once.
                 let mut limit = usage0;
-                let mut last = (Instant::now(), reclaim::memory_stall_us()?);
+                let mut interval = Stall::mark()?;
                 while !stop.load(Ordering::Relaxed) {
                     std::thread::sleep(Duration::from_secs_f64(senpai.interval_s));
-                    let now = (Instant::now(), reclaim::memory_stall_us()?);
-                    let dt = now.0.duration_since(last.0).as_micros().max(1) as f64;
-                    let pressure = now.1.saturating_sub(last.1) as f64 / dt;
-                    last = now;
+                    let pressure = interval.lap()?;
                     let next = senpai.next(limit, g.usage()?, pressure);
                     if g.set_limit(next)? {
                         limit = next;
@@ -258,17 +258,14 @@ pub fn run_ksm_zswap(
             })?
     };
     let mut samples = Vec::new();
-    let mut last = (Instant::now(), stall0);
+    let mut second = Stall::mark()?;
     let sampled = every_second(Some(secs), None, |start| {
         for g in gs.iter_mut() {
             g.check_alive()?;
         }
         let (pool, zswapped) = reclaim::zswap_pool()?;
         let pss = guests_pss(&gs)?;
-        let now = (Instant::now(), reclaim::memory_stall_us()?);
-        let pressure = now.1.saturating_sub(last.1) as f64
-            / now.0.duration_since(last.0).as_micros().max(1) as f64;
-        last = now;
+        let pressure = second.lap()?;
         let s = PeerSample {
             t: start.elapsed().as_secs_f64(),
             used_bytes: pss + pool,
@@ -299,8 +296,7 @@ pub fn run_ksm_zswap(
         .join()
         .map_err(|_| anyhow::anyhow!("the reclaim controller panicked"))??;
     sampled?;
-    let elapsed_us = t0.elapsed().as_micros().max(1) as f64;
-    let stall_pct = reclaim::memory_stall_us()?.saturating_sub(stall0) as f64 / elapsed_us * 100.0;
+    let stall_pct = whole_run.lap()? * 100.0;
     let cpu_s = kernel_cpu() - cpu0 + controller_cpu;
     let mismatches = gs.iter().map(|g| g.mismatches().len()).sum();
     // Unlimited before anything is undone: unmerging or swapping back in under the

@@ -14,18 +14,12 @@ use std::time::Duration;
 
 use common::{
     every_mechanism, fast_engine, fill_every_mechanism, managed, start_agent, start_memfoldd,
-    wait_for, GuestRam, PAGE,
+    vm_named, wait_for, GuestRam, PAGE,
 };
-use memfold_wire::stats::{Stats, VmStats};
 
 const PAGES: usize = 1280;
 
-fn guest(s: &Stats) -> &VmStats {
-    s.vms
-        .iter()
-        .find(|v| v.name == "ballooned")
-        .expect("the guest is attached")
-}
+const NAME: &str = "ballooned";
 
 #[test]
 fn a_discarded_range_is_let_go_exactly_and_reads_as_zeros() {
@@ -35,7 +29,7 @@ fn a_discarded_range_is_let_go_exactly_and_reads_as_zeros() {
     let want = fill_every_mechanism(&ram, 17);
     start_agent(&socket, "ballooned", &ram);
     wait_for(&socket, Duration::from_secs(30), "every mechanism", |s| {
-        every_mechanism(guest(s))
+        every_mechanism(vm_named(s, NAME))
     });
     // Settled: nothing left for memfoldd to do, so that what it holds in the range does
     // not change while it is counted.
@@ -43,7 +37,7 @@ fn a_discarded_range_is_let_go_exactly_and_reads_as_zeros() {
     let before = loop {
         std::thread::sleep(Duration::from_millis(1500));
         let s = memfold_live::query_stats(&socket).unwrap();
-        let now = managed(guest(&s));
+        let now = managed(vm_named(&s, NAME));
         if now == last {
             break s;
         }
@@ -83,22 +77,25 @@ fn a_discarded_range_is_let_go_exactly_and_reads_as_zeros() {
         &socket,
         Duration::from_secs(10),
         "the discards booked",
-        |s| guest(s).discards >= held,
+        |s| vm_named(s, NAME).discards >= held,
     );
-    let v = guest(&s);
+    let v = vm_named(&s, NAME);
     assert_eq!(
         v.discards, held,
         "exactly the pages memfold held in the range"
     );
     assert!(
-        v.shared_pages <= guest(&before).shared_pages - on_pool,
+        v.shared_pages <= vm_named(&before, NAME).shared_pages - on_pool,
         "the range's shares released: {} before, {} after, {on_pool} on the pool",
-        guest(&before).shared_pages,
+        vm_named(&before, NAME).shared_pages,
         v.shared_pages
     );
     assert_eq!(
         (v.cow_breaks, v.unstashes),
-        (guest(&before).cow_breaks, guest(&before).unstashes),
+        (
+            vm_named(&before, NAME).cow_breaks,
+            vm_named(&before, NAME).unstashes
+        ),
         "a discard is neither a CoW break nor a decode"
     );
     let mut got = vec![0u8; PAGE];

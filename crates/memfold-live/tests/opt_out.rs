@@ -12,25 +12,16 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::{
-    daemon_config, every_mechanism, fast_engine, fill_every_mechanism, managed, start_agent,
-    start_memfoldd, start_stoppable_memfoldd, texty, wait_for, GuestRam, PAGE,
+    attached, daemon_config, every_mechanism, fast_engine, fill_every_mechanism, managed,
+    start_agent, start_memfoldd, start_stoppable_memfoldd, texty, vm_named, wait_for, GuestRam,
+    PAGE,
 };
 use memfold_live::daemon;
-use memfold_wire::stats::{Stats, VmStats};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 const PAGES: usize = 1536;
 
-fn guest(s: &Stats) -> &VmStats {
-    s.vms
-        .iter()
-        .find(|v| v.name == "opted")
-        .expect("the guest is attached")
-}
-
-fn attached<'a>(s: &'a Stats, name: &str) -> Option<&'a VmStats> {
-    s.vms.iter().find(|v| v.name == name && !v.detached)
-}
+const NAME: &str = "opted";
 
 #[test]
 fn an_opted_out_guest_gets_every_page_back_and_nothing_is_managed_again() {
@@ -41,9 +32,9 @@ fn an_opted_out_guest_gets_every_page_back_and_nothing_is_managed_again() {
     let want = fill_every_mechanism(&ram, 11);
     start_agent(&socket, "opted", &ram);
     let s = wait_for(&socket, Duration::from_secs(30), "every mechanism", |s| {
-        every_mechanism(guest(s))
+        every_mechanism(vm_named(s, NAME))
     });
-    let before = managed(guest(&s));
+    let before = managed(vm_named(&s, NAME));
 
     let queued = memfold_live::opt_out(&socket, "opted", true).unwrap();
     assert!(
@@ -54,9 +45,9 @@ fn an_opted_out_guest_gets_every_page_back_and_nothing_is_managed_again() {
         &socket,
         Duration::from_secs(20),
         "every page taken back",
-        |s| managed(guest(s)) == 0,
+        |s| managed(vm_named(s, NAME)) == 0,
     );
-    let v = guest(&s);
+    let v = vm_named(&s, NAME);
     assert!(v.opted_out);
     assert_eq!((s.frames, s.store_pages), (0, 0), "{s:#?}");
     // In its own RAM again: no page on a pool frame, each non-zero page's bytes in the
@@ -75,7 +66,7 @@ fn an_opted_out_guest_gets_every_page_back_and_nothing_is_managed_again() {
     std::thread::sleep(Duration::from_secs(3));
     let s = memfold_live::query_stats(&socket).unwrap();
     assert_eq!(
-        managed(guest(&s)),
+        managed(vm_named(&s, NAME)),
         0,
         "managed again while opted out: {s:#?}"
     );
@@ -83,7 +74,7 @@ fn an_opted_out_guest_gets_every_page_back_and_nothing_is_managed_again() {
     // Back in: memfold manages it again.
     assert_eq!(memfold_live::opt_out(&socket, "opted", false).unwrap(), 0);
     wait_for(&socket, Duration::from_secs(30), "managed again", |s| {
-        let v = guest(s);
+        let v = vm_named(s, NAME);
         !v.opted_out && v.shared_pages > 0
     });
     let err = memfold_live::opt_out(&socket, "nobody", true).unwrap_err();

@@ -14,16 +14,11 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::{
-    daemon_config, fast_engine, start_agent, start_stoppable_memfoldd, texty, wait_for, GuestRam,
-    PAGE,
+    attached, daemon_config, fast_engine, start_agent, start_stoppable_memfoldd, texty, wait_for,
+    GuestRam, PAGE,
 };
 use memfold_live::daemon;
-use memfold_wire::stats::{Stats, VmStats};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
-
-fn vm<'a>(s: &'a Stats, name: &str) -> Option<&'a VmStats> {
-    s.vms.iter().find(|v| v.name == name && !v.detached)
-}
 
 /// Zeros, copies of `base`, text, random.
 fn fill(ram: &GuestRam, base: &[u8], rng: &mut SmallRng) -> Vec<Vec<u8>> {
@@ -64,7 +59,7 @@ fn a_new_guest_attaching_first_after_a_restart_does_not_lock_out_the_old_ones() 
         &socket,
         Duration::from_secs(30),
         "g1 shared and stored",
-        |s| vm(s, "g1").is_some_and(|v| v.shared_pages > 0 && v.compressed_pages > 0),
+        |s| attached(s, "g1").is_some_and(|v| v.shared_pages > 0 && v.compressed_pages > 0),
     );
 
     // The first memfoldd goes; the second starts where g1's agent does not look yet.
@@ -84,14 +79,14 @@ fn a_new_guest_attaching_first_after_a_restart_does_not_lock_out_the_old_ones() 
     let want2 = fill(&ram2, &base, &mut rng);
     start_agent(&second_socket, "g2", &ram2);
     wait_for(&second_socket, Duration::from_secs(30), "g2 shares", |s| {
-        vm(s, "g2").is_some_and(|v| v.shared_pages > 0)
+        attached(s, "g2").is_some_and(|v| v.shared_pages > 0)
     });
     check(&ram1, &want1, "g1 (on its own)");
 
     // Now g1's agent finds the second memfoldd and re-attaches with its pool.
     std::fs::rename(&second_socket, &socket).unwrap();
     let s = wait_for(&socket, Duration::from_secs(30), "g1 re-attached", |s| {
-        vm(s, "g1").is_some_and(|v| v.shared_pages > 0) && vm(s, "g2").is_some()
+        attached(s, "g1").is_some_and(|v| v.shared_pages > 0) && attached(s, "g2").is_some()
     });
     assert_eq!(
         s.domains, 2,

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use memfold_vm::hostmem::{guest_ram_usage, total_used};
+use memfold_vm::hostmem::{guest_ram_usage, total_used, RamUsage};
 use memfold_vm::launcher::{Guest, RamBackend};
 use memfold_wire::{Stats, VmStats};
 use serde::Serialize;
@@ -55,14 +55,21 @@ pub fn t95_text(t95_s: Option<f64>) -> String {
 /// each shared memfd counted once): (used, rss), bytes. memfold and KSM runs are sampled
 /// by this one function.
 pub fn used(guests: &[Guest]) -> Result<(u64, u64)> {
-    let usages = guests
+    let usages = ram_usages(guests)?;
+    Ok((total_used(&usages), usages.iter().map(|u| u.rss).sum()))
+}
+
+/// Each guest's RAM mappings as the kernel reports them now (`memfold_vm::hostmem`).
+///
+/// Errors: a guest's QEMU is gone.
+pub fn ram_usages(guests: &[Guest]) -> Result<Vec<RamUsage>> {
+    guests
         .iter()
         .map(|g| {
             guest_ram_usage(g.pid, g.mem_bytes / 2)
                 .with_context(|| format!("guest {}: QEMU gone?", g.name))
         })
-        .collect::<Result<Vec<_>>>()?;
-    Ok((total_used(&usages), usages.iter().map(|u| u.rss).sum()))
+        .collect()
 }
 
 /// Calls `sample` (with the time the sampling started) once a second, after the second,
@@ -328,6 +335,23 @@ pub fn cpu_seconds(pid: u32, thread_prefix: Option<&str>) -> f64 {
             })
             .unwrap_or(0.0),
     }
+}
+
+/// CPU seconds of the kernel threads whose name starts with one of `prefixes` (`ksmd`,
+/// `kswapd`), summed.
+pub fn kernel_threads_cpu_seconds(prefixes: &[&str]) -> f64 {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0.0;
+    };
+    dir.flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
+            let comm = comm.trim();
+            prefixes.iter().any(|p| comm.starts_with(p)).then_some(pid)
+        })
+        .map(|pid| cpu_seconds(pid, None))
+        .sum()
 }
 
 /// CPU seconds of the agents' threads in `guests`, summed.

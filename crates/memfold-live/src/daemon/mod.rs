@@ -448,8 +448,9 @@ impl Daemon {
         };
         // A re-attach proves it is the same VM: the same QEMU (pid from the kernel) with
         // the same RAM memfd.
-        let known = self.guests.detached_ram(pid).is_some();
-        if self.guests.detached_ram(pid).is_some_and(|id| id != ram_id) {
+        let detached = self.guests.detached_ram(pid);
+        let known = detached.is_some();
+        if detached.is_some_and(|id| id != ram_id) {
             refuse("re-attach with another RAM memfd than its QEMU attached with".into());
             return Ok(());
         }

@@ -308,6 +308,21 @@ pub fn fill_every_mechanism(ram: &GuestRam, seed: u64) -> Vec<Vec<u8>> {
     want
 }
 
+/// Guest `name` in memfoldd's statistics (attached or not).
+///
+/// Panics: memfoldd does not list it.
+pub fn vm_named<'a>(s: &'a Stats, name: &str) -> &'a VmStats {
+    s.vms
+        .iter()
+        .find(|v| v.name == name)
+        .unwrap_or_else(|| panic!("memfoldd lists no guest {name:?}"))
+}
+
+/// Guest `name` if memfoldd lists it as attached now.
+pub fn attached<'a>(s: &'a Stats, name: &str) -> Option<&'a VmStats> {
+    s.vms.iter().find(|v| v.name == name && !v.detached)
+}
+
 /// Pages memfold holds of guest `v`: shared, reclaimed, patched or compressed.
 pub fn managed(v: &VmStats) -> u64 {
     v.shared_pages + v.zero_reclaimed_pages + v.patched_pages + v.compressed_pages
