@@ -1,6 +1,6 @@
 //! Blobs of pages kept out of guest RAM (Difference Engine §4.1): where each lives — the
 //! store (host memory, for patches and compressed pages) or the swap file (disk, DE §4.6)
-//! — packed into 4 KiB chunks by the [`Slab`], and what each holds.
+//! — packed into chunks of 4 KiB pages by the [`Slab`], and what each holds.
 
 use memfold_codecs::Encoding;
 use serde::Serialize;
@@ -9,7 +9,6 @@ use crate::backing::{Backing, BackingError};
 use crate::ids::{FrameId, Gfn, SlotId, VmId};
 use crate::p2m::BlobId;
 use crate::slab::{Slab, SlabStats, Slot};
-use crate::PAGE_SIZE;
 
 /// Where a blob lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -115,8 +114,8 @@ impl BlobSpace {
 
     /// Frees a slot, releasing its chunk from the backing if it is now empty.
     pub fn free(&mut self, slot: SlotId) {
-        if let Some(chunk) = self.slab.free(slot) {
-            self.backing.release(chunk, PAGE_SIZE as u64);
+        if let Some((offset, len)) = self.slab.free(slot) {
+            self.backing.release(offset, len);
         }
     }
 

@@ -2,29 +2,74 @@
 //! daemon's store file of patches and compressed pages (Difference Engine §4.1's "custom
 //! block allocator").
 //!
-//! No data and no headers: the store is a file of 4 KiB chunks, each chunk holding equal slots of one class, and
-//! the caller keeps each blob's description. [`Slab::alloc`] says where to write a blob
-//! (a byte offset in the file); [`Slab::free`] says when a chunk has emptied, so the
-//! caller can punch it out of the file and give the memory back.
+//! No data and no headers: the store is a file of chunks — runs of 1 to
+//! [`MAX_CHUNK_PAGES`] consecutive 4 KiB pages — each holding equal slots of one size
+//! class, as zsmalloc's zspages do. Multi-page chunks let a blob of 2–4 KiB take little
+//! more than its length (a 3 000-byte blob takes a 3 072-byte slot, 4 of them in 3 pages)
+//! instead of a whole page, so compression saves memory on every page that compresses at
+//! all, as zswap does. A slot may straddle a page boundary inside its chunk; blobs are read
+//! and written by offset, never mapped. [`Slab::alloc`] says where to write a blob (a byte
+//! offset in the file); [`Slab::free`] says when a chunk has emptied, so the caller can
+//! punch its pages out of the file and give the memory back.
+
+use std::collections::BTreeMap;
 
 use serde::Serialize;
 
 use crate::ids::SlotId;
 use crate::PAGE_SIZE;
 
-/// Slots per chunk of each size class; a class's slot size is `4096 / slots` rounded down
-/// to 8 bytes. Consecutive classes differ by at most ~33%, which bounds internal waste.
-const SLOTS_PER_CHUNK: [u8; 15] = [64, 48, 32, 24, 16, 12, 10, 8, 7, 6, 5, 4, 3, 2, 1];
+/// Each size class: (slots, pages) — `slots` equal slots in a chunk of `pages` pages, a
+/// slot's size being `pages × 4096 / slots` rounded down to 8 bytes. Sorted by slot size;
+/// consecutive classes differ by at most ~33% under 2 KiB and ~17% above (where every
+/// byte of waste is a byte a compressed page fails to save).
+const CLASS_SHAPES: [(u8, u8); 28] = [
+    (64, 1),  // 64
+    (48, 1),  // 80
+    (32, 1),  // 128
+    (24, 1),  // 168
+    (16, 1),  // 256
+    (12, 1),  // 336
+    (10, 1),  // 408
+    (8, 1),   // 512
+    (7, 1),   // 584
+    (6, 1),   // 680
+    (5, 1),   // 816
+    (4, 1),   // 1024
+    (7, 2),   // 1168
+    (3, 1),   // 1360
+    (5, 2),   // 1632
+    (2, 1),   // 2048
+    (7, 4),   // 2336
+    (3, 2),   // 2728
+    (4, 3),   // 3072
+    (5, 4),   // 3272
+    (6, 5),   // 3408
+    (7, 6),   // 3504
+    (8, 7),   // 3584
+    (9, 8),   // 3640
+    (11, 10), // 3720
+    (13, 12), // 3776
+    (16, 15), // 3840
+    (1, 1),   // 4096
+];
 
 /// Number of slot size classes.
-pub const CLASSES: usize = SLOTS_PER_CHUNK.len();
+pub const CLASSES: usize = CLASS_SHAPES.len();
+
+/// The most pages a chunk spans.
+pub const MAX_CHUNK_PAGES: u64 = 15;
 
 fn class_slots(class: usize) -> u32 {
-    SLOTS_PER_CHUNK[class] as u32
+    CLASS_SHAPES[class].0 as u32
+}
+
+fn class_pages(class: usize) -> u32 {
+    CLASS_SHAPES[class].1 as u32
 }
 
 fn class_size(class: usize) -> usize {
-    (PAGE_SIZE / SLOTS_PER_CHUNK[class] as usize) & !7
+    (class_pages(class) as usize * PAGE_SIZE / class_slots(class) as usize) & !7
 }
 
 fn class_fitting(bytes: usize) -> usize {
@@ -45,6 +90,12 @@ const SLOT_BITS: u32 = 6;
 struct Chunk {
     class: u8,
     used: u64,
+    /// First page of the chunk in the file.
+    first_page: u32,
+    /// Pages of the chunk a slot has covered since it opened (bit k: page k): the file
+    /// holds these (a write allocates the pages it covers), until the chunk empties and
+    /// is punched out whole.
+    touched: u16,
 }
 
 /// A slot handed out by [`Slab::alloc`].
@@ -63,17 +114,70 @@ pub struct Slot {
 pub struct SlabStats {
     /// Live slots.
     pub slots: u64,
-    /// Chunks (4 KiB pages of the store file) holding a live slot.
-    pub chunks: u64,
+    /// Pages of the file the live chunks hold (4 KiB each): those a slot has covered
+    /// since its chunk opened.
+    pub pages: u64,
     /// Sum of the live slots' sizes, bytes.
     pub slot_bytes: u64,
 }
 
-/// A size-class slab allocator over a file of 4 KiB chunks.
+/// Free runs of pages in the file, lowest first: first page → pages.
+#[derive(Default)]
+struct PageRuns {
+    free: BTreeMap<u32, u32>,
+    /// Pages of the file ever handed out (the file's used length, pages).
+    end: u32,
+}
+
+impl PageRuns {
+    /// `n` consecutive pages, the lowest free run that fits first (keeps the file's used
+    /// part dense); `None` past 2^32 pages.
+    fn take(&mut self, n: u32) -> Option<u32> {
+        let found = self
+            .free
+            .iter()
+            .find(|&(_, &len)| len >= n)
+            .map(|(&s, &l)| (s, l));
+        if let Some((start, len)) = found {
+            self.free.remove(&start);
+            if len > n {
+                self.free.insert(start + n, len - n);
+            }
+            return Some(start);
+        }
+        let start = self.end;
+        self.end = start.checked_add(n)?;
+        Some(start)
+    }
+
+    /// Gives back `n` pages from `start`, merging with free neighbours.
+    fn give(&mut self, start: u32, n: u32) {
+        let (mut start, mut n) = (start, n);
+        if let Some((&ps, &pl)) = self.free.range(..start).next_back() {
+            debug_assert!(ps + pl <= start, "pages given back twice");
+            if ps + pl == start {
+                self.free.remove(&ps);
+                start = ps;
+                n += pl;
+            }
+        }
+        if let Some(nl) = self.free.remove(&(start + n)) {
+            n += nl;
+        }
+        if start + n == self.end {
+            self.end = start; // the file's tail needs no record
+        } else {
+            self.free.insert(start, n);
+        }
+    }
+}
+
+/// A size-class slab allocator over a file of chunks of 4 KiB pages.
 #[derive(Default)]
 pub struct Slab {
     chunks: Vec<Chunk>,
-    free_chunks: Vec<u32>,
+    free_ids: Vec<u32>,
+    pages: PageRuns,
     /// Per class, chunks with a free slot (most recently freed last).
     partial: [Vec<u32>; CLASSES],
     stats: SlabStats,
@@ -86,8 +190,9 @@ impl Slab {
     }
 
     /// A slot for a blob of `len` bytes (1..=[`PAGE_SIZE`]); `None` for another length or
-    /// when the slot id space (2^26 chunks, 256 GiB) is exhausted. Reuses free slots
-    /// of the class before opening a chunk, and the lowest free chunk number first.
+    /// when the chunk id space (2^26 chunks) or the file's page space (2^32 pages, 16 TiB)
+    /// is exhausted. Reuses free slots of the class before opening a chunk, and the
+    /// lowest free pages of the file first.
     pub fn alloc(&mut self, len: usize) -> Option<Slot> {
         if len == 0 || len > PAGE_SIZE {
             return None;
@@ -96,7 +201,7 @@ impl Slab {
         let ci = match self.partial[class].last() {
             Some(&c) => c,
             None => {
-                let ci = match self.free_chunks.pop() {
+                let ci = match self.free_ids.pop() {
                     Some(ci) => ci,
                     None if self.chunks.len() < 1 << (32 - SLOT_BITS) => {
                         self.chunks.push(Chunk::default());
@@ -104,12 +209,17 @@ impl Slab {
                     }
                     None => return None,
                 };
+                let Some(first_page) = self.pages.take(class_pages(class)) else {
+                    self.free_ids.push(ci);
+                    return None;
+                };
                 self.chunks[ci as usize] = Chunk {
                     class: class as u8,
                     used: 0,
+                    first_page,
+                    touched: 0,
                 };
                 self.partial[class].push(ci);
-                self.stats.chunks += 1;
                 ci
             }
         };
@@ -120,19 +230,23 @@ impl Slab {
             self.partial[class].pop();
         }
         let size = class_size(class);
+        let (lo, hi) = (slot as usize * size, (slot as usize + 1) * size);
+        let covered = ((1u32 << hi.div_ceil(PAGE_SIZE)) - (1u32 << (lo / PAGE_SIZE))) as u16;
+        self.stats.pages += (covered & !chunk.touched).count_ones() as u64;
+        chunk.touched |= covered;
         self.stats.slots += 1;
         self.stats.slot_bytes += size as u64;
         Some(Slot {
             id: SlotId(ci << SLOT_BITS | slot),
-            offset: ci as u64 * PAGE_SIZE as u64 + slot as u64 * size as u64,
+            offset: chunk.first_page as u64 * PAGE_SIZE as u64 + slot as u64 * size as u64,
             size: size as u32,
         })
     }
 
-    /// Frees slot `id`. Returns the byte offset of its chunk if the chunk is now empty
-    /// (the caller may punch that page out of the file). Panics on an id that is not live
-    /// (a caller bug: a double free would hand one slot to two blobs).
-    pub fn free(&mut self, id: SlotId) -> Option<u64> {
+    /// Frees slot `id`. Returns `(byte offset, bytes)` of its chunk if the chunk is now
+    /// empty (the caller may punch those pages out of the file). Panics on an id that is
+    /// not live (a caller bug: a double free would hand one slot to two blobs).
+    pub fn free(&mut self, id: SlotId) -> Option<(u64, u64)> {
         let id = id.0;
         let ci = id >> SLOT_BITS;
         let bit = 1u64 << (id & ((1 << SLOT_BITS) - 1));
@@ -144,14 +258,15 @@ impl Slab {
         self.stats.slots -= 1;
         self.stats.slot_bytes -= class_size(class) as u64;
         if chunk.used == 0 {
+            let (first, n) = (chunk.first_page, class_pages(class));
             if let Some(pos) = self.partial[class].iter().rposition(|&c| c == ci) {
                 self.partial[class].swap_remove(pos);
             }
-            self.free_chunks.push(ci);
-            // Lowest numbers first keeps the file's used part dense.
-            self.free_chunks.sort_unstable_by(|a, b| b.cmp(a));
-            self.stats.chunks -= 1;
-            return Some(ci as u64 * PAGE_SIZE as u64);
+            self.free_ids.push(ci);
+            self.pages.give(first, n);
+            self.stats.pages -= chunk.touched.count_ones() as u64;
+            let page = PAGE_SIZE as u64;
+            return Some((first as u64 * page, n as u64 * page));
         }
         if was_full {
             self.partial[class].push(ci);
@@ -175,21 +290,51 @@ mod tests {
         let mut s = Slab::new();
         let a: Vec<Slot> = (0..65).map(|_| s.alloc(60).unwrap()).collect();
         assert_eq!(a[0].size, 64);
-        assert_eq!(s.stats().chunks, 2, "64 slots of 64 bytes a chunk");
+        assert_eq!(s.stats().pages, 2, "64 slots of 64 bytes a chunk");
         assert_eq!(a[64].offset, 4096);
         let big = s.alloc(3000).unwrap();
-        assert_eq!((big.size, big.offset), (4096, 8192));
-        assert_eq!(s.free(big.id), Some(8192));
-        assert_eq!(s.free(a[64].id), Some(4096));
+        assert_eq!((big.size, big.offset), (3072, 8192), "4 slots in 3 pages");
+        let next = s.alloc(3001).unwrap();
+        assert_eq!(next.offset, 8192 + 3072, "straddles pages 2 and 3");
+        assert_eq!(
+            s.stats().pages,
+            4,
+            "the third page of the chunk is not written yet"
+        );
+        assert_eq!(s.free(next.id), None);
+        assert_eq!(s.free(big.id), Some((8192, 3 * 4096)));
+        assert_eq!(s.free(a[64].id), Some((4096, 4096)));
         assert_eq!(s.free(a[3].id), None);
         assert_eq!(
             s.alloc(10).unwrap().offset,
             3 * 64,
             "a freed slot is reused"
         );
+        assert_eq!(
+            s.alloc(4096).unwrap().offset,
+            4096,
+            "the lowest free pages first"
+        );
         assert!(s.alloc(0).is_none() && s.alloc(4097).is_none());
     }
 
+    /// Every class's slots fit its chunk, classes grow, and above 2 KiB no step wastes
+    /// more than ~17% of a slot.
+    #[test]
+    fn classes_are_sorted_and_tight() {
+        for c in 0..CLASSES {
+            assert!(class_size(c) * class_slots(c) as usize <= class_pages(c) as usize * PAGE_SIZE);
+            assert!(class_slots(c) <= 64 && class_pages(c) as u64 <= MAX_CHUNK_PAGES);
+            if c > 0 {
+                assert!(class_size(c) > class_size(c - 1), "class {c}");
+                if class_size(c - 1) >= 2048 {
+                    assert!(class_size(c) * 100 <= class_size(c - 1) * 117, "class {c}");
+                }
+            }
+        }
+        assert_eq!(class_size(CLASSES - 1), PAGE_SIZE);
+        assert_eq!(slot_size(3100), 3272);
+    }
     #[test]
     #[should_panic(expected = "not live")]
     fn double_free_panics() {
@@ -224,8 +369,29 @@ mod tests {
         for w in spans.windows(2) {
             assert!(w[0].1 <= w[1].0, "overlap {w:?}");
         }
-        for &(a, b) in &spans {
-            assert_eq!(a / 4096, (b - 1) / 4096, "a slot stays inside its chunk");
+        // Each slot lies inside its chunk's pages, and no two live chunks share a page.
+        let mut chunk_pages = std::collections::BTreeMap::new();
+        for (sl, _) in &live {
+            let c = s.chunks[(sl.id.0 >> SLOT_BITS) as usize];
+            let (lo, n) = (
+                c.first_page as u64 * 4096,
+                class_pages(c.class as usize) as u64,
+            );
+            assert!(sl.offset >= lo && sl.offset + sl.size as u64 <= lo + n * 4096);
+            chunk_pages.insert(c.first_page, (n, c.touched));
+            for p in sl.offset / 4096..(sl.offset + sl.size as u64).div_ceil(4096) {
+                assert!(
+                    c.touched & 1 << (p - lo / 4096) != 0,
+                    "a live slot's page is counted"
+                );
+            }
+        }
+        let runs: Vec<(u64, u64)> = chunk_pages
+            .iter()
+            .map(|(&f, &(n, _))| (f as u64, f as u64 + n))
+            .collect();
+        for w in runs.windows(2) {
+            assert!(w[0].1 <= w[1].0, "chunks overlap {w:?}");
         }
         let st = s.stats();
         assert_eq!(st.slots, live.len() as u64);
@@ -233,7 +399,17 @@ mod tests {
             st.slot_bytes,
             live.iter().map(|(sl, _)| sl.size as u64).sum::<u64>()
         );
-        let chunks: std::collections::BTreeSet<u64> = spans.iter().map(|s| s.0 / 4096).collect();
-        assert_eq!(st.chunks, chunks.len() as u64);
+        let touched: u64 = chunk_pages
+            .values()
+            .map(|&(_, t)| t.count_ones() as u64)
+            .sum();
+        assert_eq!(st.pages, touched);
+        // A freed tail is given back: the file ends where its last live chunk ends.
+        assert_eq!(s.pages.end as u64, runs.last().map_or(0, |r| r.1));
+        for (sl, _) in live {
+            s.free(sl.id);
+        }
+        assert_eq!((s.stats(), s.pages.end), (SlabStats::default(), 0));
+        assert!(s.pages.free.is_empty(), "free runs merge back into nothing");
     }
 }

@@ -347,7 +347,7 @@ impl Engine {
             .values()
             .map(|d| d.frames.reference_only())
             .sum();
-        let store_pages: u64 = self.vms.values().map(|v| v.store.stats().chunks).sum();
+        let store_pages: u64 = self.vms.values().map(|v| v.store.stats().pages).sum();
         let [patch_bytes, compressed_bytes, swap_bytes] = self.books.slot_bytes;
         let page = PAGE as i64;
         let saved_by = SavedBy {
@@ -415,7 +415,7 @@ impl Engine {
                     .vms
                     .values()
                     .filter_map(|v| v.swap.as_ref())
-                    .map(|s| s.stats().chunks)
+                    .map(|s| s.stats().pages)
                     .sum(),
                 capacity_pages: if self.vms.values().any(|v| v.swap.is_some()) {
                     self.swap_capacity / PAGE
@@ -462,7 +462,7 @@ impl Engine {
                     }
                 })
                 .fold((0, 0), |(h, b), s| {
-                    (h + s.allocated_bytes(), b + s.stats().chunks * PAGE)
+                    (h + s.allocated_bytes(), b + s.stats().pages * PAGE)
                 })
         };
         [pool, spaces(false), spaces(true)]

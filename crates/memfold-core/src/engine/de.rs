@@ -13,7 +13,7 @@ use crate::ids::{DomainId, FrameId, Gfn, Gpn, VmId};
 use crate::p2m::{BlobId, PageState};
 use crate::share::ShareEntry;
 use crate::similarity::RefPage;
-use crate::slab::Slot;
+use crate::slab::{slot_size, Slot, MAX_CHUNK_PAGES};
 use crate::{is_zero_page, Page, PAGE_SIZE};
 
 use super::scan::READ_PAGES;
@@ -260,6 +260,7 @@ impl Engine {
             self.books.record_encode(0, took);
             if !blob.is_empty()
                 && blob.len() <= self.cfg.patch_cutoff
+                && slot_size(blob.len()) < PAGE_SIZE
                 && best.as_ref().is_none_or(|b| blob.len() < b.1.len())
             {
                 best = Some((c, blob.clone(), Box::new(other)));
@@ -315,7 +316,11 @@ impl Engine {
         }
         let took = self.clock.now_ns().saturating_sub(started);
         self.books.record_encode(1, took);
-        if blob.is_empty() || blob.len() > self.cfg.compress_cutoff {
+        // A blob whose slot is a whole page would save nothing.
+        if blob.is_empty()
+            || blob.len() > self.cfg.compress_cutoff
+            || slot_size(blob.len()) >= PAGE_SIZE
+        {
             return false;
         }
         let Some(slot) = self.put_blob(id, &blob, home) else {
@@ -340,14 +345,15 @@ impl Engine {
     /// full swap — the guests' swap files together at their capacity — stops swapping
     /// until the next budget check).
     fn put_blob(&mut self, id: VmId, blob: &[u8], home: BlobHome) -> Option<Slot> {
-        let swap_chunks: u64 = self
+        let swap_pages: u64 = self
             .vms
             .values()
             .filter_map(|v| v.swap.as_ref())
-            .map(|s| s.stats().chunks)
+            .map(|s| s.stats().pages)
             .sum();
         let result = if home == BlobHome::Swap
-            && (swap_chunks + 1) * PAGE_SIZE as u64 > self.swap_capacity
+            // A new chunk may take up to MAX_CHUNK_PAGES pages.
+            && (swap_pages + MAX_CHUNK_PAGES) * PAGE_SIZE as u64 > self.swap_capacity
         {
             Err(StoreError::Full {
                 capacity: self.swap_capacity,

@@ -298,9 +298,11 @@ fn config(s: &Setup) -> EngineConfig {
         policy,
         zero: [ZeroPolicy::Reclaim, ZeroPolicy::Share, ZeroPolicy::Keep][s.zero as usize % 3],
         patch_codec: PatchCodec::ALL[s.patch_codec as usize % PatchCodec::ALL.len()],
-        patch_cutoff: 2048,
+        // Cut-offs up to a page exercise the store's multi-page size classes.
+        patch_cutoff: [2048, 4096][s.patch_codec as usize / PatchCodec::ALL.len() % 2],
         compress_codec: CompressCodec::ALL[s.compress_codec as usize % CompressCodec::ALL.len()],
-        compress_cutoff: 2048,
+        compress_cutoff: [2048, 3584, 4096]
+            [s.compress_codec as usize / CompressCodec::ALL.len() % 3],
         rate: s.rate as u64,
         min_scan_interval_us: 100_000,
         max_scan_interval_us: 400_000,

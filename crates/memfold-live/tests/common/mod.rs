@@ -37,7 +37,6 @@ pub fn fast_engine() -> EngineConfig {
         patch_codec: PatchCodec::RunDiff,
         patch_cutoff: 2048,
         compress_codec: CompressCodec::Zstd,
-        compress_cutoff: 2048,
         ..EngineConfig::default()
     }
 }
