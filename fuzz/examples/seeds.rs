@@ -125,6 +125,7 @@ fn main() {
             batch: BatchId(4),
             first: Gfn(16384),
             count: 16384,
+            arm: vec![u64::MAX; 256],
         },
     ];
     for (i, m) in agent.iter().enumerate() {

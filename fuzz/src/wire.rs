@@ -190,7 +190,7 @@ pub enum AgentMsg {
     Share { batch: u64, pages: Vec<(u32, u32)> },
     ReclaimZero { batch: u64, gfns: Vec<u32> },
     Stash { batch: u64, pages: Vec<StashSpec> },
-    ClockScan { batch: u64, first: u32, count: u32 },
+    ClockScan { batch: u64, first: u32, count: u32, arm: Vec<u64> },
     TakeBack { batch: u64, gfns: Vec<u32> },
     OptedOut(bool),
 }
@@ -366,10 +366,12 @@ impl AgentMsg {
                 batch,
                 first,
                 count,
+                arm,
             } => ToAgent::ClockScan {
                 batch: BatchId(*batch),
                 first: Gfn(*first),
                 count: *count,
+                arm: arm.clone(),
             },
             AgentMsg::TakeBack { batch, gfns: g } => ToAgent::TakeBack {
                 batch: BatchId(*batch),

@@ -86,8 +86,9 @@ impl Agent {
                 batch,
                 first,
                 count,
+                arm,
             } => {
-                let (count, referenced, modified) = self.clock_scan(first, count)?;
+                let (count, referenced, modified) = self.clock_scan(first, count, &arm)?;
                 ToDaemon::ClockBits {
                     batch,
                     first,
@@ -382,17 +383,29 @@ impl Agent {
     }
 
     /// Reports and clears the R and M bits of `[first, first+count)` (clamped to RAM and
-    /// [`CLOCK_SLICE`]) and arms the slice's private pages again (DE §4.2). Returns (pages,
-    /// R bits, M bits), bit k of word k/64 for gfn `first + k`.
+    /// [`CLOCK_SLICE`]) and arms again the slice's private pages that `arm` names (DE
+    /// §4.2; bit k of word k/64 for gfn `first + k`). Returns (pages, R bits, M bits),
+    /// same layout.
     ///
     /// Errors: write-protecting or zapping a run failed.
-    fn clock_scan(&mut self, first: Gfn, count: u32) -> io::Result<(u32, Vec<u64>, Vec<u64>)> {
+    fn clock_scan(
+        &mut self,
+        first: Gfn,
+        count: u32,
+        arm: &[u64],
+    ) -> io::Result<(u32, Vec<u64>, Vec<u64>)> {
         let npages = self.pages.len();
         let n = count.min(CLOCK_SLICE).min(npages.saturating_sub(first.0));
         let (r, m) = self.pages.take_bits(first, n);
-        // Arm runs of private pages; shared and reclaimed pages fault anyway.
-        let private =
-            |agent: &Agent, k: u32| agent.pages.home(plus(first, k as usize)) == PageHome::Private;
+        // Arm runs of private pages memfoldd names; shared and reclaimed pages fault
+        // anyway, and a page left unarmed is only watched less (no data depends on it).
+        let named = |k: u32| {
+            arm.get(k as usize / 64)
+                .is_some_and(|w| w >> (k % 64) & 1 == 1)
+        };
+        let private = |agent: &Agent, k: u32| {
+            named(k) && agent.pages.home(plus(first, k as usize)) == PageHome::Private
+        };
         let mut runs = Vec::new();
         let mut k = 0;
         while k < n {

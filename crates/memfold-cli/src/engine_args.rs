@@ -53,6 +53,11 @@ pub struct EngineArgs {
     /// Largest compressed page kept, bytes (DE §3.3's cut-off; at most 4096).
     #[arg(long, default_value_t = defaults().compress_cutoff)]
     pub compress_cutoff: usize,
+    /// Most NRU clock passes between two armings of a page the clock found used in 3
+    /// consecutive scans (fewer R-bit faults; 1..=64; 1 arms every page every pass, as
+    /// DE §4.2 is written).
+    #[arg(long, default_value_t = defaults().clock_rearm_max)]
+    pub clock_rearm_max: u32,
     /// Host memory budget for the guests' RAM, MiB (DE §4.6): over it, cold pages are
     /// swapped out to a swap file (turns the clock on). Guests whose RAM together exceeds
     /// it keep running: overcommit.
@@ -106,6 +111,7 @@ impl EngineArgs {
             min_scan_interval_us: self.min_scan_interval_ms * 1000,
             max_scan_interval_us: self.max_scan_interval_ms.max(self.min_scan_interval_ms) * 1000,
             clock_interval_us: (clock > 0.0).then_some((clock * 1e6) as u64),
+            clock_rearm_max: self.clock_rearm_max,
             host_budget: self.host_budget_mib.map(|m| m << 20),
             ..defaults()
         };
@@ -131,6 +137,7 @@ impl EngineArgs {
             self.max_scan_interval_ms.to_string(),
         );
         opt("--clock-secs", self.clock_interval_s().to_string());
+        opt("--clock-rearm-max", self.clock_rearm_max.to_string());
         opt("--policy", self.policy.clone());
         opt("--patch-codec", self.patch_codec.name().into());
         opt("--patch-cutoff", self.patch_cutoff.to_string());

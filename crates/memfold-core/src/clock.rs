@@ -27,29 +27,48 @@ impl NruState {
     }
 }
 
-/// One page's clock byte: R (bit 0), M (bit 1), the number of consecutive scans that
-/// found it idle (bits 2..4, saturating at 7) and whether the last scan found it modified
-/// (bit 5). DE keeps R/M in the P2M entry and "two additional bits" for C4; we keep a
-/// whole idle count so that compression can also wait for a full multi-pass sharing cycle
-/// (DE §4.3), and the last class so that a mechanism running between scans (the live
-/// sharing scan) can ignore C1 pages as the policy says.
+/// One page's clock word: R (bit 0), M (bit 1), the number of consecutive scans that
+/// found it idle (bits 2..4, saturating at 7), whether the last scan found it modified
+/// (bit 5), whether the agent armed it at its last visit (bit 6), and how many consecutive
+/// scans found it used (bits 7..8, saturating at 3). DE keeps R/M in the P2M entry and
+/// "two additional bits" for C4; we keep a whole idle count so that compression can also
+/// wait for a full multi-pass sharing cycle (DE §4.3), the last class so that a mechanism
+/// running between scans (the live sharing scan) can ignore C1 pages as the policy says,
+/// and the used streak so that settled hot pages are re-armed less often
+/// ([`ClockHand::arm_mask`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PageClock(u8);
+pub struct PageClock(u16);
 
-const R: u8 = 1;
-const M: u8 = 2;
-const AGE_SHIFT: u8 = 2;
-const AGE_MAX: u8 = 7;
-const LAST_M: u8 = 1 << 5;
+const R: u16 = 1;
+const M: u16 = 2;
+const AGE_SHIFT: u16 = 2;
+const AGE_MAX: u16 = 7;
+const LAST_M: u16 = 1 << 5;
+const ARMED: u16 = 1 << 6;
+const HOT_SHIFT: u16 = 7;
+const HOT_MAX: u16 = 3;
 
 impl PageClock {
     /// A page the clock has not scanned yet: recently modified for its first scan, but
-    /// of no known class until then ([`PageClock::last_state`] says C2).
-    pub const FRESH: PageClock = PageClock(R | M);
+    /// of no known class until then ([`PageClock::last_state`] says C2). It counts as
+    /// armed: an agent reports a page it never armed as referenced and modified.
+    pub const FRESH: PageClock = PageClock(R | M | ARMED);
 
     /// A page just written where the clock could not see it (a CoW break, a refill of a
     /// reclaimed page, a page decoded back): C1 until a scan finds otherwise.
     pub const WRITTEN: PageClock = PageClock(R | M | LAST_M);
+
+    /// Whether the agent armed the page at its clock slice's last visit, so that the R
+    /// and M bits of this visit are an observation (a page left unarmed takes no fault
+    /// and reports nothing).
+    pub fn armed(self) -> bool {
+        self.0 & ARMED != 0
+    }
+
+    /// Consecutive scans that found the page used (C1 or C2), up to 3.
+    pub fn used_streak(self) -> u8 {
+        ((self.0 >> HOT_SHIFT) & HOT_MAX) as u8
+    }
 
     /// Records a guest access: R, and M for a write.
     #[inline]
@@ -71,7 +90,7 @@ impl PageClock {
 
     /// Consecutive idle scans so far.
     pub fn idle_scans(self) -> u8 {
-        (self.0 >> AGE_SHIFT) & AGE_MAX
+        ((self.0 >> AGE_SHIFT) & AGE_MAX) as u8
     }
 
     /// The class the last scan found (DE §4.2): C1 if it found the page modified (or it
@@ -106,12 +125,12 @@ impl PageClock {
     /// consecutive idle scans.
     pub fn scan(&mut self) -> NruState {
         let idle = self.0 & (R | M) == 0;
-        let age = if idle {
-            (self.idle_scans() + 1).min(AGE_MAX)
+        let (age, hot) = if idle {
+            ((self.idle_scans() as u16 + 1).min(AGE_MAX), 0)
         } else {
-            0
+            (0, (self.used_streak() as u16 + 1).min(HOT_MAX))
         };
-        self.0 = age << AGE_SHIFT | (self.0 & (R | M));
+        self.0 = age << AGE_SHIFT | hot << HOT_SHIFT | (self.0 & (R | M | ARMED));
         let state = self.state();
         self.0 &= !(R | M);
         if state == NruState::C1 {
@@ -143,7 +162,13 @@ pub struct ClockHand {
     scan_marks: [u64; 8],
     /// The pass the last applied slice belonged to.
     applied_pass: u64,
+    /// Per slice sent and not answered yet: (first gfn, the pages it arms).
+    pending: Vec<(u32, Vec<u64>)>,
 }
+
+/// Settled hot pages are re-armed in groups of this many consecutive pages (2 MiB), so
+/// that the agent's write-protect and zap calls still cover long runs.
+const REARM_GROUP: u32 = 512;
 
 impl ClockHand {
     /// A hand for a guest of `pages` pages; its first slice is due at once.
@@ -157,7 +182,42 @@ impl ClockHand {
             passes: 0,
             scan_marks: [u64::MAX; 8],
             applied_pass: 0,
+            pending: Vec::new(),
         }
+    }
+
+    /// Which pages of the slice `[first, first + count)` the agent should arm at this
+    /// visit (bit k of word k/64 for gfn `first + k`), remembered until the slice's bits
+    /// come back ([`ClockHand::apply`]).
+    ///
+    /// Arming costs a fault per page the guest then uses, every pass; a page used in
+    /// every scan costs one each pass and tells nothing new. So a page found used in 2
+    /// consecutive observed scans is armed every `min(4, max_period)` passes only, and
+    /// after 3 every `max_period` passes (DE §4.2 leaves the sampling to the
+    /// implementation; the kernel's MGLRU likewise walks hot regions less often). A page
+    /// left unarmed is not observed at its next visit: it keeps its class, so it only
+    /// becomes C3/C4 — what patching, compression and swap may take — after an armed,
+    /// observed, idle interval. Every other page (idle, just changed, never scanned) is
+    /// armed at every visit. `max_period` 1 arms every page at every visit.
+    pub fn arm_mask(&mut self, first: u32, count: u32, max_period: u32) -> Vec<u64> {
+        let end = first.saturating_add(count).min(self.clocks.len() as u32);
+        let n = end.saturating_sub(first);
+        let mut mask = vec![0u64; (n as usize).div_ceil(64)];
+        let max_period = max_period.max(1) as u64;
+        for g in first..end {
+            let period = match self.clocks[g as usize].used_streak() {
+                0 | 1 => 1,
+                2 => max_period.min(4),
+                _ => max_period,
+            };
+            if (self.passes + (g / REARM_GROUP) as u64) % period == 0 {
+                let k = (g - first) as usize;
+                mask[k / 64] |= 1 << (k % 64);
+            }
+        }
+        self.pending.retain(|&(f, _)| f != first);
+        self.pending.push((first, mask.clone()));
+        mask
     }
 
     /// The next slice `(first gfn, pages)` if it is due at `now_us`; a pass over the
@@ -182,9 +242,12 @@ impl ClockHand {
     }
 
     /// Applies a slice's R and M bits (bit k of word k/64 for gfn `first + k`): each
-    /// private page (`private(gfn)`) is observed and scanned; at the end of the guest's
-    /// RAM the pass's class counts become [`ClockHand::last_pass`]. `full_scans` is
-    /// memfoldd's count of full sharing scans started (see [`ClockHand::seen_by_sharing`]).
+    /// private page (`private(gfn)`) the agent armed at the last visit is observed and
+    /// scanned, one left unarmed keeps its class; at the end of the guest's RAM the
+    /// pass's class counts become [`ClockHand::last_pass`]. The private pages this
+    /// visit's [`ClockHand::arm_mask`] named are armed from now on (none, if the slice
+    /// was not asked for by this hand). `full_scans` is memfoldd's count of full sharing
+    /// scans started (see [`ClockHand::seen_by_sharing`]).
     pub fn apply(
         &mut self,
         first: u32,
@@ -203,14 +266,32 @@ impl ClockHand {
             self.scan_marks[(self.passes % 8) as usize] = full_scans;
         }
         self.applied_pass = self.passes;
+        let arms = self
+            .pending
+            .iter()
+            .position(|&(f, _)| f == first)
+            .map(|i| self.pending.swap_remove(i).1)
+            .unwrap_or_default();
         for g in first..end {
-            if !private(g) {
-                continue;
-            }
             let k = g - first;
             let c = &mut self.clocks[g as usize];
-            c.observe(bit(referenced, k), bit(modified, k));
-            self.counting[c.scan().index()] += 1;
+            if !private(g) {
+                c.0 &= !ARMED; // the agent arms private pages only
+                continue;
+            }
+            let state = if c.armed() {
+                c.observe(bit(referenced, k), bit(modified, k));
+                c.scan()
+            } else {
+                c.last_state()
+            };
+            self.counting[state.index()] += 1;
+            if bit(&arms, k) {
+                // A new observation window: only accesses from now on count.
+                c.0 = (c.0 & !(R | M)) | ARMED;
+            } else {
+                c.0 &= !ARMED;
+            }
         }
         if end as usize >= self.clocks.len() {
             self.last_pass = std::mem::take(&mut self.counting);
@@ -239,10 +320,11 @@ impl ClockHand {
     }
 
     /// A page that became private again by a write or an access the clock could not see
-    /// (CoW break, refill, decode back) is C1 until its next scan ([`PageClock::WRITTEN`]).
+    /// (CoW break, refill, decode back) is C1 until its next scan ([`PageClock::WRITTEN`]);
+    /// if it was armed, the agent's bits include the access, so it stays armed.
     pub fn fresh(&mut self, gfn: u32) {
         if let Some(c) = self.clocks.get_mut(gfn as usize) {
-            *c = PageClock::WRITTEN;
+            *c = PageClock(PageClock::WRITTEN.0 | (c.0 & ARMED));
         }
     }
 }
@@ -496,6 +578,7 @@ mod tests {
                    // private and not counted).
         let expect = [[99, 0, 0, 0], [1, 1, 97, 0], [1, 1, 0, 97], [1, 1, 0, 97]];
         for (pass, want) in expect.iter().enumerate() {
+            h.arm_mask(0, pages, 1);
             h.apply(0, pages, &r, &m, pass as u64 * 2, |g| g != 99);
             // Idle pages went idle in pass 1; the scan that started after pass 2 began
             // has finished once a later one started.
@@ -504,6 +587,60 @@ mod tests {
             assert_eq!(h.passes, pass as u64 + 1);
             assert_eq!(&h.last_pass, want, "pass {}", pass + 1);
         }
+    }
+
+    /// A page used in every scan is armed every 4th pass after 2 used scans and every
+    /// `max`th after 3; one left unarmed keeps its class (its zero bits are no
+    /// observation), an idle page is armed every pass, and a page that goes idle is
+    /// found idle at its next armed visit.
+    #[test]
+    fn settled_hot_pages_are_armed_less_often() {
+        let pages = 2 * REARM_GROUP;
+        let mut h = ClockHand::new(pages as usize);
+        let words = (pages as usize).div_ceil(64);
+        let hot = |g: u32| g % 2 == 0;
+        let mut armed_hot = Vec::new();
+        let mut armed = vec![true; pages as usize]; // FRESH counts as armed
+        let mut hot_stops = false;
+        for pass in 0..40u64 {
+            // The guest uses every even page (until pass 30), while armed only: an
+            // unarmed page takes no fault and reports nothing.
+            let mut r = vec![0u64; words];
+            for g in (0..pages).filter(|&g| hot(g) && armed[g as usize] && !hot_stops) {
+                r[g as usize / 64] |= 1 << (g % 64);
+            }
+            let mask = h.arm_mask(0, pages, 16);
+            h.apply(0, pages, &r, &r, pass, |_| true);
+            let bit = |g: u32| mask[g as usize / 64] >> (g % 64) & 1 == 1;
+            for g in 0..pages {
+                armed[g as usize] = bit(g);
+                if !hot(g) && pass > 0 {
+                    assert!(bit(g), "idle page {g} armed every pass");
+                }
+                if hot(g) && !hot_stops {
+                    assert_eq!(h.page(g).last_state(), NruState::C1, "pass {pass} page {g}");
+                }
+            }
+            armed_hot.push((0..pages).filter(|&g| hot(g) && bit(g)).count());
+            hot_stops |= pass == 29;
+        }
+        let half = pages as usize / 2;
+        // FRESH and the next scan see it used; from its third scan on (used 3 times) each
+        // 2 MiB group is armed one pass in 16, the groups in different passes.
+        assert_eq!(&armed_hot[..3], &[half, half, 0]);
+        assert_eq!(
+            armed_hot[3..19].iter().sum::<usize>(),
+            half,
+            "once in 16 passes"
+        );
+        assert_eq!(armed_hot[3..19].iter().filter(|&&n| n > 0).count(), 2);
+        // The guest stops using them at pass 30: each group's next armed visit finds it
+        // idle, and from then on it is armed every pass.
+        assert!(armed_hot[34..].iter().all(|&n| n == half), "{armed_hot:?}");
+        let idle_hot = (0..pages).filter(|&g| hot(g) && h.page(g).last_state() >= NruState::C3);
+        assert_eq!(idle_hot.count(), half, "found idle within 16 + 2 passes");
+        let c = h.page(0);
+        assert!(c.armed() && c.used_streak() == 0);
     }
 
     #[test]

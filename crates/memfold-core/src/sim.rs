@@ -63,6 +63,7 @@ pub struct SimAgent {
     home: Vec<Home>,
     referenced: Vec<bool>,
     modified: Vec<bool>,
+    tracking: Vec<Tracking>,
     /// Events not yet reported.
     pub events: Vec<Event>,
     /// Refuse every command (as at the VMA budget).
@@ -70,6 +71,20 @@ pub struct SimAgent {
 }
 
 const PAGE: u64 = PAGE_SIZE as u64;
+
+/// What the next access to a private page costs the real agent: the clock's arming
+/// (write-protect and zap) makes the first access a fault (R, and M for a write) and a
+/// read leaves the page write-protected (a later write: M); then no fault until armed
+/// again.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Tracking {
+    /// Armed: any access faults.
+    Armed,
+    /// Read since armed: a write faults.
+    ReadOnly,
+    /// Neither: accesses are not seen.
+    Open,
+}
 
 impl SimAgent {
     /// An agent for `ram` of `pages` pages, all private.
@@ -82,6 +97,7 @@ impl SimAgent {
             // Never armed: recently modified, as the clock assumes of new pages.
             referenced: vec![true; n],
             modified: vec![true; n],
+            tracking: vec![Tracking::Open; n],
             events: Vec::new(),
             refuse: false,
         }
@@ -180,8 +196,20 @@ impl SimAgent {
     /// Errors: a blob that does not decode (the page stays stashed).
     fn fault_in(&mut self, g: Gfn, write: bool) -> Result<Page, String> {
         let i = g.index();
-        self.referenced[i] = true;
-        self.modified[i] |= write;
+        let seen = match (self.home[i], self.tracking[i]) {
+            (Home::Private, Tracking::Open) => false,
+            (Home::Private, Tracking::ReadOnly) => write,
+            _ => true, // armed, or not private: a fault either way
+        };
+        if seen {
+            self.referenced[i] = true;
+            self.modified[i] |= write;
+            self.tracking[i] = if write {
+                Tracking::Open
+            } else {
+                Tracking::ReadOnly
+            };
+        }
         match self.home[i] {
             Home::Private => Ok(self.ram_page(g)),
             Home::Zero => {
@@ -342,8 +370,9 @@ impl SimAgent {
     }
 
     /// Reports and clears the R and M bits of `[first, first+count)` (bit k of word k/64
-    /// for page `first + k`), clamped to the guest's RAM.
-    pub fn clock_scan(&mut self, first: Gfn, count: u32) -> (u32, Vec<u64>, Vec<u64>) {
+    /// for page `first + k`), clamped to the guest's RAM, and arms the private pages `arm`
+    /// names (same layout) as the real agent does.
+    pub fn clock_scan(&mut self, first: Gfn, count: u32, arm: &[u64]) -> (u32, Vec<u64>, Vec<u64>) {
         let n = count.min(self.pages().saturating_sub(first.0));
         let mut r = vec![0u64; (n as usize).div_ceil(64)];
         let mut m = r.clone();
@@ -354,6 +383,10 @@ impl SimAgent {
             }
             if std::mem::take(&mut self.modified[i]) {
                 m[k / 64] |= 1 << (k % 64);
+            }
+            let armed = arm.get(k / 64).is_some_and(|w| w >> (k % 64) & 1 == 1);
+            if armed && self.home[i] == Home::Private {
+                self.tracking[i] = Tracking::Armed;
             }
         }
         (n, r, m)
@@ -465,8 +498,8 @@ impl Rig {
                 break;
             }
             for c in cmds {
-                if let Command::ClockScan { first, count } = c {
-                    let (n, r, m) = self.agent.clock_scan(first, count);
+                if let Command::ClockScan { first, count, arm } = c {
+                    let (n, r, m) = self.agent.clock_scan(first, count, &arm);
                     self.engine.clock_bits(self.vm, first, n, &r, &m);
                 } else {
                     let o = self.agent.execute(&c);

@@ -122,6 +122,7 @@ fn run(domains: DomainRule) -> ((bool, u64), (bool, u64)) {
                 batch,
                 first,
                 count,
+                ..
             } = m
             {
                 let words = (count as usize).div_ceil(64);

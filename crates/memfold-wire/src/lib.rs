@@ -263,6 +263,7 @@ mod tests {
                 batch,
                 first: Gfn(0),
                 count: CLOCK_SLICE,
+                arm: vec![u64::MAX, 5],
             },
         ] {
             round_trip(m);

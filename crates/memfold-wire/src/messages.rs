@@ -16,8 +16,9 @@ use crate::stats::Stats;
 /// Version 5: typed blobs in [`StashPage`]; 6: a checksum with every stashed page; 7:
 /// the operator's opt-out ([`ToDaemon::OptOut`], [`ToAgent::TakeBack`]); 8: discarded
 /// pages ([`ToDaemon::Discarded`]) and the opt-out carried across a restart
-/// (`AgentHello::opted_out`).
-pub const PROTOCOL_VERSION: u32 = 8;
+/// (`AgentHello::opted_out`); 9: which pages a clock scan arms
+/// ([`ToAgent::ClockScan`]`::arm`).
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
 pub const MAX_MESSAGE: usize = 256 * 1024;
@@ -320,8 +321,9 @@ pub enum ToAgent {
         pages: Vec<StashPage>,
     },
     /// Report the R and M bits of pages `[first, first+count)` since they were last armed,
-    /// and arm them again: write-protect private pages (a write faults: M) and zap their
-    /// PTEs (any access faults as minor: R). At most [`CLOCK_SLICE`] pages.
+    /// and arm those `arm` names again: write-protect private pages (a write faults: M)
+    /// and zap their PTEs (any access faults as minor: R); the others are left as they
+    /// are. At most [`CLOCK_SLICE`] pages.
     ClockScan {
         /// The batch, echoed in the reply.
         batch: BatchId,
@@ -329,6 +331,8 @@ pub enum ToAgent {
         first: Gfn,
         /// Pages.
         count: u32,
+        /// Pages to arm: bit k of word k/64 for page `first + k` (missing words: none).
+        arm: Vec<u64>,
     },
 }
 

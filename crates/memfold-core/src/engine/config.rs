@@ -73,6 +73,11 @@ pub struct EngineConfig {
     /// Time for the NRU clock's hand to pass over each guest once, µs (DE §4.2: ≥ 4 s);
     /// `None`: no clock, so no R/M tracking faults and sharing alone.
     pub clock_interval_us: Option<u64>,
+    /// Most clock passes between two armings of a settled hot page (one the clock found
+    /// used in 3 consecutive scans; [`crate::clock::ClockHand::arm_mask`]): fewer R-bit
+    /// faults for the same classes of cold pages. 1 arms every page every pass (DE §4.2
+    /// as written); at most 64.
+    pub clock_rearm_max: u32,
     /// Host memory budget for the guests' RAM (their memfds, the pool and the store),
     /// bytes; over it, cold pages are swapped out (DE §4.6). `None`: no swapping.
     pub host_budget: Option<u64>,
@@ -98,6 +103,7 @@ impl Default for EngineConfig {
             min_scan_interval_us: 1_000_000,
             max_scan_interval_us: 8_000_000,
             clock_interval_us: Some(4_000_000),
+            clock_rearm_max: 16,
             host_budget: None,
             page_hash,
         }
@@ -124,6 +130,9 @@ pub enum ConfigError {
     /// Similarity parameters out of range.
     #[error("similarity: {0}")]
     Similarity(String),
+    /// A clock re-arm period out of 1..=64 passes.
+    #[error("clock re-arm period of {0} passes: give 1 to 64")]
+    ClockRearm(u32),
 }
 
 impl EngineConfig {
@@ -138,6 +147,9 @@ impl EngineConfig {
             if bytes > PAGE_SIZE {
                 return Err(ConfigError::Cutoff { which, bytes });
             }
+        }
+        if !(1..=64).contains(&self.clock_rearm_max) {
+            return Err(ConfigError::ClockRearm(self.clock_rearm_max));
         }
         if self.clock_interval_us.is_none() {
             if self.policy.needs_clock() {

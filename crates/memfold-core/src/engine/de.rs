@@ -28,9 +28,11 @@ impl Engine {
         let now = self.now_us();
         for v in self.vms.values_mut().filter(|v| v.attached && !v.opted_out) {
             if let Some((first, count)) = v.clock.due_slice(now, interval) {
+                let arm = v.clock.arm_mask(first, count, self.cfg.clock_rearm_max);
                 v.queue.push(Command::ClockScan {
                     first: Gfn(first),
                     count,
+                    arm,
                 });
             }
         }

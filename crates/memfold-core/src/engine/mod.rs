@@ -93,7 +93,7 @@ pub(crate) struct Domain {
 
 /// One command for the agent of a guest: the engine's plan. Each names the page and what
 /// the agent must check before it acts, so a page written meanwhile is never lost.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Command {
     /// Map the page onto the frame if its bytes still equal the frame's (ESX §4.3).
     Share {
@@ -125,12 +125,16 @@ pub enum Command {
         /// The page.
         gfn: Gfn,
     },
-    /// Report the slice's R and M bits since it was last armed and arm it again (DE §4.2).
+    /// Report the slice's R and M bits since it was last armed, and arm the pages of
+    /// `arm` that are private again (DE §4.2); the others are left as they are, with no
+    /// fault to take (see [`crate::clock::ClockHand::arm_mask`]).
     ClockScan {
         /// First page.
         first: Gfn,
         /// Pages.
         count: u32,
+        /// Pages to arm: bit k of word k/64 for page `first + k`.
+        arm: Vec<u64>,
     },
 }
 

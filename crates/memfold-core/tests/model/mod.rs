@@ -433,9 +433,10 @@ impl Harness {
     /// Applies an outcome for VM `i`'s command.
     fn answer(&mut self, i: usize, cmd: &Command, o: Outcome) -> Result<(), String> {
         let id = self.vms[i].id.expect("connected VMs have an id");
-        if let Command::ClockScan { first, count } = *cmd {
+        if let Command::ClockScan { first, count, arm } = cmd {
             if o == Outcome::Done {
-                let (n, r, m) = self.vms[i].agent.clock_scan(first, count);
+                let (n, r, m) = self.vms[i].agent.clock_scan(*first, *count, arm);
+                let first = *first;
                 self.engine.clock_bits(id, first, n, &r, &m);
             }
             return Ok(());
@@ -670,8 +671,8 @@ impl Harness {
         for cmd in std::mem::take(&mut self.vms[i].wire) {
             if rng.gen_bool(0.5) {
                 let v = &mut self.vms[i];
-                if let Command::ClockScan { first, count } = cmd {
-                    v.agent.clock_scan(first, count);
+                if let Command::ClockScan { first, count, arm } = &cmd {
+                    v.agent.clock_scan(*first, *count, arm);
                 } else {
                     v.agent.execute(&cmd);
                 }

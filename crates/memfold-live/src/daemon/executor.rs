@@ -149,11 +149,12 @@ impl Executor {
                     })
                     .collect(),
             },
-            Kind::Clock => match cmds[0] {
-                Command::ClockScan { first, count } => ToAgent::ClockScan {
+            Kind::Clock => match &cmds[0] {
+                Command::ClockScan { first, count, arm } => ToAgent::ClockScan {
                     batch,
-                    first,
-                    count,
+                    first: *first,
+                    count: *count,
+                    arm: arm.clone(),
                 },
                 _ => unreachable!("clock batches hold one clock scan"),
             },
@@ -241,7 +242,9 @@ impl Executor {
     pub(crate) fn clock_reply(&mut self, vm: VmId, batch: BatchId, first: Gfn) -> Option<u32> {
         let cmds = self.answered(vm, batch, Kind::Clock)?;
         match cmds[0] {
-            Command::ClockScan { first: f, count } if f == first => Some(count),
+            Command::ClockScan {
+                first: f, count, ..
+            } if f == first => Some(count),
             _ => {
                 tracing::warn!("{vm} answered {batch} for another slice: ignored");
                 None
@@ -313,7 +316,7 @@ mod tests {
         let (a, b) = (vms[0], vms[1]);
         let mut x = Executor::default();
         let cmds = e.take_commands(a);
-        let Some(Command::Share { gfn, frame }) = cmds.first().copied() else {
+        let Some(Command::Share { gfn, frame }) = cmds.first().cloned() else {
             panic!("a share for guest a: {cmds:?}");
         };
         x.track(BatchId(1), a, Kind::Share, cmds);
