@@ -51,6 +51,8 @@ pub fn specs(profiles: &str, ram: RamBackend, mem_mib: Option<u32>) -> Result<Ve
             ram,
             cpus: 1,
             cgroup_procs: None,
+            mem_merge: true,
+            free_page_reporting: false,
         });
     }
     anyhow::ensure!(!out.is_empty(), "no guest profile given");
