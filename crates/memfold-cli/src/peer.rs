@@ -208,10 +208,14 @@ pub fn run_ksm_zswap(
     let swap_path = out.join("peer.swap");
     let _ = std::fs::remove_file(&swap_path);
     let swap = SwapFile::create(&swap_path, ram_bytes)?;
-    let (mut gs, _accel, _) =
-        guests::start_set_in(set, ram, "compare", Some(&group.procs_file()), |_| {
-            Vec::new()
-        })?;
+    let procs = group.procs_file();
+    let (mut gs, _accel, _) = guests::start_set_in(
+        set,
+        ram,
+        "compare",
+        |s| s.cgroup_procs = Some(procs.clone()),
+        |_| Vec::new(),
+    )?;
     let ksm = Ksm::take_control()?;
     ksm.unmerge()?;
     let used_before = guests_pss(&gs)? + reclaim::zswap_pool()?.0;
