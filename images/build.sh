@@ -47,6 +47,8 @@ kver=$(cat "$kernel_dir/version")
 cp "$kernel_dir/vmlinuz" "$out/vmlinuz"
 
 # --- initramfs: busybox; for disk profiles it loads virtio-blk and ext4 and switches root ---
+# (and virtio_balloon: the root file system has no modules, and a guest with a balloon
+# device, the kernel-kit peer's free page reporting, needs its driver; without one it idles)
 step "initramfs"
 ird=$(mktemp -d)
 trap 'rm -rf "$ird"' EXIT
@@ -56,7 +58,7 @@ if [ "$profile" = tiny ]; then
     cp "$here/tiny-init" "$ird/init"
     cp "$here/mechanism-data" "$ird/memfold-mechanism-data"
 else
-    for m in crc16 crc32c_generic mbcache jbd2 ext4 virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk; do
+    for m in crc16 crc32c_generic mbcache jbd2 ext4 virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk virtio_balloon; do
         f=$(find "$kernel_dir/root/lib/modules/$kver" -name "$m.ko*" | head -1)
         [ -n "$f" ] || continue   # built into the kernel
         case "$f" in

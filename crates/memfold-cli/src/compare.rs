@@ -1,9 +1,10 @@
 //! `memfold compare`: the same guest set under memfold (`--policy`: the Difference Engine,
 //! `de`, by default, or `sharing`, ...) and under a peer — Linux KSM (aggressive
 //! settings), or the kernel's whole kit, KSM + zswap + proactive reclaim
-//! (`--peer ksm+zswap`, [`crate::peer`]) — one after the other on fresh boots, measured
-//! the same way: host memory saved and left, time to 95% of the plateau, CPU seconds,
-//! memory stall.
+//! (`--peer ksm+zswap`, [`crate::peer`]), optionally with free page reporting in the guests
+//! (`--peer ksm+zswap+fpr`) — one after the other on fresh boots, measured the same way:
+//! host memory saved and left, time to 95% of the plateau, CPU seconds, memory stall, and
+//! with `--plain-twins` each workload's throughput against an unmanaged twin on each side.
 
 use anyhow::{Context, Result};
 use clap::Args;
@@ -12,8 +13,9 @@ use memfold_vm::launcher::RamBackend;
 
 use crate::guests;
 use crate::ksm::run_mode;
-use crate::run::measure::{kernel_threads_cpu_seconds, t95_text, MIB};
-use crate::run::{self, MemfoldArgs, RunArgs};
+use crate::run::measure::Throughput;
+use crate::run::measure::{kernel_threads_cpu_seconds, start_marks, t95_text, throughput, MIB};
+use crate::run::{self, MemfoldArgs, RunArgs, Twins};
 
 /// Arguments of `memfold compare`.
 #[derive(Args, Clone, Debug)]
@@ -28,11 +30,23 @@ pub struct CompareArgs {
     /// from the same footprint).
     #[arg(long, value_enum, default_value_t = KsmThp::Host)]
     pub ksm_thp: KsmThp,
-    /// The peer: `ksm` (KSM alone) or `ksm+zswap` (KSM, zswap with a swap file, and a
+    /// The peer: `ksm` (KSM alone), `ksm+zswap` (KSM, zswap with a swap file, and a
     /// Senpai-style controller lowering the QEMUs' memory cgroup limit while memory
-    /// pressure stays under `--pressure-target`).
+    /// pressure stays under `--pressure-target`) or `ksm+zswap+fpr` (that, and a virtio
+    /// balloon with free page reporting in each of the peer's guests).
     #[arg(long, value_enum, default_value_t = Peer::Ksm)]
     pub peer: Peer,
+    /// Boot beside each guest, on both sides, a plain twin of its profile (memfold's side:
+    /// no agent; the peer's: outside the reclaim cgroup, RAM not mergeable, no balloon),
+    /// each pair pinned to one host CPU, and report each workload's throughput managed /
+    /// plain ± 2 standard errors over its rounds, per side. Memory figures count the
+    /// managed guests only.
+    #[arg(long)]
+    pub plain_twins: bool,
+    /// With --plain-twins: boot the plain twin of each pair first (the managed one second),
+    /// to tell an order effect from the manager's.
+    #[arg(long, requires = "plain_twins")]
+    pub plain_first: bool,
     /// The `ksm+zswap` controller's pressure target, % of time some task stalls on memory
     /// (Senpai's default: 0.1).
     #[arg(long, default_value_t = 0.1)]
@@ -59,6 +73,56 @@ pub enum Peer {
     /// KSM + zswap + proactive reclaim.
     #[value(name = "ksm+zswap")]
     KsmZswap,
+    /// KSM + zswap + proactive reclaim + free page reporting in the guests.
+    #[value(name = "ksm+zswap+fpr")]
+    KsmZswapFpr,
+}
+
+impl Peer {
+    /// Its name on the command line and in `compare.json`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Peer::Ksm => "ksm",
+            Peer::KsmZswap => "ksm+zswap",
+            Peer::KsmZswapFpr => "ksm+zswap+fpr",
+        }
+    }
+
+    /// Whether it is the kernel's kit (zswap and the reclaim controller), not KSM alone.
+    pub fn is_kit(self) -> bool {
+        self != Peer::Ksm
+    }
+}
+
+impl CompareArgs {
+    /// The plain twins asked for (`None`: without `--plain-twins`).
+    pub fn twins(&self) -> Option<Twins> {
+        self.plain_twins.then_some(Twins {
+            plain_first: self.plain_first,
+        })
+    }
+
+    /// The memfold side's run: memfold's settings, with the plain twins asked for.
+    pub fn memfold_run(&self) -> RunArgs {
+        let mut r = RunArgs::without_twins(self.memfold.clone());
+        r.plain_twins = self.plain_twins;
+        r.plain_first = self.plain_first;
+        r
+    }
+
+    /// The kit the peer runs (for `ksm+zswap` and `ksm+zswap+fpr`).
+    pub fn kit(&self) -> crate::peer::Kit {
+        crate::peer::Kit {
+            pace: crate::peer::Pace {
+                target: self.pressure_target / 100.0,
+                max_probe: self.reclaim_probe / 100.0,
+                interval_s: self.reclaim_interval,
+            },
+            compressor: self.zswap_compressor.clone(),
+            fpr: self.peer == Peer::KsmZswapFpr,
+            twins: self.twins(),
+        }
+    }
 }
 
 /// Huge pages on the KSM side of `memfold compare` (and on the kit's).
@@ -93,7 +157,7 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         std::path::Path::new("/sys/kernel/mm/ksm/run").exists(),
         "/sys/kernel/mm/ksm is missing: this kernel has no KSM (CONFIG_KSM), so compare has no peer to measure"
     );
-    if a.peer == Peer::KsmZswap {
+    if a.peer.is_kit() {
         anyhow::ensure!(
             a.pressure_target > 0.0 && a.pressure_target < 100.0,
             "--pressure-target {} is not a percentage in (0, 100)",
@@ -122,14 +186,14 @@ pub fn run(a: &CompareArgs) -> Result<()> {
     }
     eprintln!("== memfold (policy {}) on the set", a.memfold.engine.policy);
     let stall0 = memfold_sys::reclaim::memory_stall_us().ok();
-    let (m, out) = run::measure(&RunArgs::without_twins(a.memfold.clone()), "compare", &stop)?;
+    let (m, out) = run::measure(&a.memfold_run(), "compare", &stop)?;
     // Over the sampled seconds (booting under no memory pressure stalls nothing).
     let memfold_stall_pct = stall0.and_then(|s0| {
         let s1 = memfold_sys::reclaim::memory_stall_us().ok()?;
         Some(s1.saturating_sub(s0) as f64 / (a.memfold.secs as f64 * 1e6) * 100.0)
     });
     run::write_outputs(&out, &m)?;
-    if a.peer == Peer::KsmZswap {
+    if a.peer.is_kit() {
         return compare_kit(a, &m, memfold_stall_pct, &out);
     }
 
@@ -139,15 +203,33 @@ pub fn run(a: &CompareArgs) -> Result<()> {
     let mut set = a.memfold.set.clone();
     set.out = Some(out.join("ksm"));
     let backend = a.ksm_thp.backend();
-    let (mut gs, _accel, kout) = guests::start_set(&set, backend, "compare")?;
+    // The plain twins' RAM is not mergeable: KSM leaves them alone.
+    let (mut gs, mut plain, kout) = guests::start_pairs(
+        &set,
+        a.twins(),
+        backend,
+        "compare",
+        |s, managed| s.mem_merge = managed,
+        |_| Vec::new(),
+    )?;
+    let since = start_marks(gs.iter().chain(&plain));
     let cpu0 = kernel_threads_cpu_seconds(&["ksmd"]);
     let k = run_mode(&ksm, &mut gs, KsmMode::AGGRESSIVE, a.memfold.secs)?;
     let ksm_cpu_s = kernel_threads_cpu_seconds(&["ksmd"]) - cpu0;
+    let ksm_throughput = throughput(&gs, &plain, &since);
     ksm.unmerge()?;
     drop(ksm);
     crate::ksm::write_outputs(&kout, std::slice::from_ref(&k))?;
-    let mismatches: Vec<String> = gs.iter().flat_map(|g| g.mismatches()).collect();
+    let mismatches: Vec<String> = gs
+        .iter()
+        .chain(&plain)
+        .flat_map(|g| g.mismatches())
+        .collect();
+    for g in plain.iter_mut() {
+        g.check_alive()?;
+    }
     drop(gs);
+    drop(plain);
     let j = serde_json::json!({
         "guests": a.memfold.set.profiles,
         "secs": a.memfold.secs,
@@ -172,6 +254,8 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "memfold_saved_by_pages": m.end().map(|s| s.saved_by),
         "memfold_lifetime": m.end().map(|s| s.lifetime.clone()),
         "memfold_latency_us": m.end().map(|s| s.latency),
+        "memfold_throughput": m.throughput,
+        "ksm_throughput": ksm_throughput,
     });
     std::fs::write(out.join("compare.json"), serde_json::to_vec_pretty(&j)?)?;
     if a.memfold.set.json {
@@ -190,8 +274,53 @@ pub fn run(a: &CompareArgs) -> Result<()> {
             ksm_cpu_s,
             m.saved_bytes / k.saved_bytes.max(1.0)
         );
+        print_sides(&m.throughput, "KSM-managed", &ksm_throughput);
     }
     Ok(())
+}
+
+/// With plain twins: both sides' throughput tables (managed vs plain, ratio ± 2 s.e.),
+/// printed by `memfold run`'s one function, then the ratios side by side per workload.
+fn print_sides(memfold: &[Throughput], peer_side: &str, peer: &[Throughput]) {
+    if memfold.is_empty() && peer.is_empty() {
+        return;
+    }
+    run::print_throughput("memfold-managed", memfold);
+    run::print_throughput(peer_side, peer);
+    println!("guest speed, managed / plain (± 2 s.e.), per workload:");
+    println!(
+        "  {:<14} {:<10} {:>22} {:>22}",
+        "workload", "guest", "memfold", peer_side
+    );
+    let cell = |t: Option<&Throughput>| {
+        t.map_or("-".to_string(), |t| {
+            format!(
+                "{:.3}{}",
+                t.ratio,
+                t.change_2se.map_or(String::new(), |e| format!(" ± {e:.3}"))
+            )
+        })
+    };
+    // Both sides boot the same set in the same order: a managed guest has the same name
+    // on both.
+    let mut rows: Vec<(&str, &str)> = Vec::new();
+    for t in memfold.iter().chain(peer) {
+        if !rows.contains(&(t.metric.as_str(), t.guest.as_str())) {
+            rows.push((t.metric.as_str(), t.guest.as_str()));
+        }
+    }
+    fn find<'a>(side: &'a [Throughput], (metric, guest): (&str, &str)) -> Option<&'a Throughput> {
+        side.iter().find(|t| t.metric == metric && t.guest == guest)
+    }
+    for row in rows {
+        println!(
+            "  {:<14} {:<10} {:>22} {:>22}",
+            row.0,
+            row.1,
+            cell(find(memfold, row)),
+            cell(find(peer, row))
+        );
+    }
 }
 
 /// The memfold half against the kernel's whole kit (`--peer ksm+zswap`).
@@ -202,30 +331,23 @@ fn compare_kit(
     out: &std::path::Path,
 ) -> Result<()> {
     eprintln!(
-        "== the kernel's kit: KSM (aggressive) + zswap + proactive reclaim at {}% pressure, on the same set booted afresh",
-        a.pressure_target
+        "== the kernel's kit: KSM (aggressive) + zswap + proactive reclaim at {}% pressure{}, on the same set booted afresh",
+        a.pressure_target,
+        if a.peer == Peer::KsmZswapFpr { " + free page reporting" } else { "" }
     );
     let mut set = a.memfold.set.clone();
     set.out = Some(out.join("peer"));
     let backend = a.ksm_thp.backend();
-    let p = crate::peer::run_ksm_zswap(
-        &set,
-        backend,
-        crate::peer::Pace {
-            target: a.pressure_target / 100.0,
-            max_probe: a.reclaim_probe / 100.0,
-            interval_s: a.reclaim_interval,
-        },
-        a.zswap_compressor.as_deref(),
-        a.memfold.secs,
-    )?;
+    let p = crate::peer::run_ksm_zswap(&set, backend, &a.kit(), a.memfold.secs)?;
     crate::peer::write_csv(&out.join("peer").join("peer.csv"), &p)?;
     let memfold_left = m.used_before as f64 - m.saved_bytes;
     let peer_left = p.used_before as f64 - p.saved_bytes;
     let j = serde_json::json!({
         "guests": a.memfold.set.profiles,
         "secs": a.memfold.secs,
-        "peer": "ksm+zswap",
+        "peer": a.peer.name(),
+        "plain_twins": a.plain_twins,
+        "plain_first": a.plain_first,
         "ksm_thp": a.ksm_thp,
         "pressure_target_pct": a.pressure_target,
         "zswap_compressor": p.compressor,
@@ -238,6 +360,7 @@ fn compare_kit(
         "memfold_memory_stall_pct": memfold_stall_pct,
         "memfold_daemon_restarts": m.daemon_restarts,
         "peer_used_before_bytes": p.used_before,
+        "peer_plain_twins_used_before_bytes": p.plain_used_before,
         "peer_used_after_bytes": peer_left,
         "peer_saved_bytes": p.saved_bytes,
         "peer_t95_s": p.t95_s,
@@ -245,6 +368,9 @@ fn compare_kit(
         "peer_memory_stall_pct": p.stall_pct,
         "peer_guest_mismatches": p.mismatches,
         "peer_senpai": p.senpai,
+        "peer_free_page_reporting": p.fpr,
+        "memfold_throughput": m.throughput,
+        "peer_throughput": p.throughput,
         "left_ratio_memfold_over_peer": memfold_left / peer_left.max(1.0),
     });
     std::fs::write(out.join("compare.json"), serde_json::to_vec_pretty(&j)?)?;
@@ -252,13 +378,14 @@ fn compare_kit(
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
         println!(
-            "memfold ({}):            leaves {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s, memory stall {})\nKSM + zswap + reclaim ({}% pressure target, {}): leaves {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s, memory stall {:.2}%)\nhost memory left, memfold / peer: {:.2}",
+            "memfold ({}):            leaves {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s, memory stall {})\nKSM + zswap + reclaim{} ({}% pressure target, {}): leaves {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s, memory stall {:.2}%)\nhost memory left, memfold / peer: {:.2}",
             a.memfold.engine.policy,
             memfold_left / MIB,
             m.used_before as f64 / MIB,
             t95_text(m.t95_s),
             m.cpu_s,
             memfold_stall_pct.map_or("-".into(), |s| format!("{s:.2}%")),
+            if p.fpr { " + fpr" } else { "" },
             a.pressure_target,
             p.compressor,
             peer_left / MIB,
@@ -268,6 +395,70 @@ fn compare_kit(
             p.stall_pct,
             memfold_left / peer_left.max(1.0)
         );
+        print_sides(&m.throughput, "kit-managed", &p.throughput);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        compare: CompareArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<CompareArgs, clap::Error> {
+        Cli::try_parse_from(std::iter::once("memfold-compare").chain(args.iter().copied()))
+            .map(|c| c.compare)
+    }
+
+    #[test]
+    fn the_fpr_peer_is_the_kit_with_free_page_reporting() {
+        let a = parse(&["--peer", "ksm+zswap+fpr", "--pressure-target", "1"]).unwrap();
+        assert_eq!(a.peer, Peer::KsmZswapFpr);
+        assert!(a.peer.is_kit());
+        assert_eq!(a.peer.name(), "ksm+zswap+fpr");
+        let k = a.kit();
+        assert!(k.fpr);
+        assert_eq!(k.pace.target, 0.01);
+        assert_eq!(k.twins, None);
+        let z = parse(&["--peer", "ksm+zswap"]).unwrap();
+        assert!(z.peer.is_kit() && !z.kit().fpr);
+        let ksm = parse(&[]).unwrap();
+        assert_eq!(ksm.peer, Peer::Ksm);
+        assert!(!ksm.peer.is_kit());
+        assert!(parse(&["--peer", "fpr"]).is_err());
+    }
+
+    #[test]
+    fn plain_twins_go_to_both_sides() {
+        let a = parse(&[
+            "--profiles",
+            "web,db",
+            "--plain-twins",
+            "--peer",
+            "ksm+zswap+fpr",
+        ])
+        .unwrap();
+        let t = Some(Twins { plain_first: false });
+        assert_eq!(a.twins(), t);
+        assert_eq!(a.kit().twins, t);
+        let r = a.memfold_run();
+        assert!(r.plain_twins && !r.plain_first);
+        assert_eq!(r.twins(), t);
+        let b = parse(&["--plain-twins", "--plain-first"]).unwrap();
+        assert_eq!(b.kit().twins, Some(Twins { plain_first: true }));
+        assert!(b.memfold_run().plain_first);
+        let c = parse(&["--peer", "ksm+zswap"]).unwrap();
+        assert_eq!(c.twins(), None);
+        assert!(!c.memfold_run().plain_twins);
+        assert!(
+            parse(&["--plain-first"]).is_err(),
+            "--plain-first needs --plain-twins"
+        );
+    }
 }

@@ -8,6 +8,8 @@ use clap::Args;
 use memfold_vm::images;
 use memfold_vm::launcher::{detect_accel, Accel, Guest, GuestSpec, RamBackend};
 
+use crate::run::Twins;
+
 /// The guest set of a command that boots guests and measures them.
 #[derive(Args, Clone, Debug)]
 pub struct GuestSetArgs {
@@ -51,6 +53,8 @@ pub fn specs(profiles: &str, ram: RamBackend, mem_mib: Option<u32>) -> Result<Ve
             ram,
             cpus: 1,
             cgroup_procs: None,
+            mem_merge: true,
+            free_page_reporting: false,
         });
     }
     anyhow::ensure!(!out.is_empty(), "no guest profile given");
@@ -96,22 +100,23 @@ pub fn start_set_with(
     default_out: &str,
     env: impl Fn(&GuestSpec) -> Vec<(String, String)>,
 ) -> Result<(Vec<Guest>, Accel, PathBuf)> {
-    start_set_in(set, ram, default_out, None, env)
+    start_set_in(set, ram, default_out, |_| {}, env)
 }
 
-/// [`start_set_with`], each QEMU joining the cgroup of `cgroup_procs` before it execs.
+/// [`start_set_with`], each guest's spec first changed by `adjust` (the kernel-kit peer
+/// puts its QEMUs in a memory cgroup, gives them a balloon, ...).
 pub fn start_set_in(
     set: &GuestSetArgs,
     ram: RamBackend,
     default_out: &str,
-    cgroup_procs: Option<&Path>,
+    adjust: impl Fn(&mut GuestSpec),
     env: impl Fn(&GuestSpec) -> Vec<(String, String)>,
 ) -> Result<(Vec<Guest>, Accel, PathBuf)> {
     let out = set.out_dir(default_out);
     let cache = images::cache_dir();
     let mut specs = specs(&set.profiles, ram, set.mem_mib)?;
     for s in &mut specs {
-        s.cgroup_procs = cgroup_procs.map(Path::to_path_buf);
+        adjust(s);
     }
     eprintln!("images ({}):", cache.display());
     ensure_images(&cache, &specs)?;
@@ -125,6 +130,49 @@ pub fn start_set_in(
     eprintln!("settling {} s", set.settle);
     std::thread::sleep(Duration::from_secs(set.settle));
     Ok((guests, accel, out))
+}
+
+/// The start of a side of `memfold run` or `compare`, with plain twins or without: boots
+/// `set` (with `twins`, every profile twice, [`Twins::set`]), each spec changed by
+/// `adjust(spec, managed)` and each managed guest's QEMU given the environment
+/// `managed_env` (memfold's agent; the plain twins get none), lets them settle, and pins
+/// each pair of twins to one host CPU (equal shares; the manager's CPU in the managed
+/// QEMU is then time its vCPU did not get — unpinned, the scheduler gave managed QEMUs
+/// 30-45% more). Returns the managed guests, their plain twins (empty without twins, else
+/// in the same order) and the output folder.
+///
+/// Errors: as [`start_set`], or a pair cannot be pinned.
+pub fn start_pairs(
+    set: &GuestSetArgs,
+    twins: Option<Twins>,
+    ram: RamBackend,
+    default_out: &str,
+    adjust: impl Fn(&mut GuestSpec, bool),
+    managed_env: impl Fn(&GuestSpec) -> Vec<(String, String)>,
+) -> Result<(Vec<Guest>, Vec<Guest>, PathBuf)> {
+    let managed = |name: &str| Twins::manages(twins, name);
+    let (all, _accel, out) = start_set_in(
+        &Twins::set_of(twins, set),
+        ram,
+        default_out,
+        |s| adjust(s, managed(&s.name)),
+        |s| {
+            if managed(&s.name) {
+                managed_env(s)
+            } else {
+                Vec::new()
+            }
+        },
+    )?;
+    let (guests, plain): (Vec<Guest>, Vec<Guest>) = all.into_iter().partition(|g| managed(&g.name));
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for (i, (m, p)) in guests.iter().zip(&plain).enumerate() {
+        for g in [m, p] {
+            g.pin_to_cpu(i % cpus)
+                .with_context(|| format!("cannot pin {} to CPU {}", g.name, i % cpus))?;
+        }
+    }
+    Ok((guests, plain, out))
 }
 
 /// Starts every guest (with the QEMU environment `env` gives it, e.g. memfold's agent) and

@@ -3,7 +3,13 @@
 //! behind it, and a proactive-reclaim controller in the manner of Meta's Senpai (TMO,
 //! ASPLOS 2022): the guests' QEMUs live in a memory cgroup from birth, and every
 //! interval (2 s by default) the controller lowers its limit while the host's memory
-//! pressure stays under a target and raises it when pressure goes over.
+//! pressure stays under a target and raises it when pressure goes over. With
+//! `--peer ksm+zswap+fpr` each guest also has a virtio balloon with free page reporting:
+//! its kernel reports free 2 MiB blocks and QEMU discards them from guest RAM.
+//!
+//! With plain twins ([`Kit::twins`]) each managed guest has an unmanaged twin beside it:
+//! outside the cgroup, its RAM not mergeable (QEMU's `mem-merge=off`), no balloon; the
+//! pairs' throughputs are compared as `memfold run --plain-twins` compares them.
 //!
 //! Host memory the peer leaves is measured like memfold's and KSM's: the Pss of guest RAM
 //! (KSM-merged pages split among their mappers; pages swapped out count nothing there)
@@ -18,6 +24,9 @@ use anyhow::{Context, Result};
 use memfold_sys::ksm::{Ksm, KsmMode};
 use memfold_sys::reclaim::{self, MemCgroup, SwapFile, Zswap};
 use memfold_vm::launcher::{Guest, RamBackend};
+
+use crate::run::measure::{start_marks, throughput, Throughput};
+use crate::run::Twins;
 use serde::Serialize;
 
 use crate::guests::{self, GuestSetArgs};
@@ -84,6 +93,9 @@ pub struct PeerSample {
     pub pressure: f64,
     /// KSM's pages_sharing.
     pub pages_sharing: u64,
+    /// With plain twins: Pss of the twins' guest RAM, bytes (neither merged, reclaimed nor
+    /// reported; the managed guests' starting point, at the same time).
+    pub plain_pss_bytes: Option<u64>,
 }
 
 /// The peer's run.
@@ -95,6 +107,10 @@ pub struct PeerRun {
     pub compressor: String,
     /// Host memory used by guest RAM before KSM and the controller started, bytes.
     pub used_before: u64,
+    /// With plain twins: Pss of the twins' guest RAM at the same time, bytes (with
+    /// [`PeerRun::fpr`], what the managed guests' free page reporting had already given
+    /// back shows as `used_before` under this).
+    pub plain_used_before: Option<u64>,
     /// Mean over the last 10 s of `used_before − used`, bytes.
     pub saved_bytes: f64,
     /// Seconds until the saving first reached 95% of its plateau.
@@ -104,8 +120,12 @@ pub struct PeerRun {
     pub cpu_s: f64,
     /// Memory stall over the run, % of time some task stalled (host-wide).
     pub stall_pct: f64,
-    /// Guest self-check mismatches.
+    /// Guest self-check mismatches (plain twins included).
     pub mismatches: usize,
+    /// Whether the managed guests had free page reporting (each checked to report).
+    pub fpr: bool,
+    /// With plain twins: each workload's throughput, kit-managed vs its plain twin.
+    pub throughput: Vec<Throughput>,
     /// Samples, one a second.
     pub samples: Vec<PeerSample>,
 }
@@ -174,19 +194,48 @@ pub struct Pace {
     pub interval_s: f64,
 }
 
-/// Boots `set` in a memory cgroup of its own with zswap and a swap file on, then runs KSM
-/// (aggressive) and the Senpai controller at `target` for `secs`, sampling every second.
-/// Everything is put back afterwards (zswap's settings, KSM's, the swap file, the group).
+/// The kit `memfold compare` runs: the controller's pace, zswap's compressor, free page
+/// reporting, plain twins.
+#[derive(Clone, Debug)]
+pub struct Kit {
+    /// The controller's pace.
+    pub pace: Pace,
+    /// zswap's compressor (`None`: the first of [`COMPRESSORS`] the kernel takes).
+    pub compressor: Option<String>,
+    /// Free page reporting in the managed guests (a virtio balloon each).
+    pub fpr: bool,
+    /// Plain twins beside the managed guests.
+    pub twins: Option<Twins>,
+}
+
+/// Fails unless every guest of `guests` reported on its console a virtio balloon bound to
+/// the `virtio_balloon` driver with free page reporting negotiated.
+///
+/// Errors: a guest that reported no balloon, another driver or no reporting.
+pub fn check_reporting(guests: &[Guest]) -> Result<()> {
+    for g in guests {
+        let b = g.balloon();
+        anyhow::ensure!(
+            b.as_ref()
+                .is_some_and(|b| b.driver == "virtio_balloon" && b.reporting),
+            "guest {}: free page reporting is not on (its console says {:?}; a balloon bound to virtio_balloon with reporting=1 was expected): an image built before virtio_balloon was in the initramfs? `memfold image build` rebuilds stale images",
+            g.name,
+            b
+        );
+    }
+    Ok(())
+}
+
+/// Boots `set` in a memory cgroup of its own with zswap and a swap file on (with
+/// [`Kit::fpr`] a balloon with free page reporting in each guest; with [`Kit::twins`] a
+/// plain twin beside each, outside all of it), then runs KSM (aggressive) and the Senpai
+/// controller at the kit's pace for `secs`, sampling every second. Everything is put back
+/// afterwards (zswap's settings, KSM's, the swap file, the group).
 ///
 /// Errors: a piece of the kit is missing (zswap, cgroup v1 memory, PSI, mkswap), a guest
-/// fails, or the sampling fails.
-pub fn run_ksm_zswap(
-    set: &GuestSetArgs,
-    ram: RamBackend,
-    pace: Pace,
-    compressor: Option<&str>,
-    secs: u64,
-) -> Result<PeerRun> {
+/// does not report free pages when asked to, a guest fails, or the sampling fails.
+pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) -> Result<PeerRun> {
+    let (pace, compressor) = (kit.pace, kit.compressor.as_deref());
     let out = set.out_dir("compare");
     std::fs::create_dir_all(&out)?;
     // Offered best ratio first unless one is named.
@@ -208,13 +257,36 @@ pub fn run_ksm_zswap(
     let swap_path = out.join("peer.swap");
     let _ = std::fs::remove_file(&swap_path);
     let swap = SwapFile::create(&swap_path, ram_bytes)?;
-    let (mut gs, _accel, _) =
-        guests::start_set_in(set, ram, "compare", Some(&group.procs_file()), |_| {
-            Vec::new()
-        })?;
+    let procs = group.procs_file();
+    let (mut gs, mut plain, _) = guests::start_pairs(
+        set,
+        kit.twins,
+        ram,
+        "compare",
+        |s, managed| {
+            if managed {
+                s.cgroup_procs = Some(procs.clone());
+                s.free_page_reporting = kit.fpr;
+            } else {
+                s.mem_merge = false;
+            }
+        },
+        |_| Vec::new(),
+    )?;
+    if kit.fpr {
+        check_reporting(&gs)?;
+    }
     let ksm = Ksm::take_control()?;
     ksm.unmerge()?;
     let used_before = guests_pss(&gs)? + reclaim::zswap_pool()?.0;
+    let plain_pss = |plain: &[Guest]| -> Result<Option<u64>> {
+        Ok(if plain.is_empty() {
+            None
+        } else {
+            Some(guests_pss(plain)?)
+        })
+    };
+    let plain_used_before = plain_pss(&plain)?;
     let usage0 = group.usage()?;
     let senpai = Senpai {
         target: pace.target,
@@ -225,6 +297,7 @@ pub fn run_ksm_zswap(
         min_limit: ram_bytes / 10,
     };
     let mut whole_run = Stall::mark()?;
+    let since = start_marks(gs.iter().chain(&plain));
     let cpu0 = kernel_cpu();
     ksm.start(KsmMode::AGGRESSIVE)?;
     let stop = Arc::new(AtomicBool::new(false));
@@ -260,7 +333,7 @@ pub fn run_ksm_zswap(
     let mut samples = Vec::new();
     let mut second = Stall::mark()?;
     let sampled = every_second(Some(secs), None, |start| {
-        for g in gs.iter_mut() {
+        for g in gs.iter_mut().chain(plain.iter_mut()) {
             g.check_alive()?;
         }
         let (pool, zswapped) = reclaim::zswap_pool()?;
@@ -277,6 +350,7 @@ pub fn run_ksm_zswap(
             limit_bytes: group.limit()?,
             pressure,
             pages_sharing: ksm.stats()?.pages_sharing,
+            plain_pss_bytes: plain_pss(&plain)?,
         };
         eprint!(
             "\r  ksm+zswap {:>5.0} s  used {:>7.1} MiB (pss {:>6.1}, zswap pool {:>6.1})  limit {:>7.1} MiB  pressure {:>5.2}%   ",
@@ -298,14 +372,16 @@ pub fn run_ksm_zswap(
     sampled?;
     let stall_pct = whole_run.lap()? * 100.0;
     let cpu_s = kernel_cpu() - cpu0 + controller_cpu;
-    let mismatches = gs.iter().map(|g| g.mismatches().len()).sum();
+    let mismatches = gs.iter().chain(&plain).map(|g| g.mismatches().len()).sum();
+    let throughput = throughput(&gs, &plain, &since);
     // Unlimited before anything is undone: unmerging or swapping back in under the
     // squeezed limit could fail or wake the OOM killer.
     group.unlimit()?;
-    for g in gs.iter_mut() {
+    for g in gs.iter_mut().chain(plain.iter_mut()) {
         g.stop();
     }
     drop(gs);
+    drop(plain);
     ksm.unmerge()?;
     drop(ksm);
     drop(swap);
@@ -316,11 +392,14 @@ pub fn run_ksm_zswap(
         senpai,
         compressor,
         used_before,
+        plain_used_before,
         saved_bytes,
         t95_s,
         cpu_s,
         stall_pct,
         mismatches,
+        fpr: kit.fpr,
+        throughput,
         samples,
     })
 }
@@ -331,11 +410,11 @@ pub fn run_ksm_zswap(
 pub fn write_csv(path: &std::path::Path, p: &PeerRun) -> Result<()> {
     use std::io::Write;
     let mut f = crate::create_output(path)?;
-    writeln!(f, "t_s,used_bytes,saved_bytes,pss_bytes,zswap_pool_bytes,zswapped_bytes,swapped_bytes,usage_bytes,limit_bytes,pressure_pct,pages_sharing")?;
+    writeln!(f, "t_s,used_bytes,saved_bytes,pss_bytes,zswap_pool_bytes,zswapped_bytes,swapped_bytes,usage_bytes,limit_bytes,pressure_pct,pages_sharing,plain_pss_bytes")?;
     for s in &p.samples {
         writeln!(
             f,
-            "{:.1},{},{},{},{},{},{},{},{},{:.3},{}",
+            "{:.1},{},{},{},{},{},{},{},{},{:.3},{},{}",
             s.t,
             s.used_bytes,
             p.used_before as i64 - s.used_bytes as i64,
@@ -346,7 +425,8 @@ pub fn write_csv(path: &std::path::Path, p: &PeerRun) -> Result<()> {
             s.usage_bytes,
             s.limit_bytes,
             s.pressure * 100.0,
-            s.pages_sharing
+            s.pages_sharing,
+            s.plain_pss_bytes.map_or(String::new(), |b| b.to_string())
         )?;
     }
     Ok(())

@@ -121,6 +121,8 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
             ram: RamBackend::Memfd,
             cpus: 1,
             cgroup_procs: None,
+            mem_merge: true,
+            free_page_reporting: false,
         };
         let mut env = agent_env(&agent, &socket, &spec);
         if name == "b" {

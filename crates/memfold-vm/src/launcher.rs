@@ -5,6 +5,7 @@
 //! on a crash or `kill -9` (the signal follows the *thread* that spawned it: spawn guests
 //! from a thread that lives as long as they do). [`Guest`] stops its QEMU on drop.
 
+use std::ffi::OsString;
 use std::fs::File;
 use std::io::Read;
 use std::os::unix::process::CommandExt;
@@ -61,6 +62,14 @@ pub struct GuestSpec {
     /// A cgroup's `cgroup.procs` file that QEMU joins before it execs ("from birth": all
     /// it allocates is charged there; the kernel-kit peer of `memfold compare`).
     pub cgroup_procs: Option<PathBuf>,
+    /// Whether KSM may merge this guest's anonymous RAM (QEMU's `mem-merge`, which marks
+    /// it MADV_MERGEABLE). Only [`RamBackend::Anonymous`] and
+    /// [`RamBackend::AnonymousNoThp`] read it; off for an unmanaged twin beside KSM.
+    pub mem_merge: bool,
+    /// A virtio-balloon device with free page reporting (`free-page-reporting=on`): the
+    /// guest kernel's `virtio_balloon` driver reports free 2 MiB blocks and QEMU discards
+    /// them from guest RAM (the kernel-kit peer's `fpr`). Never inflated.
+    pub free_page_reporting: bool,
 }
 
 /// Launcher errors.
@@ -189,6 +198,8 @@ pub fn detect_accel(cache: &Path) -> Accel {
             ram: RamBackend::Anonymous,
             cpus: 1,
             cgroup_procs: None,
+            mem_merge: true,
+            free_page_reporting: false,
         };
         let mut g = Guest::start(&spec, cache, &dir, Accel::Kvm).ok()?;
         let ok = g.wait_ready(Duration::from_secs(20)).is_ok();
@@ -220,6 +231,81 @@ pub fn agent_env(agent: &Path, socket: &Path, spec: &GuestSpec) -> Vec<(String, 
             (spec.mem_mib as u64 * 1024 * 1024).to_string(),
         ),
     ]
+}
+
+/// QEMU's command line (after the program name) for guest `spec` from image `img`: the
+/// accelerator, RAM (memfd shared with memfold, or anonymous with `mem-merge` as
+/// [`GuestSpec::mem_merge`] says), one virtio-balloon with free page reporting if
+/// [`GuestSpec::free_page_reporting`], the serial console to the file `serial`, QMP on the
+/// socket `qmp`, the image's kernel, initramfs and throw-away root disk, and the kernel
+/// command line with `extra_kernel_args` appended.
+pub fn qemu_args(
+    spec: &GuestSpec,
+    img: &images::Image,
+    accel: Accel,
+    serial: &Path,
+    qmp: &Path,
+    extra_kernel_args: Option<&str>,
+) -> Vec<OsString> {
+    let mut v: Vec<OsString> = Vec::new();
+    let mut push = |args: &[&str]| v.extend(args.iter().map(OsString::from));
+    push(&["-name", &spec.name]);
+    match accel {
+        Accel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
+        Accel::Tcg => push(&["-accel", &format!("tcg,tb-size={TCG_TB_MIB}")]),
+    };
+    let mem = format!("{}M", spec.mem_mib);
+    match spec.ram {
+        RamBackend::Memfd => {
+            push(&[
+                "-object",
+                &format!("memory-backend-memfd,id=ram0,size={mem},share=on"),
+            ]);
+            push(&["-machine", "q35,memory-backend=ram0", "-m", &mem]);
+        }
+        RamBackend::Anonymous | RamBackend::AnonymousNoThp => {
+            let merge = if spec.mem_merge { "on" } else { "off" };
+            push(&["-machine", &format!("q35,mem-merge={merge}"), "-m", &mem]);
+        }
+    }
+    push(&["-smp", &spec.cpus.to_string()]);
+    push(&[
+        "-display",
+        "none",
+        "-vga",
+        "none",
+        "-nodefaults",
+        "-no-reboot",
+    ]);
+    if spec.free_page_reporting {
+        push(&[
+            "-device",
+            "virtio-balloon-pci,id=balloon0,free-page-reporting=on",
+        ]);
+    }
+    push(&["-serial", &format!("file:{}", serial.display())]);
+    push(&[
+        "-qmp",
+        &format!("unix:{},server=on,wait=off", qmp.display()),
+    ]);
+    v.push("-kernel".into());
+    v.push(img.kernel.clone().into());
+    v.push("-initrd".into());
+    v.push(img.initrd.clone().into());
+    let mut append = String::from("console=ttyS0 panic=-1 quiet");
+    if let Some(rootfs) = &img.rootfs {
+        // The image is shared by all guests of a profile: writes go to a throw-away overlay.
+        v.push("-drive".into());
+        v.push(format!("file={},if=virtio,format=raw,snapshot=on", rootfs.display()).into());
+        append.push_str(" root=/dev/vda");
+    }
+    if let Some(extra) = extra_kernel_args {
+        append.push(' ');
+        append.push_str(extra);
+    }
+    v.push("-append".into());
+    v.push(append.into());
+    v
 }
 
 impl Guest {
@@ -260,56 +346,16 @@ impl Guest {
         let _ = std::fs::remove_file(&qmp_path);
         let mut cmd = Command::new(qemu);
         cmd.envs(env.iter().map(|(k, v)| (k, v)));
-        cmd.arg("-name").arg(&spec.name);
-        match accel {
-            Accel::Kvm => cmd.args(["-accel", "kvm", "-cpu", "host"]),
-            Accel::Tcg => cmd.args(["-accel", &format!("tcg,tb-size={TCG_TB_MIB}")]),
-        };
-        let mem = format!("{}M", spec.mem_mib);
-        match spec.ram {
-            RamBackend::Memfd => {
-                cmd.args([
-                    "-object",
-                    &format!("memory-backend-memfd,id=ram0,size={mem},share=on"),
-                ]);
-                cmd.args(["-machine", "q35,memory-backend=ram0", "-m", &mem]);
-            }
-            RamBackend::Anonymous | RamBackend::AnonymousNoThp => {
-                cmd.args(["-machine", "q35,mem-merge=on", "-m", &mem]);
-            }
-        }
-        cmd.args(["-smp", &spec.cpus.to_string()]);
-        cmd.args([
-            "-display",
-            "none",
-            "-vga",
-            "none",
-            "-nodefaults",
-            "-no-reboot",
-        ]);
-        cmd.arg("-serial")
-            .arg(format!("file:{}", serial_path.display()));
-        cmd.arg("-qmp")
-            .arg(format!("unix:{},server=on,wait=off", qmp_path.display()));
-        cmd.arg("-kernel")
-            .arg(&img.kernel)
-            .arg("-initrd")
-            .arg(&img.initrd);
-        let mut append = String::from("console=ttyS0 panic=-1 quiet");
-        if let Some(rootfs) = &img.rootfs {
-            // The image is shared by all guests of a profile: writes go to a throw-away overlay.
-            cmd.arg("-drive").arg(format!(
-                "file={},if=virtio,format=raw,snapshot=on",
-                rootfs.display()
-            ));
-            append.push_str(" root=/dev/vda");
-        }
         // Experiments (e.g. `init_on_alloc=0`, docs/live.md) add guest kernel arguments.
-        if let Ok(extra) = std::env::var("MEMFOLD_KERNEL_ARGS") {
-            append.push(' ');
-            append.push_str(&extra);
-        }
-        cmd.arg("-append").arg(append);
+        let extra = std::env::var("MEMFOLD_KERNEL_ARGS").ok();
+        cmd.args(qemu_args(
+            spec,
+            &img,
+            accel,
+            &serial_path,
+            &qmp_path,
+            extra.as_deref(),
+        ));
         let stderr = File::create(&stderr_path).map_err(|source| VmError::Io {
             path: stderr_path.clone(),
             source,
@@ -449,6 +495,11 @@ impl Guest {
         }
     }
 
+    /// Its virtio balloon as the guest reported it on its console ([`balloon_report`]).
+    pub fn balloon(&self) -> Option<BalloonReport> {
+        balloon_report(&self.serial())
+    }
+
     /// Self-check mismatches the guest reported on its console (lines with
     /// `MEMFOLD-MISMATCH`).
     pub fn mismatches(&self) -> Vec<String> {
@@ -507,6 +558,32 @@ impl Guest {
     }
 }
 
+/// A guest's virtio balloon as its init reports it on the console before it is ready
+/// (`MEMFOLD-BALLOON driver=<driver> reporting=<0|1>`, images/guest-init).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BalloonReport {
+    /// The driver bound to the balloon device (`virtio_balloon`; `none`: not loaded).
+    pub driver: String,
+    /// Whether the driver negotiated free page reporting (VIRTIO_BALLOON_F_REPORTING).
+    pub reporting: bool,
+}
+
+/// The first `MEMFOLD-BALLOON` line of a guest's console text (`None`: the guest saw no
+/// balloon device, or its init does not look).
+pub fn balloon_report(serial: &str) -> Option<BalloonReport> {
+    let rest = serial
+        .lines()
+        .find_map(|l| l.split("MEMFOLD-BALLOON ").nth(1))?;
+    let field = |k: &str| {
+        rest.split_whitespace()
+            .find_map(|f| f.strip_prefix(k)?.strip_prefix('='))
+    };
+    Some(BalloonReport {
+        driver: field("driver")?.to_string(),
+        reporting: field("reporting")? == "1",
+    })
+}
+
 /// The state letter of a `/proc/PID/stat` line: `R` running, `S` sleeping, `D` waiting
 /// on I/O, `T` stopped, `t` stopped by a tracer, `Z` a zombie. The command before it is
 /// in parentheses and may itself hold spaces and parentheses: the state follows the last
@@ -524,6 +601,112 @@ impl Drop for Guest {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn spec(ram: RamBackend) -> GuestSpec {
+        GuestSpec {
+            name: "web-1".into(),
+            profile: "web".into(),
+            mem_mib: 512,
+            ram,
+            cpus: 1,
+            cgroup_procs: None,
+            mem_merge: true,
+            free_page_reporting: false,
+        }
+    }
+
+    fn args(spec: &GuestSpec) -> Vec<String> {
+        let img = images::Image {
+            profile: images::profile("web").unwrap(),
+            kernel: "/c/web/vmlinuz".into(),
+            initrd: "/c/web/initrd.img".into(),
+            rootfs: Some("/c/web/rootfs.ext4".into()),
+        };
+        qemu_args(
+            spec,
+            &img,
+            Accel::Tcg,
+            Path::new("/w/serial.log"),
+            Path::new("/w/qmp.sock"),
+            Some("init_on_alloc=0"),
+        )
+        .into_iter()
+        .map(|s| s.into_string().unwrap())
+        .collect()
+    }
+
+    fn has(v: &[String], pair: [&str; 2]) -> bool {
+        v.windows(2).any(|w| w == pair)
+    }
+
+    #[test]
+    fn the_command_line_carries_ram_merging_and_the_balloon_as_the_spec_says() {
+        let memfd = args(&spec(RamBackend::Memfd));
+        assert!(has(&memfd, ["-machine", "q35,memory-backend=ram0"]));
+        assert!(has(
+            &memfd,
+            ["-object", "memory-backend-memfd,id=ram0,size=512M,share=on"]
+        ));
+        assert!(!memfd.iter().any(|a| a.contains("balloon")));
+        assert!(has(
+            &memfd,
+            [
+                "-append",
+                "console=ttyS0 panic=-1 quiet root=/dev/vda init_on_alloc=0"
+            ]
+        ));
+        assert!(has(
+            &memfd,
+            [
+                "-drive",
+                "file=/c/web/rootfs.ext4,if=virtio,format=raw,snapshot=on"
+            ]
+        ));
+        assert!(has(&memfd, ["-serial", "file:/w/serial.log"]));
+        assert!(has(&memfd, ["-accel", "tcg,tb-size=64"]));
+        let anon = args(&spec(RamBackend::Anonymous));
+        assert!(has(&anon, ["-machine", "q35,mem-merge=on"]));
+        assert!(!anon.iter().any(|a| a.contains("balloon")));
+        let plain = args(&GuestSpec {
+            mem_merge: false,
+            ..spec(RamBackend::AnonymousNoThp)
+        });
+        assert!(has(&plain, ["-machine", "q35,mem-merge=off"]));
+        let fpr = args(&GuestSpec {
+            free_page_reporting: true,
+            ..spec(RamBackend::Anonymous)
+        });
+        assert!(has(
+            &fpr,
+            [
+                "-device",
+                "virtio-balloon-pci,id=balloon0,free-page-reporting=on"
+            ]
+        ));
+        assert_eq!(fpr.iter().filter(|a| a.contains("balloon")).count(), 1);
+    }
+
+    #[test]
+    fn the_balloon_line_is_read_from_the_console() {
+        let serial =
+            "boot\n[ 1.0] x MEMFOLD-BALLOON driver=virtio_balloon reporting=1\nMEMFOLD-READY web\n";
+        assert_eq!(
+            balloon_report(serial),
+            Some(BalloonReport {
+                driver: "virtio_balloon".into(),
+                reporting: true
+            })
+        );
+        assert_eq!(
+            balloon_report("MEMFOLD-BALLOON driver=none reporting=0"),
+            Some(BalloonReport {
+                driver: "none".into(),
+                reporting: false
+            })
+        );
+        assert_eq!(balloon_report("MEMFOLD-READY web"), None);
+        assert_eq!(balloon_report("MEMFOLD-BALLOON driver=x"), None);
+    }
 
     #[test]
     fn the_state_is_read_after_the_command_whatever_it_holds() {

@@ -21,6 +21,8 @@ fn boot_capture_analyse(ram: RamBackend, name: &str) {
         ram,
         cpus: 1,
         cgroup_procs: None,
+        mem_merge: true,
+        free_page_reporting: false,
     };
     // TCG: the KVM probe is exercised by the commands; tests must not depend on it.
     let mut g = Guest::start(&spec, &cache, work.path(), Accel::Tcg).unwrap();
@@ -108,6 +110,8 @@ fn missing_images_and_profiles_are_clear_errors() {
         ram: RamBackend::Memfd,
         cpus: 1,
         cgroup_procs: None,
+        mem_merge: true,
+        free_page_reporting: false,
     };
     let err = Guest::start(&spec, empty.path(), work.path(), Accel::Tcg)
         .err()

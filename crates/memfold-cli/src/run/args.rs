@@ -73,32 +73,58 @@ impl RunArgs {
         }
     }
 
-    /// The guest set to boot: with `--plain-twins` every profile twice (`web,db` →
-    /// `web,web,db,db`: web-1 and its twin web-2, ...).
-    pub fn guest_set(&self) -> guests::GuestSetArgs {
-        let mut set = self.memfold.set.clone();
-        if self.plain_twins {
-            set.profiles = set
-                .profiles
-                .split(',')
-                .map(str::trim)
-                .filter(|p| !p.is_empty())
-                .flat_map(|p| [p, p])
-                .collect::<Vec<_>>()
-                .join(",");
-        }
+    /// The plain twins asked for (`None`: without `--plain-twins`).
+    pub fn twins(&self) -> Option<Twins> {
+        self.plain_twins.then_some(Twins {
+            plain_first: self.plain_first,
+        })
+    }
+}
+
+/// Plain twins (`--plain-twins` of `memfold run` and `memfold compare`): every profile of a
+/// set booted twice, one guest managed (by memfold, or by the kernel's kit) and one plain
+/// beside it, so that each workload's throughput can be compared over the same seconds on
+/// the same host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Twins {
+    /// The plain twin of each pair boots first (the managed one second), to tell an order
+    /// effect from the manager's.
+    pub plain_first: bool,
+}
+
+impl Twins {
+    /// `set` with every profile twice (`web,db` → `web,web,db,db`: web-1 and its twin
+    /// web-2, ...).
+    pub fn set(&self, set: &guests::GuestSetArgs) -> guests::GuestSetArgs {
+        let mut set = set.clone();
+        set.profiles = set
+            .profiles
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .flat_map(|p| [p, p])
+            .collect::<Vec<_>>()
+            .join(",");
         set
     }
 
-    /// Whether memfold manages the guest `name` of [`RunArgs::guest_set`]: without twins
-    /// every guest; with them the odd-numbered ones (the even ones with `--plain-first`).
+    /// Whether the guest `name` of [`Twins::set`] is the managed one of its pair: the
+    /// odd-numbered ones (the even ones with [`Twins::plain_first`]).
     pub fn is_managed(&self, name: &str) -> bool {
-        !self.plain_twins
-            || name
-                .rsplit('-')
-                .next()
-                .and_then(|n| n.parse::<u32>().ok())
-                .is_some_and(|n| (n % 2 == 1) != self.plain_first)
+        name.rsplit('-')
+            .next()
+            .and_then(|n| n.parse::<u32>().ok())
+            .is_some_and(|n| (n % 2 == 1) != self.plain_first)
+    }
+
+    /// The set to boot with `twins` or without (`None`: `set` as it is).
+    pub fn set_of(twins: Option<Twins>, set: &guests::GuestSetArgs) -> guests::GuestSetArgs {
+        twins.map_or_else(|| set.clone(), |t| t.set(set))
+    }
+
+    /// Whether `name` is managed with `twins` or without (`None`: every guest is).
+    pub fn manages(twins: Option<Twins>, name: &str) -> bool {
+        twins.is_none_or(|t| t.is_managed(name))
     }
 }
 
@@ -153,13 +179,16 @@ mod tests {
     #[test]
     fn plain_twins_double_the_set_and_alternate_management() {
         let a = parse_run(&["--profiles", "web, db", "--plain-twins"]);
-        assert_eq!(a.guest_set().profiles, "web,web,db,db");
-        assert!(a.is_managed("web-1") && !a.is_managed("web-2"));
-        assert!(a.is_managed("py-trixie-3") && !a.is_managed("py-trixie-4"));
-        let b = parse_run(&["--plain-twins", "--plain-first"]);
-        assert!(!b.is_managed("web-1") && b.is_managed("web-2"));
+        let t = a.twins();
+        assert_eq!(t, Some(Twins { plain_first: false }));
+        assert_eq!(Twins::set_of(t, &a.memfold.set).profiles, "web,web,db,db");
+        assert!(Twins::manages(t, "web-1") && !Twins::manages(t, "web-2"));
+        assert!(Twins::manages(t, "py-trixie-3") && !Twins::manages(t, "py-trixie-4"));
+        let b = parse_run(&["--plain-twins", "--plain-first"]).twins();
+        assert!(!Twins::manages(b, "web-1") && Twins::manages(b, "web-2"));
         let c = parse_run(&["--profiles", "web,db"]);
-        assert_eq!(c.guest_set().profiles, "web,db");
-        assert!(c.is_managed("web-1") && c.is_managed("db-2"));
+        assert_eq!(c.twins(), None);
+        assert_eq!(Twins::set_of(None, &c.memfold.set).profiles, "web,db");
+        assert!(Twins::manages(None, "web-1") && Twins::manages(None, "db-2"));
     }
 }

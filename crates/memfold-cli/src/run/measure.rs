@@ -192,15 +192,19 @@ pub struct Throughput {
     pub plain: f64,
     /// Rounds reported by the plain twin.
     pub plain_rounds: usize,
-    /// CPU seconds the managed guest's QEMU used over the run (its agent included).
+    /// `managed` / `plain`: the managed guest's speed relative to its twin's (under 1: a
+    /// slowdown).
+    pub ratio: f64,
+    /// CPU seconds the managed guest's QEMU used over the run (memfold's agent included).
     pub managed_cpu_s: f64,
     /// Of those, CPU seconds of its memfold agent's threads: with the pair pinned to one
     /// CPU, time the guest's vCPU did not get (a lower bound of memfold's cost to it;
-    /// the vCPU's own time in the kernel's fault paths is not in it).
+    /// the vCPU's own time in the kernel's fault paths is not in it). 0 for a guest of the
+    /// kernel's kit (no agent).
     pub managed_agent_cpu_s: f64,
     /// CPU seconds the plain twin's QEMU used over the run.
     pub plain_cpu_s: f64,
-    /// Two standard errors of [`Throughput::change`], from the spread of the rounds on
+    /// Two standard errors of [`Throughput::ratio`] (and of [`Throughput::change`]), from the spread of the rounds on
     /// each side taken as independent (delta method; pessimistic when both guests slow
     /// down together, as they do when the host is busy); `None` with fewer than two
     /// rounds on a side.
@@ -217,7 +221,7 @@ impl MemfoldRun {
 impl Throughput {
     /// Managed / plain − 1 (negative: the managed guest is slower).
     pub fn change(&self) -> f64 {
-        self.managed / self.plain - 1.0
+        self.ratio - 1.0
     }
 }
 
@@ -295,6 +299,7 @@ pub fn throughput(
                 managed_rounds: vm.len(),
                 plain: mp,
                 plain_rounds: vp.len(),
+                ratio: mm / mp,
                 managed_cpu_s: cpu(m),
                 managed_agent_cpu_s: agent_cpu(m),
                 plain_cpu_s: cpu(p),

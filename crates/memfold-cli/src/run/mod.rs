@@ -20,10 +20,10 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use memfold_vm::launcher::{agent_env, Guest, RamBackend};
 
-pub use args::{MemfoldArgs, RunArgs};
+pub use args::{MemfoldArgs, RunArgs, Twins};
 pub use measure::cpu_seconds;
 use measure::{MemfoldRun, Sample, MIB};
-pub use output::write_outputs;
+pub use output::{print_throughput, write_outputs};
 
 use crate::guests;
 
@@ -114,26 +114,14 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     let out = m.set.out_dir(default_out);
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let socket = std::fs::canonicalize(&out)?.join("memfoldd.sock");
-    let (all, _accel, out) = guests::start_set_with(&a.guest_set(), RAM, default_out, |s| {
-        if a.is_managed(&s.name) {
-            agent_env(&agent, &socket, s)
-        } else {
-            Vec::new()
-        }
-    })?;
-    let (mut guests, mut plain): (Vec<Guest>, Vec<Guest>) =
-        all.into_iter().partition(|g| a.is_managed(&g.name));
-    if a.plain_twins {
-        // Each pair shares one host CPU: equal shares, and the agent's CPU time is the
-        // managed guest's cost (unpinned, the scheduler gave managed QEMUs 30-45% more).
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        for (i, (m, p)) in guests.iter().zip(&plain).enumerate() {
-            for g in [m, p] {
-                g.pin_to_cpu(i % cpus)
-                    .with_context(|| format!("cannot pin {} to CPU {}", g.name, i % cpus))?;
-            }
-        }
-    }
+    let (mut guests, mut plain, out) = guests::start_pairs(
+        &m.set,
+        a.twins(),
+        RAM,
+        default_out,
+        |_, _| {},
+        |s| agent_env(&agent, &socket, s),
+    )?;
     let since = measure::start_marks(guests.iter().chain(&plain));
     let used_before = measure::used(&guests)?.0;
     let log_path = out.join("memfoldd.log");

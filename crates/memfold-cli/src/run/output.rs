@@ -9,7 +9,7 @@ use memfold_wire::{SavedBy, Stats};
 
 use super::measure::{
     measured_as, pages_mib, paused_since, saved_mib_over_time, t95_text, GuestEvents, MemfoldRun,
-    MIB,
+    Throughput, MIB,
 };
 use super::{view, MemfoldArgs};
 use crate::plot::{self, Panel, Series};
@@ -202,7 +202,7 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         print_churn(s);
         print_latencies(s);
     }
-    print_throughput(r);
+    print_throughput("memfold-managed", &r.throughput);
     println!(
         "time series: {}, {}",
         out.join("run.csv").display(),
@@ -315,15 +315,18 @@ fn print_latencies(s: &Stats) {
     }
 }
 
-/// With `--plain-twins`: each workload's throughput, managed vs plain.
-fn print_throughput(r: &MemfoldRun) {
-    if r.throughput.is_empty() {
+/// With `--plain-twins`: each workload's throughput in the guests `side` manages
+/// (`memfold-managed`, `kit-managed`) against their plain twins, with the ratio managed /
+/// plain ± 2 standard errors over the rounds; nothing without twins. `memfold run` and
+/// both sides of `memfold compare` print it so.
+pub fn print_throughput(side: &str, throughput: &[Throughput]) {
+    if throughput.is_empty() {
         return;
     }
-    println!("workload throughput over the run, managed guest vs its plain twin (mean per round):");
-    for t in &r.throughput {
+    println!("workload throughput over the run, {side} guest vs its plain twin (mean per round):");
+    for t in throughput {
         println!(
-            "  {:<12} {:<12} {:>10.2} ({:>3} rounds, {:>5.0} CPU s, agent {:.1})  vs {:<12} {:>10.2} ({:>3} rounds, {:>5.0} CPU s)  {:+.1}%{}",
+            "  {:<12} {:<12} {:>10.2} ({:>3} rounds, {:>5.0} CPU s, agent {:.1})  vs {:<12} {:>10.2} ({:>3} rounds, {:>5.0} CPU s)  ratio {:.3}{}  ({:+.1}%)",
             t.metric,
             t.guest,
             t.managed,
@@ -334,9 +337,10 @@ fn print_throughput(r: &MemfoldRun) {
             t.plain,
             t.plain_rounds,
             t.plain_cpu_s,
-            t.change() * 100.0,
+            t.ratio,
             t.change_2se
-                .map_or(String::new(), |e| format!(" ± {:.1}% (2 s.e.)", e * 100.0))
+                .map_or(String::new(), |e| format!(" ± {e:.3} (2 s.e.)")),
+            t.change() * 100.0,
         );
     }
 }
