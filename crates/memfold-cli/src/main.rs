@@ -90,6 +90,12 @@ enum BenchCmd {
     /// phase event and a table of peak and final savings; writes a CSV time series and a
     /// PNG plot.
     Micro(bench::micro::MicroArgs),
+    /// The first access to a cold page, memfold's decode (a store memfd, a userfaultfd
+    /// handler that reads, decompresses, checks and copies) against the kernel's zswap
+    /// load (MADV_PAGEOUT into zswap, swapped in on access), side by side: p50/p99/mean
+    /// µs, CPU per access and memory held, in sequential and random order. Needs root;
+    /// turns zswap on and adds a swap file for the run, both put back afterwards.
+    FaultPath(bench::fault_path::FaultPathArgs),
 }
 
 fn main() {
@@ -135,6 +141,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Bench {
             which: BenchCmd::Micro(args),
         } => bench::micro::run(&args),
+        Cmd::Bench {
+            which: BenchCmd::FaultPath(args),
+        } => bench::fault_path::run(&args),
     }
 }
 

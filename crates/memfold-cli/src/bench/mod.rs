@@ -1,3 +1,4 @@
 //! Benchmark subcommands.
 
+pub mod fault_path;
 pub mod micro;
