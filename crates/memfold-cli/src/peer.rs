@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use memfold_sys::ksm::{Ksm, KsmMode};
 use memfold_sys::reclaim::{self, MemCgroup, SwapFile, Zswap};
 use memfold_vm::launcher::{Guest, RamBackend};
@@ -240,10 +240,7 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
     std::fs::create_dir_all(&out)?;
     // Offered best ratio first unless one is named.
     let offered: Vec<&str> = compressor.map_or(COMPRESSORS.to_vec(), |c| vec![c]);
-    let (zswap, compressor) = offered
-        .iter()
-        .find_map(|c| Zswap::enable(c, 25).ok().map(|z| (z, c.to_string())))
-        .with_context(|| format!("zswap took none of the compressors {offered:?}"))?;
+    let (zswap, compressor) = Zswap::enable_first(&offered, 25)?;
     let group = Arc::new(MemCgroup::create(&format!(
         "memfold-peer-{}",
         std::process::id()

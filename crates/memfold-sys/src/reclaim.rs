@@ -91,6 +91,30 @@ impl Zswap {
         write(&z.dir.join("enabled"), "Y")?;
         Ok(z)
     }
+
+    /// [`Zswap::enable`] with the first of `compressors` the kernel takes; returns the
+    /// guard and the compressor's name.
+    ///
+    /// Errors: [`ReclaimError::Unavailable`] naming why each was refused (or no zswap);
+    /// another error of [`Zswap::enable`] at once.
+    pub fn enable_first<S: AsRef<str>>(
+        compressors: &[S],
+        max_pool_percent: u32,
+    ) -> Result<(Zswap, String), ReclaimError> {
+        let mut refused = Vec::new();
+        for name in compressors.iter().map(AsRef::as_ref) {
+            match Zswap::enable(name, max_pool_percent) {
+                Ok(z) => return Ok((z, name.to_string())),
+                Err(ReclaimError::Unavailable(why)) => refused.push(why),
+                Err(e) => return Err(e),
+            }
+        }
+        let names: Vec<&str> = compressors.iter().map(AsRef::as_ref).collect();
+        Err(ReclaimError::Unavailable(format!(
+            "zswap took none of the compressors {names:?}: {}",
+            refused.join("; ")
+        )))
+    }
 }
 
 impl Drop for Zswap {
