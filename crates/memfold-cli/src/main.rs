@@ -11,6 +11,7 @@ mod ksm;
 mod peer;
 mod plot;
 mod run;
+mod tradeoff;
 
 use std::path::PathBuf;
 
@@ -57,6 +58,10 @@ enum Cmd {
     Unmerge(OptArgs),
     /// Let memfold manage a guest taken out by `memfold unmerge` again.
     Merge(OptArgs),
+    /// Host memory left against guest slowdown for every side of `memfold compare` runs
+    /// (their `compare.json`): a table per guest set, the goal's verdict (memfold ≤ 0.75×
+    /// the best peer's memory at no more slowdown and CPU), and a chart (--png).
+    Tradeoff(tradeoff::TradeoffArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -123,6 +128,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Baseline(a) => baseline::run(&a),
         Cmd::Run(a) => run::run(&a),
         Cmd::Compare(a) => compare::run(&a),
+        Cmd::Tradeoff(a) => tradeoff::run(&a),
         Cmd::Unmerge(a) => {
             let pages = memfold_live::opt_out(&a.socket, &a.name, true)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", a.socket.display()))?;

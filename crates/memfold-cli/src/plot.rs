@@ -171,6 +171,71 @@ pub fn bars(
     present(&root, path)
 }
 
+/// One point of a scatter chart: its group (one colour and one legend entry per group),
+/// its own label (drawn beside it), x with a horizontal error bar, y.
+pub struct Mark {
+    pub group: String,
+    pub label: String,
+    pub x: f64,
+    pub x_err: f64,
+    pub y: f64,
+}
+
+/// Draws `marks` as labelled points with horizontal error bars into a PNG at `path`; the
+/// y axis starts at 0.
+pub fn scatter(path: &Path, title: &str, xlabel: &str, ylabel: &str, marks: &[Mark]) -> Result<()> {
+    register_font();
+    let root = BitMapBackend::new(path, (1100, 700)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("plot: {e}"))?;
+    let xmin = marks.iter().map(|m| m.x - m.x_err).fold(0.0, f64::min);
+    let xmax = marks.iter().map(|m| m.x + m.x_err).fold(1.0, f64::max);
+    let ymax = marks.iter().map(|m| m.y).fold(1.0, f64::max);
+    let pad = (xmax - xmin) * 0.08;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d((xmin - pad)..(xmax + pad * 3.0), 0.0..(ymax * 1.15))
+        .map_err(|e| anyhow!("plot: {e}"))?;
+    chart
+        .configure_mesh()
+        .x_desc(xlabel)
+        .y_desc(ylabel)
+        .draw()
+        .map_err(|e| anyhow!("plot: {e}"))?;
+    let mut groups: Vec<&str> = marks.iter().map(|m| m.group.as_str()).collect();
+    groups.dedup();
+    groups.sort_unstable();
+    groups.dedup();
+    for (i, g) in groups.iter().enumerate() {
+        let c = COLORS[i % COLORS.len()];
+        let mine: Vec<&Mark> = marks.iter().filter(|m| m.group == *g).collect();
+        for m in &mine {
+            chart
+                .draw_series(LineSeries::new(
+                    [(m.x - m.x_err, m.y), (m.x + m.x_err, m.y)],
+                    ShapeStyle::from(&c).stroke_width(2),
+                ))
+                .map_err(|e| anyhow!("plot: {e}"))?;
+            chart
+                .draw_series([Text::new(
+                    m.label.clone(),
+                    (m.x, m.y * 1.02),
+                    ("sans-serif", 12).into_font().color(&BLACK),
+                )])
+                .map_err(|e| anyhow!("plot: {e}"))?;
+        }
+        chart
+            .draw_series(mine.iter().map(|m| Circle::new((m.x, m.y), 6, c.filled())))
+            .map_err(|e| anyhow!("plot: {e}"))?
+            .label(*g)
+            .legend(move |(x, y)| Circle::new((x + 6, y), 5, c.filled()));
+    }
+    legend(&mut chart)?;
+    present(&root, path)
+}
+
 type Chart<'a, 'b> = ChartContext<
     'a,
     BitMapBackend<'b>,

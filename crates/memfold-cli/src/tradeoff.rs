@@ -1,0 +1,518 @@
+//! `memfold tradeoff`: host memory left against guest slowdown, every side of one or more
+//! `memfold compare` runs on one chart and in one table (issue 15's proof: memfold's
+//! policies, KSM, and the kernel's kit at several pressure targets, side by side).
+//!
+//! A side's **slowdown** is 1 − the geometric mean, over its managed guests' workloads, of
+//! managed / plain-twin throughput (`--plain-twins`); its two standard errors come from
+//! each workload's (delta method on the log: `se(log g) = √Σ(se_i / r_i)² / k`). A side
+//! without twins, or with a workload of one round, has no slowdown (or no error bar) and
+//! is listed but not plotted. **Memory left** is the run's `*_used_after_bytes`: Pss of
+//! guest RAM (+ the zswap pool for the kit), as `compare` measures it.
+//!
+//! The verdict per guest set follows the issue's goal: memfold's best (least memory)
+//! point against the best peer point (least memory, any setting); met when memfold leaves
+//! ≤ 0.75× its memory at a slowdown no larger than the peer's (within two standard
+//! errors) and at no more CPU.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde::Deserialize;
+
+use crate::plot;
+
+/// `memfold tradeoff` arguments.
+#[derive(clap::Args)]
+pub struct TradeoffArgs {
+    /// `compare.json` files written by `memfold compare` (any peer, any set).
+    #[arg(required = true)]
+    pub runs: Vec<PathBuf>,
+    /// Write the chart (memory left, MiB, against slowdown, %) here.
+    #[arg(long)]
+    pub png: Option<PathBuf>,
+    /// Print the points as JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One workload's throughput pair as `compare.json` records it (`run::measure::Throughput`).
+#[derive(Deserialize, Clone, Debug)]
+struct Pair {
+    metric: String,
+    ratio: f64,
+    change_2se: Option<f64>,
+}
+
+/// The Senpai controller's settings as `compare.json` records them.
+#[derive(Deserialize, Clone, Debug)]
+struct Senpai {
+    target: f64,
+    max_probe: f64,
+    #[serde(default)]
+    interval_s: Option<f64>,
+}
+
+/// The fields of a `compare.json` this command reads; either `ksm_*` (`--peer ksm`) or
+/// `peer_*` (the kit) describe the other side.
+#[derive(Deserialize, Debug)]
+struct CompareJson {
+    guests: String,
+    secs: u64,
+    memfold_policy: String,
+    memfold_used_after_bytes: f64,
+    memfold_cpu_s: f64,
+    memfold_t95_s: Option<f64>,
+    memfold_throughput: Option<Vec<Pair>>,
+    peer: Option<String>,
+    peer_used_after_bytes: Option<f64>,
+    peer_cpu_s: Option<f64>,
+    peer_t95_s: Option<f64>,
+    peer_throughput: Option<Vec<Pair>>,
+    peer_senpai: Option<Senpai>,
+    peer_guest_mismatches: Option<u64>,
+    ksm_used_after_bytes: Option<f64>,
+    ksm_cpu_s: Option<f64>,
+    ksm_t95_s: Option<f64>,
+    ksm_throughput: Option<Vec<Pair>>,
+    ksm_guest_mismatches: Option<u64>,
+}
+
+/// Which kind of side a point is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+enum Kind {
+    /// memfold (any policy).
+    Memfold,
+    /// KSM alone.
+    Ksm,
+    /// KSM + zswap + proactive reclaim (+ free page reporting).
+    Kit,
+}
+
+/// One side of one run.
+#[derive(Clone, Debug, serde::Serialize)]
+struct Point {
+    /// The guest set (`web,web,db,py-trixie`).
+    set: String,
+    kind: Kind,
+    /// What the side ran: `memfold de`, `ksm+zswap target 0.1% probe 2%/2s`.
+    label: String,
+    /// The run's file.
+    run: String,
+    secs: u64,
+    /// Host memory left, MiB.
+    left_mib: f64,
+    /// Slowdown, % (None: no plain twins).
+    slowdown_pct: Option<f64>,
+    /// Two standard errors of the slowdown, percentage points (None: a workload had one
+    /// round, or no twins).
+    slowdown_2se_pct: Option<f64>,
+    /// The workloads (metrics) that went into the slowdown.
+    workloads: Vec<String>,
+    cpu_s: f64,
+    t95_s: Option<f64>,
+    /// Self-check mismatches the run recorded for this side (None: not recorded).
+    mismatches: Option<u64>,
+}
+
+/// Slowdown, % and its two standard errors (percentage points) from workload pairs.
+fn slowdown(pairs: &[Pair]) -> (Option<f64>, Option<f64>) {
+    let usable: Vec<&Pair> = pairs.iter().filter(|p| p.ratio > 0.0).collect();
+    if usable.is_empty() {
+        return (None, None);
+    }
+    let k = usable.len() as f64;
+    let log_mean = usable.iter().map(|p| p.ratio.ln()).sum::<f64>() / k;
+    let g = log_mean.exp();
+    let var: Option<f64> = usable
+        .iter()
+        .map(|p| p.change_2se.map(|e| (e / 2.0 / p.ratio).powi(2)))
+        .sum();
+    let se_log = var.map(|v| v.sqrt() / k);
+    (Some((1.0 - g) * 100.0), se_log.map(|s| 2.0 * s * g * 100.0))
+}
+
+fn metrics(pairs: Option<&[Pair]>) -> Vec<String> {
+    pairs
+        .unwrap_or_default()
+        .iter()
+        .map(|p| p.metric.clone())
+        .collect()
+}
+
+fn mib(bytes: f64) -> f64 {
+    bytes / (1u64 << 20) as f64
+}
+
+/// The two points (memfold, the other side) of one `compare.json`.
+fn points(path: &Path) -> Result<Vec<Point>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let j: CompareJson = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{}: not a `memfold compare` JSON this version reads",
+            path.display()
+        )
+    })?;
+    let run = path.display().to_string();
+    let (s, e) = slowdown(j.memfold_throughput.as_deref().unwrap_or_default());
+    let mut out = vec![Point {
+        set: j.guests.clone(),
+        kind: Kind::Memfold,
+        label: format!("memfold {}", j.memfold_policy),
+        run: run.clone(),
+        secs: j.secs,
+        left_mib: mib(j.memfold_used_after_bytes),
+        slowdown_pct: s,
+        slowdown_2se_pct: e,
+        workloads: metrics(j.memfold_throughput.as_deref()),
+        cpu_s: j.memfold_cpu_s,
+        t95_s: j.memfold_t95_s,
+        mismatches: None,
+    }];
+    let other = match (&j.peer, j.peer_used_after_bytes, j.ksm_used_after_bytes) {
+        (Some(peer), Some(left), _) => {
+            let label = match &j.peer_senpai {
+                Some(p) => format!(
+                    "{peer} target {}% probe {}%/{}s",
+                    p.target * 100.0,
+                    p.max_probe * 100.0,
+                    p.interval_s.unwrap_or(2.0)
+                ),
+                None => peer.clone(),
+            };
+            let kind = if peer == "ksm" { Kind::Ksm } else { Kind::Kit };
+            Some((
+                kind,
+                label,
+                left,
+                j.peer_cpu_s,
+                j.peer_t95_s,
+                &j.peer_throughput,
+                j.peer_guest_mismatches,
+            ))
+        }
+        (_, _, Some(left)) => Some((
+            Kind::Ksm,
+            "ksm".to_string(),
+            left,
+            j.ksm_cpu_s,
+            j.ksm_t95_s,
+            &j.ksm_throughput,
+            j.ksm_guest_mismatches,
+        )),
+        _ => None,
+    };
+    let Some((kind, label, left, cpu, t95, thr, mismatches)) = other else {
+        anyhow::bail!(
+            "{}: neither peer_used_after_bytes nor ksm_used_after_bytes: not a compare run",
+            path.display()
+        );
+    };
+    let (s, e) = slowdown(thr.as_deref().unwrap_or_default());
+    out.push(Point {
+        set: j.guests,
+        kind,
+        label,
+        run,
+        secs: j.secs,
+        left_mib: mib(left),
+        slowdown_pct: s,
+        slowdown_2se_pct: e,
+        workloads: metrics(thr.as_deref()),
+        cpu_s: cpu.unwrap_or(f64::NAN),
+        t95_s: t95,
+        mismatches,
+    });
+    Ok(out)
+}
+
+/// The goal's verdict for one guest set (see the module's docs), one line.
+fn verdict(points: &[&Point]) -> String {
+    let best = |want: &dyn Fn(&Point) -> bool| {
+        points
+            .iter()
+            .copied()
+            .filter(|p| want(p))
+            .min_by(|a, b| a.left_mib.total_cmp(&b.left_mib))
+    };
+    let (Some(m), Some(p)) = (
+        best(&|p| p.kind == Kind::Memfold),
+        best(&|p| p.kind != Kind::Memfold),
+    ) else {
+        return "needs a memfold point and a peer point".into();
+    };
+    let ratio = m.left_mib / p.left_mib;
+    let mut why = Vec::new();
+    if ratio > 0.75 {
+        why.push(format!("memory {ratio:.2}× (goal ≤ 0.75×)"));
+    }
+    match (m.slowdown_pct, p.slowdown_pct) {
+        (Some(ms), Some(ps)) => {
+            let slack = m.slowdown_2se_pct.unwrap_or(0.0) + p.slowdown_2se_pct.unwrap_or(0.0);
+            if ms > ps + slack {
+                why.push(format!("slowdown {ms:.1}% > {ps:.1}% + 2 s.e."));
+            }
+            if m.slowdown_2se_pct.is_none() || p.slowdown_2se_pct.is_none() {
+                why.push("a slowdown without error bar (one round)".into());
+            }
+        }
+        _ => why.push("no slowdown measured (run with --plain-twins)".into()),
+    }
+    if m.cpu_s > p.cpu_s {
+        why.push(format!("CPU {:.1} s > {:.1} s", m.cpu_s, p.cpu_s));
+    }
+    let head = format!(
+        "best memfold ({}, {:.1} MiB) / best peer ({}, {:.1} MiB) = {ratio:.2}×",
+        m.label, m.left_mib, p.label, p.left_mib
+    );
+    if why.is_empty() {
+        format!("{head}: goal met")
+    } else {
+        format!("{head}: not met — {}", why.join("; "))
+    }
+}
+
+fn fmt_opt(v: Option<f64>, digits: usize) -> String {
+    v.map_or("—".into(), |x| format!("{x:.digits$}"))
+}
+
+/// The markdown table and a verdict per set.
+fn table(points: &[Point]) -> String {
+    let mut s = String::new();
+    let mut sets: BTreeMap<&str, Vec<&Point>> = BTreeMap::new();
+    for p in points {
+        sets.entry(&p.set).or_default().push(p);
+    }
+    for (set, ps) in &sets {
+        let _ = writeln!(s, "\n{set}\n");
+        let _ = writeln!(
+            s,
+            "| side | s | memory left (MiB) | slowdown % (± 2 s.e.) | workloads | CPU s | time to 95% | mismatches | run |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
+        let mut ps = ps.clone();
+        ps.sort_by(|a, b| {
+            (a.kind, a.left_mib)
+                .partial_cmp(&(b.kind, b.left_mib))
+                .unwrap()
+        });
+        for p in &ps {
+            let slow = match (p.slowdown_pct, p.slowdown_2se_pct) {
+                (Some(x), Some(e)) => format!("{x:.1} ± {e:.1}"),
+                (Some(x), None) => format!("{x:.1} (no s.e.)"),
+                _ => "—".into(),
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {} | {:.1} | {slow} | {} | {:.1} | {} | {} | {} |",
+                p.label,
+                p.secs,
+                p.left_mib,
+                if p.workloads.is_empty() {
+                    "—".to_string()
+                } else {
+                    p.workloads.join(", ")
+                },
+                p.cpu_s,
+                fmt_opt(p.t95_s, 1),
+                p.mismatches.map_or("—".into(), |m| m.to_string()),
+                Path::new(&p.run)
+                    .file_name()
+                    .map_or(p.run.clone(), |f| f.to_string_lossy().into_owned()),
+            );
+        }
+        let _ = writeln!(s, "\n{}", verdict(&ps));
+    }
+    s
+}
+
+/// Draws every point with a slowdown: x slowdown %, y memory left MiB, horizontal error
+/// bars, one colour per kind of side.
+fn chart(path: &Path, points: &[Point]) -> Result<usize> {
+    let marks: Vec<plot::Mark> = points
+        .iter()
+        .filter_map(|p| {
+            Some(plot::Mark {
+                group: match p.kind {
+                    Kind::Memfold => "memfold",
+                    Kind::Ksm => "KSM",
+                    Kind::Kit => "KSM + zswap + reclaim",
+                }
+                .to_string(),
+                label: format!("{} ({})", p.label, p.set),
+                x: p.slowdown_pct?,
+                x_err: p.slowdown_2se_pct.unwrap_or(0.0),
+                y: p.left_mib,
+            })
+        })
+        .collect();
+    plot::scatter(
+        path,
+        "Host memory left against guest slowdown",
+        "slowdown vs plain twin, % (± 2 s.e.)",
+        "host memory left, MiB",
+        &marks,
+    )?;
+    Ok(marks.len())
+}
+
+/// Runs `memfold tradeoff`.
+///
+/// Errors: a file cannot be read or is not a compare run; the chart cannot be written.
+pub fn run(a: &TradeoffArgs) -> Result<()> {
+    let mut all = Vec::new();
+    for r in &a.runs {
+        all.extend(points(r)?);
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&all)?);
+    } else {
+        print!("{}", table(&all));
+    }
+    if let Some(png) = &a.png {
+        let n = chart(png, &all)?;
+        eprintln!(
+            "{}: {n} of {} points (those without plain twins have no slowdown)",
+            png.display(),
+            all.len()
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair(ratio: f64, e: Option<f64>) -> Pair {
+        Pair {
+            metric: "m".into(),
+            ratio,
+            change_2se: e,
+        }
+    }
+
+    #[test]
+    fn slowdown_is_one_minus_the_geometric_mean_with_its_error() {
+        let (s, e) = slowdown(&[pair(0.81, Some(0.02)), pair(1.0, Some(0.02))]);
+        // √(0.81·1) = 0.9: a 10% slowdown.
+        assert!((s.unwrap() - 10.0).abs() < 1e-9, "{s:?}");
+        // se(log) = √((0.01/0.81)² + 0.01²)/2; 2 s.e. of g = 2·se·g.
+        let want = 2.0 * (((0.01f64 / 0.81).powi(2) + 0.0001).sqrt() / 2.0) * 0.9 * 100.0;
+        assert!((e.unwrap() - want).abs() < 1e-9);
+        // One round on a side: a slowdown, but no error bar.
+        assert!(slowdown(&[pair(0.5, None)]).1.is_none());
+        assert_eq!(slowdown(&[]), (None, None));
+    }
+
+    fn write(dir: &Path, name: &str, v: serde_json::Value) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, v.to_string()).unwrap();
+        p
+    }
+
+    fn run_json(
+        memfold_left: f64,
+        peer_left: f64,
+        m_ratio: f64,
+        p_ratio: f64,
+        m_cpu: f64,
+    ) -> serde_json::Value {
+        let mib = (1u64 << 20) as f64;
+        serde_json::json!({
+            "guests": "web,db", "secs": 240, "memfold_policy": "de",
+            "memfold_used_after_bytes": memfold_left * mib, "memfold_cpu_s": m_cpu,
+            "memfold_t95_s": 14.0,
+            "memfold_throughput": [{"metric": "web-req/s", "ratio": m_ratio, "change_2se": 0.01}],
+            "peer": "ksm+zswap", "peer_used_after_bytes": peer_left * mib, "peer_cpu_s": 30.0,
+            "peer_t95_s": 100.0, "peer_guest_mismatches": 0,
+            "peer_senpai": {"target": 0.001, "max_probe": 0.01, "interval_s": 6.0},
+            "peer_throughput": [{"metric": "web-req/s", "ratio": p_ratio, "change_2se": 0.01}],
+        })
+    }
+
+    #[test]
+    fn the_verdict_names_each_reason_the_goal_is_missed() {
+        let dir = tempfile::tempdir().unwrap();
+        let met = points(&write(
+            dir.path(),
+            "a.json",
+            run_json(140.0, 250.0, 0.95, 0.90, 20.0),
+        ))
+        .unwrap();
+        let v = verdict(&met.iter().collect::<Vec<_>>());
+        assert!(v.ends_with("goal met"), "{v}");
+        assert_eq!(met[1].label, "ksm+zswap target 0.1% probe 1%/6s");
+        // Too much memory, slower beyond the error bars, more CPU: all three said.
+        let missed = points(&write(
+            dir.path(),
+            "b.json",
+            run_json(200.0, 250.0, 0.80, 0.95, 40.0),
+        ))
+        .unwrap();
+        let v = verdict(&missed.iter().collect::<Vec<_>>());
+        assert!(
+            v.contains("memory 0.80×") && v.contains("slowdown") && v.contains("CPU"),
+            "{v}"
+        );
+        // The best peer is the least memory of all peer points: a second run's.
+        let both: Vec<Point> = met.into_iter().chain(missed).collect();
+        let v = verdict(&both.iter().collect::<Vec<_>>());
+        assert!(v.contains("= 0.56×"), "{v}");
+        let t = table(&both);
+        assert!(
+            t.contains("| memfold de | 240 | 140.0 | 5.0 ± 1.0 |"),
+            "{t}"
+        );
+    }
+
+    #[test]
+    fn a_ksm_compare_and_the_recorded_runs_are_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let mib = (1u64 << 20) as f64;
+        let p = write(
+            dir.path(),
+            "k.json",
+            serde_json::json!({
+                "guests": "web", "secs": 90, "memfold_policy": "sharing",
+                "memfold_used_after_bytes": 100.0 * mib, "memfold_cpu_s": 10.0,
+                "memfold_t95_s": null, "ksm_used_after_bytes": 120.0 * mib, "ksm_cpu_s": 9.0,
+                "ksm_t95_s": 12.0, "ksm_guest_mismatches": 0,
+            }),
+        );
+        let ps = points(&p).unwrap();
+        assert_eq!((ps[1].kind, ps[1].label.as_str()), (Kind::Ksm, "ksm"));
+        assert!(ps[1].slowdown_pct.is_none());
+        assert!(verdict(&ps.iter().collect::<Vec<_>>()).contains("--plain-twins"));
+        // Every compare.json kept in docs/peer-runs parses.
+        let runs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/peer-runs");
+        let mut n = 0;
+        for e in std::fs::read_dir(runs).unwrap() {
+            let path = e.unwrap().path();
+            if path.extension().is_some_and(|x| x == "json") {
+                points(&path).unwrap_or_else(|e| panic!("{e:#}"));
+                n += 1;
+            }
+        }
+        assert!(n >= 5, "{n} runs");
+        let bad = write(dir.path(), "bad.json", serde_json::json!({"guests": "web"}));
+        let e = format!("{:#}", points(&bad).unwrap_err());
+        assert!(e.contains("bad.json"), "{e}");
+    }
+
+    #[test]
+    fn the_chart_is_written_with_the_points_that_have_a_slowdown() {
+        let dir = tempfile::tempdir().unwrap();
+        let ps = points(&write(
+            dir.path(),
+            "a.json",
+            run_json(140.0, 250.0, 0.95, 0.90, 20.0),
+        ))
+        .unwrap();
+        let png = dir.path().join("t.png");
+        assert_eq!(chart(&png, &ps).unwrap(), 2);
+        assert!(std::fs::metadata(&png).unwrap().len() > 1000);
+    }
+}
