@@ -121,7 +121,10 @@ impl Agent {
                 // as missing).
                 PageHome::Private | PageHome::Zero | PageHome::Stashed(_) => {
                     self.pages.mark(gfn, true);
-                    Ok(self.uffd.write_protect(page, PAGE, false)?)
+                    self.uffd.write_protect(page, PAGE, false)?;
+                    // M tracking is the clock's too: its wait counts with the R faults'.
+                    self.counters.track.record(started.elapsed(), 1);
+                    Ok(())
                 }
                 PageHome::Frame(frame) => {
                     self.cow_break(gfn, frame)?;

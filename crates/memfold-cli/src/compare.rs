@@ -255,6 +255,7 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "memfold_lifetime": m.end().map(|s| s.lifetime.clone()),
         "memfold_latency_us": m.end().map(|s| s.latency),
         "memfold_throughput": m.throughput,
+        "memfold_guest_wait_pct": m.guest_wait_pct(),
         "ksm_throughput": ksm_throughput,
     });
     std::fs::write(out.join("compare.json"), serde_json::to_vec_pretty(&j)?)?;
@@ -358,6 +359,7 @@ fn compare_kit(
         "memfold_t95_s": m.t95_s,
         "memfold_cpu_s": m.cpu_s,
         "memfold_memory_stall_pct": memfold_stall_pct,
+        "memfold_guest_wait_pct": m.guest_wait_pct(),
         "memfold_daemon_restarts": m.daemon_restarts,
         "peer_used_before_bytes": p.used_before,
         "peer_plain_twins_used_before_bytes": p.plain_used_before,
@@ -378,13 +380,14 @@ fn compare_kit(
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
         println!(
-            "memfold ({}):            leaves {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s, memory stall {})\nKSM + zswap + reclaim{} ({}% pressure target, {}): leaves {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s, memory stall {:.2}%)\nhost memory left, memfold / peer: {:.2}",
+            "memfold ({}):            leaves {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s, memory stall {}, guests waiting on the agent {:.2}%)\nKSM + zswap + reclaim{} ({}% pressure target, {}): leaves {:.1} MiB of {:.1} (95% after {} s, {:.1} CPU s, memory stall {:.2}%)\nhost memory left, memfold / peer: {:.2}",
             a.memfold.engine.policy,
             memfold_left / MIB,
             m.used_before as f64 / MIB,
             t95_text(m.t95_s),
             m.cpu_s,
             memfold_stall_pct.map_or("-".into(), |s| format!("{s:.2}%")),
+            m.guest_wait_pct().values().sum::<f64>(),
             if p.fpr { " + fpr" } else { "" },
             a.pressure_target,
             p.compressor,

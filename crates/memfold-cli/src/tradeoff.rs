@@ -65,7 +65,10 @@ struct CompareJson {
     memfold_cpu_s: f64,
     memfold_t95_s: Option<f64>,
     memfold_throughput: Option<Vec<Pair>>,
+    memfold_memory_stall_pct: Option<f64>,
+    memfold_guest_wait_pct: Option<BTreeMap<String, f64>>,
     peer: Option<String>,
+    peer_memory_stall_pct: Option<f64>,
     peer_used_after_bytes: Option<f64>,
     peer_cpu_s: Option<f64>,
     peer_t95_s: Option<f64>,
@@ -114,6 +117,11 @@ struct Point {
     t95_s: Option<f64>,
     /// Self-check mismatches the run recorded for this side (None: not recorded).
     mismatches: Option<u64>,
+    /// Host memory stall (PSI `some`) over the run, % (None: not recorded).
+    stall_pct: Option<f64>,
+    /// memfold only: its guests' waits on their agents' fault service, % of the run,
+    /// summed over guests (PSI does not see them; None: not recorded).
+    agent_wait_pct: Option<f64>,
 }
 
 /// Slowdown, % and its two standard errors (percentage points) from workload pairs.
@@ -170,47 +178,46 @@ fn points(path: &Path) -> Result<Vec<Point>> {
         cpu_s: j.memfold_cpu_s,
         t95_s: j.memfold_t95_s,
         mismatches: None,
+        stall_pct: j.memfold_memory_stall_pct,
+        agent_wait_pct: j.memfold_guest_wait_pct.as_ref().map(|m| m.values().sum()),
     }];
-    let other = match (&j.peer, j.peer_used_after_bytes, j.ksm_used_after_bytes) {
-        (Some(peer), Some(left), _) => {
-            let label = match &j.peer_senpai {
-                Some(p) => format!(
-                    "{peer} target {}% probe {}%/{}s",
-                    p.target * 100.0,
-                    p.max_probe * 100.0,
-                    p.interval_s.unwrap_or(2.0)
-                ),
-                None => peer.clone(),
-            };
-            let kind = if peer == "ksm" { Kind::Ksm } else { Kind::Kit };
-            Some((
-                kind,
-                label,
+    // The other side: the kit (or KSM through --peer ksm), or KSM's own compare.
+    let (kind, label, left, cpu, t95, thr, mismatches, stall) =
+        match (&j.peer, j.peer_used_after_bytes, j.ksm_used_after_bytes) {
+            (Some(peer), Some(left), _) => (
+                if peer == "ksm" { Kind::Ksm } else { Kind::Kit },
+                match &j.peer_senpai {
+                    Some(p) => format!(
+                        "{peer} target {}% probe {}%/{}s",
+                        p.target * 100.0,
+                        p.max_probe * 100.0,
+                        p.interval_s.unwrap_or(2.0)
+                    ),
+                    None => peer.clone(),
+                },
                 left,
                 j.peer_cpu_s,
                 j.peer_t95_s,
-                &j.peer_throughput,
+                j.peer_throughput.as_deref(),
                 j.peer_guest_mismatches,
-            ))
-        }
-        (_, _, Some(left)) => Some((
-            Kind::Ksm,
-            "ksm".to_string(),
-            left,
-            j.ksm_cpu_s,
-            j.ksm_t95_s,
-            &j.ksm_throughput,
-            j.ksm_guest_mismatches,
-        )),
-        _ => None,
-    };
-    let Some((kind, label, left, cpu, t95, thr, mismatches)) = other else {
-        anyhow::bail!(
-            "{}: neither peer_used_after_bytes nor ksm_used_after_bytes: not a compare run",
-            path.display()
-        );
-    };
-    let (s, e) = slowdown(thr.as_deref().unwrap_or_default());
+                j.peer_memory_stall_pct,
+            ),
+            (_, _, Some(left)) => (
+                Kind::Ksm,
+                "ksm".to_string(),
+                left,
+                j.ksm_cpu_s,
+                j.ksm_t95_s,
+                j.ksm_throughput.as_deref(),
+                j.ksm_guest_mismatches,
+                None,
+            ),
+            _ => anyhow::bail!(
+                "{}: neither peer_used_after_bytes nor ksm_used_after_bytes: not a compare run",
+                path.display()
+            ),
+        };
+    let (s, e) = slowdown(thr.unwrap_or_default());
     out.push(Point {
         set: j.guests,
         kind,
@@ -220,10 +227,12 @@ fn points(path: &Path) -> Result<Vec<Point>> {
         left_mib: mib(left),
         slowdown_pct: s,
         slowdown_2se_pct: e,
-        workloads: metrics(thr.as_deref()),
+        workloads: metrics(thr),
         cpu_s: cpu.unwrap_or(f64::NAN),
         t95_s: t95,
         mismatches,
+        stall_pct: stall,
+        agent_wait_pct: None,
     });
     Ok(out)
 }
@@ -289,9 +298,9 @@ fn table(points: &[Point]) -> String {
         let _ = writeln!(s, "\n{set}\n");
         let _ = writeln!(
             s,
-            "| side | s | memory left (MiB) | slowdown % (± 2 s.e.) | workloads | CPU s | time to 95% | mismatches | run |"
+            "| side | s | memory left (MiB) | slowdown % (± 2 s.e.) | workloads | CPU s | time to 95% | memory stall % (PSI) | waits on the agent % | mismatches | run |"
         );
-        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|");
         let mut ps = ps.clone();
         ps.sort_by(|a, b| {
             (a.kind, a.left_mib)
@@ -306,7 +315,7 @@ fn table(points: &[Point]) -> String {
             };
             let _ = writeln!(
                 s,
-                "| {} | {} | {:.1} | {slow} | {} | {:.1} | {} | {} | {} |",
+                "| {} | {} | {:.1} | {slow} | {} | {:.1} | {} | {} | {} | {} | {} |",
                 p.label,
                 p.secs,
                 p.left_mib,
@@ -317,6 +326,8 @@ fn table(points: &[Point]) -> String {
                 },
                 p.cpu_s,
                 fmt_opt(p.t95_s, 1),
+                fmt_opt(p.stall_pct, 2),
+                fmt_opt(p.agent_wait_pct, 2),
                 p.mismatches.map_or("—".into(), |m| m.to_string()),
                 Path::new(&p.run)
                     .file_name()
@@ -430,6 +441,8 @@ mod tests {
             "peer_t95_s": 100.0, "peer_guest_mismatches": 0,
             "peer_senpai": {"target": 0.001, "max_probe": 0.01, "interval_s": 6.0},
             "peer_throughput": [{"metric": "web-req/s", "ratio": p_ratio, "change_2se": 0.01}],
+            "memfold_memory_stall_pct": 0.0, "memfold_guest_wait_pct": {"web-1": 1.0, "db-1": 1.5},
+            "peer_memory_stall_pct": 2.5,
         })
     }
 
@@ -466,6 +479,9 @@ mod tests {
             t.contains("| memfold de | 240 | 140.0 | 5.0 ± 1.0 |"),
             "{t}"
         );
+        // PSI on both sides, and memfold's waits on its agents (2.5% over two guests).
+        assert!(t.contains("| 0.00 | 2.50 | — |"), "{t}");
+        assert!(t.contains("| 2.50 | — | 0 |"), "{t}");
     }
 
     #[test]

@@ -38,6 +38,10 @@ pub struct LatencySummary {
     pub p99_us: f64,
     /// Longest, µs.
     pub max_us: f64,
+    /// All operations together, µs (mean × count, to the histogram's precision): for a
+    /// fault, the time the faulting thread waited on the agent's service of it.
+    #[serde(default)]
+    pub total_us: f64,
 }
 
 impl OpLatency {
@@ -85,6 +89,7 @@ impl OpLatency {
             p50_us: us(self.hist.value_at_quantile(0.5)),
             p99_us: us(self.hist.value_at_quantile(0.99)),
             max_us: us(self.hist.max()),
+            total_us: self.hist.mean() * self.hist.len() as f64 / 1000.0,
         }
     }
 }
@@ -105,6 +110,8 @@ mod tests {
         assert_eq!(s.count, 100);
         assert!((s.p50_us - 50.0).abs() < 1.0, "{s:?}");
         assert!((s.p99_us - 99.0).abs() < 1.5, "{s:?}");
+        // 1 + 2 + … + 100 µs, to 2 significant digits per value.
+        assert!((s.total_us - 5050.0).abs() < 5050.0 * 0.01, "{s:?}");
         let mut m = b.clone();
         m.record(Duration::from_millis(10), 100);
         m.merge(&a);

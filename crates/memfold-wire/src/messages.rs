@@ -132,7 +132,8 @@ pub struct AgentReport {
     pub fault_ns: Vec<(u64, u64)>,
     /// Reclaim, per page.
     pub reclaim_ns: Vec<(u64, u64)>,
-    /// Minor-fault service (the clock's R/M tracking), from reading the fault to waking.
+    /// The clock's R/M tracking: minor-fault (R) and write-protect (M) service, from
+    /// reading the fault to waking.
     pub track_ns: Vec<(u64, u64)>,
     /// Stash (check a blob still decodes to the page, punch the page), per page.
     pub stash_ns: Vec<(u64, u64)>,

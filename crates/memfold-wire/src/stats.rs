@@ -16,7 +16,7 @@ pub struct OpLatencies {
     pub fault: LatencySummary,
     /// Zero-page reclaim, per page.
     pub reclaim: LatencySummary,
-    /// Minor-fault service of the clock's R/M tracking.
+    /// The clock's R/M tracking: minor (R) and write-protect (M) fault service.
     pub track: LatencySummary,
     /// Stash in the agent (decode check, punch), per page.
     pub stash: LatencySummary,
@@ -26,6 +26,16 @@ pub struct OpLatencies {
     pub patch_encode: LatencySummary,
     /// Compression in memfoldd, per page.
     pub compress: LatencySummary,
+}
+
+impl OpLatencies {
+    /// Time the guest's threads waited on the agent's service of their faults, µs: CoW
+    /// breaks, missing faults (first touches, refills), the clock's R/M faults and
+    /// decodes of stored pages, each from the agent reading the fault to waking the
+    /// thread (a lower bound: the time before the agent reads a fault is not in it).
+    pub fn guest_wait_us(&self) -> f64 {
+        self.cow_break.total_us + self.fault.total_us + self.track.total_us + self.unstash.total_us
+    }
 }
 
 /// The agents' histograms, in the order of [`OpLatencies::from_histograms`].
@@ -441,8 +451,8 @@ impl Stats {
         out.push_str("# HELP memfold_op_latency_us Live operation latency, µs.\n# TYPE memfold_op_latency_us summary\n");
         for (op, l) in ops {
             out.push_str(&format!(
-                "memfold_op_latency_us{{op=\"{op}\",quantile=\"0.5\"}} {}\nmemfold_op_latency_us{{op=\"{op}\",quantile=\"0.99\"}} {}\nmemfold_op_latency_us_count{{op=\"{op}\"}} {}\n",
-                l.p50_us, l.p99_us, l.count
+                "memfold_op_latency_us{{op=\"{op}\",quantile=\"0.5\"}} {}\nmemfold_op_latency_us{{op=\"{op}\",quantile=\"0.99\"}} {}\nmemfold_op_latency_us_count{{op=\"{op}\"}} {}\nmemfold_op_latency_us_sum{{op=\"{op}\"}} {}\n",
+                l.p50_us, l.p99_us, l.count, l.total_us
             ));
         }
         out

@@ -150,7 +150,7 @@ pub fn paused_since(samples: &[Sample]) -> Vec<(String, f64)> {
 }
 
 /// A memfold run's result.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct MemfoldRun {
     /// Host memory used by guest RAM just before memfoldd started, bytes.
     pub used_before: u64,
@@ -215,6 +215,36 @@ impl MemfoldRun {
     /// memfoldd's statistics at the last sample (the run's end).
     pub fn end(&self) -> Option<&Stats> {
         self.samples.last().map(|s| &s.stats)
+    }
+
+    /// Per managed guest, the time its threads waited on its agent's fault service over
+    /// the sampled seconds, % of those seconds ([`memfold_wire::OpLatencies::guest_wait_us`]:
+    /// CoW breaks, missing faults, the clock's R/M faults, decodes; a lower bound). The
+    /// host's memory-stall share (PSI) does not see a thread waiting on a userfaultfd, so
+    /// this is memfold's counterpart of it; their sum bounds a host-wide "some" share
+    /// from above. Empty with fewer than two samples.
+    pub fn guest_wait_pct(&self) -> BTreeMap<String, f64> {
+        let (Some(a), Some(b)) = (self.samples.first(), self.samples.last()) else {
+            return BTreeMap::new();
+        };
+        let span_us = (b.t - a.t) * 1e6;
+        if span_us <= 0.0 {
+            return BTreeMap::new();
+        }
+        b.stats
+            .vms
+            .iter()
+            .map(|v| {
+                let before = a
+                    .stats
+                    .vms
+                    .iter()
+                    .find(|w| w.name == v.name)
+                    .map_or(0.0, |w| w.latency.guest_wait_us());
+                let waited = (v.latency.guest_wait_us() - before).max(0.0);
+                (v.name.clone(), waited / span_us * 100.0)
+            })
+            .collect()
     }
 }
 
@@ -427,6 +457,47 @@ mod tests {
             saved_mib_over_time(3 << 20, [(1.0, 1 << 20)].into_iter()),
             [(1.0, 2.0)]
         );
+    }
+
+    #[test]
+    fn guest_waits_are_the_sampled_seconds_share_per_guest() {
+        let vm = |name: &str, fault_us: f64, track_us: f64| {
+            let mut v = memfold_wire::VmStats {
+                name: name.into(),
+                ..Default::default()
+            };
+            v.latency.fault.total_us = fault_us;
+            v.latency.track.total_us = track_us;
+            v
+        };
+        let sample = |t: f64, vms: Vec<memfold_wire::VmStats>| Sample {
+            t,
+            used_bytes: 0,
+            stats: Stats {
+                vms,
+                ..Default::default()
+            },
+            daemon_restarts: 0,
+            paused: vec![],
+        };
+        let run = MemfoldRun {
+            samples: vec![
+                // Boot's first touches before the first sample do not count.
+                sample(1.0, vec![vm("a", 500_000.0, 0.0)]),
+                sample(
+                    11.0,
+                    vec![vm("a", 600_000.0, 100_000.0), vm("b", 0.0, 50_000.0)],
+                ),
+            ],
+            ..Default::default()
+        };
+        let w = run.guest_wait_pct();
+        // a: 0.2 s of 10 s; b (attached since): 0.05 s.
+        assert!(
+            (w["a"] - 2.0).abs() < 1e-9 && (w["b"] - 0.5).abs() < 1e-9,
+            "{w:?}"
+        );
+        assert!(MemfoldRun::default().guest_wait_pct().is_empty());
     }
 
     #[test]
