@@ -256,6 +256,7 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "memfold_latency_us": m.end().map(|s| s.latency),
         "memfold_throughput": m.throughput,
         "memfold_guest_wait_pct": m.guest_wait_pct(),
+        "memfold_free_page_reporting": a.memfold.free_page_reporting,
         "ksm_throughput": ksm_throughput,
     });
     std::fs::write(out.join("compare.json"), serde_json::to_vec_pretty(&j)?)?;
@@ -360,6 +361,7 @@ fn compare_kit(
         "memfold_cpu_s": m.cpu_s,
         "memfold_memory_stall_pct": memfold_stall_pct,
         "memfold_guest_wait_pct": m.guest_wait_pct(),
+        "memfold_free_page_reporting": a.memfold.free_page_reporting,
         "memfold_daemon_restarts": m.daemon_restarts,
         "peer_used_before_bytes": p.used_before,
         "peer_plain_twins_used_before_bytes": p.plain_used_before,

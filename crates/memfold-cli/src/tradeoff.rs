@@ -66,6 +66,8 @@ struct CompareJson {
     memfold_t95_s: Option<f64>,
     memfold_throughput: Option<Vec<Pair>>,
     memfold_memory_stall_pct: Option<f64>,
+    #[serde(default)]
+    memfold_free_page_reporting: bool,
     memfold_guest_wait_pct: Option<BTreeMap<String, f64>>,
     peer: Option<String>,
     peer_memory_stall_pct: Option<f64>,
@@ -168,7 +170,15 @@ fn points(path: &Path) -> Result<Vec<Point>> {
     let mut out = vec![Point {
         set: j.guests.clone(),
         kind: Kind::Memfold,
-        label: format!("memfold {}", j.memfold_policy),
+        label: format!(
+            "memfold {}{}",
+            j.memfold_policy,
+            if j.memfold_free_page_reporting {
+                " + fpr"
+            } else {
+                ""
+            }
+        ),
         run: run.clone(),
         secs: j.secs,
         left_mib: mib(j.memfold_used_after_bytes),

@@ -45,6 +45,12 @@ pub struct MemfoldArgs {
     /// The engine's settings (memfoldd's own flags and defaults).
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// Give each managed guest a virtio balloon with free page reporting (never
+    /// inflated): the guest reports free 2 MiB blocks, QEMU discards them from its RAM,
+    /// and memfold's agent lets go of whatever it held there (shared, zero, stored
+    /// pages). Checked per guest, as for the kit's `--peer ksm+zswap+fpr`.
+    #[arg(long)]
+    pub free_page_reporting: bool,
 }
 
 impl MemfoldArgs {

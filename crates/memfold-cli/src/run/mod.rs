@@ -119,9 +119,12 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         a.twins(),
         RAM,
         default_out,
-        |_, _| {},
+        |s, managed| s.free_page_reporting = managed && m.free_page_reporting,
         |s| agent_env(&agent, &socket, s),
     )?;
+    if m.free_page_reporting {
+        crate::peer::check_reporting(&guests)?;
+    }
     let since = measure::start_marks(guests.iter().chain(&plain));
     let used_before = measure::used(&guests)?.0;
     let log_path = out.join("memfoldd.log");
