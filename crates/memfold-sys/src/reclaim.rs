@@ -4,9 +4,10 @@
 //! pressure stall information (PSI) that guards it. Settings are saved when taken and
 //! written back when dropped; the swap file is switched off and removed when dropped.
 //!
-//! Only the cgroup v1 memory controller is driven (`memory.limit_in_bytes`), as this
-//! host mounts it; a host with the memory controller on cgroup v2 is refused with a
-//! message that says so.
+//! The memory cgroup ([`MemCgroup`]) is driven on either hierarchy, whichever carries the
+//! memory controller on the host ([`MemCgroupRoot::detect`]): cgroup v1
+//! (`memory.limit_in_bytes`, `memory.oom_control`) or cgroup v2 (`memory.max`,
+//! `memory.reclaim`, `memory.events`, the group's own `memory.pressure`).
 
 use std::ffi::CString;
 use std::io::Write;
@@ -44,8 +45,12 @@ fn read(path: &Path) -> Result<String, ReclaimError> {
 
 fn write(path: &Path, value: &str) -> Result<(), ReclaimError> {
     // One write(2) of the whole value: sysfs and cgroup files take a value per write.
+    // O_TRUNC as a shell's `>` (sysfs and cgroupfs ignore it; a plain file standing in
+    // for one in tests then holds the last value written). Never created: a file the
+    // kernel does not offer is an error.
     let mut f = std::fs::OpenOptions::new()
         .write(true)
+        .truncate(true)
         .open(path)
         .map_err(io(path))?;
     f.write_all(value.as_bytes()).map_err(io(path))
@@ -133,15 +138,9 @@ pub fn zswap_pool() -> Result<(u64, u64), ReclaimError> {
     let path = Path::new("/proc/meminfo");
     let text = read(path)?;
     let field = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .map(|kb| kb * 1024)
-            .ok_or_else(|| {
-                ReclaimError::Unavailable(format!(
-                    "/proc/meminfo has no {name} line (kernel ≥ 5.19)"
-                ))
-            })
+        meminfo_bytes(&text, name).ok_or_else(|| {
+            ReclaimError::Unavailable(format!("/proc/meminfo has no {name} line (kernel ≥ 5.19)"))
+        })
     };
     Ok((field("Zswap:")?, field("Zswapped:")?))
 }
@@ -215,108 +214,16 @@ impl Drop for SwapFile {
     }
 }
 
-/// The cgroup v1 memory controller's mount.
-pub const MEMCG_V1: &str = "/sys/fs/cgroup/memory";
+mod memcg;
+pub use memcg::{CgroupVersion, MemCgroup, MemCgroupRoot, OomState, MEMCG_V1};
 
-/// A memory cgroup of its own (v1), removed when dropped (its processes must be gone by
-/// then; they are moved to the root group first otherwise).
-pub struct MemCgroup {
-    dir: PathBuf,
-}
-
-impl MemCgroup {
-    /// Creates memory cgroup `name` under the v1 controller, with no limit yet.
-    ///
-    /// Errors: the memory controller is not on cgroup v1 here (cgroup v2 hosts are not
-    /// driven yet), or the group cannot be made (not root).
-    pub fn create(name: &str) -> Result<MemCgroup, ReclaimError> {
-        let root = Path::new(MEMCG_V1);
-        if !root.join("memory.limit_in_bytes").exists() {
-            return Err(ReclaimError::Unavailable(format!(
-                "{MEMCG_V1}/memory.limit_in_bytes is missing: the memory controller is not mounted as cgroup v1 here (a cgroup v2 host's memory.max and memory.reclaim are not driven yet)"
-            )));
-        }
-        let dir = root.join(name);
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(io(&dir)(e)),
-        }
-        Ok(MemCgroup { dir })
-    }
-
-    /// The file a process writes `0` to, to join the group (before it allocates: "from
-    /// birth", so that everything it uses is charged here).
-    pub fn procs_file(&self) -> PathBuf {
-        self.dir.join("cgroup.procs")
-    }
-
-    /// Memory charged to the group now, bytes.
-    ///
-    /// Errors: the file cannot be read.
-    pub fn usage(&self) -> Result<u64, ReclaimError> {
-        let p = self.dir.join("memory.usage_in_bytes");
-        read(&p)?
-            .parse()
-            .map_err(|e| io(&p)(std::io::Error::other(e)))
-    }
-
-    /// The limit now, bytes.
-    ///
-    /// Errors: the file cannot be read.
-    pub fn limit(&self) -> Result<u64, ReclaimError> {
-        let p = self.dir.join("memory.limit_in_bytes");
-        read(&p)?
-            .parse()
-            .map_err(|e| io(&p)(std::io::Error::other(e)))
-    }
-
-    /// Sets the limit, bytes: the kernel reclaims down to it in this thread (zswap
-    /// compresses what it swaps out here). Returns false if it could not reclaim that far
-    /// (`EBUSY`; the limit is then unchanged).
-    ///
-    /// Errors: any other failure to write it.
-    pub fn set_limit(&self, bytes: u64) -> Result<bool, ReclaimError> {
-        let p = self.dir.join("memory.limit_in_bytes");
-        match write(&p, &bytes.to_string()) {
-            Ok(()) => Ok(true),
-            Err(ReclaimError::Io { source, .. }) if source.raw_os_error() == Some(libc::EBUSY) => {
-                Ok(false)
-            }
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Lifts the limit (`-1`: none), so that nothing more is reclaimed from the group.
-    ///
-    /// Errors: the file cannot be written.
-    pub fn unlimit(&self) -> Result<(), ReclaimError> {
-        write(&self.dir.join("memory.limit_in_bytes"), "-1")
-    }
-
-    /// Pages of the group swapped out now (`swap` of memory.stat), bytes.
-    ///
-    /// Errors: memory.stat cannot be read.
-    pub fn swapped(&self) -> Result<u64, ReclaimError> {
-        let text = read(&self.dir.join("memory.stat"))?;
-        Ok(text
-            .lines()
-            .find_map(|l| l.strip_prefix("swap "))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0))
-    }
-}
-
-impl Drop for MemCgroup {
-    fn drop(&mut self) {
-        // Any process left goes back to the root group, so that the group can go.
-        if let Ok(pids) = std::fs::read_to_string(self.procs_file()) {
-            for pid in pids.lines() {
-                let _ = write(&Path::new(MEMCG_V1).join("cgroup.procs"), pid);
-            }
-        }
-        let _ = std::fs::remove_dir(&self.dir);
-    }
+/// The `total` of the `some` line of a PSI file (`/proc/pressure/memory`, a v2 group's
+/// `memory.pressure`): µs during which some task stalled; `None` if the text has none.
+pub fn psi_some_total_us(text: &str) -> Option<u64> {
+    text.lines()
+        .find(|l| l.starts_with("some "))
+        .and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix("total=")))
+        .and_then(|v| v.parse().ok())
 }
 
 /// Host-wide memory pressure: the total µs some task stalled on memory
@@ -325,12 +232,46 @@ impl Drop for MemCgroup {
 /// Errors: no PSI (`CONFIG_PSI`, or `psi=0`).
 pub fn memory_stall_us() -> Result<u64, ReclaimError> {
     let path = Path::new("/proc/pressure/memory");
-    let text = read(path)?;
-    text.lines()
-        .find(|l| l.starts_with("some "))
-        .and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix("total=")))
-        .and_then(|v| v.parse().ok())
+    psi_some_total_us(&read(path)?)
         .ok_or_else(|| ReclaimError::Unavailable("/proc/pressure/memory has no some total".into()))
+}
+
+/// The host's swap space, bytes: every swap device's size and what is free on them. A
+/// page zswap holds takes a swap slot as well, so `free` falls with zswap's pages too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize)]
+pub struct SwapSpace {
+    /// `SwapTotal:` of /proc/meminfo, bytes.
+    pub total: u64,
+    /// `SwapFree:` of /proc/meminfo, bytes.
+    pub free: u64,
+}
+
+impl SwapSpace {
+    /// From the text of /proc/meminfo; `None` without both lines.
+    pub fn parse(meminfo: &str) -> Option<SwapSpace> {
+        Some(SwapSpace {
+            total: meminfo_bytes(meminfo, "SwapTotal:")?,
+            free: meminfo_bytes(meminfo, "SwapFree:")?,
+        })
+    }
+
+    /// The host's now.
+    ///
+    /// Errors: /proc/meminfo unreadable or without the lines.
+    pub fn now() -> Result<SwapSpace, ReclaimError> {
+        let path = Path::new("/proc/meminfo");
+        SwapSpace::parse(&read(path)?).ok_or_else(|| {
+            ReclaimError::Unavailable("/proc/meminfo has no SwapTotal:/SwapFree: lines".into())
+        })
+    }
+}
+
+/// A `NAME: N kB` line of /proc/meminfo, bytes.
+fn meminfo_bytes(text: &str, name: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name))
+        .and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
 }
 
 #[cfg(test)]
@@ -344,5 +285,23 @@ mod tests {
         let (pool, stored) = zswap_pool().unwrap();
         assert!(pool <= stored.max(pool));
         memory_stall_us().unwrap();
+        let swap = SwapSpace::now().unwrap();
+        assert!(swap.free <= swap.total);
+    }
+
+    #[test]
+    fn psi_and_swap_lines_parse() {
+        let psi = "some avg10=0.00 avg60=0.10 avg300=0.02 total=123456\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=99\n";
+        assert_eq!(psi_some_total_us(psi), Some(123_456));
+        assert_eq!(psi_some_total_us("full total=3"), None);
+        let meminfo = "MemTotal: 100 kB\nSwapTotal:  2048 kB\nSwapFree:   1024 kB\n";
+        assert_eq!(
+            SwapSpace::parse(meminfo),
+            Some(SwapSpace {
+                total: 2 << 20,
+                free: 1 << 20
+            })
+        );
+        assert_eq!(SwapSpace::parse("SwapTotal: 1 kB"), None);
     }
 }
