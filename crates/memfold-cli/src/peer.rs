@@ -17,12 +17,12 @@
 //! Pages zswap sent on to the swap file left host memory.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use memfold_sys::ksm::{Ksm, KsmMode};
-use memfold_sys::reclaim::{self, MemCgroup, SwapFile, Zswap};
+use memfold_sys::reclaim::{self, CgroupVersion, MemCgroup, SwapFile, SwapSpace, Zswap};
 use memfold_vm::launcher::{Guest, RamBackend};
 
 use crate::run::measure::{start_marks, throughput, Throughput};
@@ -30,45 +30,14 @@ use crate::run::Twins;
 use serde::Serialize;
 
 use crate::guests::{self, GuestSetArgs};
+
+pub mod controller;
 use crate::run::cpu_seconds;
 use crate::run::measure::{every_second, kernel_threads_cpu_seconds, plateau, ram_usages};
+pub use controller::{Controller, ControllerBook, Reading, Senpai};
 
 /// Compressors zswap is offered, best ratio first: the first the kernel takes is used.
 pub const COMPRESSORS: [&str; 5] = ["zstd", "deflate", "lz4", "lzo-rle", "lzo"];
-
-/// Senpai's rule: one step of the limit, bytes, from the limit now, the group's usage and
-/// the memory pressure over the last interval (fraction of time some task stalled).
-#[derive(Clone, Copy, Debug, Serialize)]
-pub struct Senpai {
-    /// Pressure to hold, fraction (0.001 = 0.1%, Senpai's default).
-    pub target: f64,
-    /// Most the limit drops in one interval, fraction of usage (at zero pressure).
-    pub max_probe: f64,
-    /// Most the limit rises in one interval, fraction of the limit.
-    pub max_backoff: f64,
-    /// How often the limit is set, s (Senpai's default: 6).
-    pub interval_s: f64,
-    /// The limit never goes under this, bytes.
-    pub min_limit: u64,
-}
-
-impl Senpai {
-    /// The next limit: under the target, `usage` less up to [`Senpai::max_probe`] of it,
-    /// the closer to zero pressure the more; over the target, the limit raised by up to
-    /// [`Senpai::max_backoff`], the further over the more. Never under
-    /// [`Senpai::min_limit`].
-    pub fn next(&self, limit: u64, usage: u64, pressure: f64) -> u64 {
-        let next = if pressure < self.target {
-            let adj = (self.target - pressure) / self.target * self.max_probe;
-            usage.min(limit) as f64 * (1.0 - adj)
-        } else {
-            let adj =
-                ((pressure - self.target) / self.target * self.max_backoff).min(self.max_backoff);
-            limit as f64 * (1.0 + adj)
-        };
-        (next.round() as u64).max(self.min_limit)
-    }
-}
 
 /// One sample of the peer.
 #[derive(Clone, Debug, Serialize)]
@@ -93,6 +62,10 @@ pub struct PeerSample {
     pub pressure: f64,
     /// KSM's pages_sharing.
     pub pages_sharing: u64,
+    /// The host's free swap, bytes (zswap's pages take swap slots too).
+    pub swap_free_bytes: u64,
+    /// v1: some task of the group waits for memory now (`under_oom`).
+    pub under_oom: bool,
     /// With plain twins: Pss of the twins' guest RAM, bytes (neither merged, reclaimed nor
     /// reported; the managed guests' starting point, at the same time).
     pub plain_pss_bytes: Option<u64>,
@@ -126,8 +99,54 @@ pub struct PeerRun {
     pub fpr: bool,
     /// With plain twins: each workload's throughput, kit-managed vs its plain twin.
     pub throughput: Vec<Throughput>,
+    /// The group's cgroup hierarchy.
+    pub cgroup: CgroupVersion,
+    /// v1: the OOM killer was off for the group (`memory.oom_control`); false on v2,
+    /// where no `memory.max` is set.
+    pub oom_killer_off: bool,
+    /// What the controller did, and every OOM sign it saw.
+    pub controller: ControllerBook,
+    /// OOM kills in the group over the run (the kernel's `oom_kill` counter, end − start).
+    pub oom_kills: u64,
+    /// v2: `oom` events of memory.events over the run (end − start); `None` on v1.
+    pub oom_events: Option<u64>,
+    /// Guests whose QEMU ended during the run, with what it said: the run stopped there.
+    pub qemu_deaths: Vec<String>,
     /// Samples, one a second.
     pub samples: Vec<PeerSample>,
+}
+
+impl PeerRun {
+    /// Why the run is marked, if it is: QEMU deaths, OOM kills, OOM events and episodes in
+    /// which a guest's task waited for memory. Empty: a clean run.
+    pub fn marks(&self) -> Vec<String> {
+        let mut m = Vec::new();
+        if !self.qemu_deaths.is_empty() {
+            m.push(format!(
+                "{} QEMU death(s): {}",
+                self.qemu_deaths.len(),
+                self.qemu_deaths.join("; ")
+            ));
+        }
+        if self.oom_kills > 0 {
+            m.push(format!(
+                "{} OOM kill(s) in the peer's cgroup",
+                self.oom_kills
+            ));
+        }
+        if let Some(e) = self.oom_events.filter(|&e| e > 0) {
+            m.push(format!(
+                "{e} OOM event(s) in the peer's cgroup (memory.events)"
+            ));
+        }
+        if self.controller.under_oom_episodes > 0 {
+            m.push(format!(
+                "{} under_oom episode(s): a guest's task waited for memory until the limit was raised",
+                self.controller.under_oom_episodes
+            ));
+        }
+        m
+    }
 }
 
 /// Stops the controller and lifts the group's limit when dropped.
@@ -143,21 +162,40 @@ impl Drop for Lift {
     }
 }
 
-/// Host memory pressure measured from a mark: the fraction of the time since then that
-/// some task stalled on memory (PSI `some`).
+/// Memory pressure measured from a mark: the fraction of the time since then that some
+/// task stalled on memory (PSI `some`), host-wide or of one group.
 struct Stall {
     at: Instant,
     total_us: u64,
+    /// The group whose own PSI is read (v2); `None`: the host's.
+    group: Option<Arc<MemCgroup>>,
 }
 
 impl Stall {
-    /// A mark now.
+    /// A mark now, of the host's PSI.
     ///
     /// Errors: no memory PSI.
     fn mark() -> Result<Stall> {
+        Stall::mark_of(None)
+    }
+
+    /// A mark now, of `group`'s own PSI where it has one (v2), else the host's (v1: the
+    /// group keeps none).
+    ///
+    /// Errors: no memory PSI.
+    fn mark_of(group: Option<Arc<MemCgroup>>) -> Result<Stall> {
+        let own = match &group {
+            Some(g) => g.stall_us()?,
+            None => None,
+        };
+        let total_us = match own {
+            Some(us) => us,
+            None => reclaim::memory_stall_us()?,
+        };
         Ok(Stall {
             at: Instant::now(),
-            total_us: reclaim::memory_stall_us()?,
+            total_us,
+            group,
         })
     }
 
@@ -165,12 +203,23 @@ impl Stall {
     ///
     /// Errors: no memory PSI.
     fn lap(&mut self) -> Result<f64> {
-        let now = Stall::mark()?;
+        let now = Stall::mark_of(self.group.clone())?;
         let fraction = now.total_us.saturating_sub(self.total_us) as f64
             / now.at.duration_since(self.at).as_micros().max(1) as f64;
         *self = now;
         Ok(fraction)
     }
+}
+
+/// The controller's step thread's name (CPU is counted by it).
+const STEP_THREAD: &str = "memfold-senpai";
+/// The controller's OOM watch thread's name (at most 15 bytes).
+const WATCH_THREAD: &str = "memfold-oomwat";
+
+/// The controller, locked (a panic in the other thread leaves it usable: its books are
+/// plain counters).
+fn lock(c: &Mutex<Controller>) -> std::sync::MutexGuard<'_, Controller> {
+    c.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// CPU seconds of ksmd and every kswapd.
@@ -192,6 +241,8 @@ pub struct Pace {
     pub max_probe: f64,
     /// Seconds between steps.
     pub interval_s: f64,
+    /// The lowest the controller takes the group, fraction of the guests' RAM.
+    pub floor: f64,
 }
 
 /// The kit `memfold compare` runs: the controller's pace, zswap's compressor, free page
@@ -245,6 +296,10 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
         "memfold-peer-{}",
         std::process::id()
     ))?);
+    // Before any guest is in it: a task at the limit waits for the controller's watch to
+    // raise it rather than being killed (v1; v2 sets no memory.max).
+    let oom_killer_off = group.disable_oom_killer()?;
+    let oom0 = group.oom()?;
     // Made before the guests, so that it is switched off after they are gone, whatever
     // ends the run (locals drop in reverse order).
     let ram_bytes: u64 = guests::specs(&set.profiles, ram, set.mem_mib)?
@@ -284,14 +339,14 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
         })
     };
     let plain_used_before = plain_pss(&plain)?;
-    let usage0 = group.usage()?;
     let senpai = Senpai {
         target: pace.target,
         max_probe: pace.max_probe,
         max_backoff: 0.5,
         interval_s: pace.interval_s,
-        // Never squeeze the guests under a tenth of their RAM.
-        min_limit: ram_bytes / 10,
+        min_limit: (ram_bytes as f64 * pace.floor).round() as u64,
+        swap_reserve: 0.1,
+        oom_cooldown_steps: 5,
     };
     let mut whole_run = Stall::mark()?;
     let since = start_marks(gs.iter().chain(&plain));
@@ -304,34 +359,77 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
         stop: stop.clone(),
         group: group.clone(),
     };
-    let controller = {
-        let stop = stop.clone();
-        let g = group.clone();
+    let ctl = Arc::new(Mutex::new(Controller::new(senpai, group.version(), oom0)));
+    // The watch: every WATCH_SLICE, the group's OOM state, answered at once.
+    let watch = {
+        let (stop, g, ctl) = (stop.clone(), group.clone(), ctl.clone());
         std::thread::Builder::new()
-            .name("memfold-senpai".into())
+            .name(WATCH_THREAD.into())
             .spawn(move || -> Result<f64> {
-                // Starts at what the group uses: the first steps reclaim at once.
-                let mut limit = usage0;
-                let mut interval = Stall::mark()?;
                 while !stop.load(Ordering::Relaxed) {
-                    std::thread::sleep(Duration::from_secs_f64(senpai.interval_s));
-                    let pressure = interval.lap()?;
-                    let next = senpai.next(limit, g.usage()?, pressure);
-                    if g.set_limit(next)? {
-                        limit = next;
-                    } else {
-                        limit = g.limit()?;
+                    std::thread::sleep(controller::WATCH_SLICE);
+                    let r = Reading {
+                        usage: g.usage()?,
+                        limit: g.limit()?,
+                        oom: g.oom()?,
+                        ..Reading::default()
+                    };
+                    let a = lock(&ctl).watch(&r);
+                    if let Some(a) = a {
+                        let done = controller::apply(&g, a)?;
+                        lock(&ctl).answered(a, done);
                     }
                 }
+                Ok(cpu_seconds(std::process::id(), Some(WATCH_THREAD)))
+            })?
+    };
+    // The steps: every interval, Senpai's rule within the floors.
+    let steps = {
+        let (stop, g, ctl) = (stop.clone(), group.clone(), ctl.clone());
+        std::thread::Builder::new()
+            .name(STEP_THREAD.into())
+            .spawn(move || -> Result<f64> {
+                let mut interval = Stall::mark_of(Some(g.clone()))?;
+                let every = Duration::from_secs_f64(senpai.interval_s);
+                while !stop.load(Ordering::Relaxed) {
+                    let t0 = Instant::now();
+                    while t0.elapsed() < every && !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(
+                            controller::WATCH_SLICE.min(every - t0.elapsed().min(every)),
+                        );
+                    }
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let r = Reading {
+                        usage: g.usage()?,
+                        limit: g.limit()?,
+                        pressure: interval.lap()?,
+                        oom: g.oom()?,
+                        swap: SwapSpace::now()?,
+                    };
+                    let a = lock(&ctl).step(&r);
+                    let done = controller::apply(&g, a)?;
+                    lock(&ctl).answered(a, done);
+                }
                 // Its own CPU, read before it ends (its /proc entry goes with it).
-                Ok(cpu_seconds(std::process::id(), Some("memfold-senpai")))
+                Ok(cpu_seconds(std::process::id(), Some(STEP_THREAD)))
             })?
     };
     let mut samples = Vec::new();
     let mut second = Stall::mark()?;
-    let sampled = every_second(Some(secs), None, |start| {
+    // A QEMU that ends stops the run, which is then marked ([`PeerRun::marks`]).
+    let mut qemu_deaths = Vec::new();
+    let died = AtomicBool::new(false);
+    let sampled = every_second(Some(secs), Some(&died), |start| {
         for g in gs.iter_mut().chain(plain.iter_mut()) {
-            g.check_alive()?;
+            if let Err(e) = g.check_alive() {
+                qemu_deaths.push(format!("{}: {e}", g.name));
+            }
+        }
+        if !qemu_deaths.is_empty() {
+            died.store(true, Ordering::SeqCst);
+            return Ok(());
         }
         let (pool, zswapped) = reclaim::zswap_pool()?;
         let pss = guests_pss(&gs)?;
@@ -347,6 +445,8 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
             limit_bytes: group.limit()?,
             pressure,
             pages_sharing: ksm.stats()?.pages_sharing,
+            swap_free_bytes: SwapSpace::now()?.free,
+            under_oom: group.oom()?.under_oom,
             plain_pss_bytes: plain_pss(&plain)?,
         };
         eprint!(
@@ -363,10 +463,15 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
     });
     eprintln!();
     stop.store(true, Ordering::Relaxed);
-    let controller_cpu = controller
+    let controller_cpu = steps
         .join()
-        .map_err(|_| anyhow::anyhow!("the reclaim controller panicked"))??;
+        .map_err(|_| anyhow::anyhow!("the reclaim controller panicked"))??
+        + watch
+            .join()
+            .map_err(|_| anyhow::anyhow!("the reclaim controller's OOM watch panicked"))??;
     sampled?;
+    let oom1 = group.oom()?;
+    let book = lock(&ctl).book;
     let stall_pct = whole_run.lap()? * 100.0;
     let cpu_s = kernel_cpu() - cpu0 + controller_cpu;
     let mismatches = gs.iter().chain(&plain).map(|g| g.mismatches().len()).sum();
@@ -382,6 +487,7 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
     ksm.unmerge()?;
     drop(ksm);
     drop(swap);
+    let group_version = group.version();
     drop(group);
     drop(zswap);
     let (saved_bytes, t95_s) = plateau(used_before, samples.iter().map(|s| (s.t, s.used_bytes)));
@@ -397,6 +503,12 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
         mismatches,
         fpr: kit.fpr,
         throughput,
+        cgroup: group_version,
+        oom_killer_off,
+        controller: book,
+        oom_kills: oom1.oom_kills.saturating_sub(oom0.oom_kills),
+        oom_events: oom1.ooms.map(|e| e.saturating_sub(oom0.ooms.unwrap_or(0))),
+        qemu_deaths,
         samples,
     })
 }
@@ -407,11 +519,11 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
 pub fn write_csv(path: &std::path::Path, p: &PeerRun) -> Result<()> {
     use std::io::Write;
     let mut f = crate::create_output(path)?;
-    writeln!(f, "t_s,used_bytes,saved_bytes,pss_bytes,zswap_pool_bytes,zswapped_bytes,swapped_bytes,usage_bytes,limit_bytes,pressure_pct,pages_sharing,plain_pss_bytes")?;
+    writeln!(f, "t_s,used_bytes,saved_bytes,pss_bytes,zswap_pool_bytes,zswapped_bytes,swapped_bytes,usage_bytes,limit_bytes,pressure_pct,pages_sharing,swap_free_bytes,under_oom,plain_pss_bytes")?;
     for s in &p.samples {
         writeln!(
             f,
-            "{:.1},{},{},{},{},{},{},{},{},{:.3},{},{}",
+            "{:.1},{},{},{},{},{},{},{},{},{:.3},{},{},{},{}",
             s.t,
             s.used_bytes,
             p.used_before as i64 - s.used_bytes as i64,
@@ -423,37 +535,10 @@ pub fn write_csv(path: &std::path::Path, p: &PeerRun) -> Result<()> {
             s.limit_bytes,
             s.pressure * 100.0,
             s.pages_sharing,
+            s.swap_free_bytes,
+            u8::from(s.under_oom),
             s.plain_pss_bytes.map_or(String::new(), |b| b.to_string())
         )?;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const S: Senpai = Senpai {
-        target: 0.001,
-        max_probe: 0.02,
-        max_backoff: 0.5,
-        interval_s: 2.0,
-        min_limit: 100,
-    };
-
-    #[test]
-    fn the_limit_probes_down_under_the_target_and_backs_off_over_it() {
-        // No pressure: the full probe off the usage.
-        assert_eq!(S.next(10_000, 10_000, 0.0), 9_800);
-        // Half the target: half the probe.
-        assert_eq!(S.next(10_000, 10_000, 0.0005), 9_900);
-        // A limit above usage (it never reached it): probed from usage.
-        assert_eq!(S.next(50_000, 10_000, 0.0), 9_800);
-        // Twice the target: the limit rises by the most it may.
-        assert_eq!(S.next(10_000, 10_000, 0.002), 15_000);
-        // 1.2× the target: a fifth of the most.
-        assert_eq!(S.next(10_000, 10_000, 0.0012), 11_000);
-        // Never under the floor.
-        assert_eq!(S.next(101, 101, 0.0), 100);
-    }
 }

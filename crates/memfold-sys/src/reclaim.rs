@@ -290,6 +290,38 @@ mod tests {
     }
 
     #[test]
+    fn this_hosts_memory_cgroup_is_driven_on_its_own_version() {
+        // The real hierarchy (v1 on this host, v2 elsewhere); needs root to make a group.
+        let root = MemCgroupRoot::detect().unwrap();
+        let g = match MemCgroup::create_in(&root, &format!("memfold-test-{}", std::process::id())) {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("cannot make a memory cgroup here ({e}): skipped");
+                return;
+            }
+        };
+        let killer_off = g.disable_oom_killer().unwrap();
+        assert_eq!(killer_off, root.version == CgroupVersion::V1);
+        let oom = g.oom().unwrap();
+        assert_eq!(oom.killer_off, killer_off);
+        assert!(!oom.under_oom && oom.oom_kills == 0);
+        assert_eq!(oom.ooms.is_some(), root.version == CgroupVersion::V2);
+        assert!(g.set_limit(64 << 20).unwrap());
+        assert_eq!(g.limit().unwrap(), 64 << 20);
+        g.unlimit().unwrap();
+        assert!(g.limit().unwrap() >= 1 << 62);
+        assert_eq!(g.usage().unwrap(), 0, "nothing in the group yet");
+        assert_eq!(g.swapped().unwrap(), 0);
+        if root.version == CgroupVersion::V2 {
+            assert!(g.reclaim(4096).is_ok());
+            assert!(g.stall_us().unwrap().is_some());
+        }
+        let dir = g.dir().to_path_buf();
+        drop(g);
+        assert!(!dir.exists(), "the group was removed");
+    }
+
+    #[test]
     fn psi_and_swap_lines_parse() {
         let psi = "some avg10=0.00 avg60=0.10 avg300=0.02 total=123456\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=99\n";
         assert_eq!(psi_some_total_us(psi), Some(123_456));

@@ -355,8 +355,11 @@ mod tests {
         let t = tempfile::tempdir().unwrap();
         std::fs::write(t.path().join("cgroup.procs"), "").unwrap();
         if version == CgroupVersion::V2 {
-            std::fs::write(t.path().join("cgroup.controllers"), "cpuset cpu io memory pids")
-                .unwrap();
+            std::fs::write(
+                t.path().join("cgroup.controllers"),
+                "cpuset cpu io memory pids",
+            )
+            .unwrap();
             std::fs::write(t.path().join("cgroup.subtree_control"), "cpu io").unwrap();
         }
         let root = MemCgroupRoot::at(t.path(), version);
@@ -431,8 +434,14 @@ mod tests {
             &[
                 ("memory.limit_in_bytes", "9223372036854771712"),
                 ("memory.usage_in_bytes", "1000"),
-                ("memory.stat", "cache 0\nrss 0\nswap 4096\ntotal_swap 8192\n"),
-                ("memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 0\n"),
+                (
+                    "memory.stat",
+                    "cache 0\nrss 0\nswap 4096\ntotal_swap 8192\n",
+                ),
+                (
+                    "memory.oom_control",
+                    "oom_kill_disable 0\nunder_oom 0\noom_kill 0\n",
+                ),
                 ("cgroup.procs", ""),
             ],
         );
@@ -446,7 +455,10 @@ mod tests {
         assert_eq!(content(&g, "memory.oom_control"), "1");
         populate(
             &g,
-            &[("memory.oom_control", "oom_kill_disable 1\nunder_oom 1\noom_kill 2\n")],
+            &[(
+                "memory.oom_control",
+                "oom_kill_disable 1\nunder_oom 1\noom_kill 2\n",
+            )],
         );
         assert_eq!(
             g.oom().unwrap(),
