@@ -1,9 +1,12 @@
 //! The kernel's whole kit as `memfold compare`'s peer (issue 15, `--peer ksm+zswap`): KSM
 //! (aggressive) for sharing, zswap for compressing what reclaim pushes out, a swap file
 //! behind it, and a proactive-reclaim controller in the manner of Meta's Senpai (TMO,
-//! ASPLOS 2022): the guests' QEMUs live in a memory cgroup from birth, and every
-//! interval (2 s by default) the controller lowers its limit while the host's memory
-//! pressure stays under a target and raises it when pressure goes over. With
+//! ASPLOS 2022): the guests' QEMUs live in a memory cgroup from birth (v1 or v2, whichever
+//! the host mounts), and every interval (2 s by default) the controller reclaims from it
+//! while memory pressure stays under a target and backs off when it goes over — on v1 by
+//! lowering and raising the group's limit with the group's OOM killer off, on v2 by
+//! `memory.reclaim` with no `memory.max` — never under its floors, and a watch raises a v1
+//! limit at once when a guest's task waits for memory ([`controller`]). With
 //! `--peer ksm+zswap+fpr` each guest also has a virtio balloon with free page reporting:
 //! its kernel reports free 2 MiB blocks and QEMU discards them from guest RAM.
 //!
@@ -283,8 +286,12 @@ pub fn check_reporting(guests: &[Guest]) -> Result<()> {
 /// controller at the kit's pace for `secs`, sampling every second. Everything is put back
 /// afterwards (zswap's settings, KSM's, the swap file, the group).
 ///
-/// Errors: a piece of the kit is missing (zswap, cgroup v1 memory, PSI, mkswap), a guest
-/// does not report free pages when asked to, a guest fails, or the sampling fails.
+/// A guest whose QEMU ends during the sampling stops the run, which returns with it in
+/// [`PeerRun::qemu_deaths`] (a marked run, [`PeerRun::marks`]).
+///
+/// Errors: a piece of the kit is missing (zswap, a memory cgroup controller, PSI, mkswap),
+/// a guest does not report free pages when asked to, a guest fails to boot, the controller
+/// cannot read or write its group, or the sampling fails.
 pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) -> Result<PeerRun> {
     let (pace, compressor) = (kit.pace, kit.compressor.as_deref());
     let out = set.out_dir("compare");
@@ -450,13 +457,19 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
             plain_pss_bytes: plain_pss(&plain)?,
         };
         eprint!(
-            "\r  ksm+zswap {:>5.0} s  used {:>7.1} MiB (pss {:>6.1}, zswap pool {:>6.1})  limit {:>7.1} MiB  pressure {:>5.2}%   ",
+            "\r  ksm+zswap {:>5.0} s  used {:>7.1} MiB (pss {:>6.1}, zswap pool {:>6.1})  usage {:>7.1} MiB, limit {:>7}  pressure {:>5.2}%{}   ",
             s.t,
             s.used_bytes as f64 / crate::run::measure::MIB,
             pss as f64 / crate::run::measure::MIB,
             pool as f64 / crate::run::measure::MIB,
-            s.limit_bytes as f64 / crate::run::measure::MIB,
-            pressure * 100.0
+            s.usage_bytes as f64 / crate::run::measure::MIB,
+            if s.limit_bytes >= 1 << 62 {
+                "none".to_string()
+            } else {
+                format!("{:.1} MiB", s.limit_bytes as f64 / crate::run::measure::MIB)
+            },
+            pressure * 100.0,
+            if s.under_oom { "  UNDER OOM" } else { "" }
         );
         samples.push(s);
         Ok(())
