@@ -555,3 +555,59 @@ pub fn write_csv(path: &std::path::Path, p: &PeerRun) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run() -> PeerRun {
+        PeerRun {
+            senpai: Senpai {
+                target: 0.001,
+                max_probe: 0.02,
+                max_backoff: 0.5,
+                interval_s: 2.0,
+                min_limit: 0,
+                swap_reserve: 0.1,
+                oom_cooldown_steps: 5,
+            },
+            compressor: "deflate".into(),
+            used_before: 0,
+            plain_used_before: None,
+            saved_bytes: 0.0,
+            t95_s: None,
+            cpu_s: 0.0,
+            stall_pct: 0.0,
+            mismatches: 0,
+            fpr: false,
+            throughput: Vec::new(),
+            cgroup: CgroupVersion::V1,
+            oom_killer_off: true,
+            controller: ControllerBook::default(),
+            oom_kills: 0,
+            oom_events: None,
+            qemu_deaths: Vec::new(),
+            samples: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_run_with_any_oom_sign_or_death_is_marked() {
+        assert!(run().marks().is_empty());
+        assert!(PeerRun {
+            oom_events: Some(0),
+            ..run()
+        }
+        .marks()
+        .is_empty());
+        let mut r = run();
+        r.qemu_deaths.push("db-1: exited".into());
+        r.oom_kills = 1;
+        r.oom_events = Some(2);
+        r.controller.under_oom_episodes = 3;
+        let m = r.marks();
+        assert_eq!(m.len(), 4, "{m:?}");
+        assert!(m[0].contains("db-1") && m[1].starts_with("1 OOM kill"));
+        assert!(m[2].starts_with("2 OOM event") && m[3].starts_with("3 under_oom"));
+    }
+}
