@@ -493,6 +493,107 @@ mod tests {
         }
     }
 
+    /// The environment variable that makes this test binary the child of
+    /// [`a_v1_group_at_its_limit_waits_and_the_watch_frees_it`]: the group's cgroup.procs.
+    const OOM_CHILD: &str = "MEMFOLD_OOM_WATCH_CHILD";
+
+    /// The child's part: joins the group, then faults in 64 MiB of locked (unreclaimable)
+    /// anonymous memory one page at a time, and exits 0 once it has it all.
+    fn oom_child() {
+        let Ok(procs) = std::env::var(OOM_CHILD) else {
+            return;
+        };
+        std::fs::write(&procs, "0").unwrap();
+        let len = 64usize << 20;
+        // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        // SAFETY: the mapping just made, of `len` bytes; pages are locked as they fault in.
+        assert_eq!(unsafe { libc::mlock2(p, len, libc::MLOCK_ONFAULT) }, 0);
+        for offset in (0..len).step_by(4096) {
+            // SAFETY: inside the mapping; each write is a user fault charged to the group.
+            unsafe { p.cast::<u8>().add(offset).write_volatile(1) };
+        }
+        std::process::exit(0);
+    }
+
+    /// On the host's real v1 hierarchy (root needed; skipped elsewhere): a task of a group
+    /// with the OOM killer off that needs more than the limit and has nothing reclaimable
+    /// (locked pages) waits with `under_oom` set; the controller's watch sees it and raises
+    /// the limit until the task has what it needs; nothing is killed.
+    #[test]
+    fn a_v1_group_at_its_limit_waits_and_the_watch_frees_it() {
+        oom_child();
+        let root = match MemCgroupRoot::detect() {
+            Ok(r) if r.version == CgroupVersion::V1 => r,
+            other => {
+                eprintln!("no v1 memory hierarchy here ({other:?}): skipped");
+                return;
+            }
+        };
+        let name = format!("memfold-oomwatch-test-{}", std::process::id());
+        let g = match MemCgroup::create_in(&root, &name) {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("cannot make a memory cgroup here ({e}): skipped");
+                return;
+            }
+        };
+        assert!(g.disable_oom_killer().unwrap());
+        assert!(g.set_limit(32 << 20).unwrap());
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "peer::controller::tests::a_v1_group_at_its_limit_waits_and_the_watch_frees_it",
+                "--exact",
+                "--nocapture",
+            ])
+            .env(OOM_CHILD, g.procs_file())
+            .spawn()
+            .unwrap();
+        let mut c = Controller::new(S, CgroupVersion::V1, g.oom().unwrap());
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                g.unlimit().unwrap();
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the child did not finish in 60 s: {:?}", c.book);
+            }
+            std::thread::sleep(WATCH_SLICE);
+            let r = Reading {
+                usage: g.usage().unwrap(),
+                limit: g.limit().unwrap(),
+                oom: g.oom().unwrap(),
+                ..Reading::default()
+            };
+            if let Some(a) = c.watch(&r) {
+                let done = apply(&g, a).unwrap();
+                c.answered(a, done);
+            }
+        };
+        assert!(status.success(), "{status}");
+        let b = c.book;
+        assert!(b.under_oom_episodes >= 1, "{b:?}");
+        assert!(b.rescues >= 1, "{b:?}");
+        assert_eq!(b.oom_kills, 0, "{b:?}");
+        assert_eq!(g.oom().unwrap().oom_kills, 0);
+        // 32 MiB, raised by half at each look while the child waited.
+        assert!(g.limit().unwrap() >= 48 << 20);
+        eprintln!("watch: {b:?}, limit now {} MiB", g.limit().unwrap() >> 20);
+    }
+
     /// The actions land in the right file of a fake cgroupfs tree of each version.
     #[test]
     fn actions_write_the_versions_own_files() {
