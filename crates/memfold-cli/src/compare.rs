@@ -432,13 +432,14 @@ fn compare_kit(
 fn print_safety(p: &crate::peer::PeerRun, json: bool) {
     let b = &p.controller;
     let line = format!(
-        "peer safety: cgroup {}, OOM killer {}; controller steps {} (lowered {}, raised {}, refused {}, reclaims {} ({} short), held at floor {}, swap nearly full {}, after OOM {}), lowest limit {}; under_oom episodes {}, rescues {}, OOM kills {}, OOM events {}, QEMU deaths {}",
+        "peer safety: cgroup {}, OOM killer {}; controller steps {} (lowered {}, raised {}, refused {}, interrupted {}, reclaims {} ({} short), held at floor {}, swap nearly full {}, after OOM {}), lowest limit {}; under_oom episodes {}, rescues {}, OOM kills {}, OOM events {}, QEMU deaths {}",
         p.cgroup.name(),
         if p.oom_killer_off { "off for the group" } else { "on (v2: no memory.max set)" },
         b.steps,
         b.lowered,
         b.raised,
         b.refused,
+        b.interrupted,
         b.reclaims,
         b.reclaims_short,
         b.held_at_floor,

@@ -219,10 +219,18 @@ const STEP_THREAD: &str = "memfold-senpai";
 /// The controller's OOM watch thread's name (at most 15 bytes).
 const WATCH_THREAD: &str = "memfold-oomwat";
 
-/// The controller, locked (a panic in the other thread leaves it usable: its books are
-/// plain counters).
-fn lock(c: &Mutex<Controller>) -> std::sync::MutexGuard<'_, Controller> {
+/// The controller's shared state, locked (a panic in the other thread leaves it usable:
+/// plain counters and marks).
+fn lock<T>(c: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     c.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A step's write in the kernel: since when, by which thread, and whether the watch has
+/// interrupted it.
+struct Writing {
+    since: Instant,
+    thread: libc::pthread_t,
+    interrupted: bool,
 }
 
 /// CPU seconds of ksmd and every kswapd.
@@ -367,9 +375,16 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
         group: group.clone(),
     };
     let ctl = Arc::new(Mutex::new(Controller::new(senpai, group.version(), oom0)));
-    // The watch: every WATCH_SLICE, the group's OOM state, answered at once.
+    let every = Duration::from_secs_f64(senpai.interval_s);
+    // The step's write in the kernel now, if any: the watch cuts it short.
+    let writing: Arc<Mutex<Option<Writing>>> = Arc::new(Mutex::new(None));
+    reclaim::install_interrupt()?;
+    // The watch: every WATCH_SLICE, the group's OOM state, answered at once; and a step's
+    // write still in the kernel after an interval (the kernel reclaiming to a v1 limit
+    // as long as it makes progress) or when a task waits is interrupted, so that the
+    // controller can back off and a rescue is not undone by a lower limit landing after it.
     let watch = {
-        let (stop, g, ctl) = (stop.clone(), group.clone(), ctl.clone());
+        let (stop, g, ctl, writing) = (stop.clone(), group.clone(), ctl.clone(), writing.clone());
         std::thread::Builder::new()
             .name(WATCH_THREAD.into())
             .spawn(move || -> Result<f64> {
@@ -382,6 +397,15 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
                         ..Reading::default()
                     };
                     let a = lock(&ctl).watch(&r);
+                    if let Some(w) = lock(&writing).as_mut() {
+                        if a.is_some() || w.since.elapsed() >= every {
+                            // SAFETY: `writing` is Some only between the step thread's
+                            // setting it before its write and its clearing it after, under
+                            // this lock: the thread is alive and in (or about) its write.
+                            unsafe { reclaim::interrupt(w.thread)? };
+                            w.interrupted = true;
+                        }
+                    }
                     if let Some(a) = a {
                         let done = controller::apply(&g, a)?;
                         lock(&ctl).answered(a, done);
@@ -416,8 +440,16 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
                         swap: SwapSpace::now()?,
                     };
                     let a = lock(&ctl).step(&r);
-                    let done = controller::apply(&g, a)?;
-                    lock(&ctl).answered(a, done);
+                    *lock(&writing) = Some(Writing {
+                        since: Instant::now(),
+                        thread: reclaim::this_thread(),
+                        interrupted: false,
+                    });
+                    let done = controller::apply(&g, a);
+                    let interrupted = lock(&writing).take().is_some_and(|w| w.interrupted);
+                    let mut c = lock(&ctl);
+                    c.answered(a, done?);
+                    c.book.interrupted += u64::from(interrupted);
                 }
                 // Its own CPU, read before it ends (its /proc entry goes with it).
                 Ok(cpu_seconds(std::process::id(), Some(STEP_THREAD)))
@@ -476,12 +508,14 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
     });
     eprintln!();
     stop.store(true, Ordering::Relaxed);
+    // The watch first: it may signal the stepping thread until it stops.
+    let watch_cpu = watch
+        .join()
+        .map_err(|_| anyhow::anyhow!("the reclaim controller's OOM watch panicked"))?;
     let controller_cpu = steps
         .join()
         .map_err(|_| anyhow::anyhow!("the reclaim controller panicked"))??
-        + watch
-            .join()
-            .map_err(|_| anyhow::anyhow!("the reclaim controller's OOM watch panicked"))??;
+        + watch_cpu?;
     sampled?;
     let oom1 = group.oom()?;
     let book = lock(&ctl).book;

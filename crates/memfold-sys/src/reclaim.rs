@@ -53,7 +53,73 @@ fn write(path: &Path, value: &str) -> Result<(), ReclaimError> {
         .truncate(true)
         .open(path)
         .map_err(io(path))?;
-    f.write_all(value.as_bytes()).map_err(io(path))
+    // One write(2), not write_all: an interrupted write (EINTR: a signal ended the kernel's
+    // reclaim for a cgroup limit) is reported, not retried.
+    let n = f.write(value.as_bytes()).map_err(io(path))?;
+    if n != value.len() {
+        return Err(io(path)(std::io::Error::other(format!(
+            "short write: {n} of {} bytes",
+            value.len()
+        ))));
+    }
+    Ok(())
+}
+
+/// The signal [`interrupt`] sends: SIGUSR2, whose handler [`install_interrupt`] makes one
+/// that does nothing.
+pub const INTERRUPT_SIGNAL: libc::c_int = libc::SIGUSR2;
+
+extern "C" fn on_interrupt(_: libc::c_int) {}
+
+/// Installs a handler for [`INTERRUPT_SIGNAL`] that does nothing, without `SA_RESTART`, so
+/// that [`interrupt`] ends the system call a thread is in with `EINTR` (a cgroup limit or
+/// `memory.reclaim` write stops its reclaim on a pending signal). Installing it again does
+/// no harm. Child processes lose it at exec.
+///
+/// Errors: sigaction refused.
+pub fn install_interrupt() -> Result<(), ReclaimError> {
+    // SAFETY: a zeroed sigaction with an empty mask, no flags and a handler that does
+    // nothing (async-signal-safe); the old action is not asked for.
+    let rc = unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_interrupt as extern "C" fn(libc::c_int) as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(INTERRUPT_SIGNAL, &sa, std::ptr::null_mut())
+    };
+    if rc != 0 {
+        return Err(ReclaimError::Unavailable(format!(
+            "sigaction(SIGUSR2): {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(())
+}
+
+/// The calling thread, as [`interrupt`] names it.
+pub fn this_thread() -> libc::pthread_t {
+    // SAFETY: pthread_self has no preconditions.
+    unsafe { libc::pthread_self() }
+}
+
+/// Sends [`INTERRUPT_SIGNAL`] to `thread` of this process (after [`install_interrupt`]):
+/// the system call it is in returns `EINTR`.
+///
+/// # Safety
+///
+/// `thread` must be a thread of this process that has not ended (a `pthread_t` of an
+/// ended thread may name nothing, or another thread).
+///
+/// Errors: pthread_kill refused.
+pub unsafe fn interrupt(thread: libc::pthread_t) -> Result<(), ReclaimError> {
+    // SAFETY: the caller vouches that `thread` is alive.
+    let rc = unsafe { libc::pthread_kill(thread, INTERRUPT_SIGNAL) };
+    if rc != 0 {
+        return Err(ReclaimError::Unavailable(format!(
+            "pthread_kill: {}",
+            std::io::Error::from_raw_os_error(rc)
+        )));
+    }
+    Ok(())
 }
 
 /// zswap's parameters folder.
@@ -319,6 +385,40 @@ mod tests {
         let dir = g.dir().to_path_buf();
         drop(g);
         assert!(!dir.exists(), "the group was removed");
+    }
+
+    #[test]
+    fn an_interrupt_ends_another_threads_system_call_with_eintr() {
+        install_interrupt().unwrap();
+        let mut fds = [0; 2];
+        // SAFETY: pipe writes two descriptors into the array it is given.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let [r, w] = fds;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            tx.send(this_thread()).unwrap();
+            let mut buf = [0u8; 1];
+            // Blocks: nothing is ever written to the pipe.
+            // SAFETY: reads at most one byte into `buf` from the pipe's read end.
+            let n = unsafe { libc::read(r, buf.as_mut_ptr().cast(), 1) };
+            (n, std::io::Error::last_os_error().raw_os_error())
+        });
+        let t = rx.recv().unwrap();
+        // Until the read has started; the signal is sent again until it ends.
+        let mut sent = 0;
+        while !reader.is_finished() && sent < 100 {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            // SAFETY: the reader thread has not been joined and is still running (checked
+            // just before; it ends only when its read does).
+            unsafe { interrupt(t).unwrap() };
+            sent += 1;
+        }
+        assert_eq!(reader.join().unwrap(), (-1, Some(libc::EINTR)));
+        // SAFETY: the pipe's two descriptors, used by nothing else now.
+        unsafe {
+            libc::close(r);
+            libc::close(w);
+        }
     }
 
     #[test]

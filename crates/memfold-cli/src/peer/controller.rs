@@ -130,8 +130,12 @@ pub struct ControllerBook {
     pub lowered: u64,
     /// v1: limit writes that raised it on pressure over the target.
     pub raised: u64,
-    /// v1: limit writes refused because the kernel could not reclaim that far (`EBUSY`).
+    /// v1: limit writes refused because the kernel could not reclaim that far (`EBUSY`) or
+    /// cut short by the watch (`EINTR`).
     pub refused: u64,
+    /// Writes (limit or `memory.reclaim`) the watch interrupted: still in the kernel after
+    /// an interval, or in flight when a task waited for memory.
+    pub interrupted: u64,
     /// v2: `memory.reclaim` writes, and those that got less than asked (`EAGAIN`).
     pub reclaims: u64,
     /// v2: of [`ControllerBook::reclaims`], those the kernel could not fully satisfy.

@@ -211,7 +211,8 @@ impl MemCgroup {
 
     /// Sets the hard limit, bytes: the kernel reclaims down to it in this thread (zswap
     /// compresses what it swaps out here). On v1 it returns false if it could not reclaim
-    /// that far (`EBUSY`; the limit is then unchanged). On v2 (`memory.max`) the kernel
+    /// that far (`EBUSY`) or was interrupted ([`super::interrupt`], `EINTR`); the limit is
+    /// then unchanged. On v2 (`memory.max`) the kernel
     /// OOM-kills in the group when it cannot reclaim that far: the peer's controller uses
     /// [`MemCgroup::reclaim`] there instead and leaves `memory.max` unset.
     ///
@@ -220,7 +221,9 @@ impl MemCgroup {
         let p = self.file("memory.limit_in_bytes", "memory.max");
         match write(&p, &bytes.to_string()) {
             Ok(()) => Ok(true),
-            Err(ReclaimError::Io { source, .. }) if source.raw_os_error() == Some(libc::EBUSY) => {
+            Err(ReclaimError::Io { source, .. })
+                if matches!(source.raw_os_error(), Some(libc::EBUSY | libc::EINTR)) =>
+            {
                 Ok(false)
             }
             Err(e) => Err(e),
@@ -240,7 +243,8 @@ impl MemCgroup {
 
     /// Proactive reclaim of `bytes` from the group, in this thread, with no limit set (v2
     /// `memory.reclaim`, as Senpai drives it: nothing is OOM-killed if the kernel cannot
-    /// find that much). Returns false if the kernel reclaimed less than asked (`EAGAIN`).
+    /// find that much). Returns false if the kernel reclaimed less than asked (`EAGAIN`) or
+    /// was interrupted ([`super::interrupt`], `EINTR`).
     ///
     /// Errors: on v1, which has no such file ([`ReclaimError::Unavailable`]); a failure to
     /// write it.
@@ -252,7 +256,9 @@ impl MemCgroup {
         }
         match write(&self.dir.join("memory.reclaim"), &bytes.to_string()) {
             Ok(()) => Ok(true),
-            Err(ReclaimError::Io { source, .. }) if source.raw_os_error() == Some(libc::EAGAIN) => {
+            Err(ReclaimError::Io { source, .. })
+                if matches!(source.raw_os_error(), Some(libc::EAGAIN | libc::EINTR)) =>
+            {
                 Ok(false)
             }
             Err(e) => Err(e),
