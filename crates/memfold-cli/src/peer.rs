@@ -378,6 +378,9 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
     let every = Duration::from_secs_f64(senpai.interval_s);
     // The step's write in the kernel now, if any: the watch cuts it short.
     let writing: Arc<Mutex<Option<Writing>>> = Arc::new(Mutex::new(None));
+    // Set by the stepping thread as it ends: the watch outlives it, to cut short a write
+    // still in the kernel when the run stops.
+    let steps_done = Arc::new(AtomicBool::new(false));
     reclaim::install_interrupt()?;
     // The watch: every WATCH_SLICE, the group's OOM state, answered at once; and a step's
     // write still in the kernel after an interval (the kernel reclaiming to a v1 limit
@@ -385,11 +388,13 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
     // controller can back off and a rescue is not undone by a lower limit landing after it.
     let watch = {
         let (stop, g, ctl, writing) = (stop.clone(), group.clone(), ctl.clone(), writing.clone());
+        let steps_done = steps_done.clone();
         std::thread::Builder::new()
             .name(WATCH_THREAD.into())
             .spawn(move || -> Result<f64> {
-                while !stop.load(Ordering::Relaxed) {
+                while !steps_done.load(Ordering::SeqCst) {
                     std::thread::sleep(controller::WATCH_SLICE);
+                    let stopping = stop.load(Ordering::Relaxed);
                     let r = Reading {
                         usage: g.usage()?,
                         limit: g.limit()?,
@@ -398,7 +403,7 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
                     };
                     let a = lock(&ctl).watch(&r);
                     if let Some(w) = lock(&writing).as_mut() {
-                        if a.is_some() || w.since.elapsed() >= every {
+                        if stopping || a.is_some() || w.since.elapsed() >= every {
                             // SAFETY: `writing` is Some only between the step thread's
                             // setting it before its write and its clearing it after, under
                             // this lock: the thread is alive and in (or about) its write.
@@ -417,9 +422,18 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
     // The steps: every interval, Senpai's rule within the floors.
     let steps = {
         let (stop, g, ctl) = (stop.clone(), group.clone(), ctl.clone());
+        let steps_done = steps_done.clone();
         std::thread::Builder::new()
             .name(STEP_THREAD.into())
             .spawn(move || -> Result<f64> {
+                // Whichever way it ends, the watch is told.
+                struct Done(Arc<AtomicBool>);
+                impl Drop for Done {
+                    fn drop(&mut self) {
+                        self.0.store(true, Ordering::SeqCst);
+                    }
+                }
+                let _done = Done(steps_done);
                 let mut interval = Stall::mark_of(Some(g.clone()))?;
                 let every = Duration::from_secs_f64(senpai.interval_s);
                 while !stop.load(Ordering::Relaxed) {
@@ -508,14 +522,15 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
     });
     eprintln!();
     stop.store(true, Ordering::Relaxed);
-    // The watch first: it may signal the stepping thread until it stops.
-    let watch_cpu = watch
+    // The stepping thread ends first (the watch cuts short its write in the kernel, if
+    // any, and ends after it).
+    let steps_cpu = steps
         .join()
-        .map_err(|_| anyhow::anyhow!("the reclaim controller's OOM watch panicked"))?;
-    let controller_cpu = steps
+        .map_err(|_| anyhow::anyhow!("the reclaim controller panicked"))?;
+    let controller_cpu = watch
         .join()
-        .map_err(|_| anyhow::anyhow!("the reclaim controller panicked"))??
-        + watch_cpu?;
+        .map_err(|_| anyhow::anyhow!("the reclaim controller's OOM watch panicked"))??
+        + steps_cpu?;
     sampled?;
     let oom1 = group.oom()?;
     let book = lock(&ctl).book;
