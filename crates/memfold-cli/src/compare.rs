@@ -58,6 +58,10 @@ pub struct CompareArgs {
     /// Seconds between the `ksm+zswap` controller's steps (Senpai's default: 6).
     #[arg(long, default_value_t = 2.0)]
     pub reclaim_interval: f64,
+    /// The lowest the `ksm+zswap` controller takes the QEMUs' group, % of the guests' RAM
+    /// (besides it never asks for more than the free swap can take).
+    #[arg(long, default_value_t = 10.0)]
+    pub reclaim_floor: f64,
     /// zswap's compressor for `ksm+zswap` (default: the first the kernel takes of zstd,
     /// deflate, lz4, lzo-rle, lzo).
     #[arg(long)]
@@ -117,6 +121,7 @@ impl CompareArgs {
                 target: self.pressure_target / 100.0,
                 max_probe: self.reclaim_probe / 100.0,
                 interval_s: self.reclaim_interval,
+                floor: self.reclaim_floor / 100.0,
             },
             compressor: self.zswap_compressor.clone(),
             fpr: self.peer == Peer::KsmZswapFpr,
@@ -173,15 +178,20 @@ pub fn run(a: &CompareArgs) -> Result<()> {
             "--reclaim-interval {} s is not between 0.1 and 3600",
             a.reclaim_interval
         );
+        anyhow::ensure!(
+            (0.0..100.0).contains(&a.reclaim_floor),
+            "--reclaim-floor {} is not a percentage in [0, 100)",
+            a.reclaim_floor
+        );
         memfold_sys::reclaim::memory_stall_us()
             .context("the ksm+zswap peer's controller needs memory PSI")?;
         memfold_sys::reclaim::zswap_pool().context("the ksm+zswap peer needs zswap")?;
-        anyhow::ensure!(
-            std::path::Path::new(memfold_sys::reclaim::MEMCG_V1)
-                .join("memory.limit_in_bytes")
-                .exists(),
-            "the ksm+zswap peer needs the cgroup v1 memory controller at {} (cgroup v2 hosts are not driven yet)",
-            memfold_sys::reclaim::MEMCG_V1
+        let root = memfold_sys::reclaim::MemCgroupRoot::detect()
+            .context("the ksm+zswap peer needs a memory cgroup controller (v1 or v2)")?;
+        eprintln!(
+            "(the peer's QEMUs go into a memory cgroup {} under {})",
+            root.version.name(),
+            root.dir.display()
         );
     }
     eprintln!("== memfold (policy {}) on the set", a.memfold.engine.policy);
@@ -373,6 +383,14 @@ fn compare_kit(
         "peer_guest_mismatches": p.mismatches,
         "peer_senpai": p.senpai,
         "peer_free_page_reporting": p.fpr,
+        "peer_cgroup": p.cgroup,
+        "peer_oom_killer_off": p.oom_killer_off,
+        "peer_controller": p.controller,
+        "peer_oom_kills": p.oom_kills,
+        "peer_oom_events": p.oom_events,
+        "peer_under_oom_episodes": p.controller.under_oom_episodes,
+        "peer_qemu_deaths": p.qemu_deaths,
+        "peer_marks": p.marks(),
         "memfold_throughput": m.throughput,
         "peer_throughput": p.throughput,
         "left_ratio_memfold_over_peer": memfold_left / peer_left.max(1.0),
@@ -402,7 +420,55 @@ fn compare_kit(
         );
         print_sides(&m.throughput, "kit-managed", &p.throughput);
     }
+    print_safety(&p, a.memfold.set.json);
+    // A run in which a guest died measured a different set: it fails, after its outputs.
+    anyhow::ensure!(
+        p.qemu_deaths.is_empty(),
+        "the peer's run lost a guest ({}); compare.json in {} has the figures up to then, marked",
+        p.qemu_deaths.join("; "),
+        out.display()
+    );
     Ok(())
+}
+
+/// The peer's safety line, under the table (on stderr with `--json`, so that stdout stays
+/// one JSON document): its cgroup, whether the OOM killer was off, what the controller
+/// did, and any mark.
+fn print_safety(p: &crate::peer::PeerRun, json: bool) {
+    let b = &p.controller;
+    let line = format!(
+        "peer safety: cgroup {}, OOM killer {}; controller steps {} (lowered {}, raised {}, refused {}, interrupted {}, reclaims {} ({} short), held at floor {}, swap nearly full {}, after OOM {}), lowest limit {}; under_oom episodes {}, rescues {}, OOM kills {}, OOM events {}, QEMU deaths {}",
+        p.cgroup.name(),
+        if p.oom_killer_off { "off for the group" } else { "on (v2: no memory.max set)" },
+        b.steps,
+        b.lowered,
+        b.raised,
+        b.refused,
+        b.interrupted,
+        b.reclaims,
+        b.reclaims_short,
+        b.held_at_floor,
+        b.held_swap_full,
+        b.held_after_oom,
+        b.lowest_limit
+            .map_or("-".into(), |l| format!("{:.1} MiB", l as f64 / MIB)),
+        b.under_oom_episodes,
+        b.rescues,
+        p.oom_kills,
+        p.oom_events.map_or("-".into(), |e| e.to_string()),
+        p.qemu_deaths.len()
+    );
+    let marks = p
+        .marks()
+        .into_iter()
+        .map(|m| format!("!! PEER RUN MARKED: {m}"));
+    for l in std::iter::once(line).chain(marks) {
+        if json {
+            eprintln!("{l}");
+        } else {
+            println!("{l}");
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1,9 +1,12 @@
 //! The kernel's whole kit as `memfold compare`'s peer (issue 15, `--peer ksm+zswap`): KSM
 //! (aggressive) for sharing, zswap for compressing what reclaim pushes out, a swap file
 //! behind it, and a proactive-reclaim controller in the manner of Meta's Senpai (TMO,
-//! ASPLOS 2022): the guests' QEMUs live in a memory cgroup from birth, and every
-//! interval (2 s by default) the controller lowers its limit while the host's memory
-//! pressure stays under a target and raises it when pressure goes over. With
+//! ASPLOS 2022): the guests' QEMUs live in a memory cgroup from birth (v1 or v2, whichever
+//! the host mounts), and every interval (2 s by default) the controller reclaims from it
+//! while memory pressure stays under a target and backs off when it goes over — on v1 by
+//! lowering and raising the group's limit with the group's OOM killer off, on v2 by
+//! `memory.reclaim` with no `memory.max` — never under its floors, and a watch raises a v1
+//! limit at once when a guest's task waits for memory ([`controller`]). With
 //! `--peer ksm+zswap+fpr` each guest also has a virtio balloon with free page reporting:
 //! its kernel reports free 2 MiB blocks and QEMU discards them from guest RAM.
 //!
@@ -17,12 +20,12 @@
 //! Pages zswap sent on to the swap file left host memory.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use memfold_sys::ksm::{Ksm, KsmMode};
-use memfold_sys::reclaim::{self, MemCgroup, SwapFile, Zswap};
+use memfold_sys::reclaim::{self, CgroupVersion, MemCgroup, SwapFile, SwapSpace, Zswap};
 use memfold_vm::launcher::{Guest, RamBackend};
 
 use crate::run::measure::{start_marks, throughput, Throughput};
@@ -30,45 +33,14 @@ use crate::run::Twins;
 use serde::Serialize;
 
 use crate::guests::{self, GuestSetArgs};
+
+pub mod controller;
 use crate::run::cpu_seconds;
 use crate::run::measure::{every_second, kernel_threads_cpu_seconds, plateau, ram_usages};
+pub use controller::{Controller, ControllerBook, Reading, Senpai};
 
 /// Compressors zswap is offered, best ratio first: the first the kernel takes is used.
 pub const COMPRESSORS: [&str; 5] = ["zstd", "deflate", "lz4", "lzo-rle", "lzo"];
-
-/// Senpai's rule: one step of the limit, bytes, from the limit now, the group's usage and
-/// the memory pressure over the last interval (fraction of time some task stalled).
-#[derive(Clone, Copy, Debug, Serialize)]
-pub struct Senpai {
-    /// Pressure to hold, fraction (0.001 = 0.1%, Senpai's default).
-    pub target: f64,
-    /// Most the limit drops in one interval, fraction of usage (at zero pressure).
-    pub max_probe: f64,
-    /// Most the limit rises in one interval, fraction of the limit.
-    pub max_backoff: f64,
-    /// How often the limit is set, s (Senpai's default: 6).
-    pub interval_s: f64,
-    /// The limit never goes under this, bytes.
-    pub min_limit: u64,
-}
-
-impl Senpai {
-    /// The next limit: under the target, `usage` less up to [`Senpai::max_probe`] of it,
-    /// the closer to zero pressure the more; over the target, the limit raised by up to
-    /// [`Senpai::max_backoff`], the further over the more. Never under
-    /// [`Senpai::min_limit`].
-    pub fn next(&self, limit: u64, usage: u64, pressure: f64) -> u64 {
-        let next = if pressure < self.target {
-            let adj = (self.target - pressure) / self.target * self.max_probe;
-            usage.min(limit) as f64 * (1.0 - adj)
-        } else {
-            let adj =
-                ((pressure - self.target) / self.target * self.max_backoff).min(self.max_backoff);
-            limit as f64 * (1.0 + adj)
-        };
-        (next.round() as u64).max(self.min_limit)
-    }
-}
 
 /// One sample of the peer.
 #[derive(Clone, Debug, Serialize)]
@@ -93,6 +65,10 @@ pub struct PeerSample {
     pub pressure: f64,
     /// KSM's pages_sharing.
     pub pages_sharing: u64,
+    /// The host's free swap, bytes (zswap's pages take swap slots too).
+    pub swap_free_bytes: u64,
+    /// v1: some task of the group waits for memory now (`under_oom`).
+    pub under_oom: bool,
     /// With plain twins: Pss of the twins' guest RAM, bytes (neither merged, reclaimed nor
     /// reported; the managed guests' starting point, at the same time).
     pub plain_pss_bytes: Option<u64>,
@@ -126,8 +102,54 @@ pub struct PeerRun {
     pub fpr: bool,
     /// With plain twins: each workload's throughput, kit-managed vs its plain twin.
     pub throughput: Vec<Throughput>,
+    /// The group's cgroup hierarchy.
+    pub cgroup: CgroupVersion,
+    /// v1: the OOM killer was off for the group (`memory.oom_control`); false on v2,
+    /// where no `memory.max` is set.
+    pub oom_killer_off: bool,
+    /// What the controller did, and every OOM sign it saw.
+    pub controller: ControllerBook,
+    /// OOM kills in the group over the run (the kernel's `oom_kill` counter, end − start).
+    pub oom_kills: u64,
+    /// v2: `oom` events of memory.events over the run (end − start); `None` on v1.
+    pub oom_events: Option<u64>,
+    /// Guests whose QEMU ended during the run, with what it said: the run stopped there.
+    pub qemu_deaths: Vec<String>,
     /// Samples, one a second.
     pub samples: Vec<PeerSample>,
+}
+
+impl PeerRun {
+    /// Why the run is marked, if it is: QEMU deaths, OOM kills, OOM events and episodes in
+    /// which a guest's task waited for memory. Empty: a clean run.
+    pub fn marks(&self) -> Vec<String> {
+        let mut m = Vec::new();
+        if !self.qemu_deaths.is_empty() {
+            m.push(format!(
+                "{} QEMU death(s): {}",
+                self.qemu_deaths.len(),
+                self.qemu_deaths.join("; ")
+            ));
+        }
+        if self.oom_kills > 0 {
+            m.push(format!(
+                "{} OOM kill(s) in the peer's cgroup",
+                self.oom_kills
+            ));
+        }
+        if let Some(e) = self.oom_events.filter(|&e| e > 0) {
+            m.push(format!(
+                "{e} OOM event(s) in the peer's cgroup (memory.events)"
+            ));
+        }
+        if self.controller.under_oom_episodes > 0 {
+            m.push(format!(
+                "{} under_oom episode(s): a guest's task waited for memory until the limit was raised",
+                self.controller.under_oom_episodes
+            ));
+        }
+        m
+    }
 }
 
 /// Stops the controller and lifts the group's limit when dropped.
@@ -143,21 +165,40 @@ impl Drop for Lift {
     }
 }
 
-/// Host memory pressure measured from a mark: the fraction of the time since then that
-/// some task stalled on memory (PSI `some`).
+/// Memory pressure measured from a mark: the fraction of the time since then that some
+/// task stalled on memory (PSI `some`), host-wide or of one group.
 struct Stall {
     at: Instant,
     total_us: u64,
+    /// The group whose own PSI is read (v2); `None`: the host's.
+    group: Option<Arc<MemCgroup>>,
 }
 
 impl Stall {
-    /// A mark now.
+    /// A mark now, of the host's PSI.
     ///
     /// Errors: no memory PSI.
     fn mark() -> Result<Stall> {
+        Stall::mark_of(None)
+    }
+
+    /// A mark now, of `group`'s own PSI where it has one (v2), else the host's (v1: the
+    /// group keeps none).
+    ///
+    /// Errors: no memory PSI.
+    fn mark_of(group: Option<Arc<MemCgroup>>) -> Result<Stall> {
+        let own = match &group {
+            Some(g) => g.stall_us()?,
+            None => None,
+        };
+        let total_us = match own {
+            Some(us) => us,
+            None => reclaim::memory_stall_us()?,
+        };
         Ok(Stall {
             at: Instant::now(),
-            total_us: reclaim::memory_stall_us()?,
+            total_us,
+            group,
         })
     }
 
@@ -165,12 +206,31 @@ impl Stall {
     ///
     /// Errors: no memory PSI.
     fn lap(&mut self) -> Result<f64> {
-        let now = Stall::mark()?;
+        let now = Stall::mark_of(self.group.clone())?;
         let fraction = now.total_us.saturating_sub(self.total_us) as f64
             / now.at.duration_since(self.at).as_micros().max(1) as f64;
         *self = now;
         Ok(fraction)
     }
+}
+
+/// The controller's step thread's name (CPU is counted by it).
+const STEP_THREAD: &str = "memfold-senpai";
+/// The controller's OOM watch thread's name (at most 15 bytes).
+const WATCH_THREAD: &str = "memfold-oomwat";
+
+/// The controller's shared state, locked (a panic in the other thread leaves it usable:
+/// plain counters and marks).
+fn lock<T>(c: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    c.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A step's write in the kernel: since when, by which thread, and whether the watch has
+/// interrupted it.
+struct Writing {
+    since: Instant,
+    thread: libc::pthread_t,
+    interrupted: bool,
 }
 
 /// CPU seconds of ksmd and every kswapd.
@@ -192,6 +252,8 @@ pub struct Pace {
     pub max_probe: f64,
     /// Seconds between steps.
     pub interval_s: f64,
+    /// The lowest the controller takes the group, fraction of the guests' RAM.
+    pub floor: f64,
 }
 
 /// The kit `memfold compare` runs: the controller's pace, zswap's compressor, free page
@@ -232,8 +294,12 @@ pub fn check_reporting(guests: &[Guest]) -> Result<()> {
 /// controller at the kit's pace for `secs`, sampling every second. Everything is put back
 /// afterwards (zswap's settings, KSM's, the swap file, the group).
 ///
-/// Errors: a piece of the kit is missing (zswap, cgroup v1 memory, PSI, mkswap), a guest
-/// does not report free pages when asked to, a guest fails, or the sampling fails.
+/// A guest whose QEMU ends during the sampling stops the run, which returns with it in
+/// [`PeerRun::qemu_deaths`] (a marked run, [`PeerRun::marks`]).
+///
+/// Errors: a piece of the kit is missing (zswap, a memory cgroup controller, PSI, mkswap),
+/// a guest does not report free pages when asked to, a guest fails to boot, the controller
+/// cannot read or write its group, or the sampling fails.
 pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) -> Result<PeerRun> {
     let (pace, compressor) = (kit.pace, kit.compressor.as_deref());
     let out = set.out_dir("compare");
@@ -245,6 +311,10 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
         "memfold-peer-{}",
         std::process::id()
     ))?);
+    // Before any guest is in it: a task at the limit waits for the controller's watch to
+    // raise it rather than being killed (v1; v2 sets no memory.max).
+    let oom_killer_off = group.disable_oom_killer()?;
+    let oom0 = group.oom()?;
     // Made before the guests, so that it is switched off after they are gone, whatever
     // ends the run (locals drop in reverse order).
     let ram_bytes: u64 = guests::specs(&set.profiles, ram, set.mem_mib)?
@@ -284,14 +354,14 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
         })
     };
     let plain_used_before = plain_pss(&plain)?;
-    let usage0 = group.usage()?;
     let senpai = Senpai {
         target: pace.target,
         max_probe: pace.max_probe,
         max_backoff: 0.5,
         interval_s: pace.interval_s,
-        // Never squeeze the guests under a tenth of their RAM.
-        min_limit: ram_bytes / 10,
+        min_limit: (ram_bytes as f64 * pace.floor).round() as u64,
+        swap_reserve: 0.1,
+        oom_cooldown_steps: 5,
     };
     let mut whole_run = Stall::mark()?;
     let since = start_marks(gs.iter().chain(&plain));
@@ -304,34 +374,115 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
         stop: stop.clone(),
         group: group.clone(),
     };
-    let controller = {
-        let stop = stop.clone();
-        let g = group.clone();
+    let ctl = Arc::new(Mutex::new(Controller::new(senpai, group.version(), oom0)));
+    let every = Duration::from_secs_f64(senpai.interval_s);
+    // The step's write in the kernel now, if any: the watch cuts it short.
+    let writing: Arc<Mutex<Option<Writing>>> = Arc::new(Mutex::new(None));
+    // Set by the stepping thread as it ends: the watch outlives it, to cut short a write
+    // still in the kernel when the run stops.
+    let steps_done = Arc::new(AtomicBool::new(false));
+    reclaim::install_interrupt()?;
+    // The watch: every WATCH_SLICE, the group's OOM state, answered at once; and a step's
+    // write still in the kernel after an interval (the kernel reclaiming to a v1 limit
+    // as long as it makes progress) or when a task waits is interrupted, so that the
+    // controller can back off and a rescue is not undone by a lower limit landing after it.
+    let watch = {
+        let (stop, g, ctl, writing) = (stop.clone(), group.clone(), ctl.clone(), writing.clone());
+        let steps_done = steps_done.clone();
         std::thread::Builder::new()
-            .name("memfold-senpai".into())
+            .name(WATCH_THREAD.into())
             .spawn(move || -> Result<f64> {
-                // Starts at what the group uses: the first steps reclaim at once.
-                let mut limit = usage0;
-                let mut interval = Stall::mark()?;
-                while !stop.load(Ordering::Relaxed) {
-                    std::thread::sleep(Duration::from_secs_f64(senpai.interval_s));
-                    let pressure = interval.lap()?;
-                    let next = senpai.next(limit, g.usage()?, pressure);
-                    if g.set_limit(next)? {
-                        limit = next;
-                    } else {
-                        limit = g.limit()?;
+                while !steps_done.load(Ordering::SeqCst) {
+                    std::thread::sleep(controller::WATCH_SLICE);
+                    let stopping = stop.load(Ordering::Relaxed);
+                    let r = Reading {
+                        usage: g.usage()?,
+                        limit: g.limit()?,
+                        oom: g.oom()?,
+                        ..Reading::default()
+                    };
+                    let a = lock(&ctl).watch(&r);
+                    if let Some(w) = lock(&writing).as_mut() {
+                        if stopping || a.is_some() || w.since.elapsed() >= every {
+                            // SAFETY: `writing` is Some only between the step thread's
+                            // setting it before its write and its clearing it after, under
+                            // this lock: the thread is alive and in (or about) its write.
+                            unsafe { reclaim::interrupt(w.thread)? };
+                            w.interrupted = true;
+                        }
+                    }
+                    if let Some(a) = a {
+                        let done = controller::apply(&g, a)?;
+                        lock(&ctl).answered(a, done);
                     }
                 }
+                Ok(cpu_seconds(std::process::id(), Some(WATCH_THREAD)))
+            })?
+    };
+    // The steps: every interval, Senpai's rule within the floors.
+    let steps = {
+        let (stop, g, ctl) = (stop.clone(), group.clone(), ctl.clone());
+        let steps_done = steps_done.clone();
+        std::thread::Builder::new()
+            .name(STEP_THREAD.into())
+            .spawn(move || -> Result<f64> {
+                // Whichever way it ends, the watch is told.
+                struct Done(Arc<AtomicBool>);
+                impl Drop for Done {
+                    fn drop(&mut self) {
+                        self.0.store(true, Ordering::SeqCst);
+                    }
+                }
+                let _done = Done(steps_done);
+                let mut interval = Stall::mark_of(Some(g.clone()))?;
+                let every = Duration::from_secs_f64(senpai.interval_s);
+                while !stop.load(Ordering::Relaxed) {
+                    let t0 = Instant::now();
+                    while t0.elapsed() < every && !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(
+                            controller::WATCH_SLICE.min(every - t0.elapsed().min(every)),
+                        );
+                    }
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let r = Reading {
+                        usage: g.usage()?,
+                        limit: g.limit()?,
+                        pressure: interval.lap()?,
+                        oom: g.oom()?,
+                        swap: SwapSpace::now()?,
+                    };
+                    let a = lock(&ctl).step(&r);
+                    *lock(&writing) = Some(Writing {
+                        since: Instant::now(),
+                        thread: reclaim::this_thread(),
+                        interrupted: false,
+                    });
+                    let done = controller::apply(&g, a);
+                    let interrupted = lock(&writing).take().is_some_and(|w| w.interrupted);
+                    let mut c = lock(&ctl);
+                    c.answered(a, done?);
+                    c.book.interrupted += u64::from(interrupted);
+                }
                 // Its own CPU, read before it ends (its /proc entry goes with it).
-                Ok(cpu_seconds(std::process::id(), Some("memfold-senpai")))
+                Ok(cpu_seconds(std::process::id(), Some(STEP_THREAD)))
             })?
     };
     let mut samples = Vec::new();
     let mut second = Stall::mark()?;
-    let sampled = every_second(Some(secs), None, |start| {
+    // A QEMU that ends stops the run, which is then marked ([`PeerRun::marks`]).
+    let mut qemu_deaths = Vec::new();
+    let died = AtomicBool::new(false);
+    let sampled = every_second(Some(secs), Some(&died), |start| {
         for g in gs.iter_mut().chain(plain.iter_mut()) {
-            g.check_alive()?;
+            if let Err(e) = g.check_alive() {
+                qemu_deaths.push(format!("{}: {e}", g.name));
+            }
+        }
+        if !qemu_deaths.is_empty() {
+            died.store(true, Ordering::SeqCst);
+            return Ok(());
         }
         let (pool, zswapped) = reclaim::zswap_pool()?;
         let pss = guests_pss(&gs)?;
@@ -347,26 +498,42 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
             limit_bytes: group.limit()?,
             pressure,
             pages_sharing: ksm.stats()?.pages_sharing,
+            swap_free_bytes: SwapSpace::now()?.free,
+            under_oom: group.oom()?.under_oom,
             plain_pss_bytes: plain_pss(&plain)?,
         };
         eprint!(
-            "\r  ksm+zswap {:>5.0} s  used {:>7.1} MiB (pss {:>6.1}, zswap pool {:>6.1})  limit {:>7.1} MiB  pressure {:>5.2}%   ",
+            "\r  ksm+zswap {:>5.0} s  used {:>7.1} MiB (pss {:>6.1}, zswap pool {:>6.1})  usage {:>7.1} MiB, limit {:>7}  pressure {:>5.2}%{}   ",
             s.t,
             s.used_bytes as f64 / crate::run::measure::MIB,
             pss as f64 / crate::run::measure::MIB,
             pool as f64 / crate::run::measure::MIB,
-            s.limit_bytes as f64 / crate::run::measure::MIB,
-            pressure * 100.0
+            s.usage_bytes as f64 / crate::run::measure::MIB,
+            if s.limit_bytes >= 1 << 62 {
+                "none".to_string()
+            } else {
+                format!("{:.1} MiB", s.limit_bytes as f64 / crate::run::measure::MIB)
+            },
+            pressure * 100.0,
+            if s.under_oom { "  UNDER OOM" } else { "" }
         );
         samples.push(s);
         Ok(())
     });
     eprintln!();
     stop.store(true, Ordering::Relaxed);
-    let controller_cpu = controller
+    // The stepping thread ends first (the watch cuts short its write in the kernel, if
+    // any, and ends after it).
+    let steps_cpu = steps
         .join()
-        .map_err(|_| anyhow::anyhow!("the reclaim controller panicked"))??;
+        .map_err(|_| anyhow::anyhow!("the reclaim controller panicked"))?;
+    let controller_cpu = watch
+        .join()
+        .map_err(|_| anyhow::anyhow!("the reclaim controller's OOM watch panicked"))??
+        + steps_cpu?;
     sampled?;
+    let oom1 = group.oom()?;
+    let book = lock(&ctl).book;
     let stall_pct = whole_run.lap()? * 100.0;
     let cpu_s = kernel_cpu() - cpu0 + controller_cpu;
     let mismatches = gs.iter().chain(&plain).map(|g| g.mismatches().len()).sum();
@@ -382,6 +549,7 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
     ksm.unmerge()?;
     drop(ksm);
     drop(swap);
+    let group_version = group.version();
     drop(group);
     drop(zswap);
     let (saved_bytes, t95_s) = plateau(used_before, samples.iter().map(|s| (s.t, s.used_bytes)));
@@ -397,6 +565,12 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
         mismatches,
         fpr: kit.fpr,
         throughput,
+        cgroup: group_version,
+        oom_killer_off,
+        controller: book,
+        oom_kills: oom1.oom_kills.saturating_sub(oom0.oom_kills),
+        oom_events: oom1.ooms.map(|e| e.saturating_sub(oom0.ooms.unwrap_or(0))),
+        qemu_deaths,
         samples,
     })
 }
@@ -407,11 +581,11 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
 pub fn write_csv(path: &std::path::Path, p: &PeerRun) -> Result<()> {
     use std::io::Write;
     let mut f = crate::create_output(path)?;
-    writeln!(f, "t_s,used_bytes,saved_bytes,pss_bytes,zswap_pool_bytes,zswapped_bytes,swapped_bytes,usage_bytes,limit_bytes,pressure_pct,pages_sharing,plain_pss_bytes")?;
+    writeln!(f, "t_s,used_bytes,saved_bytes,pss_bytes,zswap_pool_bytes,zswapped_bytes,swapped_bytes,usage_bytes,limit_bytes,pressure_pct,pages_sharing,swap_free_bytes,under_oom,plain_pss_bytes")?;
     for s in &p.samples {
         writeln!(
             f,
-            "{:.1},{},{},{},{},{},{},{},{},{:.3},{},{}",
+            "{:.1},{},{},{},{},{},{},{},{},{:.3},{},{},{},{}",
             s.t,
             s.used_bytes,
             p.used_before as i64 - s.used_bytes as i64,
@@ -423,6 +597,8 @@ pub fn write_csv(path: &std::path::Path, p: &PeerRun) -> Result<()> {
             s.limit_bytes,
             s.pressure * 100.0,
             s.pages_sharing,
+            s.swap_free_bytes,
+            u8::from(s.under_oom),
             s.plain_pss_bytes.map_or(String::new(), |b| b.to_string())
         )?;
     }
@@ -433,27 +609,54 @@ pub fn write_csv(path: &std::path::Path, p: &PeerRun) -> Result<()> {
 mod tests {
     use super::*;
 
-    const S: Senpai = Senpai {
-        target: 0.001,
-        max_probe: 0.02,
-        max_backoff: 0.5,
-        interval_s: 2.0,
-        min_limit: 100,
-    };
+    fn run() -> PeerRun {
+        PeerRun {
+            senpai: Senpai {
+                target: 0.001,
+                max_probe: 0.02,
+                max_backoff: 0.5,
+                interval_s: 2.0,
+                min_limit: 0,
+                swap_reserve: 0.1,
+                oom_cooldown_steps: 5,
+            },
+            compressor: "deflate".into(),
+            used_before: 0,
+            plain_used_before: None,
+            saved_bytes: 0.0,
+            t95_s: None,
+            cpu_s: 0.0,
+            stall_pct: 0.0,
+            mismatches: 0,
+            fpr: false,
+            throughput: Vec::new(),
+            cgroup: CgroupVersion::V1,
+            oom_killer_off: true,
+            controller: ControllerBook::default(),
+            oom_kills: 0,
+            oom_events: None,
+            qemu_deaths: Vec::new(),
+            samples: Vec::new(),
+        }
+    }
 
     #[test]
-    fn the_limit_probes_down_under_the_target_and_backs_off_over_it() {
-        // No pressure: the full probe off the usage.
-        assert_eq!(S.next(10_000, 10_000, 0.0), 9_800);
-        // Half the target: half the probe.
-        assert_eq!(S.next(10_000, 10_000, 0.0005), 9_900);
-        // A limit above usage (it never reached it): probed from usage.
-        assert_eq!(S.next(50_000, 10_000, 0.0), 9_800);
-        // Twice the target: the limit rises by the most it may.
-        assert_eq!(S.next(10_000, 10_000, 0.002), 15_000);
-        // 1.2× the target: a fifth of the most.
-        assert_eq!(S.next(10_000, 10_000, 0.0012), 11_000);
-        // Never under the floor.
-        assert_eq!(S.next(101, 101, 0.0), 100);
+    fn a_run_with_any_oom_sign_or_death_is_marked() {
+        assert!(run().marks().is_empty());
+        assert!(PeerRun {
+            oom_events: Some(0),
+            ..run()
+        }
+        .marks()
+        .is_empty());
+        let mut r = run();
+        r.qemu_deaths.push("db-1: exited".into());
+        r.oom_kills = 1;
+        r.oom_events = Some(2);
+        r.controller.under_oom_episodes = 3;
+        let m = r.marks();
+        assert_eq!(m.len(), 4, "{m:?}");
+        assert!(m[0].contains("db-1") && m[1].starts_with("1 OOM kill"));
+        assert!(m[2].starts_with("2 OOM event") && m[3].starts_with("3 under_oom"));
     }
 }

@@ -4,9 +4,10 @@
 //! pressure stall information (PSI) that guards it. Settings are saved when taken and
 //! written back when dropped; the swap file is switched off and removed when dropped.
 //!
-//! Only the cgroup v1 memory controller is driven (`memory.limit_in_bytes`), as this
-//! host mounts it; a host with the memory controller on cgroup v2 is refused with a
-//! message that says so.
+//! The memory cgroup ([`MemCgroup`]) is driven on either hierarchy, whichever carries the
+//! memory controller on the host ([`MemCgroupRoot::detect`]): cgroup v1
+//! (`memory.limit_in_bytes`, `memory.oom_control`) or cgroup v2 (`memory.max`,
+//! `memory.reclaim`, `memory.events`, the group's own `memory.pressure`).
 
 use std::ffi::CString;
 use std::io::Write;
@@ -44,11 +45,81 @@ fn read(path: &Path) -> Result<String, ReclaimError> {
 
 fn write(path: &Path, value: &str) -> Result<(), ReclaimError> {
     // One write(2) of the whole value: sysfs and cgroup files take a value per write.
+    // O_TRUNC as a shell's `>` (sysfs and cgroupfs ignore it; a plain file standing in
+    // for one in tests then holds the last value written). Never created: a file the
+    // kernel does not offer is an error.
     let mut f = std::fs::OpenOptions::new()
         .write(true)
+        .truncate(true)
         .open(path)
         .map_err(io(path))?;
-    f.write_all(value.as_bytes()).map_err(io(path))
+    // One write(2), not write_all: an interrupted write (EINTR: a signal ended the kernel's
+    // reclaim for a cgroup limit) is reported, not retried.
+    let n = f.write(value.as_bytes()).map_err(io(path))?;
+    if n != value.len() {
+        return Err(io(path)(std::io::Error::other(format!(
+            "short write: {n} of {} bytes",
+            value.len()
+        ))));
+    }
+    Ok(())
+}
+
+/// The signal [`interrupt`] sends: SIGUSR2, whose handler [`install_interrupt`] makes one
+/// that does nothing.
+pub const INTERRUPT_SIGNAL: libc::c_int = libc::SIGUSR2;
+
+extern "C" fn on_interrupt(_: libc::c_int) {}
+
+/// Installs a handler for [`INTERRUPT_SIGNAL`] that does nothing, without `SA_RESTART`, so
+/// that [`interrupt`] ends the system call a thread is in with `EINTR` (a cgroup limit or
+/// `memory.reclaim` write stops its reclaim on a pending signal). Installing it again does
+/// no harm. Child processes lose it at exec.
+///
+/// Errors: sigaction refused.
+pub fn install_interrupt() -> Result<(), ReclaimError> {
+    // SAFETY: a zeroed sigaction with an empty mask, no flags and a handler that does
+    // nothing (async-signal-safe); the old action is not asked for.
+    let rc = unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_interrupt as extern "C" fn(libc::c_int) as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(INTERRUPT_SIGNAL, &sa, std::ptr::null_mut())
+    };
+    if rc != 0 {
+        return Err(ReclaimError::Unavailable(format!(
+            "sigaction(SIGUSR2): {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(())
+}
+
+/// The calling thread, as [`interrupt`] names it.
+pub fn this_thread() -> libc::pthread_t {
+    // SAFETY: pthread_self has no preconditions.
+    unsafe { libc::pthread_self() }
+}
+
+/// Sends [`INTERRUPT_SIGNAL`] to `thread` of this process (after [`install_interrupt`]):
+/// the system call it is in returns `EINTR`.
+///
+/// # Safety
+///
+/// `thread` must be a thread of this process that has not ended (a `pthread_t` of an
+/// ended thread may name nothing, or another thread).
+///
+/// Errors: pthread_kill refused.
+pub unsafe fn interrupt(thread: libc::pthread_t) -> Result<(), ReclaimError> {
+    // SAFETY: the caller vouches that `thread` is alive.
+    let rc = unsafe { libc::pthread_kill(thread, INTERRUPT_SIGNAL) };
+    if rc != 0 {
+        return Err(ReclaimError::Unavailable(format!(
+            "pthread_kill: {}",
+            std::io::Error::from_raw_os_error(rc)
+        )));
+    }
+    Ok(())
 }
 
 /// zswap's parameters folder.
@@ -133,15 +204,9 @@ pub fn zswap_pool() -> Result<(u64, u64), ReclaimError> {
     let path = Path::new("/proc/meminfo");
     let text = read(path)?;
     let field = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .map(|kb| kb * 1024)
-            .ok_or_else(|| {
-                ReclaimError::Unavailable(format!(
-                    "/proc/meminfo has no {name} line (kernel ≥ 5.19)"
-                ))
-            })
+        meminfo_bytes(&text, name).ok_or_else(|| {
+            ReclaimError::Unavailable(format!("/proc/meminfo has no {name} line (kernel ≥ 5.19)"))
+        })
     };
     Ok((field("Zswap:")?, field("Zswapped:")?))
 }
@@ -215,108 +280,16 @@ impl Drop for SwapFile {
     }
 }
 
-/// The cgroup v1 memory controller's mount.
-pub const MEMCG_V1: &str = "/sys/fs/cgroup/memory";
+mod memcg;
+pub use memcg::{CgroupVersion, MemCgroup, MemCgroupRoot, OomState, MEMCG_V1};
 
-/// A memory cgroup of its own (v1), removed when dropped (its processes must be gone by
-/// then; they are moved to the root group first otherwise).
-pub struct MemCgroup {
-    dir: PathBuf,
-}
-
-impl MemCgroup {
-    /// Creates memory cgroup `name` under the v1 controller, with no limit yet.
-    ///
-    /// Errors: the memory controller is not on cgroup v1 here (cgroup v2 hosts are not
-    /// driven yet), or the group cannot be made (not root).
-    pub fn create(name: &str) -> Result<MemCgroup, ReclaimError> {
-        let root = Path::new(MEMCG_V1);
-        if !root.join("memory.limit_in_bytes").exists() {
-            return Err(ReclaimError::Unavailable(format!(
-                "{MEMCG_V1}/memory.limit_in_bytes is missing: the memory controller is not mounted as cgroup v1 here (a cgroup v2 host's memory.max and memory.reclaim are not driven yet)"
-            )));
-        }
-        let dir = root.join(name);
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(io(&dir)(e)),
-        }
-        Ok(MemCgroup { dir })
-    }
-
-    /// The file a process writes `0` to, to join the group (before it allocates: "from
-    /// birth", so that everything it uses is charged here).
-    pub fn procs_file(&self) -> PathBuf {
-        self.dir.join("cgroup.procs")
-    }
-
-    /// Memory charged to the group now, bytes.
-    ///
-    /// Errors: the file cannot be read.
-    pub fn usage(&self) -> Result<u64, ReclaimError> {
-        let p = self.dir.join("memory.usage_in_bytes");
-        read(&p)?
-            .parse()
-            .map_err(|e| io(&p)(std::io::Error::other(e)))
-    }
-
-    /// The limit now, bytes.
-    ///
-    /// Errors: the file cannot be read.
-    pub fn limit(&self) -> Result<u64, ReclaimError> {
-        let p = self.dir.join("memory.limit_in_bytes");
-        read(&p)?
-            .parse()
-            .map_err(|e| io(&p)(std::io::Error::other(e)))
-    }
-
-    /// Sets the limit, bytes: the kernel reclaims down to it in this thread (zswap
-    /// compresses what it swaps out here). Returns false if it could not reclaim that far
-    /// (`EBUSY`; the limit is then unchanged).
-    ///
-    /// Errors: any other failure to write it.
-    pub fn set_limit(&self, bytes: u64) -> Result<bool, ReclaimError> {
-        let p = self.dir.join("memory.limit_in_bytes");
-        match write(&p, &bytes.to_string()) {
-            Ok(()) => Ok(true),
-            Err(ReclaimError::Io { source, .. }) if source.raw_os_error() == Some(libc::EBUSY) => {
-                Ok(false)
-            }
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Lifts the limit (`-1`: none), so that nothing more is reclaimed from the group.
-    ///
-    /// Errors: the file cannot be written.
-    pub fn unlimit(&self) -> Result<(), ReclaimError> {
-        write(&self.dir.join("memory.limit_in_bytes"), "-1")
-    }
-
-    /// Pages of the group swapped out now (`swap` of memory.stat), bytes.
-    ///
-    /// Errors: memory.stat cannot be read.
-    pub fn swapped(&self) -> Result<u64, ReclaimError> {
-        let text = read(&self.dir.join("memory.stat"))?;
-        Ok(text
-            .lines()
-            .find_map(|l| l.strip_prefix("swap "))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0))
-    }
-}
-
-impl Drop for MemCgroup {
-    fn drop(&mut self) {
-        // Any process left goes back to the root group, so that the group can go.
-        if let Ok(pids) = std::fs::read_to_string(self.procs_file()) {
-            for pid in pids.lines() {
-                let _ = write(&Path::new(MEMCG_V1).join("cgroup.procs"), pid);
-            }
-        }
-        let _ = std::fs::remove_dir(&self.dir);
-    }
+/// The `total` of the `some` line of a PSI file (`/proc/pressure/memory`, a v2 group's
+/// `memory.pressure`): µs during which some task stalled; `None` if the text has none.
+pub fn psi_some_total_us(text: &str) -> Option<u64> {
+    text.lines()
+        .find(|l| l.starts_with("some "))
+        .and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix("total=")))
+        .and_then(|v| v.parse().ok())
 }
 
 /// Host-wide memory pressure: the total µs some task stalled on memory
@@ -325,12 +298,46 @@ impl Drop for MemCgroup {
 /// Errors: no PSI (`CONFIG_PSI`, or `psi=0`).
 pub fn memory_stall_us() -> Result<u64, ReclaimError> {
     let path = Path::new("/proc/pressure/memory");
-    let text = read(path)?;
-    text.lines()
-        .find(|l| l.starts_with("some "))
-        .and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix("total=")))
-        .and_then(|v| v.parse().ok())
+    psi_some_total_us(&read(path)?)
         .ok_or_else(|| ReclaimError::Unavailable("/proc/pressure/memory has no some total".into()))
+}
+
+/// The host's swap space, bytes: every swap device's size and what is free on them. A
+/// page zswap holds takes a swap slot as well, so `free` falls with zswap's pages too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize)]
+pub struct SwapSpace {
+    /// `SwapTotal:` of /proc/meminfo, bytes.
+    pub total: u64,
+    /// `SwapFree:` of /proc/meminfo, bytes.
+    pub free: u64,
+}
+
+impl SwapSpace {
+    /// From the text of /proc/meminfo; `None` without both lines.
+    pub fn parse(meminfo: &str) -> Option<SwapSpace> {
+        Some(SwapSpace {
+            total: meminfo_bytes(meminfo, "SwapTotal:")?,
+            free: meminfo_bytes(meminfo, "SwapFree:")?,
+        })
+    }
+
+    /// The host's now.
+    ///
+    /// Errors: /proc/meminfo unreadable or without the lines.
+    pub fn now() -> Result<SwapSpace, ReclaimError> {
+        let path = Path::new("/proc/meminfo");
+        SwapSpace::parse(&read(path)?).ok_or_else(|| {
+            ReclaimError::Unavailable("/proc/meminfo has no SwapTotal:/SwapFree: lines".into())
+        })
+    }
+}
+
+/// A `NAME: N kB` line of /proc/meminfo, bytes.
+fn meminfo_bytes(text: &str, name: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name))
+        .and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
 }
 
 #[cfg(test)]
@@ -344,5 +351,89 @@ mod tests {
         let (pool, stored) = zswap_pool().unwrap();
         assert!(pool <= stored.max(pool));
         memory_stall_us().unwrap();
+        let swap = SwapSpace::now().unwrap();
+        assert!(swap.free <= swap.total);
+    }
+
+    #[test]
+    fn this_hosts_memory_cgroup_is_driven_on_its_own_version() {
+        // The real hierarchy (v1 on this host, v2 elsewhere); needs root to make a group.
+        let root = MemCgroupRoot::detect().unwrap();
+        let g = match MemCgroup::create_in(&root, &format!("memfold-test-{}", std::process::id())) {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("cannot make a memory cgroup here ({e}): skipped");
+                return;
+            }
+        };
+        let killer_off = g.disable_oom_killer().unwrap();
+        assert_eq!(killer_off, root.version == CgroupVersion::V1);
+        let oom = g.oom().unwrap();
+        assert_eq!(oom.killer_off, killer_off);
+        assert!(!oom.under_oom && oom.oom_kills == 0);
+        assert_eq!(oom.ooms.is_some(), root.version == CgroupVersion::V2);
+        assert!(g.set_limit(64 << 20).unwrap());
+        assert_eq!(g.limit().unwrap(), 64 << 20);
+        g.unlimit().unwrap();
+        assert!(g.limit().unwrap() >= 1 << 62);
+        assert_eq!(g.usage().unwrap(), 0, "nothing in the group yet");
+        assert_eq!(g.swapped().unwrap(), 0);
+        if root.version == CgroupVersion::V2 {
+            assert!(g.reclaim(4096).is_ok());
+            assert!(g.stall_us().unwrap().is_some());
+        }
+        let dir = g.dir().to_path_buf();
+        drop(g);
+        assert!(!dir.exists(), "the group was removed");
+    }
+
+    #[test]
+    fn an_interrupt_ends_another_threads_system_call_with_eintr() {
+        install_interrupt().unwrap();
+        let mut fds = [0; 2];
+        // SAFETY: pipe writes two descriptors into the array it is given.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let [r, w] = fds;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            tx.send(this_thread()).unwrap();
+            let mut buf = [0u8; 1];
+            // Blocks: nothing is ever written to the pipe.
+            // SAFETY: reads at most one byte into `buf` from the pipe's read end.
+            let n = unsafe { libc::read(r, buf.as_mut_ptr().cast(), 1) };
+            (n, std::io::Error::last_os_error().raw_os_error())
+        });
+        let t = rx.recv().unwrap();
+        // Until the read has started; the signal is sent again until it ends.
+        let mut sent = 0;
+        while !reader.is_finished() && sent < 100 {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            // SAFETY: the reader thread has not been joined and is still running (checked
+            // just before; it ends only when its read does).
+            unsafe { interrupt(t).unwrap() };
+            sent += 1;
+        }
+        assert_eq!(reader.join().unwrap(), (-1, Some(libc::EINTR)));
+        // SAFETY: the pipe's two descriptors, used by nothing else now.
+        unsafe {
+            libc::close(r);
+            libc::close(w);
+        }
+    }
+
+    #[test]
+    fn psi_and_swap_lines_parse() {
+        let psi = "some avg10=0.00 avg60=0.10 avg300=0.02 total=123456\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=99\n";
+        assert_eq!(psi_some_total_us(psi), Some(123_456));
+        assert_eq!(psi_some_total_us("full total=3"), None);
+        let meminfo = "MemTotal: 100 kB\nSwapTotal:  2048 kB\nSwapFree:   1024 kB\n";
+        assert_eq!(
+            SwapSpace::parse(meminfo),
+            Some(SwapSpace {
+                total: 2 << 20,
+                free: 1 << 20
+            })
+        );
+        assert_eq!(SwapSpace::parse("SwapTotal: 1 kB"), None);
     }
 }
