@@ -71,6 +71,10 @@ struct CompareJson {
     memfold_guest_wait_pct: Option<BTreeMap<String, f64>>,
     peer: Option<String>,
     peer_memory_stall_pct: Option<f64>,
+    /// What marked the peer's run (a QEMU death, an OOM kill or event, a task waiting
+    /// under OOM); absent in runs from before the marks.
+    #[serde(default)]
+    peer_marks: Vec<String>,
     peer_used_after_bytes: Option<f64>,
     peer_cpu_s: Option<f64>,
     peer_t95_s: Option<f64>,
@@ -124,6 +128,8 @@ struct Point {
     /// memfold only: its guests' waits on their agents' fault service, % of the run,
     /// summed over guests (PSI does not see them; None: not recorded).
     agent_wait_pct: Option<f64>,
+    /// The run marked this side (a QEMU death, an OOM kill): never the best point.
+    marked: bool,
 }
 
 /// Slowdown, % and its two standard errors (percentage points) from workload pairs.
@@ -190,6 +196,7 @@ fn points(path: &Path) -> Result<Vec<Point>> {
         mismatches: None,
         stall_pct: j.memfold_memory_stall_pct,
         agent_wait_pct: j.memfold_guest_wait_pct.as_ref().map(|m| m.values().sum()),
+        marked: false,
     }];
     // The other side: the kit (or KSM through --peer ksm), or KSM's own compare.
     let (kind, label, left, cpu, t95, thr, mismatches, stall) =
@@ -243,6 +250,7 @@ fn points(path: &Path) -> Result<Vec<Point>> {
         mismatches,
         stall_pct: stall,
         agent_wait_pct: None,
+        marked: !j.peer_marks.is_empty(),
     });
     Ok(out)
 }
@@ -253,7 +261,7 @@ fn verdict(points: &[&Point]) -> String {
         points
             .iter()
             .copied()
-            .filter(|p| want(p))
+            .filter(|p| want(p) && !p.marked)
             .min_by(|a, b| a.left_mib.total_cmp(&b.left_mib))
     };
     let (Some(m), Some(p)) = (
@@ -326,7 +334,11 @@ fn table(points: &[Point]) -> String {
             let _ = writeln!(
                 s,
                 "| {} | {} | {:.1} | {slow} | {} | {:.1} | {} | {} | {} | {} | {} |",
-                p.label,
+                if p.marked {
+                    format!("{} (MARKED)", p.label)
+                } else {
+                    p.label.clone()
+                },
                 p.secs,
                 p.left_mib,
                 if p.workloads.is_empty() {
@@ -484,6 +496,13 @@ mod tests {
         let both: Vec<Point> = met.into_iter().chain(missed).collect();
         let v = verdict(&both.iter().collect::<Vec<_>>());
         assert!(v.contains("= 0.56×"), "{v}");
+        // A marked peer run (a guest killed) is listed, never the best.
+        let mut marked = run_json(140.0, 100.0, 0.95, 0.90, 20.0);
+        marked["peer_marks"] = serde_json::json!(["db-1's QEMU died"]);
+        let m = points(&write(dir.path(), "m.json", marked)).unwrap();
+        let all: Vec<&Point> = both.iter().chain(&m).collect();
+        assert!(verdict(&all).contains("= 0.56×"), "{}", verdict(&all));
+        assert!(table(&m).contains("(MARKED)"));
         let t = table(&both);
         assert!(
             t.contains("| memfold de | 240 | 140.0 | 5.0 ± 1.0 |"),
