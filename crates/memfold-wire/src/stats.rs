@@ -147,6 +147,10 @@ pub struct VmStats {
     pub zero_reclaimed_pages: u64,
     /// Pages hashed by the scanner.
     pub scanned_pages: u64,
+    /// Resident pages the scanner left out of a full scan as quiet (cumulative,
+    /// page-scans).
+    #[serde(default)]
+    pub skipped_pages: u64,
     /// Pages shared (cumulative).
     pub shares: u64,
     /// Copy-on-write breaks (cumulative).
@@ -332,7 +336,7 @@ impl Stats {
             self.table_entries as f64,
         );
         type Field = fn(&VmStats) -> u64;
-        let per_vm: [(&str, &str, Field); 25] = [
+        let per_vm: [(&str, &str, Field); 26] = [
             ("vm_swapped_pages", "Pages in the swap file.", |v| {
                 v.swapped_pages
             }),
@@ -365,6 +369,11 @@ impl Stats {
             ("vm_scanned_pages_total", "Pages hashed.", |v| {
                 v.scanned_pages
             }),
+            (
+                "vm_skipped_pages_total",
+                "Resident pages left out of a full scan as quiet.",
+                |v| v.skipped_pages,
+            ),
             ("vm_shares_total", "Pages shared.", |v| v.shares),
             ("vm_cow_breaks_total", "Copy-on-write breaks.", |v| {
                 v.cow_breaks
