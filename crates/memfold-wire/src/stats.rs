@@ -486,6 +486,6 @@ mod tests {
         assert!(text.contains("memfold_vm_cow_breaks_total{vm=\"db\"} 0\n"));
         assert!(text.contains("memfold_vm_nru_c4_pages{vm=\"web\"} 4\n"));
         assert!(text.contains("memfold_op_latency_us_count{op=\"compress\"} 0\n"));
-        assert_eq!(text.matches("# HELP ").count(), 12 + 25 + 1);
+        assert_eq!(text.matches("# HELP ").count(), 12 + 26 + 1);
     }
 }
