@@ -231,8 +231,12 @@ impl Engine {
     /// Reads the next run of resident pages of guest `id` from its cursor, leaving out the
     /// quiet pages that rest in this scan; `None` at the end of its RAM (its part of the
     /// full scan is then done). The data run the cursor is in is asked of the guest's RAM
-    /// once (`SEEK_DATA`/`SEEK_HOLE` on a memfd walk its pages), not once a chunk; a page
-    /// punched out meanwhile reads as zeros, which the agent checks again anyway.
+    /// once (`SEEK_DATA`/`SEEK_HOLE` on a memfd walk its pages), not once a chunk. A page
+    /// punched out meanwhile reads as zeros: if memfold punched it, it is no longer
+    /// private and is passed over; if QEMU discarded it while private (no event tells of
+    /// that), it may be reclaimed as a zero page in this scan — correct (it is a hole
+    /// either way) but booked as saved, as it would have been before had the discard come
+    /// between the ask and the read.
     fn next_chunk(&mut self, id: VmId, max: usize, buf: &mut [u8]) -> Option<(Gfn, usize)> {
         let (pass, max_period) = (self.scan.full_scans, self.cfg.quiet_scan_period);
         let v = self.vms.get_mut(&id)?;
