@@ -264,6 +264,25 @@ extern "C" fn memfold_agent_init() {
 #[unsafe(link_section = ".init_array")]
 static INIT: extern "C" fn() = memfold_agent_init;
 
+/// This process's mappings (VMAs) as last counted, for the VMA budget of shares.
+#[derive(Default)]
+struct MapCount {
+    /// Mappings `/proc/self/maps` listed at the last read.
+    seen: usize,
+    /// Most mappings the agent's own changes added since (2 a change).
+    added: std::cell::Cell<usize>,
+    /// When it was read; `None`: never.
+    read_at: Option<Instant>,
+}
+
+impl MapCount {
+    /// The agent changed one mapping: a move of pool frames over guest pages or guest
+    /// RAM mapped back over a page, each splitting a mapping in at most 3.
+    fn changed(&self) {
+        self.added.set(self.added.get() + 2);
+    }
+}
+
 /// The agent: guest RAM, its userfaultfd, where each page lives, and the connection to
 /// memfoldd.
 struct Agent {
@@ -291,6 +310,8 @@ struct Agent {
     remapper: Remapper,
     /// Most mappings (VMAs) shares may bring this process to.
     vma_budget: usize,
+    /// The count of this process's mappings, as last read, and the agent's changes since.
+    maps: MapCount,
     /// The operator opted this guest out (memfoldd's `ToAgent::OptedOut`); carried to a
     /// restarted memfoldd in the hello.
     opted_out: bool,
@@ -347,6 +368,7 @@ pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
         deferred: Vec::new(),
         remapper,
         vma_budget,
+        maps: MapCount::default(),
         opted_out: false,
     };
     // A panic unwinds to here, not past: `agent` (the userfaultfd, guest RAM's memfd, the

@@ -8,7 +8,7 @@
 
 use std::io;
 use std::os::fd::AsFd;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use memfold_codecs::{Page, PAGE_SIZE};
 use memfold_ids::{FrameId, Gfn};
@@ -18,6 +18,12 @@ use memfold_wire::{BlobHome, StashPage, ToAgent, ToDaemon, CLOCK_SLICE};
 use crate::install::Job;
 use crate::state::{plus, PageHome, Stash};
 use crate::{Agent, PAGE};
+
+/// Longest time a share request relies on the count of mappings last read (plus the
+/// agent's own changes since) before reading `/proc/self/maps` again. Re-read every second
+/// it was still a third of the agents' CPU in a sharing run (perf); QEMU's own mappings
+/// hardly change once it runs, and the 4096 held back from the budget are their room.
+const MAPS_STALE: Duration = Duration::from_secs(10);
 
 /// A request's answer, page by page.
 #[derive(Default)]
@@ -122,11 +128,24 @@ impl Agent {
         Ok(())
     }
 
-    /// Mappings (VMAs) in this process now.
-    fn mappings(&self) -> usize {
-        std::fs::read("/proc/self/maps")
-            .map(|m| m.iter().filter(|&&b| b == b'\n').count())
-            .unwrap_or(0)
+    /// At least as many mappings (VMAs) as this process has now: the count last read from
+    /// `/proc/self/maps` plus 2 for each mapping change the agent made since (a move of
+    /// pool frames over guest pages, or guest RAM mapped back over one page, splits a
+    /// mapping in at most 3). Read again when `exact` or over [`MAPS_STALE`] old:
+    /// `/proc/self/maps` of a QEMU with thousands of shared runs costs milliseconds, and
+    /// reading it for every share request was most of the agent's CPU (docs/peer.md, "CPU
+    /// of sharing alone"). QEMU's own new mappings are counted at that next read; its
+    /// room for them is the 4096 left out of the budget.
+    fn mappings(&mut self, exact: bool) -> usize {
+        if exact || self.maps.read_at.is_none_or(|t| t.elapsed() > MAPS_STALE) {
+            let n = std::fs::read("/proc/self/maps")
+                .map(|m| m.iter().filter(|&&b| b == b'\n').count())
+                .unwrap_or(0);
+            self.maps.seen = n;
+            self.maps.added.set(0);
+            self.maps.read_at = Some(Instant::now());
+        }
+        self.maps.seen + self.maps.added.get()
     }
 
     /// Carries out a share request (ESX §4.3): maps the private pages whose bytes still
@@ -158,10 +177,17 @@ impl Agent {
             }
             ok
         });
-        let room = self
-            .vma_budget
-            .saturating_sub(self.mappings() + self.pages.on_frames())
-            / 3;
+        let room_by = |agent: &mut Agent, exact: bool| {
+            agent
+                .vma_budget
+                .saturating_sub(agent.mappings(exact) + agent.pages.on_frames())
+                / 3
+        };
+        let mut room = room_by(self, false);
+        if pages.len() > room {
+            // Refused only on an exact count.
+            room = room_by(self, true);
+        }
         if pages.len() > room {
             out.refused.extend(pages.drain(room..).map(|p| p.0));
         }

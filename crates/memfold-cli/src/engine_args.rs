@@ -31,6 +31,11 @@ pub struct EngineArgs {
     /// Longest time between full scans, ms (quiet scans back off up to this).
     #[arg(long, default_value_t = defaults().max_scan_interval_us / 1000)]
     pub max_scan_interval_ms: u64,
+    /// Most full scans between two reads of a quiet page (1, 2, 4 or 8): a page read 3, 5
+    /// and 8 scans in a row with nothing found is then read every 2nd, 4th, 8th scan (as
+    /// KSM's smart scan skips pages that did not merge); 1 reads every page every scan.
+    #[arg(long, default_value_t = defaults().quiet_scan_period)]
+    pub quiet_scan_period: u32,
     /// NRU clock (DE §4.2): seconds for its hand to pass over each guest once (R/M
     /// tracking by minor and write-protect faults); 0: off. Default: 4 s when the policy
     /// patches or compresses or --host-budget-mib is given, else off.
@@ -110,6 +115,7 @@ impl EngineArgs {
             rate: self.rate,
             min_scan_interval_us: self.min_scan_interval_ms * 1000,
             max_scan_interval_us: self.max_scan_interval_ms.max(self.min_scan_interval_ms) * 1000,
+            quiet_scan_period: self.quiet_scan_period,
             clock_interval_us: (clock > 0.0).then_some((clock * 1e6) as u64),
             clock_rearm_max: self.clock_rearm_max,
             host_budget: self.host_budget_mib.map(|m| m << 20),
@@ -136,6 +142,7 @@ impl EngineArgs {
             "--max-scan-interval-ms",
             self.max_scan_interval_ms.to_string(),
         );
+        opt("--quiet-scan-period", self.quiet_scan_period.to_string());
         opt("--clock-secs", self.clock_interval_s().to_string());
         opt("--clock-rearm-max", self.clock_rearm_max.to_string());
         opt("--policy", self.policy.clone());

@@ -157,6 +157,10 @@ pub struct VmStats {
     pub zero_reclaimed_pages: u64,
     /// Pages hashed by the scanner.
     pub scanned_pages: u64,
+    /// Resident pages the scanner left out of a full scan as quiet (cumulative,
+    /// page-scans).
+    #[serde(default)]
+    pub skipped_pages: u64,
     /// Pages shared (cumulative).
     pub shares: u64,
     /// Copy-on-write breaks (cumulative).
@@ -342,7 +346,7 @@ impl Stats {
             self.table_entries as f64,
         );
         type Field = fn(&VmStats) -> u64;
-        let per_vm: [(&str, &str, Field); 25] = [
+        let per_vm: [(&str, &str, Field); 26] = [
             ("vm_swapped_pages", "Pages in the swap file.", |v| {
                 v.swapped_pages
             }),
@@ -375,6 +379,11 @@ impl Stats {
             ("vm_scanned_pages_total", "Pages hashed.", |v| {
                 v.scanned_pages
             }),
+            (
+                "vm_skipped_pages_total",
+                "Resident pages left out of a full scan as quiet.",
+                |v| v.skipped_pages,
+            ),
             ("vm_shares_total", "Pages shared.", |v| v.shares),
             ("vm_cow_breaks_total", "Copy-on-write breaks.", |v| {
                 v.cow_breaks
@@ -487,6 +496,6 @@ mod tests {
         assert!(text.contains("memfold_vm_cow_breaks_total{vm=\"db\"} 0\n"));
         assert!(text.contains("memfold_vm_nru_c4_pages{vm=\"web\"} 4\n"));
         assert!(text.contains("memfold_op_latency_us_count{op=\"compress\"} 0\n"));
-        assert_eq!(text.matches("# HELP ").count(), 12 + 25 + 1);
+        assert_eq!(text.matches("# HELP ").count(), 12 + 26 + 1);
     }
 }

@@ -28,6 +28,9 @@ pub struct VmBooks {
     pub zero_reclaimed_pages: u64,
     /// Pages hashed by the sharing scan.
     pub scanned_pages: u64,
+    /// Resident pages the sharing scan left out of a full scan as quiet (read before with
+    /// nothing found; [`super::EngineConfig::quiet_scan_period`]), page-scans.
+    pub skipped_pages: u64,
     /// Pages shared.
     pub shares: u64,
     /// Copy-on-write breaks.
@@ -473,7 +476,12 @@ impl Engine {
         let per_vm: usize = self
             .vms
             .values()
-            .map(|v| v.p2m.capacity() * 4 + v.p2m.len() * 2 + v.de_failed.capacity() * 8)
+            .map(|v| {
+                v.p2m.capacity() * 4
+                    + v.p2m.len() * 2
+                    + v.de_failed.capacity() * 8
+                    + v.ages.bytes()
+            })
             .sum();
         let per_domain: usize = self
             .domains

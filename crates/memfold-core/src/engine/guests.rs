@@ -151,6 +151,8 @@ impl Engine {
                 let swap = swap_space(a.swap);
                 let v = self.vms.get_mut(&id).expect("found above");
                 v.ram = a.ram;
+                // Its RAM's data runs are asked again of the new descriptor.
+                v.run_end = 0;
                 v.name = a.name;
                 // Its old store and swap file hold nothing now; new ones replace them.
                 v.store = BlobSpace::new(BlobHome::Store, a.store, None);
@@ -190,6 +192,8 @@ impl Engine {
                         p2m: vec![P2mEntry::PRIVATE; n],
                         cursor: 0,
                         scanned_this_pass: false,
+                        run_end: 0,
+                        ages: super::scan::ScanAges::new(n),
                         queue: Vec::new(),
                         clock: ClockHand::new(n),
                         de_failed: vec![0; n.div_ceil(64)],

@@ -195,6 +195,10 @@ pub(crate) struct Vm {
     /// The sharing scan's next page and whether this full scan has covered the guest.
     pub(crate) cursor: u32,
     pub(crate) scanned_this_pass: bool,
+    /// End of the data run the cursor is in, as last asked of its RAM (0: to be asked).
+    pub(crate) run_end: u32,
+    /// Each page's age for quiet-page skipping ([`scan::ScanAges`]).
+    pub(crate) ages: scan::ScanAges,
     /// Commands not yet handed to the executor.
     pub(crate) queue: Vec<Command>,
     pub(crate) clock: ClockHand,
@@ -526,6 +530,7 @@ impl Engine {
     pub(crate) fn enqueue_share(&mut self, id: VmId, g: Gfn, f: FrameId) {
         self.scan.pass_requests += 1;
         let v = self.vms.get_mut(&id).expect("sharable");
+        v.ages.reset(g);
         v.set(g, PageState::Sharing(f));
         v.queue.push(Command::Share { gfn: g, frame: f });
     }

@@ -4,6 +4,19 @@
 //! frame. Scanning is rate-limited in pages/s; hints are dropped after each full scan,
 //! and a quiet full scan doubles the time to the next one. Zero pages are reclaimed,
 //! shared onto one zero frame, or kept, as the [`ZeroPolicy`] says.
+//!
+//! Quiet pages are read less often (as Linux KSM's "smart scan", on by default since
+//! 6.7, skips pages that did not merge): a page read and found neither zero nor equal
+//! to another page ages by one scan; from age 3 on it is read only in every 2nd full
+//! scan, from age 5 every 4th, from age 8 every 8th (at most
+//! [`EngineConfig::quiet_scan_period`]). A page the scan asks to share or reclaim
+//! starts again at age 0. Periods are powers of two counted from the same full scan, so
+//! all pages are read together in every 8th scan and any two quiet pages still meet
+//! (a hint lasts one full scan); a duplicate made meanwhile is found up to that many
+//! scans later. Every page is read in each of its first 3 scans, when the bulk of the
+//! sharing is found.
+//!
+//! [`EngineConfig::quiet_scan_period`]: super::EngineConfig::quiet_scan_period
 
 use super::{Command, Engine, EngineError, ZeroPolicy};
 use crate::ids::{Gfn, VmId};
@@ -13,6 +26,62 @@ use crate::{is_zero_page, Page, PAGE_SIZE};
 
 /// Pages read at a time.
 pub(crate) const READ_PAGES: usize = 64;
+
+/// Full scans between two reads of a page that the scan has read `age` times in a row
+/// with nothing found (a ladder like KSM's `skip_age`), at most `max`: every scan below
+/// age 3, then every 2nd, 4th, and from age 8 every 8th.
+fn period(age: u8, max: u32) -> u64 {
+    let p: u32 = match age {
+        0..=2 => 1,
+        3..=4 => 2,
+        5..=7 => 4,
+        _ => 8,
+    };
+    p.min(max).max(1) as u64
+}
+
+/// Each page's age for quiet-page skipping, one byte a guest page: the full scans in a
+/// row in which it was read and nothing found for it (saturating at 255).
+pub(crate) struct ScanAges(Vec<u8>);
+
+impl ScanAges {
+    /// `pages` pages, all of age 0.
+    pub(crate) fn new(pages: usize) -> Self {
+        ScanAges(vec![0; pages])
+    }
+
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> usize {
+        self.0.capacity()
+    }
+
+    /// Whether page `g` rests in full scan number `pass`: its period does not divide
+    /// `pass`. Periods are powers of two, so every page is read in each scan whose number
+    /// is a multiple of the longest period: any two quiet pages meet there (hints last
+    /// one full scan).
+    fn rests(&self, g: u32, pass: u64, max: u32) -> bool {
+        pass % period(self.0[g as usize], max) != 0
+    }
+
+    /// Page `g` was read and nothing found: one scan older.
+    fn found_nothing(&mut self, g: u32) {
+        let b = &mut self.0[g as usize];
+        *b = b.saturating_add(1);
+    }
+
+    /// Page `g` led to a request (share, reclaim): age 0, read in every scan again.
+    pub(crate) fn reset(&mut self, g: Gfn) {
+        if let Some(b) = self.0.get_mut(g.index()) {
+            *b = 0;
+        }
+    }
+
+    /// Page `g`'s age.
+    #[cfg(test)]
+    pub(crate) fn get(&self, g: u32) -> u8 {
+        self.0[g as usize]
+    }
+}
 
 /// The scan's progress and pacing.
 pub(crate) struct ScanState {
@@ -27,6 +96,8 @@ pub(crate) struct ScanState {
     /// Rate limiter: pages that may be read, and when it was last filled.
     tokens: f64,
     last_us: u64,
+    /// The read buffer, [`READ_PAGES`] pages (kept: not allocated and zeroed each step).
+    buf: Vec<u8>,
 }
 
 impl ScanState {
@@ -39,6 +110,7 @@ impl ScanState {
             pass_requests: 0,
             tokens: 0.0,
             last_us: now_us,
+            buf: vec![0u8; READ_PAGES * PAGE_SIZE],
         }
     }
 }
@@ -112,7 +184,7 @@ impl Engine {
     }
 
     /// Scans up to `budget` pages, round-robin over guests not yet scanned in this pass.
-    fn scan(&mut self, mut budget: u32) -> Result<(), EngineError> {
+    fn scan(&mut self, budget: u32) -> Result<(), EngineError> {
         let ids: Vec<VmId> = self
             .vms
             .iter()
@@ -123,11 +195,24 @@ impl Engine {
             return Ok(());
         }
         let share = (budget / ids.len() as u32).max(READ_PAGES as u32);
-        let mut buf = vec![0u8; READ_PAGES * PAGE_SIZE];
-        for id in ids {
+        let mut buf = std::mem::take(&mut self.scan.buf);
+        let r = self.scan_guests(&ids, share, budget, &mut buf);
+        self.scan.buf = buf;
+        r
+    }
+
+    /// [`Engine::scan`] over guests `ids`, each given up to `share` of `budget` pages.
+    fn scan_guests(
+        &mut self,
+        ids: &[VmId],
+        share: u32,
+        mut budget: u32,
+        buf: &mut [u8],
+    ) -> Result<(), EngineError> {
+        for &id in ids {
             let mut mine = share.min(budget);
             while mine > 0 {
-                let Some((first, n)) = self.next_chunk(id, mine as usize, &mut buf) else {
+                let Some((first, n)) = self.next_chunk(id, mine as usize, buf) else {
                     break;
                 };
                 mine = mine.saturating_sub(n as u32);
@@ -143,32 +228,72 @@ impl Engine {
         Ok(())
     }
 
-    /// Reads the next run of resident pages of guest `id` from its cursor; `None` at the
-    /// end of its RAM (its part of the full scan is then done).
+    /// Reads the next run of resident pages of guest `id` from its cursor, leaving out the
+    /// quiet pages that rest in this scan; `None` at the end of its RAM (its part of the
+    /// full scan is then done). The data run the cursor is in is asked of the guest's RAM
+    /// once (`SEEK_DATA`/`SEEK_HOLE` on a memfd walk its pages), not once a chunk. A page
+    /// punched out meanwhile reads as zeros: if memfold punched it, it is no longer
+    /// private and is passed over; if QEMU discarded it while private (no event tells of
+    /// that), it may be reclaimed as a zero page in this scan — correct (it is a hole
+    /// either way) but booked as saved, as it would have been before had the discard come
+    /// between the ask and the read.
     fn next_chunk(&mut self, id: VmId, max: usize, buf: &mut [u8]) -> Option<(Gfn, usize)> {
+        let (pass, max_period) = (self.scan.full_scans, self.cfg.quiet_scan_period);
         let v = self.vms.get_mut(&id)?;
-        let end = Gfn(v.pages());
-        let Some((first, run_end)) = v.ram.next_data_run(Gfn(v.cursor), end) else {
-            v.cursor = 0;
-            v.scanned_this_pass = true;
-            return None;
-        };
-        let n = ((run_end.0 - first.0) as usize)
-            .min(max)
-            .clamp(1, READ_PAGES);
-        if v.ram.read(first, &mut buf[..n * PAGE_SIZE]).is_err() {
-            v.cursor = 0;
-            v.scanned_this_pass = true;
+        if v.scanned_this_pass {
+            // Its part of this full scan is done: no page is read twice in one.
             return None;
         }
-        v.cursor = first.0 + n as u32;
-        v.books.scanned_pages += n as u64;
-        self.scan.pass_read += n as u64;
-        if v.cursor >= v.pages() {
-            v.cursor = 0;
-            v.scanned_this_pass = true;
+        let end = v.pages();
+        let max = max.clamp(1, READ_PAGES) as u32;
+        loop {
+            if v.cursor >= v.run_end {
+                let Some((first, run_end)) = v.ram.next_data_run(Gfn(v.cursor), Gfn(end)) else {
+                    v.cursor = 0;
+                    v.run_end = 0;
+                    v.scanned_this_pass = true;
+                    return None;
+                };
+                v.cursor = first.0;
+                v.run_end = run_end.0.min(end).max(first.0 + 1);
+            }
+            // Quiet pages resting in this scan are passed over.
+            while v.cursor < v.run_end && v.ages.rests(v.cursor, pass, max_period) {
+                v.cursor += 1;
+                v.books.skipped_pages += 1;
+            }
+            if v.cursor >= v.run_end {
+                if v.cursor >= end {
+                    v.cursor = 0;
+                    v.run_end = 0;
+                    v.scanned_this_pass = true;
+                    return None;
+                }
+                continue;
+            }
+            let first = v.cursor;
+            let mut n = 1;
+            while n < max && first + n < v.run_end && !v.ages.rests(first + n, pass, max_period)
+            {
+                n += 1;
+            }
+            let n_us = n as usize;
+            if v.ram.read(Gfn(first), &mut buf[..n_us * PAGE_SIZE]).is_err() {
+                v.cursor = 0;
+                v.run_end = 0;
+                v.scanned_this_pass = true;
+                return None;
+            }
+            v.cursor = first + n;
+            v.books.scanned_pages += n as u64;
+            self.scan.pass_read += n as u64;
+            if v.cursor >= end {
+                v.cursor = 0;
+                v.run_end = 0;
+                v.scanned_this_pass = true;
+            }
+            return Some((Gfn(first), n_us));
         }
-        Some((first, n))
     }
 
     /// Whether the policy lets the sharing scan touch page `g` in the class the clock's
@@ -197,9 +322,13 @@ impl Engine {
         let h = (self.cfg.page_hash)(page);
         let zero = h == self.zero_hash && is_zero_page(page);
         match self.cfg.zero {
-            ZeroPolicy::Keep if zero => return Ok(()),
+            ZeroPolicy::Keep if zero => {
+                self.found_nothing(id, g);
+                return Ok(());
+            }
             ZeroPolicy::Reclaim if zero => {
                 let v = self.vms.get_mut(&id).expect("sharable");
+                v.ages.reset(g);
                 v.set(g, PageState::Reclaiming);
                 v.queue.push(Command::Reclaim { gfn: g });
                 self.scan.pass_requests += 1;
@@ -232,6 +361,7 @@ impl Engine {
                 }
                 ShareEntry::Hint(hint) => {
                     if hint == gpn {
+                        self.found_nothing(id, g);
                         return Ok(());
                     }
                     // A hint's guest may have left (and its gpn gone to another domain's
@@ -266,6 +396,203 @@ impl Engine {
             }
         }
         self.domain_mut(d).share.insert(h, ShareEntry::Hint(gpn));
+        self.found_nothing(id, g);
         Ok(())
+    }
+
+    /// Page `g` of guest `id` was read in this scan and nothing was found for it.
+    fn found_nothing(&mut self, id: VmId, g: Gfn) {
+        if let Some(v) = self.vms.get_mut(&id) {
+            v.ages.found_nothing(g.0);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backing::mem::MemGuestRam;
+    use crate::backing::{BackingError, GuestRam};
+    use crate::sim::Rig;
+    use crate::{EngineConfig, Policy};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    const PAGES: u32 = 64;
+
+    fn cfg(period: u32) -> EngineConfig {
+        EngineConfig {
+            policy: Policy::sharing_only(),
+            rate: 0,
+            clock_interval_us: None,
+            min_scan_interval_us: 10_000,
+            max_scan_interval_us: 10_000,
+            quiet_scan_period: period,
+            ..EngineConfig::default()
+        }
+    }
+
+    /// Bytes unique to `seed`: no two seeds' pages are equal, none is zero.
+    fn unique(seed: u32) -> Vec<u8> {
+        (0..PAGE_SIZE)
+            .map(|i| (seed as usize * 7919 + i * 31 + (i >> 8)) as u8 | 1)
+            .collect()
+    }
+
+    /// A guest of [`PAGES`] unique pages.
+    fn rig(period: u32) -> Rig {
+        let mut r = Rig::new(cfg(period), PAGES).unwrap();
+        for g in 0..PAGES {
+            r.agent.write(Gfn(g), 0, &unique(g)).unwrap();
+        }
+        r
+    }
+
+    fn scanned(r: &Rig) -> u64 {
+        r.engine.vms[&r.vm].books.scanned_pages
+    }
+
+    /// Pages read in each of the next `n` full scans (one a step at these settings).
+    fn reads(r: &mut Rig, n: usize) -> Vec<u64> {
+        (0..n)
+            .map(|_| {
+                let before = (scanned(r), r.engine.scan.full_scans);
+                r.step(10_000).unwrap();
+                assert!(
+                    r.engine.vms[&r.vm].scanned_this_pass || r.engine.scan.full_scans > before.1,
+                    "one full scan a step"
+                );
+                scanned(r) - before.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn quiet_pages_are_read_every_2nd_4th_then_8th_scan() {
+        let mut r = rig(8);
+        let got = reads(&mut r, 25);
+        let mut want = vec![0; 25];
+        for s in [0, 1, 2, 4, 6, 8, 12, 16, 24] {
+            want[s] = PAGES as u64;
+        }
+        assert_eq!(got, want);
+        // Settled: one scan in 8 reads them, the other 7 pass them over.
+        assert_eq!(reads(&mut r, 80).iter().sum::<u64>(), 10 * PAGES as u64);
+        let b = &r.engine.vms[&r.vm].books;
+        assert_eq!(b.skipped_pages + b.scanned_pages, 105 * PAGES as u64);
+        r.engine.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn period_1_reads_every_page_in_every_scan() {
+        let mut r = rig(1);
+        assert_eq!(reads(&mut r, 40), vec![PAGES as u64; 40]);
+        assert_eq!(r.engine.vms[&r.vm].books.skipped_pages, 0);
+    }
+
+    #[test]
+    fn quiet_pages_that_become_duplicates_or_zero_are_found_within_a_period() {
+        let mut r = rig(8);
+        reads(&mut r, 40);
+        assert!(r.engine.vms[&r.vm].ages.get(5) >= 8);
+        // Far apart, quiet alike: pages 5 and 40 become equal, page 9 zero.
+        r.agent.write(Gfn(5), 0, &unique(1000)).unwrap();
+        r.agent.write(Gfn(40), 0, &unique(1000)).unwrap();
+        r.agent.write(Gfn(9), 0, &[0u8; PAGE_SIZE]).unwrap();
+        let mut steps = 0;
+        while r.engine.page_state(r.vm, Gfn(5)) == Some(PageState::Private) {
+            reads(&mut r, 1);
+            steps += 1;
+            assert!(steps <= 8, "shared within one period of 8 scans");
+        }
+        assert!(matches!(
+            r.engine.page_state(r.vm, Gfn(40)),
+            Some(PageState::Shared(_))
+        ));
+        assert_eq!(r.engine.page_state(r.vm, Gfn(9)), Some(PageState::Zero));
+        // A request starts a page's age again: once private again (a CoW break), it is
+        // read in every scan.
+        assert_eq!(r.engine.vms[&r.vm].ages.get(5), 0);
+        r.agent.write(Gfn(5), 0, &unique(2000)).unwrap();
+        r.report();
+        assert_eq!(r.engine.page_state(r.vm, Gfn(5)), Some(PageState::Private));
+        let before = scanned(&r);
+        // The next scan reads page 5 (and, unless it is every 8th, no quiet page).
+        let n = reads(&mut r, 1)[0];
+        assert!(n == 1 || n == PAGES as u64 - 3, "{n} pages read");
+        assert!(scanned(&r) > before);
+        for g in 0..PAGES {
+            assert_eq!(
+                r.agent.peek(Gfn(g)).unwrap().to_vec(),
+                match g {
+                    5 => unique(2000),
+                    40 => unique(1000),
+                    9 => vec![0; PAGE_SIZE],
+                    _ => unique(g),
+                },
+                "gfn {g}"
+            );
+        }
+        r.engine.check_invariants().unwrap();
+    }
+
+    /// Guest RAM that counts how often its data runs are asked for.
+    struct Counting(MemGuestRam, Arc<AtomicU64>);
+
+    impl GuestRam for Counting {
+        fn read(&self, first: Gfn, out: &mut [u8]) -> Result<(), BackingError> {
+            self.0.read(first, out)
+        }
+        fn next_data_run(&self, from: Gfn, end: Gfn) -> Option<(Gfn, Gfn)> {
+            self.1.fetch_add(1, Ordering::Relaxed);
+            self.0.next_data_run(from, end)
+        }
+        fn allocated_bytes(&self) -> u64 {
+            self.0.allocated_bytes()
+        }
+    }
+
+    /// A data run is asked for once a full scan, not once a 64-page read: on a memfd each
+    /// ask (`SEEK_HOLE`) walks the run to its end.
+    #[test]
+    fn a_data_run_is_asked_for_once_a_scan() {
+        use crate::backing::mem::{ManualClock, MemBacking};
+        use crate::engine::Attach;
+        use crate::ids::DomainId;
+        let pages = 1024;
+        let clock = ManualClock::new();
+        let mut e = Engine::new(cfg(1), Box::new(clock.clone()), 0).unwrap();
+        e.add_domain(DomainId(0), Box::new(MemBacking::new()));
+        let ram = MemGuestRam::new(pages);
+        {
+            let mut f = ram.file();
+            for g in 0..pages as usize {
+                f.bytes[g * PAGE_SIZE..(g + 1) * PAGE_SIZE].copy_from_slice(&unique(g as u32));
+            }
+            // Two runs: [0, 600) and [700, 1024).
+            f.touch(0, 600 * PAGE_SIZE as u64);
+            f.touch(700 * PAGE_SIZE as u64, 324 * PAGE_SIZE as u64);
+        }
+        let asks = Arc::new(AtomicU64::new(0));
+        e.attach(Attach {
+            name: "runs".into(),
+            pid: 1,
+            pages,
+            ram: Box::new(Counting(ram, asks.clone())),
+            mapped: vec![],
+            domain: DomainId(0),
+            store: Box::new(MemBacking::new()),
+            swap: None,
+        })
+        .unwrap();
+        for _ in 0..3 {
+            clock.advance(10_000);
+            e.scan_step().unwrap();
+        }
+        let b = &e.vms.values().next().unwrap().books;
+        assert_eq!(b.scanned_pages, 3 * 924);
+        // Per scan: each of the two runs (the second ends at the end of RAM); asked once a
+        // 64-page read, it would be 15 a scan.
+        assert_eq!(asks.load(Ordering::Relaxed), 3 * 2);
     }
 }

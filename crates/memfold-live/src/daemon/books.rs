@@ -20,6 +20,7 @@ fn vm_stats(v: &VmReport, guests: &Guests) -> VmStats {
         zero_shared_pages: b.zero_shared_pages,
         zero_reclaimed_pages: b.zero_reclaimed_pages,
         scanned_pages: b.scanned_pages,
+        skipped_pages: b.skipped_pages,
         shares: b.shares,
         cow_breaks: b.cow_breaks,
         reclaims: b.reclaims,
