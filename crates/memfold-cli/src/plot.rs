@@ -205,7 +205,6 @@ pub fn scatter(path: &Path, title: &str, xlabel: &str, ylabel: &str, marks: &[Ma
         .draw()
         .map_err(|e| anyhow!("plot: {e}"))?;
     let mut groups: Vec<&str> = marks.iter().map(|m| m.group.as_str()).collect();
-    groups.dedup();
     groups.sort_unstable();
     groups.dedup();
     for (i, g) in groups.iter().enumerate() {

@@ -477,10 +477,7 @@ impl Engine {
             .vms
             .values()
             .map(|v| {
-                v.p2m.capacity() * 4
-                    + v.p2m.len() * 2
-                    + v.de_failed.capacity() * 8
-                    + v.ages.bytes()
+                v.p2m.capacity() * 4 + v.p2m.len() * 2 + v.de_failed.capacity() * 8 + v.ages.bytes()
             })
             .sum();
         let per_domain: usize = self

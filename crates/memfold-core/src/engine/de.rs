@@ -63,6 +63,17 @@ impl Engine {
             });
         v.books.nru_pages = v.clock.last_pass;
         v.books.clock_passes = v.clock.passes;
+        // A page seen written has new bytes: the sharing scan reads it in each of its next
+        // scans again (not only every 8th, were it quiet), so that a full sharing cycle
+        // has read what patching and compression take (DE §4.3).
+        for k in 0..count.min(v.pages() - first.0) {
+            if modified
+                .get(k as usize / 64)
+                .is_some_and(|w| w >> (k % 64) & 1 == 1)
+            {
+                v.ages.reset(Gfn(first.0 + k));
+            }
+        }
         let end = Gfn((first.0 + count).min(v.pages()));
         self.difference_engine(id, first, end);
     }

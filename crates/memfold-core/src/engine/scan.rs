@@ -273,12 +273,14 @@ impl Engine {
             }
             let first = v.cursor;
             let mut n = 1;
-            while n < max && first + n < v.run_end && !v.ages.rests(first + n, pass, max_period)
-            {
+            while n < max && first + n < v.run_end && !v.ages.rests(first + n, pass, max_period) {
                 n += 1;
             }
             let n_us = n as usize;
-            if v.ram.read(Gfn(first), &mut buf[..n_us * PAGE_SIZE]).is_err() {
+            if v.ram
+                .read(Gfn(first), &mut buf[..n_us * PAGE_SIZE])
+                .is_err()
+            {
                 v.cursor = 0;
                 v.run_end = 0;
                 v.scanned_this_pass = true;
@@ -534,6 +536,23 @@ mod tests {
             );
         }
         r.engine.check_invariants().unwrap();
+    }
+
+    /// A write the clock saw starts a quiet page's age again: with DE's clock, what a
+    /// full sharing cycle "saw" (DE §4.3, `seen_by_sharing`) is what it read.
+    #[test]
+    fn a_page_the_clock_saw_written_is_read_in_every_scan_again() {
+        let mut r = rig(8);
+        reads(&mut r, 40);
+        assert!(r.engine.vms[&r.vm].ages.get(5) >= 8);
+        let (referenced, modified) = ([1u64 << 5 | 1 << 6], [1u64 << 5]);
+        r.engine
+            .clock_bits(r.vm, Gfn(0), PAGES, &referenced, &modified);
+        assert_eq!(r.engine.vms[&r.vm].ages.get(5), 0, "written: read again");
+        assert!(
+            r.engine.vms[&r.vm].ages.get(6) >= 8,
+            "only read: still quiet"
+        );
     }
 
     /// Guest RAM that counts how often its data runs are asked for.
