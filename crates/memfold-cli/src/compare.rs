@@ -347,6 +347,7 @@ fn compare_kit(
         a.pressure_target,
         if a.peer == Peer::KsmZswapFpr { " + free page reporting" } else { "" }
     );
+    let memfold_waits = m.guest_wait_pct();
     let mut set = a.memfold.set.clone();
     set.out = Some(out.join("peer"));
     let backend = a.ksm_thp.backend();
@@ -370,7 +371,7 @@ fn compare_kit(
         "memfold_t95_s": m.t95_s,
         "memfold_cpu_s": m.cpu_s,
         "memfold_memory_stall_pct": memfold_stall_pct,
-        "memfold_guest_wait_pct": m.guest_wait_pct(),
+        "memfold_guest_wait_pct": memfold_waits,
         "memfold_free_page_reporting": a.memfold.free_page_reporting,
         "memfold_daemon_restarts": m.daemon_restarts,
         "peer_used_before_bytes": p.used_before,
@@ -407,7 +408,7 @@ fn compare_kit(
             t95_text(m.t95_s),
             m.cpu_s,
             memfold_stall_pct.map_or("-".into(), |s| format!("{s:.2}%")),
-            m.guest_wait_pct().values().sum::<f64>(),
+            memfold_waits.values().sum::<f64>(),
             if p.fpr { " + fpr" } else { "" },
             a.pressure_target,
             p.compressor,

@@ -22,6 +22,7 @@ use anyhow::{Context, Result};
 use serde::Deserialize;
 
 use crate::plot;
+use crate::run::measure::MIB;
 
 /// `memfold tradeoff` arguments.
 #[derive(clap::Args)]
@@ -157,10 +158,6 @@ fn metrics(pairs: Option<&[Pair]>) -> Vec<String> {
         .collect()
 }
 
-fn mib(bytes: f64) -> f64 {
-    bytes / (1u64 << 20) as f64
-}
-
 /// The two points (memfold, the other side) of one `compare.json`.
 fn points(path: &Path) -> Result<Vec<Point>> {
     let text =
@@ -187,7 +184,7 @@ fn points(path: &Path) -> Result<Vec<Point>> {
         ),
         run: run.clone(),
         secs: j.secs,
-        left_mib: mib(j.memfold_used_after_bytes),
+        left_mib: j.memfold_used_after_bytes / MIB,
         slowdown_pct: s,
         slowdown_2se_pct: e,
         workloads: metrics(j.memfold_throughput.as_deref()),
@@ -241,7 +238,7 @@ fn points(path: &Path) -> Result<Vec<Point>> {
         label,
         run,
         secs: j.secs,
-        left_mib: mib(left),
+        left_mib: left / MIB,
         slowdown_pct: s,
         slowdown_2se_pct: e,
         workloads: metrics(thr),
@@ -446,6 +443,11 @@ mod tests {
         p
     }
 
+    /// The points of a compare.json written with `v` under `dir`.
+    fn written(dir: &Path, name: &str, v: serde_json::Value) -> Vec<Point> {
+        points(&write(dir, name, v)).unwrap()
+    }
+
     fn run_json(
         memfold_left: f64,
         peer_left: f64,
@@ -471,22 +473,20 @@ mod tests {
     #[test]
     fn the_verdict_names_each_reason_the_goal_is_missed() {
         let dir = tempfile::tempdir().unwrap();
-        let met = points(&write(
+        let met = written(
             dir.path(),
             "a.json",
             run_json(140.0, 250.0, 0.95, 0.90, 20.0),
-        ))
-        .unwrap();
+        );
         let v = verdict(&met.iter().collect::<Vec<_>>());
         assert!(v.ends_with("goal met"), "{v}");
         assert_eq!(met[1].label, "ksm+zswap target 0.1% probe 1%/6s");
         // Too much memory, slower beyond the error bars, more CPU: all three said.
-        let missed = points(&write(
+        let missed = written(
             dir.path(),
             "b.json",
             run_json(200.0, 250.0, 0.80, 0.95, 40.0),
-        ))
-        .unwrap();
+        );
         let v = verdict(&missed.iter().collect::<Vec<_>>());
         assert!(
             v.contains("memory 0.80×") && v.contains("slowdown") && v.contains("CPU"),
@@ -499,7 +499,7 @@ mod tests {
         // A marked peer run (a guest killed) is listed, never the best.
         let mut marked = run_json(140.0, 100.0, 0.95, 0.90, 20.0);
         marked["peer_marks"] = serde_json::json!(["db-1's QEMU died"]);
-        let m = points(&write(dir.path(), "m.json", marked)).unwrap();
+        let m = written(dir.path(), "m.json", marked);
         let all: Vec<&Point> = both.iter().chain(&m).collect();
         assert!(verdict(&all).contains("= 0.56×"), "{}", verdict(&all));
         assert!(table(&m).contains("(MARKED)"));
@@ -550,12 +550,11 @@ mod tests {
     #[test]
     fn the_chart_is_written_with_the_points_that_have_a_slowdown() {
         let dir = tempfile::tempdir().unwrap();
-        let ps = points(&write(
+        let ps = written(
             dir.path(),
             "a.json",
             run_json(140.0, 250.0, 0.95, 0.90, 20.0),
-        ))
-        .unwrap();
+        );
         let png = dir.path().join("t.png");
         assert_eq!(chart(&png, &ps).unwrap(), 2);
         assert!(std::fs::metadata(&png).unwrap().len() > 1000);

@@ -257,10 +257,6 @@ impl ClockHand {
         full_scans: u64,
         private: impl Fn(u32) -> bool,
     ) {
-        let bit = |v: &[u64], k: u32| {
-            v.get(k as usize / 64)
-                .is_some_and(|w| w >> (k % 64) & 1 == 1)
-        };
         let end = (first + count).min(self.clocks.len() as u32);
         if first == 0 {
             self.scan_marks[(self.passes % 8) as usize] = full_scans;
@@ -280,13 +276,13 @@ impl ClockHand {
                 continue;
             }
             let state = if c.armed() {
-                c.observe(bit(referenced, k), bit(modified, k));
+                c.observe(mask_bit(referenced, k), mask_bit(modified, k));
                 c.scan()
             } else {
                 c.last_state()
             };
             self.counting[state.index()] += 1;
-            if bit(&arms, k) {
+            if mask_bit(&arms, k) {
                 // A new observation window: only accesses from now on count.
                 c.0 = (c.0 & !(R | M)) | ARMED;
             } else {
@@ -327,6 +323,14 @@ impl ClockHand {
             *c = PageClock(PageClock::WRITTEN.0 | (c.0 & ARMED));
         }
     }
+}
+
+/// Bit `k` of a page mask: bit k of word k/64 (the clock's R, M and arm masks); words
+/// missing from the end read as 0.
+pub(crate) fn mask_bit(words: &[u64], k: u32) -> bool {
+    words
+        .get(k as usize / 64)
+        .is_some_and(|w| w >> (k % 64) & 1 == 1)
 }
 
 /// What a policy lets the engine do with a page in a given class.
@@ -611,7 +615,7 @@ mod tests {
             }
             let mask = h.arm_mask(0, pages, 16);
             h.apply(0, pages, &r, &r, pass, |_| true);
-            let bit = |g: u32| mask[g as usize / 64] >> (g % 64) & 1 == 1;
+            let bit = |g: u32| mask_bit(&mask, g);
             for g in 0..pages {
                 armed[g as usize] = bit(g);
                 if !hot(g) && pass > 0 {

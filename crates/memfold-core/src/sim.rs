@@ -384,7 +384,7 @@ impl SimAgent {
             if std::mem::take(&mut self.modified[i]) {
                 m[k / 64] |= 1 << (k % 64);
             }
-            let armed = arm.get(k / 64).is_some_and(|w| w >> (k % 64) & 1 == 1);
+            let armed = crate::clock::mask_bit(arm, k as u32);
             if armed && self.home[i] == Home::Private {
                 self.tracking[i] = Tracking::Armed;
             }

@@ -28,6 +28,9 @@ pub struct OpLatencies {
     pub compress: LatencySummary,
 }
 
+/// The agents' histograms, in the order of [`OpLatencies::from_histograms`].
+pub const AGENT_OPS: usize = 7;
+
 impl OpLatencies {
     /// Time the guest's threads waited on the agent's service of their faults, µs: CoW
     /// breaks, missing faults (first touches, refills), the clock's R/M faults and
@@ -36,12 +39,7 @@ impl OpLatencies {
     pub fn guest_wait_us(&self) -> f64 {
         self.cow_break.total_us + self.fault.total_us + self.track.total_us + self.unstash.total_us
     }
-}
 
-/// The agents' histograms, in the order of [`OpLatencies::from_histograms`].
-pub const AGENT_OPS: usize = 7;
-
-impl OpLatencies {
     /// Summaries of the agents' [share, CoW break, fault, reclaim, track, stash, unstash]
     /// histograms (memfoldd's own encode times are set apart).
     pub fn from_histograms(h: &[OpLatency; AGENT_OPS]) -> OpLatencies {

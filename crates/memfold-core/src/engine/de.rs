@@ -8,7 +8,7 @@ use memfold_codecs::{page_checksum, Encoding};
 
 use super::{kept_index, Command, Engine, Stash, RESTASH_LIVED_US};
 use crate::blobs::{Blob, BlobHome, Form, StoreError};
-use crate::clock::Actions;
+use crate::clock::{mask_bit, Actions};
 use crate::ids::{DomainId, FrameId, Gfn, Gpn, VmId};
 use crate::p2m::{BlobId, PageState};
 use crate::share::ShareEntry;
@@ -67,10 +67,7 @@ impl Engine {
         // scans again (not only every 8th, were it quiet), so that a full sharing cycle
         // has read what patching and compression take (DE §4.3).
         for k in 0..count.min(v.pages() - first.0) {
-            if modified
-                .get(k as usize / 64)
-                .is_some_and(|w| w >> (k % 64) & 1 == 1)
-            {
+            if mask_bit(modified, k) {
                 v.ages.reset(Gfn(first.0 + k));
             }
         }

@@ -217,6 +217,14 @@ pub(crate) struct Vm {
 const RESTASH_LIVED_US: u64 = 30_000_000;
 
 impl Vm {
+    /// Its part of the current full sharing scan is done: the cursor back at gfn 0, no
+    /// data run cached.
+    pub(crate) fn end_scan_part(&mut self) {
+        self.cursor = 0;
+        self.run_end = 0;
+        self.scanned_this_pass = true;
+    }
+
     pub(crate) fn state(&self, g: Gfn) -> PageState {
         self.p2m[g.index()].state()
     }

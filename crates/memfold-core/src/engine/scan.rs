@@ -249,9 +249,7 @@ impl Engine {
         loop {
             if v.cursor >= v.run_end {
                 let Some((first, run_end)) = v.ram.next_data_run(Gfn(v.cursor), Gfn(end)) else {
-                    v.cursor = 0;
-                    v.run_end = 0;
-                    v.scanned_this_pass = true;
+                    v.end_scan_part();
                     return None;
                 };
                 v.cursor = first.0;
@@ -264,9 +262,7 @@ impl Engine {
             }
             if v.cursor >= v.run_end {
                 if v.cursor >= end {
-                    v.cursor = 0;
-                    v.run_end = 0;
-                    v.scanned_this_pass = true;
+                    v.end_scan_part();
                     return None;
                 }
                 continue;
@@ -281,18 +277,14 @@ impl Engine {
                 .read(Gfn(first), &mut buf[..n_us * PAGE_SIZE])
                 .is_err()
             {
-                v.cursor = 0;
-                v.run_end = 0;
-                v.scanned_this_pass = true;
+                v.end_scan_part();
                 return None;
             }
             v.cursor = first + n;
             v.books.scanned_pages += n as u64;
             self.scan.pass_read += n as u64;
             if v.cursor >= end {
-                v.cursor = 0;
-                v.run_end = 0;
-                v.scanned_this_pass = true;
+                v.end_scan_part();
             }
             return Some((Gfn(first), n_us));
         }
