@@ -143,7 +143,7 @@ impl Agent {
             version: PROTOCOL_VERSION,
             name: self.cfg.name.clone(),
             pid: std::process::id(),
-            ram_bytes: self.cfg.ram_bytes,
+            ram_bytes: self.ram_bytes,
             shared: shared.len() as u64,
             opted_out: self.opted_out,
         };

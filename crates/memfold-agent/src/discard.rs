@@ -45,7 +45,7 @@ impl Agent {
     /// replaced (the VMA limit) stays on its frame, as it was: the guest still reads its
     /// own bytes, and nothing is reported.
     pub(crate) fn discard(&mut self, start: u64, end: u64) {
-        let ram_end = self.base + self.cfg.ram_bytes;
+        let ram_end = self.base + self.ram_bytes;
         let (start, end) = (start.max(self.base), end.min(ram_end));
         if start >= end {
             return;

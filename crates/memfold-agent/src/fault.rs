@@ -80,7 +80,7 @@ impl Agent {
         };
         let started = Instant::now();
         let page = addr & !(PAGE - 1);
-        if page < self.base || page >= self.base + self.cfg.ram_bytes {
+        if page < self.base || page >= self.base + self.ram_bytes {
             return Ok(self.uffd.wake(page, PAGE)?);
         }
         let gfn = Gfn(((page - self.base) / PAGE) as u32);

@@ -97,6 +97,8 @@ use memfold_wire::Conn;
 
 mod attach;
 mod config;
+pub mod qemu_args;
+mod regions;
 mod discard;
 mod fault;
 mod install;
@@ -287,8 +289,13 @@ impl MapCount {
 /// memfoldd.
 struct Agent {
     cfg: AgentConfig,
-    /// Address of guest RAM in this process.
+    /// Address of this agent's guest RAM region in this process.
     base: u64,
+    /// Length of the region, bytes: its pages are gfns `0 .. ram_bytes / 4096`
+    /// (the invariant in `regions.rs`: nothing outside `[base, base + ram_bytes)`).
+    ram_bytes: u64,
+    /// Set by the watcher when the region is unmapped (hot-unplug): the agent detaches.
+    gone: GoneFlag,
     /// The guest RAM memfd.
     memfd: OwnedFd,
     uffd: Uffd,
@@ -317,44 +324,329 @@ struct Agent {
     opted_out: bool,
 }
 
-/// Runs the agent until the process exits.
+/// Runs the agent until the process exits: finds guest RAM (every region, [`regions`]),
+/// runs one agent per region — the first on this thread, the others on threads of their
+/// own — and, when the regions are QEMU's memory backends, a watcher for regions plugged
+/// or unplugged later.
 ///
-/// Errors: guest RAM never appeared, or userfaultfd is unavailable (the guest runs on
-/// unmanaged). Once guest RAM is registered the agent never returns: losing memfoldd
-/// only makes it reconnect, and if its loop ends with an error or panics it fails closed
+/// Guest RAM is found without being told its size: every shared memfd QEMU made for a
+/// `memory-backend-memfd`, once as many as QEMU's command line defines are mapped (or,
+/// without a command line to read, once none has appeared for [`SETTLE`]).
+/// `cfg.ram_bytes`, if not 0, is a check: the regions must add up to it (or, for a host
+/// program that maps its own memfd, one shared memfd mapping of exactly that size is
+/// taken, whatever its name); if none does within 120 s, the error names what was found.
+///
+/// Errors (the guest, or that part of it, runs on unmanaged, logged by the caller in one
+/// line): QEMU's command line says no guest RAM is shareable (the line names what to
+/// add: `memfold_agent::qemu_args`); no guest RAM region appeared in 120 s, or not
+/// those `cfg.ram_bytes` asks for (the line names what was found); userfaultfd is
+/// unavailable. Once a region is registered, its agent never returns but by failing closed
 /// (`cfg.on_failure`) with the agent, its userfaultfd and guest RAM's descriptors still
-/// held.
+/// held — except when its region is unmapped (hot-unplug), when it detaches and returns
+/// an error saying so.
 pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
+    let plan = qemu_plan();
+    if let Some(plan) = &plan {
+        let problems: Vec<String> = plan.problems().iter().map(|p| p.to_string()).collect();
+        if !plan.any_shareable_ram() {
+            return Err(io::Error::other(format!(
+                "guest RAM is not shareable, memfold leaves this guest alone: {}",
+                problems.join("; ")
+            )));
+        }
+        if !problems.is_empty() {
+            tracing::warn!(
+                "part of guest RAM is not shareable and is left alone: {}",
+                problems.join("; ")
+            );
+        }
+    }
+    let expected = plan.as_ref().map(|p| p.shareable_backends());
+    let (found, by_name) = discover(&cfg, expected)?;
+    let many = found.len() > 1;
+    let watch = Watch {
+        cfg: cfg.clone(),
+        known: std::sync::Mutex::new(Vec::new()),
+        next: std::sync::atomic::AtomicUsize::new(found.len().max(1)),
+    };
+    let watch = std::sync::Arc::new(watch);
+    let mut first = None;
+    for (i, region) in found.into_iter().enumerate() {
+        let mut rcfg = cfg.clone();
+        if many {
+            rcfg.name = format!("{}/ram{i}", cfg.name);
+        }
+        let gone = watch.add(region.inode);
+        tracing::info!(
+            "guest RAM region {}: {} MiB at {:#x}",
+            rcfg.name,
+            region.bytes >> 20,
+            region.base
+        );
+        if first.is_none() {
+            first = Some((rcfg, region, gone));
+        } else {
+            spawn_region(rcfg, region, gone);
+        }
+    }
+    if by_name {
+        let w = std::sync::Arc::clone(&watch);
+        let _ = std::thread::Builder::new()
+            .name("memfold-watch".into())
+            .spawn(move || w.watch());
+    }
+    let (rcfg, region, gone) = first.ok_or_else(|| io::Error::other("no guest RAM region"))?;
+    run_region(rcfg, region, gone)
+}
+
+/// How long the set of guest RAM regions must stay unchanged before the agent takes it,
+/// when QEMU's command line does not say how many there are.
+const SETTLE: Duration = Duration::from_secs(1);
+
+/// QEMU's command line, read from `/proc/self/cmdline` when this process is a
+/// `qemu-system-*`; `None` otherwise (a test or host program running the agent) or when
+/// it cannot be read.
+fn qemu_plan() -> Option<qemu_args::RamPlan> {
+    let raw = std::fs::read("/proc/self/cmdline").ok()?;
+    let words: Vec<String> = raw
+        .split(|&b| b == 0)
+        .map(|w| String::from_utf8_lossy(w).into_owned())
+        .collect();
+    let prog = std::path::Path::new(words.first()?).file_name()?.to_string_lossy();
+    if !prog.starts_with("qemu-system") {
+        return None;
+    }
+    match qemu_args::RamPlan::parse(&words[1..]) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            tracing::warn!("QEMU's command line: {e}; finding guest RAM by its mappings alone");
+            None
+        }
+    }
+}
+
+/// Finds guest RAM ([`run`]). Returns the regions, in address order, and whether they are
+/// QEMU's memory backends (found by name, so more may be plugged later).
+///
+/// Errors: none found in 120 s, or only regions of huge pages (the message says what was
+/// found); `/proc/self/maps` or `/proc/self/fd` cannot be read.
+fn discover(
+    cfg: &AgentConfig,
+    expected: Option<usize>,
+) -> io::Result<(Vec<regions::Region>, bool)> {
     let deadline = Instant::now() + Duration::from_secs(120);
-    let (base, memfd) = loop {
-        if let Some(found) = config::find_ram(cfg.ram_bytes)? {
-            break found;
+    let mut last: Vec<regions::Candidate> = Vec::new();
+    let mut since = Instant::now();
+    loop {
+        let maps = regions::parse_maps(&std::fs::read_to_string("/proc/self/maps")?);
+        let named = regions::candidates(&maps, Some(regions::QEMU_MEMFD_NAME));
+        let total: u64 = named.iter().map(|c| c.bytes).sum();
+        if named != last {
+            last = named.clone();
+            since = Instant::now();
+        }
+        let ready = if cfg.ram_bytes != 0 {
+            total == cfg.ram_bytes
+        } else {
+            !named.is_empty()
+                && (expected.is_some_and(|n| named.len() >= n) || since.elapsed() >= SETTLE)
+        };
+        if ready {
+            let (found, huge) = regions::open(&named)?;
+            if !huge.is_empty() {
+                tracing::warn!(
+                    "not shareable, left alone: {} (define it as memory-backend-memfd without hugetlb=on)",
+                    huge.join(", ")
+                );
+            }
+            if !found.is_empty() && (cfg.ram_bytes == 0 || found.len() == named.len()) {
+                return Ok((found, true));
+            }
+            if found.is_empty() && !huge.is_empty() && cfg.ram_bytes == 0 {
+                return Err(io::Error::other(format!(
+                    "guest RAM is not shareable, memfold leaves this guest alone: {}",
+                    huge.join(", ")
+                )));
+            }
+        }
+        if cfg.ram_bytes != 0 {
+            // A host program's own memfd (tests): one mapping of exactly that size.
+            let exact: Vec<_> = regions::candidates(&maps, None)
+                .into_iter()
+                .filter(|c| c.bytes == cfg.ram_bytes)
+                .collect();
+            if let Some(c) = exact.first() {
+                let (mut found, _) = regions::open(std::slice::from_ref(c))?;
+                if let Some(r) = found.pop() {
+                    return Ok((vec![r], false));
+                }
+            }
         }
         if Instant::now() > deadline {
+            let shared: Vec<String> = named
+                .iter()
+                .map(|c| format!("{} MiB at {:#x}", c.bytes >> 20, c.base))
+                .collect();
+            let what = if cfg.ram_bytes != 0 {
+                format!(
+                    "MEMFOLD_RAM_BYTES={} but the shared memory-backend-memfd mappings are [{}] ({total} bytes)",
+                    cfg.ram_bytes,
+                    shared.join(", ")
+                )
+            } else {
+                format!(
+                    "no shared memory-backend-memfd mapping (guest RAM) appeared in 120 s; found {}",
+                    regions::describe_unshareable(&maps)
+                )
+            };
             return Err(io::Error::other(format!(
-                "no shared memfd mapping of {} bytes (guest RAM) appeared in 120 s; QEMU needs memory-backend-memfd,share=on",
-                cfg.ram_bytes
+                "{what}; QEMU needs `-object memory-backend-memfd,id=ram0,size=SIZE,share=on -machine memory-backend=ram0` (the guest runs unmanaged)"
             )));
         }
         std::thread::sleep(Duration::from_millis(2));
-    };
+    }
+}
+
+/// Runs the agent of `region` on a thread of its own; logs why if it ends.
+fn spawn_region(cfg: AgentConfig, region: regions::Region, gone: GoneFlag) {
+    let name = cfg.name.clone();
+    let spawned = std::thread::Builder::new()
+        .name("memfold-agent".into())
+        .spawn(move || {
+            let name = cfg.name.clone();
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                run_region(cfg, region, gone)
+            })) {
+                Ok(Err(e)) => tracing::error!("guest RAM region {name} left unmanaged: {e}"),
+                Err(p) => tracing::error!(
+                    "guest RAM region {name} left unmanaged: the agent panicked: {}",
+                    panic_text(&*p)
+                ),
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!("guest RAM region {name} left unmanaged: no thread: {e}");
+    }
+}
+
+/// Set when a region's mapping is gone from this process (hot-unplug).
+type GoneFlag = std::sync::Arc<std::sync::atomic::AtomicBool>;
+
+/// The regions the agents manage, for the watcher.
+struct Watch {
+    cfg: AgentConfig,
+    /// (memfd inode, its agent's gone flag) of every region managed.
+    known: std::sync::Mutex<Vec<(u64, GoneFlag)>>,
+    /// The index K of the next `NAME/ramK`.
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl Watch {
+    /// Records a region managed; returns its gone flag.
+    fn add(&self, inode: u64) -> GoneFlag {
+        let gone = GoneFlag::default();
+        if let Ok(mut k) = self.known.lock() {
+            k.push((inode, std::sync::Arc::clone(&gone)));
+        }
+        gone
+    }
+
+    /// Every [`regions::WATCH_PERIOD`]: attaches regions that appeared (hot-plug) and
+    /// tells the agents of regions that disappeared (hot-unplug) to detach. Ends only if
+    /// `/proc/self/maps` cannot be read.
+    fn watch(&self) {
+        use std::sync::atomic::Ordering;
+        let mut refused: std::collections::BTreeSet<u64> = Default::default();
+        loop {
+            std::thread::sleep(regions::WATCH_PERIOD);
+            let Ok(text) = std::fs::read_to_string("/proc/self/maps") else {
+                tracing::warn!("cannot read /proc/self/maps: no longer watching for hot-plugged RAM");
+                return;
+            };
+            let maps = regions::parse_maps(&text);
+            let known: Vec<(u64, GoneFlag)> = match self.known.lock() {
+                Ok(k) => k.clone(),
+                Err(_) => return,
+            };
+            for (inode, gone) in &known {
+                if !gone.load(Ordering::SeqCst) && !maps.iter().any(|m| m.inode == *inode) {
+                    tracing::warn!(
+                        "a guest RAM region (memfd inode {inode}) is no longer mapped (hot-unplug): its agent detaches"
+                    );
+                    gone.store(true, Ordering::SeqCst);
+                }
+            }
+            let new: Vec<regions::Candidate> =
+                regions::candidates(&maps, Some(regions::QEMU_MEMFD_NAME))
+                    .into_iter()
+                    .filter(|c| !known.iter().any(|(i, _)| *i == c.inode))
+                    .filter(|c| !refused.contains(&c.inode))
+                    .collect();
+            if new.is_empty() {
+                continue;
+            }
+            let Ok((found, huge)) = regions::open(&new) else {
+                continue;
+            };
+            if !huge.is_empty() {
+                tracing::warn!("hot-plugged RAM not shareable, left alone: {}", huge.join(", "));
+            }
+            for c in &new {
+                if !found.iter().any(|r| r.inode == c.inode) {
+                    refused.insert(c.inode);
+                }
+            }
+            for region in found {
+                let k = self.next.fetch_add(1, Ordering::SeqCst);
+                let mut cfg = self.cfg.clone();
+                cfg.name = format!("{}/ram{k}", self.cfg.name);
+                tracing::info!(
+                    "guest RAM region {} appeared (hot-plug): {} MiB at {:#x}; attaching it",
+                    cfg.name,
+                    region.bytes >> 20,
+                    region.base
+                );
+                let gone = self.add(region.inode);
+                spawn_region(cfg, region, gone);
+            }
+        }
+    }
+}
+
+/// Runs the agent of one guest RAM region until the process exits ([`run`]).
+///
+/// Errors: userfaultfd is unavailable or cannot register the region (it runs on
+/// unmanaged); the region was unmapped (hot-unplug: the agent detaches).
+fn run_region(
+    cfg: AgentConfig,
+    region: regions::Region,
+    gone: GoneFlag,
+) -> io::Result<std::convert::Infallible> {
+    let regions::Region {
+        base, bytes, memfd, ..
+    } = region;
     // Everything that can fail comes before registering: afterwards only failing closed.
     let remapper = Remapper::new()?;
     let uffd = Uffd::open(uffd::AGENT_FEATURES)?;
     // SAFETY: guest RAM is QEMU's shared memfd mapping, which this process touches only
     // through raw addresses (QEMU's vCPUs and devices), never through Rust references; the
-    // agent thread that answers its faults never touches it through the mapping.
-    unsafe { uffd.register(base, cfg.ram_bytes, RAM_MODE) }?;
+    // agent thread that answers its faults never touches it through the mapping. The
+    // range is this region's alone: no other agent registers it (one agent per memfd).
+    unsafe { uffd.register(base, bytes, RAM_MODE) }?;
     let max_maps: usize = std::fs::read_to_string("/proc/sys/vm/max_map_count")
         .ok()
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or(65530);
-    let pages = (cfg.ram_bytes / PAGE) as usize;
-    // Leave QEMU room for its own mappings (threads, libraries, TCG buffers).
+    let pages = (bytes / PAGE) as usize;
+    // Leave QEMU room for its own mappings (threads, libraries, TCG buffers). The count
+    // it is checked against is the whole process's, so the agents of several regions
+    // share one budget.
     let vma_budget = cfg.vma_budget.unwrap_or(max_maps.saturating_sub(4096));
     let mut agent = Agent {
         cfg,
         base,
+        ram_bytes: bytes,
+        gone,
         memfd,
         uffd,
         pool: None,
@@ -374,6 +666,12 @@ pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
     // A panic unwinds to here, not past: `agent` (the userfaultfd, guest RAM's memfd, the
     // pool) must outlive failing closed, or write-protection would be gone.
     let why = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| agent.serve())) {
+        Ok(e) if agent.gone.load(std::sync::atomic::Ordering::SeqCst) => {
+            return Err(io::Error::other(format!(
+                "guest RAM region {} was unmapped (hot-unplug): detached ({e})",
+                agent.cfg.name
+            )));
+        }
         Ok(e) => format!("the agent's loop ended: {e}"),
         Err(p) => format!("the agent thread panicked: {}", panic_text(&*p)),
     };
@@ -385,6 +683,9 @@ impl Agent {
     /// report. Returns only if polling or reading the userfaultfd fails.
     fn serve(&mut self) -> io::Error {
         loop {
+            if self.gone.load(std::sync::atomic::Ordering::SeqCst) {
+                return io::Error::other("the region is no longer mapped");
+            }
             if self.conn.is_none()
                 && self
                     .last_connect

@@ -1,0 +1,498 @@
+//! QEMU's command line as far as guest RAM goes ([`RamPlan`]): which memory backends it
+//! defines, which of them are guest RAM (`-machine memory-backend=`, `-numa node,memdev=`,
+//! `-device ...,memdev=` for pc-dimm, nvdimm and virtio-mem), and whether memfold can
+//! manage them ([`RamPlan::problems`]: each one says what to write instead).
+//!
+//! memfold manages guest RAM that is a **shared memfd**: `-object
+//! memory-backend-memfd,id=ID,size=SIZE,share=on` (share is on by default for this
+//! backend type in QEMU), without `hugetlb=on` (the agent works in 4 KiB pages). Anything
+//! else — QEMU's default anonymous RAM (`-m SIZE` alone), `-mem-path`,
+//! `memory-backend-ram`, `memory-backend-file`, a memfd with `share=off` — is RAM only
+//! QEMU's process can see, which memfoldd cannot read.
+//!
+//! Read by `memfold qemu` (before QEMU starts: it refuses, printing the fix) and by the
+//! agent in QEMU (from `/proc/self/cmdline`: a guest whose RAM is not shareable is left
+//! alone at once, with one log line). Pure: no OS access.
+//!
+//! What is understood: options written `-opt` or `--opt`, their argument as the next
+//! word; QEMU's `key=value,...` syntax with `,,` for a comma inside a value and a bare
+//! `key` for `key=on`; `-object` also in its JSON form (`-object '{"qom-type": ...}'`, as
+//! libvirt writes it). Options this module does not know are skipped with their
+//! argument if it does not start with `-`. `-readconfig` files are not read.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// The memory backend type memfold manages.
+pub const MEMFD_BACKEND: &str = "memory-backend-memfd";
+
+/// Size QEMU gives guest RAM when `-m` is absent (QEMU's default, 128 MiB).
+const DEFAULT_RAM: &str = "128M";
+
+/// A memory backend object (`-object memory-backend-*`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Backend {
+    /// Its `id`.
+    pub id: String,
+    /// Its QOM type (`memory-backend-memfd`, `memory-backend-ram`, `memory-backend-file`,
+    /// ...).
+    pub kind: String,
+    /// Its `size` as written (`512M`, `1G`, bytes), if given.
+    pub size: Option<String>,
+    /// Its `share` property if given; QEMU's default is on for a memfd and off otherwise.
+    pub share: Option<bool>,
+    /// `hugetlb=on`: a memfd of huge pages.
+    pub hugetlb: bool,
+}
+
+impl Backend {
+    /// Whether memfold can manage this backend: a memfd, shared, of 4 KiB pages.
+    pub fn shareable(&self) -> bool {
+        self.kind == MEMFD_BACKEND && self.share != Some(false) && !self.hugetlb
+    }
+
+    /// Its size as written, or `SIZE` when it was not given.
+    fn size_text(&self) -> &str {
+        self.size.as_deref().unwrap_or("SIZE")
+    }
+}
+
+/// What the command line says about guest RAM.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RamPlan {
+    /// Every memory backend defined, in command-line order (used as RAM or not: QEMU
+    /// maps each one when it creates it).
+    pub backends: Vec<Backend>,
+    /// `-m`'s size as written (`512M`, or the `size=` of `-m size=...,maxmem=...`).
+    pub ram_size: Option<String>,
+    /// `-mem-path`'s file, if given (file-backed RAM).
+    pub mem_path: Option<String>,
+    /// Backends used as guest RAM, with what uses each: `machine` (`-machine
+    /// memory-backend=`), `numa` (`-numa node,memdev=`) or the `-device` type.
+    pub used: Vec<(String, String)>,
+    /// `-numa node` entries without `memdev=` (legacy `mem=` or none: QEMU's own RAM).
+    pub numa_without_memdev: usize,
+}
+
+/// Guest RAM memfold cannot manage, and what to write instead.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Problem {
+    /// Guest RAM is QEMU's own anonymous memory: `-m` without a memory backend.
+    AnonymousRam {
+        /// `-m`'s size (QEMU's default if absent).
+        size: String,
+    },
+    /// Guest RAM is a file (`-mem-path`).
+    MemPath {
+        /// The path.
+        path: String,
+        /// `-m`'s size.
+        size: String,
+    },
+    /// A backend used as guest RAM is not a memfd.
+    NotMemfd {
+        /// The backend as defined.
+        backend: Backend,
+    },
+    /// A memfd backend used as guest RAM has `share=off`.
+    NotShared {
+        /// The backend as defined.
+        backend: Backend,
+    },
+    /// A memfd backend used as guest RAM has `hugetlb=on`.
+    Hugetlb {
+        /// The backend as defined.
+        backend: Backend,
+    },
+    /// `memdev=` / `memory-backend=` names no `-object` on the command line.
+    Undefined {
+        /// The id named.
+        id: String,
+        /// What names it.
+        by: String,
+    },
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let memfd = |id: &str, size: &str| {
+            format!("-object {MEMFD_BACKEND},id={id},size={size},share=on")
+        };
+        match self {
+            Problem::AnonymousRam { size } => write!(
+                f,
+                "guest RAM is QEMU's anonymous memory (-m {size} without a memory backend); add `{} -machine memory-backend=ram0`",
+                memfd("ram0", size)
+            ),
+            Problem::MemPath { path, size } => write!(
+                f,
+                "guest RAM is the file {path} (-mem-path); drop -mem-path and add `{} -machine memory-backend=ram0`",
+                memfd("ram0", size)
+            ),
+            Problem::NotMemfd { backend: b } => write!(
+                f,
+                "memory backend {} is {} (not a memfd); define it as `{}`",
+                b.id,
+                b.kind,
+                memfd(&b.id, b.size_text())
+            ),
+            Problem::NotShared { backend: b } => write!(
+                f,
+                "memory backend {} is a private memfd (share=off); define it as `{}`",
+                b.id,
+                memfd(&b.id, b.size_text())
+            ),
+            Problem::Hugetlb { backend: b } => write!(
+                f,
+                "memory backend {} is a memfd of huge pages (hugetlb=on; memfold manages 4 KiB pages); define it as `{}`",
+                b.id,
+                memfd(&b.id, b.size_text())
+            ),
+            Problem::Undefined { id, by } => write!(
+                f,
+                "{by} names memory backend {id}, which no -object defines; add `{}`",
+                memfd(id, "SIZE")
+            ),
+        }
+    }
+}
+
+/// A command-line word memfold cannot read.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ArgsError {
+    /// An option that needs an argument is the last word.
+    #[error("QEMU option {0} has no argument")]
+    MissingArgument(String),
+    /// A JSON `-object` that is not a JSON object with a string `qom-type` and `id`.
+    #[error("-object {text}: not a JSON object with qom-type and id: {why}")]
+    BadJson {
+        /// The argument.
+        text: String,
+        /// Why.
+        why: String,
+    },
+}
+
+/// Splits QEMU's `key=value,key2=value2` syntax: `,,` is a comma inside a value, a bare
+/// `key` is `key=on`, except a bare first item, which is the value of key `implied` when
+/// given (`-machine q35,...`: `type`; `-device pc-dimm,...`: `driver`).
+fn keyval(text: &str, implied: Option<&str>) -> BTreeMap<String, String> {
+    let mut items = Vec::new();
+    let mut cur = String::new();
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == ',' {
+            if chars.peek() == Some(&',') {
+                chars.next();
+                cur.push(',');
+            } else {
+                items.push(std::mem::take(&mut cur));
+            }
+        } else {
+            cur.push(c);
+        }
+    }
+    items.push(cur);
+    let mut out = BTreeMap::new();
+    for (i, item) in items.into_iter().enumerate() {
+        if item.is_empty() {
+            continue;
+        }
+        match item.split_once('=') {
+            Some((k, v)) => {
+                out.insert(k.to_string(), v.to_string());
+            }
+            None if i == 0 && implied.is_some() => {
+                out.insert(implied.unwrap_or_default().to_string(), item);
+            }
+            None => {
+                out.insert(item, "on".into());
+            }
+        }
+    }
+    out
+}
+
+/// QEMU's spellings of a boolean property; `None`: not one.
+fn boolean(v: &str) -> Option<bool> {
+    match v {
+        "on" | "yes" | "true" | "y" => Some(true),
+        "off" | "no" | "false" | "n" => Some(false),
+        _ => None,
+    }
+}
+
+/// A JSON `-object` (libvirt's form) as key=value pairs, values as text.
+fn json_object(text: &str) -> Result<BTreeMap<String, String>, ArgsError> {
+    let bad = |why: String| ArgsError::BadJson {
+        text: text.into(),
+        why,
+    };
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+    let obj = v.as_object().ok_or_else(|| bad("not an object".into()))?;
+    let mut out = BTreeMap::new();
+    for (k, v) in obj {
+        let s = match v {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Bool(b) => if *b { "on" } else { "off" }.into(),
+            serde_json::Value::Number(n) => n.to_string(),
+            other => other.to_string(),
+        };
+        out.insert(k.clone(), s);
+    }
+    Ok(out)
+}
+
+/// QEMU options whose argument matters here.
+const RAM_OPTIONS: [&str; 7] = ["object", "machine", "M", "numa", "device", "m", "mem-path"];
+
+impl RamPlan {
+    /// Reads QEMU's arguments (without the program name).
+    ///
+    /// Errors: [`ArgsError::MissingArgument`] (`-object` or another RAM option last),
+    /// [`ArgsError::BadJson`] (a JSON `-object` that does not parse).
+    pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<RamPlan, ArgsError> {
+        let mut plan = RamPlan::default();
+        let mut i = 0;
+        while i < args.len() {
+            let word = args[i].as_ref();
+            i += 1;
+            let Some(opt) = word.strip_prefix("--").or_else(|| word.strip_prefix('-')) else {
+                continue;
+            };
+            if !RAM_OPTIONS.contains(&opt) {
+                // An option we do not read: skip its argument if it has one.
+                if args.get(i).is_some_and(|a| !a.as_ref().starts_with('-')) {
+                    i += 1;
+                }
+                continue;
+            }
+            let Some(arg) = args.get(i).map(|a| a.as_ref()) else {
+                return Err(ArgsError::MissingArgument(word.into()));
+            };
+            i += 1;
+            match opt {
+                "object" => {
+                    let kv = if arg.trim_start().starts_with('{') {
+                        json_object(arg)?
+                    } else {
+                        keyval(arg, Some("qom-type"))
+                    };
+                    let kind = kv.get("qom-type").cloned().unwrap_or_default();
+                    if !kind.starts_with("memory-backend-") {
+                        continue;
+                    }
+                    plan.backends.push(Backend {
+                        id: kv.get("id").cloned().unwrap_or_default(),
+                        kind,
+                        size: kv.get("size").cloned(),
+                        share: kv.get("share").and_then(|v| boolean(v)),
+                        hugetlb: kv.get("hugetlb").and_then(|v| boolean(v)) == Some(true),
+                    });
+                }
+                "machine" | "M" => {
+                    if let Some(id) = keyval(arg, Some("type")).get("memory-backend") {
+                        plan.used.push((id.clone(), "machine".into()));
+                    }
+                }
+                "numa" => {
+                    let kv = keyval(arg, Some("type"));
+                    if kv.get("type").map(String::as_str) == Some("node") {
+                        match kv.get("memdev") {
+                            Some(id) => plan.used.push((id.clone(), "numa".into())),
+                            None => plan.numa_without_memdev += 1,
+                        }
+                    }
+                }
+                "device" => {
+                    let kv = keyval(arg, Some("driver"));
+                    if let Some(id) = kv.get("memdev") {
+                        let driver = kv.get("driver").cloned().unwrap_or_default();
+                        plan.used.push((id.clone(), driver));
+                    }
+                }
+                "m" => {
+                    let kv = keyval(arg, Some("size"));
+                    plan.ram_size = kv.get("size").cloned();
+                }
+                "mem-path" => plan.mem_path = Some(arg.into()),
+                _ => {}
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Whether QEMU's own RAM (not a backend) is guest RAM: no `-machine
+    /// memory-backend=` and no `-numa node,memdev=`.
+    fn main_ram_is_qemus(&self) -> bool {
+        !self
+            .used
+            .iter()
+            .any(|(_, by)| by == "machine" || by == "numa")
+            || self.numa_without_memdev > 0
+    }
+
+    /// Guest RAM memfold cannot manage, each with the fix; empty: all of it is shareable.
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut out = Vec::new();
+        if self.main_ram_is_qemus() {
+            let size = self.ram_size.clone().unwrap_or_else(|| DEFAULT_RAM.into());
+            out.push(match &self.mem_path {
+                Some(path) => Problem::MemPath {
+                    path: path.clone(),
+                    size,
+                },
+                None => Problem::AnonymousRam { size },
+            });
+        }
+        for (id, by) in &self.used {
+            let Some(b) = self.backends.iter().find(|b| &b.id == id) else {
+                out.push(Problem::Undefined {
+                    id: id.clone(),
+                    by: by.clone(),
+                });
+                continue;
+            };
+            let backend = b.clone();
+            if b.kind != MEMFD_BACKEND {
+                out.push(Problem::NotMemfd { backend });
+            } else if b.share == Some(false) {
+                out.push(Problem::NotShared { backend });
+            } else if b.hugetlb {
+                out.push(Problem::Hugetlb { backend });
+            }
+        }
+        out
+    }
+
+    /// Shareable backends QEMU maps at start ([`Backend::shareable`]), used as RAM yet or
+    /// not (one defined for a later `device_add` is mapped already).
+    pub fn shareable_backends(&self) -> usize {
+        self.backends.iter().filter(|b| b.shareable()).count()
+    }
+
+    /// Whether some guest RAM is shareable: a shareable backend is used as RAM.
+    pub fn any_shareable_ram(&self) -> bool {
+        self.used.iter().any(|(id, _)| {
+            self.backends
+                .iter()
+                .any(|b| &b.id == id && b.shareable())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(line: &str) -> RamPlan {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        RamPlan::parse(&words).unwrap()
+    }
+
+    fn problems(line: &str) -> Vec<String> {
+        plan(line).problems().iter().map(|p| p.to_string()).collect()
+    }
+
+    #[test]
+    fn shared_memfd_ram_is_accepted_in_every_way_qemu_takes_it() {
+        for good in [
+            // The launcher's line.
+            "-object memory-backend-memfd,id=ram0,size=512M,share=on -machine q35,memory-backend=ram0 -m 512M",
+            // share is on by default for a memfd backend; -M and --object spellings.
+            "--object memory-backend-memfd,id=r,size=1G -M pc,memory-backend=r -m 1G",
+            // Two NUMA nodes, each its own backend.
+            "-object memory-backend-memfd,id=m0,size=128M,share=on -object memory-backend-memfd,id=m1,size=64M -m 192M -numa node,memdev=m0 -numa node,memdev=m1",
+            // A pc-dimm and a virtio-mem device on memfd backends too.
+            "-object memory-backend-memfd,id=ram0,size=256M -machine memory-backend=ram0 -m 256M,slots=2,maxmem=1G -object memory-backend-memfd,id=d1,size=256M -device pc-dimm,id=dimm1,memdev=d1 -object memory-backend-memfd,id=vm0,size=512M -device virtio-mem-pci,id=vmem0,memdev=vm0",
+            // libvirt's JSON objects.
+            r#"-object {"qom-type":"memory-backend-memfd","id":"pc.ram","size":536870912,"share":true} -machine pc-q35-7.2,memory-backend=pc.ram"#,
+        ] {
+            let p = plan(good);
+            assert_eq!(p.problems(), vec![], "{good}");
+            assert!(p.any_shareable_ram(), "{good}");
+        }
+        let p = plan("-object memory-backend-memfd,id=m0,size=128M,share=on -object memory-backend-memfd,id=m1,size=64M -numa node,memdev=m0 -numa node,memdev=m1");
+        assert_eq!(p.shareable_backends(), 2);
+        assert_eq!(
+            p.used,
+            vec![("m0".into(), "numa".into()), ("m1".into(), "numa".into())]
+        );
+    }
+
+    #[test]
+    fn ram_memfold_cannot_read_is_refused_with_the_exact_fix() {
+        assert_eq!(
+            problems("-machine q35 -m 512M -kernel /k"),
+            ["guest RAM is QEMU's anonymous memory (-m 512M without a memory backend); add `-object memory-backend-memfd,id=ram0,size=512M,share=on -machine memory-backend=ram0`"]
+        );
+        // No -m at all: QEMU's 128 MiB; -m size=... form.
+        assert!(problems("-nodefaults")[0].contains("size=128M,share=on"));
+        assert!(problems("-m size=2G,slots=4,maxmem=8G")[0].contains("size=2G,share=on"));
+        assert!(problems("-m 1G -mem-path /dev/hugepages")[0]
+            .starts_with("guest RAM is the file /dev/hugepages (-mem-path)"));
+        assert_eq!(
+            problems("-object memory-backend-memfd,id=ram0,size=1G,share=off -machine memory-backend=ram0"),
+            ["memory backend ram0 is a private memfd (share=off); define it as `-object memory-backend-memfd,id=ram0,size=1G,share=on`"]
+        );
+        assert_eq!(
+            problems("-object memory-backend-ram,id=ram0,size=1G -machine q35,memory-backend=ram0"),
+            ["memory backend ram0 is memory-backend-ram (not a memfd); define it as `-object memory-backend-memfd,id=ram0,size=1G,share=on`"]
+        );
+        assert!(problems(
+            "-object memory-backend-file,id=m0,size=1G,mem-path=/dev/shm/g,share=on -numa node,memdev=m0"
+        )[0]
+            .contains("memory-backend-file (not a memfd)"));
+        assert!(problems(
+            "-object memory-backend-memfd,id=ram0,size=2G,hugetlb=on,hugetlbsize=2M -machine memory-backend=ram0"
+        )[0]
+            .contains("hugetlb=on"));
+        assert_eq!(
+            problems("-machine memory-backend=nope"),
+            ["machine names memory backend nope, which no -object defines; add `-object memory-backend-memfd,id=nope,size=SIZE,share=on`"]
+        );
+        // One good node and one bad: only the bad one is named, and some RAM is shareable.
+        let p = plan("-object memory-backend-memfd,id=m0,size=128M -object memory-backend-ram,id=m1,size=64M -numa node,memdev=m0 -numa node,memdev=m1");
+        assert_eq!(p.problems().len(), 1);
+        assert!(p.problems()[0].to_string().starts_with("memory backend m1"));
+        assert!(p.any_shareable_ram());
+        // A memfd defined but never used as RAM does not make -m's RAM shareable.
+        let p = plan("-object memory-backend-memfd,id=m0,size=128M -m 128M");
+        assert!(!p.any_shareable_ram());
+        assert!(matches!(p.problems()[..], [Problem::AnonymousRam { .. }]));
+        // A pc-dimm on a memfd does not make the boot RAM shareable either.
+        let p = plan("-m 1G,slots=2,maxmem=2G -object memory-backend-memfd,id=d,size=1G -device pc-dimm,memdev=d");
+        assert!(matches!(p.problems()[..], [Problem::AnonymousRam { .. }]));
+    }
+
+    #[test]
+    fn qemus_option_syntax_is_read_as_qemu_reads_it() {
+        // `,,` is a comma inside a value; a bare key is on; the first bare item is the type.
+        let kv = keyval("memory-backend-memfd,id=a,,b,share,size=1G", Some("qom-type"));
+        assert_eq!(kv["qom-type"], "memory-backend-memfd");
+        assert_eq!(kv["id"], "a,b");
+        assert_eq!(kv["share"], "on");
+        // Arguments of other options are not mistaken for RAM options.
+        let words = [
+            "-append",
+            "console=ttyS0 -m 4G",
+            "-name",
+            "guest",
+            "-object",
+            "memory-backend-memfd,id=r,size=64M",
+            "-machine",
+            "memory-backend=r",
+        ];
+        let p = RamPlan::parse(&words).unwrap();
+        assert_eq!(p.ram_size, None);
+        assert_eq!(p.problems(), vec![]);
+        assert_eq!(
+            RamPlan::parse(&["-m", "1G", "-object"]).unwrap_err(),
+            ArgsError::MissingArgument("-object".into())
+        );
+        assert!(matches!(
+            RamPlan::parse(&["-object", "{not json"]).unwrap_err(),
+            ArgsError::BadJson { .. }
+        ));
+    }
+}

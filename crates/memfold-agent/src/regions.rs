@@ -1,0 +1,360 @@
+//! Finding guest RAM in QEMU's address space: every region, without being told its size.
+//!
+//! QEMU 7.2 maps each `memory-backend-memfd` object whole, at its creation, as one shared
+//! mapping of a memfd named `memory-backend-memfd` (`/proc/self/maps` shows
+//! `/memfd:memory-backend-memfd (deleted)`, `rw-s` for `share=on`, `rw-p` for
+//! `share=off`): the boot RAM of `-machine memory-backend=`, each NUMA node's
+//! `memdev`, a pc-dimm's or virtio-mem's backend, whether plugged at start or later with
+//! `object_add`. A **region** ([`Region`]) is one such memfd mapped shared and writable,
+//! whole, from offset 0, in 4 KiB pages (not `hugetlb=on`), once in this process. Other
+//! memfds QEMU or its libraries make (vhost logs, udmabuf, memfold's own pool) have other
+//! names and are never regions.
+//!
+//! **One agent per region** (the design, issue 20): each region is attached to memfoldd
+//! as a guest of its own — `NAME` when QEMU has one region, `NAME/ram0`, `NAME/ram1`, ...
+//! in address order when it has several, the next free `NAME/ramK` for one that appears
+//! later — with its own userfaultfd registered on exactly that region's range, its own
+//! page table ([`crate::state::Pages`]) of `bytes / 4096` pages and its own connection.
+//! Why this and not one agent announcing a table of regions concatenated into one gfn
+//! space: memfoldd and the engine already isolate guests (one memfd, one gfn space, one
+//! store per guest; the sharing domain, decided by the peer's uid, is the same for every
+//! region of one QEMU, so the regions still share pages with each other and with other
+//! guests of the user); the wire and memfoldd stay unchanged, and so do the proofs that a
+//! request for one guest never reaches another's memory. The price: one thread,
+//! userfaultfd and connection per region, and memfoldd lists a multi-node guest as
+//! several guests.
+//!
+//! **Invariant (a fault or request touches one region only).** The kernel delivers a fault
+//! to the userfaultfd that registered the faulting range, and each region's agent
+//! registers its own range and no other, so a fault maps to exactly one (region, gfn):
+//! `gfn = (address − base) / 4096 < bytes / 4096`; a fault outside `[base, base + bytes)`
+//! is only woken (`fault.rs`). Requests name gfns of the connection's region; every
+//! handler looks the page up in that region's table (`Pages::get`/`is_private`: `None` or
+//! `false` past the end) and refuses a gfn past the region's end before any address is
+//! formed, and the clock clamps its slice to the region, so no request reaches memory
+//! outside `[base, base + bytes)` or another region's memfd. Tested by
+//! `tests/regions.rs`: requests for the first gfn past a region's end are refused.
+//!
+//! **Regions that appear later** (pc-dimm or virtio-mem hot-plug with `object_add`): a
+//! watcher thread reads `/proc/self/maps` every [`WATCH_PERIOD`] and attaches each new
+//! region as `NAME/ramK`, logging it. A region whose mapping is gone (hot-unplug,
+//! `object_del`) is logged and its agent detaches: its range is no longer registered, so
+//! every request to it would fail at its first write-protect; the agent ends, memfoldd
+//! sees the connection close and drops the guest.
+
+use std::collections::BTreeSet;
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
+
+use crate::PAGE;
+
+/// The memfd name QEMU gives every `memory-backend-memfd` object.
+pub(crate) const QEMU_MEMFD_NAME: &str = "/memfd:memory-backend-memfd";
+
+/// How often the watcher looks for regions plugged or unplugged after attach.
+pub(crate) const WATCH_PERIOD: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// `statfs` magic of hugetlbfs: a `hugetlb=on` memfd.
+const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+
+/// One line of `/proc/self/maps`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Mapping {
+    /// First address.
+    pub(crate) start: u64,
+    /// Address past the end.
+    pub(crate) end: u64,
+    /// `rw-s`, `r-xp`, ...
+    pub(crate) perms: String,
+    /// Offset in the file, bytes.
+    pub(crate) offset: u64,
+    /// The file's inode (0: anonymous).
+    pub(crate) inode: u64,
+    /// The path column (may be empty).
+    pub(crate) path: String,
+}
+
+impl Mapping {
+    /// Shared and writable.
+    fn shared_rw(&self) -> bool {
+        self.perms.starts_with("rw") && self.perms.ends_with('s')
+    }
+
+    /// Bytes.
+    fn len(&self) -> u64 {
+        self.end - self.start
+    }
+}
+
+/// Parses `/proc/self/maps`; lines that do not parse are skipped.
+pub(crate) fn parse_maps(text: &str) -> Vec<Mapping> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let mut parts = line.split_whitespace();
+        let (Some(range), Some(perms), Some(offset), Some(_dev), Some(inode)) = (
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+        ) else {
+            continue;
+        };
+        let path = parts.collect::<Vec<_>>().join(" ");
+        let Some((s, e)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(start), Ok(end), Ok(offset), Ok(inode)) = (
+            u64::from_str_radix(s, 16),
+            u64::from_str_radix(e, 16),
+            u64::from_str_radix(offset, 16),
+            inode.parse::<u64>(),
+        ) else {
+            continue;
+        };
+        if end <= start {
+            continue;
+        }
+        out.push(Mapping {
+            start,
+            end,
+            perms: perms.into(),
+            offset,
+            inode,
+            path,
+        });
+    }
+    out
+}
+
+/// A range of this process mapping one memfd shared and writable from offset 0, adjacent
+/// lines of one file merged (the kernel may split one mapping in several lines).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Candidate {
+    /// First address.
+    pub(crate) base: u64,
+    /// Bytes.
+    pub(crate) bytes: u64,
+    /// The memfd's inode.
+    pub(crate) inode: u64,
+}
+
+/// Shared writable mappings of memfds whose path starts with `name` (any memfd when
+/// `None`), merged, each whole from offset 0 and a multiple of 4 KiB; a memfd mapped
+/// more than once is left out (which view would the guest use?).
+pub(crate) fn candidates(maps: &[Mapping], name: Option<&str>) -> Vec<Candidate> {
+    let mut runs: Vec<(Candidate, u64)> = Vec::new(); // (run, next expected offset)
+    for m in maps {
+        let named = match name {
+            Some(n) => m.path.starts_with(n),
+            None => m.path.starts_with("/memfd:"),
+        };
+        if !named || !m.shared_rw() {
+            continue;
+        }
+        if let Some((run, next)) = runs.last_mut() {
+            if run.inode == m.inode && run.base + run.bytes == m.start && *next == m.offset {
+                run.bytes += m.len();
+                *next += m.len();
+                continue;
+            }
+        }
+        runs.push((
+            Candidate {
+                base: m.start,
+                bytes: m.len(),
+                inode: m.inode,
+            },
+            m.offset + m.len(),
+        ));
+    }
+    // Starting at offset 0: the run's first line's offset is its next minus its bytes.
+    let mut out: Vec<Candidate> = runs
+        .into_iter()
+        .filter(|(c, next)| *next == c.bytes && c.bytes % PAGE == 0)
+        .map(|(c, _)| c)
+        .collect();
+    let twice: BTreeSet<u64> = {
+        let mut seen = BTreeSet::new();
+        maps.iter()
+            .filter(|m| m.inode != 0 && m.path.starts_with("/memfd:"))
+            .filter(|m| m.offset == 0 && !seen.insert(m.inode))
+            .map(|m| m.inode)
+            .collect()
+    };
+    out.retain(|c| !twice.contains(&c.inode));
+    out
+}
+
+/// A region of guest RAM this process maps: the memfd, where and how long.
+#[derive(Debug)]
+pub(crate) struct Region {
+    /// Its address in this process.
+    pub(crate) base: u64,
+    /// Its length, bytes (a multiple of 4096).
+    pub(crate) bytes: u64,
+    /// The memfd's inode (who it is, for the watcher).
+    pub(crate) inode: u64,
+    /// The memfd, opened read-write (CoW breaks write the private copy with `pwrite`).
+    pub(crate) memfd: OwnedFd,
+}
+
+/// Opens the memfd of each candidate among this process's descriptors (by inode), keeping
+/// those whose file is exactly as long as the mapping and not of huge pages. A candidate
+/// whose memfd is not open in this process (closed after mapping) is skipped. Returns the
+/// regions and, for each memfd skipped as huge pages, its description.
+///
+/// Errors: `/proc/self/fd` cannot be read.
+pub(crate) fn open(cands: &[Candidate]) -> io::Result<(Vec<Region>, Vec<String>)> {
+    let mut regions = Vec::new();
+    let mut huge = Vec::new();
+    let mut wanted: Vec<Candidate> = cands.to_vec();
+    for entry in std::fs::read_dir("/proc/self/fd")?.flatten() {
+        if wanted.is_empty() {
+            break;
+        }
+        let Ok(target) = std::fs::read_link(entry.path()) else {
+            continue;
+        };
+        if !target.to_string_lossy().starts_with("/memfd:") {
+            continue;
+        }
+        let Ok(file) = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(entry.path())
+        else {
+            continue;
+        };
+        let Ok(meta) = file.metadata() else { continue };
+        let Some(k) = wanted.iter().position(|c| c.inode == meta.ino()) else {
+            continue;
+        };
+        let c = wanted.swap_remove(k);
+        let on_huge_pages = rustix::fs::fstatfs(file.as_fd())
+            .is_ok_and(|s| s.f_type as i64 == HUGETLBFS_MAGIC);
+        if on_huge_pages {
+            huge.push(format!(
+                "a memfd of huge pages (hugetlb=on) of {} MiB at {:#x}",
+                c.bytes >> 20,
+                c.base
+            ));
+            continue;
+        }
+        if meta.len() != c.bytes {
+            continue;
+        }
+        regions.push(Region {
+            base: c.base,
+            bytes: c.bytes,
+            inode: c.inode,
+            memfd: OwnedFd::from(file),
+        });
+    }
+    regions.sort_by_key(|r| r.base);
+    Ok((regions, huge))
+}
+
+/// What this process maps that looks like guest RAM but is not shareable, for the log
+/// line of a guest left unmanaged: `memory-backend-memfd` mappings that are private
+/// (`share=off`), and the largest anonymous writable mapping (QEMU's own RAM for `-m`
+/// without a backend).
+pub(crate) fn describe_unshareable(maps: &[Mapping]) -> String {
+    let mut found: Vec<String> = maps
+        .iter()
+        .filter(|m| m.path.starts_with(QEMU_MEMFD_NAME) && !m.shared_rw())
+        .map(|m| {
+            format!(
+                "a private memory-backend-memfd (share=off, {}) of {} MiB",
+                m.perms,
+                m.len() >> 20
+            )
+        })
+        .collect();
+    if let Some(m) = maps
+        .iter()
+        .filter(|m| m.inode == 0 && m.path.is_empty() && m.perms.starts_with("rw"))
+        .max_by_key(|m| m.len())
+    {
+        found.push(format!(
+            "anonymous memory (the largest mapping: {} MiB)",
+            m.len() >> 20
+        ));
+    }
+    if found.is_empty() {
+        "no memory-backend-memfd mapping".into()
+    } else {
+        found.join(", ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// QEMU 7.2's lines for two shared memfd backends (128 and 64 MiB) and one with
+    /// share=off (32 MiB), as read from a tiny guest's /proc/PID/maps; with the shared
+    /// 64 MiB one split in two lines and the pool of memfold mapped too.
+    const MAPS: &str = "\
+5581a000-5581b000 r-xp 00000000 08:01 1234 /usr/bin/qemu-system-x86_64
+7f4e95ffd000-7f4e97ffd000 rw-p 00000000 00:01 5581 /memfd:memory-backend-memfd (deleted)
+7f4e97ffe000-7f4e99ffe000 rw-s 00000000 00:01 5580 /memfd:memory-backend-memfd (deleted)
+7f4e99ffe000-7f4e9bffe000 rw-s 02000000 00:01 5580 /memfd:memory-backend-memfd (deleted)
+7f4e9bfff000-7f4ea3fff000 rw-s 00000000 00:01 5579 /memfd:memory-backend-memfd (deleted)
+7f4ea4000000-7f4ea4001000 rw-s 00000000 00:01 6000 /memfd:memfold-pool (deleted)
+7f4ea5000000-7f4ea9000000 rw-p 00000000 00:00 0
+";
+
+    #[test]
+    fn qemus_shared_memfd_backends_are_regions_and_nothing_else_is() {
+        let maps = parse_maps(MAPS);
+        assert_eq!(maps.len(), 7);
+        let c = candidates(&maps, Some(QEMU_MEMFD_NAME));
+        assert_eq!(
+            c,
+            [
+                Candidate {
+                    base: 0x7f4e97ffe000,
+                    bytes: 64 << 20,
+                    inode: 5580
+                },
+                Candidate {
+                    base: 0x7f4e9bfff000,
+                    bytes: 128 << 20,
+                    inode: 5579
+                },
+            ]
+        );
+        // Any memfd: the pool too (the exact-size search of MEMFOLD_RAM_BYTES).
+        assert_eq!(candidates(&maps, None).len(), 3);
+        let d = describe_unshareable(&maps);
+        assert!(d.contains("private memory-backend-memfd (share=off, rw-p) of 32 MiB"), "{d}");
+        assert!(d.contains("anonymous memory (the largest mapping: 64 MiB)"), "{d}");
+    }
+
+    #[test]
+    fn part_of_a_memfd_or_a_memfd_mapped_twice_is_not_a_region() {
+        // Mapped from offset 4096: not the whole memfd.
+        let part = "7f0000000000-7f0000100000 rw-s 00001000 00:01 7 /memfd:memory-backend-memfd (deleted)\n";
+        assert_eq!(candidates(&parse_maps(part), Some(QEMU_MEMFD_NAME)), []);
+        let twice = "\
+7f0000000000-7f0000100000 rw-s 00000000 00:01 7 /memfd:memory-backend-memfd (deleted)
+7f1000000000-7f1000100000 rw-s 00000000 00:01 7 /memfd:memory-backend-memfd (deleted)
+";
+        assert_eq!(candidates(&parse_maps(twice), Some(QEMU_MEMFD_NAME)), []);
+        // Two lines of one file that are not contiguous in the file: not one region.
+        let gap = "\
+7f0000000000-7f0000100000 rw-s 00000000 00:01 7 /memfd:memory-backend-memfd (deleted)
+7f0000100000-7f0000200000 rw-s 00200000 00:01 7 /memfd:memory-backend-memfd (deleted)
+";
+        assert_eq!(
+            candidates(&parse_maps(gap), Some(QEMU_MEMFD_NAME)),
+            [Candidate {
+                base: 0x7f0000000000,
+                bytes: 0x100000,
+                inode: 7
+            }]
+        );
+    }
+}
