@@ -10,6 +10,7 @@ mod image;
 mod ksm;
 mod peer;
 mod plot;
+mod qemu;
 mod run;
 mod tradeoff;
 
@@ -51,6 +52,10 @@ enum Cmd {
     /// The same guest set under memfold (--policy, the Difference Engine by default), then
     /// under Linux KSM (aggressive) on fresh boots, measured alike.
     Compare(compare::CompareArgs),
+    /// Run your own QEMU command line with memfold's agent: checks guest RAM is a shared
+    /// memfd backend (or says exactly what to add, exit status 2), then execs QEMU with
+    /// LD_PRELOAD and the agent's environment (docs/operations.md, "Your own QEMU").
+    Qemu(qemu::QemuArgs),
     /// Take a running guest out of memfold (as KSM's MADV_UNMERGEABLE): every page
     /// memfoldd holds for it — shared, stored, reclaimed — goes back into its own RAM,
     /// and nothing of it is shared or stored again until `memfold merge`. memfoldd
@@ -129,6 +134,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Run(a) => run::run(&a),
         Cmd::Compare(a) => compare::run(&a),
         Cmd::Tradeoff(a) => tradeoff::run(&a),
+        Cmd::Qemu(a) => match qemu::run(&a) {
+            Ok(never) => match never {},
+            Err(e @ qemu::QemuError::NotShareable(_)) => {
+                eprintln!("memfold qemu: {e}");
+                std::process::exit(qemu::EXIT_NOT_SHAREABLE);
+            }
+            Err(e) => Err(e.into()),
+        },
         Cmd::Unmerge(a) => {
             let pages = memfold_live::opt_out(&a.socket, &a.name, true)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", a.socket.display()))?;
