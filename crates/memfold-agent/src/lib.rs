@@ -97,11 +97,11 @@ use memfold_wire::Conn;
 
 mod attach;
 mod config;
-pub mod qemu_args;
-mod regions;
 mod discard;
 mod fault;
 mod install;
+pub mod qemu_args;
+mod regions;
 mod requests;
 mod state;
 
@@ -412,7 +412,9 @@ fn qemu_plan() -> Option<qemu_args::RamPlan> {
         .split(|&b| b == 0)
         .map(|w| String::from_utf8_lossy(w).into_owned())
         .collect();
-    let prog = std::path::Path::new(words.first()?).file_name()?.to_string_lossy();
+    let prog = std::path::Path::new(words.first()?)
+        .file_name()?
+        .to_string_lossy();
     if !prog.starts_with("qemu-system") {
         return None;
     }
@@ -560,7 +562,9 @@ impl Watch {
         loop {
             std::thread::sleep(regions::WATCH_PERIOD);
             let Ok(text) = std::fs::read_to_string("/proc/self/maps") else {
-                tracing::warn!("cannot read /proc/self/maps: no longer watching for hot-plugged RAM");
+                tracing::warn!(
+                    "cannot read /proc/self/maps: no longer watching for hot-plugged RAM"
+                );
                 return;
             };
             let maps = regions::parse_maps(&text);
@@ -589,7 +593,10 @@ impl Watch {
                 continue;
             };
             if !huge.is_empty() {
-                tracing::warn!("hot-plugged RAM not shareable, left alone: {}", huge.join(", "));
+                tracing::warn!(
+                    "hot-plugged RAM not shareable, left alone: {}",
+                    huge.join(", ")
+                );
             }
             for c in &new {
                 if !found.iter().any(|r| r.inode == c.inode) {

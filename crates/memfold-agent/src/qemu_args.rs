@@ -115,9 +115,8 @@ pub enum Problem {
 
 impl fmt::Display for Problem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let memfd = |id: &str, size: &str| {
-            format!("-object {MEMFD_BACKEND},id={id},size={size},share=on")
-        };
+        let memfd =
+            |id: &str, size: &str| format!("-object {MEMFD_BACKEND},id={id},size={size},share=on");
         match self {
             Problem::AnonymousRam { size } => write!(
                 f,
@@ -373,11 +372,9 @@ impl RamPlan {
 
     /// Whether some guest RAM is shareable: a shareable backend is used as RAM.
     pub fn any_shareable_ram(&self) -> bool {
-        self.used.iter().any(|(id, _)| {
-            self.backends
-                .iter()
-                .any(|b| &b.id == id && b.shareable())
-        })
+        self.used
+            .iter()
+            .any(|(id, _)| self.backends.iter().any(|b| &b.id == id && b.shareable()))
     }
 }
 
@@ -391,7 +388,11 @@ mod tests {
     }
 
     fn problems(line: &str) -> Vec<String> {
-        plan(line).problems().iter().map(|p| p.to_string()).collect()
+        plan(line)
+            .problems()
+            .iter()
+            .map(|p| p.to_string())
+            .collect()
     }
 
     #[test]
@@ -468,7 +469,10 @@ mod tests {
     #[test]
     fn qemus_option_syntax_is_read_as_qemu_reads_it() {
         // `,,` is a comma inside a value; a bare key is on; the first bare item is the type.
-        let kv = keyval("memory-backend-memfd,id=a,,b,share,size=1G", Some("qom-type"));
+        let kv = keyval(
+            "memory-backend-memfd,id=a,,b,share,size=1G",
+            Some("qom-type"),
+        );
         assert_eq!(kv["qom-type"], "memory-backend-memfd");
         assert_eq!(kv["id"], "a,b");
         assert_eq!(kv["share"], "on");

@@ -56,7 +56,7 @@ pub(crate) const QEMU_MEMFD_NAME: &str = "/memfd:memory-backend-memfd";
 pub(crate) const WATCH_PERIOD: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// `statfs` magic of hugetlbfs: a `hugetlb=on` memfd.
-const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+const HUGETLBFS_MAGIC: u64 = 0x9584_58f6;
 
 /// One line of `/proc/self/maps`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -232,8 +232,8 @@ pub(crate) fn open(cands: &[Candidate]) -> io::Result<(Vec<Region>, Vec<String>)
             continue;
         };
         let c = wanted.swap_remove(k);
-        let on_huge_pages = rustix::fs::fstatfs(file.as_fd())
-            .is_ok_and(|s| s.f_type as i64 == HUGETLBFS_MAGIC);
+        let on_huge_pages =
+            rustix::fs::fstatfs(file.as_fd()).is_ok_and(|s| s.f_type as u64 == HUGETLBFS_MAGIC);
         if on_huge_pages {
             huge.push(format!(
                 "a memfd of huge pages (hugetlb=on) of {} MiB at {:#x}",
@@ -329,8 +329,14 @@ mod tests {
         // Any memfd: the pool too (the exact-size search of MEMFOLD_RAM_BYTES).
         assert_eq!(candidates(&maps, None).len(), 3);
         let d = describe_unshareable(&maps);
-        assert!(d.contains("private memory-backend-memfd (share=off, rw-p) of 32 MiB"), "{d}");
-        assert!(d.contains("anonymous memory (the largest mapping: 64 MiB)"), "{d}");
+        assert!(
+            d.contains("private memory-backend-memfd (share=off, rw-p) of 32 MiB"),
+            "{d}"
+        );
+        assert!(
+            d.contains("anonymous memory (the largest mapping: 64 MiB)"),
+            "{d}"
+        );
     }
 
     #[test]

@@ -142,7 +142,11 @@ fn two_regions_are_two_guests_and_no_request_reaches_past_its_region() {
     let c_b = &conns.iter().find(|c| c.0 == b_name).unwrap().1;
 
     // Past region 1's end: its first gfn, the next, and far past. Refused, nothing done.
-    let past = [Gfn(PAGES_B as u32), Gfn(PAGES_B as u32 + 1), Gfn(PAGES_A as u32)];
+    let past = [
+        Gfn(PAGES_B as u32),
+        Gfn(PAGES_B as u32 + 1),
+        Gfn(PAGES_A as u32),
+    ];
     c_b.send(
         &ToAgent::ReclaimZero {
             batch: BatchId(1),

@@ -84,9 +84,7 @@ pub struct Launch {
 
 /// The guest's name from QEMU's `-name` (`-name NAME` or `-name guest=NAME,...`).
 fn qemu_name(args: &[String]) -> Option<String> {
-    let at = args
-        .iter()
-        .position(|a| a == "-name" || a == "--name")?;
+    let at = args.iter().position(|a| a == "-name" || a == "--name")?;
     let v = args.get(at + 1)?;
     let first = v.split(',').next().unwrap_or(v);
     let name = v

@@ -113,7 +113,14 @@ fn mismatches(serial: &Path) -> Vec<String> {
 
 /// Waits until `qemu` (still running) has printed `marker` `n` times in all; panics with
 /// the console and log after `within`.
-fn wait_console(qemu: &mut Killed, serial: &Path, log: &Path, marker: &str, n: usize, within: Duration) {
+fn wait_console(
+    qemu: &mut Killed,
+    serial: &Path,
+    log: &Path,
+    marker: &str,
+    n: usize,
+    within: Duration,
+) {
     let t = Instant::now();
     while count(serial, marker) < n {
         let tail = || {
@@ -123,9 +130,17 @@ fn wait_console(qemu: &mut Killed, serial: &Path, log: &Path, marker: &str, n: u
                 std::fs::read_to_string(log).unwrap_or_default()
             )
         };
-        assert!(qemu.0.try_wait().unwrap().is_none(), "QEMU exited; {}", tail());
+        assert!(
+            qemu.0.try_wait().unwrap().is_none(),
+            "QEMU exited; {}",
+            tail()
+        );
         assert!(mismatches(serial).is_empty(), "{:?}", mismatches(serial));
-        assert!(t.elapsed() < within, "no {n}× {marker} within {within:?}; {}", tail());
+        assert!(
+            t.elapsed() < within,
+            "no {n}× {marker} within {within:?}; {}",
+            tail()
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
 }
@@ -140,7 +155,10 @@ fn wait_stats(socket: &Path, within: Duration, done: impl Fn(&Stats) -> bool) ->
                 return s.clone();
             }
         }
-        assert!(t.elapsed() < within, "not reached within {within:?}: {s:#?}");
+        assert!(
+            t.elapsed() < within,
+            "not reached within {within:?}: {s:#?}"
+        );
         std::thread::sleep(Duration::from_millis(300));
     }
 }
@@ -158,7 +176,12 @@ fn saved(s: &Stats, name: &str) -> u64 {
 fn work() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().to_path_buf();
-    (dir, p.join("memfoldd.sock"), p.join("serial.log"), p.join("qemu.log"))
+    (
+        dir,
+        p.join("memfoldd.sock"),
+        p.join("serial.log"),
+        p.join("qemu.log"),
+    )
 }
 
 #[test]
@@ -170,7 +193,14 @@ fn a_hand_written_command_line_runs_through_memfold_qemu_and_saves_memory() {
     let line = qemu_line("own1", ram, 1, &serial, &img);
     let started = Instant::now();
     let mut qemu = memfold_qemu(&socket, &line, &log);
-    wait_console(&mut qemu, &serial, &log, "MEMFOLD-READY", 1, Duration::from_secs(40));
+    wait_console(
+        &mut qemu,
+        &serial,
+        &log,
+        "MEMFOLD-READY",
+        1,
+        Duration::from_secs(40),
+    );
     let s = wait_stats(&socket, Duration::from_secs(40), |s| {
         s.vms.iter().any(|v| {
             v.name == "own1"
@@ -180,11 +210,25 @@ fn a_hand_written_command_line_runs_through_memfold_qemu_and_saves_memory() {
         })
     });
     let v = s.vms.iter().find(|v| v.name == "own1").unwrap();
-    assert_eq!(v.pages, 256 * 256, "the whole backend, found without a size");
-    eprintln!("own1: {} pages shared, {} zero pages reclaimed", v.shared_pages, v.zero_reclaimed_pages);
+    assert_eq!(
+        v.pages,
+        256 * 256,
+        "the whole backend, found without a size"
+    );
+    eprintln!(
+        "own1: {} pages shared, {} zero pages reclaimed",
+        v.shared_pages, v.zero_reclaimed_pages
+    );
     // Self-checks pass over the managed RAM (CoW breaks and refills included).
     let n = count(&serial, "MEMFOLD-CHECK ok");
-    wait_console(&mut qemu, &serial, &log, "MEMFOLD-CHECK ok", n + 2, Duration::from_secs(40));
+    wait_console(
+        &mut qemu,
+        &serial,
+        &log,
+        "MEMFOLD-CHECK ok",
+        n + 2,
+        Duration::from_secs(40),
+    );
     assert!(mismatches(&serial).is_empty(), "{:?}", mismatches(&serial));
     assert!(started.elapsed() < Duration::from_secs(90));
 }
@@ -200,7 +244,14 @@ fn a_guest_with_two_memory_backends_has_both_regions_managed() {
     let line = qemu_line("own2", ram, 2, &serial, &img);
     let started = Instant::now();
     let mut qemu = memfold_qemu(&socket, &line, &log);
-    wait_console(&mut qemu, &serial, &log, "MEMFOLD-READY", 1, Duration::from_secs(40));
+    wait_console(
+        &mut qemu,
+        &serial,
+        &log,
+        "MEMFOLD-READY",
+        1,
+        Duration::from_secs(40),
+    );
     let s = wait_stats(&socket, Duration::from_secs(45), |s| {
         saved(s, "own2/ram0") > 0 && saved(s, "own2/ram1") > 0
     });
@@ -209,7 +260,11 @@ fn a_guest_with_two_memory_backends_has_both_regions_managed() {
         .map(|n| s.vms.iter().find(|v| &v.name == n).unwrap().pages)
         .collect();
     pages.sort_unstable();
-    assert_eq!(pages, [96 * 256, 160 * 256], "each region with its own size");
+    assert_eq!(
+        pages,
+        [96 * 256, 160 * 256],
+        "each region with its own size"
+    );
     assert!(
         s.vms.iter().all(|v| v.name.starts_with("own2/ram")),
         "only the two regions attached: {:?}",
@@ -221,7 +276,14 @@ fn a_guest_with_two_memory_backends_has_both_regions_managed() {
         saved(&s, "own2/ram1")
     );
     let n = count(&serial, "MEMFOLD-CHECK ok");
-    wait_console(&mut qemu, &serial, &log, "MEMFOLD-CHECK ok", n + 2, Duration::from_secs(40));
+    wait_console(
+        &mut qemu,
+        &serial,
+        &log,
+        "MEMFOLD-CHECK ok",
+        n + 2,
+        Duration::from_secs(40),
+    );
     assert!(mismatches(&serial).is_empty(), "{:?}", mismatches(&serial));
     assert!(started.elapsed() < Duration::from_secs(90));
 }
@@ -238,7 +300,10 @@ fn ram_that_is_not_shareable_is_refused_or_left_alone_with_what_to_add() {
         if let Some(st) = refused.0.try_wait().unwrap() {
             break st;
         }
-        assert!(t.elapsed() < Duration::from_secs(10), "memfold qemu started QEMU");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "memfold qemu started QEMU"
+        );
         std::thread::sleep(Duration::from_millis(50));
     };
     let err = std::fs::read_to_string(&log).unwrap();
@@ -253,7 +318,11 @@ fn ram_that_is_not_shareable_is_refused_or_left_alone_with_what_to_add() {
     // and QEMU's log says why in one line.
     let _daemon = memfoldd(&socket);
     let agent = Path::new(env!("CARGO_BIN_EXE_memfoldd")).with_file_name("libmemfold_agent.so");
-    assert!(agent.exists(), "{} missing: build the workspace first", agent.display());
+    assert!(
+        agent.exists(),
+        "{} missing: build the workspace first",
+        agent.display()
+    );
     let qlog = dir.path().join("qemu-plain.log");
     let mut qemu = Killed(
         Command::new(&line[0])
@@ -265,7 +334,14 @@ fn ram_that_is_not_shareable_is_refused_or_left_alone_with_what_to_add() {
             .spawn()
             .unwrap(),
     );
-    wait_console(&mut qemu, &serial, &qlog, "MEMFOLD-CHECK ok", 1, Duration::from_secs(60));
+    wait_console(
+        &mut qemu,
+        &serial,
+        &qlog,
+        "MEMFOLD-CHECK ok",
+        1,
+        Duration::from_secs(60),
+    );
     let text = std::fs::read_to_string(&qlog).unwrap();
     let lines: Vec<&str> = text.lines().filter(|l| l.contains("memfold")).collect();
     assert_eq!(lines.len(), 1, "one log line: {text}");
