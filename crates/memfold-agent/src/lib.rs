@@ -5,9 +5,12 @@
 //!
 //! Built as `libmemfold_agent.so` and loaded with `LD_PRELOAD`: the library's constructor
 //! starts the agent thread only when `MEMFOLD_SOCKET` is set ([`start_from_env`]); tests
-//! run the same agent in-process with [`run`]. It waits for QEMU to map guest RAM (a
-//! `memory-backend-memfd` of `MEMFOLD_RAM_BYTES`), registers it with userfaultfd for
-//! missing, write-protect and minor faults, and attaches to memfoldd with the RAM memfd.
+//! run the same agent in-process with [`run`]. It waits for QEMU to map guest RAM (every
+//! shared `memory-backend-memfd`, found without being told a size: `regions`), registers
+//! each region with userfaultfd for missing, write-protect and minor faults, and attaches
+//! each to memfoldd with its memfd (one agent per region, `NAME` or `NAME/ramK`). RAM
+//! that is not shareable (QEMU's anonymous `-m`, a private memfd, huge pages, a file) is
+//! left alone with one log line naming what to add ([`qemu_args`]).
 //! It speaks `memfold-wire`'s protocol and reaches the OS through `memfold-sys`; it
 //! decodes stashed pages with `memfold-codecs`. It knows nothing of memfoldd's engine.
 //!
@@ -78,7 +81,9 @@
 //!
 //! | module | what |
 //! |---|---|
-//! | `config` | [`AgentConfig`] (with [`FailMode`]) from the environment; finding guest RAM in this process |
+//! | `config` | [`AgentConfig`] (with [`FailMode`]) from the environment |
+//! | `regions` | finding guest RAM's regions in this process, one agent each, and hot-plugged ones; the invariant that a fault or request touches one region only |
+//! | [`qemu_args`] | QEMU's command line: which backends are guest RAM, and the fix for RAM memfold cannot share |
 //! | `state` | each page's home (`PageHome`) and its R and M bits |
 //! | `discard` | ranges QEMU discarded (`UFFD_EVENT_REMOVE`): what memfold held there let go |
 //! | `fault` | the fault handler: by the faulting page's home (CoW break, refill, decode) |

@@ -191,8 +191,8 @@ pub fn run(a: &QemuArgs) -> Result<std::convert::Infallible, QemuError> {
     for (k, v) in &launch.env {
         cmd.env(k, v);
     }
-    // Anything the caller set for the agent (MEMFOLD_FAIL, MEMFOLD_VMA_BUDGET) passes on.
-    cmd.env_remove("MEMFOLD_RAM_BYTES");
+    // Anything else the caller set for the agent (MEMFOLD_FAIL, MEMFOLD_VMA_BUDGET, the
+    // MEMFOLD_RAM_BYTES check) passes on.
     let source = cmd.exec();
     Err(QemuError::Exec {
         prog: launch.argv[0].clone(),
