@@ -40,7 +40,8 @@
 //! region as `NAME/ramK`, logging it. A region whose mapping is gone (hot-unplug,
 //! `object_del`) is logged and its agent detaches: its range is no longer registered, so
 //! every request to it would fail at its first write-protect; the agent ends, memfoldd
-//! sees the connection close and drops the guest.
+//! sees the connection close and releases the guest once QEMU neither maps nor holds
+//! its memfd (`daemon/guests.rs`, `Guests::exited`).
 
 use std::collections::BTreeSet;
 use std::io;

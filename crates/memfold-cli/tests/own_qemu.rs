@@ -10,6 +10,8 @@
 //! - two memory backends (two NUMA nodes, a vCPU on each): the agent attaches both
 //!   regions, as `NAME/ram0` and `NAME/ram1`, each with its own size, each showing
 //!   savings, and the self-checks pass;
+//! - a memory backend added with QMP `object-add` while the guest runs: attached as
+//!   `NAME/ram1`; after `object-del` its agent detaches and memfoldd releases it;
 //! - RAM that is not shareable: `memfold qemu` refuses a plain `-m` with exit status 2 and
 //!   the exact fix, starting nothing; and QEMU started by hand with the agent preloaded
 //!   on such RAM runs unmanaged with one log line that says what to add.
@@ -351,4 +353,62 @@ fn ram_that_is_not_shareable_is_refused_or_left_alone_with_what_to_add() {
     );
     let s = query_stats(&socket).unwrap();
     assert!(s.vms.is_empty(), "nothing attached: {:?}", s.vms);
+}
+
+#[test]
+fn a_memory_backend_added_at_run_time_is_attached_and_detached_when_deleted() {
+    let img = tiny();
+    let (dir, socket, serial, log) = work();
+    let _daemon = memfoldd(&socket);
+    let qmp = dir.path().join("qmp.sock");
+    let ram = "-object memory-backend-memfd,id=mem,size=128M -machine memory-backend=mem -m 128M,slots=2,maxmem=1G";
+    let mut line = qemu_line("own3", ram, 1, &serial, &img);
+    line.push("-qmp".into());
+    line.push(format!("unix:{},server=on,wait=off", qmp.display()));
+    let mut qemu = memfold_qemu(&socket, &line, &log);
+    wait_console(
+        &mut qemu,
+        &serial,
+        &log,
+        "MEMFOLD-READY",
+        1,
+        Duration::from_secs(40),
+    );
+    wait_stats(&socket, Duration::from_secs(20), |s| {
+        s.vms.iter().any(|v| v.name == "own3")
+    });
+    // A backend for a DIMM, created while the guest runs: QEMU maps it at once.
+    let mut q = memfold_vm::qmp::Qmp::connect(&qmp, Duration::from_secs(10)).unwrap();
+    q.execute(
+        "object-add",
+        Some(serde_json::json!({
+            "qom-type": "memory-backend-memfd", "id": "hp1", "size": 64u64 << 20, "share": true
+        })),
+    )
+    .unwrap();
+    let s = wait_stats(&socket, Duration::from_secs(15), |s| {
+        s.vms.iter().any(|v| v.name == "own3/ram1")
+    });
+    let v = s.vms.iter().find(|v| v.name == "own3/ram1").unwrap();
+    assert_eq!(v.pages, 64 * 256, "the hot-plugged backend, whole");
+    assert_eq!(v.pid, qemu.0.id());
+    // Deleted again (never plugged into the guest): QEMU unmaps it, its agent detaches.
+    q.execute("object-del", Some(serde_json::json!({ "id": "hp1" })))
+        .unwrap();
+    wait_stats(&socket, Duration::from_secs(15), |s| {
+        s.vms.iter().all(|v| v.name != "own3/ram1") && s.vms.iter().any(|v| v.name == "own3")
+    });
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("appeared (hot-plug)"), "{text}");
+    assert!(text.contains("no longer mapped (hot-unplug)"), "{text}");
+    // The guest runs on, its self-checks passing.
+    let n = count(&serial, "MEMFOLD-CHECK ok");
+    wait_console(
+        &mut qemu,
+        &serial,
+        &log,
+        "MEMFOLD-CHECK ok",
+        n + 1,
+        Duration::from_secs(40),
+    );
 }

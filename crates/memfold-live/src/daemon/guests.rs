@@ -271,11 +271,15 @@ impl Guests {
         })
     }
 
-    /// Detached guests whose QEMU has exited: their mappings are gone.
+    /// Detached guests whose QEMU has exited, or whose QEMU neither maps nor holds their
+    /// RAM memfd any more (a memory backend deleted after hot-unplug, its agent ended):
+    /// their mappings are gone, no agent can come back for them.
     pub(crate) fn exited(&self) -> Vec<VmId> {
         self.by_vm
             .iter()
-            .filter(|(_, g)| g.conn.is_none() && !process_alive(g.pid))
+            .filter(|(_, g)| {
+                g.conn.is_none() && (!process_alive(g.pid) || ram_let_go(g.pid, g.ram_id))
+            })
             .map(|(vm, _)| *vm)
             .collect()
     }
@@ -292,6 +296,32 @@ pub(crate) fn process_alive(pid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
         && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
             .is_ok_and(|s| s.split(") ").nth(1).is_some_and(|r| r.starts_with('Z')))
+}
+
+/// Whether process `pid` neither maps the file of (device, inode) `id` nor holds a
+/// descriptor of it, as far as `/proc/PID/maps` and `/proc/PID/fd` say; `false` when
+/// either cannot be read (it may still hold it).
+fn ram_let_go(pid: u32, (dev, ino): (u64, u64)) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
+        return false;
+    };
+    // glibc's encoding of a device number (gnu_dev_major / gnu_dev_minor).
+    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
+    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
+    let dev_text = format!("{major:02x}:{minor:02x}");
+    let mapped = maps.lines().any(|l| {
+        let mut f = l.split_whitespace().skip(3);
+        f.next() == Some(dev_text.as_str()) && f.next() == Some(ino.to_string().as_str())
+    });
+    if mapped {
+        return false;
+    }
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    !fds.flatten()
+        .any(|fd| std::fs::metadata(fd.path()).is_ok_and(|m| m.dev() == dev && m.ino() == ino))
 }
 
 /// Pids of the processes (other than this one) holding a descriptor of the file with
@@ -324,4 +354,39 @@ pub(crate) fn holders(dev: u64, ino: u64) -> Option<Vec<u32>> {
         }
     }
     Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::{AsFd, AsRawFd};
+
+    #[test]
+    fn ram_is_let_go_only_once_neither_mapped_nor_held() {
+        let fd = memfold_sys::memfd::create("let-go").unwrap();
+        memfold_sys::memfd::set_len(fd.as_fd(), 4096).unwrap();
+        let id = memfold_sys::memfd::file_id(fd.as_fd()).unwrap();
+        let me = std::process::id();
+        // SAFETY: a new shared mapping of a memfd this test owns, unmapped below; never
+        // touched.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        assert!(!ram_let_go(me, id), "mapped and held");
+        drop(fd);
+        assert!(!ram_let_go(me, id), "mapped");
+        // SAFETY: the mapping made above, unused.
+        assert_eq!(unsafe { libc::munmap(p, 4096) }, 0);
+        assert!(ram_let_go(me, id), "neither mapped nor held");
+        // A process memfoldd cannot read (gone): not let go by this rule.
+        assert!(!ram_let_go(u32::MAX, id));
+    }
 }
