@@ -10,7 +10,7 @@ use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers
 use ratatui::layout::{Constraint, Layout};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::Line;
-use ratatui::widgets::{Block, Borders, Paragraph, Row as TableRow, Table};
+use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row as TableRow, Table};
 use ratatui::Frame;
 
 use super::{cells, sample, saved_line, view, OpsError, View, COLUMNS, DEFAULT_SOCKET};
@@ -109,8 +109,15 @@ fn draw(f: &mut Frame, v: &View, socket: &Path, interval: f64, lost: Option<&str
     f.render_widget(Paragraph::new(header), head);
 
     let bold = Style::default().add_modifier(Modifier::BOLD);
+    let name_width = v
+        .vms
+        .iter()
+        .map(|r| r.name.chars().count())
+        .chain([COLUMNS[0].len(), "total".len()])
+        .max()
+        .unwrap_or(5) as u16;
     let widths = [
-        Constraint::Min(14),
+        Constraint::Length(name_width),
         Constraint::Length(9),
         Constraint::Length(9),
         Constraint::Length(8),
@@ -122,13 +129,24 @@ fn draw(f: &mut Frame, v: &View, socket: &Path, interval: f64, lost: Option<&str
         Constraint::Length(9),
         Constraint::Length(10),
     ];
+    // Names and the state left, numbers right, as in `memfold status`.
+    let row = |cells: [String; 11]| {
+        TableRow::new(cells.into_iter().enumerate().map(|(i, c)| {
+            if i == 0 || i == COLUMNS.len() - 1 {
+                Cell::from(Line::from(c))
+            } else {
+                Cell::from(Line::from(c).right_aligned())
+            }
+        }))
+    };
     let rows = v
         .vms
         .iter()
-        .map(|r| TableRow::new(cells(r)))
-        .chain(std::iter::once(TableRow::new(cells(&v.total)).style(bold)));
+        .map(|r| row(cells(r)))
+        .chain(std::iter::once(row(cells(&v.total)).style(bold)));
     let table = Table::new(rows, widths)
-        .header(TableRow::new(COLUMNS).style(bold.fg(Color::Cyan)))
+        .column_spacing(2)
+        .header(row(COLUMNS.map(String::from)).style(bold.fg(Color::Cyan)))
         .block(Block::default().borders(Borders::TOP | Borders::BOTTOM));
     f.render_widget(table, body);
 
