@@ -171,6 +171,9 @@ fn the_endpoint_serves_every_guest_passes_promtool_and_feeds_the_dashboard() {
             "memfold_operation_latency_seconds_count{op=\"share\"}"
         ) > 0.0
     );
+    // memfoldd runs in this process, which has done the work above.
+    assert!(value(&text, "memfold_cpu_seconds_total{process=\"memfoldd\"}") > 0.0);
+    assert!(value(&text, "memfold_agent_cpu_seconds_total{vm=\"db-m\"}") >= 0.0);
     assert!(
         value(
             &text,

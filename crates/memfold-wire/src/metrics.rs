@@ -38,7 +38,7 @@ pub const CONTENT_TYPE_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// Every metric family the exposition writes, as a scrape shows its samples' names
 /// (counters with `_total`, histograms with `_bucket`/`_sum`/`_count` added to the name
 /// given here).
-pub const METRICS: [&str; 30] = [
+pub const METRICS: [&str; 32] = [
     "memfold_uptime_seconds",
     "memfold_guests",
     "memfold_domains",
@@ -68,6 +68,8 @@ pub const METRICS: [&str; 30] = [
     "memfold_clock_passes_total",
     "memfold_vm_detached",
     "memfold_vm_opted_out",
+    "memfold_cpu_seconds_total",
+    "memfold_agent_cpu_seconds_total",
     "memfold_operation_latency_seconds",
 ];
 
@@ -78,6 +80,8 @@ enum Value {
     Gauge(f64),
     /// A counter.
     Counter(u64),
+    /// A counter of seconds.
+    Seconds(f64),
 }
 
 /// A label set: (name, value) pairs.
@@ -101,7 +105,7 @@ fn family(
     };
     let ty = match first {
         Value::Gauge(_) => MetricType::Gauge,
-        Value::Counter(_) => MetricType::Counter,
+        Value::Counter(_) | Value::Seconds(_) => MetricType::Counter,
     };
     let mut d = enc.encode_descriptor(name, help, unit.as_ref(), ty)?;
     for (labels, v) in rows {
@@ -109,6 +113,7 @@ fn family(
         match v {
             Value::Gauge(g) => ConstGauge::new(g).encode(m)?,
             Value::Counter(c) => ConstCounter::new(c).encode(m)?,
+            Value::Seconds(c) => ConstCounter::new(c).encode(m)?,
         }
     }
     Ok(())
@@ -169,13 +174,27 @@ impl Collector for Snapshot {
         let s = &self.0;
         let vms = &s.vms[..];
         let e = &mut enc;
-        use Value::{Counter, Gauge};
+        use Value::{Counter, Gauge, Seconds};
         family(
             e,
             "memfold_uptime",
             "Time since memfoldd started.",
             Some(Unit::Seconds),
             one(Gauge(s.uptime_s)),
+        )?;
+        family(
+            e,
+            "memfold_cpu",
+            "CPU time (user + system) of the process memfoldd runs in.",
+            Some(Unit::Seconds),
+            vec![(vec![("process", "memfoldd".to_string())], Seconds(s.cpu_s))],
+        )?;
+        family(
+            e,
+            "memfold_agent_cpu",
+            "CPU time (user + system) of the agent's threads in the guest's QEMU.",
+            Some(Unit::Seconds),
+            per_vm(vms, |v| Seconds(v.agent_cpu_s)),
         )?;
         family(
             e,
@@ -525,6 +544,7 @@ mod tests {
         share.record(Duration::from_micros(3), 10);
         share.record(Duration::from_millis(2), 1);
         Stats {
+            cpu_s: 2.25,
             saved_by: SavedBy {
                 sharing: 100,
                 zero: 5,
@@ -556,6 +576,7 @@ mod tests {
                     shared_pages: 40,
                     cow_breaks: 3,
                     wp_faults: 7,
+                    agent_cpu_s: 1.5,
                     nru_pages: [1, 2, 3, 4],
                     ..Default::default()
                 },
@@ -614,6 +635,14 @@ mod tests {
         );
         assert!(
             text.contains("memfold_cow_breaks_total{vm=\"web\"} 3\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_agent_cpu_seconds_total{vm=\"web\"} 1.5\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_cpu_seconds_total{process=\"memfoldd\"} 2.25\n"),
             "{text}"
         );
         assert!(

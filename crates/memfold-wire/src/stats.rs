@@ -237,6 +237,10 @@ pub struct VmStats {
     /// The operator opted the guest out: its pages are taken back, none managed.
     #[serde(default)]
     pub opted_out: bool,
+    /// CPU seconds (user + system) of the agent's threads in this guest's QEMU, since
+    /// they started (0 if `/proc` does not say).
+    #[serde(default)]
+    pub agent_cpu_s: f64,
 }
 
 /// memfoldd's statistics.
@@ -244,6 +248,9 @@ pub struct VmStats {
 pub struct Stats {
     /// Seconds since memfoldd started.
     pub uptime_s: f64,
+    /// CPU seconds (user + system) of the process memfoldd runs in, since it started.
+    #[serde(default)]
+    pub cpu_s: f64,
     /// Scan rate limit, pages/s (0: unlimited).
     pub rate_pages_per_s: u64,
     /// Completed scans over all guests.

@@ -105,6 +105,10 @@ pub struct View {
     pub interval_s: Option<f64>,
     /// The Difference Engine policy by name.
     pub policy: String,
+    /// CPU memfoldd's process used between the samples, % of one CPU.
+    pub memfoldd_cpu_percent: Option<f64>,
+    /// CPU the agents' threads used between the samples, over all guests, % of one CPU.
+    pub agents_cpu_percent: Option<f64>,
     /// One row per guest, by name.
     pub vms: Vec<Row>,
     /// The total over guests.
@@ -185,6 +189,10 @@ pub fn view(prev: Option<&Stats>, now: &Stats) -> View {
         faults_per_s: sum_rate(|r| r.faults_per_s),
         state: "",
     };
+    let cpu_percent = |f: &dyn Fn(&Stats) -> f64| -> Option<f64> {
+        Some((f(now) - f(prev?)).max(0.0) / dt? * 100.0)
+    };
+    let agents = |s: &Stats| s.vms.iter().map(|v| v.agent_cpu_s).sum::<f64>();
     let b = &now.saved_by;
     let page = PAGE as i64;
     let l = &now.latency;
@@ -192,6 +200,8 @@ pub fn view(prev: Option<&Stats>, now: &Stats) -> View {
         uptime_s: now.uptime_s,
         interval_s: dt,
         policy: now.policy.clone(),
+        memfoldd_cpu_percent: cpu_percent(&|s| s.cpu_s),
+        agents_cpu_percent: cpu_percent(&agents),
         vms,
         total,
         saved: Saved {
@@ -262,6 +272,17 @@ pub fn cells(r: &Row) -> [String; 11] {
         per_s(r.faults_per_s),
         r.state.to_string(),
     ]
+}
+
+/// What memfold costs in CPU: memfoldd's and the agents' % of one CPU (`-` without a
+/// previous sample).
+pub fn cpu_line(v: &View) -> String {
+    let pct = |p: Option<f64>| p.map_or("-".into(), |p| format!("{p:.1}%"));
+    format!(
+        "CPU: memfoldd {}, agents {}",
+        pct(v.memfoldd_cpu_percent),
+        pct(v.agents_cpu_percent)
+    )
 }
 
 /// The savings line: by mechanism and in total, MiB.
@@ -360,6 +381,7 @@ pub fn status(a: &StatusArgs) -> Result<(), OpsError> {
             v.interval_s
                 .map_or(String::new(), |d| format!(", rates over {d:.1} s"))
         );
+        println!("{}", cpu_line(&v));
         print!("{}", table(&v));
     }
     Ok(())
@@ -411,8 +433,15 @@ mod tests {
     #[test]
     fn rates_come_from_two_samples_over_memfoldds_clock() {
         let a = stats(10.0, 100, 1000);
-        let b = stats(12.0, 140, 1100);
+        let mut b = stats(12.0, 140, 1100);
+        b.cpu_s = a.cpu_s + 0.5;
+        b.vms[0].agent_cpu_s = a.vms[0].agent_cpu_s + 0.1;
+        b.vms[1].agent_cpu_s = a.vms[1].agent_cpu_s + 0.1;
         let v = view(Some(&a), &b);
+        // 0.5 s of CPU over 2 s: 25% of a CPU; the agents 0.2 s: 10%.
+        assert_eq!(v.memfoldd_cpu_percent, Some(25.0));
+        assert!((v.agents_cpu_percent.unwrap() - 10.0).abs() < 1e-9);
+        assert_eq!(cpu_line(&v), "CPU: memfoldd 25.0%, agents 10.0%");
         assert_eq!(v.interval_s, Some(2.0));
         assert_eq!(v.vms[0].cow_breaks_per_s, Some(20.0));
         assert_eq!(v.vms[0].faults_per_s, Some(100.0));
@@ -424,6 +453,7 @@ mod tests {
         assert_eq!(v.saved.total, 10 * PAGE as i64);
         // One sample, or a guest of another QEMU under the same name: no rate.
         let one = view(None, &b);
+        assert_eq!(cpu_line(&one), "CPU: memfoldd -, agents -");
         assert_eq!(
             per_s(
                 view(

@@ -13,7 +13,7 @@ use ratatui::text::Line;
 use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row as TableRow, Table};
 use ratatui::Frame;
 
-use super::{cells, sample, saved_line, view, OpsError, View, COLUMNS, DEFAULT_SOCKET};
+use super::{cells, cpu_line, sample, saved_line, view, OpsError, View, COLUMNS, DEFAULT_SOCKET};
 
 /// `memfold top`'s flags.
 #[derive(clap::Args, Debug)]
@@ -102,7 +102,7 @@ fn draw(f: &mut Frame, v: &View, socket: &Path, interval: f64, lost: Option<&str
             Style::default().fg(Color::Red),
         ),
         None => Line::from(match v.interval_s {
-            Some(d) => format!("rates over the last {d:.1} s"),
+            Some(d) => format!("rates over the last {d:.1} s  {}", cpu_line(v)),
             None => "rates from the next sample on".into(),
         }),
     });

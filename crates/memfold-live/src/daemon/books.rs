@@ -4,6 +4,7 @@
 
 use memfold_core::engine::{Books, VmReport};
 use memfold_core::Engine;
+use memfold_sys::proc::{cpu_seconds, AGENT_THREADS};
 use memfold_wire::{
     HeldBytes, LifetimeCdf, OpLatencies, OpLatency, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS,
 };
@@ -50,6 +51,7 @@ fn vm_stats(v: &VmReport, guests: &Guests) -> VmStats {
         swap_moves: b.swap_moves,
         detached: !v.attached,
         opted_out: b.opted_out,
+        agent_cpu_s: cpu_seconds(v.pid, Some(AGENT_THREADS)),
     }
 }
 
@@ -81,6 +83,7 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests) -> Stats {
     let s = &b.saved_by;
     Stats {
         uptime_s: b.uptime_s,
+        cpu_s: cpu_seconds(std::process::id(), None),
         rate_pages_per_s: engine.config().rate,
         full_scans: b.full_scans,
         frames: b.frames,
