@@ -39,33 +39,51 @@ pub fn cpu_seconds(pid: u32, thread_prefix: Option<&str>) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::mpsc;
     use std::time::{Duration, Instant};
 
-    fn burn(d: Duration) -> u64 {
-        let t = Instant::now();
-        let mut x = 0u64;
-        while t.elapsed() < d {
-            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
-        }
-        x
+    /// CPU seconds the calling thread has used (getrusage, RUSAGE_THREAD).
+    fn thread_cpu() -> f64 {
+        // SAFETY: getrusage writes one rusage into the zeroed struct it is given.
+        let ru = unsafe {
+            let mut ru: libc::rusage = std::mem::zeroed();
+            assert_eq!(libc::getrusage(libc::RUSAGE_THREAD, &mut ru), 0);
+            ru
+        };
+        let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+        tv(ru.ru_utime) + tv(ru.ru_stime)
     }
 
     #[test]
     fn a_busy_thread_counts_in_its_process_and_under_its_name() {
         let me = std::process::id();
         let before = cpu_seconds(me, None);
+        let (done, wait) = mpsc::channel();
         std::thread::Builder::new()
             .name("cputest-busy".into())
-            .spawn(|| {
-                burn(Duration::from_millis(400));
+            .spawn(move || {
+                // 0.3 s of CPU by the kernel's count, however busy the host is.
+                let t = Instant::now();
+                let mut x = 0u64;
+                while thread_cpu() < 0.3 && t.elapsed() < Duration::from_secs(30) {
+                    for _ in 0..100_000 {
+                        x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+                    }
+                }
+                done.send(thread_cpu()).unwrap();
                 // Stay alive (and listed in /proc) until read.
-                std::thread::sleep(Duration::from_millis(600));
+                std::thread::sleep(Duration::from_secs(2));
             })
             .unwrap();
-        std::thread::sleep(Duration::from_millis(450));
+        let used = wait.recv().unwrap();
+        assert!(used >= 0.3, "{used}");
         let named = cpu_seconds(me, Some("cputest-"));
-        assert!(named >= 0.25 && named <= 0.6, "{named} s");
-        assert!(cpu_seconds(me, None) - before >= 0.25);
+        // /proc counts in 10 ms ticks.
+        assert!(
+            (named - used).abs() <= 0.05,
+            "{named} s named, {used} s used"
+        );
+        assert!(cpu_seconds(me, None) - before >= used - 0.05);
         assert_eq!(cpu_seconds(me, Some("no-such-thread")), 0.0);
         assert_eq!(cpu_seconds(u32::MAX, None), 0.0);
     }
