@@ -89,6 +89,9 @@ pub struct VmReport {
     pub pid: u32,
     /// Guest RAM, pages.
     pub pages: u64,
+    /// Host memory the guest holds alone, bytes: its RAM and its store as allocated
+    /// (holes take none; its domain's pool is not in it).
+    pub host_bytes: u64,
     /// Whether its agent is connected.
     pub attached: bool,
     /// Its counters.
@@ -330,6 +333,7 @@ impl Engine {
                 name: v.name.clone(),
                 pid: v.pid,
                 pages: v.pages() as u64,
+                host_bytes: v.ram.allocated_bytes() + v.store.allocated_bytes(),
                 attached: v.attached,
                 books: v.books.clone(),
             })
