@@ -48,7 +48,7 @@ pub mod ids {
 }
 
 pub use clock::{NruState, Policy};
-pub use engine::{Command, Engine, EngineConfig, EngineError, Outcome, ZeroPolicy};
+pub use engine::{Command, Engine, EngineConfig, EngineError, Outcome, SharingRanks, ZeroPolicy};
 pub use memfold_codecs::{CompressCodec, Encoding, Page, PatchCodec, PAGE_SIZE};
 pub use similarity::SimilarityConfig;
 
