@@ -218,6 +218,15 @@ pub struct VmStats {
     /// The operator opted the guest out: its pages are taken back, none managed.
     #[serde(default)]
     pub opted_out: bool,
+    /// Its shared pages by the sharing rank of the frame each maps, `(rank, pages)`,
+    /// rank ascending; the zero frame left out (Satori §4.2; memfold_core's
+    /// `SharingRanks`).
+    #[serde(default)]
+    pub sharing_ranks: Vec<(u32, u64)>,
+    /// Its sharing entitlement `s(i) = Σ (rank − 1) / rank` over its shared pages, pages
+    /// (Satori §4.2): its part of the memory sharing saves.
+    #[serde(default)]
+    pub entitlement_pages: f64,
 }
 
 /// memfoldd's statistics.

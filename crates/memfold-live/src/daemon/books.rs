@@ -48,6 +48,8 @@ fn vm_stats(v: &VmReport, guests: &Guests) -> VmStats {
         swap_moves: b.swap_moves,
         detached: !v.attached,
         opted_out: b.opted_out,
+        sharing_ranks: v.sharing_ranks.0.clone(),
+        entitlement_pages: v.sharing_ranks.entitlement_pages(),
     }
 }
 
