@@ -123,6 +123,7 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
             cgroup_procs: None,
             mem_merge: true,
             free_page_reporting: false,
+            memfold_balloon: false,
         };
         let mut env = agent_env(&agent, &socket, &spec);
         if name == "b" {

@@ -227,6 +227,16 @@ pub struct VmStats {
     /// (Satori §4.2): its part of the memory sharing saves.
     #[serde(default)]
     pub entitlement_pages: f64,
+    /// What memfoldd asked its balloon to leave the guest (allowance + what it claims),
+    /// bytes; `None`: no balloon driven (Satori §4.2).
+    #[serde(default)]
+    pub balloon_target_bytes: Option<u64>,
+    /// What its balloon leaves it now (QMP `query-balloon`), bytes; `None`: not known.
+    #[serde(default)]
+    pub balloon_actual_bytes: Option<u64>,
+    /// Why its balloon is not driven or lags (no monitor, no driver, ignored requests).
+    #[serde(default)]
+    pub balloon_problem: Option<String>,
 }
 
 /// memfoldd's statistics.

@@ -93,3 +93,146 @@ impl Engine {
         Some(SharingRanks(ranks))
     }
 }
+
+/// How a guest claims its entitlement through its balloon (Satori §4.2: "guests can elect
+/// to use more complex policies").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub enum ClaimPolicy {
+    /// No balloon is driven: the guest keeps its RAM, sharing's saving stays with the
+    /// host (memfold before entitlements).
+    #[default]
+    Never,
+    /// The guest sees its base allowance plus its entitlement at all times (the paper's
+    /// setup: "claim memory as soon as it becomes available").
+    AtOnce,
+    /// The guest grows past its allowance only while it is short of memory (its balloon's
+    /// guest statistics), never past allowance + entitlement, and gives back what it
+    /// drew beyond its entitlement at once ("a guest may refrain from using its
+    /// entitlement if it experiences low memory demand").
+    UnderPressure,
+}
+
+impl std::str::FromStr for ClaimPolicy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<ClaimPolicy, String> {
+        match s {
+            "never" => Ok(ClaimPolicy::Never),
+            "at-once" => Ok(ClaimPolicy::AtOnce),
+            "under-pressure" => Ok(ClaimPolicy::UnderPressure),
+            other => Err(format!(
+                "claim policy {other:?}: expected never, at-once or under-pressure"
+            )),
+        }
+    }
+}
+
+/// The balloon's granularity: targets are whole MiB, so the target does not follow every
+/// page the entitlement gains or loses (bytes).
+pub const CLAIM_GRAIN: u64 = 1 << 20;
+
+/// What one guest may see (bytes): the memory its balloon should leave it, Satori §4.2's
+/// "allowance + entitlement", under `policy`. `None`: drive no balloon.
+///
+/// - `ram`: the guest's configured RAM; `allowance`: its base allowance (clamped to
+///   `ram`); `entitlement_pages`: `s(i)` ([`SharingRanks::entitlement_pages`]);
+/// - `now`: the target set last (`None` at first);
+/// - `short`: whether the guest reports it is short of memory (for
+///   [`ClaimPolicy::UnderPressure`]; `None`: unknown, taken as not short).
+///
+/// The result is a whole number of [`CLAIM_GRAIN`]s, at least the allowance and at most
+/// `ram`. Repayment (§4.3) is the same rule: when broken sharing lowers a guest's
+/// entitlement, its target falls with it at the next second and its balloon inflates —
+/// only guests whose entitlement fell, that is, those whose sharing broke.
+pub fn claim_target(
+    policy: ClaimPolicy,
+    ram: u64,
+    allowance: u64,
+    entitlement_pages: f64,
+    now: Option<u64>,
+    short: Option<bool>,
+) -> Option<u64> {
+    let grain = |b: u64| b / CLAIM_GRAIN * CLAIM_GRAIN;
+    let allowance = grain(allowance.min(ram));
+    let entitled = (entitlement_pages.max(0.0) * crate::PAGE_SIZE as f64) as u64;
+    let ceiling = grain(allowance.saturating_add(entitled).min(ram));
+    match policy {
+        ClaimPolicy::Never => None,
+        ClaimPolicy::AtOnce => Some(ceiling),
+        ClaimPolicy::UnderPressure => {
+            let now = now.unwrap_or(allowance).clamp(allowance, ceiling);
+            Some(if short == Some(true) {
+                // Grow by an eighth of the entitlement per second (at least one grain):
+                // a pressure reading lags the memory it asks for.
+                let step = grain((entitled / 8).max(CLAIM_GRAIN));
+                (now + step).min(ceiling)
+            } else {
+                now
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+    /// Pages in one MiB.
+    const MIB_PAGES: f64 = 256.0;
+
+    #[test]
+    fn at_once_the_guest_sees_its_allowance_plus_its_entitlement_in_whole_mib() {
+        let t = |e: f64| claim_target(ClaimPolicy::AtOnce, 512 * MIB, 256 * MIB, e, None, None);
+        assert_eq!(t(0.0), Some(256 * MIB));
+        assert_eq!(t(10.0 * MIB_PAGES + 100.0), Some(266 * MIB));
+        // Never past the guest's RAM, never under its allowance.
+        assert_eq!(t(1000.0 * MIB_PAGES), Some(512 * MIB));
+        assert_eq!(t(-5.0), Some(256 * MIB));
+        assert_eq!(
+            claim_target(ClaimPolicy::AtOnce, 512 * MIB, 600 * MIB, 0.0, None, None),
+            Some(512 * MIB)
+        );
+        assert_eq!(
+            claim_target(ClaimPolicy::Never, 512 * MIB, 256 * MIB, 4096.0, None, None),
+            None
+        );
+    }
+
+    #[test]
+    fn under_pressure_the_guest_grows_only_when_short_and_repays_at_once() {
+        let t = |e: f64, now: Option<u64>, short: Option<bool>| {
+            claim_target(ClaimPolicy::UnderPressure, 512 * MIB, 256 * MIB, e, now, short)
+        };
+        let e = 64.0 * MIB_PAGES;
+        // Not short (or not known): it stays where it is.
+        assert_eq!(t(e, None, None), Some(256 * MIB));
+        assert_eq!(t(e, Some(256 * MIB), Some(false)), Some(256 * MIB));
+        // Short: it grows by an eighth of the entitlement a step, up to the ceiling.
+        let mut now = 256 * MIB;
+        let mut steps = 0;
+        while now < 320 * MIB {
+            now = t(e, Some(now), Some(true)).unwrap();
+            steps += 1;
+        }
+        assert_eq!((now, steps), (320 * MIB, 8));
+        assert_eq!(t(e, Some(now), Some(true)), Some(320 * MIB));
+        // Sharing broke: the entitlement fell to 16 MiB, the guest repays at once, short or
+        // not (§4.3).
+        assert_eq!(t(16.0 * MIB_PAGES, Some(now), Some(true)), Some(272 * MIB));
+        assert_eq!(t(16.0 * MIB_PAGES, Some(now), None), Some(272 * MIB));
+    }
+
+    #[test]
+    fn claim_policies_parse_by_their_flag_names_only() {
+        for (s, p) in [
+            ("never", ClaimPolicy::Never),
+            ("at-once", ClaimPolicy::AtOnce),
+            ("under-pressure", ClaimPolicy::UnderPressure),
+        ] {
+            assert_eq!(s.parse::<ClaimPolicy>(), Ok(p));
+        }
+        let e = "AtOnce".parse::<ClaimPolicy>().unwrap_err();
+        assert!(e.contains("expected never, at-once or under-pressure"), "{e}");
+    }
+}

@@ -48,7 +48,7 @@ use crate::{Page, PAGE_SIZE};
 
 pub use books::{Books, LifetimeBooks, SavedBy, SwapBooks, VmBooks, VmReport, LIFETIME_MARKS_S};
 pub use config::{ConfigError, EngineConfig, ZeroPolicy};
-pub use entitlement::SharingRanks;
+pub use entitlement::{claim_target, ClaimPolicy, SharingRanks, CLAIM_GRAIN};
 pub use guests::{Attach, Mapped};
 pub use outcomes::Discard;
 
@@ -352,6 +352,11 @@ impl Engine {
             .iter()
             .map(|(id, v)| (*id, v.pid, v.attached))
             .collect()
+    }
+
+    /// Guest `id`'s RAM, bytes (`None`: no such guest).
+    pub fn ram_bytes(&self, id: VmId) -> Option<u64> {
+        self.vms.get(&id).map(|v| v.pages() as u64 * PAGE)
     }
 
     /// The guests named `name` (names come from the agents: several may share one).
