@@ -111,29 +111,29 @@ fn claimed(s: &Stats, guests: &[Guest]) -> bool {
     })
 }
 
-#[test]
-fn guests_that_share_get_their_entitlement_and_repay_it_when_their_sharing_breaks() {
-    let cache = images::cache_dir();
-    images::build(&cache, "tiny", |l| eprintln!("{l}")).expect("tiny image builds");
-    let agent = Path::new(env!("CARGO_BIN_EXE_memfoldd")).with_file_name("libmemfold_agent.so");
-    assert!(agent.exists(), "{} missing: build the workspace first", agent.display());
-    let work = tempfile::tempdir().unwrap();
-    let socket = work.path().join("memfoldd.sock");
-    let _daemon = Memfoldd(
+/// memfoldd claiming by `policy` with `allowance_mib`, each guest a sharing domain.
+fn memfoldd(socket: &Path, policy: &str, allowance_mib: u64) -> Memfoldd {
+    Memfoldd(
         Command::new(env!("CARGO_BIN_EXE_memfoldd"))
             .args(["--rate", "0", "--min-scan-interval-ms", "500"])
-            .args(["--policy", "sharing", "--claim-entitlement", "at-once"])
+            .args(["--policy", "sharing", "--claim-entitlement", policy])
             .args(["--share-domains", "vm"])
-            .args(["--allowance-mib", &ALLOWANCE_MIB.to_string()])
+            .args(["--allowance-mib", &allowance_mib.to_string()])
             .arg("--socket")
-            .arg(&socket)
+            .arg(socket)
             .spawn()
             .expect("memfoldd starts"),
-    );
+    )
+}
+
+/// Boots tiny guests `names` of [`RAM_MIB`] each with a balloon memfoldd drives.
+fn tiny_guests(cache: &Path, work: &Path, socket: &Path, names: &[&str]) -> Vec<Guest> {
+    let agent = Path::new(env!("CARGO_BIN_EXE_memfoldd")).with_file_name("libmemfold_agent.so");
+    assert!(agent.exists(), "{} missing: build the workspace first", agent.display());
     let mut guests = Vec::new();
-    for name in ["a", "b"] {
+    for name in names {
         let spec = GuestSpec {
-            name: name.into(),
+            name: (*name).into(),
             profile: "tiny".into(),
             mem_mib: RAM_MIB as u32,
             ram: RamBackend::Memfd,
@@ -143,12 +143,37 @@ fn guests_that_share_get_their_entitlement_and_repay_it_when_their_sharing_break
             free_page_reporting: false,
             memfold_balloon: true,
         };
-        let env = agent_env(&agent, &socket, &spec);
-        guests.push(Guest::start_with_env(&spec, &cache, work.path(), Accel::Tcg, &env).unwrap());
+        let env = agent_env(&agent, socket, &spec);
+        guests.push(Guest::start_with_env(&spec, cache, work, Accel::Tcg, &env).unwrap());
     }
     for g in &mut guests {
         g.wait_ready(Duration::from_secs(180)).unwrap();
     }
+    guests
+}
+
+/// One guest test at a time (two cores: guests booted side by side slow each other past
+/// the tests' bounds).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn setup() -> (
+    std::sync::MutexGuard<'static, ()>,
+    std::path::PathBuf,
+    tempfile::TempDir,
+) {
+    let lock = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let cache = images::cache_dir();
+    images::build(&cache, "tiny", |l| eprintln!("{l}")).expect("tiny image builds");
+    (lock, cache, tempfile::tempdir().unwrap())
+}
+
+#[test]
+fn guests_that_share_get_their_entitlement_and_repay_it_when_their_sharing_breaks() {
+    let (_one, cache, work) = setup();
+    let socket = work.path().join("memfoldd.sock");
+    let _daemon = memfoldd(&socket, "at-once", ALLOWANCE_MIB);
+    let guests = tiny_guests(&cache, work.path(), &socket, &["a", "b"]);
+
 
     // Each guest's duplicates (its own files copied eight times) earn it several MiB.
     let s = wait_for(&socket, &guests, Duration::from_secs(120), "entitlements claimed", |s, g| {
@@ -188,4 +213,54 @@ fn guests_that_share_get_their_entitlement_and_repay_it_when_their_sharing_break
     for g in &guests {
         assert!(g.mismatches().is_empty(), "{}: {:?}", g.name, g.mismatches());
     }
+}
+
+/// `under-pressure`: a guest left only a small allowance is short of memory by its own
+/// balloon statistics, and is given more — never past allowance + entitlement.
+#[test]
+fn under_pressure_a_guest_short_of_memory_grows_up_to_its_entitlement() {
+    // The guest's MemTotal is ~50 MiB under its RAM (205 of 256 MiB), its workload ~60
+    // MiB of files in RAM: left 144 MiB of RAM, it has under 32 MiB available.
+    const SMALL_MIB: u64 = 144;
+    let (_one, cache, work) = setup();
+    let socket = work.path().join("memfoldd.sock");
+    let _daemon = memfoldd(&socket, "under-pressure", SMALL_MIB);
+    let guests = tiny_guests(&cache, work.path(), &socket, &["p"]);
+    let t = Instant::now();
+    let mut most = 0;
+    let mut seen_short = false;
+    let mut last = None;
+    while t.elapsed() < Duration::from_secs(120) {
+        assert!(guests[0].mismatches().is_empty(), "{:?}", guests[0].mismatches());
+        if let Ok(s) = query_stats(&socket) {
+            if let Some(v) = s.vms.first() {
+                let ceiling = ((SMALL_MIB * MIB + (v.entitlement_pages * 4096.0) as u64)
+                    .min(RAM_MIB * MIB))
+                    / MIB
+                    * MIB;
+                let target = v.balloon_target_bytes.unwrap_or(0);
+                // Never more than the allowance plus what it earned (one grain of slack:
+                // the entitlement moves between the target and this reading).
+                assert!(target <= ceiling + MIB, "target {target} over {ceiling}: {v:#?}");
+                seen_short |= v.guest_short == Some(true);
+                last = Some(v.clone());
+                most = most.max(target);
+                if seen_short && most > SMALL_MIB * MIB && v.guest_available_bytes.is_some() {
+                    eprintln!(
+                        "short, grown to {} MiB (allowance {SMALL_MIB}, entitled {:.1} MiB, available {:?} MiB)",
+                        most / MIB,
+                        v.entitlement_pages / 256.0,
+                        v.guest_available_bytes.map(|b| b / MIB)
+                    );
+                    return;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    panic!(
+        "no growth under pressure: short seen {seen_short}, most {} MiB; last {last:#?}; serial {}",
+        most / MIB,
+        guests[0].serial()
+    );
 }

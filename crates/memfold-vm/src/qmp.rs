@@ -181,6 +181,62 @@ impl Qmp {
             .map(|_| ())
     }
 
+    /// The QOM path of the guest's virtio balloon (`None`: it has none), among the
+    /// devices given an id (`/machine/peripheral`) and those without (`…-anon`).
+    ///
+    /// Errors: as [`Qmp::execute`].
+    pub fn balloon_path(&mut self) -> Result<Option<String>, QmpError> {
+        for dir in ["/machine/peripheral", "/machine/peripheral-anon"] {
+            let list = self.execute("qom-list", Some(json!({ "path": dir })))?;
+            let found = list.as_array().into_iter().flatten().find_map(|p| {
+                let ty = p.get("type")?.as_str()?;
+                let name = p.get("name")?.as_str()?;
+                ty.starts_with("child<virtio-balloon")
+                    .then(|| format!("{dir}/{name}"))
+            });
+            if found.is_some() {
+                return Ok(found);
+            }
+        }
+        Ok(None)
+    }
+
+    /// Asks the guest's balloon driver, through the balloon at QOM `path`, for its
+    /// statistics every `secs` seconds.
+    ///
+    /// Errors: as [`Qmp::execute`].
+    pub fn balloon_stats_every(&mut self, path: &str, secs: u32) -> Result<(), QmpError> {
+        self.execute(
+            "qom-set",
+            Some(json!({ "path": path, "property": "guest-stats-polling-interval", "value": secs })),
+        )
+        .map(|_| ())
+    }
+
+    /// The guest's last balloon statistics, as (available, total) bytes — each `None`
+    /// when the guest does not report it (QEMU says -1, or the driver sent none yet).
+    ///
+    /// Errors: as [`Qmp::execute`].
+    pub fn balloon_guest_memory(
+        &mut self,
+        path: &str,
+    ) -> Result<(Option<u64>, Option<u64>), QmpError> {
+        let r = self.execute(
+            "qom-get",
+            Some(json!({ "path": path, "property": "guest-stats" })),
+        )?;
+        let stat = |k: &str| {
+            r.get("stats")
+                .and_then(|s| s.get(k))
+                .and_then(Value::as_i64)
+                .and_then(|v| u64::try_from(v).ok())
+        };
+        Ok((
+            stat("stat-available-memory"),
+            stat("stat-total-memory"),
+        ))
+    }
+
     /// The RAM the guest's balloon leaves it now, bytes (`query-balloon`'s `actual`).
     ///
     /// Errors: as [`Qmp::execute`]; [`QmpError::Protocol`] without a number.

@@ -237,6 +237,14 @@ pub struct VmStats {
     /// Why its balloon is not driven or lags (no monitor, no driver, ignored requests).
     #[serde(default)]
     pub balloon_problem: Option<String>,
+    /// Memory available to the guest by its balloon driver's statistics
+    /// (`stat-available-memory`), bytes; `None`: not reported.
+    #[serde(default)]
+    pub guest_available_bytes: Option<u64>,
+    /// Whether the guest is short of memory by those statistics (claiming
+    /// `under-pressure`); `None`: not known.
+    #[serde(default)]
+    pub guest_short: Option<bool>,
 }
 
 /// memfoldd's statistics.

@@ -127,6 +127,15 @@ impl std::str::FromStr for ClaimPolicy {
     }
 }
 
+/// Whether a guest is short of memory, from its balloon's guest statistics (bytes):
+/// memory available to it without swapping (`stat-available-memory`, the kernel's
+/// MemAvailable) under an eighth of its memory now (`stat-total-memory`: what the balloon
+/// leaves it), or under 32 MiB. `None` when the guest reports neither.
+pub fn short_of_memory(available: Option<u64>, total: Option<u64>) -> Option<bool> {
+    let (a, t) = (available?, total?);
+    Some(a < (t / 8).max(32 << 20))
+}
+
 /// The balloon's granularity: targets are whole MiB, so the target does not follow every
 /// page the entitlement gains or loses (bytes).
 pub const CLAIM_GRAIN: u64 = 1 << 20;
@@ -221,6 +230,16 @@ mod tests {
         // not (§4.3).
         assert_eq!(t(16.0 * MIB_PAGES, Some(now), Some(true)), Some(272 * MIB));
         assert_eq!(t(16.0 * MIB_PAGES, Some(now), None), Some(272 * MIB));
+    }
+
+    #[test]
+    fn a_guest_is_short_under_an_eighth_of_its_memory_available_or_32_mib() {
+        assert_eq!(short_of_memory(Some(100 * MIB), Some(512 * MIB)), Some(false));
+        assert_eq!(short_of_memory(Some(63 * MIB), Some(512 * MIB)), Some(true));
+        assert_eq!(short_of_memory(Some(31 * MIB), Some(128 * MIB)), Some(true));
+        assert_eq!(short_of_memory(Some(40 * MIB), Some(128 * MIB)), Some(false));
+        assert_eq!(short_of_memory(None, Some(128 * MIB)), None);
+        assert_eq!(short_of_memory(Some(1), None), None);
     }
 
     #[test]

@@ -48,7 +48,7 @@ use crate::{Page, PAGE_SIZE};
 
 pub use books::{Books, LifetimeBooks, SavedBy, SwapBooks, VmBooks, VmReport, LIFETIME_MARKS_S};
 pub use config::{ConfigError, EngineConfig, ZeroPolicy};
-pub use entitlement::{claim_target, ClaimPolicy, SharingRanks, CLAIM_GRAIN};
+pub use entitlement::{claim_target, short_of_memory, ClaimPolicy, SharingRanks, CLAIM_GRAIN};
 pub use guests::{Attach, Mapped};
 pub use outcomes::Discard;
 

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use memfold_core::engine::Engine;
 use memfold_core::ids::VmId;
-use memfold_core::{claim_target, ClaimPolicy};
+use memfold_core::{claim_target, short_of_memory, ClaimPolicy};
 use memfold_vm::qmp::{Qmp, QmpError};
 
 /// The `id` of the `-chardev socket` whose monitor memfoldd drives.
@@ -55,6 +55,12 @@ pub struct BalloonState {
     /// Why the balloon is not driven, or lags (no monitor, no balloon driver, a balloon
     /// that ignores requests); `None` while all is well.
     pub problem: Option<String>,
+    /// Memory available to the guest (its balloon driver's `stat-available-memory`),
+    /// bytes; `None`: not reported.
+    pub available: Option<u64>,
+    /// Whether the guest is short of memory ([`memfold_core::short_of_memory`]);
+    /// `None`: not known.
+    pub short: Option<bool>,
 }
 
 /// One guest's claimer: the thread's inbox and what it reports.
@@ -113,13 +119,14 @@ impl Claims {
                 }
             });
             let ranks = engine.sharing_ranks(id).unwrap_or_default();
+            let short = claimer.state.lock().ok().and_then(|s| s.short);
             let Some(t) = claim_target(
                 self.policy,
                 claimer.ram,
                 self.allowance,
                 ranks.entitlement_pages(),
                 claimer.target,
-                None,
+                short,
             ) else {
                 continue;
             };
@@ -203,6 +210,9 @@ fn claim_loop(id: VmId, pid: u32, targets: mpsc::Receiver<u64>, state: Arc<Mutex
             }
         };
         let mut set: Option<u64> = None;
+        // The guest's own view of its memory, for claiming under pressure; a balloon
+        // without statistics only leaves `short` unknown.
+        let stats_at = q.balloon_path().ok().flatten().filter(|p| q.balloon_stats_every(p, 1).is_ok());
         loop {
             if target != set {
                 if let Some(t) = target {
@@ -241,6 +251,14 @@ fn claim_loop(id: VmId, pid: u32, targets: mpsc::Receiver<u64>, state: Arc<Mutex
                     }
                     continue 'connect;
                 }
+            }
+            if let Some(p) = &stats_at {
+                let (available, total) = q.balloon_guest_memory(p).unwrap_or((None, None));
+                let short = short_of_memory(available, total);
+                report(&|s| {
+                    s.available = available;
+                    s.short = short;
+                });
             }
             if wait_for_target(&targets, Duration::from_secs(1), &mut target).is_none() {
                 return;

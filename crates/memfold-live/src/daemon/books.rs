@@ -55,6 +55,8 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims) -> VmStats {
         balloon_target_bytes: balloon.target,
         balloon_actual_bytes: balloon.actual,
         balloon_problem: balloon.problem,
+        guest_available_bytes: balloon.available,
+        guest_short: balloon.short,
     }
 }
 
