@@ -228,7 +228,8 @@ pub struct VmStats {
     #[serde(default)]
     pub entitlement_pages: f64,
     /// What memfoldd asked its balloon to leave the guest (allowance + what it claims),
-    /// bytes; `None`: no balloon driven (Satori §4.2).
+    /// bytes; `None`: no balloon driven (Satori §4.2). The balloon is its QEMU's: a guest
+    /// of several RAM regions shows the same balloon on each, set for their sum.
     #[serde(default)]
     pub balloon_target_bytes: Option<u64>,
     /// What its balloon leaves it now (QMP `query-balloon`), bytes; `None`: not known.

@@ -28,7 +28,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use memfold_core::engine::Engine;
-use memfold_core::ids::VmId;
 use memfold_core::{claim_target, short_of_memory, ClaimPolicy};
 use memfold_vm::qmp::{Qmp, QmpError};
 
@@ -73,11 +72,15 @@ struct Claimer {
 }
 
 /// The claimers of all guests, and the policy they follow.
+///
+/// A balloon belongs to a QEMU, not to a RAM region: a guest whose RAM is several
+/// regions (NUMA nodes, hot-plugged memory: one engine guest each, `NAME/ramK`) has one
+/// claimer, keyed by QEMU's pid, for the sum of its regions' RAM and entitlements.
 pub(crate) struct Claims {
     policy: ClaimPolicy,
     /// Each guest's base allowance, bytes.
     allowance: u64,
-    by_vm: BTreeMap<VmId, Claimer>,
+    by_qemu: BTreeMap<u32, Claimer>,
 }
 
 impl Claims {
@@ -86,7 +89,7 @@ impl Claims {
         Claims {
             policy,
             allowance,
-            by_vm: BTreeMap::new(),
+            by_qemu: BTreeMap::new(),
         }
     }
 
@@ -96,21 +99,25 @@ impl Claims {
         if self.policy == ClaimPolicy::Never {
             return;
         }
-        let vms = engine.vms();
-        self.by_vm
-            .retain(|id, _| vms.iter().any(|&(v, _, _)| v == *id));
-        for (id, pid, _) in vms {
-            let Some(ram) = engine.ram_bytes(id) else {
-                continue;
-            };
-            let claimer = self.by_vm.entry(id).or_insert_with(|| {
+        // Per QEMU: its regions' RAM, bytes, and entitlement, pages.
+        let mut qemus: BTreeMap<u32, (u64, f64)> = BTreeMap::new();
+        for (id, pid, _) in engine.vms() {
+            let q = qemus.entry(pid).or_default();
+            q.0 += engine.ram_bytes(id).unwrap_or(0);
+            q.1 += engine
+                .sharing_ranks(id)
+                .unwrap_or_default()
+                .entitlement_pages();
+        }
+        self.by_qemu.retain(|pid, _| qemus.contains_key(pid));
+        for (pid, (ram, entitlement_pages)) in qemus {
+            let claimer = self.by_qemu.entry(pid).or_insert_with(|| {
                 let (tx, rx) = mpsc::channel();
                 let state = Arc::new(Mutex::new(BalloonState::default()));
                 let s = Arc::clone(&state);
-                let name = format!("balloon-{id}");
                 let _ = std::thread::Builder::new()
-                    .name(name)
-                    .spawn(move || claim_loop(id, pid, rx, s));
+                    .name(format!("balloon-{pid}"))
+                    .spawn(move || claim_loop(pid, rx, s));
                 Claimer {
                     targets: tx,
                     state,
@@ -118,13 +125,13 @@ impl Claims {
                     target: None,
                 }
             });
-            let ranks = engine.sharing_ranks(id).unwrap_or_default();
+            claimer.ram = ram;
             let short = claimer.state.lock().ok().and_then(|s| s.short);
             let Some(t) = claim_target(
                 self.policy,
                 claimer.ram,
                 self.allowance,
-                ranks.entitlement_pages(),
+                entitlement_pages,
                 claimer.target,
                 short,
             ) else {
@@ -137,9 +144,9 @@ impl Claims {
         }
     }
 
-    /// Guest `id`'s balloon as last seen (`None`: not driven).
-    pub(crate) fn state(&self, id: VmId) -> Option<BalloonState> {
-        let c = self.by_vm.get(&id)?;
+    /// The balloon of the QEMU with `pid` as last seen (`None`: not driven).
+    pub(crate) fn state(&self, pid: u32) -> Option<BalloonState> {
+        let c = self.by_qemu.get(&pid)?;
         let s = c.state.lock().map(|s| s.clone()).unwrap_or_default();
         Some(s)
     }
@@ -174,7 +181,7 @@ pub fn monitor_path(cmdline: &[u8]) -> Option<PathBuf> {
 /// One guest's claimer: connects to its QEMU's monitor (checked to be that QEMU's), sets
 /// each new target, reads the balloon back every second; reconnects after 5 s on error;
 /// ends when the main loop drops its inbox.
-fn claim_loop(id: VmId, pid: u32, targets: mpsc::Receiver<u64>, state: Arc<Mutex<BalloonState>>) {
+fn claim_loop(pid: u32, targets: mpsc::Receiver<u64>, state: Arc<Mutex<BalloonState>>) {
     let report = |f: &dyn Fn(&mut BalloonState)| {
         if let Ok(mut s) = state.lock() {
             f(&mut s);
@@ -183,7 +190,7 @@ fn claim_loop(id: VmId, pid: u32, targets: mpsc::Receiver<u64>, state: Arc<Mutex
     let mut said: Option<String> = None;
     let mut problem = |why: Option<String>| {
         if why.is_some() && why != said {
-            tracing::warn!("balloon of {id} (pid {pid}): {}", why.as_deref().unwrap_or(""));
+            tracing::warn!("balloon of QEMU pid {pid}: {}", why.as_deref().unwrap_or(""));
         }
         said.clone_from(&why);
         report(&|s| s.problem.clone_from(&why));

@@ -13,7 +13,7 @@ use super::guests::Guests;
 fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims) -> VmStats {
     let b = &v.books;
     let g = guests.by_vm.get(&v.id);
-    let balloon = claims.state(v.id).unwrap_or_default();
+    let balloon = claims.state(v.pid).unwrap_or_default();
     VmStats {
         name: v.name.clone(),
         pid: v.pid,
