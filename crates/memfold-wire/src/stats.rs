@@ -241,6 +241,34 @@ pub struct VmStats {
     /// they started (0 if `/proc` does not say).
     #[serde(default)]
     pub agent_cpu_s: f64,
+    /// Its shared pages by the sharing rank of the frame each maps, `(rank, pages)`,
+    /// rank ascending; the zero frame left out (Satori §4.2; memfold_core's
+    /// `SharingRanks`).
+    #[serde(default)]
+    pub sharing_ranks: Vec<(u32, u64)>,
+    /// Its sharing entitlement `s(i) = Σ (rank − 1) / rank` over its shared pages, pages
+    /// (Satori §4.2): its part of the memory sharing saves.
+    #[serde(default)]
+    pub entitlement_pages: f64,
+    /// What memfoldd asked its balloon to leave the guest (allowance + what it claims),
+    /// bytes; `None`: no balloon driven (Satori §4.2). The balloon is its QEMU's: a guest
+    /// of several RAM regions shows the same balloon on each, set for their sum.
+    #[serde(default)]
+    pub balloon_target_bytes: Option<u64>,
+    /// What its balloon leaves it now (QMP `query-balloon`), bytes; `None`: not known.
+    #[serde(default)]
+    pub balloon_actual_bytes: Option<u64>,
+    /// Why its balloon is not driven or lags (no monitor, no driver, ignored requests).
+    #[serde(default)]
+    pub balloon_problem: Option<String>,
+    /// Memory available to the guest by its balloon driver's statistics
+    /// (`stat-available-memory`), bytes; `None`: not reported.
+    #[serde(default)]
+    pub guest_available_bytes: Option<u64>,
+    /// Whether the guest is short of memory by those statistics (claiming
+    /// `under-pressure`); `None`: not known.
+    #[serde(default)]
+    pub guest_short: Option<bool>,
 }
 
 /// memfoldd's statistics.

@@ -74,6 +74,8 @@ fn main() {
         swap_capacity: a.engine.swap_mib << 20,
         domains: a.engine.domain_rule(),
         agent_gid: a.agent_gid,
+        claim: a.engine.claim(),
+        allowance: a.engine.allowance_mib << 20,
     };
     if let Err(e) = run(cfg) {
         tracing::error!("{e}");

@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
+use memfold_core::ClaimPolicy;
 use memfold_vm::launcher::{agent_env, Guest, RamBackend};
 
 pub use args::{MemfoldArgs, RunArgs, Twins};
@@ -119,7 +120,10 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         a.twins(),
         RAM,
         default_out,
-        |s, managed| s.free_page_reporting = managed && m.free_page_reporting,
+        |s, managed| {
+            s.free_page_reporting = managed && m.free_page_reporting;
+            s.memfold_balloon = managed && m.engine.claim() != ClaimPolicy::Never;
+        },
         |s| agent_env(&agent, &socket, s),
     )?;
     if m.free_page_reporting {

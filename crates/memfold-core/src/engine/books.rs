@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use super::{kept_index, Engine};
+use super::{kept_index, Engine, SharingRanks};
 use crate::blobs::{BlobHome, Kept};
 use crate::ids::VmId;
 use crate::p2m::PageState;
@@ -96,6 +96,8 @@ pub struct VmReport {
     pub attached: bool,
     /// Its counters.
     pub books: VmBooks,
+    /// Its shared pages by sharing rank, whence its sharing entitlement (Satori §4.2).
+    pub sharing_ranks: SharingRanks,
 }
 
 /// Host pages saved, by mechanism. Pages are 4 KiB.
@@ -336,6 +338,7 @@ impl Engine {
                 host_bytes: v.ram.allocated_bytes() + v.store.allocated_bytes(),
                 attached: v.attached,
                 books: v.books.clone(),
+                sharing_ranks: self.sharing_ranks(*id).expect("a guest of the engine"),
             })
             .collect();
         let sum = |f: fn(&VmBooks) -> u64| vms.iter().map(|v| f(&v.books)).sum::<u64>();

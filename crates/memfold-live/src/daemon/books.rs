@@ -9,11 +9,13 @@ use memfold_wire::{
     HeldBytes, LifetimeCdf, OpLatencies, OpLatency, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS,
 };
 
+use super::balloon::Claims;
 use super::guests::Guests;
 
-fn vm_stats(v: &VmReport, guests: &Guests) -> VmStats {
+fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims) -> VmStats {
     let b = &v.books;
     let g = guests.by_vm.get(&v.id);
+    let balloon = claims.state(v.pid).unwrap_or_default();
     VmStats {
         name: v.name.clone(),
         pid: v.pid,
@@ -52,13 +54,20 @@ fn vm_stats(v: &VmReport, guests: &Guests) -> VmStats {
         detached: !v.attached,
         opted_out: b.opted_out,
         agent_cpu_s: cpu_seconds(v.pid, Some(AGENT_THREADS)),
+        sharing_ranks: v.sharing_ranks.0.clone(),
+        entitlement_pages: v.sharing_ranks.entitlement_pages(),
+        balloon_target_bytes: balloon.target,
+        balloon_actual_bytes: balloon.actual,
+        balloon_problem: balloon.problem,
+        guest_available_bytes: balloon.available,
+        guest_short: balloon.short,
     }
 }
 
 /// memfoldd's statistics now.
-pub(crate) fn stats(engine: &Engine, guests: &Guests) -> Stats {
+pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats {
     let b: Books = engine.books();
-    let mut vms: Vec<VmStats> = b.vms.iter().map(|v| vm_stats(v, guests)).collect();
+    let mut vms: Vec<VmStats> = b.vms.iter().map(|v| vm_stats(v, guests, claims)).collect();
     vms.sort_by(|a, b| a.name.cmp(&b.name));
     let mut all: [OpLatency; AGENT_OPS] = Default::default();
     for g in guests.by_vm.values() {
