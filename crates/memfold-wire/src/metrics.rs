@@ -38,7 +38,7 @@ pub const CONTENT_TYPE_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// Every metric family the exposition writes, as a scrape shows its samples' names
 /// (counters with `_total`, histograms with `_bucket`/`_sum`/`_count` added to the name
 /// given here).
-pub const METRICS: [&str; 32] = [
+pub const METRICS: [&str; 34] = [
     "memfold_uptime_seconds",
     "memfold_guests",
     "memfold_domains",
@@ -68,6 +68,8 @@ pub const METRICS: [&str; 32] = [
     "memfold_clock_passes_total",
     "memfold_vm_detached",
     "memfold_vm_opted_out",
+    "memfold_entitlement_bytes",
+    "memfold_balloon_bytes",
     "memfold_cpu_seconds_total",
     "memfold_agent_cpu_seconds_total",
     "memfold_operation_latency_seconds",
@@ -453,6 +455,33 @@ impl Collector for Snapshot {
             None,
             per_vm(vms, |v| flag(v.opted_out)),
         )?;
+        family(
+            e,
+            "memfold_entitlement",
+            "Sharing entitlement (Satori 4.2): the guest's part of what sharing saves, sum over its shared pages of (rank - 1) / rank pages.",
+            Some(Unit::Bytes),
+            per_vm(vms, |v| Gauge(v.entitlement_pages * PAGE)),
+        )?;
+        let balloons: Vec<(Labels, Value)> = vms
+            .iter()
+            .flat_map(|v| {
+                [("target", v.balloon_target_bytes), ("actual", v.balloon_actual_bytes)]
+                    .into_iter()
+                    .filter_map(move |(kind, b)| {
+                        Some((
+                            vec![("vm", label_value(&v.name)), ("kind", kind.to_string())],
+                            Gauge(b? as f64),
+                        ))
+                    })
+            })
+            .collect();
+        family(
+            e,
+            "memfold_balloon",
+            "Guest memory its balloon leaves it: the target memfoldd set (allowance + claimed entitlement) and the actual; only guests whose balloon memfoldd drives.",
+            Some(Unit::Bytes),
+            balloons,
+        )?;
         if !s.latency_buckets.is_empty() {
             let mut d = e.encode_descriptor(
                 "memfold_operation_latency",
@@ -578,6 +607,9 @@ mod tests {
                     wp_faults: 7,
                     agent_cpu_s: 1.5,
                     nru_pages: [1, 2, 3, 4],
+                    entitlement_pages: 30.5,
+                    balloon_target_bytes: Some(3 << 20),
+                    balloon_actual_bytes: Some(2 << 20),
                     ..Default::default()
                 },
                 VmStats {
@@ -627,6 +659,15 @@ mod tests {
         );
         assert!(
             text.contains("memfold_pages{vm=\"web\",state=\"shared\"} 40.0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_entitlement_bytes{vm=\"web\"} 124928.0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_balloon_bytes{vm=\"web\",kind=\"target\"} 3145728.0\n")
+                && text.contains("memfold_balloon_bytes{vm=\"web\",kind=\"actual\"} 2097152.0\n"),
             "{text}"
         );
         assert!(

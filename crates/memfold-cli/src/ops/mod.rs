@@ -68,6 +68,10 @@ pub struct Row {
     pub compressed_pages: u64,
     /// Pages in the swap file.
     pub swapped_pages: u64,
+    /// Sharing entitlement (Satori §4.2): its part of what sharing saves, bytes.
+    pub entitlement_bytes: u64,
+    /// What its balloon leaves the guest (`None`: memfoldd drives no balloon), bytes.
+    pub balloon_bytes: Option<u64>,
     /// Copy-on-write breaks per second between the two samples (`None`: one sample only,
     /// or the guest is new).
     pub cow_breaks_per_s: Option<f64>,
@@ -159,6 +163,8 @@ pub fn view(prev: Option<&Stats>, now: &Stats) -> View {
             patched_pages: v.patched_pages,
             compressed_pages: v.compressed_pages,
             swapped_pages: v.swapped_pages,
+            entitlement_bytes: (v.entitlement_pages * PAGE as f64) as u64,
+            balloon_bytes: v.balloon_actual_bytes,
             cow_breaks_per_s: rate(v, |v| v.cow_breaks),
             faults_per_s: rate(v, faults),
             state: if v.opted_out {
@@ -185,6 +191,12 @@ pub fn view(prev: Option<&Stats>, now: &Stats) -> View {
         patched_pages: sum(|r| r.patched_pages),
         compressed_pages: sum(|r| r.compressed_pages),
         swapped_pages: sum(|r| r.swapped_pages),
+        entitlement_bytes: sum(|r| r.entitlement_bytes),
+        balloon_bytes: vms
+            .iter()
+            .map(|r| r.balloon_bytes)
+            .sum::<Option<u64>>()
+            .filter(|_| !vms.is_empty()),
         cow_breaks_per_s: sum_rate(|r| r.cow_breaks_per_s),
         faults_per_s: sum_rate(|r| r.faults_per_s),
         state: "",
@@ -243,7 +255,7 @@ pub fn per_s(r: Option<f64>) -> String {
 }
 
 /// The table's header, one cell per column.
-pub const COLUMNS: [&str; 11] = [
+pub const COLUMNS: [&str; 13] = [
     "VM",
     "HOST MiB",
     "GUEST MiB",
@@ -252,13 +264,15 @@ pub const COLUMNS: [&str; 11] = [
     "PATCHED",
     "COMPR",
     "SWAPPED",
+    "ENTITLED MiB",
+    "BALLOON MiB",
     "COW/s",
     "FAULTS/s",
     "STATE",
 ];
 
 /// A row's cells, in [`COLUMNS`]' order.
-pub fn cells(r: &Row) -> [String; 11] {
+pub fn cells(r: &Row) -> [String; 13] {
     [
         r.name.clone(),
         mib(r.host_bytes as f64),
@@ -268,6 +282,8 @@ pub fn cells(r: &Row) -> [String; 11] {
         r.patched_pages.to_string(),
         r.compressed_pages.to_string(),
         r.swapped_pages.to_string(),
+        mib(r.entitlement_bytes as f64),
+        r.balloon_bytes.map_or("-".into(), |b| mib(b as f64)),
         per_s(r.cow_breaks_per_s),
         per_s(r.faults_per_s),
         r.state.to_string(),
@@ -301,7 +317,7 @@ pub fn saved_line(s: &Saved) -> String {
 
 /// The view as a plain text table.
 pub fn table(v: &View) -> String {
-    let rows: Vec<[String; 11]> = std::iter::once(COLUMNS.map(String::from))
+    let rows: Vec<[String; 13]> = std::iter::once(COLUMNS.map(String::from))
         .chain(v.vms.iter().map(cells))
         .chain(std::iter::once(cells(&v.total)))
         .collect();
@@ -415,6 +431,8 @@ mod tests {
                     cow_breaks: cow,
                     wp_faults: faults,
                     missing_faults: faults,
+                    entitlement_pages: 512.0,
+                    balloon_actual_bytes: Some(200 << 20),
                     ..Default::default()
                 },
                 VmStats {
@@ -447,6 +465,13 @@ mod tests {
         assert_eq!(v.vms[0].faults_per_s, Some(100.0));
         assert_eq!(v.vms[1].state, "detached");
         assert_eq!(v.total.cow_breaks_per_s, Some(20.0));
+        // Entitlements add up; a balloon total only when every guest's balloon is driven.
+        assert_eq!(v.vms[0].entitlement_bytes, 2 << 20);
+        assert_eq!(v.total.entitlement_bytes, 2 << 20);
+        assert_eq!((v.vms[0].balloon_bytes, v.vms[1].balloon_bytes), (Some(200 << 20), None));
+        assert_eq!(v.total.balloon_bytes, None);
+        let t = table(&v);
+        assert!(t.contains("ENTITLED MiB") && t.contains("200.0"), "{t}");
         // The pools count in the total's host memory, not in any guest's.
         assert_eq!(v.total.host_bytes, 153 * PAGE);
         assert_eq!(v.saved.share, 8 * PAGE as i64);

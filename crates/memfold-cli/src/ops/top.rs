@@ -125,12 +125,14 @@ fn draw(f: &mut Frame, v: &View, socket: &Path, interval: f64, lost: Option<&str
         Constraint::Length(8),
         Constraint::Length(8),
         Constraint::Length(8),
+        Constraint::Length(12),
+        Constraint::Length(11),
         Constraint::Length(7),
         Constraint::Length(9),
         Constraint::Length(10),
     ];
     // Names and the state left, numbers right, as in `memfold status`.
-    let row = |cells: [String; 11]| {
+    let row = |cells: [String; 13]| {
         TableRow::new(cells.into_iter().enumerate().map(|(i, c)| {
             if i == 0 || i == COLUMNS.len() - 1 {
                 Cell::from(Line::from(c))
