@@ -54,20 +54,23 @@ ird=$(mktemp -d)
 trap 'rm -rf "$ird"' EXIT
 mkdir -p "$ird"/{bin,proc,sys,dev,tmp,newroot,lib/modules}
 cp /bin/busybox "$ird/bin/busybox"
+# The tiny guest loads only the virtio balloon's stack (memfoldd's entitlements drive it).
+modules="virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_balloon"
+[ "$profile" = tiny ] || modules="crc16 crc32c_generic mbcache jbd2 ext4 $modules virtio_blk"
+for m in $modules; do
+    f=$(find "$kernel_dir/root/lib/modules/$kver" -name "$m.ko*" | head -1)
+    [ -n "$f" ] || continue   # built into the kernel
+    case "$f" in
+        *.xz) xz -dc "$f" > "$ird/lib/modules/$m.ko" ;;
+        *.zst) zstd -qdc "$f" > "$ird/lib/modules/$m.ko" ;;
+        *) cp "$f" "$ird/lib/modules/$m.ko" ;;
+    esac
+    echo "$m" >> "$ird/lib/modules/order"
+done
 if [ "$profile" = tiny ]; then
     cp "$here/tiny-init" "$ird/init"
     cp "$here/mechanism-data" "$ird/memfold-mechanism-data"
 else
-    for m in crc16 crc32c_generic mbcache jbd2 ext4 virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk virtio_balloon; do
-        f=$(find "$kernel_dir/root/lib/modules/$kver" -name "$m.ko*" | head -1)
-        [ -n "$f" ] || continue   # built into the kernel
-        case "$f" in
-            *.xz) xz -dc "$f" > "$ird/lib/modules/$m.ko" ;;
-            *.zst) zstd -qdc "$f" > "$ird/lib/modules/$m.ko" ;;
-            *) cp "$f" "$ird/lib/modules/$m.ko" ;;
-        esac
-        echo "$m" >> "$ird/lib/modules/order"
-    done
     cp "$here/disk-init" "$ird/init"
     # The workload and self-check ride in the initramfs (disk-init copies them into the
     # throw-away root): changing them rebuilds the initramfs, not the rootfs.

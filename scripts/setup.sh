@@ -17,6 +17,7 @@ command -v mkfs.ext4 >/dev/null 2>&1 || need_apt+=(e2fsprogs)
 command -v cpio >/dev/null 2>&1 || need_apt+=(cpio)
 command -v xz >/dev/null 2>&1 || need_apt+=(xz-utils)
 command -v zstd >/dev/null 2>&1 || need_apt+=(zstd)
+command -v tmux >/dev/null 2>&1 || need_apt+=(tmux)
 if ((${#need_apt[@]})); then
     echo "setup: installing ${need_apt[*]}"
     export DEBIAN_FRONTEND=noninteractive
@@ -58,5 +59,24 @@ if command -v rustup >/dev/null 2>&1; then
         cargo install cargo-fuzz --locked ||
             echo "setup: cargo-fuzz did not install: fuzzing will be skipped" >&2
     fi
+fi
+# promtool (for the metrics endpoint's test: `promtool check metrics` on a scrape), from
+# Debian's prometheus package without installing it as a service: only the promtool binary
+# is extracted, into ~/.cache/memfold/promtool/. The test finds it there (or on PATH) and
+# says so when it is missing.
+promtool_dir="$HOME/.cache/memfold/promtool"
+if ! command -v promtool >/dev/null 2>&1 && [ ! -x "$promtool_dir/promtool" ]; then
+    echo "setup: extracting promtool from Debian's prometheus package"
+    tmp=$(mktemp -d)
+    if (cd "$tmp" && { apt-get download prometheus >/dev/null 2>&1 ||
+        { apt-get update -qq && apt-get download prometheus >/dev/null; }; }); then
+        dpkg-deb --fsys-tarfile "$tmp"/prometheus_*.deb |
+            tar -x -C "$tmp" ./usr/bin/promtool
+        mkdir -p "$promtool_dir"
+        install -m 0755 "$tmp/usr/bin/promtool" "$promtool_dir/promtool"
+    else
+        echo "setup: could not download Debian's prometheus package: the metrics test will skip promtool" >&2
+    fi
+    rm -rf "$tmp"
 fi
 echo "setup: ok ($(cargo --version))"

@@ -8,7 +8,7 @@ use std::ffi::OsString;
 use clap::builder::PossibleValuesParser;
 use clap::Args;
 use memfold_core::engine::ConfigError;
-use memfold_core::{CompressCodec, EngineConfig, PatchCodec, Policy, ZeroPolicy};
+use memfold_core::{ClaimPolicy, CompressCodec, EngineConfig, PatchCodec, Policy, ZeroPolicy};
 use memfold_live::daemon::DomainRule;
 
 fn defaults() -> EngineConfig {
@@ -76,9 +76,31 @@ pub struct EngineArgs {
     /// user; `vm`: each guest alone (the strict setting, as ESX's salting).
     #[arg(long, default_value = "user", value_parser = PossibleValuesParser::new(DomainRule::NAMES))]
     pub share_domains: String,
+    /// How guests claim their sharing entitlements (Satori §4.2: the memory sharing saves,
+    /// credited to the guests that share, Σ (rank − 1) / rank pages each) through their
+    /// virtio balloons: `never` keeps the saving on the host; `at-once` leaves each guest
+    /// its allowance plus its entitlement, and takes it back as sharing breaks (§4.3);
+    /// `under-pressure` grows a guest past its allowance, up to that, only while the
+    /// guest's balloon statistics say it is short of memory (under an eighth of its memory
+    /// available, or 32 MiB), and takes back at once what it drew past its entitlement.
+    /// memfoldd drives the balloon through the guest's monitor socket with id
+    /// `memfold-qmp` (`memfold run` adds the balloon and the monitor).
+    #[arg(long, default_value = "never", value_parser = PossibleValuesParser::new(["never", "at-once", "under-pressure"]))]
+    pub claim_entitlement: String,
+    /// Each guest's base allowance with `--claim-entitlement`, MiB: what its balloon
+    /// leaves it before its entitlement (at most its RAM).
+    #[arg(long, default_value_t = 256)]
+    pub allowance_mib: u64,
 }
 
 impl EngineArgs {
+    /// The claim policy for entitlements.
+    pub fn claim(&self) -> ClaimPolicy {
+        self.claim_entitlement
+            .parse()
+            .expect("clap checked the name")
+    }
+
     /// The sharing-domain rule.
     pub fn domain_rule(&self) -> DomainRule {
         DomainRule::by_name(&self.share_domains).expect("clap checked the name")
@@ -151,6 +173,8 @@ impl EngineArgs {
         opt("--compress-codec", self.compress_codec.name().into());
         opt("--compress-cutoff", self.compress_cutoff.to_string());
         opt("--share-domains", self.share_domains.clone());
+        opt("--claim-entitlement", self.claim_entitlement.clone());
+        opt("--allowance-mib", self.allowance_mib.to_string());
         if let Some(b) = self.host_budget_mib {
             opt("--host-budget-mib", b.to_string());
             opt("--swap-mib", self.swap_mib.to_string());

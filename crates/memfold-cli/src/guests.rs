@@ -55,6 +55,7 @@ pub fn specs(profiles: &str, ram: RamBackend, mem_mib: Option<u32>) -> Result<Ve
             cgroup_procs: None,
             mem_merge: true,
             free_page_reporting: false,
+            memfold_balloon: false,
         });
     }
     anyhow::ensure!(!out.is_empty(), "no guest profile given");

@@ -8,6 +8,7 @@ mod compare;
 mod guests;
 mod image;
 mod ksm;
+mod ops;
 mod peer;
 mod plot;
 mod qemu;
@@ -61,6 +62,13 @@ enum Cmd {
     /// and nothing of it is shared or stored again until `memfold merge`. memfoldd
     /// forgets an opt-out when it restarts.
     Unmerge(OptArgs),
+    /// One look at a running memfoldd: per guest the host memory, the pages each
+    /// mechanism holds, CoW breaks/s and faults/s (two samples --interval apart), the
+    /// total and the savings by mechanism; --json for scripts.
+    Status(ops::StatusArgs),
+    /// A full-screen live view of a running memfoldd: a row per guest and the total,
+    /// refreshed every --interval seconds; q quits.
+    Top(ops::top::TopArgs),
     /// Let memfold manage a guest taken out by `memfold unmerge` again.
     Merge(OptArgs),
     /// Host memory left against guest slowdown for every side of `memfold compare` runs
@@ -151,6 +159,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
             Ok(())
         }
+        Cmd::Status(a) => Ok(ops::status(&a)?),
+        Cmd::Top(a) => Ok(ops::top::run(&a)?),
         Cmd::Merge(a) => {
             memfold_live::opt_out(&a.socket, &a.name, false)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", a.socket.display()))?;

@@ -123,6 +123,7 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
             cgroup_procs: None,
             mem_merge: true,
             free_page_reporting: false,
+            memfold_balloon: false,
         };
         let mut env = agent_env(&agent, &socket, &spec);
         if name == "b" {
@@ -145,6 +146,9 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
             && s.vms[0].shared_pages > 0
             && s.vms[1].share_refused > 0
             && s.vms[1].shared_pages == 0
+            // Satori §4.2: `a` shares, so it earns; `b` shares nothing and earns nothing.
+            && s.vms[0].entitlement_pages > 0.0
+            && s.vms[1].entitlement_pages == 0.0
             && s.vms.iter().all(|v| v.reclaims > 0 && v.refills > 0)
             && s.latency.cow_break.count > 0
             && s.latency.fault.count > 0

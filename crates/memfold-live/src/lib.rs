@@ -4,6 +4,7 @@
 //! - [`daemon`]: memfoldd — connections, the executor that turns the engine's commands
 //!   into requests to the agents and their answers into outcomes, the backings, the
 //!   books' export.
+//! - [`metrics`]: memfoldd's Prometheus endpoint (`GET /metrics`, `--metrics-listen`).
 //! - [`query_stats`], [`opt_out`]: a client's requests: memfoldd's statistics, the
 //!   operator's opt-out of a guest.
 //!
@@ -19,6 +20,7 @@
 #![deny(missing_docs)]
 
 pub mod daemon;
+pub mod metrics;
 
 use std::path::Path;
 

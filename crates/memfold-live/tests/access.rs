@@ -126,6 +126,8 @@ fn tenants_of_the_agent_group_attach_but_are_not_operators() {
         swap_capacity: 1 << 20,
         domains: DomainRule::User,
         agent_gid: Some(AGENT_GID),
+        claim: memfold_core::ClaimPolicy::Never,
+        allowance: 0,
     };
     common::start_memfoldd_with(cfg);
     run_child(&socket, "tenant", AGENT_GID);

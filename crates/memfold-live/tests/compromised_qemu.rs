@@ -41,6 +41,8 @@ fn memfoldd(dir: &Path, domains: DomainRule) -> PathBuf {
         swap_capacity: 16 << 20,
         domains,
         agent_gid: None,
+        claim: memfold_core::ClaimPolicy::Never,
+        allowance: 0,
     };
     common::start_memfoldd_with(cfg);
     socket

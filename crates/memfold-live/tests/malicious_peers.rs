@@ -101,6 +101,8 @@ fn memfoldd(dir: &std::path::Path) -> std::path::PathBuf {
         swap_capacity: 16 << 20,
         domains: DomainRule::User,
         agent_gid: None,
+        claim: memfold_core::ClaimPolicy::Never,
+        allowance: 0,
     };
     common::start_memfoldd_with(cfg);
     socket

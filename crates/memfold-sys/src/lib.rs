@@ -11,12 +11,14 @@
 //! | [`socket`] | a `SOCK_SEQPACKET` Unix socket that carries packets of bytes and file descriptors (SCM_RIGHTS) |
 //! | [`uffd`] | userfaultfd on shmem: register, write-protect, copy, zero-page, continue, events |
 //! | [`ksm`] | Linux KSM's sysfs settings and counters (the peer memfold is measured against) |
+//! | [`proc`] | CPU seconds of a process or its threads, from `/proc` |
 //! | [`reclaim`] | the kernel's other memory savers: zswap, a swap file, a v1 memory cgroup's limit, memory PSI |
 
 #![deny(missing_docs)]
 
 pub mod ksm;
 pub mod memfd;
+pub mod proc;
 pub mod reclaim;
 pub mod socket;
 pub mod uffd;

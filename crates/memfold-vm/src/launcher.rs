@@ -70,6 +70,11 @@ pub struct GuestSpec {
     /// guest kernel's `virtio_balloon` driver reports free 2 MiB blocks and QEMU discards
     /// them from guest RAM (the kernel-kit peer's `fpr`). Never inflated.
     pub free_page_reporting: bool,
+    /// A virtio-balloon device that memfoldd inflates and deflates (sharing entitlements,
+    /// Satori §4.2), and a QMP monitor of memfoldd's own, `memfold-qmp.sock` in the
+    /// guest's folder (chardev id `memfold-qmp`; the launcher keeps `qmp.sock`). With
+    /// [`GuestSpec::free_page_reporting`] too, one balloon does both.
+    pub memfold_balloon: bool,
 }
 
 /// Launcher errors.
@@ -200,6 +205,7 @@ pub fn detect_accel(cache: &Path) -> Accel {
             cgroup_procs: None,
             mem_merge: true,
             free_page_reporting: false,
+            memfold_balloon: false,
         };
         let mut g = Guest::start(&spec, cache, &dir, Accel::Kvm).ok()?;
         let ok = g.wait_ready(Duration::from_secs(20)).is_ok();
@@ -277,10 +283,24 @@ pub fn qemu_args(
         "-nodefaults",
         "-no-reboot",
     ]);
-    if spec.free_page_reporting {
-        push(&[
+    match (spec.free_page_reporting, spec.memfold_balloon) {
+        (true, _) => push(&[
             "-device",
             "virtio-balloon-pci,id=balloon0,free-page-reporting=on",
+        ]),
+        (false, true) => push(&["-device", "virtio-balloon-pci,id=balloon0"]),
+        (false, false) => {}
+    }
+    if spec.memfold_balloon {
+        let sock = qmp.with_file_name("memfold-qmp.sock");
+        push(&[
+            "-chardev",
+            &format!(
+                "socket,id=memfold-qmp,path={},server=on,wait=off",
+                sock.display()
+            ),
+            "-mon",
+            "chardev=memfold-qmp,mode=control",
         ]);
     }
     push(&["-serial", &format!("file:{}", serial.display())]);
@@ -612,6 +632,7 @@ mod tests {
             cgroup_procs: None,
             mem_merge: true,
             free_page_reporting: false,
+            memfold_balloon: false,
         }
     }
 
@@ -674,6 +695,7 @@ mod tests {
         assert!(has(&plain, ["-machine", "q35,mem-merge=off"]));
         let fpr = args(&GuestSpec {
             free_page_reporting: true,
+            memfold_balloon: false,
             ..spec(RamBackend::Anonymous)
         });
         assert!(has(

@@ -1,6 +1,6 @@
 //! A QMP client: JSON commands over QEMU's monitor socket.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -34,7 +34,26 @@ pub enum QmpError {
     /// Something that is not QMP came back.
     #[error("QMP protocol: {0}")]
     Protocol(String),
+    /// The socket is served by another process than the guest's QEMU: a path a peer gave
+    /// that would reach some other VM's monitor (refused, see
+    /// [`Qmp::connect_served_by`]).
+    #[error("QMP socket {path} is served by pid {found:?}, not the guest's QEMU (pid {expected})")]
+    WrongServer {
+        /// Socket path.
+        path: String,
+        /// The guest's QEMU.
+        expected: u32,
+        /// The process serving the socket (`None`: the kernel did not say).
+        found: Option<u32>,
+    },
 }
+
+/// The longest QMP message read, bytes: a peer cannot make its reader hold more.
+pub const MAX_MESSAGE: u64 = 1 << 20;
+
+/// Asynchronous events skipped while waiting for one command's answer: a QEMU that
+/// floods events gets an error, not a reader stuck for ever.
+const MAX_EVENTS_PER_COMMAND: usize = 10_000;
 
 /// A connected QMP session in command mode.
 pub struct Qmp {
@@ -64,7 +83,38 @@ impl Qmp {
                 }
             }
         };
-        stream.set_read_timeout(Some(Duration::from_secs(120)))?;
+        Self::start(stream, Duration::from_secs(120))
+    }
+
+    /// Connects to the QMP socket at `path` — a path a peer named, so untrusted — only if
+    /// the process serving it is `pid` (the kernel's `SO_PEERCRED` of the connection: the
+    /// process that made the listening socket), with `timeout` on every read and write.
+    /// This keeps a guest's QEMU from pointing memfoldd at another guest's monitor.
+    ///
+    /// Errors: [`QmpError::Connect`], [`QmpError::WrongServer`], [`QmpError::Protocol`],
+    /// [`QmpError::Io`] (a timeout included).
+    pub fn connect_served_by(path: &Path, pid: u32, timeout: Duration) -> Result<Self, QmpError> {
+        let stream = UnixStream::connect(path).map_err(|source| QmpError::Connect {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let found = rustix::net::sockopt::socket_peercred(&stream)
+            .ok()
+            .map(|c| c.pid.as_raw_nonzero().get() as u32);
+        if found != Some(pid) {
+            return Err(QmpError::WrongServer {
+                path: path.display().to_string(),
+                expected: pid,
+                found,
+            });
+        }
+        stream.set_write_timeout(Some(timeout))?;
+        Self::start(stream, timeout)
+    }
+
+    /// Reads the greeting of a connected monitor and enters command mode.
+    fn start(stream: UnixStream, read_timeout: Duration) -> Result<Self, QmpError> {
+        stream.set_read_timeout(Some(read_timeout))?;
         let mut q = Qmp {
             reader: BufReader::new(stream.try_clone()?),
             writer: stream,
@@ -79,8 +129,13 @@ impl Qmp {
 
     fn read_message(&mut self) -> Result<Value, QmpError> {
         let mut line = String::new();
-        if self.reader.read_line(&mut line)? == 0 {
+        if (&mut self.reader).take(MAX_MESSAGE).read_line(&mut line)? == 0 {
             return Err(QmpError::Protocol("connection closed".into()));
+        }
+        if !line.ends_with('\n') {
+            return Err(QmpError::Protocol(format!(
+                "a message of more than {MAX_MESSAGE} bytes, or cut short"
+            )));
         }
         serde_json::from_str(&line)
             .map_err(|e| QmpError::Protocol(format!("bad JSON {line:?}: {e}")))
@@ -95,7 +150,7 @@ impl Qmp {
             msg["arguments"] = a;
         }
         writeln!(self.writer, "{msg}")?;
-        loop {
+        for _ in 0..=MAX_EVENTS_PER_COMMAND {
             let v = self.read_message()?;
             if v.get("event").is_some() {
                 continue;
@@ -112,5 +167,159 @@ impl Qmp {
             }
             return Err(QmpError::Protocol(format!("unexpected reply {v}")));
         }
+        Err(QmpError::Protocol(format!(
+            "more than {MAX_EVENTS_PER_COMMAND} events and no answer to {command}"
+        )))
+    }
+
+    /// Asks the guest's balloon to leave it `bytes` of RAM (QMP `balloon`; the guest's
+    /// driver inflates or deflates in its own time).
+    ///
+    /// Errors: as [`Qmp::execute`] (`DeviceNotActive`: no balloon device or driver).
+    pub fn balloon(&mut self, bytes: u64) -> Result<(), QmpError> {
+        self.execute("balloon", Some(json!({ "value": bytes })))
+            .map(|_| ())
+    }
+
+    /// The QOM path of the guest's virtio balloon (`None`: it has none), among the
+    /// devices given an id (`/machine/peripheral`) and those without (`…-anon`).
+    ///
+    /// Errors: as [`Qmp::execute`].
+    pub fn balloon_path(&mut self) -> Result<Option<String>, QmpError> {
+        for dir in ["/machine/peripheral", "/machine/peripheral-anon"] {
+            let list = self.execute("qom-list", Some(json!({ "path": dir })))?;
+            let found = list.as_array().into_iter().flatten().find_map(|p| {
+                let ty = p.get("type")?.as_str()?;
+                let name = p.get("name")?.as_str()?;
+                ty.starts_with("child<virtio-balloon")
+                    .then(|| format!("{dir}/{name}"))
+            });
+            if found.is_some() {
+                return Ok(found);
+            }
+        }
+        Ok(None)
+    }
+
+    /// Asks the guest's balloon driver, through the balloon at QOM `path`, for its
+    /// statistics every `secs` seconds.
+    ///
+    /// Errors: as [`Qmp::execute`].
+    pub fn balloon_stats_every(&mut self, path: &str, secs: u32) -> Result<(), QmpError> {
+        self.execute(
+            "qom-set",
+            Some(json!({ "path": path, "property": "guest-stats-polling-interval", "value": secs })),
+        )
+        .map(|_| ())
+    }
+
+    /// The guest's last balloon statistics, as (available, total) bytes — each `None`
+    /// when the guest does not report it (QEMU says -1, or the driver sent none yet).
+    ///
+    /// Errors: as [`Qmp::execute`].
+    pub fn balloon_guest_memory(
+        &mut self,
+        path: &str,
+    ) -> Result<(Option<u64>, Option<u64>), QmpError> {
+        let r = self.execute(
+            "qom-get",
+            Some(json!({ "path": path, "property": "guest-stats" })),
+        )?;
+        let stat = |k: &str| {
+            r.get("stats")
+                .and_then(|s| s.get(k))
+                .and_then(Value::as_i64)
+                .and_then(|v| u64::try_from(v).ok())
+        };
+        Ok((
+            stat("stat-available-memory"),
+            stat("stat-total-memory"),
+        ))
+    }
+
+    /// The RAM the guest's balloon leaves it now, bytes (`query-balloon`'s `actual`).
+    ///
+    /// Errors: as [`Qmp::execute`]; [`QmpError::Protocol`] without a number.
+    pub fn balloon_actual(&mut self) -> Result<u64, QmpError> {
+        let r = self.execute("query-balloon", None)?;
+        r.get("actual")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| QmpError::Protocol(format!("query-balloon without actual: {r}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    /// A monitor served by this process that greets, answers `qmp_capabilities`, then
+    /// plays `script` to the next command.
+    fn fake_monitor(dir: &Path, script: impl FnOnce(&mut UnixStream) + Send + 'static) -> std::path::PathBuf {
+        let path = dir.join("qmp.sock");
+        let l = UnixListener::bind(&path).unwrap();
+        std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut r = BufReader::new(s.try_clone().unwrap());
+            let mut line = String::new();
+            writeln!(s, r#"{{"QMP": {{"version": {{}}, "capabilities": []}}}}"#).unwrap();
+            r.read_line(&mut line).unwrap();
+            writeln!(s, r#"{{"return": {{}}}}"#).unwrap();
+            line.clear();
+            r.read_line(&mut line).unwrap();
+            script(&mut s);
+        });
+        path
+    }
+
+    #[test]
+    fn a_monitor_served_by_another_process_than_the_guests_qemu_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = fake_monitor(dir.path(), |_| {});
+        let me = std::process::id();
+        let e = Qmp::connect_served_by(&path, me + 1, Duration::from_secs(2)).err().unwrap();
+        assert!(
+            matches!(e, QmpError::WrongServer { expected, found: Some(f), .. } if expected == me + 1 && f == me),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_balloon_is_read_and_set_through_the_guests_own_monitor() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = fake_monitor(dir.path(), |s| {
+            writeln!(s, r#"{{"event": "BALLOON_CHANGE", "data": {{"actual": 1}}}}"#).unwrap();
+            writeln!(s, r#"{{"return": {{"actual": 268435456}}}}"#).unwrap();
+        });
+        let mut q = Qmp::connect_served_by(&path, std::process::id(), Duration::from_secs(2)).unwrap();
+        assert_eq!(q.balloon_actual().unwrap(), 256 << 20);
+    }
+
+    #[test]
+    fn a_monitor_that_floods_gets_an_error_not_a_reader_that_holds_it_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = fake_monitor(dir.path(), |s| {
+            let big = vec![b'x'; (MAX_MESSAGE + 10) as usize];
+            let _ = s.write_all(&big);
+        });
+        let mut q = Qmp::connect_served_by(&path, std::process::id(), Duration::from_secs(2)).unwrap();
+        let e = q.balloon_actual().unwrap_err();
+        assert!(e.to_string().contains("more than"), "{e}");
+
+    }
+
+    #[test]
+    fn a_monitor_that_sends_only_events_gets_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = fake_monitor(dir.path(), |s| {
+            for _ in 0..=MAX_EVENTS_PER_COMMAND + 1 {
+                if writeln!(s, r#"{{"event": "X"}}"#).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut q = Qmp::connect_served_by(&path, std::process::id(), Duration::from_secs(2)).unwrap();
+        let e = q.balloon(1 << 30).unwrap_err();
+        assert!(e.to_string().contains("events and no answer"), "{e}");
     }
 }

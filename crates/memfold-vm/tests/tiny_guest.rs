@@ -23,6 +23,7 @@ fn boot_capture_analyse(ram: RamBackend, name: &str) {
         cgroup_procs: None,
         mem_merge: true,
         free_page_reporting: false,
+        memfold_balloon: false,
     };
     // TCG: the KVM probe is exercised by the commands; tests must not depend on it.
     let mut g = Guest::start(&spec, &cache, work.path(), Accel::Tcg).unwrap();
@@ -112,6 +113,7 @@ fn missing_images_and_profiles_are_clear_errors() {
         cgroup_procs: None,
         mem_merge: true,
         free_page_reporting: false,
+        memfold_balloon: false,
     };
     let err = Guest::start(&spec, empty.path(), work.path(), Accel::Tcg)
         .err()

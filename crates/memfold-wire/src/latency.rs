@@ -13,6 +13,29 @@ use serde::{Deserialize, Serialize};
 /// Largest latency kept exactly: 60 s in ns (longer ones are clamped).
 const MAX_NS: u64 = 60_000_000_000;
 
+/// The upper bounds of the latency buckets memfoldd exports (`le`, seconds; `+Inf` is
+/// implied): 1 µs to 1 s in 1–2.5–5 steps, so that a µs-scale fault service and a
+/// ms-scale patch encode or swap read both fall inside the range.
+pub const LATENCY_BUCKETS_S: [f64; 19] = [
+    1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+    5e-2, 0.1, 0.25, 0.5, 1.0,
+];
+
+/// One operation's latencies in the exported buckets ([`LATENCY_BUCKETS_S`]): what a
+/// Prometheus histogram needs.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct OpBuckets {
+    /// The operation (`share`, `cow_break`, ... as in [`crate::OpLatencies::OPS`]).
+    pub op: String,
+    /// Operations timed.
+    pub count: u64,
+    /// All of them together, seconds (mean × count, to the histogram's precision).
+    pub sum_s: f64,
+    /// Operations that took at most [`LATENCY_BUCKETS_S`]`[i]`, cumulative (the HDR
+    /// histogram's 2 significant digits: a value within 1% above a bound may count in it).
+    pub le: Vec<u64>,
+}
+
 /// A latency histogram in nanoseconds, 2 significant digits.
 #[derive(Clone, Debug)]
 pub struct OpLatency {
@@ -81,6 +104,19 @@ impl OpLatency {
         let _ = self.hist.add(&other.hist);
     }
 
+    /// The histogram in the exported buckets ([`LATENCY_BUCKETS_S`]), as operation `op`.
+    pub fn buckets(&self, op: &str) -> OpBuckets {
+        OpBuckets {
+            op: op.to_string(),
+            count: self.hist.len(),
+            sum_s: self.hist.mean() * self.hist.len() as f64 / 1e9,
+            le: LATENCY_BUCKETS_S
+                .iter()
+                .map(|&b| self.hist.count_between(0, (b * 1e9).round() as u64))
+                .collect(),
+        }
+    }
+
     /// Count, p50, p99 and max in µs.
     pub fn summary(&self) -> LatencySummary {
         let us = |ns: u64| ns as f64 / 1000.0;
@@ -117,5 +153,29 @@ mod tests {
         m.merge(&a);
         assert_eq!(m.summary().count, 300);
         assert!(m.summary().p99_us > 9000.0);
+    }
+
+    #[test]
+    fn buckets_are_cumulative_at_their_bounds_in_seconds() {
+        let mut a = OpLatency::default();
+        a.record(Duration::from_micros(3), 10); // ≤ 5 µs
+        a.record(Duration::from_micros(40), 5); // ≤ 50 µs
+        a.record(Duration::from_millis(2), 1); // ≤ 2.5 ms
+        a.record(Duration::from_secs(3), 1); // only +Inf
+        let b = a.buckets("share");
+        assert_eq!(b.op, "share");
+        assert_eq!(b.count, 17);
+        assert_eq!(b.le.len(), LATENCY_BUCKETS_S.len());
+        let at = |s: f64| b.le[LATENCY_BUCKETS_S.iter().position(|&x| x == s).unwrap()];
+        assert_eq!(at(2.5e-6), 0);
+        assert_eq!(at(5e-6), 10);
+        assert_eq!(at(2.5e-5), 10);
+        assert_eq!(at(5e-5), 15);
+        assert_eq!(at(1e-3), 15);
+        assert_eq!(at(2.5e-3), 16);
+        assert_eq!(at(1.0), 16);
+        assert!(b.le.windows(2).all(|w| w[0] <= w[1]));
+        let want = 10.0 * 3e-6 + 5.0 * 40e-6 + 2e-3 + 3.0;
+        assert!((b.sum_s - want).abs() < want * 0.01, "{b:?}");
     }
 }

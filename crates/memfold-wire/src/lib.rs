@@ -15,7 +15,8 @@
 //! |---|---|
 //! | [`messages`] | the messages, the stash blob types, the limits |
 //! | [`reattach`] | the binary list of pages an agent has mapped, passed in a memfd |
-//! | [`stats`] | memfoldd's statistics, per guest and in total, and their Prometheus text |
+//! | [`stats`] | memfoldd's statistics, per guest and in total |
+//! | [`metrics`] | the statistics as a Prometheus (OpenMetrics) exposition |
 //! | [`latency`] | latency histograms (HDR) and their percentiles |
 //! | [`conn`] | [`Conn`] and [`Listener`], over `memfold_sys::socket` |
 
@@ -29,11 +30,12 @@ use serde::{de::DeserializeOwned, Serialize};
 pub mod conn;
 pub mod latency;
 pub mod messages;
+pub mod metrics;
 pub mod reattach;
 pub mod stats;
 
 pub use conn::{Conn, Listener};
-pub use latency::{LatencySummary, OpLatency};
+pub use latency::{LatencySummary, OpBuckets, OpLatency, LATENCY_BUCKETS_S};
 pub use memfold_ids::{BatchId, FrameId, Gfn};
 pub use messages::{
     AgentReport, Blob, BlobHome, Discarded, StashPage, ToAgent, ToClient, ToDaemon, CLOCK_SLICE,

@@ -1,9 +1,9 @@
 //! memfoldd's statistics: every counter, per guest and in total, as a client gets them
-//! ([`crate::ToClient::Stats`]) and in the Prometheus text format.
+//! ([`crate::ToClient::Stats`]); [`crate::metrics`] exposes them to Prometheus.
 
 use serde::{Deserialize, Serialize};
 
-use crate::latency::{LatencySummary, OpLatency};
+use crate::latency::{LatencySummary, OpBuckets, OpLatency};
 
 /// Latencies of the live operations, as the agents timed them (µs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -32,6 +32,20 @@ pub struct OpLatencies {
 pub const AGENT_OPS: usize = 7;
 
 impl OpLatencies {
+    /// The operations' names, in the order of the fields (the `op` label of the
+    /// exposition's latency histogram).
+    pub const OPS: [&'static str; 9] = [
+        "share",
+        "cow_break",
+        "fault",
+        "reclaim",
+        "track",
+        "stash",
+        "unstash",
+        "patch_encode",
+        "compress",
+    ];
+
     /// Time the guest's threads waited on the agent's service of their faults, µs: CoW
     /// breaks, missing faults (first touches, refills), the clock's R/M faults and
     /// decodes of stored pages, each from the agent reading the fault to waking the
@@ -147,6 +161,11 @@ pub struct VmStats {
     pub pid: u32,
     /// Guest RAM, pages.
     pub pages: u64,
+    /// Host memory this guest holds alone, bytes: its RAM memfd and its store memfd as
+    /// allocated (holes take none; its sharing domain's pool is counted apart, in
+    /// [`HeldBytes::pool`], as its frames serve every guest of the domain).
+    #[serde(default)]
+    pub host_bytes: u64,
     /// Guest pages mapped onto pool frames now.
     pub shared_pages: u64,
     /// Of those, pages mapped onto the zero frame.
@@ -218,6 +237,38 @@ pub struct VmStats {
     /// The operator opted the guest out: its pages are taken back, none managed.
     #[serde(default)]
     pub opted_out: bool,
+    /// CPU seconds (user + system) of the agent's threads in this guest's QEMU, since
+    /// they started (0 if `/proc` does not say).
+    #[serde(default)]
+    pub agent_cpu_s: f64,
+    /// Its shared pages by the sharing rank of the frame each maps, `(rank, pages)`,
+    /// rank ascending; the zero frame left out (Satori §4.2; memfold_core's
+    /// `SharingRanks`).
+    #[serde(default)]
+    pub sharing_ranks: Vec<(u32, u64)>,
+    /// Its sharing entitlement `s(i) = Σ (rank − 1) / rank` over its shared pages, pages
+    /// (Satori §4.2): its part of the memory sharing saves.
+    #[serde(default)]
+    pub entitlement_pages: f64,
+    /// What memfoldd asked its balloon to leave the guest (allowance + what it claims),
+    /// bytes; `None`: no balloon driven (Satori §4.2). The balloon is its QEMU's: a guest
+    /// of several RAM regions shows the same balloon on each, set for their sum.
+    #[serde(default)]
+    pub balloon_target_bytes: Option<u64>,
+    /// What its balloon leaves it now (QMP `query-balloon`), bytes; `None`: not known.
+    #[serde(default)]
+    pub balloon_actual_bytes: Option<u64>,
+    /// Why its balloon is not driven or lags (no monitor, no driver, ignored requests).
+    #[serde(default)]
+    pub balloon_problem: Option<String>,
+    /// Memory available to the guest by its balloon driver's statistics
+    /// (`stat-available-memory`), bytes; `None`: not reported.
+    #[serde(default)]
+    pub guest_available_bytes: Option<u64>,
+    /// Whether the guest is short of memory by those statistics (claiming
+    /// `under-pressure`); `None`: not known.
+    #[serde(default)]
+    pub guest_short: Option<bool>,
 }
 
 /// memfoldd's statistics.
@@ -225,6 +276,9 @@ pub struct VmStats {
 pub struct Stats {
     /// Seconds since memfoldd started.
     pub uptime_s: f64,
+    /// CPU seconds (user + system) of the process memfoldd runs in, since it started.
+    #[serde(default)]
+    pub cpu_s: f64,
     /// Scan rate limit, pages/s (0: unlimited).
     pub rate_pages_per_s: u64,
     /// Completed scans over all guests.
@@ -270,230 +324,10 @@ pub struct Stats {
     pub blob_write_errors: u64,
     /// Operation latencies over all guests.
     pub latency: OpLatencies,
+    /// The same operations' histograms in the exported buckets, over all guests, in the
+    /// order of [`OpLatencies::OPS`] (empty from a memfoldd older than this field).
+    #[serde(default)]
+    pub latency_buckets: Vec<OpBuckets>,
     /// Per guest.
     pub vms: Vec<VmStats>,
-}
-
-impl Stats {
-    /// Prometheus text exposition of every counter (`memfold_*`, label `vm`).
-    pub fn prometheus(&self) -> String {
-        let mut out = String::new();
-        let mut g = |name: &str, help: &str, v: f64| {
-            out.push_str(&format!(
-                "# HELP memfold_{name} {help}\n# TYPE memfold_{name} gauge\nmemfold_{name} {v}\n"
-            ));
-        };
-        g(
-            "uptime_seconds",
-            "Seconds since memfoldd started.",
-            self.uptime_s,
-        );
-        g(
-            "full_scans_total",
-            "Completed scans over all guests.",
-            self.full_scans as f64,
-        );
-        g(
-            "pool_frames",
-            "Pool frames holding shared content.",
-            self.frames as f64,
-        );
-        g(
-            "mapped_pages",
-            "Guest pages mapped onto pool frames.",
-            self.mapped_pages as f64,
-        );
-        g(
-            "saved_pages",
-            "Host pages saved by sharing.",
-            self.saved_pages as f64,
-        );
-        g(
-            "store_pages",
-            "Pages of the store memfd in use.",
-            self.store_pages as f64,
-        );
-        g(
-            "reference_frames",
-            "Pool frames held only as patch references.",
-            self.reference_frames as f64,
-        );
-        g(
-            "host_used_pages",
-            "Host pages the guests' RAM used at the last budget check.",
-            self.swap.host_used_pages as f64,
-        );
-        g(
-            "swapped_pages",
-            "Guest pages in the swap file.",
-            self.swap.swapped_pages as f64,
-        );
-        g(
-            "swap_file_pages",
-            "Swap file pages in use.",
-            self.swap.file_pages as f64,
-        );
-        g(
-            "swap_full_total",
-            "Swap-outs refused because the swap file was full.",
-            self.swap.full as f64,
-        );
-        g(
-            "table_entries",
-            "Share-table entries.",
-            self.table_entries as f64,
-        );
-        type Field = fn(&VmStats) -> u64;
-        let per_vm: [(&str, &str, Field); 26] = [
-            ("vm_swapped_pages", "Pages in the swap file.", |v| {
-                v.swapped_pages
-            }),
-            ("vm_swap_outs_total", "Pages swapped out.", |v| v.swap_outs),
-            ("vm_swap_ins_total", "Swapped pages read back.", |v| {
-                v.swap_ins
-            }),
-            ("vm_patched_pages", "Pages stored as patches.", |v| {
-                v.patched_pages
-            }),
-            ("vm_compressed_pages", "Pages stored compressed.", |v| {
-                v.compressed_pages
-            }),
-            (
-                "vm_unstashes_total",
-                "Patched or compressed pages decoded back.",
-                |v| v.unstashes,
-            ),
-            ("vm_pages", "Guest RAM, pages.", |v| v.pages),
-            (
-                "vm_shared_pages",
-                "Guest pages mapped onto pool frames.",
-                |v| v.shared_pages,
-            ),
-            (
-                "vm_zero_shared_pages",
-                "Guest pages mapped onto the zero frame.",
-                |v| v.zero_shared_pages,
-            ),
-            ("vm_scanned_pages_total", "Pages hashed.", |v| {
-                v.scanned_pages
-            }),
-            (
-                "vm_skipped_pages_total",
-                "Resident pages left out of a full scan as quiet.",
-                |v| v.skipped_pages,
-            ),
-            ("vm_shares_total", "Pages shared.", |v| v.shares),
-            ("vm_cow_breaks_total", "Copy-on-write breaks.", |v| {
-                v.cow_breaks
-            }),
-            (
-                "vm_share_changed_total",
-                "Share requests whose page had changed.",
-                |v| v.share_changed,
-            ),
-            (
-                "vm_zero_reclaimed_pages",
-                "Zero pages reclaimed now.",
-                |v| v.zero_reclaimed_pages,
-            ),
-            ("vm_reclaims_total", "Zero pages reclaimed.", |v| v.reclaims),
-            ("vm_refills_total", "Reclaimed pages refilled.", |v| {
-                v.refills
-            }),
-            (
-                "vm_discards_total",
-                "Shared, reclaimed or stored pages QEMU discarded (balloon, free page reporting).",
-                |v| v.discards,
-            ),
-            ("vm_wp_faults_total", "Write-protect faults served.", |v| {
-                v.wp_faults
-            }),
-            (
-                "vm_missing_faults_total",
-                "Missing-page faults served.",
-                |v| v.missing_faults,
-            ),
-            (
-                "vm_hot_skipped_total",
-                "Pages the sharing scan left alone as C1 (recently modified).",
-                |v| v.hot_skipped,
-            ),
-            (
-                "vm_minor_faults_total",
-                "Minor faults served (clock tracking).",
-                |v| v.minor_faults,
-            ),
-            ("vm_nru_c1_pages", "Private pages in C1 (last pass).", |v| {
-                v.nru_pages[0]
-            }),
-            ("vm_nru_c2_pages", "Private pages in C2 (last pass).", |v| {
-                v.nru_pages[1]
-            }),
-            ("vm_nru_c3_pages", "Private pages in C3 (last pass).", |v| {
-                v.nru_pages[2]
-            }),
-            ("vm_nru_c4_pages", "Private pages in C4 (last pass).", |v| {
-                v.nru_pages[3]
-            }),
-        ];
-        for (name, help, f) in per_vm {
-            out.push_str(&format!(
-                "# HELP memfold_{name} {help}\n# TYPE memfold_{name} gauge\n"
-            ));
-            for v in &self.vms {
-                out.push_str(&format!("memfold_{name}{{vm=\"{}\"}} {}\n", v.name, f(v)));
-            }
-        }
-        let ops = [
-            ("share", self.latency.share),
-            ("cow_break", self.latency.cow_break),
-            ("fault", self.latency.fault),
-            ("reclaim", self.latency.reclaim),
-            ("track", self.latency.track),
-            ("stash", self.latency.stash),
-            ("unstash", self.latency.unstash),
-            ("patch_encode", self.latency.patch_encode),
-            ("compress", self.latency.compress),
-        ];
-        out.push_str("# HELP memfold_op_latency_us Live operation latency, µs.\n# TYPE memfold_op_latency_us summary\n");
-        for (op, l) in ops {
-            out.push_str(&format!(
-                "memfold_op_latency_us{{op=\"{op}\",quantile=\"0.5\"}} {}\nmemfold_op_latency_us{{op=\"{op}\",quantile=\"0.99\"}} {}\nmemfold_op_latency_us_count{{op=\"{op}\"}} {}\nmemfold_op_latency_us_sum{{op=\"{op}\"}} {}\n",
-                l.p50_us, l.p99_us, l.count, l.total_us
-            ));
-        }
-        out
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn prometheus_text_has_every_gauge_per_guest_and_the_latency_summaries() {
-        let s = Stats {
-            saved_pages: 12,
-            vms: vec![
-                VmStats {
-                    name: "web".into(),
-                    cow_breaks: 3,
-                    nru_pages: [1, 2, 3, 4],
-                    ..Default::default()
-                },
-                VmStats {
-                    name: "db".into(),
-                    ..Default::default()
-                },
-            ],
-            ..Default::default()
-        };
-        let text = s.prometheus();
-        assert!(text.contains("# TYPE memfold_saved_pages gauge\nmemfold_saved_pages 12\n"));
-        assert!(text.contains("memfold_vm_cow_breaks_total{vm=\"web\"} 3\n"));
-        assert!(text.contains("memfold_vm_cow_breaks_total{vm=\"db\"} 0\n"));
-        assert!(text.contains("memfold_vm_nru_c4_pages{vm=\"web\"} 4\n"));
-        assert!(text.contains("memfold_op_latency_us_count{op=\"compress\"} 0\n"));
-        assert_eq!(text.matches("# HELP ").count(), 12 + 26 + 1);
-    }
 }

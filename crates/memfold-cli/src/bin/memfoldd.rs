@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use clap::Parser;
 use memfold_cli::engine_args::EngineArgs;
 use memfold_live::daemon::{run, DaemonConfig};
+use memfold_live::metrics::MetricsServer;
 
 /// memfoldd: saves the host memory of running QEMU guests (see `memfold run`).
 #[derive(Parser, Debug)]
@@ -29,6 +30,13 @@ struct Args {
     /// memfoldd's user may opt a guest out.
     #[arg(long, value_name = "GID")]
     agent_gid: Option<u32>,
+    /// Serve Prometheus metrics (`GET /metrics`) at this address, e.g. 127.0.0.1:9464
+    /// (default: none). Loopback only unless --metrics-allow-remote.
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<std::net::SocketAddr>,
+    /// Allow --metrics-listen on a non-loopback address (the metrics name every guest).
+    #[arg(long, requires = "metrics_listen")]
+    metrics_allow_remote: bool,
 }
 
 fn main() {
@@ -48,6 +56,17 @@ fn main() {
     if let Some(dir) = a.socket.parent() {
         let _ = std::fs::create_dir_all(dir);
     }
+    // The endpoint asks this memfoldd for its statistics over the socket, per scrape.
+    let _metrics = match a.metrics_listen {
+        Some(addr) => match MetricsServer::start(addr, a.metrics_allow_remote, a.socket.clone()) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                eprintln!("memfoldd: {e}");
+                std::process::exit(2);
+            }
+        },
+        None => None,
+    };
     let cfg = DaemonConfig {
         socket: a.socket,
         engine,
@@ -55,6 +74,8 @@ fn main() {
         swap_capacity: a.engine.swap_mib << 20,
         domains: a.engine.domain_rule(),
         agent_gid: a.agent_gid,
+        claim: a.engine.claim(),
+        allowance: a.engine.allowance_mib << 20,
     };
     if let Err(e) = run(cfg) {
         tracing::error!("{e}");

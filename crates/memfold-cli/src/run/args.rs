@@ -30,6 +30,10 @@ pub struct RunArgs {
     /// ends non-zero if a guest's self-check fails or memory is left unbooked.
     #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(5..))]
     pub kill_memfoldd_every: Option<u64>,
+    /// Have memfoldd serve Prometheus metrics at this loopback address (memfoldd's
+    /// --metrics-listen), e.g. 127.0.0.1:9464.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 /// The guests and memfoldd's settings of `memfold run` and of `memfold compare`'s memfold
@@ -76,6 +80,7 @@ impl RunArgs {
             plain_twins: false,
             plain_first: false,
             kill_memfoldd_every: None,
+            metrics_listen: None,
         }
     }
 

@@ -114,8 +114,9 @@ pub fn plateau(used_before: u64, samples: impl Iterator<Item = (f64, u64)>) -> (
     (mean, t95)
 }
 
-/// Name prefix of the agent's threads inside QEMU.
-pub const AGENT_THREADS: &str = "memfold-";
+// The agent threads' name prefix and the CPU reader live in the system layer (memfoldd
+// reads them too).
+pub use memfold_sys::proc::{cpu_seconds, AGENT_THREADS};
 
 /// One second of a run.
 #[derive(Clone, Debug, Serialize)]
@@ -338,38 +339,6 @@ pub fn throughput(
         }
     }
     out
-}
-
-/// CPU seconds (user + system) of process `pid`, or only of its threads whose name starts
-/// with `thread_prefix`.
-pub fn cpu_seconds(pid: u32, thread_prefix: Option<&str>) -> f64 {
-    let tck = 100.0; // USER_HZ on Linux x86_64
-    let ticks = |stat: &str| -> f64 {
-        let rest = stat.rsplit_once(") ").map_or("", |r| r.1);
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        // utime and stime are fields 14 and 15 of stat, 12 and 13 after "pid (comm) ".
-        f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
-            + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
-    };
-    match thread_prefix {
-        None => {
-            std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(0.0, |s| ticks(&s) / tck)
-        }
-        Some(prefix) => std::fs::read_dir(format!("/proc/{pid}/task"))
-            .map(|d| {
-                d.flatten()
-                    .filter(|t| {
-                        std::fs::read_to_string(t.path().join("comm"))
-                            .is_ok_and(|c| c.starts_with(prefix))
-                    })
-                    .map(|t| {
-                        std::fs::read_to_string(t.path().join("stat")).map_or(0.0, |s| ticks(&s))
-                    })
-                    .sum::<f64>()
-                    / tck
-            })
-            .unwrap_or(0.0),
-    }
 }
 
 /// CPU seconds of the kernel threads whose name starts with one of `prefixes` (`ksmd`,

@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
+use memfold_core::ClaimPolicy;
 use memfold_vm::launcher::{agent_env, Guest, RamBackend};
 
 pub use args::{MemfoldArgs, RunArgs, Twins};
@@ -119,7 +120,10 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         a.twins(),
         RAM,
         default_out,
-        |s, managed| s.free_page_reporting = managed && m.free_page_reporting,
+        |s, managed| {
+            s.free_page_reporting = managed && m.free_page_reporting;
+            s.memfold_balloon = managed && m.engine.claim() != ClaimPolicy::Never;
+        },
         |s| agent_env(&agent, &socket, s),
     )?;
     if m.free_page_reporting {
@@ -136,6 +140,11 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         Ok(Daemon(
             Command::new(&daemon_bin)
                 .args(m.memfoldd_args(&socket, &out))
+                .args(
+                    a.metrics_listen
+                        .iter()
+                        .flat_map(|l| ["--metrics-listen".to_string(), l.to_string()]),
+                )
                 .stderr(log)
                 .spawn()
                 .with_context(|| format!("cannot start {}", daemon_bin.display()))?,
@@ -144,6 +153,10 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     let mut daemon = start_daemon()?;
     let agent_cpu0: f64 = guests.iter().map(|g| since[&g.name].2).sum();
     let mut samples: Vec<Sample> = Vec::new();
+    eprintln!(
+        "memfoldd at {} (`memfold top --socket {0}` shows it full screen)",
+        socket.display()
+    );
     eprintln!(
         "memfoldd running (pid {}); host memory used by guest RAM before: {:.1} MiB. Ctrl-C stops.",
         daemon.0.id(),

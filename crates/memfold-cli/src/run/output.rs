@@ -26,12 +26,12 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
 /// `run.csv`: per second a row per guest and a row `all`.
 fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
     let mut f = crate::create_output(csv)?;
-    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes,swapped_pages,saved_swap_bytes,memfoldd_restarts")?;
+    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes,swapped_pages,saved_swap_bytes,memfoldd_restarts,entitlement_bytes")?;
     for s in &r.samples {
         for v in &s.stats.vms {
             writeln!(
                 f,
-                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,,{},,{}",
+                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,,{},,{},{:.0}",
                 s.t,
                 v.name,
                 v.pages,
@@ -47,13 +47,14 @@ fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
                 v.unstashes,
                 v.scanned_pages,
                 v.swapped_pages,
-                s.daemon_restarts
+                s.daemon_restarts,
+                v.entitlement_pages * 4096.0
             )?;
         }
         let by = &s.stats.saved_by;
         writeln!(
             f,
-            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{},{},{},{}",
+            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{},{},{},{},{:.0}",
             s.t,
             s.stats.mapped_pages,
             s.stats.zero_reclaimed_pages,
@@ -68,7 +69,8 @@ fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
             by.compression * 4096,
             s.stats.swap.swapped_pages,
             by.swap * 4096,
-            s.daemon_restarts
+            s.daemon_restarts,
+            s.stats.vms.iter().map(|v| v.entitlement_pages).sum::<f64>() * 4096.0
         )?;
     }
     Ok(())
@@ -127,6 +129,38 @@ fn write_png(png: &Path, r: &MemfoldRun) -> Result<()> {
             .collect(),
         markers: vec![],
     });
+    // Satori §4.2: each guest's part of what sharing saves.
+    let mut names: Vec<&str> = r
+        .samples
+        .iter()
+        .flat_map(|s| s.stats.vms.iter().map(|v| v.name.as_str()))
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    if r
+        .samples
+        .iter()
+        .any(|s| s.stats.vms.iter().any(|v| v.entitlement_pages > 0.0))
+    {
+        panels.push(Panel {
+            title: "sharing entitlement per guest (Satori §4.2: Σ (rank − 1) / rank)".into(),
+            series: names
+                .iter()
+                .map(|&name| Series {
+                    name: name.into(),
+                    points: r
+                        .samples
+                        .iter()
+                        .filter_map(|s| {
+                            let v = s.stats.vms.iter().find(|v| v.name == name)?;
+                            Some((s.t, v.entitlement_pages * 4096.0 / MIB))
+                        })
+                        .collect(),
+                })
+                .collect(),
+            markers: vec![],
+        });
+    }
     plot::panels(
         png,
         "memfold run",

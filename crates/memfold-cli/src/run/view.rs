@@ -45,11 +45,17 @@ pub fn print(used_before: u64, s: &Sample, prev: Option<&Sample>) {
         } else {
             String::new()
         };
+        let balloon = match (v.balloon_actual_bytes, &v.balloon_problem) {
+            (_, Some(p)) => format!("  balloon: {p}"),
+            (Some(a), None) => format!("  sees {:.0} MiB", a as f64 / MIB),
+            (None, None) => String::new(),
+        };
         eprintln!(
-            "    {:<14} {:>7} pages  shared {:>7}  zero {:>7}{de}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s{nru}{}",
+            "    {:<14} {:>7} pages  shared {:>7} (entitled {:>6.1} MiB{balloon})  zero {:>7}{de}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s{nru}{}",
             v.name,
             v.pages,
             v.shared_pages,
+            v.entitlement_pages * 4096.0 / MIB,
             v.zero_shared_pages + v.zero_reclaimed_pages,
             rate(|v| v.cow_breaks),
             rate(|v| v.wp_faults + v.missing_faults + v.minor_faults),

@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use super::{kept_index, Engine};
+use super::{kept_index, Engine, SharingRanks};
 use crate::blobs::{BlobHome, Kept};
 use crate::ids::VmId;
 use crate::p2m::PageState;
@@ -89,10 +89,15 @@ pub struct VmReport {
     pub pid: u32,
     /// Guest RAM, pages.
     pub pages: u64,
+    /// Host memory the guest holds alone, bytes: its RAM and its store as allocated
+    /// (holes take none; its domain's pool is not in it).
+    pub host_bytes: u64,
     /// Whether its agent is connected.
     pub attached: bool,
     /// Its counters.
     pub books: VmBooks,
+    /// Its shared pages by sharing rank, whence its sharing entitlement (Satori §4.2).
+    pub sharing_ranks: SharingRanks,
 }
 
 /// Host pages saved, by mechanism. Pages are 4 KiB.
@@ -330,8 +335,10 @@ impl Engine {
                 name: v.name.clone(),
                 pid: v.pid,
                 pages: v.pages() as u64,
+                host_bytes: v.ram.allocated_bytes() + v.store.allocated_bytes(),
                 attached: v.attached,
                 books: v.books.clone(),
+                sharing_ranks: self.sharing_ranks(*id).expect("a guest of the engine"),
             })
             .collect();
         let sum = |f: fn(&VmBooks) -> u64| vms.iter().map(|v| f(&v.books)).sum::<u64>();

@@ -23,6 +23,9 @@ impl Engine {
     ///   and patches against a frame of its guest's domain;
     /// - every queued command's page is in the matching in-flight state;
     /// - each guest's "now" counters equal the pages in that state; slot bytes add up.
+    /// - each guest's shared pages by sharing rank (its entitlement, Satori §4.2) are
+    ///   what its pages and their frames' mappings say, and rank n holds n pages per
+    ///   frame across guests.
     ///
     /// O(guest memory); meant for tests.
     pub fn check_invariants(&self) -> Result<(), String> {
@@ -220,6 +223,45 @@ impl Engine {
             }
             if let Some(z) = dom.zero_frame.filter(|&z| !self.frame_held(d, z)) {
                 return Err(format!("{d}: zero frame {z} is not held"));
+            }
+        }
+        // Entitlements (Satori §4.2): each guest's pages by rank, counted here from the
+        // P2Ms alone, equal what the books derive from the frame table; and summed over
+        // guests, rank n holds n pages per frame, so Σ s(i) = Σ (n − 1) = pages saved.
+        let mut frames_at: HashMap<(DomainId, u32), u64> = HashMap::new();
+        let mut pages_at: HashMap<(DomainId, u32), u64> = HashMap::new();
+        for (&(d, f), &n) in &maps {
+            if self.domains[&d].zero_frame != Some(f) {
+                *frames_at.entry((d, n)).or_default() += 1;
+            }
+        }
+        for (id, v) in &self.vms {
+            let zero = self.domains[&v.domain].zero_frame;
+            let mut want: std::collections::BTreeMap<u32, u64> = Default::default();
+            for e in v.p2m.iter() {
+                if let PageState::Shared(f) = e.state() {
+                    if zero != Some(f) {
+                        *want.entry(maps[&(v.domain, f)]).or_default() += 1;
+                    }
+                }
+            }
+            for (&n, &c) in &want {
+                *pages_at.entry((v.domain, n)).or_default() += c;
+            }
+            let want: Vec<(u32, u64)> = want.into_iter().collect();
+            let have = self.sharing_ranks(*id).expect("listed").0;
+            if have != want {
+                return Err(format!(
+                    "{id}: books give shared pages by rank {have:?}, its pages say {want:?}"
+                ));
+            }
+        }
+        for (&(d, n), &frames) in &frames_at {
+            if pages_at.get(&(d, n)).copied().unwrap_or(0) != frames * u64::from(n) {
+                return Err(format!(
+                    "{d}: {frames} frames of rank {n}, but {:?} pages at that rank",
+                    pages_at.get(&(d, n))
+                ));
             }
         }
         for (d, f) in maps.keys().chain(pending.keys()).chain(patch_refs.keys()) {

@@ -20,12 +20,14 @@
 //! | `de.rs` | the NRU clock's slices and the Difference Engine over them (DE §4.2–4.6) |
 //! | `outcomes.rs` | agents' answers and events applied back |
 //! | `books.rs` | savings by mechanism and guest, budget, lifetimes |
+//! | `entitlement.rs` | sharing entitlements: shared pages by rank (Satori §4.2) |
 //! | `check.rs` | every invariant, for tests |
 
 mod books;
 mod check;
 mod config;
 mod de;
+mod entitlement;
 mod guests;
 mod outcomes;
 mod scan;
@@ -46,6 +48,7 @@ use crate::{Page, PAGE_SIZE};
 
 pub use books::{Books, LifetimeBooks, SavedBy, SwapBooks, VmBooks, VmReport, LIFETIME_MARKS_S};
 pub use config::{ConfigError, EngineConfig, ZeroPolicy};
+pub use entitlement::{claim_target, short_of_memory, ClaimPolicy, SharingRanks, CLAIM_GRAIN};
 pub use guests::{Attach, Mapped};
 pub use outcomes::Discard;
 
@@ -349,6 +352,11 @@ impl Engine {
             .iter()
             .map(|(id, v)| (*id, v.pid, v.attached))
             .collect()
+    }
+
+    /// Guest `id`'s RAM, bytes (`None`: no such guest).
+    pub fn ram_bytes(&self, id: VmId) -> Option<u64> {
+        self.vms.get(&id).map(|v| v.pages() as u64 * PAGE)
     }
 
     /// The guests named `name` (names come from the agents: several may share one).

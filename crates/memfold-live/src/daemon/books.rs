@@ -1,21 +1,26 @@
 //! The books' export: the engine's books and the agents' reports, as the wire's
-//! statistics (JSON to clients, Prometheus text).
+//! statistics (JSON to clients; `memfold_wire::metrics` makes them a Prometheus
+//! exposition).
 
 use memfold_core::engine::{Books, VmReport};
 use memfold_core::Engine;
+use memfold_sys::proc::{cpu_seconds, AGENT_THREADS};
 use memfold_wire::{
     HeldBytes, LifetimeCdf, OpLatencies, OpLatency, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS,
 };
 
+use super::balloon::Claims;
 use super::guests::Guests;
 
-fn vm_stats(v: &VmReport, guests: &Guests) -> VmStats {
+fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims) -> VmStats {
     let b = &v.books;
     let g = guests.by_vm.get(&v.id);
+    let balloon = claims.state(v.pid).unwrap_or_default();
     VmStats {
         name: v.name.clone(),
         pid: v.pid,
         pages: v.pages,
+        host_bytes: v.host_bytes,
         shared_pages: b.shared_pages,
         zero_shared_pages: b.zero_shared_pages,
         zero_reclaimed_pages: b.zero_reclaimed_pages,
@@ -48,13 +53,21 @@ fn vm_stats(v: &VmReport, guests: &Guests) -> VmStats {
         swap_moves: b.swap_moves,
         detached: !v.attached,
         opted_out: b.opted_out,
+        agent_cpu_s: cpu_seconds(v.pid, Some(AGENT_THREADS)),
+        sharing_ranks: v.sharing_ranks.0.clone(),
+        entitlement_pages: v.sharing_ranks.entitlement_pages(),
+        balloon_target_bytes: balloon.target,
+        balloon_actual_bytes: balloon.actual,
+        balloon_problem: balloon.problem,
+        guest_available_bytes: balloon.available,
+        guest_short: balloon.short,
     }
 }
 
 /// memfoldd's statistics now.
-pub(crate) fn stats(engine: &Engine, guests: &Guests) -> Stats {
+pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats {
     let b: Books = engine.books();
-    let mut vms: Vec<VmStats> = b.vms.iter().map(|v| vm_stats(v, guests)).collect();
+    let mut vms: Vec<VmStats> = b.vms.iter().map(|v| vm_stats(v, guests, claims)).collect();
     vms.sort_by(|a, b| a.name.cmp(&b.name));
     let mut all: [OpLatency; AGENT_OPS] = Default::default();
     for g in guests.by_vm.values() {
@@ -63,11 +76,23 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests) -> Stats {
         }
     }
     let mut latency = OpLatencies::from_histograms(&all);
-    latency.patch_encode = OpLatency::from_pairs(&b.encode_ns[0]).summary();
-    latency.compress = OpLatency::from_pairs(&b.encode_ns[1]).summary();
+    let encode = [
+        OpLatency::from_pairs(&b.encode_ns[0]),
+        OpLatency::from_pairs(&b.encode_ns[1]),
+    ];
+    latency.patch_encode = encode[0].summary();
+    latency.compress = encode[1].summary();
+    // The agents' seven, then memfoldd's two, in the order of OpLatencies::OPS.
+    let latency_buckets = all
+        .iter()
+        .chain(&encode)
+        .zip(OpLatencies::OPS)
+        .map(|(h, op)| h.buckets(op))
+        .collect();
     let s = &b.saved_by;
     Stats {
         uptime_s: b.uptime_s,
+        cpu_s: cpu_seconds(std::process::id(), None),
         rate_pages_per_s: engine.config().rate,
         full_scans: b.full_scans,
         frames: b.frames,
@@ -116,6 +141,7 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests) -> Stats {
         table_entries: b.table_entries,
         adopted_pool: b.adopted_pool,
         latency,
+        latency_buckets,
         vms,
     }
 }

@@ -12,10 +12,12 @@
 //! | [`executor`] | commands → batches to agents; answers → outcomes to the engine |
 //! | [`backings`] | the engine's backings on memfds and files |
 //! | [`books`] | the books' export as the wire's statistics |
+//! | [`balloon`] | entitlements claimed and repaid through each guest's balloon (Satori §4.2–4.3) |
 //!
 //! The main thread owns all state; the reader threads only read and forward.
 
 pub mod backings;
+pub mod balloon;
 mod books;
 mod executor;
 mod guests;
@@ -30,7 +32,7 @@ use std::time::{Duration, Instant};
 use memfold_core::backing::{Backing, BackingError, Clock};
 use memfold_core::engine::{Attach, Discard, Mapped};
 use memfold_core::ids::{DomainId, FrameId, Gfn, VmId};
-use memfold_core::{Engine, EngineConfig, EngineError, PAGE_SIZE};
+use memfold_core::{ClaimPolicy, Engine, EngineConfig, EngineError, PAGE_SIZE};
 use memfold_sys::memfd;
 use memfold_wire::{reattach, Discarded, Listener, ToAgent, ToClient, ToDaemon, PROTOCOL_VERSION};
 
@@ -105,6 +107,11 @@ pub struct DaemonConfig {
     /// under [`DomainRule::User`]). They are not operators. `None`: root and memfoldd's
     /// own user only (mode 0600).
     pub agent_gid: Option<u32>,
+    /// How guests claim their sharing entitlements through their balloons (Satori §4.2).
+    pub claim: ClaimPolicy,
+    /// Each guest's base allowance, bytes: what its balloon leaves it before entitlement
+    /// (with a claim policy other than `Never`).
+    pub allowance: u64,
 }
 
 /// Daemon errors.
@@ -156,6 +163,7 @@ struct Daemon {
     /// Where guests' swap files go, if memfoldd swaps (a host budget).
     swap_dir: Option<PathBuf>,
     last_reap: Instant,
+    claims: balloon::Claims,
 }
 
 /// Runs memfoldd until killed.
@@ -208,6 +216,7 @@ impl Daemon {
             rule: cfg.domains,
             swap_dir: cfg.engine.host_budget.map(|_| cfg.swap_dir.clone()),
             last_reap: Instant::now(),
+            claims: balloon::Claims::new(cfg.claim, cfg.allowance),
         })
     }
 
@@ -234,6 +243,7 @@ impl Daemon {
             if self.last_reap.elapsed() > Duration::from_secs(1) {
                 self.last_reap = Instant::now();
                 self.reap();
+                self.claims.tick(&self.engine);
             }
         }
         tracing::info!("stopped");
@@ -269,7 +279,11 @@ impl Daemon {
             } => {
                 let reply = match msg {
                     ToDaemon::Stats => {
-                        ToClient::Stats(Box::new(books::stats(&self.engine, &self.guests)))
+                        ToClient::Stats(Box::new(books::stats(
+                            &self.engine,
+                            &self.guests,
+                            &self.claims,
+                        )))
                     }
                     ToDaemon::OptOut { name, out } if operator => self.opt_out(&name, out),
                     ToDaemon::OptOut { .. } => ToClient::Error {

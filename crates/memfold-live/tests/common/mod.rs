@@ -70,6 +70,8 @@ pub fn daemon_config(dir: &Path, engine: EngineConfig) -> DaemonConfig {
         swap_capacity: 64 << 20,
         domains: DomainRule::User,
         agent_gid: None,
+        claim: memfold_core::ClaimPolicy::Never,
+        allowance: 0,
     }
 }
 

@@ -1,0 +1,257 @@
+//! Sharing entitlements (Satori §4.2): the memory sharing saves, credited to the guests
+//! that share it, in proportion to what each shares.
+//!
+//! For a frame `p` mapped by `n(p)` guest pages (its sharing rank), sharing saves
+//! `n(p) − 1` pages; each mapping earns `(n(p) − 1) / n(p)` of them, so guest `i`'s
+//! entitlement is `s(i) = Σ_{p ∈ M(i)} (n(p) − 1) / n(p)` over the frames it maps, once
+//! per mapping, and the entitlements of all guests add up to exactly the pages sharing
+//! saves (less the frames held only as patch references, which no guest maps).
+//!
+//! The books keep the exact part: each guest's shared pages counted by the rank of the
+//! frame they map ([`SharingRanks`], integers, recounted from the P2M and the frame table
+//! whenever the books are read — memfoldd reads them every second, as Satori interrogates
+//! entitlements). `s(i)` is derived from them.
+//!
+//! What earns entitlement — decided here, as the paper counts sharing only:
+//! - content shared with other pages, of this guest or another of its sharing domain;
+//! - not zero pages, shared onto the zero frame or reclaimed as holes: they are the
+//!   guest's free memory. Crediting them would pay a guest for memory it does not use,
+//!   and what the balloon hands back is itself zero until used: a loop that would deflate
+//!   every idle guest to its full RAM;
+//! - not patched, compressed or swapped pages: those savings are the guest's own (no
+//!   other guest is involved), the guest's next touch takes them back, and they are
+//!   booked per guest by mechanism already ([`super::SavedBy`]).
+
+use serde::Serialize;
+
+use super::Engine;
+use crate::ids::VmId;
+use crate::p2m::PageState;
+
+/// One guest's shared pages by the sharing rank of the frame each maps: `(rank, pages)`
+/// pairs, rank ≥ 1 ascending, pages > 0. The zero frame is left out (see the module).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SharingRanks(pub Vec<(u32, u64)>);
+
+impl SharingRanks {
+    /// The sharing entitlement `s(i)` (Satori §4.2), pages: `Σ pages · (rank − 1) / rank`.
+    pub fn entitlement_pages(&self) -> f64 {
+        self.0
+            .iter()
+            .map(|&(n, pages)| pages as f64 * f64::from(n.saturating_sub(1)) / f64::from(n.max(1)))
+            .sum()
+    }
+
+    /// The entitlement in whole bytes, rounded down (4 KiB pages).
+    pub fn entitlement_bytes(&self) -> u64 {
+        (self.entitlement_pages() * crate::PAGE_SIZE as f64) as u64
+    }
+
+    /// Pages counted (the guest's shared pages outside the zero frame).
+    pub fn pages(&self) -> u64 {
+        self.0.iter().map(|&(_, p)| p).sum()
+    }
+}
+
+/// Ranks up to this are counted in an array; higher ones (a page shared by hundreds of
+/// mappers) in a short list.
+const DENSE_RANKS: usize = 64;
+
+impl Engine {
+    /// Guest `id`'s shared pages by rank (`None`: no such guest). O(the guest's pages).
+    pub fn sharing_ranks(&self, id: VmId) -> Option<SharingRanks> {
+        let v = self.vms.get(&id)?;
+        let dom = self.domain(v.domain);
+        let mut dense = [0u64; DENSE_RANKS + 1];
+        let mut sparse: Vec<(u32, u64)> = Vec::new();
+        for e in v.p2m.iter() {
+            let PageState::Shared(f) = e.state() else {
+                continue;
+            };
+            if dom.zero_frame == Some(f) {
+                continue;
+            }
+            // Mappings only: a patch using the frame as its reference maps nothing.
+            let n = dom.frames.refcount(f) - dom.frames.patch_refs(f);
+            if (n as usize) <= DENSE_RANKS {
+                dense[n as usize] += 1;
+            } else {
+                match sparse.iter_mut().find(|(r, _)| *r == n) {
+                    Some((_, c)) => *c += 1,
+                    None => sparse.push((n, 1)),
+                }
+            }
+        }
+        sparse.sort_unstable();
+        let mut ranks: Vec<(u32, u64)> = dense
+            .iter()
+            .enumerate()
+            .filter(|&(_, &c)| c > 0)
+            .map(|(n, &c)| (n as u32, c))
+            .collect();
+        ranks.extend(sparse);
+        Some(SharingRanks(ranks))
+    }
+}
+
+/// How a guest claims its entitlement through its balloon (Satori §4.2: "guests can elect
+/// to use more complex policies").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub enum ClaimPolicy {
+    /// No balloon is driven: the guest keeps its RAM, sharing's saving stays with the
+    /// host (memfold before entitlements).
+    #[default]
+    Never,
+    /// The guest sees its base allowance plus its entitlement at all times (the paper's
+    /// setup: "claim memory as soon as it becomes available").
+    AtOnce,
+    /// The guest grows past its allowance only while it is short of memory (its balloon's
+    /// guest statistics), never past allowance + entitlement, and gives back what it
+    /// drew beyond its entitlement at once ("a guest may refrain from using its
+    /// entitlement if it experiences low memory demand").
+    UnderPressure,
+}
+
+impl std::str::FromStr for ClaimPolicy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<ClaimPolicy, String> {
+        match s {
+            "never" => Ok(ClaimPolicy::Never),
+            "at-once" => Ok(ClaimPolicy::AtOnce),
+            "under-pressure" => Ok(ClaimPolicy::UnderPressure),
+            other => Err(format!(
+                "claim policy {other:?}: expected never, at-once or under-pressure"
+            )),
+        }
+    }
+}
+
+/// Whether a guest is short of memory, from its balloon's guest statistics (bytes):
+/// memory available to it without swapping (`stat-available-memory`, the kernel's
+/// MemAvailable) under an eighth of its memory now (`stat-total-memory`: what the balloon
+/// leaves it), or under 32 MiB. `None` when the guest reports neither.
+pub fn short_of_memory(available: Option<u64>, total: Option<u64>) -> Option<bool> {
+    let (a, t) = (available?, total?);
+    Some(a < (t / 8).max(32 << 20))
+}
+
+/// The balloon's granularity: targets are whole MiB, so the target does not follow every
+/// page the entitlement gains or loses (bytes).
+pub const CLAIM_GRAIN: u64 = 1 << 20;
+
+/// What one guest may see (bytes): the memory its balloon should leave it, Satori §4.2's
+/// "allowance + entitlement", under `policy`. `None`: drive no balloon.
+///
+/// - `ram`: the guest's configured RAM; `allowance`: its base allowance (clamped to
+///   `ram`); `entitlement_pages`: `s(i)` ([`SharingRanks::entitlement_pages`]);
+/// - `now`: the target set last (`None` at first);
+/// - `short`: whether the guest reports it is short of memory (for
+///   [`ClaimPolicy::UnderPressure`]; `None`: unknown, taken as not short).
+///
+/// The result is a whole number of [`CLAIM_GRAIN`]s, at least the allowance and at most
+/// `ram`. Repayment (§4.3) is the same rule: when broken sharing lowers a guest's
+/// entitlement, its target falls with it at the next second and its balloon inflates —
+/// only guests whose entitlement fell, that is, those whose sharing broke.
+pub fn claim_target(
+    policy: ClaimPolicy,
+    ram: u64,
+    allowance: u64,
+    entitlement_pages: f64,
+    now: Option<u64>,
+    short: Option<bool>,
+) -> Option<u64> {
+    let grain = |b: u64| b / CLAIM_GRAIN * CLAIM_GRAIN;
+    let allowance = grain(allowance.min(ram));
+    let entitled = (entitlement_pages.max(0.0) * crate::PAGE_SIZE as f64) as u64;
+    let ceiling = grain(allowance.saturating_add(entitled).min(ram));
+    match policy {
+        ClaimPolicy::Never => None,
+        ClaimPolicy::AtOnce => Some(ceiling),
+        ClaimPolicy::UnderPressure => {
+            let now = now.unwrap_or(allowance).clamp(allowance, ceiling);
+            Some(if short == Some(true) {
+                // Grow by an eighth of the entitlement per second (at least one grain):
+                // a pressure reading lags the memory it asks for.
+                let step = grain((entitled / 8).max(CLAIM_GRAIN));
+                (now + step).min(ceiling)
+            } else {
+                now
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+    /// Pages in one MiB.
+    const MIB_PAGES: f64 = 256.0;
+
+    #[test]
+    fn at_once_the_guest_sees_its_allowance_plus_its_entitlement_in_whole_mib() {
+        let t = |e: f64| claim_target(ClaimPolicy::AtOnce, 512 * MIB, 256 * MIB, e, None, None);
+        assert_eq!(t(0.0), Some(256 * MIB));
+        assert_eq!(t(10.0 * MIB_PAGES + 100.0), Some(266 * MIB));
+        // Never past the guest's RAM, never under its allowance.
+        assert_eq!(t(1000.0 * MIB_PAGES), Some(512 * MIB));
+        assert_eq!(t(-5.0), Some(256 * MIB));
+        assert_eq!(
+            claim_target(ClaimPolicy::AtOnce, 512 * MIB, 600 * MIB, 0.0, None, None),
+            Some(512 * MIB)
+        );
+        assert_eq!(
+            claim_target(ClaimPolicy::Never, 512 * MIB, 256 * MIB, 4096.0, None, None),
+            None
+        );
+    }
+
+    #[test]
+    fn under_pressure_the_guest_grows_only_when_short_and_repays_at_once() {
+        let t = |e: f64, now: Option<u64>, short: Option<bool>| {
+            claim_target(ClaimPolicy::UnderPressure, 512 * MIB, 256 * MIB, e, now, short)
+        };
+        let e = 64.0 * MIB_PAGES;
+        // Not short (or not known): it stays where it is.
+        assert_eq!(t(e, None, None), Some(256 * MIB));
+        assert_eq!(t(e, Some(256 * MIB), Some(false)), Some(256 * MIB));
+        // Short: it grows by an eighth of the entitlement a step, up to the ceiling.
+        let mut now = 256 * MIB;
+        let mut steps = 0;
+        while now < 320 * MIB {
+            now = t(e, Some(now), Some(true)).unwrap();
+            steps += 1;
+        }
+        assert_eq!((now, steps), (320 * MIB, 8));
+        assert_eq!(t(e, Some(now), Some(true)), Some(320 * MIB));
+        // Sharing broke: the entitlement fell to 16 MiB, the guest repays at once, short or
+        // not (§4.3).
+        assert_eq!(t(16.0 * MIB_PAGES, Some(now), Some(true)), Some(272 * MIB));
+        assert_eq!(t(16.0 * MIB_PAGES, Some(now), None), Some(272 * MIB));
+    }
+
+    #[test]
+    fn a_guest_is_short_under_an_eighth_of_its_memory_available_or_32_mib() {
+        assert_eq!(short_of_memory(Some(100 * MIB), Some(512 * MIB)), Some(false));
+        assert_eq!(short_of_memory(Some(63 * MIB), Some(512 * MIB)), Some(true));
+        assert_eq!(short_of_memory(Some(31 * MIB), Some(128 * MIB)), Some(true));
+        assert_eq!(short_of_memory(Some(40 * MIB), Some(128 * MIB)), Some(false));
+        assert_eq!(short_of_memory(None, Some(128 * MIB)), None);
+        assert_eq!(short_of_memory(Some(1), None), None);
+    }
+
+    #[test]
+    fn claim_policies_parse_by_their_flag_names_only() {
+        for (s, p) in [
+            ("never", ClaimPolicy::Never),
+            ("at-once", ClaimPolicy::AtOnce),
+            ("under-pressure", ClaimPolicy::UnderPressure),
+        ] {
+            assert_eq!(s.parse::<ClaimPolicy>(), Ok(p));
+        }
+        let e = "AtOnce".parse::<ClaimPolicy>().unwrap_err();
+        assert!(e.contains("expected never, at-once or under-pressure"), "{e}");
+    }
+}

@@ -1,0 +1,342 @@
+//! Claiming sharing entitlements through each guest's virtio balloon (Satori §4.2), and
+//! repaying them when sharing breaks (§4.3).
+//!
+//! Every second the main loop sets each guest's target — allowance + entitlement, by the
+//! claim policy ([`memfold_core::claim_target`]) — and hands it to that guest's claimer,
+//! a thread of its own that talks to the guest's QEMU monitor (QMP `balloon`,
+//! `query-balloon`). The engine never waits on a guest: a claimer that is slow, stuck or
+//! refused only leaves its own guest's balloon where it is.
+//!
+//! Which monitor: QEMU's command line names it — a `-chardev socket` with
+//! `id=memfold-qmp` (`memfold run` adds it; docs/entitlements.md says how to add it by
+//! hand) — but the command line is the peer's to write (a QEMU may rewrite its own
+//! `argv`), so the path is untrusted. *Invariant: a claimer drives only the balloon of
+//! the QEMU it claims for*: it connects only to a socket whose listening end the kernel
+//! says that QEMU made (`SO_PEERCRED`, [`Qmp::connect_served_by`]), else it drives
+//! nothing and says why.
+//!
+//! Repayment needs no second rule: when a CoW break lowers a page's sharing rank, the
+//! entitlement of every guest still mapping that frame falls, their targets fall with it
+//! at the next second and their balloons inflate — the guests whose sharing broke, and
+//! no other. Until a balloon catches up, the host budget's swap (DE §4.6) covers the
+//! difference, so no fault waits on a guest.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use memfold_core::engine::Engine;
+use memfold_core::{claim_target, short_of_memory, ClaimPolicy};
+use memfold_vm::qmp::{Qmp, QmpError};
+
+/// The `id` of the `-chardev socket` whose monitor memfoldd drives.
+pub const MONITOR_ID: &str = "memfold-qmp";
+
+/// How long a claimer waits before it tries a monitor again after an error.
+const RETRY: Duration = Duration::from_secs(5);
+
+/// How long a claimer waits on its monitor for one answer.
+const MONITOR_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A balloon that has not come within 1 MiB of its target after this long is reported as
+/// ignoring requests.
+const IGNORED_AFTER: Duration = Duration::from_secs(30);
+
+/// How a guest's balloon stands, as its claimer last saw it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BalloonState {
+    /// The target set last (allowance + what it may claim), bytes.
+    pub target: Option<u64>,
+    /// What the balloon leaves the guest (`query-balloon`'s `actual`), bytes.
+    pub actual: Option<u64>,
+    /// Why the balloon is not driven, or lags (no monitor, no balloon driver, a balloon
+    /// that ignores requests); `None` while all is well.
+    pub problem: Option<String>,
+    /// Memory available to the guest (its balloon driver's `stat-available-memory`),
+    /// bytes; `None`: not reported.
+    pub available: Option<u64>,
+    /// Whether the guest is short of memory ([`memfold_core::short_of_memory`]);
+    /// `None`: not known.
+    pub short: Option<bool>,
+}
+
+/// One guest's claimer: the thread's inbox and what it reports.
+struct Claimer {
+    targets: mpsc::Sender<u64>,
+    state: Arc<Mutex<BalloonState>>,
+    /// Guest RAM, bytes.
+    ram: u64,
+    target: Option<u64>,
+}
+
+/// The claimers of all guests, and the policy they follow.
+///
+/// A balloon belongs to a QEMU, not to a RAM region: a guest whose RAM is several
+/// regions (NUMA nodes, hot-plugged memory: one engine guest each, `NAME/ramK`) has one
+/// claimer, keyed by QEMU's pid, for the sum of its regions' RAM and entitlements.
+pub(crate) struct Claims {
+    policy: ClaimPolicy,
+    /// Each guest's base allowance, bytes.
+    allowance: u64,
+    by_qemu: BTreeMap<u32, Claimer>,
+}
+
+impl Claims {
+    /// Claims under `policy`, each guest allowed `allowance` bytes before entitlement.
+    pub(crate) fn new(policy: ClaimPolicy, allowance: u64) -> Claims {
+        Claims {
+            policy,
+            allowance,
+            by_qemu: BTreeMap::new(),
+        }
+    }
+
+    /// Sets every guest's target from its entitlement now; starts a claimer for a guest
+    /// new to it, ends those of guests gone. Called once a second.
+    pub(crate) fn tick(&mut self, engine: &Engine) {
+        if self.policy == ClaimPolicy::Never {
+            return;
+        }
+        // Per QEMU: its regions' RAM, bytes, and entitlement, pages.
+        let mut qemus: BTreeMap<u32, (u64, f64)> = BTreeMap::new();
+        for (id, pid, _) in engine.vms() {
+            let q = qemus.entry(pid).or_default();
+            q.0 += engine.ram_bytes(id).unwrap_or(0);
+            q.1 += engine
+                .sharing_ranks(id)
+                .unwrap_or_default()
+                .entitlement_pages();
+        }
+        self.by_qemu.retain(|pid, _| qemus.contains_key(pid));
+        for (pid, (ram, entitlement_pages)) in qemus {
+            let claimer = self.by_qemu.entry(pid).or_insert_with(|| {
+                let (tx, rx) = mpsc::channel();
+                let state = Arc::new(Mutex::new(BalloonState::default()));
+                let s = Arc::clone(&state);
+                let _ = std::thread::Builder::new()
+                    .name(format!("balloon-{pid}"))
+                    .spawn(move || claim_loop(pid, rx, s));
+                Claimer {
+                    targets: tx,
+                    state,
+                    ram,
+                    target: None,
+                }
+            });
+            claimer.ram = ram;
+            let short = claimer.state.lock().ok().and_then(|s| s.short);
+            let Some(t) = claim_target(
+                self.policy,
+                claimer.ram,
+                self.allowance,
+                entitlement_pages,
+                claimer.target,
+                short,
+            ) else {
+                continue;
+            };
+            if claimer.target != Some(t) {
+                claimer.target = Some(t);
+                let _ = claimer.targets.send(t);
+            }
+        }
+    }
+
+    /// The balloon of the QEMU with `pid` as last seen (`None`: not driven).
+    pub(crate) fn state(&self, pid: u32) -> Option<BalloonState> {
+        let c = self.by_qemu.get(&pid)?;
+        let s = c.state.lock().map(|s| s.clone()).unwrap_or_default();
+        Some(s)
+    }
+}
+
+/// The monitor socket QEMU's command line names (`-chardev socket,id=memfold-qmp,path=P`
+/// or `…,id=memfold-qmp,…` with the path first), from the NUL-separated `cmdline`.
+pub fn monitor_path(cmdline: &[u8]) -> Option<PathBuf> {
+    let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+    args.windows(2).find_map(|w| {
+        if w[0] != b"-chardev" {
+            return None;
+        }
+        let spec = std::str::from_utf8(w[1]).ok()?;
+        let mut parts = spec.split(',');
+        if parts.next()? != "socket" {
+            return None;
+        }
+        let mut id = None;
+        let mut path = None;
+        for p in parts {
+            match p.split_once('=') {
+                Some(("id", v)) => id = Some(v),
+                Some(("path", v)) => path = Some(v),
+                _ => {}
+            }
+        }
+        (id? == MONITOR_ID).then_some(PathBuf::from(path?))
+    })
+}
+
+/// One guest's claimer: connects to its QEMU's monitor (checked to be that QEMU's), sets
+/// each new target, reads the balloon back every second; reconnects after 5 s on error;
+/// ends when the main loop drops its inbox.
+fn claim_loop(pid: u32, targets: mpsc::Receiver<u64>, state: Arc<Mutex<BalloonState>>) {
+    let report = |f: &dyn Fn(&mut BalloonState)| {
+        if let Ok(mut s) = state.lock() {
+            f(&mut s);
+        }
+    };
+    let mut said: Option<String> = None;
+    let mut problem = |why: Option<String>| {
+        if why.is_some() && why != said {
+            tracing::warn!("balloon of QEMU pid {pid}: {}", why.as_deref().unwrap_or(""));
+        }
+        said.clone_from(&why);
+        report(&|s| s.problem.clone_from(&why));
+    };
+    let mut target: Option<u64> = None;
+    let mut off_target_since: Option<Instant> = None;
+    'connect: loop {
+        let q = std::fs::read(format!("/proc/{pid}/cmdline"))
+            .map_err(|e| format!("cannot read its command line: {e}"))
+            .and_then(|c| {
+                monitor_path(&c).ok_or_else(|| {
+                    format!("no monitor for memfoldd: add -chardev socket,id={MONITOR_ID},path=PATH,server=on,wait=off -mon chardev={MONITOR_ID},mode=control")
+                })
+            })
+            .and_then(|path| connect(&path, pid));
+        let mut q = match q {
+            Ok(q) => q,
+            Err(why) => {
+                problem(Some(why));
+                if wait_for_target(&targets, RETRY, &mut target).is_none() {
+                    return;
+                }
+                continue 'connect;
+            }
+        };
+        let mut set: Option<u64> = None;
+        // The guest's own view of its memory, for claiming under pressure; a balloon
+        // without statistics only leaves `short` unknown.
+        let stats_at = q.balloon_path().ok().flatten().filter(|p| q.balloon_stats_every(p, 1).is_ok());
+        loop {
+            if target != set {
+                if let Some(t) = target {
+                    if let Err(e) = q.balloon(t) {
+                        problem(Some(format!("balloon to {} MiB: {e}", t >> 20)));
+                        if wait_for_target(&targets, RETRY, &mut target).is_none() {
+                            return;
+                        }
+                        continue 'connect;
+                    }
+                    set = Some(t);
+                    report(&|s| s.target = Some(t));
+                }
+            }
+            match q.balloon_actual() {
+                Ok(actual) => {
+                    report(&|s| s.actual = Some(actual));
+                    let off = set.is_some_and(|t| actual.abs_diff(t) >= 1 << 20);
+                    let since = *off_target_since.get_or_insert_with(Instant::now);
+                    if !off {
+                        off_target_since = None;
+                        problem(None);
+                    } else if since.elapsed() > IGNORED_AFTER {
+                        problem(Some(format!(
+                            "ignores requests: asked for {} MiB, has {} MiB for {} s; no entitlement reaches it, none is repaid from it",
+                            set.unwrap_or(0) >> 20,
+                            actual >> 20,
+                            since.elapsed().as_secs()
+                        )));
+                    }
+                }
+                Err(e) => {
+                    problem(Some(format!("query-balloon: {e}")));
+                    if wait_for_target(&targets, RETRY, &mut target).is_none() {
+                        return;
+                    }
+                    continue 'connect;
+                }
+            }
+            if let Some(p) = &stats_at {
+                let (available, total) = q.balloon_guest_memory(p).unwrap_or((None, None));
+                let short = short_of_memory(available, total);
+                report(&|s| {
+                    s.available = available;
+                    s.short = short;
+                });
+            }
+            if wait_for_target(&targets, Duration::from_secs(1), &mut target).is_none() {
+                return;
+            }
+        }
+    }
+}
+
+/// Waits up to `wait` for new targets, keeping the latest in `target`. `None`: the main
+/// loop is gone (the guest left).
+fn wait_for_target(
+    targets: &mpsc::Receiver<u64>,
+    wait: Duration,
+    target: &mut Option<u64>,
+) -> Option<()> {
+    match targets.recv_timeout(wait) {
+        Ok(t) => *target = Some(t),
+        Err(mpsc::RecvTimeoutError::Timeout) => return Some(()),
+        Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+    }
+    while let Ok(t) = targets.try_recv() {
+        *target = Some(t);
+    }
+    Some(())
+}
+
+fn connect(path: &Path, pid: u32) -> Result<Qmp, String> {
+    Qmp::connect_served_by(path, pid, MONITOR_TIMEOUT).map_err(|e| match e {
+        QmpError::WrongServer { .. } => format!("{e}: refused"),
+        e => e.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cmdline(args: &[&str]) -> Vec<u8> {
+        let mut v = Vec::new();
+        for a in args {
+            v.extend_from_slice(a.as_bytes());
+            v.push(0);
+        }
+        v
+    }
+
+    #[test]
+    fn the_monitor_is_the_chardev_socket_with_memfolds_id_and_no_other() {
+        let c = cmdline(&[
+            "qemu-system-x86_64",
+            "-qmp",
+            "unix:/run/a/qmp.sock,server=on,wait=off",
+            "-chardev",
+            "socket,id=other,path=/run/a/other.sock,server=on",
+            "-chardev",
+            "socket,path=/run/a/memfold-qmp.sock,id=memfold-qmp,server=on,wait=off",
+            "-mon",
+            "chardev=memfold-qmp,mode=control",
+        ]);
+        assert_eq!(
+            monitor_path(&c),
+            Some(PathBuf::from("/run/a/memfold-qmp.sock"))
+        );
+        assert_eq!(
+            monitor_path(&cmdline(&["qemu", "-qmp", "unix:/x,server=on"])),
+            None
+        );
+        assert_eq!(
+            monitor_path(&cmdline(&["qemu", "-chardev", "socket,id=memfold-qmp"])),
+            None
+        );
+        assert_eq!(monitor_path(&cmdline(&["qemu", "-chardev"])), None);
+    }
+}

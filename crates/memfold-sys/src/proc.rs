@@ -1,0 +1,90 @@
+//! CPU time of processes and threads, from `/proc` (what memfold costs: memfoldd's own
+//! CPU, the agent threads' inside each QEMU, the kernel's savers).
+
+/// Name prefix of the agent's threads inside QEMU (`/proc/PID/task/TID/comm`).
+pub const AGENT_THREADS: &str = "memfold-";
+
+/// CPU seconds (user + system) of process `pid`, or only of its threads whose name starts
+/// with `thread_prefix`.
+pub fn cpu_seconds(pid: u32, thread_prefix: Option<&str>) -> f64 {
+    let tck = 100.0; // USER_HZ on Linux x86_64
+    let ticks = |stat: &str| -> f64 {
+        let rest = stat.rsplit_once(") ").map_or("", |r| r.1);
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        // utime and stime are fields 14 and 15 of stat, 12 and 13 after "pid (comm) ".
+        f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
+            + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
+    };
+    match thread_prefix {
+        None => {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(0.0, |s| ticks(&s) / tck)
+        }
+        Some(prefix) => std::fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|d| {
+                d.flatten()
+                    .filter(|t| {
+                        std::fs::read_to_string(t.path().join("comm"))
+                            .is_ok_and(|c| c.starts_with(prefix))
+                    })
+                    .map(|t| {
+                        std::fs::read_to_string(t.path().join("stat")).map_or(0.0, |s| ticks(&s))
+                    })
+                    .sum::<f64>()
+                    / tck
+            })
+            .unwrap_or(0.0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+    use std::time::{Duration, Instant};
+
+    /// CPU seconds the calling thread has used (getrusage, RUSAGE_THREAD).
+    fn thread_cpu() -> f64 {
+        // SAFETY: getrusage writes one rusage into the zeroed struct it is given.
+        let ru = unsafe {
+            let mut ru: libc::rusage = std::mem::zeroed();
+            assert_eq!(libc::getrusage(libc::RUSAGE_THREAD, &mut ru), 0);
+            ru
+        };
+        let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+        tv(ru.ru_utime) + tv(ru.ru_stime)
+    }
+
+    #[test]
+    fn a_busy_thread_counts_in_its_process_and_under_its_name() {
+        let me = std::process::id();
+        let before = cpu_seconds(me, None);
+        let (done, wait) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("cputest-busy".into())
+            .spawn(move || {
+                // 0.3 s of CPU by the kernel's count, however busy the host is.
+                let t = Instant::now();
+                let mut x = 0u64;
+                while thread_cpu() < 0.3 && t.elapsed() < Duration::from_secs(30) {
+                    for _ in 0..100_000 {
+                        x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+                    }
+                }
+                done.send(thread_cpu()).unwrap();
+                // Stay alive (and listed in /proc) until read.
+                std::thread::sleep(Duration::from_secs(2));
+            })
+            .unwrap();
+        let used = wait.recv().unwrap();
+        assert!(used >= 0.3, "{used}");
+        let named = cpu_seconds(me, Some("cputest-"));
+        // /proc counts in 10 ms ticks.
+        assert!(
+            (named - used).abs() <= 0.05,
+            "{named} s named, {used} s used"
+        );
+        assert!(cpu_seconds(me, None) - before >= used - 0.05);
+        assert_eq!(cpu_seconds(me, Some("no-such-thread")), 0.0);
+        assert_eq!(cpu_seconds(u32::MAX, None), 0.0);
+    }
+}

@@ -1,0 +1,835 @@
+//! memfoldd's statistics as a Prometheus exposition (the OpenMetrics text format, built
+//! with the `prometheus-client` crate): one snapshot ([`Stats`]) in, the text a scrape of
+//! `GET /metrics` returns out.
+//!
+//! Names and units follow Prometheus' conventions: the base unit in the name (`_bytes`,
+//! `_seconds`), counters end in `_total`, a dimension is a label rather than a name.
+//! Pages are converted to bytes (4 KiB each). Labels: `vm` (the guest's name as its
+//! agent gave it), `mechanism` (`share`, `zero`, `patch`, `compress`, `swap`), `state`,
+//! `kind`, `class`, `op`, `backing`. The full list, with each metric's meaning, is in
+//! docs/operations.md; [`METRICS`] names every family this module writes.
+//!
+//! The savings by mechanism carry no `vm` label: a shared frame saves memory for every
+//! guest that maps it, so the sharing saving belongs to a sharing domain, not a guest.
+//! Per guest, `memfold_pages{vm,state}` says how many of its pages each mechanism holds.
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::latency::LATENCY_BUCKETS_S;
+use crate::stats::{Stats, VmStats};
+
+/// Bytes in a page.
+const PAGE: f64 = 4096.0;
+
+/// The HTTP `Content-Type` of [`Stats::exposition`] (OpenMetrics, what Prometheus asks
+/// for first).
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The HTTP `Content-Type` of [`prometheus_text`] (the classic text format, for clients
+/// that do not accept OpenMetrics: `curl`, `promtool check metrics`).
+pub const CONTENT_TYPE_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Every metric family the exposition writes, as a scrape shows its samples' names
+/// (counters with `_total`, histograms with `_bucket`/`_sum`/`_count` added to the name
+/// given here).
+pub const METRICS: [&str; 34] = [
+    "memfold_uptime_seconds",
+    "memfold_guests",
+    "memfold_domains",
+    "memfold_host_memory_bytes",
+    "memfold_guest_memory_bytes",
+    "memfold_pages",
+    "memfold_saved_bytes",
+    "memfold_store_waste_bytes",
+    "memfold_backing_bytes",
+    "memfold_backing_booked_bytes",
+    "memfold_pool_frames",
+    "memfold_reference_frames",
+    "memfold_share_table_entries",
+    "memfold_host_budget_bytes",
+    "memfold_host_used_bytes",
+    "memfold_swap_capacity_bytes",
+    "memfold_swap_full_total",
+    "memfold_blob_write_errors_total",
+    "memfold_full_scans_total",
+    "memfold_cow_breaks_total",
+    "memfold_faults_total",
+    "memfold_operations_total",
+    "memfold_requests_changed_total",
+    "memfold_requests_refused_total",
+    "memfold_scanned_pages_total",
+    "memfold_nru_pages",
+    "memfold_clock_passes_total",
+    "memfold_vm_detached",
+    "memfold_vm_opted_out",
+    "memfold_entitlement_bytes",
+    "memfold_balloon_bytes",
+    "memfold_cpu_seconds_total",
+    "memfold_agent_cpu_seconds_total",
+    "memfold_operation_latency_seconds",
+];
+
+/// One sample's value.
+#[derive(Clone, Copy, Debug)]
+enum Value {
+    /// A gauge.
+    Gauge(f64),
+    /// A counter.
+    Counter(u64),
+    /// A counter of seconds.
+    Seconds(f64),
+}
+
+/// A label set: (name, value) pairs.
+type Labels = Vec<(&'static str, String)>;
+
+/// Stats as a collector: what the registry encodes on a scrape.
+#[derive(Debug)]
+struct Snapshot(Stats);
+
+/// Writes one family: its descriptor (name without the unit and `_total` suffixes, which
+/// the encoder adds), then a sample per row.
+fn family(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<Unit>,
+    rows: Vec<(Labels, Value)>,
+) -> Result<(), std::fmt::Error> {
+    let Some((_, first)) = rows.first() else {
+        return Ok(());
+    };
+    let ty = match first {
+        Value::Gauge(_) => MetricType::Gauge,
+        Value::Counter(_) | Value::Seconds(_) => MetricType::Counter,
+    };
+    let mut d = enc.encode_descriptor(name, help, unit.as_ref(), ty)?;
+    for (labels, v) in rows {
+        let m = d.encode_family(&labels)?;
+        match v {
+            Value::Gauge(g) => ConstGauge::new(g).encode(m)?,
+            Value::Counter(c) => ConstCounter::new(c).encode(m)?,
+            Value::Seconds(c) => ConstCounter::new(c).encode(m)?,
+        }
+    }
+    Ok(())
+}
+
+/// `v` escaped as a label value (`\\`, `\"`, `\n`): the encoder writes label values as
+/// they are, and a guest's name is whatever its agent said.
+fn label_value(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// One row per guest of `f`'s value.
+fn per_vm(vms: &[VmStats], f: impl Fn(&VmStats) -> Value) -> Vec<(Labels, Value)> {
+    vms.iter()
+        .map(|v| (vec![("vm", label_value(&v.name))], f(v)))
+        .collect()
+}
+
+/// One row per guest and value of the second label (`key`), from `f`'s (value, sample)
+/// pairs.
+fn per_vm_by<const N: usize>(
+    vms: &[VmStats],
+    key: &'static str,
+    f: impl Fn(&VmStats) -> [(&'static str, Value); N],
+) -> Vec<(Labels, Value)> {
+    vms.iter()
+        .flat_map(|v| {
+            f(v).into_iter()
+                .map(|(k, x)| (vec![("vm", label_value(&v.name)), (key, k.to_string())], x))
+        })
+        .collect()
+}
+
+/// One unlabelled sample.
+fn one(v: Value) -> Vec<(Labels, Value)> {
+    vec![(Vec::new(), v)]
+}
+
+fn bytes(pages: impl Into<f64>) -> Value {
+    Value::Gauge(pages.into() * PAGE)
+}
+
+fn pages(p: u64) -> Value {
+    Value::Gauge(p as f64)
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = &self.0;
+        let vms = &s.vms[..];
+        let e = &mut enc;
+        use Value::{Counter, Gauge, Seconds};
+        family(
+            e,
+            "memfold_uptime",
+            "Time since memfoldd started.",
+            Some(Unit::Seconds),
+            one(Gauge(s.uptime_s)),
+        )?;
+        family(
+            e,
+            "memfold_cpu",
+            "CPU time (user + system) of the process memfoldd runs in.",
+            Some(Unit::Seconds),
+            vec![(vec![("process", "memfoldd".to_string())], Seconds(s.cpu_s))],
+        )?;
+        family(
+            e,
+            "memfold_agent_cpu",
+            "CPU time (user + system) of the agent's threads in the guest's QEMU.",
+            Some(Unit::Seconds),
+            per_vm(vms, |v| Seconds(v.agent_cpu_s)),
+        )?;
+        family(
+            e,
+            "memfold_guests",
+            "Guests memfoldd lists (attached or detached).",
+            None,
+            one(Gauge(vms.len() as f64)),
+        )?;
+        family(
+            e,
+            "memfold_domains",
+            "Sharing domains, each with a pool of its own.",
+            None,
+            one(Gauge(s.domains as f64)),
+        )?;
+        family(
+            e,
+            "memfold_host_memory",
+            "Host memory a guest holds alone: its RAM memfd and its store memfd as allocated (the domains' pools are memfold_backing_bytes{backing=\"pool\"}).",
+            Some(Unit::Bytes),
+            per_vm(vms, |v| Gauge(v.host_bytes as f64)),
+        )?;
+        family(
+            e,
+            "memfold_guest_memory",
+            "Guest RAM size.",
+            Some(Unit::Bytes),
+            per_vm(vms, |v| bytes(v.pages as f64)),
+        )?;
+        family(
+            e,
+            "memfold_pages",
+            "Guest pages each mechanism holds now, disjoint: shared (onto pool frames, the zero frame included), zero (reclaimed zero pages), patched, compressed, swapped.",
+            None,
+            per_vm_by(vms, "state", |v| {
+                [
+                    ("shared", pages(v.shared_pages)),
+                    ("zero", pages(v.zero_reclaimed_pages)),
+                    ("patched", pages(v.patched_pages)),
+                    ("compressed", pages(v.compressed_pages)),
+                    ("swapped", pages(v.swapped_pages)),
+                ]
+            }),
+        )?;
+        let by = &s.saved_by;
+        family(
+            e,
+            "memfold_saved",
+            "Host memory saved by mechanism over all guests (the total saved is their sum minus memfold_store_waste_bytes).",
+            Some(Unit::Bytes),
+            [
+                ("share", by.sharing),
+                ("zero", by.zero),
+                ("patch", by.patching),
+                ("compress", by.compression),
+                ("swap", by.swap),
+            ]
+            .into_iter()
+            .map(|(m, p)| (vec![("mechanism", m.to_string())], bytes(p as f64)))
+            .collect(),
+        )?;
+        family(
+            e,
+            "memfold_store_waste",
+            "Store memory not covered by live slots (fragmentation).",
+            Some(Unit::Bytes),
+            one(bytes(by.store_waste as f64)),
+        )?;
+        let h = &s.held;
+        let backing = |f: [u64; 3]| -> Vec<(Labels, Value)> {
+            ["pool", "store", "swap"]
+                .into_iter()
+                .zip(f)
+                .map(|(b, x)| (vec![("backing", b.to_string())], Gauge(x as f64)))
+                .collect()
+        };
+        family(
+            e,
+            "memfold_backing",
+            "Bytes the pools, stores and swap files hold (allocated; holes take none).",
+            Some(Unit::Bytes),
+            backing([h.pool, h.store, h.swap]),
+        )?;
+        family(
+            e,
+            "memfold_backing_booked",
+            "Bytes of the pools, stores and swap files the books account for (a leak check against memfold_backing_bytes).",
+            Some(Unit::Bytes),
+            backing([h.pool_booked, h.store_booked, h.swap_booked]),
+        )?;
+        family(
+            e,
+            "memfold_pool_frames",
+            "Pool frames holding shared content.",
+            None,
+            one(pages(s.frames)),
+        )?;
+        family(
+            e,
+            "memfold_reference_frames",
+            "Pool frames held only as patch reference pages.",
+            None,
+            one(pages(s.reference_frames)),
+        )?;
+        family(
+            e,
+            "memfold_share_table_entries",
+            "Share-table entries (shared frames and hints).",
+            None,
+            one(pages(s.table_entries)),
+        )?;
+        if let Some(b) = s.swap.budget_pages {
+            family(
+                e,
+                "memfold_host_budget",
+                "The host memory budget the guests' RAM is swapped down to (--host-budget-mib).",
+                Some(Unit::Bytes),
+                one(bytes(b as f64)),
+            )?;
+            family(e, "memfold_host_used", "Host memory the guests' RAM used (memfds, pools, stores) at the last budget check.", Some(Unit::Bytes), one(bytes(s.swap.host_used_pages as f64)))?;
+        }
+        family(
+            e,
+            "memfold_swap_capacity",
+            "Capacity of the swap files together (0: no budget, no swap).",
+            Some(Unit::Bytes),
+            one(bytes(s.swap.capacity_pages as f64)),
+        )?;
+        family(
+            e,
+            "memfold_swap_full",
+            "Swap-outs refused because the swap file was full.",
+            None,
+            one(Counter(s.swap.full)),
+        )?;
+        family(
+            e,
+            "memfold_blob_write_errors",
+            "Blobs a store or swap file could not take (the page stayed in guest RAM).",
+            None,
+            one(Counter(s.blob_write_errors)),
+        )?;
+        family(
+            e,
+            "memfold_full_scans",
+            "Completed sharing scans over all guests.",
+            None,
+            one(Counter(s.full_scans)),
+        )?;
+        family(
+            e,
+            "memfold_cow_breaks",
+            "Copy-on-write breaks: a guest wrote a shared page and got a private copy.",
+            None,
+            per_vm(vms, |v| Counter(v.cow_breaks)),
+        )?;
+        family(
+            e,
+            "memfold_faults",
+            "Faults the agent served: write_protect (CoW breaks, writers waiting on a request), missing (first touches, refills, decodes of stored pages), minor (the clock's R/M tracking).",
+            None,
+            per_vm_by(vms, "kind", |v| {
+                [
+                    ("write_protect", Counter(v.wp_faults)),
+                    ("missing", Counter(v.missing_faults)),
+                    ("minor", Counter(v.minor_faults)),
+                ]
+            }),
+        )?;
+        family(
+            e,
+            "memfold_operations",
+            "Pages each operation was carried out on: share, reclaim (zero page), refill (a reclaimed page touched), patch, compress, unstash (a patched or compressed page decoded back), swap_out, swap_in, swap_move (store to swap file), discard (QEMU discarded it).",
+            None,
+            per_vm_by(vms, "op", |v| {
+                [
+                    ("share", Counter(v.shares)),
+                    ("reclaim", Counter(v.reclaims)),
+                    ("refill", Counter(v.refills)),
+                    ("patch", Counter(v.patches)),
+                    ("compress", Counter(v.compressions)),
+                    ("unstash", Counter(v.unstashes)),
+                    ("swap_out", Counter(v.swap_outs)),
+                    ("swap_in", Counter(v.swap_ins)),
+                    ("swap_move", Counter(v.swap_moves)),
+                    ("discard", Counter(v.discards)),
+                ]
+            }),
+        )?;
+        family(
+            e,
+            "memfold_requests_changed",
+            "Share and stash requests whose page the guest changed before the agent protected it.",
+            None,
+            per_vm_by(vms, "op", |v| {
+                [
+                    ("share", Counter(v.share_changed)),
+                    ("stash", Counter(v.stash_changed)),
+                ]
+            }),
+        )?;
+        family(
+            e,
+            "memfold_requests_refused",
+            "Share and stash requests the agent refused.",
+            None,
+            per_vm_by(vms, "op", |v| {
+                [
+                    ("share", Counter(v.share_refused)),
+                    ("stash", Counter(v.stash_refused)),
+                ]
+            }),
+        )?;
+        family(
+            e,
+            "memfold_scanned_pages",
+            "Pages the sharing scan hashed (hashed), left out as quiet (quiet), or left alone as recently modified, NRU class C1 (hot).",
+            None,
+            per_vm_by(vms, "result", |v| {
+                [
+                    ("hashed", Counter(v.scanned_pages)),
+                    ("quiet", Counter(v.skipped_pages)),
+                    ("hot", Counter(v.hot_skipped)),
+                ]
+            }),
+        )?;
+        family(
+            e,
+            "memfold_nru_pages",
+            "Private pages per NRU class in the clock's last full pass (DE 4.2): C1 recently modified ... C4 neither referenced nor modified.",
+            None,
+            per_vm_by(vms, "class", |v| {
+                let n = v.nru_pages;
+                [("C1", pages(n[0])), ("C2", pages(n[1])), ("C3", pages(n[2])), ("C4", pages(n[3]))]
+            }),
+        )?;
+        family(
+            e,
+            "memfold_clock_passes",
+            "Full NRU clock passes over the guest.",
+            None,
+            per_vm(vms, |v| Counter(v.clock_passes)),
+        )?;
+        let flag = |b: bool| Gauge(if b { 1.0 } else { 0.0 });
+        family(
+            e,
+            "memfold_vm_detached",
+            "1 while the guest's agent is disconnected but its QEMU lives.",
+            None,
+            per_vm(vms, |v| flag(v.detached)),
+        )?;
+        family(
+            e,
+            "memfold_vm_opted_out",
+            "1 while the operator has the guest opted out (memfold unmerge).",
+            None,
+            per_vm(vms, |v| flag(v.opted_out)),
+        )?;
+        family(
+            e,
+            "memfold_entitlement",
+            "Sharing entitlement (Satori 4.2): the guest's part of what sharing saves, sum over its shared pages of (rank - 1) / rank pages.",
+            Some(Unit::Bytes),
+            per_vm(vms, |v| Gauge(v.entitlement_pages * PAGE)),
+        )?;
+        let balloons: Vec<(Labels, Value)> = vms
+            .iter()
+            .flat_map(|v| {
+                [("target", v.balloon_target_bytes), ("actual", v.balloon_actual_bytes)]
+                    .into_iter()
+                    .filter_map(move |(kind, b)| {
+                        Some((
+                            vec![("vm", label_value(&v.name)), ("kind", kind.to_string())],
+                            Gauge(b? as f64),
+                        ))
+                    })
+            })
+            .collect();
+        family(
+            e,
+            "memfold_balloon",
+            "Guest memory its balloon leaves it: the target memfoldd set (allowance + claimed entitlement) and the actual; only guests whose balloon memfoldd drives.",
+            Some(Unit::Bytes),
+            balloons,
+        )?;
+        if !s.latency_buckets.is_empty() {
+            let mut d = e.encode_descriptor(
+                "memfold_operation_latency",
+                "Latency of the live operations, over all guests: share, reclaim, stash (per page, in the agent), cow_break, fault, track, unstash (fault read to thread woken), patch_encode, compress (per page, in memfoldd).",
+                Some(&Unit::Seconds),
+                MetricType::Histogram,
+            )?;
+            for b in &s.latency_buckets {
+                let mut prev = 0;
+                let mut buckets: Vec<(f64, u64)> = LATENCY_BUCKETS_S
+                    .iter()
+                    .zip(&b.le)
+                    .map(|(&le, &n)| {
+                        let here = n.saturating_sub(prev);
+                        prev = prev.max(n);
+                        (le, here)
+                    })
+                    .collect();
+                buckets.push((f64::MAX, b.count.saturating_sub(prev)));
+                d.encode_family(&[("op", b.op.as_str())])?
+                    .encode_histogram::<NoLabelSet>(b.sum_s, b.count, &buckets, None)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Stats {
+    /// The exposition of these statistics (OpenMetrics text, served as
+    /// [`CONTENT_TYPE`]).
+    pub fn exposition(&self) -> String {
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(Snapshot(self.clone())));
+        let mut out = String::new();
+        encode(&mut out, &registry).expect("writing to a String does not fail");
+        out
+    }
+}
+
+/// An OpenMetrics exposition (as [`Stats::exposition`] writes it) in the classic
+/// Prometheus text format 0.0.4: the `# HELP` and `# TYPE` lines of a counter name its
+/// samples (`_total`), `# UNIT` and `# EOF` go, an empty label set `{}` is left out.
+/// Samples and values are the same.
+pub fn prometheus_text(openmetrics: &str) -> String {
+    let counters: std::collections::BTreeSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        match meta {
+            Some((p, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                if counters.contains(name) {
+                    out.push_str(&format!("{p}{name}_total {tail}"));
+                } else {
+                    out.push_str(line);
+                }
+            }
+            None => match line.split_once("{} ") {
+                Some((name, value)) if !name.contains(' ') => {
+                    out.push_str(&format!("{name} {value}"))
+                }
+                _ => out.push_str(line),
+            },
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::latency::OpLatency;
+    use crate::stats::{OpLatencies, SavedBy, SwapStats};
+    use std::collections::BTreeSet;
+    use std::time::Duration;
+
+    fn sample() -> Stats {
+        let mut share = OpLatency::default();
+        share.record(Duration::from_micros(3), 10);
+        share.record(Duration::from_millis(2), 1);
+        Stats {
+            cpu_s: 2.25,
+            saved_by: SavedBy {
+                sharing: 100,
+                zero: 5,
+                patching: 3,
+                compression: 2,
+                swap: 1,
+                store_waste: 1,
+            },
+            swap: SwapStats {
+                budget_pages: Some(1000),
+                host_used_pages: 900,
+                ..Default::default()
+            },
+            latency_buckets: OpLatencies::OPS
+                .iter()
+                .map(|op| {
+                    if *op == "share" {
+                        share.buckets(op)
+                    } else {
+                        OpLatency::default().buckets(op)
+                    }
+                })
+                .collect(),
+            vms: vec![
+                VmStats {
+                    name: "web".into(),
+                    pages: 256,
+                    host_bytes: 1 << 20,
+                    shared_pages: 40,
+                    cow_breaks: 3,
+                    wp_faults: 7,
+                    agent_cpu_s: 1.5,
+                    nru_pages: [1, 2, 3, 4],
+                    entitlement_pages: 30.5,
+                    balloon_target_bytes: Some(3 << 20),
+                    balloon_actual_bytes: Some(2 << 20),
+                    ..Default::default()
+                },
+                VmStats {
+                    name: "db \"x\"".into(),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        }
+    }
+
+    /// The names of the samples in `text` (before `{` or the value).
+    fn sample_names(text: &str) -> BTreeSet<String> {
+        text.lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .map(|l| l.split(['{', ' ']).next().unwrap().to_string())
+            .collect()
+    }
+
+    #[test]
+    fn exposition_names_labels_and_units() {
+        let text = sample().exposition();
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        assert!(
+            text.contains("# TYPE memfold_host_memory_bytes gauge\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# UNIT memfold_host_memory_bytes bytes\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_host_memory_bytes{vm=\"web\"} 1048576.0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_guest_memory_bytes{vm=\"web\"} 1048576.0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_saved_bytes{mechanism=\"share\"} 409600.0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_saved_bytes{mechanism=\"swap\"} 4096.0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_pages{vm=\"web\",state=\"shared\"} 40.0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_entitlement_bytes{vm=\"web\"} 124928.0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_balloon_bytes{vm=\"web\",kind=\"target\"} 3145728.0\n")
+                && text.contains("memfold_balloon_bytes{vm=\"web\",kind=\"actual\"} 2097152.0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE memfold_cow_breaks counter\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_cow_breaks_total{vm=\"web\"} 3\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_agent_cpu_seconds_total{vm=\"web\"} 1.5\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_cpu_seconds_total{process=\"memfoldd\"} 2.25\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_faults_total{vm=\"web\",kind=\"write_protect\"} 7\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_nru_pages{vm=\"web\",class=\"C4\"} 4.0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_host_budget_bytes{} 4096000.0\n"),
+            "{text}"
+        );
+        // A label value is escaped, not cut.
+        assert!(
+            text.contains("memfold_cow_breaks_total{vm=\"db \\\"x\\\"\"} 0\n"),
+            "{text}"
+        );
+        // Every family named in METRICS is written, and nothing else.
+        let names = sample_names(&text);
+        for m in METRICS {
+            let found = if m.ends_with("_seconds") && m.contains("latency") {
+                names.contains(&format!("{m}_bucket"))
+            } else {
+                names.contains(m)
+            };
+            assert!(found, "{m} missing from {names:?}");
+        }
+        let strip = |n: &str| {
+            let n = n
+                .strip_suffix("_bucket")
+                .or(n.strip_suffix("_sum"))
+                .or(n.strip_suffix("_count"));
+            n.map(str::to_string)
+        };
+        for n in &names {
+            let base = if n.starts_with("memfold_operation_latency_seconds") {
+                strip(n).unwrap()
+            } else {
+                n.clone()
+            };
+            assert!(METRICS.contains(&base.as_str()), "{n} is not in METRICS");
+        }
+    }
+
+    #[test]
+    fn latency_histograms_are_seconds_with_monotone_buckets() {
+        let text = sample().exposition();
+        assert!(
+            text.contains("# TYPE memfold_operation_latency_seconds histogram\n"),
+            "{text}"
+        );
+        let label = |l: &str, k: &str| -> Option<String> {
+            let start = l.find(&format!("{k}=\""))? + k.len() + 2;
+            Some(l[start..].split('"').next()?.to_string())
+        };
+        for op in OpLatencies::OPS {
+            let mut last = 0u64;
+            let mut les = Vec::new();
+            for l in text.lines().filter(|l| {
+                l.starts_with("memfold_operation_latency_seconds_bucket{")
+                    && label(l, "op").as_deref() == Some(op)
+            }) {
+                let le = label(l, "le").unwrap();
+                let n: u64 = l.rsplit(' ').next().unwrap().parse().unwrap();
+                assert!(n >= last, "{op}: bucket {le} has {n} < {last}");
+                last = n;
+                les.push(le);
+            }
+            // The bounds are ours, in seconds, rising, then +Inf.
+            assert_eq!(les.len(), LATENCY_BUCKETS_S.len() + 1, "{op}: {les:?}");
+            assert_eq!(les.last().unwrap(), "+Inf");
+            for (le, want) in les.iter().zip(LATENCY_BUCKETS_S) {
+                assert_eq!(le.parse::<f64>().unwrap(), want, "{op}: {les:?}");
+            }
+            let count = text
+                .lines()
+                .find(|l| {
+                    l.starts_with(&format!(
+                        "memfold_operation_latency_seconds_count{{op=\"{op}\"}}"
+                    ))
+                })
+                .unwrap();
+            assert!(
+                count.ends_with(&format!(" {last}")),
+                "{op}: +Inf {last} vs {count}"
+            );
+        }
+        // share: 10 at 3 µs, 1 at 2 ms; the sum in seconds.
+        let bucket = |le: &str| {
+            text.lines()
+                .find(|l| {
+                    l.starts_with("memfold_operation_latency_seconds_bucket{")
+                        && label(l, "op").as_deref() == Some("share")
+                        && label(l, "le").as_deref() == Some(le)
+                })
+                .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        };
+        assert_eq!(bucket("0.0000025"), Some(0), "{text}");
+        assert_eq!(bucket("0.000005"), Some(10), "{text}");
+        assert_eq!(bucket("0.001"), Some(10), "{text}");
+        assert_eq!(bucket("0.0025"), Some(11), "{text}");
+        let sum: f64 = text
+            .lines()
+            .find(|l| l.starts_with("memfold_operation_latency_seconds_sum{op=\"share\"}"))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap();
+        assert!((sum - 0.00203).abs() < 0.00003, "{sum}");
+    }
+
+    #[test]
+    fn the_classic_text_names_counters_by_their_samples() {
+        let om = sample().exposition();
+        let text = prometheus_text(&om);
+        assert!(
+            text.contains("# HELP memfold_cow_breaks_total Copy-on-write"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE memfold_cow_breaks_total counter\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_cow_breaks_total{vm=\"web\"} 3\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE memfold_host_memory_bytes gauge\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("memfold_host_budget_bytes 4096000.0\n"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("# UNIT") && !text.contains("# EOF"),
+            "{text}"
+        );
+        // Same samples, same values.
+        let samples = |t: &str| -> Vec<String> {
+            t.lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(|l| l.replace("{} ", " "))
+                .collect()
+        };
+        assert_eq!(samples(&om), samples(&text));
+    }
+}
