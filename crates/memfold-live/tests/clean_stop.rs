@@ -53,7 +53,10 @@ fn a_clean_stop_keeps_the_guests_data_and_the_next_memfoldd_picks_it_up() {
     // The clean stop: Ok, the socket file gone, the guest's bytes intact without memfoldd.
     stop.store(true, Ordering::Relaxed);
     first.join().unwrap().expect("a clean stop returns Ok");
-    assert!(!socket.exists(), "the socket file is removed on a clean stop");
+    assert!(
+        !socket.exists(),
+        "the socket file is removed on a clean stop"
+    );
     check(&ram, &want, "with no memfoldd");
 
     // A stale socket file (nothing listens) is taken over by the next memfoldd.
@@ -66,13 +69,24 @@ fn a_clean_stop_keeps_the_guests_data_and_the_next_memfoldd_picks_it_up() {
     let s = wait_for(&socket, Duration::from_secs(30), "g re-attached", |s| {
         attached(s, "g").is_some_and(|v| v.shared_pages > 0)
     });
-    assert!(s.adopted_pool, "the second memfoldd adopts g's pool: {s:#?}");
+    assert!(
+        s.adopted_pool,
+        "the second memfoldd adopts g's pool: {s:#?}"
+    );
     check(&ram, &want, "after the restart");
     std::thread::sleep(Duration::from_secs(1));
     let s = memfold_live::query_stats(&socket).unwrap();
-    assert_eq!(s.held.unbooked(), 0, "bytes held past the books: {:?}", s.held);
+    assert_eq!(
+        s.held.unbooked(),
+        0,
+        "bytes held past the books: {:?}",
+        s.held
+    );
     stop2.store(true, Ordering::Relaxed);
-    second.join().unwrap().expect("the second stops cleanly too");
+    second
+        .join()
+        .unwrap()
+        .expect("the second stops cleanly too");
     assert!(!socket.exists());
     check(&ram, &want, "after the second stop");
 }

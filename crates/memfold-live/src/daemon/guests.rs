@@ -198,7 +198,11 @@ impl Guests {
     /// Ends every attached guest's connection (its agent sees memfoldd gone and keeps
     /// serving the guest); returns how many there were.
     pub(crate) fn close_all(&self) -> usize {
-        let conns: Vec<&Conn> = self.by_vm.values().filter_map(|g| g.conn.as_ref()).collect();
+        let conns: Vec<&Conn> = self
+            .by_vm
+            .values()
+            .filter_map(|g| g.conn.as_ref())
+            .collect();
         for c in &conns {
             c.shutdown();
         }
