@@ -2,4 +2,6 @@
 
 #![deny(missing_docs)]
 
+pub mod config_file;
 pub mod engine_args;
+pub mod logging;
