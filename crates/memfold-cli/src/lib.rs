@@ -4,4 +4,5 @@
 
 pub mod config_file;
 pub mod engine_args;
+pub mod install;
 pub mod logging;
