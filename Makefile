@@ -38,11 +38,12 @@ bench:
 
 # The Debian package (docs/operations.md): memfoldd, memfold, the agent library under
 # /usr/lib/memfold, the systemd unit and /etc/memfold/memfoldd.toml, into out/deb/.
-# Installs cargo-deb from crates.io if it is missing.
+# Stripped; the debug symbols go to memfold-dbgsym_*.ddeb beside it. Installs
+# cargo-deb from crates.io if it is missing.
 deb:
 	cargo build --release -p memfold-cli -p memfold-agent
 	command -v cargo-deb >/dev/null || cargo install cargo-deb --locked
-	cargo deb -p memfold-cli --no-build --output out/deb/
+	cargo deb -p memfold-cli --no-build --dbgsym --compress-debug-symbols=zlib --output out/deb/
 
 # The package on a clean Debian bookworm chroot: installs, memfoldd starts as the unit
 # would, a client gets its statistics, SIGTERM stops it (needs root; about a minute once

@@ -5,7 +5,8 @@
 # the unit's ExecStart starts it (no systemd as PID 1 in a chroot: /run/memfold made as
 # RuntimeDirectory= would, then ExecStart run by hand), a client's request for
 # statistics answered, SIGTERM → exit 0 and the socket gone, a second start on the same
-# path answered, a second SIGTERM. Needs root (debootstrap, chroot).
+# path answered, kill -9 (a stale socket left), a third start over it answered, SIGTERM.
+# Needs root (debootstrap, chroot).
 #
 #   bash scripts/deb-check.sh [PACKAGE.deb]      # default: the newest out/deb/memfold_*.deb
 #
@@ -95,11 +96,11 @@ stats() {
 import json, socket, sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect(sys.argv[1])
-s.send(json.dumps({"ClientHello": {"version": int(sys.argv[2])}}).encode())
-s.send(json.dumps("Stats").encode())
-reply = json.loads(s.recv(1 << 22))
-st = reply["Stats"]
-print(f"  stats: {len(st['vms'])} guests, {st['domains']} sharing domains, keys: {', '.join(sorted(st)[:6])}, ...")
+s.send(json.dumps({"type": "client_hello", "version": int(sys.argv[2])}).encode())
+s.send(json.dumps({"type": "stats"}).encode())
+st = json.loads(s.recv(1 << 22))
+assert st.get("type") == "stats", f"memfoldd answered {st}"
+print(f"  stats: {len(st['vms'])} guests, {st['domains']} sharing domains; fields: {', '.join(sorted(st)[:8])}, ...")
 EOF
 }
 
@@ -123,7 +124,14 @@ stop
 say "restart on the same path"
 start
 stats | tee -a "$result"
+kill -KILL "$daemon_pid"; wait "$daemon_pid" 2>/dev/null || true; daemon_pid=
+[ -S "$root$socket" ] || { say "FAIL: no stale socket after kill -9"; exit 1; }
+say "kill -9: the socket file is left; start again over it (Restart=on-failure's path)"
+start
+stats | tee -a "$result"
 stop
+grep -q 'a stale socket (nothing listens): replaced' "$out/memfoldd.log" \
+    || { say "FAIL: the stale socket was not reported replaced"; exit 1; }
 grep -q '^<6>listening on /run/memfold/memfoldd.sock' "$out/memfoldd.log" \
     || { say "FAIL: no journald-style start line in the log"; exit 1; }
 say "memfoldd's log (journald priority prefixes):"

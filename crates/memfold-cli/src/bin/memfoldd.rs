@@ -24,7 +24,7 @@ const DEFAULT_CONFIG: &str = "/etc/memfold/memfoldd.toml";
 
 /// memfoldd: saves the host memory of running QEMU guests (see `memfold run`).
 #[derive(Parser, Debug)]
-#[command(version)]
+#[command(name = "memfoldd", version)]
 struct Args {
     /// Configuration file (TOML; every other flag is a key, e.g. `rate = 500`); the
     /// command line wins over it. `none`: no file. Default: /etc/memfold/memfoldd.toml if
