@@ -17,8 +17,8 @@ fn read(rel: &str) -> String {
 /// The unit's `KEY=value` lines (the last of each key).
 fn unit_value(unit: &str, key: &str) -> String {
     unit.lines()
-        .filter_map(|l| l.strip_prefix(key)?.strip_prefix('='))
-        .last()
+        .rev()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
         .unwrap_or_else(|| panic!("the unit has no {key}="))
         .to_owned()
 }

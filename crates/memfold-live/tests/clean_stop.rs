@@ -11,7 +11,7 @@
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{
@@ -28,8 +28,46 @@ fn check(ram: &GuestRam, want: &[Vec<u8>], when: &str) {
     }
 }
 
+/// What memfoldd logs, captured (the one test of this binary installs it globally:
+/// memfoldd logs from its own threads).
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Log {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Log {
+    fn install() -> Log {
+        let log = Log::default();
+        let w = log.clone();
+        let sub = tracing_subscriber::fmt()
+            .with_writer(move || w.clone())
+            .with_ansi(false)
+            .without_time()
+            .finish();
+        tracing::subscriber::set_global_default(sub).expect("the only subscriber");
+        log
+    }
+
+    /// Lines logged so far that contain every one of `parts`.
+    fn count(&self, parts: &[&str]) -> usize {
+        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
+        text.lines()
+            .filter(|l| parts.iter().all(|p| l.contains(p)))
+            .count()
+    }
+}
+
 #[test]
 fn a_clean_stop_keeps_the_guests_data_and_the_next_memfoldd_picks_it_up() {
+    let log = Log::install();
     let work = tempfile::tempdir().unwrap();
     let (socket, stop, first) = start_stoppable_memfoldd(work.path(), fast_engine());
     let ram = GuestRam::new("clean-stop-ram", 1280);
@@ -89,4 +127,17 @@ fn a_clean_stop_keeps_the_guests_data_and_the_next_memfoldd_picks_it_up() {
         .expect("the second stops cleanly too");
     assert!(!socket.exists());
     check(&ram, &want, "after the second stop");
+
+    // The lifecycle, logged: each start's socket, the guest attached to each, the pool
+    // adopted, each stop.
+    let sock = socket.display().to_string();
+    assert_eq!(log.count(&["listening on ", &sock]), 2);
+    assert_eq!(
+        log.count(&["a stale socket (nothing listens): replaced"]),
+        1
+    );
+    assert_eq!(log.count(&["attached", "name=g "]), 2);
+    assert_eq!(log.count(&["adopts the pool of a previous memfoldd"]), 1);
+    assert_eq!(log.count(&["stopping: no new work"]), 2);
+    assert_eq!(log.count(&["stopped: socket ", &sock, "1 agents left"]), 2);
 }

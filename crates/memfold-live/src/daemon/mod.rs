@@ -658,11 +658,6 @@ impl Daemon {
             conn.shutdown();
         }
         self.guests.attached(vm, token, conn, pid, ram_id);
-        tracing::info!(
-            "{name} (pid {pid}, uid {uid}): attached as {vm} in {d}, {} MiB of RAM{}",
-            ram_bytes >> 20,
-            if known { ", again" } else { "" }
-        );
         // A guest this memfoldd knew: its own record of the opt-out holds (an opt-in or
         // opt-out made while the agent was detached included). A guest it did not (a
         // restart): the agent's word, so an opt-out outlives the restart.
