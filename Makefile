@@ -46,7 +46,8 @@ deb:
 	cargo deb -p memfold-cli --no-build --dbgsym --compress-debug-symbols=zlib --output out/deb/
 
 # The package on a clean Debian bookworm chroot: installs, memfoldd starts as the unit
-# would, a client gets its statistics, SIGTERM stops it (needs root; about a minute once
-# the minimal system is cached).
+# would, a client gets its statistics, a tiny guest attaches through the packaged agent
+# and passes its self-checks across SIGTERM, restart and kill -9 (needs root; boots a
+# guest; about a minute once the minimal system is cached).
 deb-check: deb
 	bash scripts/deb-check.sh
