@@ -86,7 +86,6 @@ say "installed: memfoldd, memfold, the agent library, the unit, the conffile"
 # As systemd would: RuntimeDirectory=memfold, then ExecStart as the unit has it.
 exec_start=$(sed -n 's/^ExecStart=//p' "$root/lib/systemd/system/memfoldd.service")
 socket=/run/memfold/memfoldd.sock
-proto=$(sed -n 's/^pub const PROTOCOL_VERSION: u32 = \([0-9]*\);/\1/p' crates/memfold-wire/src/messages.rs)
 
 start() {
     mkdir -p "$root/run/memfold"; chmod 0755 "$root/run/memfold"
@@ -100,32 +99,27 @@ start() {
     say "FAIL: no socket at $socket"; exit 1
 }
 
-# Statistics from memfoldd; with a guest name, waits (up to 120 s) until it is attached
-# with shared pages.
+# Statistics from memfoldd through the packaged `memfold status`; with a guest name, waits
+# (up to 120 s) until it is attached with shared pages.
 stats() {
-    python3 - "$root$socket" "$proto" "${1:-}" <<'EOF'
-import json, socket, sys, time
-def ask():
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    s.connect(sys.argv[1])
-    s.send(json.dumps({"type": "client_hello", "version": int(sys.argv[2])}).encode())
-    s.send(json.dumps({"type": "stats"}).encode())
-    st = json.loads(s.recv(1 << 22))
-    assert st.get("type") == "stats", f"memfoldd answered {st}"
-    return st
-guest, t0 = sys.argv[3], time.time()
-while True:
-    st = ask()
-    vm = [v for v in st["vms"] if v["name"] == guest and not v["detached"]]
-    if not guest or (vm and vm[0]["shared_pages"] > 0):
-        break
-    if time.time() - t0 > 120:
-        sys.exit(f"FAIL: guest {guest} not attached with shared pages after 120 s: {st['vms']}")
-    time.sleep(1)
-print(f"  stats: {len(st['vms'])} guests, {st['domains']} sharing domains, pool adopted: {st['adopted_pool']}; fields: {', '.join(sorted(st)[:6])}, ...")
-for v in vm if guest else []:
-    print(f"  guest {v['name']}: attached, {v['shared_pages']} pages shared, {v['zero_reclaimed_pages']} zero pages reclaimed")
-EOF
+    local guest=${1:-} t0=$SECONDS json
+    while :; do
+        json=$(chroot "$root" memfold status --socket "$socket" --interval 0 --json 2>&1) \
+            || { say "FAIL: memfold status: $json"; exit 1; }
+        [ -z "$guest" ] && break
+        python3 -c '
+import json, sys
+v = [r for r in json.loads(sys.stdin.read())["vms"] if r["name"] == sys.argv[1]]
+sys.exit(0 if v and v[0]["state"] == "managed" and v[0]["shared_pages"] > 0 else 1)
+' "$guest" <<<"$json" && break
+        if (( SECONDS - t0 > 120 )); then
+            say "FAIL: guest $guest not attached with shared pages after 120 s: $json"
+            exit 1
+        fi
+        sleep 1
+    done
+    echo "  memfold status (the packaged binary):"
+    chroot "$root" memfold status --socket "$socket" --interval 0 | sed 's/^/    /'
 }
 
 # The guest's self-check rounds so far; more_rounds N waits for N more, failing on a
