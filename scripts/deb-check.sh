@@ -104,16 +104,21 @@ start() {
 stats() {
     local guest=${1:-} t0=$SECONDS json
     while :; do
-        json=$(chroot "$root" memfold status --socket "$socket" --interval 0 --json 2>&1) \
-            || { say "FAIL: memfold status: $json"; exit 1; }
-        [ -z "$guest" ] && break
+        # After a kill -9 the stale socket file is there before the new memfoldd
+        # listens: a refused connection is retried like a guest not yet attached.
+        if json=$(chroot "$root" memfold status --socket "$socket" --interval 0 --json 2>&1); then
+            [ -z "$guest" ] && break
+        else
+            guest_wait_reason=$json
+            json='{"vms":[]}'
+        fi
         python3 -c '
 import json, sys
 v = [r for r in json.loads(sys.stdin.read())["vms"] if r["name"] == sys.argv[1]]
 sys.exit(0 if v and v[0]["state"] == "managed" and v[0]["shared_pages"] > 0 else 1)
 ' "$guest" <<<"$json" && break
         if (( SECONDS - t0 > 120 )); then
-            say "FAIL: guest $guest not attached with shared pages after 120 s: $json"
+            say "FAIL: guest ${guest:-(none)} not attached with shared pages after 120 s: $json ${guest_wait_reason:-}"
             exit 1
         fi
         sleep 1
