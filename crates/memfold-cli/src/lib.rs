@@ -2,4 +2,7 @@
 
 #![deny(missing_docs)]
 
+pub mod config_file;
 pub mod engine_args;
+pub mod install;
+pub mod logging;

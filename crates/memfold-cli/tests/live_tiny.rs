@@ -41,6 +41,8 @@ impl Drop for Memfoldd {
 fn memfoldd(socket: &Path) -> Memfoldd {
     Memfoldd(
         Command::new(env!("CARGO_BIN_EXE_memfoldd"))
+            // Not the host's /etc/memfold/memfoldd.toml, if a package put one there.
+            .args(["--config", "none"])
             .args(["--rate", "0", "--min-scan-interval-ms", "500"])
             .args(["--clock-secs", "2", "--policy", "de"])
             .args(["--host-budget-mib", "64", "--swap-dir"])

@@ -112,6 +112,12 @@ impl SeqpacketListener {
             })
     }
 
+    /// Stops listening: a thread blocked in [`SeqpacketListener::accept`] returns
+    /// `EINVAL` (as does every later accept), and connects are refused from now on.
+    pub fn shutdown(&self) {
+        let _ = rustix::net::shutdown(&self.fd, rustix::net::Shutdown::Both);
+    }
+
     /// Waits for the next connection.
     ///
     /// Errors: accept failed.

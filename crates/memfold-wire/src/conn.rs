@@ -33,6 +33,12 @@ impl Listener {
         SeqpacketListener::share_with_group(path, gid)
     }
 
+    /// Stops listening: a blocked [`Listener::accept`] returns an `InvalidInput` error
+    /// (`EINVAL`), as does every later one, and connects are refused.
+    pub fn shutdown(&self) {
+        self.sock.shutdown()
+    }
+
     /// Waits for the next connection.
     ///
     /// Errors: accept failed.

@@ -1,18 +1,37 @@
 //! memfoldd: the memfold daemon. Guests attach through the agent preloaded into QEMU;
 //! memfoldd runs the engine over them: sharing, zero pages, the Difference Engine's
 //! patching and compression of cold pages, and swap over a host budget.
+//!
+//! Settings: the command line over the configuration file (`--config`, by default
+//! `/etc/memfold/memfoldd.toml` if it exists; every flag is a key there) over the
+//! built-in defaults. SIGTERM or SIGINT stops it cleanly (exit 0): the guests keep
+//! running, their agents keep their data and re-attach to the next memfoldd. Under
+//! systemd (`Type=notify`) it reports `READY=1` once its socket accepts connections.
 
-use std::path::PathBuf;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 use clap::Parser;
+use memfold_cli::config_file::{parse_layered, LayeredError, Source};
 use memfold_cli::engine_args::EngineArgs;
-use memfold_live::daemon::{run, DaemonConfig};
+use memfold_cli::logging;
+use memfold_live::daemon::{serve, DaemonConfig};
 use memfold_live::metrics::MetricsServer;
+
+/// The configuration file read when `--config` is not given (if it exists).
+const DEFAULT_CONFIG: &str = "/etc/memfold/memfoldd.toml";
 
 /// memfoldd: saves the host memory of running QEMU guests (see `memfold run`).
 #[derive(Parser, Debug)]
-#[command(version)]
+#[command(name = "memfoldd", version)]
 struct Args {
+    /// Configuration file (TOML; every other flag is a key, e.g. `rate = 500`); the
+    /// command line wins over it. `none`: no file. Default: /etc/memfold/memfoldd.toml if
+    /// it exists.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// Socket for agents and clients.
     #[arg(long, default_value = "/run/memfold/memfoldd.sock")]
     socket: PathBuf,
@@ -37,31 +56,77 @@ struct Args {
     /// Allow --metrics-listen on a non-loopback address (the metrics name every guest).
     #[arg(long, requires = "metrics_listen")]
     metrics_allow_remote: bool,
+    /// Log level: `error`, `warn`, `info`, `debug`, `trace`, or a tracing filter such as
+    /// `info,memfold_live=debug`. Default: RUST_LOG if set, else `info`.
+    #[arg(long, value_name = "LEVEL")]
+    log: Option<String>,
+}
+
+/// The configuration file `args` asks for.
+fn source(args: &Args) -> Source {
+    Source::of(args.config.as_deref(), Path::new(DEFAULT_CONFIG))
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
-    let a = Args::parse();
-    let engine = match a.engine.config() {
-        Ok(c) => c,
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let (a, file) = match parse_layered::<Args>(&argv, "config", source) {
+        Ok(v) => v,
+        Err(LayeredError::Cli(e)) => e.exit(),
         Err(e) => {
             eprintln!("memfoldd: {e}");
             std::process::exit(2);
         }
     };
-    if let Some(dir) = a.socket.parent() {
-        let _ = std::fs::create_dir_all(dir);
+    let filter = match logging::filter(a.log.as_deref()) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("memfoldd: {e}");
+            std::process::exit(2);
+        }
+    };
+    logging::init(logging::Style::detect(), filter);
+    let engine = match a.engine.config() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("{e}");
+            std::process::exit(2);
+        }
+    };
+    // SIGTERM (systemctl stop) and SIGINT (Ctrl-C) set the flag the main loop polls.
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        if let Err(e) = signal_hook::flag::register(sig, Arc::clone(&stop)) {
+            tracing::error!("cannot catch signal {sig}: {e}");
+            std::process::exit(1);
+        }
     }
+    if let Some(dir) = a.socket.parent() {
+        if let Err(e) = std::fs::create_dir_all(dir) {
+            tracing::error!("socket folder {}: {e}", dir.display());
+            std::process::exit(1);
+        }
+    }
+    tracing::info!(
+        "memfoldd {} starting: configuration {}, policy {}, rate {} pages/s, zero pages {}, sharing domains by {}{}",
+        env!("CARGO_PKG_VERSION"),
+        file.as_deref()
+            .map_or("none (defaults and command line)".into(), |p| p.display().to_string()),
+        a.engine.policy,
+        a.engine.rate,
+        a.engine.zero,
+        a.engine.share_domains,
+        a.engine.host_budget_mib.map_or(String::new(), |b| format!(
+            ", host budget {b} MiB, swap {} MiB in {}",
+            a.engine.swap_mib,
+            a.swap_dir.display()
+        )),
+    );
     // The endpoint asks this memfoldd for its statistics over the socket, per scrape.
     let _metrics = match a.metrics_listen {
         Some(addr) => match MetricsServer::start(addr, a.metrics_allow_remote, a.socket.clone()) {
             Ok(m) => Some(m),
             Err(e) => {
-                eprintln!("memfoldd: {e}");
+                tracing::error!("{e}");
                 std::process::exit(2);
             }
         },
@@ -77,8 +142,106 @@ fn main() {
         claim: a.engine.claim(),
         allowance: a.engine.allowance_mib << 20,
     };
-    if let Err(e) = run(cfg) {
+    let ready = || {
+        // Without NOTIFY_SOCKET (not under systemd) this does nothing.
+        if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
+            tracing::warn!("sd_notify READY=1: {e}");
+        }
+    };
+    let result = serve(cfg, &stop, ready);
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+    if let Err(e) = result {
         tracing::error!("{e}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+    use memfold_cli::config_file::{file_args, valid_keys};
+
+    /// The sample configuration shipped in the Debian package.
+    fn sample() -> (PathBuf, String) {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packaging/memfoldd.toml");
+        let text = std::fs::read_to_string(&p).expect("packaging/memfoldd.toml");
+        (p, text)
+    }
+
+    /// The sample with every `# key = value` line made live.
+    fn uncommented(text: &str) -> String {
+        text.lines()
+            .filter_map(|l| {
+                let l = l.strip_prefix('#')?.trim_start();
+                let (k, _) = l.split_once('=')?;
+                let k = k.trim();
+                (!k.is_empty() && k.chars().all(|c| c.is_ascii_lowercase() || c == '-'))
+                    .then(|| format!("{l}\n"))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_sample_configuration_parses_and_sets_every_flag() {
+        let (path, text) = sample();
+        let cmd = Args::command();
+        assert_eq!(
+            file_args(&cmd, &path, &text, &["config"]).unwrap(),
+            Vec::<OsString>::new(),
+            "as shipped, every key is commented out: the defaults hold"
+        );
+        let live = uncommented(&text);
+        let table: toml::Table = toml::from_str(&live).expect("the commented keys are TOML");
+        let mut keys: Vec<String> = table.keys().cloned().collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            valid_keys(&cmd, &["config"]),
+            "packaging/memfoldd.toml must show every memfoldd flag as a commented `# key = value` line"
+        );
+        file_args(&cmd, &path, &live, &["config"]).expect("every sample value is valid");
+        // Each key with a default shows that default.
+        for arg in cmd.get_arguments() {
+            let (Some(long), [default]) = (arg.get_long(), arg.get_default_values()) else {
+                continue;
+            };
+            let shown = match &table[long] {
+                toml::Value::String(s) => s.clone(),
+                v => v.to_string(),
+            };
+            assert_eq!(
+                shown,
+                default.to_string_lossy(),
+                "packaging/memfoldd.toml shows `{long}` other than its default"
+            );
+        }
+    }
+
+    #[test]
+    fn the_command_line_wins_over_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("memfoldd.toml");
+        std::fs::write(&f, "rate = 500\npolicy = \"sharing\"\nlog = \"debug\"\n").unwrap();
+        let argv = |extra: &[&str]| -> Vec<OsString> {
+            ["memfoldd", "--config", f.to_str().unwrap()]
+                .iter()
+                .chain(extra)
+                .map(OsString::from)
+                .collect()
+        };
+        let (a, read) = parse_layered::<Args>(&argv(&["--rate", "7"]), "config", source).unwrap();
+        assert_eq!(read.as_deref(), Some(f.as_path()));
+        assert_eq!((a.engine.rate, a.engine.policy.as_str()), (7, "sharing"));
+        assert_eq!(a.log.as_deref(), Some("debug"));
+        let none: Vec<OsString> = ["memfoldd", "--config", "none"]
+            .iter()
+            .map(OsString::from)
+            .collect();
+        let (a, read) = parse_layered::<Args>(&none, "config", source).unwrap();
+        assert_eq!(
+            (read, a.engine.rate),
+            (None, memfold_core::EngineConfig::default().rate)
+        );
     }
 }

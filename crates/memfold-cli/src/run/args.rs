@@ -58,11 +58,17 @@ pub struct MemfoldArgs {
 }
 
 impl MemfoldArgs {
-    /// memfoldd's command line for this run (after the program name): the socket and,
-    /// with a host budget, `out` as the folder of the guests' swap files, then every engine
-    /// setting explicitly ([`EngineArgs::to_args`]).
+    /// memfoldd's command line for this run (after the program name): the socket, no
+    /// configuration file (a run does not take the host's /etc/memfold/memfoldd.toml),
+    /// every engine setting explicitly ([`EngineArgs::to_args`]) and, with a host budget,
+    /// `out` as the folder of the guests' swap files.
     pub fn memfoldd_args(&self, socket: &Path, out: &Path) -> Vec<OsString> {
-        let mut v: Vec<OsString> = vec!["--socket".into(), socket.into()];
+        let mut v: Vec<OsString> = vec![
+            "--socket".into(),
+            socket.into(),
+            "--config".into(),
+            "none".into(),
+        ];
         v.extend(self.engine.to_args());
         if self.engine.host_budget_mib.is_some() {
             v.push("--swap-dir".into());
@@ -170,7 +176,10 @@ mod tests {
     fn memfoldd_gets_the_socket_every_engine_setting_and_the_swap_folder() {
         let a = parse(&[]);
         let v = strings(a.memfoldd_args(Path::new("/o/memfoldd.sock"), Path::new("/o")));
-        assert_eq!(&v[..2], ["--socket", "/o/memfoldd.sock"]);
+        assert_eq!(
+            &v[..4],
+            ["--socket", "/o/memfoldd.sock", "--config", "none"]
+        );
         assert!(v.windows(2).any(|w| w == ["--policy", "de"]));
         assert!(v.windows(2).any(|w| w == ["--clock-secs", "4"]));
         assert!(!v.iter().any(|s| s == "--swap-dir"));

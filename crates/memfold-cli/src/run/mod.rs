@@ -31,8 +31,9 @@ use crate::guests;
 /// Guest RAM under memfold: memfd files memfoldd reads and the agent maps.
 const RAM: RamBackend = RamBackend::Memfd;
 
-/// The agent library and memfoldd, installed beside the `memfold` binary; and the
-/// privileges a run needs, checked before any guest boots.
+/// The agent library (beside the `memfold` binary or in `../lib/memfold`,
+/// [`memfold_cli::install`]) and memfoldd (beside it); and the privileges a run needs,
+/// checked before any guest boots.
 fn companions() -> Result<(PathBuf, PathBuf)> {
     anyhow::ensure!(
         rustix::process::geteuid().is_root(),
@@ -43,15 +44,22 @@ fn companions() -> Result<(PathBuf, PathBuf)> {
     uffd::Uffd::open(uffd::AGENT_FEATURES)
     .context("memfold's agent needs a userfaultfd for shmem missing, write-protect and minor faults (Linux 6.1 or later, CONFIG_USERFAULTFD, CONFIG_PTE_MARKER_UFFD_WP)")?;
     let exe = std::env::current_exe().context("cannot find the memfold binary")?;
-    let agent = exe.with_file_name("libmemfold_agent.so");
+    let agent = memfold_cli::install::agent_library(&exe).ok_or_else(|| {
+        let tried: Vec<String> = memfold_cli::install::agent_library_candidates(&exe)
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        anyhow::anyhow!(
+            "the agent library is missing (tried {}): build the whole workspace (`cargo build --release --workspace`; make main does) or install it (README, Install)",
+            tried.join(", ")
+        )
+    })?;
     let daemon = exe.with_file_name("memfoldd");
-    for p in [&agent, &daemon] {
-        anyhow::ensure!(
-            p.exists(),
-            "{} is missing: build the whole workspace (`cargo build --release --workspace`; make main does)",
-            p.display()
-        );
-    }
+    anyhow::ensure!(
+        daemon.exists(),
+        "{} is missing: build the whole workspace (`cargo build --release --workspace`; make main does)",
+        daemon.display()
+    );
     Ok((agent, daemon))
 }
 

@@ -179,6 +179,11 @@ impl Executor {
         }
     }
 
+    /// Batches sent and not yet answered.
+    pub(crate) fn under_way(&self) -> usize {
+        self.batches.len()
+    }
+
     /// Records batch `batch` of `cmds`, sent to guest `vm`, until it is answered.
     fn track(&mut self, batch: BatchId, vm: VmId, kind: Kind, cmds: Vec<Command>) {
         self.batches.insert(batch, Batch { vm, kind, cmds });

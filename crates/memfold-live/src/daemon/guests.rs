@@ -38,13 +38,16 @@ pub(crate) enum Input {
     },
 }
 
-/// Accepts connections until the listener fails; each gets a reader thread. `agent_gid`:
-/// a group whose members' QEMUs may attach too (besides root and memfoldd's user).
-pub(crate) fn accept_loop(listener: Listener, tx: mpsc::Sender<Input>, agent_gid: Option<u32>) {
+/// Accepts connections until the listener is shut down; each gets a reader thread.
+/// `agent_gid`: a group whose members' QEMUs may attach too (besides root and memfoldd's
+/// user).
+pub(crate) fn accept_loop(listener: &Listener, tx: mpsc::Sender<Input>, agent_gid: Option<u32>) {
     let mut token = 0u64;
     loop {
         let conn = match listener.accept() {
             Ok(c) => c,
+            // EINVAL: the listener was shut down (memfoldd stops).
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => return,
             Err(e) => {
                 tracing::warn!("accept: {e}");
                 std::thread::sleep(std::time::Duration::from_millis(100));
@@ -192,6 +195,20 @@ pub(crate) struct Guests {
 }
 
 impl Guests {
+    /// Ends every attached guest's connection (its agent sees memfoldd gone and keeps
+    /// serving the guest); returns how many there were.
+    pub(crate) fn close_all(&self) -> usize {
+        let conns: Vec<&Conn> = self
+            .by_vm
+            .values()
+            .filter_map(|g| g.conn.as_ref())
+            .collect();
+        for c in &conns {
+            c.shutdown();
+        }
+        conns.len()
+    }
+
     /// Records guest `vm` (re-)attached on connection `token`.
     pub(crate) fn attached(
         &mut self,

@@ -24,9 +24,10 @@ mod guests;
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use memfold_core::backing::{Backing, BackingError, Clock};
@@ -51,6 +52,10 @@ const MAX_GUEST_PAGES: u64 = 1 << 26;
 /// frames in one domain): its frame table is sized by the pool's length, which the peer
 /// sets.
 const MAX_ADOPTED_FRAMES: u64 = 1 << 24;
+
+/// How long a stopping memfoldd waits for the answers to batches it has sent before it
+/// leaves them to the agents' re-attach (the crash-safety path), s.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Which guests form a sharing domain: they share frames and patch against each other's
 /// pages, and each of their QEMUs holds the domain's pool (issue 14). Decided from what
@@ -125,6 +130,12 @@ pub enum DaemonError {
         /// Cause.
         source: std::io::Error,
     },
+    /// Another memfoldd accepts connections at the socket path.
+    #[error("memfoldd socket {path}: another memfoldd is listening there; stop it first")]
+    Running {
+        /// Socket path.
+        path: PathBuf,
+    },
     /// A backing could not be created.
     #[error(transparent)]
     Backing(#[from] BackingError),
@@ -174,28 +185,100 @@ pub fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
     run_until(cfg, &AtomicBool::new(false))
 }
 
-/// Runs memfoldd until `stop` is set, then returns as a killed memfoldd would leave
-/// things: its descriptors closed, the agents on their own (they re-attach to the next
-/// memfoldd at the socket). For tests of restarts within one process.
+/// Runs memfoldd until `stop` is set, then stops as [`serve`] does. For tests of
+/// restarts within one process.
 ///
 /// Errors: as [`run`].
 pub fn run_until(cfg: DaemonConfig, stop: &AtomicBool) -> Result<(), DaemonError> {
+    serve(cfg, stop, || {})
+}
+
+/// Runs memfoldd until `stop` is set; `ready` is called once the socket accepts
+/// connections (for systemd's `READY=1`).
+///
+/// A socket file at the path is taken over if nothing listens there (a killed memfoldd's);
+/// if another memfoldd answers, this one does not start ([`DaemonError::Running`]).
+///
+/// When `stop` is set, memfoldd stops cleanly: it plans and sends no more work, stops
+/// listening, waits up to [`DRAIN_TIMEOUT`] for the answers to batches under way
+/// (applying them), then closes every agent's connection and removes its socket file.
+/// Pages whose answers did not come stay as the agents left them: each agent keeps
+/// serving its guest's faults from the pool, store and swap file it holds, and re-attaches
+/// to the next memfoldd at the socket with the list of what it maps (docs/live.md, "Crash
+/// safety").
+///
+/// Errors: as [`run`].
+pub fn serve(
+    cfg: DaemonConfig,
+    stop: &AtomicBool,
+    ready: impl FnOnce(),
+) -> Result<(), DaemonError> {
     let socket_err = |source| DaemonError::Socket {
         path: cfg.socket.clone(),
         source,
     };
-    let listener = Listener::bind(&cfg.socket).map_err(socket_err)?;
+    if memfold_wire::Conn::connect(&cfg.socket).is_ok() {
+        return Err(DaemonError::Running {
+            path: cfg.socket.clone(),
+        });
+    }
+    if cfg.socket.exists() {
+        tracing::info!(
+            "{}: a stale socket (nothing listens): replaced",
+            cfg.socket.display()
+        );
+    }
+    let mut d = Daemon::new(&cfg)?;
+    let listener = Arc::new(Listener::bind(&cfg.socket).map_err(socket_err)?);
+    let bound = file_id(&cfg.socket);
+    let closed = |listener: &Listener| {
+        listener.shutdown();
+        // Only our own socket file: not one a later memfoldd bound at the same path.
+        if bound.is_some() && file_id(&cfg.socket) == bound {
+            let _ = std::fs::remove_file(&cfg.socket);
+        }
+    };
     if let Some(gid) = cfg.agent_gid {
-        Listener::share_with_group(&cfg.socket, gid).map_err(socket_err)?;
+        if let Err(e) = Listener::share_with_group(&cfg.socket, gid) {
+            closed(&listener);
+            return Err(socket_err(e));
+        }
     }
     let (tx, rx) = mpsc::channel();
     let agent_gid = cfg.agent_gid;
-    std::thread::Builder::new()
+    let acceptor = Arc::clone(&listener);
+    if let Err(e) = std::thread::Builder::new()
         .name("accept".into())
-        .spawn(move || guests::accept_loop(listener, tx, agent_gid))
-        .map_err(socket_err)?;
-    let mut d = Daemon::new(&cfg)?;
-    d.main_loop(rx, stop)
+        .spawn(move || guests::accept_loop(&acceptor, tx, agent_gid))
+    {
+        closed(&listener);
+        return Err(socket_err(e));
+    }
+    tracing::info!(
+        "listening on {} (mode {}); agents attach there",
+        cfg.socket.display(),
+        if agent_gid.is_some() { "0660" } else { "0600" }
+    );
+    ready();
+    let r = d.main_loop(&rx, stop);
+    closed(&listener);
+    if r.is_ok() {
+        d.drain(&rx);
+    }
+    let n = d.guests.close_all();
+    tracing::info!(
+        "stopped: socket {} closed, {n} agents left to serve their guests until the next memfoldd",
+        cfg.socket.display()
+    );
+    r
+}
+
+/// A file's (device, inode), if it exists.
+fn file_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 fn dup(b: &FileBacking) -> Result<OwnedFd, BackingError> {
@@ -222,7 +305,7 @@ impl Daemon {
 
     fn main_loop(
         &mut self,
-        rx: mpsc::Receiver<Input>,
+        rx: &mpsc::Receiver<Input>,
         stop: &AtomicBool,
     ) -> Result<(), DaemonError> {
         let mut busy = false;
@@ -246,8 +329,40 @@ impl Daemon {
                 self.claims.tick(&self.engine);
             }
         }
-        tracing::info!("stopped");
         Ok(())
+    }
+
+    /// After a stop: applies the answers to batches under way (and answers clients) for
+    /// up to [`DRAIN_TIMEOUT`], planning and sending nothing new; an agent's hello still
+    /// queued is closed unanswered (it re-attaches to the next memfoldd).
+    fn drain(&mut self, rx: &mpsc::Receiver<Input>) {
+        let under_way = self.executor.under_way();
+        tracing::info!(
+            "stopping: no new work; {under_way} batches under way, waiting up to {} s for their answers",
+            DRAIN_TIMEOUT.as_secs()
+        );
+        let until = Instant::now() + DRAIN_TIMEOUT;
+        while self.executor.under_way() > 0 {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::info!(
+                    "{} batches unanswered: left to the agents' re-attach",
+                    self.executor.under_way()
+                );
+                return;
+            }
+            match rx.recv_timeout(left.min(Duration::from_millis(50))) {
+                Ok(Input::Attach { conn, .. }) => conn.shutdown(),
+                Ok(input) => {
+                    if let Err(e) = self.input(input) {
+                        tracing::warn!("while stopping: {e}");
+                        return;
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+        }
     }
 
     fn input(&mut self, input: Input) -> Result<(), DaemonError> {
@@ -267,6 +382,7 @@ impl Daemon {
             }
             Input::Gone { token } => {
                 if let Some(vm) = self.guests.gone(token) {
+                    tracing::info!("{vm}: its agent disconnected; detached");
                     self.executor.lost(&mut self.engine, vm);
                     self.engine.detach(vm);
                     self.reap();
@@ -654,6 +770,7 @@ impl Daemon {
     /// engine dropped (no guest, no frame).
     fn reap(&mut self) {
         for vm in self.guests.exited() {
+            tracing::info!("{vm}: its QEMU has exited; released");
             self.engine.remove(vm);
             self.guests.remove(vm);
         }
