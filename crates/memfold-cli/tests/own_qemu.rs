@@ -41,6 +41,8 @@ impl Drop for Killed {
 fn memfoldd(socket: &Path) -> Killed {
     Killed(
         Command::new(env!("CARGO_BIN_EXE_memfoldd"))
+            // Not the host's /etc/memfold/memfoldd.toml: the flags below are the test's.
+            .args(["--config", "none"])
             .args(["--rate", "0", "--min-scan-interval-ms", "500"])
             .args(["--policy", "sharing", "--swap-dir"])
             .arg(socket.parent().expect("in a folder"))
