@@ -63,7 +63,12 @@ fn wait_for(
     let t = Instant::now();
     loop {
         for g in guests {
-            assert!(g.mismatches().is_empty(), "{}: {:?}", g.name, g.mismatches());
+            assert!(
+                g.mismatches().is_empty(),
+                "{}: {:?}",
+                g.name,
+                g.mismatches()
+            );
         }
         if let Ok(s) = query_stats(socket) {
             if ok(&s, guests) {
@@ -129,7 +134,11 @@ fn memfoldd(socket: &Path, policy: &str, allowance_mib: u64) -> Memfoldd {
 /// Boots tiny guests `names` of [`RAM_MIB`] each with a balloon memfoldd drives.
 fn tiny_guests(cache: &Path, work: &Path, socket: &Path, names: &[&str]) -> Vec<Guest> {
     let agent = Path::new(env!("CARGO_BIN_EXE_memfoldd")).with_file_name("libmemfold_agent.so");
-    assert!(agent.exists(), "{} missing: build the workspace first", agent.display());
+    assert!(
+        agent.exists(),
+        "{} missing: build the workspace first",
+        agent.display()
+    );
     let mut guests = Vec::new();
     for name in names {
         let spec = GuestSpec {
@@ -174,32 +183,49 @@ fn guests_that_share_get_their_entitlement_and_repay_it_when_their_sharing_break
     let _daemon = memfoldd(&socket, "at-once", ALLOWANCE_MIB);
     let guests = tiny_guests(&cache, work.path(), &socket, &["a", "b"]);
 
-
     // Each guest's duplicates (its own files copied eight times) earn it several MiB.
-    let s = wait_for(&socket, &guests, Duration::from_secs(120), "entitlements claimed", |s, g| {
-        s.vms.len() == 2
-            && s.vms.iter().all(|v| v.entitlement_pages * 4096.0 > 8.0 * MIB as f64)
-            && claimed(s, g)
-    });
+    let s = wait_for(
+        &socket,
+        &guests,
+        Duration::from_secs(120),
+        "entitlements claimed",
+        |s, g| {
+            s.vms.len() == 2
+                && s.vms
+                    .iter()
+                    .all(|v| v.entitlement_pages * 4096.0 > 8.0 * MIB as f64)
+                && claimed(s, g)
+        },
+    );
     let b_before = vm(&s, "b").balloon_actual_bytes;
     eprintln!(
         "claimed: {:?}",
         s.vms
             .iter()
-            .map(|v| (&v.name, v.entitlement_pages / 256.0, v.balloon_actual_bytes.map(|b| b / MIB)))
+            .map(|v| (
+                &v.name,
+                v.entitlement_pages / 256.0,
+                v.balloon_actual_bytes.map(|b| b / MIB)
+            ))
             .collect::<Vec<_>>()
     );
 
     // `a`'s sharing all broken: its entitlement falls to nothing and its balloon takes
     // the memory back; `b` is not touched.
     opt_out(&socket, "a", true).expect("opt-out reaches memfoldd");
-    let s = wait_for(&socket, &guests, Duration::from_secs(120), "a repays", |s, g| {
-        let a = vm(s, "a");
-        a.shared_pages == 0
-            && a.entitlement_pages == 0.0
-            && a.balloon_actual_bytes == Some(ALLOWANCE_MIB * MIB)
-            && claimed(s, g)
-    });
+    let s = wait_for(
+        &socket,
+        &guests,
+        Duration::from_secs(120),
+        "a repays",
+        |s, g| {
+            let a = vm(s, "a");
+            a.shared_pages == 0
+                && a.entitlement_pages == 0.0
+                && a.balloon_actual_bytes == Some(ALLOWANCE_MIB * MIB)
+                && claimed(s, g)
+        },
+    );
     let b = vm(&s, "b");
     assert!(b.entitlement_pages * 4096.0 > 8.0 * MIB as f64, "{b:#?}");
     // Its own entitlement may cross a MiB boundary as its workload runs; no more.
@@ -211,7 +237,12 @@ fn guests_that_share_get_their_entitlement_and_repay_it_when_their_sharing_break
         now / MIB
     );
     for g in &guests {
-        assert!(g.mismatches().is_empty(), "{}: {:?}", g.name, g.mismatches());
+        assert!(
+            g.mismatches().is_empty(),
+            "{}: {:?}",
+            g.name,
+            g.mismatches()
+        );
     }
 }
 
@@ -231,7 +262,11 @@ fn under_pressure_a_guest_short_of_memory_grows_up_to_its_entitlement() {
     let mut seen_short = false;
     let mut last = None;
     while t.elapsed() < Duration::from_secs(120) {
-        assert!(guests[0].mismatches().is_empty(), "{:?}", guests[0].mismatches());
+        assert!(
+            guests[0].mismatches().is_empty(),
+            "{:?}",
+            guests[0].mismatches()
+        );
         if let Ok(s) = query_stats(&socket) {
             if let Some(v) = s.vms.first() {
                 let ceiling = ((SMALL_MIB * MIB + (v.entitlement_pages * 4096.0) as u64)
@@ -241,7 +276,10 @@ fn under_pressure_a_guest_short_of_memory_grows_up_to_its_entitlement() {
                 let target = v.balloon_target_bytes.unwrap_or(0);
                 // Never more than the allowance plus what it earned (one grain of slack:
                 // the entitlement moves between the target and this reading).
-                assert!(target <= ceiling + MIB, "target {target} over {ceiling}: {v:#?}");
+                assert!(
+                    target <= ceiling + MIB,
+                    "target {target} over {ceiling}: {v:#?}"
+                );
                 seen_short |= v.guest_short == Some(true);
                 last = Some(v.clone());
                 most = most.max(target);

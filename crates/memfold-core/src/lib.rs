@@ -49,8 +49,8 @@ pub mod ids {
 
 pub use clock::{NruState, Policy};
 pub use engine::{
-    claim_target, short_of_memory, ClaimPolicy, Command, Engine, EngineConfig, EngineError, Outcome, SharingRanks,
-    ZeroPolicy, CLAIM_GRAIN,
+    claim_target, short_of_memory, ClaimPolicy, Command, Engine, EngineConfig, EngineError,
+    Outcome, SharingRanks, ZeroPolicy, CLAIM_GRAIN,
 };
 pub use memfold_codecs::{CompressCodec, Encoding, Page, PatchCodec, PAGE_SIZE};
 pub use similarity::SimilarityConfig;

@@ -208,7 +208,9 @@ impl Qmp {
     pub fn balloon_stats_every(&mut self, path: &str, secs: u32) -> Result<(), QmpError> {
         self.execute(
             "qom-set",
-            Some(json!({ "path": path, "property": "guest-stats-polling-interval", "value": secs })),
+            Some(
+                json!({ "path": path, "property": "guest-stats-polling-interval", "value": secs }),
+            ),
         )
         .map(|_| ())
     }
@@ -231,10 +233,7 @@ impl Qmp {
                 .and_then(Value::as_i64)
                 .and_then(|v| u64::try_from(v).ok())
         };
-        Ok((
-            stat("stat-available-memory"),
-            stat("stat-total-memory"),
-        ))
+        Ok((stat("stat-available-memory"), stat("stat-total-memory")))
     }
 
     /// The RAM the guest's balloon leaves it now, bytes (`query-balloon`'s `actual`).
@@ -255,7 +254,10 @@ mod tests {
 
     /// A monitor served by this process that greets, answers `qmp_capabilities`, then
     /// plays `script` to the next command.
-    fn fake_monitor(dir: &Path, script: impl FnOnce(&mut UnixStream) + Send + 'static) -> std::path::PathBuf {
+    fn fake_monitor(
+        dir: &Path,
+        script: impl FnOnce(&mut UnixStream) + Send + 'static,
+    ) -> std::path::PathBuf {
         let path = dir.join("qmp.sock");
         let l = UnixListener::bind(&path).unwrap();
         std::thread::spawn(move || {
@@ -277,7 +279,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = fake_monitor(dir.path(), |_| {});
         let me = std::process::id();
-        let e = Qmp::connect_served_by(&path, me + 1, Duration::from_secs(2)).err().unwrap();
+        let e = Qmp::connect_served_by(&path, me + 1, Duration::from_secs(2))
+            .err()
+            .unwrap();
         assert!(
             matches!(e, QmpError::WrongServer { expected, found: Some(f), .. } if expected == me + 1 && f == me),
             "{e}"
@@ -288,10 +292,15 @@ mod tests {
     fn the_balloon_is_read_and_set_through_the_guests_own_monitor() {
         let dir = tempfile::tempdir().unwrap();
         let path = fake_monitor(dir.path(), |s| {
-            writeln!(s, r#"{{"event": "BALLOON_CHANGE", "data": {{"actual": 1}}}}"#).unwrap();
+            writeln!(
+                s,
+                r#"{{"event": "BALLOON_CHANGE", "data": {{"actual": 1}}}}"#
+            )
+            .unwrap();
             writeln!(s, r#"{{"return": {{"actual": 268435456}}}}"#).unwrap();
         });
-        let mut q = Qmp::connect_served_by(&path, std::process::id(), Duration::from_secs(2)).unwrap();
+        let mut q =
+            Qmp::connect_served_by(&path, std::process::id(), Duration::from_secs(2)).unwrap();
         assert_eq!(q.balloon_actual().unwrap(), 256 << 20);
     }
 
@@ -302,10 +311,10 @@ mod tests {
             let big = vec![b'x'; (MAX_MESSAGE + 10) as usize];
             let _ = s.write_all(&big);
         });
-        let mut q = Qmp::connect_served_by(&path, std::process::id(), Duration::from_secs(2)).unwrap();
+        let mut q =
+            Qmp::connect_served_by(&path, std::process::id(), Duration::from_secs(2)).unwrap();
         let e = q.balloon_actual().unwrap_err();
         assert!(e.to_string().contains("more than"), "{e}");
-
     }
 
     #[test]
@@ -318,7 +327,8 @@ mod tests {
                 }
             }
         });
-        let mut q = Qmp::connect_served_by(&path, std::process::id(), Duration::from_secs(2)).unwrap();
+        let mut q =
+            Qmp::connect_served_by(&path, std::process::id(), Duration::from_secs(2)).unwrap();
         let e = q.balloon(1 << 30).unwrap_err();
         assert!(e.to_string().contains("events and no answer"), "{e}");
     }

@@ -465,14 +465,17 @@ impl Collector for Snapshot {
         let balloons: Vec<(Labels, Value)> = vms
             .iter()
             .flat_map(|v| {
-                [("target", v.balloon_target_bytes), ("actual", v.balloon_actual_bytes)]
-                    .into_iter()
-                    .filter_map(move |(kind, b)| {
-                        Some((
-                            vec![("vm", label_value(&v.name)), ("kind", kind.to_string())],
-                            Gauge(b? as f64),
-                        ))
-                    })
+                [
+                    ("target", v.balloon_target_bytes),
+                    ("actual", v.balloon_actual_bytes),
+                ]
+                .into_iter()
+                .filter_map(move |(kind, b)| {
+                    Some((
+                        vec![("vm", label_value(&v.name)), ("kind", kind.to_string())],
+                        Gauge(b? as f64),
+                    ))
+                })
             })
             .collect();
         family(

@@ -468,7 +468,10 @@ mod tests {
         // Entitlements add up; a balloon total only when every guest's balloon is driven.
         assert_eq!(v.vms[0].entitlement_bytes, 2 << 20);
         assert_eq!(v.total.entitlement_bytes, 2 << 20);
-        assert_eq!((v.vms[0].balloon_bytes, v.vms[1].balloon_bytes), (Some(200 << 20), None));
+        assert_eq!(
+            (v.vms[0].balloon_bytes, v.vms[1].balloon_bytes),
+            (Some(200 << 20), None)
+        );
         assert_eq!(v.total.balloon_bytes, None);
         let t = table(&v);
         assert!(t.contains("ENTITLED MiB") && t.contains("200.0"), "{t}");

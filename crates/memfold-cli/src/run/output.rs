@@ -137,8 +137,7 @@ fn write_png(png: &Path, r: &MemfoldRun) -> Result<()> {
         .collect();
     names.sort_unstable();
     names.dedup();
-    if r
-        .samples
+    if r.samples
         .iter()
         .any(|s| s.stats.vms.iter().any(|v| v.entitlement_pages > 0.0))
     {
@@ -398,6 +397,7 @@ mod tests {
                 stats.vms.push(VmStats {
                     name: "web-1".into(),
                     pages: 1000,
+                    entitlement_pages: 7.5 * t as f64,
                     ..VmStats::default()
                 });
                 Sample {
@@ -447,10 +447,12 @@ mod tests {
         let columns = lines[0].split(',').count();
         assert!(lines.iter().all(|l| l.split(',').count() == columns));
         assert!(lines[1].starts_with("1.0,web-1,1000,"));
+        // The guest's entitlement, 7.5 pages at 1 s, in bytes: its own row and `all`'s.
+        assert!(lines[1].ends_with(",30720"), "{}", lines[1]);
         // used 1900 pages of 2000 at 1 s: saved 100 pages; books 100 pages, sharing 60.
         assert!(lines[2].starts_with("1.0,all,"));
         assert!(
-            lines[2].ends_with(",409600,409600,245760,0,0,0,0,0,0"),
+            lines[2].ends_with(",409600,409600,245760,0,0,0,0,0,0,30720"),
             "{}",
             lines[2]
         );

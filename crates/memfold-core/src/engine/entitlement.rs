@@ -211,7 +211,14 @@ mod tests {
     #[test]
     fn under_pressure_the_guest_grows_only_when_short_and_repays_at_once() {
         let t = |e: f64, now: Option<u64>, short: Option<bool>| {
-            claim_target(ClaimPolicy::UnderPressure, 512 * MIB, 256 * MIB, e, now, short)
+            claim_target(
+                ClaimPolicy::UnderPressure,
+                512 * MIB,
+                256 * MIB,
+                e,
+                now,
+                short,
+            )
         };
         let e = 64.0 * MIB_PAGES;
         // Not short (or not known): it stays where it is.
@@ -234,10 +241,16 @@ mod tests {
 
     #[test]
     fn a_guest_is_short_under_an_eighth_of_its_memory_available_or_32_mib() {
-        assert_eq!(short_of_memory(Some(100 * MIB), Some(512 * MIB)), Some(false));
+        assert_eq!(
+            short_of_memory(Some(100 * MIB), Some(512 * MIB)),
+            Some(false)
+        );
         assert_eq!(short_of_memory(Some(63 * MIB), Some(512 * MIB)), Some(true));
         assert_eq!(short_of_memory(Some(31 * MIB), Some(128 * MIB)), Some(true));
-        assert_eq!(short_of_memory(Some(40 * MIB), Some(128 * MIB)), Some(false));
+        assert_eq!(
+            short_of_memory(Some(40 * MIB), Some(128 * MIB)),
+            Some(false)
+        );
         assert_eq!(short_of_memory(None, Some(128 * MIB)), None);
         assert_eq!(short_of_memory(Some(1), None), None);
     }
@@ -252,6 +265,9 @@ mod tests {
             assert_eq!(s.parse::<ClaimPolicy>(), Ok(p));
         }
         let e = "AtOnce".parse::<ClaimPolicy>().unwrap_err();
-        assert!(e.contains("expected never, at-once or under-pressure"), "{e}");
+        assert!(
+            e.contains("expected never, at-once or under-pressure"),
+            "{e}"
+        );
     }
 }

@@ -190,7 +190,10 @@ fn claim_loop(pid: u32, targets: mpsc::Receiver<u64>, state: Arc<Mutex<BalloonSt
     let mut said: Option<String> = None;
     let mut problem = |why: Option<String>| {
         if why.is_some() && why != said {
-            tracing::warn!("balloon of QEMU pid {pid}: {}", why.as_deref().unwrap_or(""));
+            tracing::warn!(
+                "balloon of QEMU pid {pid}: {}",
+                why.as_deref().unwrap_or("")
+            );
         }
         said.clone_from(&why);
         report(&|s| s.problem.clone_from(&why));
@@ -219,7 +222,11 @@ fn claim_loop(pid: u32, targets: mpsc::Receiver<u64>, state: Arc<Mutex<BalloonSt
         let mut set: Option<u64> = None;
         // The guest's own view of its memory, for claiming under pressure; a balloon
         // without statistics only leaves `short` unknown.
-        let stats_at = q.balloon_path().ok().flatten().filter(|p| q.balloon_stats_every(p, 1).is_ok());
+        let stats_at = q
+            .balloon_path()
+            .ok()
+            .flatten()
+            .filter(|p| q.balloon_stats_every(p, 1).is_ok());
         loop {
             if target != set {
                 if let Some(t) = target {

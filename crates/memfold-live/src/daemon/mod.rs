@@ -394,13 +394,11 @@ impl Daemon {
                 operator,
             } => {
                 let reply = match msg {
-                    ToDaemon::Stats => {
-                        ToClient::Stats(Box::new(books::stats(
-                            &self.engine,
-                            &self.guests,
-                            &self.claims,
-                        )))
-                    }
+                    ToDaemon::Stats => ToClient::Stats(Box::new(books::stats(
+                        &self.engine,
+                        &self.guests,
+                        &self.claims,
+                    ))),
                     ToDaemon::OptOut { name, out } if operator => self.opt_out(&name, out),
                     ToDaemon::OptOut { .. } => ToClient::Error {
                         message: "only root or memfoldd's user may opt a guest out or in".into(),
