@@ -4,7 +4,9 @@
 //! (its `MemTotal`, printed each round, falls by exactly what the balloon holds). Then
 //! guest `a` is opted out — all its sharing broken — and its entitlement is repaid: its
 //! balloon inflates to the bare allowance, while `b`, which shares nothing with `a`, keeps
-//! what it has. Each guest is a sharing domain of its own (`--share-domains vm`): in one
+//! what it has. A third guest, `c`, has no balloon and no monitor for memfoldd: it earns
+//! its entitlement, cannot claim it, is told why (`balloon_problem`), and nothing waits
+//! on it. Each guest is a sharing domain of its own (`--share-domains vm`): in one
 //! domain two tiny guests share their kernel's and their mechanism data's pages, and
 //! breaking `a`'s sharing lowers `b`'s entitlement too (measured: 208 → 196 MiB) — as it
 //! should, `b` being involved in the broken sharing. Self-checks pass throughout.
@@ -131,8 +133,9 @@ fn memfoldd(socket: &Path, policy: &str, allowance_mib: u64) -> Memfoldd {
     )
 }
 
-/// Boots tiny guests `names` of [`RAM_MIB`] each with a balloon memfoldd drives.
-fn tiny_guests(cache: &Path, work: &Path, socket: &Path, names: &[&str]) -> Vec<Guest> {
+/// Boots tiny guests of [`RAM_MIB`] each, by name, with a balloon and a monitor for
+/// memfoldd or (`false`) neither.
+fn tiny_guests(cache: &Path, work: &Path, socket: &Path, names: &[(&str, bool)]) -> Vec<Guest> {
     let agent = Path::new(env!("CARGO_BIN_EXE_memfoldd")).with_file_name("libmemfold_agent.so");
     assert!(
         agent.exists(),
@@ -140,9 +143,9 @@ fn tiny_guests(cache: &Path, work: &Path, socket: &Path, names: &[&str]) -> Vec<
         agent.display()
     );
     let mut guests = Vec::new();
-    for name in names {
+    for &(name, balloon) in names {
         let spec = GuestSpec {
-            name: (*name).into(),
+            name: name.into(),
             profile: "tiny".into(),
             mem_mib: RAM_MIB as u32,
             ram: RamBackend::Memfd,
@@ -150,7 +153,7 @@ fn tiny_guests(cache: &Path, work: &Path, socket: &Path, names: &[&str]) -> Vec<
             cgroup_procs: None,
             mem_merge: true,
             free_page_reporting: false,
-            memfold_balloon: true,
+            memfold_balloon: balloon,
         };
         let env = agent_env(&agent, socket, &spec);
         guests.push(Guest::start_with_env(&spec, cache, work, Accel::Tcg, &env).unwrap());
@@ -181,7 +184,15 @@ fn guests_that_share_get_their_entitlement_and_repay_it_when_their_sharing_break
     let (_one, cache, work) = setup();
     let socket = work.path().join("memfoldd.sock");
     let _daemon = memfoldd(&socket, "at-once", ALLOWANCE_MIB);
-    let guests = tiny_guests(&cache, work.path(), &socket, &["a", "b"]);
+    // `c` has no balloon and no monitor for memfoldd: it earns, cannot claim, and is
+    // told so, and nothing waits on it.
+    let guests = tiny_guests(
+        &cache,
+        work.path(),
+        &socket,
+        &[("a", true), ("b", true), ("c", false)],
+    );
+    let ballooned = &guests[..2];
 
     // Each guest's duplicates (its own files copied eight times) earn it several MiB.
     let s = wait_for(
@@ -189,13 +200,23 @@ fn guests_that_share_get_their_entitlement_and_repay_it_when_their_sharing_break
         &guests,
         Duration::from_secs(120),
         "entitlements claimed",
-        |s, g| {
-            s.vms.len() == 2
+        |s, _| {
+            s.vms.len() == 3
                 && s.vms
                     .iter()
                     .all(|v| v.entitlement_pages * 4096.0 > 8.0 * MIB as f64)
-                && claimed(s, g)
+                && claimed(s, ballooned)
+                && vm(s, "c")
+                    .balloon_problem
+                    .as_deref()
+                    .is_some_and(|p| p.contains("no monitor for memfoldd"))
         },
+    );
+    let c = vm(&s, "c");
+    assert_eq!(
+        (c.balloon_target_bytes, c.balloon_actual_bytes),
+        (None, None),
+        "{c:#?}"
     );
     let b_before = vm(&s, "b").balloon_actual_bytes;
     eprintln!(
@@ -218,12 +239,12 @@ fn guests_that_share_get_their_entitlement_and_repay_it_when_their_sharing_break
         &guests,
         Duration::from_secs(120),
         "a repays",
-        |s, g| {
+        |s, _| {
             let a = vm(s, "a");
             a.shared_pages == 0
                 && a.entitlement_pages == 0.0
                 && a.balloon_actual_bytes == Some(ALLOWANCE_MIB * MIB)
-                && claimed(s, g)
+                && claimed(s, ballooned)
         },
     );
     let b = vm(&s, "b");
@@ -256,7 +277,7 @@ fn under_pressure_a_guest_short_of_memory_grows_up_to_its_entitlement() {
     let (_one, cache, work) = setup();
     let socket = work.path().join("memfoldd.sock");
     let _daemon = memfoldd(&socket, "under-pressure", SMALL_MIB);
-    let guests = tiny_guests(&cache, work.path(), &socket, &["p"]);
+    let guests = tiny_guests(&cache, work.path(), &socket, &[("p", true)]);
     let t = Instant::now();
     let mut most = 0;
     let mut seen_short = false;
