@@ -6,7 +6,8 @@
 //! balloon inflates to the bare allowance, while `b`, which shares nothing with `a`, keeps
 //! what it has. A third guest, `c`, has no balloon and no monitor for memfoldd: it earns
 //! its entitlement, cannot claim it, is told why (`balloon_problem`), and nothing waits
-//! on it. Each guest is a sharing domain of its own (`--share-domains vm`): in one
+//! on it. `b` asks for a smaller allowance of its own (`MEMFOLD_ALLOWANCE_MIB=128`, under
+//! memfoldd's 160): it is given 128 MiB plus its entitlement. Each guest is a sharing domain of its own (`--share-domains vm`): in one
 //! domain two tiny guests share their kernel's and their mechanism data's pages, and
 //! breaking `a`'s sharing lowers `b`'s entitlement too (measured: 208 → 196 MiB) — as it
 //! should, `b` being involved in the broken sharing. Self-checks pass throughout.
@@ -22,6 +23,8 @@ use memfold_wire::{Stats, VmStats};
 
 const RAM_MIB: u64 = 256;
 const ALLOWANCE_MIB: u64 = 160;
+/// Guest `b` asks for a smaller allowance of its own (`MEMFOLD_ALLOWANCE_MIB`).
+const B_ALLOWANCE_MIB: u64 = 128;
 const MIB: u64 = 1 << 20;
 
 struct Memfoldd(Child);
@@ -37,11 +40,20 @@ fn vm<'a>(s: &'a Stats, name: &str) -> &'a VmStats {
     s.vms.iter().find(|v| v.name == name).expect("guest listed")
 }
 
+/// The allowance guest `name` has, MiB.
+fn allowance_mib(name: &str) -> u64 {
+    if name == "b" {
+        B_ALLOWANCE_MIB
+    } else {
+        ALLOWANCE_MIB
+    }
+}
+
 /// What the balloon should leave a guest with `entitlement_pages`: allowance plus the
 /// entitlement, in whole MiB, at most its RAM.
-fn want(entitlement_pages: f64) -> u64 {
+fn want(name: &str, entitlement_pages: f64) -> u64 {
     let e = (entitlement_pages * 4096.0) as u64;
-    ((ALLOWANCE_MIB * MIB + e).min(RAM_MIB * MIB)) / MIB * MIB
+    ((allowance_mib(name) * MIB + e).min(RAM_MIB * MIB)) / MIB * MIB
 }
 
 /// The last value the guest printed after `marker`, KiB.
@@ -100,7 +112,7 @@ fn wait_for(
 fn claimed(s: &Stats, guests: &[Guest]) -> bool {
     guests.iter().all(|g| {
         let v = vm(s, &g.name);
-        let target = want(v.entitlement_pages);
+        let target = want(&v.name, v.entitlement_pages);
         let seen = match (
             last_kib(g, "MEMFOLD-MEMTOTAL-BOOT-KIB "),
             last_kib(g, "MEMFOLD-MEMTOTAL-KIB "),
@@ -155,7 +167,10 @@ fn tiny_guests(cache: &Path, work: &Path, socket: &Path, names: &[(&str, bool)])
             free_page_reporting: false,
             memfold_balloon: balloon,
         };
-        let env = agent_env(&agent, socket, &spec);
+        let mut env = agent_env(&agent, socket, &spec);
+        if name == "b" {
+            env.push(("MEMFOLD_ALLOWANCE_MIB".into(), B_ALLOWANCE_MIB.to_string()));
+        }
         guests.push(Guest::start_with_env(&spec, cache, work, Accel::Tcg, &env).unwrap());
     }
     for g in &mut guests {

@@ -112,6 +112,23 @@ pub enum ClaimPolicy {
     UnderPressure,
 }
 
+impl ClaimPolicy {
+    /// This policy, but no more generous than `ceiling` (`Never` < `UnderPressure` <
+    /// `AtOnce`): what a guest may ask for under a host's policy.
+    pub fn at_most(self, ceiling: ClaimPolicy) -> ClaimPolicy {
+        let rank = |p: ClaimPolicy| match p {
+            ClaimPolicy::Never => 0,
+            ClaimPolicy::UnderPressure => 1,
+            ClaimPolicy::AtOnce => 2,
+        };
+        if rank(self) <= rank(ceiling) {
+            self
+        } else {
+            ceiling
+        }
+    }
+}
+
 impl std::str::FromStr for ClaimPolicy {
     type Err = String;
 
@@ -253,6 +270,16 @@ mod tests {
         );
         assert_eq!(short_of_memory(None, Some(128 * MIB)), None);
         assert_eq!(short_of_memory(Some(1), None), None);
+    }
+
+    #[test]
+    fn a_guest_may_ask_for_less_than_the_hosts_policy_never_more() {
+        use ClaimPolicy::*;
+        assert_eq!(Never.at_most(AtOnce), Never);
+        assert_eq!(UnderPressure.at_most(AtOnce), UnderPressure);
+        assert_eq!(AtOnce.at_most(UnderPressure), UnderPressure);
+        assert_eq!(AtOnce.at_most(Never), Never);
+        assert_eq!(AtOnce.at_most(AtOnce), AtOnce);
     }
 
     #[test]

@@ -15,6 +15,12 @@
 //! says that QEMU made (`SO_PEERCRED`, [`Qmp::connect_served_by`]), else it drives
 //! nothing and says why.
 //!
+//! Per guest: a QEMU started with `MEMFOLD_CLAIM=never|under-pressure|at-once` or
+//! `MEMFOLD_ALLOWANCE_MIB=N` in its environment (read from `/proc/PID/environ` when its
+//! claimer starts) asks for a policy or an allowance of its own. memfoldd's flags are the
+//! ceiling: a guest may ask for less, never more — the environment is the peer's to write
+//! as much as its command line, and this way it can only cost its own guest memory.
+//!
 //! Repayment needs no second rule: when a CoW break lowers a page's sharing rank, the
 //! entitlement of every guest still mapping that frame falls, their targets fall with it
 //! at the next second and their balloons inflate — the guests whose sharing broke, and
@@ -69,6 +75,33 @@ struct Claimer {
     /// Guest RAM, bytes.
     ram: u64,
     target: Option<u64>,
+    /// Its policy: the host's, or less if the guest asked ([`guest_asks`]).
+    policy: ClaimPolicy,
+    /// Its allowance, bytes: the host's, or less if the guest asked.
+    allowance: u64,
+}
+
+/// What a QEMU's environment (NUL-separated `KEY=value`s) asks for: a claim policy
+/// (`MEMFOLD_CLAIM`) and an allowance in bytes (`MEMFOLD_ALLOWANCE_MIB`), each `None`
+/// when unset; a value that does not parse is an error naming it.
+pub fn guest_asks(environ: &[u8]) -> Result<(Option<ClaimPolicy>, Option<u64>), String> {
+    let (mut policy, mut allowance) = (None, None);
+    for kv in environ.split(|&b| b == 0) {
+        let Ok(kv) = std::str::from_utf8(kv) else {
+            continue;
+        };
+        match kv.split_once('=') {
+            Some(("MEMFOLD_CLAIM", v)) => policy = Some(v.parse::<ClaimPolicy>()?),
+            Some(("MEMFOLD_ALLOWANCE_MIB", v)) => {
+                let mib: u64 = v.parse().map_err(|_| {
+                    format!("MEMFOLD_ALLOWANCE_MIB={v:?}: expected MiB, a whole number")
+                })?;
+                allowance = Some(mib.saturating_mul(1 << 20));
+            }
+            _ => {}
+        }
+    }
+    Ok((policy, allowance))
 }
 
 /// The claimers of all guests, and the policy they follow.
@@ -118,19 +151,40 @@ impl Claims {
                 let _ = std::thread::Builder::new()
                     .name(format!("balloon-{pid}"))
                     .spawn(move || claim_loop(pid, rx, s));
+                let asked = std::fs::read(format!("/proc/{pid}/environ"))
+                    .map_err(|e| format!("cannot read its environment: {e}"))
+                    .and_then(|env| guest_asks(&env));
+                let (policy, allowance) = match asked {
+                    Ok((p, a)) => (
+                        p.map_or(self.policy, |p| p.at_most(self.policy)),
+                        a.map_or(self.allowance, |a| a.min(self.allowance)),
+                    ),
+                    Err(why) => {
+                        tracing::warn!("QEMU pid {pid}: {why}; the host's claim policy applies");
+                        (self.policy, self.allowance)
+                    }
+                };
+                if (policy, allowance) != (self.policy, self.allowance) {
+                    tracing::info!(
+                        "QEMU pid {pid} asks to claim {policy:?} over an allowance of {} MiB",
+                        allowance >> 20
+                    );
+                }
                 Claimer {
                     targets: tx,
                     state,
                     ram,
                     target: None,
+                    policy,
+                    allowance,
                 }
             });
             claimer.ram = ram;
             let short = claimer.state.lock().ok().and_then(|s| s.short);
             let Some(t) = claim_target(
-                self.policy,
+                claimer.policy,
                 claimer.ram,
-                self.allowance,
+                claimer.allowance,
                 entitlement_pages,
                 claimer.target,
                 short,
@@ -317,6 +371,23 @@ mod tests {
             v.push(0);
         }
         v
+    }
+
+    #[test]
+    fn a_guest_asks_by_its_environment_and_a_bad_value_is_named() {
+        let env = |kvs: &[&str]| kvs.join("\0").into_bytes();
+        assert_eq!(guest_asks(&env(&["PATH=/bin", "HOME=/"])), Ok((None, None)));
+        assert_eq!(
+            guest_asks(&env(&["MEMFOLD_CLAIM=never", "MEMFOLD_ALLOWANCE_MIB=128"])),
+            Ok((Some(ClaimPolicy::Never), Some(128 << 20)))
+        );
+        let e = guest_asks(&env(&["MEMFOLD_CLAIM=all"])).unwrap_err();
+        assert!(
+            e.contains("expected never, at-once or under-pressure"),
+            "{e}"
+        );
+        let e = guest_asks(&env(&["MEMFOLD_ALLOWANCE_MIB=lots"])).unwrap_err();
+        assert!(e.contains("MEMFOLD_ALLOWANCE_MIB=\"lots\""), "{e}");
     }
 
     #[test]
