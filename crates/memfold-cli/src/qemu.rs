@@ -11,10 +11,10 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 
 use memfold_agent::qemu_args::{Problem, RamPlan, MEMFD_BACKEND};
+use memfold_cli::install::{agent_library_candidates, AGENT_LIBRARY};
 
-/// The agent library's file name.
-const AGENT_LIB: &str = "libmemfold_agent.so";
-/// Where packages install the agent library.
+/// Where packages install the agent library (tried after the places
+/// [`agent_library_candidates`] names for this program).
 const AGENT_DIR: &str = "/usr/lib/memfold";
 /// The id `--fix` gives the memory backend it adds.
 const FIX_ID: &str = "memfold-ram0";
@@ -55,7 +55,7 @@ pub enum QemuError {
     #[error("QEMU's command line: {0}")]
     Args(#[from] memfold_agent::qemu_args::ArgsError),
     /// No agent library found.
-    #[error("the agent library {AGENT_LIB} is neither next to {exe} nor in {AGENT_DIR}/ (build the workspace, or pass --agent PATH)")]
+    #[error("the agent library {AGENT_LIBRARY} is neither next to {exe}, nor in ../lib/memfold/ from there, nor in {AGENT_DIR}/ (build the workspace, or pass --agent PATH)")]
     NoAgent {
         /// This program's folder looked in.
         exe: String,
@@ -144,7 +144,9 @@ pub fn prepare(
     })
 }
 
-/// The agent library: `--agent`, else next to this program, else in [`AGENT_DIR`].
+/// The agent library: `--agent`, else where `memfold run` finds it for this program
+/// (beside it, or `../lib/memfold/`: [`agent_library_candidates`]), else in
+/// [`AGENT_DIR`].
 ///
 /// Errors: [`QemuError::AgentMissing`], [`QemuError::NoAgent`].
 fn agent_library(given: Option<&Path>) -> Result<PathBuf, QemuError> {
@@ -156,12 +158,12 @@ fn agent_library(given: Option<&Path>) -> Result<PathBuf, QemuError> {
         };
     }
     let exe = std::env::current_exe().unwrap_or_default();
-    let dir = exe.parent().unwrap_or(Path::new("."));
-    [dir.join(AGENT_LIB), Path::new(AGENT_DIR).join(AGENT_LIB)]
+    agent_library_candidates(&exe)
         .into_iter()
+        .chain([Path::new(AGENT_DIR).join(AGENT_LIBRARY)])
         .find(|p| p.is_file())
         .ok_or_else(|| QemuError::NoAgent {
-            exe: dir.display().to_string(),
+            exe: exe.parent().unwrap_or(Path::new(".")).display().to_string(),
         })
 }
 
