@@ -72,8 +72,6 @@ pub struct BalloonState {
 struct Claimer {
     targets: mpsc::Sender<u64>,
     state: Arc<Mutex<BalloonState>>,
-    /// Guest RAM, bytes.
-    ram: u64,
     target: Option<u64>,
     /// Its policy: the host's, or less if the guest asked ([`guest_asks`]).
     policy: ClaimPolicy,
@@ -173,17 +171,15 @@ impl Claims {
                 Claimer {
                     targets: tx,
                     state,
-                    ram,
                     target: None,
                     policy,
                     allowance,
                 }
             });
-            claimer.ram = ram;
             let short = claimer.state.lock().ok().and_then(|s| s.short);
             let Some(t) = claim_target(
                 claimer.policy,
-                claimer.ram,
+                ram,
                 claimer.allowance,
                 entitlement_pages,
                 claimer.target,
@@ -232,105 +228,123 @@ pub fn monitor_path(cmdline: &[u8]) -> Option<PathBuf> {
     })
 }
 
-/// One guest's claimer: connects to its QEMU's monitor (checked to be that QEMU's), sets
-/// each new target, reads the balloon back every second; reconnects after 5 s on error;
-/// ends when the main loop drops its inbox.
-fn claim_loop(pid: u32, targets: mpsc::Receiver<u64>, state: Arc<Mutex<BalloonState>>) {
-    let report = |f: &dyn Fn(&mut BalloonState)| {
-        if let Ok(mut s) = state.lock() {
+/// What a claimer tells the main loop: its guest's [`BalloonState`], and its problem,
+/// logged once each time it changes.
+struct Reporter {
+    pid: u32,
+    state: Arc<Mutex<BalloonState>>,
+    said: Option<String>,
+    /// Since when the balloon has been 1 MiB or more off its target (kept across
+    /// reconnections).
+    off_target_since: Option<Instant>,
+}
+
+impl Reporter {
+    fn report(&self, f: impl FnOnce(&mut BalloonState)) {
+        if let Ok(mut s) = self.state.lock() {
             f(&mut s);
         }
-    };
-    let mut said: Option<String> = None;
-    let mut problem = |why: Option<String>| {
-        if why.is_some() && why != said {
+    }
+
+    fn problem(&mut self, why: Option<String>) {
+        if why.is_some() && why != self.said {
             tracing::warn!(
-                "balloon of QEMU pid {pid}: {}",
+                "balloon of QEMU pid {}: {}",
+                self.pid,
                 why.as_deref().unwrap_or("")
             );
         }
-        said.clone_from(&why);
-        report(&|s| s.problem.clone_from(&why));
+        self.said.clone_from(&why);
+        self.report(|s| s.problem = why);
+    }
+}
+
+/// One guest's claimer: connects to its QEMU's monitor (checked to be that QEMU's), sets
+/// each new target, reads the balloon back every second; on any error says why and tries
+/// again after [`RETRY`]; ends when the main loop drops its inbox.
+fn claim_loop(pid: u32, targets: mpsc::Receiver<u64>, state: Arc<Mutex<BalloonState>>) {
+    let mut r = Reporter {
+        pid,
+        state,
+        said: None,
+        off_target_since: None,
     };
     let mut target: Option<u64> = None;
-    let mut off_target_since: Option<Instant> = None;
-    'connect: loop {
-        let q = std::fs::read(format!("/proc/{pid}/cmdline"))
-            .map_err(|e| format!("cannot read its command line: {e}"))
-            .and_then(|c| {
-                monitor_path(&c).ok_or_else(|| {
-                    format!("no monitor for memfoldd: add -chardev socket,id={MONITOR_ID},path=PATH,server=on,wait=off -mon chardev={MONITOR_ID},mode=control")
-                })
-            })
-            .and_then(|path| connect(&path, pid));
-        let mut q = match q {
-            Ok(q) => q,
-            Err(why) => {
-                problem(Some(why));
-                if wait_for_target(&targets, RETRY, &mut target).is_none() {
-                    return;
-                }
-                continue 'connect;
-            }
+    loop {
+        let why = match open_monitor(pid) {
+            Ok(q) => match drive(q, &targets, &mut target, &mut r) {
+                Ok(()) => return,
+                Err(why) => why,
+            },
+            Err(why) => why,
         };
-        let mut set: Option<u64> = None;
-        // The guest's own view of its memory, for claiming under pressure; a balloon
-        // without statistics only leaves `short` unknown.
-        let stats_at = q
-            .balloon_path()
-            .ok()
-            .flatten()
-            .filter(|p| q.balloon_stats_every(p, 1).is_ok());
-        loop {
-            if target != set {
-                if let Some(t) = target {
-                    if let Err(e) = q.balloon(t) {
-                        problem(Some(format!("balloon to {} MiB: {e}", t >> 20)));
-                        if wait_for_target(&targets, RETRY, &mut target).is_none() {
-                            return;
-                        }
-                        continue 'connect;
-                    }
-                    set = Some(t);
-                    report(&|s| s.target = Some(t));
-                }
-            }
-            match q.balloon_actual() {
-                Ok(actual) => {
-                    report(&|s| s.actual = Some(actual));
-                    let off = set.is_some_and(|t| actual.abs_diff(t) >= 1 << 20);
-                    let since = *off_target_since.get_or_insert_with(Instant::now);
-                    if !off {
-                        off_target_since = None;
-                        problem(None);
-                    } else if since.elapsed() > IGNORED_AFTER {
-                        problem(Some(format!(
-                            "ignores requests: asked for {} MiB, has {} MiB for {} s; no entitlement reaches it, none is repaid from it",
-                            set.unwrap_or(0) >> 20,
-                            actual >> 20,
-                            since.elapsed().as_secs()
-                        )));
-                    }
-                }
-                Err(e) => {
-                    problem(Some(format!("query-balloon: {e}")));
-                    if wait_for_target(&targets, RETRY, &mut target).is_none() {
-                        return;
-                    }
-                    continue 'connect;
-                }
-            }
-            if let Some(p) = &stats_at {
-                let (available, total) = q.balloon_guest_memory(p).unwrap_or((None, None));
-                let short = short_of_memory(available, total);
-                report(&|s| {
-                    s.available = available;
-                    s.short = short;
-                });
-            }
-            if wait_for_target(&targets, Duration::from_secs(1), &mut target).is_none() {
-                return;
-            }
+        r.problem(Some(why));
+        if wait_for_target(&targets, RETRY, &mut target).is_none() {
+            return;
+        }
+    }
+}
+
+/// The monitor QEMU `pid`'s command line names for memfoldd, connected.
+fn open_monitor(pid: u32) -> Result<Qmp, String> {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map_err(|e| format!("cannot read its command line: {e}"))?;
+    let path = monitor_path(&cmdline).ok_or_else(|| {
+        format!("no monitor for memfoldd: add -chardev socket,id={MONITOR_ID},path=PATH,server=on,wait=off -mon chardev={MONITOR_ID},mode=control")
+    })?;
+    connect(&path, pid)
+}
+
+/// Drives the balloon through monitor `q` until the main loop drops its inbox (`Ok`) or
+/// the monitor fails (`Err`: why).
+fn drive(
+    mut q: Qmp,
+    targets: &mpsc::Receiver<u64>,
+    target: &mut Option<u64>,
+    r: &mut Reporter,
+) -> Result<(), String> {
+    let mut set: Option<u64> = None;
+    // The guest's own view of its memory, for claiming under pressure; a balloon
+    // without statistics only leaves `short` unknown.
+    let stats_at = q
+        .balloon_path()
+        .ok()
+        .flatten()
+        .filter(|p| q.balloon_stats_every(p, 1).is_ok());
+    loop {
+        if let Some(t) = target.filter(|&t| set != Some(t)) {
+            q.balloon(t)
+                .map_err(|e| format!("balloon to {} MiB: {e}", t >> 20))?;
+            set = Some(t);
+            r.report(|s| s.target = Some(t));
+        }
+        let actual = q
+            .balloon_actual()
+            .map_err(|e| format!("query-balloon: {e}"))?;
+        r.report(|s| s.actual = Some(actual));
+        let off = set.is_some_and(|t| actual.abs_diff(t) >= 1 << 20);
+        let since = *r.off_target_since.get_or_insert_with(Instant::now);
+        if !off {
+            r.off_target_since = None;
+            r.problem(None);
+        } else if since.elapsed() > IGNORED_AFTER {
+            r.problem(Some(format!(
+                "ignores requests: asked for {} MiB, has {} MiB for {} s; no entitlement reaches it, none is repaid from it",
+                set.unwrap_or(0) >> 20,
+                actual >> 20,
+                since.elapsed().as_secs()
+            )));
+        }
+        if let Some(p) = &stats_at {
+            let (available, total) = q.balloon_guest_memory(p).unwrap_or((None, None));
+            let short = short_of_memory(available, total);
+            r.report(|s| {
+                s.available = available;
+                s.short = short;
+            });
+        }
+        if wait_for_target(targets, Duration::from_secs(1), target).is_none() {
+            return Ok(());
         }
     }
 }
