@@ -444,6 +444,8 @@ fn discover(
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut last: Vec<regions::Candidate> = Vec::new();
     let mut since = Instant::now();
+    // The set whose hugetlb regions were last warned of: once per set, not every pass.
+    let mut warned: Option<Vec<regions::Candidate>> = None;
     loop {
         let maps = regions::parse_maps(&std::fs::read_to_string("/proc/self/maps")?);
         let named = regions::candidates(&maps, Some(regions::QEMU_MEMFD_NAME));
@@ -460,7 +462,8 @@ fn discover(
         };
         if ready {
             let (found, huge) = regions::open(&named)?;
-            if !huge.is_empty() {
+            if !huge.is_empty() && warned.as_ref() != Some(&named) {
+                warned = Some(named.clone());
                 tracing::warn!(
                     "not shareable, left alone: {} (define it as memory-backend-memfd without hugetlb=on)",
                     huge.join(", ")
