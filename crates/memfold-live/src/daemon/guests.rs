@@ -198,15 +198,11 @@ impl Guests {
     /// Ends every attached guest's connection (its agent sees memfoldd gone and keeps
     /// serving the guest); returns how many there were.
     pub(crate) fn close_all(&self) -> usize {
-        let conns: Vec<&Conn> = self
-            .by_vm
+        self.by_vm
             .values()
             .filter_map(|g| g.conn.as_ref())
-            .collect();
-        for c in &conns {
-            c.shutdown();
-        }
-        conns.len()
+            .inspect(|c| c.shutdown())
+            .count()
     }
 
     /// Records guest `vm` (re-)attached on connection `token`.
@@ -319,17 +315,14 @@ pub(crate) fn process_alive(pid: u32) -> bool {
 /// descriptor of it, as far as `/proc/PID/maps` and `/proc/PID/fd` say; `false` when
 /// either cannot be read (it may still hold it).
 fn ram_let_go(pid: u32, (dev, ino): (u64, u64)) -> bool {
-    use std::os::unix::fs::MetadataExt;
     let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
         return false;
     };
-    // glibc's encoding of a device number (gnu_dev_major / gnu_dev_minor).
-    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
-    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
-    let dev_text = format!("{major:02x}:{minor:02x}");
+    let dev_text = format!("{:02x}:{:02x}", libc::major(dev), libc::minor(dev));
+    let ino_text = ino.to_string();
     let mapped = maps.lines().any(|l| {
         let mut f = l.split_whitespace().skip(3);
-        f.next() == Some(dev_text.as_str()) && f.next() == Some(ino.to_string().as_str())
+        f.next() == Some(dev_text.as_str()) && f.next() == Some(ino_text.as_str())
     });
     if mapped {
         return false;
@@ -337,7 +330,14 @@ fn ram_let_go(pid: u32, (dev, ino): (u64, u64)) -> bool {
     let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
         return false;
     };
-    !fds.flatten()
+    !holds(fds, dev, ino)
+}
+
+/// Whether one of the descriptors listed in `fds` (a `/proc/PID/fd` folder) is of the
+/// file with this device and inode.
+fn holds(fds: std::fs::ReadDir, dev: u64, ino: u64) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    fds.flatten()
         .any(|fd| std::fs::metadata(fd.path()).is_ok_and(|m| m.dev() == dev && m.ino() == ino))
 }
 
@@ -346,7 +346,6 @@ fn ram_let_go(pid: u32, (dev, ino): (u64, u64)) -> bool {
 /// tell: `/proc`, or a live process's descriptors, cannot be read (another user's, or
 /// `hidepid`) — that process may hold it.
 pub(crate) fn holders(dev: u64, ino: u64) -> Option<Vec<u32>> {
-    use std::os::unix::fs::MetadataExt;
     let me = std::process::id();
     let procs = std::fs::read_dir("/proc").ok()?;
     let mut out = Vec::new();
@@ -363,10 +362,7 @@ pub(crate) fn holders(dev: u64, ino: u64) -> Option<Vec<u32>> {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(_) => return None,
         };
-        let holds = fds
-            .flatten()
-            .any(|fd| std::fs::metadata(fd.path()).is_ok_and(|m| m.dev() == dev && m.ino() == ino));
-        if holds {
+        if holds(fds, dev, ino) {
             out.push(pid);
         }
     }
