@@ -72,6 +72,8 @@ pub struct RamPlan {
     pub used: Vec<(String, String)>,
     /// `-numa node` entries without `memdev=` (legacy `mem=` or none: QEMU's own RAM).
     pub numa_without_memdev: usize,
+    /// The guest's name (`-name NAME` or `-name guest=NAME,...`), if given.
+    pub name: Option<String>,
 }
 
 /// Guest RAM memfold cannot manage, and what to write instead.
@@ -242,8 +244,10 @@ fn json_object(text: &str) -> Result<BTreeMap<String, String>, ArgsError> {
     Ok(out)
 }
 
-/// QEMU options whose argument matters here.
-const RAM_OPTIONS: [&str; 7] = ["object", "machine", "M", "numa", "device", "m", "mem-path"];
+/// QEMU options whose argument matters here: RAM's, and the guest's name.
+const RAM_OPTIONS: [&str; 8] = [
+    "object", "machine", "M", "numa", "device", "m", "mem-path", "name",
+];
 
 impl RamPlan {
     /// Reads QEMU's arguments (without the program name).
@@ -315,6 +319,11 @@ impl RamPlan {
                     plan.ram_size = kv.get("size").cloned();
                 }
                 "mem-path" => plan.mem_path = Some(arg.into()),
+                "name" => {
+                    plan.name = keyval(arg, Some("guest"))
+                        .remove("guest")
+                        .filter(|n| !n.is_empty());
+                }
                 _ => {}
             }
         }
@@ -490,6 +499,12 @@ mod tests {
         let p = RamPlan::parse(&words).unwrap();
         assert_eq!(p.ram_size, None);
         assert_eq!(p.problems(), vec![]);
+        assert_eq!(p.name.as_deref(), Some("guest"));
+        // The guest's name, as QEMU reads `-name`: `,,` a comma, `guest=` or the first item.
+        let name = |arg: &str| RamPlan::parse(&["-name", arg]).unwrap().name;
+        assert_eq!(name("web,,1,debug-threads=on").as_deref(), Some("web,1"));
+        assert_eq!(name("debug-threads=on,guest=db").as_deref(), Some("db"));
+        assert_eq!(name("debug-threads=on"), None);
         assert_eq!(
             RamPlan::parse(&["-m", "1G", "-object"]).unwrap_err(),
             ArgsError::MissingArgument("-object".into())

@@ -82,18 +82,6 @@ pub struct Launch {
     pub env: Vec<(String, String)>,
 }
 
-/// The guest's name from QEMU's `-name` (`-name NAME` or `-name guest=NAME,...`).
-fn qemu_name(args: &[String]) -> Option<String> {
-    let at = args.iter().position(|a| a == "-name" || a == "--name")?;
-    let v = args.get(at + 1)?;
-    let first = v.split(',').next().unwrap_or(v);
-    let name = v
-        .split(',')
-        .find_map(|kv| kv.strip_prefix("guest="))
-        .unwrap_or(first);
-    (!name.is_empty() && !name.contains('=')).then(|| name.to_string())
-}
-
 /// Decides what to run for `qemu` (program and arguments): checks guest RAM, applies
 /// `fix`, names the guest (`name`, QEMU's `-name`, else `qemu-PID` with `pid`, QEMU's pid
 /// after the exec) and sets the agent's environment (`agent`: the library; `preload`:
@@ -128,7 +116,7 @@ pub fn prepare(
     }
     let name = name
         .map(String::from)
-        .or_else(|| qemu_name(&argv))
+        .or_else(|| plan.name.clone())
         .unwrap_or_else(|| format!("qemu-{pid}"));
     let preload = match preload.filter(|p| !p.trim().is_empty()) {
         Some(p) => format!("{}:{p}", agent.display()),
