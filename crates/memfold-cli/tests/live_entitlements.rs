@@ -13,7 +13,6 @@
 //! should, `b` being involved in the broken sharing. Self-checks pass throughout.
 
 use std::path::Path;
-use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use memfold_live::{opt_out, query_stats};
@@ -27,14 +26,8 @@ const ALLOWANCE_MIB: u64 = 160;
 const B_ALLOWANCE_MIB: u64 = 128;
 const MIB: u64 = 1 << 20;
 
-struct Memfoldd(Child);
-
-impl Drop for Memfoldd {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+mod common;
+use common::{agent_lib, Killed};
 
 fn vm<'a>(s: &'a Stats, name: &str) -> &'a VmStats {
     s.vms.iter().find(|v| v.name == name).expect("guest listed")
@@ -131,29 +124,30 @@ fn claimed(s: &Stats, guests: &[Guest]) -> bool {
 }
 
 /// memfoldd claiming by `policy` with `allowance_mib`, each guest a sharing domain.
-fn memfoldd(socket: &Path, policy: &str, allowance_mib: u64) -> Memfoldd {
-    Memfoldd(
-        Command::new(env!("CARGO_BIN_EXE_memfoldd"))
-            .args(["--rate", "0", "--min-scan-interval-ms", "500"])
-            .args(["--policy", "sharing", "--claim-entitlement", policy])
-            .args(["--share-domains", "vm"])
-            .args(["--allowance-mib", &allowance_mib.to_string()])
-            .arg("--socket")
-            .arg(socket)
-            .spawn()
-            .expect("memfoldd starts"),
+fn memfoldd(socket: &Path, policy: &str, allowance_mib: u64) -> Killed {
+    common::memfoldd(
+        socket,
+        &[
+            "--rate",
+            "0",
+            "--min-scan-interval-ms",
+            "500",
+            "--policy",
+            "sharing",
+            "--claim-entitlement",
+            policy,
+            "--share-domains",
+            "vm",
+            "--allowance-mib",
+            &allowance_mib.to_string(),
+        ],
     )
 }
 
 /// Boots tiny guests of [`RAM_MIB`] each, by name, with a balloon and a monitor for
 /// memfoldd or (`false`) neither.
 fn tiny_guests(cache: &Path, work: &Path, socket: &Path, names: &[(&str, bool)]) -> Vec<Guest> {
-    let agent = Path::new(env!("CARGO_BIN_EXE_memfoldd")).with_file_name("libmemfold_agent.so");
-    assert!(
-        agent.exists(),
-        "{} missing: build the workspace first",
-        agent.display()
-    );
+    let agent = agent_lib();
     let mut guests = Vec::new();
     for &(name, balloon) in names {
         let spec = GuestSpec {

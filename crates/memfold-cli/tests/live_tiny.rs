@@ -19,49 +19,41 @@
 //! memfoldd here is the `memfoldd` of this crate, running the engine
 //! (`memfold_core::Engine`) the reference model checks.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use memfold_live::query_stats;
 use memfold_vm::images;
 use memfold_vm::launcher::{agent_env, Accel, Guest, GuestSpec, RamBackend};
 
-/// memfoldd, killed when dropped (also when the test fails: an orphan would hold the
-/// test's output open).
-struct Memfoldd(Child);
+mod common;
+use common::{agent_lib, Killed};
 
-impl Drop for Memfoldd {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn memfoldd(socket: &Path) -> Memfoldd {
-    Memfoldd(
-        Command::new(env!("CARGO_BIN_EXE_memfoldd"))
-            // Not the host's /etc/memfold/memfoldd.toml, if a package put one there.
-            .args(["--config", "none"])
-            .args(["--rate", "0", "--min-scan-interval-ms", "500"])
-            .args(["--clock-secs", "2", "--policy", "de"])
-            .args(["--host-budget-mib", "64", "--swap-dir"])
-            .arg(socket.parent().expect("in a folder"))
-            .arg("--socket")
-            .arg(socket)
-            .spawn()
-            .expect("memfoldd starts"),
+/// memfoldd of the Difference Engine with the clock every 2 s and a 64 MiB host budget,
+/// its swap files beside `socket`.
+fn memfoldd(socket: &Path) -> Killed {
+    let dir = socket
+        .parent()
+        .expect("in a folder")
+        .to_str()
+        .expect("UTF-8");
+    common::memfoldd(
+        socket,
+        &[
+            "--rate",
+            "0",
+            "--min-scan-interval-ms",
+            "500",
+            "--clock-secs",
+            "2",
+            "--policy",
+            "de",
+            "--host-budget-mib",
+            "64",
+            "--swap-dir",
+            dir,
+        ],
     )
-}
-
-fn agent_lib() -> PathBuf {
-    let p = Path::new(env!("CARGO_BIN_EXE_memfoldd")).with_file_name("libmemfold_agent.so");
-    assert!(
-        p.exists(),
-        "{} missing: build the workspace first (`cargo build --release --workspace`; make test does)",
-        p.display()
-    );
-    p
 }
 
 /// Self-check rounds the guest has passed: all of them (`MEMFOLD-CHECK`), or only those

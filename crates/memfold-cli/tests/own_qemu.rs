@@ -20,36 +20,35 @@
 //! guest-booting tests (`flock /tmp/measure.lock cargo test ...` on a shared host).
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use memfold_live::query_stats;
 use memfold_vm::images;
 use memfold_wire::Stats;
 
-/// A child process killed when dropped (also when the test fails).
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+mod common;
+use common::{agent_lib, Killed};
 
 /// memfoldd at `socket`, sharing and reclaiming zero pages at full speed.
 fn memfoldd(socket: &Path) -> Killed {
-    Killed(
-        Command::new(env!("CARGO_BIN_EXE_memfoldd"))
-            // Not the host's /etc/memfold/memfoldd.toml: the flags below are the test's.
-            .args(["--config", "none"])
-            .args(["--rate", "0", "--min-scan-interval-ms", "500"])
-            .args(["--policy", "sharing", "--swap-dir"])
-            .arg(socket.parent().expect("in a folder"))
-            .arg("--socket")
-            .arg(socket)
-            .spawn()
-            .expect("memfoldd starts"),
+    let dir = socket
+        .parent()
+        .expect("in a folder")
+        .to_str()
+        .expect("UTF-8");
+    common::memfoldd(
+        socket,
+        &[
+            "--rate",
+            "0",
+            "--min-scan-interval-ms",
+            "500",
+            "--policy",
+            "sharing",
+            "--swap-dir",
+            dir,
+        ],
     )
 }
 
@@ -321,12 +320,7 @@ fn ram_that_is_not_shareable_is_refused_or_left_alone_with_what_to_add() {
     // The same line started by hand with the agent preloaded: the guest runs, unmanaged,
     // and QEMU's log says why in one line.
     let _daemon = memfoldd(&socket);
-    let agent = Path::new(env!("CARGO_BIN_EXE_memfoldd")).with_file_name("libmemfold_agent.so");
-    assert!(
-        agent.exists(),
-        "{} missing: build the workspace first",
-        agent.display()
-    );
+    let agent = agent_lib();
     let qlog = dir.path().join("qemu-plain.log");
     let mut qemu = Killed(
         Command::new(&line[0])

@@ -1,0 +1,44 @@
+//! What this crate's guest-booting tests share: memfoldd and QEMU children killed when
+//! dropped, memfoldd started with a test's own flags, the agent library of the build.
+// Each test binary uses the part it needs.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+
+/// A child process killed when dropped (also when the test fails: an orphan would hold
+/// the test's output open).
+pub struct Killed(pub Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// This crate's memfoldd at `socket` with `args`, and not the host's
+/// `/etc/memfold/memfoldd.toml` (a package may have put one there): the flags are the
+/// test's.
+pub fn memfoldd(socket: &Path, args: &[&str]) -> Killed {
+    Killed(
+        Command::new(env!("CARGO_BIN_EXE_memfoldd"))
+            .args(["--config", "none"])
+            .args(args)
+            .arg("--socket")
+            .arg(socket)
+            .spawn()
+            .expect("memfoldd starts"),
+    )
+}
+
+/// The agent library of this build, beside memfoldd.
+pub fn agent_lib() -> PathBuf {
+    let p = Path::new(env!("CARGO_BIN_EXE_memfoldd")).with_file_name("libmemfold_agent.so");
+    assert!(
+        p.exists(),
+        "{} missing: build the workspace first (`cargo build --release --workspace`; make test does)",
+        p.display()
+    );
+    p
+}
