@@ -1,0 +1,131 @@
+//! Sharing domains (issue 14): which guests share frames and patch against each other's
+//! pages ([`DomainRule`], decided from what the kernel says of the peer), the domain a new
+//! guest joins, and the domain of a pool a re-attaching agent brings after a restart.
+
+use std::os::fd::{AsFd, OwnedFd};
+
+use memfold_core::ids::{DomainId, FrameId, Gfn};
+use memfold_sys::memfd;
+
+use super::backings::FileBacking;
+use super::{Daemon, PAGE};
+
+/// The largest pool memfoldd adopts from a re-attaching agent, frames (64 GiB of shared
+/// frames in one domain): its frame table is sized by the pool's length, which the peer
+/// sets.
+const MAX_ADOPTED_FRAMES: u64 = 1 << 24;
+
+/// Which guests form a sharing domain: they share frames and patch against each other's
+/// pages, and each of their QEMUs holds the domain's pool (issue 14). Decided from what
+/// the kernel says of the peer, never from what the peer says.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DomainRule {
+    /// The guests whose QEMU runs as one user (uid from SO_PEERCRED): a host that runs
+    /// each tenant's VMs as a user of its own keeps tenants apart.
+    #[default]
+    User,
+    /// Each guest alone: pages are shared only within one VM (the strict setting, as
+    /// ESX's salting); nothing of one VM is in any descriptor another QEMU holds.
+    Vm,
+}
+
+impl DomainRule {
+    /// The rules' names, for the command line.
+    pub const NAMES: [&'static str; 2] = ["user", "vm"];
+
+    /// The rule of `name` (one of [`DomainRule::NAMES`]).
+    pub fn by_name(name: &str) -> Option<DomainRule> {
+        match name {
+            "user" => Some(DomainRule::User),
+            "vm" => Some(DomainRule::Vm),
+            _ => None,
+        }
+    }
+}
+
+/// What a domain is keyed by under its rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum DomainKey {
+    /// A user's guests.
+    User(u32),
+    /// One guest: its RAM memfd's (device, inode), the same on every re-attach.
+    Vm(u64, u64),
+}
+
+impl Daemon {
+    /// The domain a new guest of `key` joins (created on first use).
+    pub(super) fn domain_for(&mut self, key: DomainKey) -> DomainId {
+        if let Some(&d) = self.keys.get(&key) {
+            return d;
+        }
+        let d = self.new_domain(key);
+        self.keys.insert(key, d);
+        d
+    }
+
+    fn new_domain(&mut self, key: DomainKey) -> DomainId {
+        let d = DomainId(self.next_domain);
+        self.next_domain += 1;
+        self.key_of.insert(d, key);
+        d
+    }
+
+    /// The domain of a re-attaching agent of `key` that maps pool `theirs`: the domain
+    /// whose pool it is; else (a restart) the domain of `key` adopts it if it has not used
+    /// a pool of its own yet; else — a new guest of `key` attached first and made a pool —
+    /// a new domain of the same key adopts it, so both keep their frames (they share
+    /// within each pool only, until the old one's guests are gone).
+    ///
+    /// Errors (a refusal's message): the pool is another key's domain's, its guest RAM,
+    /// not a memfd open for reading and writing, or larger than [`MAX_ADOPTED_FRAMES`].
+    pub(super) fn pool_domain(
+        &mut self,
+        key: DomainKey,
+        theirs: OwnedFd,
+        ram_id: (u64, u64),
+    ) -> Result<DomainId, String> {
+        let id = |f: &OwnedFd| memfd::file_id(f.as_fd()).ok();
+        let Some(theirs_id) = id(&theirs) else {
+            return Err("its pool is not a file".into());
+        };
+        if !memfd::is_read_write_memfd(theirs.as_fd()) || theirs_id == ram_id {
+            return Err("its pool is not a memfd open for reading and writing".into());
+        }
+        if let Some((&d, _)) = self.pools.iter().find(|(_, p)| id(p) == Some(theirs_id)) {
+            return if self.key_of.get(&d) == Some(&key) {
+                Ok(d)
+            } else {
+                Err(format!("it maps the pool of {d}, another sharing domain's"))
+            };
+        }
+        let d = match self.keys.get(&key) {
+            Some(&d) if self.engine.pool_untouched(d) => d,
+            _ => {
+                let d = self.new_domain(key);
+                self.keys.entry(key).or_insert(d);
+                d
+            }
+        };
+        let size = memfd::size(theirs.as_fd()).unwrap_or(0);
+        if size / PAGE > MAX_ADOPTED_FRAMES {
+            return Err(format!(
+                "its pool of {size} bytes is over the {} GiB memfoldd adopts",
+                (MAX_ADOPTED_FRAMES * PAGE) >> 30
+            ));
+        }
+        let frames = (size / PAGE) as u32;
+        let held: Vec<FrameId> = memfd::data_runs(theirs.as_fd(), Gfn(0), Gfn(frames))
+            .into_iter()
+            .flat_map(|(a, b)| (a.0..b.0).map(FrameId))
+            .collect();
+        let mine = theirs.try_clone().map_err(|e| format!("its pool: {e}"))?;
+        tracing::info!(
+            "{d} adopts the pool of a previous memfoldd: {frames} frames, {} held",
+            held.len()
+        );
+        self.engine
+            .adopt_pool(d, Box::new(FileBacking::adopt(mine)), frames, held);
+        self.pools.insert(d, theirs);
+        Ok(d)
+    }
+}
