@@ -136,6 +136,13 @@ pub struct Latency {
     pub p99_us: f64,
 }
 
+/// One guest of each QEMU in `vms`: what belongs to a QEMU (its agents' CPU, its balloon)
+/// is shown on each of its RAM regions' rows, and counted once in a total.
+fn per_qemu(vms: &[VmStats]) -> impl Iterator<Item = &VmStats> {
+    let mut seen = std::collections::BTreeSet::new();
+    vms.iter().filter(move |v| seen.insert(v.pid))
+}
+
 fn faults(v: &VmStats) -> u64 {
     v.wp_faults + v.missing_faults + v.minor_faults
 }
@@ -192,9 +199,8 @@ pub fn view(prev: Option<&Stats>, now: &Stats) -> View {
         compressed_pages: sum(|r| r.compressed_pages),
         swapped_pages: sum(|r| r.swapped_pages),
         entitlement_bytes: sum(|r| r.entitlement_bytes),
-        balloon_bytes: vms
-            .iter()
-            .map(|r| r.balloon_bytes)
+        balloon_bytes: per_qemu(&now.vms)
+            .map(|v| v.balloon_actual_bytes)
             .sum::<Option<u64>>()
             .filter(|_| !vms.is_empty()),
         cow_breaks_per_s: sum_rate(|r| r.cow_breaks_per_s),
@@ -204,7 +210,7 @@ pub fn view(prev: Option<&Stats>, now: &Stats) -> View {
     let cpu_percent = |f: &dyn Fn(&Stats) -> f64| -> Option<f64> {
         Some((f(now) - f(prev?)).max(0.0) / dt? * 100.0)
     };
-    let agents = |s: &Stats| s.vms.iter().map(|v| v.agent_cpu_s).sum::<f64>();
+    let agents = |s: &Stats| per_qemu(&s.vms).map(|v| v.agent_cpu_s).sum::<f64>();
     let b = &now.saved_by;
     let page = PAGE as i64;
     let l = &now.latency;
@@ -446,6 +452,26 @@ mod tests {
             ],
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn what_belongs_to_a_qemu_counts_once_in_the_total_over_its_ram_regions() {
+        let region = |name: &str, cpu: f64| VmStats {
+            name: name.into(),
+            pid: 7,
+            agent_cpu_s: cpu,
+            balloon_actual_bytes: Some(300 << 20),
+            ..Default::default()
+        };
+        let at = |t: f64, cpu: f64| Stats {
+            uptime_s: t,
+            vms: vec![region("web/ram0", cpu), region("web/ram1", cpu)],
+            ..Default::default()
+        };
+        let v = view(Some(&at(10.0, 1.0)), &at(12.0, 1.2));
+        // 0.2 s of the one QEMU's agent CPU over 2 s: 10%, not 20%; one balloon.
+        assert!((v.agents_cpu_percent.unwrap() - 10.0).abs() < 1e-9);
+        assert_eq!(v.total.balloon_bytes, Some(300 << 20));
     }
 
     #[test]

@@ -12,7 +12,8 @@ use memfold_wire::{
 use super::balloon::Claims;
 use super::guests::Guests;
 
-fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims) -> VmStats {
+/// `agent_cpu_s`: the CPU seconds of the agent threads of `v`'s QEMU.
+fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) -> VmStats {
     let b = &v.books;
     let g = guests.by_vm.get(&v.id);
     let balloon = claims.state(v.pid).unwrap_or_default();
@@ -53,7 +54,7 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims) -> VmStats {
         swap_moves: b.swap_moves,
         detached: !v.attached,
         opted_out: b.opted_out,
-        agent_cpu_s: cpu_seconds(v.pid, Some(AGENT_THREADS)),
+        agent_cpu_s,
         sharing_ranks: v.sharing_ranks.0.clone(),
         entitlement_pages: v.sharing_ranks.entitlement_pages(),
         balloon_target_bytes: balloon.target,
@@ -67,7 +68,18 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims) -> VmStats {
 /// memfoldd's statistics now.
 pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats {
     let b: Books = engine.books();
-    let mut vms: Vec<VmStats> = b.vms.iter().map(|v| vm_stats(v, guests, claims)).collect();
+    // One read of /proc per QEMU: a guest of several RAM regions is several engine guests.
+    let mut cpu: std::collections::BTreeMap<u32, f64> = Default::default();
+    let mut vms: Vec<VmStats> = b
+        .vms
+        .iter()
+        .map(|v| {
+            let agent_cpu_s = *cpu
+                .entry(v.pid)
+                .or_insert_with(|| cpu_seconds(v.pid, Some(AGENT_THREADS)));
+            vm_stats(v, guests, claims, agent_cpu_s)
+        })
+        .collect();
     vms.sort_by(|a, b| a.name.cmp(&b.name));
     let mut all: [OpLatency; AGENT_OPS] = Default::default();
     for g in guests.by_vm.values() {
