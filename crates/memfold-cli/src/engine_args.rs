@@ -78,14 +78,16 @@ pub struct EngineArgs {
     pub share_domains: String,
     /// How guests claim their sharing entitlements (Satori §4.2: the memory sharing saves,
     /// credited to the guests that share, Σ (rank − 1) / rank pages each) through their
-    /// virtio balloons: `never` keeps the saving on the host; `at-once` leaves each guest
+    /// virtio balloons: `never` keeps the saving on the host and drives no balloon;
+    /// `allowance-only` holds each guest at its allowance (the saving stays with the host:
+    /// the baseline entitlements are measured against); `at-once` leaves each guest
     /// its allowance plus its entitlement, and takes it back as sharing breaks (§4.3);
     /// `under-pressure` grows a guest past its allowance, up to that, only while the
     /// guest's balloon statistics say it is short of memory (under an eighth of its memory
     /// available, or 32 MiB), and takes back at once what it drew past its entitlement.
     /// memfoldd drives the balloon through the guest's monitor socket with id
     /// `memfold-qmp` (`memfold run` adds the balloon and the monitor).
-    #[arg(long, default_value = "never", value_parser = PossibleValuesParser::new(["never", "at-once", "under-pressure"]))]
+    #[arg(long, default_value = "never", value_parser = PossibleValuesParser::new(["never", "allowance-only", "at-once", "under-pressure"]))]
     pub claim_entitlement: String,
     /// Each guest's base allowance with `--claim-entitlement`, MiB: what its balloon
     /// leaves it before its entitlement (at most its RAM).

@@ -102,6 +102,10 @@ pub enum ClaimPolicy {
     /// host (memfold before entitlements).
     #[default]
     Never,
+    /// The balloon holds the guest at its base allowance and its entitlement stays with
+    /// the host: the fixed allocation Satori's macrobenchmarks compare against (§6), and
+    /// what a guest that asks not to claim gets from a host that drives balloons.
+    AllowanceOnly,
     /// The guest sees its base allowance plus its entitlement at all times (the paper's
     /// setup: "claim memory as soon as it becomes available").
     AtOnce,
@@ -113,16 +117,29 @@ pub enum ClaimPolicy {
 }
 
 impl ClaimPolicy {
-    /// This policy, but no more generous than `ceiling` (`Never` < `UnderPressure` <
-    /// `AtOnce`): what a guest may ask for under a host's policy.
+    /// What a guest that asks for this policy gets under a host's policy `ceiling`: no
+    /// more memory than `ceiling` would leave it, so that an ask (the guest's environment,
+    /// the peer's to write) can only cost its own guest memory.
+    ///
+    /// By the memory each leaves the guest: `AllowanceOnly` ≤ `UnderPressure` ≤
+    /// `AtOnce`. Under a host that drives no balloons (`Never`) nothing is driven,
+    /// whatever the guest asks; under one that does, a guest asking `never` is held at its
+    /// allowance (`AllowanceOnly`) — not left its whole RAM, which would be more than the
+    /// host gives any guest.
     pub fn at_most(self, ceiling: ClaimPolicy) -> ClaimPolicy {
         let rank = |p: ClaimPolicy| match p {
-            ClaimPolicy::Never => 0,
+            ClaimPolicy::Never | ClaimPolicy::AllowanceOnly => 0,
             ClaimPolicy::UnderPressure => 1,
             ClaimPolicy::AtOnce => 2,
         };
-        if rank(self) <= rank(ceiling) {
-            self
+        let asked = match self {
+            ClaimPolicy::Never => ClaimPolicy::AllowanceOnly,
+            p => p,
+        };
+        if ceiling == ClaimPolicy::Never {
+            ClaimPolicy::Never
+        } else if rank(asked) <= rank(ceiling) {
+            asked
         } else {
             ceiling
         }
@@ -135,10 +152,11 @@ impl std::str::FromStr for ClaimPolicy {
     fn from_str(s: &str) -> Result<ClaimPolicy, String> {
         match s {
             "never" => Ok(ClaimPolicy::Never),
+            "allowance-only" => Ok(ClaimPolicy::AllowanceOnly),
             "at-once" => Ok(ClaimPolicy::AtOnce),
             "under-pressure" => Ok(ClaimPolicy::UnderPressure),
             other => Err(format!(
-                "claim policy {other:?}: expected never, at-once or under-pressure"
+                "claim policy {other:?}: expected never, allowance-only, at-once or under-pressure"
             )),
         }
     }
@@ -184,6 +202,7 @@ pub fn claim_target(
     let ceiling = grain(allowance.saturating_add(entitled).min(ram));
     match policy {
         ClaimPolicy::Never => None,
+        ClaimPolicy::AllowanceOnly => Some(allowance),
         ClaimPolicy::AtOnce => Some(ceiling),
         ClaimPolicy::UnderPressure => {
             let now = now.unwrap_or(allowance).clamp(allowance, ceiling);
@@ -222,6 +241,18 @@ mod tests {
         assert_eq!(
             claim_target(ClaimPolicy::Never, 512 * MIB, 256 * MIB, 4096.0, None, None),
             None
+        );
+        // Allowance only: held at the allowance whatever the entitlement.
+        assert_eq!(
+            claim_target(
+                ClaimPolicy::AllowanceOnly,
+                512 * MIB,
+                256 * MIB + 5,
+                4096.0,
+                None,
+                None
+            ),
+            Some(256 * MIB)
         );
     }
 
@@ -275,17 +306,26 @@ mod tests {
     #[test]
     fn a_guest_may_ask_for_less_than_the_hosts_policy_never_more() {
         use ClaimPolicy::*;
-        assert_eq!(Never.at_most(AtOnce), Never);
+        // A guest asking not to claim is held at its allowance, not left its whole RAM.
+        assert_eq!(Never.at_most(AtOnce), AllowanceOnly);
+        assert_eq!(Never.at_most(UnderPressure), AllowanceOnly);
+        assert_eq!(Never.at_most(AllowanceOnly), AllowanceOnly);
         assert_eq!(UnderPressure.at_most(AtOnce), UnderPressure);
         assert_eq!(AtOnce.at_most(UnderPressure), UnderPressure);
-        assert_eq!(AtOnce.at_most(Never), Never);
+        assert_eq!(AtOnce.at_most(AllowanceOnly), AllowanceOnly);
+        assert_eq!(AllowanceOnly.at_most(AtOnce), AllowanceOnly);
         assert_eq!(AtOnce.at_most(AtOnce), AtOnce);
+        // A host that drives no balloons drives none, whatever a guest asks.
+        for asked in [Never, AllowanceOnly, UnderPressure, AtOnce] {
+            assert_eq!(asked.at_most(Never), Never);
+        }
     }
 
     #[test]
     fn claim_policies_parse_by_their_flag_names_only() {
         for (s, p) in [
             ("never", ClaimPolicy::Never),
+            ("allowance-only", ClaimPolicy::AllowanceOnly),
             ("at-once", ClaimPolicy::AtOnce),
             ("under-pressure", ClaimPolicy::UnderPressure),
         ] {
@@ -293,7 +333,7 @@ mod tests {
         }
         let e = "AtOnce".parse::<ClaimPolicy>().unwrap_err();
         assert!(
-            e.contains("expected never, at-once or under-pressure"),
+            e.contains("expected never, allowance-only, at-once or under-pressure"),
             "{e}"
         );
     }

@@ -15,7 +15,7 @@
 //! says that QEMU made (`SO_PEERCRED`, [`Qmp::connect_served_by`]), else it drives
 //! nothing and says why.
 //!
-//! Per guest: a QEMU started with `MEMFOLD_CLAIM=never|under-pressure|at-once` or
+//! Per guest: a QEMU started with `MEMFOLD_CLAIM=never|allowance-only|under-pressure|at-once` or
 //! `MEMFOLD_ALLOWANCE_MIB=N` in its environment (read from `/proc/PID/environ` when its
 //! claimer starts) asks for a policy or an allowance of its own. memfoldd's flags are the
 //! ceiling: a guest may ask for less, never more — the environment is the peer's to write
@@ -397,7 +397,7 @@ mod tests {
         );
         let e = guest_asks(&env(&["MEMFOLD_CLAIM=all"])).unwrap_err();
         assert!(
-            e.contains("expected never, at-once or under-pressure"),
+            e.contains("expected never, allowance-only, at-once or under-pressure"),
             "{e}"
         );
         let e = guest_asks(&env(&["MEMFOLD_ALLOWANCE_MIB=lots"])).unwrap_err();
