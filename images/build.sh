@@ -54,9 +54,10 @@ ird=$(mktemp -d)
 trap 'rm -rf "$ird"' EXIT
 mkdir -p "$ird"/{bin,proc,sys,dev,tmp,newroot,lib/modules}
 cp /bin/busybox "$ird/bin/busybox"
-# The tiny guest loads only the virtio balloon's stack (memfoldd's entitlements drive it).
-modules="virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_balloon"
-[ "$profile" = tiny ] || modules="crc16 crc32c_generic mbcache jbd2 ext4 $modules virtio_blk"
+# The tiny guest loads only the virtio stack: the balloon (memfoldd's entitlements drive it)
+# and virtio-blk (a data disk its cache reader reads, when it has one).
+modules="virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_balloon virtio_blk"
+[ "$profile" = tiny ] || modules="crc16 crc32c_generic mbcache jbd2 ext4 $modules"
 for m in $modules; do
     f=$(find "$kernel_dir/root/lib/modules/$kver" -name "$m.ko*" | head -1)
     [ -n "$f" ] || continue   # built into the kernel

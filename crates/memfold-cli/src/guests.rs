@@ -56,6 +56,8 @@ pub fn specs(profiles: &str, ram: RamBackend, mem_mib: Option<u32>) -> Result<Ve
             mem_merge: true,
             free_page_reporting: false,
             memfold_balloon: false,
+            data_disk: None,
+            kernel_args: None,
         });
     }
     anyhow::ensure!(!out.is_empty(), "no guest profile given");

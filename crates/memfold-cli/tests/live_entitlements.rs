@@ -160,6 +160,8 @@ fn tiny_guests(cache: &Path, work: &Path, socket: &Path, names: &[(&str, bool)])
             mem_merge: true,
             free_page_reporting: false,
             memfold_balloon: balloon,
+            data_disk: None,
+            kernel_args: None,
         };
         let mut env = agent_env(&agent, socket, &spec);
         if name == "b" {

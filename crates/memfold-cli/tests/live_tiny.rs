@@ -118,6 +118,8 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
             mem_merge: true,
             free_page_reporting: false,
             memfold_balloon: false,
+            data_disk: None,
+            kernel_args: None,
         };
         let mut env = agent_env(&agent, &socket, &spec);
         if name == "b" {

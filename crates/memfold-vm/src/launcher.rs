@@ -75,7 +75,27 @@ pub struct GuestSpec {
     /// guest's folder (chardev id `memfold-qmp`; the launcher keeps `qmp.sock`). With
     /// [`GuestSpec::free_page_reporting`] too, one balloon does both.
     pub memfold_balloon: bool,
+    /// A read-only data disk the guest's workload reads through its page cache (the
+    /// `tiny` image's cache reader: docs/entitlements.md); `None`: none.
+    pub data_disk: Option<DataDisk>,
+    /// Guest kernel arguments of this guest alone, appended (e.g. the `tiny` image's
+    /// `memfold.break_at=SECS`); `None`: none.
+    pub kernel_args: Option<String>,
 }
+
+/// A read-only virtio disk of data for a page-cache workload. The guest finds it by its
+/// serial, [`DATA_DISK_SERIAL`] (`/sys/block/vdX/serial`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DataDisk {
+    /// The raw image file, read only (several guests may read one file).
+    pub path: PathBuf,
+    /// QEMU's read throttle (`bps_rd`), bytes per second: the speed of the disk the
+    /// workload stands on; `None`: as fast as the host's file (its page cache).
+    pub read_bytes_per_sec: Option<u64>,
+}
+
+/// The virtio serial of a [`DataDisk`].
+pub const DATA_DISK_SERIAL: &str = "memfold-data";
 
 /// Launcher errors.
 #[derive(Debug, thiserror::Error)]
@@ -206,6 +226,8 @@ pub fn detect_accel(cache: &Path) -> Accel {
             mem_merge: true,
             free_page_reporting: false,
             memfold_balloon: false,
+            data_disk: None,
+            kernel_args: None,
         };
         let mut g = Guest::start(&spec, cache, &dir, Accel::Kvm).ok()?;
         let ok = g.wait_ready(Duration::from_secs(20)).is_ok();
@@ -319,7 +341,23 @@ pub fn qemu_args(
         v.push(format!("file={},if=virtio,format=raw,snapshot=on", rootfs.display()).into());
         append.push_str(" root=/dev/vda");
     }
-    if let Some(extra) = extra_kernel_args {
+    if let Some(d) = &spec.data_disk {
+        let mut drive = format!(
+            "file={},if=none,id={DATA_DISK_SERIAL},format=raw,readonly=on",
+            d.path.display()
+        );
+        if let Some(bps) = d.read_bytes_per_sec {
+            drive.push_str(&format!(",bps_rd={bps}"));
+        }
+        v.push("-drive".into());
+        v.push(drive.into());
+        v.push("-device".into());
+        v.push(format!("virtio-blk-pci,drive={DATA_DISK_SERIAL},serial={DATA_DISK_SERIAL}").into());
+    }
+    for extra in [extra_kernel_args, spec.kernel_args.as_deref()]
+        .into_iter()
+        .flatten()
+    {
         append.push(' ');
         append.push_str(extra);
     }
@@ -633,6 +671,8 @@ mod tests {
             mem_merge: true,
             free_page_reporting: false,
             memfold_balloon: false,
+            data_disk: None,
+            kernel_args: None,
         }
     }
 
@@ -706,6 +746,59 @@ mod tests {
             ]
         ));
         assert_eq!(fpr.iter().filter(|a| a.contains("balloon")).count(), 1);
+    }
+
+    #[test]
+    fn a_data_disk_is_read_only_found_by_its_serial_and_throttled_as_asked() {
+        let with = |bps| {
+            args(&GuestSpec {
+                data_disk: Some(DataDisk {
+                    path: "/w/data.img".into(),
+                    read_bytes_per_sec: bps,
+                }),
+                ..spec(RamBackend::Memfd)
+            })
+        };
+        assert!(has(
+            &with(Some(64 << 20)),
+            [
+                "-drive",
+                "file=/w/data.img,if=none,id=memfold-data,format=raw,readonly=on,bps_rd=67108864"
+            ]
+        ));
+        let v = with(None);
+        assert!(has(
+            &v,
+            [
+                "-drive",
+                "file=/w/data.img,if=none,id=memfold-data,format=raw,readonly=on"
+            ]
+        ));
+        assert!(has(
+            &v,
+            [
+                "-device",
+                "virtio-blk-pci,drive=memfold-data,serial=memfold-data"
+            ]
+        ));
+        let own = args(&GuestSpec {
+            kernel_args: Some("memfold.break_at=60".into()),
+            ..spec(RamBackend::Memfd)
+        });
+        assert!(has(
+            &own,
+            [
+                "-append",
+                "console=ttyS0 panic=-1 quiet root=/dev/vda init_on_alloc=0 memfold.break_at=60"
+            ]
+        ));
+        // After the root disk: the root stays /dev/vda.
+        let drives: Vec<_> = v
+            .windows(2)
+            .filter(|w| w[0] == "-drive")
+            .map(|w| &w[1])
+            .collect();
+        assert!(drives[0].contains("rootfs.ext4") && drives[1].contains("data.img"));
     }
 
     #[test]

@@ -24,6 +24,8 @@ fn boot_capture_analyse(ram: RamBackend, name: &str) {
         mem_merge: true,
         free_page_reporting: false,
         memfold_balloon: false,
+        data_disk: None,
+        kernel_args: None,
     };
     // TCG: the KVM probe is exercised by the commands; tests must not depend on it.
     let mut g = Guest::start(&spec, &cache, work.path(), Accel::Tcg).unwrap();
@@ -114,6 +116,8 @@ fn missing_images_and_profiles_are_clear_errors() {
         mem_merge: true,
         free_page_reporting: false,
         memfold_balloon: false,
+        data_disk: None,
+        kernel_args: None,
     };
     let err = Guest::start(&spec, empty.path(), work.path(), Accel::Tcg)
         .err()

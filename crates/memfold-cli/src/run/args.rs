@@ -55,9 +55,69 @@ pub struct MemfoldArgs {
     /// pages). Checked per guest, as for the kit's `--peer ksm+zswap+fpr`.
     #[arg(long)]
     pub free_page_reporting: bool,
+    /// Give each guest a read-only data disk of this many MiB of random bytes (one file,
+    /// `data-disk.img` in the output folder, read by all): the `tiny` image reads it whole
+    /// over and over through its page cache and reports `cache-MiB/s` per pass — a
+    /// workload whose speed depends on the memory the guest has (docs/entitlements.md).
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..))]
+    pub data_disk_mib: Option<u64>,
+    /// The data disk's read speed, MiB/s (QEMU's throttle: the disk the page cache
+    /// saves reads from); 0: as fast as the host's copy of the file.
+    #[arg(
+        long,
+        value_name = "MIBPS",
+        default_value_t = 64,
+        requires = "data_disk_mib"
+    )]
+    pub data_disk_mibps: u64,
+    /// Make guest GUEST (a name like `tiny-3`; the `tiny` image only) a sharing breaker:
+    /// at SECS of its uptime it writes fresh bytes over all its duplicate pages, breaking
+    /// its sharing — its entitlement falls and its balloon inflates to repay (Satori
+    /// §4.3), while guests that share nothing with it should see no change.
+    #[arg(long, value_name = "GUEST@SECS", value_parser = parse_breaker)]
+    pub break_sharing: Option<(String, u64)>,
+}
+
+/// `GUEST@SECS` of `--break-sharing`.
+fn parse_breaker(s: &str) -> Result<(String, u64), String> {
+    let (g, secs) = s
+        .rsplit_once('@')
+        .ok_or_else(|| format!("{s:?}: expected GUEST@SECS, e.g. tiny-3@120"))?;
+    let secs = secs
+        .parse()
+        .map_err(|_| format!("{s:?}: SECS {secs:?} is not a whole number of seconds"))?;
+    Ok((g.to_string(), secs))
 }
 
 impl MemfoldArgs {
+    /// The data disk asked for, with its file written (or kept, when already of the size
+    /// asked) as `out/data-disk.img`: random bytes, so that nothing but sharing between
+    /// the guests' page caches can fold it. `None` without `--data-disk-mib`.
+    pub fn data_disk(&self, out: &Path) -> anyhow::Result<Option<memfold_vm::launcher::DataDisk>> {
+        use anyhow::Context;
+        use std::io::{Read, Write};
+        let Some(mib) = self.data_disk_mib else {
+            return Ok(None);
+        };
+        let path = out.join("data-disk.img");
+        let bytes = mib << 20;
+        if std::fs::metadata(&path).map(|m| m.len()).ok() != Some(bytes) {
+            let mut f = std::fs::File::create(&path)
+                .with_context(|| format!("cannot create {}", path.display()))?;
+            let mut rng = std::fs::File::open("/dev/urandom").context("/dev/urandom")?;
+            let mut buf = vec![0u8; 1 << 20];
+            for _ in 0..mib {
+                rng.read_exact(&mut buf).context("/dev/urandom")?;
+                f.write_all(&buf)
+                    .with_context(|| format!("cannot write {}", path.display()))?;
+            }
+        }
+        Ok(Some(memfold_vm::launcher::DataDisk {
+            path: std::fs::canonicalize(&path)?,
+            read_bytes_per_sec: (self.data_disk_mibps > 0).then_some(self.data_disk_mibps << 20),
+        }))
+    }
+
     /// memfoldd's command line for this run (after the program name): the socket, no
     /// configuration file (a run does not take the host's /etc/memfold/memfoldd.toml),
     /// every engine setting explicitly ([`EngineArgs::to_args`]) and, with a host budget,
@@ -194,6 +254,19 @@ mod tests {
             "--swap-dir".into(),
             "/o".into()
         ]));
+    }
+
+    #[test]
+    fn a_breaker_is_a_guest_and_a_second_and_a_data_disk_its_size_and_speed() {
+        let a = parse(&["--break-sharing", "tiny-3@120", "--data-disk-mib", "128"]);
+        assert_eq!(a.break_sharing, Some(("tiny-3".to_string(), 120)));
+        assert_eq!((a.data_disk_mib, a.data_disk_mibps), (Some(128), 64));
+        for bad in ["tiny-3", "tiny-3@soon", "tiny-3@-1"] {
+            let e = parse_breaker(bad).unwrap_err();
+            assert!(e.contains(bad), "{e}");
+        }
+        // A throttle without a disk is a mistake, said so.
+        assert!(Cli::try_parse_from(["memfold-run", "--data-disk-mibps", "10"]).is_err());
     }
 
     #[test]

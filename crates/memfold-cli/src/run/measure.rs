@@ -173,6 +173,46 @@ pub struct MemfoldRun {
     pub samples: Vec<Sample>,
     /// With `--plain-twins`: each workload's throughput, managed vs its plain twin.
     pub throughput: Vec<Throughput>,
+    /// Each managed guest's workload speed late in the run ([`late_rates`]).
+    pub rates: Vec<GuestRate>,
+}
+
+/// A workload's speed in one guest late in a run: the mean of the later half of the
+/// rounds it reported (`MEMFOLD-RATE <metric> <value>`) since memfoldd started — by then
+/// the balloons have settled where the claim policy puts them.
+#[derive(Clone, Debug, Serialize)]
+pub struct GuestRate {
+    /// The guest.
+    pub guest: String,
+    /// What the workload reports (`cache-MiB/s`, `web-req/s`, ...).
+    pub metric: String,
+    /// Mean per round, in the metric's unit.
+    pub mean: f64,
+    /// Rounds averaged.
+    pub rounds: usize,
+    /// Two standard errors of the mean, relative to it (`None` under 2 rounds).
+    pub rel_2se: Option<f64>,
+}
+
+/// Each guest's [`GuestRate`]s since `since` (per guest, see [`StartMark`]).
+pub fn late_rates(guests: &[Guest], since: &HashMap<String, StartMark>) -> Vec<GuestRate> {
+    let mut out = Vec::new();
+    for g in guests {
+        let from = since.get(&g.name).map_or(0, |m| m.0);
+        let serial = g.serial();
+        for (metric, v) in rates(serial.get(from..).unwrap_or("")) {
+            let late = &v[v.len() / 2..];
+            let (mean, rel_var) = mean_rel_var(late);
+            out.push(GuestRate {
+                guest: g.name.clone(),
+                metric,
+                mean,
+                rounds: late.len(),
+                rel_2se: rel_var.map(|r| 2.0 * r.sqrt()),
+            });
+        }
+    }
+    out
 }
 
 /// A workload's throughput in a managed guest and in its plain twin over the same run

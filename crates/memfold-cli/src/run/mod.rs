@@ -123,6 +123,18 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     let out = m.set.out_dir(default_out);
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let socket = std::fs::canonicalize(&out)?.join("memfoldd.sock");
+    let data_disk = m.data_disk(&out)?;
+    if let Some((g, _)) = &m.break_sharing {
+        let names: Vec<String> = guests::specs(&m.set.profiles, RAM, m.set.mem_mib)?
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        anyhow::ensure!(
+            names.contains(g),
+            "--break-sharing {g}: no such guest (the guests are {})",
+            names.join(", ")
+        );
+    }
     let (mut guests, mut plain, out) = guests::start_pairs(
         &m.set,
         a.twins(),
@@ -131,6 +143,12 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         |s, managed| {
             s.free_page_reporting = managed && m.free_page_reporting;
             s.memfold_balloon = managed && m.engine.claim() != ClaimPolicy::Never;
+            s.data_disk.clone_from(&data_disk);
+            if let Some((g, secs)) = &m.break_sharing {
+                if *g == s.name {
+                    s.kernel_args = Some(format!("memfold.break_at={secs}"));
+                }
+            }
         },
         |s| agent_env(&agent, &socket, s),
     )?;
@@ -277,6 +295,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         - agent_cpu0;
     drop(daemon);
     let throughput = measure::throughput(&guests, &plain, &since);
+    let rates = measure::late_rates(&guests, &since);
     for g in guests.iter_mut().chain(plain.iter_mut()) {
         self_check(g)?;
         g.stop();
@@ -295,6 +314,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             daemon_kills: kills,
             samples,
             throughput,
+            rates,
         },
         out,
     ))

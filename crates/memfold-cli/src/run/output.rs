@@ -236,6 +236,7 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         print_latencies(s);
     }
     print_throughput("memfold-managed", &r.throughput);
+    print_rates(r);
     println!(
         "time series: {}, {}",
         out.join("run.csv").display(),
@@ -348,6 +349,34 @@ fn print_latencies(s: &Stats) {
     }
 }
 
+/// Each guest's workload speed late in the run, with the memory its balloon leaves it at
+/// the end (when memfoldd drives one): the figures a claim policy is judged by.
+fn print_rates(r: &MemfoldRun) {
+    if r.rates.is_empty() {
+        return;
+    }
+    println!("workload speed per guest, later half of its rounds (mean ± 2 s.e.), and the memory it has at the end:");
+    let end = r.end();
+    for g in &r.rates {
+        let v = end.and_then(|s| s.vms.iter().find(|v| v.name == g.guest));
+        let has = v
+            .and_then(|v| v.balloon_actual_bytes)
+            .map_or("its whole RAM (no balloon driven)".to_string(), |b| {
+                format!("{:.0} MiB (balloon)", b as f64 / MIB)
+            });
+        let entitled = v.map_or(0.0, |v| v.entitlement_pages * 4096.0 / MIB);
+        println!(
+            "  {:<12} {:<14} {:>9.2}{} ({:>3} rounds)  has {has}, entitled to {entitled:.1} MiB",
+            g.guest,
+            g.metric,
+            g.mean,
+            g.rel_2se
+                .map_or(String::new(), |e| format!(" ± {:.1}%", e * 100.0)),
+            g.rounds,
+        );
+    }
+}
+
 /// With `--plain-twins`: each workload's throughput in the guests `side` manages
 /// (`memfold-managed`, `kit-managed`) against their plain twins, with the ratio managed /
 /// plain ± 2 standard errors over the rounds; nothing without twins. `memfold run` and
@@ -419,6 +448,7 @@ mod tests {
             daemon_kills: 0,
             samples,
             throughput: vec![],
+            rates: vec![],
         };
         leak_check(&r).unwrap();
         let mut leaky = r.clone();
