@@ -175,6 +175,79 @@ pub struct MemfoldRun {
     pub throughput: Vec<Throughput>,
     /// Each managed guest's workload speed late in the run ([`late_rates`]).
     pub rates: Vec<GuestRate>,
+    /// With `--break-sharing`: each guest's workload speed before and after the break
+    /// ([`around_break`]).
+    pub around_break: Vec<AroundBreak>,
+}
+
+/// Seconds of workload rounds compared on each side of a sharing break.
+pub const BREAK_WINDOW_S: f64 = 60.0;
+
+/// Seconds after the break left out: the breaker's own writes, and the balloon's
+/// inflation under way.
+pub const BREAK_SETTLE_S: f64 = 10.0;
+
+/// A workload's speed in one guest before and after a breaker broke its sharing: the
+/// rounds that ended (by the guest's uptime, `MEMFOLD-RATE <metric> <value> at <s>`) in
+/// the [`BREAK_WINDOW_S`] before the break and in the one starting [`BREAK_SETTLE_S`]
+/// after it.
+#[derive(Clone, Debug, Serialize)]
+pub struct AroundBreak {
+    /// The guest.
+    pub guest: String,
+    /// What the workload reports.
+    pub metric: String,
+    /// Mean per round before, and its rounds.
+    pub before: (f64, usize),
+    /// Mean per round after, and its rounds.
+    pub after: (f64, usize),
+    /// Two standard errors of after / before, from both windows' spreads.
+    pub ratio_2se: Option<f64>,
+}
+
+/// Each guest's [`AroundBreak`] for a break at `at_s` of uptime.
+pub fn around_break(guests: &[Guest], at_s: f64) -> Vec<AroundBreak> {
+    let mut out = Vec::new();
+    for g in guests {
+        for (metric, v) in timed_rates(&g.serial()) {
+            let window = |from: f64| -> Vec<f64> {
+                v.iter()
+                    .filter(|&&(_, t)| t >= from && t < from + BREAK_WINDOW_S)
+                    .map(|&(x, _)| x)
+                    .collect()
+            };
+            let (b, a) = (window(at_s - BREAK_WINDOW_S), window(at_s + BREAK_SETTLE_S));
+            let ((mb, rb), (ma, ra)) = (mean_rel_var(&b), mean_rel_var(&a));
+            out.push(AroundBreak {
+                guest: g.name.clone(),
+                metric,
+                before: (mb, b.len()),
+                after: (ma, a.len()),
+                ratio_2se: rb.zip(ra).map(|(x, y)| 2.0 * (ma / mb) * (x + y).sqrt()),
+            });
+        }
+    }
+    out
+}
+
+/// The `MEMFOLD-RATE <metric> <value> at <uptime s>` values in a guest's console text,
+/// by metric: (value, uptime) pairs; lines without a time are left out.
+fn timed_rates(serial: &str) -> BTreeMap<String, Vec<(f64, f64)>> {
+    let mut out: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    for l in serial.lines() {
+        let Some(rest) = l.split("MEMFOLD-RATE ").nth(1) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        if let [m, v, "at", t, ..] = f[..] {
+            if let (Ok(v), Ok(t)) = (v.parse::<f64>(), t.parse::<f64>()) {
+                if v.is_finite() && v > 0.0 && t.is_finite() {
+                    out.entry(m.to_string()).or_default().push((v, t));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// A workload's speed in one guest late in a run: the mean of the later half of the
@@ -557,6 +630,11 @@ mod tests {
                       MEMFOLD-RATE web-req/s -1\n";
         let r = rates(serial);
         assert_eq!(r["web-req/s"], vec![12.5, 7.5]);
+        let timed = timed_rates(
+            "MEMFOLD-RATE cache-MiB/s 60.5 at 101.25\nMEMFOLD-RATE cache-MiB/s 70\n\
+             MEMFOLD-RATE cache-MiB/s 80 at soon\nMEMFOLD-RATE cache-MiB/s 90 at 140.0\n",
+        );
+        assert_eq!(timed["cache-MiB/s"], vec![(60.5, 101.25), (90.0, 140.0)]);
         assert_eq!(r["pgbench-tps"], vec![88.0]);
         assert_eq!(r.len(), 2);
     }

@@ -296,6 +296,9 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     drop(daemon);
     let throughput = measure::throughput(&guests, &plain, &since);
     let rates = measure::late_rates(&guests, &since);
+    let around_break = m.break_sharing.as_ref().map_or(Vec::new(), |(_, at)| {
+        measure::around_break(&guests, *at as f64)
+    });
     for g in guests.iter_mut().chain(plain.iter_mut()) {
         self_check(g)?;
         g.stop();
@@ -315,6 +318,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             samples,
             throughput,
             rates,
+            around_break,
         },
         out,
     ))

@@ -11,7 +11,7 @@ use super::measure::{
     measured_as, pages_mib, paused_since, saved_mib_over_time, t95_text, GuestEvents, MemfoldRun,
     Throughput, MIB,
 };
-use super::{view, MemfoldArgs};
+use super::{measure, view, MemfoldArgs};
 use crate::plot::{self, Panel, Series};
 
 /// Writes `run.csv`, `run.json` and `run.png` for a run.
@@ -26,12 +26,12 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
 /// `run.csv`: per second a row per guest and a row `all`.
 fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
     let mut f = crate::create_output(csv)?;
-    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes,swapped_pages,saved_swap_bytes,memfoldd_restarts,entitlement_bytes")?;
+    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes,swapped_pages,saved_swap_bytes,memfoldd_restarts,entitlement_bytes,balloon_actual_bytes")?;
     for s in &r.samples {
         for v in &s.stats.vms {
             writeln!(
                 f,
-                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,,{},,{},{:.0}",
+                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,,{},,{},{:.0},{}",
                 s.t,
                 v.name,
                 v.pages,
@@ -48,13 +48,15 @@ fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
                 v.scanned_pages,
                 v.swapped_pages,
                 s.daemon_restarts,
-                v.entitlement_pages * 4096.0
+                v.entitlement_pages * 4096.0,
+                v.balloon_actual_bytes
+                    .map_or(String::new(), |b| b.to_string())
             )?;
         }
         let by = &s.stats.saved_by;
         writeln!(
             f,
-            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{},{},{},{},{:.0}",
+            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{},{},{},{},{:.0},",
             s.t,
             s.stats.mapped_pages,
             s.stats.zero_reclaimed_pages,
@@ -237,6 +239,7 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
     }
     print_throughput("memfold-managed", &r.throughput);
     print_rates(r);
+    print_around_break(r);
     println!(
         "time series: {}, {}",
         out.join("run.csv").display(),
@@ -377,6 +380,32 @@ fn print_rates(r: &MemfoldRun) {
     }
 }
 
+/// With `--break-sharing`: each guest's workload speed before and after the break.
+fn print_around_break(r: &MemfoldRun) {
+    if r.around_break.is_empty() {
+        return;
+    }
+    println!(
+        "workload speed per guest around the sharing break ({:.0} s before it vs {:.0} s from {:.0} s after it, by guest uptime):",
+        measure::BREAK_WINDOW_S,
+        measure::BREAK_WINDOW_S,
+        measure::BREAK_SETTLE_S
+    );
+    for b in &r.around_break {
+        println!(
+            "  {:<12} {:<14} before {:>9.2} ({:>3} rounds)  after {:>9.2} ({:>3} rounds)  after/before {:.3}{}",
+            b.guest,
+            b.metric,
+            b.before.0,
+            b.before.1,
+            b.after.0,
+            b.after.1,
+            b.after.0 / b.before.0,
+            b.ratio_2se.map_or(String::new(), |e| format!(" ± {e:.3} (2 s.e.)")),
+        );
+    }
+}
+
 /// With `--plain-twins`: each workload's throughput in the guests `side` manages
 /// (`memfold-managed`, `kit-managed`) against their plain twins, with the ratio managed /
 /// plain ± 2 standard errors over the rounds; nothing without twins. `memfold run` and
@@ -449,6 +478,7 @@ mod tests {
             samples,
             throughput: vec![],
             rates: vec![],
+            around_break: vec![],
         };
         leak_check(&r).unwrap();
         let mut leaky = r.clone();
@@ -478,11 +508,12 @@ mod tests {
         assert!(lines.iter().all(|l| l.split(',').count() == columns));
         assert!(lines[1].starts_with("1.0,web-1,1000,"));
         // The guest's entitlement, 7.5 pages at 1 s, in bytes: its own row and `all`'s.
-        assert!(lines[1].ends_with(",30720"), "{}", lines[1]);
+        // No balloon driven: the last column is empty.
+        assert!(lines[1].ends_with(",30720,"), "{}", lines[1]);
         // used 1900 pages of 2000 at 1 s: saved 100 pages; books 100 pages, sharing 60.
         assert!(lines[2].starts_with("1.0,all,"));
         assert!(
-            lines[2].ends_with(",409600,409600,245760,0,0,0,0,0,0,30720"),
+            lines[2].ends_with(",409600,409600,245760,0,0,0,0,0,0,30720,"),
             "{}",
             lines[2]
         );
