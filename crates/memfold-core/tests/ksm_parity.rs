@@ -233,6 +233,9 @@ fn a_discarded_range_is_unmerged_and_released_exactly() {
     r.engine.check_invariants().unwrap();
     let b = r.engine.books().vms[0].books.clone();
     assert_eq!(b.discards, shared + zero + stored, "{b:#?}");
+    // No-copy-on-write: every shared page discarded is a copy the guest's next write no
+    // longer needs (Satori §4.3).
+    assert_eq!(b.cow_copies_avoided, shared, "{b:#?}");
     assert_eq!(b.shared_pages, before.shared_pages - shared);
     assert_eq!(b.zero_reclaimed_pages, before.zero_reclaimed_pages - zero);
     assert_eq!(

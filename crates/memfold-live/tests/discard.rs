@@ -84,6 +84,10 @@ fn a_discarded_range_is_let_go_exactly_and_reads_as_zeros() {
         v.discards, held,
         "exactly the pages memfold held in the range"
     );
+    assert_eq!(
+        v.cow_copies_avoided, on_pool,
+        "no-copy-on-write: every page of the range on the pool dropped, not copied"
+    );
     assert!(
         v.shared_pages <= vm_named(&before, NAME).shared_pages - on_pool,
         "the range's shares released: {} before, {} after, {on_pool} on the pool",

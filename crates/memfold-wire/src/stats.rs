@@ -190,6 +190,10 @@ pub struct VmStats {
     /// released without being brought back (cumulative).
     #[serde(default)]
     pub discards: u64,
+    /// No-copy-on-write (Satori §4.3): of [`VmStats::discards`], the shared pages —
+    /// dropped to holes instead of copied at the guest's next write (cumulative).
+    #[serde(default)]
+    pub cow_copies_avoided: u64,
     /// Write-protect faults the agent served (CoW breaks and writers that waited on a
     /// share or reclaim in progress; cumulative).
     pub wp_faults: u64,

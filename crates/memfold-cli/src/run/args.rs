@@ -74,12 +74,44 @@ pub struct MemfoldArgs {
     /// at SECS of its uptime it writes fresh bytes over all its duplicate pages, breaking
     /// its sharing — its entitlement falls and its balloon inflates to repay (Satori
     /// §4.3), while guests that share nothing with it should see no change.
-    #[arg(long, value_name = "GUEST@SECS", value_parser = parse_breaker)]
+    #[arg(long, value_name = "GUEST@SECS", value_parser = parse_guest_at)]
     pub break_sharing: Option<(String, u64)>,
+    /// Make guest GUEST (the `tiny` image only) drop its page cache at SECS of its uptime
+    /// (`drop_caches`), freeing pages that may be shared: with --free-page-reporting they
+    /// are discarded and memfold drops them instead of copying them at their next write
+    /// (no-copy-on-write, Satori §4.3; the run counts the copies avoided).
+    #[arg(long, value_name = "GUEST@SECS", value_parser = parse_guest_at)]
+    pub drop_caches: Option<(String, u64)>,
 }
 
-/// `GUEST@SECS` of `--break-sharing`.
-fn parse_breaker(s: &str) -> Result<(String, u64), String> {
+impl MemfoldArgs {
+    /// The guest kernel arguments of guest `name` (`--break-sharing`, `--drop-caches`).
+    pub fn kernel_args_of(&self, name: &str) -> Option<String> {
+        let args: Vec<String> = [
+            ("memfold.break_at", &self.break_sharing),
+            ("memfold.drop_caches_at", &self.drop_caches),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| {
+            v.as_ref()
+                .filter(|(g, _)| g == name)
+                .map(|(_, secs)| format!("{k}={secs}"))
+        })
+        .collect();
+        (!args.is_empty()).then(|| args.join(" "))
+    }
+
+    /// The guests named by `--break-sharing` and `--drop-caches`.
+    pub fn named_guests(&self) -> impl Iterator<Item = &str> {
+        [&self.break_sharing, &self.drop_caches]
+            .into_iter()
+            .flatten()
+            .map(|(g, _)| g.as_str())
+    }
+}
+
+/// `GUEST@SECS` of `--break-sharing` and `--drop-caches`.
+fn parse_guest_at(s: &str) -> Result<(String, u64), String> {
     let (g, secs) = s
         .rsplit_once('@')
         .ok_or_else(|| format!("{s:?}: expected GUEST@SECS, e.g. tiny-3@120"))?;
@@ -261,8 +293,23 @@ mod tests {
         let a = parse(&["--break-sharing", "tiny-3@120", "--data-disk-mib", "128"]);
         assert_eq!(a.break_sharing, Some(("tiny-3".to_string(), 120)));
         assert_eq!((a.data_disk_mib, a.data_disk_mibps), (Some(128), 64));
+        assert_eq!(
+            a.kernel_args_of("tiny-3").as_deref(),
+            Some("memfold.break_at=120")
+        );
+        assert_eq!(a.kernel_args_of("tiny-1"), None);
+        let b = parse(&[
+            "--break-sharing",
+            "tiny-1@90",
+            "--drop-caches",
+            "tiny-1@100",
+        ]);
+        assert_eq!(
+            b.kernel_args_of("tiny-1").as_deref(),
+            Some("memfold.break_at=90 memfold.drop_caches_at=100")
+        );
         for bad in ["tiny-3", "tiny-3@soon", "tiny-3@-1"] {
-            let e = parse_breaker(bad).unwrap_err();
+            let e = parse_guest_at(bad).unwrap_err();
             assert!(e.contains(bad), "{e}");
         }
         // A throttle without a disk is a mistake, said so.

@@ -486,6 +486,8 @@ pub struct GuestEvents {
     pub shares: u64,
     /// Copy-on-write breaks of shared pages.
     pub cow_breaks: u64,
+    /// Shared pages freed by the guest and discarded, their copies avoided.
+    pub cow_copies_avoided: u64,
     /// Zero pages reclaimed.
     pub reclaims: u64,
     /// Reclaimed zero pages filled again on access.
@@ -507,6 +509,7 @@ impl GuestEvents {
         GuestEvents {
             shares: sum(|v| v.shares),
             cow_breaks: sum(|v| v.cow_breaks),
+            cow_copies_avoided: sum(|v| v.cow_copies_avoided),
             reclaims: sum(|v| v.reclaims),
             refills: sum(|v| v.refills),
             hot_skipped: sum(|v| v.hot_skipped),

@@ -124,14 +124,14 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let socket = std::fs::canonicalize(&out)?.join("memfoldd.sock");
     let data_disk = m.data_disk(&out)?;
-    if let Some((g, _)) = &m.break_sharing {
-        let names: Vec<String> = guests::specs(&m.set.profiles, RAM, m.set.mem_mib)?
-            .into_iter()
-            .map(|s| s.name)
-            .collect();
+    let names: Vec<String> = guests::specs(&m.set.profiles, RAM, m.set.mem_mib)?
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    for g in m.named_guests() {
         anyhow::ensure!(
-            names.contains(g),
-            "--break-sharing {g}: no such guest (the guests are {})",
+            names.iter().any(|n| n == g),
+            "guest {g} (--break-sharing, --drop-caches): no such guest (the guests are {})",
             names.join(", ")
         );
     }
@@ -144,11 +144,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             s.free_page_reporting = managed && m.free_page_reporting;
             s.memfold_balloon = managed && m.engine.claim() != ClaimPolicy::Never;
             s.data_disk.clone_from(&data_disk);
-            if let Some((g, secs)) = &m.break_sharing {
-                if *g == s.name {
-                    s.kernel_args = Some(format!("memfold.break_at={secs}"));
-                }
-            }
+            s.kernel_args = m.kernel_args_of(&s.name);
         },
         |s| agent_env(&agent, &socket, s),
     )?;

@@ -314,9 +314,10 @@ fn print_end_books(s: &Stats) {
 fn print_churn(s: &Stats) {
     let e = GuestEvents::of(s);
     println!(
-        "guest events: {} shares, {} CoW breaks, {} zero reclaims, {} refills, {} C1 pages left unshared; clock faults {} minor (R), {} write-protect; {} decoded back",
+        "guest events: {} shares, {} CoW breaks ({} copies avoided: shared pages the guest freed, dropped), {} zero reclaims, {} refills, {} C1 pages left unshared; clock faults {} minor (R), {} write-protect; {} decoded back",
         e.shares,
         e.cow_breaks,
+        e.cow_copies_avoided,
         e.reclaims,
         e.refills,
         e.hot_skipped,

@@ -42,6 +42,10 @@ pub struct VmBooks {
     /// Shared, reclaimed or stored pages the guest's VMM discarded (balloon, free page
     /// reporting): released without being brought back ([`super::Engine::discarded`]).
     pub discards: u64,
+    /// No-copy-on-write (Satori §4.3): shared pages the guest freed and its VMM discarded
+    /// (free page reporting, a balloon), dropped to holes instead of copied at the guest's
+    /// next write — the CoW breaks' copies avoided. Part of [`VmBooks::discards`].
+    pub cow_copies_avoided: u64,
     /// Private pages per NRU class C1..C4 in the clock's last full pass (DE §4.2).
     pub nru_pages: [u64; 4],
     /// Full clock passes over the guest.

@@ -38,6 +38,7 @@ impl Engine {
     /// [`super::VmBooks::discards`]. A report that does not match the page's state (the
     /// page changed since, or the guest is gone) is ignored.
     pub fn discarded(&mut self, id: VmId, g: Gfn, what: Discard) {
+        let shared = matches!(what, Discard::Frame(_));
         let taken = match what {
             Discard::Frame(f) => self.take_shared(id, g, f),
             Discard::Zero => self.take_zero(id, g),
@@ -45,7 +46,11 @@ impl Engine {
             Discard::Stored => self.take_stored(id, g).is_some(),
         };
         if taken {
-            self.vms.get_mut(&id).expect("taken").books.discards += 1;
+            let books = &mut self.vms.get_mut(&id).expect("taken").books;
+            books.discards += 1;
+            if shared {
+                books.cow_copies_avoided += 1;
+            }
         }
     }
 

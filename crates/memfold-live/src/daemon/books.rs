@@ -32,6 +32,7 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
         reclaims: b.reclaims,
         refills: b.refills,
         discards: b.discards,
+        cow_copies_avoided: b.cow_copies_avoided,
         wp_faults: g.map_or(0, |g| g.wp_faults),
         missing_faults: g.map_or(0, |g| g.missing_faults),
         minor_faults: g.map_or(0, |g| g.minor_faults),

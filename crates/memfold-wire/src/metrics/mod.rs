@@ -382,6 +382,7 @@ impl Collector for Snapshot {
                     ("swap_in", Counter(v.swap_ins)),
                     ("swap_move", Counter(v.swap_moves)),
                     ("discard", Counter(v.discards)),
+                    ("cow_copy_avoided", Counter(v.cow_copies_avoided)),
                 ]
             }),
         )?;
