@@ -663,6 +663,11 @@ fn run_region(
     // pool) must outlive failing closed, or write-protection would be gone.
     let why = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| agent.serve())) {
         Ok(e) if agent.gone.load(std::sync::atomic::Ordering::SeqCst) => {
+            // memfoldd is told why the connection closes: a region released, not a QEMU
+            // gone (it checks that in /proc too before it lets the guest go).
+            if let Some(c) = &agent.conn {
+                let _ = c.send(&memfold_wire::ToDaemon::RegionUnmapped, &[]);
+            }
             return Err(io::Error::other(format!(
                 "guest RAM region {} was unmapped (hot-unplug): detached ({e})",
                 agent.cfg.name

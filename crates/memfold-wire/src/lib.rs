@@ -241,6 +241,7 @@ mod tests {
                 version: PROTOCOL_VERSION,
             },
             ToDaemon::Stats,
+            ToDaemon::RegionUnmapped,
         ] {
             round_trip(m);
         }
@@ -286,6 +287,15 @@ mod tests {
         round_trip(ToClient::Error {
             message: "no".into(),
         });
+    }
+
+    /// The region notice, added within version 9, is one tag and nothing else.
+    #[test]
+    fn the_region_notice_is_one_tag() {
+        assert_eq!(
+            String::from_utf8(encode(&ToDaemon::RegionUnmapped)).unwrap(),
+            r#"{"type":"region_unmapped"}"#
+        );
     }
 
     #[test]

@@ -444,6 +444,9 @@ impl Daemon {
                     .reply(e, vm, batch, Kind::TakeBack, &taken, &[])
             }
             ToDaemon::AgentStats(r) => self.guests.report(vm, &r),
+            ToDaemon::RegionUnmapped => {
+                tracing::info!("{}", self.guests.region_unmapped(vm));
+            }
             other => tracing::warn!("{vm}: unexpected message {other:?}"),
         }
     }
@@ -631,7 +634,7 @@ impl Daemon {
         if !sent {
             conn.shutdown();
         }
-        self.guests.attached(vm, token, conn, pid, ram_id);
+        self.guests.attached(vm, &name, token, conn, pid, ram_id);
         // A guest this memfoldd knew: its own record of the opt-out holds (an opt-in or
         // opt-out made while the agent was detached included). A guest it did not (a
         // restart): the agent's word, so an opt-out outlives the restart.
@@ -649,12 +652,12 @@ impl Daemon {
         Ok(())
     }
 
-    /// Releases detached guests whose QEMU has exited; ends each domain's adoption of a
+    /// Releases detached guests whose QEMU has exited or unmapped their region; ends each domain's adoption of a
     /// pool once no process but its attached guests' QEMUs holds it; forgets domains the
     /// engine dropped (no guest, no frame).
     fn reap(&mut self) {
-        for vm in self.guests.exited() {
-            tracing::info!("{vm}: its QEMU has exited; released");
+        for (vm, why) in self.guests.released() {
+            tracing::info!("{}", self.guests.release_line(vm, why));
             self.engine.remove(vm);
             self.guests.remove(vm);
         }
