@@ -19,6 +19,7 @@
 //! | [`metrics`] | the statistics as a Prometheus (OpenMetrics) exposition |
 //! | [`latency`] | latency histograms (HDR) and their percentiles |
 //! | [`conn`] | [`Conn`] and [`Listener`], over `memfold_sys::socket` |
+//! | [`keyval`] | QEMU's `key=value,...` option syntax, which the agent and memfoldd both read on QEMU's command line |
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -28,6 +29,7 @@ use std::io;
 use serde::{de::DeserializeOwned, Serialize};
 
 pub mod conn;
+pub mod keyval;
 pub mod latency;
 pub mod messages;
 pub mod metrics;
