@@ -33,7 +33,7 @@ struct Args {
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Socket for agents and clients.
-    #[arg(long, default_value = "/run/memfold/memfoldd.sock")]
+    #[arg(long, default_value = memfold_cli::DEFAULT_SOCKET)]
     socket: PathBuf,
     /// The engine's settings.
     #[command(flatten)]
