@@ -179,11 +179,7 @@ pub fn serve(
         path: cfg.socket.clone(),
         source,
     };
-    if memfold_wire::Conn::connect(&cfg.socket).is_ok() {
-        return Err(DaemonError::Running {
-            path: cfg.socket.clone(),
-        });
-    }
+    refuse_if_running(&cfg.socket)?;
     if cfg.socket.exists() {
         tracing::info!(
             "{}: a stale socket (nothing listens): replaced",
@@ -233,6 +229,21 @@ pub fn serve(
         cfg.socket.display()
     );
     r
+}
+
+/// Refuses to start beside a memfoldd that answers at `socket`: [`serve`] checks it before
+/// it binds, and memfoldd's command checks it before it takes anything else a running
+/// memfoldd holds (its metrics port), so a second one is refused for the socket, and
+/// leaves the first's port alone.
+///
+/// Errors: [`DaemonError::Running`].
+pub fn refuse_if_running(socket: &Path) -> Result<(), DaemonError> {
+    if memfold_wire::Conn::connect(socket).is_ok() {
+        return Err(DaemonError::Running {
+            path: socket.to_path_buf(),
+        });
+    }
+    Ok(())
 }
 
 /// A file's (device, inode), if it exists.
