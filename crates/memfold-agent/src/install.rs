@@ -155,7 +155,7 @@ impl Agent {
             dst,
         });
         if errno == 0 {
-            self.maps.changed();
+            crate::vmas::PROCESS.changed();
             return Ok(());
         }
         // SAFETY: the failed move left the staging mapping in place.
@@ -258,7 +258,7 @@ impl Agent {
                 io::Error::last_os_error()
             )));
         }
-        self.maps.changed();
+        crate::vmas::PROCESS.changed();
         // SAFETY: the page is guest RAM again (the guest memfd mapped back over it above),
         // which no Rust reference points into (see `run`).
         if let Err(e) = unsafe { self.uffd.register(addr, PAGE, RAM_MODE) } {

@@ -85,6 +85,7 @@
 //! | `regions` | finding guest RAM's regions in this process, one agent each, and hot-plugged ones; the invariant that a fault or request touches one region only |
 //! | [`qemu_args`] | QEMU's command line: which backends are guest RAM, and the fix for RAM memfold cannot share |
 //! | `state` | each page's home (`PageHome`) and its R and M bits |
+//! | `vmas` | the VMA budget of shares, for the whole process (all its regions): mappings and pages on frames |
 //! | `discard` | ranges QEMU discarded (`UFFD_EVENT_REMOVE`): what memfold held there let go |
 //! | `fault` | the fault handler: by the faulting page's home (CoW break, refill, decode) |
 //! | `requests` | memfoldd's requests (share, reclaim, stash, move, clock scan) and replies |
@@ -109,6 +110,7 @@ pub mod qemu_args;
 mod regions;
 mod requests;
 mod state;
+mod vmas;
 
 pub use config::{AgentConfig, ConfigError, FailMode};
 
@@ -271,25 +273,6 @@ extern "C" fn memfold_agent_init() {
 #[unsafe(link_section = ".init_array")]
 static INIT: extern "C" fn() = memfold_agent_init;
 
-/// This process's mappings (VMAs) as last counted, for the VMA budget of shares.
-#[derive(Default)]
-struct MapCount {
-    /// Mappings `/proc/self/maps` listed at the last read.
-    seen: usize,
-    /// Most mappings the agent's own changes added since (2 a change).
-    added: std::cell::Cell<usize>,
-    /// When it was read; `None`: never.
-    read_at: Option<Instant>,
-}
-
-impl MapCount {
-    /// The agent changed one mapping: a move of pool frames over guest pages or guest
-    /// RAM mapped back over a page, each splitting a mapping in at most 3.
-    fn changed(&self) {
-        self.added.set(self.added.get() + 2);
-    }
-}
-
 /// The agent: guest RAM, its userfaultfd, where each page lives, and the connection to
 /// memfoldd.
 struct Agent {
@@ -320,10 +303,9 @@ struct Agent {
     /// Faults read while a share was in progress, handled after it.
     deferred: Vec<Event>,
     remapper: Remapper,
-    /// Most mappings (VMAs) shares may bring this process to.
+    /// Most mappings (VMAs) shares may bring this process to (all its regions together:
+    /// `vmas.rs`).
     vma_budget: usize,
-    /// The count of this process's mappings, as last read, and the agent's changes since.
-    maps: MapCount,
     /// The operator opted this guest out (memfoldd's `ToAgent::OptedOut`); carried to a
     /// restarted memfoldd in the hello.
     opted_out: bool,
@@ -654,8 +636,8 @@ fn run_region(
         .unwrap_or(65530);
     let pages = (bytes / PAGE) as usize;
     // Leave QEMU room for its own mappings (threads, libraries, TCG buffers). The count
-    // it is checked against is the whole process's, so the agents of several regions
-    // share one budget.
+    // of mappings and of pages on frames it is checked against are the whole process's
+    // (`vmas::PROCESS`), so the agents of several regions share one budget.
     let vma_budget = cfg.vma_budget.unwrap_or(max_maps.saturating_sub(4096));
     let mut agent = Agent {
         cfg,
@@ -667,7 +649,7 @@ fn run_region(
         pool: None,
         store: None,
         swap: None,
-        pages: Pages::new(pages),
+        pages: Pages::new(pages, &vmas::PROCESS),
         conn: None,
         last_connect: None,
         pending: Pending::default(),
@@ -675,13 +657,17 @@ fn run_region(
         deferred: Vec::new(),
         remapper,
         vma_budget,
-        maps: MapCount::default(),
         opted_out: false,
     };
     // A panic unwinds to here, not past: `agent` (the userfaultfd, guest RAM's memfd, the
     // pool) must outlive failing closed, or write-protection would be gone.
     let why = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| agent.serve())) {
         Ok(e) if agent.gone.load(std::sync::atomic::Ordering::SeqCst) => {
+            // memfoldd is told why the connection closes: a region released, not a QEMU
+            // gone (it checks that in /proc too before it lets the guest go).
+            if let Some(c) = &agent.conn {
+                let _ = c.send(&memfold_wire::ToDaemon::RegionUnmapped, &[]);
+            }
             return Err(io::Error::other(format!(
                 "guest RAM region {} was unmapped (hot-unplug): detached ({e})",
                 agent.cfg.name

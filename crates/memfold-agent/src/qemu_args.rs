@@ -23,6 +23,8 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+use memfold_wire::keyval::keyval;
+
 /// The memory backend type memfold manages.
 pub const MEMFD_BACKEND: &str = "memory-backend-memfd";
 
@@ -172,46 +174,6 @@ pub enum ArgsError {
         /// Why.
         why: String,
     },
-}
-
-/// Splits QEMU's `key=value,key2=value2` syntax: `,,` is a comma inside a value, a bare
-/// `key` is `key=on`, except a bare first item, which is the value of key `implied` when
-/// given (`-machine q35,...`: `type`; `-device pc-dimm,...`: `driver`).
-fn keyval(text: &str, implied: Option<&str>) -> BTreeMap<String, String> {
-    let mut items = Vec::new();
-    let mut cur = String::new();
-    let mut chars = text.chars().peekable();
-    while let Some(c) = chars.next() {
-        if c == ',' {
-            if chars.peek() == Some(&',') {
-                chars.next();
-                cur.push(',');
-            } else {
-                items.push(std::mem::take(&mut cur));
-            }
-        } else {
-            cur.push(c);
-        }
-    }
-    items.push(cur);
-    let mut out = BTreeMap::new();
-    for (i, item) in items.into_iter().enumerate() {
-        if item.is_empty() {
-            continue;
-        }
-        match item.split_once('=') {
-            Some((k, v)) => {
-                out.insert(k.to_string(), v.to_string());
-            }
-            None if i == 0 && implied.is_some() => {
-                out.insert(implied.unwrap_or_default().to_string(), item);
-            }
-            None => {
-                out.insert(item, "on".into());
-            }
-        }
-    }
-    out
 }
 
 /// QEMU's spellings of a boolean property; `None`: not one.

@@ -39,9 +39,10 @@
 //! watcher thread reads `/proc/self/maps` every [`WATCH_PERIOD`] and attaches each new
 //! region as `NAME/ramK`, logging it. A region whose mapping is gone (hot-unplug,
 //! `object_del`) is logged and its agent detaches: its range is no longer registered, so
-//! every request to it would fail at its first write-protect; the agent ends, memfoldd
-//! sees the connection close and releases the guest once QEMU neither maps nor holds
-//! its memfd (`daemon/guests.rs`, `Guests::exited`).
+//! every request to it would fail at its first write-protect; the agent tells memfoldd
+//! (`ToDaemon::RegionUnmapped`) and ends, memfoldd sees the connection close and
+//! releases the guest once QEMU neither maps nor holds its memfd, logged as a region
+//! released, not as a QEMU exited (`daemon/guests.rs`, `Guests::released`).
 
 use std::collections::BTreeSet;
 use std::io;

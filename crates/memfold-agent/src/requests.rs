@@ -8,7 +8,7 @@
 
 use std::io;
 use std::os::fd::AsFd;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use memfold_codecs::{Page, PAGE_SIZE};
 use memfold_ids::{FrameId, Gfn};
@@ -17,13 +17,7 @@ use memfold_wire::{BlobHome, StashPage, ToAgent, ToDaemon, CLOCK_SLICE};
 
 use crate::install::Job;
 use crate::state::{plus, PageHome, Stash};
-use crate::{Agent, PAGE};
-
-/// Longest time a share request relies on the count of mappings last read (plus the
-/// agent's own changes since) before reading `/proc/self/maps` again. Re-read every second
-/// it was still a third of the agents' CPU in a sharing run (perf); QEMU's own mappings
-/// hardly change once it runs, and the 4096 held back from the budget are their room.
-const MAPS_STALE: Duration = Duration::from_secs(10);
+use crate::{vmas, Agent, PAGE};
 
 /// A request's answer, page by page.
 #[derive(Default)]
@@ -128,26 +122,6 @@ impl Agent {
         Ok(())
     }
 
-    /// At least as many mappings (VMAs) as this process has now: the count last read from
-    /// `/proc/self/maps` plus 2 for each mapping change the agent made since (a move of
-    /// pool frames over guest pages, or guest RAM mapped back over one page, splits a
-    /// mapping in at most 3). Read again when `exact` or over [`MAPS_STALE`] old:
-    /// `/proc/self/maps` of a QEMU with thousands of shared runs costs milliseconds, and
-    /// reading it for every share request was most of the agent's CPU (docs/peer.md, "CPU
-    /// of sharing alone"). QEMU's own new mappings are counted at that next read; its
-    /// room for them is the 4096 left out of the budget.
-    fn mappings(&mut self, exact: bool) -> usize {
-        if exact || self.maps.read_at.is_none_or(|t| t.elapsed() > MAPS_STALE) {
-            let n = std::fs::read("/proc/self/maps")
-                .map(|m| m.iter().filter(|&&b| b == b'\n').count())
-                .unwrap_or(0);
-            self.maps.seen = n;
-            self.maps.added.set(0);
-            self.maps.read_at = Some(Instant::now());
-        }
-        self.maps.seen + self.maps.added.get()
-    }
-
     /// Carries out a share request (ESX §4.3): maps the private pages whose bytes still
     /// equal their frame's onto it, a run of consecutive pages onto consecutive frames
     /// with one mapping.
@@ -161,7 +135,9 @@ impl Agent {
     /// mappings than there are pages on frames. A share of k pages adds at most 2k
     /// mappings itself (a run dropped into guest RAM splits it) and k pages on frames. So
     /// only the first k pages of a request are shared such that the mappings now + the
-    /// pages on frames + 3k stay within the budget; the rest are refused.
+    /// pages on frames + 3k stay within the budget; the rest are refused. Mappings and
+    /// pages on frames are the whole process's, every region's (`vmas.rs`): the limit
+    /// (`vm.max_map_count`) is the process's, and so are the breaks that may come.
     fn share(&mut self, mut pages: Vec<(Gfn, FrameId)>) -> io::Result<Outcome> {
         let mut out = Outcome::default();
         if self.pool.is_none() {
@@ -177,19 +153,12 @@ impl Agent {
             }
             ok
         });
-        let room_by = |agent: &mut Agent, exact: bool| {
-            agent
-                .vma_budget
-                .saturating_sub(agent.mappings(exact) + agent.pages.on_frames())
-                / 3
-        };
-        let mut room = room_by(self, false);
-        if pages.len() > room {
-            // Refused only on an exact count.
-            room = room_by(self, true);
-        }
-        if pages.len() > room {
-            out.refused.extend(pages.drain(room..).map(|p| p.0));
+        // Checked and reserved against the whole process's mappings and pages on frames,
+        // every region's (`vmas.rs`): breaks in any region count against one limit.
+        let admitted = vmas::PROCESS.admit(self.vma_budget, pages.len(), vmas::read_self_maps);
+        if pages.len() > admitted.pages {
+            out.refused
+                .extend(pages.drain(admitted.pages..).map(|p| p.0));
         }
         // Runs of consecutive gfns onto consecutive frames: one mapping each.
         let mut i = 0;
@@ -204,6 +173,7 @@ impl Agent {
             self.share_run(&pages[i..j], &mut out)?;
             i = j;
         }
+        drop(admitted);
         Ok(out)
     }
 

@@ -4,6 +4,8 @@
 use memfold_ids::{FrameId, Gfn};
 use memfold_wire::{Blob, BlobHome, Mapped, StashPage};
 
+use crate::vmas::Vmas;
+
 /// Where a guest page lives, as the agent knows it; a fault on the page is served by
 /// where it lives (see the fault module).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,17 +62,22 @@ pub(crate) struct Pages {
     homes: Vec<PageHome>,
     /// Pages whose home is a pool frame.
     on_frames: usize,
+    /// The process's count of pages on frames, of every region (`vmas.rs`): kept equal to
+    /// the sum of `on_frames` of every region's table, here, on every change.
+    process: &'static Vmas,
     referenced: Vec<u64>,
     modified: Vec<u64>,
 }
 
 impl Pages {
     /// `pages` private pages, never armed: treated as recently modified (R and M set, as
-    /// the engine's `PageClock::FRESH`).
-    pub(crate) fn new(pages: usize) -> Pages {
+    /// the engine's `PageClock::FRESH`); its pages on frames are counted in `process` too
+    /// (the agent's: `vmas::PROCESS`).
+    pub(crate) fn new(pages: usize, process: &'static Vmas) -> Pages {
         Pages {
             homes: vec![PageHome::Private; pages],
             on_frames: 0,
+            process,
             referenced: vec![u64::MAX; pages.div_ceil(64)],
             modified: vec![u64::MAX; pages.div_ceil(64)],
         }
@@ -103,9 +110,11 @@ impl Pages {
         let old = std::mem::replace(&mut self.homes[gfn.index()], home);
         let frame = |h: PageHome| matches!(h, PageHome::Frame(_)) as usize;
         self.on_frames = self.on_frames + frame(home) - frame(old);
+        self.process.frames_changed(frame(home), frame(old));
     }
 
-    /// Pages mapped onto pool frames now.
+    /// Pages of this region mapped onto pool frames now.
+    #[cfg(test)]
     pub(crate) fn on_frames(&self) -> usize {
         self.on_frames
     }
@@ -174,6 +183,14 @@ impl Pages {
     }
 }
 
+impl Drop for Pages {
+    /// The region is gone (its agent detached after a hot-unplug): its mappings with it,
+    /// so its pages on frames no longer count against the process's budget.
+    fn drop(&mut self) {
+        self.process.frames_changed(0, self.on_frames);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -187,7 +204,7 @@ mod tests {
 
     #[test]
     fn pages_start_private_and_fresh_and_bits_are_taken_once() {
-        let mut p = Pages::new(130);
+        let mut p = Pages::new(130, Box::leak(Box::new(Vmas::new())));
         assert_eq!(p.len(), 130);
         assert!(p.is_private(Gfn(129)));
         assert!(!p.is_private(Gfn(130)), "beyond RAM");
@@ -207,7 +224,7 @@ mod tests {
 
     #[test]
     fn the_reattach_list_names_frames_and_zero_pages() {
-        let mut p = Pages::new(8);
+        let mut p = Pages::new(8, Box::leak(Box::new(Vmas::new())));
         p.set(Gfn(1), PageHome::Frame(FrameId(4)));
         p.set(Gfn(1), PageHome::Frame(FrameId(4)));
         p.set(Gfn(2), PageHome::Frame(FrameId(5)));

@@ -3,7 +3,9 @@
 //! its own memfd, and a request on one region's connection never reaches memory outside
 //! that region: requests for the first gfn past the region's end (and beyond) are refused
 //! and change nothing, in either region; a request inside the region is carried out, and
-//! the fault it leads to is served and reported on that region's connection only.
+//! the fault it leads to is served and reported on that region's connection only. A
+//! region unmapped (hot-unplug) has its agent say so (`ToDaemon::RegionUnmapped`) and
+//! detach; the other region's agent goes on.
 //!
 //! This test binary plays QEMU (two shared `memory-backend-memfd` memfds mapped, as QEMU
 //! maps two NUMA nodes' backends) and memfoldd (a listener speaking the wire). One test
@@ -250,5 +252,42 @@ fn two_regions_are_two_guests_and_no_request_reaches_past_its_region() {
                 assert_eq!(m, b, "region {r} page {g} byte {i} (mapping)");
             }
         }
+    }
+
+    // Region 1 unplugged (QEMU's `object_del`: unmapped, its memfd closed): its agent
+    // tells memfoldd why it detaches, then its connection ends; region 0's goes on.
+    drop(fd_b);
+    // SAFETY: region 1's mapping, made above; nothing touches it from here on.
+    let unmapped = unsafe { libc::munmap(ptr_b as *mut libc::c_void, PAGES_B * PAGE_SIZE) };
+    assert_eq!(unmapped, 0);
+    let t = Instant::now();
+    loop {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no RegionUnmapped from the unplugged region's agent"
+        );
+        match c_b.recv::<ToDaemon>() {
+            Ok(Some((ToDaemon::RegionUnmapped, _))) => break,
+            Ok(Some(_)) | Err(_) => {}
+            Ok(None) => panic!("the connection ended without a RegionUnmapped"),
+        }
+    }
+    let t = Instant::now();
+    while !matches!(c_b.recv::<ToDaemon>(), Ok(None)) {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the connection stays"
+        );
+    }
+    let c_a = &conns.iter().find(|c| c.0 != b_name).unwrap().1;
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(1) {
+        assert!(
+            !matches!(
+                c_a.recv::<ToDaemon>(),
+                Ok(Some((ToDaemon::RegionUnmapped, _))) | Ok(None)
+            ),
+            "region 0's agent detached too"
+        );
     }
 }

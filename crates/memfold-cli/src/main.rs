@@ -88,7 +88,7 @@ struct OptArgs {
     /// The guest's name (as memfoldd lists it).
     name: String,
     /// memfoldd's socket.
-    #[arg(long, default_value = "/run/memfold/memfoldd.sock")]
+    #[arg(long, default_value = memfold_cli::DEFAULT_SOCKET)]
     socket: PathBuf,
 }
 

@@ -27,7 +27,7 @@ pub const EXIT_NOT_SHAREABLE: i32 = 2;
 pub struct QemuArgs {
     /// memfoldd's socket (the agent connects to it, and reconnects every second until it
     /// answers).
-    #[arg(long, default_value = "/run/memfold/memfoldd.sock")]
+    #[arg(long, default_value = memfold_cli::DEFAULT_SOCKET)]
     socket: PathBuf,
     /// The guest's name in memfoldd (default: QEMU's `-name`, else `qemu-PID`).
     #[arg(long)]

@@ -196,3 +196,21 @@ fn unmerge_without_a_memfoldd_names_the_socket() {
         "{err}"
     );
 }
+
+/// Every command that talks to memfoldd, and memfoldd itself, defaults to the one socket
+/// (`memfold_cli::DEFAULT_SOCKET`; it was a literal in five places).
+#[test]
+fn every_command_defaults_to_the_one_socket() {
+    let default = format!("[default: {}]", memfold_cli::DEFAULT_SOCKET);
+    for cmd in ["qemu", "status", "top", "merge", "unmerge"] {
+        let (code, out, err) = memfold(&[cmd, "--help"]);
+        assert_eq!(code, 0, "{cmd}: {err}");
+        assert!(out.contains(&default), "memfold {cmd}: {out}");
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_memfoldd"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains(&default), "memfoldd: {out}");
+}

@@ -32,24 +32,30 @@ use common::{agent_lib, Killed};
 
 /// memfoldd at `socket`, sharing and reclaiming zero pages at full speed.
 fn memfoldd(socket: &Path) -> Killed {
+    memfoldd_logged(socket, None)
+}
+
+/// As [`memfoldd`], its log written to `log` if given (inherited otherwise).
+fn memfoldd_logged(socket: &Path, log: Option<&Path>) -> Killed {
     let dir = socket
         .parent()
         .expect("in a folder")
         .to_str()
         .expect("UTF-8");
-    common::memfoldd(
-        socket,
-        &[
-            "--rate",
-            "0",
-            "--min-scan-interval-ms",
-            "500",
-            "--policy",
-            "sharing",
-            "--swap-dir",
-            dir,
-        ],
-    )
+    let start = |args: &[&str]| match log {
+        Some(log) => common::memfoldd_logged(socket, args, log),
+        None => common::memfoldd(socket, args),
+    };
+    start(&[
+        "--rate",
+        "0",
+        "--min-scan-interval-ms",
+        "500",
+        "--policy",
+        "sharing",
+        "--swap-dir",
+        dir,
+    ])
 }
 
 /// The `tiny` image, built if needed.
@@ -355,7 +361,8 @@ fn ram_that_is_not_shareable_is_refused_or_left_alone_with_what_to_add() {
 fn a_memory_backend_added_at_run_time_is_attached_and_detached_when_deleted() {
     let img = tiny();
     let (dir, socket, serial, log) = work();
-    let _daemon = memfoldd(&socket);
+    let daemon_log = dir.path().join("memfoldd.log");
+    let _daemon = memfoldd_logged(&socket, Some(&daemon_log));
     let qmp = dir.path().join("qmp.sock");
     let ram = "-object memory-backend-memfd,id=mem,size=128M -machine memory-backend=mem -m 128M,slots=2,maxmem=1G";
     let mut line = qemu_line("own3", ram, 1, &serial, &img);
@@ -397,6 +404,27 @@ fn a_memory_backend_added_at_run_time_is_attached_and_detached_when_deleted() {
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(text.contains("appeared (hot-plug)"), "{text}");
     assert!(text.contains("no longer mapped (hot-unplug)"), "{text}");
+    // memfoldd logs a region released, not a QEMU gone: the agent told it, and QEMU runs.
+    let pid = qemu.0.id();
+    let t = Instant::now();
+    let released = format!("released (unmapped; QEMU pid {pid} runs on, its agent said so)");
+    let daemon_text = loop {
+        let d = std::fs::read_to_string(&daemon_log).unwrap();
+        if d.contains(&released) || t.elapsed() > Duration::from_secs(5) {
+            break d;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        daemon_text
+            .lines()
+            .any(|l| l.contains("region own3/ram1 (") && l.contains(&released)),
+        "{daemon_text}"
+    );
+    assert!(
+        !daemon_text.contains("has exited"),
+        "QEMU runs on: {daemon_text}"
+    );
     // The guest runs on, its self-checks passing.
     let n = count(&serial, "MEMFOLD-CHECK ok");
     wait_console(

@@ -1,8 +1,9 @@
 //! memfoldd as a service (issue 20), through its binary: it starts from a configuration
 //! file, logs journald-style lines when stderr is not a terminal, answers clients, stops
 //! on SIGTERM and SIGINT with exit code 0 and its socket removed, starts again on the same
-//! path over a stale socket file, refuses to start beside a running memfoldd, and stops
-//! with the file, the line and the key on a bad configuration.
+//! path over a stale socket file, refuses to start beside a running memfoldd (before it
+//! tries that one's metrics port), and stops with the file, the line and the key on a
+//! bad configuration.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -85,20 +86,43 @@ fn memfoldd_starts_from_its_file_stops_on_sigterm_and_restarts_on_the_same_path(
     )
     .unwrap();
 
-    let mut d = memfoldd(&["--config", path_str(&conf), "--rate", "7000"]);
+    // A free port for the metrics endpoint.
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let mut d = memfoldd(&[
+        "--config",
+        path_str(&conf),
+        "--rate",
+        "7000",
+        "--metrics-listen",
+        &metrics,
+    ]);
     wait_answering(&socket, &mut d);
     let s = memfold_live::query_stats(&socket).unwrap();
     assert!(s.vms.is_empty(), "no guest yet: {s:?}");
 
-    // Beside a running memfoldd, another does not start (and leaves the socket alone).
+    // Beside a running memfoldd, another does not start (and leaves the socket alone),
+    // refused for the socket before it tries the first one's metrics port.
     let out = Command::new(env!("CARGO_BIN_EXE_memfoldd"))
         .args(["--config", "none", "--socket", path_str(&socket)])
+        .args(["--metrics-listen", &metrics])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("another memfoldd is listening there"), "{err}");
     memfold_live::query_stats(&socket).expect("the first still answers");
+    let mut http = std::net::TcpStream::connect(&metrics).expect("its metrics port");
+    std::io::Write::write_all(&mut http, b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut page = String::new();
+    http.read_to_string(&mut page).unwrap();
+    assert!(
+        page.starts_with("HTTP/1.0 200") || page.starts_with("HTTP/1.1 200"),
+        "{page}"
+    );
 
     let (code, log) = stop(&mut d, libc::SIGTERM);
     assert_eq!(code, Some(0), "SIGTERM: exit 0; log:\n{log}");

@@ -19,6 +19,7 @@
 //! | [`metrics`] | the statistics as a Prometheus (OpenMetrics) exposition |
 //! | [`latency`] | latency histograms (HDR) and their percentiles |
 //! | [`conn`] | [`Conn`] and [`Listener`], over `memfold_sys::socket` |
+//! | [`keyval`] | QEMU's `key=value,...` option syntax, which the agent and memfoldd both read on QEMU's command line |
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -28,6 +29,7 @@ use std::io;
 use serde::{de::DeserializeOwned, Serialize};
 
 pub mod conn;
+pub mod keyval;
 pub mod latency;
 pub mod messages;
 pub mod metrics;
@@ -241,6 +243,7 @@ mod tests {
                 version: PROTOCOL_VERSION,
             },
             ToDaemon::Stats,
+            ToDaemon::RegionUnmapped,
         ] {
             round_trip(m);
         }
@@ -286,6 +289,15 @@ mod tests {
         round_trip(ToClient::Error {
             message: "no".into(),
         });
+    }
+
+    /// The region notice, added within version 9, is one tag and nothing else.
+    #[test]
+    fn the_region_notice_is_one_tag() {
+        assert_eq!(
+            String::from_utf8(encode(&ToDaemon::RegionUnmapped)).unwrap(),
+            r#"{"type":"region_unmapped"}"#
+        );
     }
 
     #[test]

@@ -17,7 +17,10 @@ use crate::stats::Stats;
 /// the operator's opt-out ([`ToDaemon::OptOut`], [`ToAgent::TakeBack`]); 8: discarded
 /// pages ([`ToDaemon::Discarded`]) and the opt-out carried across a restart
 /// (`AgentHello::opted_out`); 9: which pages a clock scan arms
-/// ([`ToAgent::ClockScan`]`::arm`).
+/// ([`ToAgent::ClockScan`]`::arm`). Also in 9, without a bump, the agent's
+/// [`ToDaemon::RegionUnmapped`]: a memfoldd that does not know it takes it as a malformed
+/// message and drops the connection, which the agent closes right after anyway, and an
+/// agent that does not send it leaves memfoldd to find the region unmapped in `/proc`.
 pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
@@ -251,6 +254,11 @@ pub enum ToDaemon {
         /// Out (true) or back in (false).
         out: bool,
     },
+    /// The agent's guest RAM region is no longer mapped in QEMU (a memory backend deleted
+    /// after hot-unplug, `object_del`): the agent detached and its connection closes next,
+    /// while QEMU runs on. The last message of a connection; optional (see
+    /// [`PROTOCOL_VERSION`]).
+    RegionUnmapped,
     /// Result of a [`ToAgent::TakeBack`] request.
     TakeBackDone {
         /// The request's batch.

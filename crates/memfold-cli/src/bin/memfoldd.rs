@@ -17,7 +17,7 @@ use clap::Parser;
 use memfold_cli::config_file::{parse_layered, LayeredError, Source};
 use memfold_cli::engine_args::EngineArgs;
 use memfold_cli::logging;
-use memfold_live::daemon::{serve, DaemonConfig};
+use memfold_live::daemon::{refuse_if_running, serve, DaemonConfig};
 use memfold_live::metrics::MetricsServer;
 
 /// The configuration file read when `--config` is not given (if it exists).
@@ -33,7 +33,7 @@ struct Args {
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Socket for agents and clients.
-    #[arg(long, default_value = "/run/memfold/memfoldd.sock")]
+    #[arg(long, default_value = memfold_cli::DEFAULT_SOCKET)]
     socket: PathBuf,
     /// The engine's settings.
     #[command(flatten)]
@@ -121,6 +121,12 @@ fn main() {
             a.swap_dir.display()
         )),
     );
+    // Beside a running memfoldd, refused before anything it holds is taken (its metrics
+    // port); `serve` checks again as it binds.
+    if let Err(e) = refuse_if_running(&a.socket) {
+        tracing::error!("{e}");
+        std::process::exit(1);
+    }
     // The endpoint asks this memfoldd for its statistics over the socket, per scrape.
     let _metrics = match a.metrics_listen {
         Some(addr) => match MetricsServer::start(addr, a.metrics_allow_remote, a.socket.clone()) {

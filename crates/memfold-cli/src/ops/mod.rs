@@ -19,8 +19,7 @@ const PAGE: u64 = 4096;
 /// Bytes in a MiB.
 const MIB: f64 = 1024.0 * 1024.0;
 
-/// memfoldd's default socket.
-pub const DEFAULT_SOCKET: &str = "/run/memfold/memfoldd.sock";
+pub use memfold_cli::DEFAULT_SOCKET;
 
 /// Errors of the operator views.
 #[derive(Debug, thiserror::Error)]

@@ -32,6 +32,20 @@ pub fn memfoldd(socket: &Path, args: &[&str]) -> Killed {
     )
 }
 
+/// As [`memfoldd`], its log (stderr) written to `log`.
+pub fn memfoldd_logged(socket: &Path, args: &[&str], log: &Path) -> Killed {
+    Killed(
+        Command::new(env!("CARGO_BIN_EXE_memfoldd"))
+            .args(["--config", "none"])
+            .args(args)
+            .arg("--socket")
+            .arg(socket)
+            .stderr(std::fs::File::create(log).expect("memfoldd's log"))
+            .spawn()
+            .expect("memfoldd starts"),
+    )
+}
+
 /// The agent library of this build, beside memfoldd.
 pub fn agent_lib() -> PathBuf {
     let p = Path::new(env!("CARGO_BIN_EXE_memfoldd")).with_file_name("libmemfold_agent.so");

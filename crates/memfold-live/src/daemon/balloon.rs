@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 use memfold_core::engine::Engine;
 use memfold_core::{claim_target, short_of_memory, ClaimPolicy};
 use memfold_vm::qmp::{Qmp, QmpError};
+use memfold_wire::keyval::keyval;
 
 /// The `id` of the `-chardev socket` whose monitor memfoldd drives.
 pub const MONITOR_ID: &str = "memfold-qmp";
@@ -202,29 +203,21 @@ impl Claims {
     }
 }
 
-/// The monitor socket QEMU's command line names (`-chardev socket,id=memfold-qmp,path=P`
-/// or `…,id=memfold-qmp,…` with the path first), from the NUL-separated `cmdline`.
+/// The monitor socket QEMU's command line names (`-chardev socket,id=memfold-qmp,path=P`,
+/// its items in any order), from the NUL-separated `cmdline`; read with QEMU's own option
+/// syntax ([`memfold_wire::keyval`]: `,,` is a comma of the path).
 pub fn monitor_path(cmdline: &[u8]) -> Option<PathBuf> {
     let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
     args.windows(2).find_map(|w| {
-        if w[0] != b"-chardev" {
+        if w[0] != b"-chardev" && w[0] != b"--chardev" {
             return None;
         }
-        let spec = std::str::from_utf8(w[1]).ok()?;
-        let mut parts = spec.split(',');
-        if parts.next()? != "socket" {
+        let kv = keyval(std::str::from_utf8(w[1]).ok()?, Some("backend"));
+        let is = |k: &str, v: &str| kv.get(k).is_some_and(|x| x == v);
+        if !(is("backend", "socket") && is("id", MONITOR_ID)) {
             return None;
         }
-        let mut id = None;
-        let mut path = None;
-        for p in parts {
-            match p.split_once('=') {
-                Some(("id", v)) => id = Some(v),
-                Some(("path", v)) => path = Some(v),
-                _ => {}
-            }
-        }
-        (id? == MONITOR_ID).then_some(PathBuf::from(path?))
+        kv.get("path").map(PathBuf::from)
     })
 }
 
@@ -430,5 +423,23 @@ mod tests {
             None
         );
         assert_eq!(monitor_path(&cmdline(&["qemu", "-chardev"])), None);
+        // A comma in the path is doubled on QEMU's command line (it was cut there).
+        assert_eq!(
+            monitor_path(&cmdline(&[
+                "qemu",
+                "-chardev",
+                "socket,id=memfold-qmp,path=/run/vm,,1/memfold-qmp.sock,server=on,wait=off",
+            ])),
+            Some(PathBuf::from("/run/vm,1/memfold-qmp.sock"))
+        );
+        // An id=memfold-qmp inside another item's value is not the id.
+        assert_eq!(
+            monitor_path(&cmdline(&[
+                "qemu",
+                "-chardev",
+                "socket,id=other,path=/run/a,,id=memfold-qmp",
+            ])),
+            None
+        );
     }
 }

@@ -173,8 +173,12 @@ fn hello_kind(m: &ToDaemon) -> String {
 
 /// One guest memfoldd manages.
 pub(crate) struct Guest {
+    /// Its name, as its agent gave it (`NAME/ramK` for a region of a multi-region QEMU).
+    pub(crate) name: String,
     /// Its RAM memfd's (device, inode): a re-attach must bring the same memfd.
     pub(crate) ram_id: (u64, u64),
+    /// Its agent said the region is no longer mapped ([`ToDaemon::RegionUnmapped`]).
+    pub(crate) unmapped: bool,
     /// The connection replies go out on; `None` while detached.
     pub(crate) conn: Option<Conn>,
     /// The reader thread's token of that connection.
@@ -209,6 +213,7 @@ impl Guests {
     pub(crate) fn attached(
         &mut self,
         vm: VmId,
+        name: &str,
         token: u64,
         conn: Conn,
         pid: u32,
@@ -216,7 +221,9 @@ impl Guests {
     ) {
         self.by_token.insert(token, vm);
         let g = self.by_vm.entry(vm).or_insert_with(|| Guest {
+            name: name.to_string(),
             ram_id,
+            unmapped: false,
             conn: None,
             token: None,
             pid,
@@ -284,17 +291,62 @@ impl Guests {
         })
     }
 
-    /// Detached guests whose QEMU has exited, or whose QEMU neither maps nor holds their
-    /// RAM memfd any more (a memory backend deleted after hot-unplug, its agent ended):
-    /// their mappings are gone, no agent can come back for them.
-    pub(crate) fn exited(&self) -> Vec<VmId> {
+    /// Guest `vm`'s agent said its region is no longer mapped (hot-unplug). Returns the
+    /// line to log.
+    pub(crate) fn region_unmapped(&mut self, vm: VmId) -> String {
+        match self.by_vm.get_mut(&vm) {
+            Some(g) => {
+                g.unmapped = true;
+                format!(
+                    "region {} ({vm}) is no longer mapped in QEMU pid {} (hot-unplug): its agent detaches",
+                    g.name, g.pid
+                )
+            }
+            None => format!("{vm}: its region is no longer mapped (hot-unplug)"),
+        }
+    }
+
+    /// Detached guests memfoldd may let go, each with why: their QEMU has exited, or it
+    /// runs on but neither maps nor holds their RAM memfd any more (a memory backend
+    /// deleted after hot-unplug, its agent ended; its word, [`Guest::unmapped`], is not
+    /// taken for it). Their mappings are gone, no agent can come back for them.
+    pub(crate) fn released(&self) -> Vec<(VmId, Release)> {
         self.by_vm
             .iter()
-            .filter(|(_, g)| {
-                g.conn.is_none() && (!process_alive(g.pid) || ram_let_go(g.pid, g.ram_id))
+            .filter(|(_, g)| g.conn.is_none())
+            .filter_map(|(vm, g)| {
+                if !process_alive(g.pid) {
+                    Some((*vm, Release::Exited))
+                } else if ram_let_go(g.pid, g.ram_id) {
+                    Some((*vm, Release::Unmapped))
+                } else {
+                    None
+                }
             })
-            .map(|(vm, _)| *vm)
             .collect()
+    }
+
+    /// The line memfoldd logs when it lets guest `vm` go ([`Guests::released`]).
+    pub(crate) fn release_line(&self, vm: VmId, why: Release) -> String {
+        let Some(g) = self.by_vm.get(&vm) else {
+            return format!("{vm}: released");
+        };
+        match why {
+            Release::Exited => format!(
+                "{} ({vm}): its QEMU (pid {}) has exited; released",
+                g.name, g.pid
+            ),
+            Release::Unmapped => format!(
+                "region {} ({vm}) released (unmapped; QEMU pid {} runs on{})",
+                g.name,
+                g.pid,
+                if g.unmapped {
+                    ", its agent said so"
+                } else {
+                    ""
+                }
+            ),
+        }
     }
 
     /// Forgets guest `vm`.
@@ -302,6 +354,15 @@ impl Guests {
         self.by_vm.remove(&vm);
         self.by_token.retain(|_, v| *v != vm);
     }
+}
+
+/// Why a detached guest is let go ([`Guests::released`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Release {
+    /// Its QEMU has exited.
+    Exited,
+    /// Its QEMU runs on but no longer maps nor holds its RAM (a region unplugged).
+    Unmapped,
 }
 
 /// Whether process `pid` lives (and is not a zombie).
@@ -401,5 +462,73 @@ mod tests {
         assert!(ram_let_go(me, id), "neither mapped nor held");
         // A process memfoldd cannot read (gone): not let go by this rule.
         assert!(!ram_let_go(u32::MAX, id));
+    }
+
+    /// A detached guest (no connection) of QEMU `pid` with RAM `ram_id`.
+    fn detached(name: &str, pid: u32, ram_id: (u64, u64)) -> Guest {
+        Guest {
+            name: name.into(),
+            ram_id,
+            unmapped: false,
+            conn: None,
+            token: None,
+            pid,
+            wp_faults: 0,
+            missing_faults: 0,
+            minor_faults: 0,
+            latency: Default::default(),
+        }
+    }
+
+    /// A region unplugged from a QEMU that runs on is released as a region unmapped, not
+    /// as a QEMU that exited (it was logged "its QEMU has exited" either way); a guest
+    /// whose QEMU is gone is released as exited; one whose RAM is still held is kept.
+    #[test]
+    fn a_region_unplugged_is_released_as_unmapped_and_a_qemu_gone_as_exited() {
+        let me = std::process::id();
+        // RAM this process (the "QEMU") let go: a memfd closed and never mapped.
+        let gone_ram = {
+            let fd = memfold_sys::memfd::create("unplugged").unwrap();
+            memfold_sys::memfd::file_id(fd.as_fd()).unwrap()
+        };
+        let held = memfold_sys::memfd::create("held").unwrap();
+        let held_ram = memfold_sys::memfd::file_id(held.as_fd()).unwrap();
+        // A process that has exited (and was reaped).
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let mut guests = Guests::default();
+        guests
+            .by_vm
+            .insert(VmId(1), detached("g/ram1", me, gone_ram));
+        guests.by_vm.insert(VmId(2), detached("h", dead, held_ram));
+        guests
+            .by_vm
+            .insert(VmId(3), detached("g/ram0", me, held_ram));
+        assert_eq!(
+            guests.released(),
+            [(VmId(1), Release::Unmapped), (VmId(2), Release::Exited)]
+        );
+        let line = guests.release_line(VmId(1), Release::Unmapped);
+        assert_eq!(
+            line,
+            format!(
+                "region g/ram1 ({}) released (unmapped; QEMU pid {me} runs on)",
+                VmId(1)
+            )
+        );
+        assert!(!line.contains("exited"), "{line}");
+        // The agent's word is named when it gave it.
+        assert!(guests.region_unmapped(VmId(1)).contains("g/ram1"));
+        assert!(guests
+            .release_line(VmId(1), Release::Unmapped)
+            .ends_with("runs on, its agent said so)"));
+        assert_eq!(
+            guests.release_line(VmId(2), Release::Exited),
+            format!(
+                "h ({}): its QEMU (pid {dead}) has exited; released",
+                VmId(2)
+            )
+        );
     }
 }

@@ -179,11 +179,7 @@ pub fn serve(
         path: cfg.socket.clone(),
         source,
     };
-    if memfold_wire::Conn::connect(&cfg.socket).is_ok() {
-        return Err(DaemonError::Running {
-            path: cfg.socket.clone(),
-        });
-    }
+    refuse_if_running(&cfg.socket)?;
     if cfg.socket.exists() {
         tracing::info!(
             "{}: a stale socket (nothing listens): replaced",
@@ -233,6 +229,21 @@ pub fn serve(
         cfg.socket.display()
     );
     r
+}
+
+/// Refuses to start beside a memfoldd that answers at `socket`: [`serve`] checks it before
+/// it binds, and memfoldd's command checks it before it takes anything else a running
+/// memfoldd holds (its metrics port), so a second one is refused for the socket, and
+/// leaves the first's port alone.
+///
+/// Errors: [`DaemonError::Running`].
+pub fn refuse_if_running(socket: &Path) -> Result<(), DaemonError> {
+    if memfold_wire::Conn::connect(socket).is_ok() {
+        return Err(DaemonError::Running {
+            path: socket.to_path_buf(),
+        });
+    }
+    Ok(())
 }
 
 /// A file's (device, inode), if it exists.
@@ -444,6 +455,9 @@ impl Daemon {
                     .reply(e, vm, batch, Kind::TakeBack, &taken, &[])
             }
             ToDaemon::AgentStats(r) => self.guests.report(vm, &r),
+            ToDaemon::RegionUnmapped => {
+                tracing::info!("{}", self.guests.region_unmapped(vm));
+            }
             other => tracing::warn!("{vm}: unexpected message {other:?}"),
         }
     }
@@ -631,7 +645,7 @@ impl Daemon {
         if !sent {
             conn.shutdown();
         }
-        self.guests.attached(vm, token, conn, pid, ram_id);
+        self.guests.attached(vm, &name, token, conn, pid, ram_id);
         // A guest this memfoldd knew: its own record of the opt-out holds (an opt-in or
         // opt-out made while the agent was detached included). A guest it did not (a
         // restart): the agent's word, so an opt-out outlives the restart.
@@ -649,12 +663,12 @@ impl Daemon {
         Ok(())
     }
 
-    /// Releases detached guests whose QEMU has exited; ends each domain's adoption of a
+    /// Releases detached guests whose QEMU has exited or unmapped their region; ends each domain's adoption of a
     /// pool once no process but its attached guests' QEMUs holds it; forgets domains the
     /// engine dropped (no guest, no frame).
     fn reap(&mut self) {
-        for vm in self.guests.exited() {
-            tracing::info!("{vm}: its QEMU has exited; released");
+        for (vm, why) in self.guests.released() {
+            tracing::info!("{}", self.guests.release_line(vm, why));
             self.engine.remove(vm);
             self.guests.remove(vm);
         }

@@ -1,0 +1,213 @@
+//! The VMA budget is the whole process's, not a region's: a QEMU with two guest RAM
+//! regions runs two agents, and a CoW break in either adds mappings to the one process
+//! that `vm.max_map_count` (here `MEMFOLD_VMA_BUDGET`) bounds. Each agent must reserve
+//! break headroom for the pages on frames of both regions, or the breaks of both could
+//! take QEMU past the limit (a CoW break cannot be refused: it would fail, and the guest
+//! be paused).
+//!
+//! This test binary plays QEMU (two shared `memory-backend-memfd` memfds, as two NUMA
+//! nodes' backends) and memfoldd (a listener speaking the wire), which asks each region's
+//! agent, again and again, to share every private page onto the pool (both regions are
+//! copies of the pool), until neither shares any more. Then the guest writes every other
+//! page of both regions — the worst pattern, one mapping becoming three at each break —
+//! and the process's mappings must stay within the budget. With per-region accounting
+//! each agent filled the budget with its own region's pages, and the breaks went about
+//! twice over. One test only: the agent takes every such memfd of the process.
+
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use memfold_agent::{AgentConfig, FailMode};
+use memfold_codecs::PAGE_SIZE;
+use memfold_sys::memfd;
+use memfold_wire::{BatchId, Conn, FrameId, Gfn, Listener, ToAgent, ToDaemon, PROTOCOL_VERSION};
+
+/// Pages of each region, and frames of the pool.
+const PAGES: usize = 1000;
+/// Mappings the budget allows beyond what the process has before the agent starts (and
+/// the 100 of slack for the agent's own threads): room for about 600 pages on frames in
+/// all, fewer than the 2000 that could share, more than either region alone holds back.
+const ROOM: usize = 600;
+
+/// Byte `i` of page `g`: every page differs from every other.
+fn pattern(g: usize, i: usize) -> u8 {
+    ((g * 131 + i * 7 + (i >> 8) * g) % 251) as u8 + 1
+}
+
+/// The process's mappings now.
+fn mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .count()
+}
+
+/// A shared mapping of a new memfd named `name`, filled with [`pattern`].
+fn filled(name: &str) -> (OwnedFd, *mut u8) {
+    let fd = memfd::create(name).unwrap();
+    memfd::set_len(fd.as_fd(), (PAGES * PAGE_SIZE) as u64).unwrap();
+    // SAFETY: a new shared mapping of a memfd this test owns, at an address the kernel
+    // picks; never unmapped; touched only through raw pointers.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            PAGES * PAGE_SIZE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    let p = p as *mut u8;
+    for g in 0..PAGES {
+        for i in 0..PAGE_SIZE {
+            // SAFETY: inside the mapping made above.
+            unsafe { *p.add(g * PAGE_SIZE + i) = pattern(g, i) };
+        }
+    }
+    (fd, p)
+}
+
+/// Receives the next message of `want`'s kind on `c`, skipping reports; panics after 10 s.
+fn next<T>(c: &Conn, want: impl Fn(&ToDaemon) -> Option<T>) -> T {
+    let t = Instant::now();
+    loop {
+        assert!(t.elapsed() < Duration::from_secs(10), "no answer");
+        if let Ok(Some((m, _))) = c.recv::<ToDaemon>() {
+            if let Some(x) = want(&m) {
+                return x;
+            }
+        }
+    }
+}
+
+#[test]
+fn cow_breaks_in_two_regions_stay_within_one_process_budget() {
+    // The pool: frame g holds page g of either region.
+    let (pool, _) = filled("fake-pool");
+    let (_fd_a, ptr_a) = filled("memory-backend-memfd");
+    let (_fd_b, ptr_b) = filled("memory-backend-memfd");
+    let store = memfd::create("fake-store").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("memfoldd.sock");
+    let listener = Listener::bind(&socket).unwrap();
+    let budget = mappings() + 100 + ROOM;
+    let cfg = AgentConfig {
+        socket: socket.clone(),
+        name: "g".into(),
+        ram_bytes: 0,
+        vma_budget: Some(budget),
+        on_failure: FailMode::Abort,
+    };
+    std::thread::spawn(move || memfold_agent::run(cfg));
+
+    let mut conns = Vec::new();
+    for _ in 0..2 {
+        let c = listener.accept().unwrap();
+        c.set_recv_timeout(Duration::from_millis(200)).unwrap();
+        let t = Instant::now();
+        let hello = loop {
+            if let Ok(Some((h, _))) = c.recv::<ToDaemon>() {
+                break h;
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "no hello");
+        };
+        let ToDaemon::AgentHello { ram_bytes, .. } = hello else {
+            panic!("{hello:?}")
+        };
+        assert_eq!(ram_bytes, (PAGES * PAGE_SIZE) as u64);
+        c.send(
+            &ToAgent::Welcome {
+                version: PROTOCOL_VERSION,
+            },
+            &[pool.as_fd(), store.as_fd()],
+        )
+        .unwrap();
+        conns.push(c);
+    }
+
+    // Both regions, in turns, asked to share every page still private, until a round
+    // shares nothing in either.
+    let mut private = [(0..PAGES as u32).collect::<Vec<u32>>(), Vec::new()];
+    private[1] = private[0].clone();
+    let mut batch = 0;
+    loop {
+        let mut any = false;
+        for (r, c) in conns.iter().enumerate() {
+            if private[r].is_empty() {
+                continue;
+            }
+            batch += 1;
+            let pages = private[r].iter().map(|&g| (Gfn(g), FrameId(g))).collect();
+            c.send(
+                &ToAgent::Share {
+                    batch: BatchId(batch),
+                    pages,
+                },
+                &[],
+            )
+            .unwrap();
+            let shared = next(c, |m| match m {
+                ToDaemon::ShareDone {
+                    batch: b, shared, ..
+                } if *b == BatchId(batch) => Some(shared.clone()),
+                _ => None,
+            });
+            any |= !shared.is_empty();
+            private[r].retain(|g| !shared.contains(&Gfn(*g)));
+        }
+        if !any {
+            break;
+        }
+    }
+    let shared = [PAGES - private[0].len(), PAGES - private[1].len()];
+    // Not vacuous: both regions shared, and the budget held shares back.
+    assert!(shared[0] > 0 && shared[1] > 0, "shared {shared:?}");
+    assert!(shared[0] + shared[1] < 2 * PAGES, "shared {shared:?}");
+
+    // The agents report the breaks: their connections are read every 32 writes, or a
+    // full socket would block them (and the faults they serve). On this thread: a thread
+    // of the test's own would add mappings (its stack, its malloc arena) that the budget
+    // leaves to QEMU's own room.
+    for c in &conns {
+        c.set_recv_timeout(Duration::from_millis(1)).unwrap();
+    }
+    let drain = || {
+        for c in &conns {
+            while let Ok(Some(_)) = c.recv::<ToDaemon>() {}
+        }
+    };
+
+    // The worst pattern: a CoW break at every other page of both regions.
+    let mut most = mappings();
+    for g in (0..PAGES).step_by(2) {
+        for ptr in [ptr_a, ptr_b] {
+            // SAFETY: inside the region's mapping; the agent serves the fault.
+            unsafe { std::ptr::write_volatile(ptr.add(g * PAGE_SIZE), 0) };
+            most = most.max(mappings());
+        }
+        if g % 32 == 30 {
+            drain();
+        }
+    }
+    assert!(
+        most <= budget,
+        "{most} mappings after the CoW breaks, over the process's budget of {budget} (pages shared per region: {shared:?})"
+    );
+    // Every page reads what was written.
+    for (r, ptr) in [ptr_a, ptr_b].into_iter().enumerate() {
+        for g in 0..PAGES {
+            for i in [0, 1, PAGE_SIZE - 1] {
+                let want = if g % 2 == 0 && i == 0 {
+                    0
+                } else {
+                    pattern(g, i)
+                };
+                // SAFETY: inside the mapping.
+                let got = unsafe { std::ptr::read_volatile(ptr.add(g * PAGE_SIZE + i)) };
+                assert_eq!(got, want, "region {r} page {g} byte {i}");
+            }
+        }
+    }
+}
