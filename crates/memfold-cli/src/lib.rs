@@ -5,4 +5,5 @@
 pub mod config_file;
 pub mod engine_args;
 pub mod install;
+pub mod libvirt_xml;
 pub mod logging;
