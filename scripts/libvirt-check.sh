@@ -64,6 +64,8 @@ if [ ! -f "$tarball" ]; then
 fi
 
 root=$(mktemp -d /var/tmp/memfold-libvirt-check.XXXXXX)
+# The chroot's / must be searchable by libvirt-qemu (mktemp makes it 0700).
+chmod 0755 "$root"
 mounted=()
 daemon_pid=
 domain=lvtiny

@@ -247,7 +247,11 @@ pub fn enable(a: &EnableArgs) -> Result<(), LibvirtError> {
         }),
     };
     let on = libvirt_xml::enable(&xml, &settings).map_err(xml_err(&a.domain))?;
-    if on.xml == xml {
+    // libvirt writes the XML in its own style (quotes, attribute order): compare what
+    // it means, not its bytes.
+    if libvirt_xml::canonical(&on.xml).map_err(xml_err(&a.domain))?
+        == libvirt_xml::canonical(&xml).map_err(xml_err(&a.domain))?
+    {
         println!("{name}: memfold is enabled already, with these settings; nothing to change");
         return note_running(&v, &a.domain);
     }

@@ -722,16 +722,50 @@ pub fn disable(xml: &str) -> Result<Option<String>, XmlError> {
 
     // The qemu namespace, if enable added it and nothing uses it now.
     if flag("qemu-namespace") && !uses_prefix(root, "qemu") {
-        let attr = format!(" xmlns:qemu=\"{QEMU_NS}\"");
         let raw = String::from_utf8_lossy(&root.start).into_owned();
         let name_len = root.name().len();
-        let content = match raw.strip_suffix(&attr) {
-            Some(r) => r.to_string(),
-            None => raw.replacen(&attr, "", 1),
-        };
-        root.start = BytesStart::from_content(content, name_len);
+        root.start = BytesStart::from_content(without_attr(&raw, "xmlns:qemu"), name_len);
     }
     Ok(Some(write(&doc)))
+}
+
+/// A start tag's text (`raw`: name and attributes) without the attribute `key` and the
+/// whitespace before it, whatever its quotes; the rest as it was.
+fn without_attr(raw: &str, key: &str) -> String {
+    let b = raw.as_bytes();
+    let mut i = 0;
+    while let Some(off) = raw[i..].find(key) {
+        let at = i + off;
+        i = at + key.len();
+        // A whole attribute name: whitespace before it, `=` (maybe spaced) after.
+        if at == 0 || !b[at - 1].is_ascii_whitespace() {
+            continue;
+        }
+        let mut j = at + key.len();
+        while j < b.len() && b[j].is_ascii_whitespace() {
+            j += 1;
+        }
+        if b.get(j) != Some(&b'=') {
+            continue;
+        }
+        j += 1;
+        while j < b.len() && b[j].is_ascii_whitespace() {
+            j += 1;
+        }
+        let Some(&quote) = b.get(j).filter(|q| **q == b'"' || **q == b'\'') else {
+            continue;
+        };
+        let Some(close) = raw[j + 1..].find(quote as char) else {
+            continue;
+        };
+        let end = j + 1 + close + 1;
+        let mut start = at;
+        while start > 0 && b[start - 1].is_ascii_whitespace() {
+            start -= 1;
+        }
+        return format!("{}{}", &raw[..start], &raw[end..]);
+    }
+    raw.to_string()
 }
 
 /// Whether any element under `e` (not `e` itself) is in `prefix`.

@@ -320,3 +320,50 @@ fn bad_input_is_named() {
     let damaged = format!("{}{}", &on[..start], &on[end..]);
     assert!(matches!(disable(&damaged), Err(XmlError::BadRecord(_))));
 }
+
+#[test]
+fn canonical_reads_libvirts_style_as_ours() {
+    // What libvirt gives back for an enabled domain: its quotes, its attribute order.
+    let on = enable(PLAIN, &settings()).unwrap().xml;
+    let libvirt_style = on
+        .replace('"', "'")
+        .replace(
+            "<graphics type='vnc' port='-1' autoport='yes' passwd='s3cret&amp;more'/>",
+            "<graphics passwd='s3cret&amp;more' type='vnc' port='-1' autoport='yes'/>",
+        )
+        .replace("  </metadata>", "\n  </metadata>");
+    assert_ne!(libvirt_style, on);
+    assert_eq!(canonical(&libvirt_style).unwrap(), canonical(&on).unwrap());
+    let again = enable(&libvirt_style, &settings()).unwrap();
+    assert!(again.was_enabled);
+    assert_eq!(canonical(&again.xml).unwrap(), canonical(&on).unwrap());
+    // A changed value is a difference.
+    let other = on.replace("/run/memfold/memfoldd.sock", "/run/other.sock");
+    assert_ne!(canonical(&other).unwrap(), canonical(&on).unwrap());
+}
+
+#[test]
+fn an_attribute_is_removed_whatever_its_quotes() {
+    let ns = QEMU_NS;
+    for (raw, want) in [
+        (
+            format!("domain type='kvm' xmlns:qemu='{ns}'"),
+            "domain type='kvm'",
+        ),
+        (
+            format!("domain xmlns:qemu=\"{ns}\" type='kvm'"),
+            "domain type='kvm'",
+        ),
+        (
+            format!("domain\n  xmlns:qemu = '{ns}'\n  id='1'"),
+            "domain\n  id='1'",
+        ),
+        // Another attribute whose name ends alike stays.
+        (
+            format!("domain a-xmlns:qemu='x' type='kvm'"),
+            "domain a-xmlns:qemu='x' type='kvm'",
+        ),
+    ] {
+        assert_eq!(without_attr(&raw, "xmlns:qemu"), want, "{raw}");
+    }
+}
