@@ -360,7 +360,7 @@ fn an_attribute_is_removed_whatever_its_quotes() {
         ),
         // Another attribute whose name ends alike stays.
         (
-            format!("domain a-xmlns:qemu='x' type='kvm'"),
+            "domain a-xmlns:qemu='x' type='kvm'".to_string(),
             "domain a-xmlns:qemu='x' type='kvm'",
         ),
     ] {
