@@ -26,6 +26,14 @@
 # /sys/module/apparmor), the script says so and that part is not exercised.
 #
 #   flock /tmp/measure.lock bash scripts/libvirt-check.sh [PACKAGE.deb]
+#   bash scripts/libvirt-check.sh --optional     # `make test`: skips (exit 0, saying why)
+#
+# --optional is for the README's test command: it packages the release build `make test`
+# has just made (cargo deb --no-build, into out/libvirt-check/deb/, no debug symbols) and
+# skips cleanly, saying why, where a prerequisite is missing: root, debootstrap, cargo-deb,
+# the tiny image, or Debian's mirror (apt-get update fails). A failure once everything is
+# there is a failure. It does not take /tmp/measure.lock itself (neither do the guest
+# tests `cargo test` runs before it).
 #
 # Needs root, debootstrap, network to Debian's mirror (or the cached .debs in
 # ~/.cache/memfold/libvirt-check/archives) and the cached tiny image (`memfold image build
@@ -34,14 +42,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-deb=${1:-$(ls -t out/deb/memfold_*.deb 2>/dev/null | head -1)}
-[ -n "$deb" ] && [ -f "$deb" ] || { echo "libvirt-check: no package (make deb builds out/deb/memfold_*.deb)" >&2; exit 1; }
-[ "$(id -u)" = 0 ] || { echo "libvirt-check: needs root (debootstrap, chroot, libvirtd)" >&2; exit 1; }
-command -v debootstrap >/dev/null || { echo "libvirt-check: debootstrap is missing (make setup)" >&2; exit 1; }
+optional=
+if [ "${1:-}" = --optional ]; then optional=1; shift; fi
+# A missing prerequisite: a skip under --optional, else an error.
+missing() {
+    if [ -n "$optional" ]; then echo "libvirt-check: SKIP: $*"; exit 0; fi
+    echo "libvirt-check: $*" >&2; exit 1
+}
+[ "$(id -u)" = 0 ] || missing "needs root (debootstrap, chroot, libvirtd)"
+command -v debootstrap >/dev/null || missing "debootstrap is missing (make setup)"
 cache=${MEMFOLD_CACHE:-$HOME/.cache/memfold}
 images=$cache/images/tiny
 [ -f "$images/vmlinuz" ] && [ -f "$images/initrd.img" ] \
-    || { echo "libvirt-check: no tiny image in $images (memfold image build tiny)" >&2; exit 1; }
+    || missing "no tiny image in $images (memfold image build tiny)"
+if [ -n "$optional" ] && [ -z "${1:-}" ]; then
+    command -v cargo-deb >/dev/null || missing "cargo-deb is missing (make deb installs it)"
+    rm -rf out/libvirt-check/deb
+    cargo deb -p memfold-cli --no-build --output out/libvirt-check/deb/ >/dev/null 2>&1 \
+        || { echo "libvirt-check: cargo deb --no-build failed (is the release build there?)" >&2; exit 1; }
+    deb=$(ls out/libvirt-check/deb/memfold_*.deb)
+else
+    deb=${1:-$(ls -t out/deb/memfold_*.deb 2>/dev/null | head -1)}
+fi
+[ -n "$deb" ] && [ -f "$deb" ] || { echo "libvirt-check: no package (make deb builds out/deb/memfold_*.deb)" >&2; exit 1; }
 
 release=bookworm
 tarball=$cache/deb-check/$release-minbase.tgz
@@ -58,7 +81,8 @@ if [ ! -f "$tarball" ]; then
     say "debootstrap $release (minbase) into $tarball, once"
     rm -rf "$cache/deb-check/mk"
     debootstrap --variant=minbase --make-tarball="$tarball.tmp" "$release" "$cache/deb-check/mk" \
-        >"$cache/deb-check/make-tarball.log" 2>&1 || { tail -20 "$cache/deb-check/make-tarball.log" >&2; exit 1; }
+        >"$cache/deb-check/make-tarball.log" 2>&1 || { rm -rf "$cache/deb-check/mk" "$tarball.tmp"
+            tail -5 "$cache/deb-check/make-tarball.log" >&2; missing "debootstrap $release failed (no Debian mirror?)"; }
     mv "$tarball.tmp" "$tarball"
     rm -rf "$cache/deb-check/mk"
 fi
@@ -131,7 +155,8 @@ cp /etc/resolv.conf "$root/etc/resolv.conf"
 pkgs="libvirt-daemon libvirt-daemon-driver-qemu libvirt-daemon-system libvirt-clients qemu-system-x86 apparmor"
 say "apt-get install $pkgs (the .debs cached in $archives)"
 ta=$(date +%s)
-chroot "$root" apt-get update -qq >"$out/apt.log" 2>&1 || { tail -20 "$out/apt.log" >&2; exit 1; }
+chroot "$root" apt-get update -qq >"$out/apt.log" 2>&1 && ! grep -q '^[WE]: ' "$out/apt.log" \
+    || { tail -5 "$out/apt.log" >&2; missing "apt-get update failed (no Debian mirror?)"; }
 chroot "$root" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $pkgs >>"$out/apt.log" 2>&1 \
     || { tail -20 "$out/apt.log" >&2; exit 1; }
 say "  installed in $(( $(date +%s) - ta )) s: $(chroot "$root" dpkg-query -W -f='${Package} ${Version}, ' libvirt-daemon qemu-system-x86 apparmor)"
@@ -239,9 +264,15 @@ creds=$(grep -E '^(Uid|Gid|Groups):' /proc/$qemu/status | tr -s '\t ' ' ' | past
 say "  QEMU pid $qemu: $creds"
 [ "$(awk '/^Uid:/ {print $2}' /proc/$qemu/status)" = "$(chroot "$root" id -u libvirt-qemu)" ] \
     || fail "QEMU does not run as libvirt-qemu (DAC)"
+# Not root, no CAP_SYS_PTRACE: with vm.unprivileged_userfaultfd = 0 the agent's
+# userfaultfd can only come from /dev/userfaultfd.
+capeff=$(awk '/^CapEff:/ {print $2}' /proc/$qemu/status)
+sysctl_uffd=$(cat /proc/sys/vm/unprivileged_userfaultfd 2>/dev/null || echo '?')
+(( (16#$capeff >> 19) & 1 )) && fail "QEMU has CAP_SYS_PTRACE ($capeff)"
+say "  QEMU's CapEff $capeff (no CAP_SYS_PTRACE); host vm.unprivileged_userfaultfd = $sysctl_uffd"
 label=$(virsh dominfo $domain | sed -n 's/^Security model: *//p' | paste -sd, -)
 say "  virsh dominfo: security model ${label:-none} (DAC runs stacked under it, as libvirt-qemu)"
-say "  kernel and initrd while it runs (DAC dynamic ownership): $(stat -c '%n %U:%G' "$root/var/lib/libvirt/images/tiny/vmlinuz" | sed "s|$root||")"
+say "  the kernel while it runs (DAC dynamic ownership): $(chroot "$root" stat -c '%n %U:%G' /var/lib/libvirt/images/tiny/vmlinuz)"
 
 status_json() { chroot "$root" memfold status --socket $socket --interval 0 --json 2>/dev/null; }
 rounds() { grep -c '^MEMFOLD-CHECK ok' "$serial" 2>/dev/null || true; }
@@ -259,6 +290,7 @@ sys.exit(0 if v and v[0]["state"] == "managed" and v[0]["shared_pages"] > 0 else
 done
 [ -n "$attached" ] || { tail -20 "$root/var/log/libvirt/qemu/$domain.log" >&2; fail "the guest was not attached with shared pages after 180 s"; }
 say "  the agent attached and pages are shared, $attached s after virsh start"
+[ "$sysctl_uffd" = 0 ] && say "  so its userfaultfd came from the chroot's /dev/userfaultfd (group kvm, 0660)"
 grep -q 'memfold_agent' "$root/var/log/libvirt/qemu/$domain.log" \
     && grep 'memfold_agent' "$root/var/log/libvirt/qemu/$domain.log" | head -3 | sed 's/^/  QEMU log: /' | tee -a "$result"
 # Savings settle over the next minute (the clock's passes): the figure at 60 s after start.
@@ -285,7 +317,7 @@ cmp -s "$out/before.xml" "$out/after.xml" || { diff -u "$out/before.xml" "$out/a
 say "  the inactive XML after disable is byte for byte the one before enable"
 twice=$(chroot "$root" memfold libvirt disable $domain --connect qemu:///system)
 case $twice in *"not enabled"*) ;; *) fail "disable twice: $twice";; esac
-say "  the kernel after the guest stopped: $(stat -c '%n %U:%G' "$root/var/lib/libvirt/images/tiny/vmlinuz" | sed "s|$root||") (DAC restored the owner)"
+say "  the kernel after the guest stopped: $(chroot "$root" stat -c '%n %U:%G' /var/lib/libvirt/images/tiny/vmlinuz) (DAC restored the owner)"
 
 kill -TERM "$daemon_pid"; wait "$daemon_pid" || fail "memfoldd exited $? on SIGTERM"; daemon_pid=
 cp "$serial" "$out/serial.log"; cp "$root/var/log/libvirt/qemu/$domain.log" "$out/qemu.log"
