@@ -29,7 +29,7 @@
 #   bash scripts/libvirt-check.sh --optional     # `make test`: skips (exit 0, saying why)
 #
 # --optional is for the README's test command: it packages the release build `make test`
-# has just made (cargo deb --no-build, into out/libvirt-check/deb/, no debug symbols) and
+# has just made (cargo deb --no-build --fast, into out/libvirt-check/deb/, no debug symbols) and
 # skips cleanly, saying why, where a prerequisite is missing: root, debootstrap, cargo-deb,
 # the tiny image, or Debian's mirror (apt-get update fails). A failure once everything is
 # there is a failure. It does not take /tmp/measure.lock itself (neither do the guest
@@ -58,7 +58,7 @@ images=$cache/images/tiny
 if [ -n "$optional" ] && [ -z "${1:-}" ]; then
     command -v cargo-deb >/dev/null || missing "cargo-deb is missing (make deb installs it)"
     rm -rf out/libvirt-check/deb
-    cargo deb -p memfold-cli --no-build --output out/libvirt-check/deb/ >/dev/null 2>&1 \
+    cargo deb -p memfold-cli --no-build --fast --output out/libvirt-check/deb/ >/dev/null 2>&1 \
         || { echo "libvirt-check: cargo deb --no-build failed (is the release build there?)" >&2; exit 1; }
     deb=$(ls out/libvirt-check/deb/memfold_*.deb)
 else
