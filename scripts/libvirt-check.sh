@@ -315,6 +315,16 @@ virsh destroy $domain >/dev/null
 virsh dumpxml --inactive --security-info $domain >"$out/after.xml"
 cmp -s "$out/before.xml" "$out/after.xml" || { diff -u "$out/before.xml" "$out/after.xml" >&2; fail "the XML after disable differs from before enable"; }
 say "  the inactive XML after disable is byte for byte the one before enable"
+# --claim: libvirt takes the monitor arguments (defined, not booted), and disable takes
+# them away again.
+chroot "$root" memfold libvirt enable $domain --connect qemu:///system --claim >/dev/null
+virsh dumpxml --inactive $domain >"$out/claim.xml"
+grep -q "<qemu:arg value='socket,id=memfold-qmp,path=/var/lib/libvirt/qemu/memfold-qmp-$domain.sock,server=on,wait=off'/>" "$out/claim.xml" \
+    && grep -q "<qemu:arg value='chardev=memfold-qmp,mode=control'/>" "$out/claim.xml" \
+    || fail "enable --claim: libvirt did not keep the monitor arguments (out/libvirt-check/claim.xml)"
+chroot "$root" memfold libvirt disable $domain --connect qemu:///system >/dev/null
+virsh dumpxml --inactive --security-info $domain | cmp -s - "$out/before.xml" || fail "the XML after enable --claim and disable differs"
+say "  enable --claim: libvirt kept the memfold-qmp -chardev/-mon arguments; disable restored the XML byte for byte again"
 twice=$(chroot "$root" memfold libvirt disable $domain --connect qemu:///system)
 case $twice in *"not enabled"*) ;; *) fail "disable twice: $twice";; esac
 say "  the kernel after the guest stopped: $(chroot "$root" stat -c '%n %U:%G' /var/lib/libvirt/images/tiny/vmlinuz) (DAC restored the owner)"
