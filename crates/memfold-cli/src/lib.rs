@@ -10,4 +10,5 @@ pub const DEFAULT_SOCKET: &str = "/run/memfold/memfoldd.sock";
 pub mod config_file;
 pub mod engine_args;
 pub mod install;
+pub mod libvirt_xml;
 pub mod logging;

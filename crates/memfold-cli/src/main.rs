@@ -8,6 +8,7 @@ mod compare;
 mod guests;
 mod image;
 mod ksm;
+mod libvirt;
 mod ops;
 mod peer;
 mod plot;
@@ -57,6 +58,12 @@ enum Cmd {
     /// memfd backend (or says exactly what to add, exit status 2), then execs QEMU with
     /// LD_PRELOAD and the agent's environment (docs/operations.md, "Your own QEMU").
     Qemu(qemu::QemuArgs),
+    /// Put libvirt domains under memfold or take them out (`enable DOMAIN`, `disable
+    /// DOMAIN`): edits each domain's persistent XML through virsh (docs/operations.md).
+    Libvirt {
+        #[command(subcommand)]
+        which: libvirt::LibvirtCmd,
+    },
     /// Take a running guest out of memfold (as KSM's MADV_UNMERGEABLE): every page
     /// memfoldd holds for it — shared, stored, reclaimed — goes back into its own RAM,
     /// and nothing of it is shared or stored again until `memfold merge`. memfoldd
@@ -149,6 +156,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 std::process::exit(qemu::EXIT_NOT_SHAREABLE);
             }
             Err(e) => Err(e.into()),
+        },
+        Cmd::Libvirt { which } => match which {
+            libvirt::LibvirtCmd::Enable(a) => Ok(libvirt::enable(&a)?),
+            libvirt::LibvirtCmd::Disable(a) => Ok(libvirt::disable(&a)?),
         },
         Cmd::Unmerge(a) => {
             let pages = memfold_live::opt_out(&a.socket, &a.name, true)

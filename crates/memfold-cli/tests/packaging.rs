@@ -23,6 +23,10 @@ fn unit_value(unit: &str, key: &str) -> String {
         .to_owned()
 }
 
+/// Where the package puts its AppArmor rules for libvirt's QEMUs (newer libvirt's
+/// abstractions/libvirt-qemu includes the folder if it exists).
+const APPARMOR_SNIPPET: &str = "/etc/apparmor.d/abstractions/libvirt-qemu.d/memfold";
+
 #[test]
 fn the_unit_passes_systemd_analyze_verify() {
     let unit = read("packaging/memfoldd.service");
@@ -108,6 +112,7 @@ fn the_unit_the_config_and_the_package_agree_on_paths() {
         "/usr/bin/memfold",
         "/lib/systemd/system/memfoldd.service",
         "/etc/memfold/memfoldd.toml",
+        APPARMOR_SNIPPET,
     ] {
         assert!(has(to), "the package installs {to}: {installed:?}");
     }
@@ -121,4 +126,18 @@ fn the_unit_the_config_and_the_package_agree_on_paths() {
             .any(|c| c.as_str() == Some("/etc/memfold/memfoldd.toml")),
         "the configuration is a conffile"
     );
+    assert!(
+        conf.iter().any(|c| c.as_str() == Some(APPARMOR_SNIPPET)),
+        "the AppArmor rules are a conffile (an operator may add a socket path)"
+    );
+    // The rules allow what the agent is given by default: the library where the
+    // package puts it, memfoldd's default socket.
+    let rules = read("packaging/apparmor/libvirt-qemu.memfold");
+    for rule in [
+        "/usr/lib/memfold/libmemfold_agent.so mr,",
+        "/run/memfold/memfoldd.sock rw,",
+        "/dev/userfaultfd rw,",
+    ] {
+        assert!(rules.lines().any(|l| l.trim() == rule), "{rule} missing");
+    }
 }

@@ -10,7 +10,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Mutex;
 
 use rustix::mm::UserfaultfdFlags;
@@ -22,6 +22,10 @@ const UFFDIO_WRITEPROTECT: libc::c_ulong = 0xC018_AA06;
 const UFFDIO_COPY: libc::c_ulong = 0xC028_AA03;
 const UFFDIO_ZEROPAGE: libc::c_ulong = 0xC020_AA04;
 const UFFDIO_CONTINUE: libc::c_ulong = 0xC020_AA07;
+/// `USERFAULTFD_IOC_NEW` (`_IO(0xAA, 0x00)`), on `/dev/userfaultfd`.
+const USERFAULTFD_IOC_NEW: libc::c_ulong = 0xAA00;
+/// The userfaultfd device (Linux 6.1+).
+pub const DEV_USERFAULTFD: &str = "/dev/userfaultfd";
 /// `UFFDIO_COPY_MODE_WP` / `UFFDIO_CONTINUE_MODE_WP`: install the page write-protected.
 const FILL_MODE_WP: u64 = 1 << 1;
 
@@ -190,9 +194,10 @@ impl fmt::Display for Ioctl {
 /// Userfaultfd errors.
 #[derive(Debug, thiserror::Error)]
 pub enum UffdError {
-    /// The `userfaultfd` syscall was refused (it needs CAP_SYS_PTRACE, or
-    /// vm.unprivileged_userfaultfd for user-mode-only faults, which memfold does not use).
-    #[error("userfaultfd: {0} (memfold's agent needs QEMU to run as root or with CAP_SYS_PTRACE: kernel faults, not user-mode-only ones, so sysctl vm.unprivileged_userfaultfd does not help)")]
+    /// No userfaultfd for kernel faults: the `userfaultfd` syscall was refused (it needs
+    /// CAP_SYS_PTRACE or sysctl vm.unprivileged_userfaultfd = 1) and so was
+    /// `/dev/userfaultfd` (its file mode decides, Linux 6.1+).
+    #[error("userfaultfd: {0} (memfold's agent needs a userfaultfd for kernel faults: QEMU as root or with CAP_SYS_PTRACE, or read-write access to /dev/userfaultfd for QEMU's user or group, or sysctl vm.unprivileged_userfaultfd = 1; docs/operations.md)")]
     Open(#[source] io::Error),
     /// `UFFDIO_API` failed.
     #[error("UFFDIO_API with features {features:#x}: {errno}")]
@@ -272,15 +277,57 @@ impl Uffd {
     /// included (not `UFFD_USER_MODE_ONLY`: the kernel's writes into guest RAM for QEMU's
     /// disk threads must reach us too), and enables `features`.
     ///
-    /// Errors: the syscall is refused ([`UffdError::Open`]: needs CAP_SYS_PTRACE), or a
+    /// The syscall first; where it is refused (`EPERM`: no CAP_SYS_PTRACE and sysctl
+    /// vm.unprivileged_userfaultfd = 0, as for QEMU under libvirt's own user),
+    /// `/dev/userfaultfd`, whose file mode is the operator's grant (QEMU does the same for
+    /// postcopy migration).
+    ///
+    /// Errors: both are refused ([`UffdError::Open`], the syscall's error), or a
     /// requested feature is not available ([`UffdError::MissingFeatures`] names the bits).
     pub fn open(features: u64) -> Result<Uffd, UffdError> {
         // SAFETY: the call itself has no preconditions; what makes a userfaultfd
         // dangerous is registering memory with it, which `register` guards.
-        let fd = unsafe {
+        let fd = match unsafe {
             rustix::mm::userfaultfd(UserfaultfdFlags::CLOEXEC | UserfaultfdFlags::NONBLOCK)
+        } {
+            Ok(fd) => fd,
+            Err(e) if e == rustix::io::Errno::PERM => {
+                Self::open_device(DEV_USERFAULTFD).map_err(|_| UffdError::Open(e.into()))?
+            }
+            Err(e) => return Err(UffdError::Open(e.into())),
+        };
+        Self::api(fd, features)
+    }
+
+    /// A userfaultfd from the device at `path` (`/dev/userfaultfd`; ioctl
+    /// `USERFAULTFD_IOC_NEW`), non-blocking and close-on-exec, handling kernel faults
+    /// whatever vm.unprivileged_userfaultfd says. Public for its test.
+    ///
+    /// Errors: the device cannot be opened (absent before Linux 6.1, or its mode refuses
+    /// this process) or the ioctl fails.
+    pub fn open_device(path: &str) -> io::Result<OwnedFd> {
+        let dev = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)?;
+        // SAFETY: USERFAULTFD_IOC_NEW takes its flags by value and returns a new
+        // descriptor, which nothing else owns.
+        let fd = unsafe {
+            libc::ioctl(
+                dev.as_raw_fd(),
+                USERFAULTFD_IOC_NEW,
+                libc::O_CLOEXEC | libc::O_NONBLOCK,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
         }
-        .map_err(|e| UffdError::Open(e.into()))?;
+        // SAFETY: fd is a new descriptor of ours (checked non-negative above).
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// `UFFDIO_API` on a new userfaultfd: enables `features`.
+    fn api(fd: OwnedFd, features: u64) -> Result<Uffd, UffdError> {
         let mut api = UffdioApi {
             api: 0xAA,
             features,
@@ -574,6 +621,30 @@ mod tests {
             m.to_string(),
             "userfaultfd features 0x400 missing (kernel has 0x3ff)"
         );
+    }
+
+    /// `/dev/userfaultfd` gives a userfaultfd with the agent's features, as the syscall
+    /// does (where this process may open the device: root here); a missing device is
+    /// an error, not a descriptor.
+    #[test]
+    fn the_device_gives_a_userfaultfd_like_the_syscall() {
+        let e = Uffd::open_device("/nonexistent/userfaultfd").unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        match Uffd::open_device(DEV_USERFAULTFD) {
+            Ok(fd) => {
+                let u = Uffd::api(
+                    fd,
+                    FEATURE_WP_SHMEM | FEATURE_MINOR_SHMEM | FEATURE_MISSING_SHMEM,
+                )
+                .expect("UFFDIO_API on the device's userfaultfd");
+                // Non-blocking: nothing pending reads as None, not a hang.
+                assert!(matches!(u.read_raw(), Ok(None)), "{:?}", u.read_raw());
+            }
+            Err(e) if rustix::process::geteuid().is_root() => {
+                panic!("root cannot open {DEV_USERFAULTFD}: {e}")
+            }
+            Err(e) => eprintln!("skipped: {DEV_USERFAULTFD}: {e}"),
+        }
     }
 
     /// Where the kernel lets this process open a userfaultfd (root here), a registered

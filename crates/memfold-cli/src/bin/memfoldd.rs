@@ -49,6 +49,10 @@ struct Args {
     /// memfoldd's user may opt a guest out.
     #[arg(long, value_name = "GID")]
     agent_gid: Option<u32>,
+    /// --agent-gid by name, read from the group database when memfoldd starts: e.g.
+    /// `libvirt-qemu`, the group QEMU runs as under libvirt on Debian.
+    #[arg(long, value_name = "GROUP", conflicts_with = "agent_gid")]
+    agent_group: Option<String>,
     /// Serve Prometheus metrics (`GET /metrics`) at this address, e.g. 127.0.0.1:9464
     /// (default: none). Loopback only unless --metrics-allow-remote.
     #[arg(long, value_name = "ADDR")]
@@ -138,13 +142,23 @@ fn main() {
         },
         None => None,
     };
+    let agent_gid = match (&a.agent_group, a.agent_gid) {
+        (Some(name), _) => match group_id(name) {
+            Ok(gid) => Some(gid),
+            Err(e) => {
+                tracing::error!("agent-group {name}: {e}");
+                std::process::exit(2);
+            }
+        },
+        (None, gid) => gid,
+    };
     let cfg = DaemonConfig {
         socket: a.socket,
         engine,
         swap_dir: a.swap_dir,
         swap_capacity: a.engine.swap_mib << 20,
         domains: a.engine.domain_rule(),
-        agent_gid: a.agent_gid,
+        agent_gid,
         claim: a.engine.claim(),
         allowance: a.engine.allowance_mib << 20,
     };
@@ -160,6 +174,39 @@ fn main() {
         tracing::error!("{e}");
         std::process::exit(1);
     }
+}
+
+/// The id of the group named `name` (getgrnam_r: /etc/group, or NSS).
+///
+/// Errors: no such group, or the lookup failed.
+fn group_id(name: &str) -> std::io::Result<u32> {
+    let cname = std::ffi::CString::new(name)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "a NUL in the name"))?;
+    let mut buf = vec![0u8; 16 << 10];
+    // SAFETY: all-zero bytes are a valid `group` (null pointers, zero id), filled below.
+    let mut grp: libc::group = unsafe { std::mem::zeroed() };
+    let mut found: *mut libc::group = std::ptr::null_mut();
+    // SAFETY: every pointer is to a live local of the right type and size; `buf`
+    // outlives the call, and `grp`'s pointers into it are not used after.
+    let rc = unsafe {
+        libc::getgrnam_r(
+            cname.as_ptr(),
+            &mut grp,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut found,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::from_raw_os_error(rc));
+    }
+    if found.is_null() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "no such group",
+        ));
+    }
+    Ok(grp.gr_gid)
 }
 
 #[cfg(test)]
@@ -222,6 +269,27 @@ mod tests {
                 "packaging/memfoldd.toml shows `{long}` other than its default"
             );
         }
+    }
+
+    #[test]
+    fn agent_group_is_read_from_the_group_database() {
+        assert_eq!(group_id("root").unwrap(), 0);
+        let e = group_id("memfold-no-such-group").unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::NotFound, "{e}");
+        // One or the other, not both.
+        let argv: Vec<OsString> = [
+            "memfoldd",
+            "--config",
+            "none",
+            "--agent-gid",
+            "5",
+            "--agent-group",
+            "kvm",
+        ]
+        .iter()
+        .map(OsString::from)
+        .collect();
+        assert!(parse_layered::<Args>(&argv, "config", source).is_err());
     }
 
     #[test]

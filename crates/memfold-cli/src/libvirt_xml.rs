@@ -1,0 +1,832 @@
+//! The domain XML edit behind `memfold libvirt enable` / `disable`: pure functions, the
+//! domain's persistent XML in, the new XML out (`virsh dumpxml --inactive` and
+//! `virsh define` are the caller's).
+//!
+//! [`enable`] makes three changes and records them in a `<metadata>` element of memfold's
+//! own namespace ([`MEMFOLD_NS`]), so that [`disable`] undoes exactly them:
+//!
+//! | what | enable | disable |
+//! |---|---|---|
+//! | `<memoryBacking>` | `<source type='memfd'/>` and `<access mode='shared'/>`, other children kept; added if absent | the original element back (a copy is in the metadata), or removed if there was none |
+//! | the qemu namespace | `xmlns:qemu` on `<domain>` if missing | removed if enable added it |
+//! | `<qemu:commandline>` | `<qemu:env>` `LD_PRELOAD`, `MEMFOLD_SOCKET`, `MEMFOLD_VM_NAME`; with a claim monitor the `-chardev`/`-mon` `<qemu:arg>`s; the element added if absent | those entries removed; the element too if enable added it |
+//! | `<metadata>` | `<memfold:libvirt>` with the record; the element added if absent | removed; `<metadata>` too if enable added it |
+//!
+//! Everything else of the document is written back as it was read, byte for byte
+//! (quick-xml events, not a re-serialised tree). Enabling an enabled domain first
+//! undoes the old record, so enable is idempotent and takes new settings.
+
+use std::borrow::Cow;
+
+use quick_xml::events::{BytesEnd, BytesStart, BytesText, Event};
+use quick_xml::{Reader, Writer};
+
+/// libvirt's namespace for QEMU pass-through (`<qemu:commandline>`).
+pub const QEMU_NS: &str = "http://libvirt.org/schemas/domain/qemu/1.0";
+/// memfold's namespace for its record in the domain's `<metadata>`.
+pub const MEMFOLD_NS: &str = "https://memfold.invalid/schemas/libvirt/1";
+/// The prefix memfold's record is written with.
+const MEMFOLD_PREFIX: &str = "memfold";
+/// The environment variables enable sets; the agent reads them.
+pub const AGENT_ENV: [&str; 3] = ["LD_PRELOAD", "MEMFOLD_SOCKET", "MEMFOLD_VM_NAME"];
+/// The chardev id of memfoldd's balloon monitor (memfold-live's `balloon::MONITOR_ID`).
+pub const MONITOR_ID: &str = "memfold-qmp";
+
+/// What enable puts into a domain.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// The agent library QEMU preloads (`LD_PRELOAD`).
+    pub agent: String,
+    /// memfoldd's socket (`MEMFOLD_SOCKET`).
+    pub socket: String,
+    /// With `Some(path)`: a QMP monitor for memfoldd's balloon claims
+    /// (`-chardev socket,id=memfold-qmp,path=PATH,server=on,wait=off -mon ...`).
+    pub claim_monitor: Option<String>,
+}
+
+/// Why a domain's XML cannot be edited.
+#[derive(Debug, thiserror::Error)]
+pub enum XmlError {
+    /// The text is not well-formed XML.
+    #[error("the domain XML is not well-formed at byte {pos}: {message}")]
+    Parse {
+        /// Byte offset in the input.
+        pos: u64,
+        /// The parser's message.
+        message: String,
+    },
+    /// The root element is not `<domain>`.
+    #[error("the root element is <{0}>, not <domain>")]
+    NotADomain(String),
+    /// The domain has no `<name>`.
+    #[error("the domain XML has no <name>")]
+    NoName,
+    /// Guest RAM on huge pages: memfold shares 4 KiB pages of a memfd.
+    #[error("domain {domain}: <memoryBacking> has <hugepages>; memfold shares 4 KiB pages of a memfd and cannot manage huge-page guest RAM (remove <hugepages> first, or leave this domain unmanaged)")]
+    Hugepages {
+        /// The domain's name.
+        domain: String,
+    },
+    /// A NUMA cell asks for private memory, which the agent cannot share.
+    #[error("domain {domain}: <cpu><numa><cell id='{cell}'> has memAccess='{access}'; that cell's RAM would not be shared memory (remove the memAccess attribute or set it to 'shared')")]
+    PrivateCell {
+        /// The domain's name.
+        domain: String,
+        /// The cell's id.
+        cell: String,
+        /// Its memAccess.
+        access: String,
+    },
+    /// The domain's `<qemu:commandline>` already sets a variable memfold sets.
+    #[error("domain {domain}: <qemu:commandline> already sets {name}='{value}' (not memfold's); memfold would overwrite it: remove it first, or put the agent in by hand (docs/operations.md)")]
+    EnvConflict {
+        /// The domain's name.
+        domain: String,
+        /// The variable.
+        name: String,
+        /// Its value there.
+        value: String,
+    },
+    /// The qemu prefix is bound to another namespace.
+    #[error("the prefix 'qemu' is bound to {0}, not {QEMU_NS}")]
+    QemuPrefix(String),
+    /// `--claim` on a domain without a virtio balloon.
+    #[error("domain {domain}: --claim drives the guest's virtio balloon, but <memballoon model='{model}'/>; set model='virtio' or enable without --claim")]
+    NoBalloon {
+        /// The domain's name.
+        domain: String,
+        /// The memballoon's model.
+        model: String,
+    },
+    /// memfold's record in `<metadata>` is damaged.
+    #[error("memfold's record in <metadata> is damaged: {0}")]
+    BadRecord(String),
+}
+
+/// What [`enable`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Enabled {
+    /// The new XML.
+    pub xml: String,
+    /// The domain's name (`MEMFOLD_VM_NAME`).
+    pub name: String,
+    /// The domain was enabled already (its old record was undone first).
+    pub was_enabled: bool,
+}
+
+// ---- a tree over quick-xml events that writes back what it read ----
+
+#[derive(Clone, Debug)]
+enum Node {
+    Elem(Elem),
+    /// Text, comments, CDATA, references, declarations: kept as read.
+    Other(Event<'static>),
+}
+
+#[derive(Clone, Debug)]
+struct Elem {
+    start: BytesStart<'static>,
+    children: Vec<Node>,
+    /// Read as `<x/>`: written so again while it has no children.
+    empty: bool,
+}
+
+impl Elem {
+    fn new(name: &str) -> Elem {
+        Elem {
+            start: BytesStart::new(name.to_string()),
+            children: Vec::new(),
+            empty: true,
+        }
+    }
+
+    fn with_attr(mut self, key: &str, value: &str) -> Elem {
+        self.start.push_attribute((key, value));
+        self
+    }
+
+    fn name(&self) -> &[u8] {
+        self.start.name().into_inner()
+    }
+
+    fn is(&self, name: &str) -> bool {
+        self.name() == name.as_bytes()
+    }
+
+    fn attr(&self, key: &str) -> Option<String> {
+        self.start
+            .attributes()
+            .with_checks(false)
+            .flatten()
+            .find(|a| a.key.as_ref() == key.as_bytes())
+            .map(|a| {
+                a.unescape_value()
+                    .map(Cow::into_owned)
+                    .unwrap_or_else(|_| String::from_utf8_lossy(&a.value).into_owned())
+            })
+    }
+
+    fn elems(&self) -> impl Iterator<Item = &Elem> {
+        self.children.iter().filter_map(|n| match n {
+            Node::Elem(e) => Some(e),
+            Node::Other(_) => None,
+        })
+    }
+
+    fn child(&self, name: &str) -> Option<&Elem> {
+        self.elems().find(|e| e.is(name))
+    }
+
+    fn index_of(&self, name: &str) -> Option<usize> {
+        self.children
+            .iter()
+            .position(|n| matches!(n, Node::Elem(e) if e.is(name)))
+    }
+
+    fn child_mut(&mut self, name: &str) -> Option<&mut Elem> {
+        let i = self.index_of(name)?;
+        match &mut self.children[i] {
+            Node::Elem(e) => Some(e),
+            Node::Other(_) => None,
+        }
+    }
+
+    /// The element's text (its text and references, unescaped; child elements skipped).
+    fn text(&self) -> String {
+        let mut s = String::new();
+        for n in &self.children {
+            match n {
+                Node::Other(Event::Text(t)) => s.push_str(&t.decode().unwrap_or_default()),
+                Node::Other(Event::CData(t)) => s.push_str(&String::from_utf8_lossy(t)),
+                Node::Other(Event::GeneralRef(r)) => {
+                    if let Ok(Some(c)) = r.resolve_char_ref() {
+                        s.push(c);
+                    } else if let Ok(name) = r.decode() {
+                        if let Some(v) = quick_xml::escape::resolve_predefined_entity(&name) {
+                            s.push_str(v);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        s
+    }
+
+    /// The indentation before this element's children at `depth` (the root's children
+    /// are at depth 1): the whitespace before its first child element if it has one,
+    /// else two spaces a level, libvirt's style.
+    fn child_indent(&self, depth: usize) -> String {
+        for (i, n) in self.children.iter().enumerate() {
+            if let Node::Elem(_) = n {
+                if let Some(Node::Other(Event::Text(t))) =
+                    i.checked_sub(1).map(|j| &self.children[j])
+                {
+                    let t = String::from_utf8_lossy(t);
+                    if t.trim().is_empty() && t.contains('\n') {
+                        return t.into_owned();
+                    }
+                }
+                break;
+            }
+        }
+        format!("\n{}", "  ".repeat(depth))
+    }
+
+    /// Appends `e` as the last child element, indented like its siblings (`depth`: the
+    /// depth of `e`).
+    fn append(&mut self, e: Elem, depth: usize) {
+        // A parent written without whitespace between its children gets none either.
+        let compact = !self.children.is_empty()
+            && !self.children.iter().any(
+                |n| matches!(n, Node::Other(Event::Text(t)) if t.iter().all(u8::is_ascii_whitespace)),
+            );
+        if compact {
+            self.children.push(Node::Elem(e));
+            self.empty = false;
+            return;
+        }
+        let indent = self.child_indent(depth);
+        let closing = format!("\n{}", "  ".repeat(depth.saturating_sub(1)));
+        let ws = |s: &str| Node::Other(Event::Text(BytesText::from_escaped(s.to_string())));
+        // The whitespace before the closing tag stays last.
+        let at = match self.children.last() {
+            Some(Node::Other(Event::Text(t))) if t.iter().all(u8::is_ascii_whitespace) => {
+                self.children.len() - 1
+            }
+            _ => {
+                self.children.push(ws(&closing));
+                self.children.len() - 1
+            }
+        };
+        self.children.insert(at, Node::Elem(e));
+        self.children.insert(at, ws(&indent));
+        self.empty = false;
+    }
+
+    /// Inserts `e` as a child right after the child element `after` (or last), indented
+    /// like its siblings.
+    fn insert_after(&mut self, after: &[&str], e: Elem, depth: usize) {
+        let pos = after.iter().filter_map(|a| self.index_of(a)).max();
+        match pos {
+            Some(i) => {
+                let indent = self.child_indent(depth);
+                let ws = Node::Other(Event::Text(BytesText::from_escaped(indent)));
+                self.children.insert(i + 1, Node::Elem(e));
+                self.children.insert(i + 1, ws);
+                self.empty = false;
+            }
+            None => self.append(e, depth),
+        }
+    }
+
+    /// Removes child `i` and the whitespace before it (the line it was on).
+    fn remove_at(&mut self, i: usize) -> Node {
+        let node = self.children.remove(i);
+        if i > 0 {
+            if let Node::Other(Event::Text(t)) = &self.children[i - 1] {
+                if t.iter().all(u8::is_ascii_whitespace) {
+                    self.children.remove(i - 1);
+                }
+            }
+        }
+        if !self.children.iter().any(|n| matches!(n, Node::Elem(_)))
+            && self.children.iter().all(|n| {
+                matches!(n, Node::Other(Event::Text(t)) if t.iter().all(u8::is_ascii_whitespace))
+            })
+        {
+            self.children.clear();
+            self.empty = true;
+        }
+        node
+    }
+}
+
+/// The document: what is before and after the root, and the root.
+struct Doc {
+    before: Vec<Node>,
+    root: Elem,
+    after: Vec<Node>,
+}
+
+fn parse(xml: &str) -> Result<Doc, XmlError> {
+    let mut reader = Reader::from_str(xml);
+    reader.config_mut().trim_text(false);
+    let mut stack: Vec<Elem> = Vec::new();
+    let mut top: Vec<Node> = Vec::new();
+    let err = |reader: &Reader<&[u8]>, message: String| XmlError::Parse {
+        pos: reader.buffer_position(),
+        message,
+    };
+    loop {
+        let ev = reader
+            .read_event()
+            .map_err(|e| err(&reader, e.to_string()))?
+            .into_owned();
+        let node = match ev {
+            Event::Start(s) => {
+                stack.push(Elem {
+                    start: s,
+                    children: Vec::new(),
+                    empty: false,
+                });
+                continue;
+            }
+            Event::End(_) => match stack.pop() {
+                Some(e) => Node::Elem(e),
+                None => return Err(err(&reader, "an end tag without a start".into())),
+            },
+            Event::Empty(s) => Node::Elem(Elem {
+                start: s,
+                children: Vec::new(),
+                empty: true,
+            }),
+            Event::Eof => break,
+            other => Node::Other(other),
+        };
+        match stack.last_mut() {
+            Some(parent) => parent.children.push(node),
+            None => top.push(node),
+        }
+    }
+    if let Some(open) = stack.last() {
+        return Err(err(
+            &reader,
+            format!("<{}> is not closed", String::from_utf8_lossy(open.name())),
+        ));
+    }
+    let i = top
+        .iter()
+        .position(|n| matches!(n, Node::Elem(_)))
+        .ok_or_else(|| XmlError::Parse {
+            pos: 0,
+            message: "no root element".into(),
+        })?;
+    let after = top.split_off(i + 1);
+    let Some(Node::Elem(root)) = top.pop() else {
+        unreachable!("position found an element at i")
+    };
+    if !root.is("domain") {
+        return Err(XmlError::NotADomain(
+            String::from_utf8_lossy(root.name()).into_owned(),
+        ));
+    }
+    Ok(Doc {
+        before: top,
+        root,
+        after,
+    })
+}
+
+fn write_node(w: &mut Writer<Vec<u8>>, n: &Node) {
+    // Writing into a Vec cannot fail.
+    match n {
+        Node::Other(ev) => w.write_event(ev.borrow()).expect("write to Vec"),
+        Node::Elem(e) => {
+            if e.empty && e.children.is_empty() {
+                w.write_event(Event::Empty(e.start.borrow()))
+                    .expect("write to Vec");
+            } else {
+                w.write_event(Event::Start(e.start.borrow()))
+                    .expect("write to Vec");
+                for c in &e.children {
+                    write_node(w, c);
+                }
+                w.write_event(Event::End(BytesEnd::new(
+                    String::from_utf8_lossy(e.name()).into_owned(),
+                )))
+                .expect("write to Vec");
+            }
+        }
+    }
+}
+
+fn write(doc: &Doc) -> String {
+    let mut w = Writer::new(Vec::new());
+    for n in &doc.before {
+        write_node(&mut w, n);
+    }
+    write_node(&mut w, &Node::Elem(doc.root.clone()));
+    for n in &doc.after {
+        write_node(&mut w, n);
+    }
+    String::from_utf8(w.into_inner()).expect("the input was a str, the additions too")
+}
+
+// ---- the edit ----
+
+/// The record's element name, prefixed.
+fn rec(name: &str) -> String {
+    format!("{MEMFOLD_PREFIX}:{name}")
+}
+
+/// The prefix `<domain>` binds to `ns`, if any.
+fn prefix_of(root: &Elem, ns: &str) -> Option<String> {
+    root.start
+        .attributes()
+        .with_checks(false)
+        .flatten()
+        .find_map(|a| {
+            let key = a.key.as_ref();
+            let p = key.strip_prefix(b"xmlns:")?;
+            (a.value.as_ref() == ns.as_bytes()).then(|| String::from_utf8_lossy(p).into_owned())
+        })
+}
+
+fn domain_name(root: &Elem) -> Result<String, XmlError> {
+    root.child("name")
+        .map(|n| n.text().trim().to_string())
+        .filter(|n| !n.is_empty())
+        .ok_or(XmlError::NoName)
+}
+
+/// The index of memfold's record among `<metadata>`'s children.
+fn record_index(meta: &Elem) -> Option<usize> {
+    meta.children.iter().position(
+        |n| matches!(n, Node::Elem(e) if e.attr(&format!("xmlns:{MEMFOLD_PREFIX}")).as_deref() == Some(MEMFOLD_NS)),
+    )
+}
+
+/// Whether `xml` is a domain memfold is enabled on (its record is in `<metadata>`).
+pub fn is_enabled(xml: &str) -> Result<bool, XmlError> {
+    let doc = parse(xml)?;
+    Ok(doc.root.child("metadata").and_then(record_index).is_some())
+}
+
+/// The chardev option of the claim monitor at `path` (commas doubled, as QEMU's option
+/// syntax wants).
+pub fn monitor_chardev(path: &str) -> String {
+    format!(
+        "socket,id={MONITOR_ID},path={},server=on,wait=off",
+        path.replace(',', ",,")
+    )
+}
+
+/// `qemu:arg` values enable adds for the claim monitor at `path`.
+fn monitor_args(path: &str) -> [String; 4] {
+    [
+        "-chardev".into(),
+        monitor_chardev(path),
+        "-mon".into(),
+        format!("chardev={MONITOR_ID},mode=control"),
+    ]
+}
+
+/// Puts memfold into the domain `xml`: shared memfd RAM, the agent in QEMU's
+/// environment, optionally the claim monitor, and the record [`disable`] undoes.
+///
+/// Errors: not a domain, no name, huge pages, a private NUMA cell, a variable of
+/// [`AGENT_ENV`] already set by someone else, `--claim` without a virtio balloon.
+pub fn enable(xml: &str, s: &Settings) -> Result<Enabled, XmlError> {
+    let was_enabled = is_enabled(xml)?;
+    let base = if was_enabled {
+        disable(xml)?.expect("enabled, so there is a record")
+    } else {
+        xml.to_string()
+    };
+    let mut doc = parse(&base)?;
+    let name = domain_name(&doc.root)?;
+    let root = &mut doc.root;
+
+    // Refusals first: nothing is changed unless everything can be.
+    if let Some(mb) = root.child("memoryBacking") {
+        if mb.child("hugepages").is_some() {
+            return Err(XmlError::Hugepages { domain: name });
+        }
+    }
+    if let Some(numa) = root.child("cpu").and_then(|c| c.child("numa")) {
+        for cell in numa.elems().filter(|c| c.is("cell")) {
+            if let Some(access) = cell.attr("memAccess").filter(|a| a != "shared") {
+                return Err(XmlError::PrivateCell {
+                    domain: name,
+                    cell: cell.attr("id").unwrap_or_default(),
+                    access,
+                });
+            }
+        }
+    }
+    if s.claim_monitor.is_some() {
+        if let Some(model) = root
+            .child("devices")
+            .and_then(|d| d.child("memballoon"))
+            .and_then(|m| m.attr("model"))
+            .filter(|m| m != "virtio" && !m.starts_with("virtio-"))
+        {
+            return Err(XmlError::NoBalloon {
+                domain: name,
+                model,
+            });
+        }
+    }
+    let qemu = match prefix_of(root, QEMU_NS) {
+        Some(p) => p,
+        None => {
+            if let Some(other) = root.attr("xmlns:qemu") {
+                return Err(XmlError::QemuPrefix(other));
+            }
+            "qemu".to_string()
+        }
+    };
+    let q = |n: &str| format!("{qemu}:{n}");
+    if let Some(cl) = root.child(&q("commandline")) {
+        for env in cl.elems().filter(|e| e.is(&q("env"))) {
+            let n = env.attr("name").unwrap_or_default();
+            if AGENT_ENV.contains(&n.as_str()) {
+                return Err(XmlError::EnvConflict {
+                    domain: name,
+                    name: n,
+                    value: env.attr("value").unwrap_or_default(),
+                });
+            }
+        }
+    }
+
+    let mut record =
+        Elem::new(&rec("libvirt")).with_attr(&format!("xmlns:{MEMFOLD_PREFIX}"), MEMFOLD_NS);
+
+    // The qemu namespace.
+    if prefix_of(root, QEMU_NS).is_none() {
+        root.start.push_attribute(("xmlns:qemu", QEMU_NS));
+        record = record.with_attr("qemu-namespace", "added");
+    }
+
+    // memoryBacking.
+    match root.child_mut("memoryBacking") {
+        Some(mb) => {
+            let mut original = Elem::new(&rec("original"));
+            original.append(mb.clone(), 4);
+            record.append(original, 3);
+            for (child, attr, value) in [("source", "type", "memfd"), ("access", "mode", "shared")]
+            {
+                match mb.index_of(child) {
+                    Some(i) => {
+                        mb.children[i] = Node::Elem(Elem::new(child).with_attr(attr, value));
+                    }
+                    None => mb.append(Elem::new(child).with_attr(attr, value), 2),
+                }
+            }
+        }
+        None => {
+            let mut mb = Elem::new("memoryBacking");
+            mb.append(Elem::new("source").with_attr("type", "memfd"), 2);
+            mb.append(Elem::new("access").with_attr("mode", "shared"), 2);
+            root.insert_after(&["memory", "currentMemory", "maxMemory"], mb, 1);
+            record = record.with_attr("memoryBacking", "added");
+        }
+    }
+
+    // qemu:commandline.
+    let added_cl = root.child(&q("commandline")).is_none();
+    if added_cl {
+        root.append(Elem::new(&q("commandline")), 1);
+        record = record.with_attr("commandline", "added");
+    }
+    let cl = root.child_mut(&q("commandline")).expect("there now");
+    if let Some(path) = &s.claim_monitor {
+        for v in monitor_args(path) {
+            cl.append(Elem::new(&q("arg")).with_attr("value", &v), 2);
+        }
+    }
+    for (n, v) in [
+        ("LD_PRELOAD", s.agent.as_str()),
+        ("MEMFOLD_SOCKET", s.socket.as_str()),
+        ("MEMFOLD_VM_NAME", name.as_str()),
+    ] {
+        cl.append(
+            Elem::new(&q("env"))
+                .with_attr("name", n)
+                .with_attr("value", v),
+            2,
+        );
+    }
+    if let Some(path) = &s.claim_monitor {
+        record = record.with_attr("claim-monitor", path);
+    }
+
+    // The record, in <metadata>.
+    if root.child("metadata").is_none() {
+        root.insert_after(
+            &["title", "description", "uuid", "name"],
+            Elem::new("metadata"),
+            1,
+        );
+        record = record.with_attr("metadata", "added");
+    }
+    root.child_mut("metadata")
+        .expect("there now")
+        .append(record, 2);
+
+    Ok(Enabled {
+        xml: write(&doc),
+        name,
+        was_enabled,
+    })
+}
+
+/// Takes memfold out of the domain `xml`, undoing what [`enable`] recorded. `Ok(None)`:
+/// memfold is not enabled on it (no record), nothing to do.
+///
+/// Errors: not a domain, or a damaged record.
+pub fn disable(xml: &str) -> Result<Option<String>, XmlError> {
+    let mut doc = parse(xml)?;
+    let root = &mut doc.root;
+    let Some(meta) = root.child_mut("metadata") else {
+        return Ok(None);
+    };
+    let Some(ri) = record_index(meta) else {
+        return Ok(None);
+    };
+    let Node::Elem(record) = meta.remove_at(ri) else {
+        unreachable!("record_index finds an element")
+    };
+    let flag = |k: &str| record.attr(k).as_deref() == Some("added");
+    if flag("metadata") && meta.elems().next().is_none() {
+        let i = root.index_of("metadata").expect("there");
+        root.remove_at(i);
+    }
+
+    // memoryBacking.
+    if flag("memoryBacking") {
+        if let Some(i) = root.index_of("memoryBacking") {
+            root.remove_at(i);
+        }
+    } else {
+        let original = record
+            .child(&rec("original"))
+            .and_then(|o| o.child("memoryBacking"))
+            .ok_or_else(|| {
+                XmlError::BadRecord(
+                    "neither memoryBacking='added' nor the original <memoryBacking>".into(),
+                )
+            })?
+            .clone();
+        match root.index_of("memoryBacking") {
+            Some(i) => root.children[i] = Node::Elem(original),
+            None => root.insert_after(&["memory", "currentMemory", "maxMemory"], original, 1),
+        }
+    }
+
+    // qemu:commandline.
+    if let Some(qemu) = prefix_of(root, QEMU_NS) {
+        let q = |n: &str| format!("{qemu}:{n}");
+        if let Some(cl) = root.child_mut(&q("commandline")) {
+            let ours_env = |e: &Elem| {
+                e.is(&q("env")) && AGENT_ENV.contains(&e.attr("name").unwrap_or_default().as_str())
+            };
+            // Our args: each monitor argument with its flag before it.
+            let monitor = record.attr("claim-monitor").map(|p| monitor_args(&p));
+            let mut i = 0;
+            while i < cl.children.len() {
+                let remove = match &cl.children[i] {
+                    Node::Elem(e) if ours_env(e) => 1,
+                    Node::Elem(e) if e.is(&q("arg")) => match &monitor {
+                        Some(args)
+                            if e.attr("value").as_deref() == Some(args[0].as_str())
+                                || e.attr("value").as_deref() == Some(args[2].as_str()) =>
+                        {
+                            let next = cl.children[i + 1..].iter().find_map(|n| match n {
+                                Node::Elem(e) => Some(e),
+                                Node::Other(_) => None,
+                            });
+                            let value = next.and_then(|n| n.attr("value"));
+                            if value.as_deref() == Some(args[1].as_str())
+                                || value.as_deref() == Some(args[3].as_str())
+                            {
+                                2
+                            } else {
+                                0
+                            }
+                        }
+                        _ => 0,
+                    },
+                    _ => 0,
+                };
+                if remove == 0 {
+                    i += 1;
+                    continue;
+                }
+                for _ in 0..remove {
+                    let j = (i..cl.children.len())
+                        .find(|&j| matches!(cl.children[j], Node::Elem(_)))
+                        .expect("counted above");
+                    cl.remove_at(j);
+                }
+                i = i.saturating_sub(1);
+            }
+            if flag("commandline") && cl.elems().next().is_none() {
+                let i = root.index_of(&q("commandline")).expect("there");
+                root.remove_at(i);
+            }
+        }
+    }
+
+    // The qemu namespace, if enable added it and nothing uses it now.
+    if flag("qemu-namespace") && !uses_prefix(root, "qemu") {
+        let raw = String::from_utf8_lossy(&root.start).into_owned();
+        let name_len = root.name().len();
+        root.start = BytesStart::from_content(without_attr(&raw, "xmlns:qemu"), name_len);
+    }
+    Ok(Some(write(&doc)))
+}
+
+/// A start tag's text (`raw`: name and attributes) without the attribute `key` and the
+/// whitespace before it, whatever its quotes; the rest as it was.
+fn without_attr(raw: &str, key: &str) -> String {
+    let b = raw.as_bytes();
+    let mut i = 0;
+    while let Some(off) = raw[i..].find(key) {
+        let at = i + off;
+        i = at + key.len();
+        // A whole attribute name: whitespace before it, `=` (maybe spaced) after.
+        if at == 0 || !b[at - 1].is_ascii_whitespace() {
+            continue;
+        }
+        let mut j = at + key.len();
+        while j < b.len() && b[j].is_ascii_whitespace() {
+            j += 1;
+        }
+        if b.get(j) != Some(&b'=') {
+            continue;
+        }
+        j += 1;
+        while j < b.len() && b[j].is_ascii_whitespace() {
+            j += 1;
+        }
+        let Some(&quote) = b.get(j).filter(|q| **q == b'"' || **q == b'\'') else {
+            continue;
+        };
+        let Some(close) = raw[j + 1..].find(quote as char) else {
+            continue;
+        };
+        let end = j + 1 + close + 1;
+        let mut start = at;
+        while start > 0 && b[start - 1].is_ascii_whitespace() {
+            start -= 1;
+        }
+        return format!("{}{}", &raw[..start], &raw[end..]);
+    }
+    raw.to_string()
+}
+
+/// Whether any element under `e` (not `e` itself) is in `prefix`.
+fn uses_prefix(e: &Elem, prefix: &str) -> bool {
+    let p = format!("{prefix}:");
+    e.elems()
+        .any(|c| c.name().starts_with(p.as_bytes()) || uses_prefix(c, prefix))
+}
+
+/// The domain's name in `xml`.
+pub fn name_of(xml: &str) -> Result<String, XmlError> {
+    domain_name(&parse(xml)?.root)
+}
+
+/// A canonical form of an XML document for comparing two: elements with their attributes
+/// sorted, whitespace-only text dropped, text trimmed, one line per node. Two documents
+/// libvirt would read alike have the same canonical form.
+pub fn canonical(xml: &str) -> Result<String, XmlError> {
+    fn walk(n: &Node, depth: usize, out: &mut String) {
+        let pad = "  ".repeat(depth);
+        match n {
+            Node::Elem(e) => {
+                let mut attrs: Vec<String> = e
+                    .start
+                    .attributes()
+                    .with_checks(false)
+                    .flatten()
+                    .map(|a| {
+                        format!(
+                            "{}={:?}",
+                            String::from_utf8_lossy(a.key.as_ref()),
+                            a.unescape_value().unwrap_or_default()
+                        )
+                    })
+                    .collect();
+                attrs.sort();
+                out.push_str(&format!(
+                    "{pad}<{} {}>\n",
+                    String::from_utf8_lossy(e.name()),
+                    attrs.join(" ")
+                ));
+                let text = e.text();
+                if !text.trim().is_empty() {
+                    out.push_str(&format!("{pad}  {:?}\n", text.trim()));
+                }
+                for c in &e.children {
+                    walk(c, depth + 1, out);
+                }
+            }
+            Node::Other(Event::Comment(c)) => out.push_str(&format!(
+                "{pad}<!--{}-->\n",
+                String::from_utf8_lossy(c).trim()
+            )),
+            Node::Other(_) => {}
+        }
+    }
+    let doc = parse(xml)?;
+    let mut out = String::new();
+    walk(&Node::Elem(doc.root), 0, &mut out);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests;
