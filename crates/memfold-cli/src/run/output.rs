@@ -162,6 +162,30 @@ fn write_png(png: &Path, r: &MemfoldRun) -> Result<()> {
             markers: vec![],
         });
     }
+    // The memory each guest got: what its balloon leaves it (allowance + what it claims).
+    if r.samples
+        .iter()
+        .any(|s| s.stats.vms.iter().any(|v| v.balloon_actual_bytes.is_some()))
+    {
+        panels.push(Panel {
+            title: "memory each guest has, MiB: what its balloon leaves it (allowance + claimed entitlement)".into(),
+            series: names
+                .iter()
+                .map(|&name| Series {
+                    name: name.into(),
+                    points: r
+                        .samples
+                        .iter()
+                        .filter_map(|s| {
+                            let v = s.stats.vms.iter().find(|v| v.name == name)?;
+                            Some((s.t, v.balloon_actual_bytes? as f64 / MIB))
+                        })
+                        .collect(),
+                })
+                .collect(),
+            markers: vec![],
+        });
+    }
     plot::panels(
         png,
         "memfold run",
@@ -457,6 +481,7 @@ mod tests {
                     name: "web-1".into(),
                     pages: 1000,
                     entitlement_pages: 7.5 * t as f64,
+                    balloon_actual_bytes: Some((256 + t as u64) << 20),
                     ..VmStats::default()
                 });
                 Sample {
@@ -509,8 +534,8 @@ mod tests {
         assert!(lines.iter().all(|l| l.split(',').count() == columns));
         assert!(lines[1].starts_with("1.0,web-1,1000,"));
         // The guest's entitlement, 7.5 pages at 1 s, in bytes: its own row and `all`'s.
-        // No balloon driven: the last column is empty.
-        assert!(lines[1].ends_with(",30720,"), "{}", lines[1]);
+        // Then what its balloon leaves it (257 MiB at 1 s).
+        assert!(lines[1].ends_with(",30720,269484032"), "{}", lines[1]);
         // used 1900 pages of 2000 at 1 s: saved 100 pages; books 100 pages, sharing 60.
         assert!(lines[2].starts_with("1.0,all,"));
         assert!(

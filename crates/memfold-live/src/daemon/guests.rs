@@ -191,6 +191,24 @@ pub(crate) struct Guest {
     pub(crate) latency: [OpLatency; AGENT_OPS],
 }
 
+impl Guest {
+    /// Guest `name` of QEMU `pid` with RAM `ram_id`, not yet connected, nothing counted.
+    fn detached(name: &str, pid: u32, ram_id: (u64, u64)) -> Guest {
+        Guest {
+            name: name.into(),
+            ram_id,
+            unmapped: false,
+            conn: None,
+            token: None,
+            pid,
+            wp_faults: 0,
+            missing_faults: 0,
+            minor_faults: 0,
+            latency: Default::default(),
+        }
+    }
+}
+
 /// The guests, by engine id, and which connection is whose.
 #[derive(Default)]
 pub(crate) struct Guests {
@@ -220,18 +238,10 @@ impl Guests {
         ram_id: (u64, u64),
     ) {
         self.by_token.insert(token, vm);
-        let g = self.by_vm.entry(vm).or_insert_with(|| Guest {
-            name: name.to_string(),
-            ram_id,
-            unmapped: false,
-            conn: None,
-            token: None,
-            pid,
-            wp_faults: 0,
-            missing_faults: 0,
-            minor_faults: 0,
-            latency: Default::default(),
-        });
+        let g = self
+            .by_vm
+            .entry(vm)
+            .or_insert_with(|| Guest::detached(name, pid, ram_id));
         g.conn = Some(conn);
         g.token = Some(token);
     }
@@ -464,22 +474,6 @@ mod tests {
         assert!(!ram_let_go(u32::MAX, id));
     }
 
-    /// A detached guest (no connection) of QEMU `pid` with RAM `ram_id`.
-    fn detached(name: &str, pid: u32, ram_id: (u64, u64)) -> Guest {
-        Guest {
-            name: name.into(),
-            ram_id,
-            unmapped: false,
-            conn: None,
-            token: None,
-            pid,
-            wp_faults: 0,
-            missing_faults: 0,
-            minor_faults: 0,
-            latency: Default::default(),
-        }
-    }
-
     /// A region unplugged from a QEMU that runs on is released as a region unmapped, not
     /// as a QEMU that exited (it was logged "its QEMU has exited" either way); a guest
     /// whose QEMU is gone is released as exited; one whose RAM is still held is kept.
@@ -500,11 +494,13 @@ mod tests {
         let mut guests = Guests::default();
         guests
             .by_vm
-            .insert(VmId(1), detached("g/ram1", me, gone_ram));
-        guests.by_vm.insert(VmId(2), detached("h", dead, held_ram));
+            .insert(VmId(1), Guest::detached("g/ram1", me, gone_ram));
         guests
             .by_vm
-            .insert(VmId(3), detached("g/ram0", me, held_ram));
+            .insert(VmId(2), Guest::detached("h", dead, held_ram));
+        guests
+            .by_vm
+            .insert(VmId(3), Guest::detached("g/ram0", me, held_ram));
         assert_eq!(
             guests.released(),
             [(VmId(1), Release::Unmapped), (VmId(2), Release::Exited)]
