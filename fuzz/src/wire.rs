@@ -179,6 +179,7 @@ pub enum DaemonMsg {
         taken: Vec<u32>,
         refused: Vec<u32>,
     },
+    RegionUnmapped,
 }
 
 /// A [`ToAgent`] described by a fuzzer.
@@ -340,6 +341,7 @@ impl DaemonMsg {
                 taken: gfns(taken),
                 refused: gfns(refused),
             },
+            DaemonMsg::RegionUnmapped => ToDaemon::RegionUnmapped,
         }
     }
 }
@@ -428,7 +430,8 @@ fn every_kind_is_built(d: &ToDaemon, a: &ToAgent) {
         | ToDaemon::ClientHello { .. }
         | ToDaemon::Stats
         | ToDaemon::OptOut { .. }
-        | ToDaemon::TakeBackDone { .. } => {}
+        | ToDaemon::TakeBackDone { .. }
+        | ToDaemon::RegionUnmapped => {}
     }
     match a {
         ToAgent::Welcome { .. }
