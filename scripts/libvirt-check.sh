@@ -9,7 +9,10 @@
 # `agent-group = "libvirt-qemu"` in its configuration file, `virsh start`; QEMU must run
 # as libvirt-qemu (DAC), the agent attach, memory be saved (`memfold status`) and the
 # guest's self-checks pass; then `memfold libvirt disable` while it runs, `virsh destroy`,
-# and the inactive XML must be what it was before enable, byte for byte.
+# and the inactive XML must be what it was before enable, byte for byte. Then `enable
+# --claim`, memfoldd restarted claiming entitlements (at once, 160 MiB allowance), the
+# domain started again: its balloon must be driven to allowance + entitlement and the
+# guest see it; destroy, disable, the XML restored again.
 #
 # What the chroot changes in libvirt, and why: qemu.conf `namespaces = [ ]` and
 # `cgroup_controllers = [ ]` (a chroot cannot give QEMU a mount namespace or a cgroup of
@@ -322,9 +325,54 @@ virsh dumpxml --inactive $domain >"$out/claim.xml"
 grep -q "<qemu:arg value='socket,id=memfold-qmp,path=/var/lib/libvirt/qemu/memfold-qmp-$domain.sock,server=on,wait=off'/>" "$out/claim.xml" \
     && grep -q "<qemu:arg value='chardev=memfold-qmp,mode=control'/>" "$out/claim.xml" \
     || fail "enable --claim: libvirt did not keep the monitor arguments (out/libvirt-check/claim.xml)"
+say "  enable --claim: libvirt kept the memfold-qmp -chardev/-mon arguments"
+
+# --claim booted (issue 18 under libvirt): memfoldd restarted claiming entitlements at
+# once over a 160 MiB allowance; the guest's balloon must be driven through its
+# memfold-qmp monitor to the allowance plus its entitlement, and the guest see it (its
+# MemTotal falls by what the balloon holds, within 1 MiB).
+kill -TERM "$daemon_pid"; wait "$daemon_pid" || fail "memfoldd exited $? on SIGTERM"; daemon_pid=
+allowance_mib=160
+printf 'claim-entitlement = "at-once"\nallowance-mib = %s\n' $allowance_mib >>"$root/etc/memfold/memfoldd.toml"
+say "memfoldd restarted with claim-entitlement = \"at-once\", allowance-mib = $allowance_mib"
+chroot "$root" $exec_start 2>>"$out/memfoldd.log" &
+daemon_pid=$!
+for _ in $(seq 100); do [ -S "$root$socket" ] && break; sleep 0.1; done
+[ -S "$root$socket" ] || fail "no memfoldd socket after the restart"
+: >"$serial" 2>/dev/null || true
+tb=$(date +%s)
+virsh start $domain >/dev/null
+qemu=$(pid_in /run/libvirt/qemu/$domain.pid)
+[ -n "$qemu" ] || fail "no QEMU pid (--claim)"
+claimed=
+for _ in $(seq 180); do
+    grep -q MEMFOLD-MISMATCH "$serial" 2>/dev/null && fail "self-check: $(grep MEMFOLD-MISMATCH "$serial" | head -3)"
+    kill -0 "$qemu" 2>/dev/null || { tail -20 "$root/var/log/libvirt/qemu/$domain.log" >&2; fail "QEMU exited (--claim)"; }
+    boot=$(sed -n 's/^MEMFOLD-MEMTOTAL-BOOT-KIB //p' "$serial" 2>/dev/null | tail -1)
+    now=$(sed -n 's/^MEMFOLD-MEMTOTAL-KIB //p' "$serial" 2>/dev/null | tail -1)
+    if [ -n "$boot" ] && [ -n "$now" ] && json=$(status_json) && claimed=$(python3 -c '
+import json, sys
+name, allowance, boot, now = sys.argv[1], int(sys.argv[2]) << 20, int(sys.argv[3]), int(sys.argv[4])
+v = [r for r in json.loads(sys.stdin.read())["vms"] if r["name"] == name]
+if not v or v[0]["balloon_bytes"] is None:
+    sys.exit(1)
+b, e = v[0]["balloon_bytes"], v[0]["entitlement_bytes"]
+want = min(allowance + e, 256 << 20) >> 20 << 20
+held_kib = ((256 << 20) - b) >> 10
+ok = e > 0 and b == want and abs((boot - now) - held_kib) <= 1024
+print("balloon leaves it %d MiB = %d + entitlement %.1f MiB; MemTotal %d -> %d KiB" % (b >> 20, allowance >> 20, e / 2**20, boot, now))
+sys.exit(0 if ok else 1)' $domain $allowance_mib "$boot" "$now" <<<"$json"); then
+        break
+    fi
+    claimed=
+    sleep 1
+done
+[ -n "$claimed" ] || { status_json >&2 || true; tail -5 "$out/memfoldd.log" >&2; fail "the balloon was not driven to allowance + entitlement within 180 s"; }
+say "  $(( $(date +%s) - tb )) s after start: $claimed"
+virsh destroy $domain >/dev/null
 chroot "$root" memfold libvirt disable $domain --connect qemu:///system >/dev/null
 virsh dumpxml --inactive --security-info $domain | cmp -s - "$out/before.xml" || fail "the XML after enable --claim and disable differs"
-say "  enable --claim: libvirt kept the memfold-qmp -chardev/-mon arguments; disable restored the XML byte for byte again"
+say "  disable restored the XML byte for byte again"
 twice=$(chroot "$root" memfold libvirt disable $domain --connect qemu:///system)
 case $twice in *"not enabled"*) ;; *) fail "disable twice: $twice";; esac
 say "  the kernel after the guest stopped: $(chroot "$root" stat -c '%n %U:%G' /var/lib/libvirt/images/tiny/vmlinuz) (DAC restored the owner)"
