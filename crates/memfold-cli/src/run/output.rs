@@ -190,7 +190,8 @@ fn write_png(png: &Path, r: &MemfoldRun) -> Result<()> {
         png,
         "memfold run",
         "seconds since memfoldd started",
-        "MiB saved",
+        // Saved, entitled, and (with balloons) what a guest has: all MiB.
+        "MiB",
         &panels,
     )
 }
