@@ -10,14 +10,13 @@ use memfold_vm::hostmem::guest_ram_usage;
 use memfold_vm::images;
 use memfold_vm::launcher::{Accel, Guest, GuestSpec, RamBackend, VmError};
 
-fn boot_capture_analyse(ram: RamBackend, name: &str) {
-    let cache = images::cache_dir();
-    images::build(&cache, "tiny", |l| eprintln!("{l}")).expect("tiny image builds");
-    let work = tempfile::tempdir().unwrap();
-    let spec = GuestSpec {
+/// A plain guest `name` of `profile` with `mem_mib` of RAM backed by `ram`: one vCPU, no
+/// balloon, no data disk.
+fn spec(name: &str, profile: &str, mem_mib: u32, ram: RamBackend) -> GuestSpec {
+    GuestSpec {
         name: name.into(),
-        profile: "tiny".into(),
-        mem_mib: 128,
+        profile: profile.into(),
+        mem_mib,
         ram,
         cpus: 1,
         cgroup_procs: None,
@@ -26,7 +25,14 @@ fn boot_capture_analyse(ram: RamBackend, name: &str) {
         memfold_balloon: false,
         data_disk: None,
         kernel_args: None,
-    };
+    }
+}
+
+fn boot_capture_analyse(ram: RamBackend, name: &str) {
+    let cache = images::cache_dir();
+    images::build(&cache, "tiny", |l| eprintln!("{l}")).expect("tiny image builds");
+    let work = tempfile::tempdir().unwrap();
+    let spec = spec(name, "tiny", 128, ram);
     // TCG: the KVM probe is exercised by the commands; tests must not depend on it.
     let mut g = Guest::start(&spec, &cache, work.path(), Accel::Tcg).unwrap();
     let pid = g.pid;
@@ -106,19 +112,7 @@ fn tiny_guest_with_anonymous_ram_is_captured_with_pmemsave_and_pagemap() {
 fn missing_images_and_profiles_are_clear_errors() {
     let empty = tempfile::tempdir().unwrap();
     let work = tempfile::tempdir().unwrap();
-    let spec = GuestSpec {
-        name: "x".into(),
-        profile: "web".into(),
-        mem_mib: 128,
-        ram: RamBackend::Memfd,
-        cpus: 1,
-        cgroup_procs: None,
-        mem_merge: true,
-        free_page_reporting: false,
-        memfold_balloon: false,
-        data_disk: None,
-        kernel_args: None,
-    };
+    let spec = spec("x", "web", 128, RamBackend::Memfd);
     let err = Guest::start(&spec, empty.path(), work.path(), Accel::Tcg)
         .err()
         .unwrap();
@@ -159,20 +153,12 @@ fn tiny_guest_reads_its_data_disk_from_its_cache_breaks_and_drops_on_cue() {
     }
     drop(f);
     let spec = GuestSpec {
-        name: "cache".into(),
-        profile: "tiny".into(),
-        mem_mib: 256,
-        ram: RamBackend::Memfd,
-        cpus: 1,
-        cgroup_procs: None,
-        mem_merge: true,
-        free_page_reporting: false,
-        memfold_balloon: false,
         data_disk: Some(DataDisk {
             path: disk,
             read_bytes_per_sec: Some(32 << 20),
         }),
         kernel_args: Some("memfold.break_at=1 memfold.drop_caches_at=1".into()),
+        ..spec("cache", "tiny", 256, RamBackend::Memfd)
     };
     let mut g = Guest::start(&spec, &cache, work.path(), Accel::Tcg).unwrap();
     g.wait_ready(Duration::from_secs(180)).unwrap();
