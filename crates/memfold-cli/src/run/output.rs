@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use memfold_wire::{SavedBy, Stats};
+use memfold_wire::{SavedBy, Stats, VmStats};
 
 use super::measure::{
     measured_as, pages_mib, paused_since, saved_mib_over_time, t95_text, GuestEvents, MemfoldRun,
@@ -139,53 +139,40 @@ fn write_png(png: &Path, r: &MemfoldRun) -> Result<()> {
         .collect();
     names.sort_unstable();
     names.dedup();
-    if r.samples
-        .iter()
-        .any(|s| s.stats.vms.iter().any(|v| v.entitlement_pages > 0.0))
-    {
-        panels.push(Panel {
-            title: "sharing entitlement per guest (Satori §4.2: Σ (rank − 1) / rank)".into(),
-            series: names
-                .iter()
-                .map(|&name| Series {
-                    name: name.into(),
-                    points: r
-                        .samples
-                        .iter()
-                        .filter_map(|s| {
-                            let v = s.stats.vms.iter().find(|v| v.name == name)?;
-                            Some((s.t, v.entitlement_pages * 4096.0 / MIB))
-                        })
-                        .collect(),
-                })
-                .collect(),
+    // Per guest: its entitlement, and what its balloon leaves it (allowance + what it
+    // claims); each panel only when some guest has more than 0.
+    let per_guest = |title: &str, mib: fn(&VmStats) -> Option<f64>| -> Option<Panel> {
+        let series: Vec<Series> = names
+            .iter()
+            .map(|&name| Series {
+                name: name.into(),
+                points: r
+                    .samples
+                    .iter()
+                    .filter_map(|s| {
+                        let v = s.stats.vms.iter().find(|v| v.name == name)?;
+                        Some((s.t, mib(v)?))
+                    })
+                    .collect(),
+            })
+            .collect();
+        let shown = series
+            .iter()
+            .any(|s| s.points.iter().any(|&(_, y)| y > 0.0));
+        shown.then(|| Panel {
+            title: title.into(),
+            series,
             markers: vec![],
-        });
-    }
-    // The memory each guest got: what its balloon leaves it (allowance + what it claims).
-    if r.samples
-        .iter()
-        .any(|s| s.stats.vms.iter().any(|v| v.balloon_actual_bytes.is_some()))
-    {
-        panels.push(Panel {
-            title: "memory each guest has, MiB: what its balloon leaves it (allowance + claimed entitlement)".into(),
-            series: names
-                .iter()
-                .map(|&name| Series {
-                    name: name.into(),
-                    points: r
-                        .samples
-                        .iter()
-                        .filter_map(|s| {
-                            let v = s.stats.vms.iter().find(|v| v.name == name)?;
-                            Some((s.t, v.balloon_actual_bytes? as f64 / MIB))
-                        })
-                        .collect(),
-                })
-                .collect(),
-            markers: vec![],
-        });
-    }
+        })
+    };
+    panels.extend(per_guest(
+        "sharing entitlement per guest (Satori §4.2: Σ (rank − 1) / rank)",
+        |v| Some(v.entitlement_pages * 4096.0 / MIB),
+    ));
+    panels.extend(per_guest(
+        "memory each guest has, MiB: what its balloon leaves it (allowance + claimed entitlement)",
+        |v| v.balloon_actual_bytes.map(|b| b as f64 / MIB),
+    ));
     plot::panels(
         png,
         "memfold run",
