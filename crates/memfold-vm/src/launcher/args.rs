@@ -1,0 +1,259 @@
+//! QEMU's command line for a guest: what [`GuestSpec`] asks for, spelled as QEMU options.
+
+use std::ffi::OsString;
+use std::path::Path;
+
+use super::{Accel, GuestSpec, RamBackend, DATA_DISK_SERIAL, TCG_TB_MIB};
+use crate::images;
+
+/// QEMU's command line (after the program name) for guest `spec` from image `img`: the
+/// accelerator, RAM (memfd shared with memfold, or anonymous with `mem-merge` as
+/// [`GuestSpec::mem_merge`] says), one virtio-balloon with free page reporting if
+/// [`GuestSpec::free_page_reporting`], the serial console to the file `serial`, QMP on the
+/// socket `qmp`, the image's kernel, initramfs and throw-away root disk, and the kernel
+/// command line with `extra_kernel_args` appended.
+pub fn qemu_args(
+    spec: &GuestSpec,
+    img: &images::Image,
+    accel: Accel,
+    serial: &Path,
+    qmp: &Path,
+    extra_kernel_args: Option<&str>,
+) -> Vec<OsString> {
+    let mut v: Vec<OsString> = Vec::new();
+    let mut push = |args: &[&str]| v.extend(args.iter().map(OsString::from));
+    push(&["-name", &spec.name]);
+    match accel {
+        Accel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
+        Accel::Tcg => push(&["-accel", &format!("tcg,tb-size={TCG_TB_MIB}")]),
+    };
+    let mem = format!("{}M", spec.mem_mib);
+    match spec.ram {
+        RamBackend::Memfd => {
+            push(&[
+                "-object",
+                &format!("memory-backend-memfd,id=ram0,size={mem},share=on"),
+            ]);
+            push(&["-machine", "q35,memory-backend=ram0", "-m", &mem]);
+        }
+        RamBackend::Anonymous | RamBackend::AnonymousNoThp => {
+            let merge = if spec.mem_merge { "on" } else { "off" };
+            push(&["-machine", &format!("q35,mem-merge={merge}"), "-m", &mem]);
+        }
+    }
+    push(&["-smp", &spec.cpus.to_string()]);
+    push(&[
+        "-display",
+        "none",
+        "-vga",
+        "none",
+        "-nodefaults",
+        "-no-reboot",
+    ]);
+    match (spec.free_page_reporting, spec.memfold_balloon) {
+        (true, _) => push(&[
+            "-device",
+            "virtio-balloon-pci,id=balloon0,free-page-reporting=on",
+        ]),
+        (false, true) => push(&["-device", "virtio-balloon-pci,id=balloon0"]),
+        (false, false) => {}
+    }
+    if spec.memfold_balloon {
+        let sock = qmp.with_file_name("memfold-qmp.sock");
+        push(&[
+            "-chardev",
+            &format!(
+                "socket,id=memfold-qmp,path={},server=on,wait=off",
+                sock.display()
+            ),
+            "-mon",
+            "chardev=memfold-qmp,mode=control",
+        ]);
+    }
+    push(&["-serial", &format!("file:{}", serial.display())]);
+    push(&[
+        "-qmp",
+        &format!("unix:{},server=on,wait=off", qmp.display()),
+    ]);
+    v.push("-kernel".into());
+    v.push(img.kernel.clone().into());
+    v.push("-initrd".into());
+    v.push(img.initrd.clone().into());
+    let mut append = String::from("console=ttyS0 panic=-1 quiet");
+    if let Some(rootfs) = &img.rootfs {
+        // The image is shared by all guests of a profile: writes go to a throw-away overlay.
+        v.push("-drive".into());
+        v.push(format!("file={},if=virtio,format=raw,snapshot=on", rootfs.display()).into());
+        append.push_str(" root=/dev/vda");
+    }
+    if let Some(d) = &spec.data_disk {
+        let mut drive = format!(
+            "file={},if=none,id={DATA_DISK_SERIAL},format=raw,readonly=on",
+            d.path.display()
+        );
+        if let Some(bps) = d.read_bytes_per_sec {
+            drive.push_str(&format!(",bps_rd={bps}"));
+        }
+        v.push("-drive".into());
+        v.push(drive.into());
+        v.push("-device".into());
+        v.push(format!("virtio-blk-pci,drive={DATA_DISK_SERIAL},serial={DATA_DISK_SERIAL}").into());
+    }
+    for extra in [extra_kernel_args, spec.kernel_args.as_deref()]
+        .into_iter()
+        .flatten()
+    {
+        append.push(' ');
+        append.push_str(extra);
+    }
+    v.push("-append".into());
+    v.push(append.into());
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::DataDisk;
+    use super::*;
+
+    fn spec(ram: RamBackend) -> GuestSpec {
+        GuestSpec {
+            name: "web-1".into(),
+            profile: "web".into(),
+            mem_mib: 512,
+            ram,
+            cpus: 1,
+            cgroup_procs: None,
+            mem_merge: true,
+            free_page_reporting: false,
+            memfold_balloon: false,
+            data_disk: None,
+            kernel_args: None,
+        }
+    }
+
+    fn args(spec: &GuestSpec) -> Vec<String> {
+        let img = images::Image {
+            profile: images::profile("web").unwrap(),
+            kernel: "/c/web/vmlinuz".into(),
+            initrd: "/c/web/initrd.img".into(),
+            rootfs: Some("/c/web/rootfs.ext4".into()),
+        };
+        qemu_args(
+            spec,
+            &img,
+            Accel::Tcg,
+            Path::new("/w/serial.log"),
+            Path::new("/w/qmp.sock"),
+            Some("init_on_alloc=0"),
+        )
+        .into_iter()
+        .map(|s| s.into_string().unwrap())
+        .collect()
+    }
+
+    fn has(v: &[String], pair: [&str; 2]) -> bool {
+        v.windows(2).any(|w| w == pair)
+    }
+
+    #[test]
+    fn the_command_line_carries_ram_merging_and_the_balloon_as_the_spec_says() {
+        let memfd = args(&spec(RamBackend::Memfd));
+        assert!(has(&memfd, ["-machine", "q35,memory-backend=ram0"]));
+        assert!(has(
+            &memfd,
+            ["-object", "memory-backend-memfd,id=ram0,size=512M,share=on"]
+        ));
+        assert!(!memfd.iter().any(|a| a.contains("balloon")));
+        assert!(has(
+            &memfd,
+            [
+                "-append",
+                "console=ttyS0 panic=-1 quiet root=/dev/vda init_on_alloc=0"
+            ]
+        ));
+        assert!(has(
+            &memfd,
+            [
+                "-drive",
+                "file=/c/web/rootfs.ext4,if=virtio,format=raw,snapshot=on"
+            ]
+        ));
+        assert!(has(&memfd, ["-serial", "file:/w/serial.log"]));
+        assert!(has(&memfd, ["-accel", "tcg,tb-size=64"]));
+        let anon = args(&spec(RamBackend::Anonymous));
+        assert!(has(&anon, ["-machine", "q35,mem-merge=on"]));
+        assert!(!anon.iter().any(|a| a.contains("balloon")));
+        let plain = args(&GuestSpec {
+            mem_merge: false,
+            ..spec(RamBackend::AnonymousNoThp)
+        });
+        assert!(has(&plain, ["-machine", "q35,mem-merge=off"]));
+        let fpr = args(&GuestSpec {
+            free_page_reporting: true,
+            memfold_balloon: false,
+            ..spec(RamBackend::Anonymous)
+        });
+        assert!(has(
+            &fpr,
+            [
+                "-device",
+                "virtio-balloon-pci,id=balloon0,free-page-reporting=on"
+            ]
+        ));
+        assert_eq!(fpr.iter().filter(|a| a.contains("balloon")).count(), 1);
+    }
+
+    #[test]
+    fn a_data_disk_is_read_only_found_by_its_serial_and_throttled_as_asked() {
+        let with = |bps| {
+            args(&GuestSpec {
+                data_disk: Some(DataDisk {
+                    path: "/w/data.img".into(),
+                    read_bytes_per_sec: bps,
+                }),
+                ..spec(RamBackend::Memfd)
+            })
+        };
+        assert!(has(
+            &with(Some(64 << 20)),
+            [
+                "-drive",
+                "file=/w/data.img,if=none,id=memfold-data,format=raw,readonly=on,bps_rd=67108864"
+            ]
+        ));
+        let v = with(None);
+        assert!(has(
+            &v,
+            [
+                "-drive",
+                "file=/w/data.img,if=none,id=memfold-data,format=raw,readonly=on"
+            ]
+        ));
+        assert!(has(
+            &v,
+            [
+                "-device",
+                "virtio-blk-pci,drive=memfold-data,serial=memfold-data"
+            ]
+        ));
+        let own = args(&GuestSpec {
+            kernel_args: Some("memfold.break_at=60".into()),
+            ..spec(RamBackend::Memfd)
+        });
+        assert!(has(
+            &own,
+            [
+                "-append",
+                "console=ttyS0 panic=-1 quiet root=/dev/vda init_on_alloc=0 memfold.break_at=60"
+            ]
+        ));
+        // After the root disk: the root stays /dev/vda.
+        let drives: Vec<_> = v
+            .windows(2)
+            .filter(|w| w[0] == "-drive")
+            .map(|w| &w[1])
+            .collect();
+        assert!(drives[0].contains("rootfs.ext4") && drives[1].contains("data.img"));
+    }
+}
