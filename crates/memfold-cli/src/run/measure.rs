@@ -234,20 +234,27 @@ pub fn around_break(guests: &[Guest], at_s: f64) -> Vec<AroundBreak> {
 /// by metric: (value, uptime) pairs; lines without a time are left out.
 fn timed_rates(serial: &str) -> BTreeMap<String, Vec<(f64, f64)>> {
     let mut out: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
-    for l in serial.lines() {
-        let Some(rest) = l.split("MEMFOLD-RATE ").nth(1) else {
-            continue;
-        };
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        if let [m, v, "at", t, ..] = f[..] {
-            if let (Ok(v), Ok(t)) = (v.parse::<f64>(), t.parse::<f64>()) {
-                if v.is_finite() && v > 0.0 && t.is_finite() {
-                    out.entry(m.to_string()).or_default().push((v, t));
-                }
-            }
+    for (m, v, t) in rate_lines(serial) {
+        if let Some(t) = t {
+            out.entry(m.to_string()).or_default().push((v, t));
         }
     }
     out
+}
+
+/// Each `MEMFOLD-RATE <metric> <value> [at <uptime s>]` line of a guest's console text
+/// whose value is finite and positive: (metric, value, uptime if given and finite).
+fn rate_lines(serial: &str) -> impl Iterator<Item = (&str, f64, Option<f64>)> {
+    serial.lines().filter_map(|l| {
+        let rest = l.split("MEMFOLD-RATE ").nth(1)?;
+        let mut f = rest.split_whitespace();
+        let (m, v) = (f.next()?, f.next()?.parse::<f64>().ok()?);
+        let t = match (f.next(), f.next().map(str::parse::<f64>)) {
+            (Some("at"), Some(Ok(t))) if t.is_finite() => Some(t),
+            _ => None,
+        };
+        (v.is_finite() && v > 0.0).then_some((m, v, t))
+    })
 }
 
 /// A workload's speed in one guest late in a run: the mean of the later half of the
@@ -383,16 +390,8 @@ fn mean_rel_var(v: &[f64]) -> (f64, Option<f64>) {
 /// The `MEMFOLD-RATE` values in a guest's console text, by metric.
 fn rates(serial: &str) -> BTreeMap<String, Vec<f64>> {
     let mut out: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    for l in serial.lines() {
-        let Some(rest) = l.split("MEMFOLD-RATE ").nth(1) else {
-            continue;
-        };
-        let mut f = rest.split_whitespace();
-        if let (Some(m), Some(Ok(v))) = (f.next(), f.next().map(str::parse::<f64>)) {
-            if v.is_finite() && v > 0.0 {
-                out.entry(m.to_string()).or_default().push(v);
-            }
-        }
+    for (m, v, _) in rate_lines(serial) {
+        out.entry(m.to_string()).or_default().push(v);
     }
     out
 }
