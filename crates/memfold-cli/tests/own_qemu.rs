@@ -120,6 +120,33 @@ fn mismatches(serial: &Path) -> Vec<String> {
         .collect()
 }
 
+/// Waits (40 s at most) until the guest is up: `MEMFOLD-READY` on its console.
+fn wait_ready(qemu: &mut Killed, serial: &Path, log: &Path) {
+    wait_console(
+        qemu,
+        serial,
+        log,
+        "MEMFOLD-READY",
+        1,
+        Duration::from_secs(40),
+    );
+}
+
+/// Waits (40 s at most) for `rounds` more self-check rounds, and checks none of the
+/// guest's self-checks ever failed.
+fn checks_pass(qemu: &mut Killed, serial: &Path, log: &Path, rounds: usize) {
+    let n = count(serial, "MEMFOLD-CHECK ok");
+    wait_console(
+        qemu,
+        serial,
+        log,
+        "MEMFOLD-CHECK ok",
+        n + rounds,
+        Duration::from_secs(40),
+    );
+    assert!(mismatches(serial).is_empty(), "{:?}", mismatches(serial));
+}
+
 /// Waits until `qemu` (still running) has printed `marker` `n` times in all; panics with
 /// the console and log after `within`.
 fn wait_console(
@@ -202,14 +229,7 @@ fn a_hand_written_command_line_runs_through_memfold_qemu_and_saves_memory() {
     let line = qemu_line("own1", ram, 1, &serial, &img);
     let started = Instant::now();
     let mut qemu = memfold_qemu(&socket, &line, &log);
-    wait_console(
-        &mut qemu,
-        &serial,
-        &log,
-        "MEMFOLD-READY",
-        1,
-        Duration::from_secs(40),
-    );
+    wait_ready(&mut qemu, &serial, &log);
     let s = wait_stats(&socket, Duration::from_secs(40), |s| {
         s.vms.iter().any(|v| {
             v.name == "own1"
@@ -229,16 +249,7 @@ fn a_hand_written_command_line_runs_through_memfold_qemu_and_saves_memory() {
         v.shared_pages, v.zero_reclaimed_pages
     );
     // Self-checks pass over the managed RAM (CoW breaks and refills included).
-    let n = count(&serial, "MEMFOLD-CHECK ok");
-    wait_console(
-        &mut qemu,
-        &serial,
-        &log,
-        "MEMFOLD-CHECK ok",
-        n + 2,
-        Duration::from_secs(40),
-    );
-    assert!(mismatches(&serial).is_empty(), "{:?}", mismatches(&serial));
+    checks_pass(&mut qemu, &serial, &log, 2);
     assert!(started.elapsed() < Duration::from_secs(90));
 }
 
@@ -253,14 +264,7 @@ fn a_guest_with_two_memory_backends_has_both_regions_managed() {
     let line = qemu_line("own2", ram, 2, &serial, &img);
     let started = Instant::now();
     let mut qemu = memfold_qemu(&socket, &line, &log);
-    wait_console(
-        &mut qemu,
-        &serial,
-        &log,
-        "MEMFOLD-READY",
-        1,
-        Duration::from_secs(40),
-    );
+    wait_ready(&mut qemu, &serial, &log);
     let s = wait_stats(&socket, Duration::from_secs(45), |s| {
         saved(s, "own2/ram0") > 0 && saved(s, "own2/ram1") > 0
     });
@@ -284,16 +288,7 @@ fn a_guest_with_two_memory_backends_has_both_regions_managed() {
         saved(&s, "own2/ram0"),
         saved(&s, "own2/ram1")
     );
-    let n = count(&serial, "MEMFOLD-CHECK ok");
-    wait_console(
-        &mut qemu,
-        &serial,
-        &log,
-        "MEMFOLD-CHECK ok",
-        n + 2,
-        Duration::from_secs(40),
-    );
-    assert!(mismatches(&serial).is_empty(), "{:?}", mismatches(&serial));
+    checks_pass(&mut qemu, &serial, &log, 2);
     assert!(started.elapsed() < Duration::from_secs(90));
 }
 
@@ -369,14 +364,7 @@ fn a_memory_backend_added_at_run_time_is_attached_and_detached_when_deleted() {
     line.push("-qmp".into());
     line.push(format!("unix:{},server=on,wait=off", qmp.display()));
     let mut qemu = memfold_qemu(&socket, &line, &log);
-    wait_console(
-        &mut qemu,
-        &serial,
-        &log,
-        "MEMFOLD-READY",
-        1,
-        Duration::from_secs(40),
-    );
+    wait_ready(&mut qemu, &serial, &log);
     wait_stats(&socket, Duration::from_secs(20), |s| {
         s.vms.iter().any(|v| v.name == "own3")
     });
@@ -426,13 +414,5 @@ fn a_memory_backend_added_at_run_time_is_attached_and_detached_when_deleted() {
         "QEMU runs on: {daemon_text}"
     );
     // The guest runs on, its self-checks passing.
-    let n = count(&serial, "MEMFOLD-CHECK ok");
-    wait_console(
-        &mut qemu,
-        &serial,
-        &log,
-        "MEMFOLD-CHECK ok",
-        n + 1,
-        Duration::from_secs(40),
-    );
+    checks_pass(&mut qemu, &serial, &log, 1);
 }
