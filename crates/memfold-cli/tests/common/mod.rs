@@ -21,29 +21,27 @@ impl Drop for Killed {
 /// `/etc/memfold/memfoldd.toml` (a package may have put one there): the flags are the
 /// test's.
 pub fn memfoldd(socket: &Path, args: &[&str]) -> Killed {
-    Killed(
-        Command::new(env!("CARGO_BIN_EXE_memfoldd"))
-            .args(["--config", "none"])
-            .args(args)
-            .arg("--socket")
-            .arg(socket)
-            .spawn()
-            .expect("memfoldd starts"),
-    )
+    Killed(memfoldd_command(socket, args).spawn().expect("memfoldd starts"))
 }
 
 /// As [`memfoldd`], its log (stderr) written to `log`.
 pub fn memfoldd_logged(socket: &Path, args: &[&str], log: &Path) -> Killed {
     Killed(
-        Command::new(env!("CARGO_BIN_EXE_memfoldd"))
-            .args(["--config", "none"])
-            .args(args)
-            .arg("--socket")
-            .arg(socket)
+        memfoldd_command(socket, args)
             .stderr(std::fs::File::create(log).expect("memfoldd's log"))
             .spawn()
             .expect("memfoldd starts"),
     )
+}
+
+/// memfoldd of this build on `socket` with `args`, without the host's configuration file.
+fn memfoldd_command(socket: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_memfoldd"));
+    c.args(["--config", "none"])
+        .args(args)
+        .arg("--socket")
+        .arg(socket);
+    c
 }
 
 /// The agent library of this build, beside memfoldd.
