@@ -165,7 +165,8 @@ pub enum DaemonMsg {
         modified: Vec<u64>,
     },
     AgentStats {
-        faults: [u64; 3],
+        /// wp, missing, minor faults; state bytes; mappings.
+        faults: [u64; 5],
         hists: [Vec<(u64, u64)>; 7],
     },
     ClientHello(u32),
@@ -325,6 +326,8 @@ impl DaemonMsg {
                 track_ns: hists[4].clone(),
                 stash_ns: hists[5].clone(),
                 unstash_ns: hists[6].clone(),
+                state_bytes: faults[3],
+                mappings: faults[4],
             }),
             DaemonMsg::ClientHello(v) => ToDaemon::ClientHello { version: *v },
             DaemonMsg::Stats => ToDaemon::Stats,

@@ -84,9 +84,12 @@ impl Counters {
         }
     }
 
-    /// The counters as the wire carries them.
-    fn report(&self) -> AgentReport {
+    /// The counters as the wire carries them, with the agent's record of its pages,
+    /// `state_bytes`, and its process's mappings as counted, `mappings`.
+    fn report(&self, state_bytes: u64, mappings: u64) -> AgentReport {
         AgentReport {
+            state_bytes,
+            mappings,
             wp_faults: self.wp_faults,
             missing_faults: self.missing_faults,
             minor_faults: self.minor_faults,
@@ -240,7 +243,10 @@ impl Agent {
         }
         if self.counters.last_report.elapsed() >= REPORT_EVERY {
             self.counters.last_report = Instant::now();
-            msgs.push(ToDaemon::AgentStats(self.counters.report()));
+            msgs.push(ToDaemon::AgentStats(self.counters.report(
+                self.pages.state_bytes(),
+                crate::vmas::PROCESS.mappings() as u64,
+            )));
         }
         for m in msgs {
             if c.send(&m, &[]).is_err() {

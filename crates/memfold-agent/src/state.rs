@@ -113,6 +113,12 @@ impl Pages {
         self.process.frames_changed(frame(home), frame(old));
     }
 
+    /// Bytes this record holds: its page homes and R/M bitmaps, as allocated.
+    pub(crate) fn state_bytes(&self) -> u64 {
+        (self.homes.capacity() * std::mem::size_of::<PageHome>()
+            + (self.referenced.capacity() + self.modified.capacity()) * 8) as u64
+    }
+
     /// Pages of this region mapped onto pool frames now.
     #[cfg(test)]
     pub(crate) fn on_frames(&self) -> usize {

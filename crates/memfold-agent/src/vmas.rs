@@ -85,6 +85,13 @@ impl Vmas {
         self.on_frames.load(Ordering::SeqCst)
     }
 
+    /// The process's mappings as counted: the last read of `/proc/self/maps` plus the
+    /// agents' changes since (2 a change: an upper bound); 0 before the first read.
+    pub(crate) fn mappings(&self) -> usize {
+        let seen = self.count.lock().unwrap_or_else(|e| e.into_inner()).seen;
+        seen + self.added.load(Ordering::SeqCst)
+    }
+
     /// An agent changed one mapping: a move of pool frames over guest pages or guest RAM
     /// mapped back over a page, each splitting a mapping in at most 3.
     pub(crate) fn changed(&self) {

@@ -1,5 +1,6 @@
-//! CPU time of processes and threads, from `/proc` (what memfold costs: memfoldd's own
-//! CPU, the agent threads' inside each QEMU, the kernel's savers).
+//! CPU time and resident memory of processes and threads, from `/proc` (what memfold
+//! costs: memfoldd's own CPU and memory, the agent threads' CPU inside each QEMU, the
+//! kernel's savers).
 
 /// Name prefix of the agent's threads inside QEMU (`/proc/PID/task/TID/comm`).
 pub const AGENT_THREADS: &str = "memfold-";
@@ -36,6 +37,24 @@ pub fn cpu_seconds(pid: u32, thread_prefix: Option<&str>) -> f64 {
     }
 }
 
+/// Resident set of process `pid` (`VmRSS` of `/proc/PID/status`), bytes; 0 if `/proc`
+/// does not say (the process is gone, or a kernel thread).
+pub fn rss_bytes(pid: u32) -> u64 {
+    status_kib(pid, "VmRSS:") * 1024
+}
+
+/// The KiB of field `key` of `/proc/PID/status`; 0 if absent.
+fn status_kib(pid: u32, key: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -52,6 +71,24 @@ mod tests {
         };
         let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
         tv(ru.ru_utime) + tv(ru.ru_stime)
+    }
+
+    #[test]
+    fn touching_memory_raises_the_resident_set_and_its_peak() {
+        let me = std::process::id();
+        let before = rss_bytes(me);
+        assert!(before > 0, "this process has a resident set");
+        let mut v = vec![0u8; 64 << 20];
+        for p in v.chunks_mut(4096) {
+            p[0] = 1;
+        }
+        let during = rss_bytes(me);
+        assert!(
+            during >= before + (48 << 20),
+            "64 MiB touched: rss {before} -> {during}"
+        );
+        drop(std::hint::black_box(v));
+        assert_eq!(rss_bytes(u32::MAX), 0, "no such process");
     }
 
     #[test]

@@ -142,6 +142,15 @@ pub struct AgentReport {
     pub stash_ns: Vec<(u64, u64)>,
     /// Missing fault on a stashed page: read and decode the blob, install the page.
     pub unstash_ns: Vec<(u64, u64)>,
+    /// Bytes of the agent's own record of this region's pages (its page homes and R/M
+    /// bits): the agent's metadata in QEMU (issue 19; ESX §4.3 keeps it under 0.5%).
+    #[serde(default)]
+    pub state_bytes: u64,
+    /// Mappings (VMAs) of the agent's QEMU as the agent counts them: its last read of
+    /// `/proc/self/maps` (at most 10 s old) plus its own changes since, an upper bound.
+    /// Shared pages cost mappings; `vm.max_map_count` caps them (issue 19's VMA wall).
+    #[serde(default)]
+    pub mappings: u64,
 }
 
 /// Messages to memfoldd.

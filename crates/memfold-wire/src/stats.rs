@@ -161,6 +161,14 @@ pub struct VmStats {
     pub pid: u32,
     /// Guest RAM, pages.
     pub pages: u64,
+    /// Bytes of its agent's record of its pages (page homes, R/M bits) in QEMU, as the
+    /// agent last reported (issue 19: metadata per GiB of guest RAM).
+    #[serde(default)]
+    pub agent_state_bytes: u64,
+    /// Mappings (VMAs) of its QEMU as its agent counts them (an upper bound; several
+    /// regions of one QEMU report the same process), against `vm.max_map_count`.
+    #[serde(default)]
+    pub qemu_mappings: u64,
     /// Host memory this guest holds alone, bytes: its RAM memfd and its store memfd as
     /// allocated (holes take none; its sharing domain's pool is counted apart, in
     /// [`HeldBytes::pool`], as its frames serve every guest of the domain).
@@ -332,6 +340,13 @@ pub struct Stats {
     /// order of [`OpLatencies::OPS`] (empty from a memfoldd older than this field).
     #[serde(default)]
     pub latency_buckets: Vec<OpBuckets>,
+    /// Bytes of the engine's own metadata (P2M, clock, frame books, share table,
+    /// similarity index, blob table; docs/metadata.md).
+    #[serde(default)]
+    pub metadata_bytes: u64,
+    /// memfoldd's resident set (`VmRSS`), bytes; 0 if `/proc` does not say.
+    #[serde(default)]
+    pub rss_bytes: u64,
     /// Per guest.
     pub vms: Vec<VmStats>,
 }

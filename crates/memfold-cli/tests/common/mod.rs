@@ -21,7 +21,11 @@ impl Drop for Killed {
 /// `/etc/memfold/memfoldd.toml` (a package may have put one there): the flags are the
 /// test's.
 pub fn memfoldd(socket: &Path, args: &[&str]) -> Killed {
-    Killed(memfoldd_command(socket, args).spawn().expect("memfoldd starts"))
+    Killed(
+        memfoldd_command(socket, args)
+            .spawn()
+            .expect("memfoldd starts"),
+    )
 }
 
 /// As [`memfoldd`], its log (stderr) written to `log`.

@@ -22,6 +22,8 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
         pid: v.pid,
         pages: v.pages,
         host_bytes: v.host_bytes,
+        agent_state_bytes: g.map_or(0, |g| g.agent_state_bytes),
+        qemu_mappings: g.map_or(0, |g| g.qemu_mappings),
         shared_pages: b.shared_pages,
         zero_shared_pages: b.zero_shared_pages,
         zero_reclaimed_pages: b.zero_reclaimed_pages,
@@ -155,6 +157,8 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats 
         adopted_pool: b.adopted_pool,
         latency,
         latency_buckets,
+        metadata_bytes: b.metadata_bytes,
+        rss_bytes: memfold_sys::proc::rss_bytes(std::process::id()),
         vms,
     }
 }

@@ -189,6 +189,10 @@ pub(crate) struct Guest {
     pub(crate) missing_faults: u64,
     pub(crate) minor_faults: u64,
     pub(crate) latency: [OpLatency; AGENT_OPS],
+    /// Bytes of the agent's record of the region's pages.
+    pub(crate) agent_state_bytes: u64,
+    /// Its QEMU's mappings as the agent counts them.
+    pub(crate) qemu_mappings: u64,
 }
 
 impl Guest {
@@ -205,6 +209,8 @@ impl Guest {
             missing_faults: 0,
             minor_faults: 0,
             latency: Default::default(),
+            agent_state_bytes: 0,
+            qemu_mappings: 0,
         }
     }
 }
@@ -282,6 +288,8 @@ impl Guests {
         g.wp_faults = r.wp_faults;
         g.missing_faults = r.missing_faults;
         g.minor_faults = r.minor_faults;
+        g.agent_state_bytes = r.state_bytes;
+        g.qemu_mappings = r.mappings;
         g.latency = [
             &r.share_ns,
             &r.cow_break_ns,
