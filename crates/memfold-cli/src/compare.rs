@@ -208,38 +208,12 @@ pub fn run(a: &CompareArgs) -> Result<()> {
     }
 
     eprintln!("== Linux KSM (aggressive) on the same set, booted afresh");
-    let ksm = Ksm::take_control()?;
-    ksm.unmerge()?;
-    let mut set = a.memfold.set.clone();
-    set.out = Some(out.join("ksm"));
-    let backend = a.ksm_thp.backend();
-    // The plain twins' RAM is not mergeable: KSM leaves them alone.
-    let (mut gs, mut plain, kout) = guests::start_pairs(
-        &set,
-        a.twins(),
-        backend,
-        "compare",
-        |s, managed| s.mem_merge = managed,
-        |_| Vec::new(),
-    )?;
-    let since = start_marks(gs.iter().chain(&plain));
-    let cpu0 = kernel_threads_cpu_seconds(&["ksmd"]);
-    let k = run_mode(&ksm, &mut gs, KsmMode::AGGRESSIVE, a.memfold.secs)?;
-    let ksm_cpu_s = kernel_threads_cpu_seconds(&["ksmd"]) - cpu0;
-    let ksm_throughput = throughput(&gs, &plain, &since);
-    ksm.unmerge()?;
-    drop(ksm);
-    crate::ksm::write_outputs(&kout, std::slice::from_ref(&k))?;
-    let mismatches: Vec<String> = gs
-        .iter()
-        .chain(&plain)
-        .flat_map(|g| g.mismatches())
-        .collect();
-    for g in plain.iter_mut() {
-        g.check_alive()?;
-    }
-    drop(gs);
-    drop(plain);
+    let KsmSide {
+        run: k,
+        cpu_s: ksm_cpu_s,
+        throughput: ksm_throughput,
+        mismatches,
+    } = ksm_side(&a.memfold.set, a.twins(), a.ksm_thp, a.memfold.secs, &out)?;
     let j = serde_json::json!({
         "guests": a.memfold.set.profiles,
         "secs": a.memfold.secs,
@@ -289,6 +263,67 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         print_sides(&m.throughput, "KSM-managed", &ksm_throughput);
     }
     Ok(())
+}
+
+/// The KSM side of a compare, measured.
+pub struct KsmSide {
+    /// Its run: host memory before and saved, time to 95%, the samples.
+    pub run: crate::ksm::KsmRun,
+    /// ksmd's CPU seconds over the run.
+    pub cpu_s: f64,
+    /// Each workload's throughput against its plain twin (empty without twins).
+    pub throughput: Vec<Throughput>,
+    /// Self-check mismatches the guests reported (managed and plain).
+    pub mismatches: Vec<String>,
+}
+
+/// Boots `set` afresh (anonymous RAM, huge pages as `thp` says; with `twins`, a plain
+/// twin beside each guest, its RAM not mergeable) and runs KSM aggressive on it for
+/// `secs`, its files under `out/ksm`. KSM is unmerged before and after.
+///
+/// Errors: KSM cannot be driven, a guest fails to boot or dies.
+pub fn ksm_side(
+    set: &guests::GuestSetArgs,
+    twins: Option<Twins>,
+    thp: KsmThp,
+    secs: u64,
+    out: &std::path::Path,
+) -> Result<KsmSide> {
+    let ksm = Ksm::take_control()?;
+    ksm.unmerge()?;
+    let mut set = set.clone();
+    set.out = Some(out.join("ksm"));
+    // The plain twins' RAM is not mergeable: KSM leaves them alone.
+    let (mut gs, mut plain, kout) = guests::start_pairs(
+        &set,
+        twins,
+        thp.backend(),
+        "compare",
+        |s, managed| s.mem_merge = managed,
+        |_| Vec::new(),
+    )?;
+    let since = start_marks(gs.iter().chain(&plain));
+    let cpu0 = kernel_threads_cpu_seconds(&["ksmd"]);
+    let k = run_mode(&ksm, &mut gs, KsmMode::AGGRESSIVE, secs)?;
+    let cpu_s = kernel_threads_cpu_seconds(&["ksmd"]) - cpu0;
+    let throughput = throughput(&gs, &plain, &since);
+    ksm.unmerge()?;
+    drop(ksm);
+    crate::ksm::write_outputs(&kout, std::slice::from_ref(&k))?;
+    let mismatches: Vec<String> = gs
+        .iter()
+        .chain(&plain)
+        .flat_map(|g| g.mismatches())
+        .collect();
+    for g in plain.iter_mut() {
+        g.check_alive()?;
+    }
+    Ok(KsmSide {
+        run: k,
+        cpu_s,
+        throughput,
+        mismatches,
+    })
 }
 
 /// With plain twins: both sides' throughput tables (managed vs plain, ratio ± 2 s.e.),

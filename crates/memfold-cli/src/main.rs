@@ -121,6 +121,12 @@ enum BenchCmd {
     /// µs, CPU per access and memory held, in sequential and random order. Needs root;
     /// turns zswap on and adds a swap file for the run, both put back afterwards.
     FaultPath(bench::fault_path::FaultPathArgs),
+    /// How memfold's costs grow with the number of guests (`--vms 1,2,4,8,12,16`) and
+    /// their size (`--sizes 512,2048,4096,8192`, MiB), each point measured as `memfold
+    /// compare` measures (memfold, then KSM aggressive, fresh boots): saved fraction, time
+    /// to 95%, CPU per GiB saved, scan throughput, mappings per QEMU, latencies,
+    /// metadata and memfoldd's memory; with each cost's slope. Needs root.
+    Scale(Box<bench::scale::ScaleArgs>),
 }
 
 fn main() {
@@ -184,6 +190,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Bench {
             which: BenchCmd::FaultPath(args),
         } => bench::fault_path::run(&args),
+        Cmd::Bench {
+            which: BenchCmd::Scale(args),
+        } => bench::scale::run(&args),
     }
 }
 

@@ -2,3 +2,4 @@
 
 pub mod fault_path;
 pub mod micro;
+pub mod scale;
