@@ -91,7 +91,7 @@ pub fn run_mode(ksm: &Ksm, guests: &mut [Guest], mode: KsmMode, secs: u64) -> Re
     })?;
     eprintln!();
     let (saved_bytes, t95_s) = plateau(used_before, samples.iter().map(|s| (s.t, s.used_bytes)));
-    let ksm_sharing_bytes = tail_mean(&samples, |s| s.ksm.pages_sharing as f64 * 4096.0);
+    let ksm_sharing_bytes = tail_mean(&samples, |s| s.t, |s| s.ksm.pages_sharing as f64 * 4096.0);
     Ok(KsmRun {
         mode: mode.name,
         used_before,

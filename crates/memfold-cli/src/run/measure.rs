@@ -75,7 +75,7 @@ pub fn ram_usages(guests: &[Guest]) -> Result<Vec<RamUsage>> {
 /// Calls `sample` (with the time the sampling started) once a second, after the second,
 /// until `secs` seconds have passed (`None`: no limit) or `stop` is set: the clock of
 /// every memfold and KSM run, whose end figures are means over the last
-/// [`PLATEAU_SAMPLES`] samples.
+/// [`PLATEAU_S`] seconds of samples.
 pub fn every_second(
     secs: Option<u64>,
     stop: Option<&AtomicBool>,
@@ -91,25 +91,32 @@ pub fn every_second(
     Ok(())
 }
 
-/// Samples a run's end figures are averaged over (the last 10 s at one sample a second).
-const PLATEAU_SAMPLES: usize = 10;
+/// Seconds at a run's end its end figures are averaged over.
+const PLATEAU_S: f64 = 10.0;
 
-/// The mean of `f` over the last [`PLATEAU_SAMPLES`] of `samples` (0 for none): how every
-/// run's end figure (measured saving, KSM's pages_sharing, memfoldd's books) is taken.
-pub fn tail_mean<T>(samples: &[T], f: impl Fn(&T) -> f64) -> f64 {
-    let tail = &samples[samples.len().saturating_sub(PLATEAU_SAMPLES)..];
-    tail.iter().map(f).sum::<f64>() / tail.len().max(1) as f64
+/// The mean of `f` over the samples of the last [`PLATEAU_S`] seconds (by `t`, each
+/// sample's time, s; the last sample at least; 0 for none): how every run's end figure
+/// (measured saving, KSM's pages_sharing, memfoldd's books) is taken. By time, not a
+/// count of samples: on a loaded host a sample can take seconds, and ten of them would
+/// reach back to where a still-rising saving was lower (16 guests on 2 cores: 50 s).
+pub fn tail_mean<T>(samples: &[T], t: impl Fn(&T) -> f64, f: impl Fn(&T) -> f64) -> f64 {
+    let Some(last) = samples.last() else {
+        return 0.0;
+    };
+    let from = t(last) - PLATEAU_S;
+    let tail: Vec<&T> = samples.iter().filter(|s| t(s) > from).collect();
+    tail.iter().map(|s| f(s)).sum::<f64>() / tail.len() as f64
 }
 
 /// The plateau of a run sampled as (seconds, host memory used): the mean saving
-/// (`used_before` − used) over the last [`PLATEAU_SAMPLES`] samples, bytes, and the first
+/// (`used_before` − used) over the last [`PLATEAU_S`] seconds, bytes, and the first
 /// time the saving reached 95% of it, s. memfold and KSM runs are summarised by this one
 /// function.
 pub fn plateau(used_before: u64, samples: impl Iterator<Item = (f64, u64)>) -> (f64, Option<f64>) {
     let saved: Vec<(f64, f64)> = samples
         .map(|(t, u)| (t, used_before as f64 - u as f64))
         .collect();
-    let mean = tail_mean(&saved, |s| s.1);
+    let mean = tail_mean(&saved, |s| s.0, |s| s.1);
     let t95 = saved.iter().find(|s| s.1 >= 0.95 * mean).map(|s| s.0);
     (mean, t95)
 }
@@ -524,18 +531,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn plateau_is_the_mean_of_the_last_ten_samples_and_t95_its_first_reach() {
+    fn plateau_is_the_mean_of_the_last_ten_seconds_and_t95_its_first_reach() {
         // Used falls from 1000 by 100 a second to 200, then stays: saved 800 at the end.
         let samples = (1..=30).map(|t| (t as f64, 1000u64.saturating_sub(100 * t).max(200)));
         let (saved, t95) = plateau(1000, samples);
         assert_eq!(saved, 800.0);
         assert_eq!(t95, Some(8.0), "saved 800 ≥ 95% of 800 first at 8 s");
+        let id = |x: &f64| *x;
+        assert_eq!(tail_mean(&[1.0, 2.0, 3.0], id, id), 2.0, "all within 10 s");
+        assert_eq!(tail_mean(&[] as &[f64], id, id), 0.0);
+        // A loaded host sampling every 5 s: the last 10 s hold two samples, not ten.
+        let slow: Vec<(f64, f64)> = (0..20).map(|k| (k as f64 * 5.0, k as f64)).collect();
         assert_eq!(
-            tail_mean(&[1.0, 2.0, 3.0], |x| *x),
-            2.0,
-            "fewer than ten: all"
+            tail_mean(&slow, |s| s.0, |s| s.1),
+            18.5,
+            "samples at 90 and 95 s"
         );
-        assert_eq!(tail_mean(&[] as &[f64], |x| *x), 0.0);
         assert_eq!(plateau(5, std::iter::empty()), (0.0, None));
         assert_eq!(
             saved_mib_over_time(3 << 20, [(1.0, 1 << 20)].into_iter()),

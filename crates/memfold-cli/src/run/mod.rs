@@ -301,7 +301,8 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     }
     let (saved_bytes, t95_s) =
         measure::plateau(used_before, samples.iter().map(|s| (s.t, s.used_bytes)));
-    let books_saved_bytes = measure::tail_mean(&samples, |s| s.stats.saved_pages as f64 * 4096.0);
+    let books_saved_bytes =
+        measure::tail_mean(&samples, |s| s.t, |s| s.stats.saved_pages as f64 * 4096.0);
     Ok((
         MemfoldRun {
             used_before,
