@@ -44,6 +44,12 @@ pub const FEATURE_THREAD_ID: u64 = 1 << 8;
 /// `UFFD_FEATURE_WP_HUGETLBFS_SHMEM`: write-protect on shmem, kept across zaps.
 pub const FEATURE_WP_SHMEM: u64 = 1 << 12;
 
+/// `UFFD_FEATURE_WP_ASYNC` (Linux 6.7+): write-protect faults resolved by the kernel
+/// itself (the page unprotected, no message, no wait); `PAGEMAP_SCAN`'s
+/// `PAGE_IS_WRITTEN` then tells which pages were written. Per userfaultfd: every
+/// write-protect fault of its ranges is then asynchronous.
+pub const FEATURE_WP_ASYNC: u64 = 1 << 15;
+
 /// Every feature memfold's agent opens its userfaultfd with: remap and remove events,
 /// missing, write-protect and minor faults on shmem, the faulting thread's id. `memfold
 /// run` checks the same set before any guest boots.
@@ -567,6 +573,37 @@ impl Uffd {
     }
 }
 
+/// Every userfaultfd feature this kernel has (`UFFDIO_API` with none asked answers with
+/// all of them), on a userfaultfd opened for the probe and closed again.
+///
+/// Errors: no userfaultfd for this process ([`UffdError::Open`]), or the handshake fails.
+pub fn available_features() -> Result<u64, UffdError> {
+    let mut api = UffdioApi {
+        api: 0xAA,
+        features: 0,
+        ioctls: 0,
+    };
+    // SAFETY: the call has no preconditions; the descriptor is only handshaken and closed.
+    let fd = match unsafe {
+        rustix::mm::userfaultfd(UserfaultfdFlags::CLOEXEC | UserfaultfdFlags::NONBLOCK)
+    } {
+        Ok(fd) => fd,
+        Err(e) if e == rustix::io::Errno::PERM => {
+            Uffd::open_device(DEV_USERFAULTFD).map_err(|_| UffdError::Open(e.into()))?
+        }
+        Err(e) => return Err(UffdError::Open(e.into())),
+    };
+    // SAFETY: UFFDIO_API reads and writes the `UffdioApi` it is given, which lives across
+    // the call.
+    if unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API, &mut api) } != 0 {
+        return Err(UffdError::Api {
+            features: 0,
+            errno: io::Error::last_os_error(),
+        });
+    }
+    Ok(api.features)
+}
+
 /// The result of a range ioctl.
 fn check(rc: libc::c_int, ioctl: Ioctl, start: u64, len: u64) -> Result<(), UffdError> {
     if rc == 0 {
@@ -645,6 +682,18 @@ mod tests {
             }
             Err(e) => eprintln!("skipped: {DEV_USERFAULTFD}: {e}"),
         }
+    }
+
+    /// Where the kernel lets this process open a userfaultfd, the features it lists
+    /// include the agent's (which `open` just got).
+    #[test]
+    fn available_features_list_what_open_gets() {
+        if Uffd::open(AGENT_FEATURES).is_err() {
+            eprintln!("no userfaultfd with the agent's features here; skipped");
+            return;
+        }
+        let f = available_features().expect("UFFDIO_API with no features");
+        assert_eq!(f & AGENT_FEATURES, AGENT_FEATURES, "{f:#x}");
     }
 
     /// Where the kernel lets this process open a userfaultfd (root here), a registered

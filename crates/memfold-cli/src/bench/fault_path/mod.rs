@@ -29,9 +29,27 @@
 //!   page zswap rejected; swap readahead may bring neighbours in with it, counted by
 //!   `swap_ra`/`swap_ra_hit`).
 //!
-//! Each round runs both orders, the two sides alternating which goes first. Reported per
-//! order and side: p50/p99/mean µs over all rounds, the ratio kernel ÷ memfold of the
-//! p50s and of the means with its spread across rounds, the CPU time of the whole process
+//! More sides (`--sides`), on the same pages and orders, for the clock's registration
+//! (docs/peer.md, "zswap under the clock's registration"):
+//!
+//! - **kernel-minor**: the kernel's side with the mapping registered as the agent
+//!   registers guest RAM (`MISSING | WP | MINOR`) and a handler answering each minor
+//!   fault with `UFFDIO_CONTINUE`: zswap as memfold's backing under today's clock.
+//! - **uffd-rbit**: resident memfd pages, PTEs zapped (`MADV_DONTNEED`), registered the
+//!   same way: each first access is the clock's R bit today, a minor userfault.
+//! - **kernel-rbit**: the same pages without userfaultfd: an in-kernel minor fault
+//!   (fault-around maps up to 16 pages with it); which pages were touched is read back
+//!   with `PAGEMAP_SCAN` and `/proc/self/pagemap`, timed.
+//! - **async-rbit**: as kernel-rbit, the range registered for asynchronous write-protect
+//!   only (`UFFD_FEATURE_WP_ASYNC`), as a clock would for M bits: no userfault ever, and
+//!   no fault-around.
+//!
+//! With an R-bit side, a probe reports the kernel's userfaultfd features, fault-around,
+//! and whether M bits work by `WP_ASYNC` + `PAGE_IS_WRITTEN` on a memfd.
+//!
+//! Each round runs both orders, the sides rotating which goes first (two alternate). Reported per
+//! order and side: p50/p99/mean µs over all rounds, the ratios kernel ÷ memfold (and
+//! the new sides' pairs) of the p50s and of the means with its spread across rounds, the CPU time of the whole process
 //! per access (`getrusage`: the accessing thread and, for memfold, its handler thread;
 //! for the kernel the decompression is in the faulting thread), and the memory each side
 //! holds for the cold pages (memfold: the store memfd's allocated bytes; kernel: the
@@ -45,12 +63,15 @@
 //! `swapon --show`). zswap's counters are host-wide: run it where nothing else swaps
 //! (under `flock /tmp/measure.lock` on the shared host).
 
+mod clock;
+mod pagemap;
 mod pages;
 mod sides;
 mod stats;
 
+pub use clock::ClockProbe;
 pub use pages::{PageGen, PageKind};
-use sides::{kernel_side, memfold_side, Store};
+use sides::{kernel_side, memfold_side, touch, Store};
 pub use stats::{spread, summarize, Spread, Summary};
 
 use std::path::PathBuf;
@@ -108,19 +129,88 @@ pub struct FaultPathArgs {
     /// wake-up, not two. A lower bound of the round trip, at a core's cost.
     #[arg(long)]
     pub busy_poll: bool,
+    /// The sides measured, each round in a rotating order: memfold, kernel, kernel-minor
+    /// (zswap behind the agent's MISSING|WP|MINOR registration), uffd-rbit (a zapped
+    /// resident page, a minor userfault: the clock's R bit) and kernel-rbit (a zapped
+    /// resident page, no userfaultfd, R read back by PAGEMAP_SCAN), async-rbit (the same,
+    /// registered for asynchronous write-protect only: no fault-around).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "memfold,kernel"
+    )]
+    pub sides: Vec<Side>,
+    /// Busy work, µs, the minor-fault handler (kernel-minor, uffd-rbit) does before each
+    /// `UFFDIO_CONTINUE`: how the round trip grows with the handler's work.
+    #[arg(long, default_value_t = 0)]
+    pub handler_spin_us: u64,
     /// Print the report as JSON on stdout instead of the tables.
     #[arg(long)]
     pub json: bool,
 }
 
 /// Which side a measurement is of.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
 pub enum Side {
     /// memfold's store and userfaultfd handler.
     Memfold,
     /// zswap behind `MADV_PAGEOUT`.
     Kernel,
+    /// zswap behind `MADV_PAGEOUT`, the mapping registered as the agent registers guest
+    /// RAM (`MISSING | WP | MINOR`), a handler answering minor faults with
+    /// `UFFDIO_CONTINUE`.
+    KernelMinor,
+    /// Resident pages, PTEs zapped, registered as the agent does: the clock's R bit.
+    UffdRbit,
+    /// Resident pages, PTEs zapped, no userfaultfd: an in-kernel minor fault.
+    KernelRbit,
+    /// As `KernelRbit`, the range registered for asynchronous write-protect only (as a
+    /// userfault-free clock would, for M bits): no userfault, and no fault-around.
+    AsyncRbit,
+}
+
+impl Side {
+    /// Its name on the command line.
+    fn name(self) -> &'static str {
+        match self {
+            Side::Memfold => "memfold",
+            Side::Kernel => "kernel",
+            Side::KernelMinor => "kernel-minor",
+            Side::UffdRbit => "uffd-rbit",
+            Side::KernelRbit => "kernel-rbit",
+            Side::AsyncRbit => "async-rbit",
+        }
+    }
+
+    /// Whether it pages out to zswap.
+    fn zswap(self) -> bool {
+        matches!(self, Side::Kernel | Side::KernelMinor)
+    }
+}
+
+/// The ratios reported, numerator ÷ denominator, where both sides ran.
+const RATIOS: [(Side, Side); 5] = [
+    (Side::Kernel, Side::Memfold),
+    (Side::KernelMinor, Side::Memfold),
+    (Side::KernelMinor, Side::Kernel),
+    (Side::KernelRbit, Side::UffdRbit),
+    (Side::AsyncRbit, Side::UffdRbit),
+];
+
+/// What reading R bits back without userfaultfd costs (`kernel-rbit`, `async-rbit`), ns per page of
+/// the range.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct ClockCost {
+    /// `MADV_DONTNEED` of the whole range, every page resident and mapped (arming).
+    pub zap_ns_per_page: f64,
+    /// `PAGEMAP_SCAN` for `PAGE_IS_PRESENT`, no page present.
+    pub scan_none_ns_per_page: f64,
+    /// `PAGEMAP_SCAN` for `PAGE_IS_PRESENT`, every page present.
+    pub scan_all_ns_per_page: f64,
+    /// Reading `/proc/self/pagemap` (8 bytes a page, one `pread`), every page present.
+    pub pagemap_read_ns_per_page: f64,
 }
 
 /// The order pages are first accessed in.
@@ -164,6 +254,10 @@ pub struct Measurement {
     /// Kernel only: pages swap readahead brought in, and of those, hit (`swap_ra`,
     /// `swap_ra_hit`).
     pub readahead: (u64, u64),
+    /// Faults the userfaultfd handler answered (memfold, kernel-minor, uffd-rbit).
+    pub uffd_faults: u64,
+    /// kernel-rbit and async-rbit: the cost of reading R bits back.
+    pub clock: Option<ClockCost>,
 }
 
 /// One side's latencies over every round of one order.
@@ -185,9 +279,13 @@ pub struct Pooled {
     pub held_bytes: Spread,
 }
 
-/// kernel ÷ memfold for one order, across rounds.
+/// One side ÷ another for one order, across rounds.
 #[derive(Clone, Debug, Serialize)]
 pub struct Ratio {
+    /// Numerator.
+    pub num: Side,
+    /// Denominator.
+    pub den: Side,
     /// Order.
     pub order: Order,
     /// Of the p50s.
@@ -211,8 +309,10 @@ pub struct Report {
     pub random_pct: u32,
     /// memfold's codec.
     pub codec: CompressCodec,
-    /// The zswap compressor used.
+    /// The zswap compressor used (empty if no side paged out).
     pub zswap_compressor: String,
+    /// The probe for a userfault-free clock (when an R-bit side ran).
+    pub probe: Option<ClockProbe>,
     /// Kernel release.
     pub kernel: String,
     /// memfold's compression ratio (page bytes ÷ blob bytes, before slab slots).
@@ -221,7 +321,7 @@ pub struct Report {
     pub measurements: Vec<Measurement>,
     /// Per side and order, pooled.
     pub pooled: Vec<Pooled>,
-    /// kernel ÷ memfold per order.
+    /// Side ÷ side per order (see [`RATIOS`]).
     pub ratios: Vec<Ratio>,
 }
 
@@ -252,8 +352,12 @@ pub fn run(a: &FaultPathArgs) -> Result<()> {
         "--pages and --rounds must be positive"
     );
     ensure!(a.random_pct <= 100, "--random-pct must be in 0..=100");
+    let mut sides = a.sides.clone();
+    sides.dedup();
+    ensure!(!sides.is_empty(), "--sides names no side");
+    let zswap_needed = sides.iter().any(|s| s.zswap());
     ensure!(
-        !a.swap_file.exists(),
+        !zswap_needed || !a.swap_file.exists(),
         "{} exists: remove it (swapoff first if `swapon --show` lists it) or pass another --swap-file",
         a.swap_file.display()
     );
@@ -268,23 +372,48 @@ pub fn run(a: &FaultPathArgs) -> Result<()> {
 
     // Put back when dropped, in reverse order: the swap file off and removed, then
     // zswap's settings.
-    let (zswap, compressor) = Zswap::enable_first(&a.zswap_compressors, a.zswap_max_pool_percent)
-        .context("turning zswap on")?;
+    let (zswap, compressor) = if zswap_needed {
+        let (z, c) = Zswap::enable_first(&a.zswap_compressors, a.zswap_max_pool_percent)
+            .context("turning zswap on")?;
+        (Some(z), c)
+    } else {
+        (None, String::new())
+    };
     // Room for every page uncompressed (zswap takes a swap slot per page it holds; a page
     // it rejects goes to the file), and a little.
-    let swap = SwapFile::create(&a.swap_file, u64::from(a.pages) * PAGE + (16 << 20))
-        .context("the swap file behind zswap")?;
+    let swap = if zswap_needed {
+        Some(
+            SwapFile::create(&a.swap_file, u64::from(a.pages) * PAGE + (16 << 20))
+                .context("the swap file behind zswap")?,
+        )
+    } else {
+        None
+    };
     if !a.json {
         eprintln!(
-            "fault path: {} pages ({} MiB), {}% near-random, memfold {} (ratio {:.2}), zswap {compressor}, {} rounds",
+            "fault path: {} pages ({} MiB), {}% near-random, memfold {} (ratio {:.2}), zswap {compressor}, {} rounds, sides {}",
             a.pages,
             (u64::from(a.pages) * PAGE) >> 20,
             a.random_pct,
             a.codec.name(),
             memfold_ratio,
-            a.rounds
+            a.rounds,
+            sides.iter().map(|s| s.name()).collect::<Vec<_>>().join(",")
         );
     }
+    let probe = if sides
+        .iter()
+        .any(|s| matches!(s, Side::KernelRbit | Side::UffdRbit | Side::AsyncRbit))
+    {
+        let p = clock::probe(&pages).context("the clock probe")?;
+        if !a.json {
+            eprintln!("  probe: {}", probe_line(&p));
+        }
+        Some(p)
+    } else {
+        None
+    };
+    let spin = std::time::Duration::from_micros(a.handler_spin_us);
     let mut measurements = Vec::new();
     for round in 0..a.rounds {
         let mut perm: Vec<u32> = (0..a.pages).collect();
@@ -293,18 +422,25 @@ pub fn run(a: &FaultPathArgs) -> Result<()> {
         ));
         let seq: Vec<u32> = (0..a.pages).collect();
         for (order, ord) in [(Order::Sequential, &seq), (Order::Random, &perm)] {
-            let sides = if round % 2 == 0 {
-                [Side::Memfold, Side::Kernel]
-            } else {
-                [Side::Kernel, Side::Memfold]
-            };
-            for side in sides {
+            // Each round starts with the next side: with two, they alternate.
+            let mut turn = sides.clone();
+            turn.rotate_left(round as usize % sides.len());
+            for &side in &turn {
                 if stop.load(Ordering::SeqCst) {
                     bail!("interrupted (zswap's settings and the swap file are put back)");
                 }
                 let r = match side {
                     Side::Memfold => memfold_side(&pages, ord, a.codec, a.busy_poll),
-                    Side::Kernel => kernel_side(&pages, ord),
+                    Side::Kernel => kernel_side(&pages, ord, |m, o| {
+                        let (lat, cpu) = touch(m, o);
+                        Ok((lat, cpu, 0))
+                    }),
+                    Side::KernelMinor => kernel_side(&pages, ord, |m, o| {
+                        clock::minor_access(m, o, a.busy_poll, spin)
+                    }),
+                    Side::UffdRbit => clock::uffd_rbit_side(&pages, ord, a.busy_poll, spin),
+                    Side::KernelRbit => clock::kernel_rbit_side(&pages, ord, false),
+                    Side::AsyncRbit => clock::kernel_rbit_side(&pages, ord, true),
                 }
                 .with_context(|| format!("round {round}, {order:?}, {side:?}"))?;
                 let (all, text, random) = by_kind(&r.lat, ord, &kinds);
@@ -322,12 +458,14 @@ pub fn run(a: &FaultPathArgs) -> Result<()> {
                     zswap_loads: r.zswap_loads,
                     disk_reads: r.disk_reads,
                     readahead: r.readahead,
+                    uffd_faults: r.uffd_faults,
+                    clock: r.clock,
                 };
                 if !a.json {
                     eprintln!(
-                        "  round {round} {:<10} {:<7} p50 {:6.2} µs  p99 {:7.2} µs  mean {:6.2} µs  cpu {:5.2} µs/access  held {:5.1} MiB  out {} compressed {} zswpin {} pswpin {} ra {}/{}",
+                        "  round {round} {:<10} {:<12} p50 {:6.2} µs  p99 {:7.2} µs  mean {:6.2} µs  cpu {:5.2} µs/access  held {:5.1} MiB  out {} compressed {} zswpin {} pswpin {} ra {}/{} uffd faults {}{}",
                         format!("{order:?}"),
-                        format!("{side:?}"),
+                        side.name(),
                         m.all.p50_us,
                         m.all.p99_us,
                         m.all.mean_us,
@@ -339,9 +477,17 @@ pub fn run(a: &FaultPathArgs) -> Result<()> {
                         m.disk_reads,
                         m.readahead.0,
                         m.readahead.1,
+                        m.uffd_faults,
+                        m.clock.map(|c| format!(
+                            "  zap {:.0} ns/page, PAGEMAP_SCAN {:.1} (none present) / {:.1} (all) ns/page, pagemap read {:.1} ns/page",
+                            c.zap_ns_per_page,
+                            c.scan_none_ns_per_page,
+                            c.scan_all_ns_per_page,
+                            c.pagemap_read_ns_per_page
+                        )).unwrap_or_default(),
                     );
                 }
-                if side == Side::Kernel && m.pages_out < u64::from(a.pages) {
+                if side.zswap() && m.pages_out < u64::from(a.pages) {
                     eprintln!(
                         "  warning: MADV_PAGEOUT left {} of {} pages in memory: their accesses are not zswap loads",
                         u64::from(a.pages) - m.pages_out,
@@ -358,7 +504,7 @@ pub fn run(a: &FaultPathArgs) -> Result<()> {
     let mut pooled = Vec::new();
     let mut ratios = Vec::new();
     for order in [Order::Sequential, Order::Random] {
-        for side in [Side::Memfold, Side::Kernel] {
+        for &side in &sides {
             let ms: Vec<_> = measurements
                 .iter()
                 .filter(|(m, _, _)| m.side == side && m.order == order)
@@ -384,7 +530,7 @@ pub fn run(a: &FaultPathArgs) -> Result<()> {
                 ),
             });
         }
-        let per_round = |f: fn(&Summary) -> f64| -> Spread {
+        let per_round = |num: Side, den: Side, f: fn(&Summary) -> f64| -> Spread {
             let xs: Vec<f64> = (0..a.rounds)
                 .filter_map(|r| {
                     let find = |side| {
@@ -393,17 +539,24 @@ pub fn run(a: &FaultPathArgs) -> Result<()> {
                             .find(|(m, _, _)| m.round == r && m.order == order && m.side == side)
                             .map(|(m, _, _)| f(&m.all))
                     };
-                    Some(find(Side::Kernel)? / find(Side::Memfold)?)
+                    Some(find(num)? / find(den)?)
                 })
                 .collect();
             spread(&xs)
         };
-        ratios.push(Ratio {
-            order,
-            p50: per_round(|s| s.p50_us),
-            mean: per_round(|s| s.mean_us),
-            p99: per_round(|s| s.p99_us),
-        });
+        for (num, den) in RATIOS {
+            if !(sides.contains(&num) && sides.contains(&den)) {
+                continue;
+            }
+            ratios.push(Ratio {
+                num,
+                den,
+                order,
+                p50: per_round(num, den, |s| s.p50_us),
+                mean: per_round(num, den, |s| s.mean_us),
+                p99: per_round(num, den, |s| s.p99_us),
+            });
+        }
     }
     let report = Report {
         pages: a.pages,
@@ -412,6 +565,7 @@ pub fn run(a: &FaultPathArgs) -> Result<()> {
         random_pct: a.random_pct,
         codec: a.codec,
         zswap_compressor: compressor,
+        probe,
         kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .map(|s| s.trim().to_string())
             .unwrap_or_default(),
@@ -438,14 +592,14 @@ fn print_report(r: &Report) {
         r.kernel
     );
     println!(
-        "{:<11} {:<8} {:>8} {:>8} {:>8} {:>10} {:>10} {:>14} {:>11}",
+        "{:<11} {:<12} {:>8} {:>8} {:>8} {:>10} {:>10} {:>14} {:>11}",
         "order", "side", "p50", "p99", "mean", "text p50", "rand p50", "cpu µs/access", "held MiB"
     );
     for p in &r.pooled {
         println!(
-            "{:<11} {:<8} {:>8.2} {:>8.2} {:>8.2} {:>10.2} {:>10.2} {:>14.2} {:>11.1}",
+            "{:<11} {:<12} {:>8.2} {:>8.2} {:>8.2} {:>10.2} {:>10.2} {:>14.2} {:>11.1}",
             format!("{:?}", p.order),
-            format!("{:?}", p.side),
+            p.side.name(),
             p.all.p50_us,
             p.all.p99_us,
             p.all.mean_us,
@@ -455,17 +609,76 @@ fn print_report(r: &Report) {
             p.held_bytes.mean / (1 << 20) as f64,
         );
     }
-    println!("\nkernel ÷ memfold across rounds (mean ± sd [min, max]; < 1: the kernel is faster):");
+    println!("\nside ÷ side across rounds (mean ± sd [min, max]; < 1: the first is faster):");
     for x in &r.ratios {
         let f = |s: &Spread| format!("{:.2} ± {:.2} [{:.2}, {:.2}]", s.mean, s.sd, s.min, s.max);
         println!(
-            "{:<11} p50 {}   mean {}   p99 {}",
+            "{:<27} {:<11} p50 {}   mean {}   p99 {}",
+            format!("{} ÷ {}", x.num.name(), x.den.name()),
             format!("{:?}", x.order),
             f(&x.p50),
             f(&x.mean),
             f(&x.p99)
         );
     }
+    for side in [Side::KernelRbit, Side::AsyncRbit] {
+        let costs: Vec<ClockCost> = r
+            .measurements
+            .iter()
+            .filter(|m| m.side == side)
+            .filter_map(|m| m.clock)
+            .collect();
+        if costs.is_empty() {
+            continue;
+        }
+        let f = |g: fn(&ClockCost) -> f64| {
+            let s = spread(&costs.iter().map(g).collect::<Vec<_>>());
+            format!("{:.1} ± {:.1} [{:.1}, {:.1}]", s.mean, s.sd, s.min, s.max)
+        };
+        println!(
+            "\nR bits without userfaultfd ({}, ns per page of the range, over {} measurements):",
+            side.name(),
+            costs.len()
+        );
+        println!(
+            "  zap (MADV_DONTNEED)              {}",
+            f(|c| c.zap_ns_per_page)
+        );
+        println!(
+            "  PAGEMAP_SCAN, none present       {}",
+            f(|c| c.scan_none_ns_per_page)
+        );
+        println!(
+            "  PAGEMAP_SCAN, all present        {}",
+            f(|c| c.scan_all_ns_per_page)
+        );
+        println!(
+            "  /proc/self/pagemap read          {}",
+            f(|c| c.pagemap_read_ns_per_page)
+        );
+    }
+    if let Some(p) = &r.probe {
+        println!("\nprobe: {}", probe_line(p));
+    }
+}
+
+/// The clock probe in a line.
+fn probe_line(p: &ClockProbe) -> String {
+    let mbit = match &p.mbit {
+        Ok(m) => format!(
+            "M bits by WP_ASYNC + PAGE_IS_WRITTEN on a memfd: {} of {} written pages seen, {} after the re-protecting scan; write fault p50 {:.2} µs, re-protecting scan {:.1} ns/page",
+            m.seen_written, m.written, m.seen_after_rearm, m.write_fault_p50_us, m.rearm_scan_ns_per_page
+        ),
+        Err(e) => format!("M bits by WP_ASYNC: not here ({e})"),
+    };
+    format!(
+        "userfaultfd features {:#x} (WP_ASYNC {}); a read fault on a zapped page maps {} of 64 pages ({} under MADV_RANDOM, {} registered async WP); {mbit}",
+        p.uffd_features,
+        if p.wp_async { "yes" } else { "no" },
+        p.fault_around[0],
+        p.fault_around[1],
+        p.fault_around[2]
+    )
 }
 
 #[cfg(test)]

@@ -16,13 +16,13 @@ use memfold_sys::{memfd, uffd};
 use super::PAGE;
 
 /// A `MAP_SHARED` read-write mapping of a whole memfd, unmapped when dropped.
-struct Mapping {
-    addr: *mut u8,
-    len: usize,
+pub(super) struct Mapping {
+    pub(super) addr: *mut u8,
+    pub(super) len: usize,
 }
 
 impl Mapping {
-    fn shared(fd: BorrowedFd<'_>, len: usize) -> Result<Mapping> {
+    pub(super) fn shared(fd: BorrowedFd<'_>, len: usize) -> Result<Mapping> {
         use rustix::mm::{MapFlags, ProtFlags};
         // SAFETY: a new mapping at an address the kernel picks: it overlaps nothing of
         // this program; its memory is only reached through raw pointers of this module.
@@ -43,19 +43,19 @@ impl Mapping {
         })
     }
 
-    fn base(&self) -> u64 {
+    pub(super) fn base(&self) -> u64 {
         self.addr as u64
     }
 
     /// The first byte of page `i`.
-    fn page(&self, i: u32) -> *mut u8 {
+    pub(super) fn page(&self, i: u32) -> *mut u8 {
         debug_assert!((i as usize + 1) * PAGE_SIZE <= self.len);
         // SAFETY: within the mapping (callers pass pages below its length).
         unsafe { self.addr.add(i as usize * PAGE_SIZE) }
     }
 
     /// Writes `pages` into the mapping, page `i` at page `i`.
-    fn fill(&self, pages: &[Box<Page>]) {
+    pub(super) fn fill(&self, pages: &[Box<Page>]) {
         for (i, p) in pages.iter().enumerate() {
             // SAFETY: page `i` of the mapping is 4096 writable bytes no reference covers;
             // the source is a distinct heap page.
@@ -65,7 +65,7 @@ impl Mapping {
 
     /// How many pages differ from `pages` (every page is present by then: reading them
     /// faults no more).
-    fn mismatches(&self, pages: &[Box<Page>]) -> u64 {
+    pub(super) fn mismatches(&self, pages: &[Box<Page>]) -> u64 {
         pages
             .iter()
             .enumerate()
@@ -79,7 +79,7 @@ impl Mapping {
     }
 
     /// Pages of the mapping in memory now (`mincore`).
-    fn resident(&self) -> Result<u64> {
+    pub(super) fn resident(&self) -> Result<u64> {
         let mut v = vec![0u8; self.len / PAGE_SIZE];
         // SAFETY: the range is this mapping; `v` has a byte per page of it.
         let rc = unsafe { libc::mincore(self.addr.cast(), self.len, v.as_mut_ptr()) };
@@ -109,7 +109,7 @@ fn cpu_us() -> u64 {
 }
 
 /// Counters of /proc/vmstat, in the order asked.
-fn vmstat(names: &[&str]) -> Result<Vec<u64>> {
+pub(super) fn vmstat(names: &[&str]) -> Result<Vec<u64>> {
     let text = std::fs::read_to_string("/proc/vmstat").context("/proc/vmstat")?;
     names
         .iter()
@@ -126,7 +126,7 @@ fn vmstat(names: &[&str]) -> Result<Vec<u64>> {
 
 /// The timed accesses: one volatile byte read of each page in `order`; the latencies, ns,
 /// in `order`, and the process's CPU time per access, µs.
-fn touch(m: &Mapping, order: &[u32]) -> (Vec<u64>, f64) {
+pub(super) fn touch(m: &Mapping, order: &[u32]) -> (Vec<u64>, f64) {
     let mut lat = Vec::with_capacity(order.len());
     let mut sink = 0u8;
     let cpu0 = cpu_us();
@@ -199,7 +199,7 @@ impl Store {
 
 /// Why the fault handler stopped.
 #[derive(Debug, thiserror::Error)]
-enum HandlerError {
+pub(super) enum HandlerError {
     #[error("userfaultfd: {0}")]
     Uffd(#[from] uffd::UffdError),
     #[error("poll on the userfaultfd: {0}")]
@@ -213,11 +213,13 @@ enum HandlerError {
     },
     #[error("page {0}: the decoded page does not match its checksum")]
     Checksum(u64),
+    #[error("page {page}: a {kind} fault where only minor faults were expected")]
+    NotMinor { page: u64, kind: &'static str },
 }
 
 /// Sleeps in `poll` until the userfaultfd has an event (or 100 ms pass), as the agent
 /// does; not at all if an ioctl queued events meanwhile.
-fn wait_readable(uffd: &uffd::Uffd) -> Result<(), HandlerError> {
+pub(super) fn wait_readable(uffd: &uffd::Uffd) -> Result<(), HandlerError> {
     let mut fds = [libc::pollfd {
         fd: uffd.as_raw_fd(),
         events: libc::POLLIN,
@@ -286,6 +288,7 @@ fn serve(
 }
 
 /// What one measurement of either side gives back before it is labelled.
+#[derive(Default)]
 pub(super) struct Raw {
     pub(super) lat: Vec<u64>,
     pub(super) cpu_us: f64,
@@ -295,6 +298,10 @@ pub(super) struct Raw {
     pub(super) zswap_loads: u64,
     pub(super) disk_reads: u64,
     pub(super) readahead: (u64, u64),
+    /// Faults the userfaultfd handler answered (0 without one).
+    pub(super) uffd_faults: u64,
+    /// `kernel-rbit` only: what reading R bits back costs.
+    pub(super) clock: Option<super::ClockCost>,
 }
 
 /// memfold's side: store, punch, register, serve, access.
@@ -351,14 +358,23 @@ pub(super) fn memfold_side(
         held_bytes,
         pages_out: pages.len() as u64,
         pages_compressed: store.compressed,
-        zswap_loads: 0,
-        disk_reads: 0,
-        readahead: (0, 0),
+        uffd_faults: served,
+        ..Raw::default()
     })
 }
 
+/// The accesses of a side: the latencies, ns, in order; the CPU per access, µs; the
+/// faults a userfaultfd handler answered.
+pub(super) type Accessed = (Vec<u64>, f64, u64);
+
 /// The kernel's side: write, page out to zswap, access. zswap and the swap file are on.
-pub(super) fn kernel_side(pages: &[Box<Page>], order: &[u32]) -> Result<Raw> {
+/// `access` does the timed accesses (plain [`touch`], or with a userfaultfd handler
+/// registered first: `kernel-minor`).
+pub(super) fn kernel_side(
+    pages: &[Box<Page>],
+    order: &[u32],
+    access: impl FnOnce(&Mapping, &[u32]) -> Result<Accessed>,
+) -> Result<Raw> {
     const COUNTERS: [&str; 5] = ["zswpout", "zswpin", "pswpin", "swap_ra", "swap_ra_hit"];
     let len = pages.len() * PAGE_SIZE;
     let guest = memfd::create("memfold-bench-zswap").context("memfd")?;
@@ -379,7 +395,7 @@ pub(super) fn kernel_side(pages: &[Box<Page>], order: &[u32]) -> Result<Raw> {
     let pages_out = pages.len() as u64 - m.resident()?;
     let (pool1, _) = reclaim::zswap_pool()?;
     let mid = vmstat(&COUNTERS)?;
-    let (lat, cpu_us) = touch(&m, order);
+    let (lat, cpu_us, uffd_faults) = access(&m, order)?;
     let after = vmstat(&COUNTERS)?;
     let bad = m.mismatches(pages);
     ensure!(bad == 0, "the kernel's side: {bad} pages read back wrong");
@@ -392,5 +408,7 @@ pub(super) fn kernel_side(pages: &[Box<Page>], order: &[u32]) -> Result<Raw> {
         zswap_loads: after[1] - mid[1],
         disk_reads: after[2] - mid[2],
         readahead: (after[3] - mid[3], after[4] - mid[4]),
+        uffd_faults,
+        ..Raw::default()
     })
 }

@@ -1,0 +1,165 @@
+//! Which pages of a mapping have a PTE, read back without userfaultfd: the `PAGEMAP_SCAN`
+//! ioctl on `/proc/self/pagemap` (Linux 6.7+, `Documentation/admin-guide/mm/pagemap.rst`)
+//! and the file's 64-bit entries (bit 63: present). What a clock without userfaults would
+//! read its R bits (and, with `UFFD_FEATURE_WP_ASYNC`, its M bits) from.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+
+use super::PAGE;
+
+/// `PAGEMAP_SCAN`: `_IOWR('f', 16, struct pm_scan_arg)`, `struct pm_scan_arg` 96 bytes.
+const PAGEMAP_SCAN: libc::c_ulong = 0xC060_6610;
+/// Category: written since write-protected (`UFFD_FEATURE_WP_ASYNC`).
+pub(super) const PAGE_IS_WRITTEN: u64 = 1 << 1;
+/// Category: the PTE is present.
+pub(super) const PAGE_IS_PRESENT: u64 = 1 << 3;
+/// Flag: write-protect the pages matched (a clock's "clear M").
+pub(super) const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
+/// Flag: fail (`EPERM`) on a range not registered for asynchronous write-protect.
+pub(super) const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
+/// `/proc/pid/pagemap` entry bit: the page is present.
+const PM_PRESENT: u64 = 1 << 63;
+
+/// `struct pm_scan_arg` (`include/uapi/linux/fs.h`).
+#[repr(C)]
+#[derive(Default)]
+struct PmScanArg {
+    size: u64,
+    flags: u64,
+    start: u64,
+    end: u64,
+    walk_end: u64,
+    vec: u64,
+    vec_len: u64,
+    max_pages: u64,
+    category_inverted: u64,
+    category_mask: u64,
+    category_anyof_mask: u64,
+    return_mask: u64,
+}
+
+/// `struct page_region`: `[start, end)` whose pages share the reported categories.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct PageRegion {
+    /// First byte.
+    pub(super) start: u64,
+    /// One past the last byte.
+    pub(super) end: u64,
+    /// `PAGE_IS_*` bits (of the return mask).
+    pub(super) categories: u64,
+}
+
+/// Pages the regions cover.
+pub(super) fn region_pages(regions: &[PageRegion]) -> u64 {
+    regions.iter().map(|r| (r.end - r.start) / PAGE).sum()
+}
+
+/// Present pages among raw `/proc/pid/pagemap` entries (native-endian u64s).
+pub(super) fn present_entries(raw: &[u8]) -> u64 {
+    raw.chunks_exact(8)
+        .filter(|e| u64::from_ne_bytes((*e).try_into().expect("8 bytes")) & PM_PRESENT != 0)
+        .count() as u64
+}
+
+/// This process's `/proc/self/pagemap`, open.
+pub(super) struct Pagemap {
+    file: File,
+    /// Output regions, reused across scans.
+    vec: Vec<PageRegion>,
+    raw: Vec<u8>,
+}
+
+impl Pagemap {
+    /// Opens `/proc/self/pagemap`.
+    pub(super) fn open() -> io::Result<Pagemap> {
+        Ok(Pagemap {
+            file: File::open("/proc/self/pagemap")?,
+            vec: vec![PageRegion::default(); 4096],
+            raw: Vec::new(),
+        })
+    }
+
+    /// `PAGEMAP_SCAN` over `[start, start+len)`: the pages having every category of
+    /// `mask`, `flags` (`PM_SCAN_*`) applied to them; repeated from where the kernel
+    /// stopped while its output vector fills. Returns the pages matched.
+    ///
+    /// Errors: the kernel has no `PAGEMAP_SCAN` (`ENOTTY`, before 6.7), or refuses the
+    /// flags on this range (`EPERM` for `PM_SCAN_CHECK_WPASYNC`).
+    pub(super) fn scan(&mut self, start: u64, len: u64, mask: u64, flags: u64) -> io::Result<u64> {
+        let end = start + len;
+        let mut at = start;
+        let mut pages = 0;
+        while at < end {
+            let mut a = PmScanArg {
+                size: std::mem::size_of::<PmScanArg>() as u64,
+                flags,
+                start: at,
+                end,
+                vec: self.vec.as_mut_ptr() as u64,
+                vec_len: self.vec.len() as u64,
+                category_mask: mask,
+                return_mask: mask,
+                ..PmScanArg::default()
+            };
+            // SAFETY: PAGEMAP_SCAN reads the argument struct (which lives across the call)
+            // and writes at most `vec_len` regions into `self.vec`, which has that many.
+            // It changes no memory of this process; `PM_SCAN_WP_MATCHING` only
+            // write-protects PTEs of ranges registered for asynchronous write-protect.
+            let n = unsafe { libc::ioctl(self.file.as_raw_fd(), PAGEMAP_SCAN, &mut a) };
+            if n < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            pages += region_pages(&self.vec[..n as usize]);
+            if a.walk_end <= at {
+                return Err(io::Error::other("PAGEMAP_SCAN made no progress"));
+            }
+            at = a.walk_end;
+        }
+        Ok(pages)
+    }
+
+    /// Present pages of `[start, start+len)` read from the pagemap file (one `pread` of
+    /// 8 bytes a page).
+    ///
+    /// Errors: the read fails.
+    pub(super) fn read_present(&mut self, start: u64, len: u64) -> io::Result<u64> {
+        self.raw.resize((len / PAGE * 8) as usize, 0);
+        self.file.read_exact_at(&mut self.raw, start / PAGE * 8)?;
+        Ok(present_entries(&self.raw))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_count_their_pages() {
+        let r = |start: u64, pages: u64| PageRegion {
+            start,
+            end: start + pages * PAGE,
+            categories: PAGE_IS_PRESENT,
+        };
+        assert_eq!(region_pages(&[]), 0);
+        assert_eq!(region_pages(&[r(0x10000, 1), r(0x40000, 16)]), 17);
+        assert_eq!(std::mem::size_of::<PmScanArg>(), 96);
+        assert_eq!(std::mem::size_of::<PageRegion>(), 24);
+    }
+
+    #[test]
+    fn pagemap_entries_are_present_by_bit_63() {
+        let entries: [u64; 4] = [
+            PM_PRESENT | 0x1234,    // present, a PFN
+            1 << 62,                // swapped
+            0,                      // none
+            PM_PRESENT | (1 << 61), // present, file page
+        ];
+        let raw: Vec<u8> = entries.iter().flat_map(|e| e.to_ne_bytes()).collect();
+        assert_eq!(present_entries(&raw), 2);
+        assert_eq!(present_entries(&raw[..8]), 1);
+    }
+}
