@@ -210,7 +210,10 @@ mod tests {
 
     #[test]
     fn pages_start_private_and_fresh_and_bits_are_taken_once() {
-        let mut p = Pages::new(130, Box::leak(Box::new(Vmas::new())));
+        let mut p = Pages::new(
+            130,
+            Box::leak(Box::new(Vmas::new(std::time::Duration::ZERO))),
+        );
         assert_eq!(p.len(), 130);
         assert!(p.is_private(Gfn(129)));
         assert!(!p.is_private(Gfn(130)), "beyond RAM");
@@ -230,7 +233,7 @@ mod tests {
 
     #[test]
     fn the_reattach_list_names_frames_and_zero_pages() {
-        let mut p = Pages::new(8, Box::leak(Box::new(Vmas::new())));
+        let mut p = Pages::new(8, Box::leak(Box::new(Vmas::new(std::time::Duration::ZERO))));
         p.set(Gfn(1), PageHome::Frame(FrameId(4)));
         p.set(Gfn(1), PageHome::Frame(FrameId(4)));
         p.set(Gfn(2), PageHome::Frame(FrameId(5)));

@@ -27,13 +27,20 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// The process's one [`Vmas`]: every agent (every region) of this process counts here.
-pub(crate) static PROCESS: Vmas = Vmas::new();
+pub(crate) static PROCESS: Vmas = Vmas::new(EXACT_EVERY);
 
 /// Longest time a share request relies on the count of mappings last read (plus the
 /// agents' own changes since) before reading `/proc/self/maps` again. Re-read every second
 /// it was still a third of the agents' CPU in a sharing run (perf); QEMU's own mappings
 /// hardly change once it runs, and the 4096 held back from the budget are their room.
 const MAPS_STALE: Duration = Duration::from_secs(10);
+
+/// Shortest time between two reads of `/proc/self/maps` made to refuse a share on an
+/// exact count. At the budget every share request would be refused, and re-reading a
+/// QEMU's 8 000 mappings for each one took a core (perf of a 2 GiB guest at its budget:
+/// 87 of 150 s of agent CPU, most in `mangle_path` and `show_map_vma`). A count up to 1 s
+/// old plus the agents' changes since is still an upper bound: it can only refuse more.
+const EXACT_EVERY: Duration = Duration::from_secs(1);
 
 /// The process's mappings and pages on frames, for the VMA budget of shares.
 pub(crate) struct Vmas {
@@ -44,6 +51,8 @@ pub(crate) struct Vmas {
     added: AtomicUsize,
     /// The last count read, and the room reserved.
     count: Mutex<Count>,
+    /// Shortest time between two reads made to refuse on an exact count.
+    exact_every: Duration,
 }
 
 /// What [`Vmas::admit`] keeps under its lock.
@@ -57,9 +66,11 @@ struct Count {
 }
 
 impl Vmas {
-    /// No mappings counted, no page on a frame.
-    pub(crate) const fn new() -> Vmas {
+    /// No mappings counted, no page on a frame; a refusal reads the mappings again if
+    /// the last read is older than `exact_every`.
+    pub(crate) const fn new(exact_every: Duration) -> Vmas {
         Vmas {
+            exact_every,
             on_frames: AtomicUsize::new(0),
             added: AtomicUsize::new(0),
             count: Mutex::new(Count {
@@ -128,7 +139,7 @@ impl Vmas {
     }
 
     /// Pages a share may still map: `(budget − M − F − R) / 3`, `M` read again when
-    /// `exact` or stale.
+    /// stale, or when `exact` and older than `exact_every`.
     fn room(
         &self,
         c: &mut Count,
@@ -136,7 +147,8 @@ impl Vmas {
         exact: bool,
         read_maps: &impl Fn() -> usize,
     ) -> usize {
-        if exact || c.read_at.is_none_or(|t| t.elapsed() > MAPS_STALE) {
+        let older = |d: Duration| c.read_at.is_none_or(|t| t.elapsed() > d);
+        if older(MAPS_STALE) || (exact && older(self.exact_every)) {
             // Changes made while reading stay counted (twice if the read saw them: more,
             // never fewer).
             let before = self.added.load(Ordering::SeqCst);
@@ -186,7 +198,7 @@ mod tests {
     /// regions could then add 60 + 60 mappings to the 10 of a budget of 100.
     #[test]
     fn pages_on_frames_in_one_region_leave_less_room_in_another() {
-        let vmas: &'static Vmas = Box::leak(Box::new(Vmas::new()));
+        let vmas: &'static Vmas = Box::leak(Box::new(Vmas::new(Duration::ZERO)));
         let budget = 100;
         let maps = || 10;
         let mut a = Pages::new(64, vmas);
@@ -228,7 +240,7 @@ mod tests {
     /// them; a stale count is read again only before refusing.
     #[test]
     fn changes_count_until_the_next_read() {
-        let vmas = Vmas::new();
+        let vmas = Vmas::new(Duration::ZERO);
         let reads = std::cell::Cell::new(0);
         let maps = || {
             reads.set(reads.get() + 1);
@@ -244,5 +256,39 @@ mod tests {
         assert_eq!(reads.get(), 1);
         assert_eq!(vmas.admit(100, 30, maps).pages, 30);
         assert_eq!(reads.get(), 2);
+    }
+
+    /// At the budget, refusals read the mappings at most once per `exact_every`, each
+    /// refusal still on a count that is an upper bound.
+    #[test]
+    fn refusals_at_the_budget_read_the_mappings_once_a_second_not_each_time() {
+        let vmas = Vmas::new(Duration::from_secs(3600));
+        let reads = std::cell::Cell::new(0);
+        let maps = || {
+            reads.set(reads.get() + 1);
+            97
+        };
+        // (100 − 97) / 3 = 1 page of room: a share of 2 reads once (its count is fresh
+        // for the exact check too) and gets 1.
+        let first = vmas.admit(100, 2, maps);
+        assert_eq!((first.pages, reads.get()), (1, 1));
+        // Held: nothing left, and a thousand refusals read nothing more.
+        for _ in 0..1000 {
+            assert_eq!(vmas.admit(100, 1, maps).pages, 0);
+        }
+        assert_eq!(reads.get(), 1);
+        drop(first);
+        assert_eq!(vmas.admit(100, 1, maps).pages, 1, "its room given back");
+        // With exact_every 0, each refusal reads again (the old behaviour).
+        let eager = Vmas::new(Duration::ZERO);
+        let full = || {
+            reads.set(reads.get() + 1);
+            100
+        };
+        reads.set(0);
+        for _ in 0..5 {
+            assert_eq!(eager.admit(100, 1, full).pages, 0);
+        }
+        assert_eq!(reads.get(), 6, "the first read and one per refusal");
     }
 }
