@@ -215,18 +215,20 @@ mod tests {
         r.engine.check_invariants().unwrap();
     }
 
-    /// A guest of unique pages, settled (all cold); then pages 0–3 (left alone) and 4–5
-    /// (read all the time) are written with one content.
+    /// A guest of unique pages, settled (all cold), but for pages 8–9, equal to each
+    /// other and read all the time (mapped onto a frame of their own); then pages 0–3
+    /// (left alone) and 4–5 (read all the time) are written with one content.
     fn rig(on: bool) -> Rig {
         let mut r = Rig::new(cfg(on), PAGES).unwrap();
         for g in 0..PAGES {
-            r.agent.write(Gfn(g), 0, &page(100 + g)).unwrap();
+            let seed = if g == 8 || g == 9 { 8 } else { 100 + g };
+            r.agent.write(Gfn(g), 0, &page(seed)).unwrap();
         }
-        settle(&mut r, 1000, &[]);
+        settle(&mut r, 1000, &[8, 9]);
         for g in 0..6 {
             r.agent.write(Gfn(g), 0, &page(7)).unwrap();
         }
-        settle(&mut r, 1500, &[4, 5]);
+        settle(&mut r, 1500, &[4, 5, 8, 9]);
         r
     }
 
@@ -262,18 +264,18 @@ mod tests {
         let v = &b.vms[0].books;
         assert_eq!(
             (v.unmapped_pages, v.unmapped_shares, v.shared_pages),
-            (4, 4, 2)
+            (4, 4, 4)
         );
         assert_eq!(v.patched_pages, 0, "booked as sharing, not patching");
-        // 6 guest pages on one frame; 4 slots of 64 bytes round to 0 pages.
-        assert_eq!(b.saved_by.sharing, 5);
+        // 6 guest pages on one frame, 2 on another; 4 slots of 64 bytes round to 0 pages.
+        assert_eq!(b.saved_by.sharing, 6);
         assert_eq!(b.unmapped_pages, 4);
     }
 
     #[test]
     fn with_the_knob_off_cold_identical_pages_are_mapped() {
         let r = rig(false);
-        for g in 0..6 {
+        for g in (0..6).chain(8..10) {
             assert!(
                 matches!(state(&r, g), PageState::Shared(_)),
                 "page {g} is {:?}",
