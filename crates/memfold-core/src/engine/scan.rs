@@ -405,8 +405,16 @@ impl Engine {
                         self.domain_mut(d).share.remove(h, e); // the hinted page changed
                         continue;
                     }
+                    // With a fresh class for this page (the clock's slice), a hinted page
+                    // cold by its last class is shared without a mapping too: deferred,
+                    // it would be stored on its own (or keep a frame alone), and a frame
+                    // held by one page saves nothing.
+                    let partner = match self.identical_action(id2, g2, zero, false) {
+                        Identical::Defer if fresh => Identical::Unmapped,
+                        a => a,
+                    };
                     let pair = [
-                        (id2, g2, self.identical_action(id2, g2, zero, false)),
+                        (id2, g2, partner),
                         (id, g, self.identical_action(id, g, zero, fresh)),
                     ];
                     if pair.iter().all(|p| p.2 == Identical::Defer) {

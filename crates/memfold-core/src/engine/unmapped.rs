@@ -217,7 +217,8 @@ mod tests {
 
     /// A guest of unique pages, settled (all cold), but for pages 8–9, equal to each
     /// other and read all the time (mapped onto a frame of their own); then pages 0–3
-    /// (left alone) and 4–5 (read all the time) are written with one content.
+    /// (left alone) and 4–5 (read all the time) are written with one content, and pages
+    /// 12–13 (left alone) with another.
     fn rig(on: bool) -> Rig {
         let mut r = Rig::new(cfg(on), PAGES).unwrap();
         for g in 0..PAGES {
@@ -227,6 +228,9 @@ mod tests {
         settle(&mut r, 1000, &[8, 9]);
         for g in 0..6 {
             r.agent.write(Gfn(g), 0, &page(7)).unwrap();
+        }
+        for g in 12..14 {
+            r.agent.write(Gfn(g), 0, &page(12)).unwrap();
         }
         settle(&mut r, 1500, &[4, 5, 8, 9]);
         r
@@ -260,16 +264,28 @@ mod tests {
         }
         let dom = r.engine.domain(DomainId(0));
         assert_eq!((dom.frames.refcount(f), dom.frames.patch_refs(f)), (6, 4));
+        // Two cold pages equal to each other alone: both on one frame, neither mapped.
+        let refs: Vec<_> = (12..14)
+            .map(|g| match state(&r, g) {
+                PageState::Stored(b) => r.engine.blobs.get(b).reference,
+                s => panic!("cold page {g} is {s:?}"),
+            })
+            .collect();
+        let f2 = refs[0].expect("a patch");
+        assert_eq!(refs[1], Some(f2));
+        assert_eq!((dom.frames.refcount(f2), dom.frames.patch_refs(f2)), (2, 2));
         let b = r.engine.books();
         let v = &b.vms[0].books;
         assert_eq!(
             (v.unmapped_pages, v.unmapped_shares, v.shared_pages),
-            (4, 4, 4)
+            (6, 6, 4)
         );
         assert_eq!(v.patched_pages, 0, "booked as sharing, not patching");
-        // 6 guest pages on one frame, 2 on another; 4 slots of 64 bytes round to 0 pages.
-        assert_eq!(b.saved_by.sharing, 6);
-        assert_eq!(b.unmapped_pages, 4);
+        // 6 guest pages on one frame, 2 on another, 2 on a third held by patches alone;
+        // 6 slots of 64 bytes round to 0 pages.
+        assert_eq!(b.saved_by.sharing, 7);
+        assert_eq!(b.saved_by.patching, 0);
+        assert_eq!(b.unmapped_pages, 6);
     }
 
     #[test]
@@ -307,7 +323,7 @@ mod tests {
             state(&r, 0)
         );
         assert_eq!(v.unstashes, 1, "decoded back once: {v:#?}");
-        assert_eq!(v.unmapped_shares, 4, "{v:#?}");
+        assert_eq!(v.unmapped_shares, 6, "{v:#?}");
         for g in 0..6 {
             assert_eq!(r.agent.peek(Gfn(g)).unwrap()[..], page(7)[..]);
         }
