@@ -63,6 +63,12 @@ pub struct EngineArgs {
     /// DE §4.2 is written).
     #[arg(long, default_value_t = defaults().clock_rearm_max)]
     pub clock_rearm_max: u32,
+    /// Share identical pages without a mapping (issue 19): `on` keeps a page identical to
+    /// a pool frame as a patch against it in the store (no VMA in QEMU) when the NRU clock
+    /// finds it cold, or whenever its agent refuses shares (its VMA budget); read, it
+    /// comes back private. `off` maps every shared page (ESX §4.3).
+    #[arg(long, default_value = if defaults().share_cold_unmapped { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
+    pub share_cold_unmapped: String,
     /// Host memory budget for the guests' RAM, MiB (DE §4.6): over it, cold pages are
     /// swapped out to a swap file (turns the clock on). Guests whose RAM together exceeds
     /// it keep running: overcommit.
@@ -142,6 +148,7 @@ impl EngineArgs {
             quiet_scan_period: self.quiet_scan_period,
             clock_interval_us: (clock > 0.0).then_some((clock * 1e6) as u64),
             clock_rearm_max: self.clock_rearm_max,
+            share_cold_unmapped: self.share_cold_unmapped == "on",
             host_budget: self.host_budget_mib.map(|m| m << 20),
             ..defaults()
         };
@@ -169,6 +176,7 @@ impl EngineArgs {
         opt("--quiet-scan-period", self.quiet_scan_period.to_string());
         opt("--clock-secs", self.clock_interval_s().to_string());
         opt("--clock-rearm-max", self.clock_rearm_max.to_string());
+        opt("--share-cold-unmapped", self.share_cold_unmapped.clone());
         opt("--policy", self.policy.clone());
         opt("--patch-codec", self.patch_codec.name().into());
         opt("--patch-cutoff", self.patch_cutoff.to_string());
@@ -213,6 +221,13 @@ mod tests {
             (d.patch_codec, d.compress_codec)
         );
         assert_eq!(c.clock_interval_us, d.clock_interval_us);
+        assert_eq!(c.share_cold_unmapped, d.share_cold_unmapped);
+        assert!(
+            !parse(&["--share-cold-unmapped", "off"])
+                .config()
+                .unwrap()
+                .share_cold_unmapped
+        );
         let args: Vec<String> = a
             .to_args()
             .into_iter()

@@ -176,6 +176,10 @@ pub struct Blob {
     pub replaces: Option<BlobId>,
     /// The page's checksum (`memfold_codecs::page_checksum`): checked on every decode.
     pub checksum: u64,
+    /// The page is identical to its reference frame: a page shared without a mapping
+    /// (issue 19; ESX §4.3's sharing, kept as DE §3.2's degenerate patch), booked as
+    /// sharing while it is in the store.
+    pub identical: bool,
 }
 
 /// What keeps a stored page out of RAM, for the books.
@@ -187,6 +191,8 @@ pub enum Kept {
     Compressed,
     /// Anything in the swap file.
     Swapped,
+    /// A page identical to its reference frame, in the store: shared without a mapping.
+    Unmapped,
 }
 
 impl Blob {
@@ -194,6 +200,7 @@ impl Blob {
     pub fn kept(&self) -> Kept {
         match (self.home, self.form) {
             (BlobHome::Swap, _) => Kept::Swapped,
+            (BlobHome::Store, _) if self.identical => Kept::Unmapped,
             (BlobHome::Store, Form::Encoded(e)) if e.is_patch() => Kept::Patched,
             _ => Kept::Compressed,
         }

@@ -222,6 +222,13 @@ pub struct VmStats {
     pub hot_skipped: u64,
     /// Share requests the agent refused (VMA budget, already shared).
     pub share_refused: u64,
+    /// Pages shared without a mapping now: identical to a pool frame, kept in the store as
+    /// a patch against it, no VMA in QEMU (issue 19). Not in `shared_pages`.
+    #[serde(default)]
+    pub unmapped_pages: u64,
+    /// Pages shared without a mapping (cumulative).
+    #[serde(default)]
+    pub unmapped_shares: u64,
     /// Pages stored as patches now (DE §3.2).
     pub patched_pages: u64,
     /// Pages stored compressed now (DE §3.3).
@@ -308,6 +315,9 @@ pub struct Stats {
     pub saved_by: SavedBy,
     /// Pages stored as patches now.
     pub patched_pages: u64,
+    /// Pages shared without a mapping now (in the store, identical to a pool frame).
+    #[serde(default)]
+    pub unmapped_pages: u64,
     /// Pages stored compressed now.
     pub compressed_pages: u64,
     /// Pages of the store memfd in use (chunks holding a live blob).

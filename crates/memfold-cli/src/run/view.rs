@@ -45,13 +45,19 @@ pub fn print(used_before: u64, s: &Sample, prev: Option<&Sample>) {
         } else {
             String::new()
         };
+        // Pages shared without a mapping (no VMA), beside the mapped ones.
+        let unmapped = if v.unmapped_shares > 0 {
+            format!(" + {} unmapped", v.unmapped_pages)
+        } else {
+            String::new()
+        };
         let balloon = match (v.balloon_actual_bytes, &v.balloon_problem) {
             (_, Some(p)) => format!("  balloon: {p}"),
             (Some(a), None) => format!("  sees {:.0} MiB", a as f64 / MIB),
             (None, None) => String::new(),
         };
         eprintln!(
-            "    {:<14} {:>7} pages  shared {:>7} (entitled {:>6.1} MiB{balloon})  zero {:>7}{de}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s{nru}{}",
+            "    {:<14} {:>7} pages  shared {:>7}{unmapped} (entitled {:>6.1} MiB{balloon})  zero {:>7}{de}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s{nru}{}",
             v.name,
             v.pages,
             v.shared_pages,

@@ -58,6 +58,11 @@ pub struct VmBooks {
     pub share_refused: u64,
     /// Pages stored as patches now (DE §3.2).
     pub patched_pages: u64,
+    /// Pages shared without a mapping now: identical to a pool frame, kept in the store as
+    /// a patch against it (issue 19), so they cost QEMU no VMA.
+    pub unmapped_pages: u64,
+    /// Pages shared without a mapping (cumulative).
+    pub unmapped_shares: u64,
     /// Pages stored compressed now (DE §3.3).
     pub compressed_pages: u64,
     /// Pages patched.
@@ -107,7 +112,8 @@ pub struct VmReport {
 /// Host pages saved, by mechanism. Pages are 4 KiB.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct SavedBy {
-    /// Sharing: guest pages mapped onto frames − frames held for them.
+    /// Sharing: guest pages mapped onto frames or shared without a mapping − frames held
+    /// for them − the store slots of the unmapped ones.
     pub sharing: i64,
     /// Zero pages reclaimed.
     pub zero: i64,
@@ -182,8 +188,8 @@ impl Lifetimes {
 
 /// Engine-wide books besides the guests'.
 pub(crate) struct EngineBooks {
-    /// Slot bytes by what they keep: [patches, compressed pages, swap].
-    pub(crate) slot_bytes: [u64; 3],
+    /// Slot bytes by what they keep: [patches, compressed pages, swap, unmapped shares].
+    pub(crate) slot_bytes: [u64; 4],
     pub(crate) swap_sync_errors: u64,
     /// Frames the pool could not take (host out of memory).
     pub(crate) pool_errors: u64,
@@ -199,7 +205,7 @@ impl EngineBooks {
             hdrhistogram::Histogram::new_with_bounds(1, 60_000_000_000, 2).expect("valid bounds")
         };
         EngineBooks {
-            slot_bytes: [0; 3],
+            slot_bytes: [0; 4],
             swap_sync_errors: 0,
             pool_errors: 0,
             blob_write_errors: 0,
@@ -254,6 +260,8 @@ pub struct Books {
     pub saved_by: SavedBy,
     /// Pages stored as patches now.
     pub patched_pages: u64,
+    /// Pages shared without a mapping now (in the store, identical to a pool frame).
+    pub unmapped_pages: u64,
     /// Pages stored compressed now.
     pub compressed_pages: u64,
     /// Store pages (chunks) in use.
@@ -349,6 +357,7 @@ impl Engine {
         let mapped = sum(|b| b.shared_pages);
         let reclaimed = sum(|b| b.zero_reclaimed_pages);
         let patched = sum(|b| b.patched_pages);
+        let unmapped = sum(|b| b.unmapped_pages);
         let compressed = sum(|b| b.compressed_pages);
         let swapped = sum(|b| b.swapped_pages);
         let frames: u64 = self
@@ -361,16 +370,24 @@ impl Engine {
             .values()
             .map(|d| d.frames.reference_only())
             .sum();
+        // Frames held only as references, some of them by pages shared without a mapping:
+        // those are sharing's frames, the others patching's.
+        let unmapped_frames = self.unmapped_reference_frames();
         let store_pages: u64 = self.vms.values().map(|v| v.store.stats().pages).sum();
-        let [patch_bytes, compressed_bytes, swap_bytes] = self.books.slot_bytes;
+        let [patch_bytes, compressed_bytes, swap_bytes, unmapped_bytes] = self.books.slot_bytes;
         let page = PAGE as i64;
         let saved_by = SavedBy {
-            sharing: mapped as i64 - (frames - reference_frames) as i64,
+            sharing: (mapped + unmapped) as i64
+                - (frames - reference_frames + unmapped_frames) as i64
+                - unmapped_bytes as i64 / page,
             zero: reclaimed as i64,
-            patching: patched as i64 - patch_bytes as i64 / page - reference_frames as i64,
+            patching: patched as i64
+                - patch_bytes as i64 / page
+                - (reference_frames - unmapped_frames) as i64,
             compression: compressed as i64 - compressed_bytes as i64 / page,
             swap: swapped as i64,
-            store_waste: store_pages as i64 - (patch_bytes + compressed_bytes) as i64 / page,
+            store_waste: store_pages as i64
+                - (patch_bytes + compressed_bytes + unmapped_bytes) as i64 / page,
         };
         let stored_now: Vec<u64> = self
             .blobs
@@ -413,10 +430,11 @@ impl Engine {
             zero_reclaimed_pages: reclaimed,
             saved_pages: mapped as i64 - frames as i64
                 + reclaimed as i64
-                + (patched + compressed + swapped) as i64
+                + (patched + unmapped + compressed + swapped) as i64
                 - store_pages as i64,
             saved_by,
             patched_pages: patched,
+            unmapped_pages: unmapped,
             compressed_pages: compressed,
             store_pages,
             reference_frames,

@@ -39,7 +39,7 @@ impl Engine {
             }
             let d = v.domain;
             slots.insert(*id, [0, 0]);
-            let mut kept = [0u64; 3];
+            let mut kept = [0u64; 4];
             let (mut shared, mut zero) = (0u64, 0u64);
             for (i, e) in v.p2m.iter().enumerate() {
                 let at = || format!("{id} gfn {i}");
@@ -83,7 +83,12 @@ impl Engine {
                 }
             }
             let b = &v.books;
-            let want = [b.patched_pages, b.compressed_pages, b.swapped_pages];
+            let want = [
+                b.patched_pages,
+                b.compressed_pages,
+                b.swapped_pages,
+                b.unmapped_pages,
+            ];
             if (shared, zero, kept) != (b.shared_pages, b.zero_reclaimed_pages, want) {
                 return Err(format!(
                     "{id}: books say {} shared, {} zero, {want:?} kept; pages say {shared}, {zero}, {kept:?}",
@@ -125,7 +130,7 @@ impl Engine {
             *blob_holders.entry(b).or_default() += 1;
         }
         let mut patch_refs: HashMap<(DomainId, FrameId), u32> = HashMap::new();
-        let mut slot_bytes = [0u64; 3];
+        let mut slot_bytes = [0u64; 4];
         for (b, blob) in self.blobs.iter() {
             if blob_holders.get(&b) != Some(&1) {
                 return Err(format!(
@@ -140,6 +145,23 @@ impl Engine {
             };
             if let Some(f) = blob.reference {
                 *patch_refs.entry((owner.domain, f)).or_default() += 1;
+            }
+            if blob.identical {
+                // A page shared without a mapping is its reference frame's bytes.
+                let mut frame = [0u8; crate::PAGE_SIZE];
+                let read = blob.reference.is_some_and(|f| {
+                    let dom = &self.domains[&owner.domain];
+                    dom.frames.contains(f) && dom.pool.read(f.offset(), &mut frame).is_ok()
+                });
+                if read && memfold_codecs::page_checksum(&frame) != blob.checksum {
+                    return Err(format!(
+                        "blob {b:?} ({} {}) is identical to its frame {:?}, which holds other bytes",
+                        blob.vm, blob.gfn, blob.reference
+                    ));
+                }
+                if blob.reference.is_none() {
+                    return Err(format!("blob {b:?} is identical to no frame"));
+                }
             }
             if blob.home == BlobHome::Swap && owner.swap.is_none() {
                 return Err(format!("blob {b:?} in the swap file {} lacks", blob.vm));
@@ -160,7 +182,12 @@ impl Engine {
                 ));
             }
         }
-        for k in [Kept::Patched, Kept::Compressed, Kept::Swapped] {
+        for k in [
+            Kept::Patched,
+            Kept::Compressed,
+            Kept::Swapped,
+            Kept::Unmapped,
+        ] {
             if self.slot_bytes_of(k) != slot_bytes[kept_index(k)] {
                 return Err(format!(
                     "{k:?}: books hold {} slot bytes, blobs {}",

@@ -86,6 +86,13 @@ pub struct EngineConfig {
     /// is found so within 64 passes (256 s at a 4 s interval), and on the mixed set the
     /// steady clock faults fell 6.5× against 4.3× at 16, at the same saving (docs/peer.md).
     pub clock_rearm_max: u32,
+    /// Share identical pages without a mapping (issue 19): a page identical to a pool
+    /// frame is kept in the store as a patch against it (DE §3.2's degenerate patch) instead
+    /// of mapped (ESX §4.3), so it costs QEMU no VMA, when the NRU clock finds it cold
+    /// (a class the policy patches or compresses) or the guest's agent refused a share
+    /// lately (its VMA budget). Read while so kept, it comes back private on the access
+    /// and waits the re-store back-off before it is kept so again. `true`, the default.
+    pub share_cold_unmapped: bool,
     /// Host memory budget for the guests' RAM (their memfds, the pool and the store),
     /// bytes; over it, cold pages are swapped out (DE §4.6). `None`: no swapping.
     pub host_budget: Option<u64>,
@@ -114,6 +121,7 @@ impl Default for EngineConfig {
             quiet_scan_period: 8,
             clock_interval_us: Some(4_000_000),
             clock_rearm_max: 64,
+            share_cold_unmapped: true,
             host_budget: None,
             page_hash,
         }

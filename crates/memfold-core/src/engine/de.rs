@@ -178,6 +178,10 @@ impl Engine {
         };
         let gpn = Gpn(v.base.0 + g.0);
         let d = v.domain;
+        // Cold and identical to a frame or a page: shared, without a mapping (issue 19).
+        if (a.patch || a.compress) && self.share_cold(id, g, page) {
+            return;
+        }
         let sigs = self.domain(d).similar.detector().signatures(page);
         if a.patch && seen && untried && self.try_patch(id, g, gpn, &sigs, page, home) {
             return;
@@ -201,6 +205,7 @@ impl Engine {
                     BlobHome::Swap,
                     None,
                     page_checksum(page),
+                    false,
                 );
                 return;
             }
@@ -311,6 +316,7 @@ impl Engine {
             home,
             None,
             page_checksum(page),
+            false,
         );
         true
     }
@@ -347,6 +353,7 @@ impl Engine {
             home,
             None,
             page_checksum(page),
+            false,
         );
         true
     }
@@ -354,7 +361,7 @@ impl Engine {
     /// Writes a blob into guest `id`'s store or swap file; `None` if it cannot take it (a
     /// full swap — the guests' swap files together at their capacity — stops swapping
     /// until the next budget check).
-    fn put_blob(&mut self, id: VmId, blob: &[u8], home: BlobHome) -> Option<Slot> {
+    pub(crate) fn put_blob(&mut self, id: VmId, blob: &[u8], home: BlobHome) -> Option<Slot> {
         let swap_pages: u64 = self
             .vms
             .values()
@@ -395,9 +402,10 @@ impl Engine {
     }
 
     /// Records a blob and queues the stash of page `g` as it (`replaces`: a move of the
-    /// stored page's blob `replaces` to this one).
+    /// stored page's blob `replaces` to this one; `identical`: the page equals its
+    /// reference frame, a share without a mapping).
     #[allow(clippy::too_many_arguments)]
-    fn queue_stash(
+    pub(crate) fn queue_stash(
         &mut self,
         id: VmId,
         g: Gfn,
@@ -408,6 +416,7 @@ impl Engine {
         home: BlobHome,
         replaces: Option<BlobId>,
         checksum: u64,
+        identical: bool,
     ) {
         let since_us = match replaces {
             Some(old) => self.blobs.get(old).since_us,
@@ -426,6 +435,7 @@ impl Engine {
             since_us,
             replaces,
             checksum,
+            identical,
         };
         self.books.slot_bytes[kept_index(blob.kept())] += slot.size as u64;
         let b = self.blobs.insert(blob);
@@ -509,6 +519,7 @@ impl Engine {
                 BlobHome::Swap,
                 Some(old),
                 o.checksum,
+                o.identical,
             );
         }
     }

@@ -198,6 +198,7 @@ impl Engine {
                         clock: ClockHand::new(n),
                         de_failed: vec![0; n.div_ceil(64)],
                         restash_wait: vec![0; n],
+                        share_refused_us: None,
                         books: VmBooks::default(),
                     },
                 );
@@ -386,6 +387,7 @@ impl Engine {
         }
         let v = self.vms.get_mut(&id).expect("live");
         v.books.patched_pages = 0;
+        v.books.unmapped_pages = 0;
         v.books.compressed_pages = 0;
         v.books.swapped_pages = 0;
     }

@@ -18,6 +18,7 @@
 //! | `guests.rs` | attach, re-attach (reconcile), detach, remove; pool adoption |
 //! | `scan.rs` | the rate-limited sharing scan (ESX §4.3) and zero pages |
 //! | `de.rs` | the NRU clock's slices and the Difference Engine over them (DE §4.2–4.6) |
+//! | `unmapped.rs` | identical pages shared without a mapping (a patch against the frame) |
 //! | `outcomes.rs` | agents' answers and events applied back |
 //! | `books.rs` | savings by mechanism and guest, budget, lifetimes |
 //! | `entitlement.rs` | sharing entitlements: shared pages by rank (Satori §4.2) |
@@ -31,6 +32,7 @@ mod entitlement;
 mod guests;
 mod outcomes;
 mod scan;
+mod unmapped;
 
 use std::collections::BTreeMap;
 
@@ -213,6 +215,9 @@ pub(crate) struct Vm {
     /// waits twice as long next time (2, 4, then 7 scans), so pages a workload revisits
     /// every few seconds stop cycling through decode faults.
     pub(crate) restash_wait: Vec<u8>,
+    /// When the agent last refused a share (its VMA budget, most likely), µs: for a
+    /// while after, identical pages are shared without a mapping ([`unmapped`]).
+    pub(crate) share_refused_us: Option<u64>,
     pub(crate) books: VmBooks,
 }
 
@@ -558,6 +563,7 @@ pub(crate) fn kept_index(k: Kept) -> usize {
         Kept::Patched => 0,
         Kept::Compressed => 1,
         Kept::Swapped => 2,
+        Kept::Unmapped => 3,
     }
 }
 
@@ -568,6 +574,7 @@ impl VmBooks {
             Kept::Patched => &mut self.patched_pages,
             Kept::Compressed => &mut self.compressed_pages,
             Kept::Swapped => &mut self.swapped_pages,
+            Kept::Unmapped => &mut self.unmapped_pages,
         }
     }
 }

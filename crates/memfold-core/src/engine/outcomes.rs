@@ -185,6 +185,13 @@ impl Engine {
     fn share_outcome(&mut self, id: VmId, g: Gfn, f: FrameId, o: Outcome) {
         self.count_answer(id, o, false);
         let mapped = o == Outcome::Done;
+        if o == Outcome::Refused {
+            let now = self.now_us();
+            self.vms
+                .get_mut(&id)
+                .expect("outcome() checked")
+                .share_refused_us = Some(now);
+        }
         let d = self.dom(id);
         let zero = self.domain(d).zero_frame == Some(f);
         let v = self.vms.get_mut(&id).expect("outcome() checked");
@@ -243,6 +250,7 @@ impl Engine {
                 Kept::Patched => &mut v.books.patches,
                 Kept::Compressed => &mut v.books.compressions,
                 Kept::Swapped => &mut v.books.swap_outs,
+                Kept::Unmapped => &mut v.books.unmapped_shares,
             } += 1;
             return;
         }

@@ -18,6 +18,7 @@
 //!
 //! [`EngineConfig::quiet_scan_period`]: super::EngineConfig::quiet_scan_period
 
+use super::unmapped::{Found, Identical};
 use super::{Command, Engine, EngineError, ZeroPolicy};
 use crate::ids::{Gfn, VmId};
 use crate::p2m::PageState;
@@ -330,6 +331,32 @@ impl Engine {
             }
             _ => {}
         }
+        match self.match_identical(id, g, page, h, zero, false) {
+            Found::Acted | Found::Deferred => {}
+            Found::Hinted => self.found_nothing(id, g),
+            Found::Nothing => {
+                let gpn = crate::ids::Gpn(self.vms[&id].base.0 + g.0);
+                let d = self.dom(id);
+                self.domain_mut(d).share.insert(h, ShareEntry::Hint(gpn));
+                self.found_nothing(id, g);
+            }
+        }
+        Ok(())
+    }
+
+    /// Looks private page `g` of guest `id` (holding `page`, hashing to `h`) up in its
+    /// domain's share table and, on a frame or a hinted page whose bytes equal it, shares
+    /// it (ESX §4.3): mapped, or without a mapping ([`Engine::identical_action`]; `fresh`:
+    /// the clock classified the page just now).
+    pub(crate) fn match_identical(
+        &mut self,
+        id: VmId,
+        g: Gfn,
+        page: &Page,
+        h: u64,
+        zero: bool,
+        fresh: bool,
+    ) -> Found {
         let gpn = crate::ids::Gpn(self.vms[&id].base.0 + g.0);
         // Only the guest's own domain's share table: no share ever crosses domains.
         let d = self.dom(id);
@@ -348,15 +375,21 @@ impl Engine {
                         continue;
                     }
                     if other == *page {
+                        match self.identical_action(id, g, zero, fresh) {
+                            Identical::Defer => return Found::Deferred,
+                            Identical::Unmapped if self.share_unmapped(id, g, f, page) => {
+                                return Found::Acted
+                            }
+                            _ => {}
+                        }
                         self.domain_mut(d).frames.add_pending(f);
                         self.enqueue_share(id, g, f);
-                        return Ok(());
+                        return Found::Acted;
                     }
                 }
                 ShareEntry::Hint(hint) => {
                     if hint == gpn {
-                        self.found_nothing(id, g);
-                        return Ok(());
+                        return Found::Hinted;
                     }
                     // A hint's guest may have left (and its gpn gone to another domain's
                     // guest): only a guest of this domain may pair with this page.
@@ -372,26 +405,50 @@ impl Engine {
                         self.domain_mut(d).share.remove(h, e); // the hinted page changed
                         continue;
                     }
+                    // With a fresh class for this page (the clock's slice), a hinted page
+                    // cold by its last class is shared without a mapping too: deferred,
+                    // it would be stored on its own (or keep a frame alone), and a frame
+                    // held by one page saves nothing.
+                    let partner = match self.identical_action(id2, g2, zero, false) {
+                        Identical::Defer if fresh => Identical::Unmapped,
+                        a => a,
+                    };
+                    let pair = [
+                        (id2, g2, partner),
+                        (id, g, self.identical_action(id, g, zero, fresh)),
+                    ];
+                    if pair.iter().all(|p| p.2 == Identical::Defer) {
+                        return Found::Deferred; // the hint stays
+                    }
                     // A pool that cannot take the frame (host out of memory) only means no
                     // share: the pages stay private and the hint stays.
                     let Some(f) = self.alloc_frame(d, page, h) else {
-                        return Ok(());
+                        return Found::Deferred;
                     };
                     let dom = self.domain_mut(d);
-                    dom.frames.add_pending(f);
                     dom.share.replace(h, e, ShareEntry::Shared(f));
                     if zero {
                         dom.zero_frame = Some(f);
                     }
-                    self.enqueue_share(id2, g2, f);
-                    self.enqueue_share(id, g, f);
-                    return Ok(());
+                    // Each page mapped onto the new frame, shared without a mapping, or
+                    // left for the clock; then the frame's first pending request (from
+                    // its allocation) is given back.
+                    for (id, g, a) in pair {
+                        match a {
+                            Identical::Defer => {}
+                            Identical::Unmapped if self.share_unmapped(id, g, f, page) => {}
+                            _ => {
+                                self.domain_mut(d).frames.add_pending(f);
+                                self.enqueue_share(id, g, f);
+                            }
+                        }
+                    }
+                    self.frame_answer(d, f, false);
+                    return Found::Acted;
                 }
             }
         }
-        self.domain_mut(d).share.insert(h, ShareEntry::Hint(gpn));
-        self.found_nothing(id, g);
-        Ok(())
+        Found::Nothing
     }
 
     /// Page `g` of guest `id` was read in this scan and nothing was found for it.

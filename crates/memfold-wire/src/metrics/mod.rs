@@ -228,11 +228,12 @@ impl Collector for Snapshot {
         family(
             e,
             "memfold_pages",
-            "Guest pages each mechanism holds now, disjoint: shared (onto pool frames, the zero frame included), zero (reclaimed zero pages), patched, compressed, swapped.",
+            "Guest pages each mechanism holds now, disjoint: shared (onto pool frames, the zero frame included), unmapped (shared without a mapping: identical to a pool frame, in the store), zero (reclaimed zero pages), patched, compressed, swapped.",
             None,
             per_vm_by(vms, "state", |v| {
                 [
                     ("shared", pages(v.shared_pages)),
+                    ("unmapped", pages(v.unmapped_pages)),
                     ("zero", pages(v.zero_reclaimed_pages)),
                     ("patched", pages(v.patched_pages)),
                     ("compressed", pages(v.compressed_pages)),

@@ -1,0 +1,384 @@
+//! Sharing without a mapping (issue 19, "no VMA wall"). A page the sharing scan finds
+//! identical to a pool frame (ESX §4.3) is normally mapped onto it, and each run of such
+//! mappings is a VMA in QEMU, bounded by `vm.max_map_count`. A *cold* identical page —
+//! one the NRU clock (DE §4.2) last found in a class the policy patches or compresses —
+//! or any identical page of a guest whose agent lately refused a share (its VMA budget)
+//! is instead kept as DE §3.2's degenerate patch: a few bytes in the guest's store that
+//! decode to the frame's bytes, the page punched out of guest RAM, the frame held by a
+//! patch reference so that it is neither freed nor reused while the blob depends on it.
+//! No VMA is spent; the saving is booked as sharing ([`Kept::Unmapped`]).
+//!
+//! The page comes back private on its next access (the agent's missing fault decodes it
+//! against the frame, checked by the page's checksum, as any patch). A page taken back
+//! soon waits DE's re-store back-off (`restash_wait`: 2, 4, then 7 idle clock scans)
+//! before it is kept unmapped again; meanwhile the scan maps it, so hot identical pages
+//! stay mapped and none cycles through stash and decode.
+//!
+//! [`Kept::Unmapped`]: crate::blobs::Kept::Unmapped
+
+use std::collections::HashSet;
+
+use memfold_codecs::{page_checksum, Encoding, PatchCodec};
+
+use super::Engine;
+use crate::blobs::{BlobHome, Form, Kept};
+#[cfg(test)]
+use crate::ids::DomainId;
+use crate::ids::{FrameId, Gfn, VmId};
+#[cfg(test)]
+use crate::p2m::PageState;
+use crate::Page;
+
+/// For this long after the agent refused a share (µs), every identical page of its guest
+/// is shared without a mapping: the refusal most likely was its VMA budget.
+pub(crate) const VMA_PRESSURE_US: u64 = 30_000_000;
+
+/// The patch of a page identical to its reference, in the run-diff encoding (DE §3.2):
+/// one record rewriting byte 0 with its own value — 3 bytes, decoded by the agent's
+/// existing patch path. (Run-diff encodes identical pages as 0 bytes, which no store slot
+/// takes.)
+pub(crate) fn identical_patch(page: &Page) -> [u8; 3] {
+    [0, 1, page[0]]
+}
+
+/// What becomes of a page found identical to a frame or another page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Identical {
+    /// Mapped onto the frame (ESX §4.3).
+    Map,
+    /// Shared without a mapping: a patch against the frame in the store.
+    Unmapped,
+    /// Left private for now: cold by a class the clock found before the page was last
+    /// read, so its next clock slice decides ([`Engine::share_cold`]).
+    Defer,
+}
+
+/// What the share table gave a page ([`Engine::match_identical`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Found {
+    /// Shared (a request queued: a share or a stash).
+    Acted,
+    /// Identical, but nothing done now (left for the clock, or no frame to be had).
+    Deferred,
+    /// Only the page's own hint.
+    Hinted,
+    /// Nothing equal.
+    Nothing,
+}
+
+impl Engine {
+    /// Whether the agent of guest `id` refused a share in the last [`VMA_PRESSURE_US`].
+    pub(crate) fn vma_pressure(&self, id: VmId) -> bool {
+        let now = self.now_us();
+        self.vms
+            .get(&id)
+            .and_then(|v| v.share_refused_us)
+            .is_some_and(|t| now.saturating_sub(t) < VMA_PRESSURE_US)
+    }
+
+    /// What becomes of page `g` of guest `id`, found identical to a pool frame or another
+    /// page (`zero`: all zeros; `fresh`: the clock classified it just now). Mapped unless
+    /// the knob is on, the page is not zero and has waited out its re-store back-off, and
+    /// either the guest's agent refuses shares (then it is shared without a mapping) or
+    /// the clock's last scan found it in a class the policy patches or compresses (cold:
+    /// C3/C4 under `de`). A cold page is shared without a mapping only when its class is
+    /// fresh: the sharing scan, which reads pages up to a clock interval after their
+    /// class was found, leaves it to the clock's next slice ([`Identical::Defer`]), so a
+    /// page written since (and likely to be used) is not stashed on a stale class.
+    pub(crate) fn identical_action(&self, id: VmId, g: Gfn, zero: bool, fresh: bool) -> Identical {
+        if zero || !self.cfg.share_cold_unmapped {
+            return Identical::Map;
+        }
+        let Some(v) = self.vms.get(&id) else {
+            return Identical::Map;
+        };
+        let clock = v.clock.page(g.0);
+        if clock.idle_scans() < v.restash_wait[g.index()] {
+            return Identical::Map; // taken back soon after it was last stored
+        }
+        if self.vma_pressure(id) {
+            return Identical::Unmapped;
+        }
+        let cold = self.cfg.clock_interval_us.is_some() && {
+            let a = self.cfg.policy.for_state(clock.last_state());
+            a.patch || a.compress
+        };
+        match (cold, fresh) {
+            (false, _) => Identical::Map,
+            (true, true) => Identical::Unmapped,
+            (true, false) => Identical::Defer,
+        }
+    }
+
+    /// The clock's slice found private page `g` of guest `id` (holding `page`) cold: if it
+    /// is identical to a frame or a hinted page, it is shared now (without a mapping,
+    /// [`Engine::identical_action`]). Returns whether it was.
+    pub(crate) fn share_cold(&mut self, id: VmId, g: Gfn, page: &Page) -> bool {
+        if !self.cfg.share_cold_unmapped || !self.class_allows_share(id, g) {
+            return false;
+        }
+        let h = (self.cfg.page_hash)(page);
+        self.match_identical(id, g, page, h, false, true) == Found::Acted
+    }
+
+    /// Shares private page `g` of guest `id` (holding `page`, equal to frame `f`'s bytes)
+    /// without a mapping: writes its identical patch to the guest's store, takes a patch
+    /// reference on `f`, and queues the stash. Returns false (nothing changed) if the
+    /// store cannot take the blob: the caller maps the page then.
+    pub(crate) fn share_unmapped(&mut self, id: VmId, g: Gfn, f: FrameId, page: &Page) -> bool {
+        let blob = identical_patch(page);
+        let Some(slot) = self.put_blob(id, &blob, BlobHome::Store) else {
+            return false;
+        };
+        let d = self.dom(id);
+        self.domain_mut(d).frames.incref(f, true);
+        self.vms.get_mut(&id).expect("sharable").ages.reset(g);
+        self.queue_stash(
+            id,
+            g,
+            slot,
+            blob.len(),
+            Form::Encoded(Encoding::Patch(PatchCodec::RunDiff)),
+            Some(f),
+            BlobHome::Store,
+            None,
+            page_checksum(page),
+            true,
+        );
+        true
+    }
+
+    /// Frames held only as patch references of which at least one is the blob of a page
+    /// shared without a mapping (in the store): sharing's frames in the books, not
+    /// patching's.
+    pub(crate) fn unmapped_reference_frames(&self) -> u64 {
+        let mut frames = HashSet::new();
+        for (_, b) in self.blobs.iter() {
+            let Some(f) = b.reference.filter(|_| b.kept() == Kept::Unmapped) else {
+                continue;
+            };
+            let Some(d) = self.vms.get(&b.vm).map(|v| v.domain) else {
+                continue;
+            };
+            let frames_of = &self.domain(d).frames;
+            if frames_of.patch_refs(f) == frames_of.refcount(f) {
+                frames.insert((d, f));
+            }
+        }
+        frames.len() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::{Home, Rig};
+    use crate::{EngineConfig, Policy, PAGE_SIZE};
+
+    const PAGES: u32 = 16;
+
+    fn cfg(on: bool) -> EngineConfig {
+        EngineConfig {
+            policy: Policy::difference_engine(),
+            rate: 0,
+            clock_interval_us: Some(100_000),
+            min_scan_interval_us: 10_000,
+            max_scan_interval_us: 10_000,
+            quiet_scan_period: 1,
+            share_cold_unmapped: on,
+            ..EngineConfig::default()
+        }
+    }
+
+    /// Bytes unique to `seed` (random-looking: neither patched nor compressed under the
+    /// cut-offs against one another... mostly; what matters is that no two are equal).
+    fn page(seed: u32) -> Vec<u8> {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ seed as u64;
+        (0..PAGE_SIZE)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    /// `ms` of memfoldd, 10 ms a step; pages `hot` are read by the guest every step.
+    fn settle(r: &mut Rig, ms: u64, hot: &[u32]) {
+        for _ in 0..ms / 10 {
+            for &g in hot {
+                r.agent.read(Gfn(g)).unwrap();
+            }
+            r.step(10_000).unwrap();
+        }
+        r.engine.check_invariants().unwrap();
+    }
+
+    /// A guest of unique pages, settled (all cold), but for pages 8–9, equal to each
+    /// other and read all the time (mapped onto a frame of their own); then pages 0–3
+    /// (left alone) and 4–5 (read all the time) are written with one content, and pages
+    /// 12–13 (left alone) with another.
+    fn rig(on: bool) -> Rig {
+        let mut r = Rig::new(cfg(on), PAGES).unwrap();
+        for g in 0..PAGES {
+            let seed = if g == 8 || g == 9 { 8 } else { 100 + g };
+            r.agent.write(Gfn(g), 0, &page(seed)).unwrap();
+        }
+        settle(&mut r, 1000, &[8, 9]);
+        for g in 0..6 {
+            r.agent.write(Gfn(g), 0, &page(7)).unwrap();
+        }
+        for g in 12..14 {
+            r.agent.write(Gfn(g), 0, &page(12)).unwrap();
+        }
+        settle(&mut r, 1500, &[4, 5, 8, 9]);
+        r
+    }
+
+    fn state(r: &Rig, g: u32) -> PageState {
+        r.engine.page_state(r.vm, Gfn(g)).unwrap()
+    }
+
+    #[test]
+    fn cold_identical_pages_are_shared_without_a_mapping_hot_ones_mapped() {
+        let r = rig(true);
+        let PageState::Shared(f) = state(&r, 4) else {
+            panic!("hot page 4 is {:?}", state(&r, 4));
+        };
+        assert_eq!(state(&r, 5), PageState::Shared(f));
+        for g in 0..4 {
+            let PageState::Stored(b) = state(&r, g) else {
+                panic!("cold page {g} is {:?}", state(&r, g));
+            };
+            let blob = r.engine.blobs.get(b);
+            assert!(blob.identical && blob.kept() == Kept::Unmapped);
+            assert_eq!(
+                blob.reference,
+                Some(f),
+                "patched against the hot pages' frame"
+            );
+            assert_eq!(blob.len, 3);
+            assert!(matches!(r.agent.home(Gfn(g)), Home::Stashed(_)));
+            assert_eq!(r.agent.peek(Gfn(g)).unwrap()[..], page(7)[..]);
+        }
+        let dom = r.engine.domain(DomainId(0));
+        assert_eq!((dom.frames.refcount(f), dom.frames.patch_refs(f)), (6, 4));
+        // Two cold pages equal to each other alone: both on one frame, neither mapped.
+        let refs: Vec<_> = (12..14)
+            .map(|g| match state(&r, g) {
+                PageState::Stored(b) => r.engine.blobs.get(b).reference,
+                s => panic!("cold page {g} is {s:?}"),
+            })
+            .collect();
+        let f2 = refs[0].expect("a patch");
+        assert_eq!(refs[1], Some(f2));
+        assert_eq!((dom.frames.refcount(f2), dom.frames.patch_refs(f2)), (2, 2));
+        let b = r.engine.books();
+        let v = &b.vms[0].books;
+        assert_eq!(
+            (v.unmapped_pages, v.unmapped_shares, v.shared_pages),
+            (6, 6, 4)
+        );
+        assert_eq!(v.patched_pages, 0, "booked as sharing, not patching");
+        // 6 guest pages on one frame, 2 on another, 2 on a third held by patches alone;
+        // 6 slots of 64 bytes round to 0 pages.
+        assert_eq!(b.saved_by.sharing, 7);
+        assert_eq!(b.saved_by.patching, 0);
+        assert_eq!(b.unmapped_pages, 6);
+    }
+
+    #[test]
+    fn with_the_knob_off_cold_identical_pages_are_mapped() {
+        let r = rig(false);
+        for g in (0..6).chain(8..10) {
+            assert!(
+                matches!(state(&r, g), PageState::Shared(_)),
+                "page {g} is {:?}",
+                state(&r, g)
+            );
+        }
+        assert_eq!(r.engine.books().vms[0].books.unmapped_shares, 0);
+    }
+
+    /// Read while shared without a mapping, a page comes back private (decoded against the
+    /// frame); taken back soon, it waits the re-store back-off, so the scan maps it
+    /// meanwhile — no page cycles through stash and decode.
+    #[test]
+    fn a_page_read_while_unmapped_comes_back_then_stays_mapped() {
+        let mut r = rig(true);
+        assert_eq!(r.agent.read(Gfn(0)).unwrap()[..], page(7)[..]);
+        r.report();
+        assert_eq!(state(&r, 0), PageState::Private);
+        assert_eq!(r.engine.vms[&r.vm].restash_wait[0], 2);
+        // Read every 300 ms for 6 s: it must settle mapped.
+        for _ in 0..20 {
+            r.agent.read(Gfn(0)).unwrap();
+            settle(&mut r, 300, &[]);
+        }
+        let v = r.engine.books().vms[0].books.clone();
+        assert!(
+            matches!(state(&r, 0), PageState::Shared(_)),
+            "{:?}",
+            state(&r, 0)
+        );
+        assert_eq!(v.unstashes, 1, "decoded back once: {v:#?}");
+        assert_eq!(v.unmapped_shares, 6, "{v:#?}");
+        for g in 0..6 {
+            assert_eq!(r.agent.peek(Gfn(g)).unwrap()[..], page(7)[..]);
+        }
+    }
+
+    /// An agent that refuses shares (its VMA budget) gets its identical pages shared
+    /// without a mapping, hot ones too, for [`VMA_PRESSURE_US`].
+    #[test]
+    fn after_a_refused_share_hot_identical_pages_are_shared_without_a_mapping() {
+        let mut r = Rig::new(cfg(true), PAGES).unwrap();
+        for g in 0..PAGES {
+            r.agent.write(Gfn(g), 0, &page(100 + g)).unwrap();
+        }
+        settle(&mut r, 1000, &[]);
+        for g in 0..4 {
+            r.agent.write(Gfn(g), 0, &page(7)).unwrap();
+        }
+        // The first shares are refused.
+        r.agent.refuse = true;
+        let mut steps = 0;
+        while r.engine.vms[&r.vm].books.share_refused == 0 {
+            for g in 0..4 {
+                r.agent.read(Gfn(g)).unwrap();
+            }
+            r.step(10_000).unwrap();
+            steps += 1;
+            assert!(steps < 200, "no share was refused");
+        }
+        r.agent.refuse = false;
+        assert!(r.engine.vma_pressure(r.vm));
+        settle(&mut r, 1000, &[0, 1, 2, 3]);
+        let v = r.engine.books().vms[0].books.clone();
+        assert_eq!(v.unmapped_shares, 4, "{v:#?}");
+        // Read all the time, they came back private at once, and their back-off keeps
+        // them from being stored again: they are mapped (a real agent out of VMAs would
+        // refuse, and they would stay private) — no cycle of stash and decode.
+        assert_eq!(v.unstashes, 4, "{v:#?}");
+        settle(&mut r, 2000, &[0, 1, 2, 3]);
+        let w = &r.engine.books().vms[0].books;
+        assert_eq!((w.unmapped_shares, w.unstashes), (4, 4), "{w:#?}");
+        for g in 0..4 {
+            assert_eq!(r.agent.peek(Gfn(g)).unwrap()[..], page(7)[..]);
+        }
+        // Pressure ends 30 s after the refusal.
+        r.clock.advance(VMA_PRESSURE_US);
+        assert!(!r.engine.vma_pressure(r.vm));
+    }
+
+    #[test]
+    fn the_identical_patch_decodes_to_the_reference() {
+        let reference: Box<Page> = page(3).try_into().unwrap();
+        let mut out = [0u8; PAGE_SIZE];
+        PatchCodec::RunDiff
+            .decode(&reference, &identical_patch(&reference), &mut out)
+            .unwrap();
+        assert_eq!(out[..], reference[..]);
+    }
+}
