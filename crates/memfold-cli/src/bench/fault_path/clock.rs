@@ -19,7 +19,7 @@ use serde::Serialize;
 use super::pagemap::{
     Pagemap, PAGE_IS_PRESENT, PAGE_IS_WRITTEN, PM_SCAN_CHECK_WPASYNC, PM_SCAN_WP_MATCHING,
 };
-use super::sides::{touch, wait_readable, Accessed, HandlerError, Mapping, Raw};
+use super::sides::{serve_faults, touch, Accessed, HandlerError, Mapping, Raw};
 use super::{ClockCost, PAGE};
 
 /// The agent's registration of guest RAM (`memfold-agent`'s `RAM_MODE`).
@@ -37,40 +37,31 @@ fn serve_minor(
     spin: Duration,
     stop: &AtomicBool,
 ) -> Result<u64, HandlerError> {
-    let mut served = 0;
-    while !stop.load(Ordering::Relaxed) {
-        if busy_poll {
+    serve_faults(&uffd, busy_poll, stop, |ev| {
+        let uffd::Event::Fault {
+            addr,
+            write,
+            wp,
+            minor,
+        } = ev
+        else {
+            return Ok(false);
+        };
+        let at = addr & !(PAGE - 1);
+        if !minor {
+            uffd.wake(at, PAGE)?;
+            return Err(HandlerError::NotMinor {
+                page: at,
+                kind: if wp { "write-protect" } else { "missing" },
+            });
+        }
+        let t = Instant::now();
+        while t.elapsed() < spin {
             std::hint::spin_loop();
-        } else {
-            wait_readable(&uffd)?;
         }
-        while let Some(ev) = uffd.read_event()? {
-            let uffd::Event::Fault {
-                addr,
-                write,
-                wp,
-                minor,
-            } = ev
-            else {
-                continue;
-            };
-            let at = addr & !(PAGE - 1);
-            if !minor {
-                uffd.wake(at, PAGE)?;
-                return Err(HandlerError::NotMinor {
-                    page: at,
-                    kind: if wp { "write-protect" } else { "missing" },
-                });
-            }
-            let t = Instant::now();
-            while t.elapsed() < spin {
-                std::hint::spin_loop();
-            }
-            uffd.cont(at, PAGE, !write)?;
-            served += 1;
-        }
-    }
-    Ok(served)
+        uffd.cont(at, PAGE, !write)?;
+        Ok(true)
+    })
 }
 
 /// The timed accesses with `m` registered as the agent registers guest RAM and a

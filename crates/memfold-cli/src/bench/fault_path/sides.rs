@@ -219,7 +219,7 @@ pub(super) enum HandlerError {
 
 /// Sleeps in `poll` until the userfaultfd has an event (or 100 ms pass), as the agent
 /// does; not at all if an ioctl queued events meanwhile.
-pub(super) fn wait_readable(uffd: &uffd::Uffd) -> Result<(), HandlerError> {
+fn wait_readable(uffd: &uffd::Uffd) -> Result<(), HandlerError> {
     let mut fds = [libc::pollfd {
         fd: uffd.as_raw_fd(),
         events: libc::POLLIN,
@@ -248,40 +248,54 @@ fn serve(
     busy_poll: bool,
     stop: &AtomicBool,
 ) -> Result<u64, HandlerError> {
-    let mut served = 0;
     let mut buf = [0u8; PAGE_SIZE];
     let mut page = [0u8; PAGE_SIZE];
+    serve_faults(&uffd, busy_poll, stop, |ev| {
+        let uffd::Event::Fault { addr, .. } = ev else {
+            return Ok(false);
+        };
+        let at = addr & !(PAGE - 1);
+        let i = (at - base) / PAGE;
+        let Some(s) = store.index.get(i as usize) else {
+            uffd.wake(at, PAGE)?;
+            return Ok(false);
+        };
+        let blob = &mut buf[..s.len as usize];
+        memfd::pread_exact(store.fd.as_fd(), blob, s.offset)
+            .map_err(|source| HandlerError::Read { page: i, source })?;
+        if s.compressed {
+            codec
+                .decompress(blob, &mut page)
+                .map_err(|source| HandlerError::Decode { page: i, source })?;
+        } else {
+            page.copy_from_slice(blob);
+        }
+        if page_checksum(&page) != s.checksum {
+            return Err(HandlerError::Checksum(i));
+        }
+        uffd.copy(at, &page, false)?;
+        Ok(true)
+    })
+}
+
+/// A handler thread's loop, as the agent's: until `stop`, wait for the userfaultfd to
+/// be readable (or spin, `busy_poll`), then hand each event to `answer`, which returns
+/// whether it served a fault. Returns the faults served; the first error ends it.
+pub(super) fn serve_faults(
+    uffd: &uffd::Uffd,
+    busy_poll: bool,
+    stop: &AtomicBool,
+    mut answer: impl FnMut(uffd::Event) -> Result<bool, HandlerError>,
+) -> Result<u64, HandlerError> {
+    let mut served = 0;
     while !stop.load(Ordering::Relaxed) {
         if busy_poll {
             std::hint::spin_loop();
         } else {
-            wait_readable(&uffd)?;
+            wait_readable(uffd)?;
         }
         while let Some(ev) = uffd.read_event()? {
-            let uffd::Event::Fault { addr, .. } = ev else {
-                continue;
-            };
-            let at = addr & !(PAGE - 1);
-            let i = (at - base) / PAGE;
-            let Some(s) = store.index.get(i as usize) else {
-                uffd.wake(at, PAGE)?;
-                continue;
-            };
-            let blob = &mut buf[..s.len as usize];
-            memfd::pread_exact(store.fd.as_fd(), blob, s.offset)
-                .map_err(|source| HandlerError::Read { page: i, source })?;
-            if s.compressed {
-                codec
-                    .decompress(blob, &mut page)
-                    .map_err(|source| HandlerError::Decode { page: i, source })?;
-            } else {
-                page.copy_from_slice(blob);
-            }
-            if page_checksum(&page) != s.checksum {
-                return Err(HandlerError::Checksum(i));
-            }
-            uffd.copy(at, &page, false)?;
-            served += 1;
+            served += answer(ev)? as u64;
         }
     }
     Ok(served)
