@@ -46,19 +46,12 @@ pub fn specs(profiles: &str, ram: RamBackend, mem_mib: Option<u32>) -> Result<Ve
     for p in profiles.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let prof = images::profile(p)?;
         let n = out.iter().filter(|s| s.profile == p).count() + 1;
-        out.push(GuestSpec {
-            name: format!("{p}-{n}"),
-            profile: p.into(),
-            mem_mib: mem_mib.unwrap_or(prof.mem_mib),
+        out.push(GuestSpec::new(
+            &format!("{p}-{n}"),
+            p,
+            mem_mib.unwrap_or(prof.mem_mib),
             ram,
-            cpus: 1,
-            cgroup_procs: None,
-            mem_merge: true,
-            free_page_reporting: false,
-            memfold_balloon: false,
-            data_disk: None,
-            kernel_args: None,
-        });
+        ));
     }
     anyhow::ensure!(!out.is_empty(), "no guest profile given");
     Ok(out)

@@ -151,17 +151,8 @@ fn tiny_guests(cache: &Path, work: &Path, socket: &Path, names: &[(&str, bool)])
     let mut guests = Vec::new();
     for &(name, balloon) in names {
         let spec = GuestSpec {
-            name: name.into(),
-            profile: "tiny".into(),
-            mem_mib: RAM_MIB as u32,
-            ram: RamBackend::Memfd,
-            cpus: 1,
-            cgroup_procs: None,
-            mem_merge: true,
-            free_page_reporting: false,
             memfold_balloon: balloon,
-            data_disk: None,
-            kernel_args: None,
+            ..GuestSpec::new(name, "tiny", RAM_MIB as u32, RamBackend::Memfd)
         };
         let mut env = agent_env(&agent, socket, &spec);
         if name == "b" {

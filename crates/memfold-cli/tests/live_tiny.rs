@@ -108,19 +108,7 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
     let mut daemon = memfoldd(&socket);
     let mut guests = Vec::new();
     for name in ["a", "b"] {
-        let spec = GuestSpec {
-            name: name.into(),
-            profile: "tiny".into(),
-            mem_mib: 256,
-            ram: RamBackend::Memfd,
-            cpus: 1,
-            cgroup_procs: None,
-            mem_merge: true,
-            free_page_reporting: false,
-            memfold_balloon: false,
-            data_disk: None,
-            kernel_args: None,
-        };
+        let spec = GuestSpec::new(name, "tiny", 256, RamBackend::Memfd);
         let mut env = agent_env(&agent, &socket, &spec);
         if name == "b" {
             env.push(("MEMFOLD_VMA_BUDGET".into(), "1".into()));

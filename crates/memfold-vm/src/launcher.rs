@@ -85,6 +85,27 @@ pub struct GuestSpec {
     pub kernel_args: Option<String>,
 }
 
+impl GuestSpec {
+    /// A plain guest `name` of `profile` with `mem_mib` MiB of RAM backed by `ram`: one
+    /// vCPU, no cgroup, RAM mergeable, no balloon, no data disk, no kernel arguments of
+    /// its own. Callers change what differs with struct update syntax.
+    pub fn new(name: &str, profile: &str, mem_mib: u32, ram: RamBackend) -> GuestSpec {
+        GuestSpec {
+            name: name.into(),
+            profile: profile.into(),
+            mem_mib,
+            ram,
+            cpus: 1,
+            cgroup_procs: None,
+            mem_merge: true,
+            free_page_reporting: false,
+            memfold_balloon: false,
+            data_disk: None,
+            kernel_args: None,
+        }
+    }
+}
+
 /// A read-only virtio disk of data for a page-cache workload. The guest finds it by its
 /// serial, [`DATA_DISK_SERIAL`] (`/sys/block/vdX/serial`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -218,19 +239,7 @@ pub fn detect_accel(cache: &Path) -> Accel {
     }
     let verdict = (|| {
         let dir = std::env::temp_dir().join(format!("memfold-kvm-probe-{}", std::process::id()));
-        let spec = GuestSpec {
-            name: "kvm-probe".into(),
-            profile: "tiny".into(),
-            mem_mib: 128,
-            ram: RamBackend::Anonymous,
-            cpus: 1,
-            cgroup_procs: None,
-            mem_merge: true,
-            free_page_reporting: false,
-            memfold_balloon: false,
-            data_disk: None,
-            kernel_args: None,
-        };
+        let spec = GuestSpec::new("kvm-probe", "tiny", 128, RamBackend::Anonymous);
         let mut g = Guest::start(&spec, cache, &dir, Accel::Kvm).ok()?;
         let ok = g.wait_ready(Duration::from_secs(20)).is_ok();
         g.stop();

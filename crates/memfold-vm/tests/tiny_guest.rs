@@ -10,29 +10,11 @@ use memfold_vm::hostmem::guest_ram_usage;
 use memfold_vm::images;
 use memfold_vm::launcher::{Accel, Guest, GuestSpec, RamBackend, VmError};
 
-/// A plain guest `name` of `profile` with `mem_mib` of RAM backed by `ram`: one vCPU, no
-/// balloon, no data disk.
-fn spec(name: &str, profile: &str, mem_mib: u32, ram: RamBackend) -> GuestSpec {
-    GuestSpec {
-        name: name.into(),
-        profile: profile.into(),
-        mem_mib,
-        ram,
-        cpus: 1,
-        cgroup_procs: None,
-        mem_merge: true,
-        free_page_reporting: false,
-        memfold_balloon: false,
-        data_disk: None,
-        kernel_args: None,
-    }
-}
-
 fn boot_capture_analyse(ram: RamBackend, name: &str) {
     let cache = images::cache_dir();
     images::build(&cache, "tiny", |l| eprintln!("{l}")).expect("tiny image builds");
     let work = tempfile::tempdir().unwrap();
-    let spec = spec(name, "tiny", 128, ram);
+    let spec = GuestSpec::new(name, "tiny", 128, ram);
     // TCG: the KVM probe is exercised by the commands; tests must not depend on it.
     let mut g = Guest::start(&spec, &cache, work.path(), Accel::Tcg).unwrap();
     let pid = g.pid;
@@ -112,7 +94,7 @@ fn tiny_guest_with_anonymous_ram_is_captured_with_pmemsave_and_pagemap() {
 fn missing_images_and_profiles_are_clear_errors() {
     let empty = tempfile::tempdir().unwrap();
     let work = tempfile::tempdir().unwrap();
-    let spec = spec("x", "web", 128, RamBackend::Memfd);
+    let spec = GuestSpec::new("x", "web", 128, RamBackend::Memfd);
     let err = Guest::start(&spec, empty.path(), work.path(), Accel::Tcg)
         .err()
         .unwrap();
@@ -158,7 +140,7 @@ fn tiny_guest_reads_its_data_disk_from_its_cache_breaks_and_drops_on_cue() {
             read_bytes_per_sec: Some(32 << 20),
         }),
         kernel_args: Some("memfold.break_at=1 memfold.drop_caches_at=1".into()),
-        ..spec("cache", "tiny", 256, RamBackend::Memfd)
+        ..GuestSpec::new("cache", "tiny", 256, RamBackend::Memfd)
     };
     let mut g = Guest::start(&spec, &cache, work.path(), Accel::Tcg).unwrap();
     g.wait_ready(Duration::from_secs(180)).unwrap();

@@ -120,19 +120,7 @@ mod tests {
     use super::*;
 
     fn spec(ram: RamBackend) -> GuestSpec {
-        GuestSpec {
-            name: "web-1".into(),
-            profile: "web".into(),
-            mem_mib: 512,
-            ram,
-            cpus: 1,
-            cgroup_procs: None,
-            mem_merge: true,
-            free_page_reporting: false,
-            memfold_balloon: false,
-            data_disk: None,
-            kernel_args: None,
-        }
+        GuestSpec::new("web-1", "web", 512, ram)
     }
 
     fn args(spec: &GuestSpec) -> Vec<String> {
