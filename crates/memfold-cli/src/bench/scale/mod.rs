@@ -86,6 +86,11 @@ pub fn run(a: &ScaleArgs) -> Result<()> {
     let out = a.memfold.set.out_dir("scale");
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let mut points: Vec<Point> = Vec::new();
+    let mut summary = None;
+    // The VMA wall of each point is against this host's limit.
+    let max_map_count = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+        .ok()
+        .and_then(|s| s.trim().parse::<f64>().ok());
     for &mib in &a.sizes {
         for &n in &a.vms {
             if stop.load(std::sync::atomic::Ordering::SeqCst) {
@@ -115,15 +120,17 @@ pub fn run(a: &ScaleArgs) -> Result<()> {
                 );
                 Some(k)
             };
-            let p = Point::new(n, mib, &r, ksm.as_ref());
+            let p = Point::new(n, mib, &r, ksm.as_ref(), max_map_count);
             eprintln!("{}", p.line());
             points.push(p);
-            write_all(&out, &points)?;
+            summary = Some(write_all(&out, &points)?);
         }
     }
-    anyhow::ensure!(!points.is_empty(), "stopped before any point was measured");
+    let Some(summary) = summary else {
+        anyhow::bail!("stopped before any point was measured");
+    };
     if a.memfold.set.json {
-        print!("{}", std::fs::read_to_string(out.join("scale.json"))?);
+        println!("{}", serde_json::to_string_pretty(&summary)?);
         return Ok(());
     }
     print_table(&points);
@@ -132,8 +139,9 @@ pub fn run(a: &ScaleArgs) -> Result<()> {
 }
 
 /// Writes `scale.json`, `scale.csv` and `scale.png` for the points so far (after each
-/// point: a long sweep stopped midway keeps what it measured).
-fn write_all(out: &Path, points: &[Point]) -> Result<()> {
+/// point: a long sweep stopped midway keeps what it measured); returns what
+/// `scale.json` holds.
+fn write_all(out: &Path, points: &[Point]) -> Result<serde_json::Value> {
     let x = axis(points);
     let slopes: serde_json::Map<String, serde_json::Value> = Point::COSTS
         .iter()
@@ -165,7 +173,7 @@ fn write_all(out: &Path, points: &[Point]) -> Result<()> {
     if points.len() >= 2 {
         plot_points(&out.join("scale.png"), points, x)?;
     }
-    Ok(())
+    Ok(j)
 }
 
 /// What the points vary: the number of guests, or (all points of one count) guest size.

@@ -101,8 +101,15 @@ impl Point {
     ];
 
     /// The point of `guests` guests of `mem_mib` MiB, from memfold's run and the KSM
-    /// side's (if run).
-    pub fn new(guests: u32, mem_mib: u32, m: &MemfoldRun, ksm: Option<&KsmSide>) -> Point {
+    /// side's (if run); `max_map_count` is the host's `vm.max_map_count` (`None`: not
+    /// known, no VMA wall given).
+    pub fn new(
+        guests: u32,
+        mem_mib: u32,
+        m: &MemfoldRun,
+        ksm: Option<&KsmSide>,
+        max_map_count: Option<f64>,
+    ) -> Point {
         let ram = guests as f64 * mem_mib as f64 * MIB;
         let pct = |saved: f64, before: u64| saved / (before as f64).max(1.0) * 100.0;
         let per_gib = |cpu: f64, saved: f64| (saved > 0.0).then(|| cpu / (saved / GIB));
@@ -119,16 +126,14 @@ impl Point {
             .map(|s| s.stats.rss_bytes)
             .max()
             .unwrap_or(0);
-        // Several regions of one QEMU report the same process: the largest per pid.
+        // The largest count any agent reported (the agents of one QEMU's regions each
+        // report the whole process's).
         let max_qemu_mappings = m
             .samples
             .iter()
             .flat_map(|s| s.stats.vms.iter().map(|v| v.qemu_mappings))
             .max()
             .unwrap_or(0);
-        let max_map_count = std::fs::read_to_string("/proc/sys/vm/max_map_count")
-            .ok()
-            .and_then(|s| s.trim().parse::<f64>().ok());
         let mappings_per_gib = max_qemu_mappings as f64 / (mem_mib as f64 / 1024.0);
         let lat = end.map(|s| s.stats.latency);
         let timed = |f: fn(&memfold_wire::OpLatencies) -> memfold_wire::LatencySummary,
@@ -261,7 +266,7 @@ mod tests {
             samples: vec![sample(1.0, 50 << 20, 900), sample(2.0, 40 << 20, 300)],
             ..MemfoldRun::default()
         };
-        let p = Point::new(2, 512, &m, None);
+        let p = Point::new(2, 512, &m, None, Some(65_530.0));
         assert_eq!(p.memfold_saved_pct, 50.0);
         assert_eq!(
             p.memfold_cpu_s_per_gib_saved,
@@ -288,5 +293,7 @@ mod tests {
         assert_eq!((p.share_p50_us, p.share_p99_us), (Some(7.0), Some(70.0)));
         assert_eq!(p.cow_break_p99_us, None, "nothing timed");
         assert_eq!(p.ksm_saved_pct, None, "no KSM side");
+        // 900 mappings in a QEMU of 512 MiB: 1 800 per GiB of guest RAM.
+        assert_eq!(p.vma_wall_gib, Some(65_530.0 / 1_800.0));
     }
 }
