@@ -68,6 +68,9 @@ pub struct SimAgent {
     pub events: Vec<Event>,
     /// Refuse every command (as at the VMA budget).
     pub refuse: bool,
+    /// Most pages on pool frames (the real agent's VMA budget, which charges each page on
+    /// a frame): a share past it is refused. `None`: no budget.
+    pub frame_budget: Option<usize>,
 }
 
 const PAGE: u64 = PAGE_SIZE as u64;
@@ -100,6 +103,7 @@ impl SimAgent {
             tracking: vec![Tracking::Open; n],
             events: Vec::new(),
             refuse: false,
+            frame_budget: None,
         }
     }
 
@@ -281,6 +285,15 @@ impl SimAgent {
         match *cmd {
             Command::Share { gfn, frame } => {
                 if gfn.0 >= self.pages() || self.home[gfn.index()] != Home::Private {
+                    return Outcome::Refused;
+                }
+                let on_frames = || {
+                    self.home
+                        .iter()
+                        .filter(|h| matches!(h, Home::Frame(_)))
+                        .count()
+                };
+                if self.frame_budget.is_some_and(|b| on_frames() >= b) {
                     return Outcome::Refused;
                 }
                 let mut p = [0u8; PAGE_SIZE];

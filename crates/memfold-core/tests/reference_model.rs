@@ -128,7 +128,7 @@ fn engine_matches_reference_model_long() {
 /// ends with a teardown that must leave nothing behind. Prints what the mechanisms did.
 fn long_run(total: u64, runs: u64) {
     let per = total / runs;
-    let mut seen = [0u64; 7];
+    let mut seen = [0u64; 8];
     for run_no in 0..runs {
         let mut rng = SmallRng::seed_from_u64(0x6d66_0000 + run_no);
         let setup = random_setup(&mut rng);
@@ -152,6 +152,7 @@ fn long_run(total: u64, runs: u64) {
                         x.swap_outs,
                         x.cow_breaks,
                         x.unmapped_shares,
+                        x.unmaps,
                     ];
                     for (s, c) in seen.iter_mut().zip(now) {
                         *s = (*s).max(c);
@@ -163,7 +164,7 @@ fn long_run(total: u64, runs: u64) {
             panic!("run {run_no} teardown: {e}\nsetup: {setup:?}");
         }
     }
-    eprintln!("{total} ops in {runs} runs; largest counter of one guest, sampled every 100 ops [shares, reclaims, patches, compressions, swap-outs, CoW breaks, unmapped shares]: {seen:?}");
+    eprintln!("{total} ops in {runs} runs; largest counter of one guest, sampled every 100 ops [shares, reclaims, patches, compressions, swap-outs, CoW breaks, unmapped shares, mapped shares unmapped]: {seen:?}");
     assert!(
         seen.iter().all(|&c| c > 0),
         "a mechanism never ran: {seen:?}"

@@ -229,6 +229,10 @@ pub struct VmStats {
     /// Pages shared without a mapping (cumulative).
     #[serde(default)]
     pub unmapped_shares: u64,
+    /// Of those, pages mapped onto their frame first and turned into shares without a
+    /// mapping under VMA pressure (cumulative; issue 19).
+    #[serde(default)]
+    pub unmaps: u64,
     /// Pages stored as patches now (DE §3.2).
     pub patched_pages: u64,
     /// Pages stored compressed now (DE §3.3).

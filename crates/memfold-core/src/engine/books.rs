@@ -63,6 +63,9 @@ pub struct VmBooks {
     pub unmapped_pages: u64,
     /// Pages shared without a mapping (cumulative).
     pub unmapped_shares: u64,
+    /// Of those, pages that were mapped onto their frame first and were turned into
+    /// shares without a mapping under VMA pressure (cumulative; issue 19).
+    pub unmaps: u64,
     /// Pages stored compressed now (DE §3.3).
     pub compressed_pages: u64,
     /// Pages patched.

@@ -73,6 +73,7 @@ impl Engine {
         }
         let end = Gfn((first.0 + count).min(v.pages()));
         self.difference_engine(id, first, end);
+        self.unmap_shared(id, first, end);
     }
 
     fn acts(&self, a: Actions) -> bool {

@@ -199,6 +199,7 @@ impl Engine {
                         de_failed: vec![0; n.div_ceil(64)],
                         restash_wait: vec![0; n],
                         share_refused_us: None,
+                        unmapping: Default::default(),
                         books: VmBooks::default(),
                     },
                 );
@@ -209,6 +210,9 @@ impl Engine {
         let v = self.vms.get_mut(&id).expect("attached above");
         v.attached = true;
         v.scanned_this_pass = false;
+        // Take-backs in doubt ended with the connection: what the agent maps now is the
+        // truth, and a later CoW break of these pages is the guest's write.
+        v.unmapping.clear();
         if v.opted_out {
             // Its take-backs were dropped with the connection: ask again.
             self.opt_out(id);

@@ -218,6 +218,9 @@ pub(crate) struct Vm {
     /// When the agent last refused a share (its VMA budget, most likely), µs: for a
     /// while after, identical pages are shared without a mapping ([`unmapped`]).
     pub(crate) share_refused_us: Option<u64>,
+    /// Mapped shared pages asked back ([`Command::TakeBack`]) to be shared without a
+    /// mapping once their CoW break is reported ([`unmapped`]; issue 19).
+    pub(crate) unmapping: std::collections::HashSet<Gfn>,
     pub(crate) books: VmBooks,
 }
 

@@ -88,13 +88,18 @@ impl Engine {
             }
             // Done: its events did the books. Refused (a page the agent could not take
             // back): left as it is until the operator asks again (`opt_out` is idempotent).
-            Command::TakeBack { .. } => {
-                if o != Outcome::Done {
-                    self.vms
-                        .get_mut(&id)
-                        .expect("checked")
-                        .books
-                        .take_back_refused += 1;
+            // A take-back memfoldd asked to share the page without a mapping: refused, or
+            // done without a break (the page was no longer shared), it ends here.
+            Command::TakeBack { gfn } => {
+                let v = self.vms.get_mut(&id).expect("checked");
+                let unmapping =
+                    if o != Outcome::Done || !matches!(v.state(gfn), PageState::Shared(_)) {
+                        v.unmapping.remove(&gfn)
+                    } else {
+                        v.unmapping.contains(&gfn)
+                    };
+                if o != Outcome::Done && !unmapping {
+                    v.books.take_back_refused += 1;
                 }
                 return;
             }
@@ -292,6 +297,14 @@ impl Engine {
     /// The agent broke copy-on-write on page `g`, which left frame `f`: the page is
     /// private again (C1 until its next clock scan).
     pub fn cow_broken(&mut self, id: VmId, g: Gfn, f: FrameId) {
+        // memfoldd asked for this break, to share the page without a mapping.
+        let asked = self
+            .vms
+            .get_mut(&id)
+            .is_some_and(|v| v.unmapping.remove(&g));
+        if asked && self.unmap_broken(id, g, f) {
+            return;
+        }
         if self.take_shared(id, g, f) {
             self.vms.get_mut(&id).expect("checked").books.cow_breaks += 1;
         }
@@ -300,7 +313,7 @@ impl Engine {
     /// Page `g`, shared onto frame `f`, is private again (C1 until its next clock scan):
     /// the frame's reference is released. Returns false (nothing changed) if the page is
     /// not shared onto `f`.
-    fn take_shared(&mut self, id: VmId, g: Gfn, f: FrameId) -> bool {
+    pub(crate) fn take_shared(&mut self, id: VmId, g: Gfn, f: FrameId) -> bool {
         let Some(v) = self.vms.get_mut(&id).filter(|v| g.0 < v.pages()) else {
             return false;
         };

@@ -14,24 +14,37 @@
 //! before it is kept unmapped again; meanwhile the scan maps it, so hot identical pages
 //! stay mapped and none cycles through stash and decode.
 //!
+//! A page the scan mapped before the clock found it cold, or before the agent ran out of
+//! VMAs, stays charged to QEMU's VMA budget while it is shared. Under VMA pressure the
+//! clock's slices turn such pages into shares without a mapping ([`Engine::unmap_shared`]):
+//! memfoldd asks each back as the operator's opt-out does ([`Command::TakeBack`]; the agent
+//! breaks copy-on-write, which maps guest RAM back over the page), and when the break is
+//! reported keeps the page as its identical patch at once ([`Engine::unmap_broken`]). So
+//! the frames stay mapped only for pages read while shared: those come back private on
+//! their first read, and their re-store back-off keeps them mapped from then on.
+//!
 //! [`Kept::Unmapped`]: crate::blobs::Kept::Unmapped
 
 use std::collections::HashSet;
 
 use memfold_codecs::{page_checksum, Encoding, PatchCodec};
 
-use super::Engine;
+use super::{Command, Engine};
 use crate::blobs::{BlobHome, Form, Kept};
 #[cfg(test)]
 use crate::ids::DomainId;
 use crate::ids::{FrameId, Gfn, VmId};
-#[cfg(test)]
 use crate::p2m::PageState;
-use crate::Page;
+use crate::{Page, PAGE_SIZE};
 
 /// For this long after the agent refused a share (µs), every identical page of its guest
 /// is shared without a mapping: the refusal most likely was its VMA budget.
 pub(crate) const VMA_PRESSURE_US: u64 = 30_000_000;
+
+/// Most mapped shared pages one clock slice asks back under VMA pressure
+/// ([`Engine::unmap_shared`]): each is a CoW break and a stash in the agent (tens of µs
+/// each), which its thread does between guest faults.
+pub(crate) const UNMAP_PER_SLICE: u32 = 4096;
 
 /// The patch of a page identical to its reference, in the run-diff encoding (DE §3.2):
 /// one record rewriting byte 0 with its own value — 3 bytes, decoded by the agent's
@@ -156,6 +169,72 @@ impl Engine {
             page_checksum(page),
             true,
         );
+        true
+    }
+
+    /// Under VMA pressure ([`Engine::vma_pressure`]), asks back the pages of clock slice
+    /// `[first, end)` of guest `id` that are mapped onto pool frames, at most
+    /// [`UNMAP_PER_SLICE`], to share them without a mapping once their CoW break is
+    /// reported ([`Engine::unmap_broken`]). Pages taken back soon after they were last kept
+    /// unmapped (read while shared: their re-store back-off not waited out) stay mapped.
+    /// Nothing happens with `share_cold_unmapped` off or for a guest opted out.
+    ///
+    /// Why ask back instead of refusing new shares: the agent charges every page on a
+    /// frame to its VMA budget (`M + F + R ≤ max_map_count − 4096`: a CoW break cannot be
+    /// refused), so the pages mapped first would hold the budget for good; a 2–4 GiB
+    /// `tiny` guest stopped sharing at ~57 000 mapped pages (docs/scale.md).
+    pub(crate) fn unmap_shared(&mut self, id: VmId, first: Gfn, end: Gfn) {
+        if !self.cfg.share_cold_unmapped || !self.vma_pressure(id) {
+            return;
+        }
+        let Some(v) = self.vms.get_mut(&id).filter(|v| v.attached && !v.opted_out) else {
+            return;
+        };
+        let end = end.0.min(v.pages());
+        let mut asked = 0;
+        for i in first.0..end {
+            let g = Gfn(i);
+            if asked == UNMAP_PER_SLICE
+                || !matches!(v.state(g), PageState::Shared(_))
+                || v.unmapping.contains(&g)
+                || v.clock.page(i).idle_scans() < v.restash_wait[g.index()]
+            {
+                continue;
+            }
+            v.unmapping.insert(g);
+            v.queue.push(Command::TakeBack { gfn: g });
+            asked += 1;
+        }
+    }
+
+    /// Page `g` of guest `id`, asked back by [`Engine::unmap_shared`], left frame `f` in
+    /// the agent's CoW break: it is shared without a mapping now, as the identical patch
+    /// of `f`'s bytes (the stash's check finds it changed if the guest wrote it since).
+    /// Returns false, nothing changed, if the page is not shared onto `f`, its guest is
+    /// opted out, or the frame cannot be read: the caller books a plain CoW break.
+    ///
+    /// Invariant: the frame stays held throughout (an extra reference until the blob's
+    /// patch reference holds it), so it is never freed or reused between the mapping's
+    /// release and the blob's, which decodes against it.
+    pub(crate) fn unmap_broken(&mut self, id: VmId, g: Gfn, f: FrameId) -> bool {
+        let Some(v) = self.vms.get(&id) else {
+            return false;
+        };
+        if v.opted_out || g.0 >= v.pages() || v.state(g) != PageState::Shared(f) {
+            return false;
+        }
+        let d = v.domain;
+        let mut page = [0u8; PAGE_SIZE];
+        if self.domain(d).pool.read(f.offset(), &mut page).is_err() {
+            return false;
+        }
+        self.domain_mut(d).frames.incref(f, false);
+        let taken = self.take_shared(id, g, f);
+        debug_assert!(taken, "checked Shared({f}) above");
+        if self.share_unmapped(id, g, f, &page) {
+            self.vms.get_mut(&id).expect("checked").books.unmaps += 1;
+        }
+        self.frame_decref(d, f, false);
         true
     }
 
@@ -407,6 +486,116 @@ mod tests {
         // Pressure ends 30 s after the refusal.
         r.clock.advance(VMA_PRESSURE_US);
         assert!(!r.engine.vma_pressure(r.vm));
+    }
+
+    /// Under VMA pressure the clock turns mapped shared pages into shares without a
+    /// mapping (issue 19: the pages mapped first must not hold the budget for good);
+    /// pages read while shared come back private on their first read and end mapped
+    /// once the pressure is over.
+    #[test]
+    fn under_vma_pressure_mapped_shares_become_unmapped_and_read_ones_end_mapped() {
+        let mut r = Rig::new(cfg(true), PAGES).unwrap();
+        for g in 0..PAGES {
+            let seed = if g < 8 { 7 } else { 100 + g };
+            r.agent.write(Gfn(g), 0, &page(seed)).unwrap();
+        }
+        let hot: Vec<u32> = (0..8).collect();
+        settle(&mut r, 1500, &hot);
+        let PageState::Shared(f) = state(&r, 0) else {
+            panic!("page 0 is {:?}", state(&r, 0));
+        };
+        for g in 0..8 {
+            assert_eq!(state(&r, g), PageState::Shared(f), "page {g}");
+        }
+        // The agent refused a share just now: it is at its budget.
+        r.engine.vms.get_mut(&r.vm).unwrap().share_refused_us = Some(r.engine.now_us());
+        // Pages 6–7 are read all the time, 0–5 never again.
+        settle(&mut r, 3000, &[6, 7]);
+        let v = r.engine.books().vms[0].books.clone();
+        for g in 0..6 {
+            let PageState::Stored(b) = state(&r, g) else {
+                panic!("cold page {g} is {:?}: {v:#?}", state(&r, g));
+            };
+            let blob = r.engine.blobs.get(b);
+            assert!(blob.identical && blob.kept() == Kept::Unmapped);
+            assert_eq!(
+                blob.reference,
+                Some(f),
+                "against the frame it was mapped onto"
+            );
+        }
+        assert!(v.unmaps >= 8, "all eight asked back and unmapped: {v:#?}");
+        assert_eq!(
+            v.cow_breaks, 0,
+            "memfoldd's own breaks are no CoW breaks: {v:#?}"
+        );
+        // Pressure over (30 s from the refusal), the read pages are mapped again.
+        settle(&mut r, VMA_PRESSURE_US / 1000 + 3000, &[6, 7]);
+        for g in 6..8 {
+            assert!(
+                matches!(state(&r, g), PageState::Shared(_)),
+                "read page {g} is {:?}",
+                state(&r, g)
+            );
+        }
+        for g in 0..6 {
+            assert!(matches!(state(&r, g), PageState::Stored(_)), "page {g}");
+        }
+        for g in 0..PAGES {
+            let seed = if g < 8 { 7 } else { 100 + g };
+            assert_eq!(
+                r.agent.peek(Gfn(g)).unwrap()[..],
+                page(seed)[..],
+                "page {g}"
+            );
+        }
+    }
+
+    /// A frame's last mapped page turned into a share without a mapping keeps the frame:
+    /// the page's blob decodes against it.
+    #[test]
+    fn a_frame_whose_last_mapping_goes_unmapped_stays_held() {
+        let mut r = Rig::new(cfg(true), PAGES).unwrap();
+        for g in 0..PAGES {
+            r.agent
+                .write(Gfn(g), 0, &page(if g < 2 { 7 } else { 100 + g }))
+                .unwrap();
+        }
+        settle(&mut r, 1500, &[0, 1]);
+        let PageState::Shared(f) = state(&r, 0) else {
+            panic!("page 0 is {:?}", state(&r, 0));
+        };
+        r.agent.write(Gfn(1), 0, &page(50)).unwrap();
+        r.report();
+        assert_eq!(r.engine.domain(DomainId(0)).frames.refcount(f), 1);
+        r.engine.vms.get_mut(&r.vm).unwrap().share_refused_us = Some(r.engine.now_us());
+        settle(&mut r, 3000, &[]);
+        let PageState::Stored(b) = state(&r, 0) else {
+            panic!("page 0 is {:?}", state(&r, 0));
+        };
+        assert_eq!(r.engine.blobs.get(b).reference, Some(f));
+        let dom = r.engine.domain(DomainId(0));
+        assert_eq!((dom.frames.refcount(f), dom.frames.patch_refs(f)), (1, 1));
+        assert_eq!(r.agent.read(Gfn(0)).unwrap()[..], page(7)[..]);
+        assert_eq!(r.agent.peek(Gfn(1)).unwrap()[..], page(50)[..]);
+    }
+
+    /// With the knob off, VMA pressure leaves mapped pages mapped.
+    #[test]
+    fn with_the_knob_off_mapped_shares_stay_mapped_under_pressure() {
+        let mut r = Rig::new(cfg(false), PAGES).unwrap();
+        for g in 0..PAGES {
+            r.agent
+                .write(Gfn(g), 0, &page(if g < 8 { 7 } else { 100 + g }))
+                .unwrap();
+        }
+        settle(&mut r, 1500, &[]);
+        r.engine.vms.get_mut(&r.vm).unwrap().share_refused_us = Some(r.engine.now_us());
+        settle(&mut r, 3000, &[]);
+        for g in 0..8 {
+            assert!(matches!(state(&r, g), PageState::Shared(_)), "page {g}");
+        }
+        assert_eq!(r.engine.books().vms[0].books.unmaps, 0);
     }
 
     #[test]

@@ -456,7 +456,11 @@ impl Harness {
                 }
                 let pages = pages.clamp(1, 64);
                 let ram = MemGuestRam::new(pages);
-                let agent = SimAgent::new(ram, pages, Shared::default());
+                let mut agent = SimAgent::new(ram, pages, Shared::default());
+                // The agent's VMA budget in half the setups: 2–9 pages on frames, so that
+                // shares are refused and mapped shares are unmapped under pressure.
+                agent.frame_budget = (self.setup.patch_codec / 8 % 2 == 0)
+                    .then_some(2 + (self.setup.compress_codec as usize / 8) % 8);
                 self.next_pid += 1;
                 self.vms.push(ModelVm {
                     id: None,

@@ -46,6 +46,7 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
         share_refused: b.share_refused,
         unmapped_pages: b.unmapped_pages,
         unmapped_shares: b.unmapped_shares,
+        unmaps: b.unmaps,
         patched_pages: b.patched_pages,
         compressed_pages: b.compressed_pages,
         patches: b.patches,
