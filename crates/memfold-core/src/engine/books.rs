@@ -509,7 +509,12 @@ impl Engine {
             .vms
             .values()
             .map(|v| {
-                v.p2m.capacity() * 4 + v.p2m.len() * 2 + v.de_failed.capacity() * 8 + v.ages.bytes()
+                v.p2m.capacity() * 4
+                    + v.p2m.len() * 2
+                    + v.de_failed.capacity() * 8
+                    + v.ages.bytes()
+                    + v.restash_wait.capacity()
+                    + v.unmapping.capacity() * 8
             })
             .sum();
         let per_domain: usize = self
