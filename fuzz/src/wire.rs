@@ -165,8 +165,8 @@ pub enum DaemonMsg {
         modified: Vec<u64>,
     },
     AgentStats {
-        /// wp, missing, minor faults; state bytes; mappings.
-        faults: [u64; 5],
+        /// wp, missing, minor faults; state bytes; mappings; run breaks.
+        faults: [u64; 6],
         hists: [Vec<(u64, u64)>; 7],
     },
     ClientHello(u32),
@@ -328,6 +328,7 @@ impl DaemonMsg {
                 unstash_ns: hists[6].clone(),
                 state_bytes: faults[3],
                 mappings: faults[4],
+                run_breaks: faults[5],
             }),
             DaemonMsg::ClientHello(v) => ToDaemon::ClientHello { version: *v },
             DaemonMsg::Stats => ToDaemon::Stats,

@@ -48,6 +48,8 @@ pub(crate) struct Counters {
     pub(crate) missing_faults: u64,
     /// Minor faults (clock tracking).
     pub(crate) minor_faults: u64,
+    /// CoW breaks of a whole run at the VMA budget.
+    pub(crate) run_breaks: u64,
     /// Minor-fault service.
     pub(crate) track: OpLatency,
     /// Share, per page.
@@ -73,6 +75,7 @@ impl Counters {
             wp_faults: 0,
             missing_faults: 0,
             minor_faults: 0,
+            run_breaks: 0,
             track: OpLatency::default(),
             share: OpLatency::default(),
             cow: OpLatency::default(),
@@ -90,6 +93,7 @@ impl Counters {
         AgentReport {
             state_bytes,
             mappings,
+            run_breaks: self.run_breaks,
             wp_faults: self.wp_faults,
             missing_faults: self.missing_faults,
             minor_faults: self.minor_faults,
@@ -245,7 +249,7 @@ impl Agent {
             self.counters.last_report = Instant::now();
             msgs.push(ToDaemon::AgentStats(self.counters.report(
                 self.pages.state_bytes(),
-                crate::vmas::PROCESS.mappings() as u64,
+                crate::vmas::PROCESS.mappings_read(crate::vmas::read_self_maps) as u64,
             )));
         }
         for m in msgs {

@@ -160,19 +160,60 @@ impl Agent {
         }
     }
 
-    /// Copy-on-write break: the guest gets a private copy of the frame's bytes.
+    /// Copy-on-write break: the guest gets a private copy of the frame's bytes. Maps
+    /// guest RAM back over the one page while the VMA budget has room for the two
+    /// mappings that may add ([`crate::vmas::Vmas::break_fits`]); past it, or when the
+    /// kernel refuses the mapping, breaks the page's whole run instead
+    /// ([`Agent::cow_break_run`]), which adds none.
     pub(crate) fn cow_break(&mut self, gfn: Gfn, frame: FrameId) -> io::Result<()> {
-        let pool = self
-            .pool
-            .as_ref()
-            .ok_or_else(|| io::Error::other("shared page without a pool"))?;
+        if !crate::vmas::PROCESS.break_fits(self.vma_budget, crate::vmas::read_self_maps) {
+            return self.cow_break_run(gfn, frame);
+        }
         let mut buf = vec![0u8; PAGE_SIZE];
-        pread_exact(pool.as_fd(), &mut buf, frame.offset())?;
+        pread_exact(self.pool()?, &mut buf, frame.offset())?;
         pwrite_all(self.memfd.as_fd(), &buf, gfn.offset())?;
-        self.map_guest_page(gfn)?;
+        if let Err(e) = self.map_guest_page(gfn) {
+            tracing::warn!("{e}; breaking its whole run instead");
+            return self.cow_break_run(gfn, frame);
+        }
         self.uffd.wake(self.page_addr(gfn), PAGE)?;
         self.pages.set(gfn, PageHome::Private);
         self.pending.breaks.push((gfn, frame));
+        Ok(())
+    }
+
+    /// Copy-on-write break of page `gfn` (on `frame`) and of every page of its run: the
+    /// pages around it on consecutive frames, which is a union of whole pool mappings (a
+    /// mapping maps consecutive pool offsets; the pages just outside the run are not on
+    /// the next frame, so not in its mappings). Guest RAM mapped back over whole mappings
+    /// adds none, so the break never needs room the VMA budget does not have (`vmas.rs`).
+    /// The price: the run's other pages are private copies too, each reported as a break.
+    ///
+    /// Errors: the pool or guest memfd cannot be read or written, or the mapping fails
+    /// (nothing changed: every page still on its frame).
+    pub(crate) fn cow_break_run(&mut self, gfn: Gfn, frame: FrameId) -> io::Result<()> {
+        let (first, n) = self.pages.frame_run(gfn, frame);
+        let frame0 = FrameId(frame.0 - (gfn.0 - first.0));
+        // Copies first: the run stays mapped onto its write-protected frames meanwhile.
+        const CHUNK: usize = 64;
+        let mut buf = vec![0u8; CHUNK * PAGE_SIZE];
+        let mut k = 0;
+        while k < n {
+            let m = (n - k).min(CHUNK);
+            let bytes = &mut buf[..m * PAGE_SIZE];
+            pread_exact(self.pool()?, bytes, FrameId(frame0.0 + k as u32).offset())?;
+            pwrite_all(self.memfd.as_fd(), bytes, plus(first, k).offset())?;
+            k += m;
+        }
+        self.map_guest_range(first, n)?;
+        for k in 0..n {
+            self.pages.set(plus(first, k), PageHome::Private);
+            self.pending
+                .breaks
+                .push((plus(first, k), FrameId(frame0.0 + k as u32)));
+        }
+        self.uffd.wake(self.page_addr(first), n as u64 * PAGE)?;
+        self.counters.run_breaks += 1;
         Ok(())
     }
 

@@ -239,33 +239,43 @@ impl Agent {
     ///
     /// Errors: the mapping or the registration failed.
     pub(crate) fn map_guest_page(&self, gfn: Gfn) -> io::Result<()> {
-        let addr = self.page_addr(gfn);
-        // SAFETY: replaces the agent-installed pool mapping of this guest page by the guest
-        // memfd page that now holds the same bytes.
+        self.map_guest_range(gfn, 1)
+    }
+
+    /// Maps the guest memfd's pages `[first, first + n)` back over their addresses
+    /// (replacing the pool mappings shares installed) and registers them for all fault
+    /// kinds, as guest RAM. Does not wake faulting threads.
+    ///
+    /// Errors: the mapping failed (nothing changed); a failed registration fails closed.
+    pub(crate) fn map_guest_range(&self, first: Gfn, n: usize) -> io::Result<()> {
+        let addr = self.page_addr(first);
+        let len = n as u64 * PAGE;
+        // SAFETY: replaces the agent-installed pool mappings of these guest pages by the
+        // guest memfd pages that now hold the same bytes.
         let r = unsafe {
             libc::mmap(
                 addr as *mut libc::c_void,
-                PAGE as usize,
+                len as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED | libc::MAP_FIXED,
                 self.memfd.as_raw_fd(),
-                gfn.offset() as libc::off_t,
+                first.offset() as libc::off_t,
             )
         };
         if r as u64 != addr {
             return Err(io::Error::other(format!(
-                "CoW break of {gfn}: mmap: {}",
+                "CoW break of {first} ({n} pages): mmap: {}",
                 io::Error::last_os_error()
             )));
         }
         crate::vmas::PROCESS.changed();
-        // SAFETY: the page is guest RAM again (the guest memfd mapped back over it above),
-        // which no Rust reference points into (see `run`).
-        if let Err(e) = unsafe { self.uffd.register(addr, PAGE, RAM_MODE) } {
+        // SAFETY: the pages are guest RAM again (the guest memfd mapped back over them
+        // above), which no Rust reference points into (see `run`).
+        if let Err(e) = unsafe { self.uffd.register(addr, len, RAM_MODE) } {
             // Guest RAM is mapped there now, but no fault reaches the agent: writes would
-            // land unseen, under a page it still holds as shared. No way back is safe.
+            // land unseen, under pages it still holds as shared. No way back is safe.
             self.fail_closed(&format!(
-                "{gfn}: guest RAM mapped back over a shared page, but registering it failed: {e}"
+                "{first} ({n} pages): guest RAM mapped back over shared pages, but registering it failed: {e}"
             ));
         }
         Ok(())

@@ -636,8 +636,8 @@ fn run_region(
         .unwrap_or(65530);
     let pages = (bytes / PAGE) as usize;
     // Leave QEMU room for its own mappings (threads, libraries, TCG buffers). The count
-    // of mappings and of pages on frames it is checked against are the whole process's
-    // (`vmas::PROCESS`), so the agents of several regions share one budget.
+    // of mappings it is checked against is the whole process's (`vmas::PROCESS`), so the
+    // agents of several regions share one budget.
     let vma_budget = cfg.vma_budget.unwrap_or(max_maps.saturating_sub(4096));
     let mut agent = Agent {
         cfg,
@@ -649,7 +649,7 @@ fn run_region(
         pool: None,
         store: None,
         swap: None,
-        pages: Pages::new(pages, &vmas::PROCESS),
+        pages: Pages::new(pages),
         conn: None,
         last_connect: None,
         pending: Pending::default(),

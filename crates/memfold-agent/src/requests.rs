@@ -126,18 +126,13 @@ impl Agent {
     /// equal their frame's onto it, a run of consecutive pages onto consecutive frames
     /// with one mapping.
     ///
-    /// VMA headroom: a CoW break cannot be refused, and one inside a shared run maps guest
-    /// RAM back over one page of it (one mapping becomes three). Bound: two neighbouring
-    /// pages on consecutive frames of one run are one mapping; a break turns at most those
-    /// pairs into mapping boundaries (+1 each, once: a boundary never joins again), and
-    /// every other pair it touches stays or stops being a boundary. A run of n pages has
-    /// n − 1 such pairs, so no sequence of breaks (or discards, take-backs) adds more
-    /// mappings than there are pages on frames. A share of k pages adds at most 2k
-    /// mappings itself (a run dropped into guest RAM splits it) and k pages on frames. So
-    /// only the first k pages of a request are shared such that the mappings now + the
-    /// pages on frames + 3k stay within the budget; the rest are refused. Mappings and
-    /// pages on frames are the whole process's, every region's (`vmas.rs`): the limit
-    /// (`vm.max_map_count`) is the process's, and so are the breaks that may come.
+    /// VMA headroom: a share of k pages adds at most 2k mappings itself (a run dropped into
+    /// guest RAM splits it), and one more while it is staged. So only the first k pages of
+    /// a request are shared such that the mappings now + 3k stay within seven eighths of
+    /// the budget; the rest are refused. The last eighth is the CoW breaks' (a break
+    /// cannot be refused): a break maps one page back (+2) while that fits, and past it
+    /// breaks its whole run, which adds none (`vmas.rs`). Mappings are the whole
+    /// process's, every region's: the limit (`vm.max_map_count`) is the process's.
     fn share(&mut self, mut pages: Vec<(Gfn, FrameId)>) -> io::Result<Outcome> {
         let mut out = Outcome::default();
         if self.pool.is_none() {
@@ -153,7 +148,7 @@ impl Agent {
             }
             ok
         });
-        // Checked and reserved against the whole process's mappings and pages on frames,
+        // Checked and reserved against the whole process's mappings,
         // every region's (`vmas.rs`): breaks in any region count against one limit.
         let admitted = vmas::PROCESS.admit(self.vma_budget, pages.len(), vmas::read_self_maps);
         if pages.len() > admitted.pages {

@@ -4,8 +4,6 @@
 use memfold_ids::{FrameId, Gfn};
 use memfold_wire::{Blob, BlobHome, Mapped, StashPage};
 
-use crate::vmas::Vmas;
-
 /// Where a guest page lives, as the agent knows it; a fault on the page is served by
 /// where it lives (see the fault module).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,26 +75,18 @@ pub(crate) struct Pages {
     stashes: Vec<Stash>,
     /// Free entries of `stashes`.
     free: Vec<u32>,
-    /// Pages whose home is a pool frame.
-    on_frames: usize,
-    /// The process's count of pages on frames, of every region (`vmas.rs`): kept equal to
-    /// the sum of `on_frames` of every region's table, here, on every change.
-    process: &'static Vmas,
     referenced: Vec<u64>,
     modified: Vec<u64>,
 }
 
 impl Pages {
     /// `pages` private pages, never armed: treated as recently modified (R and M set, as
-    /// the engine's `PageClock::FRESH`); its pages on frames are counted in `process` too
-    /// (the agent's: `vmas::PROCESS`).
-    pub(crate) fn new(pages: usize, process: &'static Vmas) -> Pages {
+    /// the engine's `PageClock::FRESH`).
+    pub(crate) fn new(pages: usize) -> Pages {
         Pages {
             homes: vec![Slot::Private; pages],
             stashes: Vec::new(),
             free: Vec::new(),
-            on_frames: 0,
-            process,
             referenced: vec![u64::MAX; pages.div_ceil(64)],
             modified: vec![u64::MAX; pages.div_ceil(64)],
         }
@@ -127,6 +117,35 @@ impl Pages {
             Slot::Frame(f) => PageHome::Frame(f),
             Slot::Stashed(i) => PageHome::Stashed(self.stashes[i as usize]),
         }
+    }
+
+    /// The run of page `gfn` (on `frame`): the most pages around it on consecutive
+    /// frames (page `gfn + k` on frame `frame + k`), as (first page, pages). A pool
+    /// mapping maps consecutive frames over consecutive pages, so the run is a union of
+    /// whole mappings.
+    ///
+    /// Panics: `gfn` is not on `frame`.
+    pub(crate) fn frame_run(&self, gfn: Gfn, frame: FrameId) -> (Gfn, usize) {
+        assert_eq!(
+            self.home(gfn),
+            PageHome::Frame(frame),
+            "{gfn} not on {frame}"
+        );
+        let on = |g: u32, f: u32| self.homes[g as usize] == Slot::Frame(FrameId(f));
+        let mut first = gfn.0;
+        while first > 0 {
+            // Page `first − 1` continues the run if it is on frame `frame − back`.
+            let back = gfn.0 - first + 1;
+            if back > frame.0 || !on(first - 1, frame.0 - back) {
+                break;
+            }
+            first -= 1;
+        }
+        let mut end = gfn.0 + 1;
+        while end < self.len() && on(end, frame.0 + (end - gfn.0)) {
+            end += 1;
+        }
+        (Gfn(first), (end - first) as usize)
     }
 
     /// Whether `gfn` is a page of guest RAM, private.
@@ -166,9 +185,6 @@ impl Pages {
             }
         }
         self.homes[gfn.index()] = slot;
-        let frame = |s: Slot| matches!(s, Slot::Frame(_)) as usize;
-        self.on_frames = self.on_frames + frame(slot) - frame(old);
-        self.process.frames_changed(frame(slot), frame(old));
     }
 
     /// Bytes this record holds: its page homes, stash records and R/M bitmaps, as
@@ -183,7 +199,10 @@ impl Pages {
     /// Pages of this region mapped onto pool frames now.
     #[cfg(test)]
     pub(crate) fn on_frames(&self) -> usize {
-        self.on_frames
+        self.homes
+            .iter()
+            .filter(|s| matches!(s, Slot::Frame(_)))
+            .count()
     }
 
     /// Sets R (and M for a write) of `gfn`.
@@ -250,14 +269,6 @@ impl Pages {
     }
 }
 
-impl Drop for Pages {
-    /// The region is gone (its agent detached after a hot-unplug): its mappings with it,
-    /// so its pages on frames no longer count against the process's budget.
-    fn drop(&mut self) {
-        self.process.frames_changed(0, self.on_frames);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -268,10 +279,7 @@ mod tests {
         // One per guest page: 8 bytes, 0.2% of guest RAM; a stashed page's 32 more.
         assert_eq!(std::mem::size_of::<Slot>(), 8);
         assert!(std::mem::size_of::<Stash>() <= 32);
-        let mut p = Pages::new(
-            1024,
-            Box::leak(Box::new(Vmas::new(std::time::Duration::ZERO))),
-        );
+        let mut p = Pages::new(1024);
         assert_eq!(p.state_bytes(), 1024 * 8 + 2 * 16 * 8, "no page stashed");
         p.set(Gfn(3), PageHome::Stashed(stash(3)));
         assert!(p.state_bytes() > 1024 * 8 + 2 * 16 * 8);
@@ -297,8 +305,7 @@ mod tests {
     /// of homes (stash entries reused, moved, freed and given back).
     #[test]
     fn the_packed_table_agrees_with_a_plain_one() {
-        let vmas: &'static Vmas = Box::leak(Box::new(Vmas::new(std::time::Duration::ZERO)));
-        let mut p = Pages::new(64, vmas);
+        let mut p = Pages::new(64);
         let mut plain = vec![PageHome::Private; 64];
         let mut x = 0x2545_f491_4f6c_dd1du64;
         for step in 0..20_000u64 {
@@ -343,10 +350,7 @@ mod tests {
 
     #[test]
     fn pages_start_private_and_fresh_and_bits_are_taken_once() {
-        let mut p = Pages::new(
-            130,
-            Box::leak(Box::new(Vmas::new(std::time::Duration::ZERO))),
-        );
+        let mut p = Pages::new(130);
         assert_eq!(p.len(), 130);
         assert!(p.is_private(Gfn(129)));
         assert!(!p.is_private(Gfn(130)), "beyond RAM");
@@ -366,7 +370,7 @@ mod tests {
 
     #[test]
     fn the_reattach_list_names_frames_and_zero_pages() {
-        let mut p = Pages::new(8, Box::leak(Box::new(Vmas::new(std::time::Duration::ZERO))));
+        let mut p = Pages::new(8);
         p.set(Gfn(1), PageHome::Frame(FrameId(4)));
         p.set(Gfn(1), PageHome::Frame(FrameId(4)));
         p.set(Gfn(2), PageHome::Frame(FrameId(5)));

@@ -1,18 +1,18 @@
 //! The VMA budget is the whole process's, not a region's: a QEMU with two guest RAM
 //! regions runs two agents, and a CoW break in either adds mappings to the one process
-//! that `vm.max_map_count` (here `MEMFOLD_VMA_BUDGET`) bounds. Each agent must reserve
-//! break headroom for the pages on frames of both regions, or the breaks of both could
-//! take QEMU past the limit (a CoW break cannot be refused: it would fail, and the guest
-//! be paused).
+//! that `vm.max_map_count` (here `MEMFOLD_VMA_BUDGET`) bounds. A CoW break cannot be
+//! refused (it would fail, and the guest be paused), so at the budget a break must add no
+//! mapping: it un-shares its page's whole run of shared pages (`vmas.rs`).
 //!
 //! This test binary plays QEMU (two shared `memory-backend-memfd` memfds, as two NUMA
 //! nodes' backends) and memfoldd (a listener speaking the wire), which asks each region's
 //! agent, again and again, to share every private page onto the pool (both regions are
-//! copies of the pool), until neither shares any more. Then the guest writes every other
-//! page of both regions — the worst pattern, one mapping becoming three at each break —
-//! and the process's mappings must stay within the budget. With per-region accounting
-//! each agent filled the budget with its own region's pages, and the breaks went about
-//! twice over. One test only: the agent takes every such memfd of the process.
+//! copies of the pool), until both are shared whole: in long runs, few mappings, far
+//! more pages than the budget has mappings. Then the guest writes every other page of
+//! both regions — the worst pattern, one mapping becoming three at each one-page break —
+//! and the process's mappings must stay within the budget, the breaks at the budget
+//! breaking whole runs, every page reading what the guest wrote. One test only: the agent
+//! takes every such memfd of the process.
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
@@ -162,9 +162,13 @@ fn cow_breaks_in_two_regions_stay_within_one_process_budget() {
         }
     }
     let shared = [PAGES - private[0].len(), PAGES - private[1].len()];
-    // Not vacuous: both regions shared, and the budget held shares back.
-    assert!(shared[0] > 0 && shared[1] > 0, "shared {shared:?}");
-    assert!(shared[0] + shared[1] < 2 * PAGES, "shared {shared:?}");
+    // Pages on frames cost no room: both regions shared whole, 2 000 pages on frames
+    // under a budget of ~ROOM more mappings (it charged each page before issue 19).
+    assert_eq!(shared, [PAGES, PAGES], "shared {shared:?}");
+    assert!(
+        2 * PAGES > budget - mappings(),
+        "not vacuous: more pages than room"
+    );
 
     // The agents report the breaks: their connections are read every 32 writes, or a
     // full socket would block them (and the faults they serve). On this thread: a thread
@@ -173,9 +177,14 @@ fn cow_breaks_in_two_regions_stay_within_one_process_budget() {
     for c in &conns {
         c.set_recv_timeout(Duration::from_millis(1)).unwrap();
     }
+    let broken = std::cell::RefCell::new([Vec::new(), Vec::new()]);
     let drain = || {
-        for c in &conns {
-            while let Ok(Some(_)) = c.recv::<ToDaemon>() {}
+        for (r, c) in conns.iter().enumerate() {
+            while let Ok(Some((m, _))) = c.recv::<ToDaemon>() {
+                if let ToDaemon::CowBroken { breaks } = m {
+                    broken.borrow_mut()[r].extend(breaks.iter().map(|b| b.0 .0 as usize));
+                }
+            }
         }
     };
 
@@ -195,6 +204,27 @@ fn cow_breaks_in_two_regions_stay_within_one_process_budget() {
         most <= budget,
         "{most} mappings after the CoW breaks, over the process's budget of {budget} (pages shared per region: {shared:?})"
     );
+    // Every page written was broken, and at the budget whole runs were: pages the guest
+    // never wrote (odd ones) came back private with them.
+    let t = Instant::now();
+    while broken.borrow().iter().map(Vec::len).sum::<usize>() < PAGES
+        && t.elapsed() < Duration::from_secs(10)
+    {
+        drain();
+    }
+    for (r, b) in broken.borrow().iter().enumerate() {
+        for g in (0..PAGES).step_by(2) {
+            assert!(
+                b.contains(&g),
+                "region {r}: written page {g} reported no break"
+            );
+        }
+        assert!(
+            b.iter().any(|g| g % 2 == 1),
+            "region {r}: no whole run was broken ({} breaks)",
+            b.len()
+        );
+    }
     // Every page reads what was written.
     for (r, ptr) in [ptr_a, ptr_b].into_iter().enumerate() {
         for g in 0..PAGES {

@@ -151,6 +151,11 @@ pub struct AgentReport {
     /// Shared pages cost mappings; `vm.max_map_count` caps them (issue 19's VMA wall).
     #[serde(default)]
     pub mappings: u64,
+    /// CoW breaks that broke a page's whole run of shared pages (at the VMA budget, where
+    /// a one-page break would need two mappings more; each of the run's pages is also a
+    /// CoW break).
+    #[serde(default)]
+    pub run_breaks: u64,
 }
 
 /// Messages to memfoldd.

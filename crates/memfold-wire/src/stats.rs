@@ -169,6 +169,10 @@ pub struct VmStats {
     /// regions of one QEMU report the same process), against `vm.max_map_count`.
     #[serde(default)]
     pub qemu_mappings: u64,
+    /// CoW breaks its agent made of a whole run of shared pages at the VMA budget
+    /// (cumulative; issue 19).
+    #[serde(default)]
+    pub run_breaks: u64,
     /// Host memory this guest holds alone, bytes: its RAM memfd and its store memfd as
     /// allocated (holes take none; its sharing domain's pool is counted apart, in
     /// [`HeldBytes::pool`], as its frames serve every guest of the domain).

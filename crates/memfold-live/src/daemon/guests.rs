@@ -193,6 +193,8 @@ pub(crate) struct Guest {
     pub(crate) agent_state_bytes: u64,
     /// Its QEMU's mappings as the agent counts them.
     pub(crate) qemu_mappings: u64,
+    /// Whole-run CoW breaks at the VMA budget.
+    pub(crate) run_breaks: u64,
 }
 
 impl Guest {
@@ -211,6 +213,7 @@ impl Guest {
             latency: Default::default(),
             agent_state_bytes: 0,
             qemu_mappings: 0,
+            run_breaks: 0,
         }
     }
 }
@@ -290,6 +293,7 @@ impl Guests {
         g.minor_faults = r.minor_faults;
         g.agent_state_bytes = r.state_bytes;
         g.qemu_mappings = r.mappings;
+        g.run_breaks = r.run_breaks;
         g.latency = [
             &r.share_ns,
             &r.cow_break_ns,
