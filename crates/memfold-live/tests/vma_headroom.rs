@@ -5,7 +5,8 @@
 //! region B is a copy of region A, so both share onto the same run of frames in few
 //! mappings; then the guest writes every other page of both, the worst pattern. The
 //! mappings must stay within the budget — the agent refused the shares it could not
-//! afford — and every page must read what was written.
+//! afford, and breaks at the budget un-share whole runs — and every page must read what
+//! was written.
 
 mod common;
 
