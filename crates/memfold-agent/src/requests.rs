@@ -141,8 +141,9 @@ impl Agent {
         }
         pages.sort_unstable();
         pages.dedup_by_key(|p| p.0);
-        pages.retain(|&(g, _)| {
-            let ok = self.pages.is_private(g);
+        pages.retain(|&(g, f)| {
+            // A frame past what the page table packs is past any pool memfoldd makes.
+            let ok = self.pages.is_private(g) && f.0 < crate::state::MAX_FRAME;
             if !ok {
                 out.refused.push(g);
             }

@@ -54,9 +54,10 @@ pub(crate) fn plus(gfn: Gfn, k: usize) -> Gfn {
     Gfn(gfn.0 + k as u32)
 }
 
-/// A page's home as the table keeps it: 8 bytes a guest page, a stashed page's blob
-/// record kept apart ([`Pages`]' `stashes`), since most pages have none (issue 19: the
-/// agent's records were a 32-byte [`PageHome`] a page, 0.78% of guest RAM).
+/// A page's home as the table reads it; kept packed in 4 bytes ([`Packed`]), a stashed
+/// page's blob record apart ([`Pages`]' `stashes`), since most pages have none (issue 19:
+/// the agent's records were a 32-byte [`PageHome`] a page, 0.78% of guest RAM; 8 bytes
+/// as this enum; 4 packed: 0.1%).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Slot {
     Private,
@@ -66,10 +67,45 @@ enum Slot {
     Stashed(u32),
 }
 
+/// Frames and stash indexes a [`Packed`] slot holds: below 2^30 (a pool of 4 TiB; a
+/// region of 4 TiB). The agent refuses shares onto frames past it.
+pub(crate) const MAX_FRAME: u32 = 1 << 30;
+
+/// A [`Slot`] in 4 bytes: a 2-bit kind over a 30-bit frame or stash index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Packed(u32);
+
+impl Packed {
+    const PRIVATE: Packed = Packed(0);
+
+    /// Packs `s`. Panics: a frame or index of 2^30 or more (callers refuse such frames,
+    /// and no region has that many pages).
+    fn new(s: Slot) -> Packed {
+        let (kind, x) = match s {
+            Slot::Private => (0, 0),
+            Slot::Zero => (1, 0),
+            Slot::Frame(f) => (2, f.0),
+            Slot::Stashed(i) => (3, i),
+        };
+        assert!(x < MAX_FRAME, "{s:?} does not pack");
+        Packed(kind << 30 | x)
+    }
+
+    fn get(self) -> Slot {
+        let x = self.0 & (MAX_FRAME - 1);
+        match self.0 >> 30 {
+            0 => Slot::Private,
+            1 => Slot::Zero,
+            2 => Slot::Frame(FrameId(x)),
+            _ => Slot::Stashed(x),
+        }
+    }
+}
+
 /// Every guest page's home, and its R and M bits since its clock slice was last armed
 /// (bit `g % 64` of word `g / 64`).
 pub(crate) struct Pages {
-    homes: Vec<Slot>,
+    homes: Vec<Packed>,
     /// The blob records of stashed pages, by [`Slot::Stashed`] index; entries listed in
     /// `free` belong to no page.
     stashes: Vec<Stash>,
@@ -82,9 +118,12 @@ pub(crate) struct Pages {
 impl Pages {
     /// `pages` private pages, never armed: treated as recently modified (R and M set, as
     /// the engine's `PageClock::FRESH`).
+    ///
+    /// Panics: `pages` is 2^30 or more (4 TiB; a stash index would not pack).
     pub(crate) fn new(pages: usize) -> Pages {
+        assert!(pages < MAX_FRAME as usize, "a region of {pages} pages");
         Pages {
-            homes: vec![Slot::Private; pages],
+            homes: vec![Packed::PRIVATE; pages],
             stashes: Vec::new(),
             free: Vec::new(),
             referenced: vec![u64::MAX; pages.div_ceil(64)],
@@ -101,12 +140,12 @@ impl Pages {
     ///
     /// Panics: `gfn` is beyond guest RAM (callers check faults against the RAM's range).
     pub(crate) fn home(&self, gfn: Gfn) -> PageHome {
-        self.unpack(self.homes[gfn.index()])
+        self.unpack(self.homes[gfn.index()].get())
     }
 
     /// Where page `gfn` lives; `None` beyond guest RAM.
     pub(crate) fn get(&self, gfn: Gfn) -> Option<PageHome> {
-        self.homes.get(gfn.index()).map(|&s| self.unpack(s))
+        self.homes.get(gfn.index()).map(|&s| self.unpack(s.get()))
     }
 
     /// The home a slot stands for.
@@ -131,7 +170,7 @@ impl Pages {
             PageHome::Frame(frame),
             "{gfn} not on {frame}"
         );
-        let on = |g: u32, f: u32| self.homes[g as usize] == Slot::Frame(FrameId(f));
+        let on = |g: u32, f: u32| self.homes[g as usize].get() == Slot::Frame(FrameId(f));
         let mut first = gfn.0;
         while first > 0 {
             // Page `first − 1` continues the run if it is on frame `frame − back`.
@@ -155,7 +194,7 @@ impl Pages {
 
     /// Records that page `gfn` now lives at `home`.
     pub(crate) fn set(&mut self, gfn: Gfn, home: PageHome) {
-        let old = self.homes[gfn.index()];
+        let old = self.homes[gfn.index()].get();
         let slot = match (old, home) {
             // A stashed page stashed anew (a move to the swap file) keeps its entry.
             (Slot::Stashed(i), PageHome::Stashed(s)) => {
@@ -184,13 +223,13 @@ impl Pages {
                 self.free = Vec::new();
             }
         }
-        self.homes[gfn.index()] = slot;
+        self.homes[gfn.index()] = Packed::new(slot);
     }
 
     /// Bytes this record holds: its page homes, stash records and R/M bitmaps, as
     /// allocated.
     pub(crate) fn state_bytes(&self) -> u64 {
-        (self.homes.capacity() * std::mem::size_of::<Slot>()
+        (self.homes.capacity() * std::mem::size_of::<Packed>()
             + self.stashes.capacity() * std::mem::size_of::<Stash>()
             + self.free.capacity() * 4
             + (self.referenced.capacity() + self.modified.capacity()) * 8) as u64
@@ -201,7 +240,7 @@ impl Pages {
     pub(crate) fn on_frames(&self) -> usize {
         self.homes
             .iter()
-            .filter(|s| matches!(s, Slot::Frame(_)))
+            .filter(|s| matches!(s.get(), Slot::Frame(_)))
             .count()
     }
 
@@ -242,10 +281,10 @@ impl Pages {
             .iter()
             .enumerate()
             .filter_map(|(g, h)| {
-                let m = match h {
+                let m = match h.get() {
                     Slot::Private => return None,
                     Slot::Zero => Mapped::ReclaimedZero,
-                    Slot::Frame(f) => Mapped::Frame(*f),
+                    Slot::Frame(f) => Mapped::Frame(f),
                     Slot::Stashed(_) => {
                         debug_assert!(false, "stashed pages are restored before a re-attach");
                         return None;
@@ -261,8 +300,8 @@ impl Pages {
         self.homes
             .iter()
             .enumerate()
-            .filter_map(|(g, h)| match h {
-                Slot::Stashed(i) => Some((Gfn(g as u32), self.stashes[*i as usize])),
+            .filter_map(|(g, h)| match h.get() {
+                Slot::Stashed(i) => Some((Gfn(g as u32), self.stashes[i as usize])),
                 _ => None,
             })
             .collect()
@@ -276,15 +315,15 @@ mod tests {
 
     #[test]
     fn a_page_record_stays_small() {
-        // One per guest page: 8 bytes, 0.2% of guest RAM; a stashed page's 32 more.
-        assert_eq!(std::mem::size_of::<Slot>(), 8);
+        // One per guest page: 4 bytes, 0.1% of guest RAM; a stashed page's 32 more.
+        assert_eq!(std::mem::size_of::<Packed>(), 4);
         assert!(std::mem::size_of::<Stash>() <= 32);
         let mut p = Pages::new(1024);
-        assert_eq!(p.state_bytes(), 1024 * 8 + 2 * 16 * 8, "no page stashed");
+        assert_eq!(p.state_bytes(), 1024 * 4 + 2 * 16 * 8, "no page stashed");
         p.set(Gfn(3), PageHome::Stashed(stash(3)));
-        assert!(p.state_bytes() > 1024 * 8 + 2 * 16 * 8);
+        assert!(p.state_bytes() > 1024 * 4 + 2 * 16 * 8);
         p.set(Gfn(3), PageHome::Private);
-        assert_eq!(p.state_bytes(), 1024 * 8 + 2 * 16 * 8, "given back");
+        assert_eq!(p.state_bytes(), 1024 * 4 + 2 * 16 * 8, "given back");
     }
 
     fn stash(k: u64) -> Stash {
@@ -316,7 +355,8 @@ mod tests {
             let home = match (x >> 8) % 4 {
                 0 => PageHome::Private,
                 1 => PageHome::Zero,
-                2 => PageHome::Frame(FrameId((x >> 16) as u32 % 100)),
+                // Frames up to the largest that packs.
+                2 => PageHome::Frame(FrameId((x >> 16) as u32 % MAX_FRAME)),
                 _ => PageHome::Stashed(stash(step)),
             };
             p.set(Gfn(g as u32), home);

@@ -187,6 +187,28 @@ fn two_regions_are_two_guests_and_no_request_reaches_past_its_region() {
     });
     assert!(shared.is_empty());
     assert_eq!(refused, past);
+    // A page inside the region onto a frame past what the agent's page table packs
+    // (2^30: a 4 TiB pool): refused, the agent unharmed.
+    let far = vec![(Gfn(1), FrameId(1 << 30)), (Gfn(2), FrameId(u32::MAX))];
+    c_b.send(
+        &ToAgent::Share {
+            batch: BatchId(20),
+            pages: far.clone(),
+        },
+        &[],
+    )
+    .unwrap();
+    let (shared, refused) = next(c_b, |m| match m {
+        ToDaemon::ShareDone {
+            batch: BatchId(20),
+            shared,
+            refused,
+            ..
+        } => Some((shared.clone(), refused.clone())),
+        _ => None,
+    });
+    assert!(shared.is_empty());
+    assert_eq!(refused, [Gfn(1), Gfn(2)]);
     c_b.send(
         &ToAgent::TakeBack {
             batch: BatchId(3),
