@@ -165,10 +165,12 @@ pub fn quantile(v: &[u64], q: f64) -> u64 {
 }
 
 /// The attacker's threshold from its control writes (plain writes), ns: four times their
-/// 99th percentile, and at least 5 µs. A trial whose median write is over it is called
-/// present. Derived from what the attacker measured, never from the truth.
+/// 90th percentile, and at least 5 µs. A trial whose median write is over it is called
+/// present. Derived from what the attacker measured, never from the truth; the 90th
+/// percentile rather than the tail, so that a busy host's rare slow plain writes (a vCPU
+/// descheduled mid-write) do not lift it over a CoW break's cost.
 pub fn threshold_ns(controls_ns: &[u64]) -> u64 {
-    (quantile(controls_ns, 0.99) * 4).max(5_000)
+    (quantile(controls_ns, 0.9) * 4).max(5_000)
 }
 
 /// The attacker's call on one trial: the median of its pages' write times over `threshold`.
@@ -293,7 +295,7 @@ mod tests {
     #[test]
     fn the_threshold_follows_the_plain_writes() {
         let slow_host: Vec<u64> = (0..100).map(|i| 2_000 + i * 10).collect();
-        assert_eq!(threshold_ns(&slow_host), 4 * 2_980);
+        assert_eq!(threshold_ns(&slow_host), 4 * 2_890);
         assert_eq!(threshold_ns(&[100, 200]), 5_000);
     }
 
