@@ -6,7 +6,9 @@
 //!   (absent), exactly half of each round's trials present, chosen at random — prints
 //!   which (`MEMFOLD-PROBE-TRUTH round bits`, for the host's scoring only: the attacker
 //!   never sees it) and keeps them resident.
-//! - `memfold-probe attacker SEED ROUNDS TRIALS PAGES CONTROLS WAIT_MS`: each round,
+//! - `memfold-probe attacker SEED ROUNDS TRIALS PAGES CONTROLS WAIT_MS SETTLE_MS`: waits
+//!   SETTLE_MS after boot (memfoldd's attach of a new guest: its first scans share the
+//!   boot pages it has in common with others, which on a busy host takes seconds); each round,
 //!   builds every trial's guessed secret in fresh pages, and CONTROLS pages of its own
 //!   no other guest holds; waits WAIT_MS (past memfoldd's scan interval: a page equal to
 //!   another VM's is then shared, and its next write is a copy-on-write break); then
@@ -100,7 +102,7 @@ fn timed_write(p: &mut Page) -> u64 {
 
 fn usage() -> ! {
     eprintln!(
-        "usage: memfold-probe victim SEED ROUNDS TRIALS PAGES\n       memfold-probe attacker SEED ROUNDS TRIALS PAGES CONTROLS WAIT_MS"
+        "usage: memfold-probe victim SEED ROUNDS TRIALS PAGES\n       memfold-probe attacker SEED ROUNDS TRIALS PAGES CONTROLS WAIT_MS SETTLE_MS"
     );
     std::process::exit(2)
 }
@@ -129,7 +131,16 @@ fn victim(seed: u64, rounds: usize, trials: usize, per: usize) -> ! {
     }
 }
 
-fn attacker(seed: u64, rounds: usize, trials: usize, per: usize, controls: usize, wait_ms: u64) {
+fn attacker(
+    seed: u64,
+    rounds: usize,
+    trials: usize,
+    per: usize,
+    controls: usize,
+    wait_ms: u64,
+    settle_ms: u64,
+) {
+    std::thread::sleep(Duration::from_millis(settle_ms));
     let mut out = std::io::stdout().lock();
     // Every round's pages stay allocated: a freed page's frame would come back to a later
     // round still shared from an earlier one.
@@ -175,13 +186,14 @@ fn main() {
         Some("victim") if a.len() == 5 => {
             victim(n(1), n(2) as usize, n(3) as usize, n(4) as usize)
         }
-        Some("attacker") if a.len() == 7 => attacker(
+        Some("attacker") if a.len() == 8 => attacker(
             n(1),
             n(2) as usize,
             n(3) as usize,
             n(4) as usize,
             n(5) as usize,
             n(6),
+            n(7),
         ),
         _ => usage(),
     }

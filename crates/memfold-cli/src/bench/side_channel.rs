@@ -47,6 +47,11 @@ pub struct SideChannelArgs {
     /// past memfoldd's scan interval (`--scan-interval-ms`).
     #[arg(long, default_value_t = 4.0)]
     pub wait_secs: f64,
+    /// How long the attacker waits after it boots before its first round, s: memfoldd's
+    /// attach of a new guest (its first scans share the boot pages the guests have in
+    /// common; seconds on a busy host) is over by then.
+    #[arg(long, default_value_t = 10.0)]
+    pub settle_secs: f64,
     /// memfoldd's interval between full sharing scans, ms (its `--min-scan-interval-ms`
     /// and `--max-scan-interval-ms`).
     #[arg(long, default_value_t = 500)]
@@ -107,6 +112,8 @@ pub struct SideChannelRun {
     pub controls: usize,
     /// The attacker's wait, s.
     pub wait_secs: f64,
+    /// The attacker's wait after boot, before its first round, s.
+    pub settle_secs: f64,
     /// memfoldd's scan interval, ms.
     pub scan_interval_ms: u64,
     /// Each side measured.
@@ -148,6 +155,7 @@ pub fn run(a: &SideChannelArgs) -> Result<()> {
         pages: a.pages,
         controls: a.controls,
         wait_secs: a.wait_secs,
+        settle_secs: a.settle_secs,
         scan_interval_ms: a.scan_interval_ms,
         sides: Vec::new(),
     };
@@ -237,7 +245,10 @@ fn side(
     let wait_ms = (a.wait_secs * 1e3) as u64;
     let attacker_spec = spec(
         "attacker",
-        probe("attacker", &format!(",{},{wait_ms}", a.controls)),
+        probe(
+            "attacker",
+            &format!(",{},{wait_ms},{}", a.controls, (a.settle_secs * 1e3) as u64),
+        ),
     );
     let mut victim = Guest::start_with_env(
         &victim_spec,
@@ -259,7 +270,8 @@ fn side(
         accel,
         &agent_env(agent, &socket, &attacker_spec),
     )?;
-    let budget = Duration::from_secs_f64(180.0 + rounds as f64 * (a.wait_secs + 30.0));
+    let budget =
+        Duration::from_secs_f64(180.0 + a.settle_secs + rounds as f64 * (a.wait_secs + 30.0));
     wait_for(&mut attacker, "MEMFOLD-PROBE-DONE", budget)?;
     let stats = memfold_live::query_stats(&socket)
         .with_context(|| format!("memfoldd at {}", socket.display()))?;
