@@ -4,7 +4,9 @@
 //! each secret by the median of its pages' write times against a threshold from its own
 //! control writes, must be right far above chance (≥ 85%); with the victim marked
 //! never-share it must be at chance (50% ± 5%), and memfoldd must have kept the victim in
-//! a sharing domain of its own. Boots guests (about a minute under TCG): run under
+//! a sharing domain of its own. memfoldd reads every page every scan here
+//! (`--quiet-scan-period 1`): with quiet-page skipping a round's pages may wait 8 scans,
+//! past the attacker's 3 s on a busy host (a whole round missed). Boots guests (about a minute under TCG): run under
 //! `flock /tmp/measure.lock` on a shared host. Needs root, as every live test.
 
 use std::process::Command;
@@ -25,6 +27,8 @@ fn never_share_closes_the_write_latency_side_channel() {
             "3",
             "--settle-secs",
             "8",
+            "--quiet-scan-period",
+            "1",
             "--mem-mib",
             "128",
             "--json",

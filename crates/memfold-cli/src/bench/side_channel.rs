@@ -44,9 +44,15 @@ pub struct SideChannelArgs {
     #[arg(long, default_value_t = 64)]
     pub controls: usize,
     /// How long the attacker waits between building a round's pages and timing them, s:
-    /// past memfoldd's scan interval (`--scan-interval-ms`).
-    #[arg(long, default_value_t = 4.0)]
+    /// past memfoldd's scan interval (`--scan-interval-ms`) times its quiet-page period
+    /// (`--quiet-scan-period`): a round's pages may land on guest frames memfoldd had
+    /// found quiet and reads only every 8th scan.
+    #[arg(long, default_value_t = 6.0)]
     pub wait_secs: f64,
+    /// memfoldd's `--quiet-scan-period`: most full scans between two reads of a quiet
+    /// page (1: every page every scan; 8, memfoldd's default, as KSM's smart scan).
+    #[arg(long, default_value_t = 8)]
+    pub quiet_scan_period: u32,
     /// How long the attacker waits after it boots before its first round, s: memfoldd's
     /// attach of a new guest (its first scans share the boot pages the guests have in
     /// common; seconds on a busy host) is over by then.
@@ -116,6 +122,8 @@ pub struct SideChannelRun {
     pub settle_secs: f64,
     /// memfoldd's scan interval, ms.
     pub scan_interval_ms: u64,
+    /// memfoldd's quiet-page period, scans.
+    pub quiet_scan_period: u32,
     /// Each side measured.
     pub sides: Vec<Side>,
 }
@@ -157,6 +165,7 @@ pub fn run(a: &SideChannelArgs) -> Result<()> {
         wait_secs: a.wait_secs,
         settle_secs: a.settle_secs,
         scan_interval_ms: a.scan_interval_ms,
+        quiet_scan_period: a.quiet_scan_period,
         sides: Vec::new(),
     };
     for ns in sides {
@@ -204,6 +213,7 @@ fn side(
     std::fs::create_dir_all(dir)?;
     let socket = dir.join("memfoldd.sock");
     let iv = a.scan_interval_ms.to_string();
+    let quiet = a.quiet_scan_period.to_string();
     let mut args: Vec<&str> = vec![
         "--config",
         "none",
@@ -215,6 +225,8 @@ fn side(
         &iv,
         "--max-scan-interval-ms",
         &iv,
+        "--quiet-scan-period",
+        &quiet,
         "--share-domains",
         "user",
     ];
