@@ -149,11 +149,17 @@ fn attacker(
         let mut p = pages(trials * per + controls);
         for t in 0..trials {
             for k in 0..per {
-                fill(&mut p[t * per + k], key(SECRET, seed, r as u64, t as u64, k as u64));
+                fill(
+                    &mut p[t * per + k],
+                    key(SECRET, seed, r as u64, t as u64, k as u64),
+                );
             }
         }
         for c in 0..controls {
-            fill(&mut p[trials * per + c], key(CONTROL, seed, r as u64, c as u64, 0));
+            fill(
+                &mut p[trials * per + c],
+                key(CONTROL, seed, r as u64, c as u64, 0),
+            );
         }
         std::thread::sleep(Duration::from_millis(wait_ms));
         let mut order: Vec<usize> = (0..p.len()).collect();
@@ -164,7 +170,11 @@ fn attacker(
         }
         let list = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
         for t in 0..trials {
-            let _ = writeln!(out, "MEMFOLD-PROBE-T {r} {t} {}", list(&ns[t * per..(t + 1) * per]));
+            let _ = writeln!(
+                out,
+                "MEMFOLD-PROBE-T {r} {t} {}",
+                list(&ns[t * per..(t + 1) * per])
+            );
         }
         let _ = writeln!(out, "MEMFOLD-PROBE-K {r} {}", list(&ns[trials * per..]));
         let _ = out.flush();
@@ -183,9 +193,7 @@ fn main() {
             .unwrap_or_else(|| usage())
     };
     match a.first().map(String::as_str) {
-        Some("victim") if a.len() == 5 => {
-            victim(n(1), n(2) as usize, n(3) as usize, n(4) as usize)
-        }
+        Some("victim") if a.len() == 5 => victim(n(1), n(2) as usize, n(3) as usize, n(4) as usize),
         Some("attacker") if a.len() == 8 => attacker(
             n(1),
             n(2) as usize,
