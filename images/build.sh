@@ -71,6 +71,9 @@ done
 if [ "$profile" = tiny ]; then
     cp "$here/tiny-init" "$ird/init"
     cp "$here/mechanism-data" "$ird/memfold-mechanism-data"
+    # The side-channel probe (images/memfold-probe.rs, built by memfold-vm's build script
+    # and written beside these scripts): run when the kernel command line asks for it.
+    install -m 0755 "$here/memfold-probe" "$ird/bin/memfold-probe"
 else
     cp "$here/disk-init" "$ird/init"
     # The workload and self-check ride in the initramfs (disk-init copies them into the

@@ -82,6 +82,15 @@ pub struct EngineArgs {
     /// user; `vm`: each guest alone (the strict setting, as ESX's salting).
     #[arg(long, default_value = "user", value_parser = PossibleValuesParser::new(DomainRule::NAMES))]
     pub share_domains: String,
+    /// Guests never to share with another VM, by name (QEMU's `-name`; comma-separated or
+    /// repeated; `never-share = ["a", "b"]` in memfoldd.toml): Satori §4.3's never-share
+    /// for a whole VM, against the write-latency side channel (docs/side-channel.md).
+    /// Each is a sharing domain of its own whatever `--share-domains` says: its identical
+    /// pages are still shared with each other (ESX's salting), none with, patched against
+    /// or used as reference for another VM's. Held by name across re-attaches and
+    /// restarts.
+    #[arg(long, value_name = "NAME[,NAME]", value_delimiter = ',')]
+    pub never_share: Vec<String>,
     /// How guests claim their sharing entitlements (Satori §4.2: the memory sharing saves,
     /// credited to the guests that share, Σ (rank − 1) / rank pages each) through their
     /// virtio balloons: `never` keeps the saving on the host and drives no balloon;
@@ -107,6 +116,15 @@ impl EngineArgs {
         self.claim_entitlement
             .parse()
             .expect("clap checked the name")
+    }
+
+    /// The guests marked never-share, by name.
+    pub fn never_share(&self) -> std::collections::BTreeSet<String> {
+        self.never_share
+            .iter()
+            .filter(|n| !n.is_empty())
+            .cloned()
+            .collect()
     }
 
     /// The sharing-domain rule.
@@ -183,6 +201,9 @@ impl EngineArgs {
         opt("--compress-codec", self.compress_codec.name().into());
         opt("--compress-cutoff", self.compress_cutoff.to_string());
         opt("--share-domains", self.share_domains.clone());
+        if !self.never_share.is_empty() {
+            opt("--never-share", self.never_share.join(","));
+        }
         opt("--claim-entitlement", self.claim_entitlement.clone());
         opt("--allowance-mib", self.allowance_mib.to_string());
         if let Some(b) = self.host_budget_mib {
@@ -236,6 +257,25 @@ mod tests {
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         let b = parse(&refs);
         assert_eq!(format!("{:?}", b.config().unwrap()), format!("{c:?}"));
+    }
+
+    #[test]
+    fn never_share_names_reach_memfoldd() {
+        let a = parse(&["--never-share", "victim,db", "--never-share", "web"]);
+        let want: std::collections::BTreeSet<String> = ["db", "victim", "web"]
+            .into_iter()
+            .map(String::from)
+            .collect();
+        assert_eq!(a.never_share(), want);
+        let args: Vec<String> = a
+            .to_args()
+            .into_iter()
+            .map(|s| s.into_string().unwrap())
+            .collect();
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        assert_eq!(parse(&refs).never_share(), want);
+        assert!(parse(&[]).never_share().is_empty());
+        assert!(!parse(&[]).to_args().iter().any(|a| a == "--never-share"));
     }
 
     #[test]

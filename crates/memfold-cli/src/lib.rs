@@ -12,3 +12,4 @@ pub mod engine_args;
 pub mod install;
 pub mod libvirt_xml;
 pub mod logging;
+pub mod side_channel;

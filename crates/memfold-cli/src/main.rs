@@ -127,6 +127,13 @@ enum BenchCmd {
     /// to 95%, CPU per GiB saved, scan throughput, mappings per QEMU, latencies,
     /// metadata and memfoldd's memory; with each cost's slope. Needs root.
     Scale(Box<bench::scale::ScaleArgs>),
+    /// The write-latency side channel of page sharing (Satori §4.3): an attacker guest
+    /// builds pages equal to a victim guest's guessed secrets, waits past the scan
+    /// interval and times a write to each (a copy-on-write break is slow), with the
+    /// secret present or absent; prints the attacker's accuracy without never-share and
+    /// (`--never-share`, `--both`) with the victim marked never-share. Needs root; boots
+    /// two tiny guests (docs/side-channel.md).
+    SideChannel(bench::side_channel::SideChannelArgs),
 }
 
 fn main() {
@@ -193,6 +200,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Bench {
             which: BenchCmd::Scale(args),
         } => bench::scale::run(&args),
+        Cmd::Bench {
+            which: BenchCmd::SideChannel(args),
+        } => bench::side_channel::run(&args),
     }
 }
 

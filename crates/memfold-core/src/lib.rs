@@ -50,7 +50,7 @@ pub mod ids {
 pub use clock::{NruState, Policy};
 pub use engine::{
     claim_target, short_of_memory, ClaimPolicy, Command, Engine, EngineConfig, EngineError,
-    Outcome, SharingRanks, ZeroPolicy, CLAIM_GRAIN,
+    Outcome, Sharing, SharingRanks, ZeroPolicy, CLAIM_GRAIN,
 };
 pub use memfold_codecs::{CompressCodec, Encoding, Page, PatchCodec, PAGE_SIZE};
 pub use similarity::SimilarityConfig;

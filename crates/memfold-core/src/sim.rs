@@ -473,6 +473,7 @@ impl Rig {
             domain: DomainId(0),
             store: Box::new(shared.store.clone()),
             swap: (swap_bytes > 0).then(|| Box::new(shared.swap.clone()) as Box<dyn Backing>),
+            sharing: Default::default(),
         })?;
         let agent = SimAgent::new(ram, pages, shared);
         Ok(Rig {

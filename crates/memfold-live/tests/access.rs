@@ -126,6 +126,7 @@ fn tenants_of_the_agent_group_attach_but_are_not_operators() {
         swap_capacity: 1 << 20,
         domains: DomainRule::User,
         agent_gid: Some(AGENT_GID),
+        never_share: Default::default(),
         claim: memfold_core::ClaimPolicy::Never,
         allowance: 0,
     };

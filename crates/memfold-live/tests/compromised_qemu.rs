@@ -41,6 +41,7 @@ fn memfoldd(dir: &Path, domains: DomainRule) -> PathBuf {
         swap_capacity: 16 << 20,
         domains,
         agent_gid: None,
+        never_share: Default::default(),
         claim: memfold_core::ClaimPolicy::Never,
         allowance: 0,
     };

@@ -101,6 +101,7 @@ fn memfoldd(dir: &std::path::Path) -> std::path::PathBuf {
         swap_capacity: 16 << 20,
         domains: DomainRule::User,
         agent_gid: None,
+        never_share: Default::default(),
         claim: memfold_core::ClaimPolicy::Never,
         allowance: 0,
     };

@@ -161,7 +161,7 @@ pub fn image(cache: &Path, name: &str) -> Result<Image, ImageError> {
     })
 }
 
-const SCRIPTS: [(&str, &str); 6] = [
+const SCRIPTS: [(&str, &str); 7] = [
     ("build.sh", include_str!("../../../images/build.sh")),
     ("tiny-init", include_str!("../../../images/tiny-init")),
     ("disk-init", include_str!("../../../images/disk-init")),
@@ -171,7 +171,17 @@ const SCRIPTS: [(&str, &str); 6] = [
         "mechanism-data",
         include_str!("../../../images/mechanism-data"),
     ),
+    // The probe's source: the binary below is built from it (fingerprinted by source, so
+    // builds in other target folders agree on the image).
+    (
+        "memfold-probe.rs",
+        include_str!("../../../images/memfold-probe.rs"),
+    ),
 ];
+
+/// The side-channel probe the `tiny` image carries in `/bin` (images/memfold-probe.rs,
+/// built statically by this crate's build script; docs/side-channel.md).
+const PROBE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/memfold-probe"));
 
 /// Fingerprint of the build recipes (xxh3 over the embedded scripts and their names),
 /// stored in an image's `recipe` file: an image whose recipes changed is rebuilt.
@@ -224,6 +234,13 @@ pub fn build(
         std::fs::write(&p, text).map_err(io(&p))?;
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).map_err(io(&p))?;
+    }
+    let probe = scripts.join("memfold-probe");
+    std::fs::write(&probe, PROBE).map_err(io(&probe))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&probe, std::fs::Permissions::from_mode(0o755))
+            .map_err(io(&probe))?;
     }
     let mut child = Command::new("bash")
         .arg(scripts.join("build.sh"))

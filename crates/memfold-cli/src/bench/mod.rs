@@ -3,3 +3,4 @@
 pub mod fault_path;
 pub mod micro;
 pub mod scale;
+pub mod side_channel;

@@ -111,7 +111,7 @@ fn main() {
         }
     }
     tracing::info!(
-        "memfoldd {} starting: configuration {}, policy {}, rate {} pages/s, zero pages {}, sharing domains by {}{}",
+        "memfoldd {} starting: configuration {}, policy {}, rate {} pages/s, zero pages {}, sharing domains by {}{}{}",
         env!("CARGO_PKG_VERSION"),
         file.as_deref()
             .map_or("none (defaults and command line)".into(), |p| p.display().to_string()),
@@ -119,6 +119,11 @@ fn main() {
         a.engine.rate,
         a.engine.zero,
         a.engine.share_domains,
+        if a.engine.never_share.is_empty() {
+            String::new()
+        } else {
+            format!(", never-share {}", a.engine.never_share.join(","))
+        },
         a.engine.host_budget_mib.map_or(String::new(), |b| format!(
             ", host budget {b} MiB, swap {} MiB in {}",
             a.engine.swap_mib,
@@ -158,6 +163,7 @@ fn main() {
         swap_dir: a.swap_dir,
         swap_capacity: a.engine.swap_mib << 20,
         domains: a.engine.domain_rule(),
+        never_share: a.engine.never_share(),
         agent_gid,
         claim: a.engine.claim(),
         allowance: a.engine.allowance_mib << 20,

@@ -34,7 +34,7 @@ const RAM: RamBackend = RamBackend::Memfd;
 /// The agent library (beside the `memfold` binary or in `../lib/memfold`,
 /// [`memfold_cli::install`]) and memfoldd (beside it); and the privileges a run needs,
 /// checked before any guest boots.
-fn companions() -> Result<(PathBuf, PathBuf)> {
+pub(crate) fn companions() -> Result<(PathBuf, PathBuf)> {
     anyhow::ensure!(
         rustix::process::geteuid().is_root(),
         "memfold run and compare need root: the agent in each QEMU opens a userfaultfd for kernel faults (CAP_SYS_PTRACE), and compare drives KSM's sysfs; run them with sudo"
@@ -95,7 +95,7 @@ fn unattached<'a>(
 const MAX_DAEMON_RESTARTS: u32 = 3;
 
 /// Kills memfoldd when dropped.
-struct Daemon(Child);
+pub(crate) struct Daemon(pub(crate) Child);
 
 impl Drop for Daemon {
     fn drop(&mut self) {

@@ -19,7 +19,8 @@ impl Engine {
     ///   replaces by the same page), names that page, and lives in a slot of its space;
     /// - share-table entries name frames in use whose recorded hash matches, and hints
     ///   name pages of guests of the table's own domain (no share crosses domains);
-    /// - every guest's domain exists; a blob lives in its own guest's store or swap file
+    /// - every guest's domain exists, and a never-share guest's domain holds no other
+    ///   guest (Satori §4.3); a blob lives in its own guest's store or swap file
     ///   and patches against a frame of its guest's domain;
     /// - every queued command's page is in the matching in-flight state;
     /// - each guest's "now" counters equal the pages in that state; slot bytes add up.
@@ -36,6 +37,18 @@ impl Engine {
         for (id, v) in &self.vms {
             if !self.domains.contains_key(&v.domain) {
                 return Err(format!("{id}: its {} does not exist", v.domain));
+            }
+            if v.sharing == super::Sharing::NeverShare {
+                if let Some((other, _)) = self
+                    .vms
+                    .iter()
+                    .find(|(o, w)| *o != id && w.domain == v.domain)
+                {
+                    return Err(format!(
+                        "{id} is never-share, and {other} is in its {}",
+                        v.domain
+                    ));
+                }
             }
             let d = v.domain;
             slots.insert(*id, [0, 0]);

@@ -34,6 +34,27 @@ pub struct Attach {
     pub store: Box<dyn Backing>,
     /// Its own swap file, empty (under a host budget; `None`: it never swaps).
     pub swap: Option<Box<dyn Backing>>,
+    /// Whom its pages may be shared with: [`Sharing::NeverShare`] keeps it alone in its
+    /// domain (Satori §4.3).
+    pub sharing: Sharing,
+}
+
+/// Whom a guest's pages may be shared with: the operator's per-VM never-share policy
+/// (Satori §4.3: memory "never to be shared", against the write-latency side channel of
+/// a CoW break; ESX's salting for a whole VM).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Sharing {
+    /// With every guest of its sharing domain (whom the domain holds, its rule decides).
+    #[default]
+    Domain,
+    /// Never across VMs: the guest is alone in its sharing domain, so none of its pages is
+    /// mapped onto a frame another VM's page maps, patched against another VM's page, or
+    /// used as another VM's reference page (each domain has its own pool, share table and
+    /// similarity index), and another VM can never time a CoW break on a page equal to
+    /// one of its pages. Identical pages *within* the guest are still shared with each
+    /// other, and its own pages still patched against its own (ESX's salting semantics);
+    /// zero pages are reclaimed as for any guest.
+    NeverShare,
 }
 
 /// A page a re-attaching agent maps.
@@ -131,6 +152,32 @@ impl Engine {
         if !self.domains.contains_key(&a.domain) {
             return Err(refuse(format!("{} does not exist", a.domain)));
         }
+        // INVARIANT (never-share, Satori §4.3): a guest marked [`Sharing::NeverShare`] is
+        // the only guest of its domain, while it is attached or detached. Sharing,
+        // patching and reference pages never cross a domain (each has its own share
+        // table and similarity index), so this alone keeps every page of a never-share
+        // guest from being shared with, patched against or used as reference by another
+        // VM. Refused both ways: a never-share guest joining a domain that holds another
+        // guest, and any guest joining a never-share guest's domain.
+        // (`check_invariants` checks it; `never_share_guest_is_alone_in_its_domain` fails
+        // without this check.)
+        let same = |v: &super::Vm| v.pid == a.pid && !v.attached && v.pages() == a.pages;
+        if let Some(other) = self.vms.values().find(|v| {
+            v.domain == a.domain
+                && !same(v)
+                && (a.sharing == Sharing::NeverShare || v.sharing == Sharing::NeverShare)
+        }) {
+            return Err(refuse(format!(
+                "{} holds {} ({}), and a never-share guest is alone in its domain",
+                a.domain,
+                other.name,
+                if other.sharing == Sharing::NeverShare {
+                    "never-share"
+                } else {
+                    "shares"
+                }
+            )));
+        }
         let cap = self.swap_capacity;
         let swap_space =
             |b: Option<Box<dyn Backing>>| b.map(|b| BlobSpace::new(BlobHome::Swap, b, Some(cap)));
@@ -154,6 +201,7 @@ impl Engine {
                 // Its RAM's data runs are asked again of the new descriptor.
                 v.run_end = 0;
                 v.name = a.name;
+                v.sharing = a.sharing;
                 // Its old store and swap file hold nothing now; new ones replace them.
                 v.store = BlobSpace::new(BlobHome::Store, a.store, None);
                 v.swap = swap;
@@ -184,6 +232,7 @@ impl Engine {
                         pid: a.pid,
                         base: Gpn(base),
                         domain: a.domain,
+                        sharing: a.sharing,
                         ram: a.ram,
                         store: BlobSpace::new(BlobHome::Store, a.store, None),
                         swap,
@@ -220,7 +269,7 @@ impl Engine {
         let v = &self.vms[&id];
         tracing::info!(
             vm = %id, name = %v.name, pid = v.pid, pages = v.pages(), domain = %v.domain,
-            shared = v.books.shared_pages, "attached"
+            sharing = ?v.sharing, shared = v.books.shared_pages, "attached"
         );
         Ok(id)
     }
@@ -394,5 +443,113 @@ impl Engine {
         v.books.unmapped_pages = 0;
         v.books.compressed_pages = 0;
         v.books.swapped_pages = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Attach, Sharing};
+    use crate::backing::mem::{ManualClock, MemBacking, MemGuestRam};
+    use crate::ids::{DomainId, VmId};
+    use crate::{Command, Engine, EngineConfig, EngineError, Policy, PAGE_SIZE};
+
+    fn engine() -> (Engine, ManualClock) {
+        let cfg = EngineConfig {
+            policy: Policy::sharing_only(),
+            rate: 0,
+            clock_interval_us: None,
+            min_scan_interval_us: 10_000,
+            max_scan_interval_us: 10_000,
+            quiet_scan_period: 1,
+            ..EngineConfig::default()
+        };
+        let clock = ManualClock::new();
+        let mut e = Engine::new(cfg, Box::new(clock.clone()), 0).unwrap();
+        e.add_domain(DomainId(0), Box::new(MemBacking::new()));
+        e.add_domain(DomainId(1), Box::new(MemBacking::new()));
+        (e, clock)
+    }
+
+    /// Guest `pid` of 4 pages, every page filled with `fill`, in `domain`.
+    fn attach(
+        e: &mut Engine,
+        pid: u32,
+        domain: u32,
+        sharing: Sharing,
+    ) -> Result<VmId, EngineError> {
+        let ram = MemGuestRam::new(4);
+        {
+            let mut f = ram.file();
+            f.bytes[..4 * PAGE_SIZE].fill(7);
+            f.touch(0, 4 * PAGE_SIZE as u64);
+        }
+        e.attach(Attach {
+            name: format!("g{pid}"),
+            pid,
+            pages: 4,
+            ram: Box::new(ram),
+            mapped: vec![],
+            domain: DomainId(domain),
+            store: Box::new(MemBacking::new()),
+            swap: None,
+            sharing,
+        })
+    }
+
+    /// The never-share invariant (Satori §4.3): a never-share guest is alone in its
+    /// domain. Fails if `Engine::attach`'s check is removed.
+    #[test]
+    fn never_share_guest_is_alone_in_its_domain() {
+        let (mut e, _) = engine();
+        attach(&mut e, 1, 0, Sharing::Domain).unwrap();
+        // A never-share guest into a domain that holds another guest: refused.
+        let r = attach(&mut e, 2, 0, Sharing::NeverShare);
+        assert!(
+            matches!(&r, Err(EngineError::Attach { why, .. }) if why.contains("never-share")),
+            "{r:?}"
+        );
+        // Alone in a domain: accepted; then no other guest may join it.
+        let n = attach(&mut e, 3, 1, Sharing::NeverShare).unwrap();
+        let r = attach(&mut e, 4, 1, Sharing::Domain);
+        assert!(matches!(r, Err(EngineError::Attach { .. })), "{r:?}");
+        let r = attach(&mut e, 5, 1, Sharing::NeverShare);
+        assert!(matches!(r, Err(EngineError::Attach { .. })), "{r:?}");
+        // Its own re-attach (same QEMU, detached) is not another guest.
+        e.detach(n);
+        assert_eq!(attach(&mut e, 3, 1, Sharing::NeverShare).unwrap(), n);
+        e.check_invariants().unwrap();
+    }
+
+    /// A never-share guest's identical pages are shared with each other (ESX's salting:
+    /// sharing within the VM), never with another guest's equal pages.
+    #[test]
+    fn never_share_guest_shares_only_within_itself() {
+        let (mut e, clock) = engine();
+        let other = attach(&mut e, 1, 0, Sharing::Domain).unwrap();
+        let n = attach(&mut e, 2, 1, Sharing::NeverShare).unwrap();
+        for _ in 0..3 {
+            clock.advance(20_000);
+            e.scan_step().unwrap();
+        }
+        let frames = |e: &mut Engine, vm| -> Vec<_> {
+            e.take_commands(vm)
+                .into_iter()
+                .filter_map(|c| match c {
+                    Command::Share { frame, .. } => Some(frame),
+                    _ => None,
+                })
+                .collect()
+        };
+        let (fo, fn_) = (frames(&mut e, other), frames(&mut e, n));
+        assert_eq!(
+            fo.len(),
+            4,
+            "the other guest's 4 equal pages share one frame"
+        );
+        assert_eq!(fn_.len(), 4, "so do the never-share guest's, within itself");
+        assert_eq!(e.dom(n), DomainId(1));
+        e.check_invariants().unwrap();
+        // Frames are per domain: the never-share guest's frame is its own domain's.
+        assert!(fn_.iter().all(|f| *f == fn_[0]));
     }
 }

@@ -51,7 +51,7 @@ use crate::{Page, PAGE_SIZE};
 pub use books::{Books, LifetimeBooks, SavedBy, SwapBooks, VmBooks, VmReport, LIFETIME_MARKS_S};
 pub use config::{ConfigError, EngineConfig, ZeroPolicy};
 pub use entitlement::{claim_target, short_of_memory, ClaimPolicy, SharingRanks, CLAIM_GRAIN};
-pub use guests::{Attach, Mapped};
+pub use guests::{Attach, Mapped, Sharing};
 pub use outcomes::Discard;
 
 const PAGE: u64 = PAGE_SIZE as u64;
@@ -186,6 +186,8 @@ pub(crate) struct Vm {
     pub(crate) base: Gpn,
     /// Its sharing domain (fixed at its first attach).
     pub(crate) domain: DomainId,
+    /// Whom its pages may be shared with (never-share: alone in its domain).
+    pub(crate) sharing: Sharing,
     pub(crate) ram: Box<dyn GuestRam>,
     /// Its store of patches and compressed pages (host memory), and its swap file: its
     /// own, so its QEMU reads no other guest's stored pages (issue 14).

@@ -651,6 +651,7 @@ mod tests {
             domain: DomainId(0),
             store: Box::new(MemBacking::new()),
             swap: None,
+            sharing: Default::default(),
         })
         .unwrap();
         for _ in 0..3 {

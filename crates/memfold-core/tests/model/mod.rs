@@ -424,6 +424,7 @@ impl Harness {
                 domain: d,
                 store: Box::new(shared.store),
                 swap: with_swap.then(|| Box::new(shared.swap) as Box<dyn Backing>),
+                sharing: Default::default(),
             })
             .map_err(|e| e.to_string())?;
         v.id = Some(id);

@@ -313,6 +313,7 @@ mod tests {
                     domain: DomainId(0),
                     store: Box::new(MemBacking::new()),
                     swap: None,
+                    sharing: Default::default(),
                 })
                 .unwrap();
             vms.push(vm);

@@ -24,7 +24,7 @@ mod domains;
 mod executor;
 mod guests;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use memfold_core::backing::{Backing, BackingError, Clock};
-use memfold_core::engine::{Attach, Discard, Mapped};
+use memfold_core::engine::{Attach, Discard, Mapped, Sharing};
 use memfold_core::ids::{DomainId, VmId};
 use memfold_core::{ClaimPolicy, Engine, EngineConfig, EngineError, PAGE_SIZE};
 use memfold_sys::memfd;
@@ -69,6 +69,13 @@ pub struct DaemonConfig {
     pub swap_capacity: u64,
     /// Which guests share with one another.
     pub domains: DomainRule,
+    /// The guests (by the name their agent attaches with, QEMU's `-name`) the operator
+    /// marked never-share (Satori §4.3, against the write-latency side channel): each is
+    /// a sharing domain of its own whatever [`DaemonConfig::domains`] says, so its pages
+    /// are shared only with its own (ESX's salting), never with, patched against or used
+    /// as reference for another VM's. Kept by name, so it holds across a guest's
+    /// re-attach and memfoldd's restart (the list is memfoldd's configuration).
+    pub never_share: BTreeSet<String>,
     /// A group whose members' QEMUs may attach (the socket becomes mode 0660, that
     /// group's): QEMUs that run as users of their own (one per tenant, a domain each
     /// under [`DomainRule::User`]). They are not operators. `None`: root and memfoldd's
@@ -133,6 +140,7 @@ struct Daemon {
     key_of: BTreeMap<DomainId, DomainKey>,
     next_domain: u32,
     rule: DomainRule,
+    never_share: BTreeSet<String>,
     /// Where guests' swap files go, if memfoldd swaps (a host budget).
     swap_dir: Option<PathBuf>,
     last_reap: Instant,
@@ -270,6 +278,7 @@ impl Daemon {
             key_of: BTreeMap::new(),
             next_domain: 0,
             rule: cfg.domains,
+            never_share: cfg.never_share.clone(),
             swap_dir: cfg.engine.host_budget.map(|_| cfg.swap_dir.clone()),
             last_reap: Instant::now(),
             claims: balloon::Claims::new(cfg.claim, cfg.allowance),
@@ -573,9 +582,17 @@ impl Daemon {
                 return Ok(());
             }
         };
-        let key = match self.rule {
-            DomainRule::User => DomainKey::User(uid),
-            DomainRule::Vm => DomainKey::Vm(ram_id.0, ram_id.1),
+        // Never-share (Satori §4.3): the guest is keyed alone, as under `vm`, so it joins
+        // (or makes) a domain no other guest's key leads to; the engine refuses it
+        // anything else (the invariant, `Engine::attach`).
+        let sharing = if self.never_share.contains(&name) {
+            Sharing::NeverShare
+        } else {
+            Sharing::Domain
+        };
+        let key = match (self.rule, sharing) {
+            (DomainRule::User, Sharing::Domain) => DomainKey::User(uid),
+            (DomainRule::Vm, _) | (_, Sharing::NeverShare) => DomainKey::Vm(ram_id.0, ram_id.1),
         };
         let d = match their_pool {
             None => self.domain_for(key),
@@ -626,6 +643,7 @@ impl Daemon {
             domain: d,
             store: Box::new(store),
             swap: swap.map(|s| Box::new(s) as Box<dyn Backing>),
+            sharing,
         }) {
             Ok(vm) => vm,
             Err(EngineError::Attach { why, .. }) => {

@@ -70,6 +70,7 @@ pub fn daemon_config(dir: &Path, engine: EngineConfig) -> DaemonConfig {
         swap_capacity: 64 << 20,
         domains: DomainRule::User,
         agent_gid: None,
+        never_share: Default::default(),
         claim: memfold_core::ClaimPolicy::Never,
         allowance: 0,
     }
