@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what memfold needs on a fresh Debian machine; does nothing that is already done:
-# a C compiler (the zstd crate builds zstd's C library), QEMU, and the tools that build guest
+# a C compiler (the zstd crate builds zstd's C library) and static libc (the guest probe),
+# QEMU, and the tools that build guest
 # images from Debian packages (debootstrap, busybox-static, e2fsprogs, cpio, xz, zstd), and
 # for fuzzing a nightly toolchain (if rustup can get one) and cargo-fuzz.
 # Guest images themselves are built on demand by `memfold image build` (cached).
@@ -8,6 +9,8 @@ set -euo pipefail
 
 need_apt=()
 command -v cc >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)
+# The tiny image's memfold-probe is linked statically (crates/memfold-vm/build.rs): libc.a.
+[ -f /usr/lib/x86_64-linux-gnu/libc.a ] || need_apt+=(libc6-dev)
 command -v make >/dev/null 2>&1 || need_apt+=(make)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 command -v qemu-system-x86_64 >/dev/null 2>&1 || need_apt+=(qemu-system-x86)
