@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use memfold_core::{EngineConfig, Policy};
 use memfold_live::daemon::{DaemonConfig, DomainRule};
 use memfold_sys::memfd;
-use memfold_wire::{Conn, ToAgent, ToDaemon, PROTOCOL_VERSION};
+use memfold_wire::{ToAgent, ToDaemon};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 const PAGE: usize = 4096;
@@ -47,32 +47,6 @@ fn memfoldd(dir: &Path, domains: DomainRule) -> PathBuf {
     };
     common::start_memfoldd_with(cfg);
     socket
-}
-
-/// A QEMU of our own: its RAM memfd holding `ram`, attached; returns the connection and
-/// every descriptor memfoldd handed it.
-fn attach(socket: &Path, name: &str, ram: &[u8]) -> (Conn, Vec<OwnedFd>, OwnedFd) {
-    let fd = memfd::create(name).unwrap();
-    memfd::set_len(fd.as_fd(), ram.len() as u64).unwrap();
-    memfd::pwrite_all(fd.as_fd(), ram, 0).unwrap();
-    let c = Conn::connect(socket).unwrap();
-    let hello = ToDaemon::AgentHello {
-        version: PROTOCOL_VERSION,
-        name: name.into(),
-        pid: std::process::id(),
-        ram_bytes: ram.len() as u64,
-        shared: 0,
-        opted_out: false,
-    };
-    c.send(&hello, &[fd.as_fd()]).unwrap();
-    c.set_recv_timeout(Duration::from_secs(5)).unwrap();
-    let (reply, fds) = c.recv::<ToAgent>().unwrap().expect("an answer");
-    assert!(
-        matches!(reply, ToAgent::Welcome { .. }),
-        "{name}: {reply:?}"
-    );
-    assert!(fds.len() >= 2, "{name}: a pool and a store");
-    (c, fds, fd)
 }
 
 /// Every byte of a descriptor.
@@ -109,11 +83,12 @@ fn run(domains: DomainRule) -> ((bool, u64), (bool, u64)) {
             _ => rng.fill(page),
         }
     }
-    let (victim, victim_fds, _victim_ram) = attach(&socket, "victim", &ram);
+    let (victim, victim_fds, _victim_ram) = common::attach_fake_qemu(&socket, "victim", &ram);
     // The attacker: random pages of its own.
     let mut mine = vec![0u8; PAGES * PAGE];
     rng.fill(&mut mine[..]);
-    let (_attacker, attacker_fds, _attacker_ram) = attach(&socket, "attacker", &mine);
+    let (_attacker, attacker_fds, _attacker_ram) =
+        common::attach_fake_qemu(&socket, "attacker", &mine);
 
     // The victim reports every clock slice idle, so its text goes cold and is compressed;
     // it answers nothing else (shares stay requested: their frames are written already).

@@ -12,43 +12,16 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use memfold_core::{EngineConfig, Policy};
 use memfold_live::daemon::{DaemonConfig, DomainRule};
 use memfold_sys::memfd;
-use memfold_wire::{Conn, ToAgent, ToDaemon, PROTOCOL_VERSION};
+use memfold_wire::{Conn, ToAgent};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 const PAGE: usize = 4096;
 const PAGES: usize = 32;
-
-/// A QEMU of our own: its RAM memfd holding `ram`, attached; returns the connection and
-/// every descriptor memfoldd handed it (its pool first).
-fn attach(socket: &Path, name: &str, ram: &[u8]) -> (Conn, Vec<OwnedFd>, OwnedFd) {
-    let fd = memfd::create(name).unwrap();
-    memfd::set_len(fd.as_fd(), ram.len() as u64).unwrap();
-    memfd::pwrite_all(fd.as_fd(), ram, 0).unwrap();
-    let c = Conn::connect(socket).unwrap();
-    let hello = ToDaemon::AgentHello {
-        version: PROTOCOL_VERSION,
-        name: name.into(),
-        pid: std::process::id(),
-        ram_bytes: ram.len() as u64,
-        shared: 0,
-        opted_out: false,
-    };
-    c.send(&hello, &[fd.as_fd()]).unwrap();
-    c.set_recv_timeout(Duration::from_secs(5)).unwrap();
-    let (reply, fds) = c.recv::<ToAgent>().unwrap().expect("an answer");
-    assert!(
-        matches!(reply, ToAgent::Welcome { .. }),
-        "{name} is managed (a never-share guest too): {reply:?}"
-    );
-    assert!(fds.len() >= 2, "{name}: a pool and a store");
-    (c, fds, fd)
-}
 
 fn holds_page(fd: &OwnedFd, page: &[u8]) -> bool {
     let size = memfd::size(fd.as_fd()).unwrap() as usize;
@@ -116,12 +89,12 @@ fn run(never_share: &[&str]) -> Seen {
     rng.fill(&mut ram[..]);
     ram[..PAGE].copy_from_slice(&secret);
     ram[PAGE..2 * PAGE].copy_from_slice(&secret);
-    let (victim, victim_fds, _v) = attach(&socket, "victim", &ram);
+    let (victim, victim_fds, _v) = common::attach_fake_qemu(&socket, "victim", &ram);
     // The attacker: its guess of the secret at gfn 0, random pages after.
     let mut mine = vec![0u8; PAGES * PAGE];
     rng.fill(&mut mine[..]);
     mine[..PAGE].copy_from_slice(&secret);
-    let (attacker, attacker_fds, _a) = attach(&socket, "attacker", &mine);
+    let (attacker, attacker_fds, _a) = common::attach_fake_qemu(&socket, "attacker", &mine);
     let id = |f: &OwnedFd| memfd::file_id(f.as_fd()).unwrap();
     // Scans every 50-100 ms: a second covers many.
     let victim_shares = shares(&victim, Duration::from_millis(1500));

@@ -337,3 +337,40 @@ pub fn every_mechanism(v: &VmStats) -> bool {
         && v.patched_pages > 0
         && v.compressed_pages > 0
 }
+
+/// A QEMU of our own (no agent: the test speaks the wire itself): a RAM memfd holding
+/// `ram`, attached to memfoldd at `socket` as guest `name`, which must be welcomed.
+/// Returns the connection, every descriptor memfoldd handed it (its pool first) and the
+/// RAM memfd.
+pub fn attach_fake_qemu(
+    socket: &Path,
+    name: &str,
+    ram: &[u8],
+) -> (
+    memfold_wire::Conn,
+    Vec<std::os::fd::OwnedFd>,
+    std::os::fd::OwnedFd,
+) {
+    use memfold_wire::{Conn, ToAgent, ToDaemon, PROTOCOL_VERSION};
+    let fd = memfd::create(name).unwrap();
+    memfd::set_len(fd.as_fd(), ram.len() as u64).unwrap();
+    memfd::pwrite_all(fd.as_fd(), ram, 0).unwrap();
+    let c = Conn::connect(socket).unwrap();
+    let hello = ToDaemon::AgentHello {
+        version: PROTOCOL_VERSION,
+        name: name.into(),
+        pid: std::process::id(),
+        ram_bytes: ram.len() as u64,
+        shared: 0,
+        opted_out: false,
+    };
+    c.send(&hello, &[fd.as_fd()]).unwrap();
+    c.set_recv_timeout(Duration::from_secs(5)).unwrap();
+    let (reply, fds) = c.recv::<ToAgent>().unwrap().expect("an answer");
+    assert!(
+        matches!(reply, ToAgent::Welcome { .. }),
+        "{name} is managed: {reply:?}"
+    );
+    assert!(fds.len() >= 2, "{name}: a pool and a store");
+    (c, fds, fd)
+}
