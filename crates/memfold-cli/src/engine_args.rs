@@ -249,14 +249,19 @@ mod tests {
                 .unwrap()
                 .share_cold_unmapped
         );
+        let b = reparse(&a);
+        assert_eq!(format!("{:?}", b.config().unwrap()), format!("{c:?}"));
+    }
+
+    /// `a` as memfoldd's command line, parsed again.
+    fn reparse(a: &EngineArgs) -> EngineArgs {
         let args: Vec<String> = a
             .to_args()
             .into_iter()
             .map(|s| s.into_string().unwrap())
             .collect();
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        let b = parse(&refs);
-        assert_eq!(format!("{:?}", b.config().unwrap()), format!("{c:?}"));
+        parse(&refs)
     }
 
     #[test]
@@ -267,13 +272,7 @@ mod tests {
             .map(String::from)
             .collect();
         assert_eq!(a.never_share(), want);
-        let args: Vec<String> = a
-            .to_args()
-            .into_iter()
-            .map(|s| s.into_string().unwrap())
-            .collect();
-        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        assert_eq!(parse(&refs).never_share(), want);
+        assert_eq!(reparse(&a).never_share(), want);
         assert!(parse(&[]).never_share().is_empty());
         assert!(!parse(&[]).to_args().iter().any(|a| a == "--never-share"));
     }
