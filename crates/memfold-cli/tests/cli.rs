@@ -172,7 +172,13 @@ fn no_space_for_an_image_is_a_clear_error() {
         .unwrap();
     let _ = Command::new("umount").arg(&mnt).status();
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("building image 'tiny' failed"), "{err}");
+    // The build script runs out of space, or writing the recipe's files (the static probe,
+    // ~0.5 MiB) before it does: either names what failed.
+    assert!(
+        err.contains("building image 'tiny' failed")
+            || (err.contains("image cache") && err.contains(mnt.to_str().unwrap())),
+        "{err}"
+    );
     assert!(
         err.contains("No space left on device")
             || err.contains("not enough space")
