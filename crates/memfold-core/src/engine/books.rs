@@ -514,7 +514,7 @@ impl Engine {
                     + v.de_failed.capacity() * 8
                     + v.ages.bytes()
                     + v.restash_wait.capacity()
-                    + v.unmapping.capacity() * 8
+                    + crate::share::hashbrown_bytes(v.unmapping.capacity(), 4)
             })
             .sum();
         let per_domain: usize = self

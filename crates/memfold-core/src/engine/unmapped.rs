@@ -194,8 +194,10 @@ impl Engine {
         let mut asked = 0;
         for i in first.0..end {
             let g = Gfn(i);
-            if asked == UNMAP_PER_SLICE
-                || !matches!(v.state(g), PageState::Shared(_))
+            if asked == UNMAP_PER_SLICE {
+                break;
+            }
+            if !matches!(v.state(g), PageState::Shared(_))
                 || v.unmapping.contains(&g)
                 || v.clock.page(i).idle_scans() < v.restash_wait[g.index()]
             {
@@ -328,6 +330,29 @@ mod tests {
 
     fn state(r: &Rig, g: u32) -> PageState {
         r.engine.page_state(r.vm, Gfn(g)).unwrap()
+    }
+
+    /// Seed of page `g` of a guest whose first `twins` pages are equal, the rest unique.
+    fn seed(g: u32, twins: u32) -> u32 {
+        if g < twins {
+            7
+        } else {
+            100 + g
+        }
+    }
+
+    /// A guest written with [`seed`]'s pages, not yet settled.
+    fn with_twins(on: bool, twins: u32) -> Rig {
+        let mut r = Rig::new(cfg(on), PAGES).unwrap();
+        for g in 0..PAGES {
+            r.agent.write(Gfn(g), 0, &page(seed(g, twins))).unwrap();
+        }
+        r
+    }
+
+    /// The agent refused a share just now: VMA pressure for [`VMA_PRESSURE_US`].
+    fn press(r: &mut Rig) {
+        r.engine.vms.get_mut(&r.vm).unwrap().share_refused_us = Some(r.engine.now_us());
     }
 
     #[test]
@@ -494,11 +519,7 @@ mod tests {
     /// once the pressure is over.
     #[test]
     fn under_vma_pressure_mapped_shares_become_unmapped_and_read_ones_end_mapped() {
-        let mut r = Rig::new(cfg(true), PAGES).unwrap();
-        for g in 0..PAGES {
-            let seed = if g < 8 { 7 } else { 100 + g };
-            r.agent.write(Gfn(g), 0, &page(seed)).unwrap();
-        }
+        let mut r = with_twins(true, 8);
         let hot: Vec<u32> = (0..8).collect();
         settle(&mut r, 1500, &hot);
         let PageState::Shared(f) = state(&r, 0) else {
@@ -507,8 +528,7 @@ mod tests {
         for g in 0..8 {
             assert_eq!(state(&r, g), PageState::Shared(f), "page {g}");
         }
-        // The agent refused a share just now: it is at its budget.
-        r.engine.vms.get_mut(&r.vm).unwrap().share_refused_us = Some(r.engine.now_us());
+        press(&mut r);
         // Pages 6–7 are read all the time, 0–5 never again.
         settle(&mut r, 3000, &[6, 7]);
         let v = r.engine.books().vms[0].books.clone();
@@ -542,10 +562,9 @@ mod tests {
             assert!(matches!(state(&r, g), PageState::Stored(_)), "page {g}");
         }
         for g in 0..PAGES {
-            let seed = if g < 8 { 7 } else { 100 + g };
             assert_eq!(
                 r.agent.peek(Gfn(g)).unwrap()[..],
-                page(seed)[..],
+                page(seed(g, 8))[..],
                 "page {g}"
             );
         }
@@ -555,12 +574,7 @@ mod tests {
     /// the page's blob decodes against it.
     #[test]
     fn a_frame_whose_last_mapping_goes_unmapped_stays_held() {
-        let mut r = Rig::new(cfg(true), PAGES).unwrap();
-        for g in 0..PAGES {
-            r.agent
-                .write(Gfn(g), 0, &page(if g < 2 { 7 } else { 100 + g }))
-                .unwrap();
-        }
+        let mut r = with_twins(true, 2);
         settle(&mut r, 1500, &[0, 1]);
         let PageState::Shared(f) = state(&r, 0) else {
             panic!("page 0 is {:?}", state(&r, 0));
@@ -568,7 +582,7 @@ mod tests {
         r.agent.write(Gfn(1), 0, &page(50)).unwrap();
         r.report();
         assert_eq!(r.engine.domain(DomainId(0)).frames.refcount(f), 1);
-        r.engine.vms.get_mut(&r.vm).unwrap().share_refused_us = Some(r.engine.now_us());
+        press(&mut r);
         settle(&mut r, 3000, &[]);
         let PageState::Stored(b) = state(&r, 0) else {
             panic!("page 0 is {:?}", state(&r, 0));
@@ -583,14 +597,9 @@ mod tests {
     /// With the knob off, VMA pressure leaves mapped pages mapped.
     #[test]
     fn with_the_knob_off_mapped_shares_stay_mapped_under_pressure() {
-        let mut r = Rig::new(cfg(false), PAGES).unwrap();
-        for g in 0..PAGES {
-            r.agent
-                .write(Gfn(g), 0, &page(if g < 8 { 7 } else { 100 + g }))
-                .unwrap();
-        }
+        let mut r = with_twins(false, 8);
         settle(&mut r, 1500, &[]);
-        r.engine.vms.get_mut(&r.vm).unwrap().share_refused_us = Some(r.engine.now_us());
+        press(&mut r);
         settle(&mut r, 3000, &[]);
         for g in 0..8 {
             assert!(matches!(state(&r, g), PageState::Shared(_)), "page {g}");
