@@ -169,17 +169,12 @@ impl Agent {
         if !crate::vmas::PROCESS.break_fits(self.vma_budget, crate::vmas::read_self_maps) {
             return self.cow_break_run(gfn, frame);
         }
-        let mut buf = vec![0u8; PAGE_SIZE];
-        pread_exact(self.pool()?, &mut buf, frame.offset())?;
-        pwrite_all(self.memfd.as_fd(), &buf, gfn.offset())?;
+        self.copy_frames(gfn, frame, 1)?;
         if let Err(e) = self.map_guest_page(gfn) {
             tracing::warn!("{e}; breaking its whole run instead");
             return self.cow_break_run(gfn, frame);
         }
-        self.uffd.wake(self.page_addr(gfn), PAGE)?;
-        self.pages.set(gfn, PageHome::Private);
-        self.pending.breaks.push((gfn, frame));
-        Ok(())
+        self.broken(gfn, frame, 1)
     }
 
     /// Copy-on-write break of page `gfn` (on `frame`) and of every page of its run: the
@@ -194,9 +189,21 @@ impl Agent {
     pub(crate) fn cow_break_run(&mut self, gfn: Gfn, frame: FrameId) -> io::Result<()> {
         let (first, n) = self.pages.frame_run(gfn, frame);
         let frame0 = FrameId(frame.0 - (gfn.0 - first.0));
-        // Copies first: the run stays mapped onto its write-protected frames meanwhile.
+        self.copy_frames(first, frame0, n)?;
+        self.map_guest_range(first, n)?;
+        self.broken(first, frame0, n)?;
+        self.counters.run_breaks += 1;
+        Ok(())
+    }
+
+    /// Copies frames `[frame0, frame0 + n)` into guest RAM's memfd at pages
+    /// `[first, first + n)`, the first half of a CoW break: the pages stay mapped onto
+    /// their write-protected frames meanwhile.
+    ///
+    /// Errors: the pool cannot be read or the memfd written.
+    fn copy_frames(&self, first: Gfn, frame0: FrameId, n: usize) -> io::Result<()> {
         const CHUNK: usize = 64;
-        let mut buf = vec![0u8; CHUNK * PAGE_SIZE];
+        let mut buf = vec![0u8; n.min(CHUNK) * PAGE_SIZE];
         let mut k = 0;
         while k < n {
             let m = (n - k).min(CHUNK);
@@ -205,16 +212,20 @@ impl Agent {
             pwrite_all(self.memfd.as_fd(), bytes, plus(first, k).offset())?;
             k += m;
         }
-        self.map_guest_range(first, n)?;
+        Ok(())
+    }
+
+    /// Pages `[first, first + n)`, guest RAM mapped back over them, are private: each is
+    /// recorded as a break of its frame (`frame0 + k`) and the threads waiting on them
+    /// are woken.
+    fn broken(&mut self, first: Gfn, frame0: FrameId, n: usize) -> io::Result<()> {
         for k in 0..n {
             self.pages.set(plus(first, k), PageHome::Private);
             self.pending
                 .breaks
                 .push((plus(first, k), FrameId(frame0.0 + k as u32)));
         }
-        self.uffd.wake(self.page_addr(first), n as u64 * PAGE)?;
-        self.counters.run_breaks += 1;
-        Ok(())
+        Ok(self.uffd.wake(self.page_addr(first), n as u64 * PAGE)?)
     }
 
     /// A missing fault on a stashed page: decode it and install it (write-protected for a

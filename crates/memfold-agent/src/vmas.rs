@@ -217,7 +217,7 @@ mod tests {
     /// until the mappings reach the budget itself.
     #[test]
     fn shares_leave_an_eighth_to_breaks_and_pages_on_frames_cost_no_room() {
-        let vmas: &'static Vmas = Box::leak(Box::new(Vmas::new(Duration::ZERO)));
+        let vmas = Vmas::new(Duration::ZERO);
         let budget = 160;
         let m = std::cell::Cell::new(10);
         let maps = || m.get();
