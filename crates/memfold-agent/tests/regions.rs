@@ -64,6 +64,20 @@ fn next<T>(c: &Conn, want: impl Fn(&ToDaemon) -> Option<T>) -> T {
     }
 }
 
+/// Asks the agent on `c` to share `pages` in batch `batch`; returns its (shared, refused).
+fn share(c: &Conn, batch: BatchId, pages: Vec<(Gfn, FrameId)>) -> (Vec<Gfn>, Vec<Gfn>) {
+    c.send(&ToAgent::Share { batch, pages }, &[]).unwrap();
+    next(c, |m| match m {
+        ToDaemon::ShareDone {
+            batch: b,
+            shared,
+            refused,
+            ..
+        } if *b == batch => Some((shared.clone(), refused.clone())),
+        _ => None,
+    })
+}
+
 #[test]
 fn two_regions_are_two_guests_and_no_request_reaches_past_its_region() {
     let (fd_a, ptr_a) = region(PAGES_A);
@@ -168,45 +182,17 @@ fn two_regions_are_two_guests_and_no_request_reaches_past_its_region() {
     });
     assert_eq!(reclaimed, [Gfn(ZERO_B)], "the zero page inside the region");
     assert_eq!(refused, past, "every gfn past the region's end");
-    c_b.send(
-        &ToAgent::Share {
-            batch: BatchId(2),
-            pages: past.iter().map(|&g| (g, FrameId(0))).collect(),
-        },
-        &[],
-    )
-    .unwrap();
-    let (shared, refused) = next(c_b, |m| match m {
-        ToDaemon::ShareDone {
-            batch: BatchId(2),
-            shared,
-            refused,
-            ..
-        } => Some((shared.clone(), refused.clone())),
-        _ => None,
-    });
+    let (shared, refused) = share(
+        c_b,
+        BatchId(2),
+        past.iter().map(|&g| (g, FrameId(0))).collect(),
+    );
     assert!(shared.is_empty());
     assert_eq!(refused, past);
     // A page inside the region onto a frame past what the agent's page table packs
     // (2^30: a 4 TiB pool): refused, the agent unharmed.
     let far = vec![(Gfn(1), FrameId(1 << 30)), (Gfn(2), FrameId(u32::MAX))];
-    c_b.send(
-        &ToAgent::Share {
-            batch: BatchId(20),
-            pages: far.clone(),
-        },
-        &[],
-    )
-    .unwrap();
-    let (shared, refused) = next(c_b, |m| match m {
-        ToDaemon::ShareDone {
-            batch: BatchId(20),
-            shared,
-            refused,
-            ..
-        } => Some((shared.clone(), refused.clone())),
-        _ => None,
-    });
+    let (shared, refused) = share(c_b, BatchId(20), far);
     assert!(shared.is_empty());
     assert_eq!(refused, [Gfn(1), Gfn(2)]);
     c_b.send(
