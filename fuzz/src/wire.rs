@@ -181,6 +181,12 @@ pub enum DaemonMsg {
         refused: Vec<u32>,
     },
     RegionUnmapped,
+    DeviceHello(u32),
+    ReadLanded {
+        dev: u64,
+        ino: u64,
+        gfns: Vec<u32>,
+    },
 }
 
 /// A [`ToAgent`] described by a fuzzer.
@@ -331,6 +337,14 @@ impl DaemonMsg {
                 run_breaks: faults[5],
             }),
             DaemonMsg::ClientHello(v) => ToDaemon::ClientHello { version: *v },
+            DaemonMsg::DeviceHello(v) => ToDaemon::DeviceHello { version: *v },
+            DaemonMsg::ReadLanded { dev, ino, gfns: g } => ToDaemon::ReadLanded {
+                ram: memfold_wire::RamFile {
+                    dev: *dev,
+                    ino: *ino,
+                },
+                gfns: gfns(g),
+            },
             DaemonMsg::Stats => ToDaemon::Stats,
             DaemonMsg::OptOut { name, out } => ToDaemon::OptOut {
                 name: name.clone(),
@@ -435,6 +449,8 @@ fn every_kind_is_built(d: &ToDaemon, a: &ToAgent) {
         | ToDaemon::Stats
         | ToDaemon::OptOut { .. }
         | ToDaemon::TakeBackDone { .. }
+        | ToDaemon::DeviceHello { .. }
+        | ToDaemon::ReadLanded { .. }
         | ToDaemon::RegionUnmapped => {}
     }
     match a {

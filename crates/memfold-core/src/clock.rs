@@ -315,6 +315,15 @@ impl ClockHand {
         mark != u64::MAX && full_scans >= mark + 2
     }
 
+    /// A disk read just filled page `gfn` (Satori §4.1): new data the guest asked for and
+    /// is about to read, so C2 (referenced, not idle) until its next scan, whatever it
+    /// was before; what the agent saw of it meanwhile (M, if it was armed) still counts.
+    pub fn landed(&mut self, gfn: u32) {
+        if let Some(c) = self.clocks.get_mut(gfn as usize) {
+            *c = PageClock(R | (c.0 & (ARMED | M)));
+        }
+    }
+
     /// A page that became private again by a write or an access the clock could not see
     /// (CoW break, refill, decode back) is C1 until its next scan ([`PageClock::WRITTEN`]);
     /// if it was armed, the agent's bits include the access, so it stays armed.

@@ -35,6 +35,7 @@ fn op() -> impl Strategy<Value = Op> {
         15 => (vg, content()).prop_map(|((vm, gfn), content)| Op::WritePage { vm, gfn, content }),
         7 => (vg, any::<u16>(), any::<u16>(), any::<u8>()).prop_map(|((vm, gfn), offset, len, byte)| Op::WritePartial { vm, gfn, offset, len, byte }),
         12 => vg.prop_map(|(vm, gfn)| Op::Read { vm, gfn }),
+        4 => (vg, 1u8..9, 0u8..16).prop_map(|((vm, gfn), n, block)| Op::ReadLanded { vm, gfn, n, block }),
         22 => (0u32..1500).prop_map(|advance_ms| Op::Step { advance_ms }),
         22 => (any::<u32>(), 1u8..64, prop::bool::weighted(0.05)).prop_map(|(vm, n, refuse)| Op::Deliver { vm, n, refuse }),
         10 => any::<u32>().prop_map(|vm| Op::Report { vm }),
@@ -128,7 +129,7 @@ fn engine_matches_reference_model_long() {
 /// ends with a teardown that must leave nothing behind. Prints what the mechanisms did.
 fn long_run(total: u64, runs: u64) {
     let per = total / runs;
-    let mut seen = [0u64; 8];
+    let mut seen = [0u64; 9];
     for run_no in 0..runs {
         let mut rng = SmallRng::seed_from_u64(0x6d66_0000 + run_no);
         let setup = random_setup(&mut rng);
@@ -153,6 +154,7 @@ fn long_run(total: u64, runs: u64) {
                         x.cow_breaks,
                         x.unmapped_shares,
                         x.unmaps,
+                        x.read_shares,
                     ];
                     for (s, c) in seen.iter_mut().zip(now) {
                         *s = (*s).max(c);
@@ -164,7 +166,7 @@ fn long_run(total: u64, runs: u64) {
             panic!("run {run_no} teardown: {e}\nsetup: {setup:?}");
         }
     }
-    eprintln!("{total} ops in {runs} runs; largest counter of one guest, sampled every 100 ops [shares, reclaims, patches, compressions, swap-outs, CoW breaks, unmapped shares, mapped shares unmapped]: {seen:?}");
+    eprintln!("{total} ops in {runs} runs; largest counter of one guest, sampled every 100 ops [shares, reclaims, patches, compressions, swap-outs, CoW breaks, unmapped shares, mapped shares unmapped, shares at disk read]: {seen:?}");
     assert!(
         seen.iter().all(|&c| c > 0),
         "a mechanism never ran: {seen:?}"

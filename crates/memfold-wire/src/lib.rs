@@ -29,6 +29,7 @@ use std::io;
 use serde::{de::DeserializeOwned, Serialize};
 
 pub mod conn;
+pub mod device;
 pub mod keyval;
 pub mod latency;
 pub mod messages;
@@ -37,11 +38,12 @@ pub mod reattach;
 pub mod stats;
 
 pub use conn::{Conn, Listener};
+pub use device::LandedReporter;
 pub use latency::{LatencySummary, OpBuckets, OpLatency, LATENCY_BUCKETS_S};
 pub use memfold_ids::{BatchId, FrameId, Gfn};
 pub use messages::{
-    AgentReport, Blob, BlobHome, Discarded, StashPage, ToAgent, ToClient, ToDaemon, CLOCK_SLICE,
-    MAX_BATCH, MAX_MESSAGE, PROTOCOL_VERSION,
+    AgentReport, Blob, BlobHome, Discarded, RamFile, StashPage, ToAgent, ToClient, ToDaemon,
+    CLOCK_SLICE, MAX_BATCH, MAX_MESSAGE, PROTOCOL_VERSION,
 };
 pub use reattach::Mapped;
 pub use stats::{

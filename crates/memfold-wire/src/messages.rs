@@ -21,6 +21,10 @@ use crate::stats::Stats;
 /// [`ToDaemon::RegionUnmapped`]: a memfoldd that does not know it takes it as a malformed
 /// message and drops the connection, which the agent closes right after anyway, and an
 /// agent that does not send it leaves memfoldd to find the region unmapped in `/proc`.
+/// Also in 9, without a bump: the block device's [`ToDaemon::DeviceHello`] and
+/// [`ToDaemon::ReadLanded`], which only `memfold-blk` sends (no agent or client of an
+/// older memfoldd sends or expects them; an older memfoldd refuses the hello with a
+/// message).
 pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
@@ -31,6 +35,17 @@ pub const MAX_BATCH: usize = 512;
 
 /// Most pages in one clock slice ([`ToAgent::ClockScan`]).
 pub const CLOCK_SLICE: u32 = 16384;
+
+/// A guest RAM memfd, named by the device and inode numbers `fstat` gives for it: how a
+/// block device, which shares the memfd with QEMU (vhost-user), names the guest whose
+/// pages it wrote ([`ToDaemon::ReadLanded`]). memfoldd knows each attached guest's.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Hash)]
+pub struct RamFile {
+    /// `st_dev`.
+    pub dev: u64,
+    /// `st_ino`.
+    pub ino: u64,
+}
 
 /// What memfold held of a page QEMU discarded ([`ToDaemon::Discarded`]).
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -259,6 +274,23 @@ pub enum ToDaemon {
     },
     /// Asks for [`ToClient::Stats`].
     Stats,
+    /// A block device (`memfold-blk`, Satori §4.1) attaches: it sends
+    /// [`ToDaemon::ReadLanded`] from now on, and nothing is answered. Only root or
+    /// memfoldd's own user may (a device's reports make memfoldd read guest pages).
+    DeviceHello {
+        /// Protocol version.
+        version: u32,
+    },
+    /// Guest pages a disk read just filled (Satori §4.1): pages (file offset / 4 KiB) of
+    /// the guest RAM memfd `ram`, each written whole by the read, at most [`MAX_BATCH`].
+    /// A hint: memfoldd reads, hashes and compares the pages itself, and the agent
+    /// compares again under write-protection before anything is shared.
+    ReadLanded {
+        /// The guest RAM memfd the pages are in.
+        ram: RamFile,
+        /// The pages.
+        gfns: Vec<Gfn>,
+    },
     /// The operator takes guest `name` out of memfold (`out`: every page it holds taken
     /// back, nothing shared or stored again, as KSM's `MADV_UNMERGEABLE`) or back in.
     /// Answered with [`ToClient::OptedOut`] or [`ToClient::Error`].

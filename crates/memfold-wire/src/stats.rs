@@ -26,6 +26,10 @@ pub struct OpLatencies {
     pub patch_encode: LatencySummary,
     /// Compression in memfoldd, per page.
     pub compress: LatencySummary,
+    /// A share made at disk read (Satori §4.1), in memfoldd: from the block device's
+    /// report of the page to the agent's answer that it is mapped.
+    #[serde(default)]
+    pub share_at_read: LatencySummary,
 }
 
 /// The agents' histograms, in the order of [`OpLatencies::from_histograms`].
@@ -34,7 +38,7 @@ pub const AGENT_OPS: usize = 7;
 impl OpLatencies {
     /// The operations' names, in the order of the fields (the `op` label of the
     /// exposition's latency histogram).
-    pub const OPS: [&'static str; 9] = [
+    pub const OPS: [&'static str; 10] = [
         "share",
         "cow_break",
         "fault",
@@ -44,6 +48,7 @@ impl OpLatencies {
         "unstash",
         "patch_encode",
         "compress",
+        "share_at_read",
     ];
 
     /// Time the guest's threads waited on the agent's service of their faults, µs: CoW
@@ -192,6 +197,14 @@ pub struct VmStats {
     pub skipped_pages: u64,
     /// Pages shared (cumulative).
     pub shares: u64,
+    /// Guest pages a disk read filled, as the block device reported them (Satori §4.1;
+    /// cumulative).
+    #[serde(default)]
+    pub read_landed: u64,
+    /// Of [`VmStats::shares`], those asked the moment a disk read filled the page (the
+    /// page's and its twin's), not found by the scan (cumulative).
+    #[serde(default)]
+    pub read_shares: u64,
     /// Copy-on-write breaks (cumulative).
     pub cow_breaks: u64,
     /// Zero pages reclaimed (cumulative).

@@ -490,6 +490,8 @@ pub fn agents_cpu_seconds(guests: &[Guest]) -> f64 {
 pub struct GuestEvents {
     /// Pages shared.
     pub shares: u64,
+    /// Of those, shares asked the moment a disk read filled the page (Satori §4.1).
+    pub read_shares: u64,
     /// Copy-on-write breaks of shared pages.
     pub cow_breaks: u64,
     /// Shared pages freed by the guest and discarded, their copies avoided.
@@ -514,6 +516,7 @@ impl GuestEvents {
         let sum = |f: fn(&VmStats) -> u64| s.vms.iter().map(f).sum::<u64>();
         GuestEvents {
             shares: sum(|v| v.shares),
+            read_shares: sum(|v| v.read_shares),
             cow_breaks: sum(|v| v.cow_breaks),
             cow_copies_avoided: sum(|v| v.cow_copies_avoided),
             reclaims: sum(|v| v.reclaims),

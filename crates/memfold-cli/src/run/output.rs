@@ -326,8 +326,9 @@ fn print_end_books(s: &Stats) {
 fn print_churn(s: &Stats) {
     let e = GuestEvents::of(s);
     println!(
-        "guest events: {} shares, {} CoW breaks ({} copies avoided: shared pages the guest freed, dropped), {} zero reclaims, {} refills, {} C1 pages left unshared; clock faults {} minor (R), {} write-protect; {} decoded back",
+        "guest events: {} shares ({} at disk read), {} CoW breaks ({} copies avoided: shared pages the guest freed, dropped), {} zero reclaims, {} refills, {} C1 pages left unshared; clock faults {} minor (R), {} write-protect; {} decoded back",
         e.shares,
+        e.read_shares,
         e.cow_breaks,
         e.cow_copies_avoided,
         e.reclaims,

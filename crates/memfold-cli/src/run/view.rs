@@ -51,13 +51,19 @@ pub fn print(used_before: u64, s: &Sample, prev: Option<&Sample>) {
         } else {
             String::new()
         };
+        // Shares made the moment a disk read filled the page (Satori §4.1), not by the scan.
+        let at_read = if v.read_landed > 0 {
+            format!(" ({} of {} shares at read)", v.read_shares, v.shares)
+        } else {
+            String::new()
+        };
         let balloon = match (v.balloon_actual_bytes, &v.balloon_problem) {
             (_, Some(p)) => format!("  balloon: {p}"),
             (Some(a), None) => format!("  sees {:.0} MiB", a as f64 / MIB),
             (None, None) => String::new(),
         };
         eprintln!(
-            "    {:<14} {:>7} pages  shared {:>7}{unmapped} (entitled {:>6.1} MiB{balloon})  zero {:>7}{de}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s{nru}{}",
+            "    {:<14} {:>7} pages  shared {:>7}{unmapped}{at_read} (entitled {:>6.1} MiB{balloon})  zero {:>7}{de}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s{nru}{}",
             v.name,
             v.pages,
             v.shared_pages,

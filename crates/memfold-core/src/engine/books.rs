@@ -33,6 +33,12 @@ pub struct VmBooks {
     pub skipped_pages: u64,
     /// Pages shared.
     pub shares: u64,
+    /// Guest pages a disk read filled, as the block device reported them (Satori §4.1;
+    /// [`super::Engine::read_landed`]), cumulative.
+    pub read_landed: u64,
+    /// Of [`VmBooks::shares`], the shares asked for the moment a disk read filled the page,
+    /// not found by the scan (cumulative).
+    pub read_shares: u64,
     /// Copy-on-write breaks.
     pub cow_breaks: u64,
     /// Zero pages reclaimed.
@@ -200,6 +206,8 @@ pub(crate) struct EngineBooks {
     pub(crate) lifetimes: Lifetimes,
     /// Encode times, ns: [patch encode per candidate, compress per page].
     encode_ns: [hdrhistogram::Histogram<u64>; 2],
+    /// Shares made at read: from the page's landing to its share answered, µs.
+    read_share_us: hdrhistogram::Histogram<u64>,
 }
 
 impl EngineBooks {
@@ -214,7 +222,12 @@ impl EngineBooks {
             blob_write_errors: 0,
             lifetimes: Lifetimes::default(),
             encode_ns: [h(), h()],
+            read_share_us: h(),
         }
+    }
+
+    pub(crate) fn record_read_share(&mut self, us: u64) {
+        let _ = self.read_share_us.record(us.max(1));
     }
 
     pub(crate) fn record_encode(&mut self, which: usize, ns: u64) {
@@ -296,6 +309,9 @@ pub struct Books {
     pub metadata_bytes: u64,
     /// Encode times as (ns, count) pairs: [patch encode per candidate, compress].
     pub encode_ns: [Vec<(u64, u64)>; 2],
+    /// Shares made at disk read (Satori §4.1), each from the page's landing to its share
+    /// answered, µs, as (value, count) pairs.
+    pub read_share_us: Vec<(u64, u64)>,
     /// Per guest, by id.
     pub vms: Vec<VmReport>,
 }
@@ -474,6 +490,7 @@ impl Engine {
                 pairs(&self.books.encode_ns[0]),
                 pairs(&self.books.encode_ns[1]),
             ],
+            read_share_us: pairs(&self.books.read_share_us),
             vms,
         }
     }
@@ -515,6 +532,7 @@ impl Engine {
                     + v.ages.bytes()
                     + v.restash_wait.capacity()
                     + crate::share::hashbrown_bytes(v.unmapping.capacity(), 4)
+                    + crate::share::hashbrown_bytes(v.read_sharing.capacity(), 16)
             })
             .sum();
         let per_domain: usize = self

@@ -22,7 +22,8 @@ impl Engine {
     /// - every guest's domain exists, and a never-share guest's domain holds no other
     ///   guest (Satori §4.3); a blob lives in its own guest's store or swap file
     ///   and patches against a frame of its guest's domain;
-    /// - every queued command's page is in the matching in-flight state;
+    /// - every queued command's page is in the matching in-flight state, and so is every
+    ///   page whose share a disk read asked for;
     /// - each guest's "now" counters equal the pages in that state; slot bytes add up.
     /// - each guest's shared pages by sharing rank (its entitlement, Satori §4.2) are
     ///   what its pages and their frames' mappings say, and rank n holds n pages per
@@ -49,6 +50,18 @@ impl Engine {
                         v.domain
                     ));
                 }
+            }
+            // A share asked at disk read is booked when answered: its page is still in
+            // flight (Satori §4.1, `at_read`).
+            if let Some(g) = v
+                .read_sharing
+                .keys()
+                .find(|g| !matches!(v.state(**g), PageState::Sharing(_)))
+            {
+                return Err(format!(
+                    "{id} {g}: a read share under way for a page in {:?}",
+                    v.state(*g)
+                ));
             }
             let d = v.domain;
             slots.insert(*id, [0, 0]);

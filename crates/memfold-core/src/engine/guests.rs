@@ -249,6 +249,7 @@ impl Engine {
                         restash_wait: vec![0; n],
                         share_refused_us: None,
                         unmapping: Default::default(),
+                        read_sharing: Default::default(),
                         books: VmBooks::default(),
                     },
                 );
@@ -262,6 +263,7 @@ impl Engine {
         // Take-backs in doubt ended with the connection: what the agent maps now is the
         // truth, and a later CoW break of these pages is the guest's write.
         v.unmapping.clear();
+        v.forget_read_shares();
         if v.opted_out {
             // Its take-backs were dropped with the connection: ask again.
             self.opt_out(id);

@@ -24,6 +24,7 @@
 //! | `entitlement.rs` | sharing entitlements: shared pages by rank (Satori §4.2) |
 //! | `check.rs` | every invariant, for tests |
 
+mod at_read;
 mod books;
 mod check;
 mod config;
@@ -48,6 +49,7 @@ use crate::share::{ShareEntry, ShareTable};
 use crate::similarity::{SimilarityDetector, SimilarityIndex};
 use crate::{Page, PAGE_SIZE};
 
+pub use at_read::{Landed, MAX_LANDED};
 pub use books::{Books, LifetimeBooks, SavedBy, SwapBooks, VmBooks, VmReport, LIFETIME_MARKS_S};
 pub use config::{ConfigError, EngineConfig, ZeroPolicy};
 pub use entitlement::{claim_target, short_of_memory, ClaimPolicy, SharingRanks, CLAIM_GRAIN};
@@ -223,6 +225,9 @@ pub(crate) struct Vm {
     /// Mapped shared pages asked back ([`Command::TakeBack`]) to be shared without a
     /// mapping once their CoW break is reported ([`unmapped`]; issue 19).
     pub(crate) unmapping: std::collections::HashSet<Gfn>,
+    /// Pages a disk read filled whose share is under way, with when they landed (µs;
+    /// [`at_read`], Satori §4.1).
+    pub(crate) read_sharing: std::collections::HashMap<Gfn, u64>,
     pub(crate) books: VmBooks,
 }
 
@@ -272,6 +277,9 @@ pub struct Engine {
     pub(crate) budget: books::BudgetState,
     pub(crate) books: books::EngineBooks,
     pub(crate) started_us: u64,
+    /// While [`Engine::read_landed`] looks a landed page up: when it landed (µs), so that
+    /// each share it asks (the page's, and its hinted twin's) is booked as made at read.
+    pub(crate) landed_us: Option<u64>,
 }
 
 impl Engine {
@@ -302,6 +310,7 @@ impl Engine {
             budget: books::BudgetState::new(now),
             books: books::EngineBooks::new(),
             started_us: now,
+            landed_us: None,
             clock,
             cfg,
         })
@@ -559,6 +568,9 @@ impl Engine {
         v.ages.reset(g);
         v.set(g, PageState::Sharing(f));
         v.queue.push(Command::Share { gfn: g, frame: f });
+        if let Some(t) = self.landed_us {
+            v.read_sharing.insert(g, t);
+        }
     }
 }
 

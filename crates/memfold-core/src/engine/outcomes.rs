@@ -218,6 +218,7 @@ impl Engine {
         } else {
             v.set(g, PageState::Private);
         }
+        self.read_share_answered(id, g, mapped);
         self.frame_answer(d, f, mapped);
     }
 

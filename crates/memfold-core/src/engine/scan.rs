@@ -18,7 +18,7 @@
 //!
 //! [`EngineConfig::quiet_scan_period`]: super::EngineConfig::quiet_scan_period
 
-use super::unmapped::{Found, Identical};
+use super::unmapped::{Found, Identical, Seen};
 use super::{Command, Engine, EngineError, ZeroPolicy};
 use crate::ids::{Gfn, VmId};
 use crate::p2m::PageState;
@@ -307,19 +307,28 @@ impl Engine {
     /// One scanned page: reclaim it if zero, share it with a frame or a hint, or leave a
     /// hint.
     fn consider(&mut self, id: VmId, g: Gfn, page: &Page) -> Result<(), EngineError> {
+        self.consider_seen(id, g, page, Seen::Scan);
+        Ok(())
+    }
+
+    /// Private page `g` of guest `id` holding `page`, as `seen` found it: reclaimed if
+    /// zero, shared with a frame or a hinted page, or left as a hint (C1 pages are left
+    /// alone, as the policy says). Returns what was found ([`Found::Acted`] also for a
+    /// zero page reclaimed).
+    pub(crate) fn consider_seen(&mut self, id: VmId, g: Gfn, page: &Page, seen: Seen) -> Found {
         if !self.sharable(id, g) {
-            return Ok(());
+            return Found::Nothing;
         }
         if !self.class_allows_share(id, g) {
             self.vms.get_mut(&id).expect("sharable").books.hot_skipped += 1;
-            return Ok(());
+            return Found::Nothing;
         }
         let h = (self.cfg.page_hash)(page);
         let zero = h == self.zero_hash && is_zero_page(page);
         match self.cfg.zero {
             ZeroPolicy::Keep if zero => {
                 self.found_nothing(id, g);
-                return Ok(());
+                return Found::Nothing;
             }
             ZeroPolicy::Reclaim if zero => {
                 let v = self.vms.get_mut(&id).expect("sharable");
@@ -327,11 +336,12 @@ impl Engine {
                 v.set(g, PageState::Reclaiming);
                 v.queue.push(Command::Reclaim { gfn: g });
                 self.scan.pass_requests += 1;
-                return Ok(());
+                return Found::Acted;
             }
             _ => {}
         }
-        match self.match_identical(id, g, page, h, zero, false) {
+        let found = self.match_identical(id, g, page, h, zero, seen);
+        match found {
             Found::Acted | Found::Deferred => {}
             Found::Hinted => self.found_nothing(id, g),
             Found::Nothing => {
@@ -341,13 +351,13 @@ impl Engine {
                 self.found_nothing(id, g);
             }
         }
-        Ok(())
+        found
     }
 
     /// Looks private page `g` of guest `id` (holding `page`, hashing to `h`) up in its
     /// domain's share table and, on a frame or a hinted page whose bytes equal it, shares
-    /// it (ESX §4.3): mapped, or without a mapping ([`Engine::identical_action`]; `fresh`:
-    /// the clock classified the page just now).
+    /// it (ESX §4.3): mapped, or without a mapping ([`Engine::identical_action`]; `seen`:
+    /// who found the page).
     pub(crate) fn match_identical(
         &mut self,
         id: VmId,
@@ -355,7 +365,7 @@ impl Engine {
         page: &Page,
         h: u64,
         zero: bool,
-        fresh: bool,
+        seen: Seen,
     ) -> Found {
         let gpn = crate::ids::Gpn(self.vms[&id].base.0 + g.0);
         // Only the guest's own domain's share table: no share ever crosses domains.
@@ -375,7 +385,7 @@ impl Engine {
                         continue;
                     }
                     if other == *page {
-                        match self.identical_action(id, g, zero, fresh) {
+                        match self.identical_action(id, g, zero, seen) {
                             Identical::Defer => return Found::Deferred,
                             Identical::Unmapped if self.share_unmapped(id, g, f, page) => {
                                 return Found::Acted
@@ -405,17 +415,17 @@ impl Engine {
                         self.domain_mut(d).share.remove(h, e); // the hinted page changed
                         continue;
                     }
-                    // With a fresh class for this page (the clock's slice), a hinted page
-                    // cold by its last class is shared without a mapping too: deferred,
-                    // it would be stored on its own (or keep a frame alone), and a frame
-                    // held by one page saves nothing.
-                    let partner = match self.identical_action(id2, g2, zero, false) {
-                        Identical::Defer if fresh => Identical::Unmapped,
+                    // With a fresh class for this page (the clock's slice) or new data (a
+                    // disk read), a hinted page cold by its last class is shared without a
+                    // mapping too: deferred, it would be stored on its own (or keep a
+                    // frame alone), and a frame held by one page saves nothing.
+                    let partner = match self.identical_action(id2, g2, zero, Seen::Scan) {
+                        Identical::Defer if seen != Seen::Scan => Identical::Unmapped,
                         a => a,
                     };
                     let pair = [
                         (id2, g2, partner),
-                        (id, g, self.identical_action(id, g, zero, fresh)),
+                        (id, g, self.identical_action(id, g, zero, seen)),
                     ];
                     if pair.iter().all(|p| p.2 == Identical::Defer) {
                         return Found::Deferred; // the hint stays

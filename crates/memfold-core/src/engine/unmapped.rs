@@ -66,6 +66,19 @@ pub(crate) enum Identical {
     Defer,
 }
 
+/// Who found a page identical ([`Engine::match_identical`]): what its class is worth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Seen {
+    /// The sharing scan, up to a clock interval after the page's class was found.
+    Scan,
+    /// The clock's slice, which classified the page just now.
+    Clock,
+    /// A disk read that just filled the page (Satori §4.1). Its class is C2 now
+    /// (`ClockHand::landed`): mapped, like any page in use; its hinted twin, if cold, is
+    /// shared without a mapping as the clock's would be.
+    Read,
+}
+
 /// What the share table gave a page ([`Engine::match_identical`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Found {
@@ -90,7 +103,7 @@ impl Engine {
     }
 
     /// What becomes of page `g` of guest `id`, found identical to a pool frame or another
-    /// page (`zero`: all zeros; `fresh`: the clock classified it just now). Mapped unless
+    /// page (`zero`: all zeros; `seen`: who found it). Mapped unless
     /// the knob is on, the page is not zero and has waited out its re-store back-off, and
     /// either the guest's agent refuses shares (then it is shared without a mapping) or
     /// the clock's last scan found it in a class the policy patches or compresses (cold:
@@ -103,7 +116,7 @@ impl Engine {
     /// ([`Identical::Defer`]): its share would only be refused again. Asked anyway, a
     /// guest at its budget refused 33 000–54 000 shares a second (a 2–4 GiB `tiny` guest,
     /// 5–8 million in 150 s), each a request, a reply and the agent's check.
-    pub(crate) fn identical_action(&self, id: VmId, g: Gfn, zero: bool, fresh: bool) -> Identical {
+    pub(crate) fn identical_action(&self, id: VmId, g: Gfn, zero: bool, seen: Seen) -> Identical {
         let pressure = self.vma_pressure(id);
         let map = if pressure {
             Identical::Defer
@@ -127,10 +140,10 @@ impl Engine {
             let a = self.cfg.policy.for_state(clock.last_state());
             a.patch || a.compress
         };
-        match (cold, fresh) {
+        match (cold, seen) {
             (false, _) => Identical::Map,
-            (true, true) => Identical::Unmapped,
-            (true, false) => Identical::Defer,
+            (true, Seen::Clock) => Identical::Unmapped,
+            (true, _) => Identical::Defer,
         }
     }
 
@@ -142,7 +155,7 @@ impl Engine {
             return false;
         }
         let h = (self.cfg.page_hash)(page);
-        self.match_identical(id, g, page, h, false, true) == Found::Acted
+        self.match_identical(id, g, page, h, false, Seen::Clock) == Found::Acted
     }
 
     /// Shares private page `g` of guest `id` (holding `page`, equal to frame `f`'s bytes)

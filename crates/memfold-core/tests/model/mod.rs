@@ -99,6 +99,16 @@ pub enum Op {
         vm: u32,
         gfn: u32,
     },
+    /// A disk read fills `n` pages from `gfn` on with disk blocks `block`, `block + 1`,
+    /// … (the same blocks in every guest: duplicates across guests), written through
+    /// QEMU's page tables as the block device does, then reported to the engine (Satori
+    /// §4.1, `Engine::read_landed`) if the guest is attached.
+    ReadLanded {
+        vm: u32,
+        gfn: u32,
+        n: u8,
+        block: u8,
+    },
     /// QEMU discards `n` pages from `gfn` on (a balloon, free page reporting): they read
     /// as zeros afterwards, and whatever memfold held of them is released.
     Discard {
@@ -219,7 +229,13 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
             len: rng.gen(),
             byte: rng.gen(),
         },
-        25..=34 => Op::Read { vm, gfn },
+        25..=31 => Op::Read { vm, gfn },
+        32..=34 => Op::ReadLanded {
+            vm,
+            gfn,
+            n: rng.gen_range(1..9),
+            block: rng.gen_range(0..16),
+        },
         35..=36 => Op::Discard {
             vm,
             gfn,
@@ -491,6 +507,28 @@ impl Harness {
                         Ok(()) => v.model[g as usize] = p,
                         Err(_) if self.corrupted => {}
                         Err(e) => return Err(e),
+                    }
+                }
+            }
+            Op::ReadLanded { vm, gfn, n, block } => {
+                if let Some(i) = self.pick(vm) {
+                    let v = &mut self.vms[i];
+                    let pages = v.agent.pages();
+                    let mut landed = Vec::new();
+                    for k in 0..n as u32 {
+                        let g = (gfn % pages + k) % pages;
+                        let p = Content::Base(block.wrapping_add(k as u8)).render();
+                        match v.agent.write(Gfn(g), 0, &p[..]) {
+                            Ok(()) => {
+                                v.model[g as usize] = p;
+                                landed.push(Gfn(g));
+                            }
+                            Err(_) if self.corrupted => {}
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    if let Some(id) = v.id {
+                        self.engine.read_landed(id, &landed);
                     }
                 }
             }

@@ -31,6 +31,8 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
         scanned_pages: b.scanned_pages,
         skipped_pages: b.skipped_pages,
         shares: b.shares,
+        read_landed: b.read_landed,
+        read_shares: b.read_shares,
         cow_breaks: b.cow_breaks,
         reclaims: b.reclaims,
         refills: b.refills,
@@ -95,16 +97,23 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats 
         }
     }
     let mut latency = OpLatencies::from_histograms(&all);
-    let encode = [
+    let own = [
         OpLatency::from_pairs(&b.encode_ns[0]),
         OpLatency::from_pairs(&b.encode_ns[1]),
+        OpLatency::from_pairs(
+            &b.read_share_us
+                .iter()
+                .map(|&(us, n)| (us * 1000, n))
+                .collect::<Vec<_>>(),
+        ),
     ];
-    latency.patch_encode = encode[0].summary();
-    latency.compress = encode[1].summary();
-    // The agents' seven, then memfoldd's two, in the order of OpLatencies::OPS.
+    latency.patch_encode = own[0].summary();
+    latency.compress = own[1].summary();
+    latency.share_at_read = own[2].summary();
+    // The agents' seven, then memfoldd's three, in the order of OpLatencies::OPS.
     let latency_buckets = all
         .iter()
-        .chain(&encode)
+        .chain(&own)
         .zip(OpLatencies::OPS)
         .map(|(h, op)| h.buckets(op))
         .collect();

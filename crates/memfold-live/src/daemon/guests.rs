@@ -29,6 +29,9 @@ pub(crate) enum Input {
     Agent { token: u64, msg: ToDaemon },
     /// An agent's connection ended.
     Gone { token: u64 },
+    /// A block device's report of guest pages a disk read filled
+    /// ([`ToDaemon::ReadLanded`]; only operators' devices are heard).
+    Device { msg: ToDaemon },
     /// A client's request; `operator`: the peer is root or memfoldd's own user, who may
     /// change what memfoldd does (an opt-out), not only read its statistics.
     Client {
@@ -137,6 +140,24 @@ fn read_loop(t: u64, conn: Conn, tx: mpsc::Sender<Input>, agent_gid: Option<u32>
             }
             let _ = tx.send(Input::Gone { token: t });
         }
+        // A block device's reports make memfoldd read guest pages: an operator's only.
+        ToDaemon::DeviceHello { version } if version == PROTOCOL_VERSION && operator => {
+            tracing::info!("connection {t}: a block device (pid {})", peer.pid);
+            loop {
+                match conn.recv::<ToDaemon>() {
+                    Ok(Some((msg, _))) => {
+                        if tx.send(Input::Device { msg }).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => return,
+                    Err(e) => {
+                        tracing::warn!("block device connection {t}: {e}; dropped");
+                        return;
+                    }
+                }
+            }
+        }
         ToDaemon::ClientHello { version } if version == PROTOCOL_VERSION => {
             while let Ok(Some((msg, _))) = conn.recv::<ToDaemon>() {
                 let Ok(w) = conn.try_clone() else { return };
@@ -167,6 +188,12 @@ fn hello_kind(m: &ToDaemon) -> String {
     match m {
         ToDaemon::AgentHello { version, .. } => format!("an agent hello of version {version}"),
         ToDaemon::ClientHello { version } => format!("a client hello of version {version}"),
+        ToDaemon::DeviceHello { version } if *version == PROTOCOL_VERSION => {
+            "a block device's hello from a peer that is not root or memfoldd's user".into()
+        }
+        ToDaemon::DeviceHello { version } => {
+            format!("a block device's hello of version {version}")
+        }
         _ => "another message".into(),
     }
 }
@@ -223,6 +250,9 @@ impl Guest {
 pub(crate) struct Guests {
     pub(crate) by_vm: BTreeMap<VmId, Guest>,
     by_token: HashMap<u64, VmId>,
+    /// Pages block devices reported landed in RAM of no attached guest, or in reports over
+    /// the batch limit: dropped (cumulative).
+    pub(crate) landed_dropped: u64,
 }
 
 impl Guests {
@@ -258,6 +288,14 @@ impl Guests {
     /// The guest whose agent speaks on connection `token`.
     pub(crate) fn vm_of(&self, token: u64) -> Option<VmId> {
         self.by_token.get(&token).copied()
+    }
+
+    /// The attached guest whose RAM memfd is `ram_id` (device, inode).
+    pub(crate) fn vm_of_ram(&self, ram_id: (u64, u64)) -> Option<VmId> {
+        self.by_vm
+            .iter()
+            .find(|(_, g)| g.ram_id == ram_id && g.conn.is_some())
+            .map(|(vm, _)| *vm)
     }
 
     /// Connection `token` ended: its guest is detached. Returns the guest.

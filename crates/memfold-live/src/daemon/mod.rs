@@ -370,6 +370,7 @@ impl Daemon {
                     self.reap();
                 }
             }
+            Input::Device { msg } => self.device_message(msg),
             Input::Client {
                 conn,
                 msg,
@@ -393,6 +394,23 @@ impl Daemon {
             }
         }
         Ok(())
+    }
+
+    /// A block device's report (Satori §4.1): the pages a disk read filled are looked up
+    /// now ([`memfold_core::Engine::read_landed`]). A report naming no attached guest's
+    /// RAM, or more than [`memfold_wire::MAX_BATCH`] pages, is dropped with a count.
+    fn device_message(&mut self, msg: ToDaemon) {
+        let ToDaemon::ReadLanded { ram, gfns } = msg else {
+            tracing::warn!("a block device sent {msg:?}; ignored");
+            return;
+        };
+        let vm = self.guests.vm_of_ram((ram.dev, ram.ino));
+        match vm {
+            Some(vm) if gfns.len() <= memfold_wire::MAX_BATCH => {
+                self.engine.read_landed(vm, &gfns);
+            }
+            _ => self.guests.landed_dropped += gfns.len() as u64,
+        }
     }
 
     fn agent_message(&mut self, vm: VmId, msg: ToDaemon) {

@@ -369,11 +369,13 @@ impl Collector for Snapshot {
         family(
             e,
             "memfold_operations",
-            "Pages each operation was carried out on: share, reclaim (zero page), refill (a reclaimed page touched), patch, compress, unstash (a patched or compressed page decoded back), swap_out, swap_in, swap_move (store to swap file), discard (QEMU discarded it).",
+            "Pages each operation was carried out on: share (of which share_at_read: asked the moment a disk read filled the page), reclaim (zero page), refill (a reclaimed page touched), patch, compress, unstash (a patched or compressed page decoded back), swap_out, swap_in, swap_move (store to swap file), discard (QEMU discarded it), read_landed (pages a disk read filled, as the block device reported them).",
             None,
             per_vm_by(vms, "op", |v| {
                 [
                     ("share", Counter(v.shares)),
+                    ("share_at_read", Counter(v.read_shares)),
+                    ("read_landed", Counter(v.read_landed)),
                     ("reclaim", Counter(v.reclaims)),
                     ("refill", Counter(v.refills)),
                     ("patch", Counter(v.patches)),
@@ -489,7 +491,7 @@ impl Collector for Snapshot {
         if !s.latency_buckets.is_empty() {
             let mut d = e.encode_descriptor(
                 "memfold_operation_latency",
-                "Latency of the live operations, over all guests: share, reclaim, stash (per page, in the agent), cow_break, fault, track, unstash (fault read to thread woken), patch_encode, compress (per page, in memfoldd).",
+                "Latency of the live operations, over all guests: share, reclaim, stash (per page, in the agent), cow_break, fault, track, unstash (fault read to thread woken), patch_encode, compress (per page, in memfoldd), share_at_read (a disk read's report to the page mapped, in memfoldd).",
                 Some(&Unit::Seconds),
                 MetricType::Histogram,
             )?;

@@ -1,0 +1,289 @@
+//! Sharing at disk read (Satori §4.1, "sharing-aware block devices"): the block device
+//! (`memfold-blk`) reports every guest page a read request filled, and the engine looks
+//! each up at once instead of waiting for the rate-limited scan to reach it. Most
+//! shareable pages between guests are page cache (Satori §2: 63.8–93.0%), and their
+//! content is known the moment the disk read lands; a scanner finds short-lived page
+//! cache late or never.
+//!
+//! A landed page goes the scan's way ([`Engine::consider_seen`] with [`Seen::Read`]):
+//! zero → reclaimed, equal to a frame or a hinted page → shared, else a hint. The page
+//! holds new data the guest is about to read, whatever class the clock found it in
+//! before: the clock takes it as referenced from now on (C2, `ClockHand::landed`), so
+//! it is shared mapped — now, or when its twin lands later. The bytes
+//! are still read from guest RAM, hashed and compared, and the agent compares them again
+//! under write-protection before it maps anything (Satori §5.2 trusts the block number;
+//! memfold trusts no peer, so a report only says where to look first).
+//!
+//! Each share a landed page leads to — its own, and its hinted twin's in another guest —
+//! is remembered with the time the page landed (`Vm::read_sharing`): the books count
+//! the shares made at read apart from the scanner's ([`super::VmBooks::read_shares`])
+//! and time each, landing to mapped ([`super::Books::read_share_us`]).
+
+use super::unmapped::Seen;
+use super::{Engine, Vm};
+use crate::ids::{Gfn, VmId};
+use crate::p2m::PageState;
+use crate::{Page, PAGE_SIZE};
+
+/// Pages of one report looked up at most; the rest are left to the scan (a report is a
+/// hint from a peer, and one peer must not hold the engine's loop).
+pub const MAX_LANDED: usize = 4096;
+
+/// What one read report came to ([`Engine::read_landed`]), pages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Landed {
+    /// Pages looked up (private pages of an attached guest).
+    pub looked_up: u32,
+    /// Of those, pages whose share or zero reclaim was requested.
+    pub acted: u32,
+    /// Pages passed over: not private (shared, stored, in flight), out of the guest's
+    /// RAM, unreadable, past [`MAX_LANDED`], or of a guest that is not attached.
+    pub passed_over: u32,
+}
+
+impl Vm {
+    /// Forgets the read shares in doubt (their answers went with a connection).
+    pub(crate) fn forget_read_shares(&mut self) {
+        self.read_sharing.clear();
+    }
+}
+
+impl Engine {
+    /// A disk read just filled pages `gfns` of guest `id` (Satori §4.1): each private one
+    /// is read from guest RAM, hashed and looked up in its domain's share table now —
+    /// reclaimed if zero, shared (mapped) with an equal frame or hinted page, or left as a
+    /// hint for the next read or scan of its twin. Pages that are not private, beyond the
+    /// guest's RAM or past the first [`MAX_LANDED`] are passed over (the scan finds them).
+    /// Counted in [`super::VmBooks::read_landed`]; never fails (a page that cannot be read
+    /// is passed over).
+    pub fn read_landed(&mut self, id: VmId, gfns: &[Gfn]) -> Landed {
+        let mut out = Landed::default();
+        let Some(v) = self.vms.get(&id).filter(|v| v.attached && !v.opted_out) else {
+            out.passed_over = gfns.len() as u32;
+            return out;
+        };
+        let pages = v.pages();
+        let now = self.now_us();
+        let mut page: Box<Page> = Box::new([0u8; PAGE_SIZE]);
+        for (k, &g) in gfns.iter().enumerate() {
+            if k >= MAX_LANDED || g.0 >= pages || !self.sharable(id, g) {
+                out.passed_over += 1;
+                continue;
+            }
+            let v = self.vms.get_mut(&id).expect("checked above");
+            v.books.read_landed += 1;
+            if v.ram.read(g, &mut page[..]).is_err() {
+                out.passed_over += 1;
+                continue;
+            }
+            out.looked_up += 1;
+            v.clock.landed(g.0);
+            self.landed_us = Some(now);
+            self.consider_seen(id, g, &page, Seen::Read);
+            self.landed_us = None;
+            if matches!(
+                self.vms[&id].state(g),
+                PageState::Sharing(_) | PageState::Reclaiming
+            ) {
+                out.acted += 1;
+            }
+        }
+        out
+    }
+
+    /// The share of page `g` of guest `id` was answered (`mapped` or not): if a disk read
+    /// asked for it, book it as a share made at read and time it.
+    pub(crate) fn read_share_answered(&mut self, id: VmId, g: Gfn, mapped: bool) {
+        let now = self.now_us();
+        let Some(v) = self.vms.get_mut(&id) else {
+            return;
+        };
+        let Some(landed_us) = v.read_sharing.remove(&g) else {
+            return;
+        };
+        if mapped {
+            v.books.read_shares += 1;
+            self.books.record_read_share(now.saturating_sub(landed_us));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::Rig;
+    use crate::{EngineConfig, Policy};
+
+    const PAGES: u32 = 32;
+
+    /// The Difference Engine with a clock and a sharing scan that never starts its first
+    /// full scan in these tests (every share is made at read), cold pages shared
+    /// without a mapping by the clock.
+    fn cfg() -> EngineConfig {
+        EngineConfig {
+            policy: Policy::difference_engine(),
+            rate: 0,
+            clock_interval_us: Some(100_000),
+            min_scan_interval_us: 3_600_000_000,
+            max_scan_interval_us: 3_600_000_000,
+            share_cold_unmapped: true,
+            ..EngineConfig::default()
+        }
+    }
+
+    /// Bytes unique to `seed`, none zero.
+    fn page(seed: u32) -> Vec<u8> {
+        let mut x = 0x2545_f491_4f6c_dd1du64 ^ (seed as u64) << 17;
+        (0..PAGE_SIZE)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x as u8) | 1
+            })
+            .collect()
+    }
+
+    /// A guest of unique pages whose clock has found them all cold, with no scan.
+    fn rig() -> Rig {
+        let mut r = Rig::new(cfg(), PAGES).unwrap();
+        for g in 0..PAGES {
+            r.agent.write(Gfn(g), 0, &page(1000 + g)).unwrap();
+        }
+        // Run the clock only (no scan step) for 2 s: every page idle, C4.
+        for _ in 0..200 {
+            r.clock.advance(10_000);
+            r.engine.clock_step();
+            answer(&mut r);
+        }
+        r
+    }
+
+    /// Every queued command carried out and answered, then the agent's events reported.
+    fn answer(r: &mut Rig) {
+        loop {
+            let cmds = r.engine.take_commands(r.vm);
+            if cmds.is_empty() {
+                break;
+            }
+            for c in cmds {
+                if let super::super::Command::ClockScan { first, count, arm } = c {
+                    let (n, rb, mb) = r.agent.clock_scan(first, count, &arm);
+                    r.engine.clock_bits(r.vm, first, n, &rb, &mb);
+                } else {
+                    let o = r.agent.execute(&c);
+                    r.engine.outcome(r.vm, &c, o);
+                }
+            }
+        }
+        r.report();
+    }
+
+    /// A disk read of content `seed` into pages `gfns`, reported.
+    fn disk_read(r: &mut Rig, gfns: &[u32], seed: u32) -> Landed {
+        for &g in gfns {
+            r.agent.write(Gfn(g), 0, &page(seed)).unwrap();
+        }
+        let gfns: Vec<Gfn> = gfns.iter().map(|&g| Gfn(g)).collect();
+        r.engine.read_landed(r.vm, &gfns)
+    }
+
+    fn state(r: &Rig, g: u32) -> PageState {
+        r.engine.page_state(r.vm, Gfn(g)).unwrap()
+    }
+
+    /// The first read of a content leaves a hint; the second read of it shares both pages
+    /// at once, mapped (the guest is about to read them), though the clock last found
+    /// both cold: with no scan at all. Both shares are booked as made at read, and timed.
+    #[test]
+    fn a_second_read_of_a_content_shares_both_pages_at_once_mapped() {
+        let mut r = rig();
+        assert!(r.engine.books().vms[0].books.nru_pages[3] >= PAGES as u64 - 1);
+        let first = disk_read(&mut r, &[3], 7);
+        assert_eq!((first.looked_up, first.acted), (1, 0));
+        assert_eq!(state(&r, 3), PageState::Private);
+        r.clock.advance(2_000);
+        let second = disk_read(&mut r, &[20], 7);
+        assert_eq!((second.looked_up, second.acted), (1, 1));
+        r.clock.advance(3_000);
+        answer(&mut r);
+        let (a, b) = (state(&r, 3), state(&r, 20));
+        assert!(matches!(a, PageState::Shared(_)) && a == b, "{a:?} {b:?}");
+        let books = r.engine.books();
+        let vb = &books.vms[0].books;
+        assert_eq!((vb.read_landed, vb.read_shares, vb.shares), (2, 2, 2));
+        // Both landed-to-mapped times are the 3 ms between the read and the answers
+        // (the histogram keeps 2 significant digits).
+        let &[(us, 2)] = &books.read_share_us[..] else {
+            panic!("{:?}", books.read_share_us)
+        };
+        assert!(us.abs_diff(3_000) <= 30, "{us}");
+        assert_eq!(r.agent.peek(Gfn(20)).unwrap().to_vec(), page(7));
+        r.engine.check_invariants().unwrap();
+    }
+
+    /// The scan, finding the same pair cold, would leave it to the clock (no mapping);
+    /// a read does not: the difference is [`Seen::Read`].
+    #[test]
+    fn the_scan_defers_what_a_read_shares() {
+        let mut r = rig();
+        for g in [3, 20] {
+            r.agent.write(Gfn(g), 0, &page(7)).unwrap();
+        }
+        let p: Box<Page> = r.agent.peek(Gfn(3)).unwrap().into();
+        r.engine.consider_seen(r.vm, Gfn(20), &p, Seen::Scan);
+        let p: Box<Page> = r.agent.peek(Gfn(20)).unwrap().into();
+        let found = r.engine.consider_seen(r.vm, Gfn(3), &p, Seen::Scan);
+        assert_ne!(found, crate::engine::unmapped::Found::Acted);
+        assert_eq!(state(&r, 3), PageState::Private);
+    }
+
+    /// Zero pages a read filled are reclaimed; pages not private, beyond RAM, of a guest
+    /// that is not attached, or past [`MAX_LANDED`] are passed over; a read share whose
+    /// answer went with the connection is forgotten at re-attach.
+    #[test]
+    fn zeros_are_reclaimed_and_what_is_not_private_is_passed_over() {
+        let mut r = rig();
+        r.agent.write(Gfn(5), 0, &[0u8; PAGE_SIZE]).unwrap();
+        let l = r
+            .engine
+            .read_landed(r.vm, &[Gfn(5), Gfn(PAGES), Gfn(PAGES + 7)]);
+        assert_eq!((l.looked_up, l.acted, l.passed_over), (1, 1, 2));
+        answer(&mut r);
+        assert_eq!(state(&r, 5), PageState::Zero);
+        let l = r.engine.read_landed(r.vm, &[Gfn(5)]);
+        assert_eq!((l.looked_up, l.passed_over), (0, 1));
+        let many = vec![Gfn(9); MAX_LANDED + 3];
+        assert_eq!(r.engine.read_landed(r.vm, &many).passed_over, 3);
+        // A share asked, its answer lost with the connection: after re-attach nothing of
+        // it is booked as in doubt.
+        disk_read(&mut r, &[10], 9);
+        disk_read(&mut r, &[11], 9);
+        let lost = r.engine.take_commands(r.vm);
+        assert_eq!(lost.len(), 2);
+        r.engine.check_invariants().unwrap();
+        let mapped = r.agent.prepare_reattach().unwrap();
+        r.engine.detach(r.vm);
+        let l = r.engine.read_landed(r.vm, &[Gfn(12)]);
+        assert_eq!((l.looked_up, l.passed_over), (0, 1), "detached");
+        let store = crate::backing::mem::MemBacking::default();
+        r.agent.shared.store = store.clone();
+        let again = r
+            .engine
+            .attach(crate::engine::Attach {
+                name: "rig".into(),
+                pid: 1,
+                pages: PAGES,
+                ram: Box::new(r.agent.ram.clone()),
+                mapped,
+                domain: crate::ids::DomainId(0),
+                store: Box::new(store),
+                swap: None,
+                sharing: Default::default(),
+            })
+            .unwrap();
+        assert_eq!(again, r.vm);
+        r.engine.check_invariants().unwrap();
+        assert!(r.engine.vms[&r.vm].read_sharing.is_empty());
+    }
+}
