@@ -53,6 +53,19 @@ fn child_role() {
                 matches!(&reply, ToClient::Error { message } if message.contains("only root")),
                 "a tenant opted a guest out: {reply:?}"
             );
+            // Nor may it speak as a block device (its reports make memfoldd read guest
+            // pages): refused at the hello, with a message.
+            let c = Conn::connect(&socket).unwrap();
+            c.set_recv_timeout(Duration::from_secs(5)).unwrap();
+            let hello = ToDaemon::DeviceHello {
+                version: PROTOCOL_VERSION,
+            };
+            c.send(&hello, &[]).unwrap();
+            let (reply, _) = c.recv::<ToClient>().unwrap().expect("an answer");
+            assert!(
+                matches!(&reply, ToClient::Error { message } if message.contains("block device")),
+                "a tenant spoke as a block device: {reply:?}"
+            );
             // It may attach its own guest.
             let c = Conn::connect(&socket).unwrap();
             let ram = memfd::create("tenant-ram").unwrap();
