@@ -171,6 +171,7 @@ pub enum DaemonMsg {
     },
     ClientHello(u32),
     Stats,
+    Census,
     OptOut {
         name: String,
         out: bool,
@@ -346,6 +347,7 @@ impl DaemonMsg {
                 gfns: gfns(g),
             },
             DaemonMsg::Stats => ToDaemon::Stats,
+            DaemonMsg::Census => ToDaemon::Census,
             DaemonMsg::OptOut { name, out } => ToDaemon::OptOut {
                 name: name.clone(),
                 out: *out,
@@ -447,6 +449,7 @@ fn every_kind_is_built(d: &ToDaemon, a: &ToAgent) {
         | ToDaemon::AgentStats(_)
         | ToDaemon::ClientHello { .. }
         | ToDaemon::Stats
+        | ToDaemon::Census
         | ToDaemon::OptOut { .. }
         | ToDaemon::TakeBackDone { .. }
         | ToDaemon::DeviceHello { .. }

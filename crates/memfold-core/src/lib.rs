@@ -33,6 +33,7 @@
 pub mod analysis;
 pub mod backing;
 pub mod blobs;
+pub mod census;
 pub mod clock;
 pub mod engine;
 pub mod frames;

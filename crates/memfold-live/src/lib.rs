@@ -57,6 +57,19 @@ pub fn query_stats(socket: &Path) -> std::io::Result<Stats> {
     }
 }
 
+/// Asks the memfoldd at `socket` for a census of its guests' pages by content (Satori
+/// §6.1's sharing potential; O(guest memory) in memfoldd).
+///
+/// Errors: no daemon there, or an answer of another kind.
+pub fn query_census(socket: &Path) -> std::io::Result<memfold_wire::CensusStats> {
+    match request(socket, &ToDaemon::Census)? {
+        ToClient::Census(c) => Ok(c),
+        other => Err(std::io::Error::other(format!(
+            "memfoldd answered {other:?} to a request for a census"
+        ))),
+    }
+}
+
 /// Asks the memfoldd at `socket` to take the guests named `name` out of memfold (`out`:
 /// every page it holds taken back into guest RAM, nothing shared or stored again) or back
 /// in. Returns the pages being taken back.

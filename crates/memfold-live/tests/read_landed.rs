@@ -97,6 +97,14 @@ fn reported_disk_reads_are_shared_at_once_and_unreported_twins_wait_for_the_scan
         "{:#?}",
         s.vms
     );
+    // The census counts contents, shared or not: 32 blocks held twice, nothing else
+    // (every other page is random) — the potential the shares at read took half of.
+    let c = memfold_live::query_census(&socket).unwrap();
+    assert_eq!(
+        (c.pages, c.duplicate_pages),
+        ((PAGES + PAGES_B) as u64, 32),
+        "{c:?}"
+    );
     // Every page still reads what was written.
     let mut got = vec![0u8; PAGE];
     for (k, p) in file.iter().enumerate() {

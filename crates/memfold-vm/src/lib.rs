@@ -13,6 +13,7 @@
 #![deny(missing_docs)]
 
 pub mod capture;
+pub mod census;
 pub mod hostmem;
 pub mod images;
 pub mod launcher;

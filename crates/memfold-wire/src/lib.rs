@@ -42,8 +42,8 @@ pub use device::LandedReporter;
 pub use latency::{LatencySummary, OpBuckets, OpLatency, LATENCY_BUCKETS_S};
 pub use memfold_ids::{BatchId, FrameId, Gfn};
 pub use messages::{
-    AgentReport, Blob, BlobHome, Discarded, RamFile, StashPage, ToAgent, ToClient, ToDaemon,
-    CLOCK_SLICE, MAX_BATCH, MAX_MESSAGE, PROTOCOL_VERSION,
+    AgentReport, Blob, BlobHome, CensusStats, Discarded, RamFile, StashPage, ToAgent, ToClient,
+    ToDaemon, CLOCK_SLICE, MAX_BATCH, MAX_MESSAGE, PROTOCOL_VERSION,
 };
 pub use reattach::Mapped;
 pub use stats::{

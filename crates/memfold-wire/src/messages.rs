@@ -274,6 +274,9 @@ pub enum ToDaemon {
     },
     /// Asks for [`ToClient::Stats`].
     Stats,
+    /// Asks for [`ToClient::Census`]: every guest page by content now (Satori §6.1's
+    /// sharing potential). O(guest memory) in memfoldd: for measurements.
+    Census,
     /// A block device (`memfold-blk`, Satori §4.1) attaches: it sends
     /// [`ToDaemon::ReadLanded`] from now on, and nothing is answered. Only root or
     /// memfoldd's own user may (a device's reports make memfoldd read guest pages).
@@ -391,12 +394,30 @@ pub enum ToAgent {
     },
 }
 
+/// The guests' pages by content at one instant ([`ToDaemon::Census`]): the sharing
+/// potential, as Satori §6.1 measures it from memory snapshots.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CensusStats {
+    /// Pages counted (all guests).
+    pub pages: u64,
+    /// Of those, zero pages (never written, reclaimed, or written with zeros).
+    pub zero_pages: u64,
+    /// Pages whose content is not known without decoding (stored).
+    pub unknown_pages: u64,
+    /// Distinct non-zero contents.
+    pub distinct: u64,
+    /// The sharing potential: for each non-zero content n pages hold, n − 1, pages.
+    pub duplicate_pages: u64,
+}
+
 /// Messages to a client.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ToClient {
     /// The daemon's statistics.
     Stats(Box<Stats>),
+    /// The census asked for.
+    Census(CensusStats),
     /// A [`ToDaemon::OptOut`] was carried out: `pages` pages are being taken back (0 for
     /// an opt-in).
     OptedOut {

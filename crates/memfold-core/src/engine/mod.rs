@@ -26,6 +26,7 @@
 
 mod at_read;
 mod books;
+mod census;
 mod check;
 mod config;
 mod de;

@@ -382,6 +382,16 @@ impl Daemon {
                         &self.guests,
                         &self.claims,
                     ))),
+                    ToDaemon::Census => {
+                        let c = self.engine.census();
+                        ToClient::Census(memfold_wire::CensusStats {
+                            pages: c.pages,
+                            zero_pages: c.zero_pages,
+                            unknown_pages: c.unknown_pages,
+                            distinct: c.distinct(),
+                            duplicate_pages: c.duplicate_pages(),
+                        })
+                    }
                     ToDaemon::OptOut { name, out } if operator => self.opt_out(&name, out),
                     ToDaemon::OptOut { .. } => ToClient::Error {
                         message: "only root or memfoldd's user may opt a guest out or in".into(),
