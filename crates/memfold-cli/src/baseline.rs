@@ -50,7 +50,7 @@ pub fn run(a: &BaselineArgs) -> Result<()> {
     drop(loaded);
 
     eprintln!("KSM, aggressive settings, {} s", a.ksm_secs);
-    let run = ksm::run_mode(&ksm_ctl, &mut gs, KsmMode::AGGRESSIVE, a.ksm_secs)?;
+    let run = ksm::run_mode(&ksm_ctl, &mut gs, KsmMode::AGGRESSIVE, a.ksm_secs, None)?;
     drop(ksm_ctl);
     ksm::write_outputs(&out, std::slice::from_ref(&run))?;
     let mismatches: Vec<String> = gs.iter().flat_map(|g| g.mismatches()).collect();

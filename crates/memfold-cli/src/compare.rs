@@ -213,7 +213,14 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         cpu_s: ksm_cpu_s,
         throughput: ksm_throughput,
         mismatches,
-    } = ksm_side(&a.memfold.set, a.twins(), a.ksm_thp, a.memfold.secs, &out)?;
+    } = ksm_side(
+        &a.memfold.set,
+        a.twins(),
+        a.ksm_thp,
+        a.memfold.secs,
+        a.memfold.census,
+        &out,
+    )?;
     let j = serde_json::json!({
         "guests": a.memfold.set.profiles,
         "secs": a.memfold.secs,
@@ -242,6 +249,8 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "memfold_guest_wait_pct": m.guest_wait_pct(),
         "memfold_free_page_reporting": a.memfold.free_page_reporting,
         "ksm_throughput": ksm_throughput,
+        "memfold_captured": m.captured(),
+        "ksm_captured": k.captured(),
     });
     std::fs::write(out.join("compare.json"), serde_json::to_vec_pretty(&j)?)?;
     if a.memfold.set.json {
@@ -260,6 +269,11 @@ pub fn run(a: &CompareArgs) -> Result<()> {
             ksm_cpu_s,
             m.saved_bytes / k.saved_bytes.max(1.0)
         );
+        for (side, c) in [("memfold", m.captured()), ("KSM", k.captured())] {
+            if let Some(c) = c {
+                println!("{side}: {}", c.line());
+            }
+        }
         print_sides(&m.throughput, "KSM-managed", &ksm_throughput);
     }
     Ok(())
@@ -279,7 +293,8 @@ pub struct KsmSide {
 
 /// Boots `set` afresh (anonymous RAM, huge pages as `thp` says; with `twins`, a plain
 /// twin beside each guest, its RAM not mergeable) and runs KSM aggressive on it for
-/// `secs`, its files under `out/ksm`. KSM is unmerged before and after.
+/// `secs`, with a census of the guests' memory every `census` seconds (if any), its
+/// files under `out/ksm`. KSM is unmerged before and after.
 ///
 /// Errors: KSM cannot be driven, a guest fails to boot or dies.
 pub fn ksm_side(
@@ -287,6 +302,7 @@ pub fn ksm_side(
     twins: Option<Twins>,
     thp: KsmThp,
     secs: u64,
+    census: Option<u64>,
     out: &std::path::Path,
 ) -> Result<KsmSide> {
     let ksm = Ksm::take_control()?;
@@ -304,7 +320,7 @@ pub fn ksm_side(
     )?;
     let since = start_marks(gs.iter().chain(&plain));
     let cpu0 = kernel_threads_cpu_seconds(&["ksmd"]);
-    let k = run_mode(&ksm, &mut gs, KsmMode::AGGRESSIVE, secs)?;
+    let k = run_mode(&ksm, &mut gs, KsmMode::AGGRESSIVE, secs, census)?;
     let cpu_s = kernel_threads_cpu_seconds(&["ksmd"]) - cpu0;
     let throughput = throughput(&gs, &plain, &since);
     ksm.unmerge()?;

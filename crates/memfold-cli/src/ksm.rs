@@ -44,6 +44,9 @@ pub struct KsmSample {
     pub used_bytes: u64,
     /// Rss of guest RAM over guests, bytes.
     pub rss_bytes: u64,
+    /// The sharing potential and what KSM captured of it, when a census was taken.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub census: Option<crate::census::SharingCensus>,
 }
 
 /// One mode's run.
@@ -63,21 +66,45 @@ pub struct KsmRun {
     pub samples: Vec<KsmSample>,
 }
 
-/// Runs one KSM mode on running guests for `secs`, sampling every second.
-pub fn run_mode(ksm: &Ksm, guests: &mut [Guest], mode: KsmMode, secs: u64) -> Result<KsmRun> {
+impl KsmRun {
+    /// What KSM captured of the sharing potential over its censuses.
+    pub fn captured(&self) -> Option<crate::census::CapturedOverTime> {
+        crate::census::CapturedOverTime::of(self.samples.iter().filter_map(|s| s.census))
+    }
+}
+
+/// Runs one KSM mode on running guests for `secs`, sampling every second, with a census of
+/// their memory by content every `census` seconds (`crate::census`; none if `None`).
+pub fn run_mode(
+    ksm: &Ksm,
+    guests: &mut [Guest],
+    mode: KsmMode,
+    secs: u64,
+    census: Option<u64>,
+) -> Result<KsmRun> {
     let (used_before, _) = used(guests)?;
     ksm.start(mode)?;
     let mut samples = Vec::new();
+    let mut last_census = None;
     every_second(Some(secs), None, |start| {
         for g in guests.iter_mut() {
             g.check_alive()?;
         }
         let (u, rss) = used(guests)?;
+        let t = start.elapsed().as_secs_f64();
+        let census = match census {
+            Some(every) if last_census.is_none_or(|c: f64| t - c >= every as f64) => {
+                last_census = Some(t);
+                Some(crate::census::of_guests(guests)?)
+            }
+            _ => None,
+        };
         let s = KsmSample {
-            t: start.elapsed().as_secs_f64(),
+            t,
             ksm: ksm.stats()?,
             used_bytes: u,
             rss_bytes: rss,
+            census,
         };
         eprint!(
             "\r  ksm {:<10} {:>5.0} s  saved {:>7.1} MiB  pages_sharing {:>7}   ",
@@ -178,7 +205,7 @@ pub fn run(a: &KsmArgs) -> Result<()> {
     let (mut gs, accel, out) = guests::start_set(&a.set, RamBackend::Anonymous, "ksm")?;
     let mut runs = Vec::new();
     for m in modes {
-        runs.push(run_mode(&ksm, &mut gs, m, a.secs)?);
+        runs.push(run_mode(&ksm, &mut gs, m, a.secs, None)?);
         ksm.unmerge()?;
         std::thread::sleep(Duration::from_secs(3));
     }

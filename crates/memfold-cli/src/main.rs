@@ -4,6 +4,7 @@ mod analyze;
 mod baseline;
 mod bench;
 mod capture;
+mod census;
 mod compare;
 mod guests;
 mod image;

@@ -11,15 +11,23 @@ use std::os::unix::fs::FileExt;
 const PAGE: u64 = 4096;
 /// Pages read at a time.
 const RUN: u64 = 64;
-/// pagemap: page present in RAM (bit 63), swapped (bit 62).
+/// pagemap: page present in RAM (bit 63), swapped (bit 62), the frame number (bits 0–54,
+/// zero unless the reader has `CAP_SYS_ADMIN`).
 const PRESENT: u64 = 1 << 63;
 const SWAPPED: u64 = 1 << 62;
+const PFN: u64 = (1 << 55) - 1;
 
 /// One guest page as the census sees it.
 #[derive(Debug, PartialEq, Eq)]
 pub enum RamPage<'a> {
-    /// Present: its bytes (4 KiB).
-    Data(&'a [u8]),
+    /// Present: its bytes (4 KiB) and the host frame that holds them (0 if the reader may
+    /// not see frame numbers): pages merged by KSM share one frame.
+    Data {
+        /// The page's bytes.
+        bytes: &'a [u8],
+        /// Host page frame number.
+        pfn: u64,
+    },
     /// Never touched (reads as zeros, holds no memory).
     Untouched,
     /// Swapped out (or otherwise not readable without faulting it in).
@@ -79,7 +87,10 @@ pub fn for_each_ram_page(
                     if !all {
                         mem.read_exact_at(page, at + i as u64 * PAGE)?;
                     }
-                    RamPage::Data(page)
+                    RamPage::Data {
+                        bytes: page,
+                        pfn: x & PFN,
+                    }
                 } else if x & SWAPPED != 0 {
                     RamPage::Unknown
                 } else {
@@ -129,7 +140,10 @@ mod tests {
         assert!(mine, "the mapping is its own line in maps");
         for_each_ram_page(std::process::id(), len as u64, |page| {
             seen.push(match page {
-                RamPage::Data(b) => Some(b[0]),
+                RamPage::Data { bytes, pfn } => {
+                    assert_ne!(pfn, 0, "root sees frame numbers");
+                    Some(bytes[0])
+                }
                 RamPage::Untouched => None,
                 RamPage::Unknown => Some(0xff),
             })

@@ -82,6 +82,11 @@ pub struct MemfoldArgs {
     /// (no-copy-on-write, Satori §4.3; the run counts the copies avoided).
     #[arg(long, value_name = "GUEST@SECS", value_parser = parse_guest_at)]
     pub drop_caches: Option<(String, u64)>,
+    /// Every SECS seconds, take a census of the guests' memory by content: the sharing
+    /// potential (non-zero duplicates) and how much of it is captured (Satori §6.1),
+    /// into run.json. Costs memfoldd one read of all guest memory per census.
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub census: Option<u64>,
 }
 
 impl MemfoldArgs {

@@ -141,6 +141,16 @@ pub struct Sample {
     /// Managed guests whose QEMU was stopped at that time: paused by their agent failing
     /// closed (docs/security.md), not running.
     pub paused: Vec<String>,
+    /// The sharing potential and what was captured of it (`--census`), when taken.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub census: Option<crate::census::SharingCensus>,
+}
+
+impl MemfoldRun {
+    /// What the run captured of the sharing potential over its censuses (`--census`).
+    pub fn captured(&self) -> Option<crate::census::CapturedOverTime> {
+        crate::census::CapturedOverTime::of(self.samples.iter().filter_map(|s| s.census))
+    }
 }
 
 /// Each guest found paused (fail closed) in `samples`, with the time of the first sample

@@ -193,6 +193,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     let mut announced: Vec<String> = Vec::new();
     let mut attach_checked = false;
     let mut seen = std::collections::BTreeSet::new();
+    let mut last_census = None;
     measure::every_second((m.secs > 0).then_some(m.secs), Some(stop), |start| {
         for g in guests.iter_mut().chain(plain.iter_mut()) {
             g.check_alive()?;
@@ -276,12 +277,21 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
                     .join(", ")
             );
         }
+        let t = start.elapsed().as_secs_f64();
+        let census = match m.census {
+            Some(every) if last_census.is_none_or(|c: f64| t - c >= every as f64) => {
+                last_census = Some(t);
+                Some(crate::census::of_memfold(&socket, &stats)?)
+            }
+            _ => None,
+        };
         let s = Sample {
-            t: start.elapsed().as_secs_f64(),
+            t,
             used_bytes: measure::used(&guests)?.0,
             stats,
             daemon_restarts: restarts + kills,
             paused,
+            census,
         };
         view::print(used_before, &s, samples.last());
         samples.push(s);

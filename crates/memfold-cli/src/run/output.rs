@@ -199,6 +199,7 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         "memfoldd_kills": r.daemon_kills,
         "held_bytes": r.end().map(|s| s.held),
         "lifetime": r.end().map(|s| s.lifetime.clone()),
+        "captured": r.captured(),
         "paused": paused_since(&r.samples)
             .iter()
             .map(|(name, t)| serde_json::json!({"guest": name, "since_s": t}))
@@ -239,6 +240,9 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         t95_text(r.t95_s),
         r.cpu_s
     );
+    if let Some(c) = r.captured() {
+        println!("{}", c.line());
+    }
     for (name, t) in paused_since(&r.samples) {
         println!(
             "guest {name}: paused (fail closed) from {t:.0} s on: its agent stopped QEMU rather than let it run unprotected (its qemu.stderr says why); its figures since then are of a stopped guest"
