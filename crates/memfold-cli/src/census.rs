@@ -82,27 +82,6 @@ impl CapturedOverTime {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn c(potential: u64, captured: u64) -> SharingCensus {
-        SharingCensus {
-            potential_pages: potential,
-            captured_pages: captured,
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn captured_over_time_is_a_ratio_of_means_from_the_first_potential_on() {
-        let o = CapturedOverTime::of([c(0, 0), c(100, 50), c(300, 250)].into_iter()).unwrap();
-        assert_eq!(o.censuses, 2);
-        assert_eq!(o.fraction(), 150.0 / 200.0);
-        assert!(CapturedOverTime::of([c(0, 0)].into_iter()).is_none());
-    }
-}
-
 /// memfold's census now, from memfoldd at `socket`, with its statistics `stats` taken
 /// just before.
 ///
@@ -156,4 +135,25 @@ pub fn of_guests(guests: &[Guest]) -> Result<SharingCensus> {
         potential_pages: c.duplicate_pages(),
         captured_pages: nonzero_present - frames.len() as u64,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn c(potential: u64, captured: u64) -> SharingCensus {
+        SharingCensus {
+            potential_pages: potential,
+            captured_pages: captured,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn captured_over_time_is_a_ratio_of_means_from_the_first_potential_on() {
+        let o = CapturedOverTime::of([c(0, 0), c(100, 50), c(300, 250)].into_iter()).unwrap();
+        assert_eq!(o.censuses, 2);
+        assert_eq!(o.fraction(), 150.0 / 200.0);
+        assert!(CapturedOverTime::of([c(0, 0)].into_iter()).is_none());
+    }
 }

@@ -587,6 +587,7 @@ mod tests {
             },
             daemon_restarts: 0,
             paused: vec![],
+            census: None,
         };
         let run = MemfoldRun {
             samples: vec![
@@ -626,6 +627,7 @@ mod tests {
             stats: Stats::default(),
             daemon_restarts: 0,
             paused: paused.iter().map(|p| p.to_string()).collect(),
+            census: None,
         };
         let samples = [
             sample(1.0, &[]),

@@ -483,6 +483,7 @@ mod tests {
                     stats,
                     daemon_restarts: 0,
                     paused: vec![],
+                    census: None,
                 }
             })
             .collect();

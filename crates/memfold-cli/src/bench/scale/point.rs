@@ -258,6 +258,7 @@ mod tests {
             },
             daemon_restarts: 0,
             paused: vec![],
+            census: None,
         };
         let m = MemfoldRun {
             used_before: 512 << 20,
