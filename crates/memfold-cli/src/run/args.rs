@@ -70,6 +70,11 @@ pub struct MemfoldArgs {
         requires = "data_disk_mib"
     )]
     pub data_disk_mibps: u64,
+    /// With a data disk: each guest (`tiny` image) drops its page cache after every pass
+    /// over the disk and waits SECS before the next, so the page-cache duplicates between
+    /// guests live only seconds (Satori §6.1's short-lived sharing).
+    #[arg(long, value_name = "SECS", requires = "data_disk_mib")]
+    pub data_disk_drop: Option<u64>,
     /// Make guest GUEST (a name like `tiny-3`; the `tiny` image only) a sharing breaker:
     /// at SECS of its uptime it writes fresh bytes over all its duplicate pages, breaking
     /// its sharing — its entitlement falls and its balloon inflates to repay (Satori
@@ -90,7 +95,8 @@ pub struct MemfoldArgs {
 }
 
 impl MemfoldArgs {
-    /// The guest kernel arguments of guest `name` (`--break-sharing`, `--drop-caches`).
+    /// The guest kernel arguments of guest `name` (`--break-sharing`, `--drop-caches`,
+    /// `--data-disk-drop`).
     pub fn kernel_args_of(&self, name: &str) -> Option<String> {
         let args: Vec<String> = [
             ("memfold.break_at", &self.break_sharing),
@@ -102,6 +108,10 @@ impl MemfoldArgs {
                 .filter(|(g, _)| g == name)
                 .map(|(_, secs)| format!("{k}={secs}"))
         })
+        .chain(
+            self.data_disk_drop
+                .map(|s| format!("memfold.data_drop={s}")),
+        )
         .collect();
         (!args.is_empty()).then(|| args.join(" "))
     }
@@ -312,6 +322,12 @@ mod tests {
         assert_eq!(
             b.kernel_args_of("tiny-1").as_deref(),
             Some("memfold.break_at=90 memfold.drop_caches_at=100")
+        );
+        // A churning page cache is every guest's.
+        let c = parse(&["--data-disk-mib", "64", "--data-disk-drop", "2"]);
+        assert_eq!(
+            c.kernel_args_of("tiny-2").as_deref(),
+            Some("memfold.data_drop=2")
         );
         for bad in ["tiny-3", "tiny-3@soon", "tiny-3@-1"] {
             let e = parse_guest_at(bad).unwrap_err();
