@@ -26,12 +26,12 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
 /// `run.csv`: per second a row per guest and a row `all`.
 fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
     let mut f = crate::create_output(csv)?;
-    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes,swapped_pages,saved_swap_bytes,memfoldd_restarts,entitlement_bytes,balloon_actual_bytes")?;
+    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes,swapped_pages,saved_swap_bytes,memfoldd_restarts,entitlement_bytes,balloon_actual_bytes,shares,read_shares,read_landed")?;
     for s in &r.samples {
         for v in &s.stats.vms {
             writeln!(
                 f,
-                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,,{},,{},{:.0},{}",
+                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,,{},,{},{:.0},{},{},{},{}",
                 s.t,
                 v.name,
                 v.pages,
@@ -50,13 +50,16 @@ fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
                 s.daemon_restarts,
                 v.entitlement_pages * 4096.0,
                 v.balloon_actual_bytes
-                    .map_or(String::new(), |b| b.to_string())
+                    .map_or(String::new(), |b| b.to_string()),
+                v.shares,
+                v.read_shares,
+                v.read_landed
             )?;
         }
         let by = &s.stats.saved_by;
         writeln!(
             f,
-            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{},{},{},{},{:.0},",
+            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{},{},{},{},{:.0},,{},{},{}",
             s.t,
             s.stats.mapped_pages,
             s.stats.zero_reclaimed_pages,
@@ -72,7 +75,10 @@ fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
             s.stats.swap.swapped_pages,
             by.swap * 4096,
             s.daemon_restarts,
-            s.stats.vms.iter().map(|v| v.entitlement_pages).sum::<f64>() * 4096.0
+            s.stats.vms.iter().map(|v| v.entitlement_pages).sum::<f64>() * 4096.0,
+            s.stats.vms.iter().map(|v| v.shares).sum::<u64>(),
+            s.stats.vms.iter().map(|v| v.read_shares).sum::<u64>(),
+            s.stats.vms.iter().map(|v| v.read_landed).sum::<u64>()
         )?;
     }
     Ok(())
@@ -131,6 +137,62 @@ fn write_png(png: &Path, r: &MemfoldRun) -> Result<()> {
             .collect(),
         markers: vec![],
     });
+    // Satori §4.1: shares made the moment a disk read filled the page, apart from the
+    // scan's (cumulative), when a block device reported reads.
+    if r.samples
+        .iter()
+        .any(|s| s.stats.vms.iter().any(|v| v.read_landed > 0))
+    {
+        let total = |f: fn(&VmStats) -> u64| -> Vec<(f64, f64)> {
+            r.samples
+                .iter()
+                .map(|s| (s.t, s.stats.vms.iter().map(f).sum::<u64>() as f64))
+                .collect()
+        };
+        panels.push(Panel {
+            title: "shares (pages, cumulative): at disk read vs found by the scan".into(),
+            series: vec![
+                Series {
+                    name: "at disk read (Satori §4.1)".into(),
+                    points: total(|v| v.read_shares),
+                },
+                Series {
+                    name: "by the scan".into(),
+                    points: total(|v| v.shares - v.read_shares),
+                },
+            ],
+            markers: vec![],
+        });
+    }
+    // Satori §6.1: the sharing potential and what was captured of it (`--census`).
+    let censuses: Vec<(f64, crate::census::SharingCensus)> = r
+        .samples
+        .iter()
+        .filter_map(|s| Some((s.t, s.census?)))
+        .collect();
+    if !censuses.is_empty() {
+        let line = |f: fn(&crate::census::SharingCensus) -> u64| -> Vec<(f64, f64)> {
+            censuses
+                .iter()
+                .map(|(t, c)| (*t, pages_mib(f(c) as i64)))
+                .collect()
+        };
+        panels.push(Panel {
+            title: "non-zero duplicates, MiB: the potential (census) and what sharing captured"
+                .into(),
+            series: vec![
+                Series {
+                    name: "potential".into(),
+                    points: line(|c| c.potential_pages),
+                },
+                Series {
+                    name: "captured".into(),
+                    points: line(|c| c.captured_pages),
+                },
+            ],
+            markers: vec![],
+        });
+    }
     // Satori §4.2: each guest's part of what sharing saves.
     let mut names: Vec<&str> = r
         .samples
@@ -528,12 +590,13 @@ mod tests {
         assert!(lines.iter().all(|l| l.split(',').count() == columns));
         assert!(lines[1].starts_with("1.0,web-1,1000,"));
         // The guest's entitlement, 7.5 pages at 1 s, in bytes: its own row and `all`'s.
-        // Then what its balloon leaves it (257 MiB at 1 s).
-        assert!(lines[1].ends_with(",30720,269484032"), "{}", lines[1]);
+        // Then what its balloon leaves it (257 MiB at 1 s), then its shares (all, at disk
+        // read) and the pages a disk read filled.
+        assert!(lines[1].ends_with(",30720,269484032,0,0,0"), "{}", lines[1]);
         // used 1900 pages of 2000 at 1 s: saved 100 pages; books 100 pages, sharing 60.
         assert!(lines[2].starts_with("1.0,all,"));
         assert!(
-            lines[2].ends_with(",409600,409600,245760,0,0,0,0,0,0,30720,"),
+            lines[2].ends_with(",409600,409600,245760,0,0,0,0,0,0,30720,,0,0,0"),
             "{}",
             lines[2]
         );
