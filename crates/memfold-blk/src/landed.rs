@@ -64,8 +64,9 @@ pub struct Landed {
 }
 
 /// Where the device reports landed pages. Called on the device's queue thread with the
-/// request not yet completed to the guest: keep it quick.
-pub trait LandedSink: Send {
+/// request not yet completed to the guest: keep it quick. `Sync` because
+/// vhost-user-backend shares the device between its threads (behind a lock).
+pub trait LandedSink: Send + Sync {
     /// `pages` of RAM file `ram` now hold what one read put there.
     fn landed(&mut self, ram: RamFile, pages: &[Landed]);
 }

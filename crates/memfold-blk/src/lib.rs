@@ -23,7 +23,9 @@
 //! [`mem`] is guest RAM over it, [`disk`] the disk images, [`landed`] the report of what
 //! reads put where, [`blk`] the virtio-blk device on vhost-user-backend.
 
+pub mod blk;
 pub mod disk;
 pub mod landed;
 pub mod mem;
 pub mod remote;
+pub mod vring;

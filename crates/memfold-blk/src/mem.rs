@@ -97,6 +97,9 @@ pub enum MemError {
     /// Reaching QEMU failed.
     #[error(transparent)]
     Remote(#[from] RemoteError),
+    /// virtio-queue refused the rings (a bad index in guest memory).
+    #[error("virtqueue: {0}")]
+    Queue(String),
 }
 
 /// Guest RAM reached through QEMU's page tables (see the module's invariant).
