@@ -22,7 +22,9 @@ use virtio_bindings::virtio_blk as vb;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestAddressSpace;
 use vmm_sys_util::epoll::EventSet;
-use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
 
 use crate::disk::{Disk, DiskError, Extent, SECTOR};
 use crate::landed::{Landed, LandedSink};
@@ -165,7 +167,12 @@ fn sub_runs(runs: &[(u64, u64)], from: u64, len: u64) -> Vec<(u64, u64)> {
 }
 
 /// Reads bytes `[from, from + len)` of the stream `runs` from guest RAM.
-fn gather(mem: &RemoteMemory, runs: &[(u64, u64)], from: u64, len: u64) -> Result<Vec<u8>, MemError> {
+fn gather(
+    mem: &RemoteMemory,
+    runs: &[(u64, u64)],
+    from: u64,
+    len: u64,
+) -> Result<Vec<u8>, MemError> {
     let mut buf = vec![0u8; len as usize];
     let mut at = 0usize;
     for (a, n) in sub_runs(runs, from, len) {
@@ -215,7 +222,11 @@ impl BlkBackend {
         if self.disk.can_discard() {
             put(&mut c, 36, &((MAX_DATA / SECTOR) as u32).to_le_bytes()); // max_discard_sectors
             put(&mut c, 40, &MAX_DISCARD_SEG.to_le_bytes());
-            put(&mut c, 44, &((crate::disk::BLOCK / SECTOR) as u32).to_le_bytes());
+            put(
+                &mut c,
+                44,
+                &((crate::disk::BLOCK / SECTOR) as u32).to_le_bytes(),
+            );
         }
         c
     }
@@ -225,7 +236,12 @@ impl BlkBackend {
     ///
     /// Errors: the rings themselves cannot be read or written (QEMU gone, rings outside
     /// guest RAM).
-    pub fn process_queue(&mut self, queue: &mut Queue, mem: &RemoteMemory, used_stale: bool) -> Result<bool, MemError> {
+    pub fn process_queue(
+        &mut self,
+        queue: &mut Queue,
+        mem: &RemoteMemory,
+        used_stale: bool,
+    ) -> Result<bool, MemError> {
         let view = mem.view();
         if used_stale {
             let used = queue
@@ -262,7 +278,14 @@ impl BlkBackend {
                     tracing::warn!("request {head}: its descriptors could not be read: {e}");
                     self.finish(mem, &c, Err(ReqError::Mem(e)), 0)
                 } else if !order_ok {
-                    self.finish(mem, &c, Err(ReqError::Malformed("a device-readable descriptor after a writable one".into())), 0)
+                    self.finish(
+                        mem,
+                        &c,
+                        Err(ReqError::Malformed(
+                            "a device-readable descriptor after a writable one".into(),
+                        )),
+                        0,
+                    )
                 } else {
                     self.request(mem, &c)
                 };
@@ -292,7 +315,15 @@ impl BlkBackend {
     /// Serves one request; returns the bytes written into its writable buffers.
     fn request(&mut self, mem: &RemoteMemory, c: &Chain) -> u32 {
         if c.readable_len() < HEADER {
-            return self.finish(mem, c, Err(ReqError::Malformed(format!("header of {} bytes", c.readable_len()))), 0);
+            return self.finish(
+                mem,
+                c,
+                Err(ReqError::Malformed(format!(
+                    "header of {} bytes",
+                    c.readable_len()
+                ))),
+                0,
+            );
         }
         let h = match gather(mem, &c.readable, 0, HEADER) {
             Ok(h) => h,
@@ -355,16 +386,29 @@ impl BlkBackend {
     /// within what the device accepts; returns the disk byte offset.
     fn data_range(&self, sector: u64, len: u64) -> Result<u64, ReqError> {
         if len % SECTOR != 0 || len > MAX_DATA {
-            return Err(ReqError::Malformed(format!("{len} data bytes (whole sectors up to {MAX_DATA} expected)")));
+            return Err(ReqError::Malformed(format!(
+                "{len} data bytes (whole sectors up to {MAX_DATA} expected)"
+            )));
         }
         let off = sector
             .checked_mul(SECTOR)
             .filter(|o| o.checked_add(len).is_some_and(|e| e <= self.disk.size()))
-            .ok_or_else(|| ReqError::Malformed(format!("sectors {sector}+{} past the disk's end", len / SECTOR)))?;
+            .ok_or_else(|| {
+                ReqError::Malformed(format!(
+                    "sectors {sector}+{} past the disk's end",
+                    len / SECTOR
+                ))
+            })?;
         Ok(off)
     }
 
-    fn read(&mut self, mem: &RemoteMemory, c: &Chain, sector: u64, len: u64) -> Result<(), ReqError> {
+    fn read(
+        &mut self,
+        mem: &RemoteMemory,
+        c: &Chain,
+        sector: u64,
+        len: u64,
+    ) -> Result<(), ReqError> {
         let off = self.data_range(sector, len)?;
         let mut buf = vec![0u8; len as usize];
         let extents = self.disk.read(off, &mut buf)?;
@@ -397,7 +441,10 @@ impl BlkBackend {
                     .find(|e| e.off <= d && d + PAGE <= e.off + e.len)
                     .and_then(|e| e.source.page_source(d));
                 if let Some(source) = src {
-                    by_file.entry(file).or_default().push(Landed { gfn, source });
+                    by_file
+                        .entry(file)
+                        .or_default()
+                        .push(Landed { gfn, source });
                 }
             }
             stream += n;
@@ -414,9 +461,17 @@ impl BlkBackend {
         }
     }
 
-    fn write(&mut self, mem: &RemoteMemory, c: &Chain, sector: u64, len: u64) -> Result<(), ReqError> {
+    fn write(
+        &mut self,
+        mem: &RemoteMemory,
+        c: &Chain,
+        sector: u64,
+        len: u64,
+    ) -> Result<(), ReqError> {
         if self.disk.read_only() {
-            return Err(ReqError::Disk(DiskError::ReadOnly { path: self.cfg.socket.clone() }));
+            return Err(ReqError::Disk(DiskError::ReadOnly {
+                path: self.cfg.socket.clone(),
+            }));
         }
         let off = self.data_range(sector, len)?;
         let buf = gather(mem, &c.readable, HEADER, len)?;
@@ -426,7 +481,9 @@ impl BlkBackend {
 
     fn discard(&mut self, mem: &RemoteMemory, c: &Chain, len: u64) -> Result<(), ReqError> {
         if len == 0 || len % 16 != 0 || len / 16 > MAX_DISCARD_SEG as u64 {
-            return Err(ReqError::Malformed(format!("discard of {len} bytes of ranges")));
+            return Err(ReqError::Malformed(format!(
+                "discard of {len} bytes of ranges"
+            )));
         }
         let buf = gather(mem, &c.readable, HEADER, len)?;
         for r in buf.chunks_exact(16) {
@@ -457,7 +514,10 @@ impl BlkBackend {
     fn status(&mut self, mem: &RemoteMemory, c: &Chain, s: u8, n: u32) -> u32 {
         let Some(&(a, len)) = c.writable.last() else {
             self.counters.dropped += 1;
-            tracing::warn!("request {}: no device-writable byte for a status, dropped", c.head);
+            tracing::warn!(
+                "request {}: no device-writable byte for a status, dropped",
+                c.head
+            );
             return 0;
         };
         match mem.write(a + len - 1, &[s]) {
@@ -536,7 +596,10 @@ impl VhostUserBackendMut for BlkBackend {
         let qemu = remote::peer_on_socket(&self.cfg.socket).map_err(io::Error::other)?;
         if let Some(expected) = self.cfg.expected_qemu {
             if qemu.pid() != expected {
-                let e = RemoteError::WrongPeer { peer: qemu.pid(), expected };
+                let e = RemoteError::WrongPeer {
+                    peer: qemu.pid(),
+                    expected,
+                };
                 tracing::error!("{e}");
                 return Err(io::Error::other(e));
             }
@@ -557,7 +620,13 @@ impl VhostUserBackendMut for BlkBackend {
         new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
     }
 
-    fn handle_event(&mut self, device_event: u16, evset: EventSet, vrings: &[BlkVring], _thread_id: usize) -> io::Result<()> {
+    fn handle_event(
+        &mut self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[BlkVring],
+        _thread_id: usize,
+    ) -> io::Result<()> {
         if evset != EventSet::IN {
             return Ok(());
         }
@@ -636,7 +705,12 @@ mod tests {
             .open(format!("/proc/self/fd/{}", f.as_raw_fd()))
             .unwrap();
         let gm: &'static GuestMemoryMmap<()> = Box::leak(Box::new(
-            GuestMemoryMmap::<()>::from_ranges_with_files([(GuestAddress(0), local.len, Some(FileOffset::new(f, 0)))]).unwrap(),
+            GuestMemoryMmap::<()>::from_ranges_with_files([(
+                GuestAddress(0),
+                local.len,
+                Some(FileOffset::new(f, 0)),
+            )])
+            .unwrap(),
         ));
         let dir = tempfile::tempdir_in("/var/tmp").unwrap();
         let base = dir.path().join("base.img");
@@ -711,19 +785,31 @@ mod tests {
 
         /// Runs the device; returns the used lengths of the chains it completed.
         fn run(&mut self) -> Vec<u32> {
-            let mem = Arc::new(RemoteMemory::new(self.local.mem.qemu().clone(), self.local.mem.regions().to_vec()));
+            let mem = Arc::new(RemoteMemory::new(
+                self.local.mem.qemu().clone(),
+                self.local.mem.regions().to_vec(),
+            ));
             let before = self.mock.used().idx().load();
-            self.dev.process_queue(&mut self.queue, &mem, false).unwrap();
+            self.dev
+                .process_queue(&mut self.queue, &mem, false)
+                .unwrap();
             let after = self.mock.used().idx().load();
             (before..after)
-                .map(|i| self.mock.used().ring().ref_at(i as usize % 16).unwrap().load().len())
+                .map(|i| {
+                    self.mock
+                        .used()
+                        .ring()
+                        .ref_at(i as usize % 16)
+                        .unwrap()
+                        .load()
+                        .len()
+                })
                 .collect()
         }
 
         fn status(&self) -> u8 {
             self.gm.read_obj::<u8>(GuestAddress(STATUS)).unwrap()
         }
-
     }
 
     /// A sink that keeps every report, shared with the test.
@@ -732,7 +818,10 @@ mod tests {
 
     impl LandedSink for Recorder {
         fn landed(&mut self, ram: RamFile, pages: &[Landed]) {
-            self.0.lock().unwrap().extend(pages.iter().map(|p| (ram, *p)));
+            self.0
+                .lock()
+                .unwrap()
+                .extend(pages.iter().map(|p| (ram, *p)));
         }
     }
 
@@ -740,10 +829,17 @@ mod tests {
     fn a_read_lands_in_guest_ram_with_its_status_and_its_pages_are_reported() {
         let mut r = rig(false);
         r.header(0x8000, vb::VIRTIO_BLK_T_IN, 8); // disk byte 4096
-        r.submit(&[(0x8000, 16, false), (DATA, 3 * 4096, true), (STATUS, 1, true)]);
+        r.submit(&[
+            (0x8000, 16, false),
+            (DATA, 3 * 4096, true),
+            (STATUS, 1, true),
+        ]);
         assert_eq!(r.run(), vec![3 * 4096 + 1]);
         assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8);
-        assert_eq!(&r.local.bytes()[DATA as usize..DATA as usize + 3 * 4096], &r.data[4096..4 * 4096]);
+        assert_eq!(
+            &r.local.bytes()[DATA as usize..DATA as usize + 3 * 4096],
+            &r.data[4096..4 * 4096]
+        );
         let c = r.dev.counters();
         assert_eq!((c.reads, c.read_bytes, c.landed_base), (1, 3 * 4096, 3));
     }
@@ -760,7 +856,11 @@ mod tests {
         let id = disk_id(&r);
         // 3 pages from disk byte 8192 into a buffer starting mid-page: two whole pages.
         r.header(0x8000, vb::VIRTIO_BLK_T_IN, 16);
-        r.submit(&[(0x8000, 16, false), (DATA + 2048, 3 * 4096, true), (STATUS, 1, true)]);
+        r.submit(&[
+            (0x8000, 16, false),
+            (DATA + 2048, 3 * 4096, true),
+            (STATUS, 1, true),
+        ]);
         assert_eq!(r.run(), vec![3 * 4096 + 1]);
         let got = r.rec.0.lock().unwrap().clone();
         let file = r.local.mem.regions()[0].file;
@@ -769,15 +869,31 @@ mod tests {
         assert!(got.is_empty(), "{got:?}");
         // Aligned: disk byte 8192 into page DATA: blocks 2, 3.
         r.header(0x8000, vb::VIRTIO_BLK_T_IN, 16);
-        r.submit(&[(0x8000, 16, false), (DATA, 2 * 4096, true), (STATUS, 1, true)]);
+        r.submit(&[
+            (0x8000, 16, false),
+            (DATA, 2 * 4096, true),
+            (STATUS, 1, true),
+        ]);
         r.run();
         let got = r.rec.0.lock().unwrap().clone();
         let g = (DATA / 4096) as u32;
         assert_eq!(
             got,
             vec![
-                (file, Landed { gfn: Gfn(g), source: Source::Base { disk: id, block: 2 } }),
-                (file, Landed { gfn: Gfn(g + 1), source: Source::Base { disk: id, block: 3 } }),
+                (
+                    file,
+                    Landed {
+                        gfn: Gfn(g),
+                        source: Source::Base { disk: id, block: 2 }
+                    }
+                ),
+                (
+                    file,
+                    Landed {
+                        gfn: Gfn(g + 1),
+                        source: Source::Base { disk: id, block: 3 }
+                    }
+                ),
             ]
         );
     }
@@ -791,7 +907,10 @@ mod tests {
         r.submit(&[(0x8000, 16, false), (DATA, 4096, true), (STATUS, 1, true)]);
         assert_eq!(r.run(), vec![1]);
         assert_eq!(r.status(), vb::VIRTIO_BLK_S_IOERR as u8);
-        assert_eq!(&r.local.bytes()[DATA as usize..DATA as usize + 8192], &guard[..]);
+        assert_eq!(
+            &r.local.bytes()[DATA as usize..DATA as usize + 8192],
+            &guard[..]
+        );
         // Not whole sectors.
         r.header(0x8000, vb::VIRTIO_BLK_T_IN, 0);
         r.submit(&[(0x8000, 16, false), (DATA, 1000, true), (STATUS, 1, true)]);
@@ -803,7 +922,11 @@ mod tests {
         assert_eq!(r.status(), vb::VIRTIO_BLK_S_IOERR as u8);
         // A data buffer outside guest RAM: IOERR, the status still written.
         r.header(0x8000, vb::VIRTIO_BLK_T_IN, 0);
-        r.submit(&[(0x8000, 16, false), (1 << 40, 4096, true), (STATUS, 1, true)]);
+        r.submit(&[
+            (0x8000, 16, false),
+            (1 << 40, 4096, true),
+            (STATUS, 1, true),
+        ]);
         assert_eq!(r.run(), vec![1]);
         assert_eq!(r.status(), vb::VIRTIO_BLK_S_IOERR as u8);
         // No writable byte at all: dropped, used length 0.
@@ -826,8 +949,14 @@ mod tests {
         let c = r.dev.counters();
         // Six failures (the one without a writable byte counts as an error and a drop);
         // the read of zero bytes whose status could not be written counts as a read.
-        assert_eq!((c.io_errors, c.dropped, c.unsupported, c.reads, c.read_bytes), (6, 2, 1, 1, 0));
-        assert_eq!(&r.local.bytes()[DATA as usize..DATA as usize + 8192], &guard[..]);
+        assert_eq!(
+            (c.io_errors, c.dropped, c.unsupported, c.reads, c.read_bytes),
+            (6, 2, 1, 1, 0)
+        );
+        assert_eq!(
+            &r.local.bytes()[DATA as usize..DATA as usize + 8192],
+            &guard[..]
+        );
         assert!(r.rec.0.lock().unwrap().is_empty());
     }
 
@@ -837,10 +966,19 @@ mod tests {
         r.header(0x8000, vb::VIRTIO_BLK_T_GET_ID, 0);
         r.submit(&[(0x8000, 16, false), (DATA, 20, true), (STATUS, 1, true)]);
         assert_eq!(r.run(), vec![21]);
-        assert_eq!(&r.local.bytes()[DATA as usize..DATA as usize + 13], b"memfold-data\0");
+        assert_eq!(
+            &r.local.bytes()[DATA as usize..DATA as usize + 13],
+            b"memfold-data\0"
+        );
         let c = r.dev.config_space();
-        assert!(c.len() >= 60, "struct virtio_blk_config, 60 bytes up to its discard fields");
-        assert_eq!(u64::from_le_bytes(c[..8].try_into().unwrap()), (1 << 20) / 512);
+        assert!(
+            c.len() >= 60,
+            "struct virtio_blk_config, 60 bytes up to its discard fields"
+        );
+        assert_eq!(
+            u64::from_le_bytes(c[..8].try_into().unwrap()),
+            (1 << 20) / 512
+        );
         assert_ne!(r.dev.features() & 1 << vb::VIRTIO_BLK_F_RO, 0);
         assert_eq!(r.dev.get_config(56, 8).len(), 8);
     }
@@ -859,7 +997,11 @@ mod tests {
         r.run();
         assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8);
         r.header(0x8000, vb::VIRTIO_BLK_T_IN, 0);
-        r.submit(&[(0x8000, 16, false), (DATA + 4096, 2 * 4096, true), (STATUS, 1, true)]);
+        r.submit(&[
+            (0x8000, 16, false),
+            (DATA + 4096, 2 * 4096, true),
+            (STATUS, 1, true),
+        ]);
         r.run();
         let b = &r.local.bytes()[DATA as usize + 4096..DATA as usize + 3 * 4096];
         assert_eq!(&b[4096..], &[0x5a; 4096]);
@@ -879,8 +1021,14 @@ mod tests {
         r.header(0x8000, vb::VIRTIO_BLK_T_IN, 8);
         r.submit(&[(0x8000, 16, false), (DATA, 4096, true), (STATUS, 1, true)]);
         r.run();
-        assert_eq!(&r.local.bytes()[DATA as usize..DATA as usize + 4096], &r.data[4096..8192]);
+        assert_eq!(
+            &r.local.bytes()[DATA as usize..DATA as usize + 4096],
+            &r.data[4096..8192]
+        );
         let id = disk_id(&r);
-        assert_eq!(r.rec.0.lock().unwrap()[0].1.source, Source::Base { disk: id, block: 1 });
+        assert_eq!(
+            r.rec.0.lock().unwrap()[0].1.source,
+            Source::Base { disk: id, block: 1 }
+        );
     }
 }

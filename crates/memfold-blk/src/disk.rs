@@ -20,7 +20,10 @@ use std::sync::Arc;
 use imago::file::File as ImagoFile;
 use imago::qcow2::Qcow2;
 use imago::raw::Raw;
-use imago::{FormatAccess, FormatDriverBuilder, PermissiveImplicitOpenGate, ShallowMapping, StorageOpenOptions};
+use imago::{
+    FormatAccess, FormatDriverBuilder, PermissiveImplicitOpenGate, ShallowMapping,
+    StorageOpenOptions,
+};
 
 use crate::landed::{DiskId, Source};
 
@@ -142,7 +145,13 @@ pub trait Disk: Send + Sync {
     fn discard(&mut self, off: u64, len: u64) -> Result<(), DiskError>;
 }
 
-fn check_range(path: &Path, op: &'static str, off: u64, len: u64, size: u64) -> Result<(), DiskError> {
+fn check_range(
+    path: &Path,
+    op: &'static str,
+    off: u64,
+    len: u64,
+    size: u64,
+) -> Result<(), DiskError> {
     if off.checked_add(len).is_none_or(|end| end > size) {
         return Err(DiskError::OutOfRange {
             path: path.to_path_buf(),
@@ -362,7 +371,12 @@ impl OverlayDisk {
         self.direct
     }
 
-    fn io_err(&self, op: &'static str, off: u64, len: u64) -> impl FnOnce(std::io::Error) -> DiskError + '_ {
+    fn io_err(
+        &self,
+        op: &'static str,
+        off: u64,
+        len: u64,
+    ) -> impl FnOnce(std::io::Error) -> DiskError + '_ {
         move |source| DiskError::Io {
             path: self.path.clone(),
             op,
@@ -376,9 +390,11 @@ impl OverlayDisk {
     /// one), dropping the range from the page cache when not direct.
     fn imago_read(&self, off: u64, buf: &mut [u8]) -> Result<(), DiskError> {
         let mut b = Aligned::new(buf.len());
-        self.overlay
-            .read(b.bytes_mut(), off)
-            .map_err(self.io_err("read", off, buf.len() as u64))?;
+        self.overlay.read(b.bytes_mut(), off).map_err(self.io_err(
+            "read",
+            off,
+            buf.len() as u64,
+        ))?;
         buf.copy_from_slice(b.bytes_mut());
         Ok(())
     }
@@ -467,7 +483,9 @@ mod tests {
     use super::*;
 
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
-        (0..len).map(|i| (i as u32 * 31 + seed as u32 * 7 + (i as u32 >> 12)) as u8).collect()
+        (0..len)
+            .map(|i| (i as u32 * 31 + seed as u32 * 7 + (i as u32 >> 12)) as u8)
+            .collect()
     }
 
     #[test]
@@ -482,7 +500,10 @@ mod tests {
         assert_eq!(b, data[1000..6000]);
         assert_eq!(e.len(), 1);
         assert_eq!(e[0].source, ExtentSource::Base(r.id()));
-        assert!(matches!(r.read(60 << 10, &mut b), Err(DiskError::OutOfRange { .. })));
+        assert!(matches!(
+            r.read(60 << 10, &mut b),
+            Err(DiskError::OutOfRange { .. })
+        ));
         assert!(matches!(r.write(0, &b), Err(DiskError::ReadOnly { .. })));
     }
 
@@ -506,11 +527,23 @@ mod tests {
         let mut b = vec![0u8; 8192];
         let e = o.read(65536, &mut b).unwrap();
         assert_eq!(b, data[65536..65536 + 8192]);
-        assert_eq!(e, vec![Extent { off: 65536, len: 8192, source: ExtentSource::Base(id) }]);
+        assert_eq!(
+            e,
+            vec![Extent {
+                off: 65536,
+                len: 8192,
+                source: ExtentSource::Base(id)
+            }]
+        );
         o.write(65536 + 4096, &[7u8; 4096]).unwrap();
         o.flush().unwrap();
         let e = o.read(0, &mut vec![0u8; 1 << 20]).unwrap();
-        assert!(e.iter().any(|x| x.source == ExtentSource::Overlay && x.off <= 65536 + 4096 && x.off + x.len >= 65536 + 8192), "{e:?}");
+        assert!(
+            e.iter().any(|x| x.source == ExtentSource::Overlay
+                && x.off <= 65536 + 4096
+                && x.off + x.len >= 65536 + 8192),
+            "{e:?}"
+        );
         let mut b = vec![0u8; 8192];
         o.read(65536, &mut b).unwrap();
         assert_eq!(b[..4096], data[65536..65536 + 4096]);
@@ -524,7 +557,11 @@ mod tests {
         assert_eq!(b, data[65536..65536 + 8192]);
         // QEMU can open what imago wrote.
         drop(o);
-        let st = std::process::Command::new("qemu-img").args(["check", "-q"]).arg(&ov).status().unwrap();
+        let st = std::process::Command::new("qemu-img")
+            .args(["check", "-q"])
+            .arg(&ov)
+            .status()
+            .unwrap();
         assert!(st.success());
     }
 }

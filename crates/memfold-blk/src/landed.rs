@@ -144,14 +144,26 @@ mod tests {
         s.landed(
             ram,
             &[
-                Landed { gfn: Gfn(3), source: Source::Zero },
+                Landed {
+                    gfn: Gfn(3),
+                    source: Source::Zero,
+                },
                 Landed {
                     gfn: Gfn(4),
-                    source: Source::Base { disk: DiskId(9), block: 7 },
+                    source: Source::Base {
+                        disk: DiskId(9),
+                        block: 7,
+                    },
                 },
             ],
         );
-        s.landed(ram, &[Landed { gfn: Gfn(3), source: Source::Overlay }]);
+        s.landed(
+            ram,
+            &[Landed {
+                gfn: Gfn(3),
+                source: Source::Overlay,
+            }],
+        );
         assert_eq!((s.base, s.overlay, s.zero, s.total()), (1, 1, 1, 3));
         assert_eq!(s.last[&(ram, Gfn(3))], Source::Overlay);
     }

@@ -34,8 +34,8 @@ use memfold_ids::Gfn;
 use vm_memory::bitmap::{Bitmap, BitmapSlice, WithBitmapSlice};
 use vm_memory::guest_memory::GuestMemorySliceIterator;
 use vm_memory::{
-    GuestAddress, GuestMemory, GuestMemoryBackend, GuestMemoryError, GuestMemoryRegion, Permissions,
-    VolatileSlice,
+    GuestAddress, GuestMemory, GuestMemoryBackend, GuestMemoryError, GuestMemoryRegion,
+    Permissions, VolatileSlice,
 };
 
 use crate::remote::{Qemu, RemoteError};
@@ -122,7 +122,10 @@ impl RemoteMemory {
     ///
     /// Errors: [`MemError::NoFile`], [`MemError::Fstat`], [`MemError::Remote`] (QEMU
     /// does not map the file there).
-    pub fn from_mmap<M: GuestMemoryBackend>(qemu: Arc<Qemu>, mem: &M) -> Result<RemoteMemory, MemError> {
+    pub fn from_mmap<M: GuestMemoryBackend>(
+        qemu: Arc<Qemu>,
+        mem: &M,
+    ) -> Result<RemoteMemory, MemError> {
         let mut regions = Vec::new();
         for r in mem.iter() {
             let gpa = r.start_addr().0;
@@ -156,7 +159,8 @@ impl RemoteMemory {
     ///
     /// Errors: [`MemError::OutOfRange`] (a byte of it is in no region, or it wraps).
     pub fn pieces(&self, gpa: u64, len: u64) -> Result<Vec<(Region, u64, u64)>, MemError> {
-        gpa.checked_add(len).ok_or(MemError::OutOfRange { gpa, len })?;
+        gpa.checked_add(len)
+            .ok_or(MemError::OutOfRange { gpa, len })?;
         let mut v = Vec::new();
         let (mut at, mut left) = (gpa, len);
         while left > 0 {
@@ -418,7 +422,9 @@ impl GuestMemory for RemoteView<'_> {
                     // SAFETY: the buffer is at least `n` bytes, 8-aligned, and lives as
                     // long as the view (its arena holds it) and any bitmap clone; nothing
                     // else accesses it but through these slices.
-                    v.push(Ok(unsafe { VolatileSlice::with_bitmap(b.ptr(), n as usize, bitmap, None) }));
+                    v.push(Ok(unsafe {
+                        VolatileSlice::with_bitmap(b.ptr(), n as usize, bitmap, None)
+                    }));
                 }
                 Err(e) => {
                     v.push(Err(e));
@@ -505,9 +511,13 @@ pub(crate) mod tests {
         let mut b = [0u8; 5];
         v.read_slice(&mut b, GuestAddress(4094)).unwrap();
         assert_eq!(&b, b"hello");
-        v.store(0xBEEFu16, GuestAddress(2), Ordering::Release).unwrap();
+        v.store(0xBEEFu16, GuestAddress(2), Ordering::Release)
+            .unwrap();
         assert_eq!(&l.bytes()[2..4], &0xBEEFu16.to_ne_bytes());
-        assert_eq!(v.load::<u16>(GuestAddress(2), Ordering::Acquire).unwrap(), 0xBEEF);
+        assert_eq!(
+            v.load::<u16>(GuestAddress(2), Ordering::Acquire).unwrap(),
+            0xBEEF
+        );
         assert!(v.read_slice(&mut b, GuestAddress(4 * 4096 - 2)).is_err());
         assert!(v.take_error().is_none());
         assert!(v.slices_made() >= 4);
@@ -520,7 +530,10 @@ pub(crate) mod tests {
         // One file in two regions, the second at guest-physical 1 GiB (q35's split).
         let r0 = m.regions[0];
         m.regions = vec![
-            Region { len: 2 * PAGE, ..r0 },
+            Region {
+                len: 2 * PAGE,
+                ..r0
+            },
             Region {
                 gpa: 1 << 30,
                 len: 2 * PAGE,
@@ -530,8 +543,14 @@ pub(crate) mod tests {
             },
         ];
         let f = r0.file;
-        assert_eq!(m.whole_pages(0, 2 * PAGE), vec![(f, Gfn(0), 0), (f, Gfn(1), PAGE)]);
-        assert_eq!(m.whole_pages(512, 2 * PAGE - 512), vec![(f, Gfn(1), PAGE - 512)]);
+        assert_eq!(
+            m.whole_pages(0, 2 * PAGE),
+            vec![(f, Gfn(0), 0), (f, Gfn(1), PAGE)]
+        );
+        assert_eq!(
+            m.whole_pages(512, 2 * PAGE - 512),
+            vec![(f, Gfn(1), PAGE - 512)]
+        );
         assert_eq!(m.whole_pages((1 << 30) + PAGE, PAGE), vec![(f, Gfn(3), 0)]);
         assert!(m.whole_pages(2 * PAGE, PAGE).is_empty(), "not guest RAM");
         assert!(m.pieces(PAGE, 2 * PAGE).is_err(), "crosses a gap");

@@ -117,10 +117,12 @@ impl Qemu {
             pid,
             source: io::Error::from_raw_os_error(libc::ESRCH),
         })?;
-        let pidfd = rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty())
-            .map_err(|e| RemoteError::Pidfd {
-                pid,
-                source: e.into(),
+        let pidfd =
+            rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).map_err(|e| {
+                RemoteError::Pidfd {
+                    pid,
+                    source: e.into(),
+                }
             })?;
         Ok(Qemu { pid, pidfd })
     }
@@ -264,10 +266,19 @@ impl Qemu {
                         "process_vm_readv",
                         chunk[first].0 + done[first] as u64,
                         chunk[first].1.len() - done[first],
-                        if n == 0 { io::Error::from_raw_os_error(libc::EFAULT) } else { err },
+                        if n == 0 {
+                            io::Error::from_raw_os_error(libc::EFAULT)
+                        } else {
+                            err
+                        },
                     ));
                 }
-                advance(&mut done, &pending, chunk.iter().map(|p| p.1.len()), n as usize);
+                advance(
+                    &mut done,
+                    &pending,
+                    chunk.iter().map(|p| p.1.len()),
+                    n as usize,
+                );
             }
         }
         Ok(())
@@ -325,16 +336,31 @@ impl Qemu {
                         "process_vm_writev",
                         chunk[first].0 + done[first] as u64,
                         chunk[first].1.len() - done[first],
-                        if n == 0 { io::Error::from_raw_os_error(libc::EFAULT) } else { err },
+                        if n == 0 {
+                            io::Error::from_raw_os_error(libc::EFAULT)
+                        } else {
+                            err
+                        },
                     ));
                 }
-                advance(&mut done, &pending, chunk.iter().map(|p| p.1.len()), n as usize);
+                advance(
+                    &mut done,
+                    &pending,
+                    chunk.iter().map(|p| p.1.len()),
+                    n as usize,
+                );
             }
         }
         Ok(())
     }
 
-    fn access_error(&self, op: &'static str, addr: u64, len: usize, source: io::Error) -> RemoteError {
+    fn access_error(
+        &self,
+        op: &'static str,
+        addr: u64,
+        len: usize,
+        source: io::Error,
+    ) -> RemoteError {
         if !self.alive() || source.raw_os_error() == Some(libc::ESRCH) {
             return RemoteError::Gone { pid: self.pid };
         }
@@ -389,7 +415,9 @@ impl Qemu {
                 None => base = Some(b),
                 Some(prev) if prev == b => {}
                 Some(prev) => {
-                    return Err(not_mapped(format!("at two addresses, {prev:#x} and {b:#x}")))
+                    return Err(not_mapped(format!(
+                        "at two addresses, {prev:#x} and {b:#x}"
+                    )))
                 }
             }
         }
@@ -456,7 +484,8 @@ pub fn peer_on_socket(path: &Path) -> Result<Qemu, RemoteError> {
     };
     let want = path.as_os_str().as_encoded_bytes();
     let mut found: Option<Qemu> = None;
-    let dir = std::fs::read_dir("/proc/self/fd").map_err(|e| peer_err(format!("/proc/self/fd: {e}")))?;
+    let dir =
+        std::fs::read_dir("/proc/self/fd").map_err(|e| peer_err(format!("/proc/self/fd: {e}")))?;
     for ent in dir.flatten() {
         let Ok(fd) = ent.file_name().to_string_lossy().parse::<i32>() else {
             continue;
@@ -539,8 +568,14 @@ mod tests {
         let (dev, ino) = memfold_sys::memfd::file_id(fd.as_fd()).unwrap();
         let me = Qemu::open(std::process::id()).unwrap();
         // File byte 3·4096 is the mapping's second page.
-        assert_eq!(me.file_address(dev, ino, 3 << 12, 4096).unwrap(), p as u64 + 4096);
-        assert_eq!(me.file_address(dev, ino, 2 << 12, 4 << 12).unwrap(), p as u64);
+        assert_eq!(
+            me.file_address(dev, ino, 3 << 12, 4096).unwrap(),
+            p as u64 + 4096
+        );
+        assert_eq!(
+            me.file_address(dev, ino, 2 << 12, 4 << 12).unwrap(),
+            p as u64
+        );
         assert!(matches!(
             me.file_address(dev, ino, 7 << 12, 4096),
             Err(RemoteError::NotMapped { .. })

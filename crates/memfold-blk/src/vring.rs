@@ -82,7 +82,12 @@ impl VringT<Gm> for BlkVring {
     fn set_enabled(&self, enabled: bool) {
         self.inner.set_enabled(enabled)
     }
-    fn set_queue_info(&self, desc_table: u64, avail_ring: u64, used_ring: u64) -> Result<(), VirtQueError> {
+    fn set_queue_info(
+        &self,
+        desc_table: u64,
+        avail_ring: u64,
+        used_ring: u64,
+    ) -> Result<(), VirtQueError> {
         self.inner.set_queue_info(desc_table, avail_ring, used_ring)
     }
     fn queue_next_avail(&self) -> u16 {

@@ -96,7 +96,9 @@ fn child_main() {
                 (2, true) => {
                     // The CoW break: the frame's bytes into the guest memfd, mapped back.
                     // SAFETY: reads the pool frame this child mapped at `at`.
-                    let frame = unsafe { std::slice::from_raw_parts(at as *const u8, PAGE as usize) }.to_vec();
+                    let frame =
+                        unsafe { std::slice::from_raw_parts(at as *const u8, PAGE as usize) }
+                            .to_vec();
                     memfold_sys::memfd::pwrite_all(
                         // SAFETY: the guest memfd stays open for the child's life.
                         unsafe { std::os::fd::BorrowedFd::borrow_raw(ram_fd) },
@@ -121,7 +123,8 @@ fn child_main() {
             Some("DUMP") => {
                 let pg: u64 = w.next().unwrap().parse().unwrap();
                 // SAFETY: a page of the child's own guest mapping.
-                let b = unsafe { std::slice::from_raw_parts((base + pg * PAGE) as *const u8, page) };
+                let b =
+                    unsafe { std::slice::from_raw_parts((base + pg * PAGE) as *const u8, page) };
                 println!("PAGE {} {}", b[0], b[page - 1]);
             }
             _ => break,
@@ -142,29 +145,40 @@ struct Guest {
 impl Guest {
     fn start() -> Guest {
         let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "child_main", "--nocapture", "--test-threads", "1"])
+            .args([
+                "--exact",
+                "child_main",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
             .env(CHILD_ENV, "1")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
         let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        // Killed and waited for on drop, also if READY never comes.
+        let mut g = Guest {
+            child,
+            stdin,
+            stdout,
+            base: 0,
+            memfd: 0,
+        };
         let mut line = String::new();
         loop {
             line.clear();
-            assert!(stdout.read_line(&mut line).unwrap() > 0, "child ended before READY");
+            assert!(
+                g.stdout.read_line(&mut line).unwrap() > 0,
+                "child ended before READY"
+            );
             if let Some((_, r)) = line.trim().split_once("READY ") {
                 let (b, fd) = r.split_once(' ').unwrap();
-                let base = u64::from_str_radix(b, 16).unwrap();
-                let memfd = fd.parse().unwrap();
-                return Guest {
-                    child,
-                    stdin,
-                    stdout,
-                    base,
-                    memfd,
-                };
+                g.base = u64::from_str_radix(b, 16).unwrap();
+                g.memfd = fd.parse().unwrap();
+                return g;
             }
         }
     }
@@ -241,22 +255,33 @@ fn check(g: &mut Guest, dev: &dyn Device) -> Vec<String> {
     dev.write(0, &vec![0x11; page]);
     let took = t.elapsed();
     if took < HOLD * 3 / 4 {
-        failed.push(format!("write to a write-protected page did not wait ({took:?})"));
+        failed.push(format!(
+            "write to a write-protected page did not wait ({took:?})"
+        ));
     }
     if g.view(0) != (0x11, 0x11) {
-        failed.push(format!("write to page 0 not in the guest's view: {:?}", g.view(0)));
+        failed.push(format!(
+            "write to page 0 not in the guest's view: {:?}",
+            g.view(0)
+        ));
     }
     // 2. A read of a hole is served by the missing-fault handler, not zeros.
     let mut b = vec![0u8; page];
     dev.read(PAGE, &mut b);
     if b.iter().any(|&x| x != 0xA5) {
-        failed.push(format!("read of a stashed page gave {:#x}.., not the handler's 0xA5", b[0]));
+        failed.push(format!(
+            "read of a stashed page gave {:#x}.., not the handler's 0xA5",
+            b[0]
+        ));
     }
     // 3. A write to a shared page (pool frame mapped over it) breaks the sharing and
     // lands in the guest's view.
     dev.write(2 * PAGE, &vec![0x22; page]);
     if g.view(2) != (0x22, 0x22) {
-        failed.push(format!("write to a shared page not in the guest's view: {:?}", g.view(2)));
+        failed.push(format!(
+            "write to a shared page not in the guest's view: {:?}",
+            g.view(2)
+        ));
     }
     failed
 }
@@ -323,5 +348,9 @@ fn the_mapping_vhost_user_backend_builds_fails_the_same_checks() {
     )])
     .unwrap();
     let failed = check(&mut g, &mmap);
-    assert_eq!(failed.len(), 3, "every check must catch the memfd mapping: {failed:?}");
+    assert_eq!(
+        failed.len(),
+        3,
+        "every check must catch the memfd mapping: {failed:?}"
+    );
 }

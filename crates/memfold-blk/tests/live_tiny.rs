@@ -18,8 +18,16 @@ use memfold_vm::launcher::{Accel, BlkDisks, DataDisk, Guest, GuestSpec, RamBacke
 const DISK_MIB: u64 = 64;
 
 fn md5_of(path: &std::path::Path) -> String {
-    let out = std::process::Command::new("md5sum").arg(path).output().unwrap();
-    String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_string()
+    let out = std::process::Command::new("md5sum")
+        .arg(path)
+        .output()
+        .unwrap();
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
 }
 
 /// `key=value` of the device's stats file.
@@ -38,7 +46,10 @@ fn a_tiny_guest_reads_its_data_disk_through_memfold_blk() {
     let work = tempfile::tempdir_in("/var/tmp").unwrap();
     let data = work.path().join("data.img");
     let mut bytes = vec![0u8; (DISK_MIB << 20) as usize];
-    std::fs::File::open("/dev/urandom").unwrap().read_exact(&mut bytes).unwrap();
+    std::fs::File::open("/dev/urandom")
+        .unwrap()
+        .read_exact(&mut bytes)
+        .unwrap();
     std::fs::write(&data, &bytes).unwrap();
     drop(bytes);
     let want = md5_of(&data);
@@ -58,15 +69,19 @@ fn a_tiny_guest_reads_its_data_disk_through_memfold_blk() {
     g.wait_ready(Duration::from_secs(90)).unwrap();
     let t = Instant::now();
     let sum = loop {
-        if let Some(s) = g
-            .serial()
-            .lines()
-            .find_map(|l| l.split("MEMFOLD-DATA-SUM ").nth(1).map(|s| s.trim().to_string()))
-        {
+        if let Some(s) = g.serial().lines().find_map(|l| {
+            l.split("MEMFOLD-DATA-SUM ")
+                .nth(1)
+                .map(|s| s.trim().to_string())
+        }) {
             break s;
         }
         g.check_alive().unwrap();
-        assert!(t.elapsed() < Duration::from_secs(120), "no MEMFOLD-DATA-SUM:\n{}", g.serial());
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "no MEMFOLD-DATA-SUM:\n{}",
+            g.serial()
+        );
         std::thread::sleep(Duration::from_millis(200));
     };
     assert_eq!(sum, want, "the guest's md5 of its data disk");

@@ -272,7 +272,12 @@ fn qemu_binary() -> Result<PathBuf, VmError> {
 ///
 /// Errors: [`VmError::Blk`] (RAM not memfd, no binary, a throttled data disk, `qemu-img`
 /// failed, a process that exits or makes no socket in time).
-fn start_blk(spec: &GuestSpec, b: &BlkDisks, img: &images::Image, dir: &Path) -> Result<Vec<Child>, VmError> {
+fn start_blk(
+    spec: &GuestSpec,
+    b: &BlkDisks,
+    img: &images::Image,
+    dir: &Path,
+) -> Result<Vec<Child>, VmError> {
     let err = |disk: &'static str, what: String| VmError::Blk {
         name: spec.name.clone(),
         disk,
@@ -281,7 +286,10 @@ fn start_blk(spec: &GuestSpec, b: &BlkDisks, img: &images::Image, dir: &Path) ->
     let mut jobs: Vec<(&'static str, Vec<std::ffi::OsString>)> = Vec::new();
     if b.root {
         let Some(rootfs) = &img.rootfs else {
-            return Err(err("root", format!("profile {} has no root disk", spec.profile)));
+            return Err(err(
+                "root",
+                format!("profile {} has no root disk", spec.profile),
+            ));
         };
         let overlay = dir.join("root.qcow2");
         let _ = std::fs::remove_file(&overlay);
@@ -293,11 +301,24 @@ fn start_blk(spec: &GuestSpec, b: &BlkDisks, img: &images::Image, dir: &Path) ->
             .output()
             .map_err(|e| err("root", format!("qemu-img: {e}")))?;
         if !out.status.success() {
-            return Err(err("root", format!("qemu-img create: {}", String::from_utf8_lossy(&out.stderr).trim())));
+            return Err(err(
+                "root",
+                format!(
+                    "qemu-img create: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            ));
         }
         jobs.push((
             "root",
-            vec!["--base".into(), rootfs.into(), "--overlay".into(), overlay.into(), "--serial".into(), "memfold-root".into()],
+            vec![
+                "--base".into(),
+                rootfs.into(),
+                "--overlay".into(),
+                overlay.into(),
+                "--serial".into(),
+                "memfold-root".into(),
+            ],
         ));
     }
     if b.data {
@@ -305,21 +326,40 @@ fn start_blk(spec: &GuestSpec, b: &BlkDisks, img: &images::Image, dir: &Path) ->
             return Err(err("data", "the guest has no data disk".into()));
         };
         if d.read_bytes_per_sec.is_some() {
-            return Err(err("data", "a read throttle (bps_rd) is QEMU's; memfold-blk has none".into()));
+            return Err(err(
+                "data",
+                "a read throttle (bps_rd) is QEMU's; memfold-blk has none".into(),
+            ));
         }
-        jobs.push(("data", vec!["--base".into(), d.path.clone().into(), "--serial".into(), DATA_DISK_SERIAL.into()]));
+        jobs.push((
+            "data",
+            vec![
+                "--base".into(),
+                d.path.clone().into(),
+                "--serial".into(),
+                DATA_DISK_SERIAL.into(),
+            ],
+        ));
     }
     if jobs.is_empty() {
         return Ok(Vec::new());
     }
     if spec.ram != RamBackend::Memfd {
-        return Err(err(jobs[0].0, "vhost-user needs memfd guest RAM (RamBackend::Memfd)".into()));
+        return Err(err(
+            jobs[0].0,
+            "vhost-user needs memfd guest RAM (RamBackend::Memfd)".into(),
+        ));
     }
     let binary = b
         .binary
         .clone()
         .or_else(memfold_blk_binary)
-        .ok_or_else(|| err(jobs[0].0, format!("no memfold-blk binary (set ${MEMFOLD_BLK_ENV})")))?;
+        .ok_or_else(|| {
+            err(
+                jobs[0].0,
+                format!("no memfold-blk binary (set ${MEMFOLD_BLK_ENV})"),
+            )
+        })?;
     let mut children: Vec<Child> = Vec::new();
     let kill_all = |children: &mut Vec<Child>| {
         for c in children.iter_mut() {
@@ -331,7 +371,10 @@ fn start_blk(spec: &GuestSpec, b: &BlkDisks, img: &images::Image, dir: &Path) ->
         let sock = dir.join(format!("blk-{disk}.sock"));
         let _ = std::fs::remove_file(&sock);
         let log = dir.join(format!("blk-{disk}.log"));
-        let stderr = File::create(&log).map_err(|source| VmError::Io { path: log.clone(), source })?;
+        let stderr = File::create(&log).map_err(|source| VmError::Io {
+            path: log.clone(),
+            source,
+        })?;
         let mut cmd = Command::new(&binary);
         cmd.args(&args)
             .arg("--socket")
@@ -342,11 +385,15 @@ fn start_blk(spec: &GuestSpec, b: &BlkDisks, img: &images::Image, dir: &Path) ->
         if let Some(l) = &b.landed_socket {
             cmd.arg("--landed-socket").arg(l);
         }
-        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(stderr);
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr);
         // SAFETY: only prctl between fork and exec.
         unsafe {
             cmd.pre_exec(|| {
-                rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))?;
+                rustix::process::set_parent_process_death_signal(Some(
+                    rustix::process::Signal::KILL,
+                ))?;
                 Ok(())
             });
         }
@@ -365,7 +412,15 @@ fn start_blk(spec: &GuestSpec, b: &BlkDisks, img: &images::Image, dir: &Path) ->
                 let _ = child.wait();
                 kill_all(&mut children);
                 let tail = std::fs::read_to_string(&log).unwrap_or_default();
-                return Err(err(disk, format!("no socket {} ({}): {}", sock.display(), exited.map_or("timed out".into(), |s| s.to_string()), tail.trim())));
+                return Err(err(
+                    disk,
+                    format!(
+                        "no socket {} ({}): {}",
+                        sock.display(),
+                        exited.map_or("timed out".into(), |s| s.to_string()),
+                        tail.trim()
+                    ),
+                ));
             }
             std::thread::sleep(Duration::from_millis(20));
         }

@@ -25,7 +25,10 @@ use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 
 /// Command line.
 #[derive(Parser, Debug)]
-#[command(name = "memfold-blk", about = "memfold's sharing-aware block device (vhost-user-blk), one disk")]
+#[command(
+    name = "memfold-blk",
+    about = "memfold's sharing-aware block device (vhost-user-blk), one disk"
+)]
 struct Args {
     /// The vhost-user socket to listen on.
     #[arg(long)]
@@ -113,7 +116,11 @@ fn main() -> ExitCode {
     let disk: Box<dyn Disk> = match &a.overlay {
         None => match RawDisk::open(&a.base) {
             Ok(d) => {
-                tracing::info!("{}: raw, read-only, O_DIRECT {}", a.base.display(), d.direct());
+                tracing::info!(
+                    "{}: raw, read-only, O_DIRECT {}",
+                    a.base.display(),
+                    d.direct()
+                );
                 Box::new(d)
             }
             Err(e) => {
@@ -123,7 +130,12 @@ fn main() -> ExitCode {
         },
         Some(ov) => match OverlayDisk::open(&a.base, ov) {
             Ok(d) => {
-                tracing::info!("{} over {}: O_DIRECT {}", ov.display(), a.base.display(), d.direct());
+                tracing::info!(
+                    "{} over {}: O_DIRECT {}",
+                    ov.display(),
+                    a.base.display(),
+                    d.direct()
+                );
                 Box::new(d)
             }
             Err(e) => {
@@ -146,7 +158,9 @@ fn main() -> ExitCode {
         expected_qemu: a.qemu_pid,
     };
     let backend = Arc::new(RwLock::new(BlkBackend::new(cfg, disk, sink)));
-    let qemu = a.qemu_pid.and_then(|p| memfold_blk::remote::Qemu::open(p).ok());
+    let qemu = a
+        .qemu_pid
+        .and_then(|p| memfold_blk::remote::Qemu::open(p).ok());
     // The stats file follows the device's work from a thread of its own.
     if a.stats.is_some() {
         let (b, path) = (backend.clone(), a.stats.clone());
@@ -169,7 +183,10 @@ fn main() -> ExitCode {
             }
         };
         match daemon.serve(&a.socket) {
-            Ok(()) => tracing::info!("QEMU disconnected after {:.1} s", started.elapsed().as_secs_f64()),
+            Ok(()) => tracing::info!(
+                "QEMU disconnected after {:.1} s",
+                started.elapsed().as_secs_f64()
+            ),
             Err(e) => tracing::warn!("connection ended: {e}"),
         }
         let mut b = backend.write().unwrap_or_else(|p| p.into_inner());

@@ -90,7 +90,13 @@ pub fn qemu_args(
         v.push("-chardev".into());
         v.push(format!("socket,id=blk-{disk},path={},reconnect=1", sock.display()).into());
         v.push("-device".into());
-        v.push(format!("vhost-user-blk-pci,chardev=blk-{disk},num-queues={}", spec.cpus.max(1)).into());
+        v.push(
+            format!(
+                "vhost-user-blk-pci,chardev=blk-{disk},num-queues={}",
+                spec.cpus.max(1)
+            )
+            .into(),
+        );
     };
     if let Some(rootfs) = &img.rootfs {
         if blk.root {
@@ -281,14 +287,48 @@ mod tests {
             }),
             ..spec(RamBackend::Memfd)
         });
-        assert!(has(&v, ["-chardev", "socket,id=blk-root,path=/w/blk-root.sock,reconnect=1"]));
-        assert!(has(&v, ["-device", "vhost-user-blk-pci,chardev=blk-root,num-queues=2"]));
-        assert!(has(&v, ["-chardev", "socket,id=blk-data,path=/w/blk-data.sock,reconnect=1"]));
-        assert!(has(&v, ["-device", "vhost-user-blk-pci,chardev=blk-data,num-queues=2"]));
-        assert!(!v.iter().any(|a| a.contains("-drive") || a.contains("file=")), "{v:?}");
+        assert!(has(
+            &v,
+            [
+                "-chardev",
+                "socket,id=blk-root,path=/w/blk-root.sock,reconnect=1"
+            ]
+        ));
+        assert!(has(
+            &v,
+            [
+                "-device",
+                "vhost-user-blk-pci,chardev=blk-root,num-queues=2"
+            ]
+        ));
+        assert!(has(
+            &v,
+            [
+                "-chardev",
+                "socket,id=blk-data,path=/w/blk-data.sock,reconnect=1"
+            ]
+        ));
+        assert!(has(
+            &v,
+            [
+                "-device",
+                "vhost-user-blk-pci,chardev=blk-data,num-queues=2"
+            ]
+        ));
+        assert!(
+            !v.iter()
+                .any(|a| a.contains("-drive") || a.contains("file=")),
+            "{v:?}"
+        );
         // The root disk first: it stays /dev/vda.
-        let root = v.iter().position(|a| a.contains("chardev=blk-root")).unwrap();
-        let data = v.iter().position(|a| a.contains("chardev=blk-data")).unwrap();
+        let root = v
+            .iter()
+            .position(|a| a.contains("chardev=blk-root"))
+            .unwrap();
+        let data = v
+            .iter()
+            .position(|a| a.contains("chardev=blk-data"))
+            .unwrap();
         assert!(root < data);
         assert!(v.iter().any(|a| a.contains("root=/dev/vda")));
         // Only the data disk: the root stays QEMU's.
@@ -303,8 +343,20 @@ mod tests {
             }),
             ..spec(RamBackend::Memfd)
         });
-        assert!(has(&d, ["-drive", "file=/c/web/rootfs.ext4,if=virtio,format=raw,snapshot=on"]));
-        assert!(has(&d, ["-device", "vhost-user-blk-pci,chardev=blk-data,num-queues=1"]));
+        assert!(has(
+            &d,
+            [
+                "-drive",
+                "file=/c/web/rootfs.ext4,if=virtio,format=raw,snapshot=on"
+            ]
+        ));
+        assert!(has(
+            &d,
+            [
+                "-device",
+                "vhost-user-blk-pci,chardev=blk-data,num-queues=1"
+            ]
+        ));
         assert!(!d.iter().any(|a| a.contains("data.img")));
     }
 }
