@@ -203,15 +203,25 @@ impl RawDisk {
     ///
     /// Errors: [`DiskError::Open`].
     pub fn open(path: &Path) -> Result<RawDisk, DiskError> {
+        Self::open_with(path, true)
+    }
+
+    /// [`RawDisk::open`], `O_DIRECT` only if `direct` (else buffered reads, each range
+    /// dropped from the page cache after it is read: `memfold-blk --no-direct`, to compare).
+    ///
+    /// Errors: [`DiskError::Open`].
+    pub fn open_with(path: &Path, direct: bool) -> Result<RawDisk, DiskError> {
         let open_err = |source| DiskError::Open {
             path: path.to_path_buf(),
             source,
         };
+        let flags = if direct { libc::O_DIRECT } else { 0 };
         let (file, direct) = match std::fs::OpenOptions::new()
             .read(true)
-            .custom_flags(libc::O_DIRECT)
+            .custom_flags(flags)
             .open(path)
         {
+            Ok(f) if !direct => (f, false),
             Ok(f) => (f, true),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                 (File::open(path).map_err(open_err)?, false)
@@ -313,6 +323,9 @@ pub struct OverlayDisk {
     path: PathBuf,
     base: RawDisk,
     overlay: FormatAccess<ImagoFile>,
+    /// The overlay file opened again, read-only: only to drop its ranges from the page
+    /// cache when imago's I/O is buffered.
+    cache_handle: File,
     direct: bool,
 }
 
@@ -323,7 +336,19 @@ impl OverlayDisk {
     ///
     /// Errors: [`DiskError::Open`] (either image; a base smaller than the overlay).
     pub fn open(base: &Path, overlay: &Path) -> Result<OverlayDisk, DiskError> {
-        let raw = RawDisk::open(base)?;
+        Self::open_with(base, overlay, true)
+    }
+
+    /// [`OverlayDisk::open`], `O_DIRECT` only if `direct` (else buffered, the ranges read
+    /// or flushed dropped from the page cache afterwards).
+    ///
+    /// Errors: as [`OverlayDisk::open`].
+    pub fn open_with(base: &Path, overlay: &Path, direct: bool) -> Result<OverlayDisk, DiskError> {
+        let raw = RawDisk::open_with(base, direct)?;
+        let cache_handle = File::open(overlay).map_err(|source| DiskError::Open {
+            path: overlay.to_path_buf(),
+            source,
+        })?;
         let open = |direct: bool| -> std::io::Result<FormatAccess<ImagoFile>> {
             let opts = StorageOpenOptions::new().direct(direct);
             let b = Raw::<ImagoFile>::builder_path(base)
@@ -337,7 +362,8 @@ impl OverlayDisk {
                 .open(PermissiveImplicitOpenGate::default())?;
             Ok(FormatAccess::new(q))
         };
-        let (q, direct) = match open(true) {
+        let first = if direct { open(true) } else { Err(std::io::Error::other("buffered asked")) };
+        let (q, direct) = match first {
             Ok(q) => (q, true),
             Err(_) => (
                 open(false).map_err(|source| DiskError::Open {
@@ -362,6 +388,7 @@ impl OverlayDisk {
             path: overlay.to_path_buf(),
             base: raw,
             overlay: q,
+            cache_handle,
             direct,
         })
     }
@@ -421,9 +448,13 @@ impl Disk for OverlayDisk {
                 .get_shallow_mapping(off + at, len - at)
                 .map_err(self.io_err("read", off + at, len - at))?;
             let n = n.clamp(1, len - at);
+            let mut host_off = None;
             let source = match m {
                 ShallowMapping::Indirect { .. } => ExtentSource::Base(self.base.id()),
-                ShallowMapping::Raw { .. } => ExtentSource::Overlay,
+                ShallowMapping::Raw { offset, .. } => {
+                    host_off = Some(offset);
+                    ExtentSource::Overlay
+                }
                 ShallowMapping::Zero { .. } | ShallowMapping::Eof { .. } => ExtentSource::Zero,
                 _ => ExtentSource::Overlay,
             };
@@ -431,7 +462,12 @@ impl Disk for OverlayDisk {
             match source {
                 ExtentSource::Base(_) => self.base.read_at(off + at, dst)?,
                 ExtentSource::Zero => dst.fill(0),
-                ExtentSource::Overlay => self.imago_read(off + at, dst)?,
+                ExtentSource::Overlay => {
+                    self.imago_read(off + at, dst)?;
+                    if let (false, Some(h)) = (self.direct, host_off) {
+                        memfold_sys::memfd::drop_cache(self.cache_handle.as_fd(), h, n);
+                    }
+                }
             }
             match ext.last_mut() {
                 Some(e) if e.source == source && e.off + e.len == off + at => e.len += n,
@@ -458,7 +494,12 @@ impl Disk for OverlayDisk {
     }
     fn flush(&self) -> Result<(), DiskError> {
         self.overlay.flush().map_err(self.io_err("flush", 0, 0))?;
-        self.overlay.sync().map_err(self.io_err("flush", 0, 0))
+        self.overlay.sync().map_err(self.io_err("flush", 0, 0))?;
+        if !self.direct {
+            // Written back by the sync: clean pages, which DONTNEED drops.
+            memfold_sys::memfd::drop_cache(self.cache_handle.as_fd(), 0, 0);
+        }
+        Ok(())
     }
     fn discard(&mut self, off: u64, len: u64) -> Result<(), DiskError> {
         check_range(&self.path, "discard", off, len, self.size())?;

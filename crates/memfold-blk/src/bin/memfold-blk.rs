@@ -56,6 +56,10 @@ struct Args {
     /// Log every landed report at debug level instead of counting them.
     #[arg(long)]
     log_landed: bool,
+    /// Buffered I/O with each range dropped from the host page cache after use, instead
+    /// of O_DIRECT (to compare what the host page cache keeps).
+    #[arg(long)]
+    no_direct: bool,
     /// A file rewritten with the request counters (`key=value ...`) at most every 200 ms
     /// and at each disconnect.
     #[arg(long)]
@@ -114,7 +118,7 @@ fn main() -> ExitCode {
         .init();
     let a = Args::parse();
     let disk: Box<dyn Disk> = match &a.overlay {
-        None => match RawDisk::open(&a.base) {
+        None => match RawDisk::open_with(&a.base, !a.no_direct) {
             Ok(d) => {
                 tracing::info!(
                     "{}: raw, read-only, O_DIRECT {}",
@@ -128,7 +132,7 @@ fn main() -> ExitCode {
                 return ExitCode::FAILURE;
             }
         },
-        Some(ov) => match OverlayDisk::open(&a.base, ov) {
+        Some(ov) => match OverlayDisk::open_with(&a.base, ov, !a.no_direct) {
             Ok(d) => {
                 tracing::info!(
                     "{} over {}: O_DIRECT {}",
