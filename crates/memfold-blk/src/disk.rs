@@ -7,9 +7,22 @@
 //!
 //! The host page cache is kept from holding a third copy of what the guest's page cache
 //! and memfold's pool already hold: the raw base is read with `O_DIRECT` (aligned bounce
-//! buffers; where the file system refuses `O_DIRECT`, buffered reads followed by
-//! `POSIX_FADV_DONTNEED` of the range); the qcow2 overlay and its base are opened by imago
-//! with `O_DIRECT` too (its `StorageOpenOptions::direct`), with the same fallback.
+//! buffers), and imago opens the qcow2 overlay and its base with `O_DIRECT` too (its
+//! `StorageOpenOptions::direct`). Where a file system refuses `O_DIRECT` (and with
+//! `memfold-blk --no-direct`) I/O is buffered and each range is dropped with
+//! `POSIX_FADV_DONTNEED` after use — which measurably does not work. Bytes of the image in
+//! the host page cache (`fincore`) after a TCG guest used the disk, cache dropped before,
+//! ext4 host (2026-11-24, /var/tmp/blk-measure/{run,root}.sh in the report of issue 16's
+//! block device):
+//!
+//! | disk | `O_DIRECT` | buffered + `DONTNEED` |
+//! |---|---|---|
+//! | 64 MiB raw data disk, read whole by the tiny guest | 0 | 65 601 536 (all of it) |
+//! | web root: raw base under a qcow2 overlay, boot to ready (21 MB read) | base 0, overlay 65 536 | base 18 440 192, overlay 0 |
+//!
+//! (Readahead reads past the range dropped, and pages just read may sit in per-CPU LRU
+//! batches that `DONTNEED` skips.) So `O_DIRECT` is the default and the fallback is only
+//! a fallback.
 
 use std::fs::File;
 use std::os::fd::AsFd;

@@ -22,6 +22,13 @@
 //! `GuestMemory` whose slices are bounce buffers: filled from QEMU when they are handed
 //! out for reading, written back to QEMU when vm-memory marks them dirty (every write
 //! through a `VolatileSlice` does).
+//!
+//! A limit of the bounce design: virtio's 16-bit ring indices are read and written by
+//! the kernel's user-copy routine (`process_vm_*`), not by one atomic instruction. A
+//! torn index would break the ring; the test `a_remote_u16_store_is_never_seen_torn`
+//! checks, on the host it runs on, that neither a remote store nor a remote load of a
+//! 2-byte-aligned u16 is ever seen half done (it passes here, x86-64 with FSRM `rep
+//! movsb`; split into two byte writes it fails at once).
 
 use std::cell::{Cell, RefCell};
 use std::fmt;
@@ -555,5 +562,65 @@ pub(crate) mod tests {
         assert!(m.whole_pages(2 * PAGE, PAGE).is_empty(), "not guest RAM");
         assert!(m.pieces(PAGE, 2 * PAGE).is_err(), "crosses a gap");
         assert!(m.pieces(u64::MAX - 2, 8).is_err(), "wraps");
+    }
+
+    /// virtio's ring indices are 16-bit values the guest reads while the device writes
+    /// them (and the other way round): a remote write must not be seen half done. The
+    /// kernel copies `process_vm_writev`'s bytes with its `copy_from_user` (on this CPU
+    /// `rep movsb`, FSRM), which makes no such promise; this checks it on the host at
+    /// hand: a reader spinning on a u16 while the device flips it between 0x00FF and
+    /// 0x0100 (every byte changes) must never see 0x0000 or 0x01FF.
+    #[test]
+    fn a_remote_u16_store_is_never_seen_torn() {
+        use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64};
+        let l = Local::new(1);
+        // SAFETY: the mapping is 4096 bytes, 2-aligned at offset 64, alive for the test;
+        // every access to it is atomic or through the kernel.
+        let word: &AtomicU16 = unsafe { &*(l.ptr.add(64) as *const AtomicU16) };
+        word.store(0x00FF, Ordering::SeqCst);
+        let stop = Arc::new(AtomicBool::new(false));
+        let torn = Arc::new(AtomicU64::new(0));
+        let addr = l.ptr as usize + 64;
+        let (s2, t2) = (stop.clone(), torn.clone());
+        let reader = std::thread::spawn(move || {
+            // SAFETY: as above; the test joins this thread before unmapping.
+            let w: &AtomicU16 = unsafe { &*(addr as *const AtomicU16) };
+            while !s2.load(Ordering::Relaxed) {
+                let v = w.load(Ordering::Relaxed);
+                if v != 0x00FF && v != 0x0100 {
+                    t2.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        for i in 0..200_000u32 {
+            let v: u16 = if i % 2 == 0 { 0x0100 } else { 0x00FF };
+            l.mem.write(64, &v.to_le_bytes()).unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+        reader.join().unwrap();
+        assert_eq!(torn.load(Ordering::Relaxed), 0, "torn 16-bit values seen");
+        // And the other way: the guest flips it, the device reads it remotely.
+        stop.store(false, Ordering::Relaxed);
+        let s3 = stop.clone();
+        let writer = std::thread::spawn(move || {
+            // SAFETY: as above.
+            let w: &AtomicU16 = unsafe { &*(addr as *const AtomicU16) };
+            while !s3.load(Ordering::Relaxed) {
+                w.store(0x0100, Ordering::Relaxed);
+                w.store(0x00FF, Ordering::Relaxed);
+            }
+        });
+        let mut seen_torn = 0;
+        for _ in 0..200_000 {
+            let mut b = [0u8; 2];
+            l.mem.read(64, &mut b).unwrap();
+            let v = u16::from_le_bytes(b);
+            if v != 0x00FF && v != 0x0100 {
+                seen_torn += 1;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        writer.join().unwrap();
+        assert_eq!(seen_torn, 0, "torn 16-bit values read");
     }
 }
