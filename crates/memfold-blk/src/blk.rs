@@ -223,7 +223,11 @@ impl BlkBackend {
         // aligned pages are what a landed report can name by base block.
         put(&mut c, 20, &(SECTOR as u32).to_le_bytes()); // blk_size
         c[24] = (crate::disk::BLOCK / SECTOR).trailing_zeros() as u8; // physical_block_exp
-        put(&mut c, 26, &((crate::disk::BLOCK / SECTOR) as u16).to_le_bytes()); // min_io_size
+        put(
+            &mut c,
+            26,
+            &((crate::disk::BLOCK / SECTOR) as u16).to_le_bytes(),
+        ); // min_io_size
         put(&mut c, 34, &self.cfg.queues.to_le_bytes());
         if self.disk.can_discard() {
             put(&mut c, 36, &((MAX_DATA / SECTOR) as u32).to_le_bytes()); // max_discard_sectors

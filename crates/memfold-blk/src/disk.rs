@@ -375,7 +375,11 @@ impl OverlayDisk {
                 .open(PermissiveImplicitOpenGate::default())?;
             Ok(FormatAccess::new(q))
         };
-        let first = if direct { open(true) } else { Err(std::io::Error::other("buffered asked")) };
+        let first = if direct {
+            open(true)
+        } else {
+            Err(std::io::Error::other("buffered asked"))
+        };
         let (q, direct) = match first {
             Ok(q) => (q, true),
             Err(_) => (

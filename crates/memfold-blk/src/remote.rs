@@ -583,4 +583,45 @@ mod tests {
         // SAFETY: the mapping made above, no longer used.
         unsafe { libc::munmap(p, 4 << 12) };
     }
+
+    #[test]
+    fn the_peer_of_an_accepted_connection_is_found_by_the_socket_path() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("v.sock");
+        assert!(matches!(
+            peer_on_socket(&path),
+            Err(RemoteError::Peer { .. })
+        ));
+        let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        assert!(
+            matches!(peer_on_socket(&path), Err(RemoteError::Peer { .. })),
+            "a listener is no connection"
+        );
+        let _c = std::os::unix::net::UnixStream::connect(&path).unwrap();
+        let (_s, _) = l.accept().unwrap();
+        let q = peer_on_socket(&path).unwrap();
+        assert_eq!(q.pid(), std::process::id());
+        assert!(q.alive());
+    }
+
+    #[test]
+    fn nothing_is_read_or_written_once_the_process_has_exited() {
+        let mut c = std::process::Command::new("sleep")
+            .arg("0.2")
+            .spawn()
+            .unwrap();
+        let q = Qemu::open(c.id()).unwrap();
+        assert!(q.alive());
+        c.wait().unwrap();
+        assert!(!q.alive());
+        let mut b = [0u8; 8];
+        assert!(matches!(
+            q.read(&mut [(0x1000, &mut b[..])]),
+            Err(RemoteError::Gone { .. })
+        ));
+        assert!(matches!(
+            q.write(&[(0x1000, &b[..])]),
+            Err(RemoteError::Gone { .. })
+        ));
+    }
 }
