@@ -83,6 +83,52 @@ pub struct GuestSpec {
     /// Guest kernel arguments of this guest alone, appended (e.g. the `tiny` image's
     /// `memfold.break_at=SECS`); `None`: none.
     pub kernel_args: Option<String>,
+    /// Disks served by memfold-blk (vhost-user-blk, Satori §4.1) instead of QEMU's own
+    /// virtio-blk; `None`: QEMU serves them all (the default).
+    pub memfold_blk: Option<BlkDisks>,
+}
+
+/// Which of a guest's disks memfold-blk serves, one `memfold-blk` process per disk
+/// (started before QEMU, its socket `blk-data.sock` / `blk-root.sock` in the guest's
+/// folder, killed when the guest stops). Needs [`RamBackend::Memfd`] (vhost-user shares
+/// guest RAM by its memfd).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BlkDisks {
+    /// The data disk ([`GuestSpec::data_disk`]; its read throttle is QEMU's and cannot
+    /// apply: a throttled data disk is refused).
+    pub data: bool,
+    /// The root disk: the profile's image as a read-only base under a per-guest qcow2
+    /// overlay (`root.qcow2` in the guest's folder, made with `qemu-img create -f qcow2 -b
+    /// IMAGE -F raw`) instead of QEMU's throw-away `snapshot=on` overlay.
+    pub root: bool,
+    /// The `memfold-blk` binary; `None`: [`memfold_blk_binary`].
+    pub binary: Option<PathBuf>,
+    /// Passed as `--landed-socket` (memfoldd's socket for landed pages); `None`: the
+    /// device counts them itself.
+    pub landed_socket: Option<PathBuf>,
+}
+
+/// The environment variable naming the `memfold-blk` binary.
+pub const MEMFOLD_BLK_ENV: &str = "MEMFOLD_BLK";
+
+/// The `memfold-blk` binary: `$MEMFOLD_BLK`, else beside the running executable, else in
+/// its parent folder (a test binary in `target/release/deps` finds the build's in
+/// `target/release`), else `../lib/memfold/` from its folder (an installed memfold, as
+/// the agent library).
+pub fn memfold_blk_binary() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(MEMFOLD_BLK_ENV) {
+        return Some(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?;
+    [
+        Some(dir.join("memfold-blk")),
+        dir.parent().map(|p| p.join("memfold-blk")),
+        dir.parent().map(|p| p.join("lib/memfold/memfold-blk")),
+    ]
+    .into_iter()
+    .flatten()
+    .find(|p| p.is_file())
 }
 
 impl GuestSpec {
@@ -102,6 +148,7 @@ impl GuestSpec {
             memfold_balloon: false,
             data_disk: None,
             kernel_args: None,
+            memfold_blk: None,
         }
     }
 }
@@ -165,6 +212,16 @@ pub enum VmError {
         /// QMP error.
         source: QmpError,
     },
+    /// A memfold-blk device could not be set up.
+    #[error("guest {name}: memfold-blk for its {disk} disk: {what}")]
+    Blk {
+        /// Guest.
+        name: String,
+        /// `data` or `root`.
+        disk: &'static str,
+        /// What went wrong.
+        what: String,
+    },
     /// Work folder I/O.
     #[error("guest work folder {path}: {source}")]
     Io {
@@ -193,6 +250,8 @@ pub struct Guest {
     pub serial_path: PathBuf,
     stderr_path: PathBuf,
     child: Option<Child>,
+    /// The memfold-blk processes serving its disks, killed after QEMU stops.
+    blk: Vec<Child>,
     /// When QEMU was started.
     pub started: Instant,
 }
@@ -206,6 +265,168 @@ fn qemu_binary() -> Result<PathBuf, VmError> {
                 .find(|p| p.is_file())
         })
         .ok_or(VmError::QemuMissing)
+}
+
+/// The `memfold-blk` processes for `spec`'s disks (`b`), each waited for until its socket
+/// exists (10 s at most); the root disk's overlay is made first.
+///
+/// Errors: [`VmError::Blk`] (RAM not memfd, no binary, a throttled data disk, `qemu-img`
+/// failed, a process that exits or makes no socket in time).
+fn start_blk(
+    spec: &GuestSpec,
+    b: &BlkDisks,
+    img: &images::Image,
+    dir: &Path,
+) -> Result<Vec<Child>, VmError> {
+    let err = |disk: &'static str, what: String| VmError::Blk {
+        name: spec.name.clone(),
+        disk,
+        what,
+    };
+    let mut jobs: Vec<(&'static str, Vec<std::ffi::OsString>)> = Vec::new();
+    if b.root {
+        let Some(rootfs) = &img.rootfs else {
+            return Err(err(
+                "root",
+                format!("profile {} has no root disk", spec.profile),
+            ));
+        };
+        let overlay = dir.join("root.qcow2");
+        let _ = std::fs::remove_file(&overlay);
+        let out = Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-b"])
+            .arg(rootfs)
+            .args(["-F", "raw"])
+            .arg(&overlay)
+            .output()
+            .map_err(|e| err("root", format!("qemu-img: {e}")))?;
+        if !out.status.success() {
+            return Err(err(
+                "root",
+                format!(
+                    "qemu-img create: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            ));
+        }
+        jobs.push((
+            "root",
+            vec![
+                "--base".into(),
+                rootfs.into(),
+                "--overlay".into(),
+                overlay.into(),
+                "--serial".into(),
+                "memfold-root".into(),
+            ],
+        ));
+    }
+    if b.data {
+        let Some(d) = &spec.data_disk else {
+            return Err(err("data", "the guest has no data disk".into()));
+        };
+        if d.read_bytes_per_sec.is_some() {
+            return Err(err(
+                "data",
+                "a read throttle (bps_rd) is QEMU's; memfold-blk has none".into(),
+            ));
+        }
+        jobs.push((
+            "data",
+            vec![
+                "--base".into(),
+                d.path.clone().into(),
+                "--serial".into(),
+                DATA_DISK_SERIAL.into(),
+            ],
+        ));
+    }
+    if jobs.is_empty() {
+        return Ok(Vec::new());
+    }
+    if spec.ram != RamBackend::Memfd {
+        return Err(err(
+            jobs[0].0,
+            "vhost-user needs memfd guest RAM (RamBackend::Memfd)".into(),
+        ));
+    }
+    let binary = b
+        .binary
+        .clone()
+        .or_else(memfold_blk_binary)
+        .ok_or_else(|| {
+            err(
+                jobs[0].0,
+                format!("no memfold-blk binary (set ${MEMFOLD_BLK_ENV})"),
+            )
+        })?;
+    let mut children: Vec<Child> = Vec::new();
+    let kill_all = |children: &mut Vec<Child>| {
+        for c in children.iter_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    };
+    for (disk, args) in jobs {
+        let sock = dir.join(format!("blk-{disk}.sock"));
+        let _ = std::fs::remove_file(&sock);
+        let log = dir.join(format!("blk-{disk}.log"));
+        let stderr = File::create(&log).map_err(|source| VmError::Io {
+            path: log.clone(),
+            source,
+        })?;
+        let mut cmd = Command::new(&binary);
+        cmd.args(&args)
+            .arg("--socket")
+            .arg(&sock)
+            .arg("--stats")
+            .arg(dir.join(format!("blk-{disk}.stats")))
+            .args(["--queues", &spec.cpus.max(1).to_string()]);
+        if let Some(l) = &b.landed_socket {
+            cmd.arg("--landed-socket").arg(l);
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr);
+        // SAFETY: only prctl between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                rustix::process::set_parent_process_death_signal(Some(
+                    rustix::process::Signal::KILL,
+                ))?;
+                Ok(())
+            });
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                kill_all(&mut children);
+                return Err(err(disk, format!("{}: {e}", binary.display())));
+            }
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !sock.exists() {
+            let exited = child.try_wait().ok().flatten();
+            if exited.is_some() || Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                kill_all(&mut children);
+                let tail = std::fs::read_to_string(&log).unwrap_or_default();
+                return Err(err(
+                    disk,
+                    format!(
+                        "no socket {} ({}): {}",
+                        sock.display(),
+                        exited.map_or("timed out".into(), |s| s.to_string()),
+                        tail.trim()
+                    ),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        children.push(child);
+    }
+    Ok(children)
 }
 
 /// Whether KVM can run guests here: `/dev/kvm` opens and a tiny guest reaches its
@@ -308,6 +529,10 @@ impl Guest {
         let serial_path = dir.join("serial.log");
         let stderr_path = dir.join("qemu.stderr");
         let _ = std::fs::remove_file(&qmp_path);
+        let mut blk = Vec::new();
+        if let Some(b) = &spec.memfold_blk {
+            blk = start_blk(spec, b, &img, &dir)?;
+        }
         let mut cmd = Command::new(qemu);
         cmd.envs(env.iter().map(|(k, v)| (k, v)));
         // Experiments (e.g. `init_on_alloc=0`, docs/live.md) add guest kernel arguments.
@@ -374,6 +599,7 @@ impl Guest {
             serial_path,
             stderr_path,
             child: Some(child),
+            blk,
             started: Instant::now(),
         })
     }
@@ -495,6 +721,14 @@ impl Guest {
     /// Stops QEMU: QMP `quit`, then SIGKILL if it has not exited within 5 s; a stopped
     /// QEMU (which cannot answer QMP) gets SIGKILL at once. Idempotent.
     pub fn stop(&mut self) {
+        self.stop_qemu();
+        for mut c in self.blk.drain(..) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn stop_qemu(&mut self) {
         let stopped = self.is_stopped();
         let Some(mut child) = self.child.take() else {
             return;

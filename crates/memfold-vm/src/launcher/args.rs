@@ -83,13 +83,36 @@ pub fn qemu_args(
     // on a loaded host (16 TCG guests booting on 2 cores: "setup_IO_APIC" panic, one guest
     // of 16); virtual machines' kernels skip it, as cloud images do.
     let mut append = String::from("console=ttyS0 panic=-1 quiet no_timer_check");
+    let blk = spec.memfold_blk.clone().unwrap_or_default();
+    // A disk memfold-blk serves: its vhost-user socket beside the QMP socket.
+    let vhost_user = |v: &mut Vec<OsString>, disk: &str| {
+        let sock = qmp.with_file_name(format!("blk-{disk}.sock"));
+        v.push("-chardev".into());
+        v.push(format!("socket,id=blk-{disk},path={},reconnect=1", sock.display()).into());
+        v.push("-device".into());
+        v.push(
+            format!(
+                "vhost-user-blk-pci,chardev=blk-{disk},num-queues={}",
+                spec.cpus.max(1)
+            )
+            .into(),
+        );
+    };
     if let Some(rootfs) = &img.rootfs {
-        // The image is shared by all guests of a profile: writes go to a throw-away overlay.
-        v.push("-drive".into());
-        v.push(format!("file={},if=virtio,format=raw,snapshot=on", rootfs.display()).into());
+        if blk.root {
+            // memfold-blk serves the image as a base under the guest's own qcow2 overlay.
+            vhost_user(&mut v, "root");
+        } else {
+            // The image is shared by all guests of a profile: writes go to a throw-away
+            // overlay.
+            v.push("-drive".into());
+            v.push(format!("file={},if=virtio,format=raw,snapshot=on", rootfs.display()).into());
+        }
         append.push_str(" root=/dev/vda");
     }
-    if let Some(d) = &spec.data_disk {
+    if spec.data_disk.is_some() && blk.data {
+        vhost_user(&mut v, "data");
+    } else if let Some(d) = &spec.data_disk {
         let mut drive = format!(
             "file={},if=none,id={DATA_DISK_SERIAL},format=raw,readonly=on",
             d.path.display()
@@ -246,5 +269,94 @@ mod tests {
             .map(|w| &w[1])
             .collect();
         assert!(drives[0].contains("rootfs.ext4") && drives[1].contains("data.img"));
+    }
+
+    #[test]
+    fn disks_memfold_blk_serves_are_vhost_user_devices_on_their_sockets() {
+        use super::super::BlkDisks;
+        let v = args(&GuestSpec {
+            data_disk: Some(DataDisk {
+                path: "/w/data.img".into(),
+                read_bytes_per_sec: None,
+            }),
+            cpus: 2,
+            memfold_blk: Some(BlkDisks {
+                data: true,
+                root: true,
+                ..BlkDisks::default()
+            }),
+            ..spec(RamBackend::Memfd)
+        });
+        assert!(has(
+            &v,
+            [
+                "-chardev",
+                "socket,id=blk-root,path=/w/blk-root.sock,reconnect=1"
+            ]
+        ));
+        assert!(has(
+            &v,
+            [
+                "-device",
+                "vhost-user-blk-pci,chardev=blk-root,num-queues=2"
+            ]
+        ));
+        assert!(has(
+            &v,
+            [
+                "-chardev",
+                "socket,id=blk-data,path=/w/blk-data.sock,reconnect=1"
+            ]
+        ));
+        assert!(has(
+            &v,
+            [
+                "-device",
+                "vhost-user-blk-pci,chardev=blk-data,num-queues=2"
+            ]
+        ));
+        assert!(
+            !v.iter()
+                .any(|a| a.contains("-drive") || a.contains("file=")),
+            "{v:?}"
+        );
+        // The root disk first: it stays /dev/vda.
+        let root = v
+            .iter()
+            .position(|a| a.contains("chardev=blk-root"))
+            .unwrap();
+        let data = v
+            .iter()
+            .position(|a| a.contains("chardev=blk-data"))
+            .unwrap();
+        assert!(root < data);
+        assert!(v.iter().any(|a| a.contains("root=/dev/vda")));
+        // Only the data disk: the root stays QEMU's.
+        let d = args(&GuestSpec {
+            data_disk: Some(DataDisk {
+                path: "/w/data.img".into(),
+                read_bytes_per_sec: None,
+            }),
+            memfold_blk: Some(BlkDisks {
+                data: true,
+                ..BlkDisks::default()
+            }),
+            ..spec(RamBackend::Memfd)
+        });
+        assert!(has(
+            &d,
+            [
+                "-drive",
+                "file=/c/web/rootfs.ext4,if=virtio,format=raw,snapshot=on"
+            ]
+        ));
+        assert!(has(
+            &d,
+            [
+                "-device",
+                "vhost-user-blk-pci,chardev=blk-data,num-queues=1"
+            ]
+        ));
+        assert!(!d.iter().any(|a| a.contains("data.img")));
     }
 }

@@ -1,0 +1,210 @@
+//! `memfold-blk`: one guest disk served over vhost-user-blk (see the crate's docs: one
+//! process per disk, guest RAM reached only through QEMU's page tables).
+//!
+//! ```text
+//! memfold-blk --socket /run/g1-data.sock --serial memfold-data --base data.img
+//! memfold-blk --socket /run/g1-root.sock --serial root --base web.raw --overlay g1.qcow2
+//! ```
+//! QEMU attaches it with `-chardev socket,id=X,path=SOCK,reconnect=1 -device
+//! vhost-user-blk-pci,chardev=X` (guest RAM `memory-backend-memfd,share=on`). It serves
+//! one connection at a time and waits for the next when QEMU disconnects (QEMU's
+//! `reconnect` brings it back after a restart of either side); with `--qemu-pid` it
+//! refuses any other peer and exits once that QEMU has exited.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use memfold_blk::blk::{BlkBackend, BlkConfig};
+use memfold_blk::disk::{Disk, OverlayDisk, RawDisk};
+use memfold_blk::landed::{CountingSink, LandedSink, LogSink};
+use vhost_user_backend::VhostUserDaemon;
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+
+/// Command line.
+#[derive(Parser, Debug)]
+#[command(
+    name = "memfold-blk",
+    about = "memfold's sharing-aware block device (vhost-user-blk), one disk"
+)]
+struct Args {
+    /// The vhost-user socket to listen on.
+    #[arg(long)]
+    socket: PathBuf,
+    /// The raw image: the whole disk (read-only) or, with --overlay, its read-only base.
+    #[arg(long)]
+    base: PathBuf,
+    /// A qcow2 overlay over --base (`qemu-img create -f qcow2 -b BASE -F raw OVERLAY`):
+    /// the disk is then writable, writes go to the overlay.
+    #[arg(long)]
+    overlay: Option<PathBuf>,
+    /// The serial get-id answers (the tiny image finds its data disk by `memfold-data`).
+    #[arg(long, default_value = "memfold-blk")]
+    serial: String,
+    /// Queues offered.
+    #[arg(long, default_value_t = 1)]
+    queues: u16,
+    /// The QEMU expected on the socket: other peers are refused, and memfold-blk exits
+    /// once it has exited.
+    #[arg(long)]
+    qemu_pid: Option<u32>,
+    /// Where to report landed pages (memfoldd's socket for the block device).
+    #[arg(long)]
+    landed_socket: Option<PathBuf>,
+    /// Log every landed report at debug level instead of counting them.
+    #[arg(long)]
+    log_landed: bool,
+    /// Buffered I/O with each range dropped from the host page cache after use, instead
+    /// of O_DIRECT (to compare what the host page cache keeps).
+    #[arg(long)]
+    no_direct: bool,
+    /// A file rewritten with the request counters (`key=value ...`) at most every 200 ms
+    /// and at each disconnect.
+    #[arg(long)]
+    stats: Option<PathBuf>,
+}
+
+/// The sink the binary reports landed pages to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SinkChoice {
+    /// Count them (the default).
+    Counting,
+    /// Log them at debug level.
+    Log,
+    /// Send them to memfoldd on this socket.
+    Socket(PathBuf),
+}
+
+impl SinkChoice {
+    fn of(a: &Args) -> SinkChoice {
+        match (&a.landed_socket, a.log_landed) {
+            (Some(p), _) => SinkChoice::Socket(p.clone()),
+            (None, true) => SinkChoice::Log,
+            (None, false) => SinkChoice::Counting,
+        }
+    }
+
+    /// The sink. Errors: a sink this build has none for.
+    fn sink(&self) -> Result<Box<dyn LandedSink>, String> {
+        match self {
+            SinkChoice::Counting => Ok(Box::new(CountingSink::default())),
+            SinkChoice::Log => Ok(Box::new(LogSink)),
+            SinkChoice::Socket(p) => Err(format!(
+                "--landed-socket {}: this memfold-blk has no memfoldd sink built in",
+                p.display()
+            )),
+        }
+    }
+}
+
+fn write_stats(path: &Option<PathBuf>, b: &BlkBackend) {
+    if let Some(p) = path {
+        let tmp = p.with_extension("tmp");
+        if std::fs::write(&tmp, b.counters().line() + "\n").is_ok() {
+            let _ = std::fs::rename(&tmp, p);
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let a = Args::parse();
+    let disk: Box<dyn Disk> = match &a.overlay {
+        None => match RawDisk::open_with(&a.base, !a.no_direct) {
+            Ok(d) => {
+                tracing::info!(
+                    "{}: raw, read-only, O_DIRECT {}",
+                    a.base.display(),
+                    d.direct()
+                );
+                Box::new(d)
+            }
+            Err(e) => {
+                tracing::error!("{e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        Some(ov) => match OverlayDisk::open_with(&a.base, ov, !a.no_direct) {
+            Ok(d) => {
+                tracing::info!(
+                    "{} over {}: O_DIRECT {}",
+                    ov.display(),
+                    a.base.display(),
+                    d.direct()
+                );
+                Box::new(d)
+            }
+            Err(e) => {
+                tracing::error!("{e}");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
+    let sink = match SinkChoice::of(&a).sink() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let cfg = BlkConfig {
+        socket: a.socket.clone(),
+        serial: a.serial.clone(),
+        queues: a.queues.max(1),
+        expected_qemu: a.qemu_pid,
+    };
+    let backend = Arc::new(RwLock::new(BlkBackend::new(cfg, disk, sink)));
+    let qemu = a
+        .qemu_pid
+        .and_then(|p| memfold_blk::remote::Qemu::open(p).ok());
+    // The stats file follows the device's work from a thread of its own.
+    if a.stats.is_some() {
+        let (b, path) = (backend.clone(), a.stats.clone());
+        std::thread::spawn(move || loop {
+            std::thread::sleep(Duration::from_millis(200));
+            write_stats(&path, &b.read().unwrap_or_else(|p| p.into_inner()));
+        });
+    }
+    loop {
+        let started = Instant::now();
+        let mut daemon = match VhostUserDaemon::new(
+            "memfold-blk".into(),
+            backend.clone(),
+            GuestMemoryAtomic::new(GuestMemoryMmap::new()),
+        ) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::error!("vhost-user daemon: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        match daemon.serve(&a.socket) {
+            Ok(()) => tracing::info!(
+                "QEMU disconnected after {:.1} s",
+                started.elapsed().as_secs_f64()
+            ),
+            Err(e) => tracing::warn!("connection ended: {e}"),
+        }
+        let mut b = backend.write().unwrap_or_else(|p| p.into_inner());
+        b.set_memory(None);
+        write_stats(&a.stats, &b);
+        tracing::info!("{}", b.counters().line());
+        drop(b);
+        if qemu.as_ref().is_some_and(|q| !q.alive()) {
+            tracing::info!("QEMU pid {} has exited", a.qemu_pid.unwrap_or(0));
+            return ExitCode::SUCCESS;
+        }
+        if started.elapsed() < Duration::from_millis(100) {
+            // A connection refused at once (a wrong peer): do not spin.
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}

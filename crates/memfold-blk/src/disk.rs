@@ -1,0 +1,625 @@
+//! The disk images a device serves (Satori §4.1, copy-on-write disks): a read-only raw
+//! base image, alone ([`RawDisk`]: a data disk) or under a per-guest qcow2 overlay
+//! ([`OverlayDisk`]: a root disk, the base shared by every guest of a profile).
+//!
+//! Every read says where each of its bytes came from ([`Extent`]), which is what lets a
+//! base block be named by (base, block number) alone.
+//!
+//! The host page cache is kept from holding a third copy of what the guest's page cache
+//! and memfold's pool already hold: the raw base is read with `O_DIRECT` (aligned bounce
+//! buffers), and imago opens the qcow2 overlay and its base with `O_DIRECT` too (its
+//! `StorageOpenOptions::direct`). Where a file system refuses `O_DIRECT` (and with
+//! `memfold-blk --no-direct`) I/O is buffered and each range is dropped with
+//! `POSIX_FADV_DONTNEED` after use — which measurably does not work. Bytes of the image in
+//! the host page cache (`fincore`) after a TCG guest used the disk, cache dropped before,
+//! ext4 host (2026-11-24, /var/tmp/blk-measure/{run,root}.sh in the report of issue 16's
+//! block device):
+//!
+//! | disk | `O_DIRECT` | buffered + `DONTNEED` |
+//! |---|---|---|
+//! | 64 MiB raw data disk, read whole by the tiny guest | 0 | 65 601 536 (all of it) |
+//! | web root: raw base under a qcow2 overlay, boot to ready (21 MB read) | base 0, overlay 65 536 | base 18 440 192, overlay 0 |
+//!
+//! (Readahead reads past the range dropped, and pages just read may sit in per-CPU LRU
+//! batches that `DONTNEED` skips.) So `O_DIRECT` is the default and the fallback is only
+//! a fallback.
+
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use imago::file::File as ImagoFile;
+use imago::qcow2::Qcow2;
+use imago::raw::Raw;
+use imago::{
+    FormatAccess, FormatDriverBuilder, PermissiveImplicitOpenGate, ShallowMapping,
+    StorageOpenOptions,
+};
+
+use crate::landed::{DiskId, Source};
+
+/// Sector size of virtio-blk, bytes.
+pub const SECTOR: u64 = 512;
+/// Block size the device announces and reads in (`O_DIRECT` alignment), bytes.
+pub const BLOCK: u64 = 4096;
+
+/// Errors of disk images.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    /// An image could not be opened.
+    #[error("disk image {path}: {source}")]
+    Open {
+        /// The image.
+        path: PathBuf,
+        /// The OS or format error.
+        source: std::io::Error,
+    },
+    /// An I/O request failed.
+    #[error("disk image {path}: {op} of {len} bytes at byte {off}: {source}")]
+    Io {
+        /// The image.
+        path: PathBuf,
+        /// `read`, `write`, `flush`, `discard`.
+        op: &'static str,
+        /// Disk byte offset.
+        off: u64,
+        /// Length, bytes.
+        len: u64,
+        /// The OS or format error.
+        source: std::io::Error,
+    },
+    /// A request reaches past the end of the disk.
+    #[error("disk image {path}: {op} of {len} bytes at byte {off} is past its end ({size} bytes)")]
+    OutOfRange {
+        /// The image.
+        path: PathBuf,
+        /// The request.
+        op: &'static str,
+        /// Disk byte offset.
+        off: u64,
+        /// Length, bytes.
+        len: u64,
+        /// The disk's size, bytes.
+        size: u64,
+    },
+    /// A write to a read-only disk.
+    #[error("disk image {path} is read-only")]
+    ReadOnly {
+        /// The image.
+        path: PathBuf,
+    },
+}
+
+/// A run of a read's bytes and where they came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    /// Disk byte offset of the run's first byte.
+    pub off: u64,
+    /// Length, bytes.
+    pub len: u64,
+    /// Where from. For [`Source::Base`] `block` is the block of `off` (4 KiB units,
+    /// rounded down); a page's own block is computed from its offset.
+    pub source: ExtentSource,
+}
+
+/// Where an extent's bytes came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExtentSource {
+    /// The base image `disk`, at the same byte offset (a raw base maps the disk 1:1).
+    Base(DiskId),
+    /// The overlay.
+    Overlay,
+    /// Zeros.
+    Zero,
+}
+
+impl ExtentSource {
+    /// The [`Source`] of the 4 KiB page whose bytes are this extent's at disk offset
+    /// `off`; `None` for a base page that is not one whole base block (`off` unaligned).
+    pub fn page_source(self, off: u64) -> Option<Source> {
+        match self {
+            ExtentSource::Base(disk) => (off % BLOCK == 0).then_some(Source::Base {
+                disk,
+                block: off / BLOCK,
+            }),
+            ExtentSource::Overlay => Some(Source::Overlay),
+            ExtentSource::Zero => Some(Source::Zero),
+        }
+    }
+}
+
+/// A disk the device serves. Offsets and lengths in bytes.
+pub trait Disk: Send + Sync {
+    /// Size, bytes.
+    fn size(&self) -> u64;
+    /// Whether writes are refused (`VIRTIO_BLK_F_RO`).
+    fn read_only(&self) -> bool;
+    /// Whether discard is supported.
+    fn can_discard(&self) -> bool;
+    /// Reads `buf.len()` bytes at `off` into `buf`; returns where they came from, in
+    /// order, covering `buf`.
+    ///
+    /// Errors: [`DiskError::OutOfRange`], [`DiskError::Io`].
+    fn read(&self, off: u64, buf: &mut [u8]) -> Result<Vec<Extent>, DiskError>;
+    /// Writes `buf` at `off`.
+    ///
+    /// Errors: [`DiskError::ReadOnly`], [`DiskError::OutOfRange`], [`DiskError::Io`].
+    fn write(&self, off: u64, buf: &[u8]) -> Result<(), DiskError>;
+    /// Makes every completed write durable.
+    ///
+    /// Errors: [`DiskError::Io`].
+    fn flush(&self) -> Result<(), DiskError>;
+    /// Discards `[off, off + len)`: in an overlay its clusters are dropped, so the range
+    /// reads as the base again.
+    ///
+    /// Errors: [`DiskError::ReadOnly`], [`DiskError::OutOfRange`], [`DiskError::Io`].
+    fn discard(&mut self, off: u64, len: u64) -> Result<(), DiskError>;
+}
+
+fn check_range(
+    path: &Path,
+    op: &'static str,
+    off: u64,
+    len: u64,
+    size: u64,
+) -> Result<(), DiskError> {
+    if off.checked_add(len).is_none_or(|end| end > size) {
+        return Err(DiskError::OutOfRange {
+            path: path.to_path_buf(),
+            op,
+            off,
+            len,
+            size,
+        });
+    }
+    Ok(())
+}
+
+/// A 4 KiB-aligned buffer of `len` bytes (`O_DIRECT`).
+struct Aligned {
+    words: Vec<AlignedBlock>,
+    len: usize,
+}
+
+#[repr(C, align(4096))]
+#[derive(Clone, Copy)]
+struct AlignedBlock([u8; BLOCK as usize]);
+
+impl Aligned {
+    fn new(len: usize) -> Aligned {
+        Aligned {
+            words: vec![AlignedBlock([0; BLOCK as usize]); len.div_ceil(BLOCK as usize)],
+            len,
+        }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the blocks are contiguous plain bytes, `len` of them at most
+        // `words.len() * BLOCK`.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast(), self.len) }
+    }
+}
+
+/// A read-only raw image (a data disk; or the base under an [`OverlayDisk`]).
+#[derive(Debug)]
+pub struct RawDisk {
+    path: PathBuf,
+    file: File,
+    direct: bool,
+    size: u64,
+    id: DiskId,
+}
+
+impl RawDisk {
+    /// Opens `path` read-only, with `O_DIRECT` if its file system takes it.
+    ///
+    /// Errors: [`DiskError::Open`].
+    pub fn open(path: &Path) -> Result<RawDisk, DiskError> {
+        Self::open_with(path, true)
+    }
+
+    /// [`RawDisk::open`], `O_DIRECT` only if `direct` (else buffered reads, each range
+    /// dropped from the page cache after it is read: `memfold-blk --no-direct`, to compare).
+    ///
+    /// Errors: [`DiskError::Open`].
+    pub fn open_with(path: &Path, direct: bool) -> Result<RawDisk, DiskError> {
+        let open_err = |source| DiskError::Open {
+            path: path.to_path_buf(),
+            source,
+        };
+        let flags = if direct { libc::O_DIRECT } else { 0 };
+        let (file, direct) = match std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(flags)
+            .open(path)
+        {
+            Ok(f) if !direct => (f, false),
+            Ok(f) => (f, true),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                (File::open(path).map_err(open_err)?, false)
+            }
+            Err(e) => return Err(open_err(e)),
+        };
+        let st = rustix::fs::fstat(&file).map_err(|e| open_err(e.into()))?;
+        Ok(RawDisk {
+            path: path.to_path_buf(),
+            direct,
+            size: st.st_size as u64,
+            id: DiskId::of_file(st.st_dev, st.st_ino),
+            file,
+        })
+    }
+
+    /// Its id (the base's, in landed reports).
+    pub fn id(&self) -> DiskId {
+        self.id
+    }
+
+    /// Whether it is read with `O_DIRECT`.
+    pub fn direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Reads `buf.len()` bytes at `off` (within the file) through an aligned bounce
+    /// buffer; without `O_DIRECT`, drops the range from the page cache afterwards.
+    fn read_at(&self, off: u64, buf: &mut [u8]) -> Result<(), DiskError> {
+        let io_err = |source| DiskError::Io {
+            path: self.path.clone(),
+            op: "read",
+            off,
+            len: buf.len() as u64,
+            source,
+        };
+        let a0 = off / BLOCK * BLOCK;
+        let a1 = (off + buf.len() as u64).div_ceil(BLOCK) * BLOCK;
+        let mut b = Aligned::new((a1 - a0) as usize);
+        let bytes = b.bytes_mut();
+        let mut done = 0usize;
+        while done < bytes.len() {
+            match self.file.read_at(&mut bytes[done..], a0 + done as u64) {
+                Ok(0) => break, // end of file: the rest stays zero
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(io_err(e)),
+            }
+        }
+        let skip = (off - a0) as usize;
+        buf.copy_from_slice(&bytes[skip..skip + buf.len()]);
+        if !self.direct {
+            memfold_sys::memfd::drop_cache(self.file.as_fd(), a0, a1 - a0);
+        }
+        Ok(())
+    }
+}
+
+impl Disk for RawDisk {
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn read_only(&self) -> bool {
+        true
+    }
+    fn can_discard(&self) -> bool {
+        false
+    }
+    fn read(&self, off: u64, buf: &mut [u8]) -> Result<Vec<Extent>, DiskError> {
+        check_range(&self.path, "read", off, buf.len() as u64, self.size)?;
+        self.read_at(off, buf)?;
+        Ok(vec![Extent {
+            off,
+            len: buf.len() as u64,
+            source: ExtentSource::Base(self.id),
+        }])
+    }
+    fn write(&self, _off: u64, _buf: &[u8]) -> Result<(), DiskError> {
+        Err(DiskError::ReadOnly {
+            path: self.path.clone(),
+        })
+    }
+    fn flush(&self) -> Result<(), DiskError> {
+        Ok(())
+    }
+    fn discard(&mut self, _off: u64, _len: u64) -> Result<(), DiskError> {
+        Err(DiskError::ReadOnly {
+            path: self.path.clone(),
+        })
+    }
+}
+
+/// A per-guest qcow2 overlay over a read-only raw base (created with
+/// `qemu-img create -f qcow2 -b BASE -F raw OVERLAY`, which QEMU opens as well), through
+/// imago. Reads of clusters the overlay does not hold are served from the base by this
+/// crate's own [`RawDisk`] and reported as base blocks; imago serves the rest and writes
+/// (copy-on-write of partial clusters from the base included).
+pub struct OverlayDisk {
+    path: PathBuf,
+    base: RawDisk,
+    overlay: FormatAccess<ImagoFile>,
+    /// The overlay file opened again, read-only: only to drop its ranges from the page
+    /// cache when imago's I/O is buffered.
+    cache_handle: File,
+    direct: bool,
+}
+
+impl OverlayDisk {
+    /// Opens the overlay `overlay` (read-write) over the raw base `base` (read-only,
+    /// whatever backing file the overlay's header names: `base` is what is served, and
+    /// it must be as large as the overlay).
+    ///
+    /// Errors: [`DiskError::Open`] (either image; a base smaller than the overlay).
+    pub fn open(base: &Path, overlay: &Path) -> Result<OverlayDisk, DiskError> {
+        Self::open_with(base, overlay, true)
+    }
+
+    /// [`OverlayDisk::open`], `O_DIRECT` only if `direct` (else buffered, the ranges read
+    /// or flushed dropped from the page cache afterwards).
+    ///
+    /// Errors: as [`OverlayDisk::open`].
+    pub fn open_with(base: &Path, overlay: &Path, direct: bool) -> Result<OverlayDisk, DiskError> {
+        let raw = RawDisk::open_with(base, direct)?;
+        let cache_handle = File::open(overlay).map_err(|source| DiskError::Open {
+            path: overlay.to_path_buf(),
+            source,
+        })?;
+        let open = |direct: bool| -> std::io::Result<FormatAccess<ImagoFile>> {
+            let opts = StorageOpenOptions::new().direct(direct);
+            let b = Raw::<ImagoFile>::builder_path(base)
+                .storage_open_options(opts.clone())
+                .write(false)
+                .open(PermissiveImplicitOpenGate::default())?;
+            let q = Qcow2::<ImagoFile>::builder_path(overlay)
+                .storage_open_options(opts)
+                .write(true)
+                .backing(Some(FormatAccess::new(b)))
+                .open(PermissiveImplicitOpenGate::default())?;
+            Ok(FormatAccess::new(q))
+        };
+        let first = if direct {
+            open(true)
+        } else {
+            Err(std::io::Error::other("buffered asked"))
+        };
+        let (q, direct) = match first {
+            Ok(q) => (q, true),
+            Err(_) => (
+                open(false).map_err(|source| DiskError::Open {
+                    path: overlay.to_path_buf(),
+                    source,
+                })?,
+                false,
+            ),
+        };
+        if raw.size() < q.size() {
+            return Err(DiskError::Open {
+                path: overlay.to_path_buf(),
+                source: std::io::Error::other(format!(
+                    "its base {} has {} bytes, fewer than the overlay's {}",
+                    base.display(),
+                    raw.size(),
+                    q.size()
+                )),
+            });
+        }
+        Ok(OverlayDisk {
+            path: overlay.to_path_buf(),
+            base: raw,
+            overlay: q,
+            cache_handle,
+            direct,
+        })
+    }
+
+    /// Whether imago opened both images with `O_DIRECT`.
+    pub fn direct(&self) -> bool {
+        self.direct
+    }
+
+    fn io_err(
+        &self,
+        op: &'static str,
+        off: u64,
+        len: u64,
+    ) -> impl FnOnce(std::io::Error) -> DiskError + '_ {
+        move |source| DiskError::Io {
+            path: self.path.clone(),
+            op,
+            off,
+            len,
+            source,
+        }
+    }
+
+    /// imago's read of `buf` at `off`, through an aligned buffer (its `O_DIRECT` needs
+    /// one), dropping the range from the page cache when not direct.
+    fn imago_read(&self, off: u64, buf: &mut [u8]) -> Result<(), DiskError> {
+        let mut b = Aligned::new(buf.len());
+        self.overlay.read(b.bytes_mut(), off).map_err(self.io_err(
+            "read",
+            off,
+            buf.len() as u64,
+        ))?;
+        buf.copy_from_slice(b.bytes_mut());
+        Ok(())
+    }
+}
+
+impl Disk for OverlayDisk {
+    fn size(&self) -> u64 {
+        self.overlay.size()
+    }
+    fn read_only(&self) -> bool {
+        false
+    }
+    fn can_discard(&self) -> bool {
+        true
+    }
+    fn read(&self, off: u64, buf: &mut [u8]) -> Result<Vec<Extent>, DiskError> {
+        let len = buf.len() as u64;
+        check_range(&self.path, "read", off, len, self.size())?;
+        let mut ext: Vec<Extent> = Vec::new();
+        let mut at = 0u64;
+        while at < len {
+            let (m, n) = self
+                .overlay
+                .get_shallow_mapping(off + at, len - at)
+                .map_err(self.io_err("read", off + at, len - at))?;
+            let n = n.clamp(1, len - at);
+            let mut host_off = None;
+            let source = match m {
+                ShallowMapping::Indirect { .. } => ExtentSource::Base(self.base.id()),
+                ShallowMapping::Raw { offset, .. } => {
+                    host_off = Some(offset);
+                    ExtentSource::Overlay
+                }
+                ShallowMapping::Zero { .. } | ShallowMapping::Eof { .. } => ExtentSource::Zero,
+                _ => ExtentSource::Overlay,
+            };
+            let dst = &mut buf[at as usize..(at + n) as usize];
+            match source {
+                ExtentSource::Base(_) => self.base.read_at(off + at, dst)?,
+                ExtentSource::Zero => dst.fill(0),
+                ExtentSource::Overlay => {
+                    self.imago_read(off + at, dst)?;
+                    if let (false, Some(h)) = (self.direct, host_off) {
+                        memfold_sys::memfd::drop_cache(self.cache_handle.as_fd(), h, n);
+                    }
+                }
+            }
+            match ext.last_mut() {
+                Some(e) if e.source == source && e.off + e.len == off + at => e.len += n,
+                _ => ext.push(Extent {
+                    off: off + at,
+                    len: n,
+                    source,
+                }),
+            }
+            at += n;
+        }
+        Ok(ext)
+    }
+    fn write(&self, off: u64, buf: &[u8]) -> Result<(), DiskError> {
+        check_range(&self.path, "write", off, buf.len() as u64, self.size())?;
+        let mut b = Aligned::new(buf.len());
+        b.bytes_mut().copy_from_slice(buf);
+        let words = &b.words;
+        // SAFETY: as in Aligned::bytes_mut, read-only.
+        let src = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), buf.len()) };
+        self.overlay
+            .write(src, off)
+            .map_err(self.io_err("write", off, buf.len() as u64))
+    }
+    fn flush(&self) -> Result<(), DiskError> {
+        self.overlay.flush().map_err(self.io_err("flush", 0, 0))?;
+        self.overlay.sync().map_err(self.io_err("flush", 0, 0))?;
+        if !self.direct {
+            // Written back by the sync: clean pages, which DONTNEED drops.
+            memfold_sys::memfd::drop_cache(self.cache_handle.as_fd(), 0, 0);
+        }
+        Ok(())
+    }
+    fn discard(&mut self, off: u64, len: u64) -> Result<(), DiskError> {
+        check_range(&self.path, "discard", off, len, self.size())?;
+        let path = self.path.clone();
+        self.overlay
+            .discard_to_backing(off, len)
+            .map_err(|source| DiskError::Io {
+                path,
+                op: "discard",
+                off,
+                len,
+                source,
+            })
+    }
+}
+
+/// Shares one base's bytes between several readers in tests.
+pub type SharedDisk = Arc<dyn Disk>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u32 * 31 + seed as u32 * 7 + (i as u32 >> 12)) as u8)
+            .collect()
+    }
+
+    #[test]
+    fn a_raw_disk_reads_any_range_and_names_its_base() {
+        let d = tempfile::tempdir_in("/var/tmp").unwrap();
+        let p = d.path().join("base.img");
+        let data = pattern(64 << 10, 1);
+        std::fs::write(&p, &data).unwrap();
+        let r = RawDisk::open(&p).unwrap();
+        let mut b = vec![0u8; 5000];
+        let e = r.read(1000, &mut b).unwrap();
+        assert_eq!(b, data[1000..6000]);
+        assert_eq!(e.len(), 1);
+        assert_eq!(e[0].source, ExtentSource::Base(r.id()));
+        assert!(matches!(
+            r.read(60 << 10, &mut b),
+            Err(DiskError::OutOfRange { .. })
+        ));
+        assert!(matches!(r.write(0, &b), Err(DiskError::ReadOnly { .. })));
+    }
+
+    #[test]
+    fn an_overlay_reads_the_base_until_written_and_discard_brings_the_base_back() {
+        let d = tempfile::tempdir_in("/var/tmp").unwrap();
+        let base = d.path().join("base.img");
+        let ov = d.path().join("ov.qcow2");
+        let data = pattern(1 << 20, 2);
+        std::fs::write(&base, &data).unwrap();
+        let st = std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-b"])
+            .arg(&base)
+            .args(["-F", "raw"])
+            .arg(&ov)
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let mut o = OverlayDisk::open(&base, &ov).unwrap();
+        let id = RawDisk::open(&base).unwrap().id();
+        let mut b = vec![0u8; 8192];
+        let e = o.read(65536, &mut b).unwrap();
+        assert_eq!(b, data[65536..65536 + 8192]);
+        assert_eq!(
+            e,
+            vec![Extent {
+                off: 65536,
+                len: 8192,
+                source: ExtentSource::Base(id)
+            }]
+        );
+        o.write(65536 + 4096, &[7u8; 4096]).unwrap();
+        o.flush().unwrap();
+        let e = o.read(0, &mut vec![0u8; 1 << 20]).unwrap();
+        assert!(
+            e.iter().any(|x| x.source == ExtentSource::Overlay
+                && x.off <= 65536 + 4096
+                && x.off + x.len >= 65536 + 8192),
+            "{e:?}"
+        );
+        let mut b = vec![0u8; 8192];
+        o.read(65536, &mut b).unwrap();
+        assert_eq!(b[..4096], data[65536..65536 + 4096]);
+        assert_eq!(b[4096..], [7u8; 4096]);
+        // The base is untouched.
+        assert_eq!(std::fs::read(&base).unwrap(), data);
+        // qcow2 clusters are 64 KiB: the whole cluster went to the overlay, a discard of
+        // it reads the base again.
+        o.discard(65536, 65536).unwrap();
+        o.read(65536, &mut b).unwrap();
+        assert_eq!(b, data[65536..65536 + 8192]);
+        // QEMU can open what imago wrote.
+        drop(o);
+        let st = std::process::Command::new("qemu-img")
+            .args(["check", "-q"])
+            .arg(&ov)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+}

@@ -1,0 +1,170 @@
+//! What each read put where: the report memfold builds its image of the guests' page
+//! caches from (Satori §4.1: "a good image of the page cache contents can be built up by
+//! observing the content of disk reads"; §5.2: tapdisk records "what data is loaded into
+//! which locations in the guests' memory").
+//!
+//! After a read request's data is in guest RAM (before the guest is told it completed),
+//! the device calls [`LandedSink::landed`] with every guest page the read wrote whole and
+//! where its bytes came from. Pages the read wrote only in part are not reported, nor are
+//! pages whose bytes came from two sources (part base, part overlay) or from a base range
+//! that is not one 4 KiB block (a read at an odd sector offset).
+
+use std::collections::HashMap;
+
+use memfold_ids::Gfn;
+
+pub use crate::mem::RamFile;
+
+/// A base image, by the `(st_dev, st_ino)` of its file: `dev << 40 | ino` when `dev` fits
+/// 24 bits and `ino` 40 (every local file system here), else the xxh3 of both. Two guests
+/// reading one base file get the same id, which is what lets the engine share by block
+/// number alone (Satori §4.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DiskId(pub u64);
+
+impl DiskId {
+    /// The id of the file `(dev, ino)`.
+    pub fn of_file(dev: u64, ino: u64) -> DiskId {
+        if dev < 1 << 24 && ino < 1 << 40 {
+            DiskId(dev << 40 | ino)
+        } else {
+            let mut b = [0u8; 16];
+            b[..8].copy_from_slice(&dev.to_le_bytes());
+            b[8..].copy_from_slice(&ino.to_le_bytes());
+            DiskId(xxhash_rust::xxh3::xxh3_64(&b))
+        }
+    }
+}
+
+/// Where a page's bytes came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Source {
+    /// Block `block` (4 KiB units: bytes `[block·4096, +4096)`) of the read-only base
+    /// image `disk`: the same bytes for every guest that reads that block.
+    Base {
+        /// The base image.
+        disk: DiskId,
+        /// Block index, 4 KiB units.
+        block: u64,
+    },
+    /// This guest's overlay (data it wrote itself).
+    Overlay,
+    /// Zeros: an unallocated or zero cluster, or past the end of the image.
+    Zero,
+}
+
+/// One guest page a read wrote whole.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Landed {
+    /// The page: its index in the RAM file (file offset / 4096), not its guest-physical
+    /// page number (q35 with more than 2 GiB maps one memfd in two regions).
+    pub gfn: Gfn,
+    /// Where its bytes came from.
+    pub source: Source,
+}
+
+/// Where the device reports landed pages. Called on the device's queue thread with the
+/// request not yet completed to the guest: keep it quick. `Sync` because
+/// vhost-user-backend shares the device between its threads (behind a lock).
+pub trait LandedSink: Send + Sync {
+    /// `pages` of RAM file `ram` now hold what one read put there.
+    fn landed(&mut self, ram: RamFile, pages: &[Landed]);
+}
+
+/// A sink that counts (tests): pages per source kind, and the last source of each page.
+#[derive(Debug, Default)]
+pub struct CountingSink {
+    /// Pages reported from a base image.
+    pub base: u64,
+    /// Pages reported from the overlay.
+    pub overlay: u64,
+    /// Pages reported as zeros.
+    pub zero: u64,
+    /// The last report of each page.
+    pub last: HashMap<(RamFile, Gfn), Source>,
+}
+
+impl CountingSink {
+    /// All pages reported (a page reported twice counts twice).
+    pub fn total(&self) -> u64 {
+        self.base + self.overlay + self.zero
+    }
+}
+
+impl LandedSink for CountingSink {
+    fn landed(&mut self, ram: RamFile, pages: &[Landed]) {
+        for p in pages {
+            match p.source {
+                Source::Base { .. } => self.base += 1,
+                Source::Overlay => self.overlay += 1,
+                Source::Zero => self.zero += 1,
+            }
+            self.last.insert((ram, p.gfn), p.source);
+        }
+    }
+}
+
+/// A sink that logs each report at debug level (`RUST_LOG=memfold_blk=debug`).
+#[derive(Debug, Default)]
+pub struct LogSink;
+
+impl LandedSink for LogSink {
+    fn landed(&mut self, ram: RamFile, pages: &[Landed]) {
+        if let (Some(first), Some(last)) = (pages.first(), pages.last()) {
+            tracing::debug!(
+                "landed: {} pages of ram {}:{} ({} .. {}), first from {:?}",
+                pages.len(),
+                ram.dev,
+                ram.ino,
+                first.gfn,
+                last.gfn,
+                first.source
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn disk_ids_are_exact_for_small_devices_and_inodes() {
+        assert_eq!(DiskId::of_file(0xfd00, 12), DiskId(0xfd00 << 40 | 12));
+        assert_ne!(DiskId::of_file(1, 2), DiskId::of_file(2, 1));
+        let big = DiskId::of_file(1 << 30, 5);
+        assert_eq!(big, DiskId::of_file(1 << 30, 5));
+        assert_ne!(big, DiskId::of_file(1 << 30, 6));
+    }
+
+    #[test]
+    fn the_counting_sink_counts_by_source() {
+        let ram = RamFile { dev: 1, ino: 2 };
+        let mut s = CountingSink::default();
+        s.landed(
+            ram,
+            &[
+                Landed {
+                    gfn: Gfn(3),
+                    source: Source::Zero,
+                },
+                Landed {
+                    gfn: Gfn(4),
+                    source: Source::Base {
+                        disk: DiskId(9),
+                        block: 7,
+                    },
+                },
+            ],
+        );
+        s.landed(
+            ram,
+            &[Landed {
+                gfn: Gfn(3),
+                source: Source::Overlay,
+            }],
+        );
+        assert_eq!((s.base, s.overlay, s.zero, s.total()), (1, 1, 1, 3));
+        assert_eq!(s.last[&(ram, Gfn(3))], Source::Overlay);
+    }
+}
