@@ -187,6 +187,7 @@ pub enum DaemonMsg {
         dev: u64,
         ino: u64,
         gfns: Vec<u32>,
+        landed_ns: u64,
     },
 }
 
@@ -339,12 +340,18 @@ impl DaemonMsg {
             }),
             DaemonMsg::ClientHello(v) => ToDaemon::ClientHello { version: *v },
             DaemonMsg::DeviceHello(v) => ToDaemon::DeviceHello { version: *v },
-            DaemonMsg::ReadLanded { dev, ino, gfns: g } => ToDaemon::ReadLanded {
+            DaemonMsg::ReadLanded {
+                dev,
+                ino,
+                gfns: g,
+                landed_ns,
+            } => ToDaemon::ReadLanded {
                 ram: memfold_wire::RamFile {
                     dev: *dev,
                     ino: *ino,
                 },
                 gfns: gfns(g),
+                landed_ns: *landed_ns,
             },
             DaemonMsg::Stats => ToDaemon::Stats,
             DaemonMsg::Census => ToDaemon::Census,

@@ -61,6 +61,9 @@ pub struct BlkConfig {
     /// The QEMU expected on the socket (`--qemu-pid`): a connection from any other process
     /// is refused.
     pub expected_qemu: Option<u32>,
+    /// Reads are served at most this fast, bytes/s (a slow disk, as QEMU's `bps_rd`: the
+    /// queue waits before a read that would exceed it); `None`: as fast as the disk.
+    pub read_bytes_per_sec: Option<u64>,
 }
 
 /// Counters of requests (logged at exit and kept for tests).
@@ -117,6 +120,8 @@ pub struct BlkBackend {
     sink: Box<dyn LandedSink>,
     mem: Option<Arc<RemoteMemory>>,
     counters: Counters,
+    /// With a read rate: when the disk is free for the next read.
+    read_free_at: std::time::Instant,
 }
 
 /// Why a request failed, for the log.
@@ -191,7 +196,20 @@ impl BlkBackend {
             sink,
             mem: None,
             counters: Counters::default(),
+            read_free_at: std::time::Instant::now(),
         }
+    }
+
+    /// Waits for `len` bytes of read budget under [`BlkConfig::read_bytes_per_sec`]: the
+    /// read starts when the disk is free and keeps it busy `len / rate` seconds.
+    fn throttle_read(&mut self, len: u64) {
+        let Some(rate) = self.cfg.read_bytes_per_sec.filter(|&r| r > 0) else {
+            return;
+        };
+        let now = std::time::Instant::now();
+        let start = self.read_free_at.max(now);
+        std::thread::sleep(start - now);
+        self.read_free_at = start + std::time::Duration::from_secs_f64(len as f64 / rate as f64);
     }
 
     /// Requests so far.
@@ -420,6 +438,7 @@ impl BlkBackend {
         len: u64,
     ) -> Result<(), ReqError> {
         let off = self.data_range(sector, len)?;
+        self.throttle_read(len);
         let mut buf = vec![0u8; len as usize];
         let extents = self.disk.read(off, &mut buf)?;
         let runs = sub_runs(&c.writable, 0, len);
@@ -746,6 +765,7 @@ mod tests {
             serial: "memfold-data".into(),
             queues: 1,
             expected_qemu: None,
+            read_bytes_per_sec: None,
         };
         let mock = MockSplitQueue::new(gm, 16);
         let queue = mock.create_queue::<Queue>().unwrap();

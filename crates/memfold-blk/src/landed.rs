@@ -124,6 +124,49 @@ impl LandedSink for LogSink {
     }
 }
 
+/// The sink that tells memfoldd (Satori §4.1): every landed page, whatever its source,
+/// goes to memfoldd's socket as [`memfold_wire::ToDaemon::ReadLanded`] through a
+/// [`memfold_wire::LandedReporter`], which never blocks the queue thread — a report
+/// that cannot be queued, or sent while memfoldd is away, is dropped and counted (the
+/// scan still finds those pages). memfoldd looks each page up at once and shares it with
+/// an equal frame or page; it reads and compares the bytes itself, so the source is
+/// not sent.
+pub struct MemfolddSink {
+    reporter: memfold_wire::LandedReporter,
+}
+
+impl MemfolddSink {
+    /// A sink reporting to memfoldd's socket at `socket`.
+    ///
+    /// Errors: the reporter's thread could not be started.
+    pub fn new(socket: &std::path::Path) -> std::io::Result<MemfolddSink> {
+        Ok(MemfolddSink {
+            reporter: memfold_wire::LandedReporter::spawn(socket)?,
+        })
+    }
+
+    /// Pages sent to memfoldd so far.
+    pub fn sent(&self) -> u64 {
+        self.reporter.sent()
+    }
+
+    /// Pages dropped so far (queue full, or memfoldd away).
+    pub fn dropped(&self) -> u64 {
+        self.reporter.dropped()
+    }
+}
+
+impl LandedSink for MemfolddSink {
+    fn landed(&mut self, ram: RamFile, pages: &[Landed]) {
+        let ram = memfold_wire::RamFile {
+            dev: ram.dev,
+            ino: ram.ino,
+        };
+        self.reporter
+            .report(ram, pages.iter().map(|p| p.gfn).collect());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,6 +5,19 @@
 /// Name prefix of the agent's threads inside QEMU (`/proc/PID/task/TID/comm`).
 pub const AGENT_THREADS: &str = "memfold-";
 
+/// `CLOCK_MONOTONIC` now, ns: one clock for every process on the host (a block device
+/// stamps a report with it, memfoldd ages it).
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec, which `ts` is.
+    let r = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    debug_assert_eq!(r, 0, "CLOCK_MONOTONIC always exists");
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 /// CPU seconds (user + system) of process `pid`, or only of its threads whose name starts
 /// with `thread_prefix`.
 pub fn cpu_seconds(pid: u32, thread_prefix: Option<&str>) -> f64 {

@@ -94,8 +94,8 @@ pub struct GuestSpec {
 /// guest RAM by its memfd).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BlkDisks {
-    /// The data disk ([`GuestSpec::data_disk`]; its read throttle is QEMU's and cannot
-    /// apply: a throttled data disk is refused).
+    /// The data disk ([`GuestSpec::data_disk`]; its read throttle is memfold-blk's
+    /// `--read-bytes-per-sec`).
     pub data: bool,
     /// The root disk: the profile's image as a read-only base under a per-guest qcow2
     /// overlay (`root.qcow2` in the guest's folder, made with `qemu-img create -f qcow2 -b
@@ -270,7 +270,7 @@ fn qemu_binary() -> Result<PathBuf, VmError> {
 /// The `memfold-blk` processes for `spec`'s disks (`b`), each waited for until its socket
 /// exists (10 s at most); the root disk's overlay is made first.
 ///
-/// Errors: [`VmError::Blk`] (RAM not memfd, no binary, a throttled data disk, `qemu-img`
+/// Errors: [`VmError::Blk`] (RAM not memfd, no binary, `qemu-img`
 /// failed, a process that exits or makes no socket in time).
 fn start_blk(
     spec: &GuestSpec,
@@ -325,21 +325,17 @@ fn start_blk(
         let Some(d) = &spec.data_disk else {
             return Err(err("data", "the guest has no data disk".into()));
         };
-        if d.read_bytes_per_sec.is_some() {
-            return Err(err(
-                "data",
-                "a read throttle (bps_rd) is QEMU's; memfold-blk has none".into(),
-            ));
+        let mut args: Vec<std::ffi::OsString> = vec![
+            "--base".into(),
+            d.path.clone().into(),
+            "--serial".into(),
+            DATA_DISK_SERIAL.into(),
+        ];
+        // The same slow disk as QEMU's bps_rd throttle gives the virtio data disk.
+        if let Some(bps) = d.read_bytes_per_sec {
+            args.extend(["--read-bytes-per-sec".into(), bps.to_string().into()]);
         }
-        jobs.push((
-            "data",
-            vec![
-                "--base".into(),
-                d.path.clone().into(),
-                "--serial".into(),
-                DATA_DISK_SERIAL.into(),
-            ],
-        ));
+        jobs.push(("data", args));
     }
     if jobs.is_empty() {
         return Ok(Vec::new());

@@ -33,7 +33,7 @@ const SEND_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// Sends [`ToDaemon::ReadLanded`] reports to memfoldd from a thread of its own.
 pub struct LandedReporter {
-    tx: SyncSender<(RamFile, Vec<Gfn>)>,
+    tx: SyncSender<(RamFile, Vec<Gfn>, u64)>,
     counts: Arc<Counts>,
 }
 
@@ -59,13 +59,17 @@ impl LandedReporter {
 
     /// Queues a report that pages `gfns` (file offset / 4 KiB) of the guest RAM memfd
     /// `ram` were just filled whole by a disk read. Never blocks: with the queue full or
-    /// the thread gone the pages are dropped. Returns whether they were queued.
+    /// the thread gone the pages are dropped. Returns whether they were queued. The
+    /// report is stamped now (`CLOCK_MONOTONIC`): memfoldd times its shares from here.
     pub fn report(&self, ram: RamFile, gfns: Vec<Gfn>) -> bool {
         if gfns.is_empty() {
             return true;
         }
         let n = gfns.len() as u64;
-        match self.tx.try_send((ram, gfns)) {
+        match self
+            .tx
+            .try_send((ram, gfns, memfold_sys::proc::monotonic_ns()))
+        {
             Ok(()) => true,
             Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
                 self.counts.dropped.fetch_add(n, Ordering::Relaxed);
@@ -88,10 +92,10 @@ impl LandedReporter {
 /// The reporter's thread: until the reporter is dropped, sends each report in batches of
 /// at most [`MAX_BATCH`] pages, connecting (with a [`ToDaemon::DeviceHello`]) when it
 /// has none and dropping reports while memfoldd cannot be reached.
-fn send_loop(path: &Path, rx: &Receiver<(RamFile, Vec<Gfn>)>, counts: &Counts) {
+fn send_loop(path: &Path, rx: &Receiver<(RamFile, Vec<Gfn>, u64)>, counts: &Counts) {
     let mut conn: Option<Conn> = None;
     let mut next_try = Instant::now();
-    while let Ok((ram, gfns)) = rx.recv() {
+    while let Ok((ram, gfns, landed_ns)) = rx.recv() {
         if conn.is_none() && Instant::now() >= next_try {
             next_try = Instant::now() + RECONNECT;
             conn = connect(path);
@@ -105,6 +109,7 @@ fn send_loop(path: &Path, rx: &Receiver<(RamFile, Vec<Gfn>)>, counts: &Counts) {
             let msg = ToDaemon::ReadLanded {
                 ram,
                 gfns: chunk.to_vec(),
+                landed_ns,
             };
             c.send(&msg, &[]).is_ok()
         });
@@ -182,7 +187,7 @@ mod tests {
         let mut got = Vec::new();
         while got.len() < gfns.len() {
             match conn.recv::<ToDaemon>().unwrap().unwrap().0 {
-                ToDaemon::ReadLanded { ram: f, gfns } => {
+                ToDaemon::ReadLanded { ram: f, gfns, .. } => {
                     assert_eq!(f, ram());
                     assert!(gfns.len() <= MAX_BATCH);
                     got.extend(gfns);

@@ -293,6 +293,10 @@ pub enum ToDaemon {
         ram: RamFile,
         /// The pages.
         gfns: Vec<Gfn>,
+        /// When the read's data was in guest RAM: `CLOCK_MONOTONIC`, ns (0: not said).
+        /// memfoldd times each share made at read from then.
+        #[serde(default)]
+        landed_ns: u64,
     },
     /// The operator takes guest `name` out of memfold (`out`: every page it holds taken
     /// back, nothing shared or stored again, as KSM's `MADV_UNMERGEABLE`) or back in.

@@ -50,6 +50,9 @@ struct Args {
     /// once it has exited.
     #[arg(long)]
     qemu_pid: Option<u32>,
+    /// Serve reads at most this fast, bytes/s (a slow disk, as QEMU's `bps_rd`).
+    #[arg(long, value_name = "BYTES")]
+    read_bytes_per_sec: Option<u64>,
     /// Where to report landed pages (memfoldd's socket for the block device).
     #[arg(long)]
     landed_socket: Option<PathBuf>,
@@ -91,10 +94,9 @@ impl SinkChoice {
         match self {
             SinkChoice::Counting => Ok(Box::new(CountingSink::default())),
             SinkChoice::Log => Ok(Box::new(LogSink)),
-            SinkChoice::Socket(p) => Err(format!(
-                "--landed-socket {}: this memfold-blk has no memfoldd sink built in",
-                p.display()
-            )),
+            SinkChoice::Socket(p) => memfold_blk::landed::MemfolddSink::new(p)
+                .map(|s| Box::new(s) as Box<dyn LandedSink>)
+                .map_err(|e| format!("--landed-socket {}: {e}", p.display())),
         }
     }
 }
@@ -160,6 +162,7 @@ fn main() -> ExitCode {
         serial: a.serial.clone(),
         queues: a.queues.max(1),
         expected_qemu: a.qemu_pid,
+        read_bytes_per_sec: a.read_bytes_per_sec,
     };
     let backend = Arc::new(RwLock::new(BlkBackend::new(cfg, disk, sink)));
     let qemu = a

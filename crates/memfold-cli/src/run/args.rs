@@ -87,6 +87,14 @@ pub struct MemfoldArgs {
     /// (no-copy-on-write, Satori §4.3; the run counts the copies avoided).
     #[arg(long, value_name = "GUEST@SECS", value_parser = parse_guest_at)]
     pub drop_caches: Option<(String, u64)>,
+    /// Who serves the guests' disks (the profile images' root disks and the data disk):
+    /// `memfold` — memfold-blk, memfold's sharing-aware block device (Satori §4.1), one
+    /// process per disk, reporting every page a read fills so memfoldd shares it at once,
+    /// the root disk a qcow2 overlay per guest over the shared image; `virtio` — QEMU's
+    /// own virtio-blk (a throw-away overlay), found only by the scan. KSM's side of a
+    /// comparison always runs on QEMU's own disks.
+    #[arg(long, value_enum, default_value_t = DiskBackend::Memfold)]
+    pub disk: DiskBackend,
     /// Every SECS seconds, take a census of the guests' memory by content: the sharing
     /// potential (non-zero duplicates) and how much of it is captured (Satori §6.1),
     /// into run.json. Costs memfoldd one read of all guest memory per census.
@@ -122,6 +130,44 @@ impl MemfoldArgs {
             .into_iter()
             .flatten()
             .map(|(g, _)| g.as_str())
+    }
+}
+
+/// Who serves a managed guest's disks (`--disk`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DiskBackend {
+    /// QEMU's own virtio-blk.
+    Virtio,
+    /// memfold-blk (vhost-user-blk), sharing at read.
+    Memfold,
+}
+
+impl MemfoldArgs {
+    /// The memfold-blk disks of a guest of profile `profile` with a data disk or not
+    /// (`--disk memfold`), reporting what reads land to memfoldd at `socket` if given
+    /// (managed guests; their plain twins get the same device, silent). `None` with
+    /// `--disk virtio`, or for a guest with no disk (`tiny` without a data disk).
+    ///
+    /// Errors: no such profile.
+    pub fn blk_disks(
+        &self,
+        profile: &str,
+        data_disk: bool,
+        socket: Option<&Path>,
+    ) -> anyhow::Result<Option<memfold_vm::launcher::BlkDisks>> {
+        let p = memfold_vm::images::profile(profile).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let root = p.release.is_some();
+        Ok(
+            (self.disk == DiskBackend::Memfold && (root || data_disk)).then(|| {
+                memfold_vm::launcher::BlkDisks {
+                    data: data_disk,
+                    root,
+                    landed_socket: socket.map(Path::to_path_buf),
+                    ..Default::default()
+                }
+            }),
+        )
     }
 }
 

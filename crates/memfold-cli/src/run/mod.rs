@@ -145,6 +145,9 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             s.memfold_balloon = managed && m.engine.claim() != ClaimPolicy::Never;
             s.data_disk.clone_from(&data_disk);
             s.kernel_args = m.kernel_args_of(&s.name);
+            s.memfold_blk = m
+                .blk_disks(&s.profile, data_disk.is_some(), managed.then_some(&*socket))
+                .expect("the profiles were checked above");
         },
         |s| agent_env(&agent, &socket, s),
     )?;

@@ -49,21 +49,22 @@ impl Vm {
 }
 
 impl Engine {
-    /// A disk read just filled pages `gfns` of guest `id` (Satori §4.1): each private one
+    /// A disk read filled pages `gfns` of guest `id` `age_us` µs ago (Satori §4.1; shares
+    /// it leads to are timed from then): each private one
     /// is read from guest RAM, hashed and looked up in its domain's share table now —
     /// reclaimed if zero, shared (mapped) with an equal frame or hinted page, or left as a
     /// hint for the next read or scan of its twin. Pages that are not private, beyond the
     /// guest's RAM or past the first [`MAX_LANDED`] are passed over (the scan finds them).
     /// Counted in [`super::VmBooks::read_landed`]; never fails (a page that cannot be read
     /// is passed over).
-    pub fn read_landed(&mut self, id: VmId, gfns: &[Gfn]) -> Landed {
+    pub fn read_landed(&mut self, id: VmId, gfns: &[Gfn], age_us: u64) -> Landed {
         let mut out = Landed::default();
         let Some(v) = self.vms.get(&id).filter(|v| v.attached && !v.opted_out) else {
             out.passed_over = gfns.len() as u32;
             return out;
         };
         let pages = v.pages();
-        let now = self.now_us();
+        let now = self.now_us().saturating_sub(age_us);
         let mut page: Box<Page> = Box::new([0u8; PAGE_SIZE]);
         for (k, &g) in gfns.iter().enumerate() {
             if k >= MAX_LANDED || g.0 >= pages || !self.sharable(id, g) {
@@ -185,7 +186,7 @@ mod tests {
             r.agent.write(Gfn(g), 0, &page(seed)).unwrap();
         }
         let gfns: Vec<Gfn> = gfns.iter().map(|&g| Gfn(g)).collect();
-        r.engine.read_landed(r.vm, &gfns)
+        r.engine.read_landed(r.vm, &gfns, 0)
     }
 
     fn state(r: &Rig, g: u32) -> PageState {
@@ -247,14 +248,14 @@ mod tests {
         r.agent.write(Gfn(5), 0, &[0u8; PAGE_SIZE]).unwrap();
         let l = r
             .engine
-            .read_landed(r.vm, &[Gfn(5), Gfn(PAGES), Gfn(PAGES + 7)]);
+            .read_landed(r.vm, &[Gfn(5), Gfn(PAGES), Gfn(PAGES + 7)], 0);
         assert_eq!((l.looked_up, l.acted, l.passed_over), (1, 1, 2));
         answer(&mut r);
         assert_eq!(state(&r, 5), PageState::Zero);
-        let l = r.engine.read_landed(r.vm, &[Gfn(5)]);
+        let l = r.engine.read_landed(r.vm, &[Gfn(5)], 0);
         assert_eq!((l.looked_up, l.passed_over), (0, 1));
         let many = vec![Gfn(9); MAX_LANDED + 3];
-        assert_eq!(r.engine.read_landed(r.vm, &many).passed_over, 3);
+        assert_eq!(r.engine.read_landed(r.vm, &many, 0).passed_over, 3);
         // A share asked, its answer lost with the connection: after re-attach nothing of
         // it is booked as in doubt.
         disk_read(&mut r, &[10], 9);
@@ -264,7 +265,7 @@ mod tests {
         r.engine.check_invariants().unwrap();
         let mapped = r.agent.prepare_reattach().unwrap();
         r.engine.detach(r.vm);
-        let l = r.engine.read_landed(r.vm, &[Gfn(12)]);
+        let l = r.engine.read_landed(r.vm, &[Gfn(12)], 0);
         assert_eq!((l.looked_up, l.passed_over), (0, 1), "detached");
         let store = crate::backing::mem::MemBacking::default();
         r.agent.shared.store = store.clone();

@@ -528,7 +528,7 @@ impl Harness {
                         }
                     }
                     if let Some(id) = v.id {
-                        self.engine.read_landed(id, &landed);
+                        self.engine.read_landed(id, &landed, 0);
                     }
                 }
             }

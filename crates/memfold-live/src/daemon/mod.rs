@@ -410,14 +410,27 @@ impl Daemon {
     /// now ([`memfold_core::Engine::read_landed`]). A report naming no attached guest's
     /// RAM, or more than [`memfold_wire::MAX_BATCH`] pages, is dropped with a count.
     fn device_message(&mut self, msg: ToDaemon) {
-        let ToDaemon::ReadLanded { ram, gfns } = msg else {
+        let ToDaemon::ReadLanded {
+            ram,
+            gfns,
+            landed_ns,
+        } = msg
+        else {
             tracing::warn!("a block device sent {msg:?}; ignored");
             return;
         };
         let vm = self.guests.vm_of_ram((ram.dev, ram.ino));
         match vm {
             Some(vm) if gfns.len() <= memfold_wire::MAX_BATCH => {
-                self.engine.read_landed(vm, &gfns);
+                // The time since the device wrote the pages, µs (0 if not said or not
+                // monotonic: a peer's clock is only a hint).
+                let now = memfold_sys::proc::monotonic_ns();
+                let age_us = if landed_ns > 0 && landed_ns <= now {
+                    (now - landed_ns) / 1000
+                } else {
+                    0
+                };
+                self.engine.read_landed(vm, &gfns, age_us);
             }
             _ => self.guests.landed_dropped += gfns.len() as u64,
         }
