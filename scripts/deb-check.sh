@@ -75,7 +75,7 @@ if ! chroot "$root" dpkg -i /tmp/memfold.deb >"$out/dpkg.log" 2>&1; then
         || { tail -20 "$out/dpkg.log" >&2; exit 1; }
 fi
 chroot "$root" dpkg -s memfold | grep -E '^(Status|Version|Depends):' | sed 's/^/  /' | tee -a "$result"
-for f in /usr/bin/memfoldd /usr/bin/memfold /usr/lib/memfold/libmemfold_agent.so \
+for f in /usr/bin/memfoldd /usr/bin/memfold /usr/lib/memfold/libmemfold_agent.so /usr/lib/memfold/memfold-blk \
          /lib/systemd/system/memfoldd.service /etc/memfold/memfoldd.toml; do
     [ -e "$root$f" ] || { say "FAIL: $f not installed"; exit 1; }
 done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what memfold needs on a fresh Debian machine; does nothing that is already done:
 # a C compiler (the zstd crate builds zstd's C library) and static libc (the guest probe),
-# QEMU, and the tools that build guest
+# QEMU and qemu-img, and the tools that build guest
 # images from Debian packages (debootstrap, busybox-static, e2fsprogs, cpio, xz, zstd), and
 # for fuzzing a nightly toolchain (if rustup can get one) and cargo-fuzz.
 # Guest images themselves are built on demand by `memfold image build` (cached).
@@ -14,6 +14,8 @@ command -v cc >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)
 command -v make >/dev/null 2>&1 || need_apt+=(make)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 command -v qemu-system-x86_64 >/dev/null 2>&1 || need_apt+=(qemu-system-x86)
+# memfold-blk's copy-on-write root disks are qcow2 overlays made by qemu-img.
+command -v qemu-img >/dev/null 2>&1 || need_apt+=(qemu-utils)
 command -v debootstrap >/dev/null 2>&1 || need_apt+=(debootstrap)
 [ -x /bin/busybox ] && /bin/busybox --list 2>/dev/null | grep -qx switch_root || need_apt+=(busybox-static)
 command -v mkfs.ext4 >/dev/null 2>&1 || need_apt+=(e2fsprogs)
