@@ -96,6 +96,12 @@ pub struct EngineConfig {
     /// Host memory budget for the guests' RAM (their memfds, the pool and the store),
     /// bytes; over it, cold pages are swapped out (DE §4.6). `None`: no swapping.
     pub host_budget: Option<u64>,
+    /// Use what enlightened guests say their pages are (PV §3.1, issue 17;
+    /// [`crate::categories`]): the sharing scan passes over the pages a guest reported as
+    /// slab or kernel ("kernel only pages … should not be shared") and reads its page-cache
+    /// pages first, then the rest. Guests that report nothing are scanned as before.
+    /// `true`, the default.
+    pub guest_categories: bool,
     /// The share table's content hash ([`page_hash`], xxh3-64). Tests replace it with
     /// one that collides, so that every match must be confirmed byte for byte.
     pub page_hash: fn(&Page) -> u64,
@@ -123,6 +129,7 @@ impl Default for EngineConfig {
             clock_rearm_max: 64,
             share_cold_unmapped: true,
             host_budget: None,
+            guest_categories: true,
             page_hash,
         }
     }
