@@ -345,8 +345,8 @@ pub struct GuestPages {
     pub scan_skipped: u64,
     /// Its agent's name and version, and its kernel's release.
     pub agent: String,
-    /// The guest's `MemTotal`, KiB.
-    pub mem_total_kib: u64,
+    /// What the guest's `/proc/meminfo` said with the report, KiB.
+    pub meminfo: crate::guest::GuestMeminfo,
     /// The guest's RAM below 4 GiB and above, pages (the layout its gfns were mapped by).
     pub low_pages: u64,
     /// See [`GuestPages::low_pages`].

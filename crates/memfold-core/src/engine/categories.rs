@@ -35,6 +35,11 @@ impl Engine {
         }
     }
 
+    /// Guest `id`'s name (its agent's, QEMU's `-name`).
+    pub fn vm_name(&self, id: VmId) -> Option<&str> {
+        self.vms.get(&id).map(|v| v.name.as_str())
+    }
+
     /// Guest `id`'s category map, if its agent reported one.
     pub fn category_map(&self, id: VmId) -> Option<&CategoryMap> {
         self.vms.get(&id)?.categories.as_ref()
