@@ -5,7 +5,8 @@
 //! side; this file speaks it without crates, so that it builds statically into any guest).
 //!
 //! - `memfold-guest [serve]`: answers memfoldd's requests on
-//!   `/dev/virtio-ports/org.memfold.guest.0` until killed (waits for the port to appear).
+//!   `/dev/virtio-ports/org.memfold.guest.0` (or, without udev, the `/dev/vportNpM` of
+//!   that name) until killed (waits for the port to appear).
 //!   To `{"req":"categories","v":1,"seq":N}` it answers with one `ram` line (its System
 //!   RAM ranges from `/proc/iomem`, some `/proc/meminfo` values), `runs` lines (every
 //!   System RAM frame's category as `[code, pages]` runs, from `/proc/kpageflags` and
@@ -322,19 +323,38 @@ pub fn parse_request(line: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
+/// The port's device: udev's `/dev/virtio-ports/NAME` link, or without udev (an
+/// initramfs) the `/dev/vportNpM` whose `/sys/class/virtio-ports/vportNpM/name` is the
+/// port's name.
+fn find_port() -> Option<String> {
+    if std::path::Path::new(PORT).exists() {
+        return Some(PORT.into());
+    }
+    let name = PORT.rsplit('/').next().expect("a name");
+    std::fs::read_dir("/sys/class/virtio-ports")
+        .ok()?
+        .flatten()
+        .find(|e| {
+            std::fs::read_to_string(e.path().join("name")).is_ok_and(|n| n.trim() == name)
+        })
+        .map(|e| format!("/dev/{}", e.file_name().to_string_lossy()))
+}
+
 fn serve() -> ! {
     loop {
-        let port = loop {
-            match File::options().read(true).write(true).open(PORT) {
-                Ok(f) => break f,
-                Err(_) => std::thread::sleep(Duration::from_secs(1)),
+        let (port, path) = loop {
+            if let Some(p) = find_port() {
+                if let Ok(f) = File::options().read(true).write(true).open(&p) {
+                    break (f, p);
+                }
             }
+            std::thread::sleep(Duration::from_secs(1));
         };
-        eprintln!("memfold-guest: serving {PORT}");
+        eprintln!("memfold-guest: serving {path}");
         let mut out = match port.try_clone() {
             Ok(f) => f,
             Err(e) => {
-                eprintln!("memfold-guest: {PORT}: {e}");
+                eprintln!("memfold-guest: {path}: {e}");
                 std::thread::sleep(Duration::from_secs(1));
                 continue;
             }

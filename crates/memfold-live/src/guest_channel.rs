@@ -217,7 +217,7 @@ pub fn channel_name_ok(name: &str) -> bool {
 }
 
 /// What a channel thread sends the main loop.
-type Sent = (VmId, Result<GuestReport, String>);
+type Sent = (VmId, Result<GuestReport, ReportError>);
 
 /// A guest's channel: its thread's stop flag, and what it last said.
 struct Channel {
@@ -226,6 +226,7 @@ struct Channel {
     last: Option<(RamLayout, GuestMeminfo, String)>,
     last_error: Option<String>,
     refused: u64,
+    channel_errors: u64,
 }
 
 /// The channels of enlightened guests (see the module documentation).
@@ -301,6 +302,7 @@ impl GuestChannels {
                     last: None,
                     last_error: None,
                     refused: 0,
+                    channel_errors: 0,
                 },
             );
         }
@@ -320,8 +322,9 @@ impl GuestChannels {
                     c.last = Some((rep.layout, rep.meminfo, rep.agent));
                     c.last_error = None;
                 }
-                Ok((_, Err(e))) => c.failed(e.to_string()),
-                Err(e) => c.failed(e),
+                Ok((_, Err(e))) => c.failed(e.to_string(), false),
+                Err(e @ ReportError::Wire(_)) => c.failed(e.to_string(), true),
+                Err(e) => c.failed(e.to_string(), false),
             }
         }
     }
@@ -332,6 +335,7 @@ impl GuestChannels {
             for s in stats.iter_mut().filter(|s| s.name == c.name) {
                 let g = s.guest_pages.get_or_insert_with(GuestPages::default);
                 g.refused += c.refused;
+                g.channel_errors = c.channel_errors;
                 g.last_error = c.last_error.clone();
                 if let Some((layout, meminfo, agent)) = &c.last {
                     g.low_pages = layout.low;
@@ -353,11 +357,18 @@ impl GuestChannels {
 }
 
 impl Channel {
-    fn failed(&mut self, e: String) {
-        if self.refused.is_power_of_two() || self.refused == 0 {
-            tracing::warn!(name = %self.name, "guest channel: report refused: {e}");
+    /// A report failed: the channel (`channel`: not answered in time, closed, a line
+    /// not of the protocol) or its content (refused).
+    fn failed(&mut self, e: String, channel: bool) {
+        let n = if channel {
+            &mut self.channel_errors
+        } else {
+            &mut self.refused
+        };
+        *n += 1;
+        if n.is_power_of_two() {
+            tracing::warn!(name = %self.name, "guest channel: {e}");
         }
-        self.refused += 1;
         self.last_error = Some(e);
     }
 }
@@ -401,7 +412,7 @@ fn channel_thread(
             seq += 1;
             let r = read_report(&mut lines, &mut out, seq, ram_pages);
             let drop_channel = matches!(r, Err(ReportError::Wire(_)));
-            if tx.send((id, r.map_err(|e| e.to_string()))).is_err() {
+            if tx.send((id, r)).is_err() {
                 return;
             }
             if drop_channel {

@@ -83,6 +83,11 @@ pub struct GuestSpec {
     /// Guest kernel arguments of this guest alone, appended (e.g. the `tiny` image's
     /// `memfold.break_at=SECS`); `None`: none.
     pub kernel_args: Option<String>,
+    /// The enlightened guest's channel (issue 17, docs/enlightened.md): a virtio-serial
+    /// port `org.memfold.guest.0` whose host side QEMU serves on this Unix socket
+    /// (`server=on,wait=off`), for memfoldd's `--guest-channels` folder
+    /// (`DIR/NAME.sock`); `None`: none.
+    pub guest_channel: Option<std::path::PathBuf>,
 }
 
 impl GuestSpec {
@@ -102,6 +107,7 @@ impl GuestSpec {
             memfold_balloon: false,
             data_disk: None,
             kernel_args: None,
+            guest_channel: None,
         }
     }
 }

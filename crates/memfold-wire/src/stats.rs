@@ -338,8 +338,13 @@ pub struct GuestPages {
     pub referenced: u64,
     /// Reports applied (cumulative).
     pub reports: u64,
-    /// Reports refused: malformed, over the limits, or not fitting its RAM (cumulative).
+    /// Reports refused: lines out of place, over the limits, or runs not fitting its RAM
+    /// (cumulative).
     pub refused: u64,
+    /// Requests its channel did not answer in time or with lines of the protocol (the
+    /// channel is then reopened; a guest booting, its agent not yet started, counts here),
+    /// cumulative.
+    pub channel_errors: u64,
     /// Resident pages the sharing scan passed over as slab or kernel, page-scans
     /// (cumulative).
     pub scan_skipped: u64,
