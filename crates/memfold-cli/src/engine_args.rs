@@ -69,6 +69,12 @@ pub struct EngineArgs {
     /// comes back private. `off` maps every shared page (ESX §4.3).
     #[arg(long, default_value = if defaults().share_cold_unmapped { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
     pub share_cold_unmapped: String,
+    /// Use what enlightened guests say their pages are (issue 17, PV §3.1; memfoldd's
+    /// --guest-channels): `on` passes over the pages a guest reports as slab or kernel and
+    /// scans its page cache first; `off` scans every guest as one that says nothing (the
+    /// categories are still counted).
+    #[arg(long, default_value = if defaults().guest_categories { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
+    pub guest_categories: String,
     /// Host memory budget for the guests' RAM, MiB (DE §4.6): over it, cold pages are
     /// swapped out to a swap file (turns the clock on). Guests whose RAM together exceeds
     /// it keep running: overcommit.
@@ -167,6 +173,7 @@ impl EngineArgs {
             clock_interval_us: (clock > 0.0).then_some((clock * 1e6) as u64),
             clock_rearm_max: self.clock_rearm_max,
             share_cold_unmapped: self.share_cold_unmapped == "on",
+            guest_categories: self.guest_categories == "on",
             host_budget: self.host_budget_mib.map(|m| m << 20),
             ..defaults()
         };
@@ -195,6 +202,7 @@ impl EngineArgs {
         opt("--clock-secs", self.clock_interval_s().to_string());
         opt("--clock-rearm-max", self.clock_rearm_max.to_string());
         opt("--share-cold-unmapped", self.share_cold_unmapped.clone());
+        opt("--guest-categories", self.guest_categories.clone());
         opt("--policy", self.policy.clone());
         opt("--patch-codec", self.patch_codec.name().into());
         opt("--patch-cutoff", self.patch_cutoff.to_string());
@@ -243,6 +251,7 @@ mod tests {
         );
         assert_eq!(c.clock_interval_us, d.clock_interval_us);
         assert_eq!(c.share_cold_unmapped, d.share_cold_unmapped);
+        assert_eq!(c.guest_categories, d.guest_categories);
         assert!(
             !parse(&["--share-cold-unmapped", "off"])
                 .config()
