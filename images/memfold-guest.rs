@@ -164,7 +164,8 @@ impl Runs {
     /// Ends the chunk under way.
     pub fn finish(&mut self) {
         if !self.cur.is_empty() {
-            self.chunks.push((self.first, std::mem::take(&mut self.cur)));
+            self.chunks
+                .push((self.first, std::mem::take(&mut self.cur)));
         }
     }
 }
@@ -190,8 +191,10 @@ fn read_categories(ranges: &[(u64, u64)]) -> Result<(Runs, [u64; 6]), String> {
         while pfn < end {
             let n = N.min(end - pfn);
             let bytes = (n * 8) as usize;
-            read_full(&flags, &mut fb[..bytes], pfn * 8).map_err(|e| format!("/proc/kpageflags at frame {pfn:#x}: {e}"))?;
-            read_full(&counts, &mut cb[..bytes], pfn * 8).map_err(|e| format!("/proc/kpagecount at frame {pfn:#x}: {e}"))?;
+            read_full(&flags, &mut fb[..bytes], pfn * 8)
+                .map_err(|e| format!("/proc/kpageflags at frame {pfn:#x}: {e}"))?;
+            read_full(&counts, &mut cb[..bytes], pfn * 8)
+                .map_err(|e| format!("/proc/kpagecount at frame {pfn:#x}: {e}"))?;
             for k in 0..n as usize {
                 let f = u64::from_le_bytes(fb[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
                 let c = u64::from_le_bytes(cb[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
@@ -217,7 +220,10 @@ fn read_full(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<()> {
     while done < buf.len() {
         let n = f.read_at(&mut buf[done..], off + done as u64)?;
         if n == 0 {
-            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short read"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "short read",
+            ));
         }
         done += n;
     }
@@ -313,8 +319,9 @@ fn error_line(seq: u64, what: &str) -> String {
 /// The `seq` of a categories request of this protocol version, `None` for anything else.
 pub fn parse_request(line: &str) -> Option<u64> {
     let compact: String = line.chars().filter(|c| !c.is_whitespace()).collect();
-    if !compact.contains("\"req\":\"categories\"") || !compact.contains(&format!("\"v\":{VERSION},"))
-        && !compact.contains(&format!("\"v\":{VERSION}}}"))
+    if !compact.contains("\"req\":\"categories\"")
+        || !compact.contains(&format!("\"v\":{VERSION},"))
+            && !compact.contains(&format!("\"v\":{VERSION}}}"))
     {
         return None;
     }
@@ -334,9 +341,7 @@ fn find_port() -> Option<String> {
     std::fs::read_dir("/sys/class/virtio-ports")
         .ok()?
         .flatten()
-        .find(|e| {
-            std::fs::read_to_string(e.path().join("name")).is_ok_and(|n| n.trim() == name)
-        })
+        .find(|e| std::fs::read_to_string(e.path().join("name")).is_ok_and(|n| n.trim() == name))
         .map(|e| format!("/dev/{}", e.file_name().to_string_lossy()))
 }
 
@@ -418,7 +423,15 @@ fn categories() -> Result<(), String> {
     for (i, n) in by.iter().enumerate() {
         println!("MEMFOLD-GUEST-CATEGORY {} {} KiB", NAMES[i], n * 4);
     }
-    for k in ["MemTotal", "MemFree", "Buffers", "Cached", "AnonPages", "Shmem", "Slab"] {
+    for k in [
+        "MemTotal",
+        "MemFree",
+        "Buffers",
+        "Cached",
+        "AnonPages",
+        "Shmem",
+        "Slab",
+    ] {
         println!("MEMFOLD-GUEST-MEMINFO {k} {} KiB", meminfo(&mi, k));
     }
     Ok(())

@@ -75,6 +75,11 @@ pub struct EngineArgs {
     /// categories are still counted).
     #[arg(long, default_value = if defaults().guest_categories { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
     pub guest_categories: String,
+    /// With --guest-categories on: the categories whose pages the scan passes over,
+    /// comma-separated, or `none` (free, cache, anon, slab, kernel, unknown). PV §3.1
+    /// skips slab and kernel pages.
+    #[arg(long, default_value_t = defaults().guest_skip.names(), value_parser = |s: &str| memfold_core::categories::CategorySet::parse(s).map(|c| c.names()))]
+    pub guest_skip: String,
     /// Host memory budget for the guests' RAM, MiB (DE §4.6): over it, cold pages are
     /// swapped out to a swap file (turns the clock on). Guests whose RAM together exceeds
     /// it keep running: overcommit.
@@ -174,6 +179,8 @@ impl EngineArgs {
             clock_rearm_max: self.clock_rearm_max,
             share_cold_unmapped: self.share_cold_unmapped == "on",
             guest_categories: self.guest_categories == "on",
+            guest_skip: memfold_core::categories::CategorySet::parse(&self.guest_skip)
+                .expect("clap checked the names"),
             host_budget: self.host_budget_mib.map(|m| m << 20),
             ..defaults()
         };
@@ -203,6 +210,7 @@ impl EngineArgs {
         opt("--clock-rearm-max", self.clock_rearm_max.to_string());
         opt("--share-cold-unmapped", self.share_cold_unmapped.clone());
         opt("--guest-categories", self.guest_categories.clone());
+        opt("--guest-skip", self.guest_skip.clone());
         opt("--policy", self.policy.clone());
         opt("--patch-codec", self.patch_codec.name().into());
         opt("--patch-cutoff", self.patch_cutoff.to_string());

@@ -6,9 +6,10 @@
 //! The engine keeps, per guest that reported, a [`CategoryMap`] of 4 bits a page (a
 //! [`Category`] in 3 bits and the active bit; the referenced bit is counted, not kept) and
 //! books its pages by category ([`CategoryCounts`]). The sharing scan uses it when
-//! [`crate::EngineConfig::guest_categories`] is on: slab and kernel pages are not read
-//! (PV §3.1: "Kernel only pages … should not be shared"), and page-cache pages are read
-//! first ("Cache only pages … it is therefore monumental to share this kind of pages").
+//! [`crate::EngineConfig::guest_categories`] is on: pages of the categories of
+//! [`crate::EngineConfig::guest_skip`] are not read (by default slab and kernel, PV §3.1:
+//! "Kernel only pages … should not be shared"), and page-cache pages are read first
+//! ("Cache only pages … it is therefore monumental to share this kind of pages").
 //! A guest that says nothing has no map and is scanned as before.
 //!
 //! Nothing here is trusted: a guest's report can only change how its own pages are
@@ -69,10 +70,62 @@ impl Category {
         }
     }
 
-    /// Whether the sharing scan passes over pages of this category when the engine uses
-    /// guest categories (PV §3.1: kernel-only pages — slab and reserved — are not shared).
-    pub fn never_scanned(self) -> bool {
-        matches!(self, Category::Slab | Category::Kernel)
+    /// The category named `name` (as [`Category::name`] gives it).
+    pub fn from_name(name: &str) -> Option<Category> {
+        Category::ALL.into_iter().find(|c| c.name() == name)
+    }
+
+    /// Its bit in a [`CategorySet`].
+    pub fn bit(self) -> u8 {
+        1 << self as u8
+    }
+}
+
+/// A set of categories, a bit each ([`Category::bit`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CategorySet(pub u8);
+
+impl CategorySet {
+    /// PV §3.1's kernel-only pages, which it does not share: slab and kernel/reserved.
+    pub const SLAB_KERNEL: CategorySet =
+        CategorySet(1 << Category::Slab as u8 | 1 << Category::Kernel as u8);
+
+    /// Whether `c` is in the set.
+    pub fn contains(self, c: Category) -> bool {
+        self.0 & c.bit() != 0
+    }
+
+    /// The set of comma-separated category names `s` (`none`: empty).
+    ///
+    /// Errors: the name that is no category.
+    pub fn parse(s: &str) -> Result<CategorySet, String> {
+        if s == "none" {
+            return Ok(CategorySet(0));
+        }
+        s.split(',')
+            .map(|n| {
+                Category::from_name(n.trim()).ok_or_else(|| {
+                    format!(
+                        "{n:?} is no page category ({})",
+                        Category::ALL.map(Category::name).join(", ")
+                    )
+                })
+            })
+            .try_fold(CategorySet(0), |set, c| Ok(CategorySet(set.0 | c?.bit())))
+    }
+
+    /// Its names, comma-separated (`none`: empty).
+    pub fn names(self) -> String {
+        let v: Vec<&str> = Category::ALL
+            .into_iter()
+            .filter(|&c| self.contains(c))
+            .map(Category::name)
+            .collect();
+        if v.is_empty() {
+            "none".into()
+        } else {
+            v.join(",")
+        }
     }
 }
 
@@ -538,6 +591,16 @@ mod tests {
             RamLayout::from_ranges(8 * GIB, &vec![(1, 2); MAX_RAM_RANGES + 1]),
             Err(LayoutError::TooMany(_))
         ));
+    }
+
+    #[test]
+    fn category_sets_parse_and_print_by_name() {
+        assert_eq!(CategorySet::parse("slab,kernel"), Ok(CategorySet::SLAB_KERNEL));
+        assert_eq!(CategorySet::SLAB_KERNEL.names(), "slab,kernel");
+        assert_eq!(CategorySet::parse("none").unwrap().names(), "none");
+        let s = CategorySet::parse("cache").unwrap();
+        assert!(s.contains(Category::Cache) && !s.contains(Category::Slab));
+        assert!(CategorySet::parse("slab,heap").is_err());
     }
 
     #[test]

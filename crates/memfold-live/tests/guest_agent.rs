@@ -26,7 +26,11 @@ fn cat(flags: u64, count: u64, head: Option<u8>) -> Category {
 fn kpageflags_bits_give_the_categories_of_pv_3_1() {
     use Category::*;
     assert_eq!(cat(1 << 10, 0, None), Free, "buddy head");
-    assert_eq!(cat(0, 0, None), Free, "a buddy block's tail, or a per-CPU free page");
+    assert_eq!(
+        cat(0, 0, None),
+        Free,
+        "a buddy block's tail, or a per-CPU free page"
+    );
     assert_eq!(cat(0, 1, None), Kernel, "in use, no flags: the kernel's");
     assert_eq!(cat(1 << 7, 1, None), Slab);
     assert_eq!(cat(1 << 12 | LRU | 1 << 11, 1, None), Anon);
@@ -101,8 +105,14 @@ fn requests_are_parsed_strictly_enough() {
         guest::parse_request(r#"{ "req": "categories", "seq": 7, "v": 1 }"#),
         Some(7)
     );
-    assert_eq!(guest::parse_request(r#"{"req":"categories","v":2,"seq":1}"#), None);
-    assert_eq!(guest::parse_request(r#"{"req":"other","v":1,"seq":1}"#), None);
+    assert_eq!(
+        guest::parse_request(r#"{"req":"categories","v":2,"seq":1}"#),
+        None
+    );
+    assert_eq!(
+        guest::parse_request(r#"{"req":"other","v":1,"seq":1}"#),
+        None
+    );
     assert_eq!(guest::parse_request("garbage"), None);
 }
 
@@ -118,12 +128,27 @@ fn an_answer_made_from_this_hosts_proc_reads_back_whole() {
     let ranges = guest::ram_ranges(&iomem);
     // This host's RAM, as if it were a QEMU guest's: low part up to its last low range.
     let four = memfold_core::categories::FOUR_GIB_PFN;
-    let low = ranges.iter().filter(|r| r.1 <= four).map(|r| r.1).max().unwrap_or(0);
-    let high = ranges.iter().filter(|r| r.0 >= four).map(|r| r.1 - four).max().unwrap_or(0);
+    let low = ranges
+        .iter()
+        .filter(|r| r.1 <= four)
+        .map(|r| r.1)
+        .max()
+        .unwrap_or(0);
+    let high = ranges
+        .iter()
+        .filter(|r| r.0 >= four)
+        .map(|r| r.1 - four)
+        .max()
+        .unwrap_or(0);
     let lines = guest::answer(5).join("\n") + "\n";
     let mut sent = Vec::new();
-    let r = read_report(&mut LineReader::new(lines.as_bytes()), &mut sent, 5, low + high)
-        .expect("the guest's own answer reads back");
+    let r = read_report(
+        &mut LineReader::new(lines.as_bytes()),
+        &mut sent,
+        5,
+        low + high,
+    )
+    .expect("the guest's own answer reads back");
     let frames: u64 = ranges.iter().map(|(s, e)| e - s).sum();
     let runs: u64 = r.runs.iter().map(|r| r.count as u64).sum();
     assert_eq!(runs, frames);

@@ -189,6 +189,13 @@ pub fn encode_to_guest(msg: &ToGuest) -> Vec<u8> {
     v
 }
 
+/// The line of `msg`, newline included (what a guest agent written in Rust sends; tests).
+pub fn encode_from_guest(msg: &FromGuest) -> Vec<u8> {
+    let mut v = serde_json::to_vec(msg).expect("guest messages always serialize");
+    v.push(b'\n');
+    v
+}
+
 /// The message in one line from a guest.
 ///
 /// Errors: [`GuestWireError::TooLong`], [`GuestWireError::Malformed`],

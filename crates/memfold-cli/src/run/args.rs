@@ -82,6 +82,13 @@ pub struct MemfoldArgs {
     /// (no-copy-on-write, Satori §4.3; the run counts the copies avoided).
     #[arg(long, value_name = "GUEST@SECS", value_parser = parse_guest_at)]
     pub drop_caches: Option<(String, u64)>,
+    /// Run the managed guests enlightened (issue 17, docs/enlightened.md): each gets a
+    /// virtio-serial port `org.memfold.guest.0` on a socket in `OUT/channels`, and
+    /// memfoldd (`--guest-channels`) asks memfold-guest inside it (the `tiny` image starts
+    /// it at boot) for its pages' categories: the live view and the summary show them,
+    /// and with `--guest-categories on` (the default) the scan uses them.
+    #[arg(long)]
+    pub enlightened: bool,
 }
 
 impl MemfoldArgs {
@@ -108,6 +115,12 @@ impl MemfoldArgs {
             .flatten()
             .map(|(g, _)| g.as_str())
     }
+}
+
+/// The folder of the enlightened guests' channel sockets (`--enlightened`): `channels`
+/// beside memfoldd's socket.
+pub fn channels_dir(socket: &Path) -> std::path::PathBuf {
+    socket.with_file_name("channels")
 }
 
 /// `GUEST@SECS` of `--break-sharing` and `--drop-caches`.
@@ -162,6 +175,10 @@ impl MemfoldArgs {
             "none".into(),
         ];
         v.extend(self.engine.to_args());
+        if self.enlightened {
+            v.push("--guest-channels".into());
+            v.push(channels_dir(socket).into());
+        }
         if self.engine.host_budget_mib.is_some() {
             v.push("--swap-dir".into());
             v.push(out.into());
@@ -262,6 +279,20 @@ mod tests {
         v.into_iter()
             .map(|s| s.into_string().expect("utf-8"))
             .collect()
+    }
+
+    #[test]
+    fn an_enlightened_run_gives_memfoldd_the_channels_folder_beside_its_socket() {
+        let plain =
+            strings(parse(&[]).memfoldd_args(Path::new("/o/memfoldd.sock"), Path::new("/o")));
+        assert!(!plain.iter().any(|s| s == "--guest-channels"));
+        assert!(plain.windows(2).any(|w| w == ["--guest-categories", "on"]));
+        let a = parse(&["--enlightened", "--guest-categories", "off"]);
+        let v = strings(a.memfoldd_args(Path::new("/o/memfoldd.sock"), Path::new("/o")));
+        assert!(v
+            .windows(2)
+            .any(|w| w == ["--guest-channels", "/o/channels"]));
+        assert!(v.windows(2).any(|w| w == ["--guest-categories", "off"]));
     }
 
     #[test]

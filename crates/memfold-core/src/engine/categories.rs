@@ -48,7 +48,7 @@ impl Engine {
 
 #[cfg(test)]
 mod tests {
-    use crate::categories::{Category, CategoryError, CategoryRun, PageInfo};
+    use crate::categories::{Category, CategoryError, CategoryRun, CategorySet, PageInfo};
     use crate::ids::Gfn;
     use crate::p2m::PageState;
     use crate::sim::Rig;
@@ -154,6 +154,36 @@ mod tests {
         assert_eq!(books(&r).skipped_pages, 0);
         // A guest that reported nothing is scanned as before, categories on or not.
         assert_eq!(settle(&mut rig(true, 0, false)), off);
+    }
+
+    /// The skipped categories are the configuration's: slab alone leaves kernel pages
+    /// read (and a duplicate among them shared).
+    #[test]
+    fn the_skipped_categories_are_the_configurations() {
+        let mut r = Rig::new(
+            EngineConfig {
+                guest_skip: CategorySet::parse("slab").unwrap(),
+                ..cfg(true, 0)
+            },
+            PAGES,
+        )
+        .unwrap();
+        for g in 0..PAGES {
+            let seed = if g >= 896 { 100_000 + (g - 896) / 2 } else { g };
+            r.agent.write(Gfn(g), 0, &unique(seed)).unwrap();
+        }
+        // Kernel pages 300 and 301 equal, slab pages 10 and 11 too.
+        r.agent.write(Gfn(301), 0, &unique(300)).unwrap();
+        r.agent.write(Gfn(11), 0, &unique(10)).unwrap();
+        r.engine.guest_categories(r.vm, &layout()).unwrap();
+        r.step(10_000).unwrap();
+        assert_eq!(books(&r).scanned_pages, PAGES as u64 - 256);
+        assert_eq!(books(&r).category_skipped, 256);
+        assert!(matches!(
+            r.engine.page_state(r.vm, Gfn(301)),
+            Some(PageState::Shared(_))
+        ));
+        assert_eq!(r.engine.page_state(r.vm, Gfn(11)), Some(PageState::Private));
     }
 
     /// Page cache first: at 1000 pages/s, the page cache's 64 pairs are all shared after

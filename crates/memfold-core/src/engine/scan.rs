@@ -20,7 +20,7 @@
 
 use super::unmapped::{Found, Identical, Seen};
 use super::{Command, Engine, EngineError, ZeroPolicy};
-use crate::categories::Category;
+use crate::categories::{Category, CategorySet};
 use crate::ids::{Gfn, VmId};
 use crate::p2m::PageState;
 use crate::share::ShareEntry;
@@ -92,7 +92,8 @@ enum Visit {
     Read,
     /// Pass over it: quiet, resting in this scan.
     Quiet,
-    /// Pass over it: the guest reported it slab or kernel (PV §3.1).
+    /// Pass over it: the guest reported it of a skipped category (slab or kernel by
+    /// default, PV §3.1).
     Kernel,
     /// Pass over it in this sweep: page cache is read in the first, the rest in the
     /// second.
@@ -101,11 +102,12 @@ enum Visit {
 
 impl super::Vm {
     /// What the scan does with page `g` in full scan `pass` (quiet pages' periods at most
-    /// `max`), using the guest's categories if `use_cats` and it reported them.
-    fn visit(&self, g: u32, pass: u64, max: u32, use_cats: bool) -> Visit {
+    /// `max`), using the guest's categories if `use_cats` and it reported them: pages of
+    /// the categories of `skip` are not read.
+    fn visit(&self, g: u32, pass: u64, max: u32, use_cats: bool, skip: CategorySet) -> Visit {
         if let Some(m) = self.categories.as_ref().filter(|_| use_cats) {
             let c = m.category(Gfn(g));
-            if c.never_scanned() {
+            if skip.contains(c) {
                 // Counted once a full scan, in its second sweep.
                 return if self.sweep == 0 {
                     Visit::OtherSweep
@@ -296,7 +298,7 @@ impl Engine {
     /// between the ask and the read.
     fn next_chunk(&mut self, id: VmId, max: usize, buf: &mut [u8]) -> Option<(Gfn, usize)> {
         let (pass, max_period) = (self.scan.full_scans, self.cfg.quiet_scan_period);
-        let use_cats = self.cfg.guest_categories;
+        let (use_cats, skip) = (self.cfg.guest_categories, self.cfg.guest_skip);
         let v = self.vms.get_mut(&id)?;
         if v.scanned_this_pass {
             // Its part of this full scan is done: no page is read twice in one.
@@ -318,7 +320,7 @@ impl Engine {
             // Quiet pages resting in this scan, pages the guest says are kernel's, and
             // pages of the other sweep are passed over.
             while v.cursor < v.run_end {
-                match v.visit(v.cursor, pass, max_period, use_cats) {
+                match v.visit(v.cursor, pass, max_period, use_cats, skip) {
                     Visit::Read => break,
                     Visit::Quiet => v.books.skipped_pages += 1,
                     Visit::Kernel => v.books.category_skipped += 1,
@@ -336,7 +338,7 @@ impl Engine {
             let mut n = 1;
             while n < max
                 && first + n < v.run_end
-                && v.visit(first + n, pass, max_period, use_cats) == Visit::Read
+                && v.visit(first + n, pass, max_period, use_cats, skip) == Visit::Read
             {
                 n += 1;
             }
