@@ -70,14 +70,15 @@ pub struct EngineArgs {
     #[arg(long, default_value = if defaults().share_cold_unmapped { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
     pub share_cold_unmapped: String,
     /// Use what enlightened guests say their pages are (issue 17, PV §3.1; memfoldd's
-    /// --guest-channels): `on` passes over the pages a guest reports as slab or kernel and
-    /// scans its page cache first; `off` scans every guest as one that says nothing (the
-    /// categories are still counted).
+    /// --guest-channels): `on` passes over the pages a guest reports as of a category of
+    /// --guest-skip and scans its page cache first; `off` scans every guest as one that
+    /// says nothing (the categories are still counted).
     #[arg(long, default_value = if defaults().guest_categories { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
     pub guest_categories: String,
     /// With --guest-categories on: the categories whose pages the scan passes over,
     /// comma-separated, or `none` (free, cache, anon, slab, kernel, unknown). PV §3.1
-    /// skips slab and kernel pages.
+    /// skips slab and kernel pages; kernel pages of guests with one kernel do share, so
+    /// the default skips slab alone (docs/enlightened.md).
     #[arg(long, default_value_t = defaults().guest_skip.names(), value_parser = |s: &str| memfold_core::categories::CategorySet::parse(s).map(|c| c.names()))]
     pub guest_skip: String,
     /// Host memory budget for the guests' RAM, MiB (DE §4.6): over it, cold pages are

@@ -7,8 +7,8 @@
 //! [`Category`] in 3 bits and the active bit; the referenced bit is counted, not kept) and
 //! books its pages by category ([`CategoryCounts`]). The sharing scan uses it when
 //! [`crate::EngineConfig::guest_categories`] is on: pages of the categories of
-//! [`crate::EngineConfig::guest_skip`] are not read (by default slab and kernel, PV §3.1:
-//! "Kernel only pages … should not be shared"), and page-cache pages are read first
+//! [`crate::EngineConfig::guest_skip`] are not read (slab by default; PV §3.1 skips slab
+//! and kernel: "Kernel only pages … should not be shared"), and page-cache pages are read first
 //! ("Cache only pages … it is therefore monumental to share this kind of pages").
 //! A guest that says nothing has no map and is scanned as before.
 //!
@@ -86,6 +86,9 @@ impl Category {
 pub struct CategorySet(pub u8);
 
 impl CategorySet {
+    /// Slab pages alone: memfold's default skip.
+    pub const SLAB: CategorySet = CategorySet(1 << Category::Slab as u8);
+
     /// PV §3.1's kernel-only pages, which it does not share: slab and kernel/reserved.
     pub const SLAB_KERNEL: CategorySet =
         CategorySet(1 << Category::Slab as u8 | 1 << Category::Kernel as u8);
@@ -595,7 +598,10 @@ mod tests {
 
     #[test]
     fn category_sets_parse_and_print_by_name() {
-        assert_eq!(CategorySet::parse("slab,kernel"), Ok(CategorySet::SLAB_KERNEL));
+        assert_eq!(
+            CategorySet::parse("slab,kernel"),
+            Ok(CategorySet::SLAB_KERNEL)
+        );
         assert_eq!(CategorySet::SLAB_KERNEL.names(), "slab,kernel");
         assert_eq!(CategorySet::parse("none").unwrap().names(), "none");
         let s = CategorySet::parse("cache").unwrap();

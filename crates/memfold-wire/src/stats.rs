@@ -345,7 +345,8 @@ pub struct GuestPages {
     /// channel is then reopened; a guest booting, its agent not yet started, counts here),
     /// cumulative.
     pub channel_errors: u64,
-    /// Resident pages the sharing scan passed over as slab or kernel, page-scans
+    /// Resident pages the sharing scan passed over as of a skipped category (memfoldd's
+    /// `--guest-skip`), page-scans
     /// (cumulative).
     pub scan_skipped: u64,
     /// Its agent's name and version, and its kernel's release.

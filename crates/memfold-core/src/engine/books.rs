@@ -35,7 +35,8 @@ pub struct VmBooks {
     pub category_reports: u64,
     /// Category reports refused as not fitting its RAM (cumulative).
     pub category_refused: u64,
-    /// Resident pages the sharing scan passed over as slab or kernel pages, as the guest
+    /// Resident pages the sharing scan passed over as of a skipped category (slab by
+    /// default; [`super::EngineConfig::guest_skip`]), as the guest
     /// reported them ([`super::EngineConfig::guest_categories`]), page-scans.
     pub category_skipped: u64,
     /// Resident pages the sharing scan left out of a full scan as quiet (read before with

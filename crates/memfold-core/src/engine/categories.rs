@@ -65,6 +65,7 @@ mod tests {
             max_scan_interval_us: 10_000,
             quiet_scan_period: 1,
             guest_categories,
+            guest_skip: CategorySet::SLAB_KERNEL,
             ..EngineConfig::default()
         }
     }
@@ -162,7 +163,7 @@ mod tests {
     fn the_skipped_categories_are_the_configurations() {
         let mut r = Rig::new(
             EngineConfig {
-                guest_skip: CategorySet::parse("slab").unwrap(),
+                guest_skip: CategorySet::SLAB,
                 ..cfg(true, 0)
             },
             PAGES,
