@@ -72,7 +72,10 @@ fn an_enlightened_guest_reports_categories_that_match_meminfo_and_frames_that_ma
         ],
         &log,
     );
-    let nonce = format!("{:016x}", std::process::id() as u64 * 0x9e37_79b9 ^ 0x5eed);
+    let nonce = format!(
+        "{:016x}",
+        (std::process::id() as u64 * 0x9e37_79b9) ^ 0x5eed
+    );
     let text = format!("MEMFOLD-MARKER-{nonce}");
     let spec = GuestSpec {
         guest_channel: Some(channels.join("enl.sock")),
@@ -145,12 +148,13 @@ fn an_enlightened_guest_reports_categories_that_match_meminfo_and_frames_that_ma
     let line = g
         .serial()
         .lines()
+        .rev()
         .filter_map(|l| {
             l.trim()
                 .strip_prefix("MEMFOLD-MARKER pfn=")
                 .map(String::from)
         })
-        .last()
+        .next()
         .expect("the guest printed its marker's frame");
     let (pfn, shown) = line.split_once(" text=").expect("pfn=0x… text=…");
     assert_eq!(shown, text);

@@ -450,17 +450,17 @@ mod tests {
     #[test]
     fn a_report_of_a_3_gib_guest_maps_high_frames_after_low_ram() {
         let four = FOUR_GIB_PFN;
-        let answer = format!(
-            "{}\n{}\n{}\n{}\n",
+        let lines = [
             // A late line of an older request is skipped.
-            r#"{"msg":"end","v":1,"seq":1,"chunks":0,"frames":0}"#,
+            r#"{"msg":"end","v":1,"seq":1,"chunks":0,"frames":0}"#.to_string(),
             ram(
                 2,
-                &format!("[[1,159],[256,{}],[{four},{}]]", 2 * GIB - 32, four + GIB)
+                &format!("[[1,159],[256,{}],[{four},{}]]", 2 * GIB - 32, four + GIB),
             ),
             format!(r#"{{"msg":"runs","v":1,"seq":2,"first":{four},"runs":[[2,10],[27,5]]}}"#),
-            r#"{"msg":"end","v":1,"seq":2,"chunks":1,"frames":15}"#,
-        );
+            r#"{"msg":"end","v":1,"seq":2,"chunks":1,"frames":15}"#.to_string(),
+        ];
+        let answer = lines.join("\n") + "\n";
         let r = ask(&answer, 2, 3 * GIB).unwrap();
         assert_eq!(
             r.layout,
@@ -486,7 +486,8 @@ mod tests {
         let runs = |first: u64, rs: &str| {
             format!(r#"{{"msg":"runs","v":1,"seq":1,"first":{first},"runs":{rs}}}"#)
         };
-        let cases: Vec<(String, fn(&ReportError) -> bool)> = vec![
+        type Want = fn(&ReportError) -> bool;
+        let cases: Vec<(String, Want)> = vec![
             // In the PCI hole / past RAM.
             (
                 format!("{r512}\n{}\n{}\n", runs(131072, "[[1,1]]"), end(1, 1)),
