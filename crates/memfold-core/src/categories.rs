@@ -324,6 +324,11 @@ impl CategoryMap {
     pub fn bytes(&self) -> usize {
         self.nibbles.capacity()
     }
+
+    /// The guest's pages it covers.
+    pub fn pages(&self) -> u32 {
+        self.pages
+    }
 }
 
 /// Why a guest's RAM layout does not fit its RAM.

@@ -241,5 +241,22 @@ mod tests {
             r.engine.category_map(r.vm).unwrap().category(Gfn(300)),
             Category::Kernel
         );
+        // A report of part of the RAM: the rest is unknown, and counted so.
+        let part = [CategoryRun {
+            first: Gfn(8),
+            count: 2,
+            info: PageInfo {
+                category: Category::Anon,
+                active: false,
+                referenced: true,
+            },
+        }];
+        let c = r.engine.guest_categories(r.vm, &part).unwrap();
+        assert_eq!(
+            (c.of(Category::Unknown), c.of(Category::Anon)),
+            (PAGES as u64 - 2, 2)
+        );
+        assert_eq!(c.referenced, 2);
+        r.engine.check_invariants().unwrap();
     }
 }
