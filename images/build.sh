@@ -56,7 +56,8 @@ mkdir -p "$ird"/{bin,proc,sys,dev,tmp,newroot,lib/modules}
 cp /bin/busybox "$ird/bin/busybox"
 # The tiny guest loads only the virtio stack: the balloon (memfoldd's entitlements drive it)
 # and virtio-blk (a data disk its cache reader reads, when it has one).
-modules="virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_balloon virtio_blk"
+# And virtio_console: the enlightened guest's port to memfoldd (memfold-guest, issue 17).
+modules="virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_balloon virtio_blk virtio_console"
 [ "$profile" = tiny ] || modules="crc16 crc32c_generic mbcache jbd2 ext4 $modules"
 for m in $modules; do
     f=$(find "$kernel_dir/root/lib/modules/$kver" -name "$m.ko*" | head -1)
@@ -74,6 +75,9 @@ if [ "$profile" = tiny ]; then
     # The side-channel probe (images/memfold-probe.rs, built by memfold-vm's build script
     # and written beside these scripts): run when the kernel command line asks for it.
     install -m 0755 "$here/memfold-probe" "$ird/bin/memfold-probe"
+    # The enlightened guest's agent (images/memfold-guest.rs, built likewise): tiny-init
+    # starts it at boot; it answers memfoldd on the virtio-serial port org.memfold.guest.0.
+    install -m 0755 "$here/memfold-guest" "$ird/bin/memfold-guest"
 else
     cp "$here/disk-init" "$ird/init"
     # The workload and self-check ride in the initramfs (disk-init copies them into the

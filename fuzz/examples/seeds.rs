@@ -131,6 +131,42 @@ fn main() {
     for (i, m) in agent.iter().enumerate() {
         write("wire_decode", &format!("agent-{i}"), &encode(m));
     }
+    // The guest channel's lines (issue 17), read by the same target.
+    use memfold_wire::guest::{encode_from_guest, FromGuest, GuestMeminfo};
+    let guest = [
+        FromGuest::Ram {
+            v: 1,
+            seq: 1,
+            agent: "memfold-guest 1".into(),
+            kernel: "6.1.0".into(),
+            ranges: vec![[1, 159], [256, 524256], [1048576, 1310720]],
+            meminfo: GuestMeminfo {
+                mem_total: 2977208,
+                ..Default::default()
+            },
+        },
+        FromGuest::Runs {
+            v: 1,
+            seq: 1,
+            first: 256,
+            runs: vec![[1, 100], [26, 3], [4, 1]],
+        },
+        FromGuest::End {
+            v: 1,
+            seq: 1,
+            chunks: 1,
+            frames: 104,
+        },
+        FromGuest::Error {
+            v: 1,
+            seq: 2,
+            what: "/proc/kpageflags: \"denied\"".into(),
+        },
+    ];
+    for (i, m) in guest.iter().enumerate() {
+        let line = encode_from_guest(m);
+        write("wire_decode", &format!("guest-{i}"), &line[..line.len() - 1]);
+    }
 
     let list = [
         (Gfn(0), Mapped::Frame(FrameId(0))),

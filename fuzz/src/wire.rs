@@ -7,7 +7,7 @@ use std::fmt::Debug;
 use arbitrary::Arbitrary;
 use memfold_codecs::{CompressCodec, PatchCodec};
 use memfold_wire::{
-    decode, encode, reattach, AgentReport, BatchId, Blob, BlobHome, Discarded, FrameId, Gfn,
+    decode, encode, guest, reattach, AgentReport, BatchId, Blob, BlobHome, Discarded, FrameId, Gfn,
     Mapped, Message, StashPage, ToAgent, ToClient, ToDaemon, WireError, MAX_MESSAGE,
 };
 
@@ -49,10 +49,48 @@ fn assert_stable<M: Message + PartialEq + Debug>(data: &[u8]) {
 pub fn check_message_bytes(data: &[u8]) {
     assert_stable::<ToDaemon>(data);
     assert_stable::<ToAgent>(data);
+    check_guest_line(data);
     match decode::<ToClient>(data) {
         Err(e) => assert_decode_error(&e, data.len()),
         Ok(m) => {
             decode::<ToClient>(&encode(&m)).expect("a decoded ToClient re-encodes to a message");
+        }
+    }
+}
+
+/// The guest channel's checks on bytes from an enlightened guest (issue 17): as one line,
+/// [`guest::decode_from_guest`] gives a typed error saying why, or a message within the
+/// limits that re-encodes to a line decoding to the same message; as a stream,
+/// [`guest::LineReader`] yields lines within [`guest::MAX_GUEST_LINE`] and without
+/// newlines, then ends with a typed error.
+pub fn check_guest_line(data: &[u8]) {
+    use guest::{FromGuest, GuestWireError as E};
+    match guest::decode_from_guest(data) {
+        Ok(m) => {
+            if let FromGuest::Runs { runs, .. } = &m {
+                assert!(runs.len() <= guest::MAX_RUNS);
+            }
+            if let FromGuest::Ram { ranges, .. } = &m {
+                assert!(ranges.len() <= guest::MAX_RANGES);
+            }
+            let line = guest::encode_from_guest(&m);
+            assert_eq!(line.last(), Some(&b'\n'));
+            let again = guest::decode_from_guest(&line[..line.len() - 1])
+                .unwrap_or_else(|e| panic!("{m:?} re-encoded does not decode: {e}"));
+            assert_eq!(again, m, "a guest line changed through encode and decode");
+        }
+        Err(E::TooLong) => assert!(data.len() > guest::MAX_GUEST_LINE),
+        Err(E::Malformed { len, .. }) => assert_eq!(len, data.len()),
+        Err(E::Version { got }) => assert_ne!(got, guest::GUEST_PROTOCOL_VERSION),
+        Err(E::Limit { .. }) => {}
+        Err(e) => panic!("a guest line failed with a non-decode error: {e}"),
+    }
+    let mut r = guest::LineReader::new(data);
+    loop {
+        match r.line() {
+            Ok(l) => assert!(l.len() <= guest::MAX_GUEST_LINE && !l.contains(&b'\n')),
+            Err(E::Closed | E::TooLong) => break,
+            Err(e) => panic!("reading lines from memory failed: {e}"),
         }
     }
 }

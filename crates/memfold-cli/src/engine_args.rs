@@ -69,6 +69,18 @@ pub struct EngineArgs {
     /// comes back private. `off` maps every shared page (ESX §4.3).
     #[arg(long, default_value = if defaults().share_cold_unmapped { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
     pub share_cold_unmapped: String,
+    /// Use what enlightened guests say their pages are (issue 17, PV §3.1; memfoldd's
+    /// --guest-channels): `on` passes over the pages a guest reports as of a category of
+    /// --guest-skip and scans its page cache first; `off` scans every guest as one that
+    /// says nothing (the categories are still counted).
+    #[arg(long, default_value = if defaults().guest_categories { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
+    pub guest_categories: String,
+    /// With --guest-categories on: the categories whose pages the scan passes over,
+    /// comma-separated, or `none` (free, cache, anon, slab, kernel, unknown). PV §3.1
+    /// skips slab and kernel pages; kernel pages of guests with one kernel do share, so
+    /// the default skips slab alone (docs/enlightened.md).
+    #[arg(long, default_value_t = defaults().guest_skip.names(), value_parser = |s: &str| memfold_core::categories::CategorySet::parse(s).map(|c| c.names()))]
+    pub guest_skip: String,
     /// Host memory budget for the guests' RAM, MiB (DE §4.6): over it, cold pages are
     /// swapped out to a swap file (turns the clock on). Guests whose RAM together exceeds
     /// it keep running: overcommit.
@@ -167,6 +179,9 @@ impl EngineArgs {
             clock_interval_us: (clock > 0.0).then_some((clock * 1e6) as u64),
             clock_rearm_max: self.clock_rearm_max,
             share_cold_unmapped: self.share_cold_unmapped == "on",
+            guest_categories: self.guest_categories == "on",
+            guest_skip: memfold_core::categories::CategorySet::parse(&self.guest_skip)
+                .expect("clap checked the names"),
             host_budget: self.host_budget_mib.map(|m| m << 20),
             ..defaults()
         };
@@ -195,6 +210,8 @@ impl EngineArgs {
         opt("--clock-secs", self.clock_interval_s().to_string());
         opt("--clock-rearm-max", self.clock_rearm_max.to_string());
         opt("--share-cold-unmapped", self.share_cold_unmapped.clone());
+        opt("--guest-categories", self.guest_categories.clone());
+        opt("--guest-skip", self.guest_skip.clone());
         opt("--policy", self.policy.clone());
         opt("--patch-codec", self.patch_codec.name().into());
         opt("--patch-cutoff", self.patch_cutoff.to_string());
@@ -243,6 +260,7 @@ mod tests {
         );
         assert_eq!(c.clock_interval_us, d.clock_interval_us);
         assert_eq!(c.share_cold_unmapped, d.share_cold_unmapped);
+        assert_eq!(c.guest_categories, d.guest_categories);
         assert!(
             !parse(&["--share-cold-unmapped", "off"])
                 .config()

@@ -18,6 +18,7 @@
 //! | [`share`] | hash table of shared frames and hints, partitioned passes | ESX §4.3, DE §4.3 |
 //! | [`similarity`] | HashSimilarityDetector(k, s), reference candidates | DE §3.2, §4.3 |
 //! | [`blobs`], [`slab`] | blobs of patched, compressed and swapped pages, packed in 4 KiB chunks | DE §4.1, §4.6 |
+//! | [`categories`] | what an enlightened guest says its pages are; its frames as gfns | PV §3.1 |
 //! | [`clock`] | NRU clock C1–C4, the clock hand, policies | DE §4.2 |
 //! | [`engine`] | guests, the sharing scan, the Difference Engine, outcomes, budget, books | all |
 //! | [`backing`] | where bytes live (traits) and in-memory implementations | |
@@ -33,6 +34,7 @@
 pub mod analysis;
 pub mod backing;
 pub mod blobs;
+pub mod categories;
 pub mod census;
 pub mod clock;
 pub mod engine;

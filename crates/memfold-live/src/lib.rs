@@ -4,6 +4,8 @@
 //! - [`daemon`]: memfoldd — connections, the executor that turns the engine's commands
 //!   into requests to the agents and their answers into outcomes, the backings, the
 //!   books' export.
+//! - [`guest_channel`]: enlightened guests' channels: page categories from
+//!   `memfold-guest` inside the guest, over virtio-serial (issue 17, PV §3.1).
 //! - [`metrics`]: memfoldd's Prometheus endpoint (`GET /metrics`, `--metrics-listen`).
 //! - [`query_stats`], [`opt_out`]: a client's requests: memfoldd's statistics, the
 //!   operator's opt-out of a guest.
@@ -20,6 +22,7 @@
 #![deny(missing_docs)]
 
 pub mod daemon;
+pub mod guest_channel;
 pub mod metrics;
 
 use std::path::Path;

@@ -142,6 +142,7 @@ fn tenants_of_the_agent_group_attach_but_are_not_operators() {
         never_share: Default::default(),
         claim: memfold_core::ClaimPolicy::Never,
         allowance: 0,
+        guest_channels: None,
     };
     common::start_memfoldd_with(cfg);
     run_child(&socket, "tenant", AGENT_GID);

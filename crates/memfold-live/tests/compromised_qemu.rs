@@ -44,6 +44,7 @@ fn memfoldd(dir: &Path, domains: DomainRule) -> PathBuf {
         never_share: Default::default(),
         claim: memfold_core::ClaimPolicy::Never,
         allowance: 0,
+        guest_channels: None,
     };
     common::start_memfoldd_with(cfg);
     socket

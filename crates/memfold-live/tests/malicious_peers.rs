@@ -104,6 +104,7 @@ fn memfoldd(dir: &std::path::Path) -> std::path::PathBuf {
         never_share: Default::default(),
         claim: memfold_core::ClaimPolicy::Never,
         allowance: 0,
+        guest_channels: None,
     };
     common::start_memfoldd_with(cfg);
     socket

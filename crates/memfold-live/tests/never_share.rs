@@ -79,6 +79,7 @@ fn run(never_share: &[&str]) -> Seen {
         agent_gid: None,
         claim: memfold_core::ClaimPolicy::Never,
         allowance: 0,
+        guest_channels: None,
     };
     common::start_memfoldd_with(cfg);
     let mut rng = SmallRng::seed_from_u64(17);

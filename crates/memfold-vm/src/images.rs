@@ -161,7 +161,7 @@ pub fn image(cache: &Path, name: &str) -> Result<Image, ImageError> {
     })
 }
 
-const SCRIPTS: [(&str, &str); 7] = [
+const SCRIPTS: [(&str, &str); 8] = [
     ("build.sh", include_str!("../../../images/build.sh")),
     ("tiny-init", include_str!("../../../images/tiny-init")),
     ("disk-init", include_str!("../../../images/disk-init")),
@@ -177,11 +177,21 @@ const SCRIPTS: [(&str, &str); 7] = [
         "memfold-probe.rs",
         include_str!("../../../images/memfold-probe.rs"),
     ),
+    // The enlightened guest's agent, likewise.
+    (
+        "memfold-guest.rs",
+        include_str!("../../../images/memfold-guest.rs"),
+    ),
 ];
 
 /// The side-channel probe the `tiny` image carries in `/bin` (images/memfold-probe.rs,
 /// built statically by this crate's build script; docs/side-channel.md).
 const PROBE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/memfold-probe"));
+
+/// The enlightened guest's agent the `tiny` image carries in `/bin` and starts at boot
+/// (images/memfold-guest.rs, built statically by this crate's build script; issue 17,
+/// docs/enlightened.md).
+const GUEST_AGENT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/memfold-guest"));
 
 /// Fingerprint of the build recipes (xxh3 over the embedded scripts and their names),
 /// stored in an image's `recipe` file: an image whose recipes changed is rebuilt.
@@ -235,12 +245,11 @@ pub fn build(
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).map_err(io(&p))?;
     }
-    let probe = scripts.join("memfold-probe");
-    std::fs::write(&probe, PROBE).map_err(io(&probe))?;
-    {
+    for (file, bytes) in [("memfold-probe", PROBE), ("memfold-guest", GUEST_AGENT)] {
+        let p = scripts.join(file);
+        std::fs::write(&p, bytes).map_err(io(&p))?;
         use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&probe, std::fs::Permissions::from_mode(0o755))
-            .map_err(io(&probe))?;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).map_err(io(&p))?;
     }
     let mut child = Command::new("bash")
         .arg(scripts.join("build.sh"))

@@ -86,6 +86,11 @@ pub struct GuestSpec {
     /// Disks served by memfold-blk (vhost-user-blk, Satori §4.1) instead of QEMU's own
     /// virtio-blk; `None`: QEMU serves them all (the default).
     pub memfold_blk: Option<BlkDisks>,
+    /// The enlightened guest's channel (issue 17, docs/enlightened.md): a virtio-serial
+    /// port `org.memfold.guest.0` whose host side QEMU serves on this Unix socket
+    /// (`server=on,wait=off`), for memfoldd's `--guest-channels` folder
+    /// (`DIR/NAME.sock`); `None`: none.
+    pub guest_channel: Option<std::path::PathBuf>,
 }
 
 /// Which of a guest's disks memfold-blk serves, one `memfold-blk` process per disk
@@ -149,6 +154,7 @@ impl GuestSpec {
             data_disk: None,
             kernel_args: None,
             memfold_blk: None,
+            guest_channel: None,
         }
     }
 }

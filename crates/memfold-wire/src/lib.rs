@@ -19,6 +19,7 @@
 //! | [`metrics`] | the statistics as a Prometheus (OpenMetrics) exposition |
 //! | [`latency`] | latency histograms (HDR) and their percentiles |
 //! | [`conn`] | [`Conn`] and [`Listener`], over `memfold_sys::socket` |
+//! | [`guest`] | the guest channel: memfoldd and `memfold-guest` inside an enlightened guest, over virtio-serial (issue 17) |
 //! | [`keyval`] | QEMU's `key=value,...` option syntax, which the agent and memfoldd both read on QEMU's command line |
 
 #![forbid(unsafe_code)]
@@ -30,6 +31,7 @@ use serde::{de::DeserializeOwned, Serialize};
 
 pub mod conn;
 pub mod device;
+pub mod guest;
 pub mod keyval;
 pub mod latency;
 pub mod messages;
@@ -47,7 +49,7 @@ pub use messages::{
 };
 pub use reattach::Mapped;
 pub use stats::{
-    HeldBytes, LifetimeCdf, OpLatencies, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS,
+    GuestPages, HeldBytes, LifetimeCdf, OpLatencies, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS,
 };
 
 /// Wire errors.

@@ -309,6 +309,56 @@ pub struct VmStats {
     /// `under-pressure`); `None`: not known.
     #[serde(default)]
     pub guest_short: Option<bool>,
+    /// What its guest agent (`memfold-guest`, issue 17) says its pages are, if it is
+    /// enlightened; `None` for a guest that says nothing.
+    #[serde(default)]
+    pub guest_pages: Option<GuestPages>,
+}
+
+/// An enlightened guest's pages by category as its agent last reported them (PV §3.1;
+/// `memfold_core::categories`), and how the sharing scan used them. Pages are 4 KiB.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GuestPages {
+    /// Free (buddy allocator, per-CPU lists).
+    pub free: u64,
+    /// Page cache (on an LRU list, not anonymous).
+    pub cache: u64,
+    /// Anonymous.
+    pub anon: u64,
+    /// Slab.
+    pub slab: u64,
+    /// Kernel-only, reserved and other pages in use.
+    pub kernel: u64,
+    /// Not reported (holes in the guest's frames, no report).
+    pub unknown: u64,
+    /// On the guest's active LRU list.
+    pub active: u64,
+    /// Referenced by the guest's kernel's last look.
+    pub referenced: u64,
+    /// Reports applied (cumulative).
+    pub reports: u64,
+    /// Reports refused: lines out of place, over the limits, or runs not fitting its RAM
+    /// (cumulative).
+    pub refused: u64,
+    /// Requests its channel did not answer in time or with lines of the protocol (the
+    /// channel is then reopened; a guest booting, its agent not yet started, counts here),
+    /// cumulative.
+    pub channel_errors: u64,
+    /// Resident pages the sharing scan passed over as of a skipped category (memfoldd's
+    /// `--guest-skip`), page-scans
+    /// (cumulative).
+    pub scan_skipped: u64,
+    /// Its agent's name and version, and its kernel's release.
+    pub agent: String,
+    /// What the guest's `/proc/meminfo` said with the report, KiB.
+    pub meminfo: crate::guest::GuestMeminfo,
+    /// The guest's RAM below 4 GiB and above, pages (the layout its gfns were mapped by).
+    pub low_pages: u64,
+    /// See [`GuestPages::low_pages`].
+    pub high_pages: u64,
+    /// The last error of its channel, if its last request failed.
+    pub last_error: Option<String>,
 }
 
 /// memfoldd's statistics.

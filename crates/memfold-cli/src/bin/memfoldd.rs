@@ -60,6 +60,15 @@ struct Args {
     /// Allow --metrics-listen on a non-loopback address (the metrics name every guest).
     #[arg(long, requires = "metrics_listen")]
     metrics_allow_remote: bool,
+    /// Folder of enlightened guests' channel sockets (issue 17, docs/enlightened.md): for
+    /// each attached guest named NAME with a socket DIR/NAME.sock (QEMU's chardev of the
+    /// virtio-serial port org.memfold.guest.0), memfoldd asks memfold-guest inside it for
+    /// its pages' categories. Default: none (no guest is asked).
+    #[arg(long, value_name = "DIR")]
+    guest_channels: Option<PathBuf>,
+    /// How often each enlightened guest is asked for its pages' categories, ms.
+    #[arg(long, default_value_t = 3000)]
+    guest_interval_ms: u64,
     /// Log level: `error`, `warn`, `info`, `debug`, `trace`, or a tracing filter such as
     /// `info,memfold_live=debug`. Default: RUST_LOG if set, else `info`.
     #[arg(long, value_name = "LEVEL")]
@@ -167,6 +176,12 @@ fn main() {
         agent_gid,
         claim: a.engine.claim(),
         allowance: a.engine.allowance_mib << 20,
+        guest_channels: a.guest_channels.clone().map(|d| {
+            (
+                d,
+                std::time::Duration::from_millis(a.guest_interval_ms.max(100)),
+            )
+        }),
     };
     let ready = || {
         // Without NOTIFY_SOCKET (not under systemd) this does nothing.

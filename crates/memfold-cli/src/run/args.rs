@@ -100,6 +100,13 @@ pub struct MemfoldArgs {
     /// into run.json. Costs memfoldd one read of all guest memory per census.
     #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
     pub census: Option<u64>,
+    /// Run the managed guests enlightened (issue 17, docs/enlightened.md): each gets a
+    /// virtio-serial port `org.memfold.guest.0` on a socket in `OUT/channels`, and
+    /// memfoldd (`--guest-channels`) asks memfold-guest inside it (the `tiny` image starts
+    /// it at boot) for its pages' categories: the live view and the summary show them,
+    /// and with `--guest-categories on` (the default) the scan uses them.
+    #[arg(long)]
+    pub enlightened: bool,
 }
 
 impl MemfoldArgs {
@@ -171,6 +178,12 @@ impl MemfoldArgs {
     }
 }
 
+/// The folder of the enlightened guests' channel sockets (`--enlightened`): `channels`
+/// beside memfoldd's socket.
+pub fn channels_dir(socket: &Path) -> std::path::PathBuf {
+    socket.with_file_name("channels")
+}
+
 /// `GUEST@SECS` of `--break-sharing` and `--drop-caches`.
 fn parse_guest_at(s: &str) -> Result<(String, u64), String> {
     let (g, secs) = s
@@ -223,6 +236,10 @@ impl MemfoldArgs {
             "none".into(),
         ];
         v.extend(self.engine.to_args());
+        if self.enlightened {
+            v.push("--guest-channels".into());
+            v.push(channels_dir(socket).into());
+        }
         if self.engine.host_budget_mib.is_some() {
             v.push("--swap-dir".into());
             v.push(out.into());
@@ -323,6 +340,20 @@ mod tests {
         v.into_iter()
             .map(|s| s.into_string().expect("utf-8"))
             .collect()
+    }
+
+    #[test]
+    fn an_enlightened_run_gives_memfoldd_the_channels_folder_beside_its_socket() {
+        let plain =
+            strings(parse(&[]).memfoldd_args(Path::new("/o/memfoldd.sock"), Path::new("/o")));
+        assert!(!plain.iter().any(|s| s == "--guest-channels"));
+        assert!(plain.windows(2).any(|w| w == ["--guest-categories", "on"]));
+        let a = parse(&["--enlightened", "--guest-categories", "off"]);
+        let v = strings(a.memfoldd_args(Path::new("/o/memfoldd.sock"), Path::new("/o")));
+        assert!(v
+            .windows(2)
+            .any(|w| w == ["--guest-channels", "/o/channels"]));
+        assert!(v.windows(2).any(|w| w == ["--guest-categories", "off"]));
     }
 
     #[test]

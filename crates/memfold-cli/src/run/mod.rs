@@ -124,6 +124,11 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let socket = std::fs::canonicalize(&out)?.join("memfoldd.sock");
     let data_disk = m.data_disk(&out)?;
+    let channels = args::channels_dir(&socket);
+    if m.enlightened {
+        std::fs::create_dir_all(&channels)
+            .with_context(|| format!("cannot create {}", channels.display()))?;
+    }
     let names: Vec<String> = guests::specs(&m.set.profiles, RAM, m.set.mem_mib)?
         .into_iter()
         .map(|s| s.name)
@@ -148,6 +153,9 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             s.memfold_blk = m
                 .blk_disks(&s.profile, data_disk.is_some(), managed.then_some(&*socket))
                 .expect("the profiles were checked above");
+            if managed && m.enlightened {
+                s.guest_channel = Some(channels.join(format!("{}.sock", s.name)));
+            }
         },
         |s| agent_env(&agent, &socket, s),
     )?;

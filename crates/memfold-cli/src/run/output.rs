@@ -262,6 +262,13 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         "held_bytes": r.end().map(|s| s.held),
         "lifetime": r.end().map(|s| s.lifetime.clone()),
         "captured": r.captured(),
+        // Enlightened guests' pages by category (issue 17), by guest.
+        "guest_pages": r.end().map(|s| {
+            s.vms
+                .iter()
+                .filter_map(|v| v.guest_pages.as_ref().map(|g| (v.name.clone(), g.clone())))
+                .collect::<std::collections::BTreeMap<_, _>>()
+        }),
         "paused": paused_since(&r.samples)
             .iter()
             .map(|(name, t)| serde_json::json!({"guest": name, "since_s": t}))
@@ -311,6 +318,11 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         );
     }
     if let Some(s) = r.end() {
+        for v in &s.vms {
+            if let Some(g) = &v.guest_pages {
+                println!("guest {}:{}", v.name, view::guest_pages(g));
+            }
+        }
         print_end_books(s);
         print_churn(s);
         print_latencies(s);

@@ -57,13 +57,14 @@ pub fn print(used_before: u64, s: &Sample, prev: Option<&Sample>) {
         } else {
             String::new()
         };
+        let enlightened = v.guest_pages.as_ref().map_or(String::new(), guest_pages);
         let balloon = match (v.balloon_actual_bytes, &v.balloon_problem) {
             (_, Some(p)) => format!("  balloon: {p}"),
             (Some(a), None) => format!("  sees {:.0} MiB", a as f64 / MIB),
             (None, None) => String::new(),
         };
         eprintln!(
-            "    {:<14} {:>7} pages  shared {:>7}{unmapped}{at_read} (entitled {:>6.1} MiB{balloon})  zero {:>7}{de}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s{nru}{}",
+            "    {:<14} {:>7} pages  shared {:>7}{unmapped}{at_read} (entitled {:>6.1} MiB{balloon})  zero {:>7}{de}  CoW breaks {:>6.0}/s  faults {:>7.0}/s  scanned {:>8.0}/s{nru}{enlightened}{}",
             v.name,
             v.pages,
             v.shared_pages,
@@ -87,6 +88,27 @@ pub fn print(used_before: u64, s: &Sample, prev: Option<&Sample>) {
     {
         eprintln!("    {name:<14}{PAUSED}");
     }
+}
+
+/// An enlightened guest's pages by category as its agent last reported them (issue 17),
+/// for the view and the summary.
+pub fn guest_pages(g: &memfold_wire::GuestPages) -> String {
+    let mib = |p: u64| p as f64 * 4096.0 / MIB;
+    let err = g
+        .last_error
+        .as_ref()
+        .map_or(String::new(), |e| format!(" (last: {e})"));
+    format!(
+        "  guest says (MiB): free {:.0} cache {:.0} anon {:.0} slab {:.0} kernel {:.0}, active {:.0}; {} reports, {} scan skips{err}",
+        mib(g.free),
+        mib(g.cache),
+        mib(g.anon),
+        mib(g.slab),
+        mib(g.kernel),
+        mib(g.active),
+        g.reports,
+        g.scan_skipped
+    )
 }
 
 /// How the view marks a guest whose QEMU its agent stopped.

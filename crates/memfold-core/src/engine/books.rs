@@ -28,6 +28,17 @@ pub struct VmBooks {
     pub zero_reclaimed_pages: u64,
     /// Pages hashed by the sharing scan.
     pub scanned_pages: u64,
+    /// Its pages by category as its guest agent last reported them (PV §3.1, issue 17);
+    /// `None` for a guest that reported nothing.
+    pub categories: Option<crate::categories::CategoryCounts>,
+    /// Category reports applied (cumulative).
+    pub category_reports: u64,
+    /// Category reports refused as not fitting its RAM (cumulative).
+    pub category_refused: u64,
+    /// Resident pages the sharing scan passed over as of a skipped category (slab by
+    /// default; [`super::EngineConfig::guest_skip`]), as the guest
+    /// reported them ([`super::EngineConfig::guest_categories`]), page-scans.
+    pub category_skipped: u64,
     /// Resident pages the sharing scan left out of a full scan as quiet (read before with
     /// nothing found; [`super::EngineConfig::quiet_scan_period`]), page-scans.
     pub skipped_pages: u64,
@@ -531,6 +542,7 @@ impl Engine {
                     + v.de_failed.capacity() * 8
                     + v.ages.bytes()
                     + v.restash_wait.capacity()
+                    + v.categories.as_ref().map_or(0, |m| m.bytes())
                     + crate::share::hashbrown_bytes(v.unmapping.capacity(), 4)
                     + crate::share::hashbrown_bytes(v.read_sharing.capacity(), 16)
             })

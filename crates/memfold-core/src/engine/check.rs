@@ -36,6 +36,17 @@ impl Engine {
         let mut slots: HashMap<VmId, [u64; 2]> = HashMap::new();
         let mut blob_holders: HashMap<BlobId, u32> = HashMap::new();
         for (id, v) in &self.vms {
+            // A guest's category map covers its RAM, and its counts add up to it.
+            if let Some(m) = &v.categories {
+                let counted: u64 = m.counts().pages.iter().sum();
+                if m.pages() != v.pages() || counted != v.pages() as u64 {
+                    return Err(format!(
+                        "{id}: category map of {} pages counting {counted}, guest of {}",
+                        m.pages(),
+                        v.pages()
+                    ));
+                }
+            }
             if !self.domains.contains_key(&v.domain) {
                 return Err(format!("{id}: its {} does not exist", v.domain));
             }

@@ -21,11 +21,13 @@
 //! | `unmapped.rs` | identical pages shared without a mapping (a patch against the frame) |
 //! | `outcomes.rs` | agents' answers and events applied back |
 //! | `books.rs` | savings by mechanism and guest, budget, lifetimes |
+//! | `categories.rs` | what enlightened guests say their pages are (PV §3.1) |
 //! | `entitlement.rs` | sharing entitlements: shared pages by rank (Satori §4.2) |
 //! | `check.rs` | every invariant, for tests |
 
 mod at_read;
 mod books;
+mod categories;
 mod census;
 mod check;
 mod config;
@@ -229,6 +231,11 @@ pub(crate) struct Vm {
     /// Pages a disk read filled whose share is under way, with when they landed (µs;
     /// [`at_read`], Satori §4.1).
     pub(crate) read_sharing: std::collections::HashMap<Gfn, u64>,
+    /// What its guest agent last said its pages are (PV §3.1; `None`: it said nothing).
+    pub(crate) categories: Option<crate::categories::CategoryMap>,
+    /// The sharing scan's sweep over it in this full scan when categories are used: 0
+    /// reads page-cache pages, 1 the rest ([`scan`]).
+    pub(crate) sweep: u8,
     pub(crate) books: VmBooks,
 }
 
@@ -241,6 +248,7 @@ impl Vm {
     pub(crate) fn end_scan_part(&mut self) {
         self.cursor = 0;
         self.run_end = 0;
+        self.sweep = 0;
         self.scanned_this_pass = true;
     }
 

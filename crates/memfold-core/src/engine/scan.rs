@@ -20,6 +20,7 @@
 
 use super::unmapped::{Found, Identical, Seen};
 use super::{Command, Engine, EngineError, ZeroPolicy};
+use crate::categories::{Category, CategorySet};
 use crate::ids::{Gfn, VmId};
 use crate::p2m::PageState;
 use crate::share::ShareEntry;
@@ -81,6 +82,63 @@ impl ScanAges {
     #[cfg(test)]
     pub(crate) fn get(&self, g: u32) -> u8 {
         self.0[g as usize]
+    }
+}
+
+/// What the sharing scan does with a resident page in this full scan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Visit {
+    /// Read it.
+    Read,
+    /// Pass over it: quiet, resting in this scan.
+    Quiet,
+    /// Pass over it: the guest reported it of a skipped category (slab or kernel by
+    /// default, PV §3.1).
+    Kernel,
+    /// Pass over it in this sweep: page cache is read in the first, the rest in the
+    /// second.
+    OtherSweep,
+}
+
+impl super::Vm {
+    /// What the scan does with page `g` in full scan `pass` (quiet pages' periods at most
+    /// `max`), using the guest's categories if `use_cats` and it reported them: pages of
+    /// the categories of `skip` are not read.
+    fn visit(&self, g: u32, pass: u64, max: u32, use_cats: bool, skip: CategorySet) -> Visit {
+        if let Some(m) = self.categories.as_ref().filter(|_| use_cats) {
+            let c = m.category(Gfn(g));
+            if skip.contains(c) {
+                // Counted once a full scan, in its second sweep.
+                return if self.sweep == 0 {
+                    Visit::OtherSweep
+                } else {
+                    Visit::Kernel
+                };
+            }
+            if (c == Category::Cache) != (self.sweep == 0) {
+                return Visit::OtherSweep;
+            }
+        }
+        if self.ages.rests(g, pass, max) {
+            Visit::Quiet
+        } else {
+            Visit::Read
+        }
+    }
+
+    /// The cursor reached the end of its RAM: with categories in use, the first sweep
+    /// (page cache) is followed by the second (the rest) from gfn 0; else its part of the
+    /// full scan is done. Returns whether it is.
+    fn end_sweep(&mut self, use_cats: bool) -> bool {
+        if use_cats && self.categories.is_some() && self.sweep == 0 {
+            self.sweep = 1;
+            self.cursor = 0;
+            self.run_end = 0;
+            false
+        } else {
+            self.end_scan_part();
+            true
+        }
     }
 }
 
@@ -240,6 +298,7 @@ impl Engine {
     /// between the ask and the read.
     fn next_chunk(&mut self, id: VmId, max: usize, buf: &mut [u8]) -> Option<(Gfn, usize)> {
         let (pass, max_period) = (self.scan.full_scans, self.cfg.quiet_scan_period);
+        let (use_cats, skip) = (self.cfg.guest_categories, self.cfg.guest_skip);
         let v = self.vms.get_mut(&id)?;
         if v.scanned_this_pass {
             // Its part of this full scan is done: no page is read twice in one.
@@ -250,27 +309,37 @@ impl Engine {
         loop {
             if v.cursor >= v.run_end {
                 let Some((first, run_end)) = v.ram.next_data_run(Gfn(v.cursor), Gfn(end)) else {
-                    v.end_scan_part();
-                    return None;
+                    if v.end_sweep(use_cats) {
+                        return None;
+                    }
+                    continue;
                 };
                 v.cursor = first.0;
                 v.run_end = run_end.0.min(end).max(first.0 + 1);
             }
-            // Quiet pages resting in this scan are passed over.
-            while v.cursor < v.run_end && v.ages.rests(v.cursor, pass, max_period) {
+            // Quiet pages resting in this scan, pages the guest says are kernel's, and
+            // pages of the other sweep are passed over.
+            while v.cursor < v.run_end {
+                match v.visit(v.cursor, pass, max_period, use_cats, skip) {
+                    Visit::Read => break,
+                    Visit::Quiet => v.books.skipped_pages += 1,
+                    Visit::Kernel => v.books.category_skipped += 1,
+                    Visit::OtherSweep => {}
+                }
                 v.cursor += 1;
-                v.books.skipped_pages += 1;
             }
             if v.cursor >= v.run_end {
-                if v.cursor >= end {
-                    v.end_scan_part();
+                if v.cursor >= end && v.end_sweep(use_cats) {
                     return None;
                 }
                 continue;
             }
             let first = v.cursor;
             let mut n = 1;
-            while n < max && first + n < v.run_end && !v.ages.rests(first + n, pass, max_period) {
+            while n < max
+                && first + n < v.run_end
+                && v.visit(first + n, pass, max_period, use_cats, skip) == Visit::Read
+            {
                 n += 1;
             }
             let n_us = n as usize;
@@ -285,7 +354,7 @@ impl Engine {
             v.books.scanned_pages += n as u64;
             self.scan.pass_read += n as u64;
             if v.cursor >= end {
-                v.end_scan_part();
+                v.end_sweep(use_cats);
             }
             return Some((Gfn(first), n_us));
         }

@@ -71,6 +71,23 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
         balloon_problem: balloon.problem,
         guest_available_bytes: balloon.available,
         guest_short: balloon.short,
+        guest_pages: b.categories.map(|c| {
+            use memfold_core::categories::Category;
+            memfold_wire::GuestPages {
+                free: c.of(Category::Free),
+                cache: c.of(Category::Cache),
+                anon: c.of(Category::Anon),
+                slab: c.of(Category::Slab),
+                kernel: c.of(Category::Kernel),
+                unknown: c.of(Category::Unknown),
+                active: c.active,
+                referenced: c.referenced,
+                reports: b.category_reports,
+                refused: b.category_refused,
+                scan_skipped: b.category_skipped,
+                ..Default::default()
+            }
+        }),
     }
 }
 

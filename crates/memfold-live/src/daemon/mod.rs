@@ -45,6 +45,8 @@ pub use domains::DomainRule;
 use executor::{Executor, Kind};
 use guests::{Guests, Input};
 
+use crate::guest_channel::GuestChannels;
+
 const PAGE: u64 = PAGE_SIZE as u64;
 
 /// The largest guest memfoldd takes, pages (256 GiB): the engine's books for a guest
@@ -86,6 +88,11 @@ pub struct DaemonConfig {
     /// Each guest's base allowance, bytes: what its balloon leaves it before entitlement
     /// (with a claim policy other than `Never`).
     pub allowance: u64,
+    /// The folder of enlightened guests' channel sockets (`NAME.sock` for the guest
+    /// named `NAME`, QEMU's virtio-serial port `org.memfold.guest.0`; issue 17,
+    /// [`crate::guest_channel`]), and how often each is asked for its pages' categories.
+    /// `None`: no guest is asked; every guest is scanned as one that says nothing.
+    pub guest_channels: Option<(PathBuf, Duration)>,
 }
 
 /// Daemon errors.
@@ -145,6 +152,8 @@ struct Daemon {
     swap_dir: Option<PathBuf>,
     last_reap: Instant,
     claims: balloon::Claims,
+    /// Enlightened guests' channels ([`DaemonConfig::guest_channels`]).
+    channels: Option<GuestChannels>,
 }
 
 /// Runs memfoldd until killed.
@@ -231,6 +240,9 @@ pub fn serve(
     if r.is_ok() {
         d.drain(&rx);
     }
+    if let Some(c) = &mut d.channels {
+        c.stop_all();
+    }
     let n = d.guests.close_all();
     tracing::info!(
         "stopped: socket {} closed, {n} agents left to serve their guests until the next memfoldd",
@@ -282,6 +294,10 @@ impl Daemon {
             swap_dir: cfg.engine.host_budget.map(|_| cfg.swap_dir.clone()),
             last_reap: Instant::now(),
             claims: balloon::Claims::new(cfg.claim, cfg.allowance),
+            channels: cfg
+                .guest_channels
+                .as_ref()
+                .map(|(dir, every)| GuestChannels::new(dir, *every)),
         })
     }
 
@@ -301,6 +317,9 @@ impl Daemon {
             while let Ok(input) = rx.try_recv() {
                 self.input(input)?;
             }
+            if let Some(c) = &mut self.channels {
+                c.apply(&mut self.engine);
+            }
             busy = self.engine.scan_step()?;
             self.engine.clock_step();
             self.engine.check_budget();
@@ -309,6 +328,9 @@ impl Daemon {
                 self.last_reap = Instant::now();
                 self.reap();
                 self.claims.tick(&self.engine);
+                if let Some(c) = &mut self.channels {
+                    c.sync(&self.engine);
+                }
             }
         }
         Ok(())
@@ -377,11 +399,13 @@ impl Daemon {
                 operator,
             } => {
                 let reply = match msg {
-                    ToDaemon::Stats => ToClient::Stats(Box::new(books::stats(
-                        &self.engine,
-                        &self.guests,
-                        &self.claims,
-                    ))),
+                    ToDaemon::Stats => {
+                        let mut stats = books::stats(&self.engine, &self.guests, &self.claims);
+                        if let Some(c) = &self.channels {
+                            c.fill(&mut stats.vms);
+                        }
+                        ToClient::Stats(Box::new(stats))
+                    }
                     ToDaemon::Census => {
                         let c = self.engine.census();
                         ToClient::Census(memfold_wire::CensusStats {

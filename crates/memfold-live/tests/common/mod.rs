@@ -73,6 +73,7 @@ pub fn daemon_config(dir: &Path, engine: EngineConfig) -> DaemonConfig {
         never_share: Default::default(),
         claim: memfold_core::ClaimPolicy::Never,
         allowance: 0,
+        guest_channels: None,
     }
 }
 

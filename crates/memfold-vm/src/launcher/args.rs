@@ -6,6 +6,12 @@ use std::path::Path;
 use super::{Accel, GuestSpec, RamBackend, DATA_DISK_SERIAL, TCG_TB_MIB};
 use crate::images;
 
+/// The virtio-serial port's name memfold-guest opens (memfold_wire::guest::PORT_NAME;
+/// this crate does not depend on the wire).
+fn memfold_guest_port() -> &'static str {
+    "org.memfold.guest.0"
+}
+
 /// QEMU's command line (after the program name) for guest `spec` from image `img`: the
 /// accelerator, RAM (memfd shared with memfold, or anonymous with `mem-merge` as
 /// [`GuestSpec::mem_merge`] says), one virtio-balloon with free page reporting if
@@ -57,6 +63,22 @@ pub fn qemu_args(
         ]),
         (false, true) => push(&["-device", "virtio-balloon-pci,id=balloon0"]),
         (false, false) => {}
+    }
+    if let Some(sock) = &spec.guest_channel {
+        push(&[
+            "-device",
+            "virtio-serial-pci,id=memfold-vser",
+            "-chardev",
+            &format!(
+                "socket,id=memfold-guest,path={},server=on,wait=off",
+                sock.display()
+            ),
+            "-device",
+            &format!(
+                "virtserialport,chardev=memfold-guest,name={}",
+                memfold_guest_port()
+            ),
+        ]);
     }
     if spec.memfold_balloon {
         let sock = qmp.with_file_name("memfold-qmp.sock");
@@ -358,5 +380,30 @@ mod tests {
             ]
         ));
         assert!(!d.iter().any(|a| a.contains("data.img")));
+    }
+
+    #[test]
+    fn an_enlightened_guest_gets_its_virtio_serial_port() {
+        let plain = args(&spec(RamBackend::Memfd));
+        assert!(!plain.iter().any(|a| a.contains("virtserialport")));
+        let v = args(&GuestSpec {
+            guest_channel: Some("/run/ch/g.sock".into()),
+            ..spec(RamBackend::Memfd)
+        });
+        assert!(has(&v, ["-device", "virtio-serial-pci,id=memfold-vser"]));
+        assert!(has(
+            &v,
+            [
+                "-chardev",
+                "socket,id=memfold-guest,path=/run/ch/g.sock,server=on,wait=off"
+            ]
+        ));
+        assert!(has(
+            &v,
+            [
+                "-device",
+                "virtserialport,chardev=memfold-guest,name=org.memfold.guest.0"
+            ]
+        ));
     }
 }

@@ -1,0 +1,670 @@
+//! What an enlightened guest says its pages are (PV §3.1, "meta-data dependent sharing";
+//! issue 17): page categories from the guest kernel's own book-keeping
+//! (`/proc/kpageflags`, read by `memfold-guest` inside the guest), and the map from the
+//! guest's physical frame numbers to memfold's gfns.
+//!
+//! The engine keeps, per guest that reported, a [`CategoryMap`] of 4 bits a page (a
+//! [`Category`] in 3 bits and the active bit; the referenced bit is counted, not kept) and
+//! books its pages by category ([`CategoryCounts`]). The sharing scan uses it when
+//! [`crate::EngineConfig::guest_categories`] is on: pages of the categories of
+//! [`crate::EngineConfig::guest_skip`] are not read (slab by default; PV §3.1 skips slab
+//! and kernel: "Kernel only pages … should not be shared"), and page-cache pages are read first
+//! ("Cache only pages … it is therefore monumental to share this kind of pages").
+//! A guest that says nothing has no map and is scanned as before.
+//!
+//! Nothing here is trusted: a guest's report can only change how its own pages are
+//! scanned (a lie costs it sharing, never a byte — every share is still confirmed byte
+//! for byte and checked by the agent under write-protection).
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::Gfn;
+use crate::PAGE_SIZE;
+
+/// What a guest page is used for, as the guest's kernel sees it (PV §3.1's groups, as
+/// Linux's page flags give them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[repr(u8)]
+pub enum Category {
+    /// Not reported (no report yet, a hole in the guest's frame numbers, or a frame the
+    /// guest did not classify).
+    Unknown = 0,
+    /// Free: in the buddy allocator or a per-CPU free list (kpagecount 0).
+    Free = 1,
+    /// Page cache: on an LRU list and not anonymous (files, tmpfs/shmem, block devices).
+    Cache = 2,
+    /// Anonymous memory of processes.
+    Anon = 3,
+    /// The kernel's slab caches.
+    Slab = 4,
+    /// Kernel-only or reserved pages, page tables, and any other page in use that is
+    /// neither on an LRU list nor slab.
+    Kernel = 5,
+}
+
+impl Category {
+    /// Every category, in code order.
+    pub const ALL: [Category; 6] = [
+        Category::Unknown,
+        Category::Free,
+        Category::Cache,
+        Category::Anon,
+        Category::Slab,
+        Category::Kernel,
+    ];
+
+    /// The category of code `c` (0..=5), `None` otherwise.
+    pub fn from_code(c: u8) -> Option<Category> {
+        Category::ALL.get(c as usize).copied()
+    }
+
+    /// Its name, as the live view and JSON print it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Category::Unknown => "unknown",
+            Category::Free => "free",
+            Category::Cache => "cache",
+            Category::Anon => "anon",
+            Category::Slab => "slab",
+            Category::Kernel => "kernel",
+        }
+    }
+
+    /// The category named `name` (as [`Category::name`] gives it).
+    pub fn from_name(name: &str) -> Option<Category> {
+        Category::ALL.into_iter().find(|c| c.name() == name)
+    }
+
+    /// Its bit in a [`CategorySet`].
+    pub fn bit(self) -> u8 {
+        1 << self as u8
+    }
+}
+
+/// A set of categories, a bit each ([`Category::bit`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CategorySet(pub u8);
+
+impl CategorySet {
+    /// Slab pages alone: memfold's default skip.
+    pub const SLAB: CategorySet = CategorySet(1 << Category::Slab as u8);
+
+    /// PV §3.1's kernel-only pages, which it does not share: slab and kernel/reserved.
+    pub const SLAB_KERNEL: CategorySet =
+        CategorySet(1 << Category::Slab as u8 | 1 << Category::Kernel as u8);
+
+    /// Whether `c` is in the set.
+    pub fn contains(self, c: Category) -> bool {
+        self.0 & c.bit() != 0
+    }
+
+    /// The set of comma-separated category names `s` (`none`: empty).
+    ///
+    /// Errors: the name that is no category.
+    pub fn parse(s: &str) -> Result<CategorySet, String> {
+        if s == "none" {
+            return Ok(CategorySet(0));
+        }
+        s.split(',')
+            .map(|n| {
+                Category::from_name(n.trim()).ok_or_else(|| {
+                    format!(
+                        "{n:?} is no page category ({})",
+                        Category::ALL.map(Category::name).join(", ")
+                    )
+                })
+            })
+            .try_fold(CategorySet(0), |set, c| Ok(CategorySet(set.0 | c?.bit())))
+    }
+
+    /// Its names, comma-separated (`none`: empty).
+    pub fn names(self) -> String {
+        let v: Vec<&str> = Category::ALL
+            .into_iter()
+            .filter(|&c| self.contains(c))
+            .map(Category::name)
+            .collect();
+        if v.is_empty() {
+            "none".into()
+        } else {
+            v.join(",")
+        }
+    }
+}
+
+/// One page's report: its category and the kernel's LRU bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PageInfo {
+    /// What it is.
+    pub category: Category,
+    /// On the active LRU list (`KPF_ACTIVE`).
+    pub active: bool,
+    /// Referenced since the kernel last looked (`KPF_REFERENCED`).
+    pub referenced: bool,
+}
+
+impl PageInfo {
+    /// An unreported page.
+    pub const UNKNOWN: PageInfo = PageInfo {
+        category: Category::Unknown,
+        active: false,
+        referenced: false,
+    };
+
+    /// The wire code of the guest protocol: category in bits 0–2, active bit 3,
+    /// referenced bit 4.
+    pub fn code(self) -> u8 {
+        self.category as u8 | (self.active as u8) << 3 | (self.referenced as u8) << 4
+    }
+
+    /// The page info of wire code `c`; `None` for an unknown category or bits above 4.
+    pub fn from_code(c: u8) -> Option<PageInfo> {
+        if c >> 5 != 0 {
+            return None;
+        }
+        Some(PageInfo {
+            category: Category::from_code(c & 7)?,
+            active: c & 8 != 0,
+            referenced: c & 16 != 0,
+        })
+    }
+}
+
+/// Pages by category (4 KiB pages), and of the reported ones how many are active and
+/// referenced.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CategoryCounts {
+    /// Pages of each category, indexed by [`Category`] code.
+    pub pages: [u64; 6],
+    /// Pages on the guest's active LRU list.
+    pub active: u64,
+    /// Pages the guest's kernel found referenced.
+    pub referenced: u64,
+}
+
+impl CategoryCounts {
+    /// Pages of category `c`.
+    pub fn of(&self, c: Category) -> u64 {
+        self.pages[c as usize]
+    }
+
+    fn add(&mut self, info: PageInfo, n: u64) {
+        self.pages[info.category as usize] += n;
+        if info.active {
+            self.active += n;
+        }
+        if info.referenced {
+            self.referenced += n;
+        }
+    }
+}
+
+/// A run of guest pages with the same report, in memfold's gfns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CategoryRun {
+    /// First page.
+    pub first: Gfn,
+    /// Pages (≥ 1).
+    pub count: u32,
+    /// Their report.
+    pub info: PageInfo,
+}
+
+/// Why a category report was refused (nothing of it is applied).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CategoryError {
+    /// A run past the guest's RAM or of no pages.
+    #[error("run of {count} pages at gfn {first}: guest RAM is {pages} pages")]
+    OutOfRange {
+        /// First page of the run.
+        first: u32,
+        /// Its pages.
+        count: u32,
+        /// The guest's RAM, pages.
+        pages: u32,
+    },
+    /// Runs that overlap or are out of order.
+    #[error("run at gfn {first} overlaps or precedes the one before (ending at gfn {prev_end})")]
+    Overlap {
+        /// First page of the run.
+        first: u32,
+        /// End of the previous run.
+        prev_end: u32,
+    },
+    /// No such guest.
+    #[error("no guest of that id")]
+    NoGuest,
+}
+
+/// One guest's pages by category: 4 bits a page (category and active bit), two pages a
+/// byte, and its counts. Metadata: `pages / 2` bytes.
+#[derive(Clone, Debug)]
+pub struct CategoryMap {
+    nibbles: Vec<u8>,
+    pages: u32,
+    counts: CategoryCounts,
+}
+
+impl CategoryMap {
+    /// The map of a guest of `pages` pages from its runs (sorted by gfn, not overlapping,
+    /// inside its RAM); pages no run covers are [`Category::Unknown`].
+    ///
+    /// Errors: [`CategoryError::OutOfRange`], [`CategoryError::Overlap`].
+    pub fn from_runs(pages: u32, runs: &[CategoryRun]) -> Result<CategoryMap, CategoryError> {
+        let mut m = CategoryMap {
+            nibbles: vec![0; (pages as usize).div_ceil(2)],
+            pages,
+            counts: CategoryCounts::default(),
+        };
+        let mut prev_end = 0u32;
+        for r in runs {
+            let end = r.first.0.checked_add(r.count).filter(|&e| e <= pages);
+            let Some(end) = end.filter(|_| r.count > 0) else {
+                return Err(CategoryError::OutOfRange {
+                    first: r.first.0,
+                    count: r.count,
+                    pages,
+                });
+            };
+            if r.first.0 < prev_end {
+                return Err(CategoryError::Overlap {
+                    first: r.first.0,
+                    prev_end,
+                });
+            }
+            prev_end = end;
+            let nib = r.info.category as u8 | (r.info.active as u8) << 3;
+            for g in r.first.0..end {
+                m.set_nibble(g, nib);
+            }
+            m.counts.add(r.info, r.count as u64);
+        }
+        let reported: u64 = m.counts.pages.iter().sum();
+        m.counts.pages[Category::Unknown as usize] += pages as u64 - reported;
+        Ok(m)
+    }
+
+    fn set_nibble(&mut self, g: u32, nib: u8) {
+        let b = &mut self.nibbles[g as usize / 2];
+        *b = if g % 2 == 0 {
+            (*b & 0xf0) | nib
+        } else {
+            (*b & 0x0f) | nib << 4
+        };
+    }
+
+    fn nibble(&self, g: u32) -> u8 {
+        let b = self.nibbles.get(g as usize / 2).copied().unwrap_or(0);
+        if g % 2 == 0 {
+            b & 0x0f
+        } else {
+            b >> 4
+        }
+    }
+
+    /// Page `g`'s category ([`Category::Unknown`] past the end).
+    pub fn category(&self, g: Gfn) -> Category {
+        if g.0 >= self.pages {
+            return Category::Unknown;
+        }
+        Category::from_code(self.nibble(g.0) & 7).unwrap_or(Category::Unknown)
+    }
+
+    /// Whether page `g` is on the guest's active list.
+    pub fn active(&self, g: Gfn) -> bool {
+        g.0 < self.pages && self.nibble(g.0) & 8 != 0
+    }
+
+    /// Its pages by category.
+    pub fn counts(&self) -> CategoryCounts {
+        self.counts
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.nibbles.capacity()
+    }
+
+    /// The guest's pages it covers.
+    pub fn pages(&self) -> u32 {
+        self.pages
+    }
+}
+
+/// Why a guest's RAM layout does not fit its RAM.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// The guest's RAM above 4 GiB is as large as or larger than all its RAM.
+    #[error("{high} pages of RAM above 4 GiB in a guest of {pages} pages")]
+    TooHigh {
+        /// Pages above 4 GiB the guest reported.
+        high: u64,
+        /// The guest's RAM, pages.
+        pages: u64,
+    },
+    /// A System RAM range below 4 GiB past the low part of RAM.
+    #[error("System RAM up to page {end:#x} below 4 GiB, but only {low:#x} pages are low RAM")]
+    LowPast {
+        /// End of the range, frame number.
+        end: u64,
+        /// Pages of RAM below 4 GiB.
+        low: u64,
+    },
+    /// A range that is empty or crosses 4 GiB.
+    #[error("range of frames [{start:#x}, {end:#x}) is empty or crosses 4 GiB")]
+    BadRange {
+        /// First frame.
+        start: u64,
+        /// End frame.
+        end: u64,
+    },
+    /// More ranges than [`MAX_RAM_RANGES`].
+    #[error("{0} RAM ranges (at most {MAX_RAM_RANGES})")]
+    TooMany(usize),
+}
+
+/// Most System RAM ranges a layout takes from a guest.
+pub const MAX_RAM_RANGES: usize = 256;
+
+/// First guest frame above the PCI hole: 4 GiB.
+pub const FOUR_GIB_PFN: u64 = (4u64 << 30) / PAGE_SIZE as u64;
+
+/// Where a QEMU x86 guest's RAM lies in its physical address space. QEMU (pc and q35)
+/// puts the first `low` pages of its RAM at guest-physical 0 and the rest at 4 GiB
+/// (q35: `low` = 2 GiB when RAM ≥ 2.75 GiB, else all of it; `max-ram-below-4g` changes
+/// the split), and both parts are one RAM block: memfold's gfn is the page's offset in
+/// the RAM memfd / 4096. So frame `p` < `low` is gfn `p`, frame 4 GiB/4096 + `k` is
+/// gfn `low + k`, and the rest (the PCI hole) is no RAM.
+///
+/// The split is derived, not assumed: from the guest's RAM size (its memfd's, known to
+/// memfoldd) and the guest's own e820 "System RAM" ranges (`/proc/iomem`): whatever
+/// lies above 4 GiB is the high part, the rest is low.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RamLayout {
+    /// Pages of RAM at guest-physical 0.
+    pub low: u64,
+    /// Pages of RAM at 4 GiB.
+    pub high: u64,
+}
+
+impl RamLayout {
+    /// The layout of a guest of `pages` pages whose System RAM ranges (frame numbers,
+    /// `[start, end)`) are `ranges`.
+    ///
+    /// Errors: [`LayoutError`] when the ranges do not fit the RAM (a guest lying, or a
+    /// machine type that lays RAM out otherwise).
+    pub fn from_ranges(pages: u64, ranges: &[(u64, u64)]) -> Result<RamLayout, LayoutError> {
+        if ranges.len() > MAX_RAM_RANGES {
+            return Err(LayoutError::TooMany(ranges.len()));
+        }
+        let mut high_end = FOUR_GIB_PFN;
+        for &(start, end) in ranges {
+            if start >= end || (start < FOUR_GIB_PFN && end > FOUR_GIB_PFN) {
+                return Err(LayoutError::BadRange { start, end });
+            }
+            if start >= FOUR_GIB_PFN {
+                high_end = high_end.max(end);
+            }
+        }
+        let high = high_end - FOUR_GIB_PFN;
+        if high >= pages {
+            return Err(LayoutError::TooHigh { high, pages });
+        }
+        let low = pages - high;
+        if low > FOUR_GIB_PFN {
+            return Err(LayoutError::LowPast {
+                end: low,
+                low: FOUR_GIB_PFN,
+            });
+        }
+        if let Some(&(_, end)) = ranges.iter().find(|&&(s, e)| s < FOUR_GIB_PFN && e > low) {
+            return Err(LayoutError::LowPast { end, low });
+        }
+        Ok(RamLayout { low, high })
+    }
+
+    /// Guest RAM, pages.
+    pub fn pages(&self) -> u64 {
+        self.low + self.high
+    }
+
+    /// Memfold's gfn of guest frame `pfn`; `None` in the PCI hole or past the RAM.
+    pub fn gfn(&self, pfn: u64) -> Option<Gfn> {
+        let g = if pfn < self.low {
+            pfn
+        } else if pfn >= FOUR_GIB_PFN && pfn - FOUR_GIB_PFN < self.high {
+            self.low + (pfn - FOUR_GIB_PFN)
+        } else {
+            return None;
+        };
+        u32::try_from(g).ok().map(Gfn)
+    }
+
+    /// The guest frame of gfn `g`; `None` past the RAM.
+    pub fn pfn(&self, g: Gfn) -> Option<u64> {
+        let g = g.0 as u64;
+        if g < self.low {
+            Some(g)
+        } else if g < self.pages() {
+            Some(FOUR_GIB_PFN + (g - self.low))
+        } else {
+            None
+        }
+    }
+
+    /// A run of `count` frames from `pfn` with one report, as gfn runs (split where it
+    /// crosses the PCI hole; frames that are no RAM dropped).
+    pub fn runs(&self, pfn: u64, count: u64, info: PageInfo, out: &mut Vec<CategoryRun>) {
+        let end = pfn.saturating_add(count);
+        for (lo, hi) in [(0, self.low), (FOUR_GIB_PFN, FOUR_GIB_PFN + self.high)] {
+            let (s, e) = (pfn.max(lo), end.min(hi));
+            if s < e {
+                let first = self.gfn(s).expect("inside RAM");
+                out.push(CategoryRun {
+                    first,
+                    count: (e - s) as u32,
+                    info,
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 256; // pages
+    const GIB: u64 = 1024 * MIB;
+
+    /// The System RAM of /proc/iomem of a q35 guest under SeaBIOS with `low` and `high`
+    /// pages: the BIOS keeps the first page, the 640 KiB–1 MiB hole and a few pages at the
+    /// top of low RAM.
+    fn iomem(low: u64, high: u64) -> Vec<(u64, u64)> {
+        let mut r = vec![(1, 0x9f), (0x100, low - 0x20)];
+        if high > 0 {
+            r.push((FOUR_GIB_PFN, FOUR_GIB_PFN + high));
+        }
+        r
+    }
+
+    #[test]
+    fn q35_512_mib_is_all_low() {
+        let l = RamLayout::from_ranges(512 * MIB, &iomem(512 * MIB, 0)).unwrap();
+        assert_eq!(
+            l,
+            RamLayout {
+                low: 512 * MIB,
+                high: 0
+            }
+        );
+        assert_eq!(l.gfn(0x1234), Some(Gfn(0x1234)));
+        assert_eq!(l.gfn(512 * MIB - 1), Some(Gfn(512 * MIB as u32 - 1)));
+        assert_eq!(l.gfn(512 * MIB), None);
+        assert_eq!(l.gfn(FOUR_GIB_PFN), None);
+    }
+
+    #[test]
+    fn q35_3_gib_splits_at_2_gib() {
+        // QEMU's q35: RAM ≥ 0xb0000000 bytes puts 2 GiB low and the rest at 4 GiB.
+        let l = RamLayout::from_ranges(3 * GIB, &iomem(2 * GIB, GIB)).unwrap();
+        assert_eq!(
+            l,
+            RamLayout {
+                low: 2 * GIB,
+                high: GIB
+            }
+        );
+        assert_eq!(l.gfn(2 * GIB - 1), Some(Gfn(2 * GIB as u32 - 1)));
+        assert_eq!(l.gfn(2 * GIB), None, "the PCI hole");
+        assert_eq!(l.gfn(FOUR_GIB_PFN - 1), None);
+        assert_eq!(l.gfn(FOUR_GIB_PFN), Some(Gfn(2 * GIB as u32)));
+        assert_eq!(l.gfn(FOUR_GIB_PFN + GIB - 1), Some(Gfn(3 * GIB as u32 - 1)));
+        assert_eq!(l.gfn(FOUR_GIB_PFN + GIB), None);
+        for g in [0, 5, 2 * GIB as u32 - 1, 2 * GIB as u32, 3 * GIB as u32 - 1] {
+            assert_eq!(l.gfn(l.pfn(Gfn(g)).unwrap()), Some(Gfn(g)));
+        }
+        assert_eq!(l.pfn(Gfn(3 * GIB as u32)), None);
+    }
+
+    #[test]
+    fn q35_8_gib_maps_6_gib_above_4_gib() {
+        let l = RamLayout::from_ranges(8 * GIB, &iomem(2 * GIB, 6 * GIB)).unwrap();
+        assert_eq!(
+            l,
+            RamLayout {
+                low: 2 * GIB,
+                high: 6 * GIB
+            }
+        );
+        assert_eq!(
+            l.gfn(FOUR_GIB_PFN + 6 * GIB - 1),
+            Some(Gfn(8 * GIB as u32 - 1))
+        );
+        let mut runs = Vec::new();
+        let info = PageInfo {
+            category: Category::Cache,
+            active: true,
+            referenced: false,
+        };
+        // A run over the hole is split, the hole dropped.
+        l.runs(
+            2 * GIB - 10,
+            FOUR_GIB_PFN + 5 - (2 * GIB - 10),
+            info,
+            &mut runs,
+        );
+        assert_eq!(
+            runs,
+            vec![
+                CategoryRun {
+                    first: Gfn(2 * GIB as u32 - 10),
+                    count: 10,
+                    info
+                },
+                CategoryRun {
+                    first: Gfn(2 * GIB as u32),
+                    count: 5,
+                    info
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn layouts_that_do_not_fit_the_ram_are_refused() {
+        // More RAM above 4 GiB than the guest has.
+        assert!(matches!(
+            RamLayout::from_ranges(GIB, &iomem(2 * GIB, 2 * GIB)),
+            Err(LayoutError::TooHigh { .. })
+        ));
+        // All low is a layout (pc's i440fx keeps up to 3.5 GiB low)...
+        assert_eq!(
+            RamLayout::from_ranges(3 * GIB, &iomem(3 * GIB, 0)),
+            Ok(RamLayout {
+                low: 3 * GIB,
+                high: 0
+            })
+        );
+        // ...but not low System RAM past what the high part leaves for the low one.
+        assert!(matches!(
+            RamLayout::from_ranges(3 * GIB, &iomem(2 * GIB + 512 * MIB, GIB)),
+            Err(LayoutError::LowPast { .. })
+        ));
+        assert!(matches!(
+            RamLayout::from_ranges(3 * GIB, &[(FOUR_GIB_PFN - 1, FOUR_GIB_PFN + 1)]),
+            Err(LayoutError::BadRange { .. })
+        ));
+        assert!(matches!(
+            RamLayout::from_ranges(8 * GIB, &vec![(1, 2); MAX_RAM_RANGES + 1]),
+            Err(LayoutError::TooMany(_))
+        ));
+    }
+
+    #[test]
+    fn category_sets_parse_and_print_by_name() {
+        assert_eq!(
+            CategorySet::parse("slab,kernel"),
+            Ok(CategorySet::SLAB_KERNEL)
+        );
+        assert_eq!(CategorySet::SLAB_KERNEL.names(), "slab,kernel");
+        assert_eq!(CategorySet::parse("none").unwrap().names(), "none");
+        let s = CategorySet::parse("cache").unwrap();
+        assert!(s.contains(Category::Cache) && !s.contains(Category::Slab));
+        assert!(CategorySet::parse("slab,heap").is_err());
+    }
+
+    #[test]
+    fn codes_round_trip_and_bad_codes_are_refused() {
+        for c in 0..=255u8 {
+            match PageInfo::from_code(c) {
+                Some(i) => assert_eq!(i.code(), c),
+                None => assert!(c >> 5 != 0 || c & 7 > 5, "code {c}"),
+            }
+        }
+        assert_eq!(PageInfo::from_code(6), None);
+        assert_eq!(PageInfo::from_code(32), None);
+    }
+
+    #[test]
+    fn a_map_keeps_categories_in_4_bits_and_counts_them() {
+        let run = |first, count, category, active, referenced| CategoryRun {
+            first: Gfn(first),
+            count,
+            info: PageInfo {
+                category,
+                active,
+                referenced,
+            },
+        };
+        let m = CategoryMap::from_runs(
+            11,
+            &[
+                run(0, 3, Category::Slab, false, false),
+                run(3, 1, Category::Cache, true, true),
+                run(5, 6, Category::Anon, true, false),
+            ],
+        )
+        .unwrap();
+        assert_eq!(m.bytes(), 6);
+        let cats: Vec<_> = (0..12).map(|g| m.category(Gfn(g))).collect();
+        use Category::*;
+        assert_eq!(
+            cats,
+            [Slab, Slab, Slab, Cache, Unknown, Anon, Anon, Anon, Anon, Anon, Anon, Unknown]
+        );
+        assert!(m.active(Gfn(3)) && !m.active(Gfn(2)) && m.active(Gfn(10)));
+        let c = m.counts();
+        assert_eq!(c.pages, [1, 0, 1, 6, 3, 0]);
+        assert_eq!((c.active, c.referenced), (7, 1));
+        // Refused: past the end, empty, overlapping.
+        for bad in [
+            vec![run(10, 2, Anon, false, false)],
+            vec![run(3, 0, Anon, false, false)],
+            vec![run(0, 4, Anon, false, false), run(3, 1, Anon, false, false)],
+            vec![run(u32::MAX, 2, Anon, false, false)],
+        ] {
+            assert!(CategoryMap::from_runs(11, &bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,558 @@
+//! Enlightened guests' channels (issue 17; PV §3.1): memfoldd asks each guest that runs
+//! `memfold-guest` what its pages are, over its virtio-serial port (the protocol:
+//! [`memfold_wire::guest`]), and hands the answer to the engine as page categories
+//! ([`memfold_core::Engine::guest_categories`]).
+//!
+//! **Where the channel is.** QEMU listens on a Unix socket for the port
+//! (`-chardev socket,id=mfg,path=DIR/NAME.sock,server=on,wait=off -device
+//! virtserialport,chardev=mfg,name=org.memfold.guest.0`); memfoldd, given `DIR`
+//! (`--guest-channels DIR`), connects to `DIR/NAME.sock` for each attached guest named
+//! `NAME` (its agent's name, QEMU's `-name`). The folder is the operator's: memfoldd
+//! connects to no path a guest or its QEMU chose. A name with anything but letters,
+//! digits, `.`, `_` and `-`, or one that several attached guests (RAM regions) share,
+//! gets no channel.
+//!
+//! **Threads.** One thread per enlightened guest ([`GuestChannels`]): it connects,
+//! asks every `interval`, reads the answer with a timeout and bounded lines, checks it
+//! ([`read_report`]) and sends it to memfoldd's main loop, which applies it between scan
+//! steps. A slow, silent or hostile guest only holds its own thread; its reports can only
+//! change how its own pages are scanned (every share is still confirmed byte for byte and
+//! checked by the agent under write-protection), and a report that does not fit its RAM
+//! is refused whole.
+
+use std::collections::BTreeMap;
+use std::io::{BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use memfold_core::categories::{CategoryRun, LayoutError, PageInfo, RamLayout, FOUR_GIB_PFN};
+use memfold_core::ids::VmId;
+use memfold_core::Engine;
+use memfold_wire::guest::{
+    decode_from_guest, encode_to_guest, FromGuest, GuestMeminfo, GuestWireError, LineReader,
+    ToGuest, GUEST_PROTOCOL_VERSION, MAX_CHUNKS,
+};
+use memfold_wire::GuestPages;
+
+/// How long a report may take to come, whole.
+pub const REPORT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A guest's report, checked and in memfold's gfns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GuestReport {
+    /// Its pages' categories, by gfn.
+    pub runs: Vec<CategoryRun>,
+    /// Its RAM's layout, by which frames were mapped to gfns.
+    pub layout: RamLayout,
+    /// Its `/proc/meminfo`, KiB.
+    pub meminfo: GuestMeminfo,
+    /// Its agent and kernel.
+    pub agent: String,
+}
+
+/// Why a guest's report was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    /// The channel or a line failed.
+    #[error(transparent)]
+    Wire(#[from] GuestWireError),
+    /// Its RAM ranges do not fit its RAM.
+    #[error("RAM layout: {0}")]
+    Layout(#[from] LayoutError),
+    /// The guest said it could not answer.
+    #[error("the guest agent failed: {0}")]
+    Guest(String),
+    /// A line out of its place in the answer.
+    #[error("answer {seq}: {what}")]
+    Protocol {
+        /// The request.
+        seq: u64,
+        /// What was out of place.
+        what: String,
+    },
+    /// A run outside the guest's RAM, or before the runs already sent.
+    #[error("run of {pages} frames at frame {pfn:#x}: {why}")]
+    BadRun {
+        /// First frame.
+        pfn: u64,
+        /// Frames.
+        pages: u64,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A code that is no category.
+    #[error("code {code} at frame {pfn:#x} is no page category")]
+    BadCode {
+        /// The code.
+        code: u32,
+        /// Its frame.
+        pfn: u64,
+    },
+}
+
+/// Asks for report `seq` on `out` and reads it from `lines`, for a guest of `ram_pages`
+/// pages (its RAM memfd's size / 4096). Lines of older requests (answers that came late)
+/// are skipped.
+///
+/// Errors: [`ReportError`]; after a [`ReportError::Wire`] the channel is not in step
+/// and should be dropped.
+pub fn read_report<R: std::io::BufRead>(
+    lines: &mut LineReader<R>,
+    out: &mut impl Write,
+    seq: u64,
+    ram_pages: u64,
+) -> Result<GuestReport, ReportError> {
+    out.write_all(&encode_to_guest(&ToGuest::Categories {
+        v: GUEST_PROTOCOL_VERSION,
+        seq,
+    }))
+    .map_err(GuestWireError::Io)?;
+    out.flush().map_err(GuestWireError::Io)?;
+    let proto = |what: String| ReportError::Protocol { seq, what };
+    let mut report: Option<GuestReport> = None;
+    let (mut chunks, mut frames, mut next_pfn) = (0u32, 0u64, 0u64);
+    // Stale lines skipped at most: one whole answer's worth.
+    let mut stale = 0u32;
+    loop {
+        let m = decode_from_guest(lines.line()?)?;
+        if m.seq() < seq {
+            stale += 1;
+            if stale > MAX_CHUNKS + 3 {
+                return Err(proto("too many lines of older answers".into()));
+            }
+            continue;
+        }
+        if m.seq() > seq {
+            return Err(proto(format!("a line of request {}", m.seq())));
+        }
+        match (m, report.as_mut()) {
+            (FromGuest::Error { what, .. }, _) => return Err(ReportError::Guest(what)),
+            (
+                FromGuest::Ram {
+                    agent,
+                    kernel,
+                    ranges,
+                    meminfo,
+                    ..
+                },
+                None,
+            ) => {
+                let ranges: Vec<(u64, u64)> = ranges.iter().map(|r| (r[0], r[1])).collect();
+                report = Some(GuestReport {
+                    runs: Vec::new(),
+                    layout: RamLayout::from_ranges(ram_pages, &ranges)?,
+                    meminfo,
+                    agent: format!("{agent} (kernel {kernel})"),
+                });
+            }
+            (FromGuest::Runs { first, runs, .. }, Some(r)) => {
+                chunks += 1;
+                if chunks > MAX_CHUNKS {
+                    return Err(proto(format!("over {MAX_CHUNKS} chunks")));
+                }
+                let mut pfn = first;
+                if pfn < next_pfn {
+                    return Err(ReportError::BadRun {
+                        pfn,
+                        pages: 0,
+                        why: "before the runs already sent",
+                    });
+                }
+                for [code, n] in runs {
+                    let info = u8::try_from(code)
+                        .ok()
+                        .and_then(PageInfo::from_code)
+                        .ok_or(ReportError::BadCode { code, pfn })?;
+                    let n = n as u64;
+                    let bad = |why| ReportError::BadRun { pfn, pages: n, why };
+                    let end = pfn.checked_add(n).ok_or(bad("past the end of frames"))?;
+                    let l = r.layout;
+                    let inside = n > 0
+                        && (end <= l.low || (pfn >= FOUR_GIB_PFN && end - FOUR_GIB_PFN <= l.high));
+                    if !inside {
+                        return Err(bad("outside the guest's RAM"));
+                    }
+                    l.runs(pfn, n, info, &mut r.runs);
+                    frames += n;
+                    pfn = end;
+                }
+                next_pfn = pfn;
+            }
+            (
+                FromGuest::End {
+                    chunks: c,
+                    frames: f,
+                    ..
+                },
+                Some(_),
+            ) => {
+                if (c, f) != (chunks, frames) {
+                    return Err(proto(format!(
+                        "end says {c} chunks of {f} frames, {chunks} of {frames} came"
+                    )));
+                }
+                return Ok(report.expect("matched Some"));
+            }
+            (m, _) => {
+                return Err(proto(
+                    format!("unexpected {m:?}").chars().take(200).collect(),
+                ))
+            }
+        }
+    }
+}
+
+/// Whether `name` may name a channel's socket in the operator's folder.
+pub fn channel_name_ok(name: &str) -> bool {
+    !name.is_empty()
+        && !name.starts_with('.')
+        && name.len() <= 100
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+/// What a channel thread sends the main loop.
+type Sent = (VmId, Result<GuestReport, ReportError>);
+
+/// A guest's channel: its thread's stop flag, and what it last said.
+struct Channel {
+    name: String,
+    stop: Arc<AtomicBool>,
+    last: Option<(RamLayout, GuestMeminfo, String)>,
+    last_error: Option<String>,
+    refused: u64,
+    channel_errors: u64,
+}
+
+/// The channels of enlightened guests (see the module documentation).
+pub struct GuestChannels {
+    dir: PathBuf,
+    interval: Duration,
+    channels: BTreeMap<VmId, Channel>,
+    tx: mpsc::Sender<Sent>,
+    rx: mpsc::Receiver<Sent>,
+}
+
+impl GuestChannels {
+    /// Channels at `dir/NAME.sock`, asked every `interval`.
+    pub fn new(dir: &Path, interval: Duration) -> Self {
+        let (tx, rx) = mpsc::channel();
+        GuestChannels {
+            dir: dir.to_path_buf(),
+            interval,
+            channels: BTreeMap::new(),
+            tx,
+            rx,
+        }
+    }
+
+    /// Starts a channel for each attached guest of the engine with a socket in the
+    /// folder and none yet; stops those of guests gone or detached.
+    pub fn sync(&mut self, engine: &Engine) {
+        let attached: Vec<VmId> = engine
+            .vms()
+            .into_iter()
+            .filter(|v| v.2)
+            .map(|v| v.0)
+            .collect();
+        self.channels.retain(|id, c| {
+            let keep = attached.contains(id);
+            if !keep {
+                c.stop.store(true, Ordering::Relaxed);
+            }
+            keep
+        });
+        for id in attached {
+            if self.channels.contains_key(&id) {
+                continue;
+            }
+            let Some(name) = engine.vm_name(id) else {
+                continue;
+            };
+            if !channel_name_ok(name) || engine.vms_named(name).len() != 1 {
+                continue;
+            }
+            let path = self.dir.join(format!("{name}.sock"));
+            if !is_socket(&path) {
+                continue;
+            }
+            let Some(ram) = engine.ram_bytes(id) else {
+                continue;
+            };
+            let stop = Arc::new(AtomicBool::new(false));
+            let (tx, flag, interval) = (self.tx.clone(), Arc::clone(&stop), self.interval);
+            let spawned = std::thread::Builder::new()
+                .name(format!("guest-{name}"))
+                .spawn(move || channel_thread(id, &path, ram / 4096, interval, &flag, &tx));
+            if let Err(e) = spawned {
+                tracing::warn!("guest channel of {name}: no thread: {e}");
+                continue;
+            }
+            tracing::info!(vm = %id, name, "enlightened guest: asking for page categories");
+            self.channels.insert(
+                id,
+                Channel {
+                    name: name.to_string(),
+                    stop,
+                    last: None,
+                    last_error: None,
+                    refused: 0,
+                    channel_errors: 0,
+                },
+            );
+        }
+    }
+
+    /// Applies the reports that came to the engine.
+    pub fn apply(&mut self, engine: &mut Engine) {
+        while let Ok((id, r)) = self.rx.try_recv() {
+            let Some(c) = self.channels.get_mut(&id) else {
+                continue;
+            };
+            match r.map(|rep| {
+                let applied = engine.guest_categories(id, &rep.runs);
+                (rep, applied)
+            }) {
+                Ok((rep, Ok(_))) => {
+                    c.last = Some((rep.layout, rep.meminfo, rep.agent));
+                    c.last_error = None;
+                }
+                Ok((_, Err(e))) => c.failed(e.to_string(), false),
+                Err(e @ ReportError::Wire(_)) => c.failed(e.to_string(), true),
+                Err(e) => c.failed(e.to_string(), false),
+            }
+        }
+    }
+
+    /// Fills the channel's part of guest `stats` (matched by name).
+    pub fn fill(&self, stats: &mut [memfold_wire::VmStats]) {
+        for c in self.channels.values() {
+            for s in stats.iter_mut().filter(|s| s.name == c.name) {
+                let g = s.guest_pages.get_or_insert_with(GuestPages::default);
+                g.refused += c.refused;
+                g.channel_errors = c.channel_errors;
+                g.last_error = c.last_error.clone();
+                if let Some((layout, meminfo, agent)) = &c.last {
+                    g.low_pages = layout.low;
+                    g.high_pages = layout.high;
+                    g.meminfo = *meminfo;
+                    g.agent = agent.clone();
+                }
+            }
+        }
+    }
+
+    /// Stops every channel's thread (each ends at its next request or timeout).
+    pub fn stop_all(&mut self) {
+        for c in self.channels.values() {
+            c.stop.store(true, Ordering::Relaxed);
+        }
+        self.channels.clear();
+    }
+}
+
+impl Channel {
+    /// A report failed: the channel (`channel`: not answered in time, closed, a line
+    /// not of the protocol) or its content (refused).
+    fn failed(&mut self, e: String, channel: bool) {
+        let n = if channel {
+            &mut self.channel_errors
+        } else {
+            &mut self.refused
+        };
+        *n += 1;
+        if n.is_power_of_two() {
+            tracing::warn!(name = %self.name, "guest channel: {e}");
+        }
+        self.last_error = Some(e);
+    }
+}
+
+fn is_socket(p: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_socket())
+}
+
+/// One guest's channel: connect, ask every `interval`, send each report (or why it
+/// failed) to the main loop; reconnect after a channel error; end when `stop` is set or
+/// the main loop is gone.
+fn channel_thread(
+    id: VmId,
+    path: &Path,
+    ram_pages: u64,
+    interval: Duration,
+    stop: &AtomicBool,
+    tx: &mpsc::Sender<Sent>,
+) {
+    let mut seq = 0u64;
+    let nap = |d: Duration| {
+        let until = std::time::Instant::now() + d;
+        while std::time::Instant::now() < until && !stop.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(100).min(d));
+        }
+    };
+    while !stop.load(Ordering::Relaxed) {
+        let Ok(stream) = UnixStream::connect(path) else {
+            nap(interval);
+            continue;
+        };
+        let _ = stream.set_read_timeout(Some(REPORT_TIMEOUT));
+        let _ = stream.set_write_timeout(Some(REPORT_TIMEOUT));
+        let Ok(mut out) = stream.try_clone() else {
+            nap(interval);
+            continue;
+        };
+        let mut lines = LineReader::new(BufReader::with_capacity(1 << 16, stream));
+        while !stop.load(Ordering::Relaxed) {
+            seq += 1;
+            let r = read_report(&mut lines, &mut out, seq, ram_pages);
+            let drop_channel = matches!(r, Err(ReportError::Wire(_)));
+            if tx.send((id, r)).is_err() {
+                return;
+            }
+            if drop_channel {
+                break;
+            }
+            nap(interval);
+        }
+        nap(interval);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memfold_core::categories::Category;
+    use memfold_core::ids::Gfn;
+
+    const GIB: u64 = 1 << 18; // pages
+
+    fn ask(answer: &str, seq: u64, ram_pages: u64) -> Result<GuestReport, ReportError> {
+        let mut lines = LineReader::new(answer.as_bytes());
+        let mut sent = Vec::new();
+        let r = read_report(&mut lines, &mut sent, seq, ram_pages);
+        assert_eq!(sent, encode_to_guest(&ToGuest::Categories { v: 1, seq }));
+        r
+    }
+
+    fn ram(seq: u64, ranges: &str) -> String {
+        format!(
+            r#"{{"msg":"ram","v":1,"seq":{seq},"agent":"memfold-guest 1","kernel":"6.1","ranges":{ranges},"meminfo":{{"mem_total":3000000}}}}"#
+        )
+    }
+
+    /// A 3 GiB q35 guest: frames above 4 GiB land after the low 2 GiB.
+    #[test]
+    fn a_report_of_a_3_gib_guest_maps_high_frames_after_low_ram() {
+        let four = FOUR_GIB_PFN;
+        let lines = [
+            // A late line of an older request is skipped.
+            r#"{"msg":"end","v":1,"seq":1,"chunks":0,"frames":0}"#.to_string(),
+            ram(
+                2,
+                &format!("[[1,159],[256,{}],[{four},{}]]", 2 * GIB - 32, four + GIB),
+            ),
+            format!(r#"{{"msg":"runs","v":1,"seq":2,"first":{four},"runs":[[2,10],[27,5]]}}"#),
+            r#"{"msg":"end","v":1,"seq":2,"chunks":1,"frames":15}"#.to_string(),
+        ];
+        let answer = lines.join("\n") + "\n";
+        let r = ask(&answer, 2, 3 * GIB).unwrap();
+        assert_eq!(
+            r.layout,
+            RamLayout {
+                low: 2 * GIB,
+                high: GIB
+            }
+        );
+        assert_eq!(r.meminfo.mem_total, 3_000_000);
+        assert_eq!(r.runs.len(), 2);
+        assert_eq!(r.runs[0].first, Gfn(2 * GIB as u32));
+        assert_eq!(r.runs[0].info.category, Category::Cache);
+        assert_eq!(r.runs[1].first, Gfn(2 * GIB as u32 + 10));
+        assert_eq!(r.runs[1].info.category, Category::Anon);
+        assert!(r.runs[1].info.referenced && r.runs[1].info.active);
+    }
+
+    /// A hostile or buggy guest's answers are typed errors, never a panic.
+    #[test]
+    fn bad_answers_are_refused_with_what_is_wrong() {
+        let r512 = ram(1, "[[1,159],[256,131000]]");
+        let end = |c, f| format!(r#"{{"msg":"end","v":1,"seq":1,"chunks":{c},"frames":{f}}}"#);
+        let runs = |first: u64, rs: &str| {
+            format!(r#"{{"msg":"runs","v":1,"seq":1,"first":{first},"runs":{rs}}}"#)
+        };
+        type Want = fn(&ReportError) -> bool;
+        let cases: Vec<(String, Want)> = vec![
+            // In the PCI hole / past RAM.
+            (
+                format!("{r512}\n{}\n{}\n", runs(131072, "[[1,1]]"), end(1, 1)),
+                |e| matches!(e, ReportError::BadRun { .. }),
+            ),
+            (
+                format!("{r512}\n{}\n{}\n", runs(100, "[[1,4294967295]]"), end(1, 1)),
+                |e| matches!(e, ReportError::BadRun { .. }),
+            ),
+            // Backwards.
+            (
+                format!(
+                    "{r512}\n{}\n{}\n{}\n",
+                    runs(100, "[[1,10]]"),
+                    runs(105, "[[1,1]]"),
+                    end(2, 11)
+                ),
+                |e| matches!(e, ReportError::BadRun { .. }),
+            ),
+            (
+                format!("{r512}\n{}\n{}\n", runs(0, "[[6,1]]"), end(1, 1)),
+                |e| matches!(e, ReportError::BadCode { code: 6, .. }),
+            ),
+            (
+                format!("{r512}\n{}\n{}\n", runs(0, "[[300,1]]"), end(1, 1)),
+                |e| matches!(e, ReportError::BadCode { .. }),
+            ),
+            (
+                format!("{r512}\n{}\n{}\n", runs(0, "[[1,1]]"), end(1, 2)),
+                |e| matches!(e, ReportError::Protocol { .. }),
+            ),
+            // Runs before the ram line; a layout that does not fit 512 MiB.
+            (format!("{}\n", runs(0, "[[1,1]]")), |e| {
+                matches!(e, ReportError::Protocol { .. })
+            }),
+            (format!("{}\n", ram(1, "[[1,2],[1048576,1310720]]")), |e| {
+                matches!(e, ReportError::Layout(_))
+            }),
+            (
+                r#"{"msg":"error","v":1,"seq":1,"what":"no kpageflags"}"#.to_string() + "\n",
+                |e| matches!(e, ReportError::Guest(w) if w == "no kpageflags"),
+            ),
+            ("garbage\n".into(), |e| {
+                matches!(e, ReportError::Wire(GuestWireError::Malformed { .. }))
+            }),
+            (format!("{r512}\n"), |e| {
+                matches!(e, ReportError::Wire(GuestWireError::Closed))
+            }),
+            (format!("{}\n", ram(7, "[]")), |e| {
+                matches!(e, ReportError::Protocol { .. })
+            }),
+        ];
+        for (answer, want) in cases {
+            let e = ask(&answer, 1, 512 * 256).expect_err(&answer);
+            assert!(want(&e), "{answer}: {e}");
+        }
+    }
+
+    #[test]
+    fn channel_names_are_plain() {
+        for ok in ["tiny-1", "web_2.a"] {
+            assert!(channel_name_ok(ok));
+        }
+        for bad in ["", "../x", "a/b", ".hidden", "a b", &"x".repeat(101)] {
+            assert!(!channel_name_ok(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! `memfold-guest` (images/memfold-guest.rs, the agent inside an enlightened guest) against
+//! memfoldd's side of the guest channel: its page classification from kpageflags bits,
+//! its reading of `/proc/iomem`, its run lists, and its lines as memfoldd reads them
+//! ([`memfold_live::guest_channel::read_report`]). The file is compiled here as a module
+//! (it has no crates), so the test checks the very code the image carries.
+
+#[allow(dead_code)]
+#[path = "../../../images/memfold-guest.rs"]
+mod guest;
+
+use memfold_core::categories::{Category, PageInfo, RamLayout};
+use memfold_live::guest_channel::read_report;
+use memfold_wire::guest::LineReader;
+
+const LRU: u64 = 1 << 5;
+const ACTIVE: u64 = 1 << 6;
+const REFERENCED: u64 = 1 << 2;
+
+fn cat(flags: u64, count: u64, head: Option<u8>) -> Category {
+    PageInfo::from_code(guest::classify(flags, count, head))
+        .expect("a valid code")
+        .category
+}
+
+#[test]
+fn kpageflags_bits_give_the_categories_of_pv_3_1() {
+    use Category::*;
+    assert_eq!(cat(1 << 10, 0, None), Free, "buddy head");
+    assert_eq!(
+        cat(0, 0, None),
+        Free,
+        "a buddy block's tail, or a per-CPU free page"
+    );
+    assert_eq!(cat(0, 1, None), Kernel, "in use, no flags: the kernel's");
+    assert_eq!(cat(1 << 7, 1, None), Slab);
+    assert_eq!(cat(1 << 12 | LRU | 1 << 11, 1, None), Anon);
+    assert_eq!(cat(LRU, 1, None), Cache, "page cache, not mapped");
+    assert_eq!(cat(LRU | 1 << 11, 2, None), Cache, "mapped page cache");
+    assert_eq!(cat(1 << 32, 1, None), Kernel, "reserved");
+    assert_eq!(cat(1 << 26, 1, None), Kernel, "page table");
+    assert_eq!(cat(1 << 20, 0, None), Unknown, "no page");
+    // A compound page's tail is its head's.
+    let head = guest::classify(1 << 15 | 1 << 12 | LRU | ACTIVE, 1, None);
+    assert_eq!(cat(1 << 16, 0, Some(head)), Anon);
+    assert_eq!(cat(1 << 16, 0, None), Kernel, "a tail with no head seen");
+    let i = PageInfo::from_code(guest::classify(LRU | ACTIVE | REFERENCED, 1, None)).unwrap();
+    assert!(i.active && i.referenced && i.category == Cache);
+}
+
+/// /proc/iomem of a 3 GiB q35 guest under SeaBIOS.
+const IOMEM_3G: &str = "\
+00000000-00000fff : Reserved
+00001000-0009fbff : System RAM
+0009fc00-0009ffff : Reserved
+000f0000-000fffff : Reserved
+  000f0000-000fffff : System ROM
+00100000-7ffdefff : System RAM
+  01000000-01ffffff : Kernel code
+7ffdf000-7fffffff : Reserved
+b0000000-bfffffff : PCI MMCONFIG 0000 [bus 00-ff]
+fffc0000-ffffffff : Reserved
+100000000-13fffffff : System RAM
+";
+
+#[test]
+fn system_ram_of_iomem_gives_the_q35_layout() {
+    let r = guest::ram_ranges(IOMEM_3G);
+    assert_eq!(r, vec![(1, 0x9f), (0x100, 0x7ffdf), (0x100000, 0x140000)]);
+    let l = RamLayout::from_ranges(3 << 18, &r).unwrap();
+    assert_eq!((l.low, l.high), (2 << 18, 1 << 18));
+}
+
+#[test]
+fn runs_are_cut_at_gaps_and_at_the_chunk_limit() {
+    let mut r = guest::Runs::new();
+    for p in 1..0x9f {
+        r.push(p, 1);
+    }
+    for p in 0x100..0x110 {
+        r.push(p, if p < 0x108 { 2 } else { 3 });
+    }
+    r.finish();
+    assert_eq!(
+        r.chunks,
+        vec![(1, vec![[1, 0x9e]]), (0x100, vec![[2, 8], [3, 8]])]
+    );
+    // 16 384 runs a chunk at most.
+    let mut r = guest::Runs::new();
+    for p in 0..40_000u64 {
+        r.push(p, (p % 2) as u8);
+    }
+    r.finish();
+    let sizes: Vec<usize> = r.chunks.iter().map(|c| c.1.len()).collect();
+    assert_eq!(sizes, [16_384, 16_384, 7232]);
+    assert_eq!(r.chunks[1].0, 16_384);
+}
+
+#[test]
+fn requests_are_parsed_strictly_enough() {
+    assert_eq!(
+        guest::parse_request(r#"{"req":"categories","v":1,"seq":42}"#),
+        Some(42)
+    );
+    assert_eq!(
+        guest::parse_request(r#"{ "req": "categories", "seq": 7, "v": 1 }"#),
+        Some(7)
+    );
+    assert_eq!(
+        guest::parse_request(r#"{"req":"categories","v":2,"seq":1}"#),
+        None
+    );
+    assert_eq!(
+        guest::parse_request(r#"{"req":"other","v":1,"seq":1}"#),
+        None
+    );
+    assert_eq!(guest::parse_request("garbage"), None);
+}
+
+/// The guest's answer, made on this host from its own /proc (root only: kpageflags), is
+/// read by memfoldd's side without an error, and its runs cover every System RAM frame.
+#[test]
+fn an_answer_made_from_this_hosts_proc_reads_back_whole() {
+    if std::fs::File::open("/proc/kpageflags").is_err() {
+        eprintln!("skipped: /proc/kpageflags not readable (not root)");
+        return;
+    }
+    let iomem = std::fs::read_to_string("/proc/iomem").unwrap();
+    let ranges = guest::ram_ranges(&iomem);
+    // This host's RAM, as if it were a QEMU guest's: low part up to its last low range.
+    let four = memfold_core::categories::FOUR_GIB_PFN;
+    let low = ranges
+        .iter()
+        .filter(|r| r.1 <= four)
+        .map(|r| r.1)
+        .max()
+        .unwrap_or(0);
+    let high = ranges
+        .iter()
+        .filter(|r| r.0 >= four)
+        .map(|r| r.1 - four)
+        .max()
+        .unwrap_or(0);
+    let lines = guest::answer(5).join("\n") + "\n";
+    let mut sent = Vec::new();
+    let r = read_report(
+        &mut LineReader::new(lines.as_bytes()),
+        &mut sent,
+        5,
+        low + high,
+    )
+    .expect("the guest's own answer reads back");
+    let frames: u64 = ranges.iter().map(|(s, e)| e - s).sum();
+    let runs: u64 = r.runs.iter().map(|r| r.count as u64).sum();
+    assert_eq!(runs, frames);
+    assert!(r.meminfo.mem_total > 0);
+    assert!(r.agent.starts_with("memfold-guest"));
+}
