@@ -15,6 +15,17 @@ use std::path::{Path, PathBuf};
 
 /// At most this many iovecs per `process_vm_*` call (the kernel's `UIO_MAXIOV`).
 const MAX_IOV: usize = 1024;
+
+/// `process_vm_readv` or `process_vm_writev` (one signature).
+type VmRw = unsafe extern "C" fn(
+    libc::pid_t,
+    *const libc::iovec,
+    libc::c_ulong,
+    *const libc::iovec,
+    libc::c_ulong,
+    libc::c_ulong,
+) -> libc::ssize_t;
+
 /// `SO_PEERPIDFD` (Linux 6.5+): a pidfd of a unix socket's peer, taken by the kernel at
 /// `connect` time, so it names the process that connected even if it is gone since.
 const SO_PEERPIDFD: libc::c_int = 77;
@@ -221,67 +232,13 @@ impl Qemu {
     ///
     /// Errors: [`RemoteError::Gone`]; [`RemoteError::Access`] (the first byte not read).
     pub fn read(&self, parts: &mut [(u64, &mut [u8])]) -> Result<(), RemoteError> {
-        for chunk in parts.chunks_mut(MAX_IOV) {
-            let mut done: Vec<usize> = vec![0; chunk.len()];
-            loop {
-                self.check_alive()?;
-                let pending: Vec<usize> = (0..chunk.len())
-                    .filter(|&i| done[i] < chunk[i].1.len())
-                    .collect();
-                let Some(&first) = pending.first() else {
-                    break;
-                };
-                let local: Vec<libc::iovec> = pending
-                    .iter()
-                    .map(|&i| libc::iovec {
-                        iov_base: chunk[i].1[done[i]..].as_mut_ptr().cast(),
-                        iov_len: chunk[i].1.len() - done[i],
-                    })
-                    .collect();
-                let remote: Vec<libc::iovec> = pending
-                    .iter()
-                    .map(|&i| libc::iovec {
-                        iov_base: (chunk[i].0 + done[i] as u64) as *mut libc::c_void,
-                        iov_len: chunk[i].1.len() - done[i],
-                    })
-                    .collect();
-                // SAFETY: the local iovecs point into the caller's mutable buffers, each
-                // within its bounds; the remote ones are only addresses in QEMU.
-                let n = unsafe {
-                    libc::process_vm_readv(
-                        self.pid as libc::pid_t,
-                        local.as_ptr(),
-                        local.len() as libc::c_ulong,
-                        remote.as_ptr(),
-                        remote.len() as libc::c_ulong,
-                        0,
-                    )
-                };
-                let err = io::Error::last_os_error();
-                if n < 0 && err.raw_os_error() == Some(libc::EINTR) {
-                    continue;
-                }
-                if n <= 0 {
-                    return Err(self.access_error(
-                        "process_vm_readv",
-                        chunk[first].0 + done[first] as u64,
-                        chunk[first].1.len() - done[first],
-                        if n == 0 {
-                            io::Error::from_raw_os_error(libc::EFAULT)
-                        } else {
-                            err
-                        },
-                    ));
-                }
-                advance(
-                    &mut done,
-                    &pending,
-                    chunk.iter().map(|p| p.1.len()),
-                    n as usize,
-                );
-            }
-        }
-        Ok(())
+        let parts: Vec<(u64, *mut u8, usize)> = parts
+            .iter_mut()
+            .map(|(a, b)| (*a, b.as_mut_ptr(), b.len()))
+            .collect();
+        // SAFETY: each pointer is a live buffer of the caller's, mutably borrowed for the
+        // call, of its length.
+        unsafe { self.transfer("process_vm_readv", libc::process_vm_readv, &parts) }
     }
 
     /// Writes QEMU's memory: each `(addr, buf)` goes to QEMU's virtual address `addr`,
@@ -291,34 +248,54 @@ impl Qemu {
     /// Errors: [`RemoteError::Gone`]; [`RemoteError::Access`] (the first byte not
     /// written; bytes before it are written).
     pub fn write(&self, parts: &[(u64, &[u8])]) -> Result<(), RemoteError> {
+        let parts: Vec<(u64, *mut u8, usize)> = parts
+            .iter()
+            .map(|(a, b)| (*a, b.as_ptr().cast_mut(), b.len()))
+            .collect();
+        // SAFETY: each pointer is a live buffer of the caller's, of its length;
+        // process_vm_writev only reads the local side.
+        unsafe { self.transfer("process_vm_writev", libc::process_vm_writev, &parts) }
+    }
+
+    /// Moves each `(addr, local, len)` between QEMU's address `addr` and the local buffer
+    /// with `call` (`process_vm_readv` or `process_vm_writev`, named `op` in errors),
+    /// [`MAX_IOV`] parts a call, again after a short transfer or `EINTR`, checking QEMU
+    /// is alive before each call.
+    ///
+    /// # Safety
+    /// Each `local` must point to `len` bytes valid for `call` (writable for a read) for
+    /// the whole call.
+    unsafe fn transfer(
+        &self,
+        op: &'static str,
+        call: VmRw,
+        parts: &[(u64, *mut u8, usize)],
+    ) -> Result<(), RemoteError> {
         for chunk in parts.chunks(MAX_IOV) {
             let mut done: Vec<usize> = vec![0; chunk.len()];
             loop {
                 self.check_alive()?;
-                let pending: Vec<usize> = (0..chunk.len())
-                    .filter(|&i| done[i] < chunk[i].1.len())
-                    .collect();
+                let pending: Vec<usize> =
+                    (0..chunk.len()).filter(|&i| done[i] < chunk[i].2).collect();
                 let Some(&first) = pending.first() else {
                     break;
                 };
-                let local: Vec<libc::iovec> = pending
-                    .iter()
-                    .map(|&i| libc::iovec {
-                        iov_base: chunk[i].1[done[i]..].as_ptr() as *mut libc::c_void,
-                        iov_len: chunk[i].1.len() - done[i],
-                    })
-                    .collect();
-                let remote: Vec<libc::iovec> = pending
-                    .iter()
-                    .map(|&i| libc::iovec {
-                        iov_base: (chunk[i].0 + done[i] as u64) as *mut libc::c_void,
-                        iov_len: chunk[i].1.len() - done[i],
-                    })
-                    .collect();
-                // SAFETY: the local iovecs point into the caller's buffers, only read;
-                // the remote ones are only addresses in QEMU.
+                let iov = |base: &dyn Fn(usize) -> *mut libc::c_void| -> Vec<libc::iovec> {
+                    pending
+                        .iter()
+                        .map(|&i| libc::iovec {
+                            iov_base: base(i),
+                            iov_len: chunk[i].2 - done[i],
+                        })
+                        .collect()
+                };
+                // `done[i] < len`: within the buffer.
+                let local = iov(&|i| chunk[i].1.wrapping_add(done[i]).cast());
+                let remote = iov(&|i| (chunk[i].0 + done[i] as u64) as *mut libc::c_void);
+                // SAFETY: the local iovecs lie within the caller's buffers (this function's
+                // contract); the remote ones are only addresses in QEMU.
                 let n = unsafe {
-                    libc::process_vm_writev(
+                    call(
                         self.pid as libc::pid_t,
                         local.as_ptr(),
                         local.len() as libc::c_ulong,
@@ -333,9 +310,9 @@ impl Qemu {
                 }
                 if n <= 0 {
                     return Err(self.access_error(
-                        "process_vm_writev",
+                        op,
                         chunk[first].0 + done[first] as u64,
-                        chunk[first].1.len() - done[first],
+                        chunk[first].2 - done[first],
                         if n == 0 {
                             io::Error::from_raw_os_error(libc::EFAULT)
                         } else {
@@ -343,12 +320,7 @@ impl Qemu {
                         },
                     ));
                 }
-                advance(
-                    &mut done,
-                    &pending,
-                    chunk.iter().map(|p| p.1.len()),
-                    n as usize,
-                );
+                advance(&mut done, &pending, chunk.iter().map(|p| p.2), n as usize);
             }
         }
         Ok(())
