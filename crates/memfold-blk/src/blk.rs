@@ -748,14 +748,7 @@ mod tests {
         std::fs::write(&base, &data).unwrap();
         let disk: Box<dyn Disk> = if overlay {
             let ov = dir.path().join("ov.qcow2");
-            let st = std::process::Command::new("qemu-img")
-                .args(["create", "-q", "-f", "qcow2", "-b"])
-                .arg(&base)
-                .args(["-F", "raw"])
-                .arg(&ov)
-                .status()
-                .unwrap();
-            assert!(st.success());
+            crate::disk::create_overlay(&base, &ov).unwrap();
             Box::new(OverlayDisk::open(&base, &ov).unwrap())
         } else {
             Box::new(RawDisk::open(&base).unwrap())

@@ -536,6 +536,33 @@ impl Disk for OverlayDisk {
 /// Shares one base's bytes between several readers in tests.
 pub type SharedDisk = Arc<dyn Disk>;
 
+/// Makes `overlay` a new qcow2 image over the raw base `base` (`qemu-img create -f qcow2
+/// -b BASE -F raw OVERLAY`): a per-guest copy-on-write disk QEMU can open too (Satori
+/// §4.1).
+///
+/// Errors: [`DiskError::Open`] naming the overlay: `qemu-img` missing or failing (its
+/// message).
+pub fn create_overlay(base: &Path, overlay: &Path) -> Result<(), DiskError> {
+    let fail = |source: std::io::Error| DiskError::Open {
+        path: overlay.to_path_buf(),
+        source,
+    };
+    let out = std::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-b"])
+        .arg(base)
+        .args(["-F", "raw"])
+        .arg(overlay)
+        .output()
+        .map_err(|e| fail(std::io::Error::new(e.kind(), format!("qemu-img: {e}"))))?;
+    if !out.status.success() {
+        return Err(fail(std::io::Error::other(format!(
+            "qemu-img create: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -572,14 +599,7 @@ mod tests {
         let ov = d.path().join("ov.qcow2");
         let data = pattern(1 << 20, 2);
         std::fs::write(&base, &data).unwrap();
-        let st = std::process::Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2", "-b"])
-            .arg(&base)
-            .args(["-F", "raw"])
-            .arg(&ov)
-            .status()
-            .unwrap();
-        assert!(st.success());
+        create_overlay(&base, &ov).unwrap();
         let mut o = OverlayDisk::open(&base, &ov).unwrap();
         let id = RawDisk::open(&base).unwrap().id();
         let mut b = vec![0u8; 8192];

@@ -119,36 +119,34 @@ fn main() -> ExitCode {
         )
         .init();
     let a = Args::parse();
-    let disk: Box<dyn Disk> = match &a.overlay {
-        None => match RawDisk::open_with(&a.base, !a.no_direct) {
-            Ok(d) => {
-                tracing::info!(
-                    "{}: raw, read-only, O_DIRECT {}",
-                    a.base.display(),
-                    d.direct()
-                );
-                Box::new(d)
-            }
-            Err(e) => {
-                tracing::error!("{e}");
-                return ExitCode::FAILURE;
-            }
-        },
-        Some(ov) => match OverlayDisk::open_with(&a.base, ov, !a.no_direct) {
-            Ok(d) => {
-                tracing::info!(
-                    "{} over {}: O_DIRECT {}",
-                    ov.display(),
-                    a.base.display(),
-                    d.direct()
-                );
-                Box::new(d)
-            }
-            Err(e) => {
-                tracing::error!("{e}");
-                return ExitCode::FAILURE;
-            }
-        },
+    let opened: Result<(Box<dyn Disk>, String), _> = match &a.overlay {
+        None => RawDisk::open_with(&a.base, !a.no_direct).map(|d| {
+            let what = format!(
+                "{}: raw, read-only, O_DIRECT {}",
+                a.base.display(),
+                d.direct()
+            );
+            (Box::new(d) as Box<dyn Disk>, what)
+        }),
+        Some(ov) => OverlayDisk::open_with(&a.base, ov, !a.no_direct).map(|d| {
+            let what = format!(
+                "{} over {}: O_DIRECT {}",
+                ov.display(),
+                a.base.display(),
+                d.direct()
+            );
+            (Box::new(d) as Box<dyn Disk>, what)
+        }),
+    };
+    let disk = match opened {
+        Ok((d, what)) => {
+            tracing::info!("{what}");
+            d
+        }
+        Err(e) => {
+            tracing::error!("{e}");
+            return ExitCode::FAILURE;
+        }
     };
     let sink = match SinkChoice::of(&a).sink() {
         Ok(s) => s,
