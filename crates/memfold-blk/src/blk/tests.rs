@@ -1,0 +1,367 @@
+//! The device's tests on virtio-queue's mock queue.
+
+use super::*;
+use crate::disk::{OverlayDisk, RawDisk};
+use crate::landed::{DiskId, Source};
+use crate::mem::tests::Local;
+use memfold_ids::Gfn;
+use std::os::fd::AsRawFd;
+use virtio_queue::desc::split::Descriptor as SplitDescriptor;
+use virtio_queue::desc::RawDescriptor;
+use virtio_queue::mock::MockSplitQueue;
+use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap};
+
+const WRITE: u16 = 2;
+const NEXT: u16 = 1;
+/// Where the tests' data buffers start (the rings are below).
+const DATA: u64 = 0x10000;
+const STATUS: u64 = 0x3f000;
+
+/// A guest: RAM (a memfd the device reaches as "QEMU" = this process), the same RAM
+/// as the driver's GuestMemoryMmap, a queue of 16 on it, and the device.
+struct Rig {
+    local: Local,
+    /// Leaked: the mock queue borrows it for the rig's life (one per test).
+    gm: &'static GuestMemoryMmap<()>,
+    mock: MockSplitQueue<'static, GuestMemoryMmap<()>>,
+    next_desc: u16,
+    queue: Queue,
+    dev: BlkBackend,
+    _dir: tempfile::TempDir,
+    data: Vec<u8>,
+    rec: Recorder,
+}
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| ((i * 7) ^ (i >> 9)) as u8).collect()
+}
+
+fn rig(overlay: bool) -> Rig {
+    let local = Local::new(64);
+    let f = std::fs::File::open(format!("/proc/self/fd/{}", local._fd.as_raw_fd())).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(format!("/proc/self/fd/{}", f.as_raw_fd()))
+        .unwrap();
+    let gm: &'static GuestMemoryMmap<()> = Box::leak(Box::new(
+        GuestMemoryMmap::<()>::from_ranges_with_files([(
+            GuestAddress(0),
+            local.len,
+            Some(FileOffset::new(f, 0)),
+        )])
+        .unwrap(),
+    ));
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let base = dir.path().join("base.img");
+    let data = pattern(1 << 20);
+    std::fs::write(&base, &data).unwrap();
+    let disk: Box<dyn Disk> = if overlay {
+        let ov = dir.path().join("ov.qcow2");
+        crate::disk::create_overlay(&base, &ov).unwrap();
+        Box::new(OverlayDisk::open(&base, &ov).unwrap())
+    } else {
+        Box::new(RawDisk::open(&base).unwrap())
+    };
+    let cfg = BlkConfig {
+        socket: "/nonexistent".into(),
+        serial: "memfold-data".into(),
+        queues: 1,
+        expected_qemu: None,
+        read_bytes_per_sec: None,
+    };
+    let mock = MockSplitQueue::new(gm, 16);
+    let queue = mock.create_queue::<Queue>().unwrap();
+    let rec = Recorder::default();
+    let dev = BlkBackend::new(cfg, disk, Box::new(rec.clone()));
+    Rig {
+        local,
+        gm,
+        mock,
+        next_desc: 0,
+        queue,
+        dev,
+        _dir: dir,
+        data,
+        rec,
+    }
+}
+
+impl Rig {
+    /// Puts a request header at `at` and submits a chain of (addr, len, writable).
+    fn submit(&mut self, descs: &[(u64, u32, bool)]) {
+        // Chains are consumed before the next is submitted: reuse the table from 0
+        // when it would run past its end (at most 16 requests per rig: the mock's
+        // avail ring does not wrap).
+        if self.next_desc as usize + descs.len() > 16 {
+            self.next_desc = 0;
+        }
+        let first = self.next_desc;
+        let raw: Vec<RawDescriptor> = descs
+            .iter()
+            .enumerate()
+            .map(|(i, &(a, l, w))| {
+                let last = i + 1 == descs.len();
+                let flags = if w { WRITE } else { 0 } | if last { 0 } else { NEXT };
+                RawDescriptor::from(SplitDescriptor::new(a, l, flags, first + i as u16 + 1))
+            })
+            .collect();
+        self.mock.add_desc_chains(&raw, first).unwrap();
+        self.next_desc += descs.len() as u16;
+    }
+
+    fn header(&self, at: u64, kind: u32, sector: u64) {
+        let mut h = [0u8; 16];
+        h[..4].copy_from_slice(&kind.to_le_bytes());
+        h[8..].copy_from_slice(&sector.to_le_bytes());
+        self.gm.write_slice(&h, GuestAddress(at)).unwrap();
+    }
+
+    /// Runs the device; returns the used lengths of the chains it completed.
+    fn run(&mut self) -> Vec<u32> {
+        let mem = Arc::new(RemoteMemory::new(
+            self.local.mem.qemu().clone(),
+            self.local.mem.regions().to_vec(),
+        ));
+        let before = self.mock.used().idx().load();
+        self.dev
+            .process_queue(&mut self.queue, &mem, false)
+            .unwrap();
+        let after = self.mock.used().idx().load();
+        (before..after)
+            .map(|i| {
+                self.mock
+                    .used()
+                    .ring()
+                    .ref_at(i as usize % 16)
+                    .unwrap()
+                    .load()
+                    .len()
+            })
+            .collect()
+    }
+
+    fn status(&self) -> u8 {
+        self.gm.read_obj::<u8>(GuestAddress(STATUS)).unwrap()
+    }
+}
+
+/// A sink that keeps every report, shared with the test.
+#[derive(Clone, Default)]
+struct Recorder(Arc<std::sync::Mutex<Vec<(RamFile, Landed)>>>);
+
+impl LandedSink for Recorder {
+    fn landed(&mut self, ram: RamFile, pages: &[Landed]) {
+        self.0
+            .lock()
+            .unwrap()
+            .extend(pages.iter().map(|p| (ram, *p)));
+    }
+}
+
+#[test]
+fn a_read_lands_in_guest_ram_with_its_status_and_its_pages_are_reported() {
+    let mut r = rig(false);
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 8); // disk byte 4096
+    r.submit(&[
+        (0x8000, 16, false),
+        (DATA, 3 * 4096, true),
+        (STATUS, 1, true),
+    ]);
+    assert_eq!(r.run(), vec![3 * 4096 + 1]);
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8);
+    assert_eq!(
+        &r.local.bytes()[DATA as usize..DATA as usize + 3 * 4096],
+        &r.data[4096..4 * 4096]
+    );
+    let c = r.dev.counters();
+    assert_eq!((c.reads, c.read_bytes, c.landed_base), (1, 3 * 4096, 3));
+}
+
+fn disk_id(r: &Rig) -> DiskId {
+    let st = std::fs::metadata(r._dir.path().join("base.img")).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    DiskId::of_file(st.dev(), st.ino())
+}
+
+#[test]
+fn landed_pages_are_named_by_file_page_and_base_block_and_partial_pages_are_not() {
+    let mut r = rig(false);
+    let id = disk_id(&r);
+    // 3 pages from disk byte 8192 into a buffer starting mid-page: two whole pages.
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 16);
+    r.submit(&[
+        (0x8000, 16, false),
+        (DATA + 2048, 3 * 4096, true),
+        (STATUS, 1, true),
+    ]);
+    assert_eq!(r.run(), vec![3 * 4096 + 1]);
+    let got = r.rec.0.lock().unwrap().clone();
+    let file = r.local.mem.regions()[0].file;
+    // Page DATA/4096 + 1 holds disk bytes 8192+2048.. (not a whole block): not
+    // reported; whole pages whose disk offset is unaligned are left out too.
+    assert!(got.is_empty(), "{got:?}");
+    // Aligned: disk byte 8192 into page DATA: blocks 2, 3.
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 16);
+    r.submit(&[
+        (0x8000, 16, false),
+        (DATA, 2 * 4096, true),
+        (STATUS, 1, true),
+    ]);
+    r.run();
+    let got = r.rec.0.lock().unwrap().clone();
+    let g = (DATA / 4096) as u32;
+    assert_eq!(
+        got,
+        vec![
+            (
+                file,
+                Landed {
+                    gfn: Gfn(g),
+                    source: Source::Base { disk: id, block: 2 }
+                }
+            ),
+            (
+                file,
+                Landed {
+                    gfn: Gfn(g + 1),
+                    source: Source::Base { disk: id, block: 3 }
+                }
+            ),
+        ]
+    );
+}
+
+#[test]
+fn malformed_requests_get_ioerr_or_are_dropped_and_nothing_outside_is_written() {
+    let mut r = rig(false);
+    let guard = r.local.bytes()[DATA as usize..DATA as usize + 8192].to_vec();
+    // Past the end of the 1 MiB disk.
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 2047);
+    r.submit(&[(0x8000, 16, false), (DATA, 4096, true), (STATUS, 1, true)]);
+    assert_eq!(r.run(), vec![1]);
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_IOERR as u8);
+    assert_eq!(
+        &r.local.bytes()[DATA as usize..DATA as usize + 8192],
+        &guard[..]
+    );
+    // Not whole sectors.
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 0);
+    r.submit(&[(0x8000, 16, false), (DATA, 1000, true), (STATUS, 1, true)]);
+    assert_eq!(r.run(), vec![1]);
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_IOERR as u8);
+    // A short header.
+    r.submit(&[(0x8000, 8, false), (DATA, 4096, true), (STATUS, 1, true)]);
+    assert_eq!(r.run(), vec![1]);
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_IOERR as u8);
+    // A data buffer outside guest RAM: IOERR, the status still written.
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 0);
+    r.submit(&[
+        (0x8000, 16, false),
+        (1 << 40, 4096, true),
+        (STATUS, 1, true),
+    ]);
+    assert_eq!(r.run(), vec![1]);
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_IOERR as u8);
+    // No writable byte at all: dropped, used length 0.
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 0);
+    r.submit(&[(0x8000, 16, false)]);
+    assert_eq!(r.run(), vec![0]);
+    // A status byte outside guest RAM: dropped.
+    r.submit(&[(0x8000, 16, false), (1 << 40, 1, true)]);
+    assert_eq!(r.run(), vec![0]);
+    // A write to the read-only disk.
+    r.header(0x8000, vb::VIRTIO_BLK_T_OUT, 0);
+    r.submit(&[(0x8000, 16, false), (DATA, 4096, false), (STATUS, 1, true)]);
+    assert_eq!(r.run(), vec![1]);
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_IOERR as u8);
+    // An unknown type.
+    r.header(0x8000, 99, 0);
+    r.submit(&[(0x8000, 16, false), (STATUS, 1, true)]);
+    assert_eq!(r.run(), vec![1]);
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_UNSUPP as u8);
+    let c = r.dev.counters();
+    // Six failures (the one without a writable byte counts as an error and a drop);
+    // the read of zero bytes whose status could not be written counts as a read.
+    assert_eq!(
+        (c.io_errors, c.dropped, c.unsupported, c.reads, c.read_bytes),
+        (6, 2, 1, 1, 0)
+    );
+    assert_eq!(
+        &r.local.bytes()[DATA as usize..DATA as usize + 8192],
+        &guard[..]
+    );
+    assert!(r.rec.0.lock().unwrap().is_empty());
+}
+
+#[test]
+fn get_id_answers_the_serial_and_the_config_space_says_the_capacity() {
+    let mut r = rig(false);
+    r.header(0x8000, vb::VIRTIO_BLK_T_GET_ID, 0);
+    r.submit(&[(0x8000, 16, false), (DATA, 20, true), (STATUS, 1, true)]);
+    assert_eq!(r.run(), vec![21]);
+    assert_eq!(
+        &r.local.bytes()[DATA as usize..DATA as usize + 13],
+        b"memfold-data\0"
+    );
+    let c = r.dev.config_space();
+    assert!(
+        c.len() >= 60,
+        "struct virtio_blk_config, 60 bytes up to its discard fields"
+    );
+    assert_eq!(
+        u64::from_le_bytes(c[..8].try_into().unwrap()),
+        (1 << 20) / 512
+    );
+    assert_ne!(r.dev.features() & 1 << vb::VIRTIO_BLK_F_RO, 0);
+    assert_eq!(r.dev.get_config(56, 8).len(), 8);
+}
+
+#[test]
+fn an_overlay_disk_takes_writes_reads_them_back_as_overlay_and_discards_to_the_base() {
+    let mut r = rig(true);
+    assert_eq!(r.dev.features() & 1 << vb::VIRTIO_BLK_F_RO, 0);
+    r.gm.write_slice(&[0x5a; 4096], GuestAddress(DATA)).unwrap();
+    r.header(0x8000, vb::VIRTIO_BLK_T_OUT, 8);
+    r.submit(&[(0x8000, 16, false), (DATA, 4096, false), (STATUS, 1, true)]);
+    assert_eq!(r.run(), vec![1]);
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8);
+    r.header(0x8000, vb::VIRTIO_BLK_T_FLUSH, 0);
+    r.submit(&[(0x8000, 16, false), (STATUS, 1, true)]);
+    r.run();
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8);
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 0);
+    r.submit(&[
+        (0x8000, 16, false),
+        (DATA + 4096, 2 * 4096, true),
+        (STATUS, 1, true),
+    ]);
+    r.run();
+    let b = &r.local.bytes()[DATA as usize + 4096..DATA as usize + 3 * 4096];
+    assert_eq!(&b[4096..], &[0x5a; 4096]);
+    // The rest of the 64 KiB cluster was copied from the base.
+    assert_eq!(&b[..4096], &r.data[..4096]);
+    let got: Vec<Source> = r.rec.0.lock().unwrap().iter().map(|x| x.1.source).collect();
+    assert_eq!(got, vec![Source::Overlay, Source::Overlay]);
+    // Discard the cluster: it reads as the base again, reported as base blocks.
+    let mut d = [0u8; 16];
+    d[8..12].copy_from_slice(&128u32.to_le_bytes());
+    r.gm.write_slice(&d, GuestAddress(0x8100)).unwrap();
+    r.header(0x8000, vb::VIRTIO_BLK_T_DISCARD, 0);
+    r.submit(&[(0x8000, 16, false), (0x8100, 16, false), (STATUS, 1, true)]);
+    r.run();
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8);
+    r.rec.0.lock().unwrap().clear();
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 8);
+    r.submit(&[(0x8000, 16, false), (DATA, 4096, true), (STATUS, 1, true)]);
+    r.run();
+    assert_eq!(
+        &r.local.bytes()[DATA as usize..DATA as usize + 4096],
+        &r.data[4096..8192]
+    );
+    let id = disk_id(&r);
+    assert_eq!(
+        r.rec.0.lock().unwrap()[0].1.source,
+        Source::Base { disk: id, block: 1 }
+    );
+}
