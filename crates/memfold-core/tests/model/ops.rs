@@ -1,0 +1,252 @@
+//! The model's vocabulary: page contents, operations and engine setups, and their random
+//! generators (the proptest strategies in `reference_model.rs` build the same).
+
+use memfold_core::{Page, PAGE_SIZE};
+use rand::{rngs::SmallRng, Rng, SeedableRng};
+
+/// Page content the generator picks from: few distinct pages, so that sharing and
+/// similarity happen often.
+#[derive(Clone, Copy, Debug)]
+pub enum Content {
+    Zero,
+    /// One of 6 base pages.
+    Base(u8),
+    /// A base page with a few 8-byte runs changed (seeded).
+    Similar(u8, u8),
+    /// Text-like, compressible.
+    Text(u8),
+    /// Random bytes.
+    Random(u64),
+}
+
+impl Content {
+    pub fn render(self) -> Box<Page> {
+        let mut p = Box::new([0u8; PAGE_SIZE]);
+        match self {
+            Content::Zero => {}
+            Content::Base(b) => SmallRng::seed_from_u64(1000 + (b % 6) as u64).fill(&mut p[..]),
+            Content::Similar(b, seed) => {
+                SmallRng::seed_from_u64(1000 + (b % 6) as u64).fill(&mut p[..]);
+                let mut r = SmallRng::seed_from_u64(seed as u64);
+                for _ in 0..r.gen_range(1..12) {
+                    let at = r.gen_range(0..PAGE_SIZE - 8);
+                    r.fill(&mut p[at..at + 8]);
+                }
+            }
+            Content::Text(seed) => {
+                let words: [&[u8]; 4] = [b"guest ", b"frame ", b"share ", b"page\n"];
+                let mut r = SmallRng::seed_from_u64(seed as u64);
+                let mut i = 0;
+                while i < PAGE_SIZE {
+                    for &c in words[r.gen_range(0..4)] {
+                        if i < PAGE_SIZE {
+                            p[i] = c;
+                            i += 1;
+                        }
+                    }
+                }
+            }
+            Content::Random(s) => SmallRng::seed_from_u64(s).fill(&mut p[..]),
+        }
+        p
+    }
+}
+
+/// One step. VM numbers and gfns are reduced modulo what exists when the step runs.
+#[derive(Clone, Debug)]
+pub enum Op {
+    CreateVm {
+        pages: u32,
+    },
+    /// QEMU exits.
+    DestroyVm {
+        vm: u32,
+    },
+    WritePage {
+        vm: u32,
+        gfn: u32,
+        content: Content,
+    },
+    WritePartial {
+        vm: u32,
+        gfn: u32,
+        offset: u16,
+        len: u16,
+        byte: u8,
+    },
+    Read {
+        vm: u32,
+        gfn: u32,
+    },
+    /// A disk read fills `n` pages from `gfn` on with disk blocks `block`, `block + 1`,
+    /// … (the same blocks in every guest: duplicates across guests), written through
+    /// QEMU's page tables as the block device does, then reported to the engine (Satori
+    /// §4.1, `Engine::read_landed`) if the guest is attached.
+    ReadLanded {
+        vm: u32,
+        gfn: u32,
+        n: u8,
+        block: u8,
+    },
+    /// QEMU discards `n` pages from `gfn` on (a balloon, free page reporting): they read
+    /// as zeros afterwards, and whatever memfold held of them is released.
+    Discard {
+        vm: u32,
+        gfn: u32,
+        n: u8,
+    },
+    /// Time passes; memfoldd scans, runs the clock, checks the budget and sends.
+    Step {
+        advance_ms: u32,
+    },
+    /// The agent carries out up to `n` of the commands it was sent.
+    Deliver {
+        vm: u32,
+        n: u8,
+        refuse: bool,
+    },
+    /// The agent reports its events (CoW breaks, refills, decodes).
+    Report {
+        vm: u32,
+    },
+    /// The connection drops; the agent had received each sent command with 1/2 chance.
+    Disconnect {
+        vm: u32,
+        seed: u64,
+    },
+    /// A disconnected agent re-attaches.
+    Reattach {
+        vm: u32,
+    },
+    /// memfoldd is killed and a new one starts, adopting the pool.
+    Restart {
+        seed: u64,
+    },
+    /// The operator opts a guest out of memfold (every page taken back) or in again.
+    OptOut {
+        vm: u32,
+        out: bool,
+    },
+    /// A backing starts or stops failing: 0 pool writes, 1 store writes, 2 swap writes,
+    /// 3 swap write-back.
+    Fail {
+        which: u8,
+        on: bool,
+    },
+    /// A bit of the store (or the swap file) is flipped, as a compromised QEMU holding it
+    /// could: from then on a page whose blob it hit must fail to decode (its checksum),
+    /// never read as other bytes.
+    Corrupt {
+        swap: bool,
+        at: u64,
+        bit: u8,
+    },
+}
+
+/// What the engine runs with.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    pub zero: u8,
+    pub policy: u8,
+    pub patch_codec: u8,
+    pub compress_codec: u8,
+    /// Host budget, pages (swapping past it).
+    pub budget_pages: Option<u32>,
+    pub swap_pages: u32,
+    pub rate: u32,
+    /// A content hash that collides for most pages: every match must be confirmed.
+    pub collide_hashes: bool,
+    /// Sharing domains (1..=3): guest of pid `p` is in domain `p % domains`.
+    pub domains: u8,
+}
+
+/// Four hash values in all: pages of different content collide all the time.
+pub(super) fn colliding_hash(p: &Page) -> u64 {
+    ((p[100] & 3) as u64) << 32
+}
+
+pub fn random_setup(rng: &mut SmallRng) -> Setup {
+    Setup {
+        zero: rng.gen(),
+        policy: rng.gen(),
+        patch_codec: rng.gen(),
+        compress_codec: rng.gen(),
+        budget_pages: rng.gen_bool(0.5).then(|| rng.gen_range(8..80)),
+        swap_pages: rng.gen_range(0..96),
+        rate: [0, 50, 1000][rng.gen_range(0..3)],
+        collide_hashes: rng.gen_bool(0.2),
+        domains: rng.gen_range(1..=3),
+    }
+}
+
+fn random_content(rng: &mut SmallRng) -> Content {
+    match rng.gen_range(0..10) {
+        0 | 1 => Content::Zero,
+        2..=4 => Content::Base(rng.gen()),
+        5..=7 => Content::Similar(rng.gen(), rng.gen()),
+        8 => Content::Text(rng.gen()),
+        _ => Content::Random(rng.gen()),
+    }
+}
+
+pub fn random_op(rng: &mut SmallRng) -> Op {
+    let (vm, gfn) = (rng.gen(), rng.gen());
+    match rng.gen_range(0..100) {
+        0..=1 => Op::CreateVm {
+            pages: rng.gen_range(1..40),
+        },
+        2 => Op::DestroyVm { vm },
+        3..=17 => Op::WritePage {
+            vm,
+            gfn,
+            content: random_content(rng),
+        },
+        18..=24 => Op::WritePartial {
+            vm,
+            gfn,
+            offset: rng.gen(),
+            len: rng.gen(),
+            byte: rng.gen(),
+        },
+        25..=31 => Op::Read { vm, gfn },
+        32..=34 => Op::ReadLanded {
+            vm,
+            gfn,
+            n: rng.gen_range(1..9),
+            block: rng.gen_range(0..16),
+        },
+        35..=36 => Op::Discard {
+            vm,
+            gfn,
+            n: rng.gen_range(1..9),
+        },
+        37..=58 => Op::Step {
+            advance_ms: rng.gen_range(0..1500),
+        },
+        59..=80 => Op::Deliver {
+            vm,
+            n: rng.gen_range(1..64),
+            refuse: rng.gen_bool(0.05),
+        },
+        81..=90 => Op::Report { vm },
+        91..=93 => Op::Disconnect {
+            vm,
+            seed: rng.gen(),
+        },
+        94..=95 => Op::Reattach { vm },
+        96 => Op::OptOut {
+            vm,
+            out: rng.gen_bool(0.6),
+        },
+        97 => Op::Restart { seed: rng.gen() },
+        98 if rng.gen_bool(0.05) => Op::Corrupt {
+            swap: rng.gen(),
+            at: rng.gen(),
+            bit: rng.gen_range(0..8),
+        },
+        _ => Op::Fail {
+            which: rng.gen_range(0..4),
+            on: rng.gen_bool(0.3),
+        },
+    }
+}
