@@ -155,29 +155,9 @@ mod tests {
         for _ in 0..200 {
             r.clock.advance(10_000);
             r.engine.clock_step();
-            answer(&mut r);
+            r.carry_out();
         }
         r
-    }
-
-    /// Every queued command carried out and answered, then the agent's events reported.
-    fn answer(r: &mut Rig) {
-        loop {
-            let cmds = r.engine.take_commands(r.vm);
-            if cmds.is_empty() {
-                break;
-            }
-            for c in cmds {
-                if let super::super::Command::ClockScan { first, count, arm } = c {
-                    let (n, rb, mb) = r.agent.clock_scan(first, count, &arm);
-                    r.engine.clock_bits(r.vm, first, n, &rb, &mb);
-                } else {
-                    let o = r.agent.execute(&c);
-                    r.engine.outcome(r.vm, &c, o);
-                }
-            }
-        }
-        r.report();
     }
 
     /// A disk read of content `seed` into pages `gfns`, reported.
@@ -207,7 +187,7 @@ mod tests {
         let second = disk_read(&mut r, &[20], 7);
         assert_eq!((second.looked_up, second.acted), (1, 1));
         r.clock.advance(3_000);
-        answer(&mut r);
+        r.carry_out();
         let (a, b) = (state(&r, 3), state(&r, 20));
         assert!(matches!(a, PageState::Shared(_)) && a == b, "{a:?} {b:?}");
         let books = r.engine.books();
@@ -250,7 +230,7 @@ mod tests {
             .engine
             .read_landed(r.vm, &[Gfn(5), Gfn(PAGES), Gfn(PAGES + 7)], 0);
         assert_eq!((l.looked_up, l.acted, l.passed_over), (1, 1, 2));
-        answer(&mut r);
+        r.carry_out();
         assert_eq!(state(&r, 5), PageState::Zero);
         let l = r.engine.read_landed(r.vm, &[Gfn(5)], 0);
         assert_eq!((l.looked_up, l.passed_over), (0, 1));
