@@ -44,7 +44,7 @@ bench:
 # Stripped; the debug symbols go to memfold-dbgsym_*.ddeb beside it. Installs
 # cargo-deb from crates.io if it is missing.
 deb:
-	cargo build --release -p memfold-cli -p memfold-agent
+	cargo build --release -p memfold-cli -p memfold-agent -p memfold-blk
 	command -v cargo-deb >/dev/null || cargo install cargo-deb --locked
 	cargo deb -p memfold-cli --no-build --dbgsym --compress-debug-symbols=zlib --output out/deb/
 
