@@ -250,6 +250,7 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "memfold_free_page_reporting": a.memfold.free_page_reporting,
         "ksm_throughput": ksm_throughput,
         "memfold_captured": m.captured(),
+        "memfold_events": m.end().map(crate::run::measure::GuestEvents::of),
         "ksm_captured": k.captured(),
     });
     std::fs::write(out.join("compare.json"), serde_json::to_vec_pretty(&j)?)?;

@@ -62,6 +62,12 @@ fn reads_through_memfold_blk_are_shared_as_they_land() {
     assert!(lat["count"].as_u64().unwrap() > 0, "{lat}");
     // Landing to mapped in well under a second, even on 2 busy cores under TCG.
     assert!(lat["p50_us"].as_f64().unwrap() < 200_000.0, "{lat}");
+    // The summary keeps them apart too.
+    assert_eq!(
+        summary["events"]["read_shares"].as_u64(),
+        Some(sum("read_shares")),
+        "{summary:#}"
+    );
     let captured = &summary["captured"];
     assert!(
         captured["censuses"].as_u64().unwrap() >= 2,

@@ -496,7 +496,7 @@ pub fn agents_cpu_seconds(guests: &[Guest]) -> f64 {
 }
 
 /// What memfold cost the guests in events, all guests, cumulative.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct GuestEvents {
     /// Pages shared.
     pub shares: u64,

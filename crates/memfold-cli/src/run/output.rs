@@ -262,6 +262,8 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         "held_bytes": r.end().map(|s| s.held),
         "lifetime": r.end().map(|s| s.lifetime.clone()),
         "captured": r.captured(),
+        // Shares made the moment a disk read filled the page (Satori §4.1) apart from all.
+        "events": r.end().map(GuestEvents::of),
         // Enlightened guests' pages by category (issue 17), by guest.
         "guest_pages": r.end().map(|s| {
             s.vms
