@@ -144,16 +144,6 @@ impl MemfolddSink {
             reporter: memfold_wire::LandedReporter::spawn(socket)?,
         })
     }
-
-    /// Pages sent to memfoldd so far.
-    pub fn sent(&self) -> u64 {
-        self.reporter.sent()
-    }
-
-    /// Pages dropped so far (queue full, or memfoldd away).
-    pub fn dropped(&self) -> u64 {
-        self.reporter.dropped()
-    }
 }
 
 impl LandedSink for MemfolddSink {

@@ -35,6 +35,33 @@ pub struct SharingCensus {
     pub captured_pages: u64,
 }
 
+/// When a run takes its censuses (`--census SECS`): at its first sample, then once
+/// `secs` seconds of run time have passed since the last; never without `secs`.
+#[derive(Clone, Copy, Debug)]
+pub struct CensusEvery {
+    secs: Option<u64>,
+    last: Option<f64>,
+}
+
+impl CensusEvery {
+    /// Censuses every `secs` seconds (`None`: none).
+    pub fn new(secs: Option<u64>) -> CensusEvery {
+        CensusEvery { secs, last: None }
+    }
+
+    /// Whether a census is due at run time `t` (s); a due census counts as taken.
+    pub fn due(&mut self, t: f64) -> bool {
+        let Some(every) = self.secs else {
+            return false;
+        };
+        let due = self.last.is_none_or(|l| t - l >= every as f64);
+        if due {
+            self.last = Some(t);
+        }
+        due
+    }
+}
+
 /// What a run captured of the potential over its censuses.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct CapturedOverTime {
@@ -147,6 +174,17 @@ mod tests {
             captured_pages: captured,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_census_is_due_at_the_first_sample_then_every_secs() {
+        let mut e = CensusEvery::new(Some(5));
+        let due: Vec<f64> = [1.0, 3.0, 5.9, 6.0, 10.0, 11.5]
+            .into_iter()
+            .filter(|&t| e.due(t))
+            .collect();
+        assert_eq!(due, [1.0, 6.0, 11.5]);
+        assert!(!CensusEvery::new(None).due(100.0));
     }
 
     #[test]

@@ -85,26 +85,23 @@ pub fn run_mode(
     let (used_before, _) = used(guests)?;
     ksm.start(mode)?;
     let mut samples = Vec::new();
-    let mut last_census = None;
+    let mut censuses = crate::census::CensusEvery::new(census);
     every_second(Some(secs), None, |start| {
         for g in guests.iter_mut() {
             g.check_alive()?;
         }
         let (u, rss) = used(guests)?;
         let t = start.elapsed().as_secs_f64();
-        let census = match census {
-            Some(every) if last_census.is_none_or(|c: f64| t - c >= every as f64) => {
-                last_census = Some(t);
-                Some(crate::census::of_guests(guests)?)
-            }
-            _ => None,
-        };
         let s = KsmSample {
             t,
             ksm: ksm.stats()?,
             used_bytes: u,
             rss_bytes: rss,
-            census,
+            census: if censuses.due(t) {
+                Some(crate::census::of_guests(guests)?)
+            } else {
+                None
+            },
         };
         eprint!(
             "\r  ksm {:<10} {:>5.0} s  saved {:>7.1} MiB  pages_sharing {:>7}   ",

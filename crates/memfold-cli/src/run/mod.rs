@@ -204,7 +204,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     let mut announced: Vec<String> = Vec::new();
     let mut attach_checked = false;
     let mut seen = std::collections::BTreeSet::new();
-    let mut last_census = None;
+    let mut censuses = crate::census::CensusEvery::new(m.census);
     measure::every_second((m.secs > 0).then_some(m.secs), Some(stop), |start| {
         for g in guests.iter_mut().chain(plain.iter_mut()) {
             g.check_alive()?;
@@ -289,12 +289,10 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             );
         }
         let t = start.elapsed().as_secs_f64();
-        let census = match m.census {
-            Some(every) if last_census.is_none_or(|c: f64| t - c >= every as f64) => {
-                last_census = Some(t);
-                Some(crate::census::of_memfold(&socket, &stats)?)
-            }
-            _ => None,
+        let census = if censuses.due(t) {
+            Some(crate::census::of_memfold(&socket, &stats)?)
+        } else {
+            None
         };
         let s = Sample {
             t,

@@ -20,7 +20,7 @@
 //! and time each, landing to mapped ([`super::Books::read_share_us`]).
 
 use super::unmapped::Seen;
-use super::{Engine, Vm};
+use super::Engine;
 use crate::ids::{Gfn, VmId};
 use crate::p2m::PageState;
 use crate::{Page, PAGE_SIZE};
@@ -39,13 +39,6 @@ pub struct Landed {
     /// Pages passed over: not private (shared, stored, in flight), out of the guest's
     /// RAM, unreadable, past [`MAX_LANDED`], or of a guest that is not attached.
     pub passed_over: u32,
-}
-
-impl Vm {
-    /// Forgets the read shares in doubt (their answers went with a connection).
-    pub(crate) fn forget_read_shares(&mut self) {
-        self.read_sharing.clear();
-    }
 }
 
 impl Engine {

@@ -262,10 +262,10 @@ impl Engine {
         let v = self.vms.get_mut(&id).expect("attached above");
         v.attached = true;
         v.scanned_this_pass = false;
-        // Take-backs in doubt ended with the connection: what the agent maps now is the
-        // truth, and a later CoW break of these pages is the guest's write.
+        // Take-backs and read shares in doubt ended with the connection: what the agent
+        // maps now is the truth, and a later CoW break of these pages is the guest's write.
         v.unmapping.clear();
-        v.forget_read_shares();
+        v.read_sharing.clear();
         if v.opted_out {
             // Its take-backs were dropped with the connection: ask again.
             self.opt_out(id);
