@@ -236,6 +236,7 @@ pub enum AgentMsg {
     Welcome(u32),
     Refused(String),
     Share { batch: u64, pages: Vec<(u32, u32)> },
+    Fill { batch: u64, pages: Vec<(u32, u32)>, nonce: [u64; 2] },
     ReclaimZero { batch: u64, gfns: Vec<u32> },
     Stash { batch: u64, pages: Vec<StashSpec> },
     ClockScan { batch: u64, first: u32, count: u32, arm: Vec<u64> },
@@ -421,6 +422,15 @@ impl AgentMsg {
                 batch: BatchId(*batch),
                 pages: pages.iter().map(|&(g, f)| (Gfn(g), FrameId(f))).collect(),
             },
+            AgentMsg::Fill {
+                batch,
+                pages,
+                nonce,
+            } => ToAgent::Fill {
+                batch: BatchId(*batch),
+                pages: pages.iter().map(|&(g, f)| (Gfn(g), FrameId(f))).collect(),
+                nonce: *nonce,
+            },
             AgentMsg::ReclaimZero { batch, gfns: g } => ToAgent::ReclaimZero {
                 batch: BatchId(*batch),
                 gfns: gfns(g),
@@ -505,6 +515,7 @@ fn every_kind_is_built(d: &ToDaemon, a: &ToAgent) {
         ToAgent::Welcome { .. }
         | ToAgent::Refused { .. }
         | ToAgent::Share { .. }
+        | ToAgent::Fill { .. }
         | ToAgent::ReclaimZero { .. }
         | ToAgent::Stash { .. }
         | ToAgent::ClockScan { .. }

@@ -30,6 +30,30 @@ struct Outcome {
     refused: Vec<Gfn>,
 }
 
+/// Bytes of a fill's nonce at the start of each page ([`ToAgent::Fill`]).
+const NONCE: usize = 16;
+
+/// What a page must hold to be mapped onto its frame.
+#[derive(Clone, Copy)]
+enum Expect {
+    /// The frame's bytes (a share, ESX §4.3).
+    Frame,
+    /// A block device's nonce in its first [`NONCE`] bytes (a fill, Satori §5.2): the
+    /// device wrote it and has not written the page since, so the read it stands for
+    /// may be served by the frame.
+    Nonce([u8; NONCE]),
+}
+
+impl Expect {
+    /// The nonce `n` as the device wrote it (native byte order).
+    fn nonce(n: [u64; 2]) -> Expect {
+        let mut b = [0u8; NONCE];
+        b[..8].copy_from_slice(&n[0].to_ne_bytes());
+        b[8..].copy_from_slice(&n[1].to_ne_bytes());
+        Expect::Nonce(b)
+    }
+}
+
 impl Agent {
     /// Receives one request from memfoldd, carries it out and replies. End of connection
     /// or a bad message drops the connection.
@@ -47,7 +71,31 @@ impl Agent {
         let started = Instant::now();
         let reply = match msg {
             ToAgent::Share { batch, pages } => {
-                let o = self.share(pages)?;
+                let o = self.share(pages, Expect::Frame)?;
+                self.counters
+                    .share
+                    .record_batch(started.elapsed(), o.done.len());
+                ToDaemon::ShareDone {
+                    batch,
+                    shared: o.done,
+                    changed: o.changed,
+                    refused: o.refused,
+                }
+            }
+            ToAgent::Fill {
+                batch,
+                pages,
+                nonce,
+            } => {
+                // A zero nonce would match pages never written: refused whole.
+                let o = if nonce == [0, 0] {
+                    Outcome {
+                        refused: pages.iter().map(|p| p.0).collect(),
+                        ..Outcome::default()
+                    }
+                } else {
+                    self.share(pages, Expect::nonce(nonce))?
+                };
                 self.counters
                     .share
                     .record_batch(started.elapsed(), o.done.len());
@@ -133,7 +181,8 @@ impl Agent {
     /// cannot be refused): a break maps one page back (+2) while that fits, and past it
     /// breaks its whole run, which adds none (`vmas.rs`). Mappings are the whole
     /// process's, every region's: the limit (`vm.max_map_count`) is the process's.
-    fn share(&mut self, mut pages: Vec<(Gfn, FrameId)>) -> io::Result<Outcome> {
+    fn share(&mut self, pages: Vec<(Gfn, FrameId)>, expect: Expect) -> io::Result<Outcome> {
+        let mut pages = pages;
         let mut out = Outcome::default();
         if self.pool.is_none() {
             out.refused.extend(pages.iter().map(|p| p.0));
@@ -166,7 +215,7 @@ impl Agent {
             {
                 j += 1;
             }
-            self.share_run(&pages[i..j], &mut out)?;
+            self.share_run(&pages[i..j], &mut out, expect)?;
             i = j;
         }
         drop(admitted);
@@ -174,8 +223,13 @@ impl Agent {
     }
 
     /// Shares one run of consecutive pages onto consecutive frames: write-protects the
-    /// run, compares it with the frames and maps each sub-run of equal pages.
-    fn share_run(&mut self, run: &[(Gfn, FrameId)], out: &mut Outcome) -> io::Result<()> {
+    /// run, checks each page as `expect` says and maps each sub-run of pages that pass.
+    fn share_run(
+        &mut self,
+        run: &[(Gfn, FrameId)],
+        out: &mut Outcome,
+        expect: Expect,
+    ) -> io::Result<()> {
         let (g0, f0) = run[0];
         let n = run.len();
         let len = n as u64 * PAGE;
@@ -186,8 +240,16 @@ impl Agent {
         pread_exact(self.memfd.as_fd(), &mut guest, g0.offset())?;
         pread_exact(self.pool()?, &mut frames, f0.offset())?;
         let p = PAGE_SIZE;
+        // Checked after the write-protection: a write from now on faults to this thread
+        // and is served after the mapping change, as a CoW break of the frame.
         let equal: Vec<bool> = (0..n)
-            .map(|k| guest[k * p..(k + 1) * p] == frames[k * p..(k + 1) * p])
+            .map(|k| {
+                let page = &guest[k * p..(k + 1) * p];
+                match expect {
+                    Expect::Frame => *page == frames[k * p..(k + 1) * p],
+                    Expect::Nonce(nonce) => page[..NONCE] == nonce,
+                }
+            })
             .collect();
         let mut k = 0;
         while k < n {

@@ -260,6 +260,11 @@ mod tests {
                 batch,
                 pages: vec![(Gfn(1), FrameId(0)), (Gfn(2), FrameId(1))],
             },
+            ToAgent::Fill {
+                batch,
+                pages: vec![(Gfn(7), FrameId(3))],
+                nonce: [u64::MAX, 9],
+            },
             ToAgent::ReclaimZero {
                 batch,
                 gfns: gfns(),

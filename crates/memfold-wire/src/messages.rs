@@ -346,6 +346,21 @@ pub enum ToAgent {
         /// (page, frame) pairs.
         pages: Vec<(Gfn, FrameId)>,
     },
+    /// Fill these guest pages from these pool frames instead of a disk read (Satori §5.2,
+    /// `get_ro_ref` + `share_mfns`): map each page onto its frame if the page still
+    /// begins with `nonce` (the 16 bytes the block device wrote there before asking, in
+    /// native byte order), checked with the page write-protected; a page the device
+    /// wrote since (it gave up waiting and read the disk) no longer begins with it and
+    /// is refused. Answered with [`ToDaemon::ShareDone`] (`changed`: nonce gone). At most
+    /// [`MAX_BATCH`] pairs.
+    Fill {
+        /// The batch, echoed in the reply.
+        batch: BatchId,
+        /// (page, frame) pairs.
+        pages: Vec<(Gfn, FrameId)>,
+        /// The device's nonce.
+        nonce: [u64; 2],
+    },
     /// Take these guest pages back as private pages, whatever memfold made of them: copy a
     /// shared frame into guest RAM (a CoW break), decode a stored page, let a reclaimed
     /// zero page be a plain hole; report each as that event. At most [`MAX_BATCH`].
