@@ -307,6 +307,23 @@ impl SimAgent {
                 self.punch(gfn);
                 Outcome::Done
             }
+            // As the real agent: the frame over the page if the page still begins with
+            // the device's nonce (a zero nonce never).
+            Command::Fill { gfn, frame, nonce } => {
+                if gfn.0 >= self.pages()
+                    || self.home[gfn.index()] != Home::Private
+                    || nonce == [0, 0]
+                {
+                    return Outcome::Refused;
+                }
+                let page = self.ram_page(gfn);
+                if page[..8] != nonce[0].to_ne_bytes() || page[8..16] != nonce[1].to_ne_bytes() {
+                    return Outcome::Changed;
+                }
+                self.home[gfn.index()] = Home::Frame(frame);
+                self.punch(gfn);
+                Outcome::Done
+            }
             Command::Reclaim { gfn } => {
                 if gfn.0 >= self.pages() || self.home[gfn.index()] != Home::Private {
                     return Outcome::Refused;

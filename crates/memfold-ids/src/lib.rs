@@ -89,6 +89,31 @@ id!(
     "batch "
 );
 
+id!(
+    /// A read-only base image a block device serves (Satori §4.1, copy-on-write disks), by
+    /// its file's `(st_dev, st_ino)` (`memfold-blk`'s `DiskId::of_file`): every guest whose
+    /// disk reads that file names it alike.
+    DiskId(u64),
+    "disk "
+);
+id!(
+    /// A block device's request to have a read served from frames (Satori §5.2), echoed
+    /// in the answer. Chosen by the device; unique among its requests under way.
+    FillId(u64),
+    "fill "
+);
+
+/// A 4 KiB block of a read-only base image: bytes `[block·4096, +4096)` of `disk`. The
+/// same bytes for every guest that reads it while the base is unchanged (Satori §4.1:
+/// "the block number is sufficient to identify it uniquely").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct BaseBlock {
+    /// The base image.
+    pub disk: DiskId,
+    /// The block, 4 KiB units.
+    pub block: u64,
+}
+
 impl Gfn {
     /// The byte offset of this page in its guest's RAM.
     #[inline]

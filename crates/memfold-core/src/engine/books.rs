@@ -50,6 +50,9 @@ pub struct VmBooks {
     /// Of [`VmBooks::shares`], the shares asked for the moment a disk read filled the page,
     /// not found by the scan (cumulative).
     pub read_shares: u64,
+    /// Of [`VmBooks::shares`], pages a disk read asked to have filled from a frame holding
+    /// its base block, and filled so, without the disk (Satori §5.2; cumulative).
+    pub read_fills: u64,
     /// Copy-on-write breaks.
     pub cow_breaks: u64,
     /// Zero pages reclaimed.
@@ -219,6 +222,8 @@ pub(crate) struct EngineBooks {
     encode_ns: [hdrhistogram::Histogram<u64>; 2],
     /// Shares made at read: from the page's landing to its share answered, µs.
     read_share_us: hdrhistogram::Histogram<u64>,
+    /// Base blocks indexed as held by a frame, checked against the base (Satori §5.2).
+    pub(crate) blocks_indexed: u64,
 }
 
 impl EngineBooks {
@@ -234,6 +239,7 @@ impl EngineBooks {
             lifetimes: Lifetimes::default(),
             encode_ns: [h(), h()],
             read_share_us: h(),
+            blocks_indexed: 0,
         }
     }
 
@@ -323,6 +329,10 @@ pub struct Books {
     /// Shares made at disk read (Satori §4.1), each from the page's landing to its share
     /// answered, µs, as (value, count) pairs.
     pub read_share_us: Vec<(u64, u64)>,
+    /// Base blocks indexed as held by a frame since start (Satori §5.2, cumulative).
+    pub blocks_indexed: u64,
+    /// Base blocks indexed now, all domains.
+    pub blocks_held: u64,
     /// Per guest, by id.
     pub vms: Vec<VmReport>,
 }
@@ -502,6 +512,8 @@ impl Engine {
                 pairs(&self.books.encode_ns[1]),
             ],
             read_share_us: pairs(&self.books.read_share_us),
+            blocks_indexed: self.books.blocks_indexed,
+            blocks_held: self.fills.index.values().map(|i| i.len() as u64).sum(),
             vms,
         }
     }

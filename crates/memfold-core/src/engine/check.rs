@@ -134,7 +134,9 @@ impl Engine {
             }
             for c in &v.queue {
                 let ok = match *c {
-                    Command::Share { gfn, frame } => v.state(gfn) == PageState::Sharing(frame),
+                    Command::Share { gfn, frame } | Command::Fill { gfn, frame, .. } => {
+                        v.state(gfn) == PageState::Sharing(frame)
+                    }
                     Command::Reclaim { gfn } => v.state(gfn) == PageState::Reclaiming,
                     // A move whose page the guest took back meanwhile stays queued,
                     // its blob an orphan: the agent will answer it `Changed`.
@@ -149,6 +151,7 @@ impl Engine {
                         "{id}: queued {c:?} but the page is {:?}",
                         match c {
                             Command::Share { gfn, .. }
+                            | Command::Fill { gfn, .. }
                             | Command::Reclaim { gfn }
                             | Command::Stash { gfn, .. } => v.state(*gfn),
                             Command::TakeBack { gfn } => v.state(*gfn),

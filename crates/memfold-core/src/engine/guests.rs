@@ -539,7 +539,7 @@ mod tests {
             e.take_commands(vm)
                 .into_iter()
                 .filter_map(|c| match c {
-                    Command::Share { frame, .. } => Some(frame),
+                    Command::Share { frame, .. } | Command::Fill { frame, .. } => Some(frame),
                     _ => None,
                 })
                 .collect()

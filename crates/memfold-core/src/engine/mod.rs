@@ -33,6 +33,7 @@ mod check;
 mod config;
 mod de;
 mod entitlement;
+pub mod fill;
 mod guests;
 mod outcomes;
 mod scan;
@@ -57,6 +58,7 @@ pub use books::{Books, LifetimeBooks, SavedBy, SwapBooks, VmBooks, VmReport, LIF
 pub use config::{ConfigError, EngineConfig, ZeroPolicy};
 pub use entitlement::{claim_target, short_of_memory, ClaimPolicy, SharingRanks, CLAIM_GRAIN};
 pub use guests::{Attach, Mapped, Sharing};
+pub use fill::{BlockCandidate, FillAnswer};
 pub use outcomes::Discard;
 
 const PAGE: u64 = PAGE_SIZE as u64;
@@ -111,6 +113,17 @@ pub enum Command {
         gfn: Gfn,
         /// The pool frame.
         frame: FrameId,
+    },
+    /// Map the page onto the frame, which holds the base block a disk read would put
+    /// there, if the page still begins with the block device's `nonce` (Satori §5.2; see
+    /// [`fill`]).
+    Fill {
+        /// The page.
+        gfn: Gfn,
+        /// The pool frame.
+        frame: FrameId,
+        /// The nonce the device wrote at the start of the page.
+        nonce: [u64; 2],
     },
     /// Punch the page out if it is still all zeros; refill it with zeros on access.
     Reclaim {
@@ -289,6 +302,8 @@ pub struct Engine {
     /// While [`Engine::read_landed`] looks a landed page up: when it landed (µs), so that
     /// each share it asks (the page's, and its hinted twin's) is booked as made at read.
     pub(crate) landed_us: Option<u64>,
+    /// Reads served from frames and the block indexes ([`fill`]).
+    pub(crate) fills: fill::Fills,
 }
 
 impl Engine {
@@ -320,6 +335,7 @@ impl Engine {
             books: books::EngineBooks::new(),
             started_us: now,
             landed_us: None,
+            fills: Default::default(),
             clock,
             cfg,
         })
@@ -538,6 +554,9 @@ impl Engine {
     /// A freed frame leaves the share table (and stops being the zero frame), and its
     /// bytes leave the pool.
     pub(crate) fn forget_frame(&mut self, d: DomainId, f: FrameId) {
+        if let Some(i) = self.fills.index.get_mut(&d) {
+            i.forget_frame(f);
+        }
         let dom = self.domain_mut(d);
         dom.share.remove(dom.frames.hash(f), ShareEntry::Shared(f));
         if dom.zero_frame == Some(f) {

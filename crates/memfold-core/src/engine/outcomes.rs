@@ -59,6 +59,14 @@ impl Engine {
     /// guest removed meanwhile, or that do not match the page's state, only release what
     /// the command held.
     pub fn outcome(&mut self, id: VmId, cmd: &Command, o: Outcome) {
+        if let Command::Fill { gfn, frame, .. } = *cmd {
+            // The device hears of every fill, whatever became of it.
+            let mapped = o == Outcome::Done
+                && self.vms.get(&id).is_some_and(|v| {
+                    v.attached && v.state(gfn) == PageState::Sharing(frame)
+                });
+            self.fill_answered(id, gfn, mapped);
+        }
         match self.vms.get_mut(&id) {
             Some(v) if o == Outcome::Lost => {
                 v.books.lost += 1;
@@ -70,7 +78,7 @@ impl Engine {
             _ => return,
         }
         let gfn = match *cmd {
-            Command::Share { gfn, frame } => {
+            Command::Share { gfn, frame } | Command::Fill { gfn, frame, .. } => {
                 self.share_outcome(id, gfn, frame, o);
                 gfn
             }
@@ -128,7 +136,10 @@ impl Engine {
             std::mem::take(&mut v.queue).into_iter().partition(|c| {
                 matches!(
                     c,
-                    Command::Share { .. } | Command::Reclaim { .. } | Command::Stash { .. }
+                    Command::Share { .. }
+                        | Command::Fill { .. }
+                        | Command::Reclaim { .. }
+                        | Command::Stash { .. }
                 )
             });
         v.queue = kept;
@@ -219,6 +230,7 @@ impl Engine {
             v.set(g, PageState::Private);
         }
         self.read_share_answered(id, g, mapped);
+        self.landed_share_answered(id, g, mapped.then_some(f));
         self.frame_answer(d, f, mapped);
     }
 

@@ -20,6 +20,7 @@ use super::guests::Guests;
 /// The kind of a batch, for matching answers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
+    /// Shares, or fills (answered alike, `ShareDone`; a batch holds one or the other).
     Share,
     Reclaim,
     Stash,
@@ -73,8 +74,12 @@ impl Executor {
         for vm in engine.vms_with_commands() {
             let cmds = engine.take_commands(vm);
             let mut by_kind: [Vec<Command>; 4] = Default::default();
+            // Fills go one batch per nonce (per device request).
+            let mut fills: std::collections::BTreeMap<[u64; 2], Vec<Command>> =
+                Default::default();
             for c in cmds {
                 match c {
+                    Command::Fill { nonce, .. } => fills.entry(nonce).or_default().push(c),
                     Command::Stash { .. } => by_kind[0].push(c),
                     Command::Share { .. } => by_kind[1].push(c),
                     Command::Reclaim { .. } => by_kind[2].push(c),
@@ -82,6 +87,15 @@ impl Executor {
                     Command::ClockScan { .. } => {
                         self.send(engine, guests, vm, Kind::Clock, vec![c])
                     }
+                }
+            }
+            // Fills first: a device waits for each.
+            for (_, cmds) in fills {
+                let mut cmds = cmds;
+                while !cmds.is_empty() {
+                    let rest = cmds.split_off(cmds.len().min(MAX_BATCH));
+                    self.send(engine, guests, vm, Kind::Share, cmds);
+                    cmds = rest;
                 }
             }
             for (kind, cmds) in [Kind::Stash, Kind::Share, Kind::Reclaim, Kind::TakeBack]
@@ -109,6 +123,22 @@ impl Executor {
         self.next += 1;
         let batch = BatchId(self.next);
         let msg = match kind {
+            Kind::Share if matches!(cmds.first(), Some(Command::Fill { .. })) => {
+                let Some(&Command::Fill { nonce, .. }) = cmds.first() else {
+                    unreachable!("matched above")
+                };
+                ToAgent::Fill {
+                    batch,
+                    pages: cmds
+                        .iter()
+                        .filter_map(|c| match *c {
+                            Command::Fill { gfn, frame, .. } => Some((gfn, frame)),
+                            _ => None,
+                        })
+                        .collect(),
+                    nonce,
+                }
+            }
             Kind::Share => ToAgent::Share {
                 batch,
                 pages: cmds
@@ -227,6 +257,7 @@ impl Executor {
         for c in &cmds {
             let g = match *c {
                 Command::Share { gfn, .. }
+                | Command::Fill { gfn, .. }
                 | Command::Reclaim { gfn }
                 | Command::TakeBack { gfn }
                 | Command::Stash { gfn, .. } => gfn,

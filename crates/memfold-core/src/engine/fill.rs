@@ -1,0 +1,443 @@
+//! Reads served from frames (Satori §5.2, copy-on-write disks): "if a guest reads a block
+//! from the read-only substrate disk, the block number is sufficient to identify it
+//! uniquely ... some reads can be satisfied without accessing the underlying physical
+//! device". Satori keeps a block-number → machine-frame table and, on a read of a block
+//! it holds, shares the guest's I/O buffer with that frame (`get_ro_ref`, `share_mfns`)
+//! instead of reading the disk.
+//!
+//! Here the table is each domain's [`BlockIndex`]: base block → pool frame. Two rules
+//! keep it true:
+//! - **Learnt from the base, never from a guest page.** A page that landed from block b
+//!   and was then shared onto frame F only makes (b, F) a [`BlockCandidate`]: the guest
+//!   may have written its buffer between the device's write and the share, so F may not
+//!   hold b. The mechanism reads b from the base itself and [`Engine::block_verified`]
+//!   compares it with F's bytes; only then is b → F indexed.
+//! - **An entry dies with its frame** (frames are reused): [`Engine::forget_frame`]
+//!   drops it. Frames are never written while in use, so a live indexed frame holds b.
+//!
+//! A fill ([`Engine::fill_read`]) asks the agent to map F over each page of the read
+//! whose block is indexed ([`super::Command::Fill`]), if the page still begins with the
+//! device's nonce — the agent's check, under write-protection, that the device has not
+//! written the page since (it gave up waiting and read the disk): a late fill never
+//! hides a later write. The answer lists the pages filled; the device reads the others.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::{Command, Engine};
+use crate::ids::{BaseBlock, DomainId, FillId, FrameId, Gfn, VmId};
+use crate::p2m::PageState;
+use crate::{Page, PAGE_SIZE};
+
+/// Blocks a domain's index holds at most (40 bytes each: 40 MiB for 4 GiB of distinct
+/// base blocks held in frames); past it nothing more is learnt.
+pub const MAX_INDEXED: usize = 1 << 20;
+
+/// Pages one fill asks at most (the wire's batch); the rest are left to the disk.
+pub const MAX_FILL: usize = 512;
+
+/// Fills waiting for answers, and candidates waiting for the mechanism, at most; past
+/// it the oldest fill is answered empty (its device has long given up) and new
+/// candidates are dropped.
+pub const MAX_WAITING: usize = 4096;
+
+/// One domain's base blocks held by its pool frames.
+#[derive(Debug, Default)]
+pub(crate) struct BlockIndex {
+    by_block: HashMap<BaseBlock, FrameId>,
+    by_frame: HashMap<FrameId, Vec<BaseBlock>>,
+}
+
+impl BlockIndex {
+    fn insert(&mut self, b: BaseBlock, f: FrameId) -> bool {
+        if self.by_block.len() >= MAX_INDEXED || self.by_block.contains_key(&b) {
+            return false;
+        }
+        self.by_block.insert(b, f);
+        self.by_frame.entry(f).or_default().push(b);
+        true
+    }
+
+    /// Frame `f` was freed: its blocks leave the index.
+    pub(crate) fn forget_frame(&mut self, f: FrameId) {
+        for b in self.by_frame.remove(&f).unwrap_or_default() {
+            self.by_block.remove(&b);
+        }
+    }
+
+    /// Blocks indexed.
+    pub(crate) fn len(&self) -> usize {
+        self.by_block.len()
+    }
+}
+
+/// A page that landed from base block `block` and was shared onto `frame`: maybe `block`
+/// is `frame`, if the base says so ([`Engine::block_verified`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockCandidate {
+    /// The frame's domain.
+    pub domain: DomainId,
+    /// The frame.
+    pub frame: FrameId,
+    /// The block the page landed from.
+    pub block: BaseBlock,
+}
+
+/// A fill's answer: the pages of guest `vm` now mapped onto frames holding what the read
+/// asked for; the device reads the rest from the disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FillAnswer {
+    /// The guest.
+    pub vm: VmId,
+    /// The device's request.
+    pub fill: FillId,
+    /// Pages filled.
+    pub filled: Vec<Gfn>,
+}
+
+struct Waiting {
+    left: u32,
+    filled: Vec<Gfn>,
+}
+
+/// The engine's state of fills and of the block indexes.
+#[derive(Default)]
+pub(crate) struct Fills {
+    pub(crate) index: BTreeMap<DomainId, BlockIndex>,
+    /// Pages that landed from a base block, while their share at read is under way.
+    landed: HashMap<(VmId, Gfn), BaseBlock>,
+    candidates: Vec<BlockCandidate>,
+    /// Fill commands under way: their request.
+    filling: HashMap<(VmId, Gfn), FillId>,
+    waiting: BTreeMap<(VmId, FillId), Waiting>,
+    answers: Vec<FillAnswer>,
+}
+
+impl Engine {
+    /// Pages of guest `id` that [`Engine::read_landed`] was just told of came from these
+    /// base blocks (Satori §4.1). Each page whose share at read is under way is
+    /// remembered; if it ends mapped onto a frame, (block, frame) becomes a
+    /// [`BlockCandidate`].
+    pub fn landed_from_base(&mut self, id: VmId, pages: &[(Gfn, BaseBlock)]) {
+        let Some(v) = self.vms.get(&id) else { return };
+        for &(g, b) in pages {
+            if v.read_sharing.contains_key(&g) {
+                self.fills.landed.insert((id, g), b);
+            }
+        }
+    }
+
+    /// The share at read of page `g` of guest `id` was answered: a landed page now mapped
+    /// onto `frame` is a candidate.
+    pub(crate) fn landed_share_answered(&mut self, id: VmId, g: Gfn, frame: Option<FrameId>) {
+        let Some(block) = self.fills.landed.remove(&(id, g)) else {
+            return;
+        };
+        if let Some(frame) = frame {
+            if self.fills.candidates.len() < MAX_WAITING {
+                let domain = self.dom(id);
+                self.fills.candidates.push(BlockCandidate {
+                    domain,
+                    frame,
+                    block,
+                });
+            }
+        }
+    }
+
+    /// Candidates for the mechanism to check against the base.
+    pub fn take_block_candidates(&mut self) -> Vec<BlockCandidate> {
+        std::mem::take(&mut self.fills.candidates)
+    }
+
+    /// The mechanism read candidate `c`'s block from the base: `base` is its bytes. If the
+    /// frame is in use and holds exactly those bytes, the block is indexed as held by it.
+    /// Returns whether it was (newly) indexed.
+    pub fn block_verified(&mut self, c: &BlockCandidate, base: &Page) -> bool {
+        let Some(dom) = self.domains.get(&c.domain) else {
+            return false;
+        };
+        if !dom.frames.contains(c.frame) || !dom.frames.is_used(c.frame) {
+            return false;
+        }
+        let mut held: Box<Page> = Box::new([0u8; PAGE_SIZE]);
+        if dom.pool.read(c.frame.offset(), &mut held[..]).is_err() || *held != *base {
+            return false;
+        }
+        let indexed = self
+            .fills
+            .index
+            .entry(c.domain)
+            .or_default()
+            .insert(c.block, c.frame);
+        if indexed {
+            self.books.blocks_indexed += 1;
+        }
+        indexed
+    }
+
+    /// Whether base block `b` is held by a frame of guest `id`'s domain.
+    pub fn block_held(&self, id: VmId, b: BaseBlock) -> bool {
+        self.vms.contains_key(&id)
+            && self
+                .fills
+                .index
+                .get(&self.dom(id))
+                .is_some_and(|i| i.by_block.contains_key(&b))
+    }
+
+    /// A block device asks (request `fill`) that pages `pages` of guest `id` be filled
+    /// with base blocks from frames instead of the disk (Satori §5.2); it wrote `nonce`
+    /// at the start of each. Each private page whose block is indexed is asked of the
+    /// agent ([`Command::Fill`]); the answer ([`Engine::take_fill_answers`]) comes when
+    /// the agent has answered them all — at once if none was asked. Returns the pages
+    /// asked.
+    pub fn fill_read(
+        &mut self,
+        id: VmId,
+        fill: FillId,
+        pages: &[(Gfn, BaseBlock)],
+        nonce: [u64; 2],
+    ) -> u32 {
+        let mut asked = 0;
+        let attached = self
+            .vms
+            .get(&id)
+            .is_some_and(|v| v.attached && !v.opted_out);
+        let key = (id, fill);
+        if attached && nonce != [0, 0] && !self.fills.waiting.contains_key(&key) {
+            let d = self.dom(id);
+            for &(g, b) in pages.iter().take(MAX_FILL) {
+                let Some(&f) = self.fills.index.get(&d).and_then(|i| i.by_block.get(&b)) else {
+                    continue;
+                };
+                if !self.sharable(id, g) || self.vms[&id].state(g) != PageState::Private {
+                    continue;
+                }
+                self.domain_mut(d).frames.add_pending(f);
+                let v = self.vms.get_mut(&id).expect("attached");
+                v.ages.reset(g);
+                v.set(g, PageState::Sharing(f));
+                v.queue.push(Command::Fill {
+                    gfn: g,
+                    frame: f,
+                    nonce,
+                });
+                self.fills.filling.insert((id, g), fill);
+                asked += 1;
+            }
+        }
+        if asked == 0 {
+            self.fills.answers.push(FillAnswer {
+                vm: id,
+                fill,
+                filled: Vec::new(),
+            });
+        } else {
+            if self.fills.waiting.len() >= MAX_WAITING {
+                if let Some(((vm, old), w)) = self.fills.waiting.pop_first() {
+                    self.fills.answers.push(FillAnswer {
+                        vm,
+                        fill: old,
+                        filled: w.filled,
+                    });
+                }
+            }
+            self.fills.waiting.insert(
+                key,
+                Waiting {
+                    left: asked,
+                    filled: Vec::new(),
+                },
+            );
+        }
+        asked
+    }
+
+    /// The agent answered the fill of page `g` of guest `id` (`mapped` or not, lost
+    /// included).
+    pub(crate) fn fill_answered(&mut self, id: VmId, g: Gfn, mapped: bool) {
+        let Some(fill) = self.fills.filling.remove(&(id, g)) else {
+            return;
+        };
+        if mapped {
+            if let Some(v) = self.vms.get_mut(&id) {
+                v.books.read_fills += 1;
+            }
+        }
+        let key = (id, fill);
+        let Some(w) = self.fills.waiting.get_mut(&key) else {
+            return;
+        };
+        if mapped {
+            w.filled.push(g);
+        }
+        w.left -= 1;
+        if w.left == 0 {
+            let w = self.fills.waiting.remove(&key).expect("just seen");
+            self.fills.answers.push(FillAnswer {
+                vm: id,
+                fill,
+                filled: w.filled,
+            });
+        }
+    }
+
+    /// Fills answered since the last call, for the mechanism to tell the devices.
+    pub fn take_fill_answers(&mut self) -> Vec<FillAnswer> {
+        std::mem::take(&mut self.fills.answers)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::DiskId;
+    use crate::sim::Rig;
+    use crate::{EngineConfig, Policy};
+
+    const PAGES: u32 = 32;
+    const NONCE: [u64; 2] = [0xfeed_f00d, 42];
+    const B: BaseBlock = BaseBlock {
+        disk: DiskId(7),
+        block: 1234,
+    };
+
+    /// Sharing only, and no scan: every share here is made at read.
+    fn rig() -> Rig {
+        let cfg = EngineConfig {
+            policy: Policy::sharing_only(),
+            rate: 0,
+            min_scan_interval_us: 3_600_000_000,
+            max_scan_interval_us: 3_600_000_000,
+            ..EngineConfig::default()
+        };
+        let mut r = Rig::new(cfg, PAGES).unwrap();
+        for g in 0..PAGES {
+            r.agent.write(Gfn(g), 0, &[g as u8 + 1; PAGE_SIZE]).unwrap();
+        }
+        r
+    }
+
+    /// The bytes of base block `B`.
+    fn block() -> Vec<u8> {
+        (0..PAGE_SIZE).map(|i| (i % 251) as u8 ^ 0x5a).collect()
+    }
+
+    /// Pages `gfns` land from block `B` and are reported, with their block.
+    fn land(r: &mut Rig, gfns: &[u32]) {
+        for &g in gfns {
+            r.agent.write(Gfn(g), 0, &block()).unwrap();
+        }
+        let gs: Vec<Gfn> = gfns.iter().map(|&g| Gfn(g)).collect();
+        r.engine.read_landed(r.vm, &gs, 0);
+        let pages: Vec<(Gfn, BaseBlock)> = gs.iter().map(|&g| (g, B)).collect();
+        r.engine.landed_from_base(r.vm, &pages);
+        r.carry_out();
+    }
+
+    fn nonce_bytes() -> Vec<u8> {
+        [NONCE[0].to_ne_bytes(), NONCE[1].to_ne_bytes()].concat()
+    }
+
+    /// Two reads of block B share their pages onto a frame, which makes (B, frame) a
+    /// candidate; the base's bytes, not the guest's, index it.
+    fn learnt() -> (Rig, BlockCandidate) {
+        let mut r = rig();
+        land(&mut r, &[3, 20]);
+        let cands = r.engine.take_block_candidates();
+        assert!(!cands.is_empty(), "a landed page shared is a candidate");
+        let c = cands[0];
+        assert_eq!(c.block, B);
+        let mut wrong: Box<Page> = Box::new([0u8; PAGE_SIZE]);
+        wrong.copy_from_slice(&block());
+        wrong[100] ^= 1;
+        assert!(!r.engine.block_verified(&c, &wrong), "the base disagrees");
+        assert!(!r.engine.block_held(r.vm, B));
+        let mut base: Box<Page> = Box::new([0u8; PAGE_SIZE]);
+        base.copy_from_slice(&block());
+        assert!(r.engine.block_verified(&c, &base));
+        assert!(r.engine.block_held(r.vm, B));
+        (r, c)
+    }
+
+    #[test]
+    fn a_read_of_a_held_block_is_filled_from_its_frame_without_the_disk() {
+        let (mut r, c) = learnt();
+        // The device wrote its nonce over the guest's old data and asks.
+        r.agent.write(Gfn(10), 0, &nonce_bytes()).unwrap();
+        assert_eq!(r.engine.fill_read(r.vm, FillId(1), &[(Gfn(10), B)], NONCE), 1);
+        assert!(r.engine.take_fill_answers().is_empty(), "not before the agent");
+        r.carry_out();
+        let a = r.engine.take_fill_answers();
+        assert_eq!(
+            a,
+            [FillAnswer {
+                vm: r.vm,
+                fill: FillId(1),
+                filled: vec![Gfn(10)]
+            }]
+        );
+        assert_eq!(r.agent.peek(Gfn(10)).unwrap().to_vec(), block());
+        assert_eq!(
+            r.engine.page_state(r.vm, Gfn(10)).unwrap(),
+            PageState::Shared(c.frame)
+        );
+        let books = r.engine.books();
+        assert_eq!(books.vms[0].books.read_fills, 1);
+        assert_eq!((books.blocks_indexed, books.blocks_held), (1, 1));
+        r.engine.check_invariants().unwrap();
+    }
+
+    /// The device gave up and wrote the disk's bytes, then the guest wrote: a fill
+    /// arriving after is refused by the nonce and hides nothing.
+    #[test]
+    fn a_late_fill_never_hides_a_later_write() {
+        let (mut r, _) = learnt();
+        r.agent.write(Gfn(11), 0, &nonce_bytes()).unwrap();
+        assert_eq!(r.engine.fill_read(r.vm, FillId(2), &[(Gfn(11), B)], NONCE), 1);
+        r.agent.write(Gfn(11), 0, &block()).unwrap();
+        r.agent.write(Gfn(11), 0, b"the guest's own").unwrap();
+        r.carry_out();
+        let a = r.engine.take_fill_answers();
+        assert_eq!(a[0].filled, Vec::<Gfn>::new());
+        let mut want = block();
+        want[..15].copy_from_slice(b"the guest's own");
+        assert_eq!(r.agent.peek(Gfn(11)).unwrap().to_vec(), want);
+        assert_eq!(r.engine.page_state(r.vm, Gfn(11)).unwrap(), PageState::Private);
+        r.engine.check_invariants().unwrap();
+    }
+
+    /// Pages that are not private, blocks not held, a zero nonce: nothing asked, and the
+    /// device is answered at once.
+    #[test]
+    fn what_cannot_be_filled_is_answered_at_once() {
+        let (mut r, _) = learnt();
+        let other = BaseBlock {
+            disk: DiskId(7),
+            block: 1,
+        };
+        assert_eq!(
+            r.engine
+                .fill_read(r.vm, FillId(3), &[(Gfn(3), B), (Gfn(12), other)], NONCE),
+            0
+        );
+        assert_eq!(r.engine.fill_read(r.vm, FillId(4), &[(Gfn(12), B)], [0, 0]), 0);
+        let a = r.engine.take_fill_answers();
+        assert_eq!(a.len(), 2);
+        assert!(a.iter().all(|a| a.filled.is_empty()));
+        r.engine.check_invariants().unwrap();
+    }
+
+    /// A frame freed takes its blocks out of the index: frames are reused.
+    #[test]
+    fn a_freed_frame_leaves_the_index() {
+        let (mut r, _) = learnt();
+        for g in [3, 20] {
+            r.agent.write(Gfn(g), 0, b"x").unwrap();
+        }
+        r.carry_out();
+        assert!(!r.engine.block_held(r.vm, B), "the frame was freed");
+        assert_eq!(r.engine.books().blocks_held, 0);
+        r.engine.check_invariants().unwrap();
+    }
+}
