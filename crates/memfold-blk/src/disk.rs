@@ -465,6 +465,21 @@ impl OverlayDisk {
         }
     }
 
+    /// `e` with what room the overlay's file had: a full file system or a file size
+    /// limit shows as `ENOSPC`/`EFBIG`, or as `EINVAL` when an `O_DIRECT` write was cut
+    /// short at the limit and its rest is unaligned.
+    fn with_room(&self, e: std::io::Error) -> std::io::Error {
+        let size = rustix::fs::fstat(&self.cache_handle).map_or(0, |s| s.st_size as u64);
+        let free = rustix::fs::fstatvfs(&self.cache_handle).map_or(0, |s| s.f_bavail * s.f_frsize);
+        let limit = rustix::process::getrlimit(rustix::process::Resource::Fsize)
+            .current
+            .map_or("none".to_string(), |l| format!("{l} bytes"));
+        std::io::Error::new(
+            e.kind(),
+            format!("{e} (the overlay file has {size} bytes, its file system {free} bytes free; file size limit {limit})"),
+        )
+    }
+
     /// imago's read of `buf` at `off`, through an aligned buffer (its `O_DIRECT` needs
     /// one), dropping the range from the page cache when not direct.
     fn imago_read(&self, off: u64, buf: &mut [u8]) -> Result<(), DiskError> {
@@ -549,7 +564,7 @@ impl Disk for OverlayDisk {
         let len = buf.len() as u64;
         self.overlay
             .write(src, off)
-            .map_err(self.io_err("write", off, len))?;
+            .map_err(|e| self.io_err("write", off, len)(self.with_room(e)))?;
         self.overlay
             .flush()
             .map_err(self.io_err("write (its metadata)", off, len))
