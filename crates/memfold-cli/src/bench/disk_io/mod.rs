@@ -58,6 +58,11 @@ pub struct DiskIoArgs {
     /// pages itself).
     #[arg(long)]
     pub no_memfoldd: bool,
+    /// QEMU's virtio-blk reads through the host's page cache (its default), not with
+    /// `O_DIRECT` as memfold-blk does (the default here, `cache.direct=on`): the
+    /// comparison of the disks as `memfold run` sets them up rather than of the devices.
+    #[arg(long)]
+    pub virtio_cached: bool,
     /// Profiles whose built-in workload is compared too, a pair of guests each (e.g.
     /// `web,db`); none by default.
     #[arg(long, value_delimiter = ',')]
@@ -83,6 +88,8 @@ pub struct DiskIoRun {
     pub accel: String,
     /// Whether memfoldd and the agents ran.
     pub memfoldd: bool,
+    /// Whether QEMU's virtio-blk read through the host's page cache (else `O_DIRECT`).
+    pub virtio_cached: bool,
     /// The data disk, MiB.
     pub disk_mib: u64,
     /// MiB per sequential pass.
@@ -187,6 +194,7 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
             read_bytes_per_sec: None,
         }),
         memfold_blk: on_blk.then(|| blk(true, false)),
+        data_disk_direct: !a.virtio_cached,
         kernel_args: Some(probe.clone()),
         ..GuestSpec::new(name, "tiny", a.mem_mib, RamBackend::Memfd)
     };
@@ -267,6 +275,7 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
     let res = DiskIoRun {
         accel: format!("{accel:?}"),
         memfoldd: !a.no_memfoldd,
+        virtio_cached: a.virtio_cached,
         disk_mib: a.disk_mib,
         seq_mib: a.seq_mib,
         rand_reads: a.rand_reads,

@@ -93,8 +93,38 @@ pub struct Side {
     /// memfoldd's own `share_at_read` latency (device write to the agent's answer):
     /// count, p50 and p99 µs; `None` on the KSM side.
     pub share_at_read: Option<memfold_wire::LatencySummary>,
+    /// The reader's pages as memfoldd booked them over its life; `None` on the KSM side.
+    pub reader_books: Option<ReaderBooks>,
     /// Every page's time.
     pub pages: Vec<PageTime>,
+}
+
+/// The reader guest's counters at the end of a memfold side: what its reads came to.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct ReaderBooks {
+    /// Pages its data disk reported landed (memfold-blk's `--stats`: base, overlay and
+    /// zero pages; 0 on QEMU's disk).
+    pub device_landed: u64,
+    /// Of those, pages memfoldd looked up at read (private when the report came; the
+    /// rest were passed over to the scan).
+    pub looked_up: u64,
+    /// Shares made at read (the reader's pages and their twins in the holder).
+    pub read_shares: u64,
+    /// All its shares (scan and read).
+    pub shares: u64,
+    /// Its copy-on-write breaks.
+    pub cow_breaks: u64,
+}
+
+/// Pages memfold-blk says it reported landed (`landed_base`, `landed_overlay`,
+/// `landed_zero` in its `--stats` file); 0 without the file.
+fn device_landed(stats: &Path) -> u64 {
+    let s = std::fs::read_to_string(stats).unwrap_or_default();
+    s.split_whitespace()
+        .filter_map(|kv| kv.split_once('='))
+        .filter(|(k, _)| k.starts_with("landed_"))
+        .filter_map(|(_, v)| v.parse::<u64>().ok())
+        .sum()
 }
 
 /// The whole run.
@@ -169,6 +199,12 @@ pub fn run(a: &ReadShareArgs) -> Result<()> {
                 l.p99_us / 1e3
             )),
         );
+        if let Some(b) = side.reader_books {
+            eprintln!(
+                "      reader: {} pages landed (device), {} looked up at read, {} shares at read of {} shares, {} CoW breaks",
+                b.device_landed, b.looked_up, b.read_shares, b.shares, b.cow_breaks
+            );
+        }
         res.sides.push(side);
     }
     let json = serde_json::to_string_pretty(&res)?;
@@ -258,18 +294,42 @@ fn side(
         ),
     );
     let mut reader = start(&rs)?;
-    let w: Box<dyn Shared> = if ksm {
-        Box::new(KsmFlags::of(reader.pid, a.mem_mib as u64 * 1024 * 1024)?)
-    } else {
-        Box::new(MemfdHoles::of(reader.pid, "ram0")?)
+    // QEMU maps guest RAM a moment after it starts.
+    let found = Instant::now();
+    let w: Box<dyn Shared> = loop {
+        let w: Result<Box<dyn Shared>> = if ksm {
+            KsmFlags::of(reader.pid, a.mem_mib as u64 * 1024 * 1024).map(|w| Box::new(w) as _)
+        } else {
+            MemfdHoles::of(reader.pid, "memory-backend-memfd").map(|w| Box::new(w) as _)
+        };
+        match w {
+            Ok(w) => break w,
+            Err(e) if found.elapsed() > Duration::from_secs(30) => return Err(e),
+            Err(_) => {
+                reader.check_alive()?;
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
     };
     let (t, poll_ms, chunk_read_ms) = follow(a, &mut reader, &mut holder, w.as_ref())?;
-    let share_at_read = if ksm {
-        None
+    let (share_at_read, reader_books) = if ksm {
+        (None, None)
     } else {
         let stats = memfold_live::query_stats(&socket)
             .with_context(|| format!("memfoldd at {}", socket.display()))?;
-        Some(stats.latency.share_at_read)
+        let v = stats
+            .vms
+            .iter()
+            .find(|v| v.name == "reader")
+            .context("memfoldd does not list the reader")?;
+        let books = ReaderBooks {
+            device_landed: device_landed(&dir.join("reader").join("blk-data.stats")),
+            looked_up: v.read_landed,
+            read_shares: v.read_shares,
+            shares: v.shares,
+            cow_breaks: v.cow_breaks,
+        };
+        (Some(stats.latency.share_at_read), Some(books))
     };
     std::fs::write(dir.join("holder.console"), holder.serial())?;
     std::fs::write(dir.join("reader.console"), reader.serial())?;
@@ -281,6 +341,7 @@ fn side(
         poll_ms,
         chunk_read_ms,
         share_at_read,
+        reader_books,
         pages: t.done,
     })
 }

@@ -40,7 +40,8 @@ pub struct MemfdHoles {
 }
 
 impl MemfdHoles {
-    /// The RAM memfd (`/memfd:NAME`) of process `pid`, opened through `/proc/PID/fd`.
+    /// The memfd `/memfd:NAME` of process `pid` (QEMU names its guest RAM
+    /// `memory-backend-memfd`), opened through `/proc/PID/fd`.
     ///
     /// Errors: no such memfd, or it cannot be opened.
     pub fn of(pid: u32, name: &str) -> Result<Self> {
