@@ -88,6 +88,10 @@ pub struct GuestSpec {
     /// Guest kernel arguments of this guest alone, appended (e.g. the `tiny` image's
     /// `memfold.break_at=SECS`); `None`: none.
     pub kernel_args: Option<String>,
+    /// QEMU reads its [`GuestSpec::data_disk`] with `O_DIRECT` (`cache.direct=on`), not
+    /// through the host's page cache: as memfold-blk reads its disks, for a like-for-like
+    /// comparison of the two devices (`memfold bench disk-io`). Off by default.
+    pub data_disk_direct: bool,
     /// Disks served by memfold-blk (vhost-user-blk, Satori §4.1) instead of QEMU's own
     /// virtio-blk; `None`: QEMU serves them all (the default).
     pub memfold_blk: Option<BlkDisks>,
@@ -114,6 +118,7 @@ impl GuestSpec {
             free_page_reporting: false,
             memfold_balloon: false,
             data_disk: None,
+            data_disk_direct: false,
             kernel_args: None,
             memfold_blk: None,
             guest_channel: None,
