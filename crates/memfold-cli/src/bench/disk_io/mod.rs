@@ -182,6 +182,7 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
     };
     let blk = |data: bool, root: bool| BlkDisks {
         data,
+        data_overlay: false,
         root,
         binary: None,
         landed_socket: (!a.no_memfoldd).then(|| socket.clone()),
@@ -294,16 +295,16 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
     Ok(())
 }
 
+/// One side's counted rounds ([`rounds::counted`]): MiB/s of each kind of pass, by round.
+type Rounds = std::collections::BTreeMap<u64, [f64; 3]>;
+
 /// Runs the I/O pair until each side has `a.rounds` rounds that began after both were
 /// reading; returns each side's counted rounds (memfold-blk's, virtio's).
 fn io_pair(
     a: &DiskIoArgs,
     gb: &mut Guest,
     gv: &mut Guest,
-) -> Result<(
-    std::collections::BTreeMap<u64, [f64; 3]>,
-    std::collections::BTreeMap<u64, [f64; 3]>,
-)> {
+) -> Result<(Rounds, Rounds)> {
     let deadline = Instant::now() + Duration::from_secs(600 + 120 * a.rounds as u64);
     // Per side: the last round any pass of which was reported when the other side
     // started (None until both have started).
