@@ -135,6 +135,16 @@ enum BenchCmd {
     /// (`--never-share`, `--both`) with the victim marked never-share. Needs root; boots
     /// two tiny guests (docs/side-channel.md).
     SideChannel(bench::side_channel::SideChannelArgs),
+    /// Guest disk throughput, memfold-blk (vhost-user-blk) against QEMU's virtio-blk, side
+    /// by side in one run: O_DIRECT 4 KiB sequential, 4 KiB random and 1 MiB sequential
+    /// reads in two tiny guests, mean ± 2 s.e. over rounds and the ratio; `--workloads`
+    /// adds the built-in workloads on each disk. Needs root (docs/sharing-at-read.md).
+    DiskIo(Box<bench::disk_io::DiskIoArgs>),
+    /// How soon a page a guest reads, that another guest already holds, is shared: per
+    /// page from its read to its sharing, p50/p99 and time to 95% per round, for memfold
+    /// with memfold-blk, memfold's scan alone and KSM aggressive. Needs root
+    /// (docs/sharing-at-read.md).
+    ReadShare(Box<bench::read_share::ReadShareArgs>),
 }
 
 fn main() {
@@ -204,6 +214,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Bench {
             which: BenchCmd::SideChannel(args),
         } => bench::side_channel::run(&args),
+        Cmd::Bench {
+            which: BenchCmd::DiskIo(args),
+        } => bench::disk_io::run(&args),
+        Cmd::Bench {
+            which: BenchCmd::ReadShare(args),
+        } => bench::read_share::run(&args),
     }
 }
 

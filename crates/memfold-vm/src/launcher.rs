@@ -21,7 +21,9 @@ mod args;
 mod blk;
 pub use args::qemu_args;
 use blk::start_blk;
-pub use blk::{memfold_blk_binary, BlkDisks, MEMFOLD_BLK_ENV};
+pub use blk::{
+    memfold_blk_binary, BlkDisks, BlkSupervisor, MAX_RESTARTS, MEMFOLD_BLK_ENV, RESTART_DELAY,
+};
 
 /// How guest RAM is backed on the host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -86,6 +88,10 @@ pub struct GuestSpec {
     /// Guest kernel arguments of this guest alone, appended (e.g. the `tiny` image's
     /// `memfold.break_at=SECS`); `None`: none.
     pub kernel_args: Option<String>,
+    /// QEMU reads its [`GuestSpec::data_disk`] with `O_DIRECT` (`cache.direct=on`), not
+    /// through the host's page cache: as memfold-blk reads its disks, for a like-for-like
+    /// comparison of the two devices (`memfold bench disk-io`). Off by default.
+    pub data_disk_direct: bool,
     /// Disks served by memfold-blk (vhost-user-blk, Satori §4.1) instead of QEMU's own
     /// virtio-blk; `None`: QEMU serves them all (the default).
     pub memfold_blk: Option<BlkDisks>,
@@ -112,6 +118,7 @@ impl GuestSpec {
             free_page_reporting: false,
             memfold_balloon: false,
             data_disk: None,
+            data_disk_direct: false,
             kernel_args: None,
             memfold_blk: None,
             guest_channel: None,
@@ -216,8 +223,9 @@ pub struct Guest {
     pub serial_path: PathBuf,
     stderr_path: PathBuf,
     child: Option<Child>,
-    /// The memfold-blk processes serving its disks, killed after QEMU stops.
-    blk: Vec<Child>,
+    /// The memfold-blk processes serving its disks (restarted if they die), killed after
+    /// QEMU stops.
+    blk: Vec<BlkSupervisor>,
     /// When QEMU was started.
     pub started: Instant,
 }
@@ -526,10 +534,18 @@ impl Guest {
     /// QEMU (which cannot answer QMP) gets SIGKILL at once. Idempotent.
     pub fn stop(&mut self) {
         self.stop_qemu();
-        for mut c in self.blk.drain(..) {
-            let _ = c.kill();
-            let _ = c.wait();
+        for mut s in self.blk.drain(..) {
+            s.stop();
         }
+    }
+
+    /// The memfold-blk processes serving its disks: (disk, pid now, restarts so far); pid
+    /// `None` while one is being restarted.
+    pub fn blk_processes(&self) -> Vec<(&'static str, Option<u32>, u32)> {
+        self.blk
+            .iter()
+            .map(|s| (s.disk(), s.pid(), s.restarts()))
+            .collect()
     }
 
     fn stop_qemu(&mut self) {

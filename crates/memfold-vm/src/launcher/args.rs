@@ -142,6 +142,9 @@ pub fn qemu_args(
         if let Some(bps) = d.read_bytes_per_sec {
             drive.push_str(&format!(",bps_rd={bps}"));
         }
+        if spec.data_disk_direct {
+            drive.push_str(",cache.direct=on");
+        }
         v.push("-drive".into());
         v.push(drive.into());
         v.push("-device".into());
@@ -264,6 +267,21 @@ mod tests {
             [
                 "-drive",
                 "file=/w/data.img,if=none,id=memfold-data,format=raw,readonly=on"
+            ]
+        ));
+        let direct = args(&GuestSpec {
+            data_disk: Some(DataDisk {
+                path: "/w/data.img".into(),
+                read_bytes_per_sec: None,
+            }),
+            data_disk_direct: true,
+            ..spec(RamBackend::Memfd)
+        });
+        assert!(has(
+            &direct,
+            [
+                "-drive",
+                "file=/w/data.img,if=none,id=memfold-data,format=raw,readonly=on,cache.direct=on"
             ]
         ));
         assert!(has(

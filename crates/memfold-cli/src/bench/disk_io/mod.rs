@@ -1,0 +1,345 @@
+//! `memfold bench disk-io`: guest disk throughput on memfold-blk (vhost-user-blk, issue 16)
+//! against QEMU's own virtio-blk, side by side in one run (issue 16, "No slower I/O").
+//!
+//! Two `tiny` guests boot at once, one whose data disk memfold-blk serves (reporting every
+//! page a read fills to memfoldd, as `memfold run --disk memfold` does) and one on QEMU's
+//! virtio-blk, both over the same raw file, both with memfold's agent under one memfoldd
+//! (`--no-memfoldd`: the devices alone). Each runs `memfold-probe diskio` (images/
+//! memfold-probe.rs): round after round of `O_DIRECT` reads — 4 KiB sequential, 4 KiB at
+//! random offsets, 1 MiB sequential — timed by the guest. Only the rounds that began after
+//! both guests were reading count, so both sides always ran under the same load; the run
+//! stops when each side has `--rounds` of them. Then, with `--workloads web,...`, a guest
+//! pair per profile (root disk on memfold-blk's qcow2 overlay against QEMU's throw-away
+//! overlay) runs its built-in workload side by side for `--workload-secs`.
+//!
+//! Under TCG (no KVM) a guest's I/O rate is bound by the emulated CPU, not the disk: the
+//! two sides then compare the CPU cost of each device path as seen by the guest.
+//!
+//! Needs root (the agent's userfaultfd). Boots guests: on a shared host run it under
+//! `flock /tmp/measure.lock`.
+
+pub mod rounds;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use memfold_vm::images;
+use memfold_vm::launcher::{agent_env, detect_accel, BlkDisks, DataDisk, Guest, GuestSpec, RamBackend};
+use serde::Serialize;
+
+use memfold_cli::engine_args::EngineArgs;
+use crate::run::measure::{start_marks, throughput, Throughput};
+use crate::run::{companions, Daemon};
+use rounds::{compare, counted, passes, Compared};
+
+/// `memfold bench disk-io`'s flags.
+#[derive(Args, Clone, Debug)]
+pub struct DiskIoArgs {
+    /// Rounds per side that count (each: the three passes, run while the other side ran).
+    #[arg(long, default_value_t = 8)]
+    pub rounds: usize,
+    /// The data disk, MiB (random bytes, written once into the output folder).
+    #[arg(long, default_value_t = 64)]
+    pub disk_mib: u64,
+    /// MiB each sequential pass reads.
+    #[arg(long, default_value_t = 16)]
+    pub seq_mib: u64,
+    /// 4 KiB reads of the random pass.
+    #[arg(long, default_value_t = 2048)]
+    pub rand_reads: u64,
+    /// RAM per guest, MiB.
+    #[arg(long, default_value_t = 256)]
+    pub mem_mib: u32,
+    /// No memfoldd and no agents: the two devices alone (memfold-blk counts its landed
+    /// pages itself).
+    #[arg(long)]
+    pub no_memfoldd: bool,
+    /// QEMU's virtio-blk reads through the host's page cache (its default), not with
+    /// `O_DIRECT` as memfold-blk does (the default here, `cache.direct=on`): the
+    /// comparison of the disks as `memfold run` sets them up rather than of the devices.
+    #[arg(long)]
+    pub virtio_cached: bool,
+    /// Profiles whose built-in workload is compared too, a pair of guests each (e.g.
+    /// `web,db`); none by default.
+    #[arg(long, value_delimiter = ',')]
+    pub workloads: Vec<String>,
+    /// How long each workload pair runs after both are ready, s.
+    #[arg(long, default_value_t = 180)]
+    pub workload_secs: u64,
+    /// memfoldd's engine (the flags `memfold run` takes).
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Output folder (default out/disk-io): `disk-io.json`, consoles, logs.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The whole run.
+#[derive(Clone, Debug, Serialize)]
+pub struct DiskIoRun {
+    /// Acceleration (KVM or TCG).
+    pub accel: String,
+    /// Whether memfoldd and the agents ran.
+    pub memfoldd: bool,
+    /// Whether QEMU's virtio-blk read through the host's page cache (else `O_DIRECT`).
+    pub virtio_cached: bool,
+    /// The data disk, MiB.
+    pub disk_mib: u64,
+    /// MiB per sequential pass.
+    pub seq_mib: u64,
+    /// 4 KiB reads per random pass.
+    pub rand_reads: u64,
+    /// Each kind of pass, memfold-blk against virtio-blk.
+    pub passes: Vec<Compared>,
+    /// Wall time of the I/O pair, s.
+    pub io_secs: f64,
+    /// CPU seconds of the memfold-blk process over the I/O pair's run.
+    pub blk_cpu_s: f64,
+    /// CPU seconds of each QEMU over the I/O pair's run: memfold-blk's guest, virtio's.
+    pub qemu_cpu_s: [f64; 2],
+    /// The built-in workloads: each profile's memfold-blk guest (as "guest") against its
+    /// virtio-blk twin ("twin").
+    pub workloads: Vec<Throughput>,
+}
+
+/// CPU seconds (user + system) of process `pid` so far; 0 if it is gone.
+fn cpu_s(pid: u32) -> f64 {
+    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    let Some((_, rest)) = s.rsplit_once(") ") else {
+        return 0.0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // Fields 14 and 15 of stat (utime, stime), 11 and 12 after the state.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// The pid of the memfold-blk process serving `dir`'s `blk-data.sock` (its command line
+/// names the socket).
+fn blk_pid(sock: &Path) -> Option<u32> {
+    let want = sock.as_os_str().as_encoded_bytes();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        cmd.split(|&b| b == 0).any(|a| a == want).then_some(pid)
+    })
+}
+
+/// Runs the benchmark.
+///
+/// Errors: not root, images or guests that do not come up, a probe that fails, rounds
+/// that do not come within the time allowed.
+pub fn run(a: &DiskIoArgs) -> Result<()> {
+    anyhow::ensure!(a.rounds >= 2, "--rounds at least 2 (a spread needs two)");
+    anyhow::ensure!(
+        a.seq_mib >= 1 && a.seq_mib <= a.disk_mib && a.rand_reads >= 1,
+        "--seq-mib between 1 and --disk-mib, --rand-reads at least 1"
+    );
+    let (agent, daemon_bin) = companions()?;
+    let out = a.out.clone().unwrap_or_else(|| crate::default_out("disk-io"));
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let out = std::fs::canonicalize(&out)?;
+    let cache = images::cache_dir();
+    let mut profiles = vec!["tiny".to_string()];
+    profiles.extend(a.workloads.iter().cloned());
+    for p in &profiles {
+        images::build(&cache, p, |l| eprintln!("  [{p}] {}", l.trim_start_matches("== step: ")))?;
+    }
+    let accel = detect_accel(&cache);
+    let data = super::data_file(&out, a.disk_mib)?;
+    let socket = out.join("memfoldd.sock");
+    let _daemon = if a.no_memfoldd {
+        None
+    } else {
+        let log = std::fs::File::create(out.join("memfoldd.log"))?;
+        let _ = std::fs::remove_file(&socket);
+        Some(Daemon(
+            Command::new(&daemon_bin)
+                .args(["--config", "none"])
+                .arg("--socket")
+                .arg(&socket)
+                .args(a.engine.to_args())
+                .stderr(log)
+                .spawn()
+                .with_context(|| format!("cannot start {}", daemon_bin.display()))?,
+        ))
+    };
+    let env = |spec: &GuestSpec| {
+        if a.no_memfoldd {
+            Vec::new()
+        } else {
+            agent_env(&agent, &socket, spec)
+        }
+    };
+    let blk = |data: bool, root: bool| BlkDisks {
+        data,
+        data_overlay: false,
+        root,
+        binary: None,
+        landed_socket: (!a.no_memfoldd).then(|| socket.clone()),
+    };
+    let t0 = Instant::now();
+    let probe = format!("memfold.probe=diskio,{},{},{}", a.seq_mib, a.rand_reads, 16);
+    let io_spec = |name: &str, on_blk: bool| GuestSpec {
+        data_disk: Some(DataDisk {
+            path: data.clone(),
+            read_bytes_per_sec: None,
+        }),
+        memfold_blk: on_blk.then(|| blk(true, false)),
+        data_disk_direct: !a.virtio_cached,
+        kernel_args: Some(probe.clone()),
+        ..GuestSpec::new(name, "tiny", a.mem_mib, RamBackend::Memfd)
+    };
+    let dir = out.join("io");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let (bs, vs) = (io_spec("blk", true), io_spec("virtio", false));
+    let mut gb = Guest::start_with_env(&bs, &cache, &dir, accel, &env(&bs))?;
+    let mut gv = Guest::start_with_env(&vs, &cache, &dir, accel, &env(&vs))?;
+    let blk_pid = blk_pid(&dir.join("blk").join("blk-data.sock"));
+    let cpu0 = (blk_pid.map_or(0.0, cpu_s), cpu_s(gb.pid), cpu_s(gv.pid));
+    let (cb, cv) = io_pair(a, &mut gb, &mut gv)?;
+    let cpu = (
+        blk_pid.map_or(0.0, cpu_s) - cpu0.0,
+        cpu_s(gb.pid) - cpu0.1,
+        cpu_s(gv.pid) - cpu0.2,
+    );
+    std::fs::write(dir.join("blk.console"), gb.serial())?;
+    std::fs::write(dir.join("virtio.console"), gv.serial())?;
+    gb.stop();
+    gv.stop();
+    let io_secs = t0.elapsed().as_secs_f64();
+    let passes = compare(&cb, &cv);
+    for c in &passes {
+        eprintln!(
+            "{:<8} memfold-blk {:>8.2} ± {:>6.2} MiB/s ({} rounds)   virtio-blk {:>8.2} ± {:>6.2} MiB/s ({} rounds)   ratio {:.3} ± {:.3}",
+            c.kind, c.blk_mibps, c.blk_2se, c.blk_rounds, c.virtio_mibps, c.virtio_2se, c.virtio_rounds, c.ratio, c.ratio_2se
+        );
+    }
+    eprintln!(
+        "CPU s over the pair's run: memfold-blk {:.1}, QEMU (memfold-blk guest) {:.1}, QEMU (virtio guest) {:.1}",
+        cpu.0, cpu.1, cpu.2
+    );
+    let mut workloads = Vec::new();
+    for p in &a.workloads {
+        let wdir = out.join(format!("workload-{p}"));
+        let _ = std::fs::remove_dir_all(&wdir);
+        std::fs::create_dir_all(&wdir)?;
+        let spec = |name: String, on_blk: bool| GuestSpec {
+            memfold_blk: on_blk.then(|| blk(false, true)),
+            ..GuestSpec::new(&name, p, 512, RamBackend::Memfd)
+        };
+        let (bs, vs) = (spec(format!("{p}-blk"), true), spec(format!("{p}-virtio"), false));
+        let mut gb = Guest::start_with_env(&bs, &cache, &wdir, accel, &env(&bs))?;
+        let mut gv = Guest::start_with_env(&vs, &cache, &wdir, accel, &env(&vs))?;
+        for g in [&mut gb, &mut gv] {
+            g.wait_ready(Duration::from_secs(600))?;
+        }
+        let marks: HashMap<_, _> = start_marks([&gb, &gv].into_iter());
+        eprintln!("{p}: both ready after {:.0} s; {} s side by side", t0.elapsed().as_secs_f64(), a.workload_secs);
+        let end = Instant::now() + Duration::from_secs(a.workload_secs);
+        while Instant::now() < end {
+            gb.check_alive()?;
+            gv.check_alive()?;
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        for g in [&gb, &gv] {
+            anyhow::ensure!(g.mismatches().is_empty(), "{}: self-check failed: {:?}", g.name, g.mismatches());
+        }
+        let t = throughput(std::slice::from_ref(&gb), std::slice::from_ref(&gv), &marks);
+        for t in &t {
+            eprintln!(
+                "{p}: {} memfold-blk {:.2} ({} rounds), virtio-blk {:.2} ({} rounds): ratio {:.3} ± {:.3}",
+                t.metric,
+                t.managed,
+                t.managed_rounds,
+                t.plain,
+                t.plain_rounds,
+                t.ratio,
+                t.change_2se.unwrap_or(f64::NAN)
+            );
+        }
+        anyhow::ensure!(!t.is_empty(), "{p}: no workload rounds reported by both guests in {} s", a.workload_secs);
+        workloads.extend(t);
+        std::fs::write(wdir.join("blk.console"), gb.serial())?;
+        std::fs::write(wdir.join("virtio.console"), gv.serial())?;
+    }
+    let res = DiskIoRun {
+        accel: format!("{accel:?}"),
+        memfoldd: !a.no_memfoldd,
+        virtio_cached: a.virtio_cached,
+        disk_mib: a.disk_mib,
+        seq_mib: a.seq_mib,
+        rand_reads: a.rand_reads,
+        passes,
+        io_secs,
+        blk_cpu_s: cpu.0,
+        qemu_cpu_s: [cpu.1, cpu.2],
+        workloads,
+    };
+    let json = serde_json::to_string_pretty(&res)?;
+    std::fs::write(out.join("disk-io.json"), &json)?;
+    if a.json {
+        println!("{json}");
+    }
+    eprintln!("wrote {}", out.join("disk-io.json").display());
+    Ok(())
+}
+
+/// One side's counted rounds ([`rounds::counted`]): MiB/s of each kind of pass, by round.
+type Rounds = std::collections::BTreeMap<u64, [f64; 3]>;
+
+/// Runs the I/O pair until each side has `a.rounds` rounds that began after both were
+/// reading; returns each side's counted rounds (memfold-blk's, virtio's).
+fn io_pair(
+    a: &DiskIoArgs,
+    gb: &mut Guest,
+    gv: &mut Guest,
+) -> Result<(Rounds, Rounds)> {
+    let deadline = Instant::now() + Duration::from_secs(600 + 120 * a.rounds as u64);
+    // Per side: the last round any pass of which was reported when the other side
+    // started (None until both have started).
+    let mut first: Option<(u64, u64)> = None;
+    loop {
+        let (sb, sv) = (gb.serial(), gv.serial());
+        for (g, s) in [(&*gb, &sb), (&*gv, &sv)] {
+            if let Some(l) = s.lines().find(|l| l.contains("MEMFOLD-PROBE-FAILED")) {
+                bail!("{}: {l}", g.name);
+            }
+        }
+        let (pb, pv) = (passes(&sb), passes(&sv));
+        let started = |s: &str| s.contains("MEMFOLD-IO-START");
+        if first.is_none() && started(&sb) && started(&sv) {
+            // The round under way on each side now (or 0) ran partly alone: skipped.
+            // A round whose last pass is in was done: the next one is under way.
+            let last = |p: &[rounds::Pass]| {
+                p.last()
+                    .map_or(0, |p| p.round + u64::from(p.kind == rounds::KINDS.len() - 1))
+            };
+            first = Some((last(&pb), last(&pv)));
+            let (fb, fv) = first.expect("just set");
+            eprintln!("both guests reading: counting from round {} (memfold-blk) and {} (virtio)", fb + 1, fv + 1);
+        }
+        if let Some((fb, fv)) = first {
+            let (cb, cv) = (counted(&pb, fb), counted(&pv, fv));
+            if cb.len() >= a.rounds && cv.len() >= a.rounds {
+                return Ok((cb, cv));
+            }
+        }
+        gb.check_alive()?;
+        gv.check_alive()?;
+        if Instant::now() > deadline {
+            bail!("no {} rounds per side in time (see the consoles)", a.rounds);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
