@@ -91,13 +91,19 @@ pub struct Counters {
     pub landed_overlay: u64,
     /// Pages reported landed as zeros.
     pub landed_zero: u64,
+    /// Pages of reads asked of memfoldd to be filled from frames (Satori §5.2).
+    pub fill_asked: u64,
+    /// Of those, pages filled: not read from the disk, not written.
+    pub filled: u64,
+    /// Reads served wholly from frames: no disk read at all.
+    pub reads_from_frames: u64,
 }
 
 impl Counters {
     /// One line, `key=value` pairs (the binary's `--stats` file and its exit log).
     pub fn line(&self) -> String {
         format!(
-            "reads={} read_bytes={} writes={} flushes={} discards={} io_errors={} unsupported={} dropped={} landed_base={} landed_overlay={} landed_zero={}",
+            "reads={} read_bytes={} writes={} flushes={} discards={} io_errors={} unsupported={} dropped={} landed_base={} landed_overlay={} landed_zero={} fill_asked={} filled={} reads_from_frames={}",
             self.reads,
             self.read_bytes,
             self.writes,
@@ -108,7 +114,10 @@ impl Counters {
             self.dropped,
             self.landed_base,
             self.landed_overlay,
-            self.landed_zero
+            self.landed_zero,
+            self.fill_asked,
+            self.filled,
+            self.reads_from_frames
         )
     }
 }
@@ -449,12 +458,21 @@ impl BlkBackend {
         len: u64,
     ) -> Result<(), ReqError> {
         let off = self.data_range(sector, len)?;
+        let runs = sub_runs(&c.writable, 0, len);
+        let filled = self.fill_from_frames(mem, &runs, off, len)?;
+        if filled.len() as u64 * PAGE == len {
+            self.counters.reads_from_frames += 1;
+            return Ok(());
+        }
         self.throttle_read(len);
         let mut buf = vec![0u8; len as usize];
         let extents = self.disk.read(off, &mut buf)?;
-        let runs = sub_runs(&c.writable, 0, len);
-        self.put(mem, &runs, &buf)?;
-        self.report(mem, &runs, off, &extents);
+        if filled.is_empty() {
+            self.put(mem, &runs, &buf)?;
+        } else {
+            self.put_except(mem, &runs, &buf, &filled)?;
+        }
+        self.report(mem, &runs, off, &extents, &filled);
         Ok(())
     }
 
@@ -469,12 +487,23 @@ impl BlkBackend {
     }
 
     /// Reports to the sink the whole pages of `runs` a read of disk bytes from `off`
-    /// (served as `extents`) filled.
-    fn report(&mut self, mem: &RemoteMemory, runs: &[(u64, u64)], off: u64, extents: &[Extent]) {
+    /// (served as `extents`) filled, but those at read offsets `filled` (ascending:
+    /// filled from frames, not written).
+    fn report(
+        &mut self,
+        mem: &RemoteMemory,
+        runs: &[(u64, u64)],
+        off: u64,
+        extents: &[Extent],
+        filled: &[u64],
+    ) {
         let mut by_file: BTreeMap<RamFile, Vec<Landed>> = BTreeMap::new();
         let mut stream = 0u64;
         for &(a, n) in runs {
             for (file, gfn, in_run) in mem.whole_pages(a, n) {
+                if filled.binary_search(&(stream + in_run)).is_ok() {
+                    continue;
+                }
                 let d = off + stream + in_run;
                 let src = extents
                     .iter()
@@ -699,5 +728,6 @@ impl VhostUserBackendMut for BlkBackend {
     }
 }
 
+mod fill;
 #[cfg(test)]
 mod tests;

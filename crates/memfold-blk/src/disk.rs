@@ -183,6 +183,19 @@ pub trait Disk: Send + Sync {
     fn base_changed(&self) -> bool {
         false
     }
+    /// Where each byte of `[off, off + len)` would come from, without reading it (a read
+    /// of base blocks may be served from frames instead, Satori §5.2), after checking
+    /// that the base has not changed. `None`: this disk cannot say.
+    ///
+    /// Errors: [`DiskError::OutOfRange`], [`DiskError::BaseChanged`], [`DiskError::Io`].
+    fn sources(&self, _off: u64, _len: u64) -> Result<Option<Vec<Extent>>, DiskError> {
+        Ok(None)
+    }
+    /// The read-only base whose blocks reads report: its id and a new descriptor of its
+    /// file (memfoldd reads blocks from it to check what a frame holds).
+    fn base_file(&self) -> Option<(DiskId, std::os::fd::OwnedFd)> {
+        None
+    }
 }
 
 fn check_range(
@@ -368,6 +381,19 @@ impl Disk for RawDisk {
     fn base_changed(&self) -> bool {
         self.guard.changed()
     }
+    fn sources(&self, off: u64, len: u64) -> Result<Option<Vec<Extent>>, DiskError> {
+        check_range(&self.path, "read", off, len, self.size)?;
+        self.check_unchanged()?;
+        Ok(Some(vec![Extent {
+            off,
+            len,
+            source: ExtentSource::Base(self.id),
+        }]))
+    }
+    fn base_file(&self) -> Option<(DiskId, std::os::fd::OwnedFd)> {
+        let f = self.file.try_clone().ok()?;
+        Some((self.id, f.into()))
+    }
 }
 
 /// A per-guest qcow2 overlay over a read-only raw base (created with
@@ -503,6 +529,39 @@ impl Disk for OverlayDisk {
     }
     fn can_discard(&self) -> bool {
         true
+    }
+    fn sources(&self, off: u64, len: u64) -> Result<Option<Vec<Extent>>, DiskError> {
+        check_range(&self.path, "read", off, len, self.size())?;
+        let mut ext: Vec<Extent> = Vec::new();
+        let mut at = 0u64;
+        while at < len {
+            let (m, n) = self
+                .overlay
+                .get_shallow_mapping(off + at, len - at)
+                .map_err(self.io_err("read", off + at, len - at))?;
+            let n = n.clamp(1, len - at);
+            let source = match m {
+                ShallowMapping::Indirect { .. } => ExtentSource::Base(self.base.id()),
+                ShallowMapping::Zero { .. } | ShallowMapping::Eof { .. } => ExtentSource::Zero,
+                _ => ExtentSource::Overlay,
+            };
+            match ext.last_mut() {
+                Some(e) if e.source == source && e.off + e.len == off + at => e.len += n,
+                _ => ext.push(Extent {
+                    off: off + at,
+                    len: n,
+                    source,
+                }),
+            }
+            at += n;
+        }
+        if ext.iter().any(|e| matches!(e.source, ExtentSource::Base(_))) {
+            self.base.check_unchanged()?;
+        }
+        Ok(Some(ext))
+    }
+    fn base_file(&self) -> Option<(DiskId, std::os::fd::OwnedFd)> {
+        self.base.base_file()
     }
     fn read(&self, off: u64, buf: &mut [u8]) -> Result<Vec<Extent>, DiskError> {
         let len = buf.len() as u64;

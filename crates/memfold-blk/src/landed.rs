@@ -11,30 +11,11 @@
 
 use std::collections::HashMap;
 
-use memfold_ids::Gfn;
+use memfold_ids::{BaseBlock, Gfn};
 
 pub use crate::mem::RamFile;
 
-/// A base image, by the `(st_dev, st_ino)` of its file: `dev << 40 | ino` when `dev` fits
-/// 24 bits and `ino` 40 (every local file system here), else the xxh3 of both. Two guests
-/// reading one base file get the same id, which is what lets the engine share by block
-/// number alone (Satori §4.1).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct DiskId(pub u64);
-
-impl DiskId {
-    /// The id of the file `(dev, ino)`.
-    pub fn of_file(dev: u64, ino: u64) -> DiskId {
-        if dev < 1 << 24 && ino < 1 << 40 {
-            DiskId(dev << 40 | ino)
-        } else {
-            let mut b = [0u8; 16];
-            b[..8].copy_from_slice(&dev.to_le_bytes());
-            b[8..].copy_from_slice(&ino.to_le_bytes());
-            DiskId(xxhash_rust::xxh3::xxh3_64(&b))
-        }
-    }
-}
+pub use memfold_ids::DiskId;
 
 /// Where a page's bytes came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -69,6 +50,25 @@ pub struct Landed {
 pub trait LandedSink: Send + Sync {
     /// `pages` of RAM file `ram` now hold what one read put there.
     fn landed(&mut self, ram: RamFile, pages: &[Landed]);
+
+    /// Whether a frame is said to hold base block `b` (Satori §5.2): a read of it may be
+    /// served by [`LandedSink::fill`]. Never, for a sink that is not memfoldd.
+    fn held(&self, _b: BaseBlock) -> bool {
+        false
+    }
+
+    /// Asks that `pages` of `ram` (each already beginning with `nonce`) be filled from
+    /// frames holding their blocks; waits up to `wait`; returns the pages filled, which
+    /// the device must not write. None, for a sink that is not memfoldd.
+    fn fill(
+        &self,
+        _ram: RamFile,
+        _pages: &[(Gfn, BaseBlock)],
+        _nonce: [u64; 2],
+        _wait: std::time::Duration,
+    ) -> Vec<Gfn> {
+        Vec::new()
+    }
 }
 
 /// A sink that counts (tests): pages per source kind, and the last source of each page.
@@ -129,19 +129,28 @@ impl LandedSink for LogSink {
 /// [`memfold_wire::LandedReporter`], which never blocks the queue thread — a report
 /// that cannot be queued, or sent while memfoldd is away, is dropped and counted (the
 /// scan still finds those pages). memfoldd looks each page up at once and shares it with
-/// an equal frame or page; it reads and compares the bytes itself, so the source is
-/// not sent.
+/// an equal frame or page; it reads and compares the bytes itself. Pages from a base
+/// block are named by it: memfoldd learns from the base (whose descriptor the hello
+/// carries) which frames hold which blocks, and serves reads of those from frames
+/// (Satori §5.2, [`LandedSink::fill`]).
 pub struct MemfolddSink {
     reporter: memfold_wire::LandedReporter,
 }
 
 impl MemfolddSink {
-    /// A sink reporting to memfoldd's socket at `socket`.
+    /// A sink reporting to memfoldd's socket at `socket`, for a disk over the base
+    /// `base` (its id and a descriptor of its file; `None`: no base, no fill).
     ///
     /// Errors: the reporter's thread could not be started.
-    pub fn new(socket: &std::path::Path) -> std::io::Result<MemfolddSink> {
+    pub fn new(
+        socket: &std::path::Path,
+        base: Option<(DiskId, std::os::fd::OwnedFd)>,
+    ) -> std::io::Result<MemfolddSink> {
         Ok(MemfolddSink {
-            reporter: memfold_wire::LandedReporter::spawn(socket)?,
+            reporter: memfold_wire::LandedReporter::spawn_with_bases(
+                socket,
+                base.into_iter().collect(),
+            )?,
         })
     }
 }
@@ -152,8 +161,34 @@ impl LandedSink for MemfolddSink {
             dev: ram.dev,
             ino: ram.ino,
         };
+        let bases = pages
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| match p.source {
+                Source::Base { disk, block } => Some((i as u32, BaseBlock { disk, block })),
+                _ => None,
+            })
+            .collect();
         self.reporter
-            .report(ram, pages.iter().map(|p| p.gfn).collect());
+            .report_from(ram, pages.iter().map(|p| p.gfn).collect(), bases);
+    }
+
+    fn held(&self, b: BaseBlock) -> bool {
+        self.reporter.held(b)
+    }
+
+    fn fill(
+        &self,
+        ram: RamFile,
+        pages: &[(Gfn, BaseBlock)],
+        nonce: [u64; 2],
+        wait: std::time::Duration,
+    ) -> Vec<Gfn> {
+        let ram = memfold_wire::RamFile {
+            dev: ram.dev,
+            ino: ram.ino,
+        };
+        self.reporter.fill(ram, pages, nonce, wait)
     }
 }
 

@@ -114,6 +114,25 @@ pub struct BaseBlock {
     pub block: u64,
 }
 
+impl DiskId {
+    /// The id of the file `(dev, ino)`: `dev << 40 | ino` when `dev` fits 24 bits and
+    /// `ino` 40 (every local file system here), else a mix of both (FNV-1a of their
+    /// bytes). Two guests reading one base file get the same id, which is what lets the
+    /// engine name a block by its number alone (Satori §4.1).
+    pub fn of_file(dev: u64, ino: u64) -> DiskId {
+        if dev < 1 << 24 && ino < 1 << 40 {
+            DiskId(dev << 40 | ino)
+        } else {
+            let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+            for b in dev.to_le_bytes().into_iter().chain(ino.to_le_bytes()) {
+                h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+            }
+            // Top bit set: never equal to an exact id (whose dev fits 24 bits).
+            DiskId(h | 1 << 63)
+        }
+    }
+}
+
 impl Gfn {
     /// The byte offset of this page in its guest's RAM.
     #[inline]

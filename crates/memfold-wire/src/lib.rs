@@ -42,10 +42,10 @@ pub mod stats;
 pub use conn::{Conn, Listener};
 pub use device::LandedReporter;
 pub use latency::{LatencySummary, OpBuckets, OpLatency, LATENCY_BUCKETS_S};
-pub use memfold_ids::{BatchId, FrameId, Gfn};
+pub use memfold_ids::{BaseBlock, BatchId, DiskId, FillId, FrameId, Gfn};
 pub use messages::{
     AgentReport, Blob, BlobHome, CensusStats, Discarded, RamFile, StashPage, ToAgent, ToClient,
-    ToDaemon, CLOCK_SLICE, MAX_BATCH, MAX_MESSAGE, PROTOCOL_VERSION,
+    ToDaemon, ToDevice, CLOCK_SLICE, MAX_BATCH, MAX_MESSAGE, PROTOCOL_VERSION,
 };
 pub use reattach::Mapped;
 pub use stats::{
@@ -106,6 +106,7 @@ mod sealed {
     impl Sealed for crate::ToDaemon {}
     impl Sealed for crate::ToAgent {}
     impl Sealed for crate::ToClient {}
+    impl Sealed for crate::ToDevice {}
 }
 
 /// A message of the protocol: [`ToDaemon`], [`ToAgent`] or [`ToClient`].
@@ -113,6 +114,7 @@ pub trait Message: Serialize + DeserializeOwned + sealed::Sealed {}
 impl Message for ToDaemon {}
 impl Message for ToAgent {}
 impl Message for ToClient {}
+impl Message for ToDevice {}
 
 /// The bytes of `msg` (JSON). A message over [`MAX_MESSAGE`] is refused when sent.
 pub fn encode<M: Message>(msg: &M) -> Vec<u8> {

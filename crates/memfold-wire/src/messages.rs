@@ -7,7 +7,7 @@
 //! JSON carries as plain numbers.
 
 use memfold_codecs::{CompressCodec, Encoding, PatchCodec};
-use memfold_ids::{BatchId, FrameId, Gfn};
+use memfold_ids::{BaseBlock, BatchId, DiskId, FillId, FrameId, Gfn};
 use serde::{Deserialize, Serialize};
 
 use crate::stats::Stats;
@@ -283,6 +283,12 @@ pub enum ToDaemon {
     DeviceHello {
         /// Protocol version.
         version: u32,
+        /// The read-only base images the device serves (Satori §4.1), one descriptor each
+        /// in this order: memfoldd checks each id against its descriptor's file and reads
+        /// blocks from it to check what a frame holds (Satori §5.2) — never trusting a
+        /// guest page for a block's bytes.
+        #[serde(default)]
+        bases: Vec<DiskId>,
     },
     /// Guest pages a disk read just filled (Satori §4.1): pages (file offset / 4 KiB) of
     /// the guest RAM memfd `ram`, each written whole by the read, at most [`MAX_BATCH`].
@@ -297,6 +303,23 @@ pub enum ToDaemon {
         /// memfoldd times each share made at read from then.
         #[serde(default)]
         landed_ns: u64,
+        /// Pages of `gfns` (by index) that came from a base block the hello listed.
+        #[serde(default)]
+        bases: Vec<(u32, BaseBlock)>,
+    },
+    /// A block device asks that a read be served from frames (Satori §5.2): it wrote
+    /// `nonce` at the start of each page and waits, up to a time of its own, for
+    /// [`ToDevice::Filled`]; pages not filled it reads from the disk. Blocks of bases
+    /// its hello listed, at most [`MAX_BATCH`] pages.
+    FillRead {
+        /// The guest RAM memfd the pages are in.
+        ram: RamFile,
+        /// The device's request, echoed.
+        fill: FillId,
+        /// What the device wrote at the start of each page (never zero).
+        nonce: [u64; 2],
+        /// (page, base block) pairs.
+        pages: Vec<(Gfn, BaseBlock)>,
     },
     /// The operator takes guest `name` out of memfold (`out`: every page it holds taken
     /// back, nothing shared or stored again, as KSM's `MADV_UNMERGEABLE`) or back in.
@@ -427,6 +450,27 @@ pub struct CensusStats {
     pub distinct: u64,
     /// The sharing potential: for each non-zero content n pages hold, n − 1, pages.
     pub duplicate_pages: u64,
+}
+
+/// Messages to a block device (Satori §5.2), on its connection.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToDevice {
+    /// These base blocks are held by frames now: a read of one may be served from its
+    /// frame ([`ToDaemon::FillRead`]). A hint: a frame may be gone by the time of the read
+    /// (the fill then leaves the page to the disk). At most [`MAX_BATCH`].
+    Held {
+        /// Blocks.
+        blocks: Vec<BaseBlock>,
+    },
+    /// The answer to a [`ToDaemon::FillRead`]: these pages now hold their blocks, mapped
+    /// onto frames; the device must not write them (the others are its to read).
+    Filled {
+        /// The device's request.
+        fill: FillId,
+        /// Pages filled.
+        gfns: Vec<Gfn>,
+    },
 }
 
 /// Messages to a client.

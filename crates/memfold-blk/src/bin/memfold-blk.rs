@@ -90,11 +90,14 @@ impl SinkChoice {
     }
 
     /// The sink. Errors: a sink this build has none for.
-    fn sink(&self) -> Result<Box<dyn LandedSink>, String> {
+    fn sink(
+        &self,
+        base: Option<(memfold_blk::landed::DiskId, std::os::fd::OwnedFd)>,
+    ) -> Result<Box<dyn LandedSink>, String> {
         match self {
             SinkChoice::Counting => Ok(Box::new(CountingSink::default())),
             SinkChoice::Log => Ok(Box::new(LogSink)),
-            SinkChoice::Socket(p) => memfold_blk::landed::MemfolddSink::new(p)
+            SinkChoice::Socket(p) => memfold_blk::landed::MemfolddSink::new(p, base)
                 .map(|s| Box::new(s) as Box<dyn LandedSink>)
                 .map_err(|e| format!("--landed-socket {}: {e}", p.display())),
         }
@@ -148,7 +151,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let sink = match SinkChoice::of(&a).sink() {
+    let sink = match SinkChoice::of(&a).sink(disk.base_file()) {
         Ok(s) => s,
         Err(e) => {
             tracing::error!("{e}");

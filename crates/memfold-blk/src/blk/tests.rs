@@ -367,3 +367,114 @@ fn an_overlay_disk_takes_writes_reads_them_back_as_overlay_and_discards_to_the_b
 }
 
 mod full_disk;
+
+/// memfoldd and the agent as a fill sees them (Satori §5.2): blocks held, and a fill
+/// that maps a "frame" over each asked page still beginning with the nonce. Its frames
+/// hold a marker, not the block, so that a test sees the device did not write a page
+/// it was told is filled. `answer: false`: memfoldd never answers.
+struct FakeFrames {
+    ram: std::fs::File,
+    held: std::collections::HashSet<memfold_ids::BaseBlock>,
+    answer: bool,
+    marker: u8,
+    reports: Arc<std::sync::Mutex<Vec<Landed>>>,
+}
+
+impl LandedSink for FakeFrames {
+    fn landed(&mut self, _ram: RamFile, pages: &[Landed]) {
+        self.reports.lock().unwrap().extend_from_slice(pages);
+    }
+    fn held(&self, b: memfold_ids::BaseBlock) -> bool {
+        self.held.contains(&b)
+    }
+    fn fill(
+        &self,
+        _ram: RamFile,
+        pages: &[(Gfn, memfold_ids::BaseBlock)],
+        nonce: [u64; 2],
+        _wait: std::time::Duration,
+    ) -> Vec<Gfn> {
+        use std::os::unix::fs::FileExt;
+        if !self.answer {
+            return Vec::new();
+        }
+        let want = super::fill::nonce_bytes(nonce);
+        let mut out = Vec::new();
+        for &(g, _) in pages {
+            let mut head = [0u8; 16];
+            self.ram.read_exact_at(&mut head, g.offset()).unwrap();
+            if head == want {
+                self.ram
+                    .write_all_at(&[self.marker; 4096], g.offset())
+                    .unwrap();
+                out.push(g);
+            }
+        }
+        out
+    }
+}
+
+fn fake_frames(r: &Local, held: &[u64], id: DiskId, answer: bool) -> FakeFrames {
+    FakeFrames {
+        ram: std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/self/fd/{}", r._fd.as_raw_fd()))
+            .unwrap(),
+        held: held
+            .iter()
+            .map(|&block| memfold_ids::BaseBlock { disk: id, block })
+            .collect(),
+        answer,
+        marker: 0xee,
+        reports: Default::default(),
+    }
+}
+
+/// A read of three blocks, two held: those two pages are filled (and left as the frame
+/// holds them: the marker), the third read from the disk and reported; a read of held
+/// blocks only never reads the disk.
+#[test]
+fn reads_of_held_blocks_are_filled_and_the_device_writes_only_the_rest() {
+    let mut r = rig(false);
+    let id = disk_id(&r);
+    let fake = fake_frames(&r.local, &[2, 3], id, true);
+    let reports = fake.reports.clone();
+    r.dev.sink = Box::new(fake);
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 16); // blocks 2, 3, 4
+    r.submit(&[(0x8000, 16, false), (DATA, 3 * 4096, true), (STATUS, 1, true)]);
+    assert_eq!(r.run(), vec![3 * 4096 + 1]);
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8);
+    let b = &r.local.bytes()[DATA as usize..];
+    assert!(b[..8192].iter().all(|&x| x == 0xee), "filled pages not written");
+    assert_eq!(&b[8192..12288], &r.data[16384..20480], "block 4 from the disk");
+    let c = r.dev.counters();
+    assert_eq!((c.fill_asked, c.filled, c.reads_from_frames), (2, 2, 0));
+    let got = reports.lock().unwrap().clone();
+    assert_eq!(got.len(), 1, "only the page written is reported: {got:?}");
+    assert_eq!(got[0].source, Source::Base { disk: id, block: 4 });
+    // Blocks 2, 3 alone: served from frames, no disk read.
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 16);
+    r.submit(&[(0x8000, 16, false), (DATA + 16384, 2 * 4096, true), (STATUS, 1, true)]);
+    assert_eq!(r.run(), vec![2 * 4096 + 1]);
+    assert_eq!(r.dev.counters().reads_from_frames, 1);
+    assert_eq!(r.dev.counters().read_bytes, 3 * 4096 + 2 * 4096);
+}
+
+/// memfoldd not answering: the device reads the disk and writes every page, its nonce
+/// overwritten — the guest reads the disk's bytes.
+#[test]
+fn a_fill_not_answered_leaves_the_disk_to_serve_the_read() {
+    let mut r = rig(false);
+    let id = disk_id(&r);
+    r.dev.sink = Box::new(fake_frames(&r.local, &[2, 3], id, false));
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 16);
+    r.submit(&[(0x8000, 16, false), (DATA, 2 * 4096, true), (STATUS, 1, true)]);
+    assert_eq!(r.run(), vec![2 * 4096 + 1]);
+    assert_eq!(
+        &r.local.bytes()[DATA as usize..DATA as usize + 8192],
+        &r.data[8192..16384]
+    );
+    let c = r.dev.counters();
+    assert_eq!((c.fill_asked, c.filled), (2, 0));
+}

@@ -175,6 +175,14 @@ impl Engine {
         indexed
     }
 
+    /// Whether base block `b` is indexed in domain `d`.
+    pub fn block_held_in(&self, d: DomainId, b: BaseBlock) -> bool {
+        self.fills
+            .index
+            .get(&d)
+            .is_some_and(|i| i.by_block.contains_key(&b))
+    }
+
     /// Whether base block `b` is held by a frame of guest `id`'s domain.
     pub fn block_held(&self, id: VmId, b: BaseBlock) -> bool {
         self.vms.contains_key(&id)

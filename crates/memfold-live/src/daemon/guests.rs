@@ -29,9 +29,18 @@ pub(crate) enum Input {
     Agent { token: u64, msg: ToDaemon },
     /// An agent's connection ended.
     Gone { token: u64 },
+    /// A block device said hello (only operators' devices are heard): its connection to
+    /// answer on and the base images it showed, checked ([`super::devices`]).
+    DeviceHello {
+        token: u64,
+        conn: Conn,
+        bases: Vec<(memfold_core::ids::DiskId, std::fs::File)>,
+    },
     /// A block device's report of guest pages a disk read filled
-    /// ([`ToDaemon::ReadLanded`]; only operators' devices are heard).
-    Device { msg: ToDaemon },
+    /// ([`ToDaemon::ReadLanded`]) or its request for a fill ([`ToDaemon::FillRead`]).
+    Device { token: u64, msg: ToDaemon },
+    /// A block device's connection ended.
+    DeviceGone { token: u64 },
     /// A client's request; `operator`: the peer is root or memfoldd's own user, who may
     /// change what memfoldd does (an opt-out), not only read its statistics.
     Client {
@@ -141,22 +150,32 @@ fn read_loop(t: u64, conn: Conn, tx: mpsc::Sender<Input>, agent_gid: Option<u32>
             let _ = tx.send(Input::Gone { token: t });
         }
         // A block device's reports make memfoldd read guest pages: an operator's only.
-        ToDaemon::DeviceHello { version } if version == PROTOCOL_VERSION && operator => {
+        ToDaemon::DeviceHello { version, bases } if version == PROTOCOL_VERSION && operator => {
             tracing::info!("connection {t}: a block device (pid {})", peer.pid);
+            let bases = super::devices::checked_bases(t, &bases, fds);
+            let hello = Input::DeviceHello {
+                token: t,
+                conn: writer,
+                bases,
+            };
+            if tx.send(hello).is_err() {
+                return;
+            }
             loop {
                 match conn.recv::<ToDaemon>() {
                     Ok(Some((msg, _))) => {
-                        if tx.send(Input::Device { msg }).is_err() {
+                        if tx.send(Input::Device { token: t, msg }).is_err() {
                             return;
                         }
                     }
-                    Ok(None) => return,
+                    Ok(None) => break,
                     Err(e) => {
                         tracing::warn!("block device connection {t}: {e}; dropped");
-                        return;
+                        break;
                     }
                 }
             }
+            let _ = tx.send(Input::DeviceGone { token: t });
         }
         ToDaemon::ClientHello { version } if version == PROTOCOL_VERSION => {
             while let Ok(Some((msg, _))) = conn.recv::<ToDaemon>() {
@@ -188,10 +207,10 @@ fn hello_kind(m: &ToDaemon) -> String {
     match m {
         ToDaemon::AgentHello { version, .. } => format!("an agent hello of version {version}"),
         ToDaemon::ClientHello { version } => format!("a client hello of version {version}"),
-        ToDaemon::DeviceHello { version } if *version == PROTOCOL_VERSION => {
+        ToDaemon::DeviceHello { version, .. } if *version == PROTOCOL_VERSION => {
             "a block device's hello from a peer that is not root or memfoldd's user".into()
         }
-        ToDaemon::DeviceHello { version } => {
+        ToDaemon::DeviceHello { version, .. } => {
             format!("a block device's hello of version {version}")
         }
         _ => "another message".into(),

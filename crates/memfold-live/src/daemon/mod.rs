@@ -20,6 +20,7 @@
 pub mod backings;
 pub mod balloon;
 mod books;
+mod devices;
 mod domains;
 mod executor;
 mod guests;
@@ -138,6 +139,8 @@ struct Daemon {
     engine: Engine,
     guests: Guests,
     executor: Executor,
+    /// Block devices (Satori §4.1, §5.2).
+    devices: devices::Devices,
     /// Each domain's pool, handed to its guests' agents (and only theirs).
     pools: BTreeMap<DomainId, OwnedFd>,
     /// The domain a new guest joins, by what keys it under `rule`.
@@ -285,6 +288,7 @@ impl Daemon {
             engine: Engine::new(cfg.engine.clone(), clock, cfg.swap_capacity)?,
             guests: Guests::default(),
             executor: Executor::default(),
+            devices: Default::default(),
             pools: BTreeMap::new(),
             keys: BTreeMap::new(),
             key_of: BTreeMap::new(),
@@ -324,6 +328,7 @@ impl Daemon {
             self.engine.clock_step();
             self.engine.check_budget();
             self.executor.flush(&mut self.engine, &self.guests);
+            self.devices.pump(&mut self.engine);
             if self.last_reap.elapsed() > Duration::from_secs(1) {
                 self.last_reap = Instant::now();
                 self.reap();
@@ -392,7 +397,12 @@ impl Daemon {
                     self.reap();
                 }
             }
-            Input::Device { msg } => self.device_message(msg),
+            Input::DeviceHello { token, conn, bases } => self.devices.hello(token, conn, bases),
+            Input::Device { token, msg } => {
+                self.devices
+                    .message(&mut self.engine, &mut self.guests, token, msg)
+            }
+            Input::DeviceGone { token } => self.devices.gone(token),
             Input::Client {
                 conn,
                 msg,
@@ -428,36 +438,6 @@ impl Daemon {
             }
         }
         Ok(())
-    }
-
-    /// A block device's report (Satori §4.1): the pages a disk read filled are looked up
-    /// now ([`memfold_core::Engine::read_landed`]). A report naming no attached guest's
-    /// RAM, or more than [`memfold_wire::MAX_BATCH`] pages, is dropped with a count.
-    fn device_message(&mut self, msg: ToDaemon) {
-        let ToDaemon::ReadLanded {
-            ram,
-            gfns,
-            landed_ns,
-        } = msg
-        else {
-            tracing::warn!("a block device sent {msg:?}; ignored");
-            return;
-        };
-        let vm = self.guests.vm_of_ram((ram.dev, ram.ino));
-        match vm {
-            Some(vm) if gfns.len() <= memfold_wire::MAX_BATCH => {
-                // The time since the device wrote the pages, µs (0 if not said or not
-                // monotonic: a peer's clock is only a hint).
-                let now = memfold_sys::proc::monotonic_ns();
-                let age_us = if landed_ns > 0 && landed_ns <= now {
-                    (now - landed_ns) / 1000
-                } else {
-                    0
-                };
-                self.engine.read_landed(vm, &gfns, age_us);
-            }
-            _ => self.guests.landed_dropped += gfns.len() as u64,
-        }
     }
 
     fn agent_message(&mut self, vm: VmId, msg: ToDaemon) {

@@ -1,0 +1,146 @@
+//! Reads served from frames (Satori §5.2: "some reads can be satisfied without accessing
+//! the underlying physical device"): before reading the disk, the device asks memfoldd
+//! to map frames that hold the base blocks of the read over the pages it would write.
+//!
+//! The protocol and why it loses nothing (the invariant is the agent's, checked in
+//! `memfold-agent/tests/fill.rs`): the device writes a nonce — unique to this request
+//! of this device process — at the start of each page it asks for, through QEMU's page
+//! tables as every write; memfoldd has the agent map the frame over each page that still
+//! begins with the nonce, checked under write-protection. The device waits at most
+//! [`FILL_WAIT`]; the pages not filled by then it writes from the disk, which overwrites
+//! their nonce, so a fill arriving later finds no nonce and maps nothing; a fill racing
+//! that write makes it land in a CoW copy of a frame that holds the same block. Pages
+//! filled the device does not write. Only blocks memfoldd said frames hold are asked
+//! for (`LandedSink::held`); a read of others costs nothing more.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use memfold_ids::{BaseBlock, Gfn};
+
+use super::{BlkBackend, ReqError};
+use crate::landed::Source;
+use crate::mem::{RamFile, RemoteMemory, PAGE};
+
+/// How long a read waits for memfoldd's fill before it reads the disk. An `O_DIRECT`
+/// read of a readahead window takes ~0.1–1 ms on a local SSD; a fill answers in about
+/// a round trip through memfoldd and the agent.
+pub const FILL_WAIT: Duration = Duration::from_millis(20);
+
+/// The next nonce: this process's start (CLOCK_MONOTONIC ns, with the pid) and a
+/// counter, so no two requests of any device process share one; never zero.
+fn next_nonce() -> [u64; 2] {
+    static START: OnceLock<u64> = OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let start = *START.get_or_init(|| {
+        memfold_sys::proc::monotonic_ns() ^ (std::process::id() as u64) << 44 | 1
+    });
+    [start, NEXT.fetch_add(1, Ordering::Relaxed)]
+}
+
+/// The nonce as written at the start of a page (native byte order, as the agent reads it).
+pub(super) fn nonce_bytes(n: [u64; 2]) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&n[0].to_ne_bytes());
+    b[8..].copy_from_slice(&n[1].to_ne_bytes());
+    b
+}
+
+impl BlkBackend {
+    /// Tries to serve the read of `len` disk bytes at `off` into the guest runs `runs`
+    /// from frames; returns the offsets in the read (bytes from its start) of the whole
+    /// pages filled, ascending — pages the caller must not write. Empty when memfoldd
+    /// holds none of the read's base blocks, is away, or did not answer in time.
+    ///
+    /// Errors: [`ReqError`] if a nonce could not be written into guest RAM (nothing is
+    /// asked then).
+    pub(super) fn fill_from_frames(
+        &mut self,
+        mem: &RemoteMemory,
+        runs: &[(u64, u64)],
+        off: u64,
+        len: u64,
+    ) -> Result<Vec<u64>, ReqError> {
+        if self.disk.base_changed() {
+            return Ok(Vec::new());
+        }
+        let Some(extents) = self.disk.sources(off, len).ok().flatten() else {
+            return Ok(Vec::new());
+        };
+        // (page's guest-physical address, offset in the read, page, block), one RAM file.
+        let mut ram: Option<RamFile> = None;
+        let mut asked: Vec<(u64, u64, Gfn, BaseBlock)> = Vec::new();
+        let mut stream = 0u64;
+        for &(a, n) in runs {
+            for (file, gfn, in_run) in mem.whole_pages(a, n) {
+                let d = off + stream + in_run;
+                let src = extents
+                    .iter()
+                    .find(|e| e.off <= d && d + PAGE <= e.off + e.len)
+                    .and_then(|e| e.source.page_source(d));
+                let Some(Source::Base { disk, block }) = src else {
+                    continue;
+                };
+                let b = BaseBlock { disk, block };
+                if *ram.get_or_insert(file) == file && self.sink.held(b) {
+                    asked.push((a + in_run, stream + in_run, gfn, b));
+                }
+            }
+            stream += n;
+        }
+        let Some(ram) = ram.filter(|_| !asked.is_empty()) else {
+            return Ok(Vec::new());
+        };
+        let nonce = next_nonce();
+        let bytes = nonce_bytes(nonce);
+        for &(gpa, ..) in &asked {
+            mem.write(gpa, &bytes)?;
+        }
+        let pages: Vec<(Gfn, BaseBlock)> = asked.iter().map(|&(_, _, g, b)| (g, b)).collect();
+        let filled = self.sink.fill(ram, &pages, nonce, FILL_WAIT);
+        self.counters.fill_asked += asked.len() as u64;
+        let mut out: Vec<u64> = asked
+            .iter()
+            .filter(|(_, _, g, _)| filled.contains(g))
+            .map(|&(_, at, ..)| at)
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        self.counters.filled += out.len() as u64;
+        Ok(out)
+    }
+
+    /// Writes `data` into the guest runs `runs` except the whole pages at read offsets
+    /// `skip` (ascending; filled from frames).
+    pub(super) fn put_except(
+        &self,
+        mem: &RemoteMemory,
+        runs: &[(u64, u64)],
+        data: &[u8],
+        skip: &[u64],
+    ) -> Result<(), ReqError> {
+        let mut stream = 0u64;
+        let mut k = 0usize;
+        for &(a, n) in runs {
+            let mut at = 0u64;
+            while at < n {
+                while k < skip.len() && skip[k] < stream + at {
+                    k += 1;
+                }
+                let next_skip = skip.get(k).copied().filter(|&s| s < stream + n);
+                let end = next_skip.map_or(n, |s| s - stream);
+                if end > at {
+                    let from = (stream + at) as usize;
+                    mem.write(a + at, &data[from..from + (end - at) as usize])?;
+                }
+                at = match next_skip {
+                    Some(s) => s - stream + PAGE,
+                    None => n,
+                };
+            }
+            stream += n;
+        }
+        Ok(())
+    }
+}

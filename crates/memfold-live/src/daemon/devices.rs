@@ -1,0 +1,234 @@
+//! Block devices (`memfold-blk`, Satori §4.1, §5.2): their reports of pages disk reads
+//! filled, their requests to have reads served from frames, and what memfoldd tells
+//! them back.
+//!
+//! Trust: a device is an operator's process (its hello is heard from root or memfoldd's
+//! own user only, `guests.rs`), but its peer QEMU is not, so nothing a device says about
+//! a page's content is believed:
+//! - a base image is named by the descriptor the device passes in its hello, checked
+//!   against the id it claims (`fstat`), and only bases so checked are taken;
+//! - which frame holds a base block is learnt from the base's own bytes, read here
+//!   through that descriptor, never from a guest page ([`memfold_core::engine::fill`]);
+//! - a fill maps a frame over a page only where the agent finds the device's nonce
+//!   under write-protection, so a device that gave up waiting loses nothing.
+//!
+//! A device sees only answers to its own requests, for pages of the guest whose RAM it
+//! names; which base blocks frames hold it is told for its own bases only.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+
+use memfold_core::engine::BlockCandidate;
+use memfold_core::ids::{BaseBlock, DiskId, FillId, Gfn};
+use memfold_core::{Engine, Page, PAGE_SIZE};
+use memfold_wire::{Conn, ToDaemon, ToDevice, MAX_BATCH};
+
+use super::guests::Guests;
+
+/// Base blocks read to check candidates per main-loop step at most (each one disk read,
+/// ~10–100 µs); the rest wait for the next step.
+const MAX_CHECKS_PER_STEP: usize = 256;
+
+/// A page, aligned for `O_DIRECT` reads (the device's base descriptor is `O_DIRECT`).
+#[repr(C, align(4096))]
+struct AlignedPage([u8; PAGE_SIZE]);
+
+struct Device {
+    conn: Conn,
+    bases: HashMap<DiskId, File>,
+}
+
+/// The block devices attached, by connection.
+#[derive(Default)]
+pub(crate) struct Devices {
+    by_token: BTreeMap<u64, Device>,
+    /// Fills under way: memfoldd's id → (connection, the device's id).
+    fills: HashMap<FillId, (u64, FillId)>,
+    next_fill: u64,
+    /// Candidates waiting to be checked against their base.
+    unchecked: Vec<BlockCandidate>,
+    /// Pages filled from frames, all devices (cumulative).
+    pub(crate) filled: u64,
+    /// Fill requests answered, all devices (cumulative).
+    pub(crate) fills_answered: u64,
+    /// Base blocks read to check what a frame holds (cumulative).
+    pub(crate) blocks_checked: u64,
+}
+
+impl Devices {
+    /// Device connection `token` said hello, serving the checked `bases`.
+    pub(crate) fn hello(&mut self, token: u64, conn: Conn, bases: Vec<(DiskId, File)>) {
+        self.by_token.insert(
+            token,
+            Device {
+                conn,
+                bases: bases.into_iter().collect(),
+            },
+        );
+    }
+
+    /// Device connection `token` ended.
+    pub(crate) fn gone(&mut self, token: u64) {
+        self.by_token.remove(&token);
+        self.fills.retain(|_, (t, _)| *t != token);
+    }
+
+    /// A message of device `token`: a report (looked up now, Satori §4.1) or a fill
+    /// (Satori §5.2). A message naming no attached guest's RAM, too many pages, or a base
+    /// the device did not show, is dropped with a count (a fill is answered empty).
+    pub(crate) fn message(
+        &mut self,
+        engine: &mut Engine,
+        guests: &mut Guests,
+        token: u64,
+        msg: ToDaemon,
+    ) {
+        let Some(dev) = self.by_token.get(&token) else {
+            return;
+        };
+        match msg {
+            ToDaemon::ReadLanded {
+                ram,
+                gfns,
+                landed_ns,
+                bases,
+            } => {
+                let vm = guests.vm_of_ram((ram.dev, ram.ino));
+                match vm {
+                    Some(vm) if gfns.len() <= MAX_BATCH => {
+                        // The time since the device wrote the pages, µs (0 if not said or
+                        // not monotonic: a peer's clock is only a hint).
+                        let now = memfold_sys::proc::monotonic_ns();
+                        let age_us = if landed_ns > 0 && landed_ns <= now {
+                            (now - landed_ns) / 1000
+                        } else {
+                            0
+                        };
+                        engine.read_landed(vm, &gfns, age_us);
+                        let from_base: Vec<(Gfn, BaseBlock)> = bases
+                            .iter()
+                            .filter(|(_, b)| dev.bases.contains_key(&b.disk))
+                            .filter_map(|&(i, b)| gfns.get(i as usize).map(|&g| (g, b)))
+                            .collect();
+                        engine.landed_from_base(vm, &from_base);
+                    }
+                    _ => guests.landed_dropped += gfns.len() as u64,
+                }
+            }
+            ToDaemon::FillRead {
+                ram,
+                fill,
+                nonce,
+                pages,
+            } => {
+                self.next_fill += 1;
+                let ours = FillId(self.next_fill);
+                self.fills.insert(ours, (token, fill));
+                let vm = guests.vm_of_ram((ram.dev, ram.ino));
+                let pages: Vec<(Gfn, BaseBlock)> = pages
+                    .into_iter()
+                    .take(MAX_BATCH)
+                    .filter(|(_, b)| dev.bases.contains_key(&b.disk))
+                    .collect();
+                match vm {
+                    Some(vm) => {
+                        engine.fill_read(vm, ours, &pages, nonce);
+                    }
+                    None => {
+                        self.fills.remove(&ours);
+                        self.answer(token, fill, Vec::new());
+                    }
+                }
+            }
+            other => tracing::warn!("block device {token} sent {other:?}; ignored"),
+        }
+    }
+
+    /// After a step: answers the fills the engine finished, and checks waiting
+    /// candidates against their bases, telling each device that serves a base of the
+    /// blocks now held.
+    pub(crate) fn pump(&mut self, engine: &mut Engine) {
+        for a in engine.take_fill_answers() {
+            if let Some((token, theirs)) = self.fills.remove(&a.fill) {
+                self.filled += a.filled.len() as u64;
+                self.answer(token, theirs, a.filled);
+            }
+        }
+        self.unchecked.extend(engine.take_block_candidates());
+        if self.unchecked.is_empty() {
+            return;
+        }
+        let take = self.unchecked.len().min(MAX_CHECKS_PER_STEP);
+        let batch: Vec<BlockCandidate> = self.unchecked.drain(..take).collect();
+        let mut held: HashMap<DiskId, Vec<BaseBlock>> = HashMap::new();
+        let mut page = Box::new(AlignedPage([0u8; PAGE_SIZE]));
+        for c in batch {
+            if engine.block_held_in(c.domain, c.block) {
+                continue;
+            }
+            let Some(file) = self
+                .by_token
+                .values()
+                .find_map(|d| d.bases.get(&c.block.disk))
+            else {
+                continue;
+            };
+            let Some(off) = c.block.block.checked_mul(PAGE_SIZE as u64) else {
+                continue;
+            };
+            self.blocks_checked += 1;
+            if let Err(e) = file.read_exact_at(&mut page.0, off) {
+                tracing::debug!("{}: block {} unreadable: {e}", c.block.disk, c.block.block);
+                continue;
+            }
+            let bytes: &Page = &page.0;
+            if engine.block_verified(&c, bytes) {
+                held.entry(c.block.disk).or_default().push(c.block);
+            }
+        }
+        for (disk, blocks) in held {
+            for d in self.by_token.values().filter(|d| d.bases.contains_key(&disk)) {
+                for chunk in blocks.chunks(MAX_BATCH) {
+                    let _ = d.conn.send(
+                        &ToDevice::Held {
+                            blocks: chunk.to_vec(),
+                        },
+                        &[],
+                    );
+                }
+            }
+        }
+    }
+
+    fn answer(&mut self, token: u64, fill: FillId, gfns: Vec<Gfn>) {
+        self.fills_answered += 1;
+        if let Some(d) = self.by_token.get(&token) {
+            // A device too slow to read its answer has long given up on it.
+            let _ = d.conn.send(&ToDevice::Filled { fill, gfns }, &[]);
+        }
+    }
+}
+
+/// The bases a device's hello names, each with the descriptor it passed in the same
+/// place, kept only if the descriptor's file is the one the id names. Logged otherwise.
+pub(crate) fn checked_bases(
+    token: u64,
+    ids: &[DiskId],
+    fds: Vec<std::os::fd::OwnedFd>,
+) -> Vec<(DiskId, File)> {
+    let mut out = Vec::new();
+    for (&id, fd) in ids.iter().zip(fds) {
+        use std::os::fd::AsFd;
+        match memfold_sys::memfd::file_id(fd.as_fd()) {
+            Ok((dev, ino)) if DiskId::of_file(dev, ino) == id => {
+                out.push((id, File::from(fd)));
+            }
+            Ok(_) => tracing::warn!(
+                "block device {token}: its descriptor for {id} is another file; not taken"
+            ),
+            Err(e) => tracing::warn!("block device {token}: {id}: {e}; not taken"),
+        }
+    }
+    out
+}
