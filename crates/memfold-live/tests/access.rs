@@ -59,6 +59,7 @@ fn child_role() {
             c.set_recv_timeout(Duration::from_secs(5)).unwrap();
             let hello = ToDaemon::DeviceHello {
                 version: PROTOCOL_VERSION,
+                bases: vec![],
             };
             c.send(&hello, &[]).unwrap();
             let (reply, _) = c.recv::<ToClient>().unwrap().expect("an answer");

@@ -205,6 +205,10 @@ pub struct VmStats {
     /// page's and its twin's), not found by the scan (cumulative).
     #[serde(default)]
     pub read_shares: u64,
+    /// Of [`VmStats::shares`], pages a disk read had filled from a frame holding its base
+    /// block, without the disk (Satori §5.2; cumulative).
+    #[serde(default)]
+    pub read_fills: u64,
     /// Copy-on-write breaks (cumulative).
     pub cow_breaks: u64,
     /// Zero pages reclaimed (cumulative).
@@ -425,6 +429,13 @@ pub struct Stats {
     /// similarity index, blob table; docs/metadata.md).
     #[serde(default)]
     pub metadata_bytes: u64,
+    /// Base blocks learnt as held by a frame since start, each checked against the base's
+    /// own bytes (Satori §5.2; cumulative).
+    #[serde(default)]
+    pub blocks_indexed: u64,
+    /// Base blocks held by frames now, all domains: reads of them can be filled.
+    #[serde(default)]
+    pub blocks_held: u64,
     /// memfoldd's resident set (`VmRSS`), bytes; 0 if `/proc` does not say.
     #[serde(default)]
     pub rss_bytes: u64,

@@ -33,6 +33,7 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
         shares: b.shares,
         read_landed: b.read_landed,
         read_shares: b.read_shares,
+        read_fills: b.read_fills,
         cow_breaks: b.cow_breaks,
         reclaims: b.reclaims,
         refills: b.refills,
@@ -189,6 +190,8 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats 
         latency,
         latency_buckets,
         metadata_bytes: b.metadata_bytes,
+        blocks_indexed: b.blocks_indexed,
+        blocks_held: b.blocks_held,
         rss_bytes: memfold_sys::proc::rss_bytes(std::process::id()),
         vms,
     }

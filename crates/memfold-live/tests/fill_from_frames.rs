@@ -1,0 +1,191 @@
+//! Reads served from frames (Satori §5.2; issue 16), memfoldd's side, with real agents
+//! (in this process, on memfds) and a block device played by the test through the
+//! wire's [`LandedReporter`]: reads of a base's blocks that two guests landed and shared
+//! teach memfoldd — from the base file's own bytes — which frames hold which blocks; the
+//! device is told; a later read of those blocks is filled from the frames, no disk
+//! bytes written. What must not be believed is not: a block whose landed bytes differ
+//! from the base's (a guest that wrote its buffer before the share) is never indexed,
+//! a base descriptor that is not the file its id names is not taken, and a fill of a
+//! page the device wrote after its nonce maps nothing.
+
+mod common;
+
+use std::os::unix::fs::MetadataExt;
+use std::time::{Duration, Instant};
+
+use memfold_core::{EngineConfig, Policy};
+use memfold_ids::{BaseBlock, DiskId, Gfn};
+use memfold_sys::memfd;
+use memfold_wire::{LandedReporter, RamFile};
+use rand::{rngs::SmallRng, Rng, SeedableRng};
+
+use common::{GuestRam, PAGE};
+
+const PAGES: usize = 2048;
+const PAGES_B: usize = 2560;
+/// Blocks of the base file.
+const BLOCKS: usize = 16;
+
+fn ram_file(ram: &GuestRam) -> RamFile {
+    let (dev, ino) = memfd::file_id(ram.memfd()).unwrap();
+    RamFile { dev, ino }
+}
+
+fn nonce_bytes(n: [u64; 2]) -> Vec<u8> {
+    [n[0].to_ne_bytes(), n[1].to_ne_bytes()].concat()
+}
+
+/// Waits up to 10 s for `f`.
+fn eventually(what: &str, f: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(10), "never: {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn held_blocks_are_learnt_from_the_base_and_reads_of_them_filled_from_frames() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = common::start_memfoldd(
+        dir.path(),
+        EngineConfig {
+            policy: Policy::sharing_only(),
+            rate: 1,
+            clock_interval_us: None,
+            ..common::fast_engine()
+        },
+    );
+    let mut rng = SmallRng::seed_from_u64(52);
+    let (a, b) = (GuestRam::new("a", PAGES), GuestRam::new("b", PAGES_B));
+    let mut page = vec![0u8; PAGE];
+    for (ram, pages) in [(&a, PAGES), (&b, PAGES_B)] {
+        for g in 0..pages {
+            rng.fill(&mut page[..]);
+            ram.write(g, 0, &page);
+        }
+    }
+    common::start_agent(&socket, "a", &a);
+    common::start_agent(&socket, "b", &b);
+    common::wait_for(&socket, Duration::from_secs(10), "both attached", |s| {
+        s.vms.len() == 2
+    });
+    // The base image: 16 random blocks.
+    let base_path = dir.path().join("base.img");
+    let base: Vec<Vec<u8>> = (0..BLOCKS)
+        .map(|_| {
+            let mut p = vec![0u8; PAGE];
+            rng.fill(&mut p[..]);
+            p
+        })
+        .collect();
+    std::fs::write(&base_path, base.concat()).unwrap();
+    let st = std::fs::metadata(&base_path).unwrap();
+    let disk = DiskId::of_file(st.dev(), st.ino());
+    let block = |k: usize| BaseBlock {
+        disk,
+        block: k as u64,
+    };
+    let dev = LandedReporter::spawn_with_bases(
+        &socket,
+        vec![(disk, std::fs::File::open(&base_path).unwrap().into())],
+    )
+    .unwrap();
+
+    // Both guests read blocks 0..8 into pages of their own; block 9 is "read" too, but
+    // each guest overwrote its buffer with the same other bytes before memfoldd looked:
+    // those pages share, and block 9 must still not be taken as their frame's.
+    let forged = vec![0x42u8; PAGE];
+    let (in_a, in_b) = (|k: usize| 1500 + 3 * k, |k: usize| 1000 + 5 * k);
+    for k in 0..8 {
+        a.write(in_a(k), 0, &base[k]);
+        b.write(in_b(k), 0, &base[k]);
+    }
+    a.write(in_a(9), 0, &forged);
+    b.write(in_b(9), 0, &forged);
+    let report = |ram: &GuestRam, at: &dyn Fn(usize) -> usize| {
+        let ks: Vec<usize> = (0..8).chain([9]).collect();
+        let gfns = ks.iter().map(|&k| Gfn(at(k) as u32)).collect();
+        let bases = ks
+            .iter()
+            .enumerate()
+            .map(|(i, &k)| (i as u32, block(k)))
+            .collect();
+        assert!(dev.report_from(ram_file(ram), gfns, bases));
+    };
+    report(&a, &in_a);
+    report(&b, &in_b);
+    eventually("blocks 0..8 held", || (0..8).all(|k| dev.held(block(k))));
+    let s = memfold_live::query_stats(&socket).unwrap();
+    assert!(a.on_pool(in_a(9)) && b.on_pool(in_b(9)), "the forged pages share");
+    assert!(!dev.held(block(9)), "a block is learnt from the base, not a guest page");
+    assert_eq!(s.blocks_held, 8, "{s:#?}");
+
+    // b reads blocks 0..8 again into other pages: the device writes its nonce and asks.
+    let nonce = [0x1234_5678, 99];
+    let fresh = |k: usize| 2000 + k;
+    for k in 0..8 {
+        b.write(fresh(k), 0, &nonce_bytes(nonce));
+    }
+    let asked: Vec<(Gfn, BaseBlock)> = (0..8).map(|k| (Gfn(fresh(k) as u32), block(k))).collect();
+    let t = Instant::now();
+    let filled = dev.fill(ram_file(&b), &asked, nonce, Duration::from_secs(5));
+    let took = t.elapsed();
+    let want: Vec<Gfn> = (0..8).map(|k| Gfn(fresh(k) as u32)).collect();
+    assert_eq!(filled, want, "every held block filled");
+    let mut got = vec![0u8; PAGE];
+    for k in 0..8 {
+        assert!(b.on_pool(fresh(k)));
+        b.read(fresh(k), &mut got);
+        assert_eq!(got, base[k], "block {k} as the base holds it");
+    }
+    eprintln!("8 pages filled from frames in {took:?}");
+
+    // A page the device wrote after its nonce (it gave up and read the disk), then the
+    // guest wrote: a fill finds no nonce and maps nothing.
+    let late = 2100;
+    b.write(late, 0, &nonce_bytes([5, 6]));
+    b.write(late, 0, &base[1]);
+    b.write(late, 0, b"guest bytes");
+    let filled = dev.fill(
+        ram_file(&b),
+        &[(Gfn(late as u32), block(1))],
+        [5, 6],
+        Duration::from_secs(5),
+    );
+    assert!(filled.is_empty());
+    b.read(late, &mut got);
+    assert_eq!(&got[..11], b"guest bytes");
+    assert_eq!(&got[11..], &base[1][11..]);
+
+    // A device whose descriptor is not the file its id names: its bases are not
+    // taken, its fills fill nothing.
+    let liar = LandedReporter::spawn_with_bases(
+        &socket,
+        vec![(disk, std::fs::File::open("/proc/self/exe").unwrap().into())],
+    )
+    .unwrap();
+    assert!(liar.report(ram_file(&a), vec![Gfn(3)]));
+    eventually("the liar connected", || {
+        liar.fill(
+            ram_file(&a),
+            &[(Gfn(10), block(0))],
+            [7, 8],
+            Duration::from_millis(200),
+        )
+        .is_empty()
+            && liar.sent() > 0
+    });
+    a.write(11, 0, &nonce_bytes([7, 9]));
+    let filled = liar.fill(
+        ram_file(&a),
+        &[(Gfn(11), block(0))],
+        [7, 9],
+        Duration::from_secs(2),
+    );
+    assert!(filled.is_empty(), "a base not shown is not served");
+    assert!(!a.on_pool(11));
+
+    let s = memfold_live::query_stats(&socket).unwrap();
+    assert_eq!(s.vms.iter().map(|v| v.read_fills).sum::<u64>(), 8, "{:#?}", s.vms);
+}
