@@ -129,7 +129,8 @@ fn engine_matches_reference_model_long() {
 /// ends with a teardown that must leave nothing behind. Prints what the mechanisms did.
 fn long_run(total: u64, runs: u64) {
     let per = total / runs;
-    let mut seen = [0u64; 9];
+    let mut seen = [0u64; 10];
+    let mut fills = [0u64; 3];
     for run_no in 0..runs {
         let mut rng = SmallRng::seed_from_u64(0x6d66_0000 + run_no);
         let setup = random_setup(&mut rng);
@@ -155,6 +156,7 @@ fn long_run(total: u64, runs: u64) {
                         x.unmapped_shares,
                         x.unmaps,
                         x.read_shares,
+                        x.read_fills,
                     ];
                     for (s, c) in seen.iter_mut().zip(now) {
                         *s = (*s).max(c);
@@ -162,11 +164,15 @@ fn long_run(total: u64, runs: u64) {
                 }
             }
         }
+        for (a, b) in fills.iter_mut().zip(h.fill_counts) {
+            *a += b;
+        }
         if let Err(e) = h.teardown() {
             panic!("run {run_no} teardown: {e}\nsetup: {setup:?}");
         }
     }
-    eprintln!("{total} ops in {runs} runs; largest counter of one guest, sampled every 100 ops [shares, reclaims, patches, compressions, swap-outs, CoW breaks, unmapped shares, mapped shares unmapped, shares at disk read]: {seen:?}");
+    eprintln!("{total} ops in {runs} runs; largest counter of one guest, sampled every 100 ops [shares, reclaims, patches, compressions, swap-outs, CoW breaks, unmapped shares, mapped shares unmapped, shares at disk read, reads filled from frames]: {seen:?}");
+    eprintln!("fills: {} reads asked, {} pages asked of agents, {} filled", fills[0], fills[1], fills[2]);
     assert!(
         seen.iter().all(|&c| c > 0),
         "a mechanism never ran: {seen:?}"

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use memfold_core::backing::mem::{ManualClock, MemBacking, MemGuestRam};
 use memfold_core::backing::Backing;
 use memfold_core::engine::{Attach, Command, Outcome};
-use memfold_core::ids::{DomainId, FrameId, Gfn, VmId};
+use memfold_core::ids::{BaseBlock, DiskId, DomainId, FillId, FrameId, Gfn, VmId};
 use memfold_core::p2m::PageState;
 use memfold_core::sim::{Event, Home, Shared, SimAgent};
 use memfold_core::{
@@ -39,6 +39,38 @@ struct ModelVm {
     /// Commands sent and not answered.
     wire: VecDeque<Command>,
     connected: bool,
+    /// Fills its block device waits for, oldest first.
+    fills: Vec<PendingFill>,
+}
+
+/// A read a block device asked to have filled from frames (Satori §5.2).
+struct PendingFill {
+    id: FillId,
+    /// (page, its block).
+    pages: Vec<(Gfn, u8)>,
+}
+
+/// Whether guest `v`'s page `g` may read `got`: the model's bytes, or — while a read into
+/// it is in flight — the block that read brings (a fill made whose answer memfoldd did
+/// not live to send: the buffer of a read under way holds old bytes or the read's).
+fn reads_right(v: &ModelVm, g: Gfn, got: &Page) -> bool {
+    *got == *v.model[g.index()]
+        || v.fills
+            .iter()
+            .flat_map(|f| &f.pages)
+            .any(|&(p, b)| p == g && *got == *base_block(b))
+}
+
+/// The one base image of the model's disks.
+const DISK: DiskId = DiskId(1);
+
+/// Base block `b` of the model's disk: what a read of it lands (the same in every guest).
+fn base_block(b: u8) -> Box<Page> {
+    Content::Base(b).render()
+}
+
+fn nonce_of(fill: FillId) -> [u64; 2] {
+    [0x6e6f_6e63_65, fill.0]
 }
 
 pub struct Harness {
@@ -56,6 +88,9 @@ pub struct Harness {
     /// A blob was corrupted: from then on a page may fail to decode (an error, the guest
     /// "fails closed"), but never read other bytes.
     corrupted: bool,
+    next_fill: u64,
+    /// Fills: [reads asked of the engine, pages it asked of agents, pages filled].
+    pub fill_counts: [u64; 3],
 }
 
 fn config(s: &Setup) -> EngineConfig {
@@ -113,6 +148,8 @@ impl Harness {
             next_pid: 100,
             steps: 0,
             corrupted: false,
+            next_fill: 0,
+            fill_counts: [0; 3],
         }
     }
 
@@ -219,6 +256,45 @@ impl Harness {
     }
 
     pub fn step(&mut self, op: &Op) -> Result<(), String> {
+        self.apply(op)?;
+        self.pump_fills()
+    }
+
+    /// What memfoldd does after a step for block devices: checks candidate blocks against
+    /// the base (the model's base bytes) and hands each device its answers, which it
+    /// completes: pages not filled it writes with the disk's bytes.
+    fn pump_fills(&mut self) -> Result<(), String> {
+        for c in self.engine.take_block_candidates() {
+            let b = u8::try_from(c.block.block).map_err(|_| "a block never read")?;
+            self.engine.block_verified(&c, &base_block(b));
+        }
+        for a in self.engine.take_fill_answers() {
+            let Some(i) = self.vms.iter().position(|v| v.id == Some(a.vm)) else {
+                continue;
+            };
+            let v = &mut self.vms[i];
+            let Some(k) = v.fills.iter().position(|f| f.id == a.fill) else {
+                // Given up on: the device has moved on.
+                continue;
+            };
+            let f = v.fills.remove(k);
+            self.fill_counts[2] += a.filled.len() as u64;
+            for (g, b) in f.pages {
+                let p = base_block(b);
+                if !a.filled.contains(&g) {
+                    match v.agent.write(g, 0, &p[..]) {
+                        Ok(()) => {}
+                        Err(_) if self.corrupted => continue,
+                        Err(e) => return Err(e),
+                    }
+                }
+                v.model[g.index()] = p;
+            }
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, op: &Op) -> Result<(), String> {
         self.steps += 1;
         match *op {
             Op::CreateVm { pages } => {
@@ -240,6 +316,7 @@ impl Harness {
                     model: (0..pages).map(|_| Box::new([0u8; PAGE_SIZE])).collect(),
                     wire: VecDeque::new(),
                     connected: false,
+                    fills: Vec::new(),
                 });
                 self.attach(self.vms.len() - 1)?;
             }
@@ -271,7 +348,16 @@ impl Harness {
                     let mut landed = Vec::new();
                     for k in 0..n as u32 {
                         let g = (gfn % pages + k) % pages;
-                        let p = Content::Base(block.wrapping_add(k as u8)).render();
+                        // One read in three: the guest overwrote its first page with its
+                        // own bytes before memfoldd looked (the same bytes in every guest
+                        // that does, so they share): that block must never be taken as
+                        // held.
+                        let forged = gfn % 3 == 0 && k == 0;
+                        let p = if forged {
+                            Content::Similar(block, 77).render()
+                        } else {
+                            Content::Base(block.wrapping_add(k as u8)).render()
+                        };
                         match v.agent.write(Gfn(g), 0, &p[..]) {
                             Ok(()) => {
                                 v.model[g as usize] = p;
@@ -283,7 +369,75 @@ impl Harness {
                     }
                     if let Some(id) = v.id {
                         self.engine.read_landed(id, &landed, 0);
+                        // Named by base block too: the engine may learn which frame holds
+                        // it (from the base's bytes, `pump_fills`).
+                        let from_base: Vec<(Gfn, BaseBlock)> = landed
+                            .iter()
+                            .map(|&g| {
+                                let k = (g.0 + pages - gfn % pages) % pages;
+                                let block = block.wrapping_add(k as u8) as u64;
+                                (g, BaseBlock { disk: DISK, block })
+                            })
+                            .collect();
+                        self.engine.landed_from_base(id, &from_base);
                     }
+                }
+            }
+            Op::FillRead { vm, gfn, n, block } => {
+                if let Some(i) = self.pick(vm) {
+                    self.next_fill += 1;
+                    let id = FillId(self.next_fill);
+                    let nonce = nonce_of(id);
+                    let head = [nonce[0].to_ne_bytes(), nonce[1].to_ne_bytes()].concat();
+                    let v = &mut self.vms[i];
+                    let pages = v.agent.pages();
+                    let busy = |g: Gfn| v.fills.iter().any(|f| f.pages.iter().any(|p| p.0 == g));
+                    let mut asked = Vec::new();
+                    for k in 0..n as u32 {
+                        let g = Gfn((gfn % pages + k) % pages);
+                        // Two reads into one buffer at once: a guest's own muddle.
+                        if busy(g) || asked.iter().any(|&(a, _)| a == g) {
+                            continue;
+                        }
+                        match v.agent.write(g, 0, &head) {
+                            Ok(()) => v.model[g.index()][..16].copy_from_slice(&head),
+                            Err(_) if self.corrupted => continue,
+                            Err(e) => return Err(e),
+                        }
+                        asked.push((g, block.wrapping_add(k as u8)));
+                    }
+                    let blocks: Vec<(Gfn, BaseBlock)> = asked
+                        .iter()
+                        .map(|&(g, b)| {
+                            (
+                                g,
+                                BaseBlock {
+                                    disk: DISK,
+                                    block: b as u64,
+                                },
+                            )
+                        })
+                        .collect();
+                    v.fills.push(PendingFill { id, pages: asked });
+                    match v.id.filter(|_| v.connected) {
+                        Some(vid) => {
+                            // The nonce's CoW breaks (a freed page still shared) reach
+                            // memfoldd before the device's request, or after.
+                            if gfn % 2 == 0 {
+                                self.report(i);
+                            }
+                            let asked = self.engine.fill_read(vid, id, &blocks, nonce);
+                            self.fill_counts[0] += 1;
+                            self.fill_counts[1] += asked as u64;
+                        }
+                        // No memfoldd to ask: the device times out.
+                        None => self.give_up(i)?,
+                    }
+                }
+            }
+            Op::FillGiveUp { vm } => {
+                if let Some(i) = self.pick(vm) {
+                    self.give_up(i)?;
                 }
             }
             Op::WritePartial {
@@ -326,7 +480,7 @@ impl Harness {
                         Err(_) if self.corrupted => return Ok(()),
                         Err(e) => return Err(e),
                     };
-                    if got != *v.model[g as usize] {
+                    if !reads_right(v, Gfn(g), &got) {
                         return Err(format!(
                             "vm {i} gfn {g}: the guest read bytes it did not write"
                         ));
@@ -358,15 +512,7 @@ impl Harness {
             }
             Op::Report { vm } => {
                 if let Some(i) = self.pick(vm).filter(|&i| self.vms[i].connected) {
-                    let id = self.vms[i].id.expect("connected");
-                    for e in std::mem::take(&mut self.vms[i].agent.events) {
-                        match e {
-                            Event::CowBroken(g, f) => self.engine.cow_broken(id, g, f),
-                            Event::Refilled(g) => self.engine.refilled(id, g),
-                            Event::Unstashed(g) => self.engine.unstashed(id, g),
-                            Event::Discarded(g, what) => self.engine.discarded(id, g, what),
-                        }
-                    }
+                    self.report(i);
                 }
             }
             Op::Disconnect { vm, seed } => {
@@ -464,6 +610,41 @@ impl Harness {
     }
 
     /// The connection of VM `i` drops: each command sent reached the agent or not.
+    /// Guest `i`'s agent reports its events.
+    fn report(&mut self, i: usize) {
+        let id = self.vms[i].id.expect("connected");
+        for e in std::mem::take(&mut self.vms[i].agent.events) {
+            match e {
+                Event::CowBroken(g, f) => self.engine.cow_broken(id, g, f),
+                Event::Refilled(g) => self.engine.refilled(id, g),
+                Event::Unstashed(g) => self.engine.unstashed(id, g),
+                Event::Discarded(g, what) => self.engine.discarded(id, g, what),
+            }
+        }
+    }
+
+    /// Guest `i`'s oldest fill gives up: the device writes the disk's bytes, then the
+    /// guest its own over each page.
+    fn give_up(&mut self, i: usize) -> Result<(), String> {
+        let v = &mut self.vms[i];
+        if v.fills.is_empty() {
+            return Ok(());
+        }
+        let f = v.fills.remove(0);
+        for (g, b) in f.pages {
+            let mut mine = base_block(b);
+            mine[..8].copy_from_slice(&(0x6775_6573_7400 | f.id.0).to_le_bytes());
+            for p in [base_block(b), mine.clone()] {
+                match v.agent.write(g, 0, &p[..]) {
+                    Ok(()) => v.model[g.index()] = p,
+                    Err(_) if self.corrupted => break,
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn disconnect(&mut self, i: usize, seed: u64) {
         let mut rng = SmallRng::seed_from_u64(seed);
         let id = self.vms[i].id.expect("connected");
@@ -501,7 +682,7 @@ impl Harness {
                     Err(_) if self.corrupted => continue,
                     Err(e) => return Err(format!("vm {i} {g}: {e}")),
                 };
-                if got != *v.model[g.index()] {
+                if !reads_right(v, g, &got) {
                     return Err(format!(
                         "vm {i} {g} ({:?}): reads bytes the guest did not write",
                         v.agent.home(g)

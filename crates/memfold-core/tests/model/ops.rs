@@ -88,6 +88,23 @@ pub enum Op {
         n: u8,
         block: u8,
     },
+    /// A block device asks that a read of blocks `block`, `block + 1`, … into `n` pages
+    /// from `gfn` on be filled from frames (Satori §5.2): it writes its nonce at the start
+    /// of each first, through QEMU's page tables, then asks the engine if the guest is
+    /// attached; when the answer comes it writes the disk's bytes into the pages not
+    /// filled.
+    FillRead {
+        vm: u32,
+        gfn: u32,
+        n: u8,
+        block: u8,
+    },
+    /// Guest `vm`'s oldest fill under way gives up waiting: the device writes the disk's
+    /// bytes into its pages and completes, and the guest then writes its own bytes over
+    /// each (its buffer reused) — which a fill that maps late would hide.
+    FillGiveUp {
+        vm: u32,
+    },
     /// QEMU discards `n` pages from `gfn` on (a balloon, free page reporting): they read
     /// as zeros afterwards, and whatever memfold held of them is released.
     Discard {
@@ -208,14 +225,21 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
             len: rng.gen(),
             byte: rng.gen(),
         },
-        25..=31 => Op::Read { vm, gfn },
-        32..=34 => Op::ReadLanded {
+        25..=30 => Op::Read { vm, gfn },
+        31..=33 => Op::ReadLanded {
             vm,
             gfn,
             n: rng.gen_range(1..9),
-            block: rng.gen_range(0..16),
+            block: rng.gen_range(0..4),
         },
-        35..=36 => Op::Discard {
+        // Blocks a read landed lately, most often: reads of held blocks are what fills.
+        34..=35 => Op::FillRead {
+            vm,
+            gfn,
+            n: rng.gen_range(1..9),
+            block: rng.gen_range(0..4),
+        },
+        36 => Op::Discard {
             vm,
             gfn,
             n: rng.gen_range(1..9),
@@ -228,7 +252,8 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
             n: rng.gen_range(1..64),
             refuse: rng.gen_bool(0.05),
         },
-        81..=90 => Op::Report { vm },
+        81..=88 => Op::Report { vm },
+        89..=90 => Op::FillGiveUp { vm },
         91..=93 => Op::Disconnect {
             vm,
             seed: rng.gen(),
