@@ -165,7 +165,11 @@ fn main() {
     ];
     for (i, m) in guest.iter().enumerate() {
         let line = encode_from_guest(m);
-        write("wire_decode", &format!("guest-{i}"), &line[..line.len() - 1]);
+        write(
+            "wire_decode",
+            &format!("guest-{i}"),
+            &line[..line.len() - 1],
+        );
     }
 
     let list = [

@@ -7,8 +7,9 @@ use std::fmt::Debug;
 use arbitrary::Arbitrary;
 use memfold_codecs::{CompressCodec, PatchCodec};
 use memfold_wire::{
-    decode, encode, guest, reattach, AgentReport, BatchId, Blob, BlobHome, Discarded, FrameId, Gfn,
-    Mapped, Message, StashPage, ToAgent, ToClient, ToDaemon, WireError, MAX_MESSAGE,
+    decode, encode, guest, reattach, AgentReport, BaseBlock, BatchId, Blob, BlobHome, Discarded,
+    DiskId, FillId, FrameId, Gfn, Mapped, Message, StashPage, ToAgent, ToClient, ToDaemon,
+    ToDevice, WireError, MAX_MESSAGE,
 };
 
 /// A decode that failed must say why in the wire's terms: too large only over
@@ -49,6 +50,7 @@ fn assert_stable<M: Message + PartialEq + Debug>(data: &[u8]) {
 pub fn check_message_bytes(data: &[u8]) {
     assert_stable::<ToDaemon>(data);
     assert_stable::<ToAgent>(data);
+    assert_stable::<ToDevice>(data);
     check_guest_line(data);
     match decode::<ToClient>(data) {
         Err(e) => assert_decode_error(&e, data.len()),
@@ -220,13 +222,51 @@ pub enum DaemonMsg {
         refused: Vec<u32>,
     },
     RegionUnmapped,
-    DeviceHello(u32),
+    DeviceHello(u32, Vec<u64>),
     ReadLanded {
         dev: u64,
         ino: u64,
         gfns: Vec<u32>,
         landed_ns: u64,
+        bases: Vec<(u32, u64, u64)>,
     },
+    FillRead {
+        dev: u64,
+        ino: u64,
+        fill: u64,
+        nonce: [u64; 2],
+        pages: Vec<(u32, u64, u64)>,
+    },
+}
+
+/// A [`ToDevice`] described by a fuzzer.
+#[derive(Arbitrary, Debug)]
+#[allow(missing_docs)]
+pub enum DeviceMsg {
+    Held(Vec<(u64, u64)>),
+    Filled { fill: u64, gfns: Vec<u32> },
+}
+
+fn base_block(disk: u64, block: u64) -> BaseBlock {
+    BaseBlock {
+        disk: DiskId(disk),
+        block,
+    }
+}
+
+impl DeviceMsg {
+    /// The message.
+    pub fn build(&self) -> ToDevice {
+        match self {
+            DeviceMsg::Held(b) => ToDevice::Held {
+                blocks: b.iter().map(|&(d, k)| base_block(d, k)).collect(),
+            },
+            DeviceMsg::Filled { fill, gfns: g } => ToDevice::Filled {
+                fill: FillId(*fill),
+                gfns: gfns(g),
+            },
+        }
+    }
 }
 
 /// A [`ToAgent`] described by a fuzzer.
@@ -235,12 +275,33 @@ pub enum DaemonMsg {
 pub enum AgentMsg {
     Welcome(u32),
     Refused(String),
-    Share { batch: u64, pages: Vec<(u32, u32)> },
-    Fill { batch: u64, pages: Vec<(u32, u32)>, nonce: [u64; 2] },
-    ReclaimZero { batch: u64, gfns: Vec<u32> },
-    Stash { batch: u64, pages: Vec<StashSpec> },
-    ClockScan { batch: u64, first: u32, count: u32, arm: Vec<u64> },
-    TakeBack { batch: u64, gfns: Vec<u32> },
+    Share {
+        batch: u64,
+        pages: Vec<(u32, u32)>,
+    },
+    Fill {
+        batch: u64,
+        pages: Vec<(u32, u32)>,
+        nonce: [u64; 2],
+    },
+    ReclaimZero {
+        batch: u64,
+        gfns: Vec<u32>,
+    },
+    Stash {
+        batch: u64,
+        pages: Vec<StashSpec>,
+    },
+    ClockScan {
+        batch: u64,
+        first: u32,
+        count: u32,
+        arm: Vec<u64>,
+    },
+    TakeBack {
+        batch: u64,
+        gfns: Vec<u32>,
+    },
     OptedOut(bool),
 }
 
@@ -273,6 +334,8 @@ pub enum AnyMsg {
     Daemon(DaemonMsg),
     /// To an agent.
     Agent(AgentMsg),
+    /// To a block device.
+    Device(DeviceMsg),
 }
 
 fn gfns(v: &[u32]) -> Vec<Gfn> {
@@ -378,12 +441,16 @@ impl DaemonMsg {
                 run_breaks: faults[5],
             }),
             DaemonMsg::ClientHello(v) => ToDaemon::ClientHello { version: *v },
-            DaemonMsg::DeviceHello(v) => ToDaemon::DeviceHello { version: *v },
+            DaemonMsg::DeviceHello(v, b) => ToDaemon::DeviceHello {
+                version: *v,
+                bases: b.iter().map(|&d| DiskId(d)).collect(),
+            },
             DaemonMsg::ReadLanded {
                 dev,
                 ino,
                 gfns: g,
                 landed_ns,
+                bases,
             } => ToDaemon::ReadLanded {
                 ram: memfold_wire::RamFile {
                     dev: *dev,
@@ -391,6 +458,28 @@ impl DaemonMsg {
                 },
                 gfns: gfns(g),
                 landed_ns: *landed_ns,
+                bases: bases
+                    .iter()
+                    .map(|&(i, d, k)| (i, base_block(d, k)))
+                    .collect(),
+            },
+            DaemonMsg::FillRead {
+                dev,
+                ino,
+                fill,
+                nonce,
+                pages,
+            } => ToDaemon::FillRead {
+                ram: memfold_wire::RamFile {
+                    dev: *dev,
+                    ino: *ino,
+                },
+                fill: FillId(*fill),
+                nonce: *nonce,
+                pages: pages
+                    .iter()
+                    .map(|&(g, d, k)| (Gfn(g), base_block(d, k)))
+                    .collect(),
             },
             DaemonMsg::Stats => ToDaemon::Stats,
             DaemonMsg::Census => ToDaemon::Census,
@@ -509,6 +598,7 @@ fn every_kind_is_built(d: &ToDaemon, a: &ToAgent) {
         | ToDaemon::TakeBackDone { .. }
         | ToDaemon::DeviceHello { .. }
         | ToDaemon::ReadLanded { .. }
+        | ToDaemon::FillRead { .. }
         | ToDaemon::RegionUnmapped => {}
     }
     match a {
@@ -541,5 +631,6 @@ pub fn check_message_roundtrip(m: &AnyMsg) {
     match m {
         AnyMsg::Daemon(d) => assert_round_trip(&d.build()),
         AnyMsg::Agent(a) => assert_round_trip(&a.build()),
+        AnyMsg::Device(d) => assert_round_trip(&d.build()),
     }
 }

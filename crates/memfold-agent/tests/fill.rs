@@ -129,7 +129,10 @@ fn a_fill_maps_the_frame_only_over_pages_that_still_hold_the_nonce() {
     let c = listener.accept().unwrap();
     c.set_recv_timeout(Duration::from_millis(200)).unwrap();
     let t = Instant::now();
-    while !matches!(c.recv::<ToDaemon>(), Ok(Some((ToDaemon::AgentHello { .. }, _)))) {
+    while !matches!(
+        c.recv::<ToDaemon>(),
+        Ok(Some((ToDaemon::AgentHello { .. }, _)))
+    ) {
         assert!(t.elapsed() < Duration::from_secs(10), "no hello");
     }
     c.send(
@@ -166,7 +169,11 @@ fn a_fill_maps_the_frame_only_over_pages_that_still_hold_the_nonce() {
     let mut p3 = vec![4u8; PAGE_SIZE];
     p3[..16].copy_from_slice(&nonce_bytes([1, 2]));
     assert_eq!(page_of(ptr, 3), p3, "page 3 untouched");
-    assert_eq!(page_of(ptr, 4), guest4, "the guest's write survives a late fill");
+    assert_eq!(
+        page_of(ptr, 4),
+        guest4,
+        "the guest's write survives a late fill"
+    );
 
     // The guest writes the filled page: a CoW break; the frame keeps the block.
     write(ptr, 1, b"guest");
@@ -198,6 +205,10 @@ fn a_fill_maps_the_frame_only_over_pages_that_still_hold_the_nonce() {
         let (shared, changed) = fill(&c, 100 + round, &[g], NONCE);
         assert_eq!(shared.len() + changed.len(), 1, "round {round}");
         let mine = racer.join().unwrap();
-        assert_eq!(page_of(ptr, g), mine, "round {round}: the racing writes survive");
+        assert_eq!(
+            page_of(ptr, g),
+            mine,
+            "round {round}: the racing writes survive"
+        );
     }
 }

@@ -555,7 +555,10 @@ impl Disk for OverlayDisk {
             }
             at += n;
         }
-        if ext.iter().any(|e| matches!(e.source, ExtentSource::Base(_))) {
+        if ext
+            .iter()
+            .any(|e| matches!(e.source, ExtentSource::Base(_)))
+        {
             self.base.check_unchanged()?;
         }
         Ok(Some(ext))

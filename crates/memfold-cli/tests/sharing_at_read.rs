@@ -156,9 +156,9 @@ fn reads_landing_on_shared_stored_and_swapped_pages_keep_every_byte() {
         samples
             .iter()
             .map(|s| {
-                s["stats"]["vms"]
-                    .as_array()
-                    .map_or(0, |vms| vms.iter().map(|v| v[k].as_u64().unwrap_or(0)).sum())
+                s["stats"]["vms"].as_array().map_or(0, |vms| {
+                    vms.iter().map(|v| v[k].as_u64().unwrap_or(0)).sum()
+                })
             })
             .max()
             .unwrap_or(0)

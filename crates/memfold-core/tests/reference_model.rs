@@ -172,7 +172,10 @@ fn long_run(total: u64, runs: u64) {
         }
     }
     eprintln!("{total} ops in {runs} runs; largest counter of one guest, sampled every 100 ops [shares, reclaims, patches, compressions, swap-outs, CoW breaks, unmapped shares, mapped shares unmapped, shares at disk read, reads filled from frames]: {seen:?}");
-    eprintln!("fills: {} reads asked, {} pages asked of agents, {} filled", fills[0], fills[1], fills[2]);
+    eprintln!(
+        "fills: {} reads asked, {} pages asked of agents, {} filled",
+        fills[0], fills[1], fills[2]
+    );
     assert!(
         seen.iter().all(|&c| c > 0),
         "a mechanism never ran: {seen:?}"

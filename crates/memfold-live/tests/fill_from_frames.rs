@@ -97,9 +97,9 @@ fn held_blocks_are_learnt_from_the_base_and_reads_of_them_filled_from_frames() {
     // those pages share, and block 9 must still not be taken as their frame's.
     let forged = vec![0x42u8; PAGE];
     let (in_a, in_b) = (|k: usize| 1500 + 3 * k, |k: usize| 1000 + 5 * k);
-    for k in 0..8 {
-        a.write(in_a(k), 0, &base[k]);
-        b.write(in_b(k), 0, &base[k]);
+    for (k, block) in base.iter().enumerate().take(8) {
+        a.write(in_a(k), 0, block);
+        b.write(in_b(k), 0, block);
     }
     a.write(in_a(9), 0, &forged);
     b.write(in_b(9), 0, &forged);
@@ -117,8 +117,14 @@ fn held_blocks_are_learnt_from_the_base_and_reads_of_them_filled_from_frames() {
     report(&b, &in_b);
     eventually("blocks 0..8 held", || (0..8).all(|k| dev.held(block(k))));
     let s = memfold_live::query_stats(&socket).unwrap();
-    assert!(a.on_pool(in_a(9)) && b.on_pool(in_b(9)), "the forged pages share");
-    assert!(!dev.held(block(9)), "a block is learnt from the base, not a guest page");
+    assert!(
+        a.on_pool(in_a(9)) && b.on_pool(in_b(9)),
+        "the forged pages share"
+    );
+    assert!(
+        !dev.held(block(9)),
+        "a block is learnt from the base, not a guest page"
+    );
     assert_eq!(s.blocks_held, 8, "{s:#?}");
 
     // b reads blocks 0..8 again into other pages: the device writes its nonce and asks.
@@ -134,10 +140,10 @@ fn held_blocks_are_learnt_from_the_base_and_reads_of_them_filled_from_frames() {
     let want: Vec<Gfn> = (0..8).map(|k| Gfn(fresh(k) as u32)).collect();
     assert_eq!(filled, want, "every held block filled");
     let mut got = vec![0u8; PAGE];
-    for k in 0..8 {
+    for (k, block) in base.iter().enumerate().take(8) {
         assert!(b.on_pool(fresh(k)));
         b.read(fresh(k), &mut got);
-        assert_eq!(got, base[k], "block {k} as the base holds it");
+        assert_eq!(&got, block, "block {k} as the base holds it");
     }
     eprintln!("8 pages filled from frames in {took:?}");
 
@@ -187,5 +193,10 @@ fn held_blocks_are_learnt_from_the_base_and_reads_of_them_filled_from_frames() {
     assert!(!a.on_pool(11));
 
     let s = memfold_live::query_stats(&socket).unwrap();
-    assert_eq!(s.vms.iter().map(|v| v.read_fills).sum::<u64>(), 8, "{:#?}", s.vms);
+    assert_eq!(
+        s.vms.iter().map(|v| v.read_fills).sum::<u64>(),
+        8,
+        "{:#?}",
+        s.vms
+    );
 }

@@ -101,12 +101,7 @@ impl LandedReporter {
     /// those whose bytes came from a base block. Never blocks: with the queue full or
     /// the thread gone the pages are dropped. Returns whether they were queued. The
     /// report is stamped now (`CLOCK_MONOTONIC`): memfoldd times its shares from here.
-    pub fn report_from(
-        &self,
-        ram: RamFile,
-        gfns: Vec<Gfn>,
-        bases: Vec<(u32, BaseBlock)>,
-    ) -> bool {
+    pub fn report_from(&self, ram: RamFile, gfns: Vec<Gfn>, bases: Vec<(u32, BaseBlock)>) -> bool {
         if gfns.is_empty() {
             return true;
         }
@@ -445,7 +440,10 @@ mod tests {
             Duration::from_secs(5),
         );
         assert_eq!(filled, [Gfn(7)]);
-        assert!(r.held(b(1)) && !r.held(b(2)), "an unfilled block is forgotten");
+        assert!(
+            r.held(b(1)) && !r.held(b(2)),
+            "an unfilled block is forgotten"
+        );
         let _conn = answer.join().unwrap();
         let t = Instant::now();
         let filled = r.fill(ram(), &[(Gfn(9), b(1))], [1, 3], Duration::from_millis(100));

@@ -33,9 +33,8 @@ pub const FILL_WAIT: Duration = Duration::from_millis(20);
 fn next_nonce() -> [u64; 2] {
     static START: OnceLock<u64> = OnceLock::new();
     static NEXT: AtomicU64 = AtomicU64::new(1);
-    let start = *START.get_or_init(|| {
-        memfold_sys::proc::monotonic_ns() ^ (std::process::id() as u64) << 44 | 1
-    });
+    let start = *START
+        .get_or_init(|| memfold_sys::proc::monotonic_ns() ^ (std::process::id() as u64) << 44 | 1);
     [start, NEXT.fetch_add(1, Ordering::Relaxed)]
 }
 

@@ -442,12 +442,23 @@ fn reads_of_held_blocks_are_filled_and_the_device_writes_only_the_rest() {
     let reports = fake.reports.clone();
     r.dev.sink = Box::new(fake);
     r.header(0x8000, vb::VIRTIO_BLK_T_IN, 16); // blocks 2, 3, 4
-    r.submit(&[(0x8000, 16, false), (DATA, 3 * 4096, true), (STATUS, 1, true)]);
+    r.submit(&[
+        (0x8000, 16, false),
+        (DATA, 3 * 4096, true),
+        (STATUS, 1, true),
+    ]);
     assert_eq!(r.run(), vec![3 * 4096 + 1]);
     assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8);
     let b = &r.local.bytes()[DATA as usize..];
-    assert!(b[..8192].iter().all(|&x| x == 0xee), "filled pages not written");
-    assert_eq!(&b[8192..12288], &r.data[16384..20480], "block 4 from the disk");
+    assert!(
+        b[..8192].iter().all(|&x| x == 0xee),
+        "filled pages not written"
+    );
+    assert_eq!(
+        &b[8192..12288],
+        &r.data[16384..20480],
+        "block 4 from the disk"
+    );
     let c = r.dev.counters();
     assert_eq!((c.fill_asked, c.filled, c.reads_from_frames), (2, 2, 0));
     let got = reports.lock().unwrap().clone();
@@ -455,7 +466,11 @@ fn reads_of_held_blocks_are_filled_and_the_device_writes_only_the_rest() {
     assert_eq!(got[0].source, Source::Base { disk: id, block: 4 });
     // Blocks 2, 3 alone: served from frames, no disk read.
     r.header(0x8000, vb::VIRTIO_BLK_T_IN, 16);
-    r.submit(&[(0x8000, 16, false), (DATA + 16384, 2 * 4096, true), (STATUS, 1, true)]);
+    r.submit(&[
+        (0x8000, 16, false),
+        (DATA + 16384, 2 * 4096, true),
+        (STATUS, 1, true),
+    ]);
     assert_eq!(r.run(), vec![2 * 4096 + 1]);
     assert_eq!(r.dev.counters().reads_from_frames, 1);
     assert_eq!(r.dev.counters().read_bytes, 3 * 4096 + 2 * 4096);
@@ -469,7 +484,11 @@ fn a_fill_not_answered_leaves_the_disk_to_serve_the_read() {
     let id = disk_id(&r);
     r.dev.sink = Box::new(fake_frames(&r.local, &[2, 3], id, false));
     r.header(0x8000, vb::VIRTIO_BLK_T_IN, 16);
-    r.submit(&[(0x8000, 16, false), (DATA, 2 * 4096, true), (STATUS, 1, true)]);
+    r.submit(&[
+        (0x8000, 16, false),
+        (DATA, 2 * 4096, true),
+        (STATUS, 1, true),
+    ]);
     assert_eq!(r.run(), vec![2 * 4096 + 1]);
     assert_eq!(
         &r.local.bytes()[DATA as usize..DATA as usize + 8192],

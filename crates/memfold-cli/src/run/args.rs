@@ -132,7 +132,10 @@ impl MemfoldArgs {
             self.data_disk_drop
                 .map(|s| format!("memfold.data_drop={s}")),
         )
-        .chain(self.data_disk_verify.then(|| "memfold.data_verify=1".to_string()))
+        .chain(
+            self.data_disk_verify
+                .then(|| "memfold.data_verify=1".to_string()),
+        )
         .collect();
         (!args.is_empty()).then(|| args.join(" "))
     }

@@ -373,8 +373,14 @@ mod tests {
         let (mut r, c) = learnt();
         // The device wrote its nonce over the guest's old data and asks.
         r.agent.write(Gfn(10), 0, &nonce_bytes()).unwrap();
-        assert_eq!(r.engine.fill_read(r.vm, FillId(1), &[(Gfn(10), B)], NONCE), 1);
-        assert!(r.engine.take_fill_answers().is_empty(), "not before the agent");
+        assert_eq!(
+            r.engine.fill_read(r.vm, FillId(1), &[(Gfn(10), B)], NONCE),
+            1
+        );
+        assert!(
+            r.engine.take_fill_answers().is_empty(),
+            "not before the agent"
+        );
         r.carry_out();
         let a = r.engine.take_fill_answers();
         assert_eq!(
@@ -402,7 +408,10 @@ mod tests {
     fn a_late_fill_never_hides_a_later_write() {
         let (mut r, _) = learnt();
         r.agent.write(Gfn(11), 0, &nonce_bytes()).unwrap();
-        assert_eq!(r.engine.fill_read(r.vm, FillId(2), &[(Gfn(11), B)], NONCE), 1);
+        assert_eq!(
+            r.engine.fill_read(r.vm, FillId(2), &[(Gfn(11), B)], NONCE),
+            1
+        );
         r.agent.write(Gfn(11), 0, &block()).unwrap();
         r.agent.write(Gfn(11), 0, b"the guest's own").unwrap();
         r.carry_out();
@@ -411,7 +420,10 @@ mod tests {
         let mut want = block();
         want[..15].copy_from_slice(b"the guest's own");
         assert_eq!(r.agent.peek(Gfn(11)).unwrap().to_vec(), want);
-        assert_eq!(r.engine.page_state(r.vm, Gfn(11)).unwrap(), PageState::Private);
+        assert_eq!(
+            r.engine.page_state(r.vm, Gfn(11)).unwrap(),
+            PageState::Private
+        );
         r.engine.check_invariants().unwrap();
     }
 
@@ -429,7 +441,10 @@ mod tests {
                 .fill_read(r.vm, FillId(3), &[(Gfn(3), B), (Gfn(12), other)], NONCE),
             0
         );
-        assert_eq!(r.engine.fill_read(r.vm, FillId(4), &[(Gfn(12), B)], [0, 0]), 0);
+        assert_eq!(
+            r.engine.fill_read(r.vm, FillId(4), &[(Gfn(12), B)], [0, 0]),
+            0
+        );
         let a = r.engine.take_fill_answers();
         assert_eq!(a.len(), 2);
         assert!(a.iter().all(|a| a.filled.is_empty()));

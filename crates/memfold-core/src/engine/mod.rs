@@ -57,8 +57,8 @@ pub use at_read::{Landed, MAX_LANDED};
 pub use books::{Books, LifetimeBooks, SavedBy, SwapBooks, VmBooks, VmReport, LIFETIME_MARKS_S};
 pub use config::{ConfigError, EngineConfig, ZeroPolicy};
 pub use entitlement::{claim_target, short_of_memory, ClaimPolicy, SharingRanks, CLAIM_GRAIN};
-pub use guests::{Attach, Mapped, Sharing};
 pub use fill::{BlockCandidate, FillAnswer};
+pub use guests::{Attach, Mapped, Sharing};
 pub use outcomes::Discard;
 
 const PAGE: u64 = PAGE_SIZE as u64;

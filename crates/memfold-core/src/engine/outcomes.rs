@@ -62,9 +62,10 @@ impl Engine {
         if let Command::Fill { gfn, frame, .. } = *cmd {
             // The device hears of every fill, whatever became of it.
             let mapped = o == Outcome::Done
-                && self.vms.get(&id).is_some_and(|v| {
-                    v.attached && v.state(gfn) == PageState::Sharing(frame)
-                });
+                && self
+                    .vms
+                    .get(&id)
+                    .is_some_and(|v| v.attached && v.state(gfn) == PageState::Sharing(frame));
             self.fill_answered(id, gfn, mapped);
         }
         match self.vms.get_mut(&id) {

@@ -70,7 +70,7 @@ fn base_block(b: u8) -> Box<Page> {
 }
 
 fn nonce_of(fill: FillId) -> [u64; 2] {
-    [0x6e6f_6e63_65, fill.0]
+    [0x006e_6f6e_6365, fill.0]
 }
 
 pub struct Harness {

@@ -188,7 +188,11 @@ impl Devices {
             }
         }
         for (disk, blocks) in held {
-            for d in self.by_token.values().filter(|d| d.bases.contains_key(&disk)) {
+            for d in self
+                .by_token
+                .values()
+                .filter(|d| d.bases.contains_key(&disk))
+            {
                 for chunk in blocks.chunks(MAX_BATCH) {
                     let _ = d.conn.send(
                         &ToDevice::Held {

@@ -75,8 +75,7 @@ impl Executor {
             let cmds = engine.take_commands(vm);
             let mut by_kind: [Vec<Command>; 4] = Default::default();
             // Fills go one batch per nonce (per device request).
-            let mut fills: std::collections::BTreeMap<[u64; 2], Vec<Command>> =
-                Default::default();
+            let mut fills: std::collections::BTreeMap<[u64; 2], Vec<Command>> = Default::default();
             for c in cmds {
                 match c {
                     Command::Fill { nonce, .. } => fills.entry(nonce).or_default().push(c),

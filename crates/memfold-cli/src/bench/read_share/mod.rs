@@ -26,11 +26,13 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use memfold_sys::ksm::{Ksm, KsmMode};
 use memfold_vm::images;
-use memfold_vm::launcher::{agent_env, detect_accel, Accel, BlkDisks, DataDisk, Guest, GuestSpec, RamBackend};
+use memfold_vm::launcher::{
+    agent_env, detect_accel, Accel, BlkDisks, DataDisk, Guest, GuestSpec, RamBackend,
+};
 use serde::Serialize;
 
-use memfold_cli::engine_args::EngineArgs;
 use crate::run::{companions, Daemon};
+use memfold_cli::engine_args::EngineArgs;
 use timeline::{summarize, PageTime, Summary, Tracker};
 use watch::{KsmFlags, MemfdHoles, Shared};
 
@@ -155,14 +157,22 @@ pub fn run(a: &ReadShareArgs) -> Result<()> {
     );
     anyhow::ensure!(a.mem_mib < 2048 && a.rounds >= 1 && a.pages >= 1 && a.chunk >= 1);
     for s in &a.sides {
-        anyhow::ensure!(["blk", "scan", "ksm"].contains(&s.as_str()), "unknown side {s} (blk, scan, ksm)");
+        anyhow::ensure!(
+            ["blk", "scan", "ksm"].contains(&s.as_str()),
+            "unknown side {s} (blk, scan, ksm)"
+        );
     }
     let (agent, daemon) = companions()?;
-    let out = a.out.clone().unwrap_or_else(|| crate::default_out("read-share"));
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| crate::default_out("read-share"));
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let out = std::fs::canonicalize(&out)?;
     let cache = images::cache_dir();
-    images::build(&cache, "tiny", |l| eprintln!("  [tiny] {}", l.trim_start_matches("== step: ")))?;
+    images::build(&cache, "tiny", |l| {
+        eprintln!("  [tiny] {}", l.trim_start_matches("== step: "))
+    })?;
     let accel = detect_accel(&cache);
     let held = a.rounds * a.pages;
     let data = super::data_file(&out, (held as u64).div_ceil(256).max(1))?;
@@ -270,11 +280,19 @@ fn side(
             name,
             "tiny",
             a.mem_mib,
-            if ksm { RamBackend::AnonymousNoThp } else { RamBackend::Memfd },
+            if ksm {
+                RamBackend::AnonymousNoThp
+            } else {
+                RamBackend::Memfd
+            },
         )
     };
     let start = |s: &GuestSpec| {
-        let env = if ksm { Vec::new() } else { agent_env(agent, &socket, s) };
+        let env = if ksm {
+            Vec::new()
+        } else {
+            agent_env(agent, &socket, s)
+        };
         Guest::start_with_env(s, cache, dir, accel, &env)
     };
     let hs = spec("holder", format!("holder,{held}"));
@@ -349,7 +367,12 @@ fn side(
 /// Follows the reader's console and polls its pages in flight until it is done and none
 /// is left; returns the tracker, the mean polling period while pages were in flight (ms)
 /// and the median chunk read (ms).
-fn follow(a: &ReadShareArgs, reader: &mut Guest, holder: &mut Guest, w: &dyn Shared) -> Result<(Tracker, f64, f64)> {
+fn follow(
+    a: &ReadShareArgs,
+    reader: &mut Guest,
+    holder: &mut Guest,
+    w: &dyn Shared,
+) -> Result<(Tracker, f64, f64)> {
     let t0 = Instant::now();
     let mut t = Tracker::default();
     let mut serial = std::fs::File::open(&reader.serial_path)?;
@@ -361,7 +384,10 @@ fn follow(a: &ReadShareArgs, reader: &mut Guest, holder: &mut Guest, w: &dyn Sha
     let mut chunk_ms = Vec::new();
     let budget = 600.0
         + a.settle_secs
-        + a.rounds as f64 * (a.round_gap_secs + a.timeout_secs + (a.pages / a.chunk) as f64 * (a.gap_ms as f64 / 1e3 + 1.0));
+        + a.rounds as f64
+            * (a.round_gap_secs
+                + a.timeout_secs
+                + (a.pages / a.chunk) as f64 * (a.gap_ms as f64 / 1e3 + 1.0));
     loop {
         let before = t0.elapsed().as_secs_f64();
         buf.clear();
@@ -406,7 +432,10 @@ fn follow(a: &ReadShareArgs, reader: &mut Guest, holder: &mut Guest, w: &dyn Sha
         }
     }
     chunk_ms.sort_by(f64::total_cmp);
-    let median = chunk_ms.get(chunk_ms.len() / 2).copied().unwrap_or(f64::NAN);
+    let median = chunk_ms
+        .get(chunk_ms.len() / 2)
+        .copied()
+        .unwrap_or(f64::NAN);
     Ok((t, poll_s / polls.max(1) as f64 * 1e3, median))
 }
 
