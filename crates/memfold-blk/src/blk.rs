@@ -97,13 +97,15 @@ pub struct Counters {
     pub filled: u64,
     /// Reads served wholly from frames: no disk read at all.
     pub reads_from_frames: u64,
+    /// Bytes read from the disk for reads (`read_bytes` less what frames filled).
+    pub disk_read_bytes: u64,
 }
 
 impl Counters {
     /// One line, `key=value` pairs (the binary's `--stats` file and its exit log).
     pub fn line(&self) -> String {
         format!(
-            "reads={} read_bytes={} writes={} flushes={} discards={} io_errors={} unsupported={} dropped={} landed_base={} landed_overlay={} landed_zero={} fill_asked={} filled={} reads_from_frames={}",
+            "reads={} read_bytes={} writes={} flushes={} discards={} io_errors={} unsupported={} dropped={} landed_base={} landed_overlay={} landed_zero={} fill_asked={} filled={} reads_from_frames={} disk_read_bytes={}",
             self.reads,
             self.read_bytes,
             self.writes,
@@ -117,7 +119,8 @@ impl Counters {
             self.landed_zero,
             self.fill_asked,
             self.filled,
-            self.reads_from_frames
+            self.reads_from_frames,
+            self.disk_read_bytes
         )
     }
 }
@@ -464,14 +467,24 @@ impl BlkBackend {
             self.counters.reads_from_frames += 1;
             return Ok(());
         }
-        self.throttle_read(len);
         let mut buf = vec![0u8; len as usize];
-        let extents = self.disk.read(off, &mut buf)?;
-        if filled.is_empty() {
+        let extents = if filled.is_empty() {
+            self.throttle_read(len);
+            let extents = self.disk.read(off, &mut buf)?;
             self.put(mem, &runs, &buf)?;
+            extents
         } else {
+            // Only what frames did not fill comes from the disk.
+            let mut extents = Vec::new();
+            for (a, b) in fill::unfilled(&filled, len) {
+                self.throttle_read(b - a);
+                let e = self.disk.read(off + a, &mut buf[a as usize..b as usize])?;
+                extents.extend(e);
+            }
             self.put_except(mem, &runs, &buf, &filled)?;
-        }
+            extents
+        };
+        self.counters.disk_read_bytes += len - filled.len() as u64 * PAGE;
         self.report(mem, &runs, off, &extents, &filled);
         Ok(())
     }

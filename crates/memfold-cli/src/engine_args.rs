@@ -69,6 +69,10 @@ pub struct EngineArgs {
     /// comes back private. `off` maps every shared page (ESX §4.3).
     #[arg(long, default_value = if defaults().share_cold_unmapped { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
     pub share_cold_unmapped: String,
+    /// Serve reads of base blocks that pool frames hold from those frames, without the
+    /// disk (Satori §5.2; memfold-blk disks): `off` reads every block from the disk.
+    #[arg(long, default_value = if defaults().read_fill { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
+    pub read_fill: String,
     /// Use what enlightened guests say their pages are (issue 17, PV §3.1; memfoldd's
     /// --guest-channels): `on` passes over the pages a guest reports as of a category of
     /// --guest-skip and scans its page cache first; `off` scans every guest as one that
@@ -179,6 +183,7 @@ impl EngineArgs {
             clock_interval_us: (clock > 0.0).then_some((clock * 1e6) as u64),
             clock_rearm_max: self.clock_rearm_max,
             share_cold_unmapped: self.share_cold_unmapped == "on",
+            read_fill: self.read_fill == "on",
             guest_categories: self.guest_categories == "on",
             guest_skip: memfold_core::categories::CategorySet::parse(&self.guest_skip)
                 .expect("clap checked the names"),
@@ -210,6 +215,7 @@ impl EngineArgs {
         opt("--clock-secs", self.clock_interval_s().to_string());
         opt("--clock-rearm-max", self.clock_rearm_max.to_string());
         opt("--share-cold-unmapped", self.share_cold_unmapped.clone());
+        opt("--read-fill", self.read_fill.clone());
         opt("--guest-categories", self.guest_categories.clone());
         opt("--guest-skip", self.guest_skip.clone());
         opt("--policy", self.policy.clone());

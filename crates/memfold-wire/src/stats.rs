@@ -205,8 +205,8 @@ pub struct VmStats {
     /// page's and its twin's), not found by the scan (cumulative).
     #[serde(default)]
     pub read_shares: u64,
-    /// Of [`VmStats::shares`], pages a disk read had filled from a frame holding its base
-    /// block, without the disk (Satori §5.2; cumulative).
+    /// Of [`VmStats::read_shares`], pages a disk read had filled from a frame holding its
+    /// base block, without the disk (Satori §5.2; cumulative).
     #[serde(default)]
     pub read_fills: u64,
     /// Copy-on-write breaks (cumulative).

@@ -143,3 +143,35 @@ impl BlkBackend {
         Ok(())
     }
 }
+
+/// The byte ranges `[a, b)` of a read of `len` bytes outside the whole pages at offsets
+/// `filled` (ascending, each a page).
+pub(super) fn unfilled(filled: &[u64], len: u64) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut at = 0u64;
+    for &f in filled {
+        if f > at {
+            out.push((at, f));
+        }
+        at = at.max(f + PAGE);
+    }
+    if at < len {
+        out.push((at, len));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_disk_reads_only_what_frames_did_not_fill() {
+        assert_eq!(unfilled(&[], 8192), [(0, 8192)]);
+        assert_eq!(unfilled(&[0, 4096], 8192), []);
+        assert_eq!(
+            unfilled(&[4096, 12288], 5 * 4096),
+            [(0, 4096), (8192, 12288), (16384, 20480)]
+        );
+    }
+}

@@ -502,6 +502,9 @@ pub struct GuestEvents {
     pub shares: u64,
     /// Of those, shares asked the moment a disk read filled the page (Satori §4.1).
     pub read_shares: u64,
+    /// Of those, reads filled from frames holding their base blocks, without the disk
+    /// (Satori §5.2).
+    pub read_fills: u64,
     /// Copy-on-write breaks of shared pages.
     pub cow_breaks: u64,
     /// Shared pages freed by the guest and discarded, their copies avoided.
@@ -527,6 +530,7 @@ impl GuestEvents {
         GuestEvents {
             shares: sum(|v| v.shares),
             read_shares: sum(|v| v.read_shares),
+            read_fills: sum(|v| v.read_fills),
             cow_breaks: sum(|v| v.cow_breaks),
             cow_copies_avoided: sum(|v| v.cow_copies_avoided),
             reclaims: sum(|v| v.reclaims),

@@ -26,12 +26,12 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
 /// `run.csv`: per second a row per guest and a row `all`.
 fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
     let mut f = crate::create_output(csv)?;
-    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes,swapped_pages,saved_swap_bytes,memfoldd_restarts,entitlement_bytes,balloon_actual_bytes,shares,read_shares,read_landed")?;
+    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes,swapped_pages,saved_swap_bytes,memfoldd_restarts,entitlement_bytes,balloon_actual_bytes,shares,read_shares,read_landed,read_fills")?;
     for s in &r.samples {
         for v in &s.stats.vms {
             writeln!(
                 f,
-                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,,{},,{},{:.0},{},{},{},{}",
+                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,,{},,{},{:.0},{},{},{},{},{}",
                 s.t,
                 v.name,
                 v.pages,
@@ -53,13 +53,14 @@ fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
                     .map_or(String::new(), |b| b.to_string()),
                 v.shares,
                 v.read_shares,
-                v.read_landed
+                v.read_landed,
+                v.read_fills
             )?;
         }
         let by = &s.stats.saved_by;
         writeln!(
             f,
-            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{},{},{},{},{:.0},,{},{},{}",
+            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{},{},{},{},{:.0},,{},{},{},{}",
             s.t,
             s.stats.mapped_pages,
             s.stats.zero_reclaimed_pages,
@@ -78,7 +79,8 @@ fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
             s.stats.vms.iter().map(|v| v.entitlement_pages).sum::<f64>() * 4096.0,
             s.stats.vms.iter().map(|v| v.shares).sum::<u64>(),
             s.stats.vms.iter().map(|v| v.read_shares).sum::<u64>(),
-            s.stats.vms.iter().map(|v| v.read_landed).sum::<u64>()
+            s.stats.vms.iter().map(|v| v.read_landed).sum::<u64>(),
+            s.stats.vms.iter().map(|v| v.read_fills).sum::<u64>()
         )?;
     }
     Ok(())
@@ -406,9 +408,10 @@ fn print_end_books(s: &Stats) {
 fn print_churn(s: &Stats) {
     let e = GuestEvents::of(s);
     println!(
-        "guest events: {} shares ({} at disk read), {} CoW breaks ({} copies avoided: shared pages the guest freed, dropped), {} zero reclaims, {} refills, {} C1 pages left unshared; clock faults {} minor (R), {} write-protect; {} decoded back",
+        "guest events: {} shares ({} at disk read, {} of them filled from frames), {} CoW breaks ({} copies avoided: shared pages the guest freed, dropped), {} zero reclaims, {} refills, {} C1 pages left unshared; clock faults {} minor (R), {} write-protect; {} decoded back",
         e.shares,
         e.read_shares,
+        e.read_fills,
         e.cow_breaks,
         e.cow_copies_avoided,
         e.reclaims,

@@ -53,7 +53,10 @@ pub fn print(used_before: u64, s: &Sample, prev: Option<&Sample>) {
         };
         // Shares made the moment a disk read filled the page (Satori §4.1), not by the scan.
         let at_read = if v.read_landed > 0 {
-            format!(" ({} of {} shares at read)", v.read_shares, v.shares)
+            format!(
+                " ({} of {} shares at read, {} filled from frames)",
+                v.read_shares, v.shares, v.read_fills
+            )
         } else {
             String::new()
         };

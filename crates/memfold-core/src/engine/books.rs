@@ -50,8 +50,8 @@ pub struct VmBooks {
     /// Of [`VmBooks::shares`], the shares asked for the moment a disk read filled the page,
     /// not found by the scan (cumulative).
     pub read_shares: u64,
-    /// Of [`VmBooks::shares`], pages a disk read asked to have filled from a frame holding
-    /// its base block, and filled so, without the disk (Satori §5.2; cumulative).
+    /// Of [`VmBooks::read_shares`], pages a disk read asked to have filled from a frame
+    /// holding its base block, and filled so, without the disk (Satori §5.2; cumulative).
     pub read_fills: u64,
     /// Copy-on-write breaks.
     pub cow_breaks: u64,

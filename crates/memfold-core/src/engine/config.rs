@@ -93,6 +93,11 @@ pub struct EngineConfig {
     /// lately (its VMA budget). Read while so kept, it comes back private on the access
     /// and waits the re-store back-off before it is kept so again. `true`, the default.
     pub share_cold_unmapped: bool,
+    /// Serve reads of base blocks that frames hold from those frames (Satori §5.2,
+    /// [`super::fill`]): the engine learns which blocks frames hold and fills what block
+    /// devices ask. `false`: every fill is answered empty, nothing is learnt. `true`,
+    /// the default.
+    pub read_fill: bool,
     /// Host memory budget for the guests' RAM (their memfds, the pool and the store),
     /// bytes; over it, cold pages are swapped out (DE §4.6). `None`: no swapping.
     pub host_budget: Option<u64>,
@@ -136,6 +141,7 @@ impl Default for EngineConfig {
             clock_interval_us: Some(4_000_000),
             clock_rearm_max: 64,
             share_cold_unmapped: true,
+            read_fill: true,
             host_budget: None,
             guest_categories: true,
             guest_skip: crate::categories::CategorySet::SLAB,

@@ -118,7 +118,9 @@ impl Engine {
     /// remembered; if it ends mapped onto a frame, (block, frame) becomes a
     /// [`BlockCandidate`].
     pub fn landed_from_base(&mut self, id: VmId, pages: &[(Gfn, BaseBlock)]) {
-        let Some(v) = self.vms.get(&id) else { return };
+        let Some(v) = self.vms.get(&id).filter(|_| self.cfg.read_fill) else {
+            return;
+        };
         for &(g, b) in pages {
             if v.read_sharing.contains_key(&g) {
                 self.fills.landed.insert((id, g), b);
@@ -212,7 +214,11 @@ impl Engine {
             .get(&id)
             .is_some_and(|v| v.attached && !v.opted_out);
         let key = (id, fill);
-        if attached && nonce != [0, 0] && !self.fills.waiting.contains_key(&key) {
+        if self.cfg.read_fill
+            && attached
+            && nonce != [0, 0]
+            && !self.fills.waiting.contains_key(&key)
+        {
             let d = self.dom(id);
             for &(g, b) in pages.iter().take(MAX_FILL) {
                 let Some(&f) = self.fills.index.get(&d).and_then(|i| i.by_block.get(&b)) else {
@@ -269,7 +275,9 @@ impl Engine {
         };
         if mapped {
             if let Some(v) = self.vms.get_mut(&id) {
+                // A share made at read too, without the disk.
                 v.books.read_fills += 1;
+                v.books.read_shares += 1;
             }
         }
         let key = (id, fill);
