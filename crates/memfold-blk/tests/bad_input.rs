@@ -37,7 +37,8 @@ fn memfold_blk_refuses_to_start_on_an_overlay_of_another_base() {
     ]);
     let sock = d.path().join("blk.sock");
     let before = (bytes_and_mtime(&b), bytes_and_mtime(&ov));
-    let out = Command::new(env!("CARGO_BIN_EXE_memfold-blk"))
+    let log = d.path().join("blk.log");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_memfold-blk"))
         .arg("--socket")
         .arg(&sock)
         .arg("--base")
@@ -45,10 +46,29 @@ fn memfold_blk_refuses_to_start_on_an_overlay_of_another_base() {
         .arg("--overlay")
         .arg(&ov)
         .env("NO_COLOR", "1")
-        .output()
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
         .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    // It must exit by itself; one that serves is killed after 10 s and fails the test.
+    let t = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if t.elapsed() > std::time::Duration::from_secs(10) {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let err = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        status.is_some(),
+        "memfold-blk serves an overlay of another base: {err}"
+    );
+    let status = status.unwrap();
+    assert_eq!(status.code(), Some(1), "{err}");
     assert!(
         err.contains("does not match the base")
             && err.contains("ov.qcow2")
