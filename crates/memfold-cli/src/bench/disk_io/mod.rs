@@ -318,16 +318,12 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
     Ok(())
 }
 
+/// A side's counted rounds: each round's MiB/s per kind ([`rounds::KINDS`]).
+type Rounds = std::collections::BTreeMap<u64, [f64; 3]>;
+
 /// Runs the I/O pair until each side has `a.rounds` rounds that began after both were
 /// reading; returns each side's counted rounds (memfold-blk's, virtio's).
-fn io_pair(
-    a: &DiskIoArgs,
-    gb: &mut Guest,
-    gv: &mut Guest,
-) -> Result<(
-    std::collections::BTreeMap<u64, [f64; 3]>,
-    std::collections::BTreeMap<u64, [f64; 3]>,
-)> {
+fn io_pair(a: &DiskIoArgs, gb: &mut Guest, gv: &mut Guest) -> Result<(Rounds, Rounds)> {
     let deadline = Instant::now() + Duration::from_secs(600 + 120 * a.rounds as u64);
     // Per side: the last round any pass of which was reported when the other side
     // started (None until both have started).
