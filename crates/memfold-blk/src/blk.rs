@@ -276,6 +276,17 @@ impl BlkBackend {
                 .used_idx(&view, Ordering::Acquire)
                 .map_err(|e| view.take_error().unwrap_or_else(|| MemError::queue(e)))?;
             queue.set_next_used(used.0);
+            // After a reconnect QEMU starts the ring at its used index: what waits beyond
+            // it (a dead device's unfinished requests among them) is served now, in order.
+            let avail = queue
+                .avail_idx(&view, Ordering::Acquire)
+                .map_err(|e| view.take_error().unwrap_or_else(|| MemError::queue(e)))?;
+            tracing::info!(
+                "queue starts at ring index {} (used index {}): {} requests waiting",
+                queue.next_avail(),
+                used.0,
+                avail.0.wrapping_sub(queue.next_avail())
+            );
         }
         let mut any = false;
         loop {

@@ -40,6 +40,9 @@ use imago::{
 
 use crate::landed::{DiskId, Source};
 
+mod guard;
+pub use guard::{check_overlay, BaseGuard, BaseStamp, Mismatch};
+
 /// Sector size of virtio-blk, bytes.
 pub const SECTOR: u64 = 512;
 /// Block size the device announces and reads in (`O_DIRECT` alignment), bytes.
@@ -89,6 +92,25 @@ pub enum DiskError {
     ReadOnly {
         /// The image.
         path: PathBuf,
+    },
+    /// The base image changed since the device opened it ([`BaseGuard`]): its bytes are
+    /// no longer those the overlay and memfold's names of its blocks are about.
+    #[error("base image {path} changed under the device ({what}): refused")]
+    BaseChanged {
+        /// The base image.
+        path: PathBuf,
+        /// What changed (size, mtime, ctime, the file at the path).
+        what: String,
+    },
+    /// A qcow2 overlay is not over the base it is served with ([`check_overlay`]).
+    #[error("overlay {overlay} does not match the base {base}: {why}; nothing is served and neither file is written")]
+    OverlayMismatch {
+        /// The overlay.
+        overlay: PathBuf,
+        /// The base it was given with.
+        base: PathBuf,
+        /// How it does not match.
+        why: Mismatch,
     },
 }
 
@@ -156,6 +178,11 @@ pub trait Disk: Send + Sync {
     ///
     /// Errors: [`DiskError::ReadOnly`], [`DiskError::OutOfRange`], [`DiskError::Io`].
     fn discard(&mut self, off: u64, len: u64) -> Result<(), DiskError>;
+    /// Whether its base image changed under the device ([`BaseGuard`]): from then on
+    /// its base reads are refused, and no (base, block) name of it may be reported.
+    fn base_changed(&self) -> bool {
+        false
+    }
 }
 
 fn check_range(
@@ -209,6 +236,7 @@ pub struct RawDisk {
     direct: bool,
     size: u64,
     id: DiskId,
+    guard: BaseGuard,
 }
 
 impl RawDisk {
@@ -247,6 +275,7 @@ impl RawDisk {
             direct,
             size: st.st_size as u64,
             id: DiskId::of_file(st.st_dev, st.st_ino),
+            guard: BaseGuard::new(path, BaseStamp::of(&st)),
             file,
         })
     }
@@ -261,9 +290,18 @@ impl RawDisk {
         self.direct
     }
 
+    /// Checks that the file has not changed since it was opened ([`BaseGuard`]).
+    ///
+    /// Errors: [`DiskError::BaseChanged`].
+    pub fn check_unchanged(&self) -> Result<(), DiskError> {
+        self.guard.check(&self.file, true)
+    }
+
     /// Reads `buf.len()` bytes at `off` (within the file) through an aligned bounce
     /// buffer; without `O_DIRECT`, drops the range from the page cache afterwards.
+    /// Refused if the file changed since it was opened, before the read or during it.
     fn read_at(&self, off: u64, buf: &mut [u8]) -> Result<(), DiskError> {
+        self.guard.check(&self.file, true)?;
         let io_err = |source| DiskError::Io {
             path: self.path.clone(),
             op: "read",
@@ -284,6 +322,8 @@ impl RawDisk {
                 Err(e) => return Err(io_err(e)),
             }
         }
+        // A write during the read: its bytes may be half old, half new.
+        self.guard.check(&self.file, false)?;
         let skip = (off - a0) as usize;
         buf.copy_from_slice(&bytes[skip..skip + buf.len()]);
         if !self.direct {
@@ -325,6 +365,9 @@ impl Disk for RawDisk {
             path: self.path.clone(),
         })
     }
+    fn base_changed(&self) -> bool {
+        self.guard.changed()
+    }
 }
 
 /// A per-guest qcow2 overlay over a read-only raw base (created with
@@ -343,11 +386,11 @@ pub struct OverlayDisk {
 }
 
 impl OverlayDisk {
-    /// Opens the overlay `overlay` (read-write) over the raw base `base` (read-only,
-    /// whatever backing file the overlay's header names: `base` is what is served, and
-    /// it must be as large as the overlay).
+    /// Opens the overlay `overlay` (read-write) over the raw base `base` (read-only),
+    /// after checking, with neither file written, that the overlay is over that base
+    /// ([`check_overlay`]).
     ///
-    /// Errors: [`DiskError::Open`] (either image; a base smaller than the overlay).
+    /// Errors: [`DiskError::OverlayMismatch`], [`DiskError::Open`] (either image).
     pub fn open(base: &Path, overlay: &Path) -> Result<OverlayDisk, DiskError> {
         Self::open_with(base, overlay, true)
     }
@@ -357,6 +400,7 @@ impl OverlayDisk {
     ///
     /// Errors: as [`OverlayDisk::open`].
     pub fn open_with(base: &Path, overlay: &Path, direct: bool) -> Result<OverlayDisk, DiskError> {
+        check_overlay(base, overlay)?;
         let raw = RawDisk::open_with(base, direct)?;
         let cache_handle = File::open(overlay).map_err(|source| DiskError::Open {
             path: overlay.to_path_buf(),
@@ -390,17 +434,8 @@ impl OverlayDisk {
                 false,
             ),
         };
-        if raw.size() < q.size() {
-            return Err(DiskError::Open {
-                path: overlay.to_path_buf(),
-                source: std::io::Error::other(format!(
-                    "its base {} has {} bytes, fewer than the overlay's {}",
-                    base.display(),
-                    raw.size(),
-                    q.size()
-                )),
-            });
-        }
+        // The base checked above could have been replaced since.
+        raw.check_unchanged()?;
         Ok(OverlayDisk {
             path: overlay.to_path_buf(),
             base: raw,
@@ -428,6 +463,21 @@ impl OverlayDisk {
             len,
             source,
         }
+    }
+
+    /// `e` with what room the overlay's file had: a full file system or a file size
+    /// limit shows as `ENOSPC`/`EFBIG`, or as `EINVAL` when an `O_DIRECT` write was cut
+    /// short at the limit and its rest is unaligned.
+    fn with_room(&self, e: std::io::Error) -> std::io::Error {
+        let size = rustix::fs::fstat(&self.cache_handle).map_or(0, |s| s.st_size as u64);
+        let free = rustix::fs::fstatvfs(&self.cache_handle).map_or(0, |s| s.f_bavail * s.f_frsize);
+        let limit = rustix::process::getrlimit(rustix::process::Resource::Fsize)
+            .current
+            .map_or("none".to_string(), |l| format!("{l} bytes"));
+        std::io::Error::new(
+            e.kind(),
+            format!("{e} (the overlay file has {size} bytes, its file system {free} bytes free; file size limit {limit})"),
+        )
     }
 
     /// imago's read of `buf` at `off`, through an aligned buffer (its `O_DIRECT` needs
@@ -498,16 +548,26 @@ impl Disk for OverlayDisk {
         }
         Ok(ext)
     }
+    /// Writes `buf` at `off` into the overlay, then writes imago's cached metadata (L2
+    /// tables, refcounts) to the file: a write completed to the guest survives a kill of
+    /// the device (which the guest does not see and so does not repeat the write), not
+    /// only a flush. Refused when the base changed (a partial cluster's copy-on-write
+    /// reads it).
     fn write(&self, off: u64, buf: &[u8]) -> Result<(), DiskError> {
         check_range(&self.path, "write", off, buf.len() as u64, self.size())?;
+        self.base.check_unchanged()?;
         let mut b = Aligned::new(buf.len());
         b.bytes_mut().copy_from_slice(buf);
         let words = &b.words;
         // SAFETY: as in Aligned::bytes_mut, read-only.
         let src = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), buf.len()) };
+        let len = buf.len() as u64;
         self.overlay
             .write(src, off)
-            .map_err(self.io_err("write", off, buf.len() as u64))
+            .map_err(|e| self.io_err("write", off, len)(self.with_room(e)))?;
+        self.overlay
+            .flush()
+            .map_err(self.io_err("write (its metadata)", off, len))
     }
     fn flush(&self) -> Result<(), DiskError> {
         self.overlay.flush().map_err(self.io_err("flush", 0, 0))?;
@@ -518,18 +578,26 @@ impl Disk for OverlayDisk {
         }
         Ok(())
     }
+    /// Drops the range's clusters, then writes imago's metadata (as [`Disk::write`]).
+    /// Refused when the base changed (the range would read as the changed base).
     fn discard(&mut self, off: u64, len: u64) -> Result<(), DiskError> {
         check_range(&self.path, "discard", off, len, self.size())?;
+        self.base.check_unchanged()?;
         let path = self.path.clone();
+        let err = |source| DiskError::Io {
+            path,
+            op: "discard",
+            off,
+            len,
+            source,
+        };
+        self.overlay.discard_to_backing(off, len).map_err(err)?;
         self.overlay
-            .discard_to_backing(off, len)
-            .map_err(|source| DiskError::Io {
-                path,
-                op: "discard",
-                off,
-                len,
-                source,
-            })
+            .flush()
+            .map_err(self.io_err("discard (its metadata)", off, len))
+    }
+    fn base_changed(&self) -> bool {
+        self.base.base_changed()
     }
 }
 
@@ -564,82 +632,4 @@ pub fn create_overlay(base: &Path, overlay: &Path) -> Result<(), DiskError> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn pattern(len: usize, seed: u8) -> Vec<u8> {
-        (0..len)
-            .map(|i| (i as u32 * 31 + seed as u32 * 7 + (i as u32 >> 12)) as u8)
-            .collect()
-    }
-
-    #[test]
-    fn a_raw_disk_reads_any_range_and_names_its_base() {
-        let d = tempfile::tempdir_in("/var/tmp").unwrap();
-        let p = d.path().join("base.img");
-        let data = pattern(64 << 10, 1);
-        std::fs::write(&p, &data).unwrap();
-        let r = RawDisk::open(&p).unwrap();
-        let mut b = vec![0u8; 5000];
-        let e = r.read(1000, &mut b).unwrap();
-        assert_eq!(b, data[1000..6000]);
-        assert_eq!(e.len(), 1);
-        assert_eq!(e[0].source, ExtentSource::Base(r.id()));
-        assert!(matches!(
-            r.read(60 << 10, &mut b),
-            Err(DiskError::OutOfRange { .. })
-        ));
-        assert!(matches!(r.write(0, &b), Err(DiskError::ReadOnly { .. })));
-    }
-
-    #[test]
-    fn an_overlay_reads_the_base_until_written_and_discard_brings_the_base_back() {
-        let d = tempfile::tempdir_in("/var/tmp").unwrap();
-        let base = d.path().join("base.img");
-        let ov = d.path().join("ov.qcow2");
-        let data = pattern(1 << 20, 2);
-        std::fs::write(&base, &data).unwrap();
-        create_overlay(&base, &ov).unwrap();
-        let mut o = OverlayDisk::open(&base, &ov).unwrap();
-        let id = RawDisk::open(&base).unwrap().id();
-        let mut b = vec![0u8; 8192];
-        let e = o.read(65536, &mut b).unwrap();
-        assert_eq!(b, data[65536..65536 + 8192]);
-        assert_eq!(
-            e,
-            vec![Extent {
-                off: 65536,
-                len: 8192,
-                source: ExtentSource::Base(id)
-            }]
-        );
-        o.write(65536 + 4096, &[7u8; 4096]).unwrap();
-        o.flush().unwrap();
-        let e = o.read(0, &mut vec![0u8; 1 << 20]).unwrap();
-        assert!(
-            e.iter().any(|x| x.source == ExtentSource::Overlay
-                && x.off <= 65536 + 4096
-                && x.off + x.len >= 65536 + 8192),
-            "{e:?}"
-        );
-        let mut b = vec![0u8; 8192];
-        o.read(65536, &mut b).unwrap();
-        assert_eq!(b[..4096], data[65536..65536 + 4096]);
-        assert_eq!(b[4096..], [7u8; 4096]);
-        // The base is untouched.
-        assert_eq!(std::fs::read(&base).unwrap(), data);
-        // qcow2 clusters are 64 KiB: the whole cluster went to the overlay, a discard of
-        // it reads the base again.
-        o.discard(65536, 65536).unwrap();
-        o.read(65536, &mut b).unwrap();
-        assert_eq!(b, data[65536..65536 + 8192]);
-        // QEMU can open what imago wrote.
-        drop(o);
-        let st = std::process::Command::new("qemu-img")
-            .args(["check", "-q"])
-            .arg(&ov)
-            .status()
-            .unwrap();
-        assert!(st.success());
-    }
-}
+mod tests;

@@ -21,7 +21,9 @@ mod args;
 mod blk;
 pub use args::qemu_args;
 use blk::start_blk;
-pub use blk::{memfold_blk_binary, BlkDisks, MEMFOLD_BLK_ENV};
+pub use blk::{
+    memfold_blk_binary, BlkDisks, BlkSupervisor, MAX_RESTARTS, MEMFOLD_BLK_ENV, RESTART_DELAY,
+};
 
 /// How guest RAM is backed on the host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -221,8 +223,9 @@ pub struct Guest {
     pub serial_path: PathBuf,
     stderr_path: PathBuf,
     child: Option<Child>,
-    /// The memfold-blk processes serving its disks, killed after QEMU stops.
-    blk: Vec<Child>,
+    /// The memfold-blk processes serving its disks (restarted if they die), killed after
+    /// QEMU stops.
+    blk: Vec<BlkSupervisor>,
     /// When QEMU was started.
     pub started: Instant,
 }
@@ -531,10 +534,18 @@ impl Guest {
     /// QEMU (which cannot answer QMP) gets SIGKILL at once. Idempotent.
     pub fn stop(&mut self) {
         self.stop_qemu();
-        for mut c in self.blk.drain(..) {
-            let _ = c.kill();
-            let _ = c.wait();
+        for mut s in self.blk.drain(..) {
+            s.stop();
         }
+    }
+
+    /// The memfold-blk processes serving its disks: (disk, pid now, restarts so far); pid
+    /// `None` while one is being restarted.
+    pub fn blk_processes(&self) -> Vec<(&'static str, Option<u32>, u32)> {
+        self.blk
+            .iter()
+            .map(|s| (s.disk(), s.pid(), s.restarts()))
+            .collect()
     }
 
     fn stop_qemu(&mut self) {

@@ -365,3 +365,5 @@ fn an_overlay_disk_takes_writes_reads_them_back_as_overlay_and_discards_to_the_b
         Source::Base { disk: id, block: 1 }
     );
 }
+
+mod full_disk;

@@ -75,6 +75,11 @@ pub struct MemfoldArgs {
     /// guests live only seconds (Satori §6.1's short-lived sharing).
     #[arg(long, value_name = "SECS", requires = "data_disk_mib")]
     pub data_disk_drop: Option<u64>,
+    /// With a data disk: each guest (`tiny` image) checksums every pass over the disk,
+    /// and a pass that read other bytes than its first is a self-check mismatch (the run
+    /// fails): reads landing on shared, stored and swapped pages checked byte for byte.
+    #[arg(long, requires = "data_disk_mib")]
+    pub data_disk_verify: bool,
     /// Make guest GUEST (a name like `tiny-3`; the `tiny` image only) a sharing breaker:
     /// at SECS of its uptime it writes fresh bytes over all its duplicate pages, breaking
     /// its sharing — its entitlement falls and its balloon inflates to repay (Satori
@@ -111,7 +116,7 @@ pub struct MemfoldArgs {
 
 impl MemfoldArgs {
     /// The guest kernel arguments of guest `name` (`--break-sharing`, `--drop-caches`,
-    /// `--data-disk-drop`).
+    /// `--data-disk-drop`, `--data-disk-verify`).
     pub fn kernel_args_of(&self, name: &str) -> Option<String> {
         let args: Vec<String> = [
             ("memfold.break_at", &self.break_sharing),
@@ -127,6 +132,7 @@ impl MemfoldArgs {
             self.data_disk_drop
                 .map(|s| format!("memfold.data_drop={s}")),
         )
+        .chain(self.data_disk_verify.then(|| "memfold.data_verify=1".to_string()))
         .collect();
         (!args.is_empty()).then(|| args.join(" "))
     }
@@ -405,6 +411,11 @@ mod tests {
         assert_eq!(
             c.kernel_args_of("tiny-2").as_deref(),
             Some("memfold.data_drop=2")
+        );
+        let c = parse(&["--data-disk-mib", "8", "--data-disk-verify"]);
+        assert_eq!(
+            c.kernel_args_of("tiny-1").as_deref(),
+            Some("memfold.data_verify=1")
         );
         for bad in ["tiny-3", "tiny-3@soon", "tiny-3@-1"] {
             let e = parse_guest_at(bad).unwrap_err();

@@ -190,6 +190,7 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
     };
     let blk = |data: bool, root: bool| BlkDisks {
         data,
+        data_overlay: false,
         root,
         binary: None,
         landed_socket: (!a.no_memfoldd).then(|| socket.clone()),
@@ -318,7 +319,7 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
     Ok(())
 }
 
-/// A side's counted rounds: each round's MiB/s per kind ([`rounds::KINDS`]).
+/// One side's counted rounds ([`rounds::counted`]): MiB/s of each kind of pass, by round.
 type Rounds = std::collections::BTreeMap<u64, [f64; 3]>;
 
 /// Runs the I/O pair until each side has `a.rounds` rounds that began after both were
