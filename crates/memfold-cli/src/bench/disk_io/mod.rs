@@ -4,7 +4,8 @@
 //! Two `tiny` guests boot at once, one whose data disk memfold-blk serves (reporting every
 //! page a read fills to memfoldd, as `memfold run --disk memfold` does) and one on QEMU's
 //! virtio-blk, both over the same raw file, both with memfold's agent under one memfoldd
-//! (`--no-memfoldd`: the devices alone). Each runs `memfold-probe diskio` (images/
+//! (`--no-memfoldd`: the devices alone). QEMU reads the file with `O_DIRECT` as
+//! memfold-blk does (`--virtio-cached`: through the host's page cache, QEMU's default). Each runs `memfold-probe diskio` (images/
 //! memfold-probe.rs): round after round of `O_DIRECT` reads — 4 KiB sequential, 4 KiB at
 //! random offsets, 1 MiB sequential — timed by the guest. Only the rounds that began after
 //! both guests were reading count, so both sides always ran under the same load; the run
@@ -28,12 +29,14 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use memfold_vm::images;
-use memfold_vm::launcher::{agent_env, detect_accel, BlkDisks, DataDisk, Guest, GuestSpec, RamBackend};
+use memfold_vm::launcher::{
+    agent_env, detect_accel, BlkDisks, DataDisk, Guest, GuestSpec, RamBackend,
+};
 use serde::Serialize;
 
-use memfold_cli::engine_args::EngineArgs;
 use crate::run::measure::{start_marks, throughput, Throughput};
 use crate::run::{companions, Daemon};
+use memfold_cli::engine_args::EngineArgs;
 use rounds::{compare, counted, passes, Compared};
 
 /// `memfold bench disk-io`'s flags.
@@ -145,14 +148,19 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
         "--seq-mib between 1 and --disk-mib, --rand-reads at least 1"
     );
     let (agent, daemon_bin) = companions()?;
-    let out = a.out.clone().unwrap_or_else(|| crate::default_out("disk-io"));
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| crate::default_out("disk-io"));
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let out = std::fs::canonicalize(&out)?;
     let cache = images::cache_dir();
     let mut profiles = vec!["tiny".to_string()];
     profiles.extend(a.workloads.iter().cloned());
     for p in &profiles {
-        images::build(&cache, p, |l| eprintln!("  [{p}] {}", l.trim_start_matches("== step: ")))?;
+        images::build(&cache, p, |l| {
+            eprintln!("  [{p}] {}", l.trim_start_matches("== step: "))
+        })?;
     }
     let accel = detect_accel(&cache);
     let data = super::data_file(&out, a.disk_mib)?;
@@ -238,14 +246,21 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
             memfold_blk: on_blk.then(|| blk(false, true)),
             ..GuestSpec::new(&name, p, 512, RamBackend::Memfd)
         };
-        let (bs, vs) = (spec(format!("{p}-blk"), true), spec(format!("{p}-virtio"), false));
+        let (bs, vs) = (
+            spec(format!("{p}-blk"), true),
+            spec(format!("{p}-virtio"), false),
+        );
         let mut gb = Guest::start_with_env(&bs, &cache, &wdir, accel, &env(&bs))?;
         let mut gv = Guest::start_with_env(&vs, &cache, &wdir, accel, &env(&vs))?;
         for g in [&mut gb, &mut gv] {
             g.wait_ready(Duration::from_secs(600))?;
         }
         let marks: HashMap<_, _> = start_marks([&gb, &gv].into_iter());
-        eprintln!("{p}: both ready after {:.0} s; {} s side by side", t0.elapsed().as_secs_f64(), a.workload_secs);
+        eprintln!(
+            "{p}: both ready after {:.0} s; {} s side by side",
+            t0.elapsed().as_secs_f64(),
+            a.workload_secs
+        );
         let end = Instant::now() + Duration::from_secs(a.workload_secs);
         while Instant::now() < end {
             gb.check_alive()?;
@@ -253,7 +268,12 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
             std::thread::sleep(Duration::from_secs(1));
         }
         for g in [&gb, &gv] {
-            anyhow::ensure!(g.mismatches().is_empty(), "{}: self-check failed: {:?}", g.name, g.mismatches());
+            anyhow::ensure!(
+                g.mismatches().is_empty(),
+                "{}: self-check failed: {:?}",
+                g.name,
+                g.mismatches()
+            );
         }
         let t = throughput(std::slice::from_ref(&gb), std::slice::from_ref(&gv), &marks);
         for t in &t {
@@ -268,7 +288,11 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
                 t.change_2se.unwrap_or(f64::NAN)
             );
         }
-        anyhow::ensure!(!t.is_empty(), "{p}: no workload rounds reported by both guests in {} s", a.workload_secs);
+        anyhow::ensure!(
+            !t.is_empty(),
+            "{p}: no workload rounds reported by both guests in {} s",
+            a.workload_secs
+        );
         workloads.extend(t);
         std::fs::write(wdir.join("blk.console"), gb.serial())?;
         std::fs::write(wdir.join("virtio.console"), gv.serial())?;
@@ -300,11 +324,7 @@ type Rounds = std::collections::BTreeMap<u64, [f64; 3]>;
 
 /// Runs the I/O pair until each side has `a.rounds` rounds that began after both were
 /// reading; returns each side's counted rounds (memfold-blk's, virtio's).
-fn io_pair(
-    a: &DiskIoArgs,
-    gb: &mut Guest,
-    gv: &mut Guest,
-) -> Result<(Rounds, Rounds)> {
+fn io_pair(a: &DiskIoArgs, gb: &mut Guest, gv: &mut Guest) -> Result<(Rounds, Rounds)> {
     let deadline = Instant::now() + Duration::from_secs(600 + 120 * a.rounds as u64);
     // Per side: the last round any pass of which was reported when the other side
     // started (None until both have started).
@@ -322,12 +342,17 @@ fn io_pair(
             // The round under way on each side now (or 0) ran partly alone: skipped.
             // A round whose last pass is in was done: the next one is under way.
             let last = |p: &[rounds::Pass]| {
-                p.last()
-                    .map_or(0, |p| p.round + u64::from(p.kind == rounds::KINDS.len() - 1))
+                p.last().map_or(0, |p| {
+                    p.round + u64::from(p.kind == rounds::KINDS.len() - 1)
+                })
             };
             first = Some((last(&pb), last(&pv)));
             let (fb, fv) = first.expect("just set");
-            eprintln!("both guests reading: counting from round {} (memfold-blk) and {} (virtio)", fb + 1, fv + 1);
+            eprintln!(
+                "both guests reading: counting from round {} (memfold-blk) and {} (virtio)",
+                fb + 1,
+                fv + 1
+            );
         }
         if let Some((fb, fv)) = first {
             let (cb, cv) = (counted(&pb, fb), counted(&pv, fv));

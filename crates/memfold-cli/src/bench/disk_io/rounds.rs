@@ -149,7 +149,9 @@ mod tests {
             bytes: 1 << 20,
             ns: 1_000_000_000,
         };
-        let mut v: Vec<Pass> = (0..4).flat_map(|r| (0..3).map(move |k| pass(r, k))).collect();
+        let mut v: Vec<Pass> = (0..4)
+            .flat_map(|r| (0..3).map(move |k| pass(r, k)))
+            .collect();
         v.push(pass(4, 0));
         let c = counted(&v, 1);
         assert_eq!(c.keys().copied().collect::<Vec<_>>(), vec![2, 3]);
@@ -163,11 +165,17 @@ mod tests {
         assert_eq!(m, 2.0);
         assert!((se - 2.0).abs() < 1e-12, "sd √2, s.e. 1, 2 s.e. 2: {se}");
         let side = |x: [f64; 2]| -> BTreeMap<u64, [f64; 3]> {
-            x.iter().enumerate().map(|(i, &v)| (i as u64, [v; 3])).collect()
+            x.iter()
+                .enumerate()
+                .map(|(i, &v)| (i as u64, [v; 3]))
+                .collect()
         };
         let c = compare(&side([9.0, 11.0]), &side([10.0, 10.0]));
         assert_eq!(c.len(), 3);
-        assert_eq!((c[0].ratio, c[0].blk_rounds, c[0].virtio_2se), (1.0, 2, 0.0));
+        assert_eq!(
+            (c[0].ratio, c[0].blk_rounds, c[0].virtio_2se),
+            (1.0, 2, 0.0)
+        );
         assert!((c[0].ratio_2se - 0.2).abs() < 1e-12, "{}", c[0].ratio_2se);
     }
 }

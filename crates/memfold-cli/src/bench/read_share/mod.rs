@@ -26,11 +26,13 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use memfold_sys::ksm::{Ksm, KsmMode};
 use memfold_vm::images;
-use memfold_vm::launcher::{agent_env, detect_accel, Accel, BlkDisks, DataDisk, Guest, GuestSpec, RamBackend};
+use memfold_vm::launcher::{
+    agent_env, detect_accel, Accel, BlkDisks, DataDisk, Guest, GuestSpec, RamBackend,
+};
 use serde::Serialize;
 
-use memfold_cli::engine_args::EngineArgs;
 use crate::run::{companions, Daemon};
+use memfold_cli::engine_args::EngineArgs;
 use timeline::{summarize, PageTime, Summary, Tracker};
 use watch::{KsmFlags, MemfdHoles, Shared};
 
@@ -63,6 +65,11 @@ pub struct ReadShareArgs {
     /// A page not shared this long after its read counts as not shared, s.
     #[arg(long, default_value_t = 60.0)]
     pub timeout_secs: f64,
+    /// KSM's `smart_scan` on the KSM side (Linux 6.7+: pages that did not merge are
+    /// skipped for up to 8 passes): `on`, `off`, or `host` (left as it is). Put back
+    /// afterwards.
+    #[arg(long, default_value = "host", value_parser = clap::builder::PossibleValuesParser::new(["host", "on", "off"]))]
+    pub ksm_smart_scan: String,
     /// RAM per guest, MiB (under 2 GiB: guest-physical addresses are memfd offsets).
     #[arg(long, default_value_t = 256)]
     pub mem_mib: u32,
@@ -140,6 +147,10 @@ pub struct ReadShareRun {
     pub chunk: usize,
     /// memfoldd's scan rate, pages/s.
     pub rate: u64,
+    /// KSM's `smart_scan` on the KSM side (`host`: as the host had it).
+    pub ksm_smart_scan: String,
+    /// The host's `smart_scan` when the run began (`None`: the kernel has none).
+    pub host_smart_scan: Option<String>,
     /// Each side.
     pub sides: Vec<Side>,
 }
@@ -155,14 +166,22 @@ pub fn run(a: &ReadShareArgs) -> Result<()> {
     );
     anyhow::ensure!(a.mem_mib < 2048 && a.rounds >= 1 && a.pages >= 1 && a.chunk >= 1);
     for s in &a.sides {
-        anyhow::ensure!(["blk", "scan", "ksm"].contains(&s.as_str()), "unknown side {s} (blk, scan, ksm)");
+        anyhow::ensure!(
+            ["blk", "scan", "ksm"].contains(&s.as_str()),
+            "unknown side {s} (blk, scan, ksm)"
+        );
     }
     let (agent, daemon) = companions()?;
-    let out = a.out.clone().unwrap_or_else(|| crate::default_out("read-share"));
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| crate::default_out("read-share"));
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let out = std::fs::canonicalize(&out)?;
     let cache = images::cache_dir();
-    images::build(&cache, "tiny", |l| eprintln!("  [tiny] {}", l.trim_start_matches("== step: ")))?;
+    images::build(&cache, "tiny", |l| {
+        eprintln!("  [tiny] {}", l.trim_start_matches("== step: "))
+    })?;
     let accel = detect_accel(&cache);
     let held = a.rounds * a.pages;
     let data = super::data_file(&out, (held as u64).div_ceil(256).max(1))?;
@@ -172,6 +191,10 @@ pub fn run(a: &ReadShareArgs) -> Result<()> {
         pages: a.pages,
         chunk: a.chunk,
         rate: a.engine.rate,
+        ksm_smart_scan: a.ksm_smart_scan.clone(),
+        host_smart_scan: std::fs::read_to_string(SMART_SCAN)
+            .ok()
+            .map(|s| s.trim().into()),
         sides: Vec::new(),
     };
     for s in &a.sides {
@@ -235,7 +258,11 @@ fn side(
     let ksm = which == "ksm";
     let mut _daemon = None;
     let mut _ksm = None;
+    let mut _smart = None;
     if ksm {
+        if a.ksm_smart_scan != "host" {
+            _smart = Some(SmartScan::set(a.ksm_smart_scan == "on")?);
+        }
         let k = Ksm::take_control()?;
         // From nothing merged (run = 2 unmerges), then aggressive from the first boot.
         k.unmerge()?;
@@ -270,11 +297,19 @@ fn side(
             name,
             "tiny",
             a.mem_mib,
-            if ksm { RamBackend::AnonymousNoThp } else { RamBackend::Memfd },
+            if ksm {
+                RamBackend::AnonymousNoThp
+            } else {
+                RamBackend::Memfd
+            },
         )
     };
     let start = |s: &GuestSpec| {
-        let env = if ksm { Vec::new() } else { agent_env(agent, &socket, s) };
+        let env = if ksm {
+            Vec::new()
+        } else {
+            agent_env(agent, &socket, s)
+        };
         Guest::start_with_env(s, cache, dir, accel, &env)
     };
     let hs = spec("holder", format!("holder,{held}"));
@@ -346,10 +381,39 @@ fn side(
     })
 }
 
+/// KSM's `smart_scan` set for a side, put back as it was when dropped.
+struct SmartScan(String);
+
+/// KSM's `smart_scan` switch.
+const SMART_SCAN: &str = "/sys/kernel/mm/ksm/smart_scan";
+
+impl SmartScan {
+    /// Sets `smart_scan` to `on`, remembering the host's value.
+    ///
+    /// Errors: the kernel has no `smart_scan` (before 6.7), or it cannot be written.
+    fn set(on: bool) -> Result<Self> {
+        let was = std::fs::read_to_string(SMART_SCAN).with_context(|| SMART_SCAN.to_string())?;
+        std::fs::write(SMART_SCAN, if on { "1" } else { "0" })
+            .with_context(|| SMART_SCAN.to_string())?;
+        Ok(SmartScan(was.trim().to_string()))
+    }
+}
+
+impl Drop for SmartScan {
+    fn drop(&mut self) {
+        let _ = std::fs::write(SMART_SCAN, &self.0);
+    }
+}
+
 /// Follows the reader's console and polls its pages in flight until it is done and none
 /// is left; returns the tracker, the mean polling period while pages were in flight (ms)
 /// and the median chunk read (ms).
-fn follow(a: &ReadShareArgs, reader: &mut Guest, holder: &mut Guest, w: &dyn Shared) -> Result<(Tracker, f64, f64)> {
+fn follow(
+    a: &ReadShareArgs,
+    reader: &mut Guest,
+    holder: &mut Guest,
+    w: &dyn Shared,
+) -> Result<(Tracker, f64, f64)> {
     let t0 = Instant::now();
     let mut t = Tracker::default();
     let mut serial = std::fs::File::open(&reader.serial_path)?;
@@ -361,7 +425,10 @@ fn follow(a: &ReadShareArgs, reader: &mut Guest, holder: &mut Guest, w: &dyn Sha
     let mut chunk_ms = Vec::new();
     let budget = 600.0
         + a.settle_secs
-        + a.rounds as f64 * (a.round_gap_secs + a.timeout_secs + (a.pages / a.chunk) as f64 * (a.gap_ms as f64 / 1e3 + 1.0));
+        + a.rounds as f64
+            * (a.round_gap_secs
+                + a.timeout_secs
+                + (a.pages / a.chunk) as f64 * (a.gap_ms as f64 / 1e3 + 1.0));
     loop {
         let before = t0.elapsed().as_secs_f64();
         buf.clear();
@@ -406,7 +473,10 @@ fn follow(a: &ReadShareArgs, reader: &mut Guest, holder: &mut Guest, w: &dyn Sha
         }
     }
     chunk_ms.sort_by(f64::total_cmp);
-    let median = chunk_ms.get(chunk_ms.len() / 2).copied().unwrap_or(f64::NAN);
+    let median = chunk_ms
+        .get(chunk_ms.len() / 2)
+        .copied()
+        .unwrap_or(f64::NAN);
     Ok((t, poll_s / polls.max(1) as f64 * 1e3, median))
 }
 

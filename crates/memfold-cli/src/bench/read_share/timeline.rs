@@ -162,7 +162,11 @@ pub fn summarize(pages: &[PageTime], rounds: u64) -> Summary {
     Summary {
         pages: pages.len(),
         unshared,
-        p50_ms: if ms.is_empty() { f64::NAN } else { rank(&ms, 0.5) },
+        p50_ms: if ms.is_empty() {
+            f64::NAN
+        } else {
+            rank(&ms, 0.5)
+        },
         p99_ms: p99,
         max_ms: ms.last().copied().unwrap_or(f64::NAN),
         t95_s,
@@ -223,6 +227,10 @@ mod tests {
         for q in pages.iter_mut().skip(2).take(4) {
             q.ms = None;
         }
-        assert_eq!(summarize(&pages, 1).t95_s, vec![None], "6 of 100 unshared: no 95%");
+        assert_eq!(
+            summarize(&pages, 1).t95_s,
+            vec![None],
+            "6 of 100 unshared: no 95%"
+        );
     }
 }

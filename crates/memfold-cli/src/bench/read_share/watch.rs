@@ -47,7 +47,10 @@ impl MemfdHoles {
     pub fn of(pid: u32, name: &str) -> Result<Self> {
         let want = format!("/memfd:{name} ");
         let dir = format!("/proc/{pid}/fd");
-        for e in std::fs::read_dir(&dir).with_context(|| dir.clone())?.flatten() {
+        for e in std::fs::read_dir(&dir)
+            .with_context(|| dir.clone())?
+            .flatten()
+        {
             let Ok(target) = std::fs::read_link(e.path()) else {
                 continue;
             };
