@@ -307,14 +307,13 @@ impl RawDisk {
     ///
     /// Errors: [`DiskError::BaseChanged`].
     pub fn check_unchanged(&self) -> Result<(), DiskError> {
-        self.guard.check(&self.file, true)
+        self.guard.check(&self.file)
     }
 
     /// Reads `buf.len()` bytes at `off` (within the file) through an aligned bounce
     /// buffer; without `O_DIRECT`, drops the range from the page cache afterwards.
     /// Refused if the file changed since it was opened, before the read or during it.
     fn read_at(&self, off: u64, buf: &mut [u8]) -> Result<(), DiskError> {
-        self.guard.check(&self.file, true)?;
         let io_err = |source| DiskError::Io {
             path: self.path.clone(),
             op: "read",
@@ -335,8 +334,8 @@ impl RawDisk {
                 Err(e) => return Err(io_err(e)),
             }
         }
-        // A write during the read: its bytes may be half old, half new.
-        self.guard.check(&self.file, false)?;
+        // After the read: a change before it or during it (half old, half new bytes).
+        self.guard.check(&self.file)?;
         let skip = (off - a0) as usize;
         buf.copy_from_slice(&bytes[skip..skip + buf.len()]);
         if !self.direct {

@@ -85,6 +85,11 @@ fn wait_rounds(g: &mut Guest, n: usize, within: Duration) {
     let t = Instant::now();
     while rounds(g) < n && !g.serial().contains("MEMFOLD-RW-DONE") {
         g.check_alive().unwrap();
+        let serial = g.serial();
+        assert!(
+            !serial.contains("MEMFOLD-RW-MISMATCH"),
+            "the guest read wrong bytes:\n{serial}"
+        );
         assert!(
             t.elapsed() < within,
             "{} rounds of {n} after {within:?}:\n{}",

@@ -8,16 +8,15 @@
 //! operator from writing it, truncating it or putting another file at its path while
 //! guests run. Its bytes would then differ from what the overlays were made over and what
 //! memfold names by (base, block). At open the device records the file's device, inode,
-//! size, mtime and ctime ([`BaseStamp`]); before each base read it compares them with the
-//! open file's (`fstat`) and the path's (`stat`: a file put in its place), and after the
-//! read with the open file's again (a write during the read). On the first difference
-//! the base is marked changed for good: every base read and every overlay write (whose
-//! copy-on-write of a partial cluster reads the base) is refused, with one error line
-//! naming the file and what changed. A write lands only if the base was intact at its
-//! start (its copy-on-write reads the base during the write itself; a change racing it in
-//! that window is caught at the next request). Cost: one `fstat` + one `stat` before and
-//! one `fstat` after a read, ~1 µs, against the ≥ 10 µs of an `O_DIRECT` read (measured
-//! in the report of this change).
+//! size, mtime and ctime ([`BaseStamp`]); after each base read (and before each overlay
+//! write, whose copy-on-write of a partial cluster reads the base) it compares them with
+//! the open file's (`fstat`). One check after the read sees any change made before it or
+//! during it; a file put in the base's place by a rename is seen too, as the open file's
+//! ctime moves when its name goes (its link count drops). On the first difference the
+//! base is marked changed for good: every base read, overlay write and discard is
+//! refused, with one error line naming the file and what changed. A change racing a
+//! write's copy-on-write is caught at the next request. Cost: one `fstat`, ~0.5 µs, per
+//! base read of ≥ 60 µs (`O_DIRECT`, 4 KiB; docs/blk-faults.md).
 //!
 //! Timestamps are the kernel's (coarse ticks where the file system has no fine-grained
 //! ones): a write within the same tick as the last change before the open can go
@@ -109,22 +108,15 @@ impl BaseGuard {
         self.changed.load(Ordering::Acquire)
     }
 
-    /// Checks the open `file` and, with `path_too`, the file at the path against the
-    /// stamp of the open.
+    /// Checks the open `file` against the stamp of the open.
     ///
     /// Errors: [`DiskError::BaseChanged`] (logged once, at the first).
-    pub fn check(&self, file: &std::fs::File, path_too: bool) -> Result<(), DiskError> {
+    pub fn check(&self, file: &std::fs::File) -> Result<(), DiskError> {
         if !self.changed() {
-            let mut what = match rustix::fs::fstat(file) {
+            let what = match rustix::fs::fstat(file) {
                 Ok(st) => self.stamp.diff(&BaseStamp::of(&st)),
                 Err(e) => format!("fstat failed: {e}"),
             };
-            if what.is_empty() && path_too {
-                match rustix::fs::stat(&self.path) {
-                    Ok(st) => what = self.stamp.diff(&BaseStamp::of(&st)),
-                    Err(e) => what = format!("its path no longer opens: {e}"),
-                }
-            }
             if what.is_empty() {
                 return Ok(());
             }

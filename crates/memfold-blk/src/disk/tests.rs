@@ -181,6 +181,7 @@ fn an_overlay_that_does_not_match_its_base_is_refused_and_neither_file_is_writte
         .set_len(1 << 20)
         .unwrap();
     assert!(OverlayDisk::open(&p("a.img"), &p("good.qcow2")).is_ok());
+    // (base, overlay, the mismatch expected)
     type Case = (&'static str, &'static str, fn(&Mismatch) -> bool);
     let cases: [Case; 5] = [
         ("b.img", "over-a.qcow2", |m| {

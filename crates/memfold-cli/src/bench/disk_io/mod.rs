@@ -4,7 +4,8 @@
 //! Two `tiny` guests boot at once, one whose data disk memfold-blk serves (reporting every
 //! page a read fills to memfoldd, as `memfold run --disk memfold` does) and one on QEMU's
 //! virtio-blk, both over the same raw file, both with memfold's agent under one memfoldd
-//! (`--no-memfoldd`: the devices alone). Each runs `memfold-probe diskio` (images/
+//! (`--no-memfoldd`: the devices alone). QEMU reads the file with `O_DIRECT` as
+//! memfold-blk does (`--virtio-cached`: through the host's page cache, QEMU's default). Each runs `memfold-probe diskio` (images/
 //! memfold-probe.rs): round after round of `O_DIRECT` reads — 4 KiB sequential, 4 KiB at
 //! random offsets, 1 MiB sequential — timed by the guest. Only the rounds that began after
 //! both guests were reading count, so both sides always ran under the same load; the run

@@ -65,6 +65,11 @@ pub struct ReadShareArgs {
     /// A page not shared this long after its read counts as not shared, s.
     #[arg(long, default_value_t = 60.0)]
     pub timeout_secs: f64,
+    /// KSM's `smart_scan` on the KSM side (Linux 6.7+: pages that did not merge are
+    /// skipped for up to 8 passes): `on`, `off`, or `host` (left as it is). Put back
+    /// afterwards.
+    #[arg(long, default_value = "host", value_parser = clap::builder::PossibleValuesParser::new(["host", "on", "off"]))]
+    pub ksm_smart_scan: String,
     /// RAM per guest, MiB (under 2 GiB: guest-physical addresses are memfd offsets).
     #[arg(long, default_value_t = 256)]
     pub mem_mib: u32,
@@ -142,6 +147,10 @@ pub struct ReadShareRun {
     pub chunk: usize,
     /// memfoldd's scan rate, pages/s.
     pub rate: u64,
+    /// KSM's `smart_scan` on the KSM side (`host`: as the host had it).
+    pub ksm_smart_scan: String,
+    /// The host's `smart_scan` when the run began (`None`: the kernel has none).
+    pub host_smart_scan: Option<String>,
     /// Each side.
     pub sides: Vec<Side>,
 }
@@ -182,6 +191,10 @@ pub fn run(a: &ReadShareArgs) -> Result<()> {
         pages: a.pages,
         chunk: a.chunk,
         rate: a.engine.rate,
+        ksm_smart_scan: a.ksm_smart_scan.clone(),
+        host_smart_scan: std::fs::read_to_string(SMART_SCAN)
+            .ok()
+            .map(|s| s.trim().into()),
         sides: Vec::new(),
     };
     for s in &a.sides {
@@ -245,7 +258,11 @@ fn side(
     let ksm = which == "ksm";
     let mut _daemon = None;
     let mut _ksm = None;
+    let mut _smart = None;
     if ksm {
+        if a.ksm_smart_scan != "host" {
+            _smart = Some(SmartScan::set(a.ksm_smart_scan == "on")?);
+        }
         let k = Ksm::take_control()?;
         // From nothing merged (run = 2 unmerges), then aggressive from the first boot.
         k.unmerge()?;
@@ -362,6 +379,30 @@ fn side(
         reader_books,
         pages: t.done,
     })
+}
+
+/// KSM's `smart_scan` set for a side, put back as it was when dropped.
+struct SmartScan(String);
+
+/// KSM's `smart_scan` switch.
+const SMART_SCAN: &str = "/sys/kernel/mm/ksm/smart_scan";
+
+impl SmartScan {
+    /// Sets `smart_scan` to `on`, remembering the host's value.
+    ///
+    /// Errors: the kernel has no `smart_scan` (before 6.7), or it cannot be written.
+    fn set(on: bool) -> Result<Self> {
+        let was = std::fs::read_to_string(SMART_SCAN).with_context(|| SMART_SCAN.to_string())?;
+        std::fs::write(SMART_SCAN, if on { "1" } else { "0" })
+            .with_context(|| SMART_SCAN.to_string())?;
+        Ok(SmartScan(was.trim().to_string()))
+    }
+}
+
+impl Drop for SmartScan {
+    fn drop(&mut self) {
+        let _ = std::fs::write(SMART_SCAN, &self.0);
+    }
 }
 
 /// Follows the reader's console and polls its pages in flight until it is done and none
