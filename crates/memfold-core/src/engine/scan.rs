@@ -229,10 +229,13 @@ impl Engine {
         if now.saturating_sub(s.pass_started_us) < s.interval_us {
             return true;
         }
-        // Start the next full scan: hints from the last one are stale (ESX §4.3).
+        // Start the next full scan: hints from the last one are stale (ESX §4.3) — but
+        // pages disk reads landed lately keep theirs: their twin's read may come before
+        // the scan passes over them again (`at_read::LANDED_HINTS`).
         for dom in self.domains.values_mut() {
             dom.share.end_pass();
         }
+        self.restore_landed_hints();
         let s = &mut self.scan;
         s.full_scans += 1;
         s.pass_started_us = now;
@@ -417,6 +420,9 @@ impl Engine {
                 let gpn = crate::ids::Gpn(self.vms[&id].base.0 + g.0);
                 let d = self.dom(id);
                 self.domain_mut(d).share.insert(h, ShareEntry::Hint(gpn));
+                if seen == Seen::Read {
+                    self.remember_landed_hint(d, h, gpn);
+                }
                 self.found_nothing(id, g);
             }
         }
