@@ -70,7 +70,9 @@ pub struct EngineArgs {
     #[arg(long, default_value = if defaults().share_cold_unmapped { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
     pub share_cold_unmapped: String,
     /// Serve reads of base blocks that pool frames hold from those frames, without the
-    /// disk (Satori §5.2; memfold-blk disks): `off` reads every block from the disk.
+    /// disk (Satori §5.2; memfold-blk disks; each read waits for memfoldd's answer, up to
+    /// 20 ms): `on` where a disk read costs more than that round trip (network or
+    /// contended storage); `off` reads every block from the disk.
     #[arg(long, default_value = if defaults().read_fill { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
     pub read_fill: String,
     /// Use what enlightened guests say their pages are (issue 17, PV §3.1; memfoldd's

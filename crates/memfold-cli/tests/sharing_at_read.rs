@@ -4,7 +4,9 @@
 //! what each read lands the moment memfold-blk reports it. Through the binary, as an
 //! operator runs it: every guest's self-checks pass (the run fails on a mismatch), each
 //! guest read the disk's exact bytes (its md5 against the host's), most shares are made
-//! at read, each timed, and the census finds the potential captured. About a minute
+//! at read, each timed, and the census finds the potential captured. With `--read-fill
+//! on`, reads of blocks frames hold are filled from them without the disk (Satori §5.2),
+//! and every pass's md5 must still be the first's (`--data-disk-verify`). About a minute
 //! under TCG; run it alone with other guest-booting tests
 //! (`flock /tmp/measure.lock cargo test --release -p memfold-cli --test sharing_at_read`).
 
@@ -30,6 +32,9 @@ fn reads_through_memfold_blk_are_shared_as_they_land() {
             "1",
             "--census",
             "10",
+            "--data-disk-verify",
+            "--read-fill",
+            "on",
             "--json",
             "--out",
         ])
@@ -98,7 +103,14 @@ fn reads_through_memfold_blk_are_shared_as_they_land() {
         let stats =
             std::fs::read_to_string(out.path().join("vm").join(g).join("blk-data.stats")).unwrap();
         assert!(stats.contains("io_errors=0"), "{g}: {stats}");
+        // Reads of blocks frames held were filled from them (Satori §5.2), and the pass's
+        // md5 above says they hold the disk's bytes.
+        assert!(
+            !stats.contains(" filled=0 "),
+            "{g}: nothing filled: {stats}"
+        );
     }
+    assert!(sum("read_fills") > 0, "no read filled from a frame");
 }
 
 /// The device's reads race every mechanism (issue 16: "a test races guest reads of
@@ -140,6 +152,8 @@ fn reads_landing_on_shared_stored_and_swapped_pages_keep_every_byte() {
             "--data-disk-verify",
             "--kill-memfoldd-every",
             "15",
+            "--read-fill",
+            "on",
             "--json",
             "--out",
         ])

@@ -53,6 +53,7 @@ fn held_blocks_are_learnt_from_the_base_and_reads_of_them_filled_from_frames() {
             policy: Policy::sharing_only(),
             rate: 1,
             clock_interval_us: None,
+            read_fill: true,
             ..common::fast_engine()
         },
     );

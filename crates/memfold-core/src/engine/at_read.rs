@@ -22,8 +22,8 @@
 use super::unmapped::Seen;
 use super::Engine;
 use crate::ids::{DomainId, Gfn, Gpn, VmId};
-use crate::share::ShareEntry;
 use crate::p2m::PageState;
+use crate::share::ShareEntry;
 use crate::{Page, PAGE_SIZE};
 
 /// Pages of one report looked up at most; the rest are left to the scan (a report is a

@@ -95,8 +95,10 @@ pub struct EngineConfig {
     pub share_cold_unmapped: bool,
     /// Serve reads of base blocks that frames hold from those frames (Satori §5.2,
     /// [`super::fill`]): the engine learns which blocks frames hold and fills what block
-    /// devices ask. `false`: every fill is answered empty, nothing is learnt. `true`,
-    /// the default.
+    /// devices ask. `false` (the default: on this host's fast local disk a fill's round
+    /// trip through memfoldd and the agent under load cost the guests more than the disk
+    /// read it saves — docs/sharing-at-read.md): every fill is answered empty, nothing is
+    /// learnt. Worth it where a disk read costs more (network or contended storage).
     pub read_fill: bool,
     /// Host memory budget for the guests' RAM (their memfds, the pool and the store),
     /// bytes; over it, cold pages are swapped out (DE §4.6). `None`: no swapping.
@@ -141,7 +143,7 @@ impl Default for EngineConfig {
             clock_interval_us: Some(4_000_000),
             clock_rearm_max: 64,
             share_cold_unmapped: true,
-            read_fill: true,
+            read_fill: false,
             host_budget: None,
             guest_categories: true,
             guest_skip: crate::categories::CategorySet::SLAB,

@@ -322,6 +322,7 @@ mod tests {
     fn rig() -> Rig {
         let cfg = EngineConfig {
             policy: Policy::sharing_only(),
+            read_fill: true,
             rate: 0,
             min_scan_interval_us: 3_600_000_000,
             max_scan_interval_us: 3_600_000_000,

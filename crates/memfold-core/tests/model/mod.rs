@@ -115,6 +115,7 @@ fn config(s: &Setup) -> EngineConfig {
         host_budget: s.budget_pages.map(|p| p as u64 * PAGE_SIZE as u64),
         // Identical pages shared without a mapping (issue 19) in 3 setups of 4.
         share_cold_unmapped: (s.zero / 3) % 4 != 0,
+        read_fill: true,
         page_hash: if s.collide_hashes {
             colliding_hash
         } else {
