@@ -13,7 +13,7 @@ use std::time::Instant;
 use memfold_codecs::{Page, PAGE_SIZE};
 use memfold_ids::{FrameId, Gfn};
 use memfold_sys::memfd::pread_exact;
-use memfold_wire::{BlobHome, StashPage, ToAgent, ToDaemon, CLOCK_SLICE};
+use memfold_wire::{BatchId, BlobHome, StashPage, ToAgent, ToDaemon, CLOCK_SLICE};
 
 use crate::install::Job;
 use crate::state::{plus, PageHome, Stash};
@@ -72,15 +72,7 @@ impl Agent {
         let reply = match msg {
             ToAgent::Share { batch, pages } => {
                 let o = self.share(pages, Expect::Frame)?;
-                self.counters
-                    .share
-                    .record_batch(started.elapsed(), o.done.len());
-                ToDaemon::ShareDone {
-                    batch,
-                    shared: o.done,
-                    changed: o.changed,
-                    refused: o.refused,
-                }
+                self.share_done(batch, started, o)
             }
             ToAgent::Fill {
                 batch,
@@ -96,15 +88,7 @@ impl Agent {
                 } else {
                     self.share(pages, Expect::nonce(nonce))?
                 };
-                self.counters
-                    .share
-                    .record_batch(started.elapsed(), o.done.len());
-                ToDaemon::ShareDone {
-                    batch,
-                    shared: o.done,
-                    changed: o.changed,
-                    refused: o.refused,
-                }
+                self.share_done(batch, started, o)
             }
             ToAgent::ReclaimZero { batch, gfns } => {
                 let o = self.reclaim_zero(gfns)?;
@@ -168,6 +152,19 @@ impl Agent {
             }
         }
         Ok(())
+    }
+
+    /// The answer to a share or fill request `batch` begun at `started`, timed.
+    fn share_done(&mut self, batch: BatchId, started: Instant, o: Outcome) -> ToDaemon {
+        self.counters
+            .share
+            .record_batch(started.elapsed(), o.done.len());
+        ToDaemon::ShareDone {
+            batch,
+            shared: o.done,
+            changed: o.changed,
+            refused: o.refused,
+        }
     }
 
     /// Carries out a share request (ESX §4.3): maps the private pages whose bytes still

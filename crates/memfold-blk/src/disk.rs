@@ -519,6 +519,54 @@ impl OverlayDisk {
     }
 }
 
+impl OverlayDisk {
+    /// Where each byte of `[off, off + len)` comes from, piece by piece as the overlay maps
+    /// it (not merged), each with the overlay file's offset of its data when the overlay
+    /// holds it.
+    ///
+    /// Errors: [`DiskError::OutOfRange`], [`DiskError::Io`].
+    fn mapping(&self, off: u64, len: u64) -> Result<Vec<(Extent, Option<u64>)>, DiskError> {
+        check_range(&self.path, "read", off, len, self.size())?;
+        let mut out = Vec::new();
+        let mut at = 0u64;
+        while at < len {
+            let (m, n) = self
+                .overlay
+                .get_shallow_mapping(off + at, len - at)
+                .map_err(self.io_err("read", off + at, len - at))?;
+            let n = n.clamp(1, len - at);
+            let (source, host_off) = match m {
+                ShallowMapping::Indirect { .. } => (ExtentSource::Base(self.base.id()), None),
+                ShallowMapping::Raw { offset, .. } => (ExtentSource::Overlay, Some(offset)),
+                ShallowMapping::Zero { .. } | ShallowMapping::Eof { .. } => {
+                    (ExtentSource::Zero, None)
+                }
+                _ => (ExtentSource::Overlay, None),
+            };
+            let e = Extent {
+                off: off + at,
+                len: n,
+                source,
+            };
+            out.push((e, host_off));
+            at += n;
+        }
+        Ok(out)
+    }
+}
+
+/// Consecutive extents of one source as one.
+fn merge(pieces: impl Iterator<Item = Extent>) -> Vec<Extent> {
+    let mut ext: Vec<Extent> = Vec::new();
+    for p in pieces {
+        match ext.last_mut() {
+            Some(e) if e.source == p.source && e.off + e.len == p.off => e.len += p.len,
+            _ => ext.push(p),
+        }
+    }
+    ext
+}
+
 impl Disk for OverlayDisk {
     fn size(&self) -> u64 {
         self.overlay.size()
@@ -530,30 +578,7 @@ impl Disk for OverlayDisk {
         true
     }
     fn sources(&self, off: u64, len: u64) -> Result<Option<Vec<Extent>>, DiskError> {
-        check_range(&self.path, "read", off, len, self.size())?;
-        let mut ext: Vec<Extent> = Vec::new();
-        let mut at = 0u64;
-        while at < len {
-            let (m, n) = self
-                .overlay
-                .get_shallow_mapping(off + at, len - at)
-                .map_err(self.io_err("read", off + at, len - at))?;
-            let n = n.clamp(1, len - at);
-            let source = match m {
-                ShallowMapping::Indirect { .. } => ExtentSource::Base(self.base.id()),
-                ShallowMapping::Zero { .. } | ShallowMapping::Eof { .. } => ExtentSource::Zero,
-                _ => ExtentSource::Overlay,
-            };
-            match ext.last_mut() {
-                Some(e) if e.source == source && e.off + e.len == off + at => e.len += n,
-                _ => ext.push(Extent {
-                    off: off + at,
-                    len: n,
-                    source,
-                }),
-            }
-            at += n;
-        }
+        let ext = merge(self.mapping(off, len)?.into_iter().map(|p| p.0));
         if ext
             .iter()
             .any(|e| matches!(e.source, ExtentSource::Base(_)))
@@ -566,48 +591,21 @@ impl Disk for OverlayDisk {
         self.base.base_file()
     }
     fn read(&self, off: u64, buf: &mut [u8]) -> Result<Vec<Extent>, DiskError> {
-        let len = buf.len() as u64;
-        check_range(&self.path, "read", off, len, self.size())?;
-        let mut ext: Vec<Extent> = Vec::new();
-        let mut at = 0u64;
-        while at < len {
-            let (m, n) = self
-                .overlay
-                .get_shallow_mapping(off + at, len - at)
-                .map_err(self.io_err("read", off + at, len - at))?;
-            let n = n.clamp(1, len - at);
-            let mut host_off = None;
-            let source = match m {
-                ShallowMapping::Indirect { .. } => ExtentSource::Base(self.base.id()),
-                ShallowMapping::Raw { offset, .. } => {
-                    host_off = Some(offset);
-                    ExtentSource::Overlay
-                }
-                ShallowMapping::Zero { .. } | ShallowMapping::Eof { .. } => ExtentSource::Zero,
-                _ => ExtentSource::Overlay,
-            };
-            let dst = &mut buf[at as usize..(at + n) as usize];
-            match source {
-                ExtentSource::Base(_) => self.base.read_at(off + at, dst)?,
+        let pieces = self.mapping(off, buf.len() as u64)?;
+        for &(e, host_off) in &pieces {
+            let dst = &mut buf[(e.off - off) as usize..(e.off - off + e.len) as usize];
+            match e.source {
+                ExtentSource::Base(_) => self.base.read_at(e.off, dst)?,
                 ExtentSource::Zero => dst.fill(0),
                 ExtentSource::Overlay => {
-                    self.imago_read(off + at, dst)?;
+                    self.imago_read(e.off, dst)?;
                     if let (false, Some(h)) = (self.direct, host_off) {
-                        memfold_sys::memfd::drop_cache(self.cache_handle.as_fd(), h, n);
+                        memfold_sys::memfd::drop_cache(self.cache_handle.as_fd(), h, e.len);
                     }
                 }
             }
-            match ext.last_mut() {
-                Some(e) if e.source == source && e.off + e.len == off + at => e.len += n,
-                _ => ext.push(Extent {
-                    off: off + at,
-                    len: n,
-                    source,
-                }),
-            }
-            at += n;
         }
-        Ok(ext)
+        Ok(merge(pieces.into_iter().map(|p| p.0)))
     }
     /// Writes `buf` at `off` into the overlay, then writes imago's cached metadata (L2
     /// tables, refcounts) to the file: a write completed to the guest survives a kill of
