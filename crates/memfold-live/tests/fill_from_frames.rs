@@ -58,19 +58,7 @@ fn held_blocks_are_learnt_from_the_base_and_reads_of_them_filled_from_frames() {
         },
     );
     let mut rng = SmallRng::seed_from_u64(52);
-    let (a, b) = (GuestRam::new("a", PAGES), GuestRam::new("b", PAGES_B));
-    let mut page = vec![0u8; PAGE];
-    for (ram, pages) in [(&a, PAGES), (&b, PAGES_B)] {
-        for g in 0..pages {
-            rng.fill(&mut page[..]);
-            ram.write(g, 0, &page);
-        }
-    }
-    common::start_agent(&socket, "a", &a);
-    common::start_agent(&socket, "b", &b);
-    common::wait_for(&socket, Duration::from_secs(10), "both attached", |s| {
-        s.vms.len() == 2
-    });
+    let (a, b) = common::two_random_guests(&socket, &mut rng, PAGES, PAGES_B);
     // The base image: 16 random blocks.
     let base_path = dir.path().join("base.img");
     let base: Vec<Vec<u8>> = (0..BLOCKS)

@@ -40,19 +40,7 @@ fn reported_disk_reads_are_shared_at_once_and_unreported_twins_wait_for_the_scan
         },
     );
     let mut rng = SmallRng::seed_from_u64(16);
-    let (a, b) = (GuestRam::new("a", PAGES), GuestRam::new("b", PAGES_B));
-    let mut page = vec![0u8; PAGE];
-    for (ram, pages) in [(&a, PAGES), (&b, PAGES_B)] {
-        for g in 0..pages {
-            rng.fill(&mut page[..]);
-            ram.write(g, 0, &page);
-        }
-    }
-    common::start_agent(&socket, "a", &a);
-    common::start_agent(&socket, "b", &b);
-    common::wait_for(&socket, Duration::from_secs(10), "both attached", |s| {
-        s.vms.len() == 2
-    });
+    let (a, b) = common::two_random_guests(&socket, &mut rng, PAGES, PAGES_B);
     // A file of 16 blocks read by both guests into different pages (as page cache is),
     // written through the guests' mappings as the block device writes; and the control:
     // 16 more equal pairs nobody reports.

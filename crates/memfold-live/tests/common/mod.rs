@@ -375,3 +375,27 @@ pub fn attach_fake_qemu(
     assert!(fds.len() >= 2, "{name}: a pool and a store");
     (c, fds, fd)
 }
+
+/// Two guests `a` (`pages_a`) and `b` (`pages_b`) of random pages (from `rng`), each
+/// with its agent attached to the memfoldd at `socket` (waits until both are).
+pub fn two_random_guests(
+    socket: &Path,
+    rng: &mut SmallRng,
+    pages_a: usize,
+    pages_b: usize,
+) -> (GuestRam, GuestRam) {
+    let (a, b) = (GuestRam::new("a", pages_a), GuestRam::new("b", pages_b));
+    let mut page = vec![0u8; PAGE];
+    for (ram, pages) in [(&a, pages_a), (&b, pages_b)] {
+        for g in 0..pages {
+            rng.fill(&mut page[..]);
+            ram.write(g, 0, &page);
+        }
+    }
+    start_agent(socket, "a", &a);
+    start_agent(socket, "b", &b);
+    wait_for(socket, Duration::from_secs(10), "both attached", |s| {
+        s.vms.len() == 2
+    });
+    (a, b)
+}
