@@ -143,6 +143,14 @@ fn child(failure: Failure) -> ! {
         },
     )
     .unwrap();
+    if failure == Failure::CopyEnomem {
+        // The program's own pages (text, data) resident and locked now, charged outside
+        // the cgroup the child moves into: once that is full, the agent's first run of
+        // a code path must not wait for a page of text (with the OOM killer off it would
+        // wait for good), so the only allocation to fail is the decode's copy — ENOMEM.
+        // SAFETY: mlockall takes no pointers.
+        assert_eq!(unsafe { libc::mlockall(libc::MCL_CURRENT) }, 0, "mlockall");
+    }
     let dir = PathBuf::from(std::env::var_os(DIR).expect("work folder"));
     let socket = dir.join("memfoldd.sock");
     let listener = Listener::bind(&socket).unwrap();
