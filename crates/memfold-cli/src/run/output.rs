@@ -608,12 +608,12 @@ mod tests {
         assert!(lines[1].starts_with("1.0,web-1,1000,"));
         // The guest's entitlement, 7.5 pages at 1 s, in bytes: its own row and `all`'s.
         // Then what its balloon leaves it (257 MiB at 1 s), then its shares (all, at disk
-        // read) and the pages a disk read filled.
-        assert!(lines[1].ends_with(",30720,269484032,0,0,0"), "{}", lines[1]);
+        // read), the pages a disk read filled and those filled from frames.
+        assert!(lines[1].ends_with(",30720,269484032,0,0,0,0"), "{}", lines[1]);
         // used 1900 pages of 2000 at 1 s: saved 100 pages; books 100 pages, sharing 60.
         assert!(lines[2].starts_with("1.0,all,"));
         assert!(
-            lines[2].ends_with(",409600,409600,245760,0,0,0,0,0,0,30720,,0,0,0"),
+            lines[2].ends_with(",409600,409600,245760,0,0,0,0,0,0,30720,,0,0,0,0"),
             "{}",
             lines[2]
         );
