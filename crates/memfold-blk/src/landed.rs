@@ -57,6 +57,12 @@ pub trait LandedSink: Send + Sync {
         false
     }
 
+    /// Whether any block is said to be held: when none is, a read asks nothing and
+    /// need not even look at where its bytes come from.
+    fn holds_any(&self) -> bool {
+        false
+    }
+
     /// Asks that `pages` of `ram` (each already beginning with `nonce`) be filled from
     /// frames holding their blocks; waits up to `wait`; returns the pages filled, which
     /// the device must not write. None, for a sink that is not memfoldd.
@@ -175,6 +181,10 @@ impl LandedSink for MemfolddSink {
 
     fn held(&self, b: BaseBlock) -> bool {
         self.reporter.held(b)
+    }
+
+    fn holds_any(&self) -> bool {
+        self.reporter.holds_any()
     }
 
     fn fill(

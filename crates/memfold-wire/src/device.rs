@@ -133,6 +133,12 @@ impl LandedReporter {
             && self.shared.held.lock().expect("not poisoned").contains(&b)
     }
 
+    /// Whether memfoldd said frames hold any block (and is connected).
+    pub fn holds_any(&self) -> bool {
+        self.shared.connected.load(Ordering::Relaxed)
+            && !self.shared.held.lock().expect("not poisoned").is_empty()
+    }
+
     /// Asks memfoldd to fill `pages` of RAM memfd `ram` from frames (Satori §5.2); the
     /// caller wrote `nonce` (never zero) at the start of each. Waits up to `wait` and
     /// returns the pages filled (empty when memfoldd is away, did not answer in time, or

@@ -61,7 +61,7 @@ impl BlkBackend {
         off: u64,
         len: u64,
     ) -> Result<Vec<u64>, ReqError> {
-        if self.disk.base_changed() {
+        if self.disk.base_changed() || !self.sink.holds_any() {
             return Ok(Vec::new());
         }
         let Some(extents) = self.disk.sources(off, len).ok().flatten() else {

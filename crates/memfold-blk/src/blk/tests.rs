@@ -387,6 +387,9 @@ impl LandedSink for FakeFrames {
     fn held(&self, b: memfold_ids::BaseBlock) -> bool {
         self.held.contains(&b)
     }
+    fn holds_any(&self) -> bool {
+        !self.held.is_empty()
+    }
     fn fill(
         &self,
         _ram: RamFile,

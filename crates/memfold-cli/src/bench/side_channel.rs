@@ -21,8 +21,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use memfold_cli::side_channel::{parse, score, Score};
-use memfold_vm::images;
-use memfold_vm::launcher::{agent_env, detect_accel, Accel, Guest, GuestSpec, RamBackend};
+use memfold_vm::launcher::{agent_env, Accel, Guest, GuestSpec, RamBackend};
 use serde::Serialize;
 
 use crate::run::{companions, Daemon};
@@ -138,17 +137,7 @@ pub fn run(a: &SideChannelArgs) -> Result<()> {
         "--per-round at least 2, --pages and --controls at least 1"
     );
     let (agent, daemon) = companions()?;
-    let out = a
-        .out
-        .clone()
-        .unwrap_or_else(|| crate::default_out("side-channel"));
-    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
-    let out = std::fs::canonicalize(&out)?;
-    let cache = images::cache_dir();
-    images::build(&cache, "tiny", |l| {
-        eprintln!("  [tiny] {}", l.trim_start_matches("== step: "))
-    })?;
-    let accel = detect_accel(&cache);
+    let (out, cache, accel) = super::prepare(&a.out, "side-channel", &["tiny"])?;
     let rounds = a.trials.div_ceil(a.per_round);
     let sides: Vec<bool> = if a.both {
         vec![false, true]

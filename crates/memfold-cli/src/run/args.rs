@@ -209,26 +209,11 @@ impl MemfoldArgs {
     /// asked) as `out/data-disk.img`: random bytes, so that nothing but sharing between
     /// the guests' page caches can fold it. `None` without `--data-disk-mib`.
     pub fn data_disk(&self, out: &Path) -> anyhow::Result<Option<memfold_vm::launcher::DataDisk>> {
-        use anyhow::Context;
-        use std::io::{Read, Write};
         let Some(mib) = self.data_disk_mib else {
             return Ok(None);
         };
-        let path = out.join("data-disk.img");
-        let bytes = mib << 20;
-        if std::fs::metadata(&path).map(|m| m.len()).ok() != Some(bytes) {
-            let mut f = std::fs::File::create(&path)
-                .with_context(|| format!("cannot create {}", path.display()))?;
-            let mut rng = std::fs::File::open("/dev/urandom").context("/dev/urandom")?;
-            let mut buf = vec![0u8; 1 << 20];
-            for _ in 0..mib {
-                rng.read_exact(&mut buf).context("/dev/urandom")?;
-                f.write_all(&buf)
-                    .with_context(|| format!("cannot write {}", path.display()))?;
-            }
-        }
         Ok(Some(memfold_vm::launcher::DataDisk {
-            path: std::fs::canonicalize(&path)?,
+            path: crate::bench::data_file(out, mib)?,
             read_bytes_per_sec: (self.data_disk_mibps > 0).then_some(self.data_disk_mibps << 20),
         }))
     }

@@ -609,7 +609,11 @@ mod tests {
         // The guest's entitlement, 7.5 pages at 1 s, in bytes: its own row and `all`'s.
         // Then what its balloon leaves it (257 MiB at 1 s), then its shares (all, at disk
         // read), the pages a disk read filled and those filled from frames.
-        assert!(lines[1].ends_with(",30720,269484032,0,0,0,0"), "{}", lines[1]);
+        assert!(
+            lines[1].ends_with(",30720,269484032,0,0,0,0"),
+            "{}",
+            lines[1]
+        );
         // used 1900 pages of 2000 at 1 s: saved 100 pages; books 100 pages, sharing 60.
         assert!(lines[2].starts_with("1.0,all,"));
         assert!(

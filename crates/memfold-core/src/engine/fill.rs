@@ -187,12 +187,7 @@ impl Engine {
 
     /// Whether base block `b` is held by a frame of guest `id`'s domain.
     pub fn block_held(&self, id: VmId, b: BaseBlock) -> bool {
-        self.vms.contains_key(&id)
-            && self
-                .fills
-                .index
-                .get(&self.dom(id))
-                .is_some_and(|i| i.by_block.contains_key(&b))
+        self.vms.contains_key(&id) && self.block_held_in(self.dom(id), b)
     }
 
     /// A block device asks (request `fill`) that pages `pages` of guest `id` be filled

@@ -28,10 +28,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use memfold_vm::images;
-use memfold_vm::launcher::{
-    agent_env, detect_accel, BlkDisks, DataDisk, Guest, GuestSpec, RamBackend,
-};
+use memfold_vm::launcher::{agent_env, BlkDisks, DataDisk, Guest, GuestSpec, RamBackend};
 use serde::Serialize;
 
 use crate::run::measure::{start_marks, throughput, Throughput};
@@ -148,21 +145,9 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
         "--seq-mib between 1 and --disk-mib, --rand-reads at least 1"
     );
     let (agent, daemon_bin) = companions()?;
-    let out = a
-        .out
-        .clone()
-        .unwrap_or_else(|| crate::default_out("disk-io"));
-    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
-    let out = std::fs::canonicalize(&out)?;
-    let cache = images::cache_dir();
-    let mut profiles = vec!["tiny".to_string()];
-    profiles.extend(a.workloads.iter().cloned());
-    for p in &profiles {
-        images::build(&cache, p, |l| {
-            eprintln!("  [{p}] {}", l.trim_start_matches("== step: "))
-        })?;
-    }
-    let accel = detect_accel(&cache);
+    let mut profiles = vec!["tiny"];
+    profiles.extend(a.workloads.iter().map(String::as_str));
+    let (out, cache, accel) = super::prepare(&a.out, "disk-io", &profiles)?;
     let data = super::data_file(&out, a.disk_mib)?;
     let socket = out.join("memfoldd.sock");
     let _daemon = if a.no_memfoldd {

@@ -25,10 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use memfold_sys::ksm::{Ksm, KsmMode};
-use memfold_vm::images;
-use memfold_vm::launcher::{
-    agent_env, detect_accel, Accel, BlkDisks, DataDisk, Guest, GuestSpec, RamBackend,
-};
+use memfold_vm::launcher::{agent_env, Accel, BlkDisks, DataDisk, Guest, GuestSpec, RamBackend};
 use serde::Serialize;
 
 use crate::run::{companions, Daemon};
@@ -172,17 +169,7 @@ pub fn run(a: &ReadShareArgs) -> Result<()> {
         );
     }
     let (agent, daemon) = companions()?;
-    let out = a
-        .out
-        .clone()
-        .unwrap_or_else(|| crate::default_out("read-share"));
-    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
-    let out = std::fs::canonicalize(&out)?;
-    let cache = images::cache_dir();
-    images::build(&cache, "tiny", |l| {
-        eprintln!("  [tiny] {}", l.trim_start_matches("== step: "))
-    })?;
-    let accel = detect_accel(&cache);
+    let (out, cache, accel) = super::prepare(&a.out, "read-share", &["tiny"])?;
     let held = a.rounds * a.pages;
     let data = super::data_file(&out, (held as u64).div_ceil(256).max(1))?;
     let mut res = ReadShareRun {
