@@ -151,6 +151,8 @@ pub fn start_from_env() {
         return;
     }
     logger();
+    // Before QEMU's main: no device can connect before the fence exists (`fence`).
+    let _ = write_fence();
     let _ = std::thread::Builder::new()
         .name("memfold-agent".into())
         .spawn(move || {
@@ -164,6 +166,24 @@ pub fn start_from_env() {
                 ),
             }
         });
+}
+
+/// This process's write fence (`memfold_sys::fence`), made on first use: the agent's
+/// constructor makes it before QEMU's `main`, so every device that writes guest RAM from
+/// another process finds it when QEMU connects. `None` if it cannot be made (then the
+/// agent does not start).
+pub(crate) fn write_fence() -> Option<&'static memfold_sys::fence::WriteFence> {
+    static FENCE: std::sync::OnceLock<Option<memfold_sys::fence::WriteFence>> =
+        std::sync::OnceLock::new();
+    FENCE
+        .get_or_init(|| match memfold_sys::fence::WriteFence::create() {
+            Ok(f) => Some(f),
+            Err(e) => {
+                tracing::error!("the write fence: {e}");
+                None
+            }
+        })
+        .as_ref()
 }
 
 /// A panic's message.
@@ -332,6 +352,11 @@ struct Agent {
 /// held — except when its region is unmapped (hot-unplug), when it detaches and returns
 /// an error saying so.
 pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
+    if write_fence().is_none() {
+        return Err(io::Error::other(
+            "the write fence cannot be made, so devices' writes could be lost: memfold leaves this guest alone",
+        ));
+    }
     let plan = qemu_plan();
     if let Some(plan) = &plan {
         let problems: Vec<String> = plan.problems().iter().map(|p| p.to_string()).collect();

@@ -232,6 +232,9 @@ impl Agent {
         let len = n as u64 * PAGE;
         let addr = self.page_addr(g0);
         self.uffd.write_protect(addr, len, true)?;
+        // After the write-protection, before the read: pages a writer in another process
+        // may still be copying into are left alone (the write fence).
+        let held = held_by_writers(addr, n);
         let mut guest = vec![0u8; len as usize];
         let mut frames = vec![0u8; len as usize];
         pread_exact(self.memfd.as_fd(), &mut guest, g0.offset())?;
@@ -242,10 +245,11 @@ impl Agent {
         let equal: Vec<bool> = (0..n)
             .map(|k| {
                 let page = &guest[k * p..(k + 1) * p];
-                match expect {
-                    Expect::Frame => *page == frames[k * p..(k + 1) * p],
-                    Expect::Nonce(nonce) => page[..NONCE] == nonce,
-                }
+                !held[k]
+                    && match expect {
+                        Expect::Frame => *page == frames[k * p..(k + 1) * p],
+                        Expect::Nonce(nonce) => page[..NONCE] == nonce,
+                    }
             })
             .collect();
         let mut k = 0;
@@ -336,11 +340,12 @@ impl Agent {
             let (addr, len) = (self.page_addr(g0), n as u64 * PAGE);
             // Writers wait from here until the unprotect below.
             self.uffd.write_protect(addr, len, true)?;
+            let held = held_by_writers(addr, n);
             let mut bytes = vec![0u8; len as usize];
             pread_exact(self.memfd.as_fd(), &mut bytes, g0.offset())?;
             for k in 0..n {
                 let g = plus(g0, k);
-                if bytes[k * p..(k + 1) * p].iter().any(|&b| b != 0) {
+                if held[k] || bytes[k * p..(k + 1) * p].iter().any(|&b| b != 0) {
                     out.changed.push(g);
                     continue;
                 }
@@ -393,8 +398,9 @@ impl Agent {
             let addr = self.page_addr(g);
             // Writers wait from here until the unprotect below.
             self.uffd.write_protect(addr, PAGE, true)?;
+            let held = held_by_writers(addr, 1)[0];
             pread_exact(self.memfd.as_fd(), &mut now, g.offset())?;
-            if now != decoded {
+            if held || now != decoded {
                 out.changed.push(g);
             } else {
                 // Writers wait, and the blob decodes to exactly its bytes, which the next
@@ -488,4 +494,15 @@ impl Agent {
         }
         Ok((n, r, m))
     }
+}
+
+/// Which of the `n` pages from `addr` (just write-protected, not yet read) a writer in
+/// another process may still be copying into (`memfold_sys::fence`): such a page was
+/// pinned before the write-protection and takes the copy without a fault, so it must not
+/// be mapped over or punched out. `run` does not start without the fence.
+fn held_by_writers(addr: u64, n: usize) -> Vec<bool> {
+    let fence = crate::write_fence();
+    (0..n)
+        .map(|k| fence.is_none_or(|f| f.busy(addr + k as u64 * PAGE)))
+        .collect()
 }

@@ -6,17 +6,18 @@
 //! that, keeps its bytes however late the fill arrives. And a write racing the fill
 //! lands in a CoW copy of the frame, never in a page the guest no longer sees.
 //!
-//! This test binary plays QEMU (a shared `memory-backend-memfd` memfd mapped) and
-//! memfoldd (a listener speaking the wire). One test: the agent, run in this process,
-//! takes every such memfd of the process.
+//! This test binary plays QEMU and memfoldd (`common`). One test: the agent, run in this
+//! process, takes every QEMU-named memfd of the process.
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+mod common;
+
+use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use memfold_agent::{AgentConfig, FailMode};
+use common::{agent_with_pool, page_of, region, write};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
-use memfold_wire::{BatchId, Conn, FrameId, Gfn, Listener, ToAgent, ToDaemon, PROTOCOL_VERSION};
+use memfold_wire::{BatchId, Conn, FrameId, Gfn, ToAgent, ToDaemon};
 
 /// Guest RAM, pages.
 const PAGES: usize = 16;
@@ -27,43 +28,6 @@ const NONCE: [u64; 2] = [0x6d65_6d66_6f6c_6421, 0x0123_4567_89ab_cdef];
 /// The base block frame 0 holds: no byte zero, none equal to the nonce's start.
 fn block(i: usize) -> u8 {
     (i % 199) as u8 + 40
-}
-
-/// The shared mapping of a new memfd named as QEMU names its memory backends.
-fn region(pages: usize) -> (OwnedFd, *mut u8) {
-    let fd = memfd::create("memory-backend-memfd").unwrap();
-    memfd::set_len(fd.as_fd(), (pages * PAGE_SIZE) as u64).unwrap();
-    // SAFETY: a new shared mapping of a memfd this test owns, at an address the kernel
-    // picks; never unmapped; touched only through raw pointers.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            pages * PAGE_SIZE,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(p, libc::MAP_FAILED);
-    (fd, p as *mut u8)
-}
-
-/// Guest RAM at `ptr`, page `g`, as the guest sees it (a fault served by the agent if
-/// need be).
-fn page_of(ptr: *mut u8, g: usize) -> Vec<u8> {
-    (0..PAGE_SIZE)
-        // SAFETY: inside the mapping.
-        .map(|i| unsafe { std::ptr::read_volatile(ptr.add(g * PAGE_SIZE + i)) })
-        .collect()
-}
-
-/// Writes `bytes` at the start of page `g` as a device or the guest would.
-fn write(ptr: *mut u8, g: usize, bytes: &[u8]) {
-    for (i, &b) in bytes.iter().enumerate() {
-        // SAFETY: inside the mapping (bytes is at most a page).
-        unsafe { std::ptr::write_volatile(ptr.add(g * PAGE_SIZE + i), b) };
-    }
 }
 
 fn nonce_bytes(n: [u64; 2]) -> Vec<u8> {
@@ -111,37 +75,11 @@ fn a_fill_maps_the_frame_only_over_pages_that_still_hold_the_nonce() {
         write(ptr, g, &vec![g as u8 + 1; PAGE_SIZE]);
     }
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("memfoldd.sock");
-    let listener = Listener::bind(&socket).unwrap();
-    let cfg = AgentConfig {
-        socket: socket.clone(),
-        name: "g".into(),
-        ram_bytes: 0,
-        vma_budget: None,
-        on_failure: FailMode::Abort,
-    };
-    std::thread::spawn(move || memfold_agent::run(cfg));
-    let pool = memfd::create("fake-pool").unwrap();
-    memfd::set_len(pool.as_fd(), PAGE_SIZE as u64).unwrap();
     let frame: Vec<u8> = (0..PAGE_SIZE).map(block).collect();
-    rustix::io::pwrite(&pool, &frame, 0).unwrap();
-    let store = memfd::create("fake-store").unwrap();
-    let c = listener.accept().unwrap();
-    c.set_recv_timeout(Duration::from_millis(200)).unwrap();
-    let t = Instant::now();
-    while !matches!(
-        c.recv::<ToDaemon>(),
-        Ok(Some((ToDaemon::AgentHello { .. }, _)))
-    ) {
-        assert!(t.elapsed() < Duration::from_secs(10), "no hello");
-    }
-    c.send(
-        &ToAgent::Welcome {
-            version: PROTOCOL_VERSION,
-        },
-        &[pool.as_fd(), store.as_fd()],
-    )
-    .unwrap();
+    let (c, pool, _store) = agent_with_pool(
+        &dir.path().join("memfoldd.sock"),
+        std::slice::from_ref(&frame),
+    );
     let nonce = nonce_bytes(NONCE);
 
     // 1: the device wrote the nonce and waits: the frame is mapped over the page, which

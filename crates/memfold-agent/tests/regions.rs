@@ -11,13 +11,16 @@
 //! maps two NUMA nodes' backends) and memfoldd (a listener speaking the wire). One test
 //! only: the agent, run in this process, takes every such memfd of the process.
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+mod common;
+
+use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
+use common::{next, region, share};
 use memfold_agent::{AgentConfig, FailMode};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
-use memfold_wire::{BatchId, Conn, FrameId, Gfn, Listener, ToAgent, ToDaemon, PROTOCOL_VERSION};
+use memfold_wire::{BatchId, FrameId, Gfn, Listener, ToAgent, ToDaemon, PROTOCOL_VERSION};
 
 /// Region 0, pages (the larger, so the two differ in size too).
 const PAGES_A: usize = 64;
@@ -29,53 +32,6 @@ const ZERO_B: u32 = 5;
 /// Byte `i` of page `g` of region `r` as the "guest" writes it: no page zero.
 fn pattern(r: usize, g: usize, i: usize) -> u8 {
     ((r * 7919 + g * 131 + i * 7) % 251) as u8 + 1
-}
-
-/// A shared mapping of a new memfd named as QEMU names its memory backends.
-fn region(pages: usize) -> (OwnedFd, *mut u8) {
-    let fd = memfd::create("memory-backend-memfd").unwrap();
-    memfd::set_len(fd.as_fd(), (pages * PAGE_SIZE) as u64).unwrap();
-    // SAFETY: a new shared mapping of a memfd this test owns, at an address the kernel
-    // picks; never unmapped; touched only through raw pointers.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            pages * PAGE_SIZE,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(p, libc::MAP_FAILED);
-    (fd, p as *mut u8)
-}
-
-/// Receives the next message of `want`'s kind on `c`, skipping reports; panics after 10 s.
-fn next<T>(c: &Conn, want: impl Fn(&ToDaemon) -> Option<T>) -> T {
-    let t = Instant::now();
-    loop {
-        assert!(t.elapsed() < Duration::from_secs(10), "no answer");
-        if let Ok(Some((m, _))) = c.recv::<ToDaemon>() {
-            if let Some(x) = want(&m) {
-                return x;
-            }
-        }
-    }
-}
-
-/// Asks the agent on `c` to share `pages` in batch `batch`; returns its (shared, refused).
-fn share(c: &Conn, batch: BatchId, pages: Vec<(Gfn, FrameId)>) -> (Vec<Gfn>, Vec<Gfn>) {
-    c.send(&ToAgent::Share { batch, pages }, &[]).unwrap();
-    next(c, |m| match m {
-        ToDaemon::ShareDone {
-            batch: b,
-            shared,
-            refused,
-            ..
-        } if *b == batch => Some((shared.clone(), refused.clone())),
-        _ => None,
-    })
 }
 
 #[test]
@@ -182,7 +138,7 @@ fn two_regions_are_two_guests_and_no_request_reaches_past_its_region() {
     });
     assert_eq!(reclaimed, [Gfn(ZERO_B)], "the zero page inside the region");
     assert_eq!(refused, past, "every gfn past the region's end");
-    let (shared, refused) = share(
+    let (shared, refused, _) = share(
         c_b,
         BatchId(2),
         past.iter().map(|&g| (g, FrameId(0))).collect(),
@@ -192,7 +148,7 @@ fn two_regions_are_two_guests_and_no_request_reaches_past_its_region() {
     // A page inside the region onto a frame past what the agent's page table packs
     // (2^30: a 4 TiB pool): refused, the agent unharmed.
     let far = vec![(Gfn(1), FrameId(1 << 30)), (Gfn(2), FrameId(u32::MAX))];
-    let (shared, refused) = share(c_b, BatchId(20), far);
+    let (shared, refused, _) = share(c_b, BatchId(20), far);
     assert!(shared.is_empty());
     assert_eq!(refused, [Gfn(1), Gfn(2)]);
     c_b.send(

@@ -17,10 +17,13 @@
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::next;
 use memfold_agent::{AgentConfig, FailMode};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
-use memfold_wire::{BatchId, Conn, FrameId, Gfn, Listener, ToAgent, ToDaemon, PROTOCOL_VERSION};
+use memfold_wire::{BatchId, FrameId, Gfn, Listener, ToAgent, ToDaemon, PROTOCOL_VERSION};
 
 /// Pages of each region, and frames of the pool.
 const PAGES: usize = 1000;
@@ -67,19 +70,6 @@ fn filled(name: &str) -> (OwnedFd, *mut u8) {
         }
     }
     (fd, p)
-}
-
-/// Receives the next message of `want`'s kind on `c`, skipping reports; panics after 10 s.
-fn next<T>(c: &Conn, want: impl Fn(&ToDaemon) -> Option<T>) -> T {
-    let t = Instant::now();
-    loop {
-        assert!(t.elapsed() < Duration::from_secs(10), "no answer");
-        if let Ok(Some((m, _))) = c.recv::<ToDaemon>() {
-            if let Some(x) = want(&m) {
-                return x;
-            }
-        }
-    }
 }
 
 #[test]

@@ -690,10 +690,15 @@ impl VhostUserBackendMut for BlkBackend {
         let snapshot = mem.memory();
         let r = RemoteMemory::from_mmap(Arc::new(qemu), &*snapshot).map_err(io::Error::other)?;
         tracing::info!(
-            "guest RAM of QEMU pid {}: {} regions ({} MiB)",
+            "guest RAM of QEMU pid {}: {} regions ({} MiB); {}",
             r.qemu().pid(),
             r.regions().len(),
-            r.regions().iter().map(|x| x.len).sum::<u64>() >> 20
+            r.regions().iter().map(|x| x.len).sum::<u64>() >> 20,
+            if r.qemu().fenced() {
+                "writes held in its agent's write fence"
+            } else {
+                "no memfold agent (no write fence)"
+            }
         );
         self.mem = Some(Arc::new(r));
         Ok(())

@@ -8,10 +8,16 @@
 //! page memfold's agent stashed, reclaimed or write-protected) answers `EIO` at once
 //! instead of waiting for the agent; `process_vm_*` may retry and so waits for the
 //! fault handler, as a vCPU does.
+//!
+//! `process_vm_writev` pins the pages and copies after, so a page the agent
+//! write-protects in between takes the copy without a fault; every write therefore holds
+//! the agent's write fence over its pages ([`Qemu::write`], `memfold_sys::fence`).
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+
+use memfold_sys::fence::WriteFence;
 
 /// At most this many iovecs per `process_vm_*` call (the kernel's `UIO_MAXIOV`).
 const MAX_IOV: usize = 1024;
@@ -53,6 +59,14 @@ pub enum RemoteError {
         pid: u32,
         /// The OS error (`EFAULT`: not mapped in QEMU; `ESRCH`: gone; `EPERM`: no right
         /// to ptrace it).
+        source: io::Error,
+    },
+    /// QEMU holds a descriptor named as the agent's write fence that is not one.
+    #[error("QEMU (pid {pid})'s write fence: {source}")]
+    Fence {
+        /// QEMU's pid.
+        pid: u32,
+        /// What was wrong.
         source: io::Error,
     },
     /// A pidfd could not be opened or read.
@@ -116,6 +130,9 @@ pub enum RemoteError {
 pub struct Qemu {
     pid: u32,
     pidfd: OwnedFd,
+    /// The write fence of QEMU's agent, if it runs one: every write holds it (see
+    /// [`Qemu::write`]).
+    fence: Option<WriteFence>,
 }
 
 impl Qemu {
@@ -135,7 +152,21 @@ impl Qemu {
                     source: e.into(),
                 }
             })?;
-        Ok(Qemu { pid, pidfd })
+        Qemu::with_fence(pid, pidfd)
+    }
+
+    /// `pid` held by `pidfd`, with its agent's write fence if it has one.
+    ///
+    /// Errors: [`RemoteError::Fence`].
+    fn with_fence(pid: u32, pidfd: OwnedFd) -> Result<Qemu, RemoteError> {
+        let fence =
+            WriteFence::of_process(pid).map_err(|source| RemoteError::Fence { pid, source })?;
+        Ok(Qemu { pid, pidfd, fence })
+    }
+
+    /// Whether QEMU's agent has a write fence this device holds on every write.
+    pub fn fenced(&self) -> bool {
+        self.fence.is_some()
     }
 
     /// The process a pidfd names; its pid read from `/proc/self/fdinfo`.
@@ -158,10 +189,7 @@ impl Qemu {
                 source: io::Error::from_raw_os_error(libc::ESRCH),
             });
         }
-        Ok(Qemu {
-            pid: pid as u32,
-            pidfd,
-        })
+        Qemu::with_fence(pid as u32, pidfd)
     }
 
     /// The peer of the connected unix socket `sock`: by `SO_PEERPIDFD` where the kernel
@@ -245,6 +273,11 @@ impl Qemu {
     /// through QEMU's page tables, as a guest write would (a write-protected page waits
     /// for the userfaultfd handler to unprotect or remap it; a missing one for its fill).
     ///
+    /// The invariant kept here: **the pages written are held in the agent's write fence
+    /// from before the system call pins them until it has copied into them**, so the
+    /// agent never maps a frame over, or punches out, a page whose copy is still to come
+    /// (`memfold_sys::fence`; broken on purpose in `memfold-agent/tests/pinned_writes.rs`).
+    ///
     /// Errors: [`RemoteError::Gone`]; [`RemoteError::Access`] (the first byte not
     /// written; bytes before it are written).
     pub fn write(&self, parts: &[(u64, &[u8])]) -> Result<(), RemoteError> {
@@ -252,6 +285,10 @@ impl Qemu {
             .iter()
             .map(|(a, b)| (*a, b.as_ptr().cast_mut(), b.len()))
             .collect();
+        let _held = self
+            .fence
+            .as_ref()
+            .map(|f| f.hold(parts.iter().map(|&(a, _, n)| (a, n as u64))));
         // SAFETY: each pointer is a live buffer of the caller's, of its length;
         // process_vm_writev only reads the local side.
         unsafe { self.transfer("process_vm_writev", libc::process_vm_writev, &parts) }
@@ -554,6 +591,54 @@ mod tests {
         ));
         // SAFETY: the mapping made above, no longer used.
         unsafe { libc::munmap(p, 4 << 12) };
+    }
+
+    /// A write holds the agent's write fence over its pages from before its system call
+    /// pins them until the copy is done: held here while the copy waits for its source
+    /// (a page of this process whose fault the test answers late). Fails if
+    /// [`Qemu::write`] stops holding the fence.
+    #[test]
+    fn a_write_holds_the_write_fence_over_its_pages_until_its_copy_is_done() {
+        use memfold_sys::uffd::{self, Event, Uffd};
+        // This process plays a QEMU whose agent made a fence.
+        let agent: &'static WriteFence = Box::leak(Box::new(WriteFence::create().unwrap()));
+        let me = std::sync::Arc::new(Qemu::open(std::process::id()).unwrap());
+        assert!(me.fenced());
+        let target = vec![0u8; 3 * 4096].leak();
+        let dst = target.as_ptr() as u64;
+        let src_uffd = Uffd::open(0).unwrap();
+        // SAFETY: a new private anonymous page at an address the kernel picks.
+        let src = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        } as u64;
+        // SAFETY: the page is only read by the write below, filled by this test.
+        unsafe { src_uffd.register(src, 4096, uffd::MODE_MISSING) }.unwrap();
+        assert!(!agent.busy(dst + 4096));
+        let writer = {
+            let me = me.clone();
+            std::thread::spawn(move || {
+                // SAFETY: the source page stays mapped; its fault is answered below.
+                let buf = unsafe { std::slice::from_raw_parts(src as *const u8, 4096) };
+                me.write(&[(dst + 4096, buf)])
+            })
+        };
+        let t = std::time::Instant::now();
+        while !matches!(src_uffd.read_event().unwrap(), Some(Event::Fault { .. })) {
+            assert!(t.elapsed().as_secs() < 10, "the write never faulted");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert!(agent.busy(dst + 4096), "held while the copy waits");
+        src_uffd.copy(src, &[7u8; 4096], false).unwrap();
+        writer.join().unwrap().unwrap();
+        assert!(!agent.busy(dst + 4096), "let go once written");
+        assert_eq!(target[4096..8192], [7u8; 4096]);
     }
 
     #[test]

@@ -10,12 +10,14 @@
 //! | [`memfd`] | memfds: create, positional I/O over a borrowed descriptor, punch holes, count allocated bytes, find data runs (SEEK_DATA/SEEK_HOLE) |
 //! | [`socket`] | a `SOCK_SEQPACKET` Unix socket that carries packets of bytes and file descriptors (SCM_RIGHTS) |
 //! | [`uffd`] | userfaultfd on shmem: register, write-protect, copy, zero-page, continue, events |
+//! | [`fence`] | the write fence: writers of guest RAM in other processes (block devices) tell the agent which pages they are copying into, so it never takes one away mid-copy |
 //! | [`ksm`] | Linux KSM's sysfs settings and counters (the peer memfold is measured against) |
 //! | [`proc`] | CPU seconds of a process or its threads, from `/proc` |
 //! | [`reclaim`] | the kernel's other memory savers: zswap, a swap file, a v1 memory cgroup's limit, memory PSI |
 
 #![deny(missing_docs)]
 
+pub mod fence;
 pub mod ksm;
 pub mod memfd;
 pub mod proc;

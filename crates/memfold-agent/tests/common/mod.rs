@@ -1,0 +1,118 @@
+//! What the agent's tests share: a test binary plays QEMU (shared memfds named as QEMU
+//! names its memory backends, mapped here) and memfoldd (a listener speaking the wire).
+
+#![allow(dead_code)]
+
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use memfold_agent::{AgentConfig, FailMode};
+use memfold_codecs::PAGE_SIZE;
+use memfold_sys::memfd;
+use memfold_wire::{BatchId, Conn, FrameId, Gfn, Listener, ToAgent, ToDaemon, PROTOCOL_VERSION};
+
+/// The shared mapping of a new memfd of `pages` pages named as QEMU names its memory
+/// backends.
+pub fn region(pages: usize) -> (OwnedFd, *mut u8) {
+    let fd = memfd::create("memory-backend-memfd").unwrap();
+    memfd::set_len(fd.as_fd(), (pages * PAGE_SIZE) as u64).unwrap();
+    // SAFETY: a new shared mapping of a memfd this test owns, at an address the kernel
+    // picks; never unmapped; touched only through raw pointers.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            pages * PAGE_SIZE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    (fd, p as *mut u8)
+}
+
+/// Guest RAM at `ptr`, page `g`, as the guest sees it (a fault served by the agent if
+/// need be).
+pub fn page_of(ptr: *mut u8, g: usize) -> Vec<u8> {
+    (0..PAGE_SIZE)
+        // SAFETY: inside the mapping.
+        .map(|i| unsafe { std::ptr::read_volatile(ptr.add(g * PAGE_SIZE + i)) })
+        .collect()
+}
+
+/// Writes `bytes` at the start of page `g` as the guest would.
+pub fn write(ptr: *mut u8, g: usize, bytes: &[u8]) {
+    for (i, &b) in bytes.iter().enumerate() {
+        // SAFETY: inside the mapping (bytes is at most a page).
+        unsafe { std::ptr::write_volatile(ptr.add(g * PAGE_SIZE + i), b) };
+    }
+}
+
+/// Receives the next message of `want`'s kind on `c`, skipping others; panics after 10 s.
+pub fn next<T>(c: &Conn, want: impl Fn(&ToDaemon) -> Option<T>) -> T {
+    let t = Instant::now();
+    loop {
+        assert!(t.elapsed() < Duration::from_secs(10), "no answer");
+        if let Ok(Some((m, _))) = c.recv::<ToDaemon>() {
+            if let Some(x) = want(&m) {
+                return x;
+            }
+        }
+    }
+}
+
+/// Asks the agent on `c` to share `pages` in batch `batch`; returns its (shared,
+/// refused, changed).
+pub fn share(
+    c: &Conn,
+    batch: BatchId,
+    pages: Vec<(Gfn, FrameId)>,
+) -> (Vec<Gfn>, Vec<Gfn>, Vec<Gfn>) {
+    c.send(&ToAgent::Share { batch, pages }, &[]).unwrap();
+    next(c, |m| match m {
+        ToDaemon::ShareDone {
+            batch: b,
+            shared,
+            refused,
+            changed,
+            ..
+        } if *b == batch => Some((shared.clone(), refused.clone(), changed.clone())),
+        _ => None,
+    })
+}
+
+/// Starts the agent in this process on every QEMU-named memfd it maps, as memfoldd at
+/// `socket` (in a directory the caller keeps), and welcomes its first region with a pool
+/// of `frames` (each a page); returns the connection, the pool and the store.
+pub fn agent_with_pool(socket: &Path, frames: &[Vec<u8>]) -> (Conn, OwnedFd, OwnedFd) {
+    let listener = Listener::bind(socket).unwrap();
+    let cfg = AgentConfig {
+        socket: socket.to_path_buf(),
+        name: "g".into(),
+        ram_bytes: 0,
+        vma_budget: None,
+        on_failure: FailMode::Abort,
+    };
+    std::thread::spawn(move || memfold_agent::run(cfg));
+    let pool = memfd::create("fake-pool").unwrap();
+    memfd::set_len(pool.as_fd(), (frames.len().max(1) * PAGE_SIZE) as u64).unwrap();
+    for (i, f) in frames.iter().enumerate() {
+        memfd::pwrite_all(pool.as_fd(), f, (i * PAGE_SIZE) as u64).unwrap();
+    }
+    let store = memfd::create("fake-store").unwrap();
+    let c = listener.accept().unwrap();
+    c.set_recv_timeout(Duration::from_millis(200)).unwrap();
+    next(&c, |m| {
+        matches!(m, ToDaemon::AgentHello { .. }).then_some(())
+    });
+    c.send(
+        &ToAgent::Welcome {
+            version: PROTOCOL_VERSION,
+        },
+        &[pool.as_fd(), store.as_fd()],
+    )
+    .unwrap();
+    (c, pool, store)
+}

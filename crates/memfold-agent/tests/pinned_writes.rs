@@ -1,0 +1,145 @@
+//! A write pinned before the agent's write-protection is never lost. A block device in
+//! its own process writes guest RAM with `process_vm_writev`, which pins the target
+//! pages and copies into them after: a page write-protected in between takes the copy
+//! without a fault. Were the agent then to map a frame over the page (a share), or punch
+//! it out (a zero page reclaimed, a page stashed), the copy would land in a page the
+//! guest no longer sees, and the guest would read the old bytes. The invariant, kept by
+//! the write fence (`memfold_sys::fence`): **the agent leaves alone every page a writer
+//! holds in the fence**, and the writer's bytes are what the guest reads.
+//!
+//! The test holds a writer between its pin and its copy: the copy's *source* is a page
+//! of this process registered with a second userfaultfd (missing), whose fault the test
+//! answers only after the agent has answered its request. Seen failing with the agent's
+//! fence check removed: the share and the reclaim succeed and the guest reads the old
+//! bytes.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{agent_with_pool, next, page_of, region, share, write};
+use memfold_codecs::PAGE_SIZE;
+use memfold_sys::fence::WriteFence;
+use memfold_sys::uffd::{self, Event, Uffd};
+use memfold_wire::{BatchId, FrameId, Gfn, ToAgent, ToDaemon};
+
+/// Guest RAM, pages.
+const PAGES: usize = 8;
+
+/// A writer in another process: holds the fence over its target, then copies `src` (a
+/// page of this process) over the page at `dst` through the page tables.
+fn remote_write(fence: &WriteFence, src: u64, dst: u64) -> isize {
+    let _hold = fence.hold([(dst, PAGE_SIZE as u64)]);
+    let local = libc::iovec {
+        iov_base: src as *mut libc::c_void,
+        iov_len: PAGE_SIZE,
+    };
+    let remote = libc::iovec {
+        iov_base: dst as *mut libc::c_void,
+        iov_len: PAGE_SIZE,
+    };
+    // SAFETY: one local iovec over the source page (mapped, registered: a fault waits for
+    // the test) and one remote over guest RAM; the kernel checks both.
+    unsafe { libc::process_vm_writev(libc::getpid(), &local, 1, &remote, 1, 0) }
+}
+
+/// Starts a remote write of `bytes` over page `g` of `ptr` and returns once the writer
+/// has pinned the page and waits in its copy; `release` lets the copy go on.
+fn pinned_write(
+    fence: &'static WriteFence,
+    ptr: *mut u8,
+    g: usize,
+    bytes: Vec<u8>,
+) -> (impl FnOnce(), std::thread::JoinHandle<isize>) {
+    let src_uffd = Uffd::open(0).unwrap();
+    // SAFETY: a new private anonymous page at an address the kernel picks.
+    let src = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            PAGE_SIZE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(src, libc::MAP_FAILED);
+    let src = src as u64;
+    // SAFETY: the page is touched only by the writer's system call and filled here.
+    unsafe { src_uffd.register(src, PAGE_SIZE as u64, uffd::MODE_MISSING) }.unwrap();
+    let dst = ptr as u64 + (g * PAGE_SIZE) as u64;
+    let writer = std::thread::spawn(move || remote_write(fence, src, dst));
+    let t = Instant::now();
+    loop {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the writer never faulted"
+        );
+        match src_uffd.read_event().unwrap() {
+            Some(Event::Fault { .. }) => break,
+            _ => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+    let release = move || {
+        src_uffd.copy(src, &bytes, false).unwrap();
+    };
+    (release, writer)
+}
+
+#[test]
+fn a_write_pinned_before_the_agent_protects_a_page_is_never_lost() {
+    let (_fd, ptr) = region(PAGES);
+    let old = |g: usize| vec![g as u8 + 1; PAGE_SIZE];
+    for g in 0..PAGES {
+        write(ptr, g, &old(g));
+    }
+    // Page 2 is a free page of zeros.
+    write(ptr, 2, &vec![0u8; PAGE_SIZE]);
+    let dir = tempfile::tempdir().unwrap();
+    // Frame 0 holds page 1's old bytes: a share of page 1 onto it passes the compare.
+    let (c, _pool, _store) = agent_with_pool(&dir.path().join("memfoldd.sock"), &[old(1)]);
+    let fence: &'static WriteFence = Box::leak(Box::new(
+        WriteFence::of_process(std::process::id())
+            .unwrap()
+            .expect("the agent made this process's fence"),
+    ));
+
+    // A share over a page whose new bytes are on their way.
+    let new1 = vec![0xa1u8; PAGE_SIZE];
+    let (release, writer) = pinned_write(fence, ptr, 1, new1.clone());
+    let (shared, _, changed) = share(&c, BatchId(1), vec![(Gfn(1), FrameId(0))]);
+    release();
+    assert_eq!(writer.join().unwrap(), PAGE_SIZE as isize);
+    assert_eq!((shared, changed), (vec![], vec![Gfn(1)]), "left alone");
+    assert_eq!(page_of(ptr, 1), new1, "the device's bytes, not the frame's");
+
+    // A zero-page reclaim over a zero page being written.
+    let new2 = vec![0xb2u8; PAGE_SIZE];
+    let (release, writer) = pinned_write(fence, ptr, 2, new2.clone());
+    c.send(
+        &ToAgent::ReclaimZero {
+            batch: BatchId(2),
+            gfns: vec![Gfn(2)],
+        },
+        &[],
+    )
+    .unwrap();
+    let reclaimed = next(&c, |m| match m {
+        ToDaemon::ReclaimDone {
+            batch, reclaimed, ..
+        } if *batch == BatchId(2) => Some(reclaimed.clone()),
+        _ => None,
+    });
+    release();
+    assert_eq!(writer.join().unwrap(), PAGE_SIZE as isize);
+    assert_eq!(reclaimed, vec![], "left alone");
+    assert_eq!(page_of(ptr, 2), new2, "the device's bytes, not zeros");
+
+    // Once the writer let go the same page is taken as usual: the fence only waits.
+    let (shared, _, _) = share(&c, BatchId(3), vec![(Gfn(1), FrameId(0))]);
+    assert!(shared.is_empty(), "page 1 now differs from the frame");
+    write(ptr, 3, &old(1));
+    let (shared, _, _) = share(&c, BatchId(4), vec![(Gfn(3), FrameId(0))]);
+    assert_eq!(shared, vec![Gfn(3)]);
+    assert_eq!(page_of(ptr, 3), old(1));
+}
