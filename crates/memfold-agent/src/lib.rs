@@ -105,6 +105,7 @@ mod attach;
 mod config;
 mod discard;
 mod fault;
+pub mod fence;
 mod install;
 pub mod qemu_args;
 mod regions;
@@ -152,7 +153,7 @@ pub fn start_from_env() {
     }
     logger();
     // Before QEMU's main: no device can connect before the fence exists (`fence`).
-    let _ = write_fence();
+    let _ = fence::write_fence();
     let _ = std::thread::Builder::new()
         .name("memfold-agent".into())
         .spawn(move || {
@@ -166,24 +167,6 @@ pub fn start_from_env() {
                 ),
             }
         });
-}
-
-/// This process's write fence (`memfold_sys::fence`), made on first use: the agent's
-/// constructor makes it before QEMU's `main`, so every device that writes guest RAM from
-/// another process finds it when QEMU connects. `None` if it cannot be made (then the
-/// agent does not start).
-pub(crate) fn write_fence() -> Option<&'static memfold_sys::fence::WriteFence> {
-    static FENCE: std::sync::OnceLock<Option<memfold_sys::fence::WriteFence>> =
-        std::sync::OnceLock::new();
-    FENCE
-        .get_or_init(|| match memfold_sys::fence::WriteFence::create() {
-            Ok(f) => Some(f),
-            Err(e) => {
-                tracing::error!("the write fence: {e}");
-                None
-            }
-        })
-        .as_ref()
 }
 
 /// A panic's message.
@@ -352,7 +335,7 @@ struct Agent {
 /// held — except when its region is unmapped (hot-unplug), when it detaches and returns
 /// an error saying so.
 pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
-    if write_fence().is_none() {
+    if fence::write_fence().is_none() {
         return Err(io::Error::other(
             "the write fence cannot be made, so devices' writes could be lost: memfold leaves this guest alone",
         ));
@@ -364,6 +347,12 @@ pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
             return Err(io::Error::other(format!(
                 "guest RAM is not shareable, memfold leaves this guest alone: {}",
                 problems.join("; ")
+            )));
+        }
+        if !plan.unfenced_io.is_empty() {
+            return Err(io::Error::other(format!(
+                "QEMU reads disks straight into guest RAM after the submitting call returns ({}), which memfold's write fence cannot cover: a read racing a share could be lost, so memfold leaves this guest alone (use aio=threads, QEMU's default)",
+                plan.unfenced_io.join("; ")
             )));
         }
         if !problems.is_empty() {

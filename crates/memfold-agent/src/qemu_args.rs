@@ -76,6 +76,12 @@ pub struct RamPlan {
     pub numa_without_memdev: usize,
     /// The guest's name (`-name NAME` or `-name guest=NAME,...`), if given.
     pub name: Option<String>,
+    /// Drives and block nodes (`-drive`, `-blockdev`) whose reads land in guest RAM after
+    /// the submitting call returned — `aio=native`, or `aio=io_uring` with direct I/O —
+    /// as written: the write fence (`crate::fence`) cannot cover them, so a read racing
+    /// a share could be lost. memfold leaves such a guest alone; `aio=threads` (QEMU's
+    /// default) is covered.
+    pub unfenced_io: Vec<String>,
 }
 
 /// Guest RAM memfold cannot manage, and what to write instead.
@@ -206,9 +212,9 @@ fn json_object(text: &str) -> Result<BTreeMap<String, String>, ArgsError> {
     Ok(out)
 }
 
-/// QEMU options whose argument matters here: RAM's, and the guest's name.
-const RAM_OPTIONS: [&str; 8] = [
-    "object", "machine", "M", "numa", "device", "m", "mem-path", "name",
+/// QEMU options whose argument matters here: RAM's, the guest's name, and disks' I/O.
+const RAM_OPTIONS: [&str; 10] = [
+    "object", "machine", "M", "numa", "device", "m", "mem-path", "name", "drive", "blockdev",
 ];
 
 impl RamPlan {
@@ -279,6 +285,24 @@ impl RamPlan {
                 "m" => {
                     let kv = keyval(arg, Some("size"));
                     plan.ram_size = kv.get("size").cloned();
+                }
+                "drive" | "blockdev" => {
+                    let kv = if arg.trim_start().starts_with('{') {
+                        json_object(arg)?
+                    } else {
+                        keyval(arg, None)
+                    };
+                    let cache = kv.get("cache").map(String::as_str).unwrap_or("");
+                    let direct = kv.get("cache.direct").and_then(|v| boolean(v)) == Some(true)
+                        || matches!(cache, "none" | "directsync")
+                        || cache.replace(' ', "").contains("\"direct\":true");
+                    match kv.get("aio").map(String::as_str) {
+                        Some("native") => plan.unfenced_io.push(format!("{word} {arg}")),
+                        Some("io_uring") if direct => {
+                            plan.unfenced_io.push(format!("{word} {arg}"))
+                        }
+                        _ => {}
+                    }
                 }
                 "mem-path" => plan.mem_path = Some(arg.into()),
                 "name" => {
@@ -356,6 +380,33 @@ mod tests {
     fn plan(line: &str) -> RamPlan {
         let words: Vec<&str> = line.split_whitespace().collect();
         RamPlan::parse(&words).unwrap()
+    }
+
+    #[test]
+    fn drives_whose_reads_land_after_their_call_are_named() {
+        assert!(
+            plan("-drive file=a.img,if=virtio -drive file=b,cache=none,aio=threads")
+                .unfenced_io
+                .is_empty()
+        );
+        assert!(
+            plan("-drive file=b,aio=io_uring").unfenced_io.is_empty(),
+            "buffered"
+        );
+        let p =
+            plan("-drive file=b,cache=none,aio=native -drive file=c,cache.direct=on,aio=io_uring");
+        assert_eq!(
+            p.unfenced_io,
+            [
+                "-drive file=b,cache=none,aio=native",
+                "-drive file=c,cache.direct=on,aio=io_uring"
+            ]
+        );
+        let libvirt = [
+            "-blockdev",
+            r#"{"driver":"file","filename":"/v/d.qcow2","node-name":"f","aio":"io_uring","cache":{"direct":true,"no-flush":false}}"#,
+        ];
+        assert_eq!(RamPlan::parse(&libvirt).unwrap().unfenced_io.len(), 1);
     }
 
     fn problems(line: &str) -> Vec<String> {

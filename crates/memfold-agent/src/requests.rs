@@ -501,7 +501,7 @@ impl Agent {
 /// pinned before the write-protection and takes the copy without a fault, so it must not
 /// be mapped over or punched out. `run` does not start without the fence.
 fn held_by_writers(addr: u64, n: usize) -> Vec<bool> {
-    let fence = crate::write_fence();
+    let fence = crate::fence::write_fence();
     (0..n)
         .map(|k| fence.is_none_or(|f| f.busy(addr + k as u64 * PAGE)))
         .collect()

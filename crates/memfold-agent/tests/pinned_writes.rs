@@ -143,3 +143,67 @@ fn a_write_pinned_before_the_agent_protects_a_page_is_never_lost() {
     assert_eq!(shared, vec![Gfn(3)]);
     assert_eq!(page_of(ptr, 3), old(1));
 }
+
+/// QEMU's own direct reads into guest RAM (`cache.direct=on`, `aio=threads`: `pread` and
+/// `preadv` from its worker threads, the data landing in pinned pages before the call
+/// returns) hold the fence over their buffers for the call: the agent's `pread` and
+/// `preadv`, which win over libc's in QEMU and in this binary. Held here while the
+/// read's copy waits for its destination (a page of this process whose fault the test
+/// answers late). Fails if the interposed calls stop holding the fence.
+#[test]
+fn qemu_reads_into_guest_ram_hold_the_fence_for_their_call() {
+    let fence = memfold_agent::fence::write_fence().expect("the fence is made");
+    // The calls this binary makes are the agent's.
+    let ours = memfold_agent::fence::pread as *const () as usize;
+    // SAFETY: dlsym with a NUL-terminated name.
+    let found = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"pread".as_ptr()) } as usize;
+    assert_eq!(found, ours, "pread is the agent's");
+    let mut file = tempfile::tempfile().unwrap();
+    std::io::Write::write_all(&mut file, &[9u8; 2 * PAGE_SIZE]).unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+    for vectored in [false, true] {
+        let dst_uffd = Uffd::open(0).unwrap();
+        // SAFETY: a new private anonymous page at an address the kernel picks.
+        let dst = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                PAGE_SIZE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        } as u64;
+        // SAFETY: the page is written only by the read below and filled here.
+        unsafe { dst_uffd.register(dst, PAGE_SIZE as u64, uffd::MODE_MISSING) }.unwrap();
+        assert!(!fence.busy(dst));
+        let reader = std::thread::spawn(move || {
+            if vectored {
+                let iov = libc::iovec {
+                    iov_base: dst as *mut libc::c_void,
+                    iov_len: PAGE_SIZE,
+                };
+                // SAFETY: one iovec over the registered page; the file is open.
+                unsafe { libc::preadv(fd, &iov, 1, 0) }
+            } else {
+                // SAFETY: the registered page, one page long; the file is open.
+                unsafe { libc::pread(fd, dst as *mut libc::c_void, PAGE_SIZE, 0) }
+            }
+        });
+        let t = Instant::now();
+        while !matches!(dst_uffd.read_event().unwrap(), Some(Event::Fault { .. })) {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "the read never faulted"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(
+            fence.busy(dst),
+            "held while the read's copy waits (vectored: {vectored})"
+        );
+        dst_uffd.zeropage(dst, PAGE_SIZE as u64).unwrap();
+        assert_eq!(reader.join().unwrap(), PAGE_SIZE as isize);
+        assert!(!fence.busy(dst), "let go when the call returns");
+    }
+}
