@@ -99,15 +99,13 @@ pub struct Counters {
     pub reads_from_frames: u64,
     /// Bytes read from the disk for reads (`read_bytes` less what frames filled).
     pub disk_read_bytes: u64,
-    /// Reads whose disk read was made at once with others of their batch.
-    pub read_ahead: u64,
 }
 
 impl Counters {
     /// One line, `key=value` pairs (the binary's `--stats` file and its exit log).
     pub fn line(&self) -> String {
         format!(
-            "reads={} read_bytes={} writes={} flushes={} discards={} io_errors={} unsupported={} dropped={} landed_base={} landed_overlay={} landed_zero={} fill_asked={} filled={} reads_from_frames={} disk_read_bytes={} read_ahead={}",
+            "reads={} read_bytes={} writes={} flushes={} discards={} io_errors={} unsupported={} dropped={} landed_base={} landed_overlay={} landed_zero={} fill_asked={} filled={} reads_from_frames={} disk_read_bytes={}",
             self.reads,
             self.read_bytes,
             self.writes,
@@ -122,8 +120,7 @@ impl Counters {
             self.fill_asked,
             self.filled,
             self.reads_from_frames,
-            self.disk_read_bytes,
-            self.read_ahead
+            self.disk_read_bytes
         )
     }
 }
@@ -148,16 +145,6 @@ enum ReqError {
     Mem(#[from] MemError),
     #[error(transparent)]
     Disk(#[from] DiskError),
-}
-
-/// Disk reads of one batch made at once, at most (threads).
-const READ_AHEAD: usize = 4;
-
-/// A request's disk read made ahead of serving it ([`BlkBackend::read_ahead`]).
-struct ReadAhead {
-    off: u64,
-    len: u64,
-    got: Result<(Vec<u8>, Vec<Extent>), DiskError>,
 }
 
 /// A request's device-readable and device-writable bytes, as guest-physical runs.
@@ -318,9 +305,6 @@ impl BlkBackend {
             if let Err(e) = queue.disable_notification(&view) {
                 return Err(view.take_error().unwrap_or_else(|| MemError::queue(e)));
             }
-            // Every request available now, then their disk reads at once, then each served
-            // and completed in ring order (kill -9 recovery needs in-order completion).
-            let mut batch: Vec<(Chain, Option<ReqError>)> = Vec::new();
             while let Some(chain) = queue.pop_descriptor_chain(&view) {
                 let head = chain.head_index();
                 let mut c = Chain {
@@ -341,25 +325,22 @@ impl BlkBackend {
                         order_ok = false;
                     }
                 }
-                let bad = if let Some(e) = view.take_error() {
+                let used = if let Some(e) = view.take_error() {
                     tracing::warn!("request {head}: its descriptors could not be read: {e}");
-                    Some(ReqError::Mem(e))
+                    self.finish(mem, &c, Err(ReqError::Mem(e)), 0)
                 } else if !order_ok {
-                    Some(ReqError::Malformed(
-                        "a device-readable descriptor after a writable one".into(),
-                    ))
+                    self.finish(
+                        mem,
+                        &c,
+                        Err(ReqError::Malformed(
+                            "a device-readable descriptor after a writable one".into(),
+                        )),
+                        0,
+                    )
                 } else {
-                    None
+                    self.request(mem, &c)
                 };
-                batch.push((c, bad));
-            }
-            let mut read_ahead = self.read_ahead(mem, &batch);
-            for (i, (c, bad)) in batch.into_iter().enumerate() {
-                let used = match bad {
-                    Some(e) => self.finish(mem, &c, Err(e), 0),
-                    None => self.request(mem, &c, read_ahead.remove(&i)),
-                };
-                if let Err(e) = queue.add_used(&view, c.head, used) {
+                if let Err(e) = queue.add_used(&view, head, used) {
                     return Err(view.take_error().unwrap_or_else(|| MemError::queue(e)));
                 }
                 if let Some(e) = view.take_error() {
@@ -382,78 +363,8 @@ impl BlkBackend {
         Ok(notify)
     }
 
-    /// The disk reads of a batch's read requests, made at once on up to [`READ_AHEAD`]
-    /// threads (QEMU's virtio-blk keeps several reads in flight; one after another, a
-    /// 1 MiB read split into four requests waited for four disk reads in turn). By index
-    /// in the batch; only for two or more plain reads, none of which a fill may serve
-    /// (fills ask memfoldd first) and no throttle; only the reads before the batch's
-    /// first other request (a write, discard or flush), which are served in order after
-    /// it. A request whose header reads otherwise when served uses none of it.
-    fn read_ahead(
-        &self,
-        mem: &RemoteMemory,
-        batch: &[(Chain, Option<ReqError>)],
-    ) -> std::collections::HashMap<usize, ReadAhead> {
-        let mut out = std::collections::HashMap::new();
-        let fills = !self.disk.base_changed() && self.sink.holds_any();
-        if fills || self.cfg.read_bytes_per_sec.is_some_and(|r| r > 0) {
-            return out;
-        }
-        let mut wanted: Vec<(usize, u64, u64)> = Vec::new();
-        for (i, (c, bad)) in batch.iter().enumerate() {
-            if bad.is_some() || c.readable_len() < HEADER || c.writable_len() == 0 {
-                continue;
-            }
-            let Ok(h) = gather(mem, &c.readable, 0, HEADER) else {
-                continue;
-            };
-            let kind = u32::from_le_bytes(h[0..4].try_into().expect("4 bytes"));
-            let sector = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
-            let len = c.writable_len() - 1;
-            if kind != vb::VIRTIO_BLK_T_IN {
-                // Reads after a write, discard or flush are served after it, as before.
-                break;
-            }
-            if len == 0 {
-                continue;
-            }
-            if let Ok(off) = self.data_range(sector, len) {
-                wanted.push((i, off, len));
-            }
-        }
-        if wanted.len() < 2 {
-            return out;
-        }
-        let disk = &*self.disk;
-        let threads = wanted.len().min(READ_AHEAD);
-        let done: Vec<(usize, ReadAhead)> = std::thread::scope(|s| {
-            let workers: Vec<_> = (0..threads)
-                .map(|t| {
-                    let mine: Vec<(usize, u64, u64)> =
-                        wanted.iter().copied().skip(t).step_by(threads).collect();
-                    s.spawn(move || {
-                        mine.into_iter()
-                            .map(|(i, off, len)| {
-                                let mut buf = vec![0u8; len as usize];
-                                let got = disk.read(off, &mut buf).map(|e| (buf, e));
-                                (i, ReadAhead { off, len, got })
-                            })
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            workers
-                .into_iter()
-                .flat_map(|w| w.join().unwrap_or_default())
-                .collect()
-        });
-        out.extend(done);
-        out
-    }
-
-    /// Serves one request (with its disk read made ahead, if any); returns the bytes
-    /// written into its writable buffers.
-    fn request(&mut self, mem: &RemoteMemory, c: &Chain, ahead: Option<ReadAhead>) -> u32 {
+    /// Serves one request; returns the bytes written into its writable buffers.
+    fn request(&mut self, mem: &RemoteMemory, c: &Chain) -> u32 {
         if c.readable_len() < HEADER {
             return self.finish(
                 mem,
@@ -478,7 +389,7 @@ impl BlkBackend {
         let out_len = c.readable_len() - HEADER;
         match kind {
             vb::VIRTIO_BLK_T_IN => {
-                let r = self.read(mem, c, sector, in_len, ahead);
+                let r = self.read(mem, c, sector, in_len);
                 let n = if r.is_ok() { in_len as u32 } else { 0 };
                 if r.is_ok() {
                     self.counters.reads += 1;
@@ -548,18 +459,9 @@ impl BlkBackend {
         c: &Chain,
         sector: u64,
         len: u64,
-        ahead: Option<ReadAhead>,
     ) -> Result<(), ReqError> {
         let off = self.data_range(sector, len)?;
         let runs = sub_runs(&c.writable, 0, len);
-        if let Some(a) = ahead.filter(|a| a.off == off && a.len == len) {
-            let (buf, extents) = a.got?;
-            self.put(mem, &runs, &buf)?;
-            self.counters.disk_read_bytes += len;
-            self.counters.read_ahead += 1;
-            self.report(mem, &runs, off, &extents, &[]);
-            return Ok(());
-        }
         let filled = self.fill_from_frames(mem, &runs, off, len)?;
         if filled.len() as u64 * PAGE == len {
             self.counters.reads_from_frames += 1;

@@ -366,63 +366,6 @@ fn an_overlay_disk_takes_writes_reads_them_back_as_overlay_and_discards_to_the_b
     );
 }
 
-/// A batch of reads is read from the disk at once and completed in ring order, each with
-/// its own bytes; a read after a write in the same batch is served after the write and
-/// reads what it wrote (it is not read ahead).
-#[test]
-fn a_batch_of_reads_is_read_at_once_and_a_read_after_a_write_sees_it() {
-    let mut r = rig(true);
-    // Four reads of 8 KiB at disk bytes 0, 64 Ki, 128 Ki, 192 Ki, each its own buffer and
-    // status byte.
-    for i in 0..4u64 {
-        r.header(0x8000 + 32 * i, vb::VIRTIO_BLK_T_IN, 128 * i);
-        r.submit(&[
-            (0x8000 + 32 * i, 16, false),
-            (DATA + i * 0x2000, 0x2000, true),
-            (STATUS + i, 1, true),
-        ]);
-    }
-    assert_eq!(r.run(), vec![0x2001; 4]);
-    for i in 0..4usize {
-        let at = DATA as usize + i * 0x2000;
-        assert!(
-            r.local.bytes()[at..at + 0x2000] == r.data[i << 16..(i << 16) + 0x2000],
-            "read {i}"
-        );
-        assert_eq!(
-            r.local.bytes()[STATUS as usize + i],
-            vb::VIRTIO_BLK_S_OK as u8
-        );
-    }
-    assert_eq!(r.dev.counters().read_ahead, 4);
-    // read, read, write 0x77 at disk byte 4096, read it: in one batch.
-    r.gm.write_slice(&[0x77; 4096], GuestAddress(DATA + 0x10000))
-        .unwrap();
-    let reqs: [(u32, u64, u64, bool); 4] = [
-        (vb::VIRTIO_BLK_T_IN, 256, DATA, true),
-        (vb::VIRTIO_BLK_T_IN, 384, DATA + 0x1000, true),
-        (vb::VIRTIO_BLK_T_OUT, 8, DATA + 0x10000, false),
-        (vb::VIRTIO_BLK_T_IN, 8, DATA + 0x2000, true),
-    ];
-    for (i, &(kind, sector, buf, w)) in reqs.iter().enumerate() {
-        let h = 0x8000 + 32 * i as u64;
-        r.header(h, kind, sector);
-        r.submit(&[(h, 16, false), (buf, 4096, w), (STATUS + i as u64, 1, true)]);
-    }
-    assert_eq!(r.run(), vec![4097, 4097, 1, 4097]);
-    let b = r.local.bytes();
-    assert!(b[DATA as usize..DATA as usize + 4096] == r.data[128 << 10..(128 << 10) + 4096]);
-    assert!(
-        b[DATA as usize + 0x2000..DATA as usize + 0x3000] == [0x77; 4096],
-        "the read after the write reads it"
-    );
-    assert_eq!(
-        r.dev.counters().read_ahead,
-        6,
-        "only the two reads before the write"
-    );
-}
-
 mod full_disk;
 
 /// memfoldd and the agent as a fill sees them (Satori §5.2): blocks held, and a fill
