@@ -209,6 +209,10 @@ pub struct VmStats {
     /// base block, without the disk (Satori §5.2; cumulative).
     #[serde(default)]
     pub read_fills: u64,
+    /// Landings not shared at read because the page is a read buffer the guest reuses
+    /// (its shares at read were undone by a write within 250 ms; cumulative).
+    #[serde(default)]
+    pub read_backoffs: u64,
     /// Copy-on-write breaks (cumulative).
     pub cow_breaks: u64,
     /// Zero pages reclaimed (cumulative).

@@ -38,6 +38,26 @@ pub const MAX_LANDED: usize = 4096;
 /// (measured by `memfold bench read-share`: 61 of 2 048 pages shared at read).
 pub const LANDED_HINTS: usize = 1 << 16;
 
+/// A share made at read that a write undid within this long (µs) was not worth its two
+/// round trips (the share and the CoW break): the page is a read buffer the guest fills
+/// again and again (an `O_DIRECT` buffer, a database's buffer pool slot), not page cache
+/// that stays. Satori §4.3's no-copy-on-write spares such a page its copy; here the page
+/// is not shared at read at all for a while ([`READ_BACKOFF_US`]), so neither the share
+/// nor the break is paid. The scan still finds it if it stays.
+pub const REUSED_WITHIN_US: u64 = 250_000;
+
+/// How long a reused read buffer is passed over at read after its first strike, µs;
+/// doubled with each strike, up to [`READ_BACKOFF_MAX_US`].
+pub const READ_BACKOFF_US: u64 = 250_000;
+
+/// The longest back-off of a reused read buffer, µs.
+pub const READ_BACKOFF_MAX_US: u64 = 16_000_000;
+
+/// Pages remembered per guest, at most, as shared at read lately and as reused read
+/// buffers (16 and 24 bytes each): past it, expired entries are dropped first, then new
+/// ones are not kept (a page not kept is only shared as before).
+pub const READ_REUSE_PAGES: usize = 1 << 16;
+
 /// What one read report came to ([`Engine::read_landed`]), pages.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Landed {
@@ -46,7 +66,8 @@ pub struct Landed {
     /// Of those, pages whose share or zero reclaim was requested.
     pub acted: u32,
     /// Pages passed over: not private (shared, stored, in flight), out of the guest's
-    /// RAM, unreadable, past [`MAX_LANDED`], or of a guest that is not attached.
+    /// RAM, unreadable, past [`MAX_LANDED`], of a guest that is not attached, or reused
+    /// read buffers backing off ([`REUSED_WITHIN_US`]).
     pub passed_over: u32,
 }
 
@@ -66,7 +87,8 @@ impl Engine {
             return out;
         };
         let pages = v.pages();
-        let now = self.now_us().saturating_sub(age_us);
+        let wall = self.now_us();
+        let now = wall.saturating_sub(age_us);
         let mut page: Box<Page> = Box::new([0u8; PAGE_SIZE]);
         for (k, &g) in gfns.iter().enumerate() {
             if k >= MAX_LANDED || g.0 >= pages || !self.sharable(id, g) {
@@ -75,6 +97,14 @@ impl Engine {
             }
             let v = self.vms.get_mut(&id).expect("checked above");
             v.books.read_landed += 1;
+            if v.read_backoff
+                .get(&g)
+                .is_some_and(|&(_, until)| until > wall)
+            {
+                v.books.read_backoffs += 1;
+                out.passed_over += 1;
+                continue;
+            }
             if v.ram.read(g, &mut page[..]).is_err() {
                 out.passed_over += 1;
                 continue;
@@ -140,8 +170,51 @@ impl Engine {
         if mapped {
             v.books.read_shares += 1;
             self.books.record_read_share(now.saturating_sub(landed_us));
+            if room(&mut v.read_shared_at, g, |&t| {
+                now.saturating_sub(t) < REUSED_WITHIN_US
+            }) {
+                v.read_shared_at.insert(g, now);
+            }
         }
     }
+
+    /// Page `g` of guest `id` was shared and is private again by a write (a CoW break):
+    /// if it had been shared at read less than [`REUSED_WITHIN_US`] ago, it is a reused
+    /// read buffer — a strike, and no share at read for [`READ_BACKOFF_US`] doubled per
+    /// strike; if longer, the share paid off and its strikes are forgotten.
+    pub(crate) fn read_share_undone(&mut self, id: VmId, g: Gfn) {
+        let now = self.now_us();
+        let Some(v) = self.vms.get_mut(&id) else {
+            return;
+        };
+        let Some(at) = v.read_shared_at.remove(&g) else {
+            return;
+        };
+        if now.saturating_sub(at) >= REUSED_WITHIN_US {
+            v.read_backoff.remove(&g);
+            return;
+        }
+        let strikes = v
+            .read_backoff
+            .get(&g)
+            .map_or(0, |s| s.0)
+            .saturating_add(1)
+            .min(16);
+        let wait = (READ_BACKOFF_US << (strikes - 1)).min(READ_BACKOFF_MAX_US);
+        if room(&mut v.read_backoff, g, |&(_, until)| until > now) {
+            v.read_backoff.insert(g, (strikes, now + wait));
+        }
+    }
+}
+
+/// Whether `map` has room for key `g` (held already, or under [`READ_REUSE_PAGES`] once
+/// the entries `keep` rejects are dropped).
+fn room<V>(map: &mut std::collections::HashMap<Gfn, V>, g: Gfn, keep: impl Fn(&V) -> bool) -> bool {
+    if map.len() < READ_REUSE_PAGES || map.contains_key(&g) {
+        return true;
+    }
+    map.retain(|_, v| keep(v));
+    map.len() < READ_REUSE_PAGES
 }
 
 #[cfg(test)]
@@ -235,6 +308,62 @@ mod tests {
         };
         assert!(us.abs_diff(3_000) <= 30, "{us}");
         assert_eq!(r.agent.peek(Gfn(20)).unwrap().to_vec(), page(7));
+        r.engine.check_invariants().unwrap();
+    }
+
+    /// The device writes `seed` into page `g` (a CoW break if shared, delivered first, as
+    /// the device's write faults before it reports), then reports it landed.
+    fn reuse(r: &mut Rig, g: u32, seed: u32) -> Landed {
+        r.agent.write(Gfn(g), 0, &page(seed)).unwrap();
+        r.carry_out();
+        let l = r.engine.read_landed(r.vm, &[Gfn(g)], 0);
+        r.clock.advance(1_000);
+        r.carry_out();
+        l
+    }
+
+    /// A read buffer the guest fills again and again — each read undoing, within 250 ms,
+    /// the share at read its last read made — is passed over at read for 250 ms after
+    /// its first strike, 500 ms after its second; a share at read that lived longer
+    /// clears its strikes. Without the back-off every read into it pays a share and a
+    /// CoW break.
+    #[test]
+    fn a_reused_read_buffer_backs_off_sharing_at_read() {
+        let mut r = rig();
+        // Twins of contents 7..=12 in other pages (hints), so that every landing in the
+        // buffer, page 20, would be shared at once.
+        for (k, g) in (3..9).enumerate() {
+            disk_read(&mut r, &[g], 7 + k as u32);
+        }
+        let shared = |r: &Rig| matches!(state(r, 20), PageState::Shared(_));
+        assert_eq!(reuse(&mut r, 20, 7).acted, 1);
+        assert!(shared(&r));
+        // 10 ms later the next read: the share is undone (strike 1), this landing skipped.
+        r.clock.advance(10_000);
+        let l = reuse(&mut r, 20, 8);
+        assert_eq!((l.acted, l.passed_over), (0, 1));
+        assert!(!shared(&r));
+        // After 300 ms the back-off is over: shared at read again.
+        r.clock.advance(300_000);
+        assert_eq!(reuse(&mut r, 20, 9).acted, 1);
+        // Undone again within 250 ms (strike 2): 500 ms now.
+        r.clock.advance(10_000);
+        assert_eq!(reuse(&mut r, 20, 10).passed_over, 1);
+        r.clock.advance(300_000);
+        assert_eq!(reuse(&mut r, 20, 11).passed_over, 1, "still backing off");
+        r.clock.advance(300_000);
+        assert_eq!(reuse(&mut r, 20, 12).acted, 1);
+        // This share lives 1 s: the write that ends it clears the strikes.
+        r.clock.advance(1_000_000);
+        r.agent.write(Gfn(20), 0, &page(99)).unwrap();
+        r.carry_out();
+        assert_eq!(
+            reuse(&mut r, 20, 7).acted,
+            1,
+            "no back-off after a lasting share"
+        );
+        let vb = &r.engine.books().vms[0].books;
+        assert_eq!(vb.read_backoffs, 3);
         r.engine.check_invariants().unwrap();
     }
 

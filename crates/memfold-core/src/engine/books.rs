@@ -53,6 +53,10 @@ pub struct VmBooks {
     /// Of [`VmBooks::read_shares`], pages a disk read asked to have filled from a frame
     /// holding its base block, and filled so, without the disk (Satori §5.2; cumulative).
     pub read_fills: u64,
+    /// Landings passed over because the page is a read buffer the guest reuses: its last
+    /// shares at read were undone by a write within [`super::at_read::REUSED_WITHIN_US`]
+    /// (cumulative).
+    pub read_backoffs: u64,
     /// Copy-on-write breaks.
     pub cow_breaks: u64,
     /// Zero pages reclaimed.
@@ -557,6 +561,8 @@ impl Engine {
                     + v.categories.as_ref().map_or(0, |m| m.bytes())
                     + crate::share::hashbrown_bytes(v.unmapping.capacity(), 4)
                     + crate::share::hashbrown_bytes(v.read_sharing.capacity(), 16)
+                    + crate::share::hashbrown_bytes(v.read_shared_at.capacity(), 16)
+                    + crate::share::hashbrown_bytes(v.read_backoff.capacity(), 24)
             })
             .sum();
         let per_domain: usize = self

@@ -250,6 +250,8 @@ impl Engine {
                         share_refused_us: None,
                         unmapping: Default::default(),
                         read_sharing: Default::default(),
+                        read_shared_at: Default::default(),
+                        read_backoff: Default::default(),
                         categories: None,
                         sweep: 0,
                         books: VmBooks::default(),

@@ -244,6 +244,12 @@ pub(crate) struct Vm {
     /// Pages a disk read filled whose share is under way, with when they landed (µs;
     /// [`at_read`], Satori §4.1).
     pub(crate) read_sharing: std::collections::HashMap<Gfn, u64>,
+    /// Pages shared at read lately, with when the share was mapped (µs; at most
+    /// [`at_read::READ_REUSE_PAGES`]): a write that soon marks a reused read buffer.
+    pub(crate) read_shared_at: std::collections::HashMap<Gfn, u64>,
+    /// Reused read buffers: (strikes, not shared at read before this time, µs; at most
+    /// [`at_read::READ_REUSE_PAGES`]).
+    pub(crate) read_backoff: std::collections::HashMap<Gfn, (u8, u64)>,
     /// What its guest agent last said its pages are (PV §3.1; `None`: it said nothing).
     pub(crate) categories: Option<crate::categories::CategoryMap>,
     /// The sharing scan's sweep over it in this full scan when categories are used: 0

@@ -321,6 +321,7 @@ impl Engine {
         }
         if self.take_shared(id, g, f) {
             self.vms.get_mut(&id).expect("checked").books.cow_breaks += 1;
+            self.read_share_undone(id, g);
         }
     }
 

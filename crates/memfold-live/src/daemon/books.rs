@@ -34,6 +34,7 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
         read_landed: b.read_landed,
         read_shares: b.read_shares,
         read_fills: b.read_fills,
+        read_backoffs: b.read_backoffs,
         cow_breaks: b.cow_breaks,
         reclaims: b.reclaims,
         refills: b.refills,
