@@ -86,112 +86,60 @@ fn enosys() -> isize {
     -1
 }
 
-/// `pread`, held in the write fence over its buffer.
-///
-/// # Safety
-/// As libc's `pread`.
-#[no_mangle]
-pub unsafe extern "C" fn pread(fd: c_int, buf: *mut c_void, n: usize, off: libc::off_t) -> isize {
-    let _held = hold([(buf as u64, n as u64)]);
-    match real!(c"pread", Pread) {
-        // SAFETY: the caller's arguments, to libc's pread.
-        Some(f) => unsafe { f(fd, buf, n, off) },
-        None => enosys(),
-    }
+/// An interposed `pread`-shaped call: holds the fence over its buffer for the call.
+macro_rules! pread_like {
+    ($name:ident, $sym:literal) => {
+        #[doc = concat!("`", stringify!($name), "`, held in the write fence over its buffer.")]
+        ///
+        /// # Safety
+        /// As libc's.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(
+            fd: c_int,
+            buf: *mut c_void,
+            n: usize,
+            off: libc::off_t,
+        ) -> isize {
+            let _held = hold([(buf as u64, n as u64)]);
+            match real!($sym, Pread) {
+                // SAFETY: the caller's arguments, to libc's call of the same name.
+                Some(f) => unsafe { f(fd, buf, n, off) },
+                None => enosys(),
+            }
+        }
+    };
 }
 
-/// `pread64` (the same call on 64-bit), held in the write fence over its buffer.
-///
-/// # Safety
-/// As libc's `pread64`.
-#[no_mangle]
-pub unsafe extern "C" fn pread64(fd: c_int, buf: *mut c_void, n: usize, off: libc::off_t) -> isize {
-    let _held = hold([(buf as u64, n as u64)]);
-    match real!(c"pread64", Pread) {
-        // SAFETY: the caller's arguments, to libc's pread64.
-        Some(f) => unsafe { f(fd, buf, n, off) },
-        None => enosys(),
-    }
+/// An interposed `preadv`-shaped call (`$flags`: with `preadv2`'s flags): holds the
+/// fence over its buffers for the call.
+macro_rules! preadv_like {
+    ($name:ident, $sym:literal, $ty:ty $(, $flags:ident)?) => {
+        #[doc = concat!("`", stringify!($name), "`, held in the write fence over its buffers.")]
+        ///
+        /// # Safety
+        /// As libc's.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(
+            fd: c_int,
+            iov: *const libc::iovec,
+            cnt: c_int,
+            off: libc::off_t,
+            $($flags: c_int,)?
+        ) -> isize {
+            // SAFETY: the caller's iovecs.
+            let _held = hold(unsafe { iov_ranges(iov, cnt) });
+            match real!($sym, $ty) {
+                // SAFETY: the caller's arguments, to libc's call of the same name.
+                Some(f) => unsafe { f(fd, iov, cnt, off $(, $flags)?) },
+                None => enosys(),
+            }
+        }
+    };
 }
 
-/// `preadv`, held in the write fence over its buffers.
-///
-/// # Safety
-/// As libc's `preadv`.
-#[no_mangle]
-pub unsafe extern "C" fn preadv(
-    fd: c_int,
-    iov: *const libc::iovec,
-    cnt: c_int,
-    off: libc::off_t,
-) -> isize {
-    // SAFETY: the caller's iovecs.
-    let _held = hold(unsafe { iov_ranges(iov, cnt) });
-    match real!(c"preadv", Preadv) {
-        // SAFETY: the caller's arguments, to libc's preadv.
-        Some(f) => unsafe { f(fd, iov, cnt, off) },
-        None => enosys(),
-    }
-}
-
-/// `preadv64`, held in the write fence over its buffers.
-///
-/// # Safety
-/// As libc's `preadv64`.
-#[no_mangle]
-pub unsafe extern "C" fn preadv64(
-    fd: c_int,
-    iov: *const libc::iovec,
-    cnt: c_int,
-    off: libc::off_t,
-) -> isize {
-    // SAFETY: the caller's iovecs.
-    let _held = hold(unsafe { iov_ranges(iov, cnt) });
-    match real!(c"preadv64", Preadv) {
-        // SAFETY: the caller's arguments, to libc's preadv64.
-        Some(f) => unsafe { f(fd, iov, cnt, off) },
-        None => enosys(),
-    }
-}
-
-/// `preadv2`, held in the write fence over its buffers.
-///
-/// # Safety
-/// As libc's `preadv2`.
-#[no_mangle]
-pub unsafe extern "C" fn preadv2(
-    fd: c_int,
-    iov: *const libc::iovec,
-    cnt: c_int,
-    off: libc::off_t,
-    flags: c_int,
-) -> isize {
-    // SAFETY: the caller's iovecs.
-    let _held = hold(unsafe { iov_ranges(iov, cnt) });
-    match real!(c"preadv2", Preadv2) {
-        // SAFETY: the caller's arguments, to libc's preadv2.
-        Some(f) => unsafe { f(fd, iov, cnt, off, flags) },
-        None => enosys(),
-    }
-}
-
-/// `preadv64v2`, held in the write fence over its buffers.
-///
-/// # Safety
-/// As libc's `preadv64v2`.
-#[no_mangle]
-pub unsafe extern "C" fn preadv64v2(
-    fd: c_int,
-    iov: *const libc::iovec,
-    cnt: c_int,
-    off: libc::off_t,
-    flags: c_int,
-) -> isize {
-    // SAFETY: the caller's iovecs.
-    let _held = hold(unsafe { iov_ranges(iov, cnt) });
-    match real!(c"preadv64v2", Preadv2) {
-        // SAFETY: the caller's arguments, to libc's preadv64v2.
-        Some(f) => unsafe { f(fd, iov, cnt, off, flags) },
-        None => enosys(),
-    }
-}
+pread_like!(pread, c"pread");
+pread_like!(pread64, c"pread64");
+preadv_like!(preadv, c"preadv", Preadv);
+preadv_like!(preadv64, c"preadv64", Preadv);
+preadv_like!(preadv2, c"preadv2", Preadv2, flags);
+preadv_like!(preadv64v2, c"preadv64v2", Preadv2, flags);

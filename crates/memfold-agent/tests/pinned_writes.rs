@@ -26,6 +26,28 @@ use memfold_wire::{BatchId, FrameId, Gfn, ToAgent, ToDaemon};
 /// Guest RAM, pages.
 const PAGES: usize = 8;
 
+/// A new page of this process whose first access waits until the test answers its fault
+/// on the returned userfaultfd (missing mode): a copy into or out of it stops there.
+fn page_that_waits() -> (Uffd, u64) {
+    let uffd = Uffd::open(0).unwrap();
+    // SAFETY: a new private anonymous page at an address the kernel picks.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            PAGE_SIZE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    // SAFETY: the page is touched only by the system calls the tests make on it, and
+    // filled by them through the userfaultfd.
+    unsafe { uffd.register(p as u64, PAGE_SIZE as u64, uffd::MODE_MISSING) }.unwrap();
+    (uffd, p as u64)
+}
+
 /// A writer in another process: holds the fence over its target, then copies `src` (a
 /// page of this process) over the page at `dst` through the page tables.
 fn remote_write(fence: &WriteFence, src: u64, dst: u64) -> isize {
@@ -51,22 +73,7 @@ fn pinned_write(
     g: usize,
     bytes: Vec<u8>,
 ) -> (impl FnOnce(), std::thread::JoinHandle<isize>) {
-    let src_uffd = Uffd::open(0).unwrap();
-    // SAFETY: a new private anonymous page at an address the kernel picks.
-    let src = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            PAGE_SIZE,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(src, libc::MAP_FAILED);
-    let src = src as u64;
-    // SAFETY: the page is touched only by the writer's system call and filled here.
-    unsafe { src_uffd.register(src, PAGE_SIZE as u64, uffd::MODE_MISSING) }.unwrap();
+    let (src_uffd, src) = page_that_waits();
     let dst = ptr as u64 + (g * PAGE_SIZE) as u64;
     let writer = std::thread::spawn(move || remote_write(fence, src, dst));
     let t = Instant::now();
@@ -162,20 +169,7 @@ fn qemu_reads_into_guest_ram_hold_the_fence_for_their_call() {
     std::io::Write::write_all(&mut file, &[9u8; 2 * PAGE_SIZE]).unwrap();
     let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
     for vectored in [false, true] {
-        let dst_uffd = Uffd::open(0).unwrap();
-        // SAFETY: a new private anonymous page at an address the kernel picks.
-        let dst = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                PAGE_SIZE,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        } as u64;
-        // SAFETY: the page is written only by the read below and filled here.
-        unsafe { dst_uffd.register(dst, PAGE_SIZE as u64, uffd::MODE_MISSING) }.unwrap();
+        let (dst_uffd, dst) = page_that_waits();
         assert!(!fence.busy(dst));
         let reader = std::thread::spawn(move || {
             if vectored {

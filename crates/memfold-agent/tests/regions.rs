@@ -16,11 +16,10 @@ mod common;
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use common::{next, region, share};
-use memfold_agent::{AgentConfig, FailMode};
+use common::{next, region, share, start_agent};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
-use memfold_wire::{BatchId, FrameId, Gfn, Listener, ToAgent, ToDaemon, PROTOCOL_VERSION};
+use memfold_wire::{BatchId, FrameId, Gfn, ToAgent, ToDaemon, PROTOCOL_VERSION};
 
 /// Region 0, pages (the larger, so the two differ in size too).
 const PAGES_A: usize = 64;
@@ -57,16 +56,8 @@ fn two_regions_are_two_guests_and_no_request_reaches_past_its_region() {
     };
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("memfoldd.sock");
-    let listener = Listener::bind(&socket).unwrap();
-    let cfg = AgentConfig {
-        socket: socket.clone(),
-        name: "g".into(),
-        // Not given: the agent finds both regions itself.
-        ram_bytes: 0,
-        vma_budget: None,
-        on_failure: FailMode::Abort,
-    };
-    std::thread::spawn(move || memfold_agent::run(cfg));
+    // No RAM size given: the agent finds both regions itself.
+    let listener = start_agent(&socket);
 
     // Two hellos, one per region, each with its own memfd and size.
     let pool = memfd::create("fake-pool").unwrap();

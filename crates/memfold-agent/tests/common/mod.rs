@@ -83,10 +83,9 @@ pub fn share(
     })
 }
 
-/// Starts the agent in this process on every QEMU-named memfd it maps, as memfoldd at
-/// `socket` (in a directory the caller keeps), and welcomes its first region with a pool
-/// of `frames` (each a page); returns the connection, the pool and the store.
-pub fn agent_with_pool(socket: &Path, frames: &[Vec<u8>]) -> (Conn, OwnedFd, OwnedFd) {
+/// Listens as memfoldd at `socket` and starts the agent in this process (it finds every
+/// QEMU-named memfd mapped here itself: no RAM size given), aborting on failure.
+pub fn start_agent(socket: &Path) -> Listener {
     let listener = Listener::bind(socket).unwrap();
     let cfg = AgentConfig {
         socket: socket.to_path_buf(),
@@ -96,6 +95,14 @@ pub fn agent_with_pool(socket: &Path, frames: &[Vec<u8>]) -> (Conn, OwnedFd, Own
         on_failure: FailMode::Abort,
     };
     std::thread::spawn(move || memfold_agent::run(cfg));
+    listener
+}
+
+/// Starts the agent in this process on every QEMU-named memfd it maps, as memfoldd at
+/// `socket` (in a directory the caller keeps), and welcomes its first region with a pool
+/// of `frames` (each a page); returns the connection, the pool and the store.
+pub fn agent_with_pool(socket: &Path, frames: &[Vec<u8>]) -> (Conn, OwnedFd, OwnedFd) {
+    let listener = start_agent(socket);
     let pool = memfd::create("fake-pool").unwrap();
     memfd::set_len(pool.as_fd(), (frames.len().max(1) * PAGE_SIZE) as u64).unwrap();
     for (i, f) in frames.iter().enumerate() {
