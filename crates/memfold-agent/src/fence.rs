@@ -46,7 +46,8 @@ fn hold(ranges: impl IntoIterator<Item = (u64, u64)>) -> Option<FenceHold<'stati
 /// # Safety
 /// `iov` points to `cnt` iovecs (the caller's call would read them anyway).
 unsafe fn iov_ranges(iov: *const libc::iovec, cnt: c_int) -> Vec<(u64, u64)> {
-    if iov.is_null() || cnt <= 0 {
+    // Past IOV_MAX libc fails the call (EINVAL) without reading them: nor do we.
+    if iov.is_null() || cnt <= 0 || cnt > 1024 {
         return Vec::new();
     }
     // SAFETY: the caller's promise.

@@ -502,6 +502,8 @@ impl Agent {
 /// be mapped over or punched out. `run` does not start without the fence.
 fn held_by_writers(addr: u64, n: usize) -> Vec<bool> {
     let fence = crate::fence::write_fence();
+    // The write-protection's page-table locks order it before these loads today; say so.
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
     (0..n)
         .map(|k| fence.is_none_or(|f| f.busy(addr + k as u64 * PAGE)))
         .collect()

@@ -47,6 +47,8 @@ pub const CHUNK: u64 = 1 << 16;
 pub const SLOTS: usize = 1 << 16;
 
 const HEADER: usize = 4096;
+/// Bytes one read or write system call transfers at most (Linux's `MAX_RW_COUNT`).
+const MAX_TRANSFER: u64 = 0x7fff_f000;
 const LEN: usize = HEADER + SLOTS * 4;
 const MAGIC: u64 = u64::from_le_bytes(*b"MFFENCE1");
 
@@ -200,7 +202,10 @@ impl WriteFence {
             if len == 0 {
                 continue;
             }
-            let (first, last) = (va / CHUNK, (va + len - 1) / CHUNK);
+            // No call transfers more (the kernel's MAX_RW_COUNT); a bogus length from a
+            // caller holds at most this much and never overflows.
+            let len = len.min(MAX_TRANSFER);
+            let (first, last) = (va / CHUNK, va.saturating_add(len - 1) / CHUNK);
             for c in first..=last {
                 let s = Self::slot_of(c * CHUNK);
                 self.slot(s).fetch_add(1, Ordering::SeqCst);
@@ -224,9 +229,16 @@ mod tests {
     #[test]
     fn a_process_finds_its_own_fence_and_holds_are_seen_through_both_mappings() {
         let agent = WriteFence::create().unwrap();
-        let device = WriteFence::of_process(std::process::id())
-            .unwrap()
-            .expect("the fence is among this process's descriptors");
+        use std::os::fd::AsRawFd;
+        assert!(
+            WriteFence::of_process(std::process::id())
+                .unwrap()
+                .is_some(),
+            "a fence is among this process's descriptors"
+        );
+        // Other tests make fences too: this one's, through its /proc link.
+        let link = format!("/proc/self/fd/{}", agent._fd.as_raw_fd());
+        let device = WriteFence::open_at(std::path::Path::new(&link)).unwrap();
         let va = 0x7f00_0000_0000u64;
         assert!(!agent.busy(va));
         {
@@ -236,6 +248,16 @@ mod tests {
         assert!(!agent.busy(va) && !agent.busy(va + 3 * CHUNK));
         // Sealed: the memfd cannot be shrunk under a device's mapping.
         assert!(rustix::fs::ftruncate(&agent._fd, 0).is_err());
+    }
+
+    #[test]
+    fn a_bogus_length_holds_at_most_one_call_s_worth_and_never_overflows() {
+        let f = WriteFence::create().unwrap();
+        let h = f.hold([(u64::MAX - 10, u64::MAX), (0, u64::MAX)]);
+        assert!(h.slots.len() <= 1 + (MAX_TRANSFER / CHUNK + 1) as usize);
+        assert!(f.busy(0) && f.busy(u64::MAX - 10));
+        drop(h);
+        assert!(!f.busy(0));
     }
 
     #[test]
