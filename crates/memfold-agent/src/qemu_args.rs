@@ -296,12 +296,13 @@ impl RamPlan {
                     let direct = kv.get("cache.direct").and_then(|v| boolean(v)) == Some(true)
                         || matches!(cache, "none" | "directsync")
                         || cache.replace(' ', "").contains("\"direct\":true");
-                    match kv.get("aio").map(String::as_str) {
-                        Some("native") => plan.unfenced_io.push(format!("{word} {arg}")),
-                        Some("io_uring") if direct => {
-                            plan.unfenced_io.push(format!("{word} {arg}"))
-                        }
-                        _ => {}
+                    let unfenced = match kv.get("aio").map(String::as_str) {
+                        Some("native") => true,
+                        Some("io_uring") => direct,
+                        _ => false,
+                    };
+                    if unfenced {
+                        plan.unfenced_io.push(format!("{word} {arg}"));
                     }
                 }
                 "mem-path" => plan.mem_path = Some(arg.into()),

@@ -188,9 +188,8 @@ impl WriteFence {
         unsafe { &*self.base.as_ptr().add(HEADER + 4 * s).cast::<AtomicU32>() }
     }
 
-    /// The slot of the chunk holding address `va`.
-    fn slot_of(va: u64) -> usize {
-        let chunk = va / CHUNK;
+    /// The slot of chunk `chunk` (address / [`CHUNK`]).
+    fn slot_of(chunk: u64) -> usize {
         (chunk.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 48) as usize % SLOTS
     }
 
@@ -207,7 +206,7 @@ impl WriteFence {
             let len = len.min(MAX_TRANSFER);
             let (first, last) = (va / CHUNK, va.saturating_add(len - 1) / CHUNK);
             for c in first..=last {
-                let s = Self::slot_of(c * CHUNK);
+                let s = Self::slot_of(c);
                 self.slot(s).fetch_add(1, Ordering::SeqCst);
                 slots.push(s as u32);
             }
@@ -218,7 +217,7 @@ impl WriteFence {
     /// Whether a writer may be copying into the page at `va`: ask after write-protecting
     /// it, before reading it.
     pub fn busy(&self, va: u64) -> bool {
-        self.slot(Self::slot_of(va)).load(Ordering::SeqCst) != 0
+        self.slot(Self::slot_of(va / CHUNK)).load(Ordering::SeqCst) != 0
     }
 }
 
