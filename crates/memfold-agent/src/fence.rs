@@ -9,8 +9,15 @@
 //! libc's) and holds the fence over their buffers for the call. A buffered read copies
 //! through the page tables and needs no fence; holding it costs an atomic per 64 KiB.
 //!
-//! Not covered: `aio=native` and `aio=io_uring` with direct I/O, whose data lands after
-//! the submitting call has returned; the agent warns about such drives (`qemu_args`).
+//! `aio=native` reads land after `io_submit` has returned, and QEMU reaps them from a
+//! ring in its own memory, with no call to hold the fence across: the agent interposes
+//! `io_submit` too and, before the first read it submits, closes the fence for good
+//! (`WriteFence::close`): the agent takes no page of this guest again, and what it holds
+//! stays safe (a pin of such a page faults). Drives the agent sees on QEMU's command line
+//! as `aio=native` it refuses at the start instead (`qemu_args`), and so it does
+//! `aio=io_uring` with direct I/O, whose submissions (liburing's own system calls) no
+//! symbol can catch. Not covered: an `io_uring` direct drive added later over QMP
+//! (`blockdev-add`), which docs/security.md names.
 
 use std::ffi::{c_int, c_void};
 use std::sync::OnceLock;
@@ -79,6 +86,7 @@ macro_rules! real {
 type Pread = unsafe extern "C" fn(c_int, *mut c_void, usize, libc::off_t) -> isize;
 type Preadv = unsafe extern "C" fn(c_int, *const libc::iovec, c_int, libc::off_t) -> isize;
 type Preadv2 = unsafe extern "C" fn(c_int, *const libc::iovec, c_int, libc::off_t, c_int) -> isize;
+type PreadChk = unsafe extern "C" fn(c_int, *mut c_void, usize, libc::off_t, usize) -> isize;
 
 /// No libc definition found: fail as the call can.
 fn enosys() -> isize {
@@ -138,9 +146,100 @@ macro_rules! preadv_like {
     };
 }
 
+/// A fortified (`_FORTIFY_SOURCE`) `pread`-shaped call: `$name(fd, buf, n, off, buflen)`,
+/// held like [`pread`].
+macro_rules! pread_chk_like {
+    ($name:ident, $sym:literal) => {
+        #[doc = concat!("`", stringify!($name), "`, held in the write fence over its buffer.")]
+        ///
+        /// # Safety
+        /// As libc's.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(
+            fd: c_int,
+            buf: *mut c_void,
+            n: usize,
+            off: libc::off_t,
+            buflen: usize,
+        ) -> isize {
+            let _held = hold([(buf as u64, n as u64)]);
+            match real!($sym, PreadChk) {
+                // SAFETY: the caller's arguments, to libc's call of the same name.
+                Some(f) => unsafe { f(fd, buf, n, off, buflen) },
+                None => enosys(),
+            }
+        }
+    };
+}
+
+pread_chk_like!(__pread_chk, c"__pread_chk");
+pread_chk_like!(__pread64_chk, c"__pread64_chk");
 pread_like!(pread, c"pread");
 pread_like!(pread64, c"pread64");
 preadv_like!(preadv, c"preadv", Preadv);
 preadv_like!(preadv64, c"preadv64", Preadv);
 preadv_like!(preadv2, c"preadv2", Preadv2, flags);
 preadv_like!(preadv64v2, c"preadv64v2", Preadv2, flags);
+
+/// The kernel's `struct iocb` (`linux/aio_abi.h`, little-endian x86_64 layout), as far
+/// as the opcode.
+#[repr(C)]
+struct Iocb {
+    data: u64,
+    key: u32,
+    rw_flags: u32,
+    opcode: u16,
+}
+
+/// `IOCB_CMD_PREAD` and `IOCB_CMD_PREADV`: reads into memory.
+const IOCB_READS: [u16; 2] = [0, 7];
+
+/// Whether any of the `nr` iocbs at `ios` reads into memory.
+///
+/// # Safety
+/// `ios` points to `nr` pointers, each null or to an iocb (the caller's call reads them).
+unsafe fn reads_into_memory(nr: libc::c_long, ios: *const *const Iocb) -> bool {
+    if ios.is_null() || nr <= 0 {
+        return false;
+    }
+    // SAFETY: the caller's promise.
+    let v = unsafe { std::slice::from_raw_parts(ios, nr as usize) };
+    v.iter().any(|&io| {
+        // SAFETY: the caller's promise: null or an iocb.
+        !io.is_null() && IOCB_READS.contains(&unsafe { (*io).opcode })
+    })
+}
+
+/// libaio's `io_submit` (QEMU's `aio=native`), the system call it wraps, after closing the
+/// write fence if a read is among the iocbs (see the module): its data lands after this
+/// returns, where no hold reaches. Returns what libaio's does: the number submitted, or a
+/// negative errno.
+///
+/// # Safety
+/// As libaio's: `ios` points to `nr` iocb pointers.
+#[no_mangle]
+pub unsafe extern "C" fn io_submit(
+    ctx: libc::c_ulong,
+    nr: libc::c_long,
+    ios: *const *const c_void,
+) -> c_int {
+    // SAFETY: the caller's iocbs; Iocb is a prefix of the kernel's struct.
+    if unsafe { reads_into_memory(nr, ios.cast()) } {
+        if let Some(Some(f)) = FENCE.get() {
+            if !f.is_closed() {
+                tracing::warn!(
+                    "QEMU submitted a native AIO read (aio=native), which lands after its call returns, beyond the write fence: memfold takes no more pages of this guest (those it holds stay safe); use aio=threads"
+                );
+                f.close();
+            }
+        }
+    }
+    // SAFETY: the caller's arguments, to the system call libaio's io_submit makes.
+    let r = unsafe { libc::syscall(libc::SYS_io_submit, ctx, nr, ios) };
+    if r < 0 {
+        // SAFETY: errno is this thread's.
+        -unsafe { *libc::__errno_location() }
+    } else {
+        r as c_int
+    }
+}

@@ -340,7 +340,11 @@ pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
             "the write fence cannot be made, so devices' writes could be lost: memfold leaves this guest alone",
         ));
     }
-    let plan = qemu_plan();
+    let plan = qemu_plan().map_err(|e| {
+        io::Error::other(format!(
+            "QEMU's command line: {e}; without it memfold cannot tell whether QEMU reads disks beyond the write fence, so it leaves this guest alone"
+        ))
+    })?;
     if let Some(plan) = &plan {
         let problems: Vec<String> = plan.problems().iter().map(|p| p.to_string()).collect();
         if !plan.any_shareable_ram() {
@@ -404,28 +408,29 @@ pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
 /// when QEMU's command line does not say how many there are.
 const SETTLE: Duration = Duration::from_secs(1);
 
-/// QEMU's command line, read from `/proc/self/cmdline` when this process is a
-/// `qemu-system-*`; `None` otherwise (a test or host program running the agent) or when
-/// it cannot be read.
-fn qemu_plan() -> Option<qemu_args::RamPlan> {
-    let raw = std::fs::read("/proc/self/cmdline").ok()?;
+/// QEMU's command line, read from `/proc/self/cmdline` when this process is a QEMU (its
+/// program's name starts with `qemu`: `qemu-system-*`, RHEL's `qemu-kvm`); `None` for
+/// another program (a test or host program running the agent).
+///
+/// Errors (in a QEMU, the agent then does not start): the command line cannot be read or
+/// does not parse.
+fn qemu_plan() -> Result<Option<qemu_args::RamPlan>, String> {
+    let raw =
+        std::fs::read("/proc/self/cmdline").map_err(|e| format!("/proc/self/cmdline: {e}"))?;
     let words: Vec<String> = raw
         .split(|&b| b == 0)
         .map(|w| String::from_utf8_lossy(w).into_owned())
         .collect();
-    let prog = std::path::Path::new(words.first()?)
-        .file_name()?
-        .to_string_lossy();
-    if !prog.starts_with("qemu-system") {
-        return None;
+    let is_qemu = words
+        .first()
+        .and_then(|w| std::path::Path::new(w).file_name())
+        .is_some_and(|p| p.to_string_lossy().starts_with("qemu"));
+    if !is_qemu {
+        return Ok(None);
     }
-    match qemu_args::RamPlan::parse(&words[1..]) {
-        Ok(p) => Some(p),
-        Err(e) => {
-            tracing::warn!("QEMU's command line: {e}; finding guest RAM by its mappings alone");
-            None
-        }
-    }
+    qemu_args::RamPlan::parse(&words[1..])
+        .map(Some)
+        .map_err(|e| e.to_string())
 }
 
 /// Finds guest RAM ([`run`]). Returns the regions, in address order, and whether they are

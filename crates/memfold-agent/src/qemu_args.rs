@@ -191,6 +191,19 @@ fn boolean(v: &str) -> Option<bool> {
     }
 }
 
+/// The values of option `opt` on any node of a block option's `kv` (`aio`, `file.aio`,
+/// `file.file.aio`).
+fn node_values<'a>(
+    kv: &'a BTreeMap<String, String>,
+    opt: &'a str,
+) -> impl Iterator<Item = &'a str> + 'a {
+    kv.iter()
+        .filter(move |(k, _)| {
+            k.as_str() == opt || (k.ends_with(opt) && k[..k.len() - opt.len()].ends_with('.'))
+        })
+        .map(|(_, v)| v.as_str())
+}
+
 /// A JSON `-object` (libvirt's form) as key=value pairs, values as text.
 fn json_object(text: &str) -> Result<BTreeMap<String, String>, ArgsError> {
     let bad = |why: String| ArgsError::BadJson {
@@ -200,16 +213,31 @@ fn json_object(text: &str) -> Result<BTreeMap<String, String>, ArgsError> {
     let v: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
     let obj = v.as_object().ok_or_else(|| bad("not an object".into()))?;
     let mut out = BTreeMap::new();
+    flatten("", obj, &mut out);
+    Ok(out)
+}
+
+/// `obj`'s members into `out` as QEMU's dotted keys (`{"file":{"aio":"native"}}` as
+/// `file.aio`), values as keyval writes them.
+fn flatten(
+    prefix: &str,
+    obj: &serde_json::Map<String, serde_json::Value>,
+    out: &mut BTreeMap<String, String>,
+) {
     for (k, v) in obj {
+        let key = format!("{prefix}{k}");
         let s = match v {
+            serde_json::Value::Object(inner) => {
+                flatten(&format!("{key}."), inner, out);
+                continue;
+            }
             serde_json::Value::String(s) => s.clone(),
             serde_json::Value::Bool(b) => if *b { "on" } else { "off" }.into(),
             serde_json::Value::Number(n) => n.to_string(),
             other => other.to_string(),
         };
-        out.insert(k.clone(), s);
+        out.insert(key, s);
     }
-    Ok(out)
 }
 
 /// QEMU options whose argument matters here: RAM's, the guest's name, and disks' I/O.
@@ -292,15 +320,13 @@ impl RamPlan {
                     } else {
                         keyval(arg, None)
                     };
-                    let cache = kv.get("cache").map(String::as_str).unwrap_or("");
-                    let direct = kv.get("cache.direct").and_then(|v| boolean(v)) == Some(true)
-                        || matches!(cache, "none" | "directsync")
-                        || cache.replace(' ', "").contains("\"direct\":true");
-                    let unfenced = match kv.get("aio").map(String::as_str) {
-                        Some("native") => true,
-                        Some("io_uring") => direct,
-                        _ => false,
-                    };
+                    // Any node's options count (`file.aio=`, a nested JSON `file`):
+                    // refusing a drive that is fenced after all costs only its saving.
+                    let named = |opt: &'static str| node_values(&kv, opt);
+                    let direct = named("cache.direct").any(|v| boolean(v) == Some(true))
+                        || named("cache").any(|v| matches!(v, "none" | "directsync"));
+                    let unfenced = named("aio").any(|v| v == "native")
+                        || (direct && named("aio").any(|v| v == "io_uring"));
                     if unfenced {
                         plan.unfenced_io.push(format!("{word} {arg}"));
                     }
@@ -408,6 +434,23 @@ mod tests {
             r#"{"driver":"file","filename":"/v/d.qcow2","node-name":"f","aio":"io_uring","cache":{"direct":true,"no-flush":false}}"#,
         ];
         assert_eq!(RamPlan::parse(&libvirt).unwrap().unfenced_io.len(), 1);
+        // Options of a child node: keyval's dotted keys and nested JSON alike.
+        assert_eq!(
+            plan("-blockdev driver=qcow2,node-name=q,file.driver=file,file.filename=d,file.aio=native")
+                .unfenced_io
+                .len(),
+            1
+        );
+        let nested = [
+            "-blockdev",
+            r#"{"driver":"qcow2","node-name":"q","file":{"driver":"file","filename":"d","aio":"io_uring","cache":{"direct":true}}}"#,
+        ];
+        assert_eq!(RamPlan::parse(&nested).unwrap().unfenced_io.len(), 1);
+        let buffered = [
+            "-blockdev",
+            r#"{"driver":"qcow2","node-name":"q","file":{"driver":"file","filename":"d","aio":"io_uring"}}"#,
+        ];
+        assert!(RamPlan::parse(&buffered).unwrap().unfenced_io.is_empty());
     }
 
     fn problems(line: &str) -> Vec<String> {

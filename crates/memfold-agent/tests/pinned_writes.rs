@@ -15,38 +15,17 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::os::fd::AsFd;
+use std::time::Duration;
 
 use common::{agent_with_pool, next, page_of, region, share, write};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::fence::WriteFence;
-use memfold_sys::uffd::{self, Event, Uffd};
+use memfold_sys::uffd::HeldPage;
 use memfold_wire::{BatchId, FrameId, Gfn, ToAgent, ToDaemon};
 
 /// Guest RAM, pages.
 const PAGES: usize = 8;
-
-/// A new page of this process whose first access waits until the test answers its fault
-/// on the returned userfaultfd (missing mode): a copy into or out of it stops there.
-fn page_that_waits() -> (Uffd, u64) {
-    let uffd = Uffd::open(0).unwrap();
-    // SAFETY: a new private anonymous page at an address the kernel picks.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            PAGE_SIZE,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(p, libc::MAP_FAILED);
-    // SAFETY: the page is touched only by the system calls the tests make on it, and
-    // filled by them through the userfaultfd.
-    unsafe { uffd.register(p as u64, PAGE_SIZE as u64, uffd::MODE_MISSING) }.unwrap();
-    (uffd, p as u64)
-}
 
 /// A writer in another process: holds the fence over its target, then copies `src` (a
 /// page of this process) over the page at `dst` through the page tables.
@@ -72,23 +51,20 @@ fn pinned_write(
     ptr: *mut u8,
     g: usize,
     bytes: Vec<u8>,
-) -> (impl FnOnce(), std::thread::JoinHandle<isize>) {
-    let (src_uffd, src) = page_that_waits();
+) -> (impl FnOnce() -> HeldPage, std::thread::JoinHandle<isize>) {
+    let held = HeldPage::new().unwrap();
+    let src = held.addr();
     let dst = ptr as u64 + (g * PAGE_SIZE) as u64;
     let writer = std::thread::spawn(move || remote_write(fence, src, dst));
-    let t = Instant::now();
-    loop {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "the writer never faulted"
-        );
-        match src_uffd.read_event().unwrap() {
-            Some(Event::Fault { .. }) => break,
-            _ => std::thread::sleep(Duration::from_millis(1)),
-        }
-    }
+    assert!(
+        held.wait_for_access(Duration::from_secs(10)).unwrap(),
+        "the writer never faulted"
+    );
+    let bytes: [u8; PAGE_SIZE] = bytes.try_into().unwrap();
+    // Returns the page: the caller keeps it until the writer has returned.
     let release = move || {
-        src_uffd.copy(src, &bytes, false).unwrap();
+        held.release(&bytes).unwrap();
+        held
     };
     (release, writer)
 }
@@ -106,16 +82,24 @@ fn a_write_pinned_before_the_agent_protects_a_page_is_never_lost() {
     // Frame 0 holds page 1's old bytes: a share of page 1 onto it passes the compare.
     let (c, _pool, _store) = agent_with_pool(&dir.path().join("memfoldd.sock"), &[old(1)]);
     let fence: &'static WriteFence = Box::leak(Box::new(
-        WriteFence::of_process(std::process::id())
+        WriteFence::of_process(
+            rustix::process::pidfd_open(
+                rustix::process::getpid(),
+                rustix::process::PidfdFlags::empty(),
+            )
             .unwrap()
-            .expect("the agent made this process's fence"),
+            .as_fd(),
+            std::process::id(),
+        )
+        .unwrap()
+        .expect("the agent made this process's fence"),
     ));
 
     // A share over a page whose new bytes are on their way.
     let new1 = vec![0xa1u8; PAGE_SIZE];
     let (release, writer) = pinned_write(fence, ptr, 1, new1.clone());
     let (shared, _, changed) = share(&c, BatchId(1), vec![(Gfn(1), FrameId(0))]);
-    release();
+    let _src = release();
     assert_eq!(writer.join().unwrap(), PAGE_SIZE as isize);
     assert_eq!((shared, changed), (vec![], vec![Gfn(1)]), "left alone");
     assert_eq!(page_of(ptr, 1), new1, "the device's bytes, not the frame's");
@@ -137,7 +121,7 @@ fn a_write_pinned_before_the_agent_protects_a_page_is_never_lost() {
         } if *batch == BatchId(2) => Some(reclaimed.clone()),
         _ => None,
     });
-    release();
+    let _src = release();
     assert_eq!(writer.join().unwrap(), PAGE_SIZE as isize);
     assert_eq!(reclaimed, vec![], "left alone");
     assert_eq!(page_of(ptr, 2), new2, "the device's bytes, not zeros");
@@ -168,35 +152,49 @@ fn qemu_reads_into_guest_ram_hold_the_fence_for_their_call() {
     let mut file = tempfile::tempfile().unwrap();
     std::io::Write::write_all(&mut file, &[9u8; 2 * PAGE_SIZE]).unwrap();
     let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
-    for vectored in [false, true] {
-        let (dst_uffd, dst) = page_that_waits();
+    // SAFETY: as above.
+    let chk = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"__pread_chk".as_ptr()) } as usize;
+    assert_eq!(
+        chk,
+        memfold_agent::fence::__pread_chk as *const () as usize,
+        "the fortified pread is the agent's"
+    );
+    for call in ["pread", "preadv", "__pread_chk"] {
+        let held = HeldPage::new().unwrap();
+        let dst = held.addr();
         assert!(!fence.busy(dst));
-        let reader = std::thread::spawn(move || {
-            if vectored {
+        let reader = std::thread::spawn(move || match call {
+            "preadv" => {
                 let iov = libc::iovec {
                     iov_base: dst as *mut libc::c_void,
                     iov_len: PAGE_SIZE,
                 };
                 // SAFETY: one iovec over the registered page; the file is open.
                 unsafe { libc::preadv(fd, &iov, 1, 0) }
-            } else {
+            }
+            "pread" => {
                 // SAFETY: the registered page, one page long; the file is open.
                 unsafe { libc::pread(fd, dst as *mut libc::c_void, PAGE_SIZE, 0) }
             }
+            _ => {
+                // SAFETY: as pread, the buffer's length given.
+                unsafe {
+                    memfold_agent::fence::__pread_chk(
+                        fd,
+                        dst as *mut libc::c_void,
+                        PAGE_SIZE,
+                        0,
+                        PAGE_SIZE,
+                    )
+                }
+            }
         });
-        let t = Instant::now();
-        while !matches!(dst_uffd.read_event().unwrap(), Some(Event::Fault { .. })) {
-            assert!(
-                t.elapsed() < Duration::from_secs(10),
-                "the read never faulted"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
         assert!(
-            fence.busy(dst),
-            "held while the read's copy waits (vectored: {vectored})"
+            held.wait_for_access(Duration::from_secs(10)).unwrap(),
+            "the read never faulted"
         );
-        dst_uffd.zeropage(dst, PAGE_SIZE as u64).unwrap();
+        assert!(fence.busy(dst), "held while the read's copy waits ({call})");
+        held.release(&[0u8; PAGE_SIZE]).unwrap();
         assert_eq!(reader.join().unwrap(), PAGE_SIZE as isize);
         assert!(!fence.busy(dst), "let go when the call returns");
     }

@@ -159,8 +159,8 @@ impl Qemu {
     ///
     /// Errors: [`RemoteError::Fence`].
     fn with_fence(pid: u32, pidfd: OwnedFd) -> Result<Qemu, RemoteError> {
-        let fence =
-            WriteFence::of_process(pid).map_err(|source| RemoteError::Fence { pid, source })?;
+        let fence = WriteFence::of_process(pidfd.as_fd(), pid)
+            .map_err(|source| RemoteError::Fence { pid, source })?;
         Ok(Qemu { pid, pidfd, fence })
     }
 
@@ -599,43 +599,31 @@ mod tests {
     /// [`Qemu::write`] stops holding the fence.
     #[test]
     fn a_write_holds_the_write_fence_over_its_pages_until_its_copy_is_done() {
-        use memfold_sys::uffd::{self, Event, Uffd};
         // This process plays a QEMU whose agent made a fence.
         let agent: &'static WriteFence = Box::leak(Box::new(WriteFence::create().unwrap()));
         let me = std::sync::Arc::new(Qemu::open(std::process::id()).unwrap());
         assert!(me.fenced());
         let target = vec![0u8; 3 * 4096].leak();
         let dst = target.as_ptr() as u64;
-        let src_uffd = Uffd::open(0).unwrap();
-        // SAFETY: a new private anonymous page at an address the kernel picks.
-        let src = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                4096,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        } as u64;
-        // SAFETY: the page is only read by the write below, filled by this test.
-        unsafe { src_uffd.register(src, 4096, uffd::MODE_MISSING) }.unwrap();
+        let held = memfold_sys::uffd::HeldPage::new().unwrap();
+        let src = held.addr();
         assert!(!agent.busy(dst + 4096));
         let writer = {
             let me = me.clone();
             std::thread::spawn(move || {
-                // SAFETY: the source page stays mapped; its fault is answered below.
+                // SAFETY: the source page stays mapped (held outlives the join); its fault
+                // is answered below.
                 let buf = unsafe { std::slice::from_raw_parts(src as *const u8, 4096) };
                 me.write(&[(dst + 4096, buf)])
             })
         };
-        let t = std::time::Instant::now();
-        while !matches!(src_uffd.read_event().unwrap(), Some(Event::Fault { .. })) {
-            assert!(t.elapsed().as_secs() < 10, "the write never faulted");
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
+        assert!(
+            held.wait_for_access(std::time::Duration::from_secs(10))
+                .unwrap(),
+            "the write never faulted"
+        );
         assert!(agent.busy(dst + 4096), "held while the copy waits");
-        src_uffd.copy(src, &[7u8; 4096], false).unwrap();
+        held.release(&[7u8; 4096]).unwrap();
         writer.join().unwrap().unwrap();
         assert!(!agent.busy(dst + 4096), "let go once written");
         assert_eq!(target[4096..8192], [7u8; 4096]);

@@ -27,9 +27,15 @@
 //! vCPU store. A QEMU that writes the fence (a guest escaped into it) only makes its own
 //! agent share less, or lose its own guest's writes; the device checks the memfd is
 //! sealed against shrinking, so no access to it can fault.
+//!
+//! A writer whose copy lands after its call returns (QEMU's `aio=native`: the kernel
+//! completes the read later, and QEMU reaps it from a ring in its own memory, with no
+//! call to hold the fence across) [`WriteFence::close`]s the fence instead, before its
+//! first such call: from then on every page is busy, so the agent takes no page again.
+//! What it already holds stays safe, since a pin of a page it holds faults.
 
 use std::io;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -46,7 +52,9 @@ pub const CHUNK: u64 = 1 << 16;
 /// slots used are ever allocated.
 pub const SLOTS: usize = 1 << 16;
 
+/// The header: the magic at 0, the closed flag at [`CLOSED_AT`].
 const HEADER: usize = 4096;
+const CLOSED_AT: usize = 8;
 /// Bytes one read or write system call transfers at most (Linux's `MAX_RW_COUNT`).
 const MAX_TRANSFER: u64 = 0x7fff_f000;
 const LEN: usize = HEADER + SLOTS * 4;
@@ -105,13 +113,19 @@ impl WriteFence {
         Ok(f)
     }
 
-    /// The fence of process `pid` (a QEMU whose agent made one), found among its
-    /// descriptors; `None` if it has none (no agent: nothing there is shared, stashed or
-    /// reclaimed, so no write needs a fence). Needs the access `process_vm_writev` needs.
+    /// The fence of process `pid`, held by `pidfd` (a QEMU whose agent made one), found
+    /// among its descriptors; `None` if it has none (no agent: nothing there is shared,
+    /// stashed or reclaimed, so no write needs a fence). Needs the access
+    /// `process_vm_writev` needs.
     ///
-    /// Errors: `/proc/PID/fd` cannot be read, or descriptors are named as the fence but
-    /// none is one (not sealed against shrinking, the wrong size, no magic).
-    pub fn of_process(pid: u32) -> io::Result<Option<WriteFence>> {
+    /// The descriptor is taken with `pidfd_getfd`, never reopened by its `/proc` link:
+    /// what is checked is what is mapped, and a QEMU that swaps the descriptor for a FIFO
+    /// or a FUSE file between a look and an `open` cannot make the device block.
+    ///
+    /// Errors: `/proc/PID/fd` cannot be read, a descriptor named as the fence cannot be
+    /// taken, or none named so is one (not sealed against shrinking, the wrong size, no
+    /// magic).
+    pub fn of_process(pidfd: BorrowedFd<'_>, pid: u32) -> io::Result<Option<WriteFence>> {
         let dir = format!("/proc/{pid}/fd");
         let want = format!("/memfd:{FENCE_NAME}");
         let mut refused = None;
@@ -123,7 +137,18 @@ impl WriteFence {
             if !target.to_string_lossy().starts_with(&want) {
                 continue;
             }
-            match Self::open_at(&path) {
+            let Some(n) = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let got =
+                rustix::process::pidfd_getfd(pidfd, n, rustix::process::PidfdGetfdFlags::empty())
+                    .map_err(io::Error::from)
+                    .and_then(|fd| Self::checked(fd, &path.display().to_string()));
+            match got {
                 Ok(f) => return Ok(Some(f)),
                 Err(e) => refused = refused.or(Some(e)),
             }
@@ -131,20 +156,12 @@ impl WriteFence {
         refused.map_or(Ok(None), Err)
     }
 
-    /// The fence at `path` (a `/proc/PID/fd/N` link), checked.
-    fn open_at(path: &std::path::Path) -> io::Result<WriteFence> {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)?;
-        let fd = OwnedFd::from(file);
-        let bad = |what: &str| {
-            io::Error::other(format!(
-                "{}: {what}: not memfold's write fence",
-                path.display()
-            ))
-        };
-        let seals = rustix::fs::fcntl_get_seals(&fd)?;
+    /// `fd` (named `what` in errors) as a fence, checked: sealed against shrinking (asked
+    /// first: only shmem files have seals, and asking makes no round trip to any file
+    /// system), the right size, the magic.
+    fn checked(fd: OwnedFd, what: &str) -> io::Result<WriteFence> {
+        let bad = |why: &str| io::Error::other(format!("{what}: {why}: not memfold's write fence"));
+        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|_| bad("no seals"))?;
         if !seals.contains(SealFlags::SHRINK) {
             return Err(bad("not sealed against shrinking"));
         }
@@ -182,6 +199,11 @@ impl WriteFence {
         unsafe { &*self.base.as_ptr().cast::<AtomicU64>() }
     }
 
+    fn closed(&self) -> &AtomicU32 {
+        // SAFETY: 4 aligned bytes of the header, inside the mapping.
+        unsafe { &*self.base.as_ptr().add(CLOSED_AT).cast::<AtomicU32>() }
+    }
+
     fn slot(&self, s: usize) -> &AtomicU32 {
         debug_assert!(s < SLOTS);
         // SAFETY: slot s < SLOTS is 4-byte aligned inside the mapping after the header.
@@ -214,10 +236,21 @@ impl WriteFence {
         FenceHold { fence: self, slots }
     }
 
+    /// Closes the fence for good: every page is busy from now on (see the module). Call
+    /// before the first call whose copy may land after it returns.
+    pub fn close(&self) {
+        self.closed().store(1, Ordering::SeqCst);
+    }
+
+    /// Whether the fence was closed ([`WriteFence::close`]).
+    pub fn is_closed(&self) -> bool {
+        self.closed().load(Ordering::SeqCst) != 0
+    }
+
     /// Whether a writer may be copying into the page at `va`: ask after write-protecting
-    /// it, before reading it.
+    /// it, before reading it. Always, once the fence is closed.
     pub fn busy(&self, va: u64) -> bool {
-        self.slot(Self::slot_of(va / CHUNK)).load(Ordering::SeqCst) != 0
+        self.is_closed() || self.slot(Self::slot_of(va / CHUNK)).load(Ordering::SeqCst) != 0
     }
 }
 
@@ -228,16 +261,19 @@ mod tests {
     #[test]
     fn a_process_finds_its_own_fence_and_holds_are_seen_through_both_mappings() {
         let agent = WriteFence::create().unwrap();
-        use std::os::fd::AsRawFd;
+        let me = rustix::process::pidfd_open(
+            rustix::process::getpid(),
+            rustix::process::PidfdFlags::empty(),
+        )
+        .unwrap();
         assert!(
-            WriteFence::of_process(std::process::id())
+            WriteFence::of_process(me.as_fd(), std::process::id())
                 .unwrap()
                 .is_some(),
             "a fence is among this process's descriptors"
         );
-        // Other tests make fences too: this one's, through its /proc link.
-        let link = format!("/proc/self/fd/{}", agent._fd.as_raw_fd());
-        let device = WriteFence::open_at(std::path::Path::new(&link)).unwrap();
+        // Other tests make fences too: this one's, by its descriptor.
+        let device = WriteFence::checked(agent._fd.try_clone().unwrap(), "this").unwrap();
         let va = 0x7f00_0000_0000u64;
         assert!(!agent.busy(va));
         {
@@ -247,6 +283,10 @@ mod tests {
         assert!(!agent.busy(va) && !agent.busy(va + 3 * CHUNK));
         // Sealed: the memfd cannot be shrunk under a device's mapping.
         assert!(rustix::fs::ftruncate(&agent._fd, 0).is_err());
+        // Closed by a writer whose copies land later: every page busy, for good.
+        assert!(!agent.is_closed());
+        device.close();
+        assert!(agent.is_closed() && agent.busy(va) && agent.busy(0));
     }
 
     #[test]
@@ -261,22 +301,40 @@ mod tests {
 
     #[test]
     fn a_memfd_named_as_the_fence_but_not_sealed_or_sized_is_refused() {
-        use std::os::fd::AsRawFd;
         let fake = rustix::fs::memfd_create(FENCE_NAME, MemfdFlags::CLOEXEC).unwrap();
         rustix::fs::ftruncate(&fake, LEN as u64).unwrap();
-        let at =
-            |fd: &OwnedFd| std::path::PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
-        let e = WriteFence::open_at(&at(&fake)).unwrap_err();
+        let e = WriteFence::checked(fake, "fake").unwrap_err();
         assert!(e.to_string().contains("not sealed"), "{e}");
         let small = rustix::fs::memfd_create(FENCE_NAME, MemfdFlags::ALLOW_SEALING).unwrap();
         rustix::fs::ftruncate(&small, 4096).unwrap();
         rustix::fs::fcntl_add_seals(&small, SealFlags::SHRINK).unwrap();
-        let e = WriteFence::open_at(&at(&small)).unwrap_err();
+        let e = WriteFence::checked(small, "small").unwrap_err();
         assert!(e.to_string().contains("wrong size"), "{e}");
         let blank = rustix::fs::memfd_create(FENCE_NAME, MemfdFlags::ALLOW_SEALING).unwrap();
         rustix::fs::ftruncate(&blank, LEN as u64).unwrap();
         rustix::fs::fcntl_add_seals(&blank, SealFlags::SHRINK).unwrap();
-        let e = WriteFence::open_at(&at(&blank)).unwrap_err();
+        let e = WriteFence::checked(blank, "blank").unwrap_err();
         assert!(e.to_string().contains("no magic"), "{e}");
+        // A FIFO (what a hostile QEMU could put where the fence was) is refused without
+        // blocking: nothing is opened, and a FIFO has no seals.
+        let dir = std::env::temp_dir().join(format!("fence-fifo-{}", std::process::id()));
+        let _ = std::fs::remove_file(&dir);
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &dir,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
+            0,
+        )
+        .unwrap();
+        let fifo = rustix::fs::open(
+            &dir,
+            rustix::fs::OFlags::RDWR | rustix::fs::OFlags::NONBLOCK,
+            rustix::fs::Mode::empty(),
+        )
+        .unwrap();
+        let _ = std::fs::remove_file(&dir);
+        let e = WriteFence::checked(fifo, "fifo").unwrap_err();
+        assert!(e.to_string().contains("no seals"), "{e}");
     }
 }
