@@ -119,6 +119,7 @@ impl BlkBackend {
         data: &[u8],
         skip: &[u64],
     ) -> Result<(), ReqError> {
+        let mut parts = Vec::new();
         let mut stream = 0u64;
         let mut k = 0usize;
         for &(a, n) in runs {
@@ -131,7 +132,7 @@ impl BlkBackend {
                 let end = next_skip.map_or(n, |s| s - stream);
                 if end > at {
                     let from = (stream + at) as usize;
-                    mem.write(a + at, &data[from..from + (end - at) as usize])?;
+                    parts.push((a + at, &data[from..from + (end - at) as usize]));
                 }
                 at = match next_skip {
                     Some(s) => s - stream + PAGE,
@@ -140,6 +141,7 @@ impl BlkBackend {
             }
             stream += n;
         }
+        mem.write_runs(&parts)?;
         Ok(())
     }
 }
