@@ -99,13 +99,15 @@ pub struct Counters {
     pub reads_from_frames: u64,
     /// Bytes read from the disk for reads (`read_bytes` less what frames filled).
     pub disk_read_bytes: u64,
+    /// Reads of QEMU's memory for the rings and descriptors (each a `process_vm_readv`).
+    pub ring_reads: u64,
 }
 
 impl Counters {
     /// One line, `key=value` pairs (the binary's `--stats` file and its exit log).
     pub fn line(&self) -> String {
         format!(
-            "reads={} read_bytes={} writes={} flushes={} discards={} io_errors={} unsupported={} dropped={} landed_base={} landed_overlay={} landed_zero={} fill_asked={} filled={} reads_from_frames={} disk_read_bytes={}",
+            "reads={} read_bytes={} writes={} flushes={} discards={} io_errors={} unsupported={} dropped={} landed_base={} landed_overlay={} landed_zero={} fill_asked={} filled={} reads_from_frames={} disk_read_bytes={} ring_reads={}",
             self.reads,
             self.read_bytes,
             self.writes,
@@ -120,7 +122,8 @@ impl Counters {
             self.fill_asked,
             self.filled,
             self.reads_from_frames,
-            self.disk_read_bytes
+            self.disk_read_bytes,
+            self.ring_reads
         )
     }
 }
@@ -316,6 +319,7 @@ impl BlkBackend {
                     writable: Vec::new(),
                 };
                 let mut order_ok = true;
+                view.reading_descriptors(true);
                 for d in chain {
                     if d.len() == 0 {
                         continue;
@@ -328,6 +332,7 @@ impl BlkBackend {
                         order_ok = false;
                     }
                 }
+                view.reading_descriptors(false);
                 let used = if let Some(e) = view.take_error() {
                     tracing::warn!("request {head}: its descriptors could not be read: {e}");
                     self.finish(mem, &c, Err(ReqError::Mem(e)), 0)
@@ -357,6 +362,7 @@ impl BlkBackend {
                 Err(e) => return Err(view.take_error().unwrap_or_else(|| MemError::queue(e))),
             }
         }
+        self.counters.ring_reads += view.remote_reads();
         if !any {
             return Ok(false);
         }

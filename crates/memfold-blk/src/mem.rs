@@ -273,6 +273,8 @@ impl RemoteMemory {
             failed: Rc::new(RefCell::new(None)),
             arena: RefCell::new(Vec::new()),
             slices_made: Cell::new(0),
+            windows: RefCell::new(None),
+            remote_reads: Cell::new(0),
         }
     }
 }
@@ -362,7 +364,15 @@ pub struct RemoteView<'m> {
     /// Every bounce buffer handed out, kept for the view's life: a slice borrows the view.
     arena: RefCell<Vec<Rc<Bounce>>>,
     slices_made: Cell<u64>,
+    /// While a chain's descriptors are read ([`RemoteView::reading_descriptors`]): the
+    /// windows of guest RAM read for them, (guest-physical address, bytes).
+    windows: RefCell<Option<Vec<(u64, Vec<u8>)>>>,
+    remote_reads: Cell<u64>,
 }
+
+/// Most bytes one read-only access may take from a descriptor window: a descriptor is
+/// 16 bytes; anything larger is read as usual.
+const WINDOWED: usize = 64;
 
 impl RemoteView<'_> {
     /// The first error a read for a slice or a write-back met since the last call (virtio
@@ -375,6 +385,64 @@ impl RemoteView<'_> {
     /// Bounce slices handed out so far (tests: the queue went through this view).
     pub fn slices_made(&self) -> u64 {
         self.slices_made.get()
+    }
+
+    /// Reads of QEMU's memory this view made (each one `process_vm_readv`).
+    pub fn remote_reads(&self) -> u64 {
+        self.remote_reads.get()
+    }
+
+    /// Between `true` and `false`, small read-only accesses (virtio-queue's descriptor
+    /// reads, in a table or an indirect table) are served from windows of guest RAM read
+    /// once each: from the first descriptor read to the end of its page. A chain of 66
+    /// descriptors (a 256 KiB request over scattered pages) costs one or two reads, not 66.
+    ///
+    /// Only for descriptors: the driver does not change a chain it made available until
+    /// the device has used it (virtio 1.1 §2.6.13), so a window read after the chain's
+    /// avail index holds what a read of each descriptor would. The rings' indexes are
+    /// never windowed, since they change under the device. The window stays in its page,
+    /// so no page the chain does not use is faulted in.
+    pub fn reading_descriptors(&self, on: bool) {
+        *self.windows.borrow_mut() = on.then(Vec::new);
+    }
+
+    /// `count` bytes at `gpa` from a descriptor window, read now if no window holds them;
+    /// `None` when not reading descriptors, or the access is larger than [`WINDOWED`] or
+    /// does not fit in its page.
+    fn windowed(&self, gpa: u64, count: usize) -> Option<Result<Vec<u8>, GuestMemoryError>> {
+        let mut windows = self.windows.borrow_mut();
+        let windows = windows.as_mut()?;
+        if count > WINDOWED {
+            return None;
+        }
+        let end = gpa.checked_add(count as u64)?;
+        if let Some((at, w)) = windows
+            .iter()
+            .find(|(at, w)| gpa >= *at && end <= at + w.len() as u64)
+        {
+            let from = (gpa - at) as usize;
+            return Some(Ok(w[from..from + count].to_vec()));
+        }
+        let r = self
+            .mem
+            .regions
+            .iter()
+            .find(|r| gpa >= r.gpa && gpa - r.gpa < r.len)?;
+        let off = gpa - r.gpa;
+        let n = (4096 - gpa % 4096).min(r.len - off) as usize;
+        if n < count {
+            return None;
+        }
+        let mut w = vec![0u8; n];
+        self.remote_reads.set(self.remote_reads.get() + 1);
+        if let Err(e) = self.mem.qemu.read(&mut [(r.qemu_va + off, &mut w)]) {
+            let msg = e.to_string();
+            self.failed.borrow_mut().get_or_insert(MemError::Remote(e));
+            return Some(Err(GuestMemoryError::IOError(std::io::Error::other(msg))));
+        }
+        let out = w[..count].to_vec();
+        windows.push((gpa, w));
+        Some(Ok(out))
     }
 
     fn bounce(&self, qemu_va: u64, len: usize, fill: bool) -> Result<Rc<Bounce>, GuestMemoryError> {
@@ -390,6 +458,7 @@ impl RemoteView<'_> {
             // SAFETY: the buffer is `words * 8 >= len` bytes, owned by `b`, no slice over
             // it exists yet.
             let dst = unsafe { std::slice::from_raw_parts_mut(b.ptr(), len) };
+            self.remote_reads.set(self.remote_reads.get() + 1);
             if let Err(e) = self.mem.qemu.read(&mut [(qemu_va, dst)]) {
                 let msg = e.to_string();
                 self.failed.borrow_mut().get_or_insert(MemError::Remote(e));
@@ -437,6 +506,23 @@ impl GuestMemory for RemoteView<'_> {
             .pieces(addr.0, count as u64)
             .map_err(|_| GuestMemoryError::InvalidGuestAddress(addr))?;
         let mut v = Vec::with_capacity(pieces.len());
+        if let ([(r, off, n)], Permissions::Read) = (pieces.as_slice(), access) {
+            if let Some(bytes) = self.windowed(addr.0, count) {
+                let b = self.bounce(r.qemu_va + off, *n as usize, false)?;
+                // SAFETY: the new buffer is at least `n` = `count` bytes, no slice over it
+                // exists yet.
+                unsafe { std::ptr::copy_nonoverlapping(bytes?.as_ptr(), b.ptr(), count) };
+                let bitmap = WriteBack {
+                    target: Some(b.clone()),
+                    base: 0,
+                };
+                // SAFETY: as below.
+                v.push(Ok(unsafe {
+                    VolatileSlice::with_bitmap(b.ptr(), *n as usize, bitmap, None)
+                }));
+                return Ok(Slices(v.into_iter()));
+            }
+        }
         for (r, off, n) in pieces {
             // Reads fill the buffer from QEMU first; writes need not (only the bytes
             // written are written back).
