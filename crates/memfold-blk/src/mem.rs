@@ -366,9 +366,13 @@ pub struct RemoteView<'m> {
     slices_made: Cell<u64>,
     /// While a chain's descriptors are read ([`RemoteView::reading_descriptors`]): the
     /// windows of guest RAM read for them, (guest-physical address, bytes).
-    windows: RefCell<Option<Vec<(u64, Vec<u8>)>>>,
+    windows: RefCell<Option<Vec<Window>>>,
     remote_reads: Cell<u64>,
 }
+
+/// A window of guest RAM read once for a chain's descriptors: (guest-physical address,
+/// bytes).
+type Window = (u64, Vec<u8>);
 
 /// Most bytes one read-only access may take from a descriptor window: a descriptor is
 /// 16 bytes; anything larger is read as usual.
