@@ -95,9 +95,10 @@ fn enosys() -> isize {
     -1
 }
 
-/// An interposed `pread`-shaped call: holds the fence over its buffer for the call.
+/// An interposed `pread`-shaped call (`$buflen`: the fortified `__pread_chk` form, with
+/// the buffer's size after the offset): holds the fence over its buffer for the call.
 macro_rules! pread_like {
-    ($name:ident, $sym:literal) => {
+    ($name:ident, $sym:literal, $ty:ty $(, $buflen:ident)?) => {
         #[doc = concat!("`", stringify!($name), "`, held in the write fence over its buffer.")]
         ///
         /// # Safety
@@ -108,11 +109,12 @@ macro_rules! pread_like {
             buf: *mut c_void,
             n: usize,
             off: libc::off_t,
+            $($buflen: usize,)?
         ) -> isize {
             let _held = hold([(buf as u64, n as u64)]);
-            match real!($sym, Pread) {
+            match real!($sym, $ty) {
                 // SAFETY: the caller's arguments, to libc's call of the same name.
-                Some(f) => unsafe { f(fd, buf, n, off) },
+                Some(f) => unsafe { f(fd, buf, n, off $(, $buflen)?) },
                 None => enosys(),
             }
         }
@@ -146,36 +148,10 @@ macro_rules! preadv_like {
     };
 }
 
-/// A fortified (`_FORTIFY_SOURCE`) `pread`-shaped call: `$name(fd, buf, n, off, buflen)`,
-/// held like [`pread`].
-macro_rules! pread_chk_like {
-    ($name:ident, $sym:literal) => {
-        #[doc = concat!("`", stringify!($name), "`, held in the write fence over its buffer.")]
-        ///
-        /// # Safety
-        /// As libc's.
-        #[no_mangle]
-        pub unsafe extern "C" fn $name(
-            fd: c_int,
-            buf: *mut c_void,
-            n: usize,
-            off: libc::off_t,
-            buflen: usize,
-        ) -> isize {
-            let _held = hold([(buf as u64, n as u64)]);
-            match real!($sym, PreadChk) {
-                // SAFETY: the caller's arguments, to libc's call of the same name.
-                Some(f) => unsafe { f(fd, buf, n, off, buflen) },
-                None => enosys(),
-            }
-        }
-    };
-}
-
-pread_chk_like!(__pread_chk, c"__pread_chk");
-pread_chk_like!(__pread64_chk, c"__pread64_chk");
-pread_like!(pread, c"pread");
-pread_like!(pread64, c"pread64");
+pread_like!(pread, c"pread", Pread);
+pread_like!(pread64, c"pread64", Pread);
+pread_like!(__pread_chk, c"__pread_chk", PreadChk, buflen);
+pread_like!(__pread64_chk, c"__pread64_chk", PreadChk, buflen);
 preadv_like!(preadv, c"preadv", Preadv);
 preadv_like!(preadv64, c"preadv64", Preadv);
 preadv_like!(preadv2, c"preadv2", Preadv2, flags);
