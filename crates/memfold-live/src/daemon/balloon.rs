@@ -321,8 +321,13 @@ fn drive(
             r.off_target_since = None;
             r.problem(None);
         } else if since.elapsed() > IGNORED_AFTER {
+            let why = if set.is_some_and(|t| actual > t) {
+                " (above it: the guest deflated rather than run out of memory)"
+            } else {
+                ""
+            };
             r.problem(Some(format!(
-                "ignores requests: asked for {} MiB, has {} MiB for {} s; no entitlement reaches it, none is repaid from it",
+                "ignores requests: asked for {} MiB, has {} MiB for {} s{why}; no entitlement reaches it, none is repaid from it",
                 set.unwrap_or(0) >> 20,
                 actual >> 20,
                 since.elapsed().as_secs()

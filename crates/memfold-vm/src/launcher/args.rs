@@ -56,13 +56,25 @@ pub fn qemu_args(
         "-nodefaults",
         "-no-reboot",
     ]);
-    match (spec.free_page_reporting, spec.memfold_balloon) {
-        (true, _) => push(&[
-            "-device",
-            "virtio-balloon-pci,id=balloon0,free-page-reporting=on",
-        ]),
-        (false, true) => push(&["-device", "virtio-balloon-pci,id=balloon0"]),
-        (false, false) => {}
+    if spec.free_page_reporting || spec.memfold_balloon {
+        // A balloon memfoldd drives gives pages back when the guest would otherwise kill
+        // a process for memory (`deflate-on-oom`): a target set too low, or a workload
+        // that grows faster than memfoldd's next reading of the guest's statistics, costs
+        // the host memory, never the guest a process.
+        let device = format!(
+            "virtio-balloon-pci,id=balloon0{}{}",
+            if spec.free_page_reporting {
+                ",free-page-reporting=on"
+            } else {
+                ""
+            },
+            if spec.memfold_balloon {
+                ",deflate-on-oom=on"
+            } else {
+                ""
+            },
+        );
+        push(&["-device", &device]);
     }
     if let Some(sock) = &spec.guest_channel {
         push(&[
@@ -241,6 +253,30 @@ mod tests {
             ]
         ));
         assert_eq!(fpr.iter().filter(|a| a.contains("balloon")).count(), 1);
+        // The balloon memfoldd drives deflates rather than let the guest kill for memory.
+        let driven = args(&GuestSpec {
+            memfold_balloon: true,
+            ..spec(RamBackend::Memfd)
+        });
+        assert!(has(
+            &driven,
+            [
+                "-device",
+                "virtio-balloon-pci,id=balloon0,deflate-on-oom=on"
+            ]
+        ));
+        let both = args(&GuestSpec {
+            free_page_reporting: true,
+            memfold_balloon: true,
+            ..spec(RamBackend::Memfd)
+        });
+        assert!(has(
+            &both,
+            [
+                "-device",
+                "virtio-balloon-pci,id=balloon0,free-page-reporting=on,deflate-on-oom=on"
+            ]
+        ));
     }
 
     #[test]
