@@ -286,7 +286,8 @@ fn under_pressure_a_guest_short_of_memory_grows_up_to_its_entitlement() {
     let mut most = 0;
     let mut seen_short = false;
     // (s, target MiB, actual MiB, available MiB, short) at each change: what a failure shows.
-    let mut trace: Vec<(u64, u64, Option<u64>, Option<u64>, Option<bool>)> = Vec::new();
+    type Sample = (u64, u64, Option<u64>, Option<u64>, Option<bool>);
+    let mut trace: Vec<Sample> = Vec::new();
     while t.elapsed() < Duration::from_secs(120) {
         assert!(
             guests[0].mismatches().is_empty(),
