@@ -61,11 +61,14 @@ const SLAB: u8 = 4;
 const KERNEL: u8 = 5;
 const NAMES: [&str; 6] = ["unknown", "free", "cache", "anon", "slab", "kernel"];
 
-/// A frame's code (category in bits 0–2, active bit 3, referenced bit 4) from its
-/// `/proc/kpageflags` flags and `/proc/kpagecount` count; `head`: the code of the
-/// compound page's head when this frame is a tail (its flags are mostly the head's to
-/// have). Free: in the buddy allocator (`BUDDY` marks only a free block's first frame;
-/// the others, like per-CPU free lists, have no user: count 0).
+/// A frame's code (category in bits 0–2, active bit 3, referenced bit 4, buddy bit 5)
+/// from its `/proc/kpageflags` flags and `/proc/kpagecount` count; `head`: the code of
+/// the compound page's head when this frame is a tail (its flags are mostly the head's
+/// to have). Free: in the buddy allocator (`BUDDY` marks only a free block's first frame;
+/// the others, like per-CPU free lists, have no user: count 0). The count is a *map*
+/// count, 0 for pages only the kernel uses too (stacks, DMA buffers, a virtqueue's
+/// ring), so "free" by it is an estimate for the books; the buddy bit marks the frames
+/// that are surely free, the only ones the host may discard (issue 17).
 pub fn classify(flags: u64, count: u64, head: Option<u8>) -> u8 {
     if flags & KPF_NOPAGE != 0 {
         return UNKNOWN;
@@ -90,7 +93,9 @@ pub fn classify(flags: u64, count: u64, head: Option<u8>) -> u8 {
     } else {
         KERNEL
     };
-    cat | ((flags & KPF_ACTIVE != 0) as u8) << 3 | ((flags & KPF_REFERENCED != 0) as u8) << 4
+    cat | ((flags & KPF_ACTIVE != 0) as u8) << 3
+        | ((flags & KPF_REFERENCED != 0) as u8) << 4
+        | ((flags & KPF_BUDDY != 0 && cat == FREE) as u8) << 5
 }
 
 /// The "System RAM" ranges of `/proc/iomem`'s text, as whole frames `[start, end)`.
@@ -272,6 +277,18 @@ fn json_str(s: &str) -> String {
     o
 }
 
+/// Whether the host may discard this guest's free pages (reading as zeros afterwards):
+/// not with page poisoning on (`page_poison=1` on the kernel command line `cmdline`), whose
+/// allocator checks a free page's old poison bytes when it hands it out.
+pub fn free_pages_discardable(cmdline: &str) -> bool {
+    !cmdline.split_whitespace().any(|a| {
+        matches!(
+            a,
+            "page_poison" | "page_poison=1" | "page_poison=on" | "page_poison=y" | "page_poison=Y"
+        )
+    })
+}
+
 /// The lines answering request `seq`.
 pub fn answer(seq: u64) -> Vec<String> {
     let iomem = std::fs::read_to_string("/proc/iomem").unwrap_or_default();
@@ -285,13 +302,15 @@ pub fn answer(seq: u64) -> Vec<String> {
     };
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let mi = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
     let rs: Vec<String> = ranges.iter().map(|(s, e)| format!("[{s},{e}]")).collect();
     let mut out = vec![format!(
-        "{{\"msg\":\"ram\",\"v\":{VERSION},\"seq\":{seq},\"agent\":{},\"kernel\":{},\"ranges\":[{}],\"meminfo\":{}}}",
+        "{{\"msg\":\"ram\",\"v\":{VERSION},\"seq\":{seq},\"agent\":{},\"kernel\":{},\"ranges\":[{}],\"meminfo\":{},\"discard\":{}}}",
         json_str(concat!("memfold-guest ", "1")),
         json_str(kernel.trim()),
         rs.join(","),
-        meminfo_json(&mi)
+        meminfo_json(&mi),
+        free_pages_discardable(&cmdline)
     )];
     let mut frames = 0u64;
     for (first, chunk) in &runs.chunks {

@@ -221,6 +221,17 @@ pub enum DaemonMsg {
         taken: Vec<u32>,
         refused: Vec<u32>,
     },
+    WatchDone {
+        batch: u64,
+        watched: Vec<u32>,
+        refused: Vec<u32>,
+    },
+    DiscardDone {
+        batch: u64,
+        discarded: Vec<u32>,
+        changed: Vec<u32>,
+        refused: Vec<u32>,
+    },
     RegionUnmapped,
     DeviceHello(u32, Vec<u64>),
     ReadLanded {
@@ -299,6 +310,14 @@ pub enum AgentMsg {
         arm: Vec<u64>,
     },
     TakeBack {
+        batch: u64,
+        gfns: Vec<u32>,
+    },
+    Watch {
+        batch: u64,
+        gfns: Vec<u32>,
+    },
+    DiscardFree {
         batch: u64,
         gfns: Vec<u32>,
     },
@@ -496,6 +515,26 @@ impl DaemonMsg {
                 taken: gfns(taken),
                 refused: gfns(refused),
             },
+            DaemonMsg::WatchDone {
+                batch,
+                watched,
+                refused,
+            } => ToDaemon::WatchDone {
+                batch: BatchId(*batch),
+                watched: gfns(watched),
+                refused: gfns(refused),
+            },
+            DaemonMsg::DiscardDone {
+                batch,
+                discarded,
+                changed,
+                refused,
+            } => ToDaemon::DiscardDone {
+                batch: BatchId(*batch),
+                discarded: gfns(discarded),
+                changed: gfns(changed),
+                refused: gfns(refused),
+            },
             DaemonMsg::RegionUnmapped => ToDaemon::RegionUnmapped,
         }
     }
@@ -540,6 +579,14 @@ impl AgentMsg {
                 arm: arm.clone(),
             },
             AgentMsg::TakeBack { batch, gfns: g } => ToAgent::TakeBack {
+                batch: BatchId(*batch),
+                gfns: gfns(g),
+            },
+            AgentMsg::Watch { batch, gfns: g } => ToAgent::Watch {
+                batch: BatchId(*batch),
+                gfns: gfns(g),
+            },
+            AgentMsg::DiscardFree { batch, gfns: g } => ToAgent::DiscardFree {
                 batch: BatchId(*batch),
                 gfns: gfns(g),
             },
@@ -596,6 +643,8 @@ fn every_kind_is_built(d: &ToDaemon, a: &ToAgent) {
         | ToDaemon::Census
         | ToDaemon::OptOut { .. }
         | ToDaemon::TakeBackDone { .. }
+        | ToDaemon::WatchDone { .. }
+        | ToDaemon::DiscardDone { .. }
         | ToDaemon::DeviceHello { .. }
         | ToDaemon::ReadLanded { .. }
         | ToDaemon::FillRead { .. }
@@ -610,6 +659,8 @@ fn every_kind_is_built(d: &ToDaemon, a: &ToAgent) {
         | ToAgent::Stash { .. }
         | ToAgent::ClockScan { .. }
         | ToAgent::TakeBack { .. }
+        | ToAgent::Watch { .. }
+        | ToAgent::DiscardFree { .. }
         | ToAgent::OptedOut { .. } => {}
     }
 }

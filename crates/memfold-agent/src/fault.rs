@@ -121,7 +121,7 @@ impl Agent {
                 // as missing).
                 PageHome::Private | PageHome::Zero | PageHome::Stashed(_) => {
                     self.pages.mark(gfn, true);
-                    self.uffd.write_protect(page, PAGE, false)?;
+                    self.unprotect(page, PAGE)?;
                     // M tracking is the clock's too: its wait counts with the R faults'.
                     self.counters.track.record(started.elapsed(), 1);
                     Ok(())

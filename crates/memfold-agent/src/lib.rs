@@ -770,6 +770,17 @@ impl Agent {
         self.base + gfn.offset()
     }
 
+    /// Lifts the write-protection of `len` bytes of guest RAM from `addr` (page-aligned):
+    /// writes no longer fault, so the pages' watch bits go too (the discard's invariant,
+    /// [`state::Pages::unwatch`]). Every unprotect of guest RAM goes through here.
+    ///
+    /// Errors: the userfaultfd call failed.
+    fn unprotect(&mut self, addr: u64, len: u64) -> io::Result<()> {
+        let first = Gfn(((addr - self.base) / PAGE) as u32);
+        self.pages.unwatch(first, len.div_ceil(PAGE));
+        Ok(self.uffd.write_protect(addr, len, false)?)
+    }
+
     /// Frees `pages` pages of the guest memfd from `gfn` on (the caller made sure their
     /// bytes are kept elsewhere or are zero). Returns whether the kernel did.
     fn punch(&self, gfn: Gfn, pages: u64) -> bool {

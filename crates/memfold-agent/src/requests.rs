@@ -1,6 +1,7 @@
 //! memfoldd's requests ([`ToAgent`]) and their replies: share pages onto pool frames,
 //! reclaim zero pages, stash pages as blobs (or move a stashed page's blob to the swap
-//! file), and report and re-arm a clock slice's R and M bits.
+//! file), report and re-arm a clock slice's R and M bits, and watch and discard pages
+//! the guest reports free.
 //!
 //! Each request is a hint: the agent checks every page under write-protection (writers
 //! wait) against what memfoldd read, carries out what still holds and answers, per page,
@@ -127,6 +128,26 @@ impl Agent {
                     count,
                     referenced,
                     modified,
+                }
+            }
+            ToAgent::Watch { batch, gfns } => {
+                let o = self.watch(gfns)?;
+                ToDaemon::WatchDone {
+                    batch,
+                    watched: o.done,
+                    refused: o.refused,
+                }
+            }
+            ToAgent::DiscardFree { batch, gfns } => {
+                let o = self.discard_free(gfns)?;
+                self.counters
+                    .reclaim
+                    .record_batch(started.elapsed(), o.done.len());
+                ToDaemon::DiscardDone {
+                    batch,
+                    discarded: o.done,
+                    changed: o.changed,
+                    refused: o.refused,
                 }
             }
             ToAgent::TakeBack { batch, gfns } => {
@@ -265,7 +286,7 @@ impl Agent {
                     .is_err()
             {
                 // Nothing was moved: the pages stay private.
-                self.uffd.write_protect(sub_addr, sub_len, false)?;
+                self.unprotect(sub_addr, sub_len)?;
                 out.refused.extend(run[k..e].iter().map(|p| p.0));
             } else if equal[k] {
                 // The pages are now read from the pool; failing to free the copies only
@@ -276,7 +297,7 @@ impl Agent {
                     out.done.push(g);
                 }
             } else {
-                self.uffd.write_protect(sub_addr, sub_len, false)?;
+                self.unprotect(sub_addr, sub_len)?;
                 out.changed.extend(run[k..e].iter().map(|p| p.0));
             }
             k = e;
@@ -318,25 +339,11 @@ impl Agent {
 
     /// Carries out a zero-page reclaim request (ESX §4.3's zero page, without a frame):
     /// punches the private pages that are still zero out of the guest memfd.
-    fn reclaim_zero(&mut self, mut gfns: Vec<Gfn>) -> io::Result<Outcome> {
+    fn reclaim_zero(&mut self, gfns: Vec<Gfn>) -> io::Result<Outcome> {
         let mut out = Outcome::default();
-        gfns.sort_unstable();
-        gfns.dedup();
-        gfns.retain(|&g| {
-            let ok = self.pages.is_private(g);
-            if !ok {
-                out.refused.push(g);
-            }
-            ok
-        });
+        let gfns = self.private_only(gfns, &mut out);
         let p = PAGE_SIZE;
-        let mut i = 0;
-        while i < gfns.len() {
-            let mut j = i + 1;
-            while j < gfns.len() && gfns[j].0 == gfns[j - 1].0 + 1 {
-                j += 1;
-            }
-            let (g0, n) = (gfns[i], j - i);
+        for (g0, n) in runs(&gfns) {
             let (addr, len) = (self.page_addr(g0), n as u64 * PAGE);
             // Writers wait from here until the unprotect below.
             self.uffd.write_protect(addr, len, true)?;
@@ -357,10 +364,77 @@ impl Agent {
                     out.refused.push(g);
                 }
             }
-            self.uffd.write_protect(addr, len, false)?;
-            i = j;
+            self.unprotect(addr, len)?;
         }
         Ok(out)
+    }
+
+    /// Carries out a watch request (issue 17's free-page discard): write-protects the
+    /// private pages and sets their watch bits. Refuses the others.
+    ///
+    /// Errors: write-protecting a run failed (bits set so far stay: those pages are
+    /// protected).
+    fn watch(&mut self, gfns: Vec<Gfn>) -> io::Result<Outcome> {
+        let mut out = Outcome::default();
+        let gfns = self.private_only(gfns, &mut out);
+        for (g0, n) in runs(&gfns) {
+            self.uffd
+                .write_protect(self.page_addr(g0), n as u64 * PAGE, true)?;
+            for k in 0..n {
+                self.pages.watch(plus(g0, k));
+                out.done.push(plus(g0, k));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Carries out a free-page discard (issue 17; PV §3.1): punches out of the guest
+    /// memfd each private page whose watch bit is still set and that no writer in another
+    /// process holds. memfoldd asks only for pages the guest reported free in a report it
+    /// asked for after the watch, so such a page was free at an instant after which
+    /// nothing wrote it: its bytes are no one's, and zeros do as well.
+    ///
+    /// The invariant, kept here: a page is discarded only if its watch bit is set
+    /// ([`crate::state::Pages::watch`]: write-protected and unwritten since) and the
+    /// write fence does not hold it, checked with it write-protected.
+    ///
+    /// Errors: a userfaultfd call failed.
+    fn discard_free(&mut self, gfns: Vec<Gfn>) -> io::Result<Outcome> {
+        let mut out = Outcome::default();
+        let gfns = self.private_only(gfns, &mut out);
+        for (g0, n) in runs(&gfns) {
+            let (addr, len) = (self.page_addr(g0), n as u64 * PAGE);
+            // Already protected if still watched; a page that is not is refused below.
+            self.uffd.write_protect(addr, len, true)?;
+            let held = held_by_writers(addr, n);
+            for (k, held) in held.into_iter().enumerate() {
+                let g = plus(g0, k);
+                if held || !self.pages.watched(g) {
+                    out.changed.push(g);
+                } else if self.punch(g, 1) {
+                    self.pages.set(g, PageHome::Zero);
+                    out.done.push(g);
+                } else {
+                    out.refused.push(g);
+                }
+            }
+            self.unprotect(addr, len)?;
+        }
+        Ok(out)
+    }
+
+    /// `gfns` sorted, without repeats, and private; the others refused in `out`.
+    fn private_only(&self, mut gfns: Vec<Gfn>, out: &mut Outcome) -> Vec<Gfn> {
+        gfns.sort_unstable();
+        gfns.dedup();
+        gfns.retain(|&g| {
+            let ok = self.pages.is_private(g);
+            if !ok {
+                out.refused.push(g);
+            }
+            ok
+        });
+        gfns
     }
 
     /// Carries out a stash request (DE §3.2–3.3, §4.6): punches out of the guest memfd
@@ -412,7 +486,7 @@ impl Agent {
                     out.refused.push(g);
                 }
             }
-            self.uffd.write_protect(addr, PAGE, false)?;
+            self.unprotect(addr, PAGE)?;
         }
         Ok(out)
     }
@@ -494,6 +568,18 @@ impl Agent {
         }
         Ok((n, r, m))
     }
+}
+
+/// Runs of consecutive pages in sorted `gfns`, as (first page, pages).
+fn runs(gfns: &[Gfn]) -> Vec<(Gfn, usize)> {
+    let mut out: Vec<(Gfn, usize)> = Vec::new();
+    for &g in gfns {
+        match out.last_mut() {
+            Some((g0, n)) if g0.0 + *n as u32 == g.0 => *n += 1,
+            _ => out.push((g, 1)),
+        }
+    }
+    out
 }
 
 /// Which of the `n` pages from `addr` (just write-protected, not yet read) a writer in

@@ -102,8 +102,8 @@ impl Packed {
     }
 }
 
-/// Every guest page's home, and its R and M bits since its clock slice was last armed
-/// (bit `g % 64` of word `g / 64`).
+/// Every guest page's home, its R and M bits since its clock slice was last armed, and
+/// its watch bit (bit `g % 64` of word `g / 64`).
 pub(crate) struct Pages {
     homes: Vec<Packed>,
     /// The blob records of stashed pages, by [`Slot::Stashed`] index; entries listed in
@@ -113,6 +113,12 @@ pub(crate) struct Pages {
     free: Vec<u32>,
     referenced: Vec<u64>,
     modified: Vec<u64>,
+    /// Watch bits (issue 17's free-page discard): set by [`Pages::watch`] on a private
+    /// page just write-protected; cleared by a write ([`Pages::mark`]), by any change of
+    /// the page's home ([`Pages::set`]) and by the agent lifting the protection
+    /// ([`Pages::unwatch`]). The invariant the discard keeps: *a page whose bit is set
+    /// has been write-protected, and written by no one, since it was watched*.
+    watched: Vec<u64>,
 }
 
 impl Pages {
@@ -128,6 +134,7 @@ impl Pages {
             free: Vec::new(),
             referenced: vec![u64::MAX; pages.div_ceil(64)],
             modified: vec![u64::MAX; pages.div_ceil(64)],
+            watched: vec![0; pages.div_ceil(64)],
         }
     }
 
@@ -224,6 +231,27 @@ impl Pages {
             }
         }
         self.homes[gfn.index()] = Packed::new(slot);
+        self.unwatch(gfn, 1);
+    }
+
+    /// Sets the watch bit of private page `gfn`, which the caller has just
+    /// write-protected.
+    pub(crate) fn watch(&mut self, gfn: Gfn) {
+        debug_assert!(self.is_private(gfn));
+        self.watched[gfn.index() / 64] |= 1 << (gfn.0 % 64);
+    }
+
+    /// Whether page `gfn` has been write-protected and unwritten since it was watched.
+    pub(crate) fn watched(&self, gfn: Gfn) -> bool {
+        self.watched[gfn.index() / 64] >> (gfn.0 % 64) & 1 == 1
+    }
+
+    /// Clears the watch bits of pages `[first, first+n)` (in RAM): their protection is
+    /// lifted, or they changed.
+    pub(crate) fn unwatch(&mut self, first: Gfn, n: u64) {
+        for g in first.index()..(first.index() + n as usize).min(self.homes.len()) {
+            self.watched[g / 64] &= !(1 << (g % 64));
+        }
     }
 
     /// Bytes this record holds: its page homes, stash records and R/M bitmaps, as
@@ -232,7 +260,8 @@ impl Pages {
         (self.homes.capacity() * std::mem::size_of::<Packed>()
             + self.stashes.capacity() * std::mem::size_of::<Stash>()
             + self.free.capacity() * 4
-            + (self.referenced.capacity() + self.modified.capacity()) * 8) as u64
+            + (self.referenced.capacity() + self.modified.capacity() + self.watched.capacity()) * 8)
+            as u64
     }
 
     /// Pages of this region mapped onto pool frames now.
@@ -250,6 +279,7 @@ impl Pages {
         self.referenced[w] |= b;
         if write {
             self.modified[w] |= b;
+            self.watched[w] &= !b;
         }
     }
 
@@ -315,15 +345,16 @@ mod tests {
 
     #[test]
     fn a_page_record_stays_small() {
-        // One per guest page: 4 bytes, 0.1% of guest RAM; a stashed page's 32 more.
+        // One per guest page: 4 bytes, 0.1% of guest RAM, and 3 bits (R, M, watch); a
+        // stashed page's 32 more.
         assert_eq!(std::mem::size_of::<Packed>(), 4);
         assert!(std::mem::size_of::<Stash>() <= 32);
         let mut p = Pages::new(1024);
-        assert_eq!(p.state_bytes(), 1024 * 4 + 2 * 16 * 8, "no page stashed");
+        assert_eq!(p.state_bytes(), 1024 * 4 + 3 * 16 * 8, "no page stashed");
         p.set(Gfn(3), PageHome::Stashed(stash(3)));
-        assert!(p.state_bytes() > 1024 * 4 + 2 * 16 * 8);
+        assert!(p.state_bytes() > 1024 * 4 + 3 * 16 * 8);
         p.set(Gfn(3), PageHome::Private);
-        assert_eq!(p.state_bytes(), 1024 * 4 + 2 * 16 * 8, "given back");
+        assert_eq!(p.state_bytes(), 1024 * 4 + 3 * 16 * 8, "given back");
     }
 
     fn stash(k: u64) -> Stash {
@@ -406,6 +437,26 @@ mod tests {
         let (r, m) = p.take_bits(Gfn(60), 70);
         assert_eq!(r, vec![0b10, 1 << 5]);
         assert_eq!(m, vec![0, 1 << 5]);
+    }
+
+    #[test]
+    fn a_watch_ends_at_a_write_a_new_home_or_lifted_protection_and_a_read_keeps_it() {
+        let mut p = Pages::new(200);
+        for g in [3, 64, 130, 131, 199] {
+            p.watch(Gfn(g));
+        }
+        p.mark(Gfn(3), false);
+        assert!(p.watched(Gfn(3)), "a read is no write");
+        p.mark(Gfn(3), true);
+        assert!(!p.watched(Gfn(3)), "a write ends it");
+        p.set(Gfn(64), PageHome::Zero);
+        p.set(Gfn(64), PageHome::Private);
+        assert!(!p.watched(Gfn(64)), "a new home ends it");
+        p.unwatch(Gfn(130), 1);
+        assert!(!p.watched(Gfn(130)) && p.watched(Gfn(131)));
+        p.unwatch(Gfn(190), 50); // clamped to RAM
+        assert!(!p.watched(Gfn(199)));
+        assert!((0..200).all(|g| !p.watched(Gfn(g)) || g == 131));
     }
 
     #[test]

@@ -87,6 +87,12 @@ pub struct EngineArgs {
     /// the default skips slab alone (docs/enlightened.md).
     #[arg(long, default_value_t = defaults().guest_skip.names(), value_parser = |s: &str| memfold_core::categories::CategorySet::parse(s).map(|c| c.names()))]
     pub guest_skip: String,
+    /// With --guest-categories on: discard the pages an enlightened guest reports free,
+    /// without copying (issue 17): each is watched for writes first, and discarded only
+    /// if a report asked for after the watch still shows it free and nothing wrote it
+    /// since; its next access reads zeros (docs/enlightened.md).
+    #[arg(long, default_value = if defaults().discard_free { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
+    pub discard_free: String,
     /// Host memory budget for the guests' RAM, MiB (DE §4.6): over it, cold pages are
     /// swapped out to a swap file (turns the clock on). Guests whose RAM together exceeds
     /// it keep running: overcommit.
@@ -189,6 +195,7 @@ impl EngineArgs {
             guest_categories: self.guest_categories == "on",
             guest_skip: memfold_core::categories::CategorySet::parse(&self.guest_skip)
                 .expect("clap checked the names"),
+            discard_free: self.discard_free == "on",
             host_budget: self.host_budget_mib.map(|m| m << 20),
             ..defaults()
         };

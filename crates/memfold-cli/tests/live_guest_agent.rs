@@ -52,26 +52,12 @@ fn an_enlightened_guest_reports_categories_that_match_meminfo_and_frames_that_ma
     images::build(&cache, "tiny", |l| eprintln!("{l}")).expect("tiny image builds");
     let agent = agent_lib();
     let work = tempfile::tempdir().unwrap();
-    let socket = work.path().join("memfoldd.sock");
-    let channels = work.path().join("channels");
-    std::fs::create_dir(&channels).unwrap();
-    let log = work.path().join("memfoldd.log");
-    let _daemon = common::memfoldd_logged(
-        &socket,
-        &[
-            "--rate",
-            "0",
-            "--policy",
-            "sharing",
-            "--clock-secs",
-            "0",
-            "--guest-channels",
-            channels.to_str().unwrap(),
-            "--guest-interval-ms",
-            "1000",
-        ],
-        &log,
-    );
+    let common::Enlightened {
+        daemon: _daemon,
+        socket,
+        channels,
+        log,
+    } = common::memfoldd_enlightened(work.path());
     let nonce = format!(
         "{:016x}",
         (std::process::id() as u64 * 0x9e37_79b9) ^ 0x5eed

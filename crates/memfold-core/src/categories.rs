@@ -141,6 +141,11 @@ pub struct PageInfo {
     pub active: bool,
     /// Referenced since the kernel last looked (`KPF_REFERENCED`).
     pub referenced: bool,
+    /// The first frame of a free block of the buddy allocator (`KPF_BUDDY`): surely free
+    /// when the guest looked. The rest of a free block cannot be told from kernel pages
+    /// by `/proc/kpageflags` and `/proc/kpagecount` (a map count, 0 for every page only
+    /// the kernel uses), so only these are ever discarded as free (issue 17).
+    pub buddy: bool,
 }
 
 impl PageInfo {
@@ -149,23 +154,34 @@ impl PageInfo {
         category: Category::Unknown,
         active: false,
         referenced: false,
+        buddy: false,
     };
 
     /// The wire code of the guest protocol: category in bits 0–2, active bit 3,
-    /// referenced bit 4.
+    /// referenced bit 4, buddy bit 5.
     pub fn code(self) -> u8 {
-        self.category as u8 | (self.active as u8) << 3 | (self.referenced as u8) << 4
+        self.category as u8
+            | (self.active as u8) << 3
+            | (self.referenced as u8) << 4
+            | (self.buddy as u8) << 5
     }
 
-    /// The page info of wire code `c`; `None` for an unknown category or bits above 4.
+    /// The page info of wire code `c`; `None` for an unknown category, bits above 5, or
+    /// the buddy bit on a page not free.
     pub fn from_code(c: u8) -> Option<PageInfo> {
-        if c >> 5 != 0 {
+        if c >> 6 != 0 {
+            return None;
+        }
+        let category = Category::from_code(c & 7)?;
+        let buddy = c & 32 != 0;
+        if buddy && category != Category::Free {
             return None;
         }
         Some(PageInfo {
-            category: Category::from_code(c & 7)?,
+            category,
             active: c & 8 != 0,
             referenced: c & 16 != 0,
+            buddy,
         })
     }
 }
@@ -237,10 +253,12 @@ pub enum CategoryError {
 }
 
 /// One guest's pages by category: 4 bits a page (category and active bit), two pages a
-/// byte, and its counts. Metadata: `pages / 2` bytes.
+/// byte, the buddy bit a page, and its counts. Metadata: `pages / 2 + pages / 8` bytes.
 #[derive(Clone, Debug)]
 pub struct CategoryMap {
     nibbles: Vec<u8>,
+    /// [`PageInfo::buddy`], a bit a page.
+    buddy: Vec<u64>,
     pages: u32,
     counts: CategoryCounts,
 }
@@ -253,6 +271,7 @@ impl CategoryMap {
     pub fn from_runs(pages: u32, runs: &[CategoryRun]) -> Result<CategoryMap, CategoryError> {
         let mut m = CategoryMap {
             nibbles: vec![0; (pages as usize).div_ceil(2)],
+            buddy: vec![0; (pages as usize).div_ceil(64)],
             pages,
             counts: CategoryCounts::default(),
         };
@@ -276,6 +295,9 @@ impl CategoryMap {
             let nib = r.info.category as u8 | (r.info.active as u8) << 3;
             for g in r.first.0..end {
                 m.set_nibble(g, nib);
+                if r.info.buddy {
+                    m.buddy[g as usize / 64] |= 1 << (g % 64);
+                }
             }
             m.counts.add(r.info, r.count as u64);
         }
@@ -310,6 +332,12 @@ impl CategoryMap {
         Category::from_code(self.nibble(g.0) & 7).unwrap_or(Category::Unknown)
     }
 
+    /// Whether page `g` was the first frame of a free buddy block when the guest looked
+    /// ([`PageInfo::buddy`]).
+    pub fn buddy(&self, g: Gfn) -> bool {
+        g.0 < self.pages && self.buddy[g.index() / 64] >> (g.0 % 64) & 1 == 1
+    }
+
     /// Whether page `g` is on the guest's active list.
     pub fn active(&self, g: Gfn) -> bool {
         g.0 < self.pages && self.nibble(g.0) & 8 != 0
@@ -322,7 +350,7 @@ impl CategoryMap {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.nibbles.capacity()
+        self.nibbles.capacity() + self.buddy.capacity() * 8
     }
 
     /// The guest's pages it covers.
@@ -546,6 +574,7 @@ mod tests {
             category: Category::Cache,
             active: true,
             referenced: false,
+            buddy: false,
         };
         // A run over the hole is split, the hole dropped.
         l.runs(
@@ -619,11 +648,21 @@ mod tests {
         for c in 0..=255u8 {
             match PageInfo::from_code(c) {
                 Some(i) => assert_eq!(i.code(), c),
-                None => assert!(c >> 5 != 0 || c & 7 > 5, "code {c}"),
+                None => assert!(
+                    c >> 6 != 0 || c & 7 > 5 || (c & 32 != 0 && c & 7 != 1),
+                    "code {c}"
+                ),
             }
         }
         assert_eq!(PageInfo::from_code(6), None);
-        assert_eq!(PageInfo::from_code(32), None);
+        // The buddy bit: on a free page only.
+        assert!(
+            PageInfo::from_code(32 | Category::Free as u8)
+                .unwrap()
+                .buddy
+        );
+        assert_eq!(PageInfo::from_code(32 | Category::Anon as u8), None);
+        assert_eq!(PageInfo::from_code(64), None);
     }
 
     #[test]
@@ -635,6 +674,7 @@ mod tests {
                 category,
                 active,
                 referenced,
+                buddy: false,
             },
         };
         let m = CategoryMap::from_runs(
@@ -646,7 +686,7 @@ mod tests {
             ],
         )
         .unwrap();
-        assert_eq!(m.bytes(), 6);
+        assert_eq!(m.bytes(), 6 + 8, "4 bits and the buddy bit a page");
         let cats: Vec<_> = (0..12).map(|g| m.category(Gfn(g))).collect();
         use Category::*;
         assert_eq!(

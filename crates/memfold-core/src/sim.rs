@@ -64,6 +64,9 @@ pub struct SimAgent {
     referenced: Vec<bool>,
     modified: Vec<bool>,
     tracking: Vec<Tracking>,
+    /// Watch bits of the free-page discard: set by a watch, cleared by a write or a new
+    /// home (as the real agent's, which also clears them when it lifts a protection).
+    watched: Vec<bool>,
     /// Events not yet reported.
     pub events: Vec<Event>,
     /// Refuse every command (as at the VMA budget).
@@ -101,6 +104,7 @@ impl SimAgent {
             referenced: vec![true; n],
             modified: vec![true; n],
             tracking: vec![Tracking::Open; n],
+            watched: vec![false; n],
             events: Vec::new(),
             refuse: false,
             frame_budget: None,
@@ -115,6 +119,12 @@ impl SimAgent {
     /// Where page `g` lives now.
     pub fn home(&self, g: Gfn) -> Home {
         self.home[g.index()]
+    }
+
+    /// Page `i` lives at `h` now: its watch ends.
+    fn set_home(&mut self, i: usize, h: Home) {
+        self.home[i] = h;
+        self.watched[i] = false;
     }
 
     fn ram_page(&self, g: Gfn) -> Page {
@@ -205,6 +215,9 @@ impl SimAgent {
             (Home::Private, Tracking::ReadOnly) => write,
             _ => true, // armed, or not private: a fault either way
         };
+        if write {
+            self.watched[i] = false;
+        }
         if seen {
             self.referenced[i] = true;
             self.modified[i] |= write;
@@ -219,7 +232,7 @@ impl SimAgent {
             Home::Zero => {
                 let zero = [0u8; PAGE_SIZE];
                 self.set_ram_page(g, &zero);
-                self.home[i] = Home::Private;
+                self.set_home(i, Home::Private);
                 self.events.push(Event::Refilled(g));
                 Ok(zero)
             }
@@ -227,7 +240,7 @@ impl SimAgent {
                 let p = self.peek(g)?;
                 if write {
                     self.set_ram_page(g, &p);
-                    self.home[i] = Home::Private;
+                    self.set_home(i, Home::Private);
                     self.events.push(Event::CowBroken(g, f));
                 }
                 Ok(p)
@@ -236,7 +249,7 @@ impl SimAgent {
                 let mut p = [0u8; PAGE_SIZE];
                 self.decode(&s, &mut p)?;
                 self.set_ram_page(g, &p);
-                self.home[i] = Home::Private;
+                self.set_home(i, Home::Private);
                 self.events.push(Event::Unstashed(g));
                 Ok(p)
             }
@@ -272,7 +285,7 @@ impl SimAgent {
             Home::Frame(f) => Discard::Frame(f),
             Home::Stashed(_) => Discard::Stored,
         };
-        self.home[i] = Home::Private;
+        self.set_home(i, Home::Private);
         self.events.push(Event::Discarded(g, what));
     }
 
@@ -303,7 +316,7 @@ impl SimAgent {
                 if p != self.ram_page(gfn) {
                     return Outcome::Changed;
                 }
-                self.home[gfn.index()] = Home::Frame(frame);
+                self.set_home(gfn.index(), Home::Frame(frame));
                 self.punch(gfn);
                 Outcome::Done
             }
@@ -320,7 +333,7 @@ impl SimAgent {
                 if page[..8] != nonce[0].to_ne_bytes() || page[8..16] != nonce[1].to_ne_bytes() {
                     return Outcome::Changed;
                 }
-                self.home[gfn.index()] = Home::Frame(frame);
+                self.set_home(gfn.index(), Home::Frame(frame));
                 self.punch(gfn);
                 Outcome::Done
             }
@@ -331,7 +344,30 @@ impl SimAgent {
                 if self.ram_page(gfn) != [0u8; PAGE_SIZE] {
                     return Outcome::Changed;
                 }
-                self.home[gfn.index()] = Home::Zero;
+                self.set_home(gfn.index(), Home::Zero);
+                self.punch(gfn);
+                Outcome::Done
+            }
+            // As the real agent: write-protected, so that a write is seen.
+            Command::Watch { gfn } => {
+                let i = gfn.index();
+                if gfn.0 >= self.pages() || self.home[i] != Home::Private {
+                    return Outcome::Refused;
+                }
+                self.watched[i] = true;
+                if self.tracking[i] == Tracking::Open {
+                    self.tracking[i] = Tracking::ReadOnly;
+                }
+                Outcome::Done
+            }
+            Command::DiscardFree { gfn } => {
+                if gfn.0 >= self.pages() || self.home[gfn.index()] != Home::Private {
+                    return Outcome::Refused;
+                }
+                if !self.watched[gfn.index()] {
+                    return Outcome::Changed;
+                }
+                self.set_home(gfn.index(), Home::Zero);
                 self.punch(gfn);
                 Outcome::Done
             }
@@ -358,7 +394,7 @@ impl SimAgent {
             return Outcome::Refused;
         };
         self.set_ram_page(g, &p);
-        self.home[i] = Home::Private;
+        self.set_home(i, Home::Private);
         self.events.push(event);
         Outcome::Done
     }
@@ -382,7 +418,7 @@ impl SimAgent {
             if old != new {
                 return Outcome::Changed;
             }
-            self.home[g.index()] = Home::Stashed(Stash { moving: false, ..s });
+            self.set_home(g.index(), Home::Stashed(Stash { moving: false, ..s }));
             return Outcome::Done;
         }
         if self.home[g.index()] != Home::Private {
@@ -394,7 +430,7 @@ impl SimAgent {
         if new != self.ram_page(g) {
             return Outcome::Changed;
         }
-        self.home[g.index()] = Home::Stashed(s);
+        self.set_home(g.index(), Home::Stashed(s));
         self.punch(g);
         Outcome::Done
     }
@@ -432,7 +468,7 @@ impl SimAgent {
                 let mut p = [0u8; PAGE_SIZE];
                 self.decode(&s, &mut p)?;
                 self.set_ram_page(Gfn(i as u32), &p);
-                self.home[i] = Home::Private;
+                self.set_home(i, Home::Private);
             }
         }
         self.events.clear();

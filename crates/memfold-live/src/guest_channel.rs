@@ -27,9 +27,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use memfold_core::categories::{CategoryRun, LayoutError, PageInfo, RamLayout, FOUR_GIB_PFN};
+use memfold_core::engine::free_discard::WatchRound;
 use memfold_core::ids::VmId;
 use memfold_core::Engine;
 use memfold_wire::guest::{
@@ -52,6 +53,8 @@ pub struct GuestReport {
     pub meminfo: GuestMeminfo,
     /// Its agent and kernel.
     pub agent: String,
+    /// Its free pages may be discarded (no page poisoning; `FromGuest::Ram::discard`).
+    pub discard: bool,
 }
 
 /// Why a guest's report was refused.
@@ -137,6 +140,7 @@ pub fn read_report<R: std::io::BufRead>(
                     kernel,
                     ranges,
                     meminfo,
+                    discard,
                     ..
                 },
                 None,
@@ -147,6 +151,7 @@ pub fn read_report<R: std::io::BufRead>(
                     layout: RamLayout::from_ranges(ram_pages, &ranges)?,
                     meminfo,
                     agent: format!("{agent} (kernel {kernel})"),
+                    discard,
                 });
             }
             (FromGuest::Runs { first, runs, .. }, Some(r)) => {
@@ -217,7 +222,8 @@ pub fn channel_name_ok(name: &str) -> bool {
 }
 
 /// What a channel thread sends the main loop.
-type Sent = (VmId, Result<GuestReport, ReportError>);
+/// A report from guest `VmId`'s thread, with when it asked for it.
+type Sent = (VmId, Instant, Result<GuestReport, ReportError>);
 
 /// A guest's channel: its thread's stop flag, and what it last said.
 struct Channel {
@@ -227,6 +233,10 @@ struct Channel {
     last_error: Option<String>,
     refused: u64,
     channel_errors: u64,
+    /// The guest's armed free-page watch round and when memfoldd learned it was armed:
+    /// a report asked for after that instant may discard its pages
+    /// ([`memfold_core::Engine::discard_free`]).
+    armed: Option<(WatchRound, Instant)>,
 }
 
 /// The channels of enlightened guests (see the module documentation).
@@ -303,6 +313,7 @@ impl GuestChannels {
                     last_error: None,
                     refused: 0,
                     channel_errors: 0,
+                    armed: None,
                 },
             );
         }
@@ -310,12 +321,18 @@ impl GuestChannels {
 
     /// Applies the reports that came to the engine.
     pub fn apply(&mut self, engine: &mut Engine) {
-        while let Ok((id, r)) = self.rx.try_recv() {
+        while let Ok((id, asked, r)) = self.rx.try_recv() {
             let Some(c) = self.channels.get_mut(&id) else {
                 continue;
             };
             match r.map(|rep| {
                 let applied = engine.guest_categories(id, &rep.runs);
+                if applied.is_ok() {
+                    // INVARIANT (free-page discard): a report names a round only if it
+                    // was asked for after memfoldd learned that round was armed.
+                    let after = c.armed.filter(|&(_, at)| asked > at).map(|(r, _)| r);
+                    engine.discard_free(id, after, rep.discard);
+                }
                 (rep, applied)
             }) {
                 Ok((rep, Ok(_))) => {
@@ -326,6 +343,17 @@ impl GuestChannels {
                 Err(e @ ReportError::Wire(_)) => c.failed(e.to_string(), true),
                 Err(e) => c.failed(e.to_string(), false),
             }
+        }
+    }
+
+    /// An agent answered a free-page watch of guest `id`: if that armed a round, the
+    /// instant is noted (reports asked for after it may discard the round's pages).
+    pub fn watch_answered(&mut self, engine: &Engine, id: VmId) {
+        let (Some(c), Some(round)) = (self.channels.get_mut(&id), engine.watch_armed(id)) else {
+            return;
+        };
+        if c.armed.map(|a| a.0) != Some(round) {
+            c.armed = Some((round, Instant::now()));
         }
     }
 
@@ -410,9 +438,10 @@ fn channel_thread(
         let mut lines = LineReader::new(BufReader::with_capacity(1 << 16, stream));
         while !stop.load(Ordering::Relaxed) {
             seq += 1;
+            let asked = Instant::now();
             let r = read_report(&mut lines, &mut out, seq, ram_pages);
             let drop_channel = matches!(r, Err(ReportError::Wire(_)));
-            if tx.send((id, r)).is_err() {
+            if tx.send((id, asked, r)).is_err() {
                 return;
             }
             if drop_channel {

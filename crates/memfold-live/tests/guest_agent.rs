@@ -26,6 +26,19 @@ fn cat(flags: u64, count: u64, head: Option<u8>) -> Category {
 fn kpageflags_bits_give_the_categories_of_pv_3_1() {
     use Category::*;
     assert_eq!(cat(1 << 10, 0, None), Free, "buddy head");
+    // Only a buddy head is surely free: the bit the host's discards go by.
+    let info = |f, c| PageInfo::from_code(guest::classify(f, c, None)).unwrap();
+    assert!(info(1 << 10, 0).buddy);
+    assert!(
+        !info(0, 0).buddy,
+        "map count 0: a buddy tail, or a page only the kernel uses"
+    );
+    assert!(!info(1 << 7, 0).buddy && !info(0, 1).buddy);
+    // Page poisoning rules a guest's free pages out of discards.
+    assert!(guest::free_pages_discardable(
+        "quiet console=ttyS0 init_on_free=1"
+    ));
+    assert!(!guest::free_pages_discardable("quiet page_poison=1"));
     assert_eq!(
         cat(0, 0, None),
         Free,

@@ -92,6 +92,11 @@ pub enum FromGuest {
         ranges: Vec<[u64; 2]>,
         /// From `/proc/meminfo`.
         meminfo: GuestMeminfo,
+        /// Its free pages may be discarded, reading as zeros afterwards (issue 17): its
+        /// kernel does not check a free page's old bytes (no page poisoning). Absent
+        /// (an older `memfold-guest`): false, nothing discarded.
+        #[serde(default)]
+        discard: bool,
     },
     /// Pages by category: consecutive runs of `[code, pages]` over physical frames from
     /// `first`.

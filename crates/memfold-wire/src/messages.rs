@@ -24,8 +24,9 @@ use crate::stats::Stats;
 /// Also in 9, without a bump: the block device's [`ToDaemon::DeviceHello`] and
 /// [`ToDaemon::ReadLanded`], which only `memfold-blk` sends (no agent or client of an
 /// older memfoldd sends or expects them; an older memfoldd refuses the hello with a
-/// message).
-pub const PROTOCOL_VERSION: u32 = 9;
+/// message). 10: free-page discard ([`ToAgent::Watch`], [`ToAgent::DiscardFree`] and
+/// their replies).
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
 pub const MAX_MESSAGE: usize = 256 * 1024;
@@ -335,6 +336,27 @@ pub enum ToDaemon {
     /// while QEMU runs on. The last message of a connection; optional (see
     /// [`PROTOCOL_VERSION`]).
     RegionUnmapped,
+    /// Result of a [`ToAgent::Watch`] request.
+    WatchDone {
+        /// The request's batch.
+        batch: BatchId,
+        /// Pages now watched: write-protected, their watch bits set.
+        watched: Vec<Gfn>,
+        /// Pages not watched (not private, past guest RAM).
+        refused: Vec<Gfn>,
+    },
+    /// Result of a [`ToAgent::DiscardFree`] request.
+    DiscardDone {
+        /// The request's batch.
+        batch: BatchId,
+        /// Pages now holes in the guest memfd, reading as zeros on their next access.
+        discarded: Vec<Gfn>,
+        /// Pages written (or possibly written: a writer in another process held them)
+        /// since they were watched, left as they are.
+        changed: Vec<Gfn>,
+        /// Pages not discarded for another reason (not private, the punch failed).
+        refused: Vec<Gfn>,
+    },
     /// Result of a [`ToAgent::TakeBack`] request.
     TakeBackDone {
         /// The request's batch.
@@ -419,6 +441,28 @@ pub enum ToAgent {
         batch: BatchId,
         /// The pages and their blobs.
         pages: Vec<StashPage>,
+    },
+    /// Watch these private guest pages for a free-page discard (issue 17; PV §3.1):
+    /// write-protect each and set its watch bit, which any write to the page, or any
+    /// change of its home, clears. Answered with [`ToDaemon::WatchDone`]. At most
+    /// [`MAX_BATCH`].
+    Watch {
+        /// The batch, echoed in the reply.
+        batch: BatchId,
+        /// Pages.
+        gfns: Vec<Gfn>,
+    },
+    /// Discard these guest pages, which the guest reported free in a report asked for
+    /// after their [`ToDaemon::WatchDone`]: punch out of the guest memfd each page whose
+    /// watch bit is still set (no write reached it since it was watched) and that no
+    /// writer in another process holds; its next access reads zeros. Its content is
+    /// not kept: the guest said it holds none. Answered with [`ToDaemon::DiscardDone`].
+    /// At most [`MAX_BATCH`].
+    DiscardFree {
+        /// The batch, echoed in the reply.
+        batch: BatchId,
+        /// Pages.
+        gfns: Vec<Gfn>,
     },
     /// Report the R and M bits of pages `[first, first+count)` since they were last armed,
     /// and arm those `arm` names again: write-protect private pages (a write faults: M)

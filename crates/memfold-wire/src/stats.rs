@@ -223,6 +223,15 @@ pub struct VmStats {
     /// released without being brought back (cumulative).
     #[serde(default)]
     pub discards: u64,
+    /// Free pages of an enlightened guest asked to be watched for a discard (issue 17;
+    /// cumulative).
+    #[serde(default)]
+    pub free_watches: u64,
+    /// Free pages discarded without copying: the guest reported them free after they were
+    /// watched, and nothing wrote them since (cumulative; while untouched they count in
+    /// `zero_reclaimed_pages`).
+    #[serde(default)]
+    pub free_discards: u64,
     /// No-copy-on-write (Satori §4.3): of [`VmStats::discards`], the shared pages —
     /// dropped to holes instead of copied at the guest's next write (cumulative).
     #[serde(default)]

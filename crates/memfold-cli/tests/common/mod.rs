@@ -38,6 +38,49 @@ pub fn memfoldd_logged(socket: &Path, args: &[&str], log: &Path) -> Killed {
     )
 }
 
+/// memfoldd for one enlightened guest (issue 17), in `work`: sharing only, no clock, its
+/// guest channels' folder `work/channels` asked every second, its log `work/memfoldd.log`.
+pub struct Enlightened {
+    /// The daemon (killed on drop).
+    pub daemon: Killed,
+    /// Its socket.
+    pub socket: std::path::PathBuf,
+    /// The guest channels' folder.
+    pub channels: std::path::PathBuf,
+    /// Its log.
+    pub log: std::path::PathBuf,
+}
+
+/// Starts [`Enlightened`] memfoldd in `work`.
+pub fn memfoldd_enlightened(work: &Path) -> Enlightened {
+    let socket = work.join("memfoldd.sock");
+    let channels = work.join("channels");
+    std::fs::create_dir(&channels).unwrap();
+    let log = work.join("memfoldd.log");
+    let daemon = memfoldd_logged(
+        &socket,
+        &[
+            "--rate",
+            "0",
+            "--policy",
+            "sharing",
+            "--clock-secs",
+            "0",
+            "--guest-channels",
+            channels.to_str().unwrap(),
+            "--guest-interval-ms",
+            "1000",
+        ],
+        &log,
+    );
+    Enlightened {
+        daemon,
+        socket,
+        channels,
+        log,
+    }
+}
+
 /// memfoldd of this build on `socket` with `args`, without the host's configuration file.
 fn memfoldd_command(socket: &Path, args: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_memfoldd"));

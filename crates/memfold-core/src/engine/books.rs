@@ -63,6 +63,15 @@ pub struct VmBooks {
     pub reclaims: u64,
     /// Reclaimed pages the guest touched again, refilled.
     pub refills: u64,
+    /// Free-page discard (issue 17, [`super::free_discard`]): pages asked to be watched
+    /// (cumulative).
+    pub free_watches: u64,
+    /// Watched pages asked to be discarded, still free in a report sampled after the
+    /// watch (cumulative).
+    pub free_discard_asks: u64,
+    /// Free pages discarded: holes now, zeros on their next access (cumulative; while
+    /// untouched they count in `zero_reclaimed_pages`).
+    pub free_discards: u64,
     /// Shared, reclaimed or stored pages the guest's VMM discarded (balloon, free page
     /// reporting): released without being brought back ([`super::Engine::discarded`]).
     pub discards: u64,

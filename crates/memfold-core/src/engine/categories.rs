@@ -89,6 +89,7 @@ mod tests {
                 category,
                 active: false,
                 referenced: false,
+                buddy: false,
             },
         };
         vec![
@@ -249,6 +250,7 @@ mod tests {
                 category: Category::Anon,
                 active: false,
                 referenced: true,
+                buddy: false,
             },
         }];
         let c = r.engine.guest_categories(r.vm, &part).unwrap();

@@ -137,14 +137,18 @@ impl Engine {
                     Command::Share { gfn, frame } | Command::Fill { gfn, frame, .. } => {
                         v.state(gfn) == PageState::Sharing(frame)
                     }
-                    Command::Reclaim { gfn } => v.state(gfn) == PageState::Reclaiming,
+                    Command::Reclaim { gfn } | Command::DiscardFree { gfn } => {
+                        v.state(gfn) == PageState::Reclaiming
+                    }
                     // A move whose page the guest took back meanwhile stays queued,
                     // its blob an orphan: the agent will answer it `Changed`.
                     Command::Stash { gfn, blob, stash } if stash.moving => {
                         v.state(gfn) == PageState::Moving(blob) || self.orphans.contains(&blob)
                     }
                     Command::Stash { gfn, blob, .. } => v.state(gfn) == PageState::Stashing(blob),
-                    Command::ClockScan { .. } | Command::TakeBack { .. } => true,
+                    Command::ClockScan { .. }
+                    | Command::TakeBack { .. }
+                    | Command::Watch { .. } => true,
                 };
                 if !ok {
                     return Err(format!(
@@ -153,8 +157,9 @@ impl Engine {
                             Command::Share { gfn, .. }
                             | Command::Fill { gfn, .. }
                             | Command::Reclaim { gfn }
+                            | Command::DiscardFree { gfn }
                             | Command::Stash { gfn, .. } => v.state(*gfn),
-                            Command::TakeBack { gfn } => v.state(*gfn),
+                            Command::TakeBack { gfn } | Command::Watch { gfn } => v.state(*gfn),
                             Command::ClockScan { .. } => PageState::Private,
                         }
                     ));

@@ -117,6 +117,11 @@ pub struct EngineConfig {
     /// kernel read 42% fewer pages but saved 33% less, slab alone 11% fewer pages for 3%
     /// less (docs/enlightened.md).
     pub guest_skip: crate::categories::CategorySet,
+    /// With [`EngineConfig::guest_categories`], discard the private pages an enlightened
+    /// guest reports free, without copying (issue 17; [`super::free_discard`]): watched
+    /// first, discarded only if a later report still shows them free and no write
+    /// reached them since. `true`, the default.
+    pub discard_free: bool,
     /// The share table's content hash ([`page_hash`], xxh3-64). Tests replace it with
     /// one that collides, so that every match must be confirmed byte for byte.
     pub page_hash: fn(&Page) -> u64,
@@ -147,6 +152,7 @@ impl Default for EngineConfig {
             host_budget: None,
             guest_categories: true,
             guest_skip: crate::categories::CategorySet::SLAB,
+            discard_free: true,
             page_hash,
         }
     }

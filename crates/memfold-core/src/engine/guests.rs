@@ -254,6 +254,7 @@ impl Engine {
                         read_backoff: Default::default(),
                         categories: None,
                         sweep: 0,
+                        free_watch: Default::default(),
                         books: VmBooks::default(),
                     },
                 );
@@ -268,6 +269,9 @@ impl Engine {
         // maps now is the truth, and a later CoW break of these pages is the guest's write.
         v.unmapping.clear();
         v.read_sharing.clear();
+        // Its watch round ended with the connection (rounds keep counting: a report
+        // that followed an old round never names a new one).
+        v.free_watch.end();
         if v.opted_out {
             // Its take-backs were dropped with the connection: ask again.
             self.opt_out(id);

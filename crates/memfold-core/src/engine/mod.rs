@@ -34,6 +34,7 @@ mod config;
 mod de;
 mod entitlement;
 pub mod fill;
+pub mod free_discard;
 mod guests;
 mod outcomes;
 mod scan;
@@ -148,6 +149,19 @@ pub enum Command {
         /// The page.
         gfn: Gfn,
     },
+    /// Write-protect the private page and set its watch bit, which a write clears (issue
+    /// 17's free-page discard, [`free_discard`]). No state change: the page stays private.
+    Watch {
+        /// The page.
+        gfn: Gfn,
+    },
+    /// Punch the page out if its watch bit is still set: the guest reported it free after
+    /// it was watched, and nothing wrote it since ([`free_discard`]). Its next access
+    /// reads zeros.
+    DiscardFree {
+        /// The page.
+        gfn: Gfn,
+    },
     /// Report the slice's R and M bits since it was last armed, and arm the pages of
     /// `arm` that are private again (DE §4.2); the others are left as they are, with no
     /// fault to take (see [`crate::clock::ClockHand::arm_mask`]).
@@ -255,6 +269,8 @@ pub(crate) struct Vm {
     /// The sharing scan's sweep over it in this full scan when categories are used: 0
     /// reads page-cache pages, 1 the rest ([`scan`]).
     pub(crate) sweep: u8,
+    /// Its free-page watch round ([`free_discard`]).
+    pub(crate) free_watch: free_discard::FreeWatch,
     pub(crate) books: VmBooks,
 }
 

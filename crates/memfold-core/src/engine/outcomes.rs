@@ -68,6 +68,11 @@ impl Engine {
                     .is_some_and(|v| v.attached && v.state(gfn) == PageState::Sharing(frame));
             self.fill_answered(id, gfn, mapped);
         }
+        if let Command::Watch { gfn } = *cmd {
+            // A watch holds no page state: every answer, a lost one too, ends it.
+            self.watch_outcome(id, gfn, o);
+            return;
+        }
         match self.vms.get_mut(&id) {
             Some(v) if o == Outcome::Lost => {
                 v.books.lost += 1;
@@ -85,6 +90,11 @@ impl Engine {
             }
             Command::Reclaim { gfn } => {
                 self.reclaim_outcome(id, gfn, o);
+                gfn
+            }
+            Command::DiscardFree { gfn } => {
+                self.count_answer(id, o, false);
+                self.discard_outcome(id, gfn, o);
                 gfn
             }
             Command::Stash { gfn, blob, stash } => {
@@ -112,7 +122,7 @@ impl Engine {
                 }
                 return;
             }
-            Command::ClockScan { .. } => return,
+            Command::ClockScan { .. } | Command::Watch { .. } => return,
         };
         // A request under way when the operator opted the guest out ended with the page
         // shared, stored or reclaimed after all: take it back too.
@@ -140,6 +150,7 @@ impl Engine {
                     Command::Share { .. }
                         | Command::Fill { .. }
                         | Command::Reclaim { .. }
+                        | Command::DiscardFree { .. }
                         | Command::Stash { .. }
                 )
             });
@@ -237,16 +248,26 @@ impl Engine {
 
     fn reclaim_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) {
         self.count_answer(id, o, false);
+        if self.punched_outcome(id, g, o) {
+            self.vms.get_mut(&id).expect("checked").books.reclaims += 1;
+        }
+    }
+
+    /// The answer to a punch of guest `id`'s page `g` (a zero-page reclaim or a free-page
+    /// discard, state `Reclaiming`): done, a reclaimed zero page; else private again.
+    /// Returns whether it was punched.
+    pub(crate) fn punched_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) -> bool {
         let v = self.vms.get_mut(&id).expect("outcome() checked");
         if v.state(g) != PageState::Reclaiming {
-            return;
+            return false;
         }
         if o == Outcome::Done {
             v.set(g, PageState::Zero);
             v.books.zero_reclaimed_pages += 1;
-            v.books.reclaims += 1;
+            true
         } else {
             v.set(g, PageState::Private);
+            false
         }
     }
 

@@ -14,6 +14,8 @@ use std::collections::BTreeMap;
 
 use memfold_core::backing::mem::{ManualClock, MemBacking, MemGuestRam};
 use memfold_core::backing::Backing;
+use memfold_core::categories::CategoryRun;
+use memfold_core::engine::free_discard::WatchRound;
 use memfold_core::engine::{Attach, Command, Outcome};
 use memfold_core::ids::{BaseBlock, DiskId, DomainId, FillId, FrameId, Gfn, VmId};
 use memfold_core::p2m::PageState;
@@ -23,7 +25,9 @@ use memfold_core::{
 };
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
+mod free;
 mod ops;
+use free::guest_write;
 pub use ops::*;
 
 /// Most guests at once: enough for sharing across several, few enough to check every
@@ -41,6 +45,12 @@ struct ModelVm {
     connected: bool,
     /// Fills its block device waits for, oldest first.
     fills: Vec<PendingFill>,
+    /// Pages the guest freed (issue 17): their bytes are no one's until it writes them
+    /// again, and may read as the old bytes or, discarded, as zeros.
+    free: Vec<bool>,
+    /// A report of its free pages sampled and not yet applied (memfold-guest's answer in
+    /// flight), with the watch round that was armed when it was asked for.
+    sample: Option<(Vec<CategoryRun>, Option<WatchRound>)>,
 }
 
 /// A read a block device asked to have filled from frames (Satori §5.2).
@@ -55,6 +65,7 @@ struct PendingFill {
 /// not live to send: the buffer of a read under way holds old bytes or the read's).
 fn reads_right(v: &ModelVm, g: Gfn, got: &Page) -> bool {
     *got == *v.model[g.index()]
+        || v.free[g.index()] && *got == [0u8; PAGE_SIZE]
         || v.fills
             .iter()
             .flat_map(|f| &f.pages)
@@ -283,7 +294,7 @@ impl Harness {
             for (g, b) in f.pages {
                 let p = base_block(b);
                 if !a.filled.contains(&g) {
-                    match v.agent.write(g, 0, &p[..]) {
+                    match guest_write(v, g, 0, &p[..]) {
                         Ok(()) => {}
                         Err(_) if self.corrupted => continue,
                         Err(e) => return Err(e),
@@ -318,6 +329,8 @@ impl Harness {
                     wire: VecDeque::new(),
                     connected: false,
                     fills: Vec::new(),
+                    free: vec![false; pages as usize],
+                    sample: None,
                 });
                 self.attach(self.vms.len() - 1)?;
             }
@@ -335,7 +348,7 @@ impl Harness {
                     let v = &mut self.vms[i];
                     let g = gfn % v.agent.pages();
                     let p = content.render();
-                    match v.agent.write(Gfn(g), 0, &p[..]) {
+                    match guest_write(v, Gfn(g), 0, &p[..]) {
                         Ok(()) => v.model[g as usize] = p,
                         Err(_) if self.corrupted => {}
                         Err(e) => return Err(e),
@@ -359,7 +372,7 @@ impl Harness {
                         } else {
                             Content::Base(block.wrapping_add(k as u8)).render()
                         };
-                        match v.agent.write(Gfn(g), 0, &p[..]) {
+                        match guest_write(v, Gfn(g), 0, &p[..]) {
                             Ok(()) => {
                                 v.model[g as usize] = p;
                                 landed.push(Gfn(g));
@@ -392,15 +405,15 @@ impl Harness {
                     let head = [nonce[0].to_ne_bytes(), nonce[1].to_ne_bytes()].concat();
                     let v = &mut self.vms[i];
                     let pages = v.agent.pages();
-                    let busy = |g: Gfn| v.fills.iter().any(|f| f.pages.iter().any(|p| p.0 == g));
                     let mut asked = Vec::new();
                     for k in 0..n as u32 {
                         let g = Gfn((gfn % pages + k) % pages);
                         // Two reads into one buffer at once: a guest's own muddle.
-                        if busy(g) || asked.iter().any(|&(a, _)| a == g) {
+                        let busy = v.fills.iter().any(|f| f.pages.iter().any(|p| p.0 == g));
+                        if busy || asked.iter().any(|&(a, _)| a == g) {
                             continue;
                         }
-                        match v.agent.write(g, 0, &head) {
+                        match guest_write(v, g, 0, &head) {
                             Ok(()) => v.model[g.index()][..16].copy_from_slice(&head),
                             Err(_) if self.corrupted => continue,
                             Err(e) => return Err(e),
@@ -454,7 +467,7 @@ impl Harness {
                     let off = offset as usize % PAGE_SIZE;
                     let len = (len as usize % 64).min(PAGE_SIZE - off);
                     let bytes = vec![byte; len];
-                    match v.agent.write(Gfn(g), off, &bytes) {
+                    match guest_write(v, Gfn(g), off, &bytes) {
                         Ok(()) => v.model[g as usize][off..off + len].copy_from_slice(&bytes),
                         Err(_) if self.corrupted => {}
                         Err(e) => return Err(e),
@@ -472,6 +485,9 @@ impl Harness {
                     }
                 }
             }
+            Op::Free { vm, gfn, n } => self.free(vm, gfn, n),
+            Op::GuestSample { vm } => self.guest_sample(vm),
+            Op::GuestReport { vm } => self.guest_report(vm),
             Op::Read { vm, gfn } => {
                 if let Some(i) = self.pick(vm) {
                     let v = &mut self.vms[i];
@@ -536,6 +552,10 @@ impl Harness {
                 }
             }
             Op::Restart { seed } => {
+                // The old memfoldd's guest channels end with it, and their answers.
+                for v in &mut self.vms {
+                    v.sample = None;
+                }
                 for i in 0..self.vms.len() {
                     if self.vms[i].connected {
                         self.disconnect(i, seed.wrapping_add(i as u64));
@@ -636,7 +656,7 @@ impl Harness {
             let mut mine = base_block(b);
             mine[..8].copy_from_slice(&(0x6775_6573_7400 | f.id.0).to_le_bytes());
             for p in [base_block(b), mine.clone()] {
-                match v.agent.write(g, 0, &p[..]) {
+                match guest_write(v, g, 0, &p[..]) {
                     Ok(()) => v.model[g.index()] = p,
                     Err(_) if self.corrupted => break,
                     Err(e) => return Err(e),

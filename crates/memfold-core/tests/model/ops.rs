@@ -112,6 +112,23 @@ pub enum Op {
         gfn: u32,
         n: u8,
     },
+    /// The guest frees `n` pages from `gfn` on (issue 17): their bytes are no one's until
+    /// it writes them again.
+    Free {
+        vm: u32,
+        gfn: u32,
+        n: u8,
+    },
+    /// memfoldd asks the guest's agent (memfold-guest) which pages are free: it samples
+    /// them now, and the answer is in flight until [`Op::GuestReport`].
+    GuestSample {
+        vm: u32,
+    },
+    /// The guest's sampled report reaches memfoldd: its categories, then a free-page
+    /// watch round or discard ([`memfold_core::Engine::discard_free`]).
+    GuestReport {
+        vm: u32,
+    },
     /// Time passes; memfoldd scans, runs the clock, checks the budget and sends.
     Step {
         advance_ms: u32,
@@ -208,7 +225,7 @@ fn random_content(rng: &mut SmallRng) -> Content {
 
 pub fn random_op(rng: &mut SmallRng) -> Op {
     let (vm, gfn) = (rng.gen(), rng.gen());
-    match rng.gen_range(0..100) {
+    match rng.gen_range(0..110) {
         0..=1 => Op::CreateVm {
             pages: rng.gen_range(1..40),
         },
@@ -244,6 +261,14 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
             gfn,
             n: rng.gen_range(1..9),
         },
+        // Free pages (issue 17): freed, sampled, reported late, written in between.
+        100..=103 => Op::Free {
+            vm,
+            gfn,
+            n: rng.gen_range(1..9),
+        },
+        104..=106 => Op::GuestSample { vm },
+        107..=109 => Op::GuestReport { vm },
         37..=58 => Op::Step {
             advance_ms: rng.gen_range(0..1500),
         },
@@ -273,5 +298,55 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
             which: rng.gen_range(0..4),
             on: rng.gen_bool(0.3),
         },
+    }
+}
+
+/// An operation of a guest whose pages are freed and reused (issue 17's free-page
+/// discard): random contents that stay private (nothing to share, patch or compress), so
+/// that rounds of watches and discards happen often, with writes, reads, late reports,
+/// lost answers and re-attaches between them.
+pub fn random_free_op(rng: &mut SmallRng) -> Op {
+    let (vm, gfn) = (rng.gen(), rng.gen());
+    match rng.gen_range(0..100) {
+        0..=14 => Op::WritePage {
+            vm,
+            gfn,
+            content: Content::Random(rng.gen()),
+        },
+        15..=19 => Op::WritePartial {
+            vm,
+            gfn,
+            offset: rng.gen(),
+            len: rng.gen(),
+            byte: rng.gen(),
+        },
+        20..=29 => Op::Read { vm, gfn },
+        30..=41 => Op::Free {
+            vm,
+            gfn,
+            n: rng.gen_range(1..9),
+        },
+        42..=51 => Op::GuestSample { vm },
+        52..=61 => Op::GuestReport { vm },
+        62..=73 => Op::Step {
+            advance_ms: rng.gen_range(0..1500),
+        },
+        74..=89 => Op::Deliver {
+            vm,
+            n: rng.gen_range(1..16),
+            refuse: rng.gen_bool(0.05),
+        },
+        90..=93 => Op::Report { vm },
+        94..=95 => Op::Disconnect {
+            vm,
+            seed: rng.gen(),
+        },
+        96..=97 => Op::Reattach { vm },
+        98 => Op::Discard {
+            vm,
+            gfn,
+            n: rng.gen_range(1..9),
+        },
+        _ => Op::Restart { seed: rng.gen() },
     }
 }

@@ -39,6 +39,8 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
         reclaims: b.reclaims,
         refills: b.refills,
         discards: b.discards,
+        free_watches: b.free_watches,
+        free_discards: b.free_discards,
         cow_copies_avoided: b.cow_copies_avoided,
         wp_faults: g.map_or(0, |g| g.wp_faults),
         missing_faults: g.map_or(0, |g| g.missing_faults),

@@ -26,6 +26,10 @@ pub(crate) enum Kind {
     Stash,
     TakeBack,
     Clock,
+    /// Free-page watches ([`Command::Watch`]).
+    Watch,
+    /// Free-page discards ([`Command::DiscardFree`]).
+    Discard,
 }
 
 struct Batch {
@@ -73,7 +77,7 @@ impl Executor {
     pub(crate) fn flush(&mut self, engine: &mut Engine, guests: &Guests) {
         for vm in engine.vms_with_commands() {
             let cmds = engine.take_commands(vm);
-            let mut by_kind: [Vec<Command>; 4] = Default::default();
+            let mut by_kind: [Vec<Command>; 6] = Default::default();
             // Fills go one batch per nonce (per device request).
             let mut fills: std::collections::BTreeMap<[u64; 2], Vec<Command>> = Default::default();
             for c in cmds {
@@ -83,6 +87,8 @@ impl Executor {
                     Command::Share { .. } => by_kind[1].push(c),
                     Command::Reclaim { .. } => by_kind[2].push(c),
                     Command::TakeBack { .. } => by_kind[3].push(c),
+                    Command::Watch { .. } => by_kind[4].push(c),
+                    Command::DiscardFree { .. } => by_kind[5].push(c),
                     Command::ClockScan { .. } => {
                         self.send(engine, guests, vm, Kind::Clock, vec![c])
                     }
@@ -97,10 +103,15 @@ impl Executor {
                     cmds = rest;
                 }
             }
-            for (kind, cmds) in [Kind::Stash, Kind::Share, Kind::Reclaim, Kind::TakeBack]
-                .into_iter()
-                .zip(by_kind)
-            {
+            let kinds = [
+                Kind::Stash,
+                Kind::Share,
+                Kind::Reclaim,
+                Kind::TakeBack,
+                Kind::Watch,
+                Kind::Discard,
+            ];
+            for (kind, cmds) in kinds.into_iter().zip(by_kind) {
                 let mut cmds = cmds;
                 while !cmds.is_empty() {
                     let rest = cmds.split_off(cmds.len().min(MAX_BATCH));
@@ -164,6 +175,26 @@ impl Executor {
                     .iter()
                     .filter_map(|c| match *c {
                         Command::TakeBack { gfn } => Some(gfn),
+                        _ => None,
+                    })
+                    .collect(),
+            },
+            Kind::Watch => ToAgent::Watch {
+                batch,
+                gfns: cmds
+                    .iter()
+                    .filter_map(|c| match *c {
+                        Command::Watch { gfn } => Some(gfn),
+                        _ => None,
+                    })
+                    .collect(),
+            },
+            Kind::Discard => ToAgent::DiscardFree {
+                batch,
+                gfns: cmds
+                    .iter()
+                    .filter_map(|c| match *c {
+                        Command::DiscardFree { gfn } => Some(gfn),
                         _ => None,
                     })
                     .collect(),
@@ -259,6 +290,8 @@ impl Executor {
                 | Command::Fill { gfn, .. }
                 | Command::Reclaim { gfn }
                 | Command::TakeBack { gfn }
+                | Command::Watch { gfn }
+                | Command::DiscardFree { gfn }
                 | Command::Stash { gfn, .. } => gfn,
                 Command::ClockScan { .. } => continue,
             };

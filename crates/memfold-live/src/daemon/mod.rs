@@ -467,6 +467,21 @@ impl Daemon {
             } => self
                 .executor
                 .reply(e, vm, batch, Kind::Stash, &stashed, &changed),
+            ToDaemon::WatchDone { batch, watched, .. } => {
+                self.executor
+                    .reply(e, vm, batch, Kind::Watch, &watched, &[]);
+                if let Some(c) = self.channels.as_mut() {
+                    c.watch_answered(e, vm);
+                }
+            }
+            ToDaemon::DiscardDone {
+                batch,
+                discarded,
+                changed,
+                ..
+            } => self
+                .executor
+                .reply(e, vm, batch, Kind::Discard, &discarded, &changed),
             ToDaemon::CowBroken { breaks } => {
                 for (g, f) in breaks {
                     e.cow_broken(vm, g, f);

@@ -1,0 +1,181 @@
+//! Free-page discard (issue 17; PV §3.1), the agent's half: memfoldd watches pages
+//! (`ToAgent::Watch`), asks the guest which are free, and discards those
+//! (`ToAgent::DiscardFree`). The invariant the agent keeps: *a page is discarded only if
+//! no write reached it since it was watched*. Here the "guest" writes one watched page
+//! (and another the clock armed, so that its write is a minor fault) and reads another;
+//! memfoldd then asks to discard them all, and a page it never
+//! watched: the written and the unwatched page keep their bytes, the others read zeros
+//! and are holes in the memfd. A share of a watched page ends its watch too (a new home),
+//! and so does a zero-page reclaim's unprotect.
+//!
+//! This test binary plays QEMU (one `memory-backend-memfd` mapped) and memfoldd. One test
+//! only: the agent, run in this process, takes every such memfd of the process.
+
+mod common;
+
+use std::os::fd::AsFd;
+
+use common::{agent_with_pool, next, page_of, region, share, write};
+use memfold_codecs::PAGE_SIZE;
+use memfold_sys::memfd;
+use memfold_wire::{BatchId, Conn, FrameId, Gfn, ToAgent, ToDaemon};
+
+/// Guest RAM, pages.
+const PAGES: usize = 16;
+
+/// Byte `i` of page `g` as the "guest" first writes it: never zero.
+fn pattern(g: usize, i: usize) -> u8 {
+    ((g * 131 + i * 7) % 251) as u8 + 1
+}
+
+fn watch(c: &Conn, batch: u64, gfns: &[u32]) -> (Vec<Gfn>, Vec<Gfn>) {
+    c.send(
+        &ToAgent::Watch {
+            batch: BatchId(batch),
+            gfns: gfns.iter().map(|&g| Gfn(g)).collect(),
+        },
+        &[],
+    )
+    .unwrap();
+    next(c, |m| match m {
+        ToDaemon::WatchDone {
+            batch: b,
+            watched,
+            refused,
+        } if *b == BatchId(batch) => Some((watched.clone(), refused.clone())),
+        _ => None,
+    })
+}
+
+/// (discarded, changed, refused).
+fn discard(c: &Conn, batch: u64, gfns: &[u32]) -> (Vec<Gfn>, Vec<Gfn>, Vec<Gfn>) {
+    c.send(
+        &ToAgent::DiscardFree {
+            batch: BatchId(batch),
+            gfns: gfns.iter().map(|&g| Gfn(g)).collect(),
+        },
+        &[],
+    )
+    .unwrap();
+    next(c, |m| match m {
+        ToDaemon::DiscardDone {
+            batch: b,
+            discarded,
+            changed,
+            refused,
+        } if *b == BatchId(batch) => Some((discarded.clone(), changed.clone(), refused.clone())),
+        _ => None,
+    })
+}
+
+fn gfns(g: &[u32]) -> Vec<Gfn> {
+    g.iter().map(|&g| Gfn(g)).collect()
+}
+
+#[test]
+fn only_pages_unwritten_since_their_watch_are_discarded() {
+    let (fd, ptr) = region(PAGES);
+    for g in 0..PAGES {
+        let bytes: Vec<u8> = (0..PAGE_SIZE).map(|i| pattern(g, i)).collect();
+        write(ptr, g, &bytes);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // One pool frame holding page 6's bytes, for a share.
+    let frame: Vec<u8> = (0..PAGE_SIZE).map(|i| pattern(6, i)).collect();
+    let (c, _pool, _store) = agent_with_pool(&dir.path().join("memfoldd.sock"), &[frame]);
+
+    // Page 8 armed by the clock first (write-protected and zapped: its next write is a
+    // minor fault, not a write-protect fault).
+    c.send(
+        &ToAgent::ClockScan {
+            batch: BatchId(10),
+            first: Gfn(8),
+            count: 1,
+            arm: vec![1],
+        },
+        &[],
+    )
+    .unwrap();
+    next(&c, |m| {
+        matches!(
+            m,
+            ToDaemon::ClockBits {
+                batch: BatchId(10),
+                ..
+            }
+        )
+        .then_some(())
+    });
+    // Pages 0..9 watched; one past RAM refused.
+    let (watched, refused) = watch(&c, 1, &[0, 1, 2, 3, 4, 5, 6, 7, 8, PAGES as u32]);
+    assert_eq!(watched, gfns(&[0, 1, 2, 3, 4, 5, 6, 7, 8]));
+    assert_eq!(refused, gfns(&[PAGES as u32]));
+
+    // The guest writes page 2 (a write fault: the watch ends) and only reads page 3.
+    write(ptr, 2, b"written after the watch");
+    write(ptr, 8, b"a minor fault");
+    let _ = page_of(ptr, 3);
+    // Page 6 is shared (a new home ends its watch) and CoW-broken back by a write.
+    let (shared, _, _) = share(&c, BatchId(2), vec![(Gfn(6), FrameId(0))]);
+    assert_eq!(shared, gfns(&[6]));
+    write(ptr, 6, b"broken");
+    // Page 7 is zero-page-reclaim checked (not zero: left), and unprotected: its watch
+    // ends, since a write would no longer fault.
+    c.send(
+        &ToAgent::ReclaimZero {
+            batch: BatchId(3),
+            gfns: gfns(&[7]),
+        },
+        &[],
+    )
+    .unwrap();
+    let changed = next(&c, |m| match m {
+        ToDaemon::ReclaimDone {
+            batch: BatchId(3),
+            changed,
+            ..
+        } => Some(changed.clone()),
+        _ => None,
+    });
+    assert_eq!(changed, gfns(&[7]));
+
+    // Discard all, and page 9, never watched.
+    let (discarded, changed, refused) = discard(&c, 4, &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
+    assert_eq!(discarded, gfns(&[0, 1, 3, 4, 5]), "watched, unwritten");
+    assert_eq!(
+        changed,
+        gfns(&[2, 6, 7, 8, 9]),
+        "written (a protection fault, a minor fault), re-homed, unprotected, unwatched"
+    );
+    assert!(refused.is_empty(), "{refused:?}");
+
+    // The discarded pages are holes in the memfd and read as zeros.
+    for g in [0usize, 1, 3, 4, 5] {
+        let mut b = vec![0xffu8; PAGE_SIZE];
+        memfd::pread_exact(fd.as_fd(), &mut b, (g * PAGE_SIZE) as u64).unwrap();
+        assert!(b.iter().all(|&x| x == 0), "page {g} in the memfd");
+        assert!(page_of(ptr, g).iter().all(|&x| x == 0), "page {g}");
+    }
+    // The others keep every byte the guest wrote.
+    let mut want2: Vec<u8> = (0..PAGE_SIZE).map(|i| pattern(2, i)).collect();
+    want2[..23].copy_from_slice(b"written after the watch");
+    assert_eq!(page_of(ptr, 2), want2);
+    let mut want6: Vec<u8> = (0..PAGE_SIZE).map(|i| pattern(6, i)).collect();
+    want6[..6].copy_from_slice(b"broken");
+    assert_eq!(page_of(ptr, 6), want6);
+    let mut want8: Vec<u8> = (0..PAGE_SIZE).map(|i| pattern(8, i)).collect();
+    want8[..13].copy_from_slice(b"a minor fault");
+    assert_eq!(page_of(ptr, 8), want8);
+    for g in [7usize, 9, 10] {
+        let want: Vec<u8> = (0..PAGE_SIZE).map(|i| pattern(g, i)).collect();
+        assert_eq!(page_of(ptr, g), want, "page {g}");
+    }
+    // A discarded page is the guest's again: written, it keeps what it is given.
+    write(ptr, 4, b"reused");
+    assert_eq!(&page_of(ptr, 4)[..6], b"reused");
+    // A second discard of the same pages finds no watch: nothing is lost twice.
+    let (discarded, changed, _) = discard(&c, 5, &[0, 4]);
+    assert!(discarded.is_empty());
+    assert_eq!(changed, gfns(&[0, 4]));
+    assert_eq!(&page_of(ptr, 4)[..6], b"reused");
+}

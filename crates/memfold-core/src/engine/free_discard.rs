@@ -1,0 +1,261 @@
+//! Free pages discarded without copying (issue 17; PV §3.1's "free" pages, which the
+//! guest knows and the host cannot): a page the guest reports free is punched out of
+//! guest RAM, no content kept, and its next access reads zeros.
+//!
+//! A report is a sample: a page free when the guest looked may have been allocated and
+//! written since. So a discard needs two things, one kept by the agent and one here:
+//!
+//! Only frames the guest's buddy allocator marks free ([`crate::categories::PageInfo::buddy`])
+//! are candidates: the rest of a free block cannot be told from kernel-only pages by
+//! what a guest's user space can read.
+//!
+//! 1. **Watch** ([`Command::Watch`]): the agent write-protects the page and sets its
+//!    watch bit, which any write, any change of the page's home, or any lifting of the
+//!    protection clears (`memfold-agent`'s `Pages::watch`). The agent discards only a
+//!    page whose bit is still set.
+//! 2. **A report sampled after the watch**: memfoldd asks for a discard only of pages free
+//!    in a report the guest was asked for after every watch of the round was answered
+//!    ([`Engine::watch_armed`]; the caller says which round a report followed,
+//!    [`Engine::discard_free`]).
+//!
+//! Together: the page was free at an instant after which nothing wrote it, so its bytes
+//! are no one's. (A report from before the watch would not do: a page freed, reported,
+//! then allocated and written before the watch would be discarded with its new data.)
+//!
+//! A round: report *k* names free private pages → they are watched → all answered: the
+//! round is armed → report *k + 1*, asked after that, confirms which are still free → those
+//! are discarded ([`Command::DiscardFree`], state `Reclaiming` until answered, then a
+//! reclaimed zero page: refilled with zeros on access). Pages the guest reports free that
+//! are shared or stored stay as they are.
+
+use super::{Command, Engine, Outcome};
+use crate::ids::{Gfn, VmId};
+use crate::p2m::PageState;
+
+/// Most pages one watch round asks to watch (1 GiB of guest RAM): each costs a
+/// write-protection, and a write fault if the guest writes it before the discard. Only
+/// pages that hold data in guest RAM are watched.
+pub const MAX_WATCH: usize = 1 << 18;
+
+/// A watch round of one guest, numbered from 1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct WatchRound(pub u64);
+
+/// One guest's free-page watch.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct FreeWatch {
+    /// The round under way or armed (0: none yet).
+    round: u64,
+    /// Watch commands of the round not yet answered.
+    pending: u32,
+    /// Pages the agent said it watches in this round.
+    watched: Vec<Gfn>,
+}
+
+impl FreeWatch {
+    /// Forgets the round: the agent's connection ended, or the guest may not be
+    /// discarded.
+    pub(crate) fn end(&mut self) {
+        self.pending = 0;
+        self.watched = Vec::new();
+    }
+}
+
+impl Engine {
+    /// Guest `id`'s armed watch round: every watch of it answered, some page watched.
+    /// The caller notes when it learned this; a report the guest was asked for after
+    /// that may discard the round's pages ([`Engine::discard_free`]).
+    pub fn watch_armed(&self, id: VmId) -> Option<WatchRound> {
+        let w = &self.vms.get(&id)?.free_watch;
+        (w.round > 0 && w.pending == 0 && !w.watched.is_empty()).then_some(WatchRound(w.round))
+    }
+
+    /// After guest `id`'s report of its categories ([`Engine::guest_categories`]), asked
+    /// for after round `sampled_after` was armed (`None`: before any armed round, or not
+    /// known): with [`super::EngineConfig::discard_free`] on and the guest `discardable`
+    /// (its kernel does not check free pages' old bytes: no page poisoning), either
+    /// discards the armed round's pages the report still shows free, or, with no round
+    /// under way, starts one over the private pages it shows free. Returns the pages
+    /// asked for (discards, or watches).
+    pub fn discard_free(
+        &mut self,
+        id: VmId,
+        sampled_after: Option<WatchRound>,
+        discardable: bool,
+    ) -> usize {
+        if !(self.cfg.discard_free && self.cfg.guest_categories) {
+            return 0;
+        }
+        let Some(v) = self.vms.get_mut(&id).filter(|v| v.attached && !v.opted_out) else {
+            return 0;
+        };
+        let Some(map) = v.categories.as_ref() else {
+            return 0;
+        };
+        if !discardable {
+            v.free_watch.end();
+            return 0;
+        }
+        let w = &mut v.free_watch;
+        if w.pending > 0 {
+            // Watches under way: this report may predate them.
+            return 0;
+        }
+        let mut asked = 0;
+        if !w.watched.is_empty() {
+            if sampled_after != Some(WatchRound(w.round)) {
+                return 0;
+            }
+            let still_free: Vec<Gfn> = std::mem::take(&mut w.watched)
+                .into_iter()
+                .filter(|&g| map.buddy(g) && v.state(g) == PageState::Private)
+                .collect();
+            for &g in &still_free {
+                v.set(g, PageState::Reclaiming);
+                v.queue.push(Command::DiscardFree { gfn: g });
+            }
+            v.books.free_discard_asks += still_free.len() as u64;
+            return still_free.len();
+        }
+        w.round += 1;
+        // Only pages that hold data: a hole (never touched, or punched already) costs the
+        // host nothing, and would be booked as saved.
+        let (mut from, end) = (0, v.pages());
+        while asked < MAX_WATCH {
+            let Some((first, run_end)) = v.ram.next_data_run(Gfn(from), Gfn(end)) else {
+                break;
+            };
+            for i in first.0..run_end.0.min(end) {
+                let g = Gfn(i);
+                if asked < MAX_WATCH && map.buddy(g) && v.state(g) == PageState::Private {
+                    v.queue.push(Command::Watch { gfn: g });
+                    asked += 1;
+                }
+            }
+            from = run_end.0.max(first.0 + 1);
+        }
+        v.free_watch.pending = asked as u32;
+        v.books.free_watches += asked as u64;
+        asked
+    }
+
+    /// The agent's answer to a watch of guest `id`'s page `g`.
+    pub(crate) fn watch_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) {
+        let Some(v) = self.vms.get_mut(&id) else {
+            return;
+        };
+        let w = &mut v.free_watch;
+        w.pending = w.pending.saturating_sub(1);
+        if o == Outcome::Lost {
+            // The round is incomplete: its watched pages can no longer be known whole.
+            w.end();
+        } else if o == Outcome::Done {
+            w.watched.push(g);
+        }
+    }
+
+    /// The agent's answer to a discard of guest `id`'s free page `g`.
+    pub(crate) fn discard_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) {
+        if self.punched_outcome(id, g, o) {
+            self.vms.get_mut(&id).expect("checked").books.free_discards += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::categories::{Category, CategoryRun, PageInfo};
+    use crate::engine::{Command, Outcome};
+    use crate::ids::Gfn;
+    use crate::p2m::PageState;
+    use crate::sim::Rig;
+    use crate::{EngineConfig, Policy, PAGE_SIZE};
+
+    const PAGES: u32 = 64;
+
+    fn rig() -> Rig {
+        let cfg = EngineConfig {
+            policy: Policy::sharing_only(),
+            clock_interval_us: None,
+            rate: 0,
+            discard_free: true,
+            ..EngineConfig::default()
+        };
+        Rig::new(cfg, PAGES).unwrap()
+    }
+
+    /// A report: pages `free` free, the rest anonymous.
+    fn report(r: &mut Rig, free: &[u32]) {
+        let runs: Vec<CategoryRun> = (0..PAGES)
+            .map(|g| CategoryRun {
+                first: Gfn(g),
+                count: 1,
+                info: PageInfo {
+                    category: if free.contains(&g) {
+                        Category::Free
+                    } else {
+                        Category::Anon
+                    },
+                    active: false,
+                    referenced: false,
+                    buddy: free.contains(&g),
+                },
+            })
+            .collect();
+        r.engine.guest_categories(r.vm, &runs).unwrap();
+    }
+
+    #[test]
+    fn a_round_watches_then_discards_what_a_later_report_still_shows_free() {
+        let mut r = rig();
+        for g in 0..PAGES {
+            r.agent.write(Gfn(g), 0, &[g as u8 + 1; 64]).unwrap();
+        }
+        report(&mut r, &[1, 2, 3, 4]);
+        assert_eq!(r.engine.discard_free(r.vm, None, true), 4, "watches");
+        assert_eq!(r.engine.watch_armed(r.vm), None, "not answered yet");
+        r.carry_out();
+        let round = r.engine.watch_armed(r.vm).expect("armed");
+        // The guest writes page 2 (allocated again) and frees page 9 after the watch.
+        r.agent.write(Gfn(2), 0, b"mine").unwrap();
+        // A report from before the arming discards nothing.
+        report(&mut r, &[1, 2, 3, 9]);
+        assert_eq!(r.engine.discard_free(r.vm, None, true), 0);
+        // One asked after: pages 1, 2 and 3 (4 is in use again; 9 was never watched).
+        assert_eq!(r.engine.discard_free(r.vm, Some(round), true), 3);
+        r.carry_out();
+        let b = r.engine.books().vms[0].books.clone();
+        assert_eq!(b.free_discards, 2, "page 2 was written since its watch");
+        assert_eq!(r.engine.page_state(r.vm, Gfn(1)), Some(PageState::Zero));
+        assert_eq!(r.engine.page_state(r.vm, Gfn(2)), Some(PageState::Private));
+        assert_eq!(&r.agent.read(Gfn(2)).unwrap()[..4], b"mine");
+        assert_eq!(r.agent.read(Gfn(1)).unwrap(), [0u8; PAGE_SIZE]);
+        r.engine.check_invariants().unwrap();
+        // The round is over: the next report starts another.
+        report(&mut r, &[5]);
+        assert_eq!(r.engine.discard_free(r.vm, Some(round), true), 1);
+        assert!(matches!(
+            r.engine.take_commands(r.vm)[..],
+            [Command::Watch { gfn: Gfn(5) }]
+        ));
+    }
+
+    #[test]
+    fn a_lost_watch_ends_its_round_and_a_guest_that_poisons_pages_is_never_discarded() {
+        let mut r = rig();
+        for g in 0..4 {
+            r.agent.write(Gfn(g), 0, b"data").unwrap();
+        }
+        // Page 40 was never written: a hole, never watched.
+        report(&mut r, &[1, 2, 40]);
+        assert_eq!(r.engine.discard_free(r.vm, None, true), 2);
+        let cmds = r.engine.take_commands(r.vm);
+        r.engine.outcome(r.vm, &cmds[0], Outcome::Done);
+        r.engine.outcome(r.vm, &cmds[1], Outcome::Lost);
+        assert_eq!(r.engine.watch_armed(r.vm), None);
+        // Not discardable: nothing asked, ever.
+        report(&mut r, &[1, 2]);
+        assert_eq!(r.engine.discard_free(r.vm, None, false), 0);
+        assert!(r.engine.take_commands(r.vm).is_empty());
+    }
+}

@@ -1,0 +1,79 @@
+//! The model's free pages (issue 17's free-page discard): the guest frees pages, its
+//! agent (memfold-guest) samples which are free and its report reaches memfoldd late,
+//! and a freed page is allocated again by the next write to it.
+
+use memfold_core::categories::{Category, CategoryRun, PageInfo};
+use memfold_core::ids::Gfn;
+use memfold_core::PAGE_SIZE;
+
+use super::{Harness, ModelVm};
+
+/// The guest writes `bytes` at `off` in page `g`. A free page is allocated first: its
+/// bytes, old or zeros, become the model's (any other bytes are an error).
+pub(super) fn guest_write(v: &mut ModelVm, g: Gfn, off: usize, bytes: &[u8]) -> Result<(), String> {
+    if v.free[g.index()] {
+        if let Ok(got) = v.agent.peek(g) {
+            if got != *v.model[g.index()] && got != [0u8; PAGE_SIZE] {
+                return Err(format!(
+                    "{g}: a free page reads bytes the guest never wrote"
+                ));
+            }
+            *v.model[g.index()] = got;
+        }
+        v.free[g.index()] = false;
+    }
+    v.agent.write(g, off, bytes)
+}
+
+impl Harness {
+    /// The guest frees `n` pages from `gfn` on (reduced modulo its RAM).
+    pub(super) fn free(&mut self, vm: u32, gfn: u32, n: u8) {
+        if let Some(i) = self.pick(vm) {
+            let v = &mut self.vms[i];
+            let pages = v.agent.pages();
+            for k in 0..n as u32 {
+                v.free[((gfn % pages + k) % pages) as usize] = true;
+            }
+        }
+    }
+
+    /// memfold-guest samples the guest's free pages now (each a free buddy block of one
+    /// frame), the answer in flight.
+    pub(super) fn guest_sample(&mut self, vm: u32) {
+        if let Some(i) = self.pick(vm) {
+            let v = &mut self.vms[i];
+            let runs = (0..v.agent.pages())
+                .map(|g| {
+                    let free = v.free[g as usize];
+                    CategoryRun {
+                        first: Gfn(g),
+                        count: 1,
+                        info: PageInfo {
+                            category: if free { Category::Free } else { Category::Anon },
+                            active: false,
+                            referenced: false,
+                            buddy: free,
+                        },
+                    }
+                })
+                .collect::<Vec<_>>();
+            // Asked for now: after the round armed now, if any (as memfoldd's guest
+            // channel notes when each round armed).
+            let after = v.id.and_then(|id| self.engine.watch_armed(id));
+            v.sample = Some((runs, after));
+        }
+    }
+
+    /// The sampled report reaches memfoldd: its categories, then a watch round or a
+    /// discard.
+    pub(super) fn guest_report(&mut self, vm: u32) {
+        if let Some(i) = self.pick(vm) {
+            let v = &mut self.vms[i];
+            if let (Some((runs, after)), Some(id)) = (v.sample.take(), v.id) {
+                if self.engine.guest_categories(id, &runs).is_ok() {
+                    self.engine.discard_free(id, after, true);
+                }
+            }
+        }
+    }
+}
