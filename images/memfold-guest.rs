@@ -64,11 +64,12 @@ const NAMES: [&str; 6] = ["unknown", "free", "cache", "anon", "slab", "kernel"];
 /// A frame's code (category in bits 0–2, active bit 3, referenced bit 4, buddy bit 5)
 /// from its `/proc/kpageflags` flags and `/proc/kpagecount` count; `head`: the code of
 /// the compound page's head when this frame is a tail (its flags are mostly the head's
-/// to have). Free: in the buddy allocator (`BUDDY` marks only a free block's first frame;
-/// the others, like per-CPU free lists, have no user: count 0). The count is a *map*
-/// count, 0 for pages only the kernel uses too (stacks, DMA buffers, a virtqueue's
-/// ring), so "free" by it is an estimate for the books; the buddy bit marks the frames
-/// that are surely free, the only ones the host may discard (issue 17).
+/// to have). Free: in the buddy allocator (`BUDDY`, on every frame of a free block since
+/// Linux 4.19; on the first only before) or with no user (count 0: per-CPU free lists).
+/// The count is a *map* count, 0 for pages only the kernel uses too (stacks, DMA
+/// buffers, a virtqueue's ring), so "free" by it is an estimate for the books; the buddy
+/// bit marks the frames that are surely free, the only ones the host may discard
+/// (issue 17).
 pub fn classify(flags: u64, count: u64, head: Option<u8>) -> u8 {
     if flags & KPF_NOPAGE != 0 {
         return UNKNOWN;
@@ -278,14 +279,19 @@ fn json_str(s: &str) -> String {
 }
 
 /// Whether the host may discard this guest's free pages (reading as zeros afterwards):
-/// not with page poisoning on (`page_poison=1` on the kernel command line `cmdline`), whose
-/// allocator checks a free page's old poison bytes when it hands it out.
+/// not with page poisoning on (`page_poison=` on the kernel command line `cmdline`, true
+/// as the kernel's `kstrtobool` reads it: a value starting with y, t or 1, or "on", in
+/// any case; a bare `page_poison` counts too), whose allocator checks a free page's old
+/// poison bytes when it hands it out.
 pub fn free_pages_discardable(cmdline: &str) -> bool {
     !cmdline.split_whitespace().any(|a| {
-        matches!(
-            a,
-            "page_poison" | "page_poison=1" | "page_poison=on" | "page_poison=y" | "page_poison=Y"
-        )
+        let Some(v) = a.strip_prefix("page_poison") else {
+            return false;
+        };
+        let Some(v) = v.strip_prefix('=') else {
+            return v.is_empty();
+        };
+        v.starts_with(['y', 'Y', 't', 'T', '1']) || v.to_ascii_lowercase().starts_with("on")
     })
 }
 

@@ -370,7 +370,9 @@ impl Agent {
     }
 
     /// Carries out a watch request (issue 17's free-page discard): write-protects the
-    /// private pages and sets their watch bits. Refuses the others.
+    /// private pages and sets their watch bits. Refuses the others, and pages a writer in
+    /// another process holds (the write fence): its write could land after the
+    /// protection without a fault.
     ///
     /// Errors: write-protecting a run failed (bits set so far stay: those pages are
     /// protected).
@@ -378,11 +380,15 @@ impl Agent {
         let mut out = Outcome::default();
         let gfns = self.private_only(gfns, &mut out);
         for (g0, n) in runs(&gfns) {
-            self.uffd
-                .write_protect(self.page_addr(g0), n as u64 * PAGE, true)?;
-            for k in 0..n {
-                self.pages.watch(plus(g0, k));
-                out.done.push(plus(g0, k));
+            let addr = self.page_addr(g0);
+            self.uffd.write_protect(addr, n as u64 * PAGE, true)?;
+            for (k, held) in held_by_writers(addr, n).into_iter().enumerate() {
+                if held {
+                    out.refused.push(plus(g0, k));
+                } else {
+                    self.pages.watch(plus(g0, k));
+                    out.done.push(plus(g0, k));
+                }
             }
         }
         Ok(out)

@@ -141,10 +141,10 @@ pub struct PageInfo {
     pub active: bool,
     /// Referenced since the kernel last looked (`KPF_REFERENCED`).
     pub referenced: bool,
-    /// The first frame of a free block of the buddy allocator (`KPF_BUDDY`): surely free
-    /// when the guest looked. The rest of a free block cannot be told from kernel pages
-    /// by `/proc/kpageflags` and `/proc/kpagecount` (a map count, 0 for every page only
-    /// the kernel uses), so only these are ever discarded as free (issue 17).
+    /// A frame of a free block of the buddy allocator (`KPF_BUDDY`, which the kernel sets
+    /// on every frame of one since Linux 4.19: `is_free_buddy_page`): surely free when the
+    /// guest looked. A map count of 0 alone is not (0 for every page only the kernel
+    /// uses), so only these are ever discarded as free (issue 17).
     pub buddy: bool,
 }
 
@@ -332,7 +332,7 @@ impl CategoryMap {
         Category::from_code(self.nibble(g.0) & 7).unwrap_or(Category::Unknown)
     }
 
-    /// Whether page `g` was the first frame of a free buddy block when the guest looked
+    /// Whether page `g` was a frame of a free buddy block when the guest looked
     /// ([`PageInfo::buddy`]).
     pub fn buddy(&self, g: Gfn) -> bool {
         g.0 < self.pages && self.buddy[g.index() / 64] >> (g.0 % 64) & 1 == 1

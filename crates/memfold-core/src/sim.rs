@@ -349,7 +349,7 @@ impl SimAgent {
                 Outcome::Done
             }
             // As the real agent: write-protected, so that a write is seen.
-            Command::Watch { gfn } => {
+            Command::Watch { gfn, .. } => {
                 let i = gfn.index();
                 if gfn.0 >= self.pages() || self.home[i] != Home::Private {
                     return Outcome::Refused;

@@ -222,6 +222,16 @@ pub fn channel_name_ok(name: &str) -> bool {
 }
 
 /// What a channel thread sends the main loop.
+/// Whether the free pages of `rep` may be discarded (issue 17): its guest says so (no
+/// page poisoning), and its frames map to gfns without doubt — all its RAM below 4 GiB,
+/// where frame = gfn. With RAM above 4 GiB the split is inferred from the highest frame
+/// the guest lists as RAM, and a guest booted with `mem=` or `memmap=` hides the top of
+/// its RAM: every frame above 4 GiB would then name another page, in use. (The books and
+/// the scan's order may be that wrong; a discard may not.)
+pub fn discards_allowed(rep: &GuestReport) -> bool {
+    rep.discard && rep.layout.high == 0
+}
+
 /// A report from guest `VmId`'s thread, with when it asked for it.
 type Sent = (VmId, Instant, Result<GuestReport, ReportError>);
 
@@ -331,7 +341,7 @@ impl GuestChannels {
                     // INVARIANT (free-page discard): a report names a round only if it
                     // was asked for after memfoldd learned that round was armed.
                     let after = c.armed.filter(|&(_, at)| asked > at).map(|(r, _)| r);
-                    engine.discard_free(id, after, rep.discard);
+                    engine.discard_free(id, after, discards_allowed(&rep));
                 }
                 (rep, applied)
             }) {
@@ -505,6 +515,30 @@ mod tests {
         assert_eq!(r.runs[1].first, Gfn(2 * GIB as u32 + 10));
         assert_eq!(r.runs[1].info.category, Category::Anon);
         assert!(r.runs[1].info.referenced && r.runs[1].info.active);
+        // RAM above 4 GiB: its split is inferred, so nothing is discarded, whatever the
+        // guest says (this one says nothing: an older memfold-guest).
+        assert!(!r.discard && !discards_allowed(&r));
+        assert!(!discards_allowed(&GuestReport { discard: true, ..r }));
+    }
+
+    /// All RAM below 4 GiB (frame = gfn): discarded if the guest says it may be.
+    #[test]
+    fn only_a_guest_all_below_4_gib_that_says_so_is_discarded() {
+        let answer = [
+            r#"{"msg":"ram","v":1,"seq":1,"agent":"memfold-guest 1","kernel":"6.1","ranges":[[1,159],[256,65500]],"meminfo":{"mem_total":250000},"discard":true}"#,
+            r#"{"msg":"runs","v":1,"seq":1,"first":256,"runs":[[33,10]]}"#,
+            r#"{"msg":"end","v":1,"seq":1,"chunks":1,"frames":10}"#,
+        ]
+        .join("\n")
+            + "\n";
+        let r = ask(&answer, 1, 65536).unwrap();
+        assert_eq!(r.layout.high, 0);
+        assert!(r.discard && discards_allowed(&r));
+        assert!(r.runs[0].info.buddy, "code 33: free, buddy");
+        assert!(!discards_allowed(&GuestReport {
+            discard: false,
+            ..r
+        }));
     }
 
     /// A hostile or buggy guest's answers are typed errors, never a panic.

@@ -26,7 +26,7 @@ fn cat(flags: u64, count: u64, head: Option<u8>) -> Category {
 fn kpageflags_bits_give_the_categories_of_pv_3_1() {
     use Category::*;
     assert_eq!(cat(1 << 10, 0, None), Free, "buddy head");
-    // Only a buddy head is surely free: the bit the host's discards go by.
+    // Only a frame the buddy allocator marks is surely free: the bit discards go by.
     let info = |f, c| PageInfo::from_code(guest::classify(f, c, None)).unwrap();
     assert!(info(1 << 10, 0).buddy);
     assert!(
@@ -38,7 +38,22 @@ fn kpageflags_bits_give_the_categories_of_pv_3_1() {
     assert!(guest::free_pages_discardable(
         "quiet console=ttyS0 init_on_free=1"
     ));
-    assert!(!guest::free_pages_discardable("quiet page_poison=1"));
+    for on in [
+        "page_poison=1",
+        "page_poison=ON",
+        "page_poison=On",
+        "page_poison=yes",
+        "page_poison=true",
+        "page_poison",
+    ] {
+        assert!(
+            !guest::free_pages_discardable(&format!("quiet {on}")),
+            "{on}"
+        );
+    }
+    assert!(guest::free_pages_discardable(
+        "page_poison=0 page_poison_x=1"
+    ));
     assert_eq!(
         cat(0, 0, None),
         Free,

@@ -159,7 +159,9 @@ impl Engine {
                             | Command::Reclaim { gfn }
                             | Command::DiscardFree { gfn }
                             | Command::Stash { gfn, .. } => v.state(*gfn),
-                            Command::TakeBack { gfn } | Command::Watch { gfn } => v.state(*gfn),
+                            Command::TakeBack { gfn } | Command::Watch { gfn, .. } => {
+                                v.state(*gfn)
+                            }
                             Command::ClockScan { .. } => PageState::Private,
                         }
                     ));

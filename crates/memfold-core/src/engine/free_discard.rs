@@ -53,9 +53,11 @@ pub(crate) struct FreeWatch {
 }
 
 impl FreeWatch {
-    /// Forgets the round: the agent's connection ended, or the guest may not be
-    /// discarded.
+    /// Ends the round: the agent's connection ended, or the guest may not be discarded.
+    /// The next round has a new number, so answers still coming for this one are
+    /// ignored.
     pub(crate) fn end(&mut self) {
+        self.round += 1;
         self.pending = 0;
         self.watched = Vec::new();
     }
@@ -118,6 +120,7 @@ impl Engine {
             return still_free.len();
         }
         w.round += 1;
+        let w_round = w.round;
         // Only pages that hold data: a hole (never touched, or punched already) costs the
         // host nothing, and would be booked as saved.
         let (mut from, end) = (0, v.pages());
@@ -128,7 +131,10 @@ impl Engine {
             for i in first.0..run_end.0.min(end) {
                 let g = Gfn(i);
                 if asked < MAX_WATCH && map.buddy(g) && v.state(g) == PageState::Private {
-                    v.queue.push(Command::Watch { gfn: g });
+                    v.queue.push(Command::Watch {
+                        gfn: g,
+                        round: WatchRound(w_round),
+                    });
                     asked += 1;
                 }
             }
@@ -139,12 +145,17 @@ impl Engine {
         asked
     }
 
-    /// The agent's answer to a watch of guest `id`'s page `g`.
-    pub(crate) fn watch_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) {
+    /// The agent's answer to a watch of guest `id`'s page `g` in `round`. An answer for
+    /// an earlier round counts for nothing: that round ended while its watches were under
+    /// way, and counting it would arm the new round before all its pages are watched.
+    pub(crate) fn watch_outcome(&mut self, id: VmId, g: Gfn, round: WatchRound, o: Outcome) {
         let Some(v) = self.vms.get_mut(&id) else {
             return;
         };
         let w = &mut v.free_watch;
+        if round != WatchRound(w.round) || w.pending == 0 {
+            return;
+        }
         w.pending = w.pending.saturating_sub(1);
         if o == Outcome::Lost {
             // The round is incomplete: its watched pages can no longer be known whole.
@@ -236,8 +247,39 @@ mod tests {
         assert_eq!(r.engine.discard_free(r.vm, Some(round), true), 1);
         assert!(matches!(
             r.engine.take_commands(r.vm)[..],
-            [Command::Watch { gfn: Gfn(5) }]
+            [Command::Watch { gfn: Gfn(5), .. }]
         ));
+    }
+
+    #[test]
+    fn an_answer_for_an_ended_round_counts_for_nothing() {
+        let mut r = rig();
+        for g in 0..8 {
+            r.agent.write(Gfn(g), 0, b"data").unwrap();
+        }
+        report(&mut r, &[1]);
+        r.engine.discard_free(r.vm, None, true);
+        let old = r.engine.take_commands(r.vm); // under way
+                                                // The guest says not to discard: the round ends; then it may again: a new one.
+        r.engine.discard_free(r.vm, None, false);
+        report(&mut r, &[2, 3]);
+        assert_eq!(r.engine.discard_free(r.vm, None, true), 2);
+        let new = r.engine.take_commands(r.vm);
+        r.engine.outcome(r.vm, &old[0], Outcome::Done);
+        r.engine.outcome(r.vm, &new[0], Outcome::Done);
+        assert_eq!(
+            r.engine.watch_armed(r.vm),
+            None,
+            "armed by the old round's answer before page 3 is watched"
+        );
+        r.engine.outcome(r.vm, &new[1], Outcome::Done);
+        let round = r.engine.watch_armed(r.vm).expect("armed");
+        report(&mut r, &[1, 2, 3]);
+        assert_eq!(
+            r.engine.discard_free(r.vm, Some(round), true),
+            2,
+            "page 1 was watched in the ended round only"
+        );
     }
 
     #[test]

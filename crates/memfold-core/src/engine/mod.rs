@@ -154,6 +154,9 @@ pub enum Command {
     Watch {
         /// The page.
         gfn: Gfn,
+        /// The watch round it belongs to: an answer for an earlier round (one ended while
+        /// its watches were under way) counts for nothing.
+        round: free_discard::WatchRound,
     },
     /// Punch the page out if its watch bit is still set: the guest reported it free after
     /// it was watched, and nothing wrote it since ([`free_discard`]). Its next access

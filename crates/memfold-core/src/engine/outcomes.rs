@@ -68,9 +68,9 @@ impl Engine {
                     .is_some_and(|v| v.attached && v.state(gfn) == PageState::Sharing(frame));
             self.fill_answered(id, gfn, mapped);
         }
-        if let Command::Watch { gfn } = *cmd {
+        if let Command::Watch { gfn, round } = *cmd {
             // A watch holds no page state: every answer, a lost one too, ends it.
-            self.watch_outcome(id, gfn, o);
+            self.watch_outcome(id, gfn, round, o);
             return;
         }
         match self.vms.get_mut(&id) {
@@ -151,6 +151,7 @@ impl Engine {
                         | Command::Fill { .. }
                         | Command::Reclaim { .. }
                         | Command::DiscardFree { .. }
+                        | Command::Watch { .. }
                         | Command::Stash { .. }
                 )
             });

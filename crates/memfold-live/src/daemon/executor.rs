@@ -184,7 +184,7 @@ impl Executor {
                 gfns: cmds
                     .iter()
                     .filter_map(|c| match *c {
-                        Command::Watch { gfn } => Some(gfn),
+                        Command::Watch { gfn, .. } => Some(gfn),
                         _ => None,
                     })
                     .collect(),
@@ -290,7 +290,7 @@ impl Executor {
                 | Command::Fill { gfn, .. }
                 | Command::Reclaim { gfn }
                 | Command::TakeBack { gfn }
-                | Command::Watch { gfn }
+                | Command::Watch { gfn, .. }
                 | Command::DiscardFree { gfn }
                 | Command::Stash { gfn, .. } => gfn,
                 Command::ClockScan { .. } => continue,
