@@ -31,6 +31,15 @@ struct Outcome {
     refused: Vec<Gfn>,
 }
 
+/// What a page must pass to be punched out as a zero page ([`Agent::punch_zero`]).
+#[derive(Clone, Copy)]
+enum Punch {
+    /// Its bytes are all zero (a zero-page reclaim).
+    IfZero,
+    /// Its watch bit is still set (a free-page discard).
+    IfWatched,
+}
+
 /// Bytes of a fill's nonce at the start of each page ([`ToAgent::Fill`]).
 const NONCE: usize = 16;
 
@@ -92,7 +101,7 @@ impl Agent {
                 self.share_done(batch, started, o)
             }
             ToAgent::ReclaimZero { batch, gfns } => {
-                let o = self.reclaim_zero(gfns)?;
+                let o = self.punch_zero(gfns, Punch::IfZero)?;
                 self.counters
                     .reclaim
                     .record_batch(started.elapsed(), o.done.len());
@@ -139,7 +148,7 @@ impl Agent {
                 }
             }
             ToAgent::DiscardFree { batch, gfns } => {
-                let o = self.discard_free(gfns)?;
+                let o = self.punch_zero(gfns, Punch::IfWatched)?;
                 self.counters
                     .reclaim
                     .record_batch(started.elapsed(), o.done.len());
@@ -337,9 +346,22 @@ impl Agent {
         out
     }
 
-    /// Carries out a zero-page reclaim request (ESX §4.3's zero page, without a frame):
-    /// punches the private pages that are still zero out of the guest memfd.
-    fn reclaim_zero(&mut self, gfns: Vec<Gfn>) -> io::Result<Outcome> {
+    /// Punches out of the guest memfd the private pages of `gfns` that still pass `test`
+    /// and that no writer in another process holds, checked under write-protection
+    /// (writers wait until the unprotect): each becomes a reclaimed zero page, refilled
+    /// with zeros on its next access. Pages that fail are `changed`.
+    ///
+    /// - [`Punch::IfZero`]: a zero-page reclaim (ESX §4.3's zero page, without a frame):
+    ///   the page's bytes are still all zero, so the refill gives back exactly them.
+    /// - [`Punch::IfWatched`]: a free-page discard (issue 17; PV §3.1). memfoldd asks only
+    ///   for pages the guest reported free in a report it asked for after the watch, so a
+    ///   page whose watch bit is still set ([`crate::state::Pages::watch`]:
+    ///   write-protected and unwritten since) was free at an instant after which nothing
+    ///   wrote it: its bytes are no one's, and zeros do as well. That is the invariant
+    ///   kept here.
+    ///
+    /// Errors: a userfaultfd call or the read of the pages failed.
+    fn punch_zero(&mut self, gfns: Vec<Gfn>, test: Punch) -> io::Result<Outcome> {
         let mut out = Outcome::default();
         let gfns = self.private_only(gfns, &mut out);
         let p = PAGE_SIZE;
@@ -348,16 +370,23 @@ impl Agent {
             // Writers wait from here until the unprotect below.
             self.uffd.write_protect(addr, len, true)?;
             let held = held_by_writers(addr, n);
-            let mut bytes = vec![0u8; len as usize];
-            pread_exact(self.memfd.as_fd(), &mut bytes, g0.offset())?;
-            for k in 0..n {
-                let g = plus(g0, k);
-                if held[k] || bytes[k * p..(k + 1) * p].iter().any(|&b| b != 0) {
-                    out.changed.push(g);
-                    continue;
+            let bytes = match test {
+                Punch::IfZero => {
+                    let mut b = vec![0u8; len as usize];
+                    pread_exact(self.memfd.as_fd(), &mut b, g0.offset())?;
+                    b
                 }
-                // It was zero and writers wait: the next access refills exactly these bytes.
-                if self.punch(g, 1) {
+                Punch::IfWatched => Vec::new(),
+            };
+            for (k, held) in held.into_iter().enumerate() {
+                let g = plus(g0, k);
+                let passes = match test {
+                    Punch::IfZero => bytes[k * p..(k + 1) * p].iter().all(|&b| b == 0),
+                    Punch::IfWatched => self.pages.watched(g),
+                };
+                if held || !passes {
+                    out.changed.push(g);
+                } else if self.punch(g, 1) {
                     self.pages.set(g, PageHome::Zero);
                     out.done.push(g);
                 } else {
@@ -390,41 +419,6 @@ impl Agent {
                     out.done.push(plus(g0, k));
                 }
             }
-        }
-        Ok(out)
-    }
-
-    /// Carries out a free-page discard (issue 17; PV §3.1): punches out of the guest
-    /// memfd each private page whose watch bit is still set and that no writer in another
-    /// process holds. memfoldd asks only for pages the guest reported free in a report it
-    /// asked for after the watch, so such a page was free at an instant after which
-    /// nothing wrote it: its bytes are no one's, and zeros do as well.
-    ///
-    /// The invariant, kept here: a page is discarded only if its watch bit is set
-    /// ([`crate::state::Pages::watch`]: write-protected and unwritten since) and the
-    /// write fence does not hold it, checked with it write-protected.
-    ///
-    /// Errors: a userfaultfd call failed.
-    fn discard_free(&mut self, gfns: Vec<Gfn>) -> io::Result<Outcome> {
-        let mut out = Outcome::default();
-        let gfns = self.private_only(gfns, &mut out);
-        for (g0, n) in runs(&gfns) {
-            let (addr, len) = (self.page_addr(g0), n as u64 * PAGE);
-            // Already protected if still watched; a page that is not is refused below.
-            self.uffd.write_protect(addr, len, true)?;
-            let held = held_by_writers(addr, n);
-            for (k, held) in held.into_iter().enumerate() {
-                let g = plus(g0, k);
-                if held || !self.pages.watched(g) {
-                    out.changed.push(g);
-                } else if self.punch(g, 1) {
-                    self.pages.set(g, PageHome::Zero);
-                    out.done.push(g);
-                } else {
-                    out.refused.push(g);
-                }
-            }
-            self.unprotect(addr, len)?;
         }
         Ok(out)
     }

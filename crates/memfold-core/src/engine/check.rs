@@ -153,17 +153,7 @@ impl Engine {
                 if !ok {
                     return Err(format!(
                         "{id}: queued {c:?} but the page is {:?}",
-                        match c {
-                            Command::Share { gfn, .. }
-                            | Command::Fill { gfn, .. }
-                            | Command::Reclaim { gfn }
-                            | Command::DiscardFree { gfn }
-                            | Command::Stash { gfn, .. } => v.state(*gfn),
-                            Command::TakeBack { gfn } | Command::Watch { gfn, .. } => {
-                                v.state(*gfn)
-                            }
-                            Command::ClockScan { .. } => PageState::Private,
-                        }
+                        c.gfn().map_or(PageState::Private, |g| v.state(g))
                     ));
                 }
             }

@@ -5,10 +5,6 @@
 //! A report is a sample: a page free when the guest looked may have been allocated and
 //! written since. So a discard needs two things, one kept by the agent and one here:
 //!
-//! Only frames the guest's buddy allocator marks free ([`crate::categories::PageInfo::buddy`])
-//! are candidates: the rest of a free block cannot be told from kernel-only pages by
-//! what a guest's user space can read.
-//!
 //! 1. **Watch** ([`Command::Watch`]): the agent write-protects the page and sets its
 //!    watch bit, which any write, any change of the page's home, or any lifting of the
 //!    protection clears (`memfold-agent`'s `Pages::watch`). The agent discards only a
@@ -21,6 +17,10 @@
 //! Together: the page was free at an instant after which nothing wrote it, so its bytes
 //! are no one's. (A report from before the watch would not do: a page freed, reported,
 //! then allocated and written before the watch would be discarded with its new data.)
+//!
+//! Only frames the guest's buddy allocator marks free ([`crate::categories::PageInfo::buddy`])
+//! are candidates: a map count of 0 alone is also every page only the guest's kernel
+//! uses.
 //!
 //! A round: report *k* names free private pages → they are watched → all answered: the
 //! round is armed → report *k + 1*, asked after that, confirms which are still free → those
@@ -103,7 +103,6 @@ impl Engine {
             // Watches under way: this report may predate them.
             return 0;
         }
-        let mut asked = 0;
         if !w.watched.is_empty() {
             if sampled_after != Some(WatchRound(w.round)) {
                 return 0;
@@ -123,14 +122,14 @@ impl Engine {
         let w_round = w.round;
         // Only pages that hold data: a hole (never touched, or punched already) costs the
         // host nothing, and would be booked as saved.
-        let (mut from, end) = (0, v.pages());
-        while asked < MAX_WATCH {
-            let Some((first, run_end)) = v.ram.next_data_run(Gfn(from), Gfn(end)) else {
-                break;
-            };
+        let (mut asked, mut from, end) = (0, 0, v.pages());
+        'runs: while let Some((first, run_end)) = v.ram.next_data_run(Gfn(from), Gfn(end)) {
             for i in first.0..run_end.0.min(end) {
                 let g = Gfn(i);
-                if asked < MAX_WATCH && map.buddy(g) && v.state(g) == PageState::Private {
+                if map.buddy(g) && v.state(g) == PageState::Private {
+                    if asked == MAX_WATCH {
+                        break 'runs;
+                    }
                     v.queue.push(Command::Watch {
                         gfn: g,
                         round: WatchRound(w_round),
@@ -156,7 +155,7 @@ impl Engine {
         if round != WatchRound(w.round) || w.pending == 0 {
             return;
         }
-        w.pending = w.pending.saturating_sub(1);
+        w.pending -= 1;
         if o == Outcome::Lost {
             // The round is incomplete: its watched pages can no longer be known whole.
             w.end();
@@ -259,8 +258,9 @@ mod tests {
         }
         report(&mut r, &[1]);
         r.engine.discard_free(r.vm, None, true);
-        let old = r.engine.take_commands(r.vm); // under way
-                                                // The guest says not to discard: the round ends; then it may again: a new one.
+        // Under way when the guest says not to discard: the round ends. Then it may
+        // again: a new round.
+        let old = r.engine.take_commands(r.vm);
         r.engine.discard_free(r.vm, None, false);
         report(&mut r, &[2, 3]);
         assert_eq!(r.engine.discard_free(r.vm, None, true), 2);

@@ -178,6 +178,22 @@ pub enum Command {
     },
 }
 
+impl Command {
+    /// The page the command acts on; `None` for a clock scan (a slice of pages).
+    pub fn gfn(&self) -> Option<Gfn> {
+        match *self {
+            Command::Share { gfn, .. }
+            | Command::Fill { gfn, .. }
+            | Command::Reclaim { gfn }
+            | Command::Stash { gfn, .. }
+            | Command::TakeBack { gfn }
+            | Command::Watch { gfn, .. }
+            | Command::DiscardFree { gfn } => Some(gfn),
+            Command::ClockScan { .. } => None,
+        }
+    }
+}
+
 /// Where a stashed page's blob is and how the agent decodes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Stash {

@@ -132,6 +132,8 @@ impl Executor {
     ) {
         self.next += 1;
         let batch = BatchId(self.next);
+        // The pages of a batch of per-page commands (one kind a batch).
+        let gfns = || cmds.iter().filter_map(Command::gfn).collect::<Vec<Gfn>>();
         let msg = match kind {
             Kind::Share if matches!(cmds.first(), Some(Command::Fill { .. })) => {
                 let Some(&Command::Fill { nonce, .. }) = cmds.first() else {
@@ -161,43 +163,19 @@ impl Executor {
             },
             Kind::Reclaim => ToAgent::ReclaimZero {
                 batch,
-                gfns: cmds
-                    .iter()
-                    .filter_map(|c| match *c {
-                        Command::Reclaim { gfn } => Some(gfn),
-                        _ => None,
-                    })
-                    .collect(),
+                gfns: gfns(),
             },
             Kind::TakeBack => ToAgent::TakeBack {
                 batch,
-                gfns: cmds
-                    .iter()
-                    .filter_map(|c| match *c {
-                        Command::TakeBack { gfn } => Some(gfn),
-                        _ => None,
-                    })
-                    .collect(),
+                gfns: gfns(),
             },
             Kind::Watch => ToAgent::Watch {
                 batch,
-                gfns: cmds
-                    .iter()
-                    .filter_map(|c| match *c {
-                        Command::Watch { gfn, .. } => Some(gfn),
-                        _ => None,
-                    })
-                    .collect(),
+                gfns: gfns(),
             },
             Kind::Discard => ToAgent::DiscardFree {
                 batch,
-                gfns: cmds
-                    .iter()
-                    .filter_map(|c| match *c {
-                        Command::DiscardFree { gfn } => Some(gfn),
-                        _ => None,
-                    })
-                    .collect(),
+                gfns: gfns(),
             },
             Kind::Stash => ToAgent::Stash {
                 batch,
@@ -285,15 +263,8 @@ impl Executor {
         let done: HashSet<Gfn> = done.iter().copied().collect();
         let changed: HashSet<Gfn> = changed.iter().copied().collect();
         for c in &cmds {
-            let g = match *c {
-                Command::Share { gfn, .. }
-                | Command::Fill { gfn, .. }
-                | Command::Reclaim { gfn }
-                | Command::TakeBack { gfn }
-                | Command::Watch { gfn, .. }
-                | Command::DiscardFree { gfn }
-                | Command::Stash { gfn, .. } => gfn,
-                Command::ClockScan { .. } => continue,
+            let Some(g) = c.gfn() else {
+                continue;
             };
             let o = if done.contains(&g) {
                 Outcome::Done
