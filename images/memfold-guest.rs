@@ -14,6 +14,12 @@
 //!   addresses).
 //! - `memfold-guest categories`: prints the same counts once, by category, beside
 //!   `/proc/meminfo` (a check of an install).
+//! - `memfold-guest never-share --pid P | --path F | --list | --clear`: marks a process's
+//!   pages (all it maps now) or a file's page-cache pages never to be shared (Satori
+//!   §4.3, the write-latency side channel). The marks are kept in [`MARKS`]; `serve`
+//!   resolves them to frames for each answer and sets their never-share bit (6), and
+//!   memfoldd never shares, patches or takes as reference those pages, and takes back
+//!   those already shared (docs/side-channel.md). A process's mark ends with it.
 //! - `memfold-guest marker TEXT`: fills a page of its own memory with TEXT, prints
 //!   `MEMFOLD-MARKER pfn=0x… text=TEXT` (its frame by `/proc/self/pagemap`), and keeps
 //!   the page, printing its frame again if the kernel moves it (the host's check that it
@@ -34,6 +40,14 @@ const VERSION: u32 = 1;
 /// Runs a `runs` line carries at most (memfold_wire::guest::MAX_RUNS is 65 536; a line
 /// stays well under its 1 MiB).
 const CHUNK_RUNS: usize = 16_384;
+/// The never-share marks, one a line: `pid P START` (START: the process's start time,
+/// field 22 of `/proc/P/stat`, so a reused pid is not taken for it) or `path F`.
+const MARKS: &str = "/run/memfold-guest/never-share";
+/// Most pages one mark resolves to (16 GiB of a process's address space, 32 MiB of
+/// pagemap read); past it the mark covers the first ones and says so.
+const MAX_MARK_PAGES: u64 = 1 << 22;
+/// The never-share bit of a frame's code (memfold_core::categories::PageInfo).
+const NEVER_SHARE: u8 = 1 << 6;
 /// Longest request line read, bytes; a longer one is skipped.
 const MAX_REQUEST: usize = 4096;
 const PAGE: u64 = 4096;
@@ -182,8 +196,9 @@ impl Default for Runs {
     }
 }
 
-/// Every System RAM frame's code, and frames by category.
-fn read_categories(ranges: &[(u64, u64)]) -> Result<(Runs, [u64; 6]), String> {
+/// Every System RAM frame's code, and frames by category; frames of `marked` (sorted)
+/// get the never-share bit.
+fn read_categories(ranges: &[(u64, u64)], marked: &[u64]) -> Result<(Runs, [u64; 6]), String> {
     let flags = File::open("/proc/kpageflags").map_err(|e| format!("/proc/kpageflags: {e}"))?;
     let counts = File::open("/proc/kpagecount").map_err(|e| format!("/proc/kpagecount: {e}"))?;
     let mut runs = Runs::new();
@@ -212,7 +227,9 @@ fn read_categories(ranges: &[(u64, u64)]) -> Result<(Runs, [u64; 6]), String> {
                     head = None;
                 }
                 by[(code & 7) as usize] += 1;
-                runs.push(pfn + k as u64, code);
+                let here = pfn + k as u64;
+                let mark = marked.binary_search(&here).is_ok();
+                runs.push(here, if mark { code | NEVER_SHARE } else { code });
             }
             pfn += n;
         }
@@ -302,7 +319,18 @@ pub fn answer(seq: u64) -> Vec<String> {
     if ranges.is_empty() {
         return vec![error_line(seq, "no System RAM in /proc/iomem (not root?)")];
     }
-    let (runs, _) = match read_categories(&ranges) {
+    let (marked, problems) = resolve_marks();
+    // Said once, not every report.
+    static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    if let Ok(mut said) = SAID.lock() {
+        if *said != problems {
+            for p in &problems {
+                eprintln!("memfold-guest: never-share: {p}");
+            }
+            *said = problems;
+        }
+    }
+    let (runs, _) = match read_categories(&ranges, &marked) {
         Ok(r) => r,
         Err(e) => return vec![error_line(seq, &e)],
     };
@@ -441,12 +469,17 @@ fn serve() -> ! {
 fn categories() -> Result<(), String> {
     let iomem = std::fs::read_to_string("/proc/iomem").map_err(|e| format!("/proc/iomem: {e}"))?;
     let ranges = ram_ranges(&iomem);
-    let (_, by) = read_categories(&ranges)?;
+    let (marked, problems) = resolve_marks();
+    let (_, by) = read_categories(&ranges, &marked)?;
     let mi = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let total: u64 = ranges.iter().map(|(s, e)| e - s).sum();
     println!("MEMFOLD-GUEST-RAM ranges={} frames={total}", ranges.len());
     for (i, n) in by.iter().enumerate() {
         println!("MEMFOLD-GUEST-CATEGORY {} {} KiB", NAMES[i], n * 4);
+    }
+    println!("MEMFOLD-GUEST-NEVER-SHARE {} KiB", marked.len() * 4);
+    for p in problems {
+        println!("MEMFOLD-GUEST-NEVER-SHARE-PROBLEM {p}");
     }
     for k in [
         "MemTotal",
@@ -501,11 +534,242 @@ fn marker(text: &str) -> Result<(), String> {
         let pfn = pfn_of(addr)?;
         if pfn != last {
             println!("MEMFOLD-MARKER pfn={pfn:#x} text={text}");
+            println!("MEMFOLD-MARKER-PID pid={} pfn={pfn:#x}", std::process::id());
             let _ = std::io::stdout().flush();
             last = pfn;
         }
         std::thread::sleep(Duration::from_millis(500));
     }
+}
+
+/// Process `pid`'s start time (field 22 of `/proc/PID/stat`, clock ticks since boot).
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: fields after its last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// `memfold-guest never-share ARGS`: adds a mark to [`MARKS`], lists or clears them.
+fn never_share(args: &[String]) -> Result<(), String> {
+    let marks = std::fs::read_to_string(MARKS).unwrap_or_default();
+    let line = match (args.first().map(String::as_str), args.get(1)) {
+        (Some("--list"), None) => {
+            print!("{marks}");
+            return Ok(());
+        }
+        (Some("--clear"), None) => {
+            return match std::fs::remove_file(MARKS) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(format!("{MARKS}: {e}")),
+                _ => Ok(()),
+            };
+        }
+        (Some("--pid"), Some(p)) => {
+            let pid: u32 = p
+                .parse()
+                .map_err(|_| format!("--pid {p}: not a process id"))?;
+            let start = start_time(pid).ok_or(format!("--pid {pid}: no such process"))?;
+            format!("pid {pid} {start}")
+        }
+        (Some("--path"), Some(f)) => {
+            let path = std::fs::canonicalize(f).map_err(|e| format!("--path {f}: {e}"))?;
+            let meta = std::fs::metadata(&path).map_err(|e| format!("--path {f}: {e}"))?;
+            if !meta.is_file() {
+                return Err(format!("--path {f}: not a regular file"));
+            }
+            let path = path.to_str().ok_or(format!("--path {f}: not UTF-8"))?;
+            if path.contains('\n') {
+                return Err(format!("--path {f}: a newline in its name"));
+            }
+            format!("path {path}")
+        }
+        _ => return Err("never-share --pid P | --path F | --list | --clear".into()),
+    };
+    if marks.lines().any(|l| l == line) {
+        return Ok(());
+    }
+    let dir = std::path::Path::new(MARKS).parent().expect("a directory");
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut f = File::options()
+        .create(true)
+        .append(true)
+        .open(MARKS)
+        .map_err(|e| format!("{MARKS}: {e}"))?;
+    writeln!(f, "{line}").map_err(|e| format!("{MARKS}: {e}"))
+}
+
+/// Present frames of `pagemap` entries for pages `[first, first + count)` of an address
+/// space, pushed to `out`; at most `budget` pages read (decremented).
+pub fn present_frames(
+    pagemap: &File,
+    first: u64,
+    count: u64,
+    budget: &mut u64,
+    out: &mut Vec<u64>,
+) {
+    const N: u64 = 8192;
+    let mut buf = vec![0u8; (N * 8) as usize];
+    let mut page = first;
+    while page < first + count && *budget > 0 {
+        let n = N.min(first + count - page).min(*budget);
+        let bytes = (n * 8) as usize;
+        if read_full(pagemap, &mut buf[..bytes], page * 8).is_err() {
+            return; // an address the kernel will not describe ([vsyscall])
+        }
+        for e in buf[..bytes].chunks_exact(8) {
+            let e = u64::from_le_bytes(e.try_into().expect("8 bytes"));
+            let pfn = e & ((1 << 55) - 1);
+            if e >> 63 == 1 && pfn != 0 {
+                out.push(pfn);
+            }
+        }
+        page += n;
+        *budget -= n;
+    }
+}
+
+/// The frames process `pid` maps now (if it is still the process started at `start`).
+pub fn frames_of_pid(pid: u32, start: u64, out: &mut Vec<u64>) -> Result<(), String> {
+    if start_time(pid) != Some(start) {
+        return Err(format!("pid {pid}: gone"));
+    }
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .map_err(|e| format!("pid {pid}: maps: {e}"))?;
+    let pagemap = File::open(format!("/proc/{pid}/pagemap"))
+        .map_err(|e| format!("pid {pid}: pagemap: {e}"))?;
+    let mut budget = MAX_MARK_PAGES;
+    for l in maps.lines() {
+        let Some((a, b)) = l.split_whitespace().next().and_then(|r| r.split_once('-')) else {
+            continue;
+        };
+        let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else {
+            continue;
+        };
+        present_frames(&pagemap, a / PAGE, (b - a) / PAGE, &mut budget, out);
+    }
+    if budget == 0 {
+        return Err(format!(
+            "pid {pid}: over {MAX_MARK_PAGES} pages, the first ones marked"
+        ));
+    }
+    Ok(())
+}
+
+extern "C" {
+    fn mmap(
+        addr: *mut std::ffi::c_void,
+        len: usize,
+        prot: i32,
+        flags: i32,
+        fd: i32,
+        off: i64,
+    ) -> *mut std::ffi::c_void;
+    fn munmap(addr: *mut std::ffi::c_void, len: usize) -> i32;
+    fn mincore(addr: *mut std::ffi::c_void, len: usize, vec: *mut u8) -> i32;
+}
+
+/// The frames of file `path`'s pages in the guest's page cache now: the file mapped,
+/// `mincore` says which pages are resident, a read of each maps it (no I/O: it is
+/// resident), and this process's pagemap gives its frame.
+pub fn frames_of_path(path: &str, out: &mut Vec<u64>) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let f = File::open(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => format!("{path}: gone"),
+        _ => format!("{path}: {e}"),
+    })?;
+    let len = f.metadata().map_err(|e| format!("{path}: {e}"))?.len();
+    let pages = len.div_ceil(PAGE).min(MAX_MARK_PAGES);
+    if pages == 0 {
+        return Ok(());
+    }
+    let bytes = (pages * PAGE) as usize;
+    // SAFETY: a fresh read-only shared mapping of an open file; no Rust reference points
+    // into it, and it is unmapped below.
+    let base = unsafe {
+        mmap(
+            std::ptr::null_mut(),
+            bytes,
+            1, /* PROT_READ */
+            1, /* MAP_SHARED */
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    if base as isize == -1 {
+        return Err(format!("{path}: mmap: {}", std::io::Error::last_os_error()));
+    }
+    let mut resident = vec![0u8; pages as usize];
+    // SAFETY: `base` maps `bytes` bytes; `resident` holds one byte a page.
+    let r = unsafe { mincore(base, bytes, resident.as_mut_ptr()) };
+    let mut result = Ok(());
+    if r != 0 {
+        result = Err(format!(
+            "{path}: mincore: {}",
+            std::io::Error::last_os_error()
+        ));
+    } else {
+        let pagemap = File::open("/proc/self/pagemap").map_err(|e| format!("pagemap: {e}"));
+        match pagemap {
+            Err(e) => result = Err(e),
+            Ok(pagemap) => {
+                for (i, &res) in resident.iter().enumerate() {
+                    if res & 1 == 0 {
+                        continue;
+                    }
+                    let addr = base as usize + i * PAGE as usize;
+                    // SAFETY: inside the mapping, of a page inside the file (`pages` ends
+                    // at its size). A file truncated meanwhile could raise SIGBUS here.
+                    unsafe { std::ptr::read_volatile(addr as *const u8) };
+                    let mut budget = 1;
+                    present_frames(&pagemap, addr as u64 / PAGE, 1, &mut budget, out);
+                }
+            }
+        }
+    }
+    // SAFETY: the mapping made above, not used after.
+    unsafe { munmap(base, bytes) };
+    if len.div_ceil(PAGE) > MAX_MARK_PAGES && result.is_ok() {
+        result = Err(format!(
+            "{path}: over {MAX_MARK_PAGES} pages, the first ones marked"
+        ));
+    }
+    result
+}
+
+/// The frames every mark in [`MARKS`] names now, sorted, and what went wrong (a mark
+/// whose process or file is gone is dropped from the file).
+fn resolve_marks() -> (Vec<u64>, Vec<String>) {
+    let Ok(marks) = std::fs::read_to_string(MARKS) else {
+        return (Vec::new(), Vec::new());
+    };
+    let (mut frames, mut problems, mut kept) = (Vec::new(), Vec::new(), Vec::new());
+    for l in marks.lines() {
+        let w: Vec<&str> = l.split_whitespace().collect();
+        let r = match w.as_slice() {
+            ["pid", p, s] => match (p.parse(), s.parse()) {
+                (Ok(p), Ok(s)) => frames_of_pid(p, s, &mut frames),
+                _ => Err(format!("bad mark {l:?}")),
+            },
+            ["path", ..] => frames_of_path(&l[5..], &mut frames),
+            _ => Err(format!("bad mark {l:?}")),
+        };
+        match r {
+            Err(e) if e.ends_with(": gone") => {}
+            Err(e) => {
+                problems.push(e);
+                kept.push(l);
+            }
+            Ok(()) => kept.push(l),
+        }
+    }
+    if kept.len() != marks.lines().count() {
+        let mut text = kept.join("\n");
+        text.push('\n');
+        let _ = std::fs::write(MARKS, if kept.is_empty() { "" } else { &text });
+    }
+    frames.sort_unstable();
+    frames.dedup();
+    (frames, problems)
 }
 
 fn main() {
@@ -514,7 +778,10 @@ fn main() {
         None | Some("serve") => serve(),
         Some("categories") => categories(),
         Some("marker") if args.len() == 3 => marker(&args[2]),
-        _ => Err("usage: memfold-guest [serve] | categories | marker TEXT".into()),
+        Some("never-share") => never_share(&args[2..]),
+        _ => Err("usage: memfold-guest [serve] | categories | marker TEXT \
+             | never-share --pid P | --path F | --list | --clear"
+            .into()),
     };
     if let Err(e) = r {
         eprintln!("memfold-guest: {e}");

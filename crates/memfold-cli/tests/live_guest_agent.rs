@@ -14,9 +14,7 @@
 //!
 //! Bounded: boot under TCG, then at most 120 s.
 
-use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use memfold_core::categories::{RamLayout, FOUR_GIB_PFN};
@@ -25,26 +23,7 @@ use memfold_vm::images;
 use memfold_vm::launcher::{agent_env, Accel, Guest, GuestSpec, RamBackend};
 
 mod common;
-use common::agent_lib;
-
-/// QEMU's guest-RAM memfd (the one of exactly the RAM's size).
-fn ram_memfd(g: &Guest) -> File {
-    let dir = PathBuf::from(format!("/proc/{}/fd", g.pid));
-    for e in std::fs::read_dir(&dir).unwrap().flatten() {
-        let Ok(link) = std::fs::read_link(e.path()) else {
-            continue;
-        };
-        if !link.to_string_lossy().starts_with("/memfd:") {
-            continue;
-        }
-        if let Ok(f) = File::open(e.path()) {
-            if f.metadata().map(|m| m.len()).unwrap_or(0) == g.mem_bytes {
-                return f;
-            }
-        }
-    }
-    panic!("no RAM memfd in {}", dir.display());
-}
+use common::{agent_lib, ram_memfd};
 
 #[test]
 fn an_enlightened_guest_reports_categories_that_match_meminfo_and_frames_that_map_to_gfns() {

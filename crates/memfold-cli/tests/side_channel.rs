@@ -1,6 +1,7 @@
 //! The write-latency side channel, CI-sized (issue 17, "Proof"; docs/side-channel.md):
 //! `memfold bench side-channel --both` on two small `tiny` guests under memfoldd, 128
-//! trials a side. Without never-share the attacker, timing one write per page and calling
+//! trials a side, then the never-share side again with only the victim's process marked
+//! from inside its guest (`--protect process`). Without never-share the attacker, timing one write per page and calling
 //! each secret by the median of its pages' write times against a threshold from its own
 //! control writes, must be right far above chance (≥ 85%); with the victim marked
 //! never-share it must be at chance (50% ± 5%), and memfoldd must have kept the victim in
@@ -13,27 +14,27 @@ use std::process::Command;
 
 #[test]
 fn never_share_closes_the_write_latency_side_channel() {
+    let args = [
+        "bench",
+        "side-channel",
+        "--trials",
+        "128",
+        "--per-round",
+        "16",
+        "--wait-secs",
+        "3",
+        "--settle-secs",
+        "8",
+        "--quiet-scan-period",
+        "1",
+        "--mem-mib",
+        "128",
+        "--json",
+    ];
     let out = tempfile::tempdir().unwrap();
     let r = Command::new(env!("CARGO_BIN_EXE_memfold"))
-        .args([
-            "bench",
-            "side-channel",
-            "--both",
-            "--trials",
-            "128",
-            "--per-round",
-            "16",
-            "--wait-secs",
-            "3",
-            "--settle-secs",
-            "8",
-            "--quiet-scan-period",
-            "1",
-            "--mem-mib",
-            "128",
-            "--json",
-            "--out",
-        ])
+        .args(args)
+        .args(["--both", "--out"])
         .arg(out.path())
         .output()
         .expect("memfold runs");
@@ -72,5 +73,33 @@ fn never_share_closes_the_write_latency_side_channel() {
     assert_eq!(
         never["domains"], 2,
         "the never-share victim is a domain of its own"
+    );
+
+    // Then only the victim's process, marked from inside its guest (`--protect process`;
+    // in this test, not another, so that the guests of the two never run at once): one
+    // sharing domain, and still chance.
+    let out = tempfile::tempdir().unwrap();
+    let r = Command::new(env!("CARGO_BIN_EXE_memfold"))
+        .args(args)
+        .args(["--never-share", "--protect", "process", "--out"])
+        .arg(out.path())
+        .output()
+        .expect("memfold runs");
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    assert!(r.status.success(), "--protect process failed:\n{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout).expect("JSON on stdout");
+    let process = &v["sides"][0];
+    assert_eq!(process["protect"], "process", "{v}");
+    assert!(
+        (f(process, "accuracy") - 0.5).abs() <= 0.05,
+        "the attacker should be at chance with the victim's process never-share:\n{stderr}"
+    );
+    assert_eq!(
+        process["domains"], 1,
+        "one domain: only the process is marked"
+    );
+    assert!(
+        process["victim_never_share_pages"].as_u64().unwrap() >= 128 * 4,
+        "every secret page marked: {v}"
     );
 }

@@ -146,6 +146,11 @@ pub struct PageInfo {
     /// guest looked. A map count of 0 alone is not (0 for every page only the kernel
     /// uses), so only these are ever discarded as free (issue 17).
     pub buddy: bool,
+    /// The guest asked that this page never be shared (Satori §4.3: a page of a process
+    /// or file marked with `memfold-guest never-share`): memfoldd never shares it,
+    /// patches it, or uses it as a reference page, and takes back one already shared
+    /// ([`crate::Engine::guest_categories`]).
+    pub never_share: bool,
 }
 
 impl PageInfo {
@@ -155,21 +160,23 @@ impl PageInfo {
         active: false,
         referenced: false,
         buddy: false,
+        never_share: false,
     };
 
     /// The wire code of the guest protocol: category in bits 0–2, active bit 3,
-    /// referenced bit 4, buddy bit 5.
+    /// referenced bit 4, buddy bit 5, never-share bit 6.
     pub fn code(self) -> u8 {
         self.category as u8
             | (self.active as u8) << 3
             | (self.referenced as u8) << 4
             | (self.buddy as u8) << 5
+            | (self.never_share as u8) << 6
     }
 
-    /// The page info of wire code `c`; `None` for an unknown category, bits above 5, or
-    /// the buddy bit on a page not free.
+    /// The page info of wire code `c`; `None` for an unknown category, bit 7, or the
+    /// buddy bit on a page not free.
     pub fn from_code(c: u8) -> Option<PageInfo> {
-        if c >> 6 != 0 {
+        if c >> 7 != 0 {
             return None;
         }
         let category = Category::from_code(c & 7)?;
@@ -182,6 +189,7 @@ impl PageInfo {
             active: c & 8 != 0,
             referenced: c & 16 != 0,
             buddy,
+            never_share: c & 64 != 0,
         })
     }
 }
@@ -196,6 +204,9 @@ pub struct CategoryCounts {
     pub active: u64,
     /// Pages the guest's kernel found referenced.
     pub referenced: u64,
+    /// Pages the guest marked never to be shared ([`PageInfo::never_share`]).
+    #[serde(default)]
+    pub never_share: u64,
 }
 
 impl CategoryCounts {
@@ -211,6 +222,9 @@ impl CategoryCounts {
         }
         if info.referenced {
             self.referenced += n;
+        }
+        if info.never_share {
+            self.never_share += n;
         }
     }
 }
@@ -253,12 +267,15 @@ pub enum CategoryError {
 }
 
 /// One guest's pages by category: 4 bits a page (category and active bit), two pages a
-/// byte, the buddy bit a page, and its counts. Metadata: `pages / 2 + pages / 8` bytes.
+/// byte, the buddy and never-share bits a page, and its counts. Metadata:
+/// `pages / 2 + pages / 4` bytes.
 #[derive(Clone, Debug)]
 pub struct CategoryMap {
     nibbles: Vec<u8>,
     /// [`PageInfo::buddy`], a bit a page.
     buddy: Vec<u64>,
+    /// [`PageInfo::never_share`], a bit a page.
+    never_share: Vec<u64>,
     pages: u32,
     counts: CategoryCounts,
 }
@@ -272,6 +289,7 @@ impl CategoryMap {
         let mut m = CategoryMap {
             nibbles: vec![0; (pages as usize).div_ceil(2)],
             buddy: vec![0; (pages as usize).div_ceil(64)],
+            never_share: vec![0; (pages as usize).div_ceil(64)],
             pages,
             counts: CategoryCounts::default(),
         };
@@ -297,6 +315,9 @@ impl CategoryMap {
                 m.set_nibble(g, nib);
                 if r.info.buddy {
                     m.buddy[g as usize / 64] |= 1 << (g % 64);
+                }
+                if r.info.never_share {
+                    m.never_share[g as usize / 64] |= 1 << (g % 64);
                 }
             }
             m.counts.add(r.info, r.count as u64);
@@ -338,6 +359,21 @@ impl CategoryMap {
         g.0 < self.pages && self.buddy[g.index() / 64] >> (g.0 % 64) & 1 == 1
     }
 
+    /// Whether the guest marked page `g` never to be shared ([`PageInfo::never_share`]).
+    pub fn never_share(&self, g: Gfn) -> bool {
+        g.0 < self.pages && self.never_share[g.index() / 64] >> (g.0 % 64) & 1 == 1
+    }
+
+    /// The pages the guest marked never to be shared, in gfn order.
+    pub fn never_share_pages(&self) -> impl Iterator<Item = Gfn> + '_ {
+        let words = self.never_share.iter().enumerate().filter(|(_, &b)| b != 0);
+        words.flat_map(|(w, &bits)| {
+            (0..64)
+                .filter(move |b| bits >> b & 1 == 1)
+                .map(move |b| Gfn((w * 64 + b) as u32))
+        })
+    }
+
     /// Whether page `g` is on the guest's active list.
     pub fn active(&self, g: Gfn) -> bool {
         g.0 < self.pages && self.nibble(g.0) & 8 != 0
@@ -350,7 +386,7 @@ impl CategoryMap {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.nibbles.capacity() + self.buddy.capacity() * 8
+        self.nibbles.capacity() + (self.buddy.capacity() + self.never_share.capacity()) * 8
     }
 
     /// The guest's pages it covers.
@@ -575,6 +611,7 @@ mod tests {
             active: true,
             referenced: false,
             buddy: false,
+            never_share: false,
         };
         // A run over the hole is split, the hole dropped.
         l.runs(
@@ -649,7 +686,7 @@ mod tests {
             match PageInfo::from_code(c) {
                 Some(i) => assert_eq!(i.code(), c),
                 None => assert!(
-                    c >> 6 != 0 || c & 7 > 5 || (c & 32 != 0 && c & 7 != 1),
+                    c >> 7 != 0 || c & 7 > 5 || (c & 32 != 0 && c & 7 != 1),
                     "code {c}"
                 ),
             }
@@ -662,7 +699,10 @@ mod tests {
                 .buddy
         );
         assert_eq!(PageInfo::from_code(32 | Category::Anon as u8), None);
-        assert_eq!(PageInfo::from_code(64), None);
+        // The never-share bit: on any page.
+        let marked = PageInfo::from_code(64 | Category::Anon as u8).unwrap();
+        assert!(marked.never_share && marked.category == Category::Anon);
+        assert_eq!(PageInfo::from_code(128), None);
     }
 
     #[test]
@@ -675,6 +715,7 @@ mod tests {
                 active,
                 referenced,
                 buddy: false,
+                never_share: false,
             },
         };
         let m = CategoryMap::from_runs(
@@ -686,7 +727,11 @@ mod tests {
             ],
         )
         .unwrap();
-        assert_eq!(m.bytes(), 6 + 8, "4 bits and the buddy bit a page");
+        assert_eq!(
+            m.bytes(),
+            6 + 8 + 8,
+            "4 bits, the buddy and the never-share bits a page"
+        );
         let cats: Vec<_> = (0..12).map(|g| m.category(Gfn(g))).collect();
         use Category::*;
         assert_eq!(

@@ -41,6 +41,7 @@ fn op() -> impl Strategy<Value = Op> {
         10 => any::<u32>().prop_map(|vm| Op::Report { vm }),
         3 => (any::<u32>(), any::<u64>()).prop_map(|(vm, seed)| Op::Disconnect { vm, seed }),
         3 => (vg, 1u8..9).prop_map(|((vm, gfn), n)| Op::Free { vm, gfn, n }),
+        3 => (vg, 1u8..9, prop::bool::weighted(0.7)).prop_map(|((vm, gfn), n, on)| Op::Mark { vm, gfn, n, on }),
         3 => any::<u32>().prop_map(|vm| Op::GuestSample { vm }),
         3 => any::<u32>().prop_map(|vm| Op::GuestReport { vm }),
         1 => (any::<u32>(), prop::bool::weighted(0.6)).prop_map(|(vm, out)| Op::OptOut { vm, out }),
@@ -171,7 +172,7 @@ fn engine_matches_reference_model_long() {
 /// ends with a teardown that must leave nothing behind. Prints what the mechanisms did.
 fn long_run(total: u64, runs: u64) {
     let per = total / runs;
-    let mut seen = [0u64; 10];
+    let mut seen = [0u64; 11];
     let mut fills = [0u64; 3];
     for run_no in 0..runs {
         let mut rng = SmallRng::seed_from_u64(0x6d66_0000 + run_no);
@@ -199,6 +200,7 @@ fn long_run(total: u64, runs: u64) {
                         x.unmaps,
                         x.read_shares,
                         x.read_fills,
+                        x.never_share_takebacks,
                     ];
                     for (s, c) in seen.iter_mut().zip(now) {
                         *s = (*s).max(c);
@@ -213,7 +215,7 @@ fn long_run(total: u64, runs: u64) {
             panic!("run {run_no} teardown: {e}\nsetup: {setup:?}");
         }
     }
-    eprintln!("{total} ops in {runs} runs; largest counter of one guest, sampled every 100 ops [shares, reclaims, patches, compressions, swap-outs, CoW breaks, unmapped shares, mapped shares unmapped, shares at disk read, reads filled from frames]: {seen:?}");
+    eprintln!("{total} ops in {runs} runs; largest counter of one guest, sampled every 100 ops [shares, reclaims, patches, compressions, swap-outs, CoW breaks, unmapped shares, mapped shares unmapped, shares at disk read, reads filled from frames, never-share take-backs]: {seen:?}");
     eprintln!(
         "fills: {} reads asked, {} pages asked of agents, {} filled",
         fills[0], fills[1], fills[2]

@@ -353,6 +353,12 @@ pub struct GuestPages {
     pub active: u64,
     /// Referenced by the guest's kernel's last look.
     pub referenced: u64,
+    /// Marked never to be shared by the guest (`memfold-guest never-share`: a process's
+    /// or a file's pages; Satori §4.3).
+    pub never_share: u64,
+    /// Pages memfoldd took back into guest RAM because the guest marked them never to be
+    /// shared after they were shared or patched (cumulative).
+    pub never_share_takebacks: u64,
     /// Reports applied (cumulative).
     pub reports: u64,
     /// Reports refused: lines out of place, over the limits, or runs not fitting its RAM

@@ -9,7 +9,10 @@
 //! and times one write to each page and to control pages of its own. The attacker's call
 //! and its accuracy are [`memfold_cli::side_channel`]'s. The side with `--never-share`
 //! marks the victim never-share (a sharing domain of its own): the attacker's guesses are
-//! then never shared, whatever they match.
+//! then never shared, whatever they match. With `--protect process` it marks only the
+//! victim's probe process instead, from inside the guest (`memfold-guest never-share
+//! --pid`, over the enlightened guest's channel): the guests stay one sharing domain, and
+//! the victim's secret pages are never shared.
 //!
 //! Needs root (the agent's userfaultfd) and boots guests: on a shared host run it under
 //! `flock /tmp/measure.lock`.
@@ -68,6 +71,11 @@ pub struct SideChannelArgs {
     /// Both sides, unprotected then never-share.
     #[arg(long)]
     pub both: bool,
+    /// How the never-share side protects the victim: `vm` (memfoldd's `--never-share
+    /// victim`, a sharing domain of its own) or `process` (the victim's guest marks its
+    /// probe process with `memfold-guest never-share --pid`; one domain).
+    #[arg(long, value_enum, default_value_t = Protect::Vm)]
+    pub protect: Protect,
     /// Seed of the secrets, the truth and the write order.
     #[arg(long, default_value_t = 17)]
     pub seed: u64,
@@ -83,11 +91,26 @@ pub struct SideChannelArgs {
     pub json: bool,
 }
 
+/// How the never-share side protects the victim.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protect {
+    /// The whole guest (memfoldd's `--never-share`).
+    Vm,
+    /// Its probe process, marked from inside the guest.
+    Process,
+}
+
 /// One side's result.
 #[derive(Clone, Debug, Serialize)]
 pub struct Side {
     /// Whether the victim was marked never-share.
     pub never_share: bool,
+    /// How, if it was.
+    pub protect: Option<Protect>,
+    /// The victim's pages its guest marked never-share in its last report (`--protect
+    /// process`), 4 KiB pages.
+    pub victim_never_share_pages: u64,
     /// The attacker's score.
     pub score: Score,
     /// Sharing domains memfoldd had at the end.
@@ -219,7 +242,18 @@ fn side(
         "--share-domains",
         "user",
     ];
-    if never_share {
+    let by_process = never_share && a.protect == Protect::Process;
+    let channels = dir.join("channels");
+    let channels_arg = channels.to_string_lossy().into_owned();
+    if by_process {
+        std::fs::create_dir_all(&channels)?;
+        args.extend([
+            "--guest-channels",
+            &channels_arg,
+            "--guest-interval-ms",
+            "1000",
+        ]);
+    } else if never_share {
         args.extend(["--never-share", "victim"]);
     }
     let log = std::fs::File::create(dir.join("memfoldd.log"))?;
@@ -242,7 +276,17 @@ fn side(
         kernel_args: Some(args),
         ..GuestSpec::new(name, "tiny", a.mem_mib, RamBackend::Memfd)
     };
-    let victim_spec = spec("victim", probe("victim", ""));
+    let victim_spec = if by_process {
+        GuestSpec {
+            guest_channel: Some(channels.join("victim.sock")),
+            ..spec(
+                "victim",
+                probe("victim", "") + " memfold.probe-never-share=1",
+            )
+        }
+    } else {
+        spec("victim", probe("victim", ""))
+    };
     let wait_ms = (a.wait_secs * 1e3) as u64;
     let attacker_spec = spec(
         "attacker",
@@ -264,6 +308,23 @@ fn side(
         Duration::from_secs(180),
     )?;
     eprintln!("victim ready after {:.1} s", t0.elapsed().as_secs_f64());
+    if by_process {
+        // The attacker starts once memfoldd has the marks: every secret page marked.
+        let want = (rounds * a.per_round * a.pages) as u64;
+        let t = Instant::now();
+        loop {
+            let marked = victim_marked(&socket);
+            if marked >= want {
+                eprintln!("victim's process marked: {marked} pages never-share");
+                break;
+            }
+            victim.check_alive()?;
+            if t.elapsed() > Duration::from_secs(120) {
+                bail!("the victim's {want} secret pages were never reported marked ({marked})");
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
     let mut attacker = Guest::start_with_env(
         &attacker_spec,
         cache,
@@ -293,6 +354,8 @@ fn side(
     let obs = parse(&victim.serial(), &attacker.serial())?;
     let s = Side {
         never_share,
+        protect: never_share.then_some(a.protect),
+        victim_never_share_pages: victim_marked(&socket),
         score: score(&obs),
         domains: stats.domains,
         attacker_shared_pages: att.shared_pages,
@@ -304,6 +367,15 @@ fn side(
     victim.stop();
     attacker.stop();
     Ok(s)
+}
+
+/// The victim's pages marked never-share in its guest's last report (0 without one).
+fn victim_marked(socket: &Path) -> u64 {
+    memfold_live::query_stats(socket)
+        .ok()
+        .and_then(|s| s.vms.into_iter().find(|v| v.name == "victim"))
+        .and_then(|v| v.guest_pages)
+        .map_or(0, |g| g.never_share)
 }
 
 /// Waits until `g`'s console says `marker`.

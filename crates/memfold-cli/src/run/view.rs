@@ -101,8 +101,17 @@ pub fn guest_pages(g: &memfold_wire::GuestPages) -> String {
         .last_error
         .as_ref()
         .map_or(String::new(), |e| format!(" (last: {e})"));
+    let never = if g.never_share + g.never_share_takebacks > 0 {
+        format!(
+            ", never-share {:.1} ({} taken back)",
+            mib(g.never_share),
+            g.never_share_takebacks
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "  guest says (MiB): free {:.0} cache {:.0} anon {:.0} slab {:.0} kernel {:.0}, active {:.0}; {} reports, {} scan skips{err}",
+        "  guest says (MiB): free {:.0} cache {:.0} anon {:.0} slab {:.0} kernel {:.0}, active {:.0}{never}; {} reports, {} scan skips{err}",
         mib(g.free),
         mib(g.cache),
         mib(g.anon),

@@ -101,3 +101,22 @@ pub fn agent_lib() -> PathBuf {
     );
     p
 }
+
+/// QEMU's guest-RAM memfd (the one of exactly the RAM's size).
+pub fn ram_memfd(g: &memfold_vm::launcher::Guest) -> std::fs::File {
+    let dir = std::path::PathBuf::from(format!("/proc/{}/fd", g.pid));
+    for e in std::fs::read_dir(&dir).unwrap().flatten() {
+        let Ok(link) = std::fs::read_link(e.path()) else {
+            continue;
+        };
+        if !link.to_string_lossy().starts_with("/memfd:") {
+            continue;
+        }
+        if let Ok(f) = std::fs::File::open(e.path()) {
+            if f.metadata().map(|m| m.len()).unwrap_or(0) == g.mem_bytes {
+                return f;
+            }
+        }
+    }
+    panic!("no RAM memfd in {}", dir.display());
+}

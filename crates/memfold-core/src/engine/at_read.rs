@@ -91,7 +91,8 @@ impl Engine {
         let now = wall.saturating_sub(age_us);
         let mut page: Box<Page> = Box::new([0u8; PAGE_SIZE]);
         for (k, &g) in gfns.iter().enumerate() {
-            if k >= MAX_LANDED || g.0 >= pages || !self.sharable(id, g) {
+            // A page its guest marked never-share is not shared at read (never_share.rs).
+            if k >= MAX_LANDED || g.0 >= pages || !self.sharable(id, g) || self.never_share(id, g) {
                 out.passed_over += 1;
                 continue;
             }

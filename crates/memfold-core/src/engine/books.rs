@@ -72,6 +72,10 @@ pub struct VmBooks {
     /// Free pages discarded: holes now, zeros on their next access (cumulative; while
     /// untouched they count in `zero_reclaimed_pages`).
     pub free_discards: u64,
+    /// Pages taken back into guest RAM because the guest marked them never to be shared
+    /// after they were shared or patched (Satori §4.3; [`super::never_share`];
+    /// cumulative).
+    pub never_share_takebacks: u64,
     /// Shared, reclaimed or stored pages the guest's VMM discarded (balloon, free page
     /// reporting): released without being brought back ([`super::Engine::discarded`]).
     pub discards: u64,

@@ -9,7 +9,9 @@ use crate::ids::VmId;
 impl Engine {
     /// Guest `id`'s agent reported its pages as `runs` (gfns, sorted, not overlapping;
     /// pages no run covers are unknown): its category map is replaced and its pages booked
-    /// by category. Returns the counts. A refused report leaves the map as it was.
+    /// by category, and the pages it marks never to be shared that are shared now are
+    /// taken back ([`super::never_share`]). Returns the counts. A refused report leaves
+    /// the map as it was.
     ///
     /// Errors: [`CategoryError::NoGuest`]; [`CategoryError::OutOfRange`] and
     /// [`CategoryError::Overlap`] for runs that do not fit its RAM (booked as
@@ -26,6 +28,8 @@ impl Engine {
                 v.categories = Some(m);
                 v.books.categories = Some(c);
                 v.books.category_reports += 1;
+                // Pages it now marks never-share that are shared come back (Satori §4.3).
+                self.take_back_never_share(id);
                 Ok(c)
             }
             Err(e) => {
@@ -90,6 +94,7 @@ mod tests {
                 active: false,
                 referenced: false,
                 buddy: false,
+                never_share: false,
             },
         };
         vec![
@@ -251,6 +256,7 @@ mod tests {
                 active: false,
                 referenced: true,
                 buddy: false,
+                never_share: false,
             },
         }];
         let c = r.engine.guest_categories(r.vm, &part).unwrap();

@@ -183,8 +183,11 @@ impl Engine {
         if (a.patch || a.compress) && self.share_cold(id, g, page) {
             return;
         }
+        // A page its guest marked never-share is neither patched nor a reference
+        // (never_share.rs); it may still be compressed or swapped.
+        let marked = self.never_share(id, g);
         let sigs = self.domain(d).similar.detector().signatures(page);
-        if a.patch && seen && untried && self.try_patch(id, g, gpn, &sigs, page, home) {
+        if a.patch && !marked && seen && untried && self.try_patch(id, g, gpn, &sigs, page, home) {
             return;
         }
         if a.compress && seen && untried {
@@ -211,7 +214,7 @@ impl Engine {
                 return;
             }
         }
-        if a.reference {
+        if a.reference && !marked {
             self.domain_mut(d)
                 .similar
                 .insert(&sigs, RefPage::Guest(gpn));
@@ -233,7 +236,9 @@ impl Engine {
             // patch references come from the guest's own domain only.
             RefPage::Guest(gpn) => self
                 .locate(gpn)
-                .filter(|&(id2, g2)| self.dom(id2) == d && self.sharable(id2, g2))
+                .filter(|&(id2, g2)| {
+                    self.dom(id2) == d && self.sharable(id2, g2) && !self.never_share(id2, g2)
+                })
                 .is_some_and(|(id2, g2)| self.vms[&id2].ram.read(g2, out).is_ok()),
         }
     }

@@ -219,7 +219,10 @@ impl Engine {
                 let Some(&f) = self.fills.index.get(&d).and_then(|i| i.by_block.get(&b)) else {
                     continue;
                 };
-                if !self.sharable(id, g) || self.vms[&id].state(g) != PageState::Private {
+                if !self.sharable(id, g)
+                    || self.never_share(id, g) // never_share.rs
+                    || self.vms[&id].state(g) != PageState::Private
+                {
                     continue;
                 }
                 self.domain_mut(d).frames.add_pending(f);

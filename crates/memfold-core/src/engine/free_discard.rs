@@ -209,6 +209,7 @@ mod tests {
                     active: false,
                     referenced: false,
                     buddy: free.contains(&g),
+                    never_share: false,
                 },
             })
             .collect();

@@ -22,6 +22,8 @@
 //! | `outcomes.rs` | agents' answers and events applied back |
 //! | `books.rs` | savings by mechanism and guest, budget, lifetimes |
 //! | `categories.rs` | what enlightened guests say their pages are (PV §3.1) |
+//! | `free_discard.rs` | free pages discarded on the guest's word (issue 17) |
+//! | `never_share.rs` | pages the guest marks never to be shared (Satori §4.3) |
 //! | `entitlement.rs` | sharing entitlements: shared pages by rank (Satori §4.2) |
 //! | `check.rs` | every invariant, for tests |
 
@@ -36,6 +38,7 @@ mod entitlement;
 pub mod fill;
 pub mod free_discard;
 mod guests;
+mod never_share;
 mod outcomes;
 mod scan;
 mod unmapped;

@@ -412,6 +412,11 @@ impl Engine {
             }
             _ => {}
         }
+        if self.never_share(id, g) {
+            // Neither shared nor a hint another page could pair with (never_share.rs).
+            self.found_nothing(id, g);
+            return Found::Nothing;
+        }
         let found = self.match_identical(id, g, page, h, zero, seen);
         match found {
             Found::Acted | Found::Deferred => {}
@@ -442,6 +447,9 @@ impl Engine {
         zero: bool,
         seen: Seen,
     ) -> Found {
+        if self.never_share(id, g) {
+            return Found::Nothing; // a page its guest marked never-share (never_share.rs)
+        }
         let gpn = crate::ids::Gpn(self.vms[&id].base.0 + g.0);
         // Only the guest's own domain's share table: no share ever crosses domains.
         let d = self.dom(id);
@@ -481,6 +489,7 @@ impl Engine {
                     let Some((id2, g2)) = self.locate(hint).filter(|&(id2, g2)| {
                         self.dom(id2) == d
                             && self.sharable(id2, g2)
+                            && !self.never_share(id2, g2)
                             && self.class_allows_share(id2, g2)
                     }) else {
                         self.domain_mut(d).share.remove(h, e);

@@ -1,6 +1,7 @@
 //! The model's free pages (issue 17's free-page discard): the guest frees pages, its
 //! agent (memfold-guest) samples which are free and its report reaches memfoldd late,
-//! and a freed page is allocated again by the next write to it.
+//! and a freed page is allocated again by the next write to it. The same reports carry
+//! the pages the guest marks never to be shared (Satori §4.3), taken back when shared.
 
 use memfold_core::categories::{Category, CategoryRun, PageInfo};
 use memfold_core::ids::Gfn;
@@ -37,6 +38,18 @@ impl Harness {
         }
     }
 
+    /// The guest marks (`on`) or unmarks `n` pages from `gfn` on never to be shared
+    /// (Satori §4.3): its next sample says so, and memfoldd takes back those shared.
+    pub(super) fn mark(&mut self, vm: u32, gfn: u32, n: u8, on: bool) {
+        if let Some(i) = self.pick(vm) {
+            let v = &mut self.vms[i];
+            let pages = v.agent.pages();
+            for k in 0..n as u32 {
+                v.never[((gfn % pages + k) % pages) as usize] = on;
+            }
+        }
+    }
+
     /// memfold-guest samples the guest's free pages now (each a free buddy block of one
     /// frame), the answer in flight.
     pub(super) fn guest_sample(&mut self, vm: u32) {
@@ -53,6 +66,7 @@ impl Harness {
                             active: false,
                             referenced: false,
                             buddy: free,
+                            never_share: v.never[g as usize],
                         },
                     }
                 })

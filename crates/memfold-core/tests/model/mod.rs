@@ -51,6 +51,9 @@ struct ModelVm {
     /// A report of its free pages sampled and not yet applied (memfold-guest's answer in
     /// flight), with the watch round that was armed when it was asked for.
     sample: Option<(Vec<CategoryRun>, Option<WatchRound>)>,
+    /// Pages the guest marks never to be shared (`memfold-guest never-share`), sent with
+    /// its next sample.
+    never: Vec<bool>,
 }
 
 /// A read a block device asked to have filled from frames (Satori §5.2).
@@ -331,6 +334,7 @@ impl Harness {
                     fills: Vec::new(),
                     free: vec![false; pages as usize],
                     sample: None,
+                    never: vec![false; pages as usize],
                 });
                 self.attach(self.vms.len() - 1)?;
             }
@@ -486,6 +490,7 @@ impl Harness {
                 }
             }
             Op::Free { vm, gfn, n } => self.free(vm, gfn, n),
+            Op::Mark { vm, gfn, n, on } => self.mark(vm, gfn, n, on),
             Op::GuestSample { vm } => self.guest_sample(vm),
             Op::GuestReport { vm } => self.guest_report(vm),
             Op::Read { vm, gfn } => {

@@ -119,6 +119,14 @@ pub enum Op {
         gfn: u32,
         n: u8,
     },
+    /// The guest marks (`on`) or unmarks `n` pages from `gfn` on never to be shared
+    /// (`memfold-guest never-share`); its next sample carries the marks.
+    Mark {
+        vm: u32,
+        gfn: u32,
+        n: u8,
+        on: bool,
+    },
     /// memfoldd asks the guest's agent (memfold-guest) which pages are free: it samples
     /// them now, and the answer is in flight until [`Op::GuestReport`].
     GuestSample {
@@ -225,7 +233,7 @@ fn random_content(rng: &mut SmallRng) -> Content {
 
 pub fn random_op(rng: &mut SmallRng) -> Op {
     let (vm, gfn) = (rng.gen(), rng.gen());
-    match rng.gen_range(0..110) {
+    match rng.gen_range(0..113) {
         0..=1 => Op::CreateVm {
             pages: rng.gen_range(1..40),
         },
@@ -269,6 +277,13 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
         },
         104..=106 => Op::GuestSample { vm },
         107..=109 => Op::GuestReport { vm },
+        // Never-share marks (Satori §4.3), carried by the same reports.
+        110..=112 => Op::Mark {
+            vm,
+            gfn,
+            n: rng.gen_range(1..9),
+            on: rng.gen_bool(0.7),
+        },
         37..=58 => Op::Step {
             advance_ms: rng.gen_range(0..1500),
         },

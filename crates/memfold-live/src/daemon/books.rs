@@ -86,6 +86,8 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
                 unknown: c.of(Category::Unknown),
                 active: c.active,
                 referenced: c.referenced,
+                never_share: c.never_share,
+                never_share_takebacks: b.never_share_takebacks,
                 reports: b.category_reports,
                 refused: b.category_refused,
                 scan_skipped: b.category_skipped,

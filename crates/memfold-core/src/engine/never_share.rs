@@ -1,0 +1,369 @@
+//! Pages an enlightened guest marks never to be shared (Satori §4.3, "What if sharing is
+//! broken?"; issue 17): a write to a shared page is a CoW break, tens of µs slower than a
+//! plain write, so a guest that builds a copy of a page it guesses another guest holds
+//! can time its write and learn whether the other guest holds it. A guest protects a
+//! process's or a file's pages by marking them (`memfold-guest never-share --pid/--path`;
+//! the never-share bit of its category report, [`crate::categories::PageInfo`]).
+//!
+//! The invariant, kept here and at each place a page could join a frame: *a page marked
+//! in its guest's last report is never shared, patched, or a reference page, and one that
+//! was when the report came is taken back*:
+//! - the sharing scan neither shares a marked page nor leaves its hint (`scan.rs`,
+//!   `consider_seen`, `match_identical`, and the hint it would pair with); shares at read
+//!   and fills skip it (`at_read.rs`, `fill.rs`);
+//! - the Difference Engine neither patches it nor takes it as a reference page (`de.rs`);
+//!   it may compress or swap it (no other guest's page is involved), and a zero page is
+//!   still reclaimed (its refill tells a guest only about its own page);
+//! - on each report, [`Engine::take_back_never_share`] takes back every marked page that
+//!   is mapped onto a frame or stored against one (a patch, a page shared without a
+//!   mapping), and every other page on that frame (left alone on it, a partner's next
+//!   write would still be a CoW break); the frame leaves its share table: its bytes are
+//!   the marked page's, and a new page equal to them must not find it.
+//!
+//! What it cannot do: a page is marked from the guest's next report on (memfoldd asks
+//! every `--guest-interval-ms`); in between, a new page of a marked process or file may
+//! be shared and its write timed. A whole guest marked never-share (`--never-share`,
+//! docs/side-channel.md) has no such window.
+
+use std::collections::HashSet;
+
+use super::Engine;
+use crate::ids::{FrameId, Gfn, VmId};
+use crate::p2m::PageState;
+use crate::share::ShareEntry;
+
+use super::Command;
+
+impl Engine {
+    /// Whether guest `id`'s last report marked page `g` never to be shared.
+    pub(crate) fn never_share(&self, id: VmId, g: Gfn) -> bool {
+        self.vms
+            .get(&id)
+            .and_then(|v| v.categories.as_ref())
+            .is_some_and(|m| m.never_share(g))
+    }
+
+    /// Takes back into guest RAM every page of guest `id` its last report marked never to
+    /// be shared and that is shared now: mapped onto a frame, or stored against one (a
+    /// patch, a page shared without a mapping); and with it every other page on those
+    /// frames, of any guest of its domain. Those frames leave the share table (not the
+    /// zero frame: zeros are no secret). Pages with a request under way are taken back at
+    /// the next report. Returns the pages asked to be taken back.
+    ///
+    /// Why the partners too: a page that shared a frame with the marked one stays on it
+    /// alone otherwise, and its guest's next write is still a CoW break — the timing
+    /// that tells it the marked page was there. Taken back, it writes as a private page.
+    /// They pair again on later scans, on a new frame, without the marked page.
+    pub(crate) fn take_back_never_share(&mut self, id: VmId) -> u32 {
+        let Some(v) = self.vms.get(&id) else {
+            return 0;
+        };
+        let Some(map) = v.categories.as_ref() else {
+            return 0;
+        };
+        let mut frames: HashSet<FrameId> = HashSet::new();
+        for g in map.never_share_pages() {
+            match v.state(g) {
+                PageState::Shared(f) => frames.insert(f),
+                PageState::Stored(b) => self
+                    .blobs
+                    .get(b)
+                    .reference
+                    .is_some_and(|f| frames.insert(f)),
+                _ => false,
+            };
+        }
+        let d = v.domain;
+        let dom = self.domain_mut(d);
+        if let Some(z) = dom.zero_frame {
+            frames.remove(&z);
+        }
+        if frames.is_empty() {
+            return 0;
+        }
+        for &f in &frames {
+            dom.share.remove(dom.frames.hash(f), ShareEntry::Shared(f));
+        }
+        // Every page on those frames, in every guest of the domain (frames are the
+        // domain's): no reverse map, so one pass over the domain's P2Ms, only when a
+        // report marks shared pages.
+        let ids: Vec<VmId> = self
+            .vms
+            .iter()
+            .filter(|(_, v)| v.domain == d && !v.opted_out)
+            .map(|(&i, _)| i)
+            .collect();
+        let mut total = 0u32;
+        for vid in ids {
+            let v = &self.vms[&vid];
+            let queued: HashSet<Gfn> = v
+                .queue
+                .iter()
+                .filter_map(|c| match *c {
+                    Command::TakeBack { gfn } => Some(gfn),
+                    _ => None,
+                })
+                .collect();
+            let take: Vec<Gfn> = (0..v.pages())
+                .map(Gfn)
+                .filter(|g| !queued.contains(g))
+                .filter(|&g| match v.state(g) {
+                    PageState::Shared(f) => frames.contains(&f),
+                    PageState::Stored(b) => self
+                        .blobs
+                        .get(b)
+                        .reference
+                        .is_some_and(|f| frames.contains(&f)),
+                    _ => false,
+                })
+                .collect();
+            let v = self.vms.get_mut(&vid).expect("listed above");
+            for &g in &take {
+                v.queue.push(Command::TakeBack { gfn: g });
+            }
+            v.books.never_share_takebacks += take.len() as u64;
+            if !take.is_empty() {
+                tracing::info!(vm = %vid, name = %v.name, pages = take.len(), marked_by = %id, "pages on frames of pages marked never-share taken back");
+            }
+            total += take.len() as u32;
+        }
+        total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::categories::{Category, CategoryRun, PageInfo};
+    use crate::ids::Gfn;
+    use crate::p2m::PageState;
+    use crate::share::ShareEntry;
+    use crate::sim::Rig;
+    use crate::{EngineConfig, Policy, PAGE_SIZE};
+
+    const PAGES: u32 = 256;
+
+    fn cfg(policy: Policy) -> EngineConfig {
+        EngineConfig {
+            policy,
+            rate: 0,
+            clock_interval_us: None,
+            min_scan_interval_us: 10_000,
+            max_scan_interval_us: 10_000,
+            quiet_scan_period: 1,
+            ..EngineConfig::default()
+        }
+    }
+
+    /// Bytes of `seed`, never zero.
+    fn content(seed: u32) -> Vec<u8> {
+        let mut p: Vec<u8> = (0..PAGE_SIZE)
+            .map(|i| (i * 7 + (i >> 9)) as u8 | 1)
+            .collect();
+        p[..4].copy_from_slice(&seed.to_le_bytes());
+        p
+    }
+
+    /// A report of every page as anonymous, `marked` ones never-share.
+    fn report(marked: &[u32]) -> Vec<CategoryRun> {
+        (0..PAGES)
+            .map(|g| CategoryRun {
+                first: Gfn(g),
+                count: 1,
+                info: PageInfo {
+                    category: Category::Anon,
+                    active: false,
+                    referenced: false,
+                    buddy: false,
+                    never_share: marked.contains(&g),
+                },
+            })
+            .collect()
+    }
+
+    /// Pages 0..64 hold 16 contents four times each (groups of four equal pages); the
+    /// rest are unique.
+    fn rig(policy: Policy) -> Rig {
+        let mut r = Rig::new(cfg(policy), PAGES).unwrap();
+        for g in 0..PAGES {
+            let seed = if g < 64 { g / 4 } else { 1000 + g };
+            r.agent.write(Gfn(g), 0, &content(seed)).unwrap();
+        }
+        r
+    }
+
+    fn settle(r: &mut Rig) {
+        for _ in 0..6 {
+            r.step(10_000).unwrap();
+        }
+        r.engine.check_invariants().unwrap();
+    }
+
+    fn state(r: &Rig, g: u32) -> PageState {
+        r.engine.vms[&r.vm].state(Gfn(g))
+    }
+
+    fn shared(r: &Rig, g: u32) -> bool {
+        matches!(state(r, g), PageState::Shared(_))
+    }
+
+    /// Marked before the scan: a marked page is never shared (and leaves no hint that its
+    /// twins could pair with), its unmarked twins still are.
+    #[test]
+    fn a_marked_page_is_never_shared_and_its_twins_still_are() {
+        let mut r = rig(Policy::sharing_only());
+        // Group 0: one page of four marked. Group 1: three of four. Group 2: all four.
+        let marked = [0, 4, 5, 6, 8, 9, 10, 11];
+        r.engine.guest_categories(r.vm, &report(&marked)).unwrap();
+        settle(&mut r);
+        for g in marked {
+            assert_eq!(state(&r, g), PageState::Private, "marked page {g}");
+        }
+        assert!((1..4).all(|g| shared(&r, g)), "group 0's unmarked pages");
+        assert!(!shared(&r, 7), "group 1's only unmarked page has no twin");
+        assert!((12..64).all(|g| shared(&r, g)), "unmarked groups");
+        // Every byte as written.
+        for g in 0..PAGES {
+            let seed = if g < 64 { g / 4 } else { 1000 + g };
+            assert_eq!(r.agent.peek(Gfn(g)).unwrap().to_vec(), content(seed));
+        }
+    }
+
+    /// Marked after it was shared: the next report takes it back into guest RAM, and its
+    /// partners on the frame too (alone on it, their writes would still be CoW breaks);
+    /// the frame leaves the share table; the scan does not share the marked page again,
+    /// while its partners pair again without it.
+    #[test]
+    fn a_page_marked_after_its_share_is_taken_back_with_its_partners() {
+        let mut r = rig(Policy::sharing_only());
+        r.engine.guest_categories(r.vm, &report(&[])).unwrap();
+        settle(&mut r);
+        let PageState::Shared(f) = state(&r, 0) else {
+            panic!("page 0 shared first: {:?}", state(&r, 0));
+        };
+        assert!((1..4).all(|g| state(&r, g) == PageState::Shared(f)));
+        r.engine.guest_categories(r.vm, &report(&[0])).unwrap();
+        let queued: Vec<Gfn> = r.engine.vms[&r.vm]
+            .queue
+            .iter()
+            .filter_map(|c| match *c {
+                crate::engine::Command::TakeBack { gfn } => Some(gfn),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            queued,
+            (0..4).map(Gfn).collect::<Vec<_>>(),
+            "the page and its partners"
+        );
+        assert_eq!(r.engine.vms[&r.vm].books.never_share_takebacks, 4);
+        let d = r.engine.vms[&r.vm].domain;
+        let dom = r.engine.domain(d);
+        assert!(
+            !dom.share
+                .lookup(dom.frames.hash(f))
+                .any(|e| e == ShareEntry::Shared(f)),
+            "the frame left the share table"
+        );
+        settle(&mut r);
+        assert_eq!(
+            state(&r, 0),
+            PageState::Private,
+            "taken back, not shared again"
+        );
+        assert_eq!(r.agent.peek(Gfn(0)).unwrap().to_vec(), content(0));
+        let PageState::Shared(f2) = state(&r, 1) else {
+            panic!("partners pair again: {:?}", state(&r, 1));
+        };
+        assert!((2..4).all(|g| state(&r, g) == PageState::Shared(f2)));
+        // Unmarked again: it may share again.
+        r.engine.guest_categories(r.vm, &report(&[])).unwrap();
+        settle(&mut r);
+        assert!(shared(&r, 0), "unmarked, shared again");
+    }
+
+    /// Bytes of `seed` that do not compress (xorshift).
+    fn random(seed: u32) -> Vec<u8> {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ seed as u64;
+        (0..PAGE_SIZE)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    /// The Difference Engine neither patches a marked page nor patches against it; a
+    /// patched page marked later is taken back.
+    #[test]
+    fn a_marked_page_is_neither_patched_nor_a_reference() {
+        let near = |k: u32| {
+            let mut p = random(7);
+            p[2000] = k as u8;
+            p[100] = k as u8;
+            p
+        };
+        let mut r = Rig::new(
+            EngineConfig {
+                clock_interval_us: Some(100_000),
+                ..cfg(Policy::difference_engine())
+            },
+            PAGES,
+        )
+        .unwrap();
+        // Pages 0..8: near-copies of one page (none compresses); the rest unique.
+        for g in 0..PAGES {
+            let p = if g < 8 { near(g) } else { random(5000 + g) };
+            r.agent.write(Gfn(g), 0, &p).unwrap();
+        }
+        r.engine
+            .guest_categories(r.vm, &report(&[0, 1, 2, 3]))
+            .unwrap();
+        for _ in 0..300 {
+            r.step(10_000).unwrap();
+        }
+        r.engine.check_invariants().unwrap();
+        let patched_against = |r: &Rig, g: u32| match state(r, g) {
+            PageState::Stored(b) => r.engine.blobs.get(b).reference,
+            _ => None,
+        };
+        for g in 0..4 {
+            assert!(
+                patched_against(&r, g).is_none() && !shared(&r, g),
+                "marked page {g}: {:?}",
+                state(&r, g)
+            );
+        }
+        let patched: Vec<u32> = (4..8)
+            .filter(|&g| patched_against(&r, g).is_some())
+            .collect();
+        assert!(!patched.is_empty(), "unmarked near-copies are patched");
+        // Their reference frames hold an unmarked page's bytes, never a marked one's.
+        let d = r.engine.vms[&r.vm].domain;
+        for &g in &patched {
+            let f = patched_against(&r, g).unwrap();
+            let mut frame = [0u8; PAGE_SIZE];
+            r.engine.domains[&d]
+                .pool
+                .read(f.offset(), &mut frame)
+                .unwrap();
+            assert!((0..4).all(|m| frame[..] != near(m)[..]), "reference of {g}");
+        }
+        // Marked later: taken back, every byte intact.
+        r.engine.guest_categories(r.vm, &report(&patched)).unwrap();
+        // The marked pages, and the pages on their reference frames (the reference page
+        // itself, other patches against it).
+        assert!(r.engine.vms[&r.vm].books.never_share_takebacks > patched.len() as u64);
+        for _ in 0..10 {
+            r.step(10_000).unwrap();
+        }
+        r.engine.check_invariants().unwrap();
+        for &g in &patched {
+            assert!(patched_against(&r, g).is_none(), "page {g} taken back");
+        }
+        for g in 0..8 {
+            assert_eq!(r.agent.peek(Gfn(g)).unwrap().to_vec(), near(g));
+        }
+    }
+}
