@@ -11,7 +11,7 @@
 //! of this process registered with a second userfaultfd (missing), whose fault the test
 //! answers only after the agent has answered its request. Seen failing with the agent's
 //! fence check removed: the share and the reclaim succeed and the guest reads the old
-//! bytes.
+//! bytes. A free-page watch of a held page is refused (and its discard then leaves it).
 
 mod common;
 
@@ -125,6 +125,52 @@ fn a_write_pinned_before_the_agent_protects_a_page_is_never_lost() {
     assert_eq!(writer.join().unwrap(), PAGE_SIZE as isize);
     assert_eq!(reclaimed, vec![], "left alone");
     assert_eq!(page_of(ptr, 2), new2, "the device's bytes, not zeros");
+
+    // A free-page watch over a page being written (issue 17): refused, so no discard
+    // can punch it out later and lose the device's bytes.
+    let new4 = vec![0xc4u8; PAGE_SIZE];
+    let (release, writer) = pinned_write(fence, ptr, 4, new4.clone());
+    let watch = |batch: u64, g: u32| {
+        c.send(
+            &ToAgent::Watch {
+                batch: BatchId(batch),
+                gfns: vec![Gfn(g)],
+            },
+            &[],
+        )
+        .unwrap();
+        next(&c, |m| match m {
+            ToDaemon::WatchDone {
+                batch: b,
+                watched,
+                refused,
+            } if *b == BatchId(batch) => Some((watched.clone(), refused.clone())),
+            _ => None,
+        })
+    };
+    let held = watch(5, 4);
+    let _src = release();
+    assert_eq!(writer.join().unwrap(), PAGE_SIZE as isize);
+    assert_eq!(held, (vec![], vec![Gfn(4)]), "the held page is not watched");
+    // (The fence holds whole chunks: page 5 is watched once the writer let go.)
+    assert_eq!(watch(6, 5), (vec![Gfn(5)], vec![]));
+    c.send(
+        &ToAgent::DiscardFree {
+            batch: BatchId(7),
+            gfns: vec![Gfn(4), Gfn(5)],
+        },
+        &[],
+    )
+    .unwrap();
+    let discarded = next(&c, |m| match m {
+        ToDaemon::DiscardDone {
+            batch, discarded, ..
+        } if *batch == BatchId(7) => Some(discarded.clone()),
+        _ => None,
+    });
+    assert_eq!(discarded, vec![Gfn(5)], "only the watched page");
+    assert_eq!(page_of(ptr, 4), new4, "the device's bytes, not a hole");
+    assert_eq!(page_of(ptr, 5), vec![0u8; PAGE_SIZE], "discarded: zeros");
 
     // Once the writer let go the same page is taken as usual: the fence only waits.
     let (shared, _, _) = share(&c, BatchId(3), vec![(Gfn(1), FrameId(0))]);
