@@ -308,6 +308,7 @@ pub enum AgentMsg {
         first: u32,
         count: u32,
         arm: Vec<u64>,
+        wp_only: Vec<u64>,
     },
     TakeBack {
         batch: u64,
@@ -572,11 +573,13 @@ impl AgentMsg {
                 first,
                 count,
                 arm,
+                wp_only,
             } => ToAgent::ClockScan {
                 batch: BatchId(*batch),
                 first: Gfn(*first),
                 count: *count,
                 arm: arm.clone(),
+                wp_only: wp_only.clone(),
             },
             AgentMsg::TakeBack { batch, gfns: g } => ToAgent::TakeBack {
                 batch: BatchId(*batch),

@@ -129,8 +129,10 @@ impl Agent {
                 first,
                 count,
                 arm,
+                wp_only,
             } => {
-                let (count, referenced, modified) = self.clock_scan(first, count, &arm)?;
+                let (count, referenced, modified) =
+                    self.clock_scan(first, count, &arm, &wp_only)?;
                 ToDaemon::ClockBits {
                     batch,
                     first,
@@ -524,6 +526,7 @@ impl Agent {
         first: Gfn,
         count: u32,
         arm: &[u64],
+        wp_only: &[u64],
     ) -> io::Result<(u32, Vec<u64>, Vec<u64>)> {
         let npages = self.pages.len();
         let n = count.min(CLOCK_SLICE).min(npages.saturating_sub(first.0));
@@ -536,6 +539,12 @@ impl Agent {
         };
         let private = |agent: &Agent, k: u32| {
             named(k) && agent.pages.home(plus(first, k as usize)) == PageHome::Private
+        };
+        // Pages memfoldd takes R for from the guest's LRU: write-protected, not zapped.
+        let wp_only = |k: u32| {
+            wp_only
+                .get(k as usize / 64)
+                .is_some_and(|w| w >> (k % 64) & 1 == 1)
         };
         let mut runs = Vec::new();
         let mut k = 0;
@@ -553,7 +562,23 @@ impl Agent {
                 (e - k) as u64 * PAGE,
             );
             self.uffd.write_protect(addr, len, true)?;
-            runs.push((addr, len));
+            // The zap's runs: the protected run less its write-only pages.
+            let mut z = k;
+            while z < e {
+                if wp_only(z) {
+                    z += 1;
+                    continue;
+                }
+                let mut ze = z + 1;
+                while ze < e && !wp_only(ze) {
+                    ze += 1;
+                }
+                runs.push((
+                    self.page_addr(plus(first, z as usize)),
+                    (ze - z) as u64 * PAGE,
+                ));
+                z = ze;
+            }
             k = e;
         }
         // On the helper thread: the caller of MADV_DONTNEED waits for its remove event.

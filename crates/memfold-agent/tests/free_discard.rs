@@ -92,6 +92,7 @@ fn only_pages_unwritten_since_their_watch_are_discarded() {
             first: Gfn(8),
             count: 1,
             arm: vec![1],
+            wp_only: vec![],
         },
         &[],
     )

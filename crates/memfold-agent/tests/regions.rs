@@ -166,6 +166,7 @@ fn two_regions_are_two_guests_and_no_request_reaches_past_its_region() {
             first: Gfn(PAGES_B as u32),
             count: 64,
             arm: vec![u64::MAX],
+            wp_only: vec![],
         },
         &[],
     )

@@ -267,8 +267,8 @@ pub enum CategoryError {
 }
 
 /// One guest's pages by category: 4 bits a page (category and active bit), two pages a
-/// byte, the buddy and never-share bits a page, and its counts. Metadata:
-/// `pages / 2 + pages / 4` bytes.
+/// byte, the buddy, never-share and referenced bits a page, and its counts. Metadata:
+/// `pages / 2 + 3 * pages / 8` bytes.
 #[derive(Clone, Debug)]
 pub struct CategoryMap {
     nibbles: Vec<u8>,
@@ -276,6 +276,8 @@ pub struct CategoryMap {
     buddy: Vec<u64>,
     /// [`PageInfo::never_share`], a bit a page.
     never_share: Vec<u64>,
+    /// [`PageInfo::referenced`], a bit a page (the clock's R from the guest).
+    referenced: Vec<u64>,
     pages: u32,
     counts: CategoryCounts,
 }
@@ -290,6 +292,7 @@ impl CategoryMap {
             nibbles: vec![0; (pages as usize).div_ceil(2)],
             buddy: vec![0; (pages as usize).div_ceil(64)],
             never_share: vec![0; (pages as usize).div_ceil(64)],
+            referenced: vec![0; (pages as usize).div_ceil(64)],
             pages,
             counts: CategoryCounts::default(),
         };
@@ -318,6 +321,9 @@ impl CategoryMap {
                 }
                 if r.info.never_share {
                     m.never_share[g as usize / 64] |= 1 << (g % 64);
+                }
+                if r.info.referenced {
+                    m.referenced[g as usize / 64] |= 1 << (g % 64);
                 }
             }
             m.counts.add(r.info, r.count as u64);
@@ -374,6 +380,12 @@ impl CategoryMap {
         })
     }
 
+    /// Whether the guest's kernel found page `g` referenced when it looked
+    /// ([`PageInfo::referenced`]).
+    pub fn referenced(&self, g: Gfn) -> bool {
+        g.0 < self.pages && self.referenced[g.index() / 64] >> (g.0 % 64) & 1 == 1
+    }
+
     /// Whether page `g` is on the guest's active list.
     pub fn active(&self, g: Gfn) -> bool {
         g.0 < self.pages && self.nibble(g.0) & 8 != 0
@@ -386,7 +398,8 @@ impl CategoryMap {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.nibbles.capacity() + (self.buddy.capacity() + self.never_share.capacity()) * 8
+        self.nibbles.capacity()
+            + (self.buddy.capacity() + self.never_share.capacity() + self.referenced.capacity()) * 8
     }
 
     /// The guest's pages it covers.
@@ -729,8 +742,8 @@ mod tests {
         .unwrap();
         assert_eq!(
             m.bytes(),
-            6 + 8 + 8,
-            "4 bits, the buddy and the never-share bits a page"
+            6 + 3 * 8,
+            "4 bits a page, and 3 bitsets of one word"
         );
         let cats: Vec<_> = (0..12).map(|g| m.category(Gfn(g))).collect();
         use Category::*;

@@ -437,8 +437,15 @@ impl SimAgent {
 
     /// Reports and clears the R and M bits of `[first, first+count)` (bit k of word k/64
     /// for page `first + k`), clamped to the guest's RAM, and arms the private pages `arm`
-    /// names (same layout) as the real agent does.
-    pub fn clock_scan(&mut self, first: Gfn, count: u32, arm: &[u64]) -> (u32, Vec<u64>, Vec<u64>) {
+    /// names (same layout) as the real agent does: those `wp_only` names for writes only
+    /// (write-protected, not zapped: a read takes no fault).
+    pub fn clock_scan(
+        &mut self,
+        first: Gfn,
+        count: u32,
+        arm: &[u64],
+        wp_only: &[u64],
+    ) -> (u32, Vec<u64>, Vec<u64>) {
         let n = count.min(self.pages().saturating_sub(first.0));
         let mut r = vec![0u64; (n as usize).div_ceil(64)];
         let mut m = r.clone();
@@ -452,7 +459,11 @@ impl SimAgent {
             }
             let armed = crate::clock::mask_bit(arm, k as u32);
             if armed && self.home[i] == Home::Private {
-                self.tracking[i] = Tracking::Armed;
+                self.tracking[i] = if crate::clock::mask_bit(wp_only, k as u32) {
+                    Tracking::ReadOnly
+                } else {
+                    Tracking::Armed
+                };
             }
         }
         (n, r, m)
@@ -572,8 +583,14 @@ impl Rig {
                 break;
             }
             for c in cmds {
-                if let Command::ClockScan { first, count, arm } = c {
-                    let (n, r, m) = self.agent.clock_scan(first, count, &arm);
+                if let Command::ClockScan {
+                    first,
+                    count,
+                    arm,
+                    wp_only,
+                } = c
+                {
+                    let (n, r, m) = self.agent.clock_scan(first, count, &arm, &wp_only);
                     self.engine.clock_bits(self.vm, first, n, &r, &m);
                 } else {
                     let o = self.agent.execute(&c);

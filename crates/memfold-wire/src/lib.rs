@@ -280,6 +280,7 @@ mod tests {
                 first: Gfn(0),
                 count: CLOCK_SLICE,
                 arm: vec![u64::MAX, 5],
+                wp_only: vec![3],
             },
         ] {
             round_trip(m);

@@ -25,8 +25,9 @@ use crate::stats::Stats;
 /// [`ToDaemon::ReadLanded`], which only `memfold-blk` sends (no agent or client of an
 /// older memfoldd sends or expects them; an older memfoldd refuses the hello with a
 /// message). 10: free-page discard ([`ToAgent::Watch`], [`ToAgent::DiscardFree`] and
-/// their replies).
-pub const PROTOCOL_VERSION: u32 = 10;
+/// their replies). 11: pages a clock scan arms for writes only
+/// ([`ToAgent::ClockScan`]`::wp_only`: their R comes from the guest's LRU).
+pub const PROTOCOL_VERSION: u32 = 11;
 
 /// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
 pub const MAX_MESSAGE: usize = 256 * 1024;
@@ -477,6 +478,11 @@ pub enum ToAgent {
         count: u32,
         /// Pages to arm: bit k of word k/64 for page `first + k` (missing words: none).
         arm: Vec<u64>,
+        /// Of those, pages to write-protect only, not zap (same layout; missing words:
+        /// none): an enlightened guest's LRU says whether they were used (issue 17), so
+        /// reads need not fault. Their writes still fault: M stays exact.
+        #[serde(default)]
+        wp_only: Vec<u64>,
     },
 }
 

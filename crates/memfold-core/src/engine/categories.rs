@@ -267,4 +267,79 @@ mod tests {
         assert_eq!(c.referenced, 2);
         r.engine.check_invariants().unwrap();
     }
+
+    /// The clock from the guest's LRU (issue 17, [`EngineConfig::clock_from_guest`]):
+    /// its page-cache and anonymous pages are armed for writes only, so their reads take
+    /// no fault, and their R is the guest's referenced or active bit; kernel pages keep
+    /// the host's R. A guest that reads every page each step: its pages the guest calls
+    /// referenced or active stay warm, those it calls neither go cold although read,
+    /// and kernel pages stay warm by their faults. Off, every read page stays warm.
+    #[test]
+    fn the_clock_takes_r_of_lru_pages_from_the_guest() {
+        let run = |first: u32, count, category, active, referenced| CategoryRun {
+            first: Gfn(first),
+            count,
+            info: PageInfo {
+                category,
+                active,
+                referenced,
+                buddy: false,
+                never_share: false,
+            },
+        };
+        let classes = |from_guest: bool| {
+            let mut r = Rig::new(
+                EngineConfig {
+                    clock_interval_us: Some(20_000),
+                    clock_from_guest: from_guest,
+                    clock_rearm_max: 1,
+                    ..cfg(true, 0)
+                },
+                128,
+            )
+            .unwrap();
+            for g in 0..128 {
+                r.agent.write(Gfn(g), 0, &unique(g)).unwrap();
+            }
+            let report = [
+                run(0, 16, Category::Anon, false, true),
+                run(16, 16, Category::Cache, true, false),
+                run(32, 32, Category::Anon, false, false),
+                run(64, 64, Category::Kernel, false, false),
+            ];
+            r.engine.guest_categories(r.vm, &report).unwrap();
+            let mut wp_only_seen = false;
+            for _ in 0..40 {
+                for g in 0..128 {
+                    r.agent.read(Gfn(g)).unwrap();
+                }
+                r.engine.clock_step();
+                for c in &r.engine.vms[&r.vm].queue {
+                    if let crate::engine::Command::ClockScan { wp_only, .. } = c {
+                        // Only the LRU pages (0..64, the first word) for writes only.
+                        wp_only_seen |= wp_only.first().is_some_and(|&w| w != 0);
+                        if let Some(&w1) = wp_only.get(1) {
+                            assert_eq!(w1, 0, "kernel pages are zapped");
+                        }
+                    }
+                }
+                r.step(5_000).unwrap();
+            }
+            r.engine.check_invariants().unwrap();
+            assert_eq!(wp_only_seen, from_guest);
+            let v = &r.engine.vms[&r.vm];
+            let idle = |g: u32| v.clock.page(g).idle_scans() > 0;
+            (
+                (0..32).filter(|&g| idle(g)).count(),
+                (32..64).filter(|&g| idle(g)).count(),
+                (64..128).filter(|&g| idle(g)).count(),
+            )
+        };
+        assert_eq!(classes(true), (0, 32, 0), "R from the guest for LRU pages");
+        assert_eq!(
+            classes(false),
+            (0, 0, 0),
+            "R from faults: every page read is warm"
+        );
+    }
 }

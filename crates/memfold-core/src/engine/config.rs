@@ -122,6 +122,13 @@ pub struct EngineConfig {
     /// first, discarded only if a later report still shows them free and no write
     /// reached them since. `true`, the default.
     pub discard_free: bool,
+    /// With [`EngineConfig::guest_categories`], take the NRU clock's R bit of an
+    /// enlightened guest's LRU pages (page cache, anonymous, free) from its own report
+    /// (its kernel's referenced and active bits) instead of zapping them at each visit
+    /// (issue 17, "the clock from the guest's LRU"): their reads take no minor fault.
+    /// M stays exact (they are still write-protected). Kernel, slab and unreported pages
+    /// keep the host's R. `false`, the default (docs/enlightened.md has the measurement).
+    pub clock_from_guest: bool,
     /// The share table's content hash ([`page_hash`], xxh3-64). Tests replace it with
     /// one that collides, so that every match must be confirmed byte for byte.
     pub page_hash: fn(&Page) -> u64,
@@ -153,6 +160,7 @@ impl Default for EngineConfig {
             guest_categories: true,
             guest_skip: crate::categories::CategorySet::SLAB,
             discard_free: true,
+            clock_from_guest: false,
             page_hash,
         }
     }

@@ -26,13 +26,25 @@ impl Engine {
             return;
         };
         let now = self.now_us();
+        let from_guest = self.cfg.clock_from_guest && self.cfg.guest_categories;
         for v in self.vms.values_mut().filter(|v| v.attached && !v.opted_out) {
             if let Some((first, count)) = v.clock.due_slice(now, interval) {
                 let arm = v.clock.arm_mask(first, count, self.cfg.clock_rearm_max);
+                // An enlightened guest's LRU pages: write-protected only, R from its bits.
+                let wp_only = match (&v.categories, from_guest) {
+                    (Some(map), true) => {
+                        let mut m = guest_lru_mask(map, first, count);
+                        m.iter_mut().zip(&arm).for_each(|(w, a)| *w &= a);
+                        m.truncate(arm.len());
+                        m
+                    }
+                    _ => Vec::new(),
+                };
                 v.queue.push(Command::ClockScan {
                     first: Gfn(first),
                     count,
                     arm,
+                    wp_only,
                 });
             }
         }
@@ -50,12 +62,32 @@ impl Engine {
         modified: &[u64],
     ) {
         let full_scans = self.scan.full_scans;
+        let from_guest = self.cfg.clock_from_guest && self.cfg.guest_categories;
         let Some(v) = self.vms.get_mut(&id) else {
             return;
         };
         if first.0 >= v.pages() {
             return;
         }
+        // An enlightened guest's LRU pages were used if its kernel says referenced or
+        // active (their reads took no fault: they were armed for writes only).
+        let with_guest;
+        let referenced = match (&v.categories, from_guest) {
+            (Some(map), true) => {
+                let lru = guest_lru_mask(map, first.0, count);
+                let mut r = referenced.to_vec();
+                r.resize(lru.len().max(r.len()), 0);
+                for k in 0..count.min(v.pages() - first.0) {
+                    let g = Gfn(first.0 + k);
+                    if mask_bit(&lru, k) && (map.referenced(g) || map.active(g)) {
+                        r[k as usize / 64] |= 1 << (k % 64);
+                    }
+                }
+                with_guest = r;
+                &with_guest[..]
+            }
+            _ => referenced,
+        };
         let p2m = &v.p2m;
         v.clock
             .apply(first.0, count, referenced, modified, full_scans, |g| {
@@ -540,4 +572,25 @@ impl Engine {
             (*wait * 2).clamp(2, 7)
         };
     }
+}
+
+/// Pages `[first, first + count)` of a guest whose R the NRU clock may take from the
+/// guest's own report ([`crate::EngineConfig::clock_from_guest`]): page cache, anonymous
+/// and free pages, whose referenced and active bits the guest's LRU keeps (bit k of word
+/// k/64 for page `first + k`). Kernel, slab and unreported pages are not: nothing in
+/// the report says when the guest uses them.
+pub(crate) fn guest_lru_mask(
+    map: &crate::categories::CategoryMap,
+    first: u32,
+    count: u32,
+) -> Vec<u64> {
+    use crate::categories::Category;
+    let mut m = vec![0u64; (count as usize).div_ceil(64)];
+    for k in 0..count {
+        let c = map.category(Gfn(first + k));
+        if matches!(c, Category::Cache | Category::Anon | Category::Free) {
+            m[k as usize / 64] |= 1 << (k % 64);
+        }
+    }
+    m
 }

@@ -178,6 +178,10 @@ pub enum Command {
         count: u32,
         /// Pages to arm: bit k of word k/64 for page `first + k`.
         arm: Vec<u64>,
+        /// Of those, pages to write-protect only, not zap (same layout): their R comes
+        /// from the enlightened guest's LRU bits ([`EngineConfig::clock_from_guest`]), so
+        /// their reads take no fault; their writes do (M stays exact).
+        wp_only: Vec<u64>,
     },
 }
 

@@ -130,6 +130,9 @@ fn config(s: &Setup) -> EngineConfig {
         // Identical pages shared without a mapping (issue 19) in 3 setups of 4.
         share_cold_unmapped: (s.zero / 3) % 4 != 0,
         read_fill: true,
+        // The clock's R from the guests' reports (issue 17) in half the setups: their LRU
+        // pages armed for writes only.
+        clock_from_guest: (s.policy / 4) % 2 == 1,
         page_hash: if s.collide_hashes {
             colliding_hash
         } else {
@@ -258,9 +261,15 @@ impl Harness {
     /// Applies an outcome for VM `i`'s command.
     fn answer(&mut self, i: usize, cmd: &Command, o: Outcome) -> Result<(), String> {
         let id = self.vms[i].id.expect("connected VMs have an id");
-        if let Command::ClockScan { first, count, arm } = cmd {
+        if let Command::ClockScan {
+            first,
+            count,
+            arm,
+            wp_only,
+        } = cmd
+        {
             if o == Outcome::Done {
-                let (n, r, m) = self.vms[i].agent.clock_scan(*first, *count, arm);
+                let (n, r, m) = self.vms[i].agent.clock_scan(*first, *count, arm, wp_only);
                 let first = *first;
                 self.engine.clock_bits(id, first, n, &r, &m);
             }
@@ -677,8 +686,14 @@ impl Harness {
         for cmd in std::mem::take(&mut self.vms[i].wire) {
             if rng.gen_bool(0.5) {
                 let v = &mut self.vms[i];
-                if let Command::ClockScan { first, count, arm } = &cmd {
-                    v.agent.clock_scan(*first, *count, arm);
+                if let Command::ClockScan {
+                    first,
+                    count,
+                    arm,
+                    wp_only,
+                } = &cmd
+                {
+                    v.agent.clock_scan(*first, *count, arm, wp_only);
                 } else {
                     v.agent.execute(&cmd);
                 }

@@ -188,11 +188,17 @@ impl Executor {
                     .collect(),
             },
             Kind::Clock => match &cmds[0] {
-                Command::ClockScan { first, count, arm } => ToAgent::ClockScan {
+                Command::ClockScan {
+                    first,
+                    count,
+                    arm,
+                    wp_only,
+                } => ToAgent::ClockScan {
                     batch,
                     first: *first,
                     count: *count,
                     arm: arm.clone(),
+                    wp_only: wp_only.clone(),
                 },
                 _ => unreachable!("clock batches hold one clock scan"),
             },
