@@ -559,10 +559,10 @@ fn never_share(args: &[String]) -> Result<(), String> {
             return Ok(());
         }
         (Some("--clear"), None) => {
-            return match std::fs::remove_file(MARKS) {
+            return with_marks_locked(|| match std::fs::remove_file(MARKS) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(format!("{MARKS}: {e}")),
                 _ => Ok(()),
-            };
+            })?;
         }
         (Some("--pid"), Some(p)) => {
             let pid: u32 = p
@@ -585,17 +585,19 @@ fn never_share(args: &[String]) -> Result<(), String> {
         }
         _ => return Err("never-share --pid P | --path F | --list | --clear".into()),
     };
-    if marks.lines().any(|l| l == line) {
-        return Ok(());
-    }
-    let dir = std::path::Path::new(MARKS).parent().expect("a directory");
-    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let mut f = File::options()
-        .create(true)
-        .append(true)
-        .open(MARKS)
-        .map_err(|e| format!("{MARKS}: {e}"))?;
-    writeln!(f, "{line}").map_err(|e| format!("{MARKS}: {e}"))
+    with_marks_locked(|| {
+        let marks = std::fs::read_to_string(MARKS).unwrap_or_default();
+        if marks.lines().any(|l| l == line) {
+            return Ok(());
+        }
+        let mut f = File::options()
+            .create(true)
+            .append(true)
+            .open(MARKS)
+            .map_err(|e| format!("{MARKS}: {e}"))?;
+        f.write_all(format!("{line}\n").as_bytes())
+            .map_err(|e| format!("{MARKS}: {e}"))
+    })?
 }
 
 /// Present frames of `pagemap` entries for pages `[first, first + count)` of an address
@@ -639,9 +641,17 @@ pub fn frames_of_pid(pid: u32, start: u64, out: &mut Vec<u64>) -> Result<(), Str
         .map_err(|e| format!("pid {pid}: pagemap: {e}"))?;
     let mut budget = MAX_MARK_PAGES;
     for l in maps.lines() {
-        let Some((a, b)) = l.split_whitespace().next().and_then(|r| r.split_once('-')) else {
+        let mut fields = l.split_whitespace();
+        let (Some((a, b)), Some(perms)) =
+            (fields.next().and_then(|r| r.split_once('-')), fields.next())
+        else {
             continue;
         };
+        // Reservations nothing can touch (guard pages, a runtime's reserved heap) hold no
+        // pages, and would use up the budget before the stacks at the top.
+        if perms.starts_with("---") {
+            continue;
+        }
         let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else {
             continue;
         };
@@ -666,6 +676,35 @@ extern "C" {
     ) -> *mut std::ffi::c_void;
     fn munmap(addr: *mut std::ffi::c_void, len: usize) -> i32;
     fn mincore(addr: *mut std::ffi::c_void, len: usize, vec: *mut u8) -> i32;
+    fn madvise(addr: *mut std::ffi::c_void, len: usize, advice: i32) -> i32;
+    fn flock(fd: i32, operation: i32) -> i32;
+}
+
+/// `madvise` advice: fault the range in for reading, failing (not SIGBUS) past the end
+/// of a file (Linux 5.14).
+const MADV_POPULATE_READ: i32 = 22;
+const O_NONBLOCK: i32 = 0o4000;
+const O_NOFOLLOW: i32 = 0o400000;
+const LOCK_EX: i32 = 2;
+
+/// Runs `f` holding an exclusive lock on the marks' folder (a `never-share` adding a
+/// mark and `serve` dropping the gone ones do not lose each other's changes).
+fn with_marks_locked<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    use std::os::fd::AsRawFd;
+    let dir = std::path::Path::new(MARKS).parent().expect("a directory");
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let lock = File::open(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // SAFETY: flock on a descriptor this function owns; released when it is closed.
+    if unsafe { flock(lock.as_raw_fd(), LOCK_EX) } != 0 {
+        return Err(format!(
+            "{}: flock: {}",
+            dir.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    let out = f();
+    drop(lock);
+    Ok(out)
 }
 
 /// The frames of file `path`'s pages in the guest's page cache now: the file mapped,
@@ -673,11 +712,22 @@ extern "C" {
 /// resident), and this process's pagemap gives its frame.
 pub fn frames_of_path(path: &str, out: &mut Vec<u64>) -> Result<(), String> {
     use std::os::fd::AsRawFd;
-    let f = File::open(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => format!("{path}: gone"),
-        _ => format!("{path}: {e}"),
-    })?;
-    let len = f.metadata().map_err(|e| format!("{path}: {e}"))?.len();
+    use std::os::unix::fs::OpenOptionsExt;
+    // Not blocking (a FIFO put in the file's place), not through a symlink, and a
+    // regular file once open (a mark is checked when made; the path may change after).
+    let f = File::options()
+        .read(true)
+        .custom_flags(O_NONBLOCK | O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => format!("{path}: gone"),
+            _ => format!("{path}: {e}"),
+        })?;
+    let meta = f.metadata().map_err(|e| format!("{path}: {e}"))?;
+    if !meta.is_file() {
+        return Err(format!("{path}: not a regular file any more"));
+    }
+    let len = meta.len();
     let pages = len.div_ceil(PAGE).min(MAX_MARK_PAGES);
     if pages == 0 {
         return Ok(());
@@ -712,16 +762,41 @@ pub fn frames_of_path(path: &str, out: &mut Vec<u64>) -> Result<(), String> {
         match pagemap {
             Err(e) => result = Err(e),
             Ok(pagemap) => {
-                for (i, &res) in resident.iter().enumerate() {
-                    if res & 1 == 0 {
+                // Each run of resident pages mapped by the kernel (MADV_POPULATE_READ: a
+                // page past a file truncated meanwhile is an error, not a SIGBUS), then
+                // their frames read from pagemap at once.
+                let mut i = 0;
+                while i < resident.len() {
+                    if resident[i] & 1 == 0 {
+                        i += 1;
                         continue;
                     }
+                    let mut e = i + 1;
+                    while e < resident.len() && resident[e] & 1 == 1 {
+                        e += 1;
+                    }
                     let addr = base as usize + i * PAGE as usize;
-                    // SAFETY: inside the mapping, of a page inside the file (`pages` ends
-                    // at its size). A file truncated meanwhile could raise SIGBUS here.
-                    unsafe { std::ptr::read_volatile(addr as *const u8) };
-                    let mut budget = 1;
-                    present_frames(&pagemap, addr as u64 / PAGE, 1, &mut budget, out);
+                    let len = (e - i) * PAGE as usize;
+                    // SAFETY: a run inside the mapping made above; the kernel only
+                    // faults its pages in.
+                    let r =
+                        unsafe { madvise(addr as *mut std::ffi::c_void, len, MADV_POPULATE_READ) };
+                    if r != 0 {
+                        result = Err(format!(
+                            "{path}: mapping its pages: {}",
+                            std::io::Error::last_os_error()
+                        ));
+                        break;
+                    }
+                    let mut budget = (e - i) as u64;
+                    present_frames(
+                        &pagemap,
+                        addr as u64 / PAGE,
+                        (e - i) as u64,
+                        &mut budget,
+                        out,
+                    );
+                    i = e;
                 }
             }
         }
@@ -742,30 +817,41 @@ fn resolve_marks() -> (Vec<u64>, Vec<String>) {
     let Ok(marks) = std::fs::read_to_string(MARKS) else {
         return (Vec::new(), Vec::new());
     };
-    let (mut frames, mut problems, mut kept) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut frames, mut problems, mut gone) = (Vec::new(), Vec::new(), Vec::new());
     for l in marks.lines() {
         let w: Vec<&str> = l.split_whitespace().collect();
-        let r = match w.as_slice() {
-            ["pid", p, s] => match (p.parse(), s.parse()) {
+        let r = match (w.as_slice(), l.strip_prefix("path ")) {
+            (["pid", p, s], _) => match (p.parse(), s.parse()) {
                 (Ok(p), Ok(s)) => frames_of_pid(p, s, &mut frames),
                 _ => Err(format!("bad mark {l:?}")),
             },
-            ["path", ..] => frames_of_path(&l[5..], &mut frames),
+            (_, Some(path)) if !path.is_empty() => frames_of_path(path, &mut frames),
             _ => Err(format!("bad mark {l:?}")),
         };
         match r {
-            Err(e) if e.ends_with(": gone") => {}
-            Err(e) => {
-                problems.push(e);
-                kept.push(l);
-            }
-            Ok(()) => kept.push(l),
+            Err(e) if e.ends_with(": gone") => gone.push(l),
+            Err(e) => problems.push(e),
+            Ok(()) => {}
         }
     }
-    if kept.len() != marks.lines().count() {
-        let mut text = kept.join("\n");
-        text.push('\n');
-        let _ = std::fs::write(MARKS, if kept.is_empty() { "" } else { &text });
+    if !gone.is_empty() {
+        // Under the lock, from the file as it is now (a mark added meanwhile stays),
+        // written whole elsewhere and renamed over it.
+        let dropped = with_marks_locked(|| {
+            let now = std::fs::read_to_string(MARKS).unwrap_or_default();
+            let kept: String = now
+                .lines()
+                .filter(|l| !gone.contains(l))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            let tmp = format!("{MARKS}.new");
+            std::fs::write(&tmp, kept)
+                .and_then(|_| std::fs::rename(&tmp, MARKS))
+                .map_err(|e| format!("{MARKS}: {e}"))
+        });
+        if let Err(e) | Ok(Err(e)) = dropped {
+            problems.push(e);
+        }
     }
     frames.sort_unstable();
     frames.dedup();

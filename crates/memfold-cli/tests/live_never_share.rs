@@ -7,8 +7,9 @@
 //!
 //! - all three shared before the mark (sharing was on and would take the page);
 //! - after it, the marked process's page back in guest RAM, holding its text, and booked
-//!   as a never-share take-back; the other two still shared;
-//! - the marked page still private over ten more reports and full scans.
+//!   as a never-share take-back;
+//! - the marked page still private over ten more reports and full scans, while the other
+//!   two (taken back with it: partners on its frame) pair again without it.
 //!
 //! Breaking either half fails it: without the take-back the page stays a hole; without
 //! the scan's check it is shared again.
@@ -166,17 +167,19 @@ fn a_process_marked_never_share_is_taken_back_and_never_shared_again() {
     );
     assert!(gp.never_share > 0, "the report carries the marks");
 
-    // 3. And never shared again, over ten more reports (and the scans between them).
+    // 3. And never shared again, over ten more reports (and the scans between them);
+    // its partners, taken back with it (left on its frame, their writes would still be
+    // CoW breaks), pair again without it.
     let until = gp.reports + 10;
     let t = Instant::now();
+    let mut repaired = false;
     loop {
         let m = markers(&g.serial());
         assert!(!shared(m[&pid], layout), "the marked page was shared again");
-        for (&p, &pfn) in &m {
-            if p != pid {
-                assert!(shared(pfn, layout), "unmarked process {p}'s page unshared");
-            }
-        }
+        repaired |= m
+            .iter()
+            .filter(|&(&p, _)| p != pid)
+            .all(|(_, &pfn)| shared(pfn, layout));
         let gp = pages().expect("reports");
         if gp.reports >= until {
             eprintln!("{gp:#?}");
@@ -188,6 +191,7 @@ fn a_process_marked_never_share_is_taken_back_and_never_shared_again() {
         );
         std::thread::sleep(Duration::from_millis(500));
     }
+    assert!(repaired, "the unmarked processes' pages never paired again");
     let log = memfoldd_log();
     assert!(
         log.contains("never-share taken back"),

@@ -309,7 +309,8 @@ fn side(
     )?;
     eprintln!("victim ready after {:.1} s", t0.elapsed().as_secs_f64());
     if by_process {
-        // The attacker starts once memfoldd has the marks: every secret page marked.
+        // The attacker starts once memfoldd has the marks: at least as many pages marked
+        // as the victim holds secret pages (a count; the accuracy is the proof).
         let want = (rounds * a.per_round * a.pages) as u64;
         let t = Instant::now();
         loop {

@@ -270,6 +270,11 @@ impl Engine {
                         if (dom.frames.hash(f) >> 32) as u32 != tag {
                             return Err(format!("{d}: share table lists {f} under another hash"));
                         }
+                        if dom.withdrawn.contains(&f) {
+                            return Err(format!(
+                                "{d}: share table names {f}, withdrawn (it held a never-share page)"
+                            ));
+                        }
                     }
                     ShareEntry::Hint(gpn) => {
                         // A stale hint (its guest gone) is dropped when next looked up; a
@@ -284,6 +289,11 @@ impl Engine {
                         }
                     }
                 }
+            }
+            if let Some(f) = dom.withdrawn.iter().find(|&&f| !dom.frames.is_used(f)) {
+                return Err(format!(
+                    "{d}: withdrawn frame {f} is free: it should be forgotten"
+                ));
             }
             if let Some(z) = dom.zero_frame.filter(|&z| !self.frame_held(d, z)) {
                 return Err(format!("{d}: zero frame {z} is not held"));

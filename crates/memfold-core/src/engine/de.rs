@@ -40,6 +40,12 @@ impl Engine {
                     }
                     _ => Vec::new(),
                 };
+                // Kept until the slice's bits come back: R is the guest's for exactly the
+                // pages armed for writes only (its categories may change meanwhile).
+                v.clock_wp_only.retain(|(f, _)| *f != first);
+                if wp_only.iter().any(|&w| w != 0) {
+                    v.clock_wp_only.push((first, wp_only.clone()));
+                }
                 v.queue.push(Command::ClockScan {
                     first: Gfn(first),
                     count,
@@ -62,24 +68,27 @@ impl Engine {
         modified: &[u64],
     ) {
         let full_scans = self.scan.full_scans;
-        let from_guest = self.cfg.clock_from_guest && self.cfg.guest_categories;
         let Some(v) = self.vms.get_mut(&id) else {
             return;
         };
         if first.0 >= v.pages() {
             return;
         }
-        // An enlightened guest's LRU pages were used if its kernel says referenced or
-        // active (their reads took no fault: they were armed for writes only).
+        // Pages armed for writes only at this slice's visit were used if the guest's
+        // kernel says referenced or active (their reads took no fault).
+        let sent = v
+            .clock_wp_only
+            .iter()
+            .position(|(f, _)| *f == first.0)
+            .map(|i| v.clock_wp_only.swap_remove(i).1);
         let with_guest;
-        let referenced = match (&v.categories, from_guest) {
-            (Some(map), true) => {
-                let lru = guest_lru_mask(map, first.0, count);
+        let referenced = match (&v.categories, sent) {
+            (Some(map), Some(wp_only)) => {
                 let mut r = referenced.to_vec();
-                r.resize(lru.len().max(r.len()), 0);
+                r.resize(wp_only.len().max(r.len()), 0);
                 for k in 0..count.min(v.pages() - first.0) {
                     let g = Gfn(first.0 + k);
-                    if mask_bit(&lru, k) && (map.referenced(g) || map.active(g)) {
+                    if mask_bit(&wp_only, k) && (map.referenced(g) || map.active(g)) {
                         r[k as usize / 64] |= 1 << (k % 64);
                     }
                 }
@@ -259,9 +268,11 @@ impl Engine {
         let dom = self.domain(d);
         match c {
             RefPage::Frame(f) => {
-                // Only a frame something maps or patches against is immutable.
+                // Only a frame something maps or patches against is immutable; a
+                // withdrawn one held a never-share page (never_share.rs).
                 dom.frames.contains(f)
                     && dom.frames.refcount(f) > 0
+                    && !dom.withdrawn.contains(&f)
                     && dom.pool.read(f.offset(), out).is_ok()
             }
             // A candidate's guest may have left and its gpn gone to another domain's guest:

@@ -221,6 +221,7 @@ impl Engine {
                 };
                 if !self.sharable(id, g)
                     || self.never_share(id, g) // never_share.rs
+                    || self.withdrawn(d, f)
                     || self.vms[&id].state(g) != PageState::Private
                 {
                     continue;

@@ -253,6 +253,8 @@ impl Engine {
                         read_shared_at: Default::default(),
                         read_backoff: Default::default(),
                         categories: None,
+                        never_share_pass_us: None,
+                        clock_wp_only: Vec::new(),
                         sweep: 0,
                         free_watch: Default::default(),
                         books: VmBooks::default(),

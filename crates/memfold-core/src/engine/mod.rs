@@ -38,7 +38,7 @@ mod entitlement;
 pub mod fill;
 pub mod free_discard;
 mod guests;
-mod never_share;
+pub mod never_share;
 mod outcomes;
 mod scan;
 mod unmapped;
@@ -105,6 +105,10 @@ pub(crate) struct Domain {
     /// Reference-page candidates by signature (DE §4.3), cleared every 4 clock intervals.
     pub(crate) similar: SimilarityIndex,
     pub(crate) similar_cleared_us: u64,
+    /// Frames that held a page its guest marked never-share ([`never_share`]): out of the
+    /// share table, no reference for a patch, no fill, and their holders taken back
+    /// until the frame is freed.
+    pub(crate) withdrawn: std::collections::HashSet<FrameId>,
 }
 
 /// One command for the agent of a guest: the engine's plan. Each names the page and what
@@ -290,6 +294,12 @@ pub(crate) struct Vm {
     /// Reused read buffers: (strikes, not shared at read before this time, µs; at most
     /// [`at_read::READ_REUSE_PAGES`]).
     pub(crate) read_backoff: std::collections::HashMap<Gfn, (u8, u64)>,
+    /// The clock slices asked for with pages armed for writes only, by first page, until
+    /// their bits come back ([`EngineConfig::clock_from_guest`]).
+    pub(crate) clock_wp_only: Vec<(u32, Vec<u64>)>,
+    /// When its never-share marks last took back pages of other guests, µs
+    /// ([`never_share`]: at most every [`never_share::PARTNER_PASS_US`]).
+    pub(crate) never_share_pass_us: Option<u64>,
     /// What its guest agent last said its pages are (PV §3.1; `None`: it said nothing).
     pub(crate) categories: Option<crate::categories::CategoryMap>,
     /// The sharing scan's sweep over it in this full scan when categories are used: 0
@@ -411,6 +421,7 @@ impl Engine {
                 zero_frame: None,
                 similar: SimilarityIndex::new(det),
                 similar_cleared_us: now,
+                withdrawn: Default::default(),
             },
         );
         true
@@ -611,6 +622,7 @@ impl Engine {
         }
         let dom = self.domain_mut(d);
         dom.share.remove(dom.frames.hash(f), ShareEntry::Shared(f));
+        dom.withdrawn.remove(&f);
         if dom.zero_frame == Some(f) {
             dom.zero_frame = None;
         }

@@ -16,19 +16,25 @@
 //!   still reclaimed (its refill tells a guest only about its own page);
 //! - on each report, [`Engine::take_back_never_share`] takes back every marked page that
 //!   is mapped onto a frame or stored against one (a patch, a page shared without a
-//!   mapping), and every other page on that frame (left alone on it, a partner's next
-//!   write would still be a CoW break); the frame leaves its share table: its bytes are
-//!   the marked page's, and a new page equal to them must not find it.
+//!   mapping), and *withdraws* the frame (`Domain::withdrawn`): it leaves the share table
+//!   (its bytes are the marked page's; a new page equal to them must not find it), is no
+//!   reference for a new patch (`de.rs`, `candidate`), no fill (`fill.rs`), no target of
+//!   a share without a mapping (`unmapped.rs`, `unmap_broken`), and every other page on
+//!   it is taken back too (left alone on it, a partner's next write would still be a CoW
+//!   break) — at most [`MAX_PARTNER_TAKEBACKS`] pages every [`PARTNER_PASS_US`] for one
+//!   marking guest, so that toggling marks cannot make memfoldd copy other guests' pages
+//!   back without end. A withdrawn frame is forgotten when freed.
 //!
 //! What it cannot do: a page is marked from the guest's next report on (memfoldd asks
-//! every `--guest-interval-ms`); in between, a new page of a marked process or file may
-//! be shared and its write timed. A whole guest marked never-share (`--never-share`,
+//! every `--guest-interval-ms`, 3 s by default); in between, a new page of a marked
+//! process or file may be shared and its write timed, and a partner on a withdrawn frame
+//! keeps it until the next pass. A whole guest marked never-share (`--never-share`,
 //! docs/side-channel.md) has no such window.
 
 use std::collections::HashSet;
 
 use super::Engine;
-use crate::ids::{FrameId, Gfn, VmId};
+use crate::ids::{DomainId, FrameId, Gfn, VmId};
 use crate::p2m::PageState;
 use crate::share::ShareEntry;
 
@@ -45,15 +51,21 @@ impl Engine {
 
     /// Takes back into guest RAM every page of guest `id` its last report marked never to
     /// be shared and that is shared now: mapped onto a frame, or stored against one (a
-    /// patch, a page shared without a mapping); and with it every other page on those
-    /// frames, of any guest of its domain. Those frames leave the share table (not the
-    /// zero frame: zeros are no secret). Pages with a request under way are taken back at
-    /// the next report. Returns the pages asked to be taken back.
+    /// patch, a page shared without a mapping). Each such frame is *withdrawn* (not the
+    /// zero frame: zeros are no secret): out of the share table, no reference for a new
+    /// patch, no fill, and every page on it, of any guest of the domain, is taken back
+    /// until the frame is freed. Returns the pages asked to be taken back.
     ///
     /// Why the partners too: a page that shared a frame with the marked one stays on it
     /// alone otherwise, and its guest's next write is still a CoW break — the timing
     /// that tells it the marked page was there. Taken back, it writes as a private page.
     /// They pair again on later scans, on a new frame, without the marked page.
+    ///
+    /// Bounded against a guest that toggles its marks to make memfoldd copy other guests'
+    /// pages back over and over: the pass over the domain's guests runs at most every
+    /// [`PARTNER_PASS_US`] for one marking guest, and takes back at most
+    /// [`MAX_PARTNER_TAKEBACKS`] pages of other guests; the rest wait for its next pass.
+    /// All are booked to the marking guest (`never_share_takebacks`).
     pub(crate) fn take_back_never_share(&mut self, id: VmId) -> u32 {
         let Some(v) = self.vms.get(&id) else {
             return 0;
@@ -61,75 +73,116 @@ impl Engine {
         let Some(map) = v.categories.as_ref() else {
             return 0;
         };
-        let mut frames: HashSet<FrameId> = HashSet::new();
-        for g in map.never_share_pages() {
-            match v.state(g) {
-                PageState::Shared(f) => frames.insert(f),
-                PageState::Stored(b) => self
-                    .blobs
-                    .get(b)
-                    .reference
-                    .is_some_and(|f| frames.insert(f)),
-                _ => false,
-            };
-        }
         let d = v.domain;
+        let mut new_frames: Vec<FrameId> = Vec::new();
+        let mut own: Vec<Gfn> = Vec::new();
+        for g in map.never_share_pages() {
+            let f = match v.state(g) {
+                PageState::Shared(f) => Some(f),
+                PageState::Stored(b) => self.blobs.get(b).reference,
+                _ => None,
+            };
+            if let Some(f) = f.filter(|&f| self.domain(d).zero_frame != Some(f)) {
+                new_frames.push(f);
+                own.push(g);
+            }
+        }
         let dom = self.domain_mut(d);
-        if let Some(z) = dom.zero_frame {
-            frames.remove(&z);
-        }
-        if frames.is_empty() {
-            return 0;
-        }
-        for &f in &frames {
-            dom.share.remove(dom.frames.hash(f), ShareEntry::Shared(f));
-        }
-        // Every page on those frames, in every guest of the domain (frames are the
-        // domain's): no reverse map, so one pass over the domain's P2Ms, only when a
-        // report marks shared pages.
-        let ids: Vec<VmId> = self
-            .vms
-            .iter()
-            .filter(|(_, v)| v.domain == d && !v.opted_out)
-            .map(|(&i, _)| i)
-            .collect();
-        let mut total = 0u32;
-        for vid in ids {
-            let v = &self.vms[&vid];
-            let queued: HashSet<Gfn> = v
-                .queue
-                .iter()
-                .filter_map(|c| match *c {
-                    Command::TakeBack { gfn } => Some(gfn),
-                    _ => None,
-                })
-                .collect();
-            let take: Vec<Gfn> = (0..v.pages())
-                .map(Gfn)
-                .filter(|g| !queued.contains(g))
-                .filter(|&g| match v.state(g) {
-                    PageState::Shared(f) => frames.contains(&f),
-                    PageState::Stored(b) => self
-                        .blobs
-                        .get(b)
-                        .reference
-                        .is_some_and(|f| frames.contains(&f)),
-                    _ => false,
-                })
-                .collect();
-            let v = self.vms.get_mut(&vid).expect("listed above");
-            for &g in &take {
-                v.queue.push(Command::TakeBack { gfn: g });
+        for f in new_frames {
+            if dom.withdrawn.insert(f) {
+                dom.share.remove(dom.frames.hash(f), ShareEntry::Shared(f));
             }
-            v.books.never_share_takebacks += take.len() as u64;
-            if !take.is_empty() {
-                tracing::info!(vm = %vid, name = %v.name, pages = take.len(), marked_by = %id, "pages on frames of pages marked never-share taken back");
+        }
+        let mut total = self.queue_take_backs(id, &own);
+        let now = self.now_us();
+        let v = &self.vms[&id];
+        let due = v
+            .never_share_pass_us
+            .is_none_or(|t| now.saturating_sub(t) >= PARTNER_PASS_US);
+        if due && !self.domain(d).withdrawn.is_empty() {
+            self.vms
+                .get_mut(&id)
+                .expect("looked up")
+                .never_share_pass_us = Some(now);
+            // Every page on a withdrawn frame: no reverse map, so one pass over the
+            // domain's P2Ms, at most every PARTNER_PASS_US for this guest.
+            let withdrawn = &self.domain(d).withdrawn;
+            let mut partners: Vec<(VmId, Gfn)> = Vec::new();
+            'guests: for (&vid, v) in self.vms.iter().filter(|(_, v)| v.domain == d) {
+                for g in (0..v.pages()).map(Gfn) {
+                    let on = match v.state(g) {
+                        PageState::Shared(f) => withdrawn.contains(&f),
+                        PageState::Stored(b) => self
+                            .blobs
+                            .get(b)
+                            .reference
+                            .is_some_and(|f| withdrawn.contains(&f)),
+                        _ => false,
+                    };
+                    if on {
+                        if partners.len() >= MAX_PARTNER_TAKEBACKS {
+                            break 'guests;
+                        }
+                        partners.push((vid, g));
+                    }
+                }
             }
-            total += take.len() as u32;
+            let mut by_vm: std::collections::BTreeMap<VmId, Vec<Gfn>> = Default::default();
+            for (vid, g) in partners {
+                by_vm.entry(vid).or_default().push(g);
+            }
+            for (vid, gfns) in by_vm {
+                total += self.queue_take_backs(vid, &gfns);
+            }
+        }
+        let v = self.vms.get_mut(&id).expect("looked up");
+        v.books.never_share_takebacks += total as u64;
+        if total > 0 {
+            tracing::info!(vm = %id, name = %v.name, pages = total, "pages on frames of pages marked never-share taken back");
         }
         total
     }
+
+    /// Queues a take-back of each of `gfns` of guest `vid` not already queued (an opted-out
+    /// guest's pages are being taken back already), and drops them from the pages being
+    /// unmapped (whose CoW break would share them again without a mapping). Returns how
+    /// many it queued.
+    fn queue_take_backs(&mut self, vid: VmId, gfns: &[Gfn]) -> u32 {
+        let Some(v) = self.vms.get_mut(&vid).filter(|v| !v.opted_out) else {
+            return 0;
+        };
+        let queued: HashSet<Gfn> = v
+            .queue
+            .iter()
+            .filter_map(|c| match *c {
+                Command::TakeBack { gfn } => Some(gfn),
+                _ => None,
+            })
+            .collect();
+        let mut n = 0;
+        for &g in gfns {
+            v.unmapping.remove(&g);
+            if !queued.contains(&g) {
+                v.queue.push(Command::TakeBack { gfn: g });
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Whether frame `f` of domain `d` held a page marked never-share and may not be
+    /// joined: no reference for a patch, no fill, no share without a mapping.
+    pub(crate) fn withdrawn(&self, d: DomainId, f: FrameId) -> bool {
+        self.domain(d).withdrawn.contains(&f)
+    }
 }
+
+/// Least time between two passes of one marking guest's take-backs of other guests'
+/// pages, µs.
+pub const PARTNER_PASS_US: u64 = 10_000_000;
+
+/// Most pages of other guests one pass takes back (16 MiB).
+pub const MAX_PARTNER_TAKEBACKS: usize = 4096;
 
 #[cfg(test)]
 mod tests {
@@ -279,6 +332,48 @@ mod tests {
         r.engine.guest_categories(r.vm, &report(&[])).unwrap();
         settle(&mut r);
         assert!(shared(&r, 0), "unmarked, shared again");
+    }
+
+    /// A guest that toggles its marks cannot make memfoldd copy its partners back at
+    /// every report: after one pass, the next waits [`super::PARTNER_PASS_US`]; its own
+    /// marked page is taken back at every report.
+    #[test]
+    fn partner_take_backs_are_bounded_in_time() {
+        let mut r = rig(Policy::sharing_only());
+        r.engine.guest_categories(r.vm, &report(&[])).unwrap();
+        settle(&mut r);
+        r.engine.guest_categories(r.vm, &report(&[0])).unwrap();
+        settle(&mut r);
+        let books = |r: &Rig| r.engine.vms[&r.vm].books.never_share_takebacks;
+        assert_eq!(books(&r), 4);
+        // Unmarked: shared again with its partners (on their new frame); marked again at
+        // once: only its own page comes back.
+        r.engine.guest_categories(r.vm, &report(&[])).unwrap();
+        settle(&mut r);
+        assert!((0..4).all(|g| shared(&r, g)));
+        r.engine.guest_categories(r.vm, &report(&[0])).unwrap();
+        settle(&mut r);
+        assert_eq!(books(&r), 5, "its own page only");
+        assert_eq!(state(&r, 0), PageState::Private);
+        assert!(
+            (1..4).all(|g| shared(&r, g)),
+            "partners wait for the next pass"
+        );
+        // A pass later, the partners on the withdrawn frame come back too.
+        r.step(super::PARTNER_PASS_US).unwrap();
+        r.engine.guest_categories(r.vm, &report(&[0])).unwrap();
+        let queued = r.engine.vms[&r.vm]
+            .queue
+            .iter()
+            .filter(|c| matches!(c, crate::engine::Command::TakeBack { .. }))
+            .count();
+        assert_eq!((books(&r), queued), (8, 3));
+        settle(&mut r);
+        r.engine.check_invariants().unwrap();
+        for g in 0..64 {
+            let seed = g / 4;
+            assert_eq!(r.agent.peek(Gfn(g)).unwrap().to_vec(), content(seed));
+        }
     }
 
     /// Bytes of `seed` that do not compress (xorshift).

@@ -239,6 +239,10 @@ impl Engine {
             return false;
         }
         let d = v.domain;
+        // A never-share page, or a frame one held, is not shared again (never_share.rs).
+        if self.never_share(id, g) || self.withdrawn(d, f) {
+            return false;
+        }
         let mut page = [0u8; PAGE_SIZE];
         if self.domain(d).pool.read(f.offset(), &mut page).is_err() {
             return false;
