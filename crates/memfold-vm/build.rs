@@ -10,6 +10,8 @@ use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    // memfold-guest's module of never-share marks (images/memfold-guest-marks.rs).
+    println!("cargo:rerun-if-changed=../../images/memfold-guest-marks.rs");
     for (name, crate_name) in [
         ("memfold-probe", "memfold_probe"),
         ("memfold-guest", "memfold_guest"),

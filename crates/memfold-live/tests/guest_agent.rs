@@ -192,7 +192,7 @@ fn an_answer_made_from_this_hosts_proc_reads_back_whole() {
 fn never_share_marks_resolve_to_the_frames_of_a_process_and_a_file() {
     use std::io::Write;
     let pid = std::process::id();
-    let start = guest::start_time(pid).expect("our own start time");
+    let start = guest::marks::start_time(pid).expect("our own start time");
     let mut page = vec![0x5au8; 3 * 4096];
     let addr = (page.as_mut_ptr() as usize).next_multiple_of(4096);
     // SAFETY: inside `page`, which lives to the end of the test.
@@ -200,19 +200,19 @@ fn never_share_marks_resolve_to_the_frames_of_a_process_and_a_file() {
     let pagemap = std::fs::File::open("/proc/self/pagemap").unwrap();
     let mut mine = Vec::new();
     let mut budget = 1;
-    guest::present_frames(&pagemap, addr as u64 / 4096, 1, &mut budget, &mut mine);
+    guest::marks::present_frames(&pagemap, addr as u64 / 4096, 1, &mut budget, &mut mine);
     if mine.is_empty() {
         eprintln!("no frames in pagemap (not root): nothing to check");
         return;
     }
     let mut frames = Vec::new();
-    guest::frames_of_pid(pid, start, &mut frames).unwrap();
+    guest::marks::frames_of_pid(pid, start, &mut frames).unwrap();
     assert!(
         frames.contains(&mine[0]),
         "the process's marks hold its written page"
     );
     let mut none = Vec::new();
-    assert!(guest::frames_of_pid(pid, start + 1, &mut none)
+    assert!(guest::marks::frames_of_pid(pid, start + 1, &mut none)
         .unwrap_err()
         .ends_with("gone"));
     assert!(none.is_empty(), "a reused pid names nothing");
@@ -223,7 +223,7 @@ fn never_share_marks_resolve_to_the_frames_of_a_process_and_a_file() {
     f.write_all(&vec![0xa5u8; 5 * 4096 + 100]).unwrap();
     f.sync_all().unwrap();
     let mut file_frames = Vec::new();
-    guest::frames_of_path(path.to_str().unwrap(), &mut file_frames).unwrap();
+    guest::marks::frames_of_path(path.to_str().unwrap(), &mut file_frames).unwrap();
     file_frames.sort_unstable();
     file_frames.dedup();
     assert_eq!(file_frames.len(), 6, "6 resident pages: {file_frames:x?}");

@@ -161,7 +161,7 @@ pub fn image(cache: &Path, name: &str) -> Result<Image, ImageError> {
     })
 }
 
-const SCRIPTS: [(&str, &str); 8] = [
+const SCRIPTS: [(&str, &str); 9] = [
     ("build.sh", include_str!("../../../images/build.sh")),
     ("tiny-init", include_str!("../../../images/tiny-init")),
     ("disk-init", include_str!("../../../images/disk-init")),
@@ -181,6 +181,10 @@ const SCRIPTS: [(&str, &str); 8] = [
     (
         "memfold-guest.rs",
         include_str!("../../../images/memfold-guest.rs"),
+    ),
+    (
+        "memfold-guest-marks.rs",
+        include_str!("../../../images/memfold-guest-marks.rs"),
     ),
 ];
 

@@ -314,6 +314,17 @@ pub(crate) struct Vm {
 const RESTASH_LIVED_US: u64 = 30_000_000;
 
 impl Vm {
+    /// The pages a take-back is queued for (not yet sent).
+    pub(crate) fn queued_take_backs(&self) -> std::collections::HashSet<Gfn> {
+        self.queue
+            .iter()
+            .filter_map(|c| match *c {
+                Command::TakeBack { gfn } => Some(gfn),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Its part of the current full sharing scan is done: the cursor back at gfn 0, no
     /// data run cached.
     pub(crate) fn end_scan_part(&mut self) {

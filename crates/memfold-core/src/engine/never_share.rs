@@ -31,8 +31,6 @@
 //! keeps it until the next pass. A whole guest marked never-share (`--never-share`,
 //! docs/side-channel.md) has no such window.
 
-use std::collections::HashSet;
-
 use super::Engine;
 use crate::ids::{DomainId, FrameId, Gfn, VmId};
 use crate::p2m::PageState;
@@ -151,14 +149,7 @@ impl Engine {
         let Some(v) = self.vms.get_mut(&vid).filter(|v| !v.opted_out) else {
             return 0;
         };
-        let queued: HashSet<Gfn> = v
-            .queue
-            .iter()
-            .filter_map(|c| match *c {
-                Command::TakeBack { gfn } => Some(gfn),
-                _ => None,
-            })
-            .collect();
+        let queued = v.queued_take_backs();
         let mut n = 0;
         for &g in gfns {
             v.unmapping.remove(&g);

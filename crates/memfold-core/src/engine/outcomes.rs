@@ -160,14 +160,7 @@ impl Engine {
             self.outcome(id, c, Outcome::Refused);
         }
         let v = self.vms.get_mut(&id).expect("checked");
-        let queued: std::collections::HashSet<Gfn> = v
-            .queue
-            .iter()
-            .filter_map(|c| match *c {
-                Command::TakeBack { gfn } => Some(gfn),
-                _ => None,
-            })
-            .collect();
+        let queued = v.queued_take_backs();
         let mut n = 0;
         for i in 0..v.pages() {
             let g = Gfn(i);
