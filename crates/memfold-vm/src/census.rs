@@ -114,18 +114,32 @@ mod tests {
     #[test]
     fn present_pages_are_read_and_untouched_ones_are_not_faulted_in() {
         let len = 64 * PAGE as usize;
+        // A guard page of no access on each side: the kernel would merge a bare mapping
+        // with a neighbour of the same flags (another test thread's), and it would no
+        // longer be its own line in maps (seen once in CI).
         // SAFETY: a new private anonymous mapping of this test's own.
-        let p = unsafe {
+        let outer = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
+                len + 2 * PAGE as usize,
+                libc::PROT_NONE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
                 0,
             )
         } as *mut u8;
-        assert_ne!(p as *mut libc::c_void, libc::MAP_FAILED);
+        assert_ne!(outer as *mut libc::c_void, libc::MAP_FAILED);
+        // SAFETY: the pages between the guards, inside the mapping made above.
+        let p = unsafe { outer.add(PAGE as usize) };
+        // SAFETY: as above; the range is ours.
+        let r = unsafe {
+            libc::mprotect(
+                p as *mut libc::c_void,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+            )
+        };
+        assert_eq!(r, 0);
         for g in [3usize, 10, 11] {
             // SAFETY: within the mapping.
             unsafe { std::ptr::write_bytes(p.add(g * PAGE as usize), g as u8 + 1, PAGE as usize) };
@@ -163,7 +177,7 @@ mod tests {
             "untouched pages were faulted in: {:?}",
             &seen[k..k + 64]
         );
-        // SAFETY: the mapping made above, unmapped once.
-        unsafe { libc::munmap(p as *mut libc::c_void, len) };
+        // SAFETY: the mapping made above with its guards, unmapped once.
+        unsafe { libc::munmap(outer as *mut libc::c_void, len + 2 * PAGE as usize) };
     }
 }
