@@ -533,19 +533,17 @@ impl Agent {
         let (r, m) = self.pages.take_bits(first, n);
         // Arm runs of private pages memfoldd names; shared and reclaimed pages fault
         // anyway, and a page left unarmed is only watched less (no data depends on it).
-        let named = |k: u32| {
-            arm.get(k as usize / 64)
+        // Bit k of word k/64 of a mask (missing words: none).
+        let bit = |mask: &[u64], k: u32| {
+            mask.get(k as usize / 64)
                 .is_some_and(|w| w >> (k % 64) & 1 == 1)
         };
+        let named = |k: u32| bit(arm, k);
         let private = |agent: &Agent, k: u32| {
             named(k) && agent.pages.home(plus(first, k as usize)) == PageHome::Private
         };
         // Pages memfoldd takes R for from the guest's LRU: write-protected, not zapped.
-        let wp_only = |k: u32| {
-            wp_only
-                .get(k as usize / 64)
-                .is_some_and(|w| w >> (k % 64) & 1 == 1)
-        };
+        let wp_only = |k: u32| bit(wp_only, k);
         let mut runs = Vec::new();
         let mut k = 0;
         while k < n {

@@ -362,12 +362,12 @@ impl CategoryMap {
     /// Whether page `g` was a frame of a free buddy block when the guest looked
     /// ([`PageInfo::buddy`]).
     pub fn buddy(&self, g: Gfn) -> bool {
-        g.0 < self.pages && self.buddy[g.index() / 64] >> (g.0 % 64) & 1 == 1
+        g.0 < self.pages && crate::clock::mask_bit(&self.buddy, g.0)
     }
 
     /// Whether the guest marked page `g` never to be shared ([`PageInfo::never_share`]).
     pub fn never_share(&self, g: Gfn) -> bool {
-        g.0 < self.pages && self.never_share[g.index() / 64] >> (g.0 % 64) & 1 == 1
+        g.0 < self.pages && crate::clock::mask_bit(&self.never_share, g.0)
     }
 
     /// The pages the guest marked never to be shared, in gfn order.
@@ -383,7 +383,7 @@ impl CategoryMap {
     /// Whether the guest's kernel found page `g` referenced when it looked
     /// ([`PageInfo::referenced`]).
     pub fn referenced(&self, g: Gfn) -> bool {
-        g.0 < self.pages && self.referenced[g.index() / 64] >> (g.0 % 64) & 1 == 1
+        g.0 < self.pages && crate::clock::mask_bit(&self.referenced, g.0)
     }
 
     /// Whether page `g` is on the guest's active list.
