@@ -15,7 +15,7 @@ mod common;
 
 use std::os::fd::AsFd;
 
-use common::{agent_with_pool, next, page_of, region, share, write};
+use common::{agent_with_pool, next, page_of, region, share, watch, write};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
 use memfold_wire::{BatchId, Conn, FrameId, Gfn, ToAgent, ToDaemon};
@@ -26,25 +26,6 @@ const PAGES: usize = 16;
 /// Byte `i` of page `g` as the "guest" first writes it: never zero.
 fn pattern(g: usize, i: usize) -> u8 {
     ((g * 131 + i * 7) % 251) as u8 + 1
-}
-
-fn watch(c: &Conn, batch: u64, gfns: &[u32]) -> (Vec<Gfn>, Vec<Gfn>) {
-    c.send(
-        &ToAgent::Watch {
-            batch: BatchId(batch),
-            gfns: gfns.iter().map(|&g| Gfn(g)).collect(),
-        },
-        &[],
-    )
-    .unwrap();
-    next(c, |m| match m {
-        ToDaemon::WatchDone {
-            batch: b,
-            watched,
-            refused,
-        } if *b == BatchId(batch) => Some((watched.clone(), refused.clone())),
-        _ => None,
-    })
 }
 
 /// (discarded, changed, refused).

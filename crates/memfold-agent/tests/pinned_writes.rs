@@ -18,7 +18,7 @@ mod common;
 use std::os::fd::AsFd;
 use std::time::Duration;
 
-use common::{agent_with_pool, next, page_of, region, share, write};
+use common::{agent_with_pool, next, page_of, region, share, watch, write};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::fence::WriteFence;
 use memfold_sys::uffd::HeldPage;
@@ -130,30 +130,12 @@ fn a_write_pinned_before_the_agent_protects_a_page_is_never_lost() {
     // can punch it out later and lose the device's bytes.
     let new4 = vec![0xc4u8; PAGE_SIZE];
     let (release, writer) = pinned_write(fence, ptr, 4, new4.clone());
-    let watch = |batch: u64, g: u32| {
-        c.send(
-            &ToAgent::Watch {
-                batch: BatchId(batch),
-                gfns: vec![Gfn(g)],
-            },
-            &[],
-        )
-        .unwrap();
-        next(&c, |m| match m {
-            ToDaemon::WatchDone {
-                batch: b,
-                watched,
-                refused,
-            } if *b == BatchId(batch) => Some((watched.clone(), refused.clone())),
-            _ => None,
-        })
-    };
-    let held = watch(5, 4);
+    let held = watch(&c, 5, &[4]);
     let _src = release();
     assert_eq!(writer.join().unwrap(), PAGE_SIZE as isize);
     assert_eq!(held, (vec![], vec![Gfn(4)]), "the held page is not watched");
     // (The fence holds whole chunks: page 5 is watched once the writer let go.)
-    assert_eq!(watch(6, 5), (vec![Gfn(5)], vec![]));
+    assert_eq!(watch(&c, 6, &[5]), (vec![Gfn(5)], vec![]));
     c.send(
         &ToAgent::DiscardFree {
             batch: BatchId(7),

@@ -123,3 +123,24 @@ pub fn agent_with_pool(socket: &Path, frames: &[Vec<u8>]) -> (Conn, OwnedFd, Own
     .unwrap();
     (c, pool, store)
 }
+
+/// Asks the agent to watch `gfns` for the free-page discard (issue 17); returns (watched,
+/// refused).
+pub fn watch(c: &Conn, batch: u64, gfns: &[u32]) -> (Vec<Gfn>, Vec<Gfn>) {
+    c.send(
+        &ToAgent::Watch {
+            batch: BatchId(batch),
+            gfns: gfns.iter().map(|&g| Gfn(g)).collect(),
+        },
+        &[],
+    )
+    .unwrap();
+    next(c, |m| match m {
+        ToDaemon::WatchDone {
+            batch: b,
+            watched,
+            refused,
+        } if *b == BatchId(batch) => Some((watched.clone(), refused.clone())),
+        _ => None,
+    })
+}
