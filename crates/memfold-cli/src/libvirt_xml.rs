@@ -29,7 +29,7 @@ pub const MEMFOLD_NS: &str = "https://memfold.invalid/schemas/libvirt/1";
 const MEMFOLD_PREFIX: &str = "memfold";
 /// The environment variables enable sets; the agent reads them.
 pub const AGENT_ENV: [&str; 3] = ["LD_PRELOAD", "MEMFOLD_SOCKET", "MEMFOLD_VM_NAME"];
-/// The chardev id of memfoldd's balloon monitor (memfold-live's `balloon::MONITOR_ID`).
+/// The chardev id of memfoldd's own monitor (memfold-live's `monitor::MONITOR_ID`).
 pub const MONITOR_ID: &str = "memfold-qmp";
 
 /// What enable puts into a domain.

@@ -5,7 +5,8 @@
 //! the guest's workload keeps writing files into its memory (pages it allocates from
 //! the free ones, some watched) and checksums all of them every round: the test waits
 //! for discards, then for three more rounds and a cold check, and requires 0 mismatches.
-//! It prints what was watched, discarded and refilled.
+//! It prints what was watched, discarded and refilled. The guest has 3 GiB (1 GiB above
+//! 4 GiB): its frames map to gfns by QEMU's own layout, asked on memfoldd's monitor.
 //!
 //! Bounded: boot under TCG, then at most 240 s.
 
@@ -35,9 +36,13 @@ fn free_pages_are_discarded_and_the_guest_reads_every_byte_it_wrote() {
         channels,
         log,
     } = common::memfoldd_enlightened(work.path());
+    // 3 GiB: 1 GiB of it at 4 GiB, where the guest's kernel allocates first, so that
+    // the pages freed and discarded lie above 4 GiB, mapped by QEMU's own layout; the
+    // workload capped at what a 384 MiB guest writes, to keep its rounds short.
     let spec = GuestSpec {
         guest_channel: Some(channels.join("fd.sock")),
-        ..GuestSpec::new("fd", "tiny", 384, RamBackend::Memfd)
+        kernel_args: Some("memfold.workload_mib=96".into()),
+        ..GuestSpec::new("fd", "tiny", 3072, RamBackend::Memfd)
     };
     let env = agent_env(&agent, &socket, &spec);
     let mut g = Guest::start_with_env(&spec, &cache, work.path(), Accel::Tcg, &env).unwrap();
@@ -106,4 +111,9 @@ fn free_pages_are_discarded_and_the_guest_reads_every_byte_it_wrote() {
     );
     assert!(g.mismatches().is_empty(), "{:?}", g.mismatches());
     assert!(last.free_discards >= first.free_discards);
+    let gp = last.guest_pages.expect("an enlightened guest");
+    assert!(
+        gp.layout_exact && gp.high_pages == 1 << 18,
+        "QEMU's layout, 1 GiB at 4 GiB: {gp:?}"
+    );
 }

@@ -114,6 +114,7 @@ fn a_process_marked_never_share_is_taken_back_and_never_shared_again() {
             let layout = RamLayout {
                 low: gp.low_pages,
                 high: gp.high_pages,
+                exact: gp.layout_exact,
             };
             if m.values().all(|&pfn| shared(pfn, layout)) {
                 break layout;

@@ -39,6 +39,8 @@ use memfold_wire::guest::{
 };
 use memfold_wire::GuestPages;
 
+use crate::monitor::QemuLayouts;
+
 /// How long a report may take to come, whole.
 pub const REPORT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -98,8 +100,9 @@ pub enum ReportError {
 }
 
 /// Asks for report `seq` on `out` and reads it from `lines`, for a guest of `ram_pages`
-/// pages (its RAM memfd's size / 4096). Lines of older requests (answers that came late)
-/// are skipped.
+/// pages (its RAM memfd's size / 4096) whose RAM QEMU laid out as `qemu` (`None`: not
+/// known; the layout is then inferred from the guest's ranges, [`RamLayout::for_ranges`]).
+/// Lines of older requests (answers that came late) are skipped.
 ///
 /// Errors: [`ReportError`]; after a [`ReportError::Wire`] the channel is not in step
 /// and should be dropped.
@@ -108,6 +111,7 @@ pub fn read_report<R: std::io::BufRead>(
     out: &mut impl Write,
     seq: u64,
     ram_pages: u64,
+    qemu: Option<RamLayout>,
 ) -> Result<GuestReport, ReportError> {
     out.write_all(&encode_to_guest(&ToGuest::Categories {
         v: GUEST_PROTOCOL_VERSION,
@@ -148,7 +152,7 @@ pub fn read_report<R: std::io::BufRead>(
                 let ranges: Vec<(u64, u64)> = ranges.iter().map(|r| (r[0], r[1])).collect();
                 report = Some(GuestReport {
                     runs: Vec::new(),
-                    layout: RamLayout::from_ranges(ram_pages, &ranges)?,
+                    layout: RamLayout::for_ranges(ram_pages, &ranges, qemu)?,
                     meminfo,
                     agent: format!("{agent} (kernel {kernel})"),
                     discard,
@@ -223,13 +227,14 @@ pub fn channel_name_ok(name: &str) -> bool {
 
 /// What a channel thread sends the main loop.
 /// Whether the free pages of `rep` may be discarded (issue 17): its guest says so (no
-/// page poisoning), and its frames map to gfns without doubt — all its RAM below 4 GiB,
-/// where frame = gfn. With RAM above 4 GiB the split is inferred from the highest frame
-/// the guest lists as RAM, and a guest booted with `mem=` or `memmap=` hides the top of
-/// its RAM: every frame above 4 GiB would then name another page, in use. (The books and
-/// the scan's order may be that wrong; a discard may not.)
+/// page poisoning), and its frames map to gfns without doubt — QEMU gave the layout
+/// ([`RamLayout::exact`]), or all the guest's RAM lies below 4 GiB, where frame = gfn.
+/// With RAM above 4 GiB and no word from QEMU the split is inferred from the highest
+/// frame the guest lists as RAM, and a guest booted with `mem=` or `memmap=` hides the
+/// top of its RAM: every frame above 4 GiB would then name another page, in use. (The
+/// books and the scan's order may be that wrong; a discard may not.)
 pub fn discards_allowed(rep: &GuestReport) -> bool {
-    rep.discard && rep.layout.high == 0
+    rep.discard && (rep.layout.exact || rep.layout.high == 0)
 }
 
 /// A report from guest `VmId`'s thread, with when it asked for it.
@@ -253,18 +258,21 @@ struct Channel {
 pub struct GuestChannels {
     dir: PathBuf,
     interval: Duration,
+    layouts: Arc<QemuLayouts>,
     channels: BTreeMap<VmId, Channel>,
     tx: mpsc::Sender<Sent>,
     rx: mpsc::Receiver<Sent>,
 }
 
 impl GuestChannels {
-    /// Channels at `dir/NAME.sock`, asked every `interval`.
-    pub fn new(dir: &Path, interval: Duration) -> Self {
+    /// Channels at `dir/NAME.sock`, asked every `interval`; the guests' RAM layouts
+    /// asked of their QEMUs through `layouts`.
+    pub fn new(dir: &Path, interval: Duration, layouts: Arc<QemuLayouts>) -> Self {
         let (tx, rx) = mpsc::channel();
         GuestChannels {
             dir: dir.to_path_buf(),
             interval,
+            layouts,
             channels: BTreeMap::new(),
             tx,
             rx,
@@ -274,20 +282,20 @@ impl GuestChannels {
     /// Starts a channel for each attached guest of the engine with a socket in the
     /// folder and none yet; stops those of guests gone or detached.
     pub fn sync(&mut self, engine: &Engine) {
-        let attached: Vec<VmId> = engine
+        let attached: Vec<(VmId, u32)> = engine
             .vms()
             .into_iter()
             .filter(|v| v.2)
-            .map(|v| v.0)
+            .map(|v| (v.0, v.1))
             .collect();
         self.channels.retain(|id, c| {
-            let keep = attached.contains(id);
+            let keep = attached.iter().any(|a| a.0 == *id);
             if !keep {
                 c.stop.store(true, Ordering::Relaxed);
             }
             keep
         });
-        for id in attached {
+        for (id, pid) in attached {
             if self.channels.contains_key(&id) {
                 continue;
             }
@@ -306,9 +314,15 @@ impl GuestChannels {
             };
             let stop = Arc::new(AtomicBool::new(false));
             let (tx, flag, interval) = (self.tx.clone(), Arc::clone(&stop), self.interval);
+            let layouts = Arc::clone(&self.layouts);
+            let guest = ChannelGuest {
+                id,
+                pid,
+                ram_pages: ram / 4096,
+            };
             let spawned = std::thread::Builder::new()
                 .name(format!("guest-{name}"))
-                .spawn(move || channel_thread(id, &path, ram / 4096, interval, &flag, &tx));
+                .spawn(move || channel_thread(guest, &path, &layouts, interval, &flag, &tx));
             if let Err(e) = spawned {
                 tracing::warn!("guest channel of {name}: no thread: {e}");
                 continue;
@@ -378,6 +392,7 @@ impl GuestChannels {
                 if let Some((layout, meminfo, agent)) = &c.last {
                     g.low_pages = layout.low;
                     g.high_pages = layout.high;
+                    g.layout_exact = layout.exact;
                     g.meminfo = *meminfo;
                     g.agent = agent.clone();
                 }
@@ -416,13 +431,25 @@ fn is_socket(p: &Path) -> bool {
     std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_socket())
 }
 
+/// The guest a channel thread asks: its engine id, its QEMU's pid, its RAM's pages.
+#[derive(Clone, Copy)]
+struct ChannelGuest {
+    id: VmId,
+    pid: u32,
+    ram_pages: u64,
+}
+
+/// How often a channel without QEMU's layout asks for it again.
+const LAYOUT_RETRY: Duration = Duration::from_secs(60);
+
 /// One guest's channel: connect, ask every `interval`, send each report (or why it
 /// failed) to the main loop; reconnect after a channel error; end when `stop` is set or
-/// the main loop is gone.
+/// the main loop is gone. Frames map to gfns by QEMU's layout when its monitor gives one
+/// (asked at most every [`LAYOUT_RETRY`] until it does), else by the guest's ranges.
 fn channel_thread(
-    id: VmId,
+    guest: ChannelGuest,
     path: &Path,
-    ram_pages: u64,
+    layouts: &QemuLayouts,
     interval: Duration,
     stop: &AtomicBool,
     tx: &mpsc::Sender<Sent>,
@@ -434,6 +461,9 @@ fn channel_thread(
             std::thread::sleep(Duration::from_millis(100).min(d));
         }
     };
+    let mut qemu: Option<RamLayout> = None;
+    let mut asked_layout: Option<Instant> = None;
+    let mut said: Option<String> = None;
     while !stop.load(Ordering::Relaxed) {
         let Ok(stream) = UnixStream::connect(path) else {
             nap(interval);
@@ -447,11 +477,22 @@ fn channel_thread(
         };
         let mut lines = LineReader::new(BufReader::with_capacity(1 << 16, stream));
         while !stop.load(Ordering::Relaxed) {
+            if qemu.is_none() && asked_layout.is_none_or(|t| t.elapsed() >= LAYOUT_RETRY) {
+                asked_layout = Some(Instant::now());
+                match layouts.layout(guest.pid, guest.ram_pages) {
+                    Ok(l) => qemu = Some(l),
+                    Err(why) if said.as_ref() != Some(&why) => {
+                        tracing::info!(vm = %guest.id, "no RAM layout from QEMU ({why}): inferred from the guest's ranges");
+                        said = Some(why);
+                    }
+                    Err(_) => {}
+                }
+            }
             seq += 1;
             let asked = Instant::now();
-            let r = read_report(&mut lines, &mut out, seq, ram_pages);
+            let r = read_report(&mut lines, &mut out, seq, guest.ram_pages, qemu);
             let drop_channel = matches!(r, Err(ReportError::Wire(_)));
-            if tx.send((id, asked, r)).is_err() {
+            if tx.send((guest.id, asked, r)).is_err() {
                 return;
             }
             if drop_channel {
@@ -472,9 +513,18 @@ mod tests {
     const GIB: u64 = 1 << 18; // pages
 
     fn ask(answer: &str, seq: u64, ram_pages: u64) -> Result<GuestReport, ReportError> {
+        ask_knowing(answer, seq, ram_pages, None)
+    }
+
+    fn ask_knowing(
+        answer: &str,
+        seq: u64,
+        ram_pages: u64,
+        qemu: Option<RamLayout>,
+    ) -> Result<GuestReport, ReportError> {
         let mut lines = LineReader::new(answer.as_bytes());
         let mut sent = Vec::new();
-        let r = read_report(&mut lines, &mut sent, seq, ram_pages);
+        let r = read_report(&mut lines, &mut sent, seq, ram_pages, qemu);
         assert_eq!(sent, encode_to_guest(&ToGuest::Categories { v: 1, seq }));
         r
     }
@@ -505,7 +555,8 @@ mod tests {
             r.layout,
             RamLayout {
                 low: 2 * GIB,
-                high: GIB
+                high: GIB,
+                exact: false,
             }
         );
         assert_eq!(r.meminfo.mem_total, 3_000_000);
@@ -539,6 +590,51 @@ mod tests {
             discard: false,
             ..r
         }));
+    }
+
+    /// A 5 GiB q35 guest (2 GiB low, 3 GiB at 4 GiB) booted with `mem=4G` lists RAM up
+    /// to 6 GiB only: inferred, its split would be 3 + 2 GiB and its frame at 4 GiB would
+    /// name gfn 3 GiB, a page of another frame; QEMU's own split maps it to gfn 2 GiB,
+    /// and only then may its free pages above 4 GiB be discarded.
+    #[test]
+    fn qemus_layout_maps_the_frames_of_a_guest_that_hides_ram() {
+        let four = FOUR_GIB_PFN;
+        let answer = [
+            format!(
+                r#"{{"msg":"ram","v":1,"seq":1,"agent":"memfold-guest 1","kernel":"6.1","ranges":[[1,159],[256,{}],[{four},{}]],"meminfo":{{"mem_total":4000000}},"discard":true}}"#,
+                2 * GIB - 32,
+                four + 2 * GIB
+            ),
+            format!(r#"{{"msg":"runs","v":1,"seq":1,"first":{four},"runs":[[33,10]]}}"#),
+            r#"{"msg":"end","v":1,"seq":1,"chunks":1,"frames":10}"#.to_string(),
+        ]
+        .join("
+")
+            + "
+";
+        let inferred = ask(&answer, 1, 5 * GIB).unwrap();
+        assert_eq!(
+            (inferred.layout.low, inferred.layout.high),
+            (3 * GIB, 2 * GIB)
+        );
+        assert!(
+            !discards_allowed(&inferred),
+            "an inferred split above 4 GiB"
+        );
+        let qemu = RamLayout::from_qemu(5 * GIB, 2 << 30, 3 << 30).unwrap();
+        let r = ask_knowing(&answer, 1, 5 * GIB, Some(qemu)).unwrap();
+        assert_eq!(r.layout, qemu);
+        assert_eq!(r.runs[0].first, Gfn(2 * GIB as u32));
+        assert!(r.discard && discards_allowed(&r));
+        // A range past what QEMU laid out is refused whole.
+        let past = answer.replace(
+            &format!("{}]]", four + 2 * GIB),
+            &format!("{}]]", four + 3 * GIB + 1),
+        );
+        assert!(matches!(
+            ask_knowing(&past, 1, 5 * GIB, Some(qemu)),
+            Err(ReportError::Layout(LayoutError::Outside { .. }))
+        ));
     }
 
     /// A hostile or buggy guest's answers are typed errors, never a panic.

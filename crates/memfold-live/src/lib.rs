@@ -6,6 +6,8 @@
 //!   books' export.
 //! - [`guest_channel`]: enlightened guests' channels: page categories from
 //!   `memfold-guest` inside the guest, over virtio-serial (issue 17, PV §3.1).
+//! - [`monitor`]: memfoldd's own QEMU monitor of each guest, and the RAM layout asked
+//!   there.
 //! - [`metrics`]: memfoldd's Prometheus endpoint (`GET /metrics`, `--metrics-listen`).
 //! - [`query_stats`], [`opt_out`]: a client's requests: memfoldd's statistics, the
 //!   operator's opt-out of a guest.
@@ -24,6 +26,7 @@
 pub mod daemon;
 pub mod guest_channel;
 pub mod metrics;
+pub mod monitor;
 
 use std::path::Path;
 

@@ -175,6 +175,7 @@ fn an_answer_made_from_this_hosts_proc_reads_back_whole() {
         &mut sent,
         5,
         low + high,
+        None,
     )
     .expect("the guest's own answer reads back");
     let frames: u64 = ranges.iter().map(|(s, e)| e - s).sum();

@@ -98,7 +98,9 @@ pub struct GuestSpec {
     /// The enlightened guest's channel (issue 17, docs/enlightened.md): a virtio-serial
     /// port `org.memfold.guest.0` whose host side QEMU serves on this Unix socket
     /// (`server=on,wait=off`), for memfoldd's `--guest-channels` folder
-    /// (`DIR/NAME.sock`); `None`: none.
+    /// (`DIR/NAME.sock`); `None`: none. With it QEMU also gets memfoldd's monitor (as
+    /// with [`GuestSpec::memfold_balloon`], no balloon), where memfoldd asks how QEMU laid
+    /// out the guest's RAM.
     pub guest_channel: Option<std::path::PathBuf>,
 }
 

@@ -236,6 +236,38 @@ impl Qmp {
         Ok((stat("stat-available-memory"), stat("stat-total-memory")))
     }
 
+    /// QEMU's split of an x86 guest's RAM, bytes: how much it maps from guest-physical 0
+    /// and how much from 4 GiB (the PCI host bridge's `below-4g-mem-size` and
+    /// `above-4g-mem-size`: q35's `/machine/q35`, pc's `/machine/i440fx`); `None` for a
+    /// machine whose host bridge does not say (QEMU 7.2's pc has no such properties).
+    ///
+    /// Errors: as [`Qmp::execute`]; [`QmpError::Protocol`] for a size that is no number.
+    pub fn ram_split(&mut self) -> Result<Option<(u64, u64)>, QmpError> {
+        for host in ["/machine/q35", "/machine/i440fx"] {
+            let size = |q: &mut Self, property: &str| -> Result<u64, QmpError> {
+                let v = q.execute(
+                    "qom-get",
+                    Some(json!({ "path": host, "property": property })),
+                )?;
+                v.as_u64().ok_or_else(|| {
+                    QmpError::Protocol(format!("{host} {property}: not a size: {v}"))
+                })
+            };
+            // No such host (the other machine type), or a host without the property
+            // (pc's before QEMU 8): not this one.
+            let below = match size(self, "below-4g-mem-size") {
+                Err(QmpError::Command { class, desc, .. })
+                    if class == "DeviceNotFound" || desc.contains("not found") =>
+                {
+                    continue
+                }
+                r => r?,
+            };
+            return Ok(Some((below, size(self, "above-4g-mem-size")?)));
+        }
+        Ok(None)
+    }
+
     /// The RAM the guest's balloon leaves it now, bytes (`query-balloon`'s `actual`).
     ///
     /// Errors: as [`Qmp::execute`]; [`QmpError::Protocol`] without a number.

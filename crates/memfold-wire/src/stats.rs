@@ -380,6 +380,9 @@ pub struct GuestPages {
     pub low_pages: u64,
     /// See [`GuestPages::low_pages`].
     pub high_pages: u64,
+    /// The layout is QEMU's own (asked on memfoldd's monitor of it), not inferred from
+    /// the guest's RAM ranges; only then may free pages above 4 GiB be discarded.
+    pub layout_exact: bool,
     /// The last error of its channel, if its last request failed.
     pub last_error: Option<String>,
 }

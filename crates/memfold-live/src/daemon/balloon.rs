@@ -7,13 +7,12 @@
 //! `query-balloon`). The engine never waits on a guest: a claimer that is slow, stuck or
 //! refused only leaves its own guest's balloon where it is.
 //!
-//! Which monitor: QEMU's command line names it — a `-chardev socket` with
-//! `id=memfold-qmp` (`memfold run` adds it; docs/entitlements.md says how to add it by
-//! hand) — but the command line is the peer's to write (a QEMU may rewrite its own
-//! `argv`), so the path is untrusted. *Invariant: a claimer drives only the balloon of
-//! the QEMU it claims for*: it connects only to a socket whose listening end the kernel
-//! says that QEMU made (`SO_PEERCRED`, [`Qmp::connect_served_by`]), else it drives
-//! nothing and says why.
+//! Which monitor: memfoldd's own, the one QEMU's command line names ([`crate::monitor`]).
+//! *Invariant: a claimer drives only the balloon of the QEMU it claims for*: it connects
+//! only to a socket whose listening end the kernel says that QEMU made (`SO_PEERCRED`,
+//! [`Qmp::connect_served_by`]), else it drives nothing and says why. As it connects it
+//! asks QEMU where the guest's RAM lies, for the guest channel ([`QemuLayouts`]), which
+//! cannot open the monitor while the claimer holds it.
 //!
 //! Per guest: a QEMU started with `MEMFOLD_CLAIM=never|allowance-only|under-pressure|at-once` or
 //! `MEMFOLD_ALLOWANCE_MIB=N` in its environment (read from `/proc/PID/environ` when its
@@ -28,18 +27,15 @@
 //! difference, so no fault waits on a guest.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use memfold_core::engine::Engine;
 use memfold_core::{claim_target, short_of_memory, ClaimPolicy};
-use memfold_vm::qmp::{Qmp, QmpError};
-use memfold_wire::keyval::keyval;
+use memfold_vm::qmp::Qmp;
 
-/// The `id` of the `-chardev socket` whose monitor memfoldd drives.
-pub const MONITOR_ID: &str = "memfold-qmp";
+use crate::monitor::{open_monitor, QemuLayouts};
 
 /// How long a claimer waits before it tries a monitor again after an error.
 const RETRY: Duration = Duration::from_secs(5);
@@ -113,15 +109,19 @@ pub(crate) struct Claims {
     /// Each guest's base allowance, bytes.
     allowance: u64,
     by_qemu: BTreeMap<u32, Claimer>,
+    /// Where each claimer keeps its QEMU's RAM layout as it connects.
+    layouts: Arc<QemuLayouts>,
 }
 
 impl Claims {
-    /// Claims under `policy`, each guest allowed `allowance` bytes before entitlement.
-    pub(crate) fn new(policy: ClaimPolicy, allowance: u64) -> Claims {
+    /// Claims under `policy`, each guest allowed `allowance` bytes before entitlement;
+    /// the claimers keep their QEMUs' RAM layouts in `layouts`.
+    pub(crate) fn new(policy: ClaimPolicy, allowance: u64, layouts: Arc<QemuLayouts>) -> Claims {
         Claims {
             policy,
             allowance,
             by_qemu: BTreeMap::new(),
+            layouts,
         }
     }
 
@@ -149,7 +149,10 @@ impl Claims {
                 let s = Arc::clone(&state);
                 let _ = std::thread::Builder::new()
                     .name(format!("balloon-{pid}"))
-                    .spawn(move || claim_loop(pid, rx, s));
+                    .spawn({
+                        let layouts = Arc::clone(&self.layouts);
+                        move || claim_loop(pid, rx, s, &layouts)
+                    });
                 let asked = std::fs::read(format!("/proc/{pid}/environ"))
                     .map_err(|e| format!("cannot read its environment: {e}"))
                     .and_then(|env| guest_asks(&env));
@@ -203,24 +206,6 @@ impl Claims {
     }
 }
 
-/// The monitor socket QEMU's command line names (`-chardev socket,id=memfold-qmp,path=P`,
-/// its items in any order), from the NUL-separated `cmdline`; read with QEMU's own option
-/// syntax ([`memfold_wire::keyval`]: `,,` is a comma of the path).
-pub fn monitor_path(cmdline: &[u8]) -> Option<PathBuf> {
-    let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
-    args.windows(2).find_map(|w| {
-        if w[0] != b"-chardev" && w[0] != b"--chardev" {
-            return None;
-        }
-        let kv = keyval(std::str::from_utf8(w[1]).ok()?, Some("backend"));
-        let is = |k: &str, v: &str| kv.get(k).is_some_and(|x| x == v);
-        if !(is("backend", "socket") && is("id", MONITOR_ID)) {
-            return None;
-        }
-        kv.get("path").map(PathBuf::from)
-    })
-}
-
 /// What a claimer tells the main loop: its guest's [`BalloonState`], and its problem,
 /// logged once each time it changes.
 struct Reporter {
@@ -255,7 +240,12 @@ impl Reporter {
 /// One guest's claimer: connects to its QEMU's monitor (checked to be that QEMU's), sets
 /// each new target, reads the balloon back every second; on any error says why and tries
 /// again after [`RETRY`]; ends when the main loop drops its inbox.
-fn claim_loop(pid: u32, targets: mpsc::Receiver<u64>, state: Arc<Mutex<BalloonState>>) {
+fn claim_loop(
+    pid: u32,
+    targets: mpsc::Receiver<u64>,
+    state: Arc<Mutex<BalloonState>>,
+    layouts: &QemuLayouts,
+) {
     let mut r = Reporter {
         pid,
         state,
@@ -264,11 +254,17 @@ fn claim_loop(pid: u32, targets: mpsc::Receiver<u64>, state: Arc<Mutex<BalloonSt
     };
     let mut target: Option<u64> = None;
     loop {
-        let why = match open_monitor(pid) {
-            Ok(q) => match drive(q, &targets, &mut target, &mut r) {
-                Ok(()) => return,
-                Err(why) => why,
-            },
+        let why = match open_monitor(pid, MONITOR_TIMEOUT) {
+            Ok(mut q) => {
+                // Costs only the guest channel its exact layout (it infers one).
+                if let Err(why) = layouts.ask(pid, &mut q) {
+                    tracing::debug!("QEMU pid {pid}: no RAM layout: {why}");
+                }
+                match drive(q, &targets, &mut target, &mut r) {
+                    Ok(()) => return,
+                    Err(why) => why,
+                }
+            }
             Err(why) => why,
         };
         r.problem(Some(why));
@@ -276,16 +272,6 @@ fn claim_loop(pid: u32, targets: mpsc::Receiver<u64>, state: Arc<Mutex<BalloonSt
             return;
         }
     }
-}
-
-/// The monitor QEMU `pid`'s command line names for memfoldd, connected.
-fn open_monitor(pid: u32) -> Result<Qmp, String> {
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map_err(|e| format!("cannot read its command line: {e}"))?;
-    let path = monitor_path(&cmdline).ok_or_else(|| {
-        format!("no monitor for memfoldd: add -chardev socket,id={MONITOR_ID},path=PATH,server=on,wait=off -mon chardev={MONITOR_ID},mode=control")
-    })?;
-    connect(&path, pid)
 }
 
 /// Drives the balloon through monitor `q` until the main loop drops its inbox (`Ok`) or
@@ -365,25 +351,9 @@ fn wait_for_target(
     Some(())
 }
 
-fn connect(path: &Path, pid: u32) -> Result<Qmp, String> {
-    Qmp::connect_served_by(path, pid, MONITOR_TIMEOUT).map_err(|e| match e {
-        QmpError::WrongServer { .. } => format!("{e}: refused"),
-        e => e.to_string(),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn cmdline(args: &[&str]) -> Vec<u8> {
-        let mut v = Vec::new();
-        for a in args {
-            v.extend_from_slice(a.as_bytes());
-            v.push(0);
-        }
-        v
-    }
 
     #[test]
     fn a_guest_asks_by_its_environment_and_a_bad_value_is_named() {
@@ -400,51 +370,5 @@ mod tests {
         );
         let e = guest_asks(&env(&["MEMFOLD_ALLOWANCE_MIB=lots"])).unwrap_err();
         assert!(e.contains("MEMFOLD_ALLOWANCE_MIB=\"lots\""), "{e}");
-    }
-
-    #[test]
-    fn the_monitor_is_the_chardev_socket_with_memfolds_id_and_no_other() {
-        let c = cmdline(&[
-            "qemu-system-x86_64",
-            "-qmp",
-            "unix:/run/a/qmp.sock,server=on,wait=off",
-            "-chardev",
-            "socket,id=other,path=/run/a/other.sock,server=on",
-            "-chardev",
-            "socket,path=/run/a/memfold-qmp.sock,id=memfold-qmp,server=on,wait=off",
-            "-mon",
-            "chardev=memfold-qmp,mode=control",
-        ]);
-        assert_eq!(
-            monitor_path(&c),
-            Some(PathBuf::from("/run/a/memfold-qmp.sock"))
-        );
-        assert_eq!(
-            monitor_path(&cmdline(&["qemu", "-qmp", "unix:/x,server=on"])),
-            None
-        );
-        assert_eq!(
-            monitor_path(&cmdline(&["qemu", "-chardev", "socket,id=memfold-qmp"])),
-            None
-        );
-        assert_eq!(monitor_path(&cmdline(&["qemu", "-chardev"])), None);
-        // A comma in the path is doubled on QEMU's command line (it was cut there).
-        assert_eq!(
-            monitor_path(&cmdline(&[
-                "qemu",
-                "-chardev",
-                "socket,id=memfold-qmp,path=/run/vm,,1/memfold-qmp.sock,server=on,wait=off",
-            ])),
-            Some(PathBuf::from("/run/vm,1/memfold-qmp.sock"))
-        );
-        // An id=memfold-qmp inside another item's value is not the id.
-        assert_eq!(
-            monitor_path(&cmdline(&[
-                "qemu",
-                "-chardev",
-                "socket,id=other,path=/run/a,,id=memfold-qmp",
-            ])),
-            None
-        );
     }
 }

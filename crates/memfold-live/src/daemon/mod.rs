@@ -47,6 +47,7 @@ use executor::{Executor, Kind};
 use guests::{Guests, Input};
 
 use crate::guest_channel::GuestChannels;
+use crate::monitor::QemuLayouts;
 
 const PAGE: u64 = PAGE_SIZE as u64;
 
@@ -284,6 +285,7 @@ fn dup(b: &FileBacking) -> Result<OwnedFd, BackingError> {
 impl Daemon {
     fn new(cfg: &DaemonConfig) -> Result<Daemon, DaemonError> {
         let clock = Box::new(MonotonicClock(Instant::now()));
+        let layouts = Arc::new(QemuLayouts::default());
         Ok(Daemon {
             engine: Engine::new(cfg.engine.clone(), clock, cfg.swap_capacity)?,
             guests: Guests::default(),
@@ -297,11 +299,11 @@ impl Daemon {
             never_share: cfg.never_share.clone(),
             swap_dir: cfg.engine.host_budget.map(|_| cfg.swap_dir.clone()),
             last_reap: Instant::now(),
-            claims: balloon::Claims::new(cfg.claim, cfg.allowance),
+            claims: balloon::Claims::new(cfg.claim, cfg.allowance, Arc::clone(&layouts)),
             channels: cfg
                 .guest_channels
                 .as_ref()
-                .map(|(dir, every)| GuestChannels::new(dir, *every)),
+                .map(|(dir, every)| GuestChannels::new(dir, *every, Arc::clone(&layouts))),
         })
     }
 

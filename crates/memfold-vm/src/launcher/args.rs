@@ -92,7 +92,9 @@ pub fn qemu_args(
             ),
         ]);
     }
-    if spec.memfold_balloon {
+    // memfoldd's own monitor: for the balloon it drives, and for an enlightened guest's
+    // RAM layout (QEMU's split below and above 4 GiB).
+    if spec.memfold_balloon || spec.guest_channel.is_some() {
         let sock = qmp.with_file_name("memfold-qmp.sock");
         push(&[
             "-chardev",
