@@ -257,6 +257,7 @@ impl Engine {
                         clock_wp_only: Vec::new(),
                         sweep: 0,
                         free_watch: Default::default(),
+                        wait: Default::default(),
                         books: VmBooks::default(),
                     },
                 );
@@ -372,7 +373,13 @@ impl Engine {
         let h = hash(page);
         if dom.frames.hash(f) != h || !dom.share.lookup(h).any(|e| e == ShareEntry::Shared(f)) {
             dom.frames.set_hash(f, h);
-            dom.share.insert(h, ShareEntry::Shared(f));
+            // INVARIANT (never_share.rs): a withdrawn frame stays out of the share table,
+            // whoever still maps it until its take-back — here a guest that re-attaches
+            // after a restart to a frame withdrawn while adopted (found by the reference
+            // model's seeded run, which fails without this check).
+            if !dom.withdrawn.contains(&f) {
+                dom.share.insert(h, ShareEntry::Shared(f));
+            }
         }
         if h == zero_hash && crate::is_zero_page(page) {
             dom.zero_frame = Some(f);
