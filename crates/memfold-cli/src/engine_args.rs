@@ -98,6 +98,13 @@ pub struct EngineArgs {
     /// minor fault per used page per pass; M stays exact (issue 17, docs/enlightened.md).
     #[arg(long, default_value = if defaults().clock_from_guest { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
     pub clock_from_guest: String,
+    /// A wait target per guest, percent (issue 15, docs/peer.md): while a guest's threads
+    /// wait on its agent (faults, decodes) more than this share of the time, pages must
+    /// stay idle one more clock scan before they are patched, compressed or shared
+    /// without a mapping (up to 7); under half of it, one less. Swap over the host budget
+    /// ignores it. Unset: no target.
+    #[arg(long, value_name = "PCT")]
+    pub wait_target: Option<f64>,
     /// Host memory budget for the guests' RAM, MiB (DE §4.6): over it, cold pages are
     /// swapped out to a swap file (turns the clock on). Guests whose RAM together exceeds
     /// it keep running: overcommit.
@@ -202,6 +209,7 @@ impl EngineArgs {
                 .expect("clap checked the names"),
             discard_free: self.discard_free == "on",
             clock_from_guest: self.clock_from_guest == "on",
+            wait_target_pct: self.wait_target,
             host_budget: self.host_budget_mib.map(|m| m << 20),
             ..defaults()
         };
@@ -246,6 +254,9 @@ impl EngineArgs {
         }
         opt("--claim-entitlement", self.claim_entitlement.clone());
         opt("--allowance-mib", self.allowance_mib.to_string());
+        if let Some(p) = self.wait_target {
+            opt("--wait-target", p.to_string());
+        }
         if let Some(b) = self.host_budget_mib {
             opt("--host-budget-mib", b.to_string());
             opt("--swap-mib", self.swap_mib.to_string());
@@ -324,9 +335,12 @@ mod tests {
             "off",
             "--clock-rearm-max",
             "3",
+            "--wait-target",
+            "2.5",
         ]);
         let c = a.config().unwrap();
         assert!(!c.discard_free && c.clock_from_guest && !c.guest_categories);
+        assert_eq!(c.wait_target_pct, Some(2.5));
         let b = reparse(&a);
         assert_eq!(format!("{:?}", b.config().unwrap()), format!("{c:?}"));
     }

@@ -44,6 +44,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (vg, 1u8..9, prop::bool::weighted(0.7)).prop_map(|((vm, gfn), n, on)| Op::Mark { vm, gfn, n, on }),
         3 => any::<u32>().prop_map(|vm| Op::GuestSample { vm }),
         3 => any::<u32>().prop_map(|vm| Op::GuestReport { vm }),
+        2 => (any::<u32>(), 0u8..12).prop_map(|(vm, pct)| Op::Waited { vm, pct }),
         1 => (any::<u32>(), prop::bool::weighted(0.6)).prop_map(|(vm, out)| Op::OptOut { vm, out }),
         3 => any::<u32>().prop_map(|vm| Op::Reattach { vm }),
         1 => any::<u64>().prop_map(|seed| Op::Restart { seed }),

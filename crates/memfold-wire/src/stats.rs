@@ -236,6 +236,18 @@ pub struct VmStats {
     /// dropped to holes instead of copied at the guest's next write (cumulative).
     #[serde(default)]
     pub cow_copies_avoided: u64,
+    /// Its store floor: idle clock scans a page needs before it is patched, compressed
+    /// or shared without a mapping, raised while the guest waits on its agent over
+    /// memfoldd's `--wait-target` (issue 15; 0 without one).
+    #[serde(default)]
+    pub store_floor: u8,
+    /// Its share of time waiting on its agent in the last 10 s window, percent, as the
+    /// wait target measured it (`None`: no target, or no whole window yet).
+    #[serde(default)]
+    pub wait_share_pct: Option<f64>,
+    /// Times its store floor was raised (cumulative).
+    #[serde(default)]
+    pub store_floor_raised: u64,
     /// Write-protect faults the agent served (CoW breaks and writers that waited on a
     /// share or reclaim in progress; cumulative).
     pub wp_faults: u64,

@@ -273,6 +273,16 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
                 .filter_map(|v| v.guest_pages.as_ref().map(|g| (v.name.clone(), g.clone())))
                 .collect::<std::collections::BTreeMap<_, _>>()
         }),
+        // Each guest's waits on its agent over the sampled seconds, %, and its store
+        // floor at the end (issue 15: raised while over memfoldd's --wait-target).
+        "guest_wait_pct": r.guest_wait_pct(),
+        "store_floor": r.end().map(|s| {
+            s.vms
+                .iter()
+                .map(|v| (v.name.clone(), serde_json::json!({"floor": v.store_floor, "raised": v.store_floor_raised})))
+                .collect::<std::collections::BTreeMap<_, _>>()
+        }),
+        "throughput": &r.throughput,
         "paused": paused_since(&r.samples)
             .iter()
             .map(|(name, t)| serde_json::json!({"guest": name, "since_s": t}))
@@ -330,6 +340,14 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         print_end_books(s);
         print_churn(s);
         print_latencies(s);
+        for (name, pct) in r.guest_wait_pct() {
+            let floor = s.vms.iter().find(|v| v.name == name);
+            println!(
+                "guest {name}: waited on its agent {pct:.2}% of the time; store floor {} idle scans (raised {} times)",
+                floor.map_or(0, |v| v.store_floor),
+                floor.map_or(0, |v| v.store_floor_raised)
+            );
+        }
     }
     print_throughput("memfold-managed", &r.throughput);
     print_rates(r);

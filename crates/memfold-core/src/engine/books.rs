@@ -76,6 +76,15 @@ pub struct VmBooks {
     /// after they were shared or patched (Satori §4.3; [`super::never_share`];
     /// cumulative).
     pub never_share_takebacks: u64,
+    /// Times the guest's store floor was raised: it waited on its agent over the wait
+    /// target ([`super::wait_target`]; cumulative).
+    pub store_floor_raised: u64,
+    /// Its store floor now: idle clock scans a page needs before it is stored
+    /// ([`super::wait_target`]).
+    pub store_floor: u8,
+    /// Its share of time waiting on its agent in the last window, basis points (1/100
+    /// of a percent; `None`: no wait target, or no whole window yet).
+    pub wait_share_bp: Option<u32>,
     /// Shared, reclaimed or stored pages the guest's VMM discarded (balloon, free page
     /// reporting): released without being brought back ([`super::Engine::discarded`]).
     pub discards: u64,
@@ -406,7 +415,11 @@ impl Engine {
                 pages: v.pages() as u64,
                 host_bytes: v.ram.allocated_bytes() + v.store.allocated_bytes(),
                 attached: v.attached,
-                books: v.books.clone(),
+                books: VmBooks {
+                    store_floor: v.wait.floor,
+                    wait_share_bp: v.wait.share_pct.map(|p| (p * 100.0).round() as u32),
+                    ..v.books.clone()
+                },
                 sharing_ranks: self.sharing_ranks(*id).expect("a guest of the engine"),
             })
             .collect();

@@ -129,6 +129,10 @@ pub struct EngineConfig {
     /// M stays exact (they are still write-protected). Kernel, slab and unreported pages
     /// keep the host's R. `false`, the default (docs/enlightened.md has the measurement).
     pub clock_from_guest: bool,
+    /// A wait target per guest, percent of the time its threads may wait on its agent
+    /// (issue 15; [`super::wait_target`]): over it, pages must stay idle longer before
+    /// they are stored. `None` (the default): no target.
+    pub wait_target_pct: Option<f64>,
     /// The share table's content hash ([`page_hash`], xxh3-64). Tests replace it with
     /// one that collides, so that every match must be confirmed byte for byte.
     pub page_hash: fn(&Page) -> u64,
@@ -161,6 +165,7 @@ impl Default for EngineConfig {
             guest_skip: crate::categories::CategorySet::SLAB,
             discard_free: true,
             clock_from_guest: false,
+            wait_target_pct: None,
             page_hash,
         }
     }
@@ -192,6 +197,9 @@ pub enum ConfigError {
     /// A quiet-page period other than 1, 2, 4 or 8 scans.
     #[error("quiet pages read every {0} scans: give 1, 2, 4 or 8")]
     QuietScanPeriod(u32),
+    /// A wait target outside (0, 100) percent.
+    #[error("wait target of {0}%: give more than 0 and less than 100")]
+    WaitTarget(String),
 }
 
 impl EngineConfig {
@@ -224,6 +232,9 @@ impl EngineConfig {
                     what: "a host budget (swap picks C4 pages)".into(),
                 });
             }
+        }
+        if let Some(p) = self.wait_target_pct.filter(|p| !(*p > 0.0 && *p < 100.0)) {
+            return Err(ConfigError::WaitTarget(p.to_string()));
         }
         SimilarityDetector::new(self.similarity).map_err(ConfigError::Similarity)?;
         Ok(())

@@ -209,8 +209,10 @@ impl Engine {
         }
         // Sharing goes first: nothing is stored before a full sharing cycle saw the page,
         // nor before it has been idle as long as its history asks.
+        // The wait target's floor holds back stores, not swap over the host budget.
+        let floor = if swap_wanted { 0 } else { v.wait.floor };
         let seen = v.clock.seen_by_sharing(g.0, full_scans)
-            && clock.idle_scans() >= v.restash_wait[g.index()];
+            && clock.idle_scans() >= v.restash_wait[g.index()].max(floor);
         let untried = v.de_failed[w] & bit == 0;
         let to_swap = seen && a.swap && swap_wanted;
         let home = if to_swap {

@@ -42,6 +42,7 @@ pub mod never_share;
 mod outcomes;
 mod scan;
 mod unmapped;
+pub mod wait_target;
 
 use std::collections::BTreeMap;
 
@@ -307,6 +308,8 @@ pub(crate) struct Vm {
     pub(crate) sweep: u8,
     /// Its free-page watch round ([`free_discard`]).
     pub(crate) free_watch: free_discard::FreeWatch,
+    /// Its wait controller and store floor ([`wait_target`]).
+    pub(crate) wait: wait_target::WaitControl,
     pub(crate) books: VmBooks,
 }
 

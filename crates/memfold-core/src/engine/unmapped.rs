@@ -130,8 +130,8 @@ impl Engine {
             return map;
         };
         let clock = v.clock.page(g.0);
-        if clock.idle_scans() < v.restash_wait[g.index()] {
-            return map; // taken back soon after it was last stored
+        if clock.idle_scans() < v.restash_wait[g.index()].max(v.wait.floor) {
+            return map; // taken back soon after it was last stored, or over its wait target
         }
         if pressure {
             return Identical::Unmapped;

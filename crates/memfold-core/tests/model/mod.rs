@@ -13,7 +13,7 @@ use std::collections::VecDeque;
 use std::collections::BTreeMap;
 
 use memfold_core::backing::mem::{ManualClock, MemBacking, MemGuestRam};
-use memfold_core::backing::Backing;
+use memfold_core::backing::{Backing, Clock};
 use memfold_core::categories::CategoryRun;
 use memfold_core::engine::free_discard::WatchRound;
 use memfold_core::engine::{Attach, Command, Outcome};
@@ -133,6 +133,8 @@ fn config(s: &Setup) -> EngineConfig {
         // The clock's R from the guests' reports (issue 17) in half the setups: their LRU
         // pages armed for writes only.
         clock_from_guest: (s.policy / 4) % 2 == 1,
+        // A wait target (issue 15) in half the setups: stores held back by the floor.
+        wait_target_pct: ((s.policy / 8) % 2 == 1).then_some(3.0),
         page_hash: if s.collide_hashes {
             colliding_hash
         } else {
@@ -502,6 +504,14 @@ impl Harness {
             Op::Mark { vm, gfn, n, on } => self.mark(vm, gfn, n, on),
             Op::GuestSample { vm } => self.guest_sample(vm),
             Op::GuestReport { vm } => self.guest_report(vm),
+            Op::Waited { vm, pct } => {
+                if let Some(v) = self.pick(vm).map(|i| &self.vms[i]) {
+                    if let Some(id) = v.id.filter(|_| v.connected) {
+                        let waited = self.clock.now_us() * pct as u64 / 100;
+                        self.engine.guest_waited(id, waited);
+                    }
+                }
+            }
             Op::Read { vm, gfn } => {
                 if let Some(i) = self.pick(vm) {
                     let v = &mut self.vms[i];

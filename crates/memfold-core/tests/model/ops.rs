@@ -137,6 +137,13 @@ pub enum Op {
     GuestReport {
         vm: u32,
     },
+    /// The guest's agent says its threads have waited `pct`% of the time so far (a
+    /// cumulative count that may fall: an agent that started over), for its wait target
+    /// (issue 15, [`memfold_core::Engine::guest_waited`]).
+    Waited {
+        vm: u32,
+        pct: u8,
+    },
     /// Time passes; memfoldd scans, runs the clock, checks the budget and sends.
     Step {
         advance_ms: u32,
@@ -233,7 +240,7 @@ fn random_content(rng: &mut SmallRng) -> Content {
 
 pub fn random_op(rng: &mut SmallRng) -> Op {
     let (vm, gfn) = (rng.gen(), rng.gen());
-    match rng.gen_range(0..113) {
+    match rng.gen_range(0..116) {
         0..=1 => Op::CreateVm {
             pages: rng.gen_range(1..40),
         },
@@ -283,6 +290,11 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
             gfn,
             n: rng.gen_range(1..9),
             on: rng.gen_bool(0.7),
+        },
+        // Waits on the agent move the store floor (issue 15) where a target is set.
+        113..=115 => Op::Waited {
+            vm,
+            pct: rng.gen_range(0..12),
         },
         37..=58 => Op::Step {
             advance_ms: rng.gen_range(0..1500),

@@ -334,6 +334,13 @@ impl Daemon {
             if self.last_reap.elapsed() > Duration::from_secs(1) {
                 self.last_reap = Instant::now();
                 self.reap();
+                // Each guest's waits on its agent, for its wait target (issue 15).
+                for (id, _, attached) in self.engine.vms() {
+                    if attached {
+                        let waited = self.guests.latencies(id).guest_wait_us();
+                        self.engine.guest_waited(id, waited as u64);
+                    }
+                }
                 self.claims.tick(&self.engine);
                 if let Some(c) = &mut self.channels {
                     c.sync(&self.engine);
