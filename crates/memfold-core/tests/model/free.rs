@@ -5,6 +5,8 @@
 
 use memfold_core::categories::{Category, CategoryRun, PageInfo};
 use memfold_core::ids::Gfn;
+use memfold_core::p2m::PageState;
+use memfold_core::sim::Home;
 use memfold_core::PAGE_SIZE;
 
 use super::{Harness, ModelVm};
@@ -85,6 +87,25 @@ impl Harness {
             let v = &mut self.vms[i];
             if let (Some((runs, after)), Some(id)) = (v.sample.take(), v.id) {
                 if self.engine.guest_categories(id, &runs).is_ok() {
+                    // What each marked page may still be mapped onto: its frame now, or
+                    // the one a share under way puts it on (taken back at a later report).
+                    for r in &runs {
+                        for k in 0..r.count {
+                            let g = Gfn(r.first.0 + k);
+                            v.marked[g.index()] = r.info.never_share.then(|| {
+                                let mut f = Vec::new();
+                                if let Some(PageState::Shared(x) | PageState::Sharing(x)) =
+                                    self.engine.page_state(id, g)
+                                {
+                                    f.push(x);
+                                }
+                                if let Home::Frame(x) = v.agent.home(g) {
+                                    f.push(x);
+                                }
+                                f
+                            });
+                        }
+                    }
                     self.engine.discard_free(id, after, true);
                 }
             }

@@ -54,6 +54,10 @@ struct ModelVm {
     /// Pages the guest marks never to be shared (`memfold-guest never-share`), sent with
     /// its next sample.
     never: Vec<bool>,
+    /// Per page, if the last report memfoldd applied (since it attached) marked it: the
+    /// frames it may still be mapped onto until its take-back — the one it was on, or
+    /// being shared onto, then. Any other frame is a share made after the mark.
+    marked: Vec<Option<Vec<FrameId>>>,
 }
 
 /// A read a block device asked to have filled from frames (Satori §5.2).
@@ -256,6 +260,8 @@ impl Harness {
             .map_err(|e| e.to_string())?;
         v.id = Some(id);
         v.connected = true;
+        // A new attachment knows no marks until the guest's next report.
+        v.marked.iter_mut().for_each(|m| *m = None);
         self.end_adoptions();
         Ok(())
     }
@@ -346,6 +352,7 @@ impl Harness {
                     free: vec![false; pages as usize],
                     sample: None,
                     never: vec![false; pages as usize],
+                    marked: vec![None; pages as usize],
                 });
                 self.attach(self.vms.len() - 1)?;
             }
@@ -743,6 +750,15 @@ impl Harness {
                     Home::Frame(f) => {
                         if !self.engine.frame_held(self.domain_of(v.pid), f) {
                             return Err(format!("vm {i} {g} maps {f}, which the engine freed"));
+                        }
+                        if let Some(allowed) = v.marked[g.index()].as_ref().filter(|_| v.connected)
+                        {
+                            // Never-share (Satori §4.3): no share after the mark.
+                            if !allowed.contains(&f) {
+                                return Err(format!(
+                                    "vm {i} {g}: marked never-share, yet mapped onto {f} (before the mark: {allowed:?})"
+                                ));
+                            }
                         }
                         if let Some(id) = v.id.filter(|_| v.connected) {
                             let s = self.engine.page_state(id, g);
