@@ -101,8 +101,9 @@ pub struct EngineArgs {
     /// A wait target per guest, percent (issue 15, docs/peer.md): while a guest's threads
     /// wait on its agent (faults, decodes) more than this share of the time, pages must
     /// stay idle one more clock scan before they are patched, compressed or shared
-    /// without a mapping (up to 7); under half of it, one less. Swap over the host budget
-    /// ignores it. Unset: no target.
+    /// without a mapping (at 8, the top, nothing new is and the guest's clock rests);
+    /// after 30 s under half of it, one less. Swap over the host budget ignores it.
+    /// Unset: no target.
     #[arg(long, value_name = "PCT")]
     pub wait_target: Option<f64>,
     /// Host memory budget for the guests' RAM, MiB (DE §4.6): over it, cold pages are

@@ -27,7 +27,13 @@ impl Engine {
         };
         let now = self.now_us();
         let from_guest = self.cfg.clock_from_guest && self.cfg.guest_categories;
+        let swap_wanted = self.budget.swap_wanted > 0;
         for v in self.vms.values_mut().filter(|v| v.attached && !v.opted_out) {
+            // A guest at the top of its store floor stores nothing new: its clock rests
+            // (no R/M faults, its pages' classes as they were) unless swap needs classes.
+            if v.wait.floor >= super::wait_target::STORE_FLOOR_MAX && !swap_wanted {
+                continue;
+            }
             if let Some((first, count)) = v.clock.due_slice(now, interval) {
                 let arm = v.clock.arm_mask(first, count, self.cfg.clock_rearm_max);
                 // An enlightened guest's LRU pages: write-protected only, R from its bits.
