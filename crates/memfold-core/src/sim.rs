@@ -510,6 +510,20 @@ pub struct Rig {
     pub clock: ManualClock,
 }
 
+/// A configuration for a [`Rig`] stepped 10 ms at a time: `policy`, no scan rate limit,
+/// a full scan every 10 ms that reads every page, and the NRU clock every 100 ms.
+pub fn quick_config(policy: crate::Policy) -> EngineConfig {
+    EngineConfig {
+        policy,
+        rate: 0,
+        clock_interval_us: Some(100_000),
+        min_scan_interval_us: 10_000,
+        max_scan_interval_us: 10_000,
+        quiet_scan_period: 1,
+        ..EngineConfig::default()
+    }
+}
+
 impl Rig {
     /// An engine with `cfg` and one guest of `pages` pages (no swap file).
     ///

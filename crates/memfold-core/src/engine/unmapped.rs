@@ -281,21 +281,15 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sim::{Home, Rig};
+    use crate::sim::{quick_config, Home, Rig};
     use crate::{EngineConfig, Policy, PAGE_SIZE};
 
     const PAGES: u32 = 16;
 
     fn cfg(on: bool) -> EngineConfig {
         EngineConfig {
-            policy: Policy::difference_engine(),
-            rate: 0,
-            clock_interval_us: Some(100_000),
-            min_scan_interval_us: 10_000,
-            max_scan_interval_us: 10_000,
-            quiet_scan_period: 1,
             share_cold_unmapped: on,
-            ..EngineConfig::default()
+            ..quick_config(Policy::difference_engine())
         }
     }
 

@@ -113,21 +113,15 @@ mod tests {
     use super::*;
     use crate::ids::Gfn;
     use crate::p2m::PageState;
-    use crate::sim::Rig;
+    use crate::sim::{quick_config, Rig};
     use crate::{EngineConfig, Policy, PAGE_SIZE};
 
     const PAGES: u32 = 32;
 
     fn rig(target: Option<f64>) -> Rig {
         let cfg = EngineConfig {
-            policy: Policy::difference_engine(),
-            rate: 0,
-            clock_interval_us: Some(100_000),
-            min_scan_interval_us: 10_000,
-            max_scan_interval_us: 10_000,
-            quiet_scan_period: 1,
             wait_target_pct: target,
-            ..EngineConfig::default()
+            ..quick_config(Policy::difference_engine())
         };
         Rig::new(cfg, PAGES).unwrap()
     }
