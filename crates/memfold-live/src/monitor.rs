@@ -115,21 +115,22 @@ impl QemuLayouts {
     /// Errors: why there is none, in words (no monitor, a machine without the split, a
     /// split that does not fit `pages`: [`RamLayout::from_qemu`]).
     pub fn layout(&self, pid: u32, pages: u64) -> Result<RamLayout, String> {
-        if self.kept(pid).is_none() {
-            let asked = open_monitor(pid, LAYOUT_TIMEOUT).and_then(|mut q| self.ask(pid, &mut q));
-            // A claimer that holds the monitor asked as it connected.
-            match (asked, self.kept(pid)) {
-                (_, Some(_)) => {}
-                (Ok(false), None) => {
-                    return Err("QEMU's machine has no below-4g/above-4g split".into())
+        let s = match self.kept(pid) {
+            Some(s) => s,
+            None => {
+                let asked =
+                    open_monitor(pid, LAYOUT_TIMEOUT).and_then(|mut q| self.ask(pid, &mut q));
+                // A claimer that holds the monitor asked as it connected.
+                match (self.kept(pid), asked) {
+                    (Some(s), _) => s,
+                    (None, Ok(false)) => {
+                        return Err("QEMU's machine has no below-4g/above-4g split".into())
+                    }
+                    (None, Ok(true)) => return Err(format!("QEMU pid {pid} is gone")),
+                    (None, Err(why)) => return Err(why),
                 }
-                (Ok(true), None) => return Err(format!("QEMU pid {pid} is gone")),
-                (Err(why), None) => return Err(why),
             }
-        }
-        let s = self
-            .kept(pid)
-            .ok_or_else(|| format!("QEMU pid {pid} is gone"))?;
+        };
         RamLayout::from_qemu(pages, s.below, s.above).map_err(|e| e.to_string())
     }
 

@@ -334,9 +334,11 @@ impl Daemon {
             if self.last_reap.elapsed() > Duration::from_secs(1) {
                 self.last_reap = Instant::now();
                 self.reap();
-                // Each guest's waits on its agent, for its wait target (issue 15).
+                // Each guest's waits on its agent, for its wait target (issue 15): the
+                // agents' histograms summed only when there is a target.
+                let targeted = self.engine.config().wait_target_pct.is_some();
                 for (id, _, attached) in self.engine.vms() {
-                    if attached {
+                    if attached && targeted {
                         let waited = self.guests.latencies(id).guest_wait_us();
                         self.engine.guest_waited(id, waited as u64);
                     }
