@@ -86,6 +86,8 @@ else
     cp "$here/guest-init" "$ird/memfold/memfold-init"
     cp "$here/selfcheck.sh" "$ird/memfold/memfold-selfcheck"
     cp "$here/mechanism-data" "$ird/memfold/memfold-mechanism-data"
+    # The enlightened guest's agent too (issue 17): guest-init starts it when it is there.
+    install -m 0755 "$here/memfold-guest" "$ird/memfold/memfold-guest"
 fi
 chmod +x "$ird/init"
 (cd "$ird" && find . | cpio -o -H newc 2>/dev/null | gzip -1 > "$out/initrd.img")

@@ -107,8 +107,8 @@ pub struct MemfoldArgs {
     pub census: Option<u64>,
     /// Run the managed guests enlightened (issue 17, docs/enlightened.md): each gets a
     /// virtio-serial port `org.memfold.guest.0` on a socket in `OUT/channels`, and
-    /// memfoldd (`--guest-channels`) asks memfold-guest inside it (the `tiny` image starts
-    /// it at boot) for its pages' categories: the live view and the summary show them,
+    /// memfoldd (`--guest-channels`) asks memfold-guest inside it (every built-in image
+    /// starts it at boot) for its pages' categories: the live view and the summary show them,
     /// and with `--guest-categories on` (the default) the scan uses them.
     #[arg(long)]
     pub enlightened: bool,
