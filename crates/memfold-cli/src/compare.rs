@@ -30,7 +30,8 @@ pub struct CompareArgs {
     /// from the same footprint).
     #[arg(long, value_enum, default_value_t = KsmThp::Host)]
     pub ksm_thp: KsmThp,
-    /// The peer: `ksm` (KSM alone), `ksm+zswap` (KSM, zswap with a swap file, and a
+    /// The peer: `ksm` (KSM alone), `ksm+fpr` (KSM, and a virtio balloon with free page
+    /// reporting in each of its guests), `ksm+zswap` (KSM, zswap with a swap file, and a
     /// Senpai-style controller lowering the QEMUs' memory cgroup limit while memory
     /// pressure stays under `--pressure-target`) or `ksm+zswap+fpr` (that, and a virtio
     /// balloon with free page reporting in each of the peer's guests).
@@ -74,6 +75,11 @@ pub enum Peer {
     /// KSM alone (aggressive).
     #[value(name = "ksm")]
     Ksm,
+    /// KSM alone, with free page reporting in its guests (a virtio balloon; the guest
+    /// kernel reports free 2 MiB blocks and QEMU discards them): issue 17's peer for
+    /// free-page discard.
+    #[value(name = "ksm+fpr")]
+    KsmFpr,
     /// KSM + zswap + proactive reclaim.
     #[value(name = "ksm+zswap")]
     KsmZswap,
@@ -87,6 +93,7 @@ impl Peer {
     pub fn name(self) -> &'static str {
         match self {
             Peer::Ksm => "ksm",
+            Peer::KsmFpr => "ksm+fpr",
             Peer::KsmZswap => "ksm+zswap",
             Peer::KsmZswapFpr => "ksm+zswap+fpr",
         }
@@ -94,7 +101,12 @@ impl Peer {
 
     /// Whether it is the kernel's kit (zswap and the reclaim controller), not KSM alone.
     pub fn is_kit(self) -> bool {
-        self != Peer::Ksm
+        !matches!(self, Peer::Ksm | Peer::KsmFpr)
+    }
+
+    /// Whether its guests report free pages (free page reporting).
+    pub fn fpr(self) -> bool {
+        matches!(self, Peer::KsmFpr | Peer::KsmZswapFpr)
     }
 }
 
@@ -124,7 +136,7 @@ impl CompareArgs {
                 floor: self.reclaim_floor / 100.0,
             },
             compressor: self.zswap_compressor.clone(),
-            fpr: self.peer == Peer::KsmZswapFpr,
+            fpr: self.peer.fpr(),
             twins: self.twins(),
         }
     }
@@ -207,7 +219,14 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         return compare_kit(a, &m, memfold_stall_pct, &out);
     }
 
-    eprintln!("== Linux KSM (aggressive) on the same set, booted afresh");
+    eprintln!(
+        "== Linux KSM (aggressive){} on the same set, booted afresh",
+        if a.peer.fpr() {
+            " with free page reporting"
+        } else {
+            ""
+        }
+    );
     let KsmSide {
         run: k,
         cpu_s: ksm_cpu_s,
@@ -217,6 +236,7 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         &a.memfold.set,
         a.twins(),
         a.ksm_thp,
+        a.peer.fpr(),
         a.memfold.secs,
         a.memfold.census,
         &out,
@@ -225,6 +245,8 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "guests": a.memfold.set.profiles,
         "secs": a.memfold.secs,
         "ksm_thp": a.ksm_thp,
+        "peer": a.peer.name(),
+        "ksm_free_page_reporting": a.peer.fpr(),
         "memfold_used_before_bytes": m.used_before,
         "ksm_used_before_bytes": k.used_before,
         "memfold_saved_bytes": m.saved_bytes,
@@ -270,6 +292,20 @@ pub fn run(a: &CompareArgs) -> Result<()> {
             ksm_cpu_s,
             m.saved_bytes / k.saved_bytes.max(1.0)
         );
+        // Free page reporting discards during the boot, before the "before": compare what
+        // each side leaves.
+        println!(
+            "host memory left (MiB): memfold {:.1}, {} {:.1}",
+            (m.used_before as f64 - m.saved_bytes) / MIB,
+            a.peer.name(),
+            (k.used_before as f64 - k.saved_bytes) / MIB
+        );
+        if let Some(s) = m.end() {
+            println!(
+                "memfold by mechanism at the end (books, MiB): {}",
+                run::mechanisms_mib(&s.saved_by)
+            );
+        }
         for (side, c) in [("memfold", m.captured()), ("KSM", k.captured())] {
             if let Some(c) = c {
                 println!("{side}: {}", c.line());
@@ -293,7 +329,8 @@ pub struct KsmSide {
 }
 
 /// Boots `set` afresh (anonymous RAM, huge pages as `thp` says; with `twins`, a plain
-/// twin beside each guest, its RAM not mergeable) and runs KSM aggressive on it for
+/// twin beside each guest, its RAM not mergeable; with `fpr`, a virtio balloon with free
+/// page reporting in each managed guest, checked to report) and runs KSM aggressive on it for
 /// `secs`, with a census of the guests' memory every `census` seconds (if any), its
 /// files under `out/ksm`. KSM is unmerged before and after.
 ///
@@ -302,6 +339,7 @@ pub fn ksm_side(
     set: &guests::GuestSetArgs,
     twins: Option<Twins>,
     thp: KsmThp,
+    fpr: bool,
     secs: u64,
     census: Option<u64>,
     out: &std::path::Path,
@@ -316,9 +354,15 @@ pub fn ksm_side(
         twins,
         thp.backend(),
         "compare",
-        |s, managed| s.mem_merge = managed,
+        |s, managed| {
+            s.mem_merge = managed;
+            s.free_page_reporting = managed && fpr;
+        },
         |_| Vec::new(),
     )?;
+    if fpr {
+        crate::peer::check_reporting(&gs)?;
+    }
     let since = start_marks(gs.iter().chain(&plain));
     let cpu0 = kernel_threads_cpu_seconds(&["ksmd"]);
     let k = run_mode(&ksm, &mut gs, KsmMode::AGGRESSIVE, secs, census)?;
@@ -554,7 +598,10 @@ mod tests {
         assert!(z.peer.is_kit() && !z.kit().fpr);
         let ksm = parse(&[]).unwrap();
         assert_eq!(ksm.peer, Peer::Ksm);
-        assert!(!ksm.peer.is_kit());
+        assert!(!ksm.peer.is_kit() && !ksm.peer.fpr());
+        let kf = parse(&["--peer", "ksm+fpr"]).unwrap();
+        assert_eq!(kf.peer, Peer::KsmFpr);
+        assert!(!kf.peer.is_kit() && kf.peer.fpr());
         assert!(parse(&["--peer", "fpr"]).is_err());
     }
 

@@ -70,6 +70,15 @@ impl P2mEntry {
     pub const MAX_PAYLOAD: u32 = 1 << 29;
     /// A private page.
     pub const PRIVATE: P2mEntry = P2mEntry(0);
+    /// A free page the guest reported, discarded (issue 17, PV §3.1): a [`PageState::Zero`]
+    /// hole like a reclaimed zero page, told apart only so the books can say which
+    /// mechanism saved it (payload 1 of the zero tag; a reclaimed zero page has 0).
+    pub const FREE_HOLE: P2mEntry = P2mEntry(1 << 29 | 1);
+
+    /// Whether this is [`Self::FREE_HOLE`]: a discarded free page, not yet touched.
+    pub fn is_free_hole(self) -> bool {
+        self == Self::FREE_HOLE
+    }
 
     /// Packs a state. Panics if the payload is not below [`Self::MAX_PAYLOAD`]; the
     /// allocators never hand out such numbers.
@@ -133,5 +142,8 @@ mod tests {
             assert_eq!(P2mEntry::new(s).state(), s);
         }
         assert_eq!(P2mEntry::PRIVATE.state(), PageState::Private);
+        assert_eq!(P2mEntry::FREE_HOLE.state(), PageState::Zero);
+        assert!(P2mEntry::FREE_HOLE.is_free_hole());
+        assert!(!P2mEntry::new(PageState::Zero).is_free_hole());
     }
 }

@@ -96,8 +96,12 @@ pub struct LifetimeCdf {
 pub struct SavedBy {
     /// Sharing: guest pages mapped onto pool frames − frames mapped.
     pub sharing: i64,
-    /// Zero pages reclaimed.
+    /// Zero pages reclaimed (not counting `free`).
     pub zero: i64,
+    /// Free pages an enlightened guest reported, discarded without a copy and not touched
+    /// since (issue 17, PV §3.1: "free (guest-reported)"; 0 from an older memfoldd).
+    #[serde(default)]
+    pub free: i64,
     /// Patching: patched pages − their store slots (pages) − frames held only as
     /// reference pages.
     pub patching: i64,
@@ -232,6 +236,10 @@ pub struct VmStats {
     /// `zero_reclaimed_pages`).
     #[serde(default)]
     pub free_discards: u64,
+    /// Of `zero_reclaimed_pages`, discarded free pages not touched since: what free-page
+    /// discard saves now, pages (issue 17).
+    #[serde(default)]
+    pub free_reclaimed_pages: u64,
     /// No-copy-on-write (Satori §4.3): of [`VmStats::discards`], the shared pages —
     /// dropped to holes instead of copied at the guest's next write (cumulative).
     #[serde(default)]

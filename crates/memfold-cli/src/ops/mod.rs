@@ -87,6 +87,8 @@ pub struct Saved {
     pub share: i64,
     /// Zero pages reclaimed.
     pub zero: i64,
+    /// Free pages the guest reported, discarded (issue 17).
+    pub free: i64,
     /// Patching.
     pub patch: i64,
     /// Compression.
@@ -95,7 +97,7 @@ pub struct Saved {
     pub swap: i64,
     /// Store fragmentation, subtracted in `total`.
     pub store_waste: i64,
-    /// share + zero + patch + compress + swap − store_waste.
+    /// share + zero + free + patch + compress + swap − store_waste.
     pub total: i64,
 }
 
@@ -224,6 +226,7 @@ pub fn view(prev: Option<&Stats>, now: &Stats) -> View {
         saved: Saved {
             share: b.sharing * page,
             zero: b.zero * page,
+            free: b.free * page,
             patch: b.patching * page,
             compress: b.compression * page,
             swap: b.swap * page,
@@ -309,10 +312,11 @@ pub fn cpu_line(v: &View) -> String {
 /// The savings line: by mechanism and in total, MiB.
 pub fn saved_line(s: &Saved) -> String {
     format!(
-        "saved {} MiB: share {}, zero {}, patch {}, compress {}, swap {} (store waste {})",
+        "saved {} MiB: share {}, zero {}, free {}, patch {}, compress {}, swap {} (store waste {})",
         mib(s.total as f64),
         mib(s.share as f64),
         mib(s.zero as f64),
+        mib(s.free as f64),
         mib(s.patch as f64),
         mib(s.compress as f64),
         mib(s.swap as f64),

@@ -24,6 +24,7 @@ use memfold_vm::launcher::{agent_env, Guest, RamBackend};
 pub use args::{MemfoldArgs, RunArgs, Twins};
 pub use measure::cpu_seconds;
 use measure::{MemfoldRun, Sample, MIB};
+pub(crate) use output::mechanisms_mib;
 pub use output::{print_throughput, write_outputs};
 
 use crate::guests;

@@ -26,12 +26,12 @@ pub fn write_outputs(out: &Path, r: &MemfoldRun) -> Result<()> {
 /// `run.csv`: per second a row per guest and a row `all`.
 fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
     let mut f = crate::create_output(csv)?;
-    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes,swapped_pages,saved_swap_bytes,memfoldd_restarts,entitlement_bytes,balloon_actual_bytes,shares,read_shares,read_landed,read_fills")?;
+    writeln!(f, "t_s,vm,pages,shared_pages,zero_shared_pages,zero_reclaimed_pages,patched_pages,compressed_pages,cow_breaks,wp_faults,missing_faults,refills,unstashes,scanned_pages,used_bytes,saved_bytes,books_saved_bytes,saved_sharing_bytes,saved_zero_bytes,saved_patching_bytes,saved_compression_bytes,swapped_pages,saved_swap_bytes,memfoldd_restarts,entitlement_bytes,balloon_actual_bytes,shares,read_shares,read_landed,read_fills,free_reclaimed_pages,saved_free_bytes")?;
     for s in &r.samples {
         for v in &s.stats.vms {
             writeln!(
                 f,
-                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,,{},,{},{:.0},{},{},{},{},{}",
+                "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},,,,,,,,{},,{},{:.0},{},{},{},{},{},{},",
                 s.t,
                 v.name,
                 v.pages,
@@ -54,13 +54,14 @@ fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
                 v.shares,
                 v.read_shares,
                 v.read_landed,
-                v.read_fills
+                v.read_fills,
+                v.free_reclaimed_pages
             )?;
         }
         let by = &s.stats.saved_by;
         writeln!(
             f,
-            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{},{},{},{},{:.0},,{},{},{},{}",
+            "{:.1},all,,{},,{},{},{},,,,,,,{},{},{},{},{},{},{},{},{},{},{:.0},,{},{},{},{},{},{}",
             s.t,
             s.stats.mapped_pages,
             s.stats.zero_reclaimed_pages,
@@ -80,7 +81,9 @@ fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
             s.stats.vms.iter().map(|v| v.shares).sum::<u64>(),
             s.stats.vms.iter().map(|v| v.read_shares).sum::<u64>(),
             s.stats.vms.iter().map(|v| v.read_landed).sum::<u64>(),
-            s.stats.vms.iter().map(|v| v.read_fills).sum::<u64>()
+            s.stats.vms.iter().map(|v| v.read_fills).sum::<u64>(),
+            s.stats.vms.iter().map(|v| v.free_reclaimed_pages).sum::<u64>(),
+            by.free * 4096
         )?;
     }
     Ok(())
@@ -121,9 +124,10 @@ fn write_png(png: &Path, r: &MemfoldRun) -> Result<()> {
     }];
     // DE Fig 9-11: the saving by mechanism over time.
     type Mechanism = (&'static str, fn(&SavedBy) -> i64);
-    let mechanisms: [Mechanism; 5] = [
+    let mechanisms: [Mechanism; 6] = [
         ("sharing", |b| b.sharing),
         ("zero pages", |b| b.zero),
+        ("free (guest-reported)", |b| b.free),
         ("patching", |b| b.patching),
         ("compression", |b| b.compression),
         ("swap", |b| b.swap),
@@ -388,18 +392,24 @@ fn leak_check(r: &MemfoldRun) -> Result<()> {
     Ok(())
 }
 
-/// The books at the end: by mechanism, the budget and swap, stored pages' lifetimes.
-fn print_end_books(s: &Stats) {
-    let by = &s.saved_by;
-    println!(
-        "by mechanism at the end (books, MiB): sharing {:.1}, zero pages {:.1}, patching {:.1}, compression {:.1}, swap {:.1}, store waste {:.1}",
+/// memfoldd's books by mechanism, MiB (DE Fig 9–11's breakdown; "free (guest-reported)"
+/// is issue 17's free-page discard), as one line's text.
+pub(crate) fn mechanisms_mib(by: &SavedBy) -> String {
+    format!(
+        "sharing {:.1}, zero pages {:.1}, free (guest-reported) {:.1}, patching {:.1}, compression {:.1}, swap {:.1}, store waste {:.1}",
         pages_mib(by.sharing),
         pages_mib(by.zero),
+        pages_mib(by.free),
         pages_mib(by.patching),
         pages_mib(by.compression),
         pages_mib(by.swap),
         pages_mib(by.store_waste)
-    );
+    )
+}
+
+/// The books at the end: by mechanism, the budget and swap, stored pages' lifetimes.
+fn print_end_books(s: &Stats) {
+    println!("by mechanism at the end (books, MiB): {}", mechanisms_mib(&s.saved_by));
     let w = &s.swap;
     if w.budget_pages.is_some() {
         let ins: u64 = s.vms.iter().map(|v| v.swap_ins).sum();
@@ -626,16 +636,17 @@ mod tests {
         assert!(lines[1].starts_with("1.0,web-1,1000,"));
         // The guest's entitlement, 7.5 pages at 1 s, in bytes: its own row and `all`'s.
         // Then what its balloon leaves it (257 MiB at 1 s), then its shares (all, at disk
-        // read), the pages a disk read filled and those filled from frames.
+        // read), the pages a disk read filled and those filled from frames, then its
+        // discarded free pages (none) and, only in `all`'s row, their saving.
         assert!(
-            lines[1].ends_with(",30720,269484032,0,0,0,0"),
+            lines[1].ends_with(",30720,269484032,0,0,0,0,0,"),
             "{}",
             lines[1]
         );
         // used 1900 pages of 2000 at 1 s: saved 100 pages; books 100 pages, sharing 60.
         assert!(lines[2].starts_with("1.0,all,"));
         assert!(
-            lines[2].ends_with(",409600,409600,245760,0,0,0,0,0,0,30720,,0,0,0,0"),
+            lines[2].ends_with(",409600,409600,245760,0,0,0,0,0,0,30720,,0,0,0,0,0,0"),
             "{}",
             lines[2]
         );

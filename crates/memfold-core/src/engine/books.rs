@@ -72,6 +72,10 @@ pub struct VmBooks {
     /// Free pages discarded: holes now, zeros on their next access (cumulative; while
     /// untouched they count in `zero_reclaimed_pages`).
     pub free_discards: u64,
+    /// Of `zero_reclaimed_pages`, free pages the guest reported, discarded and not
+    /// touched since: what free-page discard saves now (issue 17). A memfoldd restart
+    /// books those it finds as zero pages (the agent's list does not tell them apart).
+    pub free_reclaimed_pages: u64,
     /// Pages taken back into guest RAM because the guest marked them never to be shared
     /// after they were shared or patched (Satori §4.3; [`super::never_share`];
     /// cumulative).
@@ -164,8 +168,11 @@ pub struct SavedBy {
     /// Sharing: guest pages mapped onto frames or shared without a mapping − frames held
     /// for them − the store slots of the unmapped ones.
     pub sharing: i64,
-    /// Zero pages reclaimed.
+    /// Zero pages reclaimed (not counting `free`).
     pub zero: i64,
+    /// Free pages the guest reported, discarded without a copy and not touched since
+    /// (issue 17, PV §3.1: "free (guest-reported)").
+    pub free: i64,
     /// Patching: patched pages − their store slots − frames held only as references.
     pub patching: i64,
     /// Compression: compressed pages − their store slots.
@@ -426,6 +433,7 @@ impl Engine {
         let sum = |f: fn(&VmBooks) -> u64| vms.iter().map(|v| f(&v.books)).sum::<u64>();
         let mapped = sum(|b| b.shared_pages);
         let reclaimed = sum(|b| b.zero_reclaimed_pages);
+        let free = sum(|b| b.free_reclaimed_pages);
         let patched = sum(|b| b.patched_pages);
         let unmapped = sum(|b| b.unmapped_pages);
         let compressed = sum(|b| b.compressed_pages);
@@ -450,7 +458,8 @@ impl Engine {
             sharing: (mapped + unmapped) as i64
                 - (frames - reference_frames + unmapped_frames) as i64
                 - unmapped_bytes as i64 / page,
-            zero: reclaimed as i64,
+            zero: (reclaimed - free) as i64,
+            free: free as i64,
             patching: patched as i64
                 - patch_bytes as i64 / page
                 - (reference_frames - unmapped_frames) as i64,

@@ -77,7 +77,7 @@ impl Engine {
             let d = v.domain;
             slots.insert(*id, [0, 0]);
             let mut kept = [0u64; 4];
-            let (mut shared, mut zero) = (0u64, 0u64);
+            let (mut shared, mut zero, mut free) = (0u64, 0u64, 0u64);
             for (i, e) in v.p2m.iter().enumerate() {
                 let at = || format!("{id} gfn {i}");
                 let mut hold = |b: BlobId| -> Result<(), String> {
@@ -102,7 +102,10 @@ impl Engine {
                         shared += 1;
                     }
                     PageState::Sharing(f) => *pending.entry((d, f)).or_default() += 1,
-                    PageState::Zero => zero += 1,
+                    PageState::Zero => {
+                        zero += 1;
+                        free += u64::from(e.is_free_hole());
+                    }
                     PageState::Stored(b) => {
                         hold(b)?;
                         kept[kept_index(self.blobs.get(b).kept())] += 1;
@@ -126,6 +129,12 @@ impl Engine {
                 b.swapped_pages,
                 b.unmapped_pages,
             ];
+            if free != b.free_reclaimed_pages {
+                return Err(format!(
+                    "{id}: books say {} discarded free pages untouched, pages say {free}",
+                    b.free_reclaimed_pages
+                ));
+            }
             if (shared, zero, kept) != (b.shared_pages, b.zero_reclaimed_pages, want) {
                 return Err(format!(
                     "{id}: books say {} shared, {} zero, {want:?} kept; pages say {shared}, {zero}, {kept:?}",

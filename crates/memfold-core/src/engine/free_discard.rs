@@ -166,7 +166,7 @@ impl Engine {
 
     /// The agent's answer to a discard of guest `id`'s free page `g`.
     pub(crate) fn discard_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) {
-        if self.punched_outcome(id, g, o) {
+        if self.punched_outcome(id, g, o, true) {
             self.vms.get_mut(&id).expect("checked").books.free_discards += 1;
         }
     }
@@ -237,10 +237,18 @@ mod tests {
         r.carry_out();
         let b = r.engine.books().vms[0].books.clone();
         assert_eq!(b.free_discards, 2, "page 2 was written since its watch");
+        // Booked as free-page discard's saving, not the zero-page reclaim's.
+        let by = r.engine.books().saved_by;
+        assert_eq!((b.free_reclaimed_pages, by.free, by.zero), (2, 2, 0));
         assert_eq!(r.engine.page_state(r.vm, Gfn(1)), Some(PageState::Zero));
         assert_eq!(r.engine.page_state(r.vm, Gfn(2)), Some(PageState::Private));
         assert_eq!(&r.agent.read(Gfn(2)).unwrap()[..4], b"mine");
         assert_eq!(r.agent.read(Gfn(1)).unwrap(), [0u8; PAGE_SIZE]);
+        // Touched again: no longer saved.
+        r.report();
+        let b = r.engine.books();
+        assert_eq!((b.vms[0].books.free_reclaimed_pages, b.saved_by.free), (1, 1));
+        assert_eq!(b.saved_pages, 1);
         r.engine.check_invariants().unwrap();
         // The round is over: the next report starts another.
         report(&mut r, &[5]);

@@ -351,6 +351,7 @@ impl Engine {
             |want: fn(PageState) -> bool| v.p2m.iter().filter(|e| want(e.state())).count() as u64;
         v.books.shared_pages = count(|s| matches!(s, PageState::Shared(_)));
         v.books.zero_reclaimed_pages = count(|s| s == PageState::Zero);
+        v.books.free_reclaimed_pages = v.p2m.iter().filter(|e| e.is_free_hole()).count() as u64;
         v.books.zero_shared_pages = v
             .p2m
             .iter()

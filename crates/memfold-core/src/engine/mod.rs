@@ -345,6 +345,12 @@ impl Vm {
         self.p2m[g.index()] = P2mEntry::new(s);
     }
 
+    /// Whether page `g` is a free page the guest reported and memfoldd discarded, not
+    /// touched since ([`P2mEntry::FREE_HOLE`]; its state is [`PageState::Zero`]).
+    pub(crate) fn is_free_hole(&self, g: Gfn) -> bool {
+        self.p2m[g.index()].is_free_hole()
+    }
+
     pub(crate) fn pages(&self) -> u32 {
         self.p2m.len() as u32
     }

@@ -5,7 +5,7 @@
 use super::{Command, Engine, Outcome};
 use crate::blobs::Kept;
 use crate::ids::{FrameId, Gfn, VmId};
-use crate::p2m::{BlobId, PageState};
+use crate::p2m::{BlobId, P2mEntry, PageState};
 
 /// Whether a page in state `s` is one memfold holds outside the guest's own RAM (or as a
 /// hole it refills), which an opt-out takes back.
@@ -242,21 +242,26 @@ impl Engine {
 
     fn reclaim_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) {
         self.count_answer(id, o, false);
-        if self.punched_outcome(id, g, o) {
+        if self.punched_outcome(id, g, o, false) {
             self.vms.get_mut(&id).expect("checked").books.reclaims += 1;
         }
     }
 
     /// The answer to a punch of guest `id`'s page `g` (a zero-page reclaim or a free-page
-    /// discard, state `Reclaiming`): done, a reclaimed zero page; else private again.
-    /// Returns whether it was punched.
-    pub(crate) fn punched_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) -> bool {
+    /// discard, state `Reclaiming`): done, a reclaimed zero page (booked as a free page's
+    /// hole when `free`); else private again. Returns whether it was punched.
+    pub(crate) fn punched_outcome(&mut self, id: VmId, g: Gfn, o: Outcome, free: bool) -> bool {
         let v = self.vms.get_mut(&id).expect("outcome() checked");
         if v.state(g) != PageState::Reclaiming {
             return false;
         }
         if o == Outcome::Done {
-            v.set(g, PageState::Zero);
+            if free {
+                v.p2m[g.index()] = P2mEntry::FREE_HOLE;
+                v.books.free_reclaimed_pages += 1;
+            } else {
+                v.set(g, PageState::Zero);
+            }
             v.books.zero_reclaimed_pages += 1;
             true
         } else {
@@ -380,6 +385,9 @@ impl Engine {
         };
         if v.state(g) != PageState::Zero {
             return false;
+        }
+        if v.is_free_hole(g) {
+            v.books.free_reclaimed_pages -= 1;
         }
         v.set(g, PageState::Private);
         v.clock.fresh(g.0);

@@ -41,6 +41,7 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
         discards: b.discards,
         free_watches: b.free_watches,
         free_discards: b.free_discards,
+        free_reclaimed_pages: b.free_reclaimed_pages,
         cow_copies_avoided: b.cow_copies_avoided,
         store_floor: b.store_floor,
         wait_share_pct: b.wait_share_bp.map(|bp| bp as f64 / 100.0),
@@ -156,6 +157,7 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats 
         saved_by: SavedBy {
             sharing: s.sharing,
             zero: s.zero,
+            free: s.free,
             patching: s.patching,
             compression: s.compression,
             swap: s.swap,

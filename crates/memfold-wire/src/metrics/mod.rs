@@ -228,13 +228,17 @@ impl Collector for Snapshot {
         family(
             e,
             "memfold_pages",
-            "Guest pages each mechanism holds now, disjoint: shared (onto pool frames, the zero frame included), unmapped (shared without a mapping: identical to a pool frame, in the store), zero (reclaimed zero pages), patched, compressed, swapped.",
+            "Guest pages each mechanism holds now, disjoint: shared (onto pool frames, the zero frame included), unmapped (shared without a mapping: identical to a pool frame, in the store), zero (reclaimed zero pages), free (free pages the guest reported, discarded), patched, compressed, swapped.",
             None,
             per_vm_by(vms, "state", |v| {
                 [
                     ("shared", pages(v.shared_pages)),
                     ("unmapped", pages(v.unmapped_pages)),
-                    ("zero", pages(v.zero_reclaimed_pages)),
+                    (
+                        "zero",
+                        pages(v.zero_reclaimed_pages - v.free_reclaimed_pages),
+                    ),
+                    ("free", pages(v.free_reclaimed_pages)),
                     ("patched", pages(v.patched_pages)),
                     ("compressed", pages(v.compressed_pages)),
                     ("swapped", pages(v.swapped_pages)),
@@ -250,6 +254,7 @@ impl Collector for Snapshot {
             [
                 ("share", by.sharing),
                 ("zero", by.zero),
+                ("free", by.free),
                 ("patch", by.patching),
                 ("compress", by.compression),
                 ("swap", by.swap),
@@ -544,6 +549,7 @@ mod tests {
             saved_by: SavedBy {
                 sharing: 100,
                 zero: 5,
+                free: 4,
                 patching: 3,
                 compression: 2,
                 swap: 1,
@@ -621,7 +627,8 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("memfold_saved_bytes{mechanism=\"swap\"} 4096.0\n"),
+            text.contains("memfold_saved_bytes{mechanism=\"swap\"} 4096.0\n")
+                && text.contains("memfold_saved_bytes{mechanism=\"free\"} 16384.0\n"),
             "{text}"
         );
         assert!(

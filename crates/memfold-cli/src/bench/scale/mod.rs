@@ -112,7 +112,7 @@ pub fn run(a: &ScaleArgs) -> Result<()> {
                 None
             } else {
                 eprintln!("== point: {n} × {profile} of {mib} MiB, KSM aggressive, booted afresh");
-                let k = ksm_side(&m.set, None, a.ksm_thp, m.secs, m.census, &dir)?;
+                let k = ksm_side(&m.set, None, a.ksm_thp, false, m.secs, m.census, &dir)?;
                 anyhow::ensure!(
                     k.mismatches.is_empty(),
                     "a guest on the KSM side reported a self-check mismatch: {:?}",
