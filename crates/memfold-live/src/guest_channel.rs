@@ -237,8 +237,9 @@ pub fn discards_allowed(rep: &GuestReport) -> bool {
     rep.discard && (rep.layout.exact || rep.layout.high == 0)
 }
 
-/// A report from guest `VmId`'s thread, with when it asked for it.
-type Sent = (VmId, Instant, Result<GuestReport, ReportError>);
+/// A channel thread's news: the guest, when its request was sent, how long the answer
+/// took, and the report (or why there is none).
+type Sent = (VmId, Instant, Duration, Result<GuestReport, ReportError>);
 
 /// A guest's channel: its thread's stop flag, and what it last said.
 struct Channel {
@@ -252,6 +253,10 @@ struct Channel {
     /// a report asked for after that instant may discard its pages
     /// ([`memfold_core::Engine::discard_free`]).
     armed: Option<(WatchRound, Instant)>,
+    /// Reports answered, their total and longest round trip.
+    answered: u32,
+    answer_total: Duration,
+    answer_max: Duration,
 }
 
 /// The channels of enlightened guests (see the module documentation).
@@ -338,6 +343,9 @@ impl GuestChannels {
                     refused: 0,
                     channel_errors: 0,
                     armed: None,
+                    answered: 0,
+                    answer_total: Duration::ZERO,
+                    answer_max: Duration::ZERO,
                 },
             );
         }
@@ -345,10 +353,15 @@ impl GuestChannels {
 
     /// Applies the reports that came to the engine.
     pub fn apply(&mut self, engine: &mut Engine) {
-        while let Ok((id, asked, r)) = self.rx.try_recv() {
+        while let Ok((id, asked, took, r)) = self.rx.try_recv() {
             let Some(c) = self.channels.get_mut(&id) else {
                 continue;
             };
+            if r.is_ok() {
+                c.answered += 1;
+                c.answer_total += took;
+                c.answer_max = c.answer_max.max(took);
+            }
             match r.map(|rep| {
                 let applied = engine.guest_categories(id, &rep.runs);
                 if applied.is_ok() {
@@ -389,6 +402,10 @@ impl GuestChannels {
                 g.refused += c.refused;
                 g.channel_errors = c.channel_errors;
                 g.last_error = c.last_error.clone();
+                if c.answered > 0 {
+                    g.report_ms = c.answer_total.as_secs_f64() * 1e3 / f64::from(c.answered);
+                    g.report_max_ms = c.answer_max.as_secs_f64() * 1e3;
+                }
                 if let Some((layout, meminfo, agent)) = &c.last {
                     g.low_pages = layout.low;
                     g.high_pages = layout.high;
@@ -491,8 +508,9 @@ fn channel_thread(
             seq += 1;
             let asked = Instant::now();
             let r = read_report(&mut lines, &mut out, seq, guest.ram_pages, qemu);
+            let took = asked.elapsed();
             let drop_channel = matches!(r, Err(ReportError::Wire(_)));
-            if tx.send((guest.id, asked, r)).is_err() {
+            if tx.send((guest.id, asked, took, r)).is_err() {
                 return;
             }
             if drop_channel {

@@ -231,3 +231,50 @@ fn never_share_marks_resolve_to_the_frames_of_a_process_and_a_file() {
     assert!(!file_frames.contains(&mine[0]));
     drop(page);
 }
+
+/// A mark's path is opened each round inside the guest, where anyone may have replaced
+/// the file: a FIFO must not block `serve` (O_NONBLOCK), a symlink must not lead it
+/// elsewhere (O_NOFOLLOW), a vanished file drops the mark ("gone"), and an empty file
+/// names nothing. Run on a thread with a deadline, so a blocking open fails the test
+/// instead of hanging it.
+#[test]
+fn a_marked_path_that_is_a_fifo_a_symlink_gone_or_empty_is_refused_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path that lives across the call.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    let target = dir.path().join("target");
+    std::fs::write(&target, vec![1u8; 4096]).unwrap();
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let empty = dir.path().join("empty");
+    std::fs::write(&empty, b"").unwrap();
+    let gone = dir.path().join("gone");
+    let paths: Vec<String> = [&fifo, &link, &gone, &empty]
+        .iter()
+        .map(|p| p.to_str().unwrap().to_string())
+        .collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let results: Vec<(Result<(), String>, usize)> = paths
+            .iter()
+            .map(|p| {
+                let mut frames = Vec::new();
+                let r = guest::marks::frames_of_path(p, &mut frames);
+                (r, frames.len())
+            })
+            .collect();
+        tx.send(results).unwrap();
+    });
+    let r = rx
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("a marked path blocked the guest agent (a FIFO opened without O_NONBLOCK?)");
+    let err = |i: usize| r[i].0.clone().unwrap_err();
+    assert!(err(0).contains("not a regular file"), "fifo: {}", err(0));
+    assert_eq!(r[0].1, 0);
+    assert!(!err(1).ends_with("gone"), "a symlink is refused, not followed: {}", err(1));
+    assert_eq!(r[1].1, 0, "no frames through a symlink");
+    assert!(err(2).ends_with(": gone"), "{}", err(2));
+    assert_eq!(r[3], (Ok(()), 0), "an empty file names nothing");
+}

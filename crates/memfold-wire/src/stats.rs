@@ -354,7 +354,7 @@ pub struct VmStats {
 
 /// An enlightened guest's pages by category as its agent last reported them (PV §3.1;
 /// `memfold_core::categories`), and how the sharing scan used them. Pages are 4 KiB.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct GuestPages {
     /// Free (buddy allocator, per-CPU lists).
@@ -405,6 +405,13 @@ pub struct GuestPages {
     pub layout_exact: bool,
     /// The last error of its channel, if its last request failed.
     pub last_error: Option<String>,
+    /// Mean time from memfoldd's request to the report's last line, over the reports
+    /// answered, ms: mostly the guest agent's own work (it reads two words of
+    /// `/proc/kpageflags`/`kpagecount` per frame), done on a guest vCPU — the price the
+    /// guest pays for each report, at memfoldd's `--guest-interval-ms`.
+    pub report_ms: f64,
+    /// The longest such time, ms.
+    pub report_max_ms: f64,
 }
 
 /// memfoldd's statistics.

@@ -116,7 +116,7 @@ pub fn guest_pages(g: &memfold_wire::GuestPages) -> String {
         String::new()
     };
     format!(
-        "  guest says (MiB): free {:.0} cache {:.0} anon {:.0} slab {:.0} kernel {:.0}, active {:.0}{never}; {} reports, {} scan skips{err}",
+        "  guest says (MiB): free {:.0} cache {:.0} anon {:.0} slab {:.0} kernel {:.0}, active {:.0}{never}; {} reports ({:.0} ms each, at most {:.0}), {} scan skips{err}",
         mib(g.free),
         mib(g.cache),
         mib(g.anon),
@@ -124,6 +124,8 @@ pub fn guest_pages(g: &memfold_wire::GuestPages) -> String {
         mib(g.kernel),
         mib(g.active),
         g.reports,
+        g.report_ms,
+        g.report_max_ms,
         g.scan_skipped
     )
 }

@@ -21,11 +21,13 @@ impl Engine {
         id: VmId,
         runs: &[CategoryRun],
     ) -> Result<CategoryCounts, CategoryError> {
+        let now = self.now_us();
         let v = self.vms.get_mut(&id).ok_or(CategoryError::NoGuest)?;
         match CategoryMap::from_runs(v.pages(), runs) {
             Ok(m) => {
                 let c = m.counts();
                 v.categories = Some(m);
+                v.categories_at_us = now;
                 v.books.categories = Some(c);
                 v.books.category_reports += 1;
                 // Pages it now marks never-share that are shared come back (Satori §4.3).
@@ -53,6 +55,7 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use crate::categories::{Category, CategoryError, CategoryRun, CategorySet, PageInfo};
+    use crate::engine::de::GUEST_R_MAX_AGE_US;
     use crate::ids::Gfn;
     use crate::p2m::PageState;
     use crate::sim::Rig;
@@ -273,7 +276,9 @@ mod tests {
     /// no fault, and their R is the guest's referenced or active bit; kernel pages keep
     /// the host's R. A guest that reads every page each step: its pages the guest calls
     /// referenced or active stay warm, those it calls neither go cold although read,
-    /// and kernel pages stay warm by their faults. Off, every read page stays warm.
+    /// and kernel pages stay warm by their faults. Off, every read page stays warm; so
+    /// too when the guest's last report is older than [`GUEST_R_MAX_AGE_US`] (its agent
+    /// went quiet): R is the host's again.
     #[test]
     fn the_clock_takes_r_of_lru_pages_from_the_guest() {
         let run = |first: u32, count, category, active, referenced| CategoryRun {
@@ -287,7 +292,7 @@ mod tests {
                 never_share: false,
             },
         };
-        let classes = |from_guest: bool| {
+        let classes = |from_guest: bool, stale: bool| {
             let mut r = Rig::new(
                 EngineConfig {
                     clock_interval_us: Some(20_000),
@@ -308,6 +313,9 @@ mod tests {
                 run(64, 64, Category::Kernel, false, false),
             ];
             r.engine.guest_categories(r.vm, &report).unwrap();
+            if stale {
+                r.step(GUEST_R_MAX_AGE_US + 1).unwrap();
+            }
             let mut wp_only_seen = false;
             for _ in 0..40 {
                 for g in 0..128 {
@@ -326,7 +334,7 @@ mod tests {
                 r.step(5_000).unwrap();
             }
             r.engine.check_invariants().unwrap();
-            assert_eq!(wp_only_seen, from_guest);
+            assert_eq!(wp_only_seen, from_guest && !stale);
             let v = &r.engine.vms[&r.vm];
             let idle = |g: u32| v.clock.page(g).idle_scans() > 0;
             (
@@ -335,11 +343,20 @@ mod tests {
                 (64..128).filter(|&g| idle(g)).count(),
             )
         };
-        assert_eq!(classes(true), (0, 32, 0), "R from the guest for LRU pages");
         assert_eq!(
-            classes(false),
+            classes(true, false),
+            (0, 32, 0),
+            "R from the guest for LRU pages"
+        );
+        assert_eq!(
+            classes(false, false),
             (0, 0, 0),
             "R from faults: every page read is warm"
+        );
+        assert_eq!(
+            classes(true, true),
+            (0, 0, 0),
+            "a stale report's bits are not R: every page read is warm"
         );
     }
 }

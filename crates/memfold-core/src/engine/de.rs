@@ -18,6 +18,13 @@ use crate::{is_zero_page, Page, PAGE_SIZE};
 
 use super::scan::READ_PAGES;
 
+/// The oldest report whose referenced and active bits the clock takes as R, µs
+/// ([`crate::EngineConfig::clock_from_guest`]): 10 reports at memfoldd's default interval
+/// (3 s). A guest whose agent stopped answering (dead, stuck, or no longer asked) would
+/// otherwise be judged by what it said once; past this its pages are armed whole again
+/// and R is the host's.
+pub(crate) const GUEST_R_MAX_AGE_US: u64 = 30_000_000;
+
 impl Engine {
     /// Queues each attached guest's next clock slice when it is due (a pass over a guest
     /// spread evenly over the clock interval).
@@ -37,7 +44,8 @@ impl Engine {
             if let Some((first, count)) = v.clock.due_slice(now, interval) {
                 let arm = v.clock.arm_mask(first, count, self.cfg.clock_rearm_max);
                 // An enlightened guest's LRU pages: write-protected only, R from its bits.
-                let wp_only = match (&v.categories, from_guest) {
+                let fresh = now.saturating_sub(v.categories_at_us) <= GUEST_R_MAX_AGE_US;
+                let wp_only = match (&v.categories, from_guest && fresh) {
                     (Some(map), true) => {
                         let mut m = guest_lru_mask(map, first, count);
                         m.iter_mut().zip(&arm).for_each(|(w, a)| *w &= a);
@@ -228,6 +236,11 @@ impl Engine {
         };
         let gpn = Gpn(v.base.0 + g.0);
         let d = v.domain;
+        // Free in its guest's fresh report: the free-page discard's, which keeps nothing
+        // (free_discard.rs). Over the host budget, swap still may take it.
+        if !to_swap && self.free_for_discard(id, g) {
+            return;
+        }
         // Cold and identical to a frame or a page: shared, without a mapping (issue 19).
         if (a.patch || a.compress) && self.share_cold(id, g, page) {
             return;

@@ -26,7 +26,8 @@
 //! round is armed → report *k + 1*, asked after that, confirms which are still free → those
 //! are discarded ([`Command::DiscardFree`], state `Reclaiming` until answered, then a
 //! reclaimed zero page: refilled with zeros on access). Pages the guest reports free that
-//! are shared or stored stay as they are.
+//! are shared or stored stay as they are; a private one the Difference Engine leaves for
+//! the discard rather than storing it ([`Engine::free_for_discard`]).
 
 use super::{Command, Engine, Outcome};
 use crate::ids::{Gfn, VmId};
@@ -44,6 +45,8 @@ pub struct WatchRound(pub u64);
 /// One guest's free-page watch.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct FreeWatch {
+    /// Whether its last report allowed discards (no page poisoning), and discards are on.
+    pub(crate) allowed: bool,
     /// The round under way or armed (0: none yet).
     round: u64,
     /// Watch commands of the round not yet answered.
@@ -85,12 +88,14 @@ impl Engine {
         sampled_after: Option<WatchRound>,
         discardable: bool,
     ) -> usize {
-        if !(self.cfg.discard_free && self.cfg.guest_categories) {
-            return 0;
-        }
+        let on = self.cfg.discard_free && self.cfg.guest_categories;
         let Some(v) = self.vms.get_mut(&id).filter(|v| v.attached && !v.opted_out) else {
             return 0;
         };
+        v.free_watch.allowed = on && discardable;
+        if !on {
+            return 0;
+        }
         let Some(map) = v.categories.as_ref() else {
             return 0;
         };
@@ -162,6 +167,20 @@ impl Engine {
         } else if o == Outcome::Done {
             w.watched.push(g);
         }
+    }
+
+    /// Whether private page `g` of guest `id` is the free-page discard's to take: its
+    /// guest may be discarded and its last report, at most [`super::de::GUEST_R_MAX_AGE_US`]
+    /// old, shows the page free (its buddy allocator's). The Difference Engine leaves such
+    /// a page alone: a store would keep its dead bytes and decode them at its reuse,
+    /// where the discard keeps nothing and the reuse reads zeros.
+    pub(crate) fn free_for_discard(&self, id: VmId, g: Gfn) -> bool {
+        let now = self.now_us();
+        self.vms.get(&id).is_some_and(|v| {
+            v.free_watch.allowed
+                && now.saturating_sub(v.categories_at_us) <= super::de::GUEST_R_MAX_AGE_US
+                && v.categories.as_ref().is_some_and(|m| m.buddy(g))
+        })
     }
 
     /// The agent's answer to a discard of guest `id`'s free page `g`.
@@ -308,5 +327,70 @@ mod tests {
         report(&mut r, &[1, 2]);
         assert_eq!(r.engine.discard_free(r.vm, None, false), 0);
         assert!(r.engine.take_commands(r.vm).is_empty());
+    }
+
+    /// A private page its guest reports free is left to the free-page discard: the
+    /// Difference Engine stores the guest's other cold pages but not it (its bytes are
+    /// dead: a store would keep them, and decode them at the page's reuse), and the next
+    /// round discards it. A guest that may not be discarded (page poisoning) has its free
+    /// pages stored like any other.
+    #[test]
+    fn the_difference_engine_leaves_free_pages_to_the_discard() {
+        let text = |g: u32| -> Vec<u8> {
+            let line = format!("page {g}: a line of text that a guest keeps in a file. ");
+            line.bytes().cycle().take(PAGE_SIZE).collect()
+        };
+        let free: Vec<u32> = (0..PAGES / 2).collect();
+        let stored = |r: &Rig, pages: std::ops::Range<u32>| {
+            pages
+                .filter(|&g| {
+                    matches!(
+                        r.engine.page_state(r.vm, Gfn(g)),
+                        Some(PageState::Stored(_))
+                    )
+                })
+                .count()
+        };
+        let cold = |discardable: bool| {
+            let cfg = EngineConfig {
+                discard_free: true,
+                ..crate::sim::quick_config(Policy::difference_engine())
+            };
+            let mut r = Rig::new(cfg, PAGES).unwrap();
+            for g in 0..PAGES {
+                r.agent.write(Gfn(g), 0, &text(g)).unwrap();
+            }
+            report(&mut r, &free);
+            r.engine.discard_free(r.vm, None, discardable);
+            for _ in 0..50 {
+                r.step(10_000).unwrap();
+            }
+            r.engine.check_invariants().unwrap();
+            r
+        };
+        let mut r = cold(true);
+        assert_eq!(stored(&r, 0..PAGES / 2), 0, "free pages are not stored");
+        assert!(
+            stored(&r, PAGES / 2..PAGES) >= PAGES as usize / 4,
+            "the other cold pages are: {}",
+            stored(&r, PAGES / 2..PAGES)
+        );
+        let round = r.engine.watch_armed(r.vm).expect("the free pages watched");
+        report(&mut r, &free);
+        assert_eq!(r.engine.discard_free(r.vm, Some(round), true), free.len());
+        r.carry_out();
+        assert_eq!(r.engine.books().saved_by.free, free.len() as i64);
+        for g in 0..PAGES {
+            let want = if g < PAGES / 2 { vec![0; PAGE_SIZE] } else { text(g) };
+            assert_eq!(r.agent.peek(Gfn(g)).unwrap().to_vec(), want, "page {g}");
+        }
+        r.engine.check_invariants().unwrap();
+
+        let poisoning = cold(false);
+        assert!(
+            stored(&poisoning, 0..PAGES / 2) >= PAGES as usize / 4,
+            "a guest that may not be discarded has its free pages stored: {}",
+            stored(&poisoning, 0..PAGES / 2)
+        );
     }
 }

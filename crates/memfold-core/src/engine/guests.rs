@@ -253,6 +253,7 @@ impl Engine {
                         read_shared_at: Default::default(),
                         read_backoff: Default::default(),
                         categories: None,
+                        categories_at_us: 0,
                         never_share_pass_us: None,
                         clock_wp_only: Vec::new(),
                         sweep: 0,

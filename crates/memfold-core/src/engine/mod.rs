@@ -303,6 +303,8 @@ pub(crate) struct Vm {
     pub(crate) never_share_pass_us: Option<u64>,
     /// What its guest agent last said its pages are (PV §3.1; `None`: it said nothing).
     pub(crate) categories: Option<crate::categories::CategoryMap>,
+    /// When `categories` was reported, µs of the engine's clock.
+    pub(crate) categories_at_us: u64,
     /// The sharing scan's sweep over it in this full scan when categories are used: 0
     /// reads page-cache pages, 1 the rest ([`scan`]).
     pub(crate) sweep: u8,
