@@ -112,6 +112,11 @@ pub struct MemfoldArgs {
     /// and with `--guest-categories on` (the default) the scan uses them.
     #[arg(long)]
     pub enlightened: bool,
+    /// With `--enlightened`: how often memfoldd asks each guest for its categories, ms
+    /// (memfoldd's `--guest-interval-ms`; default: memfoldd's). Each report costs the
+    /// guest a read of two words per frame and their transfer (docs/enlightened.md).
+    #[arg(long, value_name = "MS", requires = "enlightened")]
+    pub guest_interval_ms: Option<u64>,
 }
 
 impl MemfoldArgs {
@@ -233,6 +238,10 @@ impl MemfoldArgs {
         if self.enlightened {
             v.push("--guest-channels".into());
             v.push(channels_dir(socket).into());
+            if let Some(ms) = self.guest_interval_ms {
+                v.push("--guest-interval-ms".into());
+                v.push(ms.to_string().into());
+            }
         }
         if self.engine.host_budget_mib.is_some() {
             v.push("--swap-dir".into());
@@ -348,6 +357,10 @@ mod tests {
             .windows(2)
             .any(|w| w == ["--guest-channels", "/o/channels"]));
         assert!(v.windows(2).any(|w| w == ["--guest-categories", "off"]));
+        assert!(!v.iter().any(|s| s == "--guest-interval-ms"), "memfoldd's own");
+        let a = parse(&["--enlightened", "--guest-interval-ms", "10000"]);
+        let v = strings(a.memfoldd_args(Path::new("/o/memfoldd.sock"), Path::new("/o")));
+        assert!(v.windows(2).any(|w| w == ["--guest-interval-ms", "10000"]));
     }
 
     #[test]
