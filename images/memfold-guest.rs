@@ -25,8 +25,9 @@
 //!   the page, printing its frame again if the kernel moves it (the host's check that it
 //!   maps frames to memfold's gfns right: it finds TEXT at the gfn of that frame).
 //!
-//! Built by memfold-vm's build script (statically linked, no crates) and put in the `tiny`
-//! image's initramfs by images/build.sh; tiny-init starts `memfold-guest serve` at boot.
+//! Built by memfold-vm's build script (statically linked, no crates) and put in every
+//! image's initramfs by images/build.sh; tiny-init, or in the Debian images guest-init,
+//! starts `memfold-guest serve` at boot.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
