@@ -44,8 +44,7 @@ impl Engine {
             if let Some((first, count)) = v.clock.due_slice(now, interval) {
                 let arm = v.clock.arm_mask(first, count, self.cfg.clock_rearm_max);
                 // An enlightened guest's LRU pages: write-protected only, R from its bits.
-                let fresh = now.saturating_sub(v.categories_at_us) <= GUEST_R_MAX_AGE_US;
-                let wp_only = match (&v.categories, from_guest && fresh) {
+                let wp_only = match (v.fresh_categories(now), from_guest) {
                     (Some(map), true) => {
                         let mut m = guest_lru_mask(map, first, count);
                         m.iter_mut().zip(&arm).for_each(|(w, a)| *w &= a);

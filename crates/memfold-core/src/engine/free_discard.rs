@@ -177,9 +177,7 @@ impl Engine {
     pub(crate) fn free_for_discard(&self, id: VmId, g: Gfn) -> bool {
         let now = self.now_us();
         self.vms.get(&id).is_some_and(|v| {
-            v.free_watch.allowed
-                && now.saturating_sub(v.categories_at_us) <= super::de::GUEST_R_MAX_AGE_US
-                && v.categories.as_ref().is_some_and(|m| m.buddy(g))
+            v.free_watch.allowed && v.fresh_categories(now).is_some_and(|m| m.buddy(g))
         })
     }
 

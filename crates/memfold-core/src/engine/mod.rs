@@ -347,6 +347,14 @@ impl Vm {
         self.p2m[g.index()] = P2mEntry::new(s);
     }
 
+    /// Its guest's last report, if at most [`de::GUEST_R_MAX_AGE_US`] old at `now`: what
+    /// the clock and the Difference Engine may act on (a quiet agent's old word is not).
+    pub(crate) fn fresh_categories(&self, now: u64) -> Option<&crate::categories::CategoryMap> {
+        self.categories
+            .as_ref()
+            .filter(|_| now.saturating_sub(self.categories_at_us) <= de::GUEST_R_MAX_AGE_US)
+    }
+
     /// Whether page `g` is a free page the guest reported and memfoldd discarded, not
     /// touched since ([`P2mEntry::FREE_HOLE`]; its state is [`PageState::Zero`]).
     pub(crate) fn is_free_hole(&self, g: Gfn) -> bool {
