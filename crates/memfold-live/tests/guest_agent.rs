@@ -273,7 +273,11 @@ fn a_marked_path_that_is_a_fifo_a_symlink_gone_or_empty_is_refused_without_block
     let err = |i: usize| r[i].0.clone().unwrap_err();
     assert!(err(0).contains("not a regular file"), "fifo: {}", err(0));
     assert_eq!(r[0].1, 0);
-    assert!(!err(1).ends_with("gone"), "a symlink is refused, not followed: {}", err(1));
+    assert!(
+        !err(1).ends_with("gone"),
+        "a symlink is refused, not followed: {}",
+        err(1)
+    );
     assert_eq!(r[1].1, 0, "no frames through a symlink");
     assert!(err(2).ends_with(": gone"), "{}", err(2));
     assert_eq!(r[3], (Ok(()), 0), "an empty file names nothing");

@@ -357,7 +357,10 @@ mod tests {
             .windows(2)
             .any(|w| w == ["--guest-channels", "/o/channels"]));
         assert!(v.windows(2).any(|w| w == ["--guest-categories", "off"]));
-        assert!(!v.iter().any(|s| s == "--guest-interval-ms"), "memfoldd's own");
+        assert!(
+            !v.iter().any(|s| s == "--guest-interval-ms"),
+            "memfoldd's own"
+        );
         let a = parse(&["--enlightened", "--guest-interval-ms", "10000"]);
         let v = strings(a.memfoldd_args(Path::new("/o/memfoldd.sock"), Path::new("/o")));
         assert!(v.windows(2).any(|w| w == ["--guest-interval-ms", "10000"]));

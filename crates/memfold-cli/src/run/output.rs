@@ -82,7 +82,11 @@ fn write_csv(csv: &Path, r: &MemfoldRun) -> Result<()> {
             s.stats.vms.iter().map(|v| v.read_shares).sum::<u64>(),
             s.stats.vms.iter().map(|v| v.read_landed).sum::<u64>(),
             s.stats.vms.iter().map(|v| v.read_fills).sum::<u64>(),
-            s.stats.vms.iter().map(|v| v.free_reclaimed_pages).sum::<u64>(),
+            s.stats
+                .vms
+                .iter()
+                .map(|v| v.free_reclaimed_pages)
+                .sum::<u64>(),
             by.free * 4096
         )?;
     }
@@ -409,7 +413,10 @@ pub(crate) fn mechanisms_mib(by: &SavedBy) -> String {
 
 /// The books at the end: by mechanism, the budget and swap, stored pages' lifetimes.
 fn print_end_books(s: &Stats) {
-    println!("by mechanism at the end (books, MiB): {}", mechanisms_mib(&s.saved_by));
+    println!(
+        "by mechanism at the end (books, MiB): {}",
+        mechanisms_mib(&s.saved_by)
+    );
     let w = &s.swap;
     if w.budget_pages.is_some() {
         let ins: u64 = s.vms.iter().map(|v| v.swap_ins).sum();

@@ -264,7 +264,10 @@ mod tests {
         // Touched again: no longer saved.
         r.report();
         let b = r.engine.books();
-        assert_eq!((b.vms[0].books.free_reclaimed_pages, b.saved_by.free), (1, 1));
+        assert_eq!(
+            (b.vms[0].books.free_reclaimed_pages, b.saved_by.free),
+            (1, 1)
+        );
         assert_eq!(b.saved_pages, 1);
         r.engine.check_invariants().unwrap();
         // The round is over: the next report starts another.
@@ -379,7 +382,11 @@ mod tests {
         r.carry_out();
         assert_eq!(r.engine.books().saved_by.free, free.len() as i64);
         for g in 0..PAGES {
-            let want = if g < PAGES / 2 { vec![0; PAGE_SIZE] } else { text(g) };
+            let want = if g < PAGES / 2 {
+                vec![0; PAGE_SIZE]
+            } else {
+                text(g)
+            };
             assert_eq!(r.agent.peek(Gfn(g)).unwrap().to_vec(), want, "page {g}");
         }
         r.engine.check_invariants().unwrap();
