@@ -150,7 +150,9 @@ impl Agent {
                 }
             }
             ToAgent::DiscardFree { batch, gfns } => {
-                let o = self.punch_zero(gfns, Punch::IfWatched)?;
+                let (private, held) = self.split_held(gfns);
+                let mut o = self.punch_zero(private, Punch::IfWatched)?;
+                self.discard_held(held, &mut o);
                 self.counters
                     .reclaim
                     .record_batch(started.elapsed(), o.done.len());
@@ -401,14 +403,26 @@ impl Agent {
     }
 
     /// Carries out a watch request (issue 17's free-page discard): write-protects the
-    /// private pages and sets their watch bits. Refuses the others, and pages a writer in
-    /// another process holds (the write fence): its write could land after the
-    /// protection without a fault.
+    /// private pages and sets their watch bits, and those of pages on a pool frame or
+    /// stashed (protected already). Refuses the others (zero pages: nothing to discard),
+    /// and pages a writer in another process holds (the write fence): its write could
+    /// land after the protection without a fault.
     ///
     /// Errors: write-protecting a run failed (bits set so far stay: those pages are
     /// protected).
     fn watch(&mut self, gfns: Vec<Gfn>) -> io::Result<Outcome> {
         let mut out = Outcome::default();
+        let (gfns, held) = self.split_held(gfns);
+        // A page on a frame or stashed is protected already: any write to it faults (a
+        // CoW break, a decode) and gives it a new home, which ends the watch.
+        for g in held {
+            if held_by_writers(self.page_addr(g), 1)[0] {
+                out.refused.push(g);
+            } else {
+                self.pages.watch(g);
+                out.done.push(g);
+            }
+        }
         let gfns = self.private_only(gfns, &mut out);
         for (g0, n) in runs(&gfns) {
             let addr = self.page_addr(g0);
@@ -423,6 +437,53 @@ impl Agent {
             }
         }
         Ok(out)
+    }
+
+    /// `gfns` split into pages on a pool frame or stashed (memfold holds them outside
+    /// guest RAM) and the rest, each sorted and without repeats.
+    fn split_held(&self, mut gfns: Vec<Gfn>) -> (Vec<Gfn>, Vec<Gfn>) {
+        gfns.sort_unstable();
+        gfns.dedup();
+        gfns.into_iter().partition(|&g| {
+            !matches!(
+                self.pages.get(g),
+                Some(PageHome::Frame(_) | PageHome::Stashed(_))
+            )
+        })
+    }
+
+    /// The free-page discard of pages memfold holds outside guest RAM (Satori §4.3's
+    /// no-copy-on-write, per page; issue 17): a page on a pool frame or stashed whose
+    /// watch bit is still set was free at an instant after which nothing wrote it — a
+    /// write would have broken its share or decoded it, giving it a new home and ending
+    /// the watch — so it becomes a reclaimed zero page: the frame's mapping gives way to
+    /// guest RAM's hole (the frame loses this holder), the blob is let go. Its next
+    /// access reads zeros and no copy is made. The invariant is the private discard's
+    /// ([`Agent::punch_zero`]): *discarded only if unwritten since its watch*. A page a
+    /// writer in another process holds, or whose mapping back would take QEMU past its
+    /// VMA budget, stays as it is (changed, refused).
+    fn discard_held(&mut self, gfns: Vec<Gfn>, out: &mut Outcome) {
+        for g in gfns {
+            if !self.pages.watched(g) || held_by_writers(self.page_addr(g), 1)[0] {
+                out.changed.push(g);
+                continue;
+            }
+            if let PageHome::Frame(_) = self.pages.home(g) {
+                let fits =
+                    crate::vmas::PROCESS.break_fits(self.vma_budget, crate::vmas::read_self_maps);
+                // A hole already (punched at the share); punched again in case something
+                // wrote the memfd outside QEMU's mapping, so the page reads zeros.
+                self.punch(g, 1);
+                if !fits || self.map_guest_page(g).is_err() {
+                    out.refused.push(g);
+                    continue;
+                }
+            } else {
+                self.punch(g, 1);
+            }
+            self.pages.set(g, PageHome::Zero);
+            out.done.push(g);
+        }
     }
 
     /// `gfns` sorted, without repeats, and private; the others refused in `out`.

@@ -114,7 +114,7 @@ pub(crate) struct Pages {
     referenced: Vec<u64>,
     modified: Vec<u64>,
     /// Watch bits (issue 17's free-page discard): set by [`Pages::watch`] on a private
-    /// page just write-protected; cleared by a write ([`Pages::mark`]), by any change of
+    /// page just write-protected, or on a page on a frame or stashed; cleared by a write ([`Pages::mark`]), by any change of
     /// the page's home ([`Pages::set`]) and by the agent lifting the protection
     /// ([`Pages::unwatch`]). The invariant the discard keeps: *a page whose bit is set
     /// has been write-protected, and written by no one, since it was watched*.
@@ -234,10 +234,10 @@ impl Pages {
         self.unwatch(gfn, 1);
     }
 
-    /// Sets the watch bit of private page `gfn`, which the caller has just
-    /// write-protected.
+    /// Sets the watch bit of page `gfn`: a private page the caller has just
+    /// write-protected, or one on a pool frame or stashed (any write to those faults).
     pub(crate) fn watch(&mut self, gfn: Gfn) {
-        debug_assert!(self.is_private(gfn));
+        debug_assert!(!matches!(self.get(gfn), Some(PageHome::Zero) | None));
         self.watched[gfn.index() / 64] |= 1 << (gfn.0 % 64);
     }
 

@@ -6,7 +6,9 @@
 //! memfoldd then asks to discard them all, and a page it never
 //! watched: the written and the unwatched page keep their bytes, the others read zeros
 //! and are holes in the memfd. A share of a watched page ends its watch too (a new home),
-//! and so does a zero-page reclaim's unprotect.
+//! and so does a zero-page reclaim's unprotect. A page on a frame is watched as it is
+//! (protected by its share) and discarded off its frame without a copy; one written
+//! after its watch is CoW-broken and kept.
 //!
 //! This test binary plays QEMU (one `memory-backend-memfd` mapped) and memfoldd. One test
 //! only: the agent, run in this process, takes every such memfd of the process.
@@ -16,9 +18,10 @@ mod common;
 use std::os::fd::AsFd;
 
 use common::{agent_with_pool, next, page_of, region, share, watch, write};
+use memfold_codecs::page_checksum;
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
-use memfold_wire::{BatchId, Conn, FrameId, Gfn, ToAgent, ToDaemon};
+use memfold_wire::{BatchId, Blob, BlobHome, Conn, FrameId, Gfn, StashPage, ToAgent, ToDaemon};
 
 /// Guest RAM, pages.
 const PAGES: usize = 16;
@@ -61,9 +64,12 @@ fn only_pages_unwritten_since_their_watch_are_discarded() {
         write(ptr, g, &bytes);
     }
     let dir = tempfile::tempdir().unwrap();
-    // One pool frame holding page 6's bytes, for a share.
-    let frame: Vec<u8> = (0..PAGE_SIZE).map(|i| pattern(6, i)).collect();
-    let (c, _pool, _store) = agent_with_pool(&dir.path().join("memfoldd.sock"), &[frame]);
+    // Pool frames holding pages 6, 10 and 11's bytes, for shares.
+    let frames: Vec<Vec<u8>> = [6, 10, 11]
+        .iter()
+        .map(|&g| (0..PAGE_SIZE).map(|i| pattern(g, i)).collect())
+        .collect();
+    let (c, _pool, store) = agent_with_pool(&dir.path().join("memfoldd.sock"), &frames);
 
     // Page 8 armed by the clock first (write-protected and zapped: its next write is a
     // minor fault, not a write-protect fault).
@@ -160,4 +166,97 @@ fn only_pages_unwritten_since_their_watch_are_discarded() {
     assert!(discarded.is_empty());
     assert_eq!(changed, gfns(&[0, 4]));
     assert_eq!(&page_of(ptr, 4)[..6], b"reused");
+
+    // Shared pages (Satori §4.3's no-copy-on-write, per page): pages 10 and 11 on their
+    // frames are watched (protected already), the guest writes page 11 (a CoW break: its
+    // watch ends), and the discard drops page 10 from its frame to a hole, no copy made.
+    let (shared, _, _) = share(
+        &c,
+        BatchId(6),
+        vec![(Gfn(10), FrameId(1)), (Gfn(11), FrameId(2))],
+    );
+    assert_eq!(shared, gfns(&[10, 11]));
+    let (watched, refused) = watch(&c, 7, &[10, 11]);
+    assert_eq!((watched, refused), (gfns(&[10, 11]), vec![]));
+    write(ptr, 11, b"written on the frame");
+    // Written back to the frame's bytes and shared again: on its frame, but its watch
+    // ended with the break, so it is not discarded (memfoldd may still think it free).
+    let orig11: Vec<u8> = (0..PAGE_SIZE).map(|i| pattern(11, i)).collect();
+    write(ptr, 11, &orig11);
+    let (shared, _, _) = share(&c, BatchId(9), vec![(Gfn(11), FrameId(2))]);
+    assert_eq!(shared, gfns(&[11]));
+    let (discarded, changed, refused) = discard(&c, 8, &[10, 11]);
+    assert_eq!(discarded, gfns(&[10]), "watched and unwritten on its frame");
+    assert_eq!(
+        changed,
+        gfns(&[11]),
+        "written after its watch, then shared again"
+    );
+    assert!(refused.is_empty(), "{refused:?}");
+    assert!(
+        page_of(ptr, 10).iter().all(|&x| x == 0),
+        "page 10 reads zeros"
+    );
+    let mut b = vec![0xffu8; PAGE_SIZE];
+    memfd::pread_exact(fd.as_fd(), &mut b, (10 * PAGE_SIZE) as u64).unwrap();
+    assert!(b.iter().all(|&x| x == 0), "page 10 is a hole in the memfd");
+    assert_eq!(page_of(ptr, 11), orig11);
+    // Page 10 is guest RAM again (no longer the frame's): a write stays its own.
+    write(ptr, 10, b"after");
+    assert_eq!(&page_of(ptr, 10)[..5], b"after");
+    assert!(page_of(ptr, 10)[5..].iter().all(|&x| x == 0));
+
+    // Stashed pages: 12 and 13 kept as raw blobs in the store, watched; the guest reads
+    // page 13 (decoded back: its watch ends) and the discard lets page 12's blob go.
+    for (k, g) in [12usize, 13].into_iter().enumerate() {
+        let page: Vec<u8> = (0..PAGE_SIZE).map(|i| pattern(g, i)).collect();
+        memfd::pwrite_all(store.as_fd(), &page, (k * PAGE_SIZE) as u64).unwrap();
+    }
+    let stash = |g: usize, k: usize| StashPage {
+        gfn: Gfn(g as u32),
+        blob: Blob::Raw,
+        home: BlobHome::Store,
+        offset: (k * PAGE_SIZE) as u64,
+        len: PAGE_SIZE as u32,
+        moving: false,
+        checksum: page_checksum(
+            &(0..PAGE_SIZE)
+                .map(|i| pattern(g, i))
+                .collect::<Vec<u8>>()
+                .try_into()
+                .unwrap(),
+        ),
+    };
+    c.send(
+        &ToAgent::Stash {
+            batch: BatchId(10),
+            pages: vec![stash(12, 0), stash(13, 1)],
+        },
+        &[],
+    )
+    .unwrap();
+    let stashed = next(&c, |m| match m {
+        ToDaemon::StashDone {
+            batch: BatchId(10),
+            stashed,
+            ..
+        } => Some(stashed.clone()),
+        _ => None,
+    });
+    assert_eq!(stashed, gfns(&[12, 13]));
+    let (watched, _) = watch(&c, 11, &[12, 13]);
+    assert_eq!(watched, gfns(&[12, 13]));
+    let want13: Vec<u8> = (0..PAGE_SIZE).map(|i| pattern(13, i)).collect();
+    assert_eq!(page_of(ptr, 13), want13, "decoded back by a read");
+    let (discarded, changed, refused) = discard(&c, 12, &[12, 13]);
+    assert_eq!(discarded, gfns(&[12]), "stashed, watched, untouched");
+    assert_eq!(changed, gfns(&[13]), "decoded since its watch");
+    assert!(refused.is_empty(), "{refused:?}");
+    // The blob is no longer read: page 12 reads zeros even with the store overwritten.
+    memfd::pwrite_all(store.as_fd(), &[0xee; PAGE_SIZE], 0).unwrap();
+    assert!(
+        page_of(ptr, 12).iter().all(|&x| x == 0),
+        "page 12 reads zeros"
+    );
+    assert_eq!(page_of(ptr, 13), want13);
 }

@@ -348,20 +348,23 @@ impl SimAgent {
                 self.punch(gfn);
                 Outcome::Done
             }
-            // As the real agent: write-protected, so that a write is seen.
+            // As the real agent: a private page write-protected, so that a write is seen;
+            // a page on a frame or stashed is protected already (a write gives it a new
+            // home, which ends the watch).
             Command::Watch { gfn, .. } => {
                 let i = gfn.index();
-                if gfn.0 >= self.pages() || self.home[i] != Home::Private {
+                if gfn.0 >= self.pages() || self.home[i] == Home::Zero {
                     return Outcome::Refused;
                 }
                 self.watched[i] = true;
-                if self.tracking[i] == Tracking::Open {
+                if self.home[i] == Home::Private && self.tracking[i] == Tracking::Open {
                     self.tracking[i] = Tracking::ReadOnly;
                 }
                 Outcome::Done
             }
+            // As the real agent: private, shared or stored, discarded only while watched.
             Command::DiscardFree { gfn } => {
-                if gfn.0 >= self.pages() || self.home[gfn.index()] != Home::Private {
+                if gfn.0 >= self.pages() || self.home[gfn.index()] == Home::Zero {
                     return Outcome::Refused;
                 }
                 if !self.watched[gfn.index()] {

@@ -236,6 +236,14 @@ pub struct VmStats {
     /// `zero_reclaimed_pages`).
     #[serde(default)]
     pub free_discards: u64,
+    /// Of `free_discards`, pages that were shared: dropped from their frames with no
+    /// copy (Satori §4.3's no-copy-on-write, per page; cumulative).
+    #[serde(default)]
+    pub free_discards_shared: u64,
+    /// Of `free_discards`, pages that were stored (patched, compressed or swapped): their
+    /// blobs released (cumulative).
+    #[serde(default)]
+    pub free_discards_stored: u64,
     /// Of `zero_reclaimed_pages`, discarded free pages not touched since: what free-page
     /// discard saves now, pages (issue 17).
     #[serde(default)]

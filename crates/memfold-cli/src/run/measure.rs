@@ -507,8 +507,13 @@ pub struct GuestEvents {
     pub read_fills: u64,
     /// Copy-on-write breaks of shared pages.
     pub cow_breaks: u64,
-    /// Shared pages freed by the guest and discarded, their copies avoided.
+    /// Shared pages freed by the guest and discarded, their copies avoided: by its VMM
+    /// (free page reporting, a balloon) or by memfold's free-page discard.
     pub cow_copies_avoided: u64,
+    /// Free pages an enlightened guest reported, discarded without a copy (issue 17).
+    pub free_discards: u64,
+    /// Of those, pages that were stored: blobs released.
+    pub free_discards_stored: u64,
     /// Zero pages reclaimed.
     pub reclaims: u64,
     /// Reclaimed zero pages filled again on access.
@@ -532,7 +537,9 @@ impl GuestEvents {
             read_shares: sum(|v| v.read_shares),
             read_fills: sum(|v| v.read_fills),
             cow_breaks: sum(|v| v.cow_breaks),
-            cow_copies_avoided: sum(|v| v.cow_copies_avoided),
+            cow_copies_avoided: sum(|v| v.cow_copies_avoided + v.free_discards_shared),
+            free_discards: sum(|v| v.free_discards),
+            free_discards_stored: sum(|v| v.free_discards_stored),
             reclaims: sum(|v| v.reclaims),
             refills: sum(|v| v.refills),
             hot_skipped: sum(|v| v.hot_skipped),

@@ -72,6 +72,12 @@ pub struct VmBooks {
     /// Free pages discarded: holes now, zeros on their next access (cumulative; while
     /// untouched they count in `zero_reclaimed_pages`).
     pub free_discards: u64,
+    /// Of `free_discards`, pages that were shared (Satori §4.3's no-copy-on-write, per
+    /// page: the frame lost a holder and the guest's next write copies nothing).
+    pub free_discards_shared: u64,
+    /// Of `free_discards`, pages that were stored (patched, compressed or swapped): their
+    /// blobs released.
+    pub free_discards_stored: u64,
     /// Of `zero_reclaimed_pages`, free pages the guest reported, discarded and not
     /// touched since: what free-page discard saves now (issue 17). A memfoldd restart
     /// books those it finds as zero pages (the agent's list does not tell them apart).

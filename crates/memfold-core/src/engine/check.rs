@@ -146,8 +146,11 @@ impl Engine {
                     Command::Share { gfn, frame } | Command::Fill { gfn, frame, .. } => {
                         v.state(gfn) == PageState::Sharing(frame)
                     }
-                    Command::Reclaim { gfn } | Command::DiscardFree { gfn } => {
-                        v.state(gfn) == PageState::Reclaiming
+                    Command::Reclaim { gfn } => v.state(gfn) == PageState::Reclaiming,
+                    // A shared or stored page keeps its state until the answer, and
+                    // may be CoW-broken or decoded meanwhile.
+                    Command::DiscardFree { gfn } => {
+                        v.free_watch.held.contains(&gfn) || v.state(gfn) == PageState::Reclaiming
                     }
                     // A move whose page the guest took back meanwhile stays queued,
                     // its blob an orphan: the agent will answer it `Changed`.

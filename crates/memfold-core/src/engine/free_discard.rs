@@ -25,9 +25,18 @@
 //! A round: report *k* names free private pages → they are watched → all answered: the
 //! round is armed → report *k + 1*, asked after that, confirms which are still free → those
 //! are discarded ([`Command::DiscardFree`], state `Reclaiming` until answered, then a
-//! reclaimed zero page: refilled with zeros on access). Pages the guest reports free that
-//! are shared or stored stay as they are; a private one the Difference Engine leaves for
-//! the discard rather than storing it ([`Engine::free_for_discard`]).
+//! reclaimed zero page: refilled with zeros on access). A private page the guest reports
+//! free the Difference Engine leaves for the discard rather than storing it
+//! ([`Engine::free_for_discard`]).
+//!
+//! Pages the guest reports free that are **shared or stored** go the same way (Satori
+//! §4.3's no-copy-on-write, per page instead of per reported 2 MiB block): the agent's
+//! watch of such a page is only its bit (the page is protected already: a write breaks
+//! the share or decodes it, a new home, which ends the watch), and a discard drops the
+//! frame's mapping or the blob. The engine leaves their state as it is until the agent
+//! answers — as a take-back does — so a CoW break or decode under way is booked by its
+//! own event; a done answer finds the page still shared or stored and releases the frame
+//! reference or blob ([`Engine::discard_outcome`]).
 
 use super::{Command, Engine, Outcome};
 use crate::ids::{Gfn, VmId};
@@ -53,6 +62,10 @@ pub(crate) struct FreeWatch {
     pending: u32,
     /// Pages the agent said it watches in this round.
     watched: Vec<Gfn>,
+    /// Shared or stored pages whose discard is under way (their state unchanged until
+    /// the answer): how the answer is told from a private page's, whose state is
+    /// `Reclaiming`. Cleared when the agent attaches again (answers in doubt are lost).
+    pub(crate) held: std::collections::HashSet<Gfn>,
 }
 
 impl FreeWatch {
@@ -114,14 +127,23 @@ impl Engine {
             }
             let still_free: Vec<Gfn> = std::mem::take(&mut w.watched)
                 .into_iter()
-                .filter(|&g| map.buddy(g) && v.state(g) == PageState::Private)
+                .filter(|&g| map.buddy(g) && discardable_state(v.state(g)))
                 .collect();
-            for &g in &still_free {
-                v.set(g, PageState::Reclaiming);
+            let mut asked = 0;
+            for g in still_free {
+                if v.free_watch.held.contains(&g) {
+                    continue; // a discard of it under way already
+                }
+                if v.state(g) == PageState::Private {
+                    v.set(g, PageState::Reclaiming);
+                } else {
+                    v.free_watch.held.insert(g);
+                }
                 v.queue.push(Command::DiscardFree { gfn: g });
+                asked += 1;
             }
-            v.books.free_discard_asks += still_free.len() as u64;
-            return still_free.len();
+            v.books.free_discard_asks += asked as u64;
+            return asked;
         }
         w.round += 1;
         let w_round = w.round;
@@ -143,6 +165,23 @@ impl Engine {
                 }
             }
             from = run_end.0.max(first.0 + 1);
+        }
+        // Shared and stored pages are holes in guest RAM: found in the P2M.
+        if asked < MAX_WATCH {
+            for i in 0..end {
+                let g = Gfn(i);
+                if matches!(v.state(g), PageState::Shared(_) | PageState::Stored(_)) && map.buddy(g)
+                {
+                    if asked == MAX_WATCH {
+                        break;
+                    }
+                    v.queue.push(Command::Watch {
+                        gfn: g,
+                        round: WatchRound(w_round),
+                    });
+                    asked += 1;
+                }
+            }
         }
         v.free_watch.pending = asked as u32;
         v.books.free_watches += asked as u64;
@@ -181,12 +220,47 @@ impl Engine {
         })
     }
 
-    /// The agent's answer to a discard of guest `id`'s free page `g`.
+    /// The agent's answer to a discard of guest `id`'s free page `g`: a private page's
+    /// (state `Reclaiming`) as a zero-page reclaim's; a shared or stored page's, done,
+    /// releases the frame reference or the blob, and the page is a discarded free page.
+    /// A shared or stored page that is no longer so was answered `Changed` (the agent
+    /// saw the write or decode first) and its event did the books.
     pub(crate) fn discard_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) {
-        if self.punched_outcome(id, g, o, true) {
-            self.vms.get_mut(&id).expect("checked").books.free_discards += 1;
+        let Some(v) = self.vms.get_mut(&id) else {
+            return;
+        };
+        if !v.free_watch.held.remove(&g) {
+            if self.punched_outcome(id, g, o, true) {
+                self.vms.get_mut(&id).expect("checked").books.free_discards += 1;
+            }
+            return;
+        }
+        let (shared, stored) = match (v.state(g), o) {
+            (PageState::Shared(f), Outcome::Done) => (self.take_shared(id, g, f), false),
+            (PageState::Stored(_) | PageState::Moving(_), Outcome::Done) => {
+                (false, self.take_stored(id, g).is_some())
+            }
+            _ => return,
+        };
+        if shared || stored {
+            let v = self.vms.get_mut(&id).expect("checked");
+            v.p2m[g.index()] = crate::p2m::P2mEntry::FREE_HOLE;
+            v.books.zero_reclaimed_pages += 1;
+            v.books.free_reclaimed_pages += 1;
+            v.books.free_discards += 1;
+            v.books.free_discards_shared += u64::from(shared);
+            v.books.free_discards_stored += u64::from(stored);
         }
     }
+}
+
+/// Whether a page in state `s` may be discarded when its guest reports it free: private,
+/// shared or stored (not in flight, not a zero page already).
+fn discardable_state(s: PageState) -> bool {
+    matches!(
+        s,
+        PageState::Private | PageState::Shared(_) | PageState::Stored(_)
+    )
 }
 
 #[cfg(test)]
@@ -328,6 +402,224 @@ mod tests {
         report(&mut r, &[1, 2]);
         assert_eq!(r.engine.discard_free(r.vm, None, false), 0);
         assert!(r.engine.take_commands(r.vm).is_empty());
+    }
+
+    /// Satori §4.3's no-copy-on-write, per page: shared pages the guest reports free are
+    /// watched (their share protects them) and, still free in a later report, dropped
+    /// from their frame to a hole — no copy, the frame loses a holder. One the guest
+    /// wrote after its watch (a CoW break) keeps its bytes; the page still sharing the
+    /// frame keeps reading it.
+    #[test]
+    fn shared_pages_reported_free_are_dropped_from_their_frame_without_a_copy() {
+        let cfg = EngineConfig {
+            policy: Policy::sharing_only(),
+            clock_interval_us: None,
+            rate: 1 << 20,
+            min_scan_interval_us: 10_000,
+            max_scan_interval_us: 10_000,
+            quiet_scan_period: 1,
+            discard_free: true,
+            ..EngineConfig::default()
+        };
+        let mut r = Rig::new(cfg, PAGES).unwrap();
+        let dup = [0x5au8; PAGE_SIZE];
+        for g in 0..PAGES {
+            if g < 4 {
+                r.agent.write(Gfn(g), 0, &dup).unwrap();
+            } else {
+                r.agent.write(Gfn(g), 0, &[g as u8 + 1; 64]).unwrap();
+            }
+        }
+        for _ in 0..4 {
+            r.step(20_000).unwrap();
+        }
+        for g in 0..4 {
+            assert!(
+                matches!(
+                    r.engine.page_state(r.vm, Gfn(g)),
+                    Some(PageState::Shared(_))
+                ),
+                "page {g}: {:?}",
+                r.engine.page_state(r.vm, Gfn(g))
+            );
+        }
+        let shared_before = r.engine.books().vms[0].books.shared_pages;
+        report(&mut r, &[0, 1, 2]);
+        assert_eq!(r.engine.discard_free(r.vm, None, true), 3, "watches");
+        r.carry_out();
+        let round = r.engine.watch_armed(r.vm).expect("armed");
+        // The guest writes page 1 after its watch: a CoW break, its own bytes again.
+        r.agent.write(Gfn(1), 0, b"mine").unwrap();
+        r.report();
+        report(&mut r, &[0, 1, 2]);
+        // Page 1 is private now: discarded only if its watch held (it did not).
+        assert_eq!(r.engine.discard_free(r.vm, Some(round), true), 3);
+        r.carry_out();
+        let b = r.engine.books().vms[0].books.clone();
+        assert_eq!(
+            (
+                b.free_discards,
+                b.free_discards_shared,
+                b.free_discards_stored
+            ),
+            (2, 2, 0)
+        );
+        assert_eq!(b.cow_breaks, 1, "only the written page was copied");
+        assert_eq!(b.shared_pages, shared_before - 3);
+        assert_eq!(b.free_reclaimed_pages, 2);
+        for g in [0, 2] {
+            assert_eq!(r.engine.page_state(r.vm, Gfn(g)), Some(PageState::Zero));
+            assert_eq!(r.agent.peek(Gfn(g)).unwrap(), [0u8; PAGE_SIZE], "page {g}");
+        }
+        let mut want1 = dup;
+        want1[..4].copy_from_slice(b"mine");
+        assert_eq!(r.agent.peek(Gfn(1)).unwrap(), want1);
+        assert_eq!(r.agent.peek(Gfn(3)).unwrap(), dup, "still on the frame");
+        r.engine.check_invariants().unwrap();
+    }
+
+    /// The race the agent's watch bit closes for a shared page: the guest's report is
+    /// sampled (page 0 free), then the guest allocates and writes page 0 — with bytes
+    /// that equal the frame, so the scan shares it again before the report arrives.
+    /// memfoldd sees a shared page its report calls free and asks to discard it; the
+    /// agent refuses (the CoW break ended the watch) and the guest's bytes stay.
+    #[test]
+    fn a_page_written_and_shared_again_after_the_sample_is_not_discarded() {
+        let cfg = EngineConfig {
+            policy: Policy::sharing_only(),
+            clock_interval_us: None,
+            rate: 1 << 20,
+            min_scan_interval_us: 10_000,
+            max_scan_interval_us: 10_000,
+            quiet_scan_period: 1,
+            discard_free: true,
+            ..EngineConfig::default()
+        };
+        let mut r = Rig::new(cfg, PAGES).unwrap();
+        let dup = [0x5au8; PAGE_SIZE];
+        for g in 0..PAGES {
+            let b = if g < 4 { dup } else { [g as u8 + 1; PAGE_SIZE] };
+            r.agent.write(Gfn(g), 0, &b).unwrap();
+        }
+        for _ in 0..4 {
+            r.step(20_000).unwrap();
+        }
+        assert!(matches!(
+            r.engine.page_state(r.vm, Gfn(0)),
+            Some(PageState::Shared(_))
+        ));
+        report(&mut r, &[0]);
+        assert_eq!(r.engine.discard_free(r.vm, None, true), 1);
+        r.carry_out();
+        let round = r.engine.watch_armed(r.vm).expect("armed");
+        // The guest's report: sampled now, page 0 free...
+        let sampled: Vec<CategoryRun> = (0..PAGES)
+            .map(|g| CategoryRun {
+                first: Gfn(g),
+                count: 1,
+                info: PageInfo {
+                    category: if g == 0 {
+                        Category::Free
+                    } else {
+                        Category::Anon
+                    },
+                    active: false,
+                    referenced: false,
+                    buddy: g == 0,
+                    never_share: false,
+                },
+            })
+            .collect();
+        // ...then page 0 allocated and written (a CoW break), and shared again.
+        r.agent.write(Gfn(0), 0, &dup).unwrap();
+        r.report();
+        assert_eq!(r.engine.page_state(r.vm, Gfn(0)), Some(PageState::Private));
+        for _ in 0..4 {
+            r.step(20_000).unwrap();
+        }
+        assert!(matches!(
+            r.engine.page_state(r.vm, Gfn(0)),
+            Some(PageState::Shared(_))
+        ));
+        // The report arrives: memfoldd asks, the agent refuses.
+        r.engine.guest_categories(r.vm, &sampled).unwrap();
+        assert_eq!(r.engine.discard_free(r.vm, Some(round), true), 1);
+        r.carry_out();
+        assert_eq!(
+            r.agent.peek(Gfn(0)).unwrap(),
+            dup,
+            "the guest's write is kept"
+        );
+        assert_eq!(r.engine.books().vms[0].books.free_discards, 0);
+        assert!(matches!(
+            r.engine.page_state(r.vm, Gfn(0)),
+            Some(PageState::Shared(_))
+        ));
+        r.engine.check_invariants().unwrap();
+    }
+
+    /// Stored pages the guest reports free are dropped from the store (their blobs
+    /// released) once a later report still shows them free; a page decoded by a read
+    /// after its watch is not (its bytes are back in RAM, and the watch ended).
+    #[test]
+    fn stored_pages_reported_free_release_their_blobs() {
+        let text = |g: u32| -> Vec<u8> {
+            let line = format!("page {g}: a line of text that a guest keeps in a file. ");
+            line.bytes().cycle().take(PAGE_SIZE).collect()
+        };
+        let cfg = EngineConfig {
+            discard_free: true,
+            ..crate::sim::quick_config(Policy::difference_engine())
+        };
+        let mut r = Rig::new(cfg, PAGES).unwrap();
+        for g in 0..PAGES {
+            r.agent.write(Gfn(g), 0, &text(g)).unwrap();
+        }
+        for _ in 0..50 {
+            r.step(10_000).unwrap();
+        }
+        let stored: Vec<u32> = (0..PAGES)
+            .filter(|&g| {
+                matches!(
+                    r.engine.page_state(r.vm, Gfn(g)),
+                    Some(PageState::Stored(_))
+                )
+            })
+            .collect();
+        assert!(stored.len() >= 8, "stored: {stored:?}");
+        let free: Vec<u32> = stored[..6].to_vec();
+        report(&mut r, &free);
+        assert_eq!(r.engine.discard_free(r.vm, None, true), free.len());
+        r.carry_out();
+        let round = r.engine.watch_armed(r.vm).expect("armed");
+        // A read decodes the first one: a new home, its watch over.
+        assert_eq!(r.agent.read(Gfn(free[0])).unwrap().to_vec(), text(free[0]));
+        r.report();
+        let kept_before = r.engine.books().vms[0].books.clone();
+        report(&mut r, &free);
+        r.engine.discard_free(r.vm, Some(round), true);
+        r.carry_out();
+        let b = r.engine.books().vms[0].books.clone();
+        assert_eq!(
+            (
+                b.free_discards,
+                b.free_discards_stored,
+                b.free_discards_shared
+            ),
+            (5, 5, 0),
+            "{b:#?}"
+        );
+        let kept = |b: &crate::engine::VmBooks| b.patched_pages + b.compressed_pages;
+        assert_eq!(kept(&b) + 5, kept(&kept_before));
+        assert_eq!(r.agent.peek(Gfn(free[0])).unwrap().to_vec(), text(free[0]));
+        for &g in &free[1..] {
+            assert_eq!(r.engine.page_state(r.vm, Gfn(g)), Some(PageState::Zero));
+            assert_eq!(r.agent.peek(Gfn(g)).unwrap(), [0u8; PAGE_SIZE], "page {g}");
+        }
+        for &g in &stored[6..] {
+            assert_eq!(r.agent.peek(Gfn(g)).unwrap().to_vec(), text(g), "page {g}");
+        }
+        r.engine.check_invariants().unwrap();
     }
 
     /// A private page its guest reports free is left to the free-page discard: the

@@ -276,6 +276,7 @@ impl Engine {
         // Its watch round ended with the connection (rounds keep counting: a report
         // that followed an old round never names a new one).
         v.free_watch.end();
+        v.free_watch.held.clear();
         if v.opted_out {
             // Its take-backs were dropped with the connection: ask again.
             self.opt_out(id);

@@ -413,7 +413,7 @@ impl Engine {
     /// Stored (or moving) page `g` is private again: its blob is released (a move's new
     /// blob is orphaned, for the move's answer to release) and its kind's count lowered.
     /// Returns the released blob's record; `None` if the page is not stored.
-    fn take_stored(&mut self, id: VmId, g: Gfn) -> Option<crate::blobs::Blob> {
+    pub(crate) fn take_stored(&mut self, id: VmId, g: Gfn) -> Option<crate::blobs::Blob> {
         let v = self.vms.get(&id).filter(|v| g.0 < v.pages())?;
         let b = match v.state(g) {
             PageState::Stored(b) => b,

@@ -332,13 +332,27 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
 /// discard): random contents that stay private (nothing to share, patch or compress), so
 /// that rounds of watches and discards happen often, with writes, reads, late reports,
 /// lost answers and re-attaches between them.
-pub fn random_free_op(rng: &mut SmallRng) -> Op {
+pub fn random_free_op(rng: &mut SmallRng, mixed: bool) -> Op {
     let (vm, gfn) = (rng.gen(), rng.gen());
     match rng.gen_range(0..100) {
+        // Random pages stay private; with `mixed`, also contents that are shared,
+        // patched, compressed or reclaimed, so that free pages are found in each state.
         0..=14 => Op::WritePage {
             vm,
             gfn,
-            content: Content::Random(rng.gen()),
+            content: if mixed {
+                // Few distinct contents: duplicates to share and re-share, near-copies
+                // to patch.
+                match rng.gen_range(0..10) {
+                    0 => Content::Zero,
+                    1..=4 => Content::Base(rng.gen_range(0..4)),
+                    5 | 6 => Content::Similar(rng.gen_range(0..4), rng.gen()),
+                    7 => Content::Text(rng.gen_range(0..4)),
+                    _ => Content::Random(rng.gen()),
+                }
+            } else {
+                Content::Random(rng.gen())
+            },
         },
         15..=19 => Op::WritePartial {
             vm,
@@ -348,10 +362,14 @@ pub fn random_free_op(rng: &mut SmallRng) -> Op {
             byte: rng.gen(),
         },
         20..=29 => Op::Read { vm, gfn },
+        // With `mixed`, pages stay allocated long enough to go cold and be stored first.
+        30..=41 if mixed && rng.gen_bool(0.75) => Op::Step {
+            advance_ms: rng.gen_range(0..1500),
+        },
         30..=41 => Op::Free {
             vm,
             gfn,
-            n: rng.gen_range(1..9),
+            n: if mixed { 1 } else { rng.gen_range(1..9) },
         },
         42..=51 => Op::GuestSample { vm },
         52..=61 => Op::GuestReport { vm },

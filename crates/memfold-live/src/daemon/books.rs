@@ -41,6 +41,8 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
         discards: b.discards,
         free_watches: b.free_watches,
         free_discards: b.free_discards,
+        free_discards_shared: b.free_discards_shared,
+        free_discards_stored: b.free_discards_stored,
         free_reclaimed_pages: b.free_reclaimed_pages,
         cow_copies_avoided: b.cow_copies_avoided,
         store_floor: b.store_floor,

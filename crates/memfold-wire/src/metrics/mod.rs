@@ -390,7 +390,12 @@ impl Collector for Snapshot {
                     ("swap_in", Counter(v.swap_ins)),
                     ("swap_move", Counter(v.swap_moves)),
                     ("discard", Counter(v.discards)),
-                    ("cow_copy_avoided", Counter(v.cow_copies_avoided)),
+                    ("free_discard", Counter(v.free_discards)),
+                    ("free_discard_stored", Counter(v.free_discards_stored)),
+                    (
+                        "cow_copy_avoided",
+                        Counter(v.cow_copies_avoided + v.free_discards_shared),
+                    ),
                 ]
             }),
         )?;
