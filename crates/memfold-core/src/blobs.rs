@@ -38,8 +38,8 @@ pub enum StoreError {
         /// Its capacity, bytes.
         capacity: u64,
     },
-    /// The blob's length is 0 or over a page.
-    #[error("no slot for a blob of {0} bytes (1..=4096)")]
+    /// The blob's length is over a page.
+    #[error("no slot for a blob of {0} bytes (0..=4096)")]
     BadLength(usize),
     /// The backing failed (host out of memory, disk full).
     #[error("{home:?}: {source}")]
@@ -89,6 +89,9 @@ impl BlobSpace {
             .slab
             .alloc(blob.len())
             .ok_or(StoreError::BadLength(blob.len()))?;
+        if blob.is_empty() {
+            return Ok(slot); // no bytes to write (crate::slab::EMPTY)
+        }
         let end = slot.offset + slot.size as u64;
         if let Some(capacity) = self.capacity.filter(|&c| end > c) {
             self.free(slot.id);
@@ -123,6 +126,9 @@ impl BlobSpace {
     ///
     /// Errors: the backing's.
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), BackingError> {
+        if out.is_empty() {
+            return Ok(()); // an empty blob: nothing in the backing
+        }
         self.backing.read(offset, out)
     }
 
@@ -290,7 +296,12 @@ mod tests {
         assert_eq!(s.allocated_bytes(), 8192);
         s.free(y.id);
         assert_eq!(s.allocated_bytes(), 4096, "the emptied chunk is released");
-        assert_eq!(s.put(&[]), Err(StoreError::BadLength(0)));
+        assert_eq!(s.put(&[0u8; 4097]), Err(StoreError::BadLength(4097)));
+        // An empty blob takes no bytes, and is read back as nothing.
+        let e = s.put(&[]).unwrap();
+        assert_eq!((e.size, s.allocated_bytes()), (0, 4096));
+        s.read(e.offset, &mut []).unwrap();
+        s.free(e.id);
         b.file().fail_writes = true;
         assert!(matches!(s.put(&[3u8; 10]), Err(StoreError::Io { .. })));
         assert_eq!(s.stats().slots, 1, "a failed put frees its slot");

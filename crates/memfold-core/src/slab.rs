@@ -78,13 +78,23 @@ fn class_fitting(bytes: usize) -> usize {
         .expect("a class fits any blob up to a page")
 }
 
-/// The slot size, bytes, a blob of `len` bytes (1..=4096) occupies.
+/// The slot size, bytes, a blob of `len` bytes (0..=4096) occupies: 0 for an empty
+/// blob ([`EMPTY`]).
 pub fn slot_size(len: usize) -> usize {
+    if len == 0 {
+        return 0;
+    }
     class_size(class_fitting(len))
 }
 
 /// A slot id is `chunk << 6 | slot` (at most 64 slots a chunk).
 const SLOT_BITS: u32 = 6;
+
+/// The slot of every empty blob: no bytes in the file, offset 0, size 0. Its chunk id
+/// (2^26 − 1) is never handed out. An empty blob is a page identical to its patch's
+/// reference frame (run-diff encodes it as 0 bytes; a page shared without a mapping,
+/// issue 19): before this, it took a 64-byte slot for a 3-byte patch.
+pub const EMPTY: SlotId = SlotId(u32::MAX);
 
 #[derive(Clone, Copy, Default)]
 struct Chunk {
@@ -189,13 +199,22 @@ impl Slab {
         Self::default()
     }
 
-    /// A slot for a blob of `len` bytes (1..=[`PAGE_SIZE`]); `None` for another length or
-    /// when the chunk id space (2^26 chunks) or the file's page space (2^32 pages, 16 TiB)
-    /// is exhausted. Reuses free slots of the class before opening a chunk, and the
-    /// lowest free pages of the file first.
+    /// A slot for a blob of `len` bytes (0..=[`PAGE_SIZE`]; 0: [`EMPTY`], counted in
+    /// the slots but taking no bytes); `None` for a longer blob or when the chunk id
+    /// space (2^26 − 1 chunks) or the file's page space (2^32 pages, 16 TiB) is
+    /// exhausted. Reuses free slots of the class before opening a chunk, and the lowest
+    /// free pages of the file first.
     pub fn alloc(&mut self, len: usize) -> Option<Slot> {
-        if len == 0 || len > PAGE_SIZE {
+        if len > PAGE_SIZE {
             return None;
+        }
+        if len == 0 {
+            self.stats.slots += 1;
+            return Some(Slot {
+                id: EMPTY,
+                offset: 0,
+                size: 0,
+            });
         }
         let class = class_fitting(len);
         let ci = match self.partial[class].last() {
@@ -203,7 +222,8 @@ impl Slab {
             None => {
                 let ci = match self.free_ids.pop() {
                     Some(ci) => ci,
-                    None if self.chunks.len() < 1 << (32 - SLOT_BITS) => {
+                    // The last chunk id is `EMPTY`'s.
+                    None if self.chunks.len() < (1 << (32 - SLOT_BITS)) - 1 => {
                         self.chunks.push(Chunk::default());
                         self.chunks.len() as u32 - 1
                     }
@@ -247,6 +267,11 @@ impl Slab {
     /// empty (the caller may punch those pages out of the file). Panics on an id that is
     /// not live (a caller bug: a double free would hand one slot to two blobs).
     pub fn free(&mut self, id: SlotId) -> Option<(u64, u64)> {
+        if id == EMPTY {
+            assert!(self.stats.slots > 0, "an empty slot freed that is not live");
+            self.stats.slots -= 1;
+            return None;
+        }
         let id = id.0;
         let ci = id >> SLOT_BITS;
         let bit = 1u64 << (id & ((1 << SLOT_BITS) - 1));
@@ -315,7 +340,28 @@ mod tests {
             4096,
             "the lowest free pages first"
         );
-        assert!(s.alloc(0).is_none() && s.alloc(4097).is_none());
+        assert!(s.alloc(4097).is_none());
+    }
+
+    /// An empty blob (a page identical to its reference) takes no bytes and no chunk,
+    /// but counts as a live slot until freed.
+    #[test]
+    fn an_empty_blob_takes_no_bytes() {
+        let mut s = Slab::new();
+        let before = s.stats();
+        let e = s.alloc(0).unwrap();
+        assert_eq!((e.id, e.offset, e.size), (EMPTY, 0, 0));
+        let e2 = s.alloc(0).unwrap();
+        assert_eq!(e2.id, EMPTY);
+        let st = s.stats();
+        assert_eq!((st.slots, st.pages, st.slot_bytes), (2, 0, 0));
+        let a = s.alloc(10).unwrap();
+        assert_eq!(a.offset, 0, "the first real slot is not displaced");
+        assert_eq!(s.free(e.id), None);
+        assert_eq!(s.free(e2.id), None);
+        assert_eq!(s.free(a.id), Some((0, 4096)));
+        assert_eq!(s.stats(), before);
+        assert_eq!(slot_size(0), 0);
     }
 
     /// Every class's slots fit its chunk, classes grow, and above 2 KiB no step wastes

@@ -13,9 +13,11 @@
 
 mod model;
 
-use model::{random_free_op, random_op, random_setup, Content, Harness, Op, Setup};
+use model::{
+    free_race_burst, random_free_op, random_op, random_setup, Content, Harness, Op, Setup,
+};
 use proptest::prelude::*;
-use rand::{rngs::SmallRng, SeedableRng};
+use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 fn content() -> impl Strategy<Value = Content> {
     prop_oneof![
@@ -147,9 +149,19 @@ fn free_page_discards_match_the_reference_model() {
         h.step(&Op::CreateVm { pages: 17 }).unwrap();
         let mut last: Vec<[u64; 4]> = Vec::new();
         for n in 0..per {
-            let op = random_free_op(&mut rng, mixed);
-            if let Err(e) = h.step(&op).and_then(|_| h.verify_all()) {
-                panic!("run {run_no} step {n} ({op:?}): {e}\nsetup: {setup:?}");
+            // Now and then, with the mix, the race a discard must lose (free_race_burst).
+            let on_frames = h.on_frames();
+            let ops = if mixed && !on_frames.is_empty() && rng.gen_bool(0.04) {
+                // A shared page: the one a re-share after its write can hide.
+                let at = on_frames[rng.gen_range(0..on_frames.len())];
+                free_race_burst(&mut rng, at)
+            } else {
+                vec![random_free_op(&mut rng, mixed)]
+            };
+            for op in ops {
+                if let Err(e) = h.step(&op).and_then(|_| h.verify_all()) {
+                    panic!("run {run_no} step {n} ({op:?}): {e}\nsetup: {setup:?}");
+                }
             }
             let vms = h.books().vms;
             last.resize(vms.len().max(last.len()), [0; 4]);

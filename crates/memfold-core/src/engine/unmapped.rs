@@ -47,12 +47,10 @@ pub(crate) const VMA_PRESSURE_US: u64 = 30_000_000;
 pub(crate) const UNMAP_PER_SLICE: u32 = 4096;
 
 /// The patch of a page identical to its reference, in the run-diff encoding (DE §3.2):
-/// one record rewriting byte 0 with its own value — 3 bytes, decoded by the agent's
-/// existing patch path. (Run-diff encodes identical pages as 0 bytes, which no store slot
-/// takes.)
-pub(crate) fn identical_patch(page: &Page) -> [u8; 3] {
-    [0, 1, page[0]]
-}
+/// no record at all — 0 bytes, decoded by the agent's existing patch path into the
+/// reference itself, and kept in no store slot (`slab::EMPTY`): a page shared without a
+/// mapping costs the store nothing (it cost a 64-byte slot for a 3-byte patch before).
+pub(crate) const IDENTICAL_PATCH: [u8; 0] = [];
 
 /// What becomes of a page found identical to a frame or another page.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,7 +161,7 @@ impl Engine {
     /// reference on `f`, and queues the stash. Returns false (nothing changed) if the
     /// store cannot take the blob: the caller maps the page then.
     pub(crate) fn share_unmapped(&mut self, id: VmId, g: Gfn, f: FrameId, page: &Page) -> bool {
-        let blob = identical_patch(page);
+        let blob = IDENTICAL_PATCH;
         let Some(slot) = self.put_blob(id, &blob, BlobHome::Store) else {
             return false;
         };
@@ -384,7 +382,7 @@ mod tests {
                 Some(f),
                 "patched against the hot pages' frame"
             );
-            assert_eq!(blob.len, 3);
+            assert_eq!((blob.len, blob.size), (0, 0), "no store slot");
             assert!(matches!(r.agent.home(Gfn(g)), Home::Stashed(_)));
             assert_eq!(r.agent.peek(Gfn(g)).unwrap()[..], page(7)[..]);
         }
@@ -623,7 +621,7 @@ mod tests {
         let reference: Box<Page> = page(3).try_into().unwrap();
         let mut out = [0u8; PAGE_SIZE];
         PatchCodec::RunDiff
-            .decode(&reference, &identical_patch(&reference), &mut out)
+            .decode(&reference, &IDENTICAL_PATCH, &mut out)
             .unwrap();
         assert_eq!(out[..], reference[..]);
     }

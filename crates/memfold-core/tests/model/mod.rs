@@ -220,6 +220,19 @@ impl Harness {
         }
     }
 
+    /// Pages on pool frames now, as (guest, gfn) that [`Op`]s name them by.
+    pub fn on_frames(&self) -> Vec<(u32, u32)> {
+        self.vms
+            .iter()
+            .enumerate()
+            .flat_map(|(i, v)| {
+                (0..v.agent.pages())
+                    .filter(move |&g| matches!(v.agent.home(Gfn(g)), Home::Frame(_)))
+                    .map(move |g| (i as u32, g))
+            })
+            .collect()
+    }
+
     fn pick(&self, vm: u32) -> Option<usize> {
         (!self.vms.is_empty()).then(|| vm as usize % self.vms.len())
     }
@@ -623,7 +636,8 @@ impl Harness {
                     .enumerate()
                     .flat_map(|(i, v)| (0..v.agent.pages()).map(move |g| (i, v.agent.home(Gfn(g)))))
                     .filter_map(|(i, h)| match h {
-                        Home::Stashed(st) => Some((i, st)),
+                        // An empty blob (identical to its frame) has no byte to flip.
+                        Home::Stashed(st) if st.len > 0 => Some((i, st)),
                         _ => None,
                     })
                     .collect();

@@ -332,6 +332,48 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
 /// discard): random contents that stay private (nothing to share, patch or compress), so
 /// that rounds of watches and discards happen often, with writes, reads, late reports,
 /// lost answers and re-attaches between them.
+/// The free-page discard's race, as a burst of ops on page `gfn` of guest `vm` (random
+/// content and times): the page is freed and a report watches it, the next report is
+/// sampled, then the page is written with bytes that
+/// other pages hold (if it was free and watched, it is allocated again, and the scan may share it
+/// again), the scan and the clock run and their requests are carried out, and only then
+/// does the report arrive. A discard that trusted the report alone would take the page
+/// with the guest's write.
+pub fn free_race_burst(rng: &mut SmallRng, (vm, gfn): (u32, u32)) -> Vec<Op> {
+    let deliver = Op::Deliver {
+        vm,
+        n: 63,
+        refuse: false,
+    };
+    let step = |rng: &mut SmallRng| Op::Step {
+        advance_ms: rng.gen_range(200..800),
+    };
+    // Freed, then reported: a round watches it (or confirms an older round first).
+    let mut ops = vec![Op::Free { vm, gfn, n: 1 }];
+    for _ in 0..rng.gen_range(1..=2) {
+        ops.extend([
+            Op::GuestSample { vm },
+            Op::GuestReport { vm },
+            deliver.clone(),
+        ]);
+    }
+    ops.extend([
+        Op::GuestSample { vm },
+        Op::WritePage {
+            vm,
+            gfn,
+            content: Content::Base(rng.gen_range(0..4)),
+        },
+    ]);
+    // Clock passes until the page is no longer recently modified (C1), so the scan may
+    // share it again.
+    for _ in 0..rng.gen_range(1..6) {
+        ops.extend([step(rng), deliver.clone(), Op::Report { vm }]);
+    }
+    ops.extend([Op::GuestReport { vm }, deliver]);
+    ops
+}
+
 pub fn random_free_op(rng: &mut SmallRng, mixed: bool) -> Op {
     let (vm, gfn) = (rng.gen(), rng.gen());
     match rng.gen_range(0..100) {
