@@ -148,40 +148,31 @@ impl Engine {
         w.round += 1;
         let w_round = w.round;
         // Only pages that hold data: a hole (never touched, or punched already) costs the
-        // host nothing, and would be booked as saved.
-        let (mut asked, mut from, end) = (0, 0, v.pages());
+        // host nothing, and would be booked as saved. Shared and stored pages are holes in
+        // guest RAM: found in the P2M.
+        let (mut want, mut from, end) = (Vec::new(), 0, v.pages());
         'runs: while let Some((first, run_end)) = v.ram.next_data_run(Gfn(from), Gfn(end)) {
-            for i in first.0..run_end.0.min(end) {
-                let g = Gfn(i);
+            for g in (first.0..run_end.0.min(end)).map(Gfn) {
+                if want.len() == MAX_WATCH {
+                    break 'runs;
+                }
                 if map.buddy(g) && v.state(g) == PageState::Private {
-                    if asked == MAX_WATCH {
-                        break 'runs;
-                    }
-                    v.queue.push(Command::Watch {
-                        gfn: g,
-                        round: WatchRound(w_round),
-                    });
-                    asked += 1;
+                    want.push(g);
                 }
             }
             from = run_end.0.max(first.0 + 1);
         }
-        // Shared and stored pages are holes in guest RAM: found in the P2M.
-        if asked < MAX_WATCH {
-            for i in 0..end {
-                let g = Gfn(i);
-                if matches!(v.state(g), PageState::Shared(_) | PageState::Stored(_)) && map.buddy(g)
-                {
-                    if asked == MAX_WATCH {
-                        break;
-                    }
-                    v.queue.push(Command::Watch {
-                        gfn: g,
-                        round: WatchRound(w_round),
-                    });
-                    asked += 1;
-                }
-            }
+        let held = (0..end)
+            .map(Gfn)
+            .filter(|&g| matches!(v.state(g), PageState::Shared(_) | PageState::Stored(_)))
+            .filter(|&g| map.buddy(g));
+        want.extend(held.take(MAX_WATCH - want.len()));
+        let asked = want.len();
+        for gfn in want {
+            v.queue.push(Command::Watch {
+                gfn,
+                round: WatchRound(w_round),
+            });
         }
         v.free_watch.pending = asked as u32;
         v.books.free_watches += asked as u64;
@@ -244,9 +235,7 @@ impl Engine {
         };
         if shared || stored {
             let v = self.vms.get_mut(&id).expect("checked");
-            v.p2m[g.index()] = crate::p2m::P2mEntry::FREE_HOLE;
-            v.books.zero_reclaimed_pages += 1;
-            v.books.free_reclaimed_pages += 1;
+            v.set_free_hole(g);
             v.books.free_discards += 1;
             v.books.free_discards_shared += u64::from(shared);
             v.books.free_discards_stored += u64::from(stored);
@@ -287,7 +276,13 @@ mod tests {
 
     /// A report: pages `free` free, the rest anonymous.
     fn report(r: &mut Rig, free: &[u32]) {
-        let runs: Vec<CategoryRun> = (0..PAGES)
+        let runs = sample(free);
+        r.engine.guest_categories(r.vm, &runs).unwrap();
+    }
+
+    /// A report's runs as the guest samples them: pages `free` free, the rest anonymous.
+    fn sample(free: &[u32]) -> Vec<CategoryRun> {
+        (0..PAGES)
             .map(|g| CategoryRun {
                 first: Gfn(g),
                 count: 1,
@@ -303,8 +298,44 @@ mod tests {
                     never_share: false,
                 },
             })
-            .collect();
-        r.engine.guest_categories(r.vm, &runs).unwrap();
+            .collect()
+    }
+
+    /// Bytes of pages 0..4 in [`shared_rig`].
+    const DUP: [u8; PAGE_SIZE] = [0x5a; PAGE_SIZE];
+
+    /// Sharing alone, scanning fast, no clock: pages 0..4 hold [`DUP`] and are shared
+    /// onto one frame, the others unique.
+    fn shared_rig() -> Rig {
+        let cfg = EngineConfig {
+            policy: Policy::sharing_only(),
+            clock_interval_us: None,
+            rate: 1 << 20,
+            min_scan_interval_us: 10_000,
+            max_scan_interval_us: 10_000,
+            quiet_scan_period: 1,
+            discard_free: true,
+            ..EngineConfig::default()
+        };
+        let mut r = Rig::new(cfg, PAGES).unwrap();
+        for g in 0..PAGES {
+            let b = if g < 4 { DUP } else { [g as u8 + 1; PAGE_SIZE] };
+            r.agent.write(Gfn(g), 0, &b).unwrap();
+        }
+        for _ in 0..4 {
+            r.step(20_000).unwrap();
+        }
+        for g in 0..4 {
+            assert!(
+                matches!(
+                    r.engine.page_state(r.vm, Gfn(g)),
+                    Some(PageState::Shared(_))
+                ),
+                "page {g}: {:?}",
+                r.engine.page_state(r.vm, Gfn(g))
+            );
+        }
+        r
     }
 
     #[test]
@@ -411,38 +442,8 @@ mod tests {
     /// frame keeps reading it.
     #[test]
     fn shared_pages_reported_free_are_dropped_from_their_frame_without_a_copy() {
-        let cfg = EngineConfig {
-            policy: Policy::sharing_only(),
-            clock_interval_us: None,
-            rate: 1 << 20,
-            min_scan_interval_us: 10_000,
-            max_scan_interval_us: 10_000,
-            quiet_scan_period: 1,
-            discard_free: true,
-            ..EngineConfig::default()
-        };
-        let mut r = Rig::new(cfg, PAGES).unwrap();
-        let dup = [0x5au8; PAGE_SIZE];
-        for g in 0..PAGES {
-            if g < 4 {
-                r.agent.write(Gfn(g), 0, &dup).unwrap();
-            } else {
-                r.agent.write(Gfn(g), 0, &[g as u8 + 1; 64]).unwrap();
-            }
-        }
-        for _ in 0..4 {
-            r.step(20_000).unwrap();
-        }
-        for g in 0..4 {
-            assert!(
-                matches!(
-                    r.engine.page_state(r.vm, Gfn(g)),
-                    Some(PageState::Shared(_))
-                ),
-                "page {g}: {:?}",
-                r.engine.page_state(r.vm, Gfn(g))
-            );
-        }
+        let mut r = shared_rig();
+        let dup = DUP;
         let shared_before = r.engine.books().vms[0].books.shared_pages;
         report(&mut r, &[0, 1, 2]);
         assert_eq!(r.engine.discard_free(r.vm, None, true), 3, "watches");
@@ -485,51 +486,14 @@ mod tests {
     /// agent refuses (the CoW break ended the watch) and the guest's bytes stay.
     #[test]
     fn a_page_written_and_shared_again_after_the_sample_is_not_discarded() {
-        let cfg = EngineConfig {
-            policy: Policy::sharing_only(),
-            clock_interval_us: None,
-            rate: 1 << 20,
-            min_scan_interval_us: 10_000,
-            max_scan_interval_us: 10_000,
-            quiet_scan_period: 1,
-            discard_free: true,
-            ..EngineConfig::default()
-        };
-        let mut r = Rig::new(cfg, PAGES).unwrap();
-        let dup = [0x5au8; PAGE_SIZE];
-        for g in 0..PAGES {
-            let b = if g < 4 { dup } else { [g as u8 + 1; PAGE_SIZE] };
-            r.agent.write(Gfn(g), 0, &b).unwrap();
-        }
-        for _ in 0..4 {
-            r.step(20_000).unwrap();
-        }
-        assert!(matches!(
-            r.engine.page_state(r.vm, Gfn(0)),
-            Some(PageState::Shared(_))
-        ));
+        let mut r = shared_rig();
+        let dup = DUP;
         report(&mut r, &[0]);
         assert_eq!(r.engine.discard_free(r.vm, None, true), 1);
         r.carry_out();
         let round = r.engine.watch_armed(r.vm).expect("armed");
         // The guest's report: sampled now, page 0 free...
-        let sampled: Vec<CategoryRun> = (0..PAGES)
-            .map(|g| CategoryRun {
-                first: Gfn(g),
-                count: 1,
-                info: PageInfo {
-                    category: if g == 0 {
-                        Category::Free
-                    } else {
-                        Category::Anon
-                    },
-                    active: false,
-                    referenced: false,
-                    buddy: g == 0,
-                    never_share: false,
-                },
-            })
-            .collect();
+        let sampled = sample(&[0]);
         // ...then page 0 allocated and written (a CoW break), and shared again.
         r.agent.write(Gfn(0), 0, &dup).unwrap();
         r.report();

@@ -361,6 +361,15 @@ impl Vm {
         self.p2m[g.index()].is_free_hole()
     }
 
+    /// Page `g`, punched out as a free page the guest reported, is a discarded free page:
+    /// a zero-state hole ([`P2mEntry::FREE_HOLE`]) booked as a reclaimed zero page and as
+    /// free-page discard's saving.
+    pub(crate) fn set_free_hole(&mut self, g: Gfn) {
+        self.p2m[g.index()] = P2mEntry::FREE_HOLE;
+        self.books.zero_reclaimed_pages += 1;
+        self.books.free_reclaimed_pages += 1;
+    }
+
     pub(crate) fn pages(&self) -> u32 {
         self.p2m.len() as u32
     }

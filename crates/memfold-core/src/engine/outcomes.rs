@@ -5,7 +5,7 @@
 use super::{Command, Engine, Outcome};
 use crate::blobs::Kept;
 use crate::ids::{FrameId, Gfn, VmId};
-use crate::p2m::{BlobId, P2mEntry, PageState};
+use crate::p2m::{BlobId, PageState};
 
 /// Whether a page in state `s` is one memfold holds outside the guest's own RAM (or as a
 /// hole it refills), which an opt-out takes back.
@@ -257,12 +257,11 @@ impl Engine {
         }
         if o == Outcome::Done {
             if free {
-                v.p2m[g.index()] = P2mEntry::FREE_HOLE;
-                v.books.free_reclaimed_pages += 1;
+                v.set_free_hole(g);
             } else {
                 v.set(g, PageState::Zero);
+                v.books.zero_reclaimed_pages += 1;
             }
-            v.books.zero_reclaimed_pages += 1;
             true
         } else {
             v.set(g, PageState::Private);
