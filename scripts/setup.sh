@@ -65,6 +65,13 @@ if command -v rustup >/dev/null 2>&1; then
             echo "setup: cargo-fuzz did not install: fuzzing will be skipped" >&2
     fi
 fi
+# cargo-deb (for `make deb` and the libvirt check `make test` runs, which packages the
+# release build): from crates.io; where it cannot build, the check says it skips.
+if ! command -v cargo-deb >/dev/null 2>&1; then
+    echo "setup: installing cargo-deb"
+    cargo install cargo-deb --locked ||
+        echo "setup: cargo-deb did not install: the libvirt check will be skipped" >&2
+fi
 # promtool (for the metrics endpoint's test: `promtool check metrics` on a scrape), from
 # Debian's prometheus package without installing it as a service: only the promtool binary
 # is extracted, into ~/.cache/memfold/promtool/. The test finds it there (or on PATH) and
