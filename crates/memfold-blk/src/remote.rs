@@ -311,12 +311,14 @@ impl Qemu {
         for chunk in parts.chunks(MAX_IOV) {
             let mut done: Vec<usize> = vec![0; chunk.len()];
             loop {
-                self.check_alive()?;
                 let pending: Vec<usize> =
                     (0..chunk.len()).filter(|&i| done[i] < chunk[i].2).collect();
                 let Some(&first) = pending.first() else {
                     break;
                 };
+                // Once a call, right before it: not again once all is moved (that second
+                // poll was half of a request's system calls).
+                self.check_alive()?;
                 let iov = |base: &dyn Fn(usize) -> *mut libc::c_void| -> Vec<libc::iovec> {
                     pending
                         .iter()
