@@ -35,7 +35,11 @@ impl Harness {
             let v = &mut self.vms[i];
             let pages = v.agent.pages();
             for k in 0..n as u32 {
-                v.free[((gfn % pages + k) % pages) as usize] = true;
+                let g = (gfn % pages + k) % pages;
+                // Nor does a guest free a page under a device read (`fill_busy`).
+                if !super::fill_busy(v, Gfn(g)) {
+                    v.free[g as usize] = true;
+                }
             }
         }
     }
