@@ -2,6 +2,8 @@
 //! store (host memory, for patches and compressed pages) or the swap file (disk, DE §4.6)
 //! — packed into chunks of 4 KiB pages by the [`Slab`], and what each holds.
 
+use std::collections::HashMap;
+
 use memfold_codecs::Encoding;
 use serde::Serialize;
 
@@ -115,6 +117,17 @@ impl BlobSpace {
         Ok(slot)
     }
 
+    /// Where live slot `id` is and its size. Panics on a slot that is not live (an
+    /// engine bug: every live blob holds its slot; [`BlobSpace::find_slot`] asks).
+    pub fn slot(&self, id: SlotId) -> Slot {
+        self.slab.slot(id).expect("a live blob's slot")
+    }
+
+    /// Where slot `id` is and its size; `None` if it is not live.
+    pub fn find_slot(&self, id: SlotId) -> Option<Slot> {
+        self.slab.slot(id)
+    }
+
     /// Frees a slot, releasing its chunk from the backing if it is now empty.
     pub fn free(&mut self, slot: SlotId) {
         if let Some((offset, len)) = self.slab.free(slot) {
@@ -155,37 +168,77 @@ impl BlobSpace {
     }
 }
 
-/// One blob: whose page it keeps, where, and how to decode it.
+/// One blob: whose page it keeps, where, and how to decode it. 40 bytes (it was 64): its
+/// byte offset and slot size are its slot's ([`BlobSpace::slot`]), a move's old blob is
+/// in [`BlobTable::replaces`] (moves in flight are few), and the reference frame is kept
+/// in 4 bytes ([`Blob::reference`]) — issue 19's metadata, docs/metadata.md.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Blob {
+    /// The page's checksum (`memfold_codecs::page_checksum`): checked on every decode.
+    pub checksum: u64,
+    /// When the page was stored, µs (its lifetime starts here).
+    pub since_us: u64,
     /// The page's VM.
     pub vm: VmId,
     /// The page.
     pub gfn: Gfn,
+    /// Its slot in its space (offset and size: [`BlobSpace::slot`]).
+    pub slot: SlotId,
+    /// A patch's reference frame (holding one reference count), or [`NO_FRAME`].
+    reference: u32,
+    /// Length, bytes (0..=4096).
+    pub len: u32,
     /// Where it lives.
     pub home: BlobHome,
-    /// Its slot.
-    pub slot: SlotId,
-    /// Byte offset in its space.
-    pub offset: u64,
-    /// Length, bytes.
-    pub len: u32,
-    /// Slot size, bytes.
-    pub size: u32,
     /// What it holds.
     pub form: Form,
-    /// A patch's reference frame, holding one reference count.
-    pub reference: Option<FrameId>,
-    /// When the page was stored, µs (its lifetime starts here).
-    pub since_us: u64,
-    /// For a move to swap: the blob this one replaces once the agent confirms.
-    pub replaces: Option<BlobId>,
-    /// The page's checksum (`memfold_codecs::page_checksum`): checked on every decode.
-    pub checksum: u64,
     /// The page is identical to its reference frame: a page shared without a mapping
     /// (issue 19; ESX §4.3's sharing, kept as DE §3.2's degenerate patch), booked as
     /// sharing while it is in the store.
     pub identical: bool,
+}
+
+/// [`Blob::reference`]'s "none": a frame id no pool hands out (frames past 2^30 are
+/// refused by the agents' page slots, docs/metadata.md).
+const NO_FRAME: u32 = u32::MAX;
+
+impl Blob {
+    /// A blob record. `reference` must not be `FrameId(u32::MAX)` (no pool reaches it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        vm: VmId,
+        gfn: Gfn,
+        home: BlobHome,
+        slot: SlotId,
+        len: u32,
+        form: Form,
+        reference: Option<FrameId>,
+        since_us: u64,
+        checksum: u64,
+        identical: bool,
+    ) -> Blob {
+        let reference = reference.map_or(NO_FRAME, |f| {
+            assert_ne!(f.0, NO_FRAME, "frame id out of range");
+            f.0
+        });
+        Blob {
+            checksum,
+            since_us,
+            vm,
+            gfn,
+            slot,
+            reference,
+            len,
+            home,
+            form,
+            identical,
+        }
+    }
+
+    /// A patch's reference frame, holding one reference count.
+    pub fn reference(&self) -> Option<FrameId> {
+        (self.reference != NO_FRAME).then_some(FrameId(self.reference))
+    }
 }
 
 /// What keeps a stored page out of RAM, for the books.
@@ -219,6 +272,9 @@ pub struct BlobTable {
     blobs: Vec<Option<Blob>>,
     free: Vec<u32>,
     live: usize,
+    /// Moves to swap in flight (DE §4.6): the new blob → the blob it replaces once the
+    /// agent confirms. Apart from the records, which would each carry 8 bytes for it.
+    moves: HashMap<BlobId, BlobId>,
 }
 
 impl BlobTable {
@@ -252,12 +308,36 @@ impl BlobTable {
         self.blobs[id.0 as usize].as_mut().expect("live blob")
     }
 
-    /// Forgets blob `id` and returns it.
+    /// Forgets blob `id` (and the move it is the new blob of) and returns it.
     pub fn remove(&mut self, id: BlobId) -> Blob {
         let b = self.blobs[id.0 as usize].take().expect("live blob");
+        self.moves.remove(&id);
         self.free.push(id.0);
         self.live -= 1;
         b
+    }
+
+    /// The blob that live blob `new` replaces once its move to swap is confirmed.
+    pub fn replaces(&self, new: BlobId) -> Option<BlobId> {
+        self.moves.get(&new).copied()
+    }
+
+    /// Records that `new` replaces `old` (a move to swap, DE §4.6).
+    pub fn set_replaces(&mut self, new: BlobId, old: BlobId) {
+        debug_assert!(self.contains(new) && self.contains(old));
+        self.moves.insert(new, old);
+    }
+
+    /// Forgets and returns what `new` replaces (the move ended, or was orphaned).
+    pub fn take_replaces(&mut self, new: BlobId) -> Option<BlobId> {
+        self.moves.remove(&new)
+    }
+
+    /// Bytes of its live records and its moves (the record vector's spare capacity and
+    /// free list are not counted, as [`crate::engine::Engine::metadata_bytes`] never has).
+    pub fn metadata_bytes(&self) -> usize {
+        self.live * std::mem::size_of::<Option<Blob>>()
+            + crate::share::hashbrown_bytes(self.moves.capacity(), 8)
     }
 
     /// Live blobs.
@@ -305,6 +385,44 @@ mod tests {
         b.file().fail_writes = true;
         assert!(matches!(s.put(&[3u8; 10]), Err(StoreError::Io { .. })));
         assert_eq!(s.stats().slots, 1, "a failed put frees its slot");
+    }
+
+    #[test]
+    fn a_blob_record_is_40_bytes_and_keeps_its_reference_and_move() {
+        assert_eq!(std::mem::size_of::<Blob>(), 40);
+        assert_eq!(
+            std::mem::size_of::<Option<Blob>>(),
+            40,
+            "a niche holds the None"
+        );
+        let b = |r| {
+            let form = Form::Raw;
+            Blob::new(
+                VmId(1),
+                Gfn(2),
+                BlobHome::Store,
+                SlotId(3),
+                9,
+                form,
+                r,
+                4,
+                5,
+                false,
+            )
+        };
+        assert_eq!(b(Some(FrameId(0))).reference(), Some(FrameId(0)));
+        assert_eq!(
+            b(Some(FrameId(u32::MAX - 1))).reference(),
+            Some(FrameId(u32::MAX - 1))
+        );
+        assert_eq!(b(None).reference(), None);
+        let mut t = BlobTable::default();
+        let (old, new) = (t.insert(b(None)), t.insert(b(None)));
+        t.set_replaces(new, old);
+        assert_eq!(t.replaces(new), Some(old));
+        assert_eq!(t.replaces(old), None);
+        t.remove(new);
+        assert_eq!(t.replaces(new), None, "a removed blob's move is forgotten");
     }
 
     #[test]

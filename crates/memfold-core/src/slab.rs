@@ -299,6 +299,31 @@ impl Slab {
         None
     }
 
+    /// Where live slot `id` is (its byte offset in the file) and its size: from its
+    /// chunk's first page and class, so a blob's record need not carry them. [`EMPTY`]
+    /// is at 0 with size 0. `None` for a slot that is not live.
+    pub fn slot(&self, id: SlotId) -> Option<Slot> {
+        if id == EMPTY {
+            return Some(Slot {
+                id,
+                offset: 0,
+                size: 0,
+            });
+        }
+        let ci = id.0 >> SLOT_BITS;
+        let slot = id.0 & ((1 << SLOT_BITS) - 1);
+        let chunk = self.chunks.get(ci as usize)?;
+        if chunk.used & (1 << slot) == 0 {
+            return None;
+        }
+        let size = class_size(chunk.class as usize);
+        Some(Slot {
+            id,
+            offset: chunk.first_page as u64 * PAGE_SIZE as u64 + slot as u64 * size as u64,
+            size: size as u32,
+        })
+    }
+
     /// Occupancy.
     pub fn stats(&self) -> SlabStats {
         self.stats
@@ -407,6 +432,15 @@ mod tests {
                 s.free(slot.id);
             }
         }
+        for (sl, _) in &live {
+            assert_eq!(s.slot(sl.id), Some(*sl), "found where it was handed out");
+        }
+        let e = Slot {
+            id: EMPTY,
+            offset: 0,
+            size: 0,
+        };
+        assert_eq!(s.slot(EMPTY), Some(e));
         let mut spans: Vec<(u64, u64)> = live
             .iter()
             .map(|(sl, _)| (sl.offset, sl.offset + sl.size as u64))

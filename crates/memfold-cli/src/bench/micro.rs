@@ -372,7 +372,12 @@ pub fn run(a: &MicroArgs) -> Result<()> {
             for r in results.iter().filter(|r| r.page_type == k) {
                 per.insert(
                     r.mechanism.into(),
-                    serde_json::json!({ "peak": r.peak, "final": r.final_, "faults": r.faults }),
+                    serde_json::json!({
+                        "peak": r.peak,
+                        "final": r.final_,
+                        "faults": r.faults,
+                        "metadata_peak_bytes": r.metadata_peak,
+                    }),
                 );
             }
             savings.insert(k.into(), per.into());

@@ -410,7 +410,10 @@ impl Engine {
                         matches!(v.state(b.gfn), PageState::Stashing(x) | PageState::Moving(x) if x == *id)
                     })
             })
-            .map(|(_, b)| if b.replaces.is_some() { b.size as u64 } else { PAGE })
+            .map(|(id, b)| match (self.blobs.replaces(id), &self.vms[&b.vm].swap) {
+                (Some(_), Some(swap)) => swap.slot(b.slot).size as u64,
+                _ => PAGE,
+            })
             .sum();
         let low_water = budget / 100 * 98;
         self.budget.swap_wanted = used.saturating_sub(low_water).saturating_sub(in_flight);
@@ -613,7 +616,7 @@ impl Engine {
                 d.frames.metadata_bytes() + d.share.metadata_bytes() + d.similar.metadata_bytes()
             })
             .sum();
-        (per_vm + per_domain + self.blobs.len() * std::mem::size_of::<crate::blobs::Blob>()) as u64
+        (per_vm + per_domain + self.blobs.metadata_bytes()) as u64
     }
 
     /// Slot bytes the books hold for `k`.

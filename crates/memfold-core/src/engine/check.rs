@@ -113,7 +113,7 @@ impl Engine {
                     PageState::Stashing(b) => hold(b)?,
                     PageState::Moving(b) => {
                         hold(b)?;
-                        let Some(old) = self.blobs.get(b).replaces else {
+                        let Some(old) = self.blobs.replaces(b) else {
                             return Err(format!("{}: moving blob {b:?} replaces nothing", at()));
                         };
                         hold(old)?;
@@ -171,7 +171,7 @@ impl Engine {
             }
         }
         for &b in &self.orphans {
-            if !self.blobs.contains(b) || self.blobs.get(b).replaces.is_some() {
+            if !self.blobs.contains(b) || self.blobs.replaces(b).is_some() {
                 return Err(format!(
                     "orphan blob {b:?} is not live, or still replaces one"
                 ));
@@ -192,23 +192,23 @@ impl Engine {
             let Some(owner) = self.vms.get(&blob.vm) else {
                 return Err(format!("blob {b:?} of {}, which is gone", blob.vm));
             };
-            if let Some(f) = blob.reference {
+            if let Some(f) = blob.reference() {
                 *patch_refs.entry((owner.domain, f)).or_default() += 1;
             }
             if blob.identical {
                 // A page shared without a mapping is its reference frame's bytes.
                 let mut frame = [0u8; crate::PAGE_SIZE];
-                let read = blob.reference.is_some_and(|f| {
+                let read = blob.reference().is_some_and(|f| {
                     let dom = &self.domains[&owner.domain];
                     dom.frames.contains(f) && dom.pool.read(f.offset(), &mut frame).is_ok()
                 });
                 if read && memfold_codecs::page_checksum(&frame) != blob.checksum {
                     return Err(format!(
                         "blob {b:?} ({} {}) is identical to its frame {:?}, which holds other bytes",
-                        blob.vm, blob.gfn, blob.reference
+                        blob.vm, blob.gfn, blob.reference()
                     ));
                 }
-                if blob.reference.is_none() {
+                if blob.reference().is_none() {
                     return Err(format!("blob {b:?} is identical to no frame"));
                 }
             }
@@ -217,7 +217,14 @@ impl Engine {
             }
             slots.get_mut(&blob.vm).expect("every guest listed")
                 [(blob.home == BlobHome::Swap) as usize] += 1;
-            slot_bytes[kept_index(blob.kept())] += blob.size as u64;
+            let slot = match blob.home {
+                BlobHome::Store => owner.store.find_slot(blob.slot),
+                BlobHome::Swap => owner.swap.as_ref().and_then(|s| s.find_slot(blob.slot)),
+            };
+            let Some(slot) = slot else {
+                return Err(format!("blob {b:?}'s slot {:?} is not live", blob.slot));
+            };
+            slot_bytes[kept_index(blob.kept())] += slot.size as u64;
         }
         for (id, v) in &self.vms {
             let held = [

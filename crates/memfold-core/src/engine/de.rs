@@ -491,23 +491,14 @@ impl Engine {
             Some(old) => self.blobs.get(old).since_us,
             None => self.now_us(),
         };
-        let blob = Blob {
-            vm: id,
-            gfn: g,
-            home,
-            slot: slot.id,
-            offset: slot.offset,
-            len: len as u32,
-            size: slot.size,
-            form,
-            reference,
-            since_us,
-            replaces,
-            checksum,
-            identical,
-        };
+        let blob = Blob::new(
+            id, g, home, slot.id, len as u32, form, reference, since_us, checksum, identical,
+        );
         self.books.slot_bytes[kept_index(blob.kept())] += slot.size as u64;
         let b = self.blobs.insert(blob);
+        if let Some(old) = replaces {
+            self.blobs.set_replaces(b, old);
+        }
         let frees = if replaces.is_some() {
             slot.size as u64
         } else {
@@ -567,13 +558,14 @@ impl Engine {
             }
             let o = *self.blobs.get(old);
             let bytes = &mut bytes[..o.len as usize];
-            if self.vms[&id].store.read(o.offset, bytes).is_err() {
+            let store = &self.vms[&id].store;
+            if store.read(store.slot(o.slot).offset, bytes).is_err() {
                 continue;
             }
             let Some(slot) = self.put_blob(id, bytes, BlobHome::Swap) else {
                 break;
             };
-            if let Some(r) = o.reference {
+            if let Some(r) = o.reference() {
                 // The move's blob holds the reference frame too until one is released.
                 self.domain_mut(d).frames.incref(r, true);
             }
@@ -584,7 +576,7 @@ impl Engine {
                 slot,
                 len,
                 o.form,
-                o.reference,
+                o.reference(),
                 BlobHome::Swap,
                 Some(old),
                 o.checksum,

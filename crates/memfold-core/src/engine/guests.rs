@@ -439,7 +439,7 @@ impl Engine {
             let st = self.vms[&id].state(g);
             let held: [Option<BlobId>; 2] = match st {
                 PageState::Stored(b) | PageState::Stashing(b) => [Some(b), None],
-                PageState::Moving(b) => [Some(b), self.blobs.get(b).replaces],
+                PageState::Moving(b) => [Some(b), self.blobs.replaces(b)],
                 _ => continue,
             };
             for b in held.into_iter().flatten() {

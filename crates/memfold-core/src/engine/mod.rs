@@ -682,10 +682,11 @@ impl Engine {
     pub(crate) fn release_blob(&mut self, b: BlobId) {
         let blob = self.blobs.remove(b);
         if let Some(space) = self.space(blob.vm, blob.home) {
+            let size = space.slot(blob.slot).size;
             space.free(blob.slot);
+            self.books.slot_bytes[kept_index(blob.kept())] -= size as u64;
         }
-        self.books.slot_bytes[kept_index(blob.kept())] -= blob.size as u64;
-        if let Some(f) = blob.reference {
+        if let Some(f) = blob.reference() {
             let d = self.dom(blob.vm);
             self.frame_decref(d, f, true);
         }

@@ -77,7 +77,7 @@ impl Engine {
         for g in map.never_share_pages() {
             let f = match v.state(g) {
                 PageState::Shared(f) => Some(f),
-                PageState::Stored(b) => self.blobs.get(b).reference,
+                PageState::Stored(b) => self.blobs.get(b).reference(),
                 _ => None,
             };
             if let Some(f) = f.filter(|&f| self.domain(d).zero_frame != Some(f)) {
@@ -113,7 +113,7 @@ impl Engine {
                         PageState::Stored(b) => self
                             .blobs
                             .get(b)
-                            .reference
+                            .reference()
                             .is_some_and(|f| withdrawn.contains(&f)),
                         _ => false,
                     };
@@ -411,7 +411,7 @@ mod tests {
         }
         r.engine.check_invariants().unwrap();
         let patched_against = |r: &Rig, g: u32| match state(r, g) {
-            PageState::Stored(b) => r.engine.blobs.get(b).reference,
+            PageState::Stored(b) => r.engine.blobs.get(b).reference(),
             _ => None,
         };
         for g in 0..4 {

@@ -305,7 +305,7 @@ impl Engine {
             self.release_blob(b);
             return;
         }
-        let old = self.blobs.get_mut(b).replaces.take();
+        let old = self.blobs.take_replaces(b);
         let state = self.vms[&id].state(g);
         let (PageState::Moving(_), Some(old)) = (state, old) else {
             debug_assert!(false, "{id} {g}: move answer for a page in {state:?}");
@@ -417,11 +417,11 @@ impl Engine {
         let b = match v.state(g) {
             PageState::Stored(b) => b,
             // Its move's answer releases the new blob.
-            PageState::Moving(new) => self.blobs.get(new).replaces?,
+            PageState::Moving(new) => self.blobs.replaces(new)?,
             _ => return None,
         };
         if let PageState::Moving(new) = v.state(g) {
-            self.blobs.get_mut(new).replaces = None;
+            self.blobs.take_replaces(new);
             self.orphans.insert(new);
         }
         let blob = *self.blobs.get(b);

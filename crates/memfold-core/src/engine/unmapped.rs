@@ -261,7 +261,7 @@ impl Engine {
     pub(crate) fn unmapped_reference_frames(&self) -> u64 {
         let mut frames = HashSet::new();
         for (_, b) in self.blobs.iter() {
-            let Some(f) = b.reference.filter(|_| b.kept() == Kept::Unmapped) else {
+            let Some(f) = b.reference().filter(|_| b.kept() == Kept::Unmapped) else {
                 continue;
             };
             let Some(d) = self.vms.get(&b.vm).map(|v| v.domain) else {
@@ -378,11 +378,15 @@ mod tests {
             let blob = r.engine.blobs.get(b);
             assert!(blob.identical && blob.kept() == Kept::Unmapped);
             assert_eq!(
-                blob.reference,
+                blob.reference(),
                 Some(f),
                 "patched against the hot pages' frame"
             );
-            assert_eq!((blob.len, blob.size), (0, 0), "no store slot");
+            assert_eq!(
+                (blob.len, blob.slot),
+                (0, crate::slab::EMPTY),
+                "no store slot"
+            );
             assert!(matches!(r.agent.home(Gfn(g)), Home::Stashed(_)));
             assert_eq!(r.agent.peek(Gfn(g)).unwrap()[..], page(7)[..]);
         }
@@ -391,7 +395,7 @@ mod tests {
         // Two cold pages equal to each other alone: both on one frame, neither mapped.
         let refs: Vec<_> = (12..14)
             .map(|g| match state(&r, g) {
-                PageState::Stored(b) => r.engine.blobs.get(b).reference,
+                PageState::Stored(b) => r.engine.blobs.get(b).reference(),
                 s => panic!("cold page {g} is {s:?}"),
             })
             .collect();
@@ -548,7 +552,7 @@ mod tests {
             let blob = r.engine.blobs.get(b);
             assert!(blob.identical && blob.kept() == Kept::Unmapped);
             assert_eq!(
-                blob.reference,
+                blob.reference(),
                 Some(f),
                 "against the frame it was mapped onto"
             );
@@ -596,7 +600,7 @@ mod tests {
         let PageState::Stored(b) = state(&r, 0) else {
             panic!("page 0 is {:?}", state(&r, 0));
         };
-        assert_eq!(r.engine.blobs.get(b).reference, Some(f));
+        assert_eq!(r.engine.blobs.get(b).reference(), Some(f));
         let dom = r.engine.domain(DomainId(0));
         assert_eq!((dom.frames.refcount(f), dom.frames.patch_refs(f)), (1, 1));
         assert_eq!(r.agent.read(Gfn(0)).unwrap()[..], page(7)[..]);
