@@ -32,7 +32,8 @@ test: setup
 fuzz: setup
 	FUZZ_REQUIRED=1 bash scripts/fuzz.sh $(FUZZ_SECONDS)
 
-# The reference-model run of 10^7 operations (about 6 minutes; not in CI).
+# The reference-model run of 10^7 operations (about 50 minutes on this 2-core host; not
+# in CI). MEMFOLD_MODEL_RUN=N replays one of its 100 runs alone.
 test-long:
 	MEMFOLD_MODEL_OPS=10000000 cargo test --release -p memfold-core --test reference_model -- --ignored --nocapture
 
