@@ -116,8 +116,9 @@ pub(crate) struct Pages {
     /// Watch bits (issue 17's free-page discard): set by [`Pages::watch`] on a private
     /// page just write-protected, or on a page on a frame or stashed; cleared by a write
     /// ([`Pages::mark`]), by any change of the page's home ([`Pages::set`]) and by the
-    /// agent lifting the protection ([`Pages::unwatch`]). The invariant the discard keeps: *a page whose bit is set
-    /// has been write-protected, and written by no one, since it was watched*.
+    /// agent lifting the protection ([`Pages::unwatch`]). The invariant the discard
+    /// keeps: *a page whose bit is set has been write-protected, and written by no one,
+    /// since it was watched*.
     watched: Vec<u64>,
 }
 

@@ -410,7 +410,7 @@ impl Engine {
                         matches!(v.state(b.gfn), PageState::Stashing(x) | PageState::Moving(x) if x == *id)
                     })
             })
-            .map(|(id, b)| match (self.blobs.replaces(id), &self.vms[&b.vm].swap) {
+            .map(|(id, b)| match (self.blobs.replaces(id), self.vms[&b.vm].space(b.home)) {
                 (Some(_), Some(swap)) => swap.slot(b.slot).size as u64,
                 _ => PAGE,
             })

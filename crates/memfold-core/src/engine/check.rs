@@ -217,11 +217,7 @@ impl Engine {
             }
             slots.get_mut(&blob.vm).expect("every guest listed")
                 [(blob.home == BlobHome::Swap) as usize] += 1;
-            let slot = match blob.home {
-                BlobHome::Store => owner.store.find_slot(blob.slot),
-                BlobHome::Swap => owner.swap.as_ref().and_then(|s| s.find_slot(blob.slot)),
-            };
-            let Some(slot) = slot else {
+            let Some(slot) = owner.space(blob.home).and_then(|s| s.find_slot(blob.slot)) else {
                 return Err(format!("blob {b:?}'s slot {:?} is not live", blob.slot));
             };
             slot_bytes[kept_index(blob.kept())] += slot.size as u64;

@@ -319,6 +319,14 @@ pub(crate) struct Vm {
 const RESTASH_LIVED_US: u64 = 30_000_000;
 
 impl Vm {
+    /// Its blob space at `home`: the store, or the swap file if it has one.
+    pub(crate) fn space(&self, home: BlobHome) -> Option<&BlobSpace> {
+        match home {
+            BlobHome::Store => Some(&self.store),
+            BlobHome::Swap => self.swap.as_ref(),
+        }
+    }
+
     /// The pages a take-back is queued for (not yet sent).
     pub(crate) fn queued_take_backs(&self) -> std::collections::HashSet<Gfn> {
         self.queue
