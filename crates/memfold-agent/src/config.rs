@@ -20,6 +20,43 @@ pub struct AgentConfig {
     pub vma_budget: Option<usize>,
     /// What failing closed does (`MEMFOLD_FAIL`: `pause`, the default, or `abort`).
     pub on_failure: FailMode,
+    /// How the clock's R bits are taken (`MEMFOLD_CLOCK_RBITS`: `userfault`, the default,
+    /// or `pagemap`).
+    pub clock_rbits: ClockRBits,
+}
+
+/// How the agent takes the NRU clock's R bits (DE §4.2) of the private pages it arms
+/// (`MEMFOLD_CLOCK_RBITS`). Either way arming zaps the pages' PTEs (`MADV_DONTNEED`) and
+/// M comes from synchronous write-protect faults.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ClockRBits {
+    /// Guest RAM is registered for minor faults: the first access to an armed page is a
+    /// minor userfault the agent answers (`UFFDIO_CONTINUE`), setting R. One round trip
+    /// through the agent per used page per pass (7–55 µs here, docs/peer.md). A write
+    /// through a second mapping of guest RAM's memfd into a hole the agent holds is then
+    /// caught at the guest's next access (a stored page fails closed: docs/security.md).
+    #[default]
+    Userfault,
+    /// Guest RAM is registered for missing and write-protect faults only: the first
+    /// access to an armed page is an in-kernel minor fault (~1 µs), and R is read back at
+    /// the next clock scan as "the PTE is present again" (`PAGEMAP_SCAN`, Linux 6.7+; the
+    /// agent falls back to `userfault` without it). The price: a write into a hole of
+    /// guest RAM's memfd that bypasses QEMU's mapping (a vhost-user backend other than
+    /// memfold-blk; out of scope either way) is no longer caught, so the guest would read
+    /// it merged with zeros instead of being paused.
+    Pagemap,
+}
+
+impl FromStr for ClockRBits {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<ClockRBits, ConfigError> {
+        match s {
+            "userfault" => Ok(ClockRBits::Userfault),
+            "pagemap" => Ok(ClockRBits::Pagemap),
+            other => Err(ConfigError::ClockRBits(other.into())),
+        }
+    }
 }
 
 /// What the agent does to QEMU when it fails closed (`MEMFOLD_FAIL`): either way no
@@ -53,14 +90,18 @@ pub enum ConfigError {
     /// `MEMFOLD_FAIL` is neither `pause` nor `abort`.
     #[error("MEMFOLD_FAIL={0:?}: expected pause or abort")]
     FailMode(String),
+    /// `MEMFOLD_CLOCK_RBITS` is neither `userfault` nor `pagemap`.
+    #[error("MEMFOLD_CLOCK_RBITS={0:?}: expected userfault or pagemap")]
+    ClockRBits(String),
 }
 
 impl AgentConfig {
     /// Reads the configuration from the environment; `Ok(None)` when `MEMFOLD_SOCKET` is
     /// unset (the library is then inert).
     ///
-    /// Errors: [`ConfigError::FailMode`]: a mistyped failure mode is refused rather than
-    /// guessed (the caller leaves the guest unmanaged, which needs no failure mode).
+    /// Errors: [`ConfigError::FailMode`], [`ConfigError::ClockRBits`]: a mistyped failure
+    /// mode or clock mode is refused rather than guessed (the caller leaves the guest
+    /// unmanaged, which needs neither).
     pub fn from_env() -> Result<Option<AgentConfig>, ConfigError> {
         let Some(socket) = std::env::var_os("MEMFOLD_SOCKET") else {
             return Ok(None);
@@ -70,6 +111,13 @@ impl AgentConfig {
             Err(std::env::VarError::NotPresent) => FailMode::default(),
             Err(std::env::VarError::NotUnicode(v)) => {
                 return Err(ConfigError::FailMode(v.to_string_lossy().into()))
+            }
+        };
+        let clock_rbits = match std::env::var("MEMFOLD_CLOCK_RBITS") {
+            Ok(v) => v.parse()?,
+            Err(std::env::VarError::NotPresent) => ClockRBits::default(),
+            Err(std::env::VarError::NotUnicode(v)) => {
+                return Err(ConfigError::ClockRBits(v.to_string_lossy().into()))
             }
         };
         Ok(Some(AgentConfig {
@@ -83,6 +131,7 @@ impl AgentConfig {
                 .ok()
                 .and_then(|v| v.parse().ok()),
             on_failure,
+            clock_rbits,
         }))
     }
 }
@@ -99,6 +148,26 @@ mod tests {
         for bad in ["", "Pause", "abrot", "kill"] {
             let e = bad.parse::<FailMode>().unwrap_err();
             assert!(e.to_string().contains("expected pause or abort"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_clock_mode_is_userfault_or_pagemap_and_nothing_else() {
+        assert_eq!(
+            "userfault".parse::<ClockRBits>().unwrap(),
+            ClockRBits::Userfault
+        );
+        assert_eq!(
+            "pagemap".parse::<ClockRBits>().unwrap(),
+            ClockRBits::Pagemap
+        );
+        assert_eq!(ClockRBits::default(), ClockRBits::Userfault);
+        for bad in ["", "Pagemap", "minor", "uffd"] {
+            let e = bad.parse::<ClockRBits>().unwrap_err();
+            assert!(
+                e.to_string().contains("expected userfault or pagemap"),
+                "{e}"
+            );
         }
     }
 }

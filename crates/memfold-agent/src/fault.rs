@@ -6,6 +6,11 @@
 //! | write-protect | M, unprotect | M, unprotect | CoW break | M, unprotect |
 //! | missing | zeros (first touch) | zeros, refill | wake | decode the blob; filled: fail closed |
 //!
+//! Minor faults come only in the clock's `userfault` mode (`ClockRBits::Userfault`, guest
+//! RAM registered for them); in its `pagemap` mode an armed page's first access is the
+//! kernel's own minor fault, read back as R at the next clock scan, and the "filled" cases
+//! below go unseen: the guest reads the memfd's bytes (docs/security.md).
+//!
 //! "wake" lets the thread retry: the page changed home since it faulted. "filled": the
 //! guest memfd holds data at a page the agent holds as a hole, so it was written outside
 //! QEMU's mapping (`pwrite`, a second mapping: a vhost-user backend); a wake would only

@@ -49,7 +49,11 @@
 //! was last armed, and arms it again: private pages are write-protected (a write faults:
 //! M) and their PTEs zapped with `MADV_DONTNEED` (the memfd keeps the data; any access is
 //! a minor fault: R). Minor faults are answered with `UFFDIO_CONTINUE`, write-protected
-//! for reads so that a later write still shows.
+//! for reads so that a later write still shows. With `MEMFOLD_CLOCK_RBITS=pagemap`
+//! ([`ClockRBits::Pagemap`]) guest RAM is not registered for minor faults: the kernel maps
+//! an armed page back itself (~1 µs, no round trip through the agent), the write-protect
+//! marker the zap leaves keeps M exact, and R is read at the next scan as "the PTE the
+//! clock dropped is present again" (`PAGEMAP_SCAN`).
 //!
 //! Crash safety: the agent, not memfoldd, serves every fault, from the pool memfd it holds
 //! itself, so a guest keeps running correctly if memfoldd dies; the agent reconnects and
@@ -113,7 +117,7 @@ mod requests;
 mod state;
 mod vmas;
 
-pub use config::{AgentConfig, ConfigError, FailMode};
+pub use config::{AgentConfig, ClockRBits, ConfigError, FailMode};
 
 use attach::{Counters, Pending};
 use install::Remapper;
@@ -121,8 +125,38 @@ use state::Pages;
 
 /// Bytes in a guest page and a pool frame.
 const PAGE: u64 = 4096;
-/// Guest RAM (and pages given back to it) is registered for all three fault kinds.
+/// Guest RAM (and pages given back to it) is registered for all three fault kinds when
+/// the clock takes R from minor userfaults ([`ClockRBits::Userfault`]).
 const RAM_MODE: u64 = uffd::MODE_MISSING | uffd::MODE_WP | uffd::MODE_MINOR;
+/// ... and for missing and write-protect faults only when it reads R back from the page
+/// tables ([`ClockRBits::Pagemap`]): an armed page's first access is then the kernel's.
+const RAM_MODE_PAGEMAP: u64 = uffd::MODE_MISSING | uffd::MODE_WP;
+
+/// The clock's R-bit reader for `rbits`, or `None` (minor userfaults): `pagemap` needs
+/// `PAGEMAP_SCAN` to work on this region (Linux 6.7+); without it the agent says so and
+/// falls back to `userfault`, which every kernel with userfaultfd minor faults has.
+fn rbits_reader(rbits: ClockRBits, base: u64, name: &str) -> Option<memfold_sys::pagemap::Pagemap> {
+    if rbits != ClockRBits::Pagemap {
+        return None;
+    }
+    let probe = memfold_sys::pagemap::Pagemap::open().and_then(|mut pm| {
+        pm.scan(base, PAGE, memfold_sys::pagemap::PAGE_IS_PRESENT, 0)?;
+        Ok(pm)
+    });
+    match probe {
+        Ok(pm) => {
+            tracing::info!("{name}: the clock reads R bits from the page tables (PAGEMAP_SCAN)");
+            Some(pm)
+        }
+        Err(e) => {
+            tracing::warn!(
+                "{name}: MEMFOLD_CLOCK_RBITS=pagemap, but PAGEMAP_SCAN fails here ({e}): \
+                 taking R bits from minor userfaults instead"
+            );
+            None
+        }
+    }
+}
 
 /// Starts the agent thread if the environment asks for it (once per process: the
 /// library's constructor calls it, and a host program may too). Its log goes to stderr
@@ -312,6 +346,11 @@ struct Agent {
     /// The operator opted this guest out (memfoldd's `ToAgent::OptedOut`); carried to a
     /// restarted memfoldd in the hello.
     opted_out: bool,
+    /// How guest RAM is registered: [`RAM_MODE`], or [`RAM_MODE_PAGEMAP`] with `rbits`.
+    /// Every range of guest RAM (re)registered uses it, so its VMAs stay mergeable.
+    ram_mode: u64,
+    /// The page tables' reader when the clock takes R from them ([`ClockRBits::Pagemap`]).
+    rbits: Option<memfold_sys::pagemap::Pagemap>,
 }
 
 /// Runs the agent until the process exits: finds guest RAM (every region, [`regions`]),
@@ -644,11 +683,17 @@ fn run_region(
     // Everything that can fail comes before registering: afterwards only failing closed.
     let remapper = Remapper::new()?;
     let uffd = Uffd::open(uffd::AGENT_FEATURES)?;
+    let rbits = rbits_reader(cfg.clock_rbits, base, &cfg.name);
+    let ram_mode = if rbits.is_some() {
+        RAM_MODE_PAGEMAP
+    } else {
+        RAM_MODE
+    };
     // SAFETY: guest RAM is QEMU's shared memfd mapping, which this process touches only
     // through raw addresses (QEMU's vCPUs and devices), never through Rust references; the
     // agent thread that answers its faults never touches it through the mapping. The
     // range is this region's alone: no other agent registers it (one agent per memfd).
-    unsafe { uffd.register(base, bytes, RAM_MODE) }?;
+    unsafe { uffd.register(base, bytes, ram_mode) }?;
     let max_maps: usize = std::fs::read_to_string("/proc/sys/vm/max_map_count")
         .ok()
         .and_then(|s| s.trim().parse().ok())
@@ -677,6 +722,8 @@ fn run_region(
         remapper,
         vma_budget,
         opted_out: false,
+        ram_mode,
+        rbits,
     };
     // A panic unwinds to here, not past: `agent` (the userfaultfd, guest RAM's memfd, the
     // pool) must outlive failing closed, or write-protection would be gone.

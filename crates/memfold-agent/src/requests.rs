@@ -591,6 +591,25 @@ impl Agent {
     ) -> io::Result<(u32, Vec<u64>, Vec<u64>)> {
         let npages = self.pages.len();
         let n = count.min(CLOCK_SLICE).min(npages.saturating_sub(first.0));
+        let start = self.page_addr(first);
+        if let Some(pm) = self.rbits.as_mut() {
+            // The `pagemap` mode: a page zapped at the last arming whose PTE is back was
+            // accessed since (an in-kernel minor fault mapped it). An access between this
+            // read and the zap below is not seen: that page shows R at the next pass.
+            let (base, pages) = (self.base, &mut self.pages);
+            pm.scan_regions(
+                start,
+                n as u64 * PAGE,
+                memfold_sys::pagemap::PAGE_IS_PRESENT,
+                0,
+                |region| {
+                    for a in (region.start..region.end).step_by(PAGE as usize) {
+                        pages.present(Gfn(((a - base) / PAGE) as u32));
+                    }
+                },
+            )
+            .map_err(|e| io::Error::other(format!("reading R bits: PAGEMAP_SCAN: {e}")))?;
+        }
         let (r, m) = self.pages.take_bits(first, n);
         // Arm runs of private pages memfoldd names; shared and reclaimed pages fault
         // anyway, and a page left unarmed is only watched less (no data depends on it).
@@ -642,12 +661,21 @@ impl Agent {
         }
         // On the helper thread: the caller of MADV_DONTNEED waits for its remove event.
         if !runs.is_empty() {
+            let zapped: Vec<(Gfn, u64)> = runs
+                .iter()
+                .map(|&(addr, len)| (Gfn(((addr - self.base) / PAGE) as u32), len / PAGE))
+                .collect();
             let errno = self.helper(Job::Zap(runs));
             if errno != 0 {
                 return Err(io::Error::other(format!(
                     "arming the clock: madvise: {}",
                     io::Error::from_raw_os_error(errno)
                 )));
+            }
+            if self.rbits.is_some() {
+                for (g, k) in zapped {
+                    self.pages.zapped(g, k);
+                }
             }
         }
         Ok((n, r, m))

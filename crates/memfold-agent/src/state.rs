@@ -120,6 +120,11 @@ pub(crate) struct Pages {
     /// keeps: *a page whose bit is set has been write-protected, and written by no one,
     /// since it was watched*.
     watched: Vec<u64>,
+    /// Zapped bits (the clock's `pagemap` mode, `ClockRBits::Pagemap`): the clock dropped
+    /// the page's PTE when it last armed it, and its home has not changed since. Only for
+    /// such a page does a present PTE at the next scan mean "referenced": any other was
+    /// mapped by the agent itself (a decode, a CoW break, a pool frame).
+    zapped: Vec<u64>,
 }
 
 impl Pages {
@@ -136,6 +141,7 @@ impl Pages {
             referenced: vec![u64::MAX; pages.div_ceil(64)],
             modified: vec![u64::MAX; pages.div_ceil(64)],
             watched: vec![0; pages.div_ceil(64)],
+            zapped: vec![0; pages.div_ceil(64)],
         }
     }
 
@@ -233,6 +239,27 @@ impl Pages {
         }
         self.homes[gfn.index()] = Packed::new(slot);
         self.unwatch(gfn, 1);
+        self.zapped[gfn.index() / 64] &= !(1 << (gfn.0 % 64));
+    }
+
+    /// Records that the clock dropped the PTEs of private pages `[first, first+n)` (in
+    /// RAM): in the `pagemap` mode a present PTE there at the next scan is an access.
+    pub(crate) fn zapped(&mut self, first: Gfn, n: u64) {
+        for g in first.index()..(first.index() + n as usize).min(self.homes.len()) {
+            self.zapped[g / 64] |= 1 << (g % 64);
+        }
+    }
+
+    /// The page tables show page `gfn` present: R, if the clock zapped it and its home
+    /// has not changed since (else the PTE is no access of the guest's); it is zapped no
+    /// longer. A zapped page not yet present stays zapped, armed until its first access,
+    /// as its PTE stays dropped in the `userfault` mode.
+    pub(crate) fn present(&mut self, gfn: Gfn) {
+        let (w, b) = (gfn.index() / 64, 1u64 << (gfn.0 % 64));
+        if self.zapped[w] & b != 0 {
+            self.referenced[w] |= b;
+            self.zapped[w] &= !b;
+        }
     }
 
     /// Sets the watch bit of page `gfn`: a private page the caller has just
@@ -261,8 +288,11 @@ impl Pages {
         (self.homes.capacity() * std::mem::size_of::<Packed>()
             + self.stashes.capacity() * std::mem::size_of::<Stash>()
             + self.free.capacity() * 4
-            + (self.referenced.capacity() + self.modified.capacity() + self.watched.capacity()) * 8)
-            as u64
+            + (self.referenced.capacity()
+                + self.modified.capacity()
+                + self.watched.capacity()
+                + self.zapped.capacity())
+                * 8) as u64
     }
 
     /// Pages of this region mapped onto pool frames now.
@@ -346,16 +376,16 @@ mod tests {
 
     #[test]
     fn a_page_record_stays_small() {
-        // One per guest page: 4 bytes, 0.1% of guest RAM, and 3 bits (R, M, watch); a
-        // stashed page's 32 more.
+        // One per guest page: 4 bytes, 0.1% of guest RAM, and 4 bits (R, M, watch,
+        // zapped); a stashed page's 32 more.
         assert_eq!(std::mem::size_of::<Packed>(), 4);
         assert!(std::mem::size_of::<Stash>() <= 32);
         let mut p = Pages::new(1024);
-        assert_eq!(p.state_bytes(), 1024 * 4 + 3 * 16 * 8, "no page stashed");
+        assert_eq!(p.state_bytes(), 1024 * 4 + 4 * 16 * 8, "no page stashed");
         p.set(Gfn(3), PageHome::Stashed(stash(3)));
-        assert!(p.state_bytes() > 1024 * 4 + 3 * 16 * 8);
+        assert!(p.state_bytes() > 1024 * 4 + 4 * 16 * 8);
         p.set(Gfn(3), PageHome::Private);
-        assert_eq!(p.state_bytes(), 1024 * 4 + 3 * 16 * 8, "given back");
+        assert_eq!(p.state_bytes(), 1024 * 4 + 4 * 16 * 8, "given back");
     }
 
     fn stash(k: u64) -> Stash {

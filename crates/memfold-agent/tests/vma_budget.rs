@@ -89,6 +89,7 @@ fn cow_breaks_in_two_regions_stay_within_one_process_budget() {
         ram_bytes: 0,
         vma_budget: Some(budget),
         on_failure: FailMode::Abort,
+        clock_rbits: memfold_agent::ClockRBits::Userfault,
     };
     std::thread::spawn(move || memfold_agent::run(cfg));
 

@@ -150,6 +150,7 @@ fn top_in_tmux_shows_every_guest_and_q_restores_the_terminal() {
             vma_budget: None,
             // In this test process: pausing would stop the test run for good.
             on_failure: FailMode::Abort,
+            clock_rbits: memfold_agent::ClockRBits::Userfault,
         };
         std::thread::spawn(move || memfold_agent::run(cfg));
     }

@@ -379,6 +379,7 @@ fn lying_peers_neither_stop_memfoldd_nor_reach_another_guests_pages() {
         vma_budget: None,
         // The agent runs in this test process: pausing would stop the test run for good.
         on_failure: FailMode::Abort,
+        clock_rbits: memfold_agent::ClockRBits::Userfault,
     };
     std::thread::spawn(move || agent::run(acfg));
     let t = Instant::now();
@@ -488,6 +489,7 @@ fn a_fake_memfoldd_that_never_answers_does_not_freeze_the_guest() {
         vma_budget: None,
         // The agent runs in this test process: pausing would stop the test run for good.
         on_failure: FailMode::Abort,
+        clock_rbits: memfold_agent::ClockRBits::Userfault,
     };
     std::thread::spawn(move || agent::run(acfg));
     std::thread::sleep(Duration::from_millis(500));

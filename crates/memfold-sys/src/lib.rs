@@ -20,6 +20,7 @@
 pub mod fence;
 pub mod ksm;
 pub mod memfd;
+pub mod pagemap;
 pub mod proc;
 pub mod reclaim;
 pub mod socket;

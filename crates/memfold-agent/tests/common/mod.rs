@@ -7,7 +7,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use memfold_agent::{AgentConfig, FailMode};
+use memfold_agent::{AgentConfig, ClockRBits, FailMode};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
 use memfold_wire::{BatchId, Conn, FrameId, Gfn, Listener, ToAgent, ToDaemon, PROTOCOL_VERSION};
@@ -86,6 +86,11 @@ pub fn share(
 /// Listens as memfoldd at `socket` and starts the agent in this process (it finds every
 /// QEMU-named memfd mapped here itself: no RAM size given), aborting on failure.
 pub fn start_agent(socket: &Path) -> Listener {
+    start_agent_with(socket, ClockRBits::Userfault)
+}
+
+/// [`start_agent`] with the clock's R bits taken as `rbits` says.
+pub fn start_agent_with(socket: &Path, rbits: ClockRBits) -> Listener {
     let listener = Listener::bind(socket).unwrap();
     let cfg = AgentConfig {
         socket: socket.to_path_buf(),
@@ -93,6 +98,7 @@ pub fn start_agent(socket: &Path) -> Listener {
         ram_bytes: 0,
         vma_budget: None,
         on_failure: FailMode::Abort,
+        clock_rbits: rbits,
     };
     std::thread::spawn(move || memfold_agent::run(cfg));
     listener
@@ -102,7 +108,16 @@ pub fn start_agent(socket: &Path) -> Listener {
 /// `socket` (in a directory the caller keeps), and welcomes its first region with a pool
 /// of `frames` (each a page); returns the connection, the pool and the store.
 pub fn agent_with_pool(socket: &Path, frames: &[Vec<u8>]) -> (Conn, OwnedFd, OwnedFd) {
-    let listener = start_agent(socket);
+    agent_with_pool_rbits(socket, frames, ClockRBits::Userfault)
+}
+
+/// [`agent_with_pool`] with the clock's R bits taken as `rbits` says.
+pub fn agent_with_pool_rbits(
+    socket: &Path,
+    frames: &[Vec<u8>],
+    rbits: ClockRBits,
+) -> (Conn, OwnedFd, OwnedFd) {
+    let listener = start_agent_with(socket, rbits);
     let pool = memfd::create("fake-pool").unwrap();
     memfd::set_len(pool.as_fd(), (frames.len().max(1) * PAGE_SIZE) as u64).unwrap();
     for (i, f) in frames.iter().enumerate() {

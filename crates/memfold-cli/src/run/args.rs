@@ -117,6 +117,34 @@ pub struct MemfoldArgs {
     /// guest a read of two words per frame and their transfer (docs/enlightened.md).
     #[arg(long, value_name = "MS", requires = "enlightened")]
     pub guest_interval_ms: Option<u64>,
+    /// How each managed guest's agent takes the NRU clock's R bits (`MEMFOLD_CLOCK_RBITS`
+    /// in its QEMU's environment; docs/peer.md, "R bits from the page tables"):
+    /// `userfault`, a minor userfault through the agent per used page per pass; `pagemap`,
+    /// the kernel's own minor fault, read back with `PAGEMAP_SCAN` (Linux 6.7+), at the
+    /// price of no longer catching writes into guest RAM's memfd that bypass QEMU's
+    /// mapping (docs/security.md).
+    #[arg(long, value_enum, default_value_t = ClockRBits::Userfault)]
+    pub clock_rbits: ClockRBits,
+}
+
+/// The agent's ways of taking R bits (`memfold_agent::ClockRBits`), as flags name them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClockRBits {
+    /// A minor userfault per used page per pass.
+    Userfault,
+    /// The kernel's minor fault, read back from the page tables.
+    Pagemap,
+}
+
+impl ClockRBits {
+    /// The agent's `MEMFOLD_CLOCK_RBITS` value.
+    pub fn env_value(self) -> &'static str {
+        match self {
+            ClockRBits::Userfault => "userfault",
+            ClockRBits::Pagemap => "pagemap",
+        }
+    }
 }
 
 impl MemfoldArgs {

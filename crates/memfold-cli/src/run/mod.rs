@@ -158,7 +158,14 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
                 s.guest_channel = Some(channels.join(format!("{}.sock", s.name)));
             }
         },
-        |s| agent_env(&agent, &socket, s),
+        |s| {
+            let mut env = agent_env(&agent, &socket, s);
+            env.push((
+                "MEMFOLD_CLOCK_RBITS".into(),
+                m.clock_rbits.env_value().into(),
+            ));
+            env
+        },
     )?;
     if m.free_page_reporting {
         crate::peer::check_reporting(&guests)?;

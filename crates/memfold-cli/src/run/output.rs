@@ -266,6 +266,7 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         "cpu_s": r.cpu_s,
         "latency_us": r.end().map(|s| s.latency),
         "policy": a.engine.policy,
+        "clock_rbits": a.clock_rbits,
         "saved_by_pages": r.end().map(|s| s.saved_by),
         "memfoldd_restarts": r.daemon_restarts,
         "memfoldd_kills": r.daemon_kills,

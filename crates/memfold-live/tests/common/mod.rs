@@ -237,6 +237,7 @@ pub fn start_agent_with_budget(
         vma_budget,
         // The agent runs in this test process: pausing would stop the test run for good.
         on_failure: FailMode::Abort,
+        clock_rbits: memfold_agent::ClockRBits::Userfault,
     };
     // Named, so that a test can find the agent's thread in /proc (comm: 15 bytes).
     std::thread::Builder::new()

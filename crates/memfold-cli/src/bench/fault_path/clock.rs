@@ -16,11 +16,11 @@ use memfold_core::{Page, PAGE_SIZE};
 use memfold_sys::{memfd, uffd};
 use serde::Serialize;
 
-use super::pagemap::{
-    Pagemap, PAGE_IS_PRESENT, PAGE_IS_WRITTEN, PM_SCAN_CHECK_WPASYNC, PM_SCAN_WP_MATCHING,
-};
 use super::sides::{serve_faults, touch, Accessed, HandlerError, Mapping, Raw};
 use super::{ClockCost, PAGE};
+use memfold_sys::pagemap::{
+    Pagemap, PAGE_IS_PRESENT, PAGE_IS_WRITTEN, PM_SCAN_CHECK_WPASYNC, PM_SCAN_WP_MATCHING,
+};
 
 /// The agent's registration of guest RAM (`memfold-agent`'s `RAM_MODE`).
 const RAM_MODE: u64 = uffd::MODE_MISSING | uffd::MODE_WP | uffd::MODE_MINOR;

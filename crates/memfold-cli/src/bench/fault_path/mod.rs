@@ -64,7 +64,6 @@
 //! (under `flock /tmp/measure.lock` on the shared host).
 
 mod clock;
-mod pagemap;
 mod pages;
 mod sides;
 mod stats;

@@ -1,0 +1,106 @@
+//! The clock's R bits without userfaults (`MEMFOLD_CLOCK_RBITS=pagemap`,
+//! `ClockRBits::Pagemap`; DE §4.2): guest RAM is registered for missing and write-protect
+//! faults only, so a read of an armed page is the kernel's own minor fault, and the agent
+//! reads R back at the next scan as "the PTE the clock zapped is present again". M still
+//! comes from write-protect faults. Seen failing with the presence read removed from
+//! `clock_scan` (the reads of pages 0 and 2 then report no R), and with the registration
+//! left at `RAM_MODE` (the agent then counts minor faults).
+
+mod common;
+
+use common::{agent_with_pool_rbits, next, page_of, region, write};
+use memfold_agent::ClockRBits;
+use memfold_codecs::PAGE_SIZE;
+use memfold_wire::{BatchId, Conn, Gfn, ToAgent, ToDaemon};
+
+const PAGES: usize = 8;
+
+/// One clock scan of pages 0..PAGES arming `arm`; returns the R and M bits since the
+/// last arming (bit g for page g).
+fn clock(c: &Conn, batch: u64, arm: u64) -> (u64, u64) {
+    c.send(
+        &ToAgent::ClockScan {
+            batch: BatchId(batch),
+            first: Gfn(0),
+            count: PAGES as u32,
+            arm: vec![arm],
+            wp_only: vec![0],
+        },
+        &[],
+    )
+    .unwrap();
+    next(c, |m| match m {
+        ToDaemon::ClockBits {
+            batch: b,
+            referenced,
+            modified,
+            ..
+        } if *b == BatchId(batch) => Some((
+            referenced.first().copied().unwrap_or(0),
+            modified.first().copied().unwrap_or(0),
+        )),
+        _ => None,
+    })
+}
+
+#[test]
+fn armed_pages_report_r_from_the_page_tables_and_m_from_write_faults() {
+    let (_fd, ptr) = region(PAGES);
+    for g in 0..PAGES {
+        write(ptr, g, &vec![g as u8 + 1; PAGE_SIZE]);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (c, _pool, _store) =
+        agent_with_pool_rbits(&dir.path().join("memfoldd.sock"), &[], ClockRBits::Pagemap);
+    // Arm pages 0–5; 6 and 7 stay mapped, unarmed.
+    clock(&c, 1, 0b11_1111);
+    // Read 0 and 2, write 1 and 4, touch nothing else; read 6 (unarmed).
+    assert_eq!(page_of(ptr, 0), vec![1u8; PAGE_SIZE]);
+    assert_eq!(page_of(ptr, 2), vec![3u8; PAGE_SIZE]);
+    write(ptr, 1, &vec![0xa1; PAGE_SIZE]);
+    write(ptr, 4, &vec![0xa4; PAGE_SIZE]);
+    assert_eq!(page_of(ptr, 6), vec![7u8; PAGE_SIZE]);
+    // Re-arm only 2 and 3.
+    let (r, m) = clock(&c, 2, 0b1100);
+    assert_eq!(
+        r & 0b11_1111,
+        0b01_0111,
+        "R: the reads and the writes of armed pages"
+    );
+    assert_eq!(m & 0b11_1111, 0b01_0010, "M: the writes");
+    // Nothing touched since: no R, even where PTEs are present (0, 1, 4 stayed mapped
+    // and unarmed; their presence is not read as an access again).
+    let (r, m) = clock(&c, 3, 0);
+    assert_eq!((r & 0b11_1111, m & 0b11_1111), (0, 0));
+    // Read 3 (re-armed at batch 2), 5 (armed at batch 1 and untouched since: still
+    // armed, as its PTE would still be dropped in the userfault mode) and 0 (armed at
+    // batch 1, read and reported at batch 2: mapped since, not armed again).
+    assert_eq!(page_of(ptr, 3), vec![4u8; PAGE_SIZE]);
+    assert_eq!(page_of(ptr, 5), vec![6u8; PAGE_SIZE]);
+    assert_eq!(page_of(ptr, 0), vec![1u8; PAGE_SIZE]);
+    let (r, _) = clock(&c, 4, 0);
+    assert_eq!(r & 0b11_1111, 0b10_1000, "R: pages 3 and 5");
+    // The data is the guest's throughout.
+    for (g, b) in [
+        (0, 1u8),
+        (1, 0xa1),
+        (2, 3),
+        (3, 4),
+        (4, 0xa4),
+        (5, 6),
+        (6, 7),
+        (7, 8),
+    ] {
+        assert_eq!(page_of(ptr, g), vec![b; PAGE_SIZE], "page {g}");
+    }
+    // No read took a userfault: the agent served no minor fault (its counters, reported
+    // every second), and the two writes came as write-protect faults.
+    let (minor, wp) = next(&c, |m| match m {
+        ToDaemon::AgentStats(r) if r.wp_faults + r.minor_faults >= 2 => {
+            Some((r.minor_faults, r.wp_faults))
+        }
+        _ => None,
+    });
+    assert_eq!(minor, 0, "minor faults in the pagemap mode");
+    assert!(wp >= 2, "write-protect faults: {wp}");
+}
