@@ -100,6 +100,55 @@ pub(super) fn minor_access(
     Ok((lat, cpu, served))
 }
 
+/// The timed accesses with `m` registered as the agent registers guest RAM when its
+/// clock reads R bits from the page tables (`MISSING | WP`), and a handler thread that
+/// fails on any fault: the pages are in zswap, so none is missing, and without `MINOR`
+/// none raises a minor userfault.
+pub(super) fn wp_registered_access(
+    m: &Mapping,
+    order: &[u32],
+    busy_poll: bool,
+) -> Result<Accessed> {
+    let u = uffd::Uffd::open(uffd::AGENT_FEATURES)
+        .context("a userfaultfd with the agent's features")?;
+    // SAFETY: as in `minor_access`: `m` is reached only through raw pointers of this
+    // module, and the handler thread owns the userfaultfd until it stops.
+    unsafe { u.register(m.base(), m.len as u64, uffd::MODE_MISSING | uffd::MODE_WP) }
+        .context("registering the mapping MISSING | WP")?;
+    let stop = AtomicBool::new(false);
+    let (lat, cpu, served) = std::thread::scope(|s| {
+        let stop_ref = &stop;
+        let h = s.spawn(move || {
+            serve_faults(&u, busy_poll, stop_ref, |ev| {
+                let uffd::Event::Fault {
+                    addr, wp, minor, ..
+                } = ev
+                else {
+                    return Ok(false);
+                };
+                let at = addr & !(PAGE - 1);
+                u.wake(at, PAGE)?;
+                Err(HandlerError::Unexpected {
+                    page: at,
+                    kind: if minor {
+                        "minor"
+                    } else if wp {
+                        "write-protect"
+                    } else {
+                        "missing"
+                    },
+                })
+            })
+        });
+        let (lat, cpu) = touch(m, order);
+        stop.store(true, Ordering::Relaxed);
+        (lat, cpu, h.join().expect("the fault handler panicked"))
+    });
+    let served = served.context("a userfault under MISSING | WP")?;
+    ensure!(served == 0, "{served} userfaults under MISSING | WP");
+    Ok((lat, cpu, 0))
+}
+
 /// A memfd mapping holding `pages`, resident, its PTEs zapped (`MADV_DONTNEED`: the
 /// memfd keeps the pages), checked absent by `PAGEMAP_SCAN`; and the zap's ns per page.
 fn zapped(pages: &[Box<Page>], pm: &mut Pagemap) -> Result<(OwnedFd, Mapping, f64)> {

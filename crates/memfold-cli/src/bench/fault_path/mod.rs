@@ -129,7 +129,8 @@ pub struct FaultPathArgs {
     #[arg(long)]
     pub busy_poll: bool,
     /// The sides measured, each round in a rotating order: memfold, kernel, kernel-minor
-    /// (zswap behind the agent's MISSING|WP|MINOR registration), uffd-rbit (a zapped
+    /// (zswap behind the agent's MISSING|WP|MINOR registration), kernel-wp (zswap behind
+    /// its MISSING|WP registration of the pagemap clock), uffd-rbit (a zapped
     /// resident page, a minor userfault: the clock's R bit) and kernel-rbit (a zapped
     /// resident page, no userfaultfd, R read back by PAGEMAP_SCAN), async-rbit (the same,
     /// registered for asynchronous write-protect only: no fault-around).
@@ -161,6 +162,10 @@ pub enum Side {
     /// RAM (`MISSING | WP | MINOR`), a handler answering minor faults with
     /// `UFFDIO_CONTINUE`.
     KernelMinor,
+    /// zswap behind `MADV_PAGEOUT`, the mapping registered as the agent registers guest
+    /// RAM when its clock reads R from the page tables (`MISSING | WP`,
+    /// `MEMFOLD_CLOCK_RBITS=pagemap`): no userfault may come, the load is the kernel's.
+    KernelWp,
     /// Resident pages, PTEs zapped, registered as the agent does: the clock's R bit.
     UffdRbit,
     /// Resident pages, PTEs zapped, no userfaultfd: an in-kernel minor fault.
@@ -177,6 +182,7 @@ impl Side {
             Side::Memfold => "memfold",
             Side::Kernel => "kernel",
             Side::KernelMinor => "kernel-minor",
+            Side::KernelWp => "kernel-wp",
             Side::UffdRbit => "uffd-rbit",
             Side::KernelRbit => "kernel-rbit",
             Side::AsyncRbit => "async-rbit",
@@ -185,15 +191,17 @@ impl Side {
 
     /// Whether it pages out to zswap.
     fn zswap(self) -> bool {
-        matches!(self, Side::Kernel | Side::KernelMinor)
+        matches!(self, Side::Kernel | Side::KernelMinor | Side::KernelWp)
     }
 }
 
 /// The ratios reported, numerator ÷ denominator, where both sides ran.
-const RATIOS: [(Side, Side); 5] = [
+const RATIOS: [(Side, Side); 7] = [
     (Side::Kernel, Side::Memfold),
     (Side::KernelMinor, Side::Memfold),
     (Side::KernelMinor, Side::Kernel),
+    (Side::KernelWp, Side::Memfold),
+    (Side::KernelWp, Side::Kernel),
     (Side::KernelRbit, Side::UffdRbit),
     (Side::AsyncRbit, Side::UffdRbit),
 ];
@@ -436,6 +444,9 @@ pub fn run(a: &FaultPathArgs) -> Result<()> {
                     }),
                     Side::KernelMinor => kernel_side(&pages, ord, |m, o| {
                         clock::minor_access(m, o, a.busy_poll, spin)
+                    }),
+                    Side::KernelWp => kernel_side(&pages, ord, |m, o| {
+                        clock::wp_registered_access(m, o, a.busy_poll)
                     }),
                     Side::UffdRbit => clock::uffd_rbit_side(&pages, ord, a.busy_poll, spin),
                     Side::KernelRbit => clock::kernel_rbit_side(&pages, ord, false),

@@ -215,6 +215,8 @@ pub(super) enum HandlerError {
     Checksum(u64),
     #[error("page {page}: a {kind} fault where only minor faults were expected")]
     NotMinor { page: u64, kind: &'static str },
+    #[error("page {page}: a {kind} userfault where none was expected")]
+    Unexpected { page: u64, kind: &'static str },
 }
 
 /// Sleeps in `poll` until the userfaultfd has an event (or 100 ms pass), as the agent
