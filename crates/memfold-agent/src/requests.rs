@@ -596,7 +596,10 @@ impl Agent {
             // The `pagemap` mode: a page zapped at the last arming whose PTE is back was
             // accessed since (an in-kernel minor fault mapped it). An access between this
             // read and the zap below is not seen: that page shows R at the next pass.
-            let (base, pages) = (self.base, &mut self.pages);
+            // Each such page took one minor fault, the kernel's: counted as the agent's
+            // are in the userfault mode (not timed: no guest waited on the agent).
+            let (base, pages, minor) =
+                (self.base, &mut self.pages, &mut self.counters.minor_faults);
             pm.scan_regions(
                 start,
                 n as u64 * PAGE,
@@ -604,7 +607,9 @@ impl Agent {
                 0,
                 |region| {
                     for a in (region.start..region.end).step_by(PAGE as usize) {
-                        pages.present(Gfn(((a - base) / PAGE) as u32));
+                        if pages.present(Gfn(((a - base) / PAGE) as u32)) {
+                            *minor += 1;
+                        }
                     }
                 },
             )

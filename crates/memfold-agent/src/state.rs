@@ -254,12 +254,16 @@ impl Pages {
     /// has not changed since (else the PTE is no access of the guest's); it is zapped no
     /// longer. A zapped page not yet present stays zapped, armed until its first access,
     /// as its PTE stays dropped in the `userfault` mode.
-    pub(crate) fn present(&mut self, gfn: Gfn) {
+    /// Returns whether it was zapped: one first access since the clock armed it, the
+    /// kernel's own minor fault.
+    pub(crate) fn present(&mut self, gfn: Gfn) -> bool {
         let (w, b) = (gfn.index() / 64, 1u64 << (gfn.0 % 64));
-        if self.zapped[w] & b != 0 {
+        let zapped = self.zapped[w] & b != 0;
+        if zapped {
             self.referenced[w] |= b;
             self.zapped[w] &= !b;
         }
+        zapped
     }
 
     /// Sets the watch bit of page `gfn`: a private page the caller has just

@@ -7,6 +7,8 @@
 //! boot in seconds under TCG. The NRU clock runs throughout (R/M tracking by minor and
 //! write-protect faults) with the Difference Engine policy, so every self-check also
 //! covers the clock's faults and pages decoded back from patches and compressed blobs.
+//! Guest `a`'s agent reads its R bits from the page tables (`MEMFOLD_CLOCK_RBITS=pagemap`:
+//! the kernel's minor faults, no `MINOR` registration), `b`'s from minor userfaults.
 //! memfoldd keeps a host memory budget (64 MiB for 512 MiB of guest RAM: overcommit) and
 //! swaps cold pages out to a swap file (DE §4.6), which the agents also hold. Before the
 //! kill -9 the test requires compressed or swapped pages in each guest and pages in the
@@ -110,6 +112,9 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
     for name in ["a", "b"] {
         let spec = GuestSpec::new(name, "tiny", 256, RamBackend::Memfd);
         let mut env = agent_env(&agent, &socket, &spec);
+        if name == "a" {
+            env.push(("MEMFOLD_CLOCK_RBITS".into(), "pagemap".into()));
+        }
         if name == "b" {
             env.push(("MEMFOLD_VMA_BUDGET".into(), "1".into()));
         }
@@ -118,6 +123,14 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
     for g in &mut guests {
         g.wait_ready(Duration::from_secs(180)).unwrap();
     }
+    // Each agent took the clock mode it was given (its log is QEMU's stderr).
+    let rbits_log = |name: &str| {
+        std::fs::read_to_string(work.path().join(name).join("qemu.stderr"))
+            .unwrap()
+            .contains("the clock reads R bits from the page tables")
+    };
+    assert!(rbits_log("a"), "guest a's agent is not in the pagemap mode");
+    assert!(!rbits_log("b"), "guest b's agent is in the pagemap mode");
 
     // Sharing and zero reclaim reach a real saving, the workload's rewrites break CoW in
     // `a` and refill reclaimed pages; `b`'s budget refuses its shares.

@@ -142,7 +142,9 @@ pub struct AgentReport {
     pub wp_faults: u64,
     /// Faults on missing pages (first touches and reclaimed pages), served by the agent.
     pub missing_faults: u64,
-    /// Minor faults (first access to a page since the clock re-armed it).
+    /// Minor faults (first access to a page since the clock re-armed it): served by the
+    /// agent as userfaults, or, with the clock's R bits from the page tables
+    /// (`MEMFOLD_CLOCK_RBITS=pagemap`), the kernel's, counted at the slice's next scan.
     pub minor_faults: u64,
     /// Share, per page (a run's time divided over its pages).
     pub share_ns: Vec<(u64, u64)>,
