@@ -25,6 +25,11 @@ pub struct AgentConfig {
     pub clock_rbits: ClockRBits,
 }
 
+/// What the agent logs (in QEMU's stderr) when its clock reads R bits from the page
+/// tables ([`ClockRBits::Pagemap`] taken, not fallen back): how a launcher tells which
+/// mode each agent runs.
+pub const PAGEMAP_CLOCK_LOG: &str = "the clock reads R bits from the page tables";
+
 /// How the agent takes the NRU clock's R bits (DE §4.2) of the private pages it arms
 /// (`MEMFOLD_CLOCK_RBITS`). Either way arming zaps the pages' PTEs (`MADV_DONTNEED`) and
 /// M comes from synchronous write-protect faults.

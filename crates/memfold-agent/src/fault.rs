@@ -147,8 +147,11 @@ impl Agent {
             }
             PageHome::Private | PageHome::Zero => {
                 // A hole reads as zeros: a first touch, or a reclaimed zero page. A read
-                // gets it write-protected, so that a later write still sets M.
+                // gets it write-protected, so that a later write still sets M. Its R is
+                // set here, so the pagemap clock must not count it again when it finds
+                // the page present.
                 self.pages.mark(gfn, write);
+                self.pages.unzap(gfn);
                 if write {
                     self.uffd.zeropage(page, PAGE)?;
                 } else {

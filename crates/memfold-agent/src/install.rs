@@ -101,8 +101,8 @@ fn run_job(job: &Job) -> i32 {
         Job::Zap(ref ranges) => {
             for &(addr, len) in ranges {
                 // SAFETY: drops only the PTEs of private guest RAM the agent manages; the
-                // memfd keeps the pages, and the next access is a minor fault the agent
-                // serves.
+                // memfd keeps the pages, and the next access is a minor fault (the agent's
+                // to serve, or in the pagemap clock's mode the kernel's).
                 if unsafe {
                     libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_DONTNEED)
                 } != 0
@@ -234,7 +234,7 @@ impl Agent {
     }
 
     /// Maps the guest memfd's page `gfn` back over its address (replacing the pool
-    /// mapping a share installed) and registers it for all fault kinds, as guest RAM.
+    /// mapping a share installed) and registers it as the rest of guest RAM is.
     /// Does not wake the faulting thread.
     ///
     /// Errors: the mapping or the registration failed.
@@ -243,8 +243,8 @@ impl Agent {
     }
 
     /// Maps the guest memfd's pages `[first, first + n)` back over their addresses
-    /// (replacing the pool mappings shares installed) and registers them for all fault
-    /// kinds, as guest RAM. Does not wake faulting threads.
+    /// (replacing the pool mappings shares installed) and registers them as the rest of
+    /// guest RAM is (`Agent::ram_mode`). Does not wake faulting threads.
     ///
     /// Errors: the mapping failed (nothing changed); a failed registration fails closed.
     pub(crate) fn map_guest_range(&self, first: Gfn, n: usize) -> io::Result<()> {

@@ -7,7 +7,8 @@
 //! starts the agent thread only when `MEMFOLD_SOCKET` is set ([`start_from_env`]); tests
 //! run the same agent in-process with [`run`]. It waits for QEMU to map guest RAM (every
 //! shared `memory-backend-memfd`, found without being told a size: `regions`), registers
-//! each region with userfaultfd for missing, write-protect and minor faults, and attaches
+//! each region with userfaultfd for missing, write-protect and (unless its clock reads R
+//! bits from the page tables, `MEMFOLD_CLOCK_RBITS=pagemap`) minor faults, and attaches
 //! each to memfoldd with its memfd (one agent per region, `NAME` or `NAME/ramK`). RAM
 //! that is not shareable (QEMU's anonymous `-m`, a private memfd, huge pages, a file) is
 //! left alone with one log line naming what to add ([`qemu_args`]).
@@ -117,7 +118,7 @@ mod requests;
 mod state;
 mod vmas;
 
-pub use config::{AgentConfig, ClockRBits, ConfigError, FailMode};
+pub use config::{AgentConfig, ClockRBits, ConfigError, FailMode, PAGEMAP_CLOCK_LOG};
 
 use attach::{Counters, Pending};
 use install::Remapper;
@@ -145,7 +146,7 @@ fn rbits_reader(rbits: ClockRBits, base: u64, name: &str) -> Option<memfold_sys:
     });
     match probe {
         Ok(pm) => {
-            tracing::info!("{name}: the clock reads R bits from the page tables (PAGEMAP_SCAN)");
+            tracing::info!("{name}: {PAGEMAP_CLOCK_LOG} (PAGEMAP_SCAN)");
             Some(pm)
         }
         Err(e) => {

@@ -595,12 +595,13 @@ impl Agent {
         if let Some(pm) = self.rbits.as_mut() {
             // The `pagemap` mode: a page zapped at the last arming whose PTE is back was
             // accessed since (an in-kernel minor fault mapped it). An access between this
-            // read and the zap below is not seen: that page shows R at the next pass.
+            // read and the zap below is lost if the zap re-arms the page (its PTE dropped
+            // again): a heuristic's miss, which the userfault mode does not have.
             // Each such page took one minor fault, the kernel's: counted as the agent's
             // are in the userfault mode (not timed: no guest waited on the agent).
             let (base, pages, minor) =
                 (self.base, &mut self.pages, &mut self.counters.minor_faults);
-            pm.scan_regions(
+            let read = pm.scan_regions(
                 start,
                 n as u64 * PAGE,
                 memfold_sys::pagemap::PAGE_IS_PRESENT,
@@ -612,8 +613,16 @@ impl Agent {
                         }
                     }
                 },
-            )
-            .map_err(|e| io::Error::other(format!("reading R bits: PAGEMAP_SCAN: {e}")))?;
+            );
+            if let Err(e) = read {
+                // It worked at the probe; should it fail now, the slice's armed pages are
+                // taken as used (none thought idle for want of a reading) and the scan
+                // goes on: R is a heuristic, and the connection is no reason to drop.
+                tracing::warn!(
+                    "reading R bits: PAGEMAP_SCAN: {e}; the slice's armed pages count as used"
+                );
+                self.pages.all_zapped_referenced(first, n as u64);
+            }
         }
         let (r, m) = self.pages.take_bits(first, n);
         // Arm runs of private pages memfoldd names; shared and reclaimed pages fault

@@ -242,6 +242,29 @@ impl Pages {
         self.zapped[gfn.index() / 64] &= !(1 << (gfn.0 % 64));
     }
 
+    /// Clears the zapped bit of page `gfn`: the agent itself made it present (a zero fill
+    /// of a hole, with its R already set), which is no minor fault to count at the next
+    /// scan.
+    pub(crate) fn unzap(&mut self, gfn: Gfn) {
+        self.zapped[gfn.index() / 64] &= !(1 << (gfn.0 % 64));
+    }
+
+    /// Every zapped page of `[first, first+n)` (in RAM) counts as referenced and is zapped
+    /// no longer: what the clock assumes when it cannot read the page tables (no page is
+    /// then thought idle for want of a reading). Returns how many there were.
+    pub(crate) fn all_zapped_referenced(&mut self, first: Gfn, n: u64) -> u64 {
+        let mut k = 0;
+        for g in first.index()..(first.index() + n as usize).min(self.homes.len()) {
+            let (w, b) = (g / 64, 1u64 << (g % 64));
+            if self.zapped[w] & b != 0 {
+                self.referenced[w] |= b;
+                self.zapped[w] &= !b;
+                k += 1;
+            }
+        }
+        k
+    }
+
     /// Records that the clock dropped the PTEs of private pages `[first, first+n)` (in
     /// RAM): in the `pagemap` mode a present PTE there at the next scan is an access.
     pub(crate) fn zapped(&mut self, first: Gfn, n: u64) {

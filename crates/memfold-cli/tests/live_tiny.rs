@@ -127,7 +127,7 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
     let rbits_log = |name: &str| {
         std::fs::read_to_string(work.path().join(name).join("qemu.stderr"))
             .unwrap()
-            .contains("the clock reads R bits from the page tables")
+            .contains(memfold_agent::PAGEMAP_CLOCK_LOG)
     };
     assert!(rbits_log("a"), "guest a's agent is not in the pagemap mode");
     assert!(!rbits_log("b"), "guest b's agent is in the pagemap mode");

@@ -418,6 +418,11 @@ impl Guest {
         })
     }
 
+    /// QEMU's standard error so far, where a preloaded agent logs (empty if unreadable).
+    pub fn qemu_log(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+
     /// The serial log so far.
     pub fn serial(&self) -> String {
         let mut s = String::new();

@@ -120,10 +120,13 @@ pub struct MemfoldArgs {
     /// How each managed guest's agent takes the NRU clock's R bits (`MEMFOLD_CLOCK_RBITS`
     /// in its QEMU's environment; docs/peer.md, "R bits from the page tables"):
     /// `userfault`, a minor userfault through the agent per used page per pass; `pagemap`,
-    /// the kernel's own minor fault, read back with `PAGEMAP_SCAN` (Linux 6.7+), at the
-    /// price of no longer catching writes into guest RAM's memfd that bypass QEMU's
-    /// mapping (docs/security.md).
-    #[arg(long, value_enum, default_value_t = ClockRBits::Userfault)]
+    /// the kernel's own minor fault, read back with `PAGEMAP_SCAN` (Linux 6.7+; the agent
+    /// falls back to `userfault` without it). `pagemap` no longer catches writes into
+    /// guest RAM's memfd that bypass QEMU's mapping (docs/security.md); it is the default
+    /// here because this command starts the guests itself, and nothing but QEMU (and
+    /// memfold-blk, through QEMU's page tables) writes their RAM. An agent whose
+    /// environment says nothing (`memfold qemu`, libvirt) takes `userfault`.
+    #[arg(long, value_enum, default_value_t = ClockRBits::Pagemap)]
     pub clock_rbits: ClockRBits,
 }
 

@@ -195,6 +195,9 @@ pub struct MemfoldRun {
     /// With `--break-sharing`: each guest's workload speed before and after the break
     /// ([`around_break`]).
     pub around_break: Vec<AroundBreak>,
+    /// How each managed guest's agent took its R bits, as it logged (`pagemap`, or
+    /// `userfault` when asked for it or fallen back to it).
+    pub clock_rbits: std::collections::BTreeMap<String, &'static str>,
 }
 
 /// Seconds of workload rounds compared on each side of a sharing break.

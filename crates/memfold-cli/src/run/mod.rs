@@ -322,6 +322,17 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     let around_break = m.break_sharing.as_ref().map_or(Vec::new(), |(_, at)| {
         measure::around_break(&guests, *at as f64)
     });
+    let clock_rbits = guests
+        .iter()
+        .map(|g| {
+            let taken = if g.qemu_log().contains(memfold_agent::PAGEMAP_CLOCK_LOG) {
+                "pagemap"
+            } else {
+                "userfault"
+            };
+            (g.name.clone(), taken)
+        })
+        .collect();
     for g in guests.iter_mut().chain(plain.iter_mut()) {
         self_check(g)?;
         g.stop();
@@ -343,6 +354,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             throughput,
             rates,
             around_break,
+            clock_rbits,
         },
         out,
     ))

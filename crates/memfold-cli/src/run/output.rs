@@ -267,6 +267,8 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         "latency_us": r.end().map(|s| s.latency),
         "policy": a.engine.policy,
         "clock_rbits": a.clock_rbits,
+        // The mode each agent took (an agent falls back to userfault without PAGEMAP_SCAN).
+        "clock_rbits_taken": r.clock_rbits,
         "saved_by_pages": r.end().map(|s| s.saved_by),
         "memfoldd_restarts": r.daemon_restarts,
         "memfoldd_kills": r.daemon_kills,
@@ -616,6 +618,7 @@ mod tests {
             throughput: vec![],
             rates: vec![],
             around_break: vec![],
+            clock_rbits: Default::default(),
         };
         leak_check(&r).unwrap();
         let mut leaky = r.clone();
