@@ -111,20 +111,8 @@ impl AgentConfig {
         let Some(socket) = std::env::var_os("MEMFOLD_SOCKET") else {
             return Ok(None);
         };
-        let on_failure = match std::env::var("MEMFOLD_FAIL") {
-            Ok(v) => v.parse()?,
-            Err(std::env::VarError::NotPresent) => FailMode::default(),
-            Err(std::env::VarError::NotUnicode(v)) => {
-                return Err(ConfigError::FailMode(v.to_string_lossy().into()))
-            }
-        };
-        let clock_rbits = match std::env::var("MEMFOLD_CLOCK_RBITS") {
-            Ok(v) => v.parse()?,
-            Err(std::env::VarError::NotPresent) => ClockRBits::default(),
-            Err(std::env::VarError::NotUnicode(v)) => {
-                return Err(ConfigError::ClockRBits(v.to_string_lossy().into()))
-            }
-        };
+        let on_failure = choice("MEMFOLD_FAIL", ConfigError::FailMode)?;
+        let clock_rbits = choice("MEMFOLD_CLOCK_RBITS", ConfigError::ClockRBits)?;
         Ok(Some(AgentConfig {
             socket: socket.into(),
             name: std::env::var("MEMFOLD_VM_NAME").unwrap_or_else(|_| "guest".into()),
@@ -138,6 +126,20 @@ impl AgentConfig {
             on_failure,
             clock_rbits,
         }))
+    }
+}
+
+/// Environment variable `name` read as one of `T`'s words, `T::default()` when unset.
+///
+/// Errors: an unknown word (`T`'s own error), or a value that is not UTF-8 (`bad`).
+fn choice<T: FromStr<Err = ConfigError> + Default>(
+    name: &str,
+    bad: fn(String) -> ConfigError,
+) -> Result<T, ConfigError> {
+    match std::env::var(name) {
+        Ok(v) => v.parse(),
+        Err(std::env::VarError::NotPresent) => Ok(T::default()),
+        Err(std::env::VarError::NotUnicode(v)) => Err(bad(v.to_string_lossy().into())),
     }
 }
 

@@ -9,39 +9,17 @@
 
 mod common;
 
-use common::{agent_with_pool_rbits, next, page_of, region, write};
+use common::{agent_with_pool_rbits, clock_scan, next, page_of, region, write};
 use memfold_agent::ClockRBits;
 use memfold_codecs::PAGE_SIZE;
-use memfold_wire::{BatchId, Conn, Gfn, ToAgent, ToDaemon};
+use memfold_wire::{Conn, ToDaemon};
 
 const PAGES: usize = 8;
 
 /// One clock scan of pages 0..PAGES arming `arm`; returns the R and M bits since the
 /// last arming (bit g for page g).
 fn clock(c: &Conn, batch: u64, arm: u64) -> (u64, u64) {
-    c.send(
-        &ToAgent::ClockScan {
-            batch: BatchId(batch),
-            first: Gfn(0),
-            count: PAGES as u32,
-            arm: vec![arm],
-            wp_only: vec![0],
-        },
-        &[],
-    )
-    .unwrap();
-    next(c, |m| match m {
-        ToDaemon::ClockBits {
-            batch: b,
-            referenced,
-            modified,
-            ..
-        } if *b == BatchId(batch) => Some((
-            referenced.first().copied().unwrap_or(0),
-            modified.first().copied().unwrap_or(0),
-        )),
-        _ => None,
-    })
+    clock_scan(c, batch, PAGES as u32, arm, 0)
 }
 
 #[test]

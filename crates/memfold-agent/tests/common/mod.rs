@@ -159,3 +159,32 @@ pub fn watch(c: &Conn, batch: u64, gfns: &[u32]) -> (Vec<Gfn>, Vec<Gfn>) {
         _ => None,
     })
 }
+
+/// One clock scan of pages `0..count` (at most 64) arming `arm`, `wp_only` of them for
+/// writes only, in batch `batch`; returns the R and M bits since the last arming (bit g
+/// for page g).
+pub fn clock_scan(c: &Conn, batch: u64, count: u32, arm: u64, wp_only: u64) -> (u64, u64) {
+    c.send(
+        &ToAgent::ClockScan {
+            batch: BatchId(batch),
+            first: Gfn(0),
+            count,
+            arm: vec![arm],
+            wp_only: vec![wp_only],
+        },
+        &[],
+    )
+    .unwrap();
+    next(c, |m| match m {
+        ToDaemon::ClockBits {
+            batch: b,
+            referenced,
+            modified,
+            ..
+        } if *b == BatchId(batch) => Some((
+            referenced.first().copied().unwrap_or(0),
+            modified.first().copied().unwrap_or(0),
+        )),
+        _ => None,
+    })
+}
