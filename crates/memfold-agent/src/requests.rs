@@ -675,10 +675,14 @@ impl Agent {
         }
         // On the helper thread: the caller of MADV_DONTNEED waits for its remove event.
         if !runs.is_empty() {
-            let zapped: Vec<(Gfn, u64)> = runs
-                .iter()
-                .map(|&(addr, len)| (Gfn(((addr - self.base) / PAGE) as u32), len / PAGE))
-                .collect();
+            // The pagemap clock reads these pages' presence at the next scan.
+            let zapped: Vec<(Gfn, u64)> = match self.rbits {
+                Some(_) => runs
+                    .iter()
+                    .map(|&(addr, len)| (Gfn(((addr - self.base) / PAGE) as u32), len / PAGE))
+                    .collect(),
+                None => Vec::new(),
+            };
             let errno = self.helper(Job::Zap(runs));
             if errno != 0 {
                 return Err(io::Error::other(format!(
@@ -686,10 +690,8 @@ impl Agent {
                     io::Error::from_raw_os_error(errno)
                 )));
             }
-            if self.rbits.is_some() {
-                for (g, k) in zapped {
-                    self.pages.zapped(g, k);
-                }
+            for (g, k) in zapped {
+                self.pages.zapped(g, k);
             }
         }
         Ok((n, r, m))

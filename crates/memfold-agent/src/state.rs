@@ -251,18 +251,15 @@ impl Pages {
 
     /// Every zapped page of `[first, first+n)` (in RAM) counts as referenced and is zapped
     /// no longer: what the clock assumes when it cannot read the page tables (no page is
-    /// then thought idle for want of a reading). Returns how many there were.
-    pub(crate) fn all_zapped_referenced(&mut self, first: Gfn, n: u64) -> u64 {
-        let mut k = 0;
+    /// then thought idle for want of a reading).
+    pub(crate) fn all_zapped_referenced(&mut self, first: Gfn, n: u64) {
         for g in first.index()..(first.index() + n as usize).min(self.homes.len()) {
             let (w, b) = (g / 64, 1u64 << (g % 64));
             if self.zapped[w] & b != 0 {
                 self.referenced[w] |= b;
                 self.zapped[w] &= !b;
-                k += 1;
             }
         }
-        k
     }
 
     /// Records that the clock dropped the PTEs of private pages `[first, first+n)` (in
