@@ -271,7 +271,7 @@ impl Agent {
         crate::vmas::PROCESS.changed();
         // SAFETY: the pages are guest RAM again (the guest memfd mapped back over them
         // above), which no Rust reference points into (see `run`).
-        if let Err(e) = unsafe { self.uffd.register(addr, len, self.ram_mode) } {
+        if let Err(e) = unsafe { self.uffd.register(addr, len, self.ram_mode()) } {
             // Guest RAM is mapped there now, but no fault reaches the agent: writes would
             // land unseen, under pages it still holds as shared. No way back is safe.
             self.fail_closed(&format!(

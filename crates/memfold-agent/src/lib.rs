@@ -7,11 +7,10 @@
 //! starts the agent thread only when `MEMFOLD_SOCKET` is set ([`start_from_env`]); tests
 //! run the same agent in-process with [`run`]. It waits for QEMU to map guest RAM (every
 //! shared `memory-backend-memfd`, found without being told a size: `regions`), registers
-//! each region with userfaultfd for missing, write-protect and (unless its clock reads R
-//! bits from the page tables, `MEMFOLD_CLOCK_RBITS=pagemap`) minor faults, and attaches
-//! each to memfoldd with its memfd (one agent per region, `NAME` or `NAME/ramK`). RAM
-//! that is not shareable (QEMU's anonymous `-m`, a private memfd, huge pages, a file) is
-//! left alone with one log line naming what to add ([`qemu_args`]).
+//! each region with userfaultfd for the faults it serves (below), and attaches each to
+//! memfoldd with its memfd (one agent per region, `NAME` or `NAME/ramK`). RAM that is not
+//! shareable (QEMU's anonymous `-m`, a private memfd, huge pages, a file) is left alone
+//! with one log line naming what to add ([`qemu_args`]).
 //! It speaks `memfold-wire`'s protocol and reaches the OS through `memfold-sys`; it
 //! decodes stashed pages with `memfold-codecs`. It knows nothing of memfoldd's engine.
 //!
@@ -48,13 +47,9 @@
 //! **R and M bits for the NRU clock** (DE §4.2): memfoldd asks for a slice of guest RAM
 //! at a time; the agent reports which pages were referenced and modified since the slice
 //! was last armed, and arms it again: private pages are write-protected (a write faults:
-//! M) and their PTEs zapped with `MADV_DONTNEED` (the memfd keeps the data; any access is
-//! a minor fault: R). Minor faults are answered with `UFFDIO_CONTINUE`, write-protected
-//! for reads so that a later write still shows. With `MEMFOLD_CLOCK_RBITS=pagemap`
-//! ([`ClockRBits::Pagemap`]) guest RAM is not registered for minor faults: the kernel maps
-//! an armed page back itself (~1 µs, no round trip through the agent), the write-protect
-//! marker the zap leaves keeps M exact, and R is read at the next scan as "the PTE the
-//! clock dropped is present again" (`PAGEMAP_SCAN`).
+//! M) and their PTEs zapped with `MADV_DONTNEED` (the memfd keeps the data): any access
+//! is a minor fault, R, answered with `UFFDIO_CONTINUE` (write-protected for a read) or,
+//! in the `pagemap` mode, the kernel's, read back (`rbits.rs`).
 //!
 //! Crash safety: the agent, not memfoldd, serves every fault, from the pool memfd it holds
 //! itself, so a guest keeps running correctly if memfoldd dies; the agent reconnects and
@@ -113,6 +108,7 @@ mod fault;
 pub mod fence;
 mod install;
 pub mod qemu_args;
+mod rbits;
 mod regions;
 mod requests;
 mod state;
@@ -122,43 +118,11 @@ pub use config::{AgentConfig, ClockRBits, ConfigError, FailMode, PAGEMAP_CLOCK_L
 
 use attach::{Counters, Pending};
 use install::Remapper;
+use regions::{GoneFlag, Watch};
 use state::Pages;
 
 /// Bytes in a guest page and a pool frame.
 const PAGE: u64 = 4096;
-/// Guest RAM (and pages given back to it) is registered for all three fault kinds when
-/// the clock takes R from minor userfaults ([`ClockRBits::Userfault`]).
-const RAM_MODE: u64 = uffd::MODE_MISSING | uffd::MODE_WP | uffd::MODE_MINOR;
-/// ... and for missing and write-protect faults only when it reads R back from the page
-/// tables ([`ClockRBits::Pagemap`]): an armed page's first access is then the kernel's.
-const RAM_MODE_PAGEMAP: u64 = uffd::MODE_MISSING | uffd::MODE_WP;
-
-/// The clock's R-bit reader for `rbits`, or `None` (minor userfaults): `pagemap` needs
-/// `PAGEMAP_SCAN` to work on this region (Linux 6.7+); without it the agent says so and
-/// falls back to `userfault`, which every kernel with userfaultfd minor faults has.
-fn rbits_reader(rbits: ClockRBits, base: u64, name: &str) -> Option<memfold_sys::pagemap::Pagemap> {
-    if rbits != ClockRBits::Pagemap {
-        return None;
-    }
-    let probe = memfold_sys::pagemap::Pagemap::open().and_then(|mut pm| {
-        pm.scan(base, PAGE, memfold_sys::pagemap::PAGE_IS_PRESENT, 0)?;
-        Ok(pm)
-    });
-    match probe {
-        Ok(pm) => {
-            tracing::info!("{name}: {PAGEMAP_CLOCK_LOG} (PAGEMAP_SCAN)");
-            Some(pm)
-        }
-        Err(e) => {
-            tracing::warn!(
-                "{name}: MEMFOLD_CLOCK_RBITS=pagemap, but PAGEMAP_SCAN fails here ({e}): \
-                 taking R bits from minor userfaults instead"
-            );
-            None
-        }
-    }
-}
-
 /// Starts the agent thread if the environment asks for it (once per process: the
 /// library's constructor calls it, and a host program may too). Its log goes to stderr
 /// (QEMU's log), each line naming `memfold-agent`. If the agent cannot start (no guest
@@ -347,10 +311,7 @@ struct Agent {
     /// The operator opted this guest out (memfoldd's `ToAgent::OptedOut`); carried to a
     /// restarted memfoldd in the hello.
     opted_out: bool,
-    /// How guest RAM is registered: [`RAM_MODE`], or [`RAM_MODE_PAGEMAP`] with `rbits`.
-    /// Every range of guest RAM (re)registered uses it, so its VMAs stay mergeable.
-    ram_mode: u64,
-    /// The page tables' reader when the clock takes R from them ([`ClockRBits::Pagemap`]).
+    /// The page tables' reader in the clock's `pagemap` mode (`rbits.rs`).
     rbits: Option<memfold_sys::pagemap::Pagemap>,
 }
 
@@ -409,12 +370,7 @@ pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
     let expected = plan.as_ref().map(|p| p.shareable_backends());
     let (found, by_name) = discover(&cfg, expected)?;
     let many = found.len() > 1;
-    let watch = Watch {
-        cfg: cfg.clone(),
-        known: std::sync::Mutex::new(Vec::new()),
-        next: std::sync::atomic::AtomicUsize::new(found.len().max(1)),
-    };
-    let watch = std::sync::Arc::new(watch);
+    let watch = std::sync::Arc::new(Watch::new(cfg.clone(), found.len().max(1)));
     let mut first = None;
     for (i, region) in found.into_iter().enumerate() {
         let mut rcfg = cfg.clone();
@@ -559,7 +515,7 @@ fn discover(
 }
 
 /// Runs the agent of `region` on a thread of its own; logs why if it ends.
-fn spawn_region(cfg: AgentConfig, region: regions::Region, gone: GoneFlag) {
+pub(crate) fn spawn_region(cfg: AgentConfig, region: regions::Region, gone: GoneFlag) {
     let name = cfg.name.clone();
     let spawned = std::thread::Builder::new()
         .name("memfold-agent".into())
@@ -580,95 +536,6 @@ fn spawn_region(cfg: AgentConfig, region: regions::Region, gone: GoneFlag) {
     }
 }
 
-/// Set when a region's mapping is gone from this process (hot-unplug).
-type GoneFlag = std::sync::Arc<std::sync::atomic::AtomicBool>;
-
-/// The regions the agents manage, for the watcher.
-struct Watch {
-    cfg: AgentConfig,
-    /// (memfd inode, its agent's gone flag) of every region managed.
-    known: std::sync::Mutex<Vec<(u64, GoneFlag)>>,
-    /// The index K of the next `NAME/ramK`.
-    next: std::sync::atomic::AtomicUsize,
-}
-
-impl Watch {
-    /// Records a region managed; returns its gone flag.
-    fn add(&self, inode: u64) -> GoneFlag {
-        let gone = GoneFlag::default();
-        if let Ok(mut k) = self.known.lock() {
-            k.push((inode, std::sync::Arc::clone(&gone)));
-        }
-        gone
-    }
-
-    /// Every [`regions::WATCH_PERIOD`]: attaches regions that appeared (hot-plug) and
-    /// tells the agents of regions that disappeared (hot-unplug) to detach. Ends only if
-    /// `/proc/self/maps` cannot be read.
-    fn watch(&self) {
-        use std::sync::atomic::Ordering;
-        let mut refused: std::collections::BTreeSet<u64> = Default::default();
-        loop {
-            std::thread::sleep(regions::WATCH_PERIOD);
-            let Ok(text) = std::fs::read_to_string("/proc/self/maps") else {
-                tracing::warn!(
-                    "cannot read /proc/self/maps: no longer watching for hot-plugged RAM"
-                );
-                return;
-            };
-            let maps = regions::parse_maps(&text);
-            let known: Vec<(u64, GoneFlag)> = match self.known.lock() {
-                Ok(k) => k.clone(),
-                Err(_) => return,
-            };
-            for (inode, gone) in &known {
-                if !gone.load(Ordering::SeqCst) && !maps.iter().any(|m| m.inode == *inode) {
-                    tracing::warn!(
-                        "a guest RAM region (memfd inode {inode}) is no longer mapped (hot-unplug): its agent detaches"
-                    );
-                    gone.store(true, Ordering::SeqCst);
-                }
-            }
-            let new: Vec<regions::Candidate> =
-                regions::candidates(&maps, Some(regions::QEMU_MEMFD_NAME))
-                    .into_iter()
-                    .filter(|c| !known.iter().any(|(i, _)| *i == c.inode))
-                    .filter(|c| !refused.contains(&c.inode))
-                    .collect();
-            if new.is_empty() {
-                continue;
-            }
-            let Ok((found, huge)) = regions::open(&new) else {
-                continue;
-            };
-            if !huge.is_empty() {
-                tracing::warn!(
-                    "hot-plugged RAM not shareable, left alone: {}",
-                    huge.join(", ")
-                );
-            }
-            for c in &new {
-                if !found.iter().any(|r| r.inode == c.inode) {
-                    refused.insert(c.inode);
-                }
-            }
-            for region in found {
-                let k = self.next.fetch_add(1, Ordering::SeqCst);
-                let mut cfg = self.cfg.clone();
-                cfg.name = format!("{}/ram{k}", self.cfg.name);
-                tracing::info!(
-                    "guest RAM region {} appeared (hot-plug): {} MiB at {:#x}; attaching it",
-                    cfg.name,
-                    region.bytes >> 20,
-                    region.base
-                );
-                let gone = self.add(region.inode);
-                spawn_region(cfg, region, gone);
-            }
-        }
-    }
-}
-
 /// Runs the agent of one guest RAM region until the process exits ([`run`]).
 ///
 /// Errors: userfaultfd is unavailable or cannot register the region (it runs on
@@ -684,17 +551,12 @@ fn run_region(
     // Everything that can fail comes before registering: afterwards only failing closed.
     let remapper = Remapper::new()?;
     let uffd = Uffd::open(uffd::AGENT_FEATURES)?;
-    let rbits = rbits_reader(cfg.clock_rbits, base, &cfg.name);
-    let ram_mode = if rbits.is_some() {
-        RAM_MODE_PAGEMAP
-    } else {
-        RAM_MODE
-    };
+    let rbits = rbits::reader(cfg.clock_rbits, base, &cfg.name);
     // SAFETY: guest RAM is QEMU's shared memfd mapping, which this process touches only
     // through raw addresses (QEMU's vCPUs and devices), never through Rust references; the
     // agent thread that answers its faults never touches it through the mapping. The
     // range is this region's alone: no other agent registers it (one agent per memfd).
-    unsafe { uffd.register(base, bytes, ram_mode) }?;
+    unsafe { uffd.register(base, bytes, rbits::ram_mode(rbits.as_ref())) }?;
     let max_maps: usize = std::fs::read_to_string("/proc/sys/vm/max_map_count")
         .ok()
         .and_then(|s| s.trim().parse().ok())
@@ -723,7 +585,6 @@ fn run_region(
         remapper,
         vma_budget,
         opted_out: false,
-        ram_mode,
         rbits,
     };
     // A panic unwinds to here, not past: `agent` (the userfaultfd, guest RAM's memfd, the

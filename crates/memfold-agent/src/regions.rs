@@ -49,7 +49,7 @@ use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 
-use crate::PAGE;
+use crate::{AgentConfig, PAGE};
 
 /// The memfd name QEMU gives every `memory-backend-memfd` object.
 pub(crate) const QEMU_MEMFD_NAME: &str = "/memfd:memory-backend-memfd";
@@ -288,6 +288,104 @@ pub(crate) fn describe_unshareable(maps: &[Mapping]) -> String {
         "no memory-backend-memfd mapping".into()
     } else {
         found.join(", ")
+    }
+}
+
+/// Set when a region's mapping is gone from this process (hot-unplug).
+pub(crate) type GoneFlag = std::sync::Arc<std::sync::atomic::AtomicBool>;
+
+/// The regions the agents manage, for the watcher.
+pub(crate) struct Watch {
+    cfg: AgentConfig,
+    /// (memfd inode, its agent's gone flag) of every region managed.
+    known: std::sync::Mutex<Vec<(u64, GoneFlag)>>,
+    /// The index K of the next `NAME/ramK`.
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl Watch {
+    /// A watcher of the regions of the agents configured as `cfg`; the next region that
+    /// appears is `NAME/ram{next}`.
+    pub(crate) fn new(cfg: AgentConfig, next: usize) -> Watch {
+        Watch {
+            cfg,
+            known: std::sync::Mutex::new(Vec::new()),
+            next: std::sync::atomic::AtomicUsize::new(next),
+        }
+    }
+
+    /// Records a region managed; returns its gone flag.
+    pub(crate) fn add(&self, inode: u64) -> GoneFlag {
+        let gone = GoneFlag::default();
+        if let Ok(mut k) = self.known.lock() {
+            k.push((inode, std::sync::Arc::clone(&gone)));
+        }
+        gone
+    }
+
+    /// Every [`WATCH_PERIOD`]: attaches regions that appeared (hot-plug) and
+    /// tells the agents of regions that disappeared (hot-unplug) to detach. Ends only if
+    /// `/proc/self/maps` cannot be read.
+    pub(crate) fn watch(&self) {
+        use std::sync::atomic::Ordering;
+        let mut refused: std::collections::BTreeSet<u64> = Default::default();
+        loop {
+            std::thread::sleep(WATCH_PERIOD);
+            let Ok(text) = std::fs::read_to_string("/proc/self/maps") else {
+                tracing::warn!(
+                    "cannot read /proc/self/maps: no longer watching for hot-plugged RAM"
+                );
+                return;
+            };
+            let maps = parse_maps(&text);
+            let known: Vec<(u64, GoneFlag)> = match self.known.lock() {
+                Ok(k) => k.clone(),
+                Err(_) => return,
+            };
+            for (inode, gone) in &known {
+                if !gone.load(Ordering::SeqCst) && !maps.iter().any(|m| m.inode == *inode) {
+                    tracing::warn!(
+                        "a guest RAM region (memfd inode {inode}) is no longer mapped (hot-unplug): its agent detaches"
+                    );
+                    gone.store(true, Ordering::SeqCst);
+                }
+            }
+            let new: Vec<Candidate> = candidates(&maps, Some(QEMU_MEMFD_NAME))
+                .into_iter()
+                .filter(|c| !known.iter().any(|(i, _)| *i == c.inode))
+                .filter(|c| !refused.contains(&c.inode))
+                .collect();
+            if new.is_empty() {
+                continue;
+            }
+            let Ok((found, huge)) = open(&new) else {
+                continue;
+            };
+            if !huge.is_empty() {
+                tracing::warn!(
+                    "hot-plugged RAM not shareable, left alone: {}",
+                    huge.join(", ")
+                );
+            }
+            for c in &new {
+                if !found.iter().any(|r| r.inode == c.inode) {
+                    refused.insert(c.inode);
+                }
+            }
+            for region in found {
+                let k = self.next.fetch_add(1, Ordering::SeqCst);
+                let mut cfg = self.cfg.clone();
+                cfg.name = format!("{}/ram{k}", self.cfg.name);
+                tracing::info!(
+                    "guest RAM region {} appeared (hot-plug): {} MiB at {:#x}; attaching it",
+                    cfg.name,
+                    region.bytes >> 20,
+                    region.base
+                );
+                let gone = self.add(region.inode);
+                crate::spawn_region(cfg, region, gone);
+            }
+        }
     }
 }
 

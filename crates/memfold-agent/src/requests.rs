@@ -591,39 +591,7 @@ impl Agent {
     ) -> io::Result<(u32, Vec<u64>, Vec<u64>)> {
         let npages = self.pages.len();
         let n = count.min(CLOCK_SLICE).min(npages.saturating_sub(first.0));
-        let start = self.page_addr(first);
-        if let Some(pm) = self.rbits.as_mut() {
-            // The `pagemap` mode: a page zapped at the last arming whose PTE is back was
-            // accessed since (an in-kernel minor fault mapped it). An access between this
-            // read and the zap below is lost if the zap re-arms the page (its PTE dropped
-            // again): a heuristic's miss, which the userfault mode does not have.
-            // Each such page took one minor fault, the kernel's: counted as the agent's
-            // are in the userfault mode (not timed: no guest waited on the agent).
-            let (base, pages, minor) =
-                (self.base, &mut self.pages, &mut self.counters.minor_faults);
-            let read = pm.scan_regions(
-                start,
-                n as u64 * PAGE,
-                memfold_sys::pagemap::PAGE_IS_PRESENT,
-                0,
-                |region| {
-                    for a in (region.start..region.end).step_by(PAGE as usize) {
-                        if pages.present(Gfn(((a - base) / PAGE) as u32)) {
-                            *minor += 1;
-                        }
-                    }
-                },
-            );
-            if let Err(e) = read {
-                // It worked at the probe; should it fail now, the slice's armed pages are
-                // taken as used (none thought idle for want of a reading) and the scan
-                // goes on: R is a heuristic, and the connection is no reason to drop.
-                tracing::warn!(
-                    "reading R bits: PAGEMAP_SCAN: {e}; the slice's armed pages count as used"
-                );
-                self.pages.all_zapped_referenced(first, n as u64);
-            }
-        }
+        self.read_rbits(first, n);
         let (r, m) = self.pages.take_bits(first, n);
         // Arm runs of private pages memfoldd names; shared and reclaimed pages fault
         // anyway, and a page left unarmed is only watched less (no data depends on it).
