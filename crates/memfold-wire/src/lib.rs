@@ -49,7 +49,8 @@ pub use messages::{
 };
 pub use reattach::Mapped;
 pub use stats::{
-    GuestPages, HeldBytes, LifetimeCdf, OpLatencies, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS,
+    GuestPages, HeldBytes, LifetimeCdf, MetadataBy, OpLatencies, SavedBy, Stats, SwapStats,
+    VmStats, AGENT_OPS,
 };
 
 /// Wire errors.

@@ -114,6 +114,21 @@ pub struct SavedBy {
     pub store_waste: i64,
 }
 
+/// The engine's own metadata by structure, bytes (docs/metadata.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetadataBy {
+    /// Per guest page: P2M entries, clock bytes and hints, scan ages, categories.
+    pub pages: u64,
+    /// The pools' frame books.
+    pub frames: u64,
+    /// The share tables (shared frames and the current scan's hints).
+    pub share_table: u64,
+    /// The similarity indexes.
+    pub similarity: u64,
+    /// The blob table (one record a stored page).
+    pub blobs: u64,
+}
+
 /// What the backings hold against what the books say they should: a leak check. The
 /// pools (every domain's), the stores and the swap files (every guest's), bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -486,6 +501,9 @@ pub struct Stats {
     /// similarity index, blob table; docs/metadata.md).
     #[serde(default)]
     pub metadata_bytes: u64,
+    /// The same by structure (zeros from a memfoldd older than this field).
+    #[serde(default)]
+    pub metadata_by: MetadataBy,
     /// Base blocks learnt as held by a frame since start, each checked against the base's
     /// own bytes (Satori §5.2; cumulative).
     #[serde(default)]

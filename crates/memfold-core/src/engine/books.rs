@@ -189,6 +189,30 @@ pub struct SavedBy {
     pub store_waste: i64,
 }
 
+/// The engine's own metadata by structure, bytes (docs/metadata.md; ESX §4.3 keeps it
+/// under 0.5% of memory).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MetadataBytes {
+    /// Per guest page: P2M entries, the clock's bytes and hints, the scan's ages, the
+    /// categories, the small per-guest tables.
+    pub pages: u64,
+    /// The pools' frame books.
+    pub frames: u64,
+    /// The share tables: shared frames and the current scan's hints (ESX §4.3).
+    pub share_table: u64,
+    /// The similarity indexes (DE §3.2).
+    pub similarity: u64,
+    /// The blob table: one record a stored page.
+    pub blobs: u64,
+}
+
+impl MetadataBytes {
+    /// All of it, bytes.
+    pub fn total(&self) -> u64 {
+        self.pages + self.frames + self.share_table + self.similarity + self.blobs
+    }
+}
+
 /// The host budget and the swap file (DE §4.6). Pages are 4 KiB.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct SwapBooks {
@@ -363,6 +387,8 @@ pub struct Books {
     /// Bytes of the engine's own metadata: P2M entries, clock bytes and per-page hints,
     /// the pool's books, the share table, the similarity index, the blob table.
     pub metadata_bytes: u64,
+    /// The same by structure.
+    pub metadata_by: MetadataBytes,
     /// Encode times as (ns, count) pairs: [patch encode per candidate, compress].
     pub encode_ns: [Vec<(u64, u64)>; 2],
     /// Shares made at disk read (Satori §4.1), each from the page's landing to its share
@@ -555,6 +581,7 @@ impl Engine {
             pool_errors: self.books.pool_errors,
             blob_write_errors: self.books.blob_write_errors,
             metadata_bytes: self.metadata_bytes(),
+            metadata_by: self.metadata_by(),
             encode_ns: [
                 pairs(&self.books.encode_ns[0]),
                 pairs(&self.books.encode_ns[1]),
@@ -593,6 +620,11 @@ impl Engine {
 
     /// Bytes of the engine's own metadata (see [`Books::metadata_bytes`]).
     pub fn metadata_bytes(&self) -> u64 {
+        self.metadata_by().total()
+    }
+
+    /// The engine's own metadata by structure, bytes (docs/metadata.md; issue 19).
+    pub fn metadata_by(&self) -> MetadataBytes {
         let per_vm: usize = self
             .vms
             .values()
@@ -609,14 +641,16 @@ impl Engine {
                     + crate::share::hashbrown_bytes(v.read_backoff.capacity(), 24)
             })
             .sum();
-        let per_domain: usize = self
-            .domains
-            .values()
-            .map(|d| {
-                d.frames.metadata_bytes() + d.share.metadata_bytes() + d.similar.metadata_bytes()
-            })
-            .sum();
-        (per_vm + per_domain + self.blobs.metadata_bytes()) as u64
+        let sum = |f: &dyn Fn(&super::Domain) -> usize| -> u64 {
+            self.domains.values().map(|d| f(d) as u64).sum()
+        };
+        MetadataBytes {
+            pages: per_vm as u64,
+            frames: sum(&|d| d.frames.metadata_bytes()),
+            share_table: sum(&|d| d.share.metadata_bytes()),
+            similarity: sum(&|d| d.similar.metadata_bytes()),
+            blobs: self.blobs.metadata_bytes() as u64,
+        }
     }
 
     /// Slot bytes the books hold for `k`.

@@ -59,7 +59,9 @@ use crate::similarity::{SimilarityDetector, SimilarityIndex};
 use crate::{Page, PAGE_SIZE};
 
 pub use at_read::{Landed, MAX_LANDED};
-pub use books::{Books, LifetimeBooks, SavedBy, SwapBooks, VmBooks, VmReport, LIFETIME_MARKS_S};
+pub use books::{
+    Books, LifetimeBooks, MetadataBytes, SavedBy, SwapBooks, VmBooks, VmReport, LIFETIME_MARKS_S,
+};
 pub use config::{ConfigError, EngineConfig, ZeroPolicy};
 pub use entitlement::{claim_target, short_of_memory, ClaimPolicy, SharingRanks, CLAIM_GRAIN};
 pub use fill::{BlockCandidate, FillAnswer};
@@ -464,7 +466,7 @@ impl Engine {
                 pool,
                 frames: FrameTable::new(),
                 adopted: false,
-                share: ShareTable::new(1),
+                share: ShareTable::new(self.cfg.hint_passes),
                 zero_frame: None,
                 similar: SimilarityIndex::new(det),
                 similar_cleared_us: now,

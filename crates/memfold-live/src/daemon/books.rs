@@ -202,6 +202,13 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats 
         latency,
         latency_buckets,
         metadata_bytes: b.metadata_bytes,
+        metadata_by: memfold_wire::MetadataBy {
+            pages: b.metadata_by.pages,
+            frames: b.metadata_by.frames,
+            share_table: b.metadata_by.share_table,
+            similarity: b.metadata_by.similarity,
+            blobs: b.metadata_by.blobs,
+        },
         blocks_indexed: b.blocks_indexed,
         blocks_held: b.blocks_held,
         rss_bytes: memfold_sys::proc::rss_bytes(std::process::id()),

@@ -43,6 +43,9 @@ pub struct Point {
     pub metadata_pct: f64,
     /// The engine's metadata at the end, bytes.
     pub engine_metadata_bytes: u64,
+    /// That by structure (P2M and per-page bytes, frames, share table, similarity
+    /// index, blob table), bytes.
+    pub engine_metadata_by: memfold_wire::MetadataBy,
     /// The agents' page records at the end, bytes (all guests).
     pub agent_state_bytes: u64,
     /// memfoldd's largest resident set over the run, bytes.
@@ -158,6 +161,7 @@ impl Point {
             scan_gib_per_cpu_s: (daemon_cpu > 0.0).then(|| scanned_gib / daemon_cpu),
             metadata_pct: (engine_metadata_bytes + agent_state_bytes) as f64 / ram * 100.0,
             engine_metadata_bytes,
+            engine_metadata_by: end.map_or(Default::default(), |s| s.stats.metadata_by),
             agent_state_bytes,
             memfoldd_rss_bytes,
             memfoldd_rss_pct: memfoldd_rss_bytes as f64 / ram * 100.0,
