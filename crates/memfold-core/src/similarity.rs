@@ -141,8 +141,10 @@ impl RefPage {
 /// The page-similarity hash table (DE §4.3): for each group a direct-mapped array of
 /// buckets, each holding up to c candidate pages by gpn (4 bytes a slot, `u32::MAX` when
 /// empty). Like the paper's 18-bit table it has a fixed size per cycle: 2^table_bits buckets
-/// per group, table_bits = ⌈log2(managed pages)⌉ − 1 (the paper: 2^18 buckets for 2 GiB),
-/// at most `hash_bits`. A bucket keeps the first c pages that land in it.
+/// per group, table_bits = ⌈log2(n)⌉ − 1 for the `n` of [`Self::clear_for`], at most
+/// `hash_bits` (the paper sizes it by managed pages: 2^18 buckets for 2 GiB; the engine
+/// does so for the first cycle, then by the candidates a cycle offered,
+/// [`Self::offered`]). A bucket keeps the first c pages that land in it.
 ///
 /// Several signatures may share a bucket, so a candidate is only a hint: the caller
 /// recomputes the candidate's signatures from its current content
@@ -154,6 +156,8 @@ pub struct SimilarityIndex {
     slots: Vec<u32>,
     table_bits: u8,
     len: usize,
+    offered: usize,
+    cycles: u64,
 }
 
 const EMPTY: u32 = u32::MAX;
@@ -162,14 +166,14 @@ const MIN_TABLE_BITS: u8 = 10;
 impl SimilarityIndex {
     /// An empty index for this detector, with the smallest table.
     pub fn new(det: SimilarityDetector) -> Self {
-        let mut idx = SimilarityIndex {
+        SimilarityIndex {
             det,
             slots: Vec::new(),
-            table_bits: 0,
+            table_bits: MIN_TABLE_BITS,
             len: 0,
-        };
-        idx.clear_for(0);
-        idx
+            offered: 0,
+            cycles: 0,
+        }
     }
 
     /// The detector.
@@ -194,17 +198,23 @@ impl SimilarityIndex {
                 * self.det.cfg.candidates as usize;
             self.slots = vec![EMPTY; n];
         }
-        let mut taken = 0;
+        let (mut taken, mut held) = (0, false);
         for (g, &sig) in sigs.iter().enumerate().take(self.det.cfg.groups as usize) {
             let r = self.bucket(g, sig);
             let bucket = &mut self.slots[r];
             if bucket.contains(&gpn) {
+                held = true;
                 continue;
             }
             if let Some(slot) = bucket.iter_mut().find(|s| **s == EMPTY) {
                 *slot = gpn;
                 taken += 1;
             }
+        }
+        // A page offered again while indexed counts once; one every bucket refused counts
+        // again (a full table under-counts by what it drops otherwise).
+        if !held {
+            self.offered += 1;
         }
         self.len += taken;
         taken
@@ -233,14 +243,27 @@ impl SimilarityIndex {
     }
 
     /// Forgets every candidate (end of a clock cycle, DE §4.3) and sizes the table for
-    /// `pages` managed guest pages.
-    pub fn clear_for(&mut self, pages: u64) {
-        let want = (64 - (pages.max(2) - 1).leading_zeros()) as u8; // ⌈log2(pages)⌉
+    /// `n` pages: n/2 buckets a group (rounded up to a power of two; at least 2^10, at
+    /// most 2^hash_bits). DE's `n` is the managed guest pages.
+    pub fn clear_for(&mut self, n: u64) {
+        let want = (64 - (n.max(2) - 1).leading_zeros()) as u8; // ⌈log2(n)⌉
         self.table_bits = want
             .saturating_sub(1)
             .clamp(MIN_TABLE_BITS, self.det.cfg.hash_bits);
         self.slots = Vec::new();
         self.len = 0;
+        self.offered = 0;
+        self.cycles += 1;
+    }
+
+    /// Distinct pages offered to [`Self::insert`] since the last clear (taken or not).
+    pub fn offered(&self) -> usize {
+        self.offered
+    }
+
+    /// Clears so far ([`Self::clear_for`]): 0 for an index never sized.
+    pub fn cycles(&self) -> u64 {
+        self.cycles
     }
 
     /// Candidates held, summed over groups.

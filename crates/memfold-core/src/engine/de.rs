@@ -185,7 +185,11 @@ impl Engine {
 
     /// Clears and resizes domain `d`'s similarity index once every four clock intervals
     /// (DE §4.3 clears it once per clock cycle: stale buckets would keep out new
-    /// candidates), sized by its guests' pages.
+    /// candidates), or as soon as a cycle has offered it more pages than it has buckets.
+    /// The first cycle's table is the paper's (half a bucket a managed page); later ones
+    /// have two buckets a page the last cycle offered, at most that (issue 19: a guest
+    /// whose pages are mostly shared, stored or hot offers few, and the paper's table
+    /// cost 4 bytes a guest page whatever it held).
     fn refresh_similarity_index(&mut self, d: DomainId) {
         let every = self.cfg.clock_interval_us.unwrap_or(4_000_000) * 4;
         let pages: u64 = self
@@ -196,10 +200,18 @@ impl Engine {
             .sum();
         let now = self.now_us();
         let dom = self.domain_mut(d);
-        if now.saturating_sub(dom.similar_cleared_us) > every
-            || dom.similar.buckets() as u64 * 4 < pages
+        let offered = dom.similar.offered() as u64;
+        let first = dom.similar.cycles() == 0;
+        if first
+            || now.saturating_sub(dom.similar_cleared_us) > every
+            || offered > dom.similar.buckets() as u64
         {
-            dom.similar.clear_for(pages);
+            let n = if first {
+                pages
+            } else {
+                (4 * offered).min(pages)
+            };
+            dom.similar.clear_for(n);
             dom.similar_cleared_us = now;
         }
     }
@@ -616,4 +628,51 @@ pub(crate) fn guest_lru_mask(
         }
     }
     m
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::ids::Gfn;
+    use crate::sim::{quick_config, Rig};
+    use crate::{Policy, PAGE_SIZE};
+
+    const PAGES: u32 = 1 << 14;
+
+    /// Text-like bytes unique to `seed`: compressible, never equal to another seed's.
+    fn text(seed: u32) -> Vec<u8> {
+        let words = format!("page {seed} of the similarity test, ");
+        words.bytes().cycle().take(PAGE_SIZE).collect()
+    }
+
+    fn buckets(r: &Rig) -> usize {
+        r.engine.domains.values().next().unwrap().similar.buckets()
+    }
+
+    /// Issue 19: the similarity index has the paper's size (half a bucket a managed page)
+    /// in its first cycle only; then two buckets a page the last cycle offered — here a
+    /// few hundred cold pages of a 16 384-page guest — and so a few KiB, not 4 bytes a
+    /// guest page. Reverting to the paper's size for every cycle fails it.
+    #[test]
+    fn the_similarity_index_is_sized_by_what_a_cycle_offered() {
+        let mut r = Rig::new(quick_config(Policy::difference_engine()), PAGES).unwrap();
+        for g in 0..300 {
+            r.agent.write(Gfn(g * 50), 0, &text(g)).unwrap();
+        }
+        let mut seen = Vec::new();
+        for _ in 0..300 {
+            r.step(10_000).unwrap();
+            if seen.last() != Some(&buckets(&r)) {
+                seen.push(buckets(&r));
+            }
+        }
+        r.engine.check_invariants().unwrap();
+        assert_eq!(seen.first(), Some(&(PAGES as usize / 2)), "{seen:?}");
+        let last = *seen.last().unwrap();
+        assert!(last <= 1024, "{seen:?}: at most two buckets a page offered");
+        let similarity = r.engine.metadata_by().similarity;
+        assert!(similarity <= 2 * 1024 * 4, "{similarity} bytes");
+        for g in 0..300 {
+            assert_eq!(r.agent.peek(Gfn(g * 50)).unwrap().to_vec(), text(g));
+        }
+    }
 }
