@@ -102,6 +102,10 @@ impl Packed {
     }
 }
 
+/// Free stash records below which [`Pages`] does not compact its table (a pass over every
+/// slot is not worth less).
+const COMPACT_MIN: usize = 4096;
+
 /// Every guest page's home, its R and M bits since its clock slice was last armed, and
 /// its watch bit (bit `g % 64` of word `g / 64`).
 pub(crate) struct Pages {
@@ -229,7 +233,8 @@ impl Pages {
             (_, PageHome::Zero) => Slot::Zero,
             (_, PageHome::Frame(f)) => Slot::Frame(f),
         };
-        if let (Slot::Stashed(i), false) = (old, matches!(slot, Slot::Stashed(_))) {
+        let freed = matches!((old, slot), (Slot::Stashed(_), s) if !matches!(s, Slot::Stashed(_)));
+        if let (true, Slot::Stashed(i)) = (freed, old) {
             self.free.push(i);
             if self.free.len() == self.stashes.len() {
                 // No page stashed: the records' memory goes back too.
@@ -238,8 +243,30 @@ impl Pages {
             }
         }
         self.homes[gfn.index()] = Packed::new(slot);
+        if freed && self.free.len() >= COMPACT_MIN && self.free.len() * 2 > self.stashes.len() {
+            self.compact();
+        }
         self.unwatch(gfn, 1);
         self.zapped[gfn.index() / 64] &= !(1 << (gfn.0 % 64));
+    }
+
+    /// Renumbers the stash records of stashed pages densely and gives back the rest
+    /// (issue 19: after a burst of stores taken back, the table kept its peak — 6.8 MB
+    /// against 3.4 in two runs of one 2 GiB guest that differed by an early burst of
+    /// 50 000 pages shared without a mapping). Indexes never leave [`Pages`], so
+    /// renumbering under `&mut self` is invisible to every reader. One pass over the
+    /// slots; run when over half the records are free and at least [`COMPACT_MIN`], so
+    /// at most once per as many frees as there are records left.
+    fn compact(&mut self) {
+        let mut stashes = Vec::with_capacity(self.stashes.len() - self.free.len());
+        for h in &mut self.homes {
+            if let Slot::Stashed(i) = h.get() {
+                *h = Packed::new(Slot::Stashed(stashes.len() as u32));
+                stashes.push(self.stashes[i as usize]);
+            }
+        }
+        self.stashes = stashes;
+        self.free = Vec::new();
     }
 
     /// Clears the zapped bit of page `gfn`: the agent itself made it present (a zero fill
@@ -472,6 +499,42 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A burst of stores taken back leaves the table at what is still stashed, not at its
+    /// peak, and every page reads back its own record (without the compaction, 20 000
+    /// records stay).
+    #[test]
+    fn records_freed_in_bulk_are_given_back_and_the_rest_renumbered() {
+        let n = 20_000u32;
+        let mut p = Pages::new(n as usize);
+        for g in 0..n {
+            p.set(Gfn(g), PageHome::Stashed(stash(g as u64)));
+        }
+        for g in (0..n).filter(|g| g % 10 != 0) {
+            p.set(Gfn(g), PageHome::Private);
+        }
+        // At most COMPACT_MIN free records beyond those in use (or as many as in use).
+        let used = n as usize / 10;
+        assert!(
+            p.stashes.len() <= used + COMPACT_MIN.max(used),
+            "{} records",
+            p.stashes.len()
+        );
+        assert_eq!(p.stashes.len() - p.free.len(), n as usize / 10);
+        for g in 0..n {
+            let want = if g % 10 == 0 {
+                PageHome::Stashed(stash(g as u64))
+            } else {
+                PageHome::Private
+            };
+            assert_eq!(p.home(Gfn(g)), want, "page {g}");
+        }
+        // Reused after the compaction: still each page's own.
+        p.set(Gfn(1), PageHome::Stashed(stash(7)));
+        p.set(Gfn(10), PageHome::Zero);
+        assert_eq!(p.home(Gfn(1)), PageHome::Stashed(stash(7)));
+        assert_eq!(p.home(Gfn(20)), PageHome::Stashed(stash(20)));
     }
 
     #[test]

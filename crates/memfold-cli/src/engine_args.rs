@@ -36,13 +36,6 @@ pub struct EngineArgs {
     /// KSM's smart scan skips pages that did not merge); 1 reads every page every scan.
     #[arg(long, default_value_t = defaults().quiet_scan_period)]
     pub quiet_scan_period: u32,
-    /// Hash intervals the sharing scan's hints are partitioned into (DE §4.3; odd, 1 to
-    /// 15): each full scan hints only the pages whose hash falls into its interval, so the
-    /// share table's hints take a P-th of the memory, and a duplicate of two private pages
-    /// is found up to P full scans later (pages identical to a shared frame in any scan).
-    /// For large guests whose metadata matters more than time to plateau; 1: off.
-    #[arg(long, default_value_t = defaults().hint_passes)]
-    pub hint_passes: u32,
     /// NRU clock (DE §4.2): seconds for its hand to pass over each guest once (R/M
     /// tracking by minor and write-protect faults); 0: off. Default: 4 s when the policy
     /// patches or compresses or --host-budget-mib is given, else off.
@@ -208,7 +201,6 @@ impl EngineArgs {
             min_scan_interval_us: self.min_scan_interval_ms * 1000,
             max_scan_interval_us: self.max_scan_interval_ms.max(self.min_scan_interval_ms) * 1000,
             quiet_scan_period: self.quiet_scan_period,
-            hint_passes: self.hint_passes,
             clock_interval_us: (clock > 0.0).then_some((clock * 1e6) as u64),
             clock_rearm_max: self.clock_rearm_max,
             share_cold_unmapped: self.share_cold_unmapped == "on",
@@ -244,7 +236,6 @@ impl EngineArgs {
             self.max_scan_interval_ms.to_string(),
         );
         opt("--quiet-scan-period", self.quiet_scan_period.to_string());
-        opt("--hint-passes", self.hint_passes.to_string());
         opt("--clock-secs", self.clock_interval_s().to_string());
         opt("--clock-rearm-max", self.clock_rearm_max.to_string());
         opt("--share-cold-unmapped", self.share_cold_unmapped.clone());
@@ -347,18 +338,10 @@ mod tests {
             "3",
             "--wait-target",
             "2.5",
-            "--hint-passes",
-            "5",
         ]);
         let c = a.config().unwrap();
         assert!(!c.discard_free && c.clock_from_guest && !c.guest_categories);
         assert_eq!(c.wait_target_pct, Some(2.5));
-        assert_eq!(c.hint_passes, 5);
-        assert_eq!(
-            parse(&["--hint-passes", "4"]).config().unwrap_err(),
-            ConfigError::HintPasses(4),
-            "an even partition would keep quiet duplicates apart"
-        );
         let b = reparse(&a);
         assert_eq!(format!("{:?}", b.config().unwrap()), format!("{c:?}"));
     }

@@ -22,11 +22,9 @@ pub enum ShareEntry {
 /// never share different pages. Chains are bounded ([`Self::MAX_CHAIN`]): a page whose hash
 /// chain is full is ineligible, as ESX treats a page with a false match.
 ///
-/// With partitioning (DE §4.3, after Kloster et al.; [`crate::EngineConfig::hint_passes`]),
-/// a full scan inserts hints only for pages whose hash falls into its interval (one of
-/// `passes`), so the table holds the hints of about 1/`passes` of memory at its peak;
-/// shared frames stay in it whatever their hash, so a page identical to a frame is found
-/// in any scan. Hints are dropped at the end of each full scan ([`Self::end_pass`]).
+/// With partitioning (DE §4.3, after Kloster et al.), only pages whose hash falls into the
+/// current pass's interval are inserted, and the table is emptied after each pass, so it
+/// holds at most about 1/`passes` of memory.
 pub struct ShareTable {
     table: HashTable<u64>,
     passes: u32,
@@ -72,8 +70,7 @@ impl ShareTable {
     /// Longest chain of entries with the same 32-bit hash tag.
     pub const MAX_CHAIN: usize = 8;
 
-    /// A table hinting memory in `passes` hash intervals, one a full scan (1 = no
-    /// partitioning; DE used 5).
+    /// A table processing memory in `passes` hash intervals (1 = no partitioning; DE used 5).
     pub fn new(passes: u32) -> Self {
         ShareTable {
             table: HashTable::new(),
@@ -82,8 +79,7 @@ impl ShareTable {
         }
     }
 
-    /// Whether a page with this content hash may be hinted in the current full scan (its
-    /// hash in this scan's interval).
+    /// Whether a page with this content hash takes part in the current pass.
     pub fn in_current_pass(&self, hash: u64) -> bool {
         self.passes == 1 || ((tag_of(hash) as u64 * self.passes as u64) >> 32) as u32 == self.pass
     }
@@ -133,12 +129,23 @@ impl ShareTable {
         }
     }
 
-    /// Ends a full scan: drops every hint (ESX §4.3: a hint is stale once its page may
-    /// have changed) and moves to the next hash interval. Shared entries stay.
-    pub fn end_pass(&mut self) {
-        self.table
-            .retain(|v| matches!(unpack(*v), ShareEntry::Shared(_)));
+    /// Ends a pass: drops every hint, and with partitioning every entry (returning the shared
+    /// frames dropped so the caller can clear their flags). Moves to the next hash interval.
+    pub fn end_pass(&mut self) -> Vec<FrameId> {
+        let mut dropped = Vec::new();
+        if self.passes > 1 {
+            for &v in self.table.iter() {
+                if let ShareEntry::Shared(f) = unpack(v) {
+                    dropped.push(f);
+                }
+            }
+            self.table.clear();
+        } else {
+            self.table
+                .retain(|v| matches!(unpack(*v), ShareEntry::Shared(_)));
+        }
         self.pass = (self.pass + 1) % self.passes;
+        dropped
     }
 
     /// Hash intervals per cycle.
@@ -213,7 +220,7 @@ mod tests {
         }
         assert!(!t.insert(h, ShareEntry::Hint(Gpn(999))), "chain bound");
         // End of pass keeps shared entries, drops hints.
-        t.end_pass();
+        assert!(t.end_pass().is_empty());
         assert_eq!(t.len(), 1);
     }
 
@@ -233,23 +240,5 @@ mod tests {
             t.end_pass();
         }
         assert!(seen.iter().all(|&n| n == 1));
-    }
-
-    /// Partitioned, a shared frame stays findable in every interval: only hints go.
-    #[test]
-    fn partitioning_drops_hints_and_keeps_shared_frames() {
-        let mut t = ShareTable::new(5);
-        let (a, b) = (0x1111_0000_0000_0001, 0xeeee_0000_0000_0002);
-        assert!(t.insert(a, ShareEntry::Shared(FrameId(1))));
-        assert!(t.insert(b, ShareEntry::Hint(Gpn(2))));
-        for _ in 0..5 {
-            t.end_pass();
-            assert_eq!(
-                t.lookup(a).collect::<Vec<_>>(),
-                vec![ShareEntry::Shared(FrameId(1))]
-            );
-            assert_eq!(t.lookup(b).count(), 0);
-        }
-        assert_eq!(t.pass(), 0, "five scans make a cycle");
     }
 }

@@ -146,8 +146,7 @@ impl Engine {
                     self.vms[&id].domain == d && self.vms[&id].state(g) == PageState::Private
                 })
             });
-            // Whatever the hint partition: a landed page's twin reads in any scan.
-            if let Some(dom) = self.domains.get_mut(&d) {
+            if let Some(dom) = self.domains.get_mut(&d).filter(|x| x.share.passes() == 1) {
                 for &(h, gpn) in ring.iter() {
                     let e = ShareEntry::Hint(gpn);
                     if !dom.share.lookup(h).any(|x| x == e) {

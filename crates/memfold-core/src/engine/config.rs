@@ -76,16 +76,6 @@ pub struct EngineConfig {
     /// (on by default since 6.7) skips pages that did not merge, up to 8 scans
     /// (`scan.rs`). 8, the default.
     pub quiet_scan_period: u32,
-    /// Hash intervals the sharing scan's hints are partitioned into (DE §4.3, after
-    /// Kloster et al.; [`crate::share::ShareTable`]): each full scan hints only the pages
-    /// whose hash falls into its interval, so the share table holds about 1/`hint_passes`
-    /// of the hints at its peak — the largest part of the engine's metadata a page it
-    /// keeps nowhere else (issue 19) — while a duplicate of two private pages is found up
-    /// to `hint_passes` full scans later (`hint_passes` × [`Self::quiet_scan_period`] for
-    /// quiet pages); a page identical to a shared frame is found in any scan. Odd, 1..=15:
-    /// coprime with the quiet pages' power-of-two periods, so pages read only in every
-    /// 8th scan still meet in every interval. 1 (the default): no partitioning.
-    pub hint_passes: u32,
     /// Time for the NRU clock's hand to pass over each guest once, µs (DE §4.2: ≥ 4 s);
     /// `None`: no clock, so no R/M tracking faults and sharing alone.
     pub clock_interval_us: Option<u64>,
@@ -166,7 +156,6 @@ impl Default for EngineConfig {
             min_scan_interval_us: 1_000_000,
             max_scan_interval_us: 8_000_000,
             quiet_scan_period: 8,
-            hint_passes: 1,
             clock_interval_us: Some(4_000_000),
             clock_rearm_max: 64,
             share_cold_unmapped: true,
@@ -208,9 +197,6 @@ pub enum ConfigError {
     /// A quiet-page period other than 1, 2, 4 or 8 scans.
     #[error("quiet pages read every {0} scans: give 1, 2, 4 or 8")]
     QuietScanPeriod(u32),
-    /// A hint partition count that is even or outside 1..=15.
-    #[error("hints in {0} hash intervals: give an odd number from 1 to 15")]
-    HintPasses(u32),
     /// A wait target outside (0, 100) percent.
     #[error("wait target of {0}%: give more than 0 and less than 100")]
     WaitTarget(String),
@@ -234,9 +220,6 @@ impl EngineConfig {
         }
         if ![1, 2, 4, 8].contains(&self.quiet_scan_period) {
             return Err(ConfigError::QuietScanPeriod(self.quiet_scan_period));
-        }
-        if !(1..=15).contains(&self.hint_passes) || self.hint_passes % 2 == 0 {
-            return Err(ConfigError::HintPasses(self.hint_passes));
         }
         if self.clock_interval_us.is_none() {
             if self.policy.needs_clock() {

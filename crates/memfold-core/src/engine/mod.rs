@@ -466,7 +466,7 @@ impl Engine {
                 pool,
                 frames: FrameTable::new(),
                 adopted: false,
-                share: ShareTable::new(self.cfg.hint_passes),
+                share: ShareTable::new(1),
                 zero_frame: None,
                 similar: SimilarityIndex::new(det),
                 similar_cleared_us: now,

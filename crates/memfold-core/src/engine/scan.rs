@@ -16,13 +16,7 @@
 //! scans later. Every page is read in each of its first 3 scans, when the bulk of the
 //! sharing is found.
 //!
-//! With [`EngineConfig::hint_passes`] = P > 1 (DE §4.3's partitioning), a scan hints only
-//! the pages whose hash falls into its interval (the scan's number mod P): the share
-//! table holds a P-th of the hints. P is odd, so the scans that read every page (every
-//! 8th) pass through all P intervals in turn, and two quiet duplicates still meet.
-//!
 //! [`EngineConfig::quiet_scan_period`]: super::EngineConfig::quiet_scan_period
-//! [`EngineConfig::hint_passes`]: super::EngineConfig::hint_passes
 
 use super::unmapped::{Found, Identical, Seen};
 use super::{Command, Engine, EngineError, ZeroPolicy};
@@ -430,11 +424,7 @@ impl Engine {
             Found::Nothing => {
                 let gpn = crate::ids::Gpn(self.vms[&id].base.0 + g.0);
                 let d = self.dom(id);
-                let share = &mut self.domain_mut(d).share;
-                // Partitioned hints (`EngineConfig::hint_passes`): this scan's interval only.
-                if share.in_current_pass(h) {
-                    share.insert(h, ShareEntry::Hint(gpn));
-                }
+                self.domain_mut(d).share.insert(h, ShareEntry::Hint(gpn));
                 if seen == Seen::Read {
                     self.remember_landed_hint(d, h, gpn);
                 }
@@ -689,137 +679,6 @@ mod tests {
             );
         }
         r.engine.check_invariants().unwrap();
-    }
-
-    /// Hints held by the share table now.
-    fn hints(r: &Rig) -> usize {
-        r.engine
-            .domains
-            .values()
-            .flat_map(|d| d.share.entries())
-            .filter(|(_, e)| matches!(e, ShareEntry::Hint(_)))
-            .count()
-    }
-
-    /// DE §4.3's partitioning (`hint_passes`): each page is hinted in exactly one of every
-    /// P consecutive scans, so the table holds about a P-th of the hints; two quiet pages
-    /// that become equal (read only in every 8th scan) still meet within 8 × P scans.
-    #[test]
-    fn partitioned_hints_hold_a_pth_and_quiet_duplicates_still_meet() {
-        let mut r = Rig::new(
-            EngineConfig {
-                hint_passes: 5,
-                ..cfg(1)
-            },
-            PAGES,
-        )
-        .unwrap();
-        for g in 0..PAGES {
-            r.agent.write(Gfn(g), 0, &unique(g)).unwrap();
-        }
-        let mut per_scan = Vec::new();
-        for _ in 0..10 {
-            reads(&mut r, 1);
-            per_scan.push(hints(&r));
-        }
-        // Every page read in every scan (period 1), each hinted once in 5 scans.
-        assert_eq!(
-            per_scan[..5].iter().sum::<usize>(),
-            PAGES as usize,
-            "{per_scan:?}"
-        );
-        assert_eq!(
-            per_scan[5..],
-            per_scan[..5],
-            "the same interval every 5th scan"
-        );
-        assert!(
-            *per_scan.iter().max().unwrap() < PAGES as usize / 2,
-            "{per_scan:?}"
-        );
-
-        let mut r = Rig::new(
-            EngineConfig {
-                hint_passes: 5,
-                ..cfg(8)
-            },
-            PAGES,
-        )
-        .unwrap();
-        for g in 0..PAGES {
-            r.agent.write(Gfn(g), 0, &unique(g)).unwrap();
-        }
-        reads(&mut r, 40);
-        assert!(r.engine.vms[&r.vm].ages.get(5) >= 8 && r.engine.vms[&r.vm].ages.get(40) >= 8);
-        for seed in [1000, 1001, 1002, 1003, 1004, 1005] {
-            // Pairs of quiet pages made equal, whatever interval their hash falls in.
-            let (a, b) = (seed - 990, seed - 950);
-            r.agent.write(Gfn(a), 0, &unique(seed)).unwrap();
-            r.agent.write(Gfn(b), 0, &unique(seed)).unwrap();
-        }
-        let mut steps = 0;
-        while (10..16).any(|a| r.engine.page_state(r.vm, Gfn(a)) == Some(PageState::Private)) {
-            reads(&mut r, 1);
-            steps += 1;
-            assert!(steps <= 8 * 5, "shared within 8 x 5 scans");
-        }
-        for a in 10..16 {
-            let (x, y) = (
-                r.engine.page_state(r.vm, Gfn(a)),
-                r.engine.page_state(r.vm, Gfn(a + 40)),
-            );
-            assert!(
-                matches!(x, Some(PageState::Shared(_))) && x == y,
-                "{a}: {x:?} {y:?}"
-            );
-            assert_eq!(r.agent.peek(Gfn(a)).unwrap().to_vec(), unique(a + 990));
-        }
-        r.engine.check_invariants().unwrap();
-    }
-
-    /// Under DE, a cold page the scan finds identical is left to the clock's next slice
-    /// (`Identical::Defer`), which finds its twin through the share table; with hints
-    /// partitioned the twin's hint is there one scan in P, so the slice seldom found it:
-    /// 3 106 of these 4 096 pages stayed private for good (5 intervals), until such pages
-    /// were shared at once. 500 random contents, 8 or 9 copies each.
-    #[test]
-    fn with_partitioned_hints_cold_duplicates_are_all_shared() {
-        let mut r = Rig::new(
-            EngineConfig {
-                quiet_scan_period: 8,
-                hint_passes: 5,
-                ..crate::sim::quick_config(Policy::difference_engine())
-            },
-            4096,
-        )
-        .unwrap();
-        let content = |seed: u32| -> Vec<u8> {
-            let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ seed as u64;
-            (0..PAGE_SIZE)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    x as u8
-                })
-                .collect()
-        };
-        for g in 0..4096u32 {
-            r.agent.write(Gfn(g), 0, &content(g % 500)).unwrap();
-        }
-        for _ in 0..300 {
-            r.step(10_000).unwrap();
-        }
-        r.engine.check_invariants().unwrap();
-        let private = (0..4096)
-            .filter(|&g| r.engine.page_state(r.vm, Gfn(g)) == Some(PageState::Private))
-            .count();
-        assert_eq!(private, 0, "duplicates left private");
-        let frames = r.engine.domains.values().next().unwrap().frames.in_use();
-        assert_eq!(frames, 500);
-        for g in (0..4096u32).step_by(37) {
-            assert_eq!(r.agent.peek(Gfn(g)).unwrap().to_vec(), content(g % 500));
-        }
     }
 
     /// A write the clock saw starts a quiet page's age again: with DE's clock, what a

@@ -108,9 +108,7 @@ impl Engine {
     /// C3/C4 under `de`). A cold page is shared without a mapping only when its class is
     /// fresh: the sharing scan, which reads pages up to a clock interval after their
     /// class was found, leaves it to the clock's next slice ([`Identical::Defer`]), so a
-    /// page written since (and likely to be used) is not stashed on a stale class —
-    /// unless hints are partitioned ([`crate::EngineConfig::hint_passes`]), when it is
-    /// shared without a mapping at once.
+    /// page written since (and likely to be used) is not stashed on a stale class.
     ///
     /// Under VMA pressure a page that would be mapped is left for later instead
     /// ([`Identical::Defer`]): its share would only be refused again. Asked anyway, a
@@ -143,9 +141,6 @@ impl Engine {
         match (cold, seen) {
             (false, _) => Identical::Map,
             (true, Seen::Clock) => Identical::Unmapped,
-            // Hints partitioned (`hint_passes` > 1): the twin's hint lives one scan in P,
-            // so the clock's next slice would seldom find it; shared now.
-            (true, _) if self.cfg.hint_passes > 1 => Identical::Unmapped,
             (true, _) => Identical::Defer,
         }
     }

@@ -148,8 +148,6 @@ fn config(s: &Setup) -> EngineConfig {
         clock_from_guest: (s.policy / 4) % 2 == 1,
         // A wait target (issue 15) in half the setups: stores held back by the floor.
         wait_target_pct: ((s.policy / 8) % 2 == 1).then_some(3.0),
-        // Hints partitioned over 3 or 5 full scans (DE §4.3) in 2 setups of 3.
-        hint_passes: [1, 3, 5][(s.policy as usize / 16) % 3],
         page_hash: if s.collide_hashes {
             colliding_hash
         } else {
