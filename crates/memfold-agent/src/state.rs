@@ -253,10 +253,12 @@ impl Pages {
     /// Renumbers the stash records of stashed pages densely and gives back the rest
     /// (issue 19: after a burst of stores taken back, the table kept its peak — 6.8 MB
     /// against 3.4 in two runs of one 2 GiB guest that differed by an early burst of
-    /// 50 000 pages shared without a mapping). Indexes never leave [`Pages`], so
-    /// renumbering under `&mut self` is invisible to every reader. One pass over the
-    /// slots; run when over half the records are free and at least [`COMPACT_MIN`], so
-    /// at most once per as many frees as there are records left.
+    /// ~53 000 pages shared without a mapping). Indexes never leave [`Pages`], so
+    /// renumbering under `&mut self` is invisible to every reader. One pass over every
+    /// guest page's slot, on whichever agent thread freed the record (a decode's
+    /// included: its vCPU is already woken); run when over half the records are free
+    /// and at least [`COMPACT_MIN`], so at most once per as many frees as there are
+    /// records left.
     fn compact(&mut self) {
         let mut stashes = Vec::with_capacity(self.stashes.len() - self.free.len());
         for h in &mut self.homes {

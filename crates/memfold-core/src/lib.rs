@@ -15,7 +15,7 @@
 //! |---|---|---|
 //! | [`p2m`] | one page's state, packed: private, zero, shared, stored, and in flight | DE §4.1 |
 //! | [`frames`] | the pool's frames: sharing rank, requests, patch references, hashes | ESX §4.3 |
-//! | [`share`] | hash table of shared frames and hints, partitioned passes | ESX §4.3, DE §4.3 |
+//! | [`share`] | hash table of shared frames and hints | ESX §4.3, DE §4.3 |
 //! | [`similarity`] | HashSimilarityDetector(k, s), reference candidates | DE §3.2, §4.3 |
 //! | [`blobs`], [`slab`] | blobs of patched, compressed and swapped pages, packed in 4 KiB chunks | DE §4.1, §4.6 |
 //! | [`categories`] | what an enlightened guest says its pages are; its frames as gfns | PV §3.1 |

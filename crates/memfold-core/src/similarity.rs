@@ -150,7 +150,8 @@ impl RefPage {
 /// recomputes the candidate's signatures from its current content
 /// ([`SimilarityIndex::matches`]), which also weeds out candidates that changed since they
 /// were indexed. The table is kept across share passes and cleared and resized once per
-/// clock cycle.
+/// clock cycle, and sooner when a cycle offers more pages than it can grow to hold
+/// (the engine's `refresh_similarity_index`).
 pub struct SimilarityIndex {
     det: SimilarityDetector,
     slots: Vec<u32>,
@@ -256,9 +257,18 @@ impl SimilarityIndex {
         self.cycles += 1;
     }
 
-    /// Distinct pages offered to [`Self::insert`] since the last clear (taken or not).
+    /// Pages offered to [`Self::insert`] since the last clear: a page already indexed
+    /// counts once, one every bucket refused (or whose content changed) each time.
     pub fn offered(&self) -> usize {
         self.offered
+    }
+
+    /// Whether [`Self::clear_for`]`(n)` would give a larger table than the current one.
+    pub fn would_grow(&self, n: u64) -> bool {
+        let want = (64 - (n.max(2) - 1).leading_zeros()) as u8;
+        want.saturating_sub(1)
+            .clamp(MIN_TABLE_BITS, self.det.cfg.hash_bits)
+            > self.table_bits
     }
 
     /// Clears so far ([`Self::clear_for`]): 0 for an index never sized.
@@ -330,6 +340,11 @@ mod tests {
         assert_eq!(idx.buckets(), 1 << 19, "half the managed pages");
         idx.candidates(&sa, &mut out);
         assert!(out.is_empty());
+        assert!(!idx.would_grow(1 << 20) && !idx.would_grow(1 << 10));
+        assert!(
+            idx.would_grow(1 << 21),
+            "a larger table for twice the pages"
+        );
         idx.clear_for(100);
         assert_eq!(idx.buckets(), 1 << MIN_TABLE_BITS);
     }
@@ -346,6 +361,10 @@ mod tests {
         let mut idx = SimilarityIndex::new(det);
         idx.clear_for(1 << 30);
         assert_eq!(idx.buckets(), 1 << 18, "never wider than the hash");
+        assert!(
+            !idx.would_grow(1 << 40),
+            "at the hash's width it cannot grow"
+        );
         assert!(SimilarityDetector::new(SimilarityConfig {
             groups: 0,
             ..Default::default()
