@@ -233,8 +233,12 @@ impl Pages {
             (_, PageHome::Zero) => Slot::Zero,
             (_, PageHome::Frame(f)) => Slot::Frame(f),
         };
-        let freed = matches!((old, slot), (Slot::Stashed(_), s) if !matches!(s, Slot::Stashed(_)));
-        if let (true, Slot::Stashed(i)) = (freed, old) {
+        // The record of a stashed page that is stashed no more.
+        let freed = match (old, slot) {
+            (Slot::Stashed(i), s) if !matches!(s, Slot::Stashed(_)) => Some(i),
+            _ => None,
+        };
+        if let Some(i) = freed {
             self.free.push(i);
             if self.free.len() == self.stashes.len() {
                 // No page stashed: the records' memory goes back too.
@@ -243,7 +247,10 @@ impl Pages {
             }
         }
         self.homes[gfn.index()] = Packed::new(slot);
-        if freed && self.free.len() >= COMPACT_MIN && self.free.len() * 2 > self.stashes.len() {
+        if freed.is_some()
+            && self.free.len() >= COMPACT_MIN
+            && self.free.len() * 2 > self.stashes.len()
+        {
             self.compact();
         }
         self.unwatch(gfn, 1);
@@ -523,7 +530,7 @@ mod tests {
             "{} records",
             p.stashes.len()
         );
-        assert_eq!(p.stashes.len() - p.free.len(), n as usize / 10);
+        assert_eq!(p.stashes.len() - p.free.len(), used);
         for g in 0..n {
             let want = if g % 10 == 0 {
                 PageHome::Stashed(stash(g as u64))

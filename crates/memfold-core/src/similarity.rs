@@ -247,10 +247,7 @@ impl SimilarityIndex {
     /// `n` pages: n/2 buckets a group (rounded up to a power of two; at least 2^10, at
     /// most 2^hash_bits). DE's `n` is the managed guest pages.
     pub fn clear_for(&mut self, n: u64) {
-        let want = (64 - (n.max(2) - 1).leading_zeros()) as u8; // ⌈log2(n)⌉
-        self.table_bits = want
-            .saturating_sub(1)
-            .clamp(MIN_TABLE_BITS, self.det.cfg.hash_bits);
+        self.table_bits = self.table_bits_for(n);
         self.slots = Vec::new();
         self.len = 0;
         self.offered = 0;
@@ -265,10 +262,14 @@ impl SimilarityIndex {
 
     /// Whether [`Self::clear_for`]`(n)` would give a larger table than the current one.
     pub fn would_grow(&self, n: u64) -> bool {
-        let want = (64 - (n.max(2) - 1).leading_zeros()) as u8;
+        self.table_bits_for(n) > self.table_bits
+    }
+
+    /// The table bits [`Self::clear_for`]`(n)` sizes the table with.
+    fn table_bits_for(&self, n: u64) -> u8 {
+        let want = (64 - (n.max(2) - 1).leading_zeros()) as u8; // ⌈log2(n)⌉
         want.saturating_sub(1)
             .clamp(MIN_TABLE_BITS, self.det.cfg.hash_bits)
-            > self.table_bits
     }
 
     /// Clears so far ([`Self::clear_for`]): 0 for an index never sized.

@@ -536,6 +536,7 @@ impl Engine {
                 .map(|v| (v.value_iterated_to(), v.count_at_value()))
                 .collect()
         };
+        let metadata_by = self.metadata_by();
         Books {
             uptime_s: now.saturating_sub(self.started_us) as f64 / 1e6,
             full_scans: self.scan.full_scans,
@@ -580,8 +581,8 @@ impl Engine {
             held: self.held_bytes(),
             pool_errors: self.books.pool_errors,
             blob_write_errors: self.books.blob_write_errors,
-            metadata_bytes: self.metadata_bytes(),
-            metadata_by: self.metadata_by(),
+            metadata_bytes: metadata_by.total(),
+            metadata_by,
             encode_ns: [
                 pairs(&self.books.encode_ns[0]),
                 pairs(&self.books.encode_ns[1]),
