@@ -38,6 +38,8 @@ pub(crate) struct Pending {
     pub(crate) unstashed: Vec<Gfn>,
     /// Pages QEMU discarded that memfold held, and what it held.
     pub(crate) discards: Vec<(Gfn, Discarded)>,
+    /// Pages paged out to the kernel's swap found in RAM again, or discarded (`pageout.rs`).
+    pub(crate) paged_in: Vec<Gfn>,
 }
 
 /// Fault counts and operation latencies since the agent started.
@@ -243,6 +245,11 @@ impl Agent {
         if !self.pending.discards.is_empty() {
             msgs.push(ToDaemon::Discarded {
                 pages: std::mem::take(&mut self.pending.discards),
+            });
+        }
+        if !self.pending.paged_in.is_empty() {
+            msgs.push(ToDaemon::PagedIn {
+                gfns: std::mem::take(&mut self.pending.paged_in),
             });
         }
         if self.counters.last_report.elapsed() >= REPORT_EVERY {

@@ -9,7 +9,7 @@
 //!
 //! | page was | now |
 //! |---|---|
-//! | private | nothing to do: QEMU's punch made it a hole |
+//! | private | nothing to do: QEMU's punch made it a hole (one paged out to the kernel's swap is reported as no longer there, `ToDaemon::PagedIn`) |
 //! | on a pool frame | guest RAM's memfd (a hole) mapped back over it and registered |
 //! | a reclaimed zero page | a plain hole |
 //! | stashed | a plain hole; its blob is memfoldd's to release |
@@ -55,7 +55,14 @@ impl Agent {
         for g in first..last {
             let gfn = Gfn(g as u32);
             let what = match self.pages.home(gfn) {
-                PageHome::Private => continue,
+                PageHome::Private => {
+                    // The punch freed its swap entry too: the kernel holds it no more.
+                    if self.pages.is_paged_out(gfn) {
+                        self.pages.paged_in(gfn);
+                        self.pending.paged_in.push(gfn);
+                    }
+                    continue;
+                }
                 PageHome::Zero => Discarded::Zero,
                 PageHome::Stashed(_) => Discarded::Stashed,
                 PageHome::Frame(f) => Discarded::Frame(f),

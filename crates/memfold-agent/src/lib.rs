@@ -107,6 +107,7 @@ mod discard;
 mod fault;
 pub mod fence;
 mod install;
+mod pageout;
 pub mod qemu_args;
 mod rbits;
 mod regions;
@@ -313,6 +314,9 @@ struct Agent {
     opted_out: bool,
     /// The page tables' reader in the clock's `pagemap` mode (`rbits.rs`).
     rbits: Option<memfold_sys::pagemap::Pagemap>,
+    /// The read-only window onto guest RAM's memfd that pages go to the kernel's swap
+    /// through (`pageout.rs`), made at the first page-out.
+    window: Option<memfold_sys::pageout::PageOutWindow>,
 }
 
 /// Runs the agent until the process exits: finds guest RAM (every region, [`regions`]),
@@ -586,6 +590,7 @@ fn run_region(
         vma_budget,
         opted_out: false,
         rbits,
+        window: None,
     };
     // A panic unwinds to here, not past: `agent` (the userfaultfd, guest RAM's memfd, the
     // pool) must outlive failing closed, or write-protection would be gone.

@@ -131,6 +131,9 @@ impl Agent {
                 arm,
                 wp_only,
             } => {
+                // Pages paged out and back in RAM since (reported with the events).
+                let n = count.min(CLOCK_SLICE).min(self.pages.len().saturating_sub(first.0));
+                self.paged_in(first, n);
                 let (count, referenced, modified) =
                     self.clock_scan(first, count, &arm, &wp_only)?;
                 ToDaemon::ClockBits {
@@ -160,6 +163,15 @@ impl Agent {
                     batch,
                     discarded: o.done,
                     changed: o.changed,
+                    refused: o.refused,
+                }
+            }
+            ToAgent::PageOut { batch, gfns } => {
+                let o = self.page_out(gfns)?;
+                ToDaemon::PageOutDone {
+                    batch,
+                    paged: o.paged,
+                    resident: o.resident,
                     refused: o.refused,
                 }
             }

@@ -129,6 +129,10 @@ pub(crate) struct Pages {
     /// such a page does a present PTE at the next scan mean "referenced": any other was
     /// mapped by the agent itself (a decode, a CoW break, a pool frame).
     zapped: Vec<u64>,
+    /// Paged-out bits (issue 15's zswap backing, `pageout.rs`): the agent sent the
+    /// private page to the kernel's swap and has not yet seen it in RAM again. Cleared by
+    /// any change of home, and when a scan finds the page resident.
+    paged_out: Vec<u64>,
 }
 
 impl Pages {
@@ -146,6 +150,7 @@ impl Pages {
             modified: vec![u64::MAX; pages.div_ceil(64)],
             watched: vec![0; pages.div_ceil(64)],
             zapped: vec![0; pages.div_ceil(64)],
+            paged_out: vec![0; pages.div_ceil(64)],
         }
     }
 
@@ -255,6 +260,30 @@ impl Pages {
         }
         self.unwatch(gfn, 1);
         self.zapped[gfn.index() / 64] &= !(1 << (gfn.0 % 64));
+        self.paged_out[gfn.index() / 64] &= !(1 << (gfn.0 % 64));
+    }
+
+    /// Records that private page `gfn` left RAM for the kernel's swap.
+    pub(crate) fn paged_out(&mut self, gfn: Gfn) {
+        debug_assert!(self.is_private(gfn));
+        self.paged_out[gfn.index() / 64] |= 1 << (gfn.0 % 64);
+    }
+
+    /// Whether page `gfn` was paged out and not yet seen in RAM again.
+    pub(crate) fn is_paged_out(&self, gfn: Gfn) -> bool {
+        self.paged_out
+            .get(gfn.index() / 64)
+            .is_some_and(|w| w >> (gfn.0 % 64) & 1 == 1)
+    }
+
+    /// Clears page `gfn`'s paged-out bit: it is in RAM again.
+    pub(crate) fn paged_in(&mut self, gfn: Gfn) {
+        self.paged_out[gfn.index() / 64] &= !(1 << (gfn.0 % 64));
+    }
+
+    /// Whether any page of `[first, first+n)` (in RAM) is paged out.
+    pub(crate) fn any_paged_out(&self, first: Gfn, n: u32) -> bool {
+        (first.0..(first.0 + n).min(self.len())).any(|g| self.is_paged_out(Gfn(g)))
     }
 
     /// Renumbers the stash records of stashed pages densely and gives back the rest

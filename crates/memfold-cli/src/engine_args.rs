@@ -7,7 +7,7 @@ use std::ffi::OsString;
 
 use clap::builder::PossibleValuesParser;
 use clap::Args;
-use memfold_core::engine::ConfigError;
+use memfold_core::engine::{CompressBacking, ConfigError};
 use memfold_core::{ClaimPolicy, CompressCodec, EngineConfig, PatchCodec, Policy, ZeroPolicy};
 use memfold_live::daemon::DomainRule;
 
@@ -58,6 +58,14 @@ pub struct EngineArgs {
     /// Largest compressed page kept, bytes (DE §3.3's cut-off; at most 4096).
     #[arg(long, default_value_t = defaults().compress_cutoff)]
     pub compress_cutoff: usize,
+    /// Where cold pages that only compress go (issue 15): `store`, memfold's store (the
+    /// codec above; the guest's next access is decoded by the agent), or `zswap`, the
+    /// kernel's swap through the agent's MADV_PAGEOUT (the guest's next access is the
+    /// kernel's swap-in, with no userfault under `--clock-rbits pagemap`). `zswap` needs
+    /// swap space and zswap on (`memfold run` and `compare` set both up for the run);
+    /// without swap nothing is paged out.
+    #[arg(long, default_value_t = defaults().compress_backing)]
+    pub compress_backing: CompressBacking,
     /// Most NRU clock passes between two armings of a page the clock found used in 3
     /// consecutive scans (fewer R-bit faults; 1..=64; 1 arms every page every pass, as
     /// DE §4.2 is written).
@@ -197,6 +205,7 @@ impl EngineArgs {
             patch_cutoff: self.patch_cutoff,
             compress_codec: self.compress_codec,
             compress_cutoff: self.compress_cutoff,
+            compress_backing: self.compress_backing,
             rate: self.rate,
             min_scan_interval_us: self.min_scan_interval_ms * 1000,
             max_scan_interval_us: self.max_scan_interval_ms.max(self.min_scan_interval_ms) * 1000,
@@ -249,6 +258,7 @@ impl EngineArgs {
         opt("--patch-cutoff", self.patch_cutoff.to_string());
         opt("--compress-codec", self.compress_codec.name().into());
         opt("--compress-cutoff", self.compress_cutoff.to_string());
+        opt("--compress-backing", self.compress_backing.to_string());
         opt("--share-domains", self.share_domains.clone());
         if !self.never_share.is_empty() {
             opt("--never-share", self.never_share.join(","));

@@ -75,6 +75,19 @@ impl P2mEntry {
     /// mechanism saved it (payload 1 of the zero tag; a reclaimed zero page has 0).
     pub const FREE_HOLE: P2mEntry = P2mEntry(1 << 29 | 1);
 
+    /// A private page its agent sent to the kernel's swap (issue 15's zswap backing,
+    /// [`crate::engine::CompressBacking::Zswap`]): a [`PageState::Private`] page like any
+    /// other — its bytes are in guest RAM's memfd, which the kernel swaps in at the next
+    /// access — told apart so that nothing reads it in again for nothing (the scans skip
+    /// it) and the books know what the kernel holds (payload 1 of the private tag). Any
+    /// change of state, or the agent's word that it is in RAM again, drops the mark.
+    pub const PAGED_OUT: P2mEntry = P2mEntry(1);
+
+    /// Whether this is [`Self::PAGED_OUT`].
+    pub fn is_paged_out(self) -> bool {
+        self == Self::PAGED_OUT
+    }
+
     /// Whether this is [`Self::FREE_HOLE`]: a discarded free page, not yet touched.
     pub fn is_free_hole(self) -> bool {
         self == Self::FREE_HOLE
@@ -125,6 +138,15 @@ impl std::fmt::Debug for P2mEntry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_paged_out_page_is_private_and_told_apart() {
+        assert_eq!(P2mEntry::PAGED_OUT.state(), PageState::Private);
+        assert!(P2mEntry::PAGED_OUT.is_paged_out());
+        assert!(!P2mEntry::PRIVATE.is_paged_out());
+        assert!(!P2mEntry::FREE_HOLE.is_paged_out());
+        assert!(!P2mEntry::new(PageState::Private).is_paged_out());
+    }
 
     #[test]
     fn every_state_round_trips_through_its_packed_entry() {

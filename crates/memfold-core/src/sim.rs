@@ -40,6 +40,9 @@ pub enum Event {
     Unstashed(Gfn),
     /// The guest's VMM discarded the page, which the agent held as this.
     Discarded(Gfn, Discard),
+    /// A page paged out to the kernel's swap is in RAM again (the guest touched it) or
+    /// was discarded.
+    PagedIn(Gfn),
 }
 
 /// The agent's handles on what memfoldd hands it: its domain's pool, its own store and
@@ -67,6 +70,9 @@ pub struct SimAgent {
     /// Watch bits of the free-page discard: set by a watch, cleared by a write or a new
     /// home (as the real agent's, which also clears them when it lifts a protection).
     watched: Vec<bool>,
+    /// Paged out to the kernel's swap ([`Command::PageOut`]), not touched since: the bytes
+    /// stay in `ram` (the kernel keeps them; the model needs no copy).
+    paged_out: Vec<bool>,
     /// Events not yet reported.
     pub events: Vec<Event>,
     /// Refuse every command (as at the VMA budget).
@@ -105,6 +111,7 @@ impl SimAgent {
             modified: vec![true; n],
             tracking: vec![Tracking::Open; n],
             watched: vec![false; n],
+            paged_out: vec![false; n],
             events: Vec::new(),
             refuse: false,
             frame_budget: None,
@@ -125,6 +132,19 @@ impl SimAgent {
     fn set_home(&mut self, i: usize, h: Home) {
         self.home[i] = h;
         self.watched[i] = false;
+        self.paged_out[i] = false;
+    }
+
+    /// Whether page `g` is paged out to the kernel's swap and untouched since.
+    pub fn is_paged_out(&self, g: Gfn) -> bool {
+        self.paged_out[g.index()]
+    }
+
+    /// Page `i` is in RAM again (or gone): reported if it was paged out.
+    fn page_in(&mut self, i: usize) {
+        if std::mem::take(&mut self.paged_out[i]) {
+            self.events.push(Event::PagedIn(Gfn(i as u32)));
+        }
     }
 
     fn ram_page(&self, g: Gfn) -> Page {
@@ -218,6 +238,8 @@ impl SimAgent {
         if write {
             self.watched[i] = false;
         }
+        // The kernel swaps it in, as for any access.
+        self.page_in(i);
         if seen {
             self.referenced[i] = true;
             self.modified[i] |= write;
@@ -279,6 +301,7 @@ impl SimAgent {
     pub fn discard(&mut self, g: Gfn) {
         let i = g.index();
         self.punch(g);
+        self.page_in(i);
         let what = match self.home[i] {
             Home::Private => return,
             Home::Zero => Discard::Zero,
@@ -375,6 +398,20 @@ impl SimAgent {
                 Outcome::Done
             }
             Command::Stash { gfn, stash, .. } => self.stash(gfn, stash),
+            Command::PageOut { gfn } => {
+                let i = gfn.index();
+                if gfn.0 >= self.pages() || self.home[i] != Home::Private || self.paged_out[i] {
+                    Outcome::Refused
+                } else if self.tracking[i] == Tracking::Armed {
+                    // Its PTE dropped by the clock and not touched since: nothing else maps
+                    // it, so `MADV_PAGEOUT` through the agent's window takes it.
+                    self.paged_out[i] = true;
+                    Outcome::Done
+                } else {
+                    // Mapped by QEMU (used since it was armed): left in RAM.
+                    Outcome::Changed
+                }
+            }
             Command::TakeBack { gfn } => self.take_back(gfn),
             Command::ClockScan { .. } => Outcome::Done,
         }
@@ -573,6 +610,7 @@ impl Rig {
                 Event::Refilled(g) => self.engine.refilled(self.vm, g),
                 Event::Unstashed(g) => self.engine.unstashed(self.vm, g),
                 Event::Discarded(g, what) => self.engine.discarded(self.vm, g, what),
+                Event::PagedIn(g) => self.engine.paged_in(self.vm, &[g]),
             }
         }
     }

@@ -13,6 +13,7 @@
 //! | [`fence`] | the write fence: writers of guest RAM in other processes (block devices) tell the agent which pages they are copying into, so it never takes one away mid-copy |
 //! | [`ksm`] | Linux KSM's sysfs settings and counters (the peer memfold is measured against) |
 //! | [`proc`] | CPU seconds of a process or its threads, from `/proc` |
+//! | [`pageout`] | a read-only window onto a memfd to send its pages to the kernel's swap (zswap) with `MADV_PAGEOUT` |
 //! | [`reclaim`] | the kernel's other memory savers: zswap, a swap file, a v1 memory cgroup's limit, memory PSI |
 
 #![deny(missing_docs)]
@@ -21,6 +22,7 @@ pub mod fence;
 pub mod ksm;
 pub mod memfd;
 pub mod pagemap;
+pub mod pageout;
 pub mod proc;
 pub mod reclaim;
 pub mod socket;

@@ -12,7 +12,10 @@
 //!   each file counted once over all guests (every guest maps the one pool). For a file, allocated bytes —
 //!   not Pss — are the memory used: a page in the file whose PTE is gone (the NRU clock
 //!   zaps PTEs; CoW copies are written with pwrite) still uses memory, and a hole punched
-//!   in it uses none.
+//!   in it uses none. A page of the file in the kernel's swap is allocated too but not
+//!   in RAM: its bytes (`Swap:` of the file's mappings in smaps) are taken off, and the
+//!   zswap pool that holds it is the caller's to add (issue 15's zswap backing;
+//!   `memfold run` adds the host's pool whenever a guest's file has pages swapped).
 //!
 //! A page used by guest RAM is thus counted exactly once either way, and unused pages
 //! never, so KSM and memfold are measured alike.
@@ -32,6 +35,10 @@ pub struct RamUsage {
     pub anon_used: u64,
     /// The memfd files mapped: (inode, bytes allocated to the file).
     pub memfd_files: Vec<(u64, u64)>,
+    /// Of those, the bytes in the kernel's swap: (inode, bytes), the largest `Swap:` of
+    /// the file's mappings (each maps the whole file; the agent's page-out window is a
+    /// second one).
+    pub memfd_swapped: Vec<(u64, u64)>,
 }
 
 impl RamUsage {
@@ -49,6 +56,31 @@ pub fn total_used(guests: &[RamUsage]) -> u64 {
         files.extend(g.memfd_files.iter().copied());
     }
     guests.iter().map(|g| g.anon_used).sum::<u64>() + files.values().sum::<u64>()
+        - total_swapped(guests)
+}
+
+/// Bytes of the guests' memfd files in the kernel's swap, each file counted once (not in
+/// [`total_used`]; what holds them — the zswap pool — is the caller's to add).
+pub fn total_swapped(guests: &[RamUsage]) -> u64 {
+    let mut files = std::collections::BTreeMap::new();
+    for g in guests {
+        for &(ino, b) in &g.memfd_swapped {
+            let e = files.entry(ino).or_insert(0u64);
+            *e = (*e).max(b);
+        }
+    }
+    // Never more than the file's allocation (smaps and fstat are read at two instants).
+    files
+        .iter()
+        .map(|(ino, &b)| {
+            let alloc = guests
+                .iter()
+                .flat_map(|g| &g.memfd_files)
+                .find(|(i, _)| i == ino)
+                .map_or(0, |&(_, a)| a);
+            b.min(alloc)
+        })
+        .sum()
 }
 
 /// How memfold's store memfd shows in `/proc/<pid>/fd`.
@@ -98,6 +130,8 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
     let mut total = RamUsage::default();
     let mut counting = false;
     let mut anonymous = false;
+    let mut memfd_inode = None;
+    let mut swapped = std::collections::BTreeMap::new();
     let mut inodes = std::collections::BTreeSet::new();
     for line in smaps.lines() {
         let mut parts = line.split_whitespace();
@@ -116,8 +150,10 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
             let path: Vec<&str> = parts.collect();
             let path = path.join(" ");
             anonymous = false;
+            memfd_inode = None;
             counting = if path.contains("memfd:") {
                 inodes.insert(inode);
+                memfd_inode = Some(inode);
                 true
             } else {
                 anonymous = path.is_empty() && perms.starts_with("rw") && size >= min_bytes;
@@ -143,6 +179,10 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
                     total.pss += v;
                 } else {
                     total.swap += v;
+                    if let Some(ino) = memfd_inode {
+                        let e = swapped.entry(ino).or_insert(0u64);
+                        *e = (*e).max(v);
+                    }
                 }
                 if anonymous {
                     total.anon_used += v;
@@ -152,6 +192,7 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
         }
     }
     total.memfd_files = memfd_allocations(pid, &inodes)?;
+    total.memfd_swapped = swapped.into_iter().filter(|&(_, b)| b > 0).collect();
     Ok(total)
 }
 
@@ -168,6 +209,23 @@ mod tests {
         assert!(u.pss >= len as u64 / 2 && u.pss <= u.rss, "{u:?}");
         assert!(u.used() >= len as u64 / 2, "{u:?}");
         drop(v);
+    }
+
+    #[test]
+    fn swapped_pages_of_a_file_are_taken_off_once_and_never_past_its_allocation() {
+        let g = |swapped: u64| RamUsage {
+            anon_used: 10,
+            memfd_files: vec![(7, 1000), (8, 500)],
+            memfd_swapped: vec![(7, swapped)],
+            ..RamUsage::default()
+        };
+        assert_eq!(total_used(&[g(0)]), 1510);
+        assert_eq!(total_used(&[g(300)]), 1210);
+        // Two guests mapping file 7 (the same file seen twice): taken off once.
+        assert_eq!(total_swapped(&[g(300), g(200)]), 300);
+        assert_eq!(total_used(&[g(300), g(200)]), 20 + 1500 - 300);
+        // smaps read after a punch: never more than the file holds.
+        assert_eq!(total_swapped(&[g(5000)]), 1000);
     }
 
     #[test]

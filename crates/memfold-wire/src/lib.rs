@@ -49,7 +49,7 @@ pub use messages::{
 };
 pub use reattach::Mapped;
 pub use stats::{
-    GuestPages, HeldBytes, LifetimeCdf, MetadataBy, OpLatencies, SavedBy, Stats, SwapStats,
+    GuestPages, HeldBytes, KernelSwapStats, LifetimeCdf, MetadataBy, OpLatencies, SavedBy, Stats, SwapStats,
     VmStats, AGENT_OPS,
 };
 

@@ -26,8 +26,10 @@ use crate::stats::Stats;
 /// older memfoldd sends or expects them; an older memfoldd refuses the hello with a
 /// message). 10: free-page discard ([`ToAgent::Watch`], [`ToAgent::DiscardFree`] and
 /// their replies). 11: pages a clock scan arms for writes only
-/// ([`ToAgent::ClockScan`]`::wp_only`: their R comes from the guest's LRU).
-pub const PROTOCOL_VERSION: u32 = 11;
+/// ([`ToAgent::ClockScan`]`::wp_only`: their R comes from the guest's LRU). 12: pages
+/// sent to the kernel's swap ([`ToAgent::PageOut`], [`ToDaemon::PageOutDone`],
+/// [`ToDaemon::PagedIn`]; issue 15's zswap backing).
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
 pub const MAX_MESSAGE: usize = 256 * 1024;
@@ -360,6 +362,26 @@ pub enum ToDaemon {
         /// Pages not discarded for another reason (not private, the punch failed).
         refused: Vec<Gfn>,
     },
+    /// Result of a [`ToAgent::PageOut`] request.
+    PageOutDone {
+        /// The request's batch.
+        batch: BatchId,
+        /// Pages that left RAM: their bytes are in the kernel's swap (zswap), guest RAM's
+        /// memfd still names them, and the next access is the kernel's swap-in.
+        paged: Vec<Gfn>,
+        /// Pages still in RAM: mapped by another process or by QEMU (used since the clock
+        /// armed them), a hole, or no swap to take them. Left as they are.
+        resident: Vec<Gfn>,
+        /// Pages not paged out for another reason (not private, past guest RAM).
+        refused: Vec<Gfn>,
+    },
+    /// Pages the agent had paged out ([`ToAgent::PageOut`]) that are in RAM again (the
+    /// guest touched them and the kernel swapped them in, or anything else read the
+    /// memfd), found at a clock scan of their slice, before its [`ToDaemon::ClockBits`].
+    PagedIn {
+        /// Pages.
+        gfns: Vec<Gfn>,
+    },
     /// Result of a [`ToAgent::TakeBack`] request.
     TakeBackDone {
         /// The request's batch.
@@ -462,6 +484,19 @@ pub enum ToAgent {
     /// not kept: the guest said it holds none. Answered with [`ToDaemon::DiscardDone`].
     /// At most [`MAX_BATCH`].
     DiscardFree {
+        /// The batch, echoed in the reply.
+        batch: BatchId,
+        /// Pages.
+        gfns: Vec<Gfn>,
+    },
+    /// Send these private guest pages to the kernel's swap (issue 15: memfold the policy,
+    /// the kernel the mechanism; zswap when the host has it on): `MADV_PAGEOUT` through
+    /// a mapping of the agent's own, which takes a page only if nothing else maps it (the
+    /// clock's zap left QEMU's PTE dropped: a page unused since it was armed). The bytes
+    /// never leave guest RAM's memfd, so no check is needed: the kernel swaps the page in
+    /// at its next access, in the kernel, with no userfault under the `pagemap` clock's
+    /// registration. Answered with [`ToDaemon::PageOutDone`]. At most [`MAX_BATCH`].
+    PageOut {
         /// The batch, echoed in the reply.
         batch: BatchId,
         /// Pages.

@@ -112,6 +112,29 @@ pub struct SavedBy {
     pub swap: i64,
     /// Store pages not covered by live slots (fragmentation; subtracted from the total).
     pub store_waste: i64,
+    /// The kernel's swap (issue 15's zswap backing): pages paged out − the zswap pool's
+    /// share of them, estimated at the host's ratio (`Zswap:` over `Zswapped:` in
+    /// /proc/meminfo: the kernel does not say per page); all of them when zswap holds
+    /// none (the pages went to the swap file on disk). 0 from an older memfoldd.
+    #[serde(default)]
+    pub zswap: i64,
+}
+
+/// Pages memfold sent to the kernel's swap (issue 15's zswap backing), all guests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct KernelSwapStats {
+    /// Pages paged out and not yet seen back.
+    pub paged_out_pages: u64,
+    /// Pages paged out (cumulative).
+    pub page_outs: u64,
+    /// Paged-out pages found in RAM again (cumulative).
+    pub paged_ins: u64,
+    /// Page-outs answered with the page still in RAM, or refused (cumulative).
+    pub page_outs_kept: u64,
+    /// The zswap pool's bytes, host-wide (`Zswap:`), at the time of these statistics.
+    pub zswap_pool_bytes: u64,
+    /// Bytes of the pages zswap holds, host-wide (`Zswapped:`).
+    pub zswapped_bytes: u64,
 }
 
 /// The engine's own metadata by structure, bytes (docs/metadata.md).
@@ -314,6 +337,16 @@ pub struct VmStats {
     pub patched_pages: u64,
     /// Pages stored compressed now (DE §3.3).
     pub compressed_pages: u64,
+    /// Pages paged out to the kernel's swap now (issue 15's zswap backing; 0 from an
+    /// older memfoldd).
+    #[serde(default)]
+    pub paged_out_pages: u64,
+    /// Pages paged out to the kernel's swap (cumulative).
+    #[serde(default)]
+    pub page_outs: u64,
+    /// Paged-out pages found in RAM again: the kernel's swap-ins (cumulative).
+    #[serde(default)]
+    pub paged_ins: u64,
     /// Pages patched (cumulative).
     pub patches: u64,
     /// Pages compressed (cumulative).
@@ -514,6 +547,9 @@ pub struct Stats {
     /// memfoldd's resident set (`VmRSS`), bytes; 0 if `/proc` does not say.
     #[serde(default)]
     pub rss_bytes: u64,
+    /// Pages sent to the kernel's swap (zeros from an older memfoldd).
+    #[serde(default)]
+    pub kernel_swap: KernelSwapStats,
     /// Per guest.
     pub vms: Vec<VmStats>,
 }

@@ -53,10 +53,17 @@ pub fn t95_text(t95_s: Option<f64>) -> String {
 
 /// Host memory used by the guests' RAM now (`memfold_vm::hostmem`, summed over `guests`,
 /// each shared memfd counted once): (used, rss), bytes. memfold and KSM runs are sampled
-/// by this one function.
+/// by this one function. Pages of the guests' memfds in the kernel's swap (issue 15's
+/// zswap backing) count as the host's whole zswap pool (`Zswap:` in /proc/meminfo), as
+/// the peer's do (`peer.rs`): on a host where nothing else uses zswap it is theirs.
 pub fn used(guests: &[Guest]) -> Result<(u64, u64)> {
     let usages = ram_usages(guests)?;
-    Ok((total_used(&usages), usages.iter().map(|u| u.rss).sum()))
+    let pool = if memfold_vm::hostmem::total_swapped(&usages) > 0 {
+        memfold_sys::reclaim::zswap_pool().map_or(0, |(pool, _)| pool)
+    } else {
+        0
+    };
+    Ok((total_used(&usages) + pool, usages.iter().map(|u| u.rss).sum()))
 }
 
 /// Each guest's RAM mappings as the kernel reports them now (`memfold_vm::hostmem`).

@@ -116,6 +116,37 @@ fn self_check(g: &Guest) -> Result<()> {
     Ok(())
 }
 
+/// For `--compress-backing zswap`: zswap on with the best compressor the kernel takes
+/// (`peer::COMPRESSORS`, as the peer's) and a swap file the size of the guests' RAM, both
+/// undone when the guard drops; `None` for the store backing.
+///
+/// Errors: no zswap, no compressor taken, the swap file cannot be made (not root, disk).
+fn kernel_swap(
+    m: &args::MemfoldArgs,
+    out: &std::path::Path,
+) -> Result<Option<(memfold_sys::reclaim::Zswap, memfold_sys::reclaim::SwapFile)>> {
+    if m.engine.compress_backing != memfold_core::engine::CompressBacking::Zswap {
+        return Ok(None);
+    }
+    let (zswap, compressor) =
+        memfold_sys::reclaim::Zswap::enable_first(&crate::peer::COMPRESSORS, 25)
+            .context("--compress-backing zswap")?;
+    let ram_bytes: u64 = guests::specs(&m.set.profiles, RAM, m.set.mem_mib)?
+        .iter()
+        .map(|s| (s.mem_mib as u64) << 20)
+        .sum();
+    let path = out.join("memfold-kernel.swap");
+    let _ = std::fs::remove_file(&path);
+    let swap = memfold_sys::reclaim::SwapFile::create(&path, ram_bytes)
+        .context("--compress-backing zswap: the swap file")?;
+    eprintln!(
+        "(compress backing: the kernel's swap; zswap on with {compressor}, a swap file of {} MiB at {})",
+        ram_bytes >> 20,
+        path.display()
+    );
+    Ok(Some((zswap, swap)))
+}
+
 /// Boots the set with agents, waits for it to settle, starts memfoldd and samples every
 /// second for `secs` (0: until `stop`), printing the live view.
 pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(MemfoldRun, PathBuf)> {
@@ -141,6 +172,9 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             names.join(", ")
         );
     }
+    // The zswap backing's kernel half, made before the guests so that it goes after them
+    // (locals drop in reverse order): zswap on, a swap file for every guest's RAM.
+    let _kernel_swap = kernel_swap(m, &out)?;
     let (mut guests, mut plain, out) = guests::start_pairs(
         &m.set,
         a.twins(),

@@ -128,12 +128,13 @@ fn write_png(png: &Path, r: &MemfoldRun) -> Result<()> {
     }];
     // DE Fig 9-11: the saving by mechanism over time.
     type Mechanism = (&'static str, fn(&SavedBy) -> i64);
-    let mechanisms: [Mechanism; 6] = [
+    let mechanisms: [Mechanism; 7] = [
         ("sharing", |b| b.sharing),
         ("zero pages", |b| b.zero),
         ("free (guest-reported)", |b| b.free),
         ("patching", |b| b.patching),
         ("compression", |b| b.compression),
+        ("zswap (kernel)", |b| b.zswap),
         ("swap", |b| b.swap),
     ];
     panels.push(Panel {
@@ -403,12 +404,13 @@ fn leak_check(r: &MemfoldRun) -> Result<()> {
 /// is issue 17's free-page discard), as one line's text.
 pub(crate) fn mechanisms_mib(by: &SavedBy) -> String {
     format!(
-        "sharing {:.1}, zero pages {:.1}, free (guest-reported) {:.1}, patching {:.1}, compression {:.1}, swap {:.1}, store waste {:.1}",
+        "sharing {:.1}, zero pages {:.1}, free (guest-reported) {:.1}, patching {:.1}, compression {:.1}, zswap (kernel, est.) {:.1}, swap {:.1}, store waste {:.1}",
         pages_mib(by.sharing),
         pages_mib(by.zero),
         pages_mib(by.free),
         pages_mib(by.patching),
         pages_mib(by.compression),
+        pages_mib(by.zswap),
         pages_mib(by.swap),
         pages_mib(by.store_waste)
     )

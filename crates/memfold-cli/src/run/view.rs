@@ -10,7 +10,7 @@ pub fn print(used_before: u64, s: &Sample, prev: Option<&Sample>) {
     let dt = prev.map_or(1.0, |p| (s.t - p.t).max(0.001));
     let by = &s.stats.saved_by;
     eprintln!(
-        "t={:>5.0}s  host {:>7.1} MiB  saved {:>7.1} MiB (books {:>7.1}: share {:.1}, zero {:.1}{}, patch {:.1}, compress {:.1}, swap {:.1})  frames {:>7}  scans {}{}",
+        "t={:>5.0}s  host {:>7.1} MiB  saved {:>7.1} MiB (books {:>7.1}: share {:.1}, zero {:.1}{}, patch {:.1}, compress {:.1}{}, swap {:.1})  frames {:>7}  scans {}{}",
         s.t,
         s.used_bytes as f64 / MIB,
         saved_mib(used_before, s.used_bytes),
@@ -24,6 +24,11 @@ pub fn print(used_before: u64, s: &Sample, prev: Option<&Sample>) {
         },
         pages_mib(by.patching),
         pages_mib(by.compression),
+        if s.stats.kernel_swap.page_outs == 0 {
+            String::new()
+        } else {
+            format!(", zswap {:.1}", pages_mib(by.zswap))
+        },
         pages_mib(by.swap),
         s.stats.frames,
         s.stats.full_scans,

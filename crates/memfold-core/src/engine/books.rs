@@ -134,6 +134,17 @@ pub struct VmBooks {
     pub stash_changed: u64,
     /// Stash requests the agent refused.
     pub stash_refused: u64,
+    /// Pages the agent paged out to the kernel's swap (zswap) and not yet seen back
+    /// (issue 15, [`super::CompressBacking::Zswap`]); their host memory is the zswap
+    /// pool's, which the kernel does not report per page.
+    pub paged_out_pages: u64,
+    /// Pages paged out to the kernel's swap (cumulative).
+    pub page_outs: u64,
+    /// Paged-out pages found in RAM again (cumulative): the kernel's swap-ins.
+    pub paged_ins: u64,
+    /// Page-outs the agent answered with the page still in RAM (used since the clock armed
+    /// it, mapped by another process, no swap on the host) or refused (cumulative).
+    pub page_outs_kept: u64,
     /// Pages in the swap file now (DE §4.6).
     pub swapped_pages: u64,
     /// Pages swapped out.

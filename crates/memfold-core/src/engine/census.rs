@@ -26,13 +26,26 @@ impl Engine {
             let mut g = 0u32;
             while g < n {
                 let k = (n - g).min(RUN as u32);
-                let read = v
-                    .ram
-                    .read(Gfn(g), &mut buf[..k as usize * PAGE_SIZE])
-                    .is_ok();
+                // A run holding a page paged out to the kernel's swap is read page by
+                // page around it: reading it would swap it back in (issue 15). It counts
+                // as unknown, as a stored page.
+                let away = |i: u32| v.is_paged_out(Gfn(g + i));
+                let read = if (0..k).any(away) {
+                    (0..k).filter(|&i| !away(i)).all(|i| {
+                        let at = i as usize * PAGE_SIZE;
+                        v.ram
+                            .read(Gfn(g + i), &mut buf[at..at + PAGE_SIZE])
+                            .is_ok()
+                    })
+                } else {
+                    v.ram
+                        .read(Gfn(g), &mut buf[..k as usize * PAGE_SIZE])
+                        .is_ok()
+                };
                 for i in 0..k {
                     let gfn = Gfn(g + i);
                     match v.state(gfn) {
+                        PageState::Private if away(i) => c.add_unknown(),
                         PageState::Shared(f) if frames.hash(f) != self.zero_hash => {
                             c.add_hash(frames.hash(f))
                         }

@@ -77,8 +77,9 @@ impl Engine {
             let d = v.domain;
             slots.insert(*id, [0, 0]);
             let mut kept = [0u64; 4];
-            let (mut shared, mut zero, mut free) = (0u64, 0u64, 0u64);
+            let (mut shared, mut zero, mut free, mut paged) = (0u64, 0u64, 0u64, 0u64);
             for (i, e) in v.p2m.iter().enumerate() {
+                paged += u64::from(e.is_paged_out());
                 let at = || format!("{id} gfn {i}");
                 let mut hold = |b: BlobId| -> Result<(), String> {
                     *blob_holders.entry(b).or_default() += 1;
@@ -129,6 +130,12 @@ impl Engine {
                 b.swapped_pages,
                 b.unmapped_pages,
             ];
+            if paged != b.paged_out_pages {
+                return Err(format!(
+                    "{id}: books say {} pages paged out, pages say {paged}",
+                    b.paged_out_pages
+                ));
+            }
             if free != b.free_reclaimed_pages {
                 return Err(format!(
                     "{id}: books say {} discarded free pages untouched, pages say {free}",
@@ -158,9 +165,11 @@ impl Engine {
                         v.state(gfn) == PageState::Moving(blob) || self.orphans.contains(&blob)
                     }
                     Command::Stash { gfn, blob, .. } => v.state(gfn) == PageState::Stashing(blob),
+                    // Nothing in flight: the page may change before the agent acts.
                     Command::ClockScan { .. }
                     | Command::TakeBack { .. }
-                    | Command::Watch { .. } => true,
+                    | Command::Watch { .. }
+                    | Command::PageOut { .. } => true,
                 };
                 if !ok {
                     return Err(format!(

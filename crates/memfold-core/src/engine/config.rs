@@ -3,6 +3,7 @@
 use memfold_codecs::{CompressCodec, PatchCodec};
 use serde::Serialize;
 
+use super::CompressBacking;
 use crate::clock::Policy;
 use crate::similarity::{SimilarityConfig, SimilarityDetector};
 use crate::{page_hash, Page, PAGE_SIZE};
@@ -63,6 +64,9 @@ pub struct EngineConfig {
     /// classes let larger blobs save memory too, so the default is 3584: at least 512
     /// bytes saved a page).
     pub compress_cutoff: usize,
+    /// Where pages that only compress (DE §3.3: no patch, no share) are kept: memfold's
+    /// store, or the kernel's swap (zswap) behind the agent's `MADV_PAGEOUT` (issue 15).
+    pub compress_backing: CompressBacking,
     /// Sharing scan rate limit, pages/s (ESX §4.3); 0 scans at full speed.
     pub rate: u64,
     /// Shortest time between the starts of two full sharing scans, µs.
@@ -152,6 +156,7 @@ impl Default for EngineConfig {
             patch_cutoff: 2048,
             compress_codec: CompressCodec::Zstd,
             compress_cutoff: 3584,
+            compress_backing: CompressBacking::Store,
             rate: 100_000,
             min_scan_interval_us: 1_000_000,
             max_scan_interval_us: 8_000_000,

@@ -6,7 +6,7 @@
 
 use memfold_codecs::{page_checksum, Encoding};
 
-use super::{kept_index, Command, Engine, Stash, RESTASH_LIVED_US};
+use super::{kept_index, Command, CompressBacking, Engine, Stash, RESTASH_LIVED_US};
 use crate::blobs::{Blob, BlobHome, Form, StoreError};
 use crate::clock::{mask_bit, Actions};
 use crate::ids::{DomainId, FrameId, Gfn, Gpn, VmId};
@@ -153,6 +153,7 @@ impl Engine {
         while let Some((a, b)) = v.ram.next_data_run(from, end) {
             todo.extend((a.0..b.0).map(Gfn).filter(|&g| {
                 v.state(g) == PageState::Private
+                    && !v.is_paged_out(g)
                     && self.acts(policy.for_state(v.clock.page(g.0).last_state()))
             }));
             from = b;
@@ -421,6 +422,11 @@ impl Engine {
             || slot_size(blob.len()) >= PAGE_SIZE
         {
             return false;
+        }
+        // The kernel keeps it (issue 15): the same choice, the kernel's mechanism.
+        if home == BlobHome::Store && self.cfg.compress_backing == CompressBacking::Zswap {
+            self.queue_page_out(id, g);
+            return true;
         }
         let Some(slot) = self.put_blob(id, &blob, home) else {
             return false;

@@ -38,6 +38,7 @@ mod entitlement;
 pub mod fill;
 pub mod free_discard;
 mod guests;
+mod kernel_swap;
 pub mod never_share;
 mod outcomes;
 mod scan;
@@ -66,6 +67,7 @@ pub use config::{ConfigError, EngineConfig, ZeroPolicy};
 pub use entitlement::{claim_target, short_of_memory, ClaimPolicy, SharingRanks, CLAIM_GRAIN};
 pub use fill::{BlockCandidate, FillAnswer};
 pub use guests::{Attach, Mapped, Sharing};
+pub use kernel_swap::CompressBacking;
 pub use outcomes::Discard;
 
 const PAGE: u64 = PAGE_SIZE as u64;
@@ -159,6 +161,13 @@ pub enum Command {
         /// The page.
         gfn: Gfn,
     },
+    /// Page the private page out to the kernel's swap (zswap) if nothing but guest RAM's
+    /// memfd holds it (issue 15, [`CompressBacking::Zswap`]): its bytes stay in the memfd,
+    /// so nothing is in flight and nothing can be lost ([`kernel_swap`]).
+    PageOut {
+        /// The page.
+        gfn: Gfn,
+    },
     /// Write-protect the private page and set its watch bit, which a write clears (issue
     /// 17's free-page discard, [`free_discard`]). No state change: the page stays private.
     Watch {
@@ -202,6 +211,7 @@ impl Command {
             | Command::Stash { gfn, .. }
             | Command::TakeBack { gfn }
             | Command::Watch { gfn, .. }
+            | Command::PageOut { gfn }
             | Command::DiscardFree { gfn } => Some(gfn),
             Command::ClockScan { .. } => None,
         }
@@ -353,8 +363,23 @@ impl Vm {
         self.p2m[g.index()].state()
     }
 
+    /// Page `g` is in state `s` now (a paged-out mark goes: [`kernel_swap`]).
     pub(crate) fn set(&mut self, g: Gfn, s: PageState) {
+        self.unmark_paged_out(g);
         self.p2m[g.index()] = P2mEntry::new(s);
+    }
+
+    /// Drops page `g`'s paged-out mark, if it has one, from the P2M and the books.
+    fn unmark_paged_out(&mut self, g: Gfn) {
+        if self.p2m[g.index()].is_paged_out() {
+            self.p2m[g.index()] = P2mEntry::PRIVATE;
+            self.books.paged_out_pages -= 1;
+        }
+    }
+
+    /// Whether page `g` is marked paged out to the kernel's swap ([`kernel_swap`]).
+    pub(crate) fn is_paged_out(&self, g: Gfn) -> bool {
+        self.p2m[g.index()].is_paged_out()
     }
 
     /// Its guest's last report, if at most [`de::GUEST_R_MAX_AGE_US`] old at `now`: what
@@ -375,6 +400,7 @@ impl Vm {
     /// a zero-state hole ([`P2mEntry::FREE_HOLE`]) booked as a reclaimed zero page and as
     /// free-page discard's saving.
     pub(crate) fn set_free_hole(&mut self, g: Gfn) {
+        self.unmark_paged_out(g);
         self.p2m[g.index()] = P2mEntry::FREE_HOLE;
         self.books.zero_reclaimed_pages += 1;
         self.books.free_reclaimed_pages += 1;
@@ -598,7 +624,9 @@ impl Engine {
     pub(crate) fn sharable(&self, id: VmId, g: Gfn) -> bool {
         self.vms
             .get(&id)
-            .is_some_and(|v| v.attached && !v.opted_out && v.state(g) == PageState::Private)
+            .is_some_and(|v| {
+                v.attached && !v.opted_out && v.state(g) == PageState::Private && !v.is_paged_out(g)
+            })
     }
 
     /// Guest `id`'s domain (the guest must exist).

@@ -92,6 +92,10 @@ impl Engine {
                 self.reclaim_outcome(id, gfn, o);
                 gfn
             }
+            Command::PageOut { gfn } => {
+                self.page_out_outcome(id, gfn, o);
+                return;
+            }
             Command::DiscardFree { gfn } => {
                 self.count_answer(id, o, false);
                 self.discard_outcome(id, gfn, o);

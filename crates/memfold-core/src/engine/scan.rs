@@ -98,6 +98,8 @@ enum Visit {
     /// Pass over it in this sweep: page cache is read in the first, the rest in the
     /// second.
     OtherSweep,
+    /// Pass over it: paged out to the kernel's swap (issue 15), left there.
+    PagedOut,
 }
 
 impl super::Vm {
@@ -105,6 +107,10 @@ impl super::Vm {
     /// `max`), using the guest's categories if `use_cats` and it reported them: pages of
     /// the categories of `skip` are not read.
     fn visit(&self, g: u32, pass: u64, max: u32, use_cats: bool, skip: CategorySet) -> Visit {
+        if self.is_paged_out(Gfn(g)) {
+            // Reading it would swap it back in (issue 15's zswap backing).
+            return Visit::PagedOut;
+        }
         if let Some(m) = self.categories.as_ref().filter(|_| use_cats) {
             let c = m.category(Gfn(g));
             if skip.contains(c) {
@@ -327,7 +333,7 @@ impl Engine {
                     Visit::Read => break,
                     Visit::Quiet => v.books.skipped_pages += 1,
                     Visit::Kernel => v.books.category_skipped += 1,
-                    Visit::OtherSweep => {}
+                    Visit::OtherSweep | Visit::PagedOut => {}
                 }
                 v.cursor += 1;
             }

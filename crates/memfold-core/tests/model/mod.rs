@@ -16,7 +16,7 @@ use memfold_core::backing::mem::{ManualClock, MemBacking, MemGuestRam};
 use memfold_core::backing::{Backing, Clock};
 use memfold_core::categories::CategoryRun;
 use memfold_core::engine::free_discard::WatchRound;
-use memfold_core::engine::{Attach, Command, Outcome};
+use memfold_core::engine::{Attach, Command, CompressBacking, Outcome};
 use memfold_core::ids::{BaseBlock, DiskId, DomainId, FillId, FrameId, Gfn, VmId};
 use memfold_core::p2m::PageState;
 use memfold_core::sim::{Event, Home, Shared, SimAgent};
@@ -148,6 +148,12 @@ fn config(s: &Setup) -> EngineConfig {
         clock_from_guest: (s.policy / 4) % 2 == 1,
         // A wait target (issue 15) in half the setups: stores held back by the floor.
         wait_target_pct: ((s.policy / 8) % 2 == 1).then_some(3.0),
+        // Pages that only compress go to the kernel's swap (issue 15) in half the setups.
+        compress_backing: if (s.policy / 16) % 2 == 1 {
+            CompressBacking::Zswap
+        } else {
+            CompressBacking::Store
+        },
         page_hash: if s.collide_hashes {
             colliding_hash
         } else {
@@ -705,6 +711,7 @@ impl Harness {
                 Event::Refilled(g) => self.engine.refilled(id, g),
                 Event::Unstashed(g) => self.engine.unstashed(id, g),
                 Event::Discarded(g, what) => self.engine.discarded(id, g, what),
+                Event::PagedIn(g) => self.engine.paged_in(id, &[g]),
             }
         }
     }

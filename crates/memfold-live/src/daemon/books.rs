@@ -6,7 +6,8 @@ use memfold_core::engine::{Books, VmReport};
 use memfold_core::Engine;
 use memfold_sys::proc::{cpu_seconds, AGENT_THREADS};
 use memfold_wire::{
-    HeldBytes, LifetimeCdf, OpLatencies, OpLatency, SavedBy, Stats, SwapStats, VmStats, AGENT_OPS,
+    HeldBytes, KernelSwapStats, LifetimeCdf, OpLatencies, OpLatency, SavedBy, Stats, SwapStats,
+    VmStats, AGENT_OPS,
 };
 
 use super::balloon::Claims;
@@ -62,6 +63,9 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
         unmaps: b.unmaps,
         patched_pages: b.patched_pages,
         compressed_pages: b.compressed_pages,
+        paged_out_pages: b.paged_out_pages,
+        page_outs: b.page_outs,
+        paged_ins: b.paged_ins,
         patches: b.patches,
         compressions: b.compressions,
         unstashes: b.unstashes,
@@ -147,6 +151,8 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats 
         .map(|(h, op)| h.buckets(op))
         .collect();
     let s = &b.saved_by;
+    let kernel_swap = kernel_swap(&b);
+    let zswap_saved = zswap_saved_pages(&kernel_swap);
     Stats {
         uptime_s: b.uptime_s,
         cpu_s: cpu_seconds(std::process::id(), None),
@@ -155,7 +161,7 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats 
         frames: b.frames,
         mapped_pages: b.mapped_pages,
         zero_reclaimed_pages: b.zero_reclaimed_pages,
-        saved_pages: b.saved_pages,
+        saved_pages: b.saved_pages + zswap_saved,
         saved_by: SavedBy {
             sharing: s.sharing,
             zero: s.zero,
@@ -164,6 +170,7 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats 
             compression: s.compression,
             swap: s.swap,
             store_waste: s.store_waste,
+            zswap: zswap_saved,
         },
         patched_pages: b.patched_pages,
         unmapped_pages: b.unmapped_pages,
@@ -212,6 +219,40 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats 
         blocks_indexed: b.blocks_indexed,
         blocks_held: b.blocks_held,
         rss_bytes: memfold_sys::proc::rss_bytes(std::process::id()),
+        kernel_swap,
         vms,
     }
+}
+
+/// The guests' pages in the kernel's swap, and the host's zswap pool (zeros where
+/// /proc/meminfo does not say: a kernel without zswap).
+fn kernel_swap(b: &Books) -> KernelSwapStats {
+    let mut k = KernelSwapStats::default();
+    for v in &b.vms {
+        k.paged_out_pages += v.books.paged_out_pages;
+        k.page_outs += v.books.page_outs;
+        k.paged_ins += v.books.paged_ins;
+        k.page_outs_kept += v.books.page_outs_kept;
+    }
+    if k.paged_out_pages > 0 {
+        if let Ok((pool, zswapped)) = memfold_sys::reclaim::zswap_pool() {
+            (k.zswap_pool_bytes, k.zswapped_bytes) = (pool, zswapped);
+        }
+    }
+    k
+}
+
+/// Pages the kernel's swap saves: pages paged out less the zswap pool's share of them at
+/// the host's ratio (the kernel keeps no per-page figure; on a host where only memfold's
+/// guests use zswap, as in `memfold run`, the ratio is theirs). Pages zswap does not hold
+/// went to the swap file on disk and count whole.
+fn zswap_saved_pages(k: &KernelSwapStats) -> i64 {
+    let paged = k.paged_out_pages as f64;
+    let held = if k.zswapped_bytes > 0 {
+        let in_zswap = paged.min(k.zswapped_bytes as f64 / 4096.0);
+        in_zswap * k.zswap_pool_bytes as f64 / k.zswapped_bytes as f64
+    } else {
+        0.0
+    };
+    (paged - held).round() as i64
 }

@@ -30,6 +30,8 @@ pub(crate) enum Kind {
     Watch,
     /// Free-page discards ([`Command::DiscardFree`]).
     Discard,
+    /// Page-outs to the kernel's swap ([`Command::PageOut`]).
+    PageOut,
 }
 
 struct Batch {
@@ -77,7 +79,7 @@ impl Executor {
     pub(crate) fn flush(&mut self, engine: &mut Engine, guests: &Guests) {
         for vm in engine.vms_with_commands() {
             let cmds = engine.take_commands(vm);
-            let mut by_kind: [Vec<Command>; 6] = Default::default();
+            let mut by_kind: [Vec<Command>; 7] = Default::default();
             // Fills go one batch per nonce (per device request).
             let mut fills: std::collections::BTreeMap<[u64; 2], Vec<Command>> = Default::default();
             for c in cmds {
@@ -89,6 +91,7 @@ impl Executor {
                     Command::TakeBack { .. } => by_kind[3].push(c),
                     Command::Watch { .. } => by_kind[4].push(c),
                     Command::DiscardFree { .. } => by_kind[5].push(c),
+                    Command::PageOut { .. } => by_kind[6].push(c),
                     Command::ClockScan { .. } => {
                         self.send(engine, guests, vm, Kind::Clock, vec![c])
                     }
@@ -110,6 +113,7 @@ impl Executor {
                 Kind::TakeBack,
                 Kind::Watch,
                 Kind::Discard,
+                Kind::PageOut,
             ];
             for (kind, cmds) in kinds.into_iter().zip(by_kind) {
                 let mut cmds = cmds;
@@ -174,6 +178,10 @@ impl Executor {
                 gfns: gfns(),
             },
             Kind::Discard => ToAgent::DiscardFree {
+                batch,
+                gfns: gfns(),
+            },
+            Kind::PageOut => ToAgent::PageOut {
                 batch,
                 gfns: gfns(),
             },

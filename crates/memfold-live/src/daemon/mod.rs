@@ -530,6 +530,15 @@ impl Daemon {
                     e.clock_bits(vm, first, count.min(asked), &referenced, &modified);
                 }
             }
+            ToDaemon::PageOutDone {
+                batch,
+                paged,
+                resident,
+                ..
+            } => self
+                .executor
+                .reply(e, vm, batch, Kind::PageOut, &paged, &resident),
+            ToDaemon::PagedIn { gfns } => e.paged_in(vm, &gfns),
             ToDaemon::TakeBackDone { batch, taken, .. } => {
                 self.executor
                     .reply(e, vm, batch, Kind::TakeBack, &taken, &[])

@@ -257,6 +257,7 @@ impl Collector for Snapshot {
                 ("free", by.free),
                 ("patch", by.patching),
                 ("compress", by.compression),
+                ("zswap", by.zswap),
                 ("swap", by.swap),
             ]
             .into_iter()
@@ -559,6 +560,7 @@ mod tests {
                 compression: 2,
                 swap: 1,
                 store_waste: 1,
+                zswap: 6,
             },
             swap: SwapStats {
                 budget_pages: Some(1000),
@@ -633,6 +635,7 @@ mod tests {
         );
         assert!(
             text.contains("memfold_saved_bytes{mechanism=\"swap\"} 4096.0\n")
+                && text.contains("memfold_saved_bytes{mechanism=\"zswap\"} 24576.0\n")
                 && text.contains("memfold_saved_bytes{mechanism=\"free\"} 16384.0\n"),
             "{text}"
         );

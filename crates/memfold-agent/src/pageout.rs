@@ -1,0 +1,126 @@
+//! Pages sent to the kernel's swap (issue 15's zswap backing; docs/peer.md, "A zswap
+//! backing"): memfoldd picks cold private pages that compress, the agent pages them out
+//! through a read-only window of its own onto guest RAM's memfd
+//! ([`memfold_sys::pageout`]), and the kernel keeps them in zswap. A page's bytes never
+//! leave guest RAM's memfd (the page cache names the swap entry), so nothing is checked
+//! or decoded here: under the `pagemap` clock's registration (`MISSING | WP`) the guest's
+//! next access is the kernel's own swap-in, with no userfault; a write to a page the clock
+//! write-protected still faults to the agent (M stays exact; the uffd-wp marker survives
+//! the page-out). Under the `userfault` clock (`MINOR` registered) the swap-in comes as a
+//! minor fault the agent answers with `UFFDIO_CONTINUE`: correct, but a round trip.
+//!
+//! The agent keeps a bit per page it paged out ([`crate::state::Pages`]) and, at each
+//! clock scan of the page's slice, reports those found in RAM again
+//! (`ToDaemon::PagedIn`), so memfoldd's books know what zswap holds.
+
+use std::io;
+use std::os::fd::AsFd;
+
+use memfold_ids::Gfn;
+use memfold_sys::pageout::PageOutWindow;
+
+use crate::Agent;
+
+/// What became of a page-out request's pages.
+#[derive(Default)]
+pub(crate) struct PageOutOutcome {
+    /// Left RAM.
+    pub(crate) paged: Vec<Gfn>,
+    /// Still in RAM (mapped elsewhere, a hole, no swap).
+    pub(crate) resident: Vec<Gfn>,
+    /// Not private, or past guest RAM.
+    pub(crate) refused: Vec<Gfn>,
+}
+
+impl Agent {
+    /// The window onto guest RAM's memfd, made at the first page-out (a mapping, but no
+    /// memory: a guest never paged out costs QEMU no VMA).
+    ///
+    /// Errors: the mapping failed.
+    fn window(&mut self) -> io::Result<&PageOutWindow> {
+        if self.window.is_none() {
+            self.window = Some(PageOutWindow::new(self.memfd.as_fd(), self.ram_bytes)?);
+        }
+        Ok(self.window.as_ref().expect("made above"))
+    }
+
+    /// Carries out a page-out request: each private page that nothing else maps leaves
+    /// RAM for the kernel's swap. Pages not private (shared, stashed, reclaimed: memfold
+    /// holds them already) or past guest RAM are refused.
+    ///
+    /// Errors: the window cannot be made, or `mincore`/`madvise` failed (no page's bytes
+    /// change either way; pages marked so far stay marked, correctly).
+    pub(crate) fn page_out(&mut self, mut gfns: Vec<Gfn>) -> io::Result<PageOutOutcome> {
+        let mut out = PageOutOutcome::default();
+        gfns.sort_unstable();
+        gfns.dedup();
+        gfns.retain(|&g| {
+            let ok = self.pages.is_private(g) && !self.pages.is_paged_out(g);
+            if !ok {
+                out.refused.push(g);
+            }
+            ok
+        });
+        if gfns.is_empty() {
+            return Ok(out);
+        }
+        self.window()?;
+        // One call per run of the request's pages, spans of at most 64 pages with gaps
+        // left untaken (the kernel walks the span's page tables once).
+        let mut i = 0;
+        while i < gfns.len() {
+            let g0 = gfns[i];
+            let mut j = i + 1;
+            while j < gfns.len() && gfns[j].0 - g0.0 < 64 {
+                j += 1;
+            }
+            let span = gfns[j - 1].0 - g0.0 + 1;
+            let mut take = vec![false; span as usize];
+            for g in &gfns[i..j] {
+                take[(g.0 - g0.0) as usize] = true;
+            }
+            let left = self
+                .window
+                .as_ref()
+                .expect("made above")
+                .page_out(g0.0 as u64, span as u64, &take)?;
+            for g in &gfns[i..j] {
+                if left[(g.0 - g0.0) as usize] {
+                    self.pages.paged_out(*g);
+                    out.paged.push(*g);
+                } else {
+                    out.resident.push(*g);
+                }
+            }
+            i = j;
+        }
+        Ok(out)
+    }
+
+    /// Before a clock scan of `[first, first+n)`: the pages paged out there that are in
+    /// RAM again lose their bits and are reported to memfoldd with the next events
+    /// (`ToDaemon::PagedIn`). Should reading residency fail (it worked when the window
+    /// was made), the pages stay marked and are asked about at the next scan.
+    pub(crate) fn paged_in(&mut self, first: Gfn, n: u32) {
+        if !self.pages.any_paged_out(first, n) {
+            return;
+        }
+        let Some(w) = self.window.as_ref() else {
+            return;
+        };
+        let resident = match w.resident(first.0 as u64, n as u64) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("reading which paged-out pages are back: mincore: {e}");
+                return;
+            }
+        };
+        for (k, back) in resident.into_iter().enumerate() {
+            let g = Gfn(first.0 + k as u32);
+            if back && self.pages.is_paged_out(g) {
+                self.pages.paged_in(g);
+                self.pending.paged_in.push(g);
+            }
+        }
+    }
+}

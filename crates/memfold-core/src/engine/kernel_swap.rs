@@ -1,0 +1,185 @@
+//! Compressed pages kept by the kernel (issue 15: memfold the policy, the kernel the
+//! mechanism; docs/peer.md, "A zswap backing").
+//!
+//! The Difference Engine (DE §3.3) compresses cold private pages it cannot patch and keeps
+//! the blob in memfold's store; the guest's next access to one is a userfault the agent
+//! answers by decoding it (a round trip, ~60 µs on an idle host here). With
+//! [`CompressBacking::Zswap`] the engine makes the same choice — the page is cold by the
+//! NRU clock (DE §4.2), seen by a full sharing cycle, not patchable, and compresses under
+//! the cut-off with the engine's codec — but asks the agent to page it out to the kernel's
+//! swap instead ([`Command::PageOut`]), where zswap compresses it; the next access is the
+//! kernel's own swap-in (~8 µs), with no userfault under the `pagemap` clock's
+//! registration. What the kernel cannot do stays memfold's: sharing, patches against
+//! shared frames, zero pages, swap under the host budget (§4.6).
+//!
+//! **Invariant (nothing to lose).** A page-out never moves a page's bytes out of guest
+//! RAM's memfd: the page stays [`PageState::Private`] throughout (marked
+//! [`P2mEntry::PAGED_OUT`] once the agent says it left RAM), no request is in flight for
+//! it, and a lost or refused answer leaves nothing in doubt. The mark is a hint for the
+//! books and the scans (which skip a paged-out page instead of reading it back in); it
+//! goes with any change of the page's state and with the agent's [`Engine::paged_in`].
+//!
+//! [`P2mEntry::PAGED_OUT`]: crate::p2m::P2mEntry::PAGED_OUT
+
+use serde::Serialize;
+
+use super::{Command, Engine, Outcome};
+use crate::ids::{Gfn, VmId};
+use crate::p2m::{P2mEntry, PageState};
+
+/// Where the Difference Engine keeps pages that only compress (DE §3.3).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CompressBacking {
+    /// memfold's store: the engine's codec, decoded by the agent on access.
+    #[default]
+    Store,
+    /// The kernel's swap (zswap when the host has it on): the agent's `MADV_PAGEOUT`,
+    /// swapped in by the kernel on access. Needs swap space on the host; without it the
+    /// agent finds every page still resident and nothing is saved.
+    Zswap,
+}
+
+impl std::fmt::Display for CompressBacking {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CompressBacking::Store => "store",
+            CompressBacking::Zswap => "zswap",
+        })
+    }
+}
+
+impl std::str::FromStr for CompressBacking {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "store" => Ok(CompressBacking::Store),
+            "zswap" => Ok(CompressBacking::Zswap),
+            _ => Err(format!("compress backing {s:?}: give store or zswap")),
+        }
+    }
+}
+
+impl Engine {
+    /// Asks guest `id`'s agent to page out private page `g` (the Difference Engine chose
+    /// to compress it, [`CompressBacking::Zswap`]).
+    pub(crate) fn queue_page_out(&mut self, id: VmId, g: Gfn) {
+        if let Some(v) = self.vms.get_mut(&id) {
+            v.queue.push(Command::PageOut { gfn: g });
+        }
+    }
+
+    /// The agent's answer to a page-out of page `g`: done, the page left RAM (marked, if
+    /// it is still private and unmarked); changed, it is still in RAM (used since the
+    /// clock armed it, mapped by another process, or no swap on the host); refused (not
+    /// private at the agent). Nothing to undo either way ([module docs](self)).
+    pub(crate) fn page_out_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) {
+        let Some(v) = self.vms.get_mut(&id).filter(|v| g.0 < v.pages()) else {
+            return;
+        };
+        match o {
+            Outcome::Done
+                if v.state(g) == PageState::Private && !v.p2m[g.index()].is_paged_out() =>
+            {
+                v.p2m[g.index()] = P2mEntry::PAGED_OUT;
+                v.books.paged_out_pages += 1;
+                v.books.page_outs += 1;
+            }
+            Outcome::Done | Outcome::Lost => {}
+            Outcome::Changed | Outcome::Refused => v.books.page_outs_kept += 1,
+        }
+    }
+
+    /// Guest `id`'s agent found pages `gfns`, which it had paged out, in RAM again (the
+    /// guest touched them and the kernel swapped them in, or something read the memfd).
+    /// Marks that no longer match (the page changed state since) are ignored.
+    pub fn paged_in(&mut self, id: VmId, gfns: &[Gfn]) {
+        let Some(v) = self.vms.get_mut(&id) else {
+            return;
+        };
+        for &g in gfns {
+            if g.0 < v.pages() && v.p2m[g.index()].is_paged_out() {
+                v.set(g, PageState::Private);
+                v.books.paged_ins += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::{quick_config, Rig};
+    use crate::{Page, PAGE_SIZE};
+
+    /// Text-like bytes that compress well and differ by `seed` (no two alike: nothing to
+    /// share or patch first).
+    fn text(seed: u32) -> Page {
+        let mut p = [0u8; PAGE_SIZE];
+        let mut x = seed.wrapping_mul(2_654_435_761) | 1;
+        for (i, b) in p.iter_mut().enumerate() {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            *b = b"the quick brown fox "[(x as usize ^ i) % 20];
+        }
+        p
+    }
+
+    fn rig(backing: CompressBacking, pages: u32) -> Rig {
+        let mut cfg = quick_config(crate::Policy::difference_engine());
+        cfg.compress_backing = backing;
+        let mut r = Rig::new(cfg, pages).unwrap();
+        for g in 0..pages {
+            r.agent.write(Gfn(g), 0, &text(g)).unwrap();
+        }
+        r
+    }
+
+    #[test]
+    fn cold_compressible_pages_go_to_the_kernel_and_come_back_when_touched() {
+        let mut r = rig(CompressBacking::Zswap, 64);
+        for _ in 0..300 {
+            r.step(10_000).unwrap();
+        }
+        let b = r.engine.books().vms[0].books.clone();
+        assert!(b.paged_out_pages > 0, "{b:?}");
+        assert_eq!(b.compressed_pages, 0, "nothing went to the store: {b:?}");
+        let out: Vec<u32> = (0..64)
+            .filter(|&g| r.agent.is_paged_out(Gfn(g)))
+            .collect();
+        assert_eq!(out.len() as u64, b.paged_out_pages);
+        // Every page reads back as it was written; the ones read are in RAM again.
+        for g in 0..64 {
+            assert_eq!(r.agent.read(Gfn(g)).unwrap(), text(g), "page {g}");
+        }
+        r.carry_out();
+        let b = r.engine.books().vms[0].books.clone();
+        assert_eq!(b.paged_out_pages, 0, "{b:?}");
+        assert_eq!(b.paged_ins as usize, out.len());
+        r.engine.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn the_store_backing_pages_nothing_out() {
+        let mut r = rig(CompressBacking::Store, 64);
+        for _ in 0..300 {
+            r.step(10_000).unwrap();
+        }
+        let b = r.engine.books().vms[0].books.clone();
+        assert!(b.compressed_pages > 0, "{b:?}");
+        assert_eq!(b.paged_out_pages + b.page_outs, 0, "{b:?}");
+    }
+
+    #[test]
+    fn a_page_touched_since_its_arming_stays_in_ram_and_is_counted_kept() {
+        let mut r = rig(CompressBacking::Zswap, 8);
+        r.engine.outcome(r.vm, &Command::PageOut { gfn: Gfn(3) }, Outcome::Changed);
+        let b = &r.engine.books().vms[0].books;
+        assert_eq!((b.paged_out_pages, b.page_outs_kept), (0, 1));
+        // A mark for a page that is not private any more is not set.
+        r.engine.paged_in(r.vm, &[Gfn(3)]);
+        assert_eq!(r.engine.books().vms[0].books.paged_ins, 0);
+    }
+}

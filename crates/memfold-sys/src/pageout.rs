@@ -1,0 +1,170 @@
+//! Sending pages of a memfd to the kernel's swap (zswap when the host has it on) with
+//! `MADV_PAGEOUT` (issue 15: memfold the policy, the kernel the mechanism; docs/peer.md,
+//! "A zswap backing").
+//!
+//! `MADV_PAGEOUT` acts on the calling process's page tables and takes a page only if
+//! exactly one mapping maps it. The agent's clock zaps a page's PTE in QEMU's mapping
+//! when it arms it (and a page the clock found cold stayed unmapped since), so paging out
+//! through QEMU's own mapping would find nothing to take. A [`PageOutWindow`] is a
+//! second, read-only mapping of the memfd, registered with nothing: a page read through
+//! it is mapped there alone, paged out, and the window's PTE dropped again. A page QEMU
+//! (or another process: a block device) maps too is left in RAM — it is in use.
+//!
+//! Nothing here changes a byte of the file: the window is read-only, `MADV_PAGEOUT` keeps
+//! a page's bytes (in zswap or the swap file, the page cache naming the swap entry), and
+//! `MADV_DONTNEED` on a shared file mapping only drops PTEs. A page punched to a hole
+//! between the residency check and the read through the window comes back as a zero
+//! page, which is what the hole read as.
+
+use std::io;
+use std::os::fd::BorrowedFd;
+
+/// Bytes in a page.
+const PAGE: usize = 4096;
+
+/// A read-only shared mapping of a whole memfd, to page its pages out from
+/// ([module docs](self)).
+pub struct PageOutWindow {
+    addr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the window is only read through raw pointers for their side effect (a PTE),
+// and the kernel calls on it take no lock of ours; any thread may use it.
+unsafe impl Send for PageOutWindow {}
+
+impl PageOutWindow {
+    /// Maps `len` bytes (whole pages) of `fd` from offset 0, read-only, shared.
+    ///
+    /// Errors: `len` is 0 or not whole pages; the mapping failed (ENOMEM: address space).
+    pub fn new(fd: BorrowedFd<'_>, len: u64) -> io::Result<PageOutWindow> {
+        if len == 0 || len % PAGE as u64 != 0 {
+            return Err(io::Error::other(format!(
+                "a page-out window of {len} bytes: not whole pages"
+            )));
+        }
+        let len = len as usize;
+        use rustix::mm::{MapFlags, ProtFlags};
+        // SAFETY: a new mapping at an address the kernel picks, overlapping nothing of
+        // this process; it is only read through raw pointers of this module.
+        let addr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ,
+                MapFlags::SHARED,
+                fd,
+                0,
+            )
+        }?;
+        Ok(PageOutWindow {
+            addr: addr.cast(),
+            len,
+        })
+    }
+
+    /// Pages in the window.
+    pub fn pages(&self) -> u64 {
+        (self.len / PAGE) as u64
+    }
+
+    /// Whether each of the `n` pages from page `first` is in RAM now (`mincore`: the
+    /// page cache, or the swap cache for a page on its way in or out), one bool a page.
+    ///
+    /// Errors: the range is past the window; `mincore` failed.
+    pub fn resident(&self, first: u64, n: u64) -> io::Result<Vec<bool>> {
+        let (start, len) = self.range(first, n)?;
+        let mut v = vec![0u8; n as usize];
+        // SAFETY: the range is inside this mapping; `v` has a byte per page of it.
+        let rc = unsafe { libc::mincore(start.cast(), len, v.as_mut_ptr()) };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(v.iter().map(|b| b & 1 != 0).collect())
+    }
+
+    /// Pages out the pages of `[first, first + n)` for which `take` is true and that are
+    /// in RAM: maps each through the window, `MADV_PAGEOUT` (twice: a page on a per-CPU
+    /// LRU list is skipped the first time), then drops the window's PTEs. Returns, a
+    /// bool a page, which of the taken pages left RAM; a page another mapping maps, or
+    /// with no swap to go to, stays.
+    ///
+    /// Errors: the range is past the window; `mincore` or `madvise` failed (the pages
+    /// keep their bytes wherever they are).
+    pub fn page_out(&self, first: u64, n: u64, take: &[bool]) -> io::Result<Vec<bool>> {
+        let (start, len) = self.range(first, n)?;
+        let before = self.resident(first, n)?;
+        let mut touched = false;
+        for (k, &here) in before.iter().enumerate() {
+            if here && take.get(k).copied().unwrap_or(false) {
+                // SAFETY: inside the mapping (checked by `range`); a read of one byte,
+                // whose only effect is the PTE it maps.
+                unsafe { std::ptr::read_volatile(start.add(k * PAGE)) };
+                touched = true;
+            }
+        }
+        if !touched {
+            return Ok(vec![false; n as usize]);
+        }
+        let advise = |a: rustix::mm::Advice| {
+            // SAFETY: advice on this mapping's own range; neither piece of advice changes
+            // the file's bytes (module docs).
+            unsafe { rustix::mm::madvise(start.cast(), len, a) }
+        };
+        let out = advise(rustix::mm::Advice::LinuxPageOut)
+            .and_then(|()| advise(rustix::mm::Advice::LinuxPageOut));
+        // The window's PTEs go in any case: a page it kept mapped would count as mapped
+        // twice and never be paged out again.
+        advise(rustix::mm::Advice::LinuxDontNeed)?;
+        out?;
+        let after = self.resident(first, n)?;
+        Ok((0..n as usize)
+            .map(|k| before[k] && take.get(k).copied().unwrap_or(false) && !after[k])
+            .collect())
+    }
+
+    /// The window's address and length for pages `[first, first + n)`.
+    fn range(&self, first: u64, n: u64) -> io::Result<(*mut u8, usize)> {
+        match first.checked_add(n) {
+            Some(end) if n > 0 && end <= self.pages() => {
+                // SAFETY: `first` pages into the mapping (checked just above).
+                Ok((unsafe { self.addr.add(first as usize * PAGE) }, n as usize * PAGE))
+            }
+            _ => Err(io::Error::other(format!(
+                "pages [{first}, {first} + {n}) are past a page-out window of {} pages",
+                self.pages()
+            ))),
+        }
+    }
+}
+
+impl Drop for PageOutWindow {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once; nothing points into it after.
+        let _ = unsafe { rustix::mm::munmap(self.addr.cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn a_window_refuses_ranges_past_its_end_and_pages_nothing_it_is_not_told_to() {
+        let fd = crate::memfd::create("pageout-test").unwrap();
+        crate::memfd::set_len(fd.as_fd(), 8 * PAGE as u64).unwrap();
+        crate::memfd::pwrite_all(fd.as_fd(), &[7u8; 8 * PAGE], 0).unwrap();
+        let w = PageOutWindow::new(fd.as_fd(), 8 * PAGE as u64).unwrap();
+        assert!(w.resident(7, 2).is_err());
+        assert!(w.page_out(8, 1, &[true]).is_err());
+        assert_eq!(w.resident(0, 8).unwrap(), vec![true; 8]);
+        // Told to take nothing: nothing leaves, with or without swap on the host.
+        assert_eq!(w.page_out(0, 8, &[false; 8]).unwrap(), vec![false; 8]);
+        assert_eq!(w.resident(0, 8).unwrap(), vec![true; 8]);
+        let mut b = [0u8; 8 * PAGE];
+        crate::memfd::pread_exact(fd.as_fd(), &mut b, 0).unwrap();
+        assert!(b.iter().all(|&x| x == 7));
+        assert!(PageOutWindow::new(fd.as_fd(), 100).is_err());
+    }
+}
