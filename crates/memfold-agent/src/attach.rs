@@ -247,9 +247,10 @@ impl Agent {
                 pages: std::mem::take(&mut self.pending.discards),
             });
         }
-        if !self.pending.paged_in.is_empty() {
+        // In messages of at most MAX_BATCH pages (a discard can name many).
+        for gfns in std::mem::take(&mut self.pending.paged_in).chunks(memfold_wire::MAX_BATCH) {
             msgs.push(ToDaemon::PagedIn {
-                gfns: std::mem::take(&mut self.pending.paged_in),
+                gfns: gfns.to_vec(),
             });
         }
         if self.counters.last_report.elapsed() >= REPORT_EVERY {

@@ -343,7 +343,11 @@ impl Watch {
                 Err(_) => return,
             };
             for (inode, gone) in &known {
-                if !gone.load(Ordering::SeqCst) && !maps.iter().any(|m| m.inode == *inode) {
+                // QEMU's own mapping, shared and writable: the agent's read-only page-out
+                // window onto the same memfd (`pageout.rs`) does not keep a region alive.
+                if !gone.load(Ordering::SeqCst)
+                    && !maps.iter().any(|m| m.inode == *inode && m.shared_rw())
+                {
                     tracing::warn!(
                         "a guest RAM region (memfd inode {inode}) is no longer mapped (hot-unplug): its agent detaches"
                     );

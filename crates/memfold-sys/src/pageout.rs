@@ -22,6 +22,21 @@ use std::os::fd::BorrowedFd;
 /// Bytes in a page.
 const PAGE: usize = 4096;
 
+/// The kernel's fault-around block, pages (`fault_around_bytes`, 64 KiB by default): a
+/// read fault through the window may map the cached pages of its whole block.
+struct FaultAround(u64);
+
+const FAULT_AROUND: FaultAround = FaultAround(16);
+
+impl FaultAround {
+    /// Pages `[first, first + n)` rounded out to whole blocks, within `[0, pages)`.
+    fn span(&self, first: u64, n: u64, pages: u64) -> (u64, u64) {
+        let lo = first / self.0 * self.0;
+        let hi = (first + n).div_ceil(self.0) * self.0;
+        (lo, hi.min(pages))
+    }
+}
+
 /// A read-only shared mapping of a whole memfd, to page its pages out from
 /// ([module docs](self)).
 pub struct PageOutWindow {
@@ -84,43 +99,70 @@ impl PageOutWindow {
     }
 
     /// Pages out the pages of `[first, first + n)` for which `take` is true and that are
-    /// in RAM: maps each through the window, `MADV_PAGEOUT` (twice: a page on a per-CPU
-    /// LRU list is skipped the first time), then drops the window's PTEs. Returns, a
+    /// in RAM: maps each run of them through the window, `MADV_PAGEOUT` on the run (twice:
+    /// a page on a per-CPU LRU list is skipped the first time), then drops the window's
+    /// PTEs. Returns, a
     /// bool a page, which of the taken pages left RAM; a page another mapping maps, or
     /// with no swap to go to, stays.
     ///
     /// Errors: the range is past the window; `mincore` or `madvise` failed (the pages
     /// keep their bytes wherever they are).
     pub fn page_out(&self, first: u64, n: u64, take: &[bool]) -> io::Result<Vec<bool>> {
-        let (start, len) = self.range(first, n)?;
+        let (start, _) = self.range(first, n)?;
         let before = self.resident(first, n)?;
-        let mut touched = false;
-        for (k, &here) in before.iter().enumerate() {
-            if here && take.get(k).copied().unwrap_or(false) {
+        let taken = |k: usize| before[k] && take.get(k).copied().unwrap_or(false);
+        // Runs of taken pages, each mapped through the window and paged out on its own:
+        // the read fault maps untaken neighbours too (the kernel's fault-around, 16 pages
+        // here), which a page-out over the whole span would take as well.
+        let mut runs = Vec::new();
+        let mut k = 0;
+        while k < n as usize {
+            if !taken(k) {
+                k += 1;
+                continue;
+            }
+            let mut e = k + 1;
+            while e < n as usize && taken(e) {
+                e += 1;
+            }
+            runs.push((k, e));
+            k = e;
+        }
+        if runs.is_empty() {
+            return Ok(vec![false; n as usize]);
+        }
+        let advise = |from: usize, to: usize, a: rustix::mm::Advice| {
+            // SAFETY: advice on pages [from, to) of the span, inside this mapping (checked
+            // by `range`); neither piece of advice used here changes the file's bytes
+            // (module docs).
+            unsafe { rustix::mm::madvise(start.add(from * PAGE).cast(), (to - from) * PAGE, a) }
+        };
+        let mut out = Ok(());
+        for &(a, b) in &runs {
+            for k in a..b {
                 // SAFETY: inside the mapping (checked by `range`); a read of one byte,
                 // whose only effect is the PTE it maps.
                 unsafe { std::ptr::read_volatile(start.add(k * PAGE)) };
-                touched = true;
             }
+            out = out
+                .and_then(|()| advise(a, b, rustix::mm::Advice::LinuxPageOut))
+                .and_then(|()| advise(a, b, rustix::mm::Advice::LinuxPageOut));
         }
-        if !touched {
-            return Ok(vec![false; n as usize]);
-        }
-        let advise = |a: rustix::mm::Advice| {
-            // SAFETY: advice on this mapping's own range; neither piece of advice changes
-            // the file's bytes (module docs).
-            unsafe { rustix::mm::madvise(start.cast(), len, a) }
-        };
-        let out = advise(rustix::mm::Advice::LinuxPageOut)
-            .and_then(|()| advise(rustix::mm::Advice::LinuxPageOut));
-        // The window's PTEs go in any case: a page it kept mapped would count as mapped
-        // twice and never be paged out again.
-        advise(rustix::mm::Advice::LinuxDontNeed)?;
+        // The window's PTEs go in any case, fault-around's included (the span rounded out
+        // to its 64 KiB blocks): a page the window kept mapped would count as mapped twice
+        // and never be paged out again.
+        let (lo, hi) = FAULT_AROUND.span(first, n, self.pages());
+        // SAFETY: as `advise`, over pages [lo, hi) of the window (inside it by `span`).
+        unsafe {
+            rustix::mm::madvise(
+                self.addr.add(lo as usize * PAGE).cast(),
+                (hi - lo) as usize * PAGE,
+                rustix::mm::Advice::LinuxDontNeed,
+            )
+        }?;
         out?;
         let after = self.resident(first, n)?;
-        Ok((0..n as usize)
-            .map(|k| before[k] && take.get(k).copied().unwrap_or(false) && !after[k])
-            .collect())
+        Ok((0..n as usize).map(|k| taken(k) && !after[k]).collect())
     }
 
     /// The window's address and length for pages `[first, first + n)`.
@@ -166,5 +208,12 @@ mod tests {
         crate::memfd::pread_exact(fd.as_fd(), &mut b, 0).unwrap();
         assert!(b.iter().all(|&x| x == 7));
         assert!(PageOutWindow::new(fd.as_fd(), 100).is_err());
+    }
+
+    #[test]
+    fn the_window_drops_whole_fault_around_blocks() {
+        assert_eq!(FAULT_AROUND.span(17, 2, 1000), (16, 32));
+        assert_eq!(FAULT_AROUND.span(0, 16, 1000), (0, 16));
+        assert_eq!(FAULT_AROUND.span(30, 5, 33), (16, 33));
     }
 }

@@ -55,8 +55,8 @@ pub fn total_used(guests: &[RamUsage]) -> u64 {
     for g in guests {
         files.extend(g.memfd_files.iter().copied());
     }
-    guests.iter().map(|g| g.anon_used).sum::<u64>() + files.values().sum::<u64>()
-        - total_swapped(guests)
+    (guests.iter().map(|g| g.anon_used).sum::<u64>() + files.values().sum::<u64>())
+        .saturating_sub(total_swapped(guests))
 }
 
 /// Bytes of the guests' memfd files in the kernel's swap, each file counted once (not in

@@ -375,9 +375,12 @@ pub enum ToDaemon {
         /// Pages not paged out for another reason (not private, past guest RAM).
         refused: Vec<Gfn>,
     },
-    /// Pages the agent had paged out ([`ToAgent::PageOut`]) that are in RAM again (the
-    /// guest touched them and the kernel swapped them in, or anything else read the
-    /// memfd), found at a clock scan of their slice, before its [`ToDaemon::ClockBits`].
+    /// Pages the agent had paged out ([`ToAgent::PageOut`]) that are no longer in the
+    /// kernel's swap: in RAM again (the guest touched them and the kernel swapped them in,
+    /// swap readahead brought them with a neighbour, or anything else read the memfd),
+    /// found at a clock scan of their slice; or discarded by QEMU (a hole now). Sent with
+    /// the agent's events, after the scan's [`ToDaemon::ClockBits`]; at most
+    /// [`MAX_BATCH`] pages a message.
     PagedIn {
         /// Pages.
         gfns: Vec<Gfn>,

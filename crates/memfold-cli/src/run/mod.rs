@@ -117,14 +117,22 @@ fn self_check(g: &Guest) -> Result<()> {
 }
 
 /// For `--compress-backing zswap`: zswap on with the best compressor the kernel takes
-/// (`peer::COMPRESSORS`, as the peer's) and a swap file the size of the guests' RAM, both
-/// undone when the guard drops; `None` for the store backing.
+/// (`peer::COMPRESSORS`, as the peer's), a swap file the size of the guests' RAM, and swap
+/// readahead off (`vm.page-cluster` 0: a guest's access to a paged-out page should not
+/// bring its untouched neighbours back too), all undone when the guard drops; `None` for
+/// the store backing.
 ///
 /// Errors: no zswap, no compressor taken, the swap file cannot be made (not root, disk).
 fn kernel_swap(
     m: &args::MemfoldArgs,
     out: &std::path::Path,
-) -> Result<Option<(memfold_sys::reclaim::Zswap, memfold_sys::reclaim::SwapFile)>> {
+) -> Result<
+    Option<(
+        memfold_sys::reclaim::Zswap,
+        memfold_sys::reclaim::SwapFile,
+        memfold_sys::reclaim::SwapReadaheadOff,
+    )>,
+> {
     if m.engine.compress_backing != memfold_core::engine::CompressBacking::Zswap {
         return Ok(None);
     }
@@ -139,12 +147,14 @@ fn kernel_swap(
     let _ = std::fs::remove_file(&path);
     let swap = memfold_sys::reclaim::SwapFile::create(&path, ram_bytes)
         .context("--compress-backing zswap: the swap file")?;
+    let readahead = memfold_sys::reclaim::SwapReadaheadOff::new()
+        .context("--compress-backing zswap: vm.page-cluster")?;
     eprintln!(
-        "(compress backing: the kernel's swap; zswap on with {compressor}, a swap file of {} MiB at {})",
+        "(compress backing: the kernel's swap; zswap on with {compressor}, a swap file of {} MiB at {}, swap readahead off for the run)",
         ram_bytes >> 20,
         path.display()
     );
-    Ok(Some((zswap, swap)))
+    Ok(Some((zswap, swap, readahead)))
 }
 
 /// Boots the set with agents, waits for it to settle, starts memfoldd and samples every

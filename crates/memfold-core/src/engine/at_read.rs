@@ -91,6 +91,10 @@ impl Engine {
         let now = wall.saturating_sub(age_us);
         let mut page: Box<Page> = Box::new([0u8; PAGE_SIZE]);
         for (k, &g) in gfns.iter().enumerate() {
+            // The read wrote the page: in RAM again if it was paged out (kernel_swap.rs).
+            if let Some(v) = self.vms.get_mut(&id).filter(|v| g.0 < pages && v.is_paged_out(g)) {
+                v.set(g, PageState::Private);
+            }
             // A page its guest marked never-share is not shared at read (never_share.rs).
             if k >= MAX_LANDED || g.0 >= pages || !self.sharable(id, g) || self.never_share(id, g) {
                 out.passed_over += 1;

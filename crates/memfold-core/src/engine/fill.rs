@@ -219,6 +219,14 @@ impl Engine {
                 let Some(&f) = self.fills.index.get(&d).and_then(|i| i.by_block.get(&b)) else {
                     continue;
                 };
+                // The read will overwrite it: a paged-out mark goes (kernel_swap.rs).
+                if let Some(v) = self
+                    .vms
+                    .get_mut(&id)
+                    .filter(|v| g.0 < v.pages() && v.is_paged_out(g))
+                {
+                    v.set(g, PageState::Private);
+                }
                 if !self.sharable(id, g)
                     || self.never_share(id, g) // never_share.rs
                     || self.withdrawn(d, f)

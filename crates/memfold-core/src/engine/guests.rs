@@ -330,6 +330,12 @@ impl Engine {
                     next = PageState::Private;
                 }
             }
+            // The agent's paged-out bits are not in its list: every mark goes at a
+            // (re-)attach (at worst the page is read back in once), or one whose
+            // `PagedIn` was lost with the connection would stay for good (kernel_swap.rs).
+            if self.vms[&id].is_paged_out(g) {
+                self.vms.get_mut(&id).expect("attached").set(g, PageState::Private);
+            }
             if was == next {
                 continue;
             }

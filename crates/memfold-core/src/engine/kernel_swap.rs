@@ -73,7 +73,8 @@ impl Engine {
     /// The agent's answer to a page-out of page `g`: done, the page left RAM (marked, if
     /// it is still private and unmarked); changed, it is still in RAM (used since the
     /// clock armed it, mapped by another process, or no swap on the host); refused (not
-    /// private at the agent). Nothing to undo either way ([module docs](self)).
+    /// private at the agent). Nothing to undo either way ([module docs](self)); a page
+    /// kept in RAM is not tried again until the guest writes it.
     pub(crate) fn page_out_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) {
         let Some(v) = self.vms.get_mut(&id).filter(|v| g.0 < v.pages()) else {
             return;
@@ -87,7 +88,13 @@ impl Engine {
                 v.books.page_outs += 1;
             }
             Outcome::Done | Outcome::Lost => {}
-            Outcome::Changed | Outcome::Refused => v.books.page_outs_kept += 1,
+            Outcome::Changed | Outcome::Refused => {
+                v.books.page_outs_kept += 1;
+                // Not tried again until the guest writes it (as a page that neither
+                // patched nor compressed): on a host without swap, or for a page another
+                // process maps, every pass would compress it again for nothing.
+                v.de_failed[g.index() / 64] |= 1 << (g.0 % 64);
+            }
         }
     }
 
