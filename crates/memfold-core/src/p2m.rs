@@ -79,13 +79,23 @@ impl P2mEntry {
     /// [`crate::engine::CompressBacking::Zswap`]): a [`PageState::Private`] page like any
     /// other — its bytes are in guest RAM's memfd, which the kernel swaps in at the next
     /// access — told apart so that nothing reads it in again for nothing (the scans skip
-    /// it) and the books know what the kernel holds (payload 1 of the private tag). Any
-    /// change of state, or the agent's word that it is in RAM again, drops the mark.
-    pub const PAGED_OUT: P2mEntry = P2mEntry(1);
+    /// it) and the books know what the kernel holds; the payload of the private tag is
+    /// the second it was paged out, plus one (so that 0 stays the plain private page), at
+    /// most [`Self::MAX_PAYLOAD`] − 1, for the re-store wait of a page that comes back
+    /// soon. Any change of state, or the agent's word that it is in RAM again, drops it.
+    pub fn paged_out_at(secs: u64) -> P2mEntry {
+        P2mEntry(secs.saturating_add(1).min(Self::MAX_PAYLOAD as u64 - 1) as u32)
+    }
 
-    /// Whether this is [`Self::PAGED_OUT`].
+    /// The second a paged-out page left RAM ([`Self::paged_out_at`]); `None` for any
+    /// other entry.
+    pub fn paged_out_since(self) -> Option<u64> {
+        (self.is_paged_out()).then(|| self.0 as u64 - 1)
+    }
+
+    /// Whether this is a paged-out page ([`Self::paged_out_at`]).
     pub fn is_paged_out(self) -> bool {
-        self == Self::PAGED_OUT
+        self.0 >> 29 == 0 && self.0 != 0
     }
 
     /// Whether this is [`Self::FREE_HOLE`]: a discarded free page, not yet touched.
@@ -141,8 +151,13 @@ mod tests {
 
     #[test]
     fn a_paged_out_page_is_private_and_told_apart() {
-        assert_eq!(P2mEntry::PAGED_OUT.state(), PageState::Private);
-        assert!(P2mEntry::PAGED_OUT.is_paged_out());
+        let e = P2mEntry::paged_out_at(0);
+        assert_eq!(e.state(), PageState::Private);
+        assert!(e.is_paged_out());
+        assert_eq!(P2mEntry::paged_out_at(42).paged_out_since(), Some(42));
+        assert_eq!(P2mEntry::PRIVATE.paged_out_since(), None);
+        assert!(P2mEntry::paged_out_at(u64::MAX).is_paged_out());
+        assert_eq!(P2mEntry::paged_out_at(u64::MAX).state(), PageState::Private);
         assert!(!P2mEntry::PRIVATE.is_paged_out());
         assert!(!P2mEntry::FREE_HOLE.is_paged_out());
         assert!(!P2mEntry::new(PageState::Private).is_paged_out());

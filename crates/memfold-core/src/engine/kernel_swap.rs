@@ -14,12 +14,16 @@
 //!
 //! **Invariant (nothing to lose).** A page-out never moves a page's bytes out of guest
 //! RAM's memfd: the page stays [`PageState::Private`] throughout (marked
-//! [`P2mEntry::PAGED_OUT`] once the agent says it left RAM), no request is in flight for
+//! [`P2mEntry::paged_out_at`] once the agent says it left RAM), no request is in flight for
 //! it, and a lost or refused answer leaves nothing in doubt. The mark is a hint for the
 //! books and the scans (which skip a paged-out page instead of reading it back in); it
 //! goes with any change of the page's state and with the agent's [`Engine::paged_in`].
 //!
-//! [`P2mEntry::PAGED_OUT`]: crate::p2m::P2mEntry::PAGED_OUT
+//! A page that comes back within 30 s was not cold enough: it waits longer before it is
+//! paged out again, as a stored page decoded back soon does (`restash_after`), so pages a
+//! workload revisits every few seconds do not cycle through zswap.
+//!
+//! [`P2mEntry::paged_out_at`]: crate::p2m::P2mEntry::paged_out_at
 
 use serde::Serialize;
 
@@ -76,6 +80,7 @@ impl Engine {
     /// private at the agent). Nothing to undo either way ([module docs](self)); a page
     /// kept in RAM is not tried again until the guest writes it.
     pub(crate) fn page_out_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) {
+        let secs = self.now_us() / 1_000_000;
         let Some(v) = self.vms.get_mut(&id).filter(|v| g.0 < v.pages()) else {
             return;
         };
@@ -83,7 +88,7 @@ impl Engine {
             Outcome::Done
                 if v.state(g) == PageState::Private && !v.p2m[g.index()].is_paged_out() =>
             {
-                v.p2m[g.index()] = P2mEntry::PAGED_OUT;
+                v.p2m[g.index()] = P2mEntry::paged_out_at(secs);
                 v.books.paged_out_pages += 1;
                 v.books.page_outs += 1;
             }
@@ -102,14 +107,18 @@ impl Engine {
     /// guest touched them and the kernel swapped them in, or something read the memfd).
     /// Marks that no longer match (the page changed state since) are ignored.
     pub fn paged_in(&mut self, id: VmId, gfns: &[Gfn]) {
-        let Some(v) = self.vms.get_mut(&id) else {
-            return;
-        };
+        let now_s = self.now_us() / 1_000_000;
         for &g in gfns {
-            if g.0 < v.pages() && v.p2m[g.index()].is_paged_out() {
-                v.set(g, PageState::Private);
-                v.books.paged_ins += 1;
-            }
+            let Some(v) = self.vms.get_mut(&id) else {
+                return;
+            };
+            let Some(since) = v.p2m.get(g.index()).and_then(|e| e.paged_out_since()) else {
+                continue;
+            };
+            v.set(g, PageState::Private);
+            v.books.paged_ins += 1;
+            let lived_us = now_s.saturating_sub(since) * 1_000_000;
+            self.restash_after(id, g, lived_us);
         }
     }
 }
@@ -166,6 +175,18 @@ mod tests {
         assert_eq!(b.paged_out_pages, 0, "{b:?}");
         assert_eq!(b.paged_ins as usize, out.len());
         r.engine.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_page_back_within_30_s_waits_longer_before_its_next_page_out() {
+        let mut r = rig(CompressBacking::Zswap, 64);
+        for _ in 0..300 {
+            r.step(10_000).unwrap();
+        }
+        let g = (0..64).map(Gfn).find(|&g| r.agent.is_paged_out(g)).expect("one paged out");
+        r.agent.read(g).unwrap();
+        r.carry_out();
+        assert_eq!(r.engine.vms[&r.vm].restash_wait[g.index()], 2);
     }
 
     #[test]
