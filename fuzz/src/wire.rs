@@ -226,6 +226,13 @@ pub enum DaemonMsg {
         watched: Vec<u32>,
         refused: Vec<u32>,
     },
+    PageOutDone {
+        batch: u64,
+        paged: Vec<u32>,
+        resident: Vec<u32>,
+        refused: Vec<u32>,
+    },
+    PagedIn(Vec<u32>),
     DiscardDone {
         batch: u64,
         discarded: Vec<u32>,
@@ -319,6 +326,10 @@ pub enum AgentMsg {
         gfns: Vec<u32>,
     },
     DiscardFree {
+        batch: u64,
+        gfns: Vec<u32>,
+    },
+    PageOut {
         batch: u64,
         gfns: Vec<u32>,
     },
@@ -525,6 +536,18 @@ impl DaemonMsg {
                 watched: gfns(watched),
                 refused: gfns(refused),
             },
+            DaemonMsg::PageOutDone {
+                batch,
+                paged,
+                resident,
+                refused,
+            } => ToDaemon::PageOutDone {
+                batch: BatchId(*batch),
+                paged: gfns(paged),
+                resident: gfns(resident),
+                refused: gfns(refused),
+            },
+            DaemonMsg::PagedIn(g) => ToDaemon::PagedIn { gfns: gfns(g) },
             DaemonMsg::DiscardDone {
                 batch,
                 discarded,
@@ -593,6 +616,10 @@ impl AgentMsg {
                 batch: BatchId(*batch),
                 gfns: gfns(g),
             },
+            AgentMsg::PageOut { batch, gfns: g } => ToAgent::PageOut {
+                batch: BatchId(*batch),
+                gfns: gfns(g),
+            },
             AgentMsg::OptedOut(out) => ToAgent::OptedOut { out: *out },
         }
     }
@@ -648,6 +675,8 @@ fn every_kind_is_built(d: &ToDaemon, a: &ToAgent) {
         | ToDaemon::TakeBackDone { .. }
         | ToDaemon::WatchDone { .. }
         | ToDaemon::DiscardDone { .. }
+        | ToDaemon::PageOutDone { .. }
+        | ToDaemon::PagedIn { .. }
         | ToDaemon::DeviceHello { .. }
         | ToDaemon::ReadLanded { .. }
         | ToDaemon::FillRead { .. }
@@ -664,6 +693,7 @@ fn every_kind_is_built(d: &ToDaemon, a: &ToAgent) {
         | ToAgent::TakeBack { .. }
         | ToAgent::Watch { .. }
         | ToAgent::DiscardFree { .. }
+        | ToAgent::PageOut { .. }
         | ToAgent::OptedOut { .. } => {}
     }
 }
