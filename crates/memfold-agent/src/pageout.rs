@@ -79,11 +79,11 @@ impl Agent {
             for g in &gfns[i..j] {
                 take[(g.0 - g0.0) as usize] = true;
             }
-            let left = self
-                .window
-                .as_ref()
-                .expect("made above")
-                .page_out(g0.0 as u64, span as u64, &take)?;
+            let left = self.window.as_ref().expect("made above").page_out(
+                g0.0 as u64,
+                span as u64,
+                &take,
+            )?;
             for g in &gfns[i..j] {
                 if left[(g.0 - g0.0) as usize] {
                     self.pages.paged_out(*g);

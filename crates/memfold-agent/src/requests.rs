@@ -132,7 +132,9 @@ impl Agent {
                 wp_only,
             } => {
                 // Pages paged out and back in RAM since (reported with the events).
-                let n = count.min(CLOCK_SLICE).min(self.pages.len().saturating_sub(first.0));
+                let n = count
+                    .min(CLOCK_SLICE)
+                    .min(self.pages.len().saturating_sub(first.0));
                 self.paged_in(first, n);
                 let (count, referenced, modified) =
                     self.clock_scan(first, count, &arm, &wp_only)?;

@@ -170,7 +170,10 @@ impl PageOutWindow {
         match first.checked_add(n) {
             Some(end) if n > 0 && end <= self.pages() => {
                 // SAFETY: `first` pages into the mapping (checked just above).
-                Ok((unsafe { self.addr.add(first as usize * PAGE) }, n as usize * PAGE))
+                Ok((
+                    unsafe { self.addr.add(first as usize * PAGE) },
+                    n as usize * PAGE,
+                ))
             }
             _ => Err(io::Error::other(format!(
                 "pages [{first}, {first} + {n}) are past a page-out window of {} pages",

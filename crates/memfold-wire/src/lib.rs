@@ -49,8 +49,8 @@ pub use messages::{
 };
 pub use reattach::Mapped;
 pub use stats::{
-    GuestPages, HeldBytes, KernelSwapStats, LifetimeCdf, MetadataBy, OpLatencies, SavedBy, Stats, SwapStats,
-    VmStats, AGENT_OPS,
+    GuestPages, HeldBytes, KernelSwapStats, LifetimeCdf, MetadataBy, OpLatencies, SavedBy, Stats,
+    SwapStats, VmStats, AGENT_OPS,
 };
 
 /// Wire errors.

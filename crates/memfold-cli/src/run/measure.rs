@@ -63,7 +63,10 @@ pub fn used(guests: &[Guest]) -> Result<(u64, u64)> {
     } else {
         0
     };
-    Ok((total_used(&usages) + pool, usages.iter().map(|u| u.rss).sum()))
+    Ok((
+        total_used(&usages) + pool,
+        usages.iter().map(|u| u.rss).sum(),
+    ))
 }
 
 /// Each guest's RAM mappings as the kernel reports them now (`memfold_vm::hostmem`).
