@@ -9,7 +9,7 @@
 //!
 //! | page was | now |
 //! |---|---|
-//! | private | nothing to do: QEMU's punch made it a hole (one paged out to the kernel's swap is reported as no longer there, `ToDaemon::PagedIn`) |
+//! | private | nothing to do: QEMU's punch made it a hole (one paged out to the kernel's swap, and a hole now, is reported as no longer there, `ToDaemon::PagedIn`) |
 //! | on a pool frame | guest RAM's memfd (a hole) mapped back over it and registered |
 //! | a reclaimed zero page | a plain hole |
 //! | stashed | a plain hole; its blob is memfoldd's to release |
@@ -25,13 +25,16 @@
 //! `MADV_DONTNEED` without a punch is the agent's own, arming the clock, over private
 //! pages only; its events are handled right after the clock request, before any other
 //! request can change a page's home, so they find private pages only and change
-//! nothing.
+//! nothing (a paged-out page among them is still data in the memfd, its swap entry, and
+//! stays paged out).
 //!
 //! What memfold assumes: every other `MADV_DONTNEED`/`MADV_REMOVE` of guest RAM discards
 //! it, as QEMU's does (for memfd-backed RAM it always punches first). A process that drops
 //! PTEs of guest RAM expecting the memfd to keep the bytes would read zeros on the pages
 //! memfold held (its own bytes on private ones). QEMU has no such caller; its guest cannot
 //! make one (tests/bypass_writes.rs, tests/discard.rs).
+
+use std::os::fd::AsFd;
 
 use memfold_ids::Gfn;
 use memfold_wire::Discarded;
@@ -52,12 +55,33 @@ impl Agent {
         }
         let first = (start - self.base) / PAGE;
         let last = (end - self.base).div_ceil(PAGE);
+        // Where the memfd still holds data (a swapped-out page is data to `SEEK_DATA`),
+        // asked only if a page here is paged out.
+        let data = self
+            .pages
+            .any_paged_out(Gfn(first as u32), (last - first) as u32)
+            .then(|| {
+                memfold_sys::memfd::data_runs(
+                    self.memfd.as_fd(),
+                    Gfn(first as u32),
+                    Gfn(last as u32),
+                )
+            });
         for g in first..last {
             let gfn = Gfn(g as u32);
             let what = match self.pages.home(gfn) {
                 PageHome::Private => {
-                    // The punch freed its swap entry too: the kernel holds it no more.
-                    if self.pages.is_paged_out(gfn) {
+                    // Punched (QEMU's discard), the kernel holds it no more: the punch
+                    // freed its swap entry. Still data, the event was the agent's own
+                    // arming zap and the page is still in swap: nothing to say (each
+                    // clock pass reported every paged-out page back, and memfoldd's
+                    // scans then read them all back in).
+                    let punched = || {
+                        !data
+                            .as_ref()
+                            .is_some_and(|runs| runs.iter().any(|&(a, b)| a <= gfn && gfn < b))
+                    };
+                    if self.pages.is_paged_out(gfn) && punched() {
                         self.pages.paged_in(gfn);
                         self.pending.paged_in.push(gfn);
                     }
