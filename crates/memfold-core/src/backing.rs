@@ -112,6 +112,14 @@ pub mod mem {
         pub fail_sync: bool,
         /// The bytes as the last good sync left them on "disk".
         pub durable: Vec<u8>,
+        /// Pages in the kernel's swap (a guest RAM page the agent paged out, issue 15's
+        /// zswap backing): still data, and their bytes stay here (the kernel keeps them),
+        /// but a read through the file brings them back into RAM, as a `pread` of a
+        /// memfd does ([`MemFile::swapped_in_by_reads`]). A punch frees them.
+        pub swapped: BTreeSet<u64>,
+        /// Pages of [`MemFile::swapped`] that reads through the file (memfoldd's, never
+        /// the guest's) brought back into RAM.
+        pub swapped_in_by_reads: u64,
     }
 
     impl MemFile {
@@ -134,6 +142,7 @@ pub mod mem {
             }
             for p in offset.div_ceil(PAGE)..(offset + len) / PAGE {
                 self.allocated.remove(&p);
+                self.swapped.remove(&p);
             }
         }
     }
@@ -235,7 +244,14 @@ pub mod mem {
 
     impl GuestRam for MemGuestRam {
         fn read(&self, first: Gfn, out: &mut [u8]) -> Result<(), BackingError> {
-            self.0.read(first.offset(), out)
+            self.0.read(first.offset(), out)?;
+            let mut f = self.file();
+            for p in first.0 as u64..first.0 as u64 + (out.len() as u64).div_ceil(PAGE) {
+                if f.swapped.remove(&p) {
+                    f.swapped_in_by_reads += 1;
+                }
+            }
+            Ok(())
         }
 
         fn next_data_run(&self, from: Gfn, end: Gfn) -> Option<(Gfn, Gfn)> {

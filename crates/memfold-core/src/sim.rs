@@ -133,6 +133,7 @@ impl SimAgent {
         self.home[i] = h;
         self.watched[i] = false;
         self.paged_out[i] = false;
+        self.ram.file().swapped.remove(&(i as u64));
     }
 
     /// Whether page `g` is paged out to the kernel's swap and untouched since.
@@ -143,6 +144,7 @@ impl SimAgent {
     /// Page `i` is in RAM again (or gone): reported if it was paged out.
     fn page_in(&mut self, i: usize) {
         if std::mem::take(&mut self.paged_out[i]) {
+            self.ram.file().swapped.remove(&(i as u64));
             self.events.push(Event::PagedIn(Gfn(i as u32)));
         }
     }
@@ -406,6 +408,7 @@ impl SimAgent {
                     // Its PTE dropped by the clock and not touched since: nothing else maps
                     // it, so `MADV_PAGEOUT` through the agent's window takes it.
                     self.paged_out[i] = true;
+                    self.ram.file().swapped.insert(i as u64);
                     Outcome::Done
                 } else {
                     // Mapped by QEMU (used since it was armed): left in RAM.
@@ -491,6 +494,11 @@ impl SimAgent {
         let mut m = r.clone();
         for k in 0..n as usize {
             let i = first.index() + k;
+            // Paged out, and read back into RAM by memfoldd since (the real agent sees it
+            // resident before the scan): reported back, as a guest access would be.
+            if self.paged_out[i] && !self.ram.file().swapped.contains(&(i as u64)) {
+                self.page_in(i);
+            }
             if std::mem::take(&mut self.referenced[i]) {
                 r[k / 64] |= 1 << (k % 64);
             }

@@ -92,7 +92,11 @@ impl Engine {
         let mut page: Box<Page> = Box::new([0u8; PAGE_SIZE]);
         for (k, &g) in gfns.iter().enumerate() {
             // The read wrote the page: in RAM again if it was paged out (kernel_swap.rs).
-            if let Some(v) = self.vms.get_mut(&id).filter(|v| g.0 < pages && v.is_paged_out(g)) {
+            if let Some(v) = self
+                .vms
+                .get_mut(&id)
+                .filter(|v| g.0 < pages && v.paged_out_or_going(g))
+            {
                 v.set(g, PageState::Private);
             }
             // A page its guest marked never-share is not shared at read (never_share.rs).

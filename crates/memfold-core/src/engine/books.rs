@@ -651,6 +651,7 @@ impl Engine {
                 v.p2m.capacity() * 4
                     + v.p2m.len() * 2
                     + v.de_failed.capacity() * 8
+                    + v.page_out_going.capacity() * 8
                     + v.ages.bytes()
                     + v.restash_wait.capacity()
                     + v.categories.as_ref().map_or(0, |m| m.bytes())

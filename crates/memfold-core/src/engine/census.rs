@@ -29,13 +29,11 @@ impl Engine {
                 // A run holding a page paged out to the kernel's swap is read page by
                 // page around it: reading it would swap it back in (issue 15). It counts
                 // as unknown, as a stored page.
-                let away = |i: u32| v.is_paged_out(Gfn(g + i));
+                let away = |i: u32| v.paged_out_or_going(Gfn(g + i));
                 let read = if (0..k).any(away) {
                     (0..k).filter(|&i| !away(i)).all(|i| {
                         let at = i as usize * PAGE_SIZE;
-                        v.ram
-                            .read(Gfn(g + i), &mut buf[at..at + PAGE_SIZE])
-                            .is_ok()
+                        v.ram.read(Gfn(g + i), &mut buf[at..at + PAGE_SIZE]).is_ok()
                     })
                 } else {
                     v.ram

@@ -81,6 +81,15 @@ impl Engine {
             for (i, e) in v.p2m.iter().enumerate() {
                 paged += u64::from(e.is_paged_out());
                 let at = || format!("{id} gfn {i}");
+                // A page-out under way is forgotten at any state change (`Vm::set`).
+                if v.page_out_going[i / 64] >> (i % 64) & 1 == 1
+                    && (e.state() != PageState::Private || e.is_paged_out())
+                {
+                    return Err(format!(
+                        "{}: a page-out under way for a page in {e:?}",
+                        at()
+                    ));
+                }
                 let mut hold = |b: BlobId| -> Result<(), String> {
                     *blob_holders.entry(b).or_default() += 1;
                     if !self.blobs.contains(b) {

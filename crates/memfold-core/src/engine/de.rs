@@ -153,7 +153,7 @@ impl Engine {
         while let Some((a, b)) = v.ram.next_data_run(from, end) {
             todo.extend((a.0..b.0).map(Gfn).filter(|&g| {
                 v.state(g) == PageState::Private
-                    && !v.is_paged_out(g)
+                    && !v.paged_out_or_going(g)
                     && self.acts(policy.for_state(v.clock.page(g.0).last_state()))
             }));
             from = b;

@@ -223,7 +223,7 @@ impl Engine {
                 if let Some(v) = self
                     .vms
                     .get_mut(&id)
-                    .filter(|v| g.0 < v.pages() && v.is_paged_out(g))
+                    .filter(|v| g.0 < v.pages() && v.paged_out_or_going(g))
                 {
                     v.set(g, PageState::Private);
                 }

@@ -246,6 +246,7 @@ impl Engine {
                         queue: Vec::new(),
                         clock: ClockHand::new(n),
                         de_failed: vec![0; n.div_ceil(64)],
+                        page_out_going: vec![0; n.div_ceil(64)],
                         restash_wait: vec![0; n],
                         share_refused_us: None,
                         unmapping: Default::default(),
@@ -333,8 +334,11 @@ impl Engine {
             // The agent's paged-out bits are not in its list: every mark goes at a
             // (re-)attach (at worst the page is read back in once), or one whose
             // `PagedIn` was lost with the connection would stay for good (kernel_swap.rs).
-            if self.vms[&id].is_paged_out(g) {
-                self.vms.get_mut(&id).expect("attached").set(g, PageState::Private);
+            if self.vms[&id].paged_out_or_going(g) {
+                self.vms
+                    .get_mut(&id)
+                    .expect("attached")
+                    .set(g, PageState::Private);
             }
             if was == next {
                 continue;

@@ -68,8 +68,14 @@ impl std::str::FromStr for CompressBacking {
 impl Engine {
     /// Asks guest `id`'s agent to page out private page `g` (the Difference Engine chose
     /// to compress it, [`CompressBacking::Zswap`]).
+    /// From now until its answer the page counts as away ([`Vm::paged_out_or_going`]):
+    /// the agent may have paged it out before memfoldd hears so, and a scan reading it in
+    /// that gap would swap it straight back in.
+    ///
+    /// [`Vm::paged_out_or_going`]: super::Vm::paged_out_or_going
     pub(crate) fn queue_page_out(&mut self, id: VmId, g: Gfn) {
         if let Some(v) = self.vms.get_mut(&id) {
+            v.page_out_going[g.index() / 64] |= 1 << (g.0 % 64);
             v.queue.push(Command::PageOut { gfn: g });
         }
     }
@@ -84,9 +90,14 @@ impl Engine {
         let Some(v) = self.vms.get_mut(&id).filter(|v| g.0 < v.pages()) else {
             return;
         };
+        // Still going only if nothing changed the page since it was asked (a state change
+        // or a re-attach forgot the request): else the answer marks nothing.
+        let going = v.take_page_out_going(g);
         match o {
             Outcome::Done
-                if v.state(g) == PageState::Private && !v.p2m[g.index()].is_paged_out() =>
+                if going
+                    && v.state(g) == PageState::Private
+                    && !v.p2m[g.index()].is_paged_out() =>
             {
                 v.p2m[g.index()] = P2mEntry::paged_out_at(secs);
                 v.books.paged_out_pages += 1;
@@ -162,9 +173,7 @@ mod tests {
         let b = r.engine.books().vms[0].books.clone();
         assert!(b.paged_out_pages > 0, "{b:?}");
         assert_eq!(b.compressed_pages, 0, "nothing went to the store: {b:?}");
-        let out: Vec<u32> = (0..64)
-            .filter(|&g| r.agent.is_paged_out(Gfn(g)))
-            .collect();
+        let out: Vec<u32> = (0..64).filter(|&g| r.agent.is_paged_out(Gfn(g))).collect();
         assert_eq!(out.len() as u64, b.paged_out_pages);
         // Every page reads back as it was written; the ones read are in RAM again.
         for g in 0..64 {
@@ -178,12 +187,73 @@ mod tests {
     }
 
     #[test]
+    fn no_scan_reads_a_page_between_its_page_out_and_the_answer() {
+        // The agent pages out at once; memfoldd hears of it later. Scans in between must
+        // not read the page (a read through the memfd swaps it straight back in). Seen
+        // failing with the page-out under way not counted as away.
+        let mut r = rig(CompressBacking::Zswap, 64);
+        let mut held = Vec::new();
+        for _ in 0..300 {
+            r.clock.advance(10_000);
+            r.engine.scan_step().unwrap();
+            r.engine.clock_step();
+            for c in r.engine.take_commands(r.vm) {
+                match c {
+                    Command::ClockScan {
+                        first,
+                        count,
+                        arm,
+                        wp_only,
+                    } => {
+                        let (n, rb, mb) = r.agent.clock_scan(first, count, &arm, &wp_only);
+                        r.engine.clock_bits(r.vm, first, n, &rb, &mb);
+                    }
+                    Command::PageOut { .. } => {
+                        let o = r.agent.execute(&c);
+                        held.push((c, o));
+                    }
+                    c => {
+                        let o = r.agent.execute(&c);
+                        r.engine.outcome(r.vm, &c, o);
+                    }
+                }
+            }
+            if held.iter().any(|(_, o)| *o == Outcome::Done) {
+                break;
+            }
+        }
+        assert!(!held.is_empty(), "a page-out was asked");
+        for _ in 0..20 {
+            r.clock.advance(10_000);
+            r.engine.scan_step().unwrap();
+        }
+        assert_eq!(
+            r.agent.ram.file().swapped_in_by_reads,
+            0,
+            "read while going"
+        );
+        let out = held.iter().filter(|(_, o)| *o == Outcome::Done).count() as u64;
+        for (c, o) in held {
+            r.engine.outcome(r.vm, &c, o);
+        }
+        for _ in 0..50 {
+            r.step(10_000).unwrap();
+        }
+        assert_eq!(r.agent.ram.file().swapped_in_by_reads, 0, "read while out");
+        assert!(r.engine.books().vms[0].books.page_outs >= out);
+        r.engine.check_invariants().unwrap();
+    }
+
+    #[test]
     fn a_page_back_within_30_s_waits_longer_before_its_next_page_out() {
         let mut r = rig(CompressBacking::Zswap, 64);
         for _ in 0..300 {
             r.step(10_000).unwrap();
         }
-        let g = (0..64).map(Gfn).find(|&g| r.agent.is_paged_out(g)).expect("one paged out");
+        let g = (0..64)
+            .map(Gfn)
+            .find(|&g| r.agent.is_paged_out(g))
+            .expect("one paged out");
         r.agent.read(g).unwrap();
         r.carry_out();
         assert_eq!(r.engine.vms[&r.vm].restash_wait[g.index()], 2);
@@ -203,7 +273,8 @@ mod tests {
     #[test]
     fn a_page_touched_since_its_arming_stays_in_ram_and_is_counted_kept() {
         let mut r = rig(CompressBacking::Zswap, 8);
-        r.engine.outcome(r.vm, &Command::PageOut { gfn: Gfn(3) }, Outcome::Changed);
+        r.engine
+            .outcome(r.vm, &Command::PageOut { gfn: Gfn(3) }, Outcome::Changed);
         let b = &r.engine.books().vms[0].books;
         assert_eq!((b.paged_out_pages, b.page_outs_kept), (0, 1));
         // A mark for a page that is not private any more is not set.

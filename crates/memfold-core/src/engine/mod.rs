@@ -287,6 +287,10 @@ pub(crate) struct Vm {
     /// Per gfn (bit): neither a patch nor compression was under the cut-off when last
     /// tried; not tried again until the guest writes the page.
     pub(crate) de_failed: Vec<u64>,
+    /// Per gfn (bit): a page-out asked of the agent and not yet answered
+    /// ([`kernel_swap`]). The agent may have paged the page out already, so a read now
+    /// would swap it straight back in.
+    pub(crate) page_out_going: Vec<u64>,
     /// Per gfn: idle clock scans the page needs before it is stored again (0: what the
     /// policy's classes say). A page the guest took back within [`RESTASH_LIVED_US`]
     /// waits twice as long next time (2, 4, then 7 scans), so pages a workload revisits
@@ -369,17 +373,31 @@ impl Vm {
         self.p2m[g.index()] = P2mEntry::new(s);
     }
 
-    /// Drops page `g`'s paged-out mark, if it has one, from the P2M and the books.
+    /// Drops page `g`'s paged-out mark, if it has one, from the P2M and the books, and
+    /// forgets a page-out under way (its answer will find nothing to mark).
     fn unmark_paged_out(&mut self, g: Gfn) {
         if self.p2m[g.index()].is_paged_out() {
             self.p2m[g.index()] = P2mEntry::PRIVATE;
             self.books.paged_out_pages -= 1;
         }
+        self.page_out_going[g.index() / 64] &= !(1 << (g.0 % 64));
     }
 
-    /// Whether page `g` is marked paged out to the kernel's swap ([`kernel_swap`]).
-    pub(crate) fn is_paged_out(&self, g: Gfn) -> bool {
+    /// Ends the page-out of page `g` under way, if there is one; returns whether there was
+    /// ([`kernel_swap`]).
+    pub(crate) fn take_page_out_going(&mut self, g: Gfn) -> bool {
+        let (w, bit) = (g.index() / 64, 1u64 << (g.0 % 64));
+        let going = self.page_out_going[w] & bit != 0;
+        self.page_out_going[w] &= !bit;
+        going
+    }
+
+    /// Whether page `g` is marked paged out to the kernel's swap, or a page-out of it is
+    /// under way ([`kernel_swap`]): either way reading it through guest RAM's memfd would
+    /// swap it back in, so nothing of memfold's reads it.
+    pub(crate) fn paged_out_or_going(&self, g: Gfn) -> bool {
         self.p2m[g.index()].is_paged_out()
+            || self.page_out_going[g.index() / 64] >> (g.0 % 64) & 1 == 1
     }
 
     /// Its guest's last report, if at most [`de::GUEST_R_MAX_AGE_US`] old at `now`: what
@@ -622,11 +640,12 @@ impl Engine {
     /// out, and private, nothing under way. (An opted-out guest's pages are neither
     /// shared nor stored, nor hints or reference pages for another guest.)
     pub(crate) fn sharable(&self, id: VmId, g: Gfn) -> bool {
-        self.vms
-            .get(&id)
-            .is_some_and(|v| {
-                v.attached && !v.opted_out && v.state(g) == PageState::Private && !v.is_paged_out(g)
-            })
+        self.vms.get(&id).is_some_and(|v| {
+            v.attached
+                && !v.opted_out
+                && v.state(g) == PageState::Private
+                && !v.paged_out_or_going(g)
+        })
     }
 
     /// Guest `id`'s domain (the guest must exist).

@@ -76,6 +76,13 @@ impl Engine {
         match self.vms.get_mut(&id) {
             Some(v) if o == Outcome::Lost => {
                 v.books.lost += 1;
+                if let Command::PageOut { gfn } = *cmd {
+                    // In doubt, but not to be skipped for good: at worst the next read
+                    // swaps it back in (the agent then reports it paged in).
+                    if gfn.0 < v.pages() {
+                        v.take_page_out_going(gfn);
+                    }
+                }
                 return;
             }
             // Once a guest is detached (or removed) no answer reaches the books: its sent

@@ -107,7 +107,7 @@ impl super::Vm {
     /// `max`), using the guest's categories if `use_cats` and it reported them: pages of
     /// the categories of `skip` are not read.
     fn visit(&self, g: u32, pass: u64, max: u32, use_cats: bool, skip: CategorySet) -> Visit {
-        if self.is_paged_out(Gfn(g)) {
+        if self.paged_out_or_going(Gfn(g)) {
             // Reading it would swap it back in (issue 15's zswap backing).
             return Visit::PagedOut;
         }
