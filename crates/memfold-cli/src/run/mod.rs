@@ -404,7 +404,9 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     ))
 }
 
-/// A flag set by Ctrl-C.
+/// A flag set by Ctrl-C, SIGTERM or SIGHUP (`ctrlc`'s `termination`): a run stopped by
+/// `timeout`, `kill` or a closed terminal puts back what it changed on the host (zswap,
+/// the swap file, `vm.page-cluster`, KSM) as a Ctrl-C does.
 pub fn ctrl_c_flag() -> Result<Arc<AtomicBool>> {
     let stop = Arc::new(AtomicBool::new(false));
     let s = stop.clone();
@@ -425,6 +427,20 @@ pub fn run(a: &RunArgs) -> Result<()> {
 mod tests {
     use super::*;
     use memfold_wire::{Stats, VmStats};
+
+    #[test]
+    fn sigterm_stops_a_run_as_ctrl_c_does() {
+        // Without `ctrlc`'s termination feature SIGTERM kills this test binary (seen):
+        // a run stopped by `timeout` left its swap file on and `vm.page-cluster` at 0.
+        let stop = ctrl_c_flag().unwrap();
+        rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::TERM)
+            .unwrap();
+        let t = std::time::Instant::now();
+        while !stop.load(Ordering::SeqCst) {
+            assert!(t.elapsed() < std::time::Duration::from_secs(5), "SIGTERM not caught");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
 
     #[test]
     fn a_managed_guest_never_listed_attached_is_unattached_unless_paused() {
