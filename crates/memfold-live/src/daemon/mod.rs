@@ -17,6 +17,7 @@
 //!
 //! The main thread owns all state; the reader threads only read and forward.
 
+mod agent_messages;
 pub mod backings;
 pub mod balloon;
 mod books;
@@ -34,16 +35,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use memfold_core::backing::{Backing, BackingError, Clock};
-use memfold_core::engine::{Attach, Discard, Mapped, Sharing};
-use memfold_core::ids::{DomainId, VmId};
+use memfold_core::engine::{Attach, Mapped, Sharing};
+use memfold_core::ids::DomainId;
 use memfold_core::{ClaimPolicy, Engine, EngineConfig, EngineError, PAGE_SIZE};
 use memfold_sys::memfd;
-use memfold_wire::{reattach, Discarded, Listener, ToAgent, ToClient, ToDaemon, PROTOCOL_VERSION};
+use memfold_wire::{reattach, Listener, ToAgent, ToClient, ToDaemon, PROTOCOL_VERSION};
 
 use backings::{FileBacking, MemfdRam};
 use domains::DomainKey;
 pub use domains::DomainRule;
-use executor::{Executor, Kind};
+use executor::Executor;
 use guests::{Guests, Input};
 
 use crate::guest_channel::GuestChannels;
@@ -449,106 +450,6 @@ impl Daemon {
             }
         }
         Ok(())
-    }
-
-    fn agent_message(&mut self, vm: VmId, msg: ToDaemon) {
-        let e = &mut self.engine;
-        match msg {
-            ToDaemon::ShareDone {
-                batch,
-                shared,
-                changed,
-                ..
-            } => self
-                .executor
-                .reply(e, vm, batch, Kind::Share, &shared, &changed),
-            ToDaemon::ReclaimDone {
-                batch,
-                reclaimed,
-                changed,
-                ..
-            } => self
-                .executor
-                .reply(e, vm, batch, Kind::Reclaim, &reclaimed, &changed),
-            ToDaemon::StashDone {
-                batch,
-                stashed,
-                changed,
-                ..
-            } => self
-                .executor
-                .reply(e, vm, batch, Kind::Stash, &stashed, &changed),
-            ToDaemon::WatchDone { batch, watched, .. } => {
-                self.executor
-                    .reply(e, vm, batch, Kind::Watch, &watched, &[]);
-                if let Some(c) = self.channels.as_mut() {
-                    c.watch_answered(e, vm);
-                }
-            }
-            ToDaemon::DiscardDone {
-                batch,
-                discarded,
-                changed,
-                ..
-            } => self
-                .executor
-                .reply(e, vm, batch, Kind::Discard, &discarded, &changed),
-            ToDaemon::CowBroken { breaks } => {
-                for (g, f) in breaks {
-                    e.cow_broken(vm, g, f);
-                }
-            }
-            ToDaemon::Refilled { gfns } => {
-                for g in gfns {
-                    e.refilled(vm, g);
-                }
-            }
-            ToDaemon::Unstashed { gfns } => {
-                for g in gfns {
-                    e.unstashed(vm, g);
-                }
-            }
-            ToDaemon::Discarded { pages } => {
-                for (g, what) in pages {
-                    let what = match what {
-                        Discarded::Frame(f) => Discard::Frame(f),
-                        Discarded::Zero => Discard::Zero,
-                        Discarded::Stashed => Discard::Stored,
-                    };
-                    e.discarded(vm, g, what);
-                }
-            }
-            ToDaemon::ClockBits {
-                batch,
-                first,
-                count,
-                referenced,
-                modified,
-            } => {
-                // Only a slice this memfoldd asked that agent for.
-                if let Some(asked) = self.executor.clock_reply(vm, batch, first) {
-                    e.clock_bits(vm, first, count.min(asked), &referenced, &modified);
-                }
-            }
-            ToDaemon::PageOutDone {
-                batch,
-                paged,
-                resident,
-                ..
-            } => self
-                .executor
-                .reply(e, vm, batch, Kind::PageOut, &paged, &resident),
-            ToDaemon::PagedIn { gfns } => e.paged_in(vm, &gfns),
-            ToDaemon::TakeBackDone { batch, taken, .. } => {
-                self.executor
-                    .reply(e, vm, batch, Kind::TakeBack, &taken, &[])
-            }
-            ToDaemon::AgentStats(r) => self.guests.report(vm, &r),
-            ToDaemon::RegionUnmapped => {
-                tracing::info!("{}", self.guests.region_unmapped(vm));
-            }
-            other => tracing::warn!("{vm}: unexpected message {other:?}"),
-        }
     }
 
     /// The operator's opt-out (or opt-in) of the guests named `name`.
