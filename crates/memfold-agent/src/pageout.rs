@@ -19,18 +19,8 @@ use std::os::fd::AsFd;
 use memfold_ids::Gfn;
 use memfold_sys::pageout::PageOutWindow;
 
+use crate::requests::Outcome;
 use crate::Agent;
-
-/// What became of a page-out request's pages.
-#[derive(Default)]
-pub(crate) struct PageOutOutcome {
-    /// Left RAM.
-    pub(crate) paged: Vec<Gfn>,
-    /// Still in RAM (mapped elsewhere, a hole, no swap).
-    pub(crate) resident: Vec<Gfn>,
-    /// Not private, or past guest RAM.
-    pub(crate) refused: Vec<Gfn>,
-}
 
 impl Agent {
     /// The window onto guest RAM's memfd, made at the first page-out (a mapping, but no
@@ -46,21 +36,23 @@ impl Agent {
 
     /// Carries out a page-out request: each private page that nothing else maps leaves
     /// RAM for the kernel's swap. Pages not private (shared, stashed, reclaimed: memfold
-    /// holds them already) or past guest RAM are refused.
+    /// holds them already), past guest RAM or paged out already are refused. In the
+    /// outcome, `done` left RAM and `changed` stayed (in use, mapped elsewhere, a hole,
+    /// no swap).
     ///
     /// Errors: the window cannot be made, or `mincore`/`madvise` failed (no page's bytes
     /// change either way; pages marked so far stay marked, correctly).
-    pub(crate) fn page_out(&mut self, mut gfns: Vec<Gfn>) -> io::Result<PageOutOutcome> {
-        let mut out = PageOutOutcome::default();
-        gfns.sort_unstable();
-        gfns.dedup();
+    pub(crate) fn page_out(&mut self, gfns: Vec<Gfn>) -> io::Result<Outcome> {
+        let mut out = Outcome::default();
+        let mut gfns = self.private_only(gfns, &mut out);
         gfns.retain(|&g| {
-            let ok = self.pages.is_private(g) && !self.pages.is_paged_out(g);
+            let ok = !self.pages.is_paged_out(g);
             if !ok {
                 out.refused.push(g);
             }
             ok
         });
+        out.refused.sort_unstable();
         if gfns.is_empty() {
             return Ok(out);
         }
@@ -87,9 +79,9 @@ impl Agent {
             for g in &gfns[i..j] {
                 if left[(g.0 - g0.0) as usize] {
                     self.pages.paged_out(*g);
-                    out.paged.push(*g);
+                    out.done.push(*g);
                 } else {
-                    out.resident.push(*g);
+                    out.changed.push(*g);
                 }
             }
             i = j;

@@ -22,13 +22,15 @@ use crate::{vmas, Agent, PAGE};
 
 /// A request's answer, page by page.
 #[derive(Default)]
-struct Outcome {
-    /// Carried out: shared, reclaimed or stashed.
-    done: Vec<Gfn>,
-    /// Changed since memfoldd read them (left as they are).
-    changed: Vec<Gfn>,
-    /// Refused for another reason (not private, no pool, VMA budget, unreadable blob).
-    refused: Vec<Gfn>,
+pub(crate) struct Outcome {
+    /// Carried out: shared, reclaimed, stashed or paged out.
+    pub(crate) done: Vec<Gfn>,
+    /// Changed since memfoldd read them (left as they are); for a page-out, still in RAM
+    /// (in use, mapped elsewhere, no swap).
+    pub(crate) changed: Vec<Gfn>,
+    /// Refused for another reason (not private, no pool, VMA budget, unreadable blob,
+    /// paged out already).
+    pub(crate) refused: Vec<Gfn>,
 }
 
 /// What a page must pass to be punched out as a zero page ([`Agent::punch_zero`]).
@@ -172,8 +174,8 @@ impl Agent {
                 let o = self.page_out(gfns)?;
                 ToDaemon::PageOutDone {
                     batch,
-                    paged: o.paged,
-                    resident: o.resident,
+                    paged: o.done,
+                    resident: o.changed,
                     refused: o.refused,
                 }
             }
@@ -501,7 +503,7 @@ impl Agent {
     }
 
     /// `gfns` sorted, without repeats, and private; the others refused in `out`.
-    fn private_only(&self, mut gfns: Vec<Gfn>, out: &mut Outcome) -> Vec<Gfn> {
+    pub(crate) fn private_only(&self, mut gfns: Vec<Gfn>, out: &mut Outcome) -> Vec<Gfn> {
         gfns.sort_unstable();
         gfns.dedup();
         gfns.retain(|&g| {
