@@ -437,7 +437,10 @@ mod tests {
             .unwrap();
         let t = std::time::Instant::now();
         while !stop.load(Ordering::SeqCst) {
-            assert!(t.elapsed() < std::time::Duration::from_secs(5), "SIGTERM not caught");
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(5),
+                "SIGTERM not caught"
+            );
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
     }
