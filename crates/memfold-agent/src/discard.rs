@@ -26,7 +26,9 @@
 //! pages only; its events are handled right after the clock request, before any other
 //! request can change a page's home, so they find private pages only and change
 //! nothing (a paged-out page among them is still data in the memfd, its swap entry, and
-//! stays paged out).
+//! stays paged out). A page QEMU punched that the guest touches again before the event
+//! is handled is data once more, so it is not reported here; the residency check before
+//! the next clock scan of its slice reports it (`pageout.rs`).
 //!
 //! What memfold assumes: every other `MADV_DONTNEED`/`MADV_REMOVE` of guest RAM discards
 //! it, as QEMU's does (for memfd-backed RAM it always punches first). A process that drops
@@ -56,7 +58,9 @@ impl Agent {
         let first = (start - self.base) / PAGE;
         let last = (end - self.base).div_ceil(PAGE);
         // Where the memfd still holds data (a swapped-out page is data to `SEEK_DATA`),
-        // asked only if a page here is paged out.
+        // asked only if a page here is paged out; sorted runs, searched by halves. A seek
+        // that fails ends the runs there: the pages after count as punched and are
+        // reported back, which costs at most a read that swaps them in.
         let data = self
             .pages
             .any_paged_out(Gfn(first as u32), (last - first) as u32)
@@ -73,13 +77,14 @@ impl Agent {
                 PageHome::Private => {
                     // Punched (QEMU's discard), the kernel holds it no more: the punch
                     // freed its swap entry. Still data, the event was the agent's own
-                    // arming zap and the page is still in swap: nothing to say (each
-                    // clock pass reported every paged-out page back, and memfoldd's
-                    // scans then read them all back in).
+                    // arming zap and the page is still in swap: nothing to say. (Before
+                    // this check each clock pass reported every paged-out page back, and
+                    // memfoldd's scans then read them all back in.)
                     let punched = || {
-                        !data
-                            .as_ref()
-                            .is_some_and(|runs| runs.iter().any(|&(a, b)| a <= gfn && gfn < b))
+                        !data.as_ref().is_some_and(|runs| {
+                            let k = runs.partition_point(|&(_, b)| b <= gfn);
+                            runs.get(k).is_some_and(|&(a, _)| a <= gfn)
+                        })
                     };
                     if self.pages.is_paged_out(gfn) && punched() {
                         self.pages.paged_in(gfn);

@@ -56,6 +56,14 @@ fn armed_pages_go_to_zswap_come_back_by_the_kernel_and_are_reported_back() {
         eprintln!("skipped: needs root (a swap file and zswap)");
         return;
     }
+    // One CPU for the test and the agent's threads (they inherit it): a page the clock's
+    // zap found young waits off the LRU in that CPU's activation batch, and
+    // `MADV_PAGEOUT` drains only its own CPU's, so on two CPUs a page zapped a moment
+    // before could stay (seen: nothing paged out, now and then). Live, a page is paged out
+    // a clock cycle after its zap, long after.
+    let mut one = rustix::thread::CpuSet::new();
+    one.set(rustix::thread::sched_getcpu());
+    rustix::thread::sched_setaffinity(None, &one).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (_zswap, _) = memfold_sys::reclaim::Zswap::enable_first(&["lzo-rle", "lzo"], 20)
         .expect("zswap (CONFIG_ZSWAP)");
@@ -127,4 +135,38 @@ fn armed_pages_go_to_zswap_come_back_by_the_kernel_and_are_reported_back() {
     for g in 5..PAGES {
         assert_eq!(page_of(ptr, g), text(g), "page {g}");
     }
+    // QEMU discards a paged-out page (a balloon, free page reporting: punch, then
+    // `MADV_DONTNEED`): that one is reported back — the kernel holds it no more — and its
+    // paged-out neighbours, in the same remove event's range, are not.
+    clock_scan(&c, 6, PAGES as u32, 0xf000, 0);
+    let (paged, _, _) = page_out(&c, 7, &[12, 13, 14, 15]);
+    assert_eq!(ids(&paged), vec![12, 13, 14, 15]);
+    assert!(memfold_sys::memfd::punch_hole(
+        fd.as_fd(),
+        13 * PAGE_SIZE as u64,
+        PAGE_SIZE as u64
+    ));
+    // SAFETY: drops the PTEs of pages 12–15 of the test's own mapping (the memfd keeps
+    // what is left of them), as QEMU's ram_block_discard_range does after its punch.
+    let rc = unsafe {
+        libc::madvise(
+            ptr.add(12 * PAGE_SIZE).cast(),
+            4 * PAGE_SIZE,
+            libc::MADV_DONTNEED,
+        )
+    };
+    assert_eq!(rc, 0);
+    let back = next(&c, |m| match m {
+        ToDaemon::PagedIn { gfns } => Some(ids(gfns)),
+        _ => None,
+    });
+    assert_eq!(back, vec![13], "only the punched page");
+    let r = seen.resident(12, 4).unwrap();
+    assert_eq!(r, vec![false; 4], "12, 14, 15 still out; 13 a hole");
+    assert_eq!(
+        page_of(ptr, 13),
+        vec![0u8; PAGE_SIZE],
+        "a discarded page reads zeros"
+    );
+    assert_eq!(page_of(ptr, 14), text(14));
 }

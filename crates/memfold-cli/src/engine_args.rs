@@ -64,7 +64,7 @@ pub struct EngineArgs {
     /// kernel's swap-in, with no userfault under `--clock-rbits pagemap`). `zswap` needs
     /// swap space and zswap on (`memfold run` and `compare` set both up for the run);
     /// without swap nothing is paged out. On web,db (docs/peer.md, "A zswap backing"):
-    /// the store's memory, guests waiting 40% less on their agents, 1.3× the CPU.
+    /// the store's memory, db waiting 40% less on its agent, 1.3× the CPU.
     #[arg(long, default_value_t = defaults().compress_backing)]
     pub compress_backing: CompressBacking,
     /// Most NRU clock passes between two armings of a page the clock found used in 3

@@ -372,7 +372,8 @@ pub enum ToDaemon {
         /// Pages still in RAM: mapped by another process or by QEMU (used since the clock
         /// armed them), a hole, or no swap to take them. Left as they are.
         resident: Vec<Gfn>,
-        /// Pages not paged out for another reason (not private, past guest RAM).
+        /// Pages not paged out for another reason (not private, past guest RAM, paged
+        /// out already).
         refused: Vec<Gfn>,
     },
     /// Pages the agent had paged out ([`ToAgent::PageOut`]) that are no longer in the

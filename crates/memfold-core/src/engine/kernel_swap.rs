@@ -14,10 +14,13 @@
 //!
 //! **Invariant (nothing to lose).** A page-out never moves a page's bytes out of guest
 //! RAM's memfd: the page stays [`PageState::Private`] throughout (marked
-//! [`P2mEntry::paged_out_at`] once the agent says it left RAM), no request is in flight for
-//! it, and a lost or refused answer leaves nothing in doubt. The mark is a hint for the
-//! books and the scans (which skip a paged-out page instead of reading it back in); it
-//! goes with any change of the page's state and with the agent's [`Engine::paged_in`].
+//! [`P2mEntry::paged_out_at`] once the agent says it left RAM), and a lost or refused
+//! answer leaves nothing in doubt. From the ask to the answer the page counts as away
+//! (`Vm::page_out_going`, checked by `check_invariants`: only on private, unmarked pages),
+//! since the agent may have paged it out before memfoldd hears so. Mark and bit are hints
+//! for the books and the scans (which skip such a page instead of reading it back in);
+//! both go with any change of the page's state, the mark also with the agent's
+//! [`Engine::paged_in`].
 //!
 //! A page that comes back within 30 s was not cold enough: it waits longer before it is
 //! paged out again, as a stored page decoded back soon does (`restash_after`), so pages a
