@@ -49,6 +49,12 @@ pub struct MemfoldArgs {
     /// The engine's settings (memfoldd's own flags and defaults).
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// With `--compress-backing zswap`: zswap's compressor for memfold's backing, e.g.
+    /// `lzo-rle` (default: the first the kernel takes of zstd, deflate, lz4, lzo-rle,
+    /// lzo, as the kit's). A faster one costs less CPU at each page-out and swap-in and
+    /// keeps the pages larger (docs/peer.md, "A zswap backing").
+    #[arg(long, value_name = "NAME")]
+    pub backing_compressor: Option<String>,
     /// Give each managed guest a virtio balloon with free page reporting (never
     /// inflated): the guest reports free 2 MiB blocks, QEMU discards them from its RAM,
     /// and memfold's agent lets go of whatever it held there (shared, zero, stored
@@ -374,6 +380,17 @@ mod tests {
         v.into_iter()
             .map(|s| s.into_string().expect("utf-8"))
             .collect()
+    }
+
+    #[test]
+    fn a_backing_compressor_needs_the_zswap_backing() {
+        let out = Path::new("/nonexistent");
+        let m = parse(&["--backing-compressor", "lzo-rle"]);
+        let e = super::super::kernel_swap(&m, out).err().expect("refused");
+        assert!(e.to_string().contains("--compress-backing zswap"), "{e}");
+        assert!(super::super::kernel_swap(&parse(&[]), out)
+            .unwrap()
+            .is_none());
     }
 
     #[test]

@@ -116,13 +116,14 @@ fn self_check(g: &Guest) -> Result<()> {
     Ok(())
 }
 
-/// For `--compress-backing zswap`: zswap on with the best compressor the kernel takes
-/// (`peer::COMPRESSORS`, as the peer's), a swap file the size of the guests' RAM, and swap
+/// For `--compress-backing zswap`: zswap on with `--backing-compressor` or the best
+/// compressor the kernel takes (`peer::COMPRESSORS`, as the peer's), a swap file the size of the guests' RAM, and swap
 /// readahead off (`vm.page-cluster` 0: a guest's access to a paged-out page should not
 /// bring its untouched neighbours back too), all undone when the guard drops; `None` for
 /// the store backing.
 ///
-/// Errors: no zswap, no compressor taken, the swap file cannot be made (not root, disk).
+/// Errors: no zswap, no compressor taken, the swap file cannot be made (not root, disk);
+/// `--backing-compressor` with the store backing.
 fn kernel_swap(
     m: &args::MemfoldArgs,
     out: &std::path::Path,
@@ -134,11 +135,19 @@ fn kernel_swap(
     )>,
 > {
     if m.engine.compress_backing != memfold_core::engine::CompressBacking::Zswap {
+        anyhow::ensure!(
+            m.backing_compressor.is_none(),
+            "--backing-compressor names zswap's compressor for --compress-backing zswap; the backing here is {}",
+            m.engine.compress_backing
+        );
         return Ok(None);
     }
-    let (zswap, compressor) =
-        memfold_sys::reclaim::Zswap::enable_first(&crate::peer::COMPRESSORS, 25)
-            .context("--compress-backing zswap")?;
+    let offered: Vec<&str> = m
+        .backing_compressor
+        .as_deref()
+        .map_or(crate::peer::COMPRESSORS.to_vec(), |c| vec![c]);
+    let (zswap, compressor) = memfold_sys::reclaim::Zswap::enable_first(&offered, 25)
+        .context("--compress-backing zswap")?;
     let ram_bytes: u64 = guests::specs(&m.set.profiles, RAM, m.set.mem_mib)?
         .iter()
         .map(|s| (s.mem_mib as u64) << 20)
