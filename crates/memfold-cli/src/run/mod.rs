@@ -117,10 +117,10 @@ fn self_check(g: &Guest) -> Result<()> {
 }
 
 /// For `--compress-backing zswap`: zswap on with `--backing-compressor` or the best
-/// compressor the kernel takes (`peer::COMPRESSORS`, as the peer's), a swap file the size of the guests' RAM, and swap
-/// readahead off (`vm.page-cluster` 0: a guest's access to a paged-out page should not
-/// bring its untouched neighbours back too), all undone when the guard drops; `None` for
-/// the store backing.
+/// compressor the kernel takes (`peer::COMPRESSORS`, as the peer's), a swap file the size
+/// of the guests' RAM, and swap readahead off (`vm.page-cluster` 0: a guest's access to a
+/// paged-out page should not bring its untouched neighbours back too), all undone when
+/// the guard drops; `None` for the store backing.
 ///
 /// Errors: no zswap, no compressor taken, the swap file cannot be made (not root, disk);
 /// `--backing-compressor` with the store backing.
