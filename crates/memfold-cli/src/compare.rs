@@ -461,6 +461,8 @@ fn compare_kit(
         "pressure_target_pct": a.pressure_target,
         "zswap_compressor": p.compressor,
         "memfold_policy": a.memfold.engine.policy,
+        "memfold_compress_backing": a.memfold.engine.compress_backing,
+        "memfold_backing_compressor": m.backing_compressor,
         "memfold_used_before_bytes": m.used_before,
         "memfold_used_after_bytes": memfold_left,
         "memfold_saved_bytes": m.saved_bytes,

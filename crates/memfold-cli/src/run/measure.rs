@@ -208,6 +208,8 @@ pub struct MemfoldRun {
     /// How each managed guest's agent took its R bits, as it logged (`pagemap`, or
     /// `userfault` when asked for it or fallen back to it).
     pub clock_rbits: std::collections::BTreeMap<String, &'static str>,
+    /// With `--compress-backing zswap`: the compressor the run turned zswap on with.
+    pub backing_compressor: Option<String>,
 }
 
 /// Seconds of workload rounds compared on each side of a sharing break.

@@ -132,6 +132,7 @@ fn kernel_swap(
         memfold_sys::reclaim::Zswap,
         memfold_sys::reclaim::SwapFile,
         memfold_sys::reclaim::SwapReadaheadOff,
+        String,
     )>,
 > {
     if m.engine.compress_backing != memfold_core::engine::CompressBacking::Zswap {
@@ -163,7 +164,7 @@ fn kernel_swap(
         ram_bytes >> 20,
         path.display()
     );
-    Ok(Some((zswap, swap, readahead)))
+    Ok(Some((zswap, swap, readahead, compressor.to_string())))
 }
 
 /// Boots the set with agents, waits for it to settle, starts memfoldd and samples every
@@ -193,7 +194,9 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     }
     // The zswap backing's kernel half, made before the guests so that it goes after them
     // (locals drop in reverse order): zswap on, a swap file for every guest's RAM.
-    let _kernel_swap = kernel_swap(m, &out)?;
+    // Held to the end of the run: dropped, it puts the host back.
+    let kernel_swap = kernel_swap(m, &out)?;
+    let backing_compressor = kernel_swap.as_ref().map(|k| k.3.clone());
     let (mut guests, mut plain, out) = guests::start_pairs(
         &m.set,
         a.twins(),
@@ -408,6 +411,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             rates,
             around_break,
             clock_rbits,
+            backing_compressor,
         },
         out,
     ))

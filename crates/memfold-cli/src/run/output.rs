@@ -270,6 +270,8 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         "clock_rbits": a.clock_rbits,
         // The mode each agent took (an agent falls back to userfault without PAGEMAP_SCAN).
         "clock_rbits_taken": r.clock_rbits,
+        "compress_backing": a.engine.compress_backing,
+        "backing_compressor": r.backing_compressor,
         "saved_by_pages": r.end().map(|s| s.saved_by),
         "memfoldd_restarts": r.daemon_restarts,
         "memfoldd_kills": r.daemon_kills,
@@ -621,6 +623,7 @@ mod tests {
             rates: vec![],
             around_break: vec![],
             clock_rbits: Default::default(),
+            backing_compressor: None,
         };
         leak_check(&r).unwrap();
         let mut leaky = r.clone();
