@@ -82,7 +82,7 @@ impl Engine {
                 paged += u64::from(e.is_paged_out());
                 let at = || format!("{id} gfn {i}");
                 // A page-out under way is forgotten at any state change (`Vm::set`).
-                if v.page_out_going[i / 64] >> (i % 64) & 1 == 1
+                if crate::clock::mask_bit(&v.page_out_going, i as u32)
                     && (e.state() != PageState::Private || e.is_paged_out())
                 {
                     return Err(format!(

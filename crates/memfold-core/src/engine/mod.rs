@@ -380,15 +380,14 @@ impl Vm {
             self.p2m[g.index()] = P2mEntry::PRIVATE;
             self.books.paged_out_pages -= 1;
         }
-        self.page_out_going[g.index() / 64] &= !(1 << (g.0 % 64));
+        self.take_page_out_going(g);
     }
 
     /// Ends the page-out of page `g` under way, if there is one; returns whether there was
     /// ([`kernel_swap`]).
     pub(crate) fn take_page_out_going(&mut self, g: Gfn) -> bool {
-        let (w, bit) = (g.index() / 64, 1u64 << (g.0 % 64));
-        let going = self.page_out_going[w] & bit != 0;
-        self.page_out_going[w] &= !bit;
+        let going = crate::clock::mask_bit(&self.page_out_going, g.0);
+        self.page_out_going[g.index() / 64] &= !(1 << (g.0 % 64));
         going
     }
 
@@ -396,8 +395,7 @@ impl Vm {
     /// under way ([`kernel_swap`]): either way reading it through guest RAM's memfd would
     /// swap it back in, so nothing of memfold's reads it.
     pub(crate) fn paged_out_or_going(&self, g: Gfn) -> bool {
-        self.p2m[g.index()].is_paged_out()
-            || self.page_out_going[g.index() / 64] >> (g.0 % 64) & 1 == 1
+        self.p2m[g.index()].is_paged_out() || crate::clock::mask_bit(&self.page_out_going, g.0)
     }
 
     /// Its guest's last report, if at most [`de::GUEST_R_MAX_AGE_US`] old at `now`: what
