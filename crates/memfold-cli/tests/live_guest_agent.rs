@@ -119,17 +119,25 @@ fn an_enlightened_guest_reports_categories_that_match_meminfo_and_frames_that_ma
     assert!(reported * 4 >= m.mem_total && gp.kernel * 4 >= reported * 4 - m.mem_total);
 
     // The marker: its frame maps to the gfn where QEMU's memfd holds it.
-    let line = g
-        .serial()
-        .lines()
-        .rev()
-        .filter_map(|l| {
+    // The marker process starts in the background before the guest says it is ready, so
+    // under load its line can come after the reports: wait for it.
+    let t = Instant::now();
+    let line = loop {
+        let found = g.serial().lines().rev().find_map(|l| {
             l.trim()
                 .strip_prefix("MEMFOLD-MARKER pfn=")
                 .map(String::from)
-        })
-        .next()
-        .expect("the guest printed its marker's frame");
+        });
+        if let Some(line) = found {
+            break line;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the guest printed no marker frame in 60 s:\n{}",
+            g.serial()
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
     let (pfn, shown) = line.split_once(" text=").expect("pfn=0x… text=…");
     assert_eq!(shown, text);
     let pfn = u64::from_str_radix(pfn.trim_start_matches("0x"), 16).unwrap();
