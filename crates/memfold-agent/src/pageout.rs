@@ -56,35 +56,15 @@ impl Agent {
         if gfns.is_empty() {
             return Ok(out);
         }
-        self.window()?;
-        // One call per run of the request's pages, spans of at most 64 pages with gaps
-        // left untaken (the kernel walks the span's page tables once).
-        let mut i = 0;
-        while i < gfns.len() {
-            let g0 = gfns[i];
-            let mut j = i + 1;
-            while j < gfns.len() && gfns[j].0 - g0.0 < 64 {
-                j += 1;
+        let pages: Vec<u64> = gfns.iter().map(|g| g.0 as u64).collect();
+        let left = self.window()?.page_out_list(&pages)?;
+        for (g, left) in gfns.into_iter().zip(left) {
+            if left {
+                self.pages.paged_out(g);
+                out.done.push(g);
+            } else {
+                out.changed.push(g);
             }
-            let span = gfns[j - 1].0 - g0.0 + 1;
-            let mut take = vec![false; span as usize];
-            for g in &gfns[i..j] {
-                take[(g.0 - g0.0) as usize] = true;
-            }
-            let left = self.window.as_ref().expect("made above").page_out(
-                g0.0 as u64,
-                span as u64,
-                &take,
-            )?;
-            for g in &gfns[i..j] {
-                if left[(g.0 - g0.0) as usize] {
-                    self.pages.paged_out(*g);
-                    out.done.push(*g);
-                } else {
-                    out.changed.push(*g);
-                }
-            }
-            i = j;
         }
         Ok(out)
     }

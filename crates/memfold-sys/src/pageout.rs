@@ -165,6 +165,53 @@ impl PageOutWindow {
         Ok((0..n as usize).map(|k| taken(k) && !after[k]).collect())
     }
 
+    /// [`PageOutWindow::page_out`] over a list of pages (page indices, ascending), one
+    /// call per span of at most 64 pages with the pages between left untaken (the kernel
+    /// walks a span's page tables once). Returns, a bool per listed page, which left RAM.
+    ///
+    /// Errors: a page is past the window, or the list is not ascending; `mincore` or
+    /// `madvise` failed (the pages keep their bytes wherever they are).
+    pub fn page_out_list(&self, pages: &[u64]) -> io::Result<Vec<bool>> {
+        if pages.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(io::Error::other(
+                "pages to page out are not in ascending order",
+            ));
+        }
+        let mut left = Vec::with_capacity(pages.len());
+        let mut i = 0;
+        while i < pages.len() {
+            let p0 = pages[i];
+            let mut j = i + 1;
+            while j < pages.len() && pages[j] - p0 < 64 {
+                j += 1;
+            }
+            let span = pages[j - 1] - p0 + 1;
+            let mut take = vec![false; span as usize];
+            for p in &pages[i..j] {
+                take[(p - p0) as usize] = true;
+            }
+            let out = self.page_out(p0, span, &take)?;
+            left.extend(pages[i..j].iter().map(|p| out[(p - p0) as usize]));
+            i = j;
+        }
+        Ok(left)
+    }
+
+    /// Pages of the window in RAM now (the page cache or the swap cache), counted a
+    /// 64 Ki-page chunk at a time.
+    ///
+    /// Errors: `mincore` failed.
+    pub fn resident_pages(&self) -> io::Result<u64> {
+        let mut n = 0;
+        let mut first = 0;
+        while first < self.pages() {
+            let len = (self.pages() - first).min(1 << 16);
+            n += self.resident(first, len)?.iter().filter(|&&r| r).count() as u64;
+            first += len;
+        }
+        Ok(n)
+    }
+
     /// The window's address and length for pages `[first, first + n)`.
     fn range(&self, first: u64, n: u64) -> io::Result<(*mut u8, usize)> {
         match first.checked_add(n) {
@@ -181,6 +228,23 @@ impl PageOutWindow {
             ))),
         }
     }
+}
+
+/// Bytes of memfd (or other shmem file) `fd` in the kernel's swap now: its allocated
+/// bytes less those in RAM (`mincore` through a read-only window made for the count; a
+/// swapped-out page is allocated to the file but in neither the page cache nor the swap
+/// cache). 0 for an empty file. The two are read one after the other, so a page moving
+/// in between can be off by one page either way.
+///
+/// Errors: the file's size cannot be read, or the window cannot be made or read.
+pub fn swapped_bytes(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    let size = crate::memfd::size(fd)? / PAGE as u64 * PAGE as u64;
+    if size == 0 {
+        return Ok(0);
+    }
+    let allocated = crate::memfd::allocated_bytes(fd);
+    let resident = PageOutWindow::new(fd, size)?.resident_pages()? * PAGE as u64;
+    Ok(allocated.saturating_sub(resident))
 }
 
 impl Drop for PageOutWindow {
@@ -211,6 +275,29 @@ mod tests {
         crate::memfd::pread_exact(fd.as_fd(), &mut b, 0).unwrap();
         assert!(b.iter().all(|&x| x == 7));
         assert!(PageOutWindow::new(fd.as_fd(), 100).is_err());
+    }
+
+    #[test]
+    fn a_page_list_must_ascend_and_a_file_all_in_ram_has_nothing_swapped() {
+        let fd = crate::memfd::create("pageout-list-test").unwrap();
+        assert_eq!(swapped_bytes(fd.as_fd()).unwrap(), 0, "an empty file");
+        crate::memfd::set_len(fd.as_fd(), 200 * PAGE as u64).unwrap();
+        crate::memfd::pwrite_all(fd.as_fd(), &[3u8; 2 * PAGE], 0).unwrap();
+        crate::memfd::pwrite_all(fd.as_fd(), &[4u8; PAGE], 150 * PAGE as u64).unwrap();
+        let w = PageOutWindow::new(fd.as_fd(), 200 * PAGE as u64).unwrap();
+        assert_eq!(w.resident_pages().unwrap(), 3);
+        assert_eq!(swapped_bytes(fd.as_fd()).unwrap(), 0);
+        assert!(w.page_out_list(&[1, 0]).is_err());
+        assert!(w.page_out_list(&[1, 1]).is_err());
+        assert!(w.page_out_list(&[0, 200]).is_err());
+        // Holes never leave (nothing there); what leaves depends on the host's swap, but
+        // the bytes never change.
+        let left = w.page_out_list(&[5, 70, 199]).unwrap();
+        assert_eq!(left, vec![false; 3]);
+        w.page_out_list(&[0, 1, 150]).unwrap();
+        let mut b = [0u8; PAGE];
+        crate::memfd::pread_exact(fd.as_fd(), &mut b, 150 * PAGE as u64).unwrap();
+        assert!(b.iter().all(|&x| x == 4));
     }
 
     #[test]
