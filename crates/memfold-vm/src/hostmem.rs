@@ -13,7 +13,7 @@
 //!   not Pss — are the memory used: a page in the file whose PTE is gone (the NRU clock
 //!   zaps PTEs; CoW copies are written with pwrite) still uses memory, and a hole punched
 //!   in it uses none. A page of the file in the kernel's swap is allocated too but not
-//!   in RAM: its bytes (`Swap:` of the file's mappings in smaps) are taken off, and the
+//!   in RAM: its bytes (allocated less resident, `mincore`) are taken off, and the
 //!   zswap pool that holds it is the caller's to add (issue 15's zswap backing;
 //!   `memfold run` adds the host's pool whenever a guest's file has pages swapped).
 //!
@@ -35,9 +35,9 @@ pub struct RamUsage {
     pub anon_used: u64,
     /// The memfd files mapped: (inode, bytes allocated to the file).
     pub memfd_files: Vec<(u64, u64)>,
-    /// Of those, the bytes in the kernel's swap: (inode, bytes), the largest `Swap:` of
-    /// the file's mappings (each maps the whole file; the agent's page-out window is a
-    /// second one).
+    /// Of those, the bytes in the kernel's swap: (inode, bytes), the file's allocated
+    /// bytes less those in RAM (`mincore` on a mapping of the file made to count them:
+    /// the pool's frames that no mapping of QEMU's covers are counted too).
     pub memfd_swapped: Vec<(u64, u64)>,
 }
 
@@ -69,7 +69,7 @@ pub fn total_swapped(guests: &[RamUsage]) -> u64 {
             *e = (*e).max(b);
         }
     }
-    // Never more than the file's allocation (smaps and fstat are read at two instants).
+    // Never more than the file's allocation (read at two instants).
     files
         .iter()
         .map(|(ino, &b)| {
@@ -86,12 +86,13 @@ pub fn total_swapped(guests: &[RamUsage]) -> u64 {
 /// How memfold's store memfd shows in `/proc/<pid>/fd`.
 const STORE_MEMFD: &str = "/memfd:memfold-store";
 
-/// Bytes allocated to each memfd of process `pid` whose inode is in `inodes`, and to
-/// memfold's store memfd if the process holds it.
+/// Each memfd of process `pid` whose inode is in `inodes`, and memfold's store memfd if
+/// the process holds it: (inode, bytes allocated, of them bytes in the kernel's swap —
+/// 0 where the file cannot be opened or mapped to count them).
 fn memfd_allocations(
     pid: u32,
     inodes: &std::collections::BTreeSet<u64>,
-) -> std::io::Result<Vec<(u64, u64)>> {
+) -> std::io::Result<Vec<(u64, u64, u64)>> {
     use std::os::unix::fs::MetadataExt;
     let mut out = Vec::new();
     for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))?.flatten() {
@@ -107,8 +108,14 @@ fn memfd_allocations(
         let Ok(meta) = std::fs::metadata(entry.path()) else {
             continue;
         };
-        if (store || inodes.contains(&meta.ino())) && !out.iter().any(|&(i, _)| i == meta.ino()) {
-            out.push((meta.ino(), meta.blocks() * 512));
+        if (store || inodes.contains(&meta.ino())) && !out.iter().any(|&(i, _, _)| i == meta.ino())
+        {
+            use std::os::fd::AsFd;
+            let swapped = std::fs::File::open(entry.path())
+                .ok()
+                .and_then(|f| memfold_sys::pageout::swapped_bytes(f.as_fd()).ok())
+                .unwrap_or(0);
+            out.push((meta.ino(), meta.blocks() * 512, swapped));
         }
     }
     Ok(out)
@@ -130,8 +137,6 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
     let mut total = RamUsage::default();
     let mut counting = false;
     let mut anonymous = false;
-    let mut memfd_inode = None;
-    let mut swapped = std::collections::BTreeMap::new();
     let mut inodes = std::collections::BTreeSet::new();
     for line in smaps.lines() {
         let mut parts = line.split_whitespace();
@@ -150,10 +155,8 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
             let path: Vec<&str> = parts.collect();
             let path = path.join(" ");
             anonymous = false;
-            memfd_inode = None;
             counting = if path.contains("memfd:") {
                 inodes.insert(inode);
-                memfd_inode = Some(inode);
                 true
             } else {
                 anonymous = path.is_empty() && perms.starts_with("rw") && size >= min_bytes;
@@ -179,10 +182,6 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
                     total.pss += v;
                 } else {
                     total.swap += v;
-                    if let Some(ino) = memfd_inode {
-                        let e = swapped.entry(ino).or_insert(0u64);
-                        *e = (*e).max(v);
-                    }
                 }
                 if anonymous {
                     total.anon_used += v;
@@ -191,8 +190,13 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
             _ => {}
         }
     }
-    total.memfd_files = memfd_allocations(pid, &inodes)?;
-    total.memfd_swapped = swapped.into_iter().filter(|&(_, b)| b > 0).collect();
+    let files = memfd_allocations(pid, &inodes)?;
+    total.memfd_files = files.iter().map(|&(ino, a, _)| (ino, a)).collect();
+    total.memfd_swapped = files
+        .iter()
+        .filter(|&&(_, _, s)| s > 0)
+        .map(|&(ino, _, s)| (ino, s))
+        .collect();
     Ok(total)
 }
 
