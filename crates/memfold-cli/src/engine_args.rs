@@ -67,6 +67,12 @@ pub struct EngineArgs {
     /// the store's memory, db waiting 40% less on its agent, 1.3× the CPU.
     #[arg(long, default_value_t = defaults().compress_backing)]
     pub compress_backing: CompressBacking,
+    /// With `--compress-backing zswap`: `on` also pages out the pool frames that only
+    /// patches hold (pages shared without a mapping, DE patches against a frame), quiet
+    /// for 30 s — one compressed copy in zswap for every page that depends on the frame;
+    /// `off` keeps every frame whole in RAM.
+    #[arg(long, default_value = if defaults().page_out_frames_us.is_some() { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
+    pub page_out_frames: String,
     /// Most NRU clock passes between two armings of a page the clock found used in 3
     /// consecutive scans (fewer R-bit faults; 1..=64; 1 arms every page every pass, as
     /// DE §4.2 is written).
@@ -207,6 +213,8 @@ impl EngineArgs {
             compress_codec: self.compress_codec,
             compress_cutoff: self.compress_cutoff,
             compress_backing: self.compress_backing,
+            page_out_frames_us: (self.page_out_frames == "on")
+                .then_some(memfold_core::engine::FRAME_PAGE_OUT_US),
             rate: self.rate,
             min_scan_interval_us: self.min_scan_interval_ms * 1000,
             max_scan_interval_us: self.max_scan_interval_ms.max(self.min_scan_interval_ms) * 1000,
@@ -260,6 +268,7 @@ impl EngineArgs {
         opt("--compress-codec", self.compress_codec.name().into());
         opt("--compress-cutoff", self.compress_cutoff.to_string());
         opt("--compress-backing", self.compress_backing.to_string());
+        opt("--page-out-frames", self.page_out_frames.clone());
         opt("--share-domains", self.share_domains.clone());
         if !self.never_share.is_empty() {
             opt("--never-share", self.never_share.join(","));
@@ -306,6 +315,12 @@ mod tests {
         );
         assert_eq!(c.clock_interval_us, d.clock_interval_us);
         assert_eq!(c.share_cold_unmapped, d.share_cold_unmapped);
+        assert_eq!(c.page_out_frames_us, d.page_out_frames_us);
+        assert!(parse(&["--page-out-frames", "off"])
+            .config()
+            .unwrap()
+            .page_out_frames_us
+            .is_none());
         assert_eq!(c.guest_categories, d.guest_categories);
         assert!(
             !parse(&["--share-cold-unmapped", "off"])

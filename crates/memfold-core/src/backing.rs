@@ -57,6 +57,22 @@ pub trait Backing: Send {
     fn sync(&mut self) -> Result<(), BackingError>;
     /// Bytes of host memory (or disk) the backing holds, holes taking none.
     fn allocated_bytes(&self) -> u64;
+    /// Sends the listed pages (page indices, ascending) that are in RAM and mapped by no
+    /// process to the kernel's swap — zswap where the host has it on — with their bytes
+    /// unchanged: a later read brings each back in (issue 15, a pool's frames that only
+    /// patches hold; `engine/kernel_swap.rs`). Returns how many left RAM. The default, a
+    /// backing with no such swap, keeps them all.
+    ///
+    /// Errors: the kernel refused the mapping or the advice (no page's bytes change).
+    fn page_out(&mut self, pages: &[u64]) -> Result<u64, BackingError> {
+        let _ = pages;
+        Ok(0)
+    }
+    /// Bytes of [`Backing::allocated_bytes`] in the kernel's swap now, not in RAM (0 for a
+    /// backing that never pages out).
+    fn swapped_bytes(&self) -> u64 {
+        0
+    }
 }
 
 /// One guest's RAM as the engine reads it (the live layer: QEMU's memfd, with pread).
@@ -117,8 +133,9 @@ pub mod mem {
         /// but a read through the file brings them back into RAM, as a `pread` of a
         /// memfd does ([`MemFile::swapped_in_by_reads`]). A punch frees them.
         pub swapped: BTreeSet<u64>,
-        /// Pages of [`MemFile::swapped`] that reads through the file (memfoldd's, never
-        /// the guest's) brought back into RAM.
+        /// Pages of [`MemFile::swapped`] that reads through the backing (memfoldd's and,
+        /// for a pool, the agents' decodes; never a guest's own access) brought back into
+        /// RAM.
         pub swapped_in_by_reads: u64,
     }
 
@@ -165,7 +182,7 @@ pub mod mem {
 
     impl Backing for MemBacking {
         fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), BackingError> {
-            let f = self.file();
+            let mut f = self.file();
             let end = offset as usize + out.len();
             if end > f.bytes.len() {
                 return Err(BackingError::new(
@@ -174,6 +191,12 @@ pub mod mem {
                 ));
             }
             out.copy_from_slice(&f.bytes[offset as usize..end]);
+            // A read brings pages in the kernel's swap back into RAM, as a pread does.
+            for p in offset / PAGE..(end as u64).div_ceil(PAGE) {
+                if f.swapped.remove(&p) {
+                    f.swapped_in_by_reads += 1;
+                }
+            }
             Ok(())
         }
 
@@ -192,6 +215,10 @@ pub mod mem {
             }
             f.bytes[offset as usize..end].copy_from_slice(bytes);
             f.touch(offset, bytes.len() as u64);
+            // A write brings a swapped page back into RAM first.
+            for p in offset / PAGE..(end as u64).div_ceil(PAGE) {
+                f.swapped.remove(&p);
+            }
             Ok(())
         }
 
@@ -200,6 +227,7 @@ pub mod mem {
             f.bytes.resize(bytes as usize, 0);
             let pages = bytes.div_ceil(PAGE);
             f.allocated.retain(|&p| p < pages);
+            f.swapped.retain(|&p| p < pages);
             Ok(())
         }
 
@@ -221,6 +249,21 @@ pub mod mem {
 
         fn allocated_bytes(&self) -> u64 {
             self.file().allocated.len() as u64 * PAGE
+        }
+
+        fn page_out(&mut self, pages: &[u64]) -> Result<u64, BackingError> {
+            let mut f = self.file();
+            let mut left = 0;
+            for &p in pages {
+                if f.allocated.contains(&p) && f.swapped.insert(p) {
+                    left += 1;
+                }
+            }
+            Ok(left)
+        }
+
+        fn swapped_bytes(&self) -> u64 {
+            self.file().swapped.len() as u64 * PAGE
         }
     }
 
@@ -244,14 +287,8 @@ pub mod mem {
 
     impl GuestRam for MemGuestRam {
         fn read(&self, first: Gfn, out: &mut [u8]) -> Result<(), BackingError> {
-            self.0.read(first.offset(), out)?;
-            let mut f = self.file();
-            for p in first.0 as u64..first.0 as u64 + (out.len() as u64).div_ceil(PAGE) {
-                if f.swapped.remove(&p) {
-                    f.swapped_in_by_reads += 1;
-                }
-            }
-            Ok(())
+            // Swapped pages read come back into RAM (`MemBacking::read`).
+            self.0.read(first.offset(), out)
         }
 
         fn next_data_run(&self, from: Gfn, end: Gfn) -> Option<(Gfn, Gfn)> {

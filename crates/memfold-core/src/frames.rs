@@ -28,6 +28,9 @@ pub struct FrameTable {
     hash: Vec<u64>,
     /// Whether the frame is held although no book names it (adopted, not yet seen).
     adopted: Vec<bool>,
+    /// A bit a frame: its books changed (a mapping, a patch or a request came or went)
+    /// since [`FrameTable::take_quiet_reference_only`] last looked.
+    touched: Vec<u64>,
     free: BTreeSet<u32>,
     size: u32,
     next: u32,
@@ -54,6 +57,7 @@ impl FrameTable {
             patch_refs: vec![0; n],
             hash: vec![0; n],
             adopted: vec![false; n],
+            touched: vec![0; n.div_ceil(64)],
             free: BTreeSet::new(),
             size: frames,
             next: 0,
@@ -101,6 +105,7 @@ impl FrameTable {
         };
         self.last = Some(f);
         let i = f as usize;
+        self.touch(FrameId(f));
         self.pending[i] = 1;
         self.hash[i] = hash;
         self.in_use += 1;
@@ -126,6 +131,7 @@ impl FrameTable {
         self.patch_refs.resize(n, 0);
         self.hash.resize(n, 0);
         self.adopted.resize(n, false);
+        self.touched.resize(n.div_ceil(64), 0);
         self.size = size;
     }
 
@@ -197,6 +203,7 @@ impl FrameTable {
 
     /// One more share request names `f`.
     pub fn add_pending(&mut self, f: FrameId) {
+        self.touch(f);
         self.pending[f.index()] += 1;
     }
 
@@ -204,6 +211,7 @@ impl FrameTable {
     /// the frame is now free.
     pub fn answer(&mut self, f: FrameId, mapped: bool) -> bool {
         let i = f.index();
+        self.touch(f);
         self.pending[i] -= 1;
         if mapped {
             self.refcount[i] += 1;
@@ -214,6 +222,7 @@ impl FrameTable {
     /// One more mapping of `f` (or, with `patch`, one more patch using it).
     pub fn incref(&mut self, f: FrameId, patch: bool) {
         let i = f.index();
+        self.touch(f);
         self.refcount[i] += 1;
         if patch {
             self.patch_refs[i] += 1;
@@ -223,6 +232,7 @@ impl FrameTable {
     /// One mapping (or patch) fewer. Returns true if the frame is now free.
     pub fn decref(&mut self, f: FrameId, patch: bool) -> bool {
         let i = f.index();
+        self.touch(f);
         self.refcount[i] -= 1;
         if patch {
             self.patch_refs[i] -= 1;
@@ -251,6 +261,30 @@ impl FrameTable {
             .count() as u64
     }
 
+    fn touch(&mut self, f: FrameId) {
+        self.touched[f.index() / 64] |= 1 << (f.0 % 64);
+    }
+
+    /// Frames held only as patch reference pages whose books nothing changed since the
+    /// last call — no patch made against one or decoded from it, no mapping, no share
+    /// request — ascending; then forgets what changed. Such a frame is read only when a
+    /// stored page that patches against it is decoded, and each of those pages is cold by
+    /// the NRU clock (DE §4.2): the frames the zswap backing pages out (issue 15,
+    /// `Engine::page_out_frames`). A frame that just became reference-only waits one more
+    /// call.
+    pub fn take_quiet_reference_only(&mut self) -> Vec<FrameId> {
+        let mut out = Vec::new();
+        for i in 0..self.size as usize {
+            let quiet = self.touched[i / 64] & (1 << (i % 64)) == 0;
+            let p = self.patch_refs[i];
+            if quiet && p > 0 && p == self.refcount[i] && self.pending[i] == 0 && !self.adopted[i] {
+                out.push(FrameId(i as u32));
+            }
+        }
+        self.touched.fill(0);
+        out
+    }
+
     /// Bytes of memory these books take.
     pub fn metadata_bytes(&self) -> usize {
         self.refcount.capacity() * 4
@@ -258,6 +292,7 @@ impl FrameTable {
             + self.patch_refs.capacity() * 4
             + self.hash.capacity() * 8
             + self.adopted.capacity()
+            + self.touched.capacity() * 8
             + self.free.len() * 8
     }
 }
@@ -287,6 +322,42 @@ mod tests {
             (FrameId(1), None),
             "the next frame, not the freed one"
         );
+    }
+
+    #[test]
+    fn only_reference_frames_nothing_touched_for_a_whole_round_are_quiet() {
+        let mut t = FrameTable::new();
+        // a: reference-only; b: mapped and patched; c: reference-only with a request.
+        let frame = |t: &mut FrameTable, h| {
+            let (f, _) = t.alloc(h);
+            t.answer(f, false);
+            f
+        };
+        let (a, b, c) = (frame(&mut t, 1), frame(&mut t, 2), frame(&mut t, 3));
+        t.incref(a, true);
+        t.incref(b, true);
+        t.incref(b, false);
+        t.incref(c, true);
+        t.add_pending(c);
+        assert_eq!(t.take_quiet_reference_only(), vec![], "all just changed");
+        assert_eq!(
+            t.take_quiet_reference_only(),
+            vec![a],
+            "a whole round quiet"
+        );
+        // A patch decoded from a (its reference dropped): a waits another round.
+        t.incref(a, true);
+        t.decref(a, true);
+        assert_eq!(t.take_quiet_reference_only(), vec![]);
+        assert_eq!(t.take_quiet_reference_only(), vec![a]);
+        // b's mapping gone: reference-only now, quiet a round later; c's request answered.
+        t.decref(b, false);
+        t.answer(c, false);
+        assert_eq!(t.take_quiet_reference_only(), vec![a]);
+        assert_eq!(t.take_quiet_reference_only(), vec![a, b, c]);
+        // A freed frame is no one's (b and c, untouched, stay quiet).
+        t.decref(a, true);
+        assert_eq!(t.take_quiet_reference_only(), vec![b, c]);
     }
 
     #[test]

@@ -112,10 +112,10 @@ pub struct SavedBy {
     pub swap: i64,
     /// Store pages not covered by live slots (fragmentation; subtracted from the total).
     pub store_waste: i64,
-    /// The kernel's swap (issue 15's zswap backing): pages paged out − the zswap pool's
-    /// share of them, estimated at the host's ratio (`Zswap:` over `Zswapped:` in
-    /// /proc/meminfo: the kernel does not say per page); all of them when zswap holds
-    /// none (the pages went to the swap file on disk). 0 from an older memfoldd.
+    /// The kernel's swap (issue 15's zswap backing): pages and pool frames paged out −
+    /// the zswap pool's share of them, estimated at the host's ratio (`Zswap:` over
+    /// `Zswapped:` in /proc/meminfo: the kernel does not say per page); all of them when
+    /// zswap holds none (they went to the swap file on disk). 0 from an older memfoldd.
     #[serde(default)]
     pub zswap: i64,
 }
@@ -131,6 +131,13 @@ pub struct KernelSwapStats {
     pub paged_ins: u64,
     /// Page-outs answered with the page still in RAM, or refused (cumulative).
     pub page_outs_kept: u64,
+    /// Pool frames in the kernel's swap now: frames that only patches hold, one copy
+    /// for every page that patches against it (0 from an older memfoldd).
+    #[serde(default)]
+    pub frames_paged_out: u64,
+    /// Pool frames paged out (cumulative).
+    #[serde(default)]
+    pub frame_page_outs: u64,
     /// The zswap pool's bytes, host-wide (`Zswap:`), at the time of these statistics.
     pub zswap_pool_bytes: u64,
     /// Bytes of the pages zswap holds, host-wide (`Zswapped:`).

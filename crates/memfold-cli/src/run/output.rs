@@ -271,6 +271,10 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         // The mode each agent took (an agent falls back to userfault without PAGEMAP_SCAN).
         "clock_rbits_taken": r.clock_rbits,
         "compress_backing": a.engine.compress_backing,
+        "page_out_frames": a.engine.page_out_frames,
+        // Pool frames in the kernel's swap at the end, and sent there in all.
+        "frames_paged_out": r.end().map(|s| s.kernel_swap.frames_paged_out),
+        "frame_page_outs": r.end().map(|s| s.kernel_swap.frame_page_outs),
         "backing_compressor": r.backing_compressor,
         "saved_by_pages": r.end().map(|s| s.saved_by),
         "memfoldd_restarts": r.daemon_restarts,

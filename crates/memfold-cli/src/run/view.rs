@@ -24,10 +24,14 @@ pub fn print(used_before: u64, s: &Sample, prev: Option<&Sample>) {
         },
         pages_mib(by.patching),
         pages_mib(by.compression),
-        if s.stats.kernel_swap.page_outs == 0 {
-            String::new()
-        } else {
-            format!(", zswap {:.1}", pages_mib(by.zswap))
+        match &s.stats.kernel_swap {
+            k if k.page_outs + k.frame_page_outs == 0 => String::new(),
+            k if k.frames_paged_out == 0 => format!(", zswap {:.1}", pages_mib(by.zswap)),
+            k => format!(
+                ", zswap {:.1} ({} frames)",
+                pages_mib(by.zswap),
+                k.frames_paged_out
+            ),
         },
         pages_mib(by.swap),
         s.stats.frames,

@@ -299,6 +299,8 @@ pub(crate) struct EngineBooks {
     read_share_us: hdrhistogram::Histogram<u64>,
     /// Base blocks indexed as held by a frame, checked against the base (Satori §5.2).
     pub(crate) blocks_indexed: u64,
+    /// Pool frames sent to the kernel's swap (cumulative; `kernel_swap.rs`).
+    pub(crate) frame_page_outs: u64,
 }
 
 impl EngineBooks {
@@ -315,6 +317,7 @@ impl EngineBooks {
             encode_ns: [h(), h()],
             read_share_us: h(),
             blocks_indexed: 0,
+            frame_page_outs: 0,
         }
     }
 
@@ -376,6 +379,11 @@ pub struct Books {
     pub store_pages: u64,
     /// Pool frames held only as patch references.
     pub reference_frames: u64,
+    /// Pool frames in the kernel's swap now (issue 15's zswap backing: frames only
+    /// patches hold; the pools' memfds say so, `Backing::swapped_bytes`).
+    pub frames_paged_out: u64,
+    /// Pool frames sent to the kernel's swap (cumulative).
+    pub frame_page_outs: u64,
     /// Budget and swap file.
     pub swap: SwapBooks,
     /// Stored page lifetimes.
@@ -431,8 +439,8 @@ impl Engine {
         let used: u64 = self
             .vms
             .values()
-            // A paged-out page is allocated to guest RAM's memfd but not in RAM; the
-            // zswap pool that holds it is not counted (the kernel gives no per-guest
+            // A paged-out page (or pool frame) is allocated to its memfd but not in RAM;
+            // the zswap pool that holds it is not counted (the kernel gives no per-guest
             // figure): the budget errs toward swapping less (kernel_swap.rs).
             .map(|v| {
                 (v.ram.allocated_bytes() + v.store.allocated_bytes())
@@ -442,7 +450,11 @@ impl Engine {
             + self
                 .domains
                 .values()
-                .map(|d| d.pool.allocated_bytes())
+                .map(|d| {
+                    d.pool
+                        .allocated_bytes()
+                        .saturating_sub(d.pool.swapped_bytes())
+                })
                 .sum::<u64>();
         self.budget.host_used_pages = used / PAGE;
         let in_flight: u64 = self
@@ -571,6 +583,12 @@ impl Engine {
             compressed_pages: compressed,
             store_pages,
             reference_frames,
+            frames_paged_out: self
+                .domains
+                .values()
+                .map(|d| d.pool.swapped_bytes() / PAGE)
+                .sum(),
+            frame_page_outs: self.books.frame_page_outs,
             swap: SwapBooks {
                 budget_pages: self.cfg.host_budget.map(|b| b / PAGE),
                 host_used_pages: self.budget.host_used_pages,

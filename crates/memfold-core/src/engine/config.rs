@@ -67,6 +67,14 @@ pub struct EngineConfig {
     /// Where pages that only compress (DE §3.3: no patch, no share) are kept: memfold's
     /// store, or the kernel's swap (zswap) behind the agent's `MADV_PAGEOUT` (issue 15).
     pub compress_backing: CompressBacking,
+    /// With [`CompressBacking::Zswap`]: pool frames that only patches hold go to the
+    /// kernel's swap too, this often and once quiet this long, µs (issue 15, "dedup in
+    /// the store": one compressed copy for all the pages that patch against a frame;
+    /// `engine/kernel_swap.rs`); `None` keeps every frame in RAM. Default
+    /// [`FRAME_PAGE_OUT_US`].
+    ///
+    /// [`FRAME_PAGE_OUT_US`]: super::kernel_swap::FRAME_PAGE_OUT_US
+    pub page_out_frames_us: Option<u64>,
     /// Sharing scan rate limit, pages/s (ESX §4.3); 0 scans at full speed.
     pub rate: u64,
     /// Shortest time between the starts of two full sharing scans, µs.
@@ -157,6 +165,7 @@ impl Default for EngineConfig {
             compress_codec: CompressCodec::Zstd,
             compress_cutoff: 3584,
             compress_backing: CompressBacking::Store,
+            page_out_frames_us: Some(super::kernel_swap::FRAME_PAGE_OUT_US),
             rate: 100_000,
             min_scan_interval_us: 1_000_000,
             max_scan_interval_us: 8_000_000,

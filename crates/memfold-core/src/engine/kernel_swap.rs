@@ -22,17 +22,36 @@
 //! both go with any change of the page's state, the mark also with the agent's
 //! [`Engine::paged_in`].
 //!
+//! **Frames only patches hold** ([`EngineConfig::page_out_frames_us`]; issue 15, "dedup
+//! in the store"). A pool frame that no guest page maps and only patches use as their
+//! reference — pages shared without a mapping and DE patches against a frame, each cold
+//! by the clock — is read only when one of those pages is decoded. Every
+//! [`FRAME_PAGE_OUT_US`] (by default) the engine pages such frames out of the pool's memfd as well
+//! (`Backing::page_out`): one compressed copy in zswap for all the pages that depend on
+//! it, which zswap alone cannot do (it compresses each guest's copy). A frame whose books
+//! changed since the last round (a patch made against it or decoded from it, a mapping,
+//! a request) waits a round. Nothing to lose here either: the pool's bytes never change
+//! (the kernel keeps the page, named by its swap entry, and brings it back on the agent's
+//! or memfoldd's next read of the frame); the books stay as they were.
+//!
 //! A page that comes back within 30 s was not cold enough: it waits longer before it is
 //! paged out again, as a stored page decoded back soon does (`restash_after`), so pages a
 //! workload revisits every few seconds do not cycle through zswap.
 //!
 //! [`P2mEntry::paged_out_at`]: crate::p2m::P2mEntry::paged_out_at
+//! [`EngineConfig::page_out_frames_us`]: super::EngineConfig::page_out_frames_us
 
 use serde::Serialize;
 
 use super::{Command, Engine, Outcome};
 use crate::ids::{Gfn, VmId};
 use crate::p2m::{P2mEntry, PageState};
+
+/// By default, how often the engine pages out the pool frames that only patches hold, and
+/// how long such a frame must go untouched first, µs (as a page-out that comes back within this
+/// long waits longer before the next: pages a workload revisits every few seconds do not
+/// cycle through zswap).
+pub const FRAME_PAGE_OUT_US: u64 = 30_000_000;
 
 /// Where the Difference Engine keeps pages that only compress (DE §3.3).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -113,6 +132,46 @@ impl Engine {
                 // patched nor compressed): on a host without swap, or for a page another
                 // process maps, every pass would compress it again for nothing.
                 v.de_failed[g.index() / 64] |= 1 << (g.0 % 64);
+            }
+        }
+    }
+
+    /// At the end of a full sharing scan, with the zswap backing, at most every
+    /// [`super::EngineConfig::page_out_frames_us`]: each domain's frames
+    /// that only patches hold and that nothing touched since the last round go to the
+    /// kernel's swap ([module docs](self)). A pool that refuses counts as a pool error;
+    /// nothing else changes.
+    pub(crate) fn page_out_frames(&mut self, now_us: u64) {
+        let Some(every) = self.cfg.page_out_frames_us else {
+            return;
+        };
+        if self.cfg.compress_backing != CompressBacking::Zswap
+            || now_us.saturating_sub(self.scan.frames_paged_out_us) < every
+        {
+            return;
+        }
+        self.scan.frames_paged_out_us = now_us;
+        for (d, dom) in &mut self.domains {
+            let pages: Vec<u64> = dom
+                .frames
+                .take_quiet_reference_only()
+                .into_iter()
+                .map(|f| f.0 as u64)
+                .collect();
+            if pages.is_empty() {
+                continue;
+            }
+            match dom.pool.page_out(&pages) {
+                Ok(n) => self.books.frame_page_outs += n,
+                Err(e) => {
+                    self.books.pool_errors += 1;
+                    if self.books.pool_errors.is_power_of_two() {
+                        tracing::warn!(
+                            "pool of {d}: paging out frames: {e} (error {})",
+                            self.books.pool_errors
+                        );
+                    }
+                }
             }
         }
     }
@@ -271,6 +330,66 @@ mod tests {
         let b = r.engine.books().vms[0].books.clone();
         assert!(b.compressed_pages > 0, "{b:?}");
         assert_eq!(b.paged_out_pages + b.page_outs, 0, "{b:?}");
+    }
+
+    /// A guest whose pages `g` and `g + 32` are equal (64 pages), left to the engine for
+    /// `secs` seconds of its clock. Its agent maps no pool frame (a VMA budget of 0), so
+    /// the equal pages are shared without a mapping: patches against frames.
+    fn pairs(backing: CompressBacking, page_out_frames: bool, secs: u64) -> Rig {
+        let mut cfg = quick_config(crate::Policy::difference_engine());
+        cfg.compress_backing = backing;
+        cfg.page_out_frames_us = page_out_frames.then_some(FRAME_PAGE_OUT_US);
+        let mut r = Rig::new(cfg, 64).unwrap();
+        r.agent.frame_budget = Some(0);
+        for g in 0..64 {
+            r.agent.write(Gfn(g), 0, &text(g % 32)).unwrap();
+        }
+        for _ in 0..secs * 20 {
+            r.step(50_000).unwrap();
+        }
+        r
+    }
+
+    #[test]
+    fn frames_only_patches_hold_go_to_the_kernel_and_every_page_reads_back() {
+        let mut r = pairs(CompressBacking::Zswap, true, 70);
+        let books = r.engine.books();
+        // The cold equal pages are shared without a mapping: their frames only patches
+        // hold, and after a quiet 30 s round they left RAM (the kernel keeps them).
+        assert!(books.reference_frames > 0, "{books:?}");
+        assert!(books.frame_page_outs > 0, "{books:?}");
+        let swapped = r.agent.shared.pool.file().swapped.clone();
+        assert_eq!(books.frames_paged_out, swapped.len() as u64);
+        assert!(!swapped.is_empty());
+        for &f in &swapped {
+            let f = crate::ids::FrameId(f as u32);
+            let d = &r.engine.domains[&crate::ids::DomainId(0)];
+            assert!(
+                d.frames.patch_refs(f) > 0 && d.frames.patch_refs(f) == d.frames.refcount(f),
+                "frame {f} is mapped or free, yet paged out"
+            );
+        }
+        // Every page reads back as written: the decodes read the frames back in.
+        for g in 0..64 {
+            assert_eq!(r.agent.read(Gfn(g)).unwrap(), text(g % 32), "page {g}");
+        }
+        assert!(r.agent.shared.pool.file().swapped_in_by_reads > 0);
+        r.carry_out();
+        r.engine.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn with_frame_page_out_off_or_the_store_backing_every_frame_stays_in_ram() {
+        for (backing, on) in [
+            (CompressBacking::Zswap, false),
+            (CompressBacking::Store, true),
+        ] {
+            let r = pairs(backing, on, 70);
+            let books = r.engine.books();
+            assert!(books.reference_frames > 0, "{backing}, {on}: {books:?}");
+            assert_eq!((books.frame_page_outs, books.frames_paged_out), (0, 0));
+            assert!(r.agent.shared.pool.file().swapped.is_empty());
+        }
     }
 
     #[test]

@@ -67,7 +67,7 @@ pub use config::{ConfigError, EngineConfig, ZeroPolicy};
 pub use entitlement::{claim_target, short_of_memory, ClaimPolicy, SharingRanks, CLAIM_GRAIN};
 pub use fill::{BlockCandidate, FillAnswer};
 pub use guests::{Attach, Mapped, Sharing};
-pub use kernel_swap::CompressBacking;
+pub use kernel_swap::{CompressBacking, FRAME_PAGE_OUT_US};
 pub use outcomes::Discard;
 
 const PAGE: u64 = PAGE_SIZE as u64;

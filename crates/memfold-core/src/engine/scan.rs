@@ -158,6 +158,8 @@ pub(crate) struct ScanState {
     /// Pages read and requests made since the current full scan started.
     pass_read: u64,
     pub(crate) pass_requests: u64,
+    /// When pool frames were last paged out (`Engine::page_out_frames`), µs.
+    pub(crate) frames_paged_out_us: u64,
     /// Rate limiter: pages that may be read, and when it was last filled.
     tokens: f64,
     last_us: u64,
@@ -170,6 +172,7 @@ impl ScanState {
         ScanState {
             full_scans: 0,
             pass_started_us: now_us,
+            frames_paged_out_us: now_us,
             interval_us: 0,
             pass_read: 0,
             pass_requests: 0,
@@ -242,6 +245,7 @@ impl Engine {
             dom.share.end_pass();
         }
         self.restore_landed_hints();
+        self.page_out_frames(now);
         let s = &mut self.scan;
         s.full_scans += 1;
         s.pass_started_us = now;

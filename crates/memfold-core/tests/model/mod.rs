@@ -154,6 +154,8 @@ fn config(s: &Setup) -> EngineConfig {
         } else {
             CompressBacking::Store
         },
+        // ...and with it, frames only patches hold every 0.3 s (issue 15), in 3 of 4.
+        page_out_frames_us: ((s.policy / 32) % 4 != 0).then_some(300_000),
         page_hash: if s.collide_hashes {
             colliding_hash
         } else {

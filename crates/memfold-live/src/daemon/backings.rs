@@ -9,6 +9,7 @@ use std::path::Path;
 use memfold_core::backing::{Backing, BackingError, GuestRam};
 use memfold_core::ids::Gfn;
 use memfold_sys::memfd;
+use memfold_sys::pageout::PageOutWindow;
 
 /// A memfd or file the engine keeps frames or blobs in.
 pub struct FileBacking {
@@ -16,6 +17,9 @@ pub struct FileBacking {
     what: &'static str,
     /// A file on disk whose written blocks must leave the page cache (the swap file).
     on_disk: bool,
+    /// A read-only window onto the memfd to page frames out through (issue 15), made at
+    /// the first page-out and again when the file grew past it.
+    window: Option<PageOutWindow>,
 }
 
 impl FileBacking {
@@ -29,6 +33,7 @@ impl FileBacking {
             fd,
             what,
             on_disk: false,
+            window: None,
         })
     }
 
@@ -38,6 +43,7 @@ impl FileBacking {
             fd,
             what: "pool",
             on_disk: false,
+            window: None,
         }
     }
 
@@ -55,6 +61,7 @@ impl FileBacking {
             fd,
             what: "swap file",
             on_disk: true,
+            window: None,
         })
     }
 
@@ -105,6 +112,35 @@ impl Backing for FileBacking {
 
     fn allocated_bytes(&self) -> u64 {
         memfd::allocated_bytes(self.fd.as_fd())
+    }
+
+    fn page_out(&mut self, pages: &[u64]) -> Result<u64, BackingError> {
+        if self.on_disk {
+            // The swap file's pages are on disk already.
+            return Ok(0);
+        }
+        let what = self.what;
+        let err = |e| BackingError::new(format!("{what} page-out"), e);
+        let size = memfd::size(self.fd.as_fd()).map_err(err)? / 4096;
+        if size > 0 && self.window.as_ref().is_none_or(|w| w.pages() < size) {
+            self.window = None;
+            self.window = Some(PageOutWindow::new(self.fd.as_fd(), size * 4096).map_err(err)?);
+        }
+        let Some(w) = self.window.as_ref() else {
+            return Ok(0);
+        };
+        let inside: Vec<u64> = pages.iter().copied().filter(|&p| p < w.pages()).collect();
+        let left = w.page_out_list(&inside).map_err(err)?;
+        Ok(left.into_iter().filter(|&l| l).count() as u64)
+    }
+
+    fn swapped_bytes(&self) -> u64 {
+        if self.on_disk {
+            return 0;
+        }
+        // Read from the kernel each time (a window made for the count): after a restart
+        // the adopted pool may hold frames the last memfoldd paged out.
+        memfold_sys::pageout::swapped_bytes(self.fd.as_fd()).unwrap_or(0)
     }
 }
 

@@ -224,7 +224,7 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats 
     }
 }
 
-/// The guests' pages in the kernel's swap, and the host's zswap pool (zeros where
+/// The guests' pages and the pools' frames in the kernel's swap, and the host's zswap pool (zeros where
 /// /proc/meminfo does not say: a kernel without zswap).
 fn kernel_swap(b: &Books) -> KernelSwapStats {
     let mut k = KernelSwapStats::default();
@@ -234,7 +234,9 @@ fn kernel_swap(b: &Books) -> KernelSwapStats {
         k.paged_ins += v.books.paged_ins;
         k.page_outs_kept += v.books.page_outs_kept;
     }
-    if k.paged_out_pages > 0 {
+    k.frames_paged_out = b.frames_paged_out;
+    k.frame_page_outs = b.frame_page_outs;
+    if k.paged_out_pages + k.frames_paged_out > 0 {
         if let Ok((pool, zswapped)) = memfold_sys::reclaim::zswap_pool() {
             (k.zswap_pool_bytes, k.zswapped_bytes) = (pool, zswapped);
         }
@@ -242,12 +244,12 @@ fn kernel_swap(b: &Books) -> KernelSwapStats {
     k
 }
 
-/// Pages the kernel's swap saves: pages paged out less the zswap pool's share of them at
+/// Pages the kernel's swap saves: pages and frames paged out less the zswap pool's share of them at
 /// the host's ratio (the kernel keeps no per-page figure; on a host where only memfold's
 /// guests use zswap, as in `memfold run`, the ratio is theirs). Pages zswap does not hold
 /// went to the swap file on disk and count whole.
 fn zswap_saved_pages(k: &KernelSwapStats) -> i64 {
-    let paged = k.paged_out_pages as f64;
+    let paged = (k.paged_out_pages + k.frames_paged_out) as f64;
     let held = if k.zswapped_bytes > 0 {
         let in_zswap = paged.min(k.zswapped_bytes as f64 / 4096.0);
         in_zswap * k.zswap_pool_bytes as f64 / k.zswapped_bytes as f64
