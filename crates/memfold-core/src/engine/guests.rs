@@ -409,7 +409,7 @@ impl Engine {
         };
         let queued = std::mem::take(&mut v.queue);
         for c in queued {
-            self.outcome(id, &c, Outcome::Refused);
+            self.outcome(id, &c, Outcome::NotSent);
         }
         self.vms.get_mut(&id).expect("checked").attached = false;
         tracing::info!(vm = %id, "detached");
@@ -549,6 +549,31 @@ mod tests {
         // Its own re-attach (same QEMU, detached) is not another guest.
         e.detach(n);
         assert_eq!(attach(&mut e, 3, 1, Sharing::NeverShare).unwrap(), n);
+        e.check_invariants().unwrap();
+    }
+
+    /// Requests still queued when an agent detaches were never sent: undone, but not
+    /// refusals — no VMA pressure (which would share its pages without a mapping for 30 s)
+    /// and no refusal counted. Seen failing with them answered Refused.
+    #[test]
+    fn requests_queued_at_a_detach_are_not_refusals() {
+        let (mut e, clock) = engine();
+        let id = attach(&mut e, 1, 0, Sharing::Domain).unwrap();
+        let mut steps = 0;
+        while !e.vms[&id]
+            .queue
+            .iter()
+            .any(|c| matches!(c, Command::Share { .. }))
+        {
+            clock.advance(10_000);
+            e.scan_step().unwrap();
+            steps += 1;
+            assert!(steps < 100, "no share queued");
+        }
+        e.detach(id);
+        assert_eq!(e.vms[&id].books.share_refused, 0);
+        assert!(!e.vma_pressure(id));
+        assert!(e.vms[&id].queue.is_empty());
         e.check_invariants().unwrap();
     }
 

@@ -105,7 +105,7 @@ impl Engine {
     /// The agent's answer to a page-out of page `g`: done, the page left RAM (marked, if
     /// it is still private and unmarked); changed, it is still in RAM (used since the
     /// clock armed it, mapped by another process, or no swap on the host); refused (not
-    /// private at the agent). Nothing to undo either way ([module docs](self)); a page
+    /// private at the agent); never sent. Nothing to undo either way ([module docs](self)); a page
     /// kept in RAM is not tried again until the guest writes it.
     pub(crate) fn page_out_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) {
         let secs = self.now_us() / 1_000_000;
@@ -125,7 +125,8 @@ impl Engine {
                 v.books.paged_out_pages += 1;
                 v.books.page_outs += 1;
             }
-            Outcome::Done | Outcome::Lost => {}
+            // Never sent: the page is as it was, and may be paged out at the next pass.
+            Outcome::Done | Outcome::Lost | Outcome::NotSent => {}
             Outcome::Changed | Outcome::Refused => {
                 v.books.page_outs_kept += 1;
                 // Not tried again until the guest writes it (as a page that neither
@@ -390,6 +391,49 @@ mod tests {
             assert_eq!((books.frame_page_outs, books.frames_paged_out), (0, 0));
             assert!(r.agent.shared.pool.file().swapped.is_empty());
         }
+    }
+
+    #[test]
+    fn a_page_out_never_sent_is_not_taken_for_a_refusal() {
+        // As the executor answers a request whose send failed (the agent gone): the page
+        // is not held back from its next page-out, and nothing counts it kept. Seen
+        // failing with such a request answered Refused.
+        let mut r = rig(CompressBacking::Zswap, 64);
+        let g = 'found: loop {
+            r.clock.advance(10_000);
+            r.engine.scan_step().unwrap();
+            r.engine.clock_step();
+            for c in r.engine.take_commands(r.vm) {
+                match c {
+                    Command::PageOut { gfn } => {
+                        r.engine.outcome(r.vm, &c, Outcome::NotSent);
+                        break 'found gfn;
+                    }
+                    Command::ClockScan {
+                        first,
+                        count,
+                        ref arm,
+                        ref wp_only,
+                    } => {
+                        let (n, rb, mb) = r.agent.clock_scan(first, count, arm, wp_only);
+                        r.engine.clock_bits(r.vm, first, n, &rb, &mb);
+                    }
+                    c => {
+                        let o = r.agent.execute(&c);
+                        r.engine.outcome(r.vm, &c, o);
+                    }
+                }
+            }
+        };
+        let v = &r.engine.vms[&r.vm];
+        assert_eq!(
+            v.de_failed[g.index() / 64] & (1 << (g.0 % 64)),
+            0,
+            "held back"
+        );
+        assert!(!v.paged_out_or_going(g));
+        assert_eq!(v.books.page_outs_kept, 0);
+        r.engine.check_invariants().unwrap();
     }
 
     #[test]

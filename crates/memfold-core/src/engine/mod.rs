@@ -245,9 +245,14 @@ pub enum Outcome {
     Done,
     /// The page's bytes no longer matched: left as it was.
     Changed,
-    /// Not carried out for another reason (VMA budget, page not private, unreadable blob),
-    /// or never delivered.
+    /// Not carried out for another reason (VMA budget, page not private, unreadable blob).
     Refused,
+    /// Never delivered: queued when the agent detached, dropped at an opt-out, or its
+    /// send failed. Undone as a refusal (the page stays as it was, what the request held
+    /// is released) but not counted as one: the agent said nothing about the page, so none
+    /// of a refusal's back-offs follows (VMA pressure after a refused share, a page-out not
+    /// tried again until the guest writes the page).
+    NotSent,
     /// Sent, and the connection was lost before the answer: the agent may or may not have
     /// carried it out. The page stays in doubt until the agent re-attaches (listing what
     /// it maps) or its QEMU exits.

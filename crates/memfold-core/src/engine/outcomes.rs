@@ -168,7 +168,7 @@ impl Engine {
             });
         v.queue = kept;
         for c in &dropped {
-            self.outcome(id, c, Outcome::Refused);
+            self.outcome(id, c, Outcome::NotSent);
         }
         let v = self.vms.get_mut(&id).expect("checked");
         let queued = v.queued_take_backs();

@@ -226,7 +226,7 @@ impl Executor {
         } else {
             // Never delivered: the pages stay as they were.
             for c in &cmds {
-                engine.outcome(vm, c, Outcome::Refused);
+                engine.outcome(vm, c, Outcome::NotSent);
             }
         }
     }
