@@ -116,6 +116,19 @@ fn self_check(g: &Guest) -> Result<()> {
     Ok(())
 }
 
+/// The host set up for `--compress-backing zswap` ([`kernel_swap`]): each part undone
+/// when it drops.
+struct KernelSwap {
+    /// zswap on, with `compressor`.
+    _zswap: memfold_sys::reclaim::Zswap,
+    /// The swap file, the size of the guests' RAM.
+    _swap: memfold_sys::reclaim::SwapFile,
+    /// `vm.page-cluster` 0 for the run.
+    _readahead: memfold_sys::reclaim::SwapReadaheadOff,
+    /// The compressor zswap took.
+    compressor: String,
+}
+
 /// For `--compress-backing zswap`: zswap on with `--backing-compressor` or the best
 /// compressor the kernel takes (`peer::COMPRESSORS`, as the peer's), a swap file the size
 /// of the guests' RAM, and swap readahead off (`vm.page-cluster` 0: a guest's access to a
@@ -124,17 +137,7 @@ fn self_check(g: &Guest) -> Result<()> {
 ///
 /// Errors: no zswap, no compressor taken, the swap file cannot be made (not root, disk);
 /// `--backing-compressor` with the store backing.
-fn kernel_swap(
-    m: &args::MemfoldArgs,
-    out: &std::path::Path,
-) -> Result<
-    Option<(
-        memfold_sys::reclaim::Zswap,
-        memfold_sys::reclaim::SwapFile,
-        memfold_sys::reclaim::SwapReadaheadOff,
-        String,
-    )>,
-> {
+fn kernel_swap(m: &args::MemfoldArgs, out: &std::path::Path) -> Result<Option<KernelSwap>> {
     if m.engine.compress_backing != memfold_core::engine::CompressBacking::Zswap {
         anyhow::ensure!(
             m.backing_compressor.is_none(),
@@ -164,7 +167,12 @@ fn kernel_swap(
         ram_bytes >> 20,
         path.display()
     );
-    Ok(Some((zswap, swap, readahead, compressor.to_string())))
+    Ok(Some(KernelSwap {
+        _zswap: zswap,
+        _swap: swap,
+        _readahead: readahead,
+        compressor: compressor.to_string(),
+    }))
 }
 
 /// Boots the set with agents, waits for it to settle, starts memfoldd and samples every
@@ -196,7 +204,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     // (locals drop in reverse order): zswap on, a swap file for every guest's RAM.
     // Held to the end of the run: dropped, it puts the host back.
     let kernel_swap = kernel_swap(m, &out)?;
-    let backing_compressor = kernel_swap.as_ref().map(|k| k.3.clone());
+    let backing_compressor = kernel_swap.as_ref().map(|k| k.compressor.clone());
     let (mut guests, mut plain, out) = guests::start_pairs(
         &m.set,
         a.twins(),
