@@ -26,13 +26,13 @@
 //! in the store"). A pool frame that no guest page maps and only patches use as their
 //! reference — pages shared without a mapping and DE patches against a frame, each cold
 //! by the clock — is read only when one of those pages is decoded. Every
-//! [`FRAME_PAGE_OUT_US`] (by default) the engine pages such frames out of the pool's memfd as well
-//! (`Backing::page_out`): one compressed copy in zswap for all the pages that depend on
-//! it, which zswap alone cannot do (it compresses each guest's copy). A frame whose books
-//! changed since the last round (a patch made against it or decoded from it, a mapping,
-//! a request) waits a round. Nothing to lose here either: the pool's bytes never change
-//! (the kernel keeps the page, named by its swap entry, and brings it back on the agent's
-//! or memfoldd's next read of the frame); the books stay as they were.
+//! [`FRAME_PAGE_OUT_US`] (by default) the engine pages such frames out of the pool's
+//! memfd as well (`Backing::page_out`): one compressed copy in zswap for all the pages
+//! that depend on it, which zswap alone cannot do (it compresses each guest's copy). A
+//! frame whose books changed since the last round (a patch made against it or decoded
+//! from it, a mapping, a request) waits a round. Nothing to lose here either: the pool's
+//! bytes never change (the kernel keeps the page, named by its swap entry, and brings it
+//! back on the agent's or memfoldd's next read of the frame); the books stay as they were.
 //!
 //! A page that comes back within 30 s was not cold enough: it waits longer before it is
 //! paged out again, as a stored page decoded back soon does (`restash_after`), so pages a
@@ -48,9 +48,9 @@ use crate::ids::{Gfn, VmId};
 use crate::p2m::{P2mEntry, PageState};
 
 /// By default, how often the engine pages out the pool frames that only patches hold, and
-/// how long such a frame must go untouched first, µs (as a page-out that comes back within this
-/// long waits longer before the next: pages a workload revisits every few seconds do not
-/// cycle through zswap).
+/// how long such a frame must go untouched first, µs (as a page back within this long
+/// waits longer before its next page-out: what a workload revisits every few seconds does
+/// not cycle through zswap).
 pub const FRAME_PAGE_OUT_US: u64 = 30_000_000;
 
 /// Where the Difference Engine keeps pages that only compress (DE §3.3).
@@ -105,8 +105,8 @@ impl Engine {
     /// The agent's answer to a page-out of page `g`: done, the page left RAM (marked, if
     /// it is still private and unmarked); changed, it is still in RAM (used since the
     /// clock armed it, mapped by another process, or no swap on the host); refused (not
-    /// private at the agent); never sent. Nothing to undo either way ([module docs](self)); a page
-    /// kept in RAM is not tried again until the guest writes it.
+    /// private at the agent); never sent. Nothing to undo either way ([module
+    /// docs](self)); a page kept in RAM is not tried again until the guest writes it.
     pub(crate) fn page_out_outcome(&mut self, id: VmId, g: Gfn, o: Outcome) {
         let secs = self.now_us() / 1_000_000;
         let Some(v) = self.vms.get_mut(&id).filter(|v| g.0 < v.pages()) else {
@@ -138,9 +138,9 @@ impl Engine {
     }
 
     /// At the end of a full sharing scan, with the zswap backing, at most every
-    /// [`super::EngineConfig::page_out_frames_us`]: each domain's frames
-    /// that only patches hold and that nothing touched since the last round go to the
-    /// kernel's swap ([module docs](self)). A pool that refuses counts as a pool error;
+    /// [`super::EngineConfig::page_out_frames_us`]: each domain's frames that only patches
+    /// hold and that nothing touched since the last round go to the kernel's swap
+    /// ([module docs](self)). A pool that refuses counts as a pool error;
     /// nothing else changes.
     pub(crate) fn page_out_frames(&mut self, now_us: u64) {
         let Some(every) = self.cfg.page_out_frames_us else {

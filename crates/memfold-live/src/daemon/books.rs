@@ -224,8 +224,8 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats 
     }
 }
 
-/// The guests' pages and the pools' frames in the kernel's swap, and the host's zswap pool (zeros where
-/// /proc/meminfo does not say: a kernel without zswap).
+/// The guests' pages and the pools' frames in the kernel's swap, and the host's zswap pool
+/// (zeros where /proc/meminfo does not say: a kernel without zswap).
 fn kernel_swap(b: &Books) -> KernelSwapStats {
     let mut k = KernelSwapStats::default();
     for v in &b.vms {
@@ -244,10 +244,10 @@ fn kernel_swap(b: &Books) -> KernelSwapStats {
     k
 }
 
-/// Pages the kernel's swap saves: pages and frames paged out less the zswap pool's share of them at
-/// the host's ratio (the kernel keeps no per-page figure; on a host where only memfold's
-/// guests use zswap, as in `memfold run`, the ratio is theirs). Pages zswap does not hold
-/// went to the swap file on disk and count whole.
+/// Pages the kernel's swap saves: pages and frames paged out less the zswap pool's share
+/// of them at the host's ratio (the kernel keeps no per-page figure; on a host where only
+/// memfold's guests use zswap, as in `memfold run`, the ratio is theirs). Pages zswap does
+/// not hold went to the swap file on disk and count whole.
 fn zswap_saved_pages(k: &KernelSwapStats) -> i64 {
     let paged = (k.paged_out_pages + k.frames_paged_out) as f64;
     let held = if k.zswapped_bytes > 0 {
