@@ -57,7 +57,8 @@ impl Agent {
             return Ok(out);
         }
         let pages: Vec<u64> = gfns.iter().map(|g| g.0 as u64).collect();
-        let left = self.window()?.page_out_list(&pages)?;
+        let (left, result) = self.window()?.page_out_list(&pages);
+        // Pages that left are marked even if a later span failed.
         for (g, left) in gfns.into_iter().zip(left) {
             if left {
                 self.pages.paged_out(g);
@@ -66,6 +67,7 @@ impl Agent {
                 out.changed.push(g);
             }
         }
+        result?;
         Ok(out)
     }
 

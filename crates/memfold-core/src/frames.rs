@@ -162,8 +162,12 @@ impl FrameTable {
     pub fn end_adoption(&mut self) -> Vec<FrameId> {
         let mut freed = Vec::new();
         for i in 0..self.size as usize {
-            if std::mem::take(&mut self.adopted[i]) && self.maybe_free(FrameId(i as u32)) {
-                freed.push(FrameId(i as u32));
+            if std::mem::take(&mut self.adopted[i]) {
+                // Unpinned: its books changed (a reference-only frame waits a round).
+                self.touch(FrameId(i as u32));
+                if self.maybe_free(FrameId(i as u32)) {
+                    freed.push(FrameId(i as u32));
+                }
             }
         }
         freed
@@ -261,13 +265,16 @@ impl FrameTable {
             .count() as u64
     }
 
-    fn touch(&mut self, f: FrameId) {
+    /// Marks frame `f` as just used: a change of its books, or memfoldd reading its bytes
+    /// (a scan's compare, a reference page tried), which would have brought it back into
+    /// RAM had it been paged out.
+    pub fn touch(&mut self, f: FrameId) {
         self.touched[f.index() / 64] |= 1 << (f.0 % 64);
     }
 
-    /// Frames held only as patch reference pages whose books nothing changed since the
-    /// last call — no patch made against one or decoded from it, no mapping, no share
-    /// request — ascending; then forgets what changed. Such a frame is read only when a
+    /// Frames held only as patch reference pages that nothing touched since the last call
+    /// — no patch made against one or decoded from it, no mapping, no share request, no
+    /// read of memfoldd's ([`FrameTable::touch`]) — ascending; then forgets what changed. Such a frame is read only when a
     /// stored page that patches against it is decoded, and each of those pages is cold by
     /// the NRU clock (DE §4.2): the frames the zswap backing pages out (issue 15,
     /// `Engine::page_out_frames`). A frame that just became reference-only waits one more
@@ -328,17 +335,17 @@ mod tests {
     fn only_reference_frames_nothing_touched_for_a_whole_round_are_quiet() {
         let mut t = FrameTable::new();
         // a: reference-only; b: mapped and patched; c: reference-only with a request.
+        // Each frame held by a patch before its first request ends (never freed early).
         let frame = |t: &mut FrameTable, h| {
             let (f, _) = t.alloc(h);
+            t.incref(f, true);
             t.answer(f, false);
             f
         };
         let (a, b, c) = (frame(&mut t, 1), frame(&mut t, 2), frame(&mut t, 3));
-        t.incref(a, true);
-        t.incref(b, true);
         t.incref(b, false);
-        t.incref(c, true);
         t.add_pending(c);
+        assert_eq!(t.in_use(), 3);
         assert_eq!(t.take_quiet_reference_only(), vec![], "all just changed");
         assert_eq!(
             t.take_quiet_reference_only(),

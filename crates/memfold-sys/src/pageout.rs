@@ -167,16 +167,22 @@ impl PageOutWindow {
 
     /// [`PageOutWindow::page_out`] over a list of pages (page indices, ascending), one
     /// call per span of at most 64 pages with the pages between left untaken (the kernel
-    /// walks a span's page tables once). Returns, a bool per listed page, which left RAM.
+    /// walks a span's page tables once). Returns, a bool per listed page, which left RAM,
+    /// and the first error: a span that failed counts as nothing left, and the spans after
+    /// it are still tried (what left before stays known).
     ///
-    /// Errors: a page is past the window, or the list is not ascending; `mincore` or
-    /// `madvise` failed (the pages keep their bytes wherever they are).
-    pub fn page_out_list(&self, pages: &[u64]) -> io::Result<Vec<bool>> {
+    /// Errors: the list is not ascending (nothing tried); a page is past the window, or
+    /// `mincore` or `madvise` failed (the pages keep their bytes wherever they are).
+    pub fn page_out_list(&self, pages: &[u64]) -> (Vec<bool>, io::Result<()>) {
         if pages.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(io::Error::other(
-                "pages to page out are not in ascending order",
-            ));
+            return (
+                vec![false; pages.len()],
+                Err(io::Error::other(
+                    "pages to page out are not in ascending order",
+                )),
+            );
         }
+        let mut first_err = Ok(());
         let mut left = Vec::with_capacity(pages.len());
         let mut i = 0;
         while i < pages.len() {
@@ -190,11 +196,18 @@ impl PageOutWindow {
             for p in &pages[i..j] {
                 take[(p - p0) as usize] = true;
             }
-            let out = self.page_out(p0, span, &take)?;
-            left.extend(pages[i..j].iter().map(|p| out[(p - p0) as usize]));
+            match self.page_out(p0, span, &take) {
+                Ok(out) => left.extend(pages[i..j].iter().map(|p| out[(p - p0) as usize])),
+                Err(e) => {
+                    left.extend(std::iter::repeat_n(false, j - i));
+                    if first_err.is_ok() {
+                        first_err = Err(e);
+                    }
+                }
+            }
             i = j;
         }
-        Ok(left)
+        (left, first_err)
     }
 
     /// Pages of the window in RAM now (the page cache or the swap cache), counted a
@@ -233,8 +246,8 @@ impl PageOutWindow {
 /// Bytes of memfd (or other shmem file) `fd` in the kernel's swap now: its allocated
 /// bytes less those in RAM (`mincore` through a read-only window made for the count; a
 /// swapped-out page is allocated to the file but in neither the page cache nor the swap
-/// cache). 0 for an empty file. The two are read one after the other, so a page moving
-/// in between can be off by one page either way.
+/// cache). 0 for an empty file. The two are read one after the other and `mincore` walks
+/// the file while pages move, so under churn the figure is approximate.
 ///
 /// Errors: the file's size cannot be read, or the window cannot be made or read.
 pub fn swapped_bytes(fd: BorrowedFd<'_>) -> io::Result<u64> {
@@ -287,14 +300,18 @@ mod tests {
         let w = PageOutWindow::new(fd.as_fd(), 200 * PAGE as u64).unwrap();
         assert_eq!(w.resident_pages().unwrap(), 3);
         assert_eq!(swapped_bytes(fd.as_fd()).unwrap(), 0);
-        assert!(w.page_out_list(&[1, 0]).is_err());
-        assert!(w.page_out_list(&[1, 1]).is_err());
-        assert!(w.page_out_list(&[0, 200]).is_err());
+        assert!(w.page_out_list(&[1, 0]).1.is_err());
+        assert!(w.page_out_list(&[1, 1]).1.is_err());
+        // A span past the window fails; the ones before it are still answered.
+        let (left, r) = w.page_out_list(&[5, 200]);
+        assert!(r.is_err());
+        assert_eq!(left.len(), 2);
         // Holes never leave (nothing there); what leaves depends on the host's swap, but
         // the bytes never change.
-        let left = w.page_out_list(&[5, 70, 199]).unwrap();
+        let (left, r) = w.page_out_list(&[5, 70, 199]);
+        r.unwrap();
         assert_eq!(left, vec![false; 3]);
-        w.page_out_list(&[0, 1, 150]).unwrap();
+        w.page_out_list(&[0, 1, 150]).1.unwrap();
         let mut b = [0u8; PAGE];
         crate::memfd::pread_exact(fd.as_fd(), &mut b, 150 * PAGE as u64).unwrap();
         assert!(b.iter().all(|&x| x == 4));

@@ -228,7 +228,7 @@ mod tests {
         // Two guests mapping file 7 (the same file seen twice): taken off once.
         assert_eq!(total_swapped(&[g(300), g(200)]), 300);
         assert_eq!(total_used(&[g(300), g(200)]), 20 + 1500 - 300);
-        // smaps read after a punch: never more than the file holds.
+        // Counted a moment before a punch: never more than the file holds.
         assert_eq!(total_swapped(&[g(5000)]), 1000);
     }
 

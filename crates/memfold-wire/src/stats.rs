@@ -131,8 +131,9 @@ pub struct KernelSwapStats {
     pub paged_ins: u64,
     /// Page-outs answered with the page still in RAM, or refused (cumulative).
     pub page_outs_kept: u64,
-    /// Pool frames in the kernel's swap now: frames that only patches hold, one copy
-    /// for every page that patches against it (0 from an older memfoldd).
+    /// Pool pages in the kernel's swap now: the frames only patches hold that memfoldd
+    /// paged out (one copy for every page that patches against it), and any pool page the
+    /// kernel swapped on its own (0 from an older memfoldd).
     #[serde(default)]
     pub frames_paged_out: u64,
     /// Pool frames paged out (cumulative).

@@ -321,6 +321,15 @@ impl EngineBooks {
         }
     }
 
+    /// Counts a pool error; returns the count when it is a power of two, the times to log
+    /// it (a failing pool must not flood the log).
+    pub(crate) fn pool_error(&mut self) -> Option<u64> {
+        self.pool_errors += 1;
+        self.pool_errors
+            .is_power_of_two()
+            .then_some(self.pool_errors)
+    }
+
     pub(crate) fn record_read_share(&mut self, us: u64) {
         let _ = self.read_share_us.record(us.max(1));
     }
@@ -379,8 +388,9 @@ pub struct Books {
     pub store_pages: u64,
     /// Pool frames held only as patch references.
     pub reference_frames: u64,
-    /// Pool frames in the kernel's swap now (issue 15's zswap backing: frames only
-    /// patches hold; the pools' memfds say so, `Backing::swapped_bytes`).
+    /// Pool pages in the kernel's swap now (issue 15's zswap backing: the frames only
+    /// patches hold that the engine paged out, and any the kernel swapped on its own; as
+    /// the pools' memfds say, `Backing::swapped_bytes`).
     pub frames_paged_out: u64,
     /// Pool frames sent to the kernel's swap (cumulative).
     pub frame_page_outs: u64,

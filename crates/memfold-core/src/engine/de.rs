@@ -348,6 +348,10 @@ impl Engine {
             if c == RefPage::Guest(gpn) || !self.candidate(d, c, &mut other) {
                 continue;
             }
+            if let RefPage::Frame(f) = c {
+                // Read just now: not a frame to page out this round (kernel_swap.rs).
+                self.domain_mut(d).frames.touch(f);
+            }
             if !self.domain(d).similar.matches(sigs, &other) || other == *page {
                 continue; // a bucket neighbour or changed; identical is the share scan's
             }

@@ -619,6 +619,8 @@ impl Engine {
         self.books.swap_sync_errors += 1;
         tracing::warn!("{id}: swap file write-back: {e}; its swap-outs are refused");
         let (refused, sent): (Vec<Command>, Vec<Command>) = cmds.drain(..).partition(to_swap);
+        // Refused, not NotSent: memfoldd itself refuses them, and a refusal's back-off is
+        // wanted while the swap file fails.
         for c in &refused {
             self.outcome(id, c, Outcome::Refused);
         }
@@ -687,12 +689,8 @@ impl Engine {
             return Some(f);
         };
         dom.frames.unalloc(f);
-        self.books.pool_errors += 1;
-        if self.books.pool_errors.is_power_of_two() {
-            tracing::warn!(
-                "pool of {d}: {e}; page left private (error {})",
-                self.books.pool_errors
-            );
+        if let Some(n) = self.books.pool_error() {
+            tracing::warn!("pool of {d}: {e}; page left private (error {n})");
         }
         None
     }

@@ -128,7 +128,7 @@ impl Engine {
                     } else {
                         v.unmapping.contains(&gfn)
                     };
-                if o != Outcome::Done && !unmapping {
+                if o != Outcome::Done && o != Outcome::NotSent && !unmapping {
                     v.books.take_back_refused += 1;
                 }
                 return;

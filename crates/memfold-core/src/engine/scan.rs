@@ -471,12 +471,13 @@ impl Engine {
                     // An unreadable pool (an adopted one is a peer's file) only means no
                     // share with this frame.
                     if let Err(e) = self.domain(d).pool.read(f.offset(), &mut other) {
-                        self.books.pool_errors += 1;
-                        if self.books.pool_errors.is_power_of_two() {
+                        if self.books.pool_error().is_some() {
                             tracing::warn!("pool of {d}: {e}; not shared");
                         }
                         continue;
                     }
+                    // Read just now: not a frame to page out this round (kernel_swap.rs).
+                    self.domain_mut(d).frames.touch(f);
                     if other == *page {
                         match self.identical_action(id, g, zero, seen) {
                             Identical::Defer => return Found::Deferred,

@@ -20,7 +20,12 @@ pub struct FileBacking {
     /// A read-only window onto the memfd to page frames out through (issue 15), made at
     /// the first page-out and again when the file grew past it.
     window: Option<PageOutWindow>,
+    /// The last count of the file's bytes in swap, and when it was taken.
+    swapped: std::cell::Cell<Option<(std::time::Instant, u64)>>,
 }
+
+/// How old a count of a memfd's bytes in swap may be ([`Backing::swapped_bytes`]).
+const SWAPPED_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl FileBacking {
     /// A new, empty memfd named `memfold-<what>` (a domain's pool, a guest's store).
@@ -34,6 +39,7 @@ impl FileBacking {
             what,
             on_disk: false,
             window: None,
+            swapped: std::cell::Cell::new(None),
         })
     }
 
@@ -44,6 +50,7 @@ impl FileBacking {
             what: "pool",
             on_disk: false,
             window: None,
+            swapped: std::cell::Cell::new(None),
         }
     }
 
@@ -62,6 +69,7 @@ impl FileBacking {
             what: "swap file",
             on_disk: true,
             window: None,
+            swapped: std::cell::Cell::new(None),
         })
     }
 
@@ -130,7 +138,9 @@ impl Backing for FileBacking {
             return Ok(0);
         };
         let inside: Vec<u64> = pages.iter().copied().filter(|&p| p < w.pages()).collect();
-        let left = w.page_out_list(&inside).map_err(err)?;
+        let (left, result) = w.page_out_list(&inside);
+        self.swapped.set(None);
+        result.map_err(err)?;
         Ok(left.into_iter().filter(|&l| l).count() as u64)
     }
 
@@ -138,9 +148,18 @@ impl Backing for FileBacking {
         if self.on_disk {
             return 0;
         }
-        // Read from the kernel each time (a window made for the count): after a restart
-        // the adopted pool may hold frames the last memfoldd paged out.
-        memfold_sys::pageout::swapped_bytes(self.fd.as_fd()).unwrap_or(0)
+        // Asked of the kernel (a window made for the count: after a restart the adopted
+        // pool may hold frames the last memfoldd paged out), at most every
+        // SWAPPED_MAX_AGE: the books and the budget ask several times a second, and the
+        // count walks the whole file.
+        if let Some((at, bytes)) = self.swapped.get() {
+            if at.elapsed() < SWAPPED_MAX_AGE {
+                return bytes;
+            }
+        }
+        let bytes = memfold_sys::pageout::swapped_bytes(self.fd.as_fd()).unwrap_or(0);
+        self.swapped.set(Some((std::time::Instant::now(), bytes)));
+        bytes
     }
 }
 
