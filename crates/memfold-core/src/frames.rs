@@ -28,8 +28,8 @@ pub struct FrameTable {
     hash: Vec<u64>,
     /// Whether the frame is held although no book names it (adopted, not yet seen).
     adopted: Vec<bool>,
-    /// A bit a frame: its books changed (a mapping, a patch or a request came or went)
-    /// since [`FrameTable::take_quiet_reference_only`] last looked.
+    /// A bit a frame: its books changed (a mapping, a patch or a request came or went), or
+    /// memfoldd read it, since [`FrameTable::take_quiet_reference_only`] last looked.
     touched: Vec<u64>,
     free: BTreeSet<u32>,
     size: u32,
@@ -274,11 +274,11 @@ impl FrameTable {
 
     /// Frames held only as patch reference pages that nothing touched since the last call
     /// — no patch made against one or decoded from it, no mapping, no share request, no
-    /// read of memfoldd's ([`FrameTable::touch`]) — ascending; then forgets what changed. Such a frame is read only when a
-    /// stored page that patches against it is decoded, and each of those pages is cold by
-    /// the NRU clock (DE §4.2): the frames the zswap backing pages out (issue 15,
-    /// `Engine::page_out_frames`). A frame that just became reference-only waits one more
-    /// call.
+    /// read of memfoldd's ([`FrameTable::touch`]) — ascending; then forgets what changed.
+    /// Such a frame is read only when a stored page that patches against it is decoded,
+    /// and each of those pages is cold by the NRU clock (DE §4.2): the frames the zswap
+    /// backing pages out (issue 15, `Engine::page_out_frames`). A frame that just became
+    /// reference-only waits one more call.
     pub fn take_quiet_reference_only(&mut self) -> Vec<FrameId> {
         let mut out = Vec::new();
         for i in 0..self.size as usize {

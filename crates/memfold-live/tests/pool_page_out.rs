@@ -70,7 +70,16 @@ fn frames_nothing_maps_leave_ram_read_back_as_written_and_leave_the_measure() {
 
     // Frames 0–31, 40 and 41 asked; the mapped two stay.
     let asked: Vec<u64> = (0..32).chain([40, 41]).collect();
-    let left = pool.page_out(&asked).unwrap();
+    // A page the kernel cannot isolate from its LRU at that moment (seen under CI's load:
+    // 28 of 32 at the first try) stays and is taken at a later round, as live: asked again,
+    // each frame counts once (one already out is not in RAM to take).
+    let mut left = 0;
+    for _ in 0..5 {
+        left += pool.page_out(&asked).unwrap();
+        if left >= 32 {
+            break;
+        }
+    }
     assert_eq!(left, 32, "frames 0–31 left RAM, 40 and 41 (mapped) stayed");
     assert_eq!(pool.swapped_bytes(), 32 * PAGE as u64);
     assert_eq!(
