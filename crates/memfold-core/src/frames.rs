@@ -282,7 +282,7 @@ impl FrameTable {
     pub fn take_quiet_reference_only(&mut self) -> Vec<FrameId> {
         let mut out = Vec::new();
         for i in 0..self.size as usize {
-            let quiet = self.touched[i / 64] & (1 << (i % 64)) == 0;
+            let quiet = !crate::clock::mask_bit(&self.touched, i as u32);
             let p = self.patch_refs[i];
             if quiet && p > 0 && p == self.refcount[i] && self.pending[i] == 0 && !self.adopted[i] {
                 out.push(FrameId(i as u32));

@@ -646,21 +646,27 @@ impl Rig {
                 break;
             }
             for c in cmds {
-                if let Command::ClockScan {
-                    first,
-                    count,
-                    arm,
-                    wp_only,
-                } = c
-                {
-                    let (n, r, m) = self.agent.clock_scan(first, count, &arm, &wp_only);
-                    self.engine.clock_bits(self.vm, first, n, &r, &m);
-                } else {
-                    let o = self.agent.execute(&c);
-                    self.engine.outcome(self.vm, &c, o);
-                }
+                self.answer(c);
             }
         }
         self.report();
+    }
+
+    /// Command `c` carried out by the agent and its answer given to the engine: a clock
+    /// scan's R and M bits, any other command's outcome.
+    pub fn answer(&mut self, c: Command) {
+        if let Command::ClockScan {
+            first,
+            count,
+            arm,
+            wp_only,
+        } = c
+        {
+            let (n, r, m) = self.agent.clock_scan(first, count, &arm, &wp_only);
+            self.engine.clock_bits(self.vm, first, n, &r, &m);
+        } else {
+            let o = self.agent.execute(&c);
+            self.engine.outcome(self.vm, &c, o);
+        }
     }
 }

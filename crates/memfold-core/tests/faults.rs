@@ -59,19 +59,7 @@ fn a_failed_swap_write_back_refuses_its_swap_outs_and_loses_nothing() {
                     "a swap-out handed out after its swap file failed to sync"
                 );
             }
-            if let Command::ClockScan {
-                first,
-                count,
-                arm,
-                wp_only,
-            } = c
-            {
-                let (n, rb, mb) = r.agent.clock_scan(first, count, &arm, &wp_only);
-                r.engine.clock_bits(r.vm, first, n, &rb, &mb);
-            } else {
-                let o = r.agent.execute(&c);
-                r.engine.outcome(r.vm, &c, o);
-            }
+            r.answer(c);
         }
         r.report();
     }

@@ -266,24 +266,11 @@ mod tests {
             r.engine.scan_step().unwrap();
             r.engine.clock_step();
             for c in r.engine.take_commands(r.vm) {
-                match c {
-                    Command::ClockScan {
-                        first,
-                        count,
-                        arm,
-                        wp_only,
-                    } => {
-                        let (n, rb, mb) = r.agent.clock_scan(first, count, &arm, &wp_only);
-                        r.engine.clock_bits(r.vm, first, n, &rb, &mb);
-                    }
-                    Command::PageOut { .. } => {
-                        let o = r.agent.execute(&c);
-                        held.push((c, o));
-                    }
-                    c => {
-                        let o = r.agent.execute(&c);
-                        r.engine.outcome(r.vm, &c, o);
-                    }
+                if let Command::PageOut { .. } = c {
+                    let o = r.agent.execute(&c);
+                    held.push((c, o));
+                } else {
+                    r.answer(c);
                 }
             }
             if held.iter().any(|(_, o)| *o == Outcome::Done) {
@@ -416,19 +403,7 @@ mod tests {
                         r.engine.outcome(r.vm, &c, Outcome::NotSent);
                         found = Some(gfn);
                     }
-                    Command::ClockScan {
-                        first,
-                        count,
-                        ref arm,
-                        ref wp_only,
-                    } => {
-                        let (n, rb, mb) = r.agent.clock_scan(first, count, arm, wp_only);
-                        r.engine.clock_bits(r.vm, first, n, &rb, &mb);
-                    }
-                    c => {
-                        let o = r.agent.execute(&c);
-                        r.engine.outcome(r.vm, &c, o);
-                    }
+                    c => r.answer(c),
                 }
             }
             if found.is_some() {
