@@ -31,6 +31,11 @@ pub(crate) enum Job {
     /// `MADV_DONTNEED` each (address, bytes) range: private guest pages whose PTEs the
     /// clock drops (the memfd keeps the pages).
     Zap(Vec<(u64, u64)>),
+    /// `MADV_DONTNEED` each (address, bytes) range of guest pages mapped onto pool frames,
+    /// write-protected (the pool keeps the frames; `Agent::zap_shared`). The kernel's
+    /// remove events for these ranges are the agent's own and are dropped, not taken for
+    /// QEMU discarding guest RAM.
+    ZapFrames(Vec<(u64, u64)>),
 }
 
 /// Makes mapping changes on a helper thread: with EVENT_REMAP and EVENT_REMOVE the thread
@@ -98,11 +103,12 @@ fn run_job(job: &Job) -> i32 {
                 errno()
             }
         }
-        Job::Zap(ref ranges) => {
+        Job::Zap(ref ranges) | Job::ZapFrames(ref ranges) => {
             for &(addr, len) in ranges {
-                // SAFETY: drops only the PTEs of private guest RAM the agent manages; the
-                // memfd keeps the pages, and the next access is a minor fault (the agent's
-                // to serve, or in the pagemap clock's mode the kernel's).
+                // SAFETY: drops only the PTEs of guest RAM the agent manages (private
+                // pages, or pages on pool frames, write-protected with uffd-wp markers
+                // left behind); the memfd or the pool keeps the pages, and the next access
+                // is a minor fault (the agent's to serve, or the kernel's).
                 if unsafe {
                     libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_DONTNEED)
                 } != 0
@@ -174,6 +180,12 @@ impl Agent {
         let what = match &job {
             Job::Move { dst, .. } => format!("a move onto guest RAM at {dst:#x}"),
             Job::Zap(r) => format!("arming the clock over {} runs", r.len()),
+            Job::ZapFrames(r) => format!("dropping the PTEs of {} runs on frames", r.len()),
+        };
+        // Remove events inside these ranges are the job's own.
+        let own: Vec<(u64, u64)> = match &job {
+            Job::ZapFrames(r) => r.iter().map(|&(a, len)| (a, a + len)).collect(),
+            _ => Vec::new(),
         };
         if self.remapper.tx.send(job).is_err() {
             self.fail_closed(&format!("the remap thread is gone, before {what}"));
@@ -198,6 +210,10 @@ impl Agent {
                     // Both in order, handled once the request is done: a discard must
                     // find the pages as the request leaves them (a page being shared is
                     // on its frame by then, and let go), and after earlier faults.
+                    // The kernel's report of the job's own zap of shared pages, read
+                    // before the job ends (its caller waits for it): not a discard.
+                    Ok(Some(Event::Remove { start, end }))
+                        if own.iter().any(|&(a, b)| a <= start && end <= b) => {}
                     Ok(Some(ev @ (Event::Fault { .. } | Event::Remove { .. }))) => {
                         self.deferred.push(ev)
                     }

@@ -132,6 +132,7 @@ impl Agent {
                 count,
                 arm,
                 wp_only,
+                zap_shared,
             } => {
                 // Pages paged out and back in RAM since (reported with the events).
                 let n = count
@@ -140,6 +141,9 @@ impl Agent {
                 self.paged_in(first, n);
                 let (count, referenced, modified) =
                     self.clock_scan(first, count, &arm, &wp_only)?;
+                if zap_shared {
+                    self.zap_shared(first, count)?;
+                }
                 ToDaemon::ClockBits {
                     batch,
                     first,
@@ -679,6 +683,56 @@ impl Agent {
             }
         }
         Ok((n, r, m))
+    }
+}
+
+impl Agent {
+    /// Drops the PTEs of the pages of `[first, first + n)` mapped onto pool frames (issue
+    /// 15): a frame that no guest reads until memfoldd's next round of frame page-outs
+    /// is then mapped by no process, and the kernel, which pages out only what nothing
+    /// maps, can take it from the pool; a page read meanwhile is mapped back by the
+    /// kernel's own minor fault (the pool mapping is registered for write-protect faults
+    /// only), a swapped-out frame swapped in by it.
+    ///
+    /// Invariant: a pool frame is never writable through a guest's mapping. Each run is
+    /// write-protected again just before its zap, so that every PTE the zap drops leaves
+    /// a uffd-wp marker: the kernel maps the frame back write-protected, and a write is a
+    /// write-protect fault, the CoW break, as before (tests/shared_zap.rs breaks it on
+    /// purpose). The kernel's remove events for these ranges are dropped as the agent's
+    /// own (`Job::ZapFrames`), not taken for QEMU discarding the pages.
+    ///
+    /// Errors: the write-protection or the zap failed (the pages stay on their frames,
+    /// mapped or not, protected either way).
+    pub(crate) fn zap_shared(&mut self, first: Gfn, n: u32) -> io::Result<()> {
+        let on_frame = |agent: &Agent, k: u32| {
+            matches!(agent.pages.home(plus(first, k as usize)), PageHome::Frame(_))
+        };
+        let mut runs = Vec::new();
+        let mut k = 0;
+        while k < n {
+            if !on_frame(self, k) {
+                k += 1;
+                continue;
+            }
+            let mut e = k + 1;
+            while e < n && on_frame(self, e) {
+                e += 1;
+            }
+            let (addr, len) = (self.page_addr(plus(first, k as usize)), (e - k) as u64 * PAGE);
+            self.uffd.write_protect(addr, len, true)?;
+            runs.push((addr, len));
+            k = e;
+        }
+        if runs.is_empty() {
+            return Ok(());
+        }
+        match self.helper(Job::ZapFrames(runs)) {
+            0 => Ok(()),
+            errno => Err(io::Error::other(format!(
+                "dropping the PTEs of shared pages: madvise: {}",
+                io::Error::from_raw_os_error(errno)
+            ))),
+        }
     }
 }
 

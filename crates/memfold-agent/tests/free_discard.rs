@@ -80,6 +80,7 @@ fn only_pages_unwritten_since_their_watch_are_discarded() {
             count: 1,
             arm: vec![1],
             wp_only: vec![],
+            zap_shared: false,
         },
         &[],
     )

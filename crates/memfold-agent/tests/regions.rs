@@ -167,6 +167,7 @@ fn two_regions_are_two_guests_and_no_request_reaches_past_its_region() {
             count: 64,
             arm: vec![u64::MAX],
             wp_only: vec![],
+            zap_shared: false,
         },
         &[],
     )

@@ -73,6 +73,12 @@ pub struct EngineArgs {
     /// `off` keeps every frame whole in RAM.
     #[arg(long, default_value = if defaults().page_out_frames_us.is_some() { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
     pub page_out_frames: String,
+    /// With `--page-out-frames on`: `on` pages out frames that guest pages map too, once
+    /// no guest has read them since a clock pass dropped their PTEs (each round's next
+    /// pass does; a read maps the frame back with the kernel's own minor fault); `off`
+    /// only frames that patches alone hold.
+    #[arg(long, default_value = if defaults().page_out_mapped_frames { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
+    pub page_out_mapped_frames: String,
     /// Most NRU clock passes between two armings of a page the clock found used in 3
     /// consecutive scans (fewer R-bit faults; 1..=64; 1 arms every page every pass, as
     /// DE §4.2 is written).
@@ -215,6 +221,7 @@ impl EngineArgs {
             compress_backing: self.compress_backing,
             page_out_frames_us: (self.page_out_frames == "on")
                 .then_some(memfold_core::engine::FRAME_PAGE_OUT_US),
+            page_out_mapped_frames: self.page_out_mapped_frames == "on",
             rate: self.rate,
             min_scan_interval_us: self.min_scan_interval_ms * 1000,
             max_scan_interval_us: self.max_scan_interval_ms.max(self.min_scan_interval_ms) * 1000,
@@ -269,6 +276,7 @@ impl EngineArgs {
         opt("--compress-cutoff", self.compress_cutoff.to_string());
         opt("--compress-backing", self.compress_backing.to_string());
         opt("--page-out-frames", self.page_out_frames.clone());
+        opt("--page-out-mapped-frames", self.page_out_mapped_frames.clone());
         opt("--share-domains", self.share_domains.clone());
         if !self.never_share.is_empty() {
             opt("--never-share", self.never_share.join(","));
@@ -321,6 +329,13 @@ mod tests {
             .unwrap()
             .page_out_frames_us
             .is_none());
+        assert_eq!(c.page_out_mapped_frames, d.page_out_mapped_frames);
+        assert!(
+            !parse(&["--page-out-mapped-frames", "off"])
+                .config()
+                .unwrap()
+                .page_out_mapped_frames
+        );
         assert_eq!(c.guest_categories, d.guest_categories);
         assert!(
             !parse(&["--share-cold-unmapped", "off"])

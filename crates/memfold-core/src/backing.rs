@@ -103,7 +103,7 @@ pub trait Clock: Send {
 /// tests. Each is a cheap handle onto shared state, so that the engine and a simulated
 /// agent see the same bytes, as memfoldd and the real agents share memfds.
 pub mod mem {
-    use std::collections::BTreeSet;
+    use std::collections::{BTreeMap, BTreeSet};
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -134,9 +134,13 @@ pub mod mem {
         /// memfd does ([`MemFile::swapped_in_by_reads`]). A punch frees them.
         pub swapped: BTreeSet<u64>,
         /// Pages of [`MemFile::swapped`] that reads through the backing (memfoldd's and,
-        /// for a pool, the agents' decodes; never a guest's own access) brought back into
-        /// RAM.
+        /// for a pool, the agents' decodes and the guests' reads of pages mapped onto
+        /// frames) brought back into RAM.
         pub swapped_in_by_reads: u64,
+        /// Pages some process maps now, with how many mappings (for a pool: guest pages
+        /// on the frame whose PTE is present). [`Backing::page_out`] leaves them in RAM,
+        /// as `MADV_PAGEOUT` does a page mapped elsewhere.
+        pub mapped: BTreeMap<u64, u32>,
     }
 
     impl MemFile {
@@ -255,6 +259,9 @@ pub mod mem {
             let mut f = self.file();
             let mut left = 0;
             for &p in pages {
+                if f.mapped.contains_key(&p) {
+                    continue;
+                }
                 if f.allocated.contains(&p) && f.swapped.insert(p) {
                     left += 1;
                 }

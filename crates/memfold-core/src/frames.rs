@@ -15,6 +15,15 @@ use crate::ids::FrameId;
 /// The pool grows this many frames at a time (untouched parts use no memory).
 pub const GROW_FRAMES: u32 = 1024;
 
+/// Which quiet frames [`FrameTable::take_quiet`] gives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Quiet {
+    /// Frames only patches hold (their reference page; no guest page maps them).
+    ReferenceOnly,
+    /// Every frame in use, mapped ones included.
+    Held,
+}
+
 /// Books of the pool's frames.
 #[derive(Default)]
 pub struct FrameTable {
@@ -29,8 +38,10 @@ pub struct FrameTable {
     /// Whether the frame is held although no book names it (adopted, not yet seen).
     adopted: Vec<bool>,
     /// A bit a frame: its books changed (a mapping, a patch or a request came or went), or
-    /// memfoldd read it, since [`FrameTable::take_quiet_reference_only`] last looked.
+    /// memfoldd read it, since [`FrameTable::take_quiet`] last looked.
     touched: Vec<u64>,
+    /// Where the next [`FrameTable::take_quiet`] starts.
+    quiet_next: u32,
     free: BTreeSet<u32>,
     size: u32,
     next: u32,
@@ -58,6 +69,7 @@ impl FrameTable {
             hash: vec![0; n],
             adopted: vec![false; n],
             touched: vec![0; n.div_ceil(64)],
+            quiet_next: 0,
             free: BTreeSet::new(),
             size: frames,
             next: 0,
@@ -272,22 +284,39 @@ impl FrameTable {
         self.touched[f.index() / 64] |= 1 << (f.0 % 64);
     }
 
-    /// Frames held only as patch reference pages that nothing touched since the last call
-    /// — no patch made against one or decoded from it, no mapping, no share request, no
-    /// read of memfoldd's ([`FrameTable::touch`]) — ascending; then forgets what changed.
-    /// Such a frame is read only when a stored page that patches against it is decoded,
-    /// and each of those pages is cold by the NRU clock (DE §4.2): the frames the zswap
-    /// backing pages out (issue 15, `Engine::page_out_frames`). A frame that just became
-    /// reference-only waits one more call.
-    pub fn take_quiet_reference_only(&mut self) -> Vec<FrameId> {
+    /// Frames in use that nothing touched since the last call — no patch made against
+    /// one or decoded from it, no mapping made or dropped, no share request, no read of
+    /// memfoldd's ([`FrameTable::touch`]) — at most `max`, ascending from where the last
+    /// call stopped (wrapping), so every frame has its turn; then forgets what changed.
+    /// A frame that just changed waits one more call.
+    ///
+    /// [`Quiet::ReferenceOnly`] keeps the frames only patches hold: read only when a
+    /// stored page that patches against one is decoded, each of those pages cold by the
+    /// NRU clock (DE §4.2). [`Quiet::Held`] keeps mapped frames too; whether their guests
+    /// still touch them is the kernel's to say (it pages out only what no process maps).
+    /// The frames the zswap backing pages out (issue 15, `Engine::page_out_frames`).
+    pub fn take_quiet(&mut self, which: Quiet, max: usize) -> Vec<FrameId> {
         let mut out = Vec::new();
-        for i in 0..self.size as usize {
+        let n = self.size as usize;
+        let start = (self.quiet_next as usize).min(n);
+        let mut stop = start;
+        for i in (start..n).chain(0..start) {
+            if out.len() == max {
+                stop = i;
+                break;
+            }
             let quiet = !crate::clock::mask_bit(&self.touched, i as u32);
-            let p = self.patch_refs[i];
-            if quiet && p > 0 && p == self.refcount[i] && self.pending[i] == 0 && !self.adopted[i] {
+            let (p, r) = (self.patch_refs[i], self.refcount[i]);
+            let held = match which {
+                Quiet::ReferenceOnly => p > 0 && p == r,
+                Quiet::Held => r > 0,
+            };
+            if quiet && held && self.pending[i] == 0 && !self.adopted[i] {
                 out.push(FrameId(i as u32));
             }
         }
+        self.quiet_next = stop as u32;
+        out.sort_unstable();
         self.touched.fill(0);
         out
     }
@@ -346,25 +375,50 @@ mod tests {
         t.incref(b, false);
         t.add_pending(c);
         assert_eq!(t.in_use(), 3);
-        assert_eq!(t.take_quiet_reference_only(), vec![], "all just changed");
+        assert_eq!(t.take_quiet(Quiet::ReferenceOnly, usize::MAX), vec![], "all just changed");
         assert_eq!(
-            t.take_quiet_reference_only(),
+            t.take_quiet(Quiet::ReferenceOnly, usize::MAX),
             vec![a],
             "a whole round quiet"
         );
         // A patch decoded from a (its reference dropped): a waits another round.
         t.incref(a, true);
         t.decref(a, true);
-        assert_eq!(t.take_quiet_reference_only(), vec![]);
-        assert_eq!(t.take_quiet_reference_only(), vec![a]);
+        assert_eq!(t.take_quiet(Quiet::ReferenceOnly, usize::MAX), vec![]);
+        assert_eq!(t.take_quiet(Quiet::ReferenceOnly, usize::MAX), vec![a]);
         // b's mapping gone: reference-only now, quiet a round later; c's request answered.
         t.decref(b, false);
         t.answer(c, false);
-        assert_eq!(t.take_quiet_reference_only(), vec![a]);
-        assert_eq!(t.take_quiet_reference_only(), vec![a, b, c]);
+        assert_eq!(t.take_quiet(Quiet::ReferenceOnly, usize::MAX), vec![a]);
+        assert_eq!(t.take_quiet(Quiet::ReferenceOnly, usize::MAX), vec![a, b, c]);
         // A freed frame is no one's (b and c, untouched, stay quiet).
         t.decref(a, true);
-        assert_eq!(t.take_quiet_reference_only(), vec![b, c]);
+        assert_eq!(t.take_quiet(Quiet::ReferenceOnly, usize::MAX), vec![b, c]);
+    }
+
+    #[test]
+    fn held_frames_mapped_ones_included_are_quiet_in_turns() {
+        let mut t = FrameTable::new();
+        // Five frames each mapped by a guest page, the middle one also a reference.
+        let fs: Vec<FrameId> = (0..5)
+            .map(|h| {
+                let (f, _) = t.alloc(h);
+                t.answer(f, true);
+                f
+            })
+            .collect();
+        t.incref(fs[2], true);
+        assert_eq!(t.take_quiet(Quiet::Held, usize::MAX), vec![], "all just changed");
+        assert_eq!(t.take_quiet(Quiet::ReferenceOnly, usize::MAX), vec![], "all mapped");
+        // Two a call, from where the last stopped: every frame has its turn.
+        assert_eq!(t.take_quiet(Quiet::Held, 2), vec![fs[0], fs[1]]);
+        assert_eq!(t.take_quiet(Quiet::Held, 2), vec![fs[2], fs[3]]);
+        t.touch(fs[0]);
+        assert_eq!(t.take_quiet(Quiet::Held, 2), vec![fs[1], fs[4]], "0 touched: skipped");
+        // A frame with a request under way is not quiet; a freed one is no one's.
+        t.add_pending(fs[3]);
+        assert!(t.decref(fs[4], false), "freed");
+        assert_eq!(t.take_quiet(Quiet::Held, usize::MAX), vec![fs[0], fs[1], fs[2]]);
     }
 
     #[test]

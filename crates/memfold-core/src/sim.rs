@@ -73,6 +73,10 @@ pub struct SimAgent {
     /// Paged out to the kernel's swap ([`Command::PageOut`]), not touched since: the bytes
     /// stay in `ram` (the kernel keeps them; the model needs no copy).
     paged_out: Vec<bool>,
+    /// A page on a pool frame whose PTE is present (mapped by the share, or read since
+    /// the clock last dropped it, [`Command::ClockScan`]`::zap_shared`); counted in the
+    /// pool's [`MemFile::mapped`](crate::backing::mem::MemFile::mapped).
+    frame_pte: Vec<bool>,
     /// Events not yet reported.
     pub events: Vec<Event>,
     /// Refuse every command (as at the VMA budget).
@@ -112,6 +116,7 @@ impl SimAgent {
             tracking: vec![Tracking::Open; n],
             watched: vec![false; n],
             paged_out: vec![false; n],
+            frame_pte: vec![false; n],
             events: Vec::new(),
             refuse: false,
             frame_budget: None,
@@ -130,10 +135,31 @@ impl SimAgent {
 
     /// Page `i` lives at `h` now: its watch ends.
     fn set_home(&mut self, i: usize, h: Home) {
+        self.frame_unmapped(i);
+        if let Home::Frame(f) = h {
+            self.frame_pte[i] = true;
+            *self.shared.pool.file().mapped.entry(f.0 as u64).or_default() += 1;
+        }
         self.home[i] = h;
         self.watched[i] = false;
         self.paged_out[i] = false;
         self.ram.file().swapped.remove(&(i as u64));
+    }
+
+    /// Page `i`'s PTE onto its frame, if present, dropped.
+    fn frame_unmapped(&mut self, i: usize) {
+        let Home::Frame(f) = self.home[i] else {
+            return;
+        };
+        if std::mem::take(&mut self.frame_pte[i]) {
+            let p = f.0 as u64;
+            let mut pool = self.shared.pool.file();
+            let n = pool.mapped.get_mut(&p).expect("counted when mapped");
+            *n -= 1;
+            if *n == 0 {
+                pool.mapped.remove(&p);
+            }
+        }
     }
 
     /// Whether page `g` is paged out to the kernel's swap and untouched since.
@@ -262,6 +288,11 @@ impl SimAgent {
             }
             Home::Frame(f) => {
                 let p = self.peek(g)?;
+                if !write && !self.frame_pte[i] {
+                    // The kernel's minor fault maps the frame again.
+                    self.frame_pte[i] = true;
+                    *self.shared.pool.file().mapped.entry(f.0 as u64).or_default() += 1;
+                }
                 if write {
                     self.set_ram_page(g, &p);
                     self.set_home(i, Home::Private);
@@ -488,6 +519,7 @@ impl SimAgent {
         count: u32,
         arm: &[u64],
         wp_only: &[u64],
+        zap_shared: bool,
     ) -> (u32, Vec<u64>, Vec<u64>) {
         let n = count.min(self.pages().saturating_sub(first.0));
         let mut r = vec![0u64; (n as usize).div_ceil(64)];
@@ -504,6 +536,9 @@ impl SimAgent {
             }
             if std::mem::take(&mut self.modified[i]) {
                 m[k / 64] |= 1 << (k % 64);
+            }
+            if zap_shared {
+                self.frame_unmapped(i);
             }
             let armed = crate::clock::mask_bit(arm, k as u32);
             if armed && self.home[i] == Home::Private {
@@ -660,9 +695,12 @@ impl Rig {
             count,
             arm,
             wp_only,
+            zap_shared,
         } = c
         {
-            let (n, r, m) = self.agent.clock_scan(first, count, &arm, &wp_only);
+            let (n, r, m) = self
+                .agent
+                .clock_scan(first, count, &arm, &wp_only, zap_shared);
             self.engine.clock_bits(self.vm, first, n, &r, &m);
         } else {
             let o = self.agent.execute(&c);

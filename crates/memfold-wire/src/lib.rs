@@ -282,6 +282,7 @@ mod tests {
                 count: CLOCK_SLICE,
                 arm: vec![u64::MAX, 5],
                 wp_only: vec![3],
+                zap_shared: true,
             },
         ] {
             round_trip(m);

@@ -28,7 +28,10 @@ use crate::stats::Stats;
 /// their replies). 11: pages a clock scan arms for writes only
 /// ([`ToAgent::ClockScan`]`::wp_only`: their R comes from the guest's LRU). 12: pages
 /// sent to the kernel's swap ([`ToAgent::PageOut`], [`ToDaemon::PageOutDone`],
-/// [`ToDaemon::PagedIn`]; issue 15's zswap backing).
+/// [`ToDaemon::PagedIn`]; issue 15's zswap backing). Also in 12, without a bump,
+/// [`ToAgent::ClockScan`]`::zap_shared`: an agent that does not know it ignores it (its
+/// shared pages stay mapped, their frames in RAM), and one that does reads it as false
+/// from a memfoldd that does not send it.
 pub const PROTOCOL_VERSION: u32 = 12;
 
 /// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
@@ -524,6 +527,13 @@ pub enum ToAgent {
         /// reads need not fault. Their writes still fault: M stays exact.
         #[serde(default)]
         wp_only: Vec<u64>,
+        /// Also drop the PTEs of the slice's pages mapped onto pool frames, keeping them
+        /// write-protected (a write is still a CoW break): a frame no guest reads again is
+        /// then mapped by no process, and memfoldd's `MADV_PAGEOUT` of the pool can take
+        /// it (issue 15, cold shared frames to zswap). A read maps the frame back with the
+        /// kernel's own minor fault. Absent (an older memfoldd): false.
+        #[serde(default)]
+        zap_shared: bool,
     },
 }
 

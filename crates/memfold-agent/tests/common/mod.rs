@@ -164,6 +164,18 @@ pub fn watch(c: &Conn, batch: u64, gfns: &[u32]) -> (Vec<Gfn>, Vec<Gfn>) {
 /// writes only, in batch `batch`; returns the R and M bits since the last arming (bit g
 /// for page g).
 pub fn clock_scan(c: &Conn, batch: u64, count: u32, arm: u64, wp_only: u64) -> (u64, u64) {
+    clock_scan_zapping(c, batch, count, arm, wp_only, false)
+}
+
+/// [`clock_scan`], with `zap_shared`: the PTEs of the pages on pool frames dropped too.
+pub fn clock_scan_zapping(
+    c: &Conn,
+    batch: u64,
+    count: u32,
+    arm: u64,
+    wp_only: u64,
+    zap_shared: bool,
+) -> (u64, u64) {
     c.send(
         &ToAgent::ClockScan {
             batch: BatchId(batch),
@@ -171,6 +183,7 @@ pub fn clock_scan(c: &Conn, batch: u64, count: u32, arm: u64, wp_only: u64) -> (
             count,
             arm: vec![arm],
             wp_only: vec![wp_only],
+            zap_shared,
         },
         &[],
     )

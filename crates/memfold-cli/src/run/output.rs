@@ -272,6 +272,7 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         "clock_rbits_taken": r.clock_rbits,
         "compress_backing": a.engine.compress_backing,
         "page_out_frames": a.engine.page_out_frames,
+        "page_out_mapped_frames": a.engine.page_out_mapped_frames,
         // Pool frames in the kernel's swap at the end, and sent there in all.
         "frames_paged_out": r.end().map(|s| s.kernel_swap.frames_paged_out),
         "frame_page_outs": r.end().map(|s| s.kernel_swap.frame_page_outs),

@@ -75,6 +75,15 @@ pub struct EngineConfig {
     ///
     /// [`FRAME_PAGE_OUT_US`]: super::kernel_swap::FRAME_PAGE_OUT_US
     pub page_out_frames_us: Option<u64>,
+    /// With frame page-out on: frames some guest page maps go too, once no guest has
+    /// touched them since its clock dropped their PTEs (issue 15: cold shared frames
+    /// compressed as well). Each round's next clock pass drops the PTEs of every guest
+    /// page mapped onto a frame ([`Command::ClockScan`]`::zap_shared`), and the kernel,
+    /// which pages out only what no process maps, keeps those read since in RAM. Off:
+    /// only frames that patches alone hold.
+    ///
+    /// [`Command::ClockScan`]: super::Command::ClockScan
+    pub page_out_mapped_frames: bool,
     /// Sharing scan rate limit, pages/s (ESX §4.3); 0 scans at full speed.
     pub rate: u64,
     /// Shortest time between the starts of two full sharing scans, µs.
@@ -166,6 +175,7 @@ impl Default for EngineConfig {
             compress_cutoff: 3584,
             compress_backing: CompressBacking::Store,
             page_out_frames_us: Some(super::kernel_swap::FRAME_PAGE_OUT_US),
+            page_out_mapped_frames: true,
             rate: 100_000,
             min_scan_interval_us: 1_000_000,
             max_scan_interval_us: 8_000_000,

@@ -59,11 +59,15 @@ impl Engine {
                 if wp_only.iter().any(|&w| w != 0) {
                     v.clock_wp_only.push((first, wp_only.clone()));
                 }
+                // A pass after each round of frame page-outs: shared pages' PTEs too.
+                let zap_shared = v.zap_shared_slices > 0;
+                v.zap_shared_slices = v.zap_shared_slices.saturating_sub(1);
                 v.queue.push(Command::ClockScan {
                     first: Gfn(first),
                     count,
                     arm,
                     wp_only,
+                    zap_shared,
                 });
             }
         }

@@ -35,16 +35,30 @@
 //! bytes never change (the kernel keeps the page, named by its swap entry, and brings it
 //! back on the agent's or memfoldd's next read of the frame); the books stay as they were.
 //!
+//! **Mapped frames too** ([`EngineConfig::page_out_mapped_frames`]). A frame some guest
+//! page maps stays in RAM while any process maps it: `MADV_PAGEOUT` takes only a page
+//! mapped nowhere else. After each round, every guest's next clock pass drops the PTEs
+//! of its pages on frames ([`Command::ClockScan`]`::zap_shared`; write-protected still,
+//! so a write is a CoW break as before), and the round after offers every quiet frame,
+//! mapped or not. The kernel decides what is cold: a frame some guest read since its
+//! zap is mapped again (the kernel's own minor fault, no userfault) and stays; one no
+//! guest read is mapped nowhere and goes, to be swapped back in by the kernel on the
+//! next read. The engine's books do not change: the page is still shared, its frame
+//! still held.
+//!
 //! A page that comes back within 30 s was not cold enough: it waits longer before it is
 //! paged out again, as a stored page decoded back soon does (`restash_after`), so pages a
 //! workload revisits every few seconds do not cycle through zswap.
 //!
 //! [`P2mEntry::paged_out_at`]: crate::p2m::P2mEntry::paged_out_at
 //! [`EngineConfig::page_out_frames_us`]: super::EngineConfig::page_out_frames_us
+//! [`EngineConfig::page_out_mapped_frames`]: super::EngineConfig::page_out_mapped_frames
 
 use serde::Serialize;
 
 use super::{Command, Engine, Outcome};
+use crate::clock::CLOCK_SLICE;
+use crate::frames::Quiet;
 use crate::ids::{Gfn, VmId};
 use crate::p2m::{P2mEntry, PageState};
 
@@ -54,10 +68,12 @@ use crate::p2m::{P2mEntry, PageState};
 /// revisits every few seconds does not cycle through zswap.
 pub const FRAME_PAGE_OUT_US: u64 = 30_000_000;
 
-/// Most frames paged out in one round ([`Engine::page_out_frames`]): the kernel compresses
-/// each in the call, on memfoldd's thread (~20–40 µs a page with deflate here), so a round
-/// stays under ~0.2 s; the rest go in the next rounds.
-pub const FRAMES_PER_ROUND: usize = 4096;
+/// Most frames offered to the kernel in one round ([`Engine::page_out_frames`]): it
+/// compresses each it takes in the call, on memfoldd's thread (~20–40 µs a page with
+/// deflate here), so a round stays under ~0.3 s; a frame some guest still maps costs a
+/// read through a window and two `madvise` calls (a few µs). The next round goes on from
+/// where this one stopped.
+pub const FRAMES_PER_ROUND: usize = 8192;
 
 /// Where the Difference Engine keeps pages that only compress (DE §3.3).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -144,10 +160,13 @@ impl Engine {
     }
 
     /// At the end of a full sharing scan, with the zswap backing, at most every
-    /// [`super::EngineConfig::page_out_frames_us`]: each domain's frames that only patches
-    /// hold and that nothing touched since the last round go to the kernel's swap
-    /// ([module docs](self)). A pool that refuses counts as a pool error;
-    /// nothing else changes.
+    /// [`super::EngineConfig::page_out_frames_us`]: each domain's frames that nothing
+    /// touched since the last round — those only patches hold, and with
+    /// [`super::EngineConfig::page_out_mapped_frames`] mapped ones too — go to the
+    /// kernel's swap ([module docs](self)), at most [`FRAMES_PER_ROUND`] a domain. Then,
+    /// with mapped frames on, each guest's next clock pass drops its shared pages' PTEs,
+    /// so that by the next round the frames no guest read since are mapped nowhere. A
+    /// pool that refuses counts as a pool error; nothing else changes.
     pub(crate) fn page_out_frames(&mut self, now_us: u64) {
         let Some(every) = self.cfg.page_out_frames_us else {
             return;
@@ -158,14 +177,16 @@ impl Engine {
             return;
         }
         self.scan.frames_paged_out_us = now_us;
+        let which = if self.cfg.page_out_mapped_frames {
+            Quiet::Held
+        } else {
+            Quiet::ReferenceOnly
+        };
         for (d, dom) in &mut self.domains {
-            // At most FRAMES_PER_ROUND: each is compressed in the call, on memfoldd's
-            // thread. The rest stay quiet and go in the next rounds.
             let pages: Vec<u64> = dom
                 .frames
-                .take_quiet_reference_only()
+                .take_quiet(which, FRAMES_PER_ROUND)
                 .into_iter()
-                .take(FRAMES_PER_ROUND)
                 .map(|f| f.0 as u64)
                 .collect();
             if pages.is_empty() {
@@ -178,6 +199,11 @@ impl Engine {
                         tracing::warn!("pool of {d}: paging out frames: {e} (error {n})");
                     }
                 }
+            }
+        }
+        if which == Quiet::Held {
+            for v in self.vms.values_mut() {
+                v.zap_shared_slices = v.pages().div_ceil(CLOCK_SLICE).max(1);
             }
         }
     }
@@ -369,6 +395,68 @@ mod tests {
         assert!(r.agent.shared.pool.file().swapped_in_by_reads > 0);
         r.carry_out();
         r.engine.check_invariants().unwrap();
+    }
+
+    /// A guest whose pages `g` and `g + 32` are equal (64 pages), mapped onto shared
+    /// frames (no sharing without a mapping), left to the engine for `secs` seconds while
+    /// it reads pages 0–3 every 50 ms.
+    fn mapped_pairs(mapped_frames: bool, secs: u64) -> Rig {
+        let mut cfg = quick_config(crate::Policy::difference_engine());
+        cfg.compress_backing = CompressBacking::Zswap;
+        cfg.share_cold_unmapped = false;
+        cfg.page_out_mapped_frames = mapped_frames;
+        let mut r = Rig::new(cfg, 64).unwrap();
+        for g in 0..64 {
+            r.agent.write(Gfn(g), 0, &text(g % 32)).unwrap();
+        }
+        for _ in 0..secs * 20 {
+            for g in 0..4 {
+                r.agent.read(Gfn(g)).unwrap();
+            }
+            r.step(50_000).unwrap();
+        }
+        r
+    }
+
+    #[test]
+    fn mapped_frames_no_guest_reads_go_to_the_kernel_those_read_stay() {
+        let mut r = mapped_pairs(true, 100);
+        let d = crate::ids::DomainId(0);
+        let books = r.engine.books();
+        let swapped = r.agent.shared.pool.file().swapped.clone();
+        assert_eq!(books.frames_paged_out, swapped.len() as u64);
+        // The frames under pages 0–3, read all along, stayed; mapped ones nothing read
+        // left once a clock pass had dropped their PTEs.
+        let frame_of = |r: &Rig, g: u32| match r.engine.vms[&r.vm].state(Gfn(g)) {
+            PageState::Shared(f) => Some(f),
+            _ => None,
+        };
+        for g in 0..4 {
+            let f = frame_of(&r, g).expect("hot equal pages are mapped");
+            assert!(!swapped.contains(&(f.0 as u64)), "frame {f} of page {g} read, yet out");
+        }
+        let mapped_out = swapped
+            .iter()
+            .map(|&f| crate::ids::FrameId(f as u32))
+            .filter(|&f| {
+                let t = &r.engine.domains[&d].frames;
+                t.refcount(f) > t.patch_refs(f)
+            })
+            .count();
+        assert!(mapped_out >= 20, "{mapped_out} mapped frames out: {books:?}");
+        // Every page reads back as written (the frames read back in by the kernel).
+        for g in 0..64 {
+            assert_eq!(r.agent.read(Gfn(g)).unwrap(), text(g % 32), "page {g}");
+        }
+        r.carry_out();
+        r.engine.check_invariants().unwrap();
+        // Off: a mapped frame never leaves RAM.
+        let r = mapped_pairs(false, 100);
+        let t = &r.engine.domains[&d].frames;
+        for &f in &r.agent.shared.pool.file().swapped {
+            let f = crate::ids::FrameId(f as u32);
+            assert_eq!(t.refcount(f), t.patch_refs(f), "mapped frame {f} out");
+        }
     }
 
     #[test]

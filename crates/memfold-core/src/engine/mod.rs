@@ -198,6 +198,12 @@ pub enum Command {
         /// from the enlightened guest's LRU bits ([`EngineConfig::clock_from_guest`]), so
         /// their reads take no fault; their writes do (M stays exact).
         wp_only: Vec<u64>,
+        /// Also drop the PTEs of the slice's pages that are mapped onto pool frames (their
+        /// write-protection stays: a write is still a CoW break). A frame whose pages
+        /// the guests do not touch again is then mapped nowhere and can be paged out
+        /// ([`EngineConfig::page_out_mapped_frames`], [`kernel_swap`]); one they read is
+        /// mapped back by the kernel's own minor fault, no userfault.
+        zap_shared: bool,
     },
 }
 
@@ -319,6 +325,9 @@ pub(crate) struct Vm {
     /// The clock slices asked for with pages armed for writes only, by first page, until
     /// their bits come back ([`EngineConfig::clock_from_guest`]).
     pub(crate) clock_wp_only: Vec<(u32, Vec<u64>)>,
+    /// Clock slices still to be sent with `zap_shared` (a whole pass after each round of
+    /// frame page-outs, [`kernel_swap`]).
+    pub(crate) zap_shared_slices: u32,
     /// When its never-share marks last took back pages of other guests, µs
     /// ([`never_share`]: at most every [`never_share::PARTNER_PASS_US`]).
     pub(crate) never_share_pass_us: Option<u64>,

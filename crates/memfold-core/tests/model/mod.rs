@@ -304,10 +304,14 @@ impl Harness {
             count,
             arm,
             wp_only,
+            zap_shared,
         } = cmd
         {
             if o == Outcome::Done {
-                let (n, r, m) = self.vms[i].agent.clock_scan(*first, *count, arm, wp_only);
+                let (n, r, m) =
+                    self.vms[i]
+                        .agent
+                        .clock_scan(*first, *count, arm, wp_only, *zap_shared);
                 let first = *first;
                 self.engine.clock_bits(id, first, n, &r, &m);
             }
@@ -751,9 +755,10 @@ impl Harness {
                     count,
                     arm,
                     wp_only,
+                    zap_shared,
                 } = &cmd
                 {
-                    v.agent.clock_scan(*first, *count, arm, wp_only);
+                    v.agent.clock_scan(*first, *count, arm, wp_only, *zap_shared);
                 } else {
                     v.agent.execute(&cmd);
                 }
