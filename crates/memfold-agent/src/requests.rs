@@ -707,34 +707,48 @@ impl Agent {
         let on_frame = |agent: &Agent, k: u32| {
             matches!(agent.pages.home(plus(first, k as usize)), PageHome::Frame(_))
         };
-        let mut runs = Vec::new();
         let mut k = 0;
         while k < n {
-            if !on_frame(self, k) {
-                k += 1;
-                continue;
+            // A chunk of runs at a time, then the faults read meanwhile: the kernel
+            // reports each VMA's zap and waits for the report to be read, and a pass can
+            // cross thousands of pool mappings, so faults are not left waiting for all
+            // of them. The next chunk's runs are found after those faults are served.
+            let mut runs = Vec::new();
+            while k < n && runs.len() < ZAP_CHUNK_RUNS {
+                if !on_frame(self, k) {
+                    k += 1;
+                    continue;
+                }
+                let mut e = k + 1;
+                while e < n && on_frame(self, e) {
+                    e += 1;
+                }
+                let (addr, len) = (self.page_addr(plus(first, k as usize)), (e - k) as u64 * PAGE);
+                self.uffd.write_protect(addr, len, true)?;
+                runs.push((addr, len));
+                k = e;
             }
-            let mut e = k + 1;
-            while e < n && on_frame(self, e) {
-                e += 1;
+            if runs.is_empty() {
+                break;
             }
-            let (addr, len) = (self.page_addr(plus(first, k as usize)), (e - k) as u64 * PAGE);
-            self.uffd.write_protect(addr, len, true)?;
-            runs.push((addr, len));
-            k = e;
+            let errno = self.helper(Job::ZapFrames(runs));
+            for ev in std::mem::take(&mut self.deferred) {
+                self.handle_or_retry(ev);
+            }
+            if errno != 0 {
+                return Err(io::Error::other(format!(
+                    "dropping the PTEs of shared pages: madvise: {}",
+                    io::Error::from_raw_os_error(errno)
+                )));
+            }
         }
-        if runs.is_empty() {
-            return Ok(());
-        }
-        match self.helper(Job::ZapFrames(runs)) {
-            0 => Ok(()),
-            errno => Err(io::Error::other(format!(
-                "dropping the PTEs of shared pages: madvise: {}",
-                io::Error::from_raw_os_error(errno)
-            ))),
-        }
+        Ok(())
     }
 }
+
+/// Most runs of shared pages zapped in one job of [`Agent::zap_shared`] before the faults
+/// read meanwhile are served.
+const ZAP_CHUNK_RUNS: usize = 32;
 
 /// Runs of consecutive pages in sorted `gfns`, as (first page, pages).
 fn runs(gfns: &[Gfn]) -> Vec<(Gfn, usize)> {
