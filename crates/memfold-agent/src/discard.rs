@@ -21,12 +21,16 @@
 //! punches first), so whenever it is handled, even after a share or stash that compared
 //! the page's bytes in between, the bytes the guest may expect are the hole's zeros. So
 //! an event read in the middle of a request is handled after it (`deferred`, in order
-//! with faults): a page being shared is on its frame by then, and is let go. The one
-//! `MADV_DONTNEED` without a punch is the agent's own, arming the clock, over private
-//! pages only; its events are handled right after the clock request, before any other
+//! with faults): a page being shared is on its frame by then, and is let go. The
+//! `MADV_DONTNEED`s without a punch are the agent's own. Arming the clock, over private
+//! pages only: its events are handled right after the clock request, before any other
 //! request can change a page's home, so they find private pages only and change
 //! nothing (a paged-out page among them is still data in the memfd, its swap entry, and
-//! stays paged out). A page QEMU punched that the guest touches again before the event
+//! stays paged out). Dropping the PTEs of pages on frames (`Agent::zap_shared`): those
+//! events would let the frames go, so they are recognised by their range while the zap
+//! runs and dropped (`install.rs`, `Job::ZapFrames`); a discard by QEMU of the same
+//! range at that very moment is dropped with them, and the pages stay on their frames
+//! (their guest freed them; memfoldd's books and the agent's agree). A page QEMU punched that the guest touches again before the event
 //! is handled is data once more, so it is not reported here; the residency check before
 //! the next clock scan of its slice reports it (`pageout.rs`).
 //!
