@@ -126,6 +126,8 @@ fn main() {
             first: Gfn(16384),
             count: 16384,
             arm: vec![u64::MAX; 256],
+            wp_only: vec![],
+            zap_shared: true,
         },
     ];
     for (i, m) in agent.iter().enumerate() {
@@ -144,6 +146,7 @@ fn main() {
                 mem_total: 2977208,
                 ..Default::default()
             },
+            discard: true,
         },
         FromGuest::Runs {
             v: 1,

@@ -316,6 +316,7 @@ pub enum AgentMsg {
         count: u32,
         arm: Vec<u64>,
         wp_only: Vec<u64>,
+        zap_shared: bool,
     },
     TakeBack {
         batch: u64,
@@ -597,12 +598,14 @@ impl AgentMsg {
                 count,
                 arm,
                 wp_only,
+                zap_shared,
             } => ToAgent::ClockScan {
                 batch: BatchId(*batch),
                 first: Gfn(*first),
                 count: *count,
                 arm: arm.clone(),
                 wp_only: wp_only.clone(),
+                zap_shared: *zap_shared,
             },
             AgentMsg::TakeBack { batch, gfns: g } => ToAgent::TakeBack {
                 batch: BatchId(*batch),
