@@ -705,7 +705,10 @@ impl Agent {
     /// mapped or not, protected either way).
     pub(crate) fn zap_shared(&mut self, first: Gfn, n: u32) -> io::Result<()> {
         let on_frame = |agent: &Agent, k: u32| {
-            matches!(agent.pages.home(plus(first, k as usize)), PageHome::Frame(_))
+            matches!(
+                agent.pages.home(plus(first, k as usize)),
+                PageHome::Frame(_)
+            )
         };
         let mut k = 0;
         while k < n {
@@ -723,7 +726,10 @@ impl Agent {
                 while e < n && on_frame(self, e) {
                     e += 1;
                 }
-                let (addr, len) = (self.page_addr(plus(first, k as usize)), (e - k) as u64 * PAGE);
+                let (addr, len) = (
+                    self.page_addr(plus(first, k as usize)),
+                    (e - k) as u64 * PAGE,
+                );
                 self.uffd.write_protect(addr, len, true)?;
                 runs.push((addr, len));
                 k = e;

@@ -14,7 +14,7 @@
 
 mod common;
 
-use common::{agent_with_pool_rbits, clock_scan, next, page_of, region, write};
+use common::{agent_with_pool_rbits, clock_scan, next, page_of, region, write, zswap_on_one_cpu};
 use memfold_agent::ClockRBits;
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::pageout::PageOutWindow;
@@ -52,23 +52,10 @@ fn page_out(c: &Conn, batch: u64, gfns: &[u32]) -> (Vec<Gfn>, Vec<Gfn>, Vec<Gfn>
 
 #[test]
 fn armed_pages_go_to_zswap_come_back_by_the_kernel_and_are_reported_back() {
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("skipped: needs root (a swap file and zswap)");
-        return;
-    }
-    // One CPU for the test and the agent's threads (they inherit it): a page the clock's
-    // zap found young waits off the LRU in that CPU's activation batch, and
-    // `MADV_PAGEOUT` drains only its own CPU's, so on two CPUs a page zapped a moment
-    // before could stay (seen: nothing paged out, now and then). Live, a page is paged out
-    // a clock cycle after its zap, long after.
-    let mut one = rustix::thread::CpuSet::new();
-    one.set(rustix::thread::sched_getcpu());
-    rustix::thread::sched_setaffinity(None, &one).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let (_zswap, _) = memfold_sys::reclaim::Zswap::enable_first(&["lzo-rle", "lzo"], 20)
-        .expect("zswap (CONFIG_ZSWAP)");
-    let _swap =
-        memfold_sys::reclaim::SwapFile::create(&dir.path().join("t.swap"), 16 << 20).unwrap();
+    let Some(_zswap) = zswap_on_one_cpu(dir.path()) else {
+        return;
+    };
     let (fd, ptr) = region(PAGES);
     for g in 0..PAGES {
         write(ptr, g, &text(g));

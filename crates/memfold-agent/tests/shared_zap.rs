@@ -15,7 +15,9 @@ mod common;
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use common::{agent_with_pool_rbits, clock_scan_zapping, page_of, region, share, write};
+use common::{
+    agent_with_pool_rbits, clock_scan_zapping, page_of, region, share, write, zswap_on_one_cpu,
+};
 use memfold_agent::ClockRBits;
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd::pread_exact;
@@ -33,20 +35,10 @@ fn text(g: usize) -> Vec<u8> {
 
 #[test]
 fn zapped_shared_pages_let_their_frames_go_to_zswap_and_read_back_as_they_were() {
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("skipped: needs root (a swap file and zswap)");
-        return;
-    }
-    // One CPU for the test and the agent's threads, as in page_out.rs: a page just
-    // unmapped may wait in another CPU's LRU batch, which `MADV_PAGEOUT` does not drain.
-    let mut one = rustix::thread::CpuSet::new();
-    one.set(rustix::thread::sched_getcpu());
-    rustix::thread::sched_setaffinity(None, &one).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let (_zswap, _) = memfold_sys::reclaim::Zswap::enable_first(&["lzo-rle", "lzo"], 20)
-        .expect("zswap (CONFIG_ZSWAP)");
-    let _swap =
-        memfold_sys::reclaim::SwapFile::create(&dir.path().join("t.swap"), 16 << 20).unwrap();
+    let Some(_zswap) = zswap_on_one_cpu(dir.path()) else {
+        return;
+    };
     // Pages 0–3 hold frame 0's bytes, 4–7 frame 1's; the rest are their own.
     let frames = [text(100), text(101)];
     let (_fd, ptr) = region(PAGES);
@@ -58,8 +50,11 @@ fn zapped_shared_pages_let_their_frames_go_to_zswap_and_read_back_as_they_were()
         };
         write(ptr, g, &bytes);
     }
-    let (c, pool, _store) =
-        agent_with_pool_rbits(&dir.path().join("memfoldd.sock"), &frames, ClockRBits::Pagemap);
+    let (c, pool, _store) = agent_with_pool_rbits(
+        &dir.path().join("memfoldd.sock"),
+        &frames,
+        ClockRBits::Pagemap,
+    );
     let pages: Vec<(Gfn, FrameId)> = (0..8u32).map(|g| (Gfn(g), FrameId(g / 4))).collect();
     let (shared, refused, changed) = share(&c, BatchId(1), pages);
     assert_eq!((shared.len(), refused.len(), changed.len()), (8, 0, 0));
@@ -70,7 +65,11 @@ fn zapped_shared_pages_let_their_frames_go_to_zswap_and_read_back_as_they_were()
     let pool_window = PageOutWindow::new(pool.as_fd(), 2 * PAGE_SIZE as u64).unwrap();
     let (left, r) = pool_window.page_out_list(&[0, 1]);
     r.unwrap();
-    assert_eq!(left, vec![false, false], "mapped by the guest: in use, left in RAM");
+    assert_eq!(
+        left,
+        vec![false, false],
+        "mapped by the guest: in use, left in RAM"
+    );
     // The clock's pass drops the shared pages' PTEs; the guest reads frame 1's page 4
     // again (the kernel maps it back), frame 0's pages stay untouched.
     clock_scan_zapping(&c, 2, PAGES as u32, 0, 0, true);

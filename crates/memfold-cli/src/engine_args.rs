@@ -276,7 +276,10 @@ impl EngineArgs {
         opt("--compress-cutoff", self.compress_cutoff.to_string());
         opt("--compress-backing", self.compress_backing.to_string());
         opt("--page-out-frames", self.page_out_frames.clone());
-        opt("--page-out-mapped-frames", self.page_out_mapped_frames.clone());
+        opt(
+            "--page-out-mapped-frames",
+            self.page_out_mapped_frames.clone(),
+        );
         opt("--share-domains", self.share_domains.clone());
         if !self.never_share.is_empty() {
             opt("--never-share", self.never_share.join(","));

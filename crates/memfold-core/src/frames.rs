@@ -375,7 +375,11 @@ mod tests {
         t.incref(b, false);
         t.add_pending(c);
         assert_eq!(t.in_use(), 3);
-        assert_eq!(t.take_quiet(Quiet::ReferenceOnly, usize::MAX), vec![], "all just changed");
+        assert_eq!(
+            t.take_quiet(Quiet::ReferenceOnly, usize::MAX),
+            vec![],
+            "all just changed"
+        );
         assert_eq!(
             t.take_quiet(Quiet::ReferenceOnly, usize::MAX),
             vec![a],
@@ -390,7 +394,10 @@ mod tests {
         t.decref(b, false);
         t.answer(c, false);
         assert_eq!(t.take_quiet(Quiet::ReferenceOnly, usize::MAX), vec![a]);
-        assert_eq!(t.take_quiet(Quiet::ReferenceOnly, usize::MAX), vec![a, b, c]);
+        assert_eq!(
+            t.take_quiet(Quiet::ReferenceOnly, usize::MAX),
+            vec![a, b, c]
+        );
         // A freed frame is no one's (b and c, untouched, stay quiet).
         t.decref(a, true);
         assert_eq!(t.take_quiet(Quiet::ReferenceOnly, usize::MAX), vec![b, c]);
@@ -408,17 +415,32 @@ mod tests {
             })
             .collect();
         t.incref(fs[2], true);
-        assert_eq!(t.take_quiet(Quiet::Held, usize::MAX), vec![], "all just changed");
-        assert_eq!(t.take_quiet(Quiet::ReferenceOnly, usize::MAX), vec![], "all mapped");
+        assert_eq!(
+            t.take_quiet(Quiet::Held, usize::MAX),
+            vec![],
+            "all just changed"
+        );
+        assert_eq!(
+            t.take_quiet(Quiet::ReferenceOnly, usize::MAX),
+            vec![],
+            "all mapped"
+        );
         // Two a call, from where the last stopped: every frame has its turn.
         assert_eq!(t.take_quiet(Quiet::Held, 2), vec![fs[0], fs[1]]);
         assert_eq!(t.take_quiet(Quiet::Held, 2), vec![fs[2], fs[3]]);
         t.touch(fs[0]);
-        assert_eq!(t.take_quiet(Quiet::Held, 2), vec![fs[1], fs[4]], "0 touched: skipped");
+        assert_eq!(
+            t.take_quiet(Quiet::Held, 2),
+            vec![fs[1], fs[4]],
+            "0 touched: skipped"
+        );
         // A frame with a request under way is not quiet; a freed one is no one's.
         t.add_pending(fs[3]);
         assert!(t.decref(fs[4], false), "freed");
-        assert_eq!(t.take_quiet(Quiet::Held, usize::MAX), vec![fs[0], fs[1], fs[2]]);
+        assert_eq!(
+            t.take_quiet(Quiet::Held, usize::MAX),
+            vec![fs[0], fs[1], fs[2]]
+        );
     }
 
     #[test]

@@ -137,13 +137,24 @@ impl SimAgent {
     fn set_home(&mut self, i: usize, h: Home) {
         self.frame_unmapped(i);
         if let Home::Frame(f) = h {
-            self.frame_pte[i] = true;
-            *self.shared.pool.file().mapped.entry(f.0 as u64).or_default() += 1;
+            self.frame_mapped(i, f);
         }
         self.home[i] = h;
         self.watched[i] = false;
         self.paged_out[i] = false;
         self.ram.file().swapped.remove(&(i as u64));
+    }
+
+    /// Page `i`'s PTE onto frame `f` present (counted in the pool's mapped pages).
+    fn frame_mapped(&mut self, i: usize, f: FrameId) {
+        self.frame_pte[i] = true;
+        *self
+            .shared
+            .pool
+            .file()
+            .mapped
+            .entry(f.0 as u64)
+            .or_default() += 1;
     }
 
     /// Page `i`'s PTE onto its frame, if present, dropped.
@@ -290,8 +301,7 @@ impl SimAgent {
                 let p = self.peek(g)?;
                 if !write && !self.frame_pte[i] {
                     // The kernel's minor fault maps the frame again.
-                    self.frame_pte[i] = true;
-                    *self.shared.pool.file().mapped.entry(f.0 as u64).or_default() += 1;
+                    self.frame_mapped(i, f);
                 }
                 if write {
                     self.set_ram_page(g, &p);

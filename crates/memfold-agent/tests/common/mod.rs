@@ -201,3 +201,25 @@ pub fn clock_scan_zapping(
         _ => None,
     })
 }
+
+/// zswap on and a 16 MiB swap file in `dir` for a test that pages out (both put back when
+/// the guards drop), with this thread and the threads it starts (the agent's) on one CPU:
+/// a page just unmapped can wait off the LRU in a CPU's activation batch, and
+/// `MADV_PAGEOUT` drains only its own CPU's, so on two CPUs a page zapped a moment before
+/// could stay (seen: nothing paged out, now and then; live, a page is paged out a clock
+/// cycle after its zap, long after). `None` (the test skips, saying so) without root.
+pub fn zswap_on_one_cpu(
+    dir: &Path,
+) -> Option<(memfold_sys::reclaim::Zswap, memfold_sys::reclaim::SwapFile)> {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: needs root (a swap file and zswap)");
+        return None;
+    }
+    let mut one = rustix::thread::CpuSet::new();
+    one.set(rustix::thread::sched_getcpu());
+    rustix::thread::sched_setaffinity(None, &one).unwrap();
+    let (zswap, _) = memfold_sys::reclaim::Zswap::enable_first(&["lzo-rle", "lzo"], 20)
+        .expect("zswap (CONFIG_ZSWAP)");
+    let swap = memfold_sys::reclaim::SwapFile::create(&dir.join("t.swap"), 16 << 20).unwrap();
+    Some((zswap, swap))
+}

@@ -433,7 +433,10 @@ mod tests {
         };
         for g in 0..4 {
             let f = frame_of(&r, g).expect("hot equal pages are mapped");
-            assert!(!swapped.contains(&(f.0 as u64)), "frame {f} of page {g} read, yet out");
+            assert!(
+                !swapped.contains(&(f.0 as u64)),
+                "frame {f} of page {g} read, yet out"
+            );
         }
         let mapped_out = swapped
             .iter()
@@ -443,7 +446,10 @@ mod tests {
                 t.refcount(f) > t.patch_refs(f)
             })
             .count();
-        assert!(mapped_out >= 20, "{mapped_out} mapped frames out: {books:?}");
+        assert!(
+            mapped_out >= 20,
+            "{mapped_out} mapped frames out: {books:?}"
+        );
         // Every page reads back as written (the frames read back in by the kernel).
         for g in 0..64 {
             assert_eq!(r.agent.read(Gfn(g)).unwrap(), text(g % 32), "page {g}");

@@ -758,7 +758,8 @@ impl Harness {
                     zap_shared,
                 } = &cmd
                 {
-                    v.agent.clock_scan(*first, *count, arm, wp_only, *zap_shared);
+                    v.agent
+                        .clock_scan(*first, *count, arm, wp_only, *zap_shared);
                 } else {
                     v.agent.execute(&cmd);
                 }
