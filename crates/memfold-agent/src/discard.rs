@@ -30,9 +30,10 @@
 //! events would let the frames go, so they are recognised by their range while the zap
 //! runs and dropped (`install.rs`, `Job::ZapFrames`); a discard by QEMU of the same
 //! range at that very moment is dropped with them, and the pages stay on their frames
-//! (their guest freed them; memfoldd's books and the agent's agree). A page QEMU punched that the guest touches again before the event
-//! is handled is data once more, so it is not reported here; the residency check before
-//! the next clock scan of its slice reports it (`pageout.rs`).
+//! (their guest freed them; memfoldd's books and the agent's agree). A page QEMU
+//! punched that the guest touches again before the event is handled is data once more,
+//! so it is not reported here; the residency check before the next clock scan of its
+//! slice reports it (`pageout.rs`).
 //!
 //! What memfold assumes: every other `MADV_DONTNEED`/`MADV_REMOVE` of guest RAM discards
 //! it, as QEMU's does (for memfd-backed RAM it always punches first). A process that drops

@@ -697,9 +697,11 @@ impl Agent {
     /// Invariant: a pool frame is never writable through a guest's mapping. Each run is
     /// write-protected again just before its zap, so that every PTE the zap drops leaves
     /// a uffd-wp marker: the kernel maps the frame back write-protected, and a write is a
-    /// write-protect fault, the CoW break, as before (tests/shared_zap.rs breaks it on
-    /// purpose). The kernel's remove events for these ranges are dropped as the agent's
-    /// own (`Job::ZapFrames`), not taken for QEMU discarding the pages.
+    /// write-protect fault, the CoW break, as before (tests/shared_zap.rs writes a zapped
+    /// shared page and checks that the frame kept its bytes; seen failing, the write in
+    /// the frame, with the runs unprotected before their zap). The kernel's remove events
+    /// for these ranges are dropped as the agent's own (`Job::ZapFrames`), not taken for
+    /// QEMU discarding the pages.
     ///
     /// Errors: the write-protection or the zap failed (the pages stay on their frames,
     /// mapped or not, protected either way).

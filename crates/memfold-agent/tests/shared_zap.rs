@@ -7,8 +7,10 @@
 //! and zswap for the test's length; both put back).
 //!
 //! Seen failing with the agent taking its own zap's remove events for QEMU's discards
-//! (the shared pages then read as zeros, and were reported discarded), and with the zap
-//! left out of the clock scan (the frames stay mapped, and nothing leaves RAM).
+//! (the shared pages then read as zeros, and were reported discarded), with the zap left
+//! out of the clock scan (the frames stay mapped, and nothing leaves RAM), and with the
+//! runs unprotected instead of protected before their zap (the write landed in the frame,
+//! which every guest sharing it would then read).
 
 mod common;
 
