@@ -174,7 +174,8 @@ impl Agent {
 
     /// Has the helper thread carry out `job` and returns its errno (0: done), reading the
     /// userfaultfd meanwhile (the helper waits for its own events to be read): faults and
-    /// discarded ranges are kept in `deferred`, in order, for after the request. Fails closed if the helper
+    /// discarded ranges are kept in `deferred`, in order, for after the request (or, in
+    /// `Agent::zap_shared`, after each chunk). Fails closed if the helper
     /// is gone, since whether the job changed guest RAM's mappings is then unknown.
     pub(crate) fn helper(&mut self, job: Job) -> i32 {
         let what = match &job {

@@ -141,8 +141,12 @@ impl Agent {
                 self.paged_in(first, n);
                 let (count, referenced, modified) =
                     self.clock_scan(first, count, &arm, &wp_only)?;
+                // Never fatal: the pages stay on their frames, protected, zapped or not,
+                // and the slice's bits (already taken) must reach memfoldd.
                 if zap_shared {
-                    self.zap_shared(first, count)?;
+                    if let Err(e) = self.zap_shared(first, count) {
+                        tracing::warn!("clock slice at {first}: {e}");
+                    }
                 }
                 ToDaemon::ClockBits {
                     batch,
@@ -703,14 +707,12 @@ impl Agent {
     /// for these ranges are dropped as the agent's own (`Job::ZapFrames`), not taken for
     /// QEMU discarding the pages.
     ///
-    /// Errors: the write-protection or the zap failed (the pages stay on their frames,
-    /// mapped or not, protected either way).
+    /// Errors: the zap failed (the pages stay on their frames, mapped or not, protected
+    /// either way); a run whose write-protection fails is left as it is, logged.
     pub(crate) fn zap_shared(&mut self, first: Gfn, n: u32) -> io::Result<()> {
-        let on_frame = |agent: &Agent, k: u32| {
-            matches!(
-                agent.pages.home(plus(first, k as usize)),
-                PageHome::Frame(_)
-            )
+        let frame = |agent: &Agent, k: u32| match agent.pages.home(plus(first, k as usize)) {
+            PageHome::Frame(f) => Some(f.0),
+            _ => None,
         };
         let mut k = 0;
         while k < n {
@@ -720,20 +722,26 @@ impl Agent {
             // of them. The next chunk's runs are found after those faults are served.
             let mut runs = Vec::new();
             while k < n && runs.len() < ZAP_CHUNK_RUNS {
-                if !on_frame(self, k) {
+                let Some(f0) = frame(self, k) else {
                     k += 1;
                     continue;
-                }
+                };
+                // One run per pool mapping (consecutive frames, as a share maps them):
+                // kernels before 6.4 refuse a write-protection across mappings.
                 let mut e = k + 1;
-                while e < n && on_frame(self, e) {
+                while e < n && frame(self, e) == Some(f0 + (e - k)) {
                     e += 1;
                 }
                 let (addr, len) = (
                     self.page_addr(plus(first, k as usize)),
                     (e - k) as u64 * PAGE,
                 );
-                self.uffd.write_protect(addr, len, true)?;
-                runs.push((addr, len));
+                // Only a run just protected is zapped, so that its dropped PTEs leave
+                // markers; one the kernel refuses to protect keeps its PTEs.
+                match self.uffd.write_protect(addr, len, true) {
+                    Ok(()) => runs.push((addr, len)),
+                    Err(e) => tracing::warn!("{len} bytes at {addr:#x} on frames: {e}"),
+                }
                 k = e;
             }
             if runs.is_empty() {
