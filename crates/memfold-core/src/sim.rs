@@ -562,6 +562,23 @@ impl SimAgent {
         (n, r, m)
     }
 
+    /// Carries out `cmd` if it is a clock scan ([`SimAgent::clock_scan`]): its first page,
+    /// pages and R and M bits; `None` for any other command (nothing done).
+    pub fn clock_scan_cmd(&mut self, cmd: &Command) -> Option<(Gfn, u32, Vec<u64>, Vec<u64>)> {
+        let Command::ClockScan {
+            first,
+            count,
+            ref arm,
+            ref wp_only,
+            zap_shared,
+        } = *cmd
+        else {
+            return None;
+        };
+        let (n, r, m) = self.clock_scan(first, count, arm, wp_only, zap_shared);
+        Some((first, n, r, m))
+    }
+
     /// Before re-attaching to a (new) memfoldd: writes every stashed page back into guest
     /// RAM, drops unreported events (the list says it all), and lists what it maps.
     ///
@@ -700,17 +717,7 @@ impl Rig {
     /// Command `c` carried out by the agent and its answer given to the engine: a clock
     /// scan's R and M bits, any other command's outcome.
     pub fn answer(&mut self, c: Command) {
-        if let Command::ClockScan {
-            first,
-            count,
-            arm,
-            wp_only,
-            zap_shared,
-        } = c
-        {
-            let (n, r, m) = self
-                .agent
-                .clock_scan(first, count, &arm, &wp_only, zap_shared);
+        if let Some((first, n, r, m)) = self.agent.clock_scan_cmd(&c) {
             self.engine.clock_bits(self.vm, first, n, &r, &m);
         } else {
             let o = self.agent.execute(&c);

@@ -299,20 +299,9 @@ impl Harness {
     /// Applies an outcome for VM `i`'s command.
     fn answer(&mut self, i: usize, cmd: &Command, o: Outcome) -> Result<(), String> {
         let id = self.vms[i].id.expect("connected VMs have an id");
-        if let Command::ClockScan {
-            first,
-            count,
-            arm,
-            wp_only,
-            zap_shared,
-        } = cmd
-        {
+        if let Command::ClockScan { .. } = cmd {
             if o == Outcome::Done {
-                let (n, r, m) =
-                    self.vms[i]
-                        .agent
-                        .clock_scan(*first, *count, arm, wp_only, *zap_shared);
-                let first = *first;
+                let (first, n, r, m) = self.vms[i].agent.clock_scan_cmd(cmd).expect("a scan");
                 self.engine.clock_bits(id, first, n, &r, &m);
             }
             return Ok(());
@@ -750,17 +739,7 @@ impl Harness {
         for cmd in std::mem::take(&mut self.vms[i].wire) {
             if rng.gen_bool(0.5) {
                 let v = &mut self.vms[i];
-                if let Command::ClockScan {
-                    first,
-                    count,
-                    arm,
-                    wp_only,
-                    zap_shared,
-                } = &cmd
-                {
-                    v.agent
-                        .clock_scan(*first, *count, arm, wp_only, *zap_shared);
-                } else {
+                if v.agent.clock_scan_cmd(&cmd).is_none() {
                     v.agent.execute(&cmd);
                 }
             }
