@@ -173,6 +173,21 @@ impl SimAgent {
         }
     }
 
+    /// Its QEMU exits: every PTE onto a pool frame goes with the process (the pool's
+    /// [`MemFile::mapped`](crate::backing::mem::MemFile::mapped) counts fall); the pages'
+    /// homes stay as they were, for whoever inspects them after.
+    pub fn exit(&mut self) {
+        for i in 0..self.home.len() {
+            self.frame_unmapped(i);
+        }
+    }
+
+    /// Its pages on pool frames whose PTE is present (each counted once in the pool's
+    /// [`MemFile::mapped`](crate::backing::mem::MemFile::mapped)).
+    pub fn frame_ptes(&self) -> u64 {
+        self.frame_pte.iter().filter(|&&p| p).count() as u64
+    }
+
     /// Whether page `g` is paged out to the kernel's swap and untouched since.
     pub fn is_paged_out(&self, g: Gfn) -> bool {
         self.paged_out[g.index()]

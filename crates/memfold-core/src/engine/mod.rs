@@ -326,7 +326,9 @@ pub(crate) struct Vm {
     /// their bits come back ([`EngineConfig::clock_from_guest`]).
     pub(crate) clock_wp_only: Vec<(u32, Vec<u64>)>,
     /// Clock slices still to be sent with `zap_shared` (a whole pass after each round of
-    /// frame page-outs, [`kernel_swap`]).
+    /// frame page-outs, [`kernel_swap`]). Counted when a slice is queued: a slice lost on
+    /// the wire zaps nothing, and its frames wait for the pass after the next round (a
+    /// frame left mapped stays in RAM, as before the zap existed: no data depends on it).
     pub(crate) zap_shared_slices: u32,
     /// When its never-share marks last took back pages of other guests, µs
     /// ([`never_share`]: at most every [`never_share::PARTNER_PASS_US`]).

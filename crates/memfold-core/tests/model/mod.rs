@@ -260,7 +260,8 @@ impl Harness {
             Ok(m) => m,
             // A corrupted blob: this guest fails closed (its QEMU stops).
             Err(_) if self.corrupted => {
-                let v = self.vms.remove(i);
+                let mut v = self.vms.remove(i);
+                v.agent.exit();
                 if let Some(id) = v.id {
                     self.engine.remove(id);
                 }
@@ -381,7 +382,8 @@ impl Harness {
             }
             Op::DestroyVm { vm } => {
                 if let Some(i) = self.pick(vm) {
-                    let v = self.vms.remove(i);
+                    let mut v = self.vms.remove(i);
+                    v.agent.exit();
                     if let Some(id) = v.id {
                         self.engine.remove(id);
                     }
@@ -760,6 +762,20 @@ impl Harness {
                 return Err(format!("the {what} hold {h} bytes, the books {b}"));
             }
         }
+        // The pool counts exactly the live QEMUs' present PTEs onto its frames (what
+        // `MADV_PAGEOUT` reads; an exited QEMU's went with it).
+        for (d, pool) in &self.pools {
+            let counted: u64 = pool.file().mapped.values().map(|&n| u64::from(n)).sum();
+            let ptes: u64 = (self.vms.iter())
+                .filter(|v| self.domain_of(v.pid) == *d)
+                .map(|v| v.agent.frame_ptes())
+                .sum();
+            if counted != ptes {
+                return Err(format!(
+                    "the pool of {d} counts {counted} mapped pages, its guests map {ptes}"
+                ));
+            }
+        }
         for (i, v) in self.vms.iter().enumerate() {
             for g in 0..v.agent.pages() {
                 let g = Gfn(g);
@@ -838,7 +854,8 @@ impl Harness {
             i += 1;
         }
         self.verify_all()?;
-        for v in std::mem::take(&mut self.vms) {
+        for mut v in std::mem::take(&mut self.vms) {
+            v.agent.exit();
             self.engine.remove(v.id.expect("attached"));
         }
         for &d in self.pools.keys() {
@@ -850,6 +867,12 @@ impl Harness {
             return Err(format!("leak after teardown: {b:?}"));
         }
         for (d, pool) in &self.pools {
+            let mapped = pool.file().mapped.len();
+            if mapped != 0 {
+                return Err(format!(
+                    "{mapped} frames of the pool of {d} still mapped after every QEMU exited"
+                ));
+            }
             if pool.allocated_bytes() != 0 {
                 return Err(format!(
                     "{} bytes of the pool of {d} still allocated after teardown",
