@@ -678,10 +678,7 @@ impl Engine {
             .map(|v| {
                 v.p2m.capacity() * 4
                     + v.p2m.len() * 2
-                    + v.de_failed.capacity() * 8
-                    + v.page_out_going.capacity() * 8
-                    + v.ages.bytes()
-                    + v.restash_wait.capacity()
+                    + v.hints.bytes()
                     + v.categories.as_ref().map_or(0, |m| m.bytes())
                     + crate::share::hashbrown_bytes(v.unmapping.capacity(), 4)
                     + crate::share::hashbrown_bytes(v.read_sharing.capacity(), 16)

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use super::{kept_index, Command, Engine};
 use crate::blobs::{BlobHome, Kept};
-use crate::ids::{DomainId, FrameId, VmId};
+use crate::ids::{DomainId, FrameId, Gfn, VmId};
 use crate::p2m::{BlobId, PageState};
 use crate::share::ShareEntry;
 
@@ -82,7 +82,7 @@ impl Engine {
                 paged += u64::from(e.is_paged_out());
                 let at = || format!("{id} gfn {i}");
                 // A page-out under way is forgotten at any state change (`Vm::set`).
-                if crate::clock::mask_bit(&v.page_out_going, i as u32)
+                if v.hints.page_out_going(Gfn(i as u32))
                     && (e.state() != PageState::Private || e.is_paged_out())
                 {
                     return Err(format!(

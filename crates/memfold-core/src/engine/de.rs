@@ -126,7 +126,7 @@ impl Engine {
         // has read what patching and compression take (DE §4.3).
         for k in 0..count.min(v.pages() - first.0) {
             if mask_bit(modified, k) {
-                v.ages.reset(Gfn(first.0 + k));
+                v.hints.age_reset(Gfn(first.0 + k));
             }
         }
         let end = Gfn((first.0 + count).min(v.pages()));
@@ -235,17 +235,16 @@ impl Engine {
         let clock = v.clock.page(g.0);
         // The class this slice's scan just found (`state()` would read the cleared bits).
         let a = self.cfg.policy.for_state(clock.last_state());
-        let (w, bit) = (g.index() / 64, 1u64 << (g.0 % 64));
         if clock.idle_scans() == 0 {
-            v.de_failed[w] &= !bit; // written since: worth another try
+            v.hints.set_de_failed(g, false); // written since: worth another try
         }
         // Sharing goes first: nothing is stored before a full sharing cycle saw the page,
         // nor before it has been idle as long as its history asks.
         // The wait target's floor holds back stores, not swap over the host budget.
         let floor = if swap_wanted { 0 } else { v.wait.floor };
         let seen = v.clock.seen_by_sharing(g.0, full_scans)
-            && clock.idle_scans() >= v.restash_wait[g.index()].max(floor);
-        let untried = v.de_failed[w] & bit == 0;
+            && clock.idle_scans() >= v.hints.restash_wait(g).max(floor);
+        let untried = !v.hints.de_failed(g);
         let to_swap = seen && a.swap && swap_wanted;
         let home = if to_swap {
             BlobHome::Swap
@@ -275,7 +274,7 @@ impl Engine {
                 return;
             }
             // Incompressible and unpatchable as it is: spare the CPU until it changes.
-            self.vms.get_mut(&id).expect("sharable").de_failed[w] |= bit;
+            (self.vms.get_mut(&id).expect("sharable").hints).set_de_failed(g, true);
         }
         if to_swap {
             if let Some(slot) = self.put_blob(id, page, BlobHome::Swap) {
@@ -616,12 +615,7 @@ impl Engine {
     /// How long a page taken back after `lived_us` waits before it is stored again.
     pub(crate) fn restash_after(&mut self, id: VmId, g: Gfn, lived_us: u64) {
         let v = self.vms.get_mut(&id).expect("live");
-        let wait = &mut v.restash_wait[g.index()];
-        *wait = if lived_us >= RESTASH_LIVED_US {
-            0
-        } else {
-            (*wait * 2).clamp(2, 7)
-        };
+        v.hints.restash_after(g, lived_us >= RESTASH_LIVED_US);
     }
 }
 

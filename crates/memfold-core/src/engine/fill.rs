@@ -236,7 +236,7 @@ impl Engine {
                 }
                 self.domain_mut(d).frames.add_pending(f);
                 let v = self.vms.get_mut(&id).expect("attached");
-                v.ages.reset(g);
+                v.hints.age_reset(g);
                 v.set(g, PageState::Sharing(f));
                 v.queue.push(Command::Fill {
                     gfn: g,

@@ -16,8 +16,8 @@
 //! RAM's memfd: the page stays [`PageState::Private`] throughout (marked
 //! [`P2mEntry::paged_out_at`] once the agent says it left RAM), and a lost or refused
 //! answer leaves nothing in doubt. From the ask to the answer the page counts as away
-//! (`Vm::page_out_going`, checked by `check_invariants`: only on private, unmarked pages),
-//! since the agent may have paged it out before memfoldd hears so. Mark and bit are hints
+//! (its page hints' page-out bit, checked by `check_invariants`: only on private,
+//! unmarked pages), since the agent may have paged it out before memfoldd hears so. Mark and bit are hints
 //! for the books and the scans (which skip such a page instead of reading it back in);
 //! both go with any change of the page's state, the mark also with the agent's
 //! [`Engine::paged_in`].
@@ -119,7 +119,7 @@ impl Engine {
     /// [`Vm::paged_out_or_going`]: super::Vm::paged_out_or_going
     pub(crate) fn queue_page_out(&mut self, id: VmId, g: Gfn) {
         if let Some(v) = self.vms.get_mut(&id) {
-            v.page_out_going[g.index() / 64] |= 1 << (g.0 % 64);
+            v.hints.set_page_out_going(g);
             v.queue.push(Command::PageOut { gfn: g });
         }
     }
@@ -154,7 +154,7 @@ impl Engine {
                 // Not tried again until the guest writes it (as a page that neither
                 // patched nor compressed): on a host without swap, or for a page another
                 // process maps, every pass would compress it again for nothing.
-                v.de_failed[g.index() / 64] |= 1 << (g.0 % 64);
+                v.hints.set_de_failed(g, true);
             }
         }
     }
@@ -337,7 +337,7 @@ mod tests {
             .expect("one paged out");
         r.agent.read(g).unwrap();
         r.carry_out();
-        assert_eq!(r.engine.vms[&r.vm].restash_wait[g.index()], 2);
+        assert_eq!(r.engine.vms[&r.vm].hints.restash_wait(g), 2);
     }
 
     #[test]
@@ -506,11 +506,7 @@ mod tests {
         }
         let g = found.expect("a page-out was asked within 10 s");
         let v = &r.engine.vms[&r.vm];
-        assert_eq!(
-            v.de_failed[g.index() / 64] & (1 << (g.0 % 64)),
-            0,
-            "held back"
-        );
+        assert!(!v.hints.de_failed(g), "held back");
         assert!(!v.paged_out_or_going(g));
         assert_eq!(v.books.page_outs_kept, 0);
         r.engine.check_invariants().unwrap();

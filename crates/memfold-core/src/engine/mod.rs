@@ -41,6 +41,7 @@ mod guests;
 mod kernel_swap;
 pub mod never_share;
 mod outcomes;
+mod page_hints;
 mod scan;
 mod unmapped;
 pub mod wait_target;
@@ -290,23 +291,12 @@ pub(crate) struct Vm {
     pub(crate) scanned_this_pass: bool,
     /// End of the data run the cursor is in, as last asked of its RAM (0: to be asked).
     pub(crate) run_end: u32,
-    /// Each page's age for quiet-page skipping ([`scan::ScanAges`]).
-    pub(crate) ages: scan::ScanAges,
+    /// Each page's hints, a byte a page: the scan's quiet age, the re-store wait, whether
+    /// DE failed it, a page-out going ([`page_hints`]).
+    pub(crate) hints: page_hints::PageHints,
     /// Commands not yet handed to the executor.
     pub(crate) queue: Vec<Command>,
     pub(crate) clock: ClockHand,
-    /// Per gfn (bit): neither a patch nor compression was under the cut-off when last
-    /// tried; not tried again until the guest writes the page.
-    pub(crate) de_failed: Vec<u64>,
-    /// Per gfn (bit): a page-out asked of the agent and not yet answered
-    /// ([`kernel_swap`]). The agent may have paged the page out already, so a read now
-    /// would swap it straight back in.
-    pub(crate) page_out_going: Vec<u64>,
-    /// Per gfn: idle clock scans the page needs before it is stored again (0: what the
-    /// policy's classes say). A page the guest took back within [`RESTASH_LIVED_US`]
-    /// waits twice as long next time (2, 4, then 7 scans), so pages a workload revisits
-    /// every few seconds stop cycling through decode faults.
-    pub(crate) restash_wait: Vec<u8>,
     /// When the agent last refused a share (its VMA budget, most likely), µs: for a
     /// while after, identical pages are shared without a mapping ([`unmapped`]).
     pub(crate) share_refused_us: Option<u64>,
@@ -402,16 +392,14 @@ impl Vm {
     /// Ends the page-out of page `g` under way, if there is one; returns whether there was
     /// ([`kernel_swap`]).
     pub(crate) fn take_page_out_going(&mut self, g: Gfn) -> bool {
-        let going = crate::clock::mask_bit(&self.page_out_going, g.0);
-        self.page_out_going[g.index() / 64] &= !(1 << (g.0 % 64));
-        going
+        self.hints.take_page_out_going(g)
     }
 
     /// Whether page `g` is marked paged out to the kernel's swap, or a page-out of it is
     /// under way ([`kernel_swap`]): either way reading it through guest RAM's memfd would
     /// swap it back in, so nothing of memfold's reads it.
     pub(crate) fn paged_out_or_going(&self, g: Gfn) -> bool {
-        self.p2m[g.index()].is_paged_out() || crate::clock::mask_bit(&self.page_out_going, g.0)
+        self.p2m[g.index()].is_paged_out() || self.hints.page_out_going(g)
     }
 
     /// Its guest's last report, if at most [`de::GUEST_R_MAX_AGE_US`] old at `now`: what
@@ -766,7 +754,7 @@ impl Engine {
     pub(crate) fn enqueue_share(&mut self, id: VmId, g: Gfn, f: FrameId) {
         self.scan.pass_requests += 1;
         let v = self.vms.get_mut(&id).expect("sharable");
-        v.ages.reset(g);
+        v.hints.age_reset(g);
         v.set(g, PageState::Sharing(f));
         v.queue.push(Command::Share { gfn: g, frame: f });
         if let Some(t) = self.landed_us {

@@ -42,47 +42,12 @@ fn period(age: u8, max: u32) -> u64 {
     p.min(max).max(1) as u64
 }
 
-/// Each page's age for quiet-page skipping, one byte a guest page: the full scans in a
-/// row in which it was read and nothing found for it (saturating at 255).
-pub(crate) struct ScanAges(Vec<u8>);
-
-impl ScanAges {
-    /// `pages` pages, all of age 0.
-    pub(crate) fn new(pages: usize) -> Self {
-        ScanAges(vec![0; pages])
-    }
-
-    /// Bytes held.
-    pub(crate) fn bytes(&self) -> usize {
-        self.0.capacity()
-    }
-
-    /// Whether page `g` rests in full scan number `pass`: its period does not divide
-    /// `pass`. Periods are powers of two, so every page is read in each scan whose number
-    /// is a multiple of the longest period: any two quiet pages meet there (hints last
-    /// one full scan).
-    fn rests(&self, g: u32, pass: u64, max: u32) -> bool {
-        pass % period(self.0[g as usize], max) != 0
-    }
-
-    /// Page `g` was read and nothing found: one scan older.
-    fn found_nothing(&mut self, g: u32) {
-        let b = &mut self.0[g as usize];
-        *b = b.saturating_add(1);
-    }
-
-    /// Page `g` led to a request (share, reclaim): age 0, read in every scan again.
-    pub(crate) fn reset(&mut self, g: Gfn) {
-        if let Some(b) = self.0.get_mut(g.index()) {
-            *b = 0;
-        }
-    }
-
-    /// Page `g`'s age.
-    #[cfg(test)]
-    pub(crate) fn get(&self, g: u32) -> u8 {
-        self.0[g as usize]
-    }
+/// Whether page `g` rests in full scan number `pass` at quiet age `age`: its period does
+/// not divide `pass`. Periods are powers of two, so every page is read in each scan whose
+/// number is a multiple of the longest period: any two quiet pages meet there (hints last
+/// one full scan). The age lives in the page's hints ([`super::page_hints`]).
+fn rests(age: u8, pass: u64, max: u32) -> bool {
+    pass % period(age, max) != 0
 }
 
 /// What the sharing scan does with a resident page in this full scan.
@@ -125,7 +90,7 @@ impl super::Vm {
                 return Visit::OtherSweep;
             }
         }
-        if self.ages.rests(g, pass, max) {
+        if rests(self.hints.scan_age(g), pass, max) {
             Visit::Quiet
         } else {
             Visit::Read
@@ -414,7 +379,7 @@ impl Engine {
             }
             ZeroPolicy::Reclaim if zero => {
                 let v = self.vms.get_mut(&id).expect("sharable");
-                v.ages.reset(g);
+                v.hints.age_reset(g);
                 v.set(g, PageState::Reclaiming);
                 v.queue.push(Command::Reclaim { gfn: g });
                 self.scan.pass_requests += 1;
@@ -559,7 +524,7 @@ impl Engine {
     /// Page `g` of guest `id` was read in this scan and nothing was found for it.
     fn found_nothing(&mut self, id: VmId, g: Gfn) {
         if let Some(v) = self.vms.get_mut(&id) {
-            v.ages.found_nothing(g.0);
+            v.hints.age_up(g.0);
         }
     }
 }
@@ -650,7 +615,7 @@ mod tests {
     fn quiet_pages_that_become_duplicates_or_zero_are_found_within_a_period() {
         let mut r = rig(8);
         reads(&mut r, 40);
-        assert!(r.engine.vms[&r.vm].ages.get(5) >= 8);
+        assert!(r.engine.vms[&r.vm].hints.scan_age(5) >= 8);
         // Far apart, quiet alike: pages 5 and 40 become equal, page 9 zero.
         r.agent.write(Gfn(5), 0, &unique(1000)).unwrap();
         r.agent.write(Gfn(40), 0, &unique(1000)).unwrap();
@@ -668,7 +633,7 @@ mod tests {
         assert_eq!(r.engine.page_state(r.vm, Gfn(9)), Some(PageState::Zero));
         // A request starts a page's age again: once private again (a CoW break), it is
         // read in every scan.
-        assert_eq!(r.engine.vms[&r.vm].ages.get(5), 0);
+        assert_eq!(r.engine.vms[&r.vm].hints.scan_age(5), 0);
         r.agent.write(Gfn(5), 0, &unique(2000)).unwrap();
         r.report();
         assert_eq!(r.engine.page_state(r.vm, Gfn(5)), Some(PageState::Private));
@@ -698,13 +663,17 @@ mod tests {
     fn a_page_the_clock_saw_written_is_read_in_every_scan_again() {
         let mut r = rig(8);
         reads(&mut r, 40);
-        assert!(r.engine.vms[&r.vm].ages.get(5) >= 8);
+        assert!(r.engine.vms[&r.vm].hints.scan_age(5) >= 8);
         let (referenced, modified) = ([1u64 << 5 | 1 << 6], [1u64 << 5]);
         r.engine
             .clock_bits(r.vm, Gfn(0), PAGES, &referenced, &modified);
-        assert_eq!(r.engine.vms[&r.vm].ages.get(5), 0, "written: read again");
+        assert_eq!(
+            r.engine.vms[&r.vm].hints.scan_age(5),
+            0,
+            "written: read again"
+        );
         assert!(
-            r.engine.vms[&r.vm].ages.get(6) >= 8,
+            r.engine.vms[&r.vm].hints.scan_age(6) >= 8,
             "only read: still quiet"
         );
     }

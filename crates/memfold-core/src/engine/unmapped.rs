@@ -10,8 +10,8 @@
 //!
 //! The page comes back private on its next access (the agent's missing fault decodes it
 //! against the frame, checked by the page's checksum, as any patch). A page taken back
-//! soon waits DE's re-store back-off (`restash_wait`: 2, 4, then 7 idle clock scans)
-//! before it is kept unmapped again; meanwhile the scan maps it, so hot identical pages
+//! soon waits DE's re-store back-off (`PageHints::restash_wait`: 2, 4, then 7 idle clock
+//! scans) before it is kept unmapped again; meanwhile the scan maps it, so hot identical pages
 //! stay mapped and none cycles through stash and decode.
 //!
 //! A page the scan mapped before the clock found it cold, or before the agent ran out of
@@ -128,7 +128,7 @@ impl Engine {
             return map;
         };
         let clock = v.clock.page(g.0);
-        if clock.idle_scans() < v.restash_wait[g.index()].max(v.wait.floor) {
+        if clock.idle_scans() < v.hints.restash_wait(g).max(v.wait.floor) {
             return map; // taken back soon after it was last stored, or over its wait target
         }
         if pressure {
@@ -167,7 +167,7 @@ impl Engine {
         };
         let d = self.dom(id);
         self.domain_mut(d).frames.incref(f, true);
-        self.vms.get_mut(&id).expect("sharable").ages.reset(g);
+        self.vms.get_mut(&id).expect("sharable").hints.age_reset(g);
         self.queue_stash(
             id,
             g,
@@ -210,7 +210,7 @@ impl Engine {
             }
             if !matches!(v.state(g), PageState::Shared(_))
                 || v.unmapping.contains(&g)
-                || v.clock.page(i).idle_scans() < v.restash_wait[g.index()]
+                || v.clock.page(i).idle_scans() < v.hints.restash_wait(g)
             {
                 continue;
             }
@@ -438,7 +438,7 @@ mod tests {
         assert_eq!(r.agent.read(Gfn(0)).unwrap()[..], page(7)[..]);
         r.report();
         assert_eq!(state(&r, 0), PageState::Private);
-        assert_eq!(r.engine.vms[&r.vm].restash_wait[0], 2);
+        assert_eq!(r.engine.vms[&r.vm].hints.restash_wait(Gfn(0)), 2);
         // Read every 300 ms for 6 s: it must settle mapped.
         for _ in 0..20 {
             r.agent.read(Gfn(0)).unwrap();
