@@ -17,10 +17,10 @@
 //! [`P2mEntry::paged_out_at`] once the agent says it left RAM), and a lost or refused
 //! answer leaves nothing in doubt. From the ask to the answer the page counts as away
 //! (its page hints' page-out bit, checked by `check_invariants`: only on private,
-//! unmarked pages), since the agent may have paged it out before memfoldd hears so. Mark and bit are hints
-//! for the books and the scans (which skip such a page instead of reading it back in);
-//! both go with any change of the page's state, the mark also with the agent's
-//! [`Engine::paged_in`].
+//! unmarked pages), since the agent may have paged it out before memfoldd hears so. Mark
+//! and bit are hints for the books and the scans (which skip such a page instead of
+//! reading it back in); both go with any change of the page's state, the mark also with
+//! the agent's [`Engine::paged_in`].
 //!
 //! **Frames only patches hold** ([`EngineConfig::page_out_frames_us`]; issue 15, "dedup
 //! in the store"). A pool frame that no guest page maps and only patches use as their

@@ -42,7 +42,7 @@ fn period(age: u8, max: u32) -> u64 {
     p.min(max).max(1) as u64
 }
 
-/// Whether page `g` rests in full scan number `pass` at quiet age `age`: its period does
+/// Whether a page of quiet age `age` rests in full scan number `pass`: its period does
 /// not divide `pass`. Periods are powers of two, so every page is read in each scan whose
 /// number is a multiple of the longest period: any two quiet pages meet there (hints last
 /// one full scan). The age lives in the page's hints ([`super::page_hints`]).

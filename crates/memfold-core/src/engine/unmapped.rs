@@ -11,8 +11,8 @@
 //! The page comes back private on its next access (the agent's missing fault decodes it
 //! against the frame, checked by the page's checksum, as any patch). A page taken back
 //! soon waits DE's re-store back-off (`PageHints::restash_wait`: 2, 4, then 7 idle clock
-//! scans) before it is kept unmapped again; meanwhile the scan maps it, so hot identical pages
-//! stay mapped and none cycles through stash and decode.
+//! scans) before it is kept unmapped again; meanwhile the scan maps it, so hot identical
+//! pages stay mapped and none cycles through stash and decode.
 //!
 //! A page the scan mapped before the clock found it cold, or before the agent ran out of
 //! VMAs, stays charged to QEMU's VMA budget while it is shared. Under VMA pressure the
