@@ -286,9 +286,9 @@ impl FrameTable {
 
     /// Frames in use that nothing touched since the last call — no patch made against
     /// one or decoded from it, no mapping made or dropped, no share request, no read of
-    /// memfoldd's ([`FrameTable::touch`]) — at most `max`, ascending from where the last
-    /// call stopped (wrapping), so every frame has its turn, returned in ascending frame
-    /// order; then forgets what changed.
+    /// memfoldd's ([`FrameTable::touch`]) — at most `max`, taken from where the last call
+    /// stopped (wrapping) so every frame has its turn, returned in ascending frame order;
+    /// then forgets what changed.
     /// A frame that just changed waits one more call.
     ///
     /// [`Quiet::ReferenceOnly`] keeps the frames only patches hold: read only when a

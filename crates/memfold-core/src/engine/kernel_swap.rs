@@ -136,7 +136,7 @@ impl Engine {
         };
         // Still going only if nothing changed the page since it was asked (a state change
         // or a re-attach forgot the request): else the answer marks nothing.
-        let going = v.take_page_out_going(g);
+        let going = v.hints.take_page_out_going(g);
         match o {
             Outcome::Done
                 if going

@@ -386,13 +386,7 @@ impl Vm {
             self.p2m[g.index()] = P2mEntry::PRIVATE;
             self.books.paged_out_pages -= 1;
         }
-        self.take_page_out_going(g);
-    }
-
-    /// Ends the page-out of page `g` under way, if there is one; returns whether there was
-    /// ([`kernel_swap`]).
-    pub(crate) fn take_page_out_going(&mut self, g: Gfn) -> bool {
-        self.hints.take_page_out_going(g)
+        self.hints.take_page_out_going(g);
     }
 
     /// Whether page `g` is marked paged out to the kernel's swap, or a page-out of it is

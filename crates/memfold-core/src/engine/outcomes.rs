@@ -80,7 +80,7 @@ impl Engine {
                     // In doubt, but not to be skipped for good: at worst the next read
                     // swaps it back in (the agent then reports it paged in).
                     if gfn.0 < v.pages() {
-                        v.take_page_out_going(gfn);
+                        v.hints.take_page_out_going(gfn);
                     }
                 }
                 return;

@@ -94,7 +94,8 @@ impl PageHints {
         set(&mut self.0[g.index()], PAGE_OUT_GOING, true);
     }
 
-    /// Whether a page-out of page `g` was going; it no longer is.
+    /// Ends the page-out of page `g` under way, if there is one; returns whether there
+    /// was ([`super::kernel_swap`]).
     pub(crate) fn take_page_out_going(&mut self, g: Gfn) -> bool {
         let b = &mut self.0[g.index()];
         let going = *b & PAGE_OUT_GOING != 0;

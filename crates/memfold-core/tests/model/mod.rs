@@ -254,17 +254,22 @@ impl Harness {
         (!self.vms.is_empty()).then(|| vm as usize % self.vms.len())
     }
 
+    /// Guest `i`'s QEMU exits: its frame PTEs go with it, and memfoldd removes it.
+    fn exit(&mut self, i: usize) {
+        let mut v = self.vms.remove(i);
+        v.agent.exit();
+        if let Some(id) = v.id {
+            self.engine.remove(id);
+        }
+    }
+
     fn attach(&mut self, i: usize) -> Result<(), String> {
         let v = &mut self.vms[i];
         let mapped = match v.agent.prepare_reattach() {
             Ok(m) => m,
             // A corrupted blob: this guest fails closed (its QEMU stops).
             Err(_) if self.corrupted => {
-                let mut v = self.vms.remove(i);
-                v.agent.exit();
-                if let Some(id) = v.id {
-                    self.engine.remove(id);
-                }
+                self.exit(i);
                 return Ok(());
             }
             Err(e) => return Err(e),
@@ -382,11 +387,7 @@ impl Harness {
             }
             Op::DestroyVm { vm } => {
                 if let Some(i) = self.pick(vm) {
-                    let mut v = self.vms.remove(i);
-                    v.agent.exit();
-                    if let Some(id) = v.id {
-                        self.engine.remove(id);
-                    }
+                    self.exit(i);
                     self.end_adoptions();
                 }
             }
