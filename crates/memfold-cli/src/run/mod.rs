@@ -98,6 +98,26 @@ const MAX_DAEMON_RESTARTS: u32 = 3;
 /// Kills memfoldd when dropped.
 pub(crate) struct Daemon(pub(crate) Child);
 
+impl Daemon {
+    /// Fails if memfoldd has exited: a bench that went on without it would report the
+    /// agents and devices alone as memfold's numbers (a `disk-io` run with `--clock-secs
+    /// 0` did so: memfoldd refuses policy `de` without a clock and exits at once). `log`
+    /// is its stderr, whose last line the error quotes.
+    pub(crate) fn ensure_alive(&mut self, log: &std::path::Path) -> Result<()> {
+        match self.0.try_wait()? {
+            None => Ok(()),
+            Some(status) => {
+                let last = std::fs::read_to_string(log).unwrap_or_default();
+                let last = last.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+                anyhow::bail!(
+                    "memfoldd exited ({status}) during the run, so its numbers are not memfold's: {last} (log: {})",
+                    log.display()
+                )
+            }
+        }
+    }
+}
+
 impl Drop for Daemon {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -464,6 +484,28 @@ mod tests {
             );
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
+    }
+
+    /// A bench fails when its memfoldd has exited, quoting the log's last line; a live one
+    /// passes. Without the check (`ensure_alive` always `Ok`) the first assertion fails.
+    #[test]
+    fn a_bench_whose_memfoldd_exited_fails() {
+        let dir = std::env::temp_dir().join(format!("memfold-daemon-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("memfoldd.log");
+        std::fs::write(&log, "started\n<3>policy de needs the NRU clock\n\n").unwrap();
+        let mut dead = Daemon(Command::new("true").spawn().unwrap());
+        let t = std::time::Instant::now();
+        while dead.0.try_wait().unwrap().is_none() {
+            assert!(t.elapsed() < std::time::Duration::from_secs(10));
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let e = dead.ensure_alive(&log).unwrap_err().to_string();
+        assert!(e.contains("needs the NRU clock"), "{e}");
+        let mut live = Daemon(Command::new("sleep").arg("30").spawn().unwrap());
+        live.ensure_alive(&log).unwrap();
+        drop(live); // killed
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -150,10 +150,11 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
     let (out, cache, accel) = super::prepare(&a.out, "disk-io", &profiles)?;
     let data = super::data_file(&out, a.disk_mib)?;
     let socket = out.join("memfoldd.sock");
-    let _daemon = if a.no_memfoldd {
+    let daemon_log = out.join("memfoldd.log");
+    let mut daemon = if a.no_memfoldd {
         None
     } else {
-        let log = std::fs::File::create(out.join("memfoldd.log"))?;
+        let log = std::fs::File::create(&daemon_log)?;
         let _ = std::fs::remove_file(&socket);
         Some(Daemon(
             Command::new(&daemon_bin)
@@ -198,9 +199,16 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
     let (bs, vs) = (io_spec("blk", true), io_spec("virtio", false));
     let mut gb = Guest::start_with_env(&bs, &cache, &dir, accel, &env(&bs))?;
     let mut gv = Guest::start_with_env(&vs, &cache, &dir, accel, &env(&vs))?;
+    // A memfoldd that refused its flags has exited by the time both guests booted.
+    if let Some(d) = daemon.as_mut() {
+        d.ensure_alive(&daemon_log)?;
+    }
     let blk_pid = blk_pid(&dir.join("blk").join("blk-data.sock"));
     let cpu0 = (blk_pid.map_or(0.0, cpu_s), cpu_s(gb.pid), cpu_s(gv.pid));
     let (cb, cv) = io_pair(a, &mut gb, &mut gv)?;
+    if let Some(d) = daemon.as_mut() {
+        d.ensure_alive(&daemon_log)?;
+    }
     let cpu = (
         blk_pid.map_or(0.0, cpu_s) - cpu0.0,
         cpu_s(gb.pid) - cpu0.1,
@@ -259,6 +267,9 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
                 g.name,
                 g.mismatches()
             );
+        }
+        if let Some(d) = daemon.as_mut() {
+            d.ensure_alive(&daemon_log)?;
         }
         let t = throughput(std::slice::from_ref(&gb), std::slice::from_ref(&gv), &marks);
         for t in &t {
