@@ -108,7 +108,11 @@ impl Daemon {
             None => Ok(()),
             Some(status) => {
                 let last = std::fs::read_to_string(log).unwrap_or_default();
-                let last = last.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+                let last = last
+                    .lines()
+                    .rev()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("");
                 anyhow::bail!(
                     "memfoldd exited ({status}) during the run, so its numbers are not memfold's: {last} (log: {})",
                     log.display()
