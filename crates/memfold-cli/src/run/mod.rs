@@ -494,9 +494,8 @@ mod tests {
     /// passes. Without the check (`ensure_alive` always `Ok`) the first assertion fails.
     #[test]
     fn a_bench_whose_memfoldd_exited_fails() {
-        let dir = std::env::temp_dir().join(format!("memfold-daemon-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let log = dir.join("memfoldd.log");
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("memfoldd.log");
         std::fs::write(&log, "started\n<3>policy de needs the NRU clock\n\n").unwrap();
         let mut dead = Daemon(Command::new("true").spawn().unwrap());
         let t = std::time::Instant::now();
@@ -509,7 +508,6 @@ mod tests {
         let mut live = Daemon(Command::new("sleep").arg("30").spawn().unwrap());
         live.ensure_alive(&log).unwrap();
         drop(live); // killed
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
