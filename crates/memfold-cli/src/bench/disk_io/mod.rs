@@ -167,6 +167,12 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
                 .with_context(|| format!("cannot start {}", daemon_bin.display()))?,
         ))
     };
+    // Checked after the boots, the pair and each workload (`Daemon::ensure_alive`).
+    let mut memfoldd_alive = || {
+        daemon
+            .as_mut()
+            .map_or(Ok(()), |d| d.ensure_alive(&daemon_log))
+    };
     let env = |spec: &GuestSpec| {
         if a.no_memfoldd {
             Vec::new()
@@ -200,15 +206,11 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
     let mut gb = Guest::start_with_env(&bs, &cache, &dir, accel, &env(&bs))?;
     let mut gv = Guest::start_with_env(&vs, &cache, &dir, accel, &env(&vs))?;
     // A memfoldd that refused its flags has exited by the time both guests booted.
-    if let Some(d) = daemon.as_mut() {
-        d.ensure_alive(&daemon_log)?;
-    }
+    memfoldd_alive()?;
     let blk_pid = blk_pid(&dir.join("blk").join("blk-data.sock"));
     let cpu0 = (blk_pid.map_or(0.0, cpu_s), cpu_s(gb.pid), cpu_s(gv.pid));
     let (cb, cv) = io_pair(a, &mut gb, &mut gv)?;
-    if let Some(d) = daemon.as_mut() {
-        d.ensure_alive(&daemon_log)?;
-    }
+    memfoldd_alive()?;
     let cpu = (
         blk_pid.map_or(0.0, cpu_s) - cpu0.0,
         cpu_s(gb.pid) - cpu0.1,
@@ -268,9 +270,7 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
                 g.mismatches()
             );
         }
-        if let Some(d) = daemon.as_mut() {
-            d.ensure_alive(&daemon_log)?;
-        }
+        memfoldd_alive()?;
         let t = throughput(std::slice::from_ref(&gb), std::slice::from_ref(&gv), &marks);
         for t in &t {
             eprintln!(
