@@ -47,11 +47,15 @@ pub const LANDED_HINTS: usize = 1 << 16;
 pub const REUSED_WITHIN_US: u64 = 250_000;
 
 /// How long a reused read buffer is passed over at read after its first strike, µs;
-/// doubled with each strike, up to [`READ_BACKOFF_MAX_US`].
-pub const READ_BACKOFF_US: u64 = 250_000;
+/// doubled with each strike, up to [`READ_BACKOFF_MAX_US`]. Long: a page whose share at
+/// read a write undid within [`REUSED_WITHIN_US`] is a buffer, and a buffer read into
+/// every few seconds (an `O_DIRECT` reader's rounds) paid a share and a break per round
+/// while the back-off grew from 250 ms (`memfold bench disk-io`, docs/sharing-at-read.md);
+/// a page-cache page is not reused that fast, and the scan still shares what stays.
+pub const READ_BACKOFF_US: u64 = 30_000_000;
 
 /// The longest back-off of a reused read buffer, µs.
-pub const READ_BACKOFF_MAX_US: u64 = 16_000_000;
+pub const READ_BACKOFF_MAX_US: u64 = 480_000_000;
 
 /// Pages remembered per guest, at most, as shared at read lately and as reused read
 /// buffers (16 and 24 bytes each): past it, expired entries are dropped first, then new
@@ -332,10 +336,10 @@ mod tests {
     }
 
     /// A read buffer the guest fills again and again — each read undoing, within 250 ms,
-    /// the share at read its last read made — is passed over at read for 250 ms after
-    /// its first strike, 500 ms after its second; a share at read that lived longer
-    /// clears its strikes. Without the back-off every read into it pays a share and a
-    /// CoW break.
+    /// the share at read its last read made — is passed over at read for
+    /// [`READ_BACKOFF_US`] after its first strike, twice that after its second; a share
+    /// at read that lived longer clears its strikes. Without the back-off every read into
+    /// it pays a share and a CoW break.
     #[test]
     fn a_reused_read_buffer_backs_off_sharing_at_read() {
         let mut r = rig();
@@ -352,15 +356,17 @@ mod tests {
         let l = reuse(&mut r, 20, 8);
         assert_eq!((l.acted, l.passed_over), (0, 1));
         assert!(!shared(&r));
-        // After 300 ms the back-off is over: shared at read again.
-        r.clock.advance(300_000);
+        // Still backing off just before the back-off ends; over after it.
+        r.clock.advance(READ_BACKOFF_US - 100_000);
+        assert_eq!(reuse(&mut r, 20, 9).passed_over, 1, "still backing off");
+        r.clock.advance(200_000);
         assert_eq!(reuse(&mut r, 20, 9).acted, 1);
-        // Undone again within 250 ms (strike 2): 500 ms now.
+        // Undone again within 250 ms (strike 2): twice as long now.
         r.clock.advance(10_000);
         assert_eq!(reuse(&mut r, 20, 10).passed_over, 1);
-        r.clock.advance(300_000);
+        r.clock.advance(READ_BACKOFF_US + 100_000);
         assert_eq!(reuse(&mut r, 20, 11).passed_over, 1, "still backing off");
-        r.clock.advance(300_000);
+        r.clock.advance(READ_BACKOFF_US);
         assert_eq!(reuse(&mut r, 20, 12).acted, 1);
         // This share lives 1 s: the write that ends it clears the strikes.
         r.clock.advance(1_000_000);
@@ -372,7 +378,7 @@ mod tests {
             "no back-off after a lasting share"
         );
         let vb = &r.engine.books().vms[0].books;
-        assert_eq!(vb.read_backoffs, 3);
+        assert_eq!(vb.read_backoffs, 4);
         r.engine.check_invariants().unwrap();
     }
 
