@@ -52,6 +52,8 @@ pub(crate) struct Counters {
     pub(crate) minor_faults: u64,
     /// CoW breaks of a whole run at the VMA budget.
     pub(crate) run_breaks: u64,
+    /// Pages broken ahead of a sequential writer (`fault::BREAK_AHEAD`).
+    pub(crate) ahead_breaks: u64,
     /// Minor-fault service.
     pub(crate) track: OpLatency,
     /// Share, per page.
@@ -78,6 +80,7 @@ impl Counters {
             missing_faults: 0,
             minor_faults: 0,
             run_breaks: 0,
+            ahead_breaks: 0,
             track: OpLatency::default(),
             share: OpLatency::default(),
             cow: OpLatency::default(),
@@ -96,6 +99,7 @@ impl Counters {
             state_bytes,
             mappings,
             run_breaks: self.run_breaks,
+            ahead_breaks: self.ahead_breaks,
             wp_faults: self.wp_faults,
             missing_faults: self.missing_faults,
             minor_faults: self.minor_faults,

@@ -41,6 +41,16 @@ use crate::{Agent, PAGE};
 /// How long one fault may keep failing before the agent fails closed.
 pub(crate) const FAULT_GIVE_UP: Duration = Duration::from_secs(30);
 
+/// Pages a sequential writer's CoW break breaks ahead of it, at most: a device filling a
+/// buffer of shared pages (a disk read into page cache or an `O_DIRECT` buffer the scan
+/// shared while it sat idle) faults page after page, and each fault is a round trip
+/// through this thread — ~120 µs a page on a busy two-core host (docs/sharing-at-read.md)
+/// for a ~10 µs break. The kernel's fault-around maps ahead of a reader the same way.
+pub(crate) const BREAK_AHEAD: usize = 32;
+
+/// Two CoW breaks of adjacent pages at most this far apart are a sequential writer.
+pub(crate) const SEQUENTIAL_WITHIN: Duration = Duration::from_millis(2);
+
 impl Agent {
     /// Handles a fault; a failure (the host out of memory for the private copy, the VMA
     /// limit) is logged and retried with back-off: the faulting thread waits, it never sees
@@ -134,6 +144,7 @@ impl Agent {
                 PageHome::Frame(frame) => {
                     self.cow_break(gfn, frame)?;
                     self.counters.cow.record(started.elapsed(), 1);
+                    self.break_ahead(gfn);
                     Ok(())
                 }
             };
@@ -202,6 +213,60 @@ impl Agent {
         self.broken(first, frame0, n)?;
         self.counters.run_breaks += 1;
         Ok(())
+    }
+
+    /// After the CoW break of page `gfn`: if the last break was of the page next to it,
+    /// moments ago ([`SEQUENTIAL_WITHIN`]), a writer is going through the pages in that
+    /// direction, and the pages after `gfn` in it that are on frames — up to
+    /// [`BREAK_AHEAD`], stopping at the first that is not — are broken now, in one
+    /// mapping, as if written: each a private copy of its frame, reported as a break. No
+    /// thread waits on them, so nothing fails here: where the VMA budget has no room or a
+    /// copy or the mapping fails, they stay on their frames (a copy already written to
+    /// the memfd is punched out again).
+    ///
+    /// Only pages on frames are mapped over: guest RAM mapped back over a private page
+    /// would drop its write-protection (the clock's M, a free-page watch, a share's
+    /// check under way), and over a stashed one the hole that says it is stored.
+    fn break_ahead(&mut self, gfn: Gfn) {
+        let now = Instant::now();
+        let dir: i64 = match self.last_break {
+            Some((g, t)) if now.duration_since(t) <= SEQUENTIAL_WITHIN => gfn.0 as i64 - g.0 as i64,
+            _ => 0,
+        };
+        self.last_break = Some((gfn, now));
+        if dir != 1 && dir != -1 {
+            return;
+        }
+        let mut ahead: Vec<(Gfn, FrameId)> = Vec::new();
+        let mut g = gfn.0 as i64;
+        while ahead.len() < BREAK_AHEAD {
+            g += dir;
+            match u32::try_from(g).ok().and_then(|g| self.pages.get(Gfn(g))) {
+                Some(PageHome::Frame(f)) => ahead.push((Gfn(g as u32), f)),
+                _ => break,
+            }
+        }
+        let Some(&(far, _)) = ahead.last() else {
+            return;
+        };
+        if !crate::vmas::PROCESS.break_fits(self.vma_budget, crate::vmas::read_self_maps) {
+            return;
+        }
+        let first = if dir > 0 { ahead[0].0 } else { far };
+        let copied = ahead
+            .iter()
+            .all(|&(g, f)| self.copy_frames(g, f, 1).is_ok());
+        if !copied || self.map_guest_range(first, ahead.len()).is_err() {
+            // Still on their frames; the copies only held memory.
+            self.punch(first, ahead.len() as u64);
+            return;
+        }
+        for &(g, f) in &ahead {
+            self.pages.set(g, PageHome::Private);
+            self.pending.breaks.push((g, f));
+        }
+        self.counters.ahead_breaks += ahead.len() as u64;
+        self.last_break = Some((far, now));
     }
 
     /// Copies frames `[frame0, frame0 + n)` into guest RAM's memfd at pages

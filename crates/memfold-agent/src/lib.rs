@@ -317,6 +317,10 @@ struct Agent {
     /// The read-only window onto guest RAM's memfd that pages go to the kernel's swap
     /// through (`pageout.rs`), made at the first page-out.
     window: Option<memfold_sys::pageout::PageOutWindow>,
+    /// The last CoW break a fault asked for (or the far end of the last break ahead) and
+    /// when: two in adjacent pages close together are a sequential writer
+    /// ([`fault::BREAK_AHEAD`]).
+    last_break: Option<(Gfn, Instant)>,
 }
 
 /// Runs the agent until the process exits: finds guest RAM (every region, [`regions`]),
@@ -591,6 +595,7 @@ fn run_region(
         opted_out: false,
         rbits,
         window: None,
+        last_break: None,
     };
     // A panic unwinds to here, not past: `agent` (the userfaultfd, guest RAM's memfd, the
     // pool) must outlive failing closed, or write-protection would be gone.

@@ -180,6 +180,11 @@ pub struct AgentReport {
     /// CoW break).
     #[serde(default)]
     pub run_breaks: u64,
+    /// Pages broken ahead of a sequential writer, unwritten yet (each also a CoW break):
+    /// after two CoW breaks of adjacent pages moments apart, the agent breaks the next
+    /// pages on frames in that direction at once instead of one fault each.
+    #[serde(default)]
+    pub ahead_breaks: u64,
 }
 
 /// Messages to memfoldd.

@@ -228,6 +228,10 @@ pub struct VmStats {
     /// (cumulative; issue 19).
     #[serde(default)]
     pub run_breaks: u64,
+    /// Pages its agent broke ahead of a sequential writer (cumulative; each also a CoW
+    /// break).
+    #[serde(default)]
+    pub ahead_breaks: u64,
     /// Host memory this guest holds alone, bytes: its RAM memfd and its store memfd as
     /// allocated (holes take none; its sharing domain's pool is counted apart, in
     /// [`HeldBytes::pool`], as its frames serve every guest of the domain).

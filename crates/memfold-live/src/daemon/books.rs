@@ -26,6 +26,7 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
         agent_state_bytes: g.map_or(0, |g| g.agent_state_bytes),
         qemu_mappings: g.map_or(0, |g| g.qemu_mappings),
         run_breaks: g.map_or(0, |g| g.run_breaks),
+        ahead_breaks: g.map_or(0, |g| g.ahead_breaks),
         shared_pages: b.shared_pages,
         zero_shared_pages: b.zero_shared_pages,
         zero_reclaimed_pages: b.zero_reclaimed_pages,

@@ -241,6 +241,8 @@ pub(crate) struct Guest {
     pub(crate) qemu_mappings: u64,
     /// Whole-run CoW breaks at the VMA budget.
     pub(crate) run_breaks: u64,
+    /// Pages broken ahead of a sequential writer.
+    pub(crate) ahead_breaks: u64,
 }
 
 impl Guest {
@@ -260,6 +262,7 @@ impl Guest {
             agent_state_bytes: 0,
             qemu_mappings: 0,
             run_breaks: 0,
+            ahead_breaks: 0,
         }
     }
 }
@@ -351,6 +354,7 @@ impl Guests {
         g.agent_state_bytes = r.state_bytes;
         g.qemu_mappings = r.mappings;
         g.run_breaks = r.run_breaks;
+        g.ahead_breaks = r.ahead_breaks;
         g.latency = [
             &r.share_ns,
             &r.cow_break_ns,
