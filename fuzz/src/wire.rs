@@ -205,8 +205,8 @@ pub enum DaemonMsg {
         modified: Vec<u64>,
     },
     AgentStats {
-        /// wp, missing, minor faults; state bytes; mappings; run breaks.
-        faults: [u64; 6],
+        /// wp, missing, minor faults; state bytes; mappings; run breaks; ahead breaks.
+        faults: [u64; 7],
         hists: [Vec<(u64, u64)>; 7],
     },
     ClientHello(u32),
@@ -471,6 +471,7 @@ impl DaemonMsg {
                 state_bytes: faults[3],
                 mappings: faults[4],
                 run_breaks: faults[5],
+                ahead_breaks: faults[6],
             }),
             DaemonMsg::ClientHello(v) => ToDaemon::ClientHello { version: *v },
             DaemonMsg::DeviceHello(v, b) => ToDaemon::DeviceHello {
