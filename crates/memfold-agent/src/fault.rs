@@ -3,7 +3,7 @@
 //! | fault | `Private` | `Zero` | `Frame` | `Stashed` |
 //! |---|---|---|---|---|
 //! | minor (armed by the clock) | R (M on a write), `UFFDIO_CONTINUE` | wake; filled: refill, `UFFDIO_CONTINUE` | wake | wake; filled: fail closed |
-//! | write-protect | M, unprotect | M, unprotect | CoW break | M, unprotect |
+//! | write-protect | M, unprotect | M, unprotect | CoW break (and break-ahead: [`BREAK_AHEAD`]) | M, unprotect |
 //! | missing | zeros (first touch) | zeros, refill | wake | decode the blob; filled: fail closed |
 //!
 //! Minor faults come only in the clock's `userfault` mode (`ClockRBits::Userfault`, guest
