@@ -196,6 +196,41 @@ impl Default for Runs {
 
 /// Every System RAM frame's code, and frames by category; frames of `marked` (sorted)
 /// get the never-share bit.
+/// Flags that decide a frame's category before its map count is looked at (the arms of
+/// [`classify`] above its last two), or make its code its head's (a tail).
+const DECIDING: u64 = KPF_NOPAGE
+    | KPF_COMPOUND_TAIL
+    | KPF_BUDDY
+    | KPF_SLAB
+    | KPF_ANON
+    | KPF_LRU
+    | KPF_OFFLINE
+    | KPF_RESERVED
+    | KPF_PGTABLE;
+
+/// Whether [`classify`] needs a frame's `/proc/kpagecount` word: only when none of its
+/// flags decides its category. The kernel walks its memmap for each of the two files
+/// (about half a report's walk each), and in a guest in use most frames are on an LRU,
+/// anonymous, slab or in the buddy allocator, so most counts need not be read.
+pub fn needs_count(flags: u64) -> bool {
+    flags & DECIDING == 0
+}
+
+/// Frames of `/proc/kpagecount` read at a time at least (4 KiB of it): a block is read
+/// only if one of its frames [`needs_count`].
+pub const COUNT_BLOCK: usize = 512;
+
+/// The blocks of a chunk of frames (by their flags) whose counts must be read: index
+/// ranges of at most [`COUNT_BLOCK`] frames, in order, covering every frame that
+/// [`needs_count`] and no block without one.
+pub fn count_blocks(flags: &[u64]) -> Vec<std::ops::Range<usize>> {
+    (0..flags.len())
+        .step_by(COUNT_BLOCK)
+        .map(|b| b..(b + COUNT_BLOCK).min(flags.len()))
+        .filter(|r| flags[r.clone()].iter().any(|&f| needs_count(f)))
+        .collect()
+}
+
 fn read_categories(ranges: &[(u64, u64)], marked: &[u64]) -> Result<(Runs, [u64; 6]), String> {
     let flags = File::open("/proc/kpageflags").map_err(|e| format!("/proc/kpageflags: {e}"))?;
     let counts = File::open("/proc/kpagecount").map_err(|e| format!("/proc/kpagecount: {e}"))?;
@@ -204,6 +239,7 @@ fn read_categories(ranges: &[(u64, u64)], marked: &[u64]) -> Result<(Runs, [u64;
     const N: u64 = 8192;
     let mut fb = vec![0u8; (N * 8) as usize];
     let mut cb = vec![0u8; (N * 8) as usize];
+    let mut fl = vec![0u64; N as usize];
     for &(start, end) in ranges {
         let mut head: Option<u8> = None;
         let mut pfn = start;
@@ -212,10 +248,19 @@ fn read_categories(ranges: &[(u64, u64)], marked: &[u64]) -> Result<(Runs, [u64;
             let bytes = (n * 8) as usize;
             read_full(&flags, &mut fb[..bytes], pfn * 8)
                 .map_err(|e| format!("/proc/kpageflags at frame {pfn:#x}: {e}"))?;
-            read_full(&counts, &mut cb[..bytes], pfn * 8)
-                .map_err(|e| format!("/proc/kpagecount at frame {pfn:#x}: {e}"))?;
+            let fl = &mut fl[..n as usize];
+            for (k, f) in fl.iter_mut().enumerate() {
+                *f = u64::from_le_bytes(fb[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
+            }
+            // Counts only where a frame's flags leave its category open; the others'
+            // count words are left as they were, and classify does not read them.
+            for r in count_blocks(fl) {
+                let at = pfn + r.start as u64;
+                read_full(&counts, &mut cb[r.start * 8..r.end * 8], at * 8)
+                    .map_err(|e| format!("/proc/kpagecount at frame {at:#x}: {e}"))?;
+            }
             for k in 0..n as usize {
-                let f = u64::from_le_bytes(fb[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
+                let f = fl[k];
                 let c = u64::from_le_bytes(cb[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
                 let tail = f & KPF_COMPOUND_TAIL != 0;
                 let code = classify(f, c, if tail { head } else { None });
@@ -328,10 +373,12 @@ pub fn answer(seq: u64) -> Vec<String> {
             *said = problems;
         }
     }
+    let walk = std::time::Instant::now();
     let (runs, _) = match read_categories(&ranges, &marked) {
         Ok(r) => r,
         Err(e) => return vec![error_line(seq, &e)],
     };
+    let walk_us = walk.elapsed().as_micros().max(1);
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let mi = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
@@ -354,7 +401,7 @@ pub fn answer(seq: u64) -> Vec<String> {
         ));
     }
     out.push(format!(
-        "{{\"msg\":\"end\",\"v\":{VERSION},\"seq\":{seq},\"chunks\":{},\"frames\":{frames}}}",
+        "{{\"msg\":\"end\",\"v\":{VERSION},\"seq\":{seq},\"chunks\":{},\"frames\":{frames},\"walk_us\":{walk_us}}}",
         runs.chunks.len()
     ));
     out

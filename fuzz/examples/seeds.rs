@@ -159,6 +159,7 @@ fn main() {
             seq: 1,
             chunks: 1,
             frames: 104,
+            walk_us: 1_200,
         },
         FromGuest::Error {
             v: 1,

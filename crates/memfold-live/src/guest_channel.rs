@@ -57,6 +57,10 @@ pub struct GuestReport {
     pub agent: String,
     /// Its free pages may be discarded (no page poisoning; `FromGuest::Ram::discard`).
     pub discard: bool,
+    /// The guest agent's own time walking its kernel's books, µs, as it said
+    /// (`FromGuest::End::walk_us`; 0 from an older agent). Told, not checked: shown
+    /// only, never acted on.
+    pub walk_us: u64,
 }
 
 /// Why a guest's report was refused.
@@ -156,6 +160,7 @@ pub fn read_report<R: std::io::BufRead>(
                     meminfo,
                     agent: format!("{agent} (kernel {kernel})"),
                     discard,
+                    walk_us: 0,
                 });
             }
             (FromGuest::Runs { first, runs, .. }, Some(r)) => {
@@ -195,6 +200,7 @@ pub fn read_report<R: std::io::BufRead>(
                 FromGuest::End {
                     chunks: c,
                     frames: f,
+                    walk_us,
                     ..
                 },
                 Some(_),
@@ -204,7 +210,9 @@ pub fn read_report<R: std::io::BufRead>(
                         "end says {c} chunks of {f} frames, {chunks} of {frames} came"
                     )));
                 }
-                return Ok(report.expect("matched Some"));
+                let mut r = report.expect("matched Some");
+                r.walk_us = walk_us;
+                return Ok(r);
             }
             (m, _) => {
                 return Err(proto(
@@ -257,6 +265,9 @@ struct Channel {
     answered: u32,
     answer_total: Duration,
     answer_max: Duration,
+    /// Reports whose guest said how long its walk took, and those walks' total, µs.
+    walked: u32,
+    walk_total_us: u64,
 }
 
 /// The channels of enlightened guests (see the module documentation).
@@ -346,6 +357,8 @@ impl GuestChannels {
                     answered: 0,
                     answer_total: Duration::ZERO,
                     answer_max: Duration::ZERO,
+                    walked: 0,
+                    walk_total_us: 0,
                 },
             );
         }
@@ -357,10 +370,14 @@ impl GuestChannels {
             let Some(c) = self.channels.get_mut(&id) else {
                 continue;
             };
-            if r.is_ok() {
+            if let Ok(rep) = &r {
                 c.answered += 1;
                 c.answer_total += took;
                 c.answer_max = c.answer_max.max(took);
+                if rep.walk_us > 0 {
+                    c.walked += 1;
+                    c.walk_total_us = c.walk_total_us.saturating_add(rep.walk_us);
+                }
             }
             match r.map(|rep| {
                 let applied = engine.guest_categories(id, &rep.runs);
@@ -405,6 +422,9 @@ impl GuestChannels {
                 if c.answered > 0 {
                     g.report_ms = c.answer_total.as_secs_f64() * 1e3 / f64::from(c.answered);
                     g.report_max_ms = c.answer_max.as_secs_f64() * 1e3;
+                }
+                if c.walked > 0 {
+                    g.walk_ms = c.walk_total_us as f64 / 1e3 / f64::from(c.walked);
                 }
                 if let Some((layout, meminfo, agent)) = &c.last {
                     g.low_pages = layout.low;

@@ -75,6 +75,66 @@ fn kpageflags_bits_give_the_categories_of_pv_3_1() {
     assert!(i.active && i.referenced && i.category == Cache);
 }
 
+/// Every combination of the flag bits classify reads, and a few it ignores.
+fn flag_combinations() -> impl Iterator<Item = u64> {
+    // referenced, lru, active, slab, buddy, anon, head, tail, nopage, offline, pgtable,
+    // reserved; and mmap (11), dirty (4), which classify ignores.
+    const BITS: [u32; 14] = [2, 5, 6, 7, 10, 12, 15, 16, 20, 23, 26, 32, 11, 4];
+    (0u32..1 << BITS.len()).map(|m| {
+        BITS.iter()
+            .enumerate()
+            .filter(|(i, _)| m >> i & 1 == 1)
+            .fold(0u64, |f, (_, b)| f | 1 << b)
+    })
+}
+
+#[test]
+fn a_frames_map_count_is_read_only_when_its_flags_leave_its_category_open() {
+    let head = guest::classify(1 << 15 | LRU | ACTIVE, 1, None);
+    let (mut skipped, mut read) = (0, 0);
+    for f in flag_combinations() {
+        if guest::needs_count(f) {
+            // Its category does turn on the count: skipping it would be wrong.
+            read += 1;
+            assert_ne!(
+                guest::classify(f, 0, None),
+                guest::classify(f, 1, None),
+                "flags {f:#x}: read, but the count changes nothing"
+            );
+        } else {
+            // The count is left unread: no count may change its code.
+            skipped += 1;
+            for h in [None, Some(head)] {
+                let c0 = guest::classify(f, 0, h);
+                for c in [1, 2, 7, u64::MAX] {
+                    assert_eq!(
+                        guest::classify(f, c, h),
+                        c0,
+                        "flags {f:#x}, head {h:?}: the count {c} changes the code, unread"
+                    );
+                }
+            }
+        }
+    }
+    assert!(skipped > 0 && read > 0, "{skipped} skipped, {read} read");
+}
+
+#[test]
+fn counts_are_read_in_the_blocks_that_need_them_and_no_other() {
+    let b = guest::COUNT_BLOCK;
+    // A chunk of page-cache frames, with three whose flags decide nothing.
+    let mut flags = vec![LRU; 8 * b + 100];
+    for i in [0, b + 188, 8 * b + 99] {
+        flags[i] = 0;
+    }
+    assert_eq!(
+        guest::count_blocks(&flags),
+        vec![0..b, b..2 * b, 8 * b..8 * b + 100]
+    );
+    assert!(guest::count_blocks(&[LRU, 1 << 10, 1 << 7]).is_empty());
+    assert!(guest::count_blocks(&[]).is_empty());
+}
+
 /// /proc/iomem of a 3 GiB q35 guest under SeaBIOS.
 const IOMEM_3G: &str = "\
 00000000-00000fff : Reserved
@@ -183,6 +243,7 @@ fn an_answer_made_from_this_hosts_proc_reads_back_whole() {
     assert_eq!(runs, frames);
     assert!(r.meminfo.mem_total > 0);
     assert!(r.agent.starts_with("memfold-guest"));
+    assert!(r.walk_us > 0, "the agent says how long its walk took");
 }
 
 /// `never-share` marks resolve to the frames they name (here, on the host: root reads

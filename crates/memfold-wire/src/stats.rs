@@ -480,6 +480,12 @@ pub struct GuestPages {
     pub report_ms: f64,
     /// The longest such time, ms.
     pub report_max_ms: f64,
+    /// Mean time the guest agent says it spent reading its kernel's books and
+    /// classifying them, over the reports that said (`FromGuest::End::walk_us`), ms: the
+    /// part of [`GuestPages::report_ms`] that is not the answer's encoding and transfer
+    /// (0: no report said).
+    #[serde(default)]
+    pub walk_ms: f64,
 }
 
 /// memfoldd's statistics.

@@ -124,8 +124,14 @@ pub fn guest_pages(g: &memfold_wire::GuestPages) -> String {
     } else {
         String::new()
     };
+    // An older memfold-guest does not say how long its walk took.
+    let walk = if g.walk_ms > 0.0 {
+        format!(", its walk {:.0}", g.walk_ms)
+    } else {
+        String::new()
+    };
     format!(
-        "  guest says (MiB): free {:.0} cache {:.0} anon {:.0} slab {:.0} kernel {:.0}, active {:.0}{never}; {} reports ({:.0} ms each, at most {:.0}), {} scan skips{err}",
+        "  guest says (MiB): free {:.0} cache {:.0} anon {:.0} slab {:.0} kernel {:.0}, active {:.0}{never}; {} reports ({:.0} ms each{walk}, at most {:.0}), {} scan skips{err}",
         mib(g.free),
         mib(g.cache),
         mib(g.anon),
