@@ -194,8 +194,6 @@ impl Default for Runs {
     }
 }
 
-/// Every System RAM frame's code, and frames by category; frames of `marked` (sorted)
-/// get the never-share bit.
 /// Flags that decide a frame's category before its map count is looked at (the arms of
 /// [`classify`] above its last two), or make its code its head's (a tail).
 const DECIDING: u64 = KPF_NOPAGE
@@ -216,8 +214,8 @@ pub fn needs_count(flags: u64) -> bool {
     flags & DECIDING == 0
 }
 
-/// Frames of `/proc/kpagecount` read at a time at least (4 KiB of it): a block is read
-/// only if one of its frames [`needs_count`].
+/// Frames of `/proc/kpagecount` read at a time at most (4 KiB of it; a chunk's last
+/// block may be shorter): a block is read only if one of its frames [`needs_count`].
 pub const COUNT_BLOCK: usize = 512;
 
 /// The blocks of a chunk of frames (by their flags) whose counts must be read: index
@@ -231,6 +229,8 @@ pub fn count_blocks(flags: &[u64]) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
+/// Every System RAM frame's code, and frames by category; frames of `marked` (sorted)
+/// get the never-share bit.
 fn read_categories(ranges: &[(u64, u64)], marked: &[u64]) -> Result<(Runs, [u64; 6]), String> {
     let flags = File::open("/proc/kpageflags").map_err(|e| format!("/proc/kpageflags: {e}"))?;
     let counts = File::open("/proc/kpagecount").map_err(|e| format!("/proc/kpagecount: {e}"))?;

@@ -375,8 +375,10 @@ impl GuestChannels {
                 c.answer_total += took;
                 c.answer_max = c.answer_max.max(took);
                 if rep.walk_us > 0 {
+                    // Told by the guest: no walk outlasts the answer it is part of.
+                    let walk_us = rep.walk_us.min(took.as_micros() as u64);
                     c.walked += 1;
-                    c.walk_total_us = c.walk_total_us.saturating_add(rep.walk_us);
+                    c.walk_total_us = c.walk_total_us.saturating_add(walk_us);
                 }
             }
             match r.map(|rep| {

@@ -120,10 +120,12 @@ pub enum FromGuest {
         chunks: u32,
         /// Frames the runs covered.
         frames: u64,
-        /// The guest agent's own time reading its kernel's books (`/proc/kpageflags`,
-        /// and `/proc/kpagecount` where the flags leave a frame's category open) and
-        /// classifying them, µs: the part of a report's cost spent before the first
-        /// line is written. Absent (an older `memfold-guest`): 0.
+        /// The guest agent's own time reading its kernel's page flags
+        /// (`/proc/kpageflags`, and `/proc/kpagecount` where the flags leave a frame's
+        /// category open) and classifying them, µs: most of a report's cost (not its
+        /// other reads, encoding or transfer). Absent (an older `memfold-guest`): 0. An
+        /// older memfoldd refuses an `end` line that has it (`deny_unknown_fields`):
+        /// images and daemon ship together.
         #[serde(default)]
         walk_us: u64,
     },

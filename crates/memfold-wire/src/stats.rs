@@ -474,16 +474,18 @@ pub struct GuestPages {
     /// The last error of its channel, if its last request failed.
     pub last_error: Option<String>,
     /// Mean time from memfoldd's request to the report's last line, over the reports
-    /// answered, ms: mostly the guest agent's own work (it reads two words of
-    /// `/proc/kpageflags`/`kpagecount` per frame), done on a guest vCPU — the price the
+    /// answered, ms: mostly the guest agent's own work (it reads a word of
+    /// `/proc/kpageflags` per frame, and of `/proc/kpagecount` where the flags leave the
+    /// category open), done on a guest vCPU — the price the
     /// guest pays for each report, at memfoldd's `--guest-interval-ms`.
     pub report_ms: f64,
     /// The longest such time, ms.
     pub report_max_ms: f64,
-    /// Mean time the guest agent says it spent reading its kernel's books and
-    /// classifying them, over the reports that said (`FromGuest::End::walk_us`), ms: the
-    /// part of [`GuestPages::report_ms`] that is not the answer's encoding and transfer
-    /// (0: no report said).
+    /// Mean time the guest agent says it spent reading its kernel's page flags and counts
+    /// and classifying them, over the reports that said (`FromGuest::End::walk_us`;
+    /// [`GuestPages::report_ms`] is over every report answered), ms: most of a report's
+    /// cost; the rest is its other reads (`/proc/iomem`, `/proc/meminfo`, never-share
+    /// marks), the encoding and the transfer (0: no report said).
     #[serde(default)]
     pub walk_ms: f64,
 }

@@ -120,7 +120,8 @@ pub struct MemfoldArgs {
     pub enlightened: bool,
     /// With `--enlightened`: how often memfoldd asks each guest for its categories, ms
     /// (memfoldd's `--guest-interval-ms`; default: memfoldd's). Each report costs the
-    /// guest a read of two words per frame and their transfer (docs/enlightened.md).
+    /// guest a read of its kernel's flags word per frame (and of the map count where the
+    /// flags leave the category open) and their transfer (docs/enlightened.md).
     #[arg(long, value_name = "MS", requires = "enlightened")]
     pub guest_interval_ms: Option<u64>,
     /// How each managed guest's agent takes the NRU clock's R bits (`MEMFOLD_CLOCK_RBITS`

@@ -126,7 +126,7 @@ pub fn guest_pages(g: &memfold_wire::GuestPages) -> String {
     };
     // An older memfold-guest does not say how long its walk took.
     let walk = if g.walk_ms > 0.0 {
-        format!(", its walk {:.0}", g.walk_ms)
+        format!(", its walk {:.0} ms", g.walk_ms)
     } else {
         String::new()
     };
