@@ -22,7 +22,10 @@ pub struct BlobId(pub u32);
 ///     ├──────────────▶ Reclaiming ─────────▶ Zero ─────────────────────────▶ Private
 ///     │ stash requested (blob written)  agent: punched   guest touches (decode back)
 ///     └──────────────▶ Stashing(b) ────────▶ Stored(b) ────────────────────▶ Private
-///                                              │ move to swap requested: Moving(b')
+///                           │                  │ move to swap requested: Moving(b')
+///                           │ agent: punched, b the identical patch of frame f
+///                           └──────────────▶ Unmapped(f) ──────────────────▶ Private
+///                                                   guest touches (frame copied in)
 /// ```
 /// A request lost with its connection leaves the page in its in-flight state ("in
 /// doubt") until the agent re-attaches with the list of what it maps, or its QEMU exits.
@@ -45,6 +48,12 @@ pub enum PageState {
     Stashing(BlobId),
     /// Stored; a move of its blob to this new blob (in the swap file) is requested.
     Moving(BlobId),
+    /// Shared without a mapping (issue 19, `engine/unmapped.rs`): punched out of guest
+    /// RAM, its bytes those of this pool frame, on which it holds a patch reference;
+    /// the agent copies the frame in on the next access. No blob record: the identical
+    /// patch it was stashed as is released once the agent has punched the page, so such
+    /// a page costs the engine nothing beyond its P2M entry (a blob record was 40 bytes).
+    Unmapped(FrameId),
 }
 
 impl PageState {
@@ -61,7 +70,9 @@ impl PageState {
 }
 
 /// One packed P2M entry: 3 bits of state, 29 bits of payload (frame or blob). 4 bytes a
-/// guest page, 0.1% of guest RAM.
+/// guest page, 0.1% of guest RAM. The zero tag's payload tells its three payload-less
+/// states apart: a reclaimed zero page (0), a discarded free page (1), a reclaim in
+/// flight (2), which leaves a tag for [`PageState::Unmapped`].
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct P2mEntry(u32);
 
@@ -74,6 +85,8 @@ impl P2mEntry {
     /// hole like a reclaimed zero page, told apart only so the books can say which
     /// mechanism saved it (payload 1 of the zero tag; a reclaimed zero page has 0).
     pub const FREE_HOLE: P2mEntry = P2mEntry(1 << 29 | 1);
+    /// [`PageState::Reclaiming`]: payload 2 of the zero tag.
+    const RECLAIMING: P2mEntry = P2mEntry(1 << 29 | 2);
 
     /// A private page its agent sent to the kernel's swap (issue 15's zswap backing,
     /// [`crate::engine::CompressBacking::Zswap`]): a [`PageState::Private`] page like any
@@ -106,13 +119,17 @@ impl P2mEntry {
     /// Packs a state. Panics if the payload is not below [`Self::MAX_PAYLOAD`]; the
     /// allocators never hand out such numbers.
     pub fn new(s: PageState) -> P2mEntry {
+        if s == PageState::Reclaiming {
+            return Self::RECLAIMING;
+        }
         let (tag, payload) = match s {
             PageState::Private => (0, 0),
             PageState::Zero => (1, 0),
             PageState::Shared(f) => (2, f.0),
             PageState::Stored(b) => (3, b.0),
             PageState::Sharing(f) => (4, f.0),
-            PageState::Reclaiming => (5, 0),
+            PageState::Reclaiming => unreachable!("packed above"),
+            PageState::Unmapped(f) => (5, f.0),
             PageState::Stashing(b) => (6, b.0),
             PageState::Moving(b) => (7, b.0),
         };
@@ -128,11 +145,12 @@ impl P2mEntry {
         let p = self.0 & (Self::MAX_PAYLOAD - 1);
         match self.0 >> 29 {
             0 => PageState::Private,
+            1 if p == 2 => PageState::Reclaiming,
             1 => PageState::Zero,
             2 => PageState::Shared(FrameId(p)),
             3 => PageState::Stored(BlobId(p)),
             4 => PageState::Sharing(FrameId(p)),
-            5 => PageState::Reclaiming,
+            5 => PageState::Unmapped(FrameId(p)),
             6 => PageState::Stashing(BlobId(p)),
             _ => PageState::Moving(BlobId(p)),
         }
@@ -175,9 +193,14 @@ mod tests {
             PageState::Reclaiming,
             PageState::Stashing(BlobId(m)),
             PageState::Moving(BlobId(9)),
+            PageState::Unmapped(FrameId(0)),
+            PageState::Unmapped(FrameId(m)),
         ] {
             assert_eq!(P2mEntry::new(s).state(), s);
+            assert!(!P2mEntry::new(s).is_free_hole(), "{s:?}");
+            assert!(!P2mEntry::new(s).is_paged_out(), "{s:?}");
         }
+        assert!(!P2mEntry::new(PageState::Zero).is_free_hole());
         assert_eq!(P2mEntry::PRIVATE.state(), PageState::Private);
         assert_eq!(P2mEntry::FREE_HOLE.state(), PageState::Zero);
         assert!(P2mEntry::FREE_HOLE.is_free_hole());

@@ -396,7 +396,8 @@ pub struct Books {
     pub frame_page_outs: u64,
     /// Budget and swap file.
     pub swap: SwapBooks,
-    /// Stored page lifetimes.
+    /// Stored page lifetimes (pages kept as blobs: a page shared without a mapping
+    /// keeps no store time, [`super::unmapped::UnmappedAges`]).
     pub lifetime: LifetimeBooks,
     /// The policy's name.
     pub policy: String,
@@ -679,6 +680,7 @@ impl Engine {
                 v.p2m.capacity() * 4
                     + v.p2m.len() * 2
                     + v.hints.bytes()
+                    + v.unmapped_ages.bytes()
                     + v.categories.as_ref().map_or(0, |m| m.bytes())
                     + crate::share::hashbrown_bytes(v.unmapping.capacity(), 4)
                     + crate::share::hashbrown_bytes(v.read_sharing.capacity(), 16)

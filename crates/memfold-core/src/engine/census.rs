@@ -14,8 +14,8 @@ impl Engine {
     /// Every page of every guest by content now: a private page (or one in flight to
     /// being shared or reclaimed, still in guest RAM) by its bytes, read from guest RAM
     /// (a hole reads as zeros); a shared page by its frame's content hash; a reclaimed
-    /// page as zeros; a stored page (patched, compressed, swapped, or shared without a
-    /// mapping) as unknown. A page that cannot be read counts as unknown. O(guest memory):
+    /// page as zeros; a page shared without a mapping by its frame's hash, as a shared
+    /// one; a stored page (patched, compressed, swapped) as unknown. A page that cannot be read counts as unknown. O(guest memory):
     /// for measurements, not for the engine's loop.
     pub fn census(&self) -> Census {
         let mut c = Census::new();
@@ -44,10 +44,14 @@ impl Engine {
                     let gfn = Gfn(g + i);
                     match v.state(gfn) {
                         PageState::Private if away(i) => c.add_unknown(),
-                        PageState::Shared(f) if frames.hash(f) != self.zero_hash => {
+                        PageState::Shared(f) | PageState::Unmapped(f)
+                            if frames.hash(f) != self.zero_hash =>
+                        {
                             c.add_hash(frames.hash(f))
                         }
-                        PageState::Shared(_) | PageState::Zero => c.add_zero(),
+                        PageState::Shared(_) | PageState::Unmapped(_) | PageState::Zero => {
+                            c.add_zero()
+                        }
                         PageState::Private | PageState::Sharing(_) | PageState::Reclaiming
                             if read =>
                         {

@@ -35,6 +35,7 @@ impl Engine {
         let mut pending: HashMap<(DomainId, FrameId), u32> = HashMap::new();
         let mut slots: HashMap<VmId, [u64; 2]> = HashMap::new();
         let mut blob_holders: HashMap<BlobId, u32> = HashMap::new();
+        let mut patch_refs: HashMap<(DomainId, FrameId), u32> = HashMap::new();
         for (id, v) in &self.vms {
             // A guest's category map covers its RAM, and its counts add up to it.
             if let Some(m) = &v.categories {
@@ -121,6 +122,11 @@ impl Engine {
                         kept[kept_index(self.blobs.get(b).kept())] += 1;
                     }
                     PageState::Stashing(b) => hold(b)?,
+                    PageState::Unmapped(f) => {
+                        // Its patch reference, counted against the frame's books below.
+                        *patch_refs.entry((d, f)).or_default() += 1;
+                        kept[kept_index(Kept::Unmapped)] += 1;
+                    }
                     PageState::Moving(b) => {
                         hold(b)?;
                         let Some(old) = self.blobs.replaces(b) else {
@@ -196,7 +202,6 @@ impl Engine {
             }
             *blob_holders.entry(b).or_default() += 1;
         }
-        let mut patch_refs: HashMap<(DomainId, FrameId), u32> = HashMap::new();
         let mut slot_bytes = [0u64; 4];
         for (b, blob) in self.blobs.iter() {
             if blob_holders.get(&b) != Some(&1) {

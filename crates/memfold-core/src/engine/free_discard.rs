@@ -164,7 +164,12 @@ impl Engine {
         }
         let held = (0..end)
             .map(Gfn)
-            .filter(|&g| matches!(v.state(g), PageState::Shared(_) | PageState::Stored(_)))
+            .filter(|&g| {
+                matches!(
+                    v.state(g),
+                    PageState::Shared(_) | PageState::Stored(_) | PageState::Unmapped(_)
+                )
+            })
             .filter(|&g| map.buddy(g));
         want.extend(held.take(MAX_WATCH - want.len()));
         let asked = want.len();
@@ -231,6 +236,8 @@ impl Engine {
             (PageState::Stored(_) | PageState::Moving(_), Outcome::Done) => {
                 (false, self.take_stored(id, g).is_some())
             }
+            // To the agent a page shared without a mapping is stashed too.
+            (PageState::Unmapped(_), Outcome::Done) => (false, self.take_unmapped(id, g).is_some()),
             _ => return,
         };
         if shared || stored {
@@ -244,11 +251,11 @@ impl Engine {
 }
 
 /// Whether a page in state `s` may be discarded when its guest reports it free: private,
-/// shared or stored (not in flight, not a zero page already).
+/// shared, stored or shared without a mapping (not in flight, not a zero page already).
 fn discardable_state(s: PageState) -> bool {
     matches!(
         s,
-        PageState::Private | PageState::Shared(_) | PageState::Stored(_)
+        PageState::Private | PageState::Shared(_) | PageState::Stored(_) | PageState::Unmapped(_)
     )
 }
 

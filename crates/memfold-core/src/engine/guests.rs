@@ -220,6 +220,7 @@ impl Engine {
                     )));
                 }
                 let id = VmId(self.next_vm);
+                let now = self.now_us();
                 self.next_vm += 1;
                 self.next_base = end as u32;
                 self.by_base.insert(Gpn(base), id);
@@ -247,6 +248,7 @@ impl Engine {
                         clock: ClockHand::new(n),
                         share_refused_us: None,
                         unmapping: Default::default(),
+                        unmapped_ages: super::unmapped::UnmappedAges::new(n, now),
                         read_sharing: Default::default(),
                         read_shared_at: Default::default(),
                         read_backoff: Default::default(),
@@ -438,13 +440,18 @@ impl Engine {
         self.drop_domain_if_empty(d);
     }
 
-    /// Releases every blob guest `id` holds (its agent wrote its stashed pages back, or
-    /// its QEMU is gone): the pages are private again and its stash counters zero.
+    /// Releases every blob guest `id` holds, and every frame its pages shared without a
+    /// mapping hold (its agent wrote its stashed pages back, or its QEMU is gone): the
+    /// pages are private again and its stash counters zero.
     pub(crate) fn release_blobs(&mut self, id: VmId) {
         let pages = self.vms[&id].pages();
         for i in 0..pages {
             let g = Gfn(i);
             let st = self.vms[&id].state(g);
+            if let PageState::Unmapped(_) = st {
+                self.take_unmapped(id, g);
+                continue;
+            }
             let held: [Option<BlobId>; 2] = match st {
                 PageState::Stored(b) | PageState::Stashing(b) => [Some(b), None],
                 PageState::Moving(b) => [Some(b), self.blobs.replaces(b)],

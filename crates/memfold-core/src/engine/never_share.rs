@@ -76,7 +76,7 @@ impl Engine {
         let mut own: Vec<Gfn> = Vec::new();
         for g in map.never_share_pages() {
             let f = match v.state(g) {
-                PageState::Shared(f) => Some(f),
+                PageState::Shared(f) | PageState::Unmapped(f) => Some(f),
                 PageState::Stored(b) => self.blobs.get(b).reference(),
                 _ => None,
             };
@@ -109,7 +109,7 @@ impl Engine {
             'guests: for (&vid, v) in self.vms.iter().filter(|(_, v)| v.domain == d) {
                 for g in (0..v.pages()).map(Gfn) {
                     let on = match v.state(g) {
-                        PageState::Shared(f) => withdrawn.contains(&f),
+                        PageState::Shared(f) | PageState::Unmapped(f) => withdrawn.contains(&f),
                         PageState::Stored(b) => self
                             .blobs
                             .get(b)
@@ -412,6 +412,7 @@ mod tests {
         r.engine.check_invariants().unwrap();
         let patched_against = |r: &Rig, g: u32| match state(r, g) {
             PageState::Stored(b) => r.engine.blobs.get(b).reference(),
+            PageState::Unmapped(f) => Some(f),
             _ => None,
         };
         for g in 0..4 {

@@ -26,7 +26,8 @@ pub enum Discard {
     Frame(FrameId),
     /// A reclaimed zero page.
     Zero,
-    /// A stored page (a blob in the store or the swap file).
+    /// A stored page (a blob in the store or the swap file), or a page shared without a
+    /// mapping: to the agent both are stashed.
     Stored,
 }
 
@@ -43,7 +44,9 @@ impl Engine {
             Discard::Frame(f) => self.take_shared(id, g, f),
             Discard::Zero => self.take_zero(id, g),
             // Not an access: no lifetime recorded, no wait before storing it again.
-            Discard::Stored => self.take_stored(id, g).is_some(),
+            Discard::Stored => {
+                self.take_stored(id, g).is_some() || self.take_unmapped(id, g).is_some()
+            }
         };
         if taken {
             let books = &mut self.vms.get_mut(&id).expect("taken").books;
@@ -283,6 +286,8 @@ impl Engine {
     fn stash_outcome(&mut self, id: VmId, g: Gfn, b: BlobId, o: Outcome) {
         self.count_answer(id, o, true);
         let kept = self.blobs.get(b).kept();
+        let reference = self.blobs.get(b).reference();
+        let now = self.now_us();
         let v = self.vms.get_mut(&id).expect("outcome() checked");
         if v.state(g) != PageState::Stashing(b) {
             debug_assert!(
@@ -290,6 +295,20 @@ impl Engine {
                 "{id} {g}: stash answer for a page in {:?}",
                 v.state(g)
             );
+            return;
+        }
+        if o == Outcome::Done && kept == Kept::Unmapped {
+            // The identical patch has done its work (the agent compared the page with the
+            // frame under write-protection and punched it): the P2M entry now names the
+            // frame and takes over the blob's patch reference; the record goes.
+            let f = reference.expect("an identical blob has a reference frame");
+            let d = v.domain;
+            v.set(g, PageState::Unmapped(f));
+            v.unmapped_ages.mark(g, now);
+            *v.books.kept_pages(kept) += 1;
+            v.books.unmapped_shares += 1;
+            self.domain_mut(d).frames.incref(f, true);
+            self.release_blob(b);
             return;
         }
         if o == Outcome::Done {
@@ -405,8 +424,17 @@ impl Engine {
         true
     }
 
-    /// The guest touched stored page `g` and the agent decoded it back.
+    /// The guest touched stored page `g` and the agent decoded it back (or, for a page
+    /// shared without a mapping, copied its frame in).
     pub fn unstashed(&mut self, id: VmId, g: Gfn) {
+        if let Some(lived_long) = self.take_unmapped(id, g) {
+            // No blob, so no lifetime to record: only whether it lived long
+            // ([`super::unmapped::UnmappedAges`]).
+            let v = self.vms.get_mut(&id).expect("take_unmapped checked");
+            v.hints.restash_after(g, lived_long);
+            v.books.unstashes += 1;
+            return;
+        }
         let Some(blob) = self.take_stored(id, g) else {
             return;
         };
@@ -418,6 +446,24 @@ impl Engine {
             v.books.swap_ins += 1;
         }
         self.books.lifetimes.record(lived);
+    }
+
+    /// Page `g`, shared without a mapping, is private again: the frame's patch reference
+    /// is released and the unmapped count lowered. Returns whether it had lived out
+    /// [`super::RESTASH_LIVED_US`] unmapped; `None` if the page is not unmapped.
+    pub(crate) fn take_unmapped(&mut self, id: VmId, g: Gfn) -> Option<bool> {
+        let now = self.now_us();
+        let v = self.vms.get_mut(&id).filter(|v| g.0 < v.pages())?;
+        let PageState::Unmapped(f) = v.state(g) else {
+            return None;
+        };
+        let d = v.domain;
+        v.set(g, PageState::Private);
+        v.clock.fresh(g.0);
+        *v.books.kept_pages(Kept::Unmapped) -= 1;
+        let lived_long = v.unmapped_ages.take(g, now);
+        self.frame_decref(d, f, true);
+        Some(lived_long)
     }
 
     /// Stored (or moving) page `g` is private again: its blob is released (a move's new

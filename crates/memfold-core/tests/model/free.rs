@@ -98,13 +98,22 @@ impl Harness {
                             let g = Gfn(r.first.0 + k);
                             v.marked[g.index()] = r.info.never_share.then(|| {
                                 let mut f = Vec::new();
-                                if let Some(PageState::Shared(x) | PageState::Sharing(x)) =
-                                    self.engine.page_state(id, g)
+                                if let Some(
+                                    PageState::Shared(x)
+                                    | PageState::Sharing(x)
+                                    | PageState::Unmapped(x),
+                                ) = self.engine.page_state(id, g)
                                 {
                                     f.push(x);
                                 }
                                 if let Home::Frame(x) = v.agent.home(g) {
                                     f.push(x);
+                                }
+                                // A stash under way may end unmapped onto a frame the
+                                // model cannot see (taken back at a later report).
+                                if let Some(PageState::Stashing(_)) = self.engine.page_state(id, g)
+                                {
+                                    f.push(super::ANY_FRAME);
                                 }
                                 f
                             });

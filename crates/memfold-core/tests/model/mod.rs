@@ -60,6 +60,10 @@ struct ModelVm {
     marked: Vec<Option<Vec<FrameId>>>,
 }
 
+/// In a page's `marked` list: a stash was under way at the mark, and may end with the
+/// page unmapped onto a frame the model cannot see.
+pub(crate) const ANY_FRAME: FrameId = FrameId(u32::MAX);
+
 /// A read a block device asked to have filled from frames (Satori §5.2).
 struct PendingFill {
     id: FillId,
@@ -813,10 +817,25 @@ impl Harness {
                             }
                         }
                     }
-                    Home::Stashed(_) => {
+                    Home::Stashed(st) => {
                         if let Some(id) = v.id.filter(|_| v.connected) {
                             let s = self.engine.page_state(id, g);
-                            if !matches!(
+                            if let Some(PageState::Unmapped(f)) = s {
+                                // Shared without a mapping: the agent holds the empty
+                                // patch against that very frame, nothing else.
+                                if st.reference != Some(f) || st.len != 0 {
+                                    return Err(format!(
+                                        "vm {i} {g} is unmapped onto {f}, but the agent holds {st:?}"
+                                    ));
+                                }
+                                // Never-share: no unmapped share made after the mark.
+                                let marked = v.marked[g.index()].as_ref().filter(|_| v.connected);
+                                if marked.is_some_and(|a| !a.contains(&f) && !a.contains(&ANY_FRAME)) {
+                                    return Err(format!(
+                                        "vm {i} {g}: marked never-share, yet unmapped onto {f}"
+                                    ));
+                                }
+                            } else if !matches!(
                                 s,
                                 Some(
                                     PageState::Stored(_)
