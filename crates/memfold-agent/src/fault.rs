@@ -325,11 +325,16 @@ impl Agent {
     }
 
     /// Decodes the blob of stashed page `gfn` (from the store or the swap file; for a
-    /// patch with its pool reference frame) into `out`.
+    /// patch with its pool reference frame) into `out`, and checks it against the
+    /// stash's checksum. A stash without one (the identical patch as the page table keeps
+    /// it) is its reference frame's bytes, copied unchecked ([`Agent::decode_identical`]).
     ///
     /// Errors: no store, swap file or pool, a read failed, or the blob does not decode (a
     /// corrupt store: the page is then never installed).
     pub(crate) fn decode_stashed(&self, gfn: Gfn, s: &Stash, out: &mut Page) -> io::Result<()> {
+        let Some(sum) = s.checksum else {
+            return self.decode_identical(gfn, s, out);
+        };
         let store = match s.home {
             BlobHome::Store => &self.store,
             BlobHome::Swap => &self.swap,
@@ -355,7 +360,7 @@ impl Agent {
             *out = (&*blob)
                 .try_into()
                 .map_err(|_| io::Error::other(format!("{gfn}: raw page of {} bytes", s.len)))?;
-            return self.check_sum(gfn, s, out);
+            return check_sum(gfn, sum, out);
         };
         let mut reference = [0u8; PAGE_SIZE];
         let has_ref = if let Some(r) = s.blob.reference() {
@@ -372,21 +377,44 @@ impl Agent {
                     format!("{gfn}: stored blob: {e}"),
                 )
             })?;
-        self.check_sum(gfn, s, out)
+        check_sum(gfn, sum, out)
     }
 
-    /// The page decoded from a blob must be the page stored: a blob changed in its store
-    /// or swap file, or a patch against a changed reference frame, is an `InvalidData`
-    /// error, never a page installed.
-    fn check_sum(&self, gfn: Gfn, s: &Stash, page: &Page) -> io::Result<()> {
-        if page_checksum(page) == s.checksum {
-            return Ok(());
-        }
-        Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("{gfn}: the decoded page does not match its checksum: its blob was changed"),
-        ))
+    /// Decodes stashed page `gfn` kept as the identical patch against frame f
+    /// ([`Stash::identical`], no checksum kept): what the empty run-diff patch decodes to,
+    /// f's bytes, read from the pool, with no checksum to check them against. As safe as
+    /// a page mapped onto f, which has none either: the stash request decoded the patch,
+    /// checked it against the request's checksum and compared it with the page's bytes
+    /// under write-protection before the punch (`requests.rs`, `stash`), and no one
+    /// writes a pool frame while a page refers to it (memfoldd holds a patch reference
+    /// on it, and a restarted memfoldd keeps an adopted pool's frames until this agent
+    /// has re-attached, after writing its stashed pages back; a guest's write is a CoW
+    /// break or a decode, never a write into the frame).
+    ///
+    /// Errors: `s` has no checksum but is not the identical patch (`InvalidData`: never
+    /// made by the table), no pool, or the read failed.
+    fn decode_identical(&self, gfn: Gfn, s: &Stash, out: &mut Page) -> io::Result<()> {
+        let f = s.identical_to().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{gfn}: a stored blob without a checksum: {s:?}"),
+            )
+        })?;
+        pread_exact(self.pool()?, out, f.offset())
     }
+}
+
+/// The page decoded from a blob must be the page stored (`sum` its checksum): a blob
+/// changed in its store or swap file, or a patch against a changed reference frame, is an
+/// `InvalidData` error, never a page installed.
+fn check_sum(gfn: Gfn, sum: u64, page: &Page) -> io::Result<()> {
+    if page_checksum(page) == sum {
+        return Ok(());
+    }
+    Err(io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("{gfn}: the decoded page does not match its checksum: its blob was changed"),
+    ))
 }
 
 /// A stored page whose hole in the guest memfd was filled outside QEMU's mapping: an

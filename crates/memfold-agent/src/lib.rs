@@ -43,6 +43,8 @@
 //! pool frame, which no guest can write) and installs it with `UFFDIO_COPY`. Swapped pages
 //! (DE §4.6) are the same with the blob (patch, compressed or raw page) in the swap file,
 //! which the agent also holds; it reads them back without keeping them in the page cache.
+//! A page shared without a mapping is stashed as the empty patch against its frame: the
+//! agent keeps only the frame (4 bytes, no record, no checksum) and copies it back.
 //!
 //! **R and M bits for the NRU clock** (DE §4.2): memfoldd asks for a slice of guest RAM
 //! at a time; the agent reports which pages were referenced and modified since the slice
@@ -546,8 +548,9 @@ pub(crate) fn spawn_region(cfg: AgentConfig, region: regions::Region, gone: Gone
 
 /// Runs the agent of one guest RAM region until the process exits ([`run`]).
 ///
-/// Errors: userfaultfd is unavailable or cannot register the region (it runs on
-/// unmanaged); the region was unmapped (hot-unplug: the agent detaches).
+/// Errors: the region has 2^29 pages (2 TiB) or more, past what the page table packs
+/// ([`state::MAX_FRAME`]); userfaultfd is unavailable or cannot register the region (it
+/// runs on unmanaged); the region was unmapped (hot-unplug: the agent detaches).
 fn run_region(
     cfg: AgentConfig,
     region: regions::Region,
@@ -557,6 +560,13 @@ fn run_region(
         base, bytes, memfd, ..
     } = region;
     // Everything that can fail comes before registering: afterwards only failing closed.
+    let pages = (bytes / PAGE) as usize;
+    if pages >= state::MAX_FRAME as usize {
+        return Err(io::Error::other(format!(
+            "a region of {pages} pages: the agent's page table holds fewer than {}",
+            state::MAX_FRAME
+        )));
+    }
     let remapper = Remapper::new()?;
     let uffd = Uffd::open(uffd::AGENT_FEATURES)?;
     let rbits = rbits::reader(cfg.clock_rbits, base, &cfg.name);
@@ -569,7 +579,6 @@ fn run_region(
         .ok()
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or(65530);
-    let pages = (bytes / PAGE) as usize;
     // Leave QEMU room for its own mappings (threads, libraries, TCG buffers). The count
     // of mappings it is checked against is the whole process's (`vmas::PROCESS`), so the
     // agents of several regions share one budget.

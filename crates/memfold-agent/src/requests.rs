@@ -550,6 +550,9 @@ impl Agent {
                 out.refused.push(g);
                 continue;
             }
+            // With the request's checksum: an identical patch too is decoded and checked
+            // here (and compared below), which its later decode, kept without a checksum,
+            // relies on (`fault.rs`, `decode_identical`).
             let stash = Stash::from(&p);
             if let Err(e) = self.decode_stashed(g, &stash, &mut decoded) {
                 tracing::warn!("stash refused: {e}");
@@ -582,7 +585,9 @@ impl Agent {
     /// still stashed in the store and both blobs decode to the same bytes. Returns whether
     /// it moved (not: the guest touched the page since, or the bytes differ). The page is
     /// not in guest RAM, and faults on it are served by this thread: nothing can change it
-    /// meanwhile.
+    /// meanwhile. A page kept as the identical patch moves as any other: its frame's bytes
+    /// against the new blob, decoded and checked with the request's checksum; it then
+    /// takes a record.
     ///
     /// Errors: a blob cannot be read or decoded.
     fn move_stashed(&mut self, p: &StashPage, new: &mut Page, old: &mut Page) -> io::Result<bool> {

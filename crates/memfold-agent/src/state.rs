@@ -1,6 +1,7 @@
 //! The agent's record of guest RAM: where each page lives ([`PageHome`]) and its R and M
 //! bits for the NRU clock since its slice was last armed.
 
+use memfold_codecs::PatchCodec;
 use memfold_ids::{FrameId, Gfn};
 use memfold_wire::{Blob, BlobHome, Mapped, StashPage};
 
@@ -17,7 +18,8 @@ pub(crate) enum PageHome {
     /// Mapped onto this pool frame, write-protected: a write breaks copy-on-write.
     Frame(FrameId),
     /// Out of RAM as a blob in the store memfd or the swap file (a hole in the guest
-    /// memfd): decoded back on the next access.
+    /// memfd), or as the identical patch against a pool frame ([`Stash::identical`]):
+    /// decoded back on the next access.
     Stashed(Stash),
 }
 
@@ -33,18 +35,92 @@ pub(crate) struct Stash {
     pub(crate) offset: u64,
     /// Blob length, bytes.
     pub(crate) len: u32,
-    /// The page's checksum: a decoded page that differs is never installed.
-    pub(crate) checksum: u64,
+    /// The page's checksum: a decoded page that differs is never installed. `None` only
+    /// for the identical patch ([`Stash::identical`]) as [`Pages`] reads it back: the
+    /// table keeps no checksum for it, and its page is the reference frame's bytes
+    /// (`fault.rs`, `decode_stashed`, says why that needs none).
+    pub(crate) checksum: Option<u64>,
 }
 
 impl From<&StashPage> for Stash {
+    /// A request's blob, with the request's checksum.
     fn from(p: &StashPage) -> Stash {
         Stash {
             blob: p.blob,
             home: p.home,
             offset: p.offset,
             len: p.len,
-            checksum: p.checksum,
+            checksum: Some(p.checksum),
+        }
+    }
+}
+
+impl Stash {
+    /// Page `f`'s bytes as a stash: the empty run-diff patch against frame `f` in the
+    /// store, as memfoldd shares a page without a mapping (its offset means nothing: 0).
+    /// The table keeps such a page in its slot alone, with no record and no checksum.
+    pub(crate) fn identical(f: FrameId) -> Stash {
+        Stash {
+            blob: Blob::Patch {
+                codec: PatchCodec::RunDiff,
+                reference: f,
+            },
+            home: BlobHome::Store,
+            offset: 0,
+            len: 0,
+            checksum: None,
+        }
+    }
+
+    /// The frame this stash is the identical patch against ([`Stash::identical`], with
+    /// or without a checksum, at any offset); `None` for any other blob.
+    pub(crate) fn identical_to(&self) -> Option<FrameId> {
+        match (self.blob, self.home, self.len) {
+            (
+                Blob::Patch {
+                    codec: PatchCodec::RunDiff,
+                    reference,
+                },
+                BlobHome::Store,
+                0,
+            ) => Some(reference),
+            _ => None,
+        }
+    }
+}
+
+/// A stash record as the table keeps it: a [`Stash`] whose checksum is known (32 bytes;
+/// `Option<u64>` would take 40).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Record {
+    blob: Blob,
+    home: BlobHome,
+    offset: u64,
+    len: u32,
+    checksum: u64,
+}
+
+impl Record {
+    /// `s` as a record. Panics: `s` has no checksum (only the identical patch read back
+    /// from the table has none, and that is never kept as a record).
+    fn new(s: Stash) -> Record {
+        Record {
+            blob: s.blob,
+            home: s.home,
+            offset: s.offset,
+            len: s.len,
+            checksum: s.checksum.expect("a stash record without a checksum"),
+        }
+    }
+
+    /// The record as the stash it keeps.
+    fn stash(self) -> Stash {
+        Stash {
+            blob: self.blob,
+            home: self.home,
+            offset: self.offset,
+            len: self.len,
+            checksum: Some(self.checksum),
         }
     }
 }
@@ -65,20 +141,28 @@ enum Slot {
     Frame(FrameId),
     /// Index into `stashes`.
     Stashed(u32),
+    /// Stashed as the identical patch against this frame ([`Stash::identical`]), with no
+    /// record: memfoldd's share without a mapping, ~200 000 pages of an 8 GiB guest, each
+    /// 32 bytes of record before (issue 19).
+    Identical(FrameId),
 }
 
-/// Frames and stash indexes a [`Packed`] slot holds: below 2^30 (a pool of 4 TiB; a
-/// region of 4 TiB). The agent refuses shares onto frames past it.
-pub(crate) const MAX_FRAME: u32 = 1 << 30;
+/// Frames and stash indexes a [`Packed`] slot holds: below 2^29 (a pool of 2 TiB; a
+/// region of 2 TiB). The agent refuses shares onto frames past it, and keeps a record
+/// for an identical stash against one.
+pub(crate) const MAX_FRAME: u32 = 1 << 29;
 
-/// A [`Slot`] in 4 bytes: a 2-bit kind over a 30-bit frame or stash index.
+/// Bits of a [`Packed`] slot below its kind.
+const KIND_SHIFT: u32 = MAX_FRAME.trailing_zeros();
+
+/// A [`Slot`] in 4 bytes: a 3-bit kind over a 29-bit frame or stash index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Packed(u32);
 
 impl Packed {
     const PRIVATE: Packed = Packed(0);
 
-    /// Packs `s`. Panics: a frame or index of 2^30 or more (callers refuse such frames,
+    /// Packs `s`. Panics: a frame or index of 2^29 or more (callers refuse such frames,
     /// and no region has that many pages).
     fn new(s: Slot) -> Packed {
         let (kind, x) = match s {
@@ -86,18 +170,20 @@ impl Packed {
             Slot::Zero => (1, 0),
             Slot::Frame(f) => (2, f.0),
             Slot::Stashed(i) => (3, i),
+            Slot::Identical(f) => (4, f.0),
         };
         assert!(x < MAX_FRAME, "{s:?} does not pack");
-        Packed(kind << 30 | x)
+        Packed(kind << KIND_SHIFT | x)
     }
 
     fn get(self) -> Slot {
         let x = self.0 & (MAX_FRAME - 1);
-        match self.0 >> 30 {
+        match self.0 >> KIND_SHIFT {
             0 => Slot::Private,
             1 => Slot::Zero,
             2 => Slot::Frame(FrameId(x)),
-            _ => Slot::Stashed(x),
+            3 => Slot::Stashed(x),
+            _ => Slot::Identical(FrameId(x)),
         }
     }
 }
@@ -125,8 +211,8 @@ fn room_for_one<T>(v: &mut Vec<T>) {
 pub(crate) struct Pages {
     homes: Vec<Packed>,
     /// The blob records of stashed pages, by [`Slot::Stashed`] index; entries listed in
-    /// `free` belong to no page.
-    stashes: Vec<Stash>,
+    /// `free` belong to no page. Identical stashes ([`Slot::Identical`]) have none.
+    stashes: Vec<Record>,
     /// Free entries of `stashes`.
     free: Vec<u32>,
     referenced: Vec<u64>,
@@ -153,7 +239,7 @@ impl Pages {
     /// `pages` private pages, never armed: treated as recently modified (R and M set, as
     /// the engine's `PageClock::FRESH`).
     ///
-    /// Panics: `pages` is 2^30 or more (4 TiB; a stash index would not pack).
+    /// Panics: `pages` is 2^29 or more (2 TiB; a stash index would not pack).
     pub(crate) fn new(pages: usize) -> Pages {
         assert!(pages < MAX_FRAME as usize, "a region of {pages} pages");
         Pages {
@@ -191,7 +277,8 @@ impl Pages {
             Slot::Private => PageHome::Private,
             Slot::Zero => PageHome::Zero,
             Slot::Frame(f) => PageHome::Frame(f),
-            Slot::Stashed(i) => PageHome::Stashed(self.stashes[i as usize]),
+            Slot::Stashed(i) => PageHome::Stashed(self.stashes[i as usize].stash()),
+            Slot::Identical(f) => PageHome::Stashed(Stash::identical(f)),
         }
     }
 
@@ -229,31 +316,40 @@ impl Pages {
         self.get(gfn) == Some(PageHome::Private)
     }
 
-    /// Records that page `gfn` now lives at `home`.
+    /// Records that page `gfn` now lives at `home`. A stash that is the identical patch
+    /// against a frame below [`MAX_FRAME`] ([`Stash::identical_to`]) is kept as that frame
+    /// alone, its checksum dropped: it reads back as [`Stash::identical`].
+    ///
+    /// Panics: another stash without a checksum.
     pub(crate) fn set(&mut self, gfn: Gfn, home: PageHome) {
         let old = self.homes[gfn.index()].get();
-        let slot = match (old, home) {
+        let identical = match home {
+            PageHome::Stashed(s) => s.identical_to().filter(|f| f.0 < MAX_FRAME),
+            _ => None,
+        };
+        let slot = match (old, home, identical) {
+            (_, _, Some(f)) => Slot::Identical(f),
             // A stashed page stashed anew (a move to the swap file) keeps its entry.
-            (Slot::Stashed(i), PageHome::Stashed(s)) => {
-                self.stashes[i as usize] = s;
+            (Slot::Stashed(i), PageHome::Stashed(s), None) => {
+                self.stashes[i as usize] = Record::new(s);
                 old
             }
-            (_, PageHome::Stashed(s)) => match self.free.pop() {
+            (_, PageHome::Stashed(s), None) => match self.free.pop() {
                 Some(i) => {
-                    self.stashes[i as usize] = s;
+                    self.stashes[i as usize] = Record::new(s);
                     Slot::Stashed(i)
                 }
                 None => {
                     room_for_one(&mut self.stashes);
-                    self.stashes.push(s);
+                    self.stashes.push(Record::new(s));
                     Slot::Stashed(self.stashes.len() as u32 - 1)
                 }
             },
-            (_, PageHome::Private) => Slot::Private,
-            (_, PageHome::Zero) => Slot::Zero,
-            (_, PageHome::Frame(f)) => Slot::Frame(f),
+            (_, PageHome::Private, _) => Slot::Private,
+            (_, PageHome::Zero, _) => Slot::Zero,
+            (_, PageHome::Frame(f), _) => Slot::Frame(f),
         };
-        // The record of a stashed page that is stashed no more.
+        // The record of a page that needs it no more (not stashed, or identical now).
         let freed = match (old, slot) {
             (Slot::Stashed(i), s) if !matches!(s, Slot::Stashed(_)) => Some(i),
             _ => None,
@@ -311,7 +407,7 @@ impl Pages {
     /// included: its vCPU is already woken); run when over a quarter of the records are
     /// free and at least [`COMPACT_MIN`], so at most once per a third as many frees as
     /// there are records left (over half until 2026-11-28: a table could sit at twice
-    /// what it holds).
+    /// what it holds). Identical stashes hold no index and are left as they are.
     fn compact(&mut self) {
         let mut stashes = Vec::with_capacity(self.stashes.len() - self.free.len());
         for h in &mut self.homes {
@@ -389,10 +485,10 @@ impl Pages {
     }
 
     /// Bytes this record holds: its page homes, stash records and R/M bitmaps, as
-    /// allocated.
+    /// allocated (an identical stash costs nothing beyond its page's slot).
     pub(crate) fn state_bytes(&self) -> u64 {
         (self.homes.capacity() * std::mem::size_of::<Packed>()
-            + self.stashes.capacity() * std::mem::size_of::<Stash>()
+            + self.stashes.capacity() * std::mem::size_of::<Record>()
             + self.free.capacity() * 4
             + (self.referenced.capacity()
                 + self.modified.capacity()
@@ -452,7 +548,7 @@ impl Pages {
                     Slot::Private => return None,
                     Slot::Zero => Mapped::ReclaimedZero,
                     Slot::Frame(f) => Mapped::Frame(f),
-                    Slot::Stashed(_) => {
+                    Slot::Stashed(_) | Slot::Identical(_) => {
                         debug_assert!(false, "stashed pages are restored before a re-attach");
                         return None;
                     }
@@ -462,14 +558,18 @@ impl Pages {
             .collect()
     }
 
-    /// The stashed pages and their blobs, in gfn order.
+    /// The stashed pages (identical ones too) and their blobs, in gfn order.
     pub(crate) fn stashed(&self) -> Vec<(Gfn, Stash)> {
         self.homes
             .iter()
             .enumerate()
-            .filter_map(|(g, h)| match h.get() {
-                Slot::Stashed(i) => Some((Gfn(g as u32), self.stashes[i as usize])),
-                _ => None,
+            .filter_map(|(g, h)| {
+                let s = match h.get() {
+                    Slot::Stashed(i) => self.stashes[i as usize].stash(),
+                    Slot::Identical(f) => Stash::identical(f),
+                    _ => return None,
+                };
+                Some((Gfn(g as u32), s))
             })
             .collect()
     }
@@ -483,9 +583,9 @@ mod tests {
     #[test]
     fn a_page_record_stays_small() {
         // One per guest page: 4 bytes, 0.1% of guest RAM, and 4 bits (R, M, watch,
-        // zapped); a stashed page's 32 more.
+        // zapped); a stashed page's 32 more (none for an identical one).
         assert_eq!(std::mem::size_of::<Packed>(), 4);
-        assert!(std::mem::size_of::<Stash>() <= 32);
+        assert!(std::mem::size_of::<Record>() <= 32);
         let mut p = Pages::new(1024);
         assert_eq!(p.state_bytes(), 1024 * 4 + 4 * 16 * 8, "no page stashed");
         p.set(Gfn(3), PageHome::Stashed(stash(3)));
@@ -504,7 +604,17 @@ mod tests {
             },
             offset: 64 * k,
             len: 100 + k as u32,
-            checksum: k.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+            checksum: Some(k.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+        }
+    }
+
+    /// Frame `f`'s identical patch as a stash request brings it: with a checksum, at
+    /// some offset in the store.
+    fn requested_identical(f: u32, k: u64) -> Stash {
+        Stash {
+            offset: 4096 * k,
+            checksum: Some(k ^ 0x5555),
+            ..Stash::identical(FrameId(f))
         }
     }
 
@@ -520,15 +630,24 @@ mod tests {
             x ^= x >> 7;
             x ^= x << 17;
             let g = (x % 64) as usize;
-            let home = match (x >> 8) % 4 {
-                0 => PageHome::Private,
-                1 => PageHome::Zero,
+            let f = (x >> 16) as u32 % MAX_FRAME;
+            let (home, reads) = match (x >> 8) % 5 {
+                0 => (PageHome::Private, PageHome::Private),
+                1 => (PageHome::Zero, PageHome::Zero),
                 // Frames up to the largest that packs.
-                2 => PageHome::Frame(FrameId((x >> 16) as u32 % MAX_FRAME)),
-                _ => PageHome::Stashed(stash(step)),
+                2 => (PageHome::Frame(FrameId(f)), PageHome::Frame(FrameId(f))),
+                3 => (
+                    PageHome::Stashed(stash(step)),
+                    PageHome::Stashed(stash(step)),
+                ),
+                // Read back without its offset and checksum.
+                _ => (
+                    PageHome::Stashed(requested_identical(f, step)),
+                    PageHome::Stashed(Stash::identical(FrameId(f))),
+                ),
             };
             p.set(Gfn(g as u32), home);
-            plain[g] = home;
+            plain[g] = reads;
             if step % 97 == 0 {
                 for (k, h) in plain.iter().enumerate() {
                     assert_eq!(p.home(Gfn(k as u32)), *h, "page {k} at step {step}");
@@ -547,9 +666,10 @@ mod tests {
                     })
                     .collect();
                 assert_eq!(p.stashed(), stashed);
+                let recorded = stashed.iter().filter(|(_, s)| s.checksum.is_some());
                 assert_eq!(
                     p.stashes.len() - p.free.len(),
-                    stashed.len(),
+                    recorded.count(),
                     "no entry leaks"
                 );
             }
@@ -590,6 +710,160 @@ mod tests {
         p.set(Gfn(10), PageHome::Zero);
         assert_eq!(p.home(Gfn(1)), PageHome::Stashed(stash(7)));
         assert_eq!(p.home(Gfn(20)), PageHome::Stashed(stash(20)));
+    }
+
+    /// A page stashed as the identical patch takes no record: 512 of them leave the
+    /// table and `state_bytes` as they were (a record each would be 16 KiB), each reads
+    /// back as its frame's identical patch (no checksum, offset 0), and a record taken
+    /// for another blob is given back when the page becomes identical again. The same
+    /// patch in the swap file, or not empty, or of another codec, is no identical one.
+    #[test]
+    fn an_identical_stash_takes_no_record_and_reads_back_as_its_frame() {
+        let mut p = Pages::new(1024);
+        let empty = p.state_bytes();
+        for g in 0..512u32 {
+            p.set(
+                Gfn(g),
+                PageHome::Stashed(requested_identical(g * 3, g as u64)),
+            );
+        }
+        assert_eq!(p.state_bytes(), empty, "no record an identical page");
+        assert!(p.stashes.is_empty() && p.free.is_empty());
+        for g in 0..512u32 {
+            let want = Stash::identical(FrameId(g * 3));
+            assert_eq!(p.home(Gfn(g)), PageHome::Stashed(want), "page {g}");
+            assert_eq!(p.get(Gfn(g)), Some(PageHome::Stashed(want)));
+            // Read back, set again: the same home.
+            p.set(Gfn(g), p.home(Gfn(g)));
+            assert_eq!(p.home(Gfn(g)), PageHome::Stashed(want));
+        }
+        assert_eq!(p.stashed().len(), 512, "identical pages are stashed pages");
+        assert_eq!(p.stashed()[7], (Gfn(7), Stash::identical(FrameId(21))));
+        // Moved to a blob with a record, and back: the record is given back.
+        p.set(Gfn(5), PageHome::Stashed(stash(5)));
+        assert_eq!(p.home(Gfn(5)), PageHome::Stashed(stash(5)));
+        assert_eq!(p.stashes.len() - p.free.len(), 1);
+        p.set(Gfn(5), PageHome::Stashed(requested_identical(9, 1)));
+        assert_eq!(
+            p.home(Gfn(5)),
+            PageHome::Stashed(Stash::identical(FrameId(9)))
+        );
+        assert!(p.stashes.is_empty(), "given back");
+        assert_eq!(p.state_bytes(), empty);
+        p.set(Gfn(6), PageHome::Private);
+        assert_eq!(p.home(Gfn(6)), PageHome::Private);
+        // Not the identical form: each keeps a record and its checksum.
+        let near = [
+            Stash {
+                home: BlobHome::Swap,
+                ..requested_identical(4, 1)
+            },
+            Stash {
+                len: 1,
+                ..requested_identical(4, 2)
+            },
+            Stash {
+                blob: Blob::Patch {
+                    codec: PatchCodec::XorLz4,
+                    reference: FrameId(4),
+                },
+                ..requested_identical(4, 3)
+            },
+        ];
+        for (k, s) in near.into_iter().enumerate() {
+            p.set(Gfn(600 + k as u32), PageHome::Stashed(s));
+            assert_eq!(p.home(Gfn(600 + k as u32)), PageHome::Stashed(s));
+        }
+        assert_eq!(p.stashes.len() - p.free.len(), 3);
+    }
+
+    /// Slots hold frames and indexes below 2^29: 2^29 − 1 packs and reads back in every
+    /// kind, 2^29 does not pack; an identical stash against a frame past it keeps a
+    /// record (with its checksum) rather than fail.
+    #[test]
+    fn a_frame_of_2_pow_29_minus_1_packs_and_2_pow_29_does_not() {
+        assert_eq!(MAX_FRAME, 1 << 29);
+        let top = (1 << 29) - 1;
+        for s in [
+            Slot::Private,
+            Slot::Zero,
+            Slot::Frame(FrameId(top)),
+            Slot::Stashed(top),
+            Slot::Identical(FrameId(top)),
+            Slot::Frame(FrameId(0)),
+            Slot::Stashed(0),
+            Slot::Identical(FrameId(0)),
+        ] {
+            assert_eq!(Packed::new(s).get(), s);
+        }
+        for s in [
+            Slot::Frame(FrameId(1 << 29)),
+            Slot::Stashed(1 << 29),
+            Slot::Identical(FrameId(1 << 29)),
+        ] {
+            assert!(
+                std::panic::catch_unwind(|| Packed::new(s)).is_err(),
+                "{s:?} packed"
+            );
+        }
+        let mut p = Pages::new(4);
+        p.set(Gfn(0), PageHome::Stashed(requested_identical(top, 1)));
+        assert_eq!(
+            p.home(Gfn(0)),
+            PageHome::Stashed(Stash::identical(FrameId(top)))
+        );
+        let past = requested_identical(1 << 29, 2);
+        p.set(Gfn(1), PageHome::Stashed(past));
+        assert_eq!(p.home(Gfn(1)), PageHome::Stashed(past), "kept as a record");
+        assert_eq!(p.stashes.len(), 1);
+    }
+
+    /// Compaction renumbers the records of stashed pages and leaves identical ones (no
+    /// index) alone: with the two interleaved, every page keeps its home through it.
+    #[test]
+    fn compaction_keeps_every_home_with_identical_stashes_interleaved() {
+        let n = 20_000u32;
+        let mut p = Pages::new(n as usize);
+        // Page g: identical against frame 7g + 1 when g % 3 == 0, else a record.
+        let want = |g: u32, freed: bool| {
+            if g % 3 == 0 {
+                PageHome::Stashed(Stash::identical(FrameId(7 * g + 1)))
+            } else if freed && g % 10 != 1 {
+                PageHome::Private
+            } else {
+                PageHome::Stashed(stash(g as u64))
+            }
+        };
+        for g in 0..n {
+            let s = if g % 3 == 0 {
+                requested_identical(7 * g + 1, g as u64)
+            } else {
+                stash(g as u64)
+            };
+            p.set(Gfn(g), PageHome::Stashed(s));
+        }
+        let records = p.stashes.len();
+        assert_eq!(records as u32, n - n.div_ceil(3));
+        for g in (0..n).filter(|g| g % 3 != 0 && g % 10 != 1) {
+            p.set(Gfn(g), PageHome::Private);
+        }
+        let kept = (0..n).filter(|g| g % 3 != 0 && g % 10 == 1).count();
+        assert_eq!(p.stashes.len() - p.free.len(), kept);
+        assert!(
+            p.stashes.len() < records / 2,
+            "compacted: {}",
+            p.stashes.len()
+        );
+        for g in 0..n {
+            assert_eq!(p.home(Gfn(g)), want(g, true), "page {g}");
+        }
+        // Records reused after it: still each page's own.
+        p.set(Gfn(2), PageHome::Stashed(stash(99)));
+        p.set(Gfn(3), PageHome::Stashed(stash(98)));
+        assert_eq!(p.home(Gfn(2)), PageHome::Stashed(stash(99)));
+        assert_eq!(p.home(Gfn(3)), PageHome::Stashed(stash(98)));
+        assert_eq!(p.home(Gfn(6)), want(6, true));
+        assert_eq!(p.home(Gfn(11)), want(11, true));
     }
 
     /// The stash table grows by an eighth (at least GROW_MIN records), not by doubling:
@@ -666,7 +940,7 @@ mod tests {
             home: BlobHome::Store,
             offset: 64,
             len: 100,
-            checksum: 7,
+            checksum: Some(7),
         };
         p.set(Gfn(5), PageHome::Stashed(stash));
         assert_eq!(p.stashed(), vec![(Gfn(5), stash)]);
