@@ -389,7 +389,9 @@ impl Agent {
     /// writes a pool frame while a page refers to it (memfoldd holds a patch reference
     /// on it, and a restarted memfoldd keeps an adopted pool's frames until this agent
     /// has re-attached, after writing its stashed pages back; a guest's write is a CoW
-    /// break or a decode, never a write into the frame).
+    /// break or a decode, never a write into the frame). What it gives up: a checksum would
+    /// also catch a frame changed by a bug in memfoldd's reference counts; a page mapped
+    /// onto that frame would read the same change, unchecked, as it always has.
     ///
     /// Errors: `s` has no checksum but is not the identical patch (`InvalidData`: never
     /// made by the table), no pool, or the read failed.

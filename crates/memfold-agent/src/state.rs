@@ -38,7 +38,7 @@ pub(crate) struct Stash {
     /// The page's checksum: a decoded page that differs is never installed. `None` only
     /// for the identical patch ([`Stash::identical`]) as [`Pages`] reads it back: the
     /// table keeps no checksum for it, and its page is the reference frame's bytes
-    /// (`fault.rs`, `decode_stashed`, says why that needs none).
+    /// (`fault.rs`, `decode_identical`, says why that needs none).
     pub(crate) checksum: Option<u64>,
 }
 

@@ -84,10 +84,11 @@ pub struct EngineArgs {
     /// DE §4.2 is written).
     #[arg(long, default_value_t = defaults().clock_rearm_max)]
     pub clock_rearm_max: u32,
-    /// Share identical pages without a mapping (issue 19): `on` keeps a page identical to
-    /// a pool frame as a patch against it in the store (no VMA in QEMU) when the NRU clock
-    /// finds it cold, or whenever its agent refuses shares (its VMA budget); read, it
-    /// comes back private. `off` maps every shared page (ESX §4.3).
+    /// Share identical pages without a mapping (issue 19): `on` punches a page identical
+    /// to a pool frame out of guest RAM, kept as a reference to the frame (no VMA in
+    /// QEMU, no blob or stash record), when the NRU clock finds it cold, or whenever its
+    /// agent refuses shares (its VMA budget); read, the frame is copied back and the page
+    /// is private again. `off` maps every shared page (ESX §4.3).
     #[arg(long, default_value = if defaults().share_cold_unmapped { "on" } else { "off" }, value_parser = PossibleValuesParser::new(["on", "off"]))]
     pub share_cold_unmapped: String,
     /// Serve reads of base blocks that pool frames hold from those frames, without the

@@ -192,9 +192,10 @@ pub struct Blob {
     pub home: BlobHome,
     /// What it holds.
     pub form: Form,
-    /// The page is identical to its reference frame: a page shared without a mapping
-    /// (issue 19; ESX §4.3's sharing, kept as DE §3.2's degenerate patch), booked as
-    /// sharing while it is in the store.
+    /// The page is identical to its reference frame: a page being shared without a
+    /// mapping (issue 19; ESX §4.3's sharing, stashed as DE §3.2's degenerate patch).
+    /// The record lasts only while the stash is in flight: once the agent has punched the
+    /// page, its P2M entry names the frame (`PageState::Unmapped`) and the record goes.
     pub identical: bool,
 }
 
@@ -250,7 +251,8 @@ pub enum Kept {
     Compressed,
     /// Anything in the swap file.
     Swapped,
-    /// A page identical to its reference frame, in the store: shared without a mapping.
+    /// A page identical to its reference frame: shared without a mapping (an identical
+    /// blob in flight, or a `PageState::Unmapped` page, which has no blob).
     Unmapped,
 }
 

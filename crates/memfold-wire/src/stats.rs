@@ -334,8 +334,9 @@ pub struct VmStats {
     pub hot_skipped: u64,
     /// Share requests the agent refused (VMA budget, already shared).
     pub share_refused: u64,
-    /// Pages shared without a mapping now: identical to a pool frame, kept in the store as
-    /// a patch against it, no VMA in QEMU (issue 19). Not in `shared_pages`.
+    /// Pages shared without a mapping now: identical to a pool frame, punched out of guest
+    /// RAM and kept as a reference to the frame, no VMA in QEMU (issue 19). Not in
+    /// `shared_pages`.
     #[serde(default)]
     pub unmapped_pages: u64,
     /// Pages shared without a mapping (cumulative).
@@ -515,7 +516,7 @@ pub struct Stats {
     pub saved_by: SavedBy,
     /// Pages stored as patches now.
     pub patched_pages: u64,
-    /// Pages shared without a mapping now (in the store, identical to a pool frame).
+    /// Pages shared without a mapping now (punched, identical to a pool frame).
     #[serde(default)]
     pub unmapped_pages: u64,
     /// Pages stored compressed now.

@@ -114,8 +114,8 @@ pub struct VmBooks {
     pub share_refused: u64,
     /// Pages stored as patches now (DE §3.2).
     pub patched_pages: u64,
-    /// Pages shared without a mapping now: identical to a pool frame, kept in the store as
-    /// a patch against it (issue 19), so they cost QEMU no VMA.
+    /// Pages shared without a mapping now: identical to a pool frame, punched out of guest
+    /// RAM and kept as a reference to the frame (issue 19), so they cost QEMU no VMA.
     pub unmapped_pages: u64,
     /// Pages shared without a mapping (cumulative).
     pub unmapped_shares: u64,
@@ -380,7 +380,7 @@ pub struct Books {
     pub saved_by: SavedBy,
     /// Pages stored as patches now.
     pub patched_pages: u64,
-    /// Pages shared without a mapping now (in the store, identical to a pool frame).
+    /// Pages shared without a mapping now (punched, identical to a pool frame).
     pub unmapped_pages: u64,
     /// Pages stored compressed now.
     pub compressed_pages: u64,

@@ -219,7 +219,8 @@ impl Engine {
                 *patch_refs.entry((owner.domain, f)).or_default() += 1;
             }
             if blob.identical {
-                // A page shared without a mapping is its reference frame's bytes.
+                // A page being shared without a mapping (its stash in flight) is its
+                // reference frame's bytes.
                 let mut frame = [0u8; crate::PAGE_SIZE];
                 let read = blob.reference().is_some_and(|f| {
                     let dom = &self.domains[&owner.domain];

@@ -18,7 +18,7 @@
 //! | `guests.rs` | attach, re-attach (reconcile), detach, remove; pool adoption |
 //! | `scan.rs` | the rate-limited sharing scan (ESX §4.3) and zero pages |
 //! | `de.rs` | the NRU clock's slices and the Difference Engine over them (DE §4.2–4.6) |
-//! | `unmapped.rs` | identical pages shared without a mapping (a patch against the frame) |
+//! | `unmapped.rs` | identical pages shared without a mapping (punched, kept as a reference to the frame) |
 //! | `outcomes.rs` | agents' answers and events applied back |
 //! | `books.rs` | savings by mechanism and guest, budget, lifetimes |
 //! | `categories.rs` | what enlightened guests say their pages are (PV §3.1) |

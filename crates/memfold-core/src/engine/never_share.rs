@@ -15,8 +15,8 @@
 //!   it may compress or swap it (no other guest's page is involved), and a zero page is
 //!   still reclaimed (its refill tells a guest only about its own page);
 //! - on each report, [`Engine::take_back_never_share`] takes back every marked page that
-//!   is mapped onto a frame or stored against one (a patch, a page shared without a
-//!   mapping), and *withdraws* the frame (`Domain::withdrawn`): it leaves the share table
+//!   is mapped onto a frame, stored against one (a patch), or shared without a mapping
+//!   onto one, and *withdraws* the frame (`Domain::withdrawn`): it leaves the share table
 //!   (its bytes are the marked page's; a new page equal to them must not find it), is no
 //!   reference for a new patch (`de.rs`, `candidate`), no fill (`fill.rs`), no target of
 //!   a share without a mapping (`unmapped.rs`, `unmap_broken`), and every other page on
@@ -48,8 +48,8 @@ impl Engine {
     }
 
     /// Takes back into guest RAM every page of guest `id` its last report marked never to
-    /// be shared and that is shared now: mapped onto a frame, or stored against one (a
-    /// patch, a page shared without a mapping). Each such frame is *withdrawn* (not the
+    /// be shared and that is shared now: mapped onto a frame, stored against one (a
+    /// patch), or shared without a mapping onto one. Each such frame is *withdrawn* (not the
     /// zero frame: zeros are no secret): out of the share table, no reference for a new
     /// patch, no fill, and every page on it, of any guest of the domain, is taken back
     /// until the frame is freed. Returns the pages asked to be taken back.

@@ -12,7 +12,7 @@ use crate::p2m::{BlobId, PageState};
 fn g_taken_back(s: PageState) -> bool {
     matches!(
         s,
-        PageState::Shared(_) | PageState::Stored(_) | PageState::Zero
+        PageState::Shared(_) | PageState::Stored(_) | PageState::Unmapped(_) | PageState::Zero
     )
 }
 

@@ -153,10 +153,10 @@ mod tests {
     }
 
     /// The engine's per-page cost, as `metadata_by().pages` counts it: the P2M entry (4
-    /// bytes), the clock (2), the hints (1), the unmapped pages' two epoch bits (0.25,
+    /// bytes), the clock (2), the hints (1), the unmapped pages' epoch nibble (0.5,
     /// `unmapped::UnmappedAges`). 8.25 bytes before the hints were packed.
     #[test]
-    fn a_guest_page_costs_the_engine_seven_and_a_quarter_bytes() {
+    fn a_guest_page_costs_the_engine_seven_and_a_half_bytes() {
         const PAGES: u32 = 1 << 16;
         let r = crate::sim::Rig::new(
             crate::sim::quick_config(crate::Policy::difference_engine()),
@@ -166,7 +166,7 @@ mod tests {
         let pages = r.engine.metadata_by().pages;
         assert_eq!(
             pages,
-            29 * PAGES as u64 / 4,
+            15 * PAGES as u64 / 2,
             "{} bytes a page",
             pages as f64 / PAGES as f64
         );

@@ -228,7 +228,7 @@ impl Collector for Snapshot {
         family(
             e,
             "memfold_pages",
-            "Guest pages each mechanism holds now, disjoint: shared (onto pool frames, the zero frame included), unmapped (shared without a mapping: identical to a pool frame, in the store), zero (reclaimed zero pages), free (free pages the guest reported, discarded), patched, compressed, swapped.",
+            "Guest pages each mechanism holds now, disjoint: shared (onto pool frames, the zero frame included), unmapped (shared without a mapping: identical to a pool frame, punched from guest RAM), zero (reclaimed zero pages), free (free pages the guest reported, discarded), patched, compressed, swapped.",
             None,
             per_vm_by(vms, "state", |v| {
                 [
