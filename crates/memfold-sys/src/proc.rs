@@ -50,6 +50,31 @@ pub fn cpu_seconds(pid: u32, thread_prefix: Option<&str>) -> f64 {
     }
 }
 
+/// Has this process's heap allocations of `bytes` or more each mapped on their own, so
+/// that each is given back to the kernel when freed (glibc's `M_MMAP_THRESHOLD`; setting
+/// it also ends glibc's raise of the threshold to the largest block freed so far).
+/// Without it, a daemon that rebuilds an 8 MiB table every few seconds (memfoldd's
+/// similarity index for an 8 GiB guest, DE §4.3) has every later allocation under 8 MiB
+/// served from the main heap, where freed tables stay resident (issue 19: memfoldd's RSS
+/// against its metadata). Call it once at start, before threads allocate. Returns false
+/// where the C library has no such knob (not glibc) or refused the value.
+pub fn map_large_allocations_from(bytes: usize) -> bool {
+    #[cfg(target_env = "gnu")]
+    {
+        let Ok(v) = libc::c_int::try_from(bytes) else {
+            return false;
+        };
+        // SAFETY: mallopt only sets an allocator parameter; glibc documents it as safe to
+        // call at any time, and no allocation is in progress in this call.
+        unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, v) == 1 }
+    }
+    #[cfg(not(target_env = "gnu"))]
+    {
+        let _ = bytes;
+        false
+    }
+}
+
 /// Resident set of process `pid` (`VmRSS` of `/proc/PID/status`), bytes; 0 if `/proc`
 /// does not say (the process is gone, or a kernel thread).
 pub fn rss_bytes(pid: u32) -> u64 {
@@ -136,5 +161,27 @@ mod tests {
         assert!(cpu_seconds(me, None) - before >= used - 0.05);
         assert_eq!(cpu_seconds(me, Some("no-such-thread")), 0.0);
         assert_eq!(cpu_seconds(u32::MAX, None), 0.0);
+    }
+
+    /// With the knob, a large table freed goes back to the kernel even after a larger one
+    /// was freed before (which, without it, raises glibc's threshold past the table and
+    /// keeps it in the heap, resident).
+    #[cfg(target_env = "gnu")]
+    #[test]
+    fn freed_large_tables_leave_the_resident_set() {
+        const MIB: usize = 1 << 20;
+        assert!(map_large_allocations_from(256 * 1024));
+        assert!(!map_large_allocations_from(usize::MAX), "does not fit the C int");
+        let me = std::process::id();
+        // Freed, a 30 MiB block would raise glibc's threshold to 30 MiB (its cap is 32).
+        drop(std::hint::black_box(vec![1u8; 30 * MIB]));
+        let table = std::hint::black_box(vec![1u8; 24 * MIB]);
+        let with = rss_bytes(me);
+        drop(table);
+        let without = rss_bytes(me);
+        assert!(
+            with.saturating_sub(without) >= 16 * MIB as u64,
+            "RSS {with} with the table, {without} after it was freed"
+        );
     }
 }

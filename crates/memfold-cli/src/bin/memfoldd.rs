@@ -80,7 +80,16 @@ fn source(args: &Args) -> Source {
     Source::of(args.config.as_deref(), Path::new(DEFAULT_CONFIG))
 }
 
+/// Heap allocations from this size up are mapped on their own and given back when freed
+/// (bytes): the engine's per-guest tables (similarity index, P2M, bitmaps, books' scratch
+/// sets) are this big or more for guests of a few hundred MiB up, and are rebuilt or
+/// regrown while memfoldd runs.
+const MAP_ALLOCATIONS_FROM: usize = 256 * 1024;
+
 fn main() {
+    // Before anything allocates much: freed tables go back to the kernel, not into the
+    // heap (docs/metadata.md, "memfoldd's resident set").
+    memfold_sys::proc::map_large_allocations_from(MAP_ALLOCATIONS_FROM);
     let argv: Vec<OsString> = std::env::args_os().collect();
     let (a, file) = match parse_layered::<Args>(&argv, "config", source) {
         Ok(v) => v,
