@@ -635,6 +635,26 @@ pub struct Rig {
     pub clock: ManualClock,
 }
 
+/// A guest agent's report (PV §3.1) of a guest of `pages` pages, one run a page: every
+/// page anonymous, inactive, unreferenced and in use; those in `never_share` marked never
+/// to be shared (Satori §4.3).
+pub fn anon_report(pages: u32, never_share: &[u32]) -> Vec<crate::categories::CategoryRun> {
+    use crate::categories::{Category, CategoryRun, PageInfo};
+    (0..pages)
+        .map(|g| CategoryRun {
+            first: Gfn(g),
+            count: 1,
+            info: PageInfo {
+                category: Category::Anon,
+                active: false,
+                referenced: false,
+                buddy: false,
+                never_share: never_share.contains(&g),
+            },
+        })
+        .collect()
+}
+
 /// A configuration for a [`Rig`] stepped 10 ms at a time: `policy`, no scan rate limit,
 /// a full scan every 10 ms that reads every page, and the NRU clock every 100 ms.
 pub fn quick_config(policy: crate::Policy) -> EngineConfig {

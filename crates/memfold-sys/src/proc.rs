@@ -171,7 +171,10 @@ mod tests {
     fn freed_large_tables_leave_the_resident_set() {
         const MIB: usize = 1 << 20;
         assert!(map_large_allocations_from(256 * 1024));
-        assert!(!map_large_allocations_from(usize::MAX), "does not fit the C int");
+        assert!(
+            !map_large_allocations_from(usize::MAX),
+            "does not fit the C int"
+        );
         let me = std::process::id();
         // Freed, a 30 MiB block would raise glibc's threshold to 30 MiB (its cap is 32).
         drop(std::hint::black_box(vec![1u8; 30 * MIB]));

@@ -177,7 +177,7 @@ pub const MAX_PARTNER_TAKEBACKS: usize = 4096;
 
 #[cfg(test)]
 mod tests {
-    use crate::categories::{Category, CategoryRun, PageInfo};
+    use crate::categories::CategoryRun;
     use crate::ids::Gfn;
     use crate::p2m::PageState;
     use crate::share::ShareEntry;
@@ -209,19 +209,7 @@ mod tests {
 
     /// A report of every page as anonymous, `marked` ones never-share.
     fn report(marked: &[u32]) -> Vec<CategoryRun> {
-        (0..PAGES)
-            .map(|g| CategoryRun {
-                first: Gfn(g),
-                count: 1,
-                info: PageInfo {
-                    category: Category::Anon,
-                    active: false,
-                    referenced: false,
-                    buddy: false,
-                    never_share: marked.contains(&g),
-                },
-            })
-            .collect()
+        crate::sim::anon_report(PAGES, marked)
     }
 
     /// Pages 0..64 hold 16 contents four times each (groups of four equal pages); the

@@ -830,7 +830,9 @@ impl Harness {
                                 }
                                 // Never-share: no unmapped share made after the mark.
                                 let marked = v.marked[g.index()].as_ref().filter(|_| v.connected);
-                                if marked.is_some_and(|a| !a.contains(&f) && !a.contains(&ANY_FRAME)) {
+                                if marked
+                                    .is_some_and(|a| !a.contains(&f) && !a.contains(&ANY_FRAME))
+                                {
                                     return Err(format!(
                                         "vm {i} {g}: marked never-share, yet unmapped onto {f}"
                                     ));
