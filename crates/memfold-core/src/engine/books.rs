@@ -680,7 +680,6 @@ impl Engine {
                 v.p2m.capacity() * 4
                     + v.p2m.len() * 2
                     + v.hints.bytes()
-                    + v.unmapped_ages.bytes()
                     + v.categories.as_ref().map_or(0, |m| m.bytes())
                     + crate::share::hashbrown_bytes(v.unmapping.capacity(), 4)
                     + crate::share::hashbrown_bytes(v.read_sharing.capacity(), 16)

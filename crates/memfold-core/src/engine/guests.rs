@@ -248,7 +248,7 @@ impl Engine {
                         clock: ClockHand::new(n),
                         share_refused_us: None,
                         unmapping: Default::default(),
-                        unmapped_ages: super::unmapped::UnmappedAges::new(n, now),
+                        unmapped_ages: super::unmapped::UnmappedAges::new(now),
                         read_sharing: Default::default(),
                         read_shared_at: Default::default(),
                         read_backoff: Default::default(),

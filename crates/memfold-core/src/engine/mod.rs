@@ -303,7 +303,8 @@ pub(crate) struct Vm {
     /// Mapped shared pages asked back ([`Command::TakeBack`]) to be shared without a
     /// mapping once their CoW break is reported ([`unmapped`]; issue 19).
     pub(crate) unmapping: std::collections::HashSet<Gfn>,
-    /// Whether each page shared without a mapping has lived long ([`unmapped`]).
+    /// Whether each page shared without a mapping has lived long ([`unmapped`]); its
+    /// marks are nibbles of `clock`'s words.
     pub(crate) unmapped_ages: unmapped::UnmappedAges,
     /// Pages a disk read filled whose share is under way, with when they landed (µs;
     /// [`at_read`], Satori §4.1).

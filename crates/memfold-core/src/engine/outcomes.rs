@@ -304,7 +304,7 @@ impl Engine {
             let f = reference.expect("an identical blob has a reference frame");
             let d = v.domain;
             v.set(g, PageState::Unmapped(f));
-            v.unmapped_ages.mark(g, now);
+            v.unmapped_ages.mark(&mut v.clock, g, now);
             *v.books.kept_pages(kept) += 1;
             v.books.unmapped_shares += 1;
             self.domain_mut(d).frames.incref(f, true);
@@ -461,7 +461,7 @@ impl Engine {
         v.set(g, PageState::Private);
         v.clock.fresh(g.0);
         *v.books.kept_pages(Kept::Unmapped) -= 1;
-        let lived_long = v.unmapped_ages.take(g, now);
+        let lived_long = v.unmapped_ages.take(&mut v.clock, g, now);
         self.frame_decref(d, f, true);
         Some(lived_long)
     }
