@@ -29,14 +29,14 @@ impl NruState {
 
 /// One page's clock word: R (bit 0), M (bit 1), the number of consecutive scans that
 /// found it idle (bits 2..4, saturating at 7), whether the last scan found it modified
-/// (bit 5), whether the agent armed it at its last visit (bit 6), and how many consecutive
-/// scans found it used (bits 7..8, saturating at 3); bits 12..15 are a nibble the clock
-/// keeps for the engine and never reads ([`ClockHand::nibble`]). DE keeps R/M in the P2M entry and
-/// "two additional bits" for C4; we keep a whole idle count so that compression can also
-/// wait for a full multi-pass sharing cycle (DE §4.3), the last class so that a mechanism
-/// running between scans (the live sharing scan) can ignore C1 pages as the policy says,
-/// and the used streak so that settled hot pages are re-armed less often
-/// ([`ClockHand::arm_mask`]).
+/// (bit 5), whether the agent armed it at its last visit (bit 6), and how many
+/// consecutive scans found it used (bits 7..8, saturating at 3); bits 12..15 are a nibble
+/// the clock keeps for the engine and never reads ([`ClockHand::nibble`]). DE keeps R/M
+/// in the P2M entry and "two additional bits" for C4; we keep a whole idle count so that
+/// compression can also wait for a full multi-pass sharing cycle (DE §4.3), the last
+/// class so that a mechanism running between scans (the live sharing scan) can ignore C1
+/// pages as the policy says, and the used streak so that settled hot pages are re-armed
+/// less often ([`ClockHand::arm_mask`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PageClock(u16);
 
@@ -149,7 +149,7 @@ pub const CLOCK_SLICE: u32 = 16384;
 
 /// One guest's clock hand and the clock state of its pages.
 pub struct ClockHand {
-    /// Per gfn: R, M and the idle-scan count.
+    /// Per gfn: the page's clock word, with the engine's nibble in its spare bits.
     clocks: Vec<PageClock>,
     /// First gfn of the next slice.
     next: u32,
@@ -299,9 +299,10 @@ impl ClockHand {
         }
     }
 
-    /// Page `gfn`'s clock (R, M, idle scans).
+    /// Page `gfn`'s clock (R, M, idle scans, ...), without the engine's nibble, so that
+    /// words compare as the clock sees them.
     pub fn page(&self, gfn: u32) -> PageClock {
-        self.clocks[gfn as usize]
+        PageClock(self.clocks[gfn as usize].0 & CLOCK_BITS)
     }
 
     /// Whether a complete sharing scan has seen page `gfn` since it was last modified
@@ -341,19 +342,19 @@ impl ClockHand {
     /// use and no change of the clock touches, lent to the engine so that a per-page
     /// hint it needs only while a page is out of the clock's hands costs no array of its
     /// own (the unmapped ages, `engine/unmapped/ages.rs`; issue 19: 0.5 bytes a page).
-    pub fn nibble(&self, gfn: u32) -> u8 {
+    pub(crate) fn nibble(&self, gfn: u32) -> u8 {
         (self.clocks[gfn as usize].0 >> NIBBLE_SHIFT) as u8
     }
 
     /// Sets page `gfn`'s nibble to `v` (the low four bits of it).
-    pub fn set_nibble(&mut self, gfn: u32, v: u8) {
+    pub(crate) fn set_nibble(&mut self, gfn: u32, v: u8) {
         let c = &mut self.clocks[gfn as usize];
         c.0 = (c.0 & !(0xf << NIBBLE_SHIFT)) | (u16::from(v & 0xf) << NIBBLE_SHIFT);
     }
 
     /// Sets to 0 every nibble not 0 that `keep` refuses, in one pass over the pages;
     /// returns how many nibbles are not 0 after it.
-    pub fn retain_nibbles(&mut self, keep: impl Fn(u8) -> bool) -> u64 {
+    pub(crate) fn retain_nibbles(&mut self, keep: impl Fn(u8) -> bool) -> u64 {
         let mut left = 0;
         for c in &mut self.clocks {
             let v = (c.0 >> NIBBLE_SHIFT) as u8;

@@ -16,15 +16,16 @@ const AGE_LONG_EPOCHS: u64 = 9;
 /// guest touched it (DE's re-store back-off, `PageHints::restash_wait`), without a record
 /// a page: such a page has no blob, so no `since_us` (issue 19: its 40-byte blob record
 /// was 0.1% of an 8 GiB guest's RAM). A nibble a guest page, kept in four spare bits of
-/// the page's clock word ([`ClockHand::nibble`]; an array of its own was 0.5 bytes a page,
-/// 0.012% of guest RAM): 0, no mark (never punched, or long ago); else the epoch of
-/// [`AGE_EPOCH_US`] it was punched in, mod 15, plus one. At each new epoch a sweep drops the marks [`AGE_LONG_EPOCHS`] old, so the
-/// nibbles never wrap: a page still marked when taken back lived less than 9 epochs
-/// (33.75 s) and counts as short-lived; one whose mark is gone lived more than 8 (30 s).
-/// Only lives between 30 and 33.75 s are misjudged, as short (the safe side: a longer
-/// back-off). Two bitmaps of 30 s epochs were tried first (2 bits a page): they took
-/// lives up to 90 s for short, and pages that a guest reads once a minute stayed mapped
-/// where their blobs' store times had kept them unmapped.
+/// the page's clock word ([`ClockHand::nibble`]; an array of its own was 0.5 bytes a
+/// page, 0.012% of guest RAM): 0, no mark (never punched, or long ago); else the epoch of
+/// [`AGE_EPOCH_US`] it was punched in, mod 15, plus one. At each new epoch a sweep drops
+/// the marks [`AGE_LONG_EPOCHS`] old, so the nibbles never wrap: a page still marked when
+/// taken back lived less than 9 epochs (33.75 s) and counts as short-lived; one whose
+/// mark is gone lived more than 8 (30 s). Only lives between 30 and 33.75 s are
+/// misjudged, as short (the safe side: a longer back-off). Two bitmaps of 30 s epochs
+/// were tried first (2 bits a page): they took lives up to 90 s for short, and pages that
+/// a guest reads once a minute stayed mapped where their blobs' store times had kept them
+/// unmapped.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct UnmappedAges {
     /// The current epoch (since the guest's first), and when it began, µs.
