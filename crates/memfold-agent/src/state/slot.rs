@@ -44,9 +44,9 @@ impl Record {
 }
 
 /// A page's home as the table reads it; kept packed in 4 bytes ([`Packed`]), a stashed
-/// page's blob record apart ([`Pages`](super::Pages)' `stashes`), since most pages have none (issue 19:
-/// the agent's records were a 32-byte [`PageHome`](super::PageHome) a page, 0.78% of guest RAM; 8 bytes
-/// as this enum; 4 packed: 0.1%).
+/// page's blob record apart ([`Pages`](super::Pages)' `stashes`), since most pages have
+/// none (issue 19: the agent's records were a 32-byte [`PageHome`](super::PageHome) a
+/// page, 0.78% of guest RAM; 8 bytes as this enum; 4 packed: 0.1%).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Slot {
     Private,
