@@ -168,16 +168,19 @@ impl BlobSpace {
     }
 }
 
-/// One blob: whose page it keeps, where, and how to decode it. 40 bytes (it was 64): its
-/// byte offset and slot size are its slot's ([`BlobSpace::slot`]), a move's old blob is
-/// in [`BlobTable::replaces`] (moves in flight are few), and the reference frame is kept
-/// in 4 bytes ([`Blob::reference`]) — issue 19's metadata, docs/metadata.md.
+/// One blob: whose page it keeps, where, and how to decode it. 32 bytes (it was 64, then
+/// 40): its byte offset and slot size are its slot's ([`BlobSpace::slot`]), a move's old
+/// blob is in [`BlobTable::replaces`] (moves in flight are few), the reference frame is
+/// kept in 4 bytes ([`Blob::reference`]), the time it was stored in deciseconds
+/// ([`Blob::since_us`]), and its length, home and identical flag share 2 bytes —
+/// issue 19's metadata, docs/metadata.md.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Blob {
     /// The page's checksum (`memfold_codecs::page_checksum`): checked on every decode.
     pub checksum: u64,
-    /// When the page was stored, µs (its lifetime starts here).
-    pub since_us: u64,
+    /// When the page was stored, deciseconds of the engine's clock (saturating: 13.6
+    /// years).
+    since_ds: u32,
     /// The page's VM.
     pub vm: VmId,
     /// The page.
@@ -186,25 +189,30 @@ pub struct Blob {
     pub slot: SlotId,
     /// A patch's reference frame (holding one reference count), or [`NO_FRAME`].
     reference: u32,
-    /// Length, bytes (0..=4096).
-    pub len: u32,
-    /// Where it lives.
-    pub home: BlobHome,
+    /// Length in bytes (bits 0–12: 0..=4096), home (bit 13: swap) and identical (bit 14).
+    bits: u16,
     /// What it holds.
     pub form: Form,
-    /// The page is identical to its reference frame: a page being shared without a
-    /// mapping (issue 19; ESX §4.3's sharing, stashed as DE §3.2's degenerate patch).
-    /// The record lasts only while the stash is in flight: once the agent has punched the
-    /// page, its P2M entry names the frame (`PageState::Unmapped`) and the record goes.
-    pub identical: bool,
 }
 
 /// [`Blob::reference`]'s "none": a frame id no pool hands out (frames past 2^30 are
 /// refused by the agents' page slots, docs/metadata.md).
 const NO_FRAME: u32 = u32::MAX;
 
+/// [`Blob`]'s `bits`: the length's mask and the flags above it.
+const LEN_MASK: u16 = (1 << 13) - 1;
+const SWAP_BIT: u16 = 1 << 13;
+const IDENTICAL_BIT: u16 = 1 << 14;
+
+/// Microseconds a [`Blob`]'s time of storing is kept in (a decisecond): lifetimes are
+/// read against marks of a second and more ([`crate::engine::LIFETIME_MARKS_S`]) and the
+/// restash threshold of 30 s.
+const SINCE_UNIT_US: u64 = 100_000;
+
 impl Blob {
-    /// A blob record. `reference` must not be `FrameId(u32::MAX)` (no pool reaches it).
+    /// A blob record. `len` is at most a page (4096 bytes); `reference` must not be
+    /// `FrameId(u32::MAX)` (no pool reaches it); `since_us` is kept to a decisecond
+    /// (rounded down: a lifetime read from it is at most 100 ms long).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         vm: VmId,
@@ -222,23 +230,58 @@ impl Blob {
             assert_ne!(f.0, NO_FRAME, "frame id out of range");
             f.0
         });
+        assert!(len as usize <= crate::PAGE_SIZE, "a blob of {len} bytes");
+        let bits = len as u16
+            | if home == BlobHome::Swap { SWAP_BIT } else { 0 }
+            | if identical { IDENTICAL_BIT } else { 0 };
         Blob {
             checksum,
-            since_us,
+            since_ds: u32::try_from(since_us / SINCE_UNIT_US).unwrap_or(u32::MAX),
             vm,
             gfn,
             slot,
             reference,
-            len,
-            home,
+            bits,
             form,
-            identical,
         }
     }
 
     /// A patch's reference frame, holding one reference count.
     pub fn reference(&self) -> Option<FrameId> {
         (self.reference != NO_FRAME).then_some(FrameId(self.reference))
+    }
+
+    /// Length, bytes (0..=4096).
+    pub fn len(&self) -> u32 {
+        (self.bits & LEN_MASK) as u32
+    }
+
+    /// Whether the blob is empty (an identical page's patch).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Where it lives.
+    pub fn home(&self) -> BlobHome {
+        if self.bits & SWAP_BIT != 0 {
+            BlobHome::Swap
+        } else {
+            BlobHome::Store
+        }
+    }
+
+    /// The page is identical to its reference frame: a page being shared without a
+    /// mapping (issue 19; ESX §4.3's sharing, stashed as DE §3.2's degenerate patch).
+    /// The record lasts only while the stash is in flight: once the agent has punched the
+    /// page, its P2M entry names the frame (`PageState::Unmapped`) and the record goes.
+    pub fn identical(&self) -> bool {
+        self.bits & IDENTICAL_BIT != 0
+    }
+
+    /// When the page was stored, µs of the engine's clock, to a decisecond (its lifetime
+    /// starts here).
+    pub fn since_us(&self) -> u64 {
+        self.since_ds as u64 * SINCE_UNIT_US
     }
 }
 
@@ -259,9 +302,9 @@ pub enum Kept {
 impl Blob {
     /// What keeps the page out of RAM.
     pub fn kept(&self) -> Kept {
-        match (self.home, self.form) {
+        match (self.home(), self.form) {
             (BlobHome::Swap, _) => Kept::Swapped,
-            (BlobHome::Store, _) if self.identical => Kept::Unmapped,
+            (BlobHome::Store, _) if self.identical() => Kept::Unmapped,
             (BlobHome::Store, Form::Encoded(e)) if e.is_patch() => Kept::Patched,
             _ => Kept::Compressed,
         }
@@ -390,11 +433,11 @@ mod tests {
     }
 
     #[test]
-    fn a_blob_record_is_40_bytes_and_keeps_its_reference_and_move() {
-        assert_eq!(std::mem::size_of::<Blob>(), 40);
+    fn a_blob_record_is_32_bytes_and_keeps_its_reference_and_move() {
+        assert_eq!(std::mem::size_of::<Blob>(), 32);
         assert_eq!(
             std::mem::size_of::<Option<Blob>>(),
-            40,
+            32,
             "a niche holds the None"
         );
         let b = |r| {
@@ -425,6 +468,58 @@ mod tests {
         assert_eq!(t.replaces(old), None);
         t.remove(new);
         assert_eq!(t.replaces(new), None, "a removed blob's move is forgotten");
+    }
+
+    #[test]
+    fn a_blob_record_keeps_its_length_home_flag_and_time_apart() {
+        let forms = [
+            Form::Raw,
+            Form::Encoded(Encoding::Patch(memfold_codecs::PatchCodec::RunDiff)),
+            Form::Encoded(Encoding::Compressed(memfold_codecs::CompressCodec::Zstd)),
+        ];
+        for len in [0u32, 1, 2048, 4095, 4096] {
+            for home in [BlobHome::Store, BlobHome::Swap] {
+                for identical in [false, true] {
+                    for form in forms {
+                        let b = Blob::new(
+                            VmId(7),
+                            Gfn(u32::MAX - 1),
+                            home,
+                            SlotId(9),
+                            len,
+                            form,
+                            None,
+                            123_456_789,
+                            0xfeed,
+                            identical,
+                        );
+                        let got = (b.len(), b.home(), b.identical(), b.form, b.gfn);
+                        assert_eq!(got, (len, home, identical, form, Gfn(u32::MAX - 1)));
+                        // Kept to a decisecond, rounded down.
+                        assert_eq!(b.since_us(), 123_400_000);
+                    }
+                }
+            }
+        }
+        let late = |us| {
+            Blob::new(
+                VmId(1),
+                Gfn(1),
+                BlobHome::Store,
+                SlotId(1),
+                1,
+                Form::Raw,
+                None,
+                us,
+                0,
+                false,
+            )
+        };
+        assert_eq!(
+            late(u64::MAX).since_us(),
+            u32::MAX as u64 * 100_000,
+            "saturates"
+        );
     }
 
     #[test]

@@ -472,12 +472,12 @@ impl Engine {
             .blobs
             .iter()
             .filter(|(id, b)| {
-                b.home == BlobHome::Swap
+                b.home() == BlobHome::Swap
                     && self.vms.get(&b.vm).is_some_and(|v| {
                         matches!(v.state(b.gfn), PageState::Stashing(x) | PageState::Moving(x) if x == *id)
                     })
             })
-            .map(|(id, b)| match (self.blobs.replaces(id), self.vms[&b.vm].space(b.home)) {
+            .map(|(id, b)| match (self.blobs.replaces(id), self.vms[&b.vm].space(b.home())) {
                 (Some(_), Some(swap)) => swap.slot(b.slot).size as u64,
                 _ => PAGE,
             })
@@ -552,7 +552,7 @@ impl Engine {
                     .get(&b.vm)
                     .is_some_and(|v| v.state(b.gfn) == PageState::Stored(*id))
             })
-            .map(|(_, b)| b.since_us)
+            .map(|(_, b)| b.since_us())
             .collect();
         let now = self.now_us();
         let l = &self.books.lifetimes;

@@ -218,7 +218,7 @@ impl Engine {
             if let Some(f) = blob.reference() {
                 *patch_refs.entry((owner.domain, f)).or_default() += 1;
             }
-            if blob.identical {
+            if blob.identical() {
                 // A page being shared without a mapping (its stash in flight) is its
                 // reference frame's bytes.
                 let mut frame = [0u8; crate::PAGE_SIZE];
@@ -236,12 +236,15 @@ impl Engine {
                     return Err(format!("blob {b:?} is identical to no frame"));
                 }
             }
-            if blob.home == BlobHome::Swap && owner.swap.is_none() {
+            if blob.home() == BlobHome::Swap && owner.swap.is_none() {
                 return Err(format!("blob {b:?} in the swap file {} lacks", blob.vm));
             }
             slots.get_mut(&blob.vm).expect("every guest listed")
-                [(blob.home == BlobHome::Swap) as usize] += 1;
-            let Some(slot) = owner.space(blob.home).and_then(|s| s.find_slot(blob.slot)) else {
+                [(blob.home() == BlobHome::Swap) as usize] += 1;
+            let Some(slot) = owner
+                .space(blob.home())
+                .and_then(|s| s.find_slot(blob.slot))
+            else {
                 return Err(format!("blob {b:?}'s slot {:?} is not live", blob.slot));
             };
             slot_bytes[kept_index(blob.kept())] += slot.size as u64;

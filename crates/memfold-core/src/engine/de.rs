@@ -515,7 +515,7 @@ impl Engine {
         identical: bool,
     ) {
         let since_us = match replaces {
-            Some(old) => self.blobs.get(old).since_us,
+            Some(old) => self.blobs.get(old).since_us(),
             None => self.now_us(),
         };
         let blob = Blob::new(
@@ -571,8 +571,8 @@ impl Engine {
         let mut todo: Vec<(u64, Gfn, BlobId)> = (first.0..end.0)
             .map(Gfn)
             .filter_map(|g| match v.state(g) {
-                PageState::Stored(b) if self.blobs.get(b).home == BlobHome::Store => {
-                    Some((self.blobs.get(b).since_us, g, b))
+                PageState::Stored(b) if self.blobs.get(b).home() == BlobHome::Store => {
+                    Some((self.blobs.get(b).since_us(), g, b))
                 }
                 _ => None,
             })
@@ -584,7 +584,7 @@ impl Engine {
                 break;
             }
             let o = *self.blobs.get(old);
-            let bytes = &mut bytes[..o.len as usize];
+            let bytes = &mut bytes[..o.len() as usize];
             let store = &self.vms[&id].store;
             if store.read(store.slot(o.slot).offset, bytes).is_err() {
                 continue;
@@ -596,7 +596,7 @@ impl Engine {
                 // The move's blob holds the reference frame too until one is released.
                 self.domain_mut(d).frames.incref(r, true);
             }
-            let len = o.len as usize;
+            let len = o.len() as usize;
             self.queue_stash(
                 id,
                 g,
@@ -607,7 +607,7 @@ impl Engine {
                 BlobHome::Swap,
                 Some(old),
                 o.checksum,
-                o.identical,
+                o.identical(),
             );
         }
     }

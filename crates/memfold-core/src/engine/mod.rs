@@ -735,7 +735,7 @@ impl Engine {
     /// The blob's guest must still exist.
     pub(crate) fn release_blob(&mut self, b: BlobId) {
         let blob = self.blobs.remove(b);
-        if let Some(space) = self.space(blob.vm, blob.home) {
+        if let Some(space) = self.space(blob.vm, blob.home()) {
             let size = space.slot(blob.slot).size;
             space.free(blob.slot);
             self.books.slot_bytes[kept_index(blob.kept())] -= size as u64;

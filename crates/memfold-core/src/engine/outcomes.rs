@@ -438,7 +438,7 @@ impl Engine {
         let Some(blob) = self.take_stored(id, g) else {
             return;
         };
-        let lived = self.now_us().saturating_sub(blob.since_us);
+        let lived = self.now_us().saturating_sub(blob.since_us());
         self.restash_after(id, g, lived);
         let v = self.vms.get_mut(&id).expect("take_stored checked");
         v.books.unstashes += 1;
