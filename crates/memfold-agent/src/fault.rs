@@ -329,8 +329,10 @@ impl Agent {
     /// stash's checksum. A stash without one (the identical patch as the page table keeps
     /// it) is its reference frame's bytes, copied unchecked ([`Agent::decode_identical`]).
     ///
-    /// Errors: no store, swap file or pool, a read failed, or the blob does not decode (a
-    /// corrupt store: the page is then never installed).
+    /// Errors: no store, swap file or pool, a blob over a page or at an offset the stash
+    /// table cannot keep ([`MAX_BLOB_OFFSET`](crate::state::MAX_BLOB_OFFSET)), a read
+    /// failed, or the blob does not decode (a corrupt store: the page is then never
+    /// installed).
     pub(crate) fn decode_stashed(&self, gfn: Gfn, s: &Stash, out: &mut Page) -> io::Result<()> {
         let Some(sum) = s.checksum else {
             return self.decode_identical(gfn, s, out);
@@ -347,6 +349,18 @@ impl Agent {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!("{gfn}: a stored blob of {} bytes, over a page", s.len),
+            ));
+        }
+        // Where the stash table cannot keep it: refused here, before any record is made.
+        use crate::state::{BLOB_ALIGN, MAX_BLOB_OFFSET};
+        if s.offset >= MAX_BLOB_OFFSET || s.offset % BLOB_ALIGN != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "{gfn}: a blob at byte {} of its file: the stash table keeps multiples \
+                     of {BLOB_ALIGN} below {MAX_BLOB_OFFSET}",
+                    s.offset
+                ),
             ));
         }
         let mut buf = [0u8; PAGE_SIZE];

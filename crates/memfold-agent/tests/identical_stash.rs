@@ -126,6 +126,7 @@ fn identical_stashes_are_checked_then_read_back_discarded_moved_and_written_back
     memfd::set_len(store.as_fd(), (4 * PAGE_SIZE) as u64).unwrap();
     let swap = memfd::create("fake-swap").unwrap();
     memfd::set_len(swap.as_fd(), (4 * PAGE_SIZE) as u64).unwrap();
+    memfd::pwrite_all(store.as_fd(), &text(7), 1).unwrap();
     let c = welcome(&listener, &[&pool, &store, &swap]);
 
     // Page 2 written since memfoldd read it: its bytes are no longer frame 1's.
@@ -142,11 +143,27 @@ fn identical_stashes_are_checked_then_read_back_discarded_moved_and_written_back
             identical(4, 3, sum(4)),
             identical(5, 4, sum(5)),
             identical(6, 5, sum(6)),
+            // A blob the stash table cannot keep (its offsets are 8-byte units): refused,
+            // though it decodes to the page's bytes.
+            StashPage {
+                gfn: Gfn(7),
+                blob: Blob::Raw,
+                home: BlobHome::Store,
+                offset: 1,
+                len: PAGE_SIZE as u32,
+                moving: false,
+                checksum: sum(7),
+            },
         ],
     );
     assert_eq!(stashed, vec![1, 4, 5, 6]);
     assert_eq!(changed, vec![2], "compared with the page's bytes");
-    assert_eq!(refused, vec![3], "checked against the request's checksum");
+    assert_eq!(
+        refused,
+        vec![3, 7],
+        "checked against the request's checksum; unaligned"
+    );
+    same(&page_of(ptr, 7), &text(7), "page 7, refused");
     for g in [1, 4, 5, 6] {
         same(
             &in_memfd(&fd, g),

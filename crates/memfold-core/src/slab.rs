@@ -434,6 +434,9 @@ mod tests {
         }
         for (sl, _) in &live {
             assert_eq!(s.slot(sl.id), Some(*sl), "found where it was handed out");
+            // The agents keep blob offsets in 8-byte units (`memfold-agent`'s stash
+            // records): they refuse any other.
+            assert_eq!(sl.offset % 8, 0, "{sl:?}: offset not a multiple of 8");
         }
         let e = Slot {
             id: EMPTY,

@@ -1,44 +1,101 @@
 //! A page's home as the agent's table packs it (issue 19: metadata per guest page): a
-//! 4-byte slot a page ([`Packed`]) and, apart, the 32-byte record of a stashed page's blob
+//! 4-byte slot a page ([`Packed`]) and, apart, the 20-byte record of a stashed page's blob
 //! ([`Record`]), which most pages do not have.
 
+use memfold_codecs::Encoding;
 use memfold_ids::FrameId;
 use memfold_wire::{Blob, BlobHome};
 
 use super::Stash;
 
-/// A stash record as the table keeps it: a [`Stash`] whose checksum is known (32 bytes;
-/// `Option<u64>` would take 40).
+/// A stash record as the table keeps it: a [`Stash`] whose checksum is known, in 20 bytes
+/// (issue 19: it was 32; `Option<u64>` would take 40) — five words, so that it aligns to
+/// 4: the checksum in two, a patch's reference frame, and the offset (in 8-byte units,
+/// [`MAX_BLOB_OFFSET`]) packed with the length, the home and the blob's kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Record {
-    blob: Blob,
-    home: BlobHome,
-    offset: u64,
-    len: u32,
-    checksum: u64,
+    checksum: [u32; 2],
+    /// A patch's reference frame; 0 for any other blob.
+    reference: u32,
+    /// The offset's 8-byte units, bits 0–31.
+    offset_lo: u32,
+    /// Bits 0–12: the length (0..=4096). Bit 13: in the swap file. Bits 14–18: the
+    /// encoding's byte ([`Encoding::to_byte`], below 31) or [`RAW`]. Bits 19–31: the
+    /// offset's 8-byte units, bits 32–44.
+    bits: u32,
 }
+
+/// Blob offsets a [`Record`] keeps: multiples of [`BLOB_ALIGN`] below 2^48 (256 TiB of
+/// store or swap file a guest; the slab's slots are 8-byte multiples from page-aligned
+/// chunks). Every stash is decoded before it is kept, and the decode refuses any other
+/// (`fault.rs`, `decode_stashed`).
+pub(crate) const MAX_BLOB_OFFSET: u64 = 1 << 48;
+/// See [`MAX_BLOB_OFFSET`].
+pub(crate) const BLOB_ALIGN: u64 = 8;
+
+const LEN_MASK: u32 = (1 << 13) - 1;
+const SWAP: u32 = 1 << 13;
+const KIND_SHIFT_R: u32 = 14;
+const KIND_MASK: u32 = 0x1f;
+const OFFSET_HI_SHIFT: u32 = 19;
+/// [`Record`]'s kind for the raw page (no encoding's byte reaches it).
+const RAW: u32 = 31;
 
 impl Record {
     /// `s` as a record. Panics: `s` has no checksum (only the identical patch read back
-    /// from the table has none, and that is never kept as a record).
+    /// from the table has none, and that is never kept as a record), a length over a
+    /// page, or an offset [`MAX_BLOB_OFFSET`] does not allow (the decode every stash
+    /// passes first refuses both).
     pub(super) fn new(s: Stash) -> Record {
+        let checksum = s.checksum.expect("a stash record without a checksum");
+        assert!(
+            s.offset < MAX_BLOB_OFFSET
+                && s.offset % BLOB_ALIGN == 0
+                && s.len as usize <= memfold_codecs::PAGE_SIZE,
+            "a stash at byte {} of {} bytes does not pack",
+            s.offset,
+            s.len
+        );
+        let reference = match s.blob {
+            Blob::Patch { reference, .. } => reference.0,
+            _ => 0,
+        };
+        let kind = s.blob.encoding().map_or(RAW, |e| e.to_byte() as u32);
+        assert!(kind <= RAW, "an encoding byte of {kind} does not pack");
+        let units = s.offset / BLOB_ALIGN;
         Record {
-            blob: s.blob,
-            home: s.home,
-            offset: s.offset,
-            len: s.len,
-            checksum: s.checksum.expect("a stash record without a checksum"),
+            checksum: [checksum as u32, (checksum >> 32) as u32],
+            reference,
+            offset_lo: units as u32,
+            bits: s.len
+                | if s.home == BlobHome::Swap { SWAP } else { 0 }
+                | kind << KIND_SHIFT_R
+                | ((units >> 32) as u32) << OFFSET_HI_SHIFT,
         }
     }
 
     /// The record as the stash it keeps.
     pub(super) fn stash(self) -> Stash {
+        let kind = (self.bits >> KIND_SHIFT_R) & KIND_MASK;
+        let blob = match Encoding::from_byte(kind as u8).filter(|_| kind != RAW) {
+            Some(Encoding::Patch(codec)) => Blob::Patch {
+                codec,
+                reference: FrameId(self.reference),
+            },
+            Some(Encoding::Compressed(codec)) => Blob::Compressed(codec),
+            None => Blob::Raw,
+        };
+        let units = ((self.bits >> OFFSET_HI_SHIFT) as u64) << 32 | self.offset_lo as u64;
         Stash {
-            blob: self.blob,
-            home: self.home,
-            offset: self.offset,
-            len: self.len,
-            checksum: Some(self.checksum),
+            blob,
+            home: if self.bits & SWAP != 0 {
+                BlobHome::Swap
+            } else {
+                BlobHome::Store
+            },
+            offset: units * BLOB_ALIGN,
+            len: self.bits & LEN_MASK,
+            checksum: Some(self.checksum[0] as u64 | (self.checksum[1] as u64) << 32),
         }
     }
 }
