@@ -84,6 +84,11 @@ pub struct EngineArgs {
     /// DE §4.2 is written).
     #[arg(long, default_value_t = defaults().clock_rearm_max)]
     pub clock_rearm_max: u32,
+    /// Pages the Difference Engine's similarity index is sized for per page the last
+    /// clock cycle offered it (1..=8; at most the guest pages, DE §4.3's size): fewer is
+    /// less metadata and fewer buckets to find a reference page in.
+    #[arg(long, default_value_t = defaults().similarity_per_offered)]
+    pub similarity_per_offered: u32,
     /// Share identical pages without a mapping (issue 19): `on` punches a page identical
     /// to a pool frame out of guest RAM, kept as a reference to the frame (no VMA in
     /// QEMU, no blob or stash record), when the NRU clock finds it cold, or whenever its
@@ -229,6 +234,7 @@ impl EngineArgs {
             quiet_scan_period: self.quiet_scan_period,
             clock_interval_us: (clock > 0.0).then_some((clock * 1e6) as u64),
             clock_rearm_max: self.clock_rearm_max,
+            similarity_per_offered: self.similarity_per_offered,
             share_cold_unmapped: self.share_cold_unmapped == "on",
             read_fill: self.read_fill == "on",
             guest_categories: self.guest_categories == "on",
@@ -264,6 +270,10 @@ impl EngineArgs {
         opt("--quiet-scan-period", self.quiet_scan_period.to_string());
         opt("--clock-secs", self.clock_interval_s().to_string());
         opt("--clock-rearm-max", self.clock_rearm_max.to_string());
+        opt(
+            "--similarity-per-offered",
+            self.similarity_per_offered.to_string(),
+        );
         opt("--share-cold-unmapped", self.share_cold_unmapped.clone());
         opt("--read-fill", self.read_fill.clone());
         opt("--guest-categories", self.guest_categories.clone());

@@ -107,6 +107,13 @@ pub struct EngineConfig {
     /// is found so within 64 passes (256 s at a 4 s interval), and on the mixed set the
     /// steady clock faults fell 6.5× against 4.3× at 16, at the same saving (docs/peer.md).
     pub clock_rearm_max: u32,
+    /// Pages the similarity index is sized for, per page the last clock cycle offered it
+    /// as a reference candidate, at most the managed pages (DE §4.3 sizes it by managed
+    /// pages: half a bucket a page a group, its first cycle here too). The index has half
+    /// a bucket a group per page sized for (rounded up to a power of two), so 2 gives
+    /// each group at least a bucket per offered page; 1..=8. 2, the default (issue 19): it
+    /// was 4, and 2 patched as many pages with half the index (docs/metadata.md).
+    pub similarity_per_offered: u32,
     /// Share identical pages without a mapping (issue 19): a page identical to a pool
     /// frame is kept in the store as a patch against it (DE §3.2's degenerate patch) instead
     /// of mapped (ESX §4.3), so it costs QEMU no VMA, when the NRU clock finds it cold
@@ -182,6 +189,7 @@ impl Default for EngineConfig {
             quiet_scan_period: 8,
             clock_interval_us: Some(4_000_000),
             clock_rearm_max: 64,
+            similarity_per_offered: 2,
             share_cold_unmapped: true,
             read_fill: false,
             host_budget: None,
@@ -218,6 +226,9 @@ pub enum ConfigError {
     /// A clock re-arm period out of 1..=64 passes.
     #[error("clock re-arm period of {0} passes: give 1 to 64")]
     ClockRearm(u32),
+    /// A similarity index sized for out of 1..=8 pages a page offered.
+    #[error("similarity index sized for {0} pages a page offered: give 1 to 8")]
+    SimilarityPerOffered(u32),
     /// A quiet-page period other than 1, 2, 4 or 8 scans.
     #[error("quiet pages read every {0} scans: give 1, 2, 4 or 8")]
     QuietScanPeriod(u32),
@@ -241,6 +252,9 @@ impl EngineConfig {
         }
         if !(1..=64).contains(&self.clock_rearm_max) {
             return Err(ConfigError::ClockRearm(self.clock_rearm_max));
+        }
+        if !(1..=8).contains(&self.similarity_per_offered) {
+            return Err(ConfigError::SimilarityPerOffered(self.similarity_per_offered));
         }
         if ![1, 2, 4, 8].contains(&self.quiet_scan_period) {
             return Err(ConfigError::QuietScanPeriod(self.quiet_scan_period));

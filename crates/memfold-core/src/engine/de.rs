@@ -192,9 +192,10 @@ impl Engine {
     /// (DE §4.3 clears it once per clock cycle: stale buckets would keep out new
     /// candidates), or as soon as a cycle has offered it more pages than it has buckets.
     /// The first cycle's table is the paper's (half a bucket a managed page); later ones
-    /// have two buckets a page the last cycle offered, at most that (issue 19: a guest
-    /// whose pages are mostly shared, stored or hot offers few, and the paper's table
-    /// cost 4 bytes a guest page whatever it held).
+    /// are sized for [`crate::EngineConfig::similarity_per_offered`] pages a page the last
+    /// cycle offered, at most that (issue 19: a guest whose pages are mostly shared,
+    /// stored or hot offers few, and the paper's table cost 4 bytes a guest page whatever
+    /// it held).
     fn refresh_similarity_index(&mut self, d: DomainId) {
         let every = self.cfg.clock_interval_us.unwrap_or(4_000_000) * 4;
         let pages: u64 = self
@@ -204,13 +205,14 @@ impl Engine {
             .map(|v| v.pages() as u64)
             .sum();
         let now = self.now_us();
+        let per_offered = self.cfg.similarity_per_offered as u64;
         let dom = self.domain_mut(d);
         let offered = dom.similar.offered() as u64;
         let first = dom.similar.cycles() == 0;
         let n = if first {
             pages
         } else {
-            (4 * offered).min(pages)
+            (per_offered * offered).min(pages)
         };
         // Cleared early only to grow: at its largest size a clear would only lose
         // candidates.
@@ -659,10 +661,10 @@ mod tests {
     }
 
     /// Issue 19: the similarity index has the paper's size (half a bucket a managed page)
-    /// in its first cycle only; then two buckets a page the last cycle offered — here
-    /// 2 000 cold pages of a 16 384-page guest, 4 096 buckets — and as the pages are
-    /// stored and offered no more, fewer: a few KiB, not 4 bytes a guest page.
-    /// Reverting to the paper's size for every cycle fails it.
+    /// in its first cycle only; then a bucket a page the last cycle offered (rounded up
+    /// to a power of two) — here 2 000 cold pages of a 16 384-page guest, 2 048 buckets
+    /// — and as the pages are stored and offered no more, fewer: a few KiB, not 4 bytes
+    /// a guest page. Reverting to the paper's size for every cycle fails it.
     #[test]
     fn the_similarity_index_is_sized_by_what_a_cycle_offered() {
         let mut r = Rig::new(quick_config(Policy::difference_engine()), PAGES).unwrap();
@@ -680,8 +682,8 @@ mod tests {
         assert_eq!(seen.first(), Some(&(PAGES as usize / 2)), "{seen:?}");
         assert_eq!(
             seen.get(1),
-            Some(&4096),
-            "{seen:?}: two buckets a page offered"
+            Some(&2048),
+            "{seen:?}: a bucket a page offered"
         );
         let last = *seen.last().unwrap();
         assert!(last <= 1024, "{seen:?}: the stored pages offered no more");

@@ -48,6 +48,10 @@ pub struct Point {
     pub engine_metadata_by: memfold_wire::MetadataBy,
     /// The agents' page records at the end, bytes (all guests).
     pub agent_state_bytes: u64,
+    /// Pages stored as patches at the end (DE §3.2), all guests.
+    pub patched_pages: u64,
+    /// Pages stored compressed at the end (DE §3.3), all guests.
+    pub compressed_pages: u64,
     /// memfoldd's largest resident set over the run, bytes.
     pub memfoldd_rss_bytes: u64,
     /// That, % of guest RAM.
@@ -163,6 +167,8 @@ impl Point {
             engine_metadata_bytes,
             engine_metadata_by: end.map_or(Default::default(), |s| s.stats.metadata_by),
             agent_state_bytes,
+            patched_pages: end.map_or(0, |s| s.stats.patched_pages),
+            compressed_pages: end.map_or(0, |s| s.stats.compressed_pages),
             memfoldd_rss_bytes,
             memfoldd_rss_pct: memfoldd_rss_bytes as f64 / ram * 100.0,
             max_qemu_mappings,
