@@ -254,7 +254,9 @@ impl EngineConfig {
             return Err(ConfigError::ClockRearm(self.clock_rearm_max));
         }
         if !(1..=8).contains(&self.similarity_per_offered) {
-            return Err(ConfigError::SimilarityPerOffered(self.similarity_per_offered));
+            return Err(ConfigError::SimilarityPerOffered(
+                self.similarity_per_offered,
+            ));
         }
         if ![1, 2, 4, 8].contains(&self.quiet_scan_period) {
             return Err(ConfigError::QuietScanPeriod(self.quiet_scan_period));
@@ -276,5 +278,32 @@ impl EngineConfig {
         }
         SimilarityDetector::new(self.similarity).map_err(ConfigError::Similarity)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each knob out of its range is refused, naming it; its ends are taken.
+    #[test]
+    fn knobs_out_of_range_are_refused_by_name() {
+        let with = |f: &dyn Fn(&mut EngineConfig)| {
+            let mut c = EngineConfig::default();
+            f(&mut c);
+            c.validate()
+        };
+        for k in [1, 8] {
+            assert_eq!(with(&|c| c.similarity_per_offered = k), Ok(()));
+        }
+        for k in [0, 9] {
+            let e = with(&|c| c.similarity_per_offered = k).unwrap_err();
+            assert_eq!(e, ConfigError::SimilarityPerOffered(k));
+            assert!(e.to_string().contains("similarity index"), "{e}");
+        }
+        assert_eq!(
+            with(&|c| c.clock_rearm_max = 65),
+            Err(ConfigError::ClockRearm(65))
+        );
     }
 }
