@@ -35,7 +35,7 @@ pub(crate) const BLOB_ALIGN: u64 = 8;
 
 const LEN_MASK: u32 = (1 << 13) - 1;
 const SWAP: u32 = 1 << 13;
-const KIND_SHIFT_R: u32 = 14;
+const RECORD_KIND_SHIFT: u32 = 14;
 const KIND_MASK: u32 = 0x1f;
 const OFFSET_HI_SHIFT: u32 = 19;
 /// [`Record`]'s kind for the raw page (no encoding's byte reaches it).
@@ -60,8 +60,14 @@ impl Record {
             Blob::Patch { reference, .. } => reference.0,
             _ => 0,
         };
-        let kind = s.blob.encoding().map_or(RAW, |e| e.to_byte() as u32);
-        assert!(kind <= RAW, "an encoding byte of {kind} does not pack");
+        let kind = match s.blob.encoding() {
+            Some(e) => {
+                let b = e.to_byte() as u32;
+                assert!(b < RAW, "an encoding byte of {b} does not pack");
+                b
+            }
+            None => RAW,
+        };
         let units = s.offset / BLOB_ALIGN;
         Record {
             checksum: [checksum as u32, (checksum >> 32) as u32],
@@ -69,14 +75,14 @@ impl Record {
             offset_lo: units as u32,
             bits: s.len
                 | if s.home == BlobHome::Swap { SWAP } else { 0 }
-                | kind << KIND_SHIFT_R
+                | kind << RECORD_KIND_SHIFT
                 | ((units >> 32) as u32) << OFFSET_HI_SHIFT,
         }
     }
 
     /// The record as the stash it keeps.
     pub(super) fn stash(self) -> Stash {
-        let kind = (self.bits >> KIND_SHIFT_R) & KIND_MASK;
+        let kind = (self.bits >> RECORD_KIND_SHIFT) & KIND_MASK;
         let blob = match Encoding::from_byte(kind as u8).filter(|_| kind != RAW) {
             Some(Encoding::Patch(codec)) => Blob::Patch {
                 codec,
