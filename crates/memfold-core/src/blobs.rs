@@ -513,32 +513,16 @@ mod tests {
                 }
             }
         }
-        let late = |us| {
-            Blob::new(
-                VmId(1),
-                Gfn(1),
-                BlobHome::Store,
-                SlotId(1),
-                1,
-                Form::Raw,
-                None,
-                us,
-                0,
-                false,
-            )
-        };
         assert_eq!(
-            late(u64::MAX).since_us(),
+            raw_stored_at(u64::MAX).since_us(),
             u32::MAX as u64 * 100_000,
             "saturates"
         );
     }
 
-    /// The table grows by an eighth, and says what it holds as allocated: free records
-    /// and spare room too. Doubling, or counting live records alone, fails it.
-    #[test]
-    fn the_blob_table_grows_by_an_eighth_and_counts_what_it_holds() {
-        let b = Blob::new(
+    /// A 1-byte raw blob of page 1 of VM 1, stored at `us`.
+    fn raw_stored_at(us: u64) -> Blob {
+        Blob::new(
             VmId(1),
             Gfn(1),
             BlobHome::Store,
@@ -546,10 +530,17 @@ mod tests {
             1,
             Form::Raw,
             None,
-            0,
+            us,
             0,
             false,
-        );
+        )
+    }
+
+    /// The table grows by an eighth, and says what it holds as allocated: free records
+    /// and spare room too. Doubling, or counting live records alone, fails it.
+    #[test]
+    fn the_blob_table_grows_by_an_eighth_and_counts_what_it_holds() {
+        let b = raw_stored_at(0);
         let mut t = BlobTable::default();
         let ids: Vec<BlobId> = (0..20_000).map(|_| t.insert(b)).collect();
         let held = t.metadata_bytes();
