@@ -352,8 +352,8 @@ impl Agent {
             ));
         }
         // Where the stash table cannot keep it: refused here, before any record is made.
-        use crate::state::{BLOB_ALIGN, MAX_BLOB_OFFSET};
-        if s.offset >= MAX_BLOB_OFFSET || s.offset % BLOB_ALIGN != 0 {
+        use crate::state::{keeps_offset, BLOB_ALIGN, MAX_BLOB_OFFSET};
+        if !keeps_offset(s.offset) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!(

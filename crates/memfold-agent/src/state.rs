@@ -95,8 +95,8 @@ pub(crate) fn plus(gfn: Gfn, k: usize) -> Gfn {
 }
 
 mod slot;
+pub(crate) use slot::{keeps_offset, BLOB_ALIGN, MAX_BLOB_OFFSET, MAX_FRAME};
 use slot::{Packed, Record, Slot};
-pub(crate) use slot::{BLOB_ALIGN, MAX_BLOB_OFFSET, MAX_FRAME};
 
 /// Free stash records below which [`Pages`] does not compact its table (a pass over every
 /// slot is not worth less).

@@ -33,6 +33,13 @@ pub(crate) const MAX_BLOB_OFFSET: u64 = 1 << 48;
 /// See [`MAX_BLOB_OFFSET`].
 pub(crate) const BLOB_ALIGN: u64 = 8;
 
+/// Whether a [`Record`] keeps a blob at byte `offset` of its file ([`MAX_BLOB_OFFSET`]):
+/// the one statement of the rule, for the decode that refuses others and the record that
+/// packs it.
+pub(crate) fn keeps_offset(offset: u64) -> bool {
+    offset < MAX_BLOB_OFFSET && offset % BLOB_ALIGN == 0
+}
+
 const LEN_MASK: u32 = (1 << 13) - 1;
 const SWAP: u32 = 1 << 13;
 const RECORD_KIND_SHIFT: u32 = 14;
@@ -49,9 +56,7 @@ impl Record {
     pub(super) fn new(s: Stash) -> Record {
         let checksum = s.checksum.expect("a stash record without a checksum");
         assert!(
-            s.offset < MAX_BLOB_OFFSET
-                && s.offset % BLOB_ALIGN == 0
-                && s.len as usize <= memfold_codecs::PAGE_SIZE,
+            keeps_offset(s.offset) && s.len as usize <= memfold_codecs::PAGE_SIZE,
             "a stash at byte {} of {} bytes does not pack",
             s.offset,
             s.len

@@ -55,6 +55,18 @@ fn a_record_gives_back_the_stash_it_keeps() {
     }
 }
 
+/// The rule both the decode and the record follow: 8-byte multiples below 2^48, and no
+/// other offset (each the record would pack into a different one).
+#[test]
+fn only_offsets_a_record_packs_are_kept() {
+    for o in [0, 8, 1 << 32, MAX_BLOB_OFFSET - BLOB_ALIGN] {
+        assert!(keeps_offset(o), "{o}");
+    }
+    for o in [1, 7, 4095, MAX_BLOB_OFFSET, MAX_BLOB_OFFSET + 8, u64::MAX] {
+        assert!(!keeps_offset(o), "{o}");
+    }
+}
+
 fn stash(k: u64) -> Stash {
     Stash {
         blob: Blob::Compressed(memfold_codecs::CompressCodec::Zstd),
