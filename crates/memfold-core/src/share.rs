@@ -131,6 +131,13 @@ impl ShareTable {
 
     /// Ends a pass: drops every hint, and with partitioning every entry (returning the shared
     /// frames dropped so the caller can clear their flags). Moves to the next hash interval.
+    ///
+    /// The table then shrinks to what is left (issue 19, metadata). The first full scans
+    /// hint nearly every private page; later ones hint only the pages they read, and the
+    /// scan reads quiet pages seldom, so a table kept at its first size held up to ten
+    /// times the buckets its entries needed (131 072 buckets for 10 000–13 000 entries
+    /// through a 240 s db + py run, docs/metadata.md). The next scan grows it again as
+    /// it hints; the rehash is one pass over the entries left, once a full scan.
     pub fn end_pass(&mut self) -> Vec<FrameId> {
         let mut dropped = Vec::new();
         if self.passes > 1 {
@@ -144,6 +151,7 @@ impl ShareTable {
             self.table
                 .retain(|v| matches!(unpack(*v), ShareEntry::Shared(_)));
         }
+        self.table.shrink_to(0, |&v| table_hash((v >> 32) as u32));
         self.pass = (self.pass + 1) % self.passes;
         dropped
     }
@@ -222,6 +230,36 @@ mod tests {
         // End of pass keeps shared entries, drops hints.
         assert!(t.end_pass().is_empty());
         assert_eq!(t.len(), 1);
+    }
+
+    /// A full scan's hints go with their buckets: after the pass ends the table is sized
+    /// for the shared entries left, not for the hints it held (issue 19). Without the
+    /// shrink it kept the 16 384 buckets of its 10 000 hints.
+    #[test]
+    fn ending_a_pass_gives_back_the_buckets_of_its_hints() {
+        let mut t = ShareTable::new(1);
+        let h = |i: u64| i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        for i in 0..10_000u32 {
+            assert!(t.insert(h(i as u64), ShareEntry::Hint(Gpn(i))));
+        }
+        for i in 0..100u32 {
+            assert!(t.insert(h(1_000_000 + i as u64), ShareEntry::Shared(FrameId(i))));
+        }
+        let full = t.metadata_bytes();
+        assert!(full >= 16_384 * 9, "{full}");
+        t.end_pass();
+        assert_eq!(t.len(), 100);
+        assert_eq!(t.metadata_bytes(), hashbrown_bytes(100, 8));
+        assert!(t.metadata_bytes() * 50 < full);
+        // The shared entries are still found, and the table grows again for new hints.
+        for i in 0..100u32 {
+            let e = ShareEntry::Shared(FrameId(i));
+            assert!(t.lookup(h(1_000_000 + i as u64)).any(|x| x == e));
+        }
+        for i in 0..5_000u32 {
+            assert!(t.insert(h(i as u64), ShareEntry::Hint(Gpn(i))));
+        }
+        assert_eq!(t.len(), 5_100);
     }
 
     #[test]
