@@ -39,6 +39,13 @@ fn table_hash(tag: u32) -> u64 {
     (tag as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
+/// The table hash of a stored entry (its tag is its upper 32 bits), for hashbrown's
+/// rehashing.
+#[inline]
+fn entry_hash(v: &u64) -> u64 {
+    table_hash((*v >> 32) as u32)
+}
+
 #[inline]
 fn tag_of(hash: u64) -> u32 {
     (hash >> 32) as u32
@@ -99,9 +106,7 @@ impl ShareTable {
             return false;
         }
         self.table
-            .insert_unique(table_hash(tag_of(hash)), pack(hash, e), |&v| {
-                table_hash((v >> 32) as u32)
-            });
+            .insert_unique(table_hash(tag_of(hash)), pack(hash, e), entry_hash);
         true
     }
 
@@ -135,7 +140,7 @@ impl ShareTable {
     /// The table then shrinks to what is left (issue 19, metadata). The first full scans
     /// hint nearly every private page; later ones hint only the pages they read, and the
     /// scan reads quiet pages seldom, so a table kept at its first size held up to ten
-    /// times the buckets its entries needed (131 072 buckets for 10 000–13 000 entries
+    /// times the buckets its entries needed (131 072 buckets for 9 936–13 415 entries
     /// through a 240 s db + py run, docs/metadata.md). The next scan grows it again as
     /// it hints; the rehash is one pass over the entries left, once a full scan.
     pub fn end_pass(&mut self) -> Vec<FrameId> {
@@ -151,7 +156,7 @@ impl ShareTable {
             self.table
                 .retain(|v| matches!(unpack(*v), ShareEntry::Shared(_)));
         }
-        self.table.shrink_to(0, |&v| table_hash((v >> 32) as u32));
+        self.table.shrink_to(0, entry_hash);
         self.pass = (self.pass + 1) % self.passes;
         dropped
     }
