@@ -39,11 +39,11 @@ fn table_hash(tag: u32) -> u64 {
     (tag as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
-/// The table hash of a stored entry (its tag is its upper 32 bits), for hashbrown's
-/// rehashing.
+/// The table hash of a stored entry (its tag is its upper 32 bits, as a content hash's
+/// is: [`tag_of`]), for hashbrown's rehashing.
 #[inline]
 fn entry_hash(v: &u64) -> u64 {
-    table_hash((*v >> 32) as u32)
+    table_hash(tag_of(*v))
 }
 
 #[inline]
