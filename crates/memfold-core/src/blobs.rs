@@ -168,16 +168,16 @@ impl BlobSpace {
     }
 }
 
-/// One blob: whose page it keeps, where, and how to decode it. 32 bytes (it was 64, then
-/// 40): its byte offset and slot size are its slot's ([`BlobSpace::slot`]), a move's old
+/// One blob: whose page it keeps, where, and how to decode it. 24 bytes (it was 64, then
+/// 40, then 32): no checksum (the page's agent keeps one with its own record and checks
+/// every decode against it; a move to swap, the one request that needs it again, gets it
+/// by decoding the blob: `Engine::stored_page_checksum`), its byte offset and slot size are its slot's ([`BlobSpace::slot`]), a move's old
 /// blob is in [`BlobTable::replaces`] (moves in flight are few), the reference frame is
 /// kept in 4 bytes ([`Blob::reference`]), the time it was stored in deciseconds
 /// ([`Blob::since_us`]), and its length, home and identical flag share 2 bytes —
 /// issue 19's metadata, docs/metadata.md.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Blob {
-    /// The page's checksum (`memfold_codecs::page_checksum`): checked on every decode.
-    pub checksum: u64,
     /// When the page was stored, deciseconds of the engine's clock (saturating: 13.6
     /// years).
     since_ds: u32,
@@ -196,7 +196,7 @@ pub struct Blob {
 }
 
 /// [`Blob::reference`]'s "none": a frame id no pool hands out (frames past 2^30 are
-/// refused by the agents' page slots, docs/metadata.md).
+/// refused by the agents' page slots past 2^29, docs/metadata.md).
 const NO_FRAME: u32 = u32::MAX;
 
 /// [`Blob`]'s `bits`: the length's mask and the flags above it.
@@ -223,7 +223,6 @@ impl Blob {
         form: Form,
         reference: Option<FrameId>,
         since_us: u64,
-        checksum: u64,
         identical: bool,
     ) -> Blob {
         let reference = reference.map_or(NO_FRAME, |f| {
@@ -235,7 +234,6 @@ impl Blob {
             | if home == BlobHome::Swap { SWAP_BIT } else { 0 }
             | if identical { IDENTICAL_BIT } else { 0 };
         Blob {
-            checksum,
             since_ds: u32::try_from(since_us / SINCE_UNIT_US).unwrap_or(u32::MAX),
             vm,
             gfn,
@@ -445,11 +443,11 @@ mod tests {
     }
 
     #[test]
-    fn a_blob_record_is_32_bytes_and_keeps_its_reference_and_move() {
-        assert_eq!(std::mem::size_of::<Blob>(), 32);
+    fn a_blob_record_is_24_bytes_and_keeps_its_reference_and_move() {
+        assert_eq!(std::mem::size_of::<Blob>(), 24);
         assert_eq!(
             std::mem::size_of::<Option<Blob>>(),
-            32,
+            24,
             "a niche holds the None"
         );
         let b = |r| {
@@ -463,7 +461,6 @@ mod tests {
                 form,
                 r,
                 4,
-                5,
                 false,
             )
         };
@@ -502,7 +499,6 @@ mod tests {
                             form,
                             None,
                             123_456_789,
-                            0xfeed,
                             identical,
                         );
                         let got = (b.len(), b.home(), b.identical(), b.form, b.gfn);
@@ -531,7 +527,6 @@ mod tests {
             Form::Raw,
             None,
             us,
-            0,
             false,
         )
     }

@@ -521,7 +521,7 @@ impl Engine {
             None => self.now_us(),
         };
         let blob = Blob::new(
-            id, g, home, slot.id, len as u32, form, reference, since_us, checksum, identical,
+            id, g, home, slot.id, len as u32, form, reference, since_us, identical,
         );
         self.books.slot_bytes[kept_index(blob.kept())] += slot.size as u64;
         let b = self.blobs.insert(blob);
@@ -591,6 +591,9 @@ impl Engine {
             if store.read(store.slot(o.slot).offset, bytes).is_err() {
                 continue;
             }
+            let Some(checksum) = self.stored_page_checksum(d, &o, bytes) else {
+                continue;
+            };
             let Some(slot) = self.put_blob(id, bytes, BlobHome::Swap) else {
                 break;
             };
@@ -608,10 +611,34 @@ impl Engine {
                 o.reference(),
                 BlobHome::Swap,
                 Some(old),
-                o.checksum,
+                checksum,
                 o.identical(),
             );
         }
+    }
+
+    /// The checksum of the page blob `b` of domain `d` holds, its bytes `bytes` read from
+    /// its space: the page decoded (against its reference frame, read from the pool, for a
+    /// patch) and summed. `None` if it does not decode or its frame cannot be read. The
+    /// record keeps no checksum (8 bytes a stored page, issue 19): the agent keeps the
+    /// one its stash brought and checks every decode against it, and only a move to swap
+    /// must send one again (the new record's). A blob changed in the store is caught
+    /// there all the same: the agent decodes the old blob against its own checksum before
+    /// it takes the move (`move_stashed`).
+    pub(crate) fn stored_page_checksum(&self, d: DomainId, b: &Blob, bytes: &[u8]) -> Option<u64> {
+        let mut page = [0u8; PAGE_SIZE];
+        match b.form {
+            Form::Raw => page = bytes.try_into().ok()?,
+            Form::Encoded(e) => {
+                let mut reference = [0u8; PAGE_SIZE];
+                if let Some(f) = b.reference() {
+                    self.domain(d).pool.read(f.offset(), &mut reference).ok()?;
+                }
+                e.decode(bytes, b.reference().map(|_| &reference), &mut page)
+                    .ok()?;
+            }
+        }
+        Some(page_checksum(&page))
     }
 
     /// How long a page taken back after `lived_us` waits before it is stored again.
@@ -691,6 +718,77 @@ mod tests {
         assert!(similarity <= 2 * 1024 * 4, "{similarity} bytes");
         for g in 0..2000 {
             assert_eq!(r.agent.peek(Gfn(g * 8)).unwrap().to_vec(), text(g));
+        }
+    }
+    /// DE §4.6: over the host budget, stored pages move to the swap file, each with its
+    /// page's checksum, which the blob record no longer keeps (issue 19): the move decodes
+    /// the stored blob for it. The agent decodes the new blob against that checksum and
+    /// refuses a move that does not match (the sim as the real agent), so a wrong one
+    /// (sending the old blob's length, or 0, in its place) leaves no page moved and fails
+    /// this; compressed pages and patches both move.
+    #[test]
+    fn a_move_to_swap_sends_its_pages_checksum() {
+        use crate::blobs::{BlobHome, Form};
+        use crate::engine::Command;
+        use memfold_codecs::{page_checksum, Encoding};
+        use rand::{rngs::SmallRng, Rng, SeedableRng};
+        const N: u32 = 256;
+        let mut r = Rig::with_swap(quick_config(Policy::difference_engine()), N, 1 << 22).unwrap();
+        let mut rng = SmallRng::seed_from_u64(19);
+        let mut base = vec![0u8; PAGE_SIZE];
+        rng.fill(&mut base[..]);
+        let mut model = Vec::new();
+        for g in 0..N {
+            // Even pages: text (compressed); odd: the same random page, a few bytes
+            // changed (patched against it).
+            let p = if g % 2 == 0 {
+                text(g)
+            } else {
+                let mut p = base.clone();
+                p[..4].copy_from_slice(&g.to_le_bytes());
+                p
+            };
+            r.agent.write(Gfn(g), 0, &p).unwrap();
+            model.push(p);
+        }
+        let mut moved = [0u32; 2];
+        for round in 0..600 {
+            if round == 300 {
+                // Stored by now: a budget far under the guest's RAM moves them out.
+                r.engine.cfg.host_budget = Some(PAGE_SIZE as u64);
+            }
+            r.clock.advance(10_000);
+            r.engine.scan_step().unwrap();
+            r.engine.clock_step();
+            r.engine.check_budget();
+            for c in r.engine.take_commands(r.vm) {
+                if let Command::Stash { gfn, stash, .. } = &c {
+                    if stash.moving {
+                        assert_eq!(stash.home, BlobHome::Swap);
+                        assert_eq!(
+                            stash.checksum,
+                            page_checksum(model[gfn.0 as usize][..].try_into().unwrap()),
+                            "{gfn}'s move"
+                        );
+                        let patch = matches!(stash.form, Form::Encoded(Encoding::Patch(_)));
+                        moved[patch as usize] += 1;
+                    }
+                }
+                r.answer(c);
+            }
+            r.report();
+        }
+        r.engine.check_invariants().unwrap();
+        assert!(
+            moved[0] > 0 && moved[1] > 0,
+            "moved (compressed, patched): {moved:?}"
+        );
+        for g in 0..N {
+            assert_eq!(
+                r.agent.read(Gfn(g)).unwrap()[..],
+                model[g as usize][..],
+                "gfn {g}"
+            );
         }
     }
 }
