@@ -159,6 +159,9 @@ pub struct SimilarityIndex {
     len: usize,
     offered: usize,
     cycles: u64,
+    /// Reference frames indexed again after every clear ([`Self::keep`]): each a packed
+    /// [`RefPage`] followed by its `groups` signatures.
+    kept: Vec<u32>,
 }
 
 const EMPTY: u32 = u32::MAX;
@@ -174,6 +177,7 @@ impl SimilarityIndex {
             len: 0,
             offered: 0,
             cycles: 0,
+            kept: Vec::new(),
         }
     }
 
@@ -221,6 +225,36 @@ impl SimilarityIndex {
         taken
     }
 
+    /// Indexes `to` in place of `from` (a guest page just copied into pool frame `to` to
+    /// serve as a patch's reference, DE §4.3) in the buckets of `sigs`: where `from` sits
+    /// it takes its slot, elsewhere a free one. Without this the guest page, no longer a
+    /// candidate once shared onto the frame, keeps its slots until the next clear, and
+    /// with one candidate a bucket (the paper's c = 1) the frame is refused: every
+    /// further near-duplicate would promote a reference frame of its own. Not counted as
+    /// offered (the page was). Returns how many buckets hold `to` afterwards.
+    pub fn replace(&mut self, sigs: &[u32; 8], from: RefPage, to: RefPage) -> usize {
+        let (from, to) = (from.pack(), to.pack());
+        if self.slots.is_empty() {
+            return 0;
+        }
+        let mut held = 0;
+        for (g, &sig) in sigs.iter().enumerate().take(self.det.cfg.groups as usize) {
+            let r = self.bucket(g, sig);
+            let bucket = &mut self.slots[r];
+            if bucket.contains(&to) {
+                held += 1;
+            } else if let Some(slot) = bucket.iter_mut().find(|s| **s == from) {
+                *slot = to;
+                held += 1;
+            } else if let Some(slot) = bucket.iter_mut().find(|s| **s == EMPTY) {
+                *slot = to;
+                self.len += 1;
+                held += 1;
+            }
+        }
+        held
+    }
+
     /// Candidate pages from the page's buckets, without duplicates, at most k*c. Verify
     /// each with [`Self::matches`].
     pub fn candidates(&self, sigs: &[u32; 8], out: &mut Vec<RefPage>) {
@@ -246,12 +280,59 @@ impl SimilarityIndex {
     /// Forgets every candidate (end of a clock cycle, DE §4.3) and sizes the table for
     /// `n` pages: n/2 buckets a group (rounded up to a power of two; at least 2^10, at
     /// most 2^hash_bits). DE's `n` is the managed guest pages.
+    /// The kept reference frames ([`Self::keep`]) are indexed again at once, and count
+    /// as offered.
     pub fn clear_for(&mut self, n: u64) {
         self.table_bits = self.table_bits_for(n);
         self.slots = Vec::new();
         self.len = 0;
         self.offered = 0;
         self.cycles += 1;
+        let kept = std::mem::take(&mut self.kept);
+        for e in kept.chunks_exact(self.kept_stride()) {
+            let mut sigs = [0u32; 8];
+            sigs[..e.len() - 1].copy_from_slice(&e[1..]);
+            self.insert(&sigs, RefPage::unpack(e[0]));
+        }
+        self.kept = kept;
+    }
+
+    fn kept_stride(&self) -> usize {
+        1 + self.det.cfg.groups as usize
+    }
+
+    /// Keeps `page` (a pool frame patches are made against), whose signatures are
+    /// `sigs`, across clears: DE §4.3's reference page serves every page similar to it,
+    /// but the clock offers guest pages, never frames, so a frame indexed once would be
+    /// forgotten at the next clear and each later near-duplicate would promote a
+    /// reference of its own. 4 bytes a group and 4 more a kept frame; [`Self::retain_kept`]
+    /// drops the ones no patch holds any more. A page kept again (a frame freed, then
+    /// promoted for other bytes) is kept under its new signatures only.
+    pub fn keep(&mut self, sigs: &[u32; 8], page: RefPage) {
+        let packed = page.pack();
+        self.retain_kept(|p| p.pack() != packed);
+        self.kept.push(packed);
+        let groups = self.det.cfg.groups as usize;
+        self.kept.extend_from_slice(&sigs[..groups]);
+    }
+
+    /// Keeps only the kept pages `still` says yes to (in their order: the first kept is
+    /// the first indexed after a clear).
+    pub fn retain_kept(&mut self, mut still: impl FnMut(RefPage) -> bool) {
+        let stride = self.kept_stride();
+        let mut at = 0;
+        for i in (0..self.kept.len()).step_by(stride) {
+            if still(RefPage::unpack(self.kept[i])) {
+                self.kept.copy_within(i..i + stride, at);
+                at += stride;
+            }
+        }
+        self.kept.truncate(at);
+    }
+
+    /// Pages kept across clears ([`Self::keep`]).
+    pub fn kept(&self) -> usize {
+        self.kept.len() / self.kept_stride()
     }
 
     /// Pages offered to [`Self::insert`] since the last clear: a page already indexed
@@ -294,7 +375,7 @@ impl SimilarityIndex {
 
     /// Bytes of memory the table occupies.
     pub fn metadata_bytes(&self) -> usize {
-        self.slots.capacity() * 4
+        (self.slots.capacity() + self.kept.capacity()) * 4
     }
 }
 
@@ -333,6 +414,15 @@ mod tests {
         let mut out = Vec::new();
         idx.candidates(&sc, &mut out);
         assert_eq!(out, vec![one]);
+        // The page promoted to a reference frame: the frame takes its slots.
+        let frame = RefPage::Frame(FrameId(1));
+        let offered = idx.offered();
+        assert_eq!(idx.replace(&sa, one, frame), 2);
+        assert_eq!((idx.len(), idx.offered()), (2, offered));
+        idx.candidates(&sc, &mut out);
+        assert_eq!(out, vec![frame]);
+        assert_eq!(idx.replace(&sa, one, frame), 2, "held already");
+        assert_eq!(idx.len(), 2);
         assert!(idx.matches(&sc, &a));
         let mut unrelated = [0u8; PAGE_SIZE];
         unrelated[0] = 1;
@@ -348,6 +438,42 @@ mod tests {
         );
         idx.clear_for(100);
         assert_eq!(idx.buckets(), 1 << MIN_TABLE_BITS);
+    }
+
+    /// Kept reference frames are indexed again after every clear until `retain_kept`
+    /// drops them; a frame kept twice (freed, then promoted for other bytes) is indexed
+    /// under its latest signatures only.
+    #[test]
+    fn kept_frames_outlive_a_clear_under_their_latest_signatures() {
+        let det = SimilarityDetector::new(SimilarityConfig::default()).unwrap();
+        let mut idx = SimilarityIndex::new(det.clone());
+        let (mut a, mut b) = ([0u8; PAGE_SIZE], [0u8; PAGE_SIZE]);
+        for (i, (x, y)) in a.iter_mut().zip(b.iter_mut()).enumerate() {
+            (*x, *y) = ((i * 31 % 251) as u8, (i * 17 % 241) as u8);
+        }
+        let (sa, sb) = (det.signatures(&a), det.signatures(&b));
+        let (f1, f2) = (RefPage::Frame(FrameId(1)), RefPage::Frame(FrameId(2)));
+        idx.keep(&sa, f1);
+        idx.keep(&sa, f2);
+        idx.keep(&sb, f1);
+        idx.clear_for(1 << 12);
+        let mut out = Vec::new();
+        idx.candidates(&sb, &mut out);
+        assert_eq!(out, vec![f1], "kept across the clear");
+        idx.candidates(&sa, &mut out);
+        assert_eq!(out, vec![f2]);
+        assert_eq!(idx.offered(), 2, "re-indexed pages count as offered");
+        assert_eq!(idx.kept(), 2, "f1 once, under sb");
+        idx.retain_kept(|p| p != f2);
+        assert_eq!(idx.kept(), 1);
+        idx.clear_for(1 << 12);
+        idx.candidates(&sa, &mut out);
+        assert!(
+            out.is_empty(),
+            "{out:?}: f2 dropped, f1's old signatures too"
+        );
+        idx.candidates(&sb, &mut out);
+        assert_eq!(out, vec![f1]);
     }
 
     #[test]

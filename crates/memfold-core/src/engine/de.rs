@@ -220,6 +220,17 @@ impl Engine {
             || now.saturating_sub(dom.similar_cleared_us) > every
             || (offered > dom.similar.buckets() as u64 && dom.similar.would_grow(n))
         {
+            // The reference frames patches still hold are indexed again (DE §4.3), from
+            // the signatures kept at their promotion: reading them would bring back into
+            // RAM those the kernel holds (kernel_swap.rs). A frame withdrawn from sharing
+            // (never_share.rs) is no reference.
+            let (frames, withdrawn) = (&dom.frames, &dom.withdrawn);
+            dom.similar.retain_kept(|p| match p {
+                RefPage::Frame(f) => {
+                    frames.contains(f) && frames.patch_refs(f) > 0 && !withdrawn.contains(&f)
+                }
+                RefPage::Guest(_) => false,
+            });
             dom.similar.clear_for(n);
             dom.similar_cleared_us = now;
         }
@@ -392,7 +403,9 @@ impl Engine {
                 let dom = self.domain_mut(d);
                 dom.share.insert(h, ShareEntry::Shared(f));
                 let ref_sigs = dom.similar.detector().signatures(&reference);
-                dom.similar.insert(&ref_sigs, RefPage::Frame(f));
+                dom.similar
+                    .replace(&ref_sigs, RefPage::Guest(rgpn), RefPage::Frame(f));
+                dom.similar.keep(&ref_sigs, RefPage::Frame(f));
                 self.enqueue_share(id2, g2, f);
                 f
             }
@@ -720,6 +733,66 @@ mod tests {
             assert_eq!(r.agent.peek(Gfn(g * 8)).unwrap().to_vec(), text(g));
         }
     }
+    /// Page `k` of a family of near-duplicates: one random page (seeded by `family`), its
+    /// first 4 bytes `k`.
+    fn near_duplicate(family: u64, k: u32) -> Vec<u8> {
+        use rand::{rngs::SmallRng, Rng, SeedableRng};
+        let mut p = vec![0u8; PAGE_SIZE];
+        SmallRng::seed_from_u64(family).fill(&mut p[..]);
+        p[..4].copy_from_slice(&k.to_le_bytes());
+        p
+    }
+
+    fn vm_books(r: &Rig) -> crate::engine::VmBooks {
+        r.engine.books().vms[0].books.clone()
+    }
+
+    /// DE §4.3: a family of near-duplicates is patched against one reference page. The
+    /// first page the clock offers is indexed; the next is patched against it, which
+    /// copies it into a pool frame, and the frame takes its slots in the index, so every
+    /// later one is patched against that frame: 63 patches on one frame. When the frame
+    /// was refused (the bucket still held the guest page, c = 1), each later page found
+    /// no candidate: 1 patch.
+    ///
+    /// Then the index is cleared (once every four clock intervals) and a new member of
+    /// the family is written: it is patched against the same frame, indexed again after
+    /// the clear. Without that it would find no reference and stay in RAM.
+    #[test]
+    fn a_family_of_near_duplicates_is_patched_against_one_reference_frame() {
+        let mut r = Rig::new(quick_config(Policy::difference_engine()), 1024).unwrap();
+        for k in 0..64 {
+            r.agent.write(Gfn(k * 4), 0, &near_duplicate(7, k)).unwrap();
+        }
+        for _ in 0..300 {
+            r.step(10_000).unwrap();
+        }
+        let b = vm_books(&r);
+        assert_eq!((b.patched_pages, r.engine.books().frames), (63, 1), "{b:?}");
+        // Four clock intervals (100 ms each here) on, the index has been cleared.
+        for _ in 0..100 {
+            r.step(10_000).unwrap();
+        }
+        r.agent
+            .write(Gfn(1001), 0, &near_duplicate(7, 1001))
+            .unwrap();
+        for _ in 0..300 {
+            r.step(10_000).unwrap();
+        }
+        r.engine.check_invariants().unwrap();
+        let b = vm_books(&r);
+        assert_eq!((b.patched_pages, r.engine.books().frames), (64, 1), "{b:?}");
+        for k in 0..64 {
+            assert_eq!(
+                r.agent.read(Gfn(k * 4)).unwrap()[..],
+                near_duplicate(7, k)[..]
+            );
+        }
+        assert_eq!(
+            r.agent.read(Gfn(1001)).unwrap()[..],
+            near_duplicate(7, 1001)[..]
+        );
+    }
+
     /// DE §4.6: over the host budget, stored pages move to the swap file, each with its
     /// page's checksum, which the blob record no longer keeps (issue 19): the move decodes
     /// the stored blob for it. The agent decodes the new blob against that checksum and
