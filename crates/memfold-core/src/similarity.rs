@@ -301,33 +301,40 @@ impl SimilarityIndex {
         1 + self.det.cfg.groups as usize
     }
 
-    /// Keeps `page` (a pool frame patches are made against), whose signatures are
-    /// `sigs`, across clears: DE §4.3's reference page serves every page similar to it,
-    /// but the clock offers guest pages, never frames, so a frame indexed once would be
-    /// forgotten at the next clear and each later near-duplicate would promote a
-    /// reference of its own. 4 bytes a group and 4 more a kept frame; [`Self::retain_kept`]
-    /// drops the ones no patch holds any more. A page kept again (a frame freed, then
-    /// promoted for other bytes) is kept under its new signatures only.
+    /// Keeps `page` (a pool frame: a shared page's, or a patch's reference), whose
+    /// signatures are `sigs`, across clears: DE §4.3's reference page serves every page
+    /// similar to it, but the clock offers guest pages, never frames, so a frame indexed
+    /// once would be forgotten at the next clear, and each later near-duplicate would
+    /// promote a reference of its own (or, of a shared page, find none). 4 bytes a group
+    /// and 4 more a kept frame; [`Self::retain_kept`] drops the ones nothing holds any
+    /// more. A page kept again (a frame freed, then taken for other bytes) is indexed
+    /// under its latest signatures only, from the next [`Self::retain_kept`] on.
     pub fn keep(&mut self, sigs: &[u32; 8], page: RefPage) {
-        let packed = page.pack();
-        self.retain_kept(|p| p.pack() != packed);
-        self.kept.push(packed);
+        self.kept.push(page.pack());
         let groups = self.det.cfg.groups as usize;
         self.kept.extend_from_slice(&sigs[..groups]);
     }
 
-    /// Keeps only the kept pages `still` says yes to (in their order: the first kept is
-    /// the first indexed after a clear).
+    /// Keeps only the kept pages `still` says yes to, each once, under the signatures it
+    /// was last kept with (in the order they were last kept: the first is the first
+    /// indexed after a clear). O(kept pages); the engine calls it before each clear.
     pub fn retain_kept(&mut self, mut still: impl FnMut(RefPage) -> bool) {
         let stride = self.kept_stride();
+        let mut seen = std::collections::HashSet::new();
+        let mut last: Vec<bool> = vec![false; self.kept.len() / stride];
+        for (i, e) in self.kept.chunks_exact(stride).enumerate().rev() {
+            last[i] = seen.insert(e[0]);
+        }
         let mut at = 0;
-        for i in (0..self.kept.len()).step_by(stride) {
-            if still(RefPage::unpack(self.kept[i])) {
-                self.kept.copy_within(i..i + stride, at);
+        for (i, &is_last) in last.iter().enumerate() {
+            let e = i * stride;
+            if is_last && still(RefPage::unpack(self.kept[e])) {
+                self.kept.copy_within(e..e + stride, at);
                 at += stride;
             }
         }
         self.kept.truncate(at);
+        self.kept.shrink_to(at + at / 8);
     }
 
     /// Pages kept across clears ([`Self::keep`]).
@@ -456,6 +463,7 @@ mod tests {
         idx.keep(&sa, f1);
         idx.keep(&sa, f2);
         idx.keep(&sb, f1);
+        idx.retain_kept(|_| true);
         idx.clear_for(1 << 12);
         let mut out = Vec::new();
         idx.candidates(&sb, &mut out);
