@@ -195,8 +195,8 @@ pub struct Blob {
     pub form: Form,
 }
 
-/// [`Blob::reference`]'s "none": a frame id no pool hands out (frames past 2^30 are
-/// refused by the agents' page slots past 2^29, docs/metadata.md).
+/// [`Blob::reference`]'s "none": a frame id no pool hands out (the agents' page slots
+/// refuse frames past 2^29, docs/metadata.md).
 const NO_FRAME: u32 = u32::MAX;
 
 /// [`Blob`]'s `bits`: the length's mask and the flags above it.

@@ -52,7 +52,7 @@ pub enum PageState {
     /// RAM, its bytes those of this pool frame, on which it holds a patch reference;
     /// the agent copies the frame in on the next access. No blob record: the identical
     /// patch it was stashed as is released once the agent has punched the page, so such
-    /// a page costs the engine nothing beyond its P2M entry (a blob record is 32 bytes).
+    /// a page costs the engine nothing beyond its P2M entry (a blob record is 24 bytes).
     Unmapped(FrameId),
 }
 

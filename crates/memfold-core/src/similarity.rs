@@ -159,9 +159,13 @@ pub struct SimilarityIndex {
     len: usize,
     offered: usize,
     cycles: u64,
-    /// Reference frames indexed again after every clear ([`Self::keep`]): each a packed
-    /// [`RefPage`] followed by its `groups` signatures.
-    kept: Vec<u32>,
+    /// The signatures of the frames indexed again after every clear ([`Self::keep`]):
+    /// `groups` words a frame, by frame id, up to the highest kept.
+    kept_sigs: Vec<u32>,
+    /// Which frame ids are kept, a bit each.
+    kept_bits: Vec<u64>,
+    /// Frames kept.
+    kept: usize,
 }
 
 const EMPTY: u32 = u32::MAX;
@@ -177,7 +181,9 @@ impl SimilarityIndex {
             len: 0,
             offered: 0,
             cycles: 0,
-            kept: Vec::new(),
+            kept_sigs: Vec::new(),
+            kept_bits: Vec::new(),
+            kept: 0,
         }
     }
 
@@ -279,67 +285,89 @@ impl SimilarityIndex {
 
     /// Forgets every candidate (end of a clock cycle, DE §4.3) and sizes the table for
     /// `n` pages: n/2 buckets a group (rounded up to a power of two; at least 2^10, at
-    /// most 2^hash_bits). DE's `n` is the managed guest pages.
-    /// The kept reference frames ([`Self::keep`]) are indexed again at once, and count
-    /// as offered.
+    /// most 2^hash_bits). DE's `n` is the managed guest pages. The kept frames
+    /// ([`Self::keep`]) are indexed again at once, in frame order, and count as offered.
     pub fn clear_for(&mut self, n: u64) {
         self.table_bits = self.table_bits_for(n);
         self.slots = Vec::new();
         self.len = 0;
         self.offered = 0;
         self.cycles += 1;
-        let kept = std::mem::take(&mut self.kept);
-        for e in kept.chunks_exact(self.kept_stride()) {
+        let frames: Vec<FrameId> = self.kept_frames().collect();
+        for f in frames {
             let mut sigs = [0u32; 8];
-            sigs[..e.len() - 1].copy_from_slice(&e[1..]);
-            self.insert(&sigs, RefPage::unpack(e[0]));
+            let kept = self.kept_signatures(f).expect("kept");
+            sigs[..kept.len()].copy_from_slice(kept);
+            self.insert(&sigs, RefPage::Frame(f));
         }
-        self.kept = kept;
     }
 
-    fn kept_stride(&self) -> usize {
-        1 + self.det.cfg.groups as usize
-    }
-
-    /// Keeps `page` (a pool frame: a shared page's, or a patch's reference), whose
-    /// signatures are `sigs`, across clears: DE §4.3's reference page serves every page
-    /// similar to it, but the clock offers guest pages, never frames, so a frame indexed
-    /// once would be forgotten at the next clear, and each later near-duplicate would
-    /// promote a reference of its own (or, of a shared page, find none). 4 bytes a group
-    /// and 4 more a kept frame; [`Self::retain_kept`] drops the ones nothing holds any
-    /// more. A page kept again (a frame freed, then taken for other bytes) is indexed
-    /// under its latest signatures only, from the next [`Self::retain_kept`] on.
-    pub fn keep(&mut self, sigs: &[u32; 8], page: RefPage) {
-        self.kept.push(page.pack());
+    /// Keeps frame `f` (a shared page's, or a patch's reference), whose signatures are
+    /// `sigs`, across clears: DE §4.3's reference page serves every page similar to it,
+    /// but the clock offers guest pages, never frames, so a frame indexed once would be
+    /// forgotten at the next clear, and each later near-duplicate would promote a
+    /// reference of its own (or, near a shared page, find none). A frame kept again
+    /// (freed, then taken for other bytes) has its new signatures. 4 bytes a group a
+    /// frame id up to the highest kept, and a bit: bounded by the pool, however often
+    /// frames are kept; [`Self::retain_kept`] drops the ones nothing holds any more.
+    pub fn keep(&mut self, sigs: &[u32; 8], f: FrameId) {
         let groups = self.det.cfg.groups as usize;
-        self.kept.extend_from_slice(&sigs[..groups]);
+        let (i, end) = (f.index() * groups, (f.index() + 1) * groups);
+        if self.kept_sigs.len() < end {
+            // Grown by an eighth at a time, as the pool's own books.
+            self.kept_sigs
+                .reserve_exact((end - self.kept_sigs.len()).max(end / 8));
+            self.kept_sigs.resize(end, 0);
+            self.kept_bits.resize(f.index() / 64 + 1, 0);
+        }
+        self.kept_sigs[i..end].copy_from_slice(&sigs[..groups]);
+        let (w, bit) = (f.index() / 64, 1u64 << (f.0 % 64));
+        if self.kept_bits[w] & bit == 0 {
+            self.kept_bits[w] |= bit;
+            self.kept += 1;
+        }
     }
 
-    /// Keeps only the kept pages `still` says yes to, each once, under the signatures it
-    /// was last kept with (in the order they were last kept: the first is the first
-    /// indexed after a clear). O(kept pages); the engine calls it before each clear.
-    pub fn retain_kept(&mut self, mut still: impl FnMut(RefPage) -> bool) {
-        let stride = self.kept_stride();
-        let mut seen = std::collections::HashSet::new();
-        let mut last: Vec<bool> = vec![false; self.kept.len() / stride];
-        for (i, e) in self.kept.chunks_exact(stride).enumerate().rev() {
-            last[i] = seen.insert(e[0]);
-        }
-        let mut at = 0;
-        for (i, &is_last) in last.iter().enumerate() {
-            let e = i * stride;
-            if is_last && still(RefPage::unpack(self.kept[e])) {
-                self.kept.copy_within(e..e + stride, at);
-                at += stride;
+    /// Frames kept ([`Self::keep`]), in frame order.
+    fn kept_frames(&self) -> impl Iterator<Item = FrameId> + '_ {
+        self.kept_bits.iter().enumerate().flat_map(|(w, &word)| {
+            (0..64)
+                .filter(move |b| word >> b & 1 == 1)
+                .map(move |b| FrameId((w * 64 + b) as u32))
+        })
+    }
+
+    /// Frame `f`'s kept signatures (`groups` of them), if it is kept.
+    pub fn kept_signatures(&self, f: FrameId) -> Option<&[u32]> {
+        let groups = self.det.cfg.groups as usize;
+        let kept = self
+            .kept_bits
+            .get(f.index() / 64)
+            .is_some_and(|w| w >> (f.0 % 64) & 1 == 1);
+        kept.then(|| &self.kept_sigs[f.index() * groups..(f.index() + 1) * groups])
+    }
+
+    /// Keeps only the kept frames `still` says yes to, and gives back the room above the
+    /// highest left. O(frame ids); the engine calls it before each clear.
+    pub fn retain_kept(&mut self, mut still: impl FnMut(FrameId) -> bool) {
+        let frames: Vec<FrameId> = self.kept_frames().collect();
+        for f in frames {
+            if !still(f) {
+                self.kept_bits[f.index() / 64] &= !(1u64 << (f.0 % 64));
+                self.kept -= 1;
             }
         }
-        self.kept.truncate(at);
-        self.kept.shrink_to(at + at / 8);
+        let top = self.kept_frames().last().map_or(0, |f| f.index() + 1);
+        let groups = self.det.cfg.groups as usize;
+        self.kept_sigs.truncate(top * groups);
+        self.kept_sigs.shrink_to(top * groups + top * groups / 8);
+        self.kept_bits.truncate(top.div_ceil(64));
+        self.kept_bits.shrink_to_fit();
     }
 
-    /// Pages kept across clears ([`Self::keep`]).
+    /// Frames kept across clears ([`Self::keep`]).
     pub fn kept(&self) -> usize {
-        self.kept.len() / self.kept_stride()
+        self.kept
     }
 
     /// Pages offered to [`Self::insert`] since the last clear: a page already indexed
@@ -382,7 +410,7 @@ impl SimilarityIndex {
 
     /// Bytes of memory the table occupies.
     pub fn metadata_bytes(&self) -> usize {
-        (self.slots.capacity() + self.kept.capacity()) * 4
+        (self.slots.capacity() + self.kept_sigs.capacity()) * 4 + self.kept_bits.capacity() * 8
     }
 }
 
@@ -447,9 +475,9 @@ mod tests {
         assert_eq!(idx.buckets(), 1 << MIN_TABLE_BITS);
     }
 
-    /// Kept reference frames are indexed again after every clear until `retain_kept`
-    /// drops them; a frame kept twice (freed, then promoted for other bytes) is indexed
-    /// under its latest signatures only.
+    /// Kept frames are indexed again after every clear until `retain_kept` drops them;
+    /// a frame kept twice (freed, then taken for other bytes) is indexed under its latest
+    /// signatures only; the room above the highest kept is given back.
     #[test]
     fn kept_frames_outlive_a_clear_under_their_latest_signatures() {
         let det = SimilarityDetector::new(SimilarityConfig::default()).unwrap();
@@ -459,29 +487,36 @@ mod tests {
             (*x, *y) = ((i * 31 % 251) as u8, (i * 17 % 241) as u8);
         }
         let (sa, sb) = (det.signatures(&a), det.signatures(&b));
-        let (f1, f2) = (RefPage::Frame(FrameId(1)), RefPage::Frame(FrameId(2)));
+        let (f1, f2) = (FrameId(1), FrameId(200));
         idx.keep(&sa, f1);
         idx.keep(&sa, f2);
         idx.keep(&sb, f1);
-        idx.retain_kept(|_| true);
+        assert_eq!(idx.kept(), 2, "f1 once, under sb");
+        assert_eq!(idx.kept_signatures(f1), Some(&sb[..2]));
+        assert_eq!(idx.kept_signatures(FrameId(2)), None);
         idx.clear_for(1 << 12);
         let mut out = Vec::new();
         idx.candidates(&sb, &mut out);
-        assert_eq!(out, vec![f1], "kept across the clear");
+        assert_eq!(out, vec![RefPage::Frame(f1)], "kept across the clear");
         idx.candidates(&sa, &mut out);
-        assert_eq!(out, vec![f2]);
-        assert_eq!(idx.offered(), 2, "re-indexed pages count as offered");
-        assert_eq!(idx.kept(), 2, "f1 once, under sb");
-        idx.retain_kept(|p| p != f2);
-        assert_eq!(idx.kept(), 1);
+        assert_eq!(
+            out,
+            vec![RefPage::Frame(f2)],
+            "f1's old signatures are gone"
+        );
+        assert_eq!(idx.offered(), 2, "re-indexed frames count as offered");
+        let held = idx.metadata_bytes();
+        idx.retain_kept(|f| f != f2);
+        assert_eq!((idx.kept(), idx.kept_signatures(f2)), (1, None));
+        assert!(
+            idx.metadata_bytes() < held,
+            "the room up to frame 200 given back"
+        );
         idx.clear_for(1 << 12);
         idx.candidates(&sa, &mut out);
-        assert!(
-            out.is_empty(),
-            "{out:?}: f2 dropped, f1's old signatures too"
-        );
+        assert!(out.is_empty(), "{out:?}: f2 dropped");
         idx.candidates(&sb, &mut out);
-        assert_eq!(out, vec![f1]);
+        assert_eq!(out, vec![RefPage::Frame(f1)]);
     }
 
     #[test]

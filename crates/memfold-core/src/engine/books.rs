@@ -292,6 +292,8 @@ pub(crate) struct EngineBooks {
     /// Frames the pool could not take (host out of memory).
     pub(crate) pool_errors: u64,
     pub(crate) blob_write_errors: u64,
+    /// Stored blobs a move to swap could not read or decode (left where they are).
+    pub(crate) blob_read_errors: u64,
     pub(crate) lifetimes: Lifetimes,
     /// Encode times, ns: [patch encode per candidate, compress per page].
     encode_ns: [hdrhistogram::Histogram<u64>; 2],
@@ -313,6 +315,7 @@ impl EngineBooks {
             swap_sync_errors: 0,
             pool_errors: 0,
             blob_write_errors: 0,
+            blob_read_errors: 0,
             lifetimes: Lifetimes::default(),
             encode_ns: [h(), h()],
             read_share_us: h(),

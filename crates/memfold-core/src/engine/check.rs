@@ -218,19 +218,29 @@ impl Engine {
             if let Some(f) = blob.reference() {
                 *patch_refs.entry((owner.domain, f)).or_default() += 1;
             }
-            // A page being shared without a mapping is its reference frame's bytes; the
-            // record keeps no checksum to compare them with (the reference model's reads
-            // do: sim.rs), but the frame must be one its domain keeps.
+            // A page being shared without a mapping is its reference frame's bytes. The
+            // record keeps no checksum of the page (the reference model's reads check
+            // those: sim.rs); the frame must be one its domain holds, and hold the bytes
+            // its books' content hash says.
             if blob.identical() {
-                let live = blob
-                    .reference()
-                    .is_some_and(|f| self.domains[&owner.domain].frames.contains(f));
-                if !live {
+                let Some(f) = blob.reference() else {
+                    return Err(format!("blob {b:?} is identical to no frame"));
+                };
+                let dom = &self.domains[&owner.domain];
+                if !dom.frames.contains(f) || !dom.frames.is_used(f) {
                     return Err(format!(
-                        "blob {b:?} ({} {}) is identical to no live frame ({:?})",
-                        blob.vm,
-                        blob.gfn,
-                        blob.reference()
+                        "blob {b:?} ({} {}) is identical to {f:?}, which nothing holds",
+                        blob.vm, blob.gfn
+                    ));
+                }
+                let mut frame = [0u8; crate::PAGE_SIZE];
+                if dom.pool.read(f.offset(), &mut frame).is_ok()
+                    && (self.cfg.page_hash)(&frame) != dom.frames.hash(f)
+                {
+                    return Err(format!(
+                        "blob {b:?} ({} {}) is identical to {f:?}, which holds other bytes \
+                         than its content hash says",
+                        blob.vm, blob.gfn
                     ));
                 }
             }

@@ -224,12 +224,13 @@ impl Engine {
             // again (DE §4.3), from the signatures kept when they were filled: reading
             // them would bring back into RAM those the kernel holds (kernel_swap.rs). A
             // frame withdrawn from sharing (never_share.rs) is no reference.
-            let (frames, withdrawn) = (&dom.frames, &dom.withdrawn);
-            dom.similar.retain_kept(|p| match p {
-                RefPage::Frame(f) => {
-                    frames.contains(f) && frames.is_used(f) && !withdrawn.contains(&f)
-                }
-                RefPage::Guest(_) => false,
+            // The zero frame holds no one's near-duplicates.
+            let (frames, withdrawn, zero) = (&dom.frames, &dom.withdrawn, dom.zero_frame);
+            dom.similar.retain_kept(|f| {
+                frames.contains(f)
+                    && frames.is_used(f)
+                    && !withdrawn.contains(&f)
+                    && Some(f) != zero
             });
             dom.similar.clear_for(n);
             dom.similar_cleared_us = now;
@@ -361,6 +362,14 @@ impl Engine {
         let mut blob = Vec::new();
         let mut best: Option<(RefPage, Vec<u8>, Box<Page>)> = None;
         for c in cands {
+            if let RefPage::Frame(f) = c {
+                // A bucket neighbour, told by its kept signatures without reading it
+                // (which would bring it back into RAM were it paged out: kernel_swap.rs).
+                let kept = self.domain(d).similar.kept_signatures(f);
+                if kept.is_some_and(|k| !k.iter().zip(sigs).any(|(a, b)| a == b)) {
+                    continue;
+                }
+            }
             if c == RefPage::Guest(gpn) || !self.candidate(d, c, &mut other) {
                 continue;
             }
@@ -405,7 +414,7 @@ impl Engine {
                 let ref_sigs = dom.similar.detector().signatures(&reference);
                 dom.similar
                     .replace(&ref_sigs, RefPage::Guest(rgpn), RefPage::Frame(f));
-                dom.similar.keep(&ref_sigs, RefPage::Frame(f));
+                dom.similar.keep(&ref_sigs, f);
                 self.enqueue_share(id2, g2, f);
                 f
             }
@@ -601,10 +610,20 @@ impl Engine {
             let o = *self.blobs.get(old);
             let bytes = &mut bytes[..o.len() as usize];
             let store = &self.vms[&id].store;
-            if store.read(store.slot(o.slot).offset, bytes).is_err() {
-                continue;
-            }
-            let Some(checksum) = self.stored_page_checksum(d, &o, bytes) else {
+            let read = store.read(store.slot(o.slot).offset, bytes).is_ok();
+            let Some(checksum) = read
+                .then(|| self.stored_page_checksum(d, &o, bytes))
+                .flatten()
+            else {
+                // The page stays stored where it is; nothing is lost.
+                self.books.blob_read_errors += 1;
+                if self.books.blob_read_errors.is_power_of_two() {
+                    tracing::warn!(
+                        "{id} {g}: its stored blob does not read or decode; not moved to swap \
+                         (error {})",
+                        self.books.blob_read_errors
+                    );
+                }
                 continue;
             };
             let Some(slot) = self.put_blob(id, bytes, BlobHome::Swap) else {
@@ -638,13 +657,20 @@ impl Engine {
     /// must send one again (the new record's). A blob changed in the store is caught
     /// there all the same: the agent decodes the old blob against its own checksum before
     /// it takes the move (`move_stashed`).
-    pub(crate) fn stored_page_checksum(&self, d: DomainId, b: &Blob, bytes: &[u8]) -> Option<u64> {
+    pub(crate) fn stored_page_checksum(
+        &mut self,
+        d: DomainId,
+        b: &Blob,
+        bytes: &[u8],
+    ) -> Option<u64> {
         let mut page = [0u8; PAGE_SIZE];
         match b.form {
             Form::Raw => page = bytes.try_into().ok()?,
             Form::Encoded(e) => {
                 let mut reference = [0u8; PAGE_SIZE];
                 if let Some(f) = b.reference() {
+                    // Read just now: not a frame to page out this round (kernel_swap.rs).
+                    self.domain_mut(d).frames.touch(f);
                     self.domain(d).pool.read(f.offset(), &mut reference).ok()?;
                 }
                 e.decode(bytes, b.reference().map(|_| &reference), &mut page)

@@ -505,9 +505,14 @@ impl Engine {
                         // A shared page is a reference for its near-duplicates (DE §4.3;
                         // issue 15: patches against shared frames, which zswap cannot
                         // make), for as long as something holds its frame.
+                        // The frame takes the slots either page held (c = 1: else it
+                        // would be refused where they sit until the next clear).
                         let sigs = dom.similar.detector().signatures(page);
-                        dom.similar.insert(&sigs, RefPage::Frame(f));
-                        dom.similar.keep(&sigs, RefPage::Frame(f));
+                        for p in [hint, gpn] {
+                            dom.similar
+                                .replace(&sigs, RefPage::Guest(p), RefPage::Frame(f));
+                        }
+                        dom.similar.keep(&sigs, f);
                     }
                     // Each page mapped onto the new frame, shared without a mapping, or
                     // left for the clock; then the frame's first pending request (from

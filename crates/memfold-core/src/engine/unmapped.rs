@@ -421,7 +421,7 @@ mod tests {
             .collect();
         let f2 = refs[0];
         assert_eq!(refs[1], f2);
-        // No blob record is left for any of them (issue 19: 32 bytes a page).
+        // No blob record is left for any of them (issue 19: 24 bytes a page).
         assert!(r.engine.blobs.is_empty(), "{} blobs", r.engine.blobs.len());
         assert_eq!((dom.frames.refcount(f2), dom.frames.patch_refs(f2)), (2, 2));
         let b = r.engine.books();
