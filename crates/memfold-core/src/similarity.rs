@@ -302,11 +302,12 @@ impl SimilarityIndex {
         }
     }
 
-    /// Keeps frame `f` (a shared page's, or a patch's reference), whose signatures are
-    /// `sigs`, across clears: DE §4.3's reference page serves every page similar to it,
-    /// but the clock offers guest pages, never frames, so a frame indexed once would be
-    /// forgotten at the next clear, and each later near-duplicate would promote a
-    /// reference of its own (or, near a shared page, find none). A frame kept again
+    /// Keeps frame `f` (a guest page copied into the pool as a patch's reference), whose
+    /// signatures are `sigs`, across clears: DE §4.3's reference page serves every page
+    /// similar to it, but the clock offers guest pages, never frames, so a frame indexed
+    /// once would be forgotten at the next clear, and each later near-duplicate would
+    /// promote a reference of its own. (Every shared frame kept too was measured and
+    /// left out: no saving, more CPU — docs/live-de.md.) A frame kept again
     /// (freed, then taken for other bytes) has its new signatures. 4 bytes a group a
     /// frame id up to the highest kept, and a bit: bounded by the pool, however often
     /// frames are kept; [`Self::retain_kept`] drops the ones nothing holds any more.

@@ -220,11 +220,10 @@ impl Engine {
             || now.saturating_sub(dom.similar_cleared_us) > every
             || (offered > dom.similar.buckets() as u64 && dom.similar.would_grow(n))
         {
-            // The frames still held — shared pages', patches' references — are indexed
-            // again (DE §4.3), from the signatures kept when they were filled: reading
-            // them would bring back into RAM those the kernel holds (kernel_swap.rs). A
-            // frame withdrawn from sharing (never_share.rs) is no reference.
-            // The zero frame holds no one's near-duplicates.
+            // The reference frames still held are indexed again (DE §4.3), from the
+            // signatures kept at their promotion: reading them would bring back into RAM
+            // those the kernel holds (kernel_swap.rs). A frame withdrawn from sharing
+            // (never_share.rs) is no reference, nor the zero frame.
             let (frames, withdrawn, zero) = (&dom.frames, &dom.withdrawn, dom.zero_frame);
             dom.similar.retain_kept(|f| {
                 frames.contains(f)
@@ -817,35 +816,6 @@ mod tests {
             r.agent.read(Gfn(1001)).unwrap()[..],
             near_duplicate(7, 1001)[..]
         );
-    }
-
-    /// Issue 15's patches against shared frames: two equal pages are shared onto one
-    /// frame, and their near-duplicates are patched against that frame — no reference
-    /// frame of their own (one frame in all). Without the shared frame in the index the
-    /// near-duplicates patched against one of their own, promoted (two frames).
-    #[test]
-    fn near_duplicates_of_a_shared_page_are_patched_against_its_frame() {
-        let mut r = Rig::new(quick_config(Policy::difference_engine()), 1024).unwrap();
-        let shared = near_duplicate(9, u32::MAX);
-        for g in [0, 512] {
-            r.agent.write(Gfn(g), 0, &shared).unwrap();
-        }
-        for k in 1..=16 {
-            r.agent.write(Gfn(k * 8), 0, &near_duplicate(9, k)).unwrap();
-        }
-        for _ in 0..300 {
-            r.step(10_000).unwrap();
-        }
-        r.engine.check_invariants().unwrap();
-        let b = vm_books(&r);
-        let got = (b.shared_pages, b.patched_pages, r.engine.books().frames);
-        assert_eq!(got, (2, 16, 1), "{b:?}");
-        for k in 1..=16 {
-            assert_eq!(
-                r.agent.read(Gfn(k * 8)).unwrap()[..],
-                near_duplicate(9, k)[..]
-            );
-        }
     }
 
     /// DE §4.6: over the host budget, stored pages move to the swap file, each with its

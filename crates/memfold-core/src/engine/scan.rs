@@ -24,7 +24,6 @@ use crate::categories::{Category, CategorySet};
 use crate::ids::{Gfn, VmId};
 use crate::p2m::PageState;
 use crate::share::ShareEntry;
-use crate::similarity::RefPage;
 use crate::{is_zero_page, Page, PAGE_SIZE};
 
 /// Pages read at a time.
@@ -496,23 +495,10 @@ impl Engine {
                     let Some(f) = self.alloc_frame(d, page, h) else {
                         return Found::Deferred;
                     };
-                    let patching = self.cfg.policy.actions.iter().any(|a| a.patch);
                     let dom = self.domain_mut(d);
                     dom.share.replace(h, e, ShareEntry::Shared(f));
                     if zero {
                         dom.zero_frame = Some(f);
-                    } else if patching {
-                        // A shared page is a reference for its near-duplicates (DE §4.3;
-                        // issue 15: patches against shared frames, which zswap cannot
-                        // make), for as long as something holds its frame.
-                        // The frame takes the slots either page held (c = 1: else it
-                        // would be refused where they sit until the next clear).
-                        let sigs = dom.similar.detector().signatures(page);
-                        for p in [hint, gpn] {
-                            dom.similar
-                                .replace(&sigs, RefPage::Guest(p), RefPage::Frame(f));
-                        }
-                        dom.similar.keep(&sigs, f);
                     }
                     // Each page mapped onto the new frame, shared without a mapping, or
                     // left for the clock; then the frame's first pending request (from
