@@ -279,11 +279,28 @@ impl Engine {
         // (never_share.rs); it may still be compressed or swapped.
         let marked = self.never_share(id, g);
         let sigs = self.domain(d).similar.detector().signatures(page);
-        if a.patch && !marked && seen && untried && self.try_patch(id, g, gpn, &sigs, page, home) {
+        // DE §3.2–3.3 keeps a patch whenever it is under its cut-off; here the page is
+        // stored in the smaller of its patch and its compressed form (a patch must take a
+        // smaller slot): a patch under the cut-off can still take more store than the
+        // compressed page (docs/live-de.md).
+        let compressed = if a.compress && seen && untried {
+            self.compress_page(page)
+        } else {
+            None
+        };
+        let beat = compressed
+            .as_ref()
+            .map_or(PAGE_SIZE, |b| slot_size(b.len()));
+        if a.patch
+            && !marked
+            && seen
+            && untried
+            && self.try_patch(id, g, gpn, &sigs, page, home, beat)
+        {
             return;
         }
         if a.compress && seen && untried {
-            if self.try_compress(id, g, page, home) {
+            if compressed.is_some_and(|blob| self.store_compressed(id, g, page, &blob, home)) {
                 return;
             }
             // Incompressible and unpatchable as it is: spare the CPU until it changes.
@@ -339,7 +356,8 @@ impl Engine {
 
     /// Patches page `g` against its most similar reference candidate (DE §3.2, §4.3):
     /// every candidate whose signatures still match gets a patch, the smallest under the
-    /// cut-off is kept. A guest page chosen as reference is copied into a pool frame
+    /// cut-off whose slot is under `beat` bytes (the page's compressed slot, or a page) is
+    /// kept. A guest page chosen as reference is copied into a pool frame
     /// (which no guest can write, so the patch stays valid whatever the guest does) and
     /// shared onto it. Returns whether a stash was queued (not if the pool cannot take
     /// the reference frame).
@@ -352,6 +370,7 @@ impl Engine {
         sigs: &[u32; 8],
         page: &Page,
         home: BlobHome,
+        beat: usize,
     ) -> bool {
         let d = self.dom(id);
         let mut cands = Vec::new();
@@ -387,7 +406,7 @@ impl Engine {
             self.books.record_encode(0, took);
             if !blob.is_empty()
                 && blob.len() <= self.cfg.patch_cutoff
-                && slot_size(blob.len()) < PAGE_SIZE
+                && slot_size(blob.len()) < beat
                 && best.as_ref().is_none_or(|b| blob.len() < b.1.len())
             {
                 best = Some((c, blob.clone(), Box::new(other)));
@@ -435,30 +454,39 @@ impl Engine {
         true
     }
 
-    /// Compresses page `g` (DE §3.3) and queues its stash if the result is under the
-    /// cut-off. Returns whether it did.
-    fn try_compress(&mut self, id: VmId, g: Gfn, page: &Page, home: BlobHome) -> bool {
+    /// Page `page` compressed (DE §3.3), if the result is under the cut-off and takes a
+    /// slot smaller than a page.
+    fn compress_page(&mut self, page: &Page) -> Option<Vec<u8>> {
         let codec = self.cfg.compress_codec;
         let mut blob = Vec::new();
         let started = self.clock.now_ns();
-        if codec.compress(page, &mut blob).is_err() {
-            return false;
-        }
+        codec.compress(page, &mut blob).ok()?;
         let took = self.clock.now_ns().saturating_sub(started);
         self.books.record_encode(1, took);
         // A blob whose slot is a whole page would save nothing.
-        if blob.is_empty()
-            || blob.len() > self.cfg.compress_cutoff
-            || slot_size(blob.len()) >= PAGE_SIZE
-        {
-            return false;
-        }
+        let fits = !blob.is_empty()
+            && blob.len() <= self.cfg.compress_cutoff
+            && slot_size(blob.len()) < PAGE_SIZE;
+        fits.then_some(blob)
+    }
+
+    /// Queues the stash of page `g` as `blob`, its compressed form ([`Self::compress_page`]).
+    /// Returns whether it did.
+    fn store_compressed(
+        &mut self,
+        id: VmId,
+        g: Gfn,
+        page: &Page,
+        blob: &[u8],
+        home: BlobHome,
+    ) -> bool {
+        let codec = self.cfg.compress_codec;
         // The kernel keeps it (issue 15): the same choice, the kernel's mechanism.
         if home == BlobHome::Store && self.cfg.compress_backing == CompressBacking::Zswap {
             self.queue_page_out(id, g);
             return true;
         }
-        let Some(slot) = self.put_blob(id, &blob, home) else {
+        let Some(slot) = self.put_blob(id, blob, home) else {
             return false;
         };
         let form = Form::Encoded(Encoding::Compressed(codec));
@@ -816,6 +844,56 @@ mod tests {
             r.agent.read(Gfn(1001)).unwrap()[..],
             near_duplicate(7, 1001)[..]
         );
+    }
+
+    /// A page with a reference patches under the cut-off, but compresses smaller: it is
+    /// stored compressed. The reference: random bytes, but its last 400 (too random to
+    /// compress under the cut-off, so it stays in RAM and is indexed). The page: the
+    /// reference with its first 2 600 bytes zeroed, its sampled blocks kept (so it finds
+    /// the reference): a run-diff patch of ~2 600 bytes (a 2 728-byte slot; the patch
+    /// cut-off raised to 3 000 to take it) against ~1 200 bytes compressed (a 1 360-byte
+    /// slot). Keeping any patch under the cut-off, as DE does, stores it as the patch and
+    /// fails this.
+    #[test]
+    fn a_page_is_stored_in_the_smaller_of_its_patch_and_its_compressed_form() {
+        use rand::{rngs::SmallRng, Rng, SeedableRng};
+        let mut cfg = quick_config(Policy::difference_engine());
+        cfg.patch_cutoff = 3000;
+        let mut r = Rig::new(cfg, 64).unwrap();
+        let mut reference = vec![0u8; PAGE_SIZE];
+        SmallRng::seed_from_u64(5).fill(&mut reference[..PAGE_SIZE - 400]);
+        let mut page = reference.clone();
+        page[..2600].fill(0);
+        let det = r
+            .engine
+            .domains
+            .values()
+            .next()
+            .unwrap()
+            .similar
+            .detector()
+            .clone();
+        for &b in det.blocks() {
+            let at = b as usize * crate::similarity::BLOCK;
+            page[at..at + crate::similarity::BLOCK]
+                .copy_from_slice(&reference[at..at + crate::similarity::BLOCK]);
+        }
+        assert!(det
+            .signatures(page[..].try_into().unwrap())
+            .iter()
+            .zip(det.signatures(reference[..].try_into().unwrap()))
+            .take(2)
+            .any(|(a, b)| *a == b));
+        r.agent.write(Gfn(0), 0, &reference).unwrap();
+        r.agent.write(Gfn(8), 0, &page).unwrap();
+        for _ in 0..300 {
+            r.step(10_000).unwrap();
+        }
+        r.engine.check_invariants().unwrap();
+        let b = vm_books(&r);
+        assert_eq!((b.patched_pages, b.compressed_pages), (0, 1), "{b:?}");
+        assert_eq!(r.agent.read(Gfn(8)).unwrap()[..], page[..]);
+        assert_eq!(r.agent.read(Gfn(0)).unwrap()[..], reference[..]);
     }
 
     /// DE §4.6: over the host budget, stored pages move to the swap file, each with its
