@@ -159,13 +159,9 @@ pub struct SimilarityIndex {
     len: usize,
     offered: usize,
     cycles: u64,
-    /// The signatures of the frames indexed again after every clear ([`Self::keep`]):
-    /// `groups` words a frame, by frame id, up to the highest kept.
-    kept_sigs: Vec<u32>,
-    /// Which frame ids are kept, a bit each.
-    kept_bits: Vec<u64>,
-    /// Frames kept.
-    kept: usize,
+    /// The frames indexed again after every clear ([`Self::keep`]), by frame id: each
+    /// its id followed by its `groups` signatures, sorted by id.
+    kept: Vec<u32>,
 }
 
 const EMPTY: u32 = u32::MAX;
@@ -181,9 +177,7 @@ impl SimilarityIndex {
             len: 0,
             offered: 0,
             cycles: 0,
-            kept_sigs: Vec::new(),
-            kept_bits: Vec::new(),
-            kept: 0,
+            kept: Vec::new(),
         }
     }
 
@@ -307,68 +301,69 @@ impl SimilarityIndex {
     /// similar to it, but the clock offers guest pages, never frames, so a frame indexed
     /// once would be forgotten at the next clear, and each later near-duplicate would
     /// promote a reference of its own. (Every shared frame kept too was measured and
-    /// left out: no saving, more CPU — docs/live-de.md.) A frame kept again
-    /// (freed, then taken for other bytes) has its new signatures. 4 bytes a group a
-    /// frame id up to the highest kept, and a bit: bounded by the pool, however often
-    /// frames are kept; [`Self::retain_kept`] drops the ones nothing holds any more.
+    /// left out: no saving, more CPU — docs/live-de.md.) A frame kept again (freed, then
+    /// taken for other bytes) has its new signatures. 4 bytes a group and 4 more a kept
+    /// frame (a table by frame id, measured, cost more: reference frames are few and far
+    /// apart in the pool); [`Self::retain_kept`] drops the ones nothing holds any more.
+    /// O(kept frames) for a new one; one a patch's new reference.
     pub fn keep(&mut self, sigs: &[u32; 8], f: FrameId) {
         let groups = self.det.cfg.groups as usize;
-        let (i, end) = (f.index() * groups, (f.index() + 1) * groups);
-        if self.kept_sigs.len() < end {
-            // Grown by an eighth at a time, as the pool's own books.
-            self.kept_sigs
-                .reserve_exact((end - self.kept_sigs.len()).max(end / 8));
-            self.kept_sigs.resize(end, 0);
-            self.kept_bits.resize(f.index() / 64 + 1, 0);
+        match self.kept_at(f) {
+            Ok(i) => self.kept[i + 1..i + 1 + groups].copy_from_slice(&sigs[..groups]),
+            Err(i) => {
+                let entry = std::iter::once(f.0).chain(sigs[..groups].iter().copied());
+                self.kept.splice(i..i, entry);
+            }
         }
-        self.kept_sigs[i..end].copy_from_slice(&sigs[..groups]);
-        let (w, bit) = (f.index() / 64, 1u64 << (f.0 % 64));
-        if self.kept_bits[w] & bit == 0 {
-            self.kept_bits[w] |= bit;
-            self.kept += 1;
+    }
+
+    /// Where frame `f`'s entry is in [`Self::kept`] (`Ok`), or would go (`Err`): word
+    /// offsets.
+    fn kept_at(&self, f: FrameId) -> Result<usize, usize> {
+        let stride = 1 + self.det.cfg.groups as usize;
+        let (mut lo, mut hi) = (0, self.kept.len() / stride);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            match self.kept[mid * stride].cmp(&f.0) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => return Ok(mid * stride),
+            }
         }
+        Err(lo * stride)
     }
 
     /// Frames kept ([`Self::keep`]), in frame order.
     fn kept_frames(&self) -> impl Iterator<Item = FrameId> + '_ {
-        self.kept_bits.iter().enumerate().flat_map(|(w, &word)| {
-            (0..64)
-                .filter(move |b| word >> b & 1 == 1)
-                .map(move |b| FrameId((w * 64 + b) as u32))
-        })
+        let stride = 1 + self.det.cfg.groups as usize;
+        self.kept.iter().step_by(stride).map(|&f| FrameId(f))
     }
 
-    /// Frame `f`'s kept signatures (`groups` of them), if it is kept.
+    /// Frame `f`'s kept signatures (`groups` of them), if it is kept. O(log kept).
     pub fn kept_signatures(&self, f: FrameId) -> Option<&[u32]> {
         let groups = self.det.cfg.groups as usize;
-        let kept = self
-            .kept_bits
-            .get(f.index() / 64)
-            .is_some_and(|w| w >> (f.0 % 64) & 1 == 1);
-        kept.then(|| &self.kept_sigs[f.index() * groups..(f.index() + 1) * groups])
+        let i = self.kept_at(f).ok()?;
+        Some(&self.kept[i + 1..i + 1 + groups])
     }
 
-    /// Keeps only the kept frames `still` says yes to, and gives back the room above the
-    /// highest left. O(frame ids); the engine calls it before each clear.
+    /// Keeps only the kept frames `still` says yes to, and gives back the room left.
+    /// O(kept frames); the engine calls it before each clear.
     pub fn retain_kept(&mut self, mut still: impl FnMut(FrameId) -> bool) {
-        let frames: Vec<FrameId> = self.kept_frames().collect();
-        for f in frames {
-            if !still(f) {
-                self.kept_bits[f.index() / 64] &= !(1u64 << (f.0 % 64));
-                self.kept -= 1;
+        let stride = 1 + self.det.cfg.groups as usize;
+        let mut at = 0;
+        for i in (0..self.kept.len()).step_by(stride) {
+            if still(FrameId(self.kept[i])) {
+                self.kept.copy_within(i..i + stride, at);
+                at += stride;
             }
         }
-        let top = self.kept_frames().last().map_or(0, |f| f.index() + 1);
-        let groups = self.det.cfg.groups as usize;
-        self.kept_sigs.truncate(top * groups);
-        self.kept_sigs.shrink_to(top * groups + top * groups / 8);
-        self.kept_bits.truncate(top.div_ceil(64));
-        self.kept_bits.shrink_to_fit();
+        self.kept.truncate(at);
+        self.kept.shrink_to(at + at / 8);
     }
 
     /// Frames kept across clears ([`Self::keep`]).
     pub fn kept(&self) -> usize {
-        self.kept
+        self.kept.len() / (1 + self.det.cfg.groups as usize)
     }
 
     /// Pages offered to [`Self::insert`] since the last clear: a page already indexed
@@ -411,7 +406,7 @@ impl SimilarityIndex {
 
     /// Bytes of memory the table occupies.
     pub fn metadata_bytes(&self) -> usize {
-        (self.slots.capacity() + self.kept_sigs.capacity()) * 4 + self.kept_bits.capacity() * 8
+        (self.slots.capacity() + self.kept.capacity()) * 4
     }
 }
 
@@ -478,7 +473,8 @@ mod tests {
 
     /// Kept frames are indexed again after every clear until `retain_kept` drops them;
     /// a frame kept twice (freed, then taken for other bytes) is indexed under its latest
-    /// signatures only; the room above the highest kept is given back.
+    /// signatures only; a frame kept between two others is found; the room of a dropped
+    /// one is given back.
     #[test]
     fn kept_frames_outlive_a_clear_under_their_latest_signatures() {
         let det = SimilarityDetector::new(SimilarityConfig::default()).unwrap();
@@ -495,6 +491,10 @@ mod tests {
         assert_eq!(idx.kept(), 2, "f1 once, under sb");
         assert_eq!(idx.kept_signatures(f1), Some(&sb[..2]));
         assert_eq!(idx.kept_signatures(FrameId(2)), None);
+        idx.keep(&sb, FrameId(50));
+        assert_eq!(idx.kept_signatures(FrameId(50)), Some(&sb[..2]));
+        assert_eq!(idx.kept_signatures(f2), Some(&sa[..2]));
+        idx.retain_kept(|f| f != FrameId(50));
         idx.clear_for(1 << 12);
         let mut out = Vec::new();
         idx.candidates(&sb, &mut out);
@@ -511,7 +511,7 @@ mod tests {
         assert_eq!((idx.kept(), idx.kept_signatures(f2)), (1, None));
         assert!(
             idx.metadata_bytes() < held,
-            "the room up to frame 200 given back"
+            "the dropped frame's room given back"
         );
         idx.clear_for(1 << 12);
         idx.candidates(&sa, &mut out);
