@@ -786,6 +786,7 @@ mod tests {
             assert_eq!(r.agent.peek(Gfn(g * 8)).unwrap().to_vec(), text(g));
         }
     }
+
     /// Page `k` of a family of near-duplicates: one random page (seeded by `family`), its
     /// first 4 bytes `k`.
     fn near_duplicate(family: u64, k: u32) -> Vec<u8> {
