@@ -220,17 +220,6 @@ impl Engine {
             || now.saturating_sub(dom.similar_cleared_us) > every
             || (offered > dom.similar.buckets() as u64 && dom.similar.would_grow(n))
         {
-            // The reference frames still held are indexed again (DE §4.3), from the
-            // signatures kept at their promotion: reading them would bring back into RAM
-            // those the kernel holds (kernel_swap.rs). A frame withdrawn from sharing
-            // (never_share.rs) is no reference, nor the zero frame.
-            let (frames, withdrawn, zero) = (&dom.frames, &dom.withdrawn, dom.zero_frame);
-            dom.similar.retain_kept(|f| {
-                frames.contains(f)
-                    && frames.is_used(f)
-                    && !withdrawn.contains(&f)
-                    && Some(f) != zero
-            });
             dom.similar.clear_for(n);
             dom.similar_cleared_us = now;
         }
@@ -280,9 +269,9 @@ impl Engine {
         let marked = self.never_share(id, g);
         let sigs = self.domain(d).similar.detector().signatures(page);
         // DE §3.2–3.3 keeps a patch whenever it is under its cut-off; here the page is
-        // stored in the smaller of its patch and its compressed form (a patch must take a
-        // smaller slot): a patch under the cut-off can still take more store than the
-        // compressed page (docs/live-de.md).
+        // stored in the smaller of its patch and its compressed form (the patch on a tie
+        // of slots, as DE prefers it): a patch under the cut-off can still take more
+        // store than the compressed page (docs/live-de.md).
         let compressed = if a.compress && seen && untried {
             self.compress_page(page)
         } else {
@@ -356,8 +345,8 @@ impl Engine {
 
     /// Patches page `g` against its most similar reference candidate (DE §3.2, §4.3):
     /// every candidate whose signatures still match gets a patch, the smallest under the
-    /// cut-off whose slot is under `beat` bytes (the page's compressed slot, or a page) is
-    /// kept. A guest page chosen as reference is copied into a pool frame
+    /// cut-off whose slot is at most `beat` bytes (the page's compressed slot; DE's
+    /// preference on a tie) and under a page is kept. A guest page chosen as reference is copied into a pool frame
     /// (which no guest can write, so the patch stays valid whatever the guest does) and
     /// shared onto it. Returns whether a stash was queued (not if the pool cannot take
     /// the reference frame).
@@ -380,14 +369,6 @@ impl Engine {
         let mut blob = Vec::new();
         let mut best: Option<(RefPage, Vec<u8>, Box<Page>)> = None;
         for c in cands {
-            if let RefPage::Frame(f) = c {
-                // A bucket neighbour, told by its kept signatures without reading it
-                // (which would bring it back into RAM were it paged out: kernel_swap.rs).
-                let kept = self.domain(d).similar.kept_signatures(f);
-                if kept.is_some_and(|k| !k.iter().zip(sigs).any(|(a, b)| a == b)) {
-                    continue;
-                }
-            }
             if c == RefPage::Guest(gpn) || !self.candidate(d, c, &mut other) {
                 continue;
             }
@@ -406,7 +387,8 @@ impl Engine {
             self.books.record_encode(0, took);
             if !blob.is_empty()
                 && blob.len() <= self.cfg.patch_cutoff
-                && slot_size(blob.len()) < beat
+                && slot_size(blob.len()) < PAGE_SIZE
+                && slot_size(blob.len()) <= beat
                 && best.as_ref().is_none_or(|b| blob.len() < b.1.len())
             {
                 best = Some((c, blob.clone(), Box::new(other)));
@@ -430,9 +412,7 @@ impl Engine {
                 let dom = self.domain_mut(d);
                 dom.share.insert(h, ShareEntry::Shared(f));
                 let ref_sigs = dom.similar.detector().signatures(&reference);
-                dom.similar
-                    .replace(&ref_sigs, RefPage::Guest(rgpn), RefPage::Frame(f));
-                dom.similar.keep(&ref_sigs, f);
+                dom.similar.insert(&ref_sigs, RefPage::Frame(f));
                 self.enqueue_share(id2, g2, f);
                 f
             }
@@ -787,64 +767,8 @@ mod tests {
         }
     }
 
-    /// Page `k` of a family of near-duplicates: one random page (seeded by `family`), its
-    /// first 4 bytes `k`.
-    fn near_duplicate(family: u64, k: u32) -> Vec<u8> {
-        use rand::{rngs::SmallRng, Rng, SeedableRng};
-        let mut p = vec![0u8; PAGE_SIZE];
-        SmallRng::seed_from_u64(family).fill(&mut p[..]);
-        p[..4].copy_from_slice(&k.to_le_bytes());
-        p
-    }
-
     fn vm_books(r: &Rig) -> crate::engine::VmBooks {
         r.engine.books().vms[0].books.clone()
-    }
-
-    /// DE §4.3: a family of near-duplicates is patched against one reference page. The
-    /// first page the clock offers is indexed; the next is patched against it, which
-    /// copies it into a pool frame, and the frame takes its slots in the index, so every
-    /// later one is patched against that frame: 63 patches on one frame. When the frame
-    /// was refused (the bucket still held the guest page, c = 1), each later page found
-    /// no candidate: 1 patch.
-    ///
-    /// Then the index is cleared (once every four clock intervals) and a new member of
-    /// the family is written: it is patched against the same frame, indexed again after
-    /// the clear. Without that it would find no reference and stay in RAM.
-    #[test]
-    fn a_family_of_near_duplicates_is_patched_against_one_reference_frame() {
-        let mut r = Rig::new(quick_config(Policy::difference_engine()), 1024).unwrap();
-        for k in 0..64 {
-            r.agent.write(Gfn(k * 4), 0, &near_duplicate(7, k)).unwrap();
-        }
-        for _ in 0..300 {
-            r.step(10_000).unwrap();
-        }
-        let b = vm_books(&r);
-        assert_eq!((b.patched_pages, r.engine.books().frames), (63, 1), "{b:?}");
-        // Four clock intervals (100 ms each here) on, the index has been cleared.
-        for _ in 0..100 {
-            r.step(10_000).unwrap();
-        }
-        r.agent
-            .write(Gfn(1001), 0, &near_duplicate(7, 1001))
-            .unwrap();
-        for _ in 0..300 {
-            r.step(10_000).unwrap();
-        }
-        r.engine.check_invariants().unwrap();
-        let b = vm_books(&r);
-        assert_eq!((b.patched_pages, r.engine.books().frames), (64, 1), "{b:?}");
-        for k in 0..64 {
-            assert_eq!(
-                r.agent.read(Gfn(k * 4)).unwrap()[..],
-                near_duplicate(7, k)[..]
-            );
-        }
-        assert_eq!(
-            r.agent.read(Gfn(1001)).unwrap()[..],
-            near_duplicate(7, 1001)[..]
-        );
     }
 
     /// A page with a reference patches under the cut-off, but compresses smaller: it is
