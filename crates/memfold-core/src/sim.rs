@@ -726,23 +726,36 @@ impl Rig {
     ///
     /// Errors: the engine's.
     pub fn step(&mut self, us: u64) -> Result<(), EngineError> {
+        self.step_seeing(us, |_| {})
+    }
+
+    /// [`Rig::step`], with each command shown to `see` before the agent carries it out:
+    /// a test's look at what memfoldd hands out (a stash's home, a move's checksum).
+    ///
+    /// Errors: the engine's.
+    pub fn step_seeing(&mut self, us: u64, see: impl FnMut(&Command)) -> Result<(), EngineError> {
         self.clock.advance(us);
         self.engine.scan_step()?;
         self.engine.clock_step();
         self.engine.check_budget();
-        self.carry_out();
+        self.carry_out_seeing(see);
         Ok(())
     }
 
     /// Every command queued is carried out and answered (with the commands that answers
     /// lead to), then the agent reports its events; no time passes.
     pub fn carry_out(&mut self) {
+        self.carry_out_seeing(|_| {});
+    }
+
+    fn carry_out_seeing(&mut self, mut see: impl FnMut(&Command)) {
         loop {
             let cmds = self.engine.take_commands(self.vm);
             if cmds.is_empty() {
                 break;
             }
             for c in cmds {
+                see(&c);
                 self.answer(c);
             }
         }

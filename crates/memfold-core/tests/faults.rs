@@ -45,13 +45,9 @@ fn a_failed_swap_write_back_refuses_its_swap_outs_and_loses_nothing() {
         model.push(p);
     }
     r.agent.shared.swap.file().fail_sync = true;
-    // memfoldd's loop by hand, to see every command it hands out.
+    // Every command memfoldd hands out is seen.
     for _ in 0..300 {
-        r.clock.advance(10_000);
-        r.engine.scan_step().unwrap();
-        r.engine.clock_step();
-        r.engine.check_budget();
-        for c in r.engine.take_commands(r.vm) {
+        r.step_seeing(10_000, |c| {
             if let Command::Stash { stash, .. } = c {
                 assert_ne!(
                     stash.home,
@@ -59,9 +55,8 @@ fn a_failed_swap_write_back_refuses_its_swap_outs_and_loses_nothing() {
                     "a swap-out handed out after its swap file failed to sync"
                 );
             }
-            r.answer(c);
-        }
-        r.report();
+        })
+        .unwrap();
     }
     r.engine.check_invariants().unwrap();
     let b = vm_books(&r, r.vm);
