@@ -159,6 +159,9 @@ pub struct SimilarityIndex {
     len: usize,
     offered: usize,
     cycles: u64,
+    /// The frames indexed again after every clear ([`Self::keep`]), by frame id: each
+    /// its id followed by its `groups` signatures, sorted by id.
+    kept: Vec<u32>,
 }
 
 const EMPTY: u32 = u32::MAX;
@@ -174,6 +177,7 @@ impl SimilarityIndex {
             len: 0,
             offered: 0,
             cycles: 0,
+            kept: Vec::new(),
         }
     }
 
@@ -221,6 +225,36 @@ impl SimilarityIndex {
         taken
     }
 
+    /// Indexes `to` in place of `from` (a guest page just copied into pool frame `to` to
+    /// serve as a patch's reference, DE §4.3) in the buckets of `sigs`: where `from` sits
+    /// it takes its slot, elsewhere a free one. Without this the guest page, no longer a
+    /// candidate once shared onto the frame, keeps its slots until the next clear, and
+    /// with one candidate a bucket (the paper's c = 1) the frame is refused: every
+    /// further near-duplicate would promote a reference frame of its own. Not counted as
+    /// offered (the page was). Returns how many buckets hold `to` afterwards.
+    pub fn replace(&mut self, sigs: &[u32; 8], from: RefPage, to: RefPage) -> usize {
+        let (from, to) = (from.pack(), to.pack());
+        if self.slots.is_empty() {
+            return 0;
+        }
+        let mut held = 0;
+        for (g, &sig) in sigs.iter().enumerate().take(self.det.cfg.groups as usize) {
+            let r = self.bucket(g, sig);
+            let bucket = &mut self.slots[r];
+            if bucket.contains(&to) {
+                held += 1;
+            } else if let Some(slot) = bucket.iter_mut().find(|s| **s == from) {
+                *slot = to;
+                held += 1;
+            } else if let Some(slot) = bucket.iter_mut().find(|s| **s == EMPTY) {
+                *slot = to;
+                self.len += 1;
+                held += 1;
+            }
+        }
+        held
+    }
+
     /// Candidate pages from the page's buckets, without duplicates, at most k*c. Verify
     /// each with [`Self::matches`].
     pub fn candidates(&self, sigs: &[u32; 8], out: &mut Vec<RefPage>) {
@@ -245,13 +279,132 @@ impl SimilarityIndex {
 
     /// Forgets every candidate (end of a clock cycle, DE §4.3) and sizes the table for
     /// `n` pages: n/2 buckets a group (rounded up to a power of two; at least 2^10, at
-    /// most 2^hash_bits). DE's `n` is the managed guest pages.
+    /// most 2^hash_bits). DE's `n` is the managed guest pages. The kept frames
+    /// ([`Self::keep`]) are indexed again at once, in frame order, and count as offered.
     pub fn clear_for(&mut self, n: u64) {
         self.table_bits = self.table_bits_for(n);
         self.slots = Vec::new();
         self.len = 0;
         self.offered = 0;
         self.cycles += 1;
+        let frames: Vec<FrameId> = self.kept_frames().collect();
+        for f in frames {
+            let mut sigs = [0u32; 8];
+            let kept = self.kept_signatures(f).expect("kept");
+            sigs[..kept.len()].copy_from_slice(kept);
+            self.insert(&sigs, RefPage::Frame(f));
+        }
+    }
+
+    /// Keeps frame `f` (a guest page copied into the pool as a patch's reference), whose
+    /// signatures are `sigs`, across clears: DE §4.3's reference page serves every page
+    /// similar to it, but the clock offers guest pages, never frames, so a frame indexed
+    /// once would be forgotten at the next clear, and each later near-duplicate would
+    /// promote a reference of its own. (Every shared frame kept too was measured and
+    /// left out: no saving, more CPU — docs/live-de.md.) A frame kept again takes its new
+    /// signatures (the engine forgets a freed frame first, [`Self::forget_frame`]). 4
+    /// bytes a group and 4 more a kept
+    /// frame (a table by frame id, measured, cost more: reference frames are few and far
+    /// apart in the pool); [`Self::retain_kept`] drops the ones nothing holds any more.
+    /// O(kept frames) for a new one; one a patch's new reference.
+    pub fn keep(&mut self, sigs: &[u32; 8], f: FrameId) {
+        let groups = self.det.cfg.groups as usize;
+        match self.kept_at(f) {
+            Ok(i) => self.kept[i + 1..i + 1 + groups].copy_from_slice(&sigs[..groups]),
+            Err(i) => {
+                let entry = std::iter::once(f.0).chain(sigs[..groups].iter().copied());
+                self.kept.splice(i..i, entry);
+            }
+        }
+    }
+
+    /// Where frame `f`'s entry is in [`Self::kept`] (`Ok`), or would go (`Err`): word
+    /// offsets.
+    fn kept_at(&self, f: FrameId) -> Result<usize, usize> {
+        let stride = 1 + self.det.cfg.groups as usize;
+        let (mut lo, mut hi) = (0, self.kept.len() / stride);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            match self.kept[mid * stride].cmp(&f.0) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => return Ok(mid * stride),
+            }
+        }
+        Err(lo * stride)
+    }
+
+    /// Frames kept ([`Self::keep`]), in frame order.
+    fn kept_frames(&self) -> impl Iterator<Item = FrameId> + '_ {
+        let stride = 1 + self.det.cfg.groups as usize;
+        self.kept.iter().step_by(stride).map(|&f| FrameId(f))
+    }
+
+    /// Frame `f`'s kept signatures (`groups` of them), if it is kept. O(log kept).
+    pub fn kept_signatures(&self, f: FrameId) -> Option<&[u32]> {
+        let groups = self.det.cfg.groups as usize;
+        let i = self.kept_at(f).ok()?;
+        Some(&self.kept[i + 1..i + 1 + groups])
+    }
+
+    /// Forgets frame `f` (freed, or withdrawn from sharing): its kept entry, and its
+    /// slots in the buckets of its kept signatures (the only ones a frame is indexed
+    /// under: frames enter the index as kept references alone). The pool hands freed ids out again (`FrameTable::alloc`,
+    /// once its never-used ids run out), so without this a frame holding other bytes
+    /// under a freed reference's id would be indexed under the old signatures at every
+    /// clear while anything holds it; and until the next clear a withdrawn reference
+    /// (never-share) would keep its buckets (c = 1) from pages that could be references.
+    /// O(kept frames).
+    pub fn forget_frame(&mut self, f: FrameId) {
+        let groups = self.det.cfg.groups as usize;
+        let Ok(i) = self.kept_at(f) else {
+            return;
+        };
+        let mut sigs = [0u32; 8];
+        sigs[..groups].copy_from_slice(&self.kept[i + 1..i + 1 + groups]);
+        self.kept.drain(i..i + 1 + groups);
+        self.evict(&sigs, RefPage::Frame(f));
+    }
+
+    /// Empties `c`'s slots in the buckets of `sigs`: a candidate found to be no reference
+    /// any more (DE §4.3's index holds candidates for a cycle; one that was shared or
+    /// stored since would hold its bucket till the next clear). Returns how many slots
+    /// it held there.
+    pub fn evict(&mut self, sigs: &[u32; 8], c: RefPage) -> usize {
+        if self.slots.is_empty() {
+            return 0;
+        }
+        let packed = c.pack();
+        let mut held = 0;
+        for (g, &sig) in sigs.iter().enumerate().take(self.det.cfg.groups as usize) {
+            let r = self.bucket(g, sig);
+            if let Some(slot) = self.slots[r].iter_mut().find(|s| **s == packed) {
+                *slot = EMPTY;
+                self.len -= 1;
+                held += 1;
+            }
+        }
+        held
+    }
+
+    /// Keeps only the kept frames `still` says yes to, and gives back the room left.
+    /// O(kept frames); the engine calls it before each clear.
+    pub fn retain_kept(&mut self, mut still: impl FnMut(FrameId) -> bool) {
+        let stride = 1 + self.det.cfg.groups as usize;
+        let mut at = 0;
+        for i in (0..self.kept.len()).step_by(stride) {
+            if still(FrameId(self.kept[i])) {
+                self.kept.copy_within(i..i + stride, at);
+                at += stride;
+            }
+        }
+        self.kept.truncate(at);
+        self.kept.shrink_to(at + at / 8);
+    }
+
+    /// Frames kept across clears ([`Self::keep`]).
+    pub fn kept(&self) -> usize {
+        self.kept.len() / (1 + self.det.cfg.groups as usize)
     }
 
     /// Pages offered to [`Self::insert`] since the last clear: a page already indexed
@@ -294,7 +447,7 @@ impl SimilarityIndex {
 
     /// Bytes of memory the table occupies.
     pub fn metadata_bytes(&self) -> usize {
-        self.slots.capacity() * 4
+        (self.slots.capacity() + self.kept.capacity()) * 4
     }
 }
 
@@ -333,6 +486,15 @@ mod tests {
         let mut out = Vec::new();
         idx.candidates(&sc, &mut out);
         assert_eq!(out, vec![one]);
+        // The page promoted to a reference frame: the frame takes its slots.
+        let frame = RefPage::Frame(FrameId(1));
+        let offered = idx.offered();
+        assert_eq!(idx.replace(&sa, one, frame), 2);
+        assert_eq!((idx.len(), idx.offered()), (2, offered));
+        idx.candidates(&sc, &mut out);
+        assert_eq!(out, vec![frame]);
+        assert_eq!(idx.replace(&sa, one, frame), 2, "held already");
+        assert_eq!(idx.len(), 2);
         assert!(idx.matches(&sc, &a));
         let mut unrelated = [0u8; PAGE_SIZE];
         unrelated[0] = 1;
@@ -348,6 +510,90 @@ mod tests {
         );
         idx.clear_for(100);
         assert_eq!(idx.buckets(), 1 << MIN_TABLE_BITS);
+    }
+
+    /// A freed frame leaves the index at once: its kept entry and its bucket slots, so
+    /// its id, handed out again for other bytes, is no candidate under the old
+    /// signatures — before the next clear or after it.
+    #[test]
+    fn a_forgotten_frame_is_no_candidate_and_is_not_indexed_again() {
+        let det = SimilarityDetector::new(SimilarityConfig::default()).unwrap();
+        let mut idx = SimilarityIndex::new(det.clone());
+        idx.clear_for(1 << 12);
+        let mut a = [0u8; PAGE_SIZE];
+        for (i, x) in a.iter_mut().enumerate() {
+            *x = (i * 31 % 251) as u8;
+        }
+        let sa = det.signatures(&a);
+        let (f, other) = (FrameId(3), FrameId(4));
+        idx.insert(&sa, RefPage::Frame(f));
+        idx.keep(&sa, f);
+        idx.keep(&sa, other);
+        let len = idx.len();
+        let mut out = Vec::new();
+        idx.candidates(&sa, &mut out);
+        assert_eq!(out, vec![RefPage::Frame(f)]);
+        idx.forget_frame(f);
+        idx.forget_frame(FrameId(9));
+        assert_eq!((idx.kept(), idx.kept_signatures(f)), (1, None));
+        assert!(idx.len() < len);
+        idx.candidates(&sa, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        idx.clear_for(1 << 12);
+        idx.candidates(&sa, &mut out);
+        assert_eq!(
+            out,
+            vec![RefPage::Frame(other)],
+            "only the frame still kept"
+        );
+    }
+
+    /// Kept frames are indexed again after every clear until `retain_kept` drops them;
+    /// a frame kept twice is indexed under its latest signatures only; a frame kept
+    /// between two others is found; the room of a dropped one is given back.
+    #[test]
+    fn kept_frames_outlive_a_clear_under_their_latest_signatures() {
+        let det = SimilarityDetector::new(SimilarityConfig::default()).unwrap();
+        let mut idx = SimilarityIndex::new(det.clone());
+        let (mut a, mut b) = ([0u8; PAGE_SIZE], [0u8; PAGE_SIZE]);
+        for (i, (x, y)) in a.iter_mut().zip(b.iter_mut()).enumerate() {
+            (*x, *y) = ((i * 31 % 251) as u8, (i * 17 % 241) as u8);
+        }
+        let (sa, sb) = (det.signatures(&a), det.signatures(&b));
+        let (f1, f2) = (FrameId(1), FrameId(200));
+        idx.keep(&sa, f1);
+        idx.keep(&sa, f2);
+        idx.keep(&sb, f1);
+        assert_eq!(idx.kept(), 2, "f1 once, under sb");
+        assert_eq!(idx.kept_signatures(f1), Some(&sb[..2]));
+        assert_eq!(idx.kept_signatures(FrameId(2)), None);
+        idx.keep(&sb, FrameId(50));
+        assert_eq!(idx.kept_signatures(FrameId(50)), Some(&sb[..2]));
+        assert_eq!(idx.kept_signatures(f2), Some(&sa[..2]));
+        idx.retain_kept(|f| f != FrameId(50));
+        idx.clear_for(1 << 12);
+        let mut out = Vec::new();
+        idx.candidates(&sb, &mut out);
+        assert_eq!(out, vec![RefPage::Frame(f1)], "kept across the clear");
+        idx.candidates(&sa, &mut out);
+        assert_eq!(
+            out,
+            vec![RefPage::Frame(f2)],
+            "f1's old signatures are gone"
+        );
+        assert_eq!(idx.offered(), 2, "re-indexed frames count as offered");
+        let held = idx.metadata_bytes();
+        idx.retain_kept(|f| f != f2);
+        assert_eq!((idx.kept(), idx.kept_signatures(f2)), (1, None));
+        assert!(
+            idx.metadata_bytes() < held,
+            "the dropped frame's room given back"
+        );
+        idx.clear_for(1 << 12);
+        idx.candidates(&sa, &mut out);
+        assert!(out.is_empty(), "{out:?}: f2 dropped");
+        idx.candidates(&sb, &mut out);
+        assert_eq!(out, vec![RefPage::Frame(f1)]);
     }
 
     #[test]

@@ -207,6 +207,70 @@ fn an_opted_out_guest_has_every_page_taken_back_and_none_merged_again() {
     );
 }
 
+/// Opted out and back in, a guest has each mechanism take its pages again, patches
+/// included: its near-duplicates find a new reference frame after the opt-out freed the
+/// old ones. The data of memfold-live's opt-out test, by `g % 5`: zeros, one random page,
+/// near-duplicates of it, text, random.
+#[test]
+fn an_opted_in_guest_has_every_mechanism_take_its_pages_again() {
+    use rand::{rngs::SmallRng, Rng, SeedableRng};
+    const N: u32 = 320;
+    let cfg = EngineConfig {
+        policy: Policy::difference_engine(),
+        zero: ZeroPolicy::Reclaim,
+        rate: 0,
+        clock_interval_us: Some(100_000),
+        min_scan_interval_us: 10_000,
+        max_scan_interval_us: 40_000,
+        ..EngineConfig::default()
+    };
+    let mut r = Rig::new(cfg, N).unwrap();
+    let mut rng = SmallRng::seed_from_u64(11);
+    let mut base = vec![0u8; PAGE_SIZE];
+    rng.fill(&mut base[..]);
+    let want: Vec<Vec<u8>> = (0..N as usize)
+        .map(|g| {
+            let mut p = vec![0u8; PAGE_SIZE];
+            match g % 5 {
+                0 => {}
+                1 => p.copy_from_slice(&base),
+                2 => {
+                    p.copy_from_slice(&base);
+                    p[g % PAGE_SIZE] ^= 0x5a;
+                    p[(g * 7) % PAGE_SIZE] ^= 0xa5;
+                }
+                3 => {
+                    let words = format!("text page {g} of the opt-in test, ");
+                    p = words.bytes().cycle().take(PAGE_SIZE).collect();
+                }
+                _ => rng.fill(&mut p[..]),
+            }
+            p
+        })
+        .collect();
+    for (g, p) in want.iter().enumerate() {
+        r.agent.write(Gfn(g as u32), 0, p).unwrap();
+    }
+    let every = |r: &Rig| {
+        let b = &r.engine.books().vms[0].books;
+        b.shared_pages + b.unmapped_pages > 0
+            && b.zero_reclaimed_pages > 0
+            && b.patched_pages > 0
+            && b.compressed_pages > 0
+    };
+    settle(&mut r, 3000);
+    assert!(every(&r), "{:#?}", r.engine.books().vms[0].books);
+    r.engine.opt_out(r.vm).unwrap();
+    settle(&mut r, 3000);
+    assert_eq!(r.engine.books().frames, 0);
+    assert!(r.engine.opt_in(r.vm));
+    settle(&mut r, 3000);
+    assert!(every(&r), "{:#?}", r.engine.books().vms[0].books);
+    for (g, p) in want.iter().enumerate() {
+        assert_eq!(r.agent.peek(Gfn(g as u32)).unwrap()[..], p[..], "gfn {g}");
+    }
+}
+
 /// A discarded range, as the KSM selftests' unmerge of a range dropped with
 /// `MADV_DONTNEED` (QEMU's balloon and free page reporting punch guest RAM and drop its
 /// mapping): every merged page in the range leaves its frame, every reclaimed or stored

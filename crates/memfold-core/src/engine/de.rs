@@ -220,6 +220,17 @@ impl Engine {
             || now.saturating_sub(dom.similar_cleared_us) > every
             || (offered > dom.similar.buckets() as u64 && dom.similar.would_grow(n))
         {
+            // The reference frames still held are indexed again (DE §4.3), from the
+            // signatures kept at their promotion: reading them would bring back into RAM
+            // those the kernel holds (kernel_swap.rs). A frame withdrawn from sharing
+            // (never_share.rs) is no reference, nor the zero frame.
+            let (frames, withdrawn, zero) = (&dom.frames, &dom.withdrawn, dom.zero_frame);
+            dom.similar.retain_kept(|f| {
+                frames.contains(f)
+                    && frames.is_used(f)
+                    && !withdrawn.contains(&f)
+                    && Some(f) != zero
+            });
             dom.similar.clear_for(n);
             dom.similar_cleared_us = now;
         }
@@ -348,9 +359,9 @@ impl Engine {
     /// cut-off whose slot is at most `beat` bytes (the page's compressed slot; DE's
     /// preference on a tie) and under a page is kept. A guest page chosen as reference
     /// is copied into a pool frame (which no guest can write, so the patch stays valid
-    /// whatever the guest does) and
-    /// shared onto it. Returns whether a stash was queued (not if the pool cannot take
-    /// the reference frame).
+    /// whatever the guest does) and shared onto it; the frame takes the page's slots in
+    /// the index and is kept there across clears. Returns whether a stash was queued
+    /// (not if the pool cannot take the reference frame).
     #[allow(clippy::too_many_arguments)]
     fn try_patch(
         &mut self,
@@ -370,7 +381,23 @@ impl Engine {
         let mut blob = Vec::new();
         let mut best: Option<(RefPage, Vec<u8>, Box<Page>)> = None;
         for c in cands {
-            if c == RefPage::Guest(gpn) || !self.candidate(d, c, &mut other) {
+            if let RefPage::Frame(f) = c {
+                // A bucket neighbour, told by its kept signatures without reading it
+                // (which would bring it back into RAM were it paged out: kernel_swap.rs).
+                let kept = self.domain(d).similar.kept_signatures(f);
+                if kept.is_some_and(|k| !k.iter().zip(sigs).any(|(a, b)| a == b)) {
+                    continue;
+                }
+            }
+            if c == RefPage::Guest(gpn) {
+                continue;
+            }
+            if !self.candidate(d, c, &mut other) {
+                // No reference any more (shared, stored or gone since it was indexed):
+                // left in place it would hold the bucket (c = 1) until the next clear,
+                // every near-duplicate offered meanwhile would find no reference and be
+                // marked failed until written. Its slots go to this page.
+                self.domain_mut(d).similar.evict(sigs, c);
                 continue;
             }
             if let RefPage::Frame(f) = c {
@@ -413,7 +440,9 @@ impl Engine {
                 let dom = self.domain_mut(d);
                 dom.share.insert(h, ShareEntry::Shared(f));
                 let ref_sigs = dom.similar.detector().signatures(&reference);
-                dom.similar.insert(&ref_sigs, RefPage::Frame(f));
+                dom.similar
+                    .replace(&ref_sigs, RefPage::Guest(rgpn), RefPage::Frame(f));
+                dom.similar.keep(&ref_sigs, f);
                 self.enqueue_share(id2, g2, f);
                 f
             }

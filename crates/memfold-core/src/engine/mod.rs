@@ -707,14 +707,15 @@ impl Engine {
         }
     }
 
-    /// A freed frame leaves the share table (and stops being the zero frame), and its
-    /// bytes leave the pool.
+    /// A freed frame leaves the share table and the similarity index (and stops being
+    /// the zero frame), and its bytes leave the pool.
     pub(crate) fn forget_frame(&mut self, d: DomainId, f: FrameId) {
         if let Some(i) = self.fills.index.get_mut(&d) {
             i.forget_frame(f);
         }
         let dom = self.domain_mut(d);
         dom.share.remove(dom.frames.hash(f), ShareEntry::Shared(f));
+        dom.similar.forget_frame(f);
         dom.withdrawn.remove(&f);
         if dom.zero_frame == Some(f) {
             dom.zero_frame = None;

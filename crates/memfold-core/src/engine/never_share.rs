@@ -89,6 +89,8 @@ impl Engine {
         for f in new_frames {
             if dom.withdrawn.insert(f) {
                 dom.share.remove(dom.frames.hash(f), ShareEntry::Shared(f));
+                // No reference any more: its buckets go to pages that may be.
+                dom.similar.forget_frame(f);
             }
         }
         let mut total = self.queue_take_backs(id, &own);
