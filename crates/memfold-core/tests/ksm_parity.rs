@@ -35,11 +35,10 @@ fn page(byte: u8) -> Vec<u8> {
     (0..PAGE_SIZE).map(|i| byte ^ (i % 251) as u8).collect()
 }
 
-/// A guest under the Difference Engine with data each mechanism takes, by `g % 4`: zeros,
-/// one shared page, text unique to each page (compressed or patched); memfoldd has run
-/// 3 s. Returns the rig and what each page holds.
-fn de_rig_with_every_mechanism(word: &[u8; 15]) -> (Rig, Vec<Vec<u8>>) {
-    let cfg = EngineConfig {
+/// The Difference Engine with zero pages reclaimed, a clock interval of 100 ms and a full
+/// scan every 10 ms.
+fn de_config() -> EngineConfig {
+    EngineConfig {
         policy: Policy::difference_engine(),
         zero: ZeroPolicy::Reclaim,
         rate: 0,
@@ -47,8 +46,14 @@ fn de_rig_with_every_mechanism(word: &[u8; 15]) -> (Rig, Vec<Vec<u8>>) {
         min_scan_interval_us: 10_000,
         max_scan_interval_us: 10_000,
         ..EngineConfig::default()
-    };
-    let mut r = Rig::new(cfg, PAGES).unwrap();
+    }
+}
+
+/// A guest under the Difference Engine with data each mechanism takes, by `g % 4`: zeros,
+/// one shared page, text unique to each page (compressed or patched); memfoldd has run
+/// 3 s. Returns the rig and what each page holds.
+fn de_rig_with_every_mechanism(word: &[u8; 15]) -> (Rig, Vec<Vec<u8>>) {
+    let mut r = Rig::new(de_config(), PAGES).unwrap();
     let text = |g: u32| -> Vec<u8> {
         let mut p: Vec<u8> = (0..PAGE_SIZE).map(|i| word[i % 15]).collect();
         p[..4].copy_from_slice(&g.to_le_bytes());
@@ -215,16 +220,7 @@ fn an_opted_out_guest_has_every_page_taken_back_and_none_merged_again() {
 fn an_opted_in_guest_has_every_mechanism_take_its_pages_again() {
     use rand::{rngs::SmallRng, Rng, SeedableRng};
     const N: u32 = 320;
-    let cfg = EngineConfig {
-        policy: Policy::difference_engine(),
-        zero: ZeroPolicy::Reclaim,
-        rate: 0,
-        clock_interval_us: Some(100_000),
-        min_scan_interval_us: 10_000,
-        max_scan_interval_us: 40_000,
-        ..EngineConfig::default()
-    };
-    let mut r = Rig::new(cfg, N).unwrap();
+    let mut r = Rig::new(de_config(), N).unwrap();
     let mut rng = SmallRng::seed_from_u64(11);
     let mut base = vec![0u8; PAGE_SIZE];
     rng.fill(&mut base[..]);

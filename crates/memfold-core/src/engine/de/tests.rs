@@ -64,6 +64,23 @@ fn near_duplicate(family: u64, k: u32) -> Vec<u8> {
     p
 }
 
+/// A 1 024-page guest under the Difference Engine whose pages `4k` (k < `members`) are a
+/// family of near-duplicates, after 3 s: every member but one patched against one
+/// reference frame (the one it was copied from, shared onto it).
+fn rig_with_a_patched_family(members: u32) -> Rig {
+    let mut r = Rig::new(quick_config(Policy::difference_engine()), 1024).unwrap();
+    for k in 0..members {
+        r.agent.write(Gfn(k * 4), 0, &near_duplicate(7, k)).unwrap();
+    }
+    for _ in 0..300 {
+        r.step(10_000).unwrap();
+    }
+    let b = vm_books(&r);
+    let patched = (b.patched_pages, r.engine.books().frames);
+    assert_eq!(patched, (members as u64 - 1, 1), "{b:?}");
+    r
+}
+
 /// DE §4.3: a family of near-duplicates is patched against one reference page. The
 /// first page the clock offers is indexed; the next is patched against it, which
 /// copies it into a pool frame, and the frame takes its slots in the index, so every
@@ -76,15 +93,7 @@ fn near_duplicate(family: u64, k: u32) -> Vec<u8> {
 /// the clear. Without that it would find no reference and stay in RAM.
 #[test]
 fn a_family_of_near_duplicates_is_patched_against_one_reference_frame() {
-    let mut r = Rig::new(quick_config(Policy::difference_engine()), 1024).unwrap();
-    for k in 0..64 {
-        r.agent.write(Gfn(k * 4), 0, &near_duplicate(7, k)).unwrap();
-    }
-    for _ in 0..300 {
-        r.step(10_000).unwrap();
-    }
-    let b = vm_books(&r);
-    assert_eq!((b.patched_pages, r.engine.books().frames), (63, 1), "{b:?}");
+    let mut r = rig_with_a_patched_family(64);
     // Four clock intervals (100 ms each here) on, the index has been cleared.
     for _ in 0..100 {
         r.step(10_000).unwrap();
@@ -118,15 +127,7 @@ fn a_family_of_near_duplicates_is_patched_against_one_reference_frame() {
 #[test]
 fn a_freed_reference_frame_leaves_the_similarity_index_at_once() {
     use crate::similarity::RefPage;
-    let mut r = Rig::new(quick_config(Policy::difference_engine()), 1024).unwrap();
-    for k in 0..16 {
-        r.agent.write(Gfn(k * 4), 0, &near_duplicate(7, k)).unwrap();
-    }
-    for _ in 0..300 {
-        r.step(10_000).unwrap();
-    }
-    let b = vm_books(&r);
-    assert_eq!((b.patched_pages, r.engine.books().frames), (15, 1), "{b:?}");
+    let mut r = rig_with_a_patched_family(16);
     fn similar(r: &Rig) -> &crate::similarity::SimilarityIndex {
         &r.engine.domains.values().next().unwrap().similar
     }
