@@ -303,9 +303,9 @@ impl SimilarityIndex {
     /// promote a reference of its own. (Every shared frame kept too was measured and
     /// left out: no saving, more CPU — docs/live-de.md.) A frame kept again takes its new
     /// signatures (the engine forgets a freed frame first, [`Self::forget_frame`]). 4
-    /// bytes a group and 4 more a kept
-    /// frame (a table by frame id, measured, cost more: reference frames are few and far
-    /// apart in the pool); [`Self::retain_kept`] drops the ones nothing holds any more.
+    /// bytes a group and 4 more a kept frame (a table by frame id, measured, cost more:
+    /// reference frames are few and far apart in the pool); [`Self::retain_kept`] drops
+    /// the ones nothing holds any more.
     /// O(kept frames) for a new one; one a patch's new reference.
     pub fn keep(&mut self, sigs: &[u32; 8], f: FrameId) {
         let groups = self.det.cfg.groups as usize;
@@ -349,12 +349,12 @@ impl SimilarityIndex {
 
     /// Forgets frame `f` (freed, or withdrawn from sharing): its kept entry, and its
     /// slots in the buckets of its kept signatures (the only ones a frame is indexed
-    /// under: frames enter the index as kept references alone). The pool hands freed ids out again (`FrameTable::alloc`,
-    /// once its never-used ids run out), so without this a frame holding other bytes
-    /// under a freed reference's id would be indexed under the old signatures at every
-    /// clear while anything holds it; and until the next clear a withdrawn reference
-    /// (never-share) would keep its buckets (c = 1) from pages that could be references.
-    /// O(kept frames).
+    /// under: frames enter the index as kept references alone). The pool hands freed ids
+    /// out again (`FrameTable::alloc`, once its never-used ids run out), so without this
+    /// a frame holding other bytes under a freed reference's id would be indexed under
+    /// the old signatures at every clear while anything holds it; and until the next
+    /// clear a withdrawn reference (never-share) would keep its buckets (c = 1) from
+    /// pages that could be references. O(kept frames).
     pub fn forget_frame(&mut self, f: FrameId) {
         let groups = self.det.cfg.groups as usize;
         let Ok(i) = self.kept_at(f) else {
@@ -368,23 +368,19 @@ impl SimilarityIndex {
 
     /// Empties `c`'s slots in the buckets of `sigs`: a candidate found to be no reference
     /// any more (DE §4.3's index holds candidates for a cycle; one that was shared or
-    /// stored since would hold its bucket till the next clear). Returns how many slots
-    /// it held there.
-    pub fn evict(&mut self, sigs: &[u32; 8], c: RefPage) -> usize {
+    /// stored since would hold its bucket till the next clear).
+    pub fn evict(&mut self, sigs: &[u32; 8], c: RefPage) {
         if self.slots.is_empty() {
-            return 0;
+            return;
         }
         let packed = c.pack();
-        let mut held = 0;
         for (g, &sig) in sigs.iter().enumerate().take(self.det.cfg.groups as usize) {
             let r = self.bucket(g, sig);
             if let Some(slot) = self.slots[r].iter_mut().find(|s| **s == packed) {
                 *slot = EMPTY;
                 self.len -= 1;
-                held += 1;
             }
         }
-        held
     }
 
     /// Keeps only the kept frames `still` says yes to, and gives back the room left.
