@@ -205,8 +205,9 @@ pub enum DaemonMsg {
         modified: Vec<u64>,
     },
     AgentStats {
-        /// wp, missing, minor faults; state bytes; mappings; run breaks; ahead breaks.
-        faults: [u64; 7],
+        /// wp, missing, minor faults; state bytes; mappings; run breaks; ahead breaks; VMA
+        /// budget.
+        faults: [u64; 8],
         hists: [Vec<(u64, u64)>; 7],
     },
     ClientHello(u32),
@@ -472,6 +473,7 @@ impl DaemonMsg {
                 mappings: faults[4],
                 run_breaks: faults[5],
                 ahead_breaks: faults[6],
+                vma_budget: faults[7],
             }),
             DaemonMsg::ClientHello(v) => ToDaemon::ClientHello { version: *v },
             DaemonMsg::DeviceHello(v, b) => ToDaemon::DeviceHello {

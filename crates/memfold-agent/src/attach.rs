@@ -93,11 +93,13 @@ impl Counters {
     }
 
     /// The counters as the wire carries them, with the agent's record of its pages,
-    /// `state_bytes`, and its process's mappings as counted, `mappings`.
-    fn report(&self, state_bytes: u64, mappings: u64) -> AgentReport {
+    /// `state_bytes`, its process's mappings as counted, `mappings`, and its VMA budget,
+    /// `vma_budget`.
+    fn report(&self, state_bytes: u64, mappings: u64, vma_budget: u64) -> AgentReport {
         AgentReport {
             state_bytes,
             mappings,
+            vma_budget,
             run_breaks: self.run_breaks,
             ahead_breaks: self.ahead_breaks,
             wp_faults: self.wp_faults,
@@ -262,6 +264,7 @@ impl Agent {
             msgs.push(ToDaemon::AgentStats(self.counters.report(
                 self.pages.state_bytes(),
                 crate::vmas::PROCESS.mappings_read(crate::vmas::read_self_maps) as u64,
+                self.vma_budget.get() as u64,
             )));
         }
         for m in msgs {

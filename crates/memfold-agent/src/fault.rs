@@ -185,7 +185,7 @@ impl Agent {
     /// kernel refuses the mapping, breaks the page's whole run instead
     /// ([`Agent::cow_break_run`]), which adds none.
     pub(crate) fn cow_break(&mut self, gfn: Gfn, frame: FrameId) -> io::Result<()> {
-        if !crate::vmas::PROCESS.break_fits(self.vma_budget, crate::vmas::read_self_maps) {
+        if !crate::vmas::PROCESS.break_fits(self.vma_budget.get(), crate::vmas::read_self_maps) {
             return self.cow_break_run(gfn, frame);
         }
         self.copy_frames(gfn, frame, 1)?;
@@ -249,7 +249,7 @@ impl Agent {
         let Some(&(far, _)) = ahead.last() else {
             return;
         };
-        if !crate::vmas::PROCESS.break_fits(self.vma_budget, crate::vmas::read_self_maps) {
+        if !crate::vmas::PROCESS.break_fits(self.vma_budget.get(), crate::vmas::read_self_maps) {
             return;
         }
         let first = if dir > 0 { ahead[0].0 } else { far };

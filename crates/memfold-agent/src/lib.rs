@@ -309,8 +309,8 @@ struct Agent {
     deferred: Vec<Event>,
     remapper: Remapper,
     /// Most mappings (VMAs) shares may bring this process to (all its regions together:
-    /// `vmas.rs`).
-    vma_budget: usize,
+    /// `vmas.rs`), following `vm.max_map_count` as it changes.
+    vma_budget: vmas::Budget,
     /// The operator opted this guest out (memfoldd's `ToAgent::OptedOut`); carried to a
     /// restarted memfoldd in the hello.
     opted_out: bool,
@@ -575,14 +575,10 @@ fn run_region(
     // agent thread that answers its faults never touches it through the mapping. The
     // range is this region's alone: no other agent registers it (one agent per memfd).
     unsafe { uffd.register(base, bytes, rbits::ram_mode(rbits.as_ref())) }?;
-    let max_maps: usize = std::fs::read_to_string("/proc/sys/vm/max_map_count")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(65530);
     // Leave QEMU room for its own mappings (threads, libraries, TCG buffers). The count
     // of mappings it is checked against is the whole process's (`vmas::PROCESS`), so the
     // agents of several regions share one budget.
-    let vma_budget = cfg.vma_budget.unwrap_or(max_maps.saturating_sub(4096));
+    let vma_budget = vmas::Budget::new(cfg.vma_budget, vmas::read_max_map_count, vmas::MAPS_STALE);
     let mut agent = Agent {
         cfg,
         base,

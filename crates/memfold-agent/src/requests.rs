@@ -255,7 +255,8 @@ impl Agent {
         });
         // Checked and reserved against the whole process's mappings,
         // every region's (`vmas.rs`): breaks in any region count against one limit.
-        let admitted = vmas::PROCESS.admit(self.vma_budget, pages.len(), vmas::read_self_maps);
+        let admitted =
+            vmas::PROCESS.admit(self.vma_budget.get(), pages.len(), vmas::read_self_maps);
         if pages.len() > admitted.pages {
             out.refused
                 .extend(pages.drain(admitted.pages..).map(|p| p.0));
@@ -493,8 +494,8 @@ impl Agent {
                 continue;
             }
             if let PageHome::Frame(_) = self.pages.home(g) {
-                let fits =
-                    crate::vmas::PROCESS.break_fits(self.vma_budget, crate::vmas::read_self_maps);
+                let fits = crate::vmas::PROCESS
+                    .break_fits(self.vma_budget.get(), crate::vmas::read_self_maps);
                 // A hole already (punched at the share); punched again in case something
                 // wrote the memfd outside QEMU's mapping, so the page reads zeros.
                 self.punch(g, 1);

@@ -4,7 +4,7 @@
 //! **Invariant (process-wide).** With `M` the mappings (VMAs) of this process and `R`
 //! the room reserved by shares in progress (3 per page), the agents keep
 //! `M + R ≤ budget − budget / 8` for shares (`budget`: `MEMFOLD_VMA_BUDGET`, default
-//! `vm.max_map_count − 4096`): a share is admitted only for as many pages as keep it
+//! `vm.max_map_count − 4096`, followed as it changes: [`Budget`]): a share is admitted only for as many pages as keep it
 //! ([`Vmas::admit`]). A CoW break cannot be refused, and one that maps guest RAM back over
 //! one page of a run of shared pages splits the run's mapping in three (+2). So a break
 //! maps one page back only while `M + R + 2 ≤ budget` ([`Vmas::break_fits`]); past that
@@ -42,7 +42,7 @@ pub(crate) static PROCESS: Vmas = Vmas::new(EXACT_EVERY);
 /// agents' own changes since) before reading `/proc/self/maps` again. Re-read every second
 /// it was still a third of the agents' CPU in a sharing run (perf); QEMU's own mappings
 /// hardly change once it runs, and the 4096 held back from the budget are their room.
-const MAPS_STALE: Duration = Duration::from_secs(10);
+pub(crate) const MAPS_STALE: Duration = Duration::from_secs(10);
 
 /// Shortest time between two reads of `/proc/self/maps` made to refuse a share on an
 /// exact count. At the budget every share request would be refused, and re-reading a
@@ -182,6 +182,57 @@ impl Vmas {
     }
 }
 
+/// Mappings left to QEMU's own use (threads, libraries, TCG buffers) below
+/// `vm.max_map_count`: the budget of shares and breaks is the limit less these.
+pub(crate) const QEMU_OWN: usize = 4096;
+
+/// The VMA budget: fixed (`MEMFOLD_VMA_BUDGET`), or `vm.max_map_count` less
+/// [`QEMU_OWN`], the limit read again when over [`MAPS_STALE`] old, so that a limit the
+/// operator raises while QEMU runs (`memfoldd --max-map-count`, issue 19) lets running
+/// guests map more within seconds. A lowered limit lowers the budget the same way: shares
+/// stop, and breaks past it un-share whole runs (the module docs).
+pub(crate) struct Budget {
+    fixed: Option<usize>,
+    read_limit: fn() -> u64,
+    every: Duration,
+    /// The budget last computed and when the limit was read; `None`: never.
+    last: std::cell::Cell<Option<(usize, Instant)>>,
+}
+
+impl Budget {
+    /// `fixed` if given, else from `read_limit` (the kernel's `vm.max_map_count`), read at
+    /// most once per `every`.
+    pub(crate) fn new(fixed: Option<usize>, read_limit: fn() -> u64, every: Duration) -> Self {
+        Budget {
+            fixed,
+            read_limit,
+            every,
+            last: std::cell::Cell::new(None),
+        }
+    }
+
+    /// Most mappings shares and breaks may bring this process to.
+    pub(crate) fn get(&self) -> usize {
+        if let Some(b) = self.fixed {
+            return b;
+        }
+        if let Some((b, at)) = self.last.get() {
+            if at.elapsed() <= self.every {
+                return b;
+            }
+        }
+        let limit = usize::try_from((self.read_limit)()).unwrap_or(usize::MAX);
+        let b = limit.saturating_sub(QEMU_OWN);
+        self.last.set(Some((b, Instant::now())));
+        b
+    }
+}
+
+/// The kernel's `vm.max_map_count` ([`memfold_sys::max_map_count::read`]).
+pub(crate) fn read_max_map_count() -> u64 {
+    memfold_sys::max_map_count::read()
+}
+
 /// Room reserved for one share ([`Vmas::admit`]); released when dropped.
 pub(crate) struct Admission<'a> {
     vmas: &'a Vmas,
@@ -266,6 +317,31 @@ mod tests {
         assert_eq!(reads.get(), 1);
         assert_eq!(vmas.admit(100, 26, maps).pages, 26);
         assert_eq!(reads.get(), 2);
+    }
+
+    /// Without a fixed budget, the budget follows `vm.max_map_count` (less QEMU's own
+    /// room), read again once the last read is stale: a limit raised while QEMU runs
+    /// admits shares the old one refused.
+    #[test]
+    fn a_raised_limit_admits_shares_the_old_one_refused() {
+        static LIMIT: AtomicUsize = AtomicUsize::new(4096 + 160);
+        let read = || LIMIT.load(Ordering::SeqCst) as u64;
+        let budget = Budget::new(None, read, Duration::ZERO);
+        let vmas = Vmas::new(Duration::ZERO);
+        let maps = || 140;
+        assert_eq!(budget.get(), 160);
+        // Shares stop at 160 − 20 = 140: none admitted.
+        assert_eq!(vmas.admit(budget.get(), 10, maps).pages, 0);
+        LIMIT.store(4096 + 1600, Ordering::SeqCst);
+        assert_eq!(budget.get(), 1600);
+        assert_eq!(vmas.admit(budget.get(), 10, maps).pages, 10);
+        // Read at most once per `every`; a fixed budget is never read.
+        let slow = Budget::new(None, read, Duration::from_secs(3600));
+        assert_eq!(slow.get(), 1600);
+        LIMIT.store(4096 + 10, Ordering::SeqCst);
+        assert_eq!(slow.get(), 1600, "read again only when stale");
+        assert_eq!(budget.get(), 10, "a lowered limit lowers the budget too");
+        assert_eq!(Budget::new(Some(77), read, Duration::ZERO).get(), 77);
     }
 
     /// At the budget, refusals read the mappings at most once per `exact_every`, each

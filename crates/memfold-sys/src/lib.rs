@@ -7,6 +7,7 @@
 //!
 //! | module | what |
 //! |---|---|
+//! | [`max_map_count`] | the kernel's `vm.max_map_count` (the VMA wall): read, and raised only when the operator asks |
 //! | [`memfd`] | memfds: create, positional I/O over a borrowed descriptor, punch holes, count allocated bytes, find data runs (SEEK_DATA/SEEK_HOLE) |
 //! | [`socket`] | a `SOCK_SEQPACKET` Unix socket that carries packets of bytes and file descriptors (SCM_RIGHTS) |
 //! | [`uffd`] | userfaultfd on shmem: register, write-protect, copy, zero-page, continue, events |
@@ -20,6 +21,7 @@
 
 pub mod fence;
 pub mod ksm;
+pub mod max_map_count;
 pub mod memfd;
 pub mod pagemap;
 pub mod pageout;

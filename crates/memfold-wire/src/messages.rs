@@ -175,6 +175,11 @@ pub struct AgentReport {
     /// Shared pages cost mappings; `vm.max_map_count` caps them (issue 19's VMA wall).
     #[serde(default)]
     pub mappings: u64,
+    /// Most mappings the agent lets shares and breaks bring its QEMU to (its VMA budget:
+    /// `vm.max_map_count` less QEMU's own room, or `MEMFOLD_VMA_BUDGET`); shares stop at
+    /// seven eighths of it. 0: an agent that does not say.
+    #[serde(default)]
+    pub vma_budget: u64,
     /// CoW breaks that broke a page's whole run of shared pages (at the VMA budget, where
     /// a one-page break would need two mappings more; each of the run's pages is also a
     /// CoW break).

@@ -224,6 +224,10 @@ pub struct VmStats {
     /// regions of one QEMU report the same process), against `vm.max_map_count`.
     #[serde(default)]
     pub qemu_mappings: u64,
+    /// Its agent's VMA budget, mappings: shares stop at seven eighths of it, and the
+    /// saving goes on without mappings past it (issue 19). 0: not said.
+    #[serde(default)]
+    pub qemu_vma_budget: u64,
     /// CoW breaks its agent made of a whole run of shared pages at the VMA budget
     /// (cumulative; issue 19).
     #[serde(default)]

@@ -25,6 +25,7 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
         host_bytes: v.host_bytes,
         agent_state_bytes: g.map_or(0, |g| g.agent_state_bytes),
         qemu_mappings: g.map_or(0, |g| g.qemu_mappings),
+        qemu_vma_budget: g.map_or(0, |g| g.vma_budget),
         run_breaks: g.map_or(0, |g| g.run_breaks),
         ahead_breaks: g.map_or(0, |g| g.ahead_breaks),
         shared_pages: b.shared_pages,

@@ -239,6 +239,11 @@ pub(crate) struct Guest {
     pub(crate) agent_state_bytes: u64,
     /// Its QEMU's mappings as the agent counts them.
     pub(crate) qemu_mappings: u64,
+    /// Its agent's VMA budget (0: not said).
+    pub(crate) vma_budget: u64,
+    /// A warning that its QEMU is at its VMA budget was logged, and the mappings have
+    /// not fallen under three quarters of it since.
+    pub(crate) vma_warned: bool,
     /// Whole-run CoW breaks at the VMA budget.
     pub(crate) run_breaks: u64,
     /// Pages broken ahead of a sequential writer.
@@ -261,6 +266,8 @@ impl Guest {
             latency: Default::default(),
             agent_state_bytes: 0,
             qemu_mappings: 0,
+            vma_budget: 0,
+            vma_warned: false,
             run_breaks: 0,
             ahead_breaks: 0,
         }
@@ -353,6 +360,24 @@ impl Guests {
         g.minor_faults = r.minor_faults;
         g.agent_state_bytes = r.state_bytes;
         g.qemu_mappings = r.mappings;
+        g.vma_budget = r.vma_budget;
+        match vma_warning(r.mappings, r.vma_budget, g.vma_warned) {
+            Some(true) => {
+                g.vma_warned = true;
+                tracing::warn!(
+                    "{}: its QEMU has {} mappings of a VMA budget of {} (vm.max_map_count {}): \
+                     shares that need a mapping are refused, cold ones go on without one; \
+                     `memfoldd --max-map-count N` raises the limit (~10 000 mappings a GiB \
+                     of guest RAM shared at the mixed set's density; docs/scale.md)",
+                    g.name,
+                    r.mappings,
+                    r.vma_budget,
+                    memfold_sys::max_map_count::read(),
+                );
+            }
+            Some(false) => g.vma_warned = false,
+            None => {}
+        }
         g.run_breaks = r.run_breaks;
         g.ahead_breaks = r.ahead_breaks;
         g.latency = [
@@ -449,6 +474,24 @@ pub(crate) enum Release {
 }
 
 /// Whether process `pid` lives (and is not a zombie).
+/// Whether an agent's report of `mappings` against its VMA `budget` calls for the
+/// at-the-budget warning (`Some(true)`: log it now), ends one (`Some(false)`: the mappings
+/// fell under three quarters of the budget, warn again next time), or neither. Shares stop
+/// at seven eighths of the budget (`memfold-agent`'s `vmas.rs`); the warning comes once an
+/// episode, not once a report. A budget of 0 (an agent that does not say) never warns.
+fn vma_warning(mappings: u64, budget: u64, warned: bool) -> Option<bool> {
+    if budget == 0 {
+        return None;
+    }
+    let at = mappings >= budget - budget / 8;
+    let under = mappings < budget / 4 * 3;
+    match (warned, at, under) {
+        (false, true, _) => Some(true),
+        (true, _, true) => Some(false),
+        _ => None,
+    }
+}
+
 pub(crate) fn process_alive(pid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
         && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -515,6 +558,32 @@ pub(crate) fn holders(dev: u64, ino: u64) -> Option<Vec<u32>> {
 
 #[cfg(test)]
 mod tests {
+    /// The at-the-budget warning comes once when the mappings reach the point where shares
+    /// stop, not again while they stay near it, and again after they fell well under it.
+    #[test]
+    fn the_vma_warning_comes_once_an_episode() {
+        let b = 80_000;
+        assert_eq!(
+            vma_warning(69_999, b, false),
+            None,
+            "under 7/8: shares still made"
+        );
+        assert_eq!(vma_warning(70_000, b, false), Some(true));
+        assert_eq!(vma_warning(71_000, b, true), None, "once, not every report");
+        assert_eq!(vma_warning(65_000, b, true), None, "not yet under 3/4");
+        assert_eq!(vma_warning(59_999, b, true), Some(false));
+        assert_eq!(
+            vma_warning(70_500, b, false),
+            Some(true),
+            "a second episode"
+        );
+        assert_eq!(
+            vma_warning(1 << 40, 0, false),
+            None,
+            "an agent that does not say"
+        );
+    }
+
     use super::*;
     use std::os::fd::{AsFd, AsRawFd};
 

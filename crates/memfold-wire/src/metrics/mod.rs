@@ -37,7 +37,7 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 /// Every metric family the exposition writes, as a scrape shows its samples' names
 /// (counters with `_total`, histograms with `_bucket`/`_sum`/`_count` added to the name
 /// given here).
-pub const METRICS: [&str; 34] = [
+pub const METRICS: [&str; 35] = [
     "memfold_uptime_seconds",
     "memfold_guests",
     "memfold_domains",
@@ -67,6 +67,7 @@ pub const METRICS: [&str; 34] = [
     "memfold_clock_passes_total",
     "memfold_vm_detached",
     "memfold_vm_opted_out",
+    "memfold_qemu_mappings",
     "memfold_entitlement_bytes",
     "memfold_balloon_bytes",
     "memfold_cpu_seconds_total",
@@ -471,6 +472,18 @@ impl Collector for Snapshot {
         )?;
         family(
             e,
+            "memfold_qemu_mappings",
+            "Mappings (VMAs) of the guest's QEMU as its agent counts them (an upper bound), and its VMA budget (vm.max_map_count less 4096; shares that need a mapping stop at 7/8 of it: issue 19's wall).",
+            None,
+            per_vm_by(vms, "kind", |v| {
+                [
+                    ("counted", Gauge(v.qemu_mappings as f64)),
+                    ("budget", Gauge(v.qemu_vma_budget as f64)),
+                ]
+            }),
+        )?;
+        family(
+            e,
             "memfold_entitlement",
             "Sharing entitlement (Satori 4.2): the guest's part of what sharing saves, sum over its shared pages of (rank - 1) / rank pages.",
             Some(Unit::Bytes),
@@ -586,6 +599,8 @@ mod tests {
                     cow_breaks: 3,
                     wp_faults: 7,
                     agent_cpu_s: 1.5,
+                    qemu_mappings: 5_200,
+                    qemu_vma_budget: 61_434,
                     nru_pages: [1, 2, 3, 4],
                     entitlement_pages: 30.5,
                     balloon_target_bytes: Some(3 << 20),
@@ -612,6 +627,11 @@ mod tests {
     #[test]
     fn exposition_names_labels_and_units() {
         let text = sample().exposition();
+        assert!(
+            text.contains("memfold_qemu_mappings{vm=\"web\",kind=\"counted\"} 5200.0\n")
+                && text.contains("memfold_qemu_mappings{vm=\"web\",kind=\"budget\"} 61434.0\n"),
+            "{text}"
+        );
         assert!(text.ends_with("# EOF\n"), "{text}");
         assert!(
             text.contains("# TYPE memfold_host_memory_bytes gauge\n"),
