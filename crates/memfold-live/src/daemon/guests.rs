@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
 use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use memfold_core::ids::VmId;
 use memfold_wire::{
@@ -244,6 +245,8 @@ pub(crate) struct Guest {
     /// A warning that its QEMU is at its VMA budget was logged, and the mappings have
     /// not fallen under three quarters of it since.
     pub(crate) vma_warned: bool,
+    /// When that warning was last logged.
+    pub(crate) vma_warned_at: Option<Instant>,
     /// Whole-run CoW breaks at the VMA budget.
     pub(crate) run_breaks: u64,
     /// Pages broken ahead of a sequential writer.
@@ -268,6 +271,7 @@ impl Guest {
             qemu_mappings: 0,
             vma_budget: 0,
             vma_warned: false,
+            vma_warned_at: None,
             run_breaks: 0,
             ahead_breaks: 0,
         }
@@ -361,9 +365,11 @@ impl Guests {
         g.agent_state_bytes = r.state_bytes;
         g.qemu_mappings = r.mappings;
         g.vma_budget = r.vma_budget;
-        match vma_warning(r.mappings, r.vma_budget, g.vma_warned) {
+        let since = g.vma_warned_at.map(|t| t.elapsed());
+        match vma_warning(r.mappings, r.vma_budget, g.vma_warned, since) {
             Some(true) => {
                 g.vma_warned = true;
+                g.vma_warned_at = Some(Instant::now());
                 tracing::warn!(
                     "{}: its QEMU has {} mappings of a VMA budget of {} (vm.max_map_count {}): \
                      shares that need a mapping are refused, cold ones go on without one; \
@@ -473,25 +479,33 @@ pub(crate) enum Release {
     Unmapped,
 }
 
-/// Whether process `pid` lives (and is not a zombie).
+/// Shortest time between two at-the-budget warnings of one guest: its agent (inside an
+/// untrusted QEMU) says what its mappings are, and one that swings them around the
+/// threshold must not flood memfoldd's log.
+const VMA_WARN_EVERY: Duration = Duration::from_secs(60);
+
 /// Whether an agent's report of `mappings` against its VMA `budget` calls for the
 /// at-the-budget warning (`Some(true)`: log it now), ends one (`Some(false)`: the mappings
 /// fell under three quarters of the budget, warn again next time), or neither. Shares stop
 /// at seven eighths of the budget (`memfold-agent`'s `vmas.rs`); the warning comes once an
-/// episode, not once a report. A budget of 0 (an agent that does not say) never warns.
-fn vma_warning(mappings: u64, budget: u64, warned: bool) -> Option<bool> {
+/// episode, not once a report, and at most once per [`VMA_WARN_EVERY`] (`since`: the time
+/// since the guest's last warning, `None` if never). A budget of 0 (an agent that does
+/// not say) never warns.
+fn vma_warning(mappings: u64, budget: u64, warned: bool, since: Option<Duration>) -> Option<bool> {
     if budget == 0 {
         return None;
     }
     let at = mappings >= budget - budget / 8;
     let under = mappings < budget / 4 * 3;
+    let due = since.is_none_or(|d| d >= VMA_WARN_EVERY);
     match (warned, at, under) {
-        (false, true, _) => Some(true),
+        (false, true, _) if due => Some(true),
         (true, _, true) => Some(false),
         _ => None,
     }
 }
 
+/// Whether process `pid` lives (and is not a zombie).
 pub(crate) fn process_alive(pid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
         && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -563,22 +577,34 @@ mod tests {
     #[test]
     fn the_vma_warning_comes_once_an_episode() {
         let b = 80_000;
+        let long = Some(VMA_WARN_EVERY);
         assert_eq!(
-            vma_warning(69_999, b, false),
+            vma_warning(69_999, b, false, None),
             None,
             "under 7/8: shares still made"
         );
-        assert_eq!(vma_warning(70_000, b, false), Some(true));
-        assert_eq!(vma_warning(71_000, b, true), None, "once, not every report");
-        assert_eq!(vma_warning(65_000, b, true), None, "not yet under 3/4");
-        assert_eq!(vma_warning(59_999, b, true), Some(false));
+        assert_eq!(vma_warning(70_000, b, false, None), Some(true));
         assert_eq!(
-            vma_warning(70_500, b, false),
+            vma_warning(71_000, b, true, long),
+            None,
+            "once, not every report"
+        );
+        assert_eq!(
+            vma_warning(65_000, b, true, long),
+            None,
+            "not yet under 3/4"
+        );
+        assert_eq!(vma_warning(59_999, b, true, long), Some(false));
+        assert_eq!(
+            vma_warning(70_500, b, false, long),
             Some(true),
             "a second episode"
         );
+        // An agent swinging its count around the threshold: not more than once a minute.
+        let soon = Some(VMA_WARN_EVERY / 2);
+        assert_eq!(vma_warning(70_500, b, false, soon), None);
         assert_eq!(
-            vma_warning(1 << 40, 0, false),
+            vma_warning(1 << 40, 0, false, None),
             None,
             "an agent that does not say"
         );
