@@ -214,36 +214,14 @@ fn an_opted_out_guest_has_every_page_taken_back_and_none_merged_again() {
 
 /// Opted out and back in, a guest has each mechanism take its pages again, patches
 /// included: its near-duplicates find a new reference frame after the opt-out freed the
-/// old ones. The data of memfold-live's opt-out test, by `g % 5`: zeros, one random page,
-/// near-duplicates of it, text, random.
+/// old ones. The data of memfold-live's opt-out test
+/// ([`memfold_core::sim::every_mechanism_pages`]): zeros, one random page, near-duplicates
+/// of it, text, random.
 #[test]
 fn an_opted_in_guest_has_every_mechanism_take_its_pages_again() {
-    use rand::{rngs::SmallRng, Rng, SeedableRng};
     const N: u32 = 320;
     let mut r = Rig::new(de_config(), N).unwrap();
-    let mut rng = SmallRng::seed_from_u64(11);
-    let mut base = vec![0u8; PAGE_SIZE];
-    rng.fill(&mut base[..]);
-    let want: Vec<Vec<u8>> = (0..N as usize)
-        .map(|g| {
-            let mut p = vec![0u8; PAGE_SIZE];
-            match g % 5 {
-                0 => {}
-                1 => p.copy_from_slice(&base),
-                2 => {
-                    p.copy_from_slice(&base);
-                    p[g % PAGE_SIZE] ^= 0x5a;
-                    p[(g * 7) % PAGE_SIZE] ^= 0xa5;
-                }
-                3 => {
-                    let words = format!("text page {g} of the opt-in test, ");
-                    p = words.bytes().cycle().take(PAGE_SIZE).collect();
-                }
-                _ => rng.fill(&mut p[..]),
-            }
-            p
-        })
-        .collect();
+    let want = memfold_core::sim::every_mechanism_pages(N as usize, 11);
     for (g, p) in want.iter().enumerate() {
         r.agent.write(Gfn(g as u32), 0, p).unwrap();
     }

@@ -24,7 +24,8 @@ use std::os::unix::fs::FileExt;
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use common::{fast_engine, start_agent, start_memfoldd, texty, wait_for, GuestRam, PAGE};
+use common::{fast_engine, start_agent, start_memfoldd, wait_for, GuestRam, PAGE};
+use memfold_core::sim::texty;
 use memfold_core::Policy;
 use memfold_live::query_stats;
 use rand::{rngs::SmallRng, Rng, SeedableRng};

@@ -12,7 +12,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{fast_engine, start_agent, start_memfoldd, texty, wait_for, GuestRam, PAGE};
+use common::{fast_engine, start_agent, start_memfoldd, wait_for, GuestRam, PAGE};
+use memfold_core::sim::texty;
 use memfold_core::EngineConfig;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 

@@ -31,7 +31,8 @@ use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{fast_engine, start_agent, start_memfoldd, texty, GuestRam, PAGE};
+use common::{fast_engine, start_agent, start_memfoldd, GuestRam, PAGE};
+use memfold_core::sim::texty;
 use memfold_core::{CompressCodec, EngineConfig};
 use memfold_live::query_stats;
 use rand::{rngs::SmallRng, Rng, SeedableRng};

@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use common::{
     attached, daemon_config, every_mechanism, fast_engine, fill_every_mechanism, managed,
-    start_agent, start_memfoldd, start_stoppable_memfoldd, texty, vm_named, wait_for, GuestRam,
-    PAGE,
+    start_agent, start_memfoldd, start_stoppable_memfoldd, vm_named, wait_for, GuestRam, PAGE,
 };
+use memfold_core::sim::texty;
 use memfold_live::daemon;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 

@@ -14,9 +14,10 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::{
-    attached, daemon_config, fast_engine, start_agent, start_stoppable_memfoldd, texty, wait_for,
+    attached, daemon_config, fast_engine, start_agent, start_stoppable_memfoldd, wait_for,
     GuestRam, PAGE,
 };
+use memfold_core::sim::texty;
 use memfold_live::daemon;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 

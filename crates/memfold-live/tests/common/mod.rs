@@ -18,7 +18,7 @@ use memfold_live::daemon::{self, DaemonConfig, DomainRule};
 use memfold_live::query_stats;
 use memfold_sys::memfd;
 use memfold_wire::stats::{Stats, VmStats};
-use rand::{rngs::SmallRng, Rng, SeedableRng};
+use rand::{rngs::SmallRng, Rng};
 
 /// Bytes in a guest page.
 pub const PAGE: usize = 4096;
@@ -273,40 +273,12 @@ pub fn wait_for(
     }
 }
 
-/// A page of text-like bytes that LZ4 and zstd compress well below the cut-off.
-pub fn texty(rng: &mut SmallRng, out: &mut [u8]) {
-    let words: [&[u8]; 6] = [
-        b"memory ", b"page ", b"guest ", b"frame ", b"share ", b"0x1f ",
-    ];
-    let mut i = 0;
-    while i < out.len() {
-        let w = words[rng.gen_range(0..words.len())];
-        let n = w.len().min(out.len() - i);
-        out[i..i + n].copy_from_slice(&w[..n]);
-        i += n;
-    }
-}
-
-/// Fills every page of `ram` with data each mechanism takes, by `g % 5`: zeros, copies of
-/// one random page (shared), near-copies with two bytes changed (patched), text
-/// (compressed), random (none). Returns what each page holds.
+/// Fills every page of `ram` with data each mechanism takes
+/// ([`memfold_core::sim::every_mechanism_pages`]: zeros, copies of one random page,
+/// near-copies, text, random, by `g % 5`). Returns what each page holds.
 pub fn fill_every_mechanism(ram: &GuestRam, seed: u64) -> Vec<Vec<u8>> {
-    let mut rng = SmallRng::seed_from_u64(seed);
-    let mut base = vec![0u8; PAGE];
-    rng.fill(&mut base[..]);
-    let mut want = vec![vec![0u8; PAGE]; ram.pages];
-    for (g, p) in want.iter_mut().enumerate() {
-        match g % 5 {
-            0 => {}
-            1 => p.copy_from_slice(&base),
-            2 => {
-                p.copy_from_slice(&base);
-                p[g % PAGE] ^= 0x5a;
-                p[(g * 7) % PAGE] ^= 0xa5;
-            }
-            3 => texty(&mut rng, p),
-            _ => rng.fill(&mut p[..]),
-        }
+    let want = memfold_core::sim::every_mechanism_pages(ram.pages, seed);
+    for (g, p) in want.iter().enumerate() {
         ram.write(g, 0, p);
     }
     want
