@@ -130,23 +130,18 @@ mod tests {
     #[test]
     fn a_lower_limit_is_raised_and_a_higher_one_left() {
         let (_d, p) = file("65530\n");
-        assert_eq!(
-            raise_at(&p, 1_000_000).unwrap(),
-            Raised {
-                was: 65_530,
-                now: 1_000_000
-            }
-        );
-        assert_eq!(read_at(&p).unwrap(), 1_000_000);
-        // Never lowered: a smaller ask leaves it.
-        assert_eq!(
-            raise_at(&p, 100_000).unwrap(),
-            Raised {
-                was: 1_000_000,
-                now: 1_000_000
-            }
-        );
-        assert_eq!(read_at(&p).unwrap(), 1_000_000);
+        // (asked, was, now): never lowered, a smaller ask leaves it.
+        for (asked, was, now) in [
+            (1_000_000, 65_530, 1_000_000),
+            (100_000, 1_000_000, 1_000_000),
+        ] {
+            assert_eq!(
+                raise_at(&p, asked).unwrap(),
+                Raised { was, now },
+                "asked {asked}"
+            );
+            assert_eq!(read_at(&p).unwrap(), now);
+        }
     }
 
     #[test]

@@ -576,33 +576,26 @@ mod tests {
     /// stop, not again while they stay near it, and again after they fell well under it.
     #[test]
     fn the_vma_warning_comes_once_an_episode() {
-        let b = 80_000;
-        let long = Some(VMA_WARN_EVERY);
-        assert_eq!(
-            vma_warning(69_999, b, false, None),
-            None,
-            "under 7/8: shares still made"
-        );
-        assert_eq!(vma_warning(70_000, b, false, None), Some(true));
-        assert_eq!(
-            vma_warning(71_000, b, true, long),
-            None,
-            "once, not every report"
-        );
-        assert_eq!(
-            vma_warning(65_000, b, true, long),
-            None,
-            "not yet under 3/4"
-        );
-        assert_eq!(vma_warning(59_999, b, true, long), Some(false));
-        assert_eq!(
-            vma_warning(70_500, b, false, long),
-            Some(true),
-            "a second episode"
-        );
-        // An agent swinging its count around the threshold: not more than once a minute.
-        let soon = Some(VMA_WARN_EVERY / 2);
-        assert_eq!(vma_warning(70_500, b, false, soon), None);
+        let (long, soon) = (Some(VMA_WARN_EVERY), Some(VMA_WARN_EVERY / 2));
+        // (mappings of a budget of 80 000, warned already, since the last warning, verdict)
+        let cases = [
+            (69_999, false, None, None, "under 7/8: shares still made"),
+            (70_000, false, None, Some(true), "at 7/8: shares stop"),
+            (71_000, true, long, None, "once, not every report"),
+            (65_000, true, long, None, "not yet under 3/4"),
+            (59_999, true, long, Some(false), "the episode ends"),
+            (70_500, false, long, Some(true), "a second episode"),
+            (
+                70_500,
+                false,
+                soon,
+                None,
+                "an agent swinging its count: once a minute",
+            ),
+        ];
+        for (mappings, warned, since, want, why) in cases {
+            assert_eq!(vma_warning(mappings, 80_000, warned, since), want, "{why}");
+        }
         assert_eq!(
             vma_warning(1 << 40, 0, false, None),
             None,
