@@ -578,7 +578,11 @@ fn run_region(
     // Leave QEMU room for its own mappings (threads, libraries, TCG buffers). The count
     // of mappings it is checked against is the whole process's (`vmas::PROCESS`), so the
     // agents of several regions share one budget.
-    let vma_budget = vmas::Budget::new(cfg.vma_budget, vmas::read_max_map_count, vmas::MAPS_STALE);
+    let vma_budget = vmas::Budget::new(
+        cfg.vma_budget,
+        memfold_sys::max_map_count::read,
+        vmas::MAPS_STALE,
+    );
     let mut agent = Agent {
         cfg,
         base,

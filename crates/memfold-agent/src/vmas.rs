@@ -228,11 +228,6 @@ impl Budget {
     }
 }
 
-/// The kernel's `vm.max_map_count` ([`memfold_sys::max_map_count::read`]).
-pub(crate) fn read_max_map_count() -> u64 {
-    memfold_sys::max_map_count::read()
-}
-
 /// Room reserved for one share ([`Vmas::admit`]); released when dropped.
 pub(crate) struct Admission<'a> {
     vmas: &'a Vmas,
