@@ -252,6 +252,9 @@ fn plot_points(path: &Path, points: &[Point], x: Axis) -> Result<()> {
             "metadata, % of guest RAM (engine books + agents' page records; memfoldd RSS)",
             vec![
                 line("books + agents", |p| Some(p.metadata_pct)),
+                line("books + agents, most in the 2nd half", |p| {
+                    Some(p.metadata_late_max_pct)
+                }),
                 line("memfoldd RSS", |p| Some(p.memfoldd_rss_pct)),
             ],
         ),

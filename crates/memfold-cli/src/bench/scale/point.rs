@@ -41,6 +41,10 @@ pub struct Point {
     /// Engine metadata + the agents' page records at the end, % of guest RAM (ESX §4.3:
     /// under 0.5%).
     pub metadata_pct: f64,
+    /// The largest of the same over the second half of the run's samples (one a second),
+    /// % of guest RAM: the end's figure depends on the full scan under way (its hints),
+    /// this one holds at every reading of the steady state.
+    pub metadata_late_max_pct: f64,
     /// The engine's metadata at the end, bytes.
     pub engine_metadata_bytes: u64,
     /// That by structure (P2M and per-page bytes, frames, share table, similarity
@@ -81,7 +85,7 @@ pub type Cost = (&'static str, fn(&Point) -> Option<f64>);
 
 impl Point {
     /// The costs whose growth `scale.csv` lists and whose slopes `scale.json` gives.
-    pub const COSTS: [Cost; 17] = [
+    pub const COSTS: [Cost; 18] = [
         ("memfold_used_before_mib", |p| {
             Some(p.memfold_used_before_mib)
         }),
@@ -95,6 +99,7 @@ impl Point {
         ("ksm_cpu_s_per_gib_saved", |p| p.ksm_cpu_s_per_gib_saved),
         ("scan_gib_per_cpu_s", |p| p.scan_gib_per_cpu_s),
         ("metadata_pct", |p| Some(p.metadata_pct)),
+        ("metadata_late_max_pct", |p| Some(p.metadata_late_max_pct)),
         ("memfoldd_rss_mib", |p| {
             Some(p.memfoldd_rss_bytes as f64 / MIB)
         }),
@@ -127,6 +132,17 @@ impl Point {
         let engine_metadata_bytes = end.map_or(0, |s| s.stats.metadata_bytes);
         let agent_state_bytes: u64 =
             end.map_or(0, |s| s.stats.vms.iter().map(|v| v.agent_state_bytes).sum());
+        let metadata = |s: &crate::run::measure::Sample| {
+            s.stats.metadata_bytes + s.stats.vms.iter().map(|v| v.agent_state_bytes).sum::<u64>()
+        };
+        let half = end.map_or(0.0, |s| s.t / 2.0);
+        let metadata_late_max = m
+            .samples
+            .iter()
+            .filter(|s| s.t >= half)
+            .map(metadata)
+            .max()
+            .unwrap_or(0);
         let memfoldd_rss_bytes = m
             .samples
             .iter()
@@ -164,6 +180,7 @@ impl Point {
             scanned_gib,
             scan_gib_per_cpu_s: (daemon_cpu > 0.0).then(|| scanned_gib / daemon_cpu),
             metadata_pct: (engine_metadata_bytes + agent_state_bytes) as f64 / ram * 100.0,
+            metadata_late_max_pct: metadata_late_max as f64 / ram * 100.0,
             engine_metadata_bytes,
             engine_metadata_by: end.map_or(Default::default(), |s| s.stats.metadata_by),
             agent_state_bytes,
@@ -187,7 +204,7 @@ impl Point {
     /// One line saying the point, for stderr as the sweep goes.
     pub fn line(&self) -> String {
         format!(
-            "  {} × {} MiB: memfold saved {:.1}% of {:.1} MiB ({:.2} CPU s/GiB saved){}; metadata {:.3}% of guest RAM, memfoldd RSS {:.1} MiB, most mappings in a QEMU {}",
+            "  {} × {} MiB: memfold saved {:.1}% of {:.1} MiB ({:.2} CPU s/GiB saved){}; metadata {:.3}% of guest RAM (at most {:.3}% in the second half), memfoldd RSS {:.1} MiB, most mappings in a QEMU {}",
             self.guests,
             self.mem_mib,
             self.memfold_saved_pct,
@@ -196,6 +213,7 @@ impl Point {
             self.ksm_saved_pct
                 .map_or(String::new(), |k| format!("; KSM saved {k:.1}%")),
             self.metadata_pct,
+            self.metadata_late_max_pct,
             self.memfoldd_rss_bytes as f64 / MIB,
             self.max_qemu_mappings
         )
@@ -244,12 +262,12 @@ mod tests {
 
     #[test]
     fn a_point_takes_totals_at_the_end_and_peaks_over_the_run() {
-        let sample = |t: f64, rss: u64, maps: u64| Sample {
+        let sample = |t: f64, rss: u64, maps: u64, meta_mib: u64| Sample {
             t,
             used_bytes: 0,
             stats: Stats {
                 cpu_s: 2.0,
-                metadata_bytes: 1 << 20,
+                metadata_bytes: meta_mib << 20,
                 rss_bytes: rss,
                 vms: vec![
                     vm("tiny-1", 10, 262_144, 3 << 20, maps),
@@ -274,7 +292,11 @@ mod tests {
             used_before: 512 << 20,
             saved_bytes: (256u64 << 20) as f64,
             cpu_s: 4.0,
-            samples: vec![sample(1.0, 50 << 20, 900), sample(2.0, 40 << 20, 300)],
+            samples: vec![
+                sample(1.0, 50 << 20, 900, 3),
+                sample(4.0, 45 << 20, 300, 2),
+                sample(5.0, 40 << 20, 300, 1),
+            ],
             ..MemfoldRun::default()
         };
         let p = Point::new(2, 512, &m, None, Some(65_530.0));
@@ -300,6 +322,12 @@ mod tests {
             (p.metadata_pct - 7.0 / 1024.0 * 100.0).abs() < 1e-9,
             "{}",
             p.metadata_pct
+        );
+        // The second half (t ≥ 2.5 s): 2 MiB of books at 4 s, not the 3 MiB at 1 s.
+        assert!(
+            (p.metadata_late_max_pct - 8.0 / 1024.0 * 100.0).abs() < 1e-9,
+            "{}",
+            p.metadata_late_max_pct
         );
         assert_eq!((p.share_p50_us, p.share_p99_us), (Some(7.0), Some(70.0)));
         assert_eq!(p.cow_break_p99_us, None, "nothing timed");
