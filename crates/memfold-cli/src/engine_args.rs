@@ -36,6 +36,12 @@ pub struct EngineArgs {
     /// KSM's smart scan skips pages that did not merge); 1 reads every page every scan.
     #[arg(long, default_value_t = defaults().quiet_scan_period)]
     pub quiet_scan_period: u32,
+    /// Hash intervals the share table keeps quiet pages' hints in, one a full scan (odd,
+    /// 1..=15; DE §4.3's passes): about 1/N of their hints held, two quiet duplicates
+    /// found within N × the quiet period scans; pages new or changed lately are hinted in
+    /// every scan. 1: no partitioning.
+    #[arg(long, default_value_t = defaults().share_passes)]
+    pub share_passes: u32,
     /// NRU clock (DE §4.2): seconds for its hand to pass over each guest once (R/M
     /// tracking by minor and write-protect faults); 0: off. Default: 4 s when the policy
     /// patches or compresses or --host-budget-mib is given, else off.
@@ -232,6 +238,7 @@ impl EngineArgs {
             min_scan_interval_us: self.min_scan_interval_ms * 1000,
             max_scan_interval_us: self.max_scan_interval_ms.max(self.min_scan_interval_ms) * 1000,
             quiet_scan_period: self.quiet_scan_period,
+            share_passes: self.share_passes,
             clock_interval_us: (clock > 0.0).then_some((clock * 1e6) as u64),
             clock_rearm_max: self.clock_rearm_max,
             similarity_per_offered: self.similarity_per_offered,
@@ -268,6 +275,7 @@ impl EngineArgs {
             self.max_scan_interval_ms.to_string(),
         );
         opt("--quiet-scan-period", self.quiet_scan_period.to_string());
+        opt("--share-passes", self.share_passes.to_string());
         opt("--clock-secs", self.clock_interval_s().to_string());
         opt("--clock-rearm-max", self.clock_rearm_max.to_string());
         opt(

@@ -22,9 +22,11 @@ pub enum ShareEntry {
 /// never share different pages. Chains are bounded ([`Self::MAX_CHAIN`]): a page whose hash
 /// chain is full is ineligible, as ESX treats a page with a false match.
 ///
-/// With partitioning (DE §4.3, after Kloster et al.), only pages whose hash falls into the
-/// current pass's interval are inserted, and the table is emptied after each pass, so it
-/// holds at most about 1/`passes` of memory.
+/// With partitioning (DE §4.3, after Kloster et al.: memory processed in `passes` hash
+/// intervals), the caller hints a quiet page only in the full scans whose interval holds
+/// its hash ([`Self::in_current_pass`]), so the hints of quiet pages take about
+/// 1/`passes` of the room. Unlike DE, shared entries stay across passes: they are one a
+/// frame (few), and a page equal to a frame is shared in whichever scan reads it.
 pub struct ShareTable {
     table: HashTable<u64>,
     passes: u32,
@@ -77,7 +79,10 @@ impl ShareTable {
     /// Longest chain of entries with the same 32-bit hash tag.
     pub const MAX_CHAIN: usize = 8;
 
-    /// A table processing memory in `passes` hash intervals (1 = no partitioning; DE used 5).
+    /// A table processing quiet pages' hints in `passes` hash intervals, one a full scan
+    /// (1 = no partitioning; DE used 5). Odd `passes` (the engine checks it) cycle
+    /// through every interval within the scans where the scan reads every page
+    /// (multiples of 8, `engine::scan`), so any two quiet duplicates meet.
     pub fn new(passes: u32) -> Self {
         ShareTable {
             table: HashTable::new(),
@@ -134,8 +139,8 @@ impl ShareTable {
         }
     }
 
-    /// Ends a pass: drops every hint, and with partitioning every entry (returning the shared
-    /// frames dropped so the caller can clear their flags). Moves to the next hash interval.
+    /// Ends a pass (a full scan): drops every hint, keeps the shared entries, and moves
+    /// to the next hash interval.
     ///
     /// The table then shrinks to what is left (issue 19, metadata). The first full scans
     /// hint nearly every private page; later ones hint only the pages they read, and the
@@ -143,22 +148,11 @@ impl ShareTable {
     /// times the buckets its entries needed (131 072 buckets for 9 936–13 415 entries
     /// through a 240 s db + py run, docs/metadata.md). The next scan grows it again as
     /// it hints; the rehash is one pass over the entries left, once a full scan.
-    pub fn end_pass(&mut self) -> Vec<FrameId> {
-        let mut dropped = Vec::new();
-        if self.passes > 1 {
-            for &v in self.table.iter() {
-                if let ShareEntry::Shared(f) = unpack(v) {
-                    dropped.push(f);
-                }
-            }
-            self.table.clear();
-        } else {
-            self.table
-                .retain(|v| matches!(unpack(*v), ShareEntry::Shared(_)));
-        }
+    pub fn end_pass(&mut self) {
+        self.table
+            .retain(|v| matches!(unpack(*v), ShareEntry::Shared(_)));
         self.table.shrink_to(0, entry_hash);
         self.pass = (self.pass + 1) % self.passes;
-        dropped
     }
 
     /// Hash intervals per cycle.
@@ -233,7 +227,7 @@ mod tests {
         }
         assert!(!t.insert(h, ShareEntry::Hint(Gpn(999))), "chain bound");
         // End of pass keeps shared entries, drops hints.
-        assert!(t.end_pass().is_empty());
+        t.end_pass();
         assert_eq!(t.len(), 1);
     }
 
@@ -283,5 +277,24 @@ mod tests {
             t.end_pass();
         }
         assert!(seen.iter().all(|&n| n == 1));
+        assert_eq!(t.pass(), 0, "the cycle is over");
+    }
+
+    /// A shared entry outlives the pass it was made in, with partitioning too: a page
+    /// equal to a frame is shared in any scan, not only its interval's.
+    #[test]
+    fn shared_entries_outlive_every_pass_hints_do_not() {
+        let mut t = ShareTable::new(5);
+        let h = 0x1234_5678_9abc_def0;
+        assert!(t.insert(h, ShareEntry::Shared(FrameId(4))));
+        assert!(t.insert(h ^ (1 << 40), ShareEntry::Hint(Gpn(9))));
+        for _ in 0..7 {
+            t.end_pass();
+            assert_eq!(
+                t.lookup(h).collect::<Vec<_>>(),
+                [ShareEntry::Shared(FrameId(4))]
+            );
+        }
+        assert_eq!(t.len(), 1);
     }
 }

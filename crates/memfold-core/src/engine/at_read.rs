@@ -158,7 +158,7 @@ impl Engine {
                     self.vms[&id].domain == d && self.vms[&id].state(g) == PageState::Private
                 })
             });
-            if let Some(dom) = self.domains.get_mut(&d).filter(|x| x.share.passes() == 1) {
+            if let Some(dom) = self.domains.get_mut(&d) {
                 for &(h, gpn) in ring.iter() {
                     let e = ShareEntry::Hint(gpn);
                     if !dom.share.lookup(h).any(|x| x == e) {

@@ -97,6 +97,16 @@ pub struct EngineConfig {
     /// (on by default since 6.7) skips pages that did not merge, up to 8 scans
     /// (`scan.rs`). 8, the default.
     pub quiet_scan_period: u32,
+    /// Hash intervals the hints of quiet pages are kept in, one a full scan (DE §4.3's
+    /// "multiple passes", after Kloster et al.; [`crate::share::ShareTable`]): odd, 1..=15
+    /// (odd, so the intervals cycle through the scans that read every page, multiples of
+    /// [`Self::quiet_scan_period`]). A page read in its first scans since it changed
+    /// (quiet age under 3) is hinted in every scan, so new sharing is found as soon as
+    /// without partitioning; a quiet page only in its interval's scans: the table holds
+    /// about 1/passes of the quiet pages' hints (issue 19, metadata), and two quiet
+    /// duplicates meet within passes × the quiet period scans. Shared frames are in the
+    /// table in every scan. 1 (no partitioning), the default.
+    pub share_passes: u32,
     /// Time for the NRU clock's hand to pass over each guest once, µs (DE §4.2: ≥ 4 s);
     /// `None`: no clock, so no R/M tracking faults and sharing alone.
     pub clock_interval_us: Option<u64>,
@@ -187,6 +197,7 @@ impl Default for EngineConfig {
             min_scan_interval_us: 1_000_000,
             max_scan_interval_us: 8_000_000,
             quiet_scan_period: 8,
+            share_passes: 1,
             clock_interval_us: Some(4_000_000),
             clock_rearm_max: 64,
             similarity_per_offered: 2,
@@ -232,6 +243,9 @@ pub enum ConfigError {
     /// A quiet-page period other than 1, 2, 4 or 8 scans.
     #[error("quiet pages read every {0} scans: give 1, 2, 4 or 8")]
     QuietScanPeriod(u32),
+    /// Share passes even or out of 1..=15.
+    #[error("share table in {0} passes: give an odd number from 1 to 15")]
+    SharePasses(u32),
     /// A wait target outside (0, 100) percent.
     #[error("wait target of {0}%: give more than 0 and less than 100")]
     WaitTarget(String),
@@ -260,6 +274,9 @@ impl EngineConfig {
         }
         if ![1, 2, 4, 8].contains(&self.quiet_scan_period) {
             return Err(ConfigError::QuietScanPeriod(self.quiet_scan_period));
+        }
+        if self.share_passes % 2 == 0 || self.share_passes > 15 {
+            return Err(ConfigError::SharePasses(self.share_passes));
         }
         if self.clock_interval_us.is_none() {
             if self.policy.needs_clock() {
@@ -305,5 +322,13 @@ mod tests {
             with(&|c| c.clock_rearm_max = 65),
             Err(ConfigError::ClockRearm(65))
         );
+        for k in [1, 5, 15] {
+            assert_eq!(with(&|c| c.share_passes = k), Ok(()));
+        }
+        for k in [0, 2, 4, 17] {
+            let e = with(&|c| c.share_passes = k).unwrap_err();
+            assert_eq!(e, ConfigError::SharePasses(k));
+            assert!(e.to_string().contains("odd"), "{e}");
+        }
     }
 }

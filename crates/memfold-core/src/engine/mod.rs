@@ -509,7 +509,7 @@ impl Engine {
                 pool,
                 frames: FrameTable::new(),
                 adopted: false,
-                share: ShareTable::new(1),
+                share: ShareTable::new(self.cfg.share_passes),
                 zero_frame: None,
                 similar: SimilarityIndex::new(det),
                 similar_cleared_us: now,
