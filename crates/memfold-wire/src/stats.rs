@@ -152,7 +152,7 @@ pub struct MetadataBy {
     pub pages: u64,
     /// The pools' frame books.
     pub frames: u64,
-    /// The share tables (shared frames and the current scan's hints).
+    /// The share tables (shared frames, the current scan's hints, hints kept across scans).
     pub share_table: u64,
     /// The similarity indexes.
     pub similarity: u64,

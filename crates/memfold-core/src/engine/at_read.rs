@@ -30,13 +30,22 @@ use crate::{Page, PAGE_SIZE};
 /// hint from a peer, and one peer must not hold the engine's loop).
 pub const MAX_LANDED: usize = 4096;
 
-/// Hints of landed pages kept across full scans, per domain, at most: the latest
-/// landings (16 bytes each). The scan's hints live one full scan (ESX §4.3: a hint is
-/// only good until the page may have changed); a page the disk filled is reported again
-/// if it changes by another read, and its twin often lands seconds later in another
-/// guest — after the next pass began. Without these, most reads find no twin
-/// (measured by `memfold bench read-share`: 61 of 2 048 pages shared at read).
-pub const LANDED_HINTS: usize = 1 << 16;
+/// Hints kept across full scans, per domain, at most (16 bytes each; the latest kept).
+/// The scan's hints live one full scan (ESX §4.3: a hint is only good until the page
+/// may have changed). Two kinds outlive it:
+/// - landed pages: a page the disk filled is reported again if it changes by another
+///   read, and its twin often lands seconds later in another guest — after the next
+///   pass began. Without these, most reads find no twin (measured by `memfold bench
+///   read-share`: 61 of 2 048 pages shared at read);
+/// - with partitioned hints (`share_passes` > 1), the hinted page of a pair the scan
+///   left to the clock (both cold by a class found before the scan read them:
+///   `Identical::Defer`): the clock's slice, which shares them, may come scans later,
+///   and a quiet page is hinted only one scan in 8 × `share_passes` (`scan.rs`).
+///   Without these, with 5 passes, the cold pairs of `engine::unmapped`'s tests stayed
+///   private.
+///
+/// A kept hint is dropped once its page is no longer private.
+pub const KEPT_HINTS: usize = 1 << 16;
 
 /// A share made at read that a write undid within this long (µs) was not worth its two
 /// round trips (the share and the CoW break): the page is a read buffer the guest fills
@@ -137,27 +146,32 @@ impl Engine {
         out
     }
 
-    /// A landed page of domain `d` with content hash `h` was left as a hint: kept to be
-    /// hinted again after the next full scans ([`LANDED_HINTS`]).
-    pub(crate) fn remember_landed_hint(&mut self, d: DomainId, h: u64, gpn: Gpn) {
-        let ring = self.landed_hints.entry(d).or_default();
-        if ring.len() >= LANDED_HINTS {
+    /// Page `gpn` of domain `d` with content hash `h` was left as a hint that must
+    /// outlive the full scan (a landed page, or a pair left to the clock): kept to be
+    /// hinted again after the next full scans ([`KEPT_HINTS`]).
+    pub(crate) fn keep_hint(&mut self, d: DomainId, h: u64, gpn: Gpn) {
+        let ring = self.kept_hints.entry(d).or_default();
+        if ring.len() >= KEPT_HINTS {
             ring.pop_front();
         }
         ring.push_back((h, gpn));
     }
 
-    /// After a full scan dropped the hints: hints again for the landed pages remembered
-    /// whose guest is still of their domain and whose page is still private (each is
-    /// still only a hint: compared before anything is shared). Others are forgotten.
-    pub(crate) fn restore_landed_hints(&mut self) {
-        let mut rings = std::mem::take(&mut self.landed_hints);
+    /// After a full scan dropped the hints: hints again for the pages kept whose guest
+    /// is still of their domain and whose page is still private (each is still only a
+    /// hint: compared before anything is shared). Others are forgotten, and their room
+    /// given back when it is over 4 times what is left.
+    pub(crate) fn restore_kept_hints(&mut self) {
+        let mut rings = std::mem::take(&mut self.kept_hints);
         for (&d, ring) in rings.iter_mut() {
             ring.retain(|&(_, gpn)| {
                 self.locate(gpn).is_some_and(|(id, g)| {
                     self.vms[&id].domain == d && self.vms[&id].state(g) == PageState::Private
                 })
             });
+            if ring.capacity() > 4 * ring.len() {
+                ring.shrink_to_fit();
+            }
             if let Some(dom) = self.domains.get_mut(&d) {
                 for &(h, gpn) in ring.iter() {
                     let e = ShareEntry::Hint(gpn);
@@ -167,7 +181,7 @@ impl Engine {
                 }
             }
         }
-        self.landed_hints = rings;
+        self.kept_hints = rings;
     }
 
     /// The share of page `g` of guest `id` was answered (`mapped` or not): if a disk read
@@ -394,7 +408,7 @@ mod tests {
         for dom in r.engine.domains.values_mut() {
             dom.share.end_pass();
         }
-        r.engine.restore_landed_hints();
+        r.engine.restore_kept_hints();
         let second = disk_read(&mut r, &[20], 7);
         assert_eq!((second.looked_up, second.acted), (1, 1));
         r.clock.advance(3_000);
@@ -408,7 +422,7 @@ mod tests {
         for dom in r.engine.domains.values_mut() {
             dom.share.end_pass();
         }
-        r.engine.restore_landed_hints();
+        r.engine.restore_kept_hints();
         let fourth = disk_read(&mut r, &[6], 8);
         assert_eq!(fourth.acted, 0, "the changed page is no twin");
         r.engine.check_invariants().unwrap();

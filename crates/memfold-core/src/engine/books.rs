@@ -696,7 +696,12 @@ impl Engine {
         MetadataBytes {
             pages: per_vm as u64,
             frames: sum(&|d| d.frames.metadata_bytes()),
-            share_table: sum(&|d| d.share.metadata_bytes()),
+            share_table: sum(&|d| d.share.metadata_bytes())
+                + self
+                    .kept_hints
+                    .values()
+                    .map(|r| r.capacity() as u64 * 16)
+                    .sum::<u64>(),
             similarity: sum(&|d| d.similar.metadata_bytes()),
             blobs: self.blobs.metadata_bytes() as u64,
         }

@@ -454,9 +454,9 @@ pub struct Engine {
     pub(crate) landed_us: Option<u64>,
     /// Reads served from frames and the block indexes ([`fill`]).
     pub(crate) fills: fill::Fills,
-    /// Hints of pages disk reads landed lately, per domain, kept across full scans
-    /// ([`at_read::LANDED_HINTS`]).
-    pub(crate) landed_hints: BTreeMap<DomainId, std::collections::VecDeque<(u64, Gpn)>>,
+    /// Hints kept across full scans, per domain: pages disk reads landed lately, pairs
+    /// left to the clock ([`at_read::KEPT_HINTS`]).
+    pub(crate) kept_hints: BTreeMap<DomainId, std::collections::VecDeque<(u64, Gpn)>>,
 }
 
 impl Engine {
@@ -489,7 +489,7 @@ impl Engine {
             started_us: now,
             landed_us: None,
             fills: Default::default(),
-            landed_hints: BTreeMap::new(),
+            kept_hints: BTreeMap::new(),
             clock,
             cfg,
         })

@@ -213,12 +213,12 @@ impl Engine {
             return true;
         }
         // Start the next full scan: hints from the last one are stale (ESX §4.3) — but
-        // pages disk reads landed lately keep theirs: their twin's read may come before
-        // the scan passes over them again (`at_read::LANDED_HINTS`).
+        // pages disk reads landed lately and pairs left to the clock keep theirs
+        // (`at_read::KEPT_HINTS`).
         for dom in self.domains.values_mut() {
             dom.share.end_pass();
         }
-        self.restore_landed_hints();
+        self.restore_kept_hints();
         self.page_out_frames(now);
         let s = &mut self.scan;
         s.full_scans += 1;
@@ -417,7 +417,7 @@ impl Engine {
                     dom.share.insert(h, ShareEntry::Hint(gpn));
                 }
                 if seen == Seen::Read {
-                    self.remember_landed_hint(d, h, gpn);
+                    self.keep_hint(d, h, gpn);
                 }
                 self.found_nothing(id, g);
             }
@@ -504,7 +504,12 @@ impl Engine {
                         (id, g, self.identical_action(id, g, zero, seen)),
                     ];
                     if pair.iter().all(|p| p.2 == Identical::Defer) {
-                        return Found::Deferred; // the hint stays
+                        // With partitioned hints, the hint stays until the clock's
+                        // slice shares the pair, scans later maybe (at_read::KEPT_HINTS).
+                        if self.domain(d).share.passes() > 1 {
+                            self.keep_hint(d, h, hint);
+                        }
+                        return Found::Deferred;
                     }
                     // A pool that cannot take the frame (host out of memory) only means no
                     // share: the pages stay private and the hint stays.

@@ -18,6 +18,7 @@ fn cfg(period: u32) -> EngineConfig {
         min_scan_interval_us: 10_000,
         max_scan_interval_us: 10_000,
         quiet_scan_period: period,
+        share_passes: 1,
         ..EngineConfig::default()
     }
 }
