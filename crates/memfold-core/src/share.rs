@@ -91,7 +91,8 @@ impl ShareTable {
         }
     }
 
-    /// Whether a page with this content hash takes part in the current pass.
+    /// Whether a content hash falls in the current pass's interval: a quiet page with it
+    /// is hinted in this pass (every page is looked up in every pass).
     pub fn in_current_pass(&self, hash: u64) -> bool {
         self.passes == 1 || ((tag_of(hash) as u64 * self.passes as u64) >> 32) as u32 == self.pass
     }

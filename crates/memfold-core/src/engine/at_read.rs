@@ -38,13 +38,16 @@ pub const MAX_LANDED: usize = 4096;
 ///   pass began. Without these, most reads find no twin (measured by `memfold bench
 ///   read-share`: 61 of 2 048 pages shared at read);
 /// - with partitioned hints (`share_passes` > 1), the hinted page of a pair the scan
-///   left to the clock (both cold by a class found before the scan read them:
-///   `Identical::Defer`): the clock's slice, which shares them, may come scans later,
-///   and a quiet page is hinted only one scan in 8 × `share_passes` (`scan.rs`).
+///   left to the clock (both cold by a class found before the scan read them, no VMA
+///   pressure: `Identical::Defer`): the clock's slice, which shares them, may come scans
+///   later, and a quiet page is hinted only one scan in 8 × `share_passes` (`scan.rs`).
 ///   Without these, with 5 passes, the cold pairs of `engine::unmapped`'s tests stayed
 ///   private.
 ///
-/// A kept hint is dropped once its page is no longer private.
+/// A kept hint is dropped once its page is no longer private (shared, stored) or is of
+/// another domain, and copies of one are dropped at each restore; one whose page changed
+/// and stayed private is restored under its old hash (a stale hint, compared before use)
+/// until newer ones push it out.
 pub const KEPT_HINTS: usize = 1 << 16;
 
 /// A share made at read that a write undid within this long (µs) was not worth its two
@@ -159,15 +162,17 @@ impl Engine {
 
     /// After a full scan dropped the hints: hints again for the pages kept whose guest
     /// is still of their domain and whose page is still private (each is still only a
-    /// hint: compared before anything is shared). Others are forgotten, and their room
-    /// given back when it is over 4 times what is left.
+    /// hint: compared before anything is shared), once each: others, and copies (a
+    /// page kept again while its hint was kept), are forgotten, and the ring's room given
+    /// back when it is over 4 times what is left.
     pub(crate) fn restore_kept_hints(&mut self) {
         let mut rings = std::mem::take(&mut self.kept_hints);
         for (&d, ring) in rings.iter_mut() {
-            ring.retain(|&(_, gpn)| {
+            let mut once = std::collections::HashSet::with_capacity(ring.len());
+            ring.retain(|&(h, gpn)| {
                 self.locate(gpn).is_some_and(|(id, g)| {
                     self.vms[&id].domain == d && self.vms[&id].state(g) == PageState::Private
-                })
+                }) && once.insert((h, gpn))
             });
             if ring.capacity() > 4 * ring.len() {
                 ring.shrink_to_fit();
@@ -394,6 +399,35 @@ mod tests {
         let vb = &r.engine.books().vms[0].books;
         assert_eq!(vb.read_backoffs, 4);
         r.engine.check_invariants().unwrap();
+    }
+
+    /// A hint kept again while it was kept (a pair the scan defers scan after scan) is
+    /// kept once: copies go when the next scan begins, so they cannot push landed
+    /// pages' hints out of the ring. So do hints of pages no longer private.
+    #[test]
+    fn a_hint_kept_twice_is_kept_once_and_gone_once_its_page_is_not_private() {
+        let mut r = rig();
+        let d = r.engine.dom(r.vm);
+        let gpn = |g: u32| crate::ids::Gpn(r.engine.vms[&r.vm].base.0 + g);
+        let (a, b) = (gpn(3), gpn(4));
+        for _ in 0..3 {
+            r.engine.keep_hint(d, 0xabc << 32, a);
+        }
+        r.engine.keep_hint(d, 0xdef << 32, b);
+        r.engine.restore_kept_hints();
+        assert_eq!(r.engine.kept_hints[&d].len(), 2);
+        assert_eq!(r.engine.domain(d).share.lookup(0xabc << 32).count(), 1);
+        // Page 4 stored (any state but private): its hint is forgotten.
+        r.engine
+            .vms
+            .get_mut(&r.vm)
+            .unwrap()
+            .set(Gfn(4), PageState::Reclaiming);
+        r.engine.restore_kept_hints();
+        assert_eq!(
+            r.engine.kept_hints[&d].iter().collect::<Vec<_>>(),
+            [&(0xabc << 32, a)]
+        );
     }
 
     /// A landed page's hint outlives the full scan that would drop it (the scan's own

@@ -700,7 +700,7 @@ impl Engine {
                 + self
                     .kept_hints
                     .values()
-                    .map(|r| r.capacity() as u64 * 16)
+                    .map(|r| (r.capacity() * std::mem::size_of::<(u64, crate::ids::Gpn)>()) as u64)
                     .sum::<u64>(),
             similarity: sum(&|d| d.similar.metadata_bytes()),
             blobs: self.blobs.metadata_bytes() as u64,

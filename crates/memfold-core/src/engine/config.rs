@@ -100,8 +100,9 @@ pub struct EngineConfig {
     /// Hash intervals the hints of quiet pages are kept in, one a full scan (DE §4.3's
     /// "multiple passes", after Kloster et al.; [`crate::share::ShareTable`]): odd, 1..=15
     /// (odd, so the intervals cycle through the scans that read every page, multiples of
-    /// [`Self::quiet_scan_period`]). A page read in its first scans since it changed
-    /// (quiet age under 3) is hinted in every scan, so new sharing is found as soon as
+    /// [`Self::quiet_scan_period`]). A page read in its first 3 scans since it was new,
+    /// led to a request, or was seen written by the clock (quiet age under 3) is hinted
+    /// in every scan, so new sharing is found as soon as
     /// without partitioning; a quiet page only in its interval's scans: the table holds
     /// about 1/passes of the quiet pages' hints (issue 19, metadata), and two quiet
     /// duplicates meet within passes × the quiet period scans. Shared frames are in the

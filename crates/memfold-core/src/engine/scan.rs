@@ -504,9 +504,14 @@ impl Engine {
                         (id, g, self.identical_action(id, g, zero, seen)),
                     ];
                     if pair.iter().all(|p| p.2 == Identical::Defer) {
-                        // With partitioned hints, the hint stays until the clock's
-                        // slice shares the pair, scans later maybe (at_read::KEPT_HINTS).
-                        if self.domain(d).share.passes() > 1 {
+                        // With partitioned hints, a pair left to the clock (not held
+                        // back by VMA pressure, which the clock's slice does not lift)
+                        // keeps its hint for the slice, scans later maybe
+                        // (at_read::KEPT_HINTS).
+                        if self.domain(d).share.passes() > 1
+                            && !self.vma_pressure(id)
+                            && !self.vma_pressure(id2)
+                        {
                             self.keep_hint(d, h, hint);
                         }
                         return Found::Deferred;

@@ -448,12 +448,18 @@ mod tests {
     /// passes), the hint was gone by then without it, and both pages stayed private.
     #[test]
     fn a_pair_left_to_the_clock_keeps_its_hint_until_the_clock_shares_it() {
-        let r = rig_with(EngineConfig {
+        let mut r = rig_with(EngineConfig {
             share_passes: 5,
             ..cfg(true)
         });
         let (a, b) = (state(&r, 12), state(&r, 13));
         assert!(matches!(a, PageState::Unmapped(_)) && a == b, "{a:?} {b:?}");
+        // Kept once at most, and gone once shared (at the next scan's start).
+        let kept = |r: &Rig| -> usize { r.engine.kept_hints.values().map(|k| k.len()).sum() };
+        assert!(kept(&r) <= 1, "{} kept", kept(&r));
+        r.step(10_000).unwrap();
+        r.step(10_000).unwrap();
+        assert_eq!(kept(&r), 0);
         r.engine.check_invariants().unwrap();
     }
 

@@ -41,9 +41,10 @@ pub struct Point {
     /// Engine metadata + the agents' page records at the end, % of guest RAM (ESX §4.3:
     /// under 0.5%).
     pub metadata_pct: f64,
-    /// The largest of the same over the second half of the run's samples (one a second),
-    /// % of guest RAM: the end's figure depends on the full scan under way (its hints),
-    /// this one holds at every reading of the steady state.
+    /// The largest of the same over the samples (one a second) whose time since memfoldd
+    /// started is at least half the last one's, % of guest RAM: the end's figure depends
+    /// on the full scan under way (its hints); this one is at least every reading of the
+    /// run's second half.
     pub metadata_late_max_pct: f64,
     /// The engine's metadata at the end, bytes.
     pub engine_metadata_bytes: u64,

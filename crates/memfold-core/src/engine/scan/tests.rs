@@ -239,8 +239,7 @@ fn share_len(r: &Rig) -> usize {
 /// With 5 passes, the scans that read every quiet page (every 8th) hint about a fifth
 /// of them (DE §4.3), where 1 pass hints them all; two quiet pages that become
 /// duplicates still meet, within 5 × 8 scans. Hinting quiet pages in every scan fails
-/// the first part; hinting them in no scan (or an even number of passes, whose
-/// intervals miss the every-8th scans) the second.
+/// the first part; hinting them in no scan the second.
 #[test]
 fn partitioned_hints_hold_a_fifth_of_the_quiet_pages_and_quiet_duplicates_still_meet() {
     const N: u32 = 4096;
