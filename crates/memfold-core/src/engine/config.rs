@@ -102,10 +102,10 @@ pub struct EngineConfig {
     /// (odd, so the intervals cycle through the scans that read every page, multiples of
     /// [`Self::quiet_scan_period`]). A page read in its first 3 scans since it was new,
     /// led to a request, or was seen written by the clock (quiet age under 3) is hinted
-    /// in every scan, so new sharing is found as soon as
-    /// without partitioning; a quiet page only in its interval's scans: the table holds
-    /// about 1/passes of the quiet pages' hints (issue 19, metadata), and two quiet
-    /// duplicates meet within passes × the quiet period scans. Shared frames are in the
+    /// in every scan, so new sharing is found as soon as without partitioning; a quiet
+    /// page only in its interval's scans: the table holds about 1/passes of the quiet
+    /// pages' hints (issue 19, metadata), and two quiet duplicates meet within passes ×
+    /// the quiet period scans. Shared frames are in the
     /// table in every scan. 1 (no partitioning), the default: at 5 the largest metadata
     /// of a 0.5 GiB guest's run went 0.523% → 0.482% at the same saving (docs/metadata.md),
     /// but under the Difference Engine a cold page whose twin's hint is out of the

@@ -131,11 +131,11 @@ impl Point {
             end.map_or(0, |s| s.stats.vms.iter().map(|v| v.scanned_pages).sum());
         let daemon_cpu = end.map_or(0.0, |s| s.stats.cpu_s);
         let engine_metadata_bytes = end.map_or(0, |s| s.stats.metadata_bytes);
-        let agent_state_bytes: u64 =
-            end.map_or(0, |s| s.stats.vms.iter().map(|v| v.agent_state_bytes).sum());
-        let metadata = |s: &crate::run::measure::Sample| {
-            s.stats.metadata_bytes + s.stats.vms.iter().map(|v| v.agent_state_bytes).sum::<u64>()
+        let agents = |s: &crate::run::measure::Sample| -> u64 {
+            s.stats.vms.iter().map(|v| v.agent_state_bytes).sum()
         };
+        let agent_state_bytes = end.map_or(0, agents);
+        let metadata = |s: &crate::run::measure::Sample| s.stats.metadata_bytes + agents(s);
         let half = end.map_or(0.0, |s| s.t / 2.0);
         let metadata_late_max = m
             .samples
