@@ -193,7 +193,34 @@ impl Agent {
             tracing::warn!("{e}; breaking its whole run instead");
             return self.cow_break_run(gfn, frame);
         }
-        self.broken(gfn, frame, 1)
+        self.broken(gfn, frame, 1);
+        self.install_written(gfn, 1);
+        Ok(self.uffd.wake(self.page_addr(gfn), PAGE)?)
+    }
+
+    /// Pages `[first, first + n)`, private copies just mapped back (CoW breaks), are
+    /// installed writable now and marked R and M, as written: in the clock's `userfault`
+    /// mode guest RAM is registered for minor faults, so without this the writer's retry
+    /// of its write would be a second round trip through this thread (a minor fault on a
+    /// page the memfd holds) for every break. Call before waking the writer (a thread
+    /// woken first may take that minor fault anyway; `UFFDIO_CONTINUE` then finds the
+    /// page mapped and only wakes). Marking M also clears the pages' watch bits
+    /// (the free-page discard's invariant: a page installed writable is never discarded
+    /// as unwritten). In the `pagemap` mode the kernel maps them on the retry itself and
+    /// nothing is done. A failed `UFFDIO_CONTINUE` only leaves the retry's minor fault.
+    fn install_written(&mut self, first: Gfn, n: usize) {
+        if self.rbits.is_some() {
+            return;
+        }
+        for k in 0..n {
+            self.pages.mark(plus(first, k), true);
+        }
+        if let Err(e) = self
+            .uffd
+            .cont(self.page_addr(first), n as u64 * PAGE, false)
+        {
+            tracing::debug!("installing {n} broken pages from {first}: {e}");
+        }
     }
 
     /// Copy-on-write break of page `gfn` (on `frame`) and of every page of its run: the
@@ -210,9 +237,11 @@ impl Agent {
         let frame0 = FrameId(frame.0 - (gfn.0 - first.0));
         self.copy_frames(first, frame0, n)?;
         self.map_guest_range(first, n)?;
-        self.broken(first, frame0, n)?;
+        self.broken(first, frame0, n);
+        // Only the faulting page is written; the run's others fault as any armed page.
+        self.install_written(gfn, 1);
         self.counters.run_breaks += 1;
-        Ok(())
+        Ok(self.uffd.wake(self.page_addr(first), n as u64 * PAGE)?)
     }
 
     /// After the CoW break of page `gfn`: if the last break was of the page next to it,
@@ -265,6 +294,8 @@ impl Agent {
             self.pages.set(g, PageHome::Private);
             self.pending.breaks.push((g, f));
         }
+        // The writer is expected to write them next: no minor fault each on its way.
+        self.install_written(first, ahead.len());
         self.counters.ahead_breaks += ahead.len() as u64;
         self.last_break = Some((far, now));
     }
@@ -289,16 +320,15 @@ impl Agent {
     }
 
     /// Pages `[first, first + n)`, guest RAM mapped back over them, are private: each is
-    /// recorded as a break of its frame (`frame0 + k`) and the threads waiting on them
-    /// are woken.
-    fn broken(&mut self, first: Gfn, frame0: FrameId, n: usize) -> io::Result<()> {
+    /// recorded as a break of its frame (`frame0 + k`). The caller wakes the threads
+    /// waiting on them.
+    fn broken(&mut self, first: Gfn, frame0: FrameId, n: usize) {
         for k in 0..n {
             self.pages.set(plus(first, k), PageHome::Private);
             self.pending
                 .breaks
                 .push((plus(first, k), FrameId(frame0.0 + k as u32)));
         }
-        Ok(self.uffd.wake(self.page_addr(first), n as u64 * PAGE)?)
     }
 
     /// A missing fault on a stashed page: decode it and install it (write-protected for a

@@ -1,0 +1,93 @@
+//! A CoW break installs the private page itself (`fault.rs`, `install_written`): in the
+//! clock's `userfault` mode guest RAM is registered for minor faults, and guest RAM
+//! mapped back over a page leaves it without a PTE, so the writer's retry used to be a
+//! second round trip through the agent (a minor fault) for every break, and for every
+//! page broken ahead of a sequential writer. Here the "guest" writes page 3 of a region
+//! shared whole, then pages 5 and 6 one after the other (page 7 is then broken ahead),
+//! then page 7: three write-protect faults and no minor fault; every page reads what was
+//! written or its frame's bytes, and the frames keep theirs.
+//!
+//! Seen failing with `install_written` doing nothing: 4 minor faults (the three breaks'
+//! retries and page 7's write).
+//!
+//! One test only: the agent, run in this process, takes every QEMU-named memfd of it.
+
+mod common;
+
+use std::os::fd::AsFd;
+use std::time::Duration;
+
+use common::{agent_with_pool, page_of, region, share, write};
+use memfold_codecs::PAGE_SIZE;
+use memfold_sys::memfd::pread_exact;
+use memfold_wire::{BatchId, FrameId, Gfn, ToDaemon};
+
+const PAGES: usize = 8;
+
+/// Text-like bytes of frame (and page) `g`: never zero, differ by `g`.
+fn text(g: usize) -> Vec<u8> {
+    (0..PAGE_SIZE)
+        .map(|i| b"a broken page, installed "[(i * 7 + g * 3) % 25] ^ (g as u8 & 15) | 1)
+        .collect()
+}
+
+/// What the writer puts in page `g`.
+fn written(g: usize) -> Vec<u8> {
+    vec![0x90 | g as u8; PAGE_SIZE]
+}
+
+#[test]
+fn a_cow_break_leaves_no_minor_fault_for_the_writer_to_take() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_fd, ptr) = region(PAGES);
+    for g in 0..PAGES {
+        write(ptr, g, &text(g));
+    }
+    let frames: Vec<Vec<u8>> = (0..PAGES).map(text).collect();
+    let (c, pool, _store) = agent_with_pool(&dir.path().join("memfoldd.sock"), &frames);
+    for g in 0..PAGES {
+        let (shared, _, _) = share(
+            &c,
+            BatchId(g as u64 + 1),
+            vec![(Gfn(g as u32), FrameId(g as u32))],
+        );
+        assert_eq!(shared, vec![Gfn(g as u32)]);
+    }
+
+    write(ptr, 3, &written(3));
+    // A sequential writer: page 7 is broken ahead of it, then written.
+    write(ptr, 5, &written(5));
+    write(ptr, 6, &written(6));
+    std::thread::sleep(Duration::from_millis(20));
+    write(ptr, 7, &written(7));
+
+    for g in 0..PAGES {
+        let want = if [3, 5, 6, 7].contains(&g) {
+            written(g)
+        } else {
+            text(g)
+        };
+        assert!(page_of(ptr, g) == want, "page {g} differs");
+        let mut f = vec![0u8; PAGE_SIZE];
+        pread_exact(pool.as_fd(), &mut f, (g * PAGE_SIZE) as u64).unwrap();
+        assert!(f == text(g), "frame {g} was written");
+    }
+
+    // The counters of a report sent after the last write (every second).
+    c.set_recv_timeout(Duration::from_millis(100)).unwrap();
+    std::thread::sleep(Duration::from_millis(1100));
+    let mut last = None;
+    let t = std::time::Instant::now();
+    while t.elapsed() < Duration::from_millis(2500) {
+        if let Ok(Some((ToDaemon::AgentStats(r), _))) = c.recv::<ToDaemon>() {
+            last = Some((r.wp_faults, r.minor_faults, r.ahead_breaks));
+        }
+    }
+    let (wp, minor, ahead) = last.expect("an AgentStats report");
+    assert_eq!(ahead, 1, "page 7 broken ahead of the writer");
+    assert_eq!(wp, 3, "write-protect faults: pages 3, 5 and 6");
+    assert_eq!(
+        minor, 0,
+        "minor faults after the breaks: each a second round trip for the writer"
+    );
+}
