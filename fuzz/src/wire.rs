@@ -206,8 +206,8 @@ pub enum DaemonMsg {
     },
     AgentStats {
         /// wp, missing, minor faults; state bytes; mappings; run breaks; ahead breaks; VMA
-        /// budget.
-        faults: [u64; 8],
+        /// budget; no-copy breaks.
+        faults: [u64; 9],
         hists: [Vec<(u64, u64)>; 7],
     },
     ClientHello(u32),
@@ -474,6 +474,7 @@ impl DaemonMsg {
                 run_breaks: faults[5],
                 ahead_breaks: faults[6],
                 vma_budget: faults[7],
+                nocopy_breaks: faults[8],
             }),
             DaemonMsg::ClientHello(v) => ToDaemon::ClientHello { version: *v },
             DaemonMsg::DeviceHello(v, b) => ToDaemon::DeviceHello {

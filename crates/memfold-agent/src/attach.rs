@@ -54,6 +54,8 @@ pub(crate) struct Counters {
     pub(crate) run_breaks: u64,
     /// Pages broken ahead of a sequential writer (`fault::BREAK_AHEAD`).
     pub(crate) ahead_breaks: u64,
+    /// Pages broken without a copy under a writer's whole-page declaration (`nocopy.rs`).
+    pub(crate) nocopy_breaks: u64,
     /// Minor-fault service.
     pub(crate) track: OpLatency,
     /// Share, per page.
@@ -81,6 +83,7 @@ impl Counters {
             minor_faults: 0,
             run_breaks: 0,
             ahead_breaks: 0,
+            nocopy_breaks: 0,
             track: OpLatency::default(),
             share: OpLatency::default(),
             cow: OpLatency::default(),
@@ -102,6 +105,7 @@ impl Counters {
             vma_budget,
             run_breaks: self.run_breaks,
             ahead_breaks: self.ahead_breaks,
+            nocopy_breaks: self.nocopy_breaks,
             wp_faults: self.wp_faults,
             missing_faults: self.missing_faults,
             minor_faults: self.minor_faults,

@@ -89,6 +89,7 @@ impl Agent {
             wp,
             write,
             minor,
+            tid,
         } = ev
         else {
             return Ok(()); // reading a remap event is all it needs
@@ -142,6 +143,13 @@ impl Agent {
                     Ok(())
                 }
                 PageHome::Frame(frame) => {
+                    if let Some(runs) = self.declared_whole(tid, page) {
+                        // A writer's call that overwrites it whole: no copy, and its other
+                        // pages on frames broken with it (`nocopy.rs`).
+                        self.break_declared(gfn, frame, &runs)?;
+                        self.counters.cow.record(started.elapsed(), 1);
+                        return Ok(());
+                    }
                     self.cow_break(gfn, frame)?;
                     self.counters.cow.record(started.elapsed(), 1);
                     self.break_ahead(gfn);
@@ -208,7 +216,7 @@ impl Agent {
     /// (the free-page discard's invariant: a page installed writable is never discarded
     /// as unwritten). In the `pagemap` mode the kernel maps them on the retry itself and
     /// nothing is done. A failed `UFFDIO_CONTINUE` only leaves the retry's minor fault.
-    fn install_written(&mut self, first: Gfn, n: usize) {
+    pub(crate) fn install_written(&mut self, first: Gfn, n: usize) {
         if self.rbits.is_some() {
             return;
         }

@@ -109,6 +109,7 @@ mod discard;
 mod fault;
 pub mod fence;
 mod install;
+mod nocopy;
 mod pageout;
 pub mod qemu_args;
 mod rbits;

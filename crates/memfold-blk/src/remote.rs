@@ -277,6 +277,9 @@ impl Qemu {
     /// from before the system call pins them until it has copied into them**, so the
     /// agent never maps a frame over, or punches out, a page whose copy is still to come
     /// (`memfold_sys::fence`; broken on purpose in `memfold-agent/tests/pinned_writes.rs`).
+    /// The whole pages of `parts` are declared overwritten for the call
+    /// (`WriteFence::hold_writing`: Satori §4.3's no-copy-on-write; the agent's
+    /// `nocopy.rs`).
     ///
     /// Errors: [`RemoteError::Gone`]; [`RemoteError::Access`] (the first byte not
     /// written; bytes before it are written).
@@ -285,10 +288,11 @@ impl Qemu {
             .iter()
             .map(|(a, b)| (*a, b.as_ptr().cast_mut(), b.len()))
             .collect();
-        let _held = self
-            .fence
-            .as_ref()
-            .map(|f| f.hold(parts.iter().map(|&(a, _, n)| (a, n as u64))));
+        // Held, and its whole pages declared overwritten (the agent breaks those on
+        // frames without a copy, all at the first fault: `memfold_sys::fence`). Every
+        // call below writes every byte of every part, or fails.
+        let ranges: Vec<(u64, u64)> = parts.iter().map(|&(a, _, n)| (a, n as u64)).collect();
+        let _held = self.fence.as_ref().map(|f| f.hold_writing(&ranges));
         // SAFETY: each pointer is a live buffer of the caller's, of its length;
         // process_vm_writev only reads the local side.
         unsafe { self.transfer("process_vm_writev", libc::process_vm_writev, &parts) }

@@ -28,6 +28,18 @@
 //! agent share less, or lose its own guest's writes; the device checks the memfd is
 //! sealed against shrinking, so no access to it can fault.
 //!
+//! **Whole-page declarations** (Satori §4.3's no-copy-on-write, for a device's writes): a
+//! writer that overwrites whole pages says so for the length of its call
+//! ([`WriteFence::hold_writing`]: a record of its thread id, the time and the pages, in
+//! a seqlock, made before the call and withdrawn after it returns). A page on a pool
+//! frame that such a write faults on needs no copy of the frame: its old bytes are about
+//! to be overwritten, so the agent maps a zeroed private page in their place, and breaks
+//! every other page of the declaration still on a frame with it — one round trip for
+//! the whole call instead of one per page. The agent trusts a declaration only for a
+//! fault of the thread that made it ([`WriteFence::declared_whole`]), which is then
+//! blocked inside the very call the declaration covers; a QEMU that forges records can
+//! only make its own guest read zeros in a buffer it gave a device.
+//!
 //! A writer whose copy lands after its call returns (QEMU's `aio=native`: the kernel
 //! completes the read later, and QEMU reaps it from a ring in its own memory, with no
 //! call to hold the fence across) [`WriteFence::close`]s the fence instead, before its
@@ -49,16 +61,39 @@ pub const FENCE_NAME: &str = "memfold-fence";
 pub const CHUNK: u64 = 1 << 16;
 
 /// Counters (4 bytes each, after a 4 KiB header): 256 KiB of memfd, of which only the
-/// slots used are ever allocated.
+/// slots used are ever allocated (as of the [`RECORDS`] declarations after them, 256
+/// KiB).
 pub const SLOTS: usize = 1 << 16;
+
+/// Whole-page declarations the fence holds at once: one per writer thread inside a call
+/// (a writer that finds none free declares nothing, and the agent copies as before).
+pub const RECORDS: usize = 64;
+
+/// Runs of pages one declaration lists at most (its first ones; pages of later runs are
+/// copied as before).
+pub const RECORD_RUNS: usize = 508;
+
+/// Pages one declared run covers at most (its length is packed in a page address's 12
+/// low bits).
+pub const RUN_PAGES: u64 = 4096;
+
+/// How long a declaration is trusted after it was made: a writer killed inside its call
+/// leaves its record behind, and its thread id may name another thread one day. A call
+/// that takes longer gets its pages copied, as before.
+pub const DECLARATION_FRESH_NS: u64 = 10_000_000_000;
 
 /// The header: the magic at 0, the closed flag at [`CLOSED_AT`].
 const HEADER: usize = 4096;
 const CLOSED_AT: usize = 8;
 /// Bytes one read or write system call transfers at most (Linux's `MAX_RW_COUNT`).
 const MAX_TRANSFER: u64 = 0x7fff_f000;
-const LEN: usize = HEADER + SLOTS * 4;
-const MAGIC: u64 = u64::from_le_bytes(*b"MFFENCE1");
+/// One declaration: seq (4 bytes), owner (4), runs (4), pad (4), stamp (8), then
+/// [`RECORD_RUNS`] runs of 8 bytes: 4 KiB.
+const RECORD: usize = 4096;
+const RECORDS_AT: usize = HEADER + SLOTS * 4;
+const LEN: usize = RECORDS_AT + RECORDS * RECORD;
+const MAGIC: u64 = u64::from_le_bytes(*b"MFFENCE2");
+const PAGE: u64 = 4096;
 
 /// One process's write fence, mapped shared (see the module).
 #[derive(Debug)]
@@ -80,15 +115,20 @@ impl Drop for WriteFence {
     }
 }
 
-/// Chunks held by one writer for one copy; let go when dropped.
+/// Chunks held by one writer for one copy, and its whole-page declaration if it made
+/// one; let go (the declaration withdrawn first) when dropped.
 #[derive(Debug)]
 pub struct FenceHold<'f> {
     fence: &'f WriteFence,
     slots: Vec<u32>,
+    record: Option<usize>,
 }
 
 impl Drop for FenceHold<'_> {
     fn drop(&mut self) {
+        if let Some(r) = self.record {
+            self.fence.withdraw(r);
+        }
         for &s in &self.slots {
             // After the copy's system call returned: its bytes are in the page.
             self.fence.slot(s as usize).fetch_sub(1, Ordering::SeqCst);
@@ -233,7 +273,124 @@ impl WriteFence {
                 slots.push(s as u32);
             }
         }
-        FenceHold { fence: self, slots }
+        FenceHold {
+            fence: self,
+            slots,
+            record: None,
+        }
+    }
+
+    /// [`WriteFence::hold`], and a declaration by the calling thread that its call
+    /// overwrites every whole page of `ranges` (the 4 KiB-aligned pages each range covers
+    /// entirely; partial pages are only held). Call right before the system calls that
+    /// write them all, every byte of every range (or fail), and drop after the last
+    /// returned: the declaration covers those calls only. Declares nothing if no page is
+    /// whole or no record is free.
+    pub fn hold_writing(&self, ranges: &[(u64, u64)]) -> FenceHold<'_> {
+        let mut hold = self.hold(ranges.iter().copied());
+        let runs: Vec<u64> = ranges
+            .iter()
+            .flat_map(|&(va, len)| whole_runs(va, len.min(MAX_TRANSFER)))
+            .take(RECORD_RUNS)
+            .collect();
+        if !runs.is_empty() {
+            hold.record = self.declare(
+                rustix::thread::gettid().as_raw_nonzero().get() as u32,
+                &runs,
+            );
+        }
+        hold
+    }
+
+    /// Whether the write of thread `tid` (a fault's thread id) that faulted at page `va`
+    /// is declared to overwrite it whole, by a record made less than
+    /// [`DECLARATION_FRESH_NS`] before `now_ns` (`CLOCK_MONOTONIC`); if so, every run the
+    /// declaration lists, as (first page's address, pages). `None` for a record being
+    /// written or withdrawn meanwhile (read under its seqlock), stale, or from the future.
+    ///
+    /// The caller must also know `tid` is not one of its own process's threads: a
+    /// declaration is a promise about one call, which only a thread blocked inside that
+    /// call (a writer from another process, faulting through `process_vm_writev`) keeps.
+    pub fn declared_whole(&self, tid: u32, va: u64, now_ns: u64) -> Option<Vec<(u64, u64)>> {
+        if tid == 0 {
+            return None;
+        }
+        let va = va & !(PAGE - 1);
+        (0..RECORDS).find_map(|r| {
+            let rec = self.record(r);
+            let s1 = rec.seq.load(Ordering::SeqCst);
+            if s1 & 1 == 1 || rec.owner.load(Ordering::SeqCst) != tid {
+                return None;
+            }
+            let stamp = rec.stamp.load(Ordering::SeqCst);
+            let n = (rec.runs.load(Ordering::SeqCst) as usize).min(RECORD_RUNS);
+            let runs: Vec<(u64, u64)> = (0..n)
+                .map(|i| unpack_run(self.run(r, i).load(Ordering::SeqCst)))
+                .collect();
+            if rec.seq.load(Ordering::SeqCst) != s1 || rec.owner.load(Ordering::SeqCst) != tid {
+                return None;
+            }
+            let fresh = stamp <= now_ns && now_ns - stamp < DECLARATION_FRESH_NS;
+            let covers = runs
+                .iter()
+                .any(|&(a, p)| va >= a && va < a.saturating_add(p * PAGE));
+            (fresh && covers).then_some(runs)
+        })
+    }
+
+    /// Makes a declaration of `runs` (packed) by thread `tid` in a free record; its index,
+    /// or `None` if every record is taken.
+    fn declare(&self, tid: u32, runs: &[u64]) -> Option<usize> {
+        let r = (0..RECORDS).find(|&r| {
+            self.record(r)
+                .owner
+                .compare_exchange(0, tid, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        })?;
+        let rec = self.record(r);
+        rec.seq.fetch_add(1, Ordering::SeqCst); // odd: being written
+        rec.stamp.store(monotonic_ns(), Ordering::SeqCst);
+        for (i, &run) in runs.iter().enumerate() {
+            self.run(r, i).store(run, Ordering::SeqCst);
+        }
+        rec.runs.store(runs.len() as u32, Ordering::SeqCst);
+        rec.seq.fetch_add(1, Ordering::SeqCst); // even: valid
+        Some(r)
+    }
+
+    /// Withdraws declaration `r` (after its call returned) and frees its record.
+    fn withdraw(&self, r: usize) {
+        let rec = self.record(r);
+        rec.seq.fetch_add(1, Ordering::SeqCst);
+        rec.runs.store(0, Ordering::SeqCst);
+        rec.seq.fetch_add(1, Ordering::SeqCst);
+        rec.owner.store(0, Ordering::SeqCst);
+    }
+
+    fn record(&self, r: usize) -> &Record {
+        assert!(r < RECORDS);
+        // SAFETY: record r < RECORDS lies inside the mapping (LEN), 4 KiB-aligned; Record
+        // is atomics only, 24 bytes, within the record's first bytes.
+        unsafe {
+            &*self
+                .base
+                .as_ptr()
+                .add(RECORDS_AT + r * RECORD)
+                .cast::<Record>()
+        }
+    }
+
+    fn run(&self, r: usize, i: usize) -> &AtomicU64 {
+        assert!(r < RECORDS && i < RECORD_RUNS);
+        // SAFETY: run i < RECORD_RUNS of record r: 8-byte aligned, after the record's
+        // 32-byte head, inside its 4 KiB (32 + 8 × 508 = 4096).
+        unsafe {
+            &*self
+                .base
+                .as_ptr()
+                .add(RECORDS_AT + r * RECORD + 32 + 8 * i)
+                .cast::<AtomicU64>()
+        }
     }
 
     /// Closes the fence for good: every page is busy from now on (see the module). Call
@@ -252,6 +409,47 @@ impl WriteFence {
     pub fn busy(&self, va: u64) -> bool {
         self.is_closed() || self.slot(Self::slot_of(va / CHUNK)).load(Ordering::SeqCst) != 0
     }
+}
+
+/// A whole-page declaration's head, in the fence memfd (see [`WriteFence::declare`]).
+#[repr(C)]
+struct Record {
+    /// Seqlock: odd while the record is written or withdrawn.
+    seq: AtomicU32,
+    /// The declaring thread's id; 0: free.
+    owner: AtomicU32,
+    /// Runs listed.
+    runs: AtomicU32,
+    _pad: AtomicU32,
+    /// When it was declared, `CLOCK_MONOTONIC` ns.
+    stamp: AtomicU64,
+}
+
+/// The runs of whole 4 KiB pages inside `[va, va + len)`, packed (page address | pages −
+/// 1), each at most [`RUN_PAGES`].
+fn whole_runs(va: u64, len: u64) -> Vec<u64> {
+    let first = va.div_ceil(PAGE).saturating_mul(PAGE);
+    let end = va.saturating_add(len) & !(PAGE - 1);
+    let mut runs = Vec::new();
+    let mut a = first;
+    while a < end {
+        let pages = ((end - a) / PAGE).min(RUN_PAGES);
+        runs.push(a | (pages - 1));
+        a += pages * PAGE;
+    }
+    runs
+}
+
+/// A packed run as (first page's address, pages).
+fn unpack_run(run: u64) -> (u64, u64) {
+    (run & !(PAGE - 1), (run & (PAGE - 1)) + 1)
+}
+
+/// `CLOCK_MONOTONIC` now, ns: the clock declarations are stamped with, the same in every
+/// process of the host.
+pub fn monotonic_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
 }
 
 #[cfg(test)]
@@ -287,6 +485,96 @@ mod tests {
         assert!(!agent.is_closed());
         device.close();
         assert!(agent.is_closed() && agent.busy(va) && agent.busy(0));
+    }
+
+    fn my_tid() -> u32 {
+        rustix::thread::gettid().as_raw_nonzero().get() as u32
+    }
+
+    #[test]
+    fn a_declaration_names_its_thread_s_whole_pages_for_the_call_and_goes_with_it() {
+        let f = WriteFence::create().unwrap();
+        let va = 0x7f00_0000_0000u64;
+        let now = || monotonic_ns();
+        {
+            // Bytes 100.. of page 0 to byte 99 of page 3: pages 1 and 2 whole.
+            let _h = f.hold_writing(&[(va + 100, 3 * PAGE), (va + 10 * PAGE, PAGE)]);
+            let runs = f.declared_whole(my_tid(), va + PAGE + 5, now());
+            assert_eq!(runs, Some(vec![(va + PAGE, 2), (va + 10 * PAGE, 1)]));
+            assert!(f.declared_whole(my_tid(), va + 10 * PAGE, now()).is_some());
+            assert_eq!(
+                f.declared_whole(my_tid(), va, now()),
+                None,
+                "page 0 is partial"
+            );
+            assert_eq!(
+                f.declared_whole(my_tid(), va + 3 * PAGE, now()),
+                None,
+                "page 3 too"
+            );
+            assert_eq!(
+                f.declared_whole(my_tid() + 1, va + PAGE, now()),
+                None,
+                "another thread"
+            );
+            assert_eq!(f.declared_whole(0, va + PAGE, now()), None);
+            let later = now() + DECLARATION_FRESH_NS;
+            assert_eq!(f.declared_whole(my_tid(), va + PAGE, later), None, "stale");
+            assert_eq!(
+                f.declared_whole(my_tid(), va + PAGE, 0),
+                None,
+                "from the future"
+            );
+            assert!(
+                f.busy(va) && f.busy(va + 10 * PAGE),
+                "the chunks are held too"
+            );
+            // Being written or withdrawn (odd): not trusted.
+            f.record(0).seq.fetch_add(1, Ordering::SeqCst);
+            assert_eq!(f.declared_whole(my_tid(), va + PAGE, now()), None, "torn");
+            f.record(0).seq.fetch_add(1, Ordering::SeqCst);
+            assert!(f.declared_whole(my_tid(), va + PAGE, now()).is_some());
+        }
+        assert_eq!(
+            f.declared_whole(my_tid(), va + PAGE, now()),
+            None,
+            "withdrawn"
+        );
+        assert!(!f.busy(va));
+        assert!((0..RECORDS).all(|r| f.record(r).owner.load(Ordering::SeqCst) == 0));
+        // No whole page: nothing declared, only held.
+        let h = f.hold_writing(&[(va + 8, 16)]);
+        assert_eq!(h.record, None);
+        assert!(f.busy(va));
+    }
+
+    #[test]
+    fn with_every_record_taken_a_write_is_only_held_and_its_pages_copied() {
+        let f = WriteFence::create().unwrap();
+        let va = 0x7f00_0000_0000u64;
+        for r in 0..RECORDS {
+            assert_eq!(f.declare(1000 + r as u32, &whole_runs(va, PAGE)), Some(r));
+        }
+        let h = f.hold_writing(&[(va + PAGE, PAGE)]);
+        assert_eq!(h.record, None);
+        assert!(f.busy(va + PAGE));
+        assert_eq!(f.declared_whole(my_tid(), va + PAGE, monotonic_ns()), None);
+        drop(h);
+        f.withdraw(5);
+        let h = f.hold_writing(&[(va + PAGE, PAGE)]);
+        assert_eq!(h.record, Some(5), "a withdrawn record is free again");
+    }
+
+    #[test]
+    fn whole_runs_pack_page_runs_of_at_most_run_pages() {
+        assert_eq!(whole_runs(0, PAGE - 1), Vec::<u64>::new());
+        assert_eq!(whole_runs(1, 2 * PAGE), vec![PAGE]);
+        let big = whole_runs(PAGE, (RUN_PAGES + 3) * PAGE);
+        assert_eq!(
+            big.iter().map(|&r| unpack_run(r)).collect::<Vec<_>>(),
+            vec![(PAGE, RUN_PAGES), (PAGE + RUN_PAGES * PAGE, 3)]
+        );
+        assert_eq!(whole_runs(u64::MAX - 10, 100), Vec::<u64>::new());
     }
 
     #[test]

@@ -152,6 +152,10 @@ pub enum Event {
         wp: bool,
         /// A minor fault: the page is in the memfd, only its PTE is missing.
         minor: bool,
+        /// The faulting thread's id, as that thread sees it (`UFFD_FEATURE_THREAD_ID`; 0
+        /// without it): for a write through `process_vm_writev`, the writer's thread in
+        /// its own process, not one of this process's.
+        tid: u32,
     },
     /// A registered range moved (mremap); reading this lets the mover continue.
     Remap,
@@ -565,6 +569,7 @@ impl Uffd {
                 write: arg(0) & PAGEFAULT_FLAG_WRITE != 0,
                 wp: arg(0) & PAGEFAULT_FLAG_WP != 0,
                 minor: arg(0) & PAGEFAULT_FLAG_MINOR != 0,
+                tid: u32::from_ne_bytes(m[24..28].try_into().expect("4 bytes")),
             },
             EVENT_REMAP => Event::Remap,
             EVENT_REMOVE => Event::Remove {

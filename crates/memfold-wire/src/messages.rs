@@ -190,6 +190,11 @@ pub struct AgentReport {
     /// pages on frames in that direction at once instead of one fault each.
     #[serde(default)]
     pub ahead_breaks: u64,
+    /// Pages broken without a copy (each also a CoW break): a device's write declared to
+    /// overwrite them whole (Satori §4.3's no-copy-on-write), all broken onto zeroed
+    /// pages at the first fault of its call.
+    #[serde(default)]
+    pub nocopy_breaks: u64,
 }
 
 /// Messages to memfoldd.

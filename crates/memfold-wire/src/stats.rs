@@ -236,6 +236,10 @@ pub struct VmStats {
     /// break).
     #[serde(default)]
     pub ahead_breaks: u64,
+    /// Pages its agent broke without a copy, under a device's declaration that its write
+    /// overwrites them whole (cumulative; each also a CoW break; Satori §4.3).
+    #[serde(default)]
+    pub nocopy_breaks: u64,
     /// Host memory this guest holds alone, bytes: its RAM memfd and its store memfd as
     /// allocated (holes take none; its sharing domain's pool is counted apart, in
     /// [`HeldBytes::pool`], as its frames serve every guest of the domain).

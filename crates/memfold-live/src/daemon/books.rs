@@ -28,6 +28,7 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
         qemu_vma_budget: g.map_or(0, |g| g.vma_budget),
         run_breaks: g.map_or(0, |g| g.run_breaks),
         ahead_breaks: g.map_or(0, |g| g.ahead_breaks),
+        nocopy_breaks: g.map_or(0, |g| g.nocopy_breaks),
         shared_pages: b.shared_pages,
         zero_shared_pages: b.zero_shared_pages,
         zero_reclaimed_pages: b.zero_reclaimed_pages,

@@ -251,6 +251,8 @@ pub(crate) struct Guest {
     pub(crate) run_breaks: u64,
     /// Pages broken ahead of a sequential writer.
     pub(crate) ahead_breaks: u64,
+    /// Pages broken without a copy under a device's whole-page declaration.
+    pub(crate) nocopy_breaks: u64,
 }
 
 impl Guest {
@@ -274,6 +276,7 @@ impl Guest {
             vma_warned_at: None,
             run_breaks: 0,
             ahead_breaks: 0,
+            nocopy_breaks: 0,
         }
     }
 }
@@ -386,6 +389,7 @@ impl Guests {
         }
         g.run_breaks = r.run_breaks;
         g.ahead_breaks = r.ahead_breaks;
+        g.nocopy_breaks = r.nocopy_breaks;
         g.latency = [
             &r.share_ns,
             &r.cow_break_ns,

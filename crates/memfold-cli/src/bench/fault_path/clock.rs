@@ -43,6 +43,7 @@ fn serve_minor(
             write,
             wp,
             minor,
+            ..
         } = ev
         else {
             return Ok(false);
