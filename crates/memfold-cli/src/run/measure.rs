@@ -522,8 +522,9 @@ pub struct GuestEvents {
     pub read_fills: u64,
     /// Copy-on-write breaks of shared pages.
     pub cow_breaks: u64,
-    /// Shared pages freed by the guest and discarded, their copies avoided: by its VMM
-    /// (free page reporting, a balloon) or by memfold's free-page discard.
+    /// Copies avoided (Satori §4.3): shared pages freed by the guest and discarded, by its
+    /// VMM (free page reporting, a balloon) or by memfold's free-page discard, and shared
+    /// pages a device's write overwrote whole (broken without a copy).
     pub cow_copies_avoided: u64,
     /// Free pages an enlightened guest reported, discarded without a copy (issue 17).
     pub free_discards: u64,
@@ -552,7 +553,9 @@ impl GuestEvents {
             read_shares: sum(|v| v.read_shares),
             read_fills: sum(|v| v.read_fills),
             cow_breaks: sum(|v| v.cow_breaks),
-            cow_copies_avoided: sum(|v| v.cow_copies_avoided + v.free_discards_shared),
+            cow_copies_avoided: sum(|v| {
+                v.cow_copies_avoided + v.free_discards_shared + v.nocopy_breaks
+            }),
             free_discards: sum(|v| v.free_discards),
             free_discards_stored: sum(|v| v.free_discards_stored),
             reclaims: sum(|v| v.reclaims),

@@ -396,7 +396,7 @@ impl Collector for Snapshot {
                     ("free_discard_stored", Counter(v.free_discards_stored)),
                     (
                         "cow_copy_avoided",
-                        Counter(v.cow_copies_avoided + v.free_discards_shared),
+                        Counter(v.cow_copies_avoided + v.free_discards_shared + v.nocopy_breaks),
                     ),
                 ]
             }),
