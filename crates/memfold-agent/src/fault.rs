@@ -207,7 +207,7 @@ impl Agent {
     }
 
     /// Pages `[first, first + n)`, private copies just mapped back (CoW breaks), are
-    /// installed writable now and marked R and M, as written: in the clock's `userfault`
+    /// marked R and M, as written, and installed writable now: in the clock's `userfault`
     /// mode guest RAM is registered for minor faults, so without this the writer's retry
     /// of its write would be a second round trip through this thread (a minor fault on a
     /// page the memfd holds) for every break. Call before waking the writer (a thread
@@ -215,13 +215,16 @@ impl Agent {
     /// page mapped and only wakes). Marking M also clears the pages' watch bits
     /// (the free-page discard's invariant: a page installed writable is never discarded
     /// as unwritten). In the `pagemap` mode the kernel maps them on the retry itself and
-    /// nothing is done. A failed `UFFDIO_CONTINUE` only leaves the retry's minor fault.
+    /// only the marks are made. A failed `UFFDIO_CONTINUE` only leaves the retry's minor
+    /// fault.
     pub(crate) fn install_written(&mut self, first: Gfn, n: usize) {
-        if self.rbits.is_some() {
-            return;
-        }
+        // M in both modes: in the `pagemap` mode the retry's write is the kernel's, on a
+        // fresh mapping without write-protection, so no fault would ever tell.
         for k in 0..n {
             self.pages.mark(plus(first, k), true);
+        }
+        if self.rbits.is_some() {
+            return;
         }
         if let Err(e) = self
             .uffd

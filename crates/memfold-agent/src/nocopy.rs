@@ -18,13 +18,14 @@
 //! fails midway (QEMU unmapped part of RAM, the device was killed) its pages not yet
 //! written read zeros: the device reports the request failed, and a buffer the guest
 //! handed a device to fill holds no byte of any other guest or of any other time.
-//! A QEMU that forges declarations (a guest escaped into it) can do no more than that to
-//! its own guest. Broken on purpose in `tests/nocopy.rs`.
+//! A QEMU that forges declarations (a guest escaped into it) can zero pages of its own
+//! guest, never another's: its agent serves only its own guest RAM. Broken on purpose in
+//! `tests/nocopy.rs`.
 
 use std::io;
 
 use memfold_ids::{FrameId, Gfn};
-use memfold_sys::fence::monotonic_ns;
+use memfold_sys::proc::monotonic_ns;
 
 use crate::state::{plus, PageHome};
 use crate::{Agent, PAGE};
@@ -35,10 +36,12 @@ impl Agent {
     /// of this process's threads (QEMU's, whose declarations prove nothing: it may have
     /// made them itself), without a fence, or with no fresh declaration covering it.
     pub(crate) fn declared_whole(&self, tid: u32, page: u64) -> Option<Vec<(u64, u64)>> {
-        if tid == 0 || own_thread(tid) {
+        if tid == 0 {
             return None;
         }
-        crate::fence::write_fence()?.declared_whole(tid, page, monotonic_ns())
+        // The records first: most faults (vCPUs') match none, and cost no system call.
+        let runs = crate::fence::write_fence()?.declared_whole(tid, page, monotonic_ns())?;
+        (!own_thread(tid)).then_some(runs)
     }
 
     /// The CoW break of page `gfn` (on `frame`) under a write declared whole, `runs`
@@ -94,6 +97,8 @@ impl Agent {
         if !broke_it {
             return self.cow_break(gfn, frame);
         }
+        // The one wake: the writer goes on only once every group is in place, or it would
+        // overtake the groups still being broken and fault on them one by one.
         Ok(self.uffd.wake(self.page_addr(gfn), PAGE)?)
     }
 
@@ -121,7 +126,10 @@ impl Agent {
             self.pending.breaks.push((g, f));
         }
         self.counters.nocopy_breaks += n as u64;
-        if let Err(e) = self.uffd.zeropage(self.page_addr(first), n as u64 * PAGE) {
+        if let Err(e) = self
+            .uffd
+            .zeropage_dontwake(self.page_addr(first), n as u64 * PAGE)
+        {
             tracing::debug!("zero pages for {n} pages from {first}: {e}");
         }
         Ok(())

@@ -4,8 +4,9 @@
 //! second round trip through the agent (a minor fault) for every break, and for every
 //! page broken ahead of a sequential writer. Here the "guest" writes page 3 of a region
 //! shared whole, then pages 5 and 6 one after the other (page 7 is then broken ahead),
-//! then page 7: three write-protect faults and no minor fault; every page reads what was
-//! written or its frame's bytes, and the frames keep theirs.
+//! then page 7: three write-protect faults (four if page 7 was not broken ahead) and no
+//! minor fault; every page reads what was written or its frame's bytes, and the frames
+//! keep theirs.
 //!
 //! Seen failing with `install_written` doing nothing: 4 minor faults (the three breaks'
 //! retries and page 7's write).
@@ -84,8 +85,10 @@ fn a_cow_break_leaves_no_minor_fault_for_the_writer_to_take() {
         }
     }
     let (wp, minor, ahead) = last.expect("an AgentStats report");
-    assert_eq!(ahead, 1, "page 7 broken ahead of the writer");
-    assert_eq!(wp, 3, "write-protect faults: pages 3, 5 and 6");
+    // Page 7 is broken ahead if the breaks of 5 and 6 came within `SEQUENTIAL_WITHIN`
+    // (2 ms; a loaded host may miss it), else its write is a fourth break.
+    assert!(ahead <= 1, "only page 7 is on a frame ahead of the writer");
+    assert_eq!(wp, 4 - ahead, "write-protect faults: pages 3, 5, 6 (and 7)");
     assert_eq!(
         minor, 0,
         "minor faults after the breaks: each a second round trip for the writer"

@@ -61,8 +61,7 @@ pub const FENCE_NAME: &str = "memfold-fence";
 pub const CHUNK: u64 = 1 << 16;
 
 /// Counters (4 bytes each, after a 4 KiB header): 256 KiB of memfd, of which only the
-/// slots used are ever allocated (as of the [`RECORDS`] declarations after them, 256
-/// KiB).
+/// slots used are ever allocated (so too of the [`RECORDS`] declarations after them).
 pub const SLOTS: usize = 1 << 16;
 
 /// Whole-page declarations the fence holds at once: one per writer thread inside a call
@@ -93,6 +92,11 @@ const RECORD: usize = 4096;
 const RECORDS_AT: usize = HEADER + SLOTS * 4;
 const LEN: usize = RECORDS_AT + RECORDS * RECORD;
 const MAGIC: u64 = u64::from_le_bytes(*b"MFFENCE2");
+/// The first fence (no declarations), which agents built before them make: a device
+/// takes it, holds it and declares nothing (a running QEMU keeps its agent until it
+/// restarts).
+const LEN_V1: usize = RECORDS_AT;
+const MAGIC_V1: u64 = u64::from_le_bytes(*b"MFFENCE1");
 const PAGE: u64 = 4096;
 
 /// One process's write fence, mapped shared (see the module).
@@ -100,6 +104,8 @@ const PAGE: u64 = 4096;
 pub struct WriteFence {
     base: NonNull<u8>,
     _fd: OwnedFd,
+    /// Bytes mapped: [`LEN`], or [`LEN_V1`] for a first fence.
+    len: usize,
 }
 
 // SAFETY: the mapping is only accessed through atomics; it lives as long as the value.
@@ -109,9 +115,9 @@ unsafe impl Sync for WriteFence {}
 
 impl Drop for WriteFence {
     fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, LEN bytes; no reference into it outlives self
-        // (holds borrow self).
-        let _ = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), LEN) };
+        // SAFETY: the mapping made in `map`, `len` bytes; no reference into it outlives
+        // self (holds borrow self).
+        let _ = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.len) };
     }
 }
 
@@ -144,7 +150,7 @@ impl WriteFence {
         let fd =
             rustix::fs::memfd_create(FENCE_NAME, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
         rustix::fs::ftruncate(&fd, LEN as u64)?;
-        let f = Self::map(fd)?;
+        let f = Self::map(fd, LEN)?;
         f.magic().store(MAGIC, Ordering::SeqCst);
         rustix::fs::fcntl_add_seals(
             &f._fd,
@@ -205,23 +211,31 @@ impl WriteFence {
         if !seals.contains(SealFlags::SHRINK) {
             return Err(bad("not sealed against shrinking"));
         }
-        if rustix::fs::fstat(&fd)?.st_size as usize != LEN {
-            return Err(bad("wrong size"));
-        }
-        let f = Self::map(fd)?;
-        if f.magic().load(Ordering::SeqCst) != MAGIC {
+        let (len, magic) = match rustix::fs::fstat(&fd)?.st_size as usize {
+            LEN => (LEN, MAGIC),
+            LEN_V1 => (LEN_V1, MAGIC_V1),
+            _ => return Err(bad("wrong size")),
+        };
+        let f = Self::map(fd, len)?;
+        if f.magic().load(Ordering::SeqCst) != magic {
             return Err(bad("no magic"));
         }
         Ok(f)
     }
 
-    fn map(fd: OwnedFd) -> io::Result<WriteFence> {
-        // SAFETY: a new shared mapping of LEN bytes of a memfd at least that long (sized
+    /// Whether this fence carries whole-page declarations (not a first fence, made by an
+    /// agent built before them).
+    pub fn declares(&self) -> bool {
+        self.len == LEN
+    }
+
+    fn map(fd: OwnedFd, len: usize) -> io::Result<WriteFence> {
+        // SAFETY: a new shared mapping of `len` bytes of a memfd at least that long (sized
         // or checked by the callers), at an address the kernel picks.
         let p = unsafe {
             rustix::mm::mmap(
                 std::ptr::null_mut(),
-                LEN,
+                len,
                 ProtFlags::READ | ProtFlags::WRITE,
                 MapFlags::SHARED,
                 fd.as_fd(),
@@ -231,6 +245,7 @@ impl WriteFence {
         Ok(WriteFence {
             base: NonNull::new(p.cast()).ok_or_else(|| io::Error::other("mmap gave null"))?,
             _fd: fd,
+            len,
         })
     }
 
@@ -293,11 +308,9 @@ impl WriteFence {
             .flat_map(|&(va, len)| whole_runs(va, len.min(MAX_TRANSFER)))
             .take(RECORD_RUNS)
             .collect();
-        if !runs.is_empty() {
-            hold.record = self.declare(
-                rustix::thread::gettid().as_raw_nonzero().get() as u32,
-                &runs,
-            );
+        if !runs.is_empty() && self.declares() {
+            let tid = rustix::thread::gettid().as_raw_nonzero().get() as u32;
+            hold.record = self.declare(tid, &runs);
         }
         hold
     }
@@ -306,41 +319,73 @@ impl WriteFence {
     /// is declared to overwrite it whole, by a record made less than
     /// [`DECLARATION_FRESH_NS`] before `now_ns` (`CLOCK_MONOTONIC`); if so, every run the
     /// declaration lists, as (first page's address, pages). `None` for a record being
-    /// written or withdrawn meanwhile (read under its seqlock), stale, or from the future.
+    /// written or withdrawn meanwhile (read under its seqlock), stale, or from the future,
+    /// and for a thread id two fresh records name (a writer killed inside its call, and
+    /// another thread with its id since, in another pid namespace: which one is blocked
+    /// in the fault cannot be told).
     ///
     /// The caller must also know `tid` is not one of its own process's threads: a
     /// declaration is a promise about one call, which only a thread blocked inside that
     /// call (a writer from another process, faulting through `process_vm_writev`) keeps.
     pub fn declared_whole(&self, tid: u32, va: u64, now_ns: u64) -> Option<Vec<(u64, u64)>> {
-        if tid == 0 {
+        if tid == 0 || !self.declares() {
             return None;
         }
         let va = va & !(PAGE - 1);
-        (0..RECORDS).find_map(|r| {
-            let rec = self.record(r);
-            let s1 = rec.seq.load(Ordering::SeqCst);
-            if s1 & 1 == 1 || rec.owner.load(Ordering::SeqCst) != tid {
-                return None;
+        let mut named = 0;
+        let mut found = None;
+        for r in 0..RECORDS {
+            match self.read_record(r, tid, now_ns) {
+                Read::Other => {}
+                Read::Unsure => return None,
+                Read::Fresh(runs) => {
+                    named += 1;
+                    let covers = runs
+                        .iter()
+                        .any(|&(a, p)| va >= a && va < a.saturating_add(p * PAGE));
+                    if covers {
+                        found = Some(runs);
+                    }
+                }
             }
-            let stamp = rec.stamp.load(Ordering::SeqCst);
-            let n = (rec.runs.load(Ordering::SeqCst) as usize).min(RECORD_RUNS);
-            let runs: Vec<(u64, u64)> = (0..n)
-                .map(|i| unpack_run(self.run(r, i).load(Ordering::SeqCst)))
-                .collect();
-            if rec.seq.load(Ordering::SeqCst) != s1 || rec.owner.load(Ordering::SeqCst) != tid {
-                return None;
-            }
-            let fresh = stamp <= now_ns && now_ns - stamp < DECLARATION_FRESH_NS;
-            let covers = runs
-                .iter()
-                .any(|&(a, p)| va >= a && va < a.saturating_add(p * PAGE));
-            (fresh && covers).then_some(runs)
-        })
+        }
+        found.filter(|_| named == 1)
+    }
+
+    /// Record `r` read for thread `tid` at `now_ns` (see [`Read`]).
+    fn read_record(&self, r: usize, tid: u32, now_ns: u64) -> Read {
+        let rec = self.record(r);
+        if rec.owner.load(Ordering::SeqCst) != tid {
+            return Read::Other;
+        }
+        let s1 = rec.seq.load(Ordering::SeqCst);
+        if s1 & 1 == 1 {
+            return Read::Unsure;
+        }
+        let stamp = rec.stamp.load(Ordering::SeqCst);
+        let n = (rec.runs.load(Ordering::SeqCst) as usize).min(RECORD_RUNS);
+        let runs: Vec<(u64, u64)> = (0..n)
+            .map(|i| unpack_run(self.run(r, i).load(Ordering::SeqCst)))
+            .collect();
+        if rec.seq.load(Ordering::SeqCst) != s1 || rec.owner.load(Ordering::SeqCst) != tid {
+            return Read::Unsure;
+        }
+        if stamp > now_ns || now_ns - stamp >= DECLARATION_FRESH_NS {
+            return Read::Other;
+        }
+        Read::Fresh(runs)
     }
 
     /// Makes a declaration of `runs` (packed) by thread `tid` in a free record; its index,
     /// or `None` if every record is taken.
     fn declare(&self, tid: u32, runs: &[u64]) -> Option<usize> {
+        // A thread declares for one call at a time, so a record with its id now is a
+        // leftover of a writer killed inside its call that had the same id.
+        for r in 0..RECORDS {
+            if self.record(r).owner.load(Ordering::SeqCst) == tid {
+                self.withdraw(r);
+            }
+        }
         let r = (0..RECORDS).find(|&r| {
             self.record(r)
                 .owner
@@ -349,7 +394,8 @@ impl WriteFence {
         })?;
         let rec = self.record(r);
         rec.seq.fetch_add(1, Ordering::SeqCst); // odd: being written
-        rec.stamp.store(monotonic_ns(), Ordering::SeqCst);
+        rec.stamp
+            .store(crate::proc::monotonic_ns(), Ordering::SeqCst);
         for (i, &run) in runs.iter().enumerate() {
             self.run(r, i).store(run, Ordering::SeqCst);
         }
@@ -368,7 +414,7 @@ impl WriteFence {
     }
 
     fn record(&self, r: usize) -> &Record {
-        assert!(r < RECORDS);
+        assert!(r < RECORDS && self.declares());
         // SAFETY: record r < RECORDS lies inside the mapping (LEN), 4 KiB-aligned; Record
         // is atomics only, 24 bytes, within the record's first bytes.
         unsafe {
@@ -381,7 +427,7 @@ impl WriteFence {
     }
 
     fn run(&self, r: usize, i: usize) -> &AtomicU64 {
-        assert!(r < RECORDS && i < RECORD_RUNS);
+        assert!(r < RECORDS && i < RECORD_RUNS && self.declares());
         // SAFETY: run i < RECORD_RUNS of record r: 8-byte aligned, after the record's
         // 32-byte head, inside its 4 KiB (32 + 8 × 508 = 4096).
         unsafe {
@@ -445,11 +491,15 @@ fn unpack_run(run: u64) -> (u64, u64) {
     (run & !(PAGE - 1), (run & (PAGE - 1)) + 1)
 }
 
-/// `CLOCK_MONOTONIC` now, ns: the clock declarations are stamped with, the same in every
-/// process of the host.
-pub fn monotonic_ns() -> u64 {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+/// A record as [`WriteFence::read_record`] found it for one thread.
+enum Read {
+    /// Another thread's, free, or stale.
+    Other,
+    /// The thread's, but being written or withdrawn (or changed while read): nothing can
+    /// be trusted.
+    Unsure,
+    /// The thread's own, fresh: its runs.
+    Fresh(Vec<(u64, u64)>),
 }
 
 #[cfg(test)]
@@ -495,7 +545,7 @@ mod tests {
     fn a_declaration_names_its_thread_s_whole_pages_for_the_call_and_goes_with_it() {
         let f = WriteFence::create().unwrap();
         let va = 0x7f00_0000_0000u64;
-        let now = || monotonic_ns();
+        let now = crate::proc::monotonic_ns;
         {
             // Bytes 100.. of page 0 to byte 99 of page 3: pages 1 and 2 whole.
             let _h = f.hold_writing(&[(va + 100, 3 * PAGE), (va + 10 * PAGE, PAGE)]);
@@ -558,11 +608,58 @@ mod tests {
         let h = f.hold_writing(&[(va + PAGE, PAGE)]);
         assert_eq!(h.record, None);
         assert!(f.busy(va + PAGE));
-        assert_eq!(f.declared_whole(my_tid(), va + PAGE, monotonic_ns()), None);
+        assert_eq!(
+            f.declared_whole(my_tid(), va + PAGE, crate::proc::monotonic_ns()),
+            None
+        );
         drop(h);
         f.withdraw(5);
         let h = f.hold_writing(&[(va + PAGE, PAGE)]);
         assert_eq!(h.record, Some(5), "a withdrawn record is free again");
+    }
+
+    #[test]
+    fn a_killed_writer_s_leftover_is_withdrawn_by_its_id_and_two_records_of_one_id_are_not_trusted()
+    {
+        let f = WriteFence::create().unwrap();
+        let va = 0x7f00_0000_0000u64;
+        let now = crate::proc::monotonic_ns;
+        // Thread 7 killed inside its call: its record stays.
+        assert_eq!(f.declare(7, &whole_runs(va, PAGE)), Some(0));
+        // A thread with the same id (another pid namespace) declares: the leftover goes.
+        assert_eq!(f.declare(7, &whole_runs(va + PAGE, PAGE)), Some(0));
+        assert_eq!(f.declared_whole(7, va, now()), None, "the leftover's page");
+        assert_eq!(
+            f.declared_whole(7, va + PAGE, now()),
+            Some(vec![(va + PAGE, 1)])
+        );
+        // Two fresh records naming one id (a forged one, or made between the two
+        // lookups): which one the faulting thread is blocked in cannot be told.
+        assert_eq!(f.declare(8, &whole_runs(va + 2 * PAGE, PAGE)), Some(1));
+        f.record(1).owner.store(7, Ordering::SeqCst);
+        assert_eq!(f.declared_whole(7, va + PAGE, now()), None);
+        assert_eq!(f.declared_whole(7, va + 2 * PAGE, now()), None);
+        f.withdraw(1);
+        assert_eq!(
+            f.declared_whole(7, va + PAGE, now()),
+            Some(vec![(va + PAGE, 1)])
+        );
+    }
+
+    #[test]
+    fn a_first_fence_is_held_and_declares_nothing() {
+        let fd = rustix::fs::memfd_create(FENCE_NAME, MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::ftruncate(&fd, LEN_V1 as u64).unwrap();
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).unwrap();
+        let agent = WriteFence::map(fd.try_clone().unwrap(), LEN_V1).unwrap();
+        agent.magic().store(MAGIC_V1, Ordering::SeqCst);
+        let device = WriteFence::checked(fd, "v1").unwrap();
+        assert!(!device.declares());
+        let va = 0x7f00_0000_0000u64;
+        let h = device.hold_writing(&[(va, 4 * PAGE)]);
+        assert!(agent.busy(va) && h.record.is_none());
+        let now = crate::proc::monotonic_ns();
+        assert_eq!(agent.declared_whole(my_tid(), va, now), None);
     }
 
     #[test]

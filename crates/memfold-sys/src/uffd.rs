@@ -31,6 +31,8 @@ const USERFAULTFD_IOC_NEW: libc::c_ulong = 0xAA00;
 pub const DEV_USERFAULTFD: &str = "/dev/userfaultfd";
 /// `UFFDIO_COPY_MODE_WP` / `UFFDIO_CONTINUE_MODE_WP`: install the page write-protected.
 const FILL_MODE_WP: u64 = 1 << 1;
+/// `UFFDIO_COPY_MODE_DONTWAKE` / `UFFDIO_ZEROPAGE_MODE_DONTWAKE`: fill without waking.
+const FILL_MODE_DONTWAKE: u64 = 1 << 0;
 
 /// `UFFD_FEATURE_EVENT_REMAP`: a registered VMA moved by mremap keeps its registration
 /// (and its write-protected PTEs); the mover waits until the event is read.
@@ -479,9 +481,22 @@ impl Uffd {
     ///
     /// Errors: `dst` is not a registered missing range; the host is out of memory.
     pub fn zeropage(&self, dst: u64, len: u64) -> Result<(), UffdError> {
+        self.zeropage_mode(dst, len, 0)
+    }
+
+    /// [`Uffd::zeropage`] without waking the threads waiting on the range (but for a
+    /// page filled meanwhile): for fills of several ranges that must all be in place
+    /// before a thread that faulted on one of them goes on; the caller wakes it.
+    ///
+    /// Errors: as [`Uffd::zeropage`].
+    pub fn zeropage_dontwake(&self, dst: u64, len: u64) -> Result<(), UffdError> {
+        self.zeropage_mode(dst, len, FILL_MODE_DONTWAKE)
+    }
+
+    fn zeropage_mode(&self, dst: u64, len: u64, mode: u64) -> Result<(), UffdError> {
         let mut z = UffdioZeropage {
             range: UffdioRange { start: dst, len },
-            mode: 0,
+            mode,
             zeropage: 0,
         };
         // SAFETY: UFFDIO_ZEROPAGE reads the range and writes `z.zeropage`; it fills only
