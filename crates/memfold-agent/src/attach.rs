@@ -232,6 +232,21 @@ impl Agent {
         Ok(())
     }
 
+    /// Sends the CoW breaks made so far now, before the loop's turn ends (`nocopy.rs`). A
+    /// failed send drops the connection (the re-attach lists what is still shared).
+    pub(crate) fn send_breaks(&mut self) {
+        let Some(c) = &self.conn else { return };
+        if self.pending.breaks.is_empty() {
+            return;
+        }
+        let m = ToDaemon::CowBroken {
+            breaks: std::mem::take(&mut self.pending.breaks),
+        };
+        if c.send(&m, &[]).is_err() {
+            self.conn = None;
+        }
+    }
+
     /// Sends CoW breaks, refills, unstashed and discarded pages as they happen, counters and
     /// latencies every second. A failed send drops the connection.
     pub(crate) fn report(&mut self) {

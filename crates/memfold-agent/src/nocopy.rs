@@ -97,6 +97,10 @@ impl Agent {
         if !broke_it {
             return self.cow_break(gfn, frame);
         }
+        // memfoldd hears of the breaks before the device's report of the pages landed,
+        // which follows the wake within microseconds: a landing on a page memfoldd still
+        // holds as shared is passed over (no share at read).
+        self.send_breaks();
         // The one wake: the writer goes on only once every group is in place, or it would
         // overtake the groups still being broken and fault on them one by one.
         Ok(self.uffd.wake(self.page_addr(gfn), PAGE)?)
