@@ -18,10 +18,9 @@ mod common;
 use std::os::fd::AsFd;
 use std::time::Duration;
 
-use common::{agent_with_pool, page_of, region, share, write};
+use common::{page_of, shared_page_by_page, stats_after, write};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd::pread_exact;
-use memfold_wire::{BatchId, FrameId, Gfn, ToDaemon};
 
 const PAGES: usize = 8;
 
@@ -40,20 +39,7 @@ fn written(g: usize) -> Vec<u8> {
 #[test]
 fn a_cow_break_leaves_no_minor_fault_for_the_writer_to_take() {
     let dir = tempfile::tempdir().unwrap();
-    let (_fd, ptr) = region(PAGES);
-    for g in 0..PAGES {
-        write(ptr, g, &text(g));
-    }
-    let frames: Vec<Vec<u8>> = (0..PAGES).map(text).collect();
-    let (c, pool, _store) = agent_with_pool(&dir.path().join("memfoldd.sock"), &frames);
-    for g in 0..PAGES {
-        let (shared, _, _) = share(
-            &c,
-            BatchId(g as u64 + 1),
-            vec![(Gfn(g as u32), FrameId(g as u32))],
-        );
-        assert_eq!(shared, vec![Gfn(g as u32)]);
-    }
+    let (_fd, ptr, c, pool, _store) = shared_page_by_page(dir.path(), PAGES, text);
 
     write(ptr, 3, &written(3));
     // A sequential writer: page 7 is broken ahead of it, then written.
@@ -74,17 +60,8 @@ fn a_cow_break_leaves_no_minor_fault_for_the_writer_to_take() {
         assert!(f == text(g), "frame {g} was written");
     }
 
-    // The counters of a report sent after the last write (every second).
-    c.set_recv_timeout(Duration::from_millis(100)).unwrap();
-    std::thread::sleep(Duration::from_millis(1100));
-    let mut last = None;
-    let t = std::time::Instant::now();
-    while t.elapsed() < Duration::from_millis(2500) {
-        if let Ok(Some((ToDaemon::AgentStats(r), _))) = c.recv::<ToDaemon>() {
-            last = Some((r.wp_faults, r.minor_faults, r.ahead_breaks));
-        }
-    }
-    let (wp, minor, ahead) = last.expect("an AgentStats report");
+    let r = stats_after(&c);
+    let (wp, minor, ahead) = (r.wp_faults, r.minor_faults, r.ahead_breaks);
     // Page 7 is broken ahead if the breaks of 5 and 6 came within `SEQUENTIAL_WITHIN`
     // (2 ms; a loaded host may miss it), else its write is a fourth break.
     assert!(ahead <= 1, "only page 7 is on a frame ahead of the writer");

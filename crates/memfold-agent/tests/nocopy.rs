@@ -18,13 +18,11 @@
 mod common;
 
 use std::os::fd::AsFd;
-use std::time::Duration;
 
-use common::{agent_with_pool, page_of, region, share, write};
+use common::{page_of, shared_page_by_page, stats_after, write};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::fence::WriteFence;
 use memfold_sys::memfd::pread_exact;
-use memfold_wire::{BatchId, FrameId, Gfn, ToDaemon};
 
 const PAGES: usize = 16;
 /// Pages the writer process writes whole.
@@ -107,20 +105,7 @@ fn child_writer() {
 #[test]
 fn a_device_s_whole_page_write_breaks_its_pages_without_a_copy() {
     let dir = tempfile::tempdir().unwrap();
-    let (_fd, ptr) = region(PAGES);
-    for g in 0..PAGES {
-        write(ptr, g, &text(g));
-    }
-    let frames: Vec<Vec<u8>> = (0..PAGES).map(text).collect();
-    let (c, pool, _store) = agent_with_pool(&dir.path().join("memfoldd.sock"), &frames);
-    for g in 0..PAGES {
-        let (shared, _, _) = share(
-            &c,
-            BatchId(g as u64 + 1),
-            vec![(Gfn(g as u32), FrameId(g as u32))],
-        );
-        assert_eq!(shared, vec![Gfn(g as u32)]);
-    }
+    let (_fd, ptr, c, pool, _store) = shared_page_by_page(dir.path(), PAGES, text);
 
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "child_writer", "--nocapture"])
@@ -164,17 +149,8 @@ fn a_device_s_whole_page_write_breaks_its_pages_without_a_copy() {
         assert!(f == text(g), "frame {g} was written");
     }
 
-    // The counters of a report sent after the writes (every second).
-    c.set_recv_timeout(Duration::from_millis(100)).unwrap();
-    std::thread::sleep(Duration::from_millis(1100));
-    let mut last = None;
-    let t = std::time::Instant::now();
-    while t.elapsed() < Duration::from_millis(2500) {
-        if let Ok(Some((ToDaemon::AgentStats(r), _))) = c.recv::<ToDaemon>() {
-            last = Some((r.wp_faults, r.nocopy_breaks));
-        }
-    }
-    let (wp, nocopy) = last.expect("an AgentStats report");
+    let r = stats_after(&c);
+    let (wp, nocopy) = (r.wp_faults, r.nocopy_breaks);
     assert_eq!(nocopy, WHOLE.len() as u64, "pages broken without a copy");
     assert_eq!(wp, 3, "write-protect faults: pages 1, 13 and 15");
 }

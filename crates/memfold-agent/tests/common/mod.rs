@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use memfold_agent::{AgentConfig, ClockRBits, FailMode};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
-use memfold_wire::{BatchId, Conn, FrameId, Gfn, Listener, ToAgent, ToDaemon, PROTOCOL_VERSION};
+use memfold_wire::{
+    AgentReport, BatchId, Conn, FrameId, Gfn, Listener, ToAgent, ToDaemon, PROTOCOL_VERSION,
+};
 
 /// The shared mapping of a new memfd of `pages` pages named as QEMU names its memory
 /// backends.
@@ -137,6 +139,47 @@ pub fn agent_with_pool_rbits(
     )
     .unwrap();
     (c, pool, store)
+}
+
+/// Guest RAM of `pages` pages, page g holding `bytes(g)`, under an agent (started here, as
+/// memfoldd in `dir`) whose pool holds the same bytes, every page shared onto its own
+/// frame (g onto frame g) one request at a time; returns the region's memfd and mapping,
+/// the connection, the pool and the store.
+pub fn shared_page_by_page(
+    dir: &Path,
+    pages: usize,
+    bytes: impl Fn(usize) -> Vec<u8>,
+) -> (OwnedFd, *mut u8, Conn, OwnedFd, OwnedFd) {
+    let (fd, ptr) = region(pages);
+    for g in 0..pages {
+        write(ptr, g, &bytes(g));
+    }
+    let frames: Vec<Vec<u8>> = (0..pages).map(&bytes).collect();
+    let (c, pool, store) = agent_with_pool(&dir.join("memfoldd.sock"), &frames);
+    for g in 0..pages {
+        let (shared, _, _) = share(
+            &c,
+            BatchId(g as u64 + 1),
+            vec![(Gfn(g as u32), FrameId(g as u32))],
+        );
+        assert_eq!(shared, vec![Gfn(g as u32)]);
+    }
+    (fd, ptr, c, pool, store)
+}
+
+/// The agent's counters after what the test did: the last report it sends (every second)
+/// between 1.1 and 3.6 s from now.
+pub fn stats_after(c: &Conn) -> AgentReport {
+    c.set_recv_timeout(Duration::from_millis(100)).unwrap();
+    std::thread::sleep(Duration::from_millis(1100));
+    let mut last = None;
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(2500) {
+        if let Ok(Some((ToDaemon::AgentStats(r), _))) = c.recv::<ToDaemon>() {
+            last = Some(r);
+        }
+    }
+    last.expect("an AgentStats report")
 }
 
 /// Asks the agent to watch `gfns` for the free-page discard (issue 17); returns (watched,
