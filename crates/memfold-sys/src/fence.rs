@@ -38,7 +38,7 @@
 //! the whole call instead of one per page. The agent trusts a declaration only for a
 //! fault of the thread that made it ([`WriteFence::declared_whole`]), which is then
 //! blocked inside the very call the declaration covers; a QEMU that forges records can
-//! only make its own guest read zeros in a buffer it gave a device.
+//! only make its own guest read zeros (its agent serves only its own guest RAM).
 //!
 //! A writer whose copy lands after its call returns (QEMU's `aio=native`: the kernel
 //! completes the read later, and QEMU reaps it from a ring in its own memory, with no
