@@ -250,13 +250,9 @@ impl Agent {
     /// Sends CoW breaks, refills, unstashed and discarded pages as they happen, counters and
     /// latencies every second. A failed send drops the connection.
     pub(crate) fn report(&mut self) {
+        self.send_breaks();
         let Some(c) = &self.conn else { return };
         let mut msgs = Vec::new();
-        if !self.pending.breaks.is_empty() {
-            msgs.push(ToDaemon::CowBroken {
-                breaks: std::mem::take(&mut self.pending.breaks),
-            });
-        }
         if !self.pending.refills.is_empty() {
             msgs.push(ToDaemon::Refilled {
                 gfns: std::mem::take(&mut self.pending.refills),

@@ -143,16 +143,17 @@ impl Agent {
                     Ok(())
                 }
                 PageHome::Frame(frame) => {
-                    if let Some(runs) = self.declared_whole(tid, page) {
-                        // A writer's call that overwrites it whole: no copy, and its other
-                        // pages on frames broken with it (`nocopy.rs`).
-                        self.break_declared(gfn, frame, &runs)?;
-                        self.counters.cow.record(started.elapsed(), 1);
-                        return Ok(());
+                    // A writer's call that overwrites it whole: no copy, and its other
+                    // pages on frames broken with it (`nocopy.rs`).
+                    let declared = self.declared_whole(tid, page);
+                    match &declared {
+                        Some(runs) => self.break_declared(gfn, frame, runs)?,
+                        None => self.cow_break(gfn, frame)?,
                     }
-                    self.cow_break(gfn, frame)?;
                     self.counters.cow.record(started.elapsed(), 1);
-                    self.break_ahead(gfn);
+                    if declared.is_none() {
+                        self.break_ahead(gfn);
+                    }
                     Ok(())
                 }
             };
@@ -201,7 +202,7 @@ impl Agent {
             tracing::warn!("{e}; breaking its whole run instead");
             return self.cow_break_run(gfn, frame);
         }
-        self.broken(gfn, frame, 1);
+        self.broken([(gfn, frame)]);
         self.install_written(gfn, 1);
         Ok(self.uffd.wake(self.page_addr(gfn), PAGE)?)
     }
@@ -248,7 +249,7 @@ impl Agent {
         let frame0 = FrameId(frame.0 - (gfn.0 - first.0));
         self.copy_frames(first, frame0, n)?;
         self.map_guest_range(first, n)?;
-        self.broken(first, frame0, n);
+        self.broken((0..n).map(|k| (plus(first, k), FrameId(frame0.0 + k as u32))));
         // Only the faulting page is written; the run's others fault as any armed page.
         self.install_written(gfn, 1);
         self.counters.run_breaks += 1;
@@ -301,10 +302,7 @@ impl Agent {
             self.punch(first, ahead.len() as u64);
             return;
         }
-        for &(g, f) in &ahead {
-            self.pages.set(g, PageHome::Private);
-            self.pending.breaks.push((g, f));
-        }
+        self.broken(ahead.iter().copied());
         // The writer is expected to write them next: no minor fault each on its way.
         self.install_written(first, ahead.len());
         self.counters.ahead_breaks += ahead.len() as u64;
@@ -330,15 +328,13 @@ impl Agent {
         Ok(())
     }
 
-    /// Pages `[first, first + n)`, guest RAM mapped back over them, are private: each is
-    /// recorded as a break of its frame (`frame0 + k`). The caller wakes the threads
+    /// `pages`, each (page, the frame it was on), guest RAM mapped back over them, are
+    /// private: each is recorded as a break of its frame. The caller wakes the threads
     /// waiting on them.
-    fn broken(&mut self, first: Gfn, frame0: FrameId, n: usize) {
-        for k in 0..n {
-            self.pages.set(plus(first, k), PageHome::Private);
-            self.pending
-                .breaks
-                .push((plus(first, k), FrameId(frame0.0 + k as u32)));
+    pub(crate) fn broken(&mut self, pages: impl IntoIterator<Item = (Gfn, FrameId)>) {
+        for (g, f) in pages {
+            self.pages.set(g, PageHome::Private);
+            self.pending.breaks.push((g, f));
         }
     }
 

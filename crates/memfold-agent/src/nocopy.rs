@@ -75,14 +75,12 @@ impl Agent {
         }
         on_frames.sort_unstable();
         on_frames.dedup_by_key(|p| p.0);
+        let gfns: Vec<Gfn> = on_frames.iter().map(|p| p.0).collect();
         let mut broke_it = false;
-        let mut i = 0;
-        while i < on_frames.len() {
-            let mut j = i + 1;
-            while j < on_frames.len() && on_frames[j].0 .0 == on_frames[j - 1].0 .0 + 1 {
-                j += 1;
-            }
-            let group = &on_frames[i..j];
+        let mut at = 0;
+        for (_, n) in crate::requests::runs(&gfns) {
+            let group = &on_frames[at..at + n];
+            at += n;
             let has = group.iter().any(|&(g, _)| g == gfn);
             match self.break_group_nocopy(group) {
                 Ok(()) => broke_it |= has,
@@ -92,7 +90,6 @@ impl Agent {
                     group[0].0
                 ),
             }
-            i = j;
         }
         if !broke_it {
             return self.cow_break(gfn, frame);
@@ -123,11 +120,9 @@ impl Agent {
             return Err(io::Error::other("punching the guest memfd failed"));
         }
         self.map_guest_range(first, n)?;
-        for (k, &(g, f)) in group.iter().enumerate() {
-            debug_assert_eq!(g, plus(first, k));
-            self.pages.set(g, PageHome::Private);
-            self.pages.mark(g, true);
-            self.pending.breaks.push((g, f));
+        self.broken(group.iter().copied());
+        for k in 0..n {
+            self.pages.mark(plus(first, k), true);
         }
         self.counters.nocopy_breaks += n as u64;
         if let Err(e) = self

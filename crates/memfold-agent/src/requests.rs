@@ -773,7 +773,7 @@ impl Agent {
 const ZAP_CHUNK_RUNS: usize = 32;
 
 /// Runs of consecutive pages in sorted `gfns`, as (first page, pages).
-fn runs(gfns: &[Gfn]) -> Vec<(Gfn, usize)> {
+pub(crate) fn runs(gfns: &[Gfn]) -> Vec<(Gfn, usize)> {
     let mut out: Vec<(Gfn, usize)> = Vec::new();
     for &g in gfns {
         match out.last_mut() {
