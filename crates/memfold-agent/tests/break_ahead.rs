@@ -19,26 +19,13 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use common::{agent_with_pool, next, page_of, region, share, watch, write};
-use memfold_codecs::PAGE_SIZE;
+use common::{agent_with_pool, inked, next, page_of, region, share, text, watch, write};
 use memfold_wire::{BatchId, FrameId, Gfn, ToAgent, ToDaemon};
 
 /// Guest RAM, pages.
 const PAGES: usize = 64;
 /// The private page the writer's break-ahead must stop at.
 const PRIVATE: usize = 30;
-
-/// Text-like bytes of frame (and page) `g`: never zero, differ by `g`.
-fn text(g: usize) -> Vec<u8> {
-    (0..PAGE_SIZE)
-        .map(|i| b"a page the disk read "[(i * 5 + g * 3) % 21] ^ (g as u8 & 31) | 1)
-        .collect()
-}
-
-/// What the writer puts in page `g`.
-fn written(g: usize) -> Vec<u8> {
-    vec![0x80 | g as u8; PAGE_SIZE]
-}
 
 #[test]
 fn a_sequential_writer_breaks_ahead_up_to_a_page_not_on_a_frame() {
@@ -65,7 +52,7 @@ fn a_sequential_writer_breaks_ahead_up_to_a_page_not_on_a_frame() {
     // The writer: pages 50 down to 40, as a device fills a buffer whose pages the guest
     // allocated in descending order.
     for g in (40..=50).rev() {
-        write(ptr, g, &written(g));
+        write(ptr, g, &inked(g));
     }
 
     // The breaks the agent reports, until a second passes without one.
@@ -98,7 +85,7 @@ fn a_sequential_writer_breaks_ahead_up_to_a_page_not_on_a_frame() {
     // Every byte as written: new bytes in 40–50, the frames' in the rest.
     for g in 0..PAGES {
         let want = if (40..=50).contains(&g) {
-            written(g)
+            inked(g)
         } else {
             text(g)
         };
@@ -106,7 +93,7 @@ fn a_sequential_writer_breaks_ahead_up_to_a_page_not_on_a_frame() {
     }
 
     // Page 30 is still watched and protected: written now, it is no longer free.
-    write(ptr, PRIVATE, &written(PRIVATE));
+    write(ptr, PRIVATE, &inked(PRIVATE));
     c.send(
         &ToAgent::DiscardFree {
             batch: BatchId(2000),
@@ -130,7 +117,7 @@ fn a_sequential_writer_breaks_ahead_up_to_a_page_not_on_a_frame() {
     );
     assert_eq!(changed, vec![Gfn(PRIVATE as u32)]);
     assert!(
-        page_of(ptr, PRIVATE) == written(PRIVATE),
+        page_of(ptr, PRIVATE) == inked(PRIVATE),
         "page 30 lost its write"
     );
 }

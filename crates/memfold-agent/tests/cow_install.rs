@@ -18,39 +18,27 @@ mod common;
 use std::os::fd::AsFd;
 use std::time::Duration;
 
-use common::{page_of, shared_page_by_page, stats_after, write};
+use common::{inked, page_of, shared_page_by_page, stats_after, text, write};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd::pread_exact;
 
 const PAGES: usize = 8;
-
-/// Text-like bytes of frame (and page) `g`: never zero, differ by `g`.
-fn text(g: usize) -> Vec<u8> {
-    (0..PAGE_SIZE)
-        .map(|i| b"a broken page, installed "[(i * 7 + g * 3) % 25] ^ (g as u8 & 15) | 1)
-        .collect()
-}
-
-/// What the writer puts in page `g`.
-fn written(g: usize) -> Vec<u8> {
-    vec![0x90 | g as u8; PAGE_SIZE]
-}
 
 #[test]
 fn a_cow_break_leaves_no_minor_fault_for_the_writer_to_take() {
     let dir = tempfile::tempdir().unwrap();
     let (_fd, ptr, c, pool, _store) = shared_page_by_page(dir.path(), PAGES, text);
 
-    write(ptr, 3, &written(3));
+    write(ptr, 3, &inked(3));
     // A sequential writer: page 7 is broken ahead of it, then written.
-    write(ptr, 5, &written(5));
-    write(ptr, 6, &written(6));
+    write(ptr, 5, &inked(5));
+    write(ptr, 6, &inked(6));
     std::thread::sleep(Duration::from_millis(20));
-    write(ptr, 7, &written(7));
+    write(ptr, 7, &inked(7));
 
     for g in 0..PAGES {
         let want = if [3, 5, 6, 7].contains(&g) {
-            written(g)
+            inked(g)
         } else {
             text(g)
         };

@@ -19,7 +19,7 @@ mod common;
 
 use std::os::fd::AsFd;
 
-use common::{page_of, shared_page_by_page, stats_after, write};
+use common::{ink, page_of, shared_page_by_page, stats_after, text, write};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::fence::WriteFence;
 use memfold_sys::memfd::pread_exact;
@@ -32,18 +32,6 @@ const PARTIAL: usize = 13;
 const FROM: usize = 100;
 /// The page this process's thread declares whole and writes 8 bytes of.
 const FORGED: usize = 15;
-
-/// Text-like bytes of frame (and page) `g`: never zero, differ by `g`.
-fn text(g: usize) -> Vec<u8> {
-    (0..PAGE_SIZE)
-        .map(|i| b"a page the device overwrites "[(i * 7 + g * 3) % 29] ^ (g as u8 & 15) | 1)
-        .collect()
-}
-
-/// The writer's byte for page `g`.
-fn ink(g: usize) -> u8 {
-    0xa0 | g as u8
-}
 
 /// The writer process: `NOCOPY_TARGET=pid:addr` names this test's guest RAM; it writes
 /// as the module says, holding (and declaring in) the target's write fence, in one call.

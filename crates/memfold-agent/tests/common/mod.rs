@@ -141,6 +141,25 @@ pub fn agent_with_pool_rbits(
     (c, pool, store)
 }
 
+/// Text-like bytes of frame (and page) `g`: never zero, under 0x80 (so never an [`ink`]
+/// byte), different for every `g` under 64.
+pub fn text(g: usize) -> Vec<u8> {
+    (0..PAGE_SIZE)
+        .map(|i| b"a page the disk read "[(i * 5 + g * 3) % 21] ^ (g as u8 & 31) | 1)
+        .collect()
+}
+
+/// The byte a test's writer fills page `g` with (`g` under 128): 0x80 and over, never a
+/// [`text`] byte.
+pub fn ink(g: usize) -> u8 {
+    0x80 | g as u8
+}
+
+/// Page `g` as a test's writer writes it: [`ink`] throughout.
+pub fn inked(g: usize) -> Vec<u8> {
+    vec![ink(g); PAGE_SIZE]
+}
+
 /// Guest RAM of `pages` pages, page g holding `bytes(g)`, under an agent (started here, as
 /// memfoldd in `dir`) whose pool holds the same bytes, every page shared onto its own
 /// frame (g onto frame g) one request at a time; returns the region's memfd and mapping,
