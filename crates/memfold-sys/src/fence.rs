@@ -81,6 +81,11 @@ pub const RUN_PAGES: u64 = 4096;
 /// that takes longer gets its pages copied, as before.
 pub const DECLARATION_FRESH_NS: u64 = 10_000_000_000;
 
+/// A record's owner word while one writer makes, reclaims or withdraws it: no thread
+/// has this id (Linux's ids stay under 2^22), so no agent reads it, and no other writer
+/// takes it.
+const LOCKED: u32 = u32::MAX;
+
 /// The header: the magic at 0, the closed flag at [`CLOSED_AT`].
 const HEADER: usize = 4096;
 const CLOSED_AT: usize = 8;
@@ -127,13 +132,14 @@ impl Drop for WriteFence {
 pub struct FenceHold<'f> {
     fence: &'f WriteFence,
     slots: Vec<u32>,
-    record: Option<usize>,
+    /// The declaration's record and the thread id it was made under.
+    record: Option<(usize, u32)>,
 }
 
 impl Drop for FenceHold<'_> {
     fn drop(&mut self) {
-        if let Some(r) = self.record {
-            self.fence.withdraw(r);
+        if let Some((r, tid)) = self.record {
+            self.fence.withdraw(r, tid);
         }
         for &s in &self.slots {
             // After the copy's system call returned: its bytes are in the page.
@@ -303,14 +309,18 @@ impl WriteFence {
     /// whole or no record is free.
     pub fn hold_writing(&self, ranges: &[(u64, u64)]) -> FenceHold<'_> {
         let mut hold = self.hold(ranges.iter().copied());
+        if !self.declares() {
+            return hold;
+        }
         let runs: Vec<u64> = ranges
             .iter()
             .flat_map(|&(va, len)| whole_runs(va, len.min(MAX_TRANSFER)))
             .take(RECORD_RUNS)
             .collect();
-        if !runs.is_empty() && self.declares() {
+        if !runs.is_empty() {
+            let pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
             let tid = rustix::thread::gettid().as_raw_nonzero().get() as u32;
-            hold.record = self.declare(tid, &runs);
+            hold.record = self.declare(pid, tid, &runs).map(|r| (r, tid));
         }
         hold
     }
@@ -328,7 +338,7 @@ impl WriteFence {
     /// declaration is a promise about one call, which only a thread blocked inside that
     /// call (a writer from another process, faulting through `process_vm_writev`) keeps.
     pub fn declared_whole(&self, tid: u32, va: u64, now_ns: u64) -> Option<Vec<(u64, u64)>> {
-        if tid == 0 || !self.declares() {
+        if tid == 0 || tid == LOCKED || !self.declares() {
             return None;
         }
         let va = va & !(PAGE - 1);
@@ -376,40 +386,83 @@ impl WriteFence {
         Read::Fresh(runs)
     }
 
-    /// Makes a declaration of `runs` (packed) by thread `tid` in a free record; its index,
-    /// or `None` if every record is taken.
-    fn declare(&self, tid: u32, runs: &[u64]) -> Option<usize> {
+    /// Makes a declaration of `runs` (packed) by thread `tid` of process `pid` in a free
+    /// record, or else in a leaked one ([`WriteFence::leaked`]); its index, or `None` if
+    /// every record is taken.
+    ///
+    /// Invariant: a record is written only by the writer that moved its owner word to
+    /// [`LOCKED`] (a compare-and-swap, so by one at a time), and is published by storing
+    /// the writer's id last; an agent reads only records whose owner is the faulting
+    /// thread, under the seqlock. So a record is never written by two writers at once,
+    /// and a writer whose record was reclaimed meanwhile withdraws nothing of another's.
+    fn declare(&self, pid: u32, tid: u32, runs: &[u64]) -> Option<usize> {
         // A thread declares for one call at a time, so a record with its id now is a
         // leftover of a writer killed inside its call that had the same id.
         for r in 0..RECORDS {
             if self.record(r).owner.load(Ordering::SeqCst) == tid {
-                self.withdraw(r);
+                self.withdraw(r, tid);
             }
         }
-        let r = (0..RECORDS).find(|&r| {
-            self.record(r)
-                .owner
-                .compare_exchange(0, tid, Ordering::SeqCst, Ordering::SeqCst)
-                .is_ok()
+        let now = crate::proc::monotonic_ns();
+        let r = (0..RECORDS).find(|&r| self.lock(r, 0)).or_else(|| {
+            (0..RECORDS).find(|&r| self.leaked(r, now).is_some_and(|o| self.lock(r, o)))
         })?;
         let rec = self.record(r);
-        rec.seq.fetch_add(1, Ordering::SeqCst); // odd: being written
-        rec.stamp
-            .store(crate::proc::monotonic_ns(), Ordering::SeqCst);
+        // Odd while written, whatever a killed writer left (an odd count, even).
+        let odd = rec.seq.load(Ordering::SeqCst).wrapping_add(1) | 1;
+        rec.seq.store(odd, Ordering::SeqCst);
+        rec.pid.store(pid, Ordering::SeqCst);
+        rec.stamp.store(now, Ordering::SeqCst);
         for (i, &run) in runs.iter().enumerate() {
             self.run(r, i).store(run, Ordering::SeqCst);
         }
         rec.runs.store(runs.len() as u32, Ordering::SeqCst);
-        rec.seq.fetch_add(1, Ordering::SeqCst); // even: valid
+        rec.seq.store(odd.wrapping_add(1), Ordering::SeqCst); // even: valid
+        rec.owner.store(tid, Ordering::SeqCst); // published
         Some(r)
     }
 
-    /// Withdraws declaration `r` (after its call returned) and frees its record.
-    fn withdraw(&self, r: usize) {
+    /// Takes record `r` for writing if its owner word is `from`.
+    fn lock(&self, r: usize, from: u32) -> bool {
+        self.record(r)
+            .owner
+            .compare_exchange(from, LOCKED, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+
+    /// Record `r`'s owner, if the record is leaked: declared by a process that is gone
+    /// (`kill(pid, 0)` finds none: a device killed inside its call) and stale at `now_ns`
+    /// (so no agent trusts it any more). Without this, each device killed mid-write
+    /// would leave a record for good, and after [`RECORDS`] of them no write into that
+    /// QEMU's guest would be declared again. A record of unknown process (0) is never
+    /// taken; nor is one whose process this one cannot see (another pid namespace): at
+    /// worst a live writer's stale record is taken, and its pages are copied as before.
+    fn leaked(&self, r: usize, now_ns: u64) -> Option<u32> {
         let rec = self.record(r);
-        rec.seq.fetch_add(1, Ordering::SeqCst);
+        let owner = rec.owner.load(Ordering::SeqCst);
+        let pid = rec.pid.load(Ordering::SeqCst);
+        let stamp = rec.stamp.load(Ordering::SeqCst);
+        let stale = stamp <= now_ns && now_ns - stamp >= DECLARATION_FRESH_NS;
+        if owner == 0 || owner == LOCKED || !stale {
+            return None;
+        }
+        let gone = rustix::process::Pid::from_raw(pid as i32)
+            .is_some_and(|p| rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH));
+        gone.then_some(owner)
+    }
+
+    /// Withdraws declaration `r` of thread `tid` (after its call returned) and frees its
+    /// record; nothing if the record is no longer `tid`'s (reclaimed, or withdrawn as a
+    /// leftover).
+    fn withdraw(&self, r: usize, tid: u32) {
+        if !self.lock(r, tid) {
+            return;
+        }
+        let rec = self.record(r);
+        let odd = rec.seq.load(Ordering::SeqCst).wrapping_add(1) | 1;
+        rec.seq.store(odd, Ordering::SeqCst);
         rec.runs.store(0, Ordering::SeqCst);
-        rec.seq.fetch_add(1, Ordering::SeqCst);
+        rec.seq.store(odd.wrapping_add(1), Ordering::SeqCst);
         rec.owner.store(0, Ordering::SeqCst);
     }
 
@@ -462,11 +515,13 @@ impl WriteFence {
 struct Record {
     /// Seqlock: odd while the record is written or withdrawn.
     seq: AtomicU32,
-    /// The declaring thread's id; 0: free.
+    /// The declaring thread's id; 0: free; [`LOCKED`]: being written.
     owner: AtomicU32,
     /// Runs listed.
     runs: AtomicU32,
-    _pad: AtomicU32,
+    /// The declaring thread's process id, as it sees it; 0: not said (a device built
+    /// before reclaiming, whose records are never taken).
+    pid: AtomicU32,
     /// When it was declared, `CLOCK_MONOTONIC` ns.
     stamp: AtomicU64,
 }
@@ -503,223 +558,4 @@ enum Read {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_process_finds_its_own_fence_and_holds_are_seen_through_both_mappings() {
-        let agent = WriteFence::create().unwrap();
-        let me = rustix::process::pidfd_open(
-            rustix::process::getpid(),
-            rustix::process::PidfdFlags::empty(),
-        )
-        .unwrap();
-        assert!(
-            WriteFence::of_process(me.as_fd(), std::process::id())
-                .unwrap()
-                .is_some(),
-            "a fence is among this process's descriptors"
-        );
-        // Other tests make fences too: this one's, by its descriptor.
-        let device = WriteFence::checked(agent._fd.try_clone().unwrap(), "this").unwrap();
-        let va = 0x7f00_0000_0000u64;
-        assert!(!agent.busy(va));
-        {
-            let _h = device.hold([(va + 4096, 3 * CHUNK)]);
-            assert!(agent.busy(va) && agent.busy(va + 3 * CHUNK + 4095));
-        }
-        assert!(!agent.busy(va) && !agent.busy(va + 3 * CHUNK));
-        // Sealed: the memfd cannot be shrunk under a device's mapping.
-        assert!(rustix::fs::ftruncate(&agent._fd, 0).is_err());
-        // Closed by a writer whose copies land later: every page busy, for good.
-        assert!(!agent.is_closed());
-        device.close();
-        assert!(agent.is_closed() && agent.busy(va) && agent.busy(0));
-    }
-
-    fn my_tid() -> u32 {
-        rustix::thread::gettid().as_raw_nonzero().get() as u32
-    }
-
-    #[test]
-    fn a_declaration_names_its_thread_s_whole_pages_for_the_call_and_goes_with_it() {
-        let f = WriteFence::create().unwrap();
-        let va = 0x7f00_0000_0000u64;
-        let now = crate::proc::monotonic_ns;
-        {
-            // Bytes 100.. of page 0 to byte 99 of page 3: pages 1 and 2 whole.
-            let _h = f.hold_writing(&[(va + 100, 3 * PAGE), (va + 10 * PAGE, PAGE)]);
-            let runs = f.declared_whole(my_tid(), va + PAGE + 5, now());
-            assert_eq!(runs, Some(vec![(va + PAGE, 2), (va + 10 * PAGE, 1)]));
-            assert!(f.declared_whole(my_tid(), va + 10 * PAGE, now()).is_some());
-            assert_eq!(
-                f.declared_whole(my_tid(), va, now()),
-                None,
-                "page 0 is partial"
-            );
-            assert_eq!(
-                f.declared_whole(my_tid(), va + 3 * PAGE, now()),
-                None,
-                "page 3 too"
-            );
-            assert_eq!(
-                f.declared_whole(my_tid() + 1, va + PAGE, now()),
-                None,
-                "another thread"
-            );
-            assert_eq!(f.declared_whole(0, va + PAGE, now()), None);
-            let later = now() + DECLARATION_FRESH_NS;
-            assert_eq!(f.declared_whole(my_tid(), va + PAGE, later), None, "stale");
-            assert_eq!(
-                f.declared_whole(my_tid(), va + PAGE, 0),
-                None,
-                "from the future"
-            );
-            assert!(
-                f.busy(va) && f.busy(va + 10 * PAGE),
-                "the chunks are held too"
-            );
-            // Being written or withdrawn (odd): not trusted.
-            f.record(0).seq.fetch_add(1, Ordering::SeqCst);
-            assert_eq!(f.declared_whole(my_tid(), va + PAGE, now()), None, "torn");
-            f.record(0).seq.fetch_add(1, Ordering::SeqCst);
-            assert!(f.declared_whole(my_tid(), va + PAGE, now()).is_some());
-        }
-        assert_eq!(
-            f.declared_whole(my_tid(), va + PAGE, now()),
-            None,
-            "withdrawn"
-        );
-        assert!(!f.busy(va));
-        assert!((0..RECORDS).all(|r| f.record(r).owner.load(Ordering::SeqCst) == 0));
-        // No whole page: nothing declared, only held.
-        let h = f.hold_writing(&[(va + 8, 16)]);
-        assert_eq!(h.record, None);
-        assert!(f.busy(va));
-    }
-
-    #[test]
-    fn with_every_record_taken_a_write_is_only_held_and_its_pages_copied() {
-        let f = WriteFence::create().unwrap();
-        let va = 0x7f00_0000_0000u64;
-        for r in 0..RECORDS {
-            assert_eq!(f.declare(1000 + r as u32, &whole_runs(va, PAGE)), Some(r));
-        }
-        let h = f.hold_writing(&[(va + PAGE, PAGE)]);
-        assert_eq!(h.record, None);
-        assert!(f.busy(va + PAGE));
-        assert_eq!(
-            f.declared_whole(my_tid(), va + PAGE, crate::proc::monotonic_ns()),
-            None
-        );
-        drop(h);
-        f.withdraw(5);
-        let h = f.hold_writing(&[(va + PAGE, PAGE)]);
-        assert_eq!(h.record, Some(5), "a withdrawn record is free again");
-    }
-
-    #[test]
-    fn a_killed_writer_s_leftover_is_withdrawn_by_its_id_and_two_records_of_one_id_are_not_trusted()
-    {
-        let f = WriteFence::create().unwrap();
-        let va = 0x7f00_0000_0000u64;
-        let now = crate::proc::monotonic_ns;
-        // Thread 7 killed inside its call: its record stays.
-        assert_eq!(f.declare(7, &whole_runs(va, PAGE)), Some(0));
-        // A thread with the same id (another pid namespace) declares: the leftover goes.
-        assert_eq!(f.declare(7, &whole_runs(va + PAGE, PAGE)), Some(0));
-        assert_eq!(f.declared_whole(7, va, now()), None, "the leftover's page");
-        assert_eq!(
-            f.declared_whole(7, va + PAGE, now()),
-            Some(vec![(va + PAGE, 1)])
-        );
-        // Two fresh records naming one id (a forged one, or made between the two
-        // lookups): which one the faulting thread is blocked in cannot be told.
-        assert_eq!(f.declare(8, &whole_runs(va + 2 * PAGE, PAGE)), Some(1));
-        f.record(1).owner.store(7, Ordering::SeqCst);
-        assert_eq!(f.declared_whole(7, va + PAGE, now()), None);
-        assert_eq!(f.declared_whole(7, va + 2 * PAGE, now()), None);
-        f.withdraw(1);
-        assert_eq!(
-            f.declared_whole(7, va + PAGE, now()),
-            Some(vec![(va + PAGE, 1)])
-        );
-    }
-
-    #[test]
-    fn a_first_fence_is_held_and_declares_nothing() {
-        let fd = rustix::fs::memfd_create(FENCE_NAME, MemfdFlags::ALLOW_SEALING).unwrap();
-        rustix::fs::ftruncate(&fd, LEN_V1 as u64).unwrap();
-        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).unwrap();
-        let agent = WriteFence::map(fd.try_clone().unwrap(), LEN_V1).unwrap();
-        agent.magic().store(MAGIC_V1, Ordering::SeqCst);
-        let device = WriteFence::checked(fd, "v1").unwrap();
-        assert!(!device.declares());
-        let va = 0x7f00_0000_0000u64;
-        let h = device.hold_writing(&[(va, 4 * PAGE)]);
-        assert!(agent.busy(va) && h.record.is_none());
-        let now = crate::proc::monotonic_ns();
-        assert_eq!(agent.declared_whole(my_tid(), va, now), None);
-    }
-
-    #[test]
-    fn whole_runs_pack_page_runs_of_at_most_run_pages() {
-        assert_eq!(whole_runs(0, PAGE - 1), Vec::<u64>::new());
-        assert_eq!(whole_runs(1, 2 * PAGE), vec![PAGE]);
-        let big = whole_runs(PAGE, (RUN_PAGES + 3) * PAGE);
-        assert_eq!(
-            big.iter().map(|&r| unpack_run(r)).collect::<Vec<_>>(),
-            vec![(PAGE, RUN_PAGES), (PAGE + RUN_PAGES * PAGE, 3)]
-        );
-        assert_eq!(whole_runs(u64::MAX - 10, 100), Vec::<u64>::new());
-    }
-
-    #[test]
-    fn a_bogus_length_holds_at_most_one_call_s_worth_and_never_overflows() {
-        let f = WriteFence::create().unwrap();
-        let h = f.hold([(u64::MAX - 10, u64::MAX), (0, u64::MAX)]);
-        assert!(h.slots.len() <= 1 + (MAX_TRANSFER / CHUNK + 1) as usize);
-        assert!(f.busy(0) && f.busy(u64::MAX - 10));
-        drop(h);
-        assert!(!f.busy(0));
-    }
-
-    #[test]
-    fn a_memfd_named_as_the_fence_but_not_sealed_or_sized_is_refused() {
-        let fake = rustix::fs::memfd_create(FENCE_NAME, MemfdFlags::CLOEXEC).unwrap();
-        rustix::fs::ftruncate(&fake, LEN as u64).unwrap();
-        let e = WriteFence::checked(fake, "fake").unwrap_err();
-        assert!(e.to_string().contains("not sealed"), "{e}");
-        let small = rustix::fs::memfd_create(FENCE_NAME, MemfdFlags::ALLOW_SEALING).unwrap();
-        rustix::fs::ftruncate(&small, 4096).unwrap();
-        rustix::fs::fcntl_add_seals(&small, SealFlags::SHRINK).unwrap();
-        let e = WriteFence::checked(small, "small").unwrap_err();
-        assert!(e.to_string().contains("wrong size"), "{e}");
-        let blank = rustix::fs::memfd_create(FENCE_NAME, MemfdFlags::ALLOW_SEALING).unwrap();
-        rustix::fs::ftruncate(&blank, LEN as u64).unwrap();
-        rustix::fs::fcntl_add_seals(&blank, SealFlags::SHRINK).unwrap();
-        let e = WriteFence::checked(blank, "blank").unwrap_err();
-        assert!(e.to_string().contains("no magic"), "{e}");
-        // A FIFO (what a hostile QEMU could put where the fence was) is refused without
-        // blocking: nothing is opened, and a FIFO has no seals.
-        let dir = std::env::temp_dir().join(format!("fence-fifo-{}", std::process::id()));
-        let _ = std::fs::remove_file(&dir);
-        rustix::fs::mknodat(
-            rustix::fs::CWD,
-            &dir,
-            rustix::fs::FileType::Fifo,
-            rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
-            0,
-        )
-        .unwrap();
-        let fifo = rustix::fs::open(
-            &dir,
-            rustix::fs::OFlags::RDWR | rustix::fs::OFlags::NONBLOCK,
-            rustix::fs::Mode::empty(),
-        )
-        .unwrap();
-        let _ = std::fs::remove_file(&dir);
-        let e = WriteFence::checked(fifo, "fifo").unwrap_err();
-        assert!(e.to_string().contains("no seals"), "{e}");
-    }
-}
+mod tests;
