@@ -40,6 +40,12 @@
 //! blocked inside the very call the declaration covers; a QEMU that forges records can
 //! only make its own guest read zeros (its agent serves only its own guest RAM).
 //!
+//! Records are claimed by a compare-and-swap of their owner word, so one writer at a
+//! time writes each; a writer killed inside its call leaves its record, which the next
+//! write by a thread with its id withdraws, and which any writer takes once its process
+//! is gone and it is stale ([`WriteFence::declare`]). Devices built before records
+//! carried a process id must not share a fence with later ones (restart them together).
+//!
 //! A writer whose copy lands after its call returns (QEMU's `aio=native`: the kernel
 //! completes the read later, and QEMU reaps it from a ring in its own memory, with no
 //! call to hold the fence across) [`WriteFence::close`]s the fence instead, before its
@@ -91,7 +97,7 @@ const HEADER: usize = 4096;
 const CLOSED_AT: usize = 8;
 /// Bytes one read or write system call transfers at most (Linux's `MAX_RW_COUNT`).
 const MAX_TRANSFER: u64 = 0x7fff_f000;
-/// One declaration: seq (4 bytes), owner (4), runs (4), pad (4), stamp (8), then
+/// One declaration: seq (4 bytes), owner (4), runs (4), pid (4), stamp (8), then
 /// [`RECORD_RUNS`] runs of 8 bytes: 4 KiB.
 const RECORD: usize = 4096;
 const RECORDS_AT: usize = HEADER + SLOTS * 4;
@@ -306,7 +312,9 @@ impl WriteFence {
     /// entirely; partial pages are only held). Call right before the system calls that
     /// write them all, every byte of every range (or fail), and drop after the last
     /// returned: the declaration covers those calls only. Declares nothing if no page is
-    /// whole or no record is free.
+    /// whole or no record is free. Either way, withdraws what a killed writer left under
+    /// the calling thread's id (see [`WriteFence::declare`]): a thread that may ever
+    /// declare writes only through this, never through [`WriteFence::hold`] alone.
     pub fn hold_writing(&self, ranges: &[(u64, u64)]) -> FenceHold<'_> {
         let mut hold = self.hold(ranges.iter().copied());
         if !self.declares() {
@@ -317,9 +325,13 @@ impl WriteFence {
             .flat_map(|&(va, len)| whole_runs(va, len.min(MAX_TRANSFER)))
             .take(RECORD_RUNS)
             .collect();
-        if !runs.is_empty() {
+        let tid = rustix::thread::gettid().as_raw_nonzero().get() as u32;
+        if runs.is_empty() {
+            // Declaring nothing, the call must not be covered by a leftover of its id
+            // either: a fault in it would have the leftover's pages zeroed.
+            self.withdraw_leftovers(tid);
+        } else {
             let pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
-            let tid = rustix::thread::gettid().as_raw_nonzero().get() as u32;
             hold.record = self.declare(pid, tid, &runs).map(|r| (r, tid));
         }
         hold
@@ -395,20 +407,20 @@ impl WriteFence {
     /// the writer's id last; an agent reads only records whose owner is the faulting
     /// thread, under the seqlock. So a record is never written by two writers at once,
     /// and a writer whose record was reclaimed meanwhile withdraws nothing of another's.
+    ///
+    /// A writer killed between taking a record and publishing it (a few hundred stores)
+    /// leaves it locked for good: a locked record is never taken, since whether its
+    /// writer lives cannot be known for sure (another pid namespace), and two writers in
+    /// one record could publish one's id over the other's runs.
     fn declare(&self, pid: u32, tid: u32, runs: &[u64]) -> Option<usize> {
-        // A thread declares for one call at a time, so a record with its id now is a
-        // leftover of a writer killed inside its call that had the same id.
-        for r in 0..RECORDS {
-            if self.record(r).owner.load(Ordering::SeqCst) == tid {
-                self.withdraw(r, tid);
-            }
-        }
+        self.withdraw_leftovers(tid);
         let now = crate::proc::monotonic_ns();
         let r = (0..RECORDS).find(|&r| self.lock(r, 0)).or_else(|| {
             (0..RECORDS).find(|&r| self.leaked(r, now).is_some_and(|o| self.lock(r, o)))
         })?;
         let rec = self.record(r);
-        // Odd while written, whatever a killed writer left (an odd count, even).
+        // Odd while written, whatever seq was left (a device built before the lock, killed
+        // mid-write, left it odd).
         let odd = rec.seq.load(Ordering::SeqCst).wrapping_add(1) | 1;
         rec.seq.store(odd, Ordering::SeqCst);
         rec.pid.store(pid, Ordering::SeqCst);
@@ -430,13 +442,30 @@ impl WriteFence {
             .is_ok()
     }
 
+    /// Withdraws every record made under thread id `tid`: a thread declares for one
+    /// call at a time, so such a record is a leftover of a writer killed inside its call
+    /// that had the same id (this one, reused; or another pid namespace's).
+    fn withdraw_leftovers(&self, tid: u32) {
+        for r in 0..RECORDS {
+            if self.record(r).owner.load(Ordering::SeqCst) == tid {
+                self.withdraw(r, tid);
+            }
+        }
+    }
+
     /// Record `r`'s owner, if the record is leaked: declared by a process that is gone
     /// (`kill(pid, 0)` finds none: a device killed inside its call) and stale at `now_ns`
     /// (so no agent trusts it any more). Without this, each device killed mid-write
     /// would leave a record for good, and after [`RECORDS`] of them no write into that
-    /// QEMU's guest would be declared again. A record of unknown process (0) is never
-    /// taken; nor is one whose process this one cannot see (another pid namespace): at
-    /// worst a live writer's stale record is taken, and its pages are copied as before.
+    /// QEMU's guest would be declared again.
+    ///
+    /// Never taken: a record of unknown process (0, or not a valid pid: QEMU may write
+    /// anything here), one whose pid names a live process here (a reused pid; a device
+    /// in a container whose pid there is 1), one stamped in the future, one locked. A
+    /// record whose process runs in another pid namespace may look gone and be taken
+    /// while its writer is still inside a call of more than 10 s, or just withdrew it
+    /// and declared again in it: that writer's declaration is lost and its pages are
+    /// copied, as before; its later withdrawal finds the record another's and leaves it.
     fn leaked(&self, r: usize, now_ns: u64) -> Option<u32> {
         let rec = self.record(r);
         let owner = rec.owner.load(Ordering::SeqCst);
@@ -446,7 +475,10 @@ impl WriteFence {
         if owner == 0 || owner == LOCKED || !stale {
             return None;
         }
-        let gone = rustix::process::Pid::from_raw(pid as i32)
+        let gone = i32::try_from(pid)
+            .ok()
+            .filter(|&p| p > 0)
+            .and_then(rustix::process::Pid::from_raw)
             .is_some_and(|p| rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH));
         gone.then_some(owner)
     }
@@ -462,6 +494,9 @@ impl WriteFence {
         let odd = rec.seq.load(Ordering::SeqCst).wrapping_add(1) | 1;
         rec.seq.store(odd, Ordering::SeqCst);
         rec.runs.store(0, Ordering::SeqCst);
+        // Unknown again: a device built before records carried a pid, declaring here
+        // next, must not leave this writer's (dead one day) pid on its live record.
+        rec.pid.store(0, Ordering::SeqCst);
         rec.seq.store(odd.wrapping_add(1), Ordering::SeqCst);
         rec.owner.store(0, Ordering::SeqCst);
     }
@@ -519,8 +554,8 @@ struct Record {
     owner: AtomicU32,
     /// Runs listed.
     runs: AtomicU32,
-    /// The declaring thread's process id, as it sees it; 0: not said (a device built
-    /// before reclaiming, whose records are never taken).
+    /// The declaring thread's process id, as it sees it; 0: not said (free, or made by
+    /// a device built before reclaiming: never taken).
     pid: AtomicU32,
     /// When it was declared, `CLOCK_MONOTONIC` ns.
     stamp: AtomicU64,

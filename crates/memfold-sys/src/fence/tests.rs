@@ -50,7 +50,9 @@ fn a_dead_pid() -> u32 {
 /// Makes record `r`'s declaration `age_ns` old.
 fn age(f: &WriteFence, r: usize, age_ns: u64) {
     let now = crate::proc::monotonic_ns();
-    f.record(r).stamp.store(now - age_ns, Ordering::SeqCst);
+    f.record(r)
+        .stamp
+        .store(now.saturating_sub(age_ns), Ordering::SeqCst);
 }
 
 #[test]
@@ -114,6 +116,67 @@ fn a_dead_writer_s_stale_records_are_taken_when_none_is_free_and_nobody_else_s()
     }
     assert_eq!(f.record(9).owner.load(Ordering::SeqCst), 0, "withdrawn");
     assert_eq!(f.record(9).seq.load(Ordering::SeqCst) % 2, 0);
+}
+
+#[test]
+fn a_write_declaring_nothing_is_not_covered_by_a_leftover_of_its_thread_id() {
+    let f = WriteFence::create().unwrap();
+    let va = 0x7f00_0000_0000u64;
+    let now = crate::proc::monotonic_ns;
+    // A writer killed inside its call, whose thread id this thread has (a reused id, or
+    // another pid namespace's), left its declaration of two pages.
+    assert_eq!(
+        f.declare(a_dead_pid(), my_tid(), &whole_runs(va, 2 * PAGE)),
+        Some(0)
+    );
+    // This thread's call writes 512 bytes of the first page: nothing is whole.
+    let h = f.hold_writing(&[(va + 8, 512)]);
+    assert_eq!(h.record, None);
+    assert_eq!(
+        f.declared_whole(my_tid(), va, now()),
+        None,
+        "a fault in this call must not have the leftover's pages zeroed"
+    );
+    assert_eq!(f.record(0).owner.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        f.record(0).pid.load(Ordering::SeqCst),
+        0,
+        "a freed record says no pid"
+    );
+}
+
+#[test]
+fn records_of_no_valid_pid_or_stamped_in_the_future_are_never_taken() {
+    let f = WriteFence::create().unwrap();
+    let va = 0x7f00_0000_0000u64;
+    let dead = a_dead_pid();
+    for r in 0..RECORDS {
+        assert_eq!(
+            f.declare(dead, 4000 + r as u32, &whole_runs(va, PAGE)),
+            Some(r)
+        );
+        age(&f, r, DECLARATION_FRESH_NS);
+    }
+    // What a QEMU may write: pids no process has (negative as a C pid_t: a process
+    // group to kill(2)), and stamps from the future.
+    for r in 0..RECORDS {
+        f.record(r)
+            .pid
+            .store(0x8000_0000 | r as u32, Ordering::SeqCst);
+    }
+    assert_eq!(f.hold_writing(&[(va, PAGE)]).record, None, "no valid pid");
+    for r in 0..RECORDS {
+        f.record(r).pid.store(dead, Ordering::SeqCst);
+        let later = crate::proc::monotonic_ns() + 100 * DECLARATION_FRESH_NS;
+        f.record(r).stamp.store(later, Ordering::SeqCst);
+    }
+    assert_eq!(
+        f.hold_writing(&[(va, PAGE)]).record,
+        None,
+        "from the future"
+    );
+    age(&f, 17, DECLARATION_FRESH_NS);
+    assert_eq!(f.hold_writing(&[(va, PAGE)]).record, Some((17, my_tid())));
 }
 
 #[test]
@@ -220,7 +283,11 @@ fn with_every_record_taken_a_write_is_only_held_and_its_pages_copied() {
     drop(h);
     f.withdraw(5, 1005);
     let h = f.hold_writing(&[(va + PAGE, PAGE)]);
-    assert_eq!(h.record, Some((5, my_tid())), "a withdrawn record is free again");
+    assert_eq!(
+        h.record,
+        Some((5, my_tid())),
+        "a withdrawn record is free again"
+    );
 }
 
 #[test]
