@@ -25,6 +25,7 @@ test: setup
 	cargo build --workspace --release
 	cargo test --workspace --release
 	cargo clippy --workspace --all-targets --release -- -D warnings
+	RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 	bash scripts/libvirt-check.sh --optional
 	bash scripts/fuzz.sh $(FUZZ_CI_SECONDS)
 

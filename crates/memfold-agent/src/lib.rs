@@ -326,14 +326,14 @@ struct Agent {
     last_break: Option<(Gfn, Instant)>,
 }
 
-/// Runs the agent until the process exits: finds guest RAM (every region, [`regions`]),
+/// Runs the agent until the process exits: finds guest RAM (every region, `regions`),
 /// runs one agent per region — the first on this thread, the others on threads of their
 /// own — and, when the regions are QEMU's memory backends, a watcher for regions plugged
 /// or unplugged later.
 ///
 /// Guest RAM is found without being told its size: every shared memfd QEMU made for a
 /// `memory-backend-memfd`, once as many as QEMU's command line defines are mapped (or,
-/// without a command line to read, once none has appeared for [`SETTLE`]).
+/// without a command line to read, once none has appeared for `SETTLE`).
 /// `cfg.ram_bytes`, if not 0, is a check: the regions must add up to it (or, for a host
 /// program that maps its own memfd, one shared memfd mapping of exactly that size is
 /// taken, whatever its name); if none does within 120 s, the error names what was found.

@@ -31,7 +31,7 @@ impl NruState {
 /// found it idle (bits 2..4, saturating at 7), whether the last scan found it modified
 /// (bit 5), whether the agent armed it at its last visit (bit 6), and how many
 /// consecutive scans found it used (bits 7..8, saturating at 3); bits 12..15 are a nibble
-/// the clock keeps for the engine and never reads ([`ClockHand::nibble`]). DE keeps R/M
+/// the clock keeps for the engine and never reads (`ClockHand::nibble`). DE keeps R/M
 /// in the P2M entry and "two additional bits" for C4; we keep a whole idle count so that
 /// compression can also wait for a full multi-pass sharing cycle (DE §4.3), the last
 /// class so that a mechanism running between scans (the live sharing scan) can ignore C1

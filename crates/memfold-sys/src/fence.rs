@@ -43,7 +43,7 @@
 //! Records are claimed by a compare-and-swap of their owner word, so one writer at a
 //! time writes each; a writer killed inside its call leaves its record, which the next
 //! write by a thread with its id withdraws, and which any writer takes once its process
-//! is gone and it is stale ([`WriteFence::declare`]). Devices built before records
+//! is gone and it is stale (`WriteFence::declare`). Devices built before records
 //! carried a process id must not share a fence with later ones (restart them together).
 //!
 //! A writer whose copy lands after its call returns (QEMU's `aio=native`: the kernel
@@ -313,7 +313,7 @@ impl WriteFence {
     /// write them all, every byte of every range (or fail), and drop after the last
     /// returned: the declaration covers those calls only. Declares nothing if no page is
     /// whole or no record is free. Either way, withdraws what a killed writer left under
-    /// the calling thread's id (see [`WriteFence::declare`]): a thread that may ever
+    /// the calling thread's id (see `WriteFence::declare`): a thread that may ever
     /// declare writes only through this, never through [`WriteFence::hold`] alone.
     pub fn hold_writing(&self, ranges: &[(u64, u64)]) -> FenceHold<'_> {
         let mut hold = self.hold(ranges.iter().copied());

@@ -1,7 +1,7 @@
 //! `memfold bench micro`: Difference Engine §5.3's micro-benchmark, through the engine core.
 //!
 //! One VM per (page type, mechanism) run. Its size is 4/3 of the allocated pages (the paper
-//! allocates 75% of a 256 MB VM). It runs the engine memfoldd runs ([`Engine`]) over
+//! allocates 75% of a 256 MB VM). It runs the engine memfoldd runs ([`Engine`](memfold_core::Engine)) over
 //! in-memory guest RAM, with an in-memory agent (`memfold_core::sim::Rig`) carrying out its commands
 //! at once and reporting its events at once. Time is simulated: every simulated second
 //! the workload does its share of page operations through the agent (guest accesses:

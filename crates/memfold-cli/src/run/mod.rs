@@ -4,7 +4,7 @@
 //! one host-memory definition (`memfold_vm::hostmem`) that `memfold ksm` uses too.
 //!
 //! This module is the orchestration (guests up, memfoldd up, sample each second, all
-//! down); [`args`] has the flags and memfoldd's command line, [`measure`] what is
+//! down); [`args`] has the flags and memfoldd's command line, [`measure`](mod@measure) what is
 //! measured, [`view`] the live view, [`output`] the files and the summary.
 
 mod args;

@@ -83,7 +83,7 @@ pub struct Landed {
     pub acted: u32,
     /// Pages passed over: not private (shared, stored, in flight), out of the guest's
     /// RAM, unreadable, past [`MAX_LANDED`], of a guest that is not attached, or reused
-    /// read buffers backing off ([`REUSED_WITHIN_US`]).
+    /// read buffers backing off (`REUSED_WITHIN_US`).
     pub passed_over: u32,
 }
 

@@ -54,7 +54,7 @@ pub struct VmBooks {
     /// holding its base block, and filled so, without the disk (Satori §5.2; cumulative).
     pub read_fills: u64,
     /// Landings passed over because the page is a read buffer the guest reuses: its last
-    /// shares at read were undone by a write within [`super::at_read::REUSED_WITHIN_US`]
+    /// shares at read were undone by a write within `super::at_read::REUSED_WITHIN_US`
     /// (cumulative).
     pub read_backoffs: u64,
     /// Copy-on-write breaks.
@@ -400,7 +400,7 @@ pub struct Books {
     /// Budget and swap file.
     pub swap: SwapBooks,
     /// Stored page lifetimes (pages kept as blobs: a page shared without a mapping
-    /// keeps no store time, [`super::unmapped::UnmappedAges`]).
+    /// keeps no store time, `super::unmapped::UnmappedAges`).
     pub lifetime: LifetimeBooks,
     /// The policy's name.
     pub policy: String,

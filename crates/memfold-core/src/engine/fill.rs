@@ -5,14 +5,14 @@
 //! it holds, shares the guest's I/O buffer with that frame (`get_ro_ref`, `share_mfns`)
 //! instead of reading the disk.
 //!
-//! Here the table is each domain's [`BlockIndex`]: base block → pool frame. Two rules
+//! Here the table is each domain's `BlockIndex`: base block → pool frame. Two rules
 //! keep it true:
 //! - **Learnt from the base, never from a guest page.** A page that landed from block b
 //!   and was then shared onto frame F only makes (b, F) a [`BlockCandidate`]: the guest
 //!   may have written its buffer between the device's write and the share, so F may not
 //!   hold b. The mechanism reads b from the base itself and [`Engine::block_verified`]
 //!   compares it with F's bytes; only then is b → F indexed.
-//! - **An entry dies with its frame** (frames are reused): [`Engine::forget_frame`]
+//! - **An entry dies with its frame** (frames are reused): `Engine::forget_frame`
 //!   drops it. Frames are never written while in use, so a live indexed frame holds b.
 //!
 //! A fill ([`Engine::fill_read`]) asks the agent to map F over each page of the read

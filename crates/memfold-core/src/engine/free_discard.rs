@@ -27,7 +27,7 @@
 //! are discarded ([`Command::DiscardFree`], state `Reclaiming` until answered, then a
 //! reclaimed zero page: refilled with zeros on access). A private page the guest reports
 //! free the Difference Engine leaves for the discard rather than storing it
-//! ([`Engine::free_for_discard`]).
+//! (`Engine::free_for_discard`).
 //!
 //! Pages the guest reports free that are **shared or stored** go the same way (Satori
 //! §4.3's no-copy-on-write, per page instead of per reported 2 MiB block): the agent's
@@ -36,7 +36,7 @@
 //! frame's mapping or the blob. The engine leaves their state as it is until the agent
 //! answers — as a take-back does — so a CoW break or decode under way is booked by its
 //! own event; a done answer finds the page still shared or stored and releases the frame
-//! reference or blob ([`Engine::discard_outcome`]).
+//! reference or blob (`Engine::discard_outcome`).
 
 use super::{Command, Engine, Outcome};
 use crate::ids::{Gfn, VmId};

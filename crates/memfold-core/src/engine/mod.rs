@@ -164,7 +164,7 @@ pub enum Command {
     },
     /// Page the private page out to the kernel's swap (zswap) if nothing but guest RAM's
     /// memfd holds it (issue 15, [`CompressBacking::Zswap`]): its bytes stay in the memfd,
-    /// so nothing is in flight and nothing can be lost ([`kernel_swap`]).
+    /// so nothing is in flight and nothing can be lost (`kernel_swap`).
     PageOut {
         /// The page.
         gfn: Gfn,
@@ -202,7 +202,7 @@ pub enum Command {
         /// Also drop the PTEs of the slice's pages that are mapped onto pool frames (their
         /// write-protection stays: a write is still a CoW break). A frame whose pages
         /// the guests do not touch again is then mapped nowhere and can be paged out
-        /// ([`EngineConfig::page_out_mapped_frames`], [`kernel_swap`]); one they read is
+        /// ([`EngineConfig::page_out_mapped_frames`], `kernel_swap`); one they read is
         /// mapped back by the kernel's own minor fault, no userfault.
         zap_shared: bool,
     },

@@ -14,7 +14,7 @@
 //! - the Difference Engine neither patches it nor takes it as a reference page (`de.rs`);
 //!   it may compress or swap it (no other guest's page is involved), and a zero page is
 //!   still reclaimed (its refill tells a guest only about its own page);
-//! - on each report, [`Engine::take_back_never_share`] takes back every marked page that
+//! - on each report, `Engine::take_back_never_share` takes back every marked page that
 //!   is mapped onto a frame, stored against one (a patch), or shared without a mapping
 //!   onto one, and *withdraws* the frame (`Domain::withdrawn`): it leaves the share table
 //!   (its bytes are the marked page's; a new page equal to them must not find it), is no

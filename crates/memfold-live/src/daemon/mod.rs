@@ -8,10 +8,10 @@
 //! | file | concern |
 //! |---|---|
 //! | `mod.rs` | the main loop: inputs, scan, clock, budget, flush, reap; attach |
-//! | [`guests`] | connections (accept, readers), each guest's agent reports, liveness |
-//! | [`executor`] | commands → batches to agents; answers → outcomes to the engine |
+//! | `guests` | connections (accept, readers), each guest's agent reports, liveness |
+//! | `executor` | commands → batches to agents; answers → outcomes to the engine |
 //! | [`backings`] | the engine's backings on memfds and files |
-//! | [`books`] | the books' export as the wire's statistics |
+//! | `books` | the books' export as the wire's statistics |
 //! | `domains.rs` | sharing domains: who shares with whom, the pool a re-attaching agent brings |
 //! | [`balloon`] | entitlements claimed and repaid through each guest's balloon (Satori §4.2–4.3) |
 //!
