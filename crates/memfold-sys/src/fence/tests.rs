@@ -47,6 +47,15 @@ fn a_dead_pid() -> u32 {
     pid
 }
 
+/// Fills every record with a declaration of page `va` by process `pid`, thread ids
+/// `first_tid` up.
+fn every_record_declared(f: &WriteFence, pid: u32, first_tid: u32, va: u64) {
+    for r in 0..RECORDS {
+        let tid = first_tid + r as u32;
+        assert_eq!(f.declare(pid, tid, &whole_runs(va, PAGE)), Some(r));
+    }
+}
+
 /// Makes record `r`'s declaration `age_ns` old.
 fn age(f: &WriteFence, r: usize, age_ns: u64) {
     let now = crate::proc::monotonic_ns();
@@ -61,12 +70,7 @@ fn a_dead_writer_s_stale_records_are_taken_when_none_is_free_and_nobody_else_s()
     let va = 0x7f00_0000_0000u64;
     let dead = a_dead_pid();
     // Every record left by writers killed inside their calls, still fresh.
-    for r in 0..RECORDS {
-        assert_eq!(
-            f.declare(dead, 2000 + r as u32, &whole_runs(va, PAGE)),
-            Some(r)
-        );
-    }
+    every_record_declared(&f, dead, 2000, va);
     assert_eq!(
         f.hold_writing(&[(va, PAGE)]).record,
         None,
@@ -150,11 +154,8 @@ fn records_of_no_valid_pid_or_stamped_in_the_future_are_never_taken() {
     let f = WriteFence::create().unwrap();
     let va = 0x7f00_0000_0000u64;
     let dead = a_dead_pid();
+    every_record_declared(&f, dead, 4000, va);
     for r in 0..RECORDS {
-        assert_eq!(
-            f.declare(dead, 4000 + r as u32, &whole_runs(va, PAGE)),
-            Some(r)
-        );
         age(&f, r, DECLARATION_FRESH_NS);
     }
     // What a QEMU may write: pids no process has (negative as a C pid_t: a process
@@ -184,12 +185,7 @@ fn a_writer_whose_record_was_taken_withdraws_nothing_of_the_new_declaration() {
     let f = WriteFence::create().unwrap();
     let va = 0x7f00_0000_0000u64;
     let dead = a_dead_pid();
-    for r in 0..RECORDS {
-        assert_eq!(
-            f.declare(my_pid(), 3000 + r as u32, &whole_runs(va, PAGE)),
-            Some(r)
-        );
-    }
+    every_record_declared(&f, my_pid(), 3000, va);
     // Record 4's writer looked dead from here (another pid namespace) and slow: taken.
     f.record(4).pid.store(dead, Ordering::SeqCst);
     age(&f, 4, DECLARATION_FRESH_NS + 1);
@@ -267,12 +263,7 @@ fn a_declaration_names_its_thread_s_whole_pages_for_the_call_and_goes_with_it() 
 fn with_every_record_taken_a_write_is_only_held_and_its_pages_copied() {
     let f = WriteFence::create().unwrap();
     let va = 0x7f00_0000_0000u64;
-    for r in 0..RECORDS {
-        assert_eq!(
-            f.declare(my_pid(), 1000 + r as u32, &whole_runs(va, PAGE)),
-            Some(r)
-        );
-    }
+    every_record_declared(&f, my_pid(), 1000, va);
     let h = f.hold_writing(&[(va + PAGE, PAGE)]);
     assert_eq!(h.record, None);
     assert!(f.busy(va + PAGE));
