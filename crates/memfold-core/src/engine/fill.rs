@@ -215,16 +215,18 @@ impl Engine {
             && !self.fills.waiting.contains_key(&key)
         {
             let d = self.dom(id);
+            let ram = self.vms[&id].pages();
             for &(g, b) in pages.iter().take(MAX_FILL) {
+                // A device names pages by the RAM file QEMU gave it, which may be longer
+                // than the RAM its agent attached: a page past it is not this guest's.
+                if g.0 >= ram {
+                    continue;
+                }
                 let Some(&f) = self.fills.index.get(&d).and_then(|i| i.by_block.get(&b)) else {
                     continue;
                 };
                 // The read will overwrite it: a paged-out mark goes (kernel_swap.rs).
-                if let Some(v) = self
-                    .vms
-                    .get_mut(&id)
-                    .filter(|v| g.0 < v.pages() && v.paged_out_or_going(g))
-                {
+                if let Some(v) = self.vms.get_mut(&id).filter(|v| v.paged_out_or_going(g)) {
                     v.set(g, PageState::Private);
                 }
                 if !self.sharable(id, g)
@@ -443,8 +445,9 @@ mod tests {
         r.engine.check_invariants().unwrap();
     }
 
-    /// Pages that are not private, blocks not held, a zero nonce: nothing asked, and the
-    /// device is answered at once.
+    /// Pages that are not private, blocks not held, a zero nonce, pages past the guest's
+    /// RAM (a QEMU whose memfd is longer than the RAM its agent attached): nothing asked,
+    /// and the device is answered at once.
     #[test]
     fn what_cannot_be_filled_is_answered_at_once() {
         let (mut r, _) = learnt();
@@ -461,8 +464,10 @@ mod tests {
             r.engine.fill_read(r.vm, FillId(4), &[(Gfn(12), B)], [0, 0]),
             0
         );
+        let past = [(Gfn(PAGES), B), (Gfn(u32::MAX), B)];
+        assert_eq!(r.engine.fill_read(r.vm, FillId(5), &past, NONCE), 0);
         let a = r.engine.take_fill_answers();
-        assert_eq!(a.len(), 2);
+        assert_eq!(a.len(), 3);
         assert!(a.iter().all(|a| a.filled.is_empty()));
         r.engine.check_invariants().unwrap();
     }
