@@ -471,30 +471,49 @@ impl BlkBackend {
     ) -> Result<(), ReqError> {
         let off = self.data_range(sector, len)?;
         let runs = sub_runs(&c.writable, 0, len);
-        let filled = self.fill_from_frames(mem, &runs, off, len)?;
-        if filled.len() as u64 * PAGE == len {
+        let fill = self.fill_from_frames(mem, &runs, off, len)?;
+        if fill.at.len() as u64 * PAGE == len {
             self.counters.reads_from_frames += 1;
             return Ok(());
         }
+        let r = self.read_disk(mem, &runs, off, len, &fill.at);
+        if r.is_err() {
+            // memfoldd may still answer the fill (late): once the guest has its buffer
+            // back, no page of it may begin with the nonce (fill.rs).
+            self.wipe_nonces(mem, &fill.nonced);
+        }
+        r
+    }
+
+    /// The rest of a read: the bytes of `[off, off + len)` frames did not fill (pages
+    /// at read offsets `filled`) from the disk into the guest runs `runs`, reported.
+    fn read_disk(
+        &mut self,
+        mem: &RemoteMemory,
+        runs: &[(u64, u64)],
+        off: u64,
+        len: u64,
+        filled: &[u64],
+    ) -> Result<(), ReqError> {
         let mut buf = vec![0u8; len as usize];
         let extents = if filled.is_empty() {
             self.throttle_read(len);
             let extents = self.disk.read(off, &mut buf)?;
-            self.put(mem, &runs, &buf)?;
+            self.put(mem, runs, &buf)?;
             extents
         } else {
             // Only what frames did not fill comes from the disk.
             let mut extents = Vec::new();
-            for (a, b) in fill::unfilled(&filled, len) {
+            for (a, b) in fill::unfilled(filled, len) {
                 self.throttle_read(b - a);
                 let e = self.disk.read(off + a, &mut buf[a as usize..b as usize])?;
                 extents.extend(e);
             }
-            self.put_except(mem, &runs, &buf, &filled)?;
+            self.put_except(mem, runs, &buf, filled)?;
             extents
         };
         self.counters.disk_read_bytes += len - filled.len() as u64 * PAGE;
-        self.report(mem, &runs, off, &extents, &filled);
+        self.report(mem, runs, off, &extents, filled);
         Ok(())
     }
 

@@ -46,11 +46,22 @@ pub(super) fn nonce_bytes(n: [u64; 2]) -> [u8; 16] {
     b
 }
 
+/// What [`BlkBackend::fill_from_frames`] did to a read's pages.
+#[derive(Debug, Default)]
+pub(super) struct Filled {
+    /// Offsets in the read (bytes from its start) of the whole pages filled, ascending:
+    /// pages the caller must not write.
+    pub(super) at: Vec<u64>,
+    /// Guest addresses of the pages asked for and not filled: each begins with the
+    /// nonce until the caller writes it. A read that fails before writing them all
+    /// wipes them ([`BlkBackend::wipe_nonces`]): memfoldd may still answer.
+    pub(super) nonced: Vec<u64>,
+}
+
 impl BlkBackend {
     /// Tries to serve the read of `len` disk bytes at `off` into the guest runs `runs`
-    /// from frames; returns the offsets in the read (bytes from its start) of the whole
-    /// pages filled, ascending — pages the caller must not write. Empty when memfoldd
-    /// holds none of the read's base blocks, is away, or did not answer in time.
+    /// from frames (see [`Filled`]). Nothing filled when memfoldd holds none of the
+    /// read's base blocks, is away, or did not answer in time.
     ///
     /// Errors: [`ReqError`] if a nonce could not be written into guest RAM (nothing is
     /// asked then).
@@ -60,12 +71,12 @@ impl BlkBackend {
         runs: &[(u64, u64)],
         off: u64,
         len: u64,
-    ) -> Result<Vec<u64>, ReqError> {
+    ) -> Result<Filled, ReqError> {
         if self.disk.base_changed() || !self.sink.holds_any() {
-            return Ok(Vec::new());
+            return Ok(Filled::default());
         }
         let Some(extents) = self.disk.sources(off, len).ok().flatten() else {
-            return Ok(Vec::new());
+            return Ok(Filled::default());
         };
         // (page's guest-physical address, offset in the read, page, block), one RAM file.
         let mut ram: Option<RamFile> = None;
@@ -89,7 +100,7 @@ impl BlkBackend {
             stream += n;
         }
         let Some(ram) = ram.filter(|_| !asked.is_empty()) else {
-            return Ok(Vec::new());
+            return Ok(Filled::default());
         };
         let nonce = next_nonce();
         let bytes = nonce_bytes(nonce);
@@ -107,7 +118,25 @@ impl BlkBackend {
         out.sort_unstable();
         out.dedup();
         self.counters.filled += out.len() as u64;
-        Ok(out)
+        let nonced = asked
+            .iter()
+            .filter(|(_, _, g, _)| !filled.contains(g))
+            .map(|&(gpa, ..)| gpa)
+            .collect();
+        Ok(Filled { at: out, nonced })
+    }
+
+    /// Overwrites the nonce at the start of each page at guest address `gpas` (a read
+    /// that failed before writing them): a fill memfoldd answers after the guest has its
+    /// buffer back then finds no nonce and maps nothing over what the guest writes next
+    /// (one racing this write makes it land in a copy of the frame). Best effort: a
+    /// write that fails is QEMU's memory gone.
+    pub(super) fn wipe_nonces(&self, mem: &RemoteMemory, gpas: &[u64]) {
+        for &gpa in gpas {
+            if let Err(e) = mem.write(gpa, &[0u8; 16]) {
+                tracing::warn!("a nonce at {gpa:#x} could not be wiped: {e}");
+            }
+        }
     }
 
     /// Writes `data` into the guest runs `runs` except the whole pages at read offsets

@@ -408,6 +408,8 @@ struct FakeFrames {
     answer: bool,
     marker: u8,
     reports: Arc<std::sync::Mutex<Vec<Landed>>>,
+    /// Every fill's nonce, answered or not.
+    nonces: Arc<std::sync::Mutex<Vec<[u64; 2]>>>,
 }
 
 impl LandedSink for FakeFrames {
@@ -428,6 +430,7 @@ impl LandedSink for FakeFrames {
         _wait: std::time::Duration,
     ) -> Vec<Gfn> {
         use std::os::unix::fs::FileExt;
+        self.nonces.lock().unwrap().push(nonce);
         if !self.answer {
             return Vec::new();
         }
@@ -461,6 +464,7 @@ fn fake_frames(r: &Local, held: &[u64], id: DiskId, answer: bool) -> FakeFrames 
         answer,
         marker: 0xee,
         reports: Default::default(),
+        nonces: Default::default(),
     }
 }
 
@@ -529,4 +533,76 @@ fn a_fill_not_answered_leaves_the_disk_to_serve_the_read() {
     );
     let c = r.dev.counters();
     assert_eq!((c.fill_asked, c.filled), (2, 0));
+}
+
+/// A disk whose reads fail (EIO), its sources and base those of the disk it wraps.
+struct FailingReads(Box<dyn Disk>);
+
+impl Disk for FailingReads {
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+    fn read_only(&self) -> bool {
+        self.0.read_only()
+    }
+    fn can_discard(&self) -> bool {
+        false
+    }
+    fn read(&self, off: u64, buf: &mut [u8]) -> Result<Vec<crate::disk::Extent>, DiskError> {
+        Err(DiskError::Io {
+            path: "failing".into(),
+            op: "read",
+            off,
+            len: buf.len() as u64,
+            source: std::io::Error::from_raw_os_error(libc::EIO),
+        })
+    }
+    fn write(&self, off: u64, buf: &[u8]) -> Result<(), DiskError> {
+        self.0.write(off, buf)
+    }
+    fn flush(&self) -> Result<(), DiskError> {
+        self.0.flush()
+    }
+    fn discard(&mut self, off: u64, len: u64) -> Result<(), DiskError> {
+        self.0.discard(off, len)
+    }
+    fn sources(&self, off: u64, len: u64) -> Result<Option<Vec<crate::disk::Extent>>, DiskError> {
+        self.0.sources(off, len)
+    }
+    fn base_file(&self) -> Option<(DiskId, std::os::fd::OwnedFd)> {
+        self.0.base_file()
+    }
+}
+
+/// memfoldd slow to answer a fill, then the disk read fails: the guest gets its buffer
+/// back with an error, and no page of it may still begin with the nonce, or the late
+/// fill would map the block's frame over whatever the guest writes there next.
+#[test]
+fn a_read_that_fails_after_an_unanswered_fill_leaves_no_nonce_for_a_late_fill() {
+    let mut r = rig(false);
+    let id = disk_id(&r);
+    let fake = fake_frames(&r.local, &[2, 3], id, false);
+    let nonces = fake.nonces.clone();
+    r.dev.sink = Box::new(fake);
+    let base = RawDisk::open(&r._dir.path().join("base.img")).unwrap();
+    r.dev.disk = Box::new(FailingReads(Box::new(base)));
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 16); // blocks 2, 3, 4: two held
+    r.submit(&[
+        (0x8000, 16, false),
+        (DATA, 3 * 4096, true),
+        (STATUS, 1, true),
+    ]);
+    r.run();
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_IOERR as u8);
+    let asked = nonces.lock().unwrap().clone();
+    assert_eq!(asked.len(), 1, "one fill asked");
+    let nonce = super::fill::nonce_bytes(asked[0]);
+    let b = &r.local.bytes()[DATA as usize..];
+    for page in 0..2 {
+        assert_ne!(
+            &b[page * 4096..page * 4096 + 16],
+            &nonce[..],
+            "page {page} still begins with the nonce"
+        );
+    }
 }
