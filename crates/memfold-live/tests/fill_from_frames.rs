@@ -15,33 +15,18 @@ use std::time::{Duration, Instant};
 
 use memfold_core::{EngineConfig, Policy};
 use memfold_ids::{BaseBlock, DiskId, Gfn};
-use memfold_sys::memfd;
-use memfold_wire::{LandedReporter, RamFile};
+use memfold_wire::LandedReporter;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
-use common::{GuestRam, PAGE};
+use common::{eventually, ram_file, GuestRam, PAGE};
 
 const PAGES: usize = 2048;
 const PAGES_B: usize = 2560;
 /// Blocks of the base file.
 const BLOCKS: usize = 16;
 
-fn ram_file(ram: &GuestRam) -> RamFile {
-    let (dev, ino) = memfd::file_id(ram.memfd()).unwrap();
-    RamFile { dev, ino }
-}
-
 fn nonce_bytes(n: [u64; 2]) -> Vec<u8> {
     [n[0].to_ne_bytes(), n[1].to_ne_bytes()].concat()
-}
-
-/// Waits up to 10 s for `f`.
-fn eventually(what: &str, f: impl Fn() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < Duration::from_secs(10), "never: {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]

@@ -63,6 +63,10 @@ struct Shared {
     sent: AtomicU64,
     dropped: AtomicU64,
     connected: AtomicBool,
+    /// The current connection's number; changed, like `connected` going down, only
+    /// with `held` locked, so that a dead connection's reader, waking after the next
+    /// connection is made, takes nothing of it down.
+    generation: AtomicU64,
     next_fill: AtomicU64,
     /// Base blocks memfoldd said frames hold.
     held: Mutex<HashSet<BaseBlock>>,
@@ -267,19 +271,27 @@ fn connect(path: &Path, bases: &[(DiskId, OwnedFd)], s: &Arc<Shared>) -> Option<
     .ok()?;
     let reader = c.try_clone().ok()?;
     let s2 = s.clone();
-    // What memfoldd held for the last connection may be gone with it.
-    s.held.lock().expect("not poisoned").clear();
-    std::thread::Builder::new()
+    let generation = {
+        let mut held = s.held.lock().expect("not poisoned");
+        // What memfoldd held for the last connection may be gone with it.
+        held.clear();
+        s.connected.store(true, Ordering::Relaxed);
+        s.generation.fetch_add(1, Ordering::Relaxed) + 1
+    };
+    let spawned = std::thread::Builder::new()
         .name("landed-in".into())
-        .spawn(move || read_loop(&reader, &s2))
-        .ok()?;
-    s.connected.store(true, Ordering::Relaxed);
+        .spawn(move || read_loop(&reader, &s2, generation));
+    if spawned.is_err() {
+        s.connected.store(false, Ordering::Relaxed);
+        return None;
+    }
     Some(c)
 }
 
-/// The reader thread of one connection: memfoldd's news of held blocks and its answers
-/// to fills, until the connection ends.
-fn read_loop(c: &Conn, s: &Shared) {
+/// The reader thread of connection number `generation`: memfoldd's news of held blocks
+/// and its answers to fills, until the connection ends; then, unless a newer connection
+/// was made meanwhile, the reporter is marked away.
+fn read_loop(c: &Conn, s: &Shared, generation: u64) {
     loop {
         match c.recv::<ToDevice>() {
             Ok(Some((ToDevice::Held { blocks }, _))) => {
@@ -297,8 +309,11 @@ fn read_loop(c: &Conn, s: &Shared) {
                 }
             }
             Ok(None) | Err(_) => {
-                s.connected.store(false, Ordering::Relaxed);
-                s.held.lock().expect("not poisoned").clear();
+                let mut held = s.held.lock().expect("not poisoned");
+                if s.generation.load(Ordering::Relaxed) == generation {
+                    s.connected.store(false, Ordering::Relaxed);
+                    held.clear();
+                }
                 return;
             }
         }
@@ -377,6 +392,30 @@ mod tests {
         assert_eq!(bases, [(Gfn(0), b(10)), (Gfn(last), b(11))]);
         assert!(eventually(|| r.sent() == gfns.len() as u64));
         assert_eq!(r.dropped(), 2);
+    }
+
+    /// A connection's reader that wakes to its end after a newer connection was made
+    /// takes nothing of the newer one down; the current one's end marks memfoldd away.
+    #[test]
+    fn a_dead_connection_s_reader_leaves_the_next_connection_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("memfoldd.sock");
+        let listener = Listener::bind(&path).unwrap();
+        let block = BaseBlock {
+            disk: DiskId(3),
+            block: 9,
+        };
+        for (reader_of, current, stays) in [(1, 2, true), (2, 2, false)] {
+            let client = Conn::connect(&path).unwrap();
+            drop(listener.accept().unwrap()); // memfoldd's end closed: the reader ends
+            let s = Shared::default();
+            s.generation.store(current, Ordering::Relaxed);
+            s.connected.store(true, Ordering::Relaxed);
+            s.held.lock().unwrap().insert(block);
+            read_loop(&client, &s, reader_of);
+            assert_eq!(s.connected.load(Ordering::Relaxed), stays);
+            assert_eq!(s.held.lock().unwrap().contains(&block), stays);
+        }
     }
 
     /// A full queue drops instead of waiting (the device's requests must not stall on

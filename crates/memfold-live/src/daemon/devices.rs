@@ -13,14 +13,17 @@
 //!   under write-protection, so a device that gave up waiting loses nothing.
 //!
 //! A device sees only answers to its own requests, for pages of the guest whose RAM it
-//! names; which base blocks frames hold it is told for its own bases only.
+//! names; which base blocks frames hold it is told for its own bases only, and only of
+//! its guest's sharing domain: a block held by another tenant's frames must not make
+//! this guest's reads of it slower or faster (a fill is refused across domains anyway,
+//! but the device would ask, and the time it takes would tell).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 
 use memfold_core::engine::BlockCandidate;
-use memfold_core::ids::{BaseBlock, DiskId, FillId, Gfn};
+use memfold_core::ids::{BaseBlock, DiskId, DomainId, FillId, Gfn, VmId};
 use memfold_core::{Engine, Page, PAGE_SIZE};
 use memfold_wire::{Conn, ToDaemon, ToDevice, MAX_BATCH};
 
@@ -37,6 +40,23 @@ struct AlignedPage([u8; PAGE_SIZE]);
 struct Device {
     conn: Conn,
     bases: HashMap<DiskId, File>,
+    /// The guest whose RAM its reports and fills name (the last one named); none until
+    /// its first: no news of held blocks until then.
+    vm: Option<VmId>,
+}
+
+impl Device {
+    /// Tells the device that frames hold `blocks` (of its bases).
+    fn tell_held(&self, blocks: &[BaseBlock]) {
+        for chunk in blocks.chunks(MAX_BATCH) {
+            let _ = self.conn.send(
+                &ToDevice::Held {
+                    blocks: chunk.to_vec(),
+                },
+                &[],
+            );
+        }
+    }
 }
 
 /// The block devices attached, by connection.
@@ -64,6 +84,7 @@ impl Devices {
             Device {
                 conn,
                 bases: bases.into_iter().collect(),
+                vm: None,
             },
         );
     }
@@ -84,6 +105,15 @@ impl Devices {
         token: u64,
         msg: ToDaemon,
     ) {
+        let named = match &msg {
+            ToDaemon::ReadLanded { ram, .. } | ToDaemon::FillRead { ram, .. } => {
+                guests.vm_of_ram((ram.dev, ram.ino))
+            }
+            _ => None,
+        };
+        if let Some(vm) = named {
+            self.bind(token, vm);
+        }
         let Some(dev) = self.by_token.get(&token) else {
             return;
         };
@@ -145,6 +175,22 @@ impl Devices {
         }
     }
 
+    /// Device `token` named guest `vm`'s RAM: from now on it hears of blocks learnt in
+    /// `vm`'s domain. Not of those learnt before: each was checked against the base's
+    /// bytes when it was learnt, and a base changed in place since (same file, new
+    /// bytes: a device opened after the change cannot tell) would have this device's
+    /// reads filled with the old ones.
+    fn bind(&mut self, token: u64, vm: VmId) {
+        if let Some(dev) = self.by_token.get_mut(&token) {
+            dev.vm = Some(vm);
+        }
+    }
+
+    /// The sharing domain of device `d`'s guest, if it named one still attached.
+    fn domain_of(engine: &Engine, d: &Device) -> Option<DomainId> {
+        d.vm.and_then(|v| engine.domain_of(v))
+    }
+
     /// After a step: answers the fills the engine finished, and checks waiting
     /// candidates against their bases, telling each device that serves a base of the
     /// blocks now held.
@@ -161,7 +207,7 @@ impl Devices {
         }
         let take = self.unchecked.len().min(MAX_CHECKS_PER_STEP);
         let batch: Vec<BlockCandidate> = self.unchecked.drain(..take).collect();
-        let mut held: HashMap<DiskId, Vec<BaseBlock>> = HashMap::new();
+        let mut held: HashMap<(DomainId, DiskId), Vec<BaseBlock>> = HashMap::new();
         let mut page = Box::new(AlignedPage([0u8; PAGE_SIZE]));
         for c in batch {
             if engine.block_held_in(c.domain, c.block) {
@@ -184,23 +230,16 @@ impl Devices {
             }
             let bytes: &Page = &page.0;
             if engine.block_verified(&c, bytes) {
-                held.entry(c.block.disk).or_default().push(c.block);
+                held.entry((c.domain, c.block.disk))
+                    .or_default()
+                    .push(c.block);
             }
         }
-        for (disk, blocks) in held {
-            for d in self
-                .by_token
-                .values()
-                .filter(|d| d.bases.contains_key(&disk))
-            {
-                for chunk in blocks.chunks(MAX_BATCH) {
-                    let _ = d.conn.send(
-                        &ToDevice::Held {
-                            blocks: chunk.to_vec(),
-                        },
-                        &[],
-                    );
-                }
+        for ((domain, disk), blocks) in held {
+            for d in self.by_token.values().filter(|d| {
+                d.bases.contains_key(&disk) && Self::domain_of(engine, d) == Some(domain)
+            }) {
+                d.tell_held(&blocks);
             }
         }
     }

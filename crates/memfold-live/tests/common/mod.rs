@@ -372,3 +372,18 @@ pub fn two_random_guests(
     });
     (a, b)
 }
+
+/// Guest RAM `ram`'s memfd as the wire names it (a block device's reports do).
+pub fn ram_file(ram: &GuestRam) -> memfold_wire::RamFile {
+    let (dev, ino) = memfd::file_id(ram.memfd()).unwrap();
+    memfold_wire::RamFile { dev, ino }
+}
+
+/// Waits up to 10 s for `f`; fails naming `what`.
+pub fn eventually(what: &str, f: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(10), "never: {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -1,0 +1,106 @@
+//! News of held blocks (Satori §5.2's block → frame table) stay within a sharing domain
+//! (`--share-domains`): memfoldd's side, with real agents in this process and block
+//! devices played through the wire's [`LandedReporter`]. A test binary of its own: the
+//! in-process agents and memfoldds of two tests in one process disturb each other.
+
+mod common;
+
+use std::os::unix::fs::MetadataExt;
+use std::time::Duration;
+
+use memfold_core::{EngineConfig, Policy};
+use memfold_ids::{BaseBlock, DiskId, Gfn};
+use memfold_wire::LandedReporter;
+use rand::{rngs::SmallRng, Rng, SeedableRng};
+
+use common::{eventually, ram_file, GuestRam, PAGE};
+
+const PAGES: usize = 2048;
+const PAGES_B: usize = 2560;
+
+/// Under `--share-domains vm` each guest is its own tenant: a block held by guest a's
+/// frames is news for a's device only — b's device, told, would ask memfoldd for its
+/// reads of it, and the time they took would tell b what a reads. A device that names
+/// its guest after blocks were learnt is not told of them (they were checked against
+/// the base as it was then; a base changed in place since would be served old bytes).
+#[test]
+fn news_of_held_blocks_stay_within_their_sharing_domain() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = common::start_memfoldd_with(memfold_live::daemon::DaemonConfig {
+        domains: memfold_live::daemon::DomainRule::Vm,
+        ..common::daemon_config(
+            dir.path(),
+            EngineConfig {
+                policy: Policy::sharing_only(),
+                rate: 1,
+                clock_interval_us: None,
+                read_fill: true,
+                ..common::fast_engine()
+            },
+        )
+    });
+    let mut rng = SmallRng::seed_from_u64(53);
+    let (a, b) = common::two_random_guests(&socket, &mut rng, PAGES, PAGES_B);
+    let base_path = dir.path().join("base.img");
+    let base: Vec<Vec<u8>> = (0..4)
+        .map(|_| {
+            let mut p = vec![0u8; PAGE];
+            rng.fill(&mut p[..]);
+            p
+        })
+        .collect();
+    std::fs::write(&base_path, base.concat()).unwrap();
+    let st = std::fs::metadata(&base_path).unwrap();
+    let disk = DiskId::of_file(st.dev(), st.ino());
+    let block = |k: usize| BaseBlock {
+        disk,
+        block: k as u64,
+    };
+    let device = || {
+        LandedReporter::spawn_with_bases(
+            &socket,
+            vec![(disk, std::fs::File::open(&base_path).unwrap().into())],
+        )
+        .unwrap()
+    };
+    // Each guest reads every block twice, into two pages of its own: shared within
+    // its domain, which then holds the blocks.
+    let land = |ram: &GuestRam, dev: &LandedReporter, first: usize| {
+        let mut gfns = Vec::new();
+        let mut bases = Vec::new();
+        for (k, bytes) in base.iter().enumerate() {
+            for copy in 0..2 {
+                let g = first + 10 * k + copy;
+                ram.write(g, 0, bytes);
+                bases.push((gfns.len() as u32, block(k)));
+                gfns.push(Gfn(g as u32));
+            }
+        }
+        assert!(dev.report_from(ram_file(ram), gfns, bases));
+    };
+    let (dev_a, dev_b) = (device(), device());
+    // b's device names b's RAM first (a read of no base block).
+    assert!(dev_b.report(ram_file(&b), vec![Gfn(5)]));
+    eventually("b's device connected", || dev_b.sent() == 1);
+    land(&a, &dev_a, 300);
+    eventually("a's blocks held, a's device told", || {
+        (0..4).all(|k| dev_a.held(block(k)))
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        (0..4).all(|k| !dev_b.held(block(k))),
+        "b's device told of blocks a's frames hold"
+    );
+    // Blocks b holds itself are b's news.
+    land(&b, &dev_b, 700);
+    eventually("b's blocks held, b's device told", || {
+        (0..4).all(|k| dev_b.held(block(k)))
+    });
+    // A device that names a's RAM after the blocks were learnt (a restarted one) hears
+    // of blocks learnt from then on only.
+    let late = device();
+    assert!(late.report(ram_file(&a), vec![Gfn(6)]));
+    eventually("the late device connected", || late.sent() == 1);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!((0..4).all(|k| !late.held(block(k))));
+}
