@@ -201,13 +201,17 @@ impl Agent {
             }
             ToAgent::Welcome { .. } | ToAgent::Refused { .. } => return Ok(()),
         };
-        for ev in std::mem::take(&mut self.deferred) {
-            self.handle_or_retry(ev);
-        }
+        // The answer first: a fault read during a share or fill may break a page of it at
+        // once (a no-copy break sends its breaks before waking its writer), and a break
+        // memfoldd hears of before the share's answer is dropped there (the page is not
+        // yet booked shared), then the answer books the page shared for good.
         if let Some(c) = &self.conn {
             if c.send(&reply, &[]).is_err() {
                 self.conn = None;
             }
+        }
+        for ev in std::mem::take(&mut self.deferred) {
+            self.handle_or_retry(ev);
         }
         Ok(())
     }

@@ -484,9 +484,9 @@ impl Uffd {
         self.zeropage_mode(dst, len, 0)
     }
 
-    /// [`Uffd::zeropage`] without waking the threads waiting on the range (but for a
-    /// page filled meanwhile): for fills of several ranges that must all be in place
-    /// before a thread that faulted on one of them goes on; the caller wakes it.
+    /// [`Uffd::zeropage`] without waking the threads waiting on the range, not even for a
+    /// page filled meanwhile (`EEXIST`): for fills of several ranges that must all be in
+    /// place before a thread that faulted on one of them goes on; the caller wakes it.
     ///
     /// Errors: as [`Uffd::zeropage`].
     pub fn zeropage_dontwake(&self, dst: u64, len: u64) -> Result<(), UffdError> {
@@ -502,6 +502,18 @@ impl Uffd {
         // SAFETY: UFFDIO_ZEROPAGE reads the range and writes `z.zeropage`; it fills only
         // missing pages of a registered range (see `copy`).
         let rc = unsafe { self.ioctl(UFFDIO_ZEROPAGE, &mut z) };
+        if rc != 0 && mode & FILL_MODE_DONTWAKE != 0 {
+            let errno = io::Error::last_os_error();
+            if errno.raw_os_error() == Some(libc::EEXIST) {
+                return Ok(());
+            }
+            return Err(UffdError::Ioctl {
+                ioctl: Ioctl::Zeropage,
+                start: dst,
+                len,
+                errno,
+            });
+        }
         self.filled(rc, Ioctl::Zeropage, dst, len)
     }
 
