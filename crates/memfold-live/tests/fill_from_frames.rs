@@ -10,13 +10,11 @@
 
 mod common;
 
-use std::os::unix::fs::MetadataExt;
 use std::time::{Duration, Instant};
 
-use memfold_core::{EngineConfig, Policy};
-use memfold_ids::{BaseBlock, DiskId, Gfn};
+use memfold_ids::{BaseBlock, Gfn};
 use memfold_wire::LandedReporter;
-use rand::{rngs::SmallRng, Rng, SeedableRng};
+use rand::{rngs::SmallRng, SeedableRng};
 
 use common::{eventually, ram_file, GuestRam, PAGE};
 
@@ -32,30 +30,11 @@ fn nonce_bytes(n: [u64; 2]) -> Vec<u8> {
 #[test]
 fn held_blocks_are_learnt_from_the_base_and_reads_of_them_filled_from_frames() {
     let dir = tempfile::tempdir().unwrap();
-    let socket = common::start_memfoldd(
-        dir.path(),
-        EngineConfig {
-            policy: Policy::sharing_only(),
-            rate: 1,
-            clock_interval_us: None,
-            read_fill: true,
-            ..common::fast_engine()
-        },
-    );
+    let socket = common::start_memfoldd(dir.path(), common::read_fill_engine());
     let mut rng = SmallRng::seed_from_u64(52);
     let (a, b) = common::two_random_guests(&socket, &mut rng, PAGES, PAGES_B);
     // The base image: 16 random blocks.
-    let base_path = dir.path().join("base.img");
-    let base: Vec<Vec<u8>> = (0..BLOCKS)
-        .map(|_| {
-            let mut p = vec![0u8; PAGE];
-            rng.fill(&mut p[..]);
-            p
-        })
-        .collect();
-    std::fs::write(&base_path, base.concat()).unwrap();
-    let st = std::fs::metadata(&base_path).unwrap();
-    let disk = DiskId::of_file(st.dev(), st.ino());
+    let (base_path, base, disk) = common::random_base(dir.path(), &mut rng, BLOCKS);
     let block = |k: usize| BaseBlock {
         disk,
         block: k as u64,

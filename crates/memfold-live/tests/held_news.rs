@@ -5,15 +5,13 @@
 
 mod common;
 
-use std::os::unix::fs::MetadataExt;
 use std::time::Duration;
 
-use memfold_core::{EngineConfig, Policy};
-use memfold_ids::{BaseBlock, DiskId, Gfn};
+use memfold_ids::{BaseBlock, Gfn};
 use memfold_wire::LandedReporter;
-use rand::{rngs::SmallRng, Rng, SeedableRng};
+use rand::{rngs::SmallRng, SeedableRng};
 
-use common::{eventually, ram_file, GuestRam, PAGE};
+use common::{eventually, ram_file, GuestRam};
 
 const PAGES: usize = 2048;
 const PAGES_B: usize = 2560;
@@ -28,30 +26,11 @@ fn news_of_held_blocks_stay_within_their_sharing_domain() {
     let dir = tempfile::tempdir().unwrap();
     let socket = common::start_memfoldd_with(memfold_live::daemon::DaemonConfig {
         domains: memfold_live::daemon::DomainRule::Vm,
-        ..common::daemon_config(
-            dir.path(),
-            EngineConfig {
-                policy: Policy::sharing_only(),
-                rate: 1,
-                clock_interval_us: None,
-                read_fill: true,
-                ..common::fast_engine()
-            },
-        )
+        ..common::daemon_config(dir.path(), common::read_fill_engine())
     });
     let mut rng = SmallRng::seed_from_u64(53);
     let (a, b) = common::two_random_guests(&socket, &mut rng, PAGES, PAGES_B);
-    let base_path = dir.path().join("base.img");
-    let base: Vec<Vec<u8>> = (0..4)
-        .map(|_| {
-            let mut p = vec![0u8; PAGE];
-            rng.fill(&mut p[..]);
-            p
-        })
-        .collect();
-    std::fs::write(&base_path, base.concat()).unwrap();
-    let st = std::fs::metadata(&base_path).unwrap();
-    let disk = DiskId::of_file(st.dev(), st.ino());
+    let (base_path, base, disk) = common::random_base(dir.path(), &mut rng, 4);
     let block = |k: usize| BaseBlock {
         disk,
         block: k as u64,

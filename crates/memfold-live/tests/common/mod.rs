@@ -387,3 +387,36 @@ pub fn eventually(what: &str, f: impl Fn() -> bool) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Sharing alone, a scan of 1 page/s (so every share is one made at read), no clock, and
+/// reads served from frames (Satori §5.2).
+pub fn read_fill_engine() -> EngineConfig {
+    EngineConfig {
+        policy: Policy::sharing_only(),
+        rate: 1,
+        clock_interval_us: None,
+        read_fill: true,
+        ..fast_engine()
+    }
+}
+
+/// A base image of `blocks` random 4 KiB blocks at `dir/base.img`: its path, its
+/// blocks, and its id as devices name it.
+pub fn random_base(
+    dir: &Path,
+    rng: &mut SmallRng,
+    blocks: usize,
+) -> (PathBuf, Vec<Vec<u8>>, memfold_ids::DiskId) {
+    use std::os::unix::fs::MetadataExt;
+    let path = dir.join("base.img");
+    let base: Vec<Vec<u8>> = (0..blocks)
+        .map(|_| {
+            let mut p = vec![0u8; PAGE];
+            rng.fill(&mut p[..]);
+            p
+        })
+        .collect();
+    std::fs::write(&path, base.concat()).unwrap();
+    let st = std::fs::metadata(&path).unwrap();
+    (path, base, memfold_ids::DiskId::of_file(st.dev(), st.ino()))
+}
