@@ -201,10 +201,8 @@ impl Agent {
             }
             ToAgent::Welcome { .. } | ToAgent::Refused { .. } => return Ok(()),
         };
-        // The answer first: a fault read during a share or fill may break a page of it at
-        // once (a no-copy break sends its breaks before waking its writer), and a break
-        // memfoldd hears of before the share's answer is dropped there (the page is not
-        // yet booked shared), then the answer books the page shared for good.
+        // The answer first: a no-copy break of a page of it, sent earlier, would be dropped
+        // by memfoldd (not yet shared there) and the page then booked shared for good.
         if let Some(c) = &self.conn {
             if c.send(&reply, &[]).is_err() {
                 self.conn = None;

@@ -472,7 +472,7 @@ impl Uffd {
         // fills only missing pages of a registered range, which `register`'s caller
         // vouched no Rust value uses.
         let rc = unsafe { self.ioctl(UFFDIO_COPY, &mut c) };
-        self.filled(rc, Ioctl::Copy, dst, src.len() as u64)
+        self.filled(rc, Ioctl::Copy, dst, src.len() as u64, c.mode)
     }
 
     /// Fills the missing page(s) at `[dst, dst+len)` with zeros and wakes the waiting
@@ -502,19 +502,7 @@ impl Uffd {
         // SAFETY: UFFDIO_ZEROPAGE reads the range and writes `z.zeropage`; it fills only
         // missing pages of a registered range (see `copy`).
         let rc = unsafe { self.ioctl(UFFDIO_ZEROPAGE, &mut z) };
-        if rc != 0 && mode & FILL_MODE_DONTWAKE != 0 {
-            let errno = io::Error::last_os_error();
-            if errno.raw_os_error() == Some(libc::EEXIST) {
-                return Ok(());
-            }
-            return Err(UffdError::Ioctl {
-                ioctl: Ioctl::Zeropage,
-                start: dst,
-                len,
-                errno,
-            });
-        }
-        self.filled(rc, Ioctl::Zeropage, dst, len)
+        self.filled(rc, Ioctl::Zeropage, dst, len, mode)
     }
 
     /// Maps the memfd's existing page(s) at `[dst, dst+len)` after a minor fault,
@@ -531,17 +519,29 @@ impl Uffd {
         // SAFETY: UFFDIO_CONTINUE reads the range and writes `c.mapped`; it maps pages the
         // file already holds into a registered range (see `copy`).
         let rc = unsafe { self.ioctl(UFFDIO_CONTINUE, &mut c) };
-        self.filled(rc, Ioctl::Continue, dst, len)
+        self.filled(rc, Ioctl::Continue, dst, len, c.mode)
     }
 
-    /// The result of a fill ioctl: `EEXIST` (filled meanwhile) only wakes.
-    fn filled(&self, rc: libc::c_int, ioctl: Ioctl, dst: u64, len: u64) -> Result<(), UffdError> {
+    /// The result of a fill ioctl made in `mode`: `EEXIST` (filled meanwhile) only
+    /// wakes, and not even that with `FILL_MODE_DONTWAKE` (the caller wakes).
+    fn filled(
+        &self,
+        rc: libc::c_int,
+        ioctl: Ioctl,
+        dst: u64,
+        len: u64,
+        mode: u64,
+    ) -> Result<(), UffdError> {
         if rc == 0 {
             return Ok(());
         }
         let errno = io::Error::last_os_error();
         if errno.raw_os_error() == Some(libc::EEXIST) {
-            return self.wake(dst, len);
+            return if mode & FILL_MODE_DONTWAKE != 0 {
+                Ok(())
+            } else {
+                self.wake(dst, len)
+            };
         }
         Err(UffdError::Ioctl {
             ioctl,
