@@ -41,7 +41,10 @@ struct Device {
     conn: Conn,
     bases: HashMap<DiskId, File>,
     /// The guest whose RAM its reports and fills name (the last one named); none until
-    /// its first: no news of held blocks until then.
+    /// its first: no news of held blocks until then, and none of blocks learnt before
+    /// (each was checked against the base's bytes when learnt; a base changed in place
+    /// since — same file, new bytes, which a device opened after the change cannot
+    /// tell — would have this device's reads filled with the old ones).
     vm: Option<VmId>,
 }
 
@@ -105,26 +108,25 @@ impl Devices {
         token: u64,
         msg: ToDaemon,
     ) {
-        let named = match &msg {
+        let vm = match &msg {
             ToDaemon::ReadLanded { ram, .. } | ToDaemon::FillRead { ram, .. } => {
                 guests.vm_of_ram((ram.dev, ram.ino))
             }
             _ => None,
         };
-        if let Some(vm) = named {
-            self.bind(token, vm);
-        }
-        let Some(dev) = self.by_token.get(&token) else {
+        let Some(dev) = self.by_token.get_mut(&token) else {
             return;
         };
+        if vm.is_some() {
+            dev.vm = vm;
+        }
         match msg {
             ToDaemon::ReadLanded {
-                ram,
                 gfns,
                 landed_ns,
                 bases,
+                ..
             } => {
-                let vm = guests.vm_of_ram((ram.dev, ram.ino));
                 match vm {
                     Some(vm) if gfns.len() <= MAX_BATCH => {
                         // The time since the device wrote the pages, µs (0 if not said or
@@ -147,15 +149,11 @@ impl Devices {
                 }
             }
             ToDaemon::FillRead {
-                ram,
-                fill,
-                nonce,
-                pages,
+                fill, nonce, pages, ..
             } => {
                 self.next_fill += 1;
                 let ours = FillId(self.next_fill);
                 self.fills.insert(ours, (token, fill));
-                let vm = guests.vm_of_ram((ram.dev, ram.ino));
                 let pages: Vec<(Gfn, BaseBlock)> = pages
                     .into_iter()
                     .take(MAX_BATCH)
@@ -172,17 +170,6 @@ impl Devices {
                 }
             }
             other => tracing::warn!("block device {token} sent {other:?}; ignored"),
-        }
-    }
-
-    /// Device `token` named guest `vm`'s RAM: from now on it hears of blocks learnt in
-    /// `vm`'s domain. Not of those learnt before: each was checked against the base's
-    /// bytes when it was learnt, and a base changed in place since (same file, new
-    /// bytes: a device opened after the change cannot tell) would have this device's
-    /// reads filled with the old ones.
-    fn bind(&mut self, token: u64, vm: VmId) {
-        if let Some(dev) = self.by_token.get_mut(&token) {
-            dev.vm = Some(vm);
         }
     }
 
