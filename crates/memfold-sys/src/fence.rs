@@ -418,20 +418,27 @@ impl WriteFence {
         let r = (0..RECORDS).find(|&r| self.lock(r, 0)).or_else(|| {
             (0..RECORDS).find(|&r| self.leaked(r, now).is_some_and(|o| self.lock(r, o)))
         })?;
+        self.under_seqlock(r, |rec| {
+            rec.pid.store(pid, Ordering::SeqCst);
+            rec.stamp.store(now, Ordering::SeqCst);
+            for (i, &run) in runs.iter().enumerate() {
+                self.run(r, i).store(run, Ordering::SeqCst);
+            }
+            rec.runs.store(runs.len() as u32, Ordering::SeqCst);
+        });
+        self.record(r).owner.store(tid, Ordering::SeqCst); // published
+        Some(r)
+    }
+
+    /// Writes record `r`, which the caller locked, with `write` inside its seqlock: odd
+    /// while `write` runs, whatever seq was left (a device built before the lock, killed
+    /// mid-write, left it odd), even (valid) after.
+    fn under_seqlock(&self, r: usize, write: impl FnOnce(&Record)) {
         let rec = self.record(r);
-        // Odd while written, whatever seq was left (a device built before the lock, killed
-        // mid-write, left it odd).
         let odd = rec.seq.load(Ordering::SeqCst).wrapping_add(1) | 1;
         rec.seq.store(odd, Ordering::SeqCst);
-        rec.pid.store(pid, Ordering::SeqCst);
-        rec.stamp.store(now, Ordering::SeqCst);
-        for (i, &run) in runs.iter().enumerate() {
-            self.run(r, i).store(run, Ordering::SeqCst);
-        }
-        rec.runs.store(runs.len() as u32, Ordering::SeqCst);
-        rec.seq.store(odd.wrapping_add(1), Ordering::SeqCst); // even: valid
-        rec.owner.store(tid, Ordering::SeqCst); // published
-        Some(r)
+        write(rec);
+        rec.seq.store(odd.wrapping_add(1), Ordering::SeqCst);
     }
 
     /// Takes record `r` for writing if its owner word is `from`.
@@ -490,15 +497,13 @@ impl WriteFence {
         if !self.lock(r, tid) {
             return;
         }
-        let rec = self.record(r);
-        let odd = rec.seq.load(Ordering::SeqCst).wrapping_add(1) | 1;
-        rec.seq.store(odd, Ordering::SeqCst);
-        rec.runs.store(0, Ordering::SeqCst);
-        // Unknown again: a device built before records carried a pid, declaring here
-        // next, must not leave this writer's (dead one day) pid on its live record.
-        rec.pid.store(0, Ordering::SeqCst);
-        rec.seq.store(odd.wrapping_add(1), Ordering::SeqCst);
-        rec.owner.store(0, Ordering::SeqCst);
+        self.under_seqlock(r, |rec| {
+            rec.runs.store(0, Ordering::SeqCst);
+            // Unknown again: a device built before records carried a pid, declaring here
+            // next, must not leave this writer's (dead one day) pid on its live record.
+            rec.pid.store(0, Ordering::SeqCst);
+        });
+        self.record(r).owner.store(0, Ordering::SeqCst);
     }
 
     fn record(&self, r: usize) -> &Record {
