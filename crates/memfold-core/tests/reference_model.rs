@@ -1,12 +1,14 @@
 //! The engine memfoldd runs ([`memfold_core::Engine`]) against a plain reference model of
 //! guest memory, under random interleavings of guest writes and reads, sharing scans,
 //! clock slices and the Difference Engine, commands delivered late or refused, answers
-//! lost with their connection, re-attaches, memfoldd restarts that adopt the pool, guests
+//! lost with their connection or held back behind the events that followed them (a
+//! misbehaving agent's order), re-attaches, memfoldd restarts that adopt the pool, guests
 //! created and destroyed, and injected pool, store and swap failures. After every step:
 //! every page reads as the model says, every invariant holds (reference counts =
 //! mappings + patch references, pending counts = requests, no leaked frame, blob or slot,
 //! the books agree with the pages), and no frame or blob an agent relies on is freed.
-//! At the end every guest is removed and nothing may remain.
+//! At the end every page is booked where its agent keeps it, every guest is removed and
+//! nothing may remain.
 //!
 //! The long variant runs 10^7 operations (not in CI):
 //! `MEMFOLD_MODEL_OPS=10000000 cargo test --release -p memfold-core --test reference_model -- --ignored --nocapture`
@@ -39,7 +41,7 @@ fn op() -> impl Strategy<Value = Op> {
         12 => vg.prop_map(|(vm, gfn)| Op::Read { vm, gfn }),
         4 => (vg, 1u8..9, 0u8..16).prop_map(|((vm, gfn), n, block)| Op::ReadLanded { vm, gfn, n, block }),
         22 => (0u32..1500).prop_map(|advance_ms| Op::Step { advance_ms }),
-        22 => (any::<u32>(), 1u8..64, prop::bool::weighted(0.05)).prop_map(|(vm, n, refuse)| Op::Deliver { vm, n, refuse }),
+        22 => (any::<u32>(), 1u8..64, prop::bool::weighted(0.05), prop::bool::weighted(0.1)).prop_map(|(vm, n, refuse, hold)| Op::Deliver { vm, n, refuse, hold }),
         10 => any::<u32>().prop_map(|vm| Op::Report { vm }),
         3 => (any::<u32>(), any::<u64>()).prop_map(|(vm, seed)| Op::Disconnect { vm, seed }),
         3 => (vg, 1u8..9).prop_map(|((vm, gfn), n)| Op::Free { vm, gfn, n }),

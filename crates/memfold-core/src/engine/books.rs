@@ -685,6 +685,7 @@ impl Engine {
                     + v.hints.bytes()
                     + v.categories.as_ref().map_or(0, |m| m.bytes())
                     + crate::share::hashbrown_bytes(v.unmapping.capacity(), 4)
+                    + crate::share::hashbrown_bytes(v.early.capacity(), 16)
                     + crate::share::hashbrown_bytes(v.read_sharing.capacity(), 16)
                     + crate::share::hashbrown_bytes(v.read_shared_at.capacity(), 16)
                     + crate::share::hashbrown_bytes(v.read_backoff.capacity(), 24)

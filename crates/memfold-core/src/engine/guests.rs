@@ -248,6 +248,7 @@ impl Engine {
                         clock: ClockHand::new(n),
                         share_refused_us: None,
                         unmapping: Default::default(),
+                        early: Default::default(),
                         unmapped_ages: super::unmapped::UnmappedAges::new(now),
                         read_sharing: Default::default(),
                         read_shared_at: Default::default(),
@@ -274,6 +275,7 @@ impl Engine {
         // maps now is the truth, and a later CoW break of these pages is the guest's write.
         v.unmapping.clear();
         v.read_sharing.clear();
+        v.early.clear();
         // Its watch round ended with the connection (rounds keep counting: a report
         // that followed an old round never names a new one).
         v.free_watch.end();

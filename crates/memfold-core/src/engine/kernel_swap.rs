@@ -110,6 +110,14 @@ impl std::str::FromStr for CompressBacking {
 }
 
 impl Engine {
+    /// Whether guest `id`'s page `g` is booked as paged out to the kernel's swap (false
+    /// for an unknown guest or page).
+    pub fn page_paged_out(&self, id: VmId, g: Gfn) -> bool {
+        let v = self.vms.get(&id);
+        v.and_then(|v| v.p2m.get(g.index()))
+            .is_some_and(|e| e.is_paged_out())
+    }
+
     /// Asks guest `id`'s agent to page out private page `g` (the Difference Engine chose
     /// to compress it, [`CompressBacking::Zswap`]).
     /// From now until its answer the page counts as away ([`Vm::paged_out_or_going`]):
@@ -214,6 +222,9 @@ impl Engine {
     pub fn paged_in(&mut self, id: VmId, gfns: &[Gfn]) {
         let now_s = self.now_us() / 1_000_000;
         for &g in gfns {
+            if self.park_early(id, g, super::early::Early::PagedIn) {
+                continue;
+            }
             let Some(v) = self.vms.get_mut(&id) else {
                 return;
             };

@@ -34,6 +34,7 @@ mod census;
 mod check;
 mod config;
 mod de;
+mod early;
 mod entitlement;
 pub mod fill;
 pub mod free_discard;
@@ -303,6 +304,8 @@ pub(crate) struct Vm {
     /// Mapped shared pages asked back ([`Command::TakeBack`]) to be shared without a
     /// mapping once their CoW break is reported ([`unmapped`]; issue 19).
     pub(crate) unmapping: std::collections::HashSet<Gfn>,
+    /// Events the agent reported before answering their page's request ([`early`]).
+    pub(crate) early: std::collections::HashMap<Gfn, early::Early>,
     /// Whether each page shared without a mapping has lived long ([`unmapped`]); its
     /// marks are nibbles of `clock`'s words.
     pub(crate) unmapped_ages: unmapped::UnmappedAges,

@@ -2,6 +2,7 @@
 //! pages that came back into guest RAM on their own (CoW breaks, refills, decodes) or
 //! that the guest's VMM discarded (a balloon, free page reporting, virtio-mem).
 
+use super::early::Early;
 use super::{Command, Engine, Outcome};
 use crate::blobs::Kept;
 use crate::ids::{FrameId, Gfn, VmId};
@@ -39,6 +40,9 @@ impl Engine {
     /// [`super::VmBooks::discards`]. A report that does not match the page's state (the
     /// page changed since, or the guest is gone) is ignored.
     pub fn discarded(&mut self, id: VmId, g: Gfn, what: Discard) {
+        if self.park_early(id, g, Early::Discarded(what)) {
+            return;
+        }
         let shared = matches!(what, Discard::Frame(_));
         let taken = match what {
             Discard::Frame(f) => self.take_shared(id, g, f),
@@ -85,6 +89,8 @@ impl Engine {
                     if gfn.0 < v.pages() {
                         v.hints.take_page_out_going(gfn);
                     }
+                    // A page-in reported early: in RAM, as the books already say.
+                    v.early.remove(&gfn);
                 }
                 return;
             }
@@ -104,6 +110,7 @@ impl Engine {
             }
             Command::PageOut { gfn } => {
                 self.page_out_outcome(id, gfn, o);
+                self.replay_early(id, gfn);
                 return;
             }
             Command::DiscardFree { gfn } => {
@@ -138,6 +145,7 @@ impl Engine {
             }
             Command::ClockScan { .. } | Command::Watch { .. } => return,
         };
+        self.replay_early(id, gfn);
         // A request under way when the operator opted the guest out ended with the page
         // shared, stored or reclaimed after all: take it back too.
         let v = self.vms.get_mut(&id).expect("outcome() checked");
@@ -360,6 +368,9 @@ impl Engine {
     /// The agent broke copy-on-write on page `g`, which left frame `f`: the page is
     /// private again (C1 until its next clock scan).
     pub fn cow_broken(&mut self, id: VmId, g: Gfn, f: FrameId) {
+        if self.park_early(id, g, Early::CowBroken(f)) {
+            return;
+        }
         // memfoldd asked for this break, to share the page without a mapping.
         let asked = self
             .vms
@@ -402,6 +413,9 @@ impl Engine {
 
     /// The guest touched reclaimed zero page `g` and the agent filled it.
     pub fn refilled(&mut self, id: VmId, g: Gfn) {
+        if self.park_early(id, g, Early::Refilled) {
+            return;
+        }
         if self.take_zero(id, g) {
             self.vms.get_mut(&id).expect("checked").books.refills += 1;
         }
@@ -427,6 +441,9 @@ impl Engine {
     /// The guest touched stored page `g` and the agent decoded it back (or, for a page
     /// shared without a mapping, copied its frame in).
     pub fn unstashed(&mut self, id: VmId, g: Gfn) {
+        if self.park_early(id, g, Early::Unstashed) {
+            return;
+        }
         if let Some(lived_long) = self.take_unmapped(id, g) {
             // No blob, so no lifetime to record: only whether it lived long
             // ([`super::unmapped::UnmappedAges`]).

@@ -25,6 +25,7 @@ use memfold_core::{
 };
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
+mod agree;
 mod free;
 mod ops;
 use free::guest_write;
@@ -42,6 +43,9 @@ struct ModelVm {
     model: Vec<Box<Page>>,
     /// Commands sent and not answered.
     wire: VecDeque<Command>,
+    /// Commands carried out whose answers the agent holds back: a misbehaving agent
+    /// (a QEMU not to be trusted) may report the events that followed them first.
+    held: Vec<(Command, Outcome)>,
     connected: bool,
     /// Fills its block device waits for, oldest first.
     fills: Vec<PendingFill>,
@@ -309,6 +313,14 @@ impl Harness {
     }
 
     /// Applies an outcome for VM `i`'s command.
+    /// The answers guest `i`'s agent held back reach the engine, in order.
+    fn answer_held(&mut self, i: usize) -> Result<(), String> {
+        for (cmd, o) in std::mem::take(&mut self.vms[i].held) {
+            self.answer(i, &cmd, o)?;
+        }
+        Ok(())
+    }
+
     fn answer(&mut self, i: usize, cmd: &Command, o: Outcome) -> Result<(), String> {
         let id = self.vms[i].id.expect("connected VMs have an id");
         if let Command::ClockScan { .. } = cmd {
@@ -382,6 +394,7 @@ impl Harness {
                     agent,
                     model: (0..pages).map(|_| Box::new([0u8; PAGE_SIZE])).collect(),
                     wire: VecDeque::new(),
+                    held: Vec::new(),
                     connected: false,
                     fills: Vec::new(),
                     free: vec![false; pages as usize],
@@ -588,22 +601,35 @@ impl Harness {
                     v.wire.extend(cmds);
                 }
             }
-            Op::Deliver { vm, n, refuse } => {
+            Op::Deliver {
+                vm,
+                n,
+                refuse,
+                hold,
+            } => {
                 if let Some(i) = self.pick(vm).filter(|&i| self.vms[i].connected) {
+                    self.answer_held(i)?;
                     self.vms[i].agent.refuse = refuse;
                     for _ in 0..n {
                         let Some(cmd) = self.vms[i].wire.pop_front() else {
                             break;
                         };
                         let o = self.vms[i].agent.execute(&cmd);
-                        self.answer(i, &cmd, o)?;
+                        if hold {
+                            self.vms[i].held.push((cmd, o));
+                        } else {
+                            self.answer(i, &cmd, o)?;
+                        }
                     }
                     self.vms[i].agent.refuse = false;
                 }
             }
             Op::Report { vm } => {
                 if let Some(i) = self.pick(vm).filter(|&i| self.vms[i].connected) {
+                    // Events before the answers they followed: out of order, as only a
+                    // misbehaving agent sends them.
                     self.report(i);
+                    self.answer_held(i)?;
                 }
             }
             Op::Disconnect { vm, seed } => {
@@ -745,6 +771,10 @@ impl Harness {
     fn disconnect(&mut self, i: usize, seed: u64) {
         let mut rng = SmallRng::seed_from_u64(seed);
         let id = self.vms[i].id.expect("connected");
+        // Answers held back are lost with the connection, as are those not yet given.
+        for (cmd, _) in std::mem::take(&mut self.vms[i].held) {
+            self.engine.outcome(id, &cmd, Outcome::Lost);
+        }
         for cmd in std::mem::take(&mut self.vms[i].wire) {
             if rng.gen_bool(0.5) {
                 let v = &mut self.vms[i];
@@ -871,13 +901,18 @@ impl Harness {
                     continue; // failed closed and removed
                 }
             }
+            self.answer_held(i)?;
             while let Some(cmd) = self.vms[i].wire.pop_front() {
                 let o = self.vms[i].agent.execute(&cmd);
                 self.answer(i, &cmd, o)?;
             }
+            self.report(i);
             i += 1;
         }
         self.verify_all()?;
+        for (i, v) in self.vms.iter().enumerate() {
+            self.books_agree_with_agent(i, v)?;
+        }
         for mut v in std::mem::take(&mut self.vms) {
             v.agent.exit();
             self.engine.remove(v.id.expect("attached"));

@@ -148,11 +148,14 @@ pub enum Op {
     Step {
         advance_ms: u32,
     },
-    /// The agent carries out up to `n` of the commands it was sent.
+    /// The agent carries out up to `n` of the commands it was sent (first answering any
+    /// it held back); with `hold`, it holds their answers back until its next report,
+    /// which gives the events that followed them first.
     Deliver {
         vm: u32,
         n: u8,
         refuse: bool,
+        hold: bool,
     },
     /// The agent reports its events (CoW breaks, refills, decodes).
     Report {
@@ -303,6 +306,7 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
             vm,
             n: rng.gen_range(1..64),
             refuse: rng.gen_bool(0.05),
+            hold: rng.gen_bool(0.1),
         },
         81..=88 => Op::Report { vm },
         89..=90 => Op::FillGiveUp { vm },
@@ -344,6 +348,7 @@ pub fn free_race_burst(rng: &mut SmallRng, (vm, gfn): (u32, u32)) -> Vec<Op> {
         vm,
         n: 63,
         refuse: false,
+        hold: false,
     };
     let step = |rng: &mut SmallRng| Op::Step {
         advance_ms: rng.gen_range(200..800),
@@ -422,6 +427,7 @@ pub fn random_free_op(rng: &mut SmallRng, mixed: bool) -> Op {
             vm,
             n: rng.gen_range(1..16),
             refuse: rng.gen_bool(0.05),
+            hold: rng.gen_bool(0.1),
         },
         90..=93 => Op::Report { vm },
         94..=95 => Op::Disconnect {

@@ -1,0 +1,252 @@
+//! Events an agent reports before its answer to the request they followed.
+//!
+//! The real agent answers a request before it reports what it served meanwhile (a CoW
+//! break, a refill, a decode of the page just taken; `memfold-agent`'s requests.rs). A
+//! QEMU that does not — a bug, or a guest escaped into it — would otherwise have its event
+//! dropped (the page is still in flight, so it matches nothing) and then the answer book
+//! the page as shared, reclaimed or stored while its agent holds it privately: a frame
+//! no one maps kept for the guest's life, a saving counted that is not there.
+//!
+//! Invariant: an event that the page's pending answer would make apply is parked and
+//! applied right after that answer, whatever the answer is; at most one is parked a page
+//! in flight (the first: it moves the page back into RAM, so no later one can match the
+//! same holding), so a flood costs memfoldd no more than the requests it sent. A lost
+//! answer leaves it parked until the agent attaches again, whose mappings are then the
+//! truth.
+
+use super::{Discard, Engine};
+use crate::ids::{FrameId, Gfn, VmId};
+use crate::p2m::PageState;
+
+/// An event parked until its page's answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Early {
+    /// [`Engine::cow_broken`] from this frame.
+    CowBroken(FrameId),
+    /// [`Engine::refilled`].
+    Refilled,
+    /// [`Engine::unstashed`].
+    Unstashed,
+    /// [`Engine::discarded`].
+    Discarded(Discard),
+    /// [`Engine::paged_in`].
+    PagedIn,
+}
+
+impl Engine {
+    /// Parks event `e` of guest `id`'s page `g` if the page waits for the answer that
+    /// would make `e` apply (a share onto the frame `e` left, a reclaim, a stash, a
+    /// page-out).
+    /// Returns whether it was parked (the caller then does nothing more now).
+    pub(crate) fn park_early(&mut self, id: VmId, g: Gfn, e: Early) -> bool {
+        let Some(v) = self
+            .vms
+            .get_mut(&id)
+            .filter(|v| v.attached && g.0 < v.pages())
+        else {
+            return false;
+        };
+        let waits = match (v.state(g), e) {
+            (PageState::Sharing(s), Early::CowBroken(f) | Early::Discarded(Discard::Frame(f))) => {
+                s == f
+            }
+            (PageState::Reclaiming, Early::Refilled | Early::Discarded(Discard::Zero)) => true,
+            (PageState::Stashing(_), Early::Unstashed | Early::Discarded(Discard::Stored)) => true,
+            (PageState::Private, Early::PagedIn) => {
+                v.hints.page_out_going(g) && !v.p2m[g.index()].is_paged_out()
+            }
+            _ => false,
+        };
+        if waits {
+            tracing::debug!(vm = %id, gfn = %g, event = ?e, "an event before its answer: parked");
+            v.early.entry(g).or_insert(e);
+        }
+        waits
+    }
+
+    /// The answer for guest `id`'s page `g` is in: the event parked for it, if any,
+    /// applies now (and is ignored, as any stale event, if the page did not end where
+    /// the event says it was).
+    pub(crate) fn replay_early(&mut self, id: VmId, g: Gfn) {
+        let Some(e) = self.vms.get_mut(&id).and_then(|v| v.early.remove(&g)) else {
+            return;
+        };
+        match e {
+            Early::CowBroken(f) => self.cow_broken(id, g, f),
+            Early::Refilled => self.refilled(id, g),
+            Early::Unstashed => self.unstashed(id, g),
+            Early::Discarded(what) => self.discarded(id, g, what),
+            Early::PagedIn => self.paged_in(id, &[g]),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Command, Outcome};
+    use crate::ids::Gfn;
+    use crate::p2m::PageState;
+    use crate::sim::{quick_config, Home, Rig};
+    use crate::{Policy, PAGE_SIZE};
+
+    const PAGES: u32 = 64;
+
+    /// Four identical text pages (shared), zero pages written (reclaimed), unique text
+    /// pages (stored once cold).
+    fn rig() -> Rig {
+        let mut r = Rig::new(quick_config(Policy::difference_engine()), PAGES).unwrap();
+        for g in 0..PAGES {
+            let seed = if g < 4 { 0 } else { g };
+            let bytes: Vec<u8> = if !(4..16).contains(&g) {
+                let words = format!("page {seed} of the early-event test, ");
+                words.bytes().cycle().take(PAGE_SIZE).collect()
+            } else {
+                vec![0; PAGE_SIZE]
+            };
+            r.agent.write(Gfn(g), 0, &bytes).unwrap();
+        }
+        r
+    }
+
+    /// Steps `r` until a command `pick` names is done; the agent then touches that page
+    /// (a write if `write`, else a read) and reports the event before every answer of
+    /// that step. Returns the page.
+    fn touched_before_answer(r: &mut Rig, pick: fn(&Command) -> Option<Gfn>, write: bool) -> Gfn {
+        let mut target = None;
+        for _ in 0..2000 {
+            r.clock.advance(10_000);
+            r.engine.scan_step().unwrap();
+            r.engine.clock_step();
+            let mut held = Vec::new();
+            for c in r.engine.take_commands(r.vm) {
+                if r.agent.clock_scan_cmd(&c).is_some() {
+                    r.answer(c);
+                    continue;
+                }
+                let o = r.agent.execute(&c);
+                if let (None, Outcome::Done, Some(g)) = (target, o, pick(&c)) {
+                    if write {
+                        r.agent.write(g, 8, b"the guest's own").unwrap();
+                    } else {
+                        r.agent.read(g).unwrap();
+                    }
+                    target = Some(g);
+                }
+                held.push((c, o));
+            }
+            r.report();
+            for (c, o) in held {
+                r.engine.outcome(r.vm, &c, o);
+            }
+            if let Some(g) = target {
+                return g;
+            }
+        }
+        panic!("no such command in 2000 steps");
+    }
+
+    /// Every page is booked where the agent holds it (no answer was lost), and the
+    /// engine's invariants hold.
+    fn books_agree(r: &Rig) {
+        r.engine.check_invariants().unwrap();
+        for g in (0..PAGES).map(Gfn) {
+            let state = r.engine.page_state(r.vm, g).unwrap();
+            let agrees = match (state, r.agent.home(g)) {
+                (s, _) if s.in_flight() => true,
+                (PageState::Private, Home::Private)
+                | (PageState::Zero, Home::Zero)
+                | (PageState::Stored(_) | PageState::Unmapped(_), Home::Stashed(_)) => true,
+                (PageState::Shared(f), Home::Frame(h)) => f == h,
+                _ => false,
+            };
+            assert!(
+                agrees,
+                "{g}: booked {state:?}, held as {:?}",
+                r.agent.home(g)
+            );
+            let out = r.agent.is_paged_out(g);
+            assert_eq!(
+                r.engine.page_paged_out(r.vm, g),
+                out,
+                "{g}: paged out at the agent"
+            );
+        }
+    }
+
+    /// A CoW break reported before the share's answer: the page is private in the books
+    /// and its frame reference released (dropping the break booked it shared for good).
+    #[test]
+    fn a_break_before_its_share_answer_leaves_the_page_private() {
+        let mut r = rig();
+        let g = touched_before_answer(
+            &mut r,
+            |c| match *c {
+                Command::Share { gfn, .. } => Some(gfn),
+                _ => None,
+            },
+            true,
+        );
+        assert_eq!(r.engine.page_state(r.vm, g), Some(PageState::Private));
+        assert_eq!(r.engine.books().vms[0].books.cow_breaks, 1);
+        books_agree(&r);
+    }
+
+    /// A refill reported before the reclaim's answer: private again, nothing saved.
+    #[test]
+    fn a_refill_before_its_reclaim_answer_leaves_the_page_private() {
+        let mut r = rig();
+        let g = touched_before_answer(
+            &mut r,
+            |c| match *c {
+                Command::Reclaim { gfn } => Some(gfn),
+                _ => None,
+            },
+            false,
+        );
+        assert_eq!(r.engine.page_state(r.vm, g), Some(PageState::Private));
+        assert_eq!(r.engine.books().vms[0].books.refills, 1);
+        books_agree(&r);
+    }
+
+    /// A decode reported before the stash's answer: private again, its blob released.
+    #[test]
+    fn a_decode_before_its_stash_answer_leaves_the_page_private() {
+        let mut r = rig();
+        let g = touched_before_answer(
+            &mut r,
+            |c| match *c {
+                Command::Stash { gfn, stash, .. } if !stash.moving => Some(gfn),
+                _ => None,
+            },
+            false,
+        );
+        assert_eq!(r.engine.page_state(r.vm, g), Some(PageState::Private));
+        assert_eq!(r.engine.books().vms[0].books.unstashes, 1);
+        books_agree(&r);
+    }
+
+    /// A page-in reported before the page-out's answer: the page is not booked as out
+    /// (it would count as saved while in RAM, and never be offered again).
+    #[test]
+    fn a_page_in_before_its_page_out_answer_leaves_the_page_in_ram() {
+        let mut cfg = quick_config(Policy::difference_engine());
+        cfg.compress_backing = crate::engine::CompressBacking::Zswap;
+        let mut r = Rig::new(cfg, PAGES).unwrap();
+        for g in 0..PAGES {
+            let words = format!("page {g} of the early page-out test, ");
+            let bytes: Vec<u8> = words.bytes().cycle().take(PAGE_SIZE).collect();
+            r.agent.write(Gfn(g), 0, &bytes).unwrap();
+        }
+        let g = touched_before_answer(
+            &mut r,
+            |c| match *c {
+                Command::PageOut { gfn } => Some(gfn),
+                _ => None,
+            },
+            false,
+        );
+        assert!(!r.agent.is_paged_out(g));
+        assert!(!r.engine.page_paged_out(r.vm, g), "{g}: booked out, in RAM");
+        books_agree(&r);
+    }
+}
