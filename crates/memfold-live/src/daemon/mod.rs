@@ -395,7 +395,7 @@ impl Daemon {
                 fds,
                 pid,
                 uid,
-            } => self.attach(token, conn, hello, fds, pid, uid)?,
+            } => self.attach(token, conn, hello, fds, pid, uid),
             Input::Agent { token, msg } => {
                 if let Some(vm) = self.guests.vm_of(token) {
                     self.agent_message(vm, msg);
@@ -481,6 +481,8 @@ impl Daemon {
     /// kernel. The guest joins its domain (by `uid` or alone, as the rule says) and gets
     /// that domain's pool and a store and swap file of its own. Refusals are logged and
     /// sent to the agent, and the connection closed; the guest then runs on unmanaged.
+    /// Nothing a peer sends, and no resource memfoldd lacks for it, ends memfoldd: every
+    /// failure is that guest's refusal (test `fd_exhaustion.rs`).
     #[allow(clippy::too_many_arguments)]
     fn attach(
         &mut self,
@@ -490,7 +492,7 @@ impl Daemon {
         mut fds: Vec<OwnedFd>,
         pid: u32,
         uid: u32,
-    ) -> Result<(), DaemonError> {
+    ) {
         let ToDaemon::AgentHello {
             name,
             pid: claimed,
@@ -500,7 +502,7 @@ impl Daemon {
             ..
         } = hello
         else {
-            return Ok(());
+            return;
         };
         let refuse = |why: String| {
             tracing::warn!("{name} (pid {pid}): {why}; left unmanaged");
@@ -514,7 +516,7 @@ impl Daemon {
         }
         if fds.is_empty() || fds.len() > 3 {
             refuse(format!("{} descriptors in the hello (1 or 3)", fds.len()));
-            return Ok(());
+            return;
         }
         let ram = fds.remove(0);
         let list = (fds.len() == 2).then(|| fds.pop()).flatten();
@@ -524,20 +526,20 @@ impl Daemon {
             refuse(format!(
                 "guest RAM of {ram_bytes} bytes in a memfd of {ram_size} bytes"
             ));
-            return Ok(());
+            return;
         }
         if ram_bytes / PAGE > MAX_GUEST_PAGES {
             refuse(format!(
                 "guest RAM of {ram_bytes} bytes: memfoldd manages guests of at most {} GiB",
                 (MAX_GUEST_PAGES * PAGE) >> 30
             ));
-            return Ok(());
+            return;
         }
         let ram_id = match memfd::file_id(ram.as_fd()) {
             Ok(id) => id,
             Err(e) => {
                 refuse(format!("guest RAM descriptor: {e}"));
-                return Ok(());
+                return;
             }
         };
         // A re-attach proves it is the same VM: the same QEMU (pid from the kernel) with
@@ -546,21 +548,21 @@ impl Daemon {
         let known = detached.is_some();
         if detached.is_some_and(|id| id != ram_id) {
             refuse("re-attach with another RAM memfd than its QEMU attached with".into());
-            return Ok(());
+            return;
         }
         if shared > ram_bytes / PAGE {
             refuse(format!(
                 "a re-attach list of {shared} pages for a guest of {} pages",
                 ram_bytes / PAGE
             ));
-            return Ok(());
+            return;
         }
         let mapped = match list.map(|l| reattach::from_memfd(l.as_fd(), shared)) {
             None => Vec::new(),
             Some(Ok(m)) => m,
             Some(Err(e)) => {
                 refuse(format!("re-attach list: {e}"));
-                return Ok(());
+                return;
             }
         };
         // Never-share (Satori §4.3): the guest is keyed alone, as under `vm`, so it joins
@@ -581,30 +583,19 @@ impl Daemon {
                 Ok(d) => d,
                 Err(why) => {
                     refuse(why);
-                    return Ok(());
+                    return;
                 }
             },
         };
-        if !self.engine.has_domain(d) {
-            let pool = FileBacking::memfd("pool")?;
-            self.pools.insert(d, dup(&pool)?);
-            self.engine.add_domain(d, Box::new(pool));
-            tracing::info!("{d}: new sharing domain ({key:?})");
-        }
-        // The guest's own store and swap file: its QEMU reads no other guest's blobs.
-        let store = FileBacking::memfd("store")?;
-        let swap = match &self.swap_dir {
-            Some(dir) => match FileBacking::swap_file(dir) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    refuse(format!("no swap file for it: {e}"));
-                    return Ok(());
-                }
-            },
-            None => None,
+        // memfoldd out of descriptors or memory is this guest's refusal, never memfoldd's
+        // end: every other guest keeps its service (a peer can exhaust descriptors).
+        let (store, store_fd, swap, swap_fd) = match self.backings_for(d, key) {
+            Ok(b) => b,
+            Err(e) => {
+                refuse(format!("memfoldd could not make its backings: {e}"));
+                return;
+            }
         };
-        let store_fd = dup(&store)?;
-        let swap_fd = swap.as_ref().map(dup).transpose()?;
         let mapped = mapped
             .into_iter()
             .map(|(g, m)| {
@@ -629,9 +620,12 @@ impl Daemon {
             Ok(vm) => vm,
             Err(EngineError::Attach { why, .. }) => {
                 refuse(why);
-                return Ok(());
+                return;
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => {
+                refuse(e.to_string());
+                return;
+            }
         };
         let mut send = vec![self.pools[&d].as_fd(), store_fd.as_fd()];
         send.extend(swap_fd.as_ref().map(|f| f.as_fd()));
@@ -659,7 +653,33 @@ impl Daemon {
         if let Some(c) = self.guests.conn(vm) {
             let _ = c.send(&ToAgent::OptedOut { out }, &[]);
         }
-        Ok(())
+    }
+
+    /// Domain `d`'s pool (made now if the engine has no such domain yet, for `key`), and
+    /// a new guest's own store and swap file (its QEMU reads no other guest's blobs), each
+    /// with the descriptor to hand its agent: (store, its fd, swap file, its fd).
+    ///
+    /// Errors: a memfd, the swap file or a `dup` failed (nothing was added).
+    #[allow(clippy::type_complexity)]
+    fn backings_for(
+        &mut self,
+        d: DomainId,
+        key: DomainKey,
+    ) -> Result<(FileBacking, OwnedFd, Option<FileBacking>, Option<OwnedFd>), BackingError> {
+        let store = FileBacking::memfd("store")?;
+        let store_fd = dup(&store)?;
+        let swap = match &self.swap_dir {
+            Some(dir) => Some(FileBacking::swap_file(dir)?),
+            None => None,
+        };
+        let swap_fd = swap.as_ref().map(dup).transpose()?;
+        if !self.engine.has_domain(d) {
+            let pool = FileBacking::memfd("pool")?;
+            self.pools.insert(d, dup(&pool)?);
+            self.engine.add_domain(d, Box::new(pool));
+            tracing::info!("{d}: new sharing domain ({key:?})");
+        }
+        Ok((store, store_fd, swap, swap_fd))
     }
 
     /// Releases detached guests whose QEMU has exited or unmapped their region; ends each domain's adoption of a
