@@ -1,8 +1,8 @@
 //! Who may talk to memfoldd (issue 14, "Authentication"): with an agent group, QEMUs that
 //! run as an unprivileged user in that group may attach (each user its own sharing
 //! domain) and read statistics, but only root and memfoldd's own user are operators — a
-//! tenant's QEMU cannot opt another guest out; a user outside the group is refused at the
-//! door. The test re-runs this binary as child processes under uid 65534 (`nobody`) with
+//! tenant's QEMU cannot opt another guest out nor take a census of every guest's pages; a
+//! user outside the group is refused at the door. The test re-runs this binary as child processes under uid 65534 (`nobody`) with
 //! group 65534 (the agent group) or 65533 (a stranger), each checking what it is allowed.
 
 mod common;
@@ -52,6 +52,13 @@ fn child_role() {
             assert!(
                 matches!(&reply, ToClient::Error { message } if message.contains("only root")),
                 "a tenant opted a guest out: {reply:?}"
+            );
+            // Nor take a census: it counts every guest's pages, another tenant's too, so
+            // a page it writes in its own guest would tell whether theirs hold it.
+            let census = client(&socket, &ToDaemon::Census);
+            assert!(
+                matches!(&census, ToClient::Error { message } if message.contains("only root")),
+                "a tenant took a census: {census:?}"
             );
             // Nor may it speak as a block device (its reports make memfoldd read guest
             // pages): refused at the hello, with a message.
@@ -163,4 +170,6 @@ fn tenants_of_the_agent_group_attach_but_are_not_operators() {
     if let ToClient::Error { message } = &reply {
         assert!(message.contains("no guest named"), "{message}");
     }
+    let census = client(&socket, &ToDaemon::Census);
+    assert!(matches!(census, ToClient::Census(_)), "{census:?}");
 }

@@ -428,6 +428,12 @@ impl Daemon {
                         }
                         ToClient::Stats(Box::new(stats))
                     }
+                    // Counts content across every guest, whatever its domain: whether a
+                    // page the asker wrote in its own guest moves the counts tells it
+                    // whether another tenant holds that page. Operators only.
+                    ToDaemon::Census if !operator => ToClient::Error {
+                        message: "only root or memfoldd's user may take a census".into(),
+                    },
                     ToDaemon::Census => {
                         let c = self.engine.census();
                         ToClient::Census(memfold_wire::CensusStats {
