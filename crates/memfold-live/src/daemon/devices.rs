@@ -52,12 +52,15 @@ impl Device {
     /// Tells the device that frames hold `blocks` (of its bases).
     fn tell_held(&self, blocks: &[BaseBlock]) {
         for chunk in blocks.chunks(MAX_BATCH) {
-            let _ = self.conn.send(
-                &ToDevice::Held {
-                    blocks: chunk.to_vec(),
-                },
-                &[],
-            );
+            let held = ToDevice::Held {
+                blocks: chunk.to_vec(),
+            };
+            if self.conn.send(&held, &[]).is_err() {
+                // Gone, or not reading for the send timeout: closed, so that the next
+                // send fails at once instead of stalling memfoldd again.
+                self.conn.shutdown();
+                return;
+            }
         }
     }
 }
@@ -234,8 +237,11 @@ impl Devices {
     fn answer(&mut self, token: u64, fill: FillId, gfns: Vec<Gfn>) {
         self.fills_answered += 1;
         if let Some(d) = self.by_token.get(&token) {
-            // A device too slow to read its answer has long given up on it.
-            let _ = d.conn.send(&ToDevice::Filled { fill, gfns }, &[]);
+            // A device too slow to read its answer has long given up on it: closed (its
+            // reader sees the end), so it cannot stall memfoldd once a fill.
+            if d.conn.send(&ToDevice::Filled { fill, gfns }, &[]).is_err() {
+                d.conn.shutdown();
+            }
         }
     }
 }

@@ -43,9 +43,11 @@ pub(crate) enum Input {
     /// A block device's connection ended.
     DeviceGone { token: u64 },
     /// A client's request; `operator`: the peer is root or memfoldd's own user, who may
-    /// change what memfoldd does (an opt-out), not only read its statistics.
+    /// change what memfoldd does (an opt-out), not only read its statistics. The answer
+    /// goes back to the connection's reader, which sends it: the main thread never
+    /// waits on a client that does not read, and a client has one request in flight.
     Client {
-        conn: Conn,
+        reply: mpsc::Sender<ToClient>,
         msg: ToDaemon,
         operator: bool,
     },
@@ -180,15 +182,18 @@ fn read_loop(t: u64, conn: Conn, tx: mpsc::Sender<Input>, agent_gid: Option<u32>
         }
         ToDaemon::ClientHello { version } if version == PROTOCOL_VERSION => {
             while let Ok(Some((msg, _))) = conn.recv::<ToDaemon>() {
-                let Ok(w) = conn.try_clone() else { return };
-                if tx
-                    .send(Input::Client {
-                        conn: w,
-                        msg,
-                        operator,
-                    })
-                    .is_err()
-                {
+                let (reply, answer) = mpsc::channel();
+                let input = Input::Client {
+                    reply,
+                    msg,
+                    operator,
+                };
+                if tx.send(input).is_err() {
+                    return;
+                }
+                // The next request is read only once this one is answered.
+                let Ok(answer) = answer.recv() else { return };
+                if writer.send(&answer, &[]).is_err() {
                     return;
                 }
             }

@@ -416,11 +416,11 @@ impl Daemon {
             }
             Input::DeviceGone { token } => self.devices.gone(token),
             Input::Client {
-                conn,
+                reply,
                 msg,
                 operator,
             } => {
-                let reply = match msg {
+                let answer = match msg {
                     ToDaemon::Stats => {
                         let mut stats = books::stats(&self.engine, &self.guests, &self.claims);
                         if let Some(c) = &self.channels {
@@ -452,7 +452,7 @@ impl Daemon {
                         message: format!("unexpected request {other:?}"),
                     },
                 };
-                let _ = conn.send(&reply, &[]);
+                let _ = reply.send(answer);
             }
         }
         Ok(())
