@@ -3,10 +3,11 @@
 //! a thread, as in `live_model`) and, beside it, for attackers that speak the wire
 //! themselves: they answer batches that were never theirs, report CoW breaks, refills and
 //! decodes of pages they do not have, send clock bits nobody asked for, claim other pids,
-//! send garbage, oversized packets, the wrong protocol version, /dev/null for guest RAM, a
-//! guest too large to book, and one stops reading. memfoldd must stay up and answer, refuse
-//! each offender with a clear message, and the honest guest must read every byte it
-//! wrote, while its pages keep being shared, reclaimed and stored.
+//! send garbage, oversized packets, the wrong protocol version, /dev/null or a file on
+//! disk for guest RAM, a guest too large to book, and one stops reading. memfoldd must
+//! stay up and answer, refuse each offender with a clear message, and the honest guest
+//! must read every byte it wrote, while its pages keep being shared, reclaimed and
+//! stored.
 //!
 //! A second test puts a fake memfoldd that never answers at an agent's socket: the agent
 //! must keep serving its guest's faults (the handshake runs on the fault thread, bounded).
@@ -319,6 +320,30 @@ fn attacks(socket: &std::path::Path) {
     let reply = c.recv::<ToAgent>().unwrap().expect("an answer").0;
     assert!(
         matches!(&reply, ToAgent::Refused { message } if message.contains("memfd of 0 bytes")),
+        "{reply:?}"
+    );
+
+    // A file on disk for guest RAM, of the size it claims: its reads could block (a
+    // FUSE mount its peer serves), and memfoldd reads guest RAM on its main thread.
+    let c = Conn::connect(socket).unwrap();
+    let on_disk = tempfile::tempfile().unwrap();
+    on_disk.set_len(1 << 20).unwrap();
+    c.send(
+        &ToDaemon::AgentHello {
+            version: PROTOCOL_VERSION,
+            name: "on-disk".into(),
+            pid: 3,
+            ram_bytes: 1 << 20,
+            shared: 0,
+            opted_out: false,
+        },
+        &[on_disk.as_fd()],
+    )
+    .unwrap();
+    c.set_recv_timeout(Duration::from_secs(5)).unwrap();
+    let reply = c.recv::<ToAgent>().unwrap().expect("an answer").0;
+    assert!(
+        matches!(&reply, ToAgent::Refused { message } if message.contains("must be memfds")),
         "{reply:?}"
     );
 

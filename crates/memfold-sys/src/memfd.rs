@@ -37,13 +37,20 @@ pub fn tmpfile(dir: &std::path::Path) -> io::Result<OwnedFd> {
     .map_err(io::Error::from)
 }
 
+/// Whether `fd` is a file in memory (a memfd, or another shmem or hugetlbfs file: those
+/// answer `F_GET_SEALS`). Reading one never waits on a device or another process, as a
+/// file on a FUSE mount a peer serves could.
+pub fn is_memory_file(fd: BorrowedFd<'_>) -> bool {
+    rustix::fs::fcntl_get_seals(fd).is_ok()
+}
+
 /// Whether `fd` is a memfd open for reading and writing: what a pool handed back by a
 /// peer must be before memfoldd adopts it (only memfds take seals; a read-only or
 /// write-only descriptor would fail memfoldd's reads or the agents' mappings later).
 pub fn is_read_write_memfd(fd: BorrowedFd<'_>) -> bool {
     let rw = rustix::fs::fcntl_getfl(fd)
         .is_ok_and(|f| f & rustix::fs::OFlags::RWMODE == rustix::fs::OFlags::RDWR);
-    rw && rustix::fs::fcntl_get_seals(fd).is_ok()
+    rw && is_memory_file(fd)
 }
 
 /// Sets the size of `fd` to `len` bytes (growing it adds holes, which take no memory).

@@ -534,6 +534,16 @@ impl Daemon {
             ));
             return;
         }
+        // Read on the main thread: a file whose reads could block (a FUSE mount its peer
+        // serves) would stall every guest. QEMU's RAM is a memfd.
+        if !memfd::is_memory_file(ram.as_fd())
+            || list
+                .as_ref()
+                .is_some_and(|l| !memfd::is_memory_file(l.as_fd()))
+        {
+            refuse("guest RAM and a re-attach list must be memfds".into());
+            return;
+        }
         if ram_bytes / PAGE > MAX_GUEST_PAGES {
             refuse(format!(
                 "guest RAM of {ram_bytes} bytes: memfoldd manages guests of at most {} GiB",
