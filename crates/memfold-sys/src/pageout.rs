@@ -136,15 +136,12 @@ impl PageOutWindow {
             // by `range`); neither piece of advice used here changes the file's bytes
             // (module docs).
             unsafe { rustix::mm::madvise(start.add(from * PAGE).cast(), (to - from) * PAGE, a) }
+                .map_err(io::Error::from)
         };
         let mut out = Ok(());
         for &(a, b) in &runs {
-            for k in a..b {
-                // SAFETY: inside the mapping (checked by `range`); a read of one byte,
-                // whose only effect is the PTE it maps.
-                unsafe { std::ptr::read_volatile(start.add(k * PAGE)) };
-            }
             out = out
+                .and_then(|()| self.map_in(first + a as u64, (b - a) as u64))
                 .and_then(|()| advise(a, b, rustix::mm::Advice::LinuxPageOut))
                 .and_then(|()| advise(a, b, rustix::mm::Advice::LinuxPageOut));
         }
@@ -163,6 +160,21 @@ impl PageOutWindow {
         out?;
         let after = self.resident(first, n)?;
         Ok((0..n as usize).map(|k| taken(k) && !after[k]).collect())
+    }
+
+    /// Maps pages `[first, first + n)` through the window as a read would, so that the
+    /// window maps them alone. A page the file no longer has (a peer holding it truncated
+    /// it since `mincore`) is an error, where a read would be SIGBUS: memfoldd down for
+    /// every guest.
+    ///
+    /// Errors: the range is past the window; `MADV_POPULATE_READ` failed (EFAULT: past
+    /// the file's end).
+    fn map_in(&self, first: u64, n: u64) -> io::Result<()> {
+        let (start, len) = self.range(first, n)?;
+        // SAFETY: inside the mapping (checked by `range`); populating a read-only shared
+        // mapping changes no byte of the file.
+        unsafe { rustix::mm::madvise(start.cast(), len, rustix::mm::Advice::LinuxPopulateRead) }?;
+        Ok(())
     }
 
     /// [`PageOutWindow::page_out`] over a list of pages (page indices, ascending), one
@@ -315,6 +327,21 @@ mod tests {
         let mut b = [0u8; PAGE];
         crate::memfd::pread_exact(fd.as_fd(), &mut b, 150 * PAGE as u64).unwrap();
         assert!(b.iter().all(|&x| x == 4));
+    }
+
+    /// A file truncated under the window (a QEMU holds the pool read-write): mapping its
+    /// lost pages is an error, not SIGBUS. Seen killing the test process with `map_in`
+    /// reading a byte a page.
+    #[test]
+    fn pages_a_truncation_took_are_an_error_not_a_signal() {
+        let fd = crate::memfd::create("pageout-truncated").unwrap();
+        crate::memfd::set_len(fd.as_fd(), 8 * PAGE as u64).unwrap();
+        crate::memfd::pwrite_all(fd.as_fd(), &[7u8; 8 * PAGE], 0).unwrap();
+        let w = PageOutWindow::new(fd.as_fd(), 8 * PAGE as u64).unwrap();
+        crate::memfd::set_len(fd.as_fd(), 2 * PAGE as u64).unwrap();
+        assert!(w.map_in(0, 2).is_ok());
+        assert!(w.map_in(4, 4).is_err(), "pages past the end mapped");
+        assert_eq!(w.page_out(0, 8, &[true; 8]).unwrap().len(), 8);
     }
 
     #[test]
