@@ -40,6 +40,10 @@ struct Batch {
     cmds: Vec<Command>,
 }
 
+/// Most clock slices a guest's agent may have unanswered; an honest agent answers each
+/// within milliseconds, so it has one at most.
+const MAX_CLOCKS: usize = 4;
+
 /// Batches sent and not yet answered.
 #[derive(Default)]
 pub(crate) struct Executor {
@@ -92,6 +96,12 @@ impl Executor {
                     Command::Watch { .. } => by_kind[4].push(c),
                     Command::DiscardFree { .. } => by_kind[5].push(c),
                     Command::PageOut { .. } => by_kind[6].push(c),
+                    // An agent that does not answer its clock slices is sent no more
+                    // until it does: each would wait in `batches` for good (the engine
+                    // asks for a slice every period, answered or not).
+                    Command::ClockScan { .. } if self.clocks_under_way(vm) >= MAX_CLOCKS => {
+                        engine.outcome(vm, &c, Outcome::NotSent)
+                    }
                     Command::ClockScan { .. } => {
                         self.send(engine, guests, vm, Kind::Clock, vec![c])
                     }
@@ -238,6 +248,12 @@ impl Executor {
         self.batches.len()
     }
 
+    /// Clock slices sent to guest `vm` and not yet answered.
+    fn clocks_under_way(&self, vm: VmId) -> usize {
+        let clock = |b: &&Batch| b.vm == vm && b.kind == Kind::Clock;
+        self.batches.values().filter(clock).count()
+    }
+
     /// Records batch `batch` of `cmds`, sent to guest `vm`, until it is answered.
     fn track(&mut self, batch: BatchId, vm: VmId, kind: Kind, cmds: Vec<Command>) {
         self.batches.insert(batch, Batch { vm, kind, cmds });
@@ -332,6 +348,52 @@ mod tests {
     use memfold_core::ids::DomainId;
     use memfold_core::p2m::PageState;
     use memfold_core::{EngineConfig, Policy};
+
+    /// An agent that never answers its clock slices is sent at most [`MAX_CLOCKS`] of
+    /// them: the rest are not sent, so nothing piles up for it. Seen failing without the
+    /// cap (one batch kept a period, for good).
+    #[test]
+    fn unanswered_clock_slices_do_not_pile_up() {
+        let clock = ManualClock::new();
+        let cfg = EngineConfig {
+            policy: Policy::difference_engine(),
+            clock_interval_us: Some(1_000),
+            rate: 0,
+            ..EngineConfig::default()
+        };
+        let mut e = Engine::new(cfg, Box::new(clock.clone()), 0).unwrap();
+        e.add_domain(DomainId(0), Box::new(MemBacking::new()));
+        let vm = e
+            .attach(Attach {
+                name: "silent".into(),
+                pid: 10,
+                pages: 64,
+                ram: Box::new(MemGuestRam::new(64)),
+                mapped: vec![],
+                domain: DomainId(0),
+                store: Box::new(MemBacking::new()),
+                swap: None,
+                sharing: Default::default(),
+            })
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let listener = memfold_wire::Listener::bind(&dir.path().join("s")).unwrap();
+        let _silent = memfold_wire::Conn::connect(&dir.path().join("s")).unwrap();
+        let mut guests = Guests::default();
+        guests.attached(vm, "silent", 1, listener.accept().unwrap(), 10, (0, 0));
+        let mut x = Executor::default();
+        for _ in 0..50 {
+            clock.advance(10_000);
+            e.clock_step();
+            x.flush(&mut e, &guests);
+        }
+        assert!(x.clocks_under_way(vm) > 0, "no clock slice was sent");
+        assert!(
+            x.under_way() <= MAX_CLOCKS,
+            "{} batches kept",
+            x.under_way()
+        );
+    }
 
     /// An answer counts only from the guest the batch went to: another guest's agent
     /// answering it (forging the batch number) changes nothing.
