@@ -56,7 +56,11 @@ pub(crate) enum Input {
 /// Accepts connections until the listener is shut down; each gets a reader thread.
 /// `agent_gid`: a group whose members' QEMUs may attach too (besides root and memfoldd's
 /// user).
-pub(crate) fn accept_loop(listener: &Listener, tx: mpsc::Sender<Input>, agent_gid: Option<u32>) {
+pub(crate) fn accept_loop(
+    listener: &Listener,
+    tx: mpsc::SyncSender<Input>,
+    agent_gid: Option<u32>,
+) {
     let mut token = 0u64;
     loop {
         let conn = match listener.accept() {
@@ -91,7 +95,7 @@ pub(crate) const SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 /// here); anyone else is refused with a message. Only root and memfoldd's user are
 /// operators: a QEMU of the agent group may attach and read statistics, never opt
 /// another guest out.
-fn read_loop(t: u64, conn: Conn, tx: mpsc::Sender<Input>, agent_gid: Option<u32>) {
+fn read_loop(t: u64, conn: Conn, tx: mpsc::SyncSender<Input>, agent_gid: Option<u32>) {
     let peer = match conn.peer() {
         Ok(p) => p,
         Err(e) => {

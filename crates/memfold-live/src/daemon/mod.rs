@@ -123,6 +123,13 @@ pub enum DaemonError {
     Engine(#[from] EngineError),
 }
 
+/// Messages the peers' reader threads may have waiting for the main thread: a full queue
+/// holds the readers (a flooding peer's first), never memfoldd's memory without bound.
+const INPUT_QUEUE: usize = 256;
+
+/// Most messages the main thread takes from the queue between two scan steps.
+const INPUTS_A_TURN: usize = 1024;
+
 /// A monotonic clock for the engine.
 struct MonotonicClock(Instant);
 
@@ -224,7 +231,7 @@ pub fn serve(
             return Err(socket_err(e));
         }
     }
-    let (tx, rx) = mpsc::channel();
+    let (tx, rx) = mpsc::sync_channel(INPUT_QUEUE);
     let agent_gid = cfg.agent_gid;
     let acceptor = Arc::clone(&listener);
     if let Err(e) = std::thread::Builder::new()
@@ -321,7 +328,8 @@ impl Daemon {
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
             }
-            while let Ok(input) = rx.try_recv() {
+            // A budget a turn: a peer that floods must not starve the scan and the clock.
+            for input in rx.try_iter().take(INPUTS_A_TURN) {
                 self.input(input)?;
             }
             if let Some(c) = &mut self.channels {
