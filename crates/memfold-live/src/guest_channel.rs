@@ -458,11 +458,35 @@ impl Channel {
             &mut self.refused
         };
         *n += 1;
+        let e = shown(&e);
         if n.is_power_of_two() {
             tracing::warn!(name = %self.name, "guest channel: {e}");
         }
         self.last_error = Some(e);
     }
+}
+
+/// Most characters of a guest's words memfoldd logs or shows.
+const SHOWN_CHARS: usize = 200;
+
+/// A guest's words (an error it sent, or one that quotes what it sent) as memfoldd logs
+/// and shows them: printable ASCII, anything else escaped, at most [`SHOWN_CHARS`] — so
+/// a guest cannot forge log lines or drive the operator's terminal with escapes.
+fn shown(words: &str) -> String {
+    let mut out = String::new();
+    for c in words.chars() {
+        if c == ' ' || c.is_ascii_graphic() {
+            out.push(c);
+        } else {
+            out.extend(c.escape_default());
+        }
+        if out.len() >= SHOWN_CHARS {
+            out.truncate(SHOWN_CHARS);
+            out.push_str("...");
+            break;
+        }
+    }
+    out
 }
 
 fn is_socket(p: &Path) -> bool {
@@ -675,6 +699,16 @@ mod tests {
             ask_knowing(&past, 1, 5 * GIB, Some(qemu)),
             Err(ReportError::Layout(LayoutError::Outside { .. }))
         ));
+    }
+
+    /// A guest's words reach the log and the operator's view without control
+    /// characters or escapes, and short. Seen failing with the words kept as sent.
+    #[test]
+    fn a_guests_words_are_shown_escaped_and_short() {
+        let e = shown("no kpageflags\n2026 WARN forged\u{1b}[2J\u{202e}");
+        assert_eq!(e, "no kpageflags\\n2026 WARN forged\\u{1b}[2J\\u{202e}");
+        let long = shown(&"x".repeat(5000));
+        assert_eq!(long.len(), SHOWN_CHARS + 3);
     }
 
     /// A hostile or buggy guest's answers are typed errors, never a panic.

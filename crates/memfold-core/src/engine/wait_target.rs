@@ -91,7 +91,7 @@ impl Engine {
                 v.books.store_floor_raised += 1;
             }
         } else if share < target / 2.0 {
-            w.calm += 1;
+            w.calm = w.calm.saturating_add(1);
             if w.calm >= CALM_WINDOWS && w.floor > 0 {
                 w.floor -= 1;
                 w.calm = 0;
