@@ -141,6 +141,9 @@ pub mod mem {
         /// on the frame whose PTE is present). [`Backing::page_out`] leaves them in RAM,
         /// as `MADV_PAGEOUT` does a page mapped elsewhere.
         pub mapped: BTreeMap<u64, u32>,
+        /// Times guest RAM was asked where its data lies ([`GuestRam::next_data_run`]:
+        /// a `SEEK_DATA`/`SEEK_HOLE` pair each for memfoldd's memfd).
+        pub data_asks: u64,
     }
 
     impl MemFile {
@@ -299,7 +302,8 @@ pub mod mem {
         }
 
         fn next_data_run(&self, from: Gfn, end: Gfn) -> Option<(Gfn, Gfn)> {
-            let f = self.file();
+            let mut f = self.file();
+            f.data_asks += 1;
             let a = *f.allocated.range(from.0 as u64..end.0 as u64).next()?;
             let mut b = a + 1;
             while b < end.0 as u64 && f.allocated.contains(&b) {

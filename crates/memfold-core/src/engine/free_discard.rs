@@ -47,6 +47,11 @@ use crate::p2m::PageState;
 /// pages that hold data in guest RAM are watched.
 pub const MAX_WATCH: usize = 1 << 18;
 
+/// Most times one round asks the guest's RAM where its data lies (`SEEK_DATA`/`SEEK_HOLE`
+/// within a run of free pages): the walk's cost to memfoldd's main loop, whatever the
+/// guest's RAM and report look like. The next round goes on from where it stopped.
+pub const MAX_DATA_ASKS: usize = 1 << 14;
+
 /// A watch round of one guest, numbered from 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct WatchRound(pub u64);
@@ -62,6 +67,8 @@ pub(crate) struct FreeWatch {
     pending: u32,
     /// Pages the agent said it watches in this round.
     watched: Vec<Gfn>,
+    /// Where the next round's walk of free runs starts (it stopped there, out of budget).
+    resume: u32,
     /// Shared or stored pages whose discard is under way (their state unchanged until
     /// the answer): how the answer is told from a private page's, whose state is
     /// `Reclaiming`. Cleared when the agent attaches again (answers in doubt are lost).
@@ -150,18 +157,49 @@ impl Engine {
         // Only pages that hold data: a hole (never touched, or punched already) costs the
         // host nothing, and would be booked as saved. Shared and stored pages are holes in
         // guest RAM: found in the P2M.
-        let (mut want, mut from, end) = (Vec::new(), 0, v.pages());
-        'runs: while let Some((first, run_end)) = v.ram.next_data_run(Gfn(from), Gfn(end)) {
-            for g in (first.0..run_end.0.min(end)).map(Gfn) {
-                if want.len() == MAX_WATCH {
-                    break 'runs;
+        //
+        // Only free runs are asked for data (a system call or two each), a budget of
+        // them a round, from where the last round stopped: a guest whose RAM is a sieve
+        // of holes, reporting few pages free, must not cost memfoldd's main loop a walk
+        // of every data run of its RAM at every report.
+        let end = v.pages();
+        let free = |g: u32| map.buddy(Gfn(g)) && v.state(Gfn(g)) == PageState::Private;
+        let resume = v.free_watch.resume.min(end);
+        let (mut want, mut asks, mut g) = (Vec::new(), 0, resume);
+        let mut wrapped = false;
+        while want.len() < MAX_WATCH && asks < MAX_DATA_ASKS {
+            if g >= end {
+                if wrapped || resume == 0 {
+                    g = end;
+                    break;
                 }
-                if map.buddy(g) && v.state(g) == PageState::Private {
-                    want.push(g);
-                }
+                (g, wrapped) = (0, true);
             }
-            from = run_end.0.max(first.0 + 1);
+            if wrapped && g >= resume {
+                break;
+            }
+            if !free(g) {
+                g += 1;
+                continue;
+            }
+            let mut run_end = g + 1;
+            while run_end < end && free(run_end) {
+                run_end += 1;
+            }
+            let mut from = g;
+            while from < run_end && want.len() < MAX_WATCH {
+                asks += 1;
+                let Some((a, b)) = v.ram.next_data_run(Gfn(from), Gfn(run_end)) else {
+                    break;
+                };
+                let b = b.0.min(run_end);
+                want.extend((a.0..b).map(Gfn).take(MAX_WATCH - want.len()));
+                from = b.max(a.0 + 1);
+            }
+            g = run_end;
         }
+        let w = &mut v.free_watch;
+        w.resume = if g >= end { 0 } else { g };
         let held = (0..end)
             .map(Gfn)
             .filter(|&g| {
@@ -261,6 +299,7 @@ fn discardable_state(s: PageState) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use super::MAX_DATA_ASKS;
     use crate::categories::{Category, CategoryRun, PageInfo};
     use crate::engine::{Command, Outcome};
     use crate::ids::Gfn;
@@ -660,5 +699,80 @@ mod tests {
             "a guest that may not be discarded has its free pages stored: {}",
             stored(&poisoning, 0..PAGES / 2)
         );
+    }
+
+    /// A guest whose RAM is a sieve (data on every other page) costs memfoldd no walk of
+    /// its data runs for a report with nothing free, and at most [`MAX_DATA_ASKS`] asks a
+    /// round for one with every data page free, the next round going on from where it
+    /// stopped. Seen failing with the walk over every data run (32 769 asks for the
+    /// empty report).
+    #[test]
+    fn a_round_asks_guest_ram_where_its_data_is_within_a_budget() {
+        const SIEVE: u32 = 1 << 16;
+        let cfg = EngineConfig {
+            policy: Policy::sharing_only(),
+            clock_interval_us: None,
+            rate: 0,
+            discard_free: true,
+            ..EngineConfig::default()
+        };
+        let mut r = Rig::new(cfg, SIEVE).unwrap();
+        for g in (0..SIEVE).step_by(2) {
+            r.agent.write(Gfn(g), 0, b"data").unwrap();
+        }
+        let asks = |r: &Rig| r.agent.ram.file().data_asks;
+        let sieve_report = |free: &dyn Fn(u32) -> bool| -> Vec<CategoryRun> {
+            (0..SIEVE)
+                .map(|g| CategoryRun {
+                    first: Gfn(g),
+                    count: 1,
+                    info: PageInfo {
+                        category: if free(g) {
+                            Category::Free
+                        } else {
+                            Category::Anon
+                        },
+                        active: false,
+                        referenced: false,
+                        buddy: free(g),
+                        never_share: false,
+                    },
+                })
+                .collect()
+        };
+        let before = asks(&r);
+        r.engine
+            .guest_categories(r.vm, &sieve_report(&|_| false))
+            .unwrap();
+        assert_eq!(r.engine.discard_free(r.vm, None, true), 0);
+        assert_eq!(
+            asks(&r) - before,
+            0,
+            "asked where data is with nothing free"
+        );
+        // Every data page free: a run each, one ask each, up to the budget.
+        let before = asks(&r);
+        r.engine
+            .guest_categories(r.vm, &sieve_report(&|g| g % 2 == 0))
+            .unwrap();
+        let first = r.engine.discard_free(r.vm, None, true);
+        assert_eq!(asks(&r) - before, MAX_DATA_ASKS as u64);
+        assert_eq!(first, MAX_DATA_ASKS);
+        let round1: Vec<Command> = r.engine.take_commands(r.vm);
+        let Some(Command::Watch { gfn: last, .. }) = round1.last() else {
+            panic!("watches: {round1:?}");
+        };
+        assert_eq!(last.0, 2 * (MAX_DATA_ASKS as u32 - 1));
+        // The round ends (the guest says not to discard); the next starts past it.
+        r.engine.discard_free(r.vm, None, false);
+        r.engine
+            .guest_categories(r.vm, &sieve_report(&|g| g % 2 == 0))
+            .unwrap();
+        r.engine.discard_free(r.vm, None, true);
+        let round2 = r.engine.take_commands(r.vm);
+        let Some(Command::Watch { gfn, .. }) = round2.first() else {
+            panic!("watches: {round2:?}");
+        };
+        assert_eq!(gfn.0, 2 * MAX_DATA_ASKS as u32);
     }
 }
