@@ -258,11 +258,14 @@ impl Engine {
         for &id in ids {
             let mut mine = share.min(budget);
             while mine > 0 {
-                let Some((first, n)) = self.next_chunk(id, mine as usize, buf) else {
+                let Some((first, n, asks)) = self.next_chunk(id, mine as usize, buf) else {
                     break;
                 };
-                mine = mine.saturating_sub(n as u32);
-                budget = budget.saturating_sub(n as u32);
+                // Each ask of where data lies past a chunk's first costs as much as a
+                // page read (a dense guest's chunks take one ask at most).
+                let cost = (n as u32).saturating_add(asks.saturating_sub(1)).max(1);
+                mine = mine.saturating_sub(cost);
+                budget = budget.saturating_sub(cost);
                 for k in 0..n {
                     let page: &Page = buf[k * PAGE_SIZE..(k + 1) * PAGE_SIZE]
                         .try_into()
@@ -283,7 +286,13 @@ impl Engine {
     /// that), it may be reclaimed as a zero page in this scan — correct (it is a hole
     /// either way) but booked as saved, as it would have been before had the discard come
     /// between the ask and the read.
-    fn next_chunk(&mut self, id: VmId, max: usize, buf: &mut [u8]) -> Option<(Gfn, usize)> {
+    ///
+    /// Returns the chunk's first page, its pages (read into `buf`) and the asks of where
+    /// data lies it took. At most `max` asks a call: a chunk of no page is returned when
+    /// they run out, so that a guest whose RAM is a sieve of holes, its pages all passed
+    /// over (kernel pages it reports, quiet ones), costs memfoldd a step's budget, not a
+    /// walk of every data run of its RAM.
+    fn next_chunk(&mut self, id: VmId, max: usize, buf: &mut [u8]) -> Option<(Gfn, usize, u32)> {
         let (pass, max_period) = (self.scan.full_scans, self.cfg.quiet_scan_period);
         let (use_cats, skip) = (self.cfg.guest_categories, self.cfg.guest_skip);
         let v = self.vms.get_mut(&id)?;
@@ -293,8 +302,13 @@ impl Engine {
         }
         let end = v.pages();
         let max = max.clamp(1, READ_PAGES) as u32;
+        let mut asks = 0;
         loop {
             if v.cursor >= v.run_end {
+                if asks >= max {
+                    return Some((Gfn(v.cursor), 0, asks));
+                }
+                asks += 1;
                 let Some((first, run_end)) = v.ram.next_data_run(Gfn(v.cursor), Gfn(end)) else {
                     if v.end_sweep(use_cats) {
                         return None;
@@ -343,7 +357,7 @@ impl Engine {
             if v.cursor >= end {
                 v.end_sweep(use_cats);
             }
-            return Some((Gfn(first), n_us));
+            return Some((Gfn(first), n_us, asks));
         }
     }
 

@@ -311,3 +311,46 @@ fn pages_new_or_changed_are_hinted_in_every_scan_whatever_the_passes() {
     }
     r.engine.check_invariants().unwrap();
 }
+
+/// A guest whose RAM is a sieve (data on every other page), every page a kernel page it
+/// says the scan skips: a scan step asks where its data lies about as often as its
+/// budget lets it read pages, not once per data run of its RAM. Seen failing with the
+/// asks unbudgeted (every run of the guest's RAM walked in one step).
+#[test]
+fn a_sieve_of_skipped_pages_costs_a_step_its_budget() {
+    use crate::categories::{Category, CategoryRun, CategorySet, PageInfo};
+    const SIEVE: u32 = 1 << 16;
+    let mut r = Rig::new(
+        EngineConfig {
+            rate: 10_000,
+            guest_skip: CategorySet::SLAB_KERNEL,
+            ..cfg(1)
+        },
+        SIEVE,
+    )
+    .unwrap();
+    for g in (0..SIEVE).step_by(2) {
+        r.agent.write(Gfn(g), 0, &unique(g)).unwrap();
+    }
+    let kernel: Vec<CategoryRun> = vec![CategoryRun {
+        first: Gfn(0),
+        count: SIEVE,
+        info: PageInfo {
+            category: Category::Kernel,
+            active: false,
+            referenced: false,
+            buddy: false,
+            never_share: false,
+        },
+    }];
+    r.engine.guest_categories(r.vm, &kernel).unwrap();
+    let mut most = 0;
+    for _ in 0..20 {
+        let before = r.agent.ram.file().data_asks;
+        r.step(10_000).unwrap();
+        most = most.max(r.agent.ram.file().data_asks - before);
+    }
+    // 10 000 pages/s for 10 ms: 100 pages a step, plus one chunk's asks.
+    assert!(most > 0, "the scan asked nothing");
+    assert!(most <= 100 + READ_PAGES as u64, "{most} asks in one step");
+}
