@@ -255,7 +255,6 @@ impl Engine {
                         read_backoff: Default::default(),
                         categories: None,
                         categories_at_us: 0,
-                        never_share_pass_us: None,
                         clock_wp_only: Vec::new(),
                         zap_shared_slices: 0,
                         sweep: 0,

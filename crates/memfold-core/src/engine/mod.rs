@@ -116,6 +116,9 @@ pub(crate) struct Domain {
     /// share table, no reference for a patch, no fill, and their holders taken back
     /// until the frame is freed.
     pub(crate) withdrawn: std::collections::HashSet<FrameId>,
+    /// When the pages of other guests on its withdrawn frames were last taken back, µs
+    /// ([`never_share`]: at most every [`never_share::PARTNER_PASS_US`] a domain).
+    pub(crate) partner_pass_us: Option<u64>,
 }
 
 /// One command for the agent of a guest: the engine's plan. Each names the page and what
@@ -326,9 +329,6 @@ pub(crate) struct Vm {
     /// the wire zaps nothing, and its frames wait for the pass after the next round (a
     /// frame left mapped stays in RAM, as before the zap existed: no data depends on it).
     pub(crate) zap_shared_slices: u32,
-    /// When its never-share marks last took back pages of other guests, µs
-    /// ([`never_share`]: at most every [`never_share::PARTNER_PASS_US`]).
-    pub(crate) never_share_pass_us: Option<u64>,
     /// What its guest agent last said its pages are (PV §3.1; `None`: it said nothing).
     pub(crate) categories: Option<crate::categories::CategoryMap>,
     /// When `categories` was reported, µs of the engine's clock.
@@ -517,6 +517,7 @@ impl Engine {
                 similar: SimilarityIndex::new(det),
                 similar_cleared_us: now,
                 withdrawn: Default::default(),
+                partner_pass_us: None,
             },
         );
         true
