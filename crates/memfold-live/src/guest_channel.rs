@@ -532,13 +532,13 @@ fn channel_thread(
             nap(interval);
             continue;
         };
-        let _ = stream.set_read_timeout(Some(REPORT_TIMEOUT));
         let _ = stream.set_write_timeout(Some(REPORT_TIMEOUT));
         let Ok(mut out) = stream.try_clone() else {
             nap(interval);
             continue;
         };
-        let mut lines = LineReader::new(BufReader::with_capacity(1 << 16, stream));
+        let timed = Timed::new(stream, stop);
+        let mut lines = LineReader::new(BufReader::with_capacity(1 << 16, timed));
         while !stop.load(Ordering::Relaxed) {
             if qemu.is_none() && asked_layout.is_none_or(|t| t.elapsed() >= LAYOUT_RETRY) {
                 asked_layout = Some(Instant::now());
@@ -553,6 +553,7 @@ fn channel_thread(
             }
             seq += 1;
             let asked = Instant::now();
+            lines.get_mut().get_mut().until = asked + REPORT_TIMEOUT;
             let r = read_report(&mut lines, &mut out, seq, guest.ram_pages, qemu);
             let took = asked.elapsed();
             let drop_channel = matches!(r, Err(ReportError::Wire(_)));
@@ -568,10 +569,78 @@ fn channel_thread(
     }
 }
 
+/// The guest's end of its channel, read against a deadline: a report must come whole
+/// by `until`, however its bytes trickle in (a read timeout alone restarts with every
+/// byte: a guest sending one every few seconds held its channel thread, and the runs read
+/// so far, for good), and a reader told to stop stops within a second.
+struct Timed<'a> {
+    stream: UnixStream,
+    /// When the answer being read must be in.
+    until: Instant,
+    stop: &'a AtomicBool,
+}
+
+impl<'a> Timed<'a> {
+    fn new(stream: UnixStream, stop: &'a AtomicBool) -> Self {
+        Timed {
+            stream,
+            until: Instant::now() + REPORT_TIMEOUT,
+            stop,
+        }
+    }
+}
+
+impl std::io::Read for Timed<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use std::io::ErrorKind;
+        loop {
+            let left = self.until.saturating_duration_since(Instant::now());
+            if left.is_zero() || self.stop.load(Ordering::Relaxed) {
+                return Err(std::io::Error::new(
+                    ErrorKind::TimedOut,
+                    "no whole answer in time",
+                ));
+            }
+            self.stream
+                .set_read_timeout(Some(left.min(Duration::from_secs(1))))?;
+            match self.stream.read(buf) {
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                    ) => {}
+                r => return r,
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use memfold_core::categories::Category;
+
+    /// A guest that trickles its answer a byte at a time gets no more than the deadline:
+    /// the read fails once it passes. Seen reading on past it with only a read timeout.
+    #[test]
+    fn an_answer_that_trickles_in_ends_at_its_deadline() {
+        let (mine, mut theirs) = UnixStream::pair().unwrap();
+        let stop: &'static AtomicBool = Box::leak(Box::new(AtomicBool::new(false)));
+        std::thread::spawn(move || {
+            while theirs.write_all(b"{").is_ok() {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut timed = Timed::new(mine, stop);
+            timed.until = Instant::now() + Duration::from_millis(400);
+            let mut lines = LineReader::new(BufReader::new(timed));
+            let _ = tx.send(lines.line().map(|l| l.len()).map_err(|e| e.to_string()));
+        });
+        let got = rx.recv_timeout(Duration::from_secs(5));
+        assert!(matches!(got, Ok(Err(_))), "{got:?}");
+    }
     use memfold_core::ids::Gfn;
 
     const GIB: u64 = 1 << 18; // pages
