@@ -128,6 +128,12 @@ impl Engine {
         }
     }
 
+    /// Guest `id`'s shares at read still under way ended with its connection, or with the
+    /// guest: no answer will come for the pages landed from base blocks among them.
+    pub(crate) fn forget_landed(&mut self, id: VmId) {
+        self.fills.landed.retain(|(vm, _), _| *vm != id);
+    }
+
     /// The share at read of page `g` of guest `id` was answered: a landed page now mapped
     /// onto `frame` is a candidate.
     pub(crate) fn landed_share_answered(&mut self, id: VmId, g: Gfn, frame: Option<FrameId>) {
@@ -384,6 +390,45 @@ mod tests {
         assert!(r.engine.block_verified(&c, &base));
         assert!(r.engine.block_held(r.vm, B));
         (r, c)
+    }
+
+    /// A landed page whose share at read was lost with the connection is forgotten when
+    /// the agent attaches again, and with the guest: it was kept for good before.
+    #[test]
+    fn landed_pages_whose_answers_were_lost_are_forgotten() {
+        let mut r = rig();
+        for g in [3, 20] {
+            r.agent.write(Gfn(g), 0, &block()).unwrap();
+        }
+        r.engine.read_landed(r.vm, &[Gfn(3), Gfn(20)], 0);
+        r.engine
+            .landed_from_base(r.vm, &[(Gfn(3), B), (Gfn(20), B)]);
+        for c in r.engine.take_commands(r.vm) {
+            r.engine.outcome(r.vm, &c, crate::engine::Outcome::Lost);
+        }
+        assert!(
+            !r.engine.fills.landed.is_empty(),
+            "the shares at read were under way"
+        );
+        r.engine.detach(r.vm);
+        let mapped = r.agent.prepare_reattach().unwrap();
+        let attach = crate::engine::Attach {
+            name: "rig".into(),
+            pid: 1,
+            pages: PAGES,
+            ram: Box::new(r.agent.ram.clone()),
+            mapped,
+            domain: crate::ids::DomainId(0),
+            store: Box::new(r.agent.shared.store.clone()),
+            swap: None,
+            sharing: Default::default(),
+        };
+        assert_eq!(r.engine.attach(attach).unwrap(), r.vm);
+        assert!(
+            r.engine.fills.landed.is_empty(),
+            "{:?}",
+            r.engine.fills.landed
+        );
     }
 
     #[test]

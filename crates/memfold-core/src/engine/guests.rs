@@ -275,6 +275,8 @@ impl Engine {
         v.unmapping.clear();
         v.read_sharing.clear();
         v.early.clear();
+        self.forget_landed(id);
+        let v = self.vms.get_mut(&id).expect("attached above");
         // Its watch round ended with the connection (rounds keep counting: a report
         // that followed an old round never names a new one).
         v.free_watch.end();
@@ -423,6 +425,7 @@ impl Engine {
             return;
         }
         self.release_blobs(id);
+        self.forget_landed(id);
         let v = self.vms.remove(&id).expect("checked");
         let d = v.domain;
         self.by_base.remove(&v.base);
