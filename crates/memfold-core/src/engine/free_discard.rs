@@ -309,15 +309,19 @@ mod tests {
 
     const PAGES: u32 = 64;
 
-    fn rig() -> Rig {
-        let cfg = EngineConfig {
+    /// Sharing alone, no clock, no scan rate limit, free pages discarded.
+    fn cfg() -> EngineConfig {
+        EngineConfig {
             policy: Policy::sharing_only(),
             clock_interval_us: None,
             rate: 0,
             discard_free: true,
             ..EngineConfig::default()
-        };
-        Rig::new(cfg, PAGES).unwrap()
+        }
+    }
+
+    fn rig() -> Rig {
+        Rig::new(cfg(), PAGES).unwrap()
     }
 
     /// A report: pages `free` free, the rest anonymous.
@@ -709,14 +713,7 @@ mod tests {
     #[test]
     fn a_round_asks_guest_ram_where_its_data_is_within_a_budget() {
         const SIEVE: u32 = 1 << 16;
-        let cfg = EngineConfig {
-            policy: Policy::sharing_only(),
-            clock_interval_us: None,
-            rate: 0,
-            discard_free: true,
-            ..EngineConfig::default()
-        };
-        let mut r = Rig::new(cfg, SIEVE).unwrap();
+        let mut r = Rig::new(cfg(), SIEVE).unwrap();
         for g in (0..SIEVE).step_by(2) {
             r.agent.write(Gfn(g), 0, b"data").unwrap();
         }

@@ -16,7 +16,9 @@ use crate::ids::{DomainId, FrameId, Gfn, VmId};
 use crate::{Engine, EngineConfig, EngineError, Page, PAGE_SIZE};
 use memfold_codecs::page_checksum;
 
+mod agree;
 mod pages;
+pub use agree::booked_where_kept;
 pub use pages::{every_mechanism_pages, texty};
 
 /// Where the agent finds a page's bytes.
