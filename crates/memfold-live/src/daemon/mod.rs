@@ -25,6 +25,7 @@ mod devices;
 mod domains;
 mod executor;
 mod guests;
+mod outbox;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::{AsFd, OwnedFd};
@@ -484,7 +485,7 @@ impl Daemon {
             // The agent carries it to a restarted memfoldd. With no connection now, the
             // re-attach tells it (`attach`).
             if let Some(c) = self.guests.conn(id) {
-                let _ = c.send(&ToAgent::OptedOut { out }, &[]);
+                c.send(ToAgent::OptedOut { out });
             }
         }
         ToClient::OptedOut { pages }
@@ -535,21 +536,22 @@ impl Daemon {
         let ram = fds.remove(0);
         let list = (fds.len() == 2).then(|| fds.pop()).flatten();
         let their_pool = fds.pop();
-        let ram_size = memfd::size(ram.as_fd()).unwrap_or(0);
-        if ram_bytes == 0 || ram_bytes % PAGE != 0 || ram_size < ram_bytes {
-            refuse(format!(
-                "guest RAM of {ram_bytes} bytes in a memfd of {ram_size} bytes"
-            ));
-            return;
-        }
-        // Read on the main thread: a file whose reads could block (a FUSE mount its peer
-        // serves) would stall every guest. QEMU's RAM is a memfd.
+        // Asked about (its size) and read on the main thread: a file whose calls could
+        // block (on a FUSE mount its peer serves) would stall every guest. QEMU's RAM is a
+        // memfd; `F_GET_SEALS` asks no file system.
         if !memfd::is_memory_file(ram.as_fd())
             || list
                 .as_ref()
                 .is_some_and(|l| !memfd::is_memory_file(l.as_fd()))
         {
             refuse("guest RAM and a re-attach list must be memfds".into());
+            return;
+        }
+        let ram_size = memfd::size(ram.as_fd()).unwrap_or(0);
+        if ram_bytes == 0 || ram_bytes % PAGE != 0 || ram_size < ram_bytes {
+            refuse(format!(
+                "guest RAM of {ram_bytes} bytes in a memfd of {ram_size} bytes"
+            ));
             return;
         }
         if ram_bytes / PAGE > MAX_GUEST_PAGES {
@@ -662,7 +664,18 @@ impl Daemon {
         if !sent {
             conn.shutdown();
         }
-        self.guests.attached(vm, &name, token, conn, pid, ram_id);
+        let outbox = match outbox::Outbox::new(conn, &name) {
+            Ok(o) => o,
+            Err(e) => {
+                // Booked as attached with no way to it: detached at once, reaped with
+                // its QEMU (as a lost welcome).
+                tracing::warn!("{name}: no writer for its connection ({e}); detached");
+                self.executor.lost(&mut self.engine, vm);
+                self.engine.detach(vm);
+                return;
+            }
+        };
+        self.guests.attached(vm, &name, token, outbox, pid, ram_id);
         // A guest this memfoldd knew: its own record of the opt-out holds (an opt-in or
         // opt-out made while the agent was detached included). A guest it did not (a
         // restart): the agent's word, so an opt-out outlives the restart.
@@ -675,7 +688,7 @@ impl Daemon {
         // The agent remembers what holds now, for the next restart.
         let out = self.engine.is_opted_out(vm);
         if let Some(c) = self.guests.conn(vm) {
-            let _ = c.send(&ToAgent::OptedOut { out }, &[]);
+            c.send(ToAgent::OptedOut { out });
         }
     }
 
