@@ -82,6 +82,10 @@ impl Executor {
     /// at most [`MAX_BATCH`] pages, and clock scans one by one.
     pub(crate) fn flush(&mut self, engine: &mut Engine, guests: &Guests) {
         for vm in engine.vms_with_commands() {
+            if guests.conn(vm).is_some_and(|c| !c.has_room()) {
+                // Its agent is behind: its commands wait in the engine's queue.
+                continue;
+            }
             let cmds = engine.take_commands(vm);
             let mut by_kind: [Vec<Command>; 7] = Default::default();
             // Fills go one batch per nonce (per device request).
@@ -223,16 +227,9 @@ impl Executor {
                 _ => unreachable!("clock batches hold one clock scan"),
             },
         };
-        let sent = guests.conn(vm).is_some_and(|c| match c.send(&msg, &[]) {
-            Ok(()) => true,
-            Err(e) => {
-                // Gone, or not reading for the send timeout: either way it is dropped, so
-                // that one slow agent cannot stall memfoldd (its reader sees the end).
-                tracing::warn!("{vm}: send failed ({e}); its connection is closed");
-                c.shutdown();
-                false
-            }
-        });
+        // Queued for the connection's writer: an agent that does not read holds its
+        // writer, not this thread (`outbox.rs`).
+        let sent = guests.conn(vm).is_some_and(|c| c.send(msg));
         if sent {
             self.track(batch, vm, kind, cmds);
         } else {
@@ -349,6 +346,23 @@ mod tests {
     use memfold_core::p2m::PageState;
     use memfold_core::{EngineConfig, Policy};
 
+    /// A guest of `ram`'s pages attached to `e` in domain 0, as QEMU `pid`'s `name`.
+    fn guest(e: &mut Engine, name: &str, pid: u32, ram: MemGuestRam) -> VmId {
+        let pages = ram.file().bytes.len() as u32 / 4096;
+        e.attach(Attach {
+            name: name.into(),
+            pid,
+            pages,
+            ram: Box::new(ram),
+            mapped: vec![],
+            domain: DomainId(0),
+            store: Box::new(MemBacking::new()),
+            swap: None,
+            sharing: Default::default(),
+        })
+        .unwrap()
+    }
+
     /// An agent that never answers its clock slices is sent at most [`MAX_CLOCKS`] of
     /// them: the rest are not sent, so nothing piles up for it. Seen failing without the
     /// cap (one batch kept a period, for good).
@@ -363,24 +377,13 @@ mod tests {
         };
         let mut e = Engine::new(cfg, Box::new(clock.clone()), 0).unwrap();
         e.add_domain(DomainId(0), Box::new(MemBacking::new()));
-        let vm = e
-            .attach(Attach {
-                name: "silent".into(),
-                pid: 10,
-                pages: 64,
-                ram: Box::new(MemGuestRam::new(64)),
-                mapped: vec![],
-                domain: DomainId(0),
-                store: Box::new(MemBacking::new()),
-                swap: None,
-                sharing: Default::default(),
-            })
-            .unwrap();
+        let vm = guest(&mut e, "silent", 10, MemGuestRam::new(64));
         let dir = tempfile::tempdir().unwrap();
         let listener = memfold_wire::Listener::bind(&dir.path().join("s")).unwrap();
         let _silent = memfold_wire::Conn::connect(&dir.path().join("s")).unwrap();
         let mut guests = Guests::default();
-        guests.attached(vm, "silent", 1, listener.accept().unwrap(), 10, (0, 0));
+        let outbox = super::super::outbox::Outbox::new(listener.accept().unwrap(), "silent");
+        guests.attached(vm, "silent", 1, outbox.unwrap(), 10, (0, 0));
         let mut x = Executor::default();
         for _ in 0..50 {
             clock.advance(10_000);
@@ -415,20 +418,7 @@ mod tests {
                 f.bytes[..4096].fill(7);
                 f.touch(0, 4096);
             }
-            let vm = e
-                .attach(Attach {
-                    name: name.into(),
-                    pid,
-                    pages: 4,
-                    ram: Box::new(ram),
-                    mapped: vec![],
-                    domain: DomainId(0),
-                    store: Box::new(MemBacking::new()),
-                    swap: None,
-                    sharing: Default::default(),
-                })
-                .unwrap();
-            vms.push(vm);
+            vms.push(guest(&mut e, name, pid, ram));
         }
         e.scan_step().unwrap();
         let (a, b) = (vms[0], vms[1]);

@@ -235,8 +235,8 @@ pub(crate) struct Guest {
     pub(crate) ram_id: (u64, u64),
     /// Its agent said the region is no longer mapped ([`ToDaemon::RegionUnmapped`]).
     pub(crate) unmapped: bool,
-    /// The connection replies go out on; `None` while detached.
-    pub(crate) conn: Option<Conn>,
+    /// The way its agent's messages go out; `None` while detached.
+    pub(crate) conn: Option<super::outbox::Outbox>,
     /// The reader thread's token of that connection.
     pub(crate) token: Option<u64>,
     pub(crate) pid: u32,
@@ -311,13 +311,14 @@ impl Guests {
             .count()
     }
 
-    /// Records guest `vm` (re-)attached on connection `token`.
+    /// Records guest `vm` (re-)attached on connection `token`, its messages going out
+    /// through `conn`.
     pub(crate) fn attached(
         &mut self,
         vm: VmId,
         name: &str,
         token: u64,
-        conn: Conn,
+        conn: super::outbox::Outbox,
         pid: u32,
         ram_id: (u64, u64),
     ) {
@@ -361,8 +362,8 @@ impl Guests {
             .map(|g| g.ram_id)
     }
 
-    /// The connection to guest `vm`'s agent.
-    pub(crate) fn conn(&self, vm: VmId) -> Option<&Conn> {
+    /// The way to guest `vm`'s agent.
+    pub(crate) fn conn(&self, vm: VmId) -> Option<&super::outbox::Outbox> {
         self.by_vm.get(&vm).and_then(|g| g.conn.as_ref())
     }
 
