@@ -257,6 +257,7 @@ impl Engine {
                         categories_at_us: 0,
                         clock_wp_only: Vec::new(),
                         zap_shared_slices: 0,
+                        never_share_pass_us: None,
                         sweep: 0,
                         free_watch: Default::default(),
                         wait: Default::default(),

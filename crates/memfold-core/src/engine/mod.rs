@@ -329,6 +329,8 @@ pub(crate) struct Vm {
     /// the wire zaps nothing, and its frames wait for the pass after the next round (a
     /// frame left mapped stays in RAM, as before the zap existed: no data depends on it).
     pub(crate) zap_shared_slices: u32,
+    /// When a report of its that withdrew a frame last started a never-share pass, µs.
+    pub(crate) never_share_pass_us: Option<u64>,
     /// What its guest agent last said its pages are (PV §3.1; `None`: it said nothing).
     pub(crate) categories: Option<crate::categories::CategoryMap>,
     /// When `categories` was reported, µs of the engine's clock.

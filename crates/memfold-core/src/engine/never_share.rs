@@ -61,9 +61,10 @@ impl Engine {
     ///
     /// Bounded against a guest that toggles its marks to make memfoldd copy other guests'
     /// pages back over and over: the pass over the domain's guests runs at most every
-    /// [`PARTNER_PASS_US`] for the domain, whichever guest's report starts it, and takes
-    /// back at most [`MAX_PARTNER_TAKEBACKS`] pages of other guests; the rest wait for the
-    /// next pass.
+    /// [`PARTNER_PASS_US`] for the domain, whichever guest's report starts it (and at once
+    /// for a report that withdraws a frame, at most every [`PARTNER_PASS_US`] for its
+    /// guest), and takes back at most [`MAX_PARTNER_TAKEBACKS`] pages of other guests; the
+    /// rest wait for the next pass.
     /// All are booked to the marking guest (`never_share_takebacks`).
     pub(crate) fn take_back_never_share(&mut self, id: VmId) -> u32 {
         let Some(v) = self.vms.get(&id) else {
@@ -87,8 +88,10 @@ impl Engine {
             }
         }
         let dom = self.domain_mut(d);
+        let mut withdrew = false;
         for f in new_frames {
             if dom.withdrawn.insert(f) {
+                withdrew = true;
                 dom.share.remove(dom.frames.hash(f), ShareEntry::Shared(f));
                 // No reference any more: its buckets go to pages that may be.
                 dom.similar.forget_frame(f);
@@ -96,17 +99,28 @@ impl Engine {
         }
         let mut total = self.queue_take_backs(id, &own);
         let now = self.now_us();
-        let due = (self.domain(d).partner_pass_us)
-            .is_none_or(|t| now.saturating_sub(t) >= PARTNER_PASS_US);
-        if due && !self.domain(d).withdrawn.is_empty() {
+        let due = |t: Option<u64>| t.is_none_or(|t| now.saturating_sub(t) >= PARTNER_PASS_US);
+        // The domain's pass every PARTNER_PASS_US, whichever guest reports (a timer a
+        // guest let each guest's report walk every guest's pages); and at once for a
+        // report that withdrew a frame, once each PARTNER_PASS_US for its guest, so that
+        // another guest's recent pass does not leave a new mark's partners exposed.
+        let vm_due = withdrew && due(self.vms[&id].never_share_pass_us);
+        if (vm_due || due(self.domain(d).partner_pass_us)) && !self.domain(d).withdrawn.is_empty() {
             self.domain_mut(d).partner_pass_us = Some(now);
+            if vm_due {
+                self.vms
+                    .get_mut(&id)
+                    .expect("looked up")
+                    .never_share_pass_us = Some(now);
+            }
             // Every page on a withdrawn frame: no reverse map, so one pass over the
-            // domain's P2Ms, at most every PARTNER_PASS_US for the domain (one timer a
-            // guest let each guest's report start a pass over every guest's pages).
+            // domain's P2Ms. Pages whose take-back is queued already are passed over, so
+            // that they do not fill the pass's cap again.
             let withdrawn = &self.domain(d).withdrawn;
             let mut partners: Vec<(VmId, Gfn)> = Vec::new();
             'guests: for (&vid, v) in self.vms.iter().filter(|(_, v)| v.domain == d) {
-                for g in (0..v.pages()).map(Gfn) {
+                let queued = v.queued_take_backs();
+                for g in (0..v.pages()).map(Gfn).filter(|g| !queued.contains(g)) {
                     let on = match v.state(g) {
                         PageState::Shared(f) | PageState::Unmapped(f) => withdrawn.contains(&f),
                         PageState::Stored(b) => self
@@ -414,12 +428,12 @@ mod tests {
             B_PAGES as usize,
             "b's pages shared with a's group 0"
         );
-        // a's pass takes back as many as a pass may (a's own four pages among them); the
-        // rest of b's wait on the withdrawn frame for the next pass.
+        // a's pass takes back as many as a pass may (a's three partners of its marked
+        // page among them); the rest of b's wait on the withdrawn frame for the next pass.
         r.engine.guest_categories(r.vm, &report(&[0])).unwrap();
         r.carry_out();
         carry_out_b(&mut r, &mut b);
-        let left = B_PAGES as usize - (super::MAX_PARTNER_TAKEBACKS - 4);
+        let left = B_PAGES as usize - (super::MAX_PARTNER_TAKEBACKS - 3);
         assert_eq!(on_frame(&r), left);
         let b_report = crate::sim::anon_report(B_PAGES, &[]);
         r.engine.guest_categories(vm_b, &b_report).unwrap();
@@ -434,6 +448,19 @@ mod tests {
         carry_out_b(&mut r, &mut b);
         assert_eq!(on_frame(&r), 0);
         r.engine.check_invariants().unwrap();
+        // b's report just ran the domain's pass; a's new mark withdraws a frame, so its
+        // partners come back at once all the same (a new mark's partners left on it for
+        // up to a pass's time would keep the side channel open that long).
+        r.carry_out();
+        assert!((5..8).all(|g| shared(&r, g)), "group 1 shared");
+        r.engine.guest_categories(r.vm, &report(&[0, 4])).unwrap();
+        let taken: Vec<u32> = (r.engine.vms[&r.vm].queue.iter())
+            .filter_map(|c| match *c {
+                crate::engine::Command::TakeBack { gfn } => Some(gfn.0),
+                _ => None,
+            })
+            .collect();
+        assert!((4..8).all(|g| taken.contains(&g)), "taken back: {taken:?}");
     }
 
     /// Bytes of `seed` that do not compress (xorshift).
