@@ -303,12 +303,15 @@ pub(crate) struct Guests {
 impl Guests {
     /// Ends every attached guest's connection (its agent sees memfoldd gone and keeps
     /// serving the guest); returns how many there were.
-    pub(crate) fn close_all(&self) -> usize {
-        self.by_vm
-            .values()
-            .filter_map(|g| g.conn.as_ref())
-            .inspect(|c| c.shutdown())
-            .count()
+    pub(crate) fn close_all(&mut self) -> usize {
+        let all: Vec<_> = self
+            .by_vm
+            .values_mut()
+            .filter_map(|g| g.conn.take())
+            .collect();
+        let n = all.len();
+        super::outbox::Outbox::close(all, std::time::Duration::from_secs(1));
+        n
     }
 
     /// Records guest `vm` (re-)attached on connection `token`, its messages going out

@@ -632,6 +632,15 @@ impl Daemon {
                 (g, m)
             })
             .collect();
+        // Its writer before the engine books it: no descriptor or thread for it is a
+        // refusal, nothing attached. Nothing is queued before the welcome is sent.
+        let outbox = match outbox::Outbox::new(&conn, &name) {
+            Ok(o) => o,
+            Err(e) => {
+                refuse(format!("memfoldd has no writer for its connection: {e}"));
+                return;
+            }
+        };
         let vm = match self.engine.attach(Attach {
             name: name.clone(),
             pid,
@@ -664,17 +673,6 @@ impl Daemon {
         if !sent {
             conn.shutdown();
         }
-        let outbox = match outbox::Outbox::new(conn, &name) {
-            Ok(o) => o,
-            Err(e) => {
-                // Booked as attached with no way to it: detached at once, reaped with
-                // its QEMU (as a lost welcome).
-                tracing::warn!("{name}: no writer for its connection ({e}); detached");
-                self.executor.lost(&mut self.engine, vm);
-                self.engine.detach(vm);
-                return;
-            }
-        };
         self.guests.attached(vm, &name, token, outbox, pid, ram_id);
         // A guest this memfoldd knew: its own record of the opt-out holds (an opt-in or
         // opt-out made while the agent was detached included). A guest it did not (a

@@ -33,13 +33,15 @@ pub(crate) struct Outbox {
 
 impl Outbox {
     /// An outbox onto `conn`, with its writer thread (which ends when the outbox is
-    /// dropped or a send fails).
+    /// dropped, once it has sent what was queued, or when a send fails).
     ///
-    /// Errors: the connection cannot be cloned, or no thread (the guest is then refused).
-    pub(crate) fn new(conn: Conn, name: &str) -> std::io::Result<Outbox> {
+    /// Errors: the connection cannot be cloned (no descriptor), or no thread: the guest
+    /// is then refused.
+    pub(crate) fn new(conn: &Conn, name: &str) -> std::io::Result<Outbox> {
         let (tx, rx) = mpsc::sync_channel::<ToAgent>(OUTBOX);
         let queued = Arc::new(AtomicUsize::new(0));
         let writer = conn.try_clone()?;
+        let conn = conn.try_clone()?;
         let left = Arc::clone(&queued);
         let who = name.to_string();
         std::thread::Builder::new()
@@ -76,8 +78,20 @@ impl Outbox {
         self.queued.load(Ordering::Relaxed) < ROOM
     }
 
-    /// Ends the connection (the agent sees memfoldd gone; the reader sees the end).
-    pub(crate) fn shutdown(&self) {
-        self.conn.shutdown();
+    /// Closes outboxes `all`: each writer sends what is queued (an opt-out the agent must
+    /// carry to the next memfoldd, answers of a drain), for up to `wait` in all, then
+    /// every connection ends.
+    pub(crate) fn close(all: Vec<Outbox>, wait: std::time::Duration) {
+        let until = std::time::Instant::now() + wait;
+        let ends: Vec<(Arc<AtomicUsize>, Conn)> =
+            all.into_iter().map(|o| (o.queued, o.conn)).collect();
+        while ends.iter().any(|(q, _)| q.load(Ordering::Relaxed) > 0)
+            && std::time::Instant::now() < until
+        {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        for (_, c) in ends {
+            c.shutdown();
+        }
     }
 }
