@@ -1,0 +1,242 @@
+//! The guest channel's tests (split from guest_channel.rs, which was over 800 lines).
+
+use super::*;
+use memfold_core::categories::Category;
+
+/// A guest that trickles its answer a byte at a time gets no more than the deadline:
+/// the read fails once it passes. Seen reading on past it with only a read timeout.
+#[test]
+fn an_answer_that_trickles_in_ends_at_its_deadline() {
+    let (mine, mut theirs) = UnixStream::pair().unwrap();
+    let stop: &'static AtomicBool = Box::leak(Box::new(AtomicBool::new(false)));
+    std::thread::spawn(move || {
+        while theirs.write_all(b"{").is_ok() {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut timed = Timed::new(mine, stop);
+        timed.until = Instant::now() + Duration::from_millis(400);
+        let mut lines = LineReader::new(BufReader::new(timed));
+        let _ = tx.send(lines.line().map(|l| l.len()).map_err(|e| e.to_string()));
+    });
+    let got = rx.recv_timeout(Duration::from_secs(5));
+    assert!(matches!(got, Ok(Err(_))), "{got:?}");
+}
+use memfold_core::ids::Gfn;
+
+const GIB: u64 = 1 << 18; // pages
+
+fn ask(answer: &str, seq: u64, ram_pages: u64) -> Result<GuestReport, ReportError> {
+    ask_knowing(answer, seq, ram_pages, None)
+}
+
+fn ask_knowing(
+    answer: &str,
+    seq: u64,
+    ram_pages: u64,
+    qemu: Option<RamLayout>,
+) -> Result<GuestReport, ReportError> {
+    let mut lines = LineReader::new(answer.as_bytes());
+    let mut sent = Vec::new();
+    let r = read_report(&mut lines, &mut sent, seq, ram_pages, qemu);
+    assert_eq!(sent, encode_to_guest(&ToGuest::Categories { v: 1, seq }));
+    r
+}
+
+fn ram(seq: u64, ranges: &str) -> String {
+    format!(
+        r#"{{"msg":"ram","v":1,"seq":{seq},"agent":"memfold-guest 1","kernel":"6.1","ranges":{ranges},"meminfo":{{"mem_total":3000000}}}}"#
+    )
+}
+
+/// A 3 GiB q35 guest: frames above 4 GiB land after the low 2 GiB.
+#[test]
+fn a_report_of_a_3_gib_guest_maps_high_frames_after_low_ram() {
+    let four = FOUR_GIB_PFN;
+    let lines = [
+        // A late line of an older request is skipped.
+        r#"{"msg":"end","v":1,"seq":1,"chunks":0,"frames":0}"#.to_string(),
+        ram(
+            2,
+            &format!("[[1,159],[256,{}],[{four},{}]]", 2 * GIB - 32, four + GIB),
+        ),
+        format!(r#"{{"msg":"runs","v":1,"seq":2,"first":{four},"runs":[[2,10],[27,5]]}}"#),
+        r#"{"msg":"end","v":1,"seq":2,"chunks":1,"frames":15}"#.to_string(),
+    ];
+    let answer = lines.join("\n") + "\n";
+    let r = ask(&answer, 2, 3 * GIB).unwrap();
+    assert_eq!(
+        r.layout,
+        RamLayout {
+            low: 2 * GIB,
+            high: GIB,
+            exact: false,
+        }
+    );
+    assert_eq!(r.meminfo.mem_total, 3_000_000);
+    assert_eq!(r.runs.len(), 2);
+    assert_eq!(r.runs[0].first, Gfn(2 * GIB as u32));
+    assert_eq!(r.runs[0].info.category, Category::Cache);
+    assert_eq!(r.runs[1].first, Gfn(2 * GIB as u32 + 10));
+    assert_eq!(r.runs[1].info.category, Category::Anon);
+    assert!(r.runs[1].info.referenced && r.runs[1].info.active);
+    // RAM above 4 GiB: its split is inferred, so nothing is discarded, whatever the
+    // guest says (this one says nothing: an older memfold-guest).
+    assert!(!r.discard && !discards_allowed(&r));
+    assert!(!discards_allowed(&GuestReport { discard: true, ..r }));
+}
+
+/// All RAM below 4 GiB (frame = gfn): discarded if the guest says it may be.
+#[test]
+fn only_a_guest_all_below_4_gib_that_says_so_is_discarded() {
+    let answer = [
+        r#"{"msg":"ram","v":1,"seq":1,"agent":"memfold-guest 1","kernel":"6.1","ranges":[[1,159],[256,65500]],"meminfo":{"mem_total":250000},"discard":true}"#,
+        r#"{"msg":"runs","v":1,"seq":1,"first":256,"runs":[[33,10]]}"#,
+        r#"{"msg":"end","v":1,"seq":1,"chunks":1,"frames":10}"#,
+    ]
+    .join("\n")
+        + "\n";
+    let r = ask(&answer, 1, 65536).unwrap();
+    assert_eq!(r.layout.high, 0);
+    assert!(r.discard && discards_allowed(&r));
+    assert!(r.runs[0].info.buddy, "code 33: free, buddy");
+    assert!(!discards_allowed(&GuestReport {
+        discard: false,
+        ..r
+    }));
+}
+
+/// A 5 GiB q35 guest (2 GiB low, 3 GiB at 4 GiB) booted with `mem=4G` lists RAM up
+/// to 6 GiB only: inferred, its split would be 3 + 2 GiB and its frame at 4 GiB would
+/// name gfn 3 GiB, a page of another frame; QEMU's own split maps it to gfn 2 GiB,
+/// and only then may its free pages above 4 GiB be discarded.
+#[test]
+fn qemus_layout_maps_the_frames_of_a_guest_that_hides_ram() {
+    let four = FOUR_GIB_PFN;
+    let answer = [
+        format!(
+            r#"{{"msg":"ram","v":1,"seq":1,"agent":"memfold-guest 1","kernel":"6.1","ranges":[[1,159],[256,{}],[{four},{}]],"meminfo":{{"mem_total":4000000}},"discard":true}}"#,
+            2 * GIB - 32,
+            four + 2 * GIB
+        ),
+        format!(r#"{{"msg":"runs","v":1,"seq":1,"first":{four},"runs":[[33,10]]}}"#),
+        r#"{"msg":"end","v":1,"seq":1,"chunks":1,"frames":10}"#.to_string(),
+    ]
+    .join("
+")
+        + "
+";
+    let inferred = ask(&answer, 1, 5 * GIB).unwrap();
+    assert_eq!(
+        (inferred.layout.low, inferred.layout.high),
+        (3 * GIB, 2 * GIB)
+    );
+    assert!(
+        !discards_allowed(&inferred),
+        "an inferred split above 4 GiB"
+    );
+    let qemu = RamLayout::from_qemu(5 * GIB, 2 << 30, 3 << 30).unwrap();
+    let r = ask_knowing(&answer, 1, 5 * GIB, Some(qemu)).unwrap();
+    assert_eq!(r.layout, qemu);
+    assert_eq!(r.runs[0].first, Gfn(2 * GIB as u32));
+    assert!(r.discard && discards_allowed(&r));
+    // A range past what QEMU laid out is refused whole.
+    let past = answer.replace(
+        &format!("{}]]", four + 2 * GIB),
+        &format!("{}]]", four + 3 * GIB + 1),
+    );
+    assert!(matches!(
+        ask_knowing(&past, 1, 5 * GIB, Some(qemu)),
+        Err(ReportError::Layout(LayoutError::Outside { .. }))
+    ));
+}
+
+/// A guest's words reach the log and the operator's view without control
+/// characters or escapes, and short. Seen failing with the words kept as sent.
+#[test]
+fn a_guests_words_are_shown_escaped_and_short() {
+    let e = shown("no kpageflags\n2026 WARN forged\u{1b}[2J\u{202e}");
+    assert_eq!(e, "no kpageflags\\n2026 WARN forged\\u{1b}[2J\\u{202e}");
+    let long = shown(&"x".repeat(5000));
+    assert_eq!(long.len(), SHOWN_CHARS + 3);
+}
+
+/// A hostile or buggy guest's answers are typed errors, never a panic.
+#[test]
+fn bad_answers_are_refused_with_what_is_wrong() {
+    let r512 = ram(1, "[[1,159],[256,131000]]");
+    let end = |c, f| format!(r#"{{"msg":"end","v":1,"seq":1,"chunks":{c},"frames":{f}}}"#);
+    let runs = |first: u64, rs: &str| {
+        format!(r#"{{"msg":"runs","v":1,"seq":1,"first":{first},"runs":{rs}}}"#)
+    };
+    type Want = fn(&ReportError) -> bool;
+    let cases: Vec<(String, Want)> = vec![
+        // In the PCI hole / past RAM.
+        (
+            format!("{r512}\n{}\n{}\n", runs(131072, "[[1,1]]"), end(1, 1)),
+            |e| matches!(e, ReportError::BadRun { .. }),
+        ),
+        (
+            format!("{r512}\n{}\n{}\n", runs(100, "[[1,4294967295]]"), end(1, 1)),
+            |e| matches!(e, ReportError::BadRun { .. }),
+        ),
+        // Backwards.
+        (
+            format!(
+                "{r512}\n{}\n{}\n{}\n",
+                runs(100, "[[1,10]]"),
+                runs(105, "[[1,1]]"),
+                end(2, 11)
+            ),
+            |e| matches!(e, ReportError::BadRun { .. }),
+        ),
+        (
+            format!("{r512}\n{}\n{}\n", runs(0, "[[6,1]]"), end(1, 1)),
+            |e| matches!(e, ReportError::BadCode { code: 6, .. }),
+        ),
+        (
+            format!("{r512}\n{}\n{}\n", runs(0, "[[300,1]]"), end(1, 1)),
+            |e| matches!(e, ReportError::BadCode { .. }),
+        ),
+        (
+            format!("{r512}\n{}\n{}\n", runs(0, "[[1,1]]"), end(1, 2)),
+            |e| matches!(e, ReportError::Protocol { .. }),
+        ),
+        // Runs before the ram line; a layout that does not fit 512 MiB.
+        (format!("{}\n", runs(0, "[[1,1]]")), |e| {
+            matches!(e, ReportError::Protocol { .. })
+        }),
+        (format!("{}\n", ram(1, "[[1,2],[1048576,1310720]]")), |e| {
+            matches!(e, ReportError::Layout(_))
+        }),
+        (
+            r#"{"msg":"error","v":1,"seq":1,"what":"no kpageflags"}"#.to_string() + "\n",
+            |e| matches!(e, ReportError::Guest(w) if w == "no kpageflags"),
+        ),
+        ("garbage\n".into(), |e| {
+            matches!(e, ReportError::Wire(GuestWireError::Malformed { .. }))
+        }),
+        (format!("{r512}\n"), |e| {
+            matches!(e, ReportError::Wire(GuestWireError::Closed))
+        }),
+        (format!("{}\n", ram(7, "[]")), |e| {
+            matches!(e, ReportError::Protocol { .. })
+        }),
+    ];
+    for (answer, want) in cases {
+        let e = ask(&answer, 1, 512 * 256).expect_err(&answer);
+        assert!(want(&e), "{answer}: {e}");
+    }
+}
+
+#[test]
+fn channel_names_are_plain() {
+    for ok in ["tiny-1", "web_2.a"] {
+        assert!(channel_name_ok(ok));
+    }
+    for bad in ["", "../x", "a/b", ".hidden", "a b", &"x".repeat(101)] {
+        assert!(!channel_name_ok(bad), "{bad}");
+    }
+}
