@@ -49,16 +49,24 @@ struct Device {
 }
 
 impl Device {
+    /// Sends `m`; false if it failed. A device gone, or not reading for the send timeout,
+    /// is closed (its reader sees the end), so that the next send fails at once instead
+    /// of stalling memfoldd again.
+    fn send(&self, m: &ToDevice) -> bool {
+        let sent = self.conn.send(m, &[]).is_ok();
+        if !sent {
+            self.conn.shutdown();
+        }
+        sent
+    }
+
     /// Tells the device that frames hold `blocks` (of its bases).
     fn tell_held(&self, blocks: &[BaseBlock]) {
         for chunk in blocks.chunks(MAX_BATCH) {
             let held = ToDevice::Held {
                 blocks: chunk.to_vec(),
             };
-            if self.conn.send(&held, &[]).is_err() {
-                // Gone, or not reading for the send timeout: closed, so that the next
-                // send fails at once instead of stalling memfoldd again.
-                self.conn.shutdown();
+            if !self.send(&held) {
                 return;
             }
         }
@@ -237,11 +245,8 @@ impl Devices {
     fn answer(&mut self, token: u64, fill: FillId, gfns: Vec<Gfn>) {
         self.fills_answered += 1;
         if let Some(d) = self.by_token.get(&token) {
-            // A device too slow to read its answer has long given up on it: closed (its
-            // reader sees the end), so it cannot stall memfoldd once a fill.
-            if d.conn.send(&ToDevice::Filled { fill, gfns }, &[]).is_err() {
-                d.conn.shutdown();
-            }
+            // A device too slow to read its answer has long given up on it.
+            d.send(&ToDevice::Filled { fill, gfns });
         }
     }
 }
