@@ -502,27 +502,10 @@ mod tests {
         let lost = r.engine.take_commands(r.vm);
         assert_eq!(lost.len(), 2);
         r.engine.check_invariants().unwrap();
-        let mapped = r.agent.prepare_reattach().unwrap();
         r.engine.detach(r.vm);
         let l = r.engine.read_landed(r.vm, &[Gfn(12)], 0);
         assert_eq!((l.looked_up, l.passed_over), (0, 1), "detached");
-        let store = crate::backing::mem::MemBacking::default();
-        r.agent.shared.store = store.clone();
-        let again = r
-            .engine
-            .attach(crate::engine::Attach {
-                name: "rig".into(),
-                pid: 1,
-                pages: PAGES,
-                ram: Box::new(r.agent.ram.clone()),
-                mapped,
-                domain: crate::ids::DomainId(0),
-                store: Box::new(store),
-                swap: None,
-                sharing: Default::default(),
-            })
-            .unwrap();
-        assert_eq!(again, r.vm);
+        assert_eq!(r.reattach().unwrap(), r.vm);
         r.engine.check_invariants().unwrap();
         assert!(r.engine.vms[&r.vm].read_sharing.is_empty());
     }

@@ -411,19 +411,7 @@ mod tests {
             "the shares at read were under way"
         );
         r.engine.detach(r.vm);
-        let mapped = r.agent.prepare_reattach().unwrap();
-        let attach = crate::engine::Attach {
-            name: "rig".into(),
-            pid: 1,
-            pages: PAGES,
-            ram: Box::new(r.agent.ram.clone()),
-            mapped,
-            domain: crate::ids::DomainId(0),
-            store: Box::new(r.agent.shared.store.clone()),
-            swap: None,
-            sharing: Default::default(),
-        };
-        assert_eq!(r.engine.attach(attach).unwrap(), r.vm);
+        assert_eq!(r.reattach().unwrap(), r.vm);
         assert!(
             r.engine.fills.landed.is_empty(),
             "{:?}",

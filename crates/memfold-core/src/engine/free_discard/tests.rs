@@ -32,19 +32,25 @@ fn report(r: &mut Rig, free: &[u32]) {
 
 /// A report's runs as the guest samples them: pages `free` free, the rest anonymous.
 fn sample(free: &[u32]) -> Vec<CategoryRun> {
-    (0..PAGES)
+    runs_of(PAGES, |g| free.contains(&g))
+}
+
+/// A report of a guest of `pages` pages, a run a page: those `free` says free (in the
+/// buddy allocator), the rest anonymous.
+fn runs_of(pages: u32, free: impl Fn(u32) -> bool) -> Vec<CategoryRun> {
+    (0..pages)
         .map(|g| CategoryRun {
             first: Gfn(g),
             count: 1,
             info: PageInfo {
-                category: if free.contains(&g) {
+                category: if free(g) {
                     Category::Free
                 } else {
                     Category::Anon
                 },
                 active: false,
                 referenced: false,
-                buddy: free.contains(&g),
+                buddy: free(g),
                 never_share: false,
             },
         })
@@ -418,28 +424,9 @@ fn a_round_asks_guest_ram_where_its_data_is_within_a_budget() {
         r.agent.write(Gfn(g), 0, b"data").unwrap();
     }
     let asks = |r: &Rig| r.agent.ram.file().data_asks;
-    let sieve_report = |free: &dyn Fn(u32) -> bool| -> Vec<CategoryRun> {
-        (0..SIEVE)
-            .map(|g| CategoryRun {
-                first: Gfn(g),
-                count: 1,
-                info: PageInfo {
-                    category: if free(g) {
-                        Category::Free
-                    } else {
-                        Category::Anon
-                    },
-                    active: false,
-                    referenced: false,
-                    buddy: free(g),
-                    never_share: false,
-                },
-            })
-            .collect()
-    };
     let before = asks(&r);
     r.engine
-        .guest_categories(r.vm, &sieve_report(&|_| false))
+        .guest_categories(r.vm, &runs_of(SIEVE, |_| false))
         .unwrap();
     assert_eq!(r.engine.discard_free(r.vm, None, true), 0);
     assert_eq!(
@@ -450,7 +437,7 @@ fn a_round_asks_guest_ram_where_its_data_is_within_a_budget() {
     // Every data page free: a run each, one ask each, up to the budget.
     let before = asks(&r);
     r.engine
-        .guest_categories(r.vm, &sieve_report(&|g| g % 2 == 0))
+        .guest_categories(r.vm, &runs_of(SIEVE, |g| g % 2 == 0))
         .unwrap();
     let first = r.engine.discard_free(r.vm, None, true);
     assert_eq!(asks(&r) - before, MAX_DATA_ASKS as u64);
@@ -463,7 +450,7 @@ fn a_round_asks_guest_ram_where_its_data_is_within_a_budget() {
     // The round ends (the guest says not to discard); the next starts past it.
     r.engine.discard_free(r.vm, None, false);
     r.engine
-        .guest_categories(r.vm, &sieve_report(&|g| g % 2 == 0))
+        .guest_categories(r.vm, &runs_of(SIEVE, |g| g % 2 == 0))
         .unwrap();
     r.engine.discard_free(r.vm, None, true);
     let round2 = r.engine.take_commands(r.vm);
@@ -484,17 +471,7 @@ fn a_round_stops_inside_a_long_run_and_the_next_lists_no_page_twice() {
     for g in (0..PAGES).step_by(2) {
         r.agent.write(Gfn(g), 0, b"data").unwrap();
     }
-    let all_free: Vec<CategoryRun> = vec![CategoryRun {
-        first: Gfn(0),
-        count: PAGES,
-        info: PageInfo {
-            category: Category::Free,
-            active: false,
-            referenced: false,
-            buddy: true,
-            never_share: false,
-        },
-    }];
+    let all_free = runs_of(PAGES, |_| true);
     let before = r.agent.ram.file().data_asks;
     r.engine.guest_categories(r.vm, &all_free).unwrap();
     assert_eq!(r.engine.discard_free(r.vm, None, true), MAX_DATA_ASKS);
