@@ -156,6 +156,16 @@ impl ShareTable {
         self.pass = (self.pass + 1) % self.passes;
     }
 
+    /// Drops every hint at a gpn in `gpns` (a guest that left: its page space is handed
+    /// to the next guest attached, maybe of another domain). Returns how many were
+    /// dropped. O(entries).
+    pub fn forget_hints(&mut self, gpns: std::ops::Range<u32>) -> usize {
+        let before = self.table.len();
+        self.table
+            .retain(|v| !matches!(unpack(*v), ShareEntry::Hint(Gpn(g)) if gpns.contains(&g)));
+        before - self.table.len()
+    }
+
     /// Hash intervals per cycle.
     pub fn passes(&self) -> u32 {
         self.passes

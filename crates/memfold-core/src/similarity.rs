@@ -383,6 +383,34 @@ impl SimilarityIndex {
         }
     }
 
+    /// Empties every slot of a guest page at a gpn in `gpns` (a guest that left: its
+    /// page space is handed to the next guest attached, maybe of another domain).
+    /// Returns how many slots were emptied. O(slots).
+    pub fn forget_guest_pages(&mut self, gpns: std::ops::Range<u32>) -> usize {
+        let mut n = 0;
+        for s in self.slots.iter_mut() {
+            if *s != EMPTY
+                && matches!(RefPage::unpack(*s), RefPage::Guest(Gpn(g)) if gpns.contains(&g))
+            {
+                *s = EMPTY;
+                n += 1;
+            }
+        }
+        self.len -= n;
+        n
+    }
+
+    /// The guest pages indexed, once a slot each (for invariant checks).
+    pub fn guest_candidates(&self) -> impl Iterator<Item = Gpn> + '_ {
+        self.slots
+            .iter()
+            .filter(|&&s| s != EMPTY)
+            .filter_map(|&s| match RefPage::unpack(s) {
+                RefPage::Guest(g) => Some(g),
+                RefPage::Frame(_) => None,
+            })
+    }
+
     /// Keeps only the kept frames `still` says yes to, and gives back the room left.
     /// O(kept frames); the engine calls it before each clear.
     pub fn retain_kept(&mut self, mut still: impl FnMut(FrameId) -> bool) {

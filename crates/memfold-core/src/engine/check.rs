@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use super::{kept_index, Command, Engine};
 use crate::blobs::{BlobHome, Kept};
-use crate::ids::{DomainId, FrameId, Gfn, VmId};
+use crate::ids::{DomainId, FrameId, Gfn, Gpn, VmId};
 use crate::p2m::{BlobId, PageState};
 use crate::share::ShareEntry;
 
@@ -17,8 +17,10 @@ impl Engine {
     ///   holds it (or it is pinned by an adopted pool);
     /// - each blob is held by exactly one page (a move's new blob and the one it
     ///   replaces by the same page), names that page, and lives in a slot of its space;
-    /// - share-table entries name frames in use whose recorded hash matches, and hints
-    ///   name pages of guests of the table's own domain (no share crosses domains);
+    /// - share-table entries name frames in use whose recorded hash matches, and hints,
+    ///   similarity candidates and kept hints name pages of guests of their own domain
+    ///   (no share or patch crosses domains; a guest that left names nothing, so its
+    ///   page space is given to the next guest clean);
     /// - every guest's domain exists, and a never-share guest's domain holds no other
     ///   guest (Satori §4.3); a blob lives in its own guest's store or swap file
     ///   and patches against a frame of its guest's domain;
@@ -36,6 +38,26 @@ impl Engine {
         let mut slots: HashMap<VmId, [u64; 2]> = HashMap::new();
         let mut blob_holders: HashMap<BlobId, u32> = HashMap::new();
         let mut patch_refs: HashMap<(DomainId, FrameId), u32> = HashMap::new();
+        // The guests' gpn ranges are disjoint, none is free, and they are all that is held.
+        let mut end = 0u64;
+        for (&base, id) in &self.by_base {
+            let v = &self.vms[id];
+            let last = Gpn(base.0 + v.pages() - 1);
+            if (base.0 as u64) < end || self.gpns.is_free(base) || self.gpns.is_free(last) {
+                return Err(format!(
+                    "{id}: its gpns {base}..={last} overlap or are free"
+                ));
+            }
+            end = last.0 as u64 + 1;
+        }
+        let pages: u64 = self.vms.values().map(|v| v.pages() as u64).sum();
+        if self.gpns.held_pages() != pages || self.by_base.len() != self.vms.len() {
+            return Err(format!(
+                "{} gpns held for {} guests of {pages} pages",
+                self.gpns.held_pages(),
+                self.vms.len()
+            ));
+        }
         for (id, v) in &self.vms {
             // A guest's category map covers its RAM, and its counts add up to it.
             if let Some(m) = &v.categories {
@@ -326,19 +348,14 @@ impl Engine {
                             ));
                         }
                     }
-                    ShareEntry::Hint(gpn) => {
-                        // A stale hint (its guest gone) is dropped when next looked up; a
-                        // live one must be of this domain.
-                        if let Some((id, _)) = self.locate(gpn) {
-                            if self.vms[&id].domain != d {
-                                return Err(format!(
-                                    "{d}: share table hints at {gpn} of {id}, in {}",
-                                    self.vms[&id].domain
-                                ));
-                            }
-                        }
-                    }
+                    ShareEntry::Hint(gpn) => self.names_own_page(d, gpn, "share table hint")?,
                 }
+            }
+            for gpn in dom.similar.guest_candidates() {
+                self.names_own_page(d, gpn, "similarity candidate")?;
+            }
+            for &(_, gpn) in self.kept_hints.get(&d).into_iter().flatten() {
+                self.names_own_page(d, gpn, "kept hint")?;
             }
             if let Some(f) = dom.withdrawn.iter().find(|&&f| !dom.frames.is_used(f)) {
                 return Err(format!(
@@ -398,5 +415,17 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// Whether `gpn`, named by domain `d`'s `what`, is a page of a guest of `d`.
+    fn names_own_page(&self, d: DomainId, gpn: Gpn, what: &str) -> Result<(), String> {
+        match self.locate(gpn) {
+            Some((id, _)) if self.vms[&id].domain == d => Ok(()),
+            Some((id, _)) => Err(format!(
+                "{d}: {what} at {gpn} of {id}, in {}",
+                self.vms[&id].domain
+            )),
+            None => Err(format!("{d}: {what} at {gpn}, which no guest holds")),
+        }
     }
 }

@@ -7,7 +7,7 @@ use crate::backing::{Backing, GuestRam};
 use crate::blobs::{BlobHome, BlobSpace};
 use crate::clock::ClockHand;
 use crate::frames::FrameTable;
-use crate::ids::{DomainId, FrameId, Gfn, Gpn, VmId};
+use crate::ids::{DomainId, FrameId, Gfn, VmId};
 use crate::p2m::{BlobId, P2mEntry, PageState};
 use crate::share::ShareEntry;
 use crate::{Page, PAGE_SIZE};
@@ -139,9 +139,9 @@ impl Engine {
     /// including requests lost in doubt. Frames of an adopted pool that a guest maps are
     /// read, hashed and entered in the share table.
     ///
-    /// Errors: [`EngineError::Attach`] for a guest of 0 pages, pages past the 2^31
-    /// global page space, a domain that does not exist, or a re-attach naming another
-    /// domain than its first attach; [`EngineError::Pool`] if an adopted frame cannot be
+    /// Errors: [`EngineError::Attach`] for a guest of 0 pages, pages no free range of the
+    /// 2^31-page global page space holds, a domain that does not exist, or a re-attach
+    /// naming another domain than its first attach; [`EngineError::Pool`] if an adopted frame cannot be
     /// read.
     pub fn attach(&mut self, a: Attach) -> Result<VmId, EngineError> {
         let refuse = |why: String| EngineError::Attach {
@@ -211,19 +211,17 @@ impl Engine {
                 if a.pages == 0 {
                     return Err(refuse("a guest of 0 pages".into()));
                 }
-                let base = self.next_base;
-                let end = base as u64 + a.pages as u64;
-                if end > 1 << 31 {
+                let Some(base) = self.gpns.take(a.pages) else {
                     return Err(refuse(format!(
-                        "{} pages would pass the 2^31-page global page space",
-                        a.pages
+                        "no room for {} pages in the 2^31-page global page space ({} held)",
+                        a.pages,
+                        self.gpns.held_pages()
                     )));
-                }
+                };
                 let id = VmId(self.next_vm);
                 let now = self.now_us();
                 self.next_vm += 1;
-                self.next_base = end as u32;
-                self.by_base.insert(Gpn(base), id);
+                self.by_base.insert(base, id);
                 let n = a.pages as usize;
                 let swap = swap_space(a.swap);
                 self.vms.insert(
@@ -231,7 +229,7 @@ impl Engine {
                     Vm {
                         name: a.name,
                         pid: a.pid,
-                        base: Gpn(base),
+                        base,
                         domain: a.domain,
                         sharing: a.sharing,
                         ram: a.ram,
@@ -441,6 +439,19 @@ impl Engine {
                 _ => {}
             }
         }
+        // Nothing may name its page space when the next guest gets it, maybe in another
+        // domain (`check_invariants`: every hint and candidate names a page of its own
+        // domain; `a_removed_guests_hints_are_purged_before_its_space_is_reused` fails
+        // without the purge).
+        let gpns = v.base.0..v.base.0 + v.pages();
+        if let Some(dom) = self.domains.get_mut(&d) {
+            dom.share.forget_hints(gpns.clone());
+            dom.similar.forget_guest_pages(gpns.clone());
+        }
+        if let Some(ring) = self.kept_hints.get_mut(&d) {
+            ring.retain(|&(_, g)| !gpns.contains(&g.0));
+        }
+        self.gpns.give_back(v.base, v.pages());
         tracing::info!(vm = %id, name = %v.name, pid = v.pid, "released");
         self.drop_domain_if_empty(d);
     }
@@ -559,6 +570,56 @@ mod tests {
         // Its own re-attach (same QEMU, detached) is not another guest.
         e.detach(n);
         assert_eq!(attach(&mut e, 3, 1, Sharing::NeverShare).unwrap(), n);
+        e.check_invariants().unwrap();
+    }
+
+    /// A guest that leaves gives its page space back, and nothing names it when the next
+    /// guest — here of another domain — gets it: its domain's hints are purged. Fails
+    /// without the purge in `Engine::remove` (and so does the reference model's
+    /// `check_invariants`: a hint at a page no guest holds).
+    #[test]
+    fn a_removed_guests_hints_are_purged_before_its_space_is_reused() {
+        let (mut e, clock) = engine();
+        // A guest that stays keeps domain 0 (and its share table).
+        attach(&mut e, 3, 0, Sharing::Domain).unwrap();
+        let ram = MemGuestRam::new(4);
+        {
+            let mut f = ram.file();
+            for p in 0..4 {
+                f.bytes[p * PAGE_SIZE..(p + 1) * PAGE_SIZE].fill(p as u8 + 1);
+            }
+            f.touch(0, 4 * PAGE_SIZE as u64);
+        }
+        let a = e
+            .attach(Attach {
+                name: "a".into(),
+                pid: 1,
+                pages: 4,
+                ram: Box::new(ram),
+                mapped: vec![],
+                domain: DomainId(0),
+                store: Box::new(MemBacking::new()),
+                swap: None,
+                sharing: Sharing::Domain,
+            })
+            .unwrap();
+        clock.advance(10_000);
+        e.scan_step().unwrap();
+        let base = e.vms[&a].base;
+        let hints = |e: &Engine| {
+            e.domains[&DomainId(0)]
+                .share
+                .entries()
+                .filter(|(_, x)| {
+                    matches!(x, crate::share::ShareEntry::Hint(g) if g.0 >= base.0 && g.0 < base.0 + 4)
+                })
+                .count()
+        };
+        assert_eq!(hints(&e), 4, "its 4 distinct pages hinted");
+        e.remove(a);
+        assert_eq!(hints(&e), 0);
+        let b = attach(&mut e, 2, 1, Sharing::Domain).unwrap();
+        assert_eq!(e.vms[&b].base, base, "the space is given to the next guest");
         e.check_invariants().unwrap();
     }
 

@@ -38,6 +38,7 @@ mod early;
 mod entitlement;
 pub mod fill;
 pub mod free_discard;
+mod gpn_space;
 mod guests;
 mod kernel_swap;
 pub mod never_share;
@@ -448,7 +449,8 @@ pub struct Engine {
     pub(crate) vms: BTreeMap<VmId, Vm>,
     /// VM by first gpn.
     pub(crate) by_base: BTreeMap<Gpn, VmId>,
-    pub(crate) next_base: u32,
+    /// The global page space: each guest's range, and the free ones.
+    pub(crate) gpns: gpn_space::GpnSpace,
     pub(crate) next_vm: u32,
     pub(crate) scan: scan::ScanState,
     pub(crate) budget: books::BudgetState,
@@ -486,7 +488,7 @@ impl Engine {
             zero_hash: (cfg.page_hash)(&[0u8; PAGE_SIZE]),
             vms: BTreeMap::new(),
             by_base: BTreeMap::new(),
-            next_base: 0,
+            gpns: Default::default(),
             next_vm: 0,
             scan: scan::ScanState::new(now),
             budget: books::BudgetState::new(now),
