@@ -540,3 +540,57 @@ fn a_fake_memfoldd_that_never_answers_does_not_freeze_the_guest() {
     }
     guest.join().unwrap();
 }
+
+/// One RAM memfd is one guest. A QEMU (this process) hands memfoldd the memfd it attached
+/// as `a` again, named `b`: refused, naming `a`. Named `a` again while `a` is attached
+/// (an agent connecting again before memfoldd saw its old connection end): the new
+/// connection replaces the old one, which memfoldd closes. Either way memfoldd books one
+/// guest. Fails without the check in memfoldd's `attach` (a second guest `b` on `a`'s
+/// memory, and a second `a`).
+#[test]
+fn one_ram_memfd_is_one_guest() {
+    let work = tempfile::tempdir().unwrap();
+    let socket = memfoldd(work.path());
+    let ram = memfd::create("guest-ram").unwrap();
+    memfd::set_len(ram.as_fd(), 64 * PAGE as u64).unwrap();
+    memfd::pwrite_all(ram.as_fd(), &[5u8; 8 * PAGE], 0).unwrap();
+    let say = |name: &str| {
+        let c = Conn::connect(&socket).unwrap();
+        let hello = ToDaemon::AgentHello {
+            version: PROTOCOL_VERSION,
+            name: name.into(),
+            pid: std::process::id(),
+            ram_bytes: 64 * PAGE as u64,
+            shared: 0,
+            opted_out: false,
+        };
+        c.send(&hello, &[ram.as_fd()]).unwrap();
+        c.set_recv_timeout(Duration::from_secs(5)).unwrap();
+        let (reply, _) = c.recv::<ToAgent>().unwrap().expect("an answer");
+        (c, reply)
+    };
+    let (first, reply) = say("a");
+    assert!(matches!(reply, ToAgent::Welcome { .. }), "{reply:?}");
+    let (_b, reply) = say("b");
+    assert!(
+        matches!(&reply, ToAgent::Refused { message } if message.contains("guest \"a\"'s")),
+        "{reply:?}"
+    );
+    let (_second, reply) = say("a");
+    assert!(matches!(reply, ToAgent::Welcome { .. }), "{reply:?}");
+    // memfoldd ends the old connection (its reads see the end, not a timeout).
+    loop {
+        match first.recv::<ToAgent>() {
+            Ok(Some(_)) => continue,
+            Ok(None) => break,
+            Err(e) => panic!("the old connection is still open: {e}"),
+        }
+    }
+    let stats = query_stats(&socket).unwrap();
+    let names: Vec<(&str, bool)> = stats
+        .vms
+        .iter()
+        .map(|v| (v.name.as_str(), v.detached))
+        .collect();
+    assert_eq!(names, [("a", false)], "one guest, attached");
+}

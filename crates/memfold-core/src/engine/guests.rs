@@ -134,7 +134,7 @@ impl Engine {
     }
 
     /// Attaches a guest, or re-attaches one whose connection was lost while its QEMU
-    /// lived (same pid): its agent wrote every stashed page back before re-attaching, so
+    /// lived (same pid and name, detached): its agent wrote every stashed page back before re-attaching, so
     /// their blobs are released; what it maps now (`a.mapped`) replaces what the books said,
     /// including requests lost in doubt. Frames of an adopted pool that a guest maps are
     /// read, hashed and entered in the share table.
@@ -161,7 +161,11 @@ impl Engine {
         // guest, and any guest joining a never-share guest's domain.
         // (`check_invariants` checks it; `never_share_guest_is_alone_in_its_domain` fails
         // without this check.)
-        let same = |v: &super::Vm| v.pid == a.pid && !v.attached && v.pages() == a.pages;
+        // Its own re-attach: the same QEMU and region (a QEMU of several RAM regions has a
+        // guest each, by name), detached.
+        let same = |v: &super::Vm| {
+            v.pid == a.pid && v.name == a.name && !v.attached && v.pages() == a.pages
+        };
         if let Some(other) = self.vms.values().find(|v| {
             v.domain == a.domain
                 && !same(v)
@@ -181,11 +185,7 @@ impl Engine {
         let cap = self.swap_capacity;
         let swap_space =
             |b: Option<Box<dyn Backing>>| b.map(|b| BlobSpace::new(BlobHome::Swap, b, Some(cap)));
-        let old = self
-            .vms
-            .iter()
-            .find(|(_, v)| v.pid == a.pid && !v.attached && v.pages() == a.pages)
-            .map(|(id, _)| *id);
+        let old = self.vms.iter().find(|(_, v)| same(v)).map(|(id, _)| *id);
         let id = match old {
             Some(id) => {
                 if self.vms[&id].domain != a.domain {
@@ -200,7 +200,6 @@ impl Engine {
                 v.ram = a.ram;
                 // Its RAM's data runs are asked again of the new descriptor.
                 v.run_end = 0;
-                v.name = a.name;
                 v.sharing = a.sharing;
                 // Its old store and swap file hold nothing now; new ones replace them.
                 v.store = BlobSpace::new(BlobHome::Store, a.store, None);
@@ -620,6 +619,35 @@ mod tests {
         assert_eq!(hints(&e), 0);
         let b = attach(&mut e, 2, 1, Sharing::Domain).unwrap();
         assert_eq!(e.vms[&b].base, base, "the space is given to the next guest");
+        e.check_invariants().unwrap();
+    }
+
+    /// A QEMU of two RAM regions of one size has a guest each (`NAME/ramK`); with both
+    /// detached, each region's re-attach finds its own guest, by name. Fails (region 1
+    /// re-attached as region 0's guest) when the re-attach matches by pid and size only.
+    #[test]
+    fn each_region_of_a_qemu_re_attaches_as_itself() {
+        let (mut e, _) = engine();
+        let region = |e: &mut Engine, k: u32| {
+            e.attach(Attach {
+                name: format!("q/ram{k}"),
+                pid: 9,
+                pages: 4,
+                ram: Box::new(MemGuestRam::new(4)),
+                mapped: vec![],
+                domain: DomainId(0),
+                store: Box::new(MemBacking::new()),
+                swap: None,
+                sharing: Sharing::Domain,
+            })
+            .unwrap()
+        };
+        let (r0, r1) = (region(&mut e, 0), region(&mut e, 1));
+        e.detach(r0);
+        e.detach(r1);
+        assert_eq!(region(&mut e, 1), r1);
+        assert_eq!(region(&mut e, 0), r0);
+        assert_eq!(e.vms.len(), 2);
         e.check_invariants().unwrap();
     }
 

@@ -357,12 +357,40 @@ impl Guests {
         Some(vm)
     }
 
-    /// The RAM memfd identity of the detached guest of QEMU `pid`, if there is one.
-    pub(crate) fn detached_ram(&self, pid: u32) -> Option<(u64, u64)> {
+    /// The RAM memfd identity of the detached guest `name` of QEMU `pid`, if there is one
+    /// (a QEMU of several RAM regions has a guest each, `NAME/ramK`).
+    pub(crate) fn detached_ram(&self, pid: u32, name: &str) -> Option<(u64, u64)> {
         self.by_vm
             .values()
-            .find(|g| g.pid == pid && g.conn.is_none())
+            .find(|g| g.pid == pid && g.name == name && g.conn.is_none())
             .map(|g| g.ram_id)
+    }
+
+    /// The guest, attached or detached, whose RAM memfd is `ram_id`: its id, its QEMU's
+    /// pid, its name and whether it is attached.
+    pub(crate) fn holder_of_ram(&self, ram_id: (u64, u64)) -> Option<(VmId, u32, &str, bool)> {
+        self.by_vm
+            .iter()
+            .find(|(_, g)| g.ram_id == ram_id)
+            .map(|(vm, g)| (*vm, g.pid, g.name.as_str(), g.conn.is_some()))
+    }
+
+    /// Ends guest `vm`'s connection now, as if it were gone (its QEMU connected again for
+    /// it: the new connection replaces it). Returns whether it was attached.
+    pub(crate) fn supersede(&mut self, vm: VmId) -> bool {
+        let Some(g) = self.by_vm.get_mut(&vm) else {
+            return false;
+        };
+        if let Some(t) = g.token.take() {
+            self.by_token.remove(&t);
+        }
+        match g.conn.take() {
+            Some(c) => {
+                c.end();
+                true
+            }
+            None => false,
+        }
     }
 
     /// The way to guest `vm`'s agent.

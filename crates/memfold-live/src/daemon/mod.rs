@@ -568,13 +568,30 @@ impl Daemon {
                 return;
             }
         };
-        // A re-attach proves it is the same VM: the same QEMU (pid from the kernel) with
-        // the same RAM memfd.
-        let detached = self.guests.detached_ram(pid);
+        // INVARIANT: one RAM memfd, one guest. A re-attach proves it is the same VM: the
+        // same QEMU (pid from the kernel), the same region (name), the same RAM memfd.
+        // The same memfd as a second guest would be booked twice — one guest's share
+        // punching the page the other's books call private — and the engine, which knows
+        // guests by pid and name, could re-attach the wrong region. (Tests:
+        // `malicious_peers.rs`, `one_ram_memfd_is_one_guest`.)
+        let detached = self.guests.detached_ram(pid, &name);
         let known = detached.is_some();
         if detached.is_some_and(|id| id != ram_id) {
             refuse("re-attach with another RAM memfd than its QEMU attached with".into());
             return;
+        }
+        let mut supersede = None;
+        if let Some((vm, holder_pid, holder, attached)) = self.guests.holder_of_ram(ram_id) {
+            if holder_pid != pid || holder != name {
+                refuse(format!(
+                    "its RAM memfd is guest {holder:?}'s (pid {holder_pid}){}",
+                    if attached { "" } else { ", detached" }
+                ));
+                return;
+            }
+            // Its own QEMU connects again for it before memfoldd has seen the old
+            // connection end (the two readers race): the new one replaces it.
+            supersede = attached.then_some(vm);
         }
         if shared > ram_bytes / PAGE {
             refuse(format!(
@@ -641,6 +658,13 @@ impl Daemon {
                 return;
             }
         };
+        if let Some(old) = supersede {
+            if self.guests.supersede(old) {
+                tracing::info!("{name}: connected again; its old connection is closed");
+                self.executor.lost(&mut self.engine, old);
+                self.engine.detach(old);
+            }
+        }
         let vm = match self.engine.attach(Attach {
             name: name.clone(),
             pid,

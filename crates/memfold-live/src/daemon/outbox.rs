@@ -78,6 +78,11 @@ impl Outbox {
         self.queued.load(Ordering::Relaxed) < ROOM
     }
 
+    /// Ends the connection now; what is queued is dropped.
+    pub(crate) fn end(self) {
+        self.conn.shutdown();
+    }
+
     /// Closes outboxes `all`: each writer sends what is queued (an opt-out the agent must
     /// carry to the next memfoldd, answers of a drain), for up to `wait` in all, then
     /// every connection ends.
