@@ -1,6 +1,7 @@
 //! Who may talk to memfoldd (issue 14, "Authentication"): with an agent group, QEMUs that
 //! run as an unprivileged user in that group may attach (each user its own sharing
-//! domain) and read statistics, but only root and memfoldd's own user are operators — a
+//! domain) and read their own guests' statistics (no other tenant's, no host-wide
+//! figure), but only root and memfoldd's own user are operators — a
 //! tenant's QEMU cannot opt another guest out nor take a census of every guest's pages; a
 //! user outside the group is refused at the door. The test re-runs this binary as child processes under uid 65534 (`nobody`) with
 //! group 65534 (the agent group) or 65533 (a stranger), each checking what it is allowed.
@@ -42,8 +43,31 @@ fn child_role() {
     let socket = std::path::PathBuf::from(std::env::var(SOCKET).unwrap());
     match role.as_str() {
         "tenant" => {
-            let stats = client(&socket, &ToDaemon::Stats);
-            assert!(matches!(stats, ToClient::Stats(_)), "{stats:?}");
+            // It may attach its own guest.
+            let c = Conn::connect(&socket).unwrap();
+            let ram = memfd::create("tenant-ram").unwrap();
+            memfd::set_len(ram.as_fd(), 64 * 4096).unwrap();
+            let hello = ToDaemon::AgentHello {
+                version: PROTOCOL_VERSION,
+                name: "tenant-guest".into(),
+                pid: 0,
+                ram_bytes: 64 * 4096,
+                shared: 0,
+                opted_out: false,
+            };
+            c.send(&hello, &[ram.as_fd()]).unwrap();
+            c.set_recv_timeout(Duration::from_secs(5)).unwrap();
+            let (reply, _) = c.recv::<ToAgent>().unwrap().expect("an answer");
+            assert!(matches!(reply, ToAgent::Welcome { .. }), "{reply:?}");
+            // Its statistics list its own guest, not the operator's, and no host-wide
+            // figure (they count the other guests too).
+            let ToClient::Stats(stats) = client(&socket, &ToDaemon::Stats) else {
+                panic!("no statistics for a tenant");
+            };
+            let names: Vec<&str> = stats.vms.iter().map(|v| v.name.as_str()).collect();
+            assert_eq!(names, ["tenant-guest"], "a tenant saw another's guests");
+            assert_eq!(stats.tenant_uid, Some(65534));
+            assert_eq!((stats.domains, stats.frames, stats.cpu_s), (0, 0, 0.0));
             let out = ToDaemon::OptOut {
                 name: "operator-guest".into(),
                 out: true,
@@ -74,22 +98,6 @@ fn child_role() {
                 matches!(&reply, ToClient::Error { message } if message.contains("block device")),
                 "a tenant spoke as a block device: {reply:?}"
             );
-            // It may attach its own guest.
-            let c = Conn::connect(&socket).unwrap();
-            let ram = memfd::create("tenant-ram").unwrap();
-            memfd::set_len(ram.as_fd(), 64 * 4096).unwrap();
-            let hello = ToDaemon::AgentHello {
-                version: PROTOCOL_VERSION,
-                name: "tenant-guest".into(),
-                pid: 0,
-                ram_bytes: 64 * 4096,
-                shared: 0,
-                opted_out: false,
-            };
-            c.send(&hello, &[ram.as_fd()]).unwrap();
-            c.set_recv_timeout(Duration::from_secs(5)).unwrap();
-            let (reply, _) = c.recv::<ToAgent>().unwrap().expect("an answer");
-            assert!(matches!(reply, ToAgent::Welcome { .. }), "{reply:?}");
         }
         "stranger" => {
             // The socket's mode keeps it out (0660, the agent group's); were it open, the
@@ -153,6 +161,8 @@ fn tenants_of_the_agent_group_attach_but_are_not_operators() {
         guest_channels: None,
     };
     common::start_memfoldd_with(cfg);
+    // The operator's own guest, which no tenant may see.
+    let _operator = common::attach_fake_qemu(&socket, "operator-guest", &[3u8; 16 * 4096]);
     run_child(&socket, "tenant", AGENT_GID);
     run_child(&socket, "stranger", AGENT_GID - 1);
     // The operator (this process, root) may.
@@ -172,4 +182,11 @@ fn tenants_of_the_agent_group_attach_but_are_not_operators() {
     }
     let census = client(&socket, &ToDaemon::Census);
     assert!(matches!(census, ToClient::Census(_)), "{census:?}");
+    // The operator sees every guest and the host-wide figures.
+    let ToClient::Stats(stats) = client(&socket, &ToDaemon::Stats) else {
+        panic!("no statistics for the operator");
+    };
+    assert!(stats.vms.iter().any(|v| v.name == "operator-guest"));
+    assert_eq!(stats.tenant_uid, None);
+    assert!(stats.domains >= 1);
 }

@@ -579,6 +579,13 @@ pub struct Stats {
     /// Pages sent to the kernel's swap (zeros from an older memfoldd).
     #[serde(default)]
     pub kernel_swap: KernelSwapStats,
-    /// Per guest.
+    /// Per guest: every guest for an operator, only its own for a tenant.
     pub vms: Vec<VmStats>,
+    /// `Some(uid)`: the view of a tenant (a QEMU user of the agent group, not an
+    /// operator), which lists only the guests whose QEMUs run as `uid`; every host-wide
+    /// figure above other than `uptime_s`, `rate_pages_per_s` and `policy` is then left
+    /// at zero, since it counts other tenants' guests too (their names, sizes and
+    /// activity are not a tenant's to see). `None`: an operator's view.
+    #[serde(default)]
+    pub tenant_uid: Option<u32>,
 }

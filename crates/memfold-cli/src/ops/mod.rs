@@ -406,6 +406,9 @@ pub fn status(a: &StatusArgs) -> Result<(), OpsError> {
             v.interval_s
                 .map_or(String::new(), |d| format!(", rates over {d:.1} s"))
         );
+        if let Some(uid) = now.tenant_uid {
+            println!("uid {uid}'s view: its own guests only; host-wide figures are an operator's");
+        }
         println!("{}", cpu_line(&v));
         print!("{}", table(&v));
     }

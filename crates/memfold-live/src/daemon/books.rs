@@ -110,14 +110,21 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
     }
 }
 
-/// memfoldd's statistics now.
-pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats {
+/// memfoldd's statistics now: an operator's (`tenant` `None`), or tenant `uid`'s (only
+/// the guests whose QEMUs run as `uid`, and no host-wide figure: [`Stats::tenant_uid`]).
+pub(crate) fn stats(
+    engine: &Engine,
+    guests: &Guests,
+    claims: &Claims,
+    tenant: Option<u32>,
+) -> Stats {
     let b: Books = engine.books();
     // One read of /proc per QEMU: a guest of several RAM regions is several engine guests.
     let mut cpu: std::collections::BTreeMap<u32, f64> = Default::default();
     let mut vms: Vec<VmStats> = b
         .vms
         .iter()
+        .filter(|v| tenant.is_none_or(|uid| guests.by_vm.get(&v.id).is_some_and(|g| g.uid == uid)))
         .map(|v| {
             let agent_cpu_s = *cpu
                 .entry(v.pid)
@@ -126,6 +133,16 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats 
         })
         .collect();
     vms.sort_by(|a, b| a.name.cmp(&b.name));
+    if tenant.is_some() {
+        return Stats {
+            uptime_s: b.uptime_s,
+            rate_pages_per_s: engine.config().rate,
+            policy: b.policy.clone(),
+            tenant_uid: tenant,
+            vms,
+            ..Stats::default()
+        };
+    }
     let mut all: [OpLatency; AGENT_OPS] = Default::default();
     for g in guests.by_vm.values() {
         for (a, h) in all.iter_mut().zip(&g.latency) {
@@ -224,6 +241,7 @@ pub(crate) fn stats(engine: &Engine, guests: &Guests, claims: &Claims) -> Stats 
         rss_bytes: memfold_sys::proc::rss_bytes(std::process::id()),
         kernel_swap,
         vms,
+        tenant_uid: None,
     }
 }
 

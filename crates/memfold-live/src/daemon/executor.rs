@@ -383,7 +383,7 @@ mod tests {
         let _silent = memfold_wire::Conn::connect(&dir.path().join("s")).unwrap();
         let mut guests = Guests::default();
         let outbox = super::super::outbox::Outbox::new(&listener.accept().unwrap(), "silent");
-        guests.attached(vm, "silent", 1, outbox.unwrap(), 10, (0, 0));
+        guests.attached(vm, "silent", 1, outbox.unwrap(), (10, 0, (0, 0)));
         let mut x = Executor::default();
         for _ in 0..50 {
             clock.advance(10_000);

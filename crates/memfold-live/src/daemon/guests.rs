@@ -43,13 +43,15 @@ pub(crate) enum Input {
     /// A block device's connection ended.
     DeviceGone { token: u64 },
     /// A client's request; `operator`: the peer is root or memfoldd's own user, who may
-    /// change what memfoldd does (an opt-out), not only read its statistics. The answer
+    /// change what memfoldd does (an opt-out) and see every guest; `uid`: the peer's (a
+    /// tenant sees only its own guests' statistics). The answer
     /// goes back to the connection's reader, which sends it: the main thread never
     /// waits on a client that does not read, and a client has one request in flight.
     Client {
         reply: mpsc::Sender<ToClient>,
         msg: ToDaemon,
         operator: bool,
+        uid: u32,
     },
 }
 
@@ -191,6 +193,7 @@ fn read_loop(t: u64, conn: Conn, tx: mpsc::SyncSender<Input>, agent_gid: Option<
                     reply,
                     msg,
                     operator,
+                    uid: peer.uid,
                 };
                 if tx.send(input).is_err() {
                     return;
@@ -240,6 +243,8 @@ pub(crate) struct Guest {
     /// The reader thread's token of that connection.
     pub(crate) token: Option<u64>,
     pub(crate) pid: u32,
+    /// Its QEMU's uid (from the kernel): a tenant's statistics list its own guests only.
+    pub(crate) uid: u32,
     /// The agent's counters and latency histograms, as last reported.
     pub(crate) wp_faults: u64,
     pub(crate) missing_faults: u64,
@@ -265,8 +270,9 @@ pub(crate) struct Guest {
 }
 
 impl Guest {
-    /// Guest `name` of QEMU `pid` with RAM `ram_id`, not yet connected, nothing counted.
-    fn detached(name: &str, pid: u32, ram_id: (u64, u64)) -> Guest {
+    /// Guest `name` of QEMU `pid` (user `uid`) with RAM `ram_id`, not yet connected,
+    /// nothing counted.
+    fn detached(name: &str, pid: u32, uid: u32, ram_id: (u64, u64)) -> Guest {
         Guest {
             name: name.into(),
             ram_id,
@@ -274,6 +280,7 @@ impl Guest {
             conn: None,
             token: None,
             pid,
+            uid,
             wp_faults: 0,
             missing_faults: 0,
             minor_faults: 0,
@@ -315,21 +322,20 @@ impl Guests {
     }
 
     /// Records guest `vm` (re-)attached on connection `token`, its messages going out
-    /// through `conn`.
+    /// through `conn`, its RAM memfd `ram_id` in QEMU `pid` of user `uid`.
     pub(crate) fn attached(
         &mut self,
         vm: VmId,
         name: &str,
         token: u64,
         conn: super::outbox::Outbox,
-        pid: u32,
-        ram_id: (u64, u64),
+        (pid, uid, ram_id): (u32, u32, (u64, u64)),
     ) {
         self.by_token.insert(token, vm);
         let g = self
             .by_vm
             .entry(vm)
-            .or_insert_with(|| Guest::detached(name, pid, ram_id));
+            .or_insert_with(|| Guest::detached(name, pid, uid, ram_id));
         g.conn = Some(conn);
         g.token = Some(token);
     }
@@ -700,13 +706,13 @@ mod tests {
         let mut guests = Guests::default();
         guests
             .by_vm
-            .insert(VmId(1), Guest::detached("g/ram1", me, gone_ram));
+            .insert(VmId(1), Guest::detached("g/ram1", me, 0, gone_ram));
         guests
             .by_vm
-            .insert(VmId(2), Guest::detached("h", dead, held_ram));
+            .insert(VmId(2), Guest::detached("h", dead, 0, held_ram));
         guests
             .by_vm
-            .insert(VmId(3), Guest::detached("g/ram0", me, held_ram));
+            .insert(VmId(3), Guest::detached("g/ram0", me, 0, held_ram));
         assert_eq!(
             guests.released(),
             [(VmId(1), Release::Unmapped), (VmId(2), Release::Exited)]

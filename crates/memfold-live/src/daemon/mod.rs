@@ -428,10 +428,14 @@ impl Daemon {
                 reply,
                 msg,
                 operator,
+                uid,
             } => {
                 let answer = match msg {
                     ToDaemon::Stats => {
-                        let mut stats = books::stats(&self.engine, &self.guests, &self.claims);
+                        // A tenant sees its own guests only (test `access.rs`).
+                        let viewer = (!operator).then_some(uid);
+                        let mut stats =
+                            books::stats(&self.engine, &self.guests, &self.claims, viewer);
                         if let Some(c) = &self.channels {
                             c.fill(&mut stats.vms);
                         }
@@ -697,7 +701,8 @@ impl Daemon {
         if !sent {
             conn.shutdown();
         }
-        self.guests.attached(vm, &name, token, outbox, pid, ram_id);
+        self.guests
+            .attached(vm, &name, token, outbox, (pid, uid, ram_id));
         // A guest this memfoldd knew: its own record of the opt-out holds (an opt-in or
         // opt-out made while the agent was detached included). A guest it did not (a
         // restart): the agent's word, so an opt-out outlives the restart.
