@@ -489,7 +489,7 @@ impl Daemon {
             // The agent carries it to a restarted memfoldd. With no connection now, the
             // re-attach tells it (`attach`).
             if let Some(c) = self.guests.conn(id) {
-                c.send(ToAgent::OptedOut { out });
+                c.send_state(ToAgent::OptedOut { out });
             }
         }
         ToClient::OptedOut { pages }
@@ -715,7 +715,7 @@ impl Daemon {
         // The agent remembers what holds now, for the next restart.
         let out = self.engine.is_opted_out(vm);
         if let Some(c) = self.guests.conn(vm) {
-            c.send(ToAgent::OptedOut { out });
+            c.send_state(ToAgent::OptedOut { out });
         }
     }
 
