@@ -97,6 +97,9 @@ pub struct FillAnswer {
 struct Waiting {
     left: u32,
     filled: Vec<Gfn>,
+    /// Its place in the order fills were asked: the oldest is answered first when
+    /// [`MAX_WAITING`] wait.
+    seq: u64,
 }
 
 /// The engine's state of fills and of the block indexes.
@@ -109,6 +112,8 @@ pub(crate) struct Fills {
     /// Fill commands under way: their request.
     filling: HashMap<(VmId, Gfn), FillId>,
     waiting: BTreeMap<(VmId, FillId), Waiting>,
+    /// The next fill's [`Waiting::seq`].
+    next_seq: u64,
     answers: Vec<FillAnswer>,
 }
 
@@ -263,7 +268,17 @@ impl Engine {
             });
         } else {
             if self.fills.waiting.len() >= MAX_WAITING {
-                if let Some(((vm, old), w)) = self.fills.waiting.pop_first() {
+                // The oldest, whichever guest asked it (by key, the lowest guest id's
+                // went first: one busy guest's device could starve another's). A scan of
+                // the waiting fills, only when they are this many.
+                let oldest = self
+                    .fills
+                    .waiting
+                    .iter()
+                    .min_by_key(|(_, w)| w.seq)
+                    .map(|(k, _)| *k);
+                if let Some((vm, old)) = oldest {
+                    let w = self.fills.waiting.remove(&(vm, old)).expect("found");
                     self.fills.answers.push(FillAnswer {
                         vm,
                         fill: old,
@@ -271,11 +286,14 @@ impl Engine {
                     });
                 }
             }
+            let seq = self.fills.next_seq;
+            self.fills.next_seq += 1;
             self.fills.waiting.insert(
                 key,
                 Waiting {
                     left: asked,
                     filled: Vec::new(),
+                    seq,
                 },
             );
         }
@@ -335,6 +353,11 @@ mod tests {
 
     /// Sharing only, and no scan: every share here is made at read.
     fn rig() -> Rig {
+        rig_of(PAGES)
+    }
+
+    /// [`rig`] with a guest of `pages` pages.
+    fn rig_of(pages: u32) -> Rig {
         let cfg = EngineConfig {
             policy: Policy::sharing_only(),
             read_fill: true,
@@ -343,8 +366,8 @@ mod tests {
             max_scan_interval_us: 3_600_000_000,
             ..EngineConfig::default()
         };
-        let mut r = Rig::new(cfg, PAGES).unwrap();
-        for g in 0..PAGES {
+        let mut r = Rig::new(cfg, pages).unwrap();
+        for g in 0..pages {
             r.agent.write(Gfn(g), 0, &[g as u8 + 1; PAGE_SIZE]).unwrap();
         }
         r
@@ -374,7 +397,11 @@ mod tests {
     /// Two reads of block B share their pages onto a frame, which makes (B, frame) a
     /// candidate; the base's bytes, not the guest's, index it.
     fn learnt() -> (Rig, BlockCandidate) {
-        let mut r = rig();
+        learnt_in(rig())
+    }
+
+    /// [`learnt`] in rig `r`.
+    fn learnt_in(mut r: Rig) -> (Rig, BlockCandidate) {
         land(&mut r, &[3, 20]);
         let cands = r.engine.take_block_candidates();
         assert!(!cands.is_empty(), "a landed page shared is a candidate");
@@ -502,6 +529,25 @@ mod tests {
         let a = r.engine.take_fill_answers();
         assert_eq!(a.len(), 3);
         assert!(a.iter().all(|a| a.filled.is_empty()));
+        r.engine.check_invariants().unwrap();
+    }
+
+    /// Past [`MAX_WAITING`] fills waiting, the oldest is answered first, whatever its id
+    /// (ids are the devices'; by key, the lowest guest id's and then the lowest fill id's
+    /// went first). Fails with the eviction by key.
+    #[test]
+    fn past_max_waiting_the_oldest_fill_is_answered_first() {
+        let n = MAX_WAITING as u32 + 1;
+        let (mut r, _) = learnt_in(rig_of(n + 100));
+        for i in 0..n {
+            // Ids counting down: the oldest has the highest.
+            let fill = FillId((n - i) as u64);
+            let asked = r.engine.fill_read(r.vm, fill, &[(Gfn(100 + i), B)], NONCE);
+            assert_eq!(asked, 1);
+        }
+        let a = r.engine.take_fill_answers();
+        assert_eq!(a.len(), 1, "one fill answered to make room");
+        assert_eq!(a[0].fill, FillId(n as u64), "the oldest");
         r.engine.check_invariants().unwrap();
     }
 
