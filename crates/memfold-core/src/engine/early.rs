@@ -12,7 +12,8 @@
 //! in flight (the first: it moves the page back into RAM, so no later one can match the
 //! same holding), so a flood costs memfoldd no more than the requests it sent. A lost
 //! answer leaves it parked until the agent attaches again, whose mappings are then the
-//! truth.
+//! truth. The one exception: the first page-in after a page-out whose answer was lost is
+//! that page-out's as likely as the next one's, and in the normal order: applied at once.
 
 use super::{Discard, Engine};
 use crate::ids::{FrameId, Gfn, VmId};
@@ -52,8 +53,13 @@ impl Engine {
             }
             (PageState::Reclaiming, Early::Refilled | Early::Discarded(Discard::Zero)) => true,
             (PageState::Stashing(_), Early::Unstashed | Early::Discarded(Discard::Stored)) => true,
+            // The first page-in after a page-out whose answer was lost may be that one's,
+            // reported in the normal order: applied at once (parked, it unmarked the
+            // page the next page-out took out). Only the real agent loses answers (with
+            // its connection), so this costs a lying one nothing it could use.
             (PageState::Private, Early::PagedIn) => {
-                v.hints.page_out_going(g) && !v.p2m[g.index()].is_paged_out()
+                let lost = v.lost_page_outs.remove(&g);
+                !lost && v.hints.page_out_going(g) && !v.p2m[g.index()].is_paged_out()
             }
             _ => false,
         };
@@ -216,14 +222,7 @@ mod tests {
     /// (it would count as saved while in RAM, and never be offered again).
     #[test]
     fn a_page_in_before_its_page_out_answer_leaves_the_page_in_ram() {
-        let mut cfg = quick_config(Policy::difference_engine());
-        cfg.compress_backing = crate::engine::CompressBacking::Zswap;
-        let mut r = Rig::new(cfg, PAGES).unwrap();
-        for g in 0..PAGES {
-            let words = format!("page {g} of the early page-out test, ");
-            let bytes: Vec<u8> = words.bytes().cycle().take(PAGE_SIZE).collect();
-            r.agent.write(Gfn(g), 0, &bytes).unwrap();
-        }
+        let mut r = zswap_rig();
         let g = touched_before_answer(
             &mut r,
             |c| match *c {
@@ -235,5 +234,83 @@ mod tests {
         assert!(!r.agent.is_paged_out(g));
         assert!(!r.engine.page_paged_out(r.vm, g), "{g}: booked out, in RAM");
         books_agree(&r);
+    }
+
+    /// Distinct text pages, compressed by paging them out to the kernel's swap.
+    fn zswap_rig() -> Rig {
+        let mut cfg = quick_config(Policy::difference_engine());
+        cfg.compress_backing = crate::engine::CompressBacking::Zswap;
+        let mut r = Rig::new(cfg, PAGES).unwrap();
+        for g in 0..PAGES {
+            let words = format!("page {g} of the early page-out test, ");
+            let bytes: Vec<u8> = words.bytes().cycle().take(PAGE_SIZE).collect();
+            r.agent.write(Gfn(g), 0, &bytes).unwrap();
+        }
+        r
+    }
+
+    /// A page-out done whose answer was lost, the page read back in, and a new page-out
+    /// of it asked and done: the page-in the agent reports before the new answer is the
+    /// old page-out's, in the normal order. It must not wait for the new answer (it then
+    /// unmarked a page the new one had paged out: booked in RAM while out). Fails
+    /// without `lost_page_outs`.
+    #[test]
+    fn a_page_in_of_a_page_out_whose_answer_was_lost_is_not_parked() {
+        let mut r = zswap_rig();
+        let mut lost = None;
+        for _ in 0..2000 {
+            r.clock.advance(10_000);
+            r.engine.scan_step().unwrap();
+            r.engine.clock_step();
+            for c in r.engine.take_commands(r.vm) {
+                if r.agent.clock_scan_cmd(&c).is_some() {
+                    r.answer(c);
+                    continue;
+                }
+                let o = r.agent.execute(&c);
+                match c {
+                    Command::PageOut { gfn } if lost.is_none() && o == Outcome::Done => {
+                        r.engine.outcome(r.vm, &c, Outcome::Lost);
+                        lost = Some(gfn);
+                    }
+                    _ => r.engine.outcome(r.vm, &c, o),
+                }
+            }
+            r.report();
+            if lost.is_some() {
+                break;
+            }
+        }
+        let g = lost.expect("a page-out in 2000 steps");
+        assert!(r.agent.is_paged_out(g) && !r.engine.page_paged_out(r.vm, g));
+        // The guest reads it back in; the agent's page-in waits in its report until the
+        // engine pages the page out again (once the clock finds it cold), done at once.
+        r.agent.read(g).unwrap();
+        for _ in 0..20_000 {
+            r.clock.advance(10_000);
+            r.engine.scan_step().unwrap();
+            r.engine.clock_step();
+            let mut held = None;
+            for c in r.engine.take_commands(r.vm) {
+                if r.agent.clock_scan_cmd(&c).is_some() {
+                    r.answer(c);
+                    continue;
+                }
+                let o = r.agent.execute(&c);
+                if c == (Command::PageOut { gfn: g }) && o == Outcome::Done {
+                    held = Some((c, o));
+                } else {
+                    r.engine.outcome(r.vm, &c, o);
+                }
+            }
+            if let Some((c, o)) = held {
+                r.report();
+                r.engine.outcome(r.vm, &c, o);
+                assert!(r.engine.page_paged_out(r.vm, g), "{g}: booked in RAM, out");
+                books_agree(&r);
+                return;
+            }
+        }
+        panic!("{g} not paged out again");
     }
 }

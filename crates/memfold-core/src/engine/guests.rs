@@ -246,6 +246,7 @@ impl Engine {
                         share_refused_us: None,
                         unmapping: Default::default(),
                         early: Default::default(),
+                        lost_page_outs: Default::default(),
                         unmapped_ages: super::unmapped::UnmappedAges::new(now),
                         read_sharing: Default::default(),
                         read_shared_at: Default::default(),

@@ -152,6 +152,8 @@ impl Engine {
                     && !v.p2m[g.index()].is_paged_out() =>
             {
                 v.p2m[g.index()] = P2mEntry::paged_out_at(secs);
+                // Out by this page-out: the next page-in is its own.
+                v.lost_page_outs.remove(&g);
                 v.books.paged_out_pages += 1;
                 v.books.page_outs += 1;
             }

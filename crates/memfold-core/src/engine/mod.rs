@@ -310,6 +310,9 @@ pub(crate) struct Vm {
     pub(crate) unmapping: std::collections::HashSet<Gfn>,
     /// Events the agent reported before answering their page's request ([`early`]).
     pub(crate) early: std::collections::HashMap<Gfn, early::Early>,
+    /// Pages whose page-out answer was lost: their next page-in may be that page-out's,
+    /// not the next one's ([`early`]). Kept across a re-attach.
+    pub(crate) lost_page_outs: std::collections::BTreeSet<Gfn>,
     /// Whether each page shared without a mapping has lived long ([`unmapped`]); its
     /// marks are nibbles of `clock`'s words.
     pub(crate) unmapped_ages: unmapped::UnmappedAges,

@@ -88,6 +88,8 @@ impl Engine {
                     // swaps it back in (the agent then reports it paged in).
                     if gfn.0 < v.pages() {
                         v.hints.take_page_out_going(gfn);
+                        // Maybe done: its page-in may come yet (`early`).
+                        v.lost_page_outs.insert(gfn);
                     }
                     // A page-in reported early: in RAM, as the books already say.
                     v.early.remove(&gfn);
