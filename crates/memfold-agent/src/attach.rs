@@ -3,6 +3,13 @@
 //! pool, store and swap file), bringing stashed pages home before a re-attach, and the
 //! reports (CoW breaks, refills and unstashed pages as they happen, counters and
 //! latencies every second).
+//!
+//! Everything after the hello goes out through one queue in order (an answer before the
+//! events that follow it), as far as memfoldd's socket takes it now
+//! ([`Agent::flush_to_memfoldd`]): the thread that sends is the one that serves the
+//! guest's faults, and a memfoldd that reads slowly or not at all (stalled, stopped, or
+//! its readers held by its own full input queue) must never hold them. It did: a blocking
+//! send on a full socket froze the guest until memfoldd read again.
 
 use std::io;
 use std::os::fd::AsFd;
@@ -26,6 +33,11 @@ const REFUSED_BACK_OFF: std::time::Duration = std::time::Duration::from_secs(30)
 
 /// How often the agent reports its counters and latencies.
 const REPORT_EVERY: Duration = Duration::from_secs(1);
+
+/// Messages that may wait for memfoldd to read; past it memfoldd is taken as gone and the
+/// connection dropped (the re-attach lists what holds). Answers and events are a page's
+/// state changes, so this many means memfoldd has read nothing for a long time.
+const MAX_BEHIND: usize = 1 << 14;
 
 /// Changes of page state the agent made on its own (serving faults), not yet reported.
 #[derive(Default)]
@@ -188,6 +200,8 @@ impl Agent {
                 self.store = (!got.is_empty()).then(|| got.remove(0));
                 self.swap = (!got.is_empty()).then(|| got.remove(0));
                 self.conn = Some(conn);
+                // Nothing of an old connection goes out on the new one.
+                self.outgoing.clear();
                 // Breaks and refills done while detached are reflected in the list.
                 self.pending.breaks.clear();
                 self.pending.refills.clear();
@@ -232,26 +246,71 @@ impl Agent {
         Ok(())
     }
 
-    /// Sends the CoW breaks made so far now, before the loop's turn ends (`nocopy.rs`). A
-    /// failed send drops the connection (the re-attach lists what is still shared).
+    /// Queues `m` for memfoldd behind what waits, and sends what the socket takes now
+    /// ([module docs](self)). Nothing without a connection (the re-attach lists what
+    /// holds).
+    pub(crate) fn send_to_memfoldd(&mut self, m: ToDaemon) {
+        if self.conn.is_some() {
+            self.outgoing.push_back(m);
+            self.flush_to_memfoldd();
+        }
+    }
+
+    /// Whether messages wait for room in memfoldd's socket (the loop then polls for it).
+    pub(crate) fn behind(&self) -> bool {
+        self.conn.is_some() && !self.outgoing.is_empty()
+    }
+
+    /// Sends the messages waiting, in order, until memfoldd's socket is full; never
+    /// waits. A failed send, or more than [`MAX_BEHIND`] waiting, drops the connection.
+    pub(crate) fn flush_to_memfoldd(&mut self) {
+        let Some(c) = &self.conn else {
+            self.outgoing.clear();
+            return;
+        };
+        while let Some(m) = self.outgoing.front() {
+            match c.try_send(m) {
+                Ok(true) => {
+                    self.outgoing.pop_front();
+                }
+                Ok(false) => break,
+                Err(e) => {
+                    tracing::warn!("send to memfoldd: {e}; re-attaching");
+                    self.conn = None;
+                    self.outgoing.clear();
+                    return;
+                }
+            }
+        }
+        if self.outgoing.len() > MAX_BEHIND {
+            tracing::warn!(
+                "memfoldd has read none of the last {MAX_BEHIND} messages; re-attaching"
+            );
+            self.conn = None;
+            self.outgoing.clear();
+        }
+    }
+
+    /// Sends the CoW breaks made so far now, before the loop's turn ends (`nocopy.rs`).
     pub(crate) fn send_breaks(&mut self) {
-        let Some(c) = &self.conn else { return };
-        if self.pending.breaks.is_empty() {
+        if self.conn.is_none() || self.pending.breaks.is_empty() {
             return;
         }
         let m = ToDaemon::CowBroken {
             breaks: std::mem::take(&mut self.pending.breaks),
         };
-        if c.send(&m, &[]).is_err() {
-            self.conn = None;
-        }
+        self.send_to_memfoldd(m);
     }
 
     /// Sends CoW breaks, refills, unstashed and discarded pages as they happen, counters and
-    /// latencies every second. A failed send drops the connection.
+    /// latencies every second (not while messages wait: they would pile up). A failed
+    /// send drops the connection.
     pub(crate) fn report(&mut self) {
+        self.flush_to_memfoldd();
         self.send_breaks();
-        let Some(c) = &self.conn else { return };
+        if self.conn.is_none() {
+            return;
+        }
         let mut msgs = Vec::new();
         if !self.pending.refills.is_empty() {
             msgs.push(ToDaemon::Refilled {
@@ -274,7 +333,7 @@ impl Agent {
                 gfns: gfns.to_vec(),
             });
         }
-        if self.counters.last_report.elapsed() >= REPORT_EVERY {
+        if self.counters.last_report.elapsed() >= REPORT_EVERY && self.outgoing.is_empty() {
             self.counters.last_report = Instant::now();
             msgs.push(ToDaemon::AgentStats(self.counters.report(
                 self.pages.state_bytes(),
@@ -283,11 +342,7 @@ impl Agent {
             )));
         }
         for m in msgs {
-            if c.send(&m, &[]).is_err() {
-                // memfoldd gone: the re-attach lists what is still shared or reclaimed.
-                self.conn = None;
-                return;
-            }
+            self.send_to_memfoldd(m);
         }
     }
 }

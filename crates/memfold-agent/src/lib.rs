@@ -302,6 +302,8 @@ struct Agent {
     /// Where each page lives, and its R and M bits.
     pages: Pages,
     conn: Option<Conn>,
+    /// Messages for memfoldd waiting for room in its socket, in order (`attach.rs`).
+    outgoing: std::collections::VecDeque<memfold_wire::ToDaemon>,
     last_connect: Option<Instant>,
     /// State changes made serving faults, not yet reported.
     pending: Pending,
@@ -596,6 +598,7 @@ fn run_region(
         swap: None,
         pages: Pages::new(pages),
         conn: None,
+        outgoing: Default::default(),
         last_connect: None,
         pending: Pending::default(),
         counters: Counters::new(),
@@ -613,9 +616,8 @@ fn run_region(
         Ok(e) if agent.gone.load(std::sync::atomic::Ordering::SeqCst) => {
             // memfoldd is told why the connection closes: a region released, not a QEMU
             // gone (it checks that in /proc too before it lets the guest go).
-            if let Some(c) = &agent.conn {
-                let _ = c.send(&memfold_wire::ToDaemon::RegionUnmapped, &[]);
-            }
+            // Best effort, after what waits: never blocks on a memfoldd that does not read.
+            agent.send_to_memfoldd(memfold_wire::ToDaemon::RegionUnmapped);
             return Err(io::Error::other(format!(
                 "guest RAM region {} was unmapped (hot-unplug): detached ({e})",
                 agent.cfg.name
@@ -649,9 +651,11 @@ impl Agent {
                 revents: 0,
             }];
             if let Some(c) = &self.conn {
+                // Room in memfoldd's socket, too, while messages wait for it.
+                let out = if self.behind() { libc::POLLOUT } else { 0 };
                 fds.push(libc::pollfd {
                     fd: c.as_raw_fd(),
-                    events: libc::POLLIN,
+                    events: libc::POLLIN | out,
                     revents: 0,
                 });
             }
@@ -673,7 +677,8 @@ impl Agent {
                     Err(e) => return e.into(),
                 }
             }
-            if fds.len() > 1 && fds[1].revents != 0 {
+            // A request (or the end): room to write alone is the flush's, at the turn's end.
+            if fds.len() > 1 && fds[1].revents & !libc::POLLOUT != 0 {
                 if let Err(e) = self.command() {
                     // The agent must keep serving faults whatever failed: drop the
                     // connection, the re-attach lists what is shared or reclaimed now.

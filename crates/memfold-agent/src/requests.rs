@@ -203,11 +203,7 @@ impl Agent {
         };
         // The answer first: a no-copy break of a page of it, sent earlier, would be dropped
         // by memfoldd (not yet shared there) and the page then booked shared for good.
-        if let Some(c) = &self.conn {
-            if c.send(&reply, &[]).is_err() {
-                self.conn = None;
-            }
-        }
+        self.send_to_memfoldd(reply);
         for ev in std::mem::take(&mut self.deferred) {
             self.handle_or_retry(ev);
         }

@@ -11,6 +11,9 @@
 //!
 //! A second test puts a fake memfoldd that never answers at an agent's socket: the agent
 //! must keep serving its guest's faults (the handshake runs on the fault thread, bounded).
+//! A third's fake memfoldd welcomes the agent, floods it with requests and never reads
+//! the answers: the agent must keep serving them too. A fourth hands memfoldd one RAM
+//! memfd as two guests.
 
 mod common;
 
@@ -593,4 +596,70 @@ fn one_ram_memfd_is_one_guest() {
         .map(|v| (v.name.as_str(), v.detached))
         .collect();
     assert_eq!(names, [("a", false)], "one guest, attached");
+}
+
+/// A memfoldd that welcomes the agent, floods it with requests and never reads its
+/// answers: the answers wait in the agent (within its bound), whose thread goes on
+/// serving the guest's faults. Fails with the agent's blocking send: it stops at its
+/// socket's room, and the guest freezes until memfoldd reads.
+#[test]
+fn a_memfoldd_that_stops_reading_does_not_freeze_the_guest() {
+    let work = tempfile::tempdir().unwrap();
+    let socket = work.path().join("stalled.sock");
+    let fake = memfold_wire::Listener::bind(&socket).unwrap();
+    let pages = 1700; // the agent finds RAM by its size: not the other test's 1500
+    let ram = Ram::new(pages);
+    let acfg = AgentConfig {
+        socket,
+        name: "victim".into(),
+        ram_bytes: (pages * PAGE) as u64,
+        vma_budget: None,
+        on_failure: FailMode::Abort,
+        clock_rbits: memfold_agent::ClockRBits::Userfault,
+    };
+    std::thread::spawn(move || agent::run(acfg));
+    let c = fake.accept().unwrap();
+    c.set_recv_timeout(Duration::from_secs(10)).unwrap();
+    let (hello, _) = c.recv::<ToDaemon>().unwrap().expect("a hello");
+    assert!(matches!(hello, ToDaemon::AgentHello { .. }), "{hello:?}");
+    let (pool, store) = (
+        memfd::create("pool").unwrap(),
+        memfd::create("store").unwrap(),
+    );
+    let welcome = ToAgent::Welcome {
+        version: PROTOCOL_VERSION,
+    };
+    c.send(&welcome, &[pool.as_fd(), store.as_fd()]).unwrap();
+    // Thousands of requests, each answered; not one answer read, ever.
+    let flood = std::thread::spawn(move || {
+        for i in 0..4000u64 {
+            let ask = ToAgent::ReclaimZero {
+                batch: BatchId(i + 1),
+                gfns: vec![Gfn((i % pages as u64) as u32)],
+            };
+            if c.send(&ask, &[]).is_err() {
+                break;
+            }
+        }
+        c // held open, unread, for the rest of the test
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let mut ram = ram;
+    let guest = std::thread::spawn(move || {
+        for round in 1..=3u8 {
+            for b in ram.bytes().chunks_mut(PAGE) {
+                b[0] = round;
+            }
+        }
+    });
+    let t = Instant::now();
+    while !guest.is_finished() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the guest is frozen: the agent waits for memfoldd to read"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    guest.join().unwrap();
+    drop(flood);
 }

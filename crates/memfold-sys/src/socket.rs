@@ -262,6 +262,19 @@ impl Seqpacket {
     /// Errors: the peer is gone (no SIGPIPE), the packet is larger than the socket's send
     /// buffer, or more than [`MAX_FDS`] descriptors.
     pub fn send(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+        self.send_with(bytes, fds, 0).map(|_| ())
+    }
+
+    /// [`Self::send`] if the socket has room for the packet now: `Ok(false)`, nothing
+    /// sent, when it has not (the peer reads too slowly); never waits.
+    ///
+    /// Errors: as [`Self::send`].
+    pub fn try_send(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<bool> {
+        self.send_with(bytes, fds, libc::MSG_DONTWAIT)
+    }
+
+    /// `sendmsg` with `flags` (and `MSG_NOSIGNAL`); `Ok(false)` if it would block.
+    fn send_with(&self, bytes: &[u8], fds: &[BorrowedFd<'_>], flags: i32) -> io::Result<bool> {
         if fds.len() > MAX_FDS {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -305,13 +318,15 @@ impl Seqpacket {
         loop {
             // SAFETY: `hdr` points at `iov` (valid for `bytes.len()` readable bytes) and at
             // `control`, all of which outlive the call; sendmsg only reads them.
-            let n = unsafe { libc::sendmsg(self.fd.as_raw_fd(), &hdr, libc::MSG_NOSIGNAL) };
+            let n = unsafe { libc::sendmsg(self.fd.as_raw_fd(), &hdr, libc::MSG_NOSIGNAL | flags) };
             if n >= 0 {
-                return Ok(());
+                return Ok(true);
             }
             let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(e);
+            match e.kind() {
+                io::ErrorKind::Interrupted => {}
+                io::ErrorKind::WouldBlock => return Ok(false),
+                _ => return Err(e),
             }
         }
     }

@@ -113,6 +113,18 @@ impl Conn {
         Ok(self.sock.send(&bytes, fds)?)
     }
 
+    /// Sends one message if the socket has room for it now: `Ok(false)`, nothing sent,
+    /// when the peer has not read enough (never waits, whatever the send timeout).
+    ///
+    /// Errors: as [`Self::send`].
+    pub fn try_send<M: Message>(&self, msg: &M) -> Result<bool, WireError> {
+        let bytes = encode(msg);
+        if bytes.len() > MAX_MESSAGE {
+            return Err(WireError::TooLarge { size: bytes.len() });
+        }
+        Ok(self.sock.try_send(&bytes, &[])?)
+    }
+
     /// Receives one message and the descriptors passed with it. `Ok(None)` at end of
     /// connection.
     ///
