@@ -545,11 +545,11 @@ fn a_fake_memfoldd_that_never_answers_does_not_freeze_the_guest() {
 }
 
 /// One RAM memfd is one guest. A QEMU (this process) hands memfoldd the memfd it attached
-/// as `a` again, named `b`: refused, naming `a`. Named `a` again while `a` is attached
-/// (an agent connecting again before memfoldd saw its old connection end): the new
-/// connection replaces the old one, which memfoldd closes. Either way memfoldd books one
-/// guest. Fails without the check in memfoldd's `attach` (a second guest `b` on `a`'s
-/// memory, and a second `a`).
+/// as `a` again, named `b`: refused, naming `a`; named `a` with another size, or another
+/// memfd named `a`: refused. Named `a` again while `a` is attached (an agent connecting
+/// again before memfoldd saw its old connection end): the new connection replaces the
+/// old one, which memfoldd closes. Either way memfoldd books one guest. Fails without the
+/// checks in memfoldd's `attach` (a second guest on `a`'s memory, or a second `a`).
 #[test]
 fn one_ram_memfd_is_one_guest() {
     let work = tempfile::tempdir().unwrap();
@@ -557,21 +557,25 @@ fn one_ram_memfd_is_one_guest() {
     let ram = memfd::create("guest-ram").unwrap();
     memfd::set_len(ram.as_fd(), 64 * PAGE as u64).unwrap();
     memfd::pwrite_all(ram.as_fd(), &[5u8; 8 * PAGE], 0).unwrap();
-    let say = |name: &str| {
+    let other = memfd::create("other-ram").unwrap();
+    memfd::set_len(other.as_fd(), 64 * PAGE as u64).unwrap();
+    let say_as = |name: &str, fd: std::os::fd::BorrowedFd<'_>, pages: u64, opted_out: bool| {
         let c = Conn::connect(&socket).unwrap();
         let hello = ToDaemon::AgentHello {
             version: PROTOCOL_VERSION,
             name: name.into(),
             pid: std::process::id(),
-            ram_bytes: 64 * PAGE as u64,
+            ram_bytes: pages * PAGE as u64,
             shared: 0,
-            opted_out: false,
+            opted_out,
         };
-        c.send(&hello, &[ram.as_fd()]).unwrap();
+        c.send(&hello, &[fd]).unwrap();
         c.set_recv_timeout(Duration::from_secs(5)).unwrap();
         let (reply, _) = c.recv::<ToAgent>().unwrap().expect("an answer");
         (c, reply)
     };
+    let say_with = |name: &str, fd, pages| say_as(name, fd, pages, false);
+    let say = |name: &str| say_with(name, ram.as_fd(), 64);
     let (first, reply) = say("a");
     assert!(matches!(reply, ToAgent::Welcome { .. }), "{reply:?}");
     let (_b, reply) = say("b");
@@ -579,7 +583,19 @@ fn one_ram_memfd_is_one_guest() {
         matches!(&reply, ToAgent::Refused { message } if message.contains("guest \"a\"'s")),
         "{reply:?}"
     );
-    let (_second, reply) = say("a");
+    let (_c, reply) = say_with("a", ram.as_fd(), 32);
+    assert!(
+        matches!(&reply, ToAgent::Refused { message } if message.contains("re-attach of")),
+        "{reply:?}"
+    );
+    let (_c, reply) = say_with("a", other.as_fd(), 64);
+    assert!(
+        matches!(&reply, ToAgent::Refused { message } if message.contains("another RAM memfd")),
+        "{reply:?}"
+    );
+    // It says it is opted out (as an agent that missed an opt-in would): memfoldd knows
+    // this guest, and its own record holds.
+    let (_second, reply) = say_as("a", ram.as_fd(), 64, true);
     assert!(matches!(reply, ToAgent::Welcome { .. }), "{reply:?}");
     // memfoldd ends the old connection (its reads see the end, not a timeout).
     loop {
@@ -596,6 +612,10 @@ fn one_ram_memfd_is_one_guest() {
         .map(|v| (v.name.as_str(), v.detached))
         .collect();
     assert_eq!(names, [("a", false)], "one guest, attached");
+    assert!(
+        !stats.vms[0].opted_out,
+        "memfoldd's record of the opt-in holds"
+    );
 }
 
 /// A memfoldd that welcomes the agent, floods it with requests and never reads its

@@ -54,7 +54,10 @@ struct Args {
     #[arg(long, value_name = "GROUP", conflicts_with = "agent_gid")]
     agent_group: Option<String>,
     /// Serve Prometheus metrics (`GET /metrics`) at this address, e.g. 127.0.0.1:9464
-    /// (default: none). Loopback only unless --metrics-allow-remote.
+    /// (default: none). Loopback only unless --metrics-allow-remote. They name every
+    /// guest with its size and counters, and any local user can read them (tenants'
+    /// QEMUs too; memfoldd's own socket shows a tenant only its guests): on a host with
+    /// tenants, leave it off or restrict the port to the scraper's user.
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<std::net::SocketAddr>,
     /// Allow --metrics-listen on a non-loopback address (the metrics name every guest).

@@ -50,6 +50,14 @@ impl Engine {
             }
             end = last.0 as u64 + 1;
         }
+        if let Some(d) = self
+            .kept_hints
+            .keys()
+            .chain(self.fills.index.keys())
+            .find(|d| !self.domains.contains_key(d))
+        {
+            return Err(format!("kept hints or a block index of {d}, which is gone"));
+        }
         let pages: u64 = self.vms.values().map(|v| v.pages() as u64).sum();
         if self.gpns.held_pages() != pages || self.by_base.len() != self.vms.len() {
             return Err(format!(

@@ -129,6 +129,10 @@ impl Engine {
             && !self.vms.values().any(|v| v.domain == d);
         if empty {
             self.domains.remove(&d);
+            // What it kept by domain goes with it (one entry a guest ever attached, under
+            // a domain a guest).
+            self.kept_hints.remove(&d);
+            self.fills.index.remove(&d);
             tracing::info!(domain = %d, "domain dropped: no guest, no frame");
         }
     }
@@ -217,9 +221,17 @@ impl Engine {
                         self.gpns.held_pages()
                     )));
                 };
+                // INVARIANT: a guest id is never given twice (blobs, fills and books are
+                // keyed by it; a wrapped count would overwrite a live guest).
+                let Some(next_vm) = self.next_vm.checked_add(1) else {
+                    self.gpns.give_back(base, a.pages);
+                    return Err(refuse(
+                        "2^32 guests attached since memfoldd started: restart it".into(),
+                    ));
+                };
                 let id = VmId(self.next_vm);
                 let now = self.now_us();
-                self.next_vm += 1;
+                self.next_vm = next_vm;
                 self.by_base.insert(base, id);
                 let n = a.pages as usize;
                 let swap = swap_space(a.swap);
@@ -620,6 +632,24 @@ mod tests {
         assert_eq!(hints(&e), 0);
         let b = attach(&mut e, 2, 1, Sharing::Domain).unwrap();
         assert_eq!(e.vms[&b].base, base, "the space is given to the next guest");
+        e.check_invariants().unwrap();
+    }
+
+    /// Guest ids are never given twice: past 2^32 attaches a new guest is refused, and
+    /// the page space it took is given back. Fails with the count wrapping (the new
+    /// guest is booked with the last id, and the next would overwrite guest 0).
+    #[test]
+    fn guest_ids_run_out_rather_than_wrap() {
+        let (mut e, _) = engine();
+        let first = attach(&mut e, 1, 0, Sharing::Domain).unwrap();
+        e.next_vm = u32::MAX;
+        let r = attach(&mut e, 2, 0, Sharing::Domain);
+        assert!(
+            matches!(&r, Err(EngineError::Attach { why, .. }) if why.contains("2^32")),
+            "{r:?}"
+        );
+        assert_eq!(e.vms.len(), 1);
+        assert_eq!(e.vms[&first].pid, 1);
         e.check_invariants().unwrap();
     }
 

@@ -54,20 +54,31 @@ pub(crate) enum DomainKey {
 
 impl Daemon {
     /// The domain a new guest of `key` joins (created on first use).
-    pub(super) fn domain_for(&mut self, key: DomainKey) -> DomainId {
+    ///
+    /// Errors (a refusal's message): [`Self::new_domain`]'s.
+    pub(super) fn domain_for(&mut self, key: DomainKey) -> Result<DomainId, String> {
         if let Some(&d) = self.keys.get(&key) {
-            return d;
+            return Ok(d);
         }
-        let d = self.new_domain(key);
+        let d = self.new_domain(key)?;
         self.keys.insert(key, d);
-        d
+        Ok(d)
     }
 
-    fn new_domain(&mut self, key: DomainKey) -> DomainId {
+    /// A new domain's id, for `key`.
+    ///
+    /// Errors (a refusal's message): 2^32 domains were made since memfoldd started.
+    /// INVARIANT: a domain id is never given twice — a guest given a live domain's id
+    /// would be handed that domain's pool (another tenant's frames), and a dropped
+    /// domain's id may still name its blocks and hints. Under `DomainRule::Vm` each
+    /// attach makes a domain, so the count could wrap in a long enough life.
+    fn new_domain(&mut self, key: DomainKey) -> Result<DomainId, String> {
         let d = DomainId(self.next_domain);
-        self.next_domain += 1;
+        self.next_domain = self.next_domain.checked_add(1).ok_or_else(|| {
+            "memfoldd made 2^32 sharing domains since it started: restart it".to_string()
+        })?;
         self.key_of.insert(d, key);
-        d
+        Ok(d)
     }
 
     /// The domain of a re-attaching agent of `key` that maps pool `theirs`: the domain
@@ -101,7 +112,7 @@ impl Daemon {
         let d = match self.keys.get(&key) {
             Some(&d) if self.engine.pool_untouched(d) => d,
             _ => {
-                let d = self.new_domain(key);
+                let d = self.new_domain(key)?;
                 self.keys.entry(key).or_insert(d);
                 d
             }
@@ -127,5 +138,41 @@ impl Daemon {
             .adopt_pool(d, Box::new(FileBacking::adopt(mine)), frames, held);
         self.pools.insert(d, theirs);
         Ok(d)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::daemon::{DaemonConfig, DomainRule};
+
+    /// Domain ids are never given twice: past 2^32 domains the attach is refused (a
+    /// wrapped id handed a new guest a live domain's pool). Fails with the count wrapping.
+    #[test]
+    fn domain_ids_run_out_rather_than_wrap() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = DaemonConfig {
+            socket: dir.path().join("s"),
+            engine: memfold_core::EngineConfig::default(),
+            swap_dir: dir.path().to_path_buf(),
+            swap_capacity: 0,
+            domains: DomainRule::Vm,
+            agent_gid: None,
+            never_share: Default::default(),
+            claim: memfold_core::ClaimPolicy::Never,
+            allowance: 0,
+            guest_channels: None,
+        };
+        let mut d = Daemon::new(&cfg).unwrap();
+        assert_eq!(d.domain_for(DomainKey::Vm(1, 1)), Ok(DomainId(0)));
+        d.next_domain = u32::MAX - 1;
+        assert_eq!(
+            d.domain_for(DomainKey::Vm(1, 2)),
+            Ok(DomainId(u32::MAX - 1))
+        );
+        let r = d.domain_for(DomainKey::Vm(1, 3));
+        assert!(matches!(&r, Err(why) if why.contains("2^32")), "{r:?}");
+        // A key that has its domain still joins it.
+        assert_eq!(d.domain_for(DomainKey::Vm(1, 1)), Ok(DomainId(0)));
     }
 }

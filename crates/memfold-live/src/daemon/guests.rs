@@ -356,20 +356,17 @@ impl Guests {
     /// Connection `token` ended: its guest is detached. Returns the guest.
     pub(crate) fn gone(&mut self, token: u64) -> Option<VmId> {
         let vm = self.by_token.remove(&token)?;
-        if let Some(g) = self.by_vm.get_mut(&vm).filter(|g| g.token == Some(token)) {
-            g.conn = None;
-            g.token = None;
-        }
+        // A guest attached on another connection since is not this one's to detach.
+        let g = self.by_vm.get_mut(&vm).filter(|g| g.token == Some(token))?;
+        g.conn = None;
+        g.token = None;
         Some(vm)
     }
 
-    /// The RAM memfd identity of the detached guest `name` of QEMU `pid`, if there is one
-    /// (a QEMU of several RAM regions has a guest each, `NAME/ramK`).
-    pub(crate) fn detached_ram(&self, pid: u32, name: &str) -> Option<(u64, u64)> {
-        self.by_vm
-            .values()
-            .find(|g| g.pid == pid && g.name == name && g.conn.is_none())
-            .map(|g| g.ram_id)
+    /// Whether QEMU `pid` has a guest `name`, attached or detached (a QEMU of several RAM
+    /// regions has a guest each, `NAME/ramK`).
+    pub(crate) fn named(&self, pid: u32, name: &str) -> bool {
+        self.by_vm.values().any(|g| g.pid == pid && g.name == name)
     }
 
     /// The guest, attached or detached, whose RAM memfd is `ram_id`: its id, its QEMU's

@@ -76,9 +76,13 @@ impl Outbox {
                             return;
                         }
                     }
-                    // After every message: the state waiting, if any (the latest).
+                    // After every message: the state waiting, if any (the latest), counted as
+                    // queued while it goes out, so that `close` waits for it.
+                    left.fetch_add(1, Ordering::Relaxed);
                     let s = waiting.lock().unwrap_or_else(|p| p.into_inner()).take();
-                    if s.is_some_and(|m| !send(&m)) {
+                    let sent = s.is_none_or(|m| send(&m));
+                    left.fetch_sub(1, Ordering::Relaxed);
+                    if !sent {
                         return;
                     }
                 }
@@ -173,5 +177,32 @@ mod tests {
             }
         }
         assert_eq!(states, [true], "the opt-outs the agent got");
+    }
+
+    /// A stop's close waits for a state message its writer is sending into a full socket
+    /// (it took the message, so none waited). Fails without the writer counting it.
+    #[test]
+    fn close_waits_for_a_state_message_being_sent() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = Listener::bind(&dir.path().join("s")).unwrap();
+        let agent = Conn::connect(&dir.path().join("s")).unwrap();
+        let ours = l.accept().unwrap();
+        let o = Outbox::new(&ours, "agent").unwrap();
+        // The socket full, past the outbox: the writer blocks on the state itself.
+        while ours.try_send(&ToAgent::Welcome { version: 0 }).unwrap() {}
+        o.send_state(ToAgent::OptedOut { out: true });
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let closing =
+            std::thread::spawn(move || Outbox::close(vec![o], std::time::Duration::from_secs(5)));
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        agent
+            .set_recv_timeout(std::time::Duration::from_secs(1))
+            .unwrap();
+        let mut got = false;
+        while let Ok(Some((m, _))) = agent.recv::<ToAgent>() {
+            got |= matches!(m, ToAgent::OptedOut { out: true });
+        }
+        closing.join().unwrap();
+        assert!(got, "the opt-out was cut off by the close");
     }
 }
