@@ -68,6 +68,26 @@ fn child_role() {
             assert_eq!(names, ["tenant-guest"], "a tenant saw another's guests");
             assert_eq!(stats.tenant_uid, Some(65534));
             assert_eq!((stats.domains, stats.frames, stats.cpu_s), (0, 0, 0.0));
+            // A second guest past its quota (512 KiB of RAM here): refused, by name of the
+            // bound. memfoldd books every page a guest has, and a sparse memfd is free.
+            let c2 = Conn::connect(&socket).unwrap();
+            let ram2 = memfd::create("tenant-ram-2").unwrap();
+            memfd::set_len(ram2.as_fd(), 96 * 4096).unwrap();
+            let hello = ToDaemon::AgentHello {
+                version: PROTOCOL_VERSION,
+                name: "tenant-guest-2".into(),
+                pid: 0,
+                ram_bytes: 96 * 4096,
+                shared: 0,
+                opted_out: false,
+            };
+            c2.send(&hello, &[ram2.as_fd()]).unwrap();
+            c2.set_recv_timeout(Duration::from_secs(5)).unwrap();
+            let (reply, _) = c2.recv::<ToAgent>().unwrap().expect("an answer");
+            assert!(
+                matches!(&reply, ToAgent::Refused { message } if message.contains("tenant-max-gib")),
+                "a tenant's guests went past its quota: {reply:?}"
+            );
             let out = ToDaemon::OptOut {
                 name: "operator-guest".into(),
                 out: true,
@@ -159,10 +179,12 @@ fn tenants_of_the_agent_group_attach_but_are_not_operators() {
         claim: memfold_core::ClaimPolicy::Never,
         allowance: 0,
         guest_channels: None,
+        // Room for the tenant's guest of 256 KiB, not for its second.
+        tenant_max_bytes: 512 << 10,
     };
     common::start_memfoldd_with(cfg);
-    // The operator's own guest, which no tenant may see.
-    let _operator = common::attach_fake_qemu(&socket, "operator-guest", &[3u8; 16 * 4096]);
+    // The operator's own guest, which no tenant may see (and no tenant's quota bounds).
+    let _operator = common::attach_fake_qemu(&socket, "operator-guest", &[3u8; 256 * 4096]);
     run_child(&socket, "tenant", AGENT_GID);
     run_child(&socket, "stranger", AGENT_GID - 1);
     // The operator (this process, root) may.

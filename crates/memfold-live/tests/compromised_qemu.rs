@@ -45,6 +45,7 @@ fn memfoldd(dir: &Path, domains: DomainRule) -> PathBuf {
         claim: memfold_core::ClaimPolicy::Never,
         allowance: 0,
         guest_channels: None,
+        tenant_max_bytes: u64::MAX,
     };
     common::start_memfoldd_with(cfg);
     socket

@@ -109,6 +109,7 @@ fn memfoldd(dir: &std::path::Path) -> std::path::PathBuf {
         claim: memfold_core::ClaimPolicy::Never,
         allowance: 0,
         guest_channels: None,
+        tenant_max_bytes: u64::MAX,
     };
     common::start_memfoldd_with(cfg);
     socket

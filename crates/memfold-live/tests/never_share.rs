@@ -80,6 +80,7 @@ fn run(never_share: &[&str]) -> Seen {
         claim: memfold_core::ClaimPolicy::Never,
         allowance: 0,
         guest_channels: None,
+        tenant_max_bytes: u64::MAX,
     };
     common::start_memfoldd_with(cfg);
     let mut rng = SmallRng::seed_from_u64(17);

@@ -75,6 +75,18 @@ pub fn map_large_allocations_from(bytes: usize) -> bool {
     }
 }
 
+/// The host's RAM (`MemTotal` of `/proc/meminfo`), bytes; 0 if `/proc` does not say.
+pub fn host_ram_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
 /// Resident set of process `pid` (`VmRSS` of `/proc/PID/status`), bytes; 0 if `/proc`
 /// does not say (the process is gone, or a kernel thread).
 pub fn rss_bytes(pid: u32) -> u64 {

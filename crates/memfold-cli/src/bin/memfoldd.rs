@@ -53,6 +53,12 @@ struct Args {
     /// `libvirt-qemu`, the group QEMU runs as under libvirt on Debian.
     #[arg(long, value_name = "GROUP", conflicts_with = "agent_gid")]
     agent_group: Option<String>,
+    /// Guest RAM, GiB, that one tenant's guests (the QEMUs of one user other than root
+    /// and memfoldd's own) may have attached together; a hello past it is refused.
+    /// memfoldd books every page a guest has (~0.5% of guest RAM), and a sparse memfd
+    /// costs its tenant nothing. Default: twice the host's RAM.
+    #[arg(long, value_name = "GIB")]
+    tenant_max_gib: Option<u64>,
     /// Serve Prometheus metrics (`GET /metrics`) at this address, e.g. 127.0.0.1:9464
     /// (default: none). Loopback only unless --metrics-allow-remote. They name every
     /// guest with its size and counters, and any local user can read them (tenants'
@@ -207,6 +213,10 @@ fn main() {
         agent_gid,
         claim: a.engine.claim(),
         allowance: a.engine.allowance_mib << 20,
+        tenant_max_bytes: a.tenant_max_gib.map_or_else(
+            || memfold_sys::proc::host_ram_bytes().saturating_mul(2),
+            |g| g.saturating_mul(1 << 30),
+        ),
         guest_channels: a.guest_channels.clone().map(|d| {
             (
                 d,

@@ -130,6 +130,21 @@ impl Daemon {
             }
             None => false,
         };
+        // A tenant's guests hold at most its quota of RAM together (the bound on what one
+        // tenant makes memfoldd book; test `access.rs`). Its own re-attach is counted.
+        let operator = uid == 0 || uid == memfold_sys::socket::my_uid();
+        if !operator && !known {
+            let held = self.guests.ram_of_uid(uid, &self.engine);
+            if held.saturating_add(ram_bytes) > self.tenant_max_bytes {
+                refuse(format!(
+                    "uid {uid}'s guests would hold {} MiB of RAM, over its {} MiB \
+                     (memfoldd --tenant-max-gib)",
+                    (held + ram_bytes) >> 20,
+                    self.tenant_max_bytes >> 20
+                ));
+                return;
+            }
+        }
         if shared > ram_bytes / PAGE {
             refuse(format!(
                 "a re-attach list of {shared} pages for a guest of {} pages",

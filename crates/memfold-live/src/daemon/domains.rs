@@ -162,6 +162,7 @@ mod tests {
             claim: memfold_core::ClaimPolicy::Never,
             allowance: 0,
             guest_channels: None,
+            tenant_max_bytes: u64::MAX,
         };
         let mut d = Daemon::new(&cfg).unwrap();
         assert_eq!(d.domain_for(DomainKey::Vm(1, 1)), Ok(DomainId(0)));

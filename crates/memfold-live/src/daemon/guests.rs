@@ -363,6 +363,15 @@ impl Guests {
         Some(vm)
     }
 
+    /// Guest RAM of the guests, attached or detached, whose QEMUs run as `uid`, bytes.
+    pub(crate) fn ram_of_uid(&self, uid: u32, engine: &memfold_core::Engine) -> u64 {
+        self.by_vm
+            .iter()
+            .filter(|(_, g)| g.uid == uid)
+            .filter_map(|(vm, _)| engine.ram_bytes(*vm))
+            .sum()
+    }
+
     /// Whether QEMU `pid` has a guest `name`, attached or detached (a QEMU of several RAM
     /// regions has a guest each, `NAME/ramK`).
     pub(crate) fn named(&self, pid: u32, name: &str) -> bool {

@@ -92,6 +92,14 @@ pub struct DaemonConfig {
     /// Each guest's base allowance, bytes: what its balloon leaves it before entitlement
     /// (with a claim policy other than `Never`).
     pub allowance: u64,
+    /// Guest RAM, bytes, that one tenant's guests (the QEMUs of one uid other than root
+    /// and memfoldd's own) may have attached together; a hello past it is refused.
+    /// memfoldd books each guest page (its P2M, hints, clock: about 0.5% of guest RAM,
+    /// docs/metadata.md), and a sparse memfd costs its tenant nothing, so without a
+    /// bound one tenant could make memfoldd hold any amount of memory (a 256 GiB guest
+    /// ~1 GiB of books) and fill the 2^31-page global page space for every other.
+    /// `u64::MAX`: no bound.
+    pub tenant_max_bytes: u64,
     /// The folder of enlightened guests' channel sockets (`NAME.sock` for the guest
     /// named `NAME`, QEMU's virtio-serial port `org.memfold.guest.0`; issue 17,
     /// [`crate::guest_channel`]), and how often each is asked for its pages' categories.
@@ -161,6 +169,8 @@ struct Daemon {
     next_domain: u32,
     rule: DomainRule,
     never_share: BTreeSet<String>,
+    /// [`DaemonConfig::tenant_max_bytes`].
+    tenant_max_bytes: u64,
     /// Where guests' swap files go, if memfoldd swaps (a host budget).
     swap_dir: Option<PathBuf>,
     last_reap: Instant,
@@ -306,6 +316,7 @@ impl Daemon {
             next_domain: 0,
             rule: cfg.domains,
             never_share: cfg.never_share.clone(),
+            tenant_max_bytes: cfg.tenant_max_bytes,
             swap_dir: cfg.engine.host_budget.map(|_| cfg.swap_dir.clone()),
             last_reap: Instant::now(),
             claims: balloon::Claims::new(cfg.claim, cfg.allowance, Arc::clone(&layouts)),

@@ -74,6 +74,7 @@ pub fn daemon_config(dir: &Path, engine: EngineConfig) -> DaemonConfig {
         claim: memfold_core::ClaimPolicy::Never,
         allowance: 0,
         guest_channels: None,
+        tenant_max_bytes: u64::MAX,
     }
 }
 
