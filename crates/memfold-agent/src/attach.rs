@@ -35,8 +35,9 @@ const REFUSED_BACK_OFF: std::time::Duration = std::time::Duration::from_secs(30)
 const REPORT_EVERY: Duration = Duration::from_secs(1);
 
 /// Messages that may wait for memfoldd to read; past it memfoldd is taken as gone and the
-/// connection dropped (the re-attach lists what holds). Answers and events are a page's
-/// state changes, so this many means memfoldd has read nothing for a long time.
+/// connection dropped (the re-attach lists what holds). While any wait, only answers join
+/// them ([`Agent::report`]), one a request memfoldd sent, so this many means memfoldd
+/// sent far more than it read.
 const MAX_BEHIND: usize = 1 << 14;
 
 /// Changes of page state the agent made on its own (serving faults), not yet reported.
@@ -291,9 +292,10 @@ impl Agent {
         }
     }
 
-    /// Sends the CoW breaks made so far now, before the loop's turn ends (`nocopy.rs`).
+    /// Sends the CoW breaks made so far now, before the loop's turn ends (`nocopy.rs`);
+    /// while memfoldd is behind they wait in [`Pending`] ([`Self::report`]).
     pub(crate) fn send_breaks(&mut self) {
-        if self.conn.is_none() || self.pending.breaks.is_empty() {
+        if self.conn.is_none() || self.pending.breaks.is_empty() || self.behind() {
             return;
         }
         let m = ToDaemon::CowBroken {
@@ -303,10 +305,18 @@ impl Agent {
     }
 
     /// Sends CoW breaks, refills, unstashed and discarded pages as they happen, counters and
-    /// latencies every second (not while messages wait: they would pile up). A failed
-    /// send drops the connection.
+    /// latencies every second. A failed send drops the connection.
+    ///
+    /// While messages wait for memfoldd, the events wait in [`Pending`] instead (one
+    /// entry a page changed, bounded by the guest's pages; the counters' report waits too), so
+    /// the queue holds answers only, bounded by the requests memfoldd sent: a memfoldd
+    /// that stalls for a while does not make its agents drop their connections (each
+    /// re-attach writes every stashed page back).
     pub(crate) fn report(&mut self) {
         self.flush_to_memfoldd();
+        if self.behind() {
+            return;
+        }
         self.send_breaks();
         if self.conn.is_none() {
             return;
@@ -333,7 +343,7 @@ impl Agent {
                 gfns: gfns.to_vec(),
             });
         }
-        if self.counters.last_report.elapsed() >= REPORT_EVERY && self.outgoing.is_empty() {
+        if self.counters.last_report.elapsed() >= REPORT_EVERY {
             self.counters.last_report = Instant::now();
             msgs.push(ToDaemon::AgentStats(self.counters.report(
                 self.pages.state_bytes(),

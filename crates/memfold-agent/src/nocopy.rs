@@ -96,7 +96,8 @@ impl Agent {
         }
         // memfoldd hears of the breaks before the device's report of the pages landed,
         // which follows the wake within microseconds: a landing on a page memfoldd still
-        // holds as shared is passed over (no share at read).
+        // holds as shared is passed over (no share at read). Unless memfoldd is behind
+        // reading (the breaks then wait): a share at read missed, nothing else.
         self.send_breaks();
         // The one wake: the writer goes on only once every group is in place, or it would
         // overtake the groups still being broken and fault on them one by one.

@@ -6,7 +6,8 @@
 //!
 //! This test process plays a QEMU that attaches with a guest of many equal pages (so
 //! memfoldd has shares to ask for at once) and a small receive buffer, and never reads;
-//! a probe asks memfoldd for its statistics every 50 ms meanwhile.
+//! a probe asks memfoldd for its statistics every 50 ms meanwhile, until memfoldd takes
+//! the silent agent as gone (its writer's send timed out), which it must.
 
 mod common;
 
@@ -68,12 +69,14 @@ fn an_agent_that_stops_reading_stalls_no_one_else() {
     assert!(matches!(welcome, ToAgent::Welcome { .. }), "{welcome:?}");
     // From here it reads nothing.
     let mut worst = Duration::ZERO;
+    let mut detached = false;
     let t = Instant::now();
     while t.elapsed() < Duration::from_secs(8) {
         let asked = Instant::now();
         let stats = query_stats(&socket).unwrap();
         worst = worst.max(asked.elapsed());
         if stats.vms.iter().any(|v| v.name == "silent" && v.detached) {
+            detached = true;
             break;
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -83,5 +86,8 @@ fn an_agent_that_stops_reading_stalls_no_one_else() {
         worst < Duration::from_millis(1500),
         "a query took {worst:?}"
     );
+    // And the agent that does not read is taken as gone once a send waited out the 2 s
+    // send timeout (a send that timed out once counted as sent: never detached).
+    assert!(detached, "the silent agent was never detached");
     drop(silent);
 }

@@ -262,7 +262,15 @@ impl Seqpacket {
     /// Errors: the peer is gone (no SIGPIPE), the packet is larger than the socket's send
     /// buffer, or more than [`MAX_FDS`] descriptors.
     pub fn send(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
-        self.send_with(bytes, fds, 0).map(|_| ())
+        match self.send_with(bytes, fds, 0)? {
+            true => Ok(()),
+            // The send timeout ran out (`SO_SNDTIMEO`): the peer is not reading, and
+            // nothing was sent.
+            false => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the peer has not read for the send timeout",
+            )),
+        }
     }
 
     /// [`Self::send`] if the socket has room for the packet now: `Ok(false)`, nothing
@@ -273,7 +281,8 @@ impl Seqpacket {
         self.send_with(bytes, fds, libc::MSG_DONTWAIT)
     }
 
-    /// `sendmsg` with `flags` (and `MSG_NOSIGNAL`); `Ok(false)` if it would block.
+    /// `sendmsg` with `flags` (and `MSG_NOSIGNAL`); `Ok(false)` if it would block (with
+    /// `MSG_DONTWAIT`), or the send timeout ran out (without).
     fn send_with(&self, bytes: &[u8], fds: &[BorrowedFd<'_>], flags: i32) -> io::Result<bool> {
         if fds.len() > MAX_FDS {
             return Err(io::Error::new(
@@ -445,5 +454,25 @@ mod tests {
         assert!(e.to_string().contains("too long"), "{e}");
         let e = Seqpacket::connect(&dir.path().join("none")).unwrap_err();
         assert!(e.to_string().contains("connecting to"), "{e}");
+    }
+
+    /// A peer that does not read: `try_send` says the socket is full and sends nothing;
+    /// `send` waits out its timeout and fails (it must never say a dropped packet went).
+    #[test]
+    fn a_full_socket_is_no_success_for_either_send() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let l = SeqpacketListener::bind(&path).unwrap();
+        let c = Seqpacket::connect(&path).unwrap();
+        let _peer = l.accept().unwrap();
+        let mut sent = 0;
+        while c.try_send(&[1u8; 512], &[]).unwrap() {
+            sent += 1;
+        }
+        assert!(sent > 0);
+        c.set_send_timeout(std::time::Duration::from_millis(50))
+            .unwrap();
+        let e = c.send(&[1u8; 512], &[]).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
     }
 }

@@ -56,7 +56,9 @@ struct Args {
     /// Guest RAM, GiB, that one tenant's guests (the QEMUs of one user other than root
     /// and memfoldd's own) may have attached together; a hello past it is refused.
     /// memfoldd books every page a guest has (~0.5% of guest RAM), and a sparse memfd
-    /// costs its tenant nothing. Default: twice the host's RAM.
+    /// costs its tenant nothing. Default: twice the host's RAM. Lowered below what a
+    /// tenant has attached, its guests' re-attaches after a restart are refused (they
+    /// then run unmanaged, their stashed pages written back).
     #[arg(long, value_name = "GIB")]
     tenant_max_gib: Option<u64>,
     /// Serve Prometheus metrics (`GET /metrics`) at this address, e.g. 127.0.0.1:9464
@@ -203,6 +205,22 @@ fn main() {
         },
         (None, gid) => gid,
     };
+    // Twice the host's RAM by default; no bound if /proc does not say what that is.
+    let tenant_max_bytes = match (a.tenant_max_gib, memfold_sys::proc::host_ram_bytes()) {
+        (Some(g), _) => g.saturating_mul(1 << 30),
+        (None, 0) => u64::MAX,
+        (None, host) => host.saturating_mul(2),
+    };
+    if agent_gid.is_some() {
+        tracing::info!(
+            "a tenant's guests hold at most {} of RAM together",
+            if tenant_max_bytes == u64::MAX {
+                "any amount".to_string()
+            } else {
+                format!("{} GiB", tenant_max_bytes >> 30)
+            }
+        );
+    }
     let cfg = DaemonConfig {
         socket: a.socket,
         engine,
@@ -213,10 +231,7 @@ fn main() {
         agent_gid,
         claim: a.engine.claim(),
         allowance: a.engine.allowance_mib << 20,
-        tenant_max_bytes: a.tenant_max_gib.map_or_else(
-            || memfold_sys::proc::host_ram_bytes().saturating_mul(2),
-            |g| g.saturating_mul(1 << 30),
-        ),
+        tenant_max_bytes,
         guest_channels: a.guest_channels.clone().map(|d| {
             (
                 d,

@@ -131,7 +131,10 @@ impl Daemon {
             None => false,
         };
         // A tenant's guests hold at most its quota of RAM together (the bound on what one
-        // tenant makes memfoldd book; test `access.rs`). Its own re-attach is counted.
+        // tenant makes memfoldd book; test `access.rs`). Its own re-attach is counted. A
+        // re-attach after a restart is not exempt (any hello may bring a memfd as its
+        // pool); one refused keeps the pool it maps adopted, its frames kept
+        // (`adoption.rs`).
         let operator = uid == 0 || uid == memfold_sys::socket::my_uid();
         if !operator && !known {
             let held = self.guests.ram_of_uid(uid, &self.engine);

@@ -363,6 +363,12 @@ impl Guests {
         Some(vm)
     }
 
+    /// The RAM memfds (device, inode) of the attached guests.
+    pub(crate) fn attached_rams(&self) -> Vec<(u64, u64)> {
+        let attached = self.by_vm.values().filter(|g| g.conn.is_some());
+        attached.map(|g| g.ram_id).collect()
+    }
+
     /// Guest RAM of the guests, attached or detached, whose QEMUs run as `uid`, bytes.
     pub(crate) fn ram_of_uid(&self, uid: u32, engine: &memfold_core::Engine) -> u64 {
         self.by_vm

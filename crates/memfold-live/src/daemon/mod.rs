@@ -17,6 +17,7 @@
 //!
 //! The main thread owns all state; the reader threads only read and forward.
 
+mod adoption;
 mod agent_messages;
 mod attach;
 pub mod backings;
@@ -506,9 +507,10 @@ impl Daemon {
         ToClient::OptedOut { pages }
     }
 
-    /// Releases detached guests whose QEMU has exited or unmapped their region; ends each domain's adoption of a
-    /// pool once no process but its attached guests' QEMUs holds it; forgets domains the
-    /// engine dropped (no guest, no frame).
+    /// Releases detached guests whose QEMU has exited or unmapped their region; ends each
+    /// domain's adoption of a pool once no process but attached guests' QEMUs holds it,
+    /// every RAM region of each re-attached ([`adoption`]); forgets domains the engine
+    /// dropped (no guest, no frame).
     fn reap(&mut self) {
         for (vm, why) in self.guests.released() {
             tracing::info!("{}", self.guests.release_line(vm, why));
@@ -530,8 +532,12 @@ impl Daemon {
                 continue;
             };
             // Unknown holders (a /proc entry memfoldd cannot read) keep the adoption:
-            // ending it early would free frames a QEMU may still map.
-            if guests::holders(dev, ino).is_some_and(|h| h.iter().all(|p| attached.contains(p))) {
+            // ending it early would free frames a QEMU may still map — so does a QEMU of
+            // which a RAM region has not re-attached yet (`adoption.rs`).
+            let rams = self.guests.attached_rams();
+            if guests::holders(dev, ino).is_some_and(|h| {
+                adoption::every_holder_reattached(&h, &attached, &rams, adoption::ram_regions)
+            }) {
                 tracing::info!(
                     "{d}: every holder of the adopted pool has re-attached: adoption ends"
                 );
