@@ -34,6 +34,26 @@ fn client(socket: &Path, req: &ToDaemon) -> ToClient {
     c.recv::<ToClient>().unwrap().expect("an answer").0
 }
 
+/// A hello for guest `name` of `pages` pages (a memfd of its own), and memfoldd's answer;
+/// the connection stays open while the caller holds it.
+fn attach(socket: &Path, name: &str, pages: u64) -> ((Conn, std::os::fd::OwnedFd), ToAgent) {
+    let c = Conn::connect(socket).unwrap();
+    let ram = memfd::create(name).unwrap();
+    memfd::set_len(ram.as_fd(), pages * 4096).unwrap();
+    let hello = ToDaemon::AgentHello {
+        version: PROTOCOL_VERSION,
+        name: name.into(),
+        pid: 0,
+        ram_bytes: pages * 4096,
+        shared: 0,
+        opted_out: false,
+    };
+    c.send(&hello, &[ram.as_fd()]).unwrap();
+    c.set_recv_timeout(Duration::from_secs(5)).unwrap();
+    let (reply, _) = c.recv::<ToAgent>().unwrap().expect("an answer");
+    ((c, ram), reply)
+}
+
 /// What each child checks, as the user it runs as.
 #[test]
 fn child_role() {
@@ -44,20 +64,7 @@ fn child_role() {
     match role.as_str() {
         "tenant" => {
             // It may attach its own guest.
-            let c = Conn::connect(&socket).unwrap();
-            let ram = memfd::create("tenant-ram").unwrap();
-            memfd::set_len(ram.as_fd(), 64 * 4096).unwrap();
-            let hello = ToDaemon::AgentHello {
-                version: PROTOCOL_VERSION,
-                name: "tenant-guest".into(),
-                pid: 0,
-                ram_bytes: 64 * 4096,
-                shared: 0,
-                opted_out: false,
-            };
-            c.send(&hello, &[ram.as_fd()]).unwrap();
-            c.set_recv_timeout(Duration::from_secs(5)).unwrap();
-            let (reply, _) = c.recv::<ToAgent>().unwrap().expect("an answer");
+            let (_c, reply) = attach(&socket, "tenant-guest", 64);
             assert!(matches!(reply, ToAgent::Welcome { .. }), "{reply:?}");
             // Its statistics list its own guest, not the operator's, and no host-wide
             // figure (they count the other guests too).
@@ -70,20 +77,7 @@ fn child_role() {
             assert_eq!((stats.domains, stats.frames, stats.cpu_s), (0, 0, 0.0));
             // A second guest past its quota (512 KiB of RAM here): refused, by name of the
             // bound. memfoldd books every page a guest has, and a sparse memfd is free.
-            let c2 = Conn::connect(&socket).unwrap();
-            let ram2 = memfd::create("tenant-ram-2").unwrap();
-            memfd::set_len(ram2.as_fd(), 96 * 4096).unwrap();
-            let hello = ToDaemon::AgentHello {
-                version: PROTOCOL_VERSION,
-                name: "tenant-guest-2".into(),
-                pid: 0,
-                ram_bytes: 96 * 4096,
-                shared: 0,
-                opted_out: false,
-            };
-            c2.send(&hello, &[ram2.as_fd()]).unwrap();
-            c2.set_recv_timeout(Duration::from_secs(5)).unwrap();
-            let (reply, _) = c2.recv::<ToAgent>().unwrap().expect("an answer");
+            let (_c2, reply) = attach(&socket, "tenant-guest-2", 96);
             assert!(
                 matches!(&reply, ToAgent::Refused { message } if message.contains("tenant-max-gib")),
                 "a tenant's guests went past its quota: {reply:?}"

@@ -523,9 +523,14 @@ fn a_fake_memfoldd_that_never_answers_does_not_freeze_the_guest() {
     std::thread::spawn(move || agent::run(acfg));
     std::thread::sleep(Duration::from_millis(500));
     // Every first touch is a fault the agent serves; it must not be stuck waiting for the
-    // fake memfoldd's welcome. The guest runs in a thread, so a stuck agent fails the test
-    // (bounded) instead of hanging it.
-    let mut ram = ram;
+    // fake memfoldd's welcome.
+    guest_runs(ram, "its faults are not served");
+}
+
+/// The guest writes the first byte of every page of `ram`, three rounds over (each page's
+/// last byte still reads 0), in a thread, so that a stuck agent fails the test (bounded)
+/// instead of hanging it: it must be done within 20 s, else it is frozen (`why`).
+fn guest_runs(mut ram: Ram, why: &str) {
     let guest = std::thread::spawn(move || {
         for round in 1..=3u8 {
             for b in ram.bytes().chunks_mut(PAGE) {
@@ -538,7 +543,7 @@ fn a_fake_memfoldd_that_never_answers_does_not_freeze_the_guest() {
     while !guest.is_finished() {
         assert!(
             t.elapsed() < Duration::from_secs(20),
-            "the guest is frozen: its faults are not served"
+            "the guest is frozen: {why}"
         );
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -665,22 +670,6 @@ fn a_memfoldd_that_stops_reading_does_not_freeze_the_guest() {
         c // held open, unread, for the rest of the test
     });
     std::thread::sleep(Duration::from_secs(2));
-    let mut ram = ram;
-    let guest = std::thread::spawn(move || {
-        for round in 1..=3u8 {
-            for b in ram.bytes().chunks_mut(PAGE) {
-                b[0] = round;
-            }
-        }
-    });
-    let t = Instant::now();
-    while !guest.is_finished() {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "the guest is frozen: the agent waits for memfoldd to read"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    guest.join().unwrap();
+    guest_runs(ram, "the agent waits for memfoldd to read");
     drop(flood);
 }

@@ -150,16 +150,23 @@ mod tests {
     use super::*;
     use memfold_wire::Listener;
 
-    /// An agent that stops reading until its outbox is full still gets the state message
-    /// once it reads again, and only the latest. Fails with the state queued as a message
-    /// (`send`): it is dropped.
-    #[test]
-    fn a_state_message_reaches_an_agent_whose_outbox_is_full() {
+    /// An agent's connection (its end, memfoldd's end) and memfoldd's outbox onto it; the
+    /// folder of the socket.
+    fn connected() -> (tempfile::TempDir, Conn, Conn, Outbox) {
         let dir = tempfile::tempdir().unwrap();
         let l = Listener::bind(&dir.path().join("s")).unwrap();
         let agent = Conn::connect(&dir.path().join("s")).unwrap();
         let ours = l.accept().unwrap();
         let o = Outbox::new(&ours, "agent").unwrap();
+        (dir, agent, ours, o)
+    }
+
+    /// An agent that stops reading until its outbox is full still gets the state message
+    /// once it reads again, and only the latest. Fails with the state queued as a message
+    /// (`send`): it is dropped.
+    #[test]
+    fn a_state_message_reaches_an_agent_whose_outbox_is_full() {
+        let (_dir, agent, _ours, o) = connected();
         // The socket's buffer, then the queue, fill: later messages are refused.
         let refused = (0..4000)
             .filter(|_| !o.send(ToAgent::Welcome { version: 0 }))
@@ -183,11 +190,7 @@ mod tests {
     /// (it took the message, so none waited). Fails without the writer counting it.
     #[test]
     fn close_waits_for_a_state_message_being_sent() {
-        let dir = tempfile::tempdir().unwrap();
-        let l = Listener::bind(&dir.path().join("s")).unwrap();
-        let agent = Conn::connect(&dir.path().join("s")).unwrap();
-        let ours = l.accept().unwrap();
-        let o = Outbox::new(&ours, "agent").unwrap();
+        let (_dir, agent, ours, o) = connected();
         // The socket full, past the outbox: the writer blocks on the state itself.
         while ours.try_send(&ToAgent::Welcome { version: 0 }).unwrap() {}
         o.send_state(ToAgent::OptedOut { out: true });
