@@ -509,7 +509,16 @@ fn a_fake_memfoldd_that_never_answers_does_not_freeze_the_guest() {
             held.push(c);
         }
     });
-    let pages = 1500;
+    let ram = victim(socket, 1500);
+    std::thread::sleep(Duration::from_millis(500));
+    // Every first touch is a fault the agent serves; it must not be stuck waiting for the
+    // fake memfoldd's welcome.
+    guest_runs(ram, "its faults are not served");
+}
+
+/// A guest of `pages` zero pages with the real agent in a thread, attaching to whatever
+/// listens at `socket`. The agent finds its RAM by its size: each test its own.
+fn victim(socket: std::path::PathBuf, pages: usize) -> Ram {
     let ram = Ram::new(pages);
     let acfg = AgentConfig {
         socket,
@@ -521,10 +530,7 @@ fn a_fake_memfoldd_that_never_answers_does_not_freeze_the_guest() {
         clock_rbits: memfold_agent::ClockRBits::Userfault,
     };
     std::thread::spawn(move || agent::run(acfg));
-    std::thread::sleep(Duration::from_millis(500));
-    // Every first touch is a fault the agent serves; it must not be stuck waiting for the
-    // fake memfoldd's welcome.
-    guest_runs(ram, "its faults are not served");
+    ram
 }
 
 /// The guest writes the first byte of every page of `ram`, three rounds over (each page's
@@ -633,17 +639,8 @@ fn a_memfoldd_that_stops_reading_does_not_freeze_the_guest() {
     let work = tempfile::tempdir().unwrap();
     let socket = work.path().join("stalled.sock");
     let fake = memfold_wire::Listener::bind(&socket).unwrap();
-    let pages = 1700; // the agent finds RAM by its size: not the other test's 1500
-    let ram = Ram::new(pages);
-    let acfg = AgentConfig {
-        socket,
-        name: "victim".into(),
-        ram_bytes: (pages * PAGE) as u64,
-        vma_budget: None,
-        on_failure: FailMode::Abort,
-        clock_rbits: memfold_agent::ClockRBits::Userfault,
-    };
-    std::thread::spawn(move || agent::run(acfg));
+    let pages = 1700;
+    let ram = victim(socket, pages);
     let c = fake.accept().unwrap();
     c.set_recv_timeout(Duration::from_secs(10)).unwrap();
     let (hello, _) = c.recv::<ToDaemon>().unwrap().expect("a hello");
