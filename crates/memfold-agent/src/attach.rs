@@ -298,10 +298,12 @@ impl Agent {
         if self.conn.is_none() || self.pending.breaks.is_empty() || self.behind() {
             return;
         }
-        let m = ToDaemon::CowBroken {
-            breaks: std::mem::take(&mut self.pending.breaks),
-        };
-        self.send_to_memfoldd(m);
+        // In messages of at most MAX_BATCH pages, as every event list (they grow while
+        // memfoldd is behind; one message past the wire's largest would drop the
+        // connection).
+        for b in std::mem::take(&mut self.pending.breaks).chunks(memfold_wire::MAX_BATCH) {
+            self.send_to_memfoldd(ToDaemon::CowBroken { breaks: b.to_vec() });
+        }
     }
 
     /// Sends CoW breaks, refills, unstashed and discarded pages as they happen, counters and
@@ -322,23 +324,24 @@ impl Agent {
             return;
         }
         let mut msgs = Vec::new();
-        if !self.pending.refills.is_empty() {
+        // In messages of at most MAX_BATCH pages (`send_breaks`; a discard can name many).
+        const N: usize = memfold_wire::MAX_BATCH;
+        for gfns in std::mem::take(&mut self.pending.refills).chunks(N) {
             msgs.push(ToDaemon::Refilled {
-                gfns: std::mem::take(&mut self.pending.refills),
+                gfns: gfns.to_vec(),
             });
         }
-        if !self.pending.unstashed.is_empty() {
+        for gfns in std::mem::take(&mut self.pending.unstashed).chunks(N) {
             msgs.push(ToDaemon::Unstashed {
-                gfns: std::mem::take(&mut self.pending.unstashed),
+                gfns: gfns.to_vec(),
             });
         }
-        if !self.pending.discards.is_empty() {
+        for pages in std::mem::take(&mut self.pending.discards).chunks(N) {
             msgs.push(ToDaemon::Discarded {
-                pages: std::mem::take(&mut self.pending.discards),
+                pages: pages.to_vec(),
             });
         }
-        // In messages of at most MAX_BATCH pages (a discard can name many).
-        for gfns in std::mem::take(&mut self.pending.paged_in).chunks(memfold_wire::MAX_BATCH) {
+        for gfns in std::mem::take(&mut self.pending.paged_in).chunks(N) {
             msgs.push(ToDaemon::PagedIn {
                 gfns: gfns.to_vec(),
             });
