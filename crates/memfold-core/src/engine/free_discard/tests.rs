@@ -278,15 +278,14 @@ fn a_page_written_and_shared_again_after_the_sample_is_not_discarded() {
     r.engine.check_invariants().unwrap();
 }
 
-/// Stored pages the guest reports free are dropped from the store (their blobs
-/// released) once a later report still shows them free; a page decoded by a read
-/// after its watch is not (its bytes are back in RAM, and the watch ended).
-#[test]
-fn stored_pages_reported_free_release_their_blobs() {
-    let text = |g: u32| -> Vec<u8> {
-        let line = format!("page {g}: a line of text that a guest keeps in a file. ");
-        line.bytes().cycle().take(PAGE_SIZE).collect()
-    };
+/// Page `g`'s text: a line of its own, repeated (it compresses, and no two pages match).
+fn text(g: u32) -> Vec<u8> {
+    let line = format!("page {g}: a line of text that a guest keeps in a file. ");
+    line.bytes().cycle().take(PAGE_SIZE).collect()
+}
+
+/// The Difference Engine with the free-page discard, over a guest of [`text`] pages.
+fn text_rig() -> Rig {
     let cfg = EngineConfig {
         discard_free: true,
         ..crate::sim::quick_config(Policy::difference_engine())
@@ -295,6 +294,15 @@ fn stored_pages_reported_free_release_their_blobs() {
     for g in 0..PAGES {
         r.agent.write(Gfn(g), 0, &text(g)).unwrap();
     }
+    r
+}
+
+/// Stored pages the guest reports free are dropped from the store (their blobs
+/// released) once a later report still shows them free; a page decoded by a read
+/// after its watch is not (its bytes are back in RAM, and the watch ended).
+#[test]
+fn stored_pages_reported_free_release_their_blobs() {
+    let mut r = text_rig();
     for _ in 0..50 {
         r.step(10_000).unwrap();
     }
@@ -349,10 +357,6 @@ fn stored_pages_reported_free_release_their_blobs() {
 /// pages stored like any other.
 #[test]
 fn the_difference_engine_leaves_free_pages_to_the_discard() {
-    let text = |g: u32| -> Vec<u8> {
-        let line = format!("page {g}: a line of text that a guest keeps in a file. ");
-        line.bytes().cycle().take(PAGE_SIZE).collect()
-    };
     let free: Vec<u32> = (0..PAGES / 2).collect();
     let stored = |r: &Rig, pages: std::ops::Range<u32>| {
         pages
@@ -365,14 +369,7 @@ fn the_difference_engine_leaves_free_pages_to_the_discard() {
             .count()
     };
     let cold = |discardable: bool| {
-        let cfg = EngineConfig {
-            discard_free: true,
-            ..crate::sim::quick_config(Policy::difference_engine())
-        };
-        let mut r = Rig::new(cfg, PAGES).unwrap();
-        for g in 0..PAGES {
-            r.agent.write(Gfn(g), 0, &text(g)).unwrap();
-        }
+        let mut r = text_rig();
         report(&mut r, &free);
         r.engine.discard_free(r.vm, None, discardable);
         for _ in 0..50 {
