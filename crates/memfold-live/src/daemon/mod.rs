@@ -524,6 +524,7 @@ impl Daemon {
             .filter(|v| v.2)
             .map(|v| v.1)
             .collect();
+        let rams = self.guests.attached_rams();
         for (&d, pool) in &self.pools {
             if !self.engine.adoption_pending(d) {
                 continue;
@@ -534,7 +535,6 @@ impl Daemon {
             // Unknown holders (a /proc entry memfoldd cannot read) keep the adoption:
             // ending it early would free frames a QEMU may still map — so does a QEMU of
             // which a RAM region has not re-attached yet (`adoption.rs`).
-            let rams = self.guests.attached_rams();
             if guests::holders(dev, ino).is_some_and(|h| {
                 adoption::every_holder_reattached(&h, &attached, &rams, adoption::ram_regions)
             }) {
