@@ -79,12 +79,8 @@ pub fn map_large_allocations_from(bytes: usize) -> bool {
 pub fn host_ram_bytes() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("MemTotal:"))
-                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-        })
-        .map_or(0, |kib| kib * 1024)
+        .and_then(|s| crate::reclaim::meminfo_bytes(&s, "MemTotal:"))
+        .unwrap_or(0)
 }
 
 /// Resident set of process `pid` (`VmRSS` of `/proc/PID/status`), bytes; 0 if `/proc`
@@ -198,5 +194,13 @@ mod tests {
             with.saturating_sub(without) >= 16 * MIB as u64,
             "RSS {with} with the table, {without} after it was freed"
         );
+    }
+
+    /// The host's RAM as the kernel says it (`MemTotal`, in KiB there): more than a GiB
+    /// here, a whole number of KiB.
+    #[test]
+    fn host_ram_is_memtotal_in_bytes() {
+        let b = host_ram_bytes();
+        assert!(b > 1 << 30 && b % 1024 == 0, "{b}");
     }
 }

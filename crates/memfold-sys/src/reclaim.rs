@@ -364,7 +364,7 @@ impl SwapSpace {
 }
 
 /// A `NAME: N kB` line of /proc/meminfo, bytes.
-fn meminfo_bytes(text: &str, name: &str) -> Option<u64> {
+pub(crate) fn meminfo_bytes(text: &str, name: &str) -> Option<u64> {
     text.lines()
         .find_map(|l| l.strip_prefix(name))
         .and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
