@@ -292,13 +292,13 @@ impl BlkBackend {
         if used_stale {
             let used = queue
                 .used_idx(&view, Ordering::Acquire)
-                .map_err(|e| view.take_error().unwrap_or_else(|| MemError::queue(e)))?;
+                .map_err(|e| queue_error(&view, e))?;
             queue.set_next_used(used.0);
             // After a reconnect QEMU starts the ring at its used index: what waits beyond
             // it (a dead device's unfinished requests among them) is served now, in order.
             let avail = queue
                 .avail_idx(&view, Ordering::Acquire)
-                .map_err(|e| view.take_error().unwrap_or_else(|| MemError::queue(e)))?;
+                .map_err(|e| queue_error(&view, e))?;
             tracing::info!(
                 "queue starts at ring index {} (used index {}): {} requests waiting",
                 queue.next_avail(),
@@ -306,70 +306,130 @@ impl BlkBackend {
                 avail.0.wrapping_sub(queue.next_avail())
             );
         }
+        self.counters.ring_reads += view.remote_reads();
+        drop(view);
         let mut any = false;
         loop {
-            if let Err(e) = queue.disable_notification(&view) {
-                return Err(view.take_error().unwrap_or_else(|| MemError::queue(e)));
-            }
-            while let Some(chain) = queue.pop_descriptor_chain(&view) {
-                let head = chain.head_index();
-                let mut c = Chain {
-                    head,
-                    readable: Vec::new(),
-                    writable: Vec::new(),
-                };
-                let mut order_ok = true;
-                view.reading_descriptors(true);
-                for d in chain {
-                    if d.len() == 0 {
-                        continue;
-                    }
-                    if d.is_write_only() {
-                        c.writable.push((d.addr().0, d.len() as u64));
-                    } else if c.writable.is_empty() {
-                        c.readable.push((d.addr().0, d.len() as u64));
-                    } else {
-                        order_ok = false;
-                    }
-                }
-                view.reading_descriptors(false);
-                let used = if let Some(e) = view.take_error() {
-                    tracing::warn!("request {head}: its descriptors could not be read: {e}");
-                    self.finish(mem, &c, Err(ReqError::Mem(e)), 0)
-                } else if !order_ok {
-                    self.finish(
-                        mem,
-                        &c,
-                        Err(ReqError::Malformed(
-                            "a device-readable descriptor after a writable one".into(),
-                        )),
-                        0,
-                    )
-                } else {
-                    self.request(mem, &c)
-                };
-                if let Err(e) = queue.add_used(&view, head, used) {
-                    return Err(view.take_error().unwrap_or_else(|| MemError::queue(e)));
-                }
-                if let Some(e) = view.take_error() {
-                    return Err(e);
-                }
-                any = true;
-            }
-            match queue.enable_notification(&view) {
-                Ok(true) => continue,
-                Ok(false) => break,
-                Err(e) => return Err(view.take_error().unwrap_or_else(|| MemError::queue(e))),
+            // A view a pass: its arena holds the bounce buffers of one pass's requests, not
+            // of every request a guest that keeps the ring busy sends in one call.
+            let view = mem.view();
+            let more = self.serve_pass(queue, mem, &view, &mut any);
+            self.counters.ring_reads += view.remote_reads();
+            if !more? {
+                break;
             }
         }
-        self.counters.ring_reads += view.remote_reads();
         if !any {
             return Ok(false);
         }
+        let view = mem.view();
         let notify = queue
             .needs_notification(&view)
-            .map_err(|e| view.take_error().unwrap_or_else(|| MemError::queue(e)))?;
+            .map_err(|e| queue_error(&view, e))?;
+        self.counters.ring_reads += view.remote_reads();
         Ok(notify)
+    }
+
+    /// Serves the requests available now; returns whether more came meanwhile (the
+    /// notification check of virtio 1.1 §2.6.7.2). `any` is set if one was served.
+    ///
+    /// Errors: the rings cannot be read or written, or the guest's available index runs
+    /// more than the queue's size ahead of the device's (virtio 1.1 §2.6.6: it may not).
+    /// Checked here rather than left to virtio-queue, whose `pop_descriptor_chain` logs
+    /// either and returns `None`, which `enable_notification` then takes for more to do:
+    /// a guest spun the device's thread for good, its bounce buffers piling up.
+    fn serve_pass(
+        &mut self,
+        queue: &mut Queue,
+        mem: &RemoteMemory,
+        view: &crate::mem::RemoteView<'_>,
+        any: &mut bool,
+    ) -> Result<bool, MemError> {
+        queue
+            .disable_notification(view)
+            .map_err(|e| queue_error(view, e))?;
+        loop {
+            let avail = queue
+                .avail_idx(view, Ordering::Acquire)
+                .map_err(|e| queue_error(view, e))?;
+            let waiting = avail.0.wrapping_sub(queue.next_avail());
+            if waiting == 0 {
+                break;
+            }
+            if waiting > queue.size() {
+                return Err(MemError::Queue(format!(
+                    "available index {} is {waiting} requests past the device's {}, more \
+                     than the queue's {}",
+                    avail.0,
+                    queue.next_avail(),
+                    queue.size()
+                )));
+            }
+            let Some(chain) = queue.pop_descriptor_chain(view) else {
+                return Err(view.take_error().unwrap_or_else(|| {
+                    MemError::Queue(format!(
+                        "entry {} of the available ring cannot be read",
+                        queue.next_avail()
+                    ))
+                }));
+            };
+            let head = chain.head_index();
+            let mut c = Chain {
+                head,
+                readable: Vec::new(),
+                writable: Vec::new(),
+            };
+            let mut order_ok = true;
+            let mut wraps = false;
+            view.reading_descriptors(true);
+            for d in chain {
+                if d.len() == 0 {
+                    continue;
+                }
+                let (addr, len) = (d.addr().0, d.len() as u64);
+                // A buffer that runs past the end of the address space: nothing of the
+                // request is served, not even its status byte (at `addr + len - 1`).
+                wraps |= addr.checked_add(len).is_none();
+                if d.is_write_only() {
+                    c.writable.push((addr, len));
+                } else if c.writable.is_empty() {
+                    c.readable.push((addr, len));
+                } else {
+                    order_ok = false;
+                }
+            }
+            view.reading_descriptors(false);
+            let used = if let Some(e) = view.take_error() {
+                tracing::warn!("request {head}: its descriptors could not be read: {e}");
+                self.finish(mem, &c, Err(ReqError::Mem(e)), 0)
+            } else if wraps {
+                tracing::warn!("request {head}: a buffer wraps the address space; dropped");
+                self.counters.io_errors += 1;
+                self.counters.dropped += 1;
+                0
+            } else if !order_ok {
+                self.finish(
+                    mem,
+                    &c,
+                    Err(ReqError::Malformed(
+                        "a device-readable descriptor after a writable one".into(),
+                    )),
+                    0,
+                )
+            } else {
+                self.request(mem, &c)
+            };
+            queue
+                .add_used(view, head, used)
+                .map_err(|e| queue_error(view, e))?;
+            if let Some(e) = view.take_error() {
+                return Err(e);
+            }
+            *any = true;
+        }
+        queue
+            .enable_notification(view)
+            .map_err(|e| queue_error(view, e))
     }
 
     /// Serves one request; returns the bytes written into its writable buffers.
@@ -633,7 +693,15 @@ impl BlkBackend {
             );
             return 0;
         };
-        match mem.write(a + len - 1, &[s]) {
+        let Some(at) = a.checked_add(len - 1) else {
+            self.counters.dropped += 1;
+            tracing::warn!(
+                "request {}: status byte past the address space, dropped",
+                c.head
+            );
+            return 0;
+        };
+        match mem.write(at, &[s]) {
             Ok(()) => n + 1,
             Err(e) => {
                 self.counters.dropped += 1;
@@ -644,11 +712,11 @@ impl BlkBackend {
     }
 }
 
-impl MemError {
-    /// A virtio-queue error with no memory error behind it (a bad ring index).
-    fn queue(e: virtio_queue::Error) -> MemError {
-        MemError::Queue(e.to_string())
-    }
+/// The error behind a failed ring access: the view's memory error if it has one, else
+/// virtio-queue's own (a bad ring index).
+fn queue_error(view: &crate::mem::RemoteView<'_>, e: virtio_queue::Error) -> MemError {
+    view.take_error()
+        .unwrap_or_else(|| MemError::Queue(e.to_string()))
 }
 
 impl VhostUserBackendMut for BlkBackend {
@@ -707,6 +775,9 @@ impl VhostUserBackendMut for BlkBackend {
     /// address of each region are found, and guest RAM is reached through them from now
     /// on.
     fn update_memory(&mut self, mem: Gm) -> io::Result<()> {
+        // vhost-user-backend has switched to the new table already: a table refused below
+        // leaves the device with none (requests wait), never the old one's addresses.
+        self.mem = None;
         let qemu = remote::peer_on_socket(&self.cfg.socket).map_err(io::Error::other)?;
         if let Some(expected) = self.cfg.expected_qemu {
             if qemu.pid() != expected {

@@ -41,6 +41,7 @@ use imago::{
 use crate::landed::{DiskId, Source};
 
 mod guard;
+mod sync_latch;
 pub use guard::{check_overlay, BaseGuard, BaseStamp, Mismatch};
 
 /// Sector size of virtio-blk, bytes.
@@ -408,6 +409,8 @@ pub struct OverlayDisk {
     /// cache when imago's I/O is buffered.
     cache_handle: File,
     direct: bool,
+    /// Fails every flush once a sync of the overlay failed ([`sync_latch`]).
+    sync_latch: sync_latch::SyncLatch,
 }
 
 impl OverlayDisk {
@@ -467,6 +470,7 @@ impl OverlayDisk {
             overlay: q,
             cache_handle,
             direct,
+            sync_latch: sync_latch::SyncLatch::default(),
         })
     }
 
@@ -630,7 +634,9 @@ impl Disk for OverlayDisk {
     }
     fn flush(&self) -> Result<(), DiskError> {
         self.overlay.flush().map_err(self.io_err("flush", 0, 0))?;
-        self.overlay.sync().map_err(self.io_err("flush", 0, 0))?;
+        self.sync_latch
+            .sync(|| self.overlay.sync())
+            .map_err(self.io_err("flush", 0, 0))?;
         if !self.direct {
             // Written back by the sync: clean pages, which DONTNEED drops.
             memfold_sys::memfd::drop_cache(self.cache_handle.as_fd(), 0, 0);

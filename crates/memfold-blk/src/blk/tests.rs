@@ -397,6 +397,7 @@ fn an_overlay_disk_takes_writes_reads_them_back_as_overlay_and_discards_to_the_b
 }
 
 mod full_disk;
+mod hostile_ring;
 
 /// memfoldd and the agent as a fill sees them (Satori §5.2): blocks held, and a fill
 /// that maps a "frame" over each asked page still beginning with the nonce. Its frames

@@ -288,3 +288,28 @@ fn a_base_that_changes_under_the_device_is_refused_and_the_overlay_is_untouched(
     assert!(matches!(e, DiskError::BaseChanged { .. }), "{e}");
     assert!(e.to_string().contains("ctime"), "{e}");
 }
+
+#[test]
+fn after_a_failed_sync_the_overlay_fails_every_flush() {
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let base = d.path().join("base.img");
+    let ov = d.path().join("ov.qcow2");
+    std::fs::write(&base, pattern(1 << 20, 3)).unwrap();
+    create_overlay(&base, &ov).unwrap();
+    let o = OverlayDisk::open(&base, &ov).unwrap();
+    o.write(0, &[5u8; 4096]).unwrap();
+    o.flush().unwrap();
+    // An fsync's EIO (which no file system here can be made to give on demand), as the
+    // overlay's latch sees it.
+    let eio = o
+        .sync_latch
+        .sync(|| Err(std::io::Error::from_raw_os_error(libc::EIO)));
+    assert!(eio.is_err());
+    o.write(4096, &[6u8; 4096]).unwrap();
+    // The kernel's next fsync would succeed; the guest must not be told its write is on
+    // disk.
+    let e = o
+        .flush()
+        .expect_err("a flush after a failed sync must fail");
+    assert!(e.to_string().contains("earlier flush"), "{e}");
+}
