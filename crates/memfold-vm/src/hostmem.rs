@@ -7,8 +7,9 @@
 //!   mapped to the host zero page (KSM's `use_zero_pages`, zero-filled pieces of split
 //!   huge pages) count nothing.
 //! - memfd guest RAM (memfold runs): the bytes allocated to every memfd QEMU maps (the
-//!   guest's RAM file and memfold's pool file) or holds (memfold's store of patched and
-//!   compressed pages, which the agent reads but does not map), resident or swapped,
+//!   guest's RAM file) or holds (memfold's pool file, mapped only where a share is mapped,
+//!   and its store of patched and compressed pages, which the agent reads but does not
+//!   map), resident or swapped,
 //!   each file counted once over all guests (every guest maps the one pool). For a file, allocated bytes —
 //!   not Pss — are the memory used: a page in the file whose PTE is gone (the NRU clock
 //!   zaps PTEs; CoW copies are written with pwrite) still uses memory, and a hole punched
@@ -85,9 +86,11 @@ pub fn total_swapped(guests: &[RamUsage]) -> u64 {
 
 /// How memfold's store memfd shows in `/proc/<pid>/fd`.
 const STORE_MEMFD: &str = "/memfd:memfold-store";
+/// How memfold's pool memfd (the frames shared pages use) shows in `/proc/<pid>/fd`.
+const POOL_MEMFD: &str = "/memfd:memfold-pool";
 
-/// Each memfd of process `pid` whose inode is in `inodes`, and memfold's store memfd if
-/// the process holds it: (inode, bytes allocated, of them bytes in the kernel's swap —
+/// Each memfd of process `pid` whose inode is in `inodes`, and memfold's store and pool
+/// memfds if the process holds them: (inode, bytes allocated, of them bytes in the kernel's swap —
 /// 0 where the file cannot be opened or mapped to count them).
 fn memfd_allocations(
     pid: u32,
@@ -103,12 +106,16 @@ fn memfd_allocations(
         if !target.starts_with("/memfd:") {
             continue;
         }
-        let store = target.starts_with(STORE_MEMFD);
+        // The store and the pool by their names: QEMU holds both, but maps the store never
+        // and the pool only where a share is mapped — frames of shares left unmapped (cold
+        // shares, the VMA budget) would drop out of the count with the pool's last mapping.
+        let memfold_file = target.starts_with(STORE_MEMFD) || target.starts_with(POOL_MEMFD);
         // Follows the link to the file itself.
         let Ok(meta) = std::fs::metadata(entry.path()) else {
             continue;
         };
-        if (store || inodes.contains(&meta.ino())) && !out.iter().any(|&(i, _, _)| i == meta.ino())
+        if (memfold_file || inodes.contains(&meta.ino()))
+            && !out.iter().any(|&(i, _, _)| i == meta.ino())
         {
             use std::os::fd::AsFd;
             let swapped = std::fs::File::open(entry.path())
@@ -230,6 +237,29 @@ mod tests {
         assert_eq!(total_used(&[g(300), g(200)]), 20 + 1500 - 300);
         // Counted a moment before a punch: never more than the file holds.
         assert_eq!(total_swapped(&[g(5000)]), 1000);
+    }
+
+    #[test]
+    fn memfold_s_pool_counts_by_name_when_no_share_maps_it() {
+        use std::os::unix::fs::{FileExt, MetadataExt};
+        // Frames of shares left unmapped (cold shares, the VMA budget): the pool is held,
+        // never mapped. Counted only when a guest mapped a share, its frames dropped out
+        // of host memory with the last mapping.
+        let pool = std::fs::File::from(memfold_sys::memfd::create("memfold-pool").unwrap());
+        pool.write_all_at(&vec![3u8; 1 << 20], 0).unwrap();
+        let other = std::fs::File::from(memfold_sys::memfd::create("not-ours").unwrap());
+        other.write_all_at(&vec![3u8; 1 << 20], 0).unwrap();
+        let u = guest_ram_usage(std::process::id(), u64::MAX).unwrap();
+        let bytes = |f: &std::fs::File| {
+            let ino = f.metadata().unwrap().ino();
+            u.memfd_files.iter().find(|x| x.0 == ino).map(|x| x.1)
+        };
+        assert_eq!(bytes(&pool), Some(1 << 20), "{u:?}");
+        assert_eq!(
+            bytes(&other),
+            None,
+            "an unmapped memfd not memfold's: {u:?}"
+        );
     }
 
     #[test]
