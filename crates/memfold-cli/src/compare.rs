@@ -207,13 +207,9 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         );
     }
     eprintln!("== memfold (policy {}) on the set", a.memfold.engine.policy);
-    let stall0 = memfold_sys::reclaim::memory_stall_us().ok();
     let (m, out) = run::measure(&a.memfold_run(), "compare", &stop)?;
-    // Over the sampled seconds (booting under no memory pressure stalls nothing).
-    let memfold_stall_pct = stall0.and_then(|s0| {
-        let s1 = memfold_sys::reclaim::memory_stall_us().ok()?;
-        Some(s1.saturating_sub(s0) as f64 / (a.memfold.secs as f64 * 1e6) * 100.0)
-    });
+    // Over the sampled window, as the kit's side is: not the boots and shutdown around it.
+    let memfold_stall_pct = m.memory_stall_pct;
     run::write_outputs(&out, &m)?;
     if a.peer.is_kit() {
         return compare_kit(a, &m, memfold_stall_pct, &out);

@@ -274,7 +274,11 @@ fn verdict(points: &[&Point]) -> String {
     }
     match (m.slowdown_pct, p.slowdown_pct) {
         (Some(ms), Some(ps)) => {
-            let slack = m.slowdown_2se_pct.unwrap_or(0.0) + p.slowdown_2se_pct.unwrap_or(0.0);
+            // Two standard errors of the difference: the sides' errors add in quadrature.
+            let slack = m
+                .slowdown_2se_pct
+                .unwrap_or(0.0)
+                .hypot(p.slowdown_2se_pct.unwrap_or(0.0));
             if ms > ps + slack {
                 why.push(format!("slowdown {ms:.1}% > {ps:.1}% + 2 s.e."));
             }
@@ -492,6 +496,14 @@ mod tests {
             v.contains("memory 0.80×") && v.contains("slowdown") && v.contains("CPU"),
             "{v}"
         );
+        // 10.5% against 5.0%, each ± 3.0: 5.5 points apart is past the difference's 2 s.e.
+        // (√(3² + 3²) = 4.2), though under the sum of the two (6.0).
+        let mut apart = run_json(140.0, 250.0, 0.895, 0.95, 20.0);
+        apart["memfold_throughput"][0]["change_2se"] = serde_json::json!(0.03);
+        apart["peer_throughput"][0]["change_2se"] = serde_json::json!(0.03);
+        let apart = written(dir.path(), "c.json", apart);
+        let v = verdict(&apart.iter().collect::<Vec<_>>());
+        assert!(v.contains("slowdown 10.5% > 5.0%"), "{v}");
         // The best peer is the least memory of all peer points: a second run's.
         let both: Vec<Point> = met.into_iter().chain(missed).collect();
         let v = verdict(&both.iter().collect::<Vec<_>>());

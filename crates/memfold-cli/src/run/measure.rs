@@ -127,8 +127,21 @@ pub fn plateau(used_before: u64, samples: impl Iterator<Item = (f64, u64)>) -> (
         .map(|(t, u)| (t, used_before as f64 - u as f64))
         .collect();
     let mean = tail_mean(&saved, |s| s.0, |s| s.1);
-    let t95 = saved.iter().find(|s| s.1 >= 0.95 * mean).map(|s| s.0);
+    // No saving, no time to reach it: with a plateau at or under 0 every sample would
+    // pass "≥ 95% of it", the first one too.
+    let t95 = (mean > 0.0)
+        .then(|| saved.iter().find(|s| s.1 >= 0.95 * mean).map(|s| s.0))
+        .flatten();
     (mean, t95)
+}
+
+/// PSI's stall total read at two instants (`us0`, `us1`, µs) as a share of the `secs`
+/// between them, %; 0 for an empty window.
+pub fn stall_pct(us0: u64, us1: u64, secs: f64) -> f64 {
+    if secs <= 0.0 {
+        return 0.0;
+    }
+    us1.saturating_sub(us0) as f64 / (secs * 1e6) * 100.0
 }
 
 // The agent threads' name prefix and the CPU reader live in the system layer (memfoldd
@@ -192,6 +205,9 @@ pub struct MemfoldRun {
     pub t95_s: Option<f64>,
     /// CPU seconds used by memfoldd and the agents' threads in QEMU.
     pub cpu_s: f64,
+    /// Share of the sampled window's wall time some task on the host stalled on memory
+    /// (PSI's `some`), %; `None` where the kernel has no PSI.
+    pub memory_stall_pct: Option<f64>,
     /// Times memfoldd died and was restarted during the run.
     pub daemon_restarts: u32,
     /// Times the run killed memfoldd on purpose (`--kill-memfoldd-every`) and restarted it.
@@ -590,6 +606,16 @@ mod tests {
             "samples at 90 and 95 s"
         );
         assert_eq!(plateau(5, std::iter::empty()), (0.0, None));
+        // Usage that creeps up: no saving, so no time to 95% of it (every sample was "≥
+        // 95%" of a negative plateau, the first at 1 s).
+        let creeping = (1..=30).map(|t| (t as f64, 1000 + 10 * t as u64));
+        let (saved, t95) = plateau(1000, creeping);
+        assert!(saved < 0.0);
+        assert_eq!(t95, None);
+        // The stall share of a window: 0.5 s in 240 s is 0.21%; none for no window.
+        assert!((stall_pct(1_000, 501_000, 240.0) - 0.2083).abs() < 1e-3);
+        assert_eq!(stall_pct(7, 5, 10.0), 0.0);
+        assert_eq!(stall_pct(0, 5, 0.0), 0.0);
         assert_eq!(
             saved_mib_over_time(3 << 20, [(1.0, 1 << 20)].into_iter()),
             [(1.0, 2.0)]

@@ -301,6 +301,12 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     let mut attach_checked = false;
     let mut seen = std::collections::BTreeSet::new();
     let mut censuses = crate::census::CensusEvery::new(m.census);
+    // Memory stall over the sampled window only: boots, attaches and the shutdown after it
+    // are not the run's steady state, and the kit's side is measured over its window too.
+    let stall0 = (
+        memfold_sys::reclaim::memory_stall_us().ok(),
+        std::time::Instant::now(),
+    );
     measure::every_second((m.secs > 0).then_some(m.secs), Some(stop), |start| {
         for g in guests.iter_mut().chain(plain.iter_mut()) {
             g.check_alive()?;
@@ -316,10 +322,11 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             eprintln!(
                 "killing memfoldd (SIGKILL, kill {kills}, every {every} s) at {now:.0} s; restarting it"
             );
+            // Read at the kill, not at the last sample: what it used since would be lost.
+            cpu_dead += cpu_seconds(daemon.0.id(), None).max(cpu_last);
+            cpu_last = 0.0;
             let _ = daemon.0.kill();
             let _ = daemon.0.wait();
-            cpu_dead += cpu_last;
-            cpu_last = 0.0;
             daemon = start_daemon()?;
         }
         let paused: Vec<String> = guests
@@ -402,6 +409,14 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         samples.push(s);
         Ok(())
     })?;
+    let memory_stall_pct = stall0.0.and_then(|us0| {
+        let us1 = memfold_sys::reclaim::memory_stall_us().ok()?;
+        Some(measure::stall_pct(
+            us0,
+            us1,
+            stall0.1.elapsed().as_secs_f64(),
+        ))
+    });
     let cpu_s = cpu_dead + cpu_seconds(daemon.0.id(), None) + measure::agents_cpu_seconds(&guests)
         - agent_cpu0;
     drop(daemon);
@@ -436,6 +451,7 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             books_saved_bytes,
             t95_s,
             cpu_s,
+            memory_stall_pct,
             daemon_restarts: restarts,
             daemon_kills: kills,
             samples,

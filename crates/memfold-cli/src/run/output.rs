@@ -621,6 +621,7 @@ mod tests {
             books_saved_bytes: 0.0,
             t95_s: None,
             cpu_s: 0.0,
+            memory_stall_pct: None,
             daemon_restarts: 0,
             daemon_kills: 0,
             samples,

@@ -293,6 +293,7 @@ mod tests {
             used_before: 512 << 20,
             saved_bytes: (256u64 << 20) as f64,
             cpu_s: 4.0,
+            memory_stall_pct: None,
             samples: vec![
                 sample(1.0, 50 << 20, 900, 3),
                 sample(4.0, 45 << 20, 300, 2),
