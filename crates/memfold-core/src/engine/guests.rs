@@ -141,12 +141,12 @@ impl Engine {
     /// lived (same pid and name, detached): its agent wrote every stashed page back before re-attaching, so
     /// their blobs are released; what it maps now (`a.mapped`) replaces what the books said,
     /// including requests lost in doubt. Frames of an adopted pool that a guest maps are
-    /// read, hashed and entered in the share table.
+    /// read, hashed and entered in the share table; one that cannot be read is booked
+    /// and withdrawn from sharing (its bytes unknown).
     ///
     /// Errors: [`EngineError::Attach`] for a guest of 0 pages, pages no free range of the
     /// 2^31-page global page space holds, a domain that does not exist, or a re-attach
-    /// naming another domain than its first attach; [`EngineError::Pool`] if an adopted frame cannot be
-    /// read.
+    /// naming another domain than its first attach.
     pub fn attach(&mut self, a: Attach) -> Result<VmId, EngineError> {
         let refuse = |why: String| EngineError::Attach {
             name: a.name.clone(),
@@ -329,7 +329,7 @@ impl Engine {
         for (i, is) in now.into_iter().enumerate() {
             let g = Gfn(i as u32);
             let was = self.vms[&id].state(g);
-            let mut next = match is {
+            let next = match is {
                 Some(Mapped::Frame(f)) => PageState::Shared(f),
                 Some(Mapped::Zero) => PageState::Zero,
                 None => PageState::Private,
@@ -340,9 +340,14 @@ impl Engine {
                     && frames.refcount(f) == 0
                     && !self.claim_adopted(d, f, &mut page)
                 {
-                    // An adopted frame memfoldd cannot read is not booked: the page counts
-                    // as private (the agent, which maps it, refuses any request on it).
-                    next = PageState::Private;
+                    // An adopted frame memfoldd cannot read is still booked — the agent
+                    // maps it, and a frame no book holds is freed at the adoption's end
+                    // (its guest then reads zeros, and later another guest's page) — but
+                    // withdrawn: its bytes unknown, it is never a share target, a patch
+                    // reference or a fill. Its guest's CoW break lets it go.
+                    let dom = self.domain_mut(d);
+                    dom.withdrawn.insert(f);
+                    dom.similar.forget_frame(f);
                 }
             }
             // The agent's paged-out bits are not in its list: every mark goes at a
@@ -582,6 +587,43 @@ mod tests {
         // Its own re-attach (same QEMU, detached) is not another guest.
         e.detach(n);
         assert_eq!(attach(&mut e, 3, 1, Sharing::NeverShare).unwrap(), n);
+        e.check_invariants().unwrap();
+    }
+
+    /// An adopted frame memfoldd cannot read, which a re-attaching agent maps, stays
+    /// booked (withdrawn) past the adoption's end. Fails with the page booked private:
+    /// the frame was freed while the agent still mapped it (its guest then read zeros,
+    /// and later another guest's page).
+    #[test]
+    fn an_unreadable_adopted_frame_a_guest_maps_outlives_the_adoption() {
+        use crate::ids::{FrameId, Gfn};
+        let (mut e, _) = engine();
+        let d = DomainId(0);
+        // The old pool's file holds no bytes: frame 0, held, cannot be read.
+        assert!(e.adopt_pool(d, Box::new(MemBacking::new()), 4, [FrameId(0)]));
+        let v = e
+            .attach(Attach {
+                name: "a".into(),
+                pid: 1,
+                pages: 4,
+                ram: Box::new(MemGuestRam::new(4)),
+                mapped: vec![(Gfn(0), super::Mapped::Frame(FrameId(0)))],
+                domain: d,
+                store: Box::new(MemBacking::new()),
+                swap: None,
+                sharing: Sharing::Domain,
+            })
+            .unwrap();
+        e.end_adoption(d);
+        assert!(e.frame_held(d, FrameId(0)));
+        assert_eq!(
+            e.vms[&v].state(Gfn(0)),
+            crate::p2m::PageState::Shared(FrameId(0))
+        );
+        assert!(
+            e.withdrawn(d, FrameId(0)),
+            "its bytes unknown: never joined"
+        );
         e.check_invariants().unwrap();
     }
 

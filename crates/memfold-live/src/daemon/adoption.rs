@@ -17,9 +17,12 @@
 /// `regions::QEMU_MEMFD_NAME`), as `/proc/PID/maps` shows it.
 const QEMU_RAM_MEMFD: &str = "/memfd:memory-backend-memfd";
 
-/// The guest RAM regions process `pid` maps: every shared, writable mapping of a memfd
-/// named as QEMU names its RAM, by the memfd's (device, inode), once each. `None` if its
-/// maps cannot be read or a line cannot be parsed.
+/// The guest RAM regions process `pid` maps or holds: every shared, writable mapping of
+/// a memfd named as QEMU names its RAM, and every descriptor of one, by the memfd's
+/// (device, inode), once each. The descriptors count too: a region whose every page is
+/// on a pool frame has no mapping of its RAM memfd left (each share moved a pool mapping
+/// over it), yet its agent has still to re-attach. `None` if the maps or the descriptors
+/// cannot be read or a line cannot be parsed.
 pub(crate) fn ram_regions(pid: u32) -> Option<Vec<(u64, u64)>> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
     let mut out = Vec::new();
@@ -37,6 +40,22 @@ pub(crate) fn ram_regions(pid: u32) -> Option<Vec<(u64, u64)>> {
             u32::from_str_radix(minor, 16).ok()?,
         );
         let id = (dev, ino.parse().ok()?);
+        if !out.contains(&id) {
+            out.push(id);
+        }
+    }
+    use std::os::unix::fs::MetadataExt;
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.flatten() {
+        let named = std::fs::read_link(fd.path()).is_ok_and(|t| {
+            t.as_os_str()
+                .as_encoded_bytes()
+                .starts_with(QEMU_RAM_MEMFD.as_bytes())
+        });
+        // Followed to the file itself; one closed meanwhile is not held.
+        let Some(m) = named.then(|| std::fs::metadata(fd.path()).ok()).flatten() else {
+            continue;
+        };
+        let id = (m.dev(), m.ino());
         if !out.contains(&id) {
             out.push(id);
         }
@@ -89,10 +108,17 @@ mod tests {
             id
         };
         let ram = map("memory-backend-memfd", libc::MAP_SHARED);
+        // A region whose every page is on a pool frame: no mapping of its RAM memfd left,
+        // only its descriptor (QEMU's and its agent's). Found by the descriptor; missed,
+        // the adoption ended before its agent re-attached and freed frames it maps.
+        let held_ram = memfold_sys::memfd::create("memory-backend-memfd").unwrap();
+        memfold_sys::memfd::set_len(held_ram.as_fd(), 4096).unwrap();
+        let held = memfold_sys::memfd::file_id(held_ram.as_fd()).unwrap();
         let private = map("memory-backend-memfd", libc::MAP_PRIVATE);
         let pool = map("memfold-pool", libc::MAP_SHARED);
         let found = ram_regions(std::process::id()).unwrap();
         assert!(found.contains(&ram), "{found:?} lacks {ram:?}");
+        assert!(found.contains(&held), "{found:?} lacks the held {held:?}");
         assert!(
             !found.contains(&private) && !found.contains(&pool),
             "{found:?}"
