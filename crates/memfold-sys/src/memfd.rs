@@ -152,6 +152,23 @@ pub fn allocated_bytes(fd: BorrowedFd<'_>) -> u64 {
     rustix::fs::fstat(fd).map_or(0, |st| st.st_blocks as u64 * 512)
 }
 
+/// Bytes of memory (or disk) `fd` has allocated in its first `max_len` bytes. A file no
+/// longer than that: its blocks (one fstat); a longer one — grown by a peer that holds it
+/// read-write — its data runs there ([`data_runs`]), so that what the peer put past
+/// `max_len` is not counted, and the walk is bounded by `max_len`, not by the peer.
+pub fn allocated_bytes_within(fd: BorrowedFd<'_>, max_len: u64) -> u64 {
+    let all = allocated_bytes(fd);
+    if size(fd).is_ok_and(|s| s <= max_len) {
+        return all;
+    }
+    let end = Gfn((max_len / PAGE).min(u64::from(u32::MAX)) as u32);
+    let within: u64 = data_runs(fd, Gfn(0), end)
+        .iter()
+        .map(|&(a, b)| u64::from(b.0 - a.0) * PAGE)
+        .sum();
+    within.min(all)
+}
+
 /// The first run `[a, b)` of pages at or after `from` and before `end` that holds data in
 /// `fd` (not a hole; `SEEK_DATA`, then `SEEK_HOLE`); `None` if there is none, or the
 /// seek fails. Page `g` is bytes `[g·4096, (g+1)·4096)`; a run that starts or ends inside

@@ -261,13 +261,18 @@ impl PageOutWindow {
 /// cache). 0 for an empty file. The two are read one after the other and `mincore` walks
 /// the file while pages move, so under churn the figure is approximate.
 ///
+/// Only the first `max_len` bytes are walked, and allocated bytes past them are not
+/// counted: a peer that holds the file read-write (an agent, its domain's pool) can grow
+/// it to any size, and the walk — one page-cache lookup a page — would then hold the
+/// caller for minutes.
+///
 /// Errors: the file's size cannot be read, or the window cannot be made or read.
-pub fn swapped_bytes(fd: BorrowedFd<'_>) -> io::Result<u64> {
-    let size = crate::memfd::size(fd)? / PAGE as u64 * PAGE as u64;
+pub fn swapped_bytes(fd: BorrowedFd<'_>, max_len: u64) -> io::Result<u64> {
+    let size = crate::memfd::size(fd)?.min(max_len) / PAGE as u64 * PAGE as u64;
     if size == 0 {
         return Ok(0);
     }
-    let allocated = crate::memfd::allocated_bytes(fd);
+    let allocated = crate::memfd::allocated_bytes_within(fd, size);
     let resident = PageOutWindow::new(fd, size)?.resident_pages()? * PAGE as u64;
     Ok(allocated.saturating_sub(resident))
 }
@@ -305,13 +310,24 @@ mod tests {
     #[test]
     fn a_page_list_must_ascend_and_a_file_all_in_ram_has_nothing_swapped() {
         let fd = crate::memfd::create("pageout-list-test").unwrap();
-        assert_eq!(swapped_bytes(fd.as_fd()).unwrap(), 0, "an empty file");
+        assert_eq!(
+            swapped_bytes(fd.as_fd(), u64::MAX).unwrap(),
+            0,
+            "an empty file"
+        );
         crate::memfd::set_len(fd.as_fd(), 200 * PAGE as u64).unwrap();
         crate::memfd::pwrite_all(fd.as_fd(), &[3u8; 2 * PAGE], 0).unwrap();
         crate::memfd::pwrite_all(fd.as_fd(), &[4u8; PAGE], 150 * PAGE as u64).unwrap();
         let w = PageOutWindow::new(fd.as_fd(), 200 * PAGE as u64).unwrap();
         assert_eq!(w.resident_pages().unwrap(), 3);
-        assert_eq!(swapped_bytes(fd.as_fd()).unwrap(), 0);
+        assert_eq!(swapped_bytes(fd.as_fd(), u64::MAX).unwrap(), 0);
+        // A page past max_len is neither walked nor counted (as in swap, were it
+        // allocated and not found resident by the walk).
+        assert_eq!(swapped_bytes(fd.as_fd(), 100 * PAGE as u64).unwrap(), 0);
+        assert_eq!(
+            crate::memfd::allocated_bytes_within(fd.as_fd(), 100 * PAGE as u64),
+            2 * PAGE as u64
+        );
         assert!(w.page_out_list(&[1, 0]).1.is_err());
         assert!(w.page_out_list(&[1, 1]).1.is_err());
         // A span past the window fails; the ones before it are still answered.

@@ -120,7 +120,7 @@ fn memfd_allocations(
             use std::os::fd::AsFd;
             let swapped = std::fs::File::open(entry.path())
                 .ok()
-                .and_then(|f| memfold_sys::pageout::swapped_bytes(f.as_fd()).ok())
+                .and_then(|f| memfold_sys::pageout::swapped_bytes(f.as_fd(), u64::MAX).ok())
                 .unwrap_or(0);
             out.push((meta.ino(), meta.blocks() * 512, swapped));
         }

@@ -22,6 +22,12 @@ pub struct FileBacking {
     window: Option<PageOutWindow>,
     /// The last count of the file's bytes in swap, and when it was taken.
     swapped: std::cell::Cell<Option<(std::time::Instant, u64)>>,
+    /// Its length as memfoldd set it (or found it at adoption), bytes. *Invariant: no
+    /// walk, window or count goes past it*: agents hold the pool and their store and swap
+    /// file read-write and can grow them to any size (`ftruncate`, `fallocate`), and a
+    /// walk of what a peer grew would hold memfoldd's one main thread — every guest's —
+    /// for as long as the peer likes, and its bytes would count in the host budget.
+    len: u64,
 }
 
 /// How old a count of a memfd's bytes in swap may be ([`Backing::swapped_bytes`]).
@@ -40,17 +46,20 @@ impl FileBacking {
             on_disk: false,
             window: None,
             swapped: std::cell::Cell::new(None),
+            len: 0,
         })
     }
 
-    /// An adopted pool memfd (handed back by a re-attaching agent).
-    pub fn adopt(fd: OwnedFd) -> FileBacking {
+    /// An adopted pool memfd (handed back by a re-attaching agent) of `len` bytes, as
+    /// memfoldd measured and checked it when it adopted it.
+    pub fn adopt(fd: OwnedFd, len: u64) -> FileBacking {
         FileBacking {
             fd,
             what: "pool",
             on_disk: false,
             window: None,
             swapped: std::cell::Cell::new(None),
+            len,
         }
     }
 
@@ -70,6 +79,7 @@ impl FileBacking {
             on_disk: true,
             window: None,
             swapped: std::cell::Cell::new(None),
+            len: 0,
         })
     }
 
@@ -100,7 +110,9 @@ impl Backing for FileBacking {
 
     fn resize(&mut self, bytes: u64) -> Result<(), BackingError> {
         memfd::set_len(self.fd.as_fd(), bytes)
-            .map_err(|e| BackingError::new(format!("{} ftruncate to {bytes}", self.what), e))
+            .map_err(|e| BackingError::new(format!("{} ftruncate to {bytes}", self.what), e))?;
+        self.len = bytes;
+        Ok(())
     }
 
     fn release(&mut self, offset: u64, len: u64) {
@@ -119,7 +131,7 @@ impl Backing for FileBacking {
     }
 
     fn allocated_bytes(&self) -> u64 {
-        memfd::allocated_bytes(self.fd.as_fd())
+        memfd::allocated_bytes_within(self.fd.as_fd(), self.len)
     }
 
     fn page_out(&mut self, pages: &[u64]) -> Result<u64, BackingError> {
@@ -129,7 +141,7 @@ impl Backing for FileBacking {
         }
         let what = self.what;
         let err = |e| BackingError::new(format!("{what} page-out"), e);
-        let size = memfd::size(self.fd.as_fd()).map_err(err)? / 4096;
+        let size = memfd::size(self.fd.as_fd()).map_err(err)?.min(self.len) / 4096;
         if size > 0 && self.window.as_ref().is_none_or(|w| w.pages() < size) {
             self.window = None;
             self.window = Some(PageOutWindow::new(self.fd.as_fd(), size * 4096).map_err(err)?);
@@ -157,7 +169,7 @@ impl Backing for FileBacking {
                 return bytes;
             }
         }
-        let bytes = memfold_sys::pageout::swapped_bytes(self.fd.as_fd()).unwrap_or(0);
+        let bytes = memfold_sys::pageout::swapped_bytes(self.fd.as_fd(), self.len).unwrap_or(0);
         self.swapped.set(Some((std::time::Instant::now(), bytes)));
         bytes
     }
@@ -187,5 +199,40 @@ impl GuestRam for MemfdRam {
 
     fn allocated_bytes(&self) -> u64 {
         memfd::allocated_bytes(self.fd.as_fd())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer that holds a backing read-write grows it to 1 TiB (sparse): the page-out
+    /// window, the count of bytes in swap and the allocated bytes stay within the length
+    /// memfoldd set. (Before, the window and the `mincore` walk covered the whole TiB —
+    /// 2^28 page lookups on memfoldd's main thread for each count.)
+    #[test]
+    fn a_backing_grown_by_its_peer_is_walked_and_counted_only_as_far_as_memfoldd_set_it() {
+        let mut b = FileBacking::memfd("grown-test").unwrap();
+        b.resize(8 * 4096).unwrap();
+        b.write(0, &[5u8; 4096]).unwrap();
+        let peer = b.dup().unwrap();
+        memfd::set_len(peer.as_fd(), 1 << 40).unwrap();
+        memfd::pwrite_all(peer.as_fd(), &[6u8; 4096], (1 << 40) - 4096).unwrap();
+        assert_eq!(
+            b.allocated_bytes(),
+            4096,
+            "the peer's page past the length counts"
+        );
+        assert_eq!(b.swapped_bytes(), 0);
+        b.page_out(&[0, 1 << 27]).unwrap();
+        let window = b.window.as_ref().map(|w| w.pages());
+        assert_eq!(
+            window,
+            Some(8),
+            "the page-out window covers what the peer grew"
+        );
+        let mut page = [0u8; 4096];
+        b.read(0, &mut page).unwrap();
+        assert!(page.iter().all(|&x| x == 5));
     }
 }

@@ -135,7 +135,7 @@ impl Daemon {
             held.len()
         );
         self.engine
-            .adopt_pool(d, Box::new(FileBacking::adopt(mine)), frames, held);
+            .adopt_pool(d, Box::new(FileBacking::adopt(mine, size)), frames, held);
         self.pools.insert(d, theirs);
         Ok(d)
     }
