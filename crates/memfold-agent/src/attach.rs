@@ -166,9 +166,21 @@ impl Agent {
             return;
         }
         // The store belongs to the memfoldd that is gone: bring its pages home first.
-        if let Err(e) = self.unstash_all() {
-            tracing::warn!("restoring stashed pages: {e}; attach postponed");
-            return;
+        match self.unstash_all() {
+            Ok(()) => {}
+            // A blob that decodes to other bytes than were stored (the store or swap file
+            // changed under the agent, or a bad sector) is lost for good: retried, it
+            // would postpone every attach — the guest unmanaged, its old store and the
+            // adopted pool pinned — until the guest touched the page and failed closed
+            // then. Failing closed now keeps what can still be kept, as a fault would.
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                self.fail_closed(&format!("restoring stashed pages before a re-attach: {e}"))
+            }
+            // Anything else (EIO, ENOMEM) may pass: tried again at the next attach.
+            Err(e) => {
+                tracing::warn!("restoring stashed pages: {e}; attach postponed");
+                return;
+            }
         }
         let shared = self.pages.reattach_list();
         let hello = ToDaemon::AgentHello {

@@ -378,9 +378,13 @@ impl Agent {
             BlobHome::Store => &self.store,
             BlobHome::Swap => &self.swap,
         };
-        let store = store
-            .as_ref()
-            .ok_or_else(|| io::Error::other(format!("{gfn}: stashed page without its store")))?;
+        let store = store.as_ref().ok_or_else(|| {
+            // Never comes back: a fault would retry it for nothing.
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{gfn}: stashed page without its store"),
+            )
+        })?;
         // No blob is longer than the page it holds: never allocate what memfoldd says.
         if s.len as usize > PAGE_SIZE {
             return Err(io::Error::new(
@@ -408,9 +412,12 @@ impl Agent {
             drop_cache(store.as_fd(), s.offset, s.len as u64);
         }
         let Some(encoding) = s.blob.encoding() else {
-            *out = (&*blob)
-                .try_into()
-                .map_err(|_| io::Error::other(format!("{gfn}: raw page of {} bytes", s.len)))?;
+            *out = (&*blob).try_into().map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{gfn}: raw page of {} bytes", s.len),
+                )
+            })?;
             return check_sum(gfn, sum, out);
         };
         let mut reference = [0u8; PAGE_SIZE];

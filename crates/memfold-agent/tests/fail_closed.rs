@@ -79,6 +79,10 @@ fn pattern(g: usize, i: usize) -> u8 {
 enum Failure {
     /// A stashed page's blob changed in the store, then read by the guest.
     CorruptBlob,
+    /// A stashed page's blob changed in the store, then memfoldd's connection lost: the
+    /// agent finds it as it brings its stashed pages home to re-attach; the guest never
+    /// reads the page.
+    CorruptBlobReattach,
     /// A panic on the agent thread.
     Panic,
     /// The agent's loop ends with an error.
@@ -96,6 +100,7 @@ impl Failure {
     fn name(self) -> &'static str {
         match self {
             Failure::CorruptBlob => "corrupt-blob",
+            Failure::CorruptBlobReattach => "corrupt-blob-reattach",
             Failure::Panic => "panic",
             Failure::LoopError => "loop-error",
             Failure::BypassWrite => "bypass-write",
@@ -121,6 +126,7 @@ fn child_role() -> Option<Failure> {
     let role = std::env::var(ROLE).ok()?;
     [
         Failure::CorruptBlob,
+        Failure::CorruptBlobReattach,
         Failure::Panic,
         Failure::LoopError,
         Failure::BypassWrite,
@@ -231,7 +237,7 @@ fn child(failure: Failure) -> ! {
             .unwrap();
             eprintln!("child: RLIMIT_NOFILE is 0");
         }
-        Failure::Panic => {}
+        Failure::Panic | Failure::CorruptBlobReattach => {}
     }
     loop {
         std::thread::sleep(Duration::from_secs(1));
@@ -309,7 +315,11 @@ fn fake_memfoldd(listener: &Listener, failure: Failure, attached: std::sync::mps
         .unwrap();
         if matches!(
             failure,
-            Failure::CorruptBlob | Failure::BypassWrite | Failure::SwapEio | Failure::CopyEnomem
+            Failure::CorruptBlob
+                | Failure::CorruptBlobReattach
+                | Failure::BypassWrite
+                | Failure::SwapEio
+                | Failure::CopyEnomem
         ) {
             let stashed = wait_stash_done(&conn);
             assert_eq!(stashed, [Gfn(STASHED as u32)], "the agent stashed the page");
@@ -318,6 +328,16 @@ fn fake_memfoldd(listener: &Listener, failure: Failure, attached: std::sync::mps
             // The store, writable by whoever holds it, changes under the agent.
             Failure::CorruptBlob => {
                 memfd::pwrite_all(store.as_fd(), &[page[0] ^ 0x5a], 0).unwrap();
+            }
+            // Corrupted, then this memfoldd is gone (its listener stays: the agent
+            // connects again, and brings its stashed pages home first).
+            Failure::CorruptBlobReattach => {
+                memfd::pwrite_all(store.as_fd(), &[page[0] ^ 0x5a], 0).unwrap();
+                attached.send(()).unwrap();
+                drop(conn);
+                loop {
+                    std::thread::sleep(Duration::from_secs(1));
+                }
             }
             // Guest RAM's memfd written at the stashed page, not through QEMU's mapping:
             // the hole fills (with zeros but for these bytes), and no fault is raised.
@@ -766,6 +786,23 @@ fn a_corrupt_blob_pauses_qemu_by_default_with_its_ram_intact() {
     q.signal(Signal::CONT);
     let status = q.wait_exit("kill -ABRT then -CONT");
     assert_eq!(status.signal(), Some(libc::SIGABRT), "{status}");
+}
+
+#[test]
+fn a_corrupt_blob_found_as_the_agent_re_attaches_pauses_qemu() {
+    if let Some(f) = child_role() {
+        child(f);
+    }
+    // Before: every attach postponed for good ("restoring stashed pages: ... attach
+    // postponed" each second), the guest unmanaged and never paused.
+    let mut q = Qemu::start(
+        "a_corrupt_blob_found_as_the_agent_re_attaches_pauses_qemu",
+        Failure::CorruptBlobReattach,
+        None,
+    );
+    q.wait_stopped("a corrupt blob found at the re-attach");
+    q.check_paused(Some(STASHED), "restoring stashed pages before a re-attach");
+    q.check_paused(Some(STASHED), "does not match its checksum");
 }
 
 #[test]
