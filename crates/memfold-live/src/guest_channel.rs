@@ -8,7 +8,9 @@
 //! virtserialport,chardev=mfg,name=org.memfold.guest.0`); memfoldd, given `DIR`
 //! (`--guest-channels DIR`), connects to `DIR/NAME.sock` for each attached guest named
 //! `NAME` (its agent's name, QEMU's `-name`). The folder is the operator's: memfoldd
-//! connects to no path a guest or its QEMU chose. A name with anything but letters,
+//! connects to no path a guest or its QEMU chose, and asks a socket only if the guest's
+//! own QEMU serves it (the name is the agent's word: any QEMU may claim another guest's
+//! name first). A name with anything but letters,
 //! digits, `.`, `_` and `-`, or one that several attached guests (RAM regions) share,
 //! gets no channel.
 //!
@@ -92,6 +94,19 @@ pub enum ReportError {
         pages: u64,
         /// What is wrong with it.
         why: &'static str,
+    },
+    /// The channel's socket is served by another process than the guest's QEMU.
+    #[error(
+        "{path} is served by {}, not by the guest's QEMU (pid {expected}): not asked",
+        found.map_or("an unknown process".to_string(), |p| format!("pid {p}"))
+    )]
+    WrongServer {
+        /// The socket.
+        path: String,
+        /// The guest's QEMU.
+        expected: u32,
+        /// The process that made the listening socket (`SO_PEERCRED`), if known.
+        found: Option<u32>,
     },
     /// A code that is no category.
     #[error("code {code} at frame {pfn:#x} is no page category")]
@@ -532,6 +547,31 @@ fn channel_thread(
             nap(interval);
             continue;
         };
+        // *Invariant: memfoldd asks only the guest's own QEMU.* The path's name is the
+        // agent's word (its guest's name), which any QEMU may claim before the guest that
+        // owns it attaches: the kernel says who made the listening socket, as for the
+        // monitor ([`memfold_vm::qmp::Qmp::connect_served_by`]). Another guest's reports
+        // would be booked as this one's, and that guest would lose its channel.
+        use std::os::fd::AsFd;
+        let found = memfold_sys::socket::peer_of(stream.as_fd())
+            .ok()
+            .map(|p| p.pid);
+        if found != Some(guest.pid) {
+            drop(stream);
+            let r = Err(ReportError::WrongServer {
+                path: path.display().to_string(),
+                expected: guest.pid,
+                found,
+            });
+            if tx
+                .send((guest.id, Instant::now(), Duration::ZERO, r))
+                .is_err()
+            {
+                return;
+            }
+            nap(interval);
+            continue;
+        }
         let _ = stream.set_write_timeout(Some(REPORT_TIMEOUT));
         let Ok(mut out) = stream.try_clone() else {
             nap(interval);

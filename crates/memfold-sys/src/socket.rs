@@ -221,12 +221,7 @@ impl Seqpacket {
     ///
     /// Errors: getsockopt failed.
     pub fn peer(&self) -> io::Result<Peer> {
-        let c = rustix::net::sockopt::socket_peercred(&self.fd)?;
-        Ok(Peer {
-            pid: c.pid.as_raw_nonzero().get() as u32,
-            uid: c.uid.as_raw(),
-            gid: c.gid.as_raw(),
-        })
+        peer_of(self.fd.as_fd())
     }
 
     /// Makes sends that wait longer than `t` fail (EAGAIN) instead of blocking: a peer
@@ -421,6 +416,20 @@ impl AsRawFd for Seqpacket {
     fn as_raw_fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
+}
+
+/// The credentials of the process at the other end of Unix socket `fd` as the kernel
+/// recorded them (SO_PEERCRED): for a connection made to a listening socket, the process
+/// that made it listen — whatever the peer says.
+///
+/// Errors: getsockopt failed (not a connected Unix socket).
+pub fn peer_of(fd: BorrowedFd<'_>) -> io::Result<Peer> {
+    let c = rustix::net::sockopt::socket_peercred(fd)?;
+    Ok(Peer {
+        pid: c.pid.as_raw_nonzero().get() as u32,
+        uid: c.uid.as_raw(),
+        gid: c.gid.as_raw(),
+    })
 }
 
 #[cfg(test)]

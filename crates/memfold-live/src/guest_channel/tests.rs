@@ -240,3 +240,58 @@ fn channel_names_are_plain() {
         assert!(!channel_name_ok(bad), "{bad}");
     }
 }
+
+/// A QEMU whose agent claims another guest's name (attached before it, after a restart
+/// or while it boots): the socket `DIR/NAME.sock` is that guest's QEMU's, not its own.
+/// memfoldd asks nothing there and says why; before, it asked, booked the other guest's
+/// reports as this one's and held that guest's only channel.
+#[test]
+fn a_channel_socket_served_by_another_process_than_the_guests_qemu_is_not_asked() {
+    use std::io::Read;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("victim.sock");
+    // The victim's QEMU: this process serves the socket.
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    // The guest's own QEMU: another process.
+    let mut other = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (flag, at) = (Arc::clone(&stop), path.clone());
+    let guest = ChannelGuest {
+        id: VmId(1),
+        pid: other.id(),
+        ram_pages: 1024,
+    };
+    let t = std::thread::spawn(move || {
+        let layouts = QemuLayouts::default();
+        channel_thread(guest, &at, &layouts, Duration::from_millis(50), &flag, &tx)
+    });
+    let (mut conn, _) = listener.accept().unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let mut buf = [0u8; 64];
+    let n = conn.read(&mut buf).unwrap_or(0);
+    assert_eq!(
+        n,
+        0,
+        "memfoldd asked another process's channel: {:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    let (vm, _, _, r) = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+    assert_eq!(vm, VmId(1));
+    let why = r.unwrap_err().to_string();
+    let me = std::process::id();
+    assert!(
+        why.contains(&format!(
+            "served by pid {me}, not by the guest's QEMU (pid {})",
+            other.id()
+        )),
+        "{why}"
+    );
+    stop.store(true, Ordering::Relaxed);
+    other.kill().unwrap();
+    let _ = other.wait();
+    t.join().unwrap();
+}
