@@ -172,9 +172,12 @@ pub enum ArgsError {
     /// An option that needs an argument is the last word.
     #[error("QEMU option {0} has no argument")]
     MissingArgument(String),
-    /// A JSON `-object` that is not a JSON object with a string `qom-type` and `id`.
-    #[error("-object {text}: not a JSON object with qom-type and id: {why}")]
+    /// A JSON argument (`-object`, `-device`, `-drive`, `-blockdev`) that memfold cannot
+    /// read as a JSON object.
+    #[error("-{option} {text}: not a JSON object: {why}")]
     BadJson {
+        /// The option, without its dash.
+        option: String,
         /// The argument.
         text: String,
         /// Why.
@@ -205,8 +208,9 @@ fn node_values<'a>(
 }
 
 /// A JSON `-object` (libvirt's form) as key=value pairs, values as text.
-fn json_object(text: &str) -> Result<BTreeMap<String, String>, ArgsError> {
+fn json_object(option: &str, text: &str) -> Result<BTreeMap<String, String>, ArgsError> {
     let bad = |why: String| ArgsError::BadJson {
+        option: option.into(),
         text: text.into(),
         why,
     };
@@ -273,7 +277,7 @@ impl RamPlan {
             match opt {
                 "object" => {
                     let kv = if arg.trim_start().starts_with('{') {
-                        json_object(arg)?
+                        json_object(opt, arg)?
                     } else {
                         keyval(arg, Some("qom-type"))
                     };
@@ -304,7 +308,12 @@ impl RamPlan {
                     }
                 }
                 "device" => {
-                    let kv = keyval(arg, Some("driver"));
+                    // libvirt writes `-device` as JSON (QEMU 6.2 and later take both).
+                    let kv = if arg.trim_start().starts_with('{') {
+                        json_object(opt, arg)?
+                    } else {
+                        keyval(arg, Some("driver"))
+                    };
                     if let Some(id) = kv.get("memdev") {
                         let driver = kv.get("driver").cloned().unwrap_or_default();
                         plan.used.push((id.clone(), driver));
@@ -316,7 +325,7 @@ impl RamPlan {
                 }
                 "drive" | "blockdev" => {
                     let kv = if arg.trim_start().starts_with('{') {
-                        json_object(arg)?
+                        json_object(opt, arg)?
                     } else {
                         keyval(arg, None)
                     };
@@ -570,5 +579,30 @@ mod tests {
             RamPlan::parse(&["-object", "{not json"]).unwrap_err(),
             ArgsError::BadJson { .. }
         ));
+        // Each option names itself, not `-object`.
+        let e = RamPlan::parse(&["-blockdev", "{'driver':'file'}"]).unwrap_err();
+        assert!(e.to_string().starts_with("-blockdev {'driver'"), "{e}");
+    }
+
+    /// libvirt's JSON `-device` (a DIMM on a backend that is no memfd) is read as the
+    /// keyval form is: the problem is found, not missed.
+    #[test]
+    fn a_json_device_names_its_memory_backend() {
+        let p = RamPlan::parse(&[
+            "-machine",
+            "memory-backend=ram0",
+            "-object",
+            r#"{"qom-type":"memory-backend-memfd","id":"ram0","size":1073741824,"share":true}"#,
+            "-object",
+            r#"{"qom-type":"memory-backend-ram","id":"dimm0","size":1073741824}"#,
+            "-device",
+            r#"{"driver":"pc-dimm","memdev":"dimm0","id":"d0"}"#,
+        ])
+        .unwrap();
+        assert!(
+            matches!(&p.problems()[..], [Problem::NotMemfd { .. }]),
+            "{:?}",
+            p.problems()
+        );
     }
 }
