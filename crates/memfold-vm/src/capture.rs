@@ -143,8 +143,9 @@ pub fn capture(guest: &Guest, out: &Path, pause: bool) -> Result<CaptureInfo, Ca
     Ok(info)
 }
 
-/// Finds QEMU's guest-RAM memfd (the one of exactly the RAM's size) and opens it.
-fn open_ram_memfd(guest: &Guest) -> Result<File, CaptureError> {
+/// Finds QEMU's guest-RAM memfd (the one of exactly the RAM's size) and opens it; with
+/// the `/proc/PID/fd/N` path it was opened by (named in read errors).
+fn open_ram_memfd(guest: &Guest) -> Result<(File, PathBuf), CaptureError> {
     let dir = PathBuf::from(format!("/proc/{}/fd", guest.pid));
     for entry in std::fs::read_dir(&dir).map_err(io(&dir))?.flatten() {
         let Ok(link) = std::fs::read_link(entry.path()) else {
@@ -155,7 +156,7 @@ fn open_ram_memfd(guest: &Guest) -> Result<File, CaptureError> {
         }
         if let Ok(f) = File::open(entry.path()) {
             if f.metadata().map(|m| m.len()).unwrap_or(0) == guest.mem_bytes {
-                return Ok(f);
+                return Ok((f, entry.path()));
             }
         }
     }
@@ -168,7 +169,7 @@ fn open_ram_memfd(guest: &Guest) -> Result<File, CaptureError> {
 
 fn capture_memfd(guest: &Guest, ram_path: &Path, pages: u64) -> Result<Vec<u8>, CaptureError> {
     use rustix::fs::{seek, SeekFrom};
-    let src = open_ram_memfd(guest)?;
+    let (src, src_path) = open_ram_memfd(guest)?;
     let dst = OpenOptions::new()
         .write(true)
         .create(true)
@@ -184,16 +185,16 @@ fn capture_memfd(guest: &Guest, ram_path: &Path, pages: u64) -> Result<Vec<u8>, 
         let data = match seek(&src, SeekFrom::Data(pos)) {
             Ok(d) => d,
             Err(rustix::io::Errno::NXIO) => break, // only holes from here on
-            Err(e) => return Err(io(ram_path)(e.into())),
+            Err(e) => return Err(io(&src_path)(e.into())),
         };
         let hole = seek(&src, SeekFrom::Hole(data))
-            .map_err(|e| io(ram_path)(e.into()))?
+            .map_err(|e| io(&src_path)(e.into()))?
             .min(guest.mem_bytes);
         let mut off = data;
         while off < hole {
             let n = ((hole - off) as usize).min(buf.len());
             src.read_exact_at(&mut buf[..n], off)
-                .map_err(io(ram_path))?;
+                .map_err(io(&src_path))?;
             dst.write_all_at(&buf[..n], off).map_err(io(ram_path))?;
             off += n as u64;
         }
