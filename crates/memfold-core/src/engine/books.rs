@@ -491,6 +491,7 @@ impl Engine {
 
     /// The books now.
     pub fn books(&self) -> Books {
+        let mut ranks = self.all_sharing_ranks();
         let vms: Vec<VmReport> = self
             .vms
             .iter()
@@ -506,7 +507,7 @@ impl Engine {
                     wait_share_bp: v.wait.share_pct.map(|p| (p * 100.0).round() as u32),
                     ..v.books.clone()
                 },
-                sharing_ranks: self.sharing_ranks(*id).expect("a guest of the engine"),
+                sharing_ranks: ranks.remove(id).expect("a guest of the engine"),
             })
             .collect();
         let sum = |f: fn(&VmBooks) -> u64| vms.iter().map(|v| f(&v.books)).sum::<u64>();

@@ -377,9 +377,19 @@ impl Engine {
         // Entitlements (Satori §4.2): each guest's pages by rank, counted here from the
         // P2Ms alone, equal what the books derive from the frame table; and summed over
         // guests, rank n holds n pages per frame, so Σ s(i) = Σ (n − 1) = pages saved.
+        // A page shared without a mapping holds its frame as a page does (its rank).
+        let mut holders = maps.clone();
+        for v in self.vms.values() {
+            for e in v.p2m.iter() {
+                if let PageState::Unmapped(f) = e.state() {
+                    *holders.entry((v.domain, f)).or_default() += 1;
+                }
+            }
+        }
+        let all_ranks = self.all_sharing_ranks();
         let mut frames_at: HashMap<(DomainId, u32), u64> = HashMap::new();
         let mut pages_at: HashMap<(DomainId, u32), u64> = HashMap::new();
-        for (&(d, f), &n) in &maps {
+        for (&(d, f), &n) in &holders {
             if self.domains[&d].zero_frame != Some(f) {
                 *frames_at.entry((d, n)).or_default() += 1;
             }
@@ -388,9 +398,9 @@ impl Engine {
             let zero = self.domains[&v.domain].zero_frame;
             let mut want: std::collections::BTreeMap<u32, u64> = Default::default();
             for e in v.p2m.iter() {
-                if let PageState::Shared(f) = e.state() {
+                if let PageState::Shared(f) | PageState::Unmapped(f) = e.state() {
                     if zero != Some(f) {
-                        *want.entry(maps[&(v.domain, f)]).or_default() += 1;
+                        *want.entry(holders[&(v.domain, f)]).or_default() += 1;
                     }
                 }
             }
@@ -399,6 +409,11 @@ impl Engine {
             }
             let want: Vec<(u32, u64)> = want.into_iter().collect();
             let have = self.sharing_ranks(*id).expect("listed").0;
+            if all_ranks.get(id).map(|r| &r.0) != Some(&have) {
+                return Err(format!(
+                    "{id}: ranks of all guests at once differ from its own"
+                ));
+            }
             if have != want {
                 return Err(format!(
                     "{id}: books give shared pages by rank {have:?}, its pages say {want:?}"

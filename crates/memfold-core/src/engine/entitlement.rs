@@ -1,7 +1,7 @@
 //! Sharing entitlements (Satori §4.2): the memory sharing saves, credited to the guests
 //! that share it, in proportion to what each shares.
 //!
-//! For a frame `p` mapped by `n(p)` guest pages (its sharing rank), sharing saves
+//! For a frame `p` holding `n(p)` guest pages (its sharing rank), sharing saves
 //! `n(p) − 1` pages; each mapping earns `(n(p) − 1) / n(p)` of them, so guest `i`'s
 //! entitlement is `s(i) = Σ_{p ∈ M(i)} (n(p) − 1) / n(p)` over the frames it maps, once
 //! per mapping, and the entitlements of all guests add up to exactly the pages sharing
@@ -13,7 +13,10 @@
 //! entitlements). `s(i)` is derived from them.
 //!
 //! What earns entitlement — decided here, as the paper counts sharing only:
-//! - content shared with other pages, of this guest or another of its sharing domain;
+//! - content shared with other pages, of this guest or another of its sharing domain —
+//!   mapped, or shared without a mapping (issue 19: a cold share, one over the VMA
+//!   budget; the frame holds the page all the same, and its next touch maps it). A page
+//!   left unmapped neither loses its own credit nor lowers its partners' rank;
 //! - not zero pages, shared onto the zero frame or reclaimed as holes: they are the
 //!   guest's free memory. Crediting them would pay a guest for memory it does not use,
 //!   and what the balloon hands back is itself zero until used: a loop that would deflate
@@ -24,8 +27,10 @@
 
 use serde::Serialize;
 
-use super::Engine;
-use crate::ids::VmId;
+use std::collections::{BTreeMap, HashMap};
+
+use super::{Engine, Vm};
+use crate::ids::{DomainId, FrameId, VmId};
 use crate::p2m::PageState;
 
 /// One guest's shared pages by the sharing rank of the frame each maps: `(rank, pages)`
@@ -58,21 +63,59 @@ impl SharingRanks {
 const DENSE_RANKS: usize = 64;
 
 impl Engine {
-    /// Guest `id`'s shared pages by rank (`None`: no such guest). O(the guest's pages).
+    /// Guest `id`'s shared pages by rank (`None`: no such guest). O(its domain's pages):
+    /// for every guest at once, [`Engine::all_sharing_ranks`].
     pub fn sharing_ranks(&self, id: VmId) -> Option<SharingRanks> {
         let v = self.vms.get(&id)?;
+        Some(self.ranks_of(v, &self.unmapped_refs(v.domain)))
+    }
+
+    /// Every guest's shared pages by rank, each domain's pages walked twice in all (the
+    /// books and the claimers ask every second). O(all guests' pages).
+    pub fn all_sharing_ranks(&self) -> BTreeMap<VmId, SharingRanks> {
+        let mut unmapped: HashMap<DomainId, HashMap<FrameId, u32>> = HashMap::new();
+        self.vms
+            .iter()
+            .map(|(&id, v)| {
+                let refs = unmapped
+                    .entry(v.domain)
+                    .or_insert_with(|| self.unmapped_refs(v.domain));
+                (id, self.ranks_of(v, refs))
+            })
+            .collect()
+    }
+
+    /// Domain `d`'s pages shared without a mapping (issue 19: cold shares, shares over
+    /// the VMA budget), by the frame each holds. Booked as patch references, they are
+    /// sharing all the same: the frame's sharing rank counts them.
+    fn unmapped_refs(&self, d: DomainId) -> HashMap<FrameId, u32> {
+        let mut refs: HashMap<FrameId, u32> = HashMap::new();
+        for v in self.vms.values().filter(|v| v.domain == d) {
+            for e in v.p2m.iter() {
+                if let PageState::Unmapped(f) = e.state() {
+                    *refs.entry(f).or_default() += 1;
+                }
+            }
+        }
+        refs
+    }
+
+    /// Guest `v`'s shared pages by rank, given its domain's [`Engine::unmapped_refs`].
+    fn ranks_of(&self, v: &Vm, unmapped: &HashMap<FrameId, u32>) -> SharingRanks {
         let dom = self.domain(v.domain);
         let mut dense = [0u64; DENSE_RANKS + 1];
         let mut sparse: Vec<(u32, u64)> = Vec::new();
         for e in v.p2m.iter() {
-            let PageState::Shared(f) = e.state() else {
+            let (PageState::Shared(f) | PageState::Unmapped(f)) = e.state() else {
                 continue;
             };
             if dom.zero_frame == Some(f) {
                 continue;
             }
-            // Mappings only: a patch using the frame as its reference maps nothing.
-            let n = dom.frames.refcount(f) - dom.frames.patch_refs(f);
+            // Pages only, mapped or not: a patch using the frame as its reference holds
+            // no page of it.
+            let without = unmapped.get(&f).copied().unwrap_or(0);
+            let n = dom.frames.refcount(f) - (dom.frames.patch_refs(f) - without);
             if (n as usize) <= DENSE_RANKS {
                 dense[n as usize] += 1;
             } else {
@@ -90,7 +133,7 @@ impl Engine {
             .map(|(n, &c)| (n as u32, c))
             .collect();
         ranks.extend(sparse);
-        Some(SharingRanks(ranks))
+        SharingRanks(ranks)
     }
 }
 

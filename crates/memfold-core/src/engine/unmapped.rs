@@ -442,6 +442,22 @@ mod tests {
         assert_eq!(b.unmapped_pages, 6);
     }
 
+    /// Pages shared without a mapping keep their entitlement (Satori §4.2), and their
+    /// mapped partners theirs: the frame holds every one of them. Before, an unmapped
+    /// page earned nothing and left its frame's rank: the 4 cold pages on the hot pair's
+    /// frame took the pair from rank 6 to rank 2, and the guest's entitlement from 7
+    /// pages (what sharing saves) to 2 — a balloon inflated for sharing that never broke.
+    #[test]
+    fn pages_shared_without_a_mapping_keep_their_entitlement() {
+        let r = rig(true);
+        let b = r.engine.books();
+        assert_eq!(b.saved_by.sharing, 7);
+        let ranks = &b.vms[0].sharing_ranks;
+        assert_eq!(ranks.0, vec![(2, 4), (6, 6)]);
+        assert_eq!(ranks.entitlement_pages(), 7.0);
+        assert_eq!(r.engine.sharing_ranks(r.vm).as_ref(), Some(ranks));
+    }
+
     /// Two cold pages equal to each other, which the scan finds but leaves to the clock,
     /// are shared by the clock's slice however many scans later it comes: the hint is
     /// kept (`at_read::KEPT_HINTS`). With quiet pages hinted one scan in 5 (DE §4.3's
