@@ -7,7 +7,11 @@
 //! into arguments that [`parse_layered`] puts before the real command line, with clap's
 //! `args_override_self`, so a flag given on the command line wins over the file (a
 //! repeatable flag given there replaces the file's values) and the file over the built-in
-//! defaults. A flag added to the command is a valid key at once.
+//! defaults. A flag added to the command is a valid key at once. A flag on the command
+//! line also replaces the file's keys it conflicts with (`--agent-gid` a file's
+//! `agent-group`); two such keys in one file are an error. What a flag requires
+//! (`metrics-allow-remote` needs `metrics-listen`) may come from the file or the
+//! command line.
 //!
 //! Values: a string, integer or float is the flag's argument as written; a boolean is
 //! the argument `true`/`false`, or for a switch (a flag without a value) turns it on
@@ -20,8 +24,9 @@ use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
+use clap::error::ErrorKind;
 use clap::parser::ValueSource;
-use clap::{ArgAction, ArgMatches, Command};
+use clap::{ArgAction, ArgMatches, Command, Id};
 
 /// Errors of a configuration file, each naming the file.
 #[derive(Debug, thiserror::Error)]
@@ -68,6 +73,31 @@ pub enum ConfigFileError {
         /// What is wrong with its value.
         why: String,
     },
+    /// Two keys whose flags may not be given together.
+    #[error(
+        "{path}:{line}: `{key}` cannot be set with `{other}` (line {other_line}): set one of them"
+    )]
+    Conflict {
+        /// The file.
+        path: PathBuf,
+        /// The later key's line, from 1.
+        line: usize,
+        /// The later key.
+        key: String,
+        /// The earlier key.
+        other: String,
+        /// The earlier key's line, from 1.
+        other_line: usize,
+    },
+    /// The file's settings with the command line's are refused, though the command line
+    /// alone is not (a key that requires a flag neither gives).
+    #[error("{path}: its settings with the command line's are refused: {message}")]
+    Combined {
+        /// The file.
+        path: PathBuf,
+        /// clap's whole message.
+        message: String,
+    },
 }
 
 /// The keys a file may set: every long flag of `cmd` but `--help`, `--version` and the
@@ -95,7 +125,7 @@ fn line_of(text: &str, at: usize) -> usize {
 /// The arguments the file `path` (read as `text`) stands for, for `cmd`: each key as
 /// `--key=value`, in key order. `except`: flags that may not be set from a file. Each
 /// key's arguments are checked by clap alone, so an error names the file, the line and
-/// the key.
+/// the key; what spans keys (conflicts, requirements) [`parse_layered`] checks.
 ///
 /// Errors: [`ConfigFileError`] (not TOML, an unknown key, a value the flag does not
 /// take).
@@ -107,17 +137,51 @@ pub fn file_args(
 ) -> Result<Vec<OsString>, ConfigFileError> {
     Ok(keyed_args(cmd, path, text, except)?
         .into_iter()
-        .flat_map(|(_, a)| a)
+        .flat_map(|k| k.args)
         .collect())
 }
 
-/// [`file_args`], by key: each key's flag id and its arguments.
+/// One key of a file: its flag and the arguments it stands for.
+struct Keyed {
+    /// The flag's id.
+    id: Id,
+    /// The key as written.
+    key: String,
+    /// Its line, from 1.
+    line: usize,
+    /// Its arguments (`--key=value`, none for a switch left off).
+    args: Vec<OsString>,
+}
+
+/// Whether clap refuses the flags `a` and `b` together; it lists a conflict on one of
+/// the two only (`conflicts_with` on one side), so both are asked.
+fn conflict(cmd: &Command, a: &Id, b: &Id) -> bool {
+    let find = |id: &Id| cmd.get_arguments().find(|x| x.get_id() == id);
+    let (Some(x), Some(y)) = (find(a), find(b)) else {
+        return false;
+    };
+    cmd.get_arg_conflicts_with(x)
+        .iter()
+        .any(|c| c.get_id() == b)
+        || cmd
+            .get_arg_conflicts_with(y)
+            .iter()
+            .any(|c| c.get_id() == a)
+}
+
+/// clap's message for `e`, all of it, without its `error: ` prefix.
+fn clap_message(e: &clap::Error) -> String {
+    let m = e.to_string();
+    m.trim_start_matches("error: ").trim_end().to_owned()
+}
+
+/// [`file_args`], by key.
 fn keyed_args(
     cmd: &Command,
     path: &Path,
     text: &str,
     except: &[&str],
-) -> Result<Vec<(clap::Id, Vec<OsString>)>, ConfigFileError> {
+) -> Result<Vec<Keyed>, ConfigFileError> {
     type Spanned<T> = toml::Spanned<T>;
     let table: BTreeMap<Spanned<String>, Spanned<toml::Value>> =
         toml::from_str(text).map_err(|e| ConfigFileError::Syntax {
@@ -187,18 +251,49 @@ fn keyed_args(
             v => mine.push(format!("--{name}={}", scalar(v)?).into()),
         }
         let alone = std::iter::once(OsString::from(cmd.get_name())).chain(mine.iter().cloned());
-        if let Err(e) = cmd.clone().try_get_matches_from(alone) {
-            let why = e.to_string();
-            let why = why
-                .lines()
-                .next()
-                .unwrap_or("")
-                .trim_start_matches("error: ");
-            return Err(value_err(why.to_owned()));
+        match cmd.clone().try_get_matches_from(alone) {
+            // What the flag requires may be another key or on the command line: the
+            // final parse checks it (values are parsed before requirements).
+            Err(e) if e.kind() != ErrorKind::MissingRequiredArgument => {
+                let why = e.to_string();
+                let why = why
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .trim_start_matches("error: ");
+                return Err(value_err(why.to_owned()));
+            }
+            _ => {}
         }
-        out.push((arg.get_id().clone(), mine));
+        out.push(Keyed {
+            id: arg.get_id().clone(),
+            key: name.to_owned(),
+            line,
+            args: mine,
+        });
     }
     Ok(out)
+}
+
+/// Refuses two keys of the file `path` whose flags conflict, whatever the command line.
+///
+/// Errors: [`ConfigFileError::Conflict`], naming both keys and their lines.
+fn refuse_conflicts(cmd: &Command, path: &Path, keyed: &[Keyed]) -> Result<(), ConfigFileError> {
+    // A switch set to its default gives no argument, so conflicts with nothing.
+    let set: Vec<&Keyed> = keyed.iter().filter(|k| !k.args.is_empty()).collect();
+    for (i, a) in set.iter().enumerate() {
+        if let Some(b) = set[i + 1..].iter().find(|b| conflict(cmd, &a.id, &b.id)) {
+            let (first, later) = if a.line <= b.line { (a, b) } else { (b, a) };
+            return Err(ConfigFileError::Conflict {
+                path: path.to_owned(),
+                line: later.line,
+                key: later.key.clone(),
+                other: first.key.clone(),
+                other_line: first.line,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Where a command's configuration comes from.
@@ -237,8 +332,9 @@ impl Source {
 /// What [`parse_layered`] can fail on.
 #[derive(Debug, thiserror::Error)]
 pub enum LayeredError {
-    /// The command line itself (clap's message, with usage; `--help` and `--version`
-    /// come this way too).
+    /// The command line itself, or a requirement of its flags that the file does not
+    /// meet either (clap's message, with usage; `--help` and `--version` come this way
+    /// too).
     #[error("{0}")]
     Cli(#[from] clap::Error),
     /// The configuration file.
@@ -252,34 +348,75 @@ pub enum LayeredError {
 /// arguments and the file read, if any.
 ///
 /// Errors: [`LayeredError`]: the command line is invalid (or asks for help), the file
-/// cannot be read or is invalid.
+/// cannot be read or is invalid, alone or with the command line.
 pub fn parse_layered<P: clap::Parser>(
     argv: &[OsString],
     flag: &str,
     source: impl Fn(&P) -> Source,
 ) -> Result<(P, Option<PathBuf>), LayeredError> {
     let cmd = P::command().args_override_self(true);
-    let given = cmd.clone().try_get_matches_from(argv)?;
-    let first = P::from_arg_matches(&given)?;
+    // The file may give what a flag here requires: parsed again without that check (the
+    // only error left), the command line is judged with the file below.
+    let (given, lacking) = match cmd.clone().try_get_matches_from(argv) {
+        Ok(m) => (m, None),
+        Err(e) if e.kind() == ErrorKind::MissingRequiredArgument => {
+            match cmd.clone().ignore_errors(true).try_get_matches_from(argv) {
+                Ok(m) => (m, Some(e)),
+                Err(_) => return Err(e.into()),
+            }
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let first = match P::from_arg_matches(&given) {
+        Ok(p) => p,
+        Err(e) => return Err(lacking.unwrap_or(e).into()),
+    };
     let Some(path) = source(&first).path().map(Path::to_owned) else {
-        return Ok((first, None));
+        return match lacking {
+            Some(e) => Err(e.into()),
+            None => Ok((first, None)),
+        };
     };
     let text = std::fs::read_to_string(&path).map_err(|source| ConfigFileError::Read {
         path: path.clone(),
         source,
     })?;
+    let on_line: Vec<&Id> = cmd
+        .get_arguments()
+        .map(|a| a.get_id())
+        .filter(|id| given.value_source(id.as_str()) == Some(ValueSource::CommandLine))
+        .collect();
     // A flag on the command line replaces the file's value, a repeated one too (clap
-    // would add its values to the file's).
-    let from_file = keyed_args(&cmd, &path, &text, &[flag])?
+    // would add its values to the file's), and the keys it conflicts with.
+    let keyed = keyed_args(&cmd, &path, &text, &[flag])?;
+    refuse_conflicts(&cmd, &path, &keyed)?;
+    let from_file = keyed
         .into_iter()
-        .filter(|(id, _)| given.value_source(id.as_str()) != Some(ValueSource::CommandLine))
-        .flat_map(|(_, a)| a);
+        .filter(|k| {
+            !on_line
+                .iter()
+                .any(|g| *g == &k.id || conflict(&cmd, g, &k.id))
+        })
+        .flat_map(|k| k.args);
     let mut all: Vec<OsString> = Vec::new();
     all.extend(argv.first().cloned());
     all.extend(from_file);
     all.extend(argv.iter().skip(1).cloned());
-    let m: ArgMatches = cmd.try_get_matches_from(all)?;
-    Ok((P::from_arg_matches(&m)?, Some(path)))
+    let combined = |e: clap::Error| ConfigFileError::Combined {
+        path: path.clone(),
+        message: clap_message(&e),
+    };
+    let m: ArgMatches = match cmd.try_get_matches_from(all) {
+        Ok(m) => m,
+        // The command line lacks what the file does not give either: its own error.
+        Err(e) if e.kind() == ErrorKind::MissingRequiredArgument && lacking.is_some() => {
+            return Err(lacking.unwrap_or(e).into());
+        }
+        // Otherwise the command line was valid alone: the file's part is at fault.
+        Err(e) => return Err(combined(e).into()),
+    };
+    let p = P::from_arg_matches(&m).map_err(combined)?;
+    Ok((p, Some(path)))
 }
 
 #[cfg(test)]

@@ -415,6 +415,70 @@ mod tests {
         assert_eq!(a.max_map_count, Some(650_000));
     }
 
+    /// memfoldd's arguments from the file `text` and the command line `extra`.
+    fn layered(text: &str, extra: &[&str]) -> Result<Args, LayeredError> {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("memfoldd.toml");
+        std::fs::write(&f, text).unwrap();
+        let argv: Vec<OsString> = ["memfoldd", "--config", f.to_str().unwrap()]
+            .iter()
+            .chain(extra)
+            .map(OsString::from)
+            .collect();
+        Ok(parse_layered::<Args>(&argv, "config", source)?.0)
+    }
+
+    #[test]
+    fn a_key_may_require_another_key_of_the_file() {
+        let a = layered(
+            "metrics-listen = \"0.0.0.0:9464\"\nmetrics-allow-remote = true\n",
+            &[],
+        )
+        .unwrap();
+        assert!(a.metrics_allow_remote);
+        assert_eq!(a.metrics_listen, Some("0.0.0.0:9464".parse().unwrap()));
+    }
+
+    #[test]
+    fn a_flag_may_require_a_key_of_the_file() {
+        let a = layered(
+            "metrics-listen = \"0.0.0.0:9464\"\n",
+            &["--metrics-allow-remote"],
+        )
+        .unwrap();
+        assert!(a.metrics_allow_remote);
+        // Neither gives it: the command line's own usage error.
+        let e = layered("rate = 5\n", &["--metrics-allow-remote"]).unwrap_err();
+        assert!(matches!(e, LayeredError::Cli(_)), "{e}");
+    }
+
+    #[test]
+    fn a_requirement_the_file_leaves_unmet_is_an_error_naming_the_file() {
+        let e = layered("metrics-allow-remote = true\n", &[]).unwrap_err();
+        assert!(matches!(e, LayeredError::File(_)), "{e:?}");
+        let e = e.to_string();
+        assert!(e.contains("memfoldd.toml: "), "{e}");
+        assert!(e.contains("--metrics-listen"), "clap's whole message: {e}");
+    }
+
+    #[test]
+    fn a_flag_replaces_the_key_it_conflicts_with() {
+        let a = layered("agent-group = \"kvm\"\n", &["--agent-gid", "5"]).unwrap();
+        assert_eq!((a.agent_gid, a.agent_group), (Some(5), None));
+        // clap lists the conflict on one of the two flags only.
+        let a = layered("agent-gid = 5\n", &["--agent-group", "kvm"]).unwrap();
+        assert_eq!((a.agent_gid, a.agent_group.as_deref()), (None, Some("kvm")));
+    }
+
+    #[test]
+    fn conflicting_keys_are_an_error_naming_the_file_and_the_lines() {
+        let e = layered("agent-gid = 5\nagent-group = \"kvm\"\n", &[]).unwrap_err();
+        assert!(matches!(e, LayeredError::File(_)), "{e:?}");
+        let e = e.to_string();
+        assert!(e.contains("memfoldd.toml:2: `agent-group`"), "{e}");
+        assert!(e.contains("`agent-gid` (line 1)"), "{e}");
+    }
+
     #[test]
     fn the_command_line_wins_over_the_file() {
         let dir = tempfile::tempdir().unwrap();
