@@ -44,6 +44,67 @@ pub struct AnalyzeArgs {
     pub png: Option<PathBuf>,
 }
 
+/// A file of a snapshot that cannot be read as one.
+#[derive(Debug, thiserror::Error)]
+pub enum InputError {
+    /// The file could not be opened.
+    #[error("{role} {path}: cannot open: {source}")]
+    Open {
+        /// What the file is to `load`: `snapshot` or `residency bitmap`.
+        role: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The file is no regular file: a FIFO would wait for a writer, a device might
+    /// never end.
+    #[error("{role} {path}: not a regular file but {what}")]
+    NotRegular {
+        /// What the file is to `load`: `snapshot` or `residency bitmap`.
+        role: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// What it is instead (`a FIFO`, `a directory`, ...).
+        what: &'static str,
+    },
+}
+
+/// Opens the regular file `path` (a `role` of a snapshot) to read, with its length.
+/// `O_NONBLOCK`, because opening a FIFO would otherwise wait for a writer; it changes
+/// nothing for a regular file.
+///
+/// Errors: [`InputError`]: it cannot be opened (missing too), or is not a regular file.
+fn open_regular(path: &Path, role: &'static str) -> Result<(std::fs::File, u64), InputError> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let open_err = |source| InputError::Open {
+        role,
+        path: path.to_owned(),
+        source,
+    };
+    let f = std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(open_err)?;
+    let m = f.metadata().map_err(open_err)?;
+    let t = m.file_type();
+    let what = match () {
+        _ if t.is_file() => return Ok((f, m.len())),
+        _ if t.is_fifo() => "a FIFO",
+        _ if t.is_dir() => "a directory",
+        _ if t.is_char_device() => "a character device",
+        _ if t.is_block_device() => "a block device",
+        _ if t.is_socket() => "a socket",
+        _ => "another kind of file",
+    };
+    Err(InputError::NotRegular {
+        role,
+        path: path.to_owned(),
+        what,
+    })
+}
+
 /// A snapshot read into memory.
 pub struct Loaded {
     pub name: String,
@@ -56,12 +117,7 @@ pub struct Loaded {
 /// read is an error that says so, and the copy cannot change afterwards.
 pub fn load(path: &Path) -> Result<Loaded> {
     use std::io::Read;
-    let mut f = std::fs::File::open(path)
-        .with_context(|| format!("snapshot {}: cannot open", path.display()))?;
-    let len = f
-        .metadata()
-        .with_context(|| format!("snapshot {}", path.display()))?
-        .len();
+    let (mut f, len) = open_regular(path, "snapshot")?;
     if len == 0 || len % 4096 != 0 {
         bail!("snapshot {}: {len} bytes is not a whole, non-zero number of 4096-byte pages (truncated or not a RAM snapshot?)", path.display());
     }
@@ -80,21 +136,34 @@ pub fn load(path: &Path) -> Result<Loaded> {
         );
     }
     let res_path = path.with_extension("resident");
-    let resident = if res_path.exists() {
-        let b = std::fs::read(&res_path)
-            .with_context(|| format!("{}: cannot read", res_path.display()))?;
-        let want = (len / 4096).div_ceil(8);
-        if b.len() as u64 != want {
-            bail!(
-                "{}: {} bytes, but the snapshot's {} pages need {want}",
-                res_path.display(),
-                b.len(),
-                len / 4096
-            );
+    let resident = match open_regular(&res_path, "residency bitmap") {
+        Err(InputError::Open { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            None
         }
-        Some(b)
-    } else {
-        None
+        Err(e) => return Err(e.into()),
+        Ok((f, res_len)) => {
+            // Its size checked before it is read: a huge (or sparse) one is refused.
+            let want = (len / 4096).div_ceil(8);
+            if res_len != want {
+                bail!(
+                    "{}: {res_len} bytes, but the snapshot's {} pages need {want}",
+                    res_path.display(),
+                    len / 4096
+                );
+            }
+            let mut b = Vec::new();
+            f.take(want)
+                .read_to_end(&mut b)
+                .with_context(|| format!("{}: cannot read", res_path.display()))?;
+            if b.len() as u64 != want {
+                bail!(
+                    "{}: {} bytes read of {want}: it was truncated while being read",
+                    res_path.display(),
+                    b.len()
+                );
+            }
+            Some(b)
+        }
     };
     let name = path
         .file_stem()
@@ -260,5 +329,49 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("cannot open"), "{e}");
+    }
+
+    /// A FIFO at `p` (nothing writes to it: opening it plainly would wait for a writer).
+    fn fifo(p: &Path) {
+        use rustix::fs::{mknodat, FileType, Mode, CWD};
+        mknodat(CWD, p, FileType::Fifo, Mode::RUSR | Mode::WUSR, 0).unwrap();
+    }
+
+    /// `load(p)`'s error, with its causes.
+    fn load_err(p: &Path) -> String {
+        format!("{:#}", load(p).err().expect("load succeeded"))
+    }
+
+    #[test]
+    fn a_huge_residency_file_is_refused_by_its_size_before_it_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("g.ram");
+        std::fs::write(&p, vec![7u8; 4096]).unwrap();
+        let r = std::fs::File::create(dir.path().join("g.resident")).unwrap();
+        r.set_len(1 << 40).unwrap();
+        let e = load_err(&p);
+        assert!(
+            e.contains("g.resident: 1099511627776 bytes, but the snapshot's 1 pages need 1"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_fifo_as_the_residency_file_is_an_error_not_a_hang() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("g.ram");
+        std::fs::write(&p, vec![7u8; 4096]).unwrap();
+        fifo(&dir.path().join("g.resident"));
+        let e = load_err(&p);
+        assert!(e.contains("g.resident: not a regular file"), "{e}");
+    }
+
+    #[test]
+    fn a_fifo_as_the_snapshot_is_an_error_not_a_hang() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("g.ram");
+        fifo(&p);
+        let e = load_err(&p);
+        assert!(e.contains("g.ram: not a regular file"), "{e}");
     }
 }
