@@ -338,8 +338,17 @@ mod tests {
     }
 
     /// `load(p)`'s error, with its causes.
+    /// `load`'s error for `p`, within 10 s: a load that blocks (on a FIFO) fails the
+    /// test instead of hanging it.
     fn load_err(p: &Path) -> String {
-        format!("{:#}", load(p).err().expect("load succeeded"))
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = p.to_owned();
+        std::thread::spawn(move || {
+            let _ = tx.send(load(&p).err().map(|e| format!("{e:#}")));
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(10))
+            .expect("load hung")
+            .expect("load succeeded")
     }
 
     #[test]
