@@ -7,13 +7,13 @@
 //!
 //! The host page cache is kept from holding a third copy of what the guest's page cache
 //! and memfold's pool already hold: the raw base is read with `O_DIRECT` (aligned bounce
-//! buffers), and imago opens the qcow2 overlay and its base with `O_DIRECT` too (its
-//! `StorageOpenOptions::direct`). Where a file system refuses `O_DIRECT` (and with
-//! `memfold-blk --no-direct`) I/O is buffered and each range is dropped with
-//! `POSIX_FADV_DONTNEED` after use — which measurably does not work. Bytes of the image in
-//! the host page cache (`fincore`) after a TCG guest used the disk, cache dropped before,
-//! ext4 host (2026-11-24, /var/tmp/blk-measure/{run,root}.sh in the report of issue 16's
-//! block device):
+//! buffers), and the qcow2 overlay is opened with `O_DIRECT` too, imago reading and
+//! writing through the device's own descriptors of both files (`open.rs`). Where a file
+//! system refuses `O_DIRECT` (and with `memfold-blk --no-direct`) I/O is buffered and
+//! each range is dropped with `POSIX_FADV_DONTNEED` after use — which measurably does
+//! not work. Bytes of the image in the host page cache (`fincore`) after a TCG guest used
+//! the disk, cache dropped before, ext4 host (2026-11-24, /var/tmp/blk-measure/{run,root}.sh
+//! in the report of issue 16's block device):
 //!
 //! | disk | `O_DIRECT` | buffered + `DONTNEED` |
 //! |---|---|---|
@@ -31,18 +31,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use imago::file::File as ImagoFile;
-use imago::qcow2::Qcow2;
-use imago::raw::Raw;
-use imago::{
-    FormatAccess, FormatDriverBuilder, PermissiveImplicitOpenGate, ShallowMapping,
-    StorageOpenOptions,
-};
+use imago::{FormatAccess, ShallowMapping};
 
 use crate::landed::{DiskId, Source};
 
 mod guard;
+mod open;
 mod sync_latch;
-pub use guard::{check_overlay, BaseGuard, BaseStamp, Mismatch};
+pub use guard::{BaseGuard, BaseStamp, Mismatch};
+pub use open::check_overlay;
 
 /// Sector size of virtio-blk, bytes.
 pub const SECTOR: u64 = 512;
@@ -405,9 +402,11 @@ pub struct OverlayDisk {
     path: PathBuf,
     base: RawDisk,
     overlay: FormatAccess<ImagoFile>,
-    /// The overlay file opened again, read-only: only to drop its ranges from the page
-    /// cache when imago's I/O is buffered.
+    /// The overlay's file, the one open file imago serves (it has duplicates of this
+    /// descriptor): to drop its ranges from the page cache when its I/O is buffered, and
+    /// to say how much room it had when a write fails.
     cache_handle: File,
+    /// Whether the overlay's file is open with `O_DIRECT`.
     direct: bool,
     /// Fails every flush once a sync of the overlay failed ([`sync_latch`]).
     sync_latch: sync_latch::SyncLatch,
@@ -415,8 +414,11 @@ pub struct OverlayDisk {
 
 impl OverlayDisk {
     /// Opens the overlay `overlay` (read-write) over the raw base `base` (read-only),
-    /// after checking, with neither file written, that the overlay is over that base
-    /// ([`check_overlay`]).
+    /// each file once, after checking, with neither file written, that the overlay is over
+    /// that base (as [`check_overlay`], on the very file and instance served). Nothing the
+    /// overlay's header names is opened: the backing image is the base's own descriptor
+    /// (the one its [`BaseGuard`] watches), and an overlay that needs an external data file
+    /// is refused.
     ///
     /// Errors: [`DiskError::OverlayMismatch`], [`DiskError::Open`] (either image).
     pub fn open(base: &Path, overlay: &Path) -> Result<OverlayDisk, DiskError> {
@@ -428,55 +430,24 @@ impl OverlayDisk {
     ///
     /// Errors: as [`OverlayDisk::open`].
     pub fn open_with(base: &Path, overlay: &Path, direct: bool) -> Result<OverlayDisk, DiskError> {
-        check_overlay(base, overlay)?;
         let raw = RawDisk::open_with(base, direct)?;
-        let cache_handle = File::open(overlay).map_err(|source| DiskError::Open {
-            path: overlay.to_path_buf(),
-            source,
-        })?;
-        let open = |direct: bool| -> std::io::Result<FormatAccess<ImagoFile>> {
-            let opts = StorageOpenOptions::new().direct(direct);
-            let b = Raw::<ImagoFile>::builder_path(base)
-                .storage_open_options(opts.clone())
-                .write(false)
-                .open(PermissiveImplicitOpenGate::default())?;
-            let q = Qcow2::<ImagoFile>::builder_path(overlay)
-                .storage_open_options(opts)
-                .write(true)
-                .backing(Some(FormatAccess::new(b)))
-                .open(PermissiveImplicitOpenGate::default())?;
-            Ok(FormatAccess::new(q))
-        };
-        let first = if direct {
-            open(true)
-        } else {
-            Err(std::io::Error::other("buffered asked"))
-        };
-        let (q, direct) = match first {
-            Ok(q) => (q, true),
-            Err(_) => (
-                open(false).map_err(|source| DiskError::Open {
-                    path: overlay.to_path_buf(),
-                    source,
-                })?,
-                false,
-            ),
-        };
-        // The base checked above could have been replaced since.
+        let (file, direct) = open::open_overlay_file(overlay, direct)?;
+        let q = open::served(&raw, &file, overlay, direct)?;
+        // The base could have changed since it was opened.
         raw.check_unchanged()?;
         Ok(OverlayDisk {
             path: overlay.to_path_buf(),
             base: raw,
             overlay: q,
-            cache_handle,
+            cache_handle: file,
             direct,
             sync_latch: sync_latch::SyncLatch::default(),
         })
     }
 
-    /// Whether imago opened both images with `O_DIRECT`.
+    /// Whether both images are read and written with `O_DIRECT`.
     pub fn direct(&self) -> bool {
-        self.direct
+        self.direct && self.base.direct()
     }
 
     fn io_err(

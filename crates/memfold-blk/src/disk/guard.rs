@@ -1,6 +1,7 @@
 //! Bad input at the disk (issue 16, "Correct"): a base image that changes under the
 //! device ([`BaseGuard`]) and an overlay that is not over the base it is served with
-//! ([`check_overlay`]).
+//! ([`Mismatch`]; checked in `open.rs`: [`super::check_overlay`], and by the open of every
+//! [`super::OverlayDisk`] on the instance it serves).
 //!
 //! # A base that changes
 //!
@@ -25,10 +26,6 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
-
-use imago::file::File as ImagoFile;
-use imago::qcow2::Qcow2;
-use imago::FormatAccess;
 
 use super::DiskError;
 
@@ -153,7 +150,8 @@ pub enum Mismatch {
     /// The backing format is not `raw` (or is absent, which would mean probing it).
     #[error("its backing format is {0:?}, not \"raw\"")]
     BackingFormat(Option<String>),
-    /// The overlay keeps its data in an external file.
+    /// The overlay keeps its data in an external file (which is never opened: its name is
+    /// the header's, chosen by whoever wrote the overlay).
     #[error("it needs an external data file")]
     DataFile,
     /// The base is not the overlay's size.
@@ -164,69 +162,4 @@ pub enum Mismatch {
         /// The overlay's virtual size, bytes.
         overlay: u64,
     },
-}
-
-/// Checks, without writing either file, that the qcow2 `overlay` is over the raw `base`:
-/// its header's backing file is `base` (the same file: device and inode, the name
-/// resolved against the overlay's folder as QEMU does), its backing format is `raw`, it
-/// has no external data file, and its virtual size is the base's.
-///
-/// Errors: [`DiskError::OverlayMismatch`]; [`DiskError::Open`] (either file unreadable,
-/// the overlay not qcow2).
-pub fn check_overlay(base: &Path, overlay: &Path) -> Result<(), DiskError> {
-    let open_err = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source: std::io::Error| DiskError::Open { path, source }
-    };
-    let mismatch = |why| DiskError::OverlayMismatch {
-        overlay: overlay.to_path_buf(),
-        base: base.to_path_buf(),
-        why,
-    };
-    let b = std::fs::metadata(base).map_err(open_err(base))?;
-    let q = Qcow2::<ImagoFile>::open_path(overlay, false).map_err(open_err(overlay))?;
-    if q.requires_external_data_file() {
-        return Err(mismatch(Mismatch::DataFile));
-    }
-    let Some(named) = q.implicit_backing_file().cloned() else {
-        return Err(mismatch(Mismatch::NoBacking));
-    };
-    let resolved = overlay
-        .parent()
-        .map_or_else(|| PathBuf::from(&named), |d| d.join(&named));
-    use std::os::unix::fs::MetadataExt;
-    match std::fs::metadata(&resolved) {
-        Ok(m) if (m.dev(), m.ino()) == (b.dev(), b.ino()) => {}
-        Ok(m) => {
-            return Err(mismatch(Mismatch::BackingFile {
-                named,
-                resolved: format!(
-                    "{}: device {} inode {}, the base device {} inode {}",
-                    resolved.display(),
-                    m.dev(),
-                    m.ino(),
-                    b.dev(),
-                    b.ino()
-                ),
-            }))
-        }
-        Err(e) => {
-            return Err(mismatch(Mismatch::BackingFile {
-                named,
-                resolved: format!("{}: {e}", resolved.display()),
-            }))
-        }
-    }
-    let format = q.implicit_backing_format().cloned();
-    if format.as_deref() != Some("raw") {
-        return Err(mismatch(Mismatch::BackingFormat(format)));
-    }
-    let size = FormatAccess::new(q).size();
-    if size != b.len() {
-        return Err(mismatch(Mismatch::Size {
-            base: b.len(),
-            overlay: size,
-        }));
-    }
-    Ok(())
 }

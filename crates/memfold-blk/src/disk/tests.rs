@@ -313,3 +313,5 @@ fn after_a_failed_sync_the_overlay_fails_every_flush() {
         .expect_err("a flush after a failed sync must fail");
     assert!(e.to_string().contains("earlier flush"), "{e}");
 }
+
+mod one_open;
