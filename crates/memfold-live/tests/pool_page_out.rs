@@ -93,7 +93,8 @@ fn frames_nothing_maps_leave_ram_read_back_as_written_and_leave_the_measure() {
         vec![true; 2],
         "a mapped frame left"
     );
-    let swapped = memfold_sys::pageout::swapped_bytes(std::os::fd::AsFd::as_fd(&fd)).unwrap();
+    let swapped =
+        memfold_sys::pageout::swapped_bytes(std::os::fd::AsFd::as_fd(&fd), u64::MAX).unwrap();
     assert_eq!(swapped, left * PAGE as u64);
     assert_eq!(
         pool.allocated_bytes(),
@@ -117,7 +118,7 @@ fn frames_nothing_maps_leave_ram_read_back_as_written_and_leave_the_measure() {
     }
     // (Asked of the kernel directly: the backing's own count may be up to 2 s old.)
     assert_eq!(
-        memfold_sys::pageout::swapped_bytes(std::os::fd::AsFd::as_fd(&fd)).unwrap(),
+        memfold_sys::pageout::swapped_bytes(std::os::fd::AsFd::as_fd(&fd), u64::MAX).unwrap(),
         0
     );
     // SAFETY: the mapping made above, unmapped once.
