@@ -140,8 +140,10 @@ impl QemuLayouts {
     }
 }
 
-/// When process `pid` started (clock ticks after boot: `/proc/PID/stat` field 22).
-fn started(pid: u32) -> Option<u64> {
+/// When process `pid` started (clock ticks after boot: `/proc/PID/stat` field 22); `None`:
+/// no such process. With the pid, which process it is: a reused pid has another start
+/// time (the kept layouts here, the balloon claimers in [`crate::daemon::balloon`]).
+pub(crate) fn started(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name may hold spaces and parentheses: fields count from the last ')'.
     let rest = &stat[stat.rfind(')')? + 1..];

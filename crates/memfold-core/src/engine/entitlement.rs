@@ -223,7 +223,9 @@ pub const CLAIM_GRAIN: u64 = 1 << 20;
 ///
 /// - `ram`: the guest's configured RAM; `allowance`: its base allowance (clamped to
 ///   `ram`); `entitlement_pages`: `s(i)` ([`SharingRanks::entitlement_pages`]);
-/// - `now`: the target set last (`None` at first);
+/// - `now`: where the guest stands, bytes: the target set last, else (a claimer that has
+///   set none yet, as after a memfoldd restart) what its balloon leaves it; `None`: not
+///   known;
 /// - `short`: whether the guest reports it is short of memory (for
 ///   [`ClaimPolicy::UnderPressure`]; `None`: unknown, taken as not short).
 ///
@@ -231,6 +233,10 @@ pub const CLAIM_GRAIN: u64 = 1 << 20;
 /// `ram`. Repayment (§4.3) is the same rule: when broken sharing lowers a guest's
 /// entitlement, its target falls with it at the next second and its balloon inflates —
 /// only guests whose entitlement fell, that is, those whose sharing broke.
+///
+/// Under [`ClaimPolicy::UnderPressure`] the target follows `now` (rounded down to a
+/// grain), so it is `None` while `now` is: a guest that had grown past its allowance is
+/// not cut back to it only because its claimer does not know yet where it stands.
 pub fn claim_target(
     policy: ClaimPolicy,
     ram: u64,
@@ -248,7 +254,7 @@ pub fn claim_target(
         ClaimPolicy::AllowanceOnly => Some(allowance),
         ClaimPolicy::AtOnce => Some(ceiling),
         ClaimPolicy::UnderPressure => {
-            let now = now.unwrap_or(allowance).clamp(allowance, ceiling);
+            let now = grain(now?).clamp(allowance, ceiling);
             Some(if short == Some(true) {
                 // Grow by an eighth of the entitlement per second (at least one grain):
                 // a pressure reading lags the memory it asks for.
@@ -312,9 +318,15 @@ mod tests {
             )
         };
         let e = 64.0 * MIB_PAGES;
-        // Not short (or not known): it stays where it is.
-        assert_eq!(t(e, None, None), Some(256 * MIB));
+        // Not short (or not known): it stays where it is, in whole MiB.
+        assert_eq!(t(e, Some(256 * MIB), None), Some(256 * MIB));
         assert_eq!(t(e, Some(256 * MIB), Some(false)), Some(256 * MIB));
+        assert_eq!(t(e, Some(300 * MIB + 5), Some(false)), Some(300 * MIB));
+        // Where it stands not known (no target set, the balloon not read yet): nothing
+        // to set, short or not — not its allowance, which would cut a guest that had grown
+        // past it straight back.
+        assert_eq!(t(e, None, None), None);
+        assert_eq!(t(e, None, Some(true)), None);
         // Short: it grows by an eighth of the entitlement a step, up to the ceiling.
         let mut now = 256 * MIB;
         let mut steps = 0;

@@ -14,17 +14,38 @@
 //! asks QEMU where the guest's RAM lies, for the guest channel ([`QemuLayouts`]), which
 //! cannot open the monitor while the claimer holds it.
 //!
+//! *Invariant: a claimer belongs to one QEMU process*, known by its pid and its start
+//! time ([`crate::monitor::started`]): a QEMU that exits and whose pid a new QEMU takes
+//! before the next second gets a claimer of its own, not the old one's asks (below) and
+//! target.
+//!
 //! Per guest: a QEMU started with `MEMFOLD_CLAIM=never|allowance-only|under-pressure|at-once` or
 //! `MEMFOLD_ALLOWANCE_MIB=N` in its environment (read from `/proc/PID/environ` when its
 //! claimer starts) asks for a policy or an allowance of its own. memfoldd's flags are the
 //! ceiling: a guest may ask for less, never more — the environment is the peer's to write
 //! as much as its command line, and this way it can only cost its own guest memory.
 //!
+//! After a memfoldd restart the books are rebuilt as agents re-attach, one by one: until
+//! a guest's sharing partners are back, its frames count fewer mappers and its
+//! entitlement reads too low. *Invariant: no target is set from half-rebuilt books*:
+//! while a sharing domain of a QEMU's guests still adopts the previous memfoldd's pool
+//! ([`Engine::adoption_pending`]), its claimer sends no target (it connects and reads the
+//! balloon), and QEMU keeps the last memfoldd's. A claimer that has set no target starts
+//! from what the balloon leaves the guest: under `under-pressure` a guest that had grown
+//! past its allowance is not cut back to it, and nothing is set until that is known.
+//!
 //! Repayment needs no second rule: when a CoW break lowers a page's sharing rank, the
 //! entitlement of every guest still mapping that frame falls, their targets fall with it
 //! at the next second and their balloons inflate — the guests whose sharing broke, and
 //! no other. Until a balloon catches up, the host budget's swap (DE §4.6) covers the
-//! difference, so no fault waits on a guest.
+//! difference, so no fault waits on a guest. A guest that deflated its balloon rather
+//! than run out of memory (`deflate-on-oom`) inflates it again only when QEMU tells its
+//! driver of a new target, which QEMU does once per `balloon` command: so a claimer asks
+//! again, at most once every [`IGNORED_AFTER`], while the balloon leaves the guest more
+//! than its target and the guest is not short of memory.
+//!
+//! A claimer whose thread cannot start (the host out of threads) is not kept: the
+//! failure is logged and the claimer started again at the next second.
 
 use std::collections::BTreeMap;
 use std::sync::mpsc;
@@ -35,7 +56,7 @@ use memfold_core::engine::Engine;
 use memfold_core::{claim_target, short_of_memory, ClaimPolicy};
 use memfold_vm::qmp::Qmp;
 
-use crate::monitor::{open_monitor, QemuLayouts};
+use crate::monitor::{open_monitor, started, QemuLayouts};
 
 /// How long a claimer waits before it tries a monitor again after an error.
 const RETRY: Duration = Duration::from_secs(5);
@@ -44,8 +65,29 @@ const RETRY: Duration = Duration::from_secs(5);
 const MONITOR_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A balloon that has not come within 1 MiB of its target after this long is reported as
-/// ignoring requests.
+/// ignoring requests; a balloon that leaves its guest more than its target is asked again
+/// at most this often ([`Pace::ask_again_after`]).
 const IGNORED_AFTER: Duration = Duration::from_secs(30);
+
+/// A balloon less than this from its target counts as there, bytes.
+const NEAR: u64 = 1 << 20;
+
+/// How a claimer paces its guest's balloon.
+#[derive(Clone, Copy, Debug)]
+struct Pace {
+    /// How often it reads the balloon back and takes new targets.
+    poll: Duration,
+    /// How long after its last `balloon` command it asks again for the same target, while
+    /// the balloon leaves the guest more than [`NEAR`] above it and the guest is not short.
+    ask_again_after: Duration,
+}
+
+/// The pace of memfoldd's claimers: the balloon read every second, a deflated target
+/// asked again every [`IGNORED_AFTER`] at most.
+const PACE: Pace = Pace {
+    poll: Duration::from_secs(1),
+    ask_again_after: IGNORED_AFTER,
+};
 
 /// How a guest's balloon stands, as its claimer last saw it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -67,8 +109,12 @@ pub struct BalloonState {
 
 /// One guest's claimer: the thread's inbox and what it reports.
 struct Claimer {
+    /// When its QEMU started (clock ticks after boot, [`started`]): with the pid, the QEMU
+    /// it claims for.
+    started: u64,
     targets: mpsc::Sender<u64>,
     state: Arc<Mutex<BalloonState>>,
+    /// The target sent last, bytes (`None`: none yet).
     target: Option<u64>,
     /// Its policy: the host's, or less if the guest asked ([`guest_asks`]).
     policy: ClaimPolicy,
@@ -103,14 +149,31 @@ pub fn guest_asks(environ: &[u8]) -> Result<(Option<ClaimPolicy>, Option<u64>), 
 ///
 /// A balloon belongs to a QEMU, not to a RAM region: a guest whose RAM is several
 /// regions (NUMA nodes, hot-plugged memory: one engine guest each, `NAME/ramK`) has one
-/// claimer, keyed by QEMU's pid, for the sum of its regions' RAM and entitlements.
+/// claimer, keyed by QEMU's pid and start time, for the sum of its regions' RAM and
+/// entitlements.
 pub(crate) struct Claims {
     policy: ClaimPolicy,
     /// Each guest's base allowance, bytes.
     allowance: u64,
+    /// By QEMU's pid; each claimer knows its QEMU's start time ([`Claimer::started`]).
     by_qemu: BTreeMap<u32, Claimer>,
     /// Where each claimer keeps its QEMU's RAM layout as it connects.
     layouts: Arc<QemuLayouts>,
+    /// The claimer threads' stack, bytes (`None`: the standard library's default). Only a
+    /// test sets it: to a size no thread can have, to see a spawn fail.
+    stack: Option<usize>,
+}
+
+/// One QEMU as the books stand this second.
+#[derive(Default)]
+struct Qemu {
+    /// Its regions' RAM, bytes.
+    ram: u64,
+    /// Its regions' entitlement, pages.
+    entitlement_pages: f64,
+    /// Whether a sharing domain of its regions still adopts a previous memfoldd's pool
+    /// (the books half rebuilt).
+    adopting: bool,
 }
 
 impl Claims {
@@ -122,71 +185,69 @@ impl Claims {
             allowance,
             by_qemu: BTreeMap::new(),
             layouts,
+            stack: None,
         }
     }
 
-    /// Sets every guest's target from its entitlement now; starts a claimer for a guest
-    /// new to it, ends those of guests gone. Called once a second.
+    /// Sets every guest's target from its entitlement now; starts a claimer for a QEMU
+    /// new to it, ends those of QEMUs gone (a pid now another QEMU's included). Sends no
+    /// target to a QEMU while a sharing domain of its guests adopts a previous
+    /// memfoldd's pool. Called once a second.
     pub(crate) fn tick(&mut self, engine: &Engine) {
         if self.policy == ClaimPolicy::Never {
             return;
         }
-        // Per QEMU: its regions' RAM, bytes, and entitlement, pages.
-        let mut qemus: BTreeMap<u32, (u64, f64)> = BTreeMap::new();
+        let mut qemus: BTreeMap<u32, Qemu> = BTreeMap::new();
+        // Every guest's at once: one guest's alone walks its whole domain.
+        let mut ranks = engine.all_sharing_ranks();
         for (id, pid, _) in engine.vms() {
             let q = qemus.entry(pid).or_default();
-            q.0 += engine.ram_bytes(id).unwrap_or(0);
-            q.1 += engine
-                .sharing_ranks(id)
-                .unwrap_or_default()
-                .entitlement_pages();
+            q.ram += engine.ram_bytes(id).unwrap_or(0);
+            q.entitlement_pages += ranks.remove(&id).unwrap_or_default().entitlement_pages();
+            q.adopting |= engine
+                .domain_of(id)
+                .is_some_and(|d| engine.adoption_pending(d));
         }
-        self.by_qemu.retain(|pid, _| qemus.contains_key(pid));
-        for (pid, (ram, entitlement_pages)) in qemus {
-            let claimer = self.by_qemu.entry(pid).or_insert_with(|| {
-                let (tx, rx) = mpsc::channel();
-                let state = Arc::new(Mutex::new(BalloonState::default()));
-                let s = Arc::clone(&state);
-                let _ = std::thread::Builder::new()
-                    .name(format!("balloon-{pid}"))
-                    .spawn({
-                        let layouts = Arc::clone(&self.layouts);
-                        move || claim_loop(pid, rx, s, &layouts)
-                    });
-                let asked = std::fs::read(format!("/proc/{pid}/environ"))
-                    .map_err(|e| format!("cannot read its environment: {e}"))
-                    .and_then(|env| guest_asks(&env));
-                let (policy, allowance) = match asked {
-                    Ok((p, a)) => (
-                        p.map_or(self.policy, |p| p.at_most(self.policy)),
-                        a.map_or(self.allowance, |a| a.min(self.allowance)),
-                    ),
-                    Err(why) => {
-                        tracing::warn!("QEMU pid {pid}: {why}; the host's claim policy applies");
-                        (self.policy, self.allowance)
+        // A QEMU gone has no start time; its guests go at the next reap.
+        let started: BTreeMap<u32, u64> = qemus
+            .keys()
+            .filter_map(|&pid| Some((pid, started(pid)?)))
+            .collect();
+        self.by_qemu
+            .retain(|pid, c| started.get(pid) == Some(&c.started));
+        for (pid, q) in qemus {
+            let Some(&at) = started.get(&pid) else {
+                continue;
+            };
+            if !self.by_qemu.contains_key(&pid) {
+                match self.start(pid, at) {
+                    Ok(c) => {
+                        self.by_qemu.insert(pid, c);
                     }
-                };
-                if (policy, allowance) != (self.policy, self.allowance) {
-                    tracing::info!(
-                        "QEMU pid {pid} asks to claim {policy:?} over an allowance of {} MiB",
-                        allowance >> 20
-                    );
+                    Err(e) => {
+                        tracing::warn!(
+                            "QEMU pid {pid}: cannot start its balloon claimer ({e}); its balloon is not driven, tried again in a second"
+                        );
+                        continue;
+                    }
                 }
-                Claimer {
-                    targets: tx,
-                    state,
-                    target: None,
-                    policy,
-                    allowance,
-                }
-            });
-            let short = claimer.state.lock().ok().and_then(|s| s.short);
+            }
+            let claimer = self.by_qemu.get_mut(&pid).expect("kept or inserted above");
+            if q.adopting {
+                tracing::debug!("QEMU pid {pid}: its books are rebuilt as agents re-attach; no balloon target until then");
+                continue;
+            }
+            let (short, actual) = claimer
+                .state
+                .lock()
+                .map(|s| (s.short, s.actual))
+                .unwrap_or_default();
             let Some(t) = claim_target(
                 claimer.policy,
-                ram,
+                q.ram,
                 claimer.allowance,
-                entitlement_pages,
-                claimer.target,
+                q.entitlement_pages,
+                claimer.target.or(actual),
                 short,
             ) else {
                 continue;
@@ -196,6 +257,51 @@ impl Claims {
                 let _ = claimer.targets.send(t);
             }
         }
+    }
+
+    /// A claimer for QEMU `pid`, started at `started` (clock ticks after boot), its thread
+    /// running, under what its environment asks ([`guest_asks`]) within the host's policy.
+    ///
+    /// Errors: the thread could not be spawned.
+    fn start(&self, pid: u32, started: u64) -> std::io::Result<Claimer> {
+        let (tx, rx) = mpsc::channel();
+        let state = Arc::new(Mutex::new(BalloonState::default()));
+        let mut thread = std::thread::Builder::new().name(format!("balloon-{pid}"));
+        if let Some(bytes) = self.stack {
+            thread = thread.stack_size(bytes);
+        }
+        thread.spawn({
+            let layouts = Arc::clone(&self.layouts);
+            let s = Arc::clone(&state);
+            move || claim_loop(pid, rx, s, &layouts)
+        })?;
+        let asked = std::fs::read(format!("/proc/{pid}/environ"))
+            .map_err(|e| format!("cannot read its environment: {e}"))
+            .and_then(|env| guest_asks(&env));
+        let (policy, allowance) = match asked {
+            Ok((p, a)) => (
+                p.map_or(self.policy, |p| p.at_most(self.policy)),
+                a.map_or(self.allowance, |a| a.min(self.allowance)),
+            ),
+            Err(why) => {
+                tracing::warn!("QEMU pid {pid}: {why}; the host's claim policy applies");
+                (self.policy, self.allowance)
+            }
+        };
+        if (policy, allowance) != (self.policy, self.allowance) {
+            tracing::info!(
+                "QEMU pid {pid} asks to claim {policy:?} over an allowance of {} MiB",
+                allowance >> 20
+            );
+        }
+        Ok(Claimer {
+            started,
+            targets: tx,
+            state,
+            target: None,
+            policy,
+            allowance,
+        })
     }
 
     /// The balloon of the QEMU with `pid` as last seen (`None`: not driven).
@@ -260,7 +366,7 @@ fn claim_loop(
                 if let Err(why) = layouts.ask(pid, &mut q) {
                     tracing::debug!("QEMU pid {pid}: no RAM layout: {why}");
                 }
-                match drive(q, &targets, &mut target, &mut r) {
+                match drive(q, &targets, &mut target, &mut r, PACE) {
                     Ok(()) => return,
                     Err(why) => why,
                 }
@@ -275,14 +381,21 @@ fn claim_loop(
 }
 
 /// Drives the balloon through monitor `q` until the main loop drops its inbox (`Ok`) or
-/// the monitor fails (`Err`: why).
+/// the monitor fails (`Err`: why): sets each new target, reads the balloon back every
+/// `pace.poll`, and asks again for a target the balloon has deflated past (see the
+/// module: `deflate-on-oom`).
 fn drive(
     mut q: Qmp,
     targets: &mpsc::Receiver<u64>,
     target: &mut Option<u64>,
     r: &mut Reporter,
+    pace: Pace,
 ) -> Result<(), String> {
+    // The target sent last on this monitor, and when.
     let mut set: Option<u64> = None;
+    let mut set_at = Instant::now();
+    // The balloon and the guest as last read (bytes; short of memory).
+    let (mut actual, mut short): (Option<u64>, Option<bool>) = (None, None);
     // The guest's own view of its memory, for claiming under pressure; a balloon
     // without statistics only leaves `short` unknown.
     let stats_at = q
@@ -291,23 +404,33 @@ fn drive(
         .flatten()
         .filter(|p| q.balloon_stats_every(p, 1).is_ok());
     loop {
-        if let Some(t) = target.filter(|&t| set != Some(t)) {
-            q.balloon(t)
-                .map_err(|e| format!("balloon to {} MiB: {e}", t >> 20))?;
-            set = Some(t);
-            r.report(|s| s.target = Some(t));
+        if let Some(t) = *target {
+            // The guest deflated past its target (on OOM) and is no longer short: its
+            // driver inflates again only at a new `balloon` command.
+            let ask_again = set == Some(t)
+                && actual.is_some_and(|a| a > t.saturating_add(NEAR))
+                && short != Some(true)
+                && set_at.elapsed() >= pace.ask_again_after;
+            if set != Some(t) || ask_again {
+                q.balloon(t)
+                    .map_err(|e| format!("balloon to {} MiB: {e}", t >> 20))?;
+                set = Some(t);
+                set_at = Instant::now();
+                r.report(|s| s.target = Some(t));
+            }
         }
-        let actual = q
+        let now = q
             .balloon_actual()
             .map_err(|e| format!("query-balloon: {e}"))?;
-        r.report(|s| s.actual = Some(actual));
-        let off = set.is_some_and(|t| actual.abs_diff(t) >= 1 << 20);
+        actual = Some(now);
+        r.report(|s| s.actual = Some(now));
+        let off = set.is_some_and(|t| now.abs_diff(t) >= NEAR);
         let since = *r.off_target_since.get_or_insert_with(Instant::now);
         if !off {
             r.off_target_since = None;
             r.problem(None);
         } else if since.elapsed() > IGNORED_AFTER {
-            let why = if set.is_some_and(|t| actual > t) {
+            let why = if set.is_some_and(|t| now > t) {
                 " (above it: the guest deflated rather than run out of memory)"
             } else {
                 ""
@@ -315,19 +438,19 @@ fn drive(
             r.problem(Some(format!(
                 "ignores requests: asked for {} MiB, has {} MiB for {} s{why}; no entitlement reaches it, none is repaid from it",
                 set.unwrap_or(0) >> 20,
-                actual >> 20,
+                now >> 20,
                 since.elapsed().as_secs()
             )));
         }
         if let Some(p) = &stats_at {
             let (available, total) = q.balloon_guest_memory(p).unwrap_or((None, None));
-            let short = short_of_memory(available, total);
+            short = short_of_memory(available, total);
             r.report(|s| {
                 s.available = available;
                 s.short = short;
             });
         }
-        if wait_for_target(targets, Duration::from_secs(1), target).is_none() {
+        if wait_for_target(targets, pace.poll, target).is_none() {
             return Ok(());
         }
     }
@@ -352,23 +475,4 @@ fn wait_for_target(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_guest_asks_by_its_environment_and_a_bad_value_is_named() {
-        let env = |kvs: &[&str]| kvs.join("\0").into_bytes();
-        assert_eq!(guest_asks(&env(&["PATH=/bin", "HOME=/"])), Ok((None, None)));
-        assert_eq!(
-            guest_asks(&env(&["MEMFOLD_CLAIM=never", "MEMFOLD_ALLOWANCE_MIB=128"])),
-            Ok((Some(ClaimPolicy::Never), Some(128 << 20)))
-        );
-        let e = guest_asks(&env(&["MEMFOLD_CLAIM=all"])).unwrap_err();
-        assert!(
-            e.contains("expected never, allowance-only, at-once or under-pressure"),
-            "{e}"
-        );
-        let e = guest_asks(&env(&["MEMFOLD_ALLOWANCE_MIB=lots"])).unwrap_err();
-        assert!(e.contains("MEMFOLD_ALLOWANCE_MIB=\"lots\""), "{e}");
-    }
-}
+mod tests;
