@@ -15,7 +15,7 @@
 //! cannot open the monitor while the claimer holds it.
 //!
 //! *Invariant: a claimer belongs to one QEMU process*, known by its pid and its start
-//! time ([`crate::monitor::started`]): a QEMU that exits and whose pid a new QEMU takes
+//! time (`monitor::started`): a QEMU that exits and whose pid a new QEMU takes
 //! before the next second gets a claimer of its own, not the old one's asks (below) and
 //! target.
 //!
@@ -41,7 +41,7 @@
 //! difference, so no fault waits on a guest. A guest that deflated its balloon rather
 //! than run out of memory (`deflate-on-oom`) inflates it again only when QEMU tells its
 //! driver of a new target, which QEMU does once per `balloon` command: so a claimer asks
-//! again, at most once every [`IGNORED_AFTER`], while the balloon leaves the guest more
+//! again, at most once every `IGNORED_AFTER` (30 s), while the balloon leaves the guest more
 //! than its target and the guest is not short of memory.
 //!
 //! A claimer whose thread cannot start (the host out of threads) is not kept: the
