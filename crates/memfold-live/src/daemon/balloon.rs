@@ -20,8 +20,10 @@
 //! target.
 //!
 //! Per guest: a QEMU started with `MEMFOLD_CLAIM=never|allowance-only|under-pressure|at-once` or
-//! `MEMFOLD_ALLOWANCE_MIB=N` in its environment (read from `/proc/PID/environ` when its
-//! claimer starts) asks for a policy or an allowance of its own. memfoldd's flags are the
+//! `MEMFOLD_ALLOWANCE_MIB=N` in its environment (read from `/proc/PID/environ` by its
+//! claimer's thread as it starts, never by the main loop: the kernel reads it from the
+//! QEMU's memory, which the QEMU may back with a file that never answers; no target is
+//! set until it is read) asks for a policy or an allowance of its own. memfoldd's flags are the
 //! ceiling: a guest may ask for less, never more — the environment is the peer's to write
 //! as much as its command line, and this way it can only cost its own guest memory.
 //!
@@ -105,6 +107,9 @@ pub struct BalloonState {
     /// Whether the guest is short of memory ([`memfold_core::short_of_memory`]);
     /// `None`: not known.
     pub short: Option<bool>,
+    /// The claim policy and allowance (bytes) its QEMU runs under: the host's, or less if
+    /// its environment asked ([`guest_asks`]); `None` until the claimer has read it.
+    pub asks: Option<(ClaimPolicy, u64)>,
 }
 
 /// One guest's claimer: the thread's inbox and what it reports.
@@ -116,10 +121,9 @@ struct Claimer {
     state: Arc<Mutex<BalloonState>>,
     /// The target sent last, bytes (`None`: none yet).
     target: Option<u64>,
-    /// Its policy: the host's, or less if the guest asked ([`guest_asks`]).
-    policy: ClaimPolicy,
-    /// Its allowance, bytes: the host's, or less if the guest asked.
-    allowance: u64,
+    /// Its policy and allowance (bytes): the host's, or less if the guest asked
+    /// ([`guest_asks`]); `None` until its thread has read its QEMU's environment.
+    asks: Option<(ClaimPolicy, u64)>,
 }
 
 /// What a QEMU's environment (NUL-separated `KEY=value`s) asks for: a claim policy
@@ -145,6 +149,35 @@ pub fn guest_asks(environ: &[u8]) -> Result<(Option<ClaimPolicy>, Option<u64>), 
     Ok((policy, allowance))
 }
 
+/// The policy and allowance (bytes) QEMU `pid` claims under: the host's `(policy,
+/// allowance)`, or less if its environment (read with `environ`) asks.
+fn asks_of(
+    pid: u32,
+    host: (ClaimPolicy, u64),
+    environ: fn(u32) -> std::io::Result<Vec<u8>>,
+) -> (ClaimPolicy, u64) {
+    let asked = environ(pid)
+        .map_err(|e| format!("cannot read its environment: {e}"))
+        .and_then(|env| guest_asks(&env));
+    let (policy, allowance) = match asked {
+        Ok((p, a)) => (
+            p.map_or(host.0, |p| p.at_most(host.0)),
+            a.map_or(host.1, |a| a.min(host.1)),
+        ),
+        Err(why) => {
+            tracing::warn!("QEMU pid {pid}: {why}; the host's claim policy applies");
+            host
+        }
+    };
+    if (policy, allowance) != host {
+        tracing::info!(
+            "QEMU pid {pid} asks to claim {policy:?} over an allowance of {} MiB",
+            allowance >> 20
+        );
+    }
+    (policy, allowance)
+}
+
 /// The claimers of all guests, and the policy they follow.
 ///
 /// A balloon belongs to a QEMU, not to a RAM region: a guest whose RAM is several
@@ -162,6 +195,15 @@ pub(crate) struct Claims {
     /// The claimer threads' stack, bytes (`None`: the standard library's default). Only a
     /// test sets it: to a size no thread can have, to see a spawn fail.
     stack: Option<usize>,
+    /// Reads a QEMU's environment (`/proc/PID/environ`); only a test replaces it.
+    environ: fn(u32) -> std::io::Result<Vec<u8>>,
+}
+
+/// `/proc/PID/environ`. The kernel reads it from the QEMU's own memory, which a QEMU can
+/// back with a file of a FUSE server that never answers: only a claimer's thread reads
+/// it, never the main loop.
+fn proc_environ(pid: u32) -> std::io::Result<Vec<u8>> {
+    std::fs::read(format!("/proc/{pid}/environ"))
 }
 
 /// One QEMU as the books stand this second.
@@ -186,6 +228,7 @@ impl Claims {
             by_qemu: BTreeMap::new(),
             layouts,
             stack: None,
+            environ: proc_environ,
         }
     }
 
@@ -237,15 +280,20 @@ impl Claims {
                 tracing::debug!("QEMU pid {pid}: its books are rebuilt as agents re-attach; no balloon target until then");
                 continue;
             }
-            let (short, actual) = claimer
+            let (short, actual, asks) = claimer
                 .state
                 .lock()
-                .map(|s| (s.short, s.actual))
+                .map(|s| (s.short, s.actual, s.asks))
                 .unwrap_or_default();
+            claimer.asks = claimer.asks.or(asks);
+            // What its QEMU asks is read by its thread: nothing is set until it is known.
+            let Some((policy, allowance)) = claimer.asks else {
+                continue;
+            };
             let Some(t) = claim_target(
-                claimer.policy,
+                policy,
                 q.ram,
-                claimer.allowance,
+                allowance,
                 q.entitlement_pages,
                 claimer.target.or(actual),
                 short,
@@ -260,7 +308,7 @@ impl Claims {
     }
 
     /// A claimer for QEMU `pid`, started at `started` (clock ticks after boot), its thread
-    /// running, under what its environment asks ([`guest_asks`]) within the host's policy.
+    /// running; the thread first reads what the QEMU's environment asks ([`asks_of`]).
     ///
     /// Errors: the thread could not be spawned.
     fn start(&self, pid: u32, started: u64) -> std::io::Result<Claimer> {
@@ -270,37 +318,25 @@ impl Claims {
         if let Some(bytes) = self.stack {
             thread = thread.stack_size(bytes);
         }
+        let host = (self.policy, self.allowance);
+        let environ = self.environ;
         thread.spawn({
             let layouts = Arc::clone(&self.layouts);
             let s = Arc::clone(&state);
-            move || claim_loop(pid, rx, s, &layouts)
-        })?;
-        let asked = std::fs::read(format!("/proc/{pid}/environ"))
-            .map_err(|e| format!("cannot read its environment: {e}"))
-            .and_then(|env| guest_asks(&env));
-        let (policy, allowance) = match asked {
-            Ok((p, a)) => (
-                p.map_or(self.policy, |p| p.at_most(self.policy)),
-                a.map_or(self.allowance, |a| a.min(self.allowance)),
-            ),
-            Err(why) => {
-                tracing::warn!("QEMU pid {pid}: {why}; the host's claim policy applies");
-                (self.policy, self.allowance)
+            move || {
+                let asks = asks_of(pid, host, environ);
+                if let Ok(mut s) = s.lock() {
+                    s.asks = Some(asks);
+                }
+                claim_loop(pid, rx, s, &layouts)
             }
-        };
-        if (policy, allowance) != (self.policy, self.allowance) {
-            tracing::info!(
-                "QEMU pid {pid} asks to claim {policy:?} over an allowance of {} MiB",
-                allowance >> 20
-            );
-        }
+        })?;
         Ok(Claimer {
             started,
             targets: tx,
             state,
             target: None,
-            policy,
-            allowance,
+            asks: None,
         })
     }
 

@@ -88,8 +88,7 @@ fn claims_with_idle_claimer(
             targets: tx,
             state: Arc::clone(&state),
             target: None,
-            policy,
-            allowance: 8 * MIB,
+            asks: Some((policy, 8 * MIB)),
         },
     );
     (c, rx, state)
@@ -159,15 +158,14 @@ fn a_reused_pid_gets_a_claimer_of_its_own() {
     let (mut c, old_inbox, _) = claims_with_idle_claimer(ClaimPolicy::AtOnce, my_start() + 1);
     {
         let old = c.by_qemu.get_mut(&me).unwrap();
-        old.policy = ClaimPolicy::AllowanceOnly;
-        old.allowance = MIB;
+        old.asks = Some((ClaimPolicy::AllowanceOnly, MIB));
         old.target = Some(MIB);
     }
-    c.tick(&e);
+    tick_until_asked(&mut c, &e);
     let new = &c.by_qemu[&me];
     assert_eq!(
-        (new.started, new.policy, new.allowance),
-        (my_start(), ClaimPolicy::AtOnce, 8 * MIB)
+        (new.started, new.asks),
+        (my_start(), Some((ClaimPolicy::AtOnce, 8 * MIB)))
     );
     // The old claimer's thread sees its inbox closed, and ends.
     assert_eq!(old_inbox.recv(), Err(mpsc::RecvError));
@@ -189,8 +187,55 @@ fn a_claimer_whose_thread_cannot_start_is_not_kept() {
     assert!(c.by_qemu.is_empty());
     assert_eq!(c.state(std::process::id()), None);
     c.stack = None;
-    c.tick(&e);
+    tick_until_asked(&mut c, &e);
     assert_eq!(c.by_qemu[&std::process::id()].target, Some(8 * MIB));
+}
+
+/// Ticks until this process's claimer has heard what its QEMU's environment asks (its
+/// thread reads it), at most 5 s.
+fn tick_until_asked(c: &mut Claims, e: &Engine) {
+    let t = std::time::Instant::now();
+    loop {
+        c.tick(e);
+        if c.by_qemu
+            .get(&std::process::id())
+            .is_some_and(|k| k.asks.is_some())
+        {
+            return;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "no asks read");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The threads that read a QEMU's environment (the test's reader records them).
+static READ_ON: Mutex<Vec<std::thread::ThreadId>> = Mutex::new(Vec::new());
+
+/// A QEMU's environment is read on its claimer's thread, never on the main loop's: the
+/// kernel reads it from the QEMU's memory, which a QEMU can back with a FUSE file whose
+/// server never answers — the main loop, every guest's, would wait for good. Until it is
+/// read, no target is set. Seen failing without the mend: read by `tick`, on this thread.
+#[test]
+fn a_qemus_environment_is_read_off_the_main_loop() {
+    let (mut e, d) = restarted(1);
+    reattach(&mut e, "a", [(0, 0)].into_iter());
+    e.end_adoption(d);
+    let mut c = Claims::new(ClaimPolicy::AtOnce, 8 * MIB, Arc::default());
+    c.environ = |_| {
+        READ_ON.lock().unwrap().push(std::thread::current().id());
+        Ok(b"MEMFOLD_ALLOWANCE_MIB=4".to_vec())
+    };
+    tick_until_asked(&mut c, &e);
+    let read_on = READ_ON.lock().unwrap().clone();
+    assert_eq!(read_on.len(), 1, "read once");
+    assert_ne!(
+        read_on[0],
+        std::thread::current().id(),
+        "read on the main loop"
+    );
+    let k = &c.by_qemu[&std::process::id()];
+    assert_eq!(k.asks, Some((ClaimPolicy::AtOnce, 4 * MIB)));
+    assert_eq!(k.target, Some(4 * MIB));
 }
 
 /// A guest as its fake QEMU monitor shows it.
