@@ -28,6 +28,8 @@ pub struct FileBacking {
     /// walk of what a peer grew would hold memfoldd's one main thread — every guest's —
     /// for as long as the peer likes, and its bytes would count in the host budget.
     len: u64,
+    /// Whether a grown file was cut back already (said once in the log).
+    trimmed: std::cell::Cell<bool>,
 }
 
 /// How old a count of a memfd's bytes in swap may be ([`Backing::swapped_bytes`]).
@@ -47,6 +49,7 @@ impl FileBacking {
             window: None,
             swapped: std::cell::Cell::new(None),
             len: 0,
+            trimmed: std::cell::Cell::new(false),
         })
     }
 
@@ -60,6 +63,7 @@ impl FileBacking {
             window: None,
             swapped: std::cell::Cell::new(None),
             len,
+            trimmed: std::cell::Cell::new(false),
         }
     }
 
@@ -80,7 +84,26 @@ impl FileBacking {
             window: None,
             swapped: std::cell::Cell::new(None),
             len: 0,
+            trimmed: std::cell::Cell::new(false),
         })
+    }
+
+    /// Cuts the file back to [`FileBacking::len`] if a peer grew it: nothing of memfoldd's
+    /// lies past it, and a file left grown would make every count of its allocated bytes
+    /// walk its data runs (`memfd::allocated_bytes_within`) — four times a second under a
+    /// host budget, as often as the peer grows it again.
+    fn trim(&self) {
+        if !memfd::size(self.fd.as_fd()).is_ok_and(|s| s > self.len) {
+            return;
+        }
+        let cut = memfd::set_len(self.fd.as_fd(), self.len);
+        if !self.trimmed.replace(true) {
+            tracing::warn!(
+                "the {} was grown past the {} bytes memfoldd made it (by a QEMU that holds it): cut back ({cut:?})",
+                self.what,
+                self.len
+            );
+        }
     }
 
     /// A second descriptor of the same memfd or file (to hand to agents).
@@ -131,6 +154,7 @@ impl Backing for FileBacking {
     }
 
     fn allocated_bytes(&self) -> u64 {
+        self.trim();
         memfd::allocated_bytes_within(self.fd.as_fd(), self.len)
     }
 
@@ -141,6 +165,7 @@ impl Backing for FileBacking {
         }
         let what = self.what;
         let err = |e| BackingError::new(format!("{what} page-out"), e);
+        self.trim();
         let size = memfd::size(self.fd.as_fd()).map_err(err)?.min(self.len) / 4096;
         if size > 0 && self.window.as_ref().is_none_or(|w| w.pages() < size) {
             self.window = None;
@@ -169,6 +194,7 @@ impl Backing for FileBacking {
                 return bytes;
             }
         }
+        self.trim();
         let bytes = memfold_sys::pageout::swapped_bytes(self.fd.as_fd(), self.len).unwrap_or(0);
         self.swapped.set(Some((std::time::Instant::now(), bytes)));
         bytes
@@ -223,6 +249,9 @@ mod tests {
             4096,
             "the peer's page past the length counts"
         );
+        // Cut back: no later count walks what the peer grew.
+        assert_eq!(memfd::size(peer.as_fd()).unwrap(), 8 * 4096);
+        memfd::set_len(peer.as_fd(), 1 << 40).unwrap();
         assert_eq!(b.swapped_bytes(), 0);
         b.page_out(&[0, 1 << 27]).unwrap();
         let window = b.window.as_ref().map(|w| w.pages());
