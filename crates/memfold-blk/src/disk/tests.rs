@@ -101,6 +101,17 @@ fn qemu_img(args: &[&str]) {
     );
 }
 
+/// `qemu-img create` of a qcow2 overlay `out` over the raw base `base` (as named in its
+/// header: relative to `out`'s folder, or absolute), with options `opts` (`-o ...`) and
+/// a virtual size (`None`: the base's).
+fn qcow2_over(base: &str, out: &str, opts: &[&str], size: Option<&str>) {
+    let mut args = vec!["create", "-q", "-f", "qcow2"];
+    args.extend_from_slice(opts);
+    args.extend(["-b", base, "-F", "raw", out]);
+    args.extend(size);
+    qemu_img(&args);
+}
+
 #[test]
 fn an_overlay_that_does_not_match_its_base_is_refused_and_neither_file_is_written() {
     let d = tempfile::tempdir_in("/var/tmp").unwrap();
@@ -110,29 +121,9 @@ fn an_overlay_that_does_not_match_its_base_is_refused_and_neither_file_is_writte
     std::fs::write(p("b.img"), pattern(1 << 20, 4)).unwrap();
     std::fs::write(p("big.img"), pattern(2 << 20, 5)).unwrap();
     // Over a, named relatively as qemu-img users do: the good case.
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "a.img",
-        "-F",
-        "raw",
-        &s("good.qcow2"),
-    ]);
+    qcow2_over("a.img", &s("good.qcow2"), &[], None);
     // Over a, given b (the same size).
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        &s("a.img"),
-        "-F",
-        "raw",
-        &s("over-a.qcow2"),
-    ]);
+    qcow2_over(&s("a.img"), &s("over-a.qcow2"), &[], None);
     // No backing file.
     qemu_img(&["create", "-q", "-f", "qcow2", &s("alone.qcow2"), "1M"]);
     // Backing format qcow2 (-u: not opened, it is raw).
@@ -150,30 +141,9 @@ fn an_overlay_that_does_not_match_its_base_is_refused_and_neither_file_is_writte
         "1M",
     ]);
     // Over a but larger than it.
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        &s("a.img"),
-        "-F",
-        "raw",
-        &s("large.qcow2"),
-        "2M",
-    ]);
+    qcow2_over(&s("a.img"), &s("large.qcow2"), &[], Some("2M"));
     // Over big, given as big but the base truncated since (a base that was replaced).
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        &s("big.img"),
-        "-F",
-        "raw",
-        &s("shrunk.qcow2"),
-    ]);
+    qcow2_over(&s("big.img"), &s("shrunk.qcow2"), &[], None);
     std::fs::OpenOptions::new()
         .write(true)
         .open(p("big.img"))

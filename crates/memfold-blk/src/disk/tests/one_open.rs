@@ -117,31 +117,10 @@ impl Drop for Swapper {
 fn good_and_evil(dir: &Path) {
     let s = |n: &str| dir.join(n).to_str().unwrap().to_string();
     std::fs::write(dir.join("base.img"), pattern(1 << 20, 11)).unwrap();
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "base.img",
-        "-F",
-        "raw",
-        &s("good.qcow2"),
-    ]);
+    qcow2_over("base.img", &s("good.qcow2"), &[], None);
     // qemu-img makes the data file; the other guest's bytes go in after.
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        &format!("data_file={}", s("victim.img")),
-        "-b",
-        "base.img",
-        "-F",
-        "raw",
-        &s("evil.qcow2"),
-    ]);
+    let data_file = format!("data_file={}", s("victim.img"));
+    qcow2_over("base.img", &s("evil.qcow2"), &["-o", &data_file], None);
     std::fs::write(dir.join("victim.img"), pattern(1 << 20, 12)).unwrap();
 }
 
@@ -191,17 +170,7 @@ fn a_base_swapped_at_its_path_during_the_open_is_never_served() {
     std::fs::write(p("real.img"), &real).unwrap();
     // Another file of the same size: what the overlay is not over.
     std::fs::write(p("fake.img"), pattern(1 << 20, 14)).unwrap();
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "real.img",
-        "-F",
-        "raw",
-        p("ov.qcow2").to_str().unwrap(),
-    ]);
+    qcow2_over("real.img", p("ov.qcow2").to_str().unwrap(), &[], None);
     let swapper = Swapper::start(&p("base.img"), &p("real.img"), &p("fake.img"));
     const C: u64 = 65536;
     let (mut served, mut refused) = (0, 0);
