@@ -39,6 +39,9 @@ use memfold_wire::guest::{
     decode_from_guest, encode_to_guest, FromGuest, GuestMeminfo, GuestWireError, LineReader,
     ToGuest, GUEST_PROTOCOL_VERSION, MAX_CHUNKS,
 };
+use memfold_wire::name::shown;
+#[cfg(test)]
+use memfold_wire::name::SHOWN_CHARS;
 use memfold_wire::GuestPages;
 
 use crate::monitor::QemuLayouts;
@@ -173,7 +176,8 @@ pub fn read_report<R: std::io::BufRead>(
                     runs: Vec::new(),
                     layout: RamLayout::for_ranges(ram_pages, &ranges, qemu)?,
                     meminfo,
-                    agent: format!("{agent} (kernel {kernel})"),
+                    // The guest's words, in every reader's statistics: shown escaped.
+                    agent: shown(&format!("{agent} (kernel {kernel})")),
                     discard,
                     walk_us: 0,
                 });
@@ -479,29 +483,6 @@ impl Channel {
         }
         self.last_error = Some(e);
     }
-}
-
-/// Most characters of a guest's words memfoldd logs or shows.
-const SHOWN_CHARS: usize = 200;
-
-/// A guest's words (an error it sent, or one that quotes what it sent) as memfoldd logs
-/// and shows them: printable ASCII, anything else escaped, at most [`SHOWN_CHARS`] — so
-/// a guest cannot forge log lines or drive the operator's terminal with escapes.
-fn shown(words: &str) -> String {
-    let mut out = String::new();
-    for c in words.chars() {
-        if c == ' ' || c.is_ascii_graphic() {
-            out.push(c);
-        } else {
-            out.extend(c.escape_default());
-        }
-        if out.len() >= SHOWN_CHARS {
-            out.truncate(SHOWN_CHARS);
-            out.push_str("...");
-            break;
-        }
-    }
-    out
 }
 
 fn is_socket(p: &Path) -> bool {

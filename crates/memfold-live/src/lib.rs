@@ -32,8 +32,9 @@ use std::path::Path;
 
 use memfold_wire::{Conn, Stats, ToClient, ToDaemon, PROTOCOL_VERSION};
 
-/// Sends one client request to the memfoldd at `socket` and reads its answer.
-fn request(socket: &Path, req: &ToDaemon) -> std::io::Result<ToClient> {
+/// Sends one client request to the memfoldd at `socket`; returns the connection and its
+/// answer's first message.
+fn request_on(socket: &Path, req: &ToDaemon) -> std::io::Result<(Conn, ToClient)> {
     let c = Conn::connect(socket)?;
     c.send(
         &ToDaemon::ClientHello {
@@ -46,18 +47,29 @@ fn request(socket: &Path, req: &ToDaemon) -> std::io::Result<ToClient> {
         Some((ToClient::Error { message }, _)) => {
             Err(std::io::Error::other(format!("memfoldd: {message}")))
         }
-        Some((reply, _)) => Ok(reply),
+        Some((reply, _)) => Ok((c, reply)),
         None => Err(std::io::Error::other("memfoldd closed the connection")),
     }
 }
 
-/// Asks the memfoldd at `socket` for its statistics.
+/// Sends one client request to the memfoldd at `socket` and reads its answer (one
+/// message).
+fn request(socket: &Path, req: &ToDaemon) -> std::io::Result<ToClient> {
+    request_on(socket, req).map(|(_, reply)| reply)
+}
+
+/// Asks the memfoldd at `socket` for its statistics: every guest's, when they come in
+/// parts (past ~40 guests; `memfold_wire::stats_parts`), put together.
 ///
-/// Errors: no daemon there, or it answered with an error.
+/// Errors: no daemon there, it answered with an error, or the parts did not add up
+/// or the connection ended before they all came
+/// ([`memfold_wire::StatsPartsError`], as `InvalidData` or `UnexpectedEof`).
 pub fn query_stats(socket: &Path) -> std::io::Result<Stats> {
-    match request(socket, &ToDaemon::Stats)? {
-        ToClient::Stats(s) => Ok(*s),
-        other => Err(std::io::Error::other(format!(
+    match request_on(socket, &ToDaemon::Stats)? {
+        (c, ToClient::Stats(head)) => Ok(memfold_wire::assemble_stats(*head, || {
+            Ok(c.recv::<ToClient>()?.map(|(m, _)| m))
+        })?),
+        (_, other) => Err(std::io::Error::other(format!(
             "memfoldd answered {other:?} to a request for statistics"
         ))),
     }

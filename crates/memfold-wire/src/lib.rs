@@ -16,6 +16,8 @@
 //! | [`messages`] | the messages, the stash blob types, the limits |
 //! | [`reattach`] | the binary list of pages an agent has mapped, passed in a memfd |
 //! | [`stats`] | memfoldd's statistics, per guest and in total |
+//! | [`stats_parts`] | statistics too large for one message, sent and read in parts |
+//! | [`name`] | the bound on a guest's name, and how a peer's words are shown |
 //! | [`metrics`] | the statistics as a Prometheus (OpenMetrics) exposition |
 //! | [`latency`] | latency histograms (HDR) and their percentiles |
 //! | [`conn`] | [`Conn`] and [`Listener`], over `memfold_sys::socket` |
@@ -36,8 +38,10 @@ pub mod keyval;
 pub mod latency;
 pub mod messages;
 pub mod metrics;
+pub mod name;
 pub mod reattach;
 pub mod stats;
+pub mod stats_parts;
 
 pub use conn::{Conn, Listener};
 pub use device::LandedReporter;
@@ -47,10 +51,14 @@ pub use messages::{
     AgentReport, Blob, BlobHome, CensusStats, Discarded, RamFile, StashPage, ToAgent, ToClient,
     ToDaemon, ToDevice, CLOCK_SLICE, MAX_BATCH, MAX_MESSAGE, PROTOCOL_VERSION,
 };
+pub use name::{check_name, shown, NameError, MAX_NAME_BYTES};
 pub use reattach::Mapped;
 pub use stats::{
     GuestPages, HeldBytes, KernelSwapStats, LifetimeCdf, MetadataBy, OpLatencies, SavedBy, Stats,
     SwapStats, VmStats, AGENT_OPS,
+};
+pub use stats_parts::{
+    assemble_stats, stats_messages, StatsPartsError, MAX_STATS_VMS, STATS_PART_BYTES,
 };
 
 /// Wire errors.
@@ -299,7 +307,12 @@ mod tests {
         };
         stats.swap.budget_pages = Some(100);
         stats.lifetime.restored_before = vec![(1.0, 0.5)];
-        round_trip(ToClient::Stats(Box::new(stats)));
+        round_trip(ToClient::Stats(Box::new(stats.clone())));
+        stats.vms_following = 3;
+        round_trip(ToClient::Stats(Box::new(stats.clone())));
+        round_trip(ToClient::StatsVms {
+            vms: std::mem::take(&mut stats.vms),
+        });
         round_trip(ToClient::Error {
             message: "no".into(),
         });

@@ -31,7 +31,10 @@ use crate::stats::Stats;
 /// [`ToDaemon::PagedIn`]; issue 15's zswap backing). Also in 12, without a bump,
 /// [`ToAgent::ClockScan`]`::zap_shared`: an agent that does not know it ignores it (its
 /// shared pages stay mapped, their frames in RAM), and one that does reads it as false
-/// from a memfoldd that does not send it.
+/// from a memfoldd that does not send it. Also in 12, without a bump (no agent sees
+/// them): statistics in parts ([`ToClient::StatsVms`], `Stats::vms_following`; a client
+/// of before gets a split answer's head with no guests), and a hello's name bounded to
+/// [`crate::name::MAX_NAME_BYTES`] printable bytes (refused past it).
 pub const PROTOCOL_VERSION: u32 = 12;
 
 /// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
@@ -206,7 +209,8 @@ pub enum ToDaemon {
     AgentHello {
         /// Protocol version.
         version: u32,
-        /// Guest name.
+        /// Guest name: at most [`crate::name::MAX_NAME_BYTES`] bytes of printable
+        /// characters ([`crate::name::check_name`]), or the hello is refused.
         name: String,
         /// QEMU's pid.
         pid: u32,
@@ -593,8 +597,17 @@ pub enum ToDevice {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ToClient {
-    /// The daemon's statistics.
+    /// The daemon's statistics; when they are too large for one message, a head whose
+    /// [`Stats::vms_following`] guests follow in [`ToClient::StatsVms`] parts
+    /// ([`crate::stats_parts`]).
     Stats(Box<Stats>),
+    /// A part of the guests' statistics following a [`ToClient::Stats`] head, in order
+    /// (at most [`crate::stats_parts::STATS_PART_BYTES`] of JSON unless one guest alone
+    /// is larger). Added within version 12: only a reader asking for statistics gets it.
+    StatsVms {
+        /// Guests.
+        vms: Vec<crate::stats::VmStats>,
+    },
     /// The census asked for.
     Census(CensusStats),
     /// A [`ToDaemon::OptOut`] was carried out: `pages` pages are being taken back (0 for

@@ -579,8 +579,15 @@ pub struct Stats {
     /// Pages sent to the kernel's swap (zeros from an older memfoldd).
     #[serde(default)]
     pub kernel_swap: KernelSwapStats,
-    /// Per guest: every guest for an operator, only its own for a tenant.
+    /// Per guest: every guest for an operator, only its own for a tenant, in name order.
+    /// Empty in the head of statistics sent in parts ([`Stats::vms_following`]).
     pub vms: Vec<VmStats>,
+    /// Guests whose [`VmStats`] follow this message in [`crate::ToClient::StatsVms`]
+    /// parts ([`crate::stats_parts`]): statistics too large for one message. 0 (and
+    /// absent on the wire): every guest is in [`Stats::vms`]; a reader's assembled
+    /// statistics always say 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub vms_following: u32,
     /// `Some(uid)`: the view of a tenant (a QEMU user of the agent group, not an
     /// operator), which lists only the guests whose QEMUs run as `uid`; every host-wide
     /// figure above other than `uptime_s`, `rate_pages_per_s` and `policy` is then left
@@ -588,4 +595,8 @@ pub struct Stats {
     /// activity are not a tenant's to see). `None`: an operator's view.
     #[serde(default)]
     pub tenant_uid: Option<u32>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }

@@ -109,7 +109,11 @@ impl Daemon {
             ToDaemon::RegionUnmapped => {
                 tracing::info!("{}", self.guests.region_unmapped(vm));
             }
-            other => tracing::warn!("{vm}: unexpected message {other:?}"),
+            // Shown short and escaped: the message is the peer's, up to 256 KiB each.
+            other => tracing::warn!(
+                "{vm}: unexpected message {}",
+                memfold_wire::name::shown(&format!("{other:?}"))
+            ),
         }
     }
 }

@@ -22,7 +22,9 @@ impl Daemon {
     /// that domain's pool and a store and swap file of its own. Refusals are logged and
     /// sent to the agent, and the connection closed; the guest then runs on unmanaged.
     /// Nothing a peer sends, and no resource memfoldd lacks for it, ends memfoldd: every
-    /// failure is that guest's refusal (test `fd_exhaustion.rs`).
+    /// failure is that guest's refusal (test `fd_exhaustion.rs`). Its name was checked
+    /// by the connection's reader (`memfold_wire::check_name`: at most 255 bytes,
+    /// printable), so it may be logged and booked as it is.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attach(
         &mut self,

@@ -241,6 +241,8 @@ pub(crate) fn stats(
         rss_bytes: memfold_sys::proc::rss_bytes(std::process::id()),
         kernel_swap,
         vms,
+        // Set by the reader thread if it sends them in parts (`stats_messages`).
+        vms_following: 0,
         tenant_uid: None,
     }
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use memfold_core::ids::VmId;
 use memfold_wire::{
-    AgentReport, Conn, Listener, OpLatencies, OpLatency, ToClient, ToDaemon, AGENT_OPS,
+    AgentReport, Conn, Listener, OpLatencies, OpLatency, ToAgent, ToClient, ToDaemon, AGENT_OPS,
     PROTOCOL_VERSION,
 };
 
@@ -128,7 +128,18 @@ fn read_loop(t: u64, conn: Conn, tx: mpsc::SyncSender<Input>, agent_gid: Option<
         tracing::warn!("connection {t}: {e}");
     }
     match hello {
-        ToDaemon::AgentHello { version, .. } if version == PROTOCOL_VERSION => {
+        ToDaemon::AgentHello {
+            version, ref name, ..
+        } if version == PROTOCOL_VERSION => {
+            // A name is kept, logged and sent in every operator's statistics: one over
+            // 255 bytes or unprintable is refused here, shown escaped and shortened, before
+            // the main thread or the log sees it (test `many_guests.rs`).
+            if let Err(e) = memfold_wire::check_name(name) {
+                tracing::warn!("connection {t} from pid {}: {e}; refused", peer.pid);
+                let message = e.to_string();
+                let _ = writer.send(&ToAgent::Refused { message }, &[]);
+                return;
+            }
             if tx
                 .send(Input::Attach {
                     token: t,
@@ -198,10 +209,19 @@ fn read_loop(t: u64, conn: Conn, tx: mpsc::SyncSender<Input>, agent_gid: Option<
                 if tx.send(input).is_err() {
                     return;
                 }
-                // The next request is read only once this one is answered.
+                // The next request is read only once this one is answered. Statistics
+                // too large for one message go in parts, encoded and sent here, off the
+                // main thread (`memfold_wire::stats_parts`; test `many_guests.rs`).
                 let Ok(answer) = answer.recv() else { return };
-                if writer.send(&answer, &[]).is_err() {
-                    return;
+                let messages = match answer {
+                    ToClient::Stats(stats) => memfold_wire::stats_messages(*stats),
+                    other => vec![other],
+                };
+                for m in &messages {
+                    if let Err(e) = writer.send(m, &[]) {
+                        tracing::debug!("client connection {t}: its answer: {e}; closed");
+                        return;
+                    }
                 }
             }
         }

@@ -313,21 +313,23 @@ pub fn every_mechanism(v: &VmStats) -> bool {
         && v.compressed_pages > 0
 }
 
-/// A QEMU of our own (no agent: the test speaks the wire itself): a RAM memfd holding
-/// `ram`, attached to memfoldd at `socket` as guest `name`, which must be welcomed.
-/// Returns the connection, every descriptor memfoldd handed it (its pool first) and the
-/// RAM memfd.
-pub fn attach_fake_qemu(
+/// A QEMU of our own (no agent: the test speaks the wire itself) says hello to memfoldd
+/// at `socket` as guest `name`, its RAM a memfd named `memfd_name` holding `ram`.
+/// Returns memfoldd's answer, the connection (kept open, a welcomed guest stays
+/// attached), every descriptor memfoldd handed it (its pool first) and the RAM memfd.
+pub fn hello_fake_qemu(
     socket: &Path,
     name: &str,
+    memfd_name: &str,
     ram: &[u8],
 ) -> (
+    memfold_wire::ToAgent,
     memfold_wire::Conn,
     Vec<std::os::fd::OwnedFd>,
     std::os::fd::OwnedFd,
 ) {
     use memfold_wire::{Conn, ToAgent, ToDaemon, PROTOCOL_VERSION};
-    let fd = memfd::create(name).unwrap();
+    let fd = memfd::create(memfd_name).unwrap();
     memfd::set_len(fd.as_fd(), ram.len() as u64).unwrap();
     memfd::pwrite_all(fd.as_fd(), ram, 0).unwrap();
     let c = Conn::connect(socket).unwrap();
@@ -342,8 +344,25 @@ pub fn attach_fake_qemu(
     c.send(&hello, &[fd.as_fd()]).unwrap();
     c.set_recv_timeout(Duration::from_secs(5)).unwrap();
     let (reply, fds) = c.recv::<ToAgent>().unwrap().expect("an answer");
+    (reply, c, fds, fd)
+}
+
+/// A QEMU of our own (no agent: the test speaks the wire itself): a RAM memfd holding
+/// `ram`, attached to memfoldd at `socket` as guest `name`, which must be welcomed.
+/// Returns the connection, every descriptor memfoldd handed it (its pool first) and the
+/// RAM memfd.
+pub fn attach_fake_qemu(
+    socket: &Path,
+    name: &str,
+    ram: &[u8],
+) -> (
+    memfold_wire::Conn,
+    Vec<std::os::fd::OwnedFd>,
+    std::os::fd::OwnedFd,
+) {
+    let (reply, c, fds, fd) = hello_fake_qemu(socket, name, name, ram);
     assert!(
-        matches!(reply, ToAgent::Welcome { .. }),
+        matches!(reply, memfold_wire::ToAgent::Welcome { .. }),
         "{name} is managed: {reply:?}"
     );
     assert!(fds.len() >= 2, "{name}: a pool and a store");
