@@ -143,9 +143,15 @@ fn two_tiny_guests_share_break_cow_and_survive_kill_9_of_memfoldd() {
             && s.vms[0].shared_pages > 0
             && s.vms[1].share_refused > 0
             && s.vms[1].shared_pages == 0
-            // Satori §4.2: `a` shares, so it earns; `b` shares nothing and earns nothing.
+            // Satori §4.2: `a` shares, so it earns; `b` maps no share, and earns only for
+            // its pages shared without a mapping (its refusals turn its shares into
+            // those), less than a page each.
             && s.vms[0].entitlement_pages > 0.0
-            && s.vms[1].entitlement_pages == 0.0
+            && if s.vms[1].unmapped_pages == 0 {
+                s.vms[1].entitlement_pages == 0.0
+            } else {
+                s.vms[1].entitlement_pages < s.vms[1].unmapped_pages as f64
+            }
             && s.vms.iter().all(|v| v.reclaims > 0 && v.refills > 0)
             && s.latency.cow_break.count > 0
             && s.latency.fault.count > 0
