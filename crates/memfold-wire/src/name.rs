@@ -29,9 +29,8 @@ pub enum NameError {
         /// The name as [`shown`] shows it (escaped, shortened).
         shown: String,
     },
-    /// A character that is not printable ASCII, nor a letter or digit of another script
-    /// (a control character, an escape, a bidirectional override, a zero-width
-    /// character...).
+    /// A control character (an escape, a newline, C1 controls) or an invisible format
+    /// character (a bidirectional override, a zero-width character, a line separator...).
     #[error("a guest name with the unprintable character {ch:?} at byte {at}: {shown}")]
     Unprintable {
         /// The character.
@@ -44,8 +43,10 @@ pub enum NameError {
 }
 
 /// Checks a guest's name as memfoldd takes it at the hello: 1 to [`MAX_NAME_BYTES`]
-/// bytes, each character printable ASCII (space to `~`) or a letter or digit
-/// (`char::is_alphanumeric`) of another script.
+/// bytes, with no control character and no invisible format character ([`invisible`]).
+/// Any other character passes — libvirt's domain names may hold dashes, symbols, marks
+/// and scripts of every kind — and [`shown`] escapes what is not ASCII wherever memfoldd
+/// logs or shows a name.
 ///
 /// Errors: [`NameError`], saying why, with the name shown escaped and shortened.
 pub fn check_name(name: &str) -> Result<(), NameError> {
@@ -58,8 +59,7 @@ pub fn check_name(name: &str) -> Result<(), NameError> {
             shown: shown(name),
         });
     }
-    let printable =
-        |c: char| c == ' ' || c.is_ascii_graphic() || (!c.is_ascii() && c.is_alphanumeric());
+    let printable = |c: char| !c.is_control() && !invisible(c);
     match name.char_indices().find(|&(_, c)| !printable(c)) {
         Some((at, ch)) => Err(NameError::Unprintable {
             ch,
@@ -68,6 +68,25 @@ pub fn check_name(name: &str) -> Result<(), NameError> {
         }),
         None => Ok(()),
     }
+}
+
+/// Whether `c` is one of Unicode's invisible format characters that can make a name
+/// look like another or reorder what follows it: bidirectional marks, embeddings,
+/// overrides and isolates, zero-width characters, the soft hyphen, the word joiner and
+/// invisible operators, the byte order mark, interlinear annotation marks, and the line
+/// and paragraph separators.
+pub fn invisible(c: char) -> bool {
+    matches!(
+        c,
+        '\u{ad}'
+            | '\u{61c}'
+            | '\u{180e}'
+            | '\u{200b}'..='\u{200f}'
+            | '\u{2028}'..='\u{202e}'
+            | '\u{2060}'..='\u{206f}'
+            | '\u{feff}'
+            | '\u{fff9}'..='\u{fffb}'
+    )
 }
 
 /// A peer's words (a name, an error it sent or one that quotes what it sent) as memfoldd
@@ -105,6 +124,11 @@ mod tests {
             "my vm (test)",
             "gäst-ü",
             "虚拟机",
+            // Dashes, symbols, combining marks and viramas are in libvirt's names too.
+            "web–prod",
+            "Jose\u{301}",
+            "परीक्षण",
+            "vm-🚀™·",
             &"x".repeat(255),
         ] {
             assert_eq!(check_name(ok), Ok(()), "{ok}");
@@ -126,6 +150,9 @@ mod tests {
             ("del\u{7f}", '\u{7f}', 3),
             ("c1\u{85}", '\u{85}', 2),
             ("tab\t", '\t', 3),
+            ("soft\u{ad}hyphen", '\u{ad}', 4),
+            ("line\u{2028}sep", '\u{2028}', 4),
+            ("bom\u{feff}", '\u{feff}', 3),
         ] {
             let e = check_name(bad).unwrap_err();
             assert!(
