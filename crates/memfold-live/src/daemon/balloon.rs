@@ -29,10 +29,14 @@
 //!
 //! After a memfoldd restart the books are rebuilt as agents re-attach, one by one: until
 //! a guest's sharing partners are back, its frames count fewer mappers and its
-//! entitlement reads too low. *Invariant: no target is set from half-rebuilt books*:
-//! while a sharing domain of a QEMU's guests still adopts the previous memfoldd's pool
-//! ([`Engine::adoption_pending`]), its claimer sends no target (it connects and reads the
-//! balloon), and QEMU keeps the last memfoldd's. A claimer that has set no target starts
+//! entitlement reads too low. *Invariant: no target is set from half-rebuilt books*,
+//! for a while: while a sharing domain of a QEMU's guests still adopts the previous
+//! memfoldd's pool ([`Engine::adoption_pending`]), a claimer whose policy reads the books
+//! (`at-once`, `under-pressure`) sends no target (it connects and reads the balloon),
+//! and QEMU keeps the last memfoldd's — for at most [`ADOPTION_GRACE`]: an adoption lasts
+//! as long as one holder of the pool has not re-attached (a QEMU paused on a failure, a
+//! re-attach refused), and every guest of the domain would go unclaimed and unrepaid.
+//! Then the books are read as they stand, and the log says why. A claimer that has set no target starts
 //! from what the balloon leaves the guest: under `under-pressure` a guest that had grown
 //! past its allowance is not cut back to it, and nothing is set until that is known.
 //!
@@ -124,7 +128,16 @@ struct Claimer {
     /// Its policy and allowance (bytes): the host's, or less if the guest asked
     /// ([`guest_asks`]); `None` until its thread has read its QEMU's environment.
     asks: Option<(ClaimPolicy, u64)>,
+    /// Since when a domain of its guests has been adopting a previous memfoldd's pool, as
+    /// this claimer saw it (`None`: not adopting).
+    adopting_since: Option<Instant>,
 }
+
+/// How long a claimer whose policy reads the books waits for an adoption to end before
+/// it sets targets all the same: an adoption can last as long as one holder of the pool
+/// never re-attaches (a QEMU paused on a failure, a re-attach refused), and every guest
+/// of that domain — every guest of a user, by default — would go unclaimed and unrepaid.
+const ADOPTION_GRACE: Duration = Duration::from_secs(120);
 
 /// What a QEMU's environment (NUL-separated `KEY=value`s) asks for: a claim policy
 /// (`MEMFOLD_CLAIM`) and an allowance in bytes (`MEMFOLD_ALLOWANCE_MIB`), each `None`
@@ -197,6 +210,8 @@ pub(crate) struct Claims {
     stack: Option<usize>,
     /// Reads a QEMU's environment (`/proc/PID/environ`); only a test replaces it.
     environ: fn(u32) -> std::io::Result<Vec<u8>>,
+    /// [`ADOPTION_GRACE`]; only a test shortens it.
+    adoption_grace: Duration,
 }
 
 /// `/proc/PID/environ`. The kernel reads it from the QEMU's own memory, which a QEMU can
@@ -229,13 +244,14 @@ impl Claims {
             layouts,
             stack: None,
             environ: proc_environ,
+            adoption_grace: ADOPTION_GRACE,
         }
     }
 
     /// Sets every guest's target from its entitlement now; starts a claimer for a QEMU
     /// new to it, ends those of QEMUs gone (a pid now another QEMU's included). Sends no
-    /// target to a QEMU while a sharing domain of its guests adopts a previous
-    /// memfoldd's pool. Called once a second.
+    /// target from the books to a QEMU while a sharing domain of its guests adopts a
+    /// previous memfoldd's pool, for up to [`ADOPTION_GRACE`]. Called once a second.
     pub(crate) fn tick(&mut self, engine: &Engine) {
         if self.policy == ClaimPolicy::Never {
             return;
@@ -243,13 +259,17 @@ impl Claims {
         let mut qemus: BTreeMap<u32, Qemu> = BTreeMap::new();
         // Every guest's at once: one guest's alone walks its whole domain.
         let mut ranks = engine.all_sharing_ranks();
+        // Once a domain: the question walks its frame table.
+        let mut pending = BTreeMap::new();
         for (id, pid, _) in engine.vms() {
             let q = qemus.entry(pid).or_default();
             q.ram += engine.ram_bytes(id).unwrap_or(0);
             q.entitlement_pages += ranks.remove(&id).unwrap_or_default().entitlement_pages();
-            q.adopting |= engine
-                .domain_of(id)
-                .is_some_and(|d| engine.adoption_pending(d));
+            q.adopting |= engine.domain_of(id).is_some_and(|d| {
+                *pending
+                    .entry(d)
+                    .or_insert_with(|| engine.adoption_pending(d))
+            });
         }
         // A QEMU gone has no start time; its guests go at the next reap.
         let started: BTreeMap<u32, u64> = qemus
@@ -276,10 +296,6 @@ impl Claims {
                 }
             }
             let claimer = self.by_qemu.get_mut(&pid).expect("kept or inserted above");
-            if q.adopting {
-                tracing::debug!("QEMU pid {pid}: its books are rebuilt as agents re-attach; no balloon target until then");
-                continue;
-            }
             let (short, actual, asks) = claimer
                 .state
                 .lock()
@@ -290,6 +306,23 @@ impl Claims {
             let Some((policy, allowance)) = claimer.asks else {
                 continue;
             };
+            // Half-rebuilt books: a policy that reads them waits, for a while.
+            let reads_books = matches!(policy, ClaimPolicy::AtOnce | ClaimPolicy::UnderPressure);
+            if !q.adopting {
+                claimer.adopting_since = None;
+            } else if reads_books {
+                let since = *claimer.adopting_since.get_or_insert_with(Instant::now);
+                if since.elapsed() < self.adoption_grace {
+                    tracing::debug!("QEMU pid {pid}: its books are rebuilt as agents re-attach; no balloon target until then");
+                    continue;
+                }
+                if since.elapsed() < self.adoption_grace + PACE.poll {
+                    tracing::warn!(
+                        "QEMU pid {pid}: a previous memfoldd's pool is still adopted after {} s (a holder of it has not re-attached): its balloon is driven from the books as they stand",
+                        self.adoption_grace.as_secs()
+                    );
+                }
+            }
             let Some(t) = claim_target(
                 policy,
                 q.ram,
@@ -337,6 +370,7 @@ impl Claims {
             state,
             target: None,
             asks: None,
+            adopting_since: None,
         })
     }
 

@@ -89,6 +89,7 @@ fn claims_with_idle_claimer(
             state: Arc::clone(&state),
             target: None,
             asks: Some((policy, 8 * MIB)),
+            adopting_since: None,
         },
     );
     (c, rx, state)
@@ -118,6 +119,30 @@ fn no_target_is_set_while_a_restarted_memfoldd_adopts_the_pool() {
     c.tick(&e);
     // 8 MiB of allowance + 256 pages of entitlement for each region.
     assert_eq!(rx.try_recv(), Ok(10 * MIB));
+}
+
+/// An adoption that does not end (a holder of the pool paused on a failure, or refused)
+/// holds back a policy that reads the books only for a grace period, and one that does
+/// not read them (`allowance-only`) not at all. Seen failing without the mend: no target,
+/// for as long as the adoption lasted.
+#[test]
+fn an_adoption_that_does_not_end_holds_targets_back_only_for_a_while() {
+    let (mut e, _d) = restarted(512);
+    reattach(&mut e, "a", (0..512).map(|g| (g, g)));
+    let (mut c, rx, _) = claims_with_idle_claimer(ClaimPolicy::AllowanceOnly, my_start());
+    c.tick(&e);
+    assert_eq!(rx.try_recv(), Ok(8 * MIB), "allowance-only reads no books");
+    let (mut c, rx, _) = claims_with_idle_claimer(ClaimPolicy::AtOnce, my_start());
+    c.tick(&e);
+    assert_eq!(
+        rx.try_recv(),
+        Err(mpsc::TryRecvError::Empty),
+        "within the grace"
+    );
+    c.adoption_grace = Duration::ZERO;
+    c.tick(&e);
+    // The books as they stand: `a`'s 512 frames of rank 1 earn nothing yet.
+    assert_eq!(rx.try_recv(), Ok(8 * MIB));
 }
 
 /// Under `under-pressure`, a claimer that has set no target (a new memfoldd's) starts from
