@@ -155,6 +155,18 @@ impl FrameTable {
         self.in_use -= 1;
     }
 
+    /// Gives back frame `f`, which [`FrameTable::alloc`] handed out with a grow the pool
+    /// could not make: the table shrinks back, and the next alloc asks for the grow again.
+    /// (Kept grown, the next alloc handed out frames past the end of the pool file with no
+    /// grow asked: their writes extended the file past the length memfoldd set.)
+    pub fn ungrow(&mut self, f: FrameId) {
+        self.pending[f.index()] = 0;
+        self.in_use -= 1;
+        self.next = f.0;
+        self.last = None;
+        self.resize(self.size - GROW_FRAMES);
+    }
+
     /// Whether `f` is a frame of the pool.
     pub fn contains(&self, f: FrameId) -> bool {
         f.0 < self.size
@@ -359,6 +371,17 @@ mod tests {
             (FrameId(1), None),
             "the next frame, not the freed one"
         );
+    }
+
+    /// A grow the pool could not make is asked for again at the next alloc.
+    #[test]
+    fn a_grow_given_back_is_asked_for_again() {
+        let mut t = FrameTable::new();
+        let (f, grow) = t.alloc(7);
+        assert_eq!(grow, Some(GROW_FRAMES));
+        t.ungrow(f);
+        assert_eq!((t.in_use(), t.contains(f)), (0, false));
+        assert_eq!(t.alloc(8), (FrameId(0), Some(GROW_FRAMES)));
     }
 
     #[test]

@@ -686,13 +686,17 @@ impl Engine {
             .get_mut(&d)
             .expect("every guest's domain exists");
         let (f, grow) = dom.frames.alloc(h);
-        let written = (|| {
-            if let Some(frames) = grow {
-                dom.pool.resize(frames as u64 * PAGE)?;
+        if let Some(frames) = grow {
+            if let Err(e) = dom.pool.resize(frames as u64 * PAGE) {
+                // The table shrinks back: the next alloc asks for the grow again.
+                dom.frames.ungrow(f);
+                if let Some(n) = self.books.pool_error() {
+                    tracing::warn!("pool of {d}: {e}; page left private (error {n})");
+                }
+                return None;
             }
-            dom.pool.write(f.offset(), page)
-        })();
-        let Err(e) = written else {
+        }
+        let Err(e) = dom.pool.write(f.offset(), page) else {
             return Some(f);
         };
         dom.frames.unalloc(f);

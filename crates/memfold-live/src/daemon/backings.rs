@@ -127,6 +127,19 @@ impl Backing for FileBacking {
     }
 
     fn write(&mut self, offset: u64, bytes: &[u8]) -> Result<(), BackingError> {
+        // Never past the length it set: a write there would extend the file behind
+        // `len`'s back, and the next count's `trim` would cut it off again.
+        if offset.saturating_add(bytes.len() as u64) > self.len {
+            return Err(BackingError::new(
+                format!(
+                    "{} pwrite of {} bytes at {offset}: past its {} bytes",
+                    self.what,
+                    bytes.len(),
+                    self.len
+                ),
+                std::io::Error::from(std::io::ErrorKind::InvalidInput),
+            ));
+        }
         memfd::pwrite_all(self.fd.as_fd(), bytes, offset)
             .map_err(|e| BackingError::new(format!("{} pwrite at {offset}", self.what), e))
     }
@@ -263,5 +276,8 @@ mod tests {
         let mut page = [0u8; 4096];
         b.read(0, &mut page).unwrap();
         assert!(page.iter().all(|&x| x == 5));
+        // memfoldd's own write past its length is refused, not cut off later.
+        assert!(b.write(8 * 4096, &[9u8; 4096]).is_err());
+        assert_eq!(memfd::size(peer.as_fd()).unwrap(), 8 * 4096);
     }
 }
