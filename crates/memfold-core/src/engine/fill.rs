@@ -368,7 +368,9 @@ mod tests {
         };
         let mut r = Rig::new(cfg, pages).unwrap();
         for g in 0..pages {
-            r.agent.write(Gfn(g), 0, &[(g as u8).wrapping_add(1); PAGE_SIZE]).unwrap();
+            r.agent
+                .write(Gfn(g), 0, &[(g as u8).wrapping_add(1); PAGE_SIZE])
+                .unwrap();
         }
         r
     }
