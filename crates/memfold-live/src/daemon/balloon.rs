@@ -33,7 +33,7 @@
 //! for a while: while a sharing domain of a QEMU's guests still adopts the previous
 //! memfoldd's pool ([`Engine::adoption_pending`]), a claimer whose policy reads the books
 //! (`at-once`, `under-pressure`) sends no target (it connects and reads the balloon),
-//! and QEMU keeps the last memfoldd's — for at most [`ADOPTION_GRACE`]: an adoption lasts
+//! and QEMU keeps the last memfoldd's — for at most `ADOPTION_GRACE` (120 s): an adoption lasts
 //! as long as one holder of the pool has not re-attached (a QEMU paused on a failure, a
 //! re-attach refused), and every guest of the domain would go unclaimed and unrepaid.
 //! Then the books are read as they stand, and the log says why. A claimer that has set no target starts
