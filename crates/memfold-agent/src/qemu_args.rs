@@ -214,11 +214,49 @@ fn json_object(option: &str, text: &str) -> Result<BTreeMap<String, String>, Arg
         text: text.into(),
         why,
     };
-    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&double_quoted(text)).map_err(|e| bad(e.to_string()))?;
     let obj = v.as_object().ok_or_else(|| bad("not an object".into()))?;
     let mut out = BTreeMap::new();
     flatten("", obj, &mut out);
     Ok(out)
+}
+
+/// `text` with QEMU's single-quoted JSON strings (`{'driver':'pc-dimm'}`, which QEMU's
+/// parser takes) written double-quoted, for serde_json; unchanged if it has none.
+fn double_quoted(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.contains('\'') {
+        return text.into();
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    let mut chars = text.chars();
+    // The quote of the string we are in, if any.
+    let mut quote: Option<char> = None;
+    while let Some(c) = chars.next() {
+        match (quote, c) {
+            (None, '"') | (None, '\'') => {
+                quote = Some(c);
+                out.push('"');
+            }
+            (Some(q), _) if c == q => {
+                quote = None;
+                out.push('"');
+            }
+            (Some(_), '\\') => match chars.next() {
+                // `\'` is a plain quote (QEMU's parser takes it in either string).
+                Some('\'') => out.push('\''),
+                Some(n) => {
+                    out.push('\\');
+                    out.push(n);
+                }
+                None => out.push('\\'),
+            },
+            // A double quote inside a single-quoted string.
+            (Some('\''), '"') => out.push_str("\\\""),
+            _ => out.push(c),
+        }
+    }
+    out.into()
 }
 
 /// `obj`'s members into `out` as QEMU's dotted keys (`{"file":{"aio":"native"}}` as
@@ -580,8 +618,18 @@ mod tests {
             ArgsError::BadJson { .. }
         ));
         // Each option names itself, not `-object`.
-        let e = RamPlan::parse(&["-blockdev", "{'driver':'file'}"]).unwrap_err();
-        assert!(e.to_string().starts_with("-blockdev {'driver'"), "{e}");
+        let e = RamPlan::parse(&["-blockdev", "{\"driver\":"]).unwrap_err();
+        assert!(e.to_string().starts_with("-blockdev {\"driver\""), "{e}");
+        // QEMU's single-quoted JSON is QEMU's to take: read, not refused.
+        assert!(RamPlan::parse(&["-device", "{'driver':'virtio-net-pci'}"]).is_ok());
+        let p = RamPlan::parse(&[
+            "-object",
+            "{'qom-type':'memory-backend-ram','id':'d0','size':1048576}",
+            "-device",
+            r#"{'driver':'pc-dimm','memdev':'d0','id':'it\'s "a" dimm'}"#,
+        ])
+        .unwrap();
+        assert_eq!(p.used, vec![("d0".to_string(), "pc-dimm".to_string())]);
     }
 
     /// libvirt's JSON `-device` (a DIMM on a backend that is no memfd) is read as the
