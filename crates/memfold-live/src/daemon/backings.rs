@@ -93,10 +93,23 @@ impl FileBacking {
     /// walk its data runs (`memfd::allocated_bytes_within`) — four times a second under a
     /// host budget, as often as the peer grows it again.
     fn trim(&self) {
-        if !memfd::size(self.fd.as_fd()).is_ok_and(|s| s > self.len) {
+        let end = self.len.next_multiple_of(4096);
+        // Blocks a peer allocated past the end without growing the file
+        // (`FALLOC_FL_KEEP_SIZE`) are punched out: they would count, and the size stays.
+        // Not on disk, where a file system's own blocks may count past the length.
+        let kept = !self.on_disk && memfd::allocated_bytes(self.fd.as_fd()) > end;
+        let grown = memfd::size(self.fd.as_fd()).is_ok_and(|s| s > self.len);
+        if !kept && !grown {
             return;
         }
-        let cut = memfd::set_len(self.fd.as_fd(), self.len);
+        let cut = if grown {
+            memfd::set_len(self.fd.as_fd(), self.len).map_err(|e| e.to_string())
+        } else {
+            Ok(())
+        };
+        if kept {
+            memfd::punch_hole(self.fd.as_fd(), end, u64::MAX / 2 - end);
+        }
         if !self.trimmed.replace(true) {
             tracing::warn!(
                 "the {} was grown past the {} bytes memfoldd made it (by a QEMU that holds it): cut back ({cut:?})",
@@ -169,6 +182,7 @@ impl Backing for FileBacking {
     fn allocated_bytes(&self) -> u64 {
         self.trim();
         memfd::allocated_bytes_within(self.fd.as_fd(), self.len)
+            .min(self.len.next_multiple_of(4096))
     }
 
     fn page_out(&mut self, pages: &[u64]) -> Result<u64, BackingError> {
@@ -276,6 +290,20 @@ mod tests {
         let mut page = [0u8; 4096];
         b.read(0, &mut page).unwrap();
         assert!(page.iter().all(|&x| x == 5));
+        // Blocks allocated past the end without growing the file are punched out.
+        use std::os::fd::AsRawFd;
+        // SAFETY: fallocate on a descriptor this test owns; no memory is passed.
+        let r = unsafe {
+            libc::fallocate(
+                peer.as_raw_fd(),
+                libc::FALLOC_FL_KEEP_SIZE,
+                8 * 4096,
+                16 << 20,
+            )
+        };
+        assert_eq!(r, 0);
+        assert_eq!(b.allocated_bytes(), 4096, "blocks kept past the end count");
+        assert!(memfd::allocated_bytes(peer.as_fd()) <= 8 * 4096);
         // memfoldd's own write past its length is refused, not cut off later.
         assert!(b.write(8 * 4096, &[9u8; 4096]).is_err());
         assert_eq!(memfd::size(peer.as_fd()).unwrap(), 8 * 4096);
