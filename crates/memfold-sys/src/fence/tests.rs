@@ -47,11 +47,19 @@ fn a_dead_pid() -> u32 {
     pid
 }
 
+/// Thread id `n` of a writer no thread of this host can be: above the kernel's
+/// PID_MAX_LIMIT (2^22). A test thread's own id among the records' owners would make
+/// `hold_writing` withdraw that record as its own leftover (CI once ran the test on thread
+/// 4057, inside the 4000.. owners it declared).
+fn other_tid(n: u32) -> u32 {
+    (1 << 23) + n
+}
+
 /// Fills every record with a declaration of page `va` by process `pid`, thread ids
-/// `first_tid` up.
-fn every_record_declared(f: &WriteFence, pid: u32, first_tid: u32, va: u64) {
+/// `other_tid(first)` up.
+fn every_record_declared(f: &WriteFence, pid: u32, first: u32, va: u64) {
     for r in 0..RECORDS {
-        let tid = first_tid + r as u32;
+        let tid = other_tid(first + r as u32);
         assert_eq!(f.declare(pid, tid, &whole_runs(va, PAGE)), Some(r));
     }
 }
@@ -100,7 +108,7 @@ fn a_dead_writer_s_stale_records_are_taken_when_none_is_free_and_nobody_else_s()
         "one being written"
     );
     // A dead process's stale record is taken, left killed mid-write (odd).
-    f.record(9).owner.store(2009, Ordering::SeqCst);
+    f.record(9).owner.store(other_tid(2009), Ordering::SeqCst);
     f.record(9).seq.fetch_add(1, Ordering::SeqCst);
     let now = crate::proc::monotonic_ns;
     {
@@ -112,7 +120,7 @@ fn a_dead_writer_s_stale_records_are_taken_when_none_is_free_and_nobody_else_s()
             "the declaration made in it is whole and trusted"
         );
         assert_eq!(
-            f.declared_whole(2009, va, now()),
+            f.declared_whole(other_tid(2009), va, now()),
             None,
             "the leftover is gone"
         );
@@ -192,7 +200,7 @@ fn a_writer_whose_record_was_taken_withdraws_nothing_of_the_new_declaration() {
     let h = f.hold_writing(&[(va + 8 * PAGE, PAGE)]);
     assert_eq!(h.record, Some((4, my_tid())));
     // Its call returns at last: its withdrawal finds the record another's.
-    f.withdraw(4, 3004);
+    f.withdraw(4, other_tid(3004));
     let now = crate::proc::monotonic_ns();
     assert_eq!(
         f.declared_whole(my_tid(), va + 8 * PAGE, now),
@@ -272,7 +280,7 @@ fn with_every_record_taken_a_write_is_only_held_and_its_pages_copied() {
         None
     );
     drop(h);
-    f.withdraw(5, 1005);
+    f.withdraw(5, other_tid(1005));
     let h = f.hold_writing(&[(va + PAGE, PAGE)]);
     assert_eq!(
         h.record,
