@@ -119,8 +119,14 @@ mod tests {
         tv(ru.ru_utime) + tv(ru.ru_stime)
     }
 
+    /// Held by the tests that read this process's resident set around their own
+    /// allocations: run side by side (3 or more test threads), one's 30 MiB freed between
+    /// the other's two reads would hide the other's 64 MiB.
+    static RSS_READERS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     #[test]
     fn touching_memory_raises_the_resident_set_and_its_peak() {
+        let _alone = RSS_READERS.lock().unwrap_or_else(|e| e.into_inner());
         let me = std::process::id();
         let before = rss_bytes(me);
         assert!(before > 0, "this process has a resident set");
@@ -178,6 +184,7 @@ mod tests {
     #[test]
     fn freed_large_tables_leave_the_resident_set() {
         const MIB: usize = 1 << 20;
+        let _alone = RSS_READERS.lock().unwrap_or_else(|e| e.into_inner());
         assert!(map_large_allocations_from(256 * 1024));
         assert!(
             !map_large_allocations_from(usize::MAX),
