@@ -9,6 +9,8 @@
 //! - [`monitor`]: memfoldd's own QEMU monitor of each guest, and the RAM layout asked
 //!   there.
 //! - [`metrics`]: memfoldd's Prometheus endpoint (`GET /metrics`, `--metrics-listen`).
+//! - [`reused`]: answers to untrusted askers (a tenant's statistics, a scrape) reused
+//!   for a second, so asking cannot keep memfoldd's main loop busy.
 //! - [`query_stats`], [`opt_out`]: a client's requests: memfoldd's statistics, the
 //!   operator's opt-out of a guest.
 //!
@@ -27,6 +29,7 @@ pub mod daemon;
 pub mod guest_channel;
 pub mod metrics;
 pub mod monitor;
+pub mod reused;
 
 use std::path::Path;
 

@@ -6,7 +6,9 @@
 //! main loop answers that request between two steps of its work, from the books as they
 //! are then (`daemon::books::stats`), and goes on; the HTTP thread then builds the
 //! exposition and writes it to the scraper. Nothing the engine loop waits on is held while
-//! a scraper reads, and a slow or stuck scraper only holds this thread.
+//! a scraper reads, and a slow or stuck scraper only holds this thread. The answer is
+//! reused for a second ([`crate::reused`]): however often the address is asked, memfoldd
+//! reads its books for it at most once a second.
 //!
 //! The answer is OpenMetrics text ([`memfold_wire::metrics::CONTENT_TYPE`]) to a client
 //! that accepts it (Prometheus asks for it first), else the classic text format 0.0.4
@@ -16,8 +18,11 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Instant;
 
+use crate::reused::{Reused, REUSE_FOR};
 use memfold_wire::metrics::{prometheus_text, CONTENT_TYPE, CONTENT_TYPE_TEXT};
+use memfold_wire::Stats;
 use tiny_http::{Header, Method, Request, Response, Server};
 
 /// Errors starting the endpoint.
@@ -82,8 +87,11 @@ impl MetricsServer {
         let thread = std::thread::Builder::new()
             .name("metrics".into())
             .spawn(move || {
+                // Whoever reaches the address may ask: one request to memfoldd a
+                // second at most, whatever the rate of GETs (`crate::reused`).
+                let mut reused = Reused::new(REUSE_FOR);
                 for req in s.incoming_requests() {
-                    answer(req, &socket);
+                    answer(req, &socket, &mut reused);
                 }
             })
             .map_err(|source| MetricsError::Thread {
@@ -117,7 +125,7 @@ fn header(value: &str) -> Header {
 }
 
 /// Answers one request.
-fn answer(req: Request, socket: &std::path::Path) {
+fn answer(req: Request, socket: &std::path::Path, reused: &mut Reused<(), Result<Stats, String>>) {
     let text = |code: u16, body: String| {
         Response::from_string(body)
             .with_status_code(code)
@@ -125,7 +133,9 @@ fn answer(req: Request, socket: &std::path::Path) {
     };
     let path = req.url().split('?').next().unwrap_or("");
     let resp = match (req.method(), path) {
-        (Method::Get, "/metrics") => match crate::query_stats(socket) {
+        (Method::Get, "/metrics") => match reused.get_or((), Instant::now(), || {
+            crate::query_stats(socket).map_err(|e| e.to_string())
+        }) {
             Ok(stats) => {
                 let om = stats.exposition();
                 let wants_om = req.headers().iter().any(|h| {
