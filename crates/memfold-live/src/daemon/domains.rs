@@ -15,6 +15,14 @@ use super::{Daemon, PAGE};
 /// sets.
 const MAX_ADOPTED_FRAMES: u64 = 1 << 24;
 
+/// The most domains one key may have at once: its own and pools adopted after restarts
+/// (each domain's frame table is sized by its pool, which the peer sets; without a bound
+/// a tenant's agent handing a new sparse memfd at every re-attach made memfoldd book,
+/// and walk at each count, up to 64 GiB of frames a hello, outside its RAM quota). Only
+/// restarts that follow each other before the guests re-attach give one key more than
+/// two.
+pub(super) const MAX_DOMAINS_PER_KEY: usize = 4;
+
 /// Which guests form a sharing domain: they share frames and patch against each other's
 /// pages, and each of their QEMUs holds the domain's pool (issue 14). Decided from what
 /// the kernel says of the peer, never from what the peer says.
@@ -88,7 +96,8 @@ impl Daemon {
     /// within each pool only, until the old one's guests are gone).
     ///
     /// Errors (a refusal's message): the pool is another key's domain's, its guest RAM,
-    /// not a memfd open for reading and writing, or larger than [`MAX_ADOPTED_FRAMES`].
+    /// not a memfd open for reading and writing, or larger than [`MAX_ADOPTED_FRAMES`]; a
+    /// new domain would give `key` more than [`MAX_DOMAINS_PER_KEY`].
     pub(super) fn pool_domain(
         &mut self,
         key: DomainKey,
@@ -112,6 +121,14 @@ impl Daemon {
         let d = match self.keys.get(&key) {
             Some(&d) if self.engine.pool_untouched(d) => d,
             _ => {
+                let of_key = self.key_of.values().filter(|&&k| k == key).count();
+                if of_key >= MAX_DOMAINS_PER_KEY {
+                    return Err(format!(
+                        "it brings a pool memfoldd does not know, and its sharing domain has \
+                         {of_key} pools already (its own and ones adopted after restarts, \
+                         at most {MAX_DOMAINS_PER_KEY})"
+                    ));
+                }
                 let d = self.new_domain(key)?;
                 self.keys.entry(key).or_insert(d);
                 d
@@ -146,25 +163,60 @@ mod tests {
     use super::*;
     use crate::daemon::{DaemonConfig, DomainRule};
 
-    /// Domain ids are never given twice: past 2^32 domains the attach is refused (a
-    /// wrapped id handed a new guest a live domain's pool). Fails with the count wrapping.
-    #[test]
-    fn domain_ids_run_out_rather_than_wrap() {
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = DaemonConfig {
-            socket: dir.path().join("s"),
+    fn config(dir: &std::path::Path, domains: DomainRule) -> DaemonConfig {
+        DaemonConfig {
+            socket: dir.join("s"),
             engine: memfold_core::EngineConfig::default(),
-            swap_dir: dir.path().to_path_buf(),
+            swap_dir: dir.to_path_buf(),
             swap_capacity: 0,
-            domains: DomainRule::Vm,
+            domains,
             agent_gid: None,
             never_share: Default::default(),
             claim: memfold_core::ClaimPolicy::Never,
             allowance: 0,
             guest_channels: None,
             tenant_max_bytes: u64::MAX,
-        };
-        let mut d = Daemon::new(&cfg).unwrap();
+        }
+    }
+
+    /// A sparse pool memfd of `pages` pages, as an agent may hand one.
+    fn pool(pages: u64) -> OwnedFd {
+        let fd = memfd::create("test-pool").unwrap();
+        memfd::set_len(fd.as_fd(), pages * PAGE).unwrap();
+        fd
+    }
+
+    /// Pools a key's agents hand that memfoldd does not know each get a domain, up to
+    /// [`MAX_DOMAINS_PER_KEY`] for the key; then refused, with a message. A pool already
+    /// adopted is still found, and another key still adopts. Fails without the bound (a
+    /// fifth, sixth... sparse 64 GiB pool adopted).
+    #[test]
+    fn a_key_adopts_a_bounded_number_of_pools() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut d = Daemon::new(&config(dir.path(), DomainRule::User)).unwrap();
+        let key = DomainKey::User(5);
+        let ram = (u64::MAX, u64::MAX);
+        let mut first = None;
+        for i in 0..MAX_DOMAINS_PER_KEY {
+            let p = pool(1 << 20);
+            let again = p.try_clone().unwrap();
+            let dom = d.pool_domain(key, p, ram).unwrap();
+            first.get_or_insert((dom, again));
+            assert_eq!(d.key_of.values().filter(|&&k| k == key).count(), i + 1);
+        }
+        let r = d.pool_domain(key, pool(1 << 20), ram);
+        assert!(matches!(&r, Err(why) if why.contains("at most 4")), "{r:?}");
+        let (dom, again) = first.unwrap();
+        assert_eq!(d.pool_domain(key, again, ram), Ok(dom));
+        assert!(d.pool_domain(DomainKey::User(6), pool(1), ram).is_ok());
+    }
+
+    /// Domain ids are never given twice: past 2^32 domains the attach is refused (a
+    /// wrapped id handed a new guest a live domain's pool). Fails with the count wrapping.
+    #[test]
+    fn domain_ids_run_out_rather_than_wrap() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut d = Daemon::new(&config(dir.path(), DomainRule::Vm)).unwrap();
         assert_eq!(d.domain_for(DomainKey::Vm(1, 1)), Ok(DomainId(0)));
         d.next_domain = u32::MAX - 1;
         assert_eq!(
