@@ -2,7 +2,7 @@
 //! connection (they only read and forward), each guest's connection for replies, what
 //! its agent last reported (fault counts, latencies), and whether its QEMU still lives.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::OwnedFd;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -507,14 +507,22 @@ impl Guests {
     /// runs on but neither maps nor holds their RAM memfd any more (a memory backend
     /// deleted after hot-unplug, its agent ended; its word, [`Guest::unmapped`], is not
     /// taken for it). Their mappings are gone, no agent can come back for them.
+    ///
+    /// Each QEMU's `/proc` files are read once a call, however many of its guests are
+    /// detached (once a guest made a reap of many regions of one QEMU O(regions²)).
     pub(crate) fn released(&self) -> Vec<(VmId, Release)> {
+        let mut files: HashMap<u32, Option<BTreeSet<(u64, u64)>>> = HashMap::new();
         self.by_vm
             .iter()
             .filter(|(_, g)| g.conn.is_none())
             .filter_map(|(vm, g)| {
+                let files = files.entry(g.pid).or_insert_with(|| {
+                    // `None` for a process gone too: told apart below.
+                    process_alive(g.pid).then(|| files_of(g.pid)).flatten()
+                });
                 if !process_alive(g.pid) {
                     Some((*vm, Release::Exited))
-                } else if ram_let_go(g.pid, g.ram_id) {
+                } else if files.as_ref().is_some_and(|f| !f.contains(&g.ram_id)) {
                     Some((*vm, Release::Unmapped))
                 } else {
                     None
@@ -598,23 +606,41 @@ pub(crate) fn process_alive(pid: u32) -> bool {
 /// Whether process `pid` neither maps the file of (device, inode) `id` nor holds a
 /// descriptor of it, as far as `/proc/PID/maps` and `/proc/PID/fd` say; `false` when
 /// either cannot be read (it may still hold it).
-fn ram_let_go(pid: u32, (dev, ino): (u64, u64)) -> bool {
-    let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
-        return false;
-    };
-    let dev_text = format!("{:02x}:{:02x}", libc::major(dev), libc::minor(dev));
-    let ino_text = ino.to_string();
-    let mapped = maps.lines().any(|l| {
+#[cfg(test)]
+fn ram_let_go(pid: u32, id: (u64, u64)) -> bool {
+    files_of(pid).is_some_and(|f| !f.contains(&id))
+}
+
+/// The files, (device, inode), process `pid` maps (`/proc/PID/maps`) or holds a
+/// descriptor of (`/proc/PID/fd`); `None` when either cannot be read (it may hold any).
+fn files_of(pid: u32) -> Option<BTreeSet<(u64, u64)>> {
+    use std::os::unix::fs::MetadataExt;
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    let mut files = BTreeSet::new();
+    for l in maps.lines() {
+        // address perms offset dev inode path: dev is "major:minor" in hex.
         let mut f = l.split_whitespace().skip(3);
-        f.next() == Some(dev_text.as_str()) && f.next() == Some(ino_text.as_str())
-    });
-    if mapped {
-        return false;
+        let (Some(dev), Some(ino)) = (f.next(), f.next()) else {
+            continue;
+        };
+        let Some((major, minor)) = dev.split_once(':') else {
+            continue;
+        };
+        if let (Ok(major), Ok(minor), Ok(ino)) = (
+            u32::from_str_radix(major, 16),
+            u32::from_str_radix(minor, 16),
+            ino.parse::<u64>(),
+        ) {
+            files.insert((libc::makedev(major, minor), ino));
+        }
     }
-    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
-        return false;
-    };
-    !holds(fds, dev, ino)
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
+    for fd in fds.flatten() {
+        if let Ok(m) = std::fs::metadata(fd.path()) {
+            files.insert((m.dev(), m.ino()));
+        }
+    }
+    Some(files)
 }
 
 /// Whether one of the descriptors listed in `fds` (a `/proc/PID/fd` folder) is of the
