@@ -71,8 +71,10 @@ fn a_guest_attaching_when_memfoldd_has_no_descriptors_left_is_refused_and_memfol
             events: libc::POLLIN,
             revents: 0,
         };
+        // Long enough for a loaded machine (an attach refused for its backings takes
+        // ms here); a hello memfoldd could not accept stays unanswered the whole wait.
         // SAFETY: one valid pollfd.
-        unsafe { libc::poll(&mut p, 1, 1000) };
+        unsafe { libc::poll(&mut p, 1, 3000) };
         set_nofile(old.rlim_cur, old.rlim_max);
         let reply = c.recv::<ToAgent>();
         match reply {
