@@ -271,6 +271,9 @@ type Sent = (VmId, Instant, Duration, Result<GuestReport, ReportError>);
 /// A guest's channel: its thread's stop flag, and what it last said.
 struct Channel {
     name: String,
+    /// Its QEMU's pid: with the name, which statistics are its guest's (another QEMU may
+    /// attach a guest of the same name later, another tenant's).
+    pid: u32,
     stop: Arc<AtomicBool>,
     last: Option<(RamLayout, GuestMeminfo, String)>,
     last_error: Option<String>,
@@ -367,6 +370,7 @@ impl GuestChannels {
                 id,
                 Channel {
                     name: name.to_string(),
+                    pid,
                     stop,
                     last: None,
                     last_error: None,
@@ -432,10 +436,15 @@ impl GuestChannels {
         }
     }
 
-    /// Fills the channel's part of guest `stats` (matched by name).
+    /// Fills the channel's part of guest `stats` (matched by name and QEMU pid: a guest
+    /// of the same name attached later by another QEMU, another tenant's perhaps, gets
+    /// none of this guest's report).
     pub fn fill(&self, stats: &mut [memfold_wire::VmStats]) {
         for c in self.channels.values() {
-            for s in stats.iter_mut().filter(|s| s.name == c.name) {
+            for s in stats
+                .iter_mut()
+                .filter(|s| s.name == c.name && s.pid == c.pid)
+            {
                 let g = s.guest_pages.get_or_insert_with(GuestPages::default);
                 g.refused += c.refused;
                 g.channel_errors = c.channel_errors;
@@ -524,7 +533,9 @@ fn channel_thread(
     let mut asked_layout: Option<Instant> = None;
     let mut said: Option<String> = None;
     while !stop.load(Ordering::Relaxed) {
-        let Ok(stream) = UnixStream::connect(path) else {
+        // Never a blocking connect: a listener that never accepts (its backlog full)
+        // would hold this thread past `stop`, and each re-attach would leave another.
+        let Ok(stream) = memfold_sys::socket::connect_stream_at_once(path) else {
             nap(interval);
             continue;
         };

@@ -432,9 +432,77 @@ pub fn peer_of(fd: BorrowedFd<'_>) -> io::Result<Peer> {
     })
 }
 
+/// Connects a stream socket to the Unix socket at `path` (a path a peer may have made)
+/// without waiting: a listener whose backlog is full (one that never accepts) is
+/// `WouldBlock` at once, where a blocking `connect(2)` waits for good — on a thread
+/// that must stop when told, or one of many a peer could pile up. The stream returned
+/// blocks, as `UnixStream::connect`'s does.
+///
+/// Errors: nothing listens there, the backlog is full (`WouldBlock`), the path is too
+/// long, out of descriptors.
+pub fn connect_stream_at_once(path: &Path) -> io::Result<std::os::unix::net::UnixStream> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )?;
+    // A Unix stream connect completes or fails at once (no EINPROGRESS).
+    rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)?;
+    let stream = std::os::unix::net::UnixStream::from(fd);
+    stream.set_nonblocking(false)?;
+    Ok(stream)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A listener that never accepts, its backlog full: refused at once, where the std
+    /// connect waits for good (the test then fails on its 5 s bound). One that accepts is
+    /// reached, and the stream blocks.
+    #[test]
+    fn a_full_backlog_is_refused_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        rustix::net::listen(&l, 0).unwrap();
+        let mut queued = Vec::new();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = path.clone();
+        std::thread::spawn(move || {
+            // Fill the queue (backlog 0 holds one), then one more.
+            loop {
+                let r = connect_stream_at_once(&p);
+                let full = matches!(&r, Err(e) if e.kind() == io::ErrorKind::WouldBlock);
+                if full || queued.len() > 64 {
+                    let _ = tx.send((full, queued.len()));
+                    return;
+                }
+                queued.push(r.unwrap());
+            }
+        });
+        let (full, queued) = rx
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .expect("a connect to a full backlog waited");
+        assert!(full && queued >= 1, "queued {queued}");
+        drop(l);
+        let _ = std::fs::remove_file(&path);
+        let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let s = connect_stream_at_once(&path).unwrap();
+        let (_a, _) = l.accept().unwrap();
+        let mut buf = [0u8; 1];
+        s.set_read_timeout(Some(std::time::Duration::from_millis(50)))
+            .unwrap();
+        let t = std::time::Instant::now();
+        let e = std::io::Read::read(&mut &s, &mut buf).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        assert!(
+            t.elapsed() >= std::time::Duration::from_millis(40),
+            "a read of nothing returned at once: the stream does not block"
+        );
+    }
 
     #[test]
     fn packets_and_descriptors_cross_and_long_packets_say_so() {

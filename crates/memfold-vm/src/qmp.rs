@@ -94,9 +94,12 @@ impl Qmp {
     /// Errors: [`QmpError::Connect`], [`QmpError::WrongServer`], [`QmpError::Protocol`],
     /// [`QmpError::Io`] (a timeout included).
     pub fn connect_served_by(path: &Path, pid: u32, timeout: Duration) -> Result<Self, QmpError> {
-        let stream = UnixStream::connect(path).map_err(|source| QmpError::Connect {
-            path: path.display().to_string(),
-            source,
+        // Not a blocking connect: a listener that never accepts would hold the caller.
+        let stream = memfold_sys::socket::connect_stream_at_once(path).map_err(|source| {
+            QmpError::Connect {
+                path: path.display().to_string(),
+                source,
+            }
         })?;
         let found = rustix::net::sockopt::socket_peercred(&stream)
             .ok()

@@ -295,3 +295,85 @@ fn a_channel_socket_served_by_another_process_than_the_guests_qemu_is_not_asked(
     let _ = other.wait();
     t.join().unwrap();
 }
+
+/// A listener at the channel's path that never accepts, its backlog full (a QEMU, or
+/// anyone who may write the folder): the thread stops within 2 s when told. With a
+/// blocking connect it waited there for good, one thread and descriptor per re-attach.
+#[test]
+fn a_channel_socket_that_never_accepts_does_not_hold_its_thread() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("g.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    use std::os::fd::AsRawFd;
+    // SAFETY: listen(2) on a socket this test owns; only its backlog changes.
+    assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0);
+    // Backlog 0 queues one connection: fill it.
+    let _queued = memfold_sys::socket::connect_stream_at_once(&path).unwrap();
+    let (tx, _rx) = mpsc::channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (flag, at) = (Arc::clone(&stop), path.clone());
+    let guest = ChannelGuest {
+        id: VmId(1),
+        pid: std::process::id(),
+        ram_pages: 1024,
+    };
+    let (done, ended) = mpsc::channel();
+    std::thread::spawn(move || {
+        let layouts = QemuLayouts::default();
+        channel_thread(guest, &at, &layouts, Duration::from_millis(50), &flag, &tx);
+        let _ = done.send(());
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    assert!(
+        ended.recv_timeout(Duration::from_secs(2)).is_ok(),
+        "the channel thread is held in connect(2) after it was told to stop"
+    );
+}
+
+/// A guest's channel report is shown for that guest only: not for another guest of
+/// the same name attached by another QEMU (another tenant's, whose statistics would
+/// show the first guest's meminfo and agent). Fails with statistics matched by name.
+#[test]
+fn a_channels_report_fills_its_own_guests_statistics_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut channels = GuestChannels::new(
+        dir.path(),
+        Duration::from_secs(1),
+        Arc::new(QemuLayouts::default()),
+    );
+    channels.channels.insert(
+        VmId(1),
+        Channel {
+            name: "web".into(),
+            pid: 100,
+            stop: Arc::new(AtomicBool::new(true)),
+            last: None,
+            last_error: Some("its own error".into()),
+            refused: 3,
+            channel_errors: 1,
+            armed: None,
+            answered: 0,
+            answer_total: Duration::ZERO,
+            answer_max: Duration::ZERO,
+            walked: 0,
+            walk_total_us: 0,
+        },
+    );
+    let vm = |pid| memfold_wire::VmStats {
+        name: "web".into(),
+        pid,
+        ..Default::default()
+    };
+    let mut stats = [vm(100), vm(200)];
+    channels.fill(&mut stats);
+    let g = stats[0].guest_pages.as_ref().expect("its own guest's part");
+    assert_eq!(
+        (g.refused, g.last_error.as_deref()),
+        (3, Some("its own error"))
+    );
+    assert_eq!(
+        stats[1].guest_pages, None,
+        "another QEMU's guest of that name"
+    );
+}
