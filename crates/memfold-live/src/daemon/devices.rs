@@ -18,10 +18,11 @@
 //! this guest's reads of it slower or faster (a fill is refused across domains anyway,
 //! but the device would ask, and the time it takes would tell).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 
+use memfold_core::engine::fill::MAX_WAITING;
 use memfold_core::engine::BlockCandidate;
 use memfold_core::ids::{BaseBlock, DiskId, DomainId, FillId, Gfn, VmId};
 use memfold_core::{Engine, Page, PAGE_SIZE};
@@ -80,8 +81,13 @@ pub(crate) struct Devices {
     /// Fills under way: memfoldd's id → (connection, the device's id).
     fills: HashMap<FillId, (u64, FillId)>,
     next_fill: u64,
-    /// Candidates waiting to be checked against their base.
-    unchecked: Vec<BlockCandidate>,
+    /// Candidates waiting to be checked against their base, oldest first: at most
+    /// [`MAX_WAITING`], as in the engine (shares at read faster than
+    /// [`MAX_CHECKS_PER_STEP`] a step, sustained, grew it without bound).
+    unchecked: VecDeque<BlockCandidate>,
+    /// Candidates dropped with [`MAX_WAITING`] waiting (cumulative): their blocks are
+    /// not learnt as held, nothing else.
+    pub(crate) unchecked_dropped: u64,
     /// Pages filled from frames, all devices (cumulative).
     pub(crate) filled: u64,
     /// Fill requests answered, all devices (cumulative).
@@ -199,7 +205,7 @@ impl Devices {
                 self.answer(token, theirs, a.filled);
             }
         }
-        self.unchecked.extend(engine.take_block_candidates());
+        self.wait_to_check(engine.take_block_candidates());
         if self.unchecked.is_empty() {
             return;
         }
@@ -242,6 +248,18 @@ impl Devices {
         }
     }
 
+    /// Queues `new` candidates behind those waiting, up to [`MAX_WAITING`]; the rest are
+    /// dropped and counted.
+    fn wait_to_check(&mut self, new: impl IntoIterator<Item = BlockCandidate>) {
+        for c in new {
+            if self.unchecked.len() < MAX_WAITING {
+                self.unchecked.push_back(c);
+            } else {
+                self.unchecked_dropped += 1;
+            }
+        }
+    }
+
     fn answer(&mut self, token: u64, fill: FillId, gfns: Vec<Gfn>) {
         self.fills_answered += 1;
         if let Some(d) = self.by_token.get(&token) {
@@ -272,4 +290,35 @@ pub(crate) fn checked_bases(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memfold_core::ids::FrameId;
+
+    /// Candidates come faster than they are checked: at most [`MAX_WAITING`] wait, the
+    /// oldest first, the rest counted as dropped. Fails with every candidate queued.
+    #[test]
+    fn candidates_waiting_for_their_check_are_bounded() {
+        let mut d = Devices::default();
+        let candidate = |i: u64| BlockCandidate {
+            domain: DomainId(0),
+            frame: FrameId(i as u32),
+            block: BaseBlock {
+                disk: DiskId(1),
+                block: i,
+            },
+        };
+        for step in 0..3u64 {
+            d.wait_to_check((0..MAX_WAITING as u64).map(|i| candidate(step * 10_000 + i)));
+            d.unchecked.drain(..MAX_CHECKS_PER_STEP);
+        }
+        assert!(d.unchecked.len() <= MAX_WAITING, "{}", d.unchecked.len());
+        assert_eq!(
+            d.unchecked_dropped,
+            2 * MAX_WAITING as u64 - 2 * MAX_CHECKS_PER_STEP as u64
+        );
+        assert_eq!(d.unchecked.front().map(|c| c.block.block), Some(768));
+    }
 }
