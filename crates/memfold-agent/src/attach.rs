@@ -137,7 +137,9 @@ impl Agent {
     /// Connects and sends the hello (with the pool and the shared pages when re-attaching).
     /// Any failure leaves the agent detached; it tries again later.
     pub(crate) fn attach(&mut self) {
-        let Ok(conn) = Conn::connect(&self.cfg.socket) else {
+        // On the thread that serves the guest's faults: a memfoldd stopped or stalled,
+        // its backlog full, must not hold the guest in connect(2). Tried again later.
+        let Ok(conn) = Conn::connect_at_once(&self.cfg.socket) else {
             return;
         };
         // Only a memfoldd of root or our own user gets our guest's RAM.

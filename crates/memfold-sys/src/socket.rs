@@ -17,8 +17,19 @@ const CONTROL_WORDS: usize = 16;
 
 /// Creates a `SOCK_SEQPACKET` socket.
 fn seqpacket() -> io::Result<OwnedFd> {
+    seqpacket_with(0)
+}
+
+/// A new seqpacket socket, close-on-exec, with `flags` (`SOCK_NONBLOCK` or 0).
+fn seqpacket_with(flags: libc::c_int) -> io::Result<OwnedFd> {
     // SAFETY: socket() takes no pointers; it returns a new descriptor or -1.
-    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) };
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | flags,
+            0,
+        )
+    };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -187,7 +198,25 @@ impl Seqpacket {
     ///
     /// Errors: nothing listens there (the error names the path).
     pub fn connect(path: &Path) -> io::Result<Seqpacket> {
-        let fd = seqpacket()?;
+        Self::connect_with(path, 0)
+    }
+
+    /// Connects to the socket at `path` without waiting: a listener whose backlog is
+    /// full (a memfoldd stopped or stalled, its queue filled) is `WouldBlock` at once,
+    /// where [`Seqpacket::connect`] waits for good. For a caller that must not stall —
+    /// an agent on the thread that serves its guest's faults. The connection returned
+    /// blocks, as [`Seqpacket::connect`]'s does.
+    ///
+    /// Errors: as [`Seqpacket::connect`]'s, and `WouldBlock` (the backlog is full).
+    pub fn connect_at_once(path: &Path) -> io::Result<Seqpacket> {
+        let c = Self::connect_with(path, libc::SOCK_NONBLOCK)?;
+        // A Unix connect completes or fails at once (no EINPROGRESS): blocking from here.
+        rustix::fs::fcntl_setfl(&c.fd, rustix::fs::OFlags::empty())?;
+        Ok(c)
+    }
+
+    fn connect_with(path: &Path, flags: libc::c_int) -> io::Result<Seqpacket> {
+        let fd = seqpacket_with(flags)?;
         let (addr, len) = sockaddr(path)?;
         // SAFETY: `addr` is a valid sockaddr_un of `len` bytes that outlives the call.
         let rc = unsafe {
@@ -458,6 +487,48 @@ pub fn connect_stream_at_once(path: &Path) -> io::Result<std::os::unix::net::Uni
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A memfoldd that does not accept, its backlog full: a seqpacket connect at once is
+    /// refused at once (the blocking one waits for good: the test fails on its 5 s
+    /// bound); to one that accepts, the connection made blocks.
+    #[test]
+    fn a_full_seqpacket_backlog_is_refused_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let l = SeqpacketListener::bind(&path).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = path.clone();
+        std::thread::spawn(move || {
+            let mut queued = Vec::new();
+            loop {
+                let r = Seqpacket::connect_at_once(&p);
+                let full = matches!(&r, Err(e) if e.kind() == io::ErrorKind::WouldBlock);
+                if full || queued.len() > 1000 {
+                    let _ = tx.send((full, queued.len()));
+                    return;
+                }
+                queued.push(r.unwrap());
+            }
+        });
+        let (full, queued) = rx
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .expect("a connect to a full backlog waited");
+        assert!(full && queued >= 1, "queued {queued}");
+        drop(l);
+        let _ = std::fs::remove_file(&path);
+        let l = SeqpacketListener::bind(&path).unwrap();
+        let c = Seqpacket::connect_at_once(&path).unwrap();
+        let _s = l.accept().unwrap();
+        c.set_recv_timeout(std::time::Duration::from_millis(50))
+            .unwrap();
+        let t = std::time::Instant::now();
+        let mut buf = [0u8; 8];
+        assert!(c.recv(&mut buf).is_err());
+        assert!(
+            t.elapsed() >= std::time::Duration::from_millis(40),
+            "a receive of nothing returned at once: the connection does not block"
+        );
+    }
 
     /// A listener that never accepts, its backlog full: refused at once, where the std
     /// connect waits for good (the test then fails on its 5 s bound). One that accepts is

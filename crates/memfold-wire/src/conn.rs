@@ -65,6 +65,18 @@ impl Conn {
         Ok(Conn { sock })
     }
 
+    /// Connects to memfoldd at `path` without waiting on a full backlog (a memfoldd
+    /// stopped or stalled): `WouldBlock` at once
+    /// ([`memfold_sys::socket::Seqpacket::connect_at_once`]). The agent's way: it
+    /// connects on the thread that serves its guest's faults.
+    ///
+    /// Errors: no daemon listens there; its backlog is full (`WouldBlock`).
+    pub fn connect_at_once(path: &Path) -> io::Result<Conn> {
+        let sock = Seqpacket::connect_at_once(path)
+            .map_err(|e| io::Error::new(e.kind(), format!("memfoldd: {e}")))?;
+        Ok(Conn { sock })
+    }
+
     /// A second handle on the same connection (one thread reads, another writes).
     ///
     /// Errors: out of file descriptors.
