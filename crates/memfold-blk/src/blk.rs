@@ -137,6 +137,19 @@ pub struct BlkBackend {
     counters: Counters,
     /// With a read rate: when the disk is free for the next read.
     read_free_at: std::time::Instant,
+    /// The most bytes of bounce buffers a pass's view held at once.
+    #[cfg(test)]
+    peak_bounce_bytes: u64,
+}
+
+/// What one [`BlkBackend::process_queue`] call did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Served {
+    /// The guest must be notified of used buffers.
+    pub notify: bool,
+    /// Requests are still available: the call stopped at its bound and must be made
+    /// again (no kick of the guest's will come for them).
+    pub pending: bool,
 }
 
 /// Why a request failed, for the log.
@@ -215,6 +228,8 @@ impl BlkBackend {
             mem: None,
             counters: Counters::default(),
             read_free_at: std::time::Instant::now(),
+            #[cfg(test)]
+            peak_bounce_bytes: 0,
         }
     }
 
@@ -277,8 +292,13 @@ impl BlkBackend {
         c
     }
 
-    /// Processes every available request of `queue`; returns whether the guest must be
-    /// notified. Guest RAM is reached through `mem` only.
+    /// Processes the available requests of `queue`, at most the queue's size of them;
+    /// returns whether the guest must be notified and whether requests are left. Guest RAM
+    /// is reached through `mem` only.
+    ///
+    /// The bound lets a guest that keeps the ring busy hold the device's thread (and the
+    /// backend's lock, which vhost-user's control messages need) one call at a time, not
+    /// for good: the caller must call again while [`Served::pending`].
     ///
     /// Errors: the rings themselves cannot be read or written (QEMU gone, rings outside
     /// guest RAM).
@@ -287,7 +307,7 @@ impl BlkBackend {
         queue: &mut Queue,
         mem: &RemoteMemory,
         used_stale: bool,
-    ) -> Result<bool, MemError> {
+    ) -> Result<Served, MemError> {
         let view = mem.view();
         if used_stale {
             let used = queue
@@ -309,29 +329,41 @@ impl BlkBackend {
         self.counters.ring_reads += view.remote_reads();
         drop(view);
         let mut any = false;
-        loop {
-            // A view a pass: its arena holds the bounce buffers of one pass's requests, not
-            // of every request a guest that keeps the ring busy sends in one call.
-            let view = mem.view();
-            let more = self.serve_pass(queue, mem, &view, &mut any);
+        let mut budget = queue.size();
+        let pending = loop {
+            let mut view = mem.view();
+            let more = self.serve_pass(queue, mem, &mut view, &mut any, &mut budget);
             self.counters.ring_reads += view.remote_reads();
-            if !more? {
-                break;
+            #[cfg(test)]
+            {
+                self.peak_bounce_bytes = self.peak_bounce_bytes.max(view.peak_bounce_bytes());
             }
-        }
+            match more? {
+                false => break false,
+                // Left for the next call (the caller's to make: the backend kicks the
+                // queue again once it has let its lock go).
+                true if budget == 0 => break true,
+                true => {}
+            }
+        };
         if !any {
-            return Ok(false);
+            return Ok(Served {
+                notify: false,
+                pending,
+            });
         }
         let view = mem.view();
         let notify = queue
             .needs_notification(&view)
             .map_err(|e| queue_error(&view, e))?;
         self.counters.ring_reads += view.remote_reads();
-        Ok(notify)
+        Ok(Served { notify, pending })
     }
 
-    /// Serves the requests available now; returns whether more came meanwhile (the
-    /// notification check of virtio 1.1 §2.6.7.2). `any` is set if one was served.
+    /// Serves the requests available now, at most `budget` of them (each served takes
+    /// one off it); returns whether more are waiting (the notification check of virtio
+    /// 1.1 §2.6.7.2). `any` is set if one was served. Each request's bounce buffers are
+    /// freed once it is answered ([`crate::mem::RemoteView::release`]).
     ///
     /// Errors: the rings cannot be read or written, or the guest's available index runs
     /// more than the queue's size ahead of the device's (virtio 1.1 §2.6.6: it may not).
@@ -342,13 +374,17 @@ impl BlkBackend {
         &mut self,
         queue: &mut Queue,
         mem: &RemoteMemory,
-        view: &crate::mem::RemoteView<'_>,
+        view: &mut crate::mem::RemoteView<'_>,
         any: &mut bool,
+        budget: &mut u16,
     ) -> Result<bool, MemError> {
         queue
-            .disable_notification(view)
+            .disable_notification(&*view)
             .map_err(|e| queue_error(view, e))?;
-        loop {
+        while *budget > 0 {
+            // Shared for the request, mutable again to release its buffers.
+            let view_mut = &mut *view;
+            let view = &*view_mut;
             let avail = queue
                 .avail_idx(view, Ordering::Acquire)
                 .map_err(|e| queue_error(view, e))?;
@@ -426,9 +462,13 @@ impl BlkBackend {
                 return Err(e);
             }
             *any = true;
+            *budget -= 1;
+            // Answered: no slice of the request is left (`release` takes the view
+            // mutably), so its bounce buffers go now, not at the end of the pass.
+            view_mut.release();
         }
         queue
-            .enable_notification(view)
+            .enable_notification(&*view)
             .map_err(|e| queue_error(view, e))
     }
 

@@ -272,6 +272,8 @@ impl RemoteMemory {
             mem: self,
             failed: Rc::new(RefCell::new(None)),
             arena: RefCell::new(Vec::new()),
+            held_bytes: Cell::new(0),
+            peak_bytes: Cell::new(0),
             slices_made: Cell::new(0),
             windows: RefCell::new(None),
             remote_reads: Cell::new(0),
@@ -357,12 +359,18 @@ impl Bitmap for WriteBack {
 /// [`RemoteMemory`] as a vm-memory `GuestMemory`, for virtio-queue: each slice it hands
 /// out is a bounce buffer, filled from QEMU when asked for reading and written back to
 /// QEMU as it is written (see [`WriteBack`]). One view serves one batch of queue work on
-/// one thread; its bounce buffers are freed with it.
+/// one thread; its bounce buffers are freed by [`RemoteView::release`] (after each
+/// request) or with it.
 pub struct RemoteView<'m> {
     mem: &'m RemoteMemory,
     failed: Rc<RefCell<Option<MemError>>>,
-    /// Every bounce buffer handed out, kept for the view's life: a slice borrows the view.
+    /// Every bounce buffer handed out since the last [`RemoteView::release`]: vm-memory
+    /// takes the memory behind a slice borrowed from the view to live as long as the
+    /// borrow, and a pointer a slice gave out (`ptr_guard`) holds no `Rc` of its own.
     arena: RefCell<Vec<Rc<Bounce>>>,
+    /// Bytes of the buffers in `arena`, and the most it held at once.
+    held_bytes: Cell<u64>,
+    peak_bytes: Cell<u64>,
     slices_made: Cell<u64>,
     /// While a chain's descriptors are read ([`RemoteView::reading_descriptors`]): the
     /// windows of guest RAM read for them, (guest-physical address, bytes).
@@ -394,6 +402,26 @@ impl RemoteView<'_> {
     /// Reads of QEMU's memory this view made (each one `process_vm_readv`).
     pub fn remote_reads(&self) -> u64 {
         self.remote_reads.get()
+    }
+
+    /// The most bytes of bounce buffers the view held at once (tests: what a request, not
+    /// a batch of them, pins).
+    pub fn peak_bounce_bytes(&self) -> u64 {
+        self.peak_bytes.get()
+    }
+
+    /// Frees the bounce buffers handed out so far (the device calls it once a request is
+    /// answered, so that a pass holds one request's buffers, not every request's).
+    ///
+    /// Invariant (why this is sound): every slice, sub-slice and reference vm-memory
+    /// makes over a buffer carries the view's borrow (`get_slices(&'a self)` gives
+    /// `VolatileSlice<'a>`), so while one exists `&mut self` cannot be had: the borrow
+    /// checker proves none is alive here, nor a `DescriptorChain` (it holds the view by
+    /// reference), nor a virtio-queue call under way (a raw pointer of `ptr_guard` lives
+    /// inside one). A `WriteBack` kept anyway holds its own `Rc`: its buffer lives on.
+    pub fn release(&mut self) {
+        self.arena.get_mut().clear();
+        self.held_bytes.set(0);
     }
 
     /// Between `true` and `false`, small read-only accesses (virtio-queue's descriptor
@@ -470,6 +498,9 @@ impl RemoteView<'_> {
             }
         }
         self.arena.borrow_mut().push(b.clone());
+        let held = self.held_bytes.get() + len as u64;
+        self.held_bytes.set(held);
+        self.peak_bytes.set(self.peak_bytes.get().max(held));
         self.slices_made.set(self.slices_made.get() + 1);
         Ok(b)
     }
@@ -536,9 +567,10 @@ impl GuestMemory for RemoteView<'_> {
                         target: Some(b.clone()),
                         base: 0,
                     };
-                    // SAFETY: the buffer is at least `n` bytes, 8-aligned, and lives as
-                    // long as the view (its arena holds it) and any bitmap clone; nothing
-                    // else accesses it but through these slices.
+                    // SAFETY: the buffer is at least `n` bytes, 8-aligned, and lives until
+                    // the view's next `release` (its arena holds it; no slice borrowing the
+                    // view outlives that, see `release`) and as long as any bitmap clone;
+                    // nothing else accesses it but through these slices.
                     v.push(Ok(unsafe {
                         VolatileSlice::with_bitmap(b.ptr(), n as usize, bitmap, None)
                     }));

@@ -3,6 +3,7 @@
 //! file so that blk.rs holds the requests alone).
 
 use super::*;
+use std::os::fd::{FromRawFd, IntoRawFd};
 
 impl VhostUserBackendMut for BlkBackend {
     type Bitmap = ();
@@ -114,13 +115,19 @@ impl VhostUserBackendMut for BlkBackend {
             return Ok(());
         };
         let stale = vring.take_used_stale();
-        let notify = {
+        let served = {
             let mut state = vring.get_mut();
             self.process_queue(state.get_queue_mut(), &mem, stale)
         };
-        match notify {
-            Ok(true) => vring.signal_used_queue()?,
-            Ok(false) => {}
+        match served {
+            Ok(served) => {
+                if served.pending {
+                    kick_again(vring, device_event);
+                }
+                if served.notify {
+                    vring.signal_used_queue()?;
+                }
+            }
             Err(e) => {
                 tracing::error!("queue {device_event}: {e}");
                 if stale {
@@ -130,5 +137,25 @@ impl VhostUserBackendMut for BlkBackend {
             }
         }
         Ok(())
+    }
+}
+
+/// Kicks `vring` as its guest does, so that vhost-user-backend's loop comes back to the
+/// requests a bounded [`BlkBackend::process_queue`] left, after it has let the backend's
+/// lock go (the guest has kicked for them already and will not again).
+fn kick_again(vring: &BlkVring, queue: u16) {
+    let state = vring.get_ref();
+    let Some(kick) = state.get_kick() else {
+        tracing::error!("queue {queue}: requests left and no kick to come back to them");
+        return;
+    };
+    let r = kick.try_clone().and_then(|k| {
+        // SAFETY: `k` owns a duplicate of the kick eventfd; the notifier takes it over
+        // and closes it.
+        let n = unsafe { EventNotifier::from_raw_fd(k.into_raw_fd()) };
+        n.notify()
+    });
+    if let Err(e) = r {
+        tracing::error!("queue {queue}: requests left, the queue's kick failed: {e}");
     }
 }
