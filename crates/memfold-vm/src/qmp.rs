@@ -271,6 +271,23 @@ impl Qmp {
         Ok(None)
     }
 
+    /// The guest's RAM as QEMU has it, bytes: `query-memory-size-summary`'s base memory
+    /// plus the memory plugged since (DIMMs; 0 if not said).
+    ///
+    /// Errors: as [`Qmp::execute`]; [`QmpError::Protocol`] without a base size, or sizes
+    /// whose sum overflows.
+    pub fn memory_size(&mut self) -> Result<u64, QmpError> {
+        let r = self.execute("query-memory-size-summary", None)?;
+        let base = r.get("base-memory").and_then(Value::as_u64);
+        let plugged = match r.get("plugged-memory") {
+            None => Some(0),
+            Some(v) => v.as_u64(),
+        };
+        base.zip(plugged)
+            .and_then(|(b, p)| b.checked_add(p))
+            .ok_or_else(|| QmpError::Protocol(format!("query-memory-size-summary: {r}")))
+    }
+
     /// The RAM the guest's balloon leaves it now, bytes (`query-balloon`'s `actual`).
     ///
     /// Errors: as [`Qmp::execute`]; [`QmpError::Protocol`] without a number.

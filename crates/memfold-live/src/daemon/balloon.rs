@@ -114,6 +114,10 @@ pub struct BalloonState {
     /// The claim policy and allowance (bytes) its QEMU runs under: the host's, or less if
     /// its environment asked ([`guest_asks`]); `None` until the claimer has read it.
     pub asks: Option<(ClaimPolicy, u64)>,
+    /// The guest's RAM as its QEMU's monitor says (`query-memory-size-summary`, asked
+    /// as the claimer connects), bytes; `None`: not said. The claim's ceiling when it is
+    /// more than the regions memfoldd manages (one refused, or not re-attached yet).
+    pub qemu_ram: Option<u64>,
 }
 
 /// One guest's claimer: the thread's inbox and what it reports.
@@ -296,10 +300,10 @@ impl Claims {
                 }
             }
             let claimer = self.by_qemu.get_mut(&pid).expect("kept or inserted above");
-            let (short, actual, asks) = claimer
+            let (short, actual, asks, qemu_ram) = claimer
                 .state
                 .lock()
-                .map(|s| (s.short, s.actual, s.asks))
+                .map(|s| (s.short, s.actual, s.asks, s.qemu_ram))
                 .unwrap_or_default();
             claimer.asks = claimer.asks.or(asks);
             // What its QEMU asks is read by its thread: nothing is set until it is known.
@@ -323,9 +327,13 @@ impl Claims {
                     );
                 }
             }
+            // The ceiling: the guest's RAM. Its regions memfoldd manages may be fewer than
+            // it has (one refused, one not re-attached yet); its QEMU's word can only raise
+            // the ceiling to a target QEMU clamps anyway, never lower it.
+            let ceiling = q.ram.max(qemu_ram.unwrap_or(0));
             let Some(t) = claim_target(
                 policy,
-                q.ram,
+                ceiling,
                 allowance,
                 q.entitlement_pages,
                 claimer.target.or(actual),
@@ -466,6 +474,11 @@ fn drive(
     let mut set_at = Instant::now();
     // The balloon and the guest as last read (bytes; short of memory).
     let (mut actual, mut short): (Option<u64>, Option<bool>) = (None, None);
+    // The guest's RAM, all of it: the claim's ceiling (a QEMU that does not say keeps
+    // the regions' sum).
+    if let Ok(bytes) = q.memory_size() {
+        r.report(|s| s.qemu_ram = Some(bytes));
+    }
     // The guest's own view of its memory, for claiming under pressure; a balloon
     // without statistics only leaves `short` unknown.
     let stats_at = q

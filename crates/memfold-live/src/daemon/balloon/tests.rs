@@ -95,6 +95,47 @@ fn claims_with_idle_claimer(
     (c, rx, state)
 }
 
+/// The claim's ceiling is the guest's RAM as its QEMU says, when memfoldd manages less
+/// of it (a region refused, or not re-attached yet): a guest of 16 MiB of which one
+/// 4 MiB region is managed is held at its 8 MiB allowance, not at 4 MiB. Its QEMU's word
+/// never lowers the ceiling below the regions'. Fails with the regions' sum alone.
+#[test]
+fn the_ceiling_is_the_guests_ram_as_qemu_says_not_only_its_managed_regions() {
+    let cfg = EngineConfig {
+        policy: Policy::sharing_only(),
+        clock_interval_us: None,
+        rate: 0,
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::new(cfg, Box::new(ManualClock::new()), 0).unwrap();
+    assert!(e.add_domain(DomainId(0), Box::new(MemBacking::new())));
+    e.attach(Attach {
+        name: "g/ram0".into(),
+        pid: std::process::id(),
+        pages: 1024,
+        ram: Box::new(MemGuestRam::new(1024)),
+        mapped: Vec::new(),
+        domain: DomainId(0),
+        store: Box::new(MemBacking::new()),
+        swap: None,
+        sharing: Default::default(),
+    })
+    .unwrap();
+    let target_with = |qemu_ram: Option<u64>| {
+        let (mut c, rx, state) = claims_with_idle_claimer(ClaimPolicy::AllowanceOnly, my_start());
+        state.lock().unwrap().qemu_ram = qemu_ram;
+        c.tick(&e);
+        rx.try_recv().ok()
+    };
+    assert_eq!(target_with(None), Some(4 * MIB), "the managed region's RAM");
+    assert_eq!(target_with(Some(16 * MIB)), Some(8 * MIB), "the allowance");
+    assert_eq!(
+        target_with(Some(MIB)),
+        Some(4 * MIB),
+        "never lowered by QEMU"
+    );
+}
+
 fn my_start() -> u64 {
     started(std::process::id()).expect("this process has a start time")
 }
@@ -299,6 +340,7 @@ fn fake_qemu(dir: &Path, guest: Arc<Mutex<FakeGuest>>) -> PathBuf {
                     json!({})
                 }
                 "query-balloon" => json!({ "actual": g.actual }),
+                "query-memory-size-summary" => json!({ "base-memory": 512 * MIB }),
                 "qom-list" if m["arguments"]["path"] == "/machine/peripheral" => {
                     json!([{ "name": "balloon0", "type": "child<virtio-balloon-pci>" }])
                 }
@@ -391,4 +433,34 @@ fn a_deflated_balloon_is_not_asked_again_while_its_guest_is_short() {
         0.8,
     );
     assert_eq!(asked, [256 * MIB]);
+}
+
+/// A claimer reads its guest's RAM from the monitor as it connects
+/// (`query-memory-size-summary`), for the claim's ceiling. Fails if `drive` does not ask.
+#[test]
+fn a_claimer_reads_its_guests_ram_from_the_monitor() {
+    let dir = tempfile::tempdir().unwrap();
+    let guest = Arc::new(Mutex::new(FakeGuest {
+        actual: 256 * MIB,
+        available: 128 * MIB,
+        inflates_at: 1,
+        asked: Vec::new(),
+    }));
+    let path = fake_qemu(dir.path(), guest);
+    let q = Qmp::connect_served_by(&path, std::process::id(), MONITOR_TIMEOUT).unwrap();
+    let state: Arc<Mutex<BalloonState>> = Arc::default();
+    let mut r = Reporter {
+        pid: std::process::id(),
+        state: Arc::clone(&state),
+        said: None,
+        off_target_since: None,
+    };
+    let (tx, rx) = mpsc::channel::<u64>();
+    drop(tx);
+    let pace = Pace {
+        poll: Duration::from_millis(20),
+        ask_again_after: Duration::from_millis(200),
+    };
+    assert_eq!(drive(q, &rx, &mut None, &mut r, pace), Ok(()));
+    assert_eq!(state.lock().unwrap().qemu_ram, Some(512 * MIB));
 }
