@@ -75,6 +75,17 @@ fn child_role() {
             assert_eq!(names, ["tenant-guest"], "a tenant saw another's guests");
             assert_eq!(stats.tenant_uid, Some(65534));
             assert_eq!((stats.domains, stats.frames, stats.cpu_s), (0, 0, 0.0));
+            // Asked again within the second: the same answer (its uptime too), the books
+            // not read again for it. Tried a few times: a pair may straddle the second's
+            // end on a loaded machine. Fails with every ask answered afresh.
+            let uptime = || match client(&socket, &ToDaemon::Stats) {
+                ToClient::Stats(s) => s.uptime_s,
+                other => panic!("{other:?}"),
+            };
+            assert!(
+                (0..5).any(|_| uptime() == uptime()),
+                "a tenant's asks each read every guest's books"
+            );
             // A second guest past its quota (512 KiB of RAM here): refused, by name of the
             // bound. memfoldd books every page a guest has, and a sparse memfd is free.
             let (_c2, reply) = attach(&socket, "tenant-guest-2", 96);
@@ -205,4 +216,12 @@ fn tenants_of_the_agent_group_attach_but_are_not_operators() {
     assert!(stats.vms.iter().any(|v| v.name == "operator-guest"));
     assert_eq!(stats.tenant_uid, None);
     assert!(stats.domains >= 1);
+    // The operator's are fresh at every ask.
+    let ToClient::Stats(again) = client(&socket, &ToDaemon::Stats) else {
+        panic!("no statistics for the operator");
+    };
+    assert!(
+        again.uptime_s > stats.uptime_s,
+        "the operator was given a copy"
+    );
 }

@@ -126,6 +126,15 @@ fn the_endpoint_serves_every_guest_passes_promtool_and_feeds_the_dashboard() {
     let addr = m.addr();
     assert!(addr.ip().is_loopback() && addr.port() != 0);
 
+    // Whoever reaches the address may ask: GETs within a second get the same answer (its
+    // uptime too), memfoldd's books read once. Tried a few times: a pair may straddle the
+    // second's end on a loaded machine. Fails with every GET answered afresh.
+    let uptime = || value(&get(addr, "/metrics", "*/*").2, "memfold_uptime_seconds ");
+    assert!(
+        (0..5).any(|_| uptime() == uptime()),
+        "two GETs in a row read memfoldd's books twice"
+    );
+
     // What curl and promtool get: the classic text format.
     let (status, headers, text) = get(addr, "/metrics", "*/*");
     assert!(status.contains(" 200 "), "{status}");

@@ -374,7 +374,15 @@ pub fn status(a: &StatusArgs) -> Result<(), OpsError> {
     let first = sample(&a.socket)?;
     let (prev, now) = if a.interval > 0.0 {
         std::thread::sleep(Duration::from_secs_f64(a.interval));
-        (Some(first), sample(&a.socket)?)
+        let mut now = sample(&a.socket)?;
+        // A tenant's statistics are reused for a second (`memfold_live::reused`): with a
+        // shorter interval the second sample is the first again, and has no rates.
+        let until = std::time::Instant::now() + Duration::from_secs(2);
+        while now.uptime_s == first.uptime_s && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(100));
+            now = sample(&a.socket)?;
+        }
+        (Some(first), now)
     } else {
         (None, first)
     };

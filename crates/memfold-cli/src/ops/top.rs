@@ -58,6 +58,9 @@ pub fn run(a: &TopArgs) -> Result<(), OpsError> {
     loop {
         if Instant::now() >= next {
             match sample(&a.socket) {
+                // The same answer again (a tenant's statistics are reused for a second):
+                // kept as it is, so the rates still span two samples.
+                Ok(s) if s.uptime_s == now.uptime_s => lost = None,
                 Ok(s) => {
                     prev = Some(std::mem::replace(&mut now, s));
                     lost = None;

@@ -256,6 +256,14 @@ impl Devices {
                 self.unchecked.push_back(c);
             } else {
                 self.unchecked_dropped += 1;
+                // Said at the first drop and at each doubling: a count, not a flood.
+                if self.unchecked_dropped.is_power_of_two() {
+                    tracing::warn!(
+                        "{} block candidates dropped so far: {MAX_WAITING} wait for their \
+                         check against the base already (their blocks are not learnt as held)",
+                        self.unchecked_dropped
+                    );
+                }
             }
         }
     }
