@@ -6,9 +6,10 @@
 //! a sector range past the disk's end, a data buffer that is not whole sectors or larger
 //! than the device announces, a missing status byte — is answered with
 //! `VIRTIO_BLK_S_IOERR` where a status byte exists, and otherwise completed with nothing
-//! written and a log line; the device never panics on guest input and writes only inside
-//! the buffers the guest gave it (each write is to a device-writable descriptor's range,
-//! checked against guest RAM by [`RemoteMemory`]).
+//! written and a log line (so is a chain longer than `seg_max` allows: it is read no
+//! further, its status byte never reached); the device never panics on guest input and
+//! writes only inside the buffers the guest gave it (each write is to a device-writable
+//! descriptor's range, checked against guest RAM by [`RemoteMemory`]).
 
 use std::collections::BTreeMap;
 use std::io;
@@ -40,8 +41,14 @@ const F_INDIRECT_DESC: u64 = 1 << 28;
 pub const QUEUE_SIZE: usize = 256;
 /// Largest data segment announced (`size_max`), bytes.
 pub const SIZE_MAX: u32 = 256 << 10;
-/// Most data segments per request announced (`seg_max`).
+/// Most data segments per request announced (`seg_max`): QEMU's, its default queue of
+/// 128 less header and status.
 pub const SEG_MAX: u32 = 126;
+/// Most descriptors a request's chain may have: `SEG_MAX` data segments, the header and
+/// the status. Linux's virtio_blk sets its queue's `max_segments` to `seg_max` and adds
+/// one descriptor each for header and status, so an honest chain is never longer; a
+/// longer one is not read past this (an indirect table may claim 65 535).
+const MAX_CHAIN: usize = SEG_MAX as usize + 2;
 /// Largest request data accepted, bytes (`SIZE_MAX · SEG_MAX`).
 pub const MAX_DATA: u64 = SIZE_MAX as u64 * SEG_MAX as u64;
 /// Most discard ranges per request announced.
@@ -298,7 +305,8 @@ impl BlkBackend {
     ///
     /// The bound lets a guest that keeps the ring busy hold the device's thread (and the
     /// backend's lock, which vhost-user's control messages need) one call at a time, not
-    /// for good: the caller must call again while [`Served::pending`].
+    /// for good: the caller must call again while [`Served::pending`]. Each request reads
+    /// at most [`MAX_CHAIN`] + 1 descriptors, so a call's work is bounded too.
     ///
     /// Errors: the rings themselves cannot be read or written (QEMU gone, rings outside
     /// guest RAM).
@@ -416,9 +424,13 @@ impl BlkBackend {
                 writable: Vec::new(),
             };
             let mut order_ok = true;
-            let mut wraps = false;
+            let (mut wraps, mut too_long) = (false, false);
             view.reading_descriptors(true);
-            for d in chain {
+            for (i, d) in chain.enumerate() {
+                if i == MAX_CHAIN {
+                    too_long = true;
+                    break;
+                }
                 if d.len() == 0 {
                     continue;
                 }
@@ -438,6 +450,12 @@ impl BlkBackend {
             let used = if let Some(e) = view.take_error() {
                 tracing::warn!("request {head}: its descriptors could not be read: {e}");
                 self.finish(mem, &c, Err(ReqError::Mem(e)), 0)
+            } else if too_long {
+                // Its status byte is at the chain's end, which is not read: dropped.
+                tracing::warn!("request {head}: over {MAX_CHAIN} descriptors (seg_max); dropped");
+                self.counters.io_errors += 1;
+                self.counters.dropped += 1;
+                0
             } else if wraps {
                 tracing::warn!("request {head}: a buffer wraps the address space; dropped");
                 self.counters.io_errors += 1;

@@ -31,6 +31,7 @@
 //! movsb`; split into two byte writes it fails at once).
 
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::fmt;
 use std::iter::FusedIterator;
 use std::os::fd::AsFd;
@@ -373,8 +374,9 @@ pub struct RemoteView<'m> {
     peak_bytes: Cell<u64>,
     slices_made: Cell<u64>,
     /// While a chain's descriptors are read ([`RemoteView::reading_descriptors`]): the
-    /// windows of guest RAM read for them, (guest-physical address, bytes).
-    windows: RefCell<Option<Vec<Window>>>,
+    /// windows of guest RAM read for them, by guest page (one lookup a descriptor, not
+    /// a scan of every window).
+    windows: RefCell<Option<HashMap<u64, Window>>>,
     remote_reads: Cell<u64>,
 }
 
@@ -426,8 +428,9 @@ impl RemoteView<'_> {
 
     /// Between `true` and `false`, small read-only accesses (virtio-queue's descriptor
     /// reads, in a table or an indirect table) are served from windows of guest RAM read
-    /// once each: from the first descriptor read to the end of its page. A chain of 66
-    /// descriptors (a 256 KiB request over scattered pages) costs one or two reads, not 66.
+    /// once each: a descriptor's page (its part in guest RAM), read at its first use. A
+    /// chain of 66 descriptors (a 256 KiB request over scattered pages) costs one or two
+    /// reads, not 66.
     ///
     /// Only for descriptors: the driver does not change a chain it made available until
     /// the device has used it (virtio 1.1 §2.6.13), so a window read after the chain's
@@ -435,7 +438,7 @@ impl RemoteView<'_> {
     /// never windowed, since they change under the device. The window stays in its page,
     /// so no page the chain does not use is faulted in.
     pub fn reading_descriptors(&self, on: bool) {
-        *self.windows.borrow_mut() = on.then(Vec::new);
+        *self.windows.borrow_mut() = on.then(HashMap::new);
     }
 
     /// `count` bytes at `gpa` from a descriptor window, read now if no window holds them;
@@ -448,11 +451,13 @@ impl RemoteView<'_> {
             return None;
         }
         let end = gpa.checked_add(count as u64)?;
-        if let Some((at, w)) = windows
-            .iter()
-            .find(|(at, w)| gpa >= *at && end <= at + w.len() as u64)
-        {
-            let from = (gpa - at) as usize;
+        let page = gpa / PAGE;
+        if let Some((at, w)) = windows.get(&page) {
+            // Not inside it (a region ends in the page): read as usual.
+            let from = gpa
+                .checked_sub(*at)
+                .filter(|_| end <= at + w.len() as u64)?;
+            let from = from as usize;
             return Some(Ok(w[from..from + count].to_vec()));
         }
         let r = self
@@ -460,9 +465,10 @@ impl RemoteView<'_> {
             .regions
             .iter()
             .find(|r| gpa >= r.gpa && gpa - r.gpa < r.len)?;
-        let off = gpa - r.gpa;
-        let n = (4096 - gpa % 4096).min(r.len - off) as usize;
-        if n < count {
+        let at = (page * PAGE).max(r.gpa);
+        let off = at - r.gpa;
+        let n = (PAGE - at % PAGE).min(r.len - off) as usize;
+        if end > at + n as u64 {
             return None;
         }
         let mut w = vec![0u8; n];
@@ -472,8 +478,9 @@ impl RemoteView<'_> {
             self.failed.borrow_mut().get_or_insert(MemError::Remote(e));
             return Some(Err(GuestMemoryError::IOError(std::io::Error::other(msg))));
         }
-        let out = w[..count].to_vec();
-        windows.push((gpa, w));
+        let from = (gpa - at) as usize;
+        let out = w[from..from + count].to_vec();
+        windows.insert(page, (at, w));
         Some(Ok(out))
     }
 
