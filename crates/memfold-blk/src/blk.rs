@@ -306,7 +306,7 @@ impl BlkBackend {
     /// The bound lets a guest that keeps the ring busy hold the device's thread (and the
     /// backend's lock, which vhost-user's control messages need) one call at a time, not
     /// for good: the caller must call again while [`Served::pending`]. Each request reads
-    /// at most [`MAX_CHAIN`] + 1 descriptors, so a call's work is bounded too.
+    /// at most `MAX_CHAIN` + 1 descriptors, so a call's work is bounded too.
     ///
     /// Errors: the rings themselves cannot be read or written (QEMU gone, rings outside
     /// guest RAM).
