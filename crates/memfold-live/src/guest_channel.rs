@@ -366,24 +366,7 @@ impl GuestChannels {
                 continue;
             }
             tracing::info!(vm = %id, name, "enlightened guest: asking for page categories");
-            self.channels.insert(
-                id,
-                Channel {
-                    name: name.to_string(),
-                    pid,
-                    stop,
-                    last: None,
-                    last_error: None,
-                    refused: 0,
-                    channel_errors: 0,
-                    armed: None,
-                    answered: 0,
-                    answer_total: Duration::ZERO,
-                    answer_max: Duration::ZERO,
-                    walked: 0,
-                    walk_total_us: 0,
-                },
-            );
+            self.channels.insert(id, Channel::new(name, pid, stop));
         }
     }
 
@@ -477,6 +460,26 @@ impl GuestChannels {
 }
 
 impl Channel {
+    /// The channel of guest `name` of QEMU `pid`, its thread stopped by `stop`; nothing
+    /// said yet.
+    fn new(name: &str, pid: u32, stop: Arc<AtomicBool>) -> Channel {
+        Channel {
+            name: name.to_string(),
+            pid,
+            stop,
+            last: None,
+            last_error: None,
+            refused: 0,
+            channel_errors: 0,
+            armed: None,
+            answered: 0,
+            answer_total: Duration::ZERO,
+            answer_max: Duration::ZERO,
+            walked: 0,
+            walk_total_us: 0,
+        }
+    }
+
     /// A report failed: the channel (`channel`: not answered in time, closed, a line
     /// not of the protocol) or its content (refused).
     fn failed(&mut self, e: String, channel: bool) {

@@ -488,20 +488,16 @@ pub fn connect_stream_at_once(path: &Path) -> io::Result<std::os::unix::net::Uni
 mod tests {
     use super::*;
 
-    /// A memfoldd that does not accept, its backlog full: a seqpacket connect at once is
-    /// refused at once (the blocking one waits for good: the test fails on its 5 s
-    /// bound); to one that accepts, the connection made blocks.
-    #[test]
-    fn a_full_seqpacket_backlog_is_refused_at_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("s");
-        let l = SeqpacketListener::bind(&path).unwrap();
+    /// Connects to the listener at `path`, which never accepts, with `connect` until its
+    /// queue is full: then `WouldBlock`, within 5 s (a connect that waits for a place
+    /// fails the test), after at least one connection queued.
+    fn fills_then_refuses<C: Send + 'static>(path: &Path, connect: fn(&Path) -> io::Result<C>) {
         let (tx, rx) = std::sync::mpsc::channel();
-        let p = path.clone();
+        let p = path.to_path_buf();
         std::thread::spawn(move || {
             let mut queued = Vec::new();
             loop {
-                let r = Seqpacket::connect_at_once(&p);
+                let r = connect(&p);
                 let full = matches!(&r, Err(e) if e.kind() == io::ErrorKind::WouldBlock);
                 if full || queued.len() > 1000 {
                     let _ = tx.send((full, queued.len()));
@@ -514,6 +510,17 @@ mod tests {
             .recv_timeout(std::time::Duration::from_secs(5))
             .expect("a connect to a full backlog waited");
         assert!(full && queued >= 1, "queued {queued}");
+    }
+
+    /// A memfoldd that does not accept, its backlog full: a seqpacket connect at once is
+    /// refused at once (the blocking one waits for good: the test fails on its 5 s
+    /// bound); to one that accepts, the connection made blocks.
+    #[test]
+    fn a_full_seqpacket_backlog_is_refused_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let l = SeqpacketListener::bind(&path).unwrap();
+        fills_then_refuses(&path, Seqpacket::connect_at_once);
         drop(l);
         let _ = std::fs::remove_file(&path);
         let l = SeqpacketListener::bind(&path).unwrap();
@@ -539,25 +546,7 @@ mod tests {
         let path = dir.path().join("s");
         let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
         rustix::net::listen(&l, 0).unwrap();
-        let mut queued = Vec::new();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let p = path.clone();
-        std::thread::spawn(move || {
-            // Fill the queue (backlog 0 holds one), then one more.
-            loop {
-                let r = connect_stream_at_once(&p);
-                let full = matches!(&r, Err(e) if e.kind() == io::ErrorKind::WouldBlock);
-                if full || queued.len() > 64 {
-                    let _ = tx.send((full, queued.len()));
-                    return;
-                }
-                queued.push(r.unwrap());
-            }
-        });
-        let (full, queued) = rx
-            .recv_timeout(std::time::Duration::from_secs(5))
-            .expect("a connect to a full backlog waited");
-        assert!(full && queued >= 1, "queued {queued}");
+        fills_then_refuses(&path, connect_stream_at_once);
         drop(l);
         let _ = std::fs::remove_file(&path);
         let l = std::os::unix::net::UnixListener::bind(&path).unwrap();

@@ -342,24 +342,10 @@ fn a_channels_report_fills_its_own_guests_statistics_only() {
         Duration::from_secs(1),
         Arc::new(QemuLayouts::default()),
     );
-    channels.channels.insert(
-        VmId(1),
-        Channel {
-            name: "web".into(),
-            pid: 100,
-            stop: Arc::new(AtomicBool::new(true)),
-            last: None,
-            last_error: Some("its own error".into()),
-            refused: 3,
-            channel_errors: 1,
-            armed: None,
-            answered: 0,
-            answer_total: Duration::ZERO,
-            answer_max: Duration::ZERO,
-            walked: 0,
-            walk_total_us: 0,
-        },
-    );
+    let mut c = Channel::new("web", 100, Arc::new(AtomicBool::new(true)));
+    c.last_error = Some("its own error".into());
+    c.refused = 3;
+    channels.channels.insert(VmId(1), c);
     let vm = |pid| memfold_wire::VmStats {
         name: "web".into(),
         pid,

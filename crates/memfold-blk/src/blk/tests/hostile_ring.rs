@@ -153,28 +153,11 @@ fn a_guest_that_keeps_re_posting_gets_bounded_calls_and_every_request_answered()
     let guest = std::thread::spawn(move || {
         let mut posted = 1u64;
         while posted < TOTAL {
-            let done: u16 = gm
-                .load(GuestAddress(USED + 2), Ordering::Acquire)
-                .map(u16::from_le)
-                .unwrap();
-            let mut p = posted;
-            // Up to 16 outstanding: slot p % 16 held a request the device has popped.
-            while p < TOTAL && (p as u16).wrapping_sub(done) < 16 {
-                gm.write_obj(u16::to_le(0), GuestAddress(avail.0 + 4 + (p % 16) * 2))
-                    .unwrap();
-                p += 1;
-            }
-            if p == posted {
+            let Some(p) = repost(gm, avail, posted, TOTAL) else {
                 // Lets the device's thread run on a runner of one vCPU.
                 std::thread::yield_now();
                 continue;
-            }
-            gm.store(
-                u16::to_le(p as u16),
-                GuestAddress(avail.0 + 2),
-                Ordering::Release,
-            )
-            .unwrap();
+            };
             posted = p;
         }
     });
@@ -235,27 +218,11 @@ fn requests_a_bounded_call_leaves_are_kicked_for_and_all_answered() {
     let guest = std::thread::spawn(move || {
         let mut posted = 1u64;
         while posted < TOTAL {
-            let done: u16 = gm
-                .load(GuestAddress(USED + 2), Ordering::Acquire)
-                .map(u16::from_le)
-                .unwrap();
-            let mut p = posted;
-            while p < TOTAL && (p as u16).wrapping_sub(done) < 16 {
-                gm.write_obj(u16::to_le(0), GuestAddress(avail.0 + 4 + (p % 16) * 2))
-                    .unwrap();
-                p += 1;
-            }
-            if p == posted {
+            let Some(p) = repost(gm, avail, posted, TOTAL) else {
                 // Lets the device's thread run on a runner of one vCPU.
                 std::thread::yield_now();
                 continue;
-            }
-            gm.store(
-                u16::to_le(p as u16),
-                GuestAddress(avail.0 + 2),
-                Ordering::Release,
-            )
-            .unwrap();
+            };
             posted = p;
             // virtio 1.1 §2.6.13.6: publish the index, then read the device's flags.
             std::sync::atomic::fence(Ordering::SeqCst);
@@ -379,4 +346,30 @@ fn a_chain_of_seg_max_segments_is_served_and_one_more_is_dropped() {
     }
     let c = r.dev.counters();
     assert_eq!((c.reads, c.dropped), (1, 1));
+}
+
+/// The guest re-posting head 0: up to 16 outstanding (slot `p % 16` held a request the
+/// device has popped), posted up to `total`; the new count posted, or `None` if none could
+/// be.
+fn repost(gm: &GuestMemoryMmap<()>, avail: GuestAddress, posted: u64, total: u64) -> Option<u64> {
+    let done: u16 = gm
+        .load(GuestAddress(USED + 2), Ordering::Acquire)
+        .map(u16::from_le)
+        .unwrap();
+    let mut p = posted;
+    while p < total && (p as u16).wrapping_sub(done) < 16 {
+        gm.write_obj(u16::to_le(0), GuestAddress(avail.0 + 4 + (p % 16) * 2))
+            .unwrap();
+        p += 1;
+    }
+    if p == posted {
+        return None;
+    }
+    gm.store(
+        u16::to_le(p as u16),
+        GuestAddress(avail.0 + 2),
+        Ordering::Release,
+    )
+    .unwrap();
+    Some(p)
 }

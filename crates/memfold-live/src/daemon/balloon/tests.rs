@@ -32,13 +32,7 @@ fn a_guest_asks_by_its_environment_and_a_bad_value_is_named() {
 /// A new memfoldd whose domain 0 adopts the previous one's pool of `frames` frames, each
 /// held and of its own bytes. The adoption is pending.
 fn restarted(frames: u32) -> (Engine, DomainId) {
-    let cfg = EngineConfig {
-        policy: Policy::sharing_only(),
-        clock_interval_us: None,
-        rate: 0,
-        ..EngineConfig::default()
-    };
-    let mut e = Engine::new(cfg, Box::new(ManualClock::new()), 0).unwrap();
+    let mut e = engine();
     let d = DomainId(0);
     let pool = MemBacking::new();
     {
@@ -53,14 +47,31 @@ fn restarted(frames: u32) -> (Engine, DomainId) {
     (e, d)
 }
 
+/// A new engine, sharing only, no clock and no scan.
+fn engine() -> Engine {
+    let cfg = EngineConfig {
+        policy: Policy::sharing_only(),
+        clock_interval_us: None,
+        rate: 0,
+        ..EngineConfig::default()
+    };
+    Engine::new(cfg, Box::new(ManualClock::new()), 0).unwrap()
+}
+
 /// Region `name` (16 MiB) of a QEMU that is this process (a live pid with a start time)
 /// re-attaches to domain 0, mapping frame `f` at page `g` for each `(g, f)` of `map`.
 fn reattach(e: &mut Engine, name: &str, map: impl Iterator<Item = (u32, u32)>) {
+    attach_region(e, name, 4096, map);
+}
+
+/// Region `name` of `pages` pages of a QEMU that is this process attaches to domain 0,
+/// mapping frame `f` at page `g` for each `(g, f)` of `map`.
+fn attach_region(e: &mut Engine, name: &str, pages: u32, map: impl Iterator<Item = (u32, u32)>) {
     e.attach(Attach {
         name: name.into(),
         pid: std::process::id(),
-        pages: 4096,
-        ram: Box::new(MemGuestRam::new(4096)),
+        pages,
+        ram: Box::new(MemGuestRam::new(pages)),
         mapped: map
             .map(|(g, f)| (Gfn(g), Mapped::Frame(FrameId(f))))
             .collect(),
@@ -101,26 +112,9 @@ fn claims_with_idle_claimer(
 /// never lowers the ceiling below the regions'. Fails with the regions' sum alone.
 #[test]
 fn the_ceiling_is_the_guests_ram_as_qemu_says_not_only_its_managed_regions() {
-    let cfg = EngineConfig {
-        policy: Policy::sharing_only(),
-        clock_interval_us: None,
-        rate: 0,
-        ..EngineConfig::default()
-    };
-    let mut e = Engine::new(cfg, Box::new(ManualClock::new()), 0).unwrap();
+    let mut e = engine();
     assert!(e.add_domain(DomainId(0), Box::new(MemBacking::new())));
-    e.attach(Attach {
-        name: "g/ram0".into(),
-        pid: std::process::id(),
-        pages: 1024,
-        ram: Box::new(MemGuestRam::new(1024)),
-        mapped: Vec::new(),
-        domain: DomainId(0),
-        store: Box::new(MemBacking::new()),
-        swap: None,
-        sharing: Default::default(),
-    })
-    .unwrap();
+    attach_region(&mut e, "g/ram0", 1024, std::iter::empty());
     let target_with = |qemu_ram: Option<u64>| {
         let (mut c, rx, state) = claims_with_idle_claimer(ClaimPolicy::AllowanceOnly, my_start());
         state.lock().unwrap().qemu_ram = qemu_ram;
