@@ -17,24 +17,49 @@ const CONTROL_WORDS: usize = 16;
 
 /// Creates a `SOCK_SEQPACKET` socket.
 fn seqpacket() -> io::Result<OwnedFd> {
-    seqpacket_with(0)
+    unix_socket(libc::SOCK_SEQPACKET, 0)
 }
 
-/// A new seqpacket socket, close-on-exec, with `flags` (`SOCK_NONBLOCK` or 0).
-fn seqpacket_with(flags: libc::c_int) -> io::Result<OwnedFd> {
+/// A new Unix socket of type `kind` (`SOCK_SEQPACKET`, `SOCK_STREAM`), close-on-exec,
+/// with `flags` (`SOCK_NONBLOCK` or 0).
+fn unix_socket(kind: libc::c_int, flags: libc::c_int) -> io::Result<OwnedFd> {
     // SAFETY: socket() takes no pointers; it returns a new descriptor or -1.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | flags,
-            0,
-        )
-    };
+    let fd = unsafe { libc::socket(libc::AF_UNIX, kind | libc::SOCK_CLOEXEC | flags, 0) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: `fd` is a fresh descriptor nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A new Unix socket of type `kind` connected to `path`, blocking. With `at_once`, a
+/// listener whose backlog is full is `WouldBlock` at once instead of waited for.
+///
+/// Errors: nothing listens there (the error names the path), the backlog is full
+/// (`at_once` only), the path is too long, out of descriptors.
+fn connect_unix(path: &Path, kind: libc::c_int, at_once: bool) -> io::Result<OwnedFd> {
+    let fd = unix_socket(kind, if at_once { libc::SOCK_NONBLOCK } else { 0 })?;
+    let (addr, len) = sockaddr(path)?;
+    // SAFETY: `addr` is a valid sockaddr_un of `len` bytes that outlives the call.
+    let rc = unsafe {
+        libc::connect(
+            fd.as_raw_fd(),
+            &addr as *const libc::sockaddr_un as *const libc::sockaddr,
+            len,
+        )
+    };
+    if rc != 0 {
+        let e = io::Error::last_os_error();
+        return Err(io::Error::new(
+            e.kind(),
+            format!("connecting to {}: {e}", path.display()),
+        ));
+    }
+    if at_once {
+        // A Unix connect completes or fails at once (no EINPROGRESS): blocking from here.
+        rustix::fs::fcntl_setfl(&fd, rustix::fs::OFlags::empty())?;
+    }
+    Ok(fd)
 }
 
 /// The `sockaddr_un` of `path`.
@@ -198,7 +223,8 @@ impl Seqpacket {
     ///
     /// Errors: nothing listens there (the error names the path).
     pub fn connect(path: &Path) -> io::Result<Seqpacket> {
-        Self::connect_with(path, 0)
+        let fd = connect_unix(path, libc::SOCK_SEQPACKET, false)?;
+        Ok(Seqpacket { fd })
     }
 
     /// Connects to the socket at `path` without waiting: a listener whose backlog is
@@ -209,30 +235,7 @@ impl Seqpacket {
     ///
     /// Errors: as [`Seqpacket::connect`]'s, and `WouldBlock` (the backlog is full).
     pub fn connect_at_once(path: &Path) -> io::Result<Seqpacket> {
-        let c = Self::connect_with(path, libc::SOCK_NONBLOCK)?;
-        // A Unix connect completes or fails at once (no EINPROGRESS): blocking from here.
-        rustix::fs::fcntl_setfl(&c.fd, rustix::fs::OFlags::empty())?;
-        Ok(c)
-    }
-
-    fn connect_with(path: &Path, flags: libc::c_int) -> io::Result<Seqpacket> {
-        let fd = seqpacket_with(flags)?;
-        let (addr, len) = sockaddr(path)?;
-        // SAFETY: `addr` is a valid sockaddr_un of `len` bytes that outlives the call.
-        let rc = unsafe {
-            libc::connect(
-                fd.as_raw_fd(),
-                &addr as *const libc::sockaddr_un as *const libc::sockaddr,
-                len,
-            )
-        };
-        if rc != 0 {
-            let e = io::Error::last_os_error();
-            return Err(io::Error::new(
-                e.kind(),
-                format!("connecting to {}: {e}", path.display()),
-            ));
-        }
+        let fd = connect_unix(path, libc::SOCK_SEQPACKET, true)?;
         Ok(Seqpacket { fd })
     }
 
@@ -470,18 +473,7 @@ pub fn peer_of(fd: BorrowedFd<'_>) -> io::Result<Peer> {
 /// Errors: nothing listens there, the backlog is full (`WouldBlock`), the path is too
 /// long, out of descriptors.
 pub fn connect_stream_at_once(path: &Path) -> io::Result<std::os::unix::net::UnixStream> {
-    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-    let fd = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::STREAM,
-        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
-        None,
-    )?;
-    // A Unix stream connect completes or fails at once (no EINPROGRESS).
-    rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)?;
-    let stream = std::os::unix::net::UnixStream::from(fd);
-    stream.set_nonblocking(false)?;
-    Ok(stream)
+    Ok(connect_unix(path, libc::SOCK_STREAM, true)?.into())
 }
 
 #[cfg(test)]

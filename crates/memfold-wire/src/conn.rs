@@ -60,9 +60,7 @@ impl Conn {
     ///
     /// Errors: no daemon listens there.
     pub fn connect(path: &Path) -> io::Result<Conn> {
-        let sock = Seqpacket::connect(path)
-            .map_err(|e| io::Error::new(e.kind(), format!("memfoldd: {e}")))?;
-        Ok(Conn { sock })
+        Self::of(Seqpacket::connect(path))
     }
 
     /// Connects to memfoldd at `path` without waiting on a full backlog (a memfoldd
@@ -72,9 +70,13 @@ impl Conn {
     ///
     /// Errors: no daemon listens there; its backlog is full (`WouldBlock`).
     pub fn connect_at_once(path: &Path) -> io::Result<Conn> {
-        let sock = Seqpacket::connect_at_once(path)
-            .map_err(|e| io::Error::new(e.kind(), format!("memfoldd: {e}")))?;
-        Ok(Conn { sock })
+        Self::of(Seqpacket::connect_at_once(path))
+    }
+
+    /// The connection a connect made, its error said to be memfoldd's.
+    fn of(sock: io::Result<Seqpacket>) -> io::Result<Conn> {
+        sock.map(|sock| Conn { sock })
+            .map_err(|e| io::Error::new(e.kind(), format!("memfoldd: {e}")))
     }
 
     /// A second handle on the same connection (one thread reads, another writes).

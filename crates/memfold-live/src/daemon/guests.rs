@@ -511,21 +511,19 @@ impl Guests {
     /// Each QEMU's `/proc` files are read once a call, however many of its guests are
     /// detached (once a guest made a reap of many regions of one QEMU O(regions²)).
     pub(crate) fn released(&self) -> Vec<(VmId, Release)> {
-        let mut files: HashMap<u32, Option<BTreeSet<(u64, u64)>>> = HashMap::new();
+        // Each QEMU once: `None` if it has exited, else its files (`None`: unreadable).
+        let mut qemus: HashMap<u32, Option<Option<Files>>> = HashMap::new();
         self.by_vm
             .iter()
             .filter(|(_, g)| g.conn.is_none())
             .filter_map(|(vm, g)| {
-                let files = files.entry(g.pid).or_insert_with(|| {
-                    // `None` for a process gone too: told apart below.
-                    process_alive(g.pid).then(|| files_of(g.pid)).flatten()
-                });
-                if !process_alive(g.pid) {
-                    Some((*vm, Release::Exited))
-                } else if files.as_ref().is_some_and(|f| !f.contains(&g.ram_id)) {
-                    Some((*vm, Release::Unmapped))
-                } else {
-                    None
+                let qemu = qemus
+                    .entry(g.pid)
+                    .or_insert_with(|| process_alive(g.pid).then(|| files_of(g.pid)));
+                match qemu {
+                    None => Some((*vm, Release::Exited)),
+                    Some(Some(f)) if !f.contains(&g.ram_id) => Some((*vm, Release::Unmapped)),
+                    Some(_) => None,
                 }
             })
             .collect()
@@ -611,9 +609,12 @@ fn ram_let_go(pid: u32, id: (u64, u64)) -> bool {
     files_of(pid).is_some_and(|f| !f.contains(&id))
 }
 
+/// Files by (device, inode).
+type Files = BTreeSet<(u64, u64)>;
+
 /// The files, (device, inode), process `pid` maps (`/proc/PID/maps`) or holds a
 /// descriptor of (`/proc/PID/fd`); `None` when either cannot be read (it may hold any).
-fn files_of(pid: u32) -> Option<BTreeSet<(u64, u64)>> {
+fn files_of(pid: u32) -> Option<Files> {
     use std::os::unix::fs::MetadataExt;
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
     let mut files = BTreeSet::new();

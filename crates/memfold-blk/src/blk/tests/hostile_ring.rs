@@ -150,17 +150,7 @@ fn a_guest_that_keeps_re_posting_gets_bounded_calls_and_every_request_answered()
     // Head 0, posted once.
     r.submit(&[(0x8000, 16, false), (DATA, 512, true), (STATUS, 1, true)]);
     let (gm, avail) = (r.gm, r.mock.avail_addr());
-    let guest = std::thread::spawn(move || {
-        let mut posted = 1u64;
-        while posted < TOTAL {
-            let Some(p) = repost(gm, avail, posted, TOTAL) else {
-                // Lets the device's thread run on a runner of one vCPU.
-                std::thread::yield_now();
-                continue;
-            };
-            posted = p;
-        }
-    });
+    let guest = std::thread::spawn(move || keep_reposting(gm, avail, TOTAL, || {}));
     let mem = RemoteMemory::new(r.local.mem.qemu().clone(), r.local.mem.regions().to_vec());
     let start = std::time::Instant::now();
     let (mut most, mut calls, mut left) = (0, 0u64, 0u64);
@@ -216,21 +206,14 @@ fn requests_a_bounded_call_leaves_are_kicked_for_and_all_answered() {
     guest_kick.notify().unwrap();
     let gm = r.gm;
     let guest = std::thread::spawn(move || {
-        let mut posted = 1u64;
-        while posted < TOTAL {
-            let Some(p) = repost(gm, avail, posted, TOTAL) else {
-                // Lets the device's thread run on a runner of one vCPU.
-                std::thread::yield_now();
-                continue;
-            };
-            posted = p;
+        keep_reposting(gm, avail, TOTAL, || {
             // virtio 1.1 §2.6.13.6: publish the index, then read the device's flags.
             std::sync::atomic::fence(Ordering::SeqCst);
             let flags: u16 = gm.load(GuestAddress(USED), Ordering::Acquire).unwrap();
             if u16::from_le(flags) & 1 == 0 {
                 guest_kick.notify().unwrap();
             }
-        }
+        })
     });
     // vhost-user-backend's loop: consume a kick, handle the event.
     let mut idle = std::time::Instant::now();
@@ -346,6 +329,26 @@ fn a_chain_of_seg_max_segments_is_served_and_one_more_is_dropped() {
     }
     let c = r.dev.counters();
     assert_eq!((c.reads, c.dropped), (1, 1));
+}
+
+/// The guest re-posting head 0 (posted once already) until `total` requests are posted,
+/// calling `posted_more` after each batch it posts.
+fn keep_reposting(
+    gm: &GuestMemoryMmap<()>,
+    avail: GuestAddress,
+    total: u64,
+    mut posted_more: impl FnMut(),
+) {
+    let mut posted = 1u64;
+    while posted < total {
+        let Some(p) = repost(gm, avail, posted, total) else {
+            // Lets the device's thread run on a runner of one vCPU.
+            std::thread::yield_now();
+            continue;
+        };
+        posted = p;
+        posted_more();
+    }
 }
 
 /// The guest re-posting head 0: up to 16 outstanding (slot `p % 16` held a request the
