@@ -1,5 +1,6 @@
 //! Round trips of every codec on every page type (zero, random, text-like, sparse words,
-//! similar pairs, shifted pairs), plus corrupt-blob handling.
+//! similar pairs, shifted pairs, a page that begins with zstd's dictionary magic), plus
+//! corrupt-blob handling.
 
 use memfold_codecs::{CodecError, CompressCodec, Page, PatchCodec, PAGE_SIZE};
 use proptest::prelude::*;
@@ -23,6 +24,10 @@ fn page_types(seed: u64) -> Vec<(&'static str, Box<Page>)> {
             }
         }
     }
+    // zstd's dictionary magic at the start: a page a guest can write, which zstd would
+    // take for a formatted dictionary if handed to it as one (zstd-ref's reference).
+    let mut magic = text.clone();
+    magic[..4].copy_from_slice(&0xEC30_A437u32.to_le_bytes());
     out.push(("text", text));
     // Kernel-like data: small integers and pointers with shared high bits.
     let mut sparse = Box::new([0u8; PAGE_SIZE]);
@@ -39,6 +44,7 @@ fn page_types(seed: u64) -> Vec<(&'static str, Box<Page>)> {
     let mut ones = Box::new([0xFFu8; PAGE_SIZE]);
     ones[100] = 7;
     out.push(("ones", ones));
+    out.push(("zstd-magic", magic));
     out
 }
 

@@ -165,15 +165,17 @@ pub struct SimilarityIndex {
 }
 
 const EMPTY: u32 = u32::MAX;
+/// The smallest table's bits, unless the hash is narrower (8 or 9 bits: then the hash's).
 const MIN_TABLE_BITS: u8 = 10;
 
 impl SimilarityIndex {
     /// An empty index for this detector, with the smallest table.
     pub fn new(det: SimilarityDetector) -> Self {
+        let table_bits = MIN_TABLE_BITS.min(det.cfg.hash_bits);
         SimilarityIndex {
             det,
             slots: Vec::new(),
-            table_bits: MIN_TABLE_BITS,
+            table_bits,
             len: 0,
             offered: 0,
             cycles: 0,
@@ -445,8 +447,10 @@ impl SimilarityIndex {
     /// The table bits [`Self::clear_for`]`(n)` sizes the table with.
     fn table_bits_for(&self, n: u64) -> u8 {
         let want = (64 - (n.max(2) - 1).leading_zeros()) as u8; // ⌈log2(n)⌉
+                                                                // Never wider than the hash: `clamp` would panic for a hash narrower than the floor.
         want.saturating_sub(1)
-            .clamp(MIN_TABLE_BITS, self.det.cfg.hash_bits)
+            .max(MIN_TABLE_BITS)
+            .min(self.det.cfg.hash_bits)
     }
 
     /// Clears so far ([`Self::clear_for`]): 0 for an index never sized.
@@ -636,6 +640,22 @@ mod tests {
             !idx.would_grow(1 << 40),
             "at the hash's width it cannot grow"
         );
+        for hash_bits in [8, 9] {
+            let det = SimilarityDetector::new(SimilarityConfig {
+                hash_bits,
+                ..Default::default()
+            })
+            .unwrap();
+            let mut idx = SimilarityIndex::new(det);
+            assert_eq!(
+                idx.buckets(),
+                1 << hash_bits,
+                "a new index, {hash_bits} bits"
+            );
+            assert!(!idx.would_grow(1 << 30), "{hash_bits} bits cannot grow");
+            idx.clear_for(1 << 20);
+            assert_eq!(idx.buckets(), 1 << hash_bits, "sized, {hash_bits} bits");
+        }
         assert!(SimilarityDetector::new(SimilarityConfig {
             groups: 0,
             ..Default::default()
