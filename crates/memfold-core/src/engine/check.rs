@@ -193,6 +193,18 @@ impl Engine {
                     b.shared_pages, b.zero_reclaimed_pages
                 ));
             }
+            let zero_frames = &self.domains[&v.domain].zero_frames;
+            let on_zero = v
+                .p2m
+                .iter()
+                .filter(|e| matches!(e.state(), PageState::Shared(f) if zero_frames.contains(&f)))
+                .count() as u64;
+            if on_zero != b.zero_shared_pages {
+                return Err(format!(
+                    "{id}: books say {} pages shared onto the zero frame, pages say {on_zero}",
+                    b.zero_shared_pages
+                ));
+            }
             for c in &v.queue {
                 let ok = match *c {
                     Command::Share { gfn, frame } | Command::Fill { gfn, frame, .. } => {
@@ -341,6 +353,21 @@ impl Engine {
                     ));
                 }
                 in_use += dom.frames.is_used(f) as u32;
+                // A used frame of zeros is the zero frame: pages on any other would earn
+                // entitlement for zeros (Satori §4.2) and miss the zero books. (A frame
+                // pinned only by an adoption is not read yet: its hash means nothing.)
+                let pinned_only = dom.frames.is_adopted(f)
+                    && dom.frames.refcount(f) == 0
+                    && dom.frames.pending(f) == 0;
+                if dom.frames.is_used(f) && !pinned_only && dom.frames.hash(f) == self.zero_hash {
+                    let mut frame = [0u8; crate::PAGE_SIZE];
+                    if dom.pool.read(f.offset(), &mut frame).is_ok()
+                        && crate::is_zero_page(&frame)
+                        && !dom.zero_frames.contains(&f)
+                    {
+                        return Err(format!("{d} {f}: holds zeros, not booked as a zero frame"));
+                    }
+                }
             }
             if in_use != dom.frames.in_use() {
                 return Err(format!(
@@ -377,7 +404,7 @@ impl Engine {
                     "{d}: withdrawn frame {f} is free: it should be forgotten"
                 ));
             }
-            if let Some(z) = dom.zero_frame.filter(|&z| !self.frame_held(d, z)) {
+            if let Some(z) = dom.zero_frames.iter().find(|&&z| !self.frame_held(d, z)) {
                 return Err(format!("{d}: zero frame {z} is not held"));
             }
         }
@@ -395,11 +422,11 @@ impl Engine {
         }
         let all_ranks = self.all_sharing_ranks();
         for (id, v) in &self.vms {
-            let zero = self.domains[&v.domain].zero_frame;
+            let zero = &self.domains[&v.domain].zero_frames;
             let mut want: std::collections::BTreeMap<u32, u64> = Default::default();
             for e in v.p2m.iter() {
                 if let PageState::Shared(f) | PageState::Unmapped(f) = e.state() {
-                    if zero != Some(f) {
+                    if !zero.contains(&f) {
                         *want.entry(holders[&(v.domain, f)]).or_default() += 1;
                     }
                 }

@@ -224,12 +224,12 @@ impl Engine {
             // signatures kept at their promotion: reading them would bring back into RAM
             // those the kernel holds (kernel_swap.rs). A frame withdrawn from sharing
             // (never_share.rs) is no reference, nor the zero frame.
-            let (frames, withdrawn, zero) = (&dom.frames, &dom.withdrawn, dom.zero_frame);
+            let (frames, withdrawn, zero) = (&dom.frames, &dom.withdrawn, &dom.zero_frames);
             dom.similar.retain_kept(|f| {
                 frames.contains(f)
                     && frames.is_used(f)
                     && !withdrawn.contains(&f)
-                    && Some(f) != zero
+                    && !zero.contains(&f)
             });
             dom.similar.clear_for(n);
             dom.similar_cleared_us = now;

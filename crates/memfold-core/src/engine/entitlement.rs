@@ -109,7 +109,7 @@ impl Engine {
             let (PageState::Shared(f) | PageState::Unmapped(f)) = e.state() else {
                 continue;
             };
-            if dom.zero_frame == Some(f) {
+            if dom.zero_frames.contains(&f) {
                 continue;
             }
             // Pages only, mapped or not: a patch using the frame as its reference holds

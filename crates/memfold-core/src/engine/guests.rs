@@ -383,7 +383,7 @@ impl Engine {
             }
             self.vms.get_mut(&id).expect("live").set(g, next);
         }
-        let zero = self.domain(d).zero_frame;
+        let zero = self.domain(d).zero_frames.clone();
         let v = self.vms.get_mut(&id).expect("live");
         let count =
             |want: fn(PageState) -> bool| v.p2m.iter().filter(|e| want(e.state())).count() as u64;
@@ -393,7 +393,7 @@ impl Engine {
         v.books.zero_shared_pages = v
             .p2m
             .iter()
-            .filter(|e| zero.is_some_and(|z| e.state() == PageState::Shared(z)))
+            .filter(|e| matches!(e.state(), PageState::Shared(f) if zero.contains(&f)))
             .count() as u64;
         Ok(())
     }
@@ -421,7 +421,7 @@ impl Engine {
             }
         }
         if h == zero_hash && crate::is_zero_page(page) {
-            dom.zero_frame = Some(f);
+            dom.zero_frames.insert(f);
         }
         true
     }

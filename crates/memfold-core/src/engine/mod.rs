@@ -48,7 +48,7 @@ mod scan;
 mod unmapped;
 pub mod wait_target;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
@@ -98,10 +98,9 @@ pub enum EngineError {
 
 /// A sharing domain (issue 14; ESX §4.3 shares "across VMs", the strict setting of which is
 /// one VM): the guests that may share frames and patch against each other's pages. Each
-/// domain has its own pool, frame table, share table, zero frame and similarity index, so
-/// no scan, share or patch ever pairs pages of two domains, and a guest's agent — given
-/// only its domain's pool — holds no descriptor through which it could read another
-/// domain's frames.
+/// domain has its own pool, frame table, share table, zero frames and similarity index,
+/// so no scan, share or patch pairs pages of two domains, and a guest's agent (given only
+/// its domain's pool) holds no descriptor to read another domain's frames.
 pub(crate) struct Domain {
     /// The pool of frames (frame `f` at byte `f·4096`).
     pub(crate) pool: Box<dyn Backing>,
@@ -109,13 +108,14 @@ pub(crate) struct Domain {
     /// Whether the pool was adopted from a previous memfoldd.
     pub(crate) adopted: bool,
     pub(crate) share: ShareTable,
-    pub(crate) zero_frame: Option<FrameId>,
+    /// Frames of zeros (ESX §4.1's zero page): their pages earn no entitlement, count as
+    /// zero shares. Usually one; every path that makes or adopts one books it here.
+    pub(crate) zero_frames: BTreeSet<FrameId>,
     /// Reference-page candidates by signature (DE §4.3), cleared every 4 clock intervals.
     pub(crate) similar: SimilarityIndex,
     pub(crate) similar_cleared_us: u64,
     /// Frames that held a page its guest marked never-share ([`never_share`]): out of the
-    /// share table, no reference for a patch, no fill, and their holders taken back
-    /// until the frame is freed.
+    /// share table, no reference, no fill, their holders taken back until it is freed.
     pub(crate) withdrawn: std::collections::HashSet<FrameId>,
     /// When the pages of other guests on its withdrawn frames were last taken back, µs
     /// ([`never_share`]: at most every [`never_share::PARTNER_PASS_US`] a domain).
@@ -520,7 +520,7 @@ impl Engine {
                 frames: FrameTable::new(),
                 adopted: false,
                 share: ShareTable::new(self.cfg.share_passes),
-                zero_frame: None,
+                zero_frames: BTreeSet::new(),
                 similar: SimilarityIndex::new(det),
                 similar_cleared_us: now,
                 withdrawn: Default::default(),
@@ -697,6 +697,9 @@ impl Engine {
             }
         }
         let Err(e) = dom.pool.write(f.offset(), page) else {
+            if h == self.zero_hash && crate::is_zero_page(page) {
+                dom.zero_frames.insert(f);
+            }
             return Some(f);
         };
         dom.frames.unalloc(f);
@@ -732,9 +735,7 @@ impl Engine {
         dom.share.remove(dom.frames.hash(f), ShareEntry::Shared(f));
         dom.similar.forget_frame(f);
         dom.withdrawn.remove(&f);
-        if dom.zero_frame == Some(f) {
-            dom.zero_frame = None;
-        }
+        dom.zero_frames.remove(&f);
         dom.pool.release(f.offset(), PAGE);
     }
 

@@ -82,7 +82,7 @@ impl Engine {
                 PageState::Stored(b) => self.blobs.get(b).reference(),
                 _ => None,
             };
-            if let Some(f) = f.filter(|&f| self.domain(d).zero_frame != Some(f)) {
+            if let Some(f) = f.filter(|&f| !self.domain(d).zero_frames.contains(&f)) {
                 new_frames.push(f);
                 own.push(g);
             }

@@ -239,7 +239,7 @@ impl Engine {
                 .share_refused_us = Some(now);
         }
         let d = self.dom(id);
-        let zero = self.domain(d).zero_frame == Some(f);
+        let zero = self.domain(d).zero_frames.contains(&f);
         let v = self.vms.get_mut(&id).expect("outcome() checked");
         if v.state(g) != PageState::Sharing(f) {
             debug_assert!(
@@ -404,7 +404,7 @@ impl Engine {
         let zero = self
             .domains
             .get(&d)
-            .is_some_and(|dom| dom.zero_frame == Some(f));
+            .is_some_and(|dom| dom.zero_frames.contains(&f));
         if zero {
             let v = self.vms.get_mut(&id).expect("checked");
             v.books.zero_shared_pages = v.books.zero_shared_pages.saturating_sub(1);

@@ -535,11 +535,10 @@ impl Engine {
                     let Some(f) = self.alloc_frame(d, page, h) else {
                         return Found::Deferred;
                     };
-                    let dom = self.domain_mut(d);
-                    dom.share.replace(h, e, ShareEntry::Shared(f));
-                    if zero {
-                        dom.zero_frame = Some(f);
-                    }
+                    // (A zero page's frame is booked a zero frame by alloc_frame.)
+                    self.domain_mut(d)
+                        .share
+                        .replace(h, e, ShareEntry::Shared(f));
                     // Each page mapped onto the new frame, shared without a mapping, or
                     // left for the clock; then the frame's first pending request (from
                     // its allocation) is given back.
