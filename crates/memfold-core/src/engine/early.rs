@@ -87,6 +87,17 @@ impl Engine {
     }
 }
 
+impl super::Vm {
+    /// Page `g`'s page-out was forgotten (the engine moved the page on before its
+    /// answer): a page-in parked for that answer is stale, and would hold the page's one
+    /// slot against its next event — dropped, as the invariant above needs.
+    pub(crate) fn drop_stale_page_in(&mut self, g: Gfn) {
+        if self.early.get(&g) == Some(&Early::PagedIn) {
+            self.early.remove(&g);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::{Command, Outcome};
@@ -312,5 +323,80 @@ mod tests {
             }
         }
         panic!("{g} not paged out again");
+    }
+
+    /// A page-in parked before its page-out's answer, then the page moved on by the engine
+    /// itself (a disk read lands on it and shares it at read): the page-out's answer will
+    /// mark nothing, so the parked page-in is stale. A CoW break of the new share, also
+    /// reported before its answer, must park in its place — not be dropped while the
+    /// stale page-in holds the page's one slot (the share's answer then booked the page
+    /// shared while the agent held it private). Fails without the stale page-in dropped.
+    #[test]
+    fn a_break_after_a_stale_early_page_in_is_not_dropped() {
+        let mut r = zswap_rig();
+        // A page-out done, its answer held; the guest reads the page back in and the
+        // agent reports that first.
+        let mut held = None;
+        for _ in 0..2000 {
+            r.clock.advance(10_000);
+            r.engine.scan_step().unwrap();
+            r.engine.clock_step();
+            for c in r.engine.take_commands(r.vm) {
+                if held.is_none() && matches!(c, Command::PageOut { .. }) {
+                    let o = r.agent.execute(&c);
+                    if o == Outcome::Done {
+                        held = Some((c, o));
+                        continue;
+                    }
+                    r.engine.outcome(r.vm, &c, o);
+                    continue;
+                }
+                r.answer(c);
+            }
+            r.report();
+            if held.is_some() {
+                break;
+            }
+        }
+        let (out_cmd, out_o) = held.expect("a page-out in 2000 steps");
+        let Command::PageOut { gfn: g } = out_cmd else {
+            unreachable!()
+        };
+        r.agent.read(g).unwrap();
+        r.report(); // the page-in, parked
+                    // A disk read lands the same block in another page and then in `g`: shared at read.
+        let other = Gfn((g.0 + 1) % PAGES);
+        let block: Vec<u8> = b"one block read twice, "
+            .iter()
+            .copied()
+            .cycle()
+            .take(PAGE_SIZE)
+            .collect();
+        r.agent.write(other, 0, &block).unwrap();
+        r.report();
+        r.engine.read_landed(r.vm, &[other], 0);
+        r.agent.write(g, 0, &block).unwrap();
+        r.report();
+        r.engine.read_landed(r.vm, &[g], 0);
+        assert!(
+            matches!(r.engine.page_state(r.vm, g), Some(PageState::Sharing(_))),
+            "{g}: not shared at read: {:?}",
+            r.engine.page_state(r.vm, g)
+        );
+        // The shares done; the guest writes `g` (a CoW break) before their answers.
+        let mut answers = Vec::new();
+        for c in r.engine.take_commands(r.vm) {
+            let o = r.agent.execute(&c);
+            answers.push((c, o));
+        }
+        r.agent.write(g, 8, b"the guest's own").unwrap();
+        r.report();
+        r.engine.outcome(r.vm, &out_cmd, out_o);
+        for (c, o) in answers {
+            r.engine.outcome(r.vm, &c, o);
+        }
+        r.carry_out();
+        assert_eq!(r.engine.page_state(r.vm, g), Some(PageState::Private));
+        books_agree(&r);
     }
 }

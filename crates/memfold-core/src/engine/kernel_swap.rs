@@ -241,6 +241,21 @@ impl Engine {
     }
 }
 
+impl super::Vm {
+    /// Drops page `g`'s paged-out mark, if it has one, from the P2M and the books, and
+    /// forgets a page-out under way (its answer will find nothing to mark: a page-in
+    /// parked for it is stale, `early`).
+    pub(crate) fn unmark_paged_out(&mut self, g: Gfn) {
+        if self.p2m[g.index()].is_paged_out() {
+            self.p2m[g.index()] = P2mEntry::PRIVATE;
+            self.books.paged_out_pages -= 1;
+        }
+        if self.hints.take_page_out_going(g) {
+            self.drop_stale_page_in(g);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -391,16 +391,6 @@ impl Vm {
         self.p2m[g.index()] = P2mEntry::new(s);
     }
 
-    /// Drops page `g`'s paged-out mark, if it has one, from the P2M and the books, and
-    /// forgets a page-out under way (its answer will find nothing to mark).
-    fn unmark_paged_out(&mut self, g: Gfn) {
-        if self.p2m[g.index()].is_paged_out() {
-            self.p2m[g.index()] = P2mEntry::PRIVATE;
-            self.books.paged_out_pages -= 1;
-        }
-        self.hints.take_page_out_going(g);
-    }
-
     /// Whether page `g` is marked paged out to the kernel's swap, or a page-out of it is
     /// under way ([`kernel_swap`]): either way reading it through guest RAM's memfd would
     /// swap it back in, so nothing of memfold's reads it.
