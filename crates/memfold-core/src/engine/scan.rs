@@ -507,12 +507,16 @@ impl Engine {
                     }
                     // With a fresh class for this page (the clock's slice) or new data (a
                     // disk read), a hinted page cold by its last class is shared without a
-                    // mapping too: deferred, it would be stored on its own (or keep a
-                    // frame alone), and a frame held by one page saves nothing.
-                    let partner = match self.identical_action(id2, g2, zero, Seen::Scan) {
-                        Identical::Defer if seen != Seen::Scan => Identical::Unmapped,
-                        a => a,
+                    // mapping too, judged as the clock would (its gates — the knob, zero
+                    // pages, the re-store wait — still hold): deferred, it would be stored
+                    // on its own (or keep a frame alone), and a frame held by one page
+                    // saves nothing.
+                    let as_clock = if seen == Seen::Scan {
+                        seen
+                    } else {
+                        Seen::Clock
                     };
+                    let partner = self.identical_action(id2, g2, zero, as_clock);
                     let pair = [
                         (id2, g2, partner),
                         (id, g, self.identical_action(id, g, zero, seen)),

@@ -723,6 +723,25 @@ mod tests {
         assert_eq!(r.engine.books().vms[0].books.unmaps, 0);
     }
 
+    /// With the knob off, a disk read under VMA pressure that finds its twin in a hinted
+    /// page leaves that page alone: deferred like the read page, not shared without a
+    /// mapping (the scan's partner was turned from Defer to Unmapped whatever made it
+    /// Defer: the knob, a zero page, the re-store wait).
+    #[test]
+    fn with_the_knob_off_a_read_under_pressure_never_unmaps_its_hinted_twin() {
+        let mut r = with_twins(false, 0);
+        settle(&mut r, 1500, &[]);
+        r.agent.write(Gfn(2), 0, &page(77)).unwrap();
+        r.engine.read_landed(r.vm, &[Gfn(2)], 0);
+        press(&mut r);
+        r.agent.write(Gfn(10), 0, &page(77)).unwrap();
+        r.engine.read_landed(r.vm, &[Gfn(10)], 0);
+        assert_eq!(state(&r, 2), PageState::Private, "the hinted twin");
+        r.carry_out();
+        assert_eq!(r.engine.books().vms[0].books.unmapped_shares, 0);
+        r.engine.check_invariants().unwrap();
+    }
+
     #[test]
     fn the_identical_patch_decodes_to_the_reference() {
         let reference: Box<Page> = page(3).try_into().unwrap();
