@@ -67,6 +67,14 @@ impl Engine {
             ));
         }
         for (id, v) in &self.vms {
+            // Every parked event still waits for its page's answer (early.rs): one that
+            // does not is stale, and holds the page's one slot against its next event.
+            if let Some((g, e)) = v.early.iter().find(|&(&g, &e)| !v.waits_for_answer(g, e)) {
+                return Err(format!(
+                    "{id} {g}: {e:?} parked, the page {:?}",
+                    v.state(*g)
+                ));
+            }
             // A guest's category map covers its RAM, and its counts add up to it.
             if let Some(m) = &v.categories {
                 let counted: u64 = m.counts().pages.iter().sum();

@@ -47,22 +47,12 @@ impl Engine {
         else {
             return false;
         };
-        let waits = match (v.state(g), e) {
-            (PageState::Sharing(s), Early::CowBroken(f) | Early::Discarded(Discard::Frame(f))) => {
-                s == f
-            }
-            (PageState::Reclaiming, Early::Refilled | Early::Discarded(Discard::Zero)) => true,
-            (PageState::Stashing(_), Early::Unstashed | Early::Discarded(Discard::Stored)) => true,
-            // The first page-in after a page-out whose answer was lost may be that one's,
-            // reported in the normal order: applied at once (parked, it unmarked the
-            // page the next page-out took out). Only the real agent loses answers (with
-            // its connection), so this costs a lying one nothing it could use.
-            (PageState::Private, Early::PagedIn) => {
-                let lost = v.lost_page_outs.remove(&g);
-                !lost && v.hints.page_out_going(g) && !v.p2m[g.index()].is_paged_out()
-            }
-            _ => false,
-        };
+        // The first page-in after a page-out whose answer was lost may be that one's,
+        // reported in the normal order: applied at once (parked, it unmarked the page the
+        // next page-out took out). Only the real agent loses answers (with its
+        // connection), so this costs a lying one nothing it could use.
+        let lost = e == Early::PagedIn && v.lost_page_outs.remove(&g);
+        let waits = !lost && v.waits_for_answer(g, e);
         if waits {
             tracing::debug!(vm = %id, gfn = %g, event = ?e, "an event before its answer: parked");
             v.early.entry(g).or_insert(e);
@@ -88,6 +78,23 @@ impl Engine {
 }
 
 impl super::Vm {
+    /// Whether event `e` of page `g` waits for the answer of the request the page is in
+    /// flight for (a share onto the frame `e` left, a reclaim, a stash, a page-out): what
+    /// parks it, and what every parked event must still meet (`check_invariants`).
+    pub(crate) fn waits_for_answer(&self, g: Gfn, e: Early) -> bool {
+        match (self.state(g), e) {
+            (PageState::Sharing(s), Early::CowBroken(f) | Early::Discarded(Discard::Frame(f))) => {
+                s == f
+            }
+            (PageState::Reclaiming, Early::Refilled | Early::Discarded(Discard::Zero)) => true,
+            (PageState::Stashing(_), Early::Unstashed | Early::Discarded(Discard::Stored)) => true,
+            (PageState::Private, Early::PagedIn) => {
+                self.hints.page_out_going(g) && !self.p2m[g.index()].is_paged_out()
+            }
+            _ => false,
+        }
+    }
+
     /// Page `g`'s page-out was forgotten (the engine moved the page on before its
     /// answer): a page-in parked for that answer is stale, and would hold the page's one
     /// slot against its next event — dropped, as the invariant above needs.
@@ -383,6 +390,8 @@ mod tests {
             "{g}: not shared at read: {:?}",
             r.engine.page_state(r.vm, g)
         );
+        // No event parked for a request the page is no longer in flight for.
+        r.engine.check_invariants().unwrap();
         // The shares done; the guest writes `g` (a CoW break) before their answers.
         let mut answers = Vec::new();
         for c in r.engine.take_commands(r.vm) {
