@@ -19,7 +19,7 @@ use memfold_codecs::PAGE_SIZE;
 use memfold_ids::{FrameId, Gfn};
 use memfold_sys::memfd::pwrite_all;
 use memfold_wire::{
-    reattach, AgentReport, Conn, Discarded, OpLatency, ToAgent, ToDaemon, PROTOCOL_VERSION,
+    reattach, shown, AgentReport, Conn, Discarded, OpLatency, ToAgent, ToDaemon, PROTOCOL_VERSION,
 };
 
 use crate::state::PageHome;
@@ -28,7 +28,8 @@ use crate::Agent;
 /// Longest wait for memfoldd's welcome: the handshake runs on the fault-serving thread.
 const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Wait before attaching again after memfoldd refused.
+/// Wait before attaching again after memfoldd refused, or answered anything but a
+/// welcome.
 const REFUSED_BACK_OFF: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// How often the agent reports its counters and latencies.
@@ -223,10 +224,23 @@ impl Agent {
                 self.pending.discards.clear();
             }
             Ok(Some((ToAgent::Refused { message }, _))) => {
-                tracing::warn!("memfoldd refused the attach: {message}");
+                tracing::warn!("memfoldd refused the attach: {}", shown(&message));
                 self.back_off();
             }
-            Ok(other) => tracing::warn!("memfoldd refused the attach: {:?}", other.map(|m| m.0)),
+            // Any other answer, or none (a memfoldd that could not read the hello closed
+            // the connection): not a welcome, and trying again every second would not
+            // make it one.
+            Ok(other) => {
+                let what = match other {
+                    None => "the connection closed".to_string(),
+                    Some((ToAgent::Welcome { version }, _)) => {
+                        format!("a welcome of protocol version {version} (ours {PROTOCOL_VERSION}) or with no pool")
+                    }
+                    Some((m, _)) => shown(&format!("{m:?}")),
+                };
+                tracing::warn!("no welcome from memfoldd: {what}; trying again later");
+                self.back_off();
+            }
             Err(e) => {
                 // No welcome in time: whatever listens there, do not block the guest's
                 // faults on it every second.

@@ -26,7 +26,7 @@ use memfold_live::daemon::{DaemonConfig, DomainRule};
 use memfold_live::query_stats;
 use memfold_sys::memfd;
 use memfold_sys::socket::Seqpacket;
-use memfold_wire::{BatchId, Conn, FrameId, Gfn, ToAgent, ToClient, ToDaemon, PROTOCOL_VERSION};
+use memfold_wire::{BatchId, Conn, FrameId, Gfn, ToAgent, ToDaemon, PROTOCOL_VERSION};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 const PAGE: usize = 4096;
@@ -297,11 +297,14 @@ fn attacks(socket: &std::path::Path) {
         )
         .unwrap();
         c.set_recv_timeout(Duration::from_secs(5)).unwrap();
-        let r = c.recv::<ToClient>().unwrap().expect("an answer").0;
+        // In words an agent reads (it got a `ToClient::Error` it could not decode).
+        let r = c.recv::<ToAgent>().unwrap().expect("an answer").0;
         (c, r)
     };
     assert!(
-        matches!(&reply, ToClient::Error { message } if message.contains("protocol version")),
+        matches!(&reply, ToAgent::Refused { message }
+            if message.contains(&format!("protocol version {PROTOCOL_VERSION}"))
+                && message.contains(&format!("version {}", PROTOCOL_VERSION + 7))),
         "{reply:?}"
     );
 

@@ -142,27 +142,31 @@ fn the_endpoint_serves_every_guest_passes_promtool_and_feeds_the_dashboard() {
         headers.contains("content-type: text/plain; version=0.0.4"),
         "{headers}"
     );
+    // A guest's series are labelled by its name and its QEMU's pid (this process).
+    let pid = std::process::id();
     for vm in ["web-m", "db-m"] {
+        let labels = format!("vm=\"{vm}\",pid=\"{pid}\"");
         assert!(
-            value(&text, &format!("memfold_host_memory_bytes{{vm=\"{vm}\"}}")) >= PAGE as f64,
+            value(&text, &format!("memfold_host_memory_bytes{{{labels}}}")) >= PAGE as f64,
             "{text}"
         );
         assert_eq!(
-            value(&text, &format!("memfold_guest_memory_bytes{{vm=\"{vm}\"}}")),
+            value(&text, &format!("memfold_guest_memory_bytes{{{labels}}}")),
             if vm == "web-m" { 1210.0 } else { 1230.0 } * PAGE as f64
         );
         assert!(
             value(
                 &text,
-                &format!("memfold_pages{{vm=\"{vm}\",state=\"patched\"}}")
+                &format!("memfold_pages{{{labels},state=\"patched\"}}")
             ) > 0.0
         );
     }
-    assert!(value(&text, "memfold_cow_breaks_total{vm=\"web-m\"}") >= 1.0);
+    let web = format!("vm=\"web-m\",pid=\"{pid}\"");
+    assert!(value(&text, &format!("memfold_cow_breaks_total{{{web}}}")) >= 1.0);
     assert!(
         value(
             &text,
-            "memfold_faults_total{vm=\"web-m\",kind=\"write_protect\"}"
+            &format!("memfold_faults_total{{{web},kind=\"write_protect\"}}")
         ) >= 1.0
     );
     for mech in ["share", "zero", "patch", "compress"] {
@@ -182,7 +186,12 @@ fn the_endpoint_serves_every_guest_passes_promtool_and_feeds_the_dashboard() {
     );
     // memfoldd runs in this process, which has done the work above.
     assert!(value(&text, "memfold_cpu_seconds_total{process=\"memfoldd\"}") > 0.0);
-    assert!(value(&text, "memfold_agent_cpu_seconds_total{vm=\"db-m\"}") >= 0.0);
+    assert!(
+        value(
+            &text,
+            &format!("memfold_agent_cpu_seconds_total{{vm=\"db-m\",pid=\"{pid}\"}}")
+        ) >= 0.0
+    );
     assert!(
         value(
             &text,

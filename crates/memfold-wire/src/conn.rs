@@ -10,6 +10,10 @@ use memfold_sys::socket::{Seqpacket, SeqpacketListener};
 
 use crate::{decode, encode, Message, WireError, MAX_MESSAGE};
 
+/// A message's bytes, undecoded, and the descriptors passed with it
+/// ([`Conn::recv_bytes`]).
+pub type RawMessage = (Vec<u8>, Vec<OwnedFd>);
+
 /// A listening memfoldd socket.
 #[derive(Debug)]
 pub struct Listener {
@@ -110,6 +114,16 @@ impl Conn {
         self.sock.set_recv_timeout(t)
     }
 
+    /// Receives wait for good again (after [`Self::set_recv_timeout`]).
+    ///
+    /// Errors: setsockopt failed.
+    pub fn clear_recv_timeout(&self) -> io::Result<()> {
+        // A timeout of 0 is refused (EINVAL); one past the kernel's longest
+        // (`MAX_SCHEDULE_TIMEOUT`, seconds past i64::MAX / HZ) is none.
+        self.sock
+            .set_recv_timeout(std::time::Duration::from_secs(i64::MAX as u64))
+    }
+
     /// Ends the connection both ways.
     pub fn shutdown(&self) {
         self.sock.shutdown()
@@ -145,6 +159,18 @@ impl Conn {
     /// Errors: a message over [`MAX_MESSAGE`] or malformed (the error says its size and
     /// what could not be parsed), or a socket error.
     pub fn recv<M: Message>(&self) -> Result<Option<(M, Vec<OwnedFd>)>, WireError> {
+        match self.recv_bytes()? {
+            Some((bytes, fds)) => Ok(Some((decode(&bytes)?, fds))),
+            None => Ok(None),
+        }
+    }
+
+    /// Receives one message undecoded, and the descriptors passed with it: for a reader
+    /// that looks at it before it decodes it ([`crate::hello::HelloHead`]). `Ok(None)` at
+    /// end of connection.
+    ///
+    /// Errors: a message over [`MAX_MESSAGE`], or a socket error.
+    pub fn recv_bytes(&self) -> Result<Option<RawMessage>, WireError> {
         let mut buf = vec![0u8; MAX_MESSAGE];
         let p = self.sock.recv(&mut buf)?;
         if p.truncated {
@@ -153,7 +179,8 @@ impl Conn {
         if p.len == 0 {
             return Ok(None);
         }
-        Ok(Some((decode(&buf[..p.len])?, p.fds)))
+        buf.truncate(p.len);
+        Ok(Some((buf, p.fds)))
     }
 }
 

@@ -18,6 +18,7 @@
 //! | [`stats`] | memfoldd's statistics, per guest and in total |
 //! | [`stats_parts`] | statistics too large for one message, sent and read in parts |
 //! | [`name`] | the bound on a guest's name, and how a peer's words are shown |
+//! | [`hello`] | a first message's kind and version, read before it is decoded whole |
 //! | [`metrics`] | the statistics as a Prometheus (OpenMetrics) exposition |
 //! | [`latency`] | latency histograms (HDR) and their percentiles |
 //! | [`conn`] | [`Conn`] and [`Listener`], over `memfold_sys::socket` |
@@ -34,6 +35,7 @@ use serde::{de::DeserializeOwned, Serialize};
 pub mod conn;
 pub mod device;
 pub mod guest;
+pub mod hello;
 pub mod keyval;
 pub mod latency;
 pub mod messages;
@@ -51,14 +53,15 @@ pub use messages::{
     AgentReport, Blob, BlobHome, CensusStats, Discarded, RamFile, StashPage, ToAgent, ToClient,
     ToDaemon, ToDevice, CLOCK_SLICE, MAX_BATCH, MAX_MESSAGE, PROTOCOL_VERSION,
 };
-pub use name::{check_name, shown, NameError, MAX_NAME_BYTES};
+pub use name::{check_name, shown, shown_within, NameError, MAX_NAME_BYTES};
 pub use reattach::Mapped;
 pub use stats::{
     GuestPages, HeldBytes, KernelSwapStats, LifetimeCdf, MetadataBy, OpLatencies, SavedBy, Stats,
     SwapStats, VmStats, AGENT_OPS,
 };
 pub use stats_parts::{
-    assemble_stats, stats_messages, StatsPartsError, MAX_STATS_VMS, STATS_PART_BYTES,
+    assemble_stats, stats_messages, StatsPartsError, MAX_STATS_VMS, MAX_VM_STRING_BYTES,
+    STATS_PART_BYTES,
 };
 
 /// Wire errors.
@@ -260,6 +263,8 @@ mod tests {
             ToDaemon::Stats,
             ToDaemon::RegionUnmapped,
         ] {
+            let head = hello::HelloHead::of(&encode(&m)).unwrap();
+            assert_eq!(head.kind, m.kind(), "{m:?}");
             round_trip(m);
         }
         for m in [

@@ -419,6 +419,39 @@ pub enum ToDaemon {
     },
 }
 
+impl ToDaemon {
+    /// The message's kind, as its JSON's `type` names it (`share_done`): what memfoldd
+    /// says of a message it did not expect, rather than its content (the peer's words,
+    /// up to a message long).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ToDaemon::AgentHello { .. } => "agent_hello",
+            ToDaemon::ShareDone { .. } => "share_done",
+            ToDaemon::CowBroken { .. } => "cow_broken",
+            ToDaemon::ReclaimDone { .. } => "reclaim_done",
+            ToDaemon::StashDone { .. } => "stash_done",
+            ToDaemon::Unstashed { .. } => "unstashed",
+            ToDaemon::Refilled { .. } => "refilled",
+            ToDaemon::Discarded { .. } => "discarded",
+            ToDaemon::ClockBits { .. } => "clock_bits",
+            ToDaemon::AgentStats(_) => "agent_stats",
+            ToDaemon::ClientHello { .. } => "client_hello",
+            ToDaemon::Stats => "stats",
+            ToDaemon::Census => "census",
+            ToDaemon::DeviceHello { .. } => "device_hello",
+            ToDaemon::ReadLanded { .. } => "read_landed",
+            ToDaemon::FillRead { .. } => "fill_read",
+            ToDaemon::OptOut { .. } => "opt_out",
+            ToDaemon::RegionUnmapped => "region_unmapped",
+            ToDaemon::WatchDone { .. } => "watch_done",
+            ToDaemon::DiscardDone { .. } => "discard_done",
+            ToDaemon::PageOutDone { .. } => "page_out_done",
+            ToDaemon::PagedIn { .. } => "paged_in",
+            ToDaemon::TakeBackDone { .. } => "take_back_done",
+        }
+    }
+}
+
 /// Messages to an agent.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(tag = "type", rename_all = "snake_case")]

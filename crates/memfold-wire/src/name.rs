@@ -94,6 +94,12 @@ pub fn invisible(c: char) -> bool {
 /// [`SHOWN_CHARS`] characters then `...` — so a peer cannot forge log lines or drive an
 /// operator's terminal with escapes, nor fill a line.
 pub fn shown(words: &str) -> String {
+    shown_within(words, SHOWN_CHARS)
+}
+
+/// A peer's words as [`shown`] shows them, kept to at most `chars` characters (then
+/// `...`): for text that quotes a peer inside a longer line of memfoldd's own.
+pub fn shown_within(words: &str, chars: usize) -> String {
     let mut out = String::new();
     for c in words.chars() {
         if c == ' ' || c.is_ascii_graphic() {
@@ -101,8 +107,9 @@ pub fn shown(words: &str) -> String {
         } else {
             out.extend(c.escape_default());
         }
-        if out.len() >= SHOWN_CHARS {
-            out.truncate(SHOWN_CHARS);
+        if out.len() >= chars {
+            // Only ASCII was pushed: any byte is a character boundary.
+            out.truncate(chars);
             out.push_str("...");
             break;
         }
@@ -171,5 +178,7 @@ mod tests {
         let e = shown("no kpageflags\n2026 WARN forged\u{1b}[2J\u{202e}");
         assert_eq!(e, "no kpageflags\\n2026 WARN forged\\u{1b}[2J\\u{202e}");
         assert_eq!(shown(&"x".repeat(5000)).len(), SHOWN_CHARS + 3);
+        assert_eq!(shown_within("ab\ncd", 4), "ab\\n...");
+        assert_eq!(shown_within(&"\u{1b}".repeat(5000), 500).len(), 503);
     }
 }

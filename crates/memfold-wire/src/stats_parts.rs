@@ -34,6 +34,47 @@ const _: () = assert!(STATS_PART_BYTES <= crate::MAX_MESSAGE / 2);
 /// error): far more than one memfoldd serves, and a bound on what a reader allocates.
 pub const MAX_STATS_VMS: usize = 1 << 16;
 
+/// Most bytes of each of a guest's strings in statistics: its name, its balloon's
+/// problem, its guest agent's name and last error. Each may quote a peer (a QEMU's
+/// monitor answer, a guest agent's words), and one guest's [`VmStats`] must fit a message:
+/// with JSON's escapes (at most 6 bytes a byte) the four stay under 50 KiB together. A
+/// longer string is cut and says so ([`stats_messages`]).
+pub const MAX_VM_STRING_BYTES: usize = 2048;
+
+// Four strings at their bound, every byte escaped, leave room in a part for the rest.
+const _: () = assert!(4 * (6 * MAX_VM_STRING_BYTES + 64) <= STATS_PART_BYTES / 2);
+
+/// `s` cut to [`MAX_VM_STRING_BYTES`] (at a character's boundary), saying how long it was.
+fn cut(s: &mut String) {
+    let len = s.len();
+    if len <= MAX_VM_STRING_BYTES {
+        return;
+    }
+    let mut at = MAX_VM_STRING_BYTES;
+    while !s.is_char_boundary(at) {
+        at -= 1;
+    }
+    s.truncate(at);
+    s.push_str(&format!("... ({len} bytes, cut by memfoldd)"));
+}
+
+/// `v` with each of its strings cut to [`MAX_VM_STRING_BYTES`]: whatever a peer made
+/// memfoldd keep, one guest never makes the statistics too large to send (a QEMU's
+/// 300 KB monitor error did, and every reader got nothing).
+fn bounded(mut v: VmStats) -> VmStats {
+    cut(&mut v.name);
+    if let Some(p) = &mut v.balloon_problem {
+        cut(p);
+    }
+    if let Some(g) = &mut v.guest_pages {
+        cut(&mut g.agent);
+        if let Some(e) = &mut g.last_error {
+            cut(e);
+        }
+    }
+    v
+}
+
 /// Bytes of `v`'s JSON, counted without keeping them.
 fn json_len<T: Serialize>(v: &T) -> usize {
     struct Count(usize);
@@ -55,9 +96,13 @@ fn json_len<T: Serialize>(v: &T) -> usize {
 /// most [`STATS_PART_BYTES`]; otherwise a head with no guests and
 /// [`Stats::vms_following`] set, then [`ToClient::StatsVms`] parts, each at most
 /// [`STATS_PART_BYTES`] of JSON (a guest larger than that alone is a part of its own),
-/// every guest once, in `stats.vms`' order.
+/// every guest once, in `stats.vms`' order, each of its strings cut to
+/// [`MAX_VM_STRING_BYTES`] (saying so) so that no guest alone outgrows a message.
 pub fn stats_messages(mut stats: Stats) -> Vec<ToClient> {
-    let vms = std::mem::take(&mut stats.vms);
+    let vms: Vec<VmStats> = std::mem::take(&mut stats.vms)
+        .into_iter()
+        .map(bounded)
+        .collect();
     stats.vms_following = 0;
     let lens: Vec<usize> = vms.iter().map(json_len).collect();
     let head = json_len(&ToClient::Stats(Box::new(stats.clone())));
@@ -298,6 +343,44 @@ mod tests {
         let alone = msgs.iter().filter(|m| matches!(m, ToClient::StatsVms { vms } if vms.len() == 1 && vms[0].name == s.vms[30].name));
         assert_eq!(alone.count(), 1);
         assert_eq!(through_the_wire(&msgs).unwrap(), s);
+    }
+
+    /// A guest whose strings a peer made huge (a QEMU's 300 KB monitor error as its
+    /// balloon's problem, a guest agent's words) still fits a message, each string cut
+    /// and saying so; the other guests come whole. Fails without the cut (one message of
+    /// over 300 KB, which the wire refuses to send).
+    #[test]
+    fn a_guest_with_huge_strings_still_fits_a_message() {
+        let mut s = stats(3, 10);
+        let v = &mut s.vms[1];
+        v.balloon_problem = Some(format!("query-balloon: {}", "A".repeat(300_000)));
+        v.guest_pages = Some(crate::GuestPages {
+            agent: "\u{1b}".repeat(100_000),
+            last_error: Some("é".repeat(100_000)),
+            ..Default::default()
+        });
+        let msgs = stats_messages(s.clone());
+        for m in &msgs {
+            let len = encode(m).len();
+            assert!(len <= crate::MAX_MESSAGE, "{len} bytes");
+        }
+        let got = through_the_wire(&msgs).unwrap();
+        assert_eq!(got.vms[0], s.vms[0]);
+        assert_eq!(got.vms[2], s.vms[2]);
+        let p = got.vms[1].balloon_problem.as_deref().unwrap();
+        assert!(p.starts_with("query-balloon: AAA"), "{p:.40}");
+        assert!(p.ends_with("... (300015 bytes, cut by memfoldd)"), "{p}");
+        let g = got.vms[1].guest_pages.as_ref().unwrap();
+        assert!(
+            g.agent.len() < MAX_VM_STRING_BYTES + 64,
+            "{}",
+            g.agent.len()
+        );
+        let e = g.last_error.as_deref().unwrap();
+        assert!(
+            e.ends_with("... (200000 bytes, cut by memfoldd)"),
+            "{e:.40}"
+        );
     }
 
     /// Parts that do not add up, another message in between, a connection that ends

@@ -157,14 +157,6 @@ impl Daemon {
             ));
             return;
         }
-        let mapped = match list.map(|l| reattach::from_memfd(l.as_fd(), shared)) {
-            None => Vec::new(),
-            Some(Ok(m)) => m,
-            Some(Err(e)) => {
-                refuse(format!("re-attach list: {e}"));
-                return;
-            }
-        };
         // Never-share (Satori §4.3): the guest is keyed alone, as under `vm`, so it joins
         // (or makes) a domain no other guest's key leads to; the engine refuses it
         // anything else (the invariant, `Engine::attach`).
@@ -177,9 +169,28 @@ impl Daemon {
             (DomainRule::User, Sharing::Domain) => DomainKey::User(uid),
             (DomainRule::Vm, _) | (_, Sharing::NeverShare) => DomainKey::Vm(ram_id.0, ram_id.1),
         };
-        let d = match their_pool {
-            None => self.domain_for(key),
-            Some(p) => self.pool_domain(key, p, ram_id),
+        // The pool's checks before the list: the list (up to 512 MiB) is read on this
+        // thread, and a hello refused for its pool must cost no more than the refusal
+        // (test `hostile_hellos.rs`).
+        let plan = match their_pool.as_ref().map(|p| self.check_pool(key, p, ram_id)) {
+            None => None,
+            Some(Ok(plan)) => Some(plan),
+            Some(Err(why)) => {
+                refuse(why);
+                return;
+            }
+        };
+        let mapped = match list.map(|l| reattach::from_memfd(l.as_fd(), shared)) {
+            None => Vec::new(),
+            Some(Ok(m)) => m,
+            Some(Err(e)) => {
+                refuse(format!("re-attach list: {e}"));
+                return;
+            }
+        };
+        let d = match (their_pool, plan) {
+            (Some(p), Some(plan)) => self.take_pool(key, p, plan),
+            _ => self.domain_for(key),
         };
         let d = match d {
             Ok(d) => d,

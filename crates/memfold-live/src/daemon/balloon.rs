@@ -75,6 +75,10 @@ const MONITOR_TIMEOUT: Duration = Duration::from_secs(2);
 /// at most this often ([`Pace::ask_again_after`]).
 const IGNORED_AFTER: Duration = Duration::from_secs(30);
 
+/// Most characters of a balloon's problem as memfoldd keeps and shows it: room for its
+/// own longest (~180) with a path or a QEMU's short error in it.
+const PROBLEM_CHARS: usize = 400;
+
 /// A balloon less than this from its target counts as there, bytes.
 const NEAR: u64 = 1 << 20;
 
@@ -182,6 +186,8 @@ fn asks_of(
             a.map_or(host.1, |a| a.min(host.1)),
         ),
         Err(why) => {
+            // Its environment's words: shown escaped and short.
+            let why = memfold_wire::shown_within(&why, PROBLEM_CHARS);
             tracing::warn!("QEMU pid {pid}: {why}; the host's claim policy applies");
             host
         }
@@ -408,7 +414,11 @@ impl Reporter {
         }
     }
 
+    /// Says the balloon's problem (`None`: all is well). The text may quote the QEMU's
+    /// monitor (its error's `desc`, a line it sent): it is shown escaped and at most
+    /// [`PROBLEM_CHARS`] long, in the log and in every reader's statistics.
     fn problem(&mut self, why: Option<String>) {
+        let why = why.map(|w| memfold_wire::shown_within(&w, PROBLEM_CHARS));
         if why.is_some() && why != self.said {
             tracing::warn!(
                 "balloon of QEMU pid {}: {}",
@@ -442,6 +452,7 @@ fn claim_loop(
             Ok(mut q) => {
                 // Costs only the guest channel its exact layout (it infers one).
                 if let Err(why) = layouts.ask(pid, &mut q) {
+                    let why = memfold_wire::shown(&why);
                     tracing::debug!("QEMU pid {pid}: no RAM layout: {why}");
                 }
                 match drive(q, &targets, &mut target, &mut r, PACE) {

@@ -3,7 +3,7 @@
 //! them back.
 //!
 //! Trust: a device is an operator's process (its hello is heard from root or memfoldd's
-//! own user only, `guests.rs`), but its peer QEMU is not, so nothing a device says about
+//! own user only, `readers.rs`), but its peer QEMU is not, so nothing a device says about
 //! a page's content is believed:
 //! - a base image is named by the descriptor the device passes in its hello, checked
 //!   against the id it claims (`fstat`), and only bases so checked are taken;

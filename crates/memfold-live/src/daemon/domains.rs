@@ -96,17 +96,34 @@ impl Daemon {
     /// a new domain of the same key adopts it, so both keep their frames (they share
     /// within each pool only, until the old one's guests are gone).
     ///
-    /// Errors (a refusal's message): the pool is another key's domain's, its guest RAM,
-    /// not a memfd open for reading and writing, or larger than [`MAX_ADOPTED_FRAMES`]; a
-    /// new domain would give `key` more than [`MAX_DOMAINS_PER_KEY`].
+    /// Errors (a refusal's message): as [`Self::check_pool`]'s, or 2^32 domains made.
+    #[cfg(test)]
     pub(super) fn pool_domain(
         &mut self,
         key: DomainKey,
         theirs: OwnedFd,
         ram_id: (u64, u64),
     ) -> Result<DomainId, String> {
+        let plan = self.check_pool(key, &theirs, ram_id)?;
+        self.take_pool(key, theirs, plan)
+    }
+
+    /// What pool `theirs` of a re-attaching agent of `key` (guest RAM `ram_id`) would be
+    /// to memfoldd, checked with no side effect and no read of the pool, so that a hello
+    /// to be refused for its pool is refused before anything costly is done for it (its
+    /// re-attach list read; `attach.rs`).
+    ///
+    /// Errors (a refusal's message): the pool is another key's domain's, its guest RAM,
+    /// not a memfd open for reading and writing, or larger than [`MAX_ADOPTED_FRAMES`]; a
+    /// new domain would give `key` more than [`MAX_DOMAINS_PER_KEY`].
+    pub(super) fn check_pool(
+        &self,
+        key: DomainKey,
+        theirs: &OwnedFd,
+        ram_id: (u64, u64),
+    ) -> Result<PoolPlan, String> {
         let id = |f: &OwnedFd| memfd::file_id(f.as_fd()).ok();
-        let Some(theirs_id) = id(&theirs) else {
+        let Some(theirs_id) = id(theirs) else {
             return Err("its pool is not a file".into());
         };
         if !memfd::is_read_write_memfd(theirs.as_fd()) || theirs_id == ram_id {
@@ -114,13 +131,13 @@ impl Daemon {
         }
         if let Some((&d, _)) = self.pools.iter().find(|(_, p)| id(p) == Some(theirs_id)) {
             return if self.key_of.get(&d) == Some(&key) {
-                Ok(d)
+                Ok(PoolPlan::Known(d))
             } else {
                 Err(format!("it maps the pool of {d}, another sharing domain's"))
             };
         }
-        let d = match self.keys.get(&key) {
-            Some(&d) if self.engine.pool_untouched(d) => d,
+        let into = match self.keys.get(&key) {
+            Some(&d) if self.engine.pool_untouched(d) => Some(d),
             _ => {
                 let of_key = self.key_of.values().filter(|&&k| k == key).count();
                 if of_key >= MAX_DOMAINS_PER_KEY {
@@ -130,9 +147,7 @@ impl Daemon {
                          at most {MAX_DOMAINS_PER_KEY})"
                     ));
                 }
-                let d = self.new_domain(key)?;
-                self.keys.entry(key).or_insert(d);
-                d
+                None
             }
         };
         let size = memfd::size(theirs.as_fd()).unwrap_or(0);
@@ -142,6 +157,34 @@ impl Daemon {
                 (MAX_ADOPTED_FRAMES * PAGE) >> 30
             ));
         }
+        Ok(PoolPlan::Adopt { into, size })
+    }
+
+    /// The domain of pool `theirs` of an agent of `key`, as [`Self::check_pool`] found
+    /// it (`plan`, with nothing changed since: both run on the main thread): its known
+    /// domain, or the domain that adopts it now, of the size checked (a pool grown since
+    /// is cut back to it when counted).
+    ///
+    /// Errors (a refusal's message): 2^32 domains made; the pool's descriptor cannot be
+    /// duplicated.
+    pub(super) fn take_pool(
+        &mut self,
+        key: DomainKey,
+        theirs: OwnedFd,
+        plan: PoolPlan,
+    ) -> Result<DomainId, String> {
+        let (into, size) = match plan {
+            PoolPlan::Known(d) => return Ok(d),
+            PoolPlan::Adopt { into, size } => (into, size),
+        };
+        let d = match into {
+            Some(d) => d,
+            None => {
+                let d = self.new_domain(key)?;
+                self.keys.entry(key).or_insert(d);
+                d
+            }
+        };
         let frames = (size / PAGE) as u32;
         let held: Vec<FrameId> = memfd::data_runs(theirs.as_fd(), Gfn(0), Gfn(frames))
             .into_iter()
@@ -157,6 +200,16 @@ impl Daemon {
         self.pools.insert(d, theirs);
         Ok(d)
     }
+}
+
+/// What a re-attaching agent's pool is to memfoldd ([`Daemon::check_pool`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum PoolPlan {
+    /// The pool of this domain, of the agent's key.
+    Known(DomainId),
+    /// A pool of `size` bytes to adopt: into the key's domain that has used no pool of
+    /// its own yet, or (`None`) a new domain of the key.
+    Adopt { into: Option<DomainId>, size: u64 },
 }
 
 #[cfg(test)]

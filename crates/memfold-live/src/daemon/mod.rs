@@ -8,7 +8,8 @@
 //! | file | concern |
 //! |---|---|
 //! | `mod.rs` | the main loop: inputs, scan, clock, budget, flush, reap; attach |
-//! | `guests` | connections (accept, readers), each guest's agent reports, liveness |
+//! | `readers` | connections: the accept thread, a reader each, the hello |
+//! | `guests` | each guest's connection, its agent's reports, liveness |
 //! | `executor` | commands → batches to agents; answers → outcomes to the engine |
 //! | [`backings`] | the engine's backings on memfds and files |
 //! | `books` | the books' export as the wire's statistics |
@@ -28,6 +29,7 @@ mod domains;
 mod executor;
 mod guests;
 mod outbox;
+mod readers;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::{AsFd, OwnedFd};
@@ -47,7 +49,9 @@ use backings::FileBacking;
 use domains::DomainKey;
 pub use domains::DomainRule;
 use executor::Executor;
-use guests::{Guests, Input};
+use guests::Guests;
+use readers::Input;
+pub use readers::{HELLO_TIMEOUT, MAX_HELLOS_WAITING};
 
 use crate::guest_channel::GuestChannels;
 use crate::monitor::QemuLayouts;
@@ -250,7 +254,7 @@ pub fn serve(
     let acceptor = Arc::clone(&listener);
     if let Err(e) = std::thread::Builder::new()
         .name("accept".into())
-        .spawn(move || guests::accept_loop(&acceptor, tx, agent_gid))
+        .spawn(move || readers::accept_loop(&acceptor, tx, agent_gid))
     {
         closed(&listener);
         return Err(socket_err(e));
@@ -487,8 +491,10 @@ impl Daemon {
                     ToDaemon::OptOut { .. } => ToClient::Error {
                         message: "only root or memfoldd's user may opt a guest out or in".into(),
                     },
+                    // Its kind only: the request's content is the peer's, up to a
+                    // message long (its Debug text could outgrow the answer).
                     other => ToClient::Error {
-                        message: format!("unexpected request {other:?}"),
+                        message: format!("unexpected request of kind {}", other.kind()),
                     },
                 };
                 let _ = reply.send(answer);

@@ -7,7 +7,7 @@
 //! Flow control stays: the executor hands a guest new batches only while its outbox has
 //! room ([`Outbox::has_room`]), so an agent that is only slow (its socket buffer full
 //! while it serves faults) gets its commands later, not a dropped connection. One whose
-//! writer cannot send for [`SEND_TIMEOUT`](super::guests::SEND_TIMEOUT) is gone: the
+//! writer cannot send for [`SEND_TIMEOUT`](super::readers::SEND_TIMEOUT) is gone: the
 //! writer shuts the connection, the reader sees the end, the guest is detached.
 
 use std::sync::atomic::{AtomicUsize, Ordering};

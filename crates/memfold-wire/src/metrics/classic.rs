@@ -36,12 +36,14 @@ pub fn prometheus_text(openmetrics: &str) -> String {
                     out.push_str(line);
                 }
             }
-            None => match line.split_once("{} ") {
-                Some((name, value)) if !name.contains(' ') => {
-                    out.push_str(&format!("{name} {value}"))
+            None => {
+                // `{}` only right after the name: a label value may hold `{} ` too.
+                let name = &line[..line.find(['{', ' ']).unwrap_or(line.len())];
+                match line[name.len()..].strip_prefix("{} ") {
+                    Some(value) => out.push_str(&format!("{name} {value}")),
+                    None => out.push_str(line),
                 }
-                _ => out.push_str(line),
-            },
+            }
         }
         out.push('\n');
     }
@@ -66,7 +68,7 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("memfold_cow_breaks_total{vm=\"web\"} 3\n"),
+            text.contains("memfold_cow_breaks_total{vm=\"web\",pid=\"4242\"} 3\n"),
             "{text}"
         );
         assert!(
@@ -89,5 +91,31 @@ mod tests {
                 .collect()
         };
         assert_eq!(samples(&om), samples(&text));
+    }
+
+    /// A guest named `a{} b` (check_name lets it) keeps its name in the classic text,
+    /// distinct from a guest named `a b`. Fails with `{} ` stripped anywhere in a line
+    /// (both were written `vm="a b"`).
+    #[test]
+    fn an_empty_label_set_is_left_out_only_after_the_name() {
+        let mut s = sample();
+        s.vms[0].name = "a{} b".into();
+        s.vms[1].name = "a b".into();
+        s.vms[1].pid = s.vms[0].pid;
+        let text = prometheus_text(&s.exposition());
+        let pid = s.vms[0].pid;
+        let line = |name: &str| format!("memfold_cow_breaks_total{{vm=\"{name}\",pid=\"{pid}\"}}");
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("memfold_cow_breaks_total{"))
+            .collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        assert!(lines[0].starts_with(&line("a{} b")), "{lines:?}");
+        assert!(lines[1].starts_with(&line("a b")), "{lines:?}");
+        // Unlabelled samples still lose their `{}`.
+        assert!(
+            text.contains("\nmemfold_host_budget_bytes 4096000.0\n"),
+            "{text}"
+        );
     }
 }

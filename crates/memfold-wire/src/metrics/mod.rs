@@ -5,7 +5,8 @@
 //! Names and units follow Prometheus' conventions: the base unit in the name (`_bytes`,
 //! `_seconds`), counters end in `_total`, a dimension is a label rather than a name.
 //! Pages are converted to bytes (4 KiB each). Labels: `vm` (the guest's name as its
-//! agent gave it), `mechanism` (`share`, `zero`, `patch`, `compress`, `swap`), `state`,
+//! agent gave it) with `pid` (its QEMU's: a name is unique only within one QEMU, so two
+//! tenants' guests named alike are two series), `mechanism` (`share`, `zero`, `patch`, `compress`, `swap`), `state`,
 //! `kind`, `class`, `op`, `backing`. The full list, with each metric's meaning, is in
 //! docs/operations.md; [`METRICS`] names every family this module writes.
 //!
@@ -136,11 +137,14 @@ fn label_value(v: &str) -> String {
     out
 }
 
+/// A guest's labels: its name and its QEMU's pid (names are unique only within a QEMU).
+fn vm_labels(v: &VmStats) -> Labels {
+    vec![("vm", label_value(&v.name)), ("pid", v.pid.to_string())]
+}
+
 /// One row per guest of `f`'s value.
 fn per_vm(vms: &[VmStats], f: impl Fn(&VmStats) -> Value) -> Vec<(Labels, Value)> {
-    vms.iter()
-        .map(|v| (vec![("vm", label_value(&v.name))], f(v)))
-        .collect()
+    vms.iter().map(|v| (vm_labels(v), f(v))).collect()
 }
 
 /// One row per guest and value of the second label (`key`), from `f`'s (value, sample)
@@ -152,8 +156,11 @@ fn per_vm_by<const N: usize>(
 ) -> Vec<(Labels, Value)> {
     vms.iter()
         .flat_map(|v| {
-            f(v).into_iter()
-                .map(|(k, x)| (vec![("vm", label_value(&v.name)), (key, k.to_string())], x))
+            f(v).into_iter().map(|(k, x)| {
+                let mut labels = vm_labels(v);
+                labels.push((key, k.to_string()));
+                (labels, x)
+            })
         })
         .collect()
 }
@@ -237,7 +244,7 @@ impl Collector for Snapshot {
                     ("unmapped", pages(v.unmapped_pages)),
                     (
                         "zero",
-                        pages(v.zero_reclaimed_pages - v.free_reclaimed_pages),
+                        pages(v.zero_reclaimed_pages.saturating_sub(v.free_reclaimed_pages)),
                     ),
                     ("free", pages(v.free_reclaimed_pages)),
                     ("patched", pages(v.patched_pages)),
@@ -396,7 +403,12 @@ impl Collector for Snapshot {
                     ("free_discard_stored", Counter(v.free_discards_stored)),
                     (
                         "cow_copy_avoided",
-                        Counter(v.cow_copies_avoided + v.free_discards_shared + v.nocopy_breaks),
+                        // `nocopy_breaks` is the agent's word: never an overflow.
+                        Counter(
+                            v.cow_copies_avoided
+                                .saturating_add(v.free_discards_shared)
+                                .saturating_add(v.nocopy_breaks),
+                        ),
                     ),
                 ]
             }),
@@ -498,10 +510,9 @@ impl Collector for Snapshot {
                 ]
                 .into_iter()
                 .filter_map(move |(kind, b)| {
-                    Some((
-                        vec![("vm", label_value(&v.name)), ("kind", kind.to_string())],
-                        Gauge(b? as f64),
-                    ))
+                    let mut labels = vm_labels(v);
+                    labels.push(("kind", kind.to_string()));
+                    Some((labels, Gauge(b? as f64)))
                 })
             })
             .collect();
@@ -552,248 +563,4 @@ impl Stats {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::latency::OpLatency;
-    use crate::stats::{OpLatencies, SavedBy, SwapStats};
-    use std::collections::BTreeSet;
-    use std::time::Duration;
-
-    pub(super) fn sample() -> Stats {
-        let mut share = OpLatency::default();
-        share.record(Duration::from_micros(3), 10);
-        share.record(Duration::from_millis(2), 1);
-        Stats {
-            cpu_s: 2.25,
-            saved_by: SavedBy {
-                sharing: 100,
-                zero: 5,
-                free: 4,
-                patching: 3,
-                compression: 2,
-                swap: 1,
-                store_waste: 1,
-                zswap: 6,
-            },
-            swap: SwapStats {
-                budget_pages: Some(1000),
-                host_used_pages: 900,
-                ..Default::default()
-            },
-            latency_buckets: OpLatencies::OPS
-                .iter()
-                .map(|op| {
-                    if *op == "share" {
-                        share.buckets(op)
-                    } else {
-                        OpLatency::default().buckets(op)
-                    }
-                })
-                .collect(),
-            vms: vec![
-                VmStats {
-                    name: "web".into(),
-                    pages: 256,
-                    host_bytes: 1 << 20,
-                    shared_pages: 40,
-                    cow_breaks: 3,
-                    wp_faults: 7,
-                    agent_cpu_s: 1.5,
-                    qemu_mappings: 5_200,
-                    qemu_vma_budget: 61_434,
-                    nru_pages: [1, 2, 3, 4],
-                    entitlement_pages: 30.5,
-                    balloon_target_bytes: Some(3 << 20),
-                    balloon_actual_bytes: Some(2 << 20),
-                    ..Default::default()
-                },
-                VmStats {
-                    name: "db \"x\"".into(),
-                    ..Default::default()
-                },
-            ],
-            ..Default::default()
-        }
-    }
-
-    /// The names of the samples in `text` (before `{` or the value).
-    fn sample_names(text: &str) -> BTreeSet<String> {
-        text.lines()
-            .filter(|l| !l.starts_with('#') && !l.is_empty())
-            .map(|l| l.split(['{', ' ']).next().unwrap().to_string())
-            .collect()
-    }
-
-    #[test]
-    fn exposition_names_labels_and_units() {
-        let text = sample().exposition();
-        assert!(
-            text.contains("memfold_qemu_mappings{vm=\"web\",kind=\"counted\"} 5200.0\n")
-                && text.contains("memfold_qemu_mappings{vm=\"web\",kind=\"budget\"} 61434.0\n"),
-            "{text}"
-        );
-        assert!(text.ends_with("# EOF\n"), "{text}");
-        assert!(
-            text.contains("# TYPE memfold_host_memory_bytes gauge\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("# UNIT memfold_host_memory_bytes bytes\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("memfold_host_memory_bytes{vm=\"web\"} 1048576.0\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("memfold_guest_memory_bytes{vm=\"web\"} 1048576.0\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("memfold_saved_bytes{mechanism=\"share\"} 409600.0\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("memfold_saved_bytes{mechanism=\"swap\"} 4096.0\n")
-                && text.contains("memfold_saved_bytes{mechanism=\"zswap\"} 24576.0\n")
-                && text.contains("memfold_saved_bytes{mechanism=\"free\"} 16384.0\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("memfold_pages{vm=\"web\",state=\"shared\"} 40.0\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("memfold_entitlement_bytes{vm=\"web\"} 124928.0\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("memfold_balloon_bytes{vm=\"web\",kind=\"target\"} 3145728.0\n")
-                && text.contains("memfold_balloon_bytes{vm=\"web\",kind=\"actual\"} 2097152.0\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("# TYPE memfold_cow_breaks counter\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("memfold_cow_breaks_total{vm=\"web\"} 3\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("memfold_agent_cpu_seconds_total{vm=\"web\"} 1.5\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("memfold_cpu_seconds_total{process=\"memfoldd\"} 2.25\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("memfold_faults_total{vm=\"web\",kind=\"write_protect\"} 7\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("memfold_nru_pages{vm=\"web\",class=\"C4\"} 4.0\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("memfold_host_budget_bytes{} 4096000.0\n"),
-            "{text}"
-        );
-        // A label value is escaped, not cut.
-        assert!(
-            text.contains("memfold_cow_breaks_total{vm=\"db \\\"x\\\"\"} 0\n"),
-            "{text}"
-        );
-        // Every family named in METRICS is written, and nothing else.
-        let names = sample_names(&text);
-        for m in METRICS {
-            let found = if m.ends_with("_seconds") && m.contains("latency") {
-                names.contains(&format!("{m}_bucket"))
-            } else {
-                names.contains(m)
-            };
-            assert!(found, "{m} missing from {names:?}");
-        }
-        let strip = |n: &str| {
-            let n = n
-                .strip_suffix("_bucket")
-                .or(n.strip_suffix("_sum"))
-                .or(n.strip_suffix("_count"));
-            n.map(str::to_string)
-        };
-        for n in &names {
-            let base = if n.starts_with("memfold_operation_latency_seconds") {
-                strip(n).unwrap()
-            } else {
-                n.clone()
-            };
-            assert!(METRICS.contains(&base.as_str()), "{n} is not in METRICS");
-        }
-    }
-
-    #[test]
-    fn latency_histograms_are_seconds_with_monotone_buckets() {
-        let text = sample().exposition();
-        assert!(
-            text.contains("# TYPE memfold_operation_latency_seconds histogram\n"),
-            "{text}"
-        );
-        let label = |l: &str, k: &str| -> Option<String> {
-            let start = l.find(&format!("{k}=\""))? + k.len() + 2;
-            Some(l[start..].split('"').next()?.to_string())
-        };
-        for op in OpLatencies::OPS {
-            let mut last = 0u64;
-            let mut les = Vec::new();
-            for l in text.lines().filter(|l| {
-                l.starts_with("memfold_operation_latency_seconds_bucket{")
-                    && label(l, "op").as_deref() == Some(op)
-            }) {
-                let le = label(l, "le").unwrap();
-                let n: u64 = l.rsplit(' ').next().unwrap().parse().unwrap();
-                assert!(n >= last, "{op}: bucket {le} has {n} < {last}");
-                last = n;
-                les.push(le);
-            }
-            // The bounds are ours, in seconds, rising, then +Inf.
-            assert_eq!(les.len(), LATENCY_BUCKETS_S.len() + 1, "{op}: {les:?}");
-            assert_eq!(les.last().unwrap(), "+Inf");
-            for (le, want) in les.iter().zip(LATENCY_BUCKETS_S) {
-                assert_eq!(le.parse::<f64>().unwrap(), want, "{op}: {les:?}");
-            }
-            let count = text
-                .lines()
-                .find(|l| {
-                    l.starts_with(&format!(
-                        "memfold_operation_latency_seconds_count{{op=\"{op}\"}}"
-                    ))
-                })
-                .unwrap();
-            assert!(
-                count.ends_with(&format!(" {last}")),
-                "{op}: +Inf {last} vs {count}"
-            );
-        }
-        // share: 10 at 3 µs, 1 at 2 ms; the sum in seconds.
-        let bucket = |le: &str| {
-            text.lines()
-                .find(|l| {
-                    l.starts_with("memfold_operation_latency_seconds_bucket{")
-                        && label(l, "op").as_deref() == Some("share")
-                        && label(l, "le").as_deref() == Some(le)
-                })
-                .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-        };
-        assert_eq!(bucket("0.0000025"), Some(0), "{text}");
-        assert_eq!(bucket("0.000005"), Some(10), "{text}");
-        assert_eq!(bucket("0.001"), Some(10), "{text}");
-        assert_eq!(bucket("0.0025"), Some(11), "{text}");
-        let sum: f64 = text
-            .lines()
-            .find(|l| l.starts_with("memfold_operation_latency_seconds_sum{op=\"share\"}"))
-            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-            .unwrap();
-        assert!((sum - 0.00203).abs() < 0.00003, "{sum}");
-    }
-}
+mod tests;

@@ -309,6 +309,8 @@ struct FakeGuest {
     inflates_at: usize,
     /// Every `balloon` command's value, bytes.
     asked: Vec<u64>,
+    /// The `desc` of the error it answers `query-balloon` with, if any.
+    query_error: Option<String>,
 }
 
 /// A QMP monitor served by this process, at `dir/qmp.sock`, for `guest`: a balloon at
@@ -324,6 +326,14 @@ fn fake_qemu(dir: &Path, guest: Arc<Mutex<FakeGuest>>) -> PathBuf {
             let Ok(line) = line else { return };
             let m: Value = serde_json::from_str(&line).unwrap();
             let mut g = guest.lock().unwrap();
+            if let (Some(desc), "query-balloon") = (&g.query_error, m["execute"].as_str().unwrap())
+            {
+                let e = json!({ "error": { "class": "GenericError", "desc": desc } });
+                if writeln!(s, "{e}").is_err() {
+                    return;
+                }
+                continue;
+            }
             let ret = match m["execute"].as_str().unwrap() {
                 "balloon" => {
                     let v = m["arguments"]["value"].as_u64().unwrap();
@@ -438,7 +448,7 @@ fn a_claimer_reads_its_guests_ram_from_the_monitor() {
         actual: 256 * MIB,
         available: 128 * MIB,
         inflates_at: 1,
-        asked: Vec::new(),
+        ..FakeGuest::default()
     }));
     let path = fake_qemu(dir.path(), guest);
     let q = Qmp::connect_served_by(&path, std::process::id(), MONITOR_TIMEOUT).unwrap();
@@ -457,4 +467,49 @@ fn a_claimer_reads_its_guests_ram_from_the_monitor() {
     };
     assert_eq!(drive(q, &rx, &mut None, &mut r, pace), Ok(()));
     assert_eq!(state.lock().unwrap().qemu_ram, Some(512 * MIB));
+}
+
+/// A QEMU that answers `query-balloon` with a 300 KB error, escapes and newlines in it,
+/// has its balloon's problem shown escaped and short, in the log and in every reader's
+/// statistics (unbounded, it made that guest's statistics too large to send: every
+/// operator's `memfold status` and `/metrics` failed). Fails with the text kept whole.
+#[test]
+fn a_qemus_long_error_is_kept_short_and_escaped() {
+    let dir = tempfile::tempdir().unwrap();
+    let desc = format!("\u{1b}[2J\nforged line {}", "A".repeat(300_000));
+    let guest = Arc::new(Mutex::new(FakeGuest {
+        actual: 256 * MIB,
+        query_error: Some(desc),
+        ..FakeGuest::default()
+    }));
+    let path = fake_qemu(dir.path(), guest);
+    let q = Qmp::connect_served_by(&path, std::process::id(), MONITOR_TIMEOUT).unwrap();
+    let state: Arc<Mutex<BalloonState>> = Arc::default();
+    let mut r = Reporter {
+        pid: std::process::id(),
+        state: Arc::clone(&state),
+        said: None,
+        off_target_since: None,
+    };
+    let (_tx, rx) = mpsc::channel::<u64>();
+    let pace = Pace {
+        poll: Duration::from_millis(20),
+        ask_again_after: Duration::from_millis(200),
+    };
+    let why = drive(q, &rx, &mut None, &mut r, pace).unwrap_err();
+    assert!(
+        why.len() > 300_000,
+        "the monitor's words, whole: {}",
+        why.len()
+    );
+    // As `claim_loop` says it.
+    r.problem(Some(why));
+    let p = state.lock().unwrap().problem.clone().expect("a problem");
+    assert!(p.len() <= PROBLEM_CHARS + 3, "{} bytes", p.len());
+    assert!(
+        p.starts_with("query-balloon: QMP command query-balloon failed"),
+        "{p}"
+    );
+    assert!(p.contains("\\u{1b}[2J\\nforged line AAA"), "{p}");
+    assert!(p.chars().all(|c| c == ' ' || c.is_ascii_graphic()), "{p}");
 }
