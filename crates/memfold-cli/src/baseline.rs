@@ -50,10 +50,17 @@ pub fn run(a: &BaselineArgs) -> Result<()> {
     drop(loaded);
 
     eprintln!("KSM, aggressive settings, {} s", a.ksm_secs);
-    let run = ksm::run_mode(&ksm_ctl, &mut gs, KsmMode::AGGRESSIVE, a.ksm_secs, None)?;
+    let run = ksm::run_mode(
+        &ksm_ctl,
+        &mut gs,
+        KsmMode::AGGRESSIVE,
+        a.ksm_secs,
+        None,
+        None,
+    )?;
     drop(ksm_ctl);
     ksm::write_outputs(&out, std::slice::from_ref(&run))?;
-    let mismatches: Vec<String> = gs.iter().flat_map(|g| g.mismatches()).collect();
+    let mismatches = crate::run::mismatches(gs.iter());
     drop(gs);
 
     let all = sets
@@ -74,14 +81,16 @@ pub fn run(a: &BaselineArgs) -> Result<()> {
                 "comparison": cmp, "ksm_t95_s": run.t95_s, "guest_mismatches": mismatches, "sets": sets,
             }))?
         );
-        return Ok(());
+    } else {
+        println!();
+        analyze::print_table(&sets);
+        cmp.print(all, &run);
+        println!("guest self-check mismatches: {}", mismatches.len());
+        println!("outputs: {}", out.display());
     }
-    println!();
-    analyze::print_table(&sets);
-    cmp.print(all, &run);
-    println!("guest self-check mismatches: {}", mismatches.len());
-    println!("outputs: {}", out.display());
-    Ok(())
+    // A guest's memory read wrong: the outputs are written, and the command fails.
+    let failures = crate::run::measure::mismatch_failures(&mismatches);
+    crate::run::ensure_clean("memfold baseline", &failures, &out)
 }
 
 /// Static analysis against KSM on the same guests, bytes. KSM's `pages_sharing` counts

@@ -6,15 +6,16 @@
 //! host memory saved and left, time to 95% of the plateau, CPU seconds, memory stall, and
 //! with `--plain-twins` each workload's throughput against an unmanaged twin on each side.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use anyhow::{Context, Result};
 use clap::Args;
-use memfold_sys::ksm::{Ksm, KsmMode};
 use memfold_vm::launcher::RamBackend;
 
-use crate::guests;
-use crate::ksm::run_mode;
-use crate::run::measure::Throughput;
-use crate::run::measure::{kernel_threads_cpu_seconds, start_marks, t95_text, throughput, MIB};
+mod ksm_side;
+pub use ksm_side::{ksm_side, KsmSide};
+
+use crate::run::measure::{t95_text, MemfoldRun, Throughput, MIB};
 use crate::run::{self, MemfoldArgs, RunArgs, Twins};
 
 /// Arguments of `memfold compare`.
@@ -39,9 +40,10 @@ pub struct CompareArgs {
     pub peer: Peer,
     /// Boot beside each guest, on both sides, a plain twin of its profile (memfold's side:
     /// no agent; the peer's: outside the reclaim cgroup, RAM not mergeable, no balloon),
-    /// each pair pinned to one host CPU, and report each workload's throughput managed /
-    /// plain ± 2 standard errors over its rounds, per side. Memory figures count the
-    /// managed guests only.
+    /// each pair pinned to one host CPU, and report each workload's throughput (total work
+    /// / total time of its rounds) managed / plain ± 2 standard errors of the
+    /// round-to-round noise (the twins taken as independent, which they are not), per
+    /// side. Memory figures count the managed guests only.
     #[arg(long)]
     pub plain_twins: bool,
     /// With --plain-twins: boot the plain twin of each pair first (the managed one second),
@@ -206,13 +208,19 @@ pub fn run(a: &CompareArgs) -> Result<()> {
             root.dir.display()
         );
     }
+    if a.memfold.census.is_some() && a.peer.is_kit() {
+        eprintln!("(--census: memfoldd's census is in memfold's CPU; the kit takes none)");
+    }
     eprintln!("== memfold (policy {}) on the set", a.memfold.engine.policy);
     let (m, out) = run::measure(&a.memfold_run(), "compare", &stop)?;
     // Over the sampled window, as the kit's side is: not the boots and shutdown around it.
     let memfold_stall_pct = m.memory_stall_pct;
     run::write_outputs(&out, &m)?;
+    if let Some(f) = memfold_side_ends_compare(&m, stop.load(Ordering::SeqCst)) {
+        return run::ensure_clean("memfold compare", &f, &out);
+    }
     if a.peer.is_kit() {
-        return compare_kit(a, &m, memfold_stall_pct, &out);
+        return compare_kit(a, &m, memfold_stall_pct, &out, &stop);
     }
 
     eprintln!(
@@ -223,12 +231,7 @@ pub fn run(a: &CompareArgs) -> Result<()> {
             ""
         }
     );
-    let KsmSide {
-        run: k,
-        cpu_s: ksm_cpu_s,
-        throughput: ksm_throughput,
-        mismatches,
-    } = ksm_side(
+    let side = ksm_side(
         &a.memfold.set,
         a.twins(),
         a.ksm_thp,
@@ -236,7 +239,10 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         a.memfold.secs,
         a.memfold.census,
         &out,
+        Some(&stop),
     )?;
+    let (k, ksm_cpu_s, ksm_throughput) = (&side.run, side.cpu_s, &side.throughput);
+    let (memfold_marks, ksm_marks) = (m.marks(), side.marks());
     let j = serde_json::json!({
         "guests": a.memfold.set.profiles,
         "secs": a.memfold.secs,
@@ -255,9 +261,14 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "memfold_t95_s": m.t95_s,
         "ksm_t95_s": k.t95_s,
         "memfold_cpu_s": m.cpu_s,
+        "memfold_blk_cpu_s": m.blk_cpu_s,
         "memfold_daemon_restarts": m.daemon_restarts,
+        "memfold_guest_mismatches": m.mismatches.len(),
+        "memfold_marks": memfold_marks,
         "ksm_cpu_s": ksm_cpu_s,
-        "ksm_guest_mismatches": mismatches.len(),
+        "ksm_census_cpu_s": k.census_cpu_s,
+        "ksm_guest_mismatches": side.mismatches.len(),
+        "ksm_marks": ksm_marks,
         "memfold_zero_policy": a.memfold.engine.zero,
         "memfold_policy": a.memfold.engine.policy,
         "memfold_saved_by_pages": m.end().map(|s| s.saved_by),
@@ -307,80 +318,54 @@ pub fn run(a: &CompareArgs) -> Result<()> {
                 println!("{side}: {}", c.line());
             }
         }
-        print_sides(&m.throughput, "KSM-managed", &ksm_throughput);
+        print_sides(&m.throughput, "KSM-managed", ksm_throughput);
     }
-    Ok(())
+    print_marks(
+        &[("memfold", &memfold_marks), ("KSM", &ksm_marks)],
+        a.memfold.set.json,
+    );
+    let failures = sides_failures(&m, &[("KSM", side.failures())]);
+    run::ensure_clean("memfold compare", &failures, &out)
 }
 
-/// The KSM side of a compare, measured.
-pub struct KsmSide {
-    /// Its run: host memory before and saved, time to 95%, the samples.
-    pub run: crate::ksm::KsmRun,
-    /// ksmd's CPU seconds over the run.
-    pub cpu_s: f64,
-    /// Each workload's throughput against its plain twin (empty without twins).
-    pub throughput: Vec<Throughput>,
-    /// Self-check mismatches the guests reported (managed and plain).
-    pub mismatches: Vec<String>,
+/// After memfold's side, the failures that end a compare there (its outputs written, the
+/// peer not measured): a self-check mismatch (a guest's memory read wrong: there is no
+/// comparison to make) or Ctrl-C/SIGTERM. A paused guest does not: the peer is measured
+/// too and the compare fails at the end, with both sides' figures to read.
+fn memfold_side_ends_compare(m: &MemfoldRun, interrupted: bool) -> Option<Vec<String>> {
+    if m.mismatches.is_empty() && !interrupted {
+        return None;
+    }
+    let mut f = m.failures();
+    if interrupted {
+        f.push("interrupted (Ctrl-C or SIGTERM) on memfold's side".into());
+    }
+    f.push("the peer was not measured".into());
+    Some(f)
 }
 
-/// Boots `set` afresh (anonymous RAM, huge pages as `thp` says; with `twins`, a plain
-/// twin beside each guest, its RAM not mergeable; with `fpr`, a virtio balloon with free
-/// page reporting in each managed guest, checked to report) and runs KSM aggressive on it for
-/// `secs`, with a census of the guests' memory every `census` seconds (if any), its
-/// files under `out/ksm`. KSM is unmerged before and after.
-///
-/// Errors: KSM cannot be driven, a guest fails to boot or dies.
-pub fn ksm_side(
-    set: &guests::GuestSetArgs,
-    twins: Option<Twins>,
-    thp: KsmThp,
-    fpr: bool,
-    secs: u64,
-    census: Option<u64>,
-    out: &std::path::Path,
-) -> Result<KsmSide> {
-    let ksm = Ksm::take_control()?;
-    ksm.unmerge()?;
-    let mut set = set.clone();
-    set.out = Some(out.join("ksm"));
-    // The plain twins' RAM is not mergeable: KSM leaves them alone.
-    let (mut gs, mut plain, kout) = guests::start_pairs(
-        &set,
-        twins,
-        thp.backend(),
-        "compare",
-        |s, managed| {
-            s.mem_merge = managed;
-            s.free_page_reporting = managed && fpr;
-        },
-        |_| Vec::new(),
-    )?;
-    if fpr {
-        crate::peer::check_reporting(&gs)?;
-    }
-    let since = start_marks(gs.iter().chain(&plain));
-    let cpu0 = kernel_threads_cpu_seconds(&["ksmd"]);
-    let k = run_mode(&ksm, &mut gs, KsmMode::AGGRESSIVE, secs, census)?;
-    let cpu_s = kernel_threads_cpu_seconds(&["ksmd"]) - cpu0;
-    let throughput = throughput(&gs, &plain, &since);
-    ksm.unmerge()?;
-    drop(ksm);
-    crate::ksm::write_outputs(&kout, std::slice::from_ref(&k))?;
-    let mismatches: Vec<String> = gs
+/// Every side's failures, named by side: memfold's ([`MemfoldRun::failures`]) and each
+/// peer's. Any fails the compare once its outputs are written.
+fn sides_failures(m: &MemfoldRun, peers: &[(&str, Vec<String>)]) -> Vec<String> {
+    let memfold = m.failures().into_iter().map(|f| format!("memfold: {f}"));
+    let peers = peers
         .iter()
-        .chain(&plain)
-        .flat_map(|g| g.mismatches())
-        .collect();
-    for g in plain.iter_mut() {
-        g.check_alive()?;
+        .flat_map(|(side, fs)| fs.iter().map(move |f| format!("{side}: {f}")));
+    memfold.chain(peers).collect()
+}
+
+/// Each side's marks, `!! <side> MARKED: ...` (on stderr with `--json`, so that stdout
+/// stays one JSON document).
+fn print_marks(sides: &[(&str, &[String])], json: bool) {
+    for (side, marks) in sides {
+        for m in marks.iter() {
+            if json {
+                eprintln!("!! {side} MARKED: {m}");
+            } else {
+                println!("!! {side} MARKED: {m}");
+            }
+        }
     }
-    Ok(KsmSide {
-        run: k,
-        cpu_s,
-        throughput,
-        mismatches,
-    })
 }
 
 /// With plain twins: both sides' throughput tables (managed vs plain, ratio ± 2 s.e.),
@@ -398,6 +383,9 @@ fn print_sides(memfold: &[Throughput], peer_side: &str, peer: &[Throughput]) {
     );
     let cell = |t: Option<&Throughput>| {
         t.map_or("-".to_string(), |t| {
+            if !t.measured() {
+                return "NOT MEASURED".to_string();
+            }
             format!(
                 "{:.3}{}",
                 t.ratio,
@@ -433,6 +421,7 @@ fn compare_kit(
     m: &run::measure::MemfoldRun,
     memfold_stall_pct: Option<f64>,
     out: &std::path::Path,
+    stop: &AtomicBool,
 ) -> Result<()> {
     eprintln!(
         "== the kernel's kit: KSM (aggressive) + zswap + proactive reclaim at {}% pressure{}, on the same set booted afresh",
@@ -443,11 +432,11 @@ fn compare_kit(
     let mut set = a.memfold.set.clone();
     set.out = Some(out.join("peer"));
     let backend = a.ksm_thp.backend();
-    let p = crate::peer::run_ksm_zswap(&set, backend, &a.kit(), a.memfold.secs)?;
+    let p = crate::peer::run_ksm_zswap(&set, backend, &a.kit(), a.memfold.secs, stop)?;
     crate::peer::write_csv(&out.join("peer").join("peer.csv"), &p)?;
     let memfold_left = m.used_before as f64 - m.saved_bytes;
     let peer_left = p.used_before as f64 - p.saved_bytes;
-    let j = serde_json::json!({
+    let mut j = serde_json::json!({
         "guests": a.memfold.set.profiles,
         "secs": a.memfold.secs,
         "peer": a.peer.name(),
@@ -475,7 +464,7 @@ fn compare_kit(
         "peer_t95_s": p.t95_s,
         "peer_cpu_s": p.cpu_s,
         "peer_memory_stall_pct": p.stall_pct,
-        "peer_guest_mismatches": p.mismatches,
+        "peer_guest_mismatches": p.mismatches.len(),
         "peer_senpai": p.senpai,
         "peer_free_page_reporting": p.fpr,
         "peer_cgroup": p.cgroup,
@@ -490,6 +479,18 @@ fn compare_kit(
         "peer_throughput": p.throughput,
         "left_ratio_memfold_over_peer": memfold_left / peer_left.max(1.0),
     });
+    // Set apart: one `json!` this long passes the macro's recursion limit.
+    for (k, v) in [
+        ("memfold_blk_cpu_s", serde_json::json!(m.blk_cpu_s)),
+        ("memfold_guest_mismatches", m.mismatches.len().into()),
+        ("memfold_marks", serde_json::json!(m.marks())),
+        ("memfold_page_cluster", serde_json::json!(m.page_cluster)),
+        ("peer_page_cluster", serde_json::json!(p.page_cluster)),
+        ("peer_interrupted", p.interrupted.into()),
+        ("census_secs", serde_json::json!(a.memfold.census)),
+    ] {
+        j[k] = v;
+    }
     std::fs::write(out.join("compare.json"), serde_json::to_vec_pretty(&j)?)?;
     if a.memfold.set.json {
         println!("{}", serde_json::to_string_pretty(&j)?);
@@ -516,14 +517,11 @@ fn compare_kit(
         print_sides(&m.throughput, "kit-managed", &p.throughput);
     }
     print_safety(&p, a.memfold.set.json);
-    // A run in which a guest died measured a different set: it fails, after its outputs.
-    anyhow::ensure!(
-        p.qemu_deaths.is_empty(),
-        "the peer's run lost a guest ({}); compare.json in {} has the figures up to then, marked",
-        p.qemu_deaths.join("; "),
-        out.display()
-    );
-    Ok(())
+    print_marks(&[("memfold", &m.marks())], a.memfold.set.json);
+    // A guest that died, read its memory wrong or was paused, or a stop before --secs: the
+    // compare fails, after its outputs (compare.json has the figures up to then, marked).
+    let failures = sides_failures(m, &[("the kit", p.failures())]);
+    run::ensure_clean("memfold compare", &failures, out)
 }
 
 /// The peer's safety line, under the table (on stderr with `--json`, so that stdout stays
@@ -601,6 +599,87 @@ mod tests {
         assert_eq!(kf.peer, Peer::KsmFpr);
         assert!(!kf.peer.is_kit() && kf.peer.fpr());
         assert!(parse(&["--peer", "fpr"]).is_err());
+    }
+
+    fn ksm_side(mismatches: &[&str], interrupted: bool) -> KsmSide {
+        KsmSide {
+            run: crate::ksm::KsmRun {
+                mode: "aggressive",
+                used_before: 0,
+                saved_bytes: 0.0,
+                ksm_sharing_bytes: 0.0,
+                t95_s: None,
+                census_cpu_s: 0.0,
+                interrupted,
+                samples: vec![],
+            },
+            cpu_s: 0.0,
+            throughput: vec![],
+            mismatches: mismatches.iter().map(|m| m.to_string()).collect(),
+        }
+    }
+
+    /// A mismatch on any side, or a paused guest on memfold's, fails the compare with
+    /// each named; a clean pair of sides does not.
+    #[test]
+    fn any_sides_mismatch_or_a_paused_guest_fails_the_compare() {
+        let out = std::path::Path::new("/tmp/out");
+        let clean = MemfoldRun::default();
+        assert!(sides_failures(&clean, &[("KSM", ksm_side(&[], false).failures())]).is_empty());
+        let ksm = ksm_side(&["web-1: MEMFOLD-MISMATCH page 7"], false);
+        let f = sides_failures(&clean, &[("KSM", ksm.failures())]);
+        assert_eq!(
+            f,
+            ["KSM: self-check mismatch: web-1: MEMFOLD-MISMATCH page 7"]
+        );
+        let e = run::ensure_clean("memfold compare", &f, out)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("MEMFOLD-MISMATCH page 7") && e.contains("/tmp/out"),
+            "{e}"
+        );
+        assert_eq!(ksm.marks(), ksm.failures());
+        // memfold's paused guest: the peer is measured, then the compare fails.
+        let mut paused = MemfoldRun::default();
+        paused.samples.push(crate::run::measure::Sample {
+            t: 40.0,
+            used_bytes: 0,
+            stats: Default::default(),
+            daemon_restarts: 0,
+            paused: vec!["db-1".into()],
+            census: None,
+        });
+        assert!(memfold_side_ends_compare(&paused, false).is_none());
+        let f = sides_failures(&paused, &[("the kit", vec![])]);
+        assert_eq!(f.len(), 1);
+        assert!(
+            f[0].starts_with("memfold: guest db-1 paused (fail closed) from 40 s"),
+            "{f:?}"
+        );
+        // memfold's mismatch ends the compare before the peer.
+        let bad = MemfoldRun {
+            mismatches: vec!["py-1: MEMFOLD-MISMATCH".into()],
+            ..MemfoldRun::default()
+        };
+        let f = memfold_side_ends_compare(&bad, false).unwrap();
+        assert!(f[0].contains("py-1: MEMFOLD-MISMATCH") && f[1].contains("not measured"));
+    }
+
+    /// Ctrl-C on memfold's side skips the peer; on the peer's, its side fails.
+    #[test]
+    fn an_interrupted_compare_says_so_and_fails() {
+        let clean = MemfoldRun::default();
+        let f = memfold_side_ends_compare(&clean, true).unwrap();
+        assert!(
+            f[0].starts_with("interrupted") && f[1].contains("not measured"),
+            "{f:?}"
+        );
+        let f = sides_failures(&clean, &[("KSM", ksm_side(&[], true).failures())]);
+        assert_eq!(
+            f,
+            ["KSM: interrupted (Ctrl-C or SIGTERM) before its --secs"]
+        );
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use std::io::Write;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Result;
@@ -14,7 +15,8 @@ use serde::Serialize;
 use crate::guests;
 use crate::plot::{self, Panel, Series};
 use crate::run::measure::{
-    every_second, measured_as, plateau, saved_mib, saved_mib_over_time, tail_mean, used, MIB,
+    every_second, measured_as, plateau, saved_mib, saved_mib_over_time, tail_mean, thread_cpu_s,
+    used, MIB,
 };
 
 /// Arguments of `memfold ksm`.
@@ -62,6 +64,11 @@ pub struct KsmRun {
     pub ksm_sharing_bytes: f64,
     /// Seconds until the saving first reached 95% of its plateau.
     pub t95_s: Option<f64>,
+    /// CPU seconds the censuses took (`--census`): read in this process's sampling thread,
+    /// they are the KSM side's cost as memfoldd's census is memfold's.
+    pub census_cpu_s: f64,
+    /// Stopped (Ctrl-C, SIGTERM) before its `secs`.
+    pub interrupted: bool,
     /// All samples.
     pub samples: Vec<KsmSample>,
 }
@@ -73,20 +80,35 @@ impl KsmRun {
     }
 }
 
-/// Runs one KSM mode on running guests for `secs`, sampling every second, with a census of
-/// their memory by content every `census` seconds (`crate::census`; none if `None`).
+/// Runs `census` and adds the CPU seconds this thread spent in it to `cpu_s`.
+///
+/// Errors: the census's.
+pub fn timed<T>(cpu_s: &mut f64, census: impl FnOnce() -> Result<T>) -> Result<T> {
+    let t0 = thread_cpu_s();
+    let r = census();
+    *cpu_s += (thread_cpu_s() - t0).max(0.0);
+    r
+}
+
+/// Runs one KSM mode on running guests for `secs` (or until `stop` is set: Ctrl-C),
+/// sampling every second, with a census of their memory by content every `census`
+/// seconds (`crate::census`; none if `None`), its CPU counted ([`KsmRun::census_cpu_s`]).
 pub fn run_mode(
     ksm: &Ksm,
     guests: &mut [Guest],
     mode: KsmMode,
     secs: u64,
     census: Option<u64>,
+    stop: Option<&AtomicBool>,
 ) -> Result<KsmRun> {
     let (used_before, _) = used(guests)?;
     ksm.start(mode)?;
     let mut samples = Vec::new();
     let mut censuses = crate::census::CensusEvery::new(census);
-    every_second(Some(secs), None, |start| {
+    let mut census_cpu_s = 0.0;
+    let mut sampled_s = 0.0;
+    let stops: Vec<&AtomicBool> = stop.into_iter().collect();
+    every_second(Some(secs), &stops, |start| {
         for g in guests.iter_mut() {
             g.check_alive()?;
         }
@@ -98,11 +120,14 @@ pub fn run_mode(
             used_bytes: u,
             rss_bytes: rss,
             census: if censuses.due(t) {
-                Some(crate::census::of_guests(guests)?)
+                Some(timed(&mut census_cpu_s, || {
+                    crate::census::of_guests(guests)
+                })?)
             } else {
                 None
             },
         };
+        sampled_s = t;
         eprint!(
             "\r  ksm {:<10} {:>5.0} s  saved {:>7.1} MiB  pages_sharing {:>7}   ",
             mode.name,
@@ -122,6 +147,8 @@ pub fn run_mode(
         saved_bytes,
         ksm_sharing_bytes,
         t95_s,
+        census_cpu_s,
+        interrupted: sampled_s < secs as f64 && stop.is_some_and(|s| s.load(Ordering::SeqCst)),
         samples,
     })
 }
@@ -202,13 +229,13 @@ pub fn run(a: &KsmArgs) -> Result<()> {
     let (mut gs, accel, out) = guests::start_set(&a.set, RamBackend::Anonymous, "ksm")?;
     let mut runs = Vec::new();
     for m in modes {
-        runs.push(run_mode(&ksm, &mut gs, m, a.secs, None)?);
+        runs.push(run_mode(&ksm, &mut gs, m, a.secs, None, None)?);
         ksm.unmerge()?;
         std::thread::sleep(Duration::from_secs(3));
     }
     drop(ksm); // restore the host's KSM settings before reporting
     write_outputs(&out, &runs)?;
-    let mismatches: Vec<String> = gs.iter().flat_map(|g| g.mismatches()).collect();
+    let mismatches = crate::run::mismatches(gs.iter());
     if a.set.json {
         let summary: Vec<_> = runs
             .iter()
@@ -238,5 +265,36 @@ pub fn run(a: &KsmArgs) -> Result<()> {
             out.join("ksm.png").display()
         );
     }
-    Ok(())
+    // A guest's memory read wrong: its figures are out, and the command fails.
+    let failures = crate::run::measure::mismatch_failures(&mismatches);
+    crate::run::ensure_clean("memfold ksm", &failures, &out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The census's CPU in the sampling thread goes to the KSM side; a failed census
+    /// still counts what it used.
+    #[test]
+    fn a_census_counts_the_cpu_it_used() {
+        let mut cpu = 0.0;
+        let busy = |secs: f64| {
+            let t0 = thread_cpu_s();
+            let mut x = 0u64;
+            while thread_cpu_s() - t0 < secs {
+                x = std::hint::black_box(x.wrapping_add(1));
+            }
+            x
+        };
+        timed(&mut cpu, || Ok(busy(0.05))).unwrap();
+        assert!(cpu >= 0.05, "{cpu}");
+        let before = cpu;
+        assert!(timed(&mut cpu, || -> Result<()> {
+            busy(0.02);
+            anyhow::bail!("QEMU gone")
+        })
+        .is_err());
+        assert!(cpu - before >= 0.02, "{cpu}");
+    }
 }

@@ -96,8 +96,13 @@ pub struct PeerRun {
     pub cpu_s: f64,
     /// Memory stall over the run, % of time some task stalled (host-wide).
     pub stall_pct: f64,
-    /// Guest self-check mismatches (plain twins included).
-    pub mismatches: usize,
+    /// Guest self-check mismatches (plain twins included), `guest: line`.
+    pub mismatches: Vec<String>,
+    /// `vm.page-cluster` (swap readahead) during the run: memfold's zswap backing's
+    /// (`memfold_sys::reclaim::SwapReadaheadOff`).
+    pub page_cluster: Option<u32>,
+    /// Stopped (Ctrl-C, SIGTERM) before its `secs`.
+    pub interrupted: bool,
     /// Whether the managed guests had free page reporting (each checked to report).
     pub fpr: bool,
     /// With plain twins: each workload's throughput, kit-managed vs its plain twin.
@@ -120,9 +125,9 @@ pub struct PeerRun {
 }
 
 impl PeerRun {
-    /// Why the run is marked, if it is: QEMU deaths, OOM kills, OOM events and episodes in
-    /// which a guest's task waited for memory. Empty: a clean run.
-    pub fn marks(&self) -> Vec<String> {
+    /// What fails the compare (after its outputs): QEMU deaths (the set measured changed),
+    /// self-check mismatches (a guest's memory read wrong), an early stop.
+    pub fn failures(&self) -> Vec<String> {
         let mut m = Vec::new();
         if !self.qemu_deaths.is_empty() {
             m.push(format!(
@@ -131,6 +136,18 @@ impl PeerRun {
                 self.qemu_deaths.join("; ")
             ));
         }
+        m.extend(crate::run::measure::mismatch_failures(&self.mismatches));
+        if self.interrupted {
+            m.push("interrupted (Ctrl-C or SIGTERM) before its --secs".into());
+        }
+        m
+    }
+
+    /// Why the run is marked, if it is: its [`PeerRun::failures`], OOM kills, OOM events,
+    /// episodes in which a guest's task waited for memory, and workloads whose speed was
+    /// not measured. Empty: a clean run.
+    pub fn marks(&self) -> Vec<String> {
+        let mut m = self.failures();
         if self.oom_kills > 0 {
             m.push(format!(
                 "{} OOM kill(s) in the peer's cgroup",
@@ -148,6 +165,7 @@ impl PeerRun {
                 self.controller.under_oom_episodes
             ));
         }
+        m.extend(crate::run::measure::unmeasured(&self.throughput));
         m
     }
 }
@@ -291,8 +309,10 @@ pub fn check_reporting(guests: &[Guest]) -> Result<()> {
 /// Boots `set` in a memory cgroup of its own with zswap and a swap file on (with
 /// [`Kit::fpr`] a balloon with free page reporting in each guest; with [`Kit::twins`] a
 /// plain twin beside each, outside all of it), then runs KSM (aggressive) and the Senpai
-/// controller at the kit's pace for `secs`, sampling every second. Everything is put back
-/// afterwards (zswap's settings, KSM's, the swap file, the group).
+/// controller at the kit's pace for `secs` (or until `user_stop` is set: Ctrl-C), sampling
+/// every second, with swap readahead as memfold's zswap backing has it
+/// (`memfold_sys::reclaim::SwapReadaheadOff`). Everything is put back afterwards (zswap's
+/// settings, KSM's, the swap file, `vm.page-cluster`, the group).
 ///
 /// A guest whose QEMU ends during the sampling stops the run, which returns with it in
 /// [`PeerRun::qemu_deaths`] (a marked run, [`PeerRun::marks`]).
@@ -300,7 +320,13 @@ pub fn check_reporting(guests: &[Guest]) -> Result<()> {
 /// Errors: a piece of the kit is missing (zswap, a memory cgroup controller, PSI, mkswap),
 /// a guest does not report free pages when asked to, a guest fails to boot, the controller
 /// cannot read or write its group, or the sampling fails.
-pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) -> Result<PeerRun> {
+pub fn run_ksm_zswap(
+    set: &GuestSetArgs,
+    ram: RamBackend,
+    kit: &Kit,
+    secs: u64,
+    user_stop: &AtomicBool,
+) -> Result<PeerRun> {
     let (pace, compressor) = (kit.pace, kit.compressor.as_deref());
     let out = set.out_dir("compare");
     std::fs::create_dir_all(&out)?;
@@ -324,6 +350,9 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
     let swap_path = out.join("peer.swap");
     let _ = std::fs::remove_file(&swap_path);
     let swap = SwapFile::create(&swap_path, ram_bytes)?;
+    // As memfold's zswap backing runs: readahead would fill the swap cache with unmapped
+    // pages that neither Pss nor the zswap pool counts.
+    let readahead = memfold_sys::reclaim::SwapReadaheadOff::new()?;
     let procs = group.procs_file();
     let (mut gs, mut plain, _) = guests::start_pairs(
         set,
@@ -474,7 +503,8 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
     // A QEMU that ends stops the run, which is then marked ([`PeerRun::marks`]).
     let mut qemu_deaths = Vec::new();
     let died = AtomicBool::new(false);
-    let sampled = every_second(Some(secs), Some(&died), |start| {
+    let (mut page_cluster, mut sampled_s) = (None, 0.0);
+    let sampled = every_second(Some(secs), &[&died, user_stop], |start| {
         for g in gs.iter_mut().chain(plain.iter_mut()) {
             if let Err(e) = g.check_alive() {
                 qemu_deaths.push(format!("{}: {e}", g.name));
@@ -484,6 +514,8 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
             died.store(true, Ordering::SeqCst);
             return Ok(());
         }
+        page_cluster = page_cluster.or_else(memfold_sys::reclaim::page_cluster);
+        sampled_s = start.elapsed().as_secs_f64();
         let (pool, zswapped) = reclaim::zswap_pool()?;
         let pss = guests_pss(&gs)?;
         let pressure = second.lap()?;
@@ -536,7 +568,8 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
     let book = lock(&ctl).book;
     let stall_pct = whole_run.lap()? * 100.0;
     let cpu_s = kernel_cpu() - cpu0 + controller_cpu;
-    let mismatches = gs.iter().chain(&plain).map(|g| g.mismatches().len()).sum();
+    let mismatches = crate::run::mismatches(gs.iter().chain(&plain));
+    let interrupted = sampled_s < secs as f64 && user_stop.load(Ordering::SeqCst);
     let throughput = throughput(&gs, &plain, &since);
     // Unlimited before anything is undone: unmerging or swapping back in under the
     // squeezed limit could fail or wake the OOM killer.
@@ -549,6 +582,7 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
     ksm.unmerge()?;
     drop(ksm);
     drop(swap);
+    drop(readahead);
     let group_version = group.version();
     drop(group);
     drop(zswap);
@@ -563,6 +597,8 @@ pub fn run_ksm_zswap(set: &GuestSetArgs, ram: RamBackend, kit: &Kit, secs: u64) 
         cpu_s,
         stall_pct,
         mismatches,
+        page_cluster,
+        interrupted,
         fpr: kit.fpr,
         throughput,
         cgroup: group_version,
@@ -627,7 +663,9 @@ mod tests {
             t95_s: None,
             cpu_s: 0.0,
             stall_pct: 0.0,
-            mismatches: 0,
+            mismatches: Vec::new(),
+            page_cluster: Some(0),
+            interrupted: false,
             fpr: false,
             throughput: Vec::new(),
             cgroup: CgroupVersion::V1,
@@ -658,5 +696,45 @@ mod tests {
         assert_eq!(m.len(), 4, "{m:?}");
         assert!(m[0].contains("db-1") && m[1].starts_with("1 OOM kill"));
         assert!(m[2].starts_with("2 OOM event") && m[3].starts_with("3 under_oom"));
+        assert_eq!(
+            r.failures().len(),
+            1,
+            "a death fails the compare; OOM signs mark it"
+        );
+    }
+
+    /// A guest's self-check mismatch, an early stop or an unmeasured workload marks the
+    /// kit's run (`tradeoff` never picks it); the first two fail the compare too.
+    #[test]
+    fn a_mismatch_or_an_early_stop_marks_the_run_and_fails_it() {
+        let mut r = run();
+        r.mismatches
+            .push("web-1-plain: MEMFOLD-MISMATCH page 9".into());
+        r.interrupted = true;
+        let f = r.failures();
+        assert_eq!(f.len(), 2, "{f:?}");
+        assert!(f[0].contains("MEMFOLD-MISMATCH page 9") && f[1].starts_with("interrupted"));
+        assert_eq!(r.marks(), f);
+        let mut t = run();
+        t.throughput.push(Throughput {
+            guest: "db-1".into(),
+            twin: "db-1-plain".into(),
+            metric: "pgbench-tps".into(),
+            managed: 0.0,
+            managed_rounds: 0,
+            plain: 40.0,
+            plain_rounds: 9,
+            ratio: 0.0,
+            managed_cpu_s: 0.0,
+            managed_agent_cpu_s: 0.0,
+            plain_cpu_s: 0.0,
+            change_2se: None,
+        });
+        assert!(t.failures().is_empty());
+        assert!(
+            t.marks()[0].contains("no rounds on the managed guest"),
+            "{:?}",
+            t.marks()
+        );
     }
 }

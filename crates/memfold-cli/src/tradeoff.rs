@@ -3,16 +3,23 @@
 //! policies, KSM, and the kernel's kit at several pressure targets, side by side).
 //!
 //! A side's **slowdown** is 1 − the geometric mean, over its managed guests' workloads, of
-//! managed / plain-twin throughput (`--plain-twins`); its two standard errors come from
-//! each workload's (delta method on the log: `se(log g) = √Σ(se_i / r_i)² / k`). A side
-//! without twins, or with a workload of one round, has no slowdown (or no error bar) and
-//! is listed but not plotted. **Memory left** is the run's `*_used_after_bytes`: Pss of
-//! guest RAM (+ the zswap pool for the kit), as `compare` measures it.
+//! managed / plain-twin throughput (`--plain-twins`; each side's throughput is its total
+//! work / total time since 2026-12-01, the mean of per-round rates before); its two
+//! standard errors come from each workload's (delta method on the log: `se(log g) =
+//! √Σ(se_i / r_i)² / k`), which cover the round-to-round noise only (the twins share a
+//! CPU and rounds in a row are alike: the true error is larger). A side without twins, or
+//! with a workload of one round, has no slowdown (or no error bar) and is listed but not
+//! plotted; a workload with no rounds on one side leaves the side without a slowdown, and
+//! marked. **Memory left** is the run's `*_used_after_bytes`: Pss of guest RAM (+ the
+//! zswap pool for the kit), as `compare` measures it.
+//!
+//! A side is **marked** by what its run recorded (self-check mismatches, a paused guest, a
+//! QEMU death, OOM signs, an early stop, an unmeasured workload): listed, never the best.
 //!
 //! The verdict per guest set follows the goal: memfold's best (least memory)
-//! point against the best peer point (least memory, any setting); met when memfold leaves
-//! ≤ 0.75× its memory at a slowdown no larger than the peer's (within two standard
-//! errors) and at no more CPU.
+//! unmarked point against the best unmarked peer point (least memory, any setting), over
+//! the same workloads; met when memfold leaves ≤ 0.75× its memory at a slowdown no larger
+//! than the peer's (within two standard errors) and at no more CPU.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -42,8 +49,30 @@ pub struct TradeoffArgs {
 #[derive(Deserialize, Clone, Debug)]
 struct Pair {
     metric: String,
+    #[serde(default)]
+    guest: String,
     ratio: f64,
     change_2se: Option<f64>,
+    #[serde(default)]
+    managed_rounds: Option<usize>,
+    #[serde(default)]
+    plain_rounds: Option<usize>,
+}
+
+impl Pair {
+    /// Why its speed is not measured (no rounds on a side), if it is not.
+    fn unmeasured(&self) -> Option<String> {
+        let (m, p) = (self.managed_rounds, self.plain_rounds);
+        (m == Some(0) || p == Some(0) || !(self.ratio > 0.0 && self.ratio.is_finite())).then(|| {
+            format!(
+                "{} {}: not measured ({} rounds managed, {} plain)",
+                self.guest,
+                self.metric,
+                m.map_or("?".into(), |n| n.to_string()),
+                p.map_or("?".into(), |n| n.to_string())
+            )
+        })
+    }
 }
 
 /// The Senpai controller's settings as `compare.json` records them.
@@ -70,6 +99,10 @@ struct CompareJson {
     #[serde(default)]
     memfold_free_page_reporting: bool,
     memfold_guest_wait_pct: Option<BTreeMap<String, f64>>,
+    /// What marked memfold's side; absent in runs from before 2026-12-01, whose marks are
+    /// derived here (mismatch counts, unmeasured workloads).
+    memfold_marks: Option<Vec<String>>,
+    memfold_guest_mismatches: Option<u64>,
     peer: Option<String>,
     peer_memory_stall_pct: Option<f64>,
     /// What marked the peer's run (a QEMU death, an OOM kill or event, a task waiting
@@ -87,6 +120,8 @@ struct CompareJson {
     ksm_t95_s: Option<f64>,
     ksm_throughput: Option<Vec<Pair>>,
     ksm_guest_mismatches: Option<u64>,
+    #[serde(default)]
+    ksm_marks: Vec<String>,
 }
 
 /// Which kind of side a point is.
@@ -120,6 +155,9 @@ struct Point {
     slowdown_2se_pct: Option<f64>,
     /// The workloads (metrics) that went into the slowdown.
     workloads: Vec<String>,
+    /// `metric guest` of each workload: sides are compared over the same ones.
+    #[serde(skip)]
+    workload_keys: Vec<String>,
     cpu_s: f64,
     t95_s: Option<f64>,
     /// Self-check mismatches the run recorded for this side (None: not recorded).
@@ -129,16 +167,41 @@ struct Point {
     /// memfold only: its guests' waits on their agents' fault service, % of the run,
     /// summed over guests (PSI does not see them; None: not recorded).
     agent_wait_pct: Option<f64>,
-    /// The run marked this side (a QEMU death, an OOM kill): never the best point.
-    marked: bool,
+    /// Why the run marked this side (a mismatch, a paused guest, a QEMU death, an OOM
+    /// kill, an unmeasured workload): never the best point. Empty: clean.
+    marks: Vec<String>,
 }
 
-/// Slowdown, % and its two standard errors (percentage points) from workload pairs.
+impl Point {
+    fn marked(&self) -> bool {
+        !self.marks.is_empty()
+    }
+}
+
+/// A side's marks: those its run recorded (`recorded`, new runs), else those the older
+/// JSON shows (a self-check mismatch count, workloads with no rounds on a side).
+fn side_marks(
+    recorded: Option<Vec<String>>,
+    mismatches: Option<u64>,
+    pairs: &[Pair],
+) -> Vec<String> {
+    if let Some(m) = recorded {
+        return m;
+    }
+    let mut m: Vec<String> = pairs.iter().filter_map(Pair::unmeasured).collect();
+    if let Some(n) = mismatches.filter(|&n| n > 0) {
+        m.insert(0, format!("{n} self-check mismatch(es)"));
+    }
+    m
+}
+
+/// Slowdown, % and its two standard errors (percentage points) from workload pairs; none
+/// if a workload was not measured on a side (averaging the rest would leave it out).
 fn slowdown(pairs: &[Pair]) -> (Option<f64>, Option<f64>) {
-    let usable: Vec<&Pair> = pairs.iter().filter(|p| p.ratio > 0.0).collect();
-    if usable.is_empty() {
+    if pairs.is_empty() || pairs.iter().any(|p| p.unmeasured().is_some()) {
         return (None, None);
     }
+    let usable: Vec<&Pair> = pairs.iter().collect();
     let k = usable.len() as f64;
     let log_mean = usable.iter().map(|p| p.ratio.ln()).sum::<f64>() / k;
     let g = log_mean.exp();
@@ -150,11 +213,28 @@ fn slowdown(pairs: &[Pair]) -> (Option<f64>, Option<f64>) {
     (Some((1.0 - g) * 100.0), se_log.map(|s| 2.0 * s * g * 100.0))
 }
 
+/// The workloads of `pairs` (metrics, in order), as the table lists them.
 fn metrics(pairs: Option<&[Pair]>) -> Vec<String> {
     pairs
         .unwrap_or_default()
         .iter()
         .map(|p| p.metric.clone())
+        .collect()
+}
+
+/// The workloads as a set to compare sides by: `metric guest`, sorted.
+fn workload_set(p: &Point) -> Vec<String> {
+    let mut w = p.workload_keys.clone();
+    w.sort();
+    w
+}
+
+/// `metric guest` of each pair.
+fn keys(pairs: Option<&[Pair]>) -> Vec<String> {
+    pairs
+        .unwrap_or_default()
+        .iter()
+        .map(|p| format!("{} {}", p.metric, p.guest))
         .collect()
 }
 
@@ -188,15 +268,20 @@ fn points(path: &Path) -> Result<Vec<Point>> {
         slowdown_pct: s,
         slowdown_2se_pct: e,
         workloads: metrics(j.memfold_throughput.as_deref()),
+        workload_keys: keys(j.memfold_throughput.as_deref()),
         cpu_s: j.memfold_cpu_s,
         t95_s: j.memfold_t95_s,
-        mismatches: None,
+        mismatches: j.memfold_guest_mismatches,
         stall_pct: j.memfold_memory_stall_pct,
         agent_wait_pct: j.memfold_guest_wait_pct.as_ref().map(|m| m.values().sum()),
-        marked: false,
+        marks: side_marks(
+            j.memfold_marks.clone(),
+            j.memfold_guest_mismatches,
+            j.memfold_throughput.as_deref().unwrap_or_default(),
+        ),
     }];
     // The other side: the kit (or KSM through --peer ksm), or KSM's own compare.
-    let (kind, label, left, cpu, t95, thr, mismatches, stall) =
+    let (kind, label, left, cpu, t95, thr, mismatches, stall, recorded) =
         match (&j.peer, j.peer_used_after_bytes, j.ksm_used_after_bytes) {
             (Some(peer), Some(left), _) => (
                 if peer == "ksm" { Kind::Ksm } else { Kind::Kit },
@@ -215,6 +300,7 @@ fn points(path: &Path) -> Result<Vec<Point>> {
                 j.peer_throughput.as_deref(),
                 j.peer_guest_mismatches,
                 j.peer_memory_stall_pct,
+                &j.peer_marks,
             ),
             (_, _, Some(left)) => (
                 Kind::Ksm,
@@ -225,6 +311,7 @@ fn points(path: &Path) -> Result<Vec<Point>> {
                 j.ksm_throughput.as_deref(),
                 j.ksm_guest_mismatches,
                 None,
+                &j.ksm_marks,
             ),
             _ => anyhow::bail!(
                 "{}: neither peer_used_after_bytes nor ksm_used_after_bytes: not a compare run",
@@ -232,6 +319,11 @@ fn points(path: &Path) -> Result<Vec<Point>> {
             ),
         };
     let (s, e) = slowdown(thr.unwrap_or_default());
+    // New runs record every mark; older ones recorded the kit's OOM signs only.
+    let mut marks = recorded.clone();
+    if j.memfold_marks.is_none() {
+        marks.extend(side_marks(None, mismatches, thr.unwrap_or_default()));
+    }
     out.push(Point {
         set: j.guests,
         kind,
@@ -242,12 +334,13 @@ fn points(path: &Path) -> Result<Vec<Point>> {
         slowdown_pct: s,
         slowdown_2se_pct: e,
         workloads: metrics(thr),
+        workload_keys: keys(thr),
         cpu_s: cpu.unwrap_or(f64::NAN),
         t95_s: t95,
         mismatches,
         stall_pct: stall,
         agent_wait_pct: None,
-        marked: !j.peer_marks.is_empty(),
+        marks,
     });
     Ok(out)
 }
@@ -258,15 +351,26 @@ fn verdict(points: &[&Point]) -> String {
         points
             .iter()
             .copied()
-            .filter(|p| want(p) && !p.marked)
+            .filter(|p| want(p) && !p.marked())
             .min_by(|a, b| a.left_mib.total_cmp(&b.left_mib))
     };
     let (Some(m), Some(p)) = (
         best(&|p| p.kind == Kind::Memfold),
         best(&|p| p.kind != Kind::Memfold),
     ) else {
-        return "needs a memfold point and a peer point".into();
+        return "needs an unmarked memfold point and an unmarked peer point".into();
     };
+    // A workload one side lacks would drop out of its slowdown: no comparison then.
+    let (wm, wp) = (workload_set(m), workload_set(p));
+    if !wm.is_empty() && !wp.is_empty() && wm != wp {
+        return format!(
+            "best memfold ({}) and best peer ({}) not compared: their workloads differ ({} against {})",
+            m.label,
+            p.label,
+            wm.join(", "),
+            wp.join(", ")
+        );
+    }
     let ratio = m.left_mib / p.left_mib;
     let mut why = Vec::new();
     if ratio > 0.75 {
@@ -335,7 +439,7 @@ fn table(points: &[Point]) -> String {
             let _ = writeln!(
                 s,
                 "| {} | {} | {:.1} | {slow} | {} | {:.1} | {} | {} | {} | {} | {} |",
-                if p.marked {
+                if p.marked() {
                     format!("{} (MARKED)", p.label)
                 } else {
                     p.label.clone()
@@ -355,6 +459,19 @@ fn table(points: &[Point]) -> String {
                 Path::new(&p.run)
                     .file_name()
                     .map_or(p.run.clone(), |f| f.to_string_lossy().into_owned()),
+            );
+        }
+        let mut marked = ps.iter().filter(|p| p.marked()).peekable();
+        if marked.peek().is_some() {
+            let _ = writeln!(s);
+        }
+        for p in marked {
+            let _ = writeln!(
+                s,
+                "- {} ({}) MARKED: {}",
+                p.label,
+                p.run,
+                p.marks.join("; ")
             );
         }
         let _ = writeln!(s, "\n{}", verdict(&ps));
@@ -423,8 +540,11 @@ mod tests {
     fn pair(ratio: f64, e: Option<f64>) -> Pair {
         Pair {
             metric: "m".into(),
+            guest: "g".into(),
             ratio,
             change_2se: e,
+            managed_rounds: None,
+            plain_rounds: None,
         }
     }
 
@@ -557,6 +677,85 @@ mod tests {
         let bad = write(dir.path(), "bad.json", serde_json::json!({"guests": "web"}));
         let e = format!("{:#}", points(&bad).unwrap_err());
         assert!(e.contains("bad.json"), "{e}");
+    }
+
+    /// A side with a self-check mismatch or a paused guest is marked, listed and never the
+    /// best, whether the run recorded marks (new) or only a mismatch count (older runs).
+    #[test]
+    fn a_side_with_mismatches_or_a_paused_guest_is_never_the_best() {
+        let dir = tempfile::tempdir().unwrap();
+        let clean = written(
+            dir.path(),
+            "a.json",
+            run_json(140.0, 250.0, 0.95, 0.90, 20.0),
+        );
+        let mut paused = run_json(100.0, 200.0, 0.95, 0.90, 20.0);
+        paused["memfold_marks"] = serde_json::json!(["guest web-1 paused (fail closed) from 40 s"]);
+        paused["peer_marks"] = serde_json::json!(["self-check mismatch: db-1: MEMFOLD-MISMATCH x"]);
+        let paused = written(dir.path(), "p.json", paused);
+        assert!(paused[0].marked() && paused[1].marked());
+        // An older run: no marks recorded, a mismatch count on the kit's side.
+        let mut old = run_json(120.0, 220.0, 0.95, 0.90, 20.0);
+        old["peer_guest_mismatches"] = serde_json::json!(2);
+        let old = written(dir.path(), "o.json", old);
+        assert!(!old[0].marked());
+        assert_eq!(old[1].marks, ["2 self-check mismatch(es)"]);
+        let all: Vec<&Point> = clean.iter().chain(&paused).chain(&old).collect();
+        // memfold 120 (o.json) against the clean peer, 250: not p.json's 100 nor 200.
+        let v = verdict(&all);
+        assert!(
+            v.contains("(memfold de, 120.0 MiB)") && v.contains("250.0 MiB"),
+            "{v}"
+        );
+        let t = table(&paused);
+        assert!(
+            t.contains("memfold de (MARKED)") && t.contains("paused (fail closed)"),
+            "{t}"
+        );
+        // A KSM compare with mismatches on the KSM side (`ksm_*` keys).
+        let k = written(
+            dir.path(),
+            "k.json",
+            serde_json::json!({
+                "guests": "web", "secs": 90, "memfold_policy": "de", "memfold_marks": [],
+                "memfold_used_after_bytes": 1e8, "memfold_cpu_s": 10.0, "memfold_t95_s": null,
+                "ksm_used_after_bytes": 2e8, "ksm_cpu_s": 9.0, "ksm_t95_s": 12.0,
+                "ksm_guest_mismatches": 1, "ksm_marks": ["self-check mismatch: web-1: x"],
+            }),
+        );
+        assert!(!k[0].marked() && k[1].marked());
+        assert!(verdict(&k.iter().collect::<Vec<_>>()).starts_with("needs an unmarked"));
+    }
+
+    /// A workload with no rounds on a side (a managed db too slow for a pgbench round)
+    /// leaves that side marked without a slowdown, and sides over different workloads
+    /// are not compared.
+    #[test]
+    fn an_unmeasured_workload_marks_the_side_and_different_workloads_are_not_compared() {
+        let dir = tempfile::tempdir().unwrap();
+        let pair = |metric: &str, guest: &str, ratio: f64, m: usize| {
+            serde_json::json!({"metric": metric, "guest": guest, "ratio": ratio,
+                "change_2se": 0.01, "managed_rounds": m, "plain_rounds": 12})
+        };
+        let mut j = run_json(140.0, 250.0, 0.95, 0.90, 20.0);
+        j["memfold_throughput"] = serde_json::json!([
+            pair("web-req/s", "web-1", 0.95, 30),
+            pair("pgbench-tps", "db-1", 0.0, 0)
+        ]);
+        j["peer_throughput"] = serde_json::json!([
+            pair("web-req/s", "web-1", 0.9, 30),
+            pair("pgbench-tps", "db-1", 0.8, 11)
+        ]);
+        let ps = written(dir.path(), "u.json", j.clone());
+        assert_eq!(ps[0].slowdown_pct, None);
+        assert!(ps[0].marks[0].contains("db-1 pgbench-tps: not measured (0 rounds managed"));
+        assert!(!ps[1].marked() && ps[1].slowdown_pct.is_some());
+        // An older run that dropped the pair: the workloads differ, no verdict.
+        j["memfold_throughput"] = serde_json::json!([pair("web-req/s", "web-1", 0.95, 30)]);
+        let ps = written(dir.path(), "d.json", j);
+        assert!(!ps[0].marked());
+        let v = verdict(&ps.iter().collect::<Vec<_>>());
+        assert!(v.contains("not compared: their workloads differ"), "{v}");
     }
 
     #[test]

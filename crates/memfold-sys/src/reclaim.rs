@@ -199,8 +199,12 @@ impl Drop for Zswap {
 /// The kernel's swap readahead (`vm.page-cluster`) turned off while this lives, put back
 /// when dropped. A swap-in of a guest page then brings back that page alone: with the
 /// default (3: eight slots) every access to a page memfold paged out decompressed seven
-/// untouched neighbours out of zswap, which the engine paged out again (issue 15).
+/// untouched neighbours out of zswap, which the engine paged out again (issue 15). Both
+/// sides of a comparison that swap through the kernel (memfold's zswap backing, the
+/// kernel's kit) run under it: with readahead on, the neighbours sit in the swap cache
+/// unmapped, in neither Pss nor the zswap pool, and that side's memory is undercounted.
 pub struct SwapReadaheadOff {
+    path: PathBuf,
     saved: String,
 }
 
@@ -212,10 +216,15 @@ impl SwapReadaheadOff {
     ///
     /// Errors: the file cannot be read or written (not root).
     pub fn new() -> Result<SwapReadaheadOff, ReclaimError> {
-        let path = Path::new(PAGE_CLUSTER);
+        SwapReadaheadOff::at(Path::new(PAGE_CLUSTER))
+    }
+
+    /// Sets the value in the file at `path` to 0, keeping the old one to put back.
+    fn at(path: &Path) -> Result<SwapReadaheadOff, ReclaimError> {
         let saved = read(path)?;
         write(path, "0")?;
         Ok(SwapReadaheadOff {
+            path: path.to_path_buf(),
             saved: saved.trim().to_string(),
         })
     }
@@ -223,8 +232,13 @@ impl SwapReadaheadOff {
 
 impl Drop for SwapReadaheadOff {
     fn drop(&mut self) {
-        let _ = write(Path::new(PAGE_CLUSTER), &self.saved);
+        let _ = write(&self.path, &self.saved);
     }
+}
+
+/// The host's `vm.page-cluster` now (`None`: unreadable), as a run's JSON records it.
+pub fn page_cluster() -> Option<u32> {
+    read(Path::new(PAGE_CLUSTER)).ok()?.trim().parse().ok()
 }
 
 /// Bytes of RAM the zswap pool takes now (`Zswap:` in /proc/meminfo: the compressed
@@ -373,6 +387,20 @@ pub(crate) fn meminfo_bytes(text: &str, name: &str) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn readahead_is_turned_off_while_the_guard_lives_and_put_back_after() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("page-cluster");
+        std::fs::write(&f, "3\n").unwrap();
+        let now = || std::fs::read_to_string(&f).unwrap().trim().to_string();
+        {
+            let _g = super::SwapReadaheadOff::at(&f).unwrap();
+            assert_eq!(now(), "0");
+        }
+        assert_eq!(now(), "3");
+        assert!(super::SwapReadaheadOff::at(&dir.path().join("none")).is_err());
+    }
+
     use super::*;
 
     #[test]

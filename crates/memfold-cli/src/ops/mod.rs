@@ -145,7 +145,10 @@ fn per_qemu(vms: &[VmStats]) -> impl Iterator<Item = &VmStats> {
 }
 
 fn faults(v: &VmStats) -> u64 {
-    v.wp_faults + v.missing_faults + v.minor_faults
+    // Counters an agent reports: a wild one must not wrap.
+    v.wp_faults
+        .saturating_add(v.missing_faults)
+        .saturating_add(v.minor_faults)
 }
 
 /// The view of `now`, with rates against `prev` (a sample of the same memfoldd taken

@@ -3,7 +3,7 @@
 //! CPU seconds, the guests' event counts, and with plain twins each workload's throughput
 //! managed vs plain.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -12,6 +12,14 @@ use memfold_vm::hostmem::{guest_ram_usage, total_used, RamUsage};
 use memfold_vm::launcher::{Guest, RamBackend};
 use memfold_wire::{Stats, VmStats};
 use serde::Serialize;
+
+mod cpu;
+mod rates;
+pub use cpu::{thread_cpu_s, ProcCpu};
+pub use rates::{
+    around_break, late_rates, ratio_rate, start_marks, throughput, unmeasured, AroundBreak,
+    GuestRate, Throughput, BREAK_SETTLE_S, BREAK_WINDOW_S,
+};
 
 /// Bytes in a MiB.
 pub const MIB: f64 = 1048576.0;
@@ -83,16 +91,16 @@ pub fn ram_usages(guests: &[Guest]) -> Result<Vec<RamUsage>> {
 }
 
 /// Calls `sample` (with the time the sampling started) once a second, after the second,
-/// until `secs` seconds have passed (`None`: no limit) or `stop` is set: the clock of
-/// every memfold and KSM run, whose end figures are means over the last
-/// [`PLATEAU_S`] seconds of samples.
+/// until `secs` seconds have passed (`None`: no limit) or any of `stops` is set (Ctrl-C,
+/// a guest's death, a self-check mismatch): the clock of every memfold, KSM and kit run,
+/// whose end figures are means over the last [`PLATEAU_S`] seconds of samples.
 pub fn every_second(
     secs: Option<u64>,
-    stop: Option<&AtomicBool>,
+    stops: &[&AtomicBool],
     mut sample: impl FnMut(Instant) -> Result<()>,
 ) -> Result<()> {
     let start = Instant::now();
-    while !stop.is_some_and(|s| s.load(Ordering::SeqCst))
+    while !stops.iter().any(|s| s.load(Ordering::SeqCst))
         && secs.is_none_or(|s| start.elapsed() < Duration::from_secs(s))
     {
         std::thread::sleep(Duration::from_secs(1));
@@ -190,6 +198,14 @@ pub fn paused_since(samples: &[Sample]) -> Vec<(String, f64)> {
     out
 }
 
+/// Self-check mismatches (`guest: line`) as the failures they are.
+pub fn mismatch_failures(mismatches: &[String]) -> Vec<String> {
+    mismatches
+        .iter()
+        .map(|l| format!("self-check mismatch: {l}"))
+        .collect()
+}
+
 /// A memfold run's result.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct MemfoldRun {
@@ -203,8 +219,19 @@ pub struct MemfoldRun {
     pub books_saved_bytes: f64,
     /// Seconds until the measured saving first reached 95% of its plateau.
     pub t95_s: Option<f64>,
-    /// CPU seconds used by memfoldd and the agents' threads in QEMU.
+    /// CPU seconds used by memfoldd, the agents' threads in QEMU and the managed guests'
+    /// memfold-blk processes (memfold's read reporting and fills), over the sampled
+    /// window; memfoldd's census (`--census`) is in it.
     pub cpu_s: f64,
+    /// Of `cpu_s`, the memfold-blk processes' (every pid its supervisor ran, [`ProcCpu`]).
+    pub blk_cpu_s: f64,
+    /// Self-check mismatches the guests reported (managed and plain), `guest: line`: the
+    /// sampling stops at the first, and the command fails after writing its outputs.
+    pub mismatches: Vec<String>,
+    /// Stopped (Ctrl-C, SIGTERM) before its `--secs`.
+    pub interrupted: bool,
+    /// `vm.page-cluster` (swap readahead) during the run (`None`: unreadable).
+    pub page_cluster: Option<u32>,
     /// Share of the sampled window's wall time some task on the host stalled on memory
     /// (PSI's `some`), %; `None` where the kernel has no PSI.
     pub memory_stall_pct: Option<f64>,
@@ -228,159 +255,31 @@ pub struct MemfoldRun {
     pub backing_compressor: Option<String>,
 }
 
-/// Seconds of workload rounds compared on each side of a sharing break.
-pub const BREAK_WINDOW_S: f64 = 60.0;
-
-/// Seconds after the break left out: the breaker's own writes, and the balloon's
-/// inflation under way.
-pub const BREAK_SETTLE_S: f64 = 10.0;
-
-/// A workload's speed in one guest before and after a breaker broke its sharing: the
-/// rounds that ended (by the guest's uptime, `MEMFOLD-RATE <metric> <value> at <s>`) in
-/// the [`BREAK_WINDOW_S`] before the break and in the one starting [`BREAK_SETTLE_S`]
-/// after it.
-#[derive(Clone, Debug, Serialize)]
-pub struct AroundBreak {
-    /// The guest.
-    pub guest: String,
-    /// What the workload reports.
-    pub metric: String,
-    /// Mean per round before, and its rounds.
-    pub before: (f64, usize),
-    /// Mean per round after, and its rounds.
-    pub after: (f64, usize),
-    /// Two standard errors of after / before, from both windows' spreads.
-    pub ratio_2se: Option<f64>,
-}
-
-/// Each guest's [`AroundBreak`] for a break at `at_s` of uptime.
-pub fn around_break(guests: &[Guest], at_s: f64) -> Vec<AroundBreak> {
-    let mut out = Vec::new();
-    for g in guests {
-        for (metric, v) in timed_rates(&g.serial()) {
-            let window = |from: f64| -> Vec<f64> {
-                v.iter()
-                    .filter(|&&(_, t)| t >= from && t < from + BREAK_WINDOW_S)
-                    .map(|&(x, _)| x)
-                    .collect()
-            };
-            let (b, a) = (window(at_s - BREAK_WINDOW_S), window(at_s + BREAK_SETTLE_S));
-            let ((mb, rb), (ma, ra)) = (mean_rel_var(&b), mean_rel_var(&a));
-            out.push(AroundBreak {
-                guest: g.name.clone(),
-                metric,
-                before: (mb, b.len()),
-                after: (ma, a.len()),
-                ratio_2se: rb.zip(ra).map(|(x, y)| 2.0 * (ma / mb) * (x + y).sqrt()),
-            });
-        }
-    }
-    out
-}
-
-/// The `MEMFOLD-RATE <metric> <value> at <uptime s>` values in a guest's console text,
-/// by metric: (value, uptime) pairs; lines without a time are left out.
-fn timed_rates(serial: &str) -> BTreeMap<String, Vec<(f64, f64)>> {
-    let mut out: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
-    for (m, v, t) in rate_lines(serial) {
-        if let Some(t) = t {
-            out.entry(m.to_string()).or_default().push((v, t));
-        }
-    }
-    out
-}
-
-/// Each `MEMFOLD-RATE <metric> <value> [at <uptime s>]` line of a guest's console text
-/// whose value is finite and positive: (metric, value, uptime if given and finite).
-fn rate_lines(serial: &str) -> impl Iterator<Item = (&str, f64, Option<f64>)> {
-    serial.lines().filter_map(|l| {
-        let rest = l.split("MEMFOLD-RATE ").nth(1)?;
-        let mut f = rest.split_whitespace();
-        let (m, v) = (f.next()?, f.next()?.parse::<f64>().ok()?);
-        let t = match (f.next(), f.next().map(str::parse::<f64>)) {
-            (Some("at"), Some(Ok(t))) if t.is_finite() => Some(t),
-            _ => None,
-        };
-        (v.is_finite() && v > 0.0).then_some((m, v, t))
-    })
-}
-
-/// A workload's speed in one guest late in a run: the mean of the later half of the
-/// rounds it reported (`MEMFOLD-RATE <metric> <value>`) since memfoldd started — by then
-/// the balloons have settled where the claim policy puts them.
-#[derive(Clone, Debug, Serialize)]
-pub struct GuestRate {
-    /// The guest.
-    pub guest: String,
-    /// What the workload reports (`cache-MiB/s`, `web-req/s`, ...).
-    pub metric: String,
-    /// Mean per round, in the metric's unit.
-    pub mean: f64,
-    /// Rounds averaged.
-    pub rounds: usize,
-    /// Two standard errors of the mean, relative to it (`None` under 2 rounds).
-    pub rel_2se: Option<f64>,
-}
-
-/// Each guest's [`GuestRate`]s since `since` (per guest, see [`StartMark`]).
-pub fn late_rates(guests: &[Guest], since: &HashMap<String, StartMark>) -> Vec<GuestRate> {
-    let mut out = Vec::new();
-    for g in guests {
-        let from = since.get(&g.name).map_or(0, |m| m.0);
-        let serial = g.serial();
-        for (metric, v) in rates(serial.get(from..).unwrap_or("")) {
-            let late = &v[v.len() / 2..];
-            let (mean, rel_var) = mean_rel_var(late);
-            out.push(GuestRate {
-                guest: g.name.clone(),
-                metric,
-                mean,
-                rounds: late.len(),
-                rel_2se: rel_var.map(|r| 2.0 * r.sqrt()),
-            });
-        }
-    }
-    out
-}
-
-/// A workload's throughput in a managed guest and in its plain twin over the same run
-/// (the `MEMFOLD-RATE <metric> <value>` lines the guests print, one per workload round).
-#[derive(Clone, Debug, Serialize)]
-pub struct Throughput {
-    /// The managed guest.
-    pub guest: String,
-    /// Its plain twin.
-    pub twin: String,
-    /// What the workload reports (`web-req/s`, `pgbench-tps`, `py-req/s`).
-    pub metric: String,
-    /// Mean per round in the managed guest.
-    pub managed: f64,
-    /// Rounds reported by the managed guest.
-    pub managed_rounds: usize,
-    /// Mean per round in the plain twin.
-    pub plain: f64,
-    /// Rounds reported by the plain twin.
-    pub plain_rounds: usize,
-    /// `managed` / `plain`: the managed guest's speed relative to its twin's (under 1: a
-    /// slowdown).
-    pub ratio: f64,
-    /// CPU seconds the managed guest's QEMU used over the run (memfold's agent included).
-    pub managed_cpu_s: f64,
-    /// Of those, CPU seconds of its memfold agent's threads: with the pair pinned to one
-    /// CPU, time the guest's vCPU did not get (a lower bound of memfold's cost to it;
-    /// the vCPU's own time in the kernel's fault paths is not in it). 0 for a guest of the
-    /// kernel's kit (no agent).
-    pub managed_agent_cpu_s: f64,
-    /// CPU seconds the plain twin's QEMU used over the run.
-    pub plain_cpu_s: f64,
-    /// Two standard errors of [`Throughput::ratio`] (and of [`Throughput::change`]), from the spread of the rounds on
-    /// each side taken as independent (delta method; pessimistic when both guests slow
-    /// down together, as they do when the host is busy); `None` with fewer than two
-    /// rounds on a side.
-    pub change_2se: Option<f64>,
-}
-
 impl MemfoldRun {
+    /// Why the run is not a clean measurement of the whole set: self-check mismatches,
+    /// guests paused (fail closed), workloads whose speed was not measured, an early
+    /// stop. Empty: a clean run. `compare.json` records them and `memfold tradeoff` never
+    /// picks a marked side as best.
+    pub fn marks(&self) -> Vec<String> {
+        let mut m = self.failures();
+        m.extend(rates::unmeasured(&self.throughput));
+        if self.interrupted {
+            m.push("stopped before its --secs (Ctrl-C or SIGTERM)".into());
+        }
+        m
+    }
+
+    /// The marks that fail `run` and `compare` once their outputs are written: a guest's
+    /// memory read wrong, or a guest paused, after which the set measured is not the one
+    /// asked for (its slowdown counts only the rounds before the pause).
+    pub fn failures(&self) -> Vec<String> {
+        let mut m = mismatch_failures(&self.mismatches);
+        m.extend(paused_since(&self.samples).into_iter().map(|(g, t)| {
+            format!("guest {g} paused (fail closed) from {t:.0} s: its agent stopped its QEMU")
+        }));
+        m
+    }
+
     /// memfoldd's statistics at the last sample (the run's end).
     pub fn end(&self) -> Option<&Stats> {
         self.samples.last().map(|s| &s.stats)
@@ -416,91 +315,6 @@ impl MemfoldRun {
             .collect()
     }
 }
-
-impl Throughput {
-    /// Managed / plain − 1 (negative: the managed guest is slower).
-    pub fn change(&self) -> f64 {
-        self.ratio - 1.0
-    }
-}
-
-/// Mean and squared relative standard error of the mean of `v` (None below 2 values).
-fn mean_rel_var(v: &[f64]) -> (f64, Option<f64>) {
-    let n = v.len() as f64;
-    let mean = v.iter().sum::<f64>() / n.max(1.0);
-    if v.len() < 2 || mean <= 0.0 {
-        return (mean, None);
-    }
-    let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
-    (mean, Some(var / n / (mean * mean)))
-}
-
-/// The `MEMFOLD-RATE` values in a guest's console text, by metric.
-fn rates(serial: &str) -> BTreeMap<String, Vec<f64>> {
-    let mut out: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    for (m, v, _) in rate_lines(serial) {
-        out.entry(m.to_string()).or_default().push(v);
-    }
-    out
-}
-
-/// Where a guest stood when memfoldd started: bytes of its console text, its QEMU's CPU
-/// seconds, and those of its agent's threads.
-pub type StartMark = (usize, f64, f64);
-
-/// Each guest's [`StartMark`] now, by name.
-pub fn start_marks<'a>(guests: impl Iterator<Item = &'a Guest>) -> HashMap<String, StartMark> {
-    guests
-        .map(|g| {
-            let mark = (
-                g.serial().len(),
-                cpu_seconds(g.pid, None),
-                cpu_seconds(g.pid, Some(AGENT_THREADS)),
-            );
-            (g.name.clone(), mark)
-        })
-        .collect()
-}
-
-/// Pairs each managed guest with its plain twin and compares their rates since
-/// `since` (per guest, see [`StartMark`]).
-pub fn throughput(
-    managed: &[Guest],
-    plain: &[Guest],
-    since: &HashMap<String, StartMark>,
-) -> Vec<Throughput> {
-    let at_start = |g: &Guest| since.get(&g.name).copied().unwrap_or((0, 0.0, 0.0));
-    let cpu = |g: &Guest| cpu_seconds(g.pid, None) - at_start(g).1;
-    let agent_cpu = |g: &Guest| cpu_seconds(g.pid, Some(AGENT_THREADS)) - at_start(g).2;
-    let window = |g: &Guest| {
-        let s = g.serial();
-        rates(s.get(at_start(g).0..).unwrap_or(""))
-    };
-    let mut out = Vec::new();
-    for (m, p) in managed.iter().zip(plain) {
-        let (rm, rp) = (window(m), window(p));
-        for (metric, vm) in &rm {
-            let Some(vp) = rp.get(metric) else { continue };
-            let ((mm, rvm), (mp, rvp)) = (mean_rel_var(vm), mean_rel_var(vp));
-            out.push(Throughput {
-                guest: m.name.clone(),
-                twin: p.name.clone(),
-                metric: metric.clone(),
-                managed: mm,
-                managed_rounds: vm.len(),
-                plain: mp,
-                plain_rounds: vp.len(),
-                ratio: mm / mp,
-                managed_cpu_s: cpu(m),
-                managed_agent_cpu_s: agent_cpu(m),
-                plain_cpu_s: cpu(p),
-                change_2se: rvm.zip(rvp).map(|(a, b)| 2.0 * (mm / mp) * (a + b).sqrt()),
-            });
-        }
-    }
-    out
-}
-
 /// CPU seconds of the kernel threads whose name starts with one of `prefixes` (`ksmd`,
 /// `kswapd`), summed.
 pub fn kernel_threads_cpu_seconds(prefixes: &[&str]) -> f64 {
@@ -563,14 +377,17 @@ pub struct GuestEvents {
 impl GuestEvents {
     /// The events of every guest in `s`.
     pub fn of(s: &Stats) -> Self {
-        let sum = |f: fn(&VmStats) -> u64| s.vms.iter().map(f).sum::<u64>();
+        let sum = |f: fn(&VmStats) -> u64| s.vms.iter().fold(0u64, |a, v| a.saturating_add(f(v)));
         GuestEvents {
             shares: sum(|v| v.shares),
             read_shares: sum(|v| v.read_shares),
             read_fills: sum(|v| v.read_fills),
             cow_breaks: sum(|v| v.cow_breaks),
+            // Counters the agents report: a wild one must not panic the summary.
             cow_copies_avoided: sum(|v| {
-                v.cow_copies_avoided + v.free_discards_shared + v.nocopy_breaks
+                v.cow_copies_avoided
+                    .saturating_add(v.free_discards_shared)
+                    .saturating_add(v.nocopy_breaks)
             }),
             free_discards: sum(|v| v.free_discards),
             free_discards_stored: sum(|v| v.free_discards_stored),
@@ -664,14 +481,59 @@ mod tests {
         assert!(MemfoldRun::default().guest_wait_pct().is_empty());
     }
 
+    /// A paused guest, a mismatch or an early stop marks a run; the first two fail it.
     #[test]
-    fn sampling_stops_at_once_when_stopped_or_out_of_time() {
-        let stop = AtomicBool::new(true);
-        every_second(None, Some(&stop), |_| {
-            panic!("stopped before the first second")
+    fn a_paused_guest_marks_and_fails_a_run() {
+        let mut r = MemfoldRun {
+            interrupted: true,
+            ..Default::default()
+        };
+        assert_eq!(r.failures(), Vec::<String>::new());
+        assert_eq!(r.marks().len(), 1);
+        r.samples.push(Sample {
+            t: 12.0,
+            used_bytes: 0,
+            stats: Stats::default(),
+            daemon_restarts: 0,
+            paused: vec!["web-1".into()],
+            census: None,
+        });
+        r.mismatches.push("db-1: MEMFOLD-MISMATCH".into());
+        let f = r.failures();
+        assert_eq!(f.len(), 2, "{f:?}");
+        assert!(f[0].contains("db-1: MEMFOLD-MISMATCH") && f[1].contains("web-1 paused"));
+        assert_eq!(r.marks().len(), 3);
+    }
+
+    /// Any of the flags stops the sampling: the kit's side passes its guests' deaths and
+    /// Ctrl-C, and ran its full time on Ctrl-C when only the first was looked at.
+    #[test]
+    fn sampling_stops_at_once_when_any_flag_is_set_or_out_of_time() {
+        let (set, unset) = (AtomicBool::new(true), AtomicBool::new(false));
+        every_second(None, &[&set], |_| panic!("stopped before the first second")).unwrap();
+        every_second(None, &[&unset, &set], |_| {
+            panic!("the second flag stops it")
         })
         .unwrap();
-        every_second(Some(0), None, |_| panic!("no time to sample")).unwrap();
+        every_second(Some(0), &[], |_| panic!("no time to sample")).unwrap();
+    }
+
+    /// Counters the agents report are summed without wrapping.
+    #[test]
+    fn guest_events_saturate_rather_than_wrap() {
+        let vm = memfold_wire::VmStats {
+            cow_copies_avoided: u64::MAX - 1,
+            free_discards_shared: 5,
+            nocopy_breaks: 5,
+            shares: u64::MAX,
+            ..Default::default()
+        };
+        let s = Stats {
+            vms: vec![vm.clone(), vm],
+            ..Default::default()
+        };
+        let e = GuestEvents::of(&s);
+        assert_eq!((e.cow_copies_avoided, e.shares), (u64::MAX, u64::MAX));
     }
 
     #[test]
@@ -695,30 +557,5 @@ mod tests {
             [("web-1".to_string(), 2.0), ("db-1".to_string(), 3.0)]
         );
         assert!(paused_since(&samples[..1]).is_empty());
-    }
-
-    #[test]
-    fn two_standard_errors_of_the_mean() {
-        let (m, rv) = mean_rel_var(&[9.0, 11.0]);
-        assert_eq!(m, 10.0);
-        // s = sqrt(2), s.e. = 1, relative 0.1, squared 0.01.
-        assert!((rv.unwrap() - 0.01).abs() < 1e-12);
-        assert_eq!(mean_rel_var(&[5.0]).1, None, "one round has no spread");
-    }
-
-    #[test]
-    fn rate_lines_are_read_by_metric_and_junk_is_skipped() {
-        let serial = "boot\nMEMFOLD-RATE web-req/s 12.50\n[ 3.1] x MEMFOLD-RATE pgbench-tps 88\n\
-                      MEMFOLD-RATE web-req/s 7.5\nMEMFOLD-RATE web-req/s nan\nMEMFOLD-RATE py-req/s\n\
-                      MEMFOLD-RATE web-req/s -1\n";
-        let r = rates(serial);
-        assert_eq!(r["web-req/s"], vec![12.5, 7.5]);
-        let timed = timed_rates(
-            "MEMFOLD-RATE cache-MiB/s 60.5 at 101.25\nMEMFOLD-RATE cache-MiB/s 70\n\
-             MEMFOLD-RATE cache-MiB/s 80 at soon\nMEMFOLD-RATE cache-MiB/s 90 at 140.0\n",
-        );
-        assert_eq!(timed["cache-MiB/s"], vec![(60.5, 101.25), (90.0, 140.0)]);
-        assert_eq!(r["pgbench-tps"], vec![88.0]);
-        assert_eq!(r.len(), 2);
     }
 }

@@ -129,15 +129,33 @@ impl Drop for Daemon {
     }
 }
 
-/// Fails if guest `g` reported a self-check mismatch.
-fn self_check(g: &Guest) -> Result<()> {
-    anyhow::ensure!(
-        g.mismatches().is_empty(),
-        "guest {} self-check failed: {:?}",
-        g.name,
-        g.mismatches()
-    );
-    Ok(())
+/// The self-check mismatches `guests` reported, `guest: line` each.
+pub(crate) fn mismatches<'a>(guests: impl Iterator<Item = &'a Guest>) -> Vec<String> {
+    guests
+        .flat_map(|g| {
+            g.mismatches()
+                .into_iter()
+                .map(|l| format!("{}: {l}", g.name))
+        })
+        .collect()
+}
+
+/// Fails with `failures` (a side's marks that fail the command: [`MemfoldRun::failures`]
+/// and the peers'), each printed; `what` names the side and `out` where its outputs were
+/// written. Called after those outputs are written, so that they can be read.
+pub(crate) fn ensure_clean(what: &str, failures: &[String], out: &std::path::Path) -> Result<()> {
+    if failures.is_empty() {
+        return Ok(());
+    }
+    for f in failures {
+        eprintln!("!! {what}: {f}");
+    }
+    anyhow::bail!(
+        "{what}: {} ({} in all); the outputs in {} have the figures, marked",
+        failures[0],
+        failures.len(),
+        out.display()
+    )
 }
 
 /// The host set up for `--compress-backing zswap` ([`kernel_swap`]): each part undone
@@ -147,7 +165,7 @@ struct KernelSwap {
     _zswap: memfold_sys::reclaim::Zswap,
     /// The swap file, the size of the guests' RAM.
     _swap: memfold_sys::reclaim::SwapFile,
-    /// `vm.page-cluster` 0 for the run.
+    /// `vm.page-cluster` for the run, as the kit's.
     _readahead: memfold_sys::reclaim::SwapReadaheadOff,
     /// The compressor zswap took.
     compressor: String,
@@ -155,9 +173,8 @@ struct KernelSwap {
 
 /// For `--compress-backing zswap`: zswap on with `--backing-compressor` or the best
 /// compressor the kernel takes (`peer::COMPRESSORS`, as the peer's), a swap file the size
-/// of the guests' RAM, and swap readahead off (`vm.page-cluster` 0: a guest's access to a
-/// paged-out page should not bring its untouched neighbours back too), all undone when
-/// the guard drops; `None` for the store backing.
+/// of the guests' RAM, and swap readahead off as the kit's (`SwapReadaheadOff`), all
+/// undone when the guard drops; `None` for the store backing.
 ///
 /// Errors: no zswap, no compressor taken, the swap file cannot be made (not root, disk);
 /// `--backing-compressor` with the store backing.
@@ -259,6 +276,14 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         crate::peer::check_reporting(&guests)?;
     }
     let since = measure::start_marks(guests.iter().chain(&plain));
+    let blk_pids = |gs: &[Guest]| -> Vec<u32> {
+        gs.iter()
+            .flat_map(|g| g.blk_processes())
+            .filter_map(|(_, pid, _)| pid)
+            .collect()
+    };
+    // memfold-blk does memfold's read reporting and fills: its CPU is memfold's.
+    let mut blk_cpu = measure::ProcCpu::starting(blk_pids(&guests));
     let used_before = measure::used(&guests)?.0;
     let log_path = out.join("memfoldd.log");
     let start_daemon = || -> Result<Daemon> {
@@ -296,7 +321,8 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
     let (mut restarts, mut cpu_dead, mut cpu_last) = (0u32, 0.0, 0.0);
     let (mut kills, mut killed_at) = (0u32, 0.0);
     // A managed QEMU found stopped was paused by its agent failing closed: said once, shown
-    // in the view and the summary, and the run goes on.
+    // in the view and the summary; the run goes on (the paused QEMU is kept for `gcore`,
+    // the others measured to the end) and fails after its outputs are written.
     let mut announced: Vec<String> = Vec::new();
     let mut attach_checked = false;
     let mut seen = std::collections::BTreeSet::new();
@@ -307,12 +333,24 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         memfold_sys::reclaim::memory_stall_us().ok(),
         std::time::Instant::now(),
     );
-    measure::every_second((m.secs > 0).then_some(m.secs), Some(stop), |start| {
+    // Set at a self-check mismatch: a guest's memory read wrong, so the sampling ends
+    // there (the outputs are still written, then the command fails).
+    let mismatched = AtomicBool::new(false);
+    let mut page_cluster = None;
+    let mut sampled_s = 0.0;
+    let stops = [stop, &mismatched];
+    measure::every_second((m.secs > 0).then_some(m.secs), &stops, |start| {
         for g in guests.iter_mut().chain(plain.iter_mut()) {
             g.check_alive()?;
-            self_check(g)?;
         }
+        if !mismatches(guests.iter().chain(&plain)).is_empty() {
+            mismatched.store(true, Ordering::SeqCst);
+            return Ok(());
+        }
+        blk_cpu.observe(blk_pids(&guests));
+        page_cluster = page_cluster.or_else(memfold_sys::reclaim::page_cluster);
         let now = start.elapsed().as_secs_f64();
+        sampled_s = now;
         if let Some(every) = a
             .kill_memfoldd_every
             .filter(|&e| now - killed_at >= e as f64)
@@ -417,8 +455,11 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             stall0.1.elapsed().as_secs_f64(),
         ))
     });
+    blk_cpu.observe(blk_pids(&guests));
+    let blk_cpu_s = blk_cpu.seconds();
     let cpu_s = cpu_dead + cpu_seconds(daemon.0.id(), None) + measure::agents_cpu_seconds(&guests)
-        - agent_cpu0;
+        - agent_cpu0
+        + blk_cpu_s;
     drop(daemon);
     let throughput = measure::throughput(&guests, &plain, &since);
     let rates = measure::late_rates(&guests, &since);
@@ -436,10 +477,11 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             (g.name.clone(), taken)
         })
         .collect();
+    let mismatches = mismatches(guests.iter().chain(&plain));
     for g in guests.iter_mut().chain(plain.iter_mut()) {
-        self_check(g)?;
         g.stop();
     }
+    let interrupted = m.secs > 0 && sampled_s < m.secs as f64 && stop.load(Ordering::SeqCst);
     let (saved_bytes, t95_s) =
         measure::plateau(used_before, samples.iter().map(|s| (s.t, s.used_bytes)));
     let books_saved_bytes =
@@ -451,6 +493,10 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
             books_saved_bytes,
             t95_s,
             cpu_s,
+            blk_cpu_s,
+            mismatches,
+            interrupted,
+            page_cluster,
             memory_stall_pct,
             daemon_restarts: restarts,
             daemon_kills: kills,
@@ -481,7 +527,10 @@ pub fn run(a: &RunArgs) -> Result<()> {
     let stop = ctrl_c_flag()?;
     let (r, out) = measure(a, "run", &stop)?;
     write_outputs(&out, &r)?;
-    output::print_summary(&a.memfold, &r, &out)
+    let summary = output::print_summary(&a.memfold, &r, &out);
+    // A mismatch or a paused guest fails the run once its outputs are out; Ctrl-C is how
+    // a run without --secs ends, so an early stop does not.
+    ensure_clean("memfold run", &r.failures(), &out).and(summary)
 }
 
 #[cfg(test)]

@@ -265,6 +265,12 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         "books_saved_bytes": r.books_saved_bytes,
         "t95_s": r.t95_s,
         "cpu_s": r.cpu_s,
+        "blk_cpu_s": r.blk_cpu_s,
+        "page_cluster": r.page_cluster,
+        "guest_mismatches": r.mismatches,
+        // Why the run is not a clean measurement (mismatches, paused guests, workloads
+        // not measured, an early stop); mismatches and pauses fail the command.
+        "marks": r.marks(),
         "latency_us": r.end().map(|s| s.latency),
         "policy": a.engine.policy,
         "clock_rbits": a.clock_rbits,
@@ -335,12 +341,13 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         );
     }
     println!(
-        "memfold saved {:.1} MiB of {:.1} MiB (measured, mean of the last 10 s; memfoldd's books: {:.1} MiB); 95% of it after {} s; memfoldd + agents used {:.1} CPU s",
+        "memfold saved {:.1} MiB of {:.1} MiB (measured, mean of the last 10 s; memfoldd's books: {:.1} MiB); 95% of it after {} s; memfoldd + agents + memfold-blk used {:.1} CPU s (memfold-blk {:.1})",
         r.saved_bytes / MIB,
         r.used_before as f64 / MIB,
         r.books_saved_bytes / MIB,
         t95_text(r.t95_s),
-        r.cpu_s
+        r.cpu_s,
+        r.blk_cpu_s
     );
     if let Some(c) = r.captured() {
         println!("{}", c.line());
@@ -371,6 +378,9 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
     print_throughput("memfold-managed", &r.throughput);
     print_rates(r);
     print_around_break(r);
+    for m in r.marks() {
+        println!("!! RUN MARKED: {m}");
+    }
     println!(
         "time series: {}, {}",
         out.join("run.csv").display(),
@@ -504,7 +514,7 @@ fn print_rates(r: &MemfoldRun) {
     if r.rates.is_empty() {
         return;
     }
-    println!("workload speed per guest, later half of its rounds (mean ± 2 s.e.), and the memory it has at the end:");
+    println!("workload speed per guest, later half of its rounds (total work / total time ± 2 s.e.), and the memory it has at the end:");
     let end = r.end();
     for g in &r.rates {
         let v = end.and_then(|s| s.vms.iter().find(|v| v.name == g.guest));
@@ -554,14 +564,22 @@ fn print_around_break(r: &MemfoldRun) {
 
 /// With `--plain-twins`: each workload's throughput in the guests `side` manages
 /// (`memfold-managed`, `kit-managed`) against their plain twins, with the ratio managed /
-/// plain ± 2 standard errors over the rounds; nothing without twins. `memfold run` and
-/// both sides of `memfold compare` print it so.
+/// plain ± 2 standard errors of the round-to-round noise; a workload without rounds on a
+/// side is shown as not measured; nothing without twins. `memfold run` and both sides of
+/// `memfold compare` print it so.
 pub fn print_throughput(side: &str, throughput: &[Throughput]) {
     if throughput.is_empty() {
         return;
     }
-    println!("workload throughput over the run, {side} guest vs its plain twin (mean per round):");
+    println!("workload throughput over the run, {side} guest vs its plain twin (total work / total time of the rounds):");
     for t in throughput {
+        if !t.measured() {
+            println!(
+                "  {:<12} {:<12} NOT MEASURED: {} rounds managed, {} on the plain twin {}",
+                t.metric, t.guest, t.managed_rounds, t.plain_rounds, t.twin
+            );
+            continue;
+        }
         println!(
             "  {:<12} {:<12} {:>10.2} ({:>3} rounds, {:>5.0} CPU s, agent {:.1})  vs {:<12} {:>10.2} ({:>3} rounds, {:>5.0} CPU s)  ratio {:.3}{}  ({:+.1}%)",
             t.metric,
@@ -621,6 +639,10 @@ mod tests {
             books_saved_bytes: 0.0,
             t95_s: None,
             cpu_s: 0.0,
+            blk_cpu_s: 0.0,
+            mismatches: vec![],
+            interrupted: false,
+            page_cluster: None,
             memory_stall_pct: None,
             daemon_restarts: 0,
             daemon_kills: 0,

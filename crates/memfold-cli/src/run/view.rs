@@ -88,7 +88,11 @@ pub fn print(used_before: u64, s: &Sample, prev: Option<&Sample>) {
             v.entitlement_pages * 4096.0 / MIB,
             v.zero_shared_pages + v.zero_reclaimed_pages,
             rate(|v| v.cow_breaks),
-            rate(|v| v.wp_faults + v.missing_faults + v.minor_faults),
+            rate(|v| {
+                v.wp_faults
+                    .saturating_add(v.missing_faults)
+                    .saturating_add(v.minor_faults)
+            }),
             rate(|v| v.scanned_pages),
             if s.paused.contains(&v.name) {
                 PAUSED

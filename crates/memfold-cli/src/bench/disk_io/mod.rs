@@ -22,7 +22,7 @@
 pub mod rounds;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -31,7 +31,7 @@ use clap::Args;
 use memfold_vm::launcher::{agent_env, BlkDisks, DataDisk, Guest, GuestSpec, RamBackend};
 use serde::Serialize;
 
-use crate::run::measure::{start_marks, throughput, Throughput};
+use crate::run::measure::{start_marks, throughput, ProcCpu, Throughput};
 use crate::run::{companions, Daemon};
 use memfold_cli::engine_args::EngineArgs;
 use rounds::{compare, counted, passes, Compared};
@@ -100,7 +100,8 @@ pub struct DiskIoRun {
     pub passes: Vec<Compared>,
     /// Wall time of the I/O pair, s.
     pub io_secs: f64,
-    /// CPU seconds of the memfold-blk process over the I/O pair's run.
+    /// CPU seconds of the memfold-blk process over the I/O pair's run (every pid its
+    /// supervisor ran: never negative across a restart).
     pub blk_cpu_s: f64,
     /// CPU seconds of each QEMU over the I/O pair's run: memfold-blk's guest, virtio's.
     pub qemu_cpu_s: [f64; 2],
@@ -123,15 +124,12 @@ fn cpu_s(pid: u32) -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
-/// The pid of the memfold-blk process serving `dir`'s `blk-data.sock` (its command line
-/// names the socket).
-fn blk_pid(sock: &Path) -> Option<u32> {
-    let want = sock.as_os_str().as_encoded_bytes();
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-        cmd.split(|&b| b == 0).any(|a| a == want).then_some(pid)
-    })
+/// The pids of the memfold-blk processes serving `g`'s disks now (none while restarting).
+fn blk_pids(g: &Guest) -> Vec<u32> {
+    g.blk_processes()
+        .into_iter()
+        .filter_map(|(_, pid, _)| pid)
+        .collect()
 }
 
 /// Runs the benchmark.
@@ -207,14 +205,16 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
     let mut gv = Guest::start_with_env(&vs, &cache, &dir, accel, &env(&vs))?;
     // A memfoldd that refused its flags has exited by the time both guests booted.
     memfoldd_alive()?;
-    let blk_pid = blk_pid(&dir.join("blk").join("blk-data.sock"));
-    let cpu0 = (blk_pid.map_or(0.0, cpu_s), cpu_s(gb.pid), cpu_s(gv.pid));
-    let (cb, cv) = io_pair(a, &mut gb, &mut gv)?;
+    // Looked up again at every poll: its supervisor may restart it under a new pid.
+    let mut blk_cpu = ProcCpu::starting(blk_pids(&gb));
+    let cpu0 = (cpu_s(gb.pid), cpu_s(gv.pid));
+    let (cb, cv) = io_pair(a, &mut gb, &mut gv, |gb| blk_cpu.observe(blk_pids(gb)))?;
     memfoldd_alive()?;
+    blk_cpu.observe(blk_pids(&gb));
     let cpu = (
-        blk_pid.map_or(0.0, cpu_s) - cpu0.0,
-        cpu_s(gb.pid) - cpu0.1,
-        cpu_s(gv.pid) - cpu0.2,
+        blk_cpu.seconds(),
+        cpu_s(gb.pid) - cpu0.0,
+        cpu_s(gv.pid) - cpu0.1,
     );
     std::fs::write(dir.join("blk.console"), gb.serial())?;
     std::fs::write(dir.join("virtio.console"), gv.serial())?;
@@ -285,9 +285,10 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
             );
         }
         anyhow::ensure!(
-            !t.is_empty(),
-            "{p}: no workload rounds reported by both guests in {} s",
-            a.workload_secs
+            !t.is_empty() && t.iter().all(Throughput::measured),
+            "{p}: no workload rounds reported by both guests in {} s ({})",
+            a.workload_secs,
+            crate::run::measure::unmeasured(&t).join("; ")
         );
         workloads.extend(t);
         std::fs::write(wdir.join("blk.console"), gb.serial())?;
@@ -315,17 +316,25 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
     Ok(())
 }
 
-/// One side's counted rounds ([`rounds::counted`]): MiB/s of each kind of pass, by round.
-type Rounds = std::collections::BTreeMap<u64, [f64; 3]>;
+/// One side's counted rounds ([`rounds::counted`]): MiB and seconds of each kind of pass,
+/// by round.
+type Rounds = std::collections::BTreeMap<u64, rounds::Round>;
 
 /// Runs the I/O pair until each side has `a.rounds` rounds that began after both were
-/// reading; returns each side's counted rounds (memfold-blk's, virtio's).
-fn io_pair(a: &DiskIoArgs, gb: &mut Guest, gv: &mut Guest) -> Result<(Rounds, Rounds)> {
+/// reading, calling `poll` with memfold-blk's guest at each look; returns each side's
+/// counted rounds (memfold-blk's, virtio's).
+fn io_pair(
+    a: &DiskIoArgs,
+    gb: &mut Guest,
+    gv: &mut Guest,
+    mut poll: impl FnMut(&Guest),
+) -> Result<(Rounds, Rounds)> {
     let deadline = Instant::now() + Duration::from_secs(600 + 120 * a.rounds as u64);
     // Per side: the last round any pass of which was reported when the other side
     // started (None until both have started).
     let mut first: Option<(u64, u64)> = None;
     loop {
+        poll(gb);
         let (sb, sv) = (gb.serial(), gv.serial());
         for (g, s) in [(&*gb, &sb), (&*gv, &sv)] {
             if let Some(l) = s.lines().find(|l| l.contains("MEMFOLD-PROBE-FAILED")) {

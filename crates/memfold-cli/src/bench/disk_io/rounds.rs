@@ -1,6 +1,8 @@
 //! The guests' I/O rounds as their consoles report them (`MEMFOLD-IO round kind bytes ns`,
 //! images/memfold-probe.rs `diskio`), which of them ran while both sides ran, and their
-//! throughput as mean ± 2 standard errors and a ratio.
+//! throughput as total bytes / total time ± 2 standard errors (a ratio estimator: a pass
+//! reads fixed bytes, and the mean of per-pass rates would weigh fast passes more) and a
+//! ratio.
 
 use std::collections::BTreeMap;
 
@@ -23,9 +25,12 @@ pub struct Pass {
 }
 
 impl Pass {
-    /// Throughput, MiB/s.
-    pub fn mibps(&self) -> f64 {
-        self.bytes as f64 / (1u64 << 20) as f64 / (self.ns.max(1) as f64 / 1e9)
+    /// (MiB read, seconds taken; at least 1 ns).
+    pub fn mib_secs(&self) -> (f64, f64) {
+        (
+            self.bytes as f64 / (1u64 << 20) as f64,
+            self.ns.max(1) as f64 / 1e9,
+        )
     }
 }
 
@@ -50,13 +55,16 @@ pub fn passes(serial: &str) -> Vec<Pass> {
         .collect()
 }
 
+/// A counted round: each kind's (MiB, seconds).
+pub type Round = [(f64, f64); 3];
+
 /// The rounds of `passes` that count: those after `first` (the round under way when the
 /// other side started, and any before it, ran beside a booting guest or none), complete
 /// (every kind reported).
-pub fn counted(passes: &[Pass], first: u64) -> BTreeMap<u64, [f64; 3]> {
-    let mut by_round: BTreeMap<u64, [Option<f64>; 3]> = BTreeMap::new();
+pub fn counted(passes: &[Pass], first: u64) -> BTreeMap<u64, Round> {
+    let mut by_round: BTreeMap<u64, [Option<(f64, f64)>; 3]> = BTreeMap::new();
     for p in passes.iter().filter(|p| p.round > first) {
-        by_round.entry(p.round).or_default()[p.kind] = Some(p.mibps());
+        by_round.entry(p.round).or_default()[p.kind] = Some(p.mib_secs());
     }
     by_round
         .into_iter()
@@ -83,13 +91,13 @@ pub fn mean_2se(xs: &[f64]) -> (f64, f64) {
 pub struct Compared {
     /// The kind ([`KINDS`]).
     pub kind: String,
-    /// memfold-blk's mean, MiB/s.
+    /// memfold-blk's MiB over its seconds, all counted passes of the kind.
     pub blk_mibps: f64,
     /// Its two standard errors, MiB/s.
     pub blk_2se: f64,
     /// Rounds on memfold-blk.
     pub blk_rounds: usize,
-    /// QEMU's virtio-blk's mean, MiB/s.
+    /// QEMU's virtio-blk's, likewise.
     pub virtio_mibps: f64,
     /// Its two standard errors, MiB/s.
     pub virtio_2se: f64,
@@ -98,28 +106,33 @@ pub struct Compared {
     /// `blk / virtio` (under 1: memfold-blk is slower).
     pub ratio: f64,
     /// Two standard errors of the ratio (delta method, the sides' rounds taken as
-    /// independent).
+    /// independent: the round-to-round noise only; the two guests run at once on one host,
+    /// which that leaves out).
     pub ratio_2se: f64,
 }
 
 /// Each kind compared, memfold-blk's rounds against virtio-blk's.
-pub fn compare(blk: &BTreeMap<u64, [f64; 3]>, virtio: &BTreeMap<u64, [f64; 3]>) -> Vec<Compared> {
+pub fn compare(blk: &BTreeMap<u64, Round>, virtio: &BTreeMap<u64, Round>) -> Vec<Compared> {
+    use crate::run::measure::ratio_rate;
     (0..KINDS.len())
         .map(|k| {
-            let b: Vec<f64> = blk.values().map(|r| r[k]).collect();
-            let v: Vec<f64> = virtio.values().map(|r| r[k]).collect();
-            let ((bm, bse), (vm, vse)) = (mean_2se(&b), mean_2se(&v));
-            let ratio = bm / vm;
+            let side = |s: &BTreeMap<u64, Round>| {
+                let r = ratio_rate(&s.values().map(|r| r[k]).collect::<Vec<_>>());
+                let rel = r.rel_var.unwrap_or(0.0);
+                (r, 2.0 * r.rate * rel.sqrt(), rel)
+            };
+            let ((b, bse, brel), (v, vse, vrel)) = (side(blk), side(virtio));
+            let ratio = b.rate / v.rate;
             Compared {
                 kind: KINDS[k].into(),
-                blk_mibps: bm,
+                blk_mibps: b.rate,
                 blk_2se: bse,
-                blk_rounds: b.len(),
-                virtio_mibps: vm,
+                blk_rounds: b.rounds,
+                virtio_mibps: v.rate,
                 virtio_2se: vse,
-                virtio_rounds: v.len(),
+                virtio_rounds: v.rounds,
                 ratio,
-                ratio_2se: ratio * ((bse / bm).powi(2) + (vse / vm).powi(2)).sqrt(),
+                ratio_2se: 2.0 * ratio * (brel + vrel).sqrt(),
             }
         })
         .collect()
@@ -136,9 +149,9 @@ mod tests {
                  MEMFOLD-IO 0 seq-1m 1048576\n";
         let p = passes(s);
         assert_eq!(p.len(), 2);
-        assert_eq!((p[0].kind, p[0].mibps()), (0, 2.0));
+        assert_eq!((p[0].kind, p[0].mib_secs()), (0, (1.0, 0.5)));
         assert_eq!(p[1].kind, 1);
-        assert!((p[1].mibps() - 4096.0 / 1048576.0 / 1e-3).abs() < 1e-9);
+        assert_eq!(p[1].mib_secs(), (4096.0 / 1048576.0, 1e-3));
     }
 
     #[test]
@@ -155,7 +168,7 @@ mod tests {
         v.push(pass(4, 0));
         let c = counted(&v, 1);
         assert_eq!(c.keys().copied().collect::<Vec<_>>(), vec![2, 3]);
-        assert_eq!(c[&2], [1.0; 3]);
+        assert_eq!(c[&2], [(1.0, 1.0); 3]);
     }
 
     #[test]
@@ -164,18 +177,29 @@ mod tests {
         let (m, se) = mean_2se(&[1.0, 3.0]);
         assert_eq!(m, 2.0);
         assert!((se - 2.0).abs() < 1e-12, "sd √2, s.e. 1, 2 s.e. 2: {se}");
-        let side = |x: [f64; 2]| -> BTreeMap<u64, [f64; 3]> {
+        // Rounds of (MiB, s): 9 and 11 MiB in 1 s each, against 10 MiB in 1 s twice.
+        let side = |x: [(f64, f64); 2]| -> BTreeMap<u64, Round> {
             x.iter()
                 .enumerate()
                 .map(|(i, &v)| (i as u64, [v; 3]))
                 .collect()
         };
-        let c = compare(&side([9.0, 11.0]), &side([10.0, 10.0]));
+        let c = compare(
+            &side([(9.0, 1.0), (11.0, 1.0)]),
+            &side([(10.0, 1.0), (10.0, 1.0)]),
+        );
         assert_eq!(c.len(), 3);
         assert_eq!(
             (c[0].ratio, c[0].blk_rounds, c[0].virtio_2se),
             (1.0, 2, 0.0)
         );
         assert!((c[0].ratio_2se - 0.2).abs() < 1e-12, "{}", c[0].ratio_2se);
+        assert!((c[0].blk_2se - 2.0).abs() < 1e-12, "{}", c[0].blk_2se);
+        // Fixed bytes per pass: 16 MiB in 0.1 s twice, then in 0.4 s: 48 MiB in 0.6 s is
+        // 80 MiB/s (the mean of the per-pass rates said 120).
+        let mut uneven = side([(16.0, 0.1), (16.0, 0.1)]);
+        uneven.insert(2, [(16.0, 0.4); 3]);
+        let c = compare(&uneven, &uneven);
+        assert!((c[0].blk_mibps - 80.0).abs() < 1e-9, "{}", c[0].blk_mibps);
     }
 }

@@ -108,11 +108,23 @@ pub fn run(a: &ScaleArgs) -> Result<()> {
             );
             let (r, rout) = run::measure(&RunArgs::without_twins(m.clone()), "scale", &stop)?;
             run::write_outputs(&rout, &r)?;
+            // A guest's memory read wrong ends the sweep, after the point's outputs.
+            let mismatched = run::measure::mismatch_failures(&r.mismatches);
+            run::ensure_clean("memfold bench scale", &mismatched, &rout)?;
             let ksm = if a.no_ksm {
                 None
             } else {
                 eprintln!("== point: {n} × {profile} of {mib} MiB, KSM aggressive, booted afresh");
-                let k = ksm_side(&m.set, None, a.ksm_thp, false, m.secs, m.census, &dir)?;
+                let k = ksm_side(
+                    &m.set,
+                    None,
+                    a.ksm_thp,
+                    false,
+                    m.secs,
+                    m.census,
+                    &dir,
+                    Some(&stop),
+                )?;
                 anyhow::ensure!(
                     k.mismatches.is_empty(),
                     "a guest on the KSM side reported a self-check mismatch: {:?}",
