@@ -13,8 +13,8 @@ mod common;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use common::{page_of, region, write};
-use memfold_agent::{AgentConfig, ClockRBits, FailMode};
+use common::{page_of, region, spawn_agent, write};
+use memfold_agent::ClockRBits;
 use memfold_codecs::PAGE_SIZE;
 use memfold_wire::{Conn, Listener};
 
@@ -32,15 +32,7 @@ fn a_stalled_memfoldd_with_a_full_backlog_does_not_stop_the_guest() {
         assert!(queued.len() < 10_000, "the backlog never filled");
     }
     let (_fd, ptr) = region(PAGES);
-    let cfg = AgentConfig {
-        socket: socket.clone(),
-        name: "g".into(),
-        ram_bytes: 0,
-        vma_budget: None,
-        on_failure: FailMode::Abort,
-        clock_rbits: ClockRBits::Userfault,
-    };
-    std::thread::spawn(move || memfold_agent::run(cfg));
+    spawn_agent(&socket, ClockRBits::Userfault);
     // Time to register the region and try its first attach (once a second after).
     std::thread::sleep(Duration::from_millis(1500));
     let addr = ptr as usize;

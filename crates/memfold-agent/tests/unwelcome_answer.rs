@@ -13,8 +13,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::region;
-use memfold_agent::{AgentConfig, ClockRBits, FailMode};
+use common::{region, spawn_agent};
+use memfold_agent::ClockRBits;
 use memfold_wire::{Listener, ToDaemon};
 
 #[test]
@@ -32,15 +32,7 @@ fn a_hello_answered_by_a_closed_connection_is_not_sent_again_at_once() {
         // No answer: the connection closes.
     });
     let (_fd, _ptr) = region(16);
-    let cfg = AgentConfig {
-        socket,
-        name: "g".into(),
-        ram_bytes: 0,
-        vma_budget: None,
-        on_failure: FailMode::Abort,
-        clock_rbits: ClockRBits::Userfault,
-    };
-    std::thread::spawn(move || memfold_agent::run(cfg));
+    spawn_agent(&socket, ClockRBits::Userfault);
     // Without the back-off: a hello each second, 4 or 5 here.
     std::thread::sleep(Duration::from_millis(4500));
     assert_eq!(

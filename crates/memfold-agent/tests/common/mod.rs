@@ -94,6 +94,13 @@ pub fn start_agent(socket: &Path) -> Listener {
 /// [`start_agent`] with the clock's R bits taken as `rbits` says.
 pub fn start_agent_with(socket: &Path, rbits: ClockRBits) -> Listener {
     let listener = Listener::bind(socket).unwrap();
+    spawn_agent(socket, rbits);
+    listener
+}
+
+/// Starts the agent in this process, as guest `g`, for memfoldd at `socket` (whatever
+/// listens there), aborting on failure.
+pub fn spawn_agent(socket: &Path, rbits: ClockRBits) {
     let cfg = AgentConfig {
         socket: socket.to_path_buf(),
         name: "g".into(),
@@ -103,7 +110,6 @@ pub fn start_agent_with(socket: &Path, rbits: ClockRBits) -> Listener {
         clock_rbits: rbits,
     };
     std::thread::spawn(move || memfold_agent::run(cfg));
-    listener
 }
 
 /// Starts the agent in this process on every QEMU-named memfd it maps, as memfoldd at

@@ -364,6 +364,22 @@ fn fake_qemu(dir: &Path, guest: Arc<Mutex<FakeGuest>>) -> PathBuf {
     path
 }
 
+/// A claimer's reporter for this process, into `state`.
+fn reporter(state: Arc<Mutex<BalloonState>>) -> Reporter {
+    Reporter {
+        pid: std::process::id(),
+        state,
+        said: None,
+        off_target_since: None,
+    }
+}
+
+/// A claimer's pace in these tests: the monitor read every 20 ms, asked again after 200 ms.
+const FAST: Pace = Pace {
+    poll: Duration::from_millis(20),
+    ask_again_after: Duration::from_millis(200),
+};
+
 /// The `balloon` commands a claimer sends in `secs` to `guest`, which deflated 64 MiB
 /// past its 256 MiB target, read every 20 ms, asked again after 200 ms at most.
 fn asked_of_deflated_guest(mut guest: FakeGuest, secs: f64) -> Vec<u64> {
@@ -374,17 +390,8 @@ fn asked_of_deflated_guest(mut guest: FakeGuest, secs: f64) -> Vec<u64> {
     let q = Qmp::connect_served_by(&path, std::process::id(), MONITOR_TIMEOUT).unwrap();
     let (tx, rx) = mpsc::channel();
     let driving = std::thread::spawn(move || {
-        let mut r = Reporter {
-            pid: std::process::id(),
-            state: Arc::default(),
-            said: None,
-            off_target_since: None,
-        };
-        let pace = Pace {
-            poll: Duration::from_millis(20),
-            ask_again_after: Duration::from_millis(200),
-        };
-        drive(q, &rx, &mut Some(256 * MIB), &mut r, pace)
+        let mut r = reporter(Arc::default());
+        drive(q, &rx, &mut Some(256 * MIB), &mut r, FAST)
     });
     std::thread::sleep(Duration::from_secs_f64(secs));
     drop(tx);
@@ -453,19 +460,10 @@ fn a_claimer_reads_its_guests_ram_from_the_monitor() {
     let path = fake_qemu(dir.path(), guest);
     let q = Qmp::connect_served_by(&path, std::process::id(), MONITOR_TIMEOUT).unwrap();
     let state: Arc<Mutex<BalloonState>> = Arc::default();
-    let mut r = Reporter {
-        pid: std::process::id(),
-        state: Arc::clone(&state),
-        said: None,
-        off_target_since: None,
-    };
+    let mut r = reporter(Arc::clone(&state));
     let (tx, rx) = mpsc::channel::<u64>();
     drop(tx);
-    let pace = Pace {
-        poll: Duration::from_millis(20),
-        ask_again_after: Duration::from_millis(200),
-    };
-    assert_eq!(drive(q, &rx, &mut None, &mut r, pace), Ok(()));
+    assert_eq!(drive(q, &rx, &mut None, &mut r, FAST), Ok(()));
     assert_eq!(state.lock().unwrap().qemu_ram, Some(512 * MIB));
 }
 
@@ -485,18 +483,9 @@ fn a_qemus_long_error_is_kept_short_and_escaped() {
     let path = fake_qemu(dir.path(), guest);
     let q = Qmp::connect_served_by(&path, std::process::id(), MONITOR_TIMEOUT).unwrap();
     let state: Arc<Mutex<BalloonState>> = Arc::default();
-    let mut r = Reporter {
-        pid: std::process::id(),
-        state: Arc::clone(&state),
-        said: None,
-        off_target_since: None,
-    };
+    let mut r = reporter(Arc::clone(&state));
     let (_tx, rx) = mpsc::channel::<u64>();
-    let pace = Pace {
-        poll: Duration::from_millis(20),
-        ask_again_after: Duration::from_millis(200),
-    };
-    let why = drive(q, &rx, &mut None, &mut r, pace).unwrap_err();
+    let why = drive(q, &rx, &mut None, &mut r, FAST).unwrap_err();
     assert!(
         why.len() > 300_000,
         "the monitor's words, whole: {}",
