@@ -2,14 +2,21 @@
 //! get-id over a [`Disk`], guest RAM reached only through QEMU ([`crate::mem`]), every
 //! read reported to a [`LandedSink`].
 //!
-//! A malformed request — a descriptor chain that cannot be read, a header that is short,
-//! a sector range past the disk's end, a data buffer that is not whole sectors or larger
-//! than the device announces, a missing status byte — is answered with
-//! `VIRTIO_BLK_S_IOERR` where a status byte exists, and otherwise completed with nothing
-//! written and a log line (so is a chain longer than `seg_max` allows: it is read no
-//! further, its status byte never reached); the device never panics on guest input and
-//! writes only inside the buffers the guest gave it (each write is to a device-writable
-//! descriptor's range, checked against guest RAM by [`RemoteMemory`]).
+//! A malformed request — a header that is short, a sector range past the disk's end, a
+//! data buffer that is not whole sectors, larger than the device announces or wrapping
+//! the address space — is answered with `VIRTIO_BLK_S_IOERR` in its status byte. A
+//! request whose status byte is not known or cannot be written — its descriptors
+//! unreadable, a chain longer than `seg_max` allows (read no further: its end, where the
+//! status byte is, never reached), a readable descriptor after a writable one, no
+//! writable byte, a status byte outside guest RAM — is not completed at all: completed
+//! with nothing written, the guest would read whatever its status byte held before
+//! (Linux reuses the area: usually the previous request's OK), and a dropped write would
+//! look done. Its queue is broken instead, as QEMU's `virtio_error` does: one log line,
+//! and no request of it is served until the driver resets the device (vhost-user:
+//! `GET_VRING_BASE` then `SET_VRING_KICK` start the ring anew). An honest driver never
+//! sends such a chain. The device never panics on guest input and writes only inside the
+//! buffers the guest gave it (each write is to a device-writable descriptor's range,
+//! checked against guest RAM by [`RemoteMemory`]).
 
 use std::collections::BTreeMap;
 use std::io;
@@ -32,6 +39,8 @@ use crate::landed::{Landed, LandedSink};
 use crate::mem::{MemError, RamFile, RemoteMemory, PAGE};
 use crate::remote::{self, RemoteError};
 use crate::vring::{BlkVring, Gm};
+
+pub use counters::Counters;
 
 /// `VIRTIO_F_VERSION_1`.
 const F_VERSION_1: u64 = 1 << 32;
@@ -71,68 +80,6 @@ pub struct BlkConfig {
     /// Reads are served at most this fast, bytes/s (a slow disk, as QEMU's `bps_rd`: the
     /// queue waits before a read that would exceed it); `None`: as fast as the disk.
     pub read_bytes_per_sec: Option<u64>,
-}
-
-/// Counters of requests (logged at exit and kept for tests).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Counters {
-    /// Reads completed OK.
-    pub reads: u64,
-    /// Bytes read.
-    pub read_bytes: u64,
-    /// Writes completed OK.
-    pub writes: u64,
-    /// Flushes.
-    pub flushes: u64,
-    /// Discards.
-    pub discards: u64,
-    /// Requests answered `VIRTIO_BLK_S_IOERR`.
-    pub io_errors: u64,
-    /// Requests answered `VIRTIO_BLK_S_UNSUPP`.
-    pub unsupported: u64,
-    /// Requests dropped (no status byte could be written).
-    pub dropped: u64,
-    /// Pages reported landed from a base image.
-    pub landed_base: u64,
-    /// Pages reported landed from the overlay.
-    pub landed_overlay: u64,
-    /// Pages reported landed as zeros.
-    pub landed_zero: u64,
-    /// Pages of reads asked of memfoldd to be filled from frames (Satori §5.2).
-    pub fill_asked: u64,
-    /// Of those, pages filled: not read from the disk, not written.
-    pub filled: u64,
-    /// Reads served wholly from frames: no disk read at all.
-    pub reads_from_frames: u64,
-    /// Bytes read from the disk for reads (`read_bytes` less what frames filled).
-    pub disk_read_bytes: u64,
-    /// Reads of QEMU's memory for the rings and descriptors (each a `process_vm_readv`).
-    pub ring_reads: u64,
-}
-
-impl Counters {
-    /// One line, `key=value` pairs (the binary's `--stats` file and its exit log).
-    pub fn line(&self) -> String {
-        format!(
-            "reads={} read_bytes={} writes={} flushes={} discards={} io_errors={} unsupported={} dropped={} landed_base={} landed_overlay={} landed_zero={} fill_asked={} filled={} reads_from_frames={} disk_read_bytes={} ring_reads={}",
-            self.reads,
-            self.read_bytes,
-            self.writes,
-            self.flushes,
-            self.discards,
-            self.io_errors,
-            self.unsupported,
-            self.dropped,
-            self.landed_base,
-            self.landed_overlay,
-            self.landed_zero,
-            self.fill_asked,
-            self.filled,
-            self.reads_from_frames,
-            self.disk_read_bytes,
-            self.ring_reads
-        )
-    }
 }
 
 /// The device: a disk, the guest's RAM (once QEMU sends its memory table), a sink.
@@ -308,6 +255,10 @@ impl BlkBackend {
     /// for good: the caller must call again while [`Served::pending`]. Each request reads
     /// at most `MAX_CHAIN` + 1 descriptors, so a call's work is bounded too.
     ///
+    /// A queue that is not ready is left alone: a request without a usable status byte
+    /// marks its queue not ready (broken, see the module's doc) until vhost-user-backend
+    /// starts the ring again (`SET_VRING_KICK`, after QEMU's reset of the device).
+    ///
     /// Errors: the rings themselves cannot be read or written (QEMU gone, rings outside
     /// guest RAM).
     pub fn process_queue(
@@ -316,6 +267,9 @@ impl BlkBackend {
         mem: &RemoteMemory,
         used_stale: bool,
     ) -> Result<Served, MemError> {
+        if !queue.ready() {
+            return Ok(Served::default());
+        }
         let view = mem.view();
         if used_stale {
             let used = queue
@@ -370,7 +324,8 @@ impl BlkBackend {
 
     /// Serves the requests available now, at most `budget` of them (each served takes
     /// one off it); returns whether more are waiting (the notification check of virtio
-    /// 1.1 §2.6.7.2). `any` is set if one was served. Each request's bounce buffers are
+    /// 1.1 §2.6.7.2), `false` once a request broke the queue. `any` is set if one was
+    /// served. Each request's bounce buffers are
     /// freed once it is answered ([`crate::mem::RemoteView::release`]).
     ///
     /// Errors: the rings cannot be read or written, or the guest's available index runs
@@ -447,31 +402,29 @@ impl BlkBackend {
                 }
             }
             view.reading_descriptors(false);
+            // Err: where its status byte is, is not known (the chain's layout is broken).
             let used = if let Some(e) = view.take_error() {
-                tracing::warn!("request {head}: its descriptors could not be read: {e}");
-                self.finish(mem, &c, Err(ReqError::Mem(e)), 0)
+                Err(format!("its descriptors could not be read: {e}"))
             } else if too_long {
-                // Its status byte is at the chain's end, which is not read: dropped.
-                tracing::warn!("request {head}: over {MAX_CHAIN} descriptors (seg_max); dropped");
-                self.counters.io_errors += 1;
-                self.counters.dropped += 1;
-                0
-            } else if wraps {
-                tracing::warn!("request {head}: a buffer wraps the address space; dropped");
-                self.counters.io_errors += 1;
-                self.counters.dropped += 1;
-                0
+                Err(format!(
+                    "over {MAX_CHAIN} descriptors (seg_max): its end, the status byte, not read"
+                ))
             } else if !order_ok {
-                self.finish(
-                    mem,
-                    &c,
-                    Err(ReqError::Malformed(
-                        "a device-readable descriptor after a writable one".into(),
-                    )),
-                    0,
-                )
+                Err("a device-readable descriptor after a writable one".into())
+            } else if wraps {
+                // Its status byte, if addressable, gets IOERR; the rest is not touched.
+                let e = ReqError::Malformed("a buffer wraps the address space".into());
+                self.finish(mem, &c, Err(e), 0)
             } else {
                 self.request(mem, &c)
+            };
+            let used = match used {
+                Ok(n) => n,
+                Err(why) => {
+                    self.break_queue(queue, head, &why);
+                    // Notifications stay off: a broken queue wants no kicks.
+                    return Ok(false);
+                }
             };
             queue
                 .add_used(view, head, used)
@@ -490,8 +443,19 @@ impl BlkBackend {
             .map_err(|e| queue_error(view, e))
     }
 
-    /// Serves one request; returns the bytes written into its writable buffers.
-    fn request(&mut self, mem: &RemoteMemory, c: &Chain) -> u32 {
+    /// Marks `queue` broken by request `head` (see the module's doc): not ready, so not
+    /// served until vhost-user-backend starts it again; logged once, here.
+    fn break_queue(&mut self, queue: &mut Queue, head: u16, why: &str) {
+        self.counters.dropped += 1;
+        queue.set_ready(false);
+        tracing::error!(
+            "request {head}: {why}; not completed (no status byte to answer it in), and its queue is served no more until the driver resets the device"
+        );
+    }
+
+    /// Serves one request; returns the bytes written into its writable buffers, or why
+    /// no status byte could be written (the queue is then broken).
+    fn request(&mut self, mem: &RemoteMemory, c: &Chain) -> Result<u32, String> {
         if c.readable_len() < HEADER {
             return self.finish(
                 mem,
@@ -727,46 +691,41 @@ impl BlkBackend {
     }
 
     /// Writes the status of a request that ended with `r` (OK with `n` data bytes written,
-    /// or IOERR); returns the used length.
-    fn finish(&mut self, mem: &RemoteMemory, c: &Chain, r: Result<(), ReqError>, n: u32) -> u32 {
+    /// or IOERR); returns the used length, or why no status byte could be written.
+    fn finish(
+        &mut self,
+        mem: &RemoteMemory,
+        c: &Chain,
+        r: Result<(), ReqError>,
+        n: u32,
+    ) -> Result<u32, String> {
         match r {
             Ok(()) => self.status(mem, c, vb::VIRTIO_BLK_S_OK as u8, n),
             Err(e) => {
+                let used = self
+                    .status(mem, c, vb::VIRTIO_BLK_S_IOERR as u8, 0)
+                    .map_err(|why| format!("{e}; {why}"))?;
                 tracing::warn!("request {}: {e}", c.head);
                 self.counters.io_errors += 1;
-                self.status(mem, c, vb::VIRTIO_BLK_S_IOERR as u8, 0)
+                Ok(used)
             }
         }
     }
 
     /// Writes status byte `s` (the last writable byte) and returns the used length
-    /// (`n` data bytes and the status byte); with no writable byte, or a status byte that
-    /// cannot be written, the request is dropped (used length 0) and logged.
-    fn status(&mut self, mem: &RemoteMemory, c: &Chain, s: u8, n: u32) -> u32 {
-        let Some(&(a, len)) = c.writable.last() else {
-            self.counters.dropped += 1;
-            tracing::warn!(
-                "request {}: no device-writable byte for a status, dropped",
-                c.head
-            );
-            return 0;
-        };
-        let Some(at) = a.checked_add(len - 1) else {
-            self.counters.dropped += 1;
-            tracing::warn!(
-                "request {}: status byte past the address space, dropped",
-                c.head
-            );
-            return 0;
-        };
-        match mem.write(at, &[s]) {
-            Ok(()) => n + 1,
-            Err(e) => {
-                self.counters.dropped += 1;
-                tracing::warn!("request {}: status byte not written, dropped: {e}", c.head);
-                0
-            }
-        }
+    /// (`n` data bytes and the status byte); or why it could not: no writable byte, or a
+    /// status byte past the address space or not written.
+    fn status(&mut self, mem: &RemoteMemory, c: &Chain, s: u8, n: u32) -> Result<u32, String> {
+        let &(a, len) = c
+            .writable
+            .last()
+            .ok_or("no device-writable byte for a status")?;
+        let at = a
+            .checked_add(len - 1)
+            .ok_or("its status byte is past the address space")?;
+        mem.write(at, &[s])
+            .map_err(|e| format!("its status byte was not written: {e}"))?;
+        Ok(n + 1)
     }
 }
 
@@ -778,6 +737,7 @@ fn queue_error(view: &crate::mem::RemoteView<'_>, e: virtio_queue::Error) -> Mem
 }
 
 mod backend;
+mod counters;
 mod fill;
 #[cfg(test)]
 mod tests;

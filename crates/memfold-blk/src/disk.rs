@@ -37,9 +37,11 @@ use crate::landed::{DiskId, Source};
 
 mod guard;
 mod open;
+mod stamp;
 mod sync_latch;
 pub use guard::{BaseGuard, BaseStamp, Mismatch};
 pub use open::check_overlay;
+pub use stamp::stamp_path;
 
 /// Sector size of virtio-blk, bytes.
 pub const SECTOR: u64 = 512;
@@ -99,6 +101,36 @@ pub enum DiskError {
         path: PathBuf,
         /// What changed (size, mtime, ctime, the file at the path).
         what: String,
+    },
+    /// The base differs from the one the overlay was first served over (its stamp file,
+    /// [`stamp_path`]): the overlay's clusters were copied from the old base's bytes, so
+    /// serving it over this one would mix the two.
+    #[error("base image {base} changed since overlay {overlay} was first served over it ({what}; recorded in {stamp}): refused, nothing is served and neither file is written (docs/blk-faults.md says what to do)")]
+    BaseChangedSinceStamp {
+        /// The base image.
+        base: PathBuf,
+        /// The overlay.
+        overlay: PathBuf,
+        /// The stamp file.
+        stamp: PathBuf,
+        /// What differs (device and inode, size, mtime).
+        what: String,
+    },
+    /// The overlay's stamp file cannot be read, understood or written.
+    #[error("base stamp {stamp} of overlay {overlay}: {source}")]
+    Stamp {
+        /// The stamp file.
+        stamp: PathBuf,
+        /// The overlay.
+        overlay: PathBuf,
+        /// The OS error, or what is wrong with its contents.
+        source: std::io::Error,
+    },
+    /// Another open holds the overlay's lock (another memfold-blk, a QEMU, a qemu-img).
+    #[error("overlay {path} is in use by another process (another memfold-blk, a QEMU or a qemu-img holds a lock on it): refused, nothing is served")]
+    InUse {
+        /// The overlay.
+        path: PathBuf,
     },
     /// A qcow2 overlay is not over the base it is served with ([`check_overlay`]).
     #[error("overlay {overlay} does not match the base {base}: {why}; nothing is served and neither file is written")]
@@ -420,7 +452,13 @@ impl OverlayDisk {
     /// (the one its [`BaseGuard`] watches), and an overlay that needs an external data file
     /// is refused.
     ///
-    /// Errors: [`DiskError::OverlayMismatch`], [`DiskError::Open`] (either image).
+    /// The overlay is locked for the disk's life (an OFD write lock on the whole file, as
+    /// QEMU's own locks conflict with), and the base is checked against the one the
+    /// overlay was first served over, recorded next to it ([`stamp_path`]).
+    ///
+    /// Errors: [`DiskError::OverlayMismatch`], [`DiskError::InUse`],
+    /// [`DiskError::BaseChangedSinceStamp`], [`DiskError::Stamp`], [`DiskError::Open`]
+    /// (either image).
     pub fn open(base: &Path, overlay: &Path) -> Result<OverlayDisk, DiskError> {
         Self::open_with(base, overlay, true)
     }
@@ -432,9 +470,12 @@ impl OverlayDisk {
     pub fn open_with(base: &Path, overlay: &Path, direct: bool) -> Result<OverlayDisk, DiskError> {
         let raw = RawDisk::open_with(base, direct)?;
         let (file, direct) = open::open_overlay_file(overlay, direct)?;
-        let q = open::served(&raw, &file, overlay, direct)?;
+        let (q, verdict) = open::served(&raw, &file, overlay, direct)?;
         // The base could have changed since it was opened.
         raw.check_unchanged()?;
+        if verdict == stamp::Verdict::Write {
+            stamp::write(&raw.guard.stamp(), &file, overlay)?;
+        }
         Ok(OverlayDisk {
             path: overlay.to_path_buf(),
             base: raw,
@@ -644,13 +685,20 @@ pub type SharedDisk = Arc<dyn Disk>;
 /// -b BASE -F raw OVERLAY`): a per-guest copy-on-write disk QEMU can open too (Satori
 /// §4.1).
 ///
+/// A stamp left by an earlier overlay at that path ([`stamp_path`]) is removed: the new
+/// overlay holds nothing, and its first open records its base afresh.
+///
 /// Errors: [`DiskError::Open`] naming the overlay: `qemu-img` missing or failing (its
-/// message).
+/// message), or the old stamp not removable.
 pub fn create_overlay(base: &Path, overlay: &Path) -> Result<(), DiskError> {
     let fail = |source: std::io::Error| DiskError::Open {
         path: overlay.to_path_buf(),
         source,
     };
+    match std::fs::remove_file(stamp_path(overlay)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(fail(e)),
+        _ => {}
+    }
     let out = std::process::Command::new("qemu-img")
         .args(["create", "-q", "-f", "qcow2", "-b"])
         .arg(base)

@@ -114,6 +114,11 @@ impl VhostUserBackendMut for BlkBackend {
             tracing::warn!("queue {device_event} kicked before any memory table");
             return Ok(());
         };
+        if !vring.get_ref().get_queue().ready() {
+            // Broken by a request (logged then) or stopped: left until started again,
+            // its used index's stale mark kept for then.
+            return Ok(());
+        }
         let stale = vring.take_used_stale();
         let served = {
             let mut state = vring.get_mut();

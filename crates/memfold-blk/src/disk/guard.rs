@@ -22,6 +22,9 @@
 //! Timestamps are the kernel's (coarse ticks where the file system has no fine-grained
 //! ones): a write within the same tick as the last change before the open can go
 //! unseen. ctime changes on every write, truncate, chmod and rename of the inode.
+//!
+//! The guard's verdict lives in memory; a change between two runs of the device is
+//! caught by the stamp an overlay keeps of its base (`stamp.rs`).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -98,6 +101,11 @@ impl BaseGuard {
             changed: AtomicBool::new(false),
             what: OnceLock::new(),
         }
+    }
+
+    /// The base's stamp when it was opened.
+    pub fn stamp(&self) -> BaseStamp {
+        self.stamp
     }
 
     /// Whether the base has been seen changed (for good: a base once changed stays so).

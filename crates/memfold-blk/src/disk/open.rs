@@ -23,6 +23,12 @@
 //!   so a header rewritten in place between the two is refused too;
 //! - imago opens both with [`DenyImplicitOpenGate`]: a reference the header makes that
 //!   was not given explicitly fails the open instead of opening a file.
+//!
+//! The overlay is locked before anything reads it (`lock`): two writers of one qcow2
+//! file (a second memfold-blk started by mistake, a `qemu-img` on the live file) each
+//! keep their own cache of its metadata and allocate the same free clusters for
+//! different data. Before the read-write parse the base is checked against the one the
+//! overlay was first served over (`stamp.rs`).
 
 use std::fs::File;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
@@ -32,14 +38,73 @@ use imago::file::File as ImagoFile;
 use imago::format::drivers::FormatDriverInstance;
 use imago::qcow2::Qcow2;
 use imago::raw::Raw;
-use imago::{DenyImplicitOpenGate, FormatAccess, FormatDriverBuilder, StorageOpenOptions};
+use imago::{
+    DenyImplicitOpenGate, FormatAccess, FormatDriverBuilder, ShallowMapping, StorageOpenOptions,
+};
 
-use super::{DiskError, Mismatch, RawDisk};
+use super::stamp::{self, Verdict};
+use super::{BaseStamp, DiskError, Mismatch, RawDisk};
+
+/// Takes an exclusive lock of the whole of the open file `file` (`path`) for as long as
+/// its open file description lives (every duplicate of its descriptor closed).
+///
+/// An OFD lock (`F_OFD_SETLK`, `F_WRLCK`), not `flock`: QEMU and `qemu-img` lock images
+/// with OFD locks on a few bytes, which a whole-file write lock conflicts with (`flock`
+/// locks are another table that `fcntl` locks never meet on a local file system). Not a
+/// POSIX lock (what `rustix::fs::fcntl_lock` takes): it belongs to the process, so a
+/// second open in the same process would not conflict, and closing any descriptor of the
+/// file (imago's duplicates, a check that opens it) would drop it. rustix offers no OFD
+/// lock, hence `libc`.
+///
+/// A conflict is retried for `LOCK_WAIT`: a fork elsewhere in this process (a thread
+/// spawning a program) holds a copy of every descriptor, a closed overlay's too, until
+/// its `exec`.
+///
+/// Errors: [`DiskError::InUse`] (another open file description holds a lock);
+/// [`DiskError::Open`] (any other failure).
+fn lock(file: &File, path: &Path) -> Result<(), DiskError> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: all-zero is a valid `struct flock` (plain integers).
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = libc::F_WRLCK as _;
+    l.l_whence = libc::SEEK_SET as _;
+    // l_start 0, l_len 0: the whole file, however it grows; l_pid 0, as OFD locks need.
+    let start = std::time::Instant::now();
+    loop {
+        // SAFETY: `file` is an open descriptor for the call; F_OFD_SETLK only reads `l`,
+        // which lives across it.
+        let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &l) };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EAGAIN | libc::EACCES) if start.elapsed() < LOCK_WAIT => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            Some(libc::EAGAIN | libc::EACCES) => {
+                return Err(DiskError::InUse {
+                    path: path.to_path_buf(),
+                })
+            }
+            _ => {
+                return Err(DiskError::Open {
+                    path: path.to_path_buf(),
+                    source: std::io::Error::new(e.kind(), format!("lock (F_OFD_SETLK): {e}")),
+                })
+            }
+        }
+    }
+}
+
+/// How long a lock held by another open of the overlay is waited for.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The overlay at `path` opened read-write, once, with `O_DIRECT` if `direct` and its file
-/// system takes it (else buffered); and whether it is `O_DIRECT`.
+/// system takes it (else buffered), and locked (`lock`) for the life of the returned
+/// file and its duplicates; and whether it is `O_DIRECT`.
 ///
-/// Errors: [`DiskError::Open`] naming the overlay.
+/// Errors: [`DiskError::InUse`]; [`DiskError::Open`] naming the overlay.
 pub(super) fn open_overlay_file(path: &Path, direct: bool) -> Result<(File, bool), DiskError> {
     let open = |flags| {
         std::fs::OpenOptions::new()
@@ -56,25 +121,29 @@ pub(super) fn open_overlay_file(path: &Path, direct: bool) -> Result<(File, bool
         },
         false => open(0).map(|f| (f, false)),
     };
-    opened.map_err(|source| DiskError::Open {
+    let (file, direct) = opened.map_err(|source| DiskError::Open {
         path: path.to_path_buf(),
         source,
-    })
+    })?;
+    lock(&file, path)?;
+    Ok((file, direct))
 }
 
 /// The instance served for the overlay open as `file` (`path`, `O_DIRECT` if `direct`)
 /// over `base`: parsed read-only and checked ([`check`]) with nothing written, then parsed
 /// read-write from the same open file, over `base`'s own descriptor, with nothing implicit
-/// opened, and checked again.
+/// opened, and checked again. Between the two the base is checked against the overlay's
+/// stamp file; what to do with it once served is returned.
 ///
-/// Errors: [`DiskError::OverlayMismatch`]; [`DiskError::Open`] naming the overlay (not
-/// qcow2, unreadable, or a reference in its header not given explicitly) or the base.
+/// Errors: [`DiskError::OverlayMismatch`], [`DiskError::BaseChangedSinceStamp`],
+/// [`DiskError::Stamp`]; [`DiskError::Open`] naming the overlay (not qcow2, unreadable, or
+/// a reference in its header not given explicitly) or the base.
 pub(super) fn served(
     base: &RawDisk,
     file: &File,
     path: &Path,
     direct: bool,
-) -> Result<FormatAccess<ImagoFile>, DiskError> {
+) -> Result<(FormatAccess<ImagoFile>, Verdict), DiskError> {
     let base_st = rustix::fs::fstat(&base.file).map_err(|e| DiskError::Open {
         path: base.path.clone(),
         source: e.into(),
@@ -99,6 +168,10 @@ pub(super) fn served(
         .open(DenyImplicitOpenGate::default())
         .map_err(open_err(path))?;
     check(&q, &base_id, path)?;
+    let q = FormatAccess::new(q);
+    let verdict = stamp::check(&base.guard.stamp(), &base.path, file, path, || {
+        holds_nothing(&q, path)
+    })?;
     drop(q);
 
     let base_file = ImagoFile::from_open_file(
@@ -122,36 +195,69 @@ pub(super) fn served(
         .open(DenyImplicitOpenGate::default())
         .map_err(open_err(path))?;
     check(&q, &base_id, path)?;
-    Ok(FormatAccess::new(q))
+    Ok((FormatAccess::new(q), verdict))
+}
+
+/// Whether the overlay `q` (parsed without its backing file) has no cluster of its own:
+/// every range unallocated, to be read from the backing file.
+///
+/// Errors: [`DiskError::Open`] naming the overlay (its tables unreadable).
+fn holds_nothing(q: &FormatAccess<ImagoFile>, path: &Path) -> Result<bool, DiskError> {
+    let size = q.size();
+    let mut at = 0u64;
+    while at < size {
+        let (m, n) = q
+            .get_shallow_mapping(at, size - at)
+            .map_err(open_err(path))?;
+        match m {
+            ShallowMapping::Zero {
+                explicit: false, ..
+            } => {}
+            ShallowMapping::Eof { .. } => break,
+            _ => return Ok(false),
+        }
+        at += n.max(1);
+    }
+    Ok(true)
 }
 
 /// Checks, without writing either file, that the qcow2 `overlay` is over the raw `base`:
 /// its header's backing file is `base` (the same file: device and inode, the name
 /// resolved against the overlay's folder as QEMU does), its backing format is `raw`, it
-/// has no external data file, and its virtual size is the base's. Each file is opened
-/// once, read-only, and nothing the header names is opened.
+/// has no external data file, and its virtual size is the base's; and that the base is
+/// the one the overlay was first served over, if it was ([`super::stamp_path`]). Each file
+/// is opened once, read-only, and nothing the header names is opened.
 ///
-/// Errors: [`DiskError::OverlayMismatch`]; [`DiskError::Open`] (either file unreadable,
-/// the overlay not qcow2).
+/// Errors: [`DiskError::OverlayMismatch`], [`DiskError::BaseChangedSinceStamp`],
+/// [`DiskError::Stamp`]; [`DiskError::Open`] (either file unreadable, the overlay not
+/// qcow2).
 pub fn check_overlay(base: &Path, overlay: &Path) -> Result<(), DiskError> {
     let b = File::open(base).map_err(open_err(base))?;
-    let m = b.metadata().map_err(open_err(base))?;
+    let st = rustix::fs::fstat(&b).map_err(|e| open_err(base)(e.into()))?;
     let base_id = BaseId {
         path: base,
-        dev: m.dev(),
-        ino: m.ino(),
-        size: m.len(),
+        dev: st.st_dev,
+        ino: st.st_ino,
+        size: st.st_size as u64,
     };
-    let f = File::open(overlay).map_err(open_err(overlay))?;
-    let f = ImagoFile::from_open_file(f, StorageOpenOptions::new().write(false).filename(overlay))
-        .map_err(open_err(overlay))?;
+    let file = File::open(overlay).map_err(open_err(overlay))?;
+    let f = ImagoFile::from_open_file(
+        dup(&file, overlay)?,
+        StorageOpenOptions::new().write(false).filename(overlay),
+    )
+    .map_err(open_err(overlay))?;
     let q = Qcow2::<ImagoFile>::builder(f)
         .write(false)
         .backing(None)
         .data_file(None)
         .open(DenyImplicitOpenGate::default())
         .map_err(open_err(overlay))?;
-    check(&q, &base_id, overlay)
+    check(&q, &base_id, overlay)?;
+    let q = FormatAccess::new(q);
+    stamp::check(&BaseStamp::of(&st), base, &file, overlay, || {
+        holds_nothing(&q, overlay)
+    })?;
+    Ok(())
 }
 
 /// The open base an overlay is checked against.

@@ -235,6 +235,12 @@ fn a_base_that_changes_under_the_device_is_refused_and_the_overlay_is_untouched(
     assert_eq!(b, [9u8; 8192]);
     drop(o);
     assert_eq!(fingerprint(&ov), ov_before);
+    // A restart refuses it too: the stamp of the first open still names the old base.
+    assert!(matches!(
+        OverlayDisk::open(&base, &ov),
+        Err(DiskError::BaseChangedSinceStamp { .. })
+    ));
+    assert_eq!(fingerprint(&ov), ov_before);
 
     // A raw disk whose base is truncated, or replaced by another file at its path.
     let r = RawDisk::open(&base).unwrap();
@@ -284,4 +290,5 @@ fn after_a_failed_sync_the_overlay_fails_every_flush() {
     assert!(e.to_string().contains("earlier flush"), "{e}");
 }
 
+mod across_opens;
 mod one_open;

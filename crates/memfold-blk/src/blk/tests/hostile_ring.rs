@@ -52,12 +52,12 @@ fn an_available_ring_that_cannot_be_read_is_an_error_not_a_spin() {
 }
 
 #[test]
-fn a_status_byte_that_wraps_the_address_space_drops_the_request_and_writes_nothing() {
+fn a_status_byte_that_wraps_the_address_space_breaks_the_queue_and_writes_nothing() {
     let mut r = rig(false);
     // Data 64 KiB (128 sectors), then the status byte at `a + len - 1`, which wraps to
     // guest address 0xf000, outside every buffer the guest gave. Overflow checks
     // panicked the device's thread (its lock poisoned); without them the IOERR byte
-    // went to 0xf000.
+    // went to 0xf000. No status byte to answer in: not completed, the queue broken.
     let target = 0xf000u64;
     let len = 0x1_0001u32;
     let a = target.wrapping_sub(len as u64 - 1);
@@ -65,13 +65,17 @@ fn a_status_byte_that_wraps_the_address_space_drops_the_request_and_writes_nothi
     let before = r.local.bytes()[0x8000..0x20000].to_vec();
     r.header(0x8000, vb::VIRTIO_BLK_T_IN, 0);
     r.submit(&[(0x8000, 16, false), (a, len, true)]);
-    assert_eq!(r.run(), vec![0]);
+    assert_eq!(r.run(), Vec::<u32>::new());
+    assert!(
+        !r.queue.ready(),
+        "the queue goes on after an unanswerable request"
+    );
     assert!(
         r.local.bytes()[0x8000..0x20000] == before[..],
         "guest RAM changed outside the request's buffers"
     );
     let c = r.dev.counters();
-    assert_eq!((c.dropped, c.reads), (1, 0));
+    assert_eq!((c.dropped, c.reads, c.io_errors), (1, 0, 0));
 }
 
 /// `VRING_DESC_F_INDIRECT`.
@@ -253,12 +257,12 @@ fn indirect_table(r: &Rig, table: u64, descs: &[(u64, u32, bool)]) {
 
 /// An indirect table claiming 65 535 descriptors (the most virtio-queue follows), its
 /// entries after the header chained in a cycle: the device stops reading it past
-/// `seg_max` data segments and drops it, status byte untouched. Each descriptor read is
+/// `seg_max` data segments and breaks the queue, status byte untouched. Each descriptor read is
 /// a 16-byte bounce buffer kept until the request is answered, so the peak counts the
 /// descriptors read. Before, all 65 535 were read (each a scan of the windows and an
 /// allocation; 256 such chains were ~16.7M reads under the backend's lock).
 #[test]
-fn a_chain_longer_than_seg_max_is_dropped_unread_past_the_limit() {
+fn a_chain_longer_than_seg_max_breaks_the_queue_unread_past_the_limit() {
     const TABLE: u64 = 0x20000;
     const CYCLE: u16 = 255;
     let mut r = rig(false);
@@ -275,11 +279,11 @@ fn a_chain_longer_than_seg_max_is_dropped_unread_past_the_limit() {
     let head = SplitDescriptor::new(TABLE, u16::MAX as u32 * 16, INDIRECT, 0);
     r.mock.add_desc_chains(&[head.into()], 0).unwrap();
     run_bounded(&mut r).unwrap();
-    assert_eq!(r.mock.used().idx().load(), 1);
-    assert_eq!(r.mock.used().ring().ref_at(0).unwrap().load().len(), 0);
+    assert_eq!(r.mock.used().idx().load(), 0, "completed");
+    assert!(!r.queue.ready());
     assert_eq!(r.status(), 0xee, "status byte written");
     let c = r.dev.counters();
-    assert_eq!((c.dropped, c.io_errors, c.reads), (1, 1, 0));
+    assert_eq!((c.dropped, c.io_errors, c.reads), (1, 0, 0));
     let peak = r.dev.peak_bounce_bytes;
     // Read up to the limit (the chain is followed), not past it.
     let bound = (MAX_CHAIN as u64 + 8) * 16;
@@ -291,9 +295,10 @@ fn a_chain_longer_than_seg_max_is_dropped_unread_past_the_limit() {
 
 /// The limit is `seg_max` data segments plus header and status, no fewer: a read of
 /// exactly `seg_max` segments (scattered, backwards) is served whole; one more segment
-/// is dropped, its status byte untouched. Fails if the limit is off by one either way.
+/// breaks the queue, its status byte untouched. Fails if the limit is off by one either
+/// way.
 #[test]
-fn a_chain_of_seg_max_segments_is_served_and_one_more_is_dropped() {
+fn a_chain_of_seg_max_segments_is_served_and_one_more_breaks_the_queue() {
     const SEG: u32 = 512;
     let (t1, t2, status2, data2) = (0x20000, 0x21000, 0x3e000, 0x22000);
     let mut r = rig(false);
@@ -315,7 +320,8 @@ fn a_chain_of_seg_max_segments_is_served_and_one_more_is_dropped() {
         .map(|&(t, k)| SplitDescriptor::new(t, k as u32 * 16, INDIRECT, 0).into())
         .collect();
     r.mock.add_desc_chains(&heads, 0).unwrap();
-    assert_eq!(r.run(), vec![SEG_MAX * SEG + 1, 0]);
+    assert_eq!(r.run(), vec![SEG_MAX * SEG + 1]);
+    assert!(!r.queue.ready());
     assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8);
     assert_eq!(r.gm.read_obj::<u8>(GuestAddress(status2)).unwrap(), 0xee);
     // Segment i (backwards in the chain) holds disk bytes from (n - 1 - i) · 512.
@@ -329,6 +335,78 @@ fn a_chain_of_seg_max_segments_is_served_and_one_more_is_dropped() {
     }
     let c = r.dev.counters();
     assert_eq!((c.reads, c.dropped), (1, 1));
+}
+
+/// A write of `seg_max` + 1 data segments (129 descriptors) whose last descriptor is a
+/// writable status byte holding OK (0) from an earlier request, as Linux's reused
+/// per-tag area does: the write must not look done. Before, it was completed with used
+/// length 0 and the status byte untouched: a driver reading it saw OK for a write that
+/// never reached the disk. Now the queue is broken: nothing completed, the next request
+/// waits until the driver resets the device, then is served.
+#[test]
+fn a_write_too_long_to_answer_is_never_completed_as_if_served() {
+    const TABLE: u64 = 0x20000;
+    let mut r = rig(true);
+    r.header(0x8000, vb::VIRTIO_BLK_T_OUT, 0);
+    r.gm.write_slice(&[0x5a; 127 * 512], GuestAddress(DATA))
+        .unwrap();
+    r.gm.write_obj(vb::VIRTIO_BLK_S_OK as u8, GuestAddress(STATUS))
+        .unwrap();
+    let mut chain = vec![(0x8000, 16, false)];
+    chain.extend((0..127).map(|i| (DATA + i * 512, 512, false)));
+    chain.push((STATUS, 1, true));
+    assert_eq!(chain.len(), MAX_CHAIN + 1);
+    indirect_table(&r, TABLE, &chain);
+    let head = SplitDescriptor::new(TABLE, chain.len() as u32 * 16, INDIRECT, 0);
+    r.mock.add_desc_chains(&[head.into()], 0).unwrap();
+    // An honest read after it (head 1), into a buffer of its own.
+    r.next_desc = 1;
+    let (data2, status2) = (0x30000u64, 0x3e000u64);
+    r.header(0x9000, vb::VIRTIO_BLK_T_IN, 0);
+    r.submit(&[(0x9000, 16, false), (data2, 512, true), (status2, 1, true)]);
+    let disk_sector0 = |r: &Rig| {
+        let mut b = vec![0u8; 512];
+        r.dev.disk.read(0, &mut b).unwrap();
+        b
+    };
+    assert_eq!(r.run(), Vec::<u32>::new(), "the write was completed");
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8); // as it was: never read
+    assert_eq!(disk_sector0(&r), r.data[..512], "sector 0 written");
+    assert!(!r.queue.ready());
+    // Kicks change nothing until the reset.
+    assert_eq!(r.run(), Vec::<u32>::new());
+    let c = r.dev.counters();
+    assert_eq!((c.dropped, c.writes, c.reads), (1, 0, 0));
+    r.reset_queue();
+    assert_eq!(r.run(), vec![513]);
+    let ok = r.gm.read_obj::<u8>(GuestAddress(status2)).unwrap();
+    assert_eq!(ok, vb::VIRTIO_BLK_S_OK as u8);
+    assert_eq!(
+        &r.local.bytes()[data2 as usize..data2 as usize + 512],
+        &r.data[..512]
+    );
+    assert_eq!(disk_sector0(&r), r.data[..512]);
+}
+
+/// A write whose data buffer wraps the address space but whose status byte is a good
+/// one: answered IOERR there (it was completed with used length 0, the status byte
+/// untouched, OK from before), nothing written to the disk, the queue served on.
+#[test]
+fn a_write_with_a_wrapping_buffer_gets_ioerr_in_its_status_byte() {
+    let mut r = rig(true);
+    r.header(0x8000, vb::VIRTIO_BLK_T_OUT, 0);
+    r.gm.write_obj(vb::VIRTIO_BLK_S_OK as u8, GuestAddress(STATUS))
+        .unwrap();
+    let a = u64::MAX - 255; // 512 bytes from here wrap
+    r.submit(&[(0x8000, 16, false), (a, 512, false), (STATUS, 1, true)]);
+    assert_eq!(r.run(), vec![1]);
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_IOERR as u8);
+    assert!(r.queue.ready());
+    let mut b = vec![0u8; 512];
+    r.dev.disk.read(0, &mut b).unwrap();
+    assert_eq!(b, r.data[..512]);
+    let c = r.dev.counters();
+    assert_eq!((c.io_errors, c.dropped, c.writes), (1, 0, 0));
 }
 
 /// The guest re-posting head 0 (posted once already) until `total` requests are posted,
