@@ -32,6 +32,16 @@ const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2)
 /// welcome.
 const REFUSED_BACK_OFF: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// Attaches in a row whose connection closes unanswered before the agent waits
+/// [`REFUSED_BACK_OFF`]: a memfoldd stopping or restarting closes queued hellos, and its
+/// successor should not wait 30 s; one that cannot read the hello closes every one.
+const CLOSES_BEFORE_BACK_OFF: u32 = 3;
+
+/// Longest unstash before the hello goes on the same connection: memfoldd closes one
+/// that says no hello within 5 s (`memfold_live`'s `HELLO_TIMEOUT`), so after a longer
+/// one the agent connects afresh.
+const UNSTASH_KEEPS_CONNECTION: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// How often the agent reports its counters and latencies.
 const REPORT_EVERY: Duration = Duration::from_secs(1);
 
@@ -169,6 +179,7 @@ impl Agent {
             return;
         }
         // The store belongs to the memfoldd that is gone: bring its pages home first.
+        let unstashing = std::time::Instant::now();
         match self.unstash_all() {
             Ok(()) => {}
             // A blob that decodes to other bytes than were stored (the store or swap file
@@ -184,6 +195,10 @@ impl Agent {
                 tracing::warn!("restoring stashed pages: {e}; attach postponed");
                 return;
             }
+        }
+        if unstashing.elapsed() > UNSTASH_KEEPS_CONNECTION {
+            // Home now (nothing left to unstash): a fresh connection, its hello at once.
+            return self.attach();
         }
         let shared = self.pages.reattach_list();
         let hello = ToDaemon::AgentHello {
@@ -216,6 +231,7 @@ impl Agent {
                 self.store = (!got.is_empty()).then(|| got.remove(0));
                 self.swap = (!got.is_empty()).then(|| got.remove(0));
                 self.conn = Some(conn);
+                self.closes_in_a_row = 0;
                 // Nothing of an old connection goes out on the new one.
                 self.outgoing.clear();
                 // Breaks and refills done while detached are reflected in the list.
@@ -227,16 +243,28 @@ impl Agent {
                 tracing::warn!("memfoldd refused the attach: {}", shown(&message));
                 self.back_off();
             }
-            // Any other answer, or none (a memfoldd that could not read the hello closed
-            // the connection): not a welcome, and trying again every second would not
+            // Closed with no answer (memfoldd stopping, restarting, over its limit of
+            // connections waiting for a hello, or unable to read ours): tried again in a
+            // second, until it happened CLOSES_BEFORE_BACK_OFF times in a row.
+            Ok(None) => self.closed("the connection closed"),
+            // Reset or broken (a memfoldd killed, or one over its limit of connections
+            // waiting for a hello): as a close. A timeout is not: below.
+            Err(memfold_wire::WireError::Io(e))
+                if !matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                self.closed(&e.to_string())
+            }
+            // Any other answer: not a welcome, and trying again every second would not
             // make it one.
-            Ok(other) => {
+            Ok(Some(other)) => {
                 let what = match other {
-                    None => "the connection closed".to_string(),
-                    Some((ToAgent::Welcome { version }, _)) => {
+                    (ToAgent::Welcome { version }, _) => {
                         format!("a welcome of protocol version {version} (ours {PROTOCOL_VERSION}) or with no pool")
                     }
-                    Some((m, _)) => shown(&format!("{m:?}")),
+                    (m, _) => shown(&format!("{m:?}")),
                 };
                 tracing::warn!("no welcome from memfoldd: {what}; trying again later");
                 self.back_off();
@@ -247,6 +275,22 @@ impl Agent {
                 tracing::warn!("attach: {e}");
                 self.back_off();
             }
+        }
+    }
+
+    /// An attach's connection closed before any answer (`why`): tried again in a second,
+    /// or after [`REFUSED_BACK_OFF`] once [`CLOSES_BEFORE_BACK_OFF`] did in a row.
+    fn closed(&mut self, why: &str) {
+        self.closes_in_a_row += 1;
+        if self.closes_in_a_row >= CLOSES_BEFORE_BACK_OFF {
+            tracing::warn!(
+                "no welcome from memfoldd: {why}, {} times in a row; trying again later",
+                self.closes_in_a_row
+            );
+            self.closes_in_a_row = 0;
+            self.back_off();
+        } else {
+            tracing::info!("no welcome from memfoldd: {why}; trying again");
         }
     }
 

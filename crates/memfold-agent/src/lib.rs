@@ -305,6 +305,8 @@ struct Agent {
     /// Messages for memfoldd waiting for room in its socket, in order (`attach.rs`).
     outgoing: std::collections::VecDeque<memfold_wire::ToDaemon>,
     last_connect: Option<Instant>,
+    /// Attaches in a row whose connection closed before any answer (`attach.rs`).
+    closes_in_a_row: u32,
     /// State changes made serving faults, not yet reported.
     pending: Pending,
     counters: Counters,
@@ -600,6 +602,7 @@ fn run_region(
         conn: None,
         outgoing: Default::default(),
         last_connect: None,
+        closes_in_a_row: 0,
         pending: Pending::default(),
         counters: Counters::new(),
         deferred: Vec::new(),

@@ -1,7 +1,9 @@
-//! An agent that gets anything but a welcome to its hello waits before it tries again:
-//! a memfoldd that cannot read its hello (another protocol version) closes the
-//! connection with no answer, and an agent that tried again every second sent it a hello
-//! (and, re-attaching, its whole list) every second for good.
+//! An agent whose hello is answered by a closed connection tries again a second later,
+//! a few times (a memfoldd stopping or restarting closes the hellos it queued, and its
+//! successor should not wait 30 s for the guest), then waits before it tries again: a
+//! memfoldd that cannot read its hello (another protocol version) closes every one, and
+//! an agent that tried again every second sent it a hello (and, re-attaching, its whole
+//! list) every second for good.
 //!
 //! This test binary plays QEMU (a shared `memory-backend-memfd` memfd mapped) and that
 //! memfoldd (a listener that reads each hello and closes the connection). One test only:
@@ -18,7 +20,7 @@ use memfold_agent::ClockRBits;
 use memfold_wire::{Listener, ToDaemon};
 
 #[test]
-fn a_hello_answered_by_a_closed_connection_is_not_sent_again_at_once() {
+fn closed_connections_are_tried_again_a_few_times_then_backed_off() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("memfoldd.sock");
     let listener = Listener::bind(&socket).unwrap();
@@ -33,11 +35,12 @@ fn a_hello_answered_by_a_closed_connection_is_not_sent_again_at_once() {
     });
     let (_fd, _ptr) = region(16);
     spawn_agent(&socket, ClockRBits::Userfault);
-    // Without the back-off: a hello each second, 4 or 5 here.
-    std::thread::sleep(Duration::from_millis(4500));
+    // A hello each second until the third close, then none for 30 s: without the
+    // back-off 6 or 7 here, backing off at the first close 1.
+    std::thread::sleep(Duration::from_millis(6500));
     assert_eq!(
         hellos.load(Ordering::SeqCst),
-        1,
-        "the agent tried again without waiting"
+        3,
+        "the agent's tries after closed connections"
     );
 }

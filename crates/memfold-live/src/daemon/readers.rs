@@ -65,8 +65,10 @@ pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Most connections of one user (uid, from the kernel) waiting for their hello; a user's
 /// connections past it are closed unread. Each holds a thread for up to
-/// [`HELLO_TIMEOUT`]; a user's silent connections hold only that user's places.
-pub const MAX_HELLOS_WAITING: usize = 64;
+/// [`HELLO_TIMEOUT`]; a user's silent connections hold only that user's places. Room for
+/// a host's QEMUs of one user (libvirt's) all re-attaching at once after a restart: one
+/// closed unread tries again a second later (the agent's `attach.rs`).
+pub const MAX_HELLOS_WAITING: usize = 256;
 
 /// How long a send to a peer may wait before the peer is taken as gone: a peer that
 /// stops reading must not stall memfoldd.
@@ -224,6 +226,8 @@ fn read_loop(
     let Some(hello) = hello_of(t, &peer, &bytes, &writer) else {
         return;
     };
+    // Its room is a message's (256 KiB), for a connection that may live for weeks.
+    drop(bytes);
     match hello {
         ToDaemon::AgentHello {
             version, ref name, ..
