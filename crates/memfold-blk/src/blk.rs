@@ -12,8 +12,11 @@
 //! with nothing written, the guest would read whatever its status byte held before
 //! (Linux reuses the area: usually the previous request's OK), and a dropped write would
 //! look done. Its queue is broken instead, as QEMU's `virtio_error` does: one log line,
-//! and no request of it is served until the driver resets the device (vhost-user:
-//! `GET_VRING_BASE` then `SET_VRING_KICK` start the ring anew). An honest driver never
+//! and no request of it is served until vhost-user-backend marks it ready again: at the
+//! ring's start after the driver resets the device (`GET_VRING_BASE`, `SET_VRING_KICK`),
+//! but also at a `SET_VRING_CALL` (QEMU sends one when the guest masks or unmasks the
+//! queue's vector), after which the queue is served again and the guest's next such
+//! chain breaks it again: never completed as if served, either way. An honest driver never
 //! sends such a chain. The device never panics on guest input and writes only inside the
 //! buffers the guest gave it (each write is to a device-writable descriptor's range,
 //! checked against guest RAM by [`RemoteMemory`]).

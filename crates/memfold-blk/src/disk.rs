@@ -474,7 +474,26 @@ impl OverlayDisk {
         // The base could have changed since it was opened.
         raw.check_unchanged()?;
         if verdict == stamp::Verdict::Write {
-            stamp::write(&raw.guard.stamp(), &file, overlay)?;
+            match stamp::write(&raw.guard.stamp(), &file, overlay) {
+                // A folder the device may not write (a pre-provisioned image, a confining
+                // profile that allows the image alone): served as before stamps existed,
+                // said once. Anything else (EIO, a full disk) refuses.
+                Err(DiskError::Stamp { stamp, source, .. })
+                    if matches!(
+                        source.kind(),
+                        std::io::ErrorKind::PermissionDenied
+                            | std::io::ErrorKind::ReadOnlyFilesystem
+                    ) =>
+                {
+                    tracing::warn!(
+                        "cannot record overlay {}'s base in {} ({source}): served without it, \
+                         so a base changed before a restart is not caught",
+                        overlay.display(),
+                        stamp.display()
+                    );
+                }
+                r => r?,
+            }
         }
         Ok(OverlayDisk {
             path: overlay.to_path_buf(),

@@ -7,7 +7,8 @@
 //! guest had written (their copy-on-write filled from the old base) beside the new base's
 //! bytes, a mix, with no error. Now the first open of an overlay records its base's
 //! device, inode, size and mtime (ns), and the overlay file's own device, inode and birth
-//! time, in a small file next to it (written to a temporary file, synced, renamed, the
+//! time (devices kept for the reader, not compared: a reboot may renumber them), in a
+//! small file next to it (written to a temporary file, synced, renamed, the
 //! folder synced). Every later open compares the base with it before the overlay is opened
 //! for writing (`check`); if the base differs the open is refused
 //! ([`DiskError::BaseChangedSinceStamp`]) — unless the overlay is another file than the
@@ -123,7 +124,13 @@ impl Recorded {
     }
 }
 
-/// What differs between the recorded base `was` and `now`, in words.
+/// A base's inode, size and mtime: what says it is the same file with the same bytes.
+fn without_dev(b: (u64, u64, u64, i128)) -> (u64, u64, i128) {
+    (b.1, b.2, b.3)
+}
+
+/// What differs between the recorded base `was` and `now`, in words (not the device
+/// alone: see `check`).
 fn diff(was: (u64, u64, u64, i128), now: (u64, u64, u64, i128)) -> String {
     let t = |ns: i128| {
         format!(
@@ -133,7 +140,7 @@ fn diff(was: (u64, u64, u64, i128), now: (u64, u64, u64, i128)) -> String {
         )
     };
     let mut v = Vec::new();
-    if (was.0, was.1) != (now.0, now.1) {
+    if was.1 != now.1 {
         v.push(format!(
             "another file (device {} inode {}, recorded device {} inode {})",
             now.0, now.1, was.0, was.1
@@ -181,13 +188,18 @@ pub(super) fn check(
     if was == now {
         return Ok(Verdict::Same);
     }
-    if was.base == now.base {
-        // Another overlay file over the same base: recorded as this one's.
+    // Device numbers are not compared: a reboot can renumber the same file system
+    // (btrfs subvolumes, NFS, LVM, disks in probe order), and a guest's disk refused for
+    // that would be refused for nothing. Inode, size and mtime in ns say the same file.
+    let base_same = without_dev(was.base) == without_dev(now.base);
+    let overlay_same = (was.overlay.1, was.overlay.2) == (now.overlay.1, now.overlay.2);
+    if base_same {
+        // Another overlay file over the same base (or the same, renumbered): recorded anew.
         return Ok(Verdict::Write);
     }
     // The birth time tells a file made anew at the path from the one stamped (an inode
     // number is reused at once); without one the two cannot be told apart.
-    let same_file = was.overlay == now.overlay && now.overlay.2.is_some();
+    let same_file = overlay_same && now.overlay.2.is_some();
     if !same_file && holds_nothing()? {
         tracing::info!(
             "overlay {} is a new file holding nothing: its base {} is recorded afresh in {}",

@@ -68,6 +68,34 @@ fn a_base_rewritten_in_place_between_two_opens_is_refused_at_the_reopen() {
     assert_eq!(before, (fingerprint(&base), fingerprint(&ov)));
 }
 
+/// A reboot may renumber the file systems (btrfs subvolumes, NFS, LVM, disks in probe
+/// order): a stamp whose device numbers alone differ still names this base and overlay,
+/// and the guest's disk opens. Fails with devices compared (refused as another file).
+#[test]
+fn a_stamp_whose_device_numbers_alone_changed_still_opens() {
+    let (_d, base, ov, _) = base_and_overlay(23);
+    let o = OverlayDisk::open(&base, &ov).unwrap();
+    o.write(4096, &[0x5a; 4096]).unwrap();
+    o.flush().unwrap();
+    drop(o);
+    let path = stamp_path(&ov);
+    let renumbered: String = std::fs::read_to_string(&path)
+        .unwrap()
+        .lines()
+        .map(|l| match l.split_once(' ') {
+            Some((k @ ("base_dev" | "overlay_dev"), v)) => {
+                format!("{k} {}\n", v.parse::<u64>().unwrap() + 7)
+            }
+            _ => format!("{l}\n"),
+        })
+        .collect();
+    std::fs::write(&path, &renumbered).unwrap();
+    let o = OverlayDisk::open(&base, &ov).expect("renumbered devices refused");
+    let mut b = vec![0u8; 4096];
+    o.read(4096, &mut b).unwrap();
+    assert_eq!(b, vec![0x5a; 4096]);
+}
+
 #[test]
 fn an_unchanged_base_reopens_and_the_guest_s_write_reads_back() {
     let (_d, base, ov, data) = base_and_overlay(22);
