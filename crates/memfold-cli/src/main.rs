@@ -137,7 +137,8 @@ enum BenchCmd {
     SideChannel(bench::side_channel::SideChannelArgs),
     /// Guest disk throughput, memfold-blk (vhost-user-blk) against QEMU's virtio-blk, side
     /// by side in one run: O_DIRECT 4 KiB sequential, 4 KiB random and 1 MiB sequential
-    /// reads in two tiny guests, mean ± 2 s.e. over rounds and the ratio; `--workloads`
+    /// reads in two tiny guests, each side's bytes / time over its rounds ± 2 s.e. and the
+    /// ratio; `--workloads`
     /// adds the built-in workloads on each disk. Needs root (docs/sharing-at-read.md).
     DiskIo(Box<bench::disk_io::DiskIoArgs>),
     /// How soon a page a guest reads, that another guest already holds, is shared: per

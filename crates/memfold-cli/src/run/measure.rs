@@ -219,11 +219,13 @@ pub struct MemfoldRun {
     pub books_saved_bytes: f64,
     /// Seconds until the measured saving first reached 95% of its plateau.
     pub t95_s: Option<f64>,
-    /// CPU seconds used by memfoldd, the agents' threads in QEMU and the managed guests'
-    /// memfold-blk processes (memfold's read reporting and fills), over the sampled
+    /// CPU seconds used by memfoldd and the agents' threads in QEMU over the sampled
     /// window; memfoldd's census (`--census`) is in it.
     pub cpu_s: f64,
-    /// Of `cpu_s`, the memfold-blk processes' (every pid its supervisor ran, [`ProcCpu`]).
+    /// CPU seconds of the managed guests' memfold-blk processes (every pid its supervisor
+    /// ran, [`ProcCpu`]), beside `cpu_s`, not in it: most of it is a block device's own
+    /// work (qcow2, the I/O), which a peer's guests do inside QEMU, counted on no side;
+    /// memfold's read reporting and fills are in it too.
     pub blk_cpu_s: f64,
     /// Self-check mismatches the guests reported (managed and plain), `guest: line`: the
     /// sampling stops at the first, and the command fails after writing its outputs.

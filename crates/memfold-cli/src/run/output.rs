@@ -341,7 +341,7 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         );
     }
     println!(
-        "memfold saved {:.1} MiB of {:.1} MiB (measured, mean of the last 10 s; memfoldd's books: {:.1} MiB); 95% of it after {} s; memfoldd + agents + memfold-blk used {:.1} CPU s (memfold-blk {:.1})",
+        "memfold saved {:.1} MiB of {:.1} MiB (measured, mean of the last 10 s; memfoldd's books: {:.1} MiB); 95% of it after {} s; memfoldd + agents used {:.1} CPU s (and memfold-blk {:.1})",
         r.saved_bytes / MIB,
         r.used_before as f64 / MIB,
         r.books_saved_bytes / MIB,

@@ -111,7 +111,9 @@ pub fn run(a: &ScaleArgs) -> Result<()> {
             // A guest's memory read wrong ends the sweep, after the point's outputs.
             let mismatched = run::measure::mismatch_failures(&r.mismatches);
             run::ensure_clean("memfold bench scale", &mismatched, &rout)?;
-            let ksm = if a.no_ksm {
+            // Stopped meanwhile: the point is memfold's alone (a KSM side booted now would
+            // return at once, and a zero-length run is no point).
+            let ksm = if a.no_ksm || stop.load(std::sync::atomic::Ordering::SeqCst) {
                 None
             } else {
                 eprintln!("== point: {n} × {profile} of {mib} MiB, KSM aggressive, booted afresh");
@@ -130,7 +132,8 @@ pub fn run(a: &ScaleArgs) -> Result<()> {
                     "a guest on the KSM side reported a self-check mismatch: {:?}",
                     k.mismatches
                 );
-                Some(k)
+                // Interrupted before its --secs: not a measurement of the point.
+                (!k.run.interrupted).then_some(k)
             };
             let p = Point::new(n, mib, &r, ksm.as_ref(), max_map_count);
             eprintln!("{}", p.line());
