@@ -15,8 +15,7 @@ use serde::Serialize;
 use crate::guests;
 use crate::plot::{self, Panel, Series};
 use crate::run::measure::{
-    every_second, measured_as, plateau, saved_mib, saved_mib_over_time, tail_mean, thread_cpu_s,
-    used, MIB,
+    every_second, measured_as, plateau, saved_mib, saved_mib_over_time, tail_mean, used, MIB,
 };
 
 /// Arguments of `memfold ksm`.
@@ -84,9 +83,9 @@ impl KsmRun {
 ///
 /// Errors: the census's.
 pub fn timed<T>(cpu_s: &mut f64, census: impl FnOnce() -> Result<T>) -> Result<T> {
-    let t0 = thread_cpu_s();
+    let t0 = memfold_sys::proc::thread_cpu_seconds();
     let r = census();
-    *cpu_s += (thread_cpu_s() - t0).max(0.0);
+    *cpu_s += (memfold_sys::proc::thread_cpu_seconds() - t0).max(0.0);
     r
 }
 
@@ -280,9 +279,9 @@ mod tests {
     fn a_census_counts_the_cpu_it_used() {
         let mut cpu = 0.0;
         let busy = |secs: f64| {
-            let t0 = thread_cpu_s();
+            let t0 = memfold_sys::proc::thread_cpu_seconds();
             let mut x = 0u64;
-            while thread_cpu_s() - t0 < secs {
+            while memfold_sys::proc::thread_cpu_seconds() - t0 < secs {
                 x = std::hint::black_box(x.wrapping_add(1));
             }
             x

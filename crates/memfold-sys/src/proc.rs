@@ -8,13 +8,24 @@ pub const AGENT_THREADS: &str = "memfold-";
 /// `CLOCK_MONOTONIC` now, ns: one clock for every process on the host (a block device
 /// stamps a report with it, memfoldd ages it).
 pub fn monotonic_ns() -> u64 {
+    clock_ns(libc::CLOCK_MONOTONIC)
+}
+
+/// CPU seconds the calling thread has used (`CLOCK_THREAD_CPUTIME_ID`): work done in a
+/// measuring thread that belongs to a side's cost (the KSM side's census).
+pub fn thread_cpu_seconds() -> f64 {
+    clock_ns(libc::CLOCK_THREAD_CPUTIME_ID) as f64 / 1e9
+}
+
+/// Clock `id` now, ns (both clocks read here always exist on Linux).
+fn clock_ns(id: libc::clockid_t) -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: clock_gettime writes one timespec, which `ts` is.
-    let r = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    debug_assert_eq!(r, 0, "CLOCK_MONOTONIC always exists");
+    let r = unsafe { libc::clock_gettime(id, &mut ts) };
+    debug_assert_eq!(r, 0, "clock {id} exists");
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
@@ -107,16 +118,18 @@ mod tests {
     use std::sync::mpsc;
     use std::time::{Duration, Instant};
 
-    /// CPU seconds the calling thread has used (getrusage, RUSAGE_THREAD).
-    fn thread_cpu() -> f64 {
-        // SAFETY: getrusage writes one rusage into the zeroed struct it is given.
-        let ru = unsafe {
-            let mut ru: libc::rusage = std::mem::zeroed();
-            assert_eq!(libc::getrusage(libc::RUSAGE_THREAD, &mut ru), 0);
-            ru
-        };
-        let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-        tv(ru.ru_utime) + tv(ru.ru_stime)
+    #[test]
+    fn the_thread_clock_counts_this_threads_work_only() {
+        let t0 = thread_cpu_seconds();
+        std::thread::sleep(Duration::from_millis(50));
+        let slept = thread_cpu_seconds() - t0;
+        let t1 = thread_cpu_seconds();
+        let mut x = 0u64;
+        while thread_cpu_seconds() - t1 < 0.05 {
+            x = std::hint::black_box(x.wrapping_add(1));
+        }
+        assert!(slept < 0.02, "sleeping used {slept} s");
+        assert!(thread_cpu_seconds() - t1 >= 0.05);
     }
 
     /// Held by the tests that read this process's resident set around their own
@@ -154,12 +167,12 @@ mod tests {
                 // 0.3 s of CPU by the kernel's count, however busy the host is.
                 let t = Instant::now();
                 let mut x = 0u64;
-                while thread_cpu() < 0.3 && t.elapsed() < Duration::from_secs(30) {
+                while thread_cpu_seconds() < 0.3 && t.elapsed() < Duration::from_secs(30) {
                     for _ in 0..100_000 {
                         x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
                     }
                 }
-                done.send(thread_cpu()).unwrap();
+                done.send(thread_cpu_seconds()).unwrap();
                 // Stay alive (and listed in /proc) until read.
                 std::thread::sleep(Duration::from_secs(2));
             })

@@ -15,7 +15,7 @@ use serde::Serialize;
 
 mod cpu;
 mod rates;
-pub use cpu::{thread_cpu_s, ProcCpu};
+pub use cpu::ProcCpu;
 pub use rates::{
     around_break, late_rates, ratio_rate, start_marks, throughput, unmeasured, AroundBreak,
     GuestRate, Throughput, BREAK_SETTLE_S, BREAK_WINDOW_S,

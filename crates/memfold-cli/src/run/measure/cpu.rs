@@ -1,6 +1,5 @@
-//! CPU time a side's helpers use where no single process holds it: processes a supervisor
-//! may restart (memfold-blk), and work done in the measuring thread itself (the KSM
-//! side's census).
+//! CPU time of processes a supervisor may restart (memfold-blk), where no single process
+//! holds it.
 
 use std::collections::HashMap;
 
@@ -45,21 +44,6 @@ impl ProcCpu {
     }
 }
 
-/// CPU seconds the calling thread has used (`CLOCK_THREAD_CPUTIME_ID`): for work done in
-/// the measuring thread that belongs to a side's cost.
-pub fn thread_cpu_s() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec, which `ts` is.
-    let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    if r != 0 {
-        return 0.0;
-    }
-    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -77,19 +61,5 @@ mod tests {
         c.note(10, 0.0);
         assert!((c.seconds() - 3.0).abs() < 1e-12, "{}", c.seconds());
         assert_eq!(ProcCpu::default().seconds(), 0.0);
-    }
-
-    #[test]
-    fn the_thread_clock_counts_this_threads_work_only() {
-        let t0 = thread_cpu_s();
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        let slept = thread_cpu_s() - t0;
-        let t1 = thread_cpu_s();
-        let mut x = 0u64;
-        while thread_cpu_s() - t1 < 0.05 {
-            x = std::hint::black_box(x.wrapping_add(1));
-        }
-        assert!(slept < 0.02, "sleeping used {slept} s");
-        assert!(thread_cpu_s() - t1 >= 0.05);
     }
 }
