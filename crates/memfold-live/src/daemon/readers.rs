@@ -254,21 +254,12 @@ fn read_loop(
             {
                 return;
             }
-            loop {
-                match conn.recv::<ToDaemon>() {
-                    Ok(Some((msg, _))) => {
-                        if tx.send(Input::Agent { token: t, msg }).is_err() {
-                            return;
-                        }
-                    }
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::warn!("connection {t}: {e}; dropped");
-                        break;
-                    }
-                }
+            if forward(&conn, &tx, "connection", t, |msg| Input::Agent {
+                token: t,
+                msg,
+            }) {
+                let _ = tx.send(Input::Gone { token: t });
             }
-            let _ = tx.send(Input::Gone { token: t });
         }
         // A block device's reports make memfoldd read guest pages: an operator's only.
         ToDaemon::DeviceHello { version, bases } if version == PROTOCOL_VERSION && operator => {
@@ -282,21 +273,10 @@ fn read_loop(
             if tx.send(hello).is_err() {
                 return;
             }
-            loop {
-                match conn.recv::<ToDaemon>() {
-                    Ok(Some((msg, _))) => {
-                        if tx.send(Input::Device { token: t, msg }).is_err() {
-                            return;
-                        }
-                    }
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::warn!("block device connection {t}: {e}; dropped");
-                        break;
-                    }
-                }
+            let device = |msg| Input::Device { token: t, msg };
+            if forward(&conn, &tx, "block device connection", t, device) {
+                let _ = tx.send(Input::DeviceGone { token: t });
             }
-            let _ = tx.send(Input::DeviceGone { token: t });
         }
         ToDaemon::ClientHello { version } if version == PROTOCOL_VERSION => {
             while let Ok(Some((msg, _))) = conn.recv::<ToDaemon>() {
@@ -341,6 +321,32 @@ fn read_loop(
 /// of another protocol version, or one that does not decode (an older agent's lacks
 /// fields added since), gets a [`ToAgent::Refused`] naming the versions, which the agent
 /// can read; anything else undecodable an error.
+/// Hands each message of connection `t` (`what`: its kind, for the log) to the main loop
+/// as `input` makes it, until the peer closes or a read fails. False if the main loop is
+/// gone (nothing more to tell it), true once the connection ended.
+fn forward(
+    conn: &Conn,
+    tx: &mpsc::SyncSender<Input>,
+    what: &str,
+    t: u64,
+    input: impl Fn(ToDaemon) -> Input,
+) -> bool {
+    loop {
+        match conn.recv::<ToDaemon>() {
+            Ok(Some((msg, _))) => {
+                if tx.send(input(msg)).is_err() {
+                    return false;
+                }
+            }
+            Ok(None) => return true,
+            Err(e) => {
+                tracing::warn!("{what} {t}: {e}; dropped");
+                return true;
+            }
+        }
+    }
+}
+
 fn hello_of(t: u64, peer: &Peer, bytes: &[u8], writer: &Conn) -> Option<ToDaemon> {
     let head = HelloHead::of(bytes);
     let is_agent = head.as_ref().is_some_and(HelloHead::is_agent);
