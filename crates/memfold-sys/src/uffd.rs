@@ -79,8 +79,11 @@ const EVENT_REMAP: u8 = 0x14;
 /// `UFFD_EVENT_REMOVE`.
 const EVENT_REMOVE: u8 = 0x15;
 /// How often an ioctl refused with `EAGAIN` (a non-cooperative event not yet read) is
-/// tried again, the pending events read in between: about a second of yields.
+/// tried again, the pending events read in between (yielding when none came yet).
 const AGAIN_TRIES: u32 = 100_000;
+/// The unit a fill goes page by page in: shmem's base page, bytes (guest RAM here is
+/// memfd shmem, never hugetlbfs).
+const FILL_PAGE: u64 = 4096;
 /// Fault flag: a write.
 const PAGEFAULT_FLAG_WRITE: u64 = 1;
 /// Fault flag: a write to a write-protected page.
@@ -280,7 +283,8 @@ impl From<UffdError> for io::Error {
 /// While a non-cooperative event (remove, remap) is queued unread, the kernel refuses
 /// the ioctls that change pages with `EAGAIN` (`mmap_changing`). Each ioctl here then
 /// reads the pending events into a backlog, which [`Uffd::read_event`] returns first, and
-/// tries again: callers never see `EAGAIN`, and no event is lost or reordered.
+/// tries again: no event is lost or reordered, and callers see `EAGAIN` only if the
+/// kernel still refuses after `AGAIN_TRIES` tries.
 #[derive(Debug)]
 pub struct Uffd {
     fd: OwnedFd,
@@ -370,8 +374,9 @@ impl Uffd {
     }
 
     /// `ioctl(req, arg)`, tried again while the kernel refuses it with `EAGAIN` (see
-    /// [`Uffd`]); returns the last result, `errno` set as the kernel left it. Used for one
-    /// page at a time by the fills, so an `EAGAIN` never leaves a range half filled.
+    /// [`Uffd`]); returns the last result, `errno` set as the kernel left it. For the
+    /// ioctls that act on a whole range or not at all (write-protect, wake); the fills,
+    /// which can stop part way, go through [`Uffd::fill`].
     ///
     /// # Safety
     ///
@@ -385,22 +390,95 @@ impl Uffd {
             if rc == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::EAGAIN) {
                 return rc;
             }
-            // Reading the pending events is what lets the kernel go on.
-            let mut queued = false;
-            while let Ok(Some(ev)) = self.read_raw() {
-                self.backlog
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push_back(ev);
-                queued = true;
-            }
-            if !queued {
-                std::thread::yield_now();
-            }
+            self.let_the_kernel_go_on();
             // SAFETY: sets this thread's errno, so the caller sees the EAGAIN if the last try fails.
             unsafe { *libc::__errno_location() = libc::EAGAIN };
         }
         rc
+    }
+
+    /// After an `EAGAIN` for a non-cooperative event not yet read: reads the pending
+    /// events into the backlog (what lets the kernel go on), or yields if none came yet.
+    fn let_the_kernel_go_on(&self) {
+        let mut queued = false;
+        while let Ok(Some(ev)) = self.read_raw() {
+            self.backlog
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push_back(ev);
+            queued = true;
+        }
+        if !queued {
+            std::thread::yield_now();
+        }
+    }
+
+    /// A fill ioctl `req` (`UFFDIO_COPY`, `_ZEROPAGE`, `_CONTINUE`) over `[dst, dst+len)`,
+    /// carried to the end of the range: `make(off)` is its argument for `[dst+off,
+    /// dst+len)`, `count` the bytes the kernel says it filled (its `copy`, `zeropage` or
+    /// `mapped` field).
+    ///
+    /// The kernel fills page by page and stops at the first page it cannot fill; having
+    /// filled some it says `EAGAIN` with their count, as it does (count 0 or `-EAGAIN`)
+    /// while a non-cooperative event waits unread. So: a count > 0 goes on after what
+    /// was filled; a page filled meanwhile (`EEXIST`) is woken unless `mode` says
+    /// `DONTWAKE`, and passed; a bare `EAGAIN` reads the events and tries again. Taking a
+    /// partial fill's `EAGAIN` for the event case tried the whole range again, whose
+    /// first page then said `EEXIST`, and pages past the one that stopped it were left
+    /// missing under an `Ok` (and an `ENOMEM` there hidden).
+    ///
+    /// Errors: any other refusal, naming the part of the range not filled; `EAGAIN`
+    /// after [`AGAIN_TRIES`] tries.
+    ///
+    /// # Safety
+    ///
+    /// As [`Uffd::ioctl`], for every argument `make` builds.
+    unsafe fn fill<T>(
+        &self,
+        req: libc::c_ulong,
+        ioctl: Ioctl,
+        (dst, len, mode): (u64, u64, u64),
+        make: impl Fn(u64) -> T,
+        count: impl Fn(&T) -> i64,
+    ) -> Result<(), UffdError> {
+        let mut off = 0;
+        let mut again = 0;
+        while off < len {
+            let mut arg = make(off);
+            // SAFETY: the caller's contract; `arg` lives across the call.
+            let rc = unsafe { libc::ioctl(self.fd.as_raw_fd(), req, &mut arg as *mut T) };
+            if rc == 0 {
+                return Ok(());
+            }
+            let errno = io::Error::last_os_error();
+            let filled = count(&arg);
+            if filled > 0 {
+                // Woken already unless DONTWAKE; the page that stopped it comes next.
+                off = (off + filled as u64).min(len);
+                continue;
+            }
+            match errno.raw_os_error() {
+                Some(libc::EAGAIN) if again < AGAIN_TRIES => {
+                    again += 1;
+                    self.let_the_kernel_go_on();
+                }
+                Some(libc::EEXIST) => {
+                    if mode & FILL_MODE_DONTWAKE == 0 {
+                        self.wake(dst + off, FILL_PAGE.min(len - off))?;
+                    }
+                    off += FILL_PAGE;
+                }
+                _ => {
+                    return Err(UffdError::Ioctl {
+                        ioctl,
+                        start: dst + off,
+                        len: len - off,
+                        errno,
+                    })
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Registers `[start, start+len)` with `mode` ([`MODE_MISSING`], [`MODE_WP`],
@@ -461,18 +539,19 @@ impl Uffd {
     ///
     /// Errors: `dst` is not a registered missing range; the host is out of memory.
     pub fn copy(&self, dst: u64, src: &[u8], wp: bool) -> Result<(), UffdError> {
-        let mut c = UffdioCopy {
-            dst,
-            src: src.as_ptr() as u64,
-            len: src.len() as u64,
-            mode: if wp { FILL_MODE_WP } else { 0 },
+        let len = src.len() as u64;
+        let mode = if wp { FILL_MODE_WP } else { 0 };
+        let make = |off: u64| UffdioCopy {
+            dst: dst + off,
+            src: src.as_ptr() as u64 + off,
+            len: len - off,
+            mode,
             copy: 0,
         };
-        // SAFETY: UFFDIO_COPY reads `src` (valid for `len` bytes) and writes `c.copy`; it
-        // fills only missing pages of a registered range, which `register`'s caller
+        // SAFETY: UFFDIO_COPY reads `src` from `off` (valid to its end) and writes `copy`;
+        // it fills only missing pages of a registered range, which `register`'s caller
         // vouched no Rust value uses.
-        let rc = unsafe { self.ioctl(UFFDIO_COPY, &mut c) };
-        self.filled(rc, Ioctl::Copy, dst, src.len() as u64, c.mode)
+        unsafe { self.fill(UFFDIO_COPY, Ioctl::Copy, (dst, len, mode), make, |c| c.copy) }
     }
 
     /// Fills the missing page(s) at `[dst, dst+len)` with zeros and wakes the waiting
@@ -494,15 +573,25 @@ impl Uffd {
     }
 
     fn zeropage_mode(&self, dst: u64, len: u64, mode: u64) -> Result<(), UffdError> {
-        let mut z = UffdioZeropage {
-            range: UffdioRange { start: dst, len },
+        let make = |off: u64| UffdioZeropage {
+            range: UffdioRange {
+                start: dst + off,
+                len: len - off,
+            },
             mode,
             zeropage: 0,
         };
-        // SAFETY: UFFDIO_ZEROPAGE reads the range and writes `z.zeropage`; it fills only
+        // SAFETY: UFFDIO_ZEROPAGE reads the range and writes `zeropage`; it fills only
         // missing pages of a registered range (see `copy`).
-        let rc = unsafe { self.ioctl(UFFDIO_ZEROPAGE, &mut z) };
-        self.filled(rc, Ioctl::Zeropage, dst, len, mode)
+        unsafe {
+            self.fill(
+                UFFDIO_ZEROPAGE,
+                Ioctl::Zeropage,
+                (dst, len, mode),
+                make,
+                |z| z.zeropage,
+            )
+        }
     }
 
     /// Maps the memfd's existing page(s) at `[dst, dst+len)` after a minor fault,
@@ -511,44 +600,26 @@ impl Uffd {
     ///
     /// Errors: `dst` is not a registered minor range.
     pub fn cont(&self, dst: u64, len: u64, wp: bool) -> Result<(), UffdError> {
-        let mut c = UffdioContinue {
-            range: UffdioRange { start: dst, len },
-            mode: if wp { FILL_MODE_WP } else { 0 },
+        let mode = if wp { FILL_MODE_WP } else { 0 };
+        let make = |off: u64| UffdioContinue {
+            range: UffdioRange {
+                start: dst + off,
+                len: len - off,
+            },
+            mode,
             mapped: 0,
         };
-        // SAFETY: UFFDIO_CONTINUE reads the range and writes `c.mapped`; it maps pages the
+        // SAFETY: UFFDIO_CONTINUE reads the range and writes `mapped`; it maps pages the
         // file already holds into a registered range (see `copy`).
-        let rc = unsafe { self.ioctl(UFFDIO_CONTINUE, &mut c) };
-        self.filled(rc, Ioctl::Continue, dst, len, c.mode)
-    }
-
-    /// The result of a fill ioctl made in `mode`: `EEXIST` (filled meanwhile) only
-    /// wakes, and not even that with `FILL_MODE_DONTWAKE` (the caller wakes).
-    fn filled(
-        &self,
-        rc: libc::c_int,
-        ioctl: Ioctl,
-        dst: u64,
-        len: u64,
-        mode: u64,
-    ) -> Result<(), UffdError> {
-        if rc == 0 {
-            return Ok(());
+        unsafe {
+            self.fill(
+                UFFDIO_CONTINUE,
+                Ioctl::Continue,
+                (dst, len, mode),
+                make,
+                |c| c.mapped,
+            )
         }
-        let errno = io::Error::last_os_error();
-        if errno.raw_os_error() == Some(libc::EEXIST) {
-            return if mode & FILL_MODE_DONTWAKE != 0 {
-                Ok(())
-            } else {
-                self.wake(dst, len)
-            };
-        }
-        Err(UffdError::Ioctl {
-            ioctl,
-            start: dst,
-            len,
-            errno,
-        })
     }
 
     /// Whether events an ioctl read while it waited are queued here: the descriptor no
@@ -666,112 +737,4 @@ impl AsRawFd for Uffd {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn errors_name_the_ioctl_the_range_and_the_errno() {
-        let e = UffdError::Ioctl {
-            ioctl: Ioctl::Continue,
-            start: 0x7000,
-            len: 0x1000,
-            errno: io::Error::from_raw_os_error(libc::EINVAL),
-        };
-        let s = e.to_string();
-        assert!(
-            s.starts_with("UFFDIO_CONTINUE at 0x7000 (+0x1000): "),
-            "{s}"
-        );
-        assert_eq!(e.raw_os_error(), Some(libc::EINVAL));
-        let io: io::Error = e.into();
-        assert_eq!(io.kind(), io::ErrorKind::InvalidInput);
-        let m = UffdError::MissingFeatures {
-            missing: 0x400,
-            available: 0x3ff,
-        };
-        assert_eq!(
-            m.to_string(),
-            "userfaultfd features 0x400 missing (kernel has 0x3ff)"
-        );
-    }
-
-    /// `/dev/userfaultfd` gives a userfaultfd with the agent's features, as the syscall
-    /// does (where this process may open the device: root here); a missing device is
-    /// an error, not a descriptor.
-    #[test]
-    fn the_device_gives_a_userfaultfd_like_the_syscall() {
-        let e = Uffd::open_device("/nonexistent/userfaultfd").unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::NotFound);
-        match Uffd::open_device(DEV_USERFAULTFD) {
-            Ok(fd) => {
-                let u = Uffd::api(
-                    fd,
-                    FEATURE_WP_SHMEM | FEATURE_MINOR_SHMEM | FEATURE_MISSING_SHMEM,
-                )
-                .expect("UFFDIO_API on the device's userfaultfd");
-                // Non-blocking: nothing pending reads as None, not a hang.
-                assert!(matches!(u.read_raw(), Ok(None)), "{:?}", u.read_raw());
-            }
-            Err(e) if rustix::process::geteuid().is_root() => {
-                panic!("root cannot open {DEV_USERFAULTFD}: {e}")
-            }
-            Err(e) => eprintln!("skipped: {DEV_USERFAULTFD}: {e}"),
-        }
-    }
-
-    /// Where the kernel lets this process open a userfaultfd, the features it lists
-    /// include the agent's (which `open` just got).
-    #[test]
-    fn available_features_list_what_open_gets() {
-        if Uffd::open(AGENT_FEATURES).is_err() {
-            eprintln!("no userfaultfd with the agent's features here; skipped");
-            return;
-        }
-        let f = available_features().expect("UFFDIO_API with no features");
-        assert_eq!(f & AGENT_FEATURES, AGENT_FEATURES, "{f:#x}");
-    }
-
-    /// Where the kernel lets this process open a userfaultfd (root here), a registered
-    /// memfd mapping faults to us and is filled by `copy`, and protection round-trips.
-    #[test]
-    fn a_registered_memfd_mapping_is_served_by_copy() {
-        let Ok(u) = Uffd::open(FEATURE_MISSING_SHMEM) else {
-            eprintln!("no userfaultfd here; skipped");
-            return;
-        };
-        assert!(matches!(u.read_event(), Ok(None)), "nothing pending");
-        let fd = crate::memfd::create("uffd-test").unwrap();
-        crate::memfd::set_len(fd.as_fd(), 4096).unwrap();
-        // SAFETY: a new shared mapping of our memfd, used only through raw pointers.
-        let p = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                4096,
-                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
-                rustix::mm::MapFlags::SHARED,
-                &fd,
-                0,
-            )
-        }
-        .unwrap();
-        let addr = p as u64;
-        // SAFETY: the mapping above is ours, and no Rust reference points into it.
-        unsafe { u.register(addr, 4096, MODE_MISSING) }.unwrap();
-        // No thread waits: fill it ahead of the first touch.
-        u.copy(addr, &[5u8; 4096], false).unwrap();
-        u.copy(addr, &[6u8; 4096], false).unwrap(); // EEXIST only wakes
-                                                    // SAFETY: the page is filled: reading it does not fault.
-        assert_eq!(unsafe { std::ptr::read_volatile(p as *const u8) }, 5);
-        match u.write_protect(addr, 4096, true) {
-            Err(UffdError::Ioctl {
-                ioctl: Ioctl::WriteProtect,
-                start,
-                len: 4096,
-                ..
-            }) => assert_eq!(start, addr),
-            other => panic!("write-protect without MODE_WP: {other:?}"),
-        }
-        // SAFETY: unmaps the mapping made above.
-        unsafe { rustix::mm::munmap(p, 4096) }.unwrap();
-    }
-}
+mod tests;
