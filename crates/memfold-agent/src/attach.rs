@@ -227,7 +227,11 @@ impl Agent {
                 if version == PROTOCOL_VERSION && !got.is_empty() =>
             {
                 // A restarted memfoldd that adopted our pool hands the same pool back.
-                self.pool = Some(got.remove(0));
+                let pool = got.remove(0);
+                if let Ok(st) = rustix::fs::fstat(&pool) {
+                    crate::regions::note_pool(st.st_ino);
+                }
+                self.pool = Some(pool);
                 self.store = (!got.is_empty()).then(|| got.remove(0));
                 self.swap = (!got.is_empty()).then(|| got.remove(0));
                 self.conn = Some(conn);

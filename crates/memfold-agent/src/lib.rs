@@ -392,7 +392,7 @@ pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
         if many {
             rcfg.name = format!("{}/ram{i}", cfg.name);
         }
-        let gone = watch.add(region.inode);
+        let gone = watch.add(&region);
         tracing::info!(
             "guest RAM region {}: {} MiB at {:#x}",
             rcfg.name,

@@ -37,8 +37,10 @@
 //!
 //! **Regions that appear later** (pc-dimm or virtio-mem hot-plug with `object_add`): a
 //! watcher thread reads `/proc/self/maps` every [`WATCH_PERIOD`] and attaches each new
-//! region as `NAME/ramK`, logging it. A region whose mapping is gone (hot-unplug,
-//! `object_del`) is logged and its agent detaches: its range is no longer registered, so
+//! region as `NAME/ramK`, logging it. A region whose range holds neither its memfd's
+//! mapping nor a pool frame's, at two looks in a row (hot-unplug, `object_del`), is
+//! logged and its agent detaches (a region shared whole maps only frames: taken for
+//! unplugged, its agent's userfaultfd closed and left them writable by the guest): its range is no longer registered, so
 //! every request to it would fail at its first write-protect; the agent tells memfoldd
 //! (`ToDaemon::RegionUnmapped`) and ends, memfoldd sees the connection close and
 //! releases the guest once QEMU neither maps nor holds its memfd, logged as a region
@@ -294,11 +296,56 @@ pub(crate) fn describe_unshareable(maps: &[Mapping]) -> String {
 /// Set when a region's mapping is gone from this process (hot-unplug).
 pub(crate) type GoneFlag = std::sync::Arc<std::sync::atomic::AtomicBool>;
 
+/// Inodes of every pool memfd an agent of this process was welcomed with: frames of
+/// them mapped inside a region's range are that region's pages.
+static POOLS: std::sync::Mutex<Vec<u64>> = std::sync::Mutex::new(Vec::new());
+
+/// Records `inode` as a pool's (an agent's welcome): its mappings inside a region keep
+/// the region attached.
+pub(crate) fn note_pool(inode: u64) {
+    let mut p = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+    if !p.contains(&inode) {
+        p.push(inode);
+    }
+}
+
+/// A region the watcher watches.
+#[derive(Clone)]
+struct Watched {
+    /// Its memfd's inode.
+    inode: u64,
+    /// Its range in this process, `[base, end)`.
+    base: u64,
+    end: u64,
+    /// Whether the last look found it gone (two in a row detach it).
+    missing_once: bool,
+    gone: GoneFlag,
+}
+
+impl Watched {
+    /// Whether anything of the region is still mapped at its range: its memfd, or the
+    /// frames of a pool shared pages are on.
+    ///
+    /// Invariant: an agent detaches (its userfaultfd closed, which drops the uffd-wp of
+    /// every pool frame it mapped) only once no pool frame is mapped in its range.
+    /// Looking for the memfd alone took a region whose every page is shared, its memfd
+    /// mapped nowhere any more, for one unplugged, and left its frames writable by the
+    /// guest (`tests/whole_region_shared.rs`).
+    fn mapped(&self, maps: &[Mapping], pools: &[u64]) -> bool {
+        maps.iter().any(|m| {
+            m.shared_rw()
+                && m.start < self.end
+                && self.base < m.end
+                && (m.inode == self.inode || pools.contains(&m.inode))
+        })
+    }
+}
+
 /// The regions the agents manage, for the watcher.
 pub(crate) struct Watch {
     cfg: AgentConfig,
-    /// (memfd inode, its agent's gone flag) of every region managed.
-    known: std::sync::Mutex<Vec<(u64, GoneFlag)>>,
+    /// Every region managed.
+    known: std::sync::Mutex<Vec<Watched>>,
     /// The index K of the next `NAME/ramK`.
     next: std::sync::atomic::AtomicUsize,
 }
@@ -315,10 +362,16 @@ impl Watch {
     }
 
     /// Records a region managed; returns its gone flag.
-    pub(crate) fn add(&self, inode: u64) -> GoneFlag {
+    pub(crate) fn add(&self, region: &Region) -> GoneFlag {
         let gone = GoneFlag::default();
         if let Ok(mut k) = self.known.lock() {
-            k.push((inode, std::sync::Arc::clone(&gone)));
+            k.push(Watched {
+                inode: region.inode,
+                base: region.base,
+                end: region.base + region.bytes,
+                missing_once: false,
+                gone: std::sync::Arc::clone(&gone),
+            });
         }
         gone
     }
@@ -338,25 +391,33 @@ impl Watch {
                 return;
             };
             let maps = parse_maps(&text);
-            let known: Vec<(u64, GoneFlag)> = match self.known.lock() {
-                Ok(k) => k.clone(),
+            let pools = POOLS.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let known: Vec<u64> = match self.known.lock() {
+                Ok(mut k) => {
+                    for w in k.iter_mut().filter(|w| !w.gone.load(Ordering::SeqCst)) {
+                        // Shared and writable: the agent's read-only page-out window onto
+                        // the same memfd (`pageout.rs`) does not keep a region alive. Two
+                        // looks in a row: `/proc/self/maps` is read in parts, each under
+                        // its own lock, while the agent's shares move mappings.
+                        if w.mapped(&maps, &pools) {
+                            w.missing_once = false;
+                        } else if !w.missing_once {
+                            w.missing_once = true;
+                        } else {
+                            tracing::warn!(
+                                "a guest RAM region (memfd inode {}) is no longer mapped (hot-unplug): its agent detaches",
+                                w.inode
+                            );
+                            w.gone.store(true, Ordering::SeqCst);
+                        }
+                    }
+                    k.iter().map(|w| w.inode).collect()
+                }
                 Err(_) => return,
             };
-            for (inode, gone) in &known {
-                // QEMU's own mapping, shared and writable: the agent's read-only page-out
-                // window onto the same memfd (`pageout.rs`) does not keep a region alive.
-                if !gone.load(Ordering::SeqCst)
-                    && !maps.iter().any(|m| m.inode == *inode && m.shared_rw())
-                {
-                    tracing::warn!(
-                        "a guest RAM region (memfd inode {inode}) is no longer mapped (hot-unplug): its agent detaches"
-                    );
-                    gone.store(true, Ordering::SeqCst);
-                }
-            }
             let new: Vec<Candidate> = candidates(&maps, Some(QEMU_MEMFD_NAME))
                 .into_iter()
-                .filter(|c| !known.iter().any(|(i, _)| *i == c.inode))
+                .filter(|c| !known.contains(&c.inode))
                 .filter(|c| !refused.contains(&c.inode))
                 .collect();
             if new.is_empty() {
@@ -386,7 +447,7 @@ impl Watch {
                     region.bytes >> 20,
                     region.base
                 );
-                let gone = self.add(region.inode);
+                let gone = self.add(&region);
                 crate::spawn_region(cfg, region, gone);
             }
         }

@@ -1,0 +1,61 @@
+//! A region whose every page is shared is not a region unplugged: once each page is on a
+//! pool frame, the region's memfd is mapped nowhere in the process (the frames' mappings
+//! replaced it), and the hot-unplug watcher, which looked only for the memfd's own
+//! mapping, detached the agent within `WATCH_PERIOD` (2 s). Its userfaultfd closed with
+//! it, so the pool frames stayed mapped writable with no write-protection: the guest's
+//! next write went into the frame every sharer of it reads. Here the "guest" shares all
+//! of its 8 pages, waits past two watch periods, and writes one page: the agent is still
+//! attached (no `RegionUnmapped`), breaks copy-on-write, and the frame keeps its bytes.
+//!
+//! Seen failing with the watcher's old rule (the memfd's mapping anywhere): the frame was
+//! written, and the agent said `RegionUnmapped`.
+//!
+//! One test only: the agent, run in this process, takes every QEMU-named memfd of it.
+
+mod common;
+
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use common::{inked, page_of, shared_page_by_page, text, write};
+use memfold_codecs::PAGE_SIZE;
+use memfold_sys::memfd::pread_exact;
+use memfold_wire::ToDaemon;
+
+const PAGES: usize = 8;
+
+#[test]
+fn a_region_shared_whole_stays_attached_and_write_protected() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_fd, ptr, c, pool, _store) = shared_page_by_page(dir.path(), PAGES, text);
+
+    // Past two watch periods (2 s each), reading what the agent says meanwhile.
+    c.set_recv_timeout(Duration::from_millis(100)).unwrap();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(5000) {
+        match c.recv::<ToDaemon>() {
+            Ok(Some((ToDaemon::RegionUnmapped, _))) => {
+                panic!("a region shared whole was taken for one unplugged")
+            }
+            Ok(None) => panic!("the agent's connection ended"),
+            _ => {}
+        }
+    }
+
+    write(ptr, 3, &inked(3));
+    for g in 0..PAGES {
+        let want = if g == 3 { inked(3) } else { text(g) };
+        assert!(page_of(ptr, g) == want, "page {g} differs");
+        let mut f = vec![0u8; PAGE_SIZE];
+        pread_exact(pool.as_fd(), &mut f, (g * PAGE_SIZE) as u64).unwrap();
+        assert!(
+            f == text(g),
+            "frame {g} was written through the guest's mapping"
+        );
+    }
+    let broken = common::next(&c, |m| match m {
+        ToDaemon::CowBroken { breaks } => Some(breaks.clone()),
+        _ => None,
+    });
+    assert_eq!(broken.len(), 1, "one break: {broken:?}");
+}
