@@ -37,7 +37,7 @@ pub(crate) enum Early {
 impl Engine {
     /// Parks event `e` of guest `id`'s page `g` if the page waits for the answer that
     /// would make `e` apply (a share onto the frame `e` left, a reclaim, a stash, a
-    /// page-out).
+    /// page-out, a free page's discard).
     /// Returns whether it was parked (the caller then does nothing more now).
     pub(crate) fn park_early(&mut self, id: VmId, g: Gfn, e: Early) -> bool {
         let Some(v) = self
@@ -79,7 +79,8 @@ impl Engine {
 
 impl super::Vm {
     /// Whether event `e` of page `g` waits for the answer of the request the page is in
-    /// flight for (a share onto the frame `e` left, a reclaim, a stash, a page-out): what
+    /// flight for (a share onto the frame `e` left, a reclaim, a stash, a page-out, a
+    /// free page's discard): what
     /// parks it, and what every parked event must still meet (`check_invariants`).
     pub(crate) fn waits_for_answer(&self, g: Gfn, e: Early) -> bool {
         match (self.state(g), e) {
@@ -87,6 +88,16 @@ impl super::Vm {
                 s == f
             }
             (PageState::Reclaiming, Early::Refilled | Early::Discarded(Discard::Zero)) => true,
+            // A discard of a free page that was shared, stored or unmapped: its answer
+            // makes the page a hole, which a refill or a discard follows (the state
+            // stays as it was until then, `free_discard.rs`).
+            (
+                PageState::Shared(_)
+                | PageState::Stored(_)
+                | PageState::Moving(_)
+                | PageState::Unmapped(_),
+                Early::Refilled | Early::Discarded(Discard::Zero),
+            ) => self.free_watch.held.contains(&g),
             (PageState::Stashing(_), Early::Unstashed | Early::Discarded(Discard::Stored)) => true,
             (PageState::Private, Early::PagedIn) => {
                 self.hints.page_out_going(g) && !self.p2m[g.index()].is_paged_out()

@@ -491,3 +491,40 @@ fn a_round_stops_inside_a_long_run_and_the_next_lists_no_page_twice() {
     watched.dedup();
     assert_eq!(watched.len(), PAGES as usize);
 }
+
+/// A refill reported before the answer to the discard of a shared page it followed (a
+/// QEMU that reports before it answers, `early.rs`): the page is private in the books,
+/// as at the agent, and nothing is counted reclaimed. Without parking it, the refill
+/// found the page still booked shared and was dropped, and the answer then booked a
+/// discarded free page the agent holds private.
+#[test]
+fn a_refill_before_its_shared_page_s_discard_answer_leaves_the_page_private() {
+    let mut r = shared_rig();
+    report(&mut r, &[0]);
+    assert_eq!(r.engine.discard_free(r.vm, None, true), 1, "watches");
+    r.carry_out();
+    let round = r.engine.watch_armed(r.vm).expect("armed");
+    report(&mut r, &[0]);
+    assert_eq!(r.engine.discard_free(r.vm, Some(round), true), 1);
+    let mut held = Vec::new();
+    let mut touched = false;
+    for c in r.engine.take_commands(r.vm) {
+        let o = r.agent.execute(&c);
+        if let (Command::DiscardFree { gfn }, Outcome::Done) = (&c, o) {
+            // The guest reads the discarded page: the agent fills it (zeros).
+            assert_eq!(r.agent.read(*gfn).unwrap(), [0u8; PAGE_SIZE]);
+            touched = true;
+        }
+        held.push((c, o));
+    }
+    assert!(touched, "the discard was carried out");
+    r.report();
+    for (c, o) in held {
+        r.engine.outcome(r.vm, &c, o);
+    }
+    assert_eq!(r.engine.page_state(r.vm, Gfn(0)), Some(PageState::Private));
+    let b = &r.engine.books().vms[0].books;
+    assert_eq!((b.free_reclaimed_pages, b.zero_reclaimed_pages), (0, 0));
+    r.engine.check_invariants().unwrap();
+    crate::sim::booked_where_kept(&r.engine, r.vm, &r.agent).unwrap();
+}
