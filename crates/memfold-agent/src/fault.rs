@@ -125,7 +125,15 @@ impl Agent {
             // maps it write-protected, so that a later write still sets M.
             self.counters.minor_faults += 1;
             self.pages.mark(gfn, write);
-            self.uffd.cont(page, PAGE, !write)?;
+            match self.uffd.cont(page, PAGE, !write) {
+                // Punched outside since the fault (a balloon's or virtio-mem's discard:
+                // no event): nothing to map, and the same fault would fail for good.
+                // Woken, the access faults again as missing: the hole's zeros.
+                Err(e) if e.raw_os_error() == Some(libc::EFAULT) && !self.holds_data(gfn) => {
+                    self.uffd.wake(page, PAGE)?;
+                }
+                r => r?,
+            }
             self.counters.track.record(started.elapsed(), 1);
             return Ok(());
         }
