@@ -52,8 +52,9 @@ use crate::{Agent, PAGE};
 impl Agent {
     /// QEMU discarded `[start, end)` of this process's memory (bytes); the part in guest RAM
     /// is handled as the table above says. A page on a pool frame whose mapping cannot be
-    /// replaced (the VMA limit) stays on its frame, as it was: the guest still reads its
-    /// own bytes, and nothing is reported.
+    /// replaced (the VMA budget has no room for it, `vmas.rs`, or the kernel refuses)
+    /// stays on its frame, as it was: the guest still reads its own bytes, and nothing is
+    /// reported.
     pub(crate) fn discard(&mut self, start: u64, end: u64) {
         let ram_end = self.base + self.ram_bytes;
         let (start, end) = (start.max(self.base), end.min(ram_end));
@@ -76,6 +77,7 @@ impl Agent {
                     Gfn(last as u32),
                 )
             });
+        let mut kept_on_frames = 0;
         for g in first..last {
             let gfn = Gfn(g as u32);
             let what = match self.pages.home(gfn) {
@@ -99,7 +101,18 @@ impl Agent {
                 }
                 PageHome::Zero => Discarded::Zero,
                 PageHome::Stashed(_) => Discarded::Stashed,
-                PageHome::Frame(f) => Discarded::Frame(f),
+                PageHome::Frame(f) => {
+                    // Guest RAM mapped back over one page of a run adds two mappings: only
+                    // within the VMA budget, as a CoW break's (past it QEMU's own mmaps
+                    // would fail). Else it stays on its frame, as when the kernel refuses.
+                    if !crate::vmas::PROCESS
+                        .break_fits(self.vma_budget.get(), crate::vmas::read_self_maps)
+                    {
+                        kept_on_frames += 1;
+                        continue;
+                    }
+                    Discarded::Frame(f)
+                }
             };
             // A hole already, unless written outside QEMU's mapping (a vhost-user
             // backend): discarded either way, so that the page reads as zeros.
@@ -112,6 +125,11 @@ impl Agent {
             }
             self.pages.set(gfn, PageHome::Private);
             self.pending.discards.push((gfn, what));
+        }
+        if kept_on_frames > 0 {
+            tracing::warn!(
+                "a discard left {kept_on_frames} pages on their frames: the VMA budget has no room to map guest RAM back over them"
+            );
         }
     }
 }
