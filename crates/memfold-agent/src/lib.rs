@@ -276,6 +276,9 @@ extern "C" fn memfold_agent_init() {
 /// Runs at load time, like a C `__attribute__((constructor))`: QEMU preloads the library
 /// and the agent starts (inert unless `MEMFOLD_SOCKET` is set).
 #[used]
+// SAFETY: `.init_array` holds `extern "C" fn()` pointers the loader calls once, with no
+// arguments, before `main`; `INIT` is one such, and what it runs needs nothing `main`
+// sets up (it reads the environment, makes the write fence, starts the agent's thread).
 #[unsafe(link_section = ".init_array")]
 static INIT: extern "C" fn() = memfold_agent_init;
 

@@ -259,6 +259,8 @@ pub fn zswap_pool() -> Result<(u64, u64), ReclaimError> {
 /// A swap file, on while this lives: switched off and removed when dropped.
 pub struct SwapFile {
     path: PathBuf,
+    /// Whether `swapon` took it: until then a failed create removes the file.
+    on: bool,
 }
 
 impl SwapFile {
@@ -275,8 +277,10 @@ impl SwapFile {
             .mode(0o600)
             .open(path)
             .map_err(io(path))?;
-        let s = SwapFile {
+        // Dropped on any error below: the file is removed (it was never swap).
+        let mut s = SwapFile {
             path: path.to_path_buf(),
+            on: false,
         };
         // Allocated, not sparse: swapon refuses files with holes.
         rustix::fs::fallocate(&f, rustix::fs::FallocateFlags::empty(), 0, bytes)
@@ -300,6 +304,7 @@ impl SwapFile {
         if unsafe { libc::swapon(c.as_ptr(), 0) } != 0 {
             return Err(io(path)(std::io::Error::last_os_error()));
         }
+        s.on = true;
         Ok(s)
     }
 }
@@ -307,11 +312,16 @@ impl SwapFile {
 impl Drop for SwapFile {
     /// Switches the file off, then removes it; a file still in use as swap (swapoff
     /// refused: the pages on it had no memory to come back to) is left in place, named
-    /// in a warning, rather than unlinked under the kernel.
+    /// in a warning, rather than unlinked under the kernel. One never switched on (a
+    /// failed create) is only removed.
     fn drop(&mut self) {
         let Ok(c) = CString::new(self.path.as_os_str().as_bytes()) else {
             return;
         };
+        if !self.on {
+            let _ = std::fs::remove_file(&self.path);
+            return;
+        }
         // SAFETY: as in `create`; swapping the file's pages back in may take a while.
         if unsafe { libc::swapoff(c.as_ptr()) } == 0 {
             let _ = std::fs::remove_file(&self.path);
@@ -402,6 +412,24 @@ mod tests {
     }
 
     use super::*;
+
+    /// A swap file that `mkswap` refuses (under its 40 KiB least) is an error, and the
+    /// file it allocated is gone: it was left behind, allocated, "to swapoff".
+    #[test]
+    fn a_swap_file_that_fails_to_be_made_is_removed() {
+        if std::process::Command::new("mkswap")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            eprintln!("skipped: no mkswap");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("small.swap");
+        assert!(SwapFile::create(&path, 4096).is_err());
+        assert!(!path.exists(), "the failed swap file was left");
+    }
 
     #[test]
     fn the_kit_reads_what_this_kernel_reports() {

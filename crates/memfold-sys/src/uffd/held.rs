@@ -19,9 +19,9 @@ pub struct HeldPage {
 impl HeldPage {
     /// Maps a private anonymous page and registers it (missing) with a new userfaultfd.
     ///
-    /// Errors: the mapping ([`UffdError::Open`] with the `mmap` error) or the
-    /// userfaultfd's open or registration.
-    pub fn new() -> Result<HeldPage, UffdError> {
+    /// Errors: the userfaultfd's open or registration ([`UffdError`]'s text), or the
+    /// mapping (the `mmap` error, named).
+    pub fn new() -> io::Result<HeldPage> {
         let uffd = Uffd::open(0)?;
         // SAFETY: a new private anonymous page at an address the kernel picks.
         let p = unsafe {
@@ -35,7 +35,11 @@ impl HeldPage {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(UffdError::Open(io::Error::last_os_error()));
+            let e = io::Error::last_os_error();
+            return Err(io::Error::new(
+                e.kind(),
+                format!("mmap of a held page: {e}"),
+            ));
         }
         let page = HeldPage {
             uffd,
