@@ -89,14 +89,15 @@ pub struct RamPlan {
 pub enum Problem {
     /// Guest RAM is QEMU's own anonymous memory: `-m` without a memory backend.
     AnonymousRam {
-        /// `-m`'s size (QEMU's default if absent).
+        /// `-m`'s size (QEMU's default if absent), as a backend's `size=` reads it
+        /// ([`backend_size`]: `-m 4096` is `4096M`).
         size: String,
     },
     /// Guest RAM is a file (`-mem-path`).
     MemPath {
         /// The path.
         path: String,
-        /// `-m`'s size.
+        /// `-m`'s size, as a backend's `size=` reads it ([`backend_size`]).
         size: String,
     },
     /// A backend used as guest RAM is not a memfd.
@@ -183,6 +184,18 @@ pub enum ArgsError {
         /// Why.
         why: String,
     },
+}
+
+/// `-m`'s size `m` as a memory backend's `size=` must say it: QEMU reads a size ending in
+/// a digit given to `-m` as MiB (`-m 4096` is 4 GiB), but a backend's `size=4096` as
+/// bytes; so such a size gets QEMU's own fix-up, an `M` (softmmu/vl.c). Sizes with a unit
+/// (`4G`, `512M`, `4096B`) mean the same to both and are kept.
+pub fn backend_size(m: &str) -> String {
+    if m.ends_with(|c: char| c.is_ascii_digit()) {
+        format!("{m}M")
+    } else {
+        m.to_string()
+    }
 }
 
 /// QEMU's spellings of a boolean property; `None`: not one.
@@ -404,7 +417,10 @@ impl RamPlan {
     pub fn problems(&self) -> Vec<Problem> {
         let mut out = Vec::new();
         if self.main_ram_is_qemus() {
-            let size = self.ram_size.clone().unwrap_or_else(|| DEFAULT_RAM.into());
+            let size = self
+                .ram_size
+                .as_deref()
+                .map_or_else(|| DEFAULT_RAM.into(), backend_size);
             out.push(match &self.mem_path {
                 Some(path) => Problem::MemPath {
                     path: path.clone(),
@@ -543,6 +559,22 @@ mod tests {
         // No -m at all: QEMU's 128 MiB; -m size=... form.
         assert!(problems("-nodefaults")[0].contains("size=128M,share=on"));
         assert!(problems("-m size=2G,slots=4,maxmem=8G")[0].contains("size=2G,share=on"));
+        // A size without a unit is MiB to -m but bytes to a backend: the fix says MiB.
+        assert_eq!(
+            problems("-m 256"),
+            ["guest RAM is QEMU's anonymous memory (-m 256M without a memory backend); add `-object memory-backend-memfd,id=ram0,size=256M,share=on -machine memory-backend=ram0`"]
+        );
+        assert!(problems("-m size=4096,slots=2,maxmem=8G")[0].contains("size=4096M,share=on"));
+        assert!(problems("-m 1024 -mem-path /hp")[0].contains("size=1024M,share=on"));
+        for (m, size) in [
+            ("4G", "4G"),
+            ("512M", "512M"),
+            ("512m", "512m"),
+            ("4096B", "4096B"),
+        ] {
+            assert_eq!(backend_size(m), size);
+        }
+        assert_eq!(backend_size("1.5"), "1.5M");
         assert!(problems("-m 1G -mem-path /dev/hugepages")[0]
             .starts_with("guest RAM is the file /dev/hugepages (-mem-path)"));
         assert_eq!(

@@ -101,6 +101,7 @@ pub fn prepare(
     let plan = RamPlan::parse(&argv[1..])?;
     let mut problems = plan.problems();
     if fix {
+        // `size` is in a backend's terms already (`-m 256` gives `256M`, not 256 bytes).
         if let [Problem::AnonymousRam { size }] = &problems[..] {
             argv.extend([
                 "-object".into(),
@@ -289,6 +290,15 @@ mod tests {
         );
         // The fixed line passes the check it was refused by.
         assert!(RamPlan::parse(&l.argv[1..]).unwrap().problems().is_empty());
+        // A bare -m size is MiB (QEMU's rule), a backend's bare size bytes: the backend
+        // added says MiB, so QEMU sees two equal sizes.
+        for (m, size) in [("256", "256M"), ("size=4096,slots=2,maxmem=8G", "4096M")] {
+            let l = prep(&format!("qemu-system-x86_64 -m {m}"), true).unwrap();
+            assert_eq!(
+                l.argv[l.argv.len() - 3],
+                format!("memory-backend-memfd,id=memfold-ram0,size={size},share=on")
+            );
+        }
         // A private memfd or a file is not guessed at: refused even with --fix.
         assert!(prep(
             "qemu-system-x86_64 -object memory-backend-memfd,id=r,size=1G,share=off -machine memory-backend=r",

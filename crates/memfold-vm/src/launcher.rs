@@ -19,11 +19,13 @@ use crate::qmp::{Qmp, QmpError};
 
 mod args;
 mod blk;
+mod probe;
 pub use args::qemu_args;
 use blk::start_blk;
 pub use blk::{
     memfold_blk_binary, BlkDisks, BlkSupervisor, MAX_RESTARTS, MEMFOLD_BLK_ENV, RESTART_DELAY,
 };
+use probe::probe_dir;
 
 /// How guest RAM is backed on the host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -273,12 +275,15 @@ pub fn detect_accel(cache: &Path) -> Accel {
         }
     }
     let verdict = (|| {
-        let dir = std::env::temp_dir().join(format!("memfold-kvm-probe-{}", std::process::id()));
+        // A new private folder: the probe runs as root, and a folder of a predictable name
+        // in /tmp could be another user's, with links planted where QEMU writes.
+        let dir = probe_dir(&std::env::temp_dir())
+            .map_err(|e| tracing::warn!("KVM probe: {e}; using TCG"))
+            .ok()?;
         let spec = GuestSpec::new("kvm-probe", "tiny", 128, RamBackend::Anonymous);
-        let mut g = Guest::start(&spec, cache, &dir, Accel::Kvm).ok()?;
+        let mut g = Guest::start(&spec, cache, dir.path(), Accel::Kvm).ok()?;
         let ok = g.wait_ready(Duration::from_secs(20)).is_ok();
         g.stop();
-        let _ = std::fs::remove_dir_all(&dir);
         Some(ok)
     })()
     .unwrap_or(false);

@@ -12,6 +12,12 @@ fn memfold_guest_port() -> &'static str {
     "org.memfold.guest.0"
 }
 
+/// `path` as a value inside QEMU's comma-separated `key=value,...` options: each comma
+/// doubled (QEMU's rule), else `/a,b` would end the value at `a`.
+fn opt_path(path: &Path) -> String {
+    path.display().to_string().replace(',', ",,")
+}
+
 /// QEMU's command line (after the program name) for guest `spec` from image `img`: the
 /// accelerator, RAM (memfd shared with memfold, or anonymous with `mem-merge` as
 /// [`GuestSpec::mem_merge`] says), one virtio-balloon with free page reporting if
@@ -83,7 +89,7 @@ pub fn qemu_args(
             "-chardev",
             &format!(
                 "socket,id=memfold-guest,path={},server=on,wait=off",
-                sock.display()
+                opt_path(sock)
             ),
             "-device",
             &format!(
@@ -100,16 +106,17 @@ pub fn qemu_args(
             "-chardev",
             &format!(
                 "socket,id=memfold-qmp,path={},server=on,wait=off",
-                sock.display()
+                opt_path(&sock)
             ),
             "-mon",
             "chardev=memfold-qmp,mode=control",
         ]);
     }
+    // `file:` takes the rest of the word as the path, commas and all: not escaped.
     push(&["-serial", &format!("file:{}", serial.display())]);
     push(&[
         "-qmp",
-        &format!("unix:{},server=on,wait=off", qmp.display()),
+        &format!("unix:{},server=on,wait=off", opt_path(qmp)),
     ]);
     v.push("-kernel".into());
     v.push(img.kernel.clone().into());
@@ -124,7 +131,7 @@ pub fn qemu_args(
     let vhost_user = |v: &mut Vec<OsString>, disk: &str| {
         let sock = qmp.with_file_name(format!("blk-{disk}.sock"));
         v.push("-chardev".into());
-        v.push(format!("socket,id=blk-{disk},path={},reconnect=1", sock.display()).into());
+        v.push(format!("socket,id=blk-{disk},path={},reconnect=1", opt_path(&sock)).into());
         v.push("-device".into());
         v.push(
             format!(
@@ -142,7 +149,7 @@ pub fn qemu_args(
             // The image is shared by all guests of a profile: writes go to a throw-away
             // overlay.
             v.push("-drive".into());
-            v.push(format!("file={},if=virtio,format=raw,snapshot=on", rootfs.display()).into());
+            v.push(format!("file={},if=virtio,format=raw,snapshot=on", opt_path(rootfs)).into());
         }
         append.push_str(" root=/dev/vda");
     }
@@ -151,7 +158,7 @@ pub fn qemu_args(
     } else if let Some(d) = &spec.data_disk {
         let mut drive = format!(
             "file={},if=none,id={DATA_DISK_SERIAL},format=raw,readonly=on",
-            d.path.display()
+            opt_path(&d.path)
         );
         if let Some(bps) = d.read_bytes_per_sec {
             drive.push_str(&format!(",bps_rd={bps}"));
@@ -436,6 +443,83 @@ mod tests {
             ]
         ));
         assert!(!d.iter().any(|a| a.contains("data.img")));
+    }
+
+    /// QEMU's command line for `spec` with every path under a folder with a comma.
+    fn comma_args(spec: &GuestSpec) -> Vec<String> {
+        let img = images::Image {
+            profile: images::profile("web").unwrap(),
+            kernel: "/c,1/web/vmlinuz".into(),
+            initrd: "/c,1/web/initrd.img".into(),
+            rootfs: Some("/c,1/web/rootfs.ext4".into()),
+        };
+        let (serial, qmp) = (Path::new("/w,x/serial.log"), Path::new("/w,x/qmp.sock"));
+        qemu_args(spec, &img, Accel::Tcg, serial, qmp, None)
+            .into_iter()
+            .map(|s| s.into_string().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn commas_in_paths_are_doubled_in_every_comma_separated_option() {
+        let v = comma_args(&GuestSpec {
+            data_disk: Some(DataDisk {
+                path: "/d,1/data.img".into(),
+                read_bytes_per_sec: None,
+            }),
+            guest_channel: Some("/run/c,h/g.sock".into()),
+            memfold_balloon: true,
+            ..spec(RamBackend::Memfd)
+        });
+        assert!(has(&v, ["-qmp", "unix:/w,,x/qmp.sock,server=on,wait=off"]));
+        assert!(has(
+            &v,
+            [
+                "-chardev",
+                "socket,id=memfold-qmp,path=/w,,x/memfold-qmp.sock,server=on,wait=off"
+            ]
+        ));
+        assert!(has(
+            &v,
+            [
+                "-chardev",
+                "socket,id=memfold-guest,path=/run/c,,h/g.sock,server=on,wait=off"
+            ]
+        ));
+        assert!(has(
+            &v,
+            [
+                "-drive",
+                "file=/c,,1/web/rootfs.ext4,if=virtio,format=raw,snapshot=on"
+            ]
+        ));
+        assert!(has(
+            &v,
+            [
+                "-drive",
+                "file=/d,,1/data.img,if=none,id=memfold-data,format=raw,readonly=on"
+            ]
+        ));
+        // `-serial file:` takes the rest as the path; -kernel and -initrd are whole words.
+        assert!(has(&v, ["-serial", "file:/w,x/serial.log"]));
+        assert!(has(&v, ["-kernel", "/c,1/web/vmlinuz"]));
+        assert!(has(&v, ["-initrd", "/c,1/web/initrd.img"]));
+        let blk = comma_args(&GuestSpec {
+            data_disk: Some(DataDisk {
+                path: "/d,1/data.img".into(),
+                read_bytes_per_sec: None,
+            }),
+            memfold_blk: Some(super::super::BlkDisks {
+                data: true,
+                root: true,
+                ..Default::default()
+            }),
+            ..spec(RamBackend::Memfd)
+        });
+        for disk in ["root", "data"] {
+            let want = format!("socket,id=blk-{disk},path=/w,,x/blk-{disk}.sock,reconnect=1");
+            assert!(has(&blk, ["-chardev", &want]), "{blk:?}");
+        }
     }
 
     #[test]
