@@ -450,7 +450,7 @@ impl GuestChannels {
         }
     }
 
-    /// Stops every channel's thread (each ends at its next request or timeout).
+    /// Stops every channel's thread (each ends within about a second, wherever it waits).
     pub fn stop_all(&mut self) {
         for c in self.channels.values() {
             c.stop.store(true, Ordering::Relaxed);
@@ -515,14 +515,15 @@ const LAYOUT_RETRY: Duration = Duration::from_secs(60);
 
 /// One guest's channel: connect, ask every `interval`, send each report (or why it
 /// failed) to the main loop; reconnect after a channel error; end when `stop` is set or
-/// the main loop is gone. Frames map to gfns by QEMU's layout when its monitor gives one
-/// (asked at most every [`LAYOUT_RETRY`] until it does), else by the guest's ranges.
+/// the main loop is gone — within about a second, wherever it waits (its QEMU's monitor
+/// included). Frames map to gfns by QEMU's layout when its monitor gives one (asked at
+/// most every [`LAYOUT_RETRY`] until it does), else by the guest's ranges.
 fn channel_thread(
     guest: ChannelGuest,
     path: &Path,
     layouts: &QemuLayouts,
     interval: Duration,
-    stop: &AtomicBool,
+    stop: &Arc<AtomicBool>,
     tx: &mpsc::Sender<Sent>,
 ) {
     let mut seq = 0u64;
@@ -577,13 +578,22 @@ fn channel_thread(
         while !stop.load(Ordering::Relaxed) {
             if qemu.is_none() && asked_layout.is_none_or(|t| t.elapsed() >= LAYOUT_RETRY) {
                 asked_layout = Some(Instant::now());
-                match layouts.layout(guest.pid, guest.ram_pages) {
+                // The monitor is the QEMU's: its waits end when this thread is told to
+                // stop, or each re-attach would leave one more thread held there.
+                let got = layouts.layout(guest.pid, guest.ram_pages, stop);
+                if stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                match got {
                     Ok(l) => qemu = Some(l),
-                    Err(why) if said.as_ref() != Some(&why) => {
-                        tracing::info!(vm = %guest.id, "no RAM layout from QEMU ({why}): inferred from the guest's ranges");
-                        said = Some(why);
+                    Err(why) => {
+                        // It may quote QEMU's error text: escaped and short in the log.
+                        let why = crate::monitor::said(&why);
+                        if said.as_ref() != Some(&why) {
+                            tracing::info!(vm = %guest.id, "no RAM layout from QEMU ({why}): inferred from the guest's ranges");
+                            said = Some(why);
+                        }
                     }
-                    Err(_) => {}
                 }
             }
             seq += 1;

@@ -18,12 +18,14 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use memfold_core::categories::RamLayout;
 use memfold_vm::qmp::{Qmp, QmpError};
 use memfold_wire::keyval::keyval;
+use memfold_wire::shown_within;
 
 /// The `id` of the `-chardev socket` whose monitor memfoldd drives.
 pub const MONITOR_ID: &str = "memfold-qmp";
@@ -46,20 +48,38 @@ pub fn monitor_path(cmdline: &[u8]) -> Option<PathBuf> {
     })
 }
 
+/// Most characters of a reason memfoldd gives in words ([`open_monitor`],
+/// [`QemuLayouts::ask`]), the closing `...` of a cut one included: such a reason may
+/// quote the QEMU (its error's `desc`, a path from its command line).
+pub const WHY_CHARS: usize = 400;
+
+/// A reason that may quote a QEMU, as memfoldd keeps, logs and shows it: escaped (no
+/// newline nor terminal escape reaches the log) and at most [`WHY_CHARS`] characters.
+/// Giving it an already shown reason changes nothing.
+pub fn said(why: &str) -> String {
+    shown_within(why, WHY_CHARS - "...".len())
+}
+
 /// The monitor QEMU `pid`'s command line names for memfoldd, connected (checked to be
-/// served by `pid`), with `timeout` on each read and write.
+/// served by `pid`); the greeting, and each command's answer later, within `timeout`
+/// each ([`Qmp::connect_served_by`]); every wait of the session given up within a
+/// fraction of a second once `stop` (if any) is set.
 ///
-/// Errors: why not, in words (no monitor on the command line, a socket served by another
-/// process, QEMU not answering).
-pub fn open_monitor(pid: u32, timeout: Duration) -> Result<Qmp, String> {
+/// Errors: why not, in words ([`said`]: escaped, short): no monitor on the command line,
+/// a socket served by another process, QEMU not answering in time, told to stop.
+pub fn open_monitor(
+    pid: u32,
+    timeout: Duration,
+    stop: Option<&Arc<AtomicBool>>,
+) -> Result<Qmp, String> {
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map_err(|e| format!("cannot read its command line: {e}"))?;
+        .map_err(|e| format!("QEMU pid {pid}: cannot read its command line: {e}"))?;
     let path = monitor_path(&cmdline).ok_or_else(|| {
         format!("no monitor for memfoldd: add -chardev socket,id={MONITOR_ID},path=PATH,server=on,wait=off -mon chardev={MONITOR_ID},mode=control")
     })?;
-    Qmp::connect_served_by(&path, pid, timeout).map_err(|e| match e {
-        QmpError::WrongServer { .. } => format!("{e}: refused"),
-        e => e.to_string(),
+    Qmp::connect_served_by_unless(&path, pid, timeout, stop.cloned()).map_err(|e| match e {
+        QmpError::WrongServer { .. } => said(&format!("{e}: refused")),
+        e => said(&e.to_string()),
     })
 }
 
@@ -85,13 +105,16 @@ struct Split {
 impl QemuLayouts {
     /// Asks QEMU `pid`'s monitor `q` for its RAM's split and keeps the answer.
     ///
-    /// Errors: the monitor's, in words; `Ok(false)`: a machine without the split (not
-    /// pc or q35).
+    /// Errors: the monitor's, in words ([`said`]: escaped, short, as QEMU's error text
+    /// may be anything); `Ok(false)`: a machine without the split (not pc or q35).
     pub fn ask(&self, pid: u32, q: &mut Qmp) -> Result<bool, String> {
         let Some(started) = started(pid) else {
             return Err(format!("QEMU pid {pid} is gone"));
         };
-        let Some((below, above)) = q.ram_split().map_err(|e| e.to_string())? else {
+        let split = q
+            .ram_split()
+            .map_err(|e| said(&format!("QEMU pid {pid}'s RAM split: {e}")))?;
+        let Some((below, above)) = split else {
             return Ok(false);
         };
         if let Ok(mut k) = self.known.lock() {
@@ -110,16 +133,23 @@ impl QemuLayouts {
     }
 
     /// The exact layout of QEMU `pid`'s guest RAM of `pages` pages: the kept answer, else
-    /// its monitor's (opened here for a moment).
+    /// its monitor's (opened here for a moment, each exchange within 2 s, given up within
+    /// a fraction of a second once `stop` is set: the caller's thread is never held).
     ///
-    /// Errors: why there is none, in words (no monitor, a machine without the split, a
-    /// split that does not fit `pages`: [`RamLayout::from_qemu`]).
-    pub fn layout(&self, pid: u32, pages: u64) -> Result<RamLayout, String> {
+    /// Errors: why there is none, in words ([`said`]: escaped, short): no monitor, a
+    /// machine without the split, a split that does not fit `pages`
+    /// ([`RamLayout::from_qemu`]), told to stop.
+    pub fn layout(
+        &self,
+        pid: u32,
+        pages: u64,
+        stop: &Arc<AtomicBool>,
+    ) -> Result<RamLayout, String> {
         let s = match self.kept(pid) {
             Some(s) => s,
             None => {
-                let asked =
-                    open_monitor(pid, LAYOUT_TIMEOUT).and_then(|mut q| self.ask(pid, &mut q));
+                let asked = open_monitor(pid, LAYOUT_TIMEOUT, Some(stop))
+                    .and_then(|mut q| self.ask(pid, &mut q));
                 // A claimer that holds the monitor asked as it connected.
                 match (self.kept(pid), asked) {
                     (Some(s), _) => s,
@@ -165,6 +195,49 @@ mod tests {
             v.push(0);
         }
         v
+    }
+
+    /// A QEMU whose error text holds a newline, an escape and 5 000 characters: the
+    /// reason memfoldd gives (and the guest channel logs) is one line of at most
+    /// [`WHY_CHARS`] characters. Seen failing without the mend: the text came whole, the
+    /// newline in it (a forged log line).
+    #[test]
+    fn a_qemus_error_text_is_escaped_and_cut() {
+        use std::io::{BufRead, BufReader, Write};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("qmp.sock");
+        let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let desc = format!("\n2026 WARN forged\u{1b}[2J {}", "A".repeat(5000));
+        std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let r = BufReader::new(s.try_clone().unwrap());
+            writeln!(s, r#"{{"QMP": {{"version": {{}}, "capabilities": []}}}}"#).unwrap();
+            for line in r.lines() {
+                let Ok(line) = line else { return };
+                let m: serde_json::Value = serde_json::from_str(&line).unwrap();
+                let reply = if m["execute"] == "qmp_capabilities" {
+                    serde_json::json!({ "return": {}, "id": m["id"] })
+                } else {
+                    let e = serde_json::json!({ "class": "GenericError", "desc": desc });
+                    serde_json::json!({ "error": e, "id": m["id"] })
+                };
+                if writeln!(s, "{reply}").is_err() {
+                    return;
+                }
+            }
+        });
+        let me = std::process::id();
+        let mut q = Qmp::connect_served_by(&path, me, Duration::from_secs(2)).unwrap();
+        let why = QemuLayouts::default().ask(me, &mut q).unwrap_err();
+        assert!(!why.contains('\n'), "{why}");
+        assert!(
+            why.chars().all(|c| c == ' ' || c.is_ascii_graphic()),
+            "{why}"
+        );
+        assert!(why.chars().count() <= WHY_CHARS, "{} chars", why.len());
+        assert!(why.contains("\\n2026 WARN forged\\u{1b}[2J AAA"), "{why}");
+        // Said twice: the same.
+        assert_eq!(said(&why), why);
     }
 
     #[test]

@@ -573,7 +573,9 @@ impl Guest {
             let _ = child.wait();
             return;
         }
-        if let Ok(mut q) = Qmp::connect(&self.qmp_path, Duration::from_millis(500)) {
+        // Bounded as a whole (greeting, capabilities, the answer): a QEMU whose main loop
+        // is stuck, or a monitor another client holds, is killed below, not waited on.
+        if let Ok(mut q) = Qmp::connect_within(&self.qmp_path, Duration::from_secs(2)) {
             let _ = q.execute("quit", None);
         }
         let deadline = Instant::now() + Duration::from_secs(5);

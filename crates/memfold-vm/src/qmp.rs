@@ -3,6 +3,8 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -46,6 +48,33 @@ pub enum QmpError {
         /// The process serving the socket (`None`: the kernel did not say).
         found: Option<u32>,
     },
+    /// A whole message did not come within the exchange's time limit.
+    #[error("QMP socket {path}: no whole {what} within {limit:?}")]
+    TimedOut {
+        /// Socket path.
+        path: String,
+        /// What was awaited (the greeting, a command's answer).
+        what: String,
+        /// The exchange's time limit.
+        limit: Duration,
+    },
+    /// The session's stop flag was set while it waited ([`Qmp::connect_served_by_unless`]).
+    #[error("QMP socket {path}: told to stop while waiting for the {what}")]
+    Stopped {
+        /// Socket path.
+        path: String,
+        /// What was awaited.
+        what: String,
+    },
+    /// An earlier exchange of this session failed half way ([`Qmp::unusable`]): the
+    /// socket may still hold its late answer, so nothing more is asked on it.
+    #[error("QMP socket {path}: session unusable after an earlier failure ({why}); reconnect")]
+    Unusable {
+        /// Socket path.
+        path: String,
+        /// The earlier failure.
+        why: String,
+    },
 }
 
 /// The longest QMP message read, bytes: a peer cannot make its reader hold more.
@@ -55,45 +84,86 @@ pub const MAX_MESSAGE: u64 = 1 << 20;
 /// floods events gets an error, not a reader stuck for ever.
 const MAX_EVENTS_PER_COMMAND: usize = 10_000;
 
+/// How long a session opened by [`Qmp::connect`] may take for its greeting and for each
+/// command's answer (a `pmemsave` of a guest's RAM answers only when done).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How often a reader with a stop flag looks at it while waiting.
+const STOP_LOOK: Duration = Duration::from_millis(200);
+
+/// Most characters of a peer's message quoted in a [`QmpError::Protocol`].
+const QUOTED_CHARS: usize = 200;
+
 /// A connected QMP session in command mode.
+///
+/// Every exchange has a deadline for the whole of it — the greeting and
+/// `qmp_capabilities` as it connects, then each command and its answer — however the
+/// answer's bytes trickle in. Each command carries an `id`, and only the answer with that
+/// id is taken; after an exchange fails half way (a timeout, I/O, a line that is not
+/// QMP) the session refuses further commands ([`QmpError::Unusable`]), so no command
+/// ever gets an earlier one's late answer.
 pub struct Qmp {
-    reader: BufReader<UnixStream>,
+    reader: BufReader<Deadlined>,
     writer: UnixStream,
+    /// The socket's path, for errors.
+    path: String,
+    /// How long each exchange may take, whole.
+    limit: Duration,
+    /// The `id` of the last command sent.
+    last_id: u64,
+    /// Why the session may no longer be used, once an exchange failed half way.
+    broken: Option<String>,
 }
 
 impl Qmp {
     /// Connects to the socket (retrying until `timeout` while QEMU starts), reads the
-    /// greeting and enters command mode.
+    /// greeting and enters command mode; the greeting, and each command's answer later,
+    /// may take up to 120 s each (a `pmemsave` answers when done). A caller that must not
+    /// wait that long (a stop) uses [`Qmp::connect_within`].
     ///
-    /// Errors: [`QmpError::Connect`] after the timeout, [`QmpError::Protocol`].
+    /// Errors: [`QmpError::Connect`] after the timeout, [`QmpError::TimedOut`],
+    /// [`QmpError::Protocol`], [`QmpError::Io`].
     pub fn connect(path: &Path, timeout: Duration) -> Result<Self, QmpError> {
-        let start = Instant::now();
-        let stream = loop {
-            match UnixStream::connect(path) {
-                Ok(s) => break s,
-                Err(e) if start.elapsed() < timeout => {
-                    let _ = e;
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                Err(source) => {
-                    return Err(QmpError::Connect {
-                        path: path.display().to_string(),
-                        source,
-                    })
-                }
-            }
-        };
-        Self::start(stream, Duration::from_secs(120))
+        let stream = reach(path, Instant::now() + timeout)?;
+        Self::start(stream, path, ANSWER_TIMEOUT, None)
+    }
+
+    /// Connects to the socket (retrying while QEMU starts), reads the greeting and enters
+    /// command mode, all within `limit`; each command's answer later must come within
+    /// `limit` too.
+    ///
+    /// Errors: [`QmpError::Connect`] (nothing listens, `limit` passed),
+    /// [`QmpError::TimedOut`], [`QmpError::Protocol`], [`QmpError::Io`].
+    pub fn connect_within(path: &Path, limit: Duration) -> Result<Self, QmpError> {
+        let until = Instant::now() + limit;
+        let stream = reach(path, until)?;
+        Self::start_by(stream, path, limit, until, None)
     }
 
     /// Connects to the QMP socket at `path` — a path a peer named, so untrusted — only if
     /// the process serving it is `pid` (the kernel's `SO_PEERCRED` of the connection: the
-    /// process that made the listening socket), with `timeout` on every read and write.
-    /// This keeps a guest's QEMU from pointing memfoldd at another guest's monitor.
+    /// process that made the listening socket). The greeting and `qmp_capabilities` must
+    /// be done within `timeout`, and each command's answer later within `timeout` too,
+    /// however a peer trickles its bytes. This keeps a guest's QEMU from pointing memfoldd
+    /// at another guest's monitor, or holding its thread.
     ///
-    /// Errors: [`QmpError::Connect`], [`QmpError::WrongServer`], [`QmpError::Protocol`],
-    /// [`QmpError::Io`] (a timeout included).
+    /// Errors: [`QmpError::Connect`], [`QmpError::WrongServer`], [`QmpError::TimedOut`],
+    /// [`QmpError::Protocol`], [`QmpError::Io`].
     pub fn connect_served_by(path: &Path, pid: u32, timeout: Duration) -> Result<Self, QmpError> {
+        Self::connect_served_by_unless(path, pid, timeout, None)
+    }
+
+    /// As [`Qmp::connect_served_by`], and every wait of the session — as it connects and
+    /// for each answer — ends within about 200 ms once `stop` is set
+    /// ([`QmpError::Stopped`]): a thread told to stop is never held by its QEMU.
+    ///
+    /// Errors: as [`Qmp::connect_served_by`]; [`QmpError::Stopped`].
+    pub fn connect_served_by_unless(
+        path: &Path,
+        pid: u32,
+        timeout: Duration,
+        stop: Option<Arc<AtomicBool>>,
+    ) -> Result<Self, QmpError> {
         // Not a blocking connect: a listener that never accepts would hold the caller.
         let stream = memfold_sys::socket::connect_stream_at_once(path).map_err(|source| {
             QmpError::Connect {
@@ -111,29 +181,78 @@ impl Qmp {
                 found,
             });
         }
-        stream.set_write_timeout(Some(timeout))?;
-        Self::start(stream, timeout)
+        Self::start(stream, path, timeout, stop)
     }
 
-    /// Reads the greeting of a connected monitor and enters command mode.
-    fn start(stream: UnixStream, read_timeout: Duration) -> Result<Self, QmpError> {
-        stream.set_read_timeout(Some(read_timeout))?;
+    /// Reads the greeting of a connected monitor and enters command mode, within `limit`.
+    fn start(
+        stream: UnixStream,
+        path: &Path,
+        limit: Duration,
+        stop: Option<Arc<AtomicBool>>,
+    ) -> Result<Self, QmpError> {
+        Self::start_by(stream, path, limit, Instant::now() + limit, stop)
+    }
+
+    /// Reads the greeting of a connected monitor and enters command mode by `until`;
+    /// later exchanges get `limit` each.
+    fn start_by(
+        stream: UnixStream,
+        path: &Path,
+        limit: Duration,
+        until: Instant,
+        stop: Option<Arc<AtomicBool>>,
+    ) -> Result<Self, QmpError> {
         let mut q = Qmp {
-            reader: BufReader::new(stream.try_clone()?),
+            reader: BufReader::new(Deadlined {
+                stream: stream.try_clone()?,
+                until,
+                stop,
+            }),
             writer: stream,
+            path: path.display().to_string(),
+            limit,
+            last_id: 0,
+            broken: None,
         };
-        let greeting = q.read_message()?;
+        let greeting = q.read_message("greeting")?;
         if greeting.get("QMP").is_none() {
-            return Err(QmpError::Protocol(format!("no greeting: {greeting}")));
+            return Err(QmpError::Protocol(format!(
+                "no greeting: {}",
+                quoted(&greeting.to_string())
+            )));
         }
-        q.execute("qmp_capabilities", None)?;
+        q.exchange("qmp_capabilities", None, until)?;
         Ok(q)
     }
 
-    fn read_message(&mut self) -> Result<Value, QmpError> {
+    /// Why this session may no longer be used (an exchange failed half way: its answer
+    /// may still come); `None` while it may.
+    pub fn unusable(&self) -> Option<&str> {
+        self.broken.as_deref()
+    }
+
+    /// The next message, by the reader's deadline; `what`: what is awaited, for errors.
+    fn read_message(&mut self, what: &str) -> Result<Value, QmpError> {
         let mut line = String::new();
-        if (&mut self.reader).take(MAX_MESSAGE).read_line(&mut line)? == 0 {
-            return Err(QmpError::Protocol("connection closed".into()));
+        match (&mut self.reader).take(MAX_MESSAGE).read_line(&mut line) {
+            Ok(0) => return Err(QmpError::Protocol("connection closed".into())),
+            Ok(_) => {}
+            Err(e) => {
+                let d = self.reader.get_ref();
+                let (path, what) = (self.path.clone(), what.to_string());
+                return Err(if d.stopped() {
+                    QmpError::Stopped { path, what }
+                } else if e.kind() == std::io::ErrorKind::TimedOut && Instant::now() >= d.until {
+                    QmpError::TimedOut {
+                        path,
+                        what,
+                        limit: self.limit,
+                    }
+                } else {
+                    QmpError::Io(e)
+                });
+            }
         }
         if !line.ends_with('\n') {
             return Err(QmpError::Protocol(format!(
@@ -141,22 +260,64 @@ impl Qmp {
             )));
         }
         serde_json::from_str(&line)
-            .map_err(|e| QmpError::Protocol(format!("bad JSON {line:?}: {e}")))
+            .map_err(|e| QmpError::Protocol(format!("bad JSON {}: {e}", quoted(&line))))
     }
 
     /// Runs a command and returns its `return` value; asynchronous events are skipped.
+    /// The command and its answer must be done within the session's time limit.
     ///
-    /// Errors: [`QmpError::Command`] when QEMU refuses, [`QmpError::Io`].
+    /// Errors: [`QmpError::Command`] when QEMU refuses, [`QmpError::TimedOut`],
+    /// [`QmpError::Stopped`], [`QmpError::Io`], [`QmpError::Protocol`] — after any of
+    /// these but the first the session is unusable, and every later command is refused
+    /// with [`QmpError::Unusable`].
     pub fn execute(&mut self, command: &str, arguments: Option<Value>) -> Result<Value, QmpError> {
-        let mut msg = json!({ "execute": command });
+        if let Some(why) = &self.broken {
+            return Err(QmpError::Unusable {
+                path: self.path.clone(),
+                why: why.clone(),
+            });
+        }
+        let r = self.exchange(command, arguments, Instant::now() + self.limit);
+        if let Err(e) = &r {
+            if !matches!(e, QmpError::Command { .. }) {
+                self.broken = Some(e.to_string());
+            }
+        }
+        r
+    }
+
+    /// Sends `command` with the next `id` and reads its answer, by `until`.
+    fn exchange(
+        &mut self,
+        command: &str,
+        arguments: Option<Value>,
+        until: Instant,
+    ) -> Result<Value, QmpError> {
+        self.last_id += 1;
+        let id = self.last_id;
+        let mut msg = json!({ "execute": command, "id": id });
         if let Some(a) = arguments {
             msg["arguments"] = a;
         }
-        writeln!(self.writer, "{msg}")?;
+        let mut line = msg.to_string();
+        line.push('\n');
+        // A zero timeout would mean none: at least a millisecond.
+        let left = until.saturating_duration_since(Instant::now());
+        self.writer
+            .set_write_timeout(Some(left.max(Duration::from_millis(1))))?;
+        self.writer.write_all(line.as_bytes())?;
+        self.reader.get_mut().until = until;
+        let what = format!("answer to {command}");
         for _ in 0..=MAX_EVENTS_PER_COMMAND {
-            let v = self.read_message()?;
+            let v = self.read_message(&what)?;
             if v.get("event").is_some() {
                 continue;
+            }
+            if v.get("id") != Some(&Value::from(id)) {
+                return Err(QmpError::Protocol(format!(
+                    "{command} (id {id}) answered by a message of another id: {}",
+                    quoted(&v.to_string())
+                )));
             }
             if let Some(r) = v.get("return") {
                 return Ok(r.clone());
@@ -168,7 +329,10 @@ impl Qmp {
                     desc: e["desc"].as_str().unwrap_or("?").into(),
                 });
             }
-            return Err(QmpError::Protocol(format!("unexpected reply {v}")));
+            return Err(QmpError::Protocol(format!(
+                "unexpected reply {}",
+                quoted(&v.to_string())
+            )));
         }
         Err(QmpError::Protocol(format!(
             "more than {MAX_EVENTS_PER_COMMAND} events and no answer to {command}"
@@ -253,7 +417,10 @@ impl Qmp {
                     Some(json!({ "path": host, "property": property })),
                 )?;
                 v.as_u64().ok_or_else(|| {
-                    QmpError::Protocol(format!("{host} {property}: not a size: {v}"))
+                    QmpError::Protocol(format!(
+                        "{host} {property}: not a size: {}",
+                        quoted(&v.to_string())
+                    ))
                 })
             };
             // No such host (the other machine type), or a host without the property
@@ -285,7 +452,12 @@ impl Qmp {
         };
         base.zip(plugged)
             .and_then(|(b, p)| b.checked_add(p))
-            .ok_or_else(|| QmpError::Protocol(format!("query-memory-size-summary: {r}")))
+            .ok_or_else(|| {
+                QmpError::Protocol(format!(
+                    "query-memory-size-summary: {}",
+                    quoted(&r.to_string())
+                ))
+            })
     }
 
     /// The RAM the guest's balloon leaves it now, bytes (`query-balloon`'s `actual`).
@@ -293,95 +465,92 @@ impl Qmp {
     /// Errors: as [`Qmp::execute`]; [`QmpError::Protocol`] without a number.
     pub fn balloon_actual(&mut self) -> Result<u64, QmpError> {
         let r = self.execute("query-balloon", None)?;
-        r.get("actual")
-            .and_then(Value::as_u64)
-            .ok_or_else(|| QmpError::Protocol(format!("query-balloon without actual: {r}")))
+        r.get("actual").and_then(Value::as_u64).ok_or_else(|| {
+            QmpError::Protocol(format!(
+                "query-balloon without actual: {}",
+                quoted(&r.to_string())
+            ))
+        })
+    }
+}
+
+/// Connects to the socket at `path`, retrying while nothing listens there yet (QEMU
+/// starting) or its backlog is full, until `until`. Never a blocking connect: a listener
+/// that never accepts would hold the caller past any deadline.
+fn reach(path: &Path, until: Instant) -> Result<UnixStream, QmpError> {
+    loop {
+        match memfold_sys::socket::connect_stream_at_once(path) {
+            Ok(s) => return Ok(s),
+            Err(_) if Instant::now() < until => {
+                let left = until.saturating_duration_since(Instant::now());
+                std::thread::sleep(left.min(Duration::from_millis(50)));
+            }
+            Err(source) => {
+                return Err(QmpError::Connect {
+                    path: path.display().to_string(),
+                    source,
+                })
+            }
+        }
+    }
+}
+
+/// At most `QUOTED_CHARS` characters of a peer's message, quoted with its control
+/// characters escaped (`"…"`): an error that quotes a QEMU stays one short line.
+fn quoted(text: &str) -> String {
+    let cut: String = text.chars().take(QUOTED_CHARS).collect();
+    let more = if cut.len() < text.len() { "..." } else { "" };
+    format!("{cut:?}{more}")
+}
+
+/// The socket's reading end, every read against a deadline: a whole message must come
+/// by `until`, however its bytes trickle in (a read timeout alone restarts at every byte:
+/// a QEMU sending one every 1.9 s held its reader, its thread and its descriptors for
+/// good), and a reader whose `stop` is set gives up within `STOP_LOOK`.
+struct Deadlined {
+    stream: UnixStream,
+    /// When the message being read must be in.
+    until: Instant,
+    stop: Option<Arc<AtomicBool>>,
+}
+
+impl Deadlined {
+    fn stopped(&self) -> bool {
+        self.stop
+            .as_ref()
+            .is_some_and(|s| s.load(Ordering::Relaxed))
+    }
+}
+
+impl Read for Deadlined {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use std::io::ErrorKind;
+        loop {
+            let left = self.until.saturating_duration_since(Instant::now());
+            if left.is_zero() || self.stopped() {
+                // Not `Interrupted`: `read_line` would call again.
+                return Err(std::io::Error::new(
+                    ErrorKind::TimedOut,
+                    "QMP deadline passed, or told to stop",
+                ));
+            }
+            let wait = if self.stop.is_some() {
+                left.min(STOP_LOOK)
+            } else {
+                left
+            };
+            self.stream.set_read_timeout(Some(wait))?;
+            match self.stream.read(buf) {
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                    ) => {}
+                r => return r,
+            }
+        }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::os::unix::net::UnixListener;
-
-    /// A monitor served by this process that greets, answers `qmp_capabilities`, then
-    /// plays `script` to the next command.
-    fn fake_monitor(
-        dir: &Path,
-        script: impl FnOnce(&mut UnixStream) + Send + 'static,
-    ) -> std::path::PathBuf {
-        let path = dir.join("qmp.sock");
-        let l = UnixListener::bind(&path).unwrap();
-        std::thread::spawn(move || {
-            let (mut s, _) = l.accept().unwrap();
-            let mut r = BufReader::new(s.try_clone().unwrap());
-            let mut line = String::new();
-            writeln!(s, r#"{{"QMP": {{"version": {{}}, "capabilities": []}}}}"#).unwrap();
-            r.read_line(&mut line).unwrap();
-            writeln!(s, r#"{{"return": {{}}}}"#).unwrap();
-            line.clear();
-            r.read_line(&mut line).unwrap();
-            script(&mut s);
-        });
-        path
-    }
-
-    #[test]
-    fn a_monitor_served_by_another_process_than_the_guests_qemu_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = fake_monitor(dir.path(), |_| {});
-        let me = std::process::id();
-        let e = Qmp::connect_served_by(&path, me + 1, Duration::from_secs(2))
-            .err()
-            .unwrap();
-        assert!(
-            matches!(e, QmpError::WrongServer { expected, found: Some(f), .. } if expected == me + 1 && f == me),
-            "{e}"
-        );
-    }
-
-    #[test]
-    fn the_balloon_is_read_and_set_through_the_guests_own_monitor() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = fake_monitor(dir.path(), |s| {
-            writeln!(
-                s,
-                r#"{{"event": "BALLOON_CHANGE", "data": {{"actual": 1}}}}"#
-            )
-            .unwrap();
-            writeln!(s, r#"{{"return": {{"actual": 268435456}}}}"#).unwrap();
-        });
-        let mut q =
-            Qmp::connect_served_by(&path, std::process::id(), Duration::from_secs(2)).unwrap();
-        assert_eq!(q.balloon_actual().unwrap(), 256 << 20);
-    }
-
-    #[test]
-    fn a_monitor_that_floods_gets_an_error_not_a_reader_that_holds_it_all() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = fake_monitor(dir.path(), |s| {
-            let big = vec![b'x'; (MAX_MESSAGE + 10) as usize];
-            let _ = s.write_all(&big);
-        });
-        let mut q =
-            Qmp::connect_served_by(&path, std::process::id(), Duration::from_secs(2)).unwrap();
-        let e = q.balloon_actual().unwrap_err();
-        assert!(e.to_string().contains("more than"), "{e}");
-    }
-
-    #[test]
-    fn a_monitor_that_sends_only_events_gets_an_error() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = fake_monitor(dir.path(), |s| {
-            for _ in 0..=MAX_EVENTS_PER_COMMAND + 1 {
-                if writeln!(s, r#"{{"event": "X"}}"#).is_err() {
-                    return;
-                }
-            }
-        });
-        let mut q =
-            Qmp::connect_served_by(&path, std::process::id(), Duration::from_secs(2)).unwrap();
-        let e = q.balloon(1 << 30).unwrap_err();
-        assert!(e.to_string().contains("events and no answer"), "{e}");
-    }
-}
+mod tests;

@@ -448,7 +448,7 @@ fn claim_loop(
     };
     let mut target: Option<u64> = None;
     loop {
-        let why = match open_monitor(pid, MONITOR_TIMEOUT) {
+        let why = match open_monitor(pid, MONITOR_TIMEOUT, None) {
             Ok(mut q) => {
                 // Costs only the guest channel its exact layout (it infers one).
                 if let Err(why) = layouts.ask(pid, &mut q) {
@@ -472,7 +472,10 @@ fn claim_loop(
 /// Drives the balloon through monitor `q` until the main loop drops its inbox (`Ok`) or
 /// the monitor fails (`Err`: why): sets each new target, reads the balloon back every
 /// `pace.poll`, and asks again for a target the balloon has deflated past (see the
-/// module: `deflate-on-oom`).
+/// module: `deflate-on-oom`). A question QEMU may refuse without harm (its RAM, the
+/// balloon's statistics) is passed over when refused; but once an exchange failed half
+/// way (a timeout: its answer may still come) the session is given up at once, for
+/// `claim_loop` to connect anew, never asked again.
 fn drive(
     mut q: Qmp,
     targets: &mpsc::Receiver<u64>,
@@ -490,6 +493,7 @@ fn drive(
     if let Ok(bytes) = q.memory_size() {
         r.report(|s| s.qemu_ram = Some(bytes));
     }
+    in_step(&q)?;
     // The guest's own view of its memory, for claiming under pressure; a balloon
     // without statistics only leaves `short` unknown.
     let stats_at = q
@@ -497,6 +501,7 @@ fn drive(
         .ok()
         .flatten()
         .filter(|p| q.balloon_stats_every(p, 1).is_ok());
+    in_step(&q)?;
     loop {
         if let Some(t) = *target {
             // The guest deflated past its target (on OOM) and is no longer short: its
@@ -538,6 +543,7 @@ fn drive(
         }
         if let Some(p) = &stats_at {
             let (available, total) = q.balloon_guest_memory(p).unwrap_or((None, None));
+            in_step(&q)?;
             short = short_of_memory(available, total);
             r.report(|s| {
                 s.available = available;
@@ -547,6 +553,15 @@ fn drive(
         if wait_for_target(targets, pace.poll, target).is_none() {
             return Ok(());
         }
+    }
+}
+
+/// `Err` (why, in words) once session `q` had an exchange fail half way: its answers may
+/// come late, so it is dropped and the monitor connected anew.
+fn in_step(q: &Qmp) -> Result<(), String> {
+    match q.unusable() {
+        Some(why) => Err(format!("monitor out of step, reconnecting: {why}")),
+        None => Ok(()),
     }
 }
 

@@ -354,8 +354,12 @@ fn vma_warning(mappings: u64, budget: u64, warned: bool, since: Option<Duration>
 /// Whether process `pid` lives (and is not a zombie).
 pub(crate) fn process_alive(pid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .is_ok_and(|s| s.split(") ").nth(1).is_some_and(|r| r.starts_with('Z')))
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            // The command name is the process's to choose, `x) Z` included: the state
+            // follows the last ')'.
+            s.rsplit_once(')')
+                .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+        })
 }
 
 /// Whether process `pid` neither maps the file of (device, inode) `id` nor holds a
@@ -472,6 +476,7 @@ mod tests {
 
     use super::*;
     use std::os::fd::{AsFd, AsRawFd};
+    use std::os::unix::process::CommandExt;
 
     #[test]
     fn ram_is_let_go_only_once_neither_mapped_nor_held() {
@@ -500,6 +505,37 @@ mod tests {
         assert!(ram_let_go(me, id), "neither mapped nor held");
         // A process memfoldd cannot read (gone): not let go by this rule.
         assert!(!ram_let_go(u32::MAX, id));
+    }
+
+    /// A QEMU whose command name reads like a zombie's state (`a) Zz`: the kernel writes
+    /// `PID (a) Zz) S ...`) is alive, and dead once it is a zombie. Seen failing without
+    /// the mend: cut at the first `) `, it read as a zombie, and its detached guest would
+    /// have been dropped while it still mapped pool frames.
+    #[test]
+    fn a_process_named_like_a_zombie_state_is_alive() {
+        let dir = tempfile::tempdir().unwrap();
+        // The kernel names a process after the file it executes.
+        let named = dir.path().join("a) Zz");
+        std::os::unix::fs::symlink("/bin/sleep", &named).unwrap();
+        let mut child = std::process::Command::new(&named)
+            .arg0("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        assert!(stat.starts_with(&format!("{pid} (a) Zz) ")), "{stat}");
+        let alive = process_alive(pid);
+        child.kill().unwrap();
+        // A zombie until reaped: no longer alive.
+        let until = Instant::now() + Duration::from_secs(5);
+        while process_alive(pid) && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let zombie = !process_alive(pid);
+        child.wait().unwrap();
+        assert!(alive, "a live process named \"a) Zz\" read as a zombie");
+        assert!(zombie, "a zombie named \"a) Zz\" read as alive");
     }
 
     /// A region unplugged from a QEMU that runs on is released as a region unmapped, not

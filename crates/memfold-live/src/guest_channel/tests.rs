@@ -363,3 +363,96 @@ fn a_channels_report_fills_its_own_guests_statistics_only() {
         "another QEMU's guest of that name"
     );
 }
+
+/// A stand-in for a QEMU: another process (`sh`, sleeping) whose command line names
+/// `monitor` as memfoldd's monitor, and which makes `listeners` (sockets this test
+/// serves) listen anew, so the kernel names it as the process serving them
+/// (`SO_PEERCRED`).
+fn qemu_stand_in(
+    monitor: &Path,
+    listeners: &[&std::os::unix::net::UnixListener],
+) -> std::process::Child {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let fds: Vec<i32> = listeners.iter().map(|l| l.as_raw_fd()).collect();
+    let chardev = format!(
+        "socket,id={},path={},server=on,wait=off",
+        crate::monitor::MONITOR_ID,
+        monitor.display()
+    );
+    let mut c = std::process::Command::new("sh");
+    // A loop: a shell that ran a lone command would become it, command line and all;
+    // killed, it leaves at most a second's `sleep` behind.
+    c.args([
+        "-c",
+        "while :; do sleep 1; done",
+        "qemu",
+        "-chardev",
+        &chardev,
+    ]);
+    // SAFETY: between fork and exec only listen(2), async-signal-safe, on descriptors
+    // the child inherited open (the listeners, kept alive by the caller past spawn).
+    unsafe {
+        c.pre_exec(move || {
+            for &fd in &fds {
+                if libc::listen(fd, 16) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    c.spawn().unwrap()
+}
+
+/// A guest's QEMU whose monitor trickles its greeting, a byte a second, while the guest
+/// channel asks it for the RAM layout: the channel's thread, told to stop (its guest
+/// detached), ends within a second. Seen failing without the mend: still there, held in
+/// the monitor's greeting (for good, were the greeting endless), and each re-attach left
+/// one more thread and its descriptors.
+#[test]
+fn a_channel_stopped_while_its_monitor_trickles_ends_its_thread() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, monitor) = (dir.path().join("g.sock"), dir.path().join("qmp.sock"));
+    let channel = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let qmp = std::os::unix::net::UnixListener::bind(&monitor).unwrap();
+    let mut qemu = qemu_stand_in(&monitor, &[&channel, &qmp]);
+    let (tx, _rx) = mpsc::channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (flag, at) = (Arc::clone(&stop), path.clone());
+    let guest = ChannelGuest {
+        id: VmId(1),
+        pid: qemu.id(),
+        ram_pages: 1024,
+    };
+    let (done, ended) = mpsc::channel();
+    std::thread::spawn(move || {
+        let layouts = QemuLayouts::default();
+        channel_thread(guest, &at, &layouts, Duration::from_millis(50), &flag, &tx);
+        let _ = done.send(());
+    });
+    // The monitor: accepted, its greeting a byte a second.
+    let (greeting, greeted) = mpsc::channel();
+    std::thread::spawn(move || {
+        let (mut s, _) = qmp.accept().unwrap();
+        let _ = greeting.send(());
+        while s.write_all(b"{").is_ok() {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    });
+    greeted
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the channel asked the monitor");
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    let t0 = Instant::now();
+    let ended = ended.recv_timeout(Duration::from_secs(1));
+    let took = t0.elapsed();
+    let _ = qemu.kill();
+    let _ = qemu.wait();
+    drop(channel);
+    assert!(
+        ended.is_ok(),
+        "the channel thread is held by its monitor {took:?} after it was told to stop"
+    );
+}

@@ -311,6 +311,10 @@ struct FakeGuest {
     asked: Vec<u64>,
     /// The `desc` of the error it answers `query-balloon` with, if any.
     query_error: Option<String>,
+    /// A command it answers only after this long, if any.
+    late: Option<(&'static str, Duration)>,
+    /// Every command it was sent, in order.
+    commands: Vec<String>,
 }
 
 /// A QMP monitor served by this process, at `dir/qmp.sock`, for `guest`: a balloon at
@@ -325,10 +329,17 @@ fn fake_qemu(dir: &Path, guest: Arc<Mutex<FakeGuest>>) -> PathBuf {
         for line in r.lines() {
             let Ok(line) = line else { return };
             let m: Value = serde_json::from_str(&line).unwrap();
+            let command = m["execute"].as_str().unwrap().to_string();
+            let late = guest.lock().unwrap().late;
+            if let Some((_, after)) = late.filter(|l| l.0 == command) {
+                std::thread::sleep(after);
+            }
             let mut g = guest.lock().unwrap();
+            g.commands.push(command);
             if let (Some(desc), "query-balloon") = (&g.query_error, m["execute"].as_str().unwrap())
             {
-                let e = json!({ "error": { "class": "GenericError", "desc": desc } });
+                let e =
+                    json!({ "error": { "class": "GenericError", "desc": desc }, "id": m["id"] });
                 if writeln!(s, "{e}").is_err() {
                     return;
                 }
@@ -356,7 +367,7 @@ fn fake_qemu(dir: &Path, guest: Arc<Mutex<FakeGuest>>) -> PathBuf {
                 }),
                 _ => json!({}),
             };
-            if writeln!(s, "{}", json!({ "return": ret })).is_err() {
+            if writeln!(s, "{}", json!({ "return": ret, "id": m["id"] })).is_err() {
                 return;
             }
         }
@@ -501,4 +512,37 @@ fn a_qemus_long_error_is_kept_short_and_escaped() {
     );
     assert!(p.contains("\\u{1b}[2J\\nforged line AAA"), "{p}");
     assert!(p.chars().all(|c| c == ' ' || c.is_ascii_graphic()), "{p}");
+}
+
+/// A QEMU that answers `query-memory-size-summary` after the session's 300 ms: the
+/// claimer gives the session up at once (its answer comes late, and would be taken for
+/// the next command's), says why, and asks nothing more on it; `claim_loop` connects anew.
+/// Seen failing without the mend: the claimer asked on (`qom-list`, ...), answers out of
+/// step.
+#[test]
+fn a_claimer_gives_up_a_session_whose_answer_came_late() {
+    let dir = tempfile::tempdir().unwrap();
+    let guest = Arc::new(Mutex::new(FakeGuest {
+        actual: 256 * MIB,
+        late: Some(("query-memory-size-summary", Duration::from_millis(600))),
+        ..FakeGuest::default()
+    }));
+    let path = fake_qemu(dir.path(), Arc::clone(&guest));
+    let limit = Duration::from_millis(300);
+    let q = Qmp::connect_served_by(&path, std::process::id(), limit).unwrap();
+    let mut r = reporter(Arc::default());
+    let (_tx, rx) = mpsc::channel::<u64>();
+    let t0 = Instant::now();
+    let why = drive(q, &rx, &mut Some(256 * MIB), &mut r, FAST).unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert!(why.contains("out of step"), "{why}");
+    assert!(why.contains("query-memory-size-summary"), "{why}");
+    // The late answer goes out; nothing more was asked.
+    std::thread::sleep(Duration::from_millis(500));
+    let commands = guest.lock().unwrap().commands.clone();
+    assert_eq!(
+        commands,
+        ["qmp_capabilities", "query-memory-size-summary"],
+        "asked on a session out of step"
+    );
 }
