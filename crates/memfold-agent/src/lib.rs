@@ -378,6 +378,12 @@ pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
                 plan.unfenced_io.join("; ")
             )));
         }
+        if !plan.outside_writers.is_empty() {
+            return Err(io::Error::other(format!(
+                "a back end writes guest RAM outside QEMU's page tables ({}): its writes under a shared page would be lost, and a page reclaimed under it written where the guest no longer reads, so memfold leaves this guest alone (docs/security.md)",
+                plan.outside_writers.join("; ")
+            )));
+        }
         if !problems.is_empty() {
             tracing::warn!(
                 "part of guest RAM is not shareable and is left alone: {}",

@@ -82,6 +82,14 @@ pub struct RamPlan {
     /// a share could be lost. memfold leaves such a guest alone; `aio=threads` (QEMU's
     /// default) is covered.
     pub unfenced_io: Vec<String>,
+    /// Devices and network back ends whose other end writes guest RAM outside QEMU's
+    /// page tables, as written: a vhost-user back end other than a block device
+    /// (virtiofsd, DPDK: they map guest RAM from its memfd in their own process), vDPA,
+    /// VFIO (a device's DMA into pages it pinned). Their writes under a shared page are
+    /// lost, a page reclaimed under them is written where the guest no longer reads, so
+    /// memfold leaves such a guest alone. `vhost-user-blk` is taken as memfold-blk's,
+    /// which writes through QEMU's page tables (docs/security.md).
+    pub outside_writers: Vec<String>,
 }
 
 /// Guest RAM memfold cannot manage, and what to write instead.
@@ -295,10 +303,20 @@ fn flatten(
     }
 }
 
-/// QEMU options whose argument matters here: RAM's, the guest's name, and disks' I/O.
-const RAM_OPTIONS: [&str; 10] = [
+/// QEMU options whose argument matters here: RAM's, the guest's name, disks' I/O, and
+/// devices' and network back ends' writers.
+const RAM_OPTIONS: [&str; 12] = [
     "object", "machine", "M", "numa", "device", "m", "mem-path", "name", "drive", "blockdev",
+    "netdev", "nic",
 ];
+
+/// Whether `-device` driver `driver` has another process or a device write guest RAM
+/// outside QEMU's page tables (see [`RamPlan::outside_writers`]).
+fn writes_outside(driver: &str) -> bool {
+    (driver.starts_with("vhost-user-") && !driver.starts_with("vhost-user-blk"))
+        || driver.starts_with("vfio-")
+        || driver.starts_with("vhost-vdpa")
+}
 
 impl RamPlan {
     /// Reads QEMU's arguments (without the program name).
@@ -365,9 +383,23 @@ impl RamPlan {
                     } else {
                         keyval(arg, Some("driver"))
                     };
+                    let driver = kv.get("driver").cloned().unwrap_or_default();
+                    if writes_outside(&driver) {
+                        plan.outside_writers.push(format!("{word} {arg}"));
+                    }
                     if let Some(id) = kv.get("memdev") {
-                        let driver = kv.get("driver").cloned().unwrap_or_default();
                         plan.used.push((id.clone(), driver));
+                    }
+                }
+                "netdev" | "nic" => {
+                    let kv = if arg.trim_start().starts_with('{') {
+                        json_object(opt, arg)?
+                    } else {
+                        keyval(arg, Some("type"))
+                    };
+                    let kind = kv.get("type").map(String::as_str).unwrap_or_default();
+                    if matches!(kind, "vhost-user" | "vhost-vdpa") {
+                        plan.outside_writers.push(format!("{word} {arg}"));
                     }
                 }
                 "m" => {
@@ -514,6 +546,45 @@ mod tests {
             r#"{"driver":"qcow2","node-name":"q","file":{"driver":"file","filename":"d","aio":"io_uring"}}"#,
         ];
         assert!(RamPlan::parse(&buffered).unwrap().unfenced_io.is_empty());
+    }
+
+    /// Back ends that write guest RAM outside QEMU's page tables are named, in every
+    /// spelling (keyval, JSON as libvirt writes it, `-nic`); memfold-blk's
+    /// `vhost-user-blk` and the kernel's vhost-net (it writes through QEMU's page tables)
+    /// are not.
+    #[test]
+    fn back_ends_that_write_guest_ram_outside_qemu_are_named() {
+        let fine = plan(
+            "-chardev socket,id=blk-root,path=/r/blk.sock -device vhost-user-blk-pci,chardev=blk-root \
+             -netdev tap,id=n0,vhost=on -device virtio-net-pci,netdev=n0 -nic user,model=virtio",
+        );
+        assert!(
+            fine.outside_writers.is_empty(),
+            "{:?}",
+            fine.outside_writers
+        );
+        let p = plan(
+            "-device vhost-user-fs-pci,chardev=fs0,tag=share -netdev vhost-user,id=n1,chardev=c1 \
+             -device vfio-pci,host=0000:01:00.0 -nic vhost-vdpa,vhostdev=/dev/vhost-vdpa-0 \
+             -device vhost-user-gpu-pci,chardev=g",
+        );
+        assert_eq!(
+            p.outside_writers,
+            [
+                "-device vhost-user-fs-pci,chardev=fs0,tag=share",
+                "-netdev vhost-user,id=n1,chardev=c1",
+                "-device vfio-pci,host=0000:01:00.0",
+                "-nic vhost-vdpa,vhostdev=/dev/vhost-vdpa-0",
+                "-device vhost-user-gpu-pci,chardev=g",
+            ]
+        );
+        let libvirt = [
+            "-device",
+            r#"{"driver":"vhost-user-fs-pci","id":"fs0","chardev":"chr-vu-fs0","tag":"mount_tag"}"#,
+            "-netdev",
+            r#"{"type":"vhost-user","chardev":"charnet0","id":"hostnet0"}"#,
+        ];
+        assert_eq!(RamPlan::parse(&libvirt).unwrap().outside_writers.len(), 2);
     }
 
     fn problems(line: &str) -> Vec<String> {
