@@ -12,7 +12,7 @@
 //! send on a full socket froze the guest until memfoldd read again.
 
 use std::io;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use memfold_codecs::PAGE_SIZE;
@@ -223,6 +223,19 @@ impl Agent {
             return;
         }
         match conn.recv::<ToAgent>() {
+            // Pages on frames are on the old pool's: a welcome with another pool would
+            // have their CoW breaks and decodes read that one's bytes at the same offsets.
+            Ok(Some((ToAgent::Welcome { version }, got)))
+                if version == PROTOCOL_VERSION
+                    && !shared.is_empty()
+                    && !self.same_pool(got.first()) =>
+            {
+                tracing::error!(
+                    "memfoldd welcomed us with another pool than the one {} pages are on; not attached",
+                    shared.len()
+                );
+                self.back_off();
+            }
             Ok(Some((ToAgent::Welcome { version }, mut got)))
                 if version == PROTOCOL_VERSION && !got.is_empty() =>
             {
@@ -295,6 +308,16 @@ impl Agent {
             self.back_off();
         } else {
             tracing::info!("no welcome from memfoldd: {why}; trying again");
+        }
+    }
+
+    /// Whether `new` is the file of the pool the agent holds (none held: any is).
+    fn same_pool(&self, new: Option<&OwnedFd>) -> bool {
+        let id = |f: &OwnedFd| memfold_sys::memfd::file_id(f.as_fd()).ok();
+        match (&self.pool, new) {
+            (None, _) => true,
+            (Some(old), Some(new)) => id(old).is_some() && id(old) == id(new),
+            (Some(_), None) => false,
         }
     }
 
