@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use memfold_codecs::page_checksum;
 use memfold_codecs::{Page, PAGE_SIZE};
 use memfold_ids::{FrameId, Gfn};
-use memfold_sys::memfd::{drop_cache, next_data_run, pread_exact, pwrite_all};
+use memfold_sys::memfd::{drop_cache, next_data_run, pread_exact, pread_within, pwrite_all};
 use memfold_sys::uffd::Event;
 use memfold_wire::BlobHome;
 
@@ -329,7 +329,7 @@ impl Agent {
         while k < n {
             let m = (n - k).min(CHUNK);
             let bytes = &mut buf[..m * PAGE_SIZE];
-            pread_exact(self.pool()?, bytes, FrameId(frame0.0 + k as u32).offset())?;
+            pread_within(self.pool()?, bytes, FrameId(frame0.0 + k as u32).offset())?;
             pwrite_all(self.memfd.as_fd(), bytes, plus(first, k).offset())?;
             k += m;
         }
@@ -430,7 +430,7 @@ impl Agent {
         };
         let mut reference = [0u8; PAGE_SIZE];
         let has_ref = if let Some(r) = s.blob.reference() {
-            pread_exact(self.pool()?, &mut reference, r.offset())?;
+            pread_within(self.pool()?, &mut reference, r.offset())?;
             true
         } else {
             false
@@ -468,7 +468,7 @@ impl Agent {
                 format!("{gfn}: a stored blob without a checksum: {s:?}"),
             )
         })?;
-        pread_exact(self.pool()?, out, f.offset())
+        pread_within(self.pool()?, out, f.offset())
     }
 }
 

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use memfold_codecs::{Page, PAGE_SIZE};
 use memfold_ids::{FrameId, Gfn};
-use memfold_sys::memfd::pread_exact;
+use memfold_sys::memfd::{pread_exact, pread_within};
 use memfold_wire::{BatchId, BlobHome, StashPage, ToAgent, ToDaemon, CLOCK_SLICE};
 
 use crate::install::Job;
@@ -243,9 +243,14 @@ impl Agent {
         }
         pages.sort_unstable();
         pages.dedup_by_key(|p| p.0);
+        // A frame past the pool's end would read as zeros, equal to a zero page, and its
+        // mapping be a SIGBUS at the guest's next access (QEMU killed).
+        let pool_frames = memfold_sys::memfd::size(self.pool()?)? / PAGE;
         pages.retain(|&(g, f)| {
             // A frame past what the page table packs is past any pool memfoldd makes.
-            let ok = self.pages.is_private(g) && f.0 < crate::state::MAX_FRAME;
+            let ok = self.pages.is_private(g)
+                && f.0 < crate::state::MAX_FRAME
+                && u64::from(f.0) < pool_frames;
             if !ok {
                 out.refused.push(g);
             }
@@ -295,7 +300,7 @@ impl Agent {
         let mut guest = vec![0u8; len as usize];
         let mut frames = vec![0u8; len as usize];
         pread_exact(self.memfd.as_fd(), &mut guest, g0.offset())?;
-        pread_exact(self.pool()?, &mut frames, f0.offset())?;
+        pread_within(self.pool()?, &mut frames, f0.offset())?;
         let p = PAGE_SIZE;
         // Checked after the write-protection: a write from now on faults to this thread
         // and is served after the mapping change, as a CoW break of the frame.

@@ -86,6 +86,34 @@ pub fn pread_exact(fd: BorrowedFd<'_>, buf: &mut [u8], off: u64) -> io::Result<(
     Ok(())
 }
 
+/// Reads `buf.len()` bytes at `off`, all within the file: for a file whose every byte
+/// asked must exist (a pool frame), where [`pread_exact`]'s zeros past the end would
+/// pass for content.
+///
+/// Errors: the read failed; the file ends before `off + buf.len()`
+/// (`UnexpectedEof`, naming the offset).
+pub fn pread_within(fd: BorrowedFd<'_>, buf: &mut [u8], off: u64) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match rustix::io::pread(fd, &mut buf[done..], off + done as u64) {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "the file ends at byte {}, before {}",
+                        off + done as u64,
+                        off + buf.len() as u64
+                    ),
+                ))
+            }
+            Ok(n) => done += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
 /// Writes all of `buf` at `off`.
 ///
 /// Errors: the write failed (ENOSPC, ENOMEM), or wrote nothing.
