@@ -1,11 +1,16 @@
 //! Snapshots of guest RAM, and of which guest pages are resident on the host.
 //!
-//! A snapshot is three files in one folder: `NAME.ram` (guest-physical memory, 4 KiB
-//! pages, sparse where the host holds nothing), `NAME.resident` (one bit a page, LSB
+//! A snapshot is three files in one folder: `NAME.ram` (guest RAM in RAM-offset order, 4
+//! KiB pages, sparse where the host holds nothing), `NAME.resident` (one bit a page, LSB
 //! first: 1 = resident in host memory or swap) and `NAME.json` (what was captured).
+//!
+//! RAM-offset order is the order of QEMU's RAM block, as its memfd and its host mapping
+//! hold it. On pc and q35 machines it is not guest-physical order: QEMU maps the first
+//! part of the block from guest-physical 0 and the rest from 4 GiB, past the PCI hole
+//! ([`Qmp::ram_split`]).
 
 use std::fs::{File, OpenOptions};
-use std::io::Write;
+use std::io::{Seek, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -14,8 +19,12 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::launcher::{Guest, RamBackend, VmError};
+use crate::qmp::Qmp;
 
 const PAGE: u64 = 4096;
+
+/// Where QEMU maps the RAM above the PCI hole of a pc or q35 guest, guest-physical bytes.
+const ABOVE_4G: u64 = 1 << 32;
 
 /// What [`capture`] wrote.
 #[derive(Clone, Debug, Serialize)]
@@ -28,7 +37,7 @@ pub struct CaptureInfo {
     pub pages: u64,
     /// Pages resident on the host.
     pub resident_pages: u64,
-    /// The RAM file.
+    /// The RAM file, in RAM-offset order (the module's docs).
     pub ram: PathBuf,
     /// The residency bitmap.
     pub resident: PathBuf,
@@ -54,6 +63,21 @@ pub enum CaptureError {
         /// What was looked for.
         what: &'static str,
     },
+    /// QEMU's split of the RAM around the PCI hole does not add up to the guest's RAM.
+    #[error(
+        "guest {name}: QEMU maps {below} bytes of RAM from guest-physical 0 and {above} \
+         from 4 GiB, not the {mem_bytes} bytes of its RAM"
+    )]
+    RamSplit {
+        /// Guest.
+        name: String,
+        /// RAM mapped from guest-physical 0, bytes.
+        below: u64,
+        /// RAM mapped from guest-physical 4 GiB, bytes.
+        above: u64,
+        /// The guest's RAM, bytes.
+        mem_bytes: u64,
+    },
     /// I/O.
     #[error("{path}: {source}")]
     Io {
@@ -76,9 +100,11 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> CaptureError + '_ {
 ///
 /// memfd RAM is read from QEMU's memfd with pread (reading through a mapping would
 /// allocate holes), residency from SEEK_DATA/SEEK_HOLE. Anonymous RAM is dumped with QMP
-/// `pmemsave`, residency from `/proc/PID/pagemap`.
+/// `pmemsave`, one a part of QEMU's RAM split ([`Qmp::ram_split`]), so that both files
+/// are in RAM-offset order as with memfd RAM; residency from `/proc/PID/pagemap`.
 ///
-/// Errors: [`CaptureError::Vm`] (QMP), [`CaptureError::NoRam`], [`CaptureError::Io`].
+/// Errors: [`CaptureError::Vm`] (QMP), [`CaptureError::NoRam`],
+/// [`CaptureError::RamSplit`], [`CaptureError::Io`].
 pub fn capture(guest: &Guest, out: &Path, pause: bool) -> Result<CaptureInfo, CaptureError> {
     std::fs::create_dir_all(out).map_err(io(out))?;
     let ram_path = out.join(format!("{}.ram", guest.name));
@@ -90,25 +116,26 @@ pub fn capture(guest: &Guest, out: &Path, pause: bool) -> Result<CaptureInfo, Ca
         name: guest.name.clone(),
         source,
     };
+    // Asked before the pause, which it need not lengthen.
+    let ranges = match guest.ram {
+        RamBackend::Memfd => Vec::new(),
+        RamBackend::Anonymous | RamBackend::AnonymousNoThp => {
+            ram_ranges(&mut qmp, &guest.name, guest.mem_bytes)?
+        }
+    };
     if pause {
         qmp.execute("stop", None).map_err(qerr)?;
     }
     let paused_at = Instant::now();
     let result = match guest.ram {
-        RamBackend::Memfd => capture_memfd(guest, &ram_path, pages),
+        RamBackend::Memfd => capture_memfd(guest, &ram_path, pages).map(|b| (b, Vec::new())),
         // No early return here: the guest must be resumed below whatever happens.
         RamBackend::Anonymous | RamBackend::AnonymousNoThp => (|| {
             // Residency first: pmemsave reads every page through QEMU's mapping, which maps
             // untouched ones to the zero page and would make them look present.
             let bitmap = resident_from_pagemap(guest, pages)?;
-            let abs = std::path::absolute(&ram_path).map_err(io(&ram_path))?;
-            let file = abs.display().to_string();
-            qmp.execute(
-                "pmemsave",
-                Some(json!({ "val": 0, "size": guest.mem_bytes, "filename": file })),
-            )
-            .map_err(qerr)?;
-            Ok(bitmap)
+            let parts = pmemsave_ranges(&mut qmp, &guest.name, &ranges, &ram_path)?;
+            Ok((bitmap, parts))
         })(),
     };
     let paused_ms = if pause {
@@ -119,7 +146,9 @@ pub fn capture(guest: &Guest, out: &Path, pause: bool) -> Result<CaptureInfo, Ca
     if pause {
         qmp.execute("cont", None).map_err(qerr)?;
     }
-    let bitmap = result?;
+    let (bitmap, parts) = result?;
+    // Joined once the guest runs again: only files are left to copy.
+    join_parts(&ram_path, &parts)?;
     std::fs::write(&res_path, &bitmap).map_err(io(&res_path))?;
     let resident_pages = bitmap.iter().map(|b| b.count_ones() as u64).sum();
     let info = CaptureInfo {
@@ -141,6 +170,102 @@ pub fn capture(guest: &Guest, out: &Path, pause: bool) -> Result<CaptureInfo, Ca
     )
     .map_err(io(&meta))?;
     Ok(info)
+}
+
+/// The guest-physical ranges, (address, bytes), that hold a guest's `mem_bytes` of RAM in
+/// RAM-offset order: [0, below) and [4 GiB, 4 GiB + above) by QEMU's split, or the whole
+/// RAM from 0 on a machine that does not say (`Qmp::ram_split`). `name`: the guest, for
+/// errors.
+fn ram_ranges(qmp: &mut Qmp, name: &str, mem_bytes: u64) -> Result<Vec<(u64, u64)>, CaptureError> {
+    let split = qmp.ram_split().map_err(|source| VmError::Qmp {
+        name: name.to_string(),
+        source,
+    })?;
+    let Some((below, above)) = split else {
+        return Ok(vec![(0, mem_bytes)]);
+    };
+    if below.checked_add(above) != Some(mem_bytes) || below > ABOVE_4G {
+        return Err(CaptureError::RamSplit {
+            name: name.to_string(),
+            below,
+            above,
+            mem_bytes,
+        });
+    }
+    Ok([(0, below), (ABOVE_4G, above)]
+        .into_iter()
+        .filter(|&(_, size)| size > 0)
+        .collect())
+}
+
+/// Saves `ranges` (guest-physical (address, bytes)) with one QMP `pmemsave` each: the
+/// first into `ram_path`, each other into a part file beside it (a `pmemsave` truncates
+/// its file), returned in order for `join_parts`. On error the part files are removed.
+fn pmemsave_ranges(
+    qmp: &mut Qmp,
+    name: &str,
+    ranges: &[(u64, u64)],
+    ram_path: &Path,
+) -> Result<Vec<PathBuf>, CaptureError> {
+    let mut parts = Vec::new();
+    for (i, &(addr, size)) in ranges.iter().enumerate() {
+        let path = if i == 0 {
+            ram_path.to_path_buf()
+        } else {
+            let mut p = ram_path.as_os_str().to_owned();
+            p.push(format!(".part{i}"));
+            PathBuf::from(p)
+        };
+        let saved = std::path::absolute(&path)
+            .map_err(io(&path))
+            .and_then(|abs| {
+                let file = abs.display().to_string();
+                let args = json!({ "val": addr, "size": size, "filename": file });
+                qmp.execute("pmemsave", Some(args))
+                    .map_err(|source| VmError::Qmp {
+                        name: name.to_string(),
+                        source,
+                    })
+                    .map_err(CaptureError::from)
+            });
+        if i > 0 {
+            parts.push(path);
+        }
+        if let Err(e) = saved {
+            remove_parts(&parts);
+            return Err(e);
+        }
+    }
+    Ok(parts)
+}
+
+/// Appends `parts` to `ram_path` in order, and removes them (also on error).
+fn join_parts(ram_path: &Path, parts: &[PathBuf]) -> Result<(), CaptureError> {
+    let joined = (|| {
+        if parts.is_empty() {
+            return Ok(());
+        }
+        let mut dst = OpenOptions::new()
+            .write(true)
+            .open(ram_path)
+            .map_err(io(ram_path))?;
+        // Not O_APPEND: copy_file_range, which std::io::copy uses, refuses it.
+        dst.seek(std::io::SeekFrom::End(0)).map_err(io(ram_path))?;
+        for part in parts {
+            let mut src = File::open(part).map_err(io(part))?;
+            std::io::copy(&mut src, &mut dst).map_err(io(ram_path))?;
+        }
+        Ok(())
+    })();
+    remove_parts(parts);
+    joined
+}
+
+/// Removes part files, best effort: they are only leftovers by then.
+fn remove_parts(parts: &[PathBuf]) {
+    for p in parts {
+        let _ = std::fs::remove_file(p);
+    }
 }
 
 /// Finds QEMU's guest-RAM memfd (the one of exactly the RAM's size) and opens it; with
@@ -284,3 +409,6 @@ fn zero_page_pfn() -> Option<u64> {
         (e & (1 << 63) != 0 && e & PFN_MASK != 0).then_some(e & PFN_MASK)
     }
 }
+
+#[cfg(test)]
+mod tests;
