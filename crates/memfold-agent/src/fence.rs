@@ -173,7 +173,9 @@ const IOCB_READS: [u16; 2] = [0, 7];
 /// Whether any of the `nr` iocbs at `ios` reads into memory.
 ///
 /// # Safety
-/// `ios` points to `nr` pointers, each null or to an iocb (the caller's call reads them).
+/// `ios` points to `nr` pointers, each null or to an iocb. libaio's contract: the kernel
+/// reads them too, but would stop at its context's size or the first bad pointer with
+/// `EFAULT`, where a caller breaking the contract faults here (QEMU's calls keep it).
 unsafe fn reads_into_memory(nr: libc::c_long, ios: *const *const Iocb) -> bool {
     if ios.is_null() || nr <= 0 {
         return false;

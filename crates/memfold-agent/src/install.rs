@@ -123,8 +123,12 @@ fn run_job(job: &Job) -> i32 {
 
 impl Agent {
     /// Maps pool bytes `[pool_off, pool_off+len)` write-protected over guest address `dst`.
-    /// On error nothing has changed at `dst`. Faults read meanwhile are kept in
-    /// `deferred`.
+    /// On error nothing has changed at `dst`, but for one case the kernel leaves: an
+    /// `ENOMEM` inside the move (its `vm.max_map_count` check or an allocation), which
+    /// comes after `mremap` unmapped `dst`; the VMA budget's 4 096 mappings of headroom
+    /// (`vmas.rs`) keep the first away, and the guest would then fault on an unmapped
+    /// range (QEMU killed by SIGSEGV), never read another's bytes. Faults read meanwhile
+    /// are kept in `deferred`.
     pub(crate) fn install(&mut self, dst: u64, pool_off: u64, len: u64) -> io::Result<()> {
         let pool = self.pool()?.as_raw_fd();
         // SAFETY: a new mapping at an address the kernel picks.
