@@ -24,7 +24,6 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -35,6 +34,7 @@ use memfold_core::categories::{CategoryRun, LayoutError, PageInfo, RamLayout, FO
 use memfold_core::engine::free_discard::WatchRound;
 use memfold_core::ids::VmId;
 use memfold_core::Engine;
+use memfold_sys::deadline::DeadlineReader;
 use memfold_wire::guest::{
     decode_from_guest, encode_to_guest, FromGuest, GuestMeminfo, GuestWireError, LineReader,
     ToGuest, GUEST_PROTOCOL_VERSION, MAX_CHUNKS,
@@ -573,7 +573,14 @@ fn channel_thread(
             nap(interval);
             continue;
         };
-        let timed = Timed::new(stream, stop);
+        // A report must come whole by its deadline, however its bytes trickle in; a
+        // reader told to stop stops within a second.
+        let timed = DeadlineReader::new(
+            stream,
+            Instant::now() + REPORT_TIMEOUT,
+            Some(Arc::clone(stop)),
+            Duration::from_secs(1),
+        );
         let mut lines = LineReader::new(BufReader::with_capacity(1 << 16, timed));
         while !stop.load(Ordering::Relaxed) {
             if qemu.is_none() && asked_layout.is_none_or(|t| t.elapsed() >= LAYOUT_RETRY) {
@@ -611,52 +618,6 @@ fn channel_thread(
             nap(interval);
         }
         nap(interval);
-    }
-}
-
-/// The guest's end of its channel, read against a deadline: a report must come whole
-/// by `until`, however its bytes trickle in (a read timeout alone restarts with every
-/// byte: a guest sending one every few seconds held its channel thread, and the runs read
-/// so far, for good), and a reader told to stop stops within a second.
-struct Timed<'a> {
-    stream: UnixStream,
-    /// When the answer being read must be in.
-    until: Instant,
-    stop: &'a AtomicBool,
-}
-
-impl<'a> Timed<'a> {
-    fn new(stream: UnixStream, stop: &'a AtomicBool) -> Self {
-        Timed {
-            stream,
-            until: Instant::now() + REPORT_TIMEOUT,
-            stop,
-        }
-    }
-}
-
-impl std::io::Read for Timed<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        use std::io::ErrorKind;
-        loop {
-            let left = self.until.saturating_duration_since(Instant::now());
-            if left.is_zero() || self.stop.load(Ordering::Relaxed) {
-                return Err(std::io::Error::new(
-                    ErrorKind::TimedOut,
-                    "no whole answer in time",
-                ));
-            }
-            self.stream
-                .set_read_timeout(Some(left.min(Duration::from_secs(1))))?;
-            match self.stream.read(buf) {
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
-                    ) => {}
-                r => return r,
-            }
-        }
     }
 }
 

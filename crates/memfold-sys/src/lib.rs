@@ -19,6 +19,7 @@
 
 #![deny(missing_docs)]
 
+pub mod deadline;
 pub mod fence;
 pub mod ksm;
 pub mod max_map_count;

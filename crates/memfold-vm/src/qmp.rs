@@ -3,10 +3,11 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use memfold_sys::deadline::DeadlineReader;
 use serde_json::{json, Value};
 
 /// QMP failures.
@@ -103,7 +104,7 @@ const QUOTED_CHARS: usize = 200;
 /// QMP) the session refuses further commands ([`QmpError::Unusable`]), so no command
 /// ever gets an earlier one's late answer.
 pub struct Qmp {
-    reader: BufReader<Deadlined>,
+    reader: BufReader<DeadlineReader>,
     writer: UnixStream,
     /// The socket's path, for errors.
     path: String,
@@ -204,11 +205,12 @@ impl Qmp {
         stop: Option<Arc<AtomicBool>>,
     ) -> Result<Self, QmpError> {
         let mut q = Qmp {
-            reader: BufReader::new(Deadlined {
-                stream: stream.try_clone()?,
+            reader: BufReader::new(DeadlineReader::new(
+                stream.try_clone()?,
                 until,
                 stop,
-            }),
+                STOP_LOOK,
+            )),
             writer: stream,
             path: path.display().to_string(),
             limit,
@@ -501,55 +503,6 @@ fn quoted(text: &str) -> String {
     let cut: String = text.chars().take(QUOTED_CHARS).collect();
     let more = if cut.len() < text.len() { "..." } else { "" };
     format!("{cut:?}{more}")
-}
-
-/// The socket's reading end, every read against a deadline: a whole message must come
-/// by `until`, however its bytes trickle in (a read timeout alone restarts at every byte:
-/// a QEMU sending one every 1.9 s held its reader, its thread and its descriptors for
-/// good), and a reader whose `stop` is set gives up within `STOP_LOOK`.
-struct Deadlined {
-    stream: UnixStream,
-    /// When the message being read must be in.
-    until: Instant,
-    stop: Option<Arc<AtomicBool>>,
-}
-
-impl Deadlined {
-    fn stopped(&self) -> bool {
-        self.stop
-            .as_ref()
-            .is_some_and(|s| s.load(Ordering::Relaxed))
-    }
-}
-
-impl Read for Deadlined {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        use std::io::ErrorKind;
-        loop {
-            let left = self.until.saturating_duration_since(Instant::now());
-            if left.is_zero() || self.stopped() {
-                // Not `Interrupted`: `read_line` would call again.
-                return Err(std::io::Error::new(
-                    ErrorKind::TimedOut,
-                    "QMP deadline passed, or told to stop",
-                ));
-            }
-            let wait = if self.stop.is_some() {
-                left.min(STOP_LOOK)
-            } else {
-                left
-            };
-            self.stream.set_read_timeout(Some(wait))?;
-            match self.stream.read(buf) {
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
-                    ) => {}
-                r => return r,
-            }
-        }
-    }
 }
 
 #[cfg(test)]

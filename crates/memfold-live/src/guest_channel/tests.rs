@@ -2,13 +2,14 @@
 
 use super::*;
 use memfold_core::categories::Category;
+use std::os::unix::net::UnixStream;
 
 /// A guest that trickles its answer a byte at a time gets no more than the deadline:
 /// the read fails once it passes. Seen reading on past it with only a read timeout.
 #[test]
 fn an_answer_that_trickles_in_ends_at_its_deadline() {
     let (mine, mut theirs) = UnixStream::pair().unwrap();
-    let stop: &'static AtomicBool = Box::leak(Box::new(AtomicBool::new(false)));
+    let stop = Arc::new(AtomicBool::new(false));
     std::thread::spawn(move || {
         while theirs.write_all(b"{").is_ok() {
             std::thread::sleep(Duration::from_millis(50));
@@ -16,8 +17,12 @@ fn an_answer_that_trickles_in_ends_at_its_deadline() {
     });
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
-        let mut timed = Timed::new(mine, stop);
-        timed.until = Instant::now() + Duration::from_millis(400);
+        let timed = DeadlineReader::new(
+            mine,
+            Instant::now() + Duration::from_millis(400),
+            Some(stop),
+            Duration::from_secs(1),
+        );
         let mut lines = LineReader::new(BufReader::new(timed));
         let _ = tx.send(lines.line().map(|l| l.len()).map_err(|e| e.to_string()));
     });

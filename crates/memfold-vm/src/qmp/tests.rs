@@ -2,6 +2,7 @@
 
 use super::*;
 use std::os::unix::net::UnixListener;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 
 /// Writes `reply` (a JSON object) to `s` as the answer to `command`: its `id` echoed.
