@@ -11,16 +11,14 @@
 //!
 //! One test only: the agent, run in this process, takes every QEMU-named memfd of it.
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::time::Duration;
 
 mod common;
 
-use common::{next, page_of};
-use memfold_agent::{AgentConfig, FailMode};
+use common::{accept_hello, filled_region, mappings, next, page_of, start_agent_budget, welcome};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
-use memfold_wire::{BatchId, FrameId, Gfn, Listener, ToAgent, ToDaemon, PROTOCOL_VERSION};
+use memfold_wire::{BatchId, FrameId, Gfn, ToAgent, ToDaemon};
 use rustix::fs::FallocateFlags;
 
 /// Pages of the region, and frames of the pool.
@@ -38,67 +36,16 @@ fn page(g: usize) -> Vec<u8> {
     (0..PAGE_SIZE).map(|i| pattern(g, i)).collect()
 }
 
-/// The process's mappings now.
-fn mappings() -> usize {
-    std::fs::read_to_string("/proc/self/maps")
-        .unwrap()
-        .lines()
-        .count()
-}
-
-/// A shared mapping of a new memfd named `name`, filled with [`pattern`].
-fn filled(name: &str) -> (OwnedFd, *mut u8) {
-    let fd = memfd::create(name).unwrap();
-    memfd::set_len(fd.as_fd(), (PAGES * PAGE_SIZE) as u64).unwrap();
-    for g in 0..PAGES {
-        memfd::pwrite_all(fd.as_fd(), &page(g), (g * PAGE_SIZE) as u64).unwrap();
-    }
-    // SAFETY: a new shared mapping of a memfd this test owns, at an address the kernel
-    // picks; never unmapped; touched only through raw pointers.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            PAGES * PAGE_SIZE,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(p, libc::MAP_FAILED);
-    (fd, p as *mut u8)
-}
-
 #[test]
 fn a_discard_over_shared_pages_stays_within_the_vma_budget() {
-    let (pool, _) = filled("fake-pool");
-    let (ram, ptr) = filled("memory-backend-memfd");
+    let (pool, _) = filled_region("fake-pool", PAGES, page);
+    let (ram, ptr) = filled_region("memory-backend-memfd", PAGES, page);
     let store = memfd::create("fake-store").unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("memfoldd.sock");
-    let listener = Listener::bind(&socket).unwrap();
     let budget = mappings() + 100 + ROOM;
-    let cfg = AgentConfig {
-        socket: socket.clone(),
-        name: "g".into(),
-        ram_bytes: 0,
-        vma_budget: Some(budget),
-        on_failure: FailMode::Abort,
-        clock_rbits: memfold_agent::ClockRBits::Userfault,
-    };
-    std::thread::spawn(move || memfold_agent::run(cfg));
-    let c = listener.accept().unwrap();
-    c.set_recv_timeout(Duration::from_millis(200)).unwrap();
-    next(&c, |m| {
-        matches!(m, ToDaemon::AgentHello { .. }).then_some(())
-    });
-    c.send(
-        &ToAgent::Welcome {
-            version: PROTOCOL_VERSION,
-        },
-        &[pool.as_fd(), store.as_fd()],
-    )
-    .unwrap();
+    let listener = start_agent_budget(&dir.path().join("memfoldd.sock"), budget);
+    let c = accept_hello(&listener);
+    welcome(&c, &pool, &store);
 
     // Every page onto its frame (g onto g: one long run), asked again while a request
     // shares any (each shares what the room allows).

@@ -17,10 +17,10 @@ mod common;
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use common::{next, page_of, region, share, start_agent, text, write};
+use common::{accept_hello, page_of, region, share, start_agent, text, welcome, write};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
-use memfold_wire::{BatchId, FrameId, Gfn, ToAgent, ToDaemon, PROTOCOL_VERSION};
+use memfold_wire::{BatchId, FrameId, Gfn, ToDaemon};
 
 const PAGES: usize = 4;
 
@@ -41,26 +41,15 @@ fn a_welcome_with_another_pool_than_the_shared_pages_one_is_not_taken() {
     let ours = pool_with(&text(0));
     let other = pool_with(&[0xEE; PAGE_SIZE]);
     let store = memfd::create("fake-store").unwrap();
-    let hello = |c: &memfold_wire::Conn| {
-        c.set_recv_timeout(Duration::from_millis(200)).unwrap();
-        next(c, |m| {
-            matches!(m, ToDaemon::AgentHello { .. }).then_some(())
-        });
-    };
-    let welcome = ToAgent::Welcome {
-        version: PROTOCOL_VERSION,
-    };
-    let c = listener.accept().unwrap();
-    hello(&c);
-    c.send(&welcome, &[ours.as_fd(), store.as_fd()]).unwrap();
+    let c = accept_hello(&listener);
+    welcome(&c, &ours, &store);
     let (shared, _, _) = share(&c, BatchId(1), vec![(Gfn(0), FrameId(0))]);
     assert_eq!(shared, [Gfn(0)]);
 
     // memfoldd goes; the one that answers the re-attach hands another pool.
     drop(c);
-    let c = listener.accept().unwrap();
-    hello(&c);
-    c.send(&welcome, &[other.as_fd(), store.as_fd()]).unwrap();
+    let c = accept_hello(&listener);
+    welcome(&c, &other, &store);
     std::thread::sleep(Duration::from_millis(300));
 
     write(ptr, 0, b"the guest's own");

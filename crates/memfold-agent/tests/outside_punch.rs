@@ -19,10 +19,9 @@ mod common;
 use std::os::fd::AsFd;
 use std::time::Duration;
 
-use common::{clock_scan, next, page_of, region, start_agent, text, write};
+use common::{accept_hello, clock_scan, page_of, region, start_agent, text, welcome, write};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
-use memfold_wire::{ToAgent, ToDaemon, PROTOCOL_VERSION};
 use rustix::fs::FallocateFlags;
 
 const PAGES: usize = 8;
@@ -39,25 +38,14 @@ fn a_page_punched_between_its_minor_fault_and_its_answer_reads_zeros() {
     let pool = memfd::create("fake-pool").unwrap();
     memfd::set_len(pool.as_fd(), PAGE_SIZE as u64).unwrap();
     let store = memfd::create("fake-store").unwrap();
-    let welcome = ToAgent::Welcome {
-        version: PROTOCOL_VERSION,
-    };
-    let hello = |c: &memfold_wire::Conn| {
-        c.set_recv_timeout(Duration::from_millis(200)).unwrap();
-        next(c, |m| {
-            matches!(m, ToDaemon::AgentHello { .. }).then_some(())
-        });
-    };
-    let c = listener.accept().unwrap();
-    hello(&c);
-    c.send(&welcome, &[pool.as_fd(), store.as_fd()]).unwrap();
+    let c = accept_hello(&listener);
+    welcome(&c, &pool, &store);
     // Arm the page: its next access is a minor fault.
     clock_scan(&c, 1, PAGES as u32, 1 << PUNCHED, 0);
 
     // memfoldd goes; the agent re-attaches a second later, and its welcome is held.
     drop(c);
-    let c = listener.accept().unwrap();
-    hello(&c);
+    let c = accept_hello(&listener);
     let at = ptr as usize;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -71,7 +59,7 @@ fn a_page_punched_between_its_minor_fault_and_its_answer_reads_zeros() {
         PAGE_SIZE as u64,
     )
     .unwrap();
-    c.send(&welcome, &[pool.as_fd(), store.as_fd()]).unwrap();
+    welcome(&c, &pool, &store);
 
     let got = rx
         .recv_timeout(Duration::from_secs(5))

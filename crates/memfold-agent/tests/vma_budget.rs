@@ -14,16 +14,14 @@
 //! breaking whole runs, every page reading what the guest wrote. One test only: the agent
 //! takes every such memfd of the process.
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 mod common;
 
-use common::next;
-use memfold_agent::{AgentConfig, FailMode};
+use common::{filled_region, mappings, next, start_agent_budget, welcome};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
-use memfold_wire::{BatchId, FrameId, Gfn, Listener, ToAgent, ToDaemon, PROTOCOL_VERSION};
+use memfold_wire::{BatchId, FrameId, Gfn, ToAgent, ToDaemon};
 
 /// Pages of each region, and frames of the pool.
 const PAGES: usize = 1000;
@@ -37,61 +35,21 @@ fn pattern(g: usize, i: usize) -> u8 {
     ((g * 131 + i * 7 + (i >> 8) * g) % 251) as u8 + 1
 }
 
-/// The process's mappings now.
-fn mappings() -> usize {
-    std::fs::read_to_string("/proc/self/maps")
-        .unwrap()
-        .lines()
-        .count()
-}
-
-/// A shared mapping of a new memfd named `name`, filled with [`pattern`].
-fn filled(name: &str) -> (OwnedFd, *mut u8) {
-    let fd = memfd::create(name).unwrap();
-    memfd::set_len(fd.as_fd(), (PAGES * PAGE_SIZE) as u64).unwrap();
-    // SAFETY: a new shared mapping of a memfd this test owns, at an address the kernel
-    // picks; never unmapped; touched only through raw pointers.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            PAGES * PAGE_SIZE,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(p, libc::MAP_FAILED);
-    let p = p as *mut u8;
-    for g in 0..PAGES {
-        for i in 0..PAGE_SIZE {
-            // SAFETY: inside the mapping made above.
-            unsafe { *p.add(g * PAGE_SIZE + i) = pattern(g, i) };
-        }
-    }
-    (fd, p)
+/// Page `g` as both regions and the pool hold it.
+fn page(g: usize) -> Vec<u8> {
+    (0..PAGE_SIZE).map(|i| pattern(g, i)).collect()
 }
 
 #[test]
 fn cow_breaks_in_two_regions_stay_within_one_process_budget() {
     // The pool: frame g holds page g of either region.
-    let (pool, _) = filled("fake-pool");
-    let (_fd_a, ptr_a) = filled("memory-backend-memfd");
-    let (_fd_b, ptr_b) = filled("memory-backend-memfd");
+    let (pool, _) = filled_region("fake-pool", PAGES, page);
+    let (_fd_a, ptr_a) = filled_region("memory-backend-memfd", PAGES, page);
+    let (_fd_b, ptr_b) = filled_region("memory-backend-memfd", PAGES, page);
     let store = memfd::create("fake-store").unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("memfoldd.sock");
-    let listener = Listener::bind(&socket).unwrap();
     let budget = mappings() + 100 + ROOM;
-    let cfg = AgentConfig {
-        socket: socket.clone(),
-        name: "g".into(),
-        ram_bytes: 0,
-        vma_budget: Some(budget),
-        on_failure: FailMode::Abort,
-        clock_rbits: memfold_agent::ClockRBits::Userfault,
-    };
-    std::thread::spawn(move || memfold_agent::run(cfg));
+    let listener = start_agent_budget(&dir.path().join("memfoldd.sock"), budget);
 
     let mut conns = Vec::new();
     for _ in 0..2 {
@@ -108,13 +66,7 @@ fn cow_breaks_in_two_regions_stay_within_one_process_budget() {
             panic!("{hello:?}")
         };
         assert_eq!(ram_bytes, (PAGES * PAGE_SIZE) as u64);
-        c.send(
-            &ToAgent::Welcome {
-                version: PROTOCOL_VERSION,
-            },
-            &[pool.as_fd(), store.as_fd()],
-        )
-        .unwrap();
+        welcome(&c, &pool, &store);
         conns.push(c);
     }
 

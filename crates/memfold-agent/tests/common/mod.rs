@@ -35,6 +35,80 @@ pub fn region(pages: usize) -> (OwnedFd, *mut u8) {
     (fd, p as *mut u8)
 }
 
+/// The shared mapping of a new memfd named `name` of `pages` pages, page g holding
+/// `bytes(g)` (written through the file, before any agent registers the mapping).
+pub fn filled_region(
+    name: &str,
+    pages: usize,
+    bytes: impl Fn(usize) -> Vec<u8>,
+) -> (OwnedFd, *mut u8) {
+    let fd = memfd::create(name).unwrap();
+    memfd::set_len(fd.as_fd(), (pages * PAGE_SIZE) as u64).unwrap();
+    for g in 0..pages {
+        memfd::pwrite_all(fd.as_fd(), &bytes(g), (g * PAGE_SIZE) as u64).unwrap();
+    }
+    // SAFETY: a new shared mapping of a memfd this test owns, at an address the kernel
+    // picks; never unmapped; touched only through raw pointers.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            pages * PAGE_SIZE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    (fd, p as *mut u8)
+}
+
+/// The process's mappings now.
+pub fn mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .count()
+}
+
+/// Listens as memfoldd at `socket` and starts the agent in this process under a VMA
+/// budget of `budget` mappings (`MEMFOLD_VMA_BUDGET`).
+pub fn start_agent_budget(socket: &Path, budget: usize) -> Listener {
+    let listener = Listener::bind(socket).unwrap();
+    let cfg = AgentConfig {
+        socket: socket.to_path_buf(),
+        name: "g".into(),
+        ram_bytes: 0,
+        vma_budget: Some(budget),
+        on_failure: FailMode::Abort,
+        clock_rbits: ClockRBits::Userfault,
+    };
+    std::thread::spawn(move || memfold_agent::run(cfg));
+    listener
+}
+
+/// The next agent connection on `listener`, its hello read (the welcome is the
+/// caller's: [`welcome`]).
+pub fn accept_hello(listener: &Listener) -> Conn {
+    let c = listener.accept().unwrap();
+    c.set_recv_timeout(Duration::from_millis(200)).unwrap();
+    next(&c, |m| {
+        matches!(m, ToDaemon::AgentHello { .. }).then_some(())
+    });
+    c
+}
+
+/// Welcomes the agent on `c` with `pool` and `store`.
+pub fn welcome(c: &Conn, pool: &OwnedFd, store: &OwnedFd) {
+    c.send(
+        &ToAgent::Welcome {
+            version: PROTOCOL_VERSION,
+        },
+        &[pool.as_fd(), store.as_fd()],
+    )
+    .unwrap();
+}
+
 /// Guest RAM at `ptr`, page `g`, as the guest sees it (a fault served by the agent if
 /// need be).
 pub fn page_of(ptr: *mut u8, g: usize) -> Vec<u8> {
@@ -132,18 +206,8 @@ pub fn agent_with_pool_rbits(
         memfd::pwrite_all(pool.as_fd(), f, (i * PAGE_SIZE) as u64).unwrap();
     }
     let store = memfd::create("fake-store").unwrap();
-    let c = listener.accept().unwrap();
-    c.set_recv_timeout(Duration::from_millis(200)).unwrap();
-    next(&c, |m| {
-        matches!(m, ToDaemon::AgentHello { .. }).then_some(())
-    });
-    c.send(
-        &ToAgent::Welcome {
-            version: PROTOCOL_VERSION,
-        },
-        &[pool.as_fd(), store.as_fd()],
-    )
-    .unwrap();
+    let c = accept_hello(&listener);
+    welcome(&c, &pool, &store);
     (c, pool, store)
 }
 
