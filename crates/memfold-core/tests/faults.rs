@@ -92,3 +92,55 @@ fn a_failed_swap_write_back_refuses_its_swap_outs_and_loses_nothing() {
         );
     }
 }
+
+/// A backing that refuses writes for a while (the store memfd out of memory; a swap
+/// file on a full disk, which a QEMU can fill in `--swap-dir`) fails the blob, not the
+/// page: the pages tried meanwhile are compressed once it writes again. Marking them as
+/// pages neither patch nor compression fits (`de_failed`, cleared only by the guest's
+/// write) left every cold page uncompressed for good.
+#[test]
+fn pages_tried_while_the_store_refused_writes_are_compressed_once_it_writes() {
+    let cfg = EngineConfig {
+        policy: Policy::difference_engine(),
+        rate: 0,
+        clock_interval_us: Some(100_000),
+        min_scan_interval_us: 10_000,
+        max_scan_interval_us: 10_000,
+        ..EngineConfig::default()
+    };
+    let mut r = Rig::new(cfg, PAGES).unwrap();
+    // Text: every page compresses, no two alike.
+    let mut model = Vec::new();
+    for g in 0..PAGES {
+        let line = format!("page {g} of the refused-write test, a line of its own; ");
+        let p: Vec<u8> = line.bytes().cycle().take(PAGE_SIZE).collect();
+        r.agent.write(Gfn(g), 0, &p).unwrap();
+        model.push(p);
+    }
+    r.agent.shared.store.file().fail_writes = true;
+    for _ in 0..300 {
+        r.step(10_000).unwrap();
+    }
+    assert!(
+        r.engine.books().blob_write_errors > 0,
+        "no write was refused"
+    );
+    assert_eq!(vm_books(&r, r.vm).compressed_pages, 0);
+    r.agent.shared.store.file().fail_writes = false;
+    for _ in 0..300 {
+        r.step(10_000).unwrap();
+    }
+    r.engine.check_invariants().unwrap();
+    let b = vm_books(&r, r.vm);
+    assert!(
+        b.compressed_pages + b.patched_pages > PAGES as u64 / 2,
+        "pages left uncompressed after the store recovered: {b:?}"
+    );
+    for g in 0..PAGES {
+        assert_eq!(
+            r.agent.read(Gfn(g)).unwrap()[..],
+            model[g as usize][..],
+            "gfn {g}"
+        );
+    }
+}

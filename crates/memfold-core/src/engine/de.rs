@@ -291,6 +291,9 @@ impl Engine {
         let beat = compressed
             .as_ref()
             .map_or(PAGE_SIZE, |b| slot_size(b.len()));
+        // The backings' refusals so far: one during this page's tries is theirs, not the
+        // page's (a full disk, a store out of memory).
+        let refusals = (self.books.blob_write_errors, self.budget.swap_full);
         if a.patch
             && !marked
             && seen
@@ -303,10 +306,15 @@ impl Engine {
             if compressed.is_some_and(|blob| self.store_compressed(id, g, page, &blob, home)) {
                 return;
             }
-            // Incompressible and unpatchable as it is: spare the CPU until it changes.
-            (self.vms.get_mut(&id).expect("sharable").hints).set_de_failed(g, true);
+            // Incompressible and unpatchable as it is: spare the CPU until it changes. Not
+            // when a backing refused its blob: the page is as worth storing as before,
+            // and marked it would stay uncompressed until the guest wrote it.
+            if (self.books.blob_write_errors, self.budget.swap_full) == refusals {
+                (self.vms.get_mut(&id).expect("sharable").hints).set_de_failed(g, true);
+            }
         }
-        if to_swap {
+        // A swap file found full just now (`swap_wanted` reset) takes no raw page either.
+        if to_swap && self.budget.swap_wanted > 0 {
             if let Some(slot) = self.put_blob(id, page, BlobHome::Swap) {
                 self.queue_stash(
                     id,
