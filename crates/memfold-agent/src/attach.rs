@@ -186,7 +186,8 @@ impl Agent {
             // changed under the agent, or a bad sector) is lost for good: retried, it
             // would postpone every attach — the guest unmanaged, its old store and the
             // adopted pool pinned — until the guest touched the page and failed closed
-            // then. Failing closed now keeps what can still be kept, as a fault would.
+            // then. Failing closed now keeps what can still be kept, as a fault would; so
+            // does a stashed page written outside QEMU's mapping (`unstash_all`).
             Err(e) if e.kind() == io::ErrorKind::InvalidData => {
                 self.fail_closed(&format!("restoring stashed pages before a re-attach: {e}"))
             }
@@ -331,11 +332,17 @@ impl Agent {
     /// guest thread faulting on one meanwhile finds the page present when its fault is
     /// handled.
     ///
-    /// Errors: a blob cannot be read or decoded, or the write failed; the pages not yet
-    /// written back stay stashed.
+    /// Errors: a blob cannot be read or decoded, the memfd was written at a stashed page
+    /// since (`InvalidData`, as a fault on it: `fault.rs`), or the write failed; the pages
+    /// not yet written back stay stashed.
     fn unstash_all(&mut self) -> io::Result<()> {
         let mut page = [0u8; PAGE_SIZE];
         for (g, s) in self.pages.stashed() {
+            // Its hole filled outside QEMU's mapping: the write-back would silently undo
+            // that write, and the write cannot be merged with the stored page.
+            if self.holds_data(g) {
+                return Err(crate::fault::bypass_written(g));
+            }
             self.decode_stashed(g, &s, &mut page)?;
             pwrite_all(self.memfd.as_fd(), &page, g.offset())?;
             self.pages.set(g, PageHome::Private);

@@ -365,7 +365,7 @@ impl Agent {
     }
 
     /// Whether the guest memfd holds data (not a hole) at page `gfn` now (`SEEK_DATA`).
-    fn holds_data(&self, gfn: Gfn) -> bool {
+    pub(crate) fn holds_data(&self, gfn: Gfn) -> bool {
         next_data_run(self.memfd.as_fd(), gfn, plus(gfn, 1)).is_some()
     }
 
@@ -486,8 +486,9 @@ fn check_sum(gfn: Gfn, sum: u64, page: &Page) -> io::Result<()> {
 }
 
 /// A stored page whose hole in the guest memfd was filled outside QEMU's mapping: an
-/// `InvalidData` error, so that a fault on it fails closed at once (a retry finds the same).
-fn bypass_written(gfn: Gfn) -> io::Error {
+/// `InvalidData` error, so that a fault on it, or its write-back before a re-attach,
+/// fails closed at once (a retry finds the same; a write-back would undo the write).
+pub(crate) fn bypass_written(gfn: Gfn) -> io::Error {
     io::Error::new(
         io::ErrorKind::InvalidData,
         format!(

@@ -243,8 +243,7 @@ impl Agent {
         }
         pages.sort_unstable();
         pages.dedup_by_key(|p| p.0);
-        // A frame past the pool's end would read as zeros, equal to a zero page, and its
-        // mapping be a SIGBUS at the guest's next access (QEMU killed).
+        // Past the pool's end a frame reads as zeros and maps as a SIGBUS.
         let pool_frames = memfold_sys::memfd::size(self.pool()?)? / PAGE;
         pages.retain(|&(g, f)| {
             // A frame past what the page table packs is past any pool memfoldd makes.
