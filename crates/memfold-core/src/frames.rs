@@ -334,6 +334,42 @@ impl FrameTable {
         out
     }
 
+    /// Verifies the table's own books, for tests: the free set is exactly the frames
+    /// below `next` that nothing holds (a frame missing from it is never handed out
+    /// again; a used one in it is handed out twice), `next` is within the pool, and no
+    /// frame counts more patches than references. Returns the first violation.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        if self.next > self.size {
+            return Err(format!(
+                "next frame {} past the pool's {}",
+                self.next, self.size
+            ));
+        }
+        if let Some(f) = self.free.iter().find(|&&f| f >= self.next) {
+            return Err(format!("free frame {f} at or past next {}", self.next));
+        }
+        for i in 0..self.size {
+            let f = FrameId(i);
+            let used = self.is_used(f);
+            if i < self.next && used == self.free.contains(&i) {
+                let why = if used {
+                    "used, and in the free set"
+                } else {
+                    "free, and not in the free set"
+                };
+                return Err(format!("{f}: {why}"));
+            }
+            if self.patch_refs[f.index()] > self.refcount[f.index()] {
+                return Err(format!(
+                    "{f}: {} patches of {} references",
+                    self.patch_refs[f.index()],
+                    self.refcount[f.index()]
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of memory these books take.
     pub fn metadata_bytes(&self) -> usize {
         self.refcount.capacity() * 4
@@ -465,6 +501,35 @@ mod tests {
             t.take_quiet(Quiet::Held, usize::MAX),
             vec![fs[0], fs[1], fs[2]]
         );
+    }
+
+    /// Past a grow's worth of frames the freed ones are handed out again, the one after
+    /// the last first, else the lowest; the free set stays exactly the frames nothing
+    /// holds (`FrameTable::check`). The engine's tests never allocate this many.
+    #[test]
+    fn freed_frames_are_handed_out_again_and_the_free_set_stays_exact() {
+        let mut t = FrameTable::new();
+        for h in 0..GROW_FRAMES {
+            let (f, _) = t.alloc(h as u64);
+            t.answer(f, true);
+        }
+        for f in (10..20).chain([500]).map(FrameId) {
+            assert!(t.decref(f, false));
+        }
+        t.check().unwrap();
+        let mut got = Vec::new();
+        for h in 0..11 {
+            let (f, grow) = t.alloc(h);
+            assert_eq!(grow, None);
+            t.check().unwrap();
+            got.push(f.0);
+        }
+        assert_eq!(got, (10..20).chain([500]).collect::<Vec<u32>>());
+        assert!(t.answer(FrameId(15), false), "freed again");
+        t.check().unwrap();
+        assert_eq!(t.alloc(0), (FrameId(15), None));
+        assert_eq!(t.alloc(0), (FrameId(GROW_FRAMES), Some(2 * GROW_FRAMES)));
+        t.check().unwrap();
     }
 
     #[test]

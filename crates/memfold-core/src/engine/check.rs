@@ -26,7 +26,12 @@ impl Engine {
     ///   and patches against a frame of its guest's domain;
     /// - every queued command's page is in the matching in-flight state, and so is every
     ///   page whose share a disk read asked for;
-    /// - each guest's "now" counters equal the pages in that state; slot bytes add up.
+    /// - each guest's "now" counters equal the pages in that state; slot bytes add up;
+    ///   its unmapped ages mark only pages shared without a mapping, as many as counted;
+    /// - each frame table's free set is exactly the frames below its next that nothing
+    ///   holds; each block index names frames in use, both ways alike; fills under way
+    ///   name pages in flight of attached guests, and waiting fills their pages
+    ///   (`Engine::check_fills`);
     /// - each guest's shared pages by sharing rank (its entitlement, Satori §4.2) are
     ///   what its pages and their frames' mappings say, and rank n holds n pages per
     ///   frame across guests.
@@ -58,6 +63,7 @@ impl Engine {
         {
             return Err(format!("kept hints or a block index of {d}, which is gone"));
         }
+        self.check_fills()?;
         let pages: u64 = self.vms.values().map(|v| v.pages() as u64).sum();
         if self.gpns.held_pages() != pages || self.by_base.len() != self.vms.len() {
             return Err(format!(
@@ -113,6 +119,11 @@ impl Engine {
                     v.state(*g)
                 ));
             }
+            v.unmapped_ages
+                .check(&v.clock, v.pages(), |g| {
+                    matches!(v.state(g), PageState::Unmapped(_))
+                })
+                .map_err(|e| format!("{id}: {e}"))?;
             let d = v.domain;
             slots.insert(*id, [0, 0]);
             let mut kept = [0u64; 4];
@@ -341,6 +352,7 @@ impl Engine {
             }
         }
         for (&d, dom) in &self.domains {
+            dom.frames.check().map_err(|e| format!("{d}: {e}"))?;
             let mut in_use = 0;
             for i in 0..dom.frames.size() {
                 let f = FrameId(i);

@@ -24,6 +24,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::{Command, Engine};
+use crate::frames::FrameTable;
 use crate::ids::{BaseBlock, DomainId, FillId, FrameId, Gfn, VmId};
 use crate::p2m::PageState;
 use crate::{Page, PAGE_SIZE};
@@ -67,6 +68,43 @@ impl BlockIndex {
     /// Blocks indexed.
     pub(crate) fn len(&self) -> usize {
         self.by_block.len()
+    }
+
+    /// Verifies the index against its domain's `frames`, for tests: each block names a
+    /// frame in use (a fill maps it with only a nonce check: a freed, reused frame would
+    /// give the guest other bytes) and listed under it, and each frame's blocks map back
+    /// to it, once. Returns the first violation.
+    pub(crate) fn check(&self, frames: &FrameTable) -> Result<(), String> {
+        if self.by_block.len() > MAX_INDEXED {
+            return Err(format!("{} blocks indexed", self.by_block.len()));
+        }
+        for (b, &f) in &self.by_block {
+            if !frames.contains(f) || !frames.is_used(f) {
+                return Err(format!("{b:?} indexed at {f}, which nothing holds"));
+            }
+            if !self.by_frame.get(&f).is_some_and(|bs| bs.contains(b)) {
+                return Err(format!("{b:?} indexed at {f}, not listed under it"));
+            }
+        }
+        let mut listed = 0;
+        for (&f, bs) in &self.by_frame {
+            if bs.is_empty() {
+                return Err(format!("{f} listed with no block"));
+            }
+            if let Some(b) = bs.iter().find(|b| self.by_block.get(b) != Some(&f)) {
+                return Err(format!("{b:?} listed under {f}, indexed elsewhere"));
+            }
+            listed += bs.len();
+        }
+        // Every listed block maps back to its frame: more listed than indexed is a block
+        // listed twice.
+        if listed != self.by_block.len() {
+            return Err(format!(
+                "{listed} blocks listed by frame, {} indexed",
+                self.by_block.len()
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -334,6 +372,75 @@ impl Engine {
     /// Fills answered since the last call, for the mechanism to tell the devices.
     pub fn take_fill_answers(&mut self) -> Vec<FillAnswer> {
         std::mem::take(&mut self.fills.answers)
+    }
+
+    /// Verifies each domain's block index and the fills' books, for tests. A guest's
+    /// fills under way name pages in flight, none also a share at read; each waiting fill
+    /// still has its pages to hear from (or its device would wait for good); the pages
+    /// landed from base blocks are shares at read under way; the queues keep their
+    /// bounds. A guest removed with fills under way leaves them behind (`Engine::remove`
+    /// keeps them; guest ids are never reused, so no later guest's page is taken for
+    /// one): only a live guest's are checked. Returns the first violation.
+    pub(crate) fn check_fills(&self) -> Result<(), String> {
+        let fl = &self.fills;
+        for (d, i) in &fl.index {
+            let Some(dom) = self.domains.get(d) else {
+                return Err(format!("a block index of {d}, which is gone"));
+            };
+            i.check(&dom.frames)
+                .map_err(|e| format!("block index of {d}: {e}"))?;
+        }
+        if fl.waiting.len() > MAX_WAITING || fl.candidates.len() > MAX_WAITING {
+            return Err(format!(
+                "{} fills waiting, {} block candidates",
+                fl.waiting.len(),
+                fl.candidates.len()
+            ));
+        }
+        let mut naming: HashMap<(VmId, FillId), u32> = HashMap::new();
+        for (&(id, g), &fill) in &fl.filling {
+            *naming.entry((id, fill)).or_default() += 1;
+            let Some(v) = self.vms.get(&id) else {
+                continue;
+            };
+            // The mechanism answers every command sent, `Lost` at worst, before a detach;
+            // each answer ends its fill (`fill_answered`).
+            if !v.attached || g.0 >= v.pages() {
+                return Err(format!(
+                    "{id} {g}: a fill under way, guest detached or too small"
+                ));
+            }
+            if !matches!(v.state(g), PageState::Sharing(_)) || v.read_sharing.contains_key(&g) {
+                return Err(format!(
+                    "{id} {g}: a fill under way for a page in {:?}, a share at read {}",
+                    v.state(g),
+                    v.read_sharing.contains_key(&g)
+                ));
+            }
+        }
+        // At least, not exactly: a fill evicted past MAX_WAITING leaves its pages under
+        // way, and its device may ask again under the same id.
+        for (&(id, fill), w) in &fl.waiting {
+            let n = naming.get(&(id, fill)).copied().unwrap_or(0);
+            if w.left == 0 || n < w.left {
+                return Err(format!(
+                    "{id} {fill:?}: waits for {} pages, {n} under way",
+                    w.left
+                ));
+            }
+        }
+        for &(id, g) in fl.landed.keys() {
+            if !self
+                .vms
+                .get(&id)
+                .is_some_and(|v| v.read_sharing.contains_key(&g))
+            {
+                return Err(format!(
+                    "{id} {g}: landed from a base block, no share at read"
+                ));
+            }
+        }
+        Ok(())
     }
 }
 

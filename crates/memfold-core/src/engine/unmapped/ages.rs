@@ -91,6 +91,37 @@ impl UnmappedAges {
         self.marked -= 1;
         false
     }
+
+    /// Verifies the marks in `clock`'s nibbles, for tests: `marked` counts them (a sweep
+    /// is skipped when it is 0, so marks it missed would wrap), each is on a page
+    /// `unmapped` says is shared without a mapping (a mark left on another page would
+    /// date that page's next punch), and none is `AGE_LONG_EPOCHS` old (the sweeps
+    /// drop those). Returns the first violation.
+    pub(crate) fn check(
+        &self,
+        clock: &ClockHand,
+        pages: u32,
+        unmapped: impl Fn(Gfn) -> bool,
+    ) -> Result<(), String> {
+        let mut marks = 0;
+        for g in (0..pages).map(Gfn) {
+            let v = clock.nibble(g.0);
+            if v == 0 {
+                continue;
+            }
+            marks += 1;
+            if !unmapped(g) {
+                return Err(format!("{g}: an unmapped age on a page not unmapped"));
+            }
+            if self.age(v) >= AGE_LONG_EPOCHS {
+                return Err(format!("{g}: an unmapped age {} epochs old", self.age(v)));
+            }
+        }
+        if marks != self.marked {
+            return Err(format!("{marks} unmapped ages, {} counted", self.marked));
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
