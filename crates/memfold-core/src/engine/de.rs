@@ -733,10 +733,13 @@ impl Engine {
 }
 
 /// Pages `[first, first + count)` of a guest whose R the NRU clock may take from the
-/// guest's own report ([`crate::EngineConfig::clock_from_guest`]): page cache, anonymous
-/// and free pages, whose referenced and active bits the guest's LRU keeps (bit k of word
-/// k/64 for page `first + k`). Kernel, slab and unreported pages are not: nothing in
-/// the report says when the guest uses them.
+/// guest's own report ([`crate::EngineConfig::clock_from_guest`]): page cache and
+/// anonymous pages, whose referenced and active bits the guest's LRU keeps, and free
+/// pages in its buddy allocator, which no one uses (bit k of word k/64 for page
+/// `first + k`). Kernel, slab and unreported pages are not, nor "free" pages outside the
+/// buddy allocator (mapped by no process: the kernel's own, module text, network
+/// buffers, which no LRU bit follows): nothing in the report says when the guest uses
+/// them, and taken as cold, a page the guest only reads would be stored every pass.
 pub(crate) fn guest_lru_mask(
     map: &crate::categories::CategoryMap,
     first: u32,
@@ -745,8 +748,13 @@ pub(crate) fn guest_lru_mask(
     use crate::categories::Category;
     let mut m = vec![0u64; (count as usize).div_ceil(64)];
     for k in 0..count {
-        let c = map.category(Gfn(first + k));
-        if matches!(c, Category::Cache | Category::Anon | Category::Free) {
+        let g = Gfn(first + k);
+        let lru = match map.category(g) {
+            Category::Cache | Category::Anon => true,
+            Category::Free => map.buddy(g),
+            _ => false,
+        };
+        if lru {
             m[k as usize / 64] |= 1 << (k % 64);
         }
     }
