@@ -24,6 +24,8 @@ pub fn create(name: &str) -> io::Result<OwnedFd> {
 
 /// A new, unnamed file in folder `dir`, mode 0600 (`O_TMPFILE`): no other process can open
 /// it by name, and nothing is left behind when its last descriptor closes. A swap file.
+/// `O_EXCL`: it can never be given a name either (`linkat` refused), so a peer holding a
+/// descriptor (a QEMU, the guest's swap file) cannot leave it behind in the folder.
 ///
 /// Errors: the folder is missing or unwritable, or its file system lacks `O_TMPFILE`
 /// (then: pick a folder on ext4, xfs, btrfs or tmpfs).
@@ -31,7 +33,7 @@ pub fn tmpfile(dir: &std::path::Path) -> io::Result<OwnedFd> {
     use rustix::fs::{Mode, OFlags};
     rustix::fs::open(
         dir,
-        OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC,
+        OFlags::TMPFILE | OFlags::EXCL | OFlags::RDWR | OFlags::CLOEXEC,
         Mode::RUSR | Mode::WUSR,
     )
     .map_err(io::Error::from)
@@ -227,6 +229,25 @@ pub fn data_runs(fd: BorrowedFd<'_>, first: Gfn, end: Gfn) -> Vec<(Gfn, Gfn)> {
 mod tests {
     use super::*;
     use std::os::fd::AsFd;
+
+    /// A swap file cannot be given a name by whoever holds it: a QEMU with its guest's
+    /// swap file would otherwise `linkat` it into the folder, left there for good.
+    #[test]
+    fn a_tmpfile_cannot_be_linked_into_its_folder() {
+        use std::os::fd::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let f = tmpfile(dir.path()).unwrap();
+        let named = dir.path().join("kept");
+        let linked = rustix::fs::linkat(
+            rustix::fs::CWD,
+            format!("/proc/self/fd/{}", f.as_raw_fd()),
+            rustix::fs::CWD,
+            &named,
+            rustix::fs::AtFlags::SYMLINK_FOLLOW,
+        );
+        assert!(linked.is_err(), "the swap file was linked as {named:?}");
+        assert!(!named.exists());
+    }
 
     #[test]
     fn positional_io_holes_and_data_runs() {
