@@ -144,3 +144,49 @@ fn pages_tried_while_the_store_refused_writes_are_compressed_once_it_writes() {
         );
     }
 }
+
+/// A swap file whose write-back keeps failing is backed off from (1 s, doubling): each
+/// failed `fdatasync` can block memfoldd's one loop for as long as the disk takes, and
+/// every flush carrying swap-outs ran one. Cold pages meanwhile go to the store.
+#[test]
+fn a_swap_file_that_keeps_failing_its_write_back_is_backed_off_from() {
+    let cfg = EngineConfig {
+        policy: Policy::aggressive(),
+        rate: 0,
+        clock_interval_us: Some(100_000),
+        min_scan_interval_us: 10_000,
+        max_scan_interval_us: 10_000,
+        host_budget: Some(1),
+        ..EngineConfig::default()
+    };
+    let mut r = Rig::with_swap(cfg, PAGES, 1 << 20).unwrap();
+    let mut model = Vec::new();
+    for g in 0..PAGES {
+        let line = format!("page {g} of the failing write-back test, its own line; ");
+        let p: Vec<u8> = line.bytes().cycle().take(PAGE_SIZE).collect();
+        r.agent.write(Gfn(g), 0, &p).unwrap();
+        model.push(p);
+    }
+    r.agent.shared.swap.file().fail_sync = true;
+    // 6 s: with a back-off of 1, 2 and 4 s, at most 4 write-backs are tried.
+    for _ in 0..600 {
+        r.step(10_000).unwrap();
+    }
+    let s = r.engine.books().swap;
+    assert!(
+        (1..=4).contains(&s.sync_errors),
+        "failed write-backs in 6 s: {s:?}"
+    );
+    r.engine.check_invariants().unwrap();
+    assert!(
+        vm_books(&r, r.vm).compressed_pages > 0,
+        "nothing stored meanwhile"
+    );
+    for g in 0..PAGES {
+        assert_eq!(
+            r.agent.read(Gfn(g)).unwrap()[..],
+            model[g as usize][..],
+            "gfn {g}"
+        );
+    }
+}

@@ -350,7 +350,17 @@ pub(crate) struct BudgetState {
     /// Swap-outs refused because the swap file was full.
     pub(crate) swap_full: u64,
     checked_us: u64,
+    /// After a swap file write or write-back failed: no swap-outs before this, µs.
+    swap_failed_until_us: u64,
+    /// The last back-off, µs (0: none since a quiet one as long).
+    swap_backoff_us: u64,
 }
+
+/// The first back-off from a swap file that failed a write or a write-back, µs; doubled
+/// at each failure up to [`SWAP_BACKOFF_MAX_US`].
+const SWAP_BACKOFF_MIN_US: u64 = 1_000_000;
+/// The longest back-off from a failing swap file, µs.
+const SWAP_BACKOFF_MAX_US: u64 = 64_000_000;
 
 impl BudgetState {
     pub(crate) fn new(now_us: u64) -> Self {
@@ -359,7 +369,19 @@ impl BudgetState {
             swap_wanted: 0,
             swap_full: 0,
             checked_us: now_us,
+            swap_failed_until_us: 0,
+            swap_backoff_us: 0,
         }
+    }
+
+    /// A swap file write or write-back failed at `now_us`: no swap-outs for a back-off of
+    /// 1 s, doubling at each failure up to 64 s (a failing `fdatasync` may block
+    /// memfoldd's loop as long as the disk takes; cold pages go to the store meanwhile).
+    pub(crate) fn swap_failed(&mut self, now_us: u64) {
+        self.swap_backoff_us =
+            (self.swap_backoff_us * 2).clamp(SWAP_BACKOFF_MIN_US, SWAP_BACKOFF_MAX_US);
+        self.swap_failed_until_us = now_us + self.swap_backoff_us;
+        self.swap_wanted = 0;
     }
 }
 
@@ -487,6 +509,13 @@ impl Engine {
             .sum();
         let low_water = budget / 100 * 98;
         self.budget.swap_wanted = used.saturating_sub(low_water).saturating_sub(in_flight);
+        let b = &mut self.budget;
+        if now < b.swap_failed_until_us {
+            b.swap_wanted = 0;
+        } else if now >= b.swap_failed_until_us + b.swap_backoff_us {
+            // A quiet spell as long as the last back-off: the next starts afresh.
+            b.swap_backoff_us = 0;
+        }
     }
 
     /// The books now.

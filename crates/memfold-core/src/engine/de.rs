@@ -555,6 +555,10 @@ impl Engine {
             }
             Err(e) => {
                 self.books.blob_write_errors += 1;
+                if home == BlobHome::Swap {
+                    let now = self.now_us();
+                    self.budget.swap_failed(now);
+                }
                 if self.books.blob_write_errors.is_power_of_two() {
                     tracing::warn!(
                         "{id}: {e}; page left in guest RAM (error {})",

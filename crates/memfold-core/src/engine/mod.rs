@@ -614,6 +614,8 @@ impl Engine {
             return cmds;
         };
         self.books.swap_sync_errors += 1;
+        let now = self.now_us();
+        self.budget.swap_failed(now);
         tracing::warn!("{id}: swap file write-back: {e}; its swap-outs are refused");
         let (refused, sent): (Vec<Command>, Vec<Command>) = cmds.drain(..).partition(to_swap);
         // Refused, not NotSent: memfoldd itself refuses them, and a refusal's back-off is
