@@ -30,7 +30,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use memfold_core::categories::{CategoryRun, LayoutError, PageInfo, RamLayout, FOUR_GIB_PFN};
+use memfold_core::categories::{CategoryRun, LayoutError, PageInfo, RamLayout};
 use memfold_core::engine::free_discard::WatchRound;
 use memfold_core::ids::VmId;
 use memfold_core::Engine;
@@ -124,7 +124,9 @@ pub enum ReportError {
 /// Asks for report `seq` on `out` and reads it from `lines`, for a guest of `ram_pages`
 /// pages (its RAM memfd's size / 4096) whose RAM QEMU laid out as `qemu` (`None`: not
 /// known; the layout is then inferred from the guest's ranges, [`RamLayout::for_ranges`]).
-/// Lines of older requests (answers that came late) are skipped.
+/// Lines of any other request (answers that came late, or were under way to a channel
+/// before this one) are skipped, at most one whole answer's worth: only lines numbered
+/// `seq` make the report, so it was sampled after this request was sent.
 ///
 /// Errors: [`ReportError`]; after a [`ReportError::Wire`] the channel is not in step
 /// and should be dropped.
@@ -144,19 +146,18 @@ pub fn read_report<R: std::io::BufRead>(
     let proto = |what: String| ReportError::Protocol { seq, what };
     let mut report: Option<GuestReport> = None;
     let (mut chunks, mut frames, mut next_pfn) = (0u32, 0u64, 0u64);
-    // Stale lines skipped at most: one whole answer's worth.
+    // Stale lines skipped at most: one whole answer's worth. Of any other number: an
+    // answer under way to an earlier channel (memfoldd restarted, the guest
+    // re-attached) may carry any.
     let mut stale = 0u32;
     loop {
         let m = decode_from_guest(lines.line()?)?;
-        if m.seq() < seq {
+        if m.seq() != seq {
             stale += 1;
             if stale > MAX_CHUNKS + 3 {
-                return Err(proto("too many lines of older answers".into()));
+                return Err(proto("too many lines of other requests' answers".into()));
             }
             continue;
-        }
-        if m.seq() > seq {
-            return Err(proto(format!("a line of request {}", m.seq())));
         }
         match (m, report.as_mut()) {
             (FromGuest::Error { what, .. }, _) => return Err(ReportError::Guest(what)),
@@ -204,11 +205,10 @@ pub fn read_report<R: std::io::BufRead>(
                     let bad = |why| ReportError::BadRun { pfn, pages: n, why };
                     let end = pfn.checked_add(n).ok_or(bad("past the end of frames"))?;
                     let l = r.layout;
-                    let inside = n > 0
-                        && (end <= l.low || (pfn >= FOUR_GIB_PFN && end - FOUR_GIB_PFN <= l.high));
-                    if !inside {
+                    if !l.takes_run(pfn, end) {
                         return Err(bad("outside the guest's RAM"));
                     }
+                    // Frames past the RAM (a hot-plugged DIMM's, exact layout) dropped.
                     l.runs(pfn, n, info, &mut r.runs);
                     frames += n;
                     pfn = end;
@@ -510,6 +510,20 @@ struct ChannelGuest {
     ram_pages: u64,
 }
 
+/// A channel thread's first request number: random (below 2^53, exact in any JSON
+/// reader), so that an answer still under way to an earlier channel of the guest
+/// (memfoldd restarted, the guest re-attached) carries another number than this
+/// channel's requests and is skipped, never taken as the answer to one (free-page
+/// discard: a report must be sampled after its request).
+fn first_seq() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    // Seeded from the OS's randomness once per thread; the time tells threads apart too.
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    h.write_u128(now.map_or(0, |d| d.as_nanos()));
+    h.finish() >> 11
+}
+
 /// How often a channel without QEMU's layout asks for it again.
 const LAYOUT_RETRY: Duration = Duration::from_secs(60);
 
@@ -526,7 +540,7 @@ fn channel_thread(
     stop: &Arc<AtomicBool>,
     tx: &mpsc::Sender<Sent>,
 ) {
-    let mut seq = 0u64;
+    let mut seq = first_seq();
     let nap = |d: Duration| {
         let until = std::time::Instant::now() + d;
         while std::time::Instant::now() < until && !stop.load(Ordering::Relaxed) {

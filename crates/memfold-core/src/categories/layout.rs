@@ -119,10 +119,13 @@ impl RamLayout {
     }
 
     /// The layout for a guest's System RAM `ranges` (frames, `[start, end)`): `qemu`'s
-    /// if memfoldd has it, once the ranges are checked to lie inside it; else derived
-    /// from the ranges and the RAM's `pages` ([`RamLayout::from_ranges`]).
+    /// if memfoldd has it, once the ranges are checked to lie inside it or wholly past
+    /// its RAM at 4 GiB (a hot-plugged DIMM's: another RAM region, whose frames name no
+    /// gfn of this one); else derived from the ranges and the RAM's `pages`
+    /// ([`RamLayout::from_ranges`]).
     ///
-    /// Errors: [`LayoutError`]: a range outside QEMU's RAM, or ranges that do not fit.
+    /// Errors: [`LayoutError`]: a range outside QEMU's RAM (in the PCI hole, across its
+    /// end), or ranges that do not fit.
     pub fn for_ranges(
         pages: u64,
         ranges: &[(u64, u64)],
@@ -137,7 +140,10 @@ impl RamLayout {
         for &(start, end) in ranges {
             let inside = start < end
                 && (end <= l.low || (start >= FOUR_GIB_PFN && end - FOUR_GIB_PFN <= l.high));
-            if !inside {
+            // Past the RAM, only with QEMU's word on where it ends: inferred, it could
+            // be this RAM's hidden top.
+            let past = l.exact && start < end && start >= l.high_end();
+            if !inside && !past {
                 return Err(LayoutError::Outside {
                     start,
                     end,
@@ -191,6 +197,21 @@ impl RamLayout {
     /// Guest RAM, pages.
     pub fn pages(&self) -> u64 {
         self.low + self.high
+    }
+
+    /// The frame past the RAM at 4 GiB: the first frame above 4 GiB of no gfn here.
+    pub fn high_end(&self) -> u64 {
+        FOUR_GIB_PFN + self.high
+    }
+
+    /// Whether a guest's run of frames `[start, end)` fits this layout: not empty, and
+    /// inside the RAM at 0 or at 4 GiB; with an [`exact`](RamLayout::exact) layout also
+    /// from 4 GiB on past the RAM (a hot-plugged DIMM's frames, of another RAM region,
+    /// which [`RamLayout::runs`] drops). A run in the PCI hole never fits.
+    pub fn takes_run(&self, start: u64, end: u64) -> bool {
+        start < end
+            && (end <= self.low
+                || (start >= FOUR_GIB_PFN && (end <= self.high_end() || self.exact)))
     }
 
     /// Memfold's gfn of guest frame `pfn`; `None` in the PCI hole or past the RAM.
@@ -422,6 +443,56 @@ mod tests {
             !RamLayout::for_ranges(3 * GIB, &iomem(2 * GIB, GIB), None)
                 .unwrap()
                 .exact
+        );
+    }
+
+    /// A 1 GiB DIMM plugged into a 3 GiB guest (2 + 1 GiB) lies past its RAM at 4 GiB,
+    /// at 5 GiB or above: with QEMU's layout its range is dropped and its runs are
+    /// taken and dropped, not the report refused (seen failing: `Outside`). A range
+    /// across the RAM's end, and anything past the RAM when inferred, stay refused.
+    #[test]
+    fn ram_past_qemus_layout_is_dropped_not_refused() {
+        let page = PAGE_SIZE as u64;
+        let l = RamLayout::from_qemu(3 * GIB, 2 * GIB * page, GIB * page).unwrap();
+        let end = FOUR_GIB_PFN + GIB;
+        assert_eq!(l.high_end(), end);
+        for dimm in [(end, end + GIB), (end + GIB, end + 2 * GIB)] {
+            let mut ranges = iomem(2 * GIB, GIB);
+            ranges.push(dimm);
+            assert_eq!(RamLayout::for_ranges(3 * GIB, &ranges, Some(l)), Ok(l));
+            // Inferred, the DIMM's range would be this RAM's top: refused.
+            assert!(RamLayout::for_ranges(3 * GIB, &ranges, None).is_err());
+        }
+        for bad in [(end - 1, end + 1), (end, end)] {
+            assert!(matches!(
+                RamLayout::for_ranges(3 * GIB, &[bad], Some(l)),
+                Err(LayoutError::Outside { .. })
+            ));
+        }
+        // Runs: inside, or from 4 GiB on past the RAM with QEMU's word only.
+        assert!(l.takes_run(end - 10, end + 10) && l.takes_run(end, end + GIB));
+        assert!(!l.takes_run(2 * GIB - 1, 2 * GIB + 1), "into the PCI hole");
+        assert!(!l.takes_run(end, end));
+        let inferred = RamLayout { exact: false, ..l };
+        assert!(inferred.takes_run(end - 10, end));
+        assert!(!inferred.takes_run(end - 10, end + 10) && !inferred.takes_run(end, end + 1));
+        let mut runs = Vec::new();
+        let info = PageInfo {
+            category: Category::Cache,
+            active: false,
+            referenced: false,
+            buddy: false,
+            never_share: false,
+        };
+        l.runs(end - 10, 20, info, &mut runs);
+        l.runs(end + 5, 100, info, &mut runs);
+        assert_eq!(
+            runs,
+            vec![CategoryRun {
+                first: Gfn(3 * GIB as u32 - 10),
+                count: 10,
+                info
+            }]
         );
     }
 }
