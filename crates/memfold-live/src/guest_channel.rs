@@ -46,8 +46,25 @@ use memfold_wire::GuestPages;
 
 use crate::monitor::QemuLayouts;
 
-/// How long a report may take to come, whole.
+/// How long a report may take to come, whole, at the least; a larger guest's walk of
+/// its frames takes longer ([`report_timeout`]).
 pub const REPORT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Time a report may take per guest page beyond [`REPORT_TIMEOUT`]: a 512 MiB `db`
+/// guest's took up to ~1 s under TCG, ~8 µs a page, most of it its walk of
+/// `/proc/kpageflags` (docs/enlightened.md), so more than twice that.
+const REPORT_PER_PAGE: Duration = Duration::from_micros(20);
+
+/// The longest a report may take, whatever the guest's size.
+const REPORT_TIMEOUT_MAX: Duration = Duration::from_secs(120);
+
+/// How long a report of a guest of `ram_pages` pages may take to come, whole: 10 s, and
+/// 20 µs a page more (a fixed 10 s failed every report of a guest whose walk takes
+/// longer, a few GiB under TCG, each walk then done again for nothing), at most 120 s.
+pub fn report_timeout(ram_pages: u64) -> Duration {
+    let per_page = REPORT_PER_PAGE.saturating_mul(u32::try_from(ram_pages).unwrap_or(u32::MAX));
+    (REPORT_TIMEOUT + per_page).min(REPORT_TIMEOUT_MAX)
+}
 
 /// A guest's report, checked and in memfold's gfns.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -591,7 +608,7 @@ fn channel_thread(
         // reader told to stop stops within a second.
         let timed = DeadlineReader::new(
             stream,
-            Instant::now() + REPORT_TIMEOUT,
+            Instant::now() + report_timeout(guest.ram_pages),
             Some(Arc::clone(stop)),
             Duration::from_secs(1),
         );
@@ -619,7 +636,7 @@ fn channel_thread(
             }
             seq += 1;
             let asked = Instant::now();
-            lines.get_mut().get_mut().until = asked + REPORT_TIMEOUT;
+            lines.get_mut().get_mut().until = asked + report_timeout(guest.ram_pages);
             let r = read_report(&mut lines, &mut out, seq, guest.ram_pages, qemu);
             let took = asked.elapsed();
             let drop_channel = matches!(r, Err(ReportError::Wire(_)));

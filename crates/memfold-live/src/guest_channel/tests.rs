@@ -608,3 +608,15 @@ fn a_hot_plugged_dimm_above_the_ram_is_dropped_with_qemus_layout() {
         Err(ReportError::Layout(_))
     ));
 }
+
+/// A report may take longer the larger its guest (its walk is per frame), from 10 s up
+/// to 120 s: a fixed 10 s failed every report of a guest whose walk takes longer.
+#[test]
+fn a_larger_guest_s_report_may_take_longer() {
+    assert_eq!(report_timeout(0), REPORT_TIMEOUT);
+    let half_gib = report_timeout(GIB / 2);
+    assert!(half_gib > REPORT_TIMEOUT && half_gib < Duration::from_secs(15));
+    let eight_gib = report_timeout(8 * GIB);
+    assert!(eight_gib >= Duration::from_secs(45), "{eight_gib:?}");
+    assert_eq!(report_timeout(64 * GIB), Duration::from_secs(120));
+}
