@@ -428,9 +428,8 @@ pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
 /// when QEMU's command line does not say how many there are.
 const SETTLE: Duration = Duration::from_secs(1);
 
-/// QEMU's command line, read from `/proc/self/cmdline` when this process is a QEMU (its
-/// program's name starts with `qemu`: `qemu-system-*`, RHEL's `qemu-kvm`); `None` for
-/// another program (a test or host program running the agent).
+/// QEMU's command line, read from `/proc/self/cmdline` when this process is a QEMU
+/// ([`is_qemu`]); `None` for another program (a test or host program running the agent).
 ///
 /// Errors (in a QEMU, the agent then does not start): the command line cannot be read or
 /// does not parse.
@@ -441,16 +440,26 @@ fn qemu_plan() -> Result<Option<qemu_args::RamPlan>, String> {
         .split(|&b| b == 0)
         .map(|w| String::from_utf8_lossy(w).into_owned())
         .collect();
-    let is_qemu = words
-        .first()
-        .and_then(|w| std::path::Path::new(w).file_name())
-        .is_some_and(|p| p.to_string_lossy().starts_with("qemu"));
-    if !is_qemu {
+    let exe = std::fs::read_link("/proc/self/exe").unwrap_or_default();
+    if !is_qemu(words.first().map(String::as_str), &exe) {
         return Ok(None);
     }
     qemu_args::RamPlan::parse(&words[1..])
         .map(Some)
         .map_err(|e| e.to_string())
+}
+
+/// Whether the process whose program is `exe` (`/proc/self/exe`), run as `argv0`, is a
+/// QEMU: either's name starts with `qemu` (`qemu-system-*`, RHEL's `qemu-kvm`). The
+/// executable decides too: libvirt runs its `<emulator>` as named, and a `kvm` symlink
+/// or a wrapper's name took a QEMU for another program, skipping every check of its
+/// command line (devices writing guest RAM outside its page tables, `aio=native`).
+fn is_qemu(argv0: Option<&str>, exe: &std::path::Path) -> bool {
+    let qemu_named = |p: &std::path::Path| {
+        p.file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("qemu"))
+    };
+    argv0.is_some_and(|a| qemu_named(std::path::Path::new(a))) || qemu_named(exe)
 }
 
 /// Finds guest RAM ([`run`]). Returns the regions, in address order, and whether they are
@@ -741,5 +750,25 @@ impl Agent {
             .as_ref()
             .map(|p| p.as_fd())
             .ok_or_else(|| io::Error::other("patch or share without a pool"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    /// A QEMU is known by its executable as well as by the name it was run as: a `kvm`
+    /// symlink, a wrapper's name or a libvirt `<emulator>` of another name skipped every
+    /// check of its command line.
+    #[test]
+    fn a_qemu_run_under_another_name_is_a_qemu() {
+        let exe = Path::new("/usr/bin/qemu-system-x86_64");
+        assert!(super::is_qemu(Some("/usr/bin/kvm"), exe));
+        assert!(super::is_qemu(Some("/usr/libexec/qemu-kvm"), Path::new("")));
+        assert!(super::is_qemu(None, exe));
+        assert!(!super::is_qemu(
+            Some("/work/target/release/deps/regions-1234"),
+            Path::new("/work/target/release/deps/regions-1234")
+        ));
     }
 }
