@@ -92,7 +92,10 @@ fi
 chmod +x "$ird/init"
 (cd "$ird" && find . | cpio -o -H newc 2>/dev/null | gzip -1 > "$out/initrd.img")
 
-if [ -n "$release" ] && [ ! -f "$out/.rootfs-done" ]; then
+# The root file system is built again when its recipe changes (a warm cache kept one
+# without a package added since, and fresh and warm machines then ran different guests).
+recipe="$release $packages"
+if [ -n "$release" ] && [ "$(cat "$out/.rootfs-done" 2>/dev/null)" != "$recipe" ]; then
     root="$out/rootfs.tmp"
     rm -rf "$root"
     step "debootstrap $release (minbase)"
@@ -110,7 +113,7 @@ if [ -n "$release" ] && [ ! -f "$out/.rootfs-done" ]; then
             step "db: initialise postgresql and pgbench tables"
             pgbin=$(ls -d "$root"/usr/lib/postgresql/*/bin | head -1); pgbin=${pgbin#"$root"}
             chroot "$root" su postgres -s /bin/sh -c "rm -rf /var/lib/postgresql/data && $pgbin/initdb -D /var/lib/postgresql/data -A trust >/dev/null"
-            chroot "$root" su postgres -s /bin/sh -c "$pgbin/pg_ctl -D /var/lib/postgresql/data -o '-k /tmp -c listen_addresses=' -w start >/dev/null && $pgbin/pgbench -h /tmp -i -s 4 postgres >/dev/null 2>&1; $pgbin/pg_ctl -D /var/lib/postgresql/data -w stop >/dev/null"
+            chroot "$root" su postgres -s /bin/sh -c "$pgbin/pg_ctl -D /var/lib/postgresql/data -o '-k /tmp -c listen_addresses=' -w start >/dev/null && { $pgbin/pgbench -h /tmp -i -s 4 postgres >/dev/null 2>&1; rc=\$?; $pgbin/pg_ctl -D /var/lib/postgresql/data -w stop >/dev/null; exit \$rc; }" || { echo "build.sh: db: pgbench -i failed" >&2; exit 1; }
             echo "$pgbin" > "$root/etc/memfold-pgbin"
             ;;
     esac
@@ -122,7 +125,7 @@ if [ -n "$release" ] && [ ! -f "$out/.rootfs-done" ]; then
     rm -f "$out/rootfs.ext4"
     mkfs.ext4 -q -F -L memfold -d "$root" "$out/rootfs.ext4" "${size_mb}M"
     rm -rf "$root"
-    touch "$out/.rootfs-done"
+    echo "$recipe" > "$out/.rootfs-done"
 fi
 echo "$profile" > "$out/profile"
 step "done: $out"
