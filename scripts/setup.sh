@@ -61,7 +61,9 @@ if command -v rustup >/dev/null 2>&1; then
     fi
     if rustup toolchain list | grep -q '^nightly' && ! cargo +nightly fuzz --version >/dev/null 2>&1; then
         echo "setup: installing cargo-fuzz"
-        cargo install cargo-fuzz --locked ||
+        # Pinned: a newer release that does not build with this toolchain would turn
+        # fuzzing off without a failure.
+        cargo install cargo-fuzz --version 0.13.2 --locked ||
             echo "setup: cargo-fuzz did not install: fuzzing will be skipped" >&2
     fi
 fi
@@ -69,7 +71,8 @@ fi
 # release build): from crates.io; where it cannot build, the check says it skips.
 if ! command -v cargo-deb >/dev/null 2>&1; then
     echo "setup: installing cargo-deb"
-    cargo install cargo-deb --locked ||
+    # Pinned, as cargo-fuzz.
+    cargo install cargo-deb --version 3.8.0 --locked ||
         echo "setup: cargo-deb did not install: the libvirt check will be skipped" >&2
 fi
 # promtool (for the metrics endpoint's test: `promtool check metrics` on a scrape), from
