@@ -269,8 +269,9 @@ fn raise_max_map_count(path: &Path, n: u64) -> Result<String, String> {
             r.now
         )),
         Err(e) => Err(format!(
-            "max-map-count {n}: {e} (memfoldd must run as root to raise it; or set \
-             vm.max_map_count in /etc/sysctl.d/ and leave max-map-count out)"
+            "max-map-count {n}: {e} (memfoldd must run as root, with /proc/sys writable, to \
+             raise it: the packaged unit's ProtectKernelTunables=yes makes it read-only; or \
+             set vm.max_map_count in /etc/sysctl.d/ and leave max-map-count out)"
         )),
     }
 }
