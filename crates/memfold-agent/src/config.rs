@@ -98,15 +98,25 @@ pub enum ConfigError {
     /// `MEMFOLD_CLOCK_RBITS` is neither `userfault` nor `pagemap`.
     #[error("MEMFOLD_CLOCK_RBITS={0:?}: expected userfault or pagemap")]
     ClockRBits(String),
+    /// A variable that takes a number (`MEMFOLD_RAM_BYTES`, `MEMFOLD_VMA_BUDGET`) holds
+    /// something else.
+    #[error("{name}={value:?}: expected a whole number")]
+    Number {
+        /// The variable.
+        name: &'static str,
+        /// What it holds.
+        value: String,
+    },
 }
 
 impl AgentConfig {
     /// Reads the configuration from the environment; `Ok(None)` when `MEMFOLD_SOCKET` is
     /// unset (the library is then inert).
     ///
-    /// Errors: [`ConfigError::FailMode`], [`ConfigError::ClockRBits`]: a mistyped failure
-    /// mode or clock mode is refused rather than guessed (the caller leaves the guest
-    /// unmanaged, which needs neither).
+    /// Errors: [`ConfigError::FailMode`], [`ConfigError::ClockRBits`],
+    /// [`ConfigError::Number`]: a mistyped failure mode, clock mode, RAM size or VMA
+    /// budget is refused rather than guessed or ignored (the caller leaves the guest
+    /// unmanaged, which needs none of them).
     pub fn from_env() -> Result<Option<AgentConfig>, ConfigError> {
         let Some(socket) = std::env::var_os("MEMFOLD_SOCKET") else {
             return Ok(None);
@@ -116,17 +126,35 @@ impl AgentConfig {
         Ok(Some(AgentConfig {
             socket: socket.into(),
             name: std::env::var("MEMFOLD_VM_NAME").unwrap_or_else(|_| "guest".into()),
-            ram_bytes: std::env::var("MEMFOLD_RAM_BYTES")
-                .ok()
-                .and_then(|v| v.parse().ok())
+            ram_bytes: number("MEMFOLD_RAM_BYTES", std::env::var_os("MEMFOLD_RAM_BYTES"))?
                 .unwrap_or(0),
-            vma_budget: std::env::var("MEMFOLD_VMA_BUDGET")
-                .ok()
-                .and_then(|v| v.parse().ok()),
+            vma_budget: number("MEMFOLD_VMA_BUDGET", std::env::var_os("MEMFOLD_VMA_BUDGET"))?
+                .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
             on_failure,
             clock_rbits,
         }))
     }
+}
+
+/// Environment variable `name`, holding `value`, read as a whole number; `None` when
+/// unset (a typo once left the guest managed as if it were unset, silently).
+///
+/// Errors: [`ConfigError::Number`] for anything but a whole number.
+fn number(
+    name: &'static str,
+    value: Option<std::ffi::OsString>,
+) -> Result<Option<u64>, ConfigError> {
+    let Some(v) = value else {
+        return Ok(None);
+    };
+    let text = v.to_string_lossy();
+    text.trim()
+        .parse()
+        .map(Some)
+        .map_err(|_| ConfigError::Number {
+            name,
+            value: text.into_owned(),
+        })
 }
 
 /// Environment variable `name` read as one of `T`'s words, `T::default()` when unset.
@@ -155,6 +183,23 @@ mod tests {
         for bad in ["", "Pause", "abrot", "kill"] {
             let e = bad.parse::<FailMode>().unwrap_err();
             assert!(e.to_string().contains("expected pause or abort"), "{e}");
+        }
+    }
+
+    /// A RAM size or VMA budget that is not a number is refused, naming the variable,
+    /// not taken as unset.
+    #[test]
+    fn a_number_that_is_not_one_is_refused() {
+        let n = |v: &str| number("MEMFOLD_VMA_BUDGET", Some(v.into()));
+        assert_eq!(n("60000").unwrap(), Some(60000));
+        assert_eq!(number("MEMFOLD_RAM_BYTES", None).unwrap(), None);
+        for bad in ["", "64k", "-1", "1e6", "lots"] {
+            let e = n(bad).unwrap_err();
+            assert!(
+                e.to_string().starts_with("MEMFOLD_VMA_BUDGET=")
+                    && e.to_string().contains("expected a whole number"),
+                "{e}"
+            );
         }
     }
 
