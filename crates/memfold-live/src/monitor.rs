@@ -77,10 +77,42 @@ pub fn open_monitor(
     let path = monitor_path(&cmdline).ok_or_else(|| {
         format!("no monitor for memfoldd: add -chardev socket,id={MONITOR_ID},path=PATH,server=on,wait=off -mon chardev={MONITOR_ID},mode=control")
     })?;
-    Qmp::connect_served_by_unless(&path, pid, timeout, stop.cloned()).map_err(|e| match e {
+    let seen = as_qemu_sees(pid, &path);
+    let connect =
+        |p: &std::path::Path| Qmp::connect_served_by_unless(p, pid, timeout, stop.cloned());
+    let got = match connect(&seen) {
+        // /proc/PID/root is a QEMU of another user's to a memfoldd not root: as written.
+        Err(QmpError::Connect { source, .. })
+            if source.kind() == std::io::ErrorKind::PermissionDenied && seen != path =>
+        {
+            connect(&path)
+        }
+        got => got,
+    };
+    got.map_err(|e| match e {
         QmpError::WrongServer { .. } => said(&format!("{e}: refused")),
         e => said(&e.to_string()),
     })
+}
+
+/// The socket `path` QEMU `pid` named, as that QEMU sees it: through its root for an
+/// absolute path, its working directory for a relative one (`/proc/PID/root`,
+/// `/proc/PID/cwd`). memfoldd may see other mounts (the packaged unit's private `/tmp`)
+/// and run in another folder, and found no socket, or another one (which the check of
+/// who serves it then refused). A path too long for a socket address that way is taken
+/// as written.
+fn as_qemu_sees(pid: u32, path: &std::path::Path) -> PathBuf {
+    let via = if path.is_absolute() {
+        format!("/proc/{pid}/root{}", path.display())
+    } else {
+        format!("/proc/{pid}/cwd/{}", path.display())
+    };
+    // sun_path: 108 bytes with its NUL.
+    if via.len() < 108 {
+        via.into()
+    } else {
+        path.to_path_buf()
+    }
 }
 
 /// How long the guest channel waits on a monitor for the layout.
@@ -195,6 +227,44 @@ mod tests {
             v.push(0);
         }
         v
+    }
+
+    /// A QEMU whose monitor socket is a path relative to its own working directory (as
+    /// `memfold qemu` users write one) is reached there, not in memfoldd's folder. Seen
+    /// failing without the mend: no such socket. The stand-in never greets, so reaching
+    /// it ends in the greeting's time limit.
+    #[test]
+    fn a_monitor_at_a_path_relative_to_its_qemu_is_reached() {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::process::CommandExt;
+        let dir = tempfile::tempdir().unwrap();
+        let l = std::os::unix::net::UnixListener::bind(dir.path().join("mon.sock")).unwrap();
+        let fd = l.as_raw_fd();
+        let chardev = format!("socket,id={MONITOR_ID},path=mon.sock,server=on,wait=off");
+        let mut c = std::process::Command::new("sh");
+        c.args([
+            "-c",
+            "while :; do sleep 1; done",
+            "qemu",
+            "-chardev",
+            &chardev,
+        ])
+        .current_dir(dir.path());
+        // SAFETY: between fork and exec only listen(2), async-signal-safe, on a
+        // descriptor the child inherited open (the listener, alive past spawn): the
+        // child, not this process, is then the socket's server.
+        unsafe {
+            c.pre_exec(move || match libc::listen(fd, 4) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            });
+        }
+        let mut qemu = c.spawn().unwrap();
+        let got = open_monitor(qemu.id(), Duration::from_millis(500), None);
+        let _ = qemu.kill();
+        let _ = qemu.wait();
+        let e = got.err().expect("a stand-in that never greets");
+        assert!(e.contains("greeting"), "not reached: {e}");
     }
 
     /// A QEMU whose error text holds a newline, an escape and 5 000 characters: the
