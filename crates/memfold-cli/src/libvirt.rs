@@ -16,6 +16,10 @@ use memfold_cli::libvirt_xml::{self, Settings, XmlError};
 /// libvirt's own QEMU folder, `libvirt-qemu:kvm` on Debian).
 const MONITOR_DIR: &str = "/var/lib/libvirt/qemu";
 
+/// The size of a Unix socket address's path (`sun_path`, with its final NUL): a path of
+/// this many bytes or more cannot be connected to (Rust's std refuses it).
+const SUN_PATH: usize = 108;
+
 /// `memfold libvirt`'s subcommands.
 #[derive(clap::Subcommand, Debug)]
 pub enum LibvirtCmd {
@@ -47,7 +51,8 @@ pub struct EnableArgs {
     #[arg(long)]
     claim: bool,
     /// The monitor's socket with --claim (default:
-    /// /var/lib/libvirt/qemu/memfold-qmp-DOMAIN.sock).
+    /// /var/lib/libvirt/qemu/memfold-qmp-DOMAIN.sock, the domain's UUID for DOMAIN when
+    /// its name would make the path too long for a Unix socket).
     #[arg(long, requires = "claim", value_name = "PATH")]
     monitor_socket: Option<PathBuf>,
 }
@@ -103,6 +108,16 @@ pub enum LibvirtError {
     /// `--agent` names no file.
     #[error("--agent {0}: no such file")]
     AgentMissing(PathBuf),
+    /// A socket path a Unix socket cannot have.
+    #[error("{flag} {path}: {len} bytes, but a Unix socket's path must be under {SUN_PATH} bytes; pass a shorter {flag}")]
+    SocketTooLong {
+        /// The option the path is for (`--socket`, `--monitor-socket`).
+        flag: &'static str,
+        /// The path, absolute.
+        path: PathBuf,
+        /// Its length in bytes.
+        len: usize,
+    },
     /// The temporary file for `virsh define`.
     #[error("temporary file {path}: {source}")]
     Temp {
@@ -213,6 +228,41 @@ fn note_running(v: &Virsh, domain: &str) -> Result<(), LibvirtError> {
     Ok(())
 }
 
+/// `path` as libvirt's QEMU must see it: absolute (QEMU runs in `/`), and short enough
+/// for a Unix socket; `flag` names it in the error.
+///
+/// Errors: [`LibvirtError::SocketTooLong`].
+fn socket_path(flag: &'static str, path: &Path) -> Result<PathBuf, LibvirtError> {
+    let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let len = path.as_os_str().len();
+    if len >= SUN_PATH {
+        return Err(LibvirtError::SocketTooLong { flag, path, len });
+    }
+    Ok(path)
+}
+
+/// The `--claim` monitor's socket: `given`, else in [`MONITOR_DIR`] named after the
+/// domain's `name`, or after its `uuid` when the name makes the path too long (memfoldd
+/// reads the path from QEMU's command line and `disable` from the record, so any name
+/// does).
+///
+/// Errors: [`LibvirtError::SocketTooLong`].
+fn monitor_socket(
+    given: Option<&Path>,
+    name: &str,
+    uuid: Option<&str>,
+) -> Result<PathBuf, LibvirtError> {
+    const FLAG: &str = "--monitor-socket";
+    if let Some(p) = given {
+        return socket_path(FLAG, p);
+    }
+    let named = |n: &str| Path::new(MONITOR_DIR).join(format!("memfold-qmp-{n}.sock"));
+    match (socket_path(FLAG, &named(name)), uuid) {
+        (Err(_), Some(uuid)) => socket_path(FLAG, &named(uuid)),
+        (r, _) => r,
+    }
+}
+
 /// `memfold libvirt enable`.
 pub fn enable(a: &EnableArgs) -> Result<(), LibvirtError> {
     let agent = match &a.agent {
@@ -230,21 +280,23 @@ pub fn enable(a: &EnableArgs) -> Result<(), LibvirtError> {
             "memfold libvirt: warning: {why}; libvirt's QEMU runs as its own user (libvirt-qemu on Debian) and may fail to preload the agent"
         );
     }
+    let socket = socket_path("--socket", &a.socket)?;
     let v = Virsh {
         connect: a.connect.as_deref(),
     };
     let xml = v.dumpxml(&a.domain)?;
     let name = libvirt_xml::name_of(&xml).map_err(xml_err(&a.domain))?;
+    let claim_monitor = if a.claim {
+        let uuid = libvirt_xml::uuid_of(&xml).map_err(xml_err(&a.domain))?;
+        let path = monitor_socket(a.monitor_socket.as_deref(), &name, uuid.as_deref())?;
+        Some(path.display().to_string())
+    } else {
+        None
+    };
     let settings = Settings {
         agent: agent.display().to_string(),
-        socket: a.socket.display().to_string(),
-        claim_monitor: a.claim.then(|| {
-            a.monitor_socket
-                .clone()
-                .unwrap_or_else(|| Path::new(MONITOR_DIR).join(format!("memfold-qmp-{name}.sock")))
-                .display()
-                .to_string()
-        }),
+        socket: socket.display().to_string(),
+        claim_monitor,
     };
     let on = libvirt_xml::enable(&xml, &settings).map_err(xml_err(&a.domain))?;
     // libvirt writes the XML in its own style (quotes, attribute order): compare what
@@ -300,4 +352,74 @@ pub fn disable(a: &DisableArgs) -> Result<(), LibvirtError> {
         a.domain
     );
     note_running(&v, &a.domain)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const UUID: &str = "4dea22b3-1d52-d8f3-2516-782e98ab3fa0";
+
+    /// libvirt's QEMU runs in `/`: a relative socket path is made absolute, as `--agent`.
+    #[test]
+    fn a_relative_socket_path_is_made_absolute() {
+        let cwd = std::env::current_dir().unwrap();
+        let p = socket_path("--socket", Path::new("run/memfoldd.sock")).unwrap();
+        assert_eq!(p, cwd.join("run/memfoldd.sock"));
+        let p = monitor_socket(Some(Path::new("q.sock")), "web1", Some(UUID)).unwrap();
+        assert_eq!(p, cwd.join("q.sock"));
+        assert_eq!(
+            socket_path("--socket", Path::new("/run/m.sock")).unwrap(),
+            Path::new("/run/m.sock")
+        );
+    }
+
+    /// A socket path of 108 bytes or more cannot be connected to: the default monitor
+    /// path takes the domain's UUID when its name is too long, and a given path that long
+    /// is refused, saying which option and how long.
+    #[test]
+    fn a_socket_path_fits_a_unix_socket_address() {
+        let dir = format!("{MONITOR_DIR}/memfold-qmp-");
+        // The longest name that fits: the path is 107 bytes.
+        let fits = "n".repeat(SUN_PATH - 1 - dir.len() - ".sock".len());
+        let p = monitor_socket(None, &fits, Some(UUID)).unwrap();
+        assert_eq!(p, Path::new(&format!("{dir}{fits}.sock")));
+        assert_eq!(p.as_os_str().len(), SUN_PATH - 1);
+        let long = format!("{fits}n");
+        assert_eq!(
+            monitor_socket(None, &long, Some(UUID)).unwrap(),
+            Path::new(&format!("{dir}{UUID}.sock"))
+        );
+        // Bytes count, not characters.
+        let wide = "é".repeat(fits.len() / 2 + 1);
+        assert!(monitor_socket(None, &wide, Some(UUID))
+            .unwrap()
+            .ends_with(format!("memfold-qmp-{UUID}.sock")));
+        // Without a UUID there is nothing shorter to take.
+        let e = monitor_socket(None, &long, None).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!("--monitor-socket {dir}{long}.sock: 108 bytes, but a Unix socket's path must be under 108 bytes; pass a shorter --monitor-socket")),
+            "{e}"
+        );
+        // A given path: 107 bytes pass, 108 are refused, whatever the name.
+        let given = |n: usize| format!("/{}", "s".repeat(n - 1));
+        let p = monitor_socket(Some(Path::new(&given(107))), "web1", Some(UUID)).unwrap();
+        assert_eq!(p.as_os_str().len(), 107);
+        assert!(matches!(
+            monitor_socket(Some(Path::new(&given(108))), "web1", Some(UUID)),
+            Err(LibvirtError::SocketTooLong {
+                flag: "--monitor-socket",
+                len: 108,
+                ..
+            })
+        ));
+        assert!(matches!(
+            socket_path("--socket", Path::new(&given(200))),
+            Err(LibvirtError::SocketTooLong {
+                flag: "--socket",
+                len: 200,
+                ..
+            })
+        ));
+    }
 }

@@ -77,6 +77,24 @@ pub enum XmlError {
         /// Its memAccess.
         access: String,
     },
+    /// Devices whose back end writes guest RAM outside QEMU's page tables: the agent
+    /// leaves such a guest alone (`RamPlan::outside_writers`).
+    #[error("domain {domain}: {}: such a device's back end writes guest RAM outside QEMU's page tables, so memfold's agent would leave the guest unmanaged (a write under a shared page would be lost: docs/security.md); remove such devices, or leave this domain unmanaged", .devices.join(", "))]
+    OutsideWriters {
+        /// The domain's name.
+        domain: String,
+        /// Each device, as `outside_writers` names it.
+        devices: Vec<String>,
+    },
+    /// Disks whose reads land in guest RAM after QEMU's call returns: the agent leaves
+    /// such a guest alone (`RamPlan::unfenced_io`).
+    #[error("domain {domain}: {}: QEMU reads such a disk into guest RAM after the submitting call returns, beyond memfold's write fence, so memfold's agent would leave the guest unmanaged; drop the io attribute (QEMU's default, io='threads'), or leave this domain unmanaged", .disks.join(", "))]
+    UnfencedDisks {
+        /// The domain's name.
+        domain: String,
+        /// Each disk, as `unfenced_disks` names it.
+        disks: Vec<String>,
+    },
     /// The domain's `<qemu:commandline>` already sets a variable memfold sets.
     #[error("domain {domain}: <qemu:commandline> already sets {name}='{value}' (not memfold's); memfold would overwrite it: remove it first, or put the agent in by hand (docs/operations.md)")]
     EnvConflict {
@@ -173,11 +191,91 @@ fn monitor_args(path: &str) -> [String; 4] {
     ]
 }
 
+/// Where a device is, for a message (` vda`, ` 52:54:00:...`, ` 0000:01:00.0`): its
+/// target, its MAC or its host address; empty when it has none of them.
+fn whereabouts(e: &Elem) -> String {
+    let target = e.child("target");
+    let found = target
+        .and_then(|t| t.attr("dev").or_else(|| t.attr("dir")))
+        .or_else(|| e.child("mac").and_then(|m| m.attr("address")))
+        .or_else(|| {
+            let a = e.child("source")?.child("address")?;
+            a.attr("uuid").or_else(|| {
+                // libvirt writes each part in hex with 0x; lspci's form is shorter.
+                let part = |k: &str| {
+                    let v = a.attr(k)?;
+                    Some(v.trim_start_matches("0x").to_string())
+                };
+                Some(format!(
+                    "{}:{}:{}.{}",
+                    part("domain")?,
+                    part("bus")?,
+                    part("slot")?,
+                    part("function")?
+                ))
+            })
+        });
+    found.map_or_else(String::new, |w| format!(" {w}"))
+}
+
+/// The devices of `devices` whose back end writes guest RAM outside QEMU's page tables,
+/// as the agent finds them in the QEMU libvirt starts (`-device vfio-*`,
+/// `vhost-user-*` but `vhost-user-blk`, `-netdev vhost-user` / `vhost-vdpa`).
+fn outside_writers(devices: &Elem) -> Vec<String> {
+    let mut out = Vec::new();
+    for d in devices.elems() {
+        let kind = d.attr("type").unwrap_or_default();
+        let at = whereabouts(d);
+        let driver = |k: &str| d.child("driver").and_then(|x| x.attr(k));
+        let what = match (d.name(), kind.as_str()) {
+            // USB and SCSI host devices are QEMU's own (usb-host, vhost-scsi in the kernel).
+            (b"hostdev", "pci" | "mdev") => format!("<hostdev type='{kind}'>{at} (VFIO)"),
+            (b"interface", "hostdev") => format!("<interface type='hostdev'>{at} (VFIO)"),
+            (b"interface", "vhostuser") => format!("<interface type='vhostuser'>{at}"),
+            (b"interface", "vdpa") => format!("<interface type='vdpa'>{at}"),
+            (b"filesystem", _) if driver("type").as_deref() == Some("virtiofs") => {
+                format!("<filesystem>{at} with <driver type='virtiofs'/>")
+            }
+            (b"video", _) if driver("name").as_deref() == Some("vhostuser") => {
+                "<video> with <driver name='vhostuser'/>".into()
+            }
+            _ => continue,
+        };
+        out.push(what);
+    }
+    out
+}
+
+/// The disks of `devices` whose reads land in guest RAM after QEMU's call returns, as the
+/// agent finds them (`aio=native`, or `aio=io_uring` with direct I/O: cache `none` or
+/// `directsync`).
+fn unfenced_disks(devices: &Elem) -> Vec<String> {
+    let mut out = Vec::new();
+    for d in devices.elems().filter(|d| d.is("disk")) {
+        let Some(driver) = d.child("driver") else {
+            continue;
+        };
+        let io = driver.attr("io").unwrap_or_default();
+        let cache = driver.attr("cache").unwrap_or_default();
+        let direct = matches!(cache.as_str(), "none" | "directsync");
+        let at = whereabouts(d);
+        if io == "native" {
+            out.push(format!("<disk>{at} with <driver io='native'/>"));
+        } else if io == "io_uring" && direct {
+            out.push(format!(
+                "<disk>{at} with <driver io='io_uring' cache='{cache}'/>"
+            ));
+        }
+    }
+    out
+}
+
 /// Puts memfold into the domain `xml`: shared memfd RAM, the agent in QEMU's
 /// environment, optionally the claim monitor, and the record [`disable`] undoes.
 ///
-/// Errors: not a domain, no name, huge pages, a private NUMA cell, a variable of
-/// [`AGENT_ENV`] already set by someone else, `--claim` without a virtio balloon.
+/// Errors: not a domain, no name, huge pages, a private NUMA cell, a device or disk the
+/// agent would leave the guest alone for, a variable of [`AGENT_ENV`] already set by
+/// someone else, `--claim` without a virtio balloon.
 pub fn enable(xml: &str, s: &Settings) -> Result<Enabled, XmlError> {
     let was_enabled = is_enabled(xml)?;
     let base = if was_enabled {
@@ -204,6 +302,23 @@ pub fn enable(xml: &str, s: &Settings) -> Result<Enabled, XmlError> {
                     access,
                 });
             }
+        }
+    }
+    // What the agent would refuse in QEMU: refused here, where nothing has changed yet.
+    if let Some(devices) = root.child("devices") {
+        let writers = outside_writers(devices);
+        if !writers.is_empty() {
+            return Err(XmlError::OutsideWriters {
+                domain: name,
+                devices: writers,
+            });
+        }
+        let disks = unfenced_disks(devices);
+        if !disks.is_empty() {
+            return Err(XmlError::UnfencedDisks {
+                domain: name,
+                disks,
+            });
         }
     }
     if s.claim_monitor.is_some() {
@@ -479,6 +594,16 @@ fn uses_prefix(e: &Elem, prefix: &str) -> bool {
 /// The domain's name in `xml`.
 pub fn name_of(xml: &str) -> Result<String, XmlError> {
     domain_name(&parse(xml)?.root)
+}
+
+/// The domain's UUID in `xml` (`<uuid>`; libvirt gives every domain one when it is
+/// defined), if it has one.
+pub fn uuid_of(xml: &str) -> Result<Option<String>, XmlError> {
+    Ok(parse(xml)?
+        .root
+        .child("uuid")
+        .map(|u| u.text().trim().to_string())
+        .filter(|u| !u.is_empty()))
 }
 
 /// A canonical form of an XML document for comparing two: elements with their attributes

@@ -1,10 +1,12 @@
 //! `memfold qemu [--socket S] [--name N] [--fix] -- qemu-system-x86_64 ARGS...`: runs a
 //! QEMU command line the operator wrote, with memfold's agent. Checks that guest RAM is a
-//! shared memfd (`memfold_agent::qemu_args`); if it is not, prints exactly what to add and
-//! exits with status 2 (`--fix` rewrites QEMU's plain `-m SIZE` RAM into a shared memfd
-//! backend instead). Then it replaces itself with QEMU (`exec`: same pid, so QEMU's
-//! parent, signals and exit status are the caller's), with `LD_PRELOAD` naming the agent
-//! library and `MEMFOLD_SOCKET` / `MEMFOLD_VM_NAME` set. The agent finds every guest RAM
+//! shared memfd (`memfold_agent::qemu_args`) and that nothing on the line makes the agent
+//! leave the guest alone (a back end writing guest RAM outside QEMU's page tables, a disk
+//! read beyond the write fence, `-daemonize`); if anything does, prints each reason with
+//! its fix and exits with status 2 (`--fix` rewrites QEMU's plain `-m SIZE` RAM into a
+//! shared memfd backend instead). Then it replaces itself with QEMU (`exec`: same pid, so
+//! QEMU's parent, signals and exit status are the caller's), with `LD_PRELOAD` naming the
+//! agent library and `MEMFOLD_SOCKET` / `MEMFOLD_VM_NAME` set. The agent finds every guest RAM
 //! region itself; nothing here needs the RAM size.
 
 use std::os::unix::process::CommandExt;
@@ -19,7 +21,8 @@ const AGENT_DIR: &str = "/usr/lib/memfold";
 /// The id `--fix` gives the memory backend it adds.
 const FIX_ID: &str = "memfold-ram0";
 
-/// Exit status when guest RAM is not shareable (nothing started).
+/// Exit status when `memfold qemu` refuses a command line (nothing started): guest RAM is
+/// not shareable, or the agent would leave the guest alone.
 pub const EXIT_NOT_SHAREABLE: i32 = 2;
 
 /// `memfold qemu`'s arguments.
@@ -48,9 +51,10 @@ pub struct QemuArgs {
 /// Why `memfold qemu` does not start QEMU.
 #[derive(Debug, thiserror::Error)]
 pub enum QemuError {
-    /// Guest RAM is not (all) shareable: each problem with its fix.
+    /// memfold cannot manage guest RAM: some is not shareable ([`Problem`]), or the agent
+    /// would leave the guest alone (`refusals`); each reason with its fix.
     #[error("guest RAM memfold cannot share:\n{}", .0.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
-    NotShareable(Vec<Problem>),
+    NotShareable(Vec<String>),
     /// The command line could not be read.
     #[error("QEMU's command line: {0}")]
     Args(#[from] memfold_agent::qemu_args::ArgsError),
@@ -82,12 +86,29 @@ pub struct Launch {
     pub env: Vec<(String, String)>,
 }
 
+/// What on QEMU's command line (`args`, without the program; `plan`, as read) makes the
+/// agent leave the guest alone although its RAM is shareable, each with its fix: the
+/// agent's own checks (`memfold_agent::run`), which would otherwise only log, and
+/// `-daemonize`, after which the agent's thread is gone (docs/live.md).
+fn refusals(plan: &RamPlan, args: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = plan
+        .unfenced_io
+        .iter()
+        .map(|d| format!("{d}: its reads land in guest RAM after the submitting call returns (aio=native, or aio=io_uring with direct I/O), beyond memfold's write fence, so the agent would leave this guest alone; use aio=threads (QEMU's default)"))
+        .collect();
+    out.extend(plan.outside_writers.iter().map(|d| format!("{d}: its back end writes guest RAM outside QEMU's page tables (vhost-user other than vhost-user-blk, vDPA, VFIO), so the agent would leave this guest alone (docs/security.md); remove it, or run this guest without memfold")));
+    if args.iter().any(|w| w == "-daemonize" || w == "--daemonize") {
+        out.push("-daemonize: the agent's thread does not survive QEMU's fork, so the guest would run unmanaged (docs/live.md); run QEMU in the foreground (a service manager, or setsid with -pidfile)".into());
+    }
+    out
+}
+
 /// Decides what to run for `qemu` (program and arguments): checks guest RAM, applies
 /// `fix`, names the guest (`name`, QEMU's `-name`, else `qemu-PID` with `pid`, QEMU's pid
 /// after the exec) and sets the agent's environment (`agent`: the library; `preload`:
 /// `LD_PRELOAD` as it was, kept after the agent).
 ///
-/// Errors: [`QemuError::NotShareable`], [`QemuError::Args`].
+/// Errors: [`QemuError::NotShareable`] (also for `refusals`), [`QemuError::Args`].
 pub fn prepare(
     qemu: &[String],
     fix: bool,
@@ -112,8 +133,10 @@ pub fn prepare(
             problems = RamPlan::parse(&argv[1..])?.problems();
         }
     }
-    if !problems.is_empty() {
-        return Err(QemuError::NotShareable(problems));
+    let mut reasons: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
+    reasons.extend(refusals(&plan, &argv[1..]));
+    if !reasons.is_empty() {
+        return Err(QemuError::NotShareable(reasons));
     }
     let name = name
         .map(String::from)
@@ -278,6 +301,64 @@ mod tests {
             let e = prep(bad, false).unwrap_err().to_string();
             assert!(e.starts_with("guest RAM memfold cannot share:\n  - "), "{e}");
             assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    /// What the agent would leave alone although guest RAM is shareable is refused as
+    /// unshareable RAM is (main exits with [`EXIT_NOT_SHAREABLE`]), each reason said, `--fix`
+    /// or not; a drive and a back end the agent manages pass.
+    #[test]
+    fn lines_the_agent_would_leave_alone_are_refused() {
+        let ram =
+            "qemu-system-x86_64 -object memory-backend-memfd,id=r,size=1G -M q35,memory-backend=r";
+        for (extra, says) in [
+            (
+                "-drive file=d.img,if=virtio,cache=none,aio=native",
+                "-drive file=d.img,if=virtio,cache=none,aio=native: its reads land in guest RAM after the submitting call returns",
+            ),
+            (
+                "-blockdev driver=file,filename=d,node-name=f,cache.direct=on,aio=io_uring",
+                "use aio=threads (QEMU's default)",
+            ),
+            (
+                "-device vfio-pci,host=0000:01:00.0",
+                "-device vfio-pci,host=0000:01:00.0: its back end writes guest RAM outside QEMU's page tables",
+            ),
+            ("-device vhost-user-fs-pci,chardev=fs0,tag=t", "vhost-user-fs-pci"),
+            ("-netdev vhost-user,id=n0,chardev=c0", "-netdev vhost-user"),
+            ("-nic vhost-vdpa,vhostdev=/dev/vhost-vdpa-0", "-nic vhost-vdpa"),
+            ("-daemonize", "-daemonize: the agent's thread does not survive QEMU's fork"),
+            ("--daemonize -pidfile /run/q.pid", "-daemonize"),
+        ] {
+            for (line, fix) in [
+                (format!("{ram} {extra}"), false),
+                (format!("qemu-system-x86_64 -m 1G {extra}"), true),
+            ] {
+                match prep(&line, fix) {
+                    Err(e @ QemuError::NotShareable(_)) => {
+                        let e = e.to_string();
+                        assert!(e.starts_with("guest RAM memfold cannot share:\n  - "), "{e}");
+                        assert!(e.contains(says), "{line}: {e}");
+                    }
+                    other => panic!("{line}: {other:?}"),
+                }
+            }
+        }
+        // Both kinds at once: every reason is listed.
+        match prep(
+            "qemu-system-x86_64 -m 1G -daemonize -device vfio-pci,host=1",
+            false,
+        ) {
+            Err(QemuError::NotShareable(r)) => assert_eq!(r.len(), 3, "{r:?}"),
+            other => panic!("{other:?}"),
+        }
+        for fine in [
+            "-drive file=d.img,if=virtio,cache=none,aio=threads -drive file=e,aio=io_uring",
+            "-chardev socket,id=b,path=/r/blk.sock -device vhost-user-blk-pci,chardev=b",
+            "-netdev tap,id=n0,vhost=on -device virtio-net-pci,netdev=n0",
+            "-append console=ttyS0 -pidfile /run/q.pid",
+        ] {
+            prep(&format!("{ram} {fine}"), false).unwrap();
         }
     }
 

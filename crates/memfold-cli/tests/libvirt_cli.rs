@@ -1,7 +1,8 @@
 //! `memfold libvirt enable|disable` against a stand-in `virsh` (a shell script on PATH
 //! that keeps one domain's XML in a file and logs its arguments): the commands virsh is
 //! given, `--connect` passed through, idempotence, the running-domain note, the exact
-//! restore, and a refusal that defines nothing. The real libvirt: scripts/libvirt-check.sh.
+//! restore, refusals that define nothing, and socket paths as libvirt's QEMU (in `/`)
+//! needs them. The real libvirt: scripts/libvirt-check.sh.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -53,6 +54,11 @@ esac
 }
 
 fn memfold(dir: &Path, args: &[&str]) -> Output {
+    memfold_in(dir, Path::new("/"), args)
+}
+
+/// As [`memfold`], run in the folder `cwd`.
+fn memfold_in(dir: &Path, cwd: &Path, args: &[&str]) -> Output {
     let path = format!(
         "{}:{}",
         dir.display(),
@@ -62,6 +68,7 @@ fn memfold(dir: &Path, args: &[&str]) -> Output {
         .arg("libvirt")
         .args(args)
         .env("PATH", path)
+        .current_dir(cwd)
         .output()
         .unwrap()
 }
@@ -178,6 +185,58 @@ fn refusals_define_nothing_and_say_why() {
     let calls = std::fs::read_to_string(d.join("calls")).unwrap();
     assert!(!calls.contains("define"), "{calls}");
 
+    // What the agent would leave unmanaged: a VFIO device, a disk read beyond the fence.
+    for (device, says) in [
+        (
+            "    <hostdev mode='subsystem' type='pci' managed='yes'>\n      <source><address domain='0x0000' bus='0x01' slot='0x00' function='0x0'/></source>\n    </hostdev>\n",
+            "domain web1: <hostdev type='pci'> 0000:01:00.0 (VFIO): such a device's back end writes guest RAM outside QEMU's page tables",
+        ),
+        (
+            "    <disk type='file' device='disk'>\n      <driver name='qemu' type='raw' cache='none' io='native'/>\n      <source file='/v/d.img'/>\n      <target dev='vda' bus='virtio'/>\n    </disk>\n",
+            "domain web1: <disk> vda with <driver io='native'/>: QEMU reads such a disk into guest RAM after the submitting call returns",
+        ),
+    ] {
+        let xml = DOMAIN.replace("    <memballoon", &format!("{device}    <memballoon"));
+        std::fs::write(d.join("domain.xml"), &xml).unwrap();
+        let o = memfold(d, &["enable", "web1", "--agent", agent.to_str().unwrap()]);
+        let t = text(&o);
+        assert!(!o.status.success(), "{t}");
+        assert!(t.contains(says), "{t}");
+        assert_eq!(std::fs::read_to_string(d.join("domain.xml")).unwrap(), xml);
+        let calls = std::fs::read_to_string(d.join("calls")).unwrap();
+        assert!(!calls.contains("define"), "{calls}");
+    }
+
+    // A monitor socket too long for a Unix socket: refused before anything is defined.
+    std::fs::write(d.join("domain.xml"), DOMAIN).unwrap();
+    let long = format!("/{}", "m".repeat(107));
+    let o = memfold(
+        d,
+        &[
+            "enable",
+            "web1",
+            "--agent",
+            agent.to_str().unwrap(),
+            "--claim",
+            "--monitor-socket",
+            &long,
+        ],
+    );
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(
+        t.contains(&format!(
+            "--monitor-socket {long}: 108 bytes, but a Unix socket's path must be under 108 bytes"
+        )),
+        "{t}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(d.join("domain.xml")).unwrap(),
+        DOMAIN
+    );
+    let calls = std::fs::read_to_string(d.join("calls")).unwrap();
+    assert!(!calls.contains("define"), "{calls}");
+
     // virsh's own error, with what was asked.
     let o = memfold(d, &["enable", "nosuch", "--agent", agent.to_str().unwrap()]);
     let t = text(&o);
@@ -194,4 +253,65 @@ fn refusals_define_nothing_and_say_why() {
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     assert!(t.contains("is not readable by others (mode 600)"), "{t}");
+}
+
+/// libvirt's QEMU runs in `/`: relative `--socket` and `--monitor-socket` paths go into the
+/// domain absolute, and the default monitor path of a domain whose name is too long for a
+/// Unix socket takes its UUID.
+#[test]
+fn socket_paths_are_ones_libvirts_qemu_can_use() {
+    let dir = fake_virsh(DOMAIN, "shut off");
+    let d = dir.path();
+    let real = d.canonicalize().unwrap();
+    let agent = d.join("libmemfold_agent.so");
+    let agent = agent.to_str().unwrap();
+    let xml = || std::fs::read_to_string(d.join("domain.xml")).unwrap();
+    let o = memfold_in(
+        d,
+        d,
+        &[
+            "enable",
+            "web1",
+            "--agent",
+            agent,
+            "--socket",
+            "run/memfoldd.sock",
+            "--claim",
+            "--monitor-socket",
+            "q.sock",
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let on = xml();
+    let socket = real.join("run/memfoldd.sock");
+    assert!(
+        on.contains(&format!(
+            "<qemu:env name=\"MEMFOLD_SOCKET\" value=\"{}\"/>",
+            socket.display()
+        )),
+        "{on}"
+    );
+    assert!(
+        on.contains(&format!(
+            "path={},server=on,wait=off",
+            real.join("q.sock").display()
+        )),
+        "{on}"
+    );
+    assert!(text(&o).contains(&format!("MEMFOLD_SOCKET={}", socket.display())));
+
+    // A 70-character name would make the default path 109 bytes.
+    let name = "n".repeat(70);
+    let long = DOMAIN.replace("<name>web1</name>", &format!("<name>{name}</name>"));
+    std::fs::write(d.join("domain.xml"), &long).unwrap();
+    let o = memfold(d, &["enable", "web1", "--agent", agent, "--claim"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let monitor = "/var/lib/libvirt/qemu/memfold-qmp-4dea22b3-1d52-d8f3-2516-782e98ab3fa0.sock";
+    let on = xml();
+    assert!(on.contains(&format!("path={monitor},")), "{on}");
+    assert!(!on.contains(&format!("memfold-qmp-{name}")), "{on}");
+    assert!(text(&o).contains(&format!("a QMP monitor for memfoldd at {monitor}")));
+    let o = memfold(d, &["disable", "web1"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(xml(), long, "disable finds the monitor by its record");
 }

@@ -197,6 +197,111 @@ fn huge_pages_and_private_numa_cells_are_refused_and_nothing_changes() {
     round_trip(&shared, &settings());
 }
 
+/// `PLAIN` with `devices` added before its `<memballoon>`.
+fn with_devices(devices: &str) -> String {
+    PLAIN.replace("    <memballoon", &format!("{devices}\n    <memballoon"))
+}
+
+/// Devices and disks the agent would leave the guest alone for (what libvirt makes of
+/// them is in `RamPlan::outside_writers` / `unfenced_io`) are refused, each named, and
+/// nothing changes; their harmless kin pass.
+#[test]
+fn devices_the_agent_would_refuse_are_refused_and_nothing_changes() {
+    for (device, says) in [
+        (
+            "<hostdev mode='subsystem' type='pci' managed='yes'><source><address domain='0x0000' bus='0x01' slot='0x00' function='0x0'/></source></hostdev>",
+            "<hostdev type='pci'> 0000:01:00.0 (VFIO)",
+        ),
+        (
+            "<hostdev mode='subsystem' type='mdev' model='vfio-pci'><source><address uuid='c2177883-f1bb-47f0-914d-32a22e3a8804'/></source></hostdev>",
+            "<hostdev type='mdev'> c2177883-f1bb-47f0-914d-32a22e3a8804 (VFIO)",
+        ),
+        (
+            "<interface type='hostdev' managed='yes'><mac address='52:54:00:6d:90:02'/><source><address type='pci' domain='0x0000' bus='0x02' slot='0x07' function='0x0'/></source></interface>",
+            "<interface type='hostdev'> 52:54:00:6d:90:02 (VFIO)",
+        ),
+        (
+            "<filesystem type='mount' accessmode='passthrough'><driver type='virtiofs'/><source dir='/srv/share'/><target dir='share'/></filesystem>",
+            "<filesystem> share with <driver type='virtiofs'/>",
+        ),
+        (
+            "<interface type='vhostuser'><mac address='52:54:00:3b:83:1a'/><source type='unix' path='/tmp/vhost1.sock' mode='server'/><model type='virtio'/></interface>",
+            "<interface type='vhostuser'> 52:54:00:3b:83:1a",
+        ),
+        (
+            "<interface type='vdpa'><source dev='/dev/vhost-vdpa-0'/></interface>",
+            "<interface type='vdpa'>",
+        ),
+        (
+            "<video><model type='virtio'/><driver name='vhostuser'/></video>",
+            "<video> with <driver name='vhostuser'/>",
+        ),
+    ] {
+        match enable(&with_devices(device), &settings()) {
+            Err(e @ XmlError::OutsideWriters { .. }) => {
+                let m = e.to_string();
+                assert!(m.starts_with(&format!("domain web1: {says}: such a device's back end writes guest RAM outside QEMU's page tables")), "{m}");
+            }
+            other => panic!("{device}: {other:?}"),
+        }
+    }
+    let disk = |driver: &str| {
+        PLAIN.replace(
+            "<driver name='qemu' type='qcow2' discard='unmap'/>",
+            &format!("<driver name='qemu' type='qcow2' {driver}/>"),
+        )
+    };
+    for (driver, says) in [
+        ("io='native'", "<disk> vda with <driver io='native'/>"),
+        (
+            "cache='none' io='native'",
+            "<disk> vda with <driver io='native'/>",
+        ),
+        (
+            "cache='none' io='io_uring'",
+            "<disk> vda with <driver io='io_uring' cache='none'/>",
+        ),
+        (
+            "io='io_uring' cache='directsync'",
+            "<disk> vda with <driver io='io_uring' cache='directsync'/>",
+        ),
+    ] {
+        match enable(&disk(driver), &settings()) {
+            Err(e @ XmlError::UnfencedDisks { .. }) => {
+                let m = e.to_string();
+                assert!(
+                    m.starts_with(&format!("domain web1: {says}: QEMU reads such a disk")),
+                    "{m}"
+                );
+                assert!(m.contains("drop the io attribute"), "{m}");
+            }
+            other => panic!("{driver}: {other:?}"),
+        }
+    }
+    // Several at once: each is named.
+    let two = with_devices(
+        "<hostdev mode='subsystem' type='pci'><source><address domain='0x0000' bus='0x01' slot='0x00' function='0x0'/></source></hostdev>\n<interface type='vdpa'><source dev='/dev/vhost-vdpa-0'/></interface>",
+    );
+    assert!(matches!(
+        enable(&two, &settings()),
+        Err(XmlError::OutsideWriters { devices, .. }) if devices.len() == 2
+    ));
+    // What the agent manages: buffered io_uring, threads, USB and SCSI host devices
+    // (QEMU's own), a 9p share, memfold-blk's vhost-user disk, a plain virtio GPU.
+    for fine in [
+        disk("cache='writeback' io='io_uring'"),
+        disk("cache='none' io='threads'"),
+        disk("cache='none'"),
+        with_devices("<hostdev mode='subsystem' type='usb'><source><vendor id='0x1234'/><product id='0xbeef'/></source></hostdev>"),
+        with_devices("<hostdev mode='subsystem' type='scsi_host'><source protocol='vhost' wwpn='naa.5001405df3e54061'/></hostdev>"),
+        with_devices("<filesystem type='mount' accessmode='mapped'><source dir='/srv'/><target dir='srv'/></filesystem>"),
+        with_devices("<disk type='vhostuser' device='disk'><driver name='qemu' type='raw'/><source type='unix' path='/run/blk.sock'/><target dev='vdb' bus='virtio'/></disk>"),
+        with_devices("<video><model type='virtio'/></video>"),
+    ] {
+        round_trip(&fine, &settings());
+    }
+}
+
 #[test]
 fn enable_is_idempotent_and_takes_new_settings() {
     for xml in [PLAIN, TUNED] {
