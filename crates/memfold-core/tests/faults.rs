@@ -22,18 +22,49 @@ fn vm_books(r: &Rig, vm: VmId) -> memfold_core::engine::VmBooks {
         .books
 }
 
-#[test]
-fn a_failed_swap_write_back_refuses_its_swap_outs_and_loses_nothing() {
-    let cfg = EngineConfig {
-        policy: Policy::aggressive(),
+/// The engine as these tests run it: `policy`, a clock pass every 100 ms, scans every
+/// 10 ms, no rate limit, a host budget of `budget` bytes if any.
+fn cfg(policy: Policy, budget: Option<u64>) -> EngineConfig {
+    EngineConfig {
+        policy,
         rate: 0,
         clock_interval_us: Some(100_000),
         min_scan_interval_us: 10_000,
         max_scan_interval_us: 10_000,
-        // Far under the guest's RAM: every cold page is wanted in the swap file.
-        host_budget: Some(8 * PAGE_SIZE as u64),
+        host_budget: budget,
         ..EngineConfig::default()
-    };
+    }
+}
+
+/// Writes a line of text of its own into every page of `r`'s guest (each compresses, no
+/// two alike), `what` naming the test in it; returns the pages as written.
+fn text_pages(r: &mut Rig, what: &str) -> Vec<Vec<u8>> {
+    (0..PAGES)
+        .map(|g| {
+            let line = format!("page {g} of the {what} test, a line of its own; ");
+            let p: Vec<u8> = line.bytes().cycle().take(PAGE_SIZE).collect();
+            r.agent.write(Gfn(g), 0, &p).unwrap();
+            p
+        })
+        .collect()
+}
+
+/// Every page of `r`'s guest reads as `model` holds it (read by the guest: what is
+/// stored is decoded back).
+fn reads_back(r: &mut Rig, model: &[Vec<u8>]) {
+    for g in 0..PAGES {
+        assert_eq!(
+            r.agent.read(Gfn(g)).unwrap()[..],
+            model[g as usize][..],
+            "gfn {g}"
+        );
+    }
+}
+
+#[test]
+fn a_failed_swap_write_back_refuses_its_swap_outs_and_loses_nothing() {
+    // Far under the guest's RAM: every cold page is wanted in the swap file.
+    let cfg = cfg(Policy::aggressive(), Some(8 * PAGE_SIZE as u64));
     let mut r = Rig::with_swap(cfg, PAGES, 1 << 20).unwrap();
     // Random pages: neither shared, patched nor compressed; swapped raw.
     let mut rng = SmallRng::seed_from_u64(3);
@@ -84,13 +115,7 @@ fn a_failed_swap_write_back_refuses_its_swap_outs_and_loses_nothing() {
         vm_books(&r, r.vm).swapped_pages > 0,
         "no swap-out after the disk recovered"
     );
-    for g in 0..PAGES {
-        assert_eq!(
-            r.agent.read(Gfn(g)).unwrap()[..],
-            model[g as usize][..],
-            "gfn {g}"
-        );
-    }
+    reads_back(&mut r, &model);
 }
 
 /// A backing that refuses writes for a while (the store memfd out of memory; a swap
@@ -100,23 +125,8 @@ fn a_failed_swap_write_back_refuses_its_swap_outs_and_loses_nothing() {
 /// write) left every cold page uncompressed for good.
 #[test]
 fn pages_tried_while_the_store_refused_writes_are_compressed_once_it_writes() {
-    let cfg = EngineConfig {
-        policy: Policy::difference_engine(),
-        rate: 0,
-        clock_interval_us: Some(100_000),
-        min_scan_interval_us: 10_000,
-        max_scan_interval_us: 10_000,
-        ..EngineConfig::default()
-    };
-    let mut r = Rig::new(cfg, PAGES).unwrap();
-    // Text: every page compresses, no two alike.
-    let mut model = Vec::new();
-    for g in 0..PAGES {
-        let line = format!("page {g} of the refused-write test, a line of its own; ");
-        let p: Vec<u8> = line.bytes().cycle().take(PAGE_SIZE).collect();
-        r.agent.write(Gfn(g), 0, &p).unwrap();
-        model.push(p);
-    }
+    let mut r = Rig::new(cfg(Policy::difference_engine(), None), PAGES).unwrap();
+    let model = text_pages(&mut r, "refused-write");
     r.agent.shared.store.file().fail_writes = true;
     for _ in 0..300 {
         r.step(10_000).unwrap();
@@ -136,13 +146,7 @@ fn pages_tried_while_the_store_refused_writes_are_compressed_once_it_writes() {
         b.compressed_pages + b.patched_pages > PAGES as u64 / 2,
         "pages left uncompressed after the store recovered: {b:?}"
     );
-    for g in 0..PAGES {
-        assert_eq!(
-            r.agent.read(Gfn(g)).unwrap()[..],
-            model[g as usize][..],
-            "gfn {g}"
-        );
-    }
+    reads_back(&mut r, &model);
 }
 
 /// A swap file whose write-back keeps failing is backed off from (1 s, doubling): each
@@ -150,23 +154,8 @@ fn pages_tried_while_the_store_refused_writes_are_compressed_once_it_writes() {
 /// every flush carrying swap-outs ran one. Cold pages meanwhile go to the store.
 #[test]
 fn a_swap_file_that_keeps_failing_its_write_back_is_backed_off_from() {
-    let cfg = EngineConfig {
-        policy: Policy::aggressive(),
-        rate: 0,
-        clock_interval_us: Some(100_000),
-        min_scan_interval_us: 10_000,
-        max_scan_interval_us: 10_000,
-        host_budget: Some(1),
-        ..EngineConfig::default()
-    };
-    let mut r = Rig::with_swap(cfg, PAGES, 1 << 20).unwrap();
-    let mut model = Vec::new();
-    for g in 0..PAGES {
-        let line = format!("page {g} of the failing write-back test, its own line; ");
-        let p: Vec<u8> = line.bytes().cycle().take(PAGE_SIZE).collect();
-        r.agent.write(Gfn(g), 0, &p).unwrap();
-        model.push(p);
-    }
+    let mut r = Rig::with_swap(cfg(Policy::aggressive(), Some(1)), PAGES, 1 << 20).unwrap();
+    let model = text_pages(&mut r, "failing write-back");
     r.agent.shared.swap.file().fail_sync = true;
     // 6 s: with a back-off of 1, 2 and 4 s, at most 4 write-backs are tried.
     for _ in 0..600 {
@@ -182,11 +171,5 @@ fn a_swap_file_that_keeps_failing_its_write_back_is_backed_off_from() {
         vm_books(&r, r.vm).compressed_pages > 0,
         "nothing stored meanwhile"
     );
-    for g in 0..PAGES {
-        assert_eq!(
-            r.agent.read(Gfn(g)).unwrap()[..],
-            model[g as usize][..],
-            "gfn {g}"
-        );
-    }
+    reads_back(&mut r, &model);
 }

@@ -17,26 +17,12 @@ use memfold_wire::{
 /// The shared mapping of a new memfd of `pages` pages named as QEMU names its memory
 /// backends.
 pub fn region(pages: usize) -> (OwnedFd, *mut u8) {
-    let fd = memfd::create("memory-backend-memfd").unwrap();
-    memfd::set_len(fd.as_fd(), (pages * PAGE_SIZE) as u64).unwrap();
-    // SAFETY: a new shared mapping of a memfd this test owns, at an address the kernel
-    // picks; never unmapped; touched only through raw pointers.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            pages * PAGE_SIZE,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(p, libc::MAP_FAILED);
-    (fd, p as *mut u8)
+    filled_region("memory-backend-memfd", pages, |_| Vec::new())
 }
 
 /// The shared mapping of a new memfd named `name` of `pages` pages, page g holding
-/// `bytes(g)` (written through the file, before any agent registers the mapping).
+/// `bytes(g)` (written through the file, before any agent registers the mapping; an
+/// empty `bytes(g)` leaves page g a hole).
 pub fn filled_region(
     name: &str,
     pages: usize,
