@@ -85,7 +85,9 @@ pub struct RamPlan {
     /// Devices and network back ends whose other end writes guest RAM outside QEMU's
     /// page tables, as written: a vhost-user back end other than a block device
     /// (virtiofsd, DPDK: they map guest RAM from its memfd in their own process), vDPA,
-    /// VFIO (a device's DMA into pages it pinned). Their writes under a shared page are
+    /// VFIO (a device's DMA into pages it pinned, QEMU's own NVMe driver's too: a
+    /// `-drive`/`-blockdev` of driver `nvme` or file `nvme://`), multi-process QEMU's
+    /// `x-pci-proxy-dev`. Their writes under a shared page are
     /// lost, a page reclaimed under them is written where the guest no longer reads, so
     /// memfold leaves such a guest alone. `vhost-user-blk` is taken as memfold-blk's,
     /// which writes through QEMU's page tables (docs/security.md).
@@ -316,6 +318,7 @@ fn writes_outside(driver: &str) -> bool {
     (driver.starts_with("vhost-user-") && !driver.starts_with("vhost-user-blk"))
         || driver.starts_with("vfio-")
         || driver.starts_with("vhost-vdpa")
+        || driver == "x-pci-proxy-dev"
 }
 
 impl RamPlan {
@@ -421,6 +424,15 @@ impl RamPlan {
                         || (direct && named("aio").any(|v| v == "io_uring"));
                     if unfenced {
                         plan.unfenced_io.push(format!("{word} {arg}"));
+                    }
+                    // QEMU's own VFIO NVMe driver maps all guest RAM into the IOMMU at
+                    // open, and a vDPA block device DMAs into it: the device writes reads
+                    // into pages it pinned.
+                    let nvme = named("driver").any(|v| v == "nvme" || v == "virtio-blk-vhost-vdpa")
+                        || named("file").any(|v| v.starts_with("nvme://"))
+                        || named("filename").any(|v| v.starts_with("nvme://"));
+                    if nvme {
+                        plan.outside_writers.push(format!("{word} {arg}"));
                     }
                 }
                 "mem-path" => plan.mem_path = Some(arg.into()),
@@ -578,6 +590,14 @@ mod tests {
                 "-device vhost-user-gpu-pci,chardev=g",
             ]
         );
+        // QEMU's VFIO NVMe driver, in each spelling.
+        for nvme in [
+            "-drive file=nvme://0000:01:00.0/1,if=virtio",
+            "-blockdev driver=nvme,node-name=n0,device=0000:01:00.0,namespace=1",
+            "-blockdev driver=qcow2,node-name=q,file.driver=nvme,file.device=0000:01:00.0",
+        ] {
+            assert_eq!(plan(nvme).outside_writers, [nvme], "{nvme}");
+        }
         let libvirt = [
             "-device",
             r#"{"driver":"vhost-user-fs-pci","id":"fs0","chardev":"chr-vu-fs0","tag":"mount_tag"}"#,

@@ -233,6 +233,9 @@ fn outside_writers(devices: &Elem) -> Vec<String> {
             (b"interface", "hostdev") => format!("<interface type='hostdev'>{at} (VFIO)"),
             (b"interface", "vhostuser") => format!("<interface type='vhostuser'>{at}"),
             (b"interface", "vdpa") => format!("<interface type='vdpa'>{at}"),
+            // QEMU's own VFIO NVMe driver maps all guest RAM into the IOMMU at open.
+            (b"disk", "nvme") => format!("<disk type='nvme'>{at} (VFIO)"),
+            (b"disk", "vhostvdpa") => format!("<disk type='vhostvdpa'>{at}"),
             (b"filesystem", _) if driver("type").as_deref() == Some("virtiofs") => {
                 format!("<filesystem>{at} with <driver type='virtiofs'/>")
             }

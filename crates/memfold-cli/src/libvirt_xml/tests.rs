@@ -236,6 +236,10 @@ fn devices_the_agent_would_refuse_are_refused_and_nothing_changes() {
             "<video><model type='virtio'/><driver name='vhostuser'/></video>",
             "<video> with <driver name='vhostuser'/>",
         ),
+        (
+            "<disk type='nvme' device='disk'><driver name='qemu' type='raw'/><source type='pci' managed='yes' namespace='1'><address domain='0x0000' bus='0x01' slot='0x00' function='0x0'/></source><target dev='vde' bus='virtio'/></disk>",
+            "<disk type='nvme'> vde (VFIO)",
+        ),
     ] {
         match enable(&with_devices(device), &settings()) {
             Err(e @ XmlError::OutsideWriters { .. }) => {
