@@ -43,11 +43,16 @@
 
 use std::os::fd::AsFd;
 
-use memfold_ids::Gfn;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use memfold_ids::{FrameId, Gfn};
 use memfold_wire::Discarded;
 
 use crate::state::PageHome;
 use crate::{Agent, PAGE};
+
+/// Pages discards left on their frames for want of VMA room, this process's (cumulative).
+static KEPT_ON_FRAMES: AtomicU64 = AtomicU64::new(0);
 
 impl Agent {
     /// QEMU discarded `[start, end)` of this process's memory (bytes); the part in guest RAM
@@ -102,11 +107,21 @@ impl Agent {
                 PageHome::Zero => Discarded::Zero,
                 PageHome::Stashed(_) => Discarded::Stashed,
                 PageHome::Frame(f) => {
-                    // Guest RAM mapped back over one page of a run adds two mappings: only
-                    // within the VMA budget, as a CoW break's (past it QEMU's own mmaps
-                    // would fail). Else it stays on its frame, as when the kernel refuses.
-                    if !crate::vmas::PROCESS
-                        .break_fits(self.vma_budget.get(), crate::vmas::read_self_maps)
+                    // Guest RAM mapped back over a page inside a run adds two mappings:
+                    // only within the VMA budget, as a CoW break's (past it QEMU's own
+                    // mmaps would fail); else it stays on its frame, as when the kernel
+                    // refuses. At a run's edge it adds one at most (the budget's
+                    // headroom covers it), alone it takes two away: always done.
+                    let on = |g: Option<u32>, f: Option<u32>| {
+                        g.zip(f).is_some_and(|(g, f)| {
+                            self.pages.get(Gfn(g)) == Some(PageHome::Frame(FrameId(f)))
+                        })
+                    };
+                    let inside = on(gfn.0.checked_sub(1), f.0.checked_sub(1))
+                        && on(gfn.0.checked_add(1), f.0.checked_add(1));
+                    if inside
+                        && !crate::vmas::PROCESS
+                            .break_fits(self.vma_budget.get(), crate::vmas::read_self_maps)
                     {
                         kept_on_frames += 1;
                         continue;
@@ -127,9 +142,14 @@ impl Agent {
             self.pending.discards.push((gfn, what));
         }
         if kept_on_frames > 0 {
-            tracing::warn!(
-                "a discard left {kept_on_frames} pages on their frames: the VMA budget has no room to map guest RAM back over them"
-            );
+            // A balloon discards a page an event: said at the 1st, 2nd, 4th... page.
+            let before = KEPT_ON_FRAMES.fetch_add(kept_on_frames, Ordering::Relaxed);
+            let now = before + kept_on_frames;
+            if (before + 1..=now).any(u64::is_power_of_two) {
+                tracing::warn!(
+                    "discards left {now} pages on their frames so far: the VMA budget had no room to map guest RAM back over them"
+                );
+            }
         }
     }
 }
