@@ -144,7 +144,17 @@ pub fn capture(guest: &Guest, out: &Path, pause: bool) -> Result<CaptureInfo, Ca
         0
     };
     if pause {
-        qmp.execute("cont", None).map_err(qerr)?;
+        // A session whose pmemsave failed half way takes no more commands (its answer may
+        // still come): resumed through a new one.
+        if qmp.unusable().is_some() {
+            qmp = guest.qmp()?;
+        }
+        if let Err(e) = qmp.execute("cont", None) {
+            if let Ok((_, parts)) = &result {
+                remove_parts(parts);
+            }
+            return Err(qerr(e).into());
+        }
     }
     let (bitmap, parts) = result?;
     // Joined once the guest runs again: only files are left to copy.
