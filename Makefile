@@ -47,7 +47,7 @@ bench:
 # cargo-deb from crates.io if it is missing.
 deb:
 	cargo build --release -p memfold-cli -p memfold-agent -p memfold-blk
-	command -v cargo-deb >/dev/null || cargo install cargo-deb --locked
+	command -v cargo-deb >/dev/null || cargo install cargo-deb --version 3.8.0 --locked
 	cargo deb -p memfold-cli --no-build --dbgsym --compress-debug-symbols=zlib --output out/deb/
 
 # The package on a clean Debian bookworm chroot: installs, memfoldd starts as the unit

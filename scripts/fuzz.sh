@@ -30,7 +30,7 @@ if ! command -v rustup >/dev/null 2>&1 || ! rustup toolchain list | grep -q '^ni
     skip "no nightly Rust toolchain (cargo fuzz needs one; rustup cannot download it here)"
 fi
 cargo +nightly fuzz --version >/dev/null 2>&1 ||
-    skip "cargo-fuzz is not installed (cargo install cargo-fuzz --locked)"
+    skip "cargo-fuzz is not installed (cargo install cargo-fuzz --version 0.13.2 --locked)"
 
 # Fuzz builds live beside the workspace's (own RUSTFLAGS: a shared folder would rebuild).
 target_dir="${CARGO_TARGET_DIR:-$root/target}/fuzz"
