@@ -15,7 +15,10 @@ use std::time::Duration;
 
 mod common;
 
-use common::{accept_hello, filled_region, mappings, next, page_of, start_agent_budget, welcome};
+use common::{
+    accept_hello, distinct_page as page, filled_region, mappings, next, page_of,
+    start_agent_budget, welcome,
+};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
 use memfold_wire::{BatchId, FrameId, Gfn, ToAgent, ToDaemon};
@@ -26,15 +29,6 @@ const PAGES: usize = 2000;
 /// Mappings the budget allows beyond what the process has before the agent starts (and
 /// the 100 of slack for the agent's own threads).
 const ROOM: usize = 600;
-
-/// Byte `i` of page `g`: every page differs from every other, none is zero.
-fn pattern(g: usize, i: usize) -> u8 {
-    ((g * 131 + i * 7 + (i >> 8) * g) % 251) as u8 + 1
-}
-
-fn page(g: usize) -> Vec<u8> {
-    (0..PAGE_SIZE).map(|i| pattern(g, i)).collect()
-}
 
 #[test]
 fn a_discard_over_shared_pages_stays_within_the_vma_budget() {

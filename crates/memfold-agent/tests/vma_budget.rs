@@ -18,7 +18,10 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{filled_region, mappings, next, start_agent_budget, welcome};
+use common::{
+    distinct_byte as pattern, distinct_page as page, filled_region, mappings, next,
+    start_agent_budget, welcome,
+};
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
 use memfold_wire::{BatchId, FrameId, Gfn, ToAgent, ToDaemon};
@@ -29,16 +32,6 @@ const PAGES: usize = 1000;
 /// the 100 of slack for the agent's own threads): room for about 600 pages on frames in
 /// all, fewer than the 2000 that could share, more than either region alone holds back.
 const ROOM: usize = 600;
-
-/// Byte `i` of page `g`: every page differs from every other.
-fn pattern(g: usize, i: usize) -> u8 {
-    ((g * 131 + i * 7 + (i >> 8) * g) % 251) as u8 + 1
-}
-
-/// Page `g` as both regions and the pool hold it.
-fn page(g: usize) -> Vec<u8> {
-    (0..PAGE_SIZE).map(|i| pattern(g, i)).collect()
-}
 
 #[test]
 fn cow_breaks_in_two_regions_stay_within_one_process_budget() {

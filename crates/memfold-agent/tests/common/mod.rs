@@ -20,6 +20,16 @@ pub fn region(pages: usize) -> (OwnedFd, *mut u8) {
     filled_region("memory-backend-memfd", pages, |_| Vec::new())
 }
 
+/// Byte `i` of a page `g` unlike any other page (none of its bytes zero).
+pub fn distinct_byte(g: usize, i: usize) -> u8 {
+    ((g * 131 + i * 7 + (i >> 8) * g) % 251) as u8 + 1
+}
+
+/// Page `g` of [`distinct_byte`]s.
+pub fn distinct_page(g: usize) -> Vec<u8> {
+    (0..PAGE_SIZE).map(|i| distinct_byte(g, i)).collect()
+}
+
 /// The shared mapping of a new memfd named `name` of `pages` pages, page g holding
 /// `bytes(g)` (written through the file, before any agent registers the mapping; an
 /// empty `bytes(g)` leaves page g a hole).
