@@ -33,7 +33,8 @@ pub struct AnalyzeArgs {
     /// Compression codec: lz4, zstd, lzo, wkdm.
     #[arg(long, default_value = "lz4")]
     pub codec: CompressCodec,
-    /// Cut-off for patches and compressed pages, bytes.
+    /// Cut-off for patches and compressed pages, bytes (at most 4088: a blob and its
+    /// 8-byte header in one page).
     #[arg(long, default_value_t = 2048)]
     pub cutoff: usize,
     /// Print JSON instead of the table.

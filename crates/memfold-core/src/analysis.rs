@@ -138,6 +138,18 @@ pub fn analyze(guests: &[GuestMemory], cfg: &AnalysisConfig) -> Result<Vec<SetAn
     for g in guests {
         assert!(g.ram.len() % PAGE_SIZE == 0, "{}: not whole pages", g.name);
     }
+    // A blob is counted in a slab slot with its header, and no slot is past a page.
+    for (which, bytes) in [
+        ("patch", cfg.patch_cutoff),
+        ("compression", cfg.compress_cutoff),
+    ] {
+        if bytes.saturating_add(BLOB_HEADER) > PAGE_SIZE {
+            return Err(format!(
+                "{which} cut-off of {bytes} bytes: at most {} (a blob and its {BLOB_HEADER}-byte header in one page)",
+                PAGE_SIZE - BLOB_HEADER
+            ));
+        }
+    }
     let det = SimilarityDetector::new(cfg.similarity)?;
     let threads = cfg.threads.max(1);
 
@@ -400,6 +412,33 @@ mod tests {
         let mut p = vec![0u8; PAGE_SIZE];
         SmallRng::seed_from_u64(seed).fill(&mut p[..]);
         p
+    }
+
+    /// A cut-off past what a slab slot holds with its header is refused by name (it
+    /// panicked in the slot lookup when a page compressed to just under a page).
+    #[test]
+    fn a_cutoff_past_a_slot_is_refused_not_a_panic() {
+        let pages: Vec<u8> = (0..8).flat_map(random).collect();
+        let g = [GuestMemory {
+            name: "r".into(),
+            ram: &pages,
+            resident: None,
+        }];
+        let cfg = AnalysisConfig {
+            compress_cutoff: 5000,
+            ..AnalysisConfig::default()
+        };
+        let err = analyze(&g, &cfg).unwrap_err();
+        assert!(
+            err.contains("compression cut-off of 5000 bytes: at most 4088"),
+            "{err}"
+        );
+        let ok = AnalysisConfig {
+            compress_cutoff: 4088,
+            patch_cutoff: 4088,
+            ..AnalysisConfig::default()
+        };
+        analyze(&g, &ok).unwrap();
     }
 
     #[test]
