@@ -135,7 +135,22 @@ impl AsFd for FileBacking {
 
 impl Backing for FileBacking {
     fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), BackingError> {
-        memfd::pread_exact(self.fd.as_fd(), out, offset)
+        // Within the length memfoldd set, and within the file as it is: a peer holding it
+        // read-write may have cut it short, and zeros read past its end would pass for a
+        // frame's or a blob's bytes (a zero page to share onto, a reference to patch
+        // against) — the trait's "ran past the end" error, as `MemBacking` gives.
+        if offset.saturating_add(out.len() as u64) > self.len {
+            return Err(BackingError::new(
+                format!(
+                    "{} pread of {} bytes at {offset}: past its {} bytes",
+                    self.what,
+                    out.len(),
+                    self.len
+                ),
+                std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
+            ));
+        }
+        memfd::pread_within(self.fd.as_fd(), out, offset)
             .map_err(|e| BackingError::new(format!("{} pread at {offset}", self.what), e))
     }
 
@@ -258,6 +273,26 @@ impl GuestRam for MemfdRam {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A peer that holds a backing read-write cuts it short: a read of what it cut is an
+    /// error, not a page of zeros (the engine would take it for a zero frame to share
+    /// onto, or a reference to patch against); so is a read past the length memfoldd set.
+    #[test]
+    fn a_backing_cut_short_by_its_peer_reads_as_an_error_not_zeros() {
+        let mut b = FileBacking::memfd("cut-test").unwrap();
+        b.resize(8 * 4096).unwrap();
+        b.write(4096, &[5u8; 4096]).unwrap();
+        let mut page = [0u8; 4096];
+        b.read(4096, &mut page).unwrap();
+        assert_eq!(page, [5u8; 4096]);
+        let peer = b.dup().unwrap();
+        memfd::set_len(peer.as_fd(), 4096).unwrap();
+        let err = b.read(4096, &mut page).unwrap_err();
+        assert!(err.to_string().contains("pread at 4096"), "{err}");
+        memfd::set_len(peer.as_fd(), 16 * 4096).unwrap();
+        let err = b.read(8 * 4096, &mut page).unwrap_err();
+        assert!(err.to_string().contains("past its 32768 bytes"), "{err}");
+    }
 
     /// A peer that holds a backing read-write grows it to 1 TiB (sparse): the page-out
     /// window, the count of bytes in swap and the allocated bytes stay within the length
