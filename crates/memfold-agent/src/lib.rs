@@ -93,6 +93,7 @@
 //! | `requests` | memfoldd's requests (share, reclaim, stash, move, clock scan) and replies |
 //! | `install` | mapping pool frames over guest pages (`mremap`, `EVENT_REMAP`) and back |
 //! | `attach` | connecting, the hello and re-attach list, the welcome, the reports |
+//! | `ram_sends` | `sendmsg` interposed: guest RAM's memfd sent to no process but memfold-blk while managed |
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
@@ -112,6 +113,7 @@ mod install;
 mod nocopy;
 mod pageout;
 pub mod qemu_args;
+mod ram_sends;
 mod rbits;
 mod regions;
 mod requests;
@@ -593,6 +595,11 @@ fn run_region(
     let remapper = Remapper::new()?;
     let uffd = Uffd::open(uffd::AGENT_FEATURES)?;
     let rbits = rbits::reader(cfg.clock_rbits, base, &cfg.name);
+    let ram_id = memfold_sys::memfd::file_id(memfd.as_fd())?;
+    // This thread's sends of the memfd are its hellos; any other thread's go to
+    // memfold-blk or nowhere while the region is managed (`ram_sends`).
+    ram_sends::mark_agent_thread();
+    let _managed = ram_sends::manage(ram_id, &cfg.name);
     // SAFETY: guest RAM is QEMU's shared memfd mapping, which this process touches only
     // through raw addresses (QEMU's vCPUs and devices), never through Rust references; the
     // agent thread that answers its faults never touches it through the mapping. The
