@@ -144,10 +144,41 @@ impl Counters {
     }
 }
 
+/// Set when QEMU's command line says it switches to another user once set up (`-runas`,
+/// `-run-with user=`): until then the process is root's.
+static SWITCHES_USER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Records that QEMU switches to `user` once set up (`RamPlan::runs_as`): no agent
+/// attaches before it has. Root named as the user switches nothing.
+pub(crate) fn expect_user_switch(user: &str) {
+    if !matches!(user, "root" | "0" | "0:0") {
+        SWITCHES_USER.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Whether an attach must wait: QEMU switches user later (`switches`) and this process
+/// still runs as root (`euid` 0).
+///
+/// Invariant: an agent whose QEMU will run as a tenant never connects as root. memfoldd
+/// keys a connection by the credentials the kernel recorded at connect (SO_PEERCRED) for
+/// its whole life: one made before QEMU's switch would put the tenant's guest in root's
+/// sharing domain, with root's pool — which a guest escaping into its QEMU would then
+/// hold — and without the tenant's quota.
+fn before_user_switch(switches: bool, euid: u32) -> bool {
+    switches && euid == 0
+}
+
 impl Agent {
     /// Connects and sends the hello (with the pool and the shared pages when re-attaching).
     /// Any failure leaves the agent detached; it tries again later.
     pub(crate) fn attach(&mut self) {
+        if before_user_switch(
+            SWITCHES_USER.load(std::sync::atomic::Ordering::SeqCst),
+            memfold_sys::socket::my_uid(),
+        ) {
+            // Tried again in a second: QEMU switches user before it runs the guest.
+            return;
+        }
         // On the thread that serves the guest's faults: a memfoldd stopped or stalled,
         // its backlog full, must not hold the guest in connect(2). Tried again later.
         let Ok(conn) = Conn::connect_at_once(&self.cfg.socket) else {
@@ -463,5 +494,17 @@ impl Agent {
         for m in msgs {
             self.send_to_memfoldd(m);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_agent_waits_for_its_qemus_switch_from_root() {
+        assert!(before_user_switch(true, 0), "root, to switch: wait");
+        assert!(!before_user_switch(true, 107), "switched: attach");
+        assert!(!before_user_switch(false, 0), "root for good: attach");
     }
 }

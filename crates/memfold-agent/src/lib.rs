@@ -392,6 +392,10 @@ pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
                 problems.join("; ")
             );
         }
+        if let Some(user) = &plan.runs_as {
+            tracing::info!("QEMU runs as {user} once set up: attaching only after that");
+            attach::expect_user_switch(user);
+        }
     }
     let expected = plan.as_ref().map(|p| p.shareable_backends());
     let (found, by_name) = discover(&cfg, expected)?;
