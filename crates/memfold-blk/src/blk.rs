@@ -33,9 +33,7 @@ use virtio_bindings::virtio_blk as vb;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestAddressSpace;
 use vmm_sys_util::epoll::EventSet;
-use vmm_sys_util::event::{
-    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
-};
+use vmm_sys_util::event::{EventConsumer, EventNotifier};
 
 use crate::disk::{Disk, DiskError, Extent, SECTOR};
 use crate::landed::{Landed, LandedSink};
@@ -94,6 +92,14 @@ pub struct BlkBackend {
     counters: Counters,
     /// With a read rate: when the disk is free for the next read.
     read_free_at: std::time::Instant,
+    /// Whether the driver accepted `VIRTIO_BLK_F_FLUSH` (set at `SET_FEATURES`): only
+    /// then may a completed write wait in the disk's cache for the guest's flush. Off
+    /// until the features are set, and after a reset: each write is then durable before
+    /// it completes ([`BlkBackend::write_through`]).
+    flush_acked: bool,
+    /// Exit events handed to vhost-user-backend for each worker thread, closed when
+    /// replaced (see `BlkBackend::exit_event`).
+    exit_events: std::sync::Mutex<Vec<Option<std::os::fd::RawFd>>>,
     /// The most bytes of bounce buffers a pass's view held at once.
     #[cfg(test)]
     peak_bounce_bytes: u64,
@@ -107,6 +113,28 @@ pub struct Served {
     /// Requests are still available: the call stopped at its bound and must be made
     /// again (no kick of the guest's will come for them).
     pub pending: bool,
+}
+
+/// A [`BlkBackend::process_queue`] call that failed on the rings, and whether requests
+/// it completed before the failure want the guest notified (they are in the used ring:
+/// unnotified, the guest may wait on them for good).
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct QueueFailed {
+    /// Why the rings could not be read or written.
+    pub error: MemError,
+    /// The guest must be notified of used buffers all the same.
+    pub notify: bool,
+}
+
+impl From<MemError> for QueueFailed {
+    /// A failure before any request was completed: nothing to notify.
+    fn from(error: MemError) -> QueueFailed {
+        QueueFailed {
+            error,
+            notify: false,
+        }
+    }
 }
 
 /// Why a request failed, for the log.
@@ -185,6 +213,8 @@ impl BlkBackend {
             mem: None,
             counters: Counters::default(),
             read_free_at: std::time::Instant::now(),
+            flush_acked: false,
+            exit_events: Default::default(),
             #[cfg(test)]
             peak_bounce_bytes: 0,
         }
@@ -218,37 +248,6 @@ impl BlkBackend {
         self.mem = mem;
     }
 
-    /// The virtio-blk configuration space (`struct virtio_blk_config`, 60 bytes).
-    pub fn config_space(&self) -> Vec<u8> {
-        let mut c = vec![0u8; std::mem::size_of::<vb::virtio_blk_config>()];
-        let put = |c: &mut Vec<u8>, at: usize, b: &[u8]| c[at..at + b.len()].copy_from_slice(b);
-        put(&mut c, 0, &(self.disk.size() / SECTOR).to_le_bytes()); // capacity, sectors
-        put(&mut c, 8, &SIZE_MAX.to_le_bytes());
-        put(&mut c, 12, &SEG_MAX.to_le_bytes());
-        // Logical blocks stay 512 bytes (a file system of 1 KiB blocks, as the built
-        // images' ext4, does not mount on 4 KiB logical blocks); the topology says 4 KiB
-        // physical blocks, so the guest aligns its I/O to pages where it can, and whole
-        // aligned pages are what a landed report can name by base block.
-        put(&mut c, 20, &(SECTOR as u32).to_le_bytes()); // blk_size
-        c[24] = (crate::disk::BLOCK / SECTOR).trailing_zeros() as u8; // physical_block_exp
-        put(
-            &mut c,
-            26,
-            &((crate::disk::BLOCK / SECTOR) as u16).to_le_bytes(),
-        ); // min_io_size
-        put(&mut c, 34, &self.cfg.queues.to_le_bytes());
-        if self.disk.can_discard() {
-            put(&mut c, 36, &((MAX_DATA / SECTOR) as u32).to_le_bytes()); // max_discard_sectors
-            put(&mut c, 40, &MAX_DISCARD_SEG.to_le_bytes());
-            put(
-                &mut c,
-                44,
-                &((crate::disk::BLOCK / SECTOR) as u32).to_le_bytes(),
-            );
-        }
-        c
-    }
-
     /// Processes the available requests of `queue`, at most the queue's size of them;
     /// returns whether the guest must be notified and whether requests are left. Guest RAM
     /// is reached through `mem` only.
@@ -263,13 +262,14 @@ impl BlkBackend {
     /// starts the ring again (`SET_VRING_KICK`, after QEMU's reset of the device).
     ///
     /// Errors: the rings themselves cannot be read or written (QEMU gone, rings outside
-    /// guest RAM).
+    /// guest RAM); [`QueueFailed::notify`] says whether requests completed before that
+    /// still want the guest notified.
     pub fn process_queue(
         &mut self,
         queue: &mut Queue,
         mem: &RemoteMemory,
         used_stale: bool,
-    ) -> Result<Served, MemError> {
+    ) -> Result<Served, QueueFailed> {
         if !queue.ready() {
             return Ok(Served::default());
         }
@@ -303,7 +303,16 @@ impl BlkBackend {
             {
                 self.peak_bounce_bytes = self.peak_bounce_bytes.max(view.peak_bounce_bytes());
             }
-            match more? {
+            let more = match more {
+                Ok(more) => more,
+                Err(error) => {
+                    // Requests served before the failure are in the used ring: the guest
+                    // must hear of them (an interrupt too many costs it nothing).
+                    let notify = any && self.needs_notification(queue, mem).unwrap_or(true);
+                    return Err(QueueFailed { error, notify });
+                }
+            };
+            match more {
                 false => break false,
                 // Left for the next call (the caller's to make: the backend kicks the
                 // queue again once it has let its lock go).
@@ -317,12 +326,30 @@ impl BlkBackend {
                 pending,
             });
         }
+        let notify = self
+            .needs_notification(queue, mem)
+            .map_err(|error| QueueFailed {
+                error,
+                notify: true,
+            })?;
+        Ok(Served { notify, pending })
+    }
+
+    /// Whether the guest wants a notification of the used buffers added (virtio 1.1
+    /// §2.6.7.2).
+    ///
+    /// Errors: the ring's `used_event` cannot be read.
+    fn needs_notification(
+        &mut self,
+        queue: &mut Queue,
+        mem: &RemoteMemory,
+    ) -> Result<bool, MemError> {
         let view = mem.view();
         let notify = queue
             .needs_notification(&view)
-            .map_err(|e| queue_error(&view, e))?;
+            .map_err(|e| queue_error(&view, e));
         self.counters.ring_reads += view.remote_reads();
-        Ok(Served { notify, pending })
+        notify
     }
 
     /// Serves the requests available now, at most `budget` of them (each served takes
@@ -674,6 +701,22 @@ impl BlkBackend {
         let off = self.data_range(sector, len)?;
         let buf = gather(mem, &c.readable, HEADER, len)?;
         self.disk.write(off, &buf)?;
+        self.write_through()
+    }
+
+    /// Makes a completed write or discard durable when the driver did not accept
+    /// `VIRTIO_BLK_F_FLUSH`: such a driver (SeaBIOS's, some bootloaders') sends no flush
+    /// and takes a write-through cache (Linux's `virtblk_get_cache_mode` too; QEMU's own
+    /// virtio-blk turns its cache write-through then), so an OK must mean on disk. The
+    /// sync is a guest flush's ([`Disk::flush`]: its failure latch included). With the
+    /// feature accepted, one branch and nothing more.
+    ///
+    /// Errors: the sync's ([`DiskError::Io`]): the request gets IOERR.
+    fn write_through(&self) -> Result<(), ReqError> {
+        if self.flush_acked {
+            return Ok(());
+        }
+        self.disk.flush()?;
         Ok(())
     }
 
@@ -690,7 +733,7 @@ impl BlkBackend {
             let off = self.data_range(sector, n * SECTOR)?;
             self.disk.discard(off, n * SECTOR)?;
         }
-        Ok(())
+        self.write_through()
     }
 
     /// Writes the status of a request that ended with `r` (OK with `n` data bytes written,

@@ -3,7 +3,41 @@
 //! file so that blk.rs holds the requests alone).
 
 use super::*;
-use std::os::fd::{FromRawFd, IntoRawFd};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
+use vmm_sys_util::eventfd::EventFd;
+
+impl BlkBackend {
+    /// The virtio-blk configuration space (`struct virtio_blk_config`, 60 bytes).
+    pub fn config_space(&self) -> Vec<u8> {
+        let mut c = vec![0u8; std::mem::size_of::<vb::virtio_blk_config>()];
+        let put = |c: &mut Vec<u8>, at: usize, b: &[u8]| c[at..at + b.len()].copy_from_slice(b);
+        put(&mut c, 0, &(self.disk.size() / SECTOR).to_le_bytes()); // capacity, sectors
+        put(&mut c, 8, &SIZE_MAX.to_le_bytes());
+        put(&mut c, 12, &SEG_MAX.to_le_bytes());
+        // Logical blocks stay 512 bytes (a file system of 1 KiB blocks, as the built
+        // images' ext4, does not mount on 4 KiB logical blocks); the topology says 4 KiB
+        // physical blocks, so the guest aligns its I/O to pages where it can, and whole
+        // aligned pages are what a landed report can name by base block.
+        put(&mut c, 20, &(SECTOR as u32).to_le_bytes()); // blk_size
+        c[24] = (crate::disk::BLOCK / SECTOR).trailing_zeros() as u8; // physical_block_exp
+        put(
+            &mut c,
+            26,
+            &((crate::disk::BLOCK / SECTOR) as u16).to_le_bytes(),
+        ); // min_io_size
+        put(&mut c, 34, &self.cfg.queues.to_le_bytes());
+        if self.disk.can_discard() {
+            put(&mut c, 36, &((MAX_DATA / SECTOR) as u32).to_le_bytes()); // max_discard_sectors
+            put(&mut c, 40, &MAX_DISCARD_SEG.to_le_bytes());
+            put(
+                &mut c,
+                44,
+                &((crate::disk::BLOCK / SECTOR) as u32).to_le_bytes(),
+            );
+        }
+        c
+    }
+}
 
 impl VhostUserBackendMut for BlkBackend {
     type Bitmap = ();
@@ -37,6 +71,17 @@ impl VhostUserBackendMut for BlkBackend {
             f |= bit(vb::VIRTIO_BLK_F_DISCARD);
         }
         f
+    }
+
+    /// Records whether the driver accepted `VIRTIO_BLK_F_FLUSH` (the request path reads
+    /// it: [`BlkBackend::write_through`]).
+    fn acked_features(&mut self, features: u64) {
+        self.flush_acked = features & (1 << vb::VIRTIO_BLK_F_FLUSH) != 0;
+    }
+
+    /// Back to write-through until the next driver's features are set.
+    fn reset_device(&mut self) {
+        self.flush_acked = false;
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
@@ -92,8 +137,41 @@ impl VhostUserBackendMut for BlkBackend {
         Ok(())
     }
 
-    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
-        new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
+    /// A new exit event for worker thread `thread_index` of a new daemon (the binary
+    /// makes one per connection), both its descriptors close-on-exec.
+    ///
+    /// vhost-user-backend 0.24 (`VringEpollHandler::new`) registers the consumer's
+    /// descriptor with its epoll by `into_raw_fd` and never closes it: one descriptor lost
+    /// per connection, so a peer that connects and closes in a loop would run the process
+    /// out of them. The device closes it itself, when it hands out the next one for that
+    /// thread (and at its drop). Sound because the loop never uses that descriptor again
+    /// after registering it (it reads no exit event, and removes no registration), and
+    /// the registration lives on without it: epoll keys it on the eventfd, which the
+    /// notifier the loop keeps holds open — so even a loop still running loses nothing.
+    /// It assumes the daemons of one device are made one at a time (the binary serves one
+    /// connection at a time), so that the previous one has registered its descriptor.
+    fn exit_event(&self, thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        let efd = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).ok()?;
+        // SAFETY: `into_raw_fd` hands over the eventfd's descriptor, owned by nothing else.
+        let consumer = unsafe { OwnedFd::from_raw_fd(efd.into_raw_fd()) };
+        // `F_DUPFD_CLOEXEC`: the same eventfd, close-on-exec too.
+        let notifier = consumer.try_clone().ok()?;
+        let mut handed = self.exit_events.lock().unwrap_or_else(|p| p.into_inner());
+        if handed.len() <= thread_index {
+            handed.resize(thread_index + 1, None);
+        }
+        if let Some(old) = handed[thread_index].replace(consumer.as_raw_fd()) {
+            // SAFETY: the descriptor handed out for this thread before, which
+            // vhost-user-backend let go of (see above) and nothing else closes.
+            drop(unsafe { OwnedFd::from_raw_fd(old) });
+        }
+        // SAFETY: each takes over a descriptor it alone owns.
+        Some(unsafe {
+            (
+                EventConsumer::from_raw_fd(consumer.into_raw_fd()),
+                EventNotifier::from_raw_fd(notifier.into_raw_fd()),
+            )
+        })
     }
 
     fn handle_event(
@@ -139,6 +217,10 @@ impl VhostUserBackendMut for BlkBackend {
                     // Read it again at the next kick.
                     vring.queue_used_idx().ok();
                 }
+                if e.notify {
+                    // Requests completed before the failure.
+                    vring.signal_used_queue()?;
+                }
             }
         }
         Ok(())
@@ -162,5 +244,21 @@ fn kick_again(vring: &BlkVring, queue: u16) {
     });
     if let Err(e) = r {
         tracing::error!("queue {queue}: requests left, the queue's kick failed: {e}");
+    }
+}
+
+impl Drop for BlkBackend {
+    /// Closes the exit events' descriptors vhost-user-backend let go of (see
+    /// `BlkBackend::exit_event`): every daemon holds the device, so none is left.
+    fn drop(&mut self) {
+        let handed = self
+            .exit_events
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner());
+        for fd in handed.drain(..).flatten() {
+            // SAFETY: handed out by `exit_event`, let go of by vhost-user-backend, closed
+            // by nothing else.
+            drop(unsafe { OwnedFd::from_raw_fd(fd) });
+        }
     }
 }

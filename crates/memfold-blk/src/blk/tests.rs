@@ -73,7 +73,9 @@ fn rig(overlay: bool) -> Rig {
     let mock = MockSplitQueue::new(gm, 16);
     let queue = mock.create_queue::<Queue>().unwrap();
     let rec = Recorder::default();
-    let dev = BlkBackend::new(cfg, disk, Box::new(rec.clone()));
+    let mut dev = BlkBackend::new(cfg, disk, Box::new(rec.clone()));
+    // As Linux's driver: every feature offered accepted, `VIRTIO_BLK_F_FLUSH` among them.
+    dev.acked_features(dev.features());
     Rig {
         local,
         gm,
@@ -408,6 +410,7 @@ fn an_overlay_disk_takes_writes_reads_them_back_as_overlay_and_discards_to_the_b
 
 mod full_disk;
 mod hostile_ring;
+mod write_through;
 
 /// memfoldd and the agent as a fill sees them (Satori §5.2): blocks held, and a fill
 /// that maps a "frame" over each asked page still beginning with the nonce. Its frames

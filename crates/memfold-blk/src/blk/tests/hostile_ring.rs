@@ -244,6 +244,77 @@ fn requests_a_bounded_call_leaves_are_kicked_for_and_all_answered() {
     assert_eq!(used(&r), (TOTAL as u16, vec![1; 16]), "used ring");
 }
 
+/// A guest that breaks its ring while the device serves a request: at the first report
+/// of a read, the available index is set to `to` in guest RAM (`ram`, at `at`).
+struct BreaksTheRing {
+    ram: std::fs::File,
+    at: u64,
+    to: u16,
+}
+
+impl LandedSink for BreaksTheRing {
+    fn landed(&mut self, _ram: RamFile, _pages: &[Landed]) {
+        use std::os::unix::fs::FileExt;
+        self.ram
+            .write_all_at(&self.to.to_le_bytes(), self.at)
+            .unwrap();
+    }
+}
+
+/// Two reads posted; while the first is served the guest sets its available index 17
+/// past the device's (more than the queue holds), so the pass after it fails. The first
+/// is in the used ring, so the guest is notified all the same, and the error is still
+/// an error. Before, `process_queue` returned the error alone and the backend only
+/// logged it: the guest never heard of the read it had been answered, and may wait on
+/// it for good. Fails if a failure after a completion skips the notification.
+#[test]
+fn a_request_completed_before_the_ring_breaks_is_still_notified() {
+    use std::os::fd::{FromRawFd, IntoRawFd};
+    use vmm_sys_util::event::{new_event_consumer_and_notifier, EventFlag};
+    let mut r = rig(false);
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 0);
+    r.submit(&[(0x8000, 16, false), (DATA, 4096, true), (STATUS, 1, true)]);
+    r.submit(&[
+        (0x8000, 16, false),
+        (DATA + 4096, 4096, true),
+        (STATUS - 1, 1, true),
+    ]);
+    let avail = r.mock.avail_addr();
+    r.dev.sink = Box::new(BreaksTheRing {
+        ram: std::fs::OpenOptions::new()
+            .write(true)
+            .open(format!("/proc/self/fd/{}", r.local._fd.as_raw_fd()))
+            .unwrap(),
+        at: avail.0 + 2,
+        to: 1 + 17,
+    });
+    let vring = BlkVring::new(vm_memory::GuestMemoryAtomic::new(r.gm.clone()), 16).unwrap();
+    vring.set_queue_size(16);
+    vring.set_queue_info(0, avail.0, USED).unwrap();
+    vring.set_queue_ready(true);
+    vring.set_enabled(true);
+    let (call, guest_call) = new_event_consumer_and_notifier(EventFlag::NONBLOCK).unwrap();
+    // SAFETY: `into_raw_fd` hands over the eventfd it owned; the File owns it now.
+    vring.set_call(Some(unsafe {
+        std::fs::File::from_raw_fd(guest_call.into_raw_fd())
+    }));
+    r.dev.set_memory(Some(Arc::new(RemoteMemory::new(
+        r.local.mem.qemu().clone(),
+        r.local.mem.regions().to_vec(),
+    ))));
+    r.dev
+        .handle_event(0, EventSet::IN, std::slice::from_ref(&vring), 0)
+        .unwrap();
+    let (idx, lens) = used(&r);
+    assert_eq!((idx, lens[0]), (1, 4097), "the first read completed");
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8);
+    assert!(
+        call.consume().is_ok(),
+        "the guest was not notified of the read completed before the ring broke"
+    );
+    assert_eq!(r.dev.counters().reads, 1);
+}
+
 /// Writes `descs` (addr, len, writable) at `table` as one chain, each to the next.
 fn indirect_table(r: &Rig, table: u64, descs: &[(u64, u32, bool)]) {
     for (i, &(a, len, w)) in descs.iter().enumerate() {
