@@ -24,6 +24,10 @@
 //!   break) — at most [`MAX_PARTNER_TAKEBACKS`] pages every [`PARTNER_PASS_US`] for the
 //!   domain, so that toggling marks cannot make memfoldd copy other guests' pages back
 //!   without end, nor walk the domain's pages at every guest's report. A withdrawn frame is forgotten when freed.
+//! - a request under way at the report (a share, a fill, a stash, a move: on no frame
+//!   yet) that lands a marked page on a frame, or any page on a withdrawn frame, is
+//!   taken back as it lands, its frame withdrawn (`Engine::never_share_landed`, from
+//!   every answer in `outcomes.rs`); left, the page stayed shared until the next report.
 //!
 //! What it cannot do: a page is marked from the guest's next report on (memfoldd asks
 //! every `--guest-interval-ms`, 3 s by default); in between, a new page of a marked
@@ -66,6 +70,9 @@ impl Engine {
     /// guest), and takes back at most [`MAX_PARTNER_TAKEBACKS`] pages of other guests; the
     /// rest wait for the next pass.
     /// All are booked to the marking guest (`never_share_takebacks`).
+    ///
+    /// A page with a request under way is on no frame yet: it is taken back when the
+    /// request lands ([`Engine::never_share_landed`]), marked or a partner.
     pub(crate) fn take_back_never_share(&mut self, id: VmId) -> u32 {
         let Some(v) = self.vms.get(&id) else {
             return 0;
@@ -73,20 +80,64 @@ impl Engine {
         let Some(map) = v.categories.as_ref() else {
             return 0;
         };
-        let d = v.domain;
         let mut new_frames: Vec<FrameId> = Vec::new();
         let mut own: Vec<Gfn> = Vec::new();
         for g in map.never_share_pages() {
-            let f = match v.state(g) {
-                PageState::Shared(f) | PageState::Unmapped(f) => Some(f),
-                PageState::Stored(b) => self.blobs.get(b).reference(),
-                _ => None,
-            };
-            if let Some(f) = f.filter(|&f| !self.domain(d).zero_frames.contains(&f)) {
+            if let Some(f) = self.sharing_frame(v.domain, v.state(g)) {
                 new_frames.push(f);
                 own.push(g);
             }
         }
+        self.take_back_marked(id, &own, new_frames)
+    }
+
+    /// Guest `id`'s page `g`, whose request was under way (a share, a fill, a stash, a
+    /// move), landed on a frame: mapped onto it, shared without a mapping, or stored
+    /// against it. Marked in its guest's report meanwhile, it is taken back and its frame
+    /// withdrawn at once, as [`Engine::take_back_never_share`] does (the report found no
+    /// frame to withdraw: the page was not on it yet); else, on a frame withdrawn while
+    /// its request was under way, it is a partner the pass passed over (it skips pages in
+    /// flight), taken back now — booked to its own guest, the marking one unknown here.
+    /// Only requests sent before a withdrawal land on the frame (it is no share target,
+    /// reference or fill after), so the partners taken back so are few and not capped.
+    /// Returns the pages queued.
+    pub(crate) fn never_share_landed(&mut self, id: VmId, g: Gfn) -> u32 {
+        let Some(v) = self.vms.get(&id).filter(|v| g.0 < v.pages()) else {
+            return 0;
+        };
+        let d = v.domain;
+        let Some(f) = self.sharing_frame(d, v.state(g)) else {
+            return 0;
+        };
+        if self.never_share(id, g) {
+            return self.take_back_marked(id, &[g], vec![f]);
+        }
+        if !self.withdrawn(d, f) {
+            return 0;
+        }
+        let n = self.queue_take_backs(id, &[g]);
+        let v = self.vms.get_mut(&id).expect("looked up");
+        v.books.never_share_takebacks += n as u64;
+        n
+    }
+
+    /// The frame a page in state `s` of domain `d` shares with others (not the zero
+    /// frame: zeros are no secret): the one it is mapped onto, shared without a mapping
+    /// onto, or stored against (a patch).
+    fn sharing_frame(&self, d: DomainId, s: PageState) -> Option<FrameId> {
+        let f = match s {
+            PageState::Shared(f) | PageState::Unmapped(f) => Some(f),
+            PageState::Stored(b) => self.blobs.get(b).reference(),
+            _ => None,
+        };
+        f.filter(|f| !self.domain(d).zero_frames.contains(f))
+    }
+
+    /// Takes back marked pages `own` of guest `id` and withdraws `new_frames`, the frames
+    /// they are on; then, when due, the pass over the domain's pages on withdrawn frames
+    /// ([`Engine::take_back_never_share`]). Returns the pages asked to be taken back.
+    fn take_back_marked(&mut self, id: VmId, own: &[Gfn], new_frames: Vec<FrameId>) -> u32 {
+        let d = self.dom(id);
         let dom = self.domain_mut(d);
         let mut withdrew = false;
         for f in new_frames {
@@ -97,7 +148,7 @@ impl Engine {
                 dom.similar.forget_frame(f);
             }
         }
-        let mut total = self.queue_take_backs(id, &own);
+        let mut total = self.queue_take_backs(id, own);
         let now = self.now_us();
         let due = |t: Option<u64>| t.is_none_or(|t| now.saturating_sub(t) >= PARTNER_PASS_US);
         // The domain's pass every PARTNER_PASS_US, whichever guest reports (a timer a
@@ -121,16 +172,10 @@ impl Engine {
             'guests: for (&vid, v) in self.vms.iter().filter(|(_, v)| v.domain == d) {
                 let queued = v.queued_take_backs();
                 for g in (0..v.pages()).map(Gfn).filter(|g| !queued.contains(g)) {
-                    let on = match v.state(g) {
-                        PageState::Shared(f) | PageState::Unmapped(f) => withdrawn.contains(&f),
-                        PageState::Stored(b) => self
-                            .blobs
-                            .get(b)
-                            .reference()
-                            .is_some_and(|f| withdrawn.contains(&f)),
-                        _ => false,
-                    };
-                    if on {
+                    // Pages in flight are passed over: each is taken back if it lands
+                    // on the frame (`never_share_landed`).
+                    let on = self.sharing_frame(d, v.state(g));
+                    if on.is_some_and(|f| withdrawn.contains(&f)) {
                         if partners.len() >= MAX_PARTNER_TAKEBACKS {
                             break 'guests;
                         }
@@ -251,6 +296,27 @@ mod tests {
         matches!(state(r, g), PageState::Shared(_))
     }
 
+    /// Marked just before its agent's connection dropped: the take-backs queued then end
+    /// with the connection, and the re-attach asks again.
+    /// Fails without the re-ask in `attach`: page 0 stays on the frame it shares.
+    #[test]
+    fn a_page_marked_as_its_agent_detached_is_taken_back_after_the_reattach() {
+        let mut r = rig(Policy::sharing_only());
+        r.engine.guest_categories(r.vm, &report(&[])).unwrap();
+        settle(&mut r);
+        assert!(shared(&r, 0), "{:?}", state(&r, 0));
+        r.engine.guest_categories(r.vm, &report(&[0])).unwrap();
+        r.engine.detach(r.vm);
+        r.vm = r.reattach().unwrap();
+        settle(&mut r);
+        assert_eq!(
+            state(&r, 0),
+            PageState::Private,
+            "marked page after re-attach"
+        );
+        assert_eq!(r.agent.peek(Gfn(0)).unwrap().to_vec(), content(0));
+    }
+
     /// Marked before the scan: a marked page is never shared (and leaves no hint that its
     /// twins could pair with), its unmarked twins still are.
     #[test]
@@ -324,6 +390,156 @@ mod tests {
         r.engine.guest_categories(r.vm, &report(&[])).unwrap();
         settle(&mut r);
         assert!(shared(&r, 0), "unmarked, shared again");
+    }
+
+    /// Marked while its share was under way (the report found no frame to withdraw):
+    /// when the share lands, the page is taken back and its frame withdrawn at once, as
+    /// the report would have; its partners, whose shares were under way too when the
+    /// pass went by, come back as they land. Fails without `Engine::never_share_landed`:
+    /// page 0 left shared on a frame still in the share table (other pages keep joining
+    /// it; the guest's write is a timable CoW break) until the guest's next report.
+    #[test]
+    fn a_page_marked_while_its_share_is_under_way_is_taken_back_when_it_lands() {
+        use crate::engine::Command;
+        let mut r = rig(Policy::sharing_only());
+        r.engine.guest_categories(r.vm, &report(&[])).unwrap();
+        let share_0 = |c: &Command| matches!(c, Command::Share { gfn: Gfn(0), .. });
+        for _ in 0..20 {
+            if r.engine.vms[&r.vm].queue.iter().any(share_0) {
+                break;
+            }
+            r.clock.advance(10_000);
+            r.engine.scan_step().unwrap();
+        }
+        let held = r.engine.take_commands(r.vm);
+        let Some(&Command::Share { frame: f, .. }) = held.iter().find(|c| share_0(c)) else {
+            panic!("no share of page 0 queued: {held:?}");
+        };
+        let onto_f: Vec<Gfn> = (held.iter())
+            .filter_map(|c| match *c {
+                Command::Share { gfn, frame } if frame == f => Some(gfn),
+                _ => None,
+            })
+            .collect();
+        r.engine.guest_categories(r.vm, &report(&[0])).unwrap();
+        assert!(
+            r.engine.vms[&r.vm].queue.is_empty(),
+            "nothing on a frame yet"
+        );
+        for c in &held {
+            let o = r.agent.execute(c);
+            r.engine.outcome(r.vm, c, o);
+        }
+        r.report();
+        let queued: Vec<Gfn> = (r.engine.vms[&r.vm].queue.iter())
+            .filter_map(|c| match *c {
+                Command::TakeBack { gfn } => Some(gfn),
+                _ => None,
+            })
+            .collect();
+        let d = r.engine.vms[&r.vm].domain;
+        let dom = r.engine.domain(d);
+        let listed = (dom.share.lookup(dom.frames.hash(f))).any(|e| e == ShareEntry::Shared(f));
+        assert!(
+            queued.contains(&Gfn(0)) && r.engine.withdrawn(d, f) && !listed,
+            "page 0 {:?}, take-backs {queued:?}, {f} withdrawn {}, in the share table {listed}",
+            state(&r, 0),
+            r.engine.withdrawn(d, f)
+        );
+        assert!(
+            onto_f.iter().all(|g| queued.contains(g)),
+            "partners that landed on it: {onto_f:?}, taken back {queued:?}"
+        );
+        assert_eq!(
+            r.engine.vms[&r.vm].books.never_share_takebacks,
+            onto_f.len() as u64
+        );
+        settle(&mut r);
+        assert_eq!(state(&r, 0), PageState::Private);
+        assert!((0..4).all(|g| state(&r, g) != PageState::Shared(f)));
+        assert!((1..4).all(|g| shared(&r, g)), "partners pair again");
+        assert_eq!(r.agent.peek(Gfn(0)).unwrap().to_vec(), content(0));
+    }
+
+    /// As above for a patch (DE §3.2): a page marked while its stash against a reference
+    /// frame was under way is taken back when it lands, and the frame withdrawn (the
+    /// reference page shared onto it with the patch is taken back too). Fails without
+    /// `Engine::never_share_landed`: the page left stored against the frame.
+    #[test]
+    fn a_page_marked_while_its_patch_is_under_way_is_taken_back_when_it_lands() {
+        use crate::engine::Command;
+        let near = |k: u32| {
+            let mut p = random(7);
+            p[2000] = k as u8;
+            p
+        };
+        let mut r = Rig::new(
+            EngineConfig {
+                clock_interval_us: Some(100_000),
+                ..cfg(Policy::difference_engine())
+            },
+            PAGES,
+        )
+        .unwrap();
+        for g in 0..PAGES {
+            let p = if g < 8 { near(g) } else { random(5000 + g) };
+            r.agent.write(Gfn(g), 0, &p).unwrap();
+        }
+        r.engine.guest_categories(r.vm, &report(&[])).unwrap();
+        let patch = |c: &Command| match *c {
+            Command::Stash { gfn, stash, .. } => stash.reference.map(|f| (gfn, f)),
+            _ => None,
+        };
+        let mut held = Vec::new();
+        for _ in 0..300 {
+            r.clock.advance(10_000);
+            r.engine.scan_step().unwrap();
+            r.engine.clock_step();
+            let cmds = r.engine.take_commands(r.vm);
+            if cmds.iter().any(|c| patch(c).is_some()) {
+                held = cmds;
+                break;
+            }
+            for c in cmds {
+                r.answer(c);
+            }
+            r.report();
+        }
+        let Some((g, f)) = held.iter().find_map(patch) else {
+            panic!("no patch queued");
+        };
+        r.engine.guest_categories(r.vm, &report(&[g.0])).unwrap();
+        for c in &held {
+            let o = r.agent.execute(c);
+            r.engine.outcome(r.vm, c, o);
+        }
+        r.report();
+        let d = r.engine.vms[&r.vm].domain;
+        let queued = r.engine.vms[&r.vm].queued_take_backs();
+        assert!(
+            queued.contains(&g) && r.engine.withdrawn(d, f),
+            "page {g} {:?}, take-backs {queued:?}, {f} withdrawn {}",
+            r.engine.vms[&r.vm].state(g),
+            r.engine.withdrawn(d, f)
+        );
+        let reference: Vec<Gfn> = (held.iter())
+            .filter_map(|c| match *c {
+                Command::Share { gfn, frame } if frame == f => Some(gfn),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            reference.iter().all(|h| queued.contains(h)),
+            "reference page {reference:?} shared onto {f}, take-backs {queued:?}"
+        );
+        for _ in 0..10 {
+            r.step(10_000).unwrap();
+        }
+        r.engine.check_invariants().unwrap();
+        assert_eq!(r.engine.vms[&r.vm].state(g), PageState::Private);
+        for k in 0..8 {
+            assert_eq!(r.agent.peek(Gfn(k)).unwrap().to_vec(), near(k));
+        }
     }
 
     /// A guest that toggles its marks cannot make memfoldd copy its partners back at

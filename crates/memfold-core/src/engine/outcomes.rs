@@ -154,6 +154,9 @@ impl Engine {
         if v.opted_out && g_taken_back(v.state(gfn)) {
             v.queue.push(Command::TakeBack { gfn });
         }
+        // Likewise one under way when its guest marked the page never-share, or when its
+        // frame was withdrawn: the report, and the pass, found it on no frame yet.
+        self.never_share_landed(id, gfn);
     }
 
     /// The operator takes guest `id` out of memfold (KSM's `MADV_UNMERGEABLE` for a whole
@@ -388,8 +391,10 @@ impl Engine {
     }
 
     /// Page `g`, shared onto frame `f`, is private again (C1 until its next clock scan):
-    /// the frame's reference is released. Returns false (nothing changed) if the page is
-    /// not shared onto `f`.
+    /// the frame's reference is released, and the page is no longer being unmapped
+    /// (`unmapped.rs`; a take-back's answer keeps it there until the page leaves the
+    /// frame, however it leaves: a CoW break, a discard). Returns false (nothing changed)
+    /// if the page is not shared onto `f`.
     pub(crate) fn take_shared(&mut self, id: VmId, g: Gfn, f: FrameId) -> bool {
         let Some(v) = self.vms.get_mut(&id).filter(|v| g.0 < v.pages()) else {
             return false;
@@ -398,6 +403,8 @@ impl Engine {
             return false;
         }
         let d = v.domain;
+        // Left in, its next CoW break, shared again, would pass for one memfoldd asked.
+        v.unmapping.remove(&g);
         v.set(g, PageState::Private);
         v.clock.fresh(g.0);
         v.books.shared_pages -= 1;
