@@ -17,10 +17,39 @@
 //! its guest's sharing domain: a block held by another tenant's frames must not make
 //! this guest's reads of it slower or faster (a fill is refused across domains anyway,
 //! but the device would ask, and the time it takes would tell).
+//!
+//! # The invariant
+//!
+//! **A device acts only on guest RAM its process holds.** A report or fill names its
+//! guest's RAM by `(st_dev, st_ino)`: two numbers the device chooses. Believed as said,
+//! a device serving guest b (and the untrusted QEMU behind it) could name guest a's RAM:
+//! have a's pages that begin with a nonce it chose (a common page prefix) mapped over
+//! with base blocks, and hear which blocks a's domain holds. So memfoldd looks among the
+//! device process's descriptors (`/proc/PID/fd`, its pid from the kernel at its hello)
+//! for that RAM memfd — QEMU sent it in `SET_MEM_TABLE`, and vhost-user-backend keeps it
+//! open ([`holds_file`]) — and takes RAM found there while it is an attached guest's,
+//! bound to that guest ([`Device::rams`]). Whoever holds a guest's RAM memfd can read and
+//! write that RAM anyway: the check gives a device nothing it did not have. A message
+//! naming RAM not found so is dropped (a fill answered empty), logged once per device,
+//! and never makes that RAM's guest the device's ([`Device::vm`]). A failed look is made
+//! again at most once a second per device ([`LOOK_AGAIN`]): the guest may attach after
+//! the device first names it, and a device naming many guests' RAM costs memfoldd one
+//! look a second. memfoldd runs as root or as the device's user (no other device is
+//! heard), so it may read the device's descriptors. A limit: the pid is the one the
+//! device connected from; a device that hands its connection to another process and
+//! exits, its pid then reused by a process holding another guest's RAM, would pass
+//! (`SO_PEERPIDFD` would close it). The device could instead pass the memfd with its
+//! messages; the look needs no change to the protocol, and a device that holds the
+//! memfd passes either way. Found by a read-only review, 2026-12; test
+//! `device_ram_proof.rs`, which fails without the check.
+//!
+//! memfoldd's main thread serves every guest: what it sends a device never waits
+//! ([`Device::send`]).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
+use std::time::{Duration, Instant};
 
 use memfold_core::engine::fill::MAX_WAITING;
 use memfold_core::engine::BlockCandidate;
@@ -39,30 +68,60 @@ const MAX_CHECKS_PER_STEP: usize = 256;
 struct AlignedPage([u8; PAGE_SIZE]);
 
 struct Device {
+    token: u64,
     conn: Conn,
     bases: HashMap<DiskId, File>,
-    /// The guest whose RAM its reports and fills name (the last one named); none until
-    /// its first: no news of held blocks until then, and none of blocks learnt before
-    /// (each was checked against the base's bytes when learnt; a base changed in place
-    /// since — same file, new bytes, which a device opened after the change cannot
-    /// tell — would have this device's reads filled with the old ones).
+    /// The guest whose RAM its reports and fills name (the last one named, of those it
+    /// holds); none until its first: no news of held blocks until then, and none of
+    /// blocks learnt before (each was checked against the base's bytes when learnt; a
+    /// base changed in place since — same file, new bytes, which a device opened after
+    /// the change cannot tell — would have this device's reads filled with the old
+    /// ones).
     vm: Option<VmId>,
+    /// The device's pid (from the kernel at its hello): whose descriptors are looked at.
+    pid: u32,
+    /// Guest RAM files (`st_dev`, `st_ino`) found among the device's descriptors, each
+    /// with the guest whose RAM it was then: at most [`MAX_RAM_FILES`]. Bound to that
+    /// guest, so that a file number the kernel gives a later guest's RAM once this one
+    /// is freed is not taken as found.
+    rams: HashMap<(u64, u64), VmId>,
+    /// When a look for RAM not found may be made again ([`LOOK_AGAIN`]).
+    next_look: Instant,
+    /// Whether its naming of RAM it does not hold was logged (once a connection).
+    told_unheld: bool,
+    /// Its connection was closed (gone, or not reading): nothing more is sent.
+    closed: bool,
 }
 
 impl Device {
-    /// Sends `m`; false if it failed. A device gone, or not reading for the send timeout,
-    /// is closed (its reader sees the end), so that the next send fails at once instead
-    /// of stalling memfoldd again.
-    fn send(&self, m: &ToDevice) -> bool {
-        let sent = self.conn.send(m, &[]).is_ok();
-        if !sent {
-            self.conn.shutdown();
+    /// Sends `m` if the device's socket has room for it now; false if not sent. Never
+    /// waits: a device that does not read must not stall memfoldd, whose main thread
+    /// serves every guest (it waited out a 2 s send timeout here). A device whose socket
+    /// is full has not read hundreds of messages (its reader thread does nothing
+    /// else), so its fills have long passed their 20 ms deadline and its news are
+    /// hints: the message is dropped and the connection closed (its reader sees the
+    /// end). The device connects again within a second and starts afresh — held
+    /// blocks forgotten — rather than go on with news missing.
+    fn send(&mut self, m: &ToDevice) -> bool {
+        if self.closed {
+            return false;
         }
-        sent
+        let why = match self.conn.try_send(m) {
+            Ok(true) => return true,
+            Ok(false) => "it is not reading (its socket is full)".to_string(),
+            Err(e) => e.to_string(),
+        };
+        tracing::warn!(
+            "block device {}: {why}; its connection is closed",
+            self.token
+        );
+        self.conn.shutdown();
+        self.closed = true;
+        false
     }
 
     /// Tells the device that frames hold `blocks` (of its bases).
-    fn tell_held(&self, blocks: &[BaseBlock]) {
+    fn tell_held(&mut self, blocks: &[BaseBlock]) {
         for chunk in blocks.chunks(MAX_BATCH) {
             let held = ToDevice::Held {
                 blocks: chunk.to_vec(),
@@ -72,6 +131,62 @@ impl Device {
             }
         }
     }
+
+    /// The guest whose RAM file `ram` (`st_dev`, `st_ino`) is, if it is an attached
+    /// guest's and the device holds it ([module docs](self)).
+    fn guest_of(&mut self, guests: &Guests, ram: (u64, u64)) -> Option<VmId> {
+        let vm = guests.vm_of_ram(ram)?;
+        if self.rams.get(&ram) == Some(&vm) {
+            return Some(vm);
+        }
+        let now = Instant::now();
+        if now < self.next_look {
+            return None;
+        }
+        if self.rams.len() < MAX_RAM_FILES && holds_file(self.pid, ram) {
+            self.rams.insert(ram, vm);
+            return Some(vm);
+        }
+        self.next_look = now + LOOK_AGAIN;
+        if !self.told_unheld {
+            self.told_unheld = true;
+            tracing::warn!(
+                "block device {} (pid {}): names guest RAM {}:{}, which it does not hold; \
+                 its reports and fills of RAM it does not hold are dropped (logged once \
+                 a connection)",
+                self.token,
+                self.pid,
+                ram.0,
+                ram.1
+            );
+        }
+        None
+    }
+}
+
+/// Guest RAM files one device connection may hold at most: a device serves one guest,
+/// whose RAM is one memfd (q35 maps it in two regions) or a few.
+const MAX_RAM_FILES: usize = 16;
+
+/// Least time between two looks of one device for RAM not found (module docs).
+const LOOK_AGAIN: Duration = Duration::from_secs(1);
+
+/// Descriptors of a device looked at at most in one look: a device holds tens (its RAM
+/// regions, disk files, sockets, eventfds); one that opened a million must not make a
+/// look cost memfoldd's main thread seconds (a `stat` each, ~1–2 µs).
+const MAX_FDS_LOOKED: usize = 4096;
+
+/// Whether process `pid` holds a descriptor of the file `(dev, ino)` among its first
+/// [`MAX_FDS_LOOKED`]: a `stat` of each entry of `/proc/PID/fd` (the magic link's
+/// target; nothing is opened). Tens of µs for a device.
+fn holds_file(pid: u32, (dev, ino): (u64, u64)) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    dir.flatten()
+        .take(MAX_FDS_LOOKED)
+        .any(|e| std::fs::metadata(e.path()).is_ok_and(|m| m.dev() == dev && m.ino() == ino))
 }
 
 /// The block devices attached, by connection.
@@ -97,14 +212,21 @@ pub(crate) struct Devices {
 }
 
 impl Devices {
-    /// Device connection `token` said hello, serving the checked `bases`.
-    pub(crate) fn hello(&mut self, token: u64, conn: Conn, bases: Vec<(DiskId, File)>) {
+    /// Device connection `token` of process `pid` said hello, serving the checked
+    /// `bases`.
+    pub(crate) fn hello(&mut self, token: u64, conn: Conn, bases: Vec<(DiskId, File)>, pid: u32) {
         self.by_token.insert(
             token,
             Device {
+                token,
                 conn,
                 bases: bases.into_iter().collect(),
                 vm: None,
+                pid,
+                rams: HashMap::new(),
+                next_look: Instant::now(),
+                told_unheld: false,
+                closed: false,
             },
         );
     }
@@ -116,8 +238,9 @@ impl Devices {
     }
 
     /// A message of device `token`: a report (looked up now, Satori §4.1) or a fill
-    /// (Satori §5.2). A message naming no attached guest's RAM, too many pages, or a base
-    /// the device did not show, is dropped with a count (a fill is answered empty).
+    /// (Satori §5.2). A message naming no attached guest's RAM the device holds, too
+    /// many pages, or a base the device did not show, is dropped with a count (a fill
+    /// is answered empty).
     pub(crate) fn message(
         &mut self,
         engine: &mut Engine,
@@ -125,14 +248,15 @@ impl Devices {
         token: u64,
         msg: ToDaemon,
     ) {
-        let vm = match &msg {
-            ToDaemon::ReadLanded { ram, .. } | ToDaemon::FillRead { ram, .. } => {
-                guests.vm_of_ram((ram.dev, ram.ino))
-            }
-            _ => None,
-        };
         let Some(dev) = self.by_token.get_mut(&token) else {
             return;
+        };
+        // INVARIANT (module docs): only RAM the device holds names its guest.
+        let vm = match &msg {
+            ToDaemon::ReadLanded { ram, .. } | ToDaemon::FillRead { ram, .. } => {
+                dev.guest_of(guests, (ram.dev, ram.ino))
+            }
+            _ => None,
         };
         if vm.is_some() {
             dev.vm = vm;
@@ -240,7 +364,7 @@ impl Devices {
             }
         }
         for ((domain, disk), blocks) in held {
-            for d in self.by_token.values().filter(|d| {
+            for d in self.by_token.values_mut().filter(|d| {
                 d.bases.contains_key(&disk) && Self::domain_of(engine, d) == Some(domain)
             }) {
                 d.tell_held(&blocks);
@@ -270,7 +394,7 @@ impl Devices {
 
     fn answer(&mut self, token: u64, fill: FillId, gfns: Vec<Gfn>) {
         self.fills_answered += 1;
-        if let Some(d) = self.by_token.get(&token) {
+        if let Some(d) = self.by_token.get_mut(&token) {
             // A device too slow to read its answer has long given up on it.
             d.send(&ToDevice::Filled { fill, gfns });
         }
@@ -278,26 +402,50 @@ impl Devices {
 }
 
 /// The bases a device's hello names, each with the descriptor it passed in the same
-/// place, kept only if the descriptor's file is the one the id names. Logged otherwise.
+/// place, kept only if the descriptor's file is the one the id names and a regular file
+/// (a base image is one; memfoldd reads blocks of it on its main thread, where a FIFO,
+/// socket or device node has no business). Logged otherwise.
 pub(crate) fn checked_bases(
     token: u64,
     ids: &[DiskId],
     fds: Vec<std::os::fd::OwnedFd>,
 ) -> Vec<(DiskId, File)> {
+    use std::os::unix::fs::MetadataExt;
     let mut out = Vec::new();
     for (&id, fd) in ids.iter().zip(fds) {
-        use std::os::fd::AsFd;
-        match memfold_sys::memfd::file_id(fd.as_fd()) {
-            Ok((dev, ino)) if DiskId::of_file(dev, ino) == id => {
-                out.push((id, File::from(fd)));
-            }
-            Ok(_) => tracing::warn!(
+        let file = File::from(fd);
+        match file.metadata() {
+            Ok(m) if DiskId::of_file(m.dev(), m.ino()) != id => tracing::warn!(
                 "block device {token}: its descriptor for {id} is another file; not taken"
             ),
+            Ok(m) if !m.is_file() => tracing::warn!(
+                "block device {token}: its descriptor for {id} is {}, not a regular file \
+                 (a base image is one); not taken",
+                kind_of(&m.file_type())
+            ),
+            Ok(_) => out.push((id, file)),
             Err(e) => tracing::warn!("block device {token}: {id}: {e}; not taken"),
         }
     }
     out
+}
+
+/// What kind of file that is not a regular one `t` is, in words.
+fn kind_of(t: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_dir() {
+        "a folder"
+    } else if t.is_block_device() {
+        "a block device node"
+    } else if t.is_char_device() {
+        "a character device node"
+    } else {
+        "another kind of file"
+    }
 }
 
 #[cfg(test)]
@@ -328,5 +476,33 @@ mod tests {
             2 * MAX_WAITING as u64 - 2 * MAX_CHECKS_PER_STEP as u64
         );
         assert_eq!(d.unchecked.front().map(|c| c.block.block), Some(768));
+    }
+
+    /// A base descriptor of the file its id names is refused unless that file is a
+    /// regular one: a FIFO is not taken, a file is. Fails with only the id checked.
+    #[test]
+    fn a_base_that_is_not_a_regular_file_is_refused() {
+        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("base.fifo");
+        let path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
+        let file = dir.path().join("base.img");
+        std::fs::write(&file, [0u8; PAGE_SIZE]).unwrap();
+        // Opened without waiting for a writer.
+        let open = |p: &std::path::Path| {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(p)
+                .unwrap();
+            let m = f.metadata().unwrap();
+            (DiskId::of_file(m.dev(), m.ino()), f.into())
+        };
+        let ((fifo_id, fifo_fd), (file_id, file_fd)) = (open(&fifo), open(&file));
+        let taken = checked_bases(1, &[fifo_id, file_id], vec![fifo_fd, file_fd]);
+        let ids: Vec<DiskId> = taken.iter().map(|(id, _)| *id).collect();
+        assert_eq!(ids, [file_id], "the FIFO was taken as a base");
     }
 }

@@ -437,7 +437,12 @@ impl Daemon {
                     self.reap();
                 }
             }
-            Input::DeviceHello { token, conn, bases } => self.devices.hello(token, conn, bases),
+            Input::DeviceHello {
+                token,
+                conn,
+                bases,
+                pid,
+            } => self.devices.hello(token, conn, bases, pid),
             Input::Device { token, msg } => {
                 self.devices
                     .message(&mut self.engine, &mut self.guests, token, msg)

@@ -41,6 +41,9 @@ pub(crate) enum Input {
         token: u64,
         conn: Conn,
         bases: Vec<(memfold_core::ids::DiskId, std::fs::File)>,
+        /// The device's pid (SO_PEERCRED): whose descriptors show which guest RAM it
+        /// holds.
+        pid: u32,
     },
     /// A block device's report of guest pages a disk read filled
     /// ([`ToDaemon::ReadLanded`]) or its request for a fill ([`ToDaemon::FillRead`]).
@@ -269,6 +272,7 @@ fn read_loop(
                 token: t,
                 conn: writer,
                 bases,
+                pid: peer.pid,
             };
             if tx.send(hello).is_err() {
                 return;
