@@ -15,7 +15,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use memfold_core::{EngineConfig, Policy};
-use memfold_live::daemon::{DaemonConfig, DomainRule};
+use memfold_live::daemon::{DaemonConfig, DomainRule, MAX_TENANT_CONNECTIONS};
 use memfold_sys::memfd;
 use memfold_wire::{Conn, ToAgent, ToClient, ToDaemon, PROTOCOL_VERSION};
 
@@ -138,6 +138,53 @@ fn child_role() {
                 }
             }
         }
+        "crowd" => {
+            // Room for the crowd's descriptors (a soft limit of 1024 is common).
+            let mut lim = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit fills the struct it is given.
+            assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+            lim.rlim_cur = lim.rlim_max.min(1 << 16);
+            // SAFETY: a plain setrlimit with a valid struct.
+            assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+            let hello = ToDaemon::ClientHello {
+                version: PROTOCOL_VERSION,
+            };
+            let open = |n: usize| -> Vec<Conn> {
+                (0..n)
+                    .map(|_| {
+                        let c = Conn::connect(&socket).unwrap();
+                        let _ = c.send(&hello, &[]);
+                        c
+                    })
+                    .collect()
+            };
+            let kept = open(MAX_TENANT_CONNECTIONS);
+            let past = open(8);
+            for c in &past {
+                c.set_recv_timeout(Duration::from_secs(5)).unwrap();
+                let _ = c.send(&ToDaemon::Stats, &[]);
+                assert!(
+                    !matches!(c.recv::<ToClient>(), Ok(Some(_))),
+                    "a connection past the tenant's {MAX_TENANT_CONNECTIONS} was served"
+                );
+            }
+            // Those within the bound are.
+            let last = kept.last().unwrap();
+            last.set_recv_timeout(Duration::from_secs(5)).unwrap();
+            last.send(&ToDaemon::Stats, &[]).unwrap();
+            assert!(matches!(
+                last.recv::<ToClient>(),
+                Ok(Some((ToClient::Stats(_), _)))
+            ));
+        }
+        "after-crowd" => {
+            // The crowd's places were given back with its connections.
+            let reply = client(&socket, &ToDaemon::Stats);
+            assert!(matches!(reply, ToClient::Stats(_)), "{reply:?}");
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -224,4 +271,29 @@ fn tenants_of_the_agent_group_attach_but_are_not_operators() {
         again.uptime_s > stats.uptime_s,
         "the operator was given a copy"
     );
+}
+
+/// A tenant has at most [`MAX_TENANT_CONNECTIONS`] connections open at once: past them
+/// its new ones are closed unread (each held a thread and descriptors, and one tenant's
+/// thousands ran memfoldd out of them for every other). Fails without the bound: the
+/// crowd's connections past it are served.
+#[test]
+fn a_tenants_open_connections_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let socket = common::start_memfoldd_with(DaemonConfig {
+        agent_gid: Some(AGENT_GID),
+        ..common::daemon_config(dir.path(), EngineConfig::default())
+    });
+    run_child(&socket, "crowd", AGENT_GID);
+    // The operator is not bound, and the tenant's places came back when the crowd left.
+    assert!(matches!(
+        client(&socket, &ToDaemon::Stats),
+        ToClient::Stats(_)
+    ));
+    run_child(&socket, "after-crowd", AGENT_GID);
 }

@@ -8,6 +8,12 @@
 //! could make memfoldd start threads without bound. The kind and version are read before
 //! the hello is decoded whole (`memfold_wire::hello`): an agent of another version, or
 //! whose hello does not decode, is refused in its own terms ([`ToAgent::Refused`]).
+//!
+//! A tenant (a user not an operator) has at most [`MAX_TENANT_CONNECTIONS`] connections
+//! open at once, said hello or not: each holds a reader thread and descriptors (an
+//! agent's, a writer thread and its guest's store and swap file too), and one tenant
+//! opening thousands ran memfoldd out of descriptors or threads for every other tenant —
+//! their agents, re-attaching after a restart, got no welcome.
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
@@ -77,9 +83,21 @@ pub const MAX_HELLOS_WAITING: usize = 256;
 /// stops reading must not stall memfoldd.
 pub(crate) const SEND_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Connections waiting for their hello, by user.
-#[derive(Default)]
-struct Waiting(Mutex<HashMap<u32, usize>>);
+/// Most connections one tenant (a uid not an operator's) has open at once: a host's
+/// worth of one user's guests (one connection a RAM region, and a few clients). Past it,
+/// its new connections are closed unread; an agent tries again later.
+pub const MAX_TENANT_CONNECTIONS: usize = 1024;
+
+/// Connections counted by user, at most `limit` each: those waiting for their hello
+/// ([`MAX_HELLOS_WAITING`]), or a tenant's open ones ([`MAX_TENANT_CONNECTIONS`]).
+struct Waiting(Mutex<HashMap<u32, usize>>, usize);
+
+impl Waiting {
+    /// No connection counted yet, at most `limit` a user.
+    fn new(limit: usize) -> Arc<Waiting> {
+        Arc::new(Waiting(Mutex::new(HashMap::new()), limit))
+    }
+}
 
 /// A place among a user's [`Waiting`] connections, given back when dropped.
 struct Place {
@@ -88,11 +106,11 @@ struct Place {
 }
 
 impl Waiting {
-    /// A place for a connection of `uid`; `None` if it has [`MAX_HELLOS_WAITING`].
+    /// A place for a connection of `uid`; `None` if it has its limit.
     fn enter(self: &Arc<Self>, uid: u32) -> Option<Place> {
         let mut by_uid = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let n = by_uid.entry(uid).or_default();
-        if *n >= MAX_HELLOS_WAITING {
+        if *n >= self.1 {
             return None;
         }
         *n += 1;
@@ -125,7 +143,9 @@ pub(crate) fn accept_loop(
     agent_gid: Option<u32>,
 ) {
     let mut token = 0u64;
-    let waiting = Arc::new(Waiting::default());
+    let waiting = Waiting::new(MAX_HELLOS_WAITING);
+    let open = Waiting::new(MAX_TENANT_CONNECTIONS);
+    let me = memfold_sys::socket::my_uid();
     // When a closed connection was last logged: a user that keeps connecting must not
     // flood the log.
     let mut logged: Option<Instant> = None;
@@ -149,6 +169,26 @@ pub(crate) fn accept_loop(
                 continue;
             }
         };
+        // Held for the connection's life, a tenant's (operators are not bound).
+        let tenant_place = if peer.trusted_by(me) {
+            None
+        } else {
+            match open.enter(peer.uid) {
+                Some(p) => Some(p),
+                None => {
+                    if logged.is_none_or(|l| l.elapsed() >= Duration::from_secs(10)) {
+                        logged = Some(Instant::now());
+                        tracing::warn!(
+                            "connection {t} from pid {}: uid {} has {MAX_TENANT_CONNECTIONS} \
+                             connections open; closed (logged once each 10 s)",
+                            peer.pid,
+                            peer.uid
+                        );
+                    }
+                    continue;
+                }
+            }
+        };
         let Some(place) = waiting.enter(peer.uid) else {
             if logged.is_none_or(|l| l.elapsed() >= Duration::from_secs(10)) {
                 logged = Some(Instant::now());
@@ -164,7 +204,10 @@ pub(crate) fn accept_loop(
         let tx = tx.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("conn{t}"))
-            .spawn(move || read_loop(t, conn, peer, tx, agent_gid, place));
+            .spawn(move || {
+                let _open = tenant_place;
+                read_loop(t, conn, peer, tx, agent_gid, place)
+            });
         if let Err(e) = spawned {
             tracing::warn!("no thread for connection {t}: {e}");
         }
@@ -283,6 +326,8 @@ fn read_loop(
             }
         }
         ToDaemon::ClientHello { version } if version == PROTOCOL_VERSION => {
+            // A client passes none: any it did would stay open for the connection's life.
+            drop(fds);
             while let Ok(Some((msg, _))) = conn.recv::<ToDaemon>() {
                 let (reply, answer) = mpsc::channel();
                 let input = Input::Client {
