@@ -118,6 +118,9 @@ pub enum LibvirtError {
         /// Its length in bytes.
         len: usize,
     },
+    /// The domain has no persistent definition (started with `virsh create`).
+    #[error("domain {0} is transient (started with virsh create): memfold edits a domain's persistent definition, and `virsh define` would make this one persistent; define it yourself first (virsh dumpxml {0} > {0}.xml; virsh define {0}.xml), then run this again; nothing was changed")]
+    Transient(String),
     /// The temporary file for `virsh define`.
     #[error("temporary file {path}: {source}")]
     Temp {
@@ -183,6 +186,20 @@ impl Virsh<'_> {
             state.trim(),
             "running" | "paused" | "in shutdown" | "pmsuspended"
         ))
+    }
+
+    /// Refuses a transient domain ([`LibvirtError::Transient`]): `dumpxml --inactive` of
+    /// one is its live definition, and defining it makes it persistent.
+    fn persistent(&self, domain: &str) -> Result<(), LibvirtError> {
+        let info = self.run(&["dominfo", domain])?;
+        let transient = info.lines().any(|l| {
+            l.split_once(':')
+                .is_some_and(|(k, v)| k.trim() == "Persistent" && v.trim() == "no")
+        });
+        if transient {
+            return Err(LibvirtError::Transient(domain.to_string()));
+        }
+        Ok(())
     }
 }
 
@@ -299,6 +316,7 @@ pub fn enable(a: &EnableArgs) -> Result<(), LibvirtError> {
         claim_monitor,
     };
     let on = libvirt_xml::enable(&xml, &settings).map_err(xml_err(&a.domain))?;
+    v.persistent(&a.domain)?;
     // libvirt writes the XML in its own style (quotes, attribute order): compare what
     // it means, not its bytes.
     if libvirt_xml::canonical(&on.xml).map_err(xml_err(&a.domain))?
@@ -340,6 +358,7 @@ pub fn disable(a: &DisableArgs) -> Result<(), LibvirtError> {
         );
         return Ok(());
     };
+    v.persistent(&a.domain)?;
     v.define(&off)?;
     if libvirt_xml::is_enabled(&v.dumpxml(&a.domain)?).map_err(xml_err(&a.domain))? {
         return Err(LibvirtError::NotKept {

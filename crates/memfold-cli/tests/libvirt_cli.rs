@@ -39,6 +39,7 @@ case "$1" in
   dumpxml) [ "$2 $3" = "--inactive --security-info" ] && [ "$4" = web1 ] || {{ echo "error: failed to get domain '$4'" >&2; exit 1; }}; cat $d/domain.xml ;;
   define) cp "$2" $d/domain.xml; echo "Domain 'web1' defined from $2" ;;
   domstate) cat $d/state ;;
+  dominfo) echo "Name:           web1"; echo "Persistent:     $(cat $d/persistent 2>/dev/null || echo yes)" ;;
   *) echo "unexpected: $*" >&2; exit 1 ;;
 esac
 "#,
@@ -206,6 +207,17 @@ fn refusals_define_nothing_and_say_why() {
         let calls = std::fs::read_to_string(d.join("calls")).unwrap();
         assert!(!calls.contains("define"), "{calls}");
     }
+
+    // A transient domain (virsh create): defining it would make it persistent.
+    std::fs::write(d.join("domain.xml"), DOMAIN).unwrap();
+    std::fs::write(d.join("persistent"), "no\n").unwrap();
+    let o = memfold(d, &["enable", "web1", "--agent", agent.to_str().unwrap()]);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains("domain web1 is transient"), "{t}");
+    let calls = std::fs::read_to_string(d.join("calls")).unwrap();
+    assert!(!calls.contains("define"), "{calls}");
+    std::fs::remove_file(d.join("persistent")).unwrap();
 
     // A monitor socket too long for a Unix socket: refused before anything is defined.
     std::fs::write(d.join("domain.xml"), DOMAIN).unwrap();
