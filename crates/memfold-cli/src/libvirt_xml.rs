@@ -7,7 +7,7 @@
 //!
 //! | what | enable | disable |
 //! |---|---|---|
-//! | `<memoryBacking>` | `<source type='memfd'/>` and `<access mode='shared'/>`, other children kept; added if absent | the original element back (a copy is in the metadata), or removed if there was none |
+//! | `<memoryBacking>` | `<source type='memfd'/>` and `<access mode='shared'/>`, other children kept; added if absent | `<source>` and `<access>` as they were (the original element is copied in the metadata), other children as they are now; the element removed if enable added it and nothing else is in it |
 //! | the qemu namespace | `xmlns:qemu` on `<domain>` if missing | removed if enable added it |
 //! | `<qemu:commandline>` | `<qemu:env>` `LD_PRELOAD`, `MEMFOLD_SOCKET`, `MEMFOLD_VM_NAME`; with a claim monitor the `-chardev`/`-mon` `<qemu:arg>`s; the element added if absent | those entries removed; the element too if enable added it |
 //! | `<metadata>` | `<memfold:libvirt>` with the record; the element added if absent | removed; `<metadata>` too if enable added it |
@@ -464,25 +464,49 @@ pub fn disable(xml: &str) -> Result<Option<String>, XmlError> {
         root.remove_at(i);
     }
 
-    // memoryBacking.
-    if flag("memoryBacking") {
-        if let Some(i) = root.index_of("memoryBacking") {
-            root.remove_at(i);
-        }
+    // memoryBacking: only what enable set (`<source>`, `<access>`) goes back to what it
+    // was; what the operator changed in it since (`<locked/>`, `<discard/>`...) stays.
+    let original = if flag("memoryBacking") {
+        None
     } else {
-        let original = record
-            .child(&rec("original"))
-            .and_then(|o| o.child("memoryBacking"))
-            .ok_or_else(|| {
-                XmlError::BadRecord(
-                    "neither memoryBacking='added' nor the original <memoryBacking>".into(),
-                )
-            })?
-            .clone();
-        match root.index_of("memoryBacking") {
-            Some(i) => root.children[i] = Node::Elem(original),
-            None => root.insert_after(&["memory", "currentMemory", "maxMemory"], original, 1),
+        Some(
+            record
+                .child(&rec("original"))
+                .and_then(|o| o.child("memoryBacking"))
+                .ok_or_else(|| {
+                    XmlError::BadRecord(
+                        "neither memoryBacking='added' nor the original <memoryBacking>".into(),
+                    )
+                })?
+                .clone(),
+        )
+    };
+    match (root.index_of("memoryBacking"), original) {
+        (Some(i), original) => {
+            let Node::Elem(mb) = &mut root.children[i] else {
+                unreachable!("index_of finds an element")
+            };
+            for child in ["source", "access"] {
+                let was = original.as_ref().and_then(|o| o.child(child)).cloned();
+                match (mb.index_of(child), was) {
+                    (Some(j), Some(was)) => mb.children[j] = Node::Elem(was),
+                    (Some(j), None) => {
+                        mb.remove_at(j);
+                    }
+                    (None, Some(was)) => mb.append(was, 2),
+                    (None, None) => {}
+                }
+            }
+            // Added by enable and holding nothing of the operator's: gone again.
+            if flag("memoryBacking") && mb.elems().next().is_none() {
+                root.remove_at(i);
+            }
         }
+        // Removed since by the operator: the original back, as it was before enable.
+        (None, Some(original)) => {
+            root.insert_after(&["memory", "currentMemory", "maxMemory"], original, 1)
+        }
+        (None, None) => {}
     }
 
     // qemu:commandline.

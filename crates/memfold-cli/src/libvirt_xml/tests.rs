@@ -178,6 +178,37 @@ fn a_tuned_domain_keeps_its_other_backing_and_commandline() {
     round_trip(TUNED, &settings());
 }
 
+/// What the operator changed in `<memoryBacking>` between enable and disable stays:
+/// disable puts back only `<source>` and `<access>` as they were (it put back the whole
+/// original element, or removed the one it had added, with the operator's children).
+#[test]
+fn disable_keeps_what_the_operator_changed_in_the_backing_since() {
+    // Added by enable; the operator then locks the guest's memory.
+    let on = enable(PLAIN, &settings()).unwrap();
+    let edited = on.xml.replace(
+        "    <access mode=\"shared\"/>\n",
+        "    <access mode=\"shared\"/>\n    <locked/>\n",
+    );
+    assert_ne!(edited, on.xml);
+    let off = disable(&edited).unwrap().expect("enabled");
+    assert!(
+        off.contains("  <memoryBacking>\n    <locked/>\n  </memoryBacking>"),
+        "{off}"
+    );
+    assert!(!off.contains("memfd") && !off.contains("<access"), "{off}");
+    // The domain's own; the operator drops `<nosharepages/>` and adds `<discard/>`.
+    let on = enable(TUNED, &settings()).unwrap();
+    let edited = on
+        .xml
+        .replace("    <nosharepages/>\n", "")
+        .replace("    <locked/>\n", "    <locked/>\n    <discard/>\n");
+    let off = disable(&edited).unwrap().expect("enabled");
+    assert!(
+        off.contains("  <memoryBacking>\n    <locked/>\n    <discard/>\n    <source type='file'/>\n    <access mode='private'/>\n  </memoryBacking>"),
+        "{off}"
+    );
+}
+
 #[test]
 fn huge_pages_and_private_numa_cells_are_refused_and_nothing_changes() {
     match enable(HUGE, &settings()) {
