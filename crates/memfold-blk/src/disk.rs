@@ -37,10 +37,12 @@ use crate::landed::{DiskId, Source};
 
 mod guard;
 mod open;
+mod repair;
 mod stamp;
 mod sync_latch;
 pub use guard::{BaseGuard, BaseStamp, Mismatch};
 pub use open::check_overlay;
+pub use repair::dirty_path;
 pub use stamp::stamp_path;
 
 /// Sector size of virtio-blk, bytes.
@@ -132,6 +134,31 @@ pub enum DiskError {
         /// The overlay.
         path: PathBuf,
     },
+    /// The overlay's dirty marker ([`dirty_path`]) cannot be made, read or removed.
+    #[error("dirty marker {marker} of overlay {overlay}: {source}; the overlay is not served without it (it says whether the overlay needs a repair after a crash)")]
+    Marker {
+        /// The marker file.
+        marker: PathBuf,
+        /// The overlay.
+        overlay: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The overlay was not closed cleanly by its last device (its dirty marker exists:
+    /// killed, or the host crashed) and `qemu-img check -r all` did not repair it.
+    #[error("overlay {overlay} was not closed cleanly by its last device ({marker} exists: killed, or the host crashed), so it may map a cluster it does not count, and its repair failed: `{command}` (the overlay by its descriptor): {status}: {output}; refused, nothing is served. Run `qemu-img check -r all -f qcow2 {overlay}` by hand with no device serving the overlay: once it reports no errors (or only leaked clusters) the next open serves it; if errors remain, restore the overlay from a backup (removing {marker} serves it unchecked: data can be silently overwritten)")]
+    Unrepaired {
+        /// The overlay.
+        overlay: PathBuf,
+        /// Its dirty marker.
+        marker: PathBuf,
+        /// The command run, as a shell line (qemu-img given the overlay's descriptor).
+        command: String,
+        /// How it ended (`exit status 2`, `could not run`).
+        status: String,
+        /// What it said (error output then standard output, as one line).
+        output: String,
+    },
     /// A qcow2 overlay is not over the base it is served with ([`check_overlay`]).
     #[error("overlay {overlay} does not match the base {base}: {why}; nothing is served and neither file is written")]
     OverlayMismatch {
@@ -220,6 +247,14 @@ pub trait Disk: Send + Sync {
     /// Errors: [`DiskError::OutOfRange`], [`DiskError::BaseChanged`], [`DiskError::Io`].
     fn sources(&self, _off: u64, _len: u64) -> Result<Option<Vec<Extent>>, DiskError> {
         Ok(None)
+    }
+    /// Closes the disk cleanly once the device is done with it: every write made durable,
+    /// then its dirty marker removed ([`OverlayDisk::close_clean`]). Nothing to do for a
+    /// read-only disk.
+    ///
+    /// Errors: [`DiskError::Io`], [`DiskError::Marker`].
+    fn close_clean(&mut self) -> Result<(), DiskError> {
+        Ok(())
     }
     /// The read-only base whose blocks reads report: its id and a new descriptor of its
     /// file (memfoldd reads blocks from it to check what a frame holds).
@@ -442,6 +477,9 @@ pub struct OverlayDisk {
     direct: bool,
     /// Fails every flush once a sync of the overlay failed ([`sync_latch`]).
     sync_latch: sync_latch::SyncLatch,
+    /// Closed cleanly ([`OverlayDisk::close_clean`]): its dirty marker is gone, so writes
+    /// are refused.
+    closed: bool,
 }
 
 impl OverlayDisk {
@@ -454,11 +492,13 @@ impl OverlayDisk {
     ///
     /// The overlay is locked for the disk's life (an OFD write lock on the whole file, as
     /// QEMU's own locks conflict with), and the base is checked against the one the
-    /// overlay was first served over, recorded next to it ([`stamp_path`]).
+    /// overlay was first served over, recorded next to it ([`stamp_path`]). An overlay its
+    /// last device did not close cleanly ([`dirty_path`] exists) is first repaired with
+    /// `qemu-img check -r all` (`repair.rs`); the marker is made before any write.
     ///
     /// Errors: [`DiskError::OverlayMismatch`], [`DiskError::InUse`],
-    /// [`DiskError::BaseChangedSinceStamp`], [`DiskError::Stamp`], [`DiskError::Open`]
-    /// (either image).
+    /// [`DiskError::BaseChangedSinceStamp`], [`DiskError::Stamp`],
+    /// [`DiskError::Unrepaired`], [`DiskError::Marker`], [`DiskError::Open`] (either image).
     pub fn open(base: &Path, overlay: &Path) -> Result<OverlayDisk, DiskError> {
         Self::open_with(base, overlay, true)
     }
@@ -468,7 +508,19 @@ impl OverlayDisk {
     ///
     /// Errors: as [`OverlayDisk::open`].
     pub fn open_with(base: &Path, overlay: &Path, direct: bool) -> Result<OverlayDisk, DiskError> {
+        Self::open_repairing_with(base, overlay, direct, &["qemu-img".as_ref()])
+    }
+
+    /// [`OverlayDisk::open_with`], a repair run by the command words `qemu_img` (tests).
+    fn open_repairing_with(
+        base: &Path,
+        overlay: &Path,
+        direct: bool,
+        qemu_img: &[&std::ffi::OsStr],
+    ) -> Result<OverlayDisk, DiskError> {
         let raw = RawDisk::open_with(base, direct)?;
+        // Before the lock, which qemu-img's own locks conflict with.
+        repair::repair_if_dirty(base, overlay, qemu_img)?;
         let (file, direct) = open::open_overlay_file(overlay, direct)?;
         let (q, verdict) = open::served(&raw, &file, overlay, direct)?;
         // The base could have changed since it was opened.
@@ -502,6 +554,7 @@ impl OverlayDisk {
             cache_handle: file,
             direct,
             sync_latch: sync_latch::SyncLatch::default(),
+            closed: false,
         })
     }
 
@@ -649,6 +702,7 @@ impl Disk for OverlayDisk {
     /// reads it).
     fn write(&self, off: u64, buf: &[u8]) -> Result<(), DiskError> {
         check_range(&self.path, "write", off, buf.len() as u64, self.size())?;
+        self.check_open("write", off, buf.len() as u64)?;
         self.base.check_unchanged()?;
         let mut b = Aligned::new(buf.len());
         b.bytes_mut().copy_from_slice(buf);
@@ -678,6 +732,7 @@ impl Disk for OverlayDisk {
     /// Refused when the base changed (the range would read as the changed base).
     fn discard(&mut self, off: u64, len: u64) -> Result<(), DiskError> {
         check_range(&self.path, "discard", off, len, self.size())?;
+        self.check_open("discard", off, len)?;
         self.base.check_unchanged()?;
         let path = self.path.clone();
         let err = |source| DiskError::Io {
@@ -695,6 +750,9 @@ impl Disk for OverlayDisk {
     fn base_changed(&self) -> bool {
         self.base.base_changed()
     }
+    fn close_clean(&mut self) -> Result<(), DiskError> {
+        OverlayDisk::close_clean(self)
+    }
 }
 
 /// Shares one base's bytes between several readers in tests.
@@ -704,20 +762,22 @@ pub type SharedDisk = Arc<dyn Disk>;
 /// -b BASE -F raw OVERLAY`): a per-guest copy-on-write disk QEMU can open too (Satori
 /// §4.1).
 ///
-/// A stamp left by an earlier overlay at that path ([`stamp_path`]) is removed: the new
-/// overlay holds nothing, and its first open records its base afresh.
+/// A stamp and a dirty marker left by an earlier overlay at that path ([`stamp_path`],
+/// [`dirty_path`]) are removed: the new overlay holds nothing, its first open records its
+/// base afresh and needs no repair.
 ///
 /// Errors: [`DiskError::Open`] naming the overlay: `qemu-img` missing or failing (its
-/// message), or the old stamp not removable.
+/// message), or the old stamp or marker not removable.
 pub fn create_overlay(base: &Path, overlay: &Path) -> Result<(), DiskError> {
     let fail = |source: std::io::Error| DiskError::Open {
         path: overlay.to_path_buf(),
         source,
     };
-    match std::fs::remove_file(stamp_path(overlay)) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(fail(e)),
-        _ => {}
-    }
+    let remove = |old: PathBuf| match std::fs::remove_file(old) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(fail(e)),
+        _ => Ok(()),
+    };
+    remove(stamp_path(overlay))?;
     let out = std::process::Command::new("qemu-img")
         .args(["create", "-q", "-f", "qcow2", "-b"])
         .arg(base)
@@ -731,7 +791,8 @@ pub fn create_overlay(base: &Path, overlay: &Path) -> Result<(), DiskError> {
             String::from_utf8_lossy(&out.stderr).trim()
         ))));
     }
-    Ok(())
+    // Only once made: a create refused (a device serving the old file) keeps it.
+    remove(dirty_path(overlay))
 }
 
 #[cfg(test)]

@@ -201,11 +201,19 @@ fn main() -> ExitCode {
         b.set_memory(None);
         write_stats(&a.stats, &b);
         tracing::info!("{}", b.counters().line());
-        drop(b);
         if qemu.as_ref().is_some_and(|q| !q.alive()) {
             tracing::info!("QEMU pid {} has exited", a.qemu_pid.unwrap_or(0));
-            return ExitCode::SUCCESS;
+            // No request can come (no guest memory, no QEMU), and the write lock keeps
+            // out one a worker thread had taken: the overlay's dirty marker can go.
+            return match b.close_disk() {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!("closing the disk: {e} (the next open repairs it)");
+                    ExitCode::FAILURE
+                }
+            };
         }
+        drop(b);
         if started.elapsed() < Duration::from_millis(100) {
             // A connection refused at once (a wrong peer): do not spin.
             std::thread::sleep(Duration::from_millis(100));

@@ -7,6 +7,12 @@ use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
 use vmm_sys_util::eventfd::EventFd;
 
 impl BlkBackend {
+    /// Closes its disk cleanly once no request can come any more (its QEMU has exited):
+    /// [`Disk::close_clean`]. Errors: its.
+    pub fn close_disk(&mut self) -> Result<(), DiskError> {
+        self.disk.close_clean()
+    }
+
     /// The virtio-blk configuration space (`struct virtio_blk_config`, 60 bytes).
     pub fn config_space(&self) -> Vec<u8> {
         let mut c = vec![0u8; std::mem::size_of::<vb::virtio_blk_config>()];

@@ -97,6 +97,43 @@ fn lock(file: &File, path: &Path) -> Result<(), DiskError> {
     }
 }
 
+/// Waits for no open file description to hold a lock on the overlay open as `file` (at
+/// `path`) that conflicts with the device's (`lock`), without taking one: before
+/// `qemu-img` repairs it (`repair.rs`), whose own locks would conflict with the device's.
+/// Asked with `F_OFD_GETLK`, retried for `LOCK_WAIT` as `lock` is.
+///
+/// Errors: [`DiskError::InUse`] (a device, a QEMU or a qemu-img holds it);
+/// [`DiskError::Open`] (any other failure).
+pub(super) fn wait_unlocked(file: &File, path: &Path) -> Result<(), DiskError> {
+    use std::os::fd::AsRawFd;
+    let start = std::time::Instant::now();
+    loop {
+        // SAFETY: all-zero is a valid `struct flock` (plain integers).
+        let mut l: libc::flock = unsafe { std::mem::zeroed() };
+        l.l_type = libc::F_WRLCK as _;
+        l.l_whence = libc::SEEK_SET as _;
+        // SAFETY: `file` is an open descriptor for the call; F_OFD_GETLK writes `l`, which
+        // lives across it.
+        let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut l) };
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(open_err(path)(std::io::Error::new(
+                e.kind(),
+                format!("lock (F_OFD_GETLK): {e}"),
+            )));
+        }
+        if i32::from(l.l_type) == libc::F_UNLCK {
+            return Ok(());
+        }
+        if start.elapsed() >= LOCK_WAIT {
+            return Err(DiskError::InUse {
+                path: path.to_path_buf(),
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
 /// How long a lock held by another open of the overlay is waited for.
 const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -135,9 +172,11 @@ pub(super) fn open_overlay_file(path: &Path, direct: bool) -> Result<(File, bool
 /// opened, and checked again. Between the two the base is checked against the overlay's
 /// stamp file; what to do with it once served is returned.
 ///
+/// The overlay's dirty marker is made just before the read-write parse (`repair.rs`).
+///
 /// Errors: [`DiskError::OverlayMismatch`], [`DiskError::BaseChangedSinceStamp`],
-/// [`DiskError::Stamp`]; [`DiskError::Open`] naming the overlay (not qcow2, unreadable, or
-/// a reference in its header not given explicitly) or the base.
+/// [`DiskError::Stamp`], [`DiskError::Marker`]; [`DiskError::Open`] naming the overlay
+/// (not qcow2, unreadable, or a reference in its header not given explicitly) or the base.
 pub(super) fn served(
     base: &RawDisk,
     file: &File,
@@ -173,6 +212,8 @@ pub(super) fn served(
         holds_nothing(&q, path)
     })?;
     drop(q);
+    // Before the read-write parse, which writes (see above).
+    super::repair::mark(path)?;
 
     let base_file = ImagoFile::from_open_file(
         dup(&base.file, &base.path)?,
@@ -232,6 +273,14 @@ fn holds_nothing(q: &FormatAccess<ImagoFile>, path: &Path) -> Result<bool, DiskE
 /// [`DiskError::Stamp`]; [`DiskError::Open`] (either file unreadable, the overlay not
 /// qcow2).
 pub fn check_overlay(base: &Path, overlay: &Path) -> Result<(), DiskError> {
+    checked_overlay(base, overlay).map(drop)
+}
+
+/// [`check_overlay`], returning the overlay's file (read-only) that was checked: what is
+/// done with it next is done to that file, not to whatever is at the path by then.
+///
+/// Errors: as [`check_overlay`].
+pub(super) fn checked_overlay(base: &Path, overlay: &Path) -> Result<File, DiskError> {
     let b = File::open(base).map_err(open_err(base))?;
     let st = rustix::fs::fstat(&b).map_err(|e| open_err(base)(e.into()))?;
     let base_id = BaseId {
@@ -257,7 +306,7 @@ pub fn check_overlay(base: &Path, overlay: &Path) -> Result<(), DiskError> {
     stamp::check(&BaseStamp::of(&st), base, &file, overlay, || {
         holds_nothing(&q, overlay)
     })?;
-    Ok(())
+    Ok(file)
 }
 
 /// The open base an overlay is checked against.

@@ -292,3 +292,4 @@ fn after_a_failed_sync_the_overlay_fails_every_flush() {
 
 mod across_opens;
 mod one_open;
+mod repair;

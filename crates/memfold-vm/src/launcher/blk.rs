@@ -204,6 +204,11 @@ fn new_overlay(base: &Path, overlay: &Path) -> Result<PathBuf, String> {
             String::from_utf8_lossy(&out.stderr).trim()
         ));
     }
+    // A dirty marker a killed memfold-blk left beside the old overlay (memfold-blk's
+    // `disk/repair.rs`) is not this one's: it would only cost a needless check.
+    let mut marker = overlay.as_os_str().to_owned();
+    marker.push(".memfold-dirty");
+    let _ = std::fs::remove_file(marker);
     Ok(overlay.to_path_buf())
 }
 

@@ -15,7 +15,7 @@ fn bump_mtime(path: &Path, secs: u64) {
 }
 
 /// `base.img` (1 MiB of `pattern(.., seed)`) and `ov.qcow2` over it, in a new folder.
-fn base_and_overlay(seed: u8) -> (tempfile::TempDir, PathBuf, PathBuf, Vec<u8>) {
+pub(super) fn base_and_overlay(seed: u8) -> (tempfile::TempDir, PathBuf, PathBuf, Vec<u8>) {
     let d = tempfile::tempdir_in("/var/tmp").unwrap();
     let (base, ov) = (d.path().join("base.img"), d.path().join("ov.qcow2"));
     let data = pattern(1 << 20, seed);
