@@ -16,7 +16,8 @@
 mod model;
 
 use model::{
-    free_race_burst, random_free_op, random_op, random_setup, Content, Harness, Op, Setup,
+    free_race_burst, free_round_burst, random_free_op, random_op, random_setup, Content, Harness,
+    Op, Setup,
 };
 use proptest::prelude::*;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
@@ -51,6 +52,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (vg, 1u8..9, prop::bool::weighted(0.7)).prop_map(|((vm, gfn), n, on)| Op::Mark { vm, gfn, n, on }),
         3 => any::<u32>().prop_map(|vm| Op::GuestSample { vm }),
         3 => any::<u32>().prop_map(|vm| Op::GuestReport { vm }),
+        1 => any::<u32>().prop_map(|vm| Op::Poison { vm }),
         2 => (any::<u32>(), 0u8..12).prop_map(|(vm, pct)| Op::Waited { vm, pct }),
         1 => (any::<u32>(), prop::bool::weighted(0.6)).prop_map(|(vm, out)| Op::OptOut { vm, out }),
         3 => any::<u32>().prop_map(|vm| Op::Reattach { vm }),
@@ -206,11 +208,41 @@ fn engine_matches_reference_model_long() {
     long_run(ops, 100);
 }
 
+/// What the long run samples, largest value seen: each must be reached (> 0). All but
+/// the last two are one guest's cumulative counters ([`memfold_core::engine::VmBooks`]).
+const SEEN: [&str; 23] = [
+    "shares",
+    "reclaims",
+    "patches",
+    "compressions",
+    "swap-outs",
+    "CoW breaks",
+    "unmapped shares",
+    "mapped shares unmapped",
+    "shares at disk read",
+    "reads filled from frames",
+    "never-share take-backs",
+    "page-outs",
+    "paged in",
+    "swap moves",
+    "swap-ins",
+    "refills",
+    "unstashes",
+    "discards",
+    "free discards",
+    "lost",
+    "store floor raised",
+    // The engine's pool frames paged out (its books start over at a restart).
+    "frame page-outs",
+    // Agents' events that arrived while a request about their page was in flight.
+    "events in flight",
+];
+
 /// `total` operations over runs of `total / runs` each, every step verified; each run
 /// ends with a teardown that must leave nothing behind. Prints what the mechanisms did.
 fn long_run(total: u64, runs: u64) {
     let per = total / runs;
-    let mut seen = [0u64; 11];
+    let mut seen = [0u64; SEEN.len()];
     let mut fills = [0u64; 3];
     // MEMFOLD_MODEL_RUN=N replays run N alone (a failure names its run).
     let only: Option<u64> = std::env::var("MEMFOLD_MODEL_RUN")
@@ -222,32 +254,28 @@ fn long_run(total: u64, runs: u64) {
         let mut h = Harness::new(&setup);
         h.step(&Op::CreateVm { pages: 24 }).unwrap();
         h.step(&Op::CreateVm { pages: 17 }).unwrap();
+        // Bursts drawn apart, so that the random ops between them stay what they were.
+        let mut bursts = SmallRng::seed_from_u64(0x6275_0000 + run_no);
         for n in 0..per {
+            // Now and then a free-page discard's round, whole (`free_round_burst`).
+            if n % 200 == 100 {
+                for op in free_round_burst(&mut bursts) {
+                    if let Err(e) = h.step(&op).and_then(|_| h.verify_all()) {
+                        panic!("run {run_no} step {n} ({op:?}): {e}\nsetup: {setup:?}");
+                    }
+                }
+            }
             let op = random_op(&mut rng);
+            // The counters start over with a new engine or end with their guest: sampled
+            // before, lest a rare one be missed.
+            if matches!(op, Op::Restart { .. } | Op::DestroyVm { .. }) {
+                sample(&h, &mut seen);
+            }
             if let Err(e) = h.step(&op).and_then(|_| h.verify_all()) {
                 panic!("run {run_no} step {n} ({op:?}): {e}\nsetup: {setup:?}");
             }
             if n % 100 == 99 {
-                // Guests' counters are cumulative while they live: the largest seen.
-                for v in h.books().vms {
-                    let x = &v.books;
-                    let now = [
-                        x.shares,
-                        x.reclaims,
-                        x.patches,
-                        x.compressions,
-                        x.swap_outs,
-                        x.cow_breaks,
-                        x.unmapped_shares,
-                        x.unmaps,
-                        x.read_shares,
-                        x.read_fills,
-                        x.never_share_takebacks,
-                    ];
-                    for (s, c) in seen.iter_mut().zip(now) {
-                        *s = (*s).max(c);
-                    }
-                }
+                sample(&h, &mut seen);
             }
         }
         for (a, b) in fills.iter_mut().zip(h.fill_counts) {
@@ -257,13 +285,68 @@ fn long_run(total: u64, runs: u64) {
             panic!("run {run_no} teardown: {e}\nsetup: {setup:?}");
         }
     }
-    eprintln!("{total} ops in {runs} runs; largest counter of one guest, sampled every 100 ops [shares, reclaims, patches, compressions, swap-outs, CoW breaks, unmapped shares, mapped shares unmapped, shares at disk read, reads filled from frames, never-share take-backs]: {seen:?}");
+    let named: Vec<String> = SEEN
+        .iter()
+        .zip(seen)
+        .map(|(n, c)| format!("{n} {c}"))
+        .collect();
+    eprintln!(
+        "{total} ops in {runs} runs; largest counter of one guest (or of the engine, the \
+         harness), sampled every 100 ops and before restarts and exits: {}",
+        named.join(", ")
+    );
     eprintln!(
         "fills: {} reads asked, {} pages asked of agents, {} filled",
         fills[0], fills[1], fills[2]
     );
+    let never: Vec<&str> = SEEN
+        .iter()
+        .zip(seen)
+        .filter(|&(_, c)| c == 0)
+        .map(|(n, _)| *n)
+        .collect();
     assert!(
-        only.is_some() || seen.iter().all(|&c| c > 0),
-        "a mechanism never ran: {seen:?}"
+        only.is_some() || never.is_empty(),
+        "never ran: {never:?} ({})",
+        named.join(", ")
     );
+}
+
+/// Raises `seen` ([`SEEN`]) to the counters now: the largest of one guest's, the
+/// engine's, the harness's.
+fn sample(h: &Harness, seen: &mut [u64; SEEN.len()]) {
+    let books = h.books();
+    for v in &books.vms {
+        let x = &v.books;
+        let now = [
+            x.shares,
+            x.reclaims,
+            x.patches,
+            x.compressions,
+            x.swap_outs,
+            x.cow_breaks,
+            x.unmapped_shares,
+            x.unmaps,
+            x.read_shares,
+            x.read_fills,
+            x.never_share_takebacks,
+            x.page_outs,
+            x.paged_ins,
+            x.swap_moves,
+            x.swap_ins,
+            x.refills,
+            x.unstashes,
+            x.discards,
+            x.free_discards,
+            x.lost,
+            x.store_floor_raised,
+        ];
+        for (s, c) in seen.iter_mut().zip(now) {
+            *s = (*s).max(c);
+        }
+    }
+    let engine = [books.frame_page_outs, h.events_in_flight];
+    for (s, c) in seen[SEEN.len() - 2..].iter_mut().zip(engine) {
+        *s = (*s).max(c);
+    }
 }

@@ -12,19 +12,27 @@ use memfold_core::PAGE_SIZE;
 use super::{Harness, ModelVm};
 
 /// The guest writes `bytes` at `off` in page `g`. A free page is allocated first: its
-/// bytes, old or zeros, become the model's (any other bytes are an error).
+/// bytes, old or (if a report allowed its discard) zeros, become the model's (any other
+/// bytes are an error).
 pub(super) fn guest_write(v: &mut ModelVm, g: Gfn, off: usize, bytes: &[u8]) -> Result<(), String> {
     if v.free[g.index()] {
         if let Ok(got) = v.agent.peek(g) {
-            if got != *v.model[g.index()] && got != [0u8; PAGE_SIZE] {
+            let zeros = v.may_zero[g.index()] && got == [0u8; PAGE_SIZE];
+            if got != *v.model[g.index()] && !zeros {
                 return Err(format!(
-                    "{g}: a free page reads bytes the guest never wrote"
+                    "{g}: a free page reads bytes the guest never wrote{}",
+                    if got == [0u8; PAGE_SIZE] {
+                        " (zeros: discarded, but no report allowed it)"
+                    } else {
+                        ""
+                    }
                 ));
             }
             *v.model[g.index()] = got;
         }
         v.free[g.index()] = false;
     }
+    v.may_zero[g.index()] = false;
     v.agent.write(g, off, bytes)
 }
 
@@ -41,6 +49,15 @@ impl Harness {
                     v.free[g as usize] = true;
                 }
             }
+        }
+    }
+
+    /// The guest's kernel starts or stops poisoning free pages: its reports from now on
+    /// allow discards or not (memfoldd's `discards_allowed`).
+    pub(super) fn poison(&mut self, vm: u32) {
+        if let Some(i) = self.pick(vm) {
+            let v = &mut self.vms[i];
+            v.poison = !v.poison;
         }
     }
 
@@ -119,7 +136,15 @@ impl Harness {
                             });
                         }
                     }
-                    self.engine.discard_free(id, after, true);
+                    // A report that allows discards: each page free now may be
+                    // discarded (this report's round, or one asked for before).
+                    let discardable = !v.poison;
+                    if discardable {
+                        for (z, &f) in v.may_zero.iter_mut().zip(&v.free) {
+                            *z |= f;
+                        }
+                    }
+                    self.engine.discard_free(id, after, discardable);
                 }
             }
         }

@@ -26,6 +26,8 @@ use memfold_core::{
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 mod agree;
+mod confirm;
+mod coverage;
 mod free;
 mod ops;
 use free::guest_write;
@@ -50,8 +52,14 @@ struct ModelVm {
     /// Fills its block device waits for, oldest first.
     fills: Vec<PendingFill>,
     /// Pages the guest freed (issue 17): their bytes are no one's until it writes them
-    /// again, and may read as the old bytes or, discarded, as zeros.
+    /// again, and may read as the old bytes or, discarded, as zeros (`may_zero`).
     free: Vec<bool>,
+    /// Per page, whether a report that allowed discards reached memfoldd while it was
+    /// free, since the guest last wrote it: only then may a free page read as zeros.
+    may_zero: Vec<bool>,
+    /// Its kernel poisons free pages (`page_poisoning`, `init_on_free`): its reports
+    /// allow no discard, and a free page keeps its bytes (`Op::Poison`).
+    poison: bool,
     /// A report of its free pages sampled and not yet applied (memfold-guest's answer in
     /// flight), with the watch round that was armed when it was asked for.
     sample: Option<(Vec<CategoryRun>, Option<WatchRound>)>,
@@ -97,7 +105,7 @@ struct PendingFill {
 /// not live to send: the buffer of a read under way holds old bytes or the read's).
 fn reads_right(v: &ModelVm, g: Gfn, got: &Page) -> bool {
     *got == *v.model[g.index()]
-        || v.free[g.index()] && *got == [0u8; PAGE_SIZE]
+        || v.free[g.index()] && v.may_zero[g.index()] && *got == [0u8; PAGE_SIZE]
         || v.fills
             .iter()
             .flat_map(|f| &f.pages)
@@ -140,6 +148,9 @@ pub struct Harness {
     next_fill: u64,
     /// Fills: [reads asked of the engine, pages it asked of agents, pages filled].
     pub fill_counts: [u64; 3],
+    /// Agents' events that reached the engine while a request about their page was in
+    /// flight ([`Harness::count_event`]).
+    pub events_in_flight: u64,
 }
 
 fn config(s: &Setup) -> EngineConfig {
@@ -214,6 +225,7 @@ impl Harness {
             steps: 0,
             next_fill: 0,
             fill_counts: [0; 3],
+            events_in_flight: 0,
         }
     }
 
@@ -343,7 +355,7 @@ impl Harness {
         if let Command::ClockScan { .. } = cmd {
             if o == Outcome::Done {
                 let (first, n, r, m) = self.vms[i].agent.clock_scan_cmd(cmd).expect("a scan");
-                self.engine.clock_bits(id, first, n, &r, &m);
+                self.confirming(|e| e.clock_bits(id, first, n, &r, &m))?;
             }
             return Ok(());
         }
@@ -415,6 +427,8 @@ impl Harness {
                     connected: false,
                     fills: Vec::new(),
                     free: vec![false; pages as usize],
+                    may_zero: vec![false; pages as usize],
+                    poison: false,
                     sample: None,
                     never: vec![false; pages as usize],
                     marked: vec![None; pages as usize],
@@ -473,7 +487,6 @@ impl Harness {
                         }
                     }
                     if let Some(id) = v.id {
-                        self.engine.read_landed(id, &landed, 0);
                         // Named by base block too: the engine may learn which frame holds
                         // it (from the base's bytes, `pump_fills`).
                         let from_base: Vec<(Gfn, BaseBlock)> = landed
@@ -484,7 +497,10 @@ impl Harness {
                                 (g, BaseBlock { disk: DISK, block })
                             })
                             .collect();
-                        self.engine.landed_from_base(id, &from_base);
+                        self.confirming(|e| {
+                            e.read_landed(id, &landed, 0);
+                            e.landed_from_base(id, &from_base);
+                        })?;
                     }
                 }
             }
@@ -585,6 +601,7 @@ impl Harness {
             Op::Mark { vm, gfn, n, on } => self.mark(vm, gfn, n, on),
             Op::GuestSample { vm } => self.guest_sample(vm),
             Op::GuestReport { vm } => self.guest_report(vm),
+            Op::Poison { vm } => self.poison(vm),
             Op::Waited { vm, pct } => {
                 if let Some(v) = self.pick(vm).map(|i| &self.vms[i]) {
                     if let Some(id) = v.id.filter(|_| v.connected) {
@@ -796,6 +813,7 @@ impl Harness {
     fn report(&mut self, i: usize) {
         let id = self.vms[i].id.expect("connected");
         for e in std::mem::take(&mut self.vms[i].agent.events) {
+            self.count_event(id, &e);
             match e {
                 Event::CowBroken(g, f) => self.engine.cow_broken(id, g, f),
                 Event::Refilled(g) => self.engine.refilled(id, g),
