@@ -930,7 +930,10 @@ fn no_memory_for_a_stored_page_pauses_qemu_after_the_give_up_time() {
     }
     let root = Path::new("/sys/fs/cgroup/memory");
     if !root.join("memory.oom_control").exists() {
-        eprintln!("no cgroup v1 memory controller here: skipped");
+        memfold_sys::testing::skipped(
+            "no_memory_for_a_stored_page_pauses_qemu_after_the_give_up_time",
+            "no cgroup v1 memory controller here",
+        );
         return;
     }
     // The child's own: its new pages are charged here, against 16 MiB, with no OOM

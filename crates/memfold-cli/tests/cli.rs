@@ -52,7 +52,9 @@ fn unknown_profiles_and_missing_qemu_are_clear_errors() {
     let (code, _, err) = memfold(&["ksm", "--mode", "sometimes", "--profiles", "tiny"]);
     assert_eq!(code, 1);
     assert!(err.contains("unknown KSM mode"), "{err}");
-    // No QEMU on PATH: with the tiny image built (normal PATH), starting the guest fails.
+    // No QEMU on PATH: with the tiny image built (normal PATH), starting the guest fails,
+    // saying so. The image is current (just built by this binary), so capture builds
+    // nothing: it fails at QEMU, not at a build that lacks the tools PATH hides.
     let (code, _, err) = memfold(&["image", "build", "tiny"]);
     assert_eq!(code, 0, "{err}");
     let o = Command::new(env!("CARGO_BIN_EXE_memfold"))
@@ -64,10 +66,7 @@ fn unknown_profiles_and_missing_qemu_are_clear_errors() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("qemu-system-x86_64 not found") || err.contains("building image"),
-        "{err}"
-    );
+    assert!(err.contains("qemu-system-x86_64 not found"), "{err}");
 }
 
 #[test]

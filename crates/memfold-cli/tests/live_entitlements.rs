@@ -101,6 +101,35 @@ fn wait_for(
     }
 }
 
+/// Waits (up to `within`) until every guest has passed a self-check round
+/// (`MEMFOLD-CHECK ok`, images/tiny-init), failing at a mismatch: that none was printed
+/// means nothing until a round has run.
+fn checked_once(guests: &[Guest], within: Duration) {
+    let t = Instant::now();
+    let checked = |g: &Guest| {
+        g.serial()
+            .lines()
+            .any(|l| l.starts_with("MEMFOLD-CHECK ok"))
+    };
+    while let Some(g) = guests.iter().find(|g| !checked(g)) {
+        for g in guests {
+            assert!(
+                g.mismatches().is_empty(),
+                "{}: {:?}",
+                g.name,
+                g.mismatches()
+            );
+        }
+        assert!(
+            t.elapsed() < within,
+            "{}: no self-check round within {within:?}: {}",
+            g.name,
+            g.serial()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 /// Each guest's balloon is where its entitlement says, and the guest sees it: the pages
 /// its balloon driver holds by the guest kernel's own count (`MEMFOLD-BALLOON-KIB`, from
 /// /proc/vmstat; MemTotal does not move under `deflate-on-oom`) are RAM less the target
@@ -256,6 +285,7 @@ fn guests_that_share_get_their_entitlement_and_repay_it_when_their_sharing_break
         before / MIB,
         now / MIB
     );
+    checked_once(&guests, Duration::from_secs(60));
     for g in &guests {
         assert!(
             g.mismatches().is_empty(),
@@ -329,6 +359,8 @@ fn under_pressure_a_guest_short_of_memory_grows_up_to_its_entitlement() {
                         v.guest_available_bytes.map(|b| b / MIB)
                     );
                     eprintln!("(s, target MiB, actual MiB, available MiB, short) {trace:?}");
+                    // Its self-checks ran, and passed, through the squeeze.
+                    checked_once(&guests, Duration::from_secs(60));
                     return;
                 }
             }

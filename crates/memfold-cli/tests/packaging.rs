@@ -35,7 +35,10 @@ fn the_unit_passes_systemd_analyze_verify() {
         .output()
         .is_err()
     {
-        eprintln!("SKIPPED: systemd-analyze is not installed (Debian: the systemd package)");
+        memfold_sys::testing::skipped(
+            "the_unit_passes_systemd_analyze_verify",
+            "systemd-analyze is not installed (Debian: the systemd package)",
+        );
         return;
     }
     // verify wants ExecStart's binary to exist: the one this build made.

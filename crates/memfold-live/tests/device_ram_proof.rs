@@ -222,8 +222,11 @@ fn a_device_acts_only_on_guest_ram_it_holds() {
         said.push_str(&line);
         line.clear();
     }
-    // Blocks a's domain learns from now on are news for a's device only.
-    if line.contains(ANSWERED) {
+    // Blocks a's domain learns from now on are news for a's device only. A child that
+    // never answered (it failed, or `--exact` matched no test) fails below, with its
+    // output.
+    let answered = line.contains(ANSWERED);
+    if answered {
         land(4..8);
         std::thread::sleep(Duration::from_millis(500));
     }
@@ -237,6 +240,14 @@ fn a_device_acts_only_on_guest_ram_it_holds() {
         done.status.success(),
         "the hostile device: {said}{line}{rest}\n{}",
         String::from_utf8_lossy(&done.stderr)
+    );
+    assert!(
+        answered,
+        "the hostile device never said its fills were answered: {said}{line}{rest}"
+    );
+    assert!(
+        rest.contains("test result: ok. 1 passed"),
+        "the hostile device's test did not run: {said}{line}{rest}"
     );
 
     let mut now = vec![0u8; PAGE];

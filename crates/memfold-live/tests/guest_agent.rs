@@ -208,8 +208,11 @@ fn requests_are_parsed_strictly_enough() {
 /// read by memfoldd's side without an error, and its runs cover every System RAM frame.
 #[test]
 fn an_answer_made_from_this_hosts_proc_reads_back_whole() {
-    if std::fs::File::open("/proc/kpageflags").is_err() {
-        eprintln!("skipped: /proc/kpageflags not readable (not root)");
+    if let Err(e) = std::fs::File::open("/proc/kpageflags") {
+        memfold_sys::testing::skipped(
+            "an_answer_made_from_this_hosts_proc_reads_back_whole",
+            &format!("/proc/kpageflags not readable (not root?): {e}"),
+        );
         return;
     }
     let iomem = std::fs::read_to_string("/proc/iomem").unwrap();
@@ -253,6 +256,14 @@ fn an_answer_made_from_this_hosts_proc_reads_back_whole() {
 #[test]
 fn never_share_marks_resolve_to_the_frames_of_a_process_and_a_file() {
     use std::io::Write;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        memfold_sys::testing::skipped(
+            "never_share_marks_resolve_to_the_frames_of_a_process_and_a_file",
+            "not root: pagemap shows no frame numbers",
+        );
+        return;
+    }
     let pid = std::process::id();
     let start = guest::marks::start_time(pid).expect("our own start time");
     let mut page = vec![0x5au8; 3 * 4096];
@@ -263,10 +274,10 @@ fn never_share_marks_resolve_to_the_frames_of_a_process_and_a_file() {
     let mut mine = Vec::new();
     let mut budget = 1;
     guest::marks::present_frames(&pagemap, addr as u64 / 4096, 1, &mut budget, &mut mine);
-    if mine.is_empty() {
-        eprintln!("no frames in pagemap (not root): nothing to check");
-        return;
-    }
+    assert!(
+        !mine.is_empty(),
+        "root reads the frame of a page it wrote in its own pagemap"
+    );
     let mut frames = Vec::new();
     guest::marks::frames_of_pid(pid, start, &mut frames).unwrap();
     assert!(

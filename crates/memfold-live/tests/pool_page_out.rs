@@ -24,7 +24,10 @@ fn text(f: u64) -> Vec<u8> {
 fn frames_nothing_maps_leave_ram_read_back_as_written_and_leave_the_measure() {
     // SAFETY: geteuid takes nothing and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root (a swap file and zswap)");
+        memfold_sys::testing::skipped(
+            "frames_nothing_maps_leave_ram_read_back_as_written_and_leave_the_measure",
+            "needs root (a swap file and zswap)",
+        );
         return;
     }
     // One CPU: a page just written waits in this CPU's LRU batch, which MADV_PAGEOUT

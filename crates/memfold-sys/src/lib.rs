@@ -16,6 +16,7 @@
 //! | [`proc`] | CPU seconds of a process or its threads, from `/proc` |
 //! | [`pageout`] | a read-only window onto a memfd to send its pages to the kernel's swap (zswap) with `MADV_PAGEOUT` |
 //! | [`reclaim`] | the kernel's other memory savers: zswap, a swap file, a v1 memory cgroup's limit, memory PSI |
+//! | [`testing`] | for memfold's tests: a skip made visible (stderr and the `MEMFOLD_SKIP_LOG` file CI lists) |
 
 #![deny(missing_docs)]
 
@@ -29,4 +30,5 @@ pub mod pageout;
 pub mod proc;
 pub mod reclaim;
 pub mod socket;
+pub mod testing;
 pub mod uffd;

@@ -10,6 +10,26 @@ use memfold_vm::hostmem::guest_ram_usage;
 use memfold_vm::images;
 use memfold_vm::launcher::{Accel, Guest, GuestSpec, RamBackend, VmError};
 
+/// Waits (up to `within`) for the guest's first passed self-check round
+/// (`MEMFOLD-CHECK ok`, images/tiny-init), failing at a mismatch: that no mismatch was
+/// printed means nothing until a round has run.
+fn checked_once(g: &Guest, within: Duration) {
+    let t = std::time::Instant::now();
+    while !g
+        .serial()
+        .lines()
+        .any(|l| l.starts_with("MEMFOLD-CHECK ok"))
+    {
+        assert!(g.mismatches().is_empty(), "{:?}", g.mismatches());
+        assert!(
+            t.elapsed() < within,
+            "no self-check round within {within:?}: {}",
+            g.serial()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 fn boot_capture_analyse(ram: RamBackend, name: &str) {
     let cache = images::cache_dir();
     images::build(&cache, "tiny", |l| eprintln!("{l}")).expect("tiny image builds");
@@ -66,6 +86,7 @@ fn boot_capture_analyse(ram: RamBackend, name: &str) {
             && all.pages_with_patching <= all.pages_sharing_only
     );
 
+    checked_once(&g, Duration::from_secs(120));
     assert!(
         g.mismatches().is_empty(),
         "guest self-check: {:?}",
@@ -178,6 +199,7 @@ fn tiny_guest_reads_its_data_disk_from_its_cache_breaks_and_drops_on_cue() {
     let best = rates.iter().copied().fold(0.0, f64::max);
     assert!(best > 3.0 * 32.0, "no pass ran from the cache: {rates:?}");
     assert!(cached.iter().any(|&k| k >= 16 * 1024), "{cached:?}");
+    checked_once(&g, Duration::from_secs(60));
     assert!(g.mismatches().is_empty(), "{:?}", g.mismatches());
     g.stop();
 }

@@ -340,7 +340,11 @@ pub fn zswap_on_one_cpu(
     dir: &Path,
 ) -> Option<(memfold_sys::reclaim::Zswap, memfold_sys::reclaim::SwapFile)> {
     if !rustix::process::geteuid().is_root() {
-        eprintln!("skipped: needs root (a swap file and zswap)");
+        memfold_sys::testing::skipped(
+            // libtest names each test's thread after the test.
+            std::thread::current().name().unwrap_or("zswap_on_one_cpu"),
+            "needs root (a swap file and zswap)",
+        );
         return None;
     }
     let mut one = rustix::thread::CpuSet::new();

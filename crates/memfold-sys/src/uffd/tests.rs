@@ -49,7 +49,10 @@ fn the_device_gives_a_userfaultfd_like_the_syscall() {
         Err(e) if rustix::process::geteuid().is_root() => {
             panic!("root cannot open {DEV_USERFAULTFD}: {e}")
         }
-        Err(e) => eprintln!("skipped: {DEV_USERFAULTFD}: {e}"),
+        Err(e) => crate::testing::skipped(
+            "the_device_gives_a_userfaultfd_like_the_syscall",
+            &format!("{DEV_USERFAULTFD} (not root): {e}"),
+        ),
     }
 }
 
@@ -57,9 +60,18 @@ fn the_device_gives_a_userfaultfd_like_the_syscall() {
 /// include the agent's (which `open` just got).
 #[test]
 fn available_features_list_what_open_gets() {
-    if Uffd::open(AGENT_FEATURES).is_err() {
-        eprintln!("no userfaultfd with the agent's features here; skipped");
-        return;
+    match Uffd::open(AGENT_FEATURES) {
+        Ok(_) => {}
+        Err(e) if rustix::process::geteuid().is_root() => {
+            panic!("root has no userfaultfd with the agent's features: {e}")
+        }
+        Err(e) => {
+            crate::testing::skipped(
+                "available_features_list_what_open_gets",
+                &format!("no userfaultfd with the agent's features (not root): {e}"),
+            );
+            return;
+        }
     }
     let f = available_features().expect("UFFDIO_API with no features");
     assert_eq!(f & AGENT_FEATURES, AGENT_FEATURES, "{f:#x}");
@@ -69,9 +81,18 @@ fn available_features_list_what_open_gets() {
 /// memfd mapping faults to us and is filled by `copy`, and protection round-trips.
 #[test]
 fn a_registered_memfd_mapping_is_served_by_copy() {
-    let Ok(u) = Uffd::open(FEATURE_MISSING_SHMEM) else {
-        eprintln!("no userfaultfd here; skipped");
-        return;
+    let u = match Uffd::open(FEATURE_MISSING_SHMEM) {
+        Ok(u) => u,
+        Err(e) if rustix::process::geteuid().is_root() => {
+            panic!("root has no userfaultfd: {e}")
+        }
+        Err(e) => {
+            crate::testing::skipped(
+                "a_registered_memfd_mapping_is_served_by_copy",
+                &format!("no userfaultfd (not root): {e}"),
+            );
+            return;
+        }
     };
     assert!(matches!(u.read_event(), Ok(None)), "nothing pending");
     let fd = crate::memfd::create("uffd-test").unwrap();
@@ -145,9 +166,18 @@ fn file_page(fd: &OwnedFd, i: u64) -> Vec<u8> {
 /// the source), zero fill and continue, each with a page present in the middle.
 #[test]
 fn a_fill_over_a_range_with_a_page_present_fills_every_missing_page() {
-    let Ok(u) = Uffd::open(FEATURE_MISSING_SHMEM | FEATURE_MINOR_SHMEM) else {
-        eprintln!("no userfaultfd here; skipped");
-        return;
+    let u = match Uffd::open(FEATURE_MISSING_SHMEM | FEATURE_MINOR_SHMEM) {
+        Ok(u) => u,
+        Err(e) if rustix::process::geteuid().is_root() => {
+            panic!("root has no userfaultfd: {e}")
+        }
+        Err(e) => {
+            crate::testing::skipped(
+                "a_fill_over_a_range_with_a_page_present_fills_every_missing_page",
+                &format!("no userfaultfd (not root): {e}"),
+            );
+            return;
+        }
     };
     // UFFDIO_COPY: page 1 holds 0x55 first; pages 0, 2, 3 get 1, 3, 4 from the source.
     let (fd, at) = registered(&u, 4, MODE_MISSING);
