@@ -149,9 +149,11 @@ impl Counters {
 static SWITCHES_USER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Records that QEMU switches to `user` once set up (`RamPlan::runs_as`): no agent
-/// attaches before it has. Root named as the user switches nothing.
+/// attaches before it has. Root named as the user (`root`, uid 0 with any group)
+/// switches nothing. (Another name of uid 0 would keep the agent waiting: not resolved.)
 pub(crate) fn expect_user_switch(user: &str) {
-    if !matches!(user, "root" | "0" | "0:0") {
+    // `-runas` takes a name or `uid:gid`; uid 0 with any group stays root.
+    if user != "root" && user != "0" && !user.starts_with("0:") {
         SWITCHES_USER.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 }

@@ -139,13 +139,17 @@ pub unsafe extern "C" fn sendmsg(
 unsafe fn may_send(fd: libc::c_int, msg: *const libc::msghdr) -> Result<(), String> {
     let mut sent = Vec::new();
     // SAFETY: the CMSG_* walk stays inside the control buffer (the caller's contract;
-    // CMSG_NXTHDR returns null past its end), and each descriptor is read unaligned.
+    // CMSG_NXTHDR returns null past its end), each header's data is read no further than
+    // the buffer's end whatever its `cmsg_len` says, and each descriptor unaligned.
     unsafe {
+        let end = ((*msg).msg_control as usize).saturating_add((*msg).msg_controllen);
         let mut c = libc::CMSG_FIRSTHDR(msg);
         while !c.is_null() {
             if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
                 let data = libc::CMSG_DATA(c) as *const libc::c_int;
-                let bytes = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
+                let bytes = ((*c).cmsg_len as usize)
+                    .saturating_sub(libc::CMSG_LEN(0) as usize)
+                    .min(end.saturating_sub(data as usize));
                 for i in 0..bytes / std::mem::size_of::<libc::c_int>() {
                     sent.push(data.add(i).read_unaligned());
                 }

@@ -243,8 +243,12 @@ impl BlkBackend {
     }
 
     /// Installs guest RAM directly (tests drive queues without vhost-user), or forgets
-    /// it (`None`: QEMU disconnected).
+    /// it (`None`: QEMU disconnected — and the driver's features with it: writes are
+    /// synced until the next peer accepts FLUSH).
     pub fn set_memory(&mut self, mem: Option<Arc<RemoteMemory>>) {
+        if mem.is_none() {
+            self.flush_acked = false;
+        }
         self.mem = mem;
     }
 

@@ -139,6 +139,8 @@ struct Virsh<'a> {
 impl Virsh<'_> {
     fn run(&self, args: &[&str]) -> Result<String, LibvirtError> {
         let mut cmd = Command::new("virsh");
+        // Its words untranslated: `dominfo`'s "Persistent: no", `domstate`'s "running".
+        cmd.env("LC_ALL", "C");
         if let Some(uri) = self.connect {
             cmd.args(["--connect", uri]);
         }

@@ -15,13 +15,15 @@ use std::process::Command;
 use std::time::Duration;
 
 use memfold_core::{EngineConfig, Policy};
-use memfold_live::daemon::{DaemonConfig, DomainRule, MAX_TENANT_CONNECTIONS};
+use memfold_live::daemon::{tenant_connection_cap, DaemonConfig, DomainRule};
 use memfold_sys::memfd;
 use memfold_wire::{Conn, ToAgent, ToClient, ToDaemon, PROTOCOL_VERSION};
 
 const ROLE: &str = "MEMFOLD_ACCESS_ROLE";
 const SOCKET: &str = "MEMFOLD_ACCESS_SOCKET";
 const AGENT_GID: u32 = 65534;
+/// The tenant's cap on connections, for the crowd child.
+const CAP: &str = "MEMFOLD_ACCESS_CAP";
 
 fn client(socket: &Path, req: &ToDaemon) -> ToClient {
     let c = Conn::connect(socket).unwrap();
@@ -161,14 +163,15 @@ fn child_role() {
                     })
                     .collect()
             };
-            let kept = open(MAX_TENANT_CONNECTIONS);
+            let cap: usize = std::env::var(CAP).unwrap().parse().unwrap();
+            let kept = open(cap);
             let past = open(8);
             for c in &past {
                 c.set_recv_timeout(Duration::from_secs(5)).unwrap();
                 let _ = c.send(&ToDaemon::Stats, &[]);
                 assert!(
                     !matches!(c.recv::<ToClient>(), Ok(Some(_))),
-                    "a connection past the tenant's {MAX_TENANT_CONNECTIONS} was served"
+                    "a connection past the tenant's {cap} was served"
                 );
             }
             // Those within the bound are.
@@ -190,9 +193,15 @@ fn child_role() {
 }
 
 fn run_child(socket: &Path, role: &str, gid: u32) {
+    run_child_with(socket, role, gid, 0)
+}
+
+/// [`run_child`], telling the child memfoldd's cap on a tenant's connections.
+fn run_child_with(socket: &Path, role: &str, gid: u32, cap: usize) {
     let out = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "child_role", "--nocapture"])
         .env(ROLE, role)
+        .env(CAP, cap.to_string())
         .env(SOCKET, socket)
         .uid(65534)
         .gid(gid)
@@ -279,7 +288,7 @@ fn tenants_of_the_agent_group_attach_but_are_not_operators() {
     );
 }
 
-/// A tenant has at most [`MAX_TENANT_CONNECTIONS`] connections open at once: past them
+/// A tenant has at most [`tenant_connection_cap`] connections open at once: past them
 /// its new ones are closed unread (each held a thread and descriptors, and one tenant's
 /// thousands ran memfoldd out of them for every other). Fails without the bound: the
 /// crowd's connections past it are served.
@@ -291,11 +300,24 @@ fn a_tenants_open_connections_are_bounded() {
         std::os::unix::fs::PermissionsExt::from_mode(0o755),
     )
     .unwrap();
+    // The cap is an eighth of memfoldd's descriptor limit, at least 1024: with a soft
+    // limit of 8192 (this process's, memfoldd's here), 1024 — a crowd of a test's size.
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit fills the struct it is given.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+    lim.rlim_cur = lim.rlim_max.min(8192);
+    // SAFETY: a plain setrlimit with a valid struct.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
     let socket = common::start_memfoldd_with(DaemonConfig {
         agent_gid: Some(AGENT_GID),
         ..common::daemon_config(dir.path(), EngineConfig::default())
     });
-    run_child(&socket, "crowd", AGENT_GID);
+    let cap = tenant_connection_cap();
+    assert!(cap <= 4096, "a crowd of {cap} is too many for a test");
+    run_child_with(&socket, "crowd", AGENT_GID, cap);
     // The operator is not bound, and the tenant's places came back when the crowd left.
     assert!(matches!(
         client(&socket, &ToDaemon::Stats),

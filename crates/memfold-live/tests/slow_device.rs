@@ -1,8 +1,9 @@
 //! A block device that sends requests and never reads the answers must not stall
 //! memfoldd's main thread, which serves every guest and client. Its answers were sent
 //! there, each send waiting up to the 2 s send timeout once the device's socket was full
-//! (seen failing: a query took 2 s). Now a send never waits: the device whose socket is
-//! full is disconnected (`daemon/devices.rs`).
+//! (seen failing: a query took 2 s). Now a send never waits: what does not fit in the
+//! device's socket is dropped and counted, and the device stays connected
+//! (`daemon/devices.rs`): an honest device whose reader lagged a moment keeps its news.
 
 mod common;
 
@@ -13,7 +14,7 @@ use memfold_live::query_stats;
 use memfold_wire::{Conn, RamFile, ToDaemon, PROTOCOL_VERSION};
 
 #[test]
-fn a_device_that_never_reads_stalls_no_one_and_is_disconnected() {
+fn a_device_that_never_reads_stalls_no_one() {
     let dir = tempfile::tempdir().unwrap();
     let socket = common::start_memfoldd(dir.path(), common::fast_engine());
     let flood = Conn::connect(&socket).unwrap();
@@ -53,9 +54,7 @@ fn a_device_that_never_reads_stalls_no_one_and_is_disconnected() {
         slowest < Duration::from_millis(500),
         "a query took {slowest:?} behind a device that does not read"
     );
+    // memfoldd went on reading the device's requests (their answers dropped).
     let sent = sender.join().unwrap();
-    assert!(
-        sent < 20_000,
-        "the device that does not read is still connected after {sent} fills"
-    );
+    assert_eq!(sent, 20_000, "memfoldd stopped reading the device");
 }

@@ -166,6 +166,27 @@ fn main() -> ExitCode {
         read_bytes_per_sec: a.read_bytes_per_sec,
     };
     let backend = Arc::new(RwLock::new(BlkBackend::new(cfg, disk, sink)));
+    // A stop (SIGTERM, SIGINT) is not a crash: the overlay is closed cleanly — synced,
+    // its dirty marker removed — so the next open needs no repair (and no qemu-img). On
+    // ctrlc's own thread; the write lock waits out a request being served, and a request
+    // after the close is refused (IOERR) until the process ends.
+    {
+        let b = backend.clone();
+        let handled = ctrlc::set_handler(move || {
+            let mut g = b.write().unwrap_or_else(|p| p.into_inner());
+            let code = match g.close_disk() {
+                Ok(()) => 0,
+                Err(e) => {
+                    tracing::error!("stopping: closing the disk: {e} (the next open repairs it)");
+                    1
+                }
+            };
+            std::process::exit(code);
+        });
+        if let Err(e) = handled {
+            tracing::warn!("no handler for SIGTERM ({e}): a stop leaves the overlay to repair");
+        }
+    }
     let qemu = a
         .qemu_pid
         .and_then(|p| memfold_blk::remote::Qemu::open(p).ok());

@@ -427,6 +427,10 @@ impl Engine {
         }
         if h == zero_hash && crate::is_zero_page(page) {
             dom.zero_frames.insert(f);
+        } else {
+            // Claimed before as zeros, other bytes now: no longer the zero frame (a page
+            // marked never-share on it would not withdraw it, and it would count as zeros).
+            dom.zero_frames.remove(&f);
         }
         true
     }

@@ -89,35 +89,50 @@ struct Device {
     next_look: Instant,
     /// Whether its naming of RAM it does not hold was logged (once a connection).
     told_unheld: bool,
-    /// Its connection was closed (gone, or not reading): nothing more is sent.
+    /// Its connection failed (the device gone): nothing more is sent.
     closed: bool,
+    /// Messages dropped because its socket was full.
+    dropped: u64,
+    /// Whether a full socket was logged (once a connection).
+    told_full: bool,
 }
 
 impl Device {
     /// Sends `m` if the device's socket has room for it now; false if not sent. Never
     /// waits: a device that does not read must not stall memfoldd, whose main thread
-    /// serves every guest (it waited out a 2 s send timeout here). A device whose socket
-    /// is full has not read hundreds of messages (its reader thread does nothing
-    /// else), so its fills have long passed their 20 ms deadline and its news are
-    /// hints: the message is dropped and the connection closed (its reader sees the
-    /// end). The device connects again within a second and starts afresh — held
-    /// blocks forgotten — rather than go on with news missing.
+    /// serves every guest (it waited out a 2 s send timeout here). What does not fit is
+    /// dropped, counted and said once a connection, and the connection kept: held-block
+    /// news are hints (a block not announced is read from the disk), and a fill answer
+    /// not received is waited for 20 ms by the device, which then reads the disk. An
+    /// honest device whose reader was off the CPU for a moment (full-size news fill the
+    /// socket's buffer in about a dozen messages) loses some news, not its connection —
+    /// which would have lost it every block held before (news are of new blocks only).
+    /// A connection that failed otherwise (the device gone) is shut down.
     fn send(&mut self, m: &ToDevice) -> bool {
         if self.closed {
             return false;
         }
-        let why = match self.conn.try_send(m) {
-            Ok(true) => return true,
-            Ok(false) => "it is not reading (its socket is full)".to_string(),
-            Err(e) => e.to_string(),
-        };
-        tracing::warn!(
-            "block device {}: {why}; its connection is closed",
-            self.token
-        );
-        self.conn.shutdown();
-        self.closed = true;
-        false
+        match self.conn.try_send(m) {
+            Ok(true) => true,
+            Ok(false) => {
+                self.dropped += 1;
+                if !self.told_full {
+                    self.told_full = true;
+                    tracing::warn!(
+                        "block device {}: its socket is full (it is not reading now); \
+                         messages to it are dropped until it reads (logged once a connection)",
+                        self.token
+                    );
+                }
+                false
+            }
+            Err(e) => {
+                tracing::warn!("block device {}: {e}; its connection is closed", self.token);
+                self.conn.shutdown();
+                self.closed = true;
+                false
+            }
+        }
     }
 
     /// Tells the device that frames hold `blocks` (of its bases).
@@ -143,6 +158,8 @@ impl Device {
         if now < self.next_look {
             return None;
         }
+        // RAM of guests gone (hot-unplugged regions) makes room for new.
+        self.rams.retain(|r, v| guests.vm_of_ram(*r) == Some(*v));
         if self.rams.len() < MAX_RAM_FILES && holds_file(self.pid, ram) {
             self.rams.insert(ram, vm);
             return Some(vm);
@@ -176,17 +193,21 @@ const LOOK_AGAIN: Duration = Duration::from_secs(1);
 /// look cost memfoldd's main thread seconds (a `stat` each, ~1–2 µs).
 const MAX_FDS_LOOKED: usize = 4096;
 
-/// Whether process `pid` holds a descriptor of the file `(dev, ino)` among its first
-/// [`MAX_FDS_LOOKED`]: a `stat` of each entry of `/proc/PID/fd` (the magic link's
-/// target; nothing is opened). Tens of µs for a device.
+/// Whether process `pid` holds a descriptor of the memfd `(dev, ino)` among its first
+/// [`MAX_FDS_LOOKED`]: a `stat` of each entry of `/proc/PID/fd` whose link names a memfd
+/// (`/memfd:...`; nothing is opened, and no other file is stat'ed: a device's disk on a
+/// hung NFS or FUSE mount would hold memfoldd's main thread). Guest RAM memfold manages
+/// is a memfd. Tens of µs for a device.
 fn holds_file(pid: u32, (dev, ino): (u64, u64)) -> bool {
     use std::os::unix::fs::MetadataExt;
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
         return false;
     };
-    dir.flatten()
-        .take(MAX_FDS_LOOKED)
-        .any(|e| std::fs::metadata(e.path()).is_ok_and(|m| m.dev() == dev && m.ino() == ino))
+    dir.flatten().take(MAX_FDS_LOOKED).any(|e| {
+        let memfd = std::fs::read_link(e.path())
+            .is_ok_and(|l| l.as_os_str().as_encoded_bytes().starts_with(b"/memfd:"));
+        memfd && std::fs::metadata(e.path()).is_ok_and(|m| m.dev() == dev && m.ino() == ino)
+    })
 }
 
 /// The block devices attached, by connection.
@@ -227,13 +248,20 @@ impl Devices {
                 next_look: Instant::now(),
                 told_unheld: false,
                 closed: false,
+                dropped: 0,
+                told_full: false,
             },
         );
     }
 
     /// Device connection `token` ended.
     pub(crate) fn gone(&mut self, token: u64) {
-        self.by_token.remove(&token);
+        if let Some(d) = self.by_token.remove(&token).filter(|d| d.dropped > 0) {
+            tracing::info!(
+                "block device {token} gone; {} messages to it were dropped (its socket full)",
+                d.dropped
+            );
+        }
         self.fills.retain(|_, (t, _)| *t != token);
     }
 

@@ -51,7 +51,9 @@ pub use domains::DomainRule;
 use executor::Executor;
 use guests::Guests;
 use readers::Input;
-pub use readers::{HELLO_TIMEOUT, MAX_HELLOS_WAITING, MAX_TENANT_CONNECTIONS};
+pub use readers::{
+    tenant_connection_cap, HELLO_TIMEOUT, MAX_HELLOS_WAITING, MIN_TENANT_CONNECTIONS,
+};
 
 use crate::guest_channel::GuestChannels;
 use crate::monitor::QemuLayouts;

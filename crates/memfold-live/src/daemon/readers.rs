@@ -9,7 +9,7 @@
 //! the hello is decoded whole (`memfold_wire::hello`): an agent of another version, or
 //! whose hello does not decode, is refused in its own terms ([`ToAgent::Refused`]).
 //!
-//! A tenant (a user not an operator) has at most [`MAX_TENANT_CONNECTIONS`] connections
+//! A tenant (a user not an operator) has at most [`tenant_connection_cap`] connections
 //! open at once, said hello or not: each holds a reader thread and descriptors (an
 //! agent's, a writer thread and its guest's store and swap file too), and one tenant
 //! opening thousands ran memfoldd out of descriptors or threads for every other tenant —
@@ -83,13 +83,35 @@ pub const MAX_HELLOS_WAITING: usize = 256;
 /// stops reading must not stall memfoldd.
 pub(crate) const SEND_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Most connections one tenant (a uid not an operator's) has open at once: a host's
-/// worth of one user's guests (one connection a RAM region, and a few clients). Past it,
-/// its new connections are closed unread; an agent tries again later.
-pub const MAX_TENANT_CONNECTIONS: usize = 1024;
+/// Fewest connections one tenant (a uid not an operator's) may have open at once
+/// ([`tenant_connection_cap`]).
+pub const MIN_TENANT_CONNECTIONS: usize = 1024;
+
+/// How many connections one tenant may have open at once: an eighth of memfoldd's
+/// descriptor limit (`RLIMIT_NOFILE`, read now; each connection holds two to four
+/// descriptors), at least [`MIN_TENANT_CONNECTIONS`]. Under the packaged unit's
+/// `LimitNOFILE=65536`, 8192: a host's worth of one user's guests — libvirt runs every
+/// QEMU as one user — at one connection a RAM region, while no tenant can take most of
+/// memfoldd's descriptors. Past it, a tenant's new connections are closed unread; an
+/// agent tries again later.
+pub fn tenant_connection_cap() -> usize {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes only into the struct it is given.
+    let soft = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+        lim.rlim_cur
+    } else {
+        0
+    };
+    usize::try_from(soft / 8)
+        .unwrap_or(usize::MAX)
+        .max(MIN_TENANT_CONNECTIONS)
+}
 
 /// Connections counted by user, at most `limit` each: those waiting for their hello
-/// ([`MAX_HELLOS_WAITING`]), or a tenant's open ones ([`MAX_TENANT_CONNECTIONS`]).
+/// ([`MAX_HELLOS_WAITING`]), or a tenant's open ones ([`tenant_connection_cap`]).
 struct Waiting(Mutex<HashMap<u32, usize>>, usize);
 
 impl Waiting {
@@ -144,7 +166,8 @@ pub(crate) fn accept_loop(
 ) {
     let mut token = 0u64;
     let waiting = Waiting::new(MAX_HELLOS_WAITING);
-    let open = Waiting::new(MAX_TENANT_CONNECTIONS);
+    let tenant_cap = tenant_connection_cap();
+    let open = Waiting::new(tenant_cap);
     let me = memfold_sys::socket::my_uid();
     // When a closed connection was last logged: a user that keeps connecting must not
     // flood the log.
@@ -179,7 +202,7 @@ pub(crate) fn accept_loop(
                     if logged.is_none_or(|l| l.elapsed() >= Duration::from_secs(10)) {
                         logged = Some(Instant::now());
                         tracing::warn!(
-                            "connection {t} from pid {}: uid {} has {MAX_TENANT_CONNECTIONS} \
+                            "connection {t} from pid {}: uid {} has {tenant_cap} \
                              connections open; closed (logged once each 10 s)",
                             peer.pid,
                             peer.uid

@@ -111,6 +111,16 @@ fn an_unreadable_adopted_frame_a_guest_maps_outlives_the_adoption() {
 /// it for nothing, and once the frame is freed and reused, joined to a free frame.
 #[test]
 fn an_adopted_frame_claimed_again_with_new_bytes_is_listed_once() {
+    // Claimed first with other bytes, then first as zeros (it must then leave the zero
+    // frames: a page marked never-share on it would not withdraw it).
+    for first in [1u8, 0] {
+        claimed_again(first);
+    }
+}
+
+/// An adopted frame of `first` bytes claimed, let go, rewritten with 2s and claimed again:
+/// listed once in the share table, and not a zero frame any more.
+fn claimed_again(first: u8) {
     use crate::backing::Backing;
     use crate::ids::{FrameId, Gfn};
     let (mut e, _) = engine();
@@ -118,7 +128,7 @@ fn an_adopted_frame_claimed_again_with_new_bytes_is_listed_once() {
     let f = FrameId(0);
     let mut pool = MemBacking::new();
     pool.resize(4 * PAGE_SIZE as u64).unwrap();
-    pool.write(f.offset(), &[1u8; PAGE_SIZE]).unwrap();
+    pool.write(f.offset(), &[first; PAGE_SIZE]).unwrap();
     assert!(e.adopt_pool(d, Box::new(pool.clone()), 4, [f]));
     let attach_a = |e: &mut Engine, mapped: Vec<(Gfn, super::Mapped)>| {
         e.attach(Attach {
@@ -136,6 +146,7 @@ fn an_adopted_frame_claimed_again_with_new_bytes_is_listed_once() {
     };
     let on_f = vec![(Gfn(0), super::Mapped::Frame(f))];
     let a = attach_a(&mut e, on_f.clone());
+    assert_eq!(e.domains[&d].zero_frames.contains(&f), first == 0);
     // Let go (still pinned by the adoption), its bytes changed, claimed again.
     e.detach(a);
     attach_a(&mut e, vec![]);
@@ -148,7 +159,11 @@ fn an_adopted_frame_claimed_again_with_new_bytes_is_listed_once() {
         .entries()
         .filter(|&(_, x)| x == crate::share::ShareEntry::Shared(f))
         .count();
-    assert_eq!(listed, 1, "{f} listed {listed} times");
+    assert_eq!(listed, 1, "{f} listed {listed} times (first bytes {first})");
+    assert!(
+        !e.domains[&d].zero_frames.contains(&f),
+        "{f} of 2s still a zero frame (first bytes {first})"
+    );
     e.check_invariants().unwrap();
 }
 
