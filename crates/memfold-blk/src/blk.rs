@@ -95,7 +95,7 @@ pub struct BlkBackend {
     /// Whether the driver accepted `VIRTIO_BLK_F_FLUSH` (set at `SET_FEATURES`): only
     /// then may a completed write wait in the disk's cache for the guest's flush. Off
     /// until the features are set, and after a reset: each write is then durable before
-    /// it completes ([`BlkBackend::write_through`]).
+    /// it completes (`BlkBackend::write_through`).
     flush_acked: bool,
     /// Exit events handed to vhost-user-backend for each worker thread, closed when
     /// replaced (see `BlkBackend::exit_event`).

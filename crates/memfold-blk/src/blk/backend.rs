@@ -80,7 +80,7 @@ impl VhostUserBackendMut for BlkBackend {
     }
 
     /// Records whether the driver accepted `VIRTIO_BLK_F_FLUSH` (the request path reads
-    /// it: [`BlkBackend::write_through`]).
+    /// it: `BlkBackend::write_through`).
     fn acked_features(&mut self, features: u64) {
         self.flush_acked = features & (1 << vb::VIRTIO_BLK_F_FLUSH) != 0;
     }
