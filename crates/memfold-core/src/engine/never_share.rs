@@ -473,18 +473,7 @@ mod tests {
             p[2000] = k as u8;
             p
         };
-        let mut r = Rig::new(
-            EngineConfig {
-                clock_interval_us: Some(100_000),
-                ..cfg(Policy::difference_engine())
-            },
-            PAGES,
-        )
-        .unwrap();
-        for g in 0..PAGES {
-            let p = if g < 8 { near(g) } else { random(5000 + g) };
-            r.agent.write(Gfn(g), 0, &p).unwrap();
-        }
+        let mut r = de_rig(&near);
         r.engine.guest_categories(r.vm, &report(&[])).unwrap();
         let patch = |c: &Command| match *c {
             Command::Stash { gfn, stash, .. } => stash.reference.map(|f| (gfn, f)),
@@ -680,6 +669,24 @@ mod tests {
     }
 
     /// Bytes of `seed` that do not compress (xorshift).
+    /// A Difference Engine rig with a 100 ms clock: pages 0..8 are `near(k)` (near-copies
+    /// of one page, none compressing), the rest unique.
+    fn de_rig(near: impl Fn(u32) -> Vec<u8>) -> Rig {
+        let mut r = Rig::new(
+            EngineConfig {
+                clock_interval_us: Some(100_000),
+                ..cfg(Policy::difference_engine())
+            },
+            PAGES,
+        )
+        .unwrap();
+        for g in 0..PAGES {
+            let p = if g < 8 { near(g) } else { random(5000 + g) };
+            r.agent.write(Gfn(g), 0, &p).unwrap();
+        }
+        r
+    }
+
     fn random(seed: u32) -> Vec<u8> {
         let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ seed as u64;
         (0..PAGE_SIZE)
@@ -702,19 +709,7 @@ mod tests {
             p[100] = k as u8;
             p
         };
-        let mut r = Rig::new(
-            EngineConfig {
-                clock_interval_us: Some(100_000),
-                ..cfg(Policy::difference_engine())
-            },
-            PAGES,
-        )
-        .unwrap();
-        // Pages 0..8: near-copies of one page (none compresses); the rest unique.
-        for g in 0..PAGES {
-            let p = if g < 8 { near(g) } else { random(5000 + g) };
-            r.agent.write(Gfn(g), 0, &p).unwrap();
-        }
+        let mut r = de_rig(&near);
         r.engine
             .guest_categories(r.vm, &report(&[0, 1, 2, 3]))
             .unwrap();

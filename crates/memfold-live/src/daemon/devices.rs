@@ -199,15 +199,14 @@ const MAX_FDS_LOOKED: usize = 4096;
 /// hung NFS or FUSE mount would hold memfoldd's main thread). Guest RAM memfold manages
 /// is a memfd. Tens of µs for a device.
 fn holds_file(pid: u32, (dev, ino): (u64, u64)) -> bool {
-    use std::os::unix::fs::MetadataExt;
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
         return false;
     };
-    dir.flatten().take(MAX_FDS_LOOKED).any(|e| {
-        let memfd = std::fs::read_link(e.path())
-            .is_ok_and(|l| l.as_os_str().as_encoded_bytes().starts_with(b"/memfd:"));
-        memfd && std::fs::metadata(e.path()).is_ok_and(|m| m.dev() == dev && m.ino() == ino)
-    })
+    let memfds = dir.flatten().take(MAX_FDS_LOOKED).filter(|e| {
+        std::fs::read_link(e.path())
+            .is_ok_and(|l| l.as_os_str().as_encoded_bytes().starts_with(b"/memfd:"))
+    });
+    super::guests::holds(memfds, dev, ino)
 }
 
 /// The block devices attached, by connection.

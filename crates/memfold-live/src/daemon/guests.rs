@@ -405,11 +405,11 @@ fn files_of(pid: u32) -> Option<Files> {
     Some(files)
 }
 
-/// Whether one of the descriptors listed in `fds` (a `/proc/PID/fd` folder) is of the
-/// file with this device and inode.
-fn holds(fds: std::fs::ReadDir, dev: u64, ino: u64) -> bool {
+/// Whether one of the descriptors listed in `fds` (entries of a `/proc/PID/fd` folder) is
+/// of the file with this device and inode (each followed with a `stat`; nothing opened).
+pub(crate) fn holds(fds: impl IntoIterator<Item = std::fs::DirEntry>, dev: u64, ino: u64) -> bool {
     use std::os::unix::fs::MetadataExt;
-    fds.flatten()
+    fds.into_iter()
         .any(|fd| std::fs::metadata(fd.path()).is_ok_and(|m| m.dev() == dev && m.ino() == ino))
 }
 
@@ -434,7 +434,7 @@ pub(crate) fn holders(dev: u64, ino: u64) -> Option<Vec<u32>> {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(_) => return None,
         };
-        if holds(fds, dev, ino) {
+        if holds(fds.flatten(), dev, ino) {
             out.push(pid);
         }
     }
