@@ -473,7 +473,7 @@ mod tests {
             p[2000] = k as u8;
             p
         };
-        let mut r = de_rig(&near);
+        let mut r = de_rig(near);
         r.engine.guest_categories(r.vm, &report(&[])).unwrap();
         let patch = |c: &Command| match *c {
             Command::Stash { gfn, stash, .. } => stash.reference.map(|f| (gfn, f)),
@@ -709,7 +709,7 @@ mod tests {
             p[100] = k as u8;
             p
         };
-        let mut r = de_rig(&near);
+        let mut r = de_rig(near);
         r.engine
             .guest_categories(r.vm, &report(&[0, 1, 2, 3]))
             .unwrap();
