@@ -142,15 +142,8 @@ fn child_role() {
         }
         "crowd" => {
             // Room for the crowd's descriptors (a soft limit of 1024 is common).
-            let mut lim = libc::rlimit {
-                rlim_cur: 0,
-                rlim_max: 0,
-            };
-            // SAFETY: getrlimit fills the struct it is given.
-            assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
-            lim.rlim_cur = lim.rlim_max.min(1 << 16);
-            // SAFETY: a plain setrlimit with a valid struct.
-            assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+            let (_, hard) = common::nofile();
+            common::set_nofile(hard.min(1 << 16), hard);
             let hello = ToDaemon::ClientHello {
                 version: PROTOCOL_VERSION,
             };
@@ -302,15 +295,8 @@ fn a_tenants_open_connections_are_bounded() {
     .unwrap();
     // The cap is an eighth of memfoldd's descriptor limit, at least 1024: with a soft
     // limit of 8192 (this process's, memfoldd's here), 1024 — a crowd of a test's size.
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit fills the struct it is given.
-    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
-    lim.rlim_cur = lim.rlim_max.min(8192);
-    // SAFETY: a plain setrlimit with a valid struct.
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+    let (_, hard) = common::nofile();
+    common::set_nofile(hard.min(8192), hard);
     let socket = common::start_memfoldd_with(DaemonConfig {
         agent_gid: Some(AGENT_GID),
         ..common::daemon_config(dir.path(), EngineConfig::default())

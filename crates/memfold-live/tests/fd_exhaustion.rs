@@ -24,23 +24,9 @@ fn next_fd() -> u64 {
     std::os::fd::AsRawFd::as_raw_fd(&fd) as u64
 }
 
-fn set_nofile(current: u64, max: u64) {
-    let lim = libc::rlimit {
-        rlim_cur: current,
-        rlim_max: max,
-    };
-    // SAFETY: a plain setrlimit with a valid struct.
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
-}
-
 #[test]
 fn a_guest_attaching_when_memfoldd_has_no_descriptors_left_is_refused_and_memfoldd_goes_on() {
-    let mut old = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit fills the struct.
-    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut old) }, 0);
+    let (old_soft, old_hard) = common::nofile();
     let dir = tempfile::tempdir().unwrap();
     let socket = common::start_memfoldd(dir.path(), common::fast_engine());
     let mut refused_for_backings = 0;
@@ -62,7 +48,7 @@ fn a_guest_attaching_when_memfoldd_has_no_descriptors_left_is_refused_and_memfol
         };
         // From here memfoldd has `k` descriptors to take (its accept, the RAM it
         // receives, then its backings), so each k fails a later step.
-        set_nofile(next_fd() + k, old.rlim_max);
+        common::set_nofile(next_fd() + k, old_hard);
         c.send(&hello, &[ram.as_fd()]).unwrap();
         // The answer waited for under the limit, read above it: a welcome brings
         // descriptors this process must have room for.
@@ -75,7 +61,7 @@ fn a_guest_attaching_when_memfoldd_has_no_descriptors_left_is_refused_and_memfol
         // ms here); a hello memfoldd could not accept stays unanswered the whole wait.
         // SAFETY: one valid pollfd.
         unsafe { libc::poll(&mut p, 1, 3000) };
-        set_nofile(old.rlim_cur, old.rlim_max);
+        common::set_nofile(old_soft, old_hard);
         let reply = c.recv::<ToAgent>();
         match reply {
             Ok(Some((ToAgent::Welcome { .. }, _))) => welcomed += 1,

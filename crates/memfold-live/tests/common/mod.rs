@@ -440,3 +440,24 @@ pub fn random_base(
     let st = std::fs::metadata(&path).unwrap();
     (path, base, memfold_ids::DiskId::of_file(st.dev(), st.ino()))
 }
+
+/// This process's descriptor limit (`RLIMIT_NOFILE`): (soft, hard).
+pub fn nofile() -> (u64, u64) {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit fills the struct it is given.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+    (lim.rlim_cur, lim.rlim_max)
+}
+
+/// Sets this process's descriptor limit (`RLIMIT_NOFILE`) to `soft` and `hard`.
+pub fn set_nofile(soft: u64, hard: u64) {
+    let lim = libc::rlimit {
+        rlim_cur: soft,
+        rlim_max: hard,
+    };
+    // SAFETY: a plain setrlimit with a valid struct.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+}
