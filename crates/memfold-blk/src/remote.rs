@@ -14,7 +14,7 @@
 //! the agent's write fence over its pages ([`Qemu::write`], `memfold_sys::fence`).
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use memfold_sys::fence::WriteFence;
@@ -31,10 +31,6 @@ type VmRw = unsafe extern "C" fn(
     libc::c_ulong,
     libc::c_ulong,
 ) -> libc::ssize_t;
-
-/// `SO_PEERPIDFD` (Linux 6.5+): a pidfd of a unix socket's peer, taken by the kernel at
-/// `connect` time, so it names the process that connected even if it is gone since.
-const SO_PEERPIDFD: libc::c_int = 77;
 
 /// Errors of reaching QEMU.
 #[derive(Debug, thiserror::Error)]
@@ -141,17 +137,8 @@ impl Qemu {
     ///
     /// Errors: [`RemoteError::Pidfd`] (no such process).
     pub fn open(pid: u32) -> Result<Qemu, RemoteError> {
-        let p = rustix::process::Pid::from_raw(pid as i32).ok_or(RemoteError::Pidfd {
-            pid,
-            source: io::Error::from_raw_os_error(libc::ESRCH),
-        })?;
         let pidfd =
-            rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).map_err(|e| {
-                RemoteError::Pidfd {
-                    pid,
-                    source: e.into(),
-                }
-            })?;
+            memfold_sys::pidfd::open(pid).map_err(|source| RemoteError::Pidfd { pid, source })?;
         Qemu::with_fence(pid, pidfd)
     }
 
@@ -173,23 +160,11 @@ impl Qemu {
     ///
     /// Errors: [`RemoteError::Pidfd`] (not a pidfd, or its process has exited: pid -1).
     pub fn from_pidfd(pidfd: OwnedFd) -> Result<Qemu, RemoteError> {
-        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd()))
-            .map_err(|source| RemoteError::Pidfd { pid: 0, source })?;
-        let pid: i64 = info
-            .lines()
-            .find_map(|l| l.strip_prefix("Pid:"))
-            .and_then(|v| v.trim().parse().ok())
-            .ok_or_else(|| RemoteError::Pidfd {
-                pid: 0,
-                source: io::Error::other("no Pid: line in its fdinfo (not a pidfd)"),
-            })?;
-        if pid <= 0 {
-            return Err(RemoteError::Pidfd {
-                pid: 0,
-                source: io::Error::from_raw_os_error(libc::ESRCH),
-            });
-        }
-        Qemu::with_fence(pid as u32, pidfd)
+        let pid = memfold_sys::pidfd::pid_of(pidfd.as_fd()).ok_or_else(|| RemoteError::Pidfd {
+            pid: 0,
+            source: io::Error::other("not a pidfd, or its process has exited"),
+        })?;
+        Qemu::with_fence(pid, pidfd)
     }
 
     /// The peer of the connected unix socket `sock`: by `SO_PEERPIDFD` where the kernel
@@ -197,29 +172,9 @@ impl Qemu {
     ///
     /// Errors: [`RemoteError::Pidfd`].
     pub fn peer_of(sock: BorrowedFd<'_>) -> Result<Qemu, RemoteError> {
-        let mut fd: libc::c_int = -1;
-        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: getsockopt writes at most `len` bytes into `fd`, which lives across it.
-        let rc = unsafe {
-            libc::getsockopt(
-                sock.as_raw_fd(),
-                libc::SOL_SOCKET,
-                SO_PEERPIDFD,
-                (&mut fd as *mut libc::c_int).cast(),
-                &mut len,
-            )
-        };
-        if rc == 0 && fd >= 0 {
-            // SAFETY: a new descriptor the kernel just gave us, owned by nothing else.
-            return Qemu::from_pidfd(unsafe { OwnedFd::from_raw_fd(fd) });
-        }
-        let cred = rustix::net::sockopt::socket_peercred(sock).map_err(|e| RemoteError::Pidfd {
-            pid: 0,
-            source: e.into(),
-        })?;
-        let q = Qemu::open(cred.pid.as_raw_nonzero().get() as u32)?;
-        q.check_alive()?;
-        Ok(q)
+        let pidfd = memfold_sys::pidfd::of_peer(sock)
+            .map_err(|source| RemoteError::Pidfd { pid: 0, source })?;
+        Qemu::from_pidfd(pidfd)
     }
 
     /// Its pid.
@@ -235,14 +190,7 @@ impl Qemu {
     /// Whether it still runs (its pidfd does not poll readable, which it does once the
     /// process has exited).
     pub fn alive(&self) -> bool {
-        let mut p = libc::pollfd {
-            fd: self.pidfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: poll reads and writes the one pollfd it is given, which lives across it.
-        let rc = unsafe { libc::poll(&mut p, 1, 0) };
-        !(rc > 0 && p.revents & (libc::POLLIN | libc::POLLHUP) != 0)
+        memfold_sys::pidfd::alive(self.pidfd.as_fd())
     }
 
     /// Errors: [`RemoteError::Gone`] once it has exited.
@@ -543,6 +491,7 @@ pub fn peer_on_socket(path: &Path) -> Result<Qemu, RemoteError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
 
     #[test]
     fn maps_lines_are_read_with_their_device_and_sharing() {

@@ -13,6 +13,7 @@
 //! | [`uffd`] | userfaultfd on shmem: register, write-protect, copy, zero-page, continue, events |
 //! | [`fence`] | the write fence: writers of guest RAM in other processes (block devices) tell the agent which pages they are copying into, so it never takes one away mid-copy |
 //! | [`ksm`] | Linux KSM's sysfs settings and counters (the peer memfold is measured against) |
+//! | [`pidfd`] | a process held by a descriptor: a socket peer's (`SO_PEERPIDFD`), whether it still runs, so a pid looked at stays its own |
 //! | [`proc`] | CPU seconds of a process or its threads, from `/proc` |
 //! | [`pageout`] | a read-only window onto a memfd to send its pages to the kernel's swap (zswap) with `MADV_PAGEOUT` |
 //! | [`reclaim`] | the kernel's other memory savers: zswap, a swap file, a v1 memory cgroup's limit, memory PSI |
@@ -27,6 +28,7 @@ pub mod max_map_count;
 pub mod memfd;
 pub mod pagemap;
 pub mod pageout;
+pub mod pidfd;
 pub mod proc;
 pub mod reclaim;
 pub mod socket;

@@ -99,6 +99,14 @@ impl Conn {
         self.sock.peer()
     }
 
+    /// A pidfd of the process that connected ([`memfold_sys::pidfd::of_peer`]): it keeps
+    /// naming that process, so a look at `/proc/PID` can be checked to have been its.
+    ///
+    /// Errors: the peer has exited (`ESRCH`), getsockopt failed, out of descriptors.
+    pub fn peer_pidfd(&self) -> io::Result<std::os::fd::OwnedFd> {
+        memfold_sys::pidfd::of_peer(std::os::fd::AsFd::as_fd(&self.sock))
+    }
+
     /// Sends that wait longer than `t` fail instead of blocking (a peer that stops
     /// reading cannot stall the sender).
     ///

@@ -35,10 +35,12 @@
 //! again at most once a second per device ([`LOOK_AGAIN`]): the guest may attach after
 //! the device first names it, and a device naming many guests' RAM costs memfoldd one
 //! look a second. memfoldd runs as root or as the device's user (no other device is
-//! heard), so it may read the device's descriptors. A limit: the pid is the one the
-//! device connected from; a device that hands its connection to another process and
-//! exits, its pid then reused by a process holding another guest's RAM, would pass
-//! (`SO_PEERPIDFD` would close it). The device could instead pass the memfd with its
+//! heard), so it may read the device's descriptors. The pid is the one the device
+//! connected from, held by a pidfd taken at its hello (`SO_PEERPIDFD`): a look is
+//! believed only if that process still runs after it, so the pid cannot have been freed
+//! and reused meanwhile — a device that hands its connection to another process and
+//! exits holds no RAM from then on, whatever process its pid names later. The device
+//! could instead pass the memfd with its
 //! messages; the look needs no change to the protocol, and a device that holds the
 //! memfd passes either way. Found by a read-only review, 2026-12; test
 //! `device_ram_proof.rs`, which fails without the check.
@@ -48,6 +50,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
@@ -80,6 +83,8 @@ struct Device {
     vm: Option<VmId>,
     /// The device's pid (from the kernel at its hello): whose descriptors are looked at.
     pid: u32,
+    /// A pidfd of the process that connected (module docs): while it runs, `pid` is its.
+    pidfd: OwnedFd,
     /// Guest RAM files (`st_dev`, `st_ino`) found among the device's descriptors, each
     /// with the guest whose RAM it was then: at most [`MAX_RAM_FILES`]. Bound to that
     /// guest, so that a file number the kernel gives a later guest's RAM once this one
@@ -160,7 +165,7 @@ impl Device {
         }
         // RAM of guests gone (hot-unplugged regions) makes room for new.
         self.rams.retain(|r, v| guests.vm_of_ram(*r) == Some(*v));
-        if self.rams.len() < MAX_RAM_FILES && holds_file(self.pid, ram) {
+        if self.rams.len() < MAX_RAM_FILES && holds_file(self.pid, self.pidfd.as_fd(), ram) {
             self.rams.insert(ram, vm);
             return Some(vm);
         }
@@ -197,8 +202,10 @@ const MAX_FDS_LOOKED: usize = 4096;
 /// [`MAX_FDS_LOOKED`]: a `stat` of each entry of `/proc/PID/fd` whose link names a memfd
 /// (`/memfd:...`; nothing is opened, and no other file is stat'ed: a device's disk on a
 /// hung NFS or FUSE mount would hold memfoldd's main thread). Guest RAM memfold manages
-/// is a memfd. Tens of µs for a device.
-fn holds_file(pid: u32, (dev, ino): (u64, u64)) -> bool {
+/// is a memfd. Tens of µs for a device. False unless `pidfd`'s process still runs after
+/// the look: `pid` was then its own throughout (a pid is freed only once its process has
+/// exited), not a later process's.
+fn holds_file(pid: u32, pidfd: BorrowedFd<'_>, (dev, ino): (u64, u64)) -> bool {
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
         return false;
     };
@@ -206,7 +213,7 @@ fn holds_file(pid: u32, (dev, ino): (u64, u64)) -> bool {
         std::fs::read_link(e.path())
             .is_ok_and(|l| l.as_os_str().as_encoded_bytes().starts_with(b"/memfd:"))
     });
-    super::guests::holds(memfds, dev, ino)
+    super::guests::holds(memfds, dev, ino) && memfold_sys::pidfd::alive(pidfd)
 }
 
 /// The block devices attached, by connection.
@@ -232,9 +239,15 @@ pub(crate) struct Devices {
 }
 
 impl Devices {
-    /// Device connection `token` of process `pid` said hello, serving the checked
-    /// `bases`.
-    pub(crate) fn hello(&mut self, token: u64, conn: Conn, bases: Vec<(DiskId, File)>, pid: u32) {
+    /// Device connection `token` of process `pid` (held by `pidfd`, taken from the
+    /// connection) said hello, serving the checked `bases`.
+    pub(crate) fn hello(
+        &mut self,
+        token: u64,
+        conn: Conn,
+        bases: Vec<(DiskId, File)>,
+        (pid, pidfd): (u32, OwnedFd),
+    ) {
         self.by_token.insert(
             token,
             Device {
@@ -243,6 +256,7 @@ impl Devices {
                 bases: bases.into_iter().collect(),
                 vm: None,
                 pid,
+                pidfd,
                 rams: HashMap::new(),
                 next_look: Instant::now(),
                 told_unheld: false,
@@ -531,5 +545,26 @@ mod tests {
         let taken = checked_bases(1, &[fifo_id, file_id], vec![fifo_fd, file_fd]);
         let ids: Vec<DiskId> = taken.iter().map(|(id, _)| *id).collect();
         assert_eq!(ids, [file_id], "the FIFO was taken as a base");
+    }
+
+    /// The pid a device connected from, once that process has exited, may name another
+    /// process holding a guest's RAM: here the pid is this test's, which holds the
+    /// memfd, and the pidfd a child's that has exited. The look is not believed. Fails
+    /// with the pidfd unchecked.
+    #[test]
+    fn ram_held_under_a_reused_pid_is_not_the_devices() {
+        use std::os::unix::fs::MetadataExt;
+        let ram = File::from(memfold_sys::memfd::create("ram").unwrap());
+        let m = ram.metadata().unwrap();
+        let (me, file) = (std::process::id(), (m.dev(), m.ino()));
+        let mine = memfold_sys::pidfd::open(me).unwrap();
+        assert!(holds_file(me, mine.as_fd(), file), "the holder itself");
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        let gone = memfold_sys::pidfd::open(c.id()).unwrap();
+        c.wait().unwrap();
+        assert!(
+            !holds_file(me, gone.as_fd(), file),
+            "the pid now names a holder, but the process that connected has exited"
+        );
     }
 }

@@ -444,7 +444,8 @@ impl Daemon {
                 conn,
                 bases,
                 pid,
-            } => self.devices.hello(token, conn, bases, pid),
+                pidfd,
+            } => self.devices.hello(token, conn, bases, (pid, pidfd)),
             Input::Device { token, msg } => {
                 self.devices
                     .message(&mut self.engine, &mut self.guests, token, msg)

@@ -50,6 +50,9 @@ pub(crate) enum Input {
         /// The device's pid (SO_PEERCRED): whose descriptors show which guest RAM it
         /// holds.
         pid: u32,
+        /// A pidfd of the process that connected: a look at `/proc/PID` is believed only
+        /// while it runs (the pid is then still its own).
+        pidfd: std::os::fd::OwnedFd,
     },
     /// A block device's report of guest pages a disk read filled
     /// ([`ToDaemon::ReadLanded`]) or its request for a fill ([`ToDaemon::FillRead`]).
@@ -333,12 +336,20 @@ fn read_loop(
         // A block device's reports make memfoldd read guest pages: an operator's only.
         ToDaemon::DeviceHello { version, bases } if version == PROTOCOL_VERSION && operator => {
             tracing::info!("connection {t}: a block device (pid {})", peer.pid);
+            let pidfd = match conn.peer_pidfd() {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!("connection {t}: the block device's pidfd: {e}; refused");
+                    return;
+                }
+            };
             let bases = super::devices::checked_bases(t, &bases, fds);
             let hello = Input::DeviceHello {
                 token: t,
                 conn: writer,
                 bases,
                 pid: peer.pid,
+                pidfd,
             };
             if tx.send(hello).is_err() {
                 return;
