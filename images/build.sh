@@ -53,6 +53,10 @@ step "initramfs"
 ird=$(mktemp -d)
 trap 'rm -rf "$ird"' EXIT
 mkdir -p "$ird"/{bin,proc,sys,dev,tmp,newroot,lib/modules}
+# The initramfs has no libc: a dynamically linked busybox (Debian's busybox package)
+# would leave the guest without an /init; fail here rather than cache a guest that panics.
+{ LC_ALL=C ldd /bin/busybox 2>&1 || true; } | grep -q "not a dynamic executable" \
+    || { echo "build.sh: /bin/busybox is linked dynamically; install busybox-static" >&2; exit 1; }
 cp /bin/busybox "$ird/bin/busybox"
 # The tiny guest loads only the virtio stack: the balloon (memfoldd's entitlements drive it)
 # and virtio-blk (a data disk its cache reader reads, when it has one).
@@ -93,9 +97,12 @@ chmod +x "$ird/init"
 (cd "$ird" && find . | cpio -o -H newc 2>/dev/null | gzip -1 > "$out/initrd.img")
 
 # The root file system is built again when its recipe changes (a warm cache kept one
-# without a package added since, and fresh and warm machines then ran different guests).
-recipe="$release $packages"
-if [ -n "$release" ] && [ "$(cat "$out/.rootfs-done" 2>/dev/null)" != "$recipe" ]; then
+# without a package added since, and fresh and warm machines then ran different guests):
+# the release, the packages and this block's own text (how db is initialised, what is
+# written into it), or when its file is gone.
+recipe="$release $packages $(sed -n '/^# rootfs: begin/,/^# rootfs: end/p' "$0" | sha256sum | cut -c1-16)"
+# rootfs: begin
+if [ -n "$release" ] && { [ ! -s "$out/rootfs.ext4" ] || [ "$(cat "$out/.rootfs-done" 2>/dev/null)" != "$recipe" ]; }; then
     root="$out/rootfs.tmp"
     rm -rf "$root"
     step "debootstrap $release (minbase)"
@@ -127,5 +134,6 @@ if [ -n "$release" ] && [ "$(cat "$out/.rootfs-done" 2>/dev/null)" != "$recipe" 
     rm -rf "$root"
     echo "$recipe" > "$out/.rootfs-done"
 fi
+# rootfs: end
 echo "$profile" > "$out/profile"
 step "done: $out"

@@ -17,7 +17,12 @@ command -v qemu-system-x86_64 >/dev/null 2>&1 || need_apt+=(qemu-system-x86)
 # memfold-blk's copy-on-write root disks are qcow2 overlays made by qemu-img.
 command -v qemu-img >/dev/null 2>&1 || need_apt+=(qemu-utils)
 command -v debootstrap >/dev/null 2>&1 || need_apt+=(debootstrap)
-[ -x /bin/busybox ] && /bin/busybox --list 2>/dev/null | grep -qx switch_root || need_apt+=(busybox-static)
+# Static: the initramfs has no libc (Debian's busybox package has switch_root too, but is
+# linked dynamically, and a guest's /init could not run).
+{ [ -x /bin/busybox ] && /bin/busybox --list 2>/dev/null | grep -qx switch_root \
+    && { LC_ALL=C ldd /bin/busybox 2>&1 || true; } | grep -q "not a dynamic executable"; } || need_apt+=(busybox-static)
+# scripts/libvirt-check.sh reads memfold's JSON with python3.
+command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
 command -v mkfs.ext4 >/dev/null 2>&1 || need_apt+=(e2fsprogs)
 command -v cpio >/dev/null 2>&1 || need_apt+=(cpio)
 command -v xz >/dev/null 2>&1 || need_apt+=(xz-utils)

@@ -348,6 +348,16 @@ impl Guest {
         let serial_path = dir.join("serial.log");
         let stderr_path = dir.join("qemu.stderr");
         let _ = std::fs::remove_file(&qmp_path);
+        // A folder's earlier guest left its console: its MEMFOLD-READY (and its rounds)
+        // would be read as this guest's until QEMU truncates the file, later.
+        if let Err(source) = std::fs::remove_file(&serial_path) {
+            if source.kind() != std::io::ErrorKind::NotFound {
+                return Err(VmError::Io {
+                    path: serial_path,
+                    source,
+                });
+            }
+        }
         let mut blk = Vec::new();
         if let Some(b) = &spec.memfold_blk {
             blk = start_blk(spec, b, &img, &dir)?;
