@@ -500,10 +500,7 @@ fn discover(
             let (found, huge) = regions::open(&named)?;
             if !huge.is_empty() && warned.as_ref() != Some(&named) {
                 warned = Some(named.clone());
-                tracing::warn!(
-                    "not shareable, left alone: {} (define it as memory-backend-memfd without hugetlb=on)",
-                    huge.join(", ")
-                );
+                tracing::warn!("not shareable, left alone: {}", huge.join(", "));
             }
             if !found.is_empty() && (cfg.ram_bytes == 0 || found.len() == named.len()) {
                 return Ok((found, true));

@@ -205,12 +205,17 @@ pub(crate) struct Region {
 }
 
 /// Opens the memfd of each candidate among this process's descriptors (by inode), keeping
-/// those whose file is exactly as long as the mapping and not of huge pages. A candidate
-/// whose memfd is not open in this process (closed after mapping) is skipped. Returns the
-/// regions and, for each memfd skipped as huge pages, its description.
+/// those whose file is exactly as long as the mapping and not of huge pages — hugetlb, or
+/// shmem huge folios the host may give any memfd ([`memfold_sys::memfd::shmem_huge_folios`]:
+/// a punched stashed page would then be zeroed, not freed, and a page written back
+/// among holes would fill them with zeros). A candidate whose memfd is not open in this
+/// process (closed after mapping) is skipped. Returns the regions and, for each memfd
+/// skipped as huge pages, its description with what to change.
 ///
 /// Errors: `/proc/self/fd` cannot be read.
 pub(crate) fn open(cands: &[Candidate]) -> io::Result<(Vec<Region>, Vec<String>)> {
+    let shmem_huge =
+        memfold_sys::memfd::shmem_huge_folios(std::path::Path::new(memfold_sys::memfd::THP_SYSFS));
     let mut regions = Vec::new();
     let mut huge = Vec::new();
     let mut wanted: Vec<Candidate> = cands.to_vec();
@@ -240,7 +245,17 @@ pub(crate) fn open(cands: &[Candidate]) -> io::Result<(Vec<Region>, Vec<String>)
             rustix::fs::fstatfs(file.as_fd()).is_ok_and(|s| s.f_type as u64 == HUGETLBFS_MAGIC);
         if on_huge_pages {
             huge.push(format!(
-                "a memfd of huge pages (hugetlb=on) of {} MiB at {:#x}",
+                "a memfd of huge pages (hugetlb=on) of {} MiB at {:#x} (define it as \
+                 memory-backend-memfd without hugetlb=on)",
+                c.bytes >> 20,
+                c.base
+            ));
+            continue;
+        }
+        if let Some(why) = &shmem_huge {
+            huge.push(format!(
+                "a memfd of {} MiB at {:#x}, which the host may back with huge folios \
+                 ({why}; set them to never)",
                 c.bytes >> 20,
                 c.base
             ));

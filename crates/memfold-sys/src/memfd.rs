@@ -225,6 +225,48 @@ pub fn data_runs(fd: BorrowedFd<'_>, first: Gfn, end: Gfn) -> Vec<(Gfn, Gfn)> {
     runs
 }
 
+/// Where the kernel's transparent huge page settings are.
+pub const THP_SYSFS: &str = "/sys/kernel/mm/transparent_hugepage";
+
+/// Why the host may back a memfd's pages with huge folios (shmem transparent huge
+/// pages), read from the settings under `thp` ([`THP_SYSFS`]); `None` if it never does
+/// (no THP, `never`, `deny`). A huge folio breaks what memfold does to single pages: a
+/// hole punched in one is zeroed, not freed, when the folio cannot split, and a page
+/// written into a range of holes allocates the whole folio, zeroed — the holes around it
+/// then hold data. `advise` counts: QEMU asks for huge pages on all its RAM
+/// (`MADV_HUGEPAGE`), and a memfd mapped so is backed by huge folios at its faults.
+pub fn shmem_huge_folios(thp: &std::path::Path) -> Option<String> {
+    let chosen = |p: std::path::PathBuf| -> Option<String> {
+        let s = std::fs::read_to_string(p).ok()?;
+        let (_, rest) = s.split_once('[')?;
+        Some(rest.split_once(']')?.0.to_string())
+    };
+    let global = chosen(thp.join("shmem_enabled")).unwrap_or_else(|| "never".into());
+    let huge = |v: &str| matches!(v, "always" | "within_size" | "advise" | "force");
+    match global.as_str() {
+        "deny" => return None,
+        "force" => return Some("shmem_enabled is force".into()),
+        _ => {}
+    }
+    let mut sizes: Vec<String> = std::fs::read_dir(thp)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("hugepages-"))
+        .filter_map(|e| {
+            let v = chosen(e.path().join("shmem_enabled"))?;
+            let v = if v == "inherit" { global.clone() } else { v };
+            huge(&v).then(|| format!("{} {v}", e.file_name().to_string_lossy()))
+        })
+        .collect();
+    sizes.sort();
+    if huge(&global) && sizes.is_empty() {
+        // A kernel without per-size settings: the global one is the PMD size's.
+        sizes.push(format!("shmem_enabled {global}"));
+    }
+    (!sizes.is_empty()).then(|| format!("shmem huge pages: {}", sizes.join(", ")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -288,5 +330,56 @@ mod tests {
             vec![(Gfn(3), Gfn(4)), (Gfn(9), Gfn(10))]
         );
         assert_eq!(size(fd).unwrap(), 16 * PAGE);
+    }
+
+    /// The settings as this kernel writes them: the chosen value in brackets; a size set
+    /// to `inherit` takes the global value; `deny` overrides all.
+    #[test]
+    fn shmem_huge_folios_are_read_from_the_thp_settings() {
+        let d = tempfile::tempdir().unwrap();
+        let set = |rel: &str, v: &str| {
+            let p = d.path().join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, v).unwrap();
+        };
+        assert_eq!(shmem_huge_folios(d.path()), None, "no THP at all");
+        set(
+            "shmem_enabled",
+            "always within_size advise [never] deny force\n",
+        );
+        set(
+            "hugepages-2048kB/shmem_enabled",
+            "always [inherit] within_size advise never\n",
+        );
+        set(
+            "hugepages-64kB/shmem_enabled",
+            "always inherit within_size advise [never]\n",
+        );
+        assert_eq!(shmem_huge_folios(d.path()), None, "this host's settings");
+        set(
+            "shmem_enabled",
+            "always within_size [advise] never deny force\n",
+        );
+        assert_eq!(
+            shmem_huge_folios(d.path()).as_deref(),
+            Some("shmem huge pages: hugepages-2048kB advise"),
+            "inherit takes advise"
+        );
+        set(
+            "hugepages-64kB/shmem_enabled",
+            "always inherit [within_size] advise never\n",
+        );
+        set(
+            "shmem_enabled",
+            "always within_size advise never [deny] force\n",
+        );
+        assert_eq!(shmem_huge_folios(d.path()), None, "deny overrides");
+        set(
+            "shmem_enabled",
+            "always within_size advise [never] deny force\n",
+        );
+        assert!(shmem_huge_folios(d.path())
+            .unwrap()
+            .contains("hugepages-64kB within_size"));
     }
 }
