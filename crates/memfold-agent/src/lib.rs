@@ -735,12 +735,15 @@ impl Agent {
 
     /// Lifts the write-protection of `len` bytes of guest RAM from `addr` (page-aligned):
     /// writes no longer fault, so the pages' watch bits go too (the discard's invariant,
-    /// [`state::Pages::unwatch`]). Every unprotect of guest RAM goes through here.
+    /// [`state::Pages::unwatch`]), and their M bits are set — a page the clock armed was
+    /// mapped write-protected for its M, whose later writes are no longer seen (counted
+    /// modified, as a page never armed is). Every unprotect of guest RAM goes through here.
     ///
     /// Errors: the userfaultfd call failed.
     fn unprotect(&mut self, addr: u64, len: u64) -> io::Result<()> {
         let first = Gfn(((addr - self.base) / PAGE) as u32);
         self.pages.unwatch(first, len.div_ceil(PAGE));
+        self.pages.mark_modified(first, len.div_ceil(PAGE));
         Ok(self.uffd.write_protect(addr, len, false)?)
     }
 

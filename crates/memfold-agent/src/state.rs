@@ -394,6 +394,13 @@ impl Pages {
         }
     }
 
+    /// Sets the M bits of pages `[first, first+n)` (in RAM): writes to them may go unseen.
+    pub(crate) fn mark_modified(&mut self, first: Gfn, n: u64) {
+        for g in first.index()..(first.index() + n as usize).min(self.homes.len()) {
+            self.modified[g / 64] |= 1 << (g % 64);
+        }
+    }
+
     /// Bytes this record holds: its page homes, stash records and R/M bitmaps, as
     /// allocated (an identical stash costs nothing beyond its page's slot).
     pub(crate) fn state_bytes(&self) -> u64 {
