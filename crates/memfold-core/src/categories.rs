@@ -265,10 +265,87 @@ pub enum CategoryError {
     NoGuest,
 }
 
+/// A [`CategoryMap`] built as a report's runs come, so a report holds its map (under a
+/// byte a page) and never a list of its runs (16 bytes a run, a run as small as a page).
+#[derive(Clone, Debug)]
+pub struct CategoryMapBuilder {
+    map: CategoryMap,
+    prev_end: u32,
+}
+
+impl CategoryMapBuilder {
+    /// The map of a guest of `pages` pages, no run yet.
+    pub fn new(pages: u32) -> CategoryMapBuilder {
+        CategoryMapBuilder {
+            map: CategoryMap {
+                nibbles: vec![0; (pages as usize).div_ceil(2)],
+                buddy: vec![0; (pages as usize).div_ceil(64)],
+                never_share: vec![0; (pages as usize).div_ceil(64)],
+                referenced: vec![0; (pages as usize).div_ceil(64)],
+                pages,
+                counts: CategoryCounts::default(),
+            },
+            prev_end: 0,
+        }
+    }
+
+    /// Adds run `r` (after the runs already added, inside the guest's RAM).
+    ///
+    /// Errors: [`CategoryError::OutOfRange`], [`CategoryError::Overlap`]; the map is
+    /// then as it was.
+    pub fn push(&mut self, r: CategoryRun) -> Result<(), CategoryError> {
+        let m = &mut self.map;
+        let pages = m.pages;
+        let end = r.first.0.checked_add(r.count).filter(|&e| e <= pages);
+        let Some(end) = end.filter(|_| r.count > 0) else {
+            return Err(CategoryError::OutOfRange {
+                first: r.first.0,
+                count: r.count,
+                pages,
+            });
+        };
+        if r.first.0 < self.prev_end {
+            return Err(CategoryError::Overlap {
+                first: r.first.0,
+                prev_end: self.prev_end,
+            });
+        }
+        self.prev_end = end;
+        let nib = r.info.category as u8 | (r.info.active as u8) << 3;
+        for g in r.first.0..end {
+            m.set_nibble(g, nib);
+            if r.info.buddy {
+                m.buddy[g as usize / 64] |= 1 << (g % 64);
+            }
+            if r.info.never_share {
+                m.never_share[g as usize / 64] |= 1 << (g % 64);
+            }
+            if r.info.referenced {
+                m.referenced[g as usize / 64] |= 1 << (g % 64);
+            }
+        }
+        m.counts.add(r.info, r.count as u64);
+        Ok(())
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.map.bytes()
+    }
+
+    /// The map: pages no run covered are [`Category::Unknown`].
+    pub fn finish(mut self) -> CategoryMap {
+        let m = &mut self.map;
+        let reported: u64 = m.counts.pages.iter().sum();
+        m.counts.pages[Category::Unknown as usize] += m.pages as u64 - reported;
+        self.map
+    }
+}
+
 /// One guest's pages by category: 4 bits a page (category and active bit), two pages a
 /// byte, the buddy, never-share and referenced bits a page, and its counts. Metadata:
 /// `pages / 2 + 3 * pages / 8` bytes.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CategoryMap {
     nibbles: Vec<u8>,
     /// [`PageInfo::buddy`], a bit a page.
@@ -287,49 +364,11 @@ impl CategoryMap {
     ///
     /// Errors: [`CategoryError::OutOfRange`], [`CategoryError::Overlap`].
     pub fn from_runs(pages: u32, runs: &[CategoryRun]) -> Result<CategoryMap, CategoryError> {
-        let mut m = CategoryMap {
-            nibbles: vec![0; (pages as usize).div_ceil(2)],
-            buddy: vec![0; (pages as usize).div_ceil(64)],
-            never_share: vec![0; (pages as usize).div_ceil(64)],
-            referenced: vec![0; (pages as usize).div_ceil(64)],
-            pages,
-            counts: CategoryCounts::default(),
-        };
-        let mut prev_end = 0u32;
-        for r in runs {
-            let end = r.first.0.checked_add(r.count).filter(|&e| e <= pages);
-            let Some(end) = end.filter(|_| r.count > 0) else {
-                return Err(CategoryError::OutOfRange {
-                    first: r.first.0,
-                    count: r.count,
-                    pages,
-                });
-            };
-            if r.first.0 < prev_end {
-                return Err(CategoryError::Overlap {
-                    first: r.first.0,
-                    prev_end,
-                });
-            }
-            prev_end = end;
-            let nib = r.info.category as u8 | (r.info.active as u8) << 3;
-            for g in r.first.0..end {
-                m.set_nibble(g, nib);
-                if r.info.buddy {
-                    m.buddy[g as usize / 64] |= 1 << (g % 64);
-                }
-                if r.info.never_share {
-                    m.never_share[g as usize / 64] |= 1 << (g % 64);
-                }
-                if r.info.referenced {
-                    m.referenced[g as usize / 64] |= 1 << (g % 64);
-                }
-            }
-            m.counts.add(r.info, r.count as u64);
+        let mut b = CategoryMapBuilder::new(pages);
+        for &r in runs {
+            b.push(r)?;
         }
-        let reported: u64 = m.counts.pages.iter().sum();
-        m.counts.pages[Category::Unknown as usize] += pages as u64 - reported;
-        Ok(m)
+        Ok(b.finish())
     }
 
     fn set_nibble(&mut self, g: u32, nib: u8) {

@@ -10,9 +10,9 @@
 //! `NAME` (its agent's name, QEMU's `-name`). The folder is the operator's: memfoldd
 //! connects to no path a guest or its QEMU chose, and asks a socket only if the guest's
 //! own QEMU serves it (the name is the agent's word: any QEMU may claim another guest's
-//! name first). A name with anything but letters,
-//! digits, `.`, `_` and `-`, or one that several attached guests (RAM regions) share,
-//! gets no channel.
+//! name first, so guests of one name each get a channel, and each asks only a socket
+//! its own QEMU serves). A name with anything but letters, digits, `.`, `_` and `-`, or
+//! one that several attached RAM regions of one QEMU share, gets no channel.
 //!
 //! **Threads.** One thread per enlightened guest ([`GuestChannels`]): it connects,
 //! asks every `interval`, reads the answer with a timeout and bounded lines, checks it
@@ -30,14 +30,14 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use memfold_core::categories::{CategoryRun, LayoutError, PageInfo, RamLayout};
+use memfold_core::categories::{CategoryMap, CategoryMapBuilder, LayoutError, PageInfo, RamLayout};
 use memfold_core::engine::free_discard::WatchRound;
 use memfold_core::ids::VmId;
 use memfold_core::Engine;
 use memfold_sys::deadline::DeadlineReader;
 use memfold_wire::guest::{
     decode_from_guest, encode_to_guest, FromGuest, GuestMeminfo, GuestWireError, LineReader,
-    ToGuest, GUEST_PROTOCOL_VERSION, MAX_CHUNKS,
+    ToGuest, GUEST_PROTOCOL_VERSION, MAX_CHUNKS, MAX_GUEST_LINE,
 };
 use memfold_wire::name::shown;
 #[cfg(test)]
@@ -69,8 +69,11 @@ pub fn report_timeout(ram_pages: u64) -> Duration {
 /// A guest's report, checked and in memfold's gfns.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GuestReport {
-    /// Its pages' categories, by gfn.
-    pub runs: Vec<CategoryRun>,
+    /// Its pages' categories, by gfn: built as its runs came (under a byte a page,
+    /// whatever the runs).
+    pub map: CategoryMap,
+    /// Frames its runs covered, as it said at its end (those past the RAM included).
+    pub frames: u64,
     /// Its RAM's layout, by which frames were mapped to gfns.
     pub layout: RamLayout,
     /// Its `/proc/meminfo`, KiB.
@@ -83,6 +86,37 @@ pub struct GuestReport {
     /// (`FromGuest::End::walk_us`; 0 from an older agent). Told, not checked: shown
     /// only, never acted on.
     pub walk_us: u64,
+}
+
+impl GuestReport {
+    /// Bytes it holds for its pages: bounded by the guest's size, not by its runs.
+    pub fn bytes(&self) -> usize {
+        self.map.bytes()
+    }
+}
+
+/// The bytes of other requests' lines a report may skip for a guest of `ram_pages`
+/// pages: a whole answer's worth (a run of a page or more is at most ~24 bytes of
+/// JSON), at most the protocol's longest answer.
+fn stale_max(ram_pages: u64) -> u64 {
+    let longest = (u64::from(MAX_CHUNKS) + 3) * MAX_GUEST_LINE as u64;
+    (64u64 << 10)
+        .saturating_add(ram_pages.saturating_mul(24))
+        .min(longest)
+}
+
+/// `ranges` sorted, those that touch or overlap joined: where runs may lie.
+fn joined(ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut v = ranges.to_vec();
+    v.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(v.len());
+    for (s, e) in v {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
 }
 
 /// Why a guest's report was refused.
@@ -161,17 +195,24 @@ pub fn read_report<R: std::io::BufRead>(
     .map_err(GuestWireError::Io)?;
     out.flush().map_err(GuestWireError::Io)?;
     let proto = |what: String| ReportError::Protocol { seq, what };
-    let mut report: Option<GuestReport> = None;
-    let (mut chunks, mut frames, mut next_pfn) = (0u32, 0u64, 0u64);
-    // Stale lines skipped at most: one whole answer's worth. Of any other number: an
-    // answer under way to an earlier channel (memfoldd restarted, the guest
-    // re-attached) may carry any.
-    let mut stale = 0u32;
+    let pages = u32::try_from(ram_pages)
+        .map_err(|_| proto(format!("a guest of {ram_pages} pages: more than gfns name")))?;
+    // The report, its map as it is built, and its declared ranges, joined.
+    type Building = (GuestReport, CategoryMapBuilder, Vec<(u64, u64)>);
+    let mut report: Option<Building> = None;
+    let (mut chunks, mut frames, mut next_pfn, mut nruns) = (0u32, 0u64, 0u64, 0u64);
+    // Stale bytes skipped at most: one whole answer's worth, of this guest's size. Of
+    // any other number: an answer under way to an earlier channel (memfoldd restarted,
+    // the guest re-attached) may carry any.
+    let mut stale = 0u64;
+    let mut split = Vec::with_capacity(2);
     loop {
-        let m = decode_from_guest(lines.line()?)?;
+        let line = lines.line()?;
+        let len = line.len() as u64 + 1;
+        let m = decode_from_guest(line)?;
         if m.seq() != seq {
-            stale += 1;
-            if stale > MAX_CHUNKS + 3 {
+            stale += len;
+            if stale > stale_max(ram_pages) {
                 return Err(proto("too many lines of other requests' answers".into()));
             }
             continue;
@@ -190,17 +231,20 @@ pub fn read_report<R: std::io::BufRead>(
                 None,
             ) => {
                 let ranges: Vec<(u64, u64)> = ranges.iter().map(|r| (r[0], r[1])).collect();
-                report = Some(GuestReport {
-                    runs: Vec::new(),
+                let rep = GuestReport {
+                    // Set at the end, from the map built as the runs come.
+                    map: CategoryMapBuilder::new(0).finish(),
+                    frames: 0,
                     layout: RamLayout::for_ranges(ram_pages, &ranges, qemu)?,
                     meminfo,
                     // The guest's words, in every reader's statistics: shown escaped.
                     agent: shown(&format!("{agent} (kernel {kernel})")),
                     discard,
                     walk_us: 0,
-                });
+                };
+                report = Some((rep, CategoryMapBuilder::new(pages), joined(&ranges)));
             }
-            (FromGuest::Runs { first, runs, .. }, Some(r)) => {
+            (FromGuest::Runs { first, runs, .. }, Some((r, map, declared))) => {
                 chunks += 1;
                 if chunks > MAX_CHUNKS {
                     return Err(proto(format!("over {MAX_CHUNKS} chunks")));
@@ -225,8 +269,25 @@ pub fn read_report<R: std::io::BufRead>(
                     if !l.takes_run(pfn, end) {
                         return Err(bad("outside the guest's RAM"));
                     }
+                    // Runs are in order: ranges wholly before this one are done with.
+                    let skip = declared.iter().take_while(|d| d.1 <= pfn).count();
+                    declared.drain(..skip);
+                    if !declared.first().is_some_and(|d| d.0 <= pfn && end <= d.1) {
+                        return Err(bad("in no RAM range the guest declared"));
+                    }
+                    // A run is a frame or more of a declared range: no more runs than
+                    // the guest has pages (a DIMM's past its RAM count too).
+                    nruns += 1;
+                    if nruns > ram_pages {
+                        return Err(bad("more runs than the guest has pages"));
+                    }
                     // Frames past the RAM (a hot-plugged DIMM's, exact layout) dropped.
-                    l.runs(pfn, n, info, &mut r.runs);
+                    split.clear();
+                    l.runs(pfn, n, info, &mut split);
+                    for &g in &split {
+                        map.push(g)
+                            .map_err(|_| bad("not a run of the guest's RAM"))?;
+                    }
                     frames += n;
                     pfn = end;
                 }
@@ -246,7 +307,9 @@ pub fn read_report<R: std::io::BufRead>(
                         "end says {c} chunks of {f} frames, {chunks} of {frames} came"
                     )));
                 }
-                let mut r = report.expect("matched Some");
+                let (mut r, map, _) = report.expect("matched Some");
+                r.map = map.finish();
+                r.frames = frames;
                 r.walk_us = walk_us;
                 return Ok(r);
             }
@@ -350,15 +413,30 @@ impl GuestChannels {
             }
             keep
         });
-        for (id, pid) in attached {
+        for &(id, pid) in &attached {
             if self.channels.contains_key(&id) {
                 continue;
             }
             let Some(name) = engine.vm_name(id) else {
                 continue;
             };
-            if !channel_name_ok(name) || engine.vms_named(name).len() != 1 {
+            if !channel_name_ok(name) {
                 continue;
+            }
+            // Names are the agents' word: another QEMU may attach a guest of this name
+            // first. Each guest still gets its own channel, whose thread asks the socket
+            // only if its own QEMU serves it; only regions of one QEMU sharing a name
+            // are ambiguous (which is the guest's RAM?) and get none.
+            let named: Vec<(VmId, u32)> = engine
+                .vms_named(name)
+                .into_iter()
+                .filter_map(|n| attached.iter().find(|a| a.0 == n).copied())
+                .collect();
+            if named.iter().filter(|n| n.1 == pid).count() != 1 {
+                continue;
+            }
+            if named.len() > 1 {
+                tracing::warn!(vm = %id, name, pid, guests = named.len(), "guest name shared by other QEMUs' guests: each is asked only on a socket its own QEMU serves");
             }
             let path = self.dir.join(format!("{name}.sock"));
             if !is_socket(&path) {
@@ -404,8 +482,10 @@ impl GuestChannels {
                     c.walk_total_us = c.walk_total_us.saturating_add(walk_us);
                 }
             }
-            match r.map(|rep| {
-                let applied = engine.guest_categories(id, &rep.runs);
+            match r.map(|mut rep| {
+                // The map moves to the engine; the report keeps an empty one.
+                let map = std::mem::replace(&mut rep.map, CategoryMapBuilder::new(0).finish());
+                let applied = engine.guest_category_map(id, map);
                 if applied.is_ok() {
                     // INVARIANT (free-page discard): a report names a round only if it
                     // was asked for after memfoldd learned that round was armed.

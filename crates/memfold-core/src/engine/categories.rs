@@ -21,24 +21,44 @@ impl Engine {
         id: VmId,
         runs: &[CategoryRun],
     ) -> Result<CategoryCounts, CategoryError> {
-        let now = self.now_us();
         let v = self.vms.get_mut(&id).ok_or(CategoryError::NoGuest)?;
         match CategoryMap::from_runs(v.pages(), runs) {
-            Ok(m) => {
-                let c = m.counts();
-                v.categories = Some(m);
-                v.categories_at_us = now;
-                v.books.categories = Some(c);
-                v.books.category_reports += 1;
-                // Pages it now marks never-share that are shared come back (Satori §4.3).
-                self.take_back_never_share(id);
-                Ok(c)
-            }
+            Ok(m) => self.guest_category_map(id, m),
             Err(e) => {
                 v.books.category_refused += 1;
                 Err(e)
             }
         }
+    }
+
+    /// Guest `id`'s agent reported its pages as map `m` (built as its report came, see
+    /// [`crate::categories::CategoryMapBuilder`]), as [`Engine::guest_categories`].
+    ///
+    /// Errors: [`CategoryError::NoGuest`]; [`CategoryError::OutOfRange`] for a map of
+    /// another number of pages than the guest's (booked as `category_refused`).
+    pub fn guest_category_map(
+        &mut self,
+        id: VmId,
+        m: CategoryMap,
+    ) -> Result<CategoryCounts, CategoryError> {
+        let now = self.now_us();
+        let v = self.vms.get_mut(&id).ok_or(CategoryError::NoGuest)?;
+        if m.pages() != v.pages() {
+            v.books.category_refused += 1;
+            return Err(CategoryError::OutOfRange {
+                first: 0,
+                count: m.pages(),
+                pages: v.pages(),
+            });
+        }
+        let c = m.counts();
+        v.categories = Some(m);
+        v.categories_at_us = now;
+        v.books.categories = Some(c);
+        v.books.category_reports += 1;
+        // Pages it now marks never-share that are shared come back (Satori §4.3).
+        self.take_back_never_share(id);
+        Ok(c)
     }
 
     /// Guest `id`'s name (its agent's, QEMU's `-name`).

@@ -477,6 +477,24 @@ fn claim_loop(
 /// way (a timeout: its answer may still come) the session is given up at once, for
 /// `claim_loop` to connect anew, never asked again.
 fn drive(
+    q: Qmp,
+    targets: &mpsc::Receiver<u64>,
+    target: &mut Option<u64>,
+    r: &mut Reporter,
+    pace: Pace,
+) -> Result<(), String> {
+    let ended = drive_session(q, targets, target, r, pace);
+    // What the guest said of its memory held for this session only: kept, it would claim
+    // under pressure on stale words every second until a session reads them anew.
+    r.report(|s| {
+        s.available = None;
+        s.short = None;
+    });
+    ended
+}
+
+/// [`drive`]'s session, until the main loop or the monitor ends it.
+fn drive_session(
     mut q: Qmp,
     targets: &mpsc::Receiver<u64>,
     target: &mut Option<u64>,

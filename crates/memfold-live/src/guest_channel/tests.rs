@@ -33,6 +33,28 @@ use memfold_core::ids::Gfn;
 
 const GIB: u64 = 1 << 18; // pages
 
+/// The runs of reported pages of `m`: first page, pages, category (pages of one
+/// category but other bits are runs of their own).
+fn runs_of(m: &CategoryMap) -> Vec<(Gfn, u32, Category)> {
+    let key = |g| {
+        let g = Gfn(g);
+        let bits = (m.active(g), m.referenced(g), m.buddy(g), m.never_share(g));
+        (m.category(g), bits)
+    };
+    let mut out: Vec<(Gfn, u32, Category)> = Vec::new();
+    for g in 0..m.pages() {
+        let k = key(g);
+        if k.0 == Category::Unknown {
+            continue;
+        }
+        match out.last_mut() {
+            Some(r) if r.0 .0 + r.1 == g && key(r.0 .0) == k => r.1 += 1,
+            _ => out.push((Gfn(g), 1, k.0)),
+        }
+    }
+    out
+}
+
 fn ask(answer: &str, seq: u64, ram_pages: u64) -> Result<GuestReport, ReportError> {
     ask_knowing(answer, seq, ram_pages, None)
 }
@@ -81,12 +103,15 @@ fn a_report_of_a_3_gib_guest_maps_high_frames_after_low_ram() {
         }
     );
     assert_eq!(r.meminfo.mem_total, 3_000_000);
-    assert_eq!(r.runs.len(), 2);
-    assert_eq!(r.runs[0].first, Gfn(2 * GIB as u32));
-    assert_eq!(r.runs[0].info.category, Category::Cache);
-    assert_eq!(r.runs[1].first, Gfn(2 * GIB as u32 + 10));
-    assert_eq!(r.runs[1].info.category, Category::Anon);
-    assert!(r.runs[1].info.referenced && r.runs[1].info.active);
+    let g = 2 * GIB as u32;
+    assert_eq!(
+        runs_of(&r.map),
+        vec![
+            (Gfn(g), 10, Category::Cache),
+            (Gfn(g + 10), 5, Category::Anon)
+        ]
+    );
+    assert!(r.map.referenced(Gfn(g + 10)) && r.map.active(Gfn(g + 10)));
     // RAM above 4 GiB: its split is inferred, so nothing is discarded, whatever the
     // guest says (this one says nothing: an older memfold-guest).
     assert!(!r.discard && !discards_allowed(&r));
@@ -106,7 +131,7 @@ fn only_a_guest_all_below_4_gib_that_says_so_is_discarded() {
     let r = ask(&answer, 1, 65536).unwrap();
     assert_eq!(r.layout.high, 0);
     assert!(r.discard && discards_allowed(&r));
-    assert!(r.runs[0].info.buddy, "code 33: free, buddy");
+    assert!(r.map.buddy(Gfn(256)), "code 33: free, buddy");
     assert!(!discards_allowed(&GuestReport {
         discard: false,
         ..r
@@ -145,7 +170,7 @@ fn qemus_layout_maps_the_frames_of_a_guest_that_hides_ram() {
     let qemu = RamLayout::from_qemu(5 * GIB, 2 << 30, 3 << 30).unwrap();
     let r = ask_knowing(&answer, 1, 5 * GIB, Some(qemu)).unwrap();
     assert_eq!(r.layout, qemu);
-    assert_eq!(r.runs[0].first, Gfn(2 * GIB as u32));
+    assert_eq!(runs_of(&r.map)[0].0, Gfn(2 * GIB as u32));
     assert!(r.discard && discards_allowed(&r));
     // A range past what QEMU laid out is refused whole.
     let past = answer.replace(
@@ -206,7 +231,7 @@ fn bad_answers_are_refused_with_what_is_wrong() {
             |e| matches!(e, ReportError::BadCode { .. }),
         ),
         (
-            format!("{r512}\n{}\n{}\n", runs(0, "[[1,1]]"), end(1, 2)),
+            format!("{r512}\n{}\n{}\n", runs(256, "[[1,1]]"), end(1, 2)),
             |e| matches!(e, ReportError::Protocol { .. }),
         ),
         // Runs before the ram line; a layout that does not fit 512 MiB.
@@ -226,9 +251,10 @@ fn bad_answers_are_refused_with_what_is_wrong() {
         (format!("{r512}\n"), |e| {
             matches!(e, ReportError::Wire(GuestWireError::Closed))
         }),
-        // Other requests' lines past the stale budget (one whole answer's worth).
+        // Other requests' lines past the stale budget (one whole answer's worth, by
+        // bytes: each line here is over 100).
         (
-            format!("{}\n", ram(7, "[]")).repeat(MAX_CHUNKS as usize + 4),
+            format!("{}\n", ram(7, "[]")).repeat(stale_max(512 * 256) as usize / 100),
             |e| matches!(e, ReportError::Protocol { .. }),
         ),
     ];
@@ -497,7 +523,7 @@ fn a_whole_answer_of_a_higher_request_is_skipped_as_stale() {
     let answer = lines.join("\n") + "\n";
     let r = ask(&answer, 1, 3 * GIB).unwrap();
     // Request 1's runs only (2 chunks of 2 runs), not request 40's (5 chunks).
-    assert_eq!(r.runs.len(), 4);
+    assert_eq!(runs_of(&r.map).len(), 4);
     // Skipped within the stale budget: an answer that is only other requests' lines
     // still ends (here: the channel closes after them), never taken as this one's.
     let others = answer_of_3_gib(40, 3).join("\n") + "\n";
@@ -585,13 +611,8 @@ fn a_hot_plugged_dimm_above_the_ram_is_dropped_with_qemus_layout() {
     let r = ask_knowing(&answer, 1, 3 * GIB, Some(qemu)).unwrap();
     assert_eq!(r.layout, qemu);
     let gfn = |pfn: u64| Gfn((2 * GIB + pfn - four) as u32);
-    let got: Vec<(Gfn, u32, Category)> = r
-        .runs
-        .iter()
-        .map(|c| (c.first, c.count, c.info.category))
-        .collect();
     assert_eq!(
-        got,
+        runs_of(&r.map),
         vec![
             (gfn(end - 30), 10, Category::Cache),
             (gfn(end - 20), 20, Category::Free),
@@ -619,4 +640,151 @@ fn a_larger_guest_s_report_may_take_longer() {
     let eight_gib = report_timeout(8 * GIB);
     assert!(eight_gib >= Duration::from_secs(45), "{eight_gib:?}");
     assert_eq!(report_timeout(64 * GIB), Duration::from_secs(120));
+}
+
+/// An engine, sharing only, no clock, with guest `web` of 16 MiB attached for each QEMU
+/// pid of `pids`, in that order; their ids are returned.
+fn engine_with_webs(pids: &[u32]) -> (Engine, Vec<VmId>) {
+    use memfold_core::backing::mem::{ManualClock, MemBacking, MemGuestRam};
+    use memfold_core::engine::Attach;
+    use memfold_core::ids::DomainId;
+    let cfg = memfold_core::EngineConfig {
+        policy: memfold_core::Policy::sharing_only(),
+        clock_interval_us: None,
+        rate: 0,
+        ..memfold_core::EngineConfig::default()
+    };
+    let mut e = Engine::new(cfg, Box::new(ManualClock::new()), 0).unwrap();
+    assert!(e.add_domain(DomainId(0), Box::new(MemBacking::new())));
+    let ids = pids
+        .iter()
+        .map(|&pid| {
+            e.attach(Attach {
+                name: "web".into(),
+                pid,
+                pages: 4096,
+                ram: Box::new(MemGuestRam::new(4096)),
+                mapped: Default::default(),
+                domain: DomainId(0),
+                store: Box::new(MemBacking::new()),
+                swap: None,
+                sharing: Default::default(),
+            })
+            .unwrap()
+        })
+        .collect();
+    (e, ids)
+}
+
+/// Another QEMU attaches a guest named as the victim first (another tenant's): the
+/// victim still gets its channel, and the squatter gets none of the victim's — its own
+/// thread refuses the socket the victim's QEMU serves. Before, a name two attached
+/// guests shared got no channel at all: the victim silently lost its categories,
+/// free-page discard and never-share marks.
+#[test]
+fn a_guest_whose_name_another_qemu_took_first_still_gets_its_channel() {
+    let dir = tempfile::tempdir().unwrap();
+    // The victim's QEMU (this process) serves web.sock.
+    let _listener = std::os::unix::net::UnixListener::bind(dir.path().join("web.sock")).unwrap();
+    let mut squatter_qemu = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let (me, them) = (std::process::id(), squatter_qemu.id());
+    let (mut e, ids) = engine_with_webs(&[them, me]);
+    let (squatter, victim) = (ids[0], ids[1]);
+    let mut channels = GuestChannels::new(
+        dir.path(),
+        Duration::from_millis(50),
+        Arc::new(QemuLayouts::default()),
+    );
+    channels.sync(&e);
+    assert_eq!(
+        channels.channels.get(&victim).map(|c| c.pid),
+        Some(me),
+        "the victim has no channel of its own"
+    );
+    assert!(
+        channels
+            .channels
+            .get(&squatter)
+            .is_none_or(|c| c.pid == them),
+        "the squatter has the victim's channel"
+    );
+    if channels.channels.contains_key(&squatter) {
+        // Its thread asks nothing on the victim's socket: it says why.
+        let until = Instant::now() + Duration::from_secs(5);
+        let refused = loop {
+            channels.apply(&mut e);
+            let err = channels.channels[&squatter].last_error.clone();
+            if err.is_some() || Instant::now() > until {
+                break err;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(
+            refused
+                .as_deref()
+                .is_some_and(|w| w.contains("not by the guest's QEMU")),
+            "{refused:?}"
+        );
+    }
+    channels.stop_all();
+    squatter_qemu.kill().unwrap();
+    let _ = squatter_qemu.wait();
+}
+
+/// A 1 GiB guest (262 144 pages) reports alternating one-page runs, in 8 chunks: the
+/// report holds its map, under a byte a page. Before, it held each run (16 bytes, 4 MiB
+/// here; ~1 GiB a report for a 256 GiB guest).
+#[test]
+fn a_report_of_one_page_runs_holds_under_a_byte_a_page() {
+    let pages = 262_144u64;
+    let mut lines = vec![ram(1, &format!("[[0,{pages}]]"))];
+    let per = pages / 8;
+    for k in 0..8 {
+        let rs = vec!["[2,1],[3,1]"; per as usize / 2].join(",");
+        lines.push(format!(
+            r#"{{"msg":"runs","v":1,"seq":1,"first":{},"runs":[{rs}]}}"#,
+            k * per
+        ));
+    }
+    lines.push(format!(
+        r#"{{"msg":"end","v":1,"seq":1,"chunks":8,"frames":{pages}}}"#
+    ));
+    let r = ask(&(lines.join("\n") + "\n"), 1, pages).unwrap();
+    assert!(r.bytes() <= pages as usize, "{} bytes held", r.bytes());
+    let c = r.map.counts();
+    assert_eq!(
+        (c.of(Category::Cache), c.of(Category::Anon)),
+        (pages / 2, pages / 2)
+    );
+    assert_eq!(r.map.category(Gfn(pages as u32 - 1)), Category::Anon);
+}
+
+/// Runs in no RAM range the guest declared are refused as bad runs: 1 GiB past QEMU's
+/// RAM (no DIMM declared there), or in the BIOS hole below 1 MiB. Before, they were
+/// taken (then parsed and dropped, or booked as RAM's).
+#[test]
+fn runs_in_no_declared_range_are_refused() {
+    let (four, end) = (FOUR_GIB_PFN, FOUR_GIB_PFN + GIB);
+    let qemu = RamLayout::from_qemu(3 * GIB, 2 << 30, 1 << 30).unwrap();
+    for first in [end + GIB, 0xa0] {
+        let answer = [
+            ram(
+                1,
+                &format!("[[1,159],[256,{}],[{four},{end}]]", 2 * GIB - 32),
+            ),
+            format!(r#"{{"msg":"runs","v":1,"seq":1,"first":{first},"runs":[[2,10]]}}"#),
+            r#"{"msg":"end","v":1,"seq":1,"chunks":1,"frames":10}"#.to_string(),
+        ]
+        .join("\n")
+            + "\n";
+        let r = ask_knowing(&answer, 1, 3 * GIB, Some(qemu));
+        assert!(
+            matches!(r, Err(ReportError::BadRun { pfn, .. }) if pfn == first),
+            "{first:#x}: {:?}",
+            r.map(|_| "taken")
+        );
+    }
 }

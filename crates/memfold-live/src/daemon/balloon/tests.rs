@@ -315,6 +315,8 @@ struct FakeGuest {
     late: Option<(&'static str, Duration)>,
     /// Every command it was sent, in order.
     commands: Vec<String>,
+    /// It closes the monitor after its first answer of guest statistics.
+    close_after_stats: bool,
 }
 
 /// A QMP monitor served by this process, at `dir/qmp.sock`, for `guest`: a balloon at
@@ -368,6 +370,9 @@ fn fake_qemu(dir: &Path, guest: Arc<Mutex<FakeGuest>>) -> PathBuf {
                 _ => json!({}),
             };
             if writeln!(s, "{}", json!({ "return": ret, "id": m["id"] })).is_err() {
+                return;
+            }
+            if g.close_after_stats && m["arguments"]["property"] == "guest-stats" {
                 return;
             }
         }
@@ -545,4 +550,31 @@ fn a_claimer_gives_up_a_session_whose_answer_came_late() {
         ["qmp_capabilities", "query-memory-size-summary"],
         "asked on a session out of step"
     );
+}
+
+/// A guest short of memory whose monitor then closes: once the session ends, the state no
+/// longer says it is short (nor what it had), or the main loop would grow its claim every
+/// second on that stale word. Seen failing before: `short` stayed `Some(true)`.
+#[test]
+fn a_guests_shortage_is_forgotten_when_its_monitor_session_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let guest = Arc::new(Mutex::new(FakeGuest {
+        actual: 256 * MIB,
+        available: MIB,
+        close_after_stats: true,
+        ..FakeGuest::default()
+    }));
+    let path = fake_qemu(dir.path(), Arc::clone(&guest));
+    let q = Qmp::connect_served_by(&path, std::process::id(), MONITOR_TIMEOUT).unwrap();
+    let state = Arc::new(Mutex::new(BalloonState::default()));
+    let mut r = reporter(Arc::clone(&state));
+    let (_tx, rx) = mpsc::channel::<u64>();
+    assert!(drive(q, &rx, &mut Some(256 * MIB), &mut r, FAST).is_err());
+    let commands = guest.lock().unwrap().commands.clone();
+    assert!(
+        commands.iter().any(|c| c == "qom-get"),
+        "guest statistics never read: {commands:?}"
+    );
+    let s = state.lock().unwrap().clone();
+    assert_eq!((s.short, s.available), (None, None), "{s:?}");
 }
