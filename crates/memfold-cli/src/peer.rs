@@ -16,8 +16,9 @@
 //!
 //! Host memory the peer leaves is measured like memfold's and KSM's: the Pss of guest RAM
 //! (KSM-merged pages split among their mappers; pages swapped out count nothing there)
-//! plus the zswap pool's own bytes (the compressed pages, not the 4 KiB they stand for).
-//! Pages zswap sent on to the swap file left host memory.
+//! plus guest RAM's share of the zswap pool's own bytes (the compressed pages, not the
+//! 4 KiB they stand for; [`peer_used`]). Pages zswap sent on to the swap file left host
+//! memory.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -36,7 +37,9 @@ use crate::guests::{self, GuestSetArgs};
 
 pub mod controller;
 use crate::run::cpu_seconds;
-use crate::run::measure::{every_second, kernel_threads_cpu_seconds, plateau, ram_usages};
+use crate::run::measure::{
+    every_second, kernel_threads_cpu_seconds, plateau, ram_usages, zswap_share,
+};
 pub use controller::{Controller, ControllerBook, Reading, Senpai};
 
 /// Compressors zswap is offered, best ratio first: the first the kernel takes is used.
@@ -47,7 +50,8 @@ pub const COMPRESSORS: [&str; 5] = ["zstd", "deflate", "lz4", "lzo-rle", "lzo"];
 pub struct PeerSample {
     /// Seconds since KSM and the controller started.
     pub t: f64,
-    /// Host memory the guests' RAM takes: `pss_bytes` + `zswap_pool_bytes`.
+    /// Host memory the guests' RAM takes: `pss_bytes` + guest RAM's share of
+    /// `zswap_pool_bytes` ([`peer_used`]).
     pub used_bytes: u64,
     /// Pss of the guests' RAM mappings, bytes.
     pub pss_bytes: u64,
@@ -261,6 +265,21 @@ fn guests_pss(guests: &[Guest]) -> Result<u64> {
     Ok(ram_usages(guests)?.iter().map(|u| u.pss).sum())
 }
 
+/// Host memory guest RAM `ram` uses by the peer's measure, bytes: its Pss plus its share
+/// of the zswap pool (`pool` × its swap / `zswapped`, [`zswap_share`]): the pool holds
+/// QEMU's own swapped memory too.
+fn peer_used(ram: &[memfold_vm::hostmem::RamUsage], pool: u64, zswapped: u64) -> u64 {
+    let pss: u64 = ram.iter().map(|u| u.pss).sum();
+    let swap: u64 = ram.iter().map(|u| u.swap).sum();
+    pss + zswap_share(pool, zswapped, swap)
+}
+
+/// [`peer_used`] of `guests` now, bytes.
+fn guests_used(guests: &[Guest]) -> Result<u64> {
+    let (pool, zswapped) = reclaim::zswap_pool()?;
+    Ok(peer_used(&ram_usages(guests)?, pool, zswapped))
+}
+
 /// The controller's pace: what `memfold compare` sets of [`Senpai`].
 #[derive(Clone, Copy, Debug)]
 pub struct Pace {
@@ -374,7 +393,7 @@ pub fn run_ksm_zswap(
     }
     let ksm = Ksm::take_control()?;
     ksm.unmerge()?;
-    let used_before = guests_pss(&gs)? + reclaim::zswap_pool()?.0;
+    let used_before = guests_used(&gs)?;
     let plain_pss = |plain: &[Guest]| -> Result<Option<u64>> {
         Ok(if plain.is_empty() {
             None
@@ -516,12 +535,13 @@ pub fn run_ksm_zswap(
         }
         page_cluster = page_cluster.or_else(memfold_sys::reclaim::page_cluster);
         sampled_s = start.elapsed().as_secs_f64();
+        let ram = ram_usages(&gs)?;
         let (pool, zswapped) = reclaim::zswap_pool()?;
-        let pss = guests_pss(&gs)?;
+        let pss = ram.iter().map(|u| u.pss).sum();
         let pressure = second.lap()?;
         let s = PeerSample {
             t: start.elapsed().as_secs_f64(),
-            used_bytes: pss + pool,
+            used_bytes: peer_used(&ram, pool, zswapped),
             pss_bytes: pss,
             zswap_pool_bytes: pool,
             zswapped_bytes: zswapped,
@@ -676,6 +696,19 @@ mod tests {
             qemu_deaths: Vec::new(),
             samples: Vec::new(),
         }
+    }
+
+    #[test]
+    fn only_guest_ram_s_share_of_the_zswap_pool_counts() {
+        const MIB: u64 = 1 << 20;
+        let ram = [memfold_vm::hostmem::RamUsage {
+            pss: 100 * MIB,
+            swap: 300 * MIB,
+            ..Default::default()
+        }];
+        assert_eq!(peer_used(&ram, 130 * MIB, 390 * MIB), 200 * MIB);
+        // Pages written on to the swap file: never more than the pool.
+        assert_eq!(peer_used(&ram, 130 * MIB, 100 * MIB), 230 * MIB);
     }
 
     #[test]

@@ -158,7 +158,8 @@ struct Point {
     /// `metric guest` of each workload: sides are compared over the same ones.
     #[serde(skip)]
     workload_keys: Vec<String>,
-    cpu_s: f64,
+    /// CPU seconds (None: the run recorded none; the goal is then not met).
+    cpu_s: Option<f64>,
     t95_s: Option<f64>,
     /// Self-check mismatches the run recorded for this side (None: not recorded).
     mismatches: Option<u64>,
@@ -269,7 +270,7 @@ fn points(path: &Path) -> Result<Vec<Point>> {
         slowdown_2se_pct: e,
         workloads: metrics(j.memfold_throughput.as_deref()),
         workload_keys: keys(j.memfold_throughput.as_deref()),
-        cpu_s: j.memfold_cpu_s,
+        cpu_s: Some(j.memfold_cpu_s),
         t95_s: j.memfold_t95_s,
         mismatches: j.memfold_guest_mismatches,
         stall_pct: j.memfold_memory_stall_pct,
@@ -304,7 +305,8 @@ fn points(path: &Path) -> Result<Vec<Point>> {
             ),
             (_, _, Some(left)) => (
                 Kind::Ksm,
-                "ksm".to_string(),
+                // `--peer ksm` with free page reporting writes "ksm+fpr".
+                j.peer.clone().unwrap_or_else(|| "ksm".into()),
                 left,
                 j.ksm_cpu_s,
                 j.ksm_t95_s,
@@ -335,7 +337,7 @@ fn points(path: &Path) -> Result<Vec<Point>> {
         slowdown_2se_pct: e,
         workloads: metrics(thr),
         workload_keys: keys(thr),
-        cpu_s: cpu.unwrap_or(f64::NAN),
+        cpu_s: cpu,
         t95_s: t95,
         mismatches,
         stall_pct: stall,
@@ -392,8 +394,11 @@ fn verdict(points: &[&Point]) -> String {
         }
         _ => why.push("no slowdown measured (run with --plain-twins)".into()),
     }
-    if m.cpu_s > p.cpu_s {
-        why.push(format!("CPU {:.1} s > {:.1} s", m.cpu_s, p.cpu_s));
+    // A missing figure fails: NaN would compare false and pass.
+    match (m.cpu_s, p.cpu_s) {
+        (Some(mc), Some(pc)) if mc > pc => why.push(format!("CPU {mc:.1} s > {pc:.1} s")),
+        (Some(_), Some(_)) => {}
+        _ => why.push("CPU not measured".into()),
     }
     let head = format!(
         "best memfold ({}, {:.1} MiB) / best peer ({}, {:.1} MiB) = {ratio:.2}×",
@@ -438,7 +443,7 @@ fn table(points: &[Point]) -> String {
             };
             let _ = writeln!(
                 s,
-                "| {} | {} | {:.1} | {slow} | {} | {:.1} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {:.1} | {slow} | {} | {} | {} | {} | {} | {} | {} |",
                 if p.marked() {
                     format!("{} (MARKED)", p.label)
                 } else {
@@ -451,7 +456,7 @@ fn table(points: &[Point]) -> String {
                 } else {
                     p.workloads.join(", ")
                 },
-                p.cpu_s,
+                fmt_opt(p.cpu_s, 1),
                 fmt_opt(p.t95_s, 1),
                 fmt_opt(p.stall_pct, 2),
                 fmt_opt(p.agent_wait_pct, 2),
@@ -643,6 +648,18 @@ mod tests {
         // PSI on both sides, and memfold's waits on its agents (2.5% over two guests).
         assert!(t.contains("| 0.00 | 2.50 | — |"), "{t}");
         assert!(t.contains("| 2.50 | — | 0 |"), "{t}");
+        // No CPU figure for the peer: not met, not passed by a NaN.
+        let mut no_cpu = run_json(140.0, 250.0, 0.95, 0.90, 20.0);
+        no_cpu.as_object_mut().unwrap().remove("peer_cpu_s");
+        let v = verdict(
+            &written(dir.path(), "n.json", no_cpu)
+                .iter()
+                .collect::<Vec<_>>(),
+        );
+        assert!(
+            !v.ends_with("goal met") && v.contains("CPU not measured"),
+            "{v}"
+        );
     }
 
     #[test]
@@ -656,11 +673,11 @@ mod tests {
                 "guests": "web", "secs": 90, "memfold_policy": "sharing",
                 "memfold_used_after_bytes": 100.0 * mib, "memfold_cpu_s": 10.0,
                 "memfold_t95_s": null, "ksm_used_after_bytes": 120.0 * mib, "ksm_cpu_s": 9.0,
-                "ksm_t95_s": 12.0, "ksm_guest_mismatches": 0,
+                "ksm_t95_s": 12.0, "ksm_guest_mismatches": 0, "peer": "ksm+fpr",
             }),
         );
         let ps = points(&p).unwrap();
-        assert_eq!((ps[1].kind, ps[1].label.as_str()), (Kind::Ksm, "ksm"));
+        assert_eq!((ps[1].kind, ps[1].label.as_str()), (Kind::Ksm, "ksm+fpr"));
         assert!(ps[1].slowdown_pct.is_none());
         assert!(verdict(&ps.iter().collect::<Vec<_>>()).contains("--plain-twins"));
         // Every compare.json kept in docs/peer-runs parses.

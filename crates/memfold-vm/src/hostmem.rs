@@ -1,11 +1,11 @@
 //! How much host memory a guest's RAM uses: one definition for memfold and KSM.
 //!
 //! **Host memory used by guest RAM**, summed over guests, is what the kernel holds for it:
-//! - anonymous guest RAM (KSM runs): the proportional set size (Pss) of the RAM mapping
-//!   plus what of it is swapped out. Pss splits a page shared by n mappings into n parts,
-//!   so a KSM-merged page counts once over all guests; pages never touched and pages
-//!   mapped to the host zero page (KSM's `use_zero_pages`, zero-filled pieces of split
-//!   huge pages) count nothing.
+//! - anonymous guest RAM (KSM runs): the proportional set size (Pss) of the RAM mapping.
+//!   Pss splits a page shared by n mappings into n parts, so a KSM-merged page counts
+//!   once over all guests; pages never touched and pages mapped to the host zero page
+//!   (KSM's `use_zero_pages`, zero-filled pieces of split huge pages) count nothing. A
+//!   swapped page counts nothing either (it is not in RAM), as on memfd RAM below.
 //! - memfd guest RAM (memfold runs): the bytes allocated to every memfd QEMU maps (the
 //!   guest's RAM file) or holds (memfold's pool file, mapped only where a share is mapped,
 //!   and its store of patched and compressed pages, which the agent reads but does not
@@ -16,10 +16,12 @@
 //!   in it uses none. A page of the file in the kernel's swap is allocated too but not
 //!   in RAM: its bytes (allocated less resident, `mincore`) are taken off, and the
 //!   zswap pool that holds it is the caller's to add (issue 15's zswap backing;
-//!   `memfold run` adds the host's pool whenever a guest's file has pages swapped).
+//!   `memfold run` adds the pool's share that guest RAM's swap makes of it).
 //!
-//! A page used by guest RAM is thus counted exactly once either way, and unused pages
-//! never, so KSM and memfold are measured alike.
+//! A page used by guest RAM in host RAM is thus counted exactly once either way, and
+//! unused or swapped pages never, so KSM and memfold are measured alike; the zswap pool
+//! holding swapped pages of either kind is the caller's to add ([`total_swapped`] and
+//! [`RamUsage::anon_swap`] say how much of the swap is guest RAM's).
 
 use serde::Serialize;
 
@@ -34,6 +36,9 @@ pub struct RamUsage {
     pub swap: u64,
     /// Pss + swap of the anonymous RAM mappings.
     pub anon_used: u64,
+    /// Of `anon_used`, the swap of the anonymous RAM mappings (not host RAM: taken off
+    /// in [`total_used`], as a memfd's swapped bytes are).
+    pub anon_swap: u64,
     /// The memfd files mapped: (inode, bytes allocated to the file).
     pub memfd_files: Vec<(u64, u64)>,
     /// Of those, the bytes in the kernel's swap: (inode, bytes), the file's allocated
@@ -56,8 +61,12 @@ pub fn total_used(guests: &[RamUsage]) -> u64 {
     for g in guests {
         files.extend(g.memfd_files.iter().copied());
     }
-    (guests.iter().map(|g| g.anon_used).sum::<u64>() + files.values().sum::<u64>())
-        .saturating_sub(total_swapped(guests))
+    // Swapped pages are not host RAM, anonymous or memfd alike.
+    let anon: u64 = guests
+        .iter()
+        .map(|g| g.anon_used.saturating_sub(g.anon_swap))
+        .sum();
+    (anon + files.values().sum::<u64>()).saturating_sub(total_swapped(guests))
 }
 
 /// Bytes of the guests' memfd files in the kernel's swap, each file counted once (not in
@@ -189,6 +198,9 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
                     total.pss += v;
                 } else {
                     total.swap += v;
+                    if anonymous {
+                        total.anon_swap += v;
+                    }
                 }
                 if anonymous {
                     total.anon_used += v;
@@ -237,6 +249,24 @@ mod tests {
         assert_eq!(total_used(&[g(300), g(200)]), 20 + 1500 - 300);
         // Counted a moment before a punch: never more than the file holds.
         assert_eq!(total_swapped(&[g(5000)]), 1000);
+    }
+
+    #[test]
+    fn a_swapped_page_counts_alike_on_anonymous_and_memfd_ram() {
+        let anon = RamUsage {
+            pss: 100,
+            swap: 50,
+            anon_used: 150,
+            anon_swap: 50,
+            ..RamUsage::default()
+        };
+        let memfd = RamUsage {
+            memfd_files: vec![(7, 150)],
+            memfd_swapped: vec![(7, 50)],
+            ..RamUsage::default()
+        };
+        assert_eq!(total_used(&[anon]), 100);
+        assert_eq!(total_used(&[memfd]), 100);
     }
 
     #[test]

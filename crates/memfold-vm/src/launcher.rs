@@ -440,13 +440,17 @@ impl Guest {
 
     /// The serial log so far.
     pub fn serial(&self) -> String {
-        let mut s = String::new();
-        if let Ok(mut f) = File::open(&self.serial_path) {
-            let mut b = Vec::new();
-            let _ = f.read_to_end(&mut b);
-            s = String::from_utf8_lossy(&b).into_owned();
-        }
-        s
+        console_since(&self.serial_path, 0)
+    }
+
+    /// Bytes of the serial log file so far: a mark for [`Guest::serial_since`].
+    pub fn serial_len(&self) -> u64 {
+        console_len(&self.serial_path)
+    }
+
+    /// The serial log from byte `offset` of the file on (a [`Guest::serial_len`] mark).
+    pub fn serial_since(&self, offset: u64) -> String {
+        console_since(&self.serial_path, offset)
     }
 
     fn tail(&self) -> String {
@@ -634,6 +638,23 @@ pub fn stat_state(stat: &str) -> Option<char> {
     stat.rsplit_once(") ")?.1.chars().next()
 }
 
+/// Bytes of the console log at `path` (0 if unreadable).
+fn console_len(path: &Path) -> u64 {
+    std::fs::metadata(path).map_or(0, |m| m.len())
+}
+
+/// The console log at `path` from byte `offset` on, sliced before it is decoded: a mark
+/// taken mid-character (lossy decoding makes one byte three) would fall inside a later
+/// character and lose all the text after it.
+fn console_since(path: &Path, offset: u64) -> String {
+    let mut b = Vec::new();
+    if let Ok(mut f) = File::open(path) {
+        let _ = f.read_to_end(&mut b);
+    }
+    let from = usize::try_from(offset).map_or(b.len(), |o| o.min(b.len()));
+    String::from_utf8_lossy(&b[from..]).into_owned()
+}
+
 impl Drop for Guest {
     fn drop(&mut self) {
         self.stop();
@@ -643,6 +664,21 @@ impl Drop for Guest {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_console_mark_taken_mid_character_keeps_the_rounds_after_it() {
+        let path = std::env::temp_dir().join(format!("memfold-console-{}", std::process::id()));
+        std::fs::write(&path, b"MEMFOLD-RATE web-req/s 10\n\xC3").unwrap();
+        let mark = console_len(&path);
+        // The rest of "é", then "€": the old mark (in lossy text) fell inside "€".
+        let mut all = std::fs::read(&path).unwrap();
+        all.extend_from_slice(b"\xA9\xE2\x82\xAC\nMEMFOLD-RATE web-req/s 20\n");
+        std::fs::write(&path, &all).unwrap();
+        let since = console_since(&path, mark);
+        std::fs::remove_file(&path).unwrap();
+        assert!(since.contains("MEMFOLD-RATE web-req/s 20\n"), "{since:?}");
+        assert!(!since.contains("web-req/s 10"), "{since:?}");
+    }
 
     #[test]
     fn the_balloon_line_is_read_from_the_console() {

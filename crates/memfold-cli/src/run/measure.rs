@@ -39,7 +39,7 @@ pub fn saved_mib(before: u64, now: u64) -> f64 {
 pub fn measured_as(ram: RamBackend) -> &'static str {
     match ram {
         RamBackend::Memfd => "allocated memfd bytes",
-        RamBackend::Anonymous | RamBackend::AnonymousNoThp => "Pss + swap",
+        RamBackend::Anonymous | RamBackend::AnonymousNoThp => "Pss",
     }
 }
 
@@ -61,13 +61,16 @@ pub fn t95_text(t95_s: Option<f64>) -> String {
 
 /// Host memory used by the guests' RAM now (`memfold_vm::hostmem`, summed over `guests`,
 /// each shared memfd counted once): (used, rss), bytes. memfold and KSM runs are sampled
-/// by this one function. Pages of the guests' memfds in the kernel's swap (issue 15's
-/// zswap backing) count as the host's whole zswap pool (`Zswap:` in /proc/meminfo), as
-/// the peer's do (`peer.rs`): on a host where nothing else uses zswap it is theirs.
+/// by this one function. Guest RAM in the kernel's swap (issue 15's zswap backing, or
+/// reclaim of anonymous RAM) counts as its share of the zswap pool ([`zswap_share`]), as
+/// the peer's does (`peer.rs`).
 pub fn used(guests: &[Guest]) -> Result<(u64, u64)> {
     let usages = ram_usages(guests)?;
-    let pool = if memfold_vm::hostmem::total_swapped(&usages) > 0 {
-        memfold_sys::reclaim::zswap_pool().map_or(0, |(pool, _)| pool)
+    let swapped = memfold_vm::hostmem::total_swapped(&usages)
+        + usages.iter().map(|u| u.anon_swap).sum::<u64>();
+    let pool = if swapped > 0 {
+        memfold_sys::reclaim::zswap_pool()
+            .map_or(0, |(pool, zswapped)| zswap_share(pool, zswapped, swapped))
     } else {
         0
     };
@@ -75,6 +78,18 @@ pub fn used(guests: &[Guest]) -> Result<(u64, u64)> {
         total_used(&usages) + pool,
         usages.iter().map(|u| u.rss).sum(),
     ))
+}
+
+/// Guest RAM's share of the zswap pool, bytes: `pool` (`Zswap:` in /proc/meminfo) ×
+/// `swapped` (guest RAM's bytes in swap) / `zswapped` (`Zswapped:`), at most `pool`.
+/// The pool holds every swapped page on the host (QEMU's own cold heap too), so the whole
+/// of it would overstate what guest RAM uses; pages zswap wrote on to the swap device
+/// are in `swapped` but not in `zswapped`, hence the cap.
+pub fn zswap_share(pool: u64, zswapped: u64, swapped: u64) -> u64 {
+    if zswapped == 0 {
+        return 0;
+    }
+    (pool as u128 * swapped as u128 / zswapped as u128).min(pool as u128) as u64
 }
 
 /// Each guest's RAM mappings as the kernel reports them now (`memfold_vm::hostmem`).

@@ -197,8 +197,7 @@ pub fn late_rates(guests: &[Guest], since: &HashMap<String, StartMark>) -> Vec<G
     let mut out = Vec::new();
     for g in guests {
         let from = since.get(&g.name).map_or(0, |m| m.0);
-        let serial = g.serial();
-        for (metric, v) in rates(serial.get(from..).unwrap_or("")) {
+        for (metric, v) in rates(&g.serial_since(from)) {
             let late = side_rate(&metric, &v[v.len() / 2..]);
             out.push(GuestRate {
                 guest: g.name.clone(),
@@ -293,16 +292,17 @@ fn rates(serial: &str) -> BTreeMap<String, Vec<f64>> {
     out
 }
 
-/// Where a guest stood when memfoldd started: bytes of its console text, its QEMU's CPU
-/// seconds, and those of its agent's threads.
-pub type StartMark = (usize, f64, f64);
+/// Where a guest stood when memfoldd started: bytes of its console log file (raw, not
+/// decoded text: see `Guest::serial_since`), its QEMU's CPU seconds, and those of its
+/// agent's threads.
+pub type StartMark = (u64, f64, f64);
 
 /// Each guest's [`StartMark`] now, by name.
 pub fn start_marks<'a>(guests: impl Iterator<Item = &'a Guest>) -> HashMap<String, StartMark> {
     guests
         .map(|g| {
             let mark = (
-                g.serial().len(),
+                g.serial_len(),
                 cpu_seconds(g.pid, None),
                 cpu_seconds(g.pid, Some(AGENT_THREADS)),
             );
@@ -357,10 +357,7 @@ pub fn throughput(
     let at_start = |g: &Guest| since.get(&g.name).copied().unwrap_or((0, 0.0, 0.0));
     let cpu = |g: &Guest| cpu_seconds(g.pid, None) - at_start(g).1;
     let agent_cpu = |g: &Guest| cpu_seconds(g.pid, Some(AGENT_THREADS)) - at_start(g).2;
-    let window = |g: &Guest| {
-        let s = g.serial();
-        rates(s.get(at_start(g).0..).unwrap_or(""))
-    };
+    let window = |g: &Guest| rates(&g.serial_since(at_start(g).0));
     let mut out = Vec::new();
     for (m, p) in managed.iter().zip(plain) {
         for mut t in pair_rates(&m.name, &p.name, &window(m), &window(p)) {
