@@ -27,9 +27,10 @@ pub fn open(pid: u32) -> io::Result<OwnedFd> {
 }
 
 /// A pidfd of the process at the other end of the connected unix socket `sock`: the
-/// kernel's (`SO_PEERPIDFD`, the process that connected) where it has it, else a pidfd of
-/// `SO_PEERCRED`'s pid, then checked to be alive (on an older kernel a pid freed and
-/// reused before this call would be taken for the peer; from then on the pidfd holds).
+/// kernel's (`SO_PEERPIDFD`, the process that connected) where it has it, else — only on
+/// a kernel without the option, before Linux 6.5 — a pidfd of `SO_PEERCRED`'s pid, then
+/// checked to be alive (there a pid freed and reused before this call would be taken for
+/// the peer; from then on the pidfd holds).
 ///
 /// Errors: not a connected unix socket, the peer has exited (`ESRCH`), out of
 /// descriptors.
@@ -54,12 +55,28 @@ pub fn of_peer(sock: BorrowedFd<'_>) -> io::Result<OwnedFd> {
             None => Err(io::Error::from_raw_os_error(libc::ESRCH)),
         };
     }
+    if rc == 0 {
+        return Err(io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    let e = io::Error::last_os_error();
+    if !falls_back_on(e.raw_os_error().unwrap_or(0)) {
+        return Err(e);
+    }
     let cred = rustix::net::sockopt::socket_peercred(sock)?;
     let pidfd = open(cred.pid.as_raw_nonzero().get() as u32)?;
     if !alive(pidfd.as_fd()) {
         return Err(io::Error::from_raw_os_error(libc::ESRCH));
     }
     Ok(pidfd)
+}
+
+/// Whether `SO_PEERPIDFD` failing with `errno` leaves `SO_PEERCRED`'s pid to go by:
+/// only where the kernel has no such option (`ENOPROTOOPT`, before Linux 6.5). A kernel
+/// that has it fails with `EINVAL`, `ESRCH` or `ENODATA` once the peer has exited and
+/// been reaped (6.5 to ~6.15): its pid may name another process by then, so the peer is
+/// taken as gone.
+fn falls_back_on(errno: i32) -> bool {
+    errno == libc::ENOPROTOOPT
 }
 
 /// The pid of the process pidfd `pidfd` names (`Pid:` of its `/proc/self/fdinfo`);
@@ -102,6 +119,22 @@ mod tests {
         c.wait().unwrap();
         assert!(!alive(p.as_fd()));
         assert_eq!(pid_of(p.as_fd()), None, "reaped: no pid");
+    }
+
+    /// A reaped peer's pid is never opened in its place: a kernel with `SO_PEERPIDFD`
+    /// says so by one of these errors, and only a kernel without it falls back.
+    #[test]
+    fn only_a_kernel_without_the_option_falls_back_to_the_pid() {
+        assert!(falls_back_on(libc::ENOPROTOOPT));
+        for e in [
+            libc::EINVAL,
+            libc::ESRCH,
+            libc::ENODATA,
+            libc::EBADF,
+            libc::ENOTSOCK,
+        ] {
+            assert!(!falls_back_on(e), "errno {e}");
+        }
     }
 
     #[test]

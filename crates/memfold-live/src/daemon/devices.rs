@@ -39,7 +39,9 @@
 //! connected from, held by a pidfd taken at its hello (`SO_PEERPIDFD`): a look is
 //! believed only if that process still runs after it, so the pid cannot have been freed
 //! and reused meanwhile — a device that hands its connection to another process and
-//! exits holds no RAM from then on, whatever process its pid names later. The device
+//! exits holds no RAM from then on, whatever process its pid names later (on a kernel
+//! before 6.5, without `SO_PEERPIDFD`, the pidfd is opened by pid at the hello: a pid
+//! reused before then would pass, [`memfold_sys::pidfd::of_peer`]). The device
 //! could instead pass the memfd with its
 //! messages; the look needs no change to the protocol, and a device that holds the
 //! memfd passes either way. Found by a read-only review, 2026-12; test
