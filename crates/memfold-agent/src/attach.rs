@@ -289,6 +289,11 @@ impl Agent {
                 self.pending.breaks.clear();
                 self.pending.refills.clear();
                 self.pending.discards.clear();
+                // Pages an earlier memfoldd paged out are not in the list: this one
+                // knows nothing of them, and may page them out again (a no-op for a
+                // page still in swap) without hearing of their return.
+                self.pending.paged_in.clear();
+                self.pages.forget_paged_out();
             }
             Ok(Some((ToAgent::Refused { message }, _))) => {
                 tracing::warn!("memfoldd refused the attach: {}", shown(&message));

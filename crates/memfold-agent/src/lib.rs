@@ -505,11 +505,10 @@ fn discover(
             if !found.is_empty() && (cfg.ram_bytes == 0 || found.len() == named.len()) {
                 return Ok((found, true));
             }
-            if found.is_empty() && !huge.is_empty() && cfg.ram_bytes == 0 {
-                return Err(io::Error::other(format!(
-                    "guest RAM is not shareable, memfold leaves this guest alone: {}",
-                    huge.join(", ")
-                )));
+            // Whatever its size: waiting would not change it (the host's THP setting,
+            // hugetlb), and 120 s of looks every 2 ms would end in an error naming neither.
+            if found.is_empty() && !huge.is_empty() {
+                return Err(not_shareable(&huge));
             }
         }
         if cfg.ram_bytes != 0 {
@@ -519,9 +518,12 @@ fn discover(
                 .filter(|c| c.bytes == cfg.ram_bytes)
                 .collect();
             if let Some(c) = exact.first() {
-                let (mut found, _) = regions::open(std::slice::from_ref(c))?;
+                let (mut found, huge) = regions::open(std::slice::from_ref(c))?;
                 if let Some(r) = found.pop() {
                     return Ok((vec![r], false));
+                }
+                if !huge.is_empty() {
+                    return Err(not_shareable(&huge));
                 }
             }
         }
@@ -548,6 +550,14 @@ fn discover(
         }
         std::thread::sleep(Duration::from_millis(2));
     }
+}
+
+/// The error of guest RAM found but not shareable: `huge` says what and why.
+fn not_shareable(huge: &[String]) -> io::Error {
+    io::Error::other(format!(
+        "guest RAM is not shareable, memfold leaves this guest alone: {}",
+        huge.join(", ")
+    ))
 }
 
 /// Runs the agent of `region` on a thread of its own; logs why if it ends.

@@ -291,6 +291,12 @@ impl Pages {
         self.paged_out[gfn.index() / 64] |= 1 << (gfn.0 % 64);
     }
 
+    /// Forgets every page's paged-out mark (a re-attach: the new memfoldd did not page
+    /// them out).
+    pub(crate) fn forget_paged_out(&mut self) {
+        self.paged_out.fill(0);
+    }
+
     /// Whether page `gfn` was paged out and not yet seen in RAM again.
     pub(crate) fn is_paged_out(&self, gfn: Gfn) -> bool {
         self.paged_out
@@ -394,10 +400,14 @@ impl Pages {
         }
     }
 
-    /// Sets the M bits of pages `[first, first+n)` (in RAM): writes to them may go unseen.
+    /// Sets the M bits of the private pages of `[first, first+n)`: writes to them may go
+    /// unseen. Pages that left RAM meanwhile (zero, stashed) keep theirs: one read back
+    /// was not written.
     pub(crate) fn mark_modified(&mut self, first: Gfn, n: u64) {
         for g in first.index()..(first.index() + n as usize).min(self.homes.len()) {
-            self.modified[g / 64] |= 1 << (g % 64);
+            if self.is_private(Gfn(g as u32)) {
+                self.modified[g / 64] |= 1 << (g % 64);
+            }
         }
     }
 

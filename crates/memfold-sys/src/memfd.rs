@@ -248,7 +248,8 @@ pub fn shmem_huge_folios(thp: &std::path::Path) -> Option<String> {
         "force" => return Some("shmem_enabled is force".into()),
         _ => {}
     }
-    let mut sizes: Vec<String> = std::fs::read_dir(thp)
+    // Each size's setting: (its name, its value, inherit resolved).
+    let per_size: Vec<(String, String)> = std::fs::read_dir(thp)
         .into_iter()
         .flatten()
         .flatten()
@@ -256,11 +257,16 @@ pub fn shmem_huge_folios(thp: &std::path::Path) -> Option<String> {
         .filter_map(|e| {
             let v = chosen(e.path().join("shmem_enabled"))?;
             let v = if v == "inherit" { global.clone() } else { v };
-            huge(&v).then(|| format!("{} {v}", e.file_name().to_string_lossy()))
+            Some((e.file_name().to_string_lossy().into_owned(), v))
         })
         .collect();
+    let mut sizes: Vec<String> = per_size
+        .iter()
+        .filter(|(_, v)| huge(v))
+        .map(|(n, v)| format!("{n} {v}"))
+        .collect();
     sizes.sort();
-    if huge(&global) && sizes.is_empty() {
+    if huge(&global) && per_size.is_empty() {
         // A kernel without per-size settings: the global one is the PMD size's.
         sizes.push(format!("shmem_enabled {global}"));
     }
@@ -345,6 +351,15 @@ mod tests {
         assert_eq!(shmem_huge_folios(d.path()), None, "no THP at all");
         set(
             "shmem_enabled",
+            "[always] within_size advise never deny force\n",
+        );
+        assert_eq!(
+            shmem_huge_folios(d.path()).as_deref(),
+            Some("shmem huge pages: shmem_enabled always"),
+            "a kernel without per-size settings"
+        );
+        set(
+            "shmem_enabled",
             "always within_size advise [never] deny force\n",
         );
         set(
@@ -381,5 +396,19 @@ mod tests {
         assert!(shmem_huge_folios(d.path())
             .unwrap()
             .contains("hugepages-64kB within_size"));
+        // The global setting only reaches sizes that inherit it: none here.
+        set(
+            "hugepages-64kB/shmem_enabled",
+            "always inherit within_size advise [never]\n",
+        );
+        set(
+            "hugepages-2048kB/shmem_enabled",
+            "always inherit within_size advise [never]\n",
+        );
+        set(
+            "shmem_enabled",
+            "always within_size [advise] never deny force\n",
+        );
+        assert_eq!(shmem_huge_folios(d.path()), None, "no size inherits advise");
     }
 }
