@@ -55,7 +55,7 @@ trap 'rm -rf "$ird"' EXIT
 mkdir -p "$ird"/{bin,proc,sys,dev,tmp,newroot,lib/modules}
 # The initramfs has no libc: a dynamically linked busybox (Debian's busybox package)
 # would leave the guest without an /init; fail here rather than cache a guest that panics.
-{ LC_ALL=C ldd /bin/busybox 2>&1 || true; } | grep -q "not a dynamic executable" \
+{ LC_ALL=C ldd /bin/busybox 2>&1 || true; } | grep -qE "not a dynamic executable|statically linked" \
     || { echo "build.sh: /bin/busybox is linked dynamically; install busybox-static" >&2; exit 1; }
 cp /bin/busybox "$ird/bin/busybox"
 # The tiny guest loads only the virtio stack: the balloon (memfoldd's entitlements drive it)

@@ -20,7 +20,7 @@ command -v debootstrap >/dev/null 2>&1 || need_apt+=(debootstrap)
 # Static: the initramfs has no libc (Debian's busybox package has switch_root too, but is
 # linked dynamically, and a guest's /init could not run).
 { [ -x /bin/busybox ] && /bin/busybox --list 2>/dev/null | grep -qx switch_root \
-    && { LC_ALL=C ldd /bin/busybox 2>&1 || true; } | grep -q "not a dynamic executable"; } || need_apt+=(busybox-static)
+    && { LC_ALL=C ldd /bin/busybox 2>&1 || true; } | grep -qE "not a dynamic executable|statically linked"; } || need_apt+=(busybox-static)
 # scripts/libvirt-check.sh reads memfold's JSON with python3.
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
 command -v mkfs.ext4 >/dev/null 2>&1 || need_apt+=(e2fsprogs)

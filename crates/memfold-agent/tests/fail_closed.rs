@@ -398,18 +398,36 @@ fn enomem_cgroup() -> PathBuf {
 fn fill_memory_cgroup() {
     let dir = PathBuf::from(std::env::var_os(CGROUP).expect("the cgroup folder"));
     std::fs::write(dir.join("cgroup.procs"), "0").unwrap();
-    let ballast = memfd::create("ballast").unwrap();
-    let mut len = 0u64;
-    // Big steps, then pages: to the last page the limit allows.
-    for step in [64 * 1024, PAGE_SIZE as u64] {
-        while rustix::fs::fallocate(&ballast, rustix::fs::FallocateFlags::empty(), len, step)
-            .is_ok()
-        {
-            len += step;
+    // Filled, and kept full, by a thread of its own: memory the cgroup gets back later
+    // (the agent's messages in flight when it filled, read since by the fake memfoldd:
+    // socket buffers are charged to the sender) is taken again within 200 µs, before the
+    // agent's next retry of its copy. The test is of an ENOMEM that lasts (seen in CI:
+    // the copy succeeded at its tenth retry, 0.5 s on). The thread runs before the
+    // cgroup is full: its stack is in, its creation charged nothing that could fail.
+    // A channel of room made now: a send must not allocate once the cgroup is full.
+    let (full_tx, full) = std::sync::mpsc::sync_channel(1);
+    std::thread::spawn(move || {
+        let ballast = memfd::create("ballast").unwrap();
+        // Grows the ballast by `step`s to the limit; returns its length.
+        let mut len = 0u64;
+        let mut fill = move |step: u64| {
+            while rustix::fs::fallocate(&ballast, rustix::fs::FallocateFlags::empty(), len, step)
+                .is_ok()
+            {
+                len += step;
+            }
+            len
+        };
+        // Big steps, then pages: to the last page the limit allows.
+        fill(64 * 1024);
+        let _ = full_tx.send(fill(PAGE_SIZE as u64));
+        loop {
+            std::thread::sleep(Duration::from_micros(200));
+            fill(PAGE_SIZE as u64);
         }
-    }
+    });
+    let len = full.recv().expect("the ballast thread filled the cgroup");
     eprintln!("child: the cgroup is full after {len} bytes of ballast");
-    std::mem::forget(ballast);
 }
 
 /// How many of this process's descriptors name a file starting with `name`.

@@ -40,8 +40,8 @@ pub struct KsmSample {
     pub t: f64,
     /// KSM counters.
     pub ksm: KsmStats,
-    /// Host memory used by guest RAM (`memfold_vm::hostmem` for anonymous RAM: Pss + swap
-    /// over guests), bytes.
+    /// Host memory used by guest RAM (`memfold_vm::hostmem` for anonymous RAM: Pss over
+    /// guests, plus guest RAM's share of the zswap pool when any is swapped), bytes.
     pub used_bytes: u64,
     /// Rss of guest RAM over guests, bytes.
     pub rss_bytes: u64,
