@@ -312,6 +312,9 @@ impl Blob {
 /// Blob records the table grows by at least (32 KiB of them).
 const GROW_MIN: usize = 1024;
 
+/// Blob ids at most: what a P2M entry's payload names (29 bits; 2 TiB of stored pages).
+pub const MAX_BLOBS: usize = crate::p2m::P2mEntry::MAX_PAYLOAD as usize;
+
 /// The blobs, by id. The record vector grows by an eighth, not doubled (issue 19: a
 /// doubled vector of 300 000 records would hold up to 9.6 MB it does not use), and its
 /// ids are kept, so it holds as many records as were ever live at once.
@@ -323,11 +326,28 @@ pub struct BlobTable {
     /// Moves to swap in flight (DE §4.6): the new blob → the blob it replaces once the
     /// agent confirms. Apart from the records, which would each carry 8 bytes for it.
     moves: HashMap<BlobId, BlobId>,
+    /// Ids at most, if fewer than [`MAX_BLOBS`] (tests).
+    limit: Option<usize>,
 }
 
 impl BlobTable {
-    /// Records a blob; returns its id.
+    /// Whether a new blob would get no id: every id a P2M entry can name
+    /// ([`MAX_BLOBS`]) is live. The engine asks before it writes a blob, and leaves the
+    /// page in RAM then.
+    pub fn full(&self) -> bool {
+        self.free.is_empty() && self.blobs.len() >= self.limit.unwrap_or(MAX_BLOBS)
+    }
+
+    /// At most `n` ids from now on (tests: [`MAX_BLOBS`] records take gigabytes).
+    #[cfg(test)]
+    pub(crate) fn set_limit(&mut self, n: usize) {
+        self.limit = Some(n);
+    }
+
+    /// Records a blob; returns its id. Panics if the table is [`BlobTable::full`] (an
+    /// engine bug: its id would not fit a P2M entry).
     pub fn insert(&mut self, b: Blob) -> BlobId {
+        assert!(!self.full(), "a blob recorded with every blob id live");
         self.live += 1;
         match self.free.pop() {
             Some(i) => {

@@ -437,8 +437,8 @@ pub struct Books {
     pub held: [(u64, u64); 3],
     /// Frames the pool could not take (host out of memory; cumulative).
     pub pool_errors: u64,
-    /// Blobs a store or swap file could not take (host out of memory, disk full, EIO;
-    /// cumulative): each page stayed in guest RAM.
+    /// Blobs a store or swap file could not take (host out of memory, disk full, EIO,
+    /// or every blob id live; cumulative): each page stayed in guest RAM.
     pub blob_write_errors: u64,
     /// Bytes of the engine's own metadata: P2M entries, clock bytes and per-page hints,
     /// the pool's books, the share table, the similarity index, the blob table.

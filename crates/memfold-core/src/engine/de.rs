@@ -527,6 +527,18 @@ impl Engine {
     /// full swap — the guests' swap files together at their capacity — stops swapping
     /// until the next budget check).
     pub(crate) fn put_blob(&mut self, id: VmId, blob: &[u8], home: BlobHome) -> Option<Slot> {
+        // Every blob id a P2M entry names is live (2 TiB stored): the page stays in RAM,
+        // counted with the blobs not taken. (Each caller records the blob at once.)
+        if self.blobs.full() {
+            self.books.blob_write_errors += 1;
+            if self.books.blob_write_errors.is_power_of_two() {
+                tracing::warn!(
+                    "{id}: every blob id is live; page left in guest RAM (error {})",
+                    self.books.blob_write_errors
+                );
+            }
+            return None;
+        }
         let swap_pages: u64 = self
             .vms
             .values()

@@ -147,8 +147,10 @@ pub(crate) struct Fills {
     /// Pages that landed from a base block, while their share at read is under way.
     landed: HashMap<(VmId, Gfn), BaseBlock>,
     candidates: Vec<BlockCandidate>,
-    /// Fill commands under way: their request.
-    filling: HashMap<(VmId, Gfn), FillId>,
+    /// Fill commands under way: their request, and its [`Waiting::seq`] (a device may
+    /// ask again under the id of a fill answered early past [`MAX_WAITING`], whose pages
+    /// are still under way: their answers are not the new fill's).
+    filling: HashMap<(VmId, Gfn), (FillId, u64)>,
     waiting: BTreeMap<(VmId, FillId), Waiting>,
     /// The next fill's [`Waiting::seq`].
     next_seq: u64,
@@ -258,6 +260,8 @@ impl Engine {
             .get(&id)
             .is_some_and(|v| v.attached && !v.opted_out);
         let key = (id, fill);
+        // This request's sequence number, taken below if it asks anything.
+        let seq = self.fills.next_seq;
         if self.cfg.read_fill
             && attached
             && nonce != [0, 0]
@@ -294,7 +298,7 @@ impl Engine {
                     frame: f,
                     nonce,
                 });
-                self.fills.filling.insert((id, g), fill);
+                self.fills.filling.insert((id, g), (fill, seq));
                 asked += 1;
             }
         }
@@ -324,7 +328,6 @@ impl Engine {
                     });
                 }
             }
-            let seq = self.fills.next_seq;
             self.fills.next_seq += 1;
             self.fills.waiting.insert(
                 key,
@@ -341,7 +344,7 @@ impl Engine {
     /// The agent answered the fill of page `g` of guest `id` (`mapped` or not, lost
     /// included).
     pub(crate) fn fill_answered(&mut self, id: VmId, g: Gfn, mapped: bool) {
-        let Some(fill) = self.fills.filling.remove(&(id, g)) else {
+        let Some((fill, seq)) = self.fills.filling.remove(&(id, g)) else {
             return;
         };
         if mapped {
@@ -352,7 +355,8 @@ impl Engine {
             }
         }
         let key = (id, fill);
-        let Some(w) = self.fills.waiting.get_mut(&key) else {
+        // Not a page of the fill waiting under this id now (one answered early's).
+        let Some(w) = self.fills.waiting.get_mut(&key).filter(|w| w.seq == seq) else {
             return;
         };
         if mapped {
@@ -397,9 +401,9 @@ impl Engine {
                 fl.candidates.len()
             ));
         }
-        let mut naming: HashMap<(VmId, FillId), u32> = HashMap::new();
-        for (&(id, g), &fill) in &fl.filling {
-            *naming.entry((id, fill)).or_default() += 1;
+        let mut naming: HashMap<(VmId, FillId, u64), u32> = HashMap::new();
+        for (&(id, g), &(fill, seq)) in &fl.filling {
+            *naming.entry((id, fill, seq)).or_default() += 1;
             let Some(v) = self.vms.get(&id) else {
                 continue;
             };
@@ -418,11 +422,11 @@ impl Engine {
                 ));
             }
         }
-        // At least, not exactly: a fill evicted past MAX_WAITING leaves its pages under
-        // way, and its device may ask again under the same id.
+        // Exactly: a fill evicted past MAX_WAITING leaves its pages under way under its
+        // own sequence number, whatever id a later fill has.
         for (&(id, fill), w) in &fl.waiting {
-            let n = naming.get(&(id, fill)).copied().unwrap_or(0);
-            if w.left == 0 || n < w.left {
+            let n = naming.get(&(id, fill, w.seq)).copied().unwrap_or(0);
+            if w.left == 0 || n != w.left {
                 return Err(format!(
                     "{id} {fill:?}: waits for {} pages, {n} under way",
                     w.left
@@ -657,6 +661,42 @@ mod tests {
         let a = r.engine.take_fill_answers();
         assert_eq!(a.len(), 1, "one fill answered to make room");
         assert_eq!(a[0].fill, FillId(n as u64), "the oldest");
+        r.engine.check_invariants().unwrap();
+    }
+
+    /// The device asks again under the id of the fill answered early (its page 100 still
+    /// under way): the new fill hears only of its own page, 50, not of page 100's answer
+    /// (it was answered when page 100's came, naming nothing, and page 50's dropped).
+    /// Fails with the fills' pages keyed by id alone.
+    #[test]
+    fn a_fill_asked_again_under_an_answered_ones_id_hears_only_its_own_pages() {
+        let n = MAX_WAITING as u32 + 1;
+        let (mut r, _) = learnt_in(rig_of(n + 100));
+        for i in 0..n {
+            let fill = FillId((n - i) as u64);
+            let asked = r.engine.fill_read(r.vm, fill, &[(Gfn(100 + i), B)], NONCE);
+            assert_eq!(asked, 1);
+        }
+        assert_eq!(r.engine.take_fill_answers()[0].fill, FillId(n as u64));
+        r.agent.write(Gfn(50), 0, &nonce_bytes()).unwrap();
+        let again = FillId(n as u64);
+        assert_eq!(r.engine.fill_read(r.vm, again, &[(Gfn(50), B)], NONCE), 1);
+        r.engine.check_invariants().unwrap();
+        r.carry_out();
+        let mine: Vec<FillAnswer> = r
+            .engine
+            .take_fill_answers()
+            .into_iter()
+            .filter(|a| a.fill == again)
+            .collect();
+        assert_eq!(
+            mine,
+            [FillAnswer {
+                vm: r.vm,
+                fill: again,
+                filled: vec![Gfn(50)]
+            }]
+        );
         r.engine.check_invariants().unwrap();
     }
 

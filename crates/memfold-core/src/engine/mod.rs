@@ -679,7 +679,11 @@ impl Engine {
             .expect("every guest's domain exists");
         let (f, grow) = dom.frames.alloc(h);
         if let Some(frames) = grow {
-            if let Err(e) = dom.pool.resize(frames as u64 * PAGE) {
+            // A frame id is a P2M entry's payload (29 bits): 2 TiB of frames grow no more.
+            let room = (frames <= crate::p2m::P2mEntry::MAX_PAYLOAD)
+                .then_some(())
+                .ok_or_else(|| BackingError::new(format!("{frames} frames"), "no id left"));
+            if let Err(e) = room.and_then(|_| dom.pool.resize(frames as u64 * PAGE)) {
                 // The table shrinks back: the next alloc asks for the grow again.
                 dom.frames.ungrow(f);
                 if let Some(n) = self.books.pool_error() {

@@ -269,3 +269,32 @@ fn a_move_to_swap_sends_its_pages_checksum() {
         );
     }
 }
+
+/// A P2M entry names a blob in 29 bits: with every blob id live, a page the clock would
+/// store stays in RAM, counted as a blob not taken, and the engine goes on (it panicked
+/// at the P2M, or here at the table, taking the daemon with it). The limit is lowered to
+/// 8 ids: 2^29 records take gigabytes. Fails with the store not asking first.
+#[test]
+fn with_every_blob_id_live_a_page_stays_in_ram() {
+    let mut r = Rig::new(quick_config(Policy::difference_engine()), 1024).unwrap();
+    r.engine.blobs.set_limit(8);
+    for g in 0..64 {
+        r.agent.write(Gfn(g * 4), 0, &text(g)).unwrap();
+    }
+    for _ in 0..300 {
+        r.step(10_000).unwrap();
+    }
+    r.engine.check_invariants().unwrap();
+    assert!(r.engine.blobs.len() <= 8, "{} blobs", r.engine.blobs.len());
+    assert!(
+        r.engine.books().blob_write_errors > 0,
+        "no stash was refused"
+    );
+    for g in 0..64 {
+        assert_eq!(
+            r.agent.peek(Gfn(g * 4)).unwrap().to_vec(),
+            text(g),
+            "page {g}"
+        );
+    }
+}
