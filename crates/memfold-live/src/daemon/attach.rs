@@ -172,7 +172,10 @@ impl Daemon {
         // The pool's checks before the list: the list (up to 512 MiB) is read on this
         // thread, and a hello refused for its pool must cost no more than the refusal
         // (test `hostile_hellos.rs`).
-        let plan = match their_pool.as_ref().map(|p| self.check_pool(key, p, ram_id)) {
+        let plan = match their_pool
+            .as_ref()
+            .map(|p| self.check_pool(key, p, ram_id, pid))
+        {
             None => None,
             Some(Ok(plan)) => Some(plan),
             Some(Err(why)) => {

@@ -104,7 +104,7 @@ impl Daemon {
         theirs: OwnedFd,
         ram_id: (u64, u64),
     ) -> Result<DomainId, String> {
-        let plan = self.check_pool(key, &theirs, ram_id)?;
+        let plan = self.check_pool(key, &theirs, ram_id, std::process::id())?;
         self.take_pool(key, theirs, plan)
     }
 
@@ -113,14 +113,24 @@ impl Daemon {
     /// to be refused for its pool is refused before anything costly is done for it (its
     /// re-attach list read; `attach.rs`).
     ///
+    /// A guest keyed alone (`DomainKey::Vm`: never-share, or the `vm` rule) adopts a
+    /// pool only if no process but its QEMU (`pid`) holds it. Under an earlier memfoldd
+    /// and another rule its pool may be shared with other guests, whose QEMUs hold it and
+    /// read it: frames memfoldd wrote into it for this guest would be theirs to read, and
+    /// its pages shared onto frames they map — what keeping it alone (Satori §4.3's
+    /// never-share) forbids. It is refused then (left unmanaged, its pages as they are,
+    /// said in the log; a restart of its QEMU brings it back alone).
+    ///
     /// Errors (a refusal's message): the pool is another key's domain's, its guest RAM,
-    /// not a memfd open for reading and writing, or larger than [`MAX_ADOPTED_FRAMES`]; a
-    /// new domain would give `key` more than [`MAX_DOMAINS_PER_KEY`].
+    /// not a memfd open for reading and writing, larger than [`MAX_ADOPTED_FRAMES`], or a
+    /// guest kept alone's held by other processes (or who holds it cannot be told); a new
+    /// domain would give `key` more than [`MAX_DOMAINS_PER_KEY`].
     pub(super) fn check_pool(
         &self,
         key: DomainKey,
         theirs: &OwnedFd,
         ram_id: (u64, u64),
+        pid: u32,
     ) -> Result<PoolPlan, String> {
         let id = |f: &OwnedFd| memfd::file_id(f.as_fd()).ok();
         let Some(theirs_id) = id(theirs) else {
@@ -150,6 +160,32 @@ impl Daemon {
                 None
             }
         };
+        if let DomainKey::Vm(..) = key {
+            match super::guests::holders(theirs_id.0, theirs_id.1) {
+                Some(h) if h.iter().all(|&p| p == pid) => {}
+                Some(h) => {
+                    let others: Vec<String> = h
+                        .iter()
+                        .filter(|&&p| p != pid)
+                        .take(8)
+                        .map(|p| p.to_string())
+                        .collect();
+                    return Err(format!(
+                        "it is kept alone (never-share, or the vm rule) but brings a pool \
+                         other processes hold too (pids {}): shared under an earlier \
+                         memfoldd; restart its QEMU to manage it alone",
+                        others.join(", ")
+                    ));
+                }
+                None => {
+                    return Err(
+                        "it is kept alone (never-share, or the vm rule) and brings a \
+                                pool whose holders memfoldd cannot read"
+                            .into(),
+                    )
+                }
+            }
+        }
         let size = memfd::size(theirs.as_fd()).unwrap_or(0);
         if size / PAGE > MAX_ADOPTED_FRAMES {
             return Err(format!(
@@ -266,6 +302,35 @@ mod tests {
         let (dom, again) = first.unwrap();
         assert_eq!(d.pool_domain(key, again, ram), Ok(dom));
         assert!(d.pool_domain(DomainKey::User(6), pool(1), ram).is_ok());
+    }
+
+    /// A guest kept alone (never-share, or the vm rule) does not adopt a pool another
+    /// process holds — here a child given it as its standard input, as another guest's
+    /// QEMU of an earlier memfoldd's shared domain holds it: frames written into it for
+    /// this guest would be that process's to read. A user-keyed guest still adopts it;
+    /// once the other holder is gone, the guest kept alone does too. Fails without the
+    /// check (the pool adopted into the guest's own domain).
+    #[test]
+    fn a_guest_kept_alone_adopts_no_pool_another_process_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut d = Daemon::new(&config(dir.path(), DomainRule::Vm)).unwrap();
+        let (p, shared) = (pool(1 << 10), pool(1 << 10));
+        let mut other = std::process::Command::new("sleep")
+            .arg("30")
+            .stdin(std::fs::File::from(p.try_clone().unwrap()))
+            .stdout(std::fs::File::from(shared.try_clone().unwrap()))
+            .spawn()
+            .unwrap();
+        let ram = (u64::MAX, u64::MAX);
+        assert!(d.pool_domain(DomainKey::User(5), shared, ram).is_ok());
+        let r = d.pool_domain(DomainKey::Vm(1, 1), p.try_clone().unwrap(), ram);
+        assert!(
+            matches!(&r, Err(why) if why.contains(&format!("pids {}", other.id()))),
+            "{r:?}"
+        );
+        other.kill().unwrap();
+        other.wait().unwrap();
+        assert!(d.pool_domain(DomainKey::Vm(1, 1), p, ram).is_ok());
     }
 
     /// Domain ids are never given twice: past 2^32 domains the attach is refused (a
