@@ -14,11 +14,12 @@
 
 mod common;
 
-use common::{agent_with_pool_rbits, clock_scan, next, page_of, region, write, zswap_on_one_cpu};
+use common::zswap_on_one_cpu;
+use common::{agent_with_pool_rbits, clock_scan, next, page_of, page_out, region, write};
 use memfold_agent::ClockRBits;
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::pageout::PageOutWindow;
-use memfold_wire::{BatchId, Conn, Gfn, ToAgent, ToDaemon};
+use memfold_wire::{Gfn, ToDaemon};
 use std::os::fd::AsFd;
 
 const PAGES: usize = 16;
@@ -28,26 +29,6 @@ fn text(g: usize) -> Vec<u8> {
     (0..PAGE_SIZE)
         .map(|i| b"paged out to zswap "[(i * 7 + g * 3) % 19] ^ (g as u8 & 7))
         .collect()
-}
-
-fn page_out(c: &Conn, batch: u64, gfns: &[u32]) -> (Vec<Gfn>, Vec<Gfn>, Vec<Gfn>) {
-    c.send(
-        &ToAgent::PageOut {
-            batch: BatchId(batch),
-            gfns: gfns.iter().map(|&g| Gfn(g)).collect(),
-        },
-        &[],
-    )
-    .unwrap();
-    next(c, |m| match m {
-        ToDaemon::PageOutDone {
-            batch: b,
-            paged,
-            resident,
-            refused,
-        } if *b == BatchId(batch) => Some((paged.clone(), resident.clone(), refused.clone())),
-        _ => None,
-    })
 }
 
 #[test]

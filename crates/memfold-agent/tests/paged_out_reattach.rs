@@ -11,37 +11,20 @@ mod common;
 
 use std::os::fd::AsFd;
 
-use common::{accept_hello, clock_scan, next, region, start_agent_with, welcome, write};
-use common::{page_of, zswap_on_one_cpu};
+use common::{accept_hello, clock_scan, region, start_agent_with, welcome, write};
+use common::{page_of, text, zswap_on_one_cpu};
 use memfold_agent::ClockRBits;
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
-use memfold_wire::{BatchId, Conn, Gfn, ToAgent, ToDaemon};
+use memfold_wire::{Conn, Gfn};
 
 const PAGES: usize = 8;
 
-/// Bytes of page `g`: compress well, differ by page.
-fn text(g: usize) -> Vec<u8> {
-    (0..PAGE_SIZE)
-        .map(|i| b"paged out before a restart "[(i * 7 + g * 3) % 27] ^ (g as u8 & 7))
-        .collect()
-}
-
-/// Asks the agent to page `gfns` out; returns (paged, resident, refused).
+/// [`common::page_out`], its pages as numbers.
 fn page_out(c: &Conn, batch: u64, gfns: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
-    let gfns = gfns.iter().map(|&g| Gfn(g)).collect();
-    let batch = BatchId(batch);
-    c.send(&ToAgent::PageOut { batch, gfns }, &[]).unwrap();
-    let ids = |v: &[Gfn]| v.iter().map(|g| g.0).collect::<Vec<u32>>();
-    next(c, |m| match m {
-        ToDaemon::PageOutDone {
-            batch: b,
-            paged,
-            resident,
-            refused,
-        } if *b == batch => Some((ids(paged), ids(resident), ids(refused))),
-        _ => None,
-    })
+    let ids = |v: Vec<Gfn>| v.into_iter().map(|g| g.0).collect::<Vec<u32>>();
+    let (p, r, f) = common::page_out(c, batch, gfns);
+    (ids(p), ids(r), ids(f))
 }
 
 #[test]

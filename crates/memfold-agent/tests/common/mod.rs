@@ -67,6 +67,23 @@ pub fn mappings() -> usize {
         .count()
 }
 
+/// Asks the agent on `c` to page `gfns` out to the kernel's swap in batch `batch`;
+/// returns its (paged, resident, refused).
+pub fn page_out(c: &Conn, batch: u64, gfns: &[u32]) -> (Vec<Gfn>, Vec<Gfn>, Vec<Gfn>) {
+    let gfns = gfns.iter().map(|&g| Gfn(g)).collect();
+    let batch = BatchId(batch);
+    c.send(&ToAgent::PageOut { batch, gfns }, &[]).unwrap();
+    next(c, |m| match m {
+        ToDaemon::PageOutDone {
+            batch: b,
+            paged,
+            resident,
+            refused,
+        } if *b == batch => Some((paged.clone(), resident.clone(), refused.clone())),
+        _ => None,
+    })
+}
+
 /// Listens as memfoldd at `socket` and starts the agent in this process under a VMA
 /// budget of `budget` mappings (`MEMFOLD_VMA_BUDGET`).
 pub fn start_agent_budget(socket: &Path, budget: usize) -> Listener {

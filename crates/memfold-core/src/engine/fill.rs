@@ -645,19 +645,25 @@ mod tests {
         r.engine.check_invariants().unwrap();
     }
 
+    /// A rig with `n` = [`MAX_WAITING`] + 1 fills asked, one page each (page 100 + i
+    /// under id n − i: the oldest has the highest id), so the oldest was answered early.
+    fn one_fill_past_max_waiting() -> (Rig, u32) {
+        let n = MAX_WAITING as u32 + 1;
+        let (mut r, _) = learnt_in(rig_of(n + 100));
+        for i in 0..n {
+            let fill = FillId((n - i) as u64);
+            let asked = r.engine.fill_read(r.vm, fill, &[(Gfn(100 + i), B)], NONCE);
+            assert_eq!(asked, 1);
+        }
+        (r, n)
+    }
+
     /// Past [`MAX_WAITING`] fills waiting, the oldest is answered first, whatever its id
     /// (ids are the devices'; by key, the lowest guest id's and then the lowest fill id's
     /// went first). Fails with the eviction by key.
     #[test]
     fn past_max_waiting_the_oldest_fill_is_answered_first() {
-        let n = MAX_WAITING as u32 + 1;
-        let (mut r, _) = learnt_in(rig_of(n + 100));
-        for i in 0..n {
-            // Ids counting down: the oldest has the highest.
-            let fill = FillId((n - i) as u64);
-            let asked = r.engine.fill_read(r.vm, fill, &[(Gfn(100 + i), B)], NONCE);
-            assert_eq!(asked, 1);
-        }
+        let (mut r, n) = one_fill_past_max_waiting();
         let a = r.engine.take_fill_answers();
         assert_eq!(a.len(), 1, "one fill answered to make room");
         assert_eq!(a[0].fill, FillId(n as u64), "the oldest");
@@ -670,13 +676,7 @@ mod tests {
     /// Fails with the fills' pages keyed by id alone.
     #[test]
     fn a_fill_asked_again_under_an_answered_ones_id_hears_only_its_own_pages() {
-        let n = MAX_WAITING as u32 + 1;
-        let (mut r, _) = learnt_in(rig_of(n + 100));
-        for i in 0..n {
-            let fill = FillId((n - i) as u64);
-            let asked = r.engine.fill_read(r.vm, fill, &[(Gfn(100 + i), B)], NONCE);
-            assert_eq!(asked, 1);
-        }
+        let (mut r, n) = one_fill_past_max_waiting();
         assert_eq!(r.engine.take_fill_answers()[0].fill, FillId(n as u64));
         r.agent.write(Gfn(50), 0, &nonce_bytes()).unwrap();
         let again = FillId(n as u64);
