@@ -131,6 +131,14 @@ pub enum DaemonError {
         /// Socket path.
         path: PathBuf,
     },
+    /// Another memfoldd holds the socket's lock file: it is starting or running there.
+    #[error(
+        "{path}: another memfoldd holds it (starting or running at its socket); stop it first"
+    )]
+    Locked {
+        /// The lock file.
+        path: PathBuf,
+    },
     /// A backing could not be created.
     #[error(transparent)]
     Backing(#[from] BackingError),
@@ -229,6 +237,12 @@ pub fn serve(
         source,
     };
     refuse_if_running(&cfg.socket)?;
+    // Held until serve returns, and the socket checked again under it: two memfoldds
+    // started at once (a restart and an operator's) both found the socket stale, the
+    // second unlinked the first's, and each adopted the same pool, handing out its holes
+    // twice.
+    let _lock = lock_socket(&cfg.socket)?;
+    refuse_if_running(&cfg.socket)?;
     if cfg.socket.exists() {
         tracing::info!(
             "{}: a stale socket (nothing listens): replaced",
@@ -296,6 +310,45 @@ pub fn refuse_if_running(socket: &Path) -> Result<(), DaemonError> {
         });
     }
     Ok(())
+}
+
+/// Takes the lock of socket path `socket` (`SOCKET.lock` beside it, made if need be,
+/// never removed: a lock file unlinked can be locked twice): one memfoldd at a time
+/// checks the socket, binds it and serves, for as long as the returned file is open.
+///
+/// Errors: [`DaemonError::Locked`] (another memfoldd holds it); [`DaemonError::Socket`]
+/// (the lock file cannot be opened).
+pub fn lock_socket(socket: &Path) -> Result<std::fs::File, DaemonError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut path = socket.as_os_str().to_owned();
+    path.push(".lock");
+    let path = PathBuf::from(path);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(|source| DaemonError::Socket {
+            path: path.clone(),
+            source,
+        })?;
+    // SAFETY: flock takes a descriptor open across the call, and no pointer.
+    let rc = unsafe {
+        libc::flock(
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            libc::LOCK_EX | libc::LOCK_NB,
+        )
+    };
+    if rc == 0 {
+        return Ok(file);
+    }
+    let source = std::io::Error::last_os_error();
+    if source.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        return Err(DaemonError::Locked { path });
+    }
+    Err(DaemonError::Socket { path, source })
 }
 
 /// A file's (device, inode), if it exists.
