@@ -643,16 +643,19 @@ fn console_len(path: &Path) -> u64 {
     std::fs::metadata(path).map_or(0, |m| m.len())
 }
 
-/// The console log at `path` from byte `offset` on, sliced before it is decoded: a mark
-/// taken mid-character (lossy decoding makes one byte three) would fall inside a later
-/// character and lose all the text after it.
+/// The console log at `path` from byte `offset` on, cut before it is decoded (read from
+/// there, not read whole and sliced): a mark taken mid-character (lossy decoding makes
+/// one byte three) would fall inside a later character and lose all the text after it.
 fn console_since(path: &Path, offset: u64) -> String {
+    use std::io::{Seek, SeekFrom};
     let mut b = Vec::new();
     if let Ok(mut f) = File::open(path) {
-        let _ = f.read_to_end(&mut b);
+        // Past the end, a read gives nothing.
+        if f.seek(SeekFrom::Start(offset)).is_ok() {
+            let _ = f.read_to_end(&mut b);
+        }
     }
-    let from = usize::try_from(offset).map_or(b.len(), |o| o.min(b.len()));
-    String::from_utf8_lossy(&b[from..]).into_owned()
+    String::from_utf8_lossy(&b).into_owned()
 }
 
 impl Drop for Guest {
@@ -667,7 +670,8 @@ mod tests {
 
     #[test]
     fn a_console_mark_taken_mid_character_keeps_the_rounds_after_it() {
-        let path = std::env::temp_dir().join(format!("memfold-console-{}", std::process::id()));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("serial.log");
         std::fs::write(&path, b"MEMFOLD-RATE web-req/s 10\n\xC3").unwrap();
         let mark = console_len(&path);
         // The rest of "é", then "€": the old mark (in lossy text) fell inside "€".
@@ -675,7 +679,6 @@ mod tests {
         all.extend_from_slice(b"\xA9\xE2\x82\xAC\nMEMFOLD-RATE web-req/s 20\n");
         std::fs::write(&path, &all).unwrap();
         let since = console_since(&path, mark);
-        std::fs::remove_file(&path).unwrap();
         assert!(since.contains("MEMFOLD-RATE web-req/s 20\n"), "{since:?}");
         assert!(!since.contains("web-req/s 10"), "{since:?}");
     }
