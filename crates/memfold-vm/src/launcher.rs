@@ -20,12 +20,15 @@ use crate::qmp::{Qmp, QmpError};
 mod args;
 mod blk;
 mod probe;
+mod selfcheck;
 pub use args::qemu_args;
 use blk::start_blk;
 pub use blk::{
     memfold_blk_binary, BlkDisks, BlkSupervisor, MAX_RESTARTS, MEMFOLD_BLK_ENV, RESTART_DELAY,
 };
 use probe::probe_dir;
+use selfcheck::SelfCheckWatch;
+pub use selfcheck::SELF_CHECK_STALL;
 
 /// How guest RAM is backed on the host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -232,6 +235,9 @@ pub struct Guest {
     blk: Vec<BlkSupervisor>,
     /// When QEMU was started.
     pub started: Instant,
+    /// Its self-check's progress, read from the console at each look
+    /// ([`Guest::check_alive`], [`Guest::mismatches`]).
+    self_check: std::sync::Mutex<SelfCheckWatch>,
 }
 
 fn qemu_binary() -> Result<PathBuf, VmError> {
@@ -430,6 +436,7 @@ impl Guest {
             child: Some(child),
             blk,
             started: Instant::now(),
+            self_check: Default::default(),
         })
     }
 
@@ -488,6 +495,7 @@ impl Guest {
     ///
     /// Errors: [`VmError::Exited`] with the log's end.
     pub fn check_alive(&mut self) -> Result<(), VmError> {
+        self.watch_self_check();
         if let Some(c) = self.child.as_mut() {
             if let Ok(Some(status)) = c.try_wait() {
                 self.child = None;
@@ -528,14 +536,31 @@ impl Guest {
         balloon_report(&self.serial())
     }
 
-    /// Self-check mismatches the guest reported on its console (lines with
-    /// `MEMFOLD-MISMATCH`).
+    /// Self-check failures: the mismatches the guest reported on its console (lines with
+    /// `MEMFOLD-MISMATCH`), then a line `MEMFOLD-SELF-CHECK-STALLED: …` if its self-check
+    /// went [`SELF_CHECK_STALL`] or longer without a new pass after it was ready, as seen
+    /// by the looks so far (this one and every [`Guest::check_alive`]): a run that looks
+    /// every second sees a stall to the second.
     pub fn mismatches(&self) -> Vec<String> {
+        let stall = self.watch_self_check();
         self.serial()
             .lines()
             .filter(|l| l.contains("MEMFOLD-MISMATCH"))
             .map(String::from)
+            .chain(stall)
             .collect()
+    }
+
+    /// Reads the console written since the last look into the self-check watch; returns
+    /// its stall line, if any.
+    fn watch_self_check(&self) -> Option<String> {
+        let mut w = self
+            .self_check
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let new = console_bytes_since(&self.serial_path, w.read);
+        w.observe(&new, Instant::now());
+        w.stall_line()
     }
 
     /// A QMP session.
@@ -647,6 +672,11 @@ fn console_len(path: &Path) -> u64 {
 /// there, not read whole and sliced): a mark taken mid-character (lossy decoding makes
 /// one byte three) would fall inside a later character and lose all the text after it.
 fn console_since(path: &Path, offset: u64) -> String {
+    String::from_utf8_lossy(&console_bytes_since(path, offset)).into_owned()
+}
+
+/// The console log's bytes at `path` from byte `offset` on (none if unreadable).
+fn console_bytes_since(path: &Path, offset: u64) -> Vec<u8> {
     use std::io::{Seek, SeekFrom};
     let mut b = Vec::new();
     if let Ok(mut f) = File::open(path) {
@@ -655,7 +685,7 @@ fn console_since(path: &Path, offset: u64) -> String {
             let _ = f.read_to_end(&mut b);
         }
     }
-    String::from_utf8_lossy(&b).into_owned()
+    b
 }
 
 impl Drop for Guest {

@@ -213,11 +213,19 @@ pub fn paused_since(samples: &[Sample]) -> Vec<(String, f64)> {
     out
 }
 
-/// Self-check mismatches (`guest: line`) as the failures they are.
+/// Self-check failures (`guest: line`, [`memfold_vm::launcher::Guest::mismatches`]) as
+/// the failures they are: a mismatch, or a self-check that stalled (its memory went
+/// unverified, so its 0 mismatches would prove nothing).
 pub fn mismatch_failures(mismatches: &[String]) -> Vec<String> {
     mismatches
         .iter()
-        .map(|l| format!("self-check mismatch: {l}"))
+        .map(|l| {
+            if l.contains("MEMFOLD-SELF-CHECK-STALLED") {
+                format!("self-check stalled: {l}")
+            } else {
+                format!("self-check mismatch: {l}")
+            }
+        })
         .collect()
 }
 
@@ -421,6 +429,16 @@ impl GuestEvents {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stalled_self_check_fails_as_a_stall_not_a_mismatch() {
+        let f = mismatch_failures(&[
+            "web-1: MEMFOLD-MISMATCH /tmp/check/r0.md5".into(),
+            "db-1: MEMFOLD-SELF-CHECK-STALLED: no new self-check pass for 301 s".into(),
+        ]);
+        assert!(f[0].starts_with("self-check mismatch: web-1"), "{f:?}");
+        assert!(f[1].starts_with("self-check stalled: db-1"), "{f:?}");
+    }
 
     #[test]
     fn plateau_is_the_mean_of_the_last_ten_seconds_and_t95_its_first_reach() {

@@ -129,7 +129,8 @@ impl Drop for Daemon {
     }
 }
 
-/// The self-check mismatches `guests` reported, `guest: line` each.
+/// The self-check failures of `guests` ([`Guest::mismatches`]: mismatches reported, and a
+/// self-check that stalled), `guest: line` each.
 pub(crate) fn mismatches<'a>(guests: impl Iterator<Item = &'a Guest>) -> Vec<String> {
     guests
         .flat_map(|g| {
@@ -333,8 +334,8 @@ pub fn measure(a: &RunArgs, default_out: &str, stop: &AtomicBool) -> Result<(Mem
         memfold_sys::reclaim::memory_stall_us().ok(),
         std::time::Instant::now(),
     );
-    // Set at a self-check mismatch: a guest's memory read wrong, so the sampling ends
-    // there (the outputs are still written, then the command fails).
+    // Set at a self-check mismatch (a guest's memory read wrong) or stall (no longer
+    // verified), so the sampling ends there (the outputs are still written, then the command fails).
     let mismatched = AtomicBool::new(false);
     let mut page_cluster = None;
     let mut sampled_s = 0.0;
