@@ -26,7 +26,7 @@ use blk::start_blk;
 pub use blk::{
     memfold_blk_binary, BlkDisks, BlkSupervisor, MAX_RESTARTS, MEMFOLD_BLK_ENV, RESTART_DELAY,
 };
-use probe::probe_dir;
+use probe::{probe_and_stamp, probe_dir};
 use selfcheck::SelfCheckWatch;
 pub use selfcheck::SELF_CHECK_STALL;
 
@@ -280,28 +280,20 @@ pub fn detect_accel(cache: &Path) -> Accel {
             }
         }
     }
-    let verdict = (|| {
+    probe_and_stamp(&stamp, boot.trim(), || {
         // A new private folder: the probe runs as root, and a folder of a predictable name
         // in /tmp could be another user's, with links planted where QEMU writes.
         let dir = probe_dir(&std::env::temp_dir())
             .map_err(|e| tracing::warn!("KVM probe: {e}; using TCG"))
             .ok()?;
         let spec = GuestSpec::new("kvm-probe", "tiny", 128, RamBackend::Anonymous);
-        let mut g = Guest::start(&spec, cache, dir.path(), Accel::Kvm).ok()?;
+        let mut g = Guest::start(&spec, cache, dir.path(), Accel::Kvm)
+            .map_err(|e| tracing::warn!("KVM probe: {e}; using TCG this time"))
+            .ok()?;
         let ok = g.wait_ready(Duration::from_secs(20)).is_ok();
         g.stop();
         Some(ok)
-    })()
-    .unwrap_or(false);
-    let _ = std::fs::write(
-        &stamp,
-        format!("{} {}", boot.trim(), if verdict { "kvm" } else { "tcg" }),
-    );
-    if verdict {
-        Accel::Kvm
-    } else {
-        Accel::Tcg
-    }
+    })
 }
 
 /// Environment that loads memfold's agent (`libmemfold_agent.so` at `agent`) into a

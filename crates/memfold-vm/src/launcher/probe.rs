@@ -1,8 +1,10 @@
-//! The KVM probe's work folder: new and private, so that no other user can plant links
-//! where the probe's QEMU (run as root) writes its files.
+//! The KVM probe's work folder (new and private, so that no other user can plant links
+//! where the probe's QEMU, run as root, writes its files) and its per-boot stamp.
 
 use std::io;
 use std::path::Path;
+
+use super::Accel;
 
 /// A new folder `memfold-kvm-probe-<random>` in `parent`, mode 0700, removed on drop
 /// (`tempfile`, which creates it with `mkdir`: an existing entry of that name, a folder
@@ -21,6 +23,30 @@ pub(super) fn probe_dir(parent: &Path) -> io::Result<tempfile::TempDir> {
                 format!("cannot make a folder in {}: {e}", parent.display()),
             )
         })
+}
+
+/// Runs the KVM probe (`probe`: `Some(whether a guest came up under KVM)`, or `None` if
+/// it could not run at all — no work folder, no tiny image, no QEMU) and stamps the
+/// verdict for boot `boot` at `stamp`. A probe that could not run stamps nothing: a
+/// "tcg" stamp would keep a KVM host on TCG until it reboots, after the cause (say, the
+/// image not built yet) is gone.
+pub(super) fn probe_and_stamp(
+    stamp: &Path,
+    boot: &str,
+    probe: impl FnOnce() -> Option<bool>,
+) -> Accel {
+    let Some(verdict) = probe() else {
+        return Accel::Tcg;
+    };
+    let _ = std::fs::write(
+        stamp,
+        format!("{boot} {}", if verdict { "kvm" } else { "tcg" }),
+    );
+    if verdict {
+        Accel::Kvm
+    } else {
+        Accel::Tcg
+    }
 }
 
 #[cfg(test)]
@@ -69,5 +95,17 @@ mod tests {
         let e = probe_dir(&missing).unwrap_err();
         let want = format!("cannot make a folder in {}", missing.display());
         assert!(e.to_string().contains(&want), "{e}");
+    }
+
+    #[test]
+    fn a_probe_that_could_not_run_stamps_nothing_a_probe_that_ran_stamps_its_verdict() {
+        let dir = tempfile::tempdir().unwrap();
+        let stamp = dir.path().join("accel-probe");
+        assert_eq!(probe_and_stamp(&stamp, "b1", || None), Accel::Tcg);
+        assert!(!stamp.exists(), "no verdict: asked again next time");
+        assert_eq!(probe_and_stamp(&stamp, "b1", || Some(false)), Accel::Tcg);
+        assert_eq!(std::fs::read_to_string(&stamp).unwrap(), "b1 tcg");
+        assert_eq!(probe_and_stamp(&stamp, "b2", || Some(true)), Accel::Kvm);
+        assert_eq!(std::fs::read_to_string(&stamp).unwrap(), "b2 kvm");
     }
 }
