@@ -299,6 +299,7 @@ impl Engine {
         // So were its never-share take-backs, and a share the agent's list confirmed
         // (`reconcile`) never passed `never_share_landed`: ask again (Satori §4.3).
         self.take_back_never_share(id);
+        self.retake_own_partners(id);
         let v = &self.vms[&id];
         tracing::info!(
             vm = %id, name = %v.name, pid = v.pid, pages = v.pages(), domain = %v.domain,
