@@ -80,7 +80,9 @@ impl Engine {
     /// stay pinned until [`Engine::end_adoption`]: an agent not yet re-attached may map
     /// any of them. Creates the domain if it does not exist.
     ///
-    /// Refuses (returns false) unless [`Engine::pool_untouched`].
+    /// Refuses (returns false) unless [`Engine::pool_untouched`], and a pool of more
+    /// frames than a P2M entry can name ([`crate::p2m::P2mEntry::MAX_PAYLOAD`]): a held
+    /// frame past it that a re-attaching agent maps would panic the books.
     pub fn adopt_pool(
         &mut self,
         d: DomainId,
@@ -88,7 +90,7 @@ impl Engine {
         frames: u32,
         held: impl IntoIterator<Item = FrameId>,
     ) -> bool {
-        if !self.pool_untouched(d) {
+        if !self.pool_untouched(d) || frames > crate::p2m::P2mEntry::MAX_PAYLOAD {
             return false;
         }
         self.domains.remove(&d);

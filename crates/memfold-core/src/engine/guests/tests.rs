@@ -321,3 +321,17 @@ fn never_share_guest_still_shares_within_itself() {
     e.check_invariants().unwrap();
     assert!(fn_.iter().all(|f| *f == fn_[0]), "one frame: {fn_:?}");
 }
+
+/// A pool of more frames than a P2M entry can name is not adopted (the daemon caps
+/// adoption lower; the engine does not rely on it). Fails without the bound: adopted.
+#[test]
+fn a_pool_larger_than_a_p2m_entry_can_name_is_not_adopted() {
+    use crate::ids::FrameId;
+    use crate::p2m::P2mEntry;
+    let (mut e, _) = engine();
+    let d = DomainId(0);
+    let past = P2mEntry::MAX_PAYLOAD + 1;
+    assert!(!e.adopt_pool(d, Box::new(MemBacking::new()), past, [FrameId(past - 1)]));
+    assert!(e.pool_untouched(d), "nothing adopted");
+    assert!(e.adopt_pool(d, Box::new(MemBacking::new()), 4, [FrameId(0)]));
+}
