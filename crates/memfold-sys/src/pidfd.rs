@@ -62,8 +62,12 @@ pub fn of_peer(sock: BorrowedFd<'_>) -> io::Result<OwnedFd> {
     if !falls_back_on(e.raw_os_error().unwrap_or(0)) {
         return Err(e);
     }
-    let cred = rustix::net::sockopt::socket_peercred(sock)?;
-    let pidfd = open(cred.pid.as_raw_nonzero().get() as u32)?;
+    // A peer outside our pid namespace (pid 0) has no process to open here.
+    let pid = crate::socket::peer_of(sock)?.pid;
+    if pid == 0 {
+        return Err(io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    let pidfd = open(pid)?;
     if !alive(pidfd.as_fd()) {
         return Err(io::Error::from_raw_os_error(libc::ESRCH));
     }

@@ -180,7 +180,9 @@ impl SeqpacketListener {
 /// A connected peer's credentials (SO_PEERCRED).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Peer {
-    /// Its process.
+    /// Its process, as this process's pid namespace names it; 0 if it is in a namespace
+    /// this one cannot see (a QEMU in a container talking to a memfoldd outside it sees
+    /// memfoldd so): nothing can be looked up by it.
     pub pid: u32,
     /// Its user.
     pub uid: u32,
@@ -455,12 +457,37 @@ impl AsRawFd for Seqpacket {
 /// that made it listen — whatever the peer says.
 ///
 /// Errors: getsockopt failed (not a connected Unix socket).
+/// Read with libc, not rustix's `socket_peercred`: that one builds a non-zero pid from
+/// the kernel's answer, and a peer outside this pid namespace is pid 0 there (undefined
+/// behaviour). Allocates nothing (the tests call it in a forked child).
 pub fn peer_of(fd: BorrowedFd<'_>) -> io::Result<Peer> {
-    let c = rustix::net::sockopt::socket_peercred(fd)?;
+    let mut c = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `c` and `len` are valid for writes for the call; the kernel writes at most
+    // `len` bytes into `c` and the length it wrote into `len`.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut c as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if len as usize != std::mem::size_of::<libc::ucred>() {
+        return Err(io::Error::from_raw_os_error(libc::EPROTO));
+    }
     Ok(Peer {
-        pid: c.pid.as_raw_nonzero().get() as u32,
-        uid: c.uid.as_raw(),
-        gid: c.gid.as_raw(),
+        pid: u32::try_from(c.pid).unwrap_or(0),
+        uid: c.uid,
+        gid: c.gid,
     })
 }
 
@@ -479,6 +506,59 @@ pub fn connect_stream_at_once(path: &Path) -> io::Result<std::os::unix::net::Uni
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A peer in a pid namespace this process cannot see (memfoldd outside a QEMU's
+    /// container, seen from the agent) is pid 0 by SO_PEERCRED: read as such, its user
+    /// still known. With rustix's `socket_peercred` (a non-zero pid made of 0) the child
+    /// got an error, by undefined behaviour.
+    #[test]
+    fn a_peer_outside_our_pid_namespace_has_pid_zero_and_its_user() {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        // SAFETY: the child calls only async-signal-safe functions (unshare, fork,
+        // getsockopt, waitpid, _exit) and allocates nothing.
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0, "fork: {}", io::Error::last_os_error());
+        if child == 0 {
+            // SAFETY: as above; the grandchild is pid 1 of a new namespace, where the
+            // test process (the pair's creator) has no pid.
+            unsafe {
+                if libc::unshare(libc::CLONE_NEWPID) != 0 {
+                    libc::_exit(77);
+                }
+                let g = libc::fork();
+                if g == 0 {
+                    let code = match peer_of(b.as_fd()) {
+                        Ok(p) if p.pid == 0 && p.uid == libc::geteuid() => 0,
+                        Ok(_) => 2,
+                        Err(_) => 3,
+                    };
+                    libc::_exit(code);
+                }
+                let mut st = 0;
+                if g < 0 || libc::waitpid(g, &mut st, 0) != g || !libc::WIFEXITED(st) {
+                    libc::_exit(4);
+                }
+                libc::_exit(libc::WEXITSTATUS(st));
+            }
+        }
+        let mut st = 0;
+        // SAFETY: waits for our own child.
+        assert_eq!(unsafe { libc::waitpid(child, &mut st, 0) }, child);
+        assert!(libc::WIFEXITED(st), "status {st}");
+        match libc::WEXITSTATUS(st) {
+            77 => crate::testing::skipped(
+                "a_peer_outside_our_pid_namespace_has_pid_zero_and_its_user",
+                "no new pid namespace here (unshare refused)",
+            ),
+            code => assert_eq!(
+                code, 0,
+                "2: pid or uid wrong, 3: an error, 4: no grandchild"
+            ),
+        }
+        // In our own namespace, the pair's creator: us.
+        let p = peer_of(a.as_fd()).unwrap();
+        assert_eq!(p.pid, std::process::id());
+    }
 
     /// Connects to the listener at `path`, which never accepts, with `connect` until its
     /// queue is full: then `WouldBlock`, within 5 s (a connect that waits for a place

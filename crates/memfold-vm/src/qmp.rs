@@ -172,9 +172,9 @@ impl Qmp {
                 source,
             }
         })?;
-        let found = rustix::net::sockopt::socket_peercred(&stream)
+        let found = memfold_sys::socket::peer_of(std::os::fd::AsFd::as_fd(&stream))
             .ok()
-            .map(|c| c.pid.as_raw_nonzero().get() as u32);
+            .map(|p| p.pid);
         if found != Some(pid) {
             return Err(QmpError::WrongServer {
                 path: path.display().to_string(),

@@ -195,6 +195,15 @@ pub(crate) fn accept_loop(
                 continue;
             }
         };
+        // Every check of a peer (its guest RAM under /proc/PID, a pool's holders, its
+        // pidfd) goes by its pid: one outside memfoldd's pid namespace has none here.
+        if peer.pid == 0 {
+            tracing::warn!(
+                "connection {t}: from a process outside memfoldd's pid namespace (uid {}), which it cannot check; closed",
+                peer.uid
+            );
+            continue;
+        }
         // Held for the connection's life, a tenant's (operators are not bound).
         let tenant_place = if peer.trusted_by(me) {
             None
