@@ -97,6 +97,8 @@ pub struct BlkBackend {
     /// until the features are set, and after a reset: each write is then durable before
     /// it completes (`BlkBackend::write_through`).
     flush_acked: bool,
+    /// Holds fills off after one memfoldd did not answer ([`fill::FILL_BACKOFF`]).
+    fill_backoff: fill::Backoff,
     /// Exit events handed to vhost-user-backend for each worker thread, closed when
     /// replaced (see `BlkBackend::exit_event`).
     exit_events: std::sync::Mutex<Vec<Option<std::os::fd::RawFd>>>,
@@ -214,6 +216,7 @@ impl BlkBackend {
             counters: Counters::default(),
             read_free_at: std::time::Instant::now(),
             flush_acked: false,
+            fill_backoff: Default::default(),
             exit_events: Default::default(),
             #[cfg(test)]
             peak_bounce_bytes: 0,
@@ -254,7 +257,9 @@ impl BlkBackend {
 
     /// Processes the available requests of `queue`, at most the queue's size of them;
     /// returns whether the guest must be notified and whether requests are left. Guest RAM
-    /// is reached through `mem` only.
+    /// is reached through `mem` only. `used_stale`: the ring (re)started; its used index is
+    /// read first and the guest notified whatever is served (a device killed between an
+    /// `add_used` and its signal left the request unseen; Linux's virtio-blk never times out).
     ///
     /// The bound lets a guest that keeps the ring busy hold the device's thread (and the
     /// backend's lock, which vhost-user's control messages need) one call at a time, not
@@ -312,7 +317,8 @@ impl BlkBackend {
                 Err(error) => {
                     // Requests served before the failure are in the used ring: the guest
                     // must hear of them (an interrupt too many costs it nothing).
-                    let notify = any && self.needs_notification(queue, mem).unwrap_or(true);
+                    let notify =
+                        used_stale || any && self.needs_notification(queue, mem).unwrap_or(true);
                     return Err(QueueFailed { error, notify });
                 }
             };
@@ -324,9 +330,9 @@ impl BlkBackend {
                 true => {}
             }
         };
-        if !any {
+        if !any || used_stale {
             return Ok(Served {
-                notify: false,
+                notify: used_stale,
                 pending,
             });
         }

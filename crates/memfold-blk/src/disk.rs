@@ -763,8 +763,8 @@ pub type SharedDisk = Arc<dyn Disk>;
 /// §4.1).
 ///
 /// A stamp and a dirty marker left by an earlier overlay at that path ([`stamp_path`],
-/// [`dirty_path`]) are removed: the new overlay holds nothing, its first open records its
-/// base afresh and needs no repair.
+/// [`dirty_path`]) are removed once it is made: the new overlay holds nothing, its first
+/// open records its base afresh and needs no repair. A create that fails keeps both.
 ///
 /// Errors: [`DiskError::Open`] naming the overlay: `qemu-img` missing or failing (its
 /// message), or the old stamp or marker not removable.
@@ -777,7 +777,6 @@ pub fn create_overlay(base: &Path, overlay: &Path) -> Result<(), DiskError> {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(fail(e)),
         _ => Ok(()),
     };
-    remove(stamp_path(overlay))?;
     let out = std::process::Command::new("qemu-img")
         .args(["create", "-q", "-f", "qcow2", "-b"])
         .arg(base)
@@ -791,7 +790,9 @@ pub fn create_overlay(base: &Path, overlay: &Path) -> Result<(), DiskError> {
             String::from_utf8_lossy(&out.stderr).trim()
         ))));
     }
-    // Only once made: a create refused (a device serving the old file) keeps it.
+    // Only once made: a failed create (a device serving the old file) keeps both. A stamp
+    // a crash leaves here names this file (truncated in place): a changed base is refused.
+    remove(stamp_path(overlay))?;
     remove(dirty_path(overlay))
 }
 

@@ -11,11 +11,12 @@
 //! their nonce, so a fill arriving later finds no nonce and maps nothing; a fill racing
 //! that write makes it land in a CoW copy of a frame that holds the same block. Pages
 //! filled the device does not write. Only blocks memfoldd said frames hold are asked
-//! for (`LandedSink::held`); a read of others costs nothing more.
+//! for (`LandedSink::held`); a read of others costs nothing more. A fill not answered in
+//! its whole wait holds fills off for [`FILL_BACKOFF`] ([`Backoff`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use memfold_ids::{BaseBlock, Gfn};
 
@@ -27,6 +28,33 @@ use crate::mem::{RamFile, RemoteMemory, PAGE};
 /// read of a readahead window takes ~0.1–1 ms on a local SSD; a fill answers in about
 /// a round trip through memfoldd and the agent.
 pub const FILL_WAIT: Duration = Duration::from_millis(20);
+
+/// How long no fill is asked for after one was not answered within [`FILL_WAIT`]: a
+/// stalled memfoldd would otherwise cost every read of a held block that wait, with the
+/// backend's lock held (a pass over a full queue, 256 reads: ~5 s).
+pub const FILL_BACKOFF: Duration = Duration::from_secs(2);
+
+/// When fills may be asked again (see [`FILL_BACKOFF`]).
+#[derive(Debug, Default)]
+pub(super) struct Backoff {
+    until: Option<Instant>,
+}
+
+impl Backoff {
+    /// Whether a fill may be asked at `now`.
+    pub(super) fn allows(&self, now: Instant) -> bool {
+        self.until.is_none_or(|u| now >= u)
+    }
+
+    /// A fill asked at `asked` came back at `now` with `filled` pages filled; returns
+    /// whether fills are held off from now on. One that filled nothing in its whole wait
+    /// was not answered (a quick answer of nothing is memfoldd's: not a stall).
+    pub(super) fn answered(&mut self, asked: Instant, now: Instant, filled: usize) -> bool {
+        let unanswered = filled == 0 && now.saturating_duration_since(asked) >= FILL_WAIT;
+        self.until = unanswered.then(|| now + FILL_BACKOFF);
+        unanswered
+    }
+}
 
 /// The next nonce: this process's start (CLOCK_MONOTONIC ns, with the pid) and a
 /// counter, so no two requests of any device process share one; never zero.
@@ -72,7 +100,10 @@ impl BlkBackend {
         off: u64,
         len: u64,
     ) -> Result<Filled, ReqError> {
-        if self.disk.base_changed() || !self.sink.holds_any() {
+        if self.disk.base_changed()
+            || !self.sink.holds_any()
+            || !self.fill_backoff.allows(Instant::now())
+        {
             return Ok(Filled::default());
         }
         let Some(extents) = self.disk.sources(off, len).ok().flatten() else {
@@ -108,7 +139,16 @@ impl BlkBackend {
             mem.write(gpa, &bytes)?;
         }
         let pages: Vec<(Gfn, BaseBlock)> = asked.iter().map(|&(_, _, g, b)| (g, b)).collect();
+        let asked_at = Instant::now();
         let filled = self.sink.fill(ram, &pages, nonce, FILL_WAIT);
+        if self
+            .fill_backoff
+            .answered(asked_at, Instant::now(), filled.len())
+        {
+            tracing::warn!(
+                "memfoldd did not answer a fill within {FILL_WAIT:?}: reads are served from the disk alone for {FILL_BACKOFF:?}"
+            );
+        }
         self.counters.fill_asked += asked.len() as u64;
         let mut out: Vec<u64> = asked
             .iter()
@@ -204,5 +244,26 @@ mod tests {
             unfilled(&[4096, 12288], 5 * 4096),
             [(0, 4096), (8192, 12288), (16384, 20480)]
         );
+    }
+
+    #[test]
+    fn a_fill_unanswered_in_its_whole_wait_holds_fills_off_for_the_backoff() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let mut b = Backoff::default();
+        assert!(b.allows(t0));
+        // Nothing filled, answered at once (memfoldd's frames changed): asked again.
+        assert!(!b.answered(t0, t0 + ms(1), 0));
+        assert!(b.allows(t0 + ms(1)));
+        // Nothing filled in the whole wait: none asked for the backoff.
+        let t1 = t0 + FILL_WAIT;
+        assert!(b.answered(t0, t1, 0));
+        assert!(!b.allows(t1));
+        assert!(!b.allows(t1 + FILL_BACKOFF - ms(1)));
+        assert!(b.allows(t1 + FILL_BACKOFF));
+        // A fill answered after it clears it.
+        let t2 = t1 + FILL_BACKOFF;
+        assert!(!b.answered(t2, t2 + FILL_WAIT, 1));
+        assert!(b.allows(t2 + FILL_WAIT));
     }
 }

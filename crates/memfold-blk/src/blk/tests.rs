@@ -187,6 +187,27 @@ fn a_read_lands_in_guest_ram_with_its_status_and_its_pages_are_reported() {
     assert_eq!((c.reads, c.read_bytes, c.landed_base), (1, 3 * 4096, 3));
 }
 
+/// A device killed between a request's `add_used` and its notification: the restarted
+/// device's first pass on the ring notifies the guest though nothing new waits (it would
+/// wait on that request for good), and later empty passes do not.
+#[test]
+fn the_first_pass_on_a_restarted_ring_notifies_the_guest_with_nothing_to_serve() {
+    let mut r = rig(false);
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 8);
+    r.submit(&[(0x8000, 16, false), (DATA, 4096, true), (STATUS, 1, true)]);
+    // Completed in the used ring; its notification is what the kill lost.
+    assert_eq!(r.run(), vec![4096 + 1]);
+    // The new device's ring, started by QEMU at the used index (`SET_VRING_BASE`).
+    let mut q = r.mock.create_queue::<Queue>().unwrap();
+    q.set_next_avail(1);
+    let mem = RemoteMemory::new(r.local.mem.qemu().clone(), r.local.mem.regions().to_vec());
+    let s = r.dev.process_queue(&mut q, &mem, true).unwrap();
+    assert_eq!((s.notify, s.pending), (true, false), "{s:?}");
+    assert_eq!(q.next_used(), 1);
+    let s = r.dev.process_queue(&mut q, &mem, false).unwrap();
+    assert_eq!(s, Served::default());
+}
+
 /// A request over scattered pages (a guest's `O_DIRECT` buffer) reads its descriptors
 /// from one window of the table, not one remote read each, and still lands every page
 /// where its descriptor says. Fails if the view stops windowing descriptor reads.
@@ -441,11 +462,13 @@ impl LandedSink for FakeFrames {
         _ram: RamFile,
         pages: &[(Gfn, memfold_ids::BaseBlock)],
         nonce: [u64; 2],
-        _wait: std::time::Duration,
+        wait: std::time::Duration,
     ) -> Vec<Gfn> {
         use std::os::unix::fs::FileExt;
         self.nonces.lock().unwrap().push(nonce);
         if !self.answer {
+            // As memfold-wire's reporter: no answer is the whole wait.
+            std::thread::sleep(wait);
             return Vec::new();
         }
         let want = super::fill::nonce_bytes(nonce);
@@ -547,6 +570,15 @@ fn a_fill_not_answered_leaves_the_disk_to_serve_the_read() {
     );
     let c = r.dev.counters();
     assert_eq!((c.fill_asked, c.filled), (2, 0));
+    // Held off (fill.rs, `Backoff`): the next read asks nothing, so waits for nothing.
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, 16);
+    r.submit(&[(0x8000, 16, false), (DATA, 4096, true), (STATUS, 1, true)]);
+    assert_eq!(r.run(), vec![4096 + 1]);
+    assert_eq!(
+        r.dev.counters().fill_asked,
+        2,
+        "a fill asked while held off"
+    );
 }
 
 /// A disk whose reads fail (EIO), its sources and base those of the disk it wraps.

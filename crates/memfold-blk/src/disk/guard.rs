@@ -12,8 +12,14 @@
 //! size, mtime and ctime ([`BaseStamp`]); after each base read (and before each overlay
 //! write, whose copy-on-write of a partial cluster reads the base) it compares them with
 //! the open file's (`fstat`). One check after the read sees any change made before it or
-//! during it; a file put in the base's place by a rename is seen too, as the open file's
-//! ctime moves when its name goes (its link count drops). On the first difference the
+//! during it. A change of size or mtime ([`BaseStamp::content`], what the stamp of
+//! `stamp.rs` compares across opens too) is a changed base. A change of ctime alone is
+//! not: chmod, chown, `chattr`, an xattr, a hard link or a `utimensat` change it without
+//! changing a byte, and a refusal for them would end with a restart that serves the disk
+//! again (the stamp ignores ctime). It is checked once per change by a `stat` of the
+//! path: a file put in the base's place by a rename moves the open file's ctime (its
+//! link count drops), and the path then names another file, which is a changed base
+//! (the next open would read that file). On the first difference the
 //! base is marked changed for good: every base read, overlay write and discard is
 //! refused, with one error line naming the file and what changed. A change racing a
 //! write's copy-on-write is caught at the next request. Cost: one `fstat`, ~0.5 µs, per
@@ -21,14 +27,16 @@
 //!
 //! Timestamps are the kernel's (coarse ticks where the file system has no fine-grained
 //! ones): a write within the same tick as the last change before the open can go
-//! unseen. ctime changes on every write, truncate, chmod and rename of the inode.
+//! unseen, and so can a write whose mtime is then set back (`utimensat`) to the recorded
+//! value, as across opens.
 //!
 //! The guard's verdict lives in memory; a change between two runs of the device is
 //! caught by the stamp an overlay keeps of its base (`stamp.rs`).
 
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use super::DiskError;
 
@@ -43,7 +51,8 @@ pub struct BaseStamp {
     pub size: u64,
     /// Last modification (seconds, nanoseconds since the epoch).
     pub mtime: (i64, i64),
-    /// Last status change (seconds, nanoseconds since the epoch).
+    /// Last status change (seconds, nanoseconds since the epoch): not part of
+    /// [`BaseStamp::content`].
     pub ctime: (i64, i64),
 }
 
@@ -57,6 +66,15 @@ impl BaseStamp {
             mtime: (st.st_mtime, st.st_mtime_nsec as i64),
             ctime: (st.st_ctime, st.st_ctime_nsec as i64),
         }
+    }
+
+    /// What says the file holds the same bytes: inode, size, mtime (ns since the epoch).
+    /// One definition for the running guard and the stamp across opens (`stamp.rs`). Not
+    /// the device (a reboot can renumber a file system; an open file keeps its own) nor
+    /// ctime (see the module's doc).
+    pub fn content(&self) -> (u64, u64, i128) {
+        let mtime = self.mtime.0 as i128 * 1_000_000_000 + self.mtime.1 as i128;
+        (self.ino, self.size, mtime)
     }
 
     /// What differs in `now`, in words (`""` when nothing does).
@@ -87,6 +105,8 @@ impl BaseStamp {
 pub struct BaseGuard {
     path: PathBuf,
     stamp: BaseStamp,
+    /// The ctime last seen with the file still at its path: a new one is checked once.
+    ctime_seen: Mutex<(i64, i64)>,
     changed: AtomicBool,
     /// What changed, as first seen.
     what: OnceLock<String>,
@@ -98,6 +118,7 @@ impl BaseGuard {
         BaseGuard {
             path: path.to_path_buf(),
             stamp,
+            ctime_seen: Mutex::new(stamp.ctime),
             changed: AtomicBool::new(false),
             what: OnceLock::new(),
         }
@@ -119,7 +140,7 @@ impl BaseGuard {
     pub fn check(&self, file: &std::fs::File) -> Result<(), DiskError> {
         if !self.changed() {
             let what = match rustix::fs::fstat(file) {
-                Ok(st) => self.stamp.diff(&BaseStamp::of(&st)),
+                Ok(st) => self.what_changed(&BaseStamp::of(&st)),
                 Err(e) => format!("fstat failed: {e}"),
             };
             if what.is_empty() {
@@ -138,6 +159,37 @@ impl BaseGuard {
             path: self.path.clone(),
             what: self.what.get().cloned().unwrap_or_default(),
         })
+    }
+
+    /// What changed in the open file, now `now`, in words (`""`: nothing that changes its
+    /// bytes). A new ctime alone is accepted, and remembered, if the path still names the
+    /// open file.
+    fn what_changed(&self, now: &BaseStamp) -> String {
+        if self.stamp.content() != now.content() {
+            return self.stamp.diff(now);
+        }
+        let mut seen = self.ctime_seen.lock().unwrap_or_else(|p| p.into_inner());
+        if *seen == now.ctime {
+            return String::new();
+        }
+        // Followed as the open followed it: what the next open would read.
+        match std::fs::metadata(&self.path) {
+            Ok(m) if (m.dev(), m.ino()) == (now.dev, now.ino) => {
+                tracing::info!(
+                    "base image {}: its status changed (ctime; a chmod, chown, link, xattr or times set), not its bytes: still served",
+                    self.path.display()
+                );
+                *seen = now.ctime;
+                String::new()
+            }
+            Ok(m) => format!(
+                "{}; another file at its path (device {} inode {})",
+                self.stamp.diff(now),
+                m.dev(),
+                m.ino()
+            ),
+            Err(e) => format!("{}; its path: {e}", self.stamp.diff(now)),
+        }
     }
 }
 

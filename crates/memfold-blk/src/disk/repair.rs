@@ -34,7 +34,6 @@ use std::ffi::OsStr;
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use super::DiskError;
@@ -60,19 +59,21 @@ const REPAIRED: [i32; 2] = [0, 3];
 /// it and what it means), synced, and its folder synced: it must be on disk before any
 /// write to the overlay can be. Made anew if it exists.
 ///
-/// Errors: [`DiskError::Marker`] (EIO, a full disk). A folder the device may not write is
+/// Errors: [`DiskError::Marker`] (EIO, a full disk, a link, FIFO or other non-regular file
+/// at its name). A folder the device may not write is
 /// no error: the overlay is served without a marker, logged.
 pub(super) fn mark(overlay: &Path) -> Result<(), DiskError> {
     let path = dirty_path(overlay);
     let err = marker_err(&path, overlay);
-    // The overlay's lock keeps a second writer out; O_NOFOLLOW: a link planted at the
-    // marker's name is not written through.
-    let opened = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(&path);
+    // The overlay's lock keeps a second writer out; a link planted at the marker's name
+    // is not written through, a FIFO not waited on.
+    let opened = super::stamp::open_regular(
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true),
+        &path,
+    );
     let mut f = match opened {
         // A folder the device may not write (a pre-provisioned image, a confining profile
         // that allows the image alone): served as before markers existed, as the stamp

@@ -18,22 +18,91 @@
 //! nothing more: the recorded stamp already differs, so a restart refuses too (even with
 //! nothing written yet: the running guest's page cache holds the old base's bytes).
 //!
-//! Not ctime, which the running guard watches: chmod, chown, `chattr +i`, an xattr or a
-//! hard link change it without changing a byte, and an operator protecting a base would
-//! have its guests' disks refused for good. mtime moves with every write; only a
-//! deliberate `utimensat` back to the recorded value (or a write within one timestamp
-//! tick of the recorded one, as for the guard) hides a write in place. An overlay first
+//! Not ctime ([`BaseStamp::content`], as for the running guard): chmod, chown,
+//! `chattr +i`, an xattr or a hard link change it without changing a byte, and an
+//! operator protecting a base would have its guests' disks refused for good. mtime moves
+//! with every write; only a deliberate `utimensat` back to the recorded value (or a write
+//! within one timestamp tick of the recorded one, as for the guard) hides a write in
+//! place. An overlay first
 //! served before this stamp existed is stamped with its base as found then.
 
-use std::fs::File;
-use std::io::Write;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use super::{BaseStamp, DiskError};
 
 /// First line of a stamp file.
 const MAGIC: &str = "memfold-blk base stamp 1";
+
+/// Most bytes a stamp file is read of (one has about 200).
+const STAMP_MAX: u64 = 4096;
+
+/// Opens `path` with `opts`, `O_NOFOLLOW | O_NONBLOCK`, and only if it is a regular file:
+/// a link, FIFO, device or socket at a name the device keeps next to an overlay (its
+/// stamp, its dirty marker, their temporary files) is refused at once, neither followed
+/// nor waited on (a FIFO's open or read would hold the device's start for good, a link to
+/// `/dev/zero` be read until memory runs out).
+///
+/// Errors: the open's or `fstat`'s; [`std::io::ErrorKind::InvalidInput`] saying what the
+/// file is when it is not a regular one.
+pub(super) fn open_regular(opts: &mut OpenOptions, path: &Path) -> std::io::Result<File> {
+    let not_regular = |t: std::fs::FileType| {
+        let what = if t.is_symlink() {
+            "a symbolic link"
+        } else if t.is_fifo() {
+            "a FIFO"
+        } else if t.is_dir() {
+            "a folder"
+        } else if t.is_socket() {
+            "a socket"
+        } else {
+            "a device"
+        };
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{what}, not a regular file: refused (neither followed nor waited on)"),
+        )
+    };
+    let f = match opts
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(f) => f,
+        // ELOOP for a link, ENXIO for a FIFO no one reads: said as what is there.
+        Err(e) => match std::fs::symlink_metadata(path) {
+            Ok(m) if !m.is_file() => return Err(not_regular(m.file_type())),
+            _ => return Err(e),
+        },
+    };
+    let t = f.metadata()?.file_type();
+    if !t.is_file() {
+        return Err(not_regular(t));
+    }
+    Ok(f)
+}
+
+/// The text of the stamp file at `path`, at most [`STAMP_MAX`] bytes of it; `None` if
+/// there is none.
+///
+/// Errors: [`open_regular`]'s; [`std::io::ErrorKind::InvalidData`] when longer or not
+/// UTF-8.
+fn read_stamp(path: &Path) -> std::io::Result<Option<String>> {
+    let f = match open_regular(OpenOptions::new().read(true), path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        r => r?,
+    };
+    let mut b = Vec::new();
+    f.take(STAMP_MAX + 1).read_to_end(&mut b)?;
+    let bad = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidData, why);
+    if b.len() as u64 > STAMP_MAX {
+        return Err(bad(format!("more than {STAMP_MAX} bytes: not a stamp")));
+    }
+    String::from_utf8(b)
+        .map(Some)
+        .map_err(|_| bad("not UTF-8: not a stamp".into()))
+}
 
 /// The stamp file of the overlay at `overlay`: `<overlay>.memfold-base`. Removing it makes
 /// the next open accept the base as it is then (docs/blk-faults.md: only when the base's
@@ -64,8 +133,8 @@ pub(super) enum Verdict {
 }
 
 fn base_of(s: &BaseStamp) -> (u64, u64, u64, i128) {
-    let mtime = s.mtime.0 as i128 * 1_000_000_000 + s.mtime.1 as i128;
-    (s.dev, s.ino, s.size, mtime)
+    let (ino, size, mtime) = s.content();
+    (s.dev, ino, size, mtime)
 }
 
 /// The overlay open as `file`: device, inode, birth time if its file system keeps one.
@@ -124,7 +193,8 @@ impl Recorded {
     }
 }
 
-/// A base's inode, size and mtime: what says it is the same file with the same bytes.
+/// A recorded base's [`BaseStamp::content`]: what says it is the same file with the same
+/// bytes.
 fn without_dev(b: (u64, u64, u64, i128)) -> (u64, u64, i128) {
     (b.1, b.2, b.3)
 }
@@ -159,8 +229,8 @@ fn diff(was: (u64, u64, u64, i128), now: (u64, u64, u64, i128)) -> String {
 /// of the overlay open as `file` at `overlay`, writing nothing. `holds_nothing` says
 /// whether the overlay has no cluster of its own (asked only when the base differs).
 ///
-/// Errors: [`DiskError::BaseChangedSinceStamp`]; [`DiskError::Stamp`] (unreadable or not
-/// a stamp: refused, not taken for absent).
+/// Errors: [`DiskError::BaseChangedSinceStamp`]; [`DiskError::Stamp`] (unreadable, not a
+/// regular file, over [`STAMP_MAX`] bytes or not a stamp: refused, not taken for absent).
 pub(super) fn check(
     base: &BaseStamp,
     base_path: &Path,
@@ -174,10 +244,8 @@ pub(super) fn check(
         overlay: overlay.to_path_buf(),
         source,
     };
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Verdict::Write),
-        Err(e) => return Err(stamp_err(e)),
+    let Some(text) = read_stamp(&path).map_err(stamp_err)? else {
+        return Ok(Verdict::Write);
     };
     let was = Recorded::parse(&text)
         .map_err(|why| stamp_err(std::io::Error::new(std::io::ErrorKind::InvalidData, why)))?;
@@ -220,7 +288,8 @@ pub(super) fn check(
 /// Records `base` as the base of the overlay open as `file` at `overlay`: a temporary file
 /// written and synced, renamed over the stamp file, the folder synced.
 ///
-/// Errors: [`DiskError::Stamp`].
+/// Errors: [`DiskError::Stamp`] (the temporary file's name taken by a link, FIFO or
+/// other non-regular file among them).
 pub(super) fn write(base: &BaseStamp, file: &File, overlay: &Path) -> Result<(), DiskError> {
     let path = stamp_path(overlay);
     let stamp_err = |source| DiskError::Stamp {
@@ -235,15 +304,13 @@ pub(super) fn write(base: &BaseStamp, file: &File, overlay: &Path) -> Result<(),
     let mut tmp = path.clone().into_os_string();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
-    // The overlay's lock keeps a second writer out; O_NOFOLLOW: a link planted at the
-    // temporary name is not written through.
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(&tmp)
-        .map_err(stamp_err)?;
+    // The overlay's lock keeps a second writer out; a link planted at the temporary name
+    // is not written through, a FIFO not waited on.
+    let mut f = open_regular(
+        OpenOptions::new().write(true).create(true).truncate(true),
+        &tmp,
+    )
+    .map_err(stamp_err)?;
     f.write_all(rec.text().as_bytes()).map_err(stamp_err)?;
     f.sync_all().map_err(stamp_err)?;
     drop(f);

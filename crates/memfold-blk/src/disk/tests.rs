@@ -259,10 +259,59 @@ fn a_base_that_changes_under_the_device_is_refused_and_the_overlay_is_untouched(
     let other = d.path().join("other.img");
     std::fs::write(&other, vec![0u8; 4096]).unwrap();
     std::fs::rename(&other, &base).unwrap();
-    // The open file's ctime moves as its last name goes (fstat sees that first).
+    // The open file's ctime moves as its last name goes (fstat sees that first), and the
+    // path names another file.
     let e = r.read(0, &mut b[..4096]).unwrap_err();
     assert!(matches!(e, DiskError::BaseChanged { .. }), "{e}");
-    assert!(e.to_string().contains("ctime"), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("ctime") && msg.contains("another file at its path"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_chmod_a_link_or_times_set_on_the_base_are_no_change_and_a_rewrite_after_them_is() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let base = d.path().join("base.img");
+    let ov = d.path().join("ov.qcow2");
+    let data = pattern(1 << 20, 7);
+    std::fs::write(&base, &data).unwrap();
+    create_overlay(&base, &ov).unwrap();
+    let o = OverlayDisk::open(&base, &ov).unwrap();
+    let mut b = vec![0u8; 4096];
+    let read0 = |b: &mut Vec<u8>| {
+        let r = o.read(0, b);
+        assert!(r.is_ok(), "{}", r.unwrap_err());
+        assert_eq!(b[..], data[..4096]);
+    };
+    read0(&mut b);
+    // Past a coarse timestamp tick, so that each ctime below is a new one.
+    let tick = || std::thread::sleep(std::time::Duration::from_millis(20));
+    tick();
+    std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o444)).unwrap();
+    read0(&mut b);
+    tick();
+    std::fs::hard_link(&base, d.path().join("link.img")).unwrap();
+    read0(&mut b);
+    // Times set as `tar` restores them: mtime as it was, ctime now.
+    tick();
+    let mtime = std::fs::metadata(&base).unwrap().modified().unwrap();
+    let f = std::fs::File::open(&base).unwrap();
+    f.set_times(std::fs::FileTimes::new().set_modified(mtime))
+        .unwrap();
+    read0(&mut b);
+    o.write(65536, &[3u8; 4096]).unwrap();
+    assert!(!o.base_changed());
+    // A rewrite of a byte with its own value (a new mtime) is still refused.
+    tick();
+    std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o644)).unwrap();
+    overwrite(&base, 100, &data[100..101]);
+    let e = o.read(0, &mut b).unwrap_err();
+    assert!(matches!(e, DiskError::BaseChanged { .. }), "{e}");
+    assert!(e.to_string().contains("mtime"), "{e}");
+    assert!(o.base_changed());
 }
 
 #[test]
@@ -292,4 +341,5 @@ fn after_a_failed_sync_the_overlay_fails_every_flush() {
 
 mod across_opens;
 mod one_open;
+mod planted;
 mod repair;

@@ -215,3 +215,18 @@ fn a_second_open_of_a_served_overlay_is_refused_as_in_use() {
     OverlayDisk::open(&base, &ov).unwrap();
     qemu_img(&["info", ov.to_str().unwrap()]);
 }
+
+#[test]
+fn a_create_refused_over_a_served_overlay_keeps_its_stamp() {
+    let (_d, base, ov, data) = base_and_overlay(29);
+    let o = OverlayDisk::open(&base, &ov).unwrap();
+    let stamp = stamp_path(&ov);
+    assert!(stamp.is_file());
+    // qemu-img's locks conflict with the device's.
+    let e = create_overlay(&base, &ov).unwrap_err();
+    assert!(e.to_string().contains("qemu-img create"), "{e}");
+    assert!(stamp.is_file(), "the served overlay lost its stamp: {e}");
+    let mut b = vec![0u8; 4096];
+    o.read(0, &mut b).unwrap();
+    assert_eq!(b[..], data[..4096]);
+}
