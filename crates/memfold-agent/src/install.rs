@@ -122,13 +122,15 @@ fn run_job(job: &Job) -> i32 {
 }
 
 impl Agent {
-    /// Maps pool bytes `[pool_off, pool_off+len)` write-protected over guest address `dst`.
-    /// On error nothing has changed at `dst`, but for one case the kernel leaves: an
-    /// `ENOMEM` inside the move (its `vm.max_map_count` check or an allocation), which
-    /// comes after `mremap` unmapped `dst`; the VMA budget's 4 096 mappings of headroom
-    /// (`vmas.rs`) keep the first away, and the guest would then fault on an unmapped
-    /// range (QEMU killed by SIGSEGV), never read another's bytes. Faults read meanwhile
-    /// are kept in `deferred`.
+    /// Maps pool bytes `[pool_off, pool_off+len)` write-protected over guest address `dst`,
+    /// private guest pages backed by guest RAM's memfd. On error nothing has changed at
+    /// `dst`, but for one case the kernel leaves: an `ENOMEM` inside the move (its
+    /// `vm.max_map_count` check or an allocation), which comes after `mremap` unmapped
+    /// `dst`; the VMA budget's 4 096 mappings of headroom (`vmas.rs`) keep the first away.
+    /// After a failed move `dst` is checked (`/proc/self/maps`): if the memfd no longer
+    /// backs all of it, the agent fails closed — the guest would fault on the hole, or
+    /// read whatever QEMU maps there next, while every byte of its RAM is in the memfd.
+    /// Faults read meanwhile are kept in `deferred`.
     pub(crate) fn install(&mut self, dst: u64, pool_off: u64, len: u64) -> io::Result<()> {
         let pool = self.pool()?.as_raw_fd();
         // SAFETY: a new mapping at an address the kernel picks.
@@ -170,10 +172,34 @@ impl Agent {
         }
         // SAFETY: the failed move left the staging mapping in place.
         unsafe { libc::munmap(staging as *mut libc::c_void, len as usize) };
+        self.check_still_backed(dst, len, errno);
         Err(io::Error::other(format!(
             "mremap onto guest RAM at {dst:#x}: {}",
             io::Error::from_raw_os_error(errno)
         )))
+    }
+
+    /// After a move onto `dst` failed with `errno`: fails closed unless guest RAM's memfd
+    /// still backs all of `[dst, dst + len)` at its own offsets ([`Agent::install`]).
+    fn check_still_backed(&self, dst: u64, len: u64, errno: i32) {
+        let ino = rustix::fs::fstat(&self.memfd).map(|st| st.st_ino);
+        let maps = std::fs::read_to_string("/proc/self/maps");
+        let backed = match (ino, maps) {
+            (Ok(ino), Ok(text)) => crate::regions::backed_by(
+                &crate::regions::parse_maps(&text),
+                ino,
+                dst,
+                len,
+                dst - self.base,
+            ),
+            _ => false,
+        };
+        if !backed {
+            self.fail_closed(&format!(
+                "a move onto guest RAM at {dst:#x} ({len} bytes) failed ({}) after the kernel unmapped it: the guest would fault on the hole or read what is mapped there next",
+                io::Error::from_raw_os_error(errno)
+            ));
+        }
     }
 
     /// Has the helper thread carry out `job` and returns its errno (0: done), reading the

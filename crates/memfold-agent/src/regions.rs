@@ -132,6 +132,26 @@ pub(crate) fn parse_maps(text: &str) -> Vec<Mapping> {
     out
 }
 
+/// Whether `[start, start + len)` is wholly mapped, shared and writable, from the file of
+/// inode `inode` at the offsets `offset + (address - start)`: guest RAM still backed by
+/// its memfd there, with no hole and nothing else in it. `maps` sorted by address, as
+/// `/proc/self/maps` lists them.
+pub(crate) fn backed_by(maps: &[Mapping], inode: u64, start: u64, len: u64, offset: u64) -> bool {
+    let end = start.saturating_add(len);
+    let mut at = start;
+    for m in maps.iter().filter(|m| m.end > start && m.start < end) {
+        if m.start > at || m.inode != inode || !m.shared_rw() {
+            return false;
+        }
+        // The file offset of `at` in this mapping must be the one guest RAM has there.
+        if m.offset.checked_add(at - m.start) != offset.checked_add(at - start) {
+            return false;
+        }
+        at = m.end;
+    }
+    at >= end
+}
+
 /// A range of this process mapping one memfd shared and writable from offset 0, adjacent
 /// lines of one file merged (the kernel may split one mapping in several lines).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -485,6 +505,63 @@ mod tests {
 7f4ea4000000-7f4ea4001000 rw-s 00000000 00:01 6000 /memfd:memfold-pool (deleted)
 7f4ea5000000-7f4ea9000000 rw-p 00000000 00:00 0
 ";
+
+    /// What a failed move onto guest RAM is checked by: the memfd at the right offsets
+    /// over the whole run, no hole, no other file, no other offset.
+    #[test]
+    fn a_run_is_backed_by_its_memfd_only_whole_and_at_its_own_offsets() {
+        let maps = parse_maps(MAPS);
+        let (base, ino) = (0x7f4e_97ff_e000u64, 5580);
+        // The 64 MiB region, split in two lines, read across the split.
+        assert!(backed_by(&maps, ino, base + 0x1fff000, 0x2000, 0x1fff000));
+        assert!(backed_by(&maps, ino, base, 0x400_0000, 0));
+        assert!(
+            !backed_by(&maps, ino, base + 0x1000, 0x1000, 0),
+            "wrong offset"
+        );
+        assert!(!backed_by(&maps, 5579, base, 0x1000, 0), "another memfd");
+        assert!(
+            !backed_by(&maps, ino, base, 0x400_1000, 0),
+            "runs past its end"
+        );
+        // A hole where a move unmapped the run, and then another file mapped in it.
+        let hole: Vec<Mapping> = maps
+            .iter()
+            .cloned()
+            .flat_map(|m| {
+                if m.inode == ino && m.offset == 0 {
+                    let mut a = m.clone();
+                    a.end = m.start + 0x1000;
+                    let mut b = m.clone();
+                    b.start = m.start + 0x3000;
+                    b.offset = 0x3000;
+                    vec![a, b]
+                } else {
+                    vec![m]
+                }
+            })
+            .collect();
+        assert!(backed_by(&hole, ino, base, 0x1000, 0));
+        assert!(
+            !backed_by(&hole, ino, base + 0x1000, 0x1000, 0x1000),
+            "a hole"
+        );
+        assert!(!backed_by(&hole, ino, base, 0x4000, 0), "a hole inside");
+        let mut taken = hole.clone();
+        taken.push(Mapping {
+            start: base + 0x1000,
+            end: base + 0x3000,
+            perms: "rw-p".into(),
+            offset: 0,
+            inode: 0,
+            path: String::new(),
+        });
+        taken.sort_by_key(|m| m.start);
+        assert!(
+            !backed_by(&taken, ino, base + 0x1000, 0x1000, 0x1000),
+            "QEMU's heap"
+        );
+    }
 
     #[test]
     fn qemus_shared_memfd_backends_are_regions_and_nothing_else_is() {
