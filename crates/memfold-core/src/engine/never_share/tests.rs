@@ -233,35 +233,7 @@ fn a_page_marked_while_its_share_is_under_way_is_taken_back_when_it_lands() {
 #[test]
 fn a_page_marked_while_its_patch_is_under_way_is_taken_back_when_it_lands() {
     use crate::engine::Command;
-    let near = |k: u32| {
-        let mut p = random(7);
-        p[2000] = k as u8;
-        p
-    };
-    let mut r = de_rig(near);
-    r.engine.guest_categories(r.vm, &report(&[])).unwrap();
-    let patch = |c: &Command| match *c {
-        Command::Stash { gfn, stash, .. } => stash.reference.map(|f| (gfn, f)),
-        _ => None,
-    };
-    let mut held = Vec::new();
-    for _ in 0..300 {
-        r.clock.advance(10_000);
-        r.engine.scan_step().unwrap();
-        r.engine.clock_step();
-        let cmds = r.engine.take_commands(r.vm);
-        if cmds.iter().any(|c| patch(c).is_some()) {
-            held = cmds;
-            break;
-        }
-        for c in cmds {
-            r.answer(c);
-        }
-        r.report();
-    }
-    let Some((g, f)) = held.iter().find_map(patch) else {
-        panic!("no patch queued");
-    };
+    let (mut r, held, g, f) = patch_under_way();
     r.engine.guest_categories(r.vm, &report(&[g.0])).unwrap();
     for c in &held {
         let o = r.agent.execute(c);
@@ -537,39 +509,11 @@ fn a_marked_page_is_neither_patched_nor_a_reference() {
 /// pass, up to 10 s later).
 #[test]
 fn a_page_marked_while_its_patch_is_under_way_and_lost_has_its_frame_withdrawn() {
-    use crate::engine::{Command, Outcome};
-    let near = |k: u32| {
-        let mut p = random(7);
-        p[2000] = k as u8;
-        p
-    };
-    let mut r = de_rig(near);
-    r.engine.guest_categories(r.vm, &report(&[])).unwrap();
-    let patch = |c: &Command| match *c {
-        Command::Stash { gfn, stash, .. } => stash.reference.map(|f| (gfn, f)),
-        _ => None,
-    };
-    let mut held = Vec::new();
-    for _ in 0..300 {
-        r.clock.advance(10_000);
-        r.engine.scan_step().unwrap();
-        r.engine.clock_step();
-        let cmds = r.engine.take_commands(r.vm);
-        if cmds.iter().any(|c| patch(c).is_some()) {
-            held = cmds;
-            break;
-        }
-        for c in cmds {
-            r.answer(c);
-        }
-        r.report();
-    }
-    let Some((g, f)) = held.iter().find_map(patch) else {
-        panic!("no patch queued");
-    };
+    use crate::engine::Outcome;
+    let (mut r, held, g, f) = patch_under_way();
     // The reference page lands on f; the patch's answer is lost.
     for c in &held {
-        if patch(c).is_some_and(|(h, _)| h == g) {
+        if patch_of(c).is_some_and(|(h, _)| h == g) {
             continue;
         }
         let o = r.agent.execute(c);
@@ -589,7 +533,9 @@ fn a_page_marked_while_its_patch_is_under_way_and_lost_has_its_frame_withdrawn()
         on_f.iter().all(|h| queued.contains(h)),
         "pages on {f} {on_f:?}, take-backs {queued:?}"
     );
-    let stash = held.iter().find(|c| patch(c).is_some_and(|(h, _)| h == g));
+    let stash = held
+        .iter()
+        .find(|c| patch_of(c).is_some_and(|(h, _)| h == g));
     r.engine.outcome(r.vm, stash.unwrap(), Outcome::Lost);
     r.engine.detach(r.vm);
     r.vm = r.reattach().unwrap();
@@ -607,4 +553,45 @@ fn a_page_marked_while_its_patch_is_under_way_and_lost_has_its_frame_withdrawn()
     for k in 0..8 {
         assert_eq!(r.agent.peek(Gfn(k)).unwrap().to_vec(), near(k));
     }
+}
+
+/// A DE rig of [`near`] pages with the commands of the first round that asks for a patch
+/// (page `g` against reference frame `f`) held unanswered (earlier rounds answered).
+fn patch_under_way() -> (Rig, Vec<crate::engine::Command>, Gfn, crate::ids::FrameId) {
+    let mut r = de_rig(near);
+    r.engine.guest_categories(r.vm, &report(&[])).unwrap();
+    let mut held = Vec::new();
+    for _ in 0..300 {
+        r.clock.advance(10_000);
+        r.engine.scan_step().unwrap();
+        r.engine.clock_step();
+        let cmds = r.engine.take_commands(r.vm);
+        if cmds.iter().any(|c| patch_of(c).is_some()) {
+            held = cmds;
+            break;
+        }
+        for c in cmds {
+            r.answer(c);
+        }
+        r.report();
+    }
+    let Some((g, f)) = held.iter().find_map(patch_of) else {
+        panic!("no patch queued");
+    };
+    (r, held, g, f)
+}
+
+/// The page and reference frame of a patch request.
+fn patch_of(c: &crate::engine::Command) -> Option<(Gfn, crate::ids::FrameId)> {
+    match *c {
+        crate::engine::Command::Stash { gfn, stash, .. } => stash.reference.map(|f| (gfn, f)),
+        _ => None,
+    }
+}
+
+/// Near-copies of one page that do not compress: page `k` of 0..8 of [`patch_under_way`].
+fn near(k: u32) -> Vec<u8> {
+    let mut p = random(7);
+    p[2000] = k as u8;
+    p
 }
