@@ -62,6 +62,10 @@ impl Agent {
         let mut delay = Duration::from_millis(1);
         let started = std::time::Instant::now();
         while let Err(e) = self.handle(ev) {
+            // Unplugged: `serve` detaches next, and closing the userfaultfd wakes it.
+            if self.gone.load(std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
             // A blob that no longer decodes to its page will not on a retry either.
             if e.kind() == io::ErrorKind::InvalidData {
                 self.fail_closed(&format!("fault {ev:?}: {e}"));

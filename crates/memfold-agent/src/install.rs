@@ -17,6 +17,10 @@ use memfold_sys::uffd::{self, Event};
 
 use crate::{Agent, PAGE};
 
+/// The helper's errno for a job not run: the region is being unmapped (`unplug.rs`).
+/// Neither `mremap` nor `madvise` fails with it.
+pub(crate) const GONE: i32 = libc::ENXIO;
+
 /// A mapping change made on the helper thread.
 pub(crate) enum Job {
     /// `mremap` `len` bytes from `src` onto `dst`.
@@ -65,6 +69,8 @@ impl Remapper {
         std::thread::Builder::new()
             .name("memfold-remap".into())
             .spawn(move || {
+                // Its mapping changes are the agent's, made under the gate (`unplug.rs`).
+                crate::ram_sends::mark_agent_thread();
                 for job in rx {
                     let errno = run_job(&job);
                     // SAFETY: writes 4 bytes from a local.
@@ -172,6 +178,9 @@ impl Agent {
         }
         // SAFETY: the failed move left the staging mapping in place.
         unsafe { libc::munmap(staging as *mut libc::c_void, len as usize) };
+        if errno == GONE {
+            return Err(crate::unplug::gone_error(dst));
+        }
         self.check_still_backed(dst, len, errno);
         Err(io::Error::other(format!(
             "mremap onto guest RAM at {dst:#x}: {}",
@@ -202,7 +211,8 @@ impl Agent {
         }
     }
 
-    /// Has the helper thread carry out `job` and returns its errno (0: done), reading the
+    /// Has the helper thread carry out `job` and returns its errno (0: done; [`GONE`]: not
+    /// run, the region is being unmapped by QEMU), reading the
     /// userfaultfd meanwhile (the helper waits for its own events to be read): faults and
     /// discarded ranges are kept in `deferred`, in order, for after the request (or, in
     /// `Agent::zap_shared`, after each chunk). Fails closed if the helper
@@ -217,6 +227,12 @@ impl Agent {
         let own: Vec<(u64, u64)> = match &job {
             Job::ZapFrames(r) => r.iter().map(|&(a, len)| (a, a + len)).collect(),
             _ => Vec::new(),
+        };
+        // Under the gate: QEMU unmapping the region waits for the job, and a job after
+        // QEMU began to unmap it is not run (`unplug.rs`).
+        let gate = self.managed.gate();
+        let Some(_held) = gate.enter() else {
+            return GONE;
         };
         if self.remapper.tx.send(job).is_err() {
             self.fail_closed(&format!("the remap thread is gone, before {what}"));
@@ -297,6 +313,11 @@ impl Agent {
     pub(crate) fn map_guest_range(&self, first: Gfn, n: usize) -> io::Result<()> {
         let addr = self.page_addr(first);
         let len = n as u64 * PAGE;
+        // Mapped and registered under the gate, or not at all (`unplug.rs`).
+        let gate = self.managed.gate();
+        let _held = gate
+            .enter()
+            .ok_or_else(|| crate::unplug::gone_error(addr))?;
         // SAFETY: replaces the agent-installed pool mappings of these guest pages by the
         // guest memfd pages that now hold the same bytes.
         let r = unsafe {

@@ -118,6 +118,7 @@ mod rbits;
 mod regions;
 mod requests;
 mod state;
+mod unplug;
 mod vmas;
 
 pub use config::{AgentConfig, ClockRBits, ConfigError, FailMode, PAGEMAP_CLOCK_LOG};
@@ -295,6 +296,8 @@ struct Agent {
     ram_bytes: u64,
     /// Set by the watcher when the region is unmapped (hot-unplug): the agent detaches.
     gone: GoneFlag,
+    /// The region's gate: the agent maps into it only while holding it (`unplug.rs`).
+    managed: unplug::Managed,
     /// The guest RAM memfd.
     memfd: OwnedFd,
     uffd: Uffd,
@@ -611,6 +614,7 @@ fn run_region(
     // memfold-blk or nowhere while the region is managed (`ram_sends`).
     ram_sends::mark_agent_thread();
     let _managed = ram_sends::manage(ram_id, &cfg.name);
+    let managed = unplug::manage(base, bytes, std::sync::Arc::clone(&gone))?;
     // SAFETY: guest RAM is QEMU's shared memfd mapping, which this process touches only
     // through raw addresses (QEMU's vCPUs and devices), never through Rust references; the
     // agent thread that answers its faults never touches it through the mapping. The
@@ -629,6 +633,7 @@ fn run_region(
         base,
         ram_bytes: bytes,
         gone,
+        managed,
         memfd,
         uffd,
         pool: None,
@@ -653,9 +658,9 @@ fn run_region(
     // pool) must outlive failing closed, or write-protection would be gone.
     let why = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| agent.serve())) {
         Ok(e) if agent.gone.load(std::sync::atomic::Ordering::SeqCst) => {
-            // memfoldd is told why the connection closes: a region released, not a QEMU
-            // gone (it checks that in /proc too before it lets the guest go).
-            // Best effort, after what waits: never blocks on a memfoldd that does not read.
+            // Once nothing of it is mapped, memfoldd is told why the connection closes: a
+            // region released, not a QEMU gone (it checks /proc too); best effort.
+            agent.await_unmapped();
             agent.send_to_memfoldd(memfold_wire::ToDaemon::RegionUnmapped);
             return Err(io::Error::other(format!(
                 "guest RAM region {} was unmapped (hot-unplug): detached ({e})",

@@ -53,6 +53,11 @@ pub(crate) fn mark_agent_thread() {
     AGENT_THREAD.with(|a| a.set(true));
 }
 
+/// Whether the calling thread is an agent's ([`mark_agent_thread`]).
+pub(crate) fn is_agent_thread() -> bool {
+    AGENT_THREAD.try_with(Cell::get).unwrap_or(false)
+}
+
 /// A region recorded as managed until this is dropped.
 pub(crate) struct Managed {
     id: (u64, u64),
@@ -112,7 +117,7 @@ pub unsafe extern "C" fn sendmsg(
         && !msg.is_null()
         // SAFETY: `msg` is valid (the caller's contract).
         && unsafe { (*msg).msg_controllen } > 0
-        && !AGENT_THREAD.try_with(Cell::get).unwrap_or(false)
+        && !is_agent_thread()
     {
         // SAFETY: as above.
         if let Err(why) = unsafe { may_send(fd, msg) } {

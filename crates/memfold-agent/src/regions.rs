@@ -344,6 +344,24 @@ pub(crate) fn note_pool(inode: u64) {
     }
 }
 
+/// Whether anything of the region `[base, end)` of memfd inode `inode` is still mapped
+/// in its range, as the watcher looks ([`Watched::mapped`]); `true` if
+/// `/proc/self/maps` cannot be read.
+pub(crate) fn still_mapped(base: u64, end: u64, inode: u64) -> bool {
+    let Ok(text) = std::fs::read_to_string("/proc/self/maps") else {
+        return true;
+    };
+    let pools = POOLS.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let w = Watched {
+        inode,
+        base,
+        end,
+        missing_once: false,
+        gone: GoneFlag::default(),
+    };
+    w.mapped(&parse_maps(&text), &pools)
+}
+
 /// A region the watcher watches.
 #[derive(Clone)]
 struct Watched {
@@ -416,6 +434,8 @@ impl Watch {
     /// `/proc/self/maps` cannot be read.
     pub(crate) fn watch(&self) {
         use std::sync::atomic::Ordering;
+        // Its unmaps (none so far) are the agent's own (`unplug.rs`).
+        crate::ram_sends::mark_agent_thread();
         let mut refused: std::collections::BTreeSet<u64> = Default::default();
         loop {
             std::thread::sleep(WATCH_PERIOD);
