@@ -178,10 +178,9 @@ impl Agent {
         }
         // SAFETY: the failed move left the staging mapping in place.
         unsafe { libc::munmap(staging as *mut libc::c_void, len as usize) };
-        if errno == GONE {
+        if errno == GONE || !self.check_still_backed(dst, len, errno) {
             return Err(crate::unplug::gone_error(dst));
         }
-        self.check_still_backed(dst, len, errno);
         Err(io::Error::other(format!(
             "mremap onto guest RAM at {dst:#x}: {}",
             io::Error::from_raw_os_error(errno)
@@ -190,7 +189,13 @@ impl Agent {
 
     /// After a move onto `dst` failed with `errno`: fails closed unless guest RAM's memfd
     /// still backs all of `[dst, dst + len)` at its own offsets ([`Agent::install`]).
-    fn check_still_backed(&self, dst: u64, len: u64, errno: i32) {
+    /// Looked at under the gate; returns false, looking at nothing, if the region is gone
+    /// (QEMU unplugging it: a detach, not a hole to fail closed on).
+    fn check_still_backed(&self, dst: u64, len: u64, errno: i32) -> bool {
+        let gate = self.managed.gate();
+        let Some(_held) = gate.enter() else {
+            return false;
+        };
         let ino = rustix::fs::fstat(&self.memfd).map(|st| st.st_ino);
         let maps = std::fs::read_to_string("/proc/self/maps");
         let backed = match (ino, maps) {
@@ -209,6 +214,7 @@ impl Agent {
                 io::Error::from_raw_os_error(errno)
             ));
         }
+        true
     }
 
     /// Has the helper thread carry out `job` and returns its errno (0: done; [`GONE`]: not

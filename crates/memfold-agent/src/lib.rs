@@ -615,11 +615,7 @@ fn run_region(
     ram_sends::mark_agent_thread();
     let _managed = ram_sends::manage(ram_id, &cfg.name);
     let managed = unplug::manage(base, bytes, std::sync::Arc::clone(&gone))?;
-    // SAFETY: guest RAM is QEMU's shared memfd mapping, which this process touches only
-    // through raw addresses (QEMU's vCPUs and devices), never through Rust references; the
-    // agent thread that answers its faults never touches it through the mapping. The
-    // range is this region's alone: no other agent registers it (one agent per memfd).
-    unsafe { uffd.register(base, bytes, rbits::ram_mode(rbits.as_ref())) }?;
+    managed.register(&uffd, rbits::ram_mode(rbits.as_ref()), memfd.as_fd())?;
     // Leave QEMU room for its own mappings (threads, libraries, TCG buffers). The count
     // of mappings it is checked against is the whole process's (`vmas::PROCESS`), so the
     // agents of several regions share one budget.

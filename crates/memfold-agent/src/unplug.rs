@@ -85,6 +85,36 @@ impl Managed {
     pub(crate) fn gate(&self) -> Arc<Gate> {
         Arc::clone(&self.0)
     }
+
+    /// Registers the region with `uffd` (`mode`) under its gate, once `/proc/self/maps`
+    /// shows guest RAM's `memfd` still backing all of it: QEMU may have unmapped it after
+    /// the look that found it and before [`manage`] made its gate (no gate to close
+    /// then), and mapped something else there.
+    ///
+    /// Errors: the region is gone or no longer backed by its memfd (unplugged
+    /// meanwhile), `/proc/self/maps` unreadable, the registration's.
+    pub(crate) fn register(
+        &self,
+        uffd: &memfold_sys::uffd::Uffd,
+        mode: u64,
+        memfd: std::os::fd::BorrowedFd<'_>,
+    ) -> std::io::Result<()> {
+        let gate = &self.0;
+        let (base, len) = (gate.base, gate.end - gate.base);
+        let _held = gate.enter().ok_or_else(|| gone_error(base))?;
+        let ino = rustix::fs::fstat(memfd)?.st_ino;
+        let maps = crate::regions::parse_maps(&std::fs::read_to_string("/proc/self/maps")?);
+        if !crate::regions::backed_by(&maps, ino, base, len, 0) {
+            return Err(gone_error(base));
+        }
+        // SAFETY: guest RAM is QEMU's shared memfd mapping (just checked, under the gate:
+        // QEMU cannot change it meanwhile), which this process touches only through raw
+        // addresses (QEMU's vCPUs and devices), never through Rust references; the agent
+        // thread that answers its faults never touches it through the mapping. The range
+        // is this region's alone: no other agent registers it (one agent per memfd).
+        unsafe { uffd.register(base, len, mode) }?;
+        Ok(())
+    }
 }
 
 /// Records `[base, base + bytes)` as managed, with the region's gone flag.
