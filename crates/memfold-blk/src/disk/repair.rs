@@ -66,14 +66,9 @@ pub(super) fn mark(overlay: &Path) -> Result<(), DiskError> {
     let path = dirty_path(overlay);
     let err = marker_err(&path, overlay);
     // The overlay's lock keeps a second writer out; a link planted at the marker's name
-    // is not written through, a FIFO not waited on.
-    let opened = super::stamp::open_regular(
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true),
-        &path,
-    );
+    // is neither written through nor emptied, a FIFO not waited on. Made anew: the
+    // repair (if one was due) is done, and nothing is written before the marker is back.
+    let opened = super::stamp::create_fresh(&path);
     let mut f = match opened {
         // A folder the device may not write (a pre-provisioned image, a confining profile
         // that allows the image alone): served as before markers existed, as the stamp

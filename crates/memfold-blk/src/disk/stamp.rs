@@ -83,6 +83,21 @@ pub(super) fn open_regular(opts: &mut OpenOptions, path: &Path) -> std::io::Resu
     Ok(f)
 }
 
+/// A new, empty regular file at `path`, to write: the name removed first (whatever was
+/// there), then created with `O_EXCL` ([`open_regular`]'s flags too). Truncating what is
+/// there instead would empty the file a hard link planted at the name points to (the
+/// base, say): `O_NOFOLLOW` stops symbolic links only, and `O_TRUNC` acts at the open,
+/// before any check. A file put back at the name in between fails the create.
+///
+/// Errors: the removal's (other than not found) or the create's.
+pub(super) fn create_fresh(path: &Path) -> std::io::Result<File> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    open_regular(OpenOptions::new().write(true).create_new(true), path)
+}
+
 /// The text of the stamp file at `path`, at most [`STAMP_MAX`] bytes of it; `None` if
 /// there is none.
 ///
@@ -305,12 +320,8 @@ pub(super) fn write(base: &BaseStamp, file: &File, overlay: &Path) -> Result<(),
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
     // The overlay's lock keeps a second writer out; a link planted at the temporary name
-    // is not written through, a FIFO not waited on.
-    let mut f = open_regular(
-        OpenOptions::new().write(true).create(true).truncate(true),
-        &tmp,
-    )
-    .map_err(stamp_err)?;
+    // is neither written through nor emptied, a FIFO not waited on.
+    let mut f = create_fresh(&tmp).map_err(stamp_err)?;
     f.write_all(rec.text().as_bytes()).map_err(stamp_err)?;
     f.sync_all().map_err(stamp_err)?;
     drop(f);
