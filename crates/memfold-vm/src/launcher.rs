@@ -530,7 +530,7 @@ impl Guest {
 
     /// Self-check failures: the mismatches the guest reported on its console (lines with
     /// `MEMFOLD-MISMATCH`), then a line `MEMFOLD-SELF-CHECK-STALLED: …` if its self-check
-    /// went [`SELF_CHECK_STALL`] or longer without a new pass after it was ready, as seen
+    /// went [`SELF_CHECK_STALL`] or longer without a new pass after its first, as seen
     /// by the looks so far (this one and every [`Guest::check_alive`]): a run that looks
     /// every second sees a stall to the second.
     pub fn mismatches(&self) -> Vec<String> {
