@@ -71,8 +71,10 @@ impl Engine {
     /// rest wait for the next pass.
     /// All are booked to the marking guest (`never_share_takebacks`).
     ///
-    /// A page with a request under way is on no frame yet: it is taken back when the
-    /// request lands ([`Engine::never_share_landed`]), marked or a partner.
+    /// A page with a request under way is taken back when the request lands
+    /// ([`Engine::never_share_landed`]), marked or a partner; a marked one's reference
+    /// frame (a patch being stored or moved) is withdrawn at once all the same, for an
+    /// answer lost never lands.
     pub(crate) fn take_back_never_share(&mut self, id: VmId) -> u32 {
         let Some(v) = self.vms.get(&id) else {
             return 0;
@@ -83,9 +85,13 @@ impl Engine {
         let mut new_frames: Vec<FrameId> = Vec::new();
         let mut own: Vec<Gfn> = Vec::new();
         for g in map.never_share_pages() {
-            if let Some(f) = self.sharing_frame(v.domain, v.state(g)) {
+            let s = v.state(g);
+            if let Some(f) = self.sharing_frame(v.domain, s) {
                 new_frames.push(f);
-                own.push(g);
+                // In flight: its take-back is queued when it lands (once, not twice).
+                if !in_flight(s) {
+                    own.push(g);
+                }
             }
         }
         self.take_back_marked(id, &own, new_frames)
@@ -204,7 +210,8 @@ impl Engine {
                 for g in (0..v.pages()).map(Gfn).filter(|g| !queued.contains(g)) {
                     // Pages in flight are passed over: each is taken back if it lands
                     // on the frame (`never_share_landed`).
-                    let on = self.sharing_frame(d, v.state(g));
+                    let s = v.state(g);
+                    let on = self.sharing_frame(d, s).filter(|_| !in_flight(s));
                     if on.is_some_and(|f| withdrawn.contains(&f)) {
                         if partners.len() >= MAX_PARTNER_TAKEBACKS {
                             break 'guests;
@@ -254,6 +261,12 @@ impl Engine {
     pub(crate) fn withdrawn(&self, d: DomainId, f: FrameId) -> bool {
         self.domain(d).withdrawn.contains(&f)
     }
+}
+
+/// Whether a page in state `s` has a store or move under way, whose landing takes it
+/// back if it must be ([`Engine::never_share_landed`]).
+fn in_flight(s: PageState) -> bool {
+    matches!(s, PageState::Stashing(_) | PageState::Moving(_))
 }
 
 /// Least time between two passes over a domain's guests taking back the pages on its
