@@ -3,12 +3,15 @@
 //! clock slices and the Difference Engine, commands delivered late or refused, answers
 //! lost with their connection or held back behind the events that followed them (a
 //! misbehaving agent's order), re-attaches, memfoldd restarts that adopt the pool, guests
-//! created and destroyed, and injected pool, store and swap failures. After every step:
+//! created and destroyed, never-share guests and pages, and injected failures of pool,
+//! store and swap writes, swap syncs, growth and memfoldd's reads. After every step:
 //! every page reads as the model says, every invariant holds (reference counts =
 //! mappings + patch references, pending counts = requests, no leaked frame, blob or slot,
-//! the books agree with the pages), and no frame or blob an agent relies on is freed.
-//! At the end every page is booked where its agent keeps it, every guest is removed and
-//! nothing may remain.
+//! the books agree with the pages), no frame or blob an agent relies on is freed, every
+//! page of a guest whose answers and events are all in is booked where its agent keeps
+//! it, and no pool or blob write error is counted without a fault injected. At the end
+//! every page is booked where its agent keeps it, every guest is removed and nothing may
+//! remain.
 //!
 //! The long variant runs 10^7 operations (not in CI):
 //! `MEMFOLD_MODEL_OPS=10000000 cargo test --release -p memfold-core --test reference_model -- --ignored --nocapture`
@@ -16,8 +19,8 @@
 mod model;
 
 use model::{
-    free_race_burst, free_round_burst, random_free_op, random_op, random_setup, Content, Harness,
-    Op, Setup,
+    early_burst, free_race_burst, free_round_burst, random_free_op, random_op, random_setup,
+    Content, Harness, Op, Setup,
 };
 use proptest::prelude::*;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
@@ -47,17 +50,18 @@ fn op() -> impl Strategy<Value = Op> {
         22 => (0u32..1500).prop_map(|advance_ms| Op::Step { advance_ms }),
         22 => (any::<u32>(), 1u8..64, prop::bool::weighted(0.05), prop::bool::weighted(0.1)).prop_map(|(vm, n, refuse, hold)| Op::Deliver { vm, n, refuse, hold }),
         10 => any::<u32>().prop_map(|vm| Op::Report { vm }),
+        2 => (any::<u32>(), any::<u64>()).prop_map(|(vm, seed)| Op::TouchHeld { vm, seed }),
         3 => (any::<u32>(), any::<u64>()).prop_map(|(vm, seed)| Op::Disconnect { vm, seed }),
         3 => (vg, 1u8..9).prop_map(|((vm, gfn), n)| Op::Free { vm, gfn, n }),
         3 => (vg, 1u8..9, prop::bool::weighted(0.7)).prop_map(|((vm, gfn), n, on)| Op::Mark { vm, gfn, n, on }),
-        3 => any::<u32>().prop_map(|vm| Op::GuestSample { vm }),
+        3 => (any::<u32>(), any::<u64>()).prop_map(|(vm, seed)| Op::GuestSample { vm, seed }),
         3 => any::<u32>().prop_map(|vm| Op::GuestReport { vm }),
         1 => any::<u32>().prop_map(|vm| Op::Poison { vm }),
         2 => (any::<u32>(), 0u8..12).prop_map(|(vm, pct)| Op::Waited { vm, pct }),
         1 => (any::<u32>(), prop::bool::weighted(0.6)).prop_map(|(vm, out)| Op::OptOut { vm, out }),
         3 => any::<u32>().prop_map(|vm| Op::Reattach { vm }),
         1 => any::<u64>().prop_map(|seed| Op::Restart { seed }),
-        2 => (0u8..4, prop::bool::weighted(0.3)).prop_map(|(which, on)| Op::Fail { which, on }),
+        2 => (0u8..6).prop_flat_map(|which| prop::bool::weighted(if which == 5 { 0.15 } else { 0.3 }).prop_map(move |on| Op::Fail { which, on })),
         1 => (any::<bool>(), any::<u64>(), 0u8..8).prop_map(|(swap, at, bit)| Op::Corrupt { swap, at, bit }),
     ]
 }
@@ -73,6 +77,7 @@ fn setup() -> impl Strategy<Value = Setup> {
         prop_oneof![Just(0u32), Just(50), Just(1000)],
         prop::bool::weighted(0.2),
         1u8..=3,
+        prop::bool::weighted(0.25),
     )
         .prop_map(
             |(
@@ -85,6 +90,7 @@ fn setup() -> impl Strategy<Value = Setup> {
                 rate,
                 collide_hashes,
                 domains,
+                never_share_guests,
             )| Setup {
                 zero,
                 policy,
@@ -95,6 +101,7 @@ fn setup() -> impl Strategy<Value = Setup> {
                 rate,
                 collide_hashes,
                 domains,
+                never_share_guests,
             },
         )
 }
@@ -209,8 +216,8 @@ fn engine_matches_reference_model_long() {
 }
 
 /// What the long run samples, largest value seen: each must be reached (> 0). All but
-/// the last two are one guest's cumulative counters ([`memfold_core::engine::VmBooks`]).
-const SEEN: [&str; 23] = [
+/// the last five are one guest's cumulative counters ([`memfold_core::engine::VmBooks`]).
+const SEEN: [&str; 26] = [
     "shares",
     "reclaims",
     "patches",
@@ -236,6 +243,11 @@ const SEEN: [&str; 23] = [
     "frame page-outs",
     // Agents' events that arrived while a request about their page was in flight.
     "events in flight",
+    // Attaches beside a never-share guest, refused.
+    "never-share attaches refused",
+    // The engine's reads and growths of backings failed (injected).
+    "reads failed",
+    "growths failed",
 ];
 
 /// `total` operations over runs of `total / runs` each, every step verified; each run
@@ -257,12 +269,16 @@ fn long_run(total: u64, runs: u64) {
         // Bursts drawn apart, so that the random ops between them stay what they were.
         let mut bursts = SmallRng::seed_from_u64(0x6275_0000 + run_no);
         for n in 0..per {
-            // Now and then a free-page discard's round, whole (`free_round_burst`).
-            if n % 200 == 100 {
-                for op in free_round_burst(&mut bursts) {
-                    if let Err(e) = h.step(&op).and_then(|_| h.verify_all()) {
-                        panic!("run {run_no} step {n} ({op:?}): {e}\nsetup: {setup:?}");
-                    }
+            // Now and then a free-page discard's round, whole (`free_round_burst`), or
+            // events before their answers (`early_burst`).
+            let burst = match n % 200 {
+                100 => free_round_burst(&mut bursts),
+                0 => early_burst(&mut bursts),
+                _ => Vec::new(),
+            };
+            for op in burst {
+                if let Err(e) = h.step(&op).and_then(|_| h.verify_all()) {
+                    panic!("run {run_no} step {n} ({op:?}): {e}\nsetup: {setup:?}");
                 }
             }
             let op = random_op(&mut rng);
@@ -345,8 +361,15 @@ fn sample(h: &Harness, seen: &mut [u64; SEEN.len()]) {
             *s = (*s).max(c);
         }
     }
-    let engine = [books.frame_page_outs, h.events_in_flight];
-    for (s, c) in seen[SEEN.len() - 2..].iter_mut().zip(engine) {
+    let [reads, growths] = h.failed();
+    let engine = [
+        books.frame_page_outs,
+        h.events_in_flight,
+        h.refused_beside,
+        reads,
+        growths,
+    ];
+    for (s, c) in seen[SEEN.len() - engine.len()..].iter_mut().zip(engine) {
         *s = (*s).max(c);
     }
 }

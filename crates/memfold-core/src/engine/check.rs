@@ -375,11 +375,13 @@ impl Engine {
                 in_use += dom.frames.is_used(f) as u32;
                 // A used frame of zeros is the zero frame: pages on any other would earn
                 // entitlement for zeros (Satori §4.2) and miss the zero books. (A frame
-                // pinned only by an adoption is not read yet: its hash means nothing.)
+                // pinned only by an adoption is not read yet, and one withdrawn because it
+                // could not be read at the adoption never was: their hashes mean nothing.)
                 let pinned_only = dom.frames.is_adopted(f)
                     && dom.frames.refcount(f) == 0
                     && dom.frames.pending(f) == 0;
-                if dom.frames.is_used(f) && !pinned_only && dom.frames.hash(f) == self.zero_hash {
+                let unread = pinned_only || dom.withdrawn.contains(&f);
+                if dom.frames.is_used(f) && !unread && dom.frames.hash(f) == self.zero_hash {
                     let mut frame = [0u8; crate::PAGE_SIZE];
                     if dom.pool.read(f.offset(), &mut frame).is_ok()
                         && crate::is_zero_page(&frame)

@@ -285,6 +285,15 @@ impl Engine {
             }
             // To the agent a page shared without a mapping is stashed too.
             (PageState::Unmapped(_), Outcome::Done) => (false, self.take_unmapped(id, g).is_some()),
+            // It left its frame or blob before the agent's watch (a take-back, a write or a
+            // read: that event came first and booked it private), and the agent discarded
+            // the private page it then was, unwritten since the watch: a hole now.
+            (PageState::Private, Outcome::Done) => {
+                let v = self.vms.get_mut(&id).expect("checked");
+                v.set_free_hole(g);
+                v.books.free_discards += 1;
+                return;
+            }
             _ => return,
         };
         if shared || stored {

@@ -8,6 +8,7 @@ use memfold_core::ids::Gfn;
 use memfold_core::p2m::PageState;
 use memfold_core::sim::Home;
 use memfold_core::PAGE_SIZE;
+use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 use super::{Harness, ModelVm};
 
@@ -73,27 +74,42 @@ impl Harness {
         }
     }
 
-    /// memfold-guest samples the guest's free pages now (each a free buddy block of one
-    /// frame), the answer in flight.
-    pub(super) fn guest_sample(&mut self, vm: u32) {
+    /// memfold-guest samples the guest's pages now, the answer in flight: free pages in
+    /// the buddy allocator (now and then not seen there: never discarded then), the others
+    /// of any category and LRU bits, in runs of up to 8 pages alike (drawn from `seed`), a
+    /// run now and then left out (unknown, its marks with it).
+    pub(super) fn guest_sample(&mut self, vm: u32, seed: u64) {
         if let Some(i) = self.pick(vm) {
+            let mut rng = SmallRng::seed_from_u64(seed);
             let v = &mut self.vms[i];
-            let runs = (0..v.agent.pages())
-                .map(|g| {
-                    let free = v.free[g as usize];
-                    CategoryRun {
-                        first: Gfn(g),
-                        count: 1,
-                        info: PageInfo {
-                            category: if free { Category::Free } else { Category::Anon },
-                            active: false,
-                            referenced: false,
-                            buddy: free,
-                            never_share: v.never[g as usize],
-                        },
-                    }
-                })
-                .collect::<Vec<_>>();
+            let (mut runs, pages) = (Vec::new(), v.agent.pages() as usize);
+            let mut g = 0;
+            while g < pages {
+                let (free, never) = (v.free[g], v.never[g]);
+                let buddy = free && rng.gen_bool(0.9);
+                let info = PageInfo {
+                    // Free only in the buddy allocator or a per-CPU list (never discarded).
+                    category: if buddy {
+                        Category::Free
+                    } else {
+                        Category::ALL[rng.gen_range(0..Category::ALL.len())]
+                    },
+                    active: rng.gen_bool(0.3),
+                    referenced: rng.gen_bool(0.5),
+                    buddy,
+                    never_share: never,
+                };
+                let alike = |k: usize| v.free[k] == free && v.never[k] == never;
+                let most = (g + rng.gen_range(1..=8)).min(pages);
+                let end = (g + 1..most).find(|&k| !alike(k)).unwrap_or(most);
+                runs.push(CategoryRun {
+                    first: Gfn(g as u32),
+                    count: (end - g) as u32,
+                    info,
+                });
+                g = end;
+            }
+            runs.retain(|_| rng.gen_bool(0.95));
             // Asked for now: after the round armed now, if any (as memfoldd's guest
             // channel notes when each round armed).
             let after = v.id.and_then(|id| self.engine.watch_armed(id));
@@ -110,6 +126,8 @@ impl Harness {
                 if self.engine.guest_categories(id, &runs).is_ok() {
                     // What each marked page may still be mapped onto: its frame now, or
                     // the one a share under way puts it on (taken back at a later report).
+                    // A page no run covers is unknown: not marked.
+                    v.marked.iter_mut().for_each(|m| *m = None);
                     for r in &runs {
                         for k in 0..r.count {
                             let g = Gfn(r.first.0 + k);
@@ -123,8 +141,11 @@ impl Harness {
                                 {
                                     f.push(x);
                                 }
-                                if let Home::Frame(x) = v.agent.home(g) {
-                                    f.push(x);
+                                match v.agent.home(g) {
+                                    Home::Frame(x) => f.push(x),
+                                    // A patch against it, until its take-back.
+                                    Home::Stashed(st) => f.extend(st.reference),
+                                    _ => {}
                                 }
                                 // A stash under way may end unmapped onto a frame the
                                 // model cannot see (taken back at a later report).

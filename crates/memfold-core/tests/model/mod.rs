@@ -4,21 +4,22 @@
 //! connection; agents re-attach; memfoldd restarts and adopts the pool. After every step
 //! each guest page must read as the model says, the engine's invariants must hold, and
 //! every frame or blob an agent relies on must still be held by the engine. The operations
-//! and setups it draws from are in `ops.rs`.
+//! and setups it draws from are in `ops.rs`, what each does in `apply.rs`, the checks in
+//! `verify.rs`.
 
 #![allow(dead_code)]
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 
 use std::collections::BTreeMap;
 
-use memfold_core::backing::mem::{ManualClock, MemBacking, MemGuestRam};
-use memfold_core::backing::{Backing, Clock};
+use memfold_core::backing::mem::{ManualClock, MemBacking};
+use memfold_core::backing::Backing;
 use memfold_core::categories::CategoryRun;
 use memfold_core::engine::free_discard::WatchRound;
-use memfold_core::engine::{Attach, Command, CompressBacking, Outcome};
-use memfold_core::ids::{BaseBlock, DiskId, DomainId, FillId, FrameId, Gfn, VmId};
-use memfold_core::p2m::PageState;
+use memfold_core::engine::{Attach, Command, CompressBacking, Outcome, Sharing};
+use memfold_core::ids::{DiskId, DomainId, FillId, FrameId, Gfn, VmId};
 use memfold_core::sim::{Event, Home, Shared, SimAgent};
 use memfold_core::{
     CompressCodec, Engine, EngineConfig, Page, PatchCodec, Policy, ZeroPolicy, PAGE_SIZE,
@@ -26,10 +27,15 @@ use memfold_core::{
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 mod agree;
+mod alone;
+mod apply;
+mod backing;
 mod confirm;
 mod coverage;
 mod free;
 mod ops;
+mod verify;
+use backing::EngineFaults;
 use free::guest_write;
 pub use ops::*;
 
@@ -37,10 +43,15 @@ pub use ops::*;
 /// page after every step.
 const MAX_VMS: usize = 5;
 
+/// Never-share guests' domains: this plus their pid (past the shared domains, 0..3).
+const ALONE_DOMAINS: u32 = 1000;
+
 struct ModelVm {
     /// The engine's id (a new engine gives new ids).
     id: Option<VmId>,
     pid: u32,
+    /// A never-share guest ([`Setup::never_share_guests`]), in a domain of its own.
+    alone: bool,
     agent: SimAgent,
     model: Vec<Box<Page>>,
     /// Commands sent and not answered.
@@ -75,6 +86,11 @@ struct ModelVm {
     /// read other bytes; any other page's error is a bug. A new store at the re-attach
     /// clears them.
     flips: Vec<(memfold_core::blobs::BlobHome, u64)>,
+    /// A page-in it reported before its page-out's answer, since it attached: the engine
+    /// may take it for an older page-out's whose answer was lost and book the page out
+    /// while it is in RAM (`engine/early.rs`'s one exception, a lying agent's cost), until
+    /// the agent attaches again.
+    page_out_in_doubt: bool,
 }
 
 /// Whether page `g` of guest `v` is stashed in a blob that covers a byte `Op::Corrupt`
@@ -142,6 +158,11 @@ pub struct Harness {
     pools: BTreeMap<DomainId, MemBacking>,
     /// Injected faults: pool writes, store writes, swap writes, swap syncs fail.
     faults: [bool; 4],
+    /// Injected faults of the engine's own handles: growth and reads fail.
+    engine_faults: EngineFaults,
+    /// The engine's [pool errors, blob write errors] at the last check, and whether a
+    /// fault that causes each was injected at some time since ([`Harness::no_errors`]).
+    errors: Cell<([u64; 2], [bool; 2])>,
     vms: Vec<ModelVm>,
     next_pid: u32,
     pub steps: u64,
@@ -151,6 +172,8 @@ pub struct Harness {
     /// Agents' events that reached the engine while a request about their page was in
     /// flight ([`Harness::count_event`]).
     pub events_in_flight: u64,
+    /// Attaches beside a never-share guest the engine refused ([`Harness::refused_beside`]).
+    pub refused_beside: u64,
 }
 
 fn config(s: &Setup) -> EngineConfig {
@@ -220,17 +243,24 @@ impl Harness {
             clock,
             pools: BTreeMap::new(),
             faults: [false; 4],
+            engine_faults: EngineFaults::default(),
+            errors: Cell::default(),
             vms: Vec::new(),
             next_pid: 100,
             steps: 0,
             next_fill: 0,
             fill_counts: [0; 3],
             events_in_flight: 0,
+            refused_beside: 0,
         }
     }
 
-    fn domain_of(&self, pid: u32) -> DomainId {
-        DomainId(pid % self.setup.domains.max(1) as u32)
+    fn domain_of(&self, v: &ModelVm) -> DomainId {
+        if v.alone {
+            DomainId(ALONE_DOMAINS + v.pid)
+        } else {
+            DomainId(v.pid % self.setup.domains.max(1) as u32)
+        }
     }
 
     /// A new backing with the faults injected now.
@@ -248,7 +278,7 @@ impl Harness {
     fn hand_out(&mut self, d: DomainId) -> Shared {
         if !self.engine.has_domain(d) {
             let pool = self.backing(0);
-            self.engine.add_domain(d, Box::new(pool.clone()));
+            self.engine.add_domain(d, self.engine_faults.backing(&pool));
             self.pools.insert(d, pool);
         }
         Shared {
@@ -264,7 +294,7 @@ impl Harness {
             let all = self
                 .vms
                 .iter()
-                .filter(|v| self.domain_of(v.pid) == d)
+                .filter(|v| self.domain_of(v) == d)
                 .all(|v| v.connected);
             if all && self.engine.adoption_pending(d) {
                 self.engine.end_adoption(d);
@@ -309,8 +339,12 @@ impl Harness {
             }
             Err(e) => return Err(e),
         };
+        // A guest new to this engine: first, an attach beside a never-share guest fails.
+        if self.vms[i].id.is_none() {
+            self.refused_beside(i)?;
+        }
         // A new store and swap file replace the old ones once the stashed pages are home.
-        let d = self.domain_of(self.vms[i].pid);
+        let d = self.domain_of(&self.vms[i]);
         let shared = self.hand_out(d);
         let with_swap = self.setup.budget_pages.is_some();
         let v = &mut self.vms[i];
@@ -322,12 +356,16 @@ impl Harness {
                 name: format!("g{}", v.pid),
                 pid: v.pid,
                 pages: v.agent.pages(),
-                ram: Box::new(v.agent.ram.clone()),
+                ram: self.engine_faults.ram(&v.agent.ram),
                 mapped,
                 domain: d,
-                store: Box::new(shared.store),
-                swap: with_swap.then(|| Box::new(shared.swap) as Box<dyn Backing>),
-                sharing: Default::default(),
+                store: self.engine_faults.backing(&shared.store),
+                swap: with_swap.then(|| self.engine_faults.backing(&shared.swap)),
+                sharing: if v.alone {
+                    Sharing::NeverShare
+                } else {
+                    Sharing::Domain
+                },
             })
             .map_err(|e| e.to_string())?;
         // A guest new to this engine (created, or after a restart) has no marks until its
@@ -337,6 +375,7 @@ impl Harness {
         }
         v.id = Some(id);
         v.connected = true;
+        v.page_out_in_doubt = false;
         self.end_adoptions();
         Ok(())
     }
@@ -364,7 +403,9 @@ impl Harness {
     }
 
     pub fn step(&mut self, op: &Op) -> Result<(), String> {
+        self.note_faults();
         self.apply(op)?;
+        self.note_faults();
         self.pump_fills()
     }
 
@@ -402,382 +443,6 @@ impl Harness {
         Ok(())
     }
 
-    fn apply(&mut self, op: &Op) -> Result<(), String> {
-        self.steps += 1;
-        match *op {
-            Op::CreateVm { pages } => {
-                if self.vms.len() >= MAX_VMS {
-                    return Ok(());
-                }
-                let pages = pages.clamp(1, 64);
-                let ram = MemGuestRam::new(pages);
-                let mut agent = SimAgent::new(ram, pages, Shared::default());
-                // The agent's VMA budget in half the setups: 2–9 pages on frames, so that
-                // shares are refused and mapped shares are unmapped under pressure.
-                agent.frame_budget = (self.setup.patch_codec / 8 % 2 == 0)
-                    .then_some(2 + (self.setup.compress_codec as usize / 8) % 8);
-                self.next_pid += 1;
-                self.vms.push(ModelVm {
-                    id: None,
-                    pid: self.next_pid,
-                    agent,
-                    model: (0..pages).map(|_| Box::new([0u8; PAGE_SIZE])).collect(),
-                    wire: VecDeque::new(),
-                    held: Vec::new(),
-                    connected: false,
-                    fills: Vec::new(),
-                    free: vec![false; pages as usize],
-                    may_zero: vec![false; pages as usize],
-                    poison: false,
-                    sample: None,
-                    never: vec![false; pages as usize],
-                    marked: vec![None; pages as usize],
-                    flips: Vec::new(),
-                });
-                self.attach(self.vms.len() - 1)?;
-            }
-            Op::DestroyVm { vm } => {
-                if let Some(i) = self.pick(vm) {
-                    self.exit(i);
-                    self.end_adoptions();
-                }
-            }
-            Op::WritePage { vm, gfn, content } => {
-                if let Some(i) = self.pick(vm) {
-                    let v = &mut self.vms[i];
-                    let g = gfn % v.agent.pages();
-                    if fill_busy(v, Gfn(g)) {
-                        return Ok(());
-                    }
-                    let p = content.render();
-                    match guest_write(v, Gfn(g), 0, &p[..]) {
-                        Ok(()) => v.model[g as usize] = p,
-                        Err(_) if flipped(v, Gfn(g)) => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-            }
-            Op::ReadLanded { vm, gfn, n, block } => {
-                if let Some(i) = self.pick(vm) {
-                    let v = &mut self.vms[i];
-                    let pages = v.agent.pages();
-                    let mut landed = Vec::new();
-                    for k in 0..n as u32 {
-                        let g = (gfn % pages + k) % pages;
-                        if fill_busy(v, Gfn(g)) {
-                            continue;
-                        }
-                        // One read in three: the guest overwrote its first page with its
-                        // own bytes before memfoldd looked (the same bytes in every guest
-                        // that does, so they share): that block must never be taken as
-                        // held.
-                        let forged = gfn % 3 == 0 && k == 0;
-                        let p = if forged {
-                            Content::Similar(block, 77).render()
-                        } else {
-                            Content::Base(block.wrapping_add(k as u8)).render()
-                        };
-                        match guest_write(v, Gfn(g), 0, &p[..]) {
-                            Ok(()) => {
-                                v.model[g as usize] = p;
-                                landed.push(Gfn(g));
-                            }
-                            Err(_) if flipped(v, Gfn(g)) => {}
-                            Err(e) => return Err(e),
-                        }
-                    }
-                    if let Some(id) = v.id {
-                        // Named by base block too: the engine may learn which frame holds
-                        // it (from the base's bytes, `pump_fills`).
-                        let from_base: Vec<(Gfn, BaseBlock)> = landed
-                            .iter()
-                            .map(|&g| {
-                                let k = (g.0 + pages - gfn % pages) % pages;
-                                let block = block.wrapping_add(k as u8) as u64;
-                                (g, BaseBlock { disk: DISK, block })
-                            })
-                            .collect();
-                        self.confirming(|e| {
-                            e.read_landed(id, &landed, 0);
-                            e.landed_from_base(id, &from_base);
-                        })?;
-                    }
-                }
-            }
-            Op::FillRead { vm, gfn, n, block } => {
-                if let Some(i) = self.pick(vm) {
-                    self.next_fill += 1;
-                    let id = FillId(self.next_fill);
-                    let nonce = nonce_of(id);
-                    let head = [nonce[0].to_ne_bytes(), nonce[1].to_ne_bytes()].concat();
-                    let v = &mut self.vms[i];
-                    let pages = v.agent.pages();
-                    let mut asked = Vec::new();
-                    for k in 0..n as u32 {
-                        let g = Gfn((gfn % pages + k) % pages);
-                        // Two reads into one buffer at once: a guest's own muddle.
-                        if fill_busy(v, g) || asked.iter().any(|&(a, _)| a == g) {
-                            continue;
-                        }
-                        match guest_write(v, g, 0, &head) {
-                            Ok(()) => v.model[g.index()][..16].copy_from_slice(&head),
-                            Err(_) if flipped(v, g) => continue,
-                            Err(e) => return Err(e),
-                        }
-                        asked.push((g, block.wrapping_add(k as u8)));
-                    }
-                    let blocks: Vec<(Gfn, BaseBlock)> = asked
-                        .iter()
-                        .map(|&(g, b)| {
-                            (
-                                g,
-                                BaseBlock {
-                                    disk: DISK,
-                                    block: b as u64,
-                                },
-                            )
-                        })
-                        .collect();
-                    v.fills.push(PendingFill { id, pages: asked });
-                    match v.id.filter(|_| v.connected) {
-                        Some(vid) => {
-                            // The nonce's CoW breaks (a freed page still shared) reach
-                            // memfoldd before the device's request, or after.
-                            if gfn % 2 == 0 {
-                                self.report(i);
-                            }
-                            let asked = self.engine.fill_read(vid, id, &blocks, nonce);
-                            self.fill_counts[0] += 1;
-                            self.fill_counts[1] += asked as u64;
-                        }
-                        // No memfoldd to ask: the device times out.
-                        None => self.give_up(i)?,
-                    }
-                }
-            }
-            Op::FillGiveUp { vm } => {
-                if let Some(i) = self.pick(vm) {
-                    self.give_up(i)?;
-                }
-            }
-            Op::WritePartial {
-                vm,
-                gfn,
-                offset,
-                len,
-                byte,
-            } => {
-                if let Some(i) = self.pick(vm) {
-                    let v = &mut self.vms[i];
-                    let g = gfn % v.agent.pages();
-                    let off = offset as usize % PAGE_SIZE;
-                    let len = (len as usize % 64).min(PAGE_SIZE - off);
-                    if fill_busy(v, Gfn(g)) {
-                        return Ok(());
-                    }
-                    let bytes = vec![byte; len];
-                    match guest_write(v, Gfn(g), off, &bytes) {
-                        Ok(()) => v.model[g as usize][off..off + len].copy_from_slice(&bytes),
-                        Err(_) if flipped(v, Gfn(g)) => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-            }
-            Op::Discard { vm, gfn, n } => {
-                if let Some(i) = self.pick(vm) {
-                    let v = &mut self.vms[i];
-                    let pages = v.agent.pages();
-                    for k in 0..n as u32 {
-                        let g = (gfn % pages + k).min(pages - 1);
-                        if fill_busy(v, Gfn(g)) {
-                            continue;
-                        }
-                        v.agent.discard(Gfn(g));
-                        *v.model[g as usize] = [0u8; PAGE_SIZE];
-                    }
-                }
-            }
-            Op::Free { vm, gfn, n } => self.free(vm, gfn, n),
-            Op::Mark { vm, gfn, n, on } => self.mark(vm, gfn, n, on),
-            Op::GuestSample { vm } => self.guest_sample(vm),
-            Op::GuestReport { vm } => self.guest_report(vm),
-            Op::Poison { vm } => self.poison(vm),
-            Op::Waited { vm, pct } => {
-                if let Some(v) = self.pick(vm).map(|i| &self.vms[i]) {
-                    if let Some(id) = v.id.filter(|_| v.connected) {
-                        let waited = self.clock.now_us() * pct as u64 / 100;
-                        self.engine.guest_waited(id, waited);
-                    }
-                }
-            }
-            Op::Read { vm, gfn } => {
-                if let Some(i) = self.pick(vm) {
-                    let v = &mut self.vms[i];
-                    let g = gfn % v.agent.pages();
-                    let got = match v.agent.read(Gfn(g)) {
-                        Ok(got) => got,
-                        Err(_) if flipped(v, Gfn(g)) => return Ok(()),
-                        Err(e) => return Err(e),
-                    };
-                    if !reads_right(v, Gfn(g), &got) {
-                        return Err(format!(
-                            "vm {i} gfn {g}: the guest read bytes it did not write"
-                        ));
-                    }
-                }
-            }
-            Op::Step { advance_ms } => {
-                // What other ops queued goes out first: what follows is this step's alone.
-                for v in self.vms.iter_mut().filter(|v| v.connected) {
-                    let cmds = self.engine.take_commands(v.id.expect("connected"));
-                    v.wire.extend(cmds);
-                }
-                self.clock.advance(advance_ms as u64 * 1000);
-                self.engine.scan_step().map_err(|e| e.to_string())?;
-                self.engine.clock_step();
-                self.engine.check_budget();
-                for i in 0..self.vms.len() {
-                    if !self.vms[i].connected {
-                        continue;
-                    }
-                    let cmds = self
-                        .engine
-                        .take_commands(self.vms[i].id.expect("connected"));
-                    self.confirmed(i, &cmds)?;
-                    self.vms[i].wire.extend(cmds);
-                }
-            }
-            Op::Deliver {
-                vm,
-                n,
-                refuse,
-                hold,
-            } => {
-                if let Some(i) = self.pick(vm).filter(|&i| self.vms[i].connected) {
-                    self.answer_held(i)?;
-                    self.vms[i].agent.refuse = refuse;
-                    for _ in 0..n {
-                        let Some(cmd) = self.vms[i].wire.pop_front() else {
-                            break;
-                        };
-                        let o = self.vms[i].agent.execute(&cmd);
-                        if hold {
-                            self.vms[i].held.push((cmd, o));
-                        } else {
-                            self.answer(i, &cmd, o)?;
-                        }
-                    }
-                    self.vms[i].agent.refuse = false;
-                }
-            }
-            Op::Report { vm } => {
-                if let Some(i) = self.pick(vm).filter(|&i| self.vms[i].connected) {
-                    // Events before the answers they followed: out of order, as only a
-                    // misbehaving agent sends them.
-                    self.report(i);
-                    self.answer_held(i)?;
-                }
-            }
-            Op::Disconnect { vm, seed } => {
-                if let Some(i) = self.pick(vm).filter(|&i| self.vms[i].connected) {
-                    self.disconnect(i, seed);
-                }
-            }
-            Op::OptOut { vm, out } => {
-                if let Some(id) = self.pick(vm).and_then(|i| self.vms[i].id) {
-                    if out {
-                        self.engine.opt_out(id);
-                    } else {
-                        self.engine.opt_in(id);
-                    }
-                }
-            }
-            Op::Reattach { vm } => {
-                if let Some(i) = self.pick(vm).filter(|&i| !self.vms[i].connected) {
-                    self.attach(i)?;
-                }
-            }
-            Op::Restart { seed } => {
-                // The old memfoldd's guest channels end with it, and their answers.
-                for v in &mut self.vms {
-                    v.sample = None;
-                }
-                for i in 0..self.vms.len() {
-                    if self.vms[i].connected {
-                        self.disconnect(i, seed.wrapping_add(i as u64));
-                    }
-                }
-                // The old memfoldd's stores and swap files live on in the agents that hold
-                // them; the new one hands out its own and adopts each domain's pool.
-                self.engine = new_engine(&self.cfg, &self.setup, &self.clock);
-                let live: Vec<DomainId> = self.vms.iter().map(|v| self.domain_of(v.pid)).collect();
-                self.pools.retain(|d, _| live.contains(d));
-                for (&d, pool) in &self.pools {
-                    let (frames, held): (u32, Vec<FrameId>) = {
-                        let f = pool.file();
-                        let frames = (f.bytes.len() / PAGE_SIZE) as u32;
-                        (
-                            frames,
-                            f.allocated.iter().map(|&p| FrameId(p as u32)).collect(),
-                        )
-                    };
-                    assert!(self
-                        .engine
-                        .adopt_pool(d, Box::new(pool.clone()), frames, held));
-                }
-                for v in &mut self.vms {
-                    v.id = None;
-                }
-            }
-            Op::Corrupt { swap, at, bit } => {
-                // A bit of a stored page's blob, as a QEMU holding the store could flip it
-                // (`swap` picks among the blobs in the swap file first).
-                let mut blobs: Vec<(usize, _)> = self
-                    .vms
-                    .iter()
-                    .enumerate()
-                    .flat_map(|(i, v)| (0..v.agent.pages()).map(move |g| (i, v.agent.home(Gfn(g)))))
-                    .filter_map(|(i, h)| match h {
-                        // An empty blob (identical to its frame) has no byte to flip.
-                        Home::Stashed(st) if st.len > 0 => Some((i, st)),
-                        _ => None,
-                    })
-                    .collect();
-                blobs.sort_by_key(|(_, st)| {
-                    (st.home != memfold_core::blobs::BlobHome::Swap) == swap
-                });
-                if let Some(&(i, st)) = blobs.get((at % blobs.len().max(1) as u64) as usize) {
-                    // The store or swap file this guest's agent holds (after a restart, an
-                    // agent not yet re-attached still holds the old memfoldd's).
-                    let shared = &self.vms[i].agent.shared;
-                    let b = match st.home {
-                        memfold_core::blobs::BlobHome::Swap => &shared.swap,
-                        memfold_core::blobs::BlobHome::Store => &shared.store,
-                    };
-                    let mut f = b.file();
-                    let at = (st.offset + at % st.len as u64) as usize;
-                    if at < f.bytes.len() {
-                        f.bytes[at] ^= 1 << bit;
-                        drop(f);
-                        self.vms[i].flips.push((st.home, at as u64));
-                    }
-                }
-            }
-            Op::Fail { which, on } => {
-                let which = which as usize % 4;
-                self.faults[which] = on;
-                let agents = self.vms.iter().map(|v| &v.agent.shared);
-                match which {
-                    0 => self.pools.values().for_each(|p| p.file().fail_writes = on),
-                    1 => agents.for_each(|s| s.store.file().fail_writes = on),
-                    2 => agents.for_each(|s| s.swap.file().fail_writes = on),
-                    _ => agents.for_each(|s| s.swap.file().fail_sync = on),
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Every share that guest `i`'s `cmds` ask for — onto a mapped frame, or as a page
     /// identical to one (a share without a mapping) — names a frame that holds the page's
     /// bytes now: the engine confirmed them byte for byte (ESX §4.3), whatever the hashes
@@ -785,7 +450,7 @@ impl Harness {
     /// bytes it confirmed are the bytes there.
     fn confirmed(&self, i: usize, cmds: &[Command]) -> Result<(), String> {
         let v = &self.vms[i];
-        let pool = &self.pools[&self.domain_of(v.pid)];
+        let pool = &self.pools[&self.domain_of(v)];
         for c in cmds {
             let (gfn, frame) = match *c {
                 Command::Share { gfn, frame } => (gfn, frame),
@@ -866,170 +531,12 @@ impl Harness {
         self.vms[i].connected = false;
     }
 
-    /// Every page reads as the model says; the engine's invariants hold; every frame and
-    /// blob an agent relies on is held by the engine.
-    pub fn verify_all(&self) -> Result<(), String> {
-        self.engine.check_invariants()?;
-        // No leak: each pool, store and swap file holds exactly what the books hold.
-        let held = self.engine.books().held;
-        for (what, (h, b)) in ["pools", "stores", "swap files"].iter().zip(held) {
-            if h != b {
-                return Err(format!("the {what} hold {h} bytes, the books {b}"));
-            }
-        }
-        // The pool counts exactly the live QEMUs' present PTEs onto its frames (what
-        // `MADV_PAGEOUT` reads; an exited QEMU's went with it).
-        for (d, pool) in &self.pools {
-            let counted: u64 = pool.file().mapped.values().map(|&n| u64::from(n)).sum();
-            let ptes: u64 = (self.vms.iter())
-                .filter(|v| self.domain_of(v.pid) == *d)
-                .map(|v| v.agent.frame_ptes())
-                .sum();
-            if counted != ptes {
-                return Err(format!(
-                    "the pool of {d} counts {counted} mapped pages, its guests map {ptes}"
-                ));
-            }
-        }
-        for (i, v) in self.vms.iter().enumerate() {
-            for g in 0..v.agent.pages() {
-                let g = Gfn(g);
-                match v.agent.peek(g) {
-                    Ok(got) if !reads_right(v, g, &got) => {
-                        return Err(format!(
-                            "vm {i} {g} ({:?}): reads bytes the guest did not write",
-                            v.agent.home(g)
-                        ));
-                    }
-                    Ok(_) => {}
-                    // Its blob corrupted: it fails closed. Its books are checked still.
-                    Err(_) if flipped(v, g) => {}
-                    Err(e) => return Err(format!("vm {i} {g}: {e}")),
-                }
-                match v.agent.home(g) {
-                    Home::Frame(f) => {
-                        if !self.engine.frame_held(self.domain_of(v.pid), f) {
-                            return Err(format!("vm {i} {g} maps {f}, which the engine freed"));
-                        }
-                        if let Some(allowed) = v.marked[g.index()].as_ref().filter(|_| v.connected)
-                        {
-                            // Never-share (Satori §4.3): no share after the mark.
-                            if !allowed.contains(&f) {
-                                return Err(format!(
-                                    "vm {i} {g}: marked never-share, yet mapped onto {f} (before the mark: {allowed:?})"
-                                ));
-                            }
-                        }
-                        if let Some(id) = v.id.filter(|_| v.connected) {
-                            let s = self.engine.page_state(id, g);
-                            if !matches!(s, Some(PageState::Shared(x) | PageState::Sharing(x)) if x == f)
-                            {
-                                return Err(format!("vm {i} {g} maps {f}, the engine says {s:?}"));
-                            }
-                        }
-                    }
-                    Home::Stashed(st) => {
-                        // A patch's reference page is held while the patch is.
-                        if let Some(f) = st.reference {
-                            if !self.engine.frame_held(self.domain_of(v.pid), f) {
-                                return Err(format!(
-                                    "vm {i} {g} is a patch against {f}, which the engine freed"
-                                ));
-                            }
-                        }
-                        if let Some(id) = v.id.filter(|_| v.connected) {
-                            let s = self.engine.page_state(id, g);
-                            if let Some(PageState::Unmapped(f)) = s {
-                                // Shared without a mapping: the agent holds the empty
-                                // patch against that very frame, nothing else.
-                                if st.reference != Some(f) || st.len != 0 {
-                                    return Err(format!(
-                                        "vm {i} {g} is unmapped onto {f}, but the agent holds {st:?}"
-                                    ));
-                                }
-                                // Never-share: no unmapped share made after the mark.
-                                let marked = v.marked[g.index()].as_ref().filter(|_| v.connected);
-                                if marked
-                                    .is_some_and(|a| !a.contains(&f) && !a.contains(&ANY_FRAME))
-                                {
-                                    return Err(format!(
-                                        "vm {i} {g}: marked never-share, yet unmapped onto {f}"
-                                    ));
-                                }
-                            } else if !matches!(
-                                s,
-                                Some(
-                                    PageState::Stored(_)
-                                        | PageState::Stashing(_)
-                                        | PageState::Moving(_)
-                                )
-                            ) {
-                                return Err(format!(
-                                    "vm {i} {g} is stashed, the engine says {s:?}"
-                                ));
-                            }
-                        }
-                    }
-                    Home::Zero | Home::Private => {}
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Drains every wire, re-attaches everyone, removes every guest: nothing may remain.
-    pub fn teardown(mut self) -> Result<(), String> {
-        let mut i = 0;
-        while i < self.vms.len() {
-            if !self.vms[i].connected {
-                let n = self.vms.len();
-                self.attach(i)?;
-                if self.vms.len() < n {
-                    continue; // failed closed and removed
-                }
-            }
-            self.answer_held(i)?;
-            while let Some(cmd) = self.vms[i].wire.pop_front() {
-                let o = self.vms[i].agent.execute(&cmd);
-                self.answer(i, &cmd, o)?;
-            }
-            self.report(i);
-            i += 1;
-        }
-        self.verify_all()?;
-        for (i, v) in self.vms.iter().enumerate() {
-            self.books_agree_with_agent(i, v)?;
-        }
-        for mut v in std::mem::take(&mut self.vms) {
-            v.agent.exit();
-            self.engine.remove(v.id.expect("attached"));
-        }
-        for &d in self.pools.keys() {
-            self.engine.end_adoption(d);
-        }
-        self.engine.check_invariants()?;
-        let b = self.engine.books();
-        if b.frames != 0 || b.store_pages != 0 || b.swap.file_pages != 0 || b.domains != 0 {
-            return Err(format!("leak after teardown: {b:?}"));
-        }
-        for (d, pool) in &self.pools {
-            let mapped = pool.file().mapped.len();
-            if mapped != 0 {
-                return Err(format!(
-                    "{mapped} frames of the pool of {d} still mapped after every QEMU exited"
-                ));
-            }
-            if pool.allocated_bytes() != 0 {
-                return Err(format!(
-                    "{} bytes of the pool of {d} still allocated after teardown",
-                    pool.allocated_bytes()
-                ));
-            }
-        }
-        Ok(())
-    }
-
     pub fn books(&self) -> memfold_core::engine::Books {
         self.engine.books()
+    }
+
+    /// The engine's reads and growths that failed, injected (`Op::Fail`).
+    pub fn failed(&self) -> [u64; 2] {
+        self.engine_faults.failed()
     }
 }

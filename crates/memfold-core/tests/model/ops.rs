@@ -128,9 +128,11 @@ pub enum Op {
         on: bool,
     },
     /// memfoldd asks the guest's agent (memfold-guest) which pages are free: it samples
-    /// them now, and the answer is in flight until [`Op::GuestReport`].
+    /// them now, and the answer is in flight until [`Op::GuestReport`]. `seed` draws the
+    /// other pages' categories and LRU bits and the report's runs.
     GuestSample {
         vm: u32,
+        seed: u64,
     },
     /// The guest's sampled report reaches memfoldd: its categories, then a free-page
     /// watch round or discard ([`memfold_core::Engine::discard_free`]).
@@ -166,6 +168,13 @@ pub enum Op {
     Report {
         vm: u32,
     },
+    /// The guest reads or writes (drawn from `seed`) each page whose answer its agent
+    /// holds back: a CoW break, decode or refill it reports before those answers (the
+    /// events `engine/early.rs` parks), which random writes seldom line up.
+    TouchHeld {
+        vm: u32,
+        seed: u64,
+    },
     /// The connection drops; the agent had received each sent command with 1/2 chance.
     Disconnect {
         vm: u32,
@@ -185,7 +194,8 @@ pub enum Op {
         out: bool,
     },
     /// A backing starts or stops failing: 0 pool writes, 1 store writes, 2 swap writes,
-    /// 3 swap write-back.
+    /// 3 swap write-back, 4 growth of pools, stores and swap files, 5 memfoldd's reads
+    /// (of its backings and of guest RAM).
     Fail {
         which: u8,
         on: bool,
@@ -215,6 +225,9 @@ pub struct Setup {
     pub collide_hashes: bool,
     /// Sharing domains (1..=3): guest of pid `p` is in domain `p % domains`.
     pub domains: u8,
+    /// Guests of a pid divisible by 3 are never-share (`Sharing::NeverShare`), each alone
+    /// in a domain of its own.
+    pub never_share_guests: bool,
 }
 
 /// Four hash values in all: pages of different content collide all the time.
@@ -233,6 +246,7 @@ pub fn random_setup(rng: &mut SmallRng) -> Setup {
         rate: [0, 50, 1000][rng.gen_range(0..3)],
         collide_hashes: rng.gen_bool(0.2),
         domains: rng.gen_range(1..=3),
+        never_share_guests: rng.gen_bool(0.25),
     }
 }
 
@@ -248,7 +262,7 @@ fn random_content(rng: &mut SmallRng) -> Content {
 
 pub fn random_op(rng: &mut SmallRng) -> Op {
     let (vm, gfn) = (rng.gen(), rng.gen());
-    match rng.gen_range(0..117) {
+    match rng.gen_range(0..118) {
         0..=1 => Op::CreateVm {
             pages: rng.gen_range(1..40),
         },
@@ -290,7 +304,10 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
             gfn,
             n: rng.gen_range(1..9),
         },
-        104..=106 => Op::GuestSample { vm },
+        104..=106 => Op::GuestSample {
+            vm,
+            seed: rng.gen(),
+        },
         107..=109 => Op::GuestReport { vm },
         // Never-share marks (Satori §4.3), carried by the same reports.
         110..=112 => Op::Mark {
@@ -305,6 +322,10 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
             pct: rng.gen_range(0..12),
         },
         116 => Op::Poison { vm },
+        117 => Op::TouchHeld {
+            vm,
+            seed: rng.gen(),
+        },
         37..=58 => Op::Step {
             advance_ms: rng.gen_range(0..1500),
         },
@@ -331,10 +352,12 @@ pub fn random_op(rng: &mut SmallRng) -> Op {
             at: rng.gen(),
             bit: rng.gen_range(0..8),
         },
-        _ => Op::Fail {
-            which: rng.gen_range(0..4),
-            on: rng.gen_bool(0.3),
-        },
+        _ => {
+            let which = rng.gen_range(0..6);
+            // Failed reads stop every scan: on for less of the run.
+            let on = rng.gen_bool(if which == 5 { 0.15 } else { 0.3 });
+            Op::Fail { which, on }
+        }
     }
 }
 
@@ -363,13 +386,19 @@ pub fn free_race_burst(rng: &mut SmallRng, (vm, gfn): (u32, u32)) -> Vec<Op> {
     let mut ops = vec![Op::Free { vm, gfn, n: 1 }];
     for _ in 0..rng.gen_range(1..=2) {
         ops.extend([
-            Op::GuestSample { vm },
+            Op::GuestSample {
+                vm,
+                seed: rng.gen(),
+            },
             Op::GuestReport { vm },
             deliver.clone(),
         ]);
     }
     ops.extend([
-        Op::GuestSample { vm },
+        Op::GuestSample {
+            vm,
+            seed: rng.gen(),
+        },
         Op::WritePage {
             vm,
             gfn,
@@ -404,12 +433,38 @@ pub fn free_round_burst(rng: &mut SmallRng) -> Vec<Op> {
     }];
     for _ in 0..2 {
         ops.extend([
-            Op::GuestSample { vm },
+            Op::GuestSample {
+                vm,
+                seed: rng.gen(),
+            },
             Op::GuestReport { vm },
             deliver.clone(),
         ]);
     }
     ops
+}
+
+/// Events before their answers, lined up on a random guest: its agent carries out what
+/// was sent and holds the answers back, the guest touches those pages, and its report
+/// gives the events first ([`Op::TouchHeld`]).
+pub fn early_burst(rng: &mut SmallRng) -> Vec<Op> {
+    let vm = rng.gen();
+    vec![
+        Op::Step {
+            advance_ms: rng.gen_range(200..1500),
+        },
+        Op::Deliver {
+            vm,
+            n: 63,
+            refuse: false,
+            hold: true,
+        },
+        Op::TouchHeld {
+            vm,
+            seed: rng.gen(),
+        },
+        Op::Report { vm },
+    ]
 }
 
 pub fn random_free_op(rng: &mut SmallRng, mixed: bool) -> Op {
@@ -451,7 +506,10 @@ pub fn random_free_op(rng: &mut SmallRng, mixed: bool) -> Op {
             gfn,
             n: if mixed { 1 } else { rng.gen_range(1..9) },
         },
-        42..=51 => Op::GuestSample { vm },
+        42..=51 => Op::GuestSample {
+            vm,
+            seed: rng.gen(),
+        },
         52..=61 => Op::GuestReport { vm },
         62..=73 => Op::Step {
             advance_ms: rng.gen_range(0..1500),
