@@ -196,19 +196,13 @@ impl Agent {
         let Some(_held) = gate.enter() else {
             return false;
         };
-        let ino = rustix::fs::fstat(&self.memfd).map(|st| st.st_ino);
-        let maps = std::fs::read_to_string("/proc/self/maps");
-        let backed = match (ino, maps) {
-            (Ok(ino), Ok(text)) => crate::regions::backed_by(
-                &crate::regions::parse_maps(&text),
-                ino,
-                dst,
-                len,
-                dst - self.base,
-            ),
-            _ => false,
-        };
-        if !backed {
+        let backed = crate::regions::memfd_backs(
+            std::os::fd::AsFd::as_fd(&self.memfd),
+            dst,
+            len,
+            dst - self.base,
+        );
+        if !backed.unwrap_or(false) {
             self.fail_closed(&format!(
                 "a move onto guest RAM at {dst:#x} ({len} bytes) failed ({}) after the kernel unmapped it: the guest would fault on the hole or read what is mapped there next",
                 io::Error::from_raw_os_error(errno)

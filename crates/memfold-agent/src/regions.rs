@@ -152,6 +152,20 @@ pub(crate) fn backed_by(maps: &[Mapping], inode: u64, start: u64, len: u64, offs
     at >= end
 }
 
+/// [`backed_by`] for guest RAM's `memfd`, by this process's `/proc/self/maps` now.
+///
+/// Errors: `fstat` of the memfd, or `/proc/self/maps` unreadable.
+pub(crate) fn memfd_backs(
+    memfd: std::os::fd::BorrowedFd<'_>,
+    start: u64,
+    len: u64,
+    offset: u64,
+) -> io::Result<bool> {
+    let ino = rustix::fs::fstat(memfd)?.st_ino;
+    let maps = parse_maps(&std::fs::read_to_string("/proc/self/maps")?);
+    Ok(backed_by(&maps, ino, start, len, offset))
+}
+
 /// A range of this process mapping one memfd shared and writable from offset 0, adjacent
 /// lines of one file merged (the kernel may split one mapping in several lines).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

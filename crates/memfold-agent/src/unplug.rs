@@ -102,9 +102,7 @@ impl Managed {
         let gate = &self.0;
         let (base, len) = (gate.base, gate.end - gate.base);
         let _held = gate.enter().ok_or_else(|| gone_error(base))?;
-        let ino = rustix::fs::fstat(memfd)?.st_ino;
-        let maps = crate::regions::parse_maps(&std::fs::read_to_string("/proc/self/maps")?);
-        if !crate::regions::backed_by(&maps, ino, base, len, 0) {
+        if !crate::regions::memfd_backs(memfd, base, len, 0)? {
             return Err(gone_error(base));
         }
         // SAFETY: guest RAM is QEMU's shared memfd mapping (just checked, under the gate:

@@ -12,6 +12,7 @@
 //! | [`socket`] | a `SOCK_SEQPACKET` Unix socket that carries packets of bytes and file descriptors (SCM_RIGHTS) |
 //! | [`uffd`] | userfaultfd on shmem: register, write-protect, copy, zero-page, continue, events |
 //! | [`fence`] | the write fence: writers of guest RAM in other processes (block devices) tell the agent which pages they are copying into, so it never takes one away mid-copy |
+//! | [`files`] | what a file that is not a regular one is, in words (for errors that refuse it) |
 //! | [`ksm`] | Linux KSM's sysfs settings and counters (the peer memfold is measured against) |
 //! | [`pidfd`] | a process held by a descriptor: a socket peer's (`SO_PEERPIDFD`), whether it still runs, so a pid looked at stays its own |
 //! | [`proc`] | CPU seconds of a process or its threads, from `/proc` |
@@ -23,6 +24,7 @@
 
 pub mod deadline;
 pub mod fence;
+pub mod files;
 pub mod ksm;
 pub mod max_map_count;
 pub mod memfd;

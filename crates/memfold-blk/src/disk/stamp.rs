@@ -28,7 +28,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use super::{BaseStamp, DiskError};
@@ -49,17 +49,7 @@ const STAMP_MAX: u64 = 4096;
 /// file is when it is not a regular one.
 pub(super) fn open_regular(opts: &mut OpenOptions, path: &Path) -> std::io::Result<File> {
     let not_regular = |t: std::fs::FileType| {
-        let what = if t.is_symlink() {
-            "a symbolic link"
-        } else if t.is_fifo() {
-            "a FIFO"
-        } else if t.is_dir() {
-            "a folder"
-        } else if t.is_socket() {
-            "a socket"
-        } else {
-            "a device"
-        };
+        let what = memfold_sys::files::kind_of(&t);
         std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
             format!("{what}, not a regular file: refused (neither followed nor waited on)"),

@@ -464,31 +464,13 @@ pub(crate) fn checked_bases(
             Ok(m) if !m.is_file() => tracing::warn!(
                 "block device {token}: its descriptor for {id} is {}, not a regular file \
                  (a base image is one); not taken",
-                kind_of(&m.file_type())
+                memfold_sys::files::kind_of(&m.file_type())
             ),
             Ok(_) => out.push((id, file)),
             Err(e) => tracing::warn!("block device {token}: {id}: {e}; not taken"),
         }
     }
     out
-}
-
-/// What kind of file that is not a regular one `t` is, in words.
-fn kind_of(t: &std::fs::FileType) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    if t.is_fifo() {
-        "a FIFO"
-    } else if t.is_socket() {
-        "a socket"
-    } else if t.is_dir() {
-        "a folder"
-    } else if t.is_block_device() {
-        "a block device node"
-    } else if t.is_char_device() {
-        "a character device node"
-    } else {
-        "another kind of file"
-    }
 }
 
 #[cfg(test)]
