@@ -254,16 +254,7 @@ impl Harness {
                 self.engine.scan_step().map_err(|e| e.to_string())?;
                 self.engine.clock_step();
                 self.engine.check_budget();
-                for i in 0..self.vms.len() {
-                    if !self.vms[i].connected {
-                        continue;
-                    }
-                    let cmds = self
-                        .engine
-                        .take_commands(self.vms[i].id.expect("connected"));
-                    self.confirmed(i, &cmds)?;
-                    self.vms[i].wire.extend(cmds);
-                }
+                self.send_confirmed()?;
             }
             Op::Deliver {
                 vm,

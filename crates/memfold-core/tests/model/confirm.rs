@@ -25,6 +25,12 @@ impl Harness {
             v.wire.extend(cmds);
         }
         f(&mut self.engine);
+        self.send_confirmed()
+    }
+
+    /// Sends every connected guest's queued commands onto its wire, each share checked
+    /// first ([`Harness::confirmed`]).
+    pub(super) fn send_confirmed(&mut self) -> Result<(), String> {
         for i in 0..self.vms.len() {
             if !self.vms[i].connected {
                 continue;
