@@ -120,7 +120,9 @@ pub mod mem {
         pub bytes: Vec<u8>,
         /// Pages written and not released since.
         pub allocated: BTreeSet<u64>,
-        /// Fail every write from now on (injected ENOSPC).
+        /// Fail every write from now on (injected ENOSPC), as a real `pwrite` may: all but
+        /// the write's last byte land first (a short write, then the error), so a caller
+        /// must not take a failed write to have left the file as it was.
         pub fail_writes: bool,
         /// Fail every sync from now on (injected EIO). A failed sync loses what was
         /// written since the last good one, as a failed write-back of a file does once
@@ -210,6 +212,11 @@ pub mod mem {
         fn write(&mut self, offset: u64, bytes: &[u8]) -> Result<(), BackingError> {
             let mut f = self.file();
             let end = offset as usize + bytes.len();
+            if f.fail_writes && end <= f.bytes.len() && bytes.len() > 1 {
+                let short = bytes.len() - 1;
+                f.bytes[offset as usize..offset as usize + short].copy_from_slice(&bytes[..short]);
+                f.touch(offset, short as u64);
+            }
             if f.fail_writes || end > f.bytes.len() {
                 return Err(BackingError::new(
                     format!("write of {} bytes at {offset}", bytes.len()),

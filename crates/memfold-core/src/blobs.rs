@@ -85,11 +85,13 @@ impl BlobSpace {
     /// Writes `blob` into a free slot.
     ///
     /// Errors: [`StoreError::Full`], [`StoreError::BadLength`], [`StoreError::Io`]; the
-    /// slot is free again.
+    /// slot is free again, and the books count no page that only this blob would have
+    /// reached (a write that failed part-way has those pages punched out: the store holds
+    /// what the books say).
     pub fn put(&mut self, blob: &[u8]) -> Result<Slot, StoreError> {
         let slot = self
             .slab
-            .alloc(blob.len())
+            .reserve(blob.len())
             .ok_or(StoreError::BadLength(blob.len()))?;
         if blob.is_empty() {
             return Ok(slot); // no bytes to write (crate::slab::EMPTY)
@@ -108,12 +110,18 @@ impl BlobSpace {
             self.backing.write(slot.offset, blob)
         })();
         if let Err(source) = written {
+            // A write may fail part-way, its first bytes allocating pages no written
+            // slot covers: release them, so the store does not hold more than the books.
+            for (offset, len) in self.slab.unheld_pages(slot.id) {
+                self.backing.release(offset, len);
+            }
             self.free(slot.id);
             return Err(StoreError::Io {
                 home: self.home,
                 source,
             });
         }
+        self.slab.written(slot.id);
         Ok(slot)
     }
 
@@ -460,6 +468,56 @@ mod tests {
         b.file().fail_writes = true;
         assert!(matches!(s.put(&[3u8; 10]), Err(StoreError::Io { .. })));
         assert_eq!(s.stats().slots, 1, "a failed put frees its slot");
+    }
+
+    /// A put that fails — a write error that landed all but its last byte, or a refusal
+    /// past the capacity — leaves the books holding what the store holds: no page that
+    /// only its slot would have reached is counted, and none it wrote stays allocated.
+    #[test]
+    fn a_failed_put_leaves_the_books_as_the_store() {
+        let held = |s: &BlobSpace| (s.stats().pages * 4096, s.allocated_bytes());
+        let b = MemBacking::new();
+        let mut s = BlobSpace::new(BlobHome::Store, Box::new(b.clone()), None);
+        // Slots of 3072 bytes, 4 in a 3-page chunk: slot 0 covers page 0.
+        let a = s.put(&[1u8; 3000]).unwrap();
+        assert_eq!(held(&s), (4096, 4096));
+        // Slot 1 (3072..6144) reaches page 1, new to the chunk; its write fails part-way.
+        b.file().fail_writes = true;
+        assert!(matches!(s.put(&[2u8; 3000]), Err(StoreError::Io { .. })));
+        assert_eq!(s.stats().slots, 1, "a failed put frees its slot");
+        assert_eq!(
+            held(&s),
+            (4096, 4096),
+            "page 1: not counted, not left allocated"
+        );
+        let mut back = vec![0u8; 3000];
+        s.read(a.offset, &mut back).unwrap();
+        assert_eq!(back, vec![1u8; 3000], "the live slot's bytes are untouched");
+        // The slot again, written this time: page 1 is held and counted.
+        b.file().fail_writes = false;
+        let c = s.put(&[3u8; 3000]).unwrap();
+        assert_eq!(c.offset, 3072);
+        assert_eq!(held(&s), (8192, 8192));
+        // Freed in a live chunk, its pages stay (the chunk is punched whole when empty);
+        // a failed write over pages already held changes nothing.
+        s.free(c.id);
+        assert_eq!(held(&s), (8192, 8192));
+        b.file().fail_writes = true;
+        assert!(s.put(&[4u8; 3000]).is_err());
+        assert_eq!(held(&s), (8192, 8192));
+        b.file().fail_writes = false;
+        s.free(a.id);
+        assert_eq!(held(&s), (0, 0), "the emptied chunk is released");
+
+        // Refused past the capacity: slot 2 (6144..9216) reaches page 2.
+        let mut w = BlobSpace::new(BlobHome::Swap, Box::new(MemBacking::new()), Some(8192));
+        w.put(&[5u8; 3000]).unwrap();
+        w.put(&[6u8; 3000]).unwrap();
+        assert!(matches!(
+            w.put(&[7u8; 3000]),
+            Err(StoreError::Full { capacity: 8192 })
+        ));
+        assert_eq!(held(&w), (8192, 8192), "no page for a refused blob");
     }
 
     #[test]

@@ -102,9 +102,10 @@ struct Chunk {
     used: u64,
     /// First page of the chunk in the file.
     first_page: u32,
-    /// Pages of the chunk a slot has covered since it opened (bit k: page k): the file
-    /// holds these (a write allocates the pages it covers), until the chunk empties and
-    /// is punched out whole.
+    /// Pages of the chunk a written slot has covered since it opened (bit k: page k): the
+    /// file holds these (a write allocates the pages it covers), until the chunk empties
+    /// and is punched out whole. A slot reserved and never written covers none
+    /// ([`Slab::reserve`]).
     touched: u16,
 }
 
@@ -124,8 +125,8 @@ pub struct Slot {
 pub struct SlabStats {
     /// Live slots.
     pub slots: u64,
-    /// Pages of the file the live chunks hold (4 KiB each): those a slot has covered
-    /// since its chunk opened.
+    /// Pages of the file the live chunks hold (4 KiB each): those a written slot has
+    /// covered since its chunk opened.
     pub pages: u64,
     /// Sum of the live slots' sizes, bytes.
     pub slot_bytes: u64,
@@ -205,6 +206,17 @@ impl Slab {
     /// exhausted. Reuses free slots of the class before opening a chunk, and the lowest
     /// free pages of the file first.
     pub fn alloc(&mut self, len: usize) -> Option<Slot> {
+        let slot = self.reserve(len)?;
+        self.written(slot.id);
+        Some(slot)
+    }
+
+    /// [`Slab::alloc`] without counting the pages the slot covers as held: for a caller
+    /// that writes the slot next and may fail to. Call [`Slab::written`] once its bytes
+    /// are in the file, or [`Slab::free`] if they never got there — the pages it would
+    /// have been first to reach then stay out of the books, as the file never held them
+    /// ([`crate::blobs::BlobSpace::put`]).
+    pub fn reserve(&mut self, len: usize) -> Option<Slot> {
         if len > PAGE_SIZE {
             return None;
         }
@@ -250,10 +262,6 @@ impl Slab {
             self.partial[class].pop();
         }
         let size = class_size(class);
-        let (lo, hi) = (slot as usize * size, (slot as usize + 1) * size);
-        let covered = ((1u32 << hi.div_ceil(PAGE_SIZE)) - (1u32 << (lo / PAGE_SIZE))) as u16;
-        self.stats.pages += (covered & !chunk.touched).count_ones() as u64;
-        chunk.touched |= covered;
         self.stats.slots += 1;
         self.stats.slot_bytes += size as u64;
         Some(Slot {
@@ -261,6 +269,52 @@ impl Slab {
             offset: chunk.first_page as u64 * PAGE_SIZE as u64 + slot as u64 * size as u64,
             size: size as u32,
         })
+    }
+
+    /// Live slot `id`'s bytes are in the file: the pages it covers are held (counted in
+    /// [`SlabStats::pages`] until its chunk empties). Nothing for [`EMPTY`]. Panics on a
+    /// slot that is not live.
+    pub fn written(&mut self, id: SlotId) {
+        let covered = self.not_yet_held(id);
+        if covered == 0 {
+            return; // EMPTY, or every page held already
+        }
+        let chunk = &mut self.chunks[(id.0 >> SLOT_BITS) as usize];
+        self.stats.pages += covered.count_ones() as u64;
+        chunk.touched |= covered;
+    }
+
+    /// The pages of live slot `id` that no written slot has covered since its chunk
+    /// opened, as `(byte offset, bytes)` runs of whole pages in the file: after a failed
+    /// write into a reserved slot, what the write may have allocated and nothing else
+    /// holds (the caller punches them; [`crate::blobs::BlobSpace::put`]). Empty for
+    /// [`EMPTY`]. Panics on a slot that is not live.
+    pub fn unheld_pages(&self, id: SlotId) -> Vec<(u64, u64)> {
+        let covered = self.not_yet_held(id);
+        if covered == 0 {
+            return Vec::new();
+        }
+        let chunk = &self.chunks[(id.0 >> SLOT_BITS) as usize];
+        let page = PAGE_SIZE as u64;
+        (0..16)
+            .filter(|k| covered & (1 << k) != 0)
+            .map(|k| ((chunk.first_page as u64 + k) * page, page))
+            .collect()
+    }
+
+    /// Bit k: page k of live slot `id`'s chunk, which the slot covers and its chunk's
+    /// written slots have not (0 for [`EMPTY`]).
+    fn not_yet_held(&self, id: SlotId) -> u16 {
+        if id == EMPTY {
+            return 0;
+        }
+        let slot = (id.0 & ((1 << SLOT_BITS) - 1)) as usize;
+        let chunk = &self.chunks[(id.0 >> SLOT_BITS) as usize];
+        assert!(chunk.used & (1 << slot) != 0, "slot {} is not live", id.0);
+        let size = class_size(chunk.class as usize);
+        let (lo, hi) = (slot * size, (slot + 1) * size);
+        let covered = ((1u32 << hi.div_ceil(PAGE_SIZE)) - (1u32 << (lo / PAGE_SIZE))) as u16;
+        covered & !chunk.touched
     }
 
     /// Frees slot `id`. Returns `(byte offset, bytes)` of its chunk if the chunk is now
@@ -334,6 +388,37 @@ impl Slab {
 mod tests {
     use super::*;
     use rand::{rngs::SmallRng, Rng, SeedableRng};
+
+    /// A reserved slot's pages count only once written; freed unwritten, it leaves the
+    /// books as they were (a failed blob write: `BlobSpace::put`).
+    #[test]
+    fn an_unwritten_slot_counts_no_page() {
+        let mut s = Slab::new();
+        let a = s.alloc(3000).unwrap(); // the 3 KiB class, a 3-page chunk: page 0
+        let b = s.reserve(3000).unwrap(); // 3072..6144: page 1, new
+        assert_eq!(s.stats().pages, 1, "not written yet");
+        assert_eq!(s.unheld_pages(b.id), vec![(4096, 4096)]);
+        s.free(b.id);
+        assert_eq!(s.stats().pages, 1);
+        let c = s.reserve(3000).unwrap();
+        assert_eq!(c.offset, b.offset);
+        s.written(c.id);
+        assert_eq!(s.stats().pages, 2);
+        assert!(s.unheld_pages(c.id).is_empty());
+        s.free(c.id);
+        assert_eq!(
+            s.stats().pages,
+            2,
+            "its chunk live: the file still holds its page"
+        );
+        assert_eq!(s.free(a.id), Some((0, 3 * 4096)));
+        assert_eq!(s.stats(), SlabStats::default());
+        let e = s.reserve(0).unwrap();
+        s.written(e.id);
+        assert!(s.unheld_pages(e.id).is_empty());
+        assert_eq!((s.stats().slots, s.stats().pages), (1, 0));
+        s.free(e.id);
+    }
 
     #[test]
     fn packs_by_class_and_empties_chunks() {

@@ -698,6 +698,9 @@ impl Engine {
             }
             return Some(f);
         };
+        // A write that failed part-way may have allocated the frame's page: punched, so
+        // the pool holds no page its books do not (the frame was free: nothing lost).
+        dom.pool.release(f.offset(), PAGE);
         dom.frames.unalloc(f);
         if let Some(n) = self.books.pool_error() {
             tracing::warn!("pool of {d}: {e}; page left private (error {n})");
