@@ -318,6 +318,8 @@ fn under_pressure_a_guest_short_of_memory_grows_up_to_its_entitlement() {
     // (s, target MiB, actual MiB, available MiB, short) at each change: what a failure shows.
     type Sample = (u64, u64, Option<u64>, Option<u64>, Option<bool>);
     let mut trace: Vec<Sample> = Vec::new();
+    // (when, ceiling) of the last readings.
+    let mut ceilings: std::collections::VecDeque<(Instant, u64)> = Default::default();
     while t.elapsed() < Duration::from_secs(120) {
         assert!(
             guests[0].mismatches().is_empty(),
@@ -332,10 +334,16 @@ fn under_pressure_a_guest_short_of_memory_grows_up_to_its_entitlement() {
                     * MIB;
                 let target = v.balloon_target_bytes.unwrap_or(0);
                 // Never more than the allowance plus what it earned (one grain of slack:
-                // the entitlement moves between the target and this reading).
+                // the entitlement moves between the target and this reading). The target
+                // is set once a second: a fall in the entitlement reaches it by the next
+                // tick (later on a loaded host), so it is held to the highest ceiling
+                // read in the last 3 s.
+                ceilings.push_back((Instant::now(), ceiling));
+                ceilings.retain(|(at, _)| at.elapsed() < Duration::from_secs(3));
+                let allowed = ceilings.iter().map(|c| c.1).max().unwrap_or(ceiling);
                 assert!(
-                    target <= ceiling + MIB,
-                    "target {target} over {ceiling}: {v:#?}"
+                    target <= allowed + MIB,
+                    "target {target} over {allowed}: {v:#?}"
                 );
                 seen_short |= v.guest_short == Some(true);
                 let sample = (

@@ -30,12 +30,13 @@ fn holds_page(fd: &OwnedFd, page: &[u8]) -> bool {
     all.chunks(PAGE).any(|c| c == page)
 }
 
-/// The share requests a connection received within `wait`, as (gfn, frame).
-fn shares(c: &Conn, wait: Duration) -> Vec<(u32, u32)> {
+/// The share requests a connection received within `wait`, as (gfn, frame), or until
+/// they include every gfn of `enough`.
+fn shares(c: &Conn, wait: Duration, enough: &[u32]) -> Vec<(u32, u32)> {
     c.set_recv_timeout(Duration::from_millis(50)).unwrap();
     let t = Instant::now();
-    let mut out = Vec::new();
-    while t.elapsed() < wait {
+    let mut out: Vec<(u32, u32)> = Vec::new();
+    while t.elapsed() < wait && !enough.iter().all(|g| out.iter().any(|s| s.0 == *g)) {
         while let Ok(Some((m, _))) = c.recv::<ToAgent>() {
             if let ToAgent::Share { pages, .. } = m {
                 out.extend(pages.iter().map(|(g, f)| (g.0, f.0)));
@@ -98,9 +99,10 @@ fn run(never_share: &[&str]) -> Seen {
     mine[..PAGE].copy_from_slice(&secret);
     let (attacker, attacker_fds, _a) = common::attach_fake_qemu(&socket, "attacker", &mine);
     let id = |f: &OwnedFd| memfd::file_id(f.as_fd()).unwrap();
-    // Scans every 50-100 ms: a second covers many.
-    let victim_shares = shares(&victim, Duration::from_millis(1500));
-    let attacker_shares = shares(&attacker, Duration::from_millis(300));
+    // Scans every 50-100 ms: once the victim's copies are shared, 3 s more cover many
+    // scans of the attacker (its copy shared at once in the control).
+    let victim_shares = shares(&victim, Duration::from_secs(10), &[0, 1]);
+    let attacker_shares = shares(&attacker, Duration::from_secs(3), &[0]);
     assert!(
         victim_shares.iter().any(|s| s.0 == 0) && victim_shares.iter().any(|s| s.0 == 1),
         "the victim's two copies of its secret are shared with each other: {victim_shares:?}"
