@@ -408,7 +408,7 @@ impl Engine {
                         }
                         if dom.withdrawn.contains(&f) {
                             return Err(format!(
-                                "{d}: share table names {f}, withdrawn (it held a never-share page)"
+                                "{d}: share table names {f}, withdrawn (a never-share page's, or unreadable)"
                             ));
                         }
                     }

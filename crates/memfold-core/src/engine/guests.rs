@@ -358,8 +358,12 @@ impl Engine {
                     // (its guest then reads zeros, and later another guest's page) — but
                     // withdrawn: its bytes unknown, it is never a share target, a patch
                     // reference or a fill. Its guest's CoW break lets it go.
+                    // INVARIANT (never_share.rs): a withdrawn frame is never in the share
+                    // table. One claimed readable by an earlier re-attach, its pages gone
+                    // since (pinned by the adoption at refcount 0), is still listed.
                     let dom = self.domain_mut(d);
                     dom.withdrawn.insert(f);
+                    dom.share.remove(dom.frames.hash(f), ShareEntry::Shared(f));
                     dom.similar.forget_frame(f);
                 }
             }

@@ -167,6 +167,58 @@ fn claimed_again(first: u8) {
     e.check_invariants().unwrap();
 }
 
+/// An adopted frame claimed (listed in the share table) and let go (pinned by the
+/// adoption at refcount 0, still listed), then mapped by another re-attaching guest while
+/// the pool cannot be read there: withdrawn, and so out of the share table (the invariant
+/// in never_share.rs). Fails without the removal in `reconcile`: 'domain 0: share table
+/// names frame 0, withdrawn (...)' (the reference model's long run 4).
+#[test]
+fn an_adopted_frame_withdrawn_as_unreadable_leaves_the_share_table() {
+    use crate::backing::Backing;
+    use crate::ids::{FrameId, Gfn};
+    let (mut e, _) = engine();
+    let d = DomainId(0);
+    let f = FrameId(0);
+    let mut pool = MemBacking::new();
+    pool.resize(4 * PAGE_SIZE as u64).unwrap();
+    pool.write(f.offset(), &[1u8; PAGE_SIZE]).unwrap();
+    assert!(e.adopt_pool(d, Box::new(pool.clone()), 4, [f]));
+    let attach_on = |e: &mut Engine, pid: u32, mapped: Vec<(Gfn, super::Mapped)>| {
+        e.attach(Attach {
+            name: format!("g{pid}"),
+            pid,
+            pages: 4,
+            ram: Box::new(MemGuestRam::new(4)),
+            mapped,
+            domain: d,
+            store: Box::new(MemBacking::new()),
+            swap: None,
+            sharing: Sharing::Domain,
+        })
+        .unwrap()
+    };
+    let listed = |e: &Engine| {
+        e.domains[&d]
+            .share
+            .entries()
+            .any(|(_, x)| x == crate::share::ShareEntry::Shared(f))
+    };
+    let on_f = vec![(Gfn(0), super::Mapped::Frame(f))];
+    let a = attach_on(&mut e, 1, on_f.clone());
+    e.detach(a);
+    attach_on(&mut e, 1, vec![]);
+    assert!(
+        e.frame_held(d, f) && listed(&e),
+        "claimed, let go, still listed"
+    );
+    // The pool cannot be read there any more (a failed read, as the model injects).
+    pool.resize(0).unwrap();
+    attach_on(&mut e, 2, on_f);
+    assert!(e.withdrawn(d, f), "its bytes unknown: withdrawn");
+    e.check_invariants().unwrap();
+    assert!(!listed(&e));
+}
+
 /// A guest that leaves gives its page space back, and nothing names it when the next
 /// guest — here of another domain — gets it: its domain's hints are purged. Fails
 /// without the purge in `Engine::remove` (and so does the reference model's
