@@ -34,7 +34,7 @@ use serde::Serialize;
 use crate::run::measure::{start_marks, throughput, ProcCpu, Throughput};
 use crate::run::{companions, Daemon};
 use memfold_cli::engine_args::EngineArgs;
-use rounds::{compare, counted, passes, Compared};
+use rounds::{compare, passes, Compared};
 
 /// `memfold bench disk-io`'s flags.
 #[derive(Args, Clone, Debug)]
@@ -63,6 +63,13 @@ pub struct DiskIoArgs {
     /// comparison of the disks as `memfold run` sets them up rather than of the devices.
     #[arg(long)]
     pub virtio_cached: bool,
+    /// The sides take turns: once both read, one guest is paused (QMP `stop`: its vCPUs
+    /// and clock stand still) while the other runs a few rounds, so each device path runs
+    /// with the host's other core free of the other guest's vCPU — as a host whose vCPUs
+    /// do not hold every core (KVM, or more cores than vCPUs) runs it. A round a pause
+    /// fell in, or may have, is not counted. Default: both at once, one vCPU a core.
+    #[arg(long)]
+    pub alternate: bool,
     /// Profiles whose built-in workload is compared too, a pair of guests each (e.g.
     /// `web,db`); none by default.
     #[arg(long, value_delimiter = ',')]
@@ -90,6 +97,10 @@ pub struct DiskIoRun {
     pub memfoldd: bool,
     /// Whether QEMU's virtio-blk read through the host's page cache (else `O_DIRECT`).
     pub virtio_cached: bool,
+    /// Whether the sides took turns (`--alternate`), else both read at once.
+    pub alternate: bool,
+    /// Times a side was paused for the other's turn (`--alternate`; else 0).
+    pub turns: u32,
     /// The data disk, MiB.
     pub disk_mib: u64,
     /// MiB per sequential pass.
@@ -208,7 +219,7 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
     // Looked up again at every poll: its supervisor may restart it under a new pid.
     let mut blk_cpu = ProcCpu::starting(blk_pids(&gb));
     let cpu0 = (cpu_s(gb.pid), cpu_s(gv.pid));
-    let (cb, cv) = io_pair(a, &mut gb, &mut gv, |gb| blk_cpu.observe(blk_pids(gb)))?;
+    let (cb, cv, turns) = io_pair(a, &mut gb, &mut gv, |gb| blk_cpu.observe(blk_pids(gb)))?;
     memfoldd_alive()?;
     blk_cpu.observe(blk_pids(&gb));
     let cpu = (
@@ -298,6 +309,8 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
         accel: format!("{accel:?}"),
         memfoldd: !a.no_memfoldd,
         virtio_cached: a.virtio_cached,
+        alternate: a.alternate,
+        turns,
         disk_mib: a.disk_mib,
         seq_mib: a.seq_mib,
         rand_reads: a.rand_reads,
@@ -320,19 +333,60 @@ pub fn run(a: &DiskIoArgs) -> Result<()> {
 /// by round.
 type Rounds = std::collections::BTreeMap<u64, rounds::Round>;
 
+/// `--alternate`: counted rounds a side runs alone before the other's turn.
+const ROUNDS_A_TURN: usize = 3;
+
+/// `--alternate`'s turns: one side runs, the other is paused (QMP `stop`).
+struct Turns {
+    /// QMP sessions: memfold-blk's guest, virtio's.
+    qmp: [memfold_vm::qmp::Qmp; 2],
+    /// The side running (0: memfold-blk's guest, 1: virtio's).
+    running: usize,
+    /// The running side's counted rounds when its turn began.
+    counted_at_turn: usize,
+    /// Per side, the rounds a pause fell in or may have: the round under way when it was
+    /// paused (by its console, which may lag by a pass) and the next.
+    paused_in: [std::collections::BTreeSet<u64>; 2],
+    /// Pauses so far.
+    pauses: u32,
+}
+
+impl Turns {
+    /// Pauses side `side`, whose console shows `passes` (read after the pause).
+    fn pause(&mut self, side: usize, g: &Guest) -> Result<()> {
+        self.qmp[side]
+            .execute("stop", None)
+            .with_context(|| format!("{}: QMP stop", g.name))?;
+        let u = rounds::under_way(&passes(&g.serial()));
+        self.paused_in[side].extend([u, u + 1]);
+        self.pauses += 1;
+        Ok(())
+    }
+
+    /// Resumes side `side` (QMP `cont`).
+    fn resume(&mut self, side: usize, g: &Guest) -> Result<()> {
+        self.qmp[side]
+            .execute("cont", None)
+            .with_context(|| format!("{}: QMP cont", g.name))?;
+        Ok(())
+    }
+}
+
 /// Runs the I/O pair until each side has `a.rounds` rounds that began after both were
-/// reading, calling `poll` with memfold-blk's guest at each look; returns each side's
-/// counted rounds (memfold-blk's, virtio's).
+/// reading (`--alternate`: and that no pause fell in), calling `poll` with memfold-blk's
+/// guest at each look; returns each side's counted rounds (memfold-blk's, virtio's) and
+/// the pauses made for turns. Both guests run when it returns.
 fn io_pair(
     a: &DiskIoArgs,
     gb: &mut Guest,
     gv: &mut Guest,
     mut poll: impl FnMut(&Guest),
-) -> Result<(Rounds, Rounds)> {
-    let deadline = Instant::now() + Duration::from_secs(600 + 120 * a.rounds as u64);
+) -> Result<(Rounds, Rounds, u32)> {
+    let deadline = Instant::now() + Duration::from_secs(600 + 240 * a.rounds as u64);
     // Per side: the last round any pass of which was reported when the other side
     // started (None until both have started).
     let mut first: Option<(u64, u64)> = None;
+    let mut turns: Option<Turns> = None;
     loop {
         poll(gb);
         let (sb, sv) = (gb.serial(), gv.serial());
@@ -346,12 +400,7 @@ fn io_pair(
         if first.is_none() && started(&sb) && started(&sv) {
             // The round under way on each side now (or 0) ran partly alone: skipped.
             // A round whose last pass is in was done: the next one is under way.
-            let last = |p: &[rounds::Pass]| {
-                p.last().map_or(0, |p| {
-                    p.round + u64::from(p.kind == rounds::KINDS.len() - 1)
-                })
-            };
-            first = Some((last(&pb), last(&pv)));
+            first = Some((rounds::under_way(&pb), rounds::under_way(&pv)));
             let (fb, fv) = first.expect("just set");
             eprintln!(
                 "both guests reading: counting from round {} (memfold-blk) and {} (virtio)",
@@ -359,10 +408,45 @@ fn io_pair(
                 fv + 1
             );
         }
+        if let (Some(_), true, None) = (first, a.alternate, &turns) {
+            let mut t = Turns {
+                qmp: [gb.qmp()?, gv.qmp()?],
+                running: 0,
+                counted_at_turn: 0,
+                paused_in: Default::default(),
+                pauses: 0,
+            };
+            t.pause(1, gv)?;
+            eprintln!("taking turns: {ROUNDS_A_TURN} rounds a side while the other is paused");
+            turns = Some(t);
+            continue;
+        }
         if let Some((fb, fv)) = first {
-            let (cb, cv) = (counted(&pb, fb), counted(&pv, fv));
-            if cb.len() >= a.rounds && cv.len() >= a.rounds {
-                return Ok((cb, cv));
+            let none = Default::default();
+            let paused = |side: usize| turns.as_ref().map_or(&none, |t| &t.paused_in[side]);
+            let (cb, cv) = (
+                rounds::counted_except(&pb, fb, paused(0)),
+                rounds::counted_except(&pv, fv, paused(1)),
+            );
+            let done = [cb.len() >= a.rounds, cv.len() >= a.rounds];
+            if done[0] && done[1] {
+                if let Some(mut t) = turns {
+                    let stopped = 1 - t.running;
+                    t.resume(stopped, [&*gb, &*gv][stopped])?;
+                    return Ok((cb, cv, t.pauses));
+                }
+                return Ok((cb, cv, 0));
+            }
+            if let Some(t) = turns.as_mut() {
+                let (run, other) = (t.running, 1 - t.running);
+                let now = [cb.len(), cv.len()][run];
+                let turn_over = now >= t.counted_at_turn + ROUNDS_A_TURN || done[run];
+                if turn_over && !done[other] {
+                    t.pause(run, [&*gb, &*gv][run])?;
+                    t.resume(other, [&*gb, &*gv][other])?;
+                    t.running = other;
+                    t.counted_at_turn = [cb.len(), cv.len()][other];
+                }
             }
         }
         gb.check_alive()?;

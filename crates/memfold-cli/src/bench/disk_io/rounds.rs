@@ -72,6 +72,26 @@ pub fn counted(passes: &[Pass], first: u64) -> BTreeMap<u64, Round> {
         .collect()
 }
 
+/// The round a side is in now, by its console's passes: its last pass's round, or the
+/// next one if that pass was the round's last (0 before any pass).
+pub fn under_way(passes: &[Pass]) -> u64 {
+    passes
+        .last()
+        .map_or(0, |p| p.round + u64::from(p.kind == KINDS.len() - 1))
+}
+
+/// [`counted`] without the rounds in `paused_in` (`--alternate`: a round the side was
+/// paused in, or may have been).
+pub fn counted_except(
+    passes: &[Pass],
+    first: u64,
+    paused_in: &std::collections::BTreeSet<u64>,
+) -> BTreeMap<u64, Round> {
+    let mut c = counted(passes, first);
+    c.retain(|r, _| !paused_in.contains(r));
+    c
+}
+
 /// Mean and two standard errors of the mean of `xs` (2 s.e. is 0 under two values).
 pub fn mean_2se(xs: &[f64]) -> (f64, f64) {
     let n = xs.len() as f64;
@@ -169,6 +189,26 @@ mod tests {
         let c = counted(&v, 1);
         assert_eq!(c.keys().copied().collect::<Vec<_>>(), vec![2, 3]);
         assert_eq!(c[&2], [(1.0, 1.0); 3]);
+    }
+
+    #[test]
+    fn the_round_under_way_and_rounds_a_pause_fell_in() {
+        let pass = |round, kind| Pass {
+            round,
+            kind,
+            bytes: 1 << 20,
+            ns: 1_000_000_000,
+        };
+        assert_eq!(under_way(&[]), 0);
+        assert_eq!(under_way(&[pass(3, 0)]), 3);
+        assert_eq!(under_way(&[pass(3, 0), pass(3, 1)]), 3);
+        assert_eq!(under_way(&[pass(3, 1), pass(3, 2)]), 4, "round 3 done");
+        let v: Vec<Pass> = (0..6)
+            .flat_map(|r| (0..3).map(move |k| pass(r, k)))
+            .collect();
+        let paused: std::collections::BTreeSet<u64> = [2, 3].into();
+        let c = counted_except(&v, 0, &paused);
+        assert_eq!(c.keys().copied().collect::<Vec<_>>(), vec![1, 4, 5]);
     }
 
     #[test]
