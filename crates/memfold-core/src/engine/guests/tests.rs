@@ -118,6 +118,27 @@ fn an_adopted_frame_claimed_again_with_new_bytes_is_listed_once() {
     }
 }
 
+/// Attaches guest `pid` of 4 pages to domain `d`, re-attaching with `mapped`.
+fn attach_mapping(
+    e: &mut Engine,
+    d: DomainId,
+    pid: u32,
+    mapped: Vec<(crate::ids::Gfn, super::Mapped)>,
+) -> VmId {
+    e.attach(Attach {
+        name: format!("g{pid}"),
+        pid,
+        pages: 4,
+        ram: Box::new(MemGuestRam::new(4)),
+        mapped,
+        domain: d,
+        store: Box::new(MemBacking::new()),
+        swap: None,
+        sharing: Sharing::Domain,
+    })
+    .unwrap()
+}
+
 /// An adopted frame of `first` bytes claimed, let go, rewritten with 2s and claimed again:
 /// listed once in the share table, and not a zero frame any more.
 fn claimed_again(first: u8) {
@@ -130,20 +151,7 @@ fn claimed_again(first: u8) {
     pool.resize(4 * PAGE_SIZE as u64).unwrap();
     pool.write(f.offset(), &[first; PAGE_SIZE]).unwrap();
     assert!(e.adopt_pool(d, Box::new(pool.clone()), 4, [f]));
-    let attach_a = |e: &mut Engine, mapped: Vec<(Gfn, super::Mapped)>| {
-        e.attach(Attach {
-            name: "a".into(),
-            pid: 1,
-            pages: 4,
-            ram: Box::new(MemGuestRam::new(4)),
-            mapped,
-            domain: d,
-            store: Box::new(MemBacking::new()),
-            swap: None,
-            sharing: Sharing::Domain,
-        })
-        .unwrap()
-    };
+    let attach_a = |e: &mut Engine, mapped| attach_mapping(e, d, 1, mapped);
     let on_f = vec![(Gfn(0), super::Mapped::Frame(f))];
     let a = attach_a(&mut e, on_f.clone());
     assert_eq!(e.domains[&d].zero_frames.contains(&f), first == 0);
@@ -183,20 +191,7 @@ fn an_adopted_frame_withdrawn_as_unreadable_leaves_the_share_table() {
     pool.resize(4 * PAGE_SIZE as u64).unwrap();
     pool.write(f.offset(), &[1u8; PAGE_SIZE]).unwrap();
     assert!(e.adopt_pool(d, Box::new(pool.clone()), 4, [f]));
-    let attach_on = |e: &mut Engine, pid: u32, mapped: Vec<(Gfn, super::Mapped)>| {
-        e.attach(Attach {
-            name: format!("g{pid}"),
-            pid,
-            pages: 4,
-            ram: Box::new(MemGuestRam::new(4)),
-            mapped,
-            domain: d,
-            store: Box::new(MemBacking::new()),
-            swap: None,
-            sharing: Sharing::Domain,
-        })
-        .unwrap()
-    };
+    let attach_on = |e: &mut Engine, pid, mapped| attach_mapping(e, d, pid, mapped);
     let listed = |e: &Engine| {
         e.domains[&d]
             .share
