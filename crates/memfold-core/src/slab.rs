@@ -109,7 +109,7 @@ struct Chunk {
     touched: u16,
 }
 
-/// A slot handed out by [`Slab::alloc`].
+/// A slot handed out by [`Slab::alloc`] or [`Slab::reserve`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Slot {
     /// Id to free it with.
@@ -285,7 +285,7 @@ impl Slab {
     }
 
     /// The pages of live slot `id` that no written slot has covered since its chunk
-    /// opened, as `(byte offset, bytes)` runs of whole pages in the file: after a failed
+    /// opened, as `(byte offset, bytes)` of each such page in the file: after a failed
     /// write into a reserved slot, what the write may have allocated and nothing else
     /// holds (the caller punches them; [`crate::blobs::BlobSpace::put`]). Empty for
     /// [`EMPTY`]. Panics on a slot that is not live.

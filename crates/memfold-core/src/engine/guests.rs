@@ -364,6 +364,8 @@ impl Engine {
                     let dom = self.domain_mut(d);
                     dom.withdrawn.insert(f);
                     dom.share.remove(dom.frames.hash(f), ShareEntry::Shared(f));
+                    // Nor a zero frame: its bytes are not known to be zeros any more.
+                    dom.zero_frames.remove(&f);
                     dom.similar.forget_frame(f);
                 }
             }

@@ -8,8 +8,9 @@
 //! memfold-blk does (`--virtio-cached`: through the host's page cache, QEMU's default). Each runs `memfold-probe diskio` (images/
 //! memfold-probe.rs): round after round of `O_DIRECT` reads — 4 KiB sequential, 4 KiB at
 //! random offsets, 1 MiB sequential — timed by the guest. Only the rounds that began after
-//! both guests were reading count, so both sides always ran under the same load; the run
-//! stops when each side has `--rounds` of them. Then, with `--workloads web,...`, a guest
+//! both guests were reading count, so both sides always ran under the same load (with
+//! `--alternate`, each alone in turn: the other paused); the run stops when each side
+//! has `--rounds` of them. Then, with `--workloads web,...`, a guest
 //! pair per profile (root disk on memfold-blk's qcow2 overlay against QEMU's throw-away
 //! overlay) runs its built-in workload side by side for `--workload-secs`.
 //!
@@ -67,7 +68,8 @@ pub struct DiskIoArgs {
     /// and clock stand still) while the other runs a few rounds, so each device path runs
     /// with the host's other core free of the other guest's vCPU — as a host whose vCPUs
     /// do not hold every core (KVM, or more cores than vCPUs) runs it. A round a pause
-    /// fell in, or may have, is not counted. Default: both at once, one vCPU a core.
+    /// fell in, or may have, is not counted. The run's wall time and CPU seconds include
+    /// the pauses. Default: both at once, one vCPU a core.
     #[arg(long)]
     pub alternate: bool,
     /// Profiles whose built-in workload is compared too, a pair of guests each (e.g.
@@ -375,7 +377,8 @@ impl Turns {
 /// Runs the I/O pair until each side has `a.rounds` rounds that began after both were
 /// reading (`--alternate`: and that no pause fell in), calling `poll` with memfold-blk's
 /// guest at each look; returns each side's counted rounds (memfold-blk's, virtio's) and
-/// the pauses made for turns. Both guests run when it returns.
+/// the pauses made for turns. Both guests run when it returns `Ok` (on an error one may
+/// be left paused; stopping it with QMP `quit` works the same).
 fn io_pair(
     a: &DiskIoArgs,
     gb: &mut Guest,
@@ -417,6 +420,9 @@ fn io_pair(
                 pauses: 0,
             };
             t.pause(1, gv)?;
+            // Memfold-blk's round under way now may have begun before the pause.
+            let u = rounds::under_way(&passes(&gb.serial()));
+            t.paused_in[0].extend([u, u + 1]);
             eprintln!("taking turns: {ROUNDS_A_TURN} rounds a side while the other is paused");
             turns = Some(t);
             continue;

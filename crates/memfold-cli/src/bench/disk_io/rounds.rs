@@ -34,9 +34,11 @@ impl Pass {
     }
 }
 
-/// The passes in a console's text, in order (lines that do not parse are skipped).
+/// The passes in a console's text, in order (lines that do not parse are skipped, and so
+/// is a last line not yet ended: QEMU may be writing it, its time cut short).
 pub fn passes(serial: &str) -> Vec<Pass> {
-    serial
+    let ended = serial.rfind('\n').map_or("", |end| &serial[..end]);
+    ended
         .lines()
         .filter_map(|l| {
             let mut f = l.split("MEMFOLD-IO ").nth(1)?.split_whitespace();
@@ -169,6 +171,10 @@ mod tests {
                  MEMFOLD-IO 0 seq-1m 1048576\n";
         let p = passes(s);
         assert_eq!(p.len(), 2);
+        // A line still being written is not read: its ns may be cut short.
+        let cut = format!("{s}MEMFOLD-IO 1 seq-4k 1048576 50");
+        assert_eq!(passes(&cut), p);
+        assert_eq!(passes(&format!("{cut}0000000\n")).len(), 3);
         assert_eq!((p[0].kind, p[0].mib_secs()), (0, (1.0, 0.5)));
         assert_eq!(p[1].kind, 1);
         assert_eq!(p[1].mib_secs(), (4096.0 / 1048576.0, 1e-3));

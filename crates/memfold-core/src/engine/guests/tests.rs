@@ -182,6 +182,16 @@ fn claimed_again(first: u8) {
 /// names frame 0, withdrawn (...)' (the reference model's long run 4).
 #[test]
 fn an_adopted_frame_withdrawn_as_unreadable_leaves_the_share_table() {
+    // Of other bytes, and of zeros (it must then leave the zero frames too: a page on it
+    // would be counted as a zero page, and a never-share page on it not taken back).
+    for bytes in [1u8, 0] {
+        withdrawn_as_unreadable(bytes);
+    }
+}
+
+/// [`an_adopted_frame_withdrawn_as_unreadable_leaves_the_share_table`] with a frame of
+/// `bytes`.
+fn withdrawn_as_unreadable(bytes: u8) {
     use crate::backing::Backing;
     use crate::ids::{FrameId, Gfn};
     let (mut e, _) = engine();
@@ -189,7 +199,7 @@ fn an_adopted_frame_withdrawn_as_unreadable_leaves_the_share_table() {
     let f = FrameId(0);
     let mut pool = MemBacking::new();
     pool.resize(4 * PAGE_SIZE as u64).unwrap();
-    pool.write(f.offset(), &[1u8; PAGE_SIZE]).unwrap();
+    pool.write(f.offset(), &[bytes; PAGE_SIZE]).unwrap();
     assert!(e.adopt_pool(d, Box::new(pool.clone()), 4, [f]));
     let attach_on = |e: &mut Engine, pid, mapped| attach_mapping(e, d, pid, mapped);
     let listed = |e: &Engine| {
@@ -211,7 +221,11 @@ fn an_adopted_frame_withdrawn_as_unreadable_leaves_the_share_table() {
     attach_on(&mut e, 2, on_f);
     assert!(e.withdrawn(d, f), "its bytes unknown: withdrawn");
     e.check_invariants().unwrap();
-    assert!(!listed(&e));
+    assert!(!listed(&e), "still listed (bytes {bytes})");
+    assert!(
+        !e.domains[&d].zero_frames.contains(&f),
+        "still a zero frame (bytes {bytes})"
+    );
 }
 
 /// A guest that leaves gives its page space back, and nothing names it when the next
