@@ -306,6 +306,21 @@ impl Engine {
     }
 }
 
+impl super::Vm {
+    /// Whether a request about page `g` is under way that its state does not show: a
+    /// page-out, or a free discard asked while it was shared or stored (`free_watch.held`,
+    /// until answered), which a CoW break or decode meanwhile left private.
+    ///
+    /// Invariant: no mechanism starts another request on such a page. The discard's
+    /// answer must find the page as the agent left it (private): found sharing,
+    /// reclaiming or stashing, the answer was dropped, and the agent's refusal of that
+    /// request (it holds a hole) booked the page private — a zero page the books lost
+    /// (model run 89: 'booked Private, the agent holds it as Zero'; `unmap_broken` too).
+    pub(crate) fn request_going(&self, g: Gfn) -> bool {
+        self.paged_out_or_going(g) || self.free_watch.held.contains(&g)
+    }
+}
+
 /// Whether a page in state `s` may be discarded when its guest reports it free: private,
 /// shared, stored or shared without a mapping (not in flight, not a zero page already).
 fn discardable_state(s: PageState) -> bool {

@@ -645,10 +645,7 @@ impl Engine {
     /// shared nor stored, nor hints or reference pages for another guest.)
     pub(crate) fn sharable(&self, id: VmId, g: Gfn) -> bool {
         self.vms.get(&id).is_some_and(|v| {
-            v.attached
-                && !v.opted_out
-                && v.state(g) == PageState::Private
-                && !v.paged_out_or_going(g)
+            v.attached && !v.opted_out && v.state(g) == PageState::Private && !v.request_going(g)
         })
     }
 

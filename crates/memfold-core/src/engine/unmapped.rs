@@ -242,6 +242,11 @@ impl Engine {
         if v.opted_out || g.0 >= v.pages() || v.state(g) != PageState::Shared(f) {
             return false;
         }
+        // A free discard of it under way: the break leaves it private, as its answer must
+        // find it, no stash queued (the invariant of `Vm::request_going`).
+        if v.free_watch.held.contains(&g) {
+            return false;
+        }
         let d = v.domain;
         // A never-share page, or a frame one held, is not shared again (never_share.rs).
         if self.never_share(id, g) || self.withdrawn(d, f) {

@@ -528,3 +528,45 @@ fn a_refill_before_its_shared_page_s_discard_answer_leaves_the_page_private() {
     r.engine.check_invariants().unwrap();
     crate::sim::booked_where_kept(&r.engine, r.vm, &r.agent).unwrap();
 }
+
+/// A shared page memfoldd asked back to share it without a mapping (`unmapped.rs`),
+/// taken back by the agent before its watch, the break reported after the discard was
+/// asked (model run 89): the discard's answer must find the page private, as the agent
+/// left it. Without the mend the break queued the page's stash (`unmap_broken`), the
+/// answer found it stashing and was dropped, and the agent's refusal of the stash (it
+/// holds a hole) booked it private: 'booked Private, the agent holds it as Zero'.
+#[test]
+fn a_page_broken_to_be_unmapped_before_its_discard_s_answer_is_left_for_it() {
+    let mut r = shared_rig();
+    report(&mut r, &[0]);
+    assert_eq!(r.engine.discard_free(r.vm, None, true), 1, "watches");
+    // memfoldd's take-back (to unmap page 0) is carried out before the watch; the
+    // break it makes is reported only later.
+    r.engine
+        .vms
+        .get_mut(&r.vm)
+        .unwrap()
+        .unmapping
+        .insert(Gfn(0));
+    let take_back = Command::TakeBack { gfn: Gfn(0) };
+    assert_eq!(r.agent.execute(&take_back), Outcome::Done);
+    for c in r.engine.take_commands(r.vm) {
+        r.answer(c);
+    }
+    let round = r.engine.watch_armed(r.vm).expect("armed");
+    report(&mut r, &[0]);
+    assert_eq!(r.engine.discard_free(r.vm, Some(round), true), 1);
+    let held: Vec<_> = (r.engine.take_commands(r.vm).into_iter())
+        .map(|c| (r.agent.execute(&c), c))
+        .collect();
+    assert!(held.contains(&(Outcome::Done, Command::DiscardFree { gfn: Gfn(0) })));
+    r.report();
+    r.engine.outcome(r.vm, &take_back, Outcome::Done);
+    for (o, c) in held {
+        r.engine.outcome(r.vm, &c, o);
+    }
+    r.carry_out();
+    crate::sim::booked_where_kept(&r.engine, r.vm, &r.agent).unwrap();
+    assert_eq!(r.engine.page_state(r.vm, Gfn(0)), Some(PageState::Zero));
+    r.engine.check_invariants().unwrap();
+}
