@@ -139,18 +139,26 @@ fn attach_mapping(
     .unwrap()
 }
 
+/// An engine whose domain 0 adopted a pool of 4 pages (the pool, kept to change its
+/// bytes later) with frame 0 in use, holding `bytes`.
+fn adopted_frame(bytes: u8) -> (Engine, DomainId, crate::ids::FrameId, MemBacking) {
+    use crate::backing::Backing;
+    let (mut e, _) = engine();
+    let d = DomainId(0);
+    let f = crate::ids::FrameId(0);
+    let mut pool = MemBacking::new();
+    pool.resize(4 * PAGE_SIZE as u64).unwrap();
+    pool.write(f.offset(), &[bytes; PAGE_SIZE]).unwrap();
+    assert!(e.adopt_pool(d, Box::new(pool.clone()), 4, [f]));
+    (e, d, f, pool)
+}
+
 /// An adopted frame of `first` bytes claimed, let go, rewritten with 2s and claimed again:
 /// listed once in the share table, and not a zero frame any more.
 fn claimed_again(first: u8) {
     use crate::backing::Backing;
-    use crate::ids::{FrameId, Gfn};
-    let (mut e, _) = engine();
-    let d = DomainId(0);
-    let f = FrameId(0);
-    let mut pool = MemBacking::new();
-    pool.resize(4 * PAGE_SIZE as u64).unwrap();
-    pool.write(f.offset(), &[first; PAGE_SIZE]).unwrap();
-    assert!(e.adopt_pool(d, Box::new(pool.clone()), 4, [f]));
+    use crate::ids::Gfn;
+    let (mut e, d, f, mut pool) = adopted_frame(first);
     let attach_a = |e: &mut Engine, mapped| attach_mapping(e, d, 1, mapped);
     let on_f = vec![(Gfn(0), super::Mapped::Frame(f))];
     let a = attach_a(&mut e, on_f.clone());
@@ -193,14 +201,8 @@ fn an_adopted_frame_withdrawn_as_unreadable_leaves_the_share_table() {
 /// `bytes`.
 fn withdrawn_as_unreadable(bytes: u8) {
     use crate::backing::Backing;
-    use crate::ids::{FrameId, Gfn};
-    let (mut e, _) = engine();
-    let d = DomainId(0);
-    let f = FrameId(0);
-    let mut pool = MemBacking::new();
-    pool.resize(4 * PAGE_SIZE as u64).unwrap();
-    pool.write(f.offset(), &[bytes; PAGE_SIZE]).unwrap();
-    assert!(e.adopt_pool(d, Box::new(pool.clone()), 4, [f]));
+    use crate::ids::Gfn;
+    let (mut e, d, f, mut pool) = adopted_frame(bytes);
     let attach_on = |e: &mut Engine, pid, mapped| attach_mapping(e, d, pid, mapped);
     let listed = |e: &Engine| {
         e.domains[&d]
