@@ -21,7 +21,6 @@
 //! buffers the guest gave it (each write is to a device-writable descriptor's range,
 //! checked against guest RAM by [`RemoteMemory`]).
 
-use std::collections::BTreeMap;
 use std::io;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -35,9 +34,9 @@ use vm_memory::GuestAddressSpace;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{EventConsumer, EventNotifier};
 
-use crate::disk::{Disk, DiskError, Extent, SECTOR};
-use crate::landed::{Landed, LandedSink};
-use crate::mem::{MemError, RamFile, RemoteMemory, PAGE};
+use crate::disk::{Disk, DiskError, SECTOR};
+use crate::landed::LandedSink;
+use crate::mem::{MemError, RemoteMemory};
 use crate::remote::{self, RemoteError};
 use crate::vring::{BlkVring, Gm};
 
@@ -92,6 +91,8 @@ pub struct BlkBackend {
     counters: Counters,
     /// With a read rate: when the disk is free for the next read.
     read_free_at: std::time::Instant,
+    /// The buffer disk reads land in, reused from request to request (`read.rs`).
+    read_buf: crate::aligned::Aligned,
     /// Whether the driver accepted `VIRTIO_BLK_F_FLUSH` (set at `SET_FEATURES`): only
     /// then may a completed write wait in the disk's cache for the guest's flush. Off
     /// until the features are set, and after a reset: each write is then durable before
@@ -215,6 +216,7 @@ impl BlkBackend {
             mem: None,
             counters: Counters::default(),
             read_free_at: std::time::Instant::now(),
+            read_buf: Default::default(),
             flush_acked: false,
             fill_backoff: Default::default(),
             exit_events: Default::default(),
@@ -584,118 +586,6 @@ impl BlkBackend {
         Ok(off)
     }
 
-    fn read(
-        &mut self,
-        mem: &RemoteMemory,
-        c: &Chain,
-        sector: u64,
-        len: u64,
-    ) -> Result<(), ReqError> {
-        let off = self.data_range(sector, len)?;
-        let runs = sub_runs(&c.writable, 0, len);
-        let fill = self.fill_from_frames(mem, &runs, off, len)?;
-        if fill.at.len() as u64 * PAGE == len {
-            self.counters.reads_from_frames += 1;
-            return Ok(());
-        }
-        let r = self.read_disk(mem, &runs, off, len, &fill.at);
-        if r.is_err() {
-            // memfoldd may still answer the fill (late): once the guest has its buffer
-            // back, no page of it may begin with the nonce (fill.rs).
-            self.wipe_nonces(mem, &fill.nonced);
-        }
-        r
-    }
-
-    /// The rest of a read: the bytes of `[off, off + len)` frames did not fill (pages
-    /// at read offsets `filled`) from the disk into the guest runs `runs`, reported.
-    fn read_disk(
-        &mut self,
-        mem: &RemoteMemory,
-        runs: &[(u64, u64)],
-        off: u64,
-        len: u64,
-        filled: &[u64],
-    ) -> Result<(), ReqError> {
-        let mut buf = vec![0u8; len as usize];
-        let extents = if filled.is_empty() {
-            self.throttle_read(len);
-            let extents = self.disk.read(off, &mut buf)?;
-            self.put(mem, runs, &buf)?;
-            extents
-        } else {
-            // Only what frames did not fill comes from the disk.
-            let mut extents = Vec::new();
-            for (a, b) in fill::unfilled(filled, len) {
-                self.throttle_read(b - a);
-                let e = self.disk.read(off + a, &mut buf[a as usize..b as usize])?;
-                extents.extend(e);
-            }
-            self.put_except(mem, runs, &buf, filled)?;
-            extents
-        };
-        self.counters.disk_read_bytes += len - filled.len() as u64 * PAGE;
-        self.report(mem, runs, off, &extents, filled);
-        Ok(())
-    }
-
-    /// Writes `data` into the guest runs `runs`, all in one `process_vm_writev` (up to
-    /// 1 024 pieces): a request over scattered guest pages costs one call, not one a run.
-    fn put(&self, mem: &RemoteMemory, runs: &[(u64, u64)], data: &[u8]) -> Result<(), ReqError> {
-        let mut parts = Vec::with_capacity(runs.len());
-        let mut at = 0usize;
-        for &(a, n) in runs {
-            parts.push((a, &data[at..at + n as usize]));
-            at += n as usize;
-        }
-        mem.write_runs(&parts)?;
-        Ok(())
-    }
-
-    /// Reports to the sink the whole pages of `runs` a read of disk bytes from `off`
-    /// (served as `extents`) filled, but those at read offsets `filled` (ascending:
-    /// filled from frames, not written).
-    fn report(
-        &mut self,
-        mem: &RemoteMemory,
-        runs: &[(u64, u64)],
-        off: u64,
-        extents: &[Extent],
-        filled: &[u64],
-    ) {
-        let mut by_file: BTreeMap<RamFile, Vec<Landed>> = BTreeMap::new();
-        let mut stream = 0u64;
-        for &(a, n) in runs {
-            for (file, gfn, in_run) in mem.whole_pages(a, n) {
-                if filled.binary_search(&(stream + in_run)).is_ok() {
-                    continue;
-                }
-                let d = off + stream + in_run;
-                let src = extents
-                    .iter()
-                    .find(|e| e.off <= d && d + PAGE <= e.off + e.len)
-                    .and_then(|e| e.source.page_source(d));
-                if let Some(source) = src {
-                    by_file
-                        .entry(file)
-                        .or_default()
-                        .push(Landed { gfn, source });
-                }
-            }
-            stream += n;
-        }
-        for (file, pages) in by_file {
-            for p in &pages {
-                match p.source {
-                    crate::landed::Source::Base { .. } => self.counters.landed_base += 1,
-                    crate::landed::Source::Overlay => self.counters.landed_overlay += 1,
-                    crate::landed::Source::Zero => self.counters.landed_zero += 1,
-                }
-            }
-            self.sink.landed(file, &pages);
-        }
-    }
-
     fn write(
         &mut self,
         mem: &RemoteMemory,
@@ -795,5 +685,6 @@ fn queue_error(view: &crate::mem::RemoteView<'_>, e: virtio_queue::Error) -> Mem
 mod backend;
 mod counters;
 mod fill;
+mod read;
 #[cfg(test)]
 mod tests;

@@ -6,8 +6,8 @@
 //! base block be named by (base, block number) alone.
 //!
 //! The host page cache is kept from holding a third copy of what the guest's page cache
-//! and memfold's pool already hold: the raw base is read with `O_DIRECT` (aligned bounce
-//! buffers), and the qcow2 overlay is opened with `O_DIRECT` too, imago reading and
+//! and memfold's pool already hold: the raw base is read with `O_DIRECT` (straight into
+//! the device's aligned read buffer; a bounce buffer only for an unaligned range), and the qcow2 overlay is opened with `O_DIRECT` too, imago reading and
 //! writing through the device's own descriptors of both files (`open.rs`). Where a file
 //! system refuses `O_DIRECT` (and with `memfold-blk --no-direct`) I/O is buffered and
 //! each range is dropped with `POSIX_FADV_DONTNEED` after use — which measurably does
@@ -26,13 +26,14 @@
 
 use std::fs::File;
 use std::os::fd::AsFd;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use imago::file::File as ImagoFile;
 use imago::{FormatAccess, ShallowMapping};
 
+use crate::aligned::{fits_direct, read_fully, Aligned};
 use crate::landed::{DiskId, Source};
 
 mod guard;
@@ -282,30 +283,6 @@ fn check_range(
     Ok(())
 }
 
-/// A 4 KiB-aligned buffer of `len` bytes (`O_DIRECT`).
-struct Aligned {
-    words: Vec<AlignedBlock>,
-    len: usize,
-}
-
-#[repr(C, align(4096))]
-#[derive(Clone, Copy)]
-struct AlignedBlock([u8; BLOCK as usize]);
-
-impl Aligned {
-    fn new(len: usize) -> Aligned {
-        Aligned {
-            words: vec![AlignedBlock([0; BLOCK as usize]); len.div_ceil(BLOCK as usize)],
-            len,
-        }
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: the blocks are contiguous plain bytes, `len` of them at most
-        // `words.len() * BLOCK`.
-        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast(), self.len) }
-    }
-}
-
 /// A read-only raw image (a data disk; or the base under an [`OverlayDisk`]).
 #[derive(Debug)]
 pub struct RawDisk {
@@ -379,30 +356,32 @@ impl RawDisk {
     /// buffer; without `O_DIRECT`, drops the range from the page cache afterwards.
     /// Refused if the file changed since it was opened, before the read or during it.
     fn read_at(&self, off: u64, buf: &mut [u8]) -> Result<(), DiskError> {
+        let len = buf.len() as u64;
         let io_err = |source| DiskError::Io {
             path: self.path.clone(),
             op: "read",
             off,
-            len: buf.len() as u64,
+            len,
             source,
         };
-        let a0 = off / BLOCK * BLOCK;
-        let a1 = (off + buf.len() as u64).div_ceil(BLOCK) * BLOCK;
-        let mut b = Aligned::new((a1 - a0) as usize);
-        let bytes = b.bytes_mut();
-        let mut done = 0usize;
-        while done < bytes.len() {
-            match self.file.read_at(&mut bytes[done..], a0 + done as u64) {
-                Ok(0) => break, // end of file: the rest stays zero
-                Ok(n) => done += n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(io_err(e)),
+        // Straight into `buf` when it can take O_DIRECT as it is (the device's own
+        // buffers are aligned, `blk/read.rs`): no bounce buffer to zero and copy.
+        if off % BLOCK == 0 && fits_direct(buf) {
+            read_fully(&self.file, buf, off).map_err(io_err)?;
+            self.guard.check(&self.file)?;
+            if !self.direct {
+                memfold_sys::memfd::drop_cache(self.file.as_fd(), off, len);
             }
+            return Ok(());
         }
+        let a0 = off / BLOCK * BLOCK;
+        let a1 = (off + len).div_ceil(BLOCK) * BLOCK;
+        let mut b = Aligned::new((a1 - a0) as usize);
+        read_fully(&self.file, b.bytes_mut(), a0).map_err(io_err)?;
         // After the read: a change before it or during it (half old, half new bytes).
         self.guard.check(&self.file)?;
         let skip = (off - a0) as usize;
-        buf.copy_from_slice(&bytes[skip..skip + buf.len()]);
+        buf.copy_from_slice(&b.bytes()[skip..skip + buf.len()]);
         if !self.direct {
             memfold_sys::memfd::drop_cache(self.file.as_fd(), a0, a1 - a0);
         }
@@ -596,6 +575,13 @@ impl OverlayDisk {
     /// imago's read of `buf` at `off`, through an aligned buffer (its `O_DIRECT` needs
     /// one), dropping the range from the page cache when not direct.
     fn imago_read(&self, off: u64, buf: &mut [u8]) -> Result<(), DiskError> {
+        if fits_direct(buf) {
+            let len = buf.len() as u64;
+            return self
+                .overlay
+                .read(buf, off)
+                .map_err(self.io_err("read", off, len));
+        }
         let mut b = Aligned::new(buf.len());
         self.overlay.read(b.bytes_mut(), off).map_err(self.io_err(
             "read",
@@ -706,9 +692,7 @@ impl Disk for OverlayDisk {
         self.base.check_unchanged()?;
         let mut b = Aligned::new(buf.len());
         b.bytes_mut().copy_from_slice(buf);
-        let words = &b.words;
-        // SAFETY: as in Aligned::bytes_mut, read-only.
-        let src = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), buf.len()) };
+        let src = b.bytes();
         let len = buf.len() as u64;
         self.overlay
             .write(src, off)

@@ -23,6 +23,7 @@
 //! [`mem`] is guest RAM over it, [`disk`] the disk images, [`landed`] the report of what
 //! reads put where, [`blk`] the virtio-blk device on vhost-user-backend.
 
+mod aligned;
 pub mod blk;
 pub mod disk;
 pub mod landed;

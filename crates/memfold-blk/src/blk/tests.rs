@@ -2,9 +2,11 @@
 
 use super::*;
 use crate::disk::{OverlayDisk, RawDisk};
-use crate::landed::{DiskId, Source};
+use crate::landed::{DiskId, Landed, Source};
 use crate::mem::tests::Local;
+use crate::mem::RamFile;
 use memfold_ids::Gfn;
+use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use virtio_queue::desc::split::Descriptor as SplitDescriptor;
 use virtio_queue::desc::RawDescriptor;
