@@ -218,8 +218,9 @@ pub trait Disk: Send + Sync {
     fn read_only(&self) -> bool;
     /// Whether discard is supported.
     fn can_discard(&self) -> bool;
-    /// Reads `buf.len()` bytes at `off` into `buf`; returns where they came from, in
-    /// order, covering `buf`.
+    /// Reads `buf.len()` bytes at `off` into `buf`, writing every byte of it (the device
+    /// reuses its buffer: a byte left unwritten would be an earlier read's); returns
+    /// where they came from, in order, covering `buf`.
     ///
     /// Errors: [`DiskError::OutOfRange`], [`DiskError::Io`].
     fn read(&self, off: u64, buf: &mut [u8]) -> Result<Vec<Extent>, DiskError>;

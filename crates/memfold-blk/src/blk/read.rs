@@ -15,6 +15,8 @@ use crate::mem::{RamFile, RemoteMemory, PAGE};
 pub const KEEP_READ_BUF: usize = 2 << 20;
 
 impl BlkBackend {
+    /// Serves a read of `len` bytes at `sector` into the chain's writable buffers: the
+    /// pages frames hold from memfoldd's fill, the rest from the disk.
     pub(super) fn read(
         &mut self,
         mem: &RemoteMemory,
