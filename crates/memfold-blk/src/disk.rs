@@ -353,7 +353,8 @@ impl RawDisk {
         self.guard.check(&self.file)
     }
 
-    /// Reads `buf.len()` bytes at `off` (within the file) through an aligned bounce
+    /// Reads `buf.len()` bytes at `off` (within the file): straight into `buf` when `off`
+    /// and `buf` are block-aligned ([`fits_direct`]), else through an aligned bounce
     /// buffer; without `O_DIRECT`, drops the range from the page cache afterwards.
     /// Refused if the file changed since it was opened, before the read or during it.
     fn read_at(&self, off: u64, buf: &mut [u8]) -> Result<(), DiskError> {
@@ -573,24 +574,15 @@ impl OverlayDisk {
         )
     }
 
-    /// imago's read of `buf` at `off`, through an aligned buffer (its `O_DIRECT` needs
-    /// one), dropping the range from the page cache when not direct.
+    /// imago's read of `buf` at `off`, straight into `buf`: imago checks the offset,
+    /// length and buffer against the file's `O_DIRECT` alignment itself and reads
+    /// through a padded buffer of its own only when one is not aligned (imago 0.2
+    /// `StorageExt::readv`); the device's own buffer is (`blk/read.rs`).
     fn imago_read(&self, off: u64, buf: &mut [u8]) -> Result<(), DiskError> {
-        if fits_direct(buf) {
-            let len = buf.len() as u64;
-            return self
-                .overlay
-                .read(buf, off)
-                .map_err(self.io_err("read", off, len));
-        }
-        let mut b = Aligned::new(buf.len());
-        self.overlay.read(b.bytes_mut(), off).map_err(self.io_err(
-            "read",
-            off,
-            buf.len() as u64,
-        ))?;
-        buf.copy_from_slice(b.bytes_mut());
-        Ok(())
+        let len = buf.len() as u64;
+        self.overlay
+            .read(buf, off)
+            .map_err(self.io_err("read", off, len))
     }
 }
 

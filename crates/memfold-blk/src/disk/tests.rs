@@ -30,8 +30,8 @@ fn a_raw_disk_reads_any_range_and_names_its_base() {
 
 /// The device's reads land in its reused aligned buffer, holding an earlier request's
 /// bytes (`blk/read.rs`), which the disks read into straight (`O_DIRECT`, no bounce):
-/// every byte of the range is the disk's — base, overlay or a hole's zeros — whatever
-/// the buffer held, at aligned offsets and not.
+/// every byte of the range is the disk's — the base, an overlay cluster, a discarded
+/// one — whatever the buffer held, at aligned offsets and not.
 #[test]
 fn reads_into_a_reused_aligned_buffer_get_every_byte_from_the_disk() {
     use crate::aligned::{fits_direct, Aligned};
@@ -42,9 +42,12 @@ fn reads_into_a_reused_aligned_buffer_get_every_byte_from_the_disk() {
     std::fs::write(&base, &data).unwrap();
     create_overlay(&base, &ov).unwrap();
     let raw = RawDisk::open(&base).unwrap();
-    let o = OverlayDisk::open(&base, &ov).unwrap();
-    // Written in the overlay: one cluster of 7s; a discarded cluster reads the base.
+    let mut o = OverlayDisk::open(&base, &ov).unwrap();
+    // Written in the overlay: one cluster of 7s (64 KiB), and one written then
+    // discarded, which reads the base again.
     o.write(128 << 10, &[7u8; 64 << 10]).unwrap();
+    o.write(64 << 10, &[8u8; 64 << 10]).unwrap();
+    o.discard(64 << 10, 64 << 10).unwrap();
     let mut expect = data.clone();
     expect[128 << 10..192 << 10].fill(7);
     let mut buf = Aligned::new(0);
