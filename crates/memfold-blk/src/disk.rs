@@ -7,13 +7,14 @@
 //!
 //! The host page cache is kept from holding a third copy of what the guest's page cache
 //! and memfold's pool already hold: the raw base is read with `O_DIRECT` (straight into
-//! the device's aligned read buffer; a bounce buffer only for an unaligned range), and the qcow2 overlay is opened with `O_DIRECT` too, imago reading and
-//! writing through the device's own descriptors of both files (`open.rs`). Where a file
-//! system refuses `O_DIRECT` (and with `memfold-blk --no-direct`) I/O is buffered and
-//! each range is dropped with `POSIX_FADV_DONTNEED` after use — which measurably does
-//! not work. Bytes of the image in the host page cache (`fincore`) after a TCG guest used
-//! the disk, cache dropped before, ext4 host (2026-11-24, /var/tmp/blk-measure/{run,root}.sh
-//! in the report of issue 16's block device):
+//! the device's aligned read buffer; a bounce buffer only for an unaligned range), and
+//! the qcow2 overlay is opened with `O_DIRECT` too, imago reading and writing through
+//! the device's own descriptors of both files (`open.rs`). Where a file system refuses
+//! `O_DIRECT` (and with `memfold-blk --no-direct`) I/O is buffered and each range is
+//! dropped with `POSIX_FADV_DONTNEED` after use — which measurably does not work. Bytes
+//! of the image in the host page cache (`fincore`) after a TCG guest used the disk, cache
+//! dropped before, ext4 host (2026-11-24, /var/tmp/blk-measure/{run,root}.sh in the
+//! report of issue 16's block device):
 //!
 //! | disk | `O_DIRECT` | buffered + `DONTNEED` |
 //! |---|---|---|
@@ -368,22 +369,22 @@ impl RawDisk {
         };
         // Straight into `buf` when it can take O_DIRECT as it is (the device's own
         // buffers are aligned, `blk/read.rs`): no bounce buffer to zero and copy.
-        if off % BLOCK == 0 && fits_direct(buf) {
-            read_fully(&self.file, buf, off).map_err(io_err)?;
-            self.guard.check(&self.file)?;
-            if !self.direct {
-                memfold_sys::memfd::drop_cache(self.file.as_fd(), off, len);
-            }
-            return Ok(());
-        }
+        let straight = off % BLOCK == 0 && fits_direct(buf);
+        // The blocks the range covers: the range itself when straight.
         let a0 = off / BLOCK * BLOCK;
         let a1 = (off + len).div_ceil(BLOCK) * BLOCK;
-        let mut b = Aligned::new((a1 - a0) as usize);
-        read_fully(&self.file, b.bytes_mut(), a0).map_err(io_err)?;
+        let mut bounce = (!straight).then(|| Aligned::new((a1 - a0) as usize));
+        match &mut bounce {
+            Some(b) => read_fully(&self.file, b.bytes_mut(), a0),
+            None => read_fully(&self.file, buf, a0),
+        }
+        .map_err(io_err)?;
         // After the read: a change before it or during it (half old, half new bytes).
         self.guard.check(&self.file)?;
-        let skip = (off - a0) as usize;
-        buf.copy_from_slice(&b.bytes()[skip..skip + buf.len()]);
+        if let Some(b) = &bounce {
+            let skip = (off - a0) as usize;
+            buf.copy_from_slice(&b.bytes()[skip..skip + buf.len()]);
+        }
         if !self.direct {
             memfold_sys::memfd::drop_cache(self.file.as_fd(), a0, a1 - a0);
         }

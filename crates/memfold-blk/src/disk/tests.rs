@@ -9,6 +9,16 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
+/// `base.img` (1 MiB of `pattern(.., seed)`) and `ov.qcow2` over it, in a new folder.
+fn base_and_overlay(seed: u8) -> (tempfile::TempDir, PathBuf, PathBuf, Vec<u8>) {
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let (base, ov) = (d.path().join("base.img"), d.path().join("ov.qcow2"));
+    let data = pattern(1 << 20, seed);
+    std::fs::write(&base, &data).unwrap();
+    create_overlay(&base, &ov).unwrap();
+    (d, base, ov, data)
+}
+
 #[test]
 fn a_raw_disk_reads_any_range_and_names_its_base() {
     let d = tempfile::tempdir_in("/var/tmp").unwrap();
@@ -35,12 +45,7 @@ fn a_raw_disk_reads_any_range_and_names_its_base() {
 #[test]
 fn reads_into_a_reused_aligned_buffer_get_every_byte_from_the_disk() {
     use crate::aligned::{fits_direct, Aligned};
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let base = d.path().join("base.img");
-    let ov = d.path().join("ov.qcow2");
-    let data = pattern(1 << 20, 3);
-    std::fs::write(&base, &data).unwrap();
-    create_overlay(&base, &ov).unwrap();
+    let (_d, base, ov, data) = base_and_overlay(3);
     let raw = RawDisk::open(&base).unwrap();
     let mut o = OverlayDisk::open(&base, &ov).unwrap();
     // Written in the overlay: one cluster of 7s (64 KiB), and one written then
@@ -73,12 +78,7 @@ fn reads_into_a_reused_aligned_buffer_get_every_byte_from_the_disk() {
 
 #[test]
 fn an_overlay_reads_the_base_until_written_and_discard_brings_the_base_back() {
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let base = d.path().join("base.img");
-    let ov = d.path().join("ov.qcow2");
-    let data = pattern(1 << 20, 2);
-    std::fs::write(&base, &data).unwrap();
-    create_overlay(&base, &ov).unwrap();
+    let (_d, base, ov, data) = base_and_overlay(2);
     let mut o = OverlayDisk::open(&base, &ov).unwrap();
     let id = RawDisk::open(&base).unwrap().id();
     let mut b = vec![0u8; 8192];
@@ -243,12 +243,7 @@ fn overwrite(path: &Path, off: u64, data: &[u8]) {
 
 #[test]
 fn a_base_that_changes_under_the_device_is_refused_and_the_overlay_is_untouched() {
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let base = d.path().join("base.img");
-    let ov = d.path().join("ov.qcow2");
-    let data = pattern(1 << 20, 6);
-    std::fs::write(&base, &data).unwrap();
-    create_overlay(&base, &ov).unwrap();
+    let (d, base, ov, data) = base_and_overlay(6);
     let mut o = OverlayDisk::open(&base, &ov).unwrap();
     o.write(0, &[9u8; 65536]).unwrap();
     let mut b = vec![0u8; 8192];
@@ -317,12 +312,7 @@ fn a_base_that_changes_under_the_device_is_refused_and_the_overlay_is_untouched(
 #[test]
 fn a_chmod_a_link_or_times_set_on_the_base_are_no_change_and_a_rewrite_after_them_is() {
     use std::os::unix::fs::PermissionsExt;
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let base = d.path().join("base.img");
-    let ov = d.path().join("ov.qcow2");
-    let data = pattern(1 << 20, 7);
-    std::fs::write(&base, &data).unwrap();
-    create_overlay(&base, &ov).unwrap();
+    let (d, base, ov, data) = base_and_overlay(7);
     let o = OverlayDisk::open(&base, &ov).unwrap();
     let mut b = vec![0u8; 4096];
     let read0 = |b: &mut Vec<u8>| {
@@ -360,11 +350,7 @@ fn a_chmod_a_link_or_times_set_on_the_base_are_no_change_and_a_rewrite_after_the
 
 #[test]
 fn after_a_failed_sync_the_overlay_fails_every_flush() {
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let base = d.path().join("base.img");
-    let ov = d.path().join("ov.qcow2");
-    std::fs::write(&base, pattern(1 << 20, 3)).unwrap();
-    create_overlay(&base, &ov).unwrap();
+    let (_d, base, ov, _) = base_and_overlay(3);
     let o = OverlayDisk::open(&base, &ov).unwrap();
     o.write(0, &[5u8; 4096]).unwrap();
     o.flush().unwrap();

@@ -14,16 +14,6 @@ fn bump_mtime(path: &Path, secs: u64) {
         .unwrap();
 }
 
-/// `base.img` (1 MiB of `pattern(.., seed)`) and `ov.qcow2` over it, in a new folder.
-pub(super) fn base_and_overlay(seed: u8) -> (tempfile::TempDir, PathBuf, PathBuf, Vec<u8>) {
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
-    let (base, ov) = (d.path().join("base.img"), d.path().join("ov.qcow2"));
-    let data = pattern(1 << 20, seed);
-    std::fs::write(&base, &data).unwrap();
-    create_overlay(&base, &ov).unwrap();
-    (d, base, ov, data)
-}
-
 /// Whether this file system keeps birth times (the stamp tells an overlay made anew at a
 /// path from the one stamped by it).
 fn has_btime(p: &Path) -> bool {

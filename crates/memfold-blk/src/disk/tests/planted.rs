@@ -33,7 +33,7 @@ fn open_err_at_once(base: &Path, ov: &Path) -> DiskError {
 
 #[test]
 fn a_fifo_a_link_or_a_huge_file_at_the_stamp_or_marker_name_is_refused_at_once() {
-    let (_d, base, ov, _) = super::across_opens::base_and_overlay(27);
+    let (_d, base, ov, _) = base_and_overlay(27);
     let stamp = stamp_path(&ov);
     let is = |e: &DiskError, stamp_err: bool, want: &str| {
         let kind = match stamp_err {

@@ -6,7 +6,6 @@
 
 use std::os::unix::fs::FileExt;
 
-use super::across_opens::base_and_overlay;
 use super::*;
 
 /// qcow2 cluster size of `create_overlay`'s images, bytes.
