@@ -354,15 +354,21 @@ struct Turns {
 }
 
 impl Turns {
-    /// Pauses side `side`, whose console shows `passes` (read after the pause).
+    /// Pauses side `side` (QMP `stop`), then marks its round under way.
     fn pause(&mut self, side: usize, g: &Guest) -> Result<()> {
         self.qmp[side]
             .execute("stop", None)
             .with_context(|| format!("{}: QMP stop", g.name))?;
-        let u = rounds::under_way(&passes(&g.serial()));
-        self.paused_in[side].extend([u, u + 1]);
+        self.mark_under_way(side, g);
         self.pauses += 1;
         Ok(())
+    }
+
+    /// Marks side `side`'s round under way by its console, and the next, as rounds a
+    /// pause fell in or may have (the console may lag by a pass).
+    fn mark_under_way(&mut self, side: usize, g: &Guest) {
+        let u = rounds::under_way(&passes(&g.serial()));
+        self.paused_in[side].extend([u, u + 1]);
     }
 
     /// Resumes side `side` (QMP `cont`).
@@ -421,8 +427,7 @@ fn io_pair(
             };
             t.pause(1, gv)?;
             // Memfold-blk's round under way now may have begun before the pause.
-            let u = rounds::under_way(&passes(&gb.serial()));
-            t.paused_in[0].extend([u, u + 1]);
+            t.mark_under_way(0, gb);
             eprintln!("taking turns: {ROUNDS_A_TURN} rounds a side while the other is paused");
             turns = Some(t);
             continue;
