@@ -85,14 +85,16 @@ pub struct BlkConfig {
 /// The device: a disk, the guest's RAM (once QEMU sends its memory table), a sink.
 pub struct BlkBackend {
     cfg: BlkConfig,
-    disk: Box<dyn Disk>,
+    /// Shared only with the read-ahead thread, for one read at a time (`ahead.rs`).
+    disk: Arc<dyn Disk>,
     sink: Box<dyn LandedSink>,
     mem: Option<Arc<RemoteMemory>>,
     counters: Counters,
     /// With a read rate: when the disk is free for the next read.
     read_free_at: std::time::Instant,
-    /// The buffer disk reads land in, reused from request to request (`read.rs`).
-    read_buf: crate::aligned::Aligned,
+    /// The buffers disk reads land in, reused from request to request (`read.rs`), and
+    /// the next request's disk read while this one's bytes are copied (`ahead.rs`).
+    ahead: ahead::ReadAhead,
     /// Whether the driver accepted `VIRTIO_BLK_F_FLUSH` (set at `SET_FEATURES`): only
     /// then may a completed write wait in the disk's cache for the guest's flush. Off
     /// until the features are set, and after a reset: each write is then durable before
@@ -211,12 +213,12 @@ impl BlkBackend {
     pub fn new(cfg: BlkConfig, disk: Box<dyn Disk>, sink: Box<dyn LandedSink>) -> BlkBackend {
         BlkBackend {
             cfg,
-            disk,
+            disk: Arc::from(disk),
             sink,
             mem: None,
             counters: Counters::default(),
             read_free_at: std::time::Instant::now(),
-            read_buf: Default::default(),
+            ahead: Default::default(),
             flush_acked: false,
             fill_backoff: Default::default(),
             exit_events: Default::default(),
@@ -239,7 +241,11 @@ impl BlkBackend {
 
     /// Requests so far.
     pub fn counters(&self) -> Counters {
-        self.counters
+        Counters {
+            read_ahead_dropped: self.ahead.dropped,
+            disk_read_bytes: self.counters.disk_read_bytes + self.ahead.read_bytes,
+            ..self.counters
+        }
     }
 
     /// The sink (tests read a counting sink back).
@@ -395,6 +401,11 @@ impl BlkBackend {
                 .map_err(|e| queue_error(view, e))?;
             let waiting = avail.0.wrapping_sub(queue.next_avail());
             if waiting == 0 {
+                // While the guest takes what was served: a sequential stream's next
+                // range, read ahead (`ahead.rs`). A read rate holds reads to their turn.
+                if self.cfg.read_bytes_per_sec.is_none() {
+                    self.ahead.guess(&self.disk);
+                }
                 break;
             }
             if waiting > queue.size() {
@@ -458,6 +469,11 @@ impl BlkBackend {
                 let e = ReqError::Malformed("a buffer wraps the address space".into());
                 self.finish(mem, &c, Err(e), 0)
             } else {
+                // The next request's disk read may run while this one's bytes are
+                // copied (`ahead.rs`): worth a look only after a large read.
+                self.ahead.next = (*budget > 1 && c.writable_len() > ahead::AHEAD_MIN)
+                    .then(|| ahead::peek_read(queue, mem, view, self.disk.size()))
+                    .flatten();
                 self.request(mem, &c)
             };
             let used = match used {
@@ -520,6 +536,10 @@ impl BlkBackend {
         }
         let in_len = c.writable_len() - 1;
         let out_len = c.readable_len() - HEADER;
+        if kind != vb::VIRTIO_BLK_T_IN {
+            // No bytes read before a write or discard may serve a read after it.
+            self.ahead.drop_pending();
+        }
         match kind {
             vb::VIRTIO_BLK_T_IN => {
                 let r = self.read(mem, c, sector, in_len);
@@ -604,6 +624,23 @@ impl BlkBackend {
         self.write_through()
     }
 
+    /// The disk to itself, for a discard or the close: once no read ahead is under way,
+    /// the reader thread holds no reference to it (`ahead.rs`).
+    ///
+    /// Errors: [`DiskError::Io`] if another reference is held all the same (a defect:
+    /// the operation is refused rather than run beside a read).
+    fn disk_mut(&mut self, op: &'static str) -> Result<&mut (dyn Disk + 'static), DiskError> {
+        self.ahead.drop_pending();
+        let path = self.cfg.socket.clone();
+        Arc::get_mut(&mut self.disk).ok_or_else(|| DiskError::Io {
+            path,
+            op,
+            off: 0,
+            len: 0,
+            source: io::Error::other("the disk is still held by the read-ahead thread"),
+        })
+    }
+
     /// Makes a completed write or discard durable when the driver did not accept
     /// `VIRTIO_BLK_F_FLUSH`: such a driver (SeaBIOS's, some bootloaders') sends no flush
     /// and takes a write-through cache (Linux's `virtblk_get_cache_mode` too; QEMU's own
@@ -631,7 +668,7 @@ impl BlkBackend {
             let sector = u64::from_le_bytes(r[0..8].try_into().expect("8 bytes"));
             let n = u32::from_le_bytes(r[8..12].try_into().expect("4 bytes")) as u64;
             let off = self.data_range(sector, n * SECTOR)?;
-            self.disk.discard(off, n * SECTOR)?;
+            self.disk_mut("discard")?.discard(off, n * SECTOR)?;
         }
         self.write_through()
     }
@@ -682,6 +719,7 @@ fn queue_error(view: &crate::mem::RemoteView<'_>, e: virtio_queue::Error) -> Mem
         .unwrap_or_else(|| MemError::Queue(e.to_string()))
 }
 
+mod ahead;
 mod backend;
 mod counters;
 mod fill;

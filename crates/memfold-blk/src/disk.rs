@@ -243,6 +243,13 @@ pub trait Disk: Send + Sync {
     fn base_changed(&self) -> bool {
         false
     }
+    /// Checks that its base image has not changed ([`BaseGuard`], one `fstat`), as
+    /// each read does after itself: bytes read ahead are served only after it.
+    ///
+    /// Errors: [`DiskError::BaseChanged`].
+    fn check_base(&self) -> Result<(), DiskError> {
+        Ok(())
+    }
     /// Where each byte of `[off, off + len)` would come from, without reading it (a read
     /// of base blocks may be served from frames instead, Satori §5.2), after checking
     /// that the base has not changed. `None`: this disk cannot say.
@@ -426,6 +433,9 @@ impl Disk for RawDisk {
     }
     fn base_changed(&self) -> bool {
         self.guard.changed()
+    }
+    fn check_base(&self) -> Result<(), DiskError> {
+        self.check_unchanged()
     }
     fn sources(&self, off: u64, len: u64) -> Result<Option<Vec<Extent>>, DiskError> {
         check_range(&self.path, "read", off, len, self.size)?;
@@ -727,6 +737,9 @@ impl Disk for OverlayDisk {
     }
     fn base_changed(&self) -> bool {
         self.base.base_changed()
+    }
+    fn check_base(&self) -> Result<(), DiskError> {
+        self.base.check_unchanged()
     }
     fn close_clean(&mut self) -> Result<(), DiskError> {
         OverlayDisk::close_clean(self)

@@ -10,7 +10,7 @@ impl BlkBackend {
     /// Closes its disk cleanly once no request can come any more (its QEMU has exited):
     /// [`Disk::close_clean`]. Errors: its.
     pub fn close_disk(&mut self) -> Result<(), DiskError> {
-        self.disk.close_clean()
+        self.disk_mut("close")?.close_clean()
     }
 
     /// The virtio-blk configuration space (`struct virtio_blk_config`, 60 bytes).

@@ -32,8 +32,16 @@ pub struct Counters {
     pub filled: u64,
     /// Reads served wholly from frames: no disk read at all.
     pub reads_from_frames: u64,
-    /// Bytes read from the disk for reads (`read_bytes` less what frames filled).
+    /// Bytes read from the disk for reads: `read_bytes` less what frames filled, plus
+    /// every byte read ahead (`ahead.rs`), used, dropped, or filled from frames after all.
     pub disk_read_bytes: u64,
+    /// Reads served from bytes read ahead (`ahead.rs`): the next waiting request's,
+    /// read while the one before it was copied, or a sequential stream's next range,
+    /// read while the guest took the last.
+    pub read_ahead: u64,
+    /// Reads ahead dropped unused (disk reads wasted): the next read was not inside
+    /// them, a request of another kind came first, or the base changed since.
+    pub read_ahead_dropped: u64,
     /// Reads of QEMU's memory for the rings and descriptors (each a `process_vm_readv`).
     pub ring_reads: u64,
 }
@@ -42,7 +50,7 @@ impl Counters {
     /// One line, `key=value` pairs (the binary's `--stats` file and its exit log).
     pub fn line(&self) -> String {
         format!(
-            "reads={} read_bytes={} writes={} flushes={} discards={} io_errors={} unsupported={} dropped={} landed_base={} landed_overlay={} landed_zero={} fill_asked={} filled={} reads_from_frames={} disk_read_bytes={} ring_reads={}",
+            "reads={} read_bytes={} writes={} flushes={} discards={} io_errors={} unsupported={} dropped={} landed_base={} landed_overlay={} landed_zero={} fill_asked={} filled={} reads_from_frames={} disk_read_bytes={} read_ahead={} read_ahead_dropped={} ring_reads={}",
             self.reads,
             self.read_bytes,
             self.writes,
@@ -58,6 +66,8 @@ impl Counters {
             self.filled,
             self.reads_from_frames,
             self.disk_read_bytes,
+            self.read_ahead,
+            self.read_ahead_dropped,
             self.ring_reads
         )
     }

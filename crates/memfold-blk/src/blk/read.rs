@@ -9,11 +9,6 @@ use crate::disk::Extent;
 use crate::landed::Landed;
 use crate::mem::{RamFile, RemoteMemory, PAGE};
 
-/// The read buffer a device keeps between requests at most, bytes: a 1 MiB read is
-/// two to four requests of up to 504 KiB (`seg_max` 126 pages); a larger one (up to
-/// `MAX_DATA`, 31.5 MiB) gets a buffer of its own, dropped after it.
-pub const KEEP_READ_BUF: usize = 2 << 20;
-
 impl BlkBackend {
     /// Serves a read of `len` bytes at `sector` into the chain's writable buffers: the
     /// pages frames hold from memfoldd's fill, the rest from the disk.
@@ -42,9 +37,13 @@ impl BlkBackend {
 
     /// The rest of a read: the bytes of `[off, off + len)` frames did not fill (pages
     /// at read offsets `filled`) from the disk into the guest runs `runs`, reported.
-    /// Read into the device's reused aligned buffer ([`BlkBackend::read_buf`]): the disk
-    /// reads straight into it with `O_DIRECT` (`RawDisk::read_at`), so a request's bytes
-    /// are copied once, into guest RAM, and no buffer is allocated or zeroed for it.
+    /// The bytes come from a read ahead covering this range if one ran while the
+    /// previous request was copied or the guest took it (`ahead.rs`), else from the
+    /// disk now, into one of
+    /// the device's reused aligned buffers: the disk reads straight into it with
+    /// `O_DIRECT` (`RawDisk::read_at`), so a request's bytes are copied once, into guest
+    /// RAM, and no buffer is allocated or zeroed for it. Before that copy, the next
+    /// request's disk read is started if `serve_pass` found one waiting.
     fn read_disk(
         &mut self,
         mem: &RemoteMemory,
@@ -53,34 +52,65 @@ impl BlkBackend {
         len: u64,
         filled: &[u64],
     ) -> Result<(), ReqError> {
-        let mut buf = std::mem::take(&mut self.read_buf);
-        buf.reuse(len as usize);
-        let r = self.read_disk_into(mem, runs, off, buf.bytes_mut(), filled);
-        // Kept for the next request unless a rare large one grew it past what is worth
-        // holding between requests.
-        if buf.capacity() <= KEEP_READ_BUF {
-            self.read_buf = buf;
-        }
+        // Read before now: served only if the base is still the one they were read
+        // from, as every read checks after itself (else the disk's own read refuses).
+        let ahead = self.ahead.take(off, len).and_then(|(buf, extents, at)| {
+            if self.disk.check_base().is_ok() {
+                Some((buf, extents, at))
+            } else {
+                self.ahead.drop_taken(buf);
+                None
+            }
+        });
+        let (buf, extents, at) = match ahead {
+            Some((buf, extents, at)) => {
+                self.counters.read_ahead += 1;
+                (buf, Ok(extents), at)
+            }
+            None => {
+                let mut buf = self.ahead.buffer(len as usize);
+                let extents = self.read_from_disk(off, buf.bytes_mut(), filled);
+                (buf, extents, 0)
+            }
+        };
+        self.ahead.served(off, len);
+        let bytes = &buf.bytes()[at..at + len as usize];
+        let r = extents.and_then(|extents| {
+            if let Some((o, n)) = self.ahead.next.take() {
+                // A read rate holds each read to its turn (`throttle_read`).
+                if self.cfg.read_bytes_per_sec.is_none() {
+                    self.ahead.start(&self.disk, o, n);
+                }
+            }
+            if filled.is_empty() {
+                self.put(mem, runs, bytes)?;
+            } else {
+                self.put_except(mem, runs, bytes, filled)?;
+            }
+            self.report(mem, runs, off, &extents, filled);
+            Ok(())
+        });
+        self.ahead.give_back(buf);
         r
     }
 
-    /// [`BlkBackend::read_disk`] into `buf` (`len` bytes, holding an earlier request's
-    /// bytes: every byte the guest gets is read into it first — `Disk::read` writes all
-    /// of its buffer — and the pages frames filled are not written to the guest).
-    fn read_disk_into(
+    /// Reads from the disk into `buf` (`len` bytes at `off`, holding an earlier
+    /// request's bytes: every byte the guest gets is read into it first —
+    /// [`crate::disk::Disk::read`] writes all of its buffer) all but the pages at read offsets
+    /// `filled` (frames filled them; they are not written to the guest). Returns where
+    /// the bytes came from.
+    ///
+    /// Errors: the disk's.
+    fn read_from_disk(
         &mut self,
-        mem: &RemoteMemory,
-        runs: &[(u64, u64)],
         off: u64,
         buf: &mut [u8],
         filled: &[u64],
-    ) -> Result<(), ReqError> {
+    ) -> Result<Vec<Extent>, ReqError> {
         let len = buf.len() as u64;
         let extents = if filled.is_empty() {
             self.throttle_read(len);
-            let extents = self.disk.read(off, buf)?;
-            self.put(mem, runs, buf)?;
-            extents
+            self.disk.read(off, buf)?
         } else {
             // Only what frames did not fill comes from the disk.
             let mut extents = Vec::new();
@@ -89,12 +119,10 @@ impl BlkBackend {
                 let e = self.disk.read(off + a, &mut buf[a as usize..b as usize])?;
                 extents.extend(e);
             }
-            self.put_except(mem, runs, buf, filled)?;
             extents
         };
         self.counters.disk_read_bytes += len - filled.len() as u64 * PAGE;
-        self.report(mem, runs, off, &extents, filled);
-        Ok(())
+        Ok(extents)
     }
 
     /// Writes `data` into the guest runs `runs`, all in one `process_vm_writev` (up to

@@ -433,6 +433,7 @@ fn an_overlay_disk_takes_writes_reads_them_back_as_overlay_and_discards_to_the_b
 
 mod full_disk;
 mod hostile_ring;
+mod read_ahead;
 mod write_through;
 
 /// memfoldd and the agent as a fill sees them (Satori §5.2): blocks held, and a fill
@@ -633,7 +634,7 @@ fn a_read_that_fails_after_an_unanswered_fill_leaves_no_nonce_for_a_late_fill() 
     let nonces = fake.nonces.clone();
     r.dev.sink = Box::new(fake);
     let base = RawDisk::open(&r._dir.path().join("base.img")).unwrap();
-    r.dev.disk = Box::new(FailingReads(Box::new(base)));
+    r.dev.disk = Arc::new(FailingReads(Box::new(base)));
     r.header(0x8000, vb::VIRTIO_BLK_T_IN, 16); // blocks 2, 3, 4: two held
     r.submit(&[
         (0x8000, 16, false),

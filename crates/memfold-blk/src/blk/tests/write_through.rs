@@ -8,7 +8,7 @@ use std::sync::atomic::AtomicUsize;
 
 /// A disk counting its syncs ([`Disk::flush`]), failing them when told to.
 struct CountingSyncs {
-    disk: Box<dyn Disk>,
+    disk: Arc<dyn Disk>,
     syncs: Arc<AtomicUsize>,
     fail: bool,
 }
@@ -43,7 +43,9 @@ impl Disk for CountingSyncs {
         self.disk.flush()
     }
     fn discard(&mut self, off: u64, len: u64) -> Result<(), DiskError> {
-        self.disk.discard(off, len)
+        Arc::get_mut(&mut self.disk)
+            .expect("the rig's disk, held by nothing else")
+            .discard(off, len)
     }
 }
 
@@ -54,8 +56,8 @@ fn rig_acking(flush: bool, fail: bool) -> (Rig, Arc<AtomicUsize>) {
     let syncs = Arc::new(AtomicUsize::new(0));
     // The base in the overlay's place a moment (the overlay is locked: not opened twice).
     let base = RawDisk::open(&r._dir.path().join("base.img")).unwrap();
-    let disk = std::mem::replace(&mut r.dev.disk, Box::new(base));
-    r.dev.disk = Box::new(CountingSyncs {
+    let disk = std::mem::replace(&mut r.dev.disk, Arc::new(base));
+    r.dev.disk = Arc::new(CountingSyncs {
         disk,
         syncs: syncs.clone(),
         fail,
