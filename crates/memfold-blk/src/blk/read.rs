@@ -39,11 +39,11 @@ impl BlkBackend {
     /// at read offsets `filled`) from the disk into the guest runs `runs`, reported.
     /// The bytes come from a read ahead covering this range if one ran while the
     /// previous request was copied or the guest took it (`ahead.rs`), else from the
-    /// disk now, into one of
-    /// the device's reused aligned buffers: the disk reads straight into it with
-    /// `O_DIRECT` (`RawDisk::read_at`), so a request's bytes are copied once, into guest
-    /// RAM, and no buffer is allocated or zeroed for it. Before that copy, the next
-    /// request's disk read is started if `serve_pass` found one waiting.
+    /// disk now, into one of the device's reused aligned buffers: the disk reads
+    /// straight into it with `O_DIRECT` (`RawDisk::read_at`), so a request's bytes are
+    /// copied once, into guest RAM, and no buffer is allocated or zeroed for it. Before
+    /// that copy, the next request's disk read is started if `serve_pass` found one
+    /// waiting.
     fn read_disk(
         &mut self,
         mem: &RemoteMemory,
@@ -96,9 +96,9 @@ impl BlkBackend {
 
     /// Reads from the disk into `buf` (`len` bytes at `off`, holding an earlier
     /// request's bytes: every byte the guest gets is read into it first —
-    /// [`crate::disk::Disk::read`] writes all of its buffer) all but the pages at read offsets
-    /// `filled` (frames filled them; they are not written to the guest). Returns where
-    /// the bytes came from.
+    /// [`crate::disk::Disk::read`] writes all of its buffer) all but the pages at read
+    /// offsets `filled` (frames filled them; they are not written to the guest).
+    /// Returns where the bytes came from.
     ///
     /// Errors: the disk's.
     fn read_from_disk(

@@ -508,16 +508,16 @@ fn fake_frames(r: &Local, held: &[u64], id: DiskId, answer: bool) -> FakeFrames 
     }
 }
 
-/// A read of three blocks, two held: those two pages are filled (and left as the frame
-/// holds them: the marker), the third read from the disk and reported; a read of held
-/// blocks only never reads the disk.
-#[test]
-fn reads_of_held_blocks_are_filled_and_the_device_writes_only_the_rest() {
-    let mut r = rig(false);
-    let id = disk_id(&r);
+/// Reads blocks 2, 3 and 4 into `DATA` with blocks 2 and 3 held by frames (memfoldd
+/// answering), `before` run first on the rig: checks that the two held pages are filled
+/// and not written, that block 4 lands as the disk has it and alone is reported, and
+/// returns the counters.
+fn read_blocks_2_to_4_two_held(r: &mut Rig, before: impl FnOnce(&mut Rig)) -> Counters {
+    let id = disk_id(r);
     let fake = fake_frames(&r.local, &[2, 3], id, true);
     let reports = fake.reports.clone();
     r.dev.sink = Box::new(fake);
+    before(r);
     r.header(0x8000, vb::VIRTIO_BLK_T_IN, 16); // blocks 2, 3, 4
     r.submit(&[
         (0x8000, 16, false),
@@ -531,16 +531,21 @@ fn reads_of_held_blocks_are_filled_and_the_device_writes_only_the_rest() {
         b[..8192].iter().all(|&x| x == 0xee),
         "filled pages not written"
     );
-    assert_eq!(
-        &b[8192..12288],
-        &r.data[16384..20480],
-        "block 4 from the disk"
-    );
-    let c = r.dev.counters();
-    assert_eq!((c.fill_asked, c.filled, c.reads_from_frames), (2, 2, 0));
+    assert_eq!(&b[8192..12288], &r.data[16384..20480], "block 4");
     let got = reports.lock().unwrap().clone();
     assert_eq!(got.len(), 1, "only the page written is reported: {got:?}");
     assert_eq!(got[0].source, Source::Base { disk: id, block: 4 });
+    r.dev.counters()
+}
+
+/// A read of three blocks, two held: those two pages are filled (and left as the frame
+/// holds them: the marker), the third read from the disk and reported; a read of held
+/// blocks only never reads the disk.
+#[test]
+fn reads_of_held_blocks_are_filled_and_the_device_writes_only_the_rest() {
+    let mut r = rig(false);
+    let c = read_blocks_2_to_4_two_held(&mut r, |_| {});
+    assert_eq!((c.fill_asked, c.filled, c.reads_from_frames), (2, 2, 0));
     // Blocks 2, 3 alone: served from frames, no disk read.
     r.header(0x8000, vb::VIRTIO_BLK_T_IN, 16);
     r.submit(&[

@@ -259,33 +259,13 @@ fn bytes_read_ahead_of_a_base_that_changed_since_are_not_served() {
 #[test]
 fn a_read_served_from_a_read_ahead_leaves_the_pages_frames_filled() {
     let mut r = rig(false);
-    let id = disk_id(&r);
-    let fake = fake_frames(&r.local, &[2, 3], id, true);
-    let reports = fake.reports.clone();
-    r.dev.sink = Box::new(fake);
-    let disk = Arc::clone(&r.dev.disk);
-    r.dev.ahead.start(&disk, 2 * 4096, 3 * 4096);
-    drop(disk);
-    submit_read(&mut r, 0x8000, 2 * 4096, DATA, 3 * 4096);
-    assert_eq!(r.run(), vec![3 * 4096 + 1]);
-    assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8);
-    let b = &r.local.bytes()[DATA as usize..];
-    assert!(
-        b[..8192].iter().all(|&x| x == 0xee),
-        "filled pages not written"
-    );
-    assert_eq!(
-        &b[8192..12288],
-        &r.data[16384..20480],
-        "block 4, read ahead"
-    );
-    let c = r.dev.counters();
+    let c = read_blocks_2_to_4_two_held(&mut r, |r| {
+        let disk = Arc::clone(&r.dev.disk);
+        r.dev.ahead.start(&disk, 2 * 4096, 3 * 4096);
+    });
     assert_eq!(
         (c.filled, c.read_ahead, c.disk_read_bytes),
         (2, 1, 3 * 4096),
         "{c:?}"
     );
-    let got = reports.lock().unwrap().clone();
-    assert_eq!(got.len(), 1, "only the page written is reported: {got:?}");
-    assert_eq!(got[0].source, Source::Base { disk: id, block: 4 });
 }
