@@ -211,6 +211,8 @@ fn gather(
 impl BlkBackend {
     /// The device for `disk`, reporting reads to `sink`.
     pub fn new(cfg: BlkConfig, disk: Box<dyn Disk>, sink: Box<dyn LandedSink>) -> BlkBackend {
+        // A read rate holds each read to its turn (`throttle_read`): none ahead.
+        let ahead = ahead::ReadAhead::new(cfg.read_bytes_per_sec.is_some());
         BlkBackend {
             cfg,
             disk: Arc::from(disk),
@@ -218,7 +220,7 @@ impl BlkBackend {
             mem: None,
             counters: Counters::default(),
             read_free_at: std::time::Instant::now(),
-            ahead: Default::default(),
+            ahead,
             flush_acked: false,
             fill_backoff: Default::default(),
             exit_events: Default::default(),
@@ -402,10 +404,8 @@ impl BlkBackend {
             let waiting = avail.0.wrapping_sub(queue.next_avail());
             if waiting == 0 {
                 // While the guest takes what was served: a sequential stream's next
-                // range, read ahead (`ahead.rs`). A read rate holds reads to their turn.
-                if self.cfg.read_bytes_per_sec.is_none() {
-                    self.ahead.guess(&self.disk);
-                }
+                // range, read ahead (`ahead.rs`).
+                self.ahead.guess(&self.disk);
                 break;
             }
             if waiting > queue.size() {
@@ -471,9 +471,10 @@ impl BlkBackend {
             } else {
                 // The next request's disk read may run while this one's bytes are
                 // copied (`ahead.rs`): worth a look only after a large read.
-                self.ahead.next = (*budget > 1 && c.writable_len() > ahead::AHEAD_MIN)
-                    .then(|| ahead::peek_read(queue, mem, view, self.disk.size()))
-                    .flatten();
+                self.ahead.next =
+                    (self.ahead.on() && *budget > 1 && c.writable_len() > ahead::AHEAD_MIN)
+                        .then(|| ahead::peek_read(queue, mem, view, self.disk.size()))
+                        .flatten();
                 self.request(mem, &c)
             };
             let used = match used {

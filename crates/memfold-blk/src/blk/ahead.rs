@@ -57,7 +57,6 @@ pub const KEEP_READ_BUF: usize = 2 << 20;
 const KEPT_BUFFERS: usize = 2;
 
 /// The device's read buffers and its read ahead, if one is under way.
-#[derive(Default)]
 pub(super) struct ReadAhead {
     /// The reader thread, started at the first read ahead (none if it could not be).
     reader: Option<Reader>,
@@ -68,8 +67,9 @@ pub(super) struct ReadAhead {
     /// The disk range of the request after the one being served, if it is a read
     /// (set by `serve_pass` before each request, [`peek_read`]).
     pub(super) next: Option<(u64, u64)>,
-    /// The reader thread could not be started: no more tries.
-    no_reader: bool,
+    /// No reads ahead: the device has a read rate (each read waits its turn,
+    /// `throttle_read`), or the reader thread could not be started or died.
+    off: bool,
     /// Reads ahead whose bytes were dropped unused (disk reads wasted).
     pub(super) dropped: u64,
     /// Bytes the reader thread read from the disk.
@@ -103,6 +103,26 @@ struct Done {
 }
 
 impl ReadAhead {
+    /// Read buffers, and reads ahead unless `off`.
+    pub(super) fn new(off: bool) -> ReadAhead {
+        ReadAhead {
+            reader: None,
+            pending: None,
+            free: Vec::new(),
+            next: None,
+            off,
+            dropped: 0,
+            read_bytes: 0,
+            last: None,
+            after: None,
+        }
+    }
+
+    /// Whether reads ahead are on (looking at the next request is worth its cost).
+    pub(super) fn on(&self) -> bool {
+        !self.off
+    }
+
     /// A buffer of `len` bytes for a disk read (a kept one if any: its bytes are an
     /// earlier read's until the disk writes them all, as [`Disk::read`] does).
     pub(super) fn buffer(&mut self, len: usize) -> Aligned {
@@ -139,7 +159,7 @@ impl ReadAhead {
                 // panic in a disk read): serve reads in turn from now on.
                 self.give_back(job.buf);
                 self.reader = None;
-                self.no_reader = true;
+                self.off = true;
             }
         }
     }
@@ -155,8 +175,7 @@ impl ReadAhead {
         match done.extents {
             Ok(extents) if covers => Some((done.buf, extents, (off - at) as usize)),
             _ => {
-                self.dropped += 1;
-                self.give_back(done.buf);
+                self.drop_unused(done.buf);
                 None
             }
         }
@@ -186,9 +205,9 @@ impl ReadAhead {
         }
     }
 
-    /// Drops bytes [`ReadAhead::take`] gave that cannot be served after all (the base
-    /// changed since they were read).
-    pub(super) fn drop_taken(&mut self, buf: Aligned) {
+    /// Drops bytes read ahead unused (counted: a disk read wasted); [`ReadAhead::take`]'s
+    /// caller too, for bytes it cannot serve after all (the base changed since).
+    pub(super) fn drop_unused(&mut self, buf: Aligned) {
         self.dropped += 1;
         self.give_back(buf);
     }
@@ -200,8 +219,7 @@ impl ReadAhead {
         self.after = None;
         if self.pending.is_some() {
             if let Some(done) = self.wait() {
-                self.dropped += 1;
-                self.give_back(done.buf);
+                self.drop_unused(done.buf);
             }
         }
     }
@@ -227,7 +245,7 @@ impl ReadAhead {
             Err(_) => {
                 tracing::error!("the read-ahead thread died; reads are served in turn");
                 self.reader = None;
-                self.no_reader = true;
+                self.off = true;
                 None
             }
         }
@@ -238,7 +256,7 @@ impl ReadAhead {
         if self.reader.is_some() {
             return true;
         }
-        if self.no_reader {
+        if self.off {
             return false;
         }
         let (jobs, job_rx) = mpsc::channel::<Job>();
@@ -267,7 +285,7 @@ impl ReadAhead {
             }
             Err(e) => {
                 tracing::warn!("no read-ahead thread ({e}): reads are served in turn");
-                self.no_reader = true;
+                self.off = true;
                 false
             }
         }

@@ -58,7 +58,7 @@ impl BlkBackend {
             if self.disk.check_base().is_ok() {
                 Some((buf, extents, at))
             } else {
-                self.ahead.drop_taken(buf);
+                self.ahead.drop_unused(buf);
                 None
             }
         });
@@ -77,10 +77,7 @@ impl BlkBackend {
         let bytes = &buf.bytes()[at..at + len as usize];
         let r = extents.and_then(|extents| {
             if let Some((o, n)) = self.ahead.next.take() {
-                // A read rate holds each read to its turn (`throttle_read`).
-                if self.cfg.read_bytes_per_sec.is_none() {
-                    self.ahead.start(&self.disk, o, n);
-                }
+                self.ahead.start(&self.disk, o, n);
             }
             if filled.is_empty() {
                 self.put(mem, runs, bytes)?;

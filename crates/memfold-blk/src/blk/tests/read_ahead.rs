@@ -269,3 +269,23 @@ fn a_read_served_from_a_read_ahead_leaves_the_pages_frames_filled() {
         "{c:?}"
     );
 }
+
+/// A device with a read rate (each read waits its turn) reads nothing ahead, neither
+/// the next waiting read nor a stream's guess, and serves every read as the disk has
+/// it. Fails if the rate no longer turns reading ahead off.
+#[test]
+fn a_device_with_a_read_rate_reads_nothing_ahead() {
+    let mut r = rig(false);
+    let mut cfg = r.dev.cfg.clone();
+    cfg.read_bytes_per_sec = Some(1 << 30);
+    let base = RawDisk::open(&r._dir.path().join("base.img")).unwrap();
+    r.dev = BlkBackend::new(cfg, Box::new(base), Box::new(r.rec.clone()));
+    r.dev.acked_features(r.dev.features());
+    submit_read(&mut r, 0x8000, 0, DATA, BIG);
+    submit_read(&mut r, 0x8100, BIG as u64, DATA + BIG as u64, BIG);
+    assert_eq!(r.run(), vec![BIG + 1, BIG + 1]);
+    assert!(guest(&r, DATA, 2 * BIG) == &r.data[..2 * BIG as usize]);
+    assert!(!r.dev.ahead.is_pending(), "no guess after the stream");
+    let c = r.dev.counters();
+    assert_eq!((c.read_ahead, c.read_ahead_dropped), (0, 0), "{c:?}");
+}
