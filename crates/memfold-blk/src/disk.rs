@@ -338,7 +338,7 @@ impl RawDisk {
             path: path.to_path_buf(),
             direct,
             size: st.st_size as u64,
-            id: DiskId::of_file(st.st_dev, st.st_ino),
+            id: BaseStamp::of(&st).disk_id(),
             guard: BaseGuard::new(path, BaseStamp::of(&st)),
             file,
         })

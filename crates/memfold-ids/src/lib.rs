@@ -90,9 +90,11 @@ id!(
 );
 
 id!(
-    /// A read-only base image a block device serves (Satori §4.1, copy-on-write disks), by
-    /// its file's `(st_dev, st_ino)` (`memfold-blk`'s `DiskId::of_file`): every guest whose
-    /// disk reads that file names it alike.
+    /// A read-only base image a block device serves (Satori §4.1, copy-on-write disks), as
+    /// its bytes are: its file's `(st_dev, st_ino)` with its size and mtime
+    /// ([`DiskId::of_file`]). Every guest whose disk reads that file names it alike while
+    /// it is unchanged; a base rewritten in place (same file, new bytes) is another disk,
+    /// so no block learnt of its old bytes names its new ones.
     DiskId(u64),
     "disk "
 );
@@ -115,21 +117,28 @@ pub struct BaseBlock {
 }
 
 impl DiskId {
-    /// The id of the file `(dev, ino)`: `dev << 40 | ino` when `dev` fits 24 bits and
-    /// `ino` 40 (every local file system here), else a mix of both (FNV-1a of their
-    /// bytes). Two guests reading one base file get the same id, which is what lets the
-    /// engine name a block by its number alone (Satori §4.1).
-    pub fn of_file(dev: u64, ino: u64) -> DiskId {
-        if dev < 1 << 24 && ino < 1 << 40 {
-            DiskId(dev << 40 | ino)
-        } else {
-            let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-            for b in dev.to_le_bytes().into_iter().chain(ino.to_le_bytes()) {
-                h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-            }
-            // Top bit set: never equal to an exact id (whose dev fits 24 bits).
-            DiskId(h | 1 << 63)
-        }
+    /// The id of file `(dev, ino)` holding `size` bytes, last modified at `mtime_ns` (ns
+    /// since the epoch): a 64-bit hash (XXH3) of the four. Two guests reading one
+    /// unchanged base file get the same id, which is what lets the engine name a block by
+    /// its number alone (Satori §4.1); a write, truncation or extension of the file moves
+    /// its mtime or size and so gives it a new id, and the blocks memfoldd learnt under
+    /// the old one (frames holding the old bytes) are never served for it. A write within
+    /// one timestamp tick of the last change, or whose mtime is then set back, is not
+    /// seen (as by `memfold-blk`'s base guard).
+    pub fn of_file(dev: u64, ino: u64, size: u64, mtime_ns: i128) -> DiskId {
+        let mut b = [0u8; 40];
+        b[..8].copy_from_slice(&dev.to_le_bytes());
+        b[8..16].copy_from_slice(&ino.to_le_bytes());
+        b[16..24].copy_from_slice(&size.to_le_bytes());
+        b[24..].copy_from_slice(&mtime_ns.to_le_bytes());
+        DiskId(xxhash_rust::xxh3::xxh3_64(&b))
+    }
+
+    /// [`DiskId::of_file`] of the file `m` describes (`std::fs::metadata`, `fstat`).
+    pub fn of_metadata(m: &std::fs::Metadata) -> DiskId {
+        use std::os::unix::fs::MetadataExt;
+        let mtime_ns = m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128;
+        DiskId::of_file(m.dev(), m.ino(), m.size(), mtime_ns)
     }
 }
 
@@ -160,5 +169,26 @@ mod tests {
         assert_eq!(g.to_string(), "gfn 7");
         assert_eq!(FrameId(2).offset(), 8192);
         assert_eq!(serde_json::from_str::<BatchId>("9").unwrap(), BatchId(9));
+    }
+
+    /// A disk's id is its file and its bytes' stamp: the same for the same four, another
+    /// when any one differs (a base rewritten in place changes size or mtime). Fails
+    /// with the id of `(dev, ino)` alone.
+    #[test]
+    fn a_disk_id_names_a_file_as_its_bytes_are() {
+        let id = DiskId::of_file(0xfd00, 12, 1 << 30, 1_700_000_000_123_456_789);
+        assert_eq!(
+            id,
+            DiskId::of_file(0xfd00, 12, 1 << 30, 1_700_000_000_123_456_789)
+        );
+        for other in [
+            DiskId::of_file(0xfd01, 12, 1 << 30, 1_700_000_000_123_456_789),
+            DiskId::of_file(0xfd00, 13, 1 << 30, 1_700_000_000_123_456_789),
+            DiskId::of_file(0xfd00, 12, (1 << 30) + 4096, 1_700_000_000_123_456_789),
+            DiskId::of_file(0xfd00, 12, 1 << 30, 1_700_000_000_123_456_790),
+            DiskId::of_file(12, 0xfd00, 1 << 30, 1_700_000_000_123_456_789),
+        ] {
+            assert_ne!(id, other);
+        }
     }
 }

@@ -12,7 +12,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use memfold_ids::{BaseBlock, Gfn};
+use memfold_ids::{BaseBlock, DiskId, Gfn};
 use memfold_wire::LandedReporter;
 use rand::{rngs::SmallRng, SeedableRng};
 
@@ -153,4 +153,94 @@ fn held_blocks_are_learnt_from_the_base_and_reads_of_them_filled_from_frames() {
         "{:#?}",
         s.vms
     );
+
+    // The base rewritten in place (same file, new bytes), as a rebuild of an image cache
+    // would. A device opened over it names another disk: its reads of blocks 0..8 are
+    // not filled with the frames that hold the old bytes.
+    std::thread::sleep(Duration::from_millis(50)); // past the file system's mtime tick
+    let new_base: Vec<Vec<u8>> = (0..BLOCKS)
+        .map(|_| {
+            let mut p = vec![0u8; PAGE];
+            rand::Rng::fill(&mut rng, &mut p[..]);
+            p
+        })
+        .collect();
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&base_path)
+        .unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, &new_base.concat(), 0).unwrap();
+    drop(file);
+    let new_disk = DiskId::of_metadata(&std::fs::metadata(&base_path).unwrap());
+    assert_ne!(new_disk, disk, "a base rewritten in place keeps its id");
+    let new_block = |k: usize| BaseBlock {
+        disk: new_disk,
+        block: k as u64,
+    };
+    let dev2 = LandedReporter::spawn_with_bases(
+        &socket,
+        vec![(new_disk, std::fs::File::open(&base_path).unwrap().into())],
+    )
+    .unwrap();
+    // Connected (a fill asked before is not sent) and naming b (a read of no base block).
+    assert!(dev2.report(ram_file(&b), vec![Gfn(5)]));
+    eventually("the new device connected", || dev2.sent() == 1);
+    let nonce = [0xabcd, 7];
+    let again = |k: usize| 2200 + k;
+    for k in 0..8 {
+        b.write(again(k), 0, &nonce_bytes(nonce));
+    }
+    let asked: Vec<(Gfn, BaseBlock)> = (0..8)
+        .map(|k| (Gfn(again(k) as u32), new_block(k)))
+        .collect();
+    let filled = dev2.fill(ram_file(&b), &asked, nonce, Duration::from_secs(2));
+    assert!(
+        filled.is_empty(),
+        "reads of a base rewritten in place filled with its old bytes: {filled:?}"
+    );
+    for k in 0..8 {
+        b.read(again(k), &mut got);
+        assert_eq!(&got[..16], &nonce_bytes(nonce)[..], "block {k}'s page");
+    }
+
+    // The old device reports pages holding the new bytes of blocks 8..12 as its (old)
+    // disk's: their share makes candidates whose check reads the new bytes through the
+    // same file, equal to the frame's, but not the bytes the old id names: not learnt.
+    // Then blocks 12..14, new bytes under the new id, are learnt (checked after those).
+    let land = |dev: &LandedReporter,
+                ram: &GuestRam,
+                at: usize,
+                ks: &[usize],
+                b: &dyn Fn(usize) -> BaseBlock| {
+        let gfns = ks.iter().map(|&k| Gfn((at + k) as u32)).collect();
+        let bases = ks
+            .iter()
+            .enumerate()
+            .map(|(i, &k)| (i as u32, b(k)))
+            .collect();
+        for &k in ks {
+            ram.write(at + k, 0, &new_base[k]);
+        }
+        assert!(dev.report_from(ram_file(ram), gfns, bases));
+    };
+    let old: Vec<usize> = (8..12).collect();
+    land(&dev, &a, 1700, &old, &block);
+    land(&dev, &b, 1200, &old, &block);
+    eventually("the new bytes reported under the old id share", || {
+        old.iter()
+            .all(|&k| a.on_pool(1700 + k) && b.on_pool(1200 + k))
+    });
+    let new: Vec<usize> = (12..14).collect();
+    land(&dev2, &a, 1700, &new, &new_block);
+    land(&dev2, &b, 1200, &new, &new_block);
+    eventually("blocks 12..14 of the new bytes held", || {
+        new.iter().all(|&k| dev2.held(new_block(k)))
+    });
+    let s = memfold_live::query_stats(&socket).unwrap();
+    assert_eq!(
+        s.blocks_held,
+        8 + 2,
+        "blocks learnt of bytes their id does not name"
+    );
+    assert!(old.iter().all(|&k| !dev.held(block(k))));
 }

@@ -241,9 +241,7 @@ fn a_chain_s_descriptors_are_read_in_one_window_and_each_page_lands_where_its_de
 }
 
 fn disk_id(r: &Rig) -> DiskId {
-    let st = std::fs::metadata(r._dir.path().join("base.img")).unwrap();
-    use std::os::unix::fs::MetadataExt;
-    DiskId::of_file(st.dev(), st.ino())
+    DiskId::of_metadata(&std::fs::metadata(r._dir.path().join("base.img")).unwrap())
 }
 
 #[test]

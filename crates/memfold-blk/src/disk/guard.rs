@@ -38,6 +38,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 
+use memfold_ids::DiskId;
+
 use super::DiskError;
 
 /// What identifies a base file's bytes at one instant.
@@ -75,6 +77,12 @@ impl BaseStamp {
     pub fn content(&self) -> (u64, u64, i128) {
         let mtime = self.mtime.0 as i128 * 1_000_000_000 + self.mtime.1 as i128;
         (self.ino, self.size, mtime)
+    }
+
+    /// The id memfold names the file's bytes by ([`DiskId::of_file`]): a change the
+    /// guard sees is a change of id.
+    pub fn disk_id(&self) -> DiskId {
+        DiskId::of_file(self.dev, self.ino, self.size, self.content().2)
     }
 
     /// What differs in `now`, in words (`""` when nothing does).

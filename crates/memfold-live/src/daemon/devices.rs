@@ -8,7 +8,10 @@
 //! - a base image is named by the descriptor the device passes in its hello, checked
 //!   against the id it claims (`fstat`), and only bases so checked are taken;
 //! - which frame holds a base block is learnt from the base's own bytes, read here
-//!   through that descriptor, never from a guest page ([`memfold_core::engine::fill`]);
+//!   through that descriptor, never from a guest page ([`memfold_core::engine::fill`]),
+//!   and only while the file's id is the one the block names: the id covers the bytes
+//!   (size and mtime, [`DiskId::of_file`]), so a base rewritten in place is another
+//!   disk, whose reads are never filled with frames of its old bytes;
 //! - a fill maps a frame over a page only where the agent finds the device's nonce
 //!   under write-protection, so a device that gave up waiting loses nothing.
 //!
@@ -399,6 +402,17 @@ impl Devices {
                 tracing::debug!("{}: block {} unreadable: {e}", c.block.disk, c.block.block);
                 continue;
             }
+            // INVARIANT: a block is learnt only of the bytes its disk id names. A base
+            // rewritten in place is another id (`DiskId::of_file`), but the descriptor
+            // reads its new bytes: checked after the read, as the device's guard does,
+            // so a change before or during it is seen and nothing is learnt.
+            if !file
+                .metadata()
+                .is_ok_and(|m| DiskId::of_metadata(&m) == c.block.disk)
+            {
+                tracing::debug!("{}: changed since it was shown; not learnt", c.block.disk);
+                continue;
+            }
             let bytes: &Page = &page.0;
             if engine.block_verified(&c, bytes) {
                 held.entry((c.domain, c.block.disk))
@@ -453,13 +467,13 @@ pub(crate) fn checked_bases(
     ids: &[DiskId],
     fds: Vec<std::os::fd::OwnedFd>,
 ) -> Vec<(DiskId, File)> {
-    use std::os::unix::fs::MetadataExt;
     let mut out = Vec::new();
     for (&id, fd) in ids.iter().zip(fds) {
         let file = File::from(fd);
         match file.metadata() {
-            Ok(m) if DiskId::of_file(m.dev(), m.ino()) != id => tracing::warn!(
-                "block device {token}: its descriptor for {id} is another file; not taken"
+            Ok(m) if DiskId::of_metadata(&m) != id => tracing::warn!(
+                "block device {token}: its descriptor for {id} is another file, or a file \
+                 written since the device opened it; not taken"
             ),
             Ok(m) if !m.is_file() => tracing::warn!(
                 "block device {token}: its descriptor for {id} is {}, not a regular file \
@@ -507,7 +521,7 @@ mod tests {
     /// regular one: a FIFO is not taken, a file is. Fails with only the id checked.
     #[test]
     fn a_base_that_is_not_a_regular_file_is_refused() {
-        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+        use std::os::unix::fs::OpenOptionsExt;
         let dir = tempfile::tempdir().unwrap();
         let fifo = dir.path().join("base.fifo");
         let path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
@@ -522,8 +536,7 @@ mod tests {
                 .custom_flags(libc::O_NONBLOCK)
                 .open(p)
                 .unwrap();
-            let m = f.metadata().unwrap();
-            (DiskId::of_file(m.dev(), m.ino()), f.into())
+            (DiskId::of_metadata(&f.metadata().unwrap()), f.into())
         };
         let ((fifo_id, fifo_fd), (file_id, file_fd)) = (open(&fifo), open(&file));
         let taken = checked_bases(1, &[fifo_id, file_id], vec![fifo_fd, file_fd]);

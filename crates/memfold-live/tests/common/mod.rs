@@ -427,7 +427,6 @@ pub fn random_base(
     rng: &mut SmallRng,
     blocks: usize,
 ) -> (PathBuf, Vec<Vec<u8>>, memfold_ids::DiskId) {
-    use std::os::unix::fs::MetadataExt;
     let path = dir.join("base.img");
     let base: Vec<Vec<u8>> = (0..blocks)
         .map(|_| {
@@ -437,8 +436,8 @@ pub fn random_base(
         })
         .collect();
     std::fs::write(&path, base.concat()).unwrap();
-    let st = std::fs::metadata(&path).unwrap();
-    (path, base, memfold_ids::DiskId::of_file(st.dev(), st.ino()))
+    let id = memfold_ids::DiskId::of_metadata(&std::fs::metadata(&path).unwrap());
+    (path, base, id)
 }
 
 /// This process's descriptor limit (`RLIMIT_NOFILE`): (soft, hard).
