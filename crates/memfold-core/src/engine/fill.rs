@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::{Command, Engine};
 use crate::frames::FrameTable;
-use crate::ids::{BaseBlock, DomainId, FillId, FrameId, Gfn, VmId};
+use crate::ids::{BaseBlock, DiskId, DomainId, FillId, FrameId, Gfn, VmId};
 use crate::p2m::PageState;
 use crate::{Page, PAGE_SIZE};
 
@@ -234,6 +234,27 @@ impl Engine {
             .index
             .get(&d)
             .is_some_and(|i| i.by_block.contains_key(&b))
+    }
+
+    /// Base blocks domain `d`'s frames hold, of the disks `of` accepts: at most `max`,
+    /// any of them (the index's order). What a block device that names a guest of `d`
+    /// after they were learnt (a restarted device, a guest started later) is told, so
+    /// its reads of them are filled too (Satori §5.2). Each names the bytes of its
+    /// disk as they are now ([`crate::ids::DiskId`] covers size and mtime).
+    pub fn blocks_held_of(
+        &self,
+        d: DomainId,
+        of: impl Fn(DiskId) -> bool,
+        max: usize,
+    ) -> Vec<BaseBlock> {
+        self.fills.index.get(&d).map_or_else(Vec::new, |i| {
+            i.by_block
+                .keys()
+                .filter(|b| of(b.disk))
+                .take(max)
+                .copied()
+                .collect()
+        })
     }
 
     /// Whether base block `b` is held by a frame of guest `id`'s domain.
@@ -591,6 +612,22 @@ mod tests {
         assert_eq!(books.vms[0].books.read_fills, 1);
         assert_eq!((books.blocks_indexed, books.blocks_held), (1, 1));
         r.engine.check_invariants().unwrap();
+    }
+
+    /// What a device that names its guest late is told: its domain's blocks of the
+    /// disks it serves, at most as many as asked. Fails with either filter left out.
+    #[test]
+    fn blocks_held_are_listed_by_domain_and_disk() {
+        let (r, _) = learnt();
+        let d = r.engine.domain_of(r.vm).unwrap();
+        let of = |disk: DiskId| move |x: DiskId| x == disk;
+        assert_eq!(r.engine.blocks_held_of(d, of(B.disk), 10), [B]);
+        assert_eq!(r.engine.blocks_held_of(d, of(DiskId(8)), 10), []);
+        assert_eq!(r.engine.blocks_held_of(d, of(B.disk), 0), []);
+        assert_eq!(
+            r.engine.blocks_held_of(DomainId(d.0 + 1), of(B.disk), 10),
+            []
+        );
     }
 
     /// The device gave up and wrote the disk's bytes, then the guest wrote: a fill

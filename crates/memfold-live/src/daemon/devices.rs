@@ -19,7 +19,10 @@
 //! names; which base blocks frames hold it is told for its own bases only, and only of
 //! its guest's sharing domain: a block held by another tenant's frames must not make
 //! this guest's reads of it slower or faster (a fill is refused across domains anyway,
-//! but the device would ask, and the time it takes would tell).
+//! but the device would ask, and the time it takes would tell). A device that names its
+//! guest after blocks were learnt (restarted, or serving a guest started later) is told
+//! of those its guest's domain holds of its bases then, at most [`MAX_CATCH_UP`], and of
+//! each block learnt after as it is.
 //!
 //! # The invariant
 //!
@@ -80,12 +83,13 @@ struct Device {
     conn: Conn,
     bases: HashMap<DiskId, File>,
     /// The guest whose RAM its reports and fills name (the last one named, of those it
-    /// holds); none until its first: no news of held blocks until then, and none of
-    /// blocks learnt before (each was checked against the base's bytes when learnt; a
-    /// base changed in place since — same file, new bytes, which a device opened after
-    /// the change cannot tell — would have this device's reads filled with the old
-    /// ones).
+    /// holds); none until its first: no news of held blocks until then. When it names
+    /// a guest, it is told of the blocks that guest's domain holds already
+    /// ([`Device::catch_up`]), then of each block as it is learnt.
     vm: Option<VmId>,
+    /// Blocks its guest's domain held when it named the guest, not told yet: at most
+    /// [`MAX_CATCH_UP`], sent as its socket has room ([`Device::send_catch_up`]).
+    catch_up: Vec<BaseBlock>,
     /// The device's pid (from the kernel at its hello): whose descriptors are looked at.
     pid: u32,
     /// A pidfd of the process that connected (module docs): while it runs, `pid` is its.
@@ -115,8 +119,9 @@ impl Device {
     /// news are hints (a block not announced is read from the disk), and a fill answer
     /// not received is waited for 20 ms by the device, which then reads the disk. An
     /// honest device whose reader was off the CPU for a moment (full-size news fill the
-    /// socket's buffer in about a dozen messages) loses some news, not its connection —
-    /// which would have lost it every block held before (news are of new blocks only).
+    /// socket's buffer in about a dozen messages) loses some news, not its connection,
+    /// whose news since the catch-up at its start it would lose (a new one is told at
+    /// most [`MAX_CATCH_UP`] blocks).
     /// A connection that failed otherwise (the device gone) is shut down.
     fn send(&mut self, m: &ToDevice) -> bool {
         if self.closed {
@@ -137,11 +142,37 @@ impl Device {
                 false
             }
             Err(e) => {
-                tracing::warn!("block device {}: {e}; its connection is closed", self.token);
-                self.conn.shutdown();
-                self.closed = true;
+                self.close(e);
                 false
             }
+        }
+    }
+
+    /// Its connection failed with `e` (the device gone): shut down, nothing more sent.
+    fn close(&mut self, e: impl std::fmt::Display) {
+        tracing::warn!("block device {}: {e}; its connection is closed", self.token);
+        self.conn.shutdown();
+        self.closed = true;
+        self.catch_up = Vec::new();
+    }
+
+    /// Sends what is left of [`Device::catch_up`] while its socket has room (never
+    /// waits, drops nothing: the rest goes at a later step). A block forgotten since it
+    /// was listed costs the device one fill refused, after which it forgets it too.
+    fn send_catch_up(&mut self) {
+        while !self.catch_up.is_empty() && !self.closed {
+            let from = self.catch_up.len().saturating_sub(MAX_BATCH);
+            let held = ToDevice::Held {
+                blocks: self.catch_up[from..].to_vec(),
+            };
+            match self.conn.try_send(&held) {
+                Ok(true) => self.catch_up.truncate(from),
+                Ok(false) => return,
+                Err(e) => self.close(e),
+            }
+        }
+        if self.catch_up.is_empty() {
+            self.catch_up = Vec::new();
         }
     }
 
@@ -190,6 +221,10 @@ impl Device {
         None
     }
 }
+
+/// Blocks a device is told of at most when it names its guest after they were learnt
+/// (16 bytes each: 1 MiB a device; 256 MiB of base blocks filled from frames).
+const MAX_CATCH_UP: usize = 1 << 16;
 
 /// Guest RAM files one device connection may hold at most: a device serves one guest,
 /// whose RAM is one memfd (q35 maps it in two regions) or a few.
@@ -260,6 +295,7 @@ impl Devices {
                 conn,
                 bases: bases.into_iter().collect(),
                 vm: None,
+                catch_up: Vec::new(),
                 pid,
                 pidfd,
                 rams: HashMap::new(),
@@ -304,8 +340,15 @@ impl Devices {
             }
             _ => None,
         };
-        if vm.is_some() {
+        if vm.is_some() && vm != dev.vm {
             dev.vm = vm;
+            // Told of what its guest's domain holds of its bases already (module docs).
+            if let Some(domain) = Self::domain_of(engine, dev) {
+                let bases = &dev.bases;
+                dev.catch_up =
+                    engine.blocks_held_of(domain, |disk| bases.contains_key(&disk), MAX_CATCH_UP);
+                dev.send_catch_up();
+            }
         }
         match msg {
             ToDaemon::ReadLanded {
@@ -369,6 +412,7 @@ impl Devices {
     /// candidates against their bases, telling each device that serves a base of the
     /// blocks now held.
     pub(crate) fn pump(&mut self, engine: &mut Engine) {
+        self.pump_catch_ups();
         for a in engine.take_fill_answers() {
             if let Some((token, theirs)) = self.fills.remove(&a.fill) {
                 self.filled += a.filled.len() as u64;
@@ -426,6 +470,13 @@ impl Devices {
             }) {
                 d.tell_held(&blocks);
             }
+        }
+    }
+
+    /// Sends each device what is left of its catch-up, as far as its socket has room.
+    fn pump_catch_ups(&mut self) {
+        for d in self.by_token.values_mut() {
+            d.send_catch_up();
         }
     }
 
@@ -542,6 +593,56 @@ mod tests {
         let taken = checked_bases(1, &[fifo_id, file_id], vec![fifo_fd, file_fd]);
         let ids: Vec<DiskId> = taken.iter().map(|(id, _)| *id).collect();
         assert_eq!(ids, [file_id], "the FIFO was taken as a base");
+    }
+
+    /// A catch-up longer than the device's socket holds waits for the device to read:
+    /// sent in order as room comes, none dropped (news are dropped on a full socket).
+    /// Fails if a full socket drops the rest, or closes the connection.
+    #[test]
+    fn a_catch_up_waits_for_room_and_loses_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sock");
+        let listener = memfold_wire::Listener::bind(&path).unwrap();
+        let reader = Conn::connect(&path).unwrap();
+        reader.set_recv_timeout(Duration::from_secs(5)).unwrap();
+        let me = std::process::id();
+        let mut d = Devices::default();
+        d.hello(
+            1,
+            listener.accept().unwrap(),
+            Vec::new(),
+            (me, memfold_sys::pidfd::open(me).unwrap()),
+        );
+        let dev = d.by_token.get_mut(&1).unwrap();
+        let blocks: Vec<BaseBlock> = (0..MAX_CATCH_UP as u64)
+            .map(|block| BaseBlock {
+                disk: DiskId(3),
+                block,
+            })
+            .collect();
+        dev.catch_up = blocks.clone();
+        dev.send_catch_up();
+        let left = dev.catch_up.len();
+        assert!(
+            left > 0,
+            "{MAX_CATCH_UP} blocks fit the socket: the test shows nothing"
+        );
+        let mut told = Vec::new();
+        while told.len() < blocks.len() {
+            match reader.recv::<ToDevice>() {
+                Ok(Some((ToDevice::Held { blocks }, _))) => told.extend(blocks),
+                other => panic!(
+                    "{} of {} blocks told, then {other:?}",
+                    told.len(),
+                    blocks.len()
+                ),
+            }
+            d.pump_catch_ups();
+        }
+        let dev = &d.by_token[&1];
+        assert!(!dev.closed && dev.catch_up.is_empty() && dev.dropped == 0);
+        told.sort_unstable();
+        assert_eq!(told, blocks, "each block told once");
     }
 
     /// The pid a device connected from, once that process has exited, may name another
