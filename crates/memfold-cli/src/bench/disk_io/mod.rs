@@ -396,6 +396,10 @@ fn io_pair(
     // started (None until both have started).
     let mut first: Option<(u64, u64)> = None;
     let mut turns: Option<Turns> = None;
+    let mut progress = rounds::Progress::new(
+        Instant::now(),
+        rounds::Progress::limit_for(a.seq_mib, a.rand_reads),
+    );
     loop {
         poll(gb);
         let (sb, sv) = (gb.serial(), gv.serial());
@@ -462,7 +466,19 @@ fn io_pair(
         }
         gb.check_alive()?;
         gv.check_alive()?;
-        if Instant::now() > deadline {
+        let now = Instant::now();
+        for (side, (g, p)) in [(&*gb, &pb), (&*gv, &pv)].into_iter().enumerate() {
+            let running = turns.as_ref().is_none_or(|t| t.running == side);
+            if let Some(idle) = progress.look(side, p.len(), running, now) {
+                bail!(
+                    "{}: no pass read in {:.0} s (its data disk does not answer; see its \
+                     console, and for memfold-blk its log and memfoldd's)",
+                    g.name,
+                    idle.as_secs_f64()
+                );
+            }
+        }
+        if now > deadline {
             bail!("no {} rounds per side in time (see the consoles)", a.rounds);
         }
         std::thread::sleep(Duration::from_millis(200));

@@ -5,8 +5,57 @@
 //! ratio.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
+
+/// Whether each side's guest is still reading: the time since its last new pass while
+/// it ran. A guest whose disk never answers (a device the agent refused, a device that
+/// died for good) reports no pass, and the bench says so after [`Progress::limit`]
+/// instead of waiting out its whole deadline (600 s + 240 s a round).
+#[derive(Debug)]
+pub struct Progress {
+    /// Per side: passes seen, and when that count last changed or the side last ran
+    /// paused (time paused for another side's turn does not count).
+    seen: [(usize, Instant); 2],
+    limit: Duration,
+}
+
+impl Progress {
+    /// A watch started at `now` that allows `limit` without a new pass.
+    pub fn new(now: Instant, limit: Duration) -> Progress {
+        Progress {
+            seen: [(0, now); 2],
+            limit,
+        }
+    }
+
+    /// The longest a pass of `seq_mib` MiB read sequentially (4 KiB and 1 MiB at a
+    /// time) and `rand_reads` random 4 KiB reads may take on a disk that works: 120 s,
+    /// plus 2 s a MiB and 10 ms a random read (0.5 MiB/s and 100 reads/s, far below
+    /// what any disk served here does, TCG included).
+    pub fn limit_for(seq_mib: u64, rand_reads: u64) -> Duration {
+        Duration::from_secs(120 + 2 * seq_mib) + Duration::from_millis(10 * rand_reads)
+    }
+
+    /// Side `side` had `passes` passes at `now`, running (else paused). Returns how long
+    /// it has run without a new pass, if past the limit.
+    pub fn look(
+        &mut self,
+        side: usize,
+        passes: usize,
+        running: bool,
+        now: Instant,
+    ) -> Option<Duration> {
+        let (seen, since) = &mut self.seen[side];
+        if passes != *seen || !running {
+            (*seen, *since) = (passes, now);
+            return None;
+        }
+        let idle = now.saturating_duration_since(*since);
+        (idle > self.limit).then_some(idle)
+    }
+}
 
 /// The kinds of pass, in the order a round runs them.
 pub const KINDS: [&str; 3] = ["seq-4k", "rand-4k", "seq-1m"];
@@ -163,6 +212,26 @@ pub fn compare(blk: &BTreeMap<u64, Round>, virtio: &BTreeMap<u64, Round>) -> Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A side that runs with no new pass past the limit is said; a new pass, or a
+    /// pause, restarts its time. Fails if progress does not reset it, or a pause counts.
+    #[test]
+    fn a_side_that_runs_without_a_new_pass_is_said_after_the_limit() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut p = Progress::new(t0, Duration::from_secs(100));
+        assert_eq!(p.look(0, 0, true, at(100)), None);
+        assert_eq!(p.look(0, 1, true, at(150)), None, "a pass came");
+        assert_eq!(p.look(0, 1, true, at(250)), None);
+        assert_eq!(p.look(0, 1, true, at(251)), Some(Duration::from_secs(101)));
+        // Side 1 read 3 passes, then was paused for 490 s, then runs again: its time
+        // starts at its resume.
+        assert_eq!(p.look(1, 3, true, at(10)), None);
+        assert_eq!(p.look(1, 3, false, at(500)), None);
+        assert_eq!(p.look(1, 3, true, at(599)), None);
+        assert_eq!(p.look(1, 3, true, at(601)), Some(Duration::from_secs(101)));
+        assert!(Progress::limit_for(16, 2048) < Duration::from_secs(600));
+    }
 
     #[test]
     fn passes_are_read_and_junk_skipped() {
