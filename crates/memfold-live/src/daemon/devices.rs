@@ -119,9 +119,9 @@ impl Device {
     /// news are hints (a block not announced is read from the disk), and a fill answer
     /// not received is waited for 20 ms by the device, which then reads the disk. An
     /// honest device whose reader was off the CPU for a moment (full-size news fill the
-    /// socket's buffer in about a dozen messages) loses some news, not its connection,
-    /// whose news since the catch-up at its start it would lose (a new one is told at
-    /// most [`MAX_CATCH_UP`] blocks).
+    /// socket's buffer in about a dozen messages) loses some news, not its connection:
+    /// closed, it would lose every block it was told, and a new connection is told at
+    /// most [`MAX_CATCH_UP`] of them again.
     /// A connection that failed otherwise (the device gone) is shut down.
     fn send(&mut self, m: &ToDevice) -> bool {
         if self.closed {
