@@ -334,12 +334,13 @@ impl RawDisk {
             Err(e) => return Err(open_err(e)),
         };
         let st = rustix::fs::fstat(&file).map_err(|e| open_err(e.into()))?;
+        let stamp = BaseStamp::of(&st);
         Ok(RawDisk {
             path: path.to_path_buf(),
             direct,
             size: st.st_size as u64,
-            id: BaseStamp::of(&st).disk_id(),
-            guard: BaseGuard::new(path, BaseStamp::of(&st)),
+            id: stamp.disk_id(),
+            guard: BaseGuard::new(path, stamp),
             file,
         })
     }

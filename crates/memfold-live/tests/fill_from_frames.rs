@@ -12,7 +12,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use memfold_ids::{BaseBlock, DiskId, Gfn};
+use memfold_ids::{BaseBlock, Gfn};
 use memfold_wire::LandedReporter;
 use rand::{rngs::SmallRng, SeedableRng};
 
@@ -158,20 +158,16 @@ fn held_blocks_are_learnt_from_the_base_and_reads_of_them_filled_from_frames() {
     // would. A device opened over it names another disk: its reads of blocks 0..8 are
     // not filled with the frames that hold the old bytes.
     std::thread::sleep(Duration::from_millis(50)); // past the file system's mtime tick
-    let new_base: Vec<Vec<u8>> = (0..BLOCKS)
-        .map(|_| {
-            let mut p = vec![0u8; PAGE];
-            rand::Rng::fill(&mut rng, &mut p[..]);
-            p
-        })
-        .collect();
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&base_path)
-        .unwrap();
-    std::os::unix::fs::FileExt::write_all_at(&file, &new_base.concat(), 0).unwrap();
-    drop(file);
-    let new_disk = DiskId::of_metadata(&std::fs::metadata(&base_path).unwrap());
+    let ino =
+        |p: &std::path::Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
+    let old_ino = ino(&base_path);
+    // `random_base` writes over the file at its path (`std::fs::write`): same inode.
+    let (_, new_base, new_disk) = common::random_base(dir.path(), &mut rng, BLOCKS);
+    assert_eq!(
+        ino(&base_path),
+        old_ino,
+        "the base was not rewritten in place"
+    );
     assert_ne!(new_disk, disk, "a base rewritten in place keeps its id");
     let new_block = |k: usize| BaseBlock {
         disk: new_disk,

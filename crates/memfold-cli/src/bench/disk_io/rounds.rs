@@ -11,12 +11,13 @@ use serde::Serialize;
 
 /// Whether each side's guest is still reading: the time since its last new pass while
 /// it ran. A guest whose disk never answers (a device the agent refused, a device that
-/// died for good) reports no pass, and the bench says so after [`Progress::limit`]
-/// instead of waiting out its whole deadline (600 s + 240 s a round).
+/// died for good) reports no pass, and the bench says so after its limit
+/// ([`Progress::limit_for`]) instead of waiting out its whole deadline (600 s + 240 s a
+/// round).
 #[derive(Debug)]
 pub struct Progress {
-    /// Per side: passes seen, and when that count last changed or the side last ran
-    /// paused (time paused for another side's turn does not count).
+    /// Per side: passes seen, and when that count last changed or the side was last
+    /// seen paused (time paused for another side's turn does not count).
     seen: [(usize, Instant); 2],
     limit: Duration,
 }
