@@ -299,6 +299,27 @@ impl Agent {
                 tracing::warn!("memfoldd refused the attach: {}", shown(&message));
                 self.back_off();
             }
+            // Only with a pool to leave: one asked of a hello that brought none would
+            // send the same hello again at once, for as long as memfoldd answers so.
+            Ok(Some((ToAgent::LeavePool { message }, _))) if self.pool.is_some() => {
+                tracing::warn!(
+                    "memfoldd will not adopt our pool: {}; leaving it",
+                    shown(&message)
+                );
+                drop(conn);
+                match self.leave_pool() {
+                    Ok(pages) => {
+                        tracing::info!(
+                            "left the pool: {pages} pages copied off its frames; attaching afresh"
+                        );
+                        self.attach();
+                    }
+                    Err(e) => {
+                        tracing::warn!("leaving the pool: {e}; trying again later");
+                        self.back_off();
+                    }
+                }
+            }
             // Closed with no answer (memfoldd stopping, restarting, over its limit of
             // connections waiting for a hello, or unable to read ours): tried again in a
             // second, until it happened CLOSES_BEFORE_BACK_OFF times in a row.
@@ -358,6 +379,50 @@ impl Agent {
             (Some(old), Some(new)) => id(old).is_some() && id(old) == id(new),
             (Some(_), None) => false,
         }
+    }
+
+    /// Leaves the pool memfoldd will not adopt ([`ToAgent::LeavePool`]: the guest is to be
+    /// kept alone — never-share, Satori §4.3, or the `vm` rule — and other QEMUs hold the
+    /// pool it shared under an earlier memfoldd). Every page on one of its frames becomes
+    /// a private copy of the frame, a run of consecutive frames at a time (guest RAM
+    /// mapped back over whole pool mappings, so no mapping is added: `vmas.rs`); every
+    /// reclaimed zero page a private hole (zeros on its next touch either way); then the
+    /// pool is let go. The guest reads the same bytes throughout (its faults wait on this
+    /// thread meanwhile), and once it is done no page of it is on a frame another process
+    /// maps: its writes are its own, and none of them is a CoW break another guest can
+    /// time. Returns the pages copied.
+    ///
+    /// Errors: a frame could not be read, the memfd written or guest RAM mapped back
+    /// (`ENOMEM`, the pool cut short). The pages done are private, the rest still on their
+    /// frames and the pool kept: memfoldd asks again at the next attach.
+    fn leave_pool(&mut self) -> io::Result<usize> {
+        let mut copied = 0;
+        for (g, _) in self.pages.reattach_list() {
+            match self.pages.home(g) {
+                PageHome::Frame(f) => {
+                    let (first, n) = self.pages.frame_run(g, f);
+                    let frame0 = FrameId(f.0 - (g.0 - first.0));
+                    self.copy_frames(first, frame0, n)?;
+                    if let Err(e) = self.map_guest_range(first, n) {
+                        // Still on their frames: the copies only held memory.
+                        self.punch(first, n as u64);
+                        return Err(e);
+                    }
+                    for k in 0..n {
+                        self.pages
+                            .set(crate::state::plus(first, k), PageHome::Private);
+                    }
+                    self.uffd
+                        .wake(self.page_addr(first), n as u64 * crate::PAGE)?;
+                    copied += n;
+                }
+                PageHome::Zero => self.pages.set(g, PageHome::Private),
+                // Copied with an earlier page of its run.
+                _ => {}
+            }
+        }
+        self.pool = None;
+        Ok(copied)
     }
 
     /// After a refusal, the next attach waits [`REFUSED_BACK_OFF`] rather than a second.

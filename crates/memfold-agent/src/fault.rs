@@ -326,7 +326,7 @@ impl Agent {
     /// their write-protected frames meanwhile.
     ///
     /// Errors: the pool cannot be read or the memfd written.
-    fn copy_frames(&self, first: Gfn, frame0: FrameId, n: usize) -> io::Result<()> {
+    pub(crate) fn copy_frames(&self, first: Gfn, frame0: FrameId, n: usize) -> io::Result<()> {
         const CHUNK: usize = 64;
         let mut buf = vec![0u8; n.min(CHUNK) * PAGE_SIZE];
         let mut k = 0;

@@ -199,7 +199,9 @@ impl Agent {
                 self.opted_out = out;
                 return Ok(());
             }
-            ToAgent::Welcome { .. } | ToAgent::Refused { .. } => return Ok(()),
+            ToAgent::Welcome { .. } | ToAgent::Refused { .. } | ToAgent::LeavePool { .. } => {
+                return Ok(())
+            }
         };
         // The answer first: a no-copy break of a page of it, sent earlier, would be dropped
         // by memfoldd (not yet shared there) and the page then booked shared for good.

@@ -272,6 +272,9 @@ mod tests {
                 version: PROTOCOL_VERSION,
             },
             ToAgent::OptedOut { out: true },
+            ToAgent::LeavePool {
+                message: "kept alone".into(),
+            },
             ToAgent::Share {
                 batch,
                 pages: vec![(Gfn(1), FrameId(0)), (Gfn(2), FrameId(1))],

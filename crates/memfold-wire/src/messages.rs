@@ -34,7 +34,9 @@ use crate::stats::Stats;
 /// from a memfoldd that does not send it. Also in 12, without a bump (no agent sees
 /// them): statistics in parts ([`ToClient::StatsVms`], `Stats::vms_following`; a client
 /// of before gets a split answer's head with no guests), and a hello's name bounded to
-/// [`crate::name::MAX_NAME_BYTES`] printable bytes (refused past it).
+/// [`crate::name::MAX_NAME_BYTES`] printable bytes (refused past it). Also in 12, without
+/// a bump, [`ToAgent::LeavePool`]: an agent that does not know it cannot decode the
+/// answer to its hello and tries again later, unmanaged, as when it was refused.
 pub const PROTOCOL_VERSION: u32 = 12;
 
 /// Largest message, bytes (a share batch of [`MAX_BATCH`] pages is about 12 KiB).
@@ -464,6 +466,17 @@ pub enum ToAgent {
     },
     /// memfoldd will not manage this guest, and says why; the connection closes.
     Refused {
+        /// Why.
+        message: String,
+    },
+    /// An answer to a re-attach's hello, in place of a welcome: the guest is kept alone
+    /// (never-share, Satori §4.3, or the `vm` rule) and the pool it brings is one memfoldd
+    /// will not adopt for it (other processes hold it: it was shared under an earlier
+    /// memfoldd and another rule). The agent copies every page off the pool's frames,
+    /// lets the pool go and attaches again with none; the connection closes. Sent only
+    /// to a hello that brought a pool; an agent that gets it otherwise takes it as a
+    /// refusal.
+    LeavePool {
         /// Why.
         message: String,
     },

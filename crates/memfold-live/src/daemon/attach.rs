@@ -12,7 +12,7 @@ use memfold_sys::memfd;
 use memfold_wire::{reattach, ToAgent, ToDaemon, PROTOCOL_VERSION};
 
 use super::backings::{FileBacking, MemfdRam};
-use super::domains::DomainKey;
+use super::domains::{DomainKey, PoolRefusal};
 use super::{dup, outbox, Daemon, DomainRule, MAX_GUEST_PAGES, PAGE};
 
 impl Daemon {
@@ -178,8 +178,17 @@ impl Daemon {
         {
             None => None,
             Some(Ok(plan)) => Some(plan),
-            Some(Err(why)) => {
+            Some(Err(PoolRefusal::Refuse(why))) => {
                 refuse(why);
+                return;
+            }
+            // Kept alone, with a pool other QEMUs hold: not attached onto it (the
+            // invariant at `PoolRefusal::Leave`); its agent copies its pages off the
+            // frames and comes back with none, to a domain of its own.
+            Some(Err(PoolRefusal::Leave(why))) => {
+                tracing::warn!("{name} (pid {pid}): {why}; told to leave that pool");
+                let _ = conn.send(&ToAgent::LeavePool { message: why }, &[]);
+                conn.shutdown();
                 return;
             }
         };

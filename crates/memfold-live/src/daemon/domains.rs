@@ -104,7 +104,12 @@ impl Daemon {
         theirs: OwnedFd,
         ram_id: (u64, u64),
     ) -> Result<DomainId, String> {
-        let plan = self.check_pool(key, &theirs, ram_id, std::process::id())?;
+        let plan = self
+            .check_pool(key, &theirs, ram_id, std::process::id())
+            .map_err(|r| match r {
+                PoolRefusal::Refuse(why) => why,
+                PoolRefusal::Leave(why) => format!("leave: {why}"),
+            })?;
         self.take_pool(key, theirs, plan)
     }
 
@@ -118,32 +123,43 @@ impl Daemon {
     /// and another rule its pool may be shared with other guests, whose QEMUs hold it and
     /// read it: frames memfoldd wrote into it for this guest would be theirs to read, and
     /// its pages shared onto frames they map — what keeping it alone (Satori §4.3's
-    /// never-share) forbids. It is refused then (left unmanaged, its pages as they are,
-    /// said in the log; a restart of its QEMU brings it back alone).
+    /// never-share) forbids. Its agent is told to leave the pool then
+    /// ([`PoolRefusal::Leave`]): it copies its pages off the frames and attaches again
+    /// with no pool, into a domain of its own.
     ///
-    /// Errors (a refusal's message): the pool is another key's domain's, its guest RAM,
-    /// not a memfd open for reading and writing, larger than [`MAX_ADOPTED_FRAMES`], or a
-    /// guest kept alone's held by other processes (or who holds it cannot be told); a new
-    /// domain would give `key` more than [`MAX_DOMAINS_PER_KEY`].
+    /// Errors: [`PoolRefusal::Leave`] for a guest kept alone whose pool other processes
+    /// hold (or who holds it cannot be told), or that is another domain's;
+    /// [`PoolRefusal::Refuse`] when the pool is another key's domain's (a guest not kept
+    /// alone), its guest RAM, not a memfd open for reading and writing, larger than
+    /// [`MAX_ADOPTED_FRAMES`], or a new domain would give `key` more than
+    /// [`MAX_DOMAINS_PER_KEY`].
     pub(super) fn check_pool(
         &self,
         key: DomainKey,
         theirs: &OwnedFd,
         ram_id: (u64, u64),
         pid: u32,
-    ) -> Result<PoolPlan, String> {
+    ) -> Result<PoolPlan, PoolRefusal> {
         let id = |f: &OwnedFd| memfd::file_id(f.as_fd()).ok();
         let Some(theirs_id) = id(theirs) else {
-            return Err("its pool is not a file".into());
+            return Err(PoolRefusal::Refuse("its pool is not a file".into()));
         };
         if !memfd::is_read_write_memfd(theirs.as_fd()) || theirs_id == ram_id {
-            return Err("its pool is not a memfd open for reading and writing".into());
+            return Err(PoolRefusal::Refuse(
+                "its pool is not a memfd open for reading and writing".into(),
+            ));
         }
+        let alone = matches!(key, DomainKey::Vm(..));
         if let Some((&d, _)) = self.pools.iter().find(|(_, p)| id(p) == Some(theirs_id)) {
             return if self.key_of.get(&d) == Some(&key) {
                 Ok(PoolPlan::Known(d))
             } else {
-                Err(format!("it maps the pool of {d}, another sharing domain's"))
+                let why = format!("it maps the pool of {d}, another sharing domain's");
+                Err(if alone {
+                    PoolRefusal::Leave(why)
+                } else {
+                    PoolRefusal::Refuse(why)
+                })
             };
         }
         let into = match self.keys.get(&key) {
@@ -151,11 +167,11 @@ impl Daemon {
             _ => {
                 let of_key = self.key_of.values().filter(|&&k| k == key).count();
                 if of_key >= MAX_DOMAINS_PER_KEY {
-                    return Err(format!(
+                    return Err(PoolRefusal::Refuse(format!(
                         "it brings a pool memfoldd does not know, and its sharing domain has \
                          {of_key} pools already (its own and ones adopted after restarts, \
                          at most {MAX_DOMAINS_PER_KEY})"
-                    ));
+                    )));
                 }
                 None
             }
@@ -170,28 +186,28 @@ impl Daemon {
                         .take(8)
                         .map(|p| p.to_string())
                         .collect();
-                    return Err(format!(
+                    return Err(PoolRefusal::Leave(format!(
                         "it is kept alone (never-share, or the vm rule) but brings a pool \
                          other processes hold too (pids {}): shared under an earlier \
-                         memfoldd; restart its QEMU to manage it alone",
+                         memfoldd",
                         others.join(", ")
-                    ));
+                    )));
                 }
                 None => {
-                    return Err(
+                    return Err(PoolRefusal::Leave(
                         "it is kept alone (never-share, or the vm rule) and brings a \
-                                pool whose holders memfoldd cannot read"
+                         pool whose holders memfoldd cannot read"
                             .into(),
-                    )
+                    ))
                 }
             }
         }
         let size = memfd::size(theirs.as_fd()).unwrap_or(0);
         if size / PAGE > MAX_ADOPTED_FRAMES {
-            return Err(format!(
+            return Err(PoolRefusal::Refuse(format!(
                 "its pool of {size} bytes is over the {} GiB memfoldd adopts",
                 (MAX_ADOPTED_FRAMES * PAGE) >> 30
-            ));
+            )));
         }
         Ok(PoolPlan::Adopt { into, size })
     }
@@ -236,6 +252,19 @@ impl Daemon {
         self.pools.insert(d, theirs);
         Ok(d)
     }
+}
+
+/// Why a re-attaching agent's pool is not taken ([`Daemon::check_pool`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum PoolRefusal {
+    /// The guest is refused, for this reason: it runs on unmanaged.
+    Refuse(String),
+    /// The guest is kept alone and may not keep this pool, for this reason: its agent is
+    /// told to leave it ([`memfold_wire::ToAgent::LeavePool`]) and attach again with none.
+    /// INVARIANT (never-share, Satori §4.3): a guest kept alone is never attached onto a
+    /// pool another process holds — its pages there are on frames the others map, its
+    /// writes CoW breaks they can time, and frames written for it theirs to read.
+    Leave(String),
 }
 
 /// What a re-attaching agent's pool is to memfoldd ([`Daemon::check_pool`]).
@@ -307,9 +336,11 @@ mod tests {
     /// A guest kept alone (never-share, or the vm rule) does not adopt a pool another
     /// process holds — here a child given it as its standard input, as another guest's
     /// QEMU of an earlier memfoldd's shared domain holds it: frames written into it for
-    /// this guest would be that process's to read. A user-keyed guest still adopts it;
-    /// once the other holder is gone, the guest kept alone does too. Fails without the
-    /// check (the pool adopted into the guest's own domain).
+    /// this guest would be that process's to read. It is told to leave it (not refused,
+    /// which left it unmanaged with its shared pages on the others' frames). A
+    /// user-keyed guest still adopts it; once the other holder is gone, the guest kept
+    /// alone does too. Fails without the check (the pool adopted into the guest's own
+    /// domain), and with the refusal kind it had.
     #[test]
     fn a_guest_kept_alone_adopts_no_pool_another_process_holds() {
         let dir = tempfile::tempdir().unwrap();
@@ -323,9 +354,9 @@ mod tests {
             .unwrap();
         let ram = (u64::MAX, u64::MAX);
         assert!(d.pool_domain(DomainKey::User(5), shared, ram).is_ok());
-        let r = d.pool_domain(DomainKey::Vm(1, 1), p.try_clone().unwrap(), ram);
+        let r = d.check_pool(DomainKey::Vm(1, 1), &p, ram, std::process::id());
         assert!(
-            matches!(&r, Err(why) if why.contains(&format!("pids {}", other.id()))),
+            matches!(&r, Err(PoolRefusal::Leave(why)) if why.contains(&format!("pids {}", other.id()))),
             "{r:?}"
         );
         other.kill().unwrap();
