@@ -42,6 +42,9 @@ const CLOSES_BEFORE_BACK_OFF: u32 = 3;
 /// one the agent connects afresh.
 const UNSTASH_KEEPS_CONNECTION: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// Pages [`Agent::leave_pool`] copies between two looks at the guest's faults (16 MiB).
+const LEAVE_FAULTS_EVERY: usize = 4096;
+
 /// How often the agent reports its counters and latencies.
 const REPORT_EVERY: Duration = Duration::from_secs(1);
 
@@ -243,19 +246,18 @@ impl Agent {
             shared: shared.len() as u64,
             opted_out: self.opted_out,
         };
-        let list;
+        let list = match self.pool.is_some().then(|| reattach::to_memfd(&shared)) {
+            Some(Ok(l)) => Some(l),
+            Some(Err(_)) => return,
+            None => None,
+        };
         let mut fds = vec![self.memfd.as_fd()];
-        if let Some(p) = &self.pool {
-            fds.push(p.as_fd());
-            let Ok(l) = reattach::to_memfd(&shared) else {
-                return;
-            };
-            list = l;
-            fds.push(list.as_fd());
-        }
+        fds.extend(self.pool.as_ref().map(|p| p.as_fd()));
+        fds.extend(list.as_ref().map(|l| l.as_fd()));
         if conn.send(&hello, &fds).is_err() {
             return;
         }
+        drop(fds);
         match conn.recv::<ToAgent>() {
             // Pages on frames are on the old pool's: a welcome with another pool would
             // have their CoW breaks and decodes read that one's bytes at the same offsets.
@@ -306,7 +308,8 @@ impl Agent {
                     "memfoldd will not adopt our pool: {}; leaving it",
                     shown(&message)
                 );
-                drop(conn);
+                // The list's memory goes before the copies take theirs.
+                drop((conn, shared, list));
                 match self.leave_pool() {
                     Ok(pages) => {
                         tracing::info!(
@@ -385,25 +388,31 @@ impl Agent {
     /// kept alone — never-share, Satori §4.3, or the `vm` rule — and other QEMUs hold the
     /// pool it shared under an earlier memfoldd). Every page on one of its frames becomes
     /// a private copy of the frame, a run of consecutive frames at a time (guest RAM
-    /// mapped back over whole pool mappings, so no mapping is added: `vmas.rs`); every
-    /// reclaimed zero page a private hole (zeros on its next touch either way); then the
-    /// pool is let go. The guest reads the same bytes throughout (its faults wait on this
-    /// thread meanwhile), and once it is done no page of it is on a frame another process
-    /// maps: its writes are its own, and none of them is a CoW break another guest can
-    /// time. Returns the pages copied.
+    /// mapped back over whole pool mappings, so no mapping is added: `vmas.rs`), marked
+    /// written (the clock counts it modified: in the `pagemap` mode its writes from now on
+    /// are not seen until it is armed); every reclaimed zero page a private hole (zeros
+    /// on its next touch either way); then the pool is let go. The guest reads the same
+    /// bytes throughout. Its faults are served between runs, every
+    /// [`LEAVE_FAULTS_EVERY`] pages copied (a page not yet copied is broken off its frame
+    /// as ever), so a guest with gigabytes shared does not stall for the whole copy. Once
+    /// done, no page of it is on a frame another process maps: its writes are its own,
+    /// and none is a CoW break another guest can time. Returns the pages copied.
     ///
     /// Errors: a frame could not be read, the memfd written or guest RAM mapped back
     /// (`ENOMEM`, the pool cut short). The pages done are private, the rest still on their
-    /// frames and the pool kept: memfoldd asks again at the next attach.
+    /// frames (the failed run's copies punched out again) and the pool kept: memfoldd
+    /// asks again at the next attach.
     fn leave_pool(&mut self) -> io::Result<usize> {
-        let mut copied = 0;
-        for (g, _) in self.pages.reattach_list() {
+        let (mut copied, mut since) = (0, 0);
+        for g in (0..self.pages.len()).map(Gfn) {
             match self.pages.home(g) {
                 PageHome::Frame(f) => {
                     let (first, n) = self.pages.frame_run(g, f);
                     let frame0 = FrameId(f.0 - (g.0 - first.0));
-                    self.copy_frames(first, frame0, n)?;
-                    if let Err(e) = self.map_guest_range(first, n) {
+                    let moved = self
+                        .copy_frames(first, frame0, n)
+                        .and_then(|()| self.map_guest_range(first, n));
+                    if let Err(e) = moved {
                         // Still on their frames: the copies only held memory.
                         self.punch(first, n as u64);
                         return Err(e);
@@ -412,9 +421,17 @@ impl Agent {
                         self.pages
                             .set(crate::state::plus(first, k), PageHome::Private);
                     }
+                    self.pages.mark_modified(first, n as u64);
                     self.uffd
                         .wake(self.page_addr(first), n as u64 * crate::PAGE)?;
                     copied += n;
+                    since += n;
+                    if since >= LEAVE_FAULTS_EVERY {
+                        since = 0;
+                        while let Ok(Some(ev)) = self.uffd.read_event() {
+                            self.handle_or_retry(ev);
+                        }
+                    }
                 }
                 PageHome::Zero => self.pages.set(g, PageHome::Private),
                 // Copied with an earlier page of its run.

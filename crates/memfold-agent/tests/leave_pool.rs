@@ -15,6 +15,7 @@
 mod common;
 
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use common::{next, page_of, region, share, start_agent, text, welcome, write};
@@ -31,16 +32,22 @@ const SINGLES: std::ops::Range<usize> = 8..12;
 /// A zero page, reclaimed.
 const ZERO: usize = 13;
 
-/// The next hello on `listener`: the connection and the descriptors it brought.
-fn hello(listener: &Listener) -> (Conn, Vec<OwnedFd>) {
-    let c = listener.accept().unwrap();
-    c.set_recv_timeout(Duration::from_millis(200)).unwrap();
-    for _ in 0..50 {
-        if let Ok(Some((ToDaemon::AgentHello { .. }, fds))) = c.recv::<ToDaemon>() {
-            return (c, fds);
+/// The next hello on `listener`: the connection and the descriptors it brought; panics
+/// after 20 s (an agent that backed off instead of attaching again would come after 30).
+fn hello(listener: &Arc<Listener>) -> (Conn, Vec<OwnedFd>) {
+    let (tx, rx) = mpsc::channel();
+    let l = listener.clone();
+    std::thread::spawn(move || {
+        let c = l.accept().unwrap();
+        c.set_recv_timeout(Duration::from_millis(200)).unwrap();
+        for _ in 0..50 {
+            if let Ok(Some((ToDaemon::AgentHello { .. }, fds))) = c.recv::<ToDaemon>() {
+                let _ = tx.send((c, fds));
+                return;
+            }
         }
-    }
-    panic!("no hello");
+    });
+    rx.recv_timeout(Duration::from_secs(20)).expect("a hello")
 }
 
 /// Mappings in this process of the file with inode `ino`.
@@ -67,7 +74,7 @@ fn a_guest_told_to_leave_its_pool_copies_its_pages_off_it_and_attaches_without()
     for g in 0..PAGES {
         write(ptr, g, &want(g));
     }
-    let listener = start_agent(&dir.path().join("memfoldd.sock"));
+    let listener = Arc::new(start_agent(&dir.path().join("memfoldd.sock")));
     let pool = memfd::create("fake-pool").unwrap();
     memfd::set_len(pool.as_fd(), (PAGES * PAGE_SIZE) as u64).unwrap();
     for g in 0..PAGES {

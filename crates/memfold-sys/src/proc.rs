@@ -94,6 +94,14 @@ pub fn host_ram_bytes() -> u64 {
         .unwrap_or(0)
 }
 
+/// Memory the host can give without swapping (`MemAvailable` of `/proc/meminfo`), bytes;
+/// `None` if `/proc` does not say.
+pub fn host_available_bytes() -> Option<u64> {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| crate::reclaim::meminfo_bytes(&s, "MemAvailable:"))
+}
+
 /// Resident set of process `pid` (`VmRSS` of `/proc/PID/status`), bytes; 0 if `/proc`
 /// does not say (the process is gone, or a kernel thread).
 pub fn rss_bytes(pid: u32) -> u64 {

@@ -186,6 +186,13 @@ impl Daemon {
             // invariant at `PoolRefusal::Leave`); its agent copies its pages off the
             // frames and comes back with none, to a domain of its own.
             Some(Err(PoolRefusal::Leave(why))) => {
+                let now = std::time::Instant::now();
+                let available = memfold_sys::proc::host_available_bytes();
+                let total = memfold_sys::proc::host_ram_bytes();
+                if let Err(later) = self.leaving.admit(now, shared, available, total) {
+                    refuse(format!("{why}; {later}"));
+                    return;
+                }
                 tracing::warn!("{name} (pid {pid}): {why}; told to leave that pool");
                 let _ = conn.send(&ToAgent::LeavePool { message: why }, &[]);
                 conn.shutdown();

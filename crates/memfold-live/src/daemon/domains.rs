@@ -2,7 +2,9 @@
 //! pages ([`DomainRule`], decided from what the kernel says of the peer), the domain a new
 //! guest joins, and the domain of a pool a re-attaching agent brings after a restart.
 
+use std::collections::VecDeque;
 use std::os::fd::{AsFd, OwnedFd};
+use std::time::{Duration, Instant};
 
 use memfold_core::ids::{DomainId, FrameId, Gfn};
 use memfold_sys::memfd;
@@ -254,6 +256,61 @@ impl Daemon {
     }
 }
 
+/// How long a guest told to leave its pool counts as still copying, against the host's
+/// available memory ([`Leaving`]).
+const LEAVING_FOR: Duration = Duration::from_secs(30);
+
+/// Guests told lately to leave a pool ([`PoolRefusal::Leave`]): each copies the pages it
+/// had on frames into its own RAM, as KSM's unmerge does, and a restart that keeps
+/// guests alone (the `vm` rule, or never-share marks) tells every guest that shared. Told
+/// all at once, they could ask for more memory than the host has, and its OOM killer
+/// would pick QEMUs. So a guest is told only while the host's available memory, less
+/// what the guests told in the last [`LEAVING_FOR`] may still be copying, covers its
+/// pages on frames and a reserve of a sixteenth of the host's RAM; otherwise it is
+/// refused for now, says why, and its agent tries again after its back-off (30 s),
+/// unmanaged meanwhile, its pages as they are.
+#[derive(Debug, Default)]
+pub(super) struct Leaving {
+    /// (when, bytes to copy) of each guest told, oldest first.
+    told: VecDeque<(Instant, u64)>,
+}
+
+impl Leaving {
+    /// Whether a guest with `pages` on frames may be told to leave its pool at `now`, the
+    /// host having `available` bytes free (`None`: not known; only the guests told lately
+    /// are weighed) of `total`: Ok books its copy; Err is the reason, for its refusal.
+    pub(super) fn admit(
+        &mut self,
+        now: Instant,
+        pages: u64,
+        available: Option<u64>,
+        total: u64,
+    ) -> Result<(), String> {
+        while self
+            .told
+            .front()
+            .is_some_and(|&(t, _)| now.duration_since(t) >= LEAVING_FOR)
+        {
+            self.told.pop_front();
+        }
+        let copying: u64 = self.told.iter().map(|&(_, b)| b).sum();
+        let need = pages.saturating_mul(PAGE);
+        let free = available.unwrap_or(u64::MAX).saturating_sub(copying);
+        let reserve = total / 16;
+        if free < need.saturating_add(reserve) {
+            return Err(format!(
+                "leaving its pool copies {} MiB, and the host has {} MiB available less {} MiB                  other guests leaving theirs are copying, under that and a reserve of {} MiB:                  tried again later",
+                need >> 20,
+                available.unwrap_or(0) >> 20,
+                copying >> 20,
+                reserve >> 20
+            ));
+        }
+        self.told.push_back((now, need));
+        Ok(())
+    }
+}
+
 /// Why a re-attaching agent's pool is not taken ([`Daemon::check_pool`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) enum PoolRefusal {
@@ -362,6 +419,60 @@ mod tests {
         other.kill().unwrap();
         other.wait().unwrap();
         assert!(d.pool_domain(DomainKey::Vm(1, 1), p, ram).is_ok());
+    }
+
+    /// Leaves are told while the host's memory covers their copies: one whose pages do
+    /// not fit beside the reserve is refused; a second is weighed against the first's
+    /// copy until that is [`LEAVING_FOR`] old. Fails without the reserve, or with the
+    /// guests told lately left out.
+    #[test]
+    fn guests_are_told_to_leave_their_pools_while_the_host_can_hold_the_copies() {
+        let mib = |m: u64| m << 20;
+        let pages = |m: u64| mib(m) / PAGE;
+        let t0 = Instant::now();
+        let mut l = Leaving::default();
+        // 1 GiB of RAM: a reserve of 64 MiB.
+        let r = l.admit(t0, pages(100), Some(mib(150)), mib(1024));
+        assert!(
+            matches!(&r, Err(why) if why.contains("reserve of 64 MiB")),
+            "{r:?}"
+        );
+        assert_eq!(l.admit(t0, pages(100), Some(mib(200)), mib(1024)), Ok(()));
+        let r = l.admit(t0, pages(100), Some(mib(200)), mib(1024));
+        assert!(
+            matches!(&r, Err(why) if why.contains("less 100 MiB")),
+            "{r:?}"
+        );
+        let later = t0 + LEAVING_FOR;
+        assert_eq!(
+            l.admit(later, pages(100), Some(mib(200)), mib(1024)),
+            Ok(())
+        );
+    }
+
+    /// A guest kept alone that brings the pool of a live domain of another key (another
+    /// guest adopted it first after a restart) is told to leave it, and one not kept
+    /// alone is refused. Fails with either kind swapped.
+    #[test]
+    fn a_guest_kept_alone_leaves_another_domain_s_pool() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut d = Daemon::new(&config(dir.path(), DomainRule::User)).unwrap();
+        let p = pool(1 << 10);
+        let ram = (u64::MAX, u64::MAX);
+        let pid = std::process::id();
+        assert!(d
+            .pool_domain(DomainKey::User(5), p.try_clone().unwrap(), ram)
+            .is_ok());
+        let r = d.check_pool(DomainKey::Vm(1, 1), &p, ram, pid);
+        assert!(
+            matches!(&r, Err(PoolRefusal::Leave(why)) if why.contains("another sharing domain")),
+            "{r:?}"
+        );
+        let r = d.check_pool(DomainKey::User(6), &p, ram, pid);
+        assert!(
+            matches!(&r, Err(PoolRefusal::Refuse(why)) if why.contains("another sharing domain")),
+            "{r:?}"
+        );
     }
 
     /// Domain ids are never given twice: past 2^32 domains the attach is refused (a

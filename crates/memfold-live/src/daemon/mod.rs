@@ -182,6 +182,9 @@ struct Daemon {
     /// restart in which a new guest of that key attached first).
     key_of: BTreeMap<DomainId, DomainKey>,
     next_domain: u32,
+    /// Bytes guests told to leave a pool were to copy, and when each was told
+    /// ([`domains::Leaving`]).
+    leaving: domains::Leaving,
     rule: DomainRule,
     never_share: BTreeSet<String>,
     /// [`DaemonConfig::tenant_max_bytes`].
@@ -376,6 +379,7 @@ impl Daemon {
             keys: BTreeMap::new(),
             key_of: BTreeMap::new(),
             next_domain: 0,
+            leaving: Default::default(),
             rule: cfg.domains,
             never_share: cfg.never_share.clone(),
             tenant_max_bytes: cfg.tenant_max_bytes,
