@@ -67,8 +67,9 @@ enum Cmd {
     },
     /// Take a running guest out of memfold (as KSM's MADV_UNMERGEABLE): every page
     /// memfoldd holds for it — shared, stored, reclaimed — goes back into its own RAM,
-    /// and nothing of it is shared or stored again until `memfold merge`. memfoldd
-    /// forgets an opt-out when it restarts.
+    /// and nothing of it is shared or stored again until `memfold merge`. It holds across
+    /// memfoldd's restarts for as long as the guest's QEMU runs (recorded beside
+    /// memfoldd's socket, `SOCKET.opt-outs`).
     Unmerge(OptArgs),
     /// One look at a running memfoldd: per guest the host memory, the pages each
     /// mechanism holds, CoW breaks/s and faults/s (two samples --interval apart), the

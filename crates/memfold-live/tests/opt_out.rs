@@ -142,3 +142,69 @@ fn an_opt_out_outlives_a_memfoldd_restart() {
         attached(s, "kept-out").is_some_and(|v| !v.opted_out && v.shared_pages > 0)
     });
 }
+
+/// Says hello as guest `name` of RAM memfd `ram` (`pages` pages) whose agent's word is
+/// `opted_out`, and waits for memfoldd's welcome; returns the connection.
+fn hello_again(
+    socket: &std::path::Path,
+    name: &str,
+    ram: &std::os::fd::OwnedFd,
+    pages: usize,
+    opted_out: bool,
+) -> memfold_wire::Conn {
+    use memfold_wire::{Conn, ToAgent, ToDaemon, PROTOCOL_VERSION};
+    use std::os::fd::AsFd;
+    let c = Conn::connect(socket).unwrap();
+    let hello = ToDaemon::AgentHello {
+        version: PROTOCOL_VERSION,
+        name: name.into(),
+        pid: std::process::id(),
+        ram_bytes: (pages * PAGE) as u64,
+        shared: 0,
+        opted_out,
+    };
+    c.send(&hello, &[ram.as_fd()]).unwrap();
+    c.set_recv_timeout(Duration::from_secs(5)).unwrap();
+    let (reply, _) = c.recv::<ToAgent>().unwrap().expect("an answer");
+    assert!(matches!(reply, ToAgent::Welcome { .. }), "{reply:?}");
+    c
+}
+
+/// An opt-out (and an opt-in) memfoldd answered holds across its restart even if the
+/// guest's agent never heard of it: here the test plays an agent that reads nothing after
+/// its welcome, and tells the next memfoldd its stale word (in after the opt-out, out
+/// after the opt-in). The record beside the socket wins (`daemon/opt_outs.rs`). Fails
+/// without it: the guest merged again after the restart, kept out after the opt-in.
+#[test]
+fn an_opt_out_its_agent_never_heard_of_outlives_a_memfoldd_restart() {
+    let work = tempfile::tempdir().unwrap();
+    let pages = 96;
+    let ram = memfold_sys::memfd::create("unheard").unwrap();
+    memfold_sys::memfd::set_len(std::os::fd::AsFd::as_fd(&ram), (pages * PAGE) as u64).unwrap();
+    let is_out = |s: &memfold_wire::stats::Stats| attached(s, "unheard").map(|v| v.opted_out);
+
+    let (socket, stop, first) = start_stoppable_memfoldd(work.path(), fast_engine());
+    let c = hello_again(&socket, "unheard", &ram, pages, false);
+    memfold_live::opt_out(&socket, "unheard", true).unwrap();
+    stop.store(true, Ordering::Relaxed);
+    first.join().unwrap().unwrap();
+    drop(c);
+
+    let (socket, stop, second) = start_stoppable_memfoldd(work.path(), fast_engine());
+    let c = hello_again(&socket, "unheard", &ram, pages, false);
+    let s = memfold_live::query_stats(&socket).unwrap();
+    assert_eq!(
+        is_out(&s),
+        Some(true),
+        "merged again after the restart: {s:#?}"
+    );
+    memfold_live::opt_out(&socket, "unheard", false).unwrap();
+    stop.store(true, Ordering::Relaxed);
+    second.join().unwrap().unwrap();
+    drop(c);
+
+    let (socket, _stop, _third) = start_stoppable_memfoldd(work.path(), fast_engine());
+    let _c = hello_again(&socket, "unheard", &ram, pages, true);
+    let s = memfold_live::query_stats(&socket).unwrap();
+    assert_eq!(is_out(&s), Some(false), "kept out after the opt-in: {s:#?}");
+}

@@ -28,6 +28,7 @@ mod devices;
 mod domains;
 mod executor;
 mod guests;
+mod opt_outs;
 mod outbox;
 mod readers;
 
@@ -182,6 +183,8 @@ struct Daemon {
     /// restart in which a new guest of that key attached first).
     key_of: BTreeMap<DomainId, DomainKey>,
     next_domain: u32,
+    /// The operator's opt-outs and opt-ins, as recorded beside the socket.
+    opt_outs: opt_outs::OptOuts,
     /// Bytes guests told to leave a pool were to copy, and when each was told
     /// ([`domains::Leaving`]).
     leaving: domains::Leaving,
@@ -380,6 +383,7 @@ impl Daemon {
             key_of: BTreeMap::new(),
             next_domain: 0,
             leaving: Default::default(),
+            opt_outs: opt_outs::OptOuts::load(&cfg.socket, guests::process_alive),
             rule: cfg.domains,
             never_share: cfg.never_share.clone(),
             tenant_max_bytes: cfg.tenant_max_bytes,
@@ -576,6 +580,14 @@ impl Daemon {
                 message: format!("no guest named {name:?}"),
             };
         }
+        // Recorded first: once answered, it holds across a restart of memfoldd even if
+        // the agent never hears of it (`opt_outs.rs`).
+        let keys = ids
+            .iter()
+            .filter_map(|id| self.guests.by_vm.get(id))
+            .map(|g| (g.pid, g.ram_id, g.name.clone()))
+            .collect();
+        let recorded = self.opt_outs.set(keys, out);
         let mut pages = 0;
         for id in ids {
             if out {
@@ -589,7 +601,15 @@ impl Daemon {
                 c.send_state(ToAgent::OptedOut { out });
             }
         }
-        ToClient::OptedOut { pages }
+        match recorded {
+            Ok(()) => ToClient::OptedOut { pages },
+            Err(e) => ToClient::Error {
+                message: format!(
+                    "{} (with {pages} pages to take back), but {e}: a restart of memfoldd                      before the guest's agent hears of it may undo it",
+                    if out { "opted out" } else { "opted in" }
+                ),
+            },
+        }
     }
 
     /// Releases detached guests whose QEMU has exited or unmapped their region; ends each
@@ -599,6 +619,9 @@ impl Daemon {
     fn reap(&mut self) {
         for (vm, why) in self.guests.released() {
             tracing::info!("{}", self.guests.release_line(vm, why));
+            if let Some(g) = self.guests.by_vm.get(&vm) {
+                self.opt_outs.forget(&(g.pid, g.ram_id, g.name.clone()));
+            }
             self.engine.remove(vm);
             self.guests.remove(vm);
         }
