@@ -68,6 +68,8 @@ struct Shared {
     /// connection is made, takes nothing of it down.
     generation: AtomicU64,
     next_fill: AtomicU64,
+    /// Blocks memfoldd's held-block messages named (cumulative, repeats included).
+    told: AtomicU64,
     /// Base blocks memfoldd said frames hold.
     held: Mutex<HashSet<BaseBlock>>,
     /// Fills waiting for their answer.
@@ -190,6 +192,11 @@ impl LandedReporter {
         filled
     }
 
+    /// Blocks memfoldd's held-block messages named so far (repeats included).
+    pub fn told(&self) -> u64 {
+        self.shared.told.load(Ordering::Relaxed)
+    }
+
     /// Pages sent to memfoldd so far.
     pub fn sent(&self) -> u64 {
         self.shared.sent.load(Ordering::Relaxed)
@@ -295,6 +302,7 @@ fn read_loop(c: &Conn, s: &Shared, generation: u64) {
     loop {
         match c.recv::<ToDevice>() {
             Ok(Some((ToDevice::Held { blocks }, _))) => {
+                s.told.fetch_add(blocks.len() as u64, Ordering::Relaxed);
                 let mut held = s.held.lock().expect("not poisoned");
                 for b in blocks {
                     if held.len() >= MAX_HELD {

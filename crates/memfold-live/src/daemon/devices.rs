@@ -90,6 +90,10 @@ struct Device {
     /// Blocks its guest's domain held when it named the guest, not told yet: at most
     /// [`MAX_CATCH_UP`], sent as its socket has room ([`Device::send_catch_up`]).
     catch_up: Vec<BaseBlock>,
+    /// The sharing domain it was caught up on: a catch-up is listed once a domain, not at
+    /// each change of guest within it (a QEMU with several RAM regions is several guests
+    /// of one domain, and a device serving it names them in turn).
+    caught_up: Option<DomainId>,
     /// The device's pid (from the kernel at its hello): whose descriptors are looked at.
     pid: u32,
     /// A pidfd of the process that connected (module docs): while it runs, `pid` is its.
@@ -156,28 +160,51 @@ impl Device {
         self.catch_up = Vec::new();
     }
 
-    /// Sends what is left of [`Device::catch_up`] while its socket has room (never
-    /// waits, drops nothing: the rest goes at a later step). A block forgotten since it
-    /// was listed costs the device one fill refused, after which it forgets it too.
-    fn send_catch_up(&mut self) {
-        while !self.catch_up.is_empty() && !self.closed {
-            let from = self.catch_up.len().saturating_sub(MAX_BATCH);
-            let held = ToDevice::Held {
-                blocks: self.catch_up[from..].to_vec(),
+    /// Sends the next part of [`Device::catch_up`] (one message, at most [`MAX_BATCH`]
+    /// blocks, a step: a message of them is about the socket's buffer, and fill answers
+    /// and news must find room) if its socket has room; never waits, drops nothing: the
+    /// rest goes at a later step. Blocks its guest's domain no longer holds (`held`
+    /// says; `None`: no guest of it is attached) are left out as they come (each would
+    /// cost the device a fill refused); with no guest the rest is dropped.
+    fn send_catch_up(&mut self, held: Option<&dyn Fn(BaseBlock) -> bool>) {
+        if self.catch_up.is_empty() || self.closed {
+            return;
+        }
+        let Some(held) = held else {
+            self.catch_up = Vec::new();
+            return;
+        };
+        let from = self.catch_up.len().saturating_sub(MAX_BATCH);
+        let blocks: Vec<BaseBlock> = self.catch_up[from..]
+            .iter()
+            .copied()
+            .filter(|&b| held(b))
+            .collect();
+        let sent = blocks.is_empty()
+            || match self.conn.try_send(&ToDevice::Held { blocks }) {
+                Ok(sent) => sent,
+                Err(e) => {
+                    self.close(e);
+                    return;
+                }
             };
-            match self.conn.try_send(&held) {
-                Ok(true) => self.catch_up.truncate(from),
-                Ok(false) => return,
-                Err(e) => self.close(e),
-            }
+        if sent {
+            self.catch_up.truncate(from);
         }
         if self.catch_up.is_empty() {
             self.catch_up = Vec::new();
         }
     }
 
-    /// Tells the device that frames hold `blocks` (of its bases).
+    /// Tells the device that frames hold `blocks` (of its bases). While a catch-up is
+    /// being sent they join it (up to [`MAX_CATCH_UP`] in all), where they would
+    /// otherwise find its socket full and be dropped.
     fn tell_held(&mut self, blocks: &[BaseBlock]) {
+        if !self.catch_up.is_empty() {
+            let room = MAX_CATCH_UP.saturating_sub(self.catch_up.len());
+            self.catch_up.extend(blocks.iter().take(room));
+            return;
+        }
         for chunk in blocks.chunks(MAX_BATCH) {
             let held = ToDevice::Held {
                 blocks: chunk.to_vec(),
@@ -288,14 +315,41 @@ impl Devices {
         bases: Vec<(DiskId, File)>,
         (pid, pidfd): (u32, OwnedFd),
     ) {
+        // INVARIANT: one disk id, one file. An id is a 64-bit hash of the file's device,
+        // inode, size and mtime (`DiskId::of_file`), and a candidate is checked through
+        // any device's file of its id: two files of one id (a collision someone who sets
+        // a base's size and mtime might aim for) would have one guest's reads filled
+        // with another file's bytes. A second file under an id already served is not
+        // taken.
+        let file_of = |f: &File| {
+            use std::os::unix::fs::MetadataExt;
+            f.metadata().ok().map(|m| (m.dev(), m.ino()))
+        };
+        let bases: HashMap<DiskId, File> = bases
+            .into_iter()
+            .filter(|(id, f)| {
+                let clash = self.by_token.values().any(|d| {
+                    d.bases
+                        .get(id)
+                        .is_some_and(|g| file_of(g).is_none() || file_of(g) != file_of(f))
+                });
+                if clash {
+                    tracing::warn!(
+                        "block device {token}: {id} names another file than the one other                          devices serve under it; not taken"
+                    );
+                }
+                !clash
+            })
+            .collect();
         self.by_token.insert(
             token,
             Device {
                 token,
                 conn,
-                bases: bases.into_iter().collect(),
+                bases,
                 vm: None,
                 catch_up: Vec::new(),
+                caught_up: None,
                 pid,
                 pidfd,
                 rams: HashMap::new(),
@@ -342,12 +396,17 @@ impl Devices {
         };
         if vm.is_some() && vm != dev.vm {
             dev.vm = vm;
-            // Told of what its guest's domain holds of its bases already (module docs).
-            if let Some(domain) = Self::domain_of(engine, dev) {
+            // Told of what its guest's domain holds of its bases already (module docs),
+            // once a domain: a walk of the domain's index each time a device names
+            // another region of one QEMU would be the device's to ask for at will.
+            let domain = Self::domain_of(engine, dev);
+            if domain.is_some() && domain != dev.caught_up {
+                dev.caught_up = domain;
                 let bases = &dev.bases;
-                dev.catch_up =
-                    engine.blocks_held_of(domain, |disk| bases.contains_key(&disk), MAX_CATCH_UP);
-                dev.send_catch_up();
+                dev.catch_up = domain.map_or_else(Vec::new, |d| {
+                    engine.blocks_held_of(d, |disk| bases.contains_key(&disk), MAX_CATCH_UP)
+                });
+                dev.send_catch_up(Self::held_in(engine, domain).as_ref().map(|f| f as _));
             }
         }
         match msg {
@@ -403,6 +462,14 @@ impl Devices {
         }
     }
 
+    /// Whether sharing domain `domain` holds a block, if there is one.
+    fn held_in(
+        engine: &Engine,
+        domain: Option<DomainId>,
+    ) -> Option<impl Fn(BaseBlock) -> bool + '_> {
+        domain.map(|d| move |b| engine.block_held_in(d, b))
+    }
+
     /// The sharing domain of device `d`'s guest, if it named one still attached.
     fn domain_of(engine: &Engine, d: &Device) -> Option<DomainId> {
         d.vm.and_then(|v| engine.domain_of(v))
@@ -412,13 +479,15 @@ impl Devices {
     /// candidates against their bases, telling each device that serves a base of the
     /// blocks now held.
     pub(crate) fn pump(&mut self, engine: &mut Engine) {
-        self.pump_catch_ups();
+        // Answers first: a device waits for each (20 ms), and a catch-up's message could
+        // fill its socket.
         for a in engine.take_fill_answers() {
             if let Some((token, theirs)) = self.fills.remove(&a.fill) {
                 self.filled += a.filled.len() as u64;
                 self.answer(token, theirs, a.filled);
             }
         }
+        self.pump_catch_ups(engine);
         self.wait_to_check(engine.take_block_candidates());
         if self.unchecked.is_empty() {
             return;
@@ -473,10 +542,11 @@ impl Devices {
         }
     }
 
-    /// Sends each device what is left of its catch-up, as far as its socket has room.
-    fn pump_catch_ups(&mut self) {
+    /// Sends each device the next part of its catch-up, if its socket has room.
+    fn pump_catch_ups(&mut self, engine: &Engine) {
         for d in self.by_token.values_mut() {
-            d.send_catch_up();
+            let held = Self::held_in(engine, Self::domain_of(engine, d));
+            d.send_catch_up(held.as_ref().map(|f| f as _));
         }
     }
 
@@ -539,130 +609,4 @@ pub(crate) fn checked_bases(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use memfold_core::ids::FrameId;
-
-    /// Candidates come faster than they are checked: at most [`MAX_WAITING`] wait, the
-    /// oldest first, the rest counted as dropped. Fails with every candidate queued.
-    #[test]
-    fn candidates_waiting_for_their_check_are_bounded() {
-        let mut d = Devices::default();
-        let candidate = |i: u64| BlockCandidate {
-            domain: DomainId(0),
-            frame: FrameId(i as u32),
-            block: BaseBlock {
-                disk: DiskId(1),
-                block: i,
-            },
-        };
-        for step in 0..3u64 {
-            d.wait_to_check((0..MAX_WAITING as u64).map(|i| candidate(step * 10_000 + i)));
-            d.unchecked.drain(..MAX_CHECKS_PER_STEP);
-        }
-        assert!(d.unchecked.len() <= MAX_WAITING, "{}", d.unchecked.len());
-        assert_eq!(
-            d.unchecked_dropped,
-            2 * MAX_WAITING as u64 - 2 * MAX_CHECKS_PER_STEP as u64
-        );
-        assert_eq!(d.unchecked.front().map(|c| c.block.block), Some(768));
-    }
-
-    /// A base descriptor of the file its id names is refused unless that file is a
-    /// regular one: a FIFO is not taken, a file is. Fails with only the id checked.
-    #[test]
-    fn a_base_that_is_not_a_regular_file_is_refused() {
-        use std::os::unix::fs::OpenOptionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        let fifo = dir.path().join("base.fifo");
-        let path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: a NUL-terminated path that outlives the call.
-        assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
-        let file = dir.path().join("base.img");
-        std::fs::write(&file, [0u8; PAGE_SIZE]).unwrap();
-        // Opened without waiting for a writer.
-        let open = |p: &std::path::Path| {
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_NONBLOCK)
-                .open(p)
-                .unwrap();
-            (DiskId::of_metadata(&f.metadata().unwrap()), f.into())
-        };
-        let ((fifo_id, fifo_fd), (file_id, file_fd)) = (open(&fifo), open(&file));
-        let taken = checked_bases(1, &[fifo_id, file_id], vec![fifo_fd, file_fd]);
-        let ids: Vec<DiskId> = taken.iter().map(|(id, _)| *id).collect();
-        assert_eq!(ids, [file_id], "the FIFO was taken as a base");
-    }
-
-    /// A catch-up longer than the device's socket holds waits for the device to read:
-    /// sent in order as room comes, none dropped (news are dropped on a full socket).
-    /// Fails if a full socket drops the rest, or closes the connection.
-    #[test]
-    fn a_catch_up_waits_for_room_and_loses_nothing() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("sock");
-        let listener = memfold_wire::Listener::bind(&path).unwrap();
-        let reader = Conn::connect(&path).unwrap();
-        reader.set_recv_timeout(Duration::from_secs(5)).unwrap();
-        let me = std::process::id();
-        let mut d = Devices::default();
-        d.hello(
-            1,
-            listener.accept().unwrap(),
-            Vec::new(),
-            (me, memfold_sys::pidfd::open(me).unwrap()),
-        );
-        let dev = d.by_token.get_mut(&1).unwrap();
-        let blocks: Vec<BaseBlock> = (0..MAX_CATCH_UP as u64)
-            .map(|block| BaseBlock {
-                disk: DiskId(3),
-                block,
-            })
-            .collect();
-        dev.catch_up = blocks.clone();
-        dev.send_catch_up();
-        let left = dev.catch_up.len();
-        assert!(
-            left > 0,
-            "{MAX_CATCH_UP} blocks fit the socket: the test shows nothing"
-        );
-        let mut told = Vec::new();
-        while told.len() < blocks.len() {
-            match reader.recv::<ToDevice>() {
-                Ok(Some((ToDevice::Held { blocks }, _))) => told.extend(blocks),
-                other => panic!(
-                    "{} of {} blocks told, then {other:?}",
-                    told.len(),
-                    blocks.len()
-                ),
-            }
-            d.pump_catch_ups();
-        }
-        let dev = &d.by_token[&1];
-        assert!(!dev.closed && dev.catch_up.is_empty() && dev.dropped == 0);
-        told.sort_unstable();
-        assert_eq!(told, blocks, "each block told once");
-    }
-
-    /// The pid a device connected from, once that process has exited, may name another
-    /// process holding a guest's RAM: here the pid is this test's, which holds the
-    /// memfd, and the pidfd a child's that has exited. The look is not believed. Fails
-    /// with the pidfd unchecked.
-    #[test]
-    fn ram_held_under_a_reused_pid_is_not_the_devices() {
-        use std::os::unix::fs::MetadataExt;
-        let ram = File::from(memfold_sys::memfd::create("ram").unwrap());
-        let m = ram.metadata().unwrap();
-        let (me, file) = (std::process::id(), (m.dev(), m.ino()));
-        let mine = memfold_sys::pidfd::open(me).unwrap();
-        assert!(holds_file(me, mine.as_fd(), file), "the holder itself");
-        let mut c = std::process::Command::new("true").spawn().unwrap();
-        let gone = memfold_sys::pidfd::open(c.id()).unwrap();
-        c.wait().unwrap();
-        assert!(
-            !holds_file(me, gone.as_fd(), file),
-            "the pid now names a holder, but the process that connected has exited"
-        );
-    }
-}
+mod tests;

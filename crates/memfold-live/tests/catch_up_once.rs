@@ -1,0 +1,76 @@
+//! A device's catch-up on held blocks (Satori §5.2's block → frame table) is listed once
+//! for its guest's sharing domain: memfoldd's side, with real agents in this process and
+//! a block device played through the wire's [`LandedReporter`]. A test binary of its
+//! own: the in-process agents and memfoldds of two tests in one process disturb each
+//! other.
+
+mod common;
+
+use std::time::Duration;
+
+use memfold_ids::{BaseBlock, Gfn};
+use memfold_wire::LandedReporter;
+use rand::{rngs::SmallRng, SeedableRng};
+
+use common::{eventually, ram_file};
+
+const PAGES: usize = 2048;
+const PAGES_B: usize = 2560;
+
+/// A device told of what its guest's domain holds is told once a domain, not each time
+/// it names another guest of that domain (a QEMU with several RAM regions is several
+/// guests, and its device names them in turn): each catch-up walked the domain's index
+/// on memfoldd's main thread and sent the blocks again. Here the two guests share one
+/// domain (`--share-domains user`, one user) and a late device names them in turn.
+/// Fails with a catch-up at each change of guest (the blocks told again each time).
+#[test]
+fn a_device_naming_guests_of_one_domain_in_turn_is_caught_up_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = common::start_memfoldd_with(common::daemon_config(
+        dir.path(),
+        common::read_fill_engine(),
+    ));
+    let mut rng = SmallRng::seed_from_u64(59);
+    let (a, b) = common::two_random_guests(&socket, &mut rng, PAGES, PAGES_B);
+    let (base_path, base, disk) = common::random_base(dir.path(), &mut rng, 4);
+    let block = |k: usize| BaseBlock {
+        disk,
+        block: k as u64,
+    };
+    let device = || {
+        LandedReporter::spawn_with_bases(
+            &socket,
+            vec![(disk, std::fs::File::open(&base_path).unwrap().into())],
+        )
+        .unwrap()
+    };
+    let first = device();
+    let (mut gfns, mut bases) = (Vec::new(), Vec::new());
+    for (k, bytes) in base.iter().enumerate() {
+        for copy in 0..2 {
+            let g = 300 + 10 * k + copy;
+            a.write(g, 0, bytes);
+            bases.push((gfns.len() as u32, block(k)));
+            gfns.push(Gfn(g as u32));
+        }
+    }
+    assert!(first.report_from(ram_file(&a), gfns, bases));
+    eventually("a's blocks held", || (0..4).all(|k| first.held(block(k))));
+
+    let late = device();
+    assert!(late.report(ram_file(&a), vec![Gfn(6)]));
+    eventually("the late device caught up", || {
+        (0..4).all(|k| late.held(block(k)))
+    });
+    for turn in 0..6u32 {
+        let (ram, g) = if turn % 2 == 0 { (&b, 7) } else { (&a, 8) };
+        assert!(late.report(ram_file(ram), vec![Gfn(g + turn)]));
+        eventually("the report sent", || late.sent() == 2 + u64::from(turn));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        late.told(),
+        4,
+        "blocks told again as the device named the domain's guests in turn"
+    );
+}
