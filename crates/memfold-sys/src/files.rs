@@ -1,5 +1,6 @@
 //! Files memfold finds at a path it was given or keeps (a block device's base images and
-//! stamps, memfoldd's candidates): what a file that is not a regular one is, in words.
+//! stamps, memfoldd's candidates): what a file that is not a regular one is, in words,
+//! and reading one while nobody writes it.
 
 use std::os::unix::fs::FileTypeExt;
 
@@ -25,9 +26,77 @@ pub fn kind_of(t: &std::fs::FileType) -> &'static str {
     }
 }
 
+/// Why [`without_writers`] did not run its closure.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    /// A process has the file open for writing now.
+    #[error("the file is open for writing")]
+    Writer,
+    /// No read lease can be taken on it here: not the file's owner and without
+    /// `CAP_LEASE`, a file system without leases, or `fs.leases-enable` 0.
+    #[error("no read lease: {0}")]
+    Unavailable(std::io::Error),
+}
+
+/// Runs `f` while no process has `file` open for writing: under a read lease
+/// (`F_SETLEASE F_RDLCK`), which the kernel grants only while the file is open for
+/// writing nowhere, and which holds a writer's `open` (and a truncate) until it is let go
+/// right after `f`. So what `f` reads of the file is what one moment of it held, and no
+/// write was under way meanwhile. `file` must be open read-only. The kernel tells the
+/// holder of a lease a writer waits for with `SIGIO` (default action: end the process):
+/// the signal is set to `SIGURG` for this open file (ignored unless handled), so a
+/// process that takes leases here need not handle `SIGIO`.
+///
+/// Errors: [`LeaseError::Writer`] if the file is open for writing now (`f` not run);
+/// [`LeaseError::Unavailable`] if no lease can be taken here (`f` not run).
+pub fn without_writers<T>(file: &std::fs::File, f: impl FnOnce() -> T) -> Result<T, LeaseError> {
+    use std::os::fd::AsRawFd;
+    // `F_SETSIG` (Linux's fcntl.h; the libc crate does not name it).
+    const F_SETSIG: libc::c_int = 10;
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on a descriptor `file` owns; F_SETSIG takes a signal number.
+    if unsafe { libc::fcntl(fd, F_SETSIG, libc::SIGURG) } < 0 {
+        return Err(LeaseError::Unavailable(std::io::Error::last_os_error()));
+    }
+    // SAFETY: as above; F_SETLEASE takes a lease type.
+    if unsafe { libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) } < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::EAGAIN) => LeaseError::Writer,
+            _ => LeaseError::Unavailable(e),
+        });
+    }
+    let out = f();
+    // SAFETY: as above. A failed unlock leaves the lease, which the kernel breaks for a
+    // writer after `lease-break-time` at most (it waits that long): nothing is lost.
+    unsafe { libc::fcntl(fd, libc::F_SETLEASE, libc::F_UNLCK) };
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The closure runs while no process has the file open for writing, and not while
+    /// one has; the lease is let go after (a writer opens it at once). Needs to own the
+    /// file (the test makes it).
+    #[test]
+    fn a_read_lease_runs_only_without_writers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("base");
+        std::fs::write(&path, [7u8; 4096]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        assert_eq!(without_writers(&file, || 1).unwrap(), 1);
+        let writer = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        let r = without_writers(&file, || 2);
+        assert!(matches!(r, Err(LeaseError::Writer)), "{r:?}");
+        drop(writer);
+        assert_eq!(without_writers(&file, || 3).unwrap(), 3);
+        // Let go: a writer opens without waiting for the lease-break time.
+        let t = std::time::Instant::now();
+        drop(std::fs::OpenOptions::new().write(true).open(&path).unwrap());
+        assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    }
 
     #[test]
     fn each_kind_is_named() {

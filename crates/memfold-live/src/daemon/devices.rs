@@ -66,6 +66,7 @@ use memfold_core::engine::fill::MAX_WAITING;
 use memfold_core::engine::BlockCandidate;
 use memfold_core::ids::{BaseBlock, DiskId, DomainId, FillId, Gfn, VmId};
 use memfold_core::{Engine, Page, PAGE_SIZE};
+use memfold_sys::files::LeaseError;
 use memfold_wire::{Conn, ToDaemon, ToDevice, MAX_BATCH};
 
 use super::guests::Guests;
@@ -511,20 +512,47 @@ impl Devices {
                 continue;
             };
             self.blocks_checked += 1;
-            if let Err(e) = file.read_exact_at(&mut page.0, off) {
-                tracing::debug!("{}: block {} unreadable: {e}", c.block.disk, c.block.block);
-                continue;
-            }
+            let mut read = || {
+                file.read_exact_at(&mut page.0, off)?;
+                file.metadata()
+            };
             // INVARIANT: a block is learnt only of the bytes its disk id names. A base
             // rewritten in place is another id (`DiskId::of_file`), but the descriptor
-            // reads its new bytes: checked after the read, as the device's guard does,
-            // so a change before or during it is seen and nothing is learnt.
-            if !file
-                .metadata()
-                .is_ok_and(|m| DiskId::of_metadata(&m) == c.block.disk)
-            {
-                tracing::debug!("{}: changed since it was shown; not learnt", c.block.disk);
-                continue;
+            // reads its new bytes: its id is checked after the read, as the device's
+            // guard does, so a change before the read is seen. One under way during it
+            // is not (Linux sets the mtime as a write call starts, and a long one goes
+            // on writing: the block's old bytes would be learnt under the final id), so
+            // the read is made while no process has the file open for writing (a read
+            // lease holds a writer's open until it is done; `files::without_writers`).
+            let got = match memfold_sys::files::without_writers(file, &mut read) {
+                Ok(got) => got,
+                Err(LeaseError::Writer) => {
+                    tracing::debug!("{}: open for writing; not learnt", c.block.disk);
+                    continue;
+                }
+                // Not the base's owner, without CAP_LEASE: as before leases, said once.
+                Err(LeaseError::Unavailable(e)) => {
+                    static SAID: std::sync::Once = std::sync::Once::new();
+                    SAID.call_once(|| {
+                        tracing::warn!(
+                            "{}: {e}: base blocks are learnt without it (a long write in \
+                             place under way may be learnt half done; said once)",
+                            c.block.disk
+                        )
+                    });
+                    read()
+                }
+            };
+            match got {
+                Ok(m) if DiskId::of_metadata(&m) == c.block.disk => {}
+                Ok(_) => {
+                    tracing::debug!("{}: changed since it was shown; not learnt", c.block.disk);
+                    continue;
+                }
+                Err(e) => {
+                    tracing::debug!("{}: block {} unreadable: {e}", c.block.disk, c.block.block);
+                    continue;
+                }
             }
             let bytes: &Page = &page.0;
             if engine.block_verified(&c, bytes) {

@@ -1,0 +1,75 @@
+//! memfoldd learns which frame holds a base block (Satori §5.2's block → frame table) only
+//! from a read of the base while no process has it open for writing: Linux sets a file's
+//! mtime as a write call starts, so during a long write in place a block the write has not
+//! reached yet would be read with its old bytes under the file's final id, and a device
+//! opened after the rewrite filled with them. Here a writer holds the base open (writing
+//! nothing): reads of its blocks landing in guest RAM are shared, but not learnt; once the
+//! writer has closed it, the next reads are. Real agents in this process, the device
+//! played through the wire's [`LandedReporter`]. Fails with the base read under no lease
+//! (the blocks learnt with the writer open).
+
+mod common;
+
+use std::time::Duration;
+
+use memfold_ids::{BaseBlock, Gfn};
+use memfold_wire::LandedReporter;
+use rand::{rngs::SmallRng, SeedableRng};
+
+use common::{eventually, ram_file};
+
+#[test]
+fn no_block_is_learnt_while_its_base_is_open_for_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = common::start_memfoldd_with(common::daemon_config(
+        dir.path(),
+        common::read_fill_engine(),
+    ));
+    let mut rng = SmallRng::seed_from_u64(61);
+    let (a, _b) = common::two_random_guests(&socket, &mut rng, 2048, 2560);
+    let (base_path, base, disk) = common::random_base(dir.path(), &mut rng, 4);
+    let block = |k: usize| BaseBlock {
+        disk,
+        block: k as u64,
+    };
+    let device = LandedReporter::spawn_with_bases(
+        &socket,
+        vec![(disk, std::fs::File::open(&base_path).unwrap().into())],
+    )
+    .unwrap();
+    // Each block read twice, into two pages: shared, and a candidate to learn.
+    let land = |first: usize| {
+        let (mut gfns, mut bases) = (Vec::new(), Vec::new());
+        for (k, bytes) in base.iter().enumerate() {
+            for copy in 0..2 {
+                let g = first + 10 * k + copy;
+                a.write(g, 0, bytes);
+                bases.push((gfns.len() as u32, block(k)));
+                gfns.push(Gfn(g as u32));
+            }
+        }
+        assert!(device.report_from(ram_file(&a), gfns, bases));
+    };
+
+    let writer = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&base_path)
+        .unwrap();
+    land(300);
+    common::wait_for(&socket, Duration::from_secs(20), "the reads shared", |s| {
+        common::attached(s, "a").is_some_and(|v| v.shared_pages >= 4)
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(
+        (0..4).all(|k| !device.held(block(k))),
+        "blocks learnt while the base was open for writing"
+    );
+    let s = memfold_live::query_stats(&socket).unwrap();
+    assert_eq!(s.blocks_held, 0, "{s:#?}");
+
+    drop(writer);
+    land(600);
+    eventually("the blocks learnt once the writer closed the base", || {
+        (0..4).all(|k| device.held(block(k)))
+    });
+}
