@@ -50,15 +50,6 @@ fn hello(listener: &Arc<Listener>) -> (Conn, Vec<OwnedFd>) {
     rx.recv_timeout(Duration::from_secs(20)).expect("a hello")
 }
 
-/// Mappings in this process of the file with inode `ino`.
-fn mappings_of(ino: u64) -> usize {
-    std::fs::read_to_string("/proc/self/maps")
-        .unwrap()
-        .lines()
-        .filter(|l| l.split_whitespace().nth(4) == Some(&ino.to_string()))
-        .count()
-}
-
 fn want(g: usize) -> Vec<u8> {
     if g == ZERO {
         vec![0u8; PAGE_SIZE]
@@ -107,7 +98,10 @@ fn a_guest_told_to_leave_its_pool_copies_its_pages_off_it_and_attaches_without()
         _ => None,
     });
     assert_eq!(reclaimed, vec![Gfn(ZERO as u32)]);
-    assert!(mappings_of(pool_ino) > 0, "nothing mapped from the pool");
+    assert!(
+        memfold_sys::testing::mappings_of_inode(pool_ino) > 0,
+        "nothing mapped from the pool"
+    );
 
     // It goes; the next one keeps the guest alone and will not adopt the pool.
     drop(c);
@@ -131,7 +125,7 @@ fn a_guest_told_to_leave_its_pool_copies_its_pages_off_it_and_attaches_without()
     memfd::set_len(own.as_fd(), PAGE_SIZE as u64).unwrap();
     welcome(&c, &own, &store);
     assert_eq!(
-        mappings_of(pool_ino),
+        memfold_sys::testing::mappings_of_inode(pool_ino),
         0,
         "the old pool is still mapped after leaving it"
     );

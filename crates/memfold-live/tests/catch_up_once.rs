@@ -1,6 +1,6 @@
 //! A device's catch-up on held blocks (Satori §5.2's block → frame table) is listed once
 //! for its guest's sharing domain: memfoldd's side, with real agents in this process and
-//! a block device played through the wire's [`LandedReporter`]. A test binary of its
+//! a block device played through the wire's `LandedReporter`. A test binary of its
 //! own: the in-process agents and memfoldds of two tests in one process disturb each
 //! other.
 
@@ -9,7 +9,6 @@ mod common;
 use std::time::Duration;
 
 use memfold_ids::{BaseBlock, Gfn};
-use memfold_wire::LandedReporter;
 use rand::{rngs::SmallRng, SeedableRng};
 
 use common::{eventually, ram_file};
@@ -37,24 +36,9 @@ fn a_device_naming_guests_of_one_domain_in_turn_is_caught_up_once() {
         disk,
         block: k as u64,
     };
-    let device = || {
-        LandedReporter::spawn_with_bases(
-            &socket,
-            vec![(disk, std::fs::File::open(&base_path).unwrap().into())],
-        )
-        .unwrap()
-    };
+    let device = || common::base_device(&socket, &base_path, disk);
     let first = device();
-    let (mut gfns, mut bases) = (Vec::new(), Vec::new());
-    for (k, bytes) in base.iter().enumerate() {
-        for copy in 0..2 {
-            let g = 300 + 10 * k + copy;
-            a.write(g, 0, bytes);
-            bases.push((gfns.len() as u32, block(k)));
-            gfns.push(Gfn(g as u32));
-        }
-    }
-    assert!(first.report_from(ram_file(&a), gfns, bases));
+    common::land_blocks(&a, &first, (&base, disk), 300, 4);
     eventually("a's blocks held", || (0..4).all(|k| first.held(block(k))));
 
     let late = device();

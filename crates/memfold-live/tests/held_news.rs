@@ -36,27 +36,11 @@ fn news_of_held_blocks_stay_within_their_sharing_domain() {
         disk,
         block: k as u64,
     };
-    let device = || {
-        LandedReporter::spawn_with_bases(
-            &socket,
-            vec![(disk, std::fs::File::open(&base_path).unwrap().into())],
-        )
-        .unwrap()
-    };
+    let device = || common::base_device(&socket, &base_path, disk);
     // Each guest reads every block twice, into two pages of its own: shared within
     // its domain, which then holds the blocks.
     let land = |ram: &GuestRam, dev: &LandedReporter, first: usize, blocks: usize| {
-        let mut gfns = Vec::new();
-        let mut bases = Vec::new();
-        for (k, bytes) in base.iter().enumerate().take(blocks) {
-            for copy in 0..2 {
-                let g = first + 10 * k + copy;
-                ram.write(g, 0, bytes);
-                bases.push((gfns.len() as u32, block(k)));
-                gfns.push(Gfn(g as u32));
-            }
-        }
-        assert!(dev.report_from(ram_file(ram), gfns, bases));
+        common::land_blocks(ram, dev, (&base, disk), first, blocks)
     };
     let (dev_a, dev_b) = (device(), device());
     // b's device names b's RAM first (a read of no base block).

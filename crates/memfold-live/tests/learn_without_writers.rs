@@ -5,18 +5,17 @@
 //! opened after the rewrite filled with them. Here a writer holds the base open (writing
 //! nothing): reads of its blocks landing in guest RAM are shared, but not learnt; once the
 //! writer has closed it, the next reads are. Real agents in this process, the device
-//! played through the wire's [`LandedReporter`]. Fails with the base read under no lease
+//! played through the wire's `LandedReporter`. Fails with the base read under no lease
 //! (the blocks learnt with the writer open).
 
 mod common;
 
 use std::time::Duration;
 
-use memfold_ids::{BaseBlock, Gfn};
-use memfold_wire::LandedReporter;
+use memfold_ids::BaseBlock;
 use rand::{rngs::SmallRng, SeedableRng};
 
-use common::{eventually, ram_file};
+use common::eventually;
 
 #[test]
 fn no_block_is_learnt_while_its_base_is_open_for_writing() {
@@ -32,24 +31,9 @@ fn no_block_is_learnt_while_its_base_is_open_for_writing() {
         disk,
         block: k as u64,
     };
-    let device = LandedReporter::spawn_with_bases(
-        &socket,
-        vec![(disk, std::fs::File::open(&base_path).unwrap().into())],
-    )
-    .unwrap();
+    let device = common::base_device(&socket, &base_path, disk);
     // Each block read twice, into two pages: shared, and a candidate to learn.
-    let land = |first: usize| {
-        let (mut gfns, mut bases) = (Vec::new(), Vec::new());
-        for (k, bytes) in base.iter().enumerate() {
-            for copy in 0..2 {
-                let g = first + 10 * k + copy;
-                a.write(g, 0, bytes);
-                bases.push((gfns.len() as u32, block(k)));
-                gfns.push(Gfn(g as u32));
-            }
-        }
-        assert!(device.report_from(ram_file(&a), gfns, bases));
-    };
+    let land = |first: usize| common::land_blocks(&a, &device, (&base, disk), first, 4);
 
     let writer = std::fs::OpenOptions::new()
         .write(true)

@@ -35,15 +35,6 @@ fn a_pool_here() -> std::fs::File {
     panic!("no pool open in this process");
 }
 
-/// Mappings in this process of the file with inode `ino`.
-fn mappings_of(ino: u64) -> usize {
-    std::fs::read_to_string("/proc/self/maps")
-        .unwrap()
-        .lines()
-        .filter(|l| l.split_whitespace().nth(4) == Some(&ino.to_string()))
-        .count()
-}
-
 #[test]
 fn a_guest_marked_never_share_at_a_restart_leaves_the_pool_others_hold() {
     let work = tempfile::tempdir().unwrap();
@@ -66,7 +57,10 @@ fn a_guest_marked_never_share_at_a_restart_leaves_the_pool_others_hold() {
         .stdin(pool)
         .spawn()
         .unwrap();
-    assert!(mappings_of(pool_ino) > 0, "g1 maps nothing of its pool");
+    assert!(
+        memfold_sys::testing::mappings_of_inode(pool_ino) > 0,
+        "g1 maps nothing of its pool"
+    );
 
     // The first memfoldd goes; the second keeps g1 alone.
     stop.store(true, Ordering::Relaxed);
@@ -86,7 +80,7 @@ fn a_guest_marked_never_share_at_a_restart_leaves_the_pool_others_hold() {
     );
     assert_eq!(s.domains, 1);
     assert_eq!(
-        mappings_of(pool_ino),
+        memfold_sys::testing::mappings_of_inode(pool_ino),
         0,
         "g1 still maps the pool another process holds"
     );

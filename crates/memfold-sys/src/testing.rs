@@ -20,6 +20,17 @@ pub fn skipped(test: &str, reason: &str) {
     skipped_to(log.as_deref().map(Path::new), test, reason);
 }
 
+/// This process's mappings of the file with inode `ino` (`/proc/self/maps`): how many
+/// a test's guest RAM still has of a pool it was to leave.
+pub fn mappings_of_inode(ino: u64) -> usize {
+    let ino = ino.to_string();
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.split_whitespace().nth(4) == Some(ino.as_str()))
+        .count()
+}
+
 /// [`skipped`] with the log given, not read from the environment.
 fn skipped_to(log: Option<&Path>, test: &str, reason: &str) {
     let line = format!("{test}: {reason}");

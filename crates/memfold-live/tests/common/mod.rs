@@ -440,6 +440,47 @@ pub fn random_base(
     (path, base, id)
 }
 
+/// A block device played through the wire (the real [`memfold_wire::LandedReporter`])
+/// serving the base at `path`, of id `disk`, reporting to memfoldd at `socket`.
+pub fn base_device(
+    socket: &Path,
+    path: &Path,
+    disk: memfold_ids::DiskId,
+) -> memfold_wire::LandedReporter {
+    memfold_wire::LandedReporter::spawn_with_bases(
+        socket,
+        vec![(disk, std::fs::File::open(path).unwrap().into())],
+    )
+    .unwrap()
+}
+
+/// Guest `ram` reads the first `blocks` of `base` (of id `disk`) through `dev`, each block
+/// twice, into pages `first + 10 k` and `first + 10 k + 1`: the pages written and
+/// reported landed from their blocks (shared with each other, so the block is a
+/// candidate for memfoldd to learn).
+pub fn land_blocks(
+    ram: &GuestRam,
+    dev: &memfold_wire::LandedReporter,
+    (base, disk): (&[Vec<u8>], memfold_ids::DiskId),
+    first: usize,
+    blocks: usize,
+) {
+    let (mut gfns, mut bases) = (Vec::new(), Vec::new());
+    for (k, bytes) in base.iter().enumerate().take(blocks) {
+        for copy in 0..2 {
+            let g = first + 10 * k + copy;
+            ram.write(g, 0, bytes);
+            let block = memfold_ids::BaseBlock {
+                disk,
+                block: k as u64,
+            };
+            bases.push((gfns.len() as u32, block));
+            gfns.push(memfold_ids::Gfn(g as u32));
+        }
+    }
+    assert!(dev.report_from(ram_file(ram), gfns, bases));
+}
+
 /// This process's descriptor limit (`RLIMIT_NOFILE`): (soft, hard).
 pub fn nofile() -> (u64, u64) {
     let mut lim = libc::rlimit {

@@ -55,11 +55,9 @@ fn a_base_that_is_not_a_regular_file_is_refused() {
     assert_eq!(ids, [file_id], "the FIFO was taken as a base");
 }
 
-/// A catch-up longer than the device's socket holds waits for the device to read:
-/// sent in order as room comes, none dropped (news are dropped on a full socket).
-/// Fails if a full socket drops the rest, or closes the connection.
-#[test]
-fn a_catch_up_waits_for_room_and_loses_nothing() {
+/// Devices with one (connection 1, this process, no base) and the device's end of its
+/// connection (a 5 s receive timeout); the folder of its socket is kept by the caller.
+fn one_device() -> (tempfile::TempDir, Devices, Conn) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sock");
     let listener = memfold_wire::Listener::bind(&path).unwrap();
@@ -73,6 +71,15 @@ fn a_catch_up_waits_for_room_and_loses_nothing() {
         Vec::new(),
         (me, memfold_sys::pidfd::open(me).unwrap()),
     );
+    (dir, d, reader)
+}
+
+/// A catch-up longer than the device's socket holds waits for the device to read:
+/// sent in order as room comes, none dropped (news are dropped on a full socket).
+/// Fails if a full socket drops the rest, or closes the connection.
+#[test]
+fn a_catch_up_waits_for_room_and_loses_nothing() {
+    let (_dir, mut d, reader) = one_device();
     let dev = d.by_token.get_mut(&1).unwrap();
     let blocks: Vec<BaseBlock> = (0..MAX_CATCH_UP as u64)
         .map(|block| BaseBlock {
@@ -112,19 +119,7 @@ fn a_catch_up_waits_for_room_and_loses_nothing() {
 /// full), or with stale blocks told.
 #[test]
 fn news_join_a_catch_up_and_stale_blocks_are_left_out() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("sock");
-    let listener = memfold_wire::Listener::bind(&path).unwrap();
-    let reader = Conn::connect(&path).unwrap();
-    reader.set_recv_timeout(Duration::from_secs(5)).unwrap();
-    let me = std::process::id();
-    let mut d = Devices::default();
-    d.hello(
-        1,
-        listener.accept().unwrap(),
-        Vec::new(),
-        (me, memfold_sys::pidfd::open(me).unwrap()),
-    );
+    let (_dir, mut d, reader) = one_device();
     let block = |block| BaseBlock {
         disk: DiskId(3),
         block,
