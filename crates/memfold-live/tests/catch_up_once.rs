@@ -17,18 +17,19 @@ const PAGES: usize = 2048;
 const PAGES_B: usize = 2560;
 
 /// A device told of what its guest's domain holds is told once a domain, not each time
-/// it names another guest of that domain (a QEMU with several RAM regions is several
-/// guests, and its device names them in turn): each catch-up walked the domain's index
-/// on memfoldd's main thread and sent the blocks again. Here the two guests share one
-/// domain (`--share-domains user`, one user) and a late device names them in turn.
-/// Fails with a catch-up at each change of guest (the blocks told again each time).
+/// it names another guest (a QEMU with several RAM regions is several guests — of one
+/// domain, or here, under `--share-domains vm`, of one each — and its device names them
+/// in turn): each catch-up walked a domain's index on memfoldd's main thread and sent its
+/// blocks again. A late device names the two guests in turn; only a's domain holds the
+/// blocks. Fails with a catch-up at each change of guest (the blocks told again each
+/// time), and with only the last domain remembered.
 #[test]
-fn a_device_naming_guests_of_one_domain_in_turn_is_caught_up_once() {
+fn a_device_naming_guests_in_turn_is_caught_up_once_a_domain() {
     let dir = tempfile::tempdir().unwrap();
-    let socket = common::start_memfoldd_with(common::daemon_config(
-        dir.path(),
-        common::read_fill_engine(),
-    ));
+    let socket = common::start_memfoldd_with(memfold_live::daemon::DaemonConfig {
+        domains: memfold_live::daemon::DomainRule::Vm,
+        ..common::daemon_config(dir.path(), common::read_fill_engine())
+    });
     let mut rng = SmallRng::seed_from_u64(59);
     let (a, b) = common::two_random_guests(&socket, &mut rng, PAGES, PAGES_B);
     let (base_path, base, disk) = common::random_base(dir.path(), &mut rng, 4);
@@ -55,6 +56,6 @@ fn a_device_naming_guests_of_one_domain_in_turn_is_caught_up_once() {
     assert_eq!(
         late.told(),
         4,
-        "blocks told again as the device named the domain's guests in turn"
+        "blocks told again as the device named the guests in turn"
     );
 }

@@ -26,6 +26,38 @@ pub fn kind_of(t: &std::fs::FileType) -> &'static str {
     }
 }
 
+/// The file of `file` opened again, read-only (`O_DIRECT` where its file system takes
+/// it, close-on-exec), through `/proc/self/fd` — the same inode, whatever its path is now
+/// — as an open file description of this process's own: what is set on it with `fcntl`
+/// (a lease, its signal, its owner) is shared with no process that passed `file` (a
+/// peer sharing the description could change the signal a lease break sends, to
+/// `SIGKILL`).
+///
+/// Errors: the open failed, or opened another file than `file`'s (its device and inode
+/// compared).
+pub fn reopen_read_only(file: &std::fs::File) -> std::io::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let path = format!("/proc/self/fd/{}", file.as_raw_fd());
+    let open = |flags| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(flags | libc::O_CLOEXEC)
+            .open(&path)
+    };
+    let again = match open(libc::O_DIRECT) {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => open(0)?,
+        r => r?,
+    };
+    let (a, b) = (file.metadata()?, again.metadata()?);
+    if (a.dev(), a.ino()) != (b.dev(), b.ino()) {
+        return Err(std::io::Error::other(format!(
+            "{path} opened another file than its descriptor's"
+        )));
+    }
+    Ok(again)
+}
+
 /// Why [`without_writers`] did not run its closure.
 #[derive(Debug, thiserror::Error)]
 pub enum LeaseError {
@@ -41,11 +73,13 @@ pub enum LeaseError {
 /// Runs `f` while no process has `file` open for writing: under a read lease
 /// (`F_SETLEASE F_RDLCK`), which the kernel grants only while the file is open for
 /// writing nowhere, and which holds a writer's `open` (and a truncate) until it is let go
-/// right after `f`. So what `f` reads of the file is what one moment of it held, and no
-/// write was under way meanwhile. `file` must be open read-only. The kernel tells the
-/// holder of a lease a writer waits for with `SIGIO` (default action: end the process):
-/// the signal is set to `SIGURG` for this open file (ignored unless handled), so a
-/// process that takes leases here need not handle `SIGIO`.
+/// right after `f` (also if `f` panics). So what `f` reads of the file is what one moment
+/// of it held, and no write was under way meanwhile. `file` must be open read-only, in
+/// an open file description no other process shares ([`reopen_read_only`]): the kernel
+/// tells the holder of a lease a writer waits for with the description's signal, `SIGIO`
+/// by default (its default action ends the process), set here to `SIGURG` (ignored
+/// unless handled) — a process sharing the description could set it back, or to
+/// `SIGKILL`.
 ///
 /// Errors: [`LeaseError::Writer`] if the file is open for writing now (`f` not run);
 /// [`LeaseError::Unavailable`] if no lease can be taken here (`f` not run).
@@ -66,16 +100,41 @@ pub fn without_writers<T>(file: &std::fs::File, f: impl FnOnce() -> T) -> Result
             _ => LeaseError::Unavailable(e),
         });
     }
-    let out = f();
-    // SAFETY: as above. A failed unlock leaves the lease, which the kernel breaks for a
-    // writer after `lease-break-time` at most (it waits that long): nothing is lost.
-    unsafe { libc::fcntl(fd, libc::F_SETLEASE, libc::F_UNLCK) };
-    Ok(out)
+    /// Lets the lease go when dropped.
+    struct Held(std::os::fd::RawFd);
+    impl Drop for Held {
+        fn drop(&mut self) {
+            // SAFETY: fcntl on the descriptor the lease was taken on, still open (the
+            // caller's `file` outlives this). A failed unlock leaves the lease, which the
+            // kernel breaks for a writer after `lease-break-time` at most: nothing lost.
+            unsafe { libc::fcntl(self.0, libc::F_SETLEASE, libc::F_UNLCK) };
+        }
+    }
+    let _held = Held(fd);
+    Ok(f())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The file opened again is the same file, in a description of its own: a signal set
+    /// on the first is not the second's. Fails if the description were shared.
+    #[test]
+    fn a_file_reopened_read_only_is_its_own_description() {
+        use std::os::fd::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("base");
+        std::fs::write(&path, [7u8; 4096]).unwrap();
+        let theirs = std::fs::File::open(&path).unwrap();
+        let ours = reopen_read_only(&theirs).unwrap();
+        // SAFETY: fcntl on descriptors the test owns (F_SETSIG 10, F_GETSIG 11).
+        unsafe { libc::fcntl(theirs.as_raw_fd(), 10, libc::SIGKILL) };
+        // SAFETY: as above.
+        let sig = unsafe { libc::fcntl(ours.as_raw_fd(), 11) };
+        assert_eq!(sig, 0, "the reopened file shares the peer's description");
+        assert_eq!(without_writers(&ours, || 4).unwrap(), 4);
+    }
 
     /// The closure runs while no process has the file open for writing, and not while
     /// one has; the lease is let go after (a writer opens it at once). Needs to own the

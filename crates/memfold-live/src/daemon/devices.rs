@@ -91,10 +91,12 @@ struct Device {
     /// Blocks its guest's domain held when it named the guest, not told yet: at most
     /// [`MAX_CATCH_UP`], sent as its socket has room ([`Device::send_catch_up`]).
     catch_up: Vec<BaseBlock>,
-    /// The sharing domain it was caught up on: a catch-up is listed once a domain, not at
-    /// each change of guest within it (a QEMU with several RAM regions is several guests
-    /// of one domain, and a device serving it names them in turn).
-    caught_up: Option<DomainId>,
+    /// The sharing domains it was caught up on (at most [`MAX_RAM_FILES`]: one a RAM
+    /// file it holds): a catch-up is listed once a domain, not at each change of guest (a
+    /// QEMU with several RAM regions is several guests — of one domain, or under the
+    /// `vm` rule and never-share of one each — and a device serving it names them in
+    /// turn). Forgotten when its guest is gone: a guest it names then is caught up anew.
+    caught_up: Vec<DomainId>,
     /// The device's pid (from the kernel at its hello): whose descriptors are looked at.
     pid: u32,
     /// A pidfd of the process that connected (module docs): while it runs, `pid` is its.
@@ -336,7 +338,8 @@ impl Devices {
                 });
                 if clash {
                     tracing::warn!(
-                        "block device {token}: {id} names another file than the one other                          devices serve under it; not taken"
+                        "block device {token}: {id} names another file than the one other \
+                         devices serve under it; not taken"
                     );
                 }
                 !clash
@@ -350,7 +353,7 @@ impl Devices {
                 bases,
                 vm: None,
                 catch_up: Vec::new(),
-                caught_up: None,
+                caught_up: Vec::new(),
                 pid,
                 pidfd,
                 rams: HashMap::new(),
@@ -401,12 +404,13 @@ impl Devices {
             // once a domain: a walk of the domain's index each time a device names
             // another region of one QEMU would be the device's to ask for at will.
             let domain = Self::domain_of(engine, dev);
-            if domain.is_some() && domain != dev.caught_up {
-                dev.caught_up = domain;
+            if let Some(d) =
+                domain.filter(|d| !dev.caught_up.contains(d) && dev.caught_up.len() < MAX_RAM_FILES)
+            {
+                dev.caught_up.push(d);
                 let bases = &dev.bases;
-                dev.catch_up = domain.map_or_else(Vec::new, |d| {
-                    engine.blocks_held_of(d, |disk| bases.contains_key(&disk), MAX_CATCH_UP)
-                });
+                dev.catch_up =
+                    engine.blocks_held_of(d, |disk| bases.contains_key(&disk), MAX_CATCH_UP);
                 dev.send_catch_up(Self::held_in(engine, domain).as_ref().map(|f| f as _));
             }
         }
@@ -573,7 +577,11 @@ impl Devices {
     /// Sends each device the next part of its catch-up, if its socket has room.
     fn pump_catch_ups(&mut self, engine: &Engine) {
         for d in self.by_token.values_mut() {
-            let held = Self::held_in(engine, Self::domain_of(engine, d));
+            let domain = Self::domain_of(engine, d);
+            if domain.is_none() {
+                d.caught_up.clear();
+            }
+            let held = Self::held_in(engine, domain);
             d.send_catch_up(held.as_ref().map(|f| f as _));
         }
     }
@@ -607,10 +615,11 @@ impl Devices {
     }
 }
 
-/// The bases a device's hello names, each with the descriptor it passed in the same
-/// place, kept only if the descriptor's file is the one the id names and a regular file
-/// (a base image is one; memfoldd reads blocks of it on its main thread, where a FIFO,
-/// socket or device node has no business). Logged otherwise.
+/// The bases a device's hello names, each with the file of the descriptor it passed in
+/// the same place (opened again read-only, a description of memfoldd's own), kept only
+/// if the descriptor's file is the one the id names and a regular file (a base image is
+/// one; memfoldd reads blocks of it on its main thread, where a FIFO, socket or device
+/// node has no business). Logged otherwise.
 pub(crate) fn checked_bases(
     token: u64,
     ids: &[DiskId],
@@ -629,7 +638,12 @@ pub(crate) fn checked_bases(
                  (a base image is one); not taken",
                 memfold_sys::files::kind_of(&m.file_type())
             ),
-            Ok(_) => out.push((id, file)),
+            // Read, and leased, through a description of memfoldd's own: the device's
+            // could have its lease-break signal set to SIGKILL (`without_writers`).
+            Ok(_) => match memfold_sys::files::reopen_read_only(&file) {
+                Ok(ours) => out.push((id, ours)),
+                Err(e) => tracing::warn!("block device {token}: {id}: {e}; not taken"),
+            },
             Err(e) => tracing::warn!("block device {token}: {id}: {e}; not taken"),
         }
     }

@@ -299,7 +299,9 @@ impl Leaving {
         let reserve = total / 16;
         if free < need.saturating_add(reserve) {
             return Err(format!(
-                "leaving its pool copies {} MiB, and the host has {} MiB available less {} MiB                  other guests leaving theirs are copying, under that and a reserve of {} MiB:                  tried again later",
+                "leaving its pool copies {} MiB, and the host has {} MiB available less {} MiB \
+                 other guests leaving theirs are copying, under that and a reserve of {} MiB: \
+                 tried again later",
                 need >> 20,
                 available.unwrap_or(0) >> 20,
                 copying >> 20,

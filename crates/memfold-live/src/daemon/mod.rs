@@ -605,7 +605,8 @@ impl Daemon {
             Ok(()) => ToClient::OptedOut { pages },
             Err(e) => ToClient::Error {
                 message: format!(
-                    "{} (with {pages} pages to take back), but {e}: a restart of memfoldd                      before the guest's agent hears of it may undo it",
+                    "{} (with {pages} pages to take back), but {e}: a restart of memfoldd \
+                     before the guest's agent hears of it may undo it",
                     if out { "opted out" } else { "opted in" }
                 ),
             },
@@ -617,14 +618,16 @@ impl Daemon {
     /// every RAM region of each re-attached ([`adoption`]); forgets domains the engine
     /// dropped (no guest, no frame).
     fn reap(&mut self) {
+        let mut released = Vec::new();
         for (vm, why) in self.guests.released() {
             tracing::info!("{}", self.guests.release_line(vm, why));
             if let Some(g) = self.guests.by_vm.get(&vm) {
-                self.opt_outs.forget(&(g.pid, g.ram_id, g.name.clone()));
+                released.push((g.pid, g.ram_id, g.name.clone()));
             }
             self.engine.remove(vm);
             self.guests.remove(vm);
         }
+        self.opt_outs.forget(&released);
         let attached: Vec<u32> = self
             .engine
             .vms()

@@ -97,18 +97,27 @@ impl OptOuts {
     /// Records `out` for each guest of `keys` and writes the file (a new file renamed over
     /// the old: a reader never sees half of it).
     ///
-    /// Errors: the file could not be written (its path said); the record in memory holds
+    /// Errors: the file could not be written (its path said). It is removed then, so that
+    /// its older word on these guests cannot override, at a restart, an agent that did
+    /// hear of the new one (every guest has its agent's word); the record in memory holds
     /// the new words all the same.
     pub(crate) fn set(&mut self, keys: Vec<GuestKey>, out: bool) -> Result<(), String> {
         for k in keys {
             self.out.insert(k, out);
         }
-        self.save()
+        self.save().inspect_err(|_| {
+            let _ = std::fs::remove_file(&self.path);
+        })
     }
 
-    /// Forgets guest `k` (released: its QEMU is gone), writing the file if it named it.
-    pub(crate) fn forget(&mut self, k: &GuestKey) {
-        if self.out.remove(k).is_some() {
+    /// Forgets guests `keys` (released: their QEMU is gone), writing the file once if it
+    /// named any.
+    pub(crate) fn forget(&mut self, keys: &[GuestKey]) {
+        let before = self.out.len();
+        for k in keys {
+            self.out.remove(k);
+        }
+        if self.out.len() != before {
             if let Err(e) = self.save() {
                 tracing::warn!("{e}");
             }
@@ -128,15 +137,21 @@ impl OptOuts {
         tmp.push(".new");
         let tmp = PathBuf::from(tmp);
         // Memfoldd's own (mode 0600): which guests of which QEMUs are opted out is the
-        // operator's business, and the socket's folder is readable to all.
+        // operator's business, and the socket's folder is readable to all. Made anew
+        // (`O_EXCL`, no symbolic link followed), as the socket's lock is: a file or link
+        // left there by another must not be written through.
         let write = || {
             use std::io::Write;
             use std::os::unix::fs::OpenOptionsExt;
+            match std::fs::remove_file(&tmp) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
             std::fs::OpenOptions::new()
                 .write(true)
-                .create(true)
-                .truncate(true)
+                .create_new(true)
                 .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
                 .open(&tmp)?
                 .write_all(text.as_bytes())
         };
@@ -196,6 +211,24 @@ mod tests {
         );
     }
 
+    /// A symbolic link planted where the new file is made is not written through: the
+    /// file it names keeps its bytes. Fails with the link followed.
+    #[test]
+    fn a_link_at_the_new_file_s_path_is_not_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("s");
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.path().join("s.opt-outs.new")).unwrap();
+        let mut o = OptOuts::load(&socket, |_| true);
+        o.set(vec![(7, (1, 2), "web".to_string())], true).unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        assert_eq!(
+            OptOuts::load(&socket, |_| true).of(&(7, (1, 2), "web".into())),
+            Some(true)
+        );
+    }
+
     /// A released guest's entry goes from the file.
     #[test]
     fn a_released_guest_is_forgotten() {
@@ -204,7 +237,7 @@ mod tests {
         let mut o = OptOuts::load(&socket, |_| true);
         let web = (7, (1, 2), "web".to_string());
         o.set(vec![web.clone()], true).unwrap();
-        o.forget(&web);
+        o.forget(std::slice::from_ref(&web));
         assert_eq!(OptOuts::load(&socket, |_| true).of(&web), None);
     }
 }
