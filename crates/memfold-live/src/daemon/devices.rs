@@ -88,9 +88,11 @@ struct Device {
     /// a guest, it is told of the blocks that guest's domain holds already
     /// ([`Device::catch_up`]), then of each block as it is learnt.
     vm: Option<VmId>,
-    /// Blocks its guest's domain held when it named the guest, not told yet: at most
-    /// [`MAX_CATCH_UP`], sent as its socket has room ([`Device::send_catch_up`]).
-    catch_up: Vec<BaseBlock>,
+    /// Blocks the domains of its guests held when it named them, each with its domain,
+    /// not told yet: at most [`MAX_CATCH_UP`], sent as its socket has room
+    /// ([`Device::send_catch_up`]), also after it names a guest of another domain (it
+    /// holds RAM of both).
+    catch_up: Vec<(DomainId, BaseBlock)>,
     /// The sharing domains it was caught up on (at most [`MAX_RAM_FILES`]: one a RAM
     /// file it holds): a catch-up is listed once a domain, not at each change of guest (a
     /// QEMU with several RAM regions is several guests — of one domain, or under the
@@ -166,22 +168,18 @@ impl Device {
     /// Sends the next part of [`Device::catch_up`] (one message, at most [`MAX_BATCH`]
     /// blocks, a step: a message of them is about the socket's buffer, and fill answers
     /// and news must find room) if its socket has room; never waits, drops nothing: the
-    /// rest goes at a later step. Blocks its guest's domain no longer holds (`held`
-    /// says; `None`: no guest of it is attached) are left out as they come (each would
-    /// cost the device a fill refused); with no guest the rest is dropped.
-    fn send_catch_up(&mut self, held: Option<&dyn Fn(BaseBlock) -> bool>) {
+    /// rest goes at a later step. Blocks their domain no longer holds (`held` says; a
+    /// domain gone holds none) are left out as they come (each would cost the device a
+    /// fill refused).
+    fn send_catch_up(&mut self, held: &dyn Fn(DomainId, BaseBlock) -> bool) {
         if self.catch_up.is_empty() || self.closed {
             return;
         }
-        let Some(held) = held else {
-            self.catch_up = Vec::new();
-            return;
-        };
         let from = self.catch_up.len().saturating_sub(MAX_BATCH);
         let blocks: Vec<BaseBlock> = self.catch_up[from..]
             .iter()
-            .copied()
-            .filter(|&b| held(b))
+            .filter(|&&(d, b)| held(d, b))
+            .map(|&(_, b)| b)
             .collect();
         let sent = blocks.is_empty()
             || match self.conn.try_send(&ToDevice::Held { blocks }) {
@@ -199,13 +197,14 @@ impl Device {
         }
     }
 
-    /// Tells the device that frames hold `blocks` (of its bases). While a catch-up is
-    /// being sent they join it (up to [`MAX_CATCH_UP`] in all), where they would
-    /// otherwise find its socket full and be dropped.
-    fn tell_held(&mut self, blocks: &[BaseBlock]) {
+    /// Tells the device that frames of `domain` hold `blocks` (of its bases). While a
+    /// catch-up is being sent they join it (up to [`MAX_CATCH_UP`] in all), where they
+    /// would otherwise find its socket full and be dropped.
+    fn tell_held(&mut self, domain: DomainId, blocks: &[BaseBlock]) {
         if !self.catch_up.is_empty() {
             let room = MAX_CATCH_UP.saturating_sub(self.catch_up.len());
-            self.catch_up.extend(blocks.iter().take(room));
+            self.catch_up
+                .extend(blocks.iter().take(room).map(|&b| (domain, b)));
             return;
         }
         for chunk in blocks.chunks(MAX_BATCH) {
@@ -322,8 +321,10 @@ impl Devices {
         // inode, size and mtime (`DiskId::of_file`), and a candidate is checked through
         // any device's file of its id: two files of one id (a collision someone who sets
         // a base's size and mtime might aim for) would have one guest's reads filled
-        // with another file's bytes. A second file under an id already served is not
-        // taken.
+        // with another file's bytes. A second file under an id a connected device serves
+        // is not taken. (Not one served earlier, whose blocks stay indexed after its
+        // device is gone: a colliding file then needs an operator's device over a file
+        // aimed at it, and a fill crosses no sharing domain.)
         let file_of = |f: &File| {
             use std::os::unix::fs::MetadataExt;
             f.metadata().ok().map(|m| (m.dev(), m.ino()))
@@ -409,9 +410,13 @@ impl Devices {
             {
                 dev.caught_up.push(d);
                 let bases = &dev.bases;
-                dev.catch_up =
-                    engine.blocks_held_of(d, |disk| bases.contains_key(&disk), MAX_CATCH_UP);
-                dev.send_catch_up(Self::held_in(engine, domain).as_ref().map(|f| f as _));
+                // After what is left of an earlier domain's (its guest's RAM is the
+                // device's too), within MAX_CATCH_UP in all.
+                let room = MAX_CATCH_UP.saturating_sub(dev.catch_up.len());
+                let listed = engine.blocks_held_of(d, |disk| bases.contains_key(&disk), room);
+                dev.catch_up
+                    .splice(0..0, listed.into_iter().map(|b| (d, b)));
+                dev.send_catch_up(&|d, b| engine.block_held_in(d, b));
             }
         }
         match msg {
@@ -465,14 +470,6 @@ impl Devices {
             }
             other => tracing::warn!("block device {token} sent {other:?}; ignored"),
         }
-    }
-
-    /// Whether sharing domain `domain` holds a block, if there is one.
-    fn held_in(
-        engine: &Engine,
-        domain: Option<DomainId>,
-    ) -> Option<impl Fn(BaseBlock) -> bool + '_> {
-        domain.map(|d| move |b| engine.block_held_in(d, b))
     }
 
     /// The sharing domain of device `d`'s guest, if it named one still attached.
@@ -569,7 +566,7 @@ impl Devices {
             for d in self.by_token.values_mut().filter(|d| {
                 d.bases.contains_key(&disk) && Self::domain_of(engine, d) == Some(domain)
             }) {
-                d.tell_held(&blocks);
+                d.tell_held(domain, &blocks);
             }
         }
     }
@@ -577,12 +574,10 @@ impl Devices {
     /// Sends each device the next part of its catch-up, if its socket has room.
     fn pump_catch_ups(&mut self, engine: &Engine) {
         for d in self.by_token.values_mut() {
-            let domain = Self::domain_of(engine, d);
-            if domain.is_none() {
+            if Self::domain_of(engine, d).is_none() {
                 d.caught_up.clear();
             }
-            let held = Self::held_in(engine, domain);
-            d.send_catch_up(held.as_ref().map(|f| f as _));
+            d.send_catch_up(&|d, b| engine.block_held_in(d, b));
         }
     }
 

@@ -266,7 +266,8 @@ const LEAVING_FOR: Duration = Duration::from_secs(30);
 /// all at once, they could ask for more memory than the host has, and its OOM killer
 /// would pick QEMUs. So a guest is told only while the host's available memory, less
 /// what the guests told in the last [`LEAVING_FOR`] may still be copying, covers its
-/// pages on frames and a reserve of a sixteenth of the host's RAM; otherwise it is
+/// pages (the hello's count of pages on frames or reclaimed: an upper bound of what it
+/// copies) and a reserve of a sixteenth of the host's RAM; otherwise it is
 /// refused for now, says why, and its agent tries again after its back-off (30 s),
 /// unmanaged meanwhile, its pages as they are.
 #[derive(Debug, Default)]
@@ -276,9 +277,10 @@ pub(super) struct Leaving {
 }
 
 impl Leaving {
-    /// Whether a guest with `pages` on frames may be told to leave its pool at `now`, the
-    /// host having `available` bytes free (`None`: not known; only the guests told lately
-    /// are weighed) of `total`: Ok books its copy; Err is the reason, for its refusal.
+    /// Whether a guest that lists `pages` (on frames or reclaimed) may be told to leave its
+    /// pool at `now`, the host having `available` bytes free (`None`: not known; only the
+    /// guests told lately are weighed) of `total`: Ok books its copy; Err is the reason,
+    /// for its refusal.
     pub(super) fn admit(
         &mut self,
         now: Instant,
@@ -300,7 +302,7 @@ impl Leaving {
         if free < need.saturating_add(reserve) {
             return Err(format!(
                 "leaving its pool copies {} MiB, and the host has {} MiB available less {} MiB \
-                 other guests leaving theirs are copying, under that and a reserve of {} MiB: \
+                 other guests leaving theirs are copying, short of that plus a reserve of {} MiB: \
                  tried again later",
                 need >> 20,
                 available.unwrap_or(0) >> 20,

@@ -87,8 +87,8 @@ fn a_catch_up_waits_for_room_and_loses_nothing() {
             block,
         })
         .collect();
-    dev.catch_up = blocks.clone();
-    dev.send_catch_up(Some(&|_| true));
+    dev.catch_up = blocks.iter().map(|&b| (DomainId(0), b)).collect();
+    dev.send_catch_up(&|_, _| true);
     let left = dev.catch_up.len();
     assert!(
         left > 0,
@@ -105,7 +105,7 @@ fn a_catch_up_waits_for_room_and_loses_nothing() {
             ),
         }
         let dev = d.by_token.get_mut(&1).unwrap();
-        dev.send_catch_up(Some(&|_| true));
+        dev.send_catch_up(&|_, _| true);
     }
     let dev = &d.by_token[&1];
     assert!(!dev.closed && dev.catch_up.is_empty() && dev.dropped == 0);
@@ -114,9 +114,9 @@ fn a_catch_up_waits_for_room_and_loses_nothing() {
 }
 
 /// While a catch-up is under way, news join it rather than meet a full socket, and
-/// blocks the domain no longer holds are left out as they come; with no guest left,
-/// the rest goes. Fails with news sent past the catch-up (dropped: its socket is
-/// full), or with stale blocks told.
+/// blocks their domain no longer holds are left out as they come — all of a domain
+/// gone. Fails with news sent past the catch-up (dropped: its socket is full), or with
+/// stale blocks told.
 #[test]
 fn news_join_a_catch_up_and_stale_blocks_are_left_out() {
     let (_dir, mut d, reader) = one_device();
@@ -125,25 +125,29 @@ fn news_join_a_catch_up_and_stale_blocks_are_left_out() {
         block,
     };
     let dev = d.by_token.get_mut(&1).unwrap();
-    dev.catch_up = (0..MAX_CATCH_UP as u64 / 2).map(block).collect();
-    let even = |b: BaseBlock| b.block % 2 == 0;
+    let (live, gone) = (DomainId(0), DomainId(1));
+    dev.catch_up = (0..MAX_CATCH_UP as u64 / 2)
+        .map(|k| (if k % 3 == 0 { gone } else { live }, block(k)))
+        .collect();
+    // Domain 1 is gone; domain 0 holds the even blocks only.
+    let held = |d: DomainId, b: BaseBlock| d == live && b.block % 2 == 0;
     // Its socket full: as long as the device does not read.
     loop {
         let before = dev.catch_up.len();
-        dev.send_catch_up(Some(&even));
+        dev.send_catch_up(&held);
         if dev.catch_up.len() == before {
             break;
         }
     }
     assert!(!dev.catch_up.is_empty(), "the test shows nothing");
     let news: Vec<BaseBlock> = (0..10).map(|i| block((1 << 40) + 2 * i)).collect();
-    dev.tell_held(&news);
+    dev.tell_held(live, &news);
     let mut told = Vec::new();
     while !d.by_token[&1].catch_up.is_empty() || told.is_empty() {
         if let Ok(Some((ToDevice::Held { blocks }, _))) = reader.recv::<ToDevice>() {
             told.extend(blocks);
         }
-        d.by_token.get_mut(&1).unwrap().send_catch_up(Some(&even));
+        d.by_token.get_mut(&1).unwrap().send_catch_up(&held);
     }
     while let Ok(Some((ToDevice::Held { blocks }, _))) = {
         reader.set_recv_timeout(Duration::from_millis(100)).unwrap();
@@ -151,16 +155,16 @@ fn news_join_a_catch_up_and_stale_blocks_are_left_out() {
     } {
         told.extend(blocks);
     }
-    assert!(told.iter().all(|&b| even(b)), "a stale block told");
+    assert!(
+        told.iter()
+            .all(|b| news.contains(b) || (b.block % 2 == 0 && b.block % 3 != 0)),
+        "a stale block, or one of a domain gone, told"
+    );
     assert!(
         news.iter().all(|b| told.contains(b)),
         "news lost in a catch-up"
     );
     assert_eq!(d.by_token[&1].dropped, 0);
-    let dev = d.by_token.get_mut(&1).unwrap();
-    dev.catch_up = (0..10).map(block).collect();
-    dev.send_catch_up(None);
-    assert!(dev.catch_up.is_empty(), "a catch-up kept with no guest");
 }
 
 /// Two files under one disk id (a hash collision aimed at by one who sets a base's
