@@ -294,6 +294,7 @@ impl DeviceMsg {
 pub enum AgentMsg {
     Welcome(u32),
     Refused(String),
+    LeavePool(String),
     Share {
         batch: u64,
         pages: Vec<(u32, u32)>,
@@ -575,6 +576,7 @@ impl AgentMsg {
         match self {
             AgentMsg::Welcome(v) => ToAgent::Welcome { version: *v },
             AgentMsg::Refused(m) => ToAgent::Refused { message: m.clone() },
+            AgentMsg::LeavePool(m) => ToAgent::LeavePool { message: m.clone() },
             AgentMsg::Share { batch, pages } => ToAgent::Share {
                 batch: BatchId(*batch),
                 pages: pages.iter().map(|&(g, f)| (Gfn(g), FrameId(f))).collect(),
@@ -692,6 +694,7 @@ fn every_kind_is_built(d: &ToDaemon, a: &ToAgent) {
     match a {
         ToAgent::Welcome { .. }
         | ToAgent::Refused { .. }
+        | ToAgent::LeavePool { .. }
         | ToAgent::Share { .. }
         | ToAgent::Fill { .. }
         | ToAgent::ReclaimZero { .. }
