@@ -12,6 +12,10 @@
 //! The agent keeps a bit per page it paged out ([`crate::state::Pages`]) and, at each
 //! clock scan of the page's slice, reports those found in RAM again
 //! (`ToDaemon::PagedIn`), so memfoldd's books know what zswap holds.
+//!
+//! Pool frames go to the kernel's swap too, once no process maps them: the clock scan
+//! drops guest pages' mappings of frames ([`Agent::zap_shared`]) so that frames no guest
+//! reads can be paged out of the pool.
 
 use std::io;
 use std::os::fd::AsFd;
@@ -19,8 +23,10 @@ use std::os::fd::AsFd;
 use memfold_ids::Gfn;
 use memfold_sys::pageout::PageOutWindow;
 
+use crate::install::Job;
 use crate::requests::Outcome;
-use crate::Agent;
+use crate::state::{plus, PageHome};
+use crate::{Agent, PAGE};
 
 impl Agent {
     /// The window onto guest RAM's memfd, made at the first page-out (a mapping, but no
@@ -98,3 +104,79 @@ impl Agent {
         }
     }
 }
+
+impl Agent {
+    /// Drops the PTEs of the pages of `[first, first + n)` mapped onto pool frames (issue
+    /// 15): a frame that no guest reads until memfoldd's next round of frame page-outs
+    /// is then mapped by no process, and the kernel, which pages out only what nothing
+    /// maps, can take it from the pool; a page read meanwhile is mapped back by the
+    /// kernel's own minor fault (the pool mapping is registered for write-protect faults
+    /// only), a swapped-out frame swapped in by it.
+    ///
+    /// Invariant: a pool frame is never writable through a guest's mapping. Each run is
+    /// write-protected again just before its zap, so that every PTE the zap drops leaves
+    /// a uffd-wp marker: the kernel maps the frame back write-protected, and a write is a
+    /// write-protect fault, the CoW break, as before (tests/shared_zap.rs writes a zapped
+    /// shared page and checks that the frame kept its bytes; seen failing, the write in
+    /// the frame, with the runs unprotected before their zap). The kernel's remove events
+    /// for these ranges are dropped as the agent's own (`Job::ZapFrames`), not taken for
+    /// QEMU discarding the pages.
+    ///
+    /// Errors: the zap failed (the pages stay on their frames, mapped or not, protected
+    /// either way); a run whose write-protection fails is left as it is, logged.
+    pub(crate) fn zap_shared(&mut self, first: Gfn, n: u32) -> io::Result<()> {
+        let frame = |agent: &Agent, k: u32| match agent.pages.home(plus(first, k as usize)) {
+            PageHome::Frame(f) => Some(f.0),
+            _ => None,
+        };
+        let mut k = 0;
+        while k < n {
+            // A chunk of runs at a time, then the faults read meanwhile: the kernel
+            // reports each VMA's zap and waits for the report to be read, and a pass can
+            // cross thousands of pool mappings, so faults are not left waiting for all
+            // of them. The next chunk's runs are found after those faults are served.
+            let mut runs = Vec::new();
+            while k < n && runs.len() < ZAP_CHUNK_RUNS {
+                let Some(f0) = frame(self, k) else {
+                    k += 1;
+                    continue;
+                };
+                // One run per pool mapping (consecutive frames, as a share maps them):
+                // kernels before 6.4 refuse a write-protection across mappings.
+                let mut e = k + 1;
+                while e < n && frame(self, e) == Some(f0 + (e - k)) {
+                    e += 1;
+                }
+                let (addr, len) = (
+                    self.page_addr(plus(first, k as usize)),
+                    (e - k) as u64 * PAGE,
+                );
+                // Only a run just protected is zapped, so that its dropped PTEs leave
+                // markers; one the kernel refuses to protect keeps its PTEs.
+                match self.uffd.write_protect(addr, len, true) {
+                    Ok(()) => runs.push((addr, len)),
+                    Err(e) => tracing::warn!("{len} bytes at {addr:#x} on frames: {e}"),
+                }
+                k = e;
+            }
+            if runs.is_empty() {
+                break;
+            }
+            let errno = self.helper(Job::ZapFrames(runs));
+            for ev in std::mem::take(&mut self.deferred) {
+                self.handle_or_retry(ev);
+            }
+            if errno != 0 {
+                return Err(io::Error::other(format!(
+                    "dropping the PTEs of shared pages: madvise: {}",
+                    io::Error::from_raw_os_error(errno)
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Most runs of shared pages zapped in one job of [`Agent::zap_shared`] before the faults
+/// read meanwhile are served.
+const ZAP_CHUNK_RUNS: usize = 32;
