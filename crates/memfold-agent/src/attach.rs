@@ -407,8 +407,7 @@ impl Agent {
         for g in (0..self.pages.len()).map(Gfn) {
             match self.pages.home(g) {
                 PageHome::Frame(f) => {
-                    let (first, n) = self.pages.frame_run(g, f);
-                    let frame0 = FrameId(f.0 - (g.0 - first.0));
+                    let (first, frame0, n) = self.pages.frame_run(g, f);
                     let moved = self
                         .copy_frames(first, frame0, n)
                         .and_then(|()| self.map_guest_range(first, n));

@@ -257,8 +257,7 @@ impl Agent {
     /// Errors: the pool or guest memfd cannot be read or written, or the mapping fails
     /// (nothing changed: every page still on its frame).
     pub(crate) fn cow_break_run(&mut self, gfn: Gfn, frame: FrameId) -> io::Result<()> {
-        let (first, n) = self.pages.frame_run(gfn, frame);
-        let frame0 = FrameId(frame.0 - (gfn.0 - first.0));
+        let (first, frame0, n) = self.pages.frame_run(gfn, frame);
         self.copy_frames(first, frame0, n)?;
         self.map_guest_range(first, n)?;
         self.broken((0..n).map(|k| (plus(first, k), FrameId(frame0.0 + k as u32))));

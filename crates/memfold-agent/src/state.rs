@@ -193,12 +193,12 @@ impl Pages {
     }
 
     /// The run of page `gfn` (on `frame`): the most pages around it on consecutive
-    /// frames (page `gfn + k` on frame `frame + k`), as (first page, pages). A pool
-    /// mapping maps consecutive frames over consecutive pages, so the run is a union of
-    /// whole mappings.
+    /// frames (page `gfn + k` on frame `frame + k`), as (first page, its frame, pages). A
+    /// pool mapping maps consecutive frames over consecutive pages, so the run is a union
+    /// of whole mappings.
     ///
     /// Panics: `gfn` is not on `frame`.
-    pub(crate) fn frame_run(&self, gfn: Gfn, frame: FrameId) -> (Gfn, usize) {
+    pub(crate) fn frame_run(&self, gfn: Gfn, frame: FrameId) -> (Gfn, FrameId, usize) {
         assert_eq!(
             self.home(gfn),
             PageHome::Frame(frame),
@@ -218,7 +218,11 @@ impl Pages {
         while end < self.len() && on(end, frame.0 + (end - gfn.0)) {
             end += 1;
         }
-        (Gfn(first), (end - first) as usize)
+        (
+            Gfn(first),
+            FrameId(frame.0 - (gfn.0 - first)),
+            (end - first) as usize,
+        )
     }
 
     /// Whether `gfn` is a page of guest RAM, private.
