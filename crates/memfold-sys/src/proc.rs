@@ -88,18 +88,20 @@ pub fn map_large_allocations_from(bytes: usize) -> bool {
 
 /// The host's RAM (`MemTotal` of `/proc/meminfo`), bytes; 0 if `/proc` does not say.
 pub fn host_ram_bytes() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| crate::reclaim::meminfo_bytes(&s, "MemTotal:"))
-        .unwrap_or(0)
+    host_meminfo("MemTotal:").unwrap_or(0)
 }
 
 /// Memory the host can give without swapping (`MemAvailable` of `/proc/meminfo`), bytes;
 /// `None` if `/proc` does not say.
 pub fn host_available_bytes() -> Option<u64> {
+    host_meminfo("MemAvailable:")
+}
+
+/// Field `key` (with its colon) of `/proc/meminfo`, bytes; `None` if absent.
+fn host_meminfo(key: &str) -> Option<u64> {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|s| crate::reclaim::meminfo_bytes(&s, "MemAvailable:"))
+        .and_then(|s| crate::reclaim::meminfo_bytes(&s, key))
 }
 
 /// Resident set of process `pid` (`VmRSS` of `/proc/PID/status`), bytes; 0 if `/proc`

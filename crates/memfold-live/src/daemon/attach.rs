@@ -291,14 +291,19 @@ impl Daemon {
         // opt-out made while the agent was detached included). A guest it did not (a
         // restart): the record on disk (`opt_outs.rs`), else the agent's word, so an
         // opt-out outlives the restart — also one the agent never heard of.
-        let recorded = self.opt_outs.of(&(pid, ram_id, name.clone()));
-        if !known && recorded.unwrap_or(opted_out) {
-            let pages = self.engine.opt_out(vm).unwrap_or(0);
-            tracing::info!(
-                "{name}: opted out before the restart; kept out, {pages} pages to take back"
-            );
-        } else if !known && opted_out {
-            tracing::info!("{name}: opted back in before the restart, as recorded; kept in");
+        if !known {
+            if self
+                .opt_outs
+                .of(&(pid, ram_id, name.clone()))
+                .unwrap_or(opted_out)
+            {
+                let pages = self.engine.opt_out(vm).unwrap_or(0);
+                tracing::info!(
+                    "{name}: opted out before the restart; kept out, {pages} pages to take back"
+                );
+            } else if opted_out {
+                tracing::info!("{name}: opted back in before the restart, as recorded; kept in");
+            }
         }
         // The agent remembers what holds now, for the next restart.
         let out = self.engine.is_opted_out(vm);

@@ -404,9 +404,8 @@ impl Devices {
             // Told of what its guest's domain holds of its bases already (module docs),
             // once a domain: a walk of the domain's index each time a device names
             // another region of one QEMU would be the device's to ask for at will.
-            let domain = Self::domain_of(engine, dev);
-            if let Some(d) =
-                domain.filter(|d| !dev.caught_up.contains(d) && dev.caught_up.len() < MAX_RAM_FILES)
+            if let Some(d) = Self::domain_of(engine, dev)
+                .filter(|d| !dev.caught_up.contains(d) && dev.caught_up.len() < MAX_RAM_FILES)
             {
                 dev.caught_up.push(d);
                 let bases = &dev.bases;
