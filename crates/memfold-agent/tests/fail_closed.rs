@@ -64,8 +64,10 @@ const RAM_NAME: &str = "fail-closed-guest-ram";
 const BYPASS: [u8; 16] = [0xab; 16];
 /// Where in the page.
 const BYPASS_AT: usize = 64;
-/// Longest wait for the child to stop or exit.
-const WAIT: Duration = Duration::from_secs(20);
+/// Longest wait for the child to stop, exit or log a line: only ever a wait for
+/// something that should happen, so generous (a loaded CI host starts the child, its
+/// agent and fake memfoldd slowly); a failure is seen as soon as the child exits.
+const WAIT: Duration = Duration::from_secs(120);
 
 /// Byte `i` of page `g` as the guest writes it: no page is zero or equal to another.
 fn pattern(g: usize, i: usize) -> u8 {
@@ -200,7 +202,7 @@ fn child(failure: Failure) -> ! {
     // Otherwise the constructor started the agent at load; it finds RAM now.
 
     attached
-        .recv_timeout(Duration::from_secs(10))
+        .recv_timeout(Duration::from_secs(100))
         .expect("the agent attached and the fake memfoldd did its part");
     match failure {
         Failure::CorruptBlob | Failure::BypassWrite | Failure::SwapEio | Failure::CopyEnomem => {
@@ -442,7 +444,7 @@ fn fds_to(name: &str) -> usize {
 
 /// The pages of the agent's answer to the stash (its reports may come first).
 fn wait_stash_done(conn: &Conn) -> Vec<Gfn> {
-    conn.set_recv_timeout(Duration::from_secs(5)).unwrap();
+    conn.set_recv_timeout(Duration::from_secs(60)).unwrap();
     loop {
         match conn.recv::<ToDaemon>().unwrap().expect("an answer").0 {
             ToDaemon::StashDone { stashed, .. } => return stashed,
@@ -562,6 +564,31 @@ impl Qemu {
         String::from_utf8_lossy(&buf[..end]).into_owned()
     }
 
+    /// Where the child's threads wait (each one's name, state and kernel wait channel)
+    /// and, for a child in the ENOMEM cgroup, its `memory.oom_control`: a thread that
+    /// faults in a new page once the cgroup is full waits there for good (the OOM killer
+    /// is off), which shows as `under_oom 1` and `mem_cgroup_oom_synchronize`-like waits.
+    fn where_stuck(&self) -> String {
+        let mut out = Vec::new();
+        if let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", self.pid())) {
+            for t in tasks.flatten() {
+                let read = |f: &str| std::fs::read_to_string(t.path().join(f)).unwrap_or_default();
+                let state = state_of(&read("stat")).unwrap_or('?');
+                out.push(format!(
+                    "{} {state} {}",
+                    read("comm").trim(),
+                    read("wchan").trim()
+                ));
+            }
+        }
+        if self.failure == Failure::CopyEnomem {
+            let oom = std::fs::read_to_string(enomem_cgroup().join("memory.oom_control"))
+                .unwrap_or_default();
+            out.push(oom.split_whitespace().collect::<Vec<_>>().join(" "));
+        }
+        format!("threads: {}", out.join("; "))
+    }
+
     /// The state letter of each of the child's threads (`/proc/PID/task/*/stat`).
     fn thread_states(&self) -> Vec<char> {
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", self.pid())) else {
@@ -646,12 +673,24 @@ impl Qemu {
     }
 
     /// Waits until the child's log has `n` lines containing `text`.
-    fn wait_log(&self, text: &str, n: usize) {
+    /// Fails at once if the child exits first (a wait it failed on inside, say for its
+    /// fake memfoldd, shows as its own panic in the log, not as this wait's timeout).
+    fn wait_log(&mut self, text: &str, n: usize) {
         let t = Instant::now();
         while self.log().matches(text).count() < n {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                // It may have written the line just before exiting.
+                assert!(
+                    self.log().matches(text).count() >= n,
+                    "the child exited ({status}) before {n} lines with {text:?}; its log:\n{}",
+                    self.log()
+                );
+                return;
+            }
             assert!(
                 t.elapsed() < WAIT,
-                "no {n} lines with {text:?} in the child's log:\n{}",
+                "no {n} lines with {text:?} in the child's log after {WAIT:?} ({}); its log:\n{}",
+                self.where_stuck(),
                 self.log()
             );
             std::thread::sleep(Duration::from_millis(20));
@@ -885,7 +924,7 @@ fn a_mistyped_failure_mode_leaves_the_guest_unmanaged() {
     }
     // The agent refuses to guess: no agent, so the fake memfoldd never sees it attach
     // and the child stays up, running (never stopped) and aborts nothing.
-    let q = Qemu::start(
+    let mut q = Qemu::start(
         "a_mistyped_failure_mode_leaves_the_guest_unmanaged",
         Failure::CorruptBlob,
         Some("abrot"),

@@ -171,7 +171,8 @@ mod tests {
         let me = std::process::id();
         let before = cpu_seconds(me, None);
         let (done, wait) = mpsc::channel();
-        std::thread::Builder::new()
+        let (read, until_read) = mpsc::channel::<()>();
+        let busy = std::thread::Builder::new()
             .name("cputest-busy".into())
             .spawn(move || {
                 // 0.3 s of CPU by the kernel's count, however busy the host is.
@@ -183,13 +184,15 @@ mod tests {
                     }
                 }
                 done.send(thread_cpu_seconds()).unwrap();
-                // Stay alive (and listed in /proc) until read.
-                std::thread::sleep(Duration::from_secs(2));
+                // Stay alive (and listed in /proc) until read, however late that is.
+                let _ = until_read.recv();
             })
             .unwrap();
         let used = wait.recv().unwrap();
         assert!(used >= 0.3, "{used}");
         let named = cpu_seconds(me, Some("cputest-"));
+        drop(read);
+        busy.join().unwrap();
         // /proc counts in 10 ms ticks.
         assert!(
             (named - used).abs() <= 0.05,
