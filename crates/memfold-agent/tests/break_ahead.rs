@@ -64,6 +64,7 @@ fn a_sequential_writer_breaks_ahead_up_to_a_page_not_on_a_frame() {
         privates.iter().map(|&g| Gfn(g)).collect::<Vec<_>>()
     );
 
+    c.set_recv_timeout(Duration::from_millis(100)).unwrap();
     let mut written = BTreeSet::new();
     let mut lane = None;
     for l in 0..LANES {
@@ -75,7 +76,6 @@ fn a_sequential_writer_breaks_ahead_up_to_a_page_not_on_a_frame() {
             written.insert(g);
         }
         // The breaks the agent reports, until a second passes without one.
-        c.set_recv_timeout(Duration::from_millis(100)).unwrap();
         let mut broken = BTreeSet::new();
         let mut quiet = Instant::now();
         while quiet.elapsed() < Duration::from_secs(1) {

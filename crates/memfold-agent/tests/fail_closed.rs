@@ -570,16 +570,14 @@ impl Qemu {
     /// is off), which shows as `under_oom 1` and `mem_cgroup_oom_synchronize`-like waits.
     fn where_stuck(&self) -> String {
         let mut out = Vec::new();
-        if let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", self.pid())) {
-            for t in tasks.flatten() {
-                let read = |f: &str| std::fs::read_to_string(t.path().join(f)).unwrap_or_default();
-                let state = state_of(&read("stat")).unwrap_or('?');
-                out.push(format!(
-                    "{} {state} {}",
-                    read("comm").trim(),
-                    read("wchan").trim()
-                ));
-            }
+        for t in self.tasks() {
+            let read = |f: &str| std::fs::read_to_string(t.join(f)).unwrap_or_default();
+            let state = state_of(&read("stat")).unwrap_or('?');
+            out.push(format!(
+                "{} {state} {}",
+                read("comm").trim(),
+                read("wchan").trim()
+            ));
         }
         if self.failure == Failure::CopyEnomem {
             let oom = std::fs::read_to_string(enomem_cgroup().join("memory.oom_control"))
@@ -591,14 +589,19 @@ impl Qemu {
 
     /// The state letter of each of the child's threads (`/proc/PID/task/*/stat`).
     fn thread_states(&self) -> Vec<char> {
+        self.tasks()
+            .iter()
+            .filter_map(|t| std::fs::read_to_string(t.join("stat")).ok())
+            .filter_map(|s| state_of(&s))
+            .collect()
+    }
+
+    /// The child's threads' folders (`/proc/PID/task/*`); none once it is gone.
+    fn tasks(&self) -> Vec<PathBuf> {
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", self.pid())) else {
             return Vec::new();
         };
-        tasks
-            .flatten()
-            .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
-            .filter_map(|s| state_of(&s))
-            .collect()
+        tasks.flatten().map(|t| t.path()).collect()
     }
 
     /// Waits until the process and every thread of it is stopped (`T`).
