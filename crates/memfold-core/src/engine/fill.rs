@@ -228,6 +228,15 @@ impl Engine {
         indexed
     }
 
+    /// The disks of which some domain's frames hold a block (each once, any order).
+    pub fn indexed_disks(&self) -> std::collections::HashSet<DiskId> {
+        self.fills
+            .index
+            .values()
+            .flat_map(|i| i.by_block.keys().map(|b| b.disk))
+            .collect()
+    }
+
     /// Whether base block `b` is indexed in domain `d`.
     pub fn block_held_in(&self, d: DomainId, b: BaseBlock) -> bool {
         self.fills
@@ -737,16 +746,19 @@ mod tests {
         r.engine.check_invariants().unwrap();
     }
 
-    /// A frame freed takes its blocks out of the index: frames are reused.
+    /// A frame freed takes its blocks out of the index: frames are reused; and its disk
+    /// out of the indexed ones (memfoldd may then let another file take the disk's id).
     #[test]
     fn a_freed_frame_leaves_the_index() {
         let (mut r, _) = learnt();
+        assert_eq!(r.engine.indexed_disks(), [B.disk].into_iter().collect());
         for g in [3, 20] {
             r.agent.write(Gfn(g), 0, b"x").unwrap();
         }
         r.carry_out();
         assert!(!r.engine.block_held(r.vm, B), "the frame was freed");
         assert_eq!(r.engine.books().blocks_held, 0);
+        assert!(r.engine.indexed_disks().is_empty());
         r.engine.check_invariants().unwrap();
     }
 }

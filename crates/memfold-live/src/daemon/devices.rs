@@ -6,7 +6,9 @@
 //! own user only, `readers.rs`), but its peer QEMU is not, so nothing a device says about
 //! a page's content is believed:
 //! - a base image is named by the descriptor the device passes in its hello, checked
-//!   against the id it claims (`fstat`), and only bases so checked are taken;
+//!   against the id it claims (`fstat`), and only bases so checked are taken — under
+//!   an id, only the file first taken under it, while anything of it is in use
+//!   ([`Devices::hello`]);
 //! - which frame holds a base block is learnt from the base's own bytes, read here
 //!   through that descriptor, never from a guest page ([`memfold_core::engine::fill`]),
 //!   and only while the file's id is the one the block names: the id covers the bytes
@@ -305,7 +307,14 @@ pub(crate) struct Devices {
     pub(crate) fills_answered: u64,
     /// Base blocks read to check what a frame holds (cumulative).
     pub(crate) blocks_checked: u64,
+    /// The file (`st_dev`, `st_ino`) taken under each disk id, while a connected device
+    /// serves it or the engine indexes blocks of it ([`Devices::hello`]'s invariant).
+    base_files: HashMap<DiskId, (u64, u64)>,
 }
+
+/// Disk ids [`Devices::base_files`] holds before it forgets those no device serves and
+/// no frame holds a block of ([`Devices::forget_unused_bases`]).
+const MAX_BASE_FILES: usize = 1024;
 
 impl Devices {
     /// Device connection `token` of process `pid` (held by `pidfd`, taken from the
@@ -321,29 +330,34 @@ impl Devices {
         // inode, size and mtime (`DiskId::of_file`), and a candidate is checked through
         // any device's file of its id: two files of one id (a collision someone who sets
         // a base's size and mtime might aim for) would have one guest's reads filled
-        // with another file's bytes. A second file under an id a connected device serves
-        // is not taken. (Not one served earlier, whose blocks stay indexed after its
-        // device is gone: a colliding file then needs an operator's device over a file
-        // aimed at it, and a fill crosses no sharing domain.)
+        // with another file's bytes. So the first file taken under an id is the id's for
+        // as long as a device serves it or a frame holds a block learnt under it
+        // (`base_files`): another file under that id is not taken, whether or not the
+        // device that brought the first is still connected (blocks stay indexed after it
+        // left, and would be served for the second file's reads).
         let file_of = |f: &File| {
             use std::os::unix::fs::MetadataExt;
             f.metadata().ok().map(|m| (m.dev(), m.ino()))
         };
+        let base_files = &mut self.base_files;
         let bases: HashMap<DiskId, File> = bases
             .into_iter()
             .filter(|(id, f)| {
-                let clash = self.by_token.values().any(|d| {
-                    d.bases
-                        .get(id)
-                        .is_some_and(|g| file_of(g).is_none() || file_of(g) != file_of(f))
-                });
-                if clash {
+                let taken = match (file_of(f), base_files.get(id)) {
+                    (None, _) => false,
+                    (Some(file), Some(&first)) => file == first,
+                    (Some(file), None) => {
+                        base_files.insert(*id, file);
+                        true
+                    }
+                };
+                if !taken {
                     tracing::warn!(
-                        "block device {token}: {id} names another file than the one other \
-                         devices serve under it; not taken"
+                        "block device {token}: {id} names another file than the one taken \
+                         under it before (or one whose identity cannot be read); not taken"
                     );
                 }
-                !clash
+                taken
             })
             .collect();
         self.by_token.insert(
@@ -365,6 +379,22 @@ impl Devices {
                 told_full: false,
             },
         );
+    }
+
+    /// Past [`MAX_BASE_FILES`] disk ids, forgets the files of those that no connected
+    /// device serves and of which `indexed` (called then only: the disks the engine's
+    /// frames hold blocks of, [`memfold_core::Engine::indexed_disks`]) holds no block: an
+    /// id forgotten so has nothing left that another file under it could be served.
+    pub(crate) fn forget_unused_bases<I>(&mut self, indexed: impl FnOnce() -> I)
+    where
+        I: IntoIterator<Item = DiskId>,
+    {
+        if self.base_files.len() <= MAX_BASE_FILES {
+            return;
+        }
+        let mut keep: std::collections::HashSet<DiskId> = indexed().into_iter().collect();
+        keep.extend(self.by_token.values().flat_map(|d| d.bases.keys().copied()));
+        self.base_files.retain(|id, _| keep.contains(id));
     }
 
     /// Device connection `token` ended.

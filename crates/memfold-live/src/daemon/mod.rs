@@ -506,7 +506,11 @@ impl Daemon {
                 bases,
                 pid,
                 pidfd,
-            } => self.devices.hello(token, conn, bases, (pid, pidfd)),
+            } => {
+                self.devices.hello(token, conn, bases, (pid, pidfd));
+                self.devices
+                    .forget_unused_bases(|| self.engine.indexed_disks());
+            }
             Input::Device { token, msg } => {
                 self.devices
                     .message(&mut self.engine, &mut self.guests, token, msg)

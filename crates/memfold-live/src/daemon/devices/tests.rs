@@ -167,41 +167,91 @@ fn news_join_a_catch_up_and_stale_blocks_are_left_out() {
     assert_eq!(d.by_token[&1].dropped, 0);
 }
 
+/// Devices (none yet), a socket to connect them on, and two one-page files `one` and
+/// `other` in the returned folder; the id is `one`'s.
+fn two_files() -> (tempfile::TempDir, Devices, memfold_wire::Listener, DiskId) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("one"), [1u8; 4096]).unwrap();
+    std::fs::write(dir.path().join("other"), [2u8; 4096]).unwrap();
+    let id = DiskId::of_metadata(&std::fs::metadata(dir.path().join("one")).unwrap());
+    let listener = memfold_wire::Listener::bind(&dir.path().join("sock")).unwrap();
+    (dir, Devices::default(), listener, id)
+}
+
+/// Device `token` says hello serving file `name` of `dir` under `id`; whether it took it.
+fn hello_with(
+    d: &mut Devices,
+    (dir, listener): (&std::path::Path, &memfold_wire::Listener),
+    token: u64,
+    id: DiskId,
+    name: &str,
+) -> bool {
+    let _c = Conn::connect(&dir.join("sock")).unwrap();
+    let me = std::process::id();
+    d.hello(
+        token,
+        listener.accept().unwrap(),
+        vec![(id, File::open(dir.join(name)).unwrap())],
+        (me, memfold_sys::pidfd::open(me).unwrap()),
+    );
+    d.by_token[&token].bases.contains_key(&id)
+}
+
 /// Two files under one disk id (a hash collision aimed at by one who sets a base's
 /// size and mtime): the second device's is not taken, so no candidate of that id is
-/// checked through the wrong file. The same file under its id is. Fails without the
-/// check.
+/// checked through the wrong file — also once the first file's device has gone (its
+/// blocks stay indexed). The same file under its id is. Fails without the check, and
+/// (the second half) with only connected devices' files compared.
 #[test]
 fn a_second_file_under_a_disk_id_already_served_is_not_taken() {
-    let dir = tempfile::tempdir().unwrap();
-    let (one, other) = (dir.path().join("one"), dir.path().join("other"));
-    std::fs::write(&one, [1u8; 4096]).unwrap();
-    std::fs::write(&other, [2u8; 4096]).unwrap();
-    let id = DiskId::of_metadata(&std::fs::metadata(&one).unwrap());
-    let me = std::process::id();
-    let path = dir.path().join("sock");
-    let listener = memfold_wire::Listener::bind(&path).unwrap();
-    let mut d = Devices::default();
-    let mut hello = |token, file: &std::path::Path| {
-        let _c = Conn::connect(&path).unwrap();
-        d.hello(
-            token,
-            listener.accept().unwrap(),
-            vec![(id, File::open(file).unwrap())],
-            (me, memfold_sys::pidfd::open(me).unwrap()),
-        );
-    };
-    hello(1, &one);
-    hello(2, &other);
-    hello(3, &one);
-    assert!(d.by_token[&1].bases.contains_key(&id));
+    let (dir, mut d, listener, id) = two_files();
+    let at = (dir.path(), &listener);
+    assert!(hello_with(&mut d, at, 1, id, "one"));
     assert!(
-        !d.by_token[&2].bases.contains_key(&id),
+        !hello_with(&mut d, at, 2, id, "other"),
         "a second file taken"
     );
     assert!(
-        d.by_token[&3].bases.contains_key(&id),
+        hello_with(&mut d, at, 3, id, "one"),
         "the same file refused"
+    );
+    for token in 1..=3 {
+        d.gone(token);
+    }
+    assert!(
+        !hello_with(&mut d, at, 4, id, "other"),
+        "a second file taken once the first one's devices had gone"
+    );
+    assert!(hello_with(&mut d, at, 5, id, "one"));
+}
+
+/// Past [`MAX_BASE_FILES`] ids, the files of ids no device serves and no frame holds
+/// a block of are forgotten, and only those: an id a connected device serves, or one
+/// the engine indexes, keeps its file. Fails with either kept set left out.
+#[test]
+fn only_unused_disk_ids_are_forgotten() {
+    let (dir, mut d, listener, id) = two_files();
+    let at = (dir.path(), &listener);
+    let (indexed, unused) = (DiskId(1), DiskId(2));
+    for i in 0..MAX_BASE_FILES as u64 {
+        d.base_files.insert(DiskId(i + 1), (0, i));
+    }
+    d.forget_unused_bases(|| -> [DiskId; 0] { panic!("asked at the bound") });
+    assert!(hello_with(&mut d, at, 1, id, "one"));
+    d.forget_unused_bases(|| [indexed]);
+    assert_eq!(d.base_files.len(), 2, "{:?}", d.base_files.keys());
+    assert!(
+        d.base_files.contains_key(&indexed),
+        "an indexed id forgotten"
+    );
+    d.gone(1);
+    assert!(
+        !hello_with(&mut d, at, 2, id, "other"),
+        "a served id's file forgotten"
+    );
+    assert!(
+        hello_with(&mut d, at, 3, unused, "other"),
+        "an unused id kept"
     );
 }
 
