@@ -241,10 +241,12 @@ impl Engine {
                         v.state(gfn) == PageState::Moving(blob) || self.orphans.contains(&blob)
                     }
                     Command::Stash { gfn, blob, .. } => v.state(gfn) == PageState::Stashing(blob),
+                    // Not while its discard is under way (free_discard.rs: the watch
+                    // would re-arm the page for that discard after a write).
+                    Command::Watch { gfn, .. } => !v.free_watch.held.contains(&gfn),
                     // Nothing in flight: the page may change before the agent acts.
                     Command::ClockScan { .. }
                     | Command::TakeBack { .. }
-                    | Command::Watch { .. }
                     | Command::PageOut { .. } => true,
                 };
                 if !ok {

@@ -162,8 +162,15 @@ impl Engine {
         // them a round, from where the last round stopped: a guest whose RAM is a sieve
         // of holes, reporting few pages free, must not cost memfoldd's main loop a walk
         // of every data run of its RAM at every report.
+        // INVARIANT: a page whose discard is under way (`free_watch.held`) is in no new
+        // round. Its discard may still wait in the queue, and memfoldd sends a flush's
+        // watches before its discards: a new watch would set the page's bit again after
+        // a write (a CoW break left it private) and the old discard would punch the
+        // guest's bytes out (`a_page_whose_discard_waits_is_not_watched_again_by_a_new_round`).
         let end = v.pages();
-        let free = |g: u32| map.buddy(Gfn(g)) && v.state(Gfn(g)) == PageState::Private;
+        let going = |g: Gfn| v.free_watch.held.contains(&g);
+        let free =
+            |g: u32| map.buddy(Gfn(g)) && v.state(Gfn(g)) == PageState::Private && !going(Gfn(g));
         let resume = v.free_watch.resume.min(end);
         let (mut want, mut asks, mut g) = (Vec::new(), 0, resume);
         let mut wrapped = false;
@@ -207,8 +214,7 @@ impl Engine {
             // Out of budget or room mid-run: the next round goes on from there.
             g = from;
         }
-        let w = &mut v.free_watch;
-        w.resume = if g >= end { 0 } else { g };
+        v.free_watch.resume = if g >= end { 0 } else { g };
         let held = (0..end)
             .map(Gfn)
             .filter(|&g| {
@@ -217,7 +223,7 @@ impl Engine {
                     PageState::Shared(_) | PageState::Stored(_) | PageState::Unmapped(_)
                 )
             })
-            .filter(|&g| map.buddy(g));
+            .filter(|&g| map.buddy(g) && !going(g));
         want.extend(held.take(MAX_WATCH - want.len()));
         let asked = want.len();
         for gfn in want {
