@@ -45,6 +45,7 @@ pub mod never_share;
 mod outcomes;
 mod page_hints;
 mod scan;
+pub mod send_order;
 mod unmapped;
 pub mod wait_target;
 
@@ -595,12 +596,13 @@ impl Engine {
             .collect()
     }
 
-    /// Hands out guest `id`'s waiting commands (the executor sends them). Blobs written to
-    /// its swap file are synced first, so that swapped pages really leave host memory; if
-    /// the sync fails (EIO, a full disk), the stashes to swap are refused here and never
-    /// sent — their blobs may not be on disk, and the pages stay in guest RAM (issue 14:
-    /// a failed `fdatasync` must not lose a byte).
-    pub fn take_commands(&mut self, id: VmId) -> Vec<Command> {
+    /// Guest `id`'s waiting commands, in the order they were queued
+    /// ([`Engine::take_commands`] hands them out in send order). Blobs written to its swap
+    /// file are synced first, so that swapped pages really leave host memory; if the sync
+    /// fails (EIO, a full disk), the stashes to swap are refused here and never sent —
+    /// their blobs may not be on disk, and the pages stay in guest RAM (issue 14: a failed
+    /// `fdatasync` must not lose a byte).
+    fn take_queue(&mut self, id: VmId) -> Vec<Command> {
         let Some(v) = self.vms.get_mut(&id) else {
             return Vec::new();
         };

@@ -9,6 +9,7 @@
 use std::collections::{HashMap, HashSet};
 
 use memfold_core::blobs::{BlobHome, Form};
+use memfold_core::engine::send_order::send_rank;
 use memfold_core::engine::{Command, Outcome, Stash};
 use memfold_core::ids::{BatchId, Gfn, VmId};
 use memfold_core::Encoding;
@@ -78,64 +79,48 @@ fn stash_page(gfn: Gfn, s: &Stash) -> StashPage {
 }
 
 impl Executor {
-    /// Sends every guest's waiting commands: stashes, shares, reclaims, each in batches of
-    /// at most [`MAX_BATCH`] pages, and clock scans one by one.
+    /// Sends every guest's waiting commands in the engine's send order
+    /// ([`send_rank`]): clock scans one by one, every other kind in batches of one rank
+    /// (fills: one nonce) of at most [`MAX_BATCH`] pages.
     pub(crate) fn flush(&mut self, engine: &mut Engine, guests: &Guests) {
         for vm in engine.vms_with_commands() {
             if guests.conn(vm).is_some_and(|c| !c.has_room()) {
                 // Its agent is behind: its commands wait in the engine's queue.
                 continue;
             }
-            let cmds = engine.take_commands(vm);
-            let mut by_kind: [Vec<Command>; 7] = Default::default();
-            // Fills go one batch per nonce (per device request).
-            let mut fills: std::collections::BTreeMap<[u64; 2], Vec<Command>> = Default::default();
-            for c in cmds {
-                match c {
-                    Command::Fill { nonce, .. } => fills.entry(nonce).or_default().push(c),
-                    Command::Stash { .. } => by_kind[0].push(c),
-                    Command::Share { .. } => by_kind[1].push(c),
-                    Command::Reclaim { .. } => by_kind[2].push(c),
-                    Command::TakeBack { .. } => by_kind[3].push(c),
-                    Command::Watch { .. } => by_kind[4].push(c),
-                    Command::DiscardFree { .. } => by_kind[5].push(c),
-                    Command::PageOut { .. } => by_kind[6].push(c),
+            // In send order (`send_order::send_rank`): a batch is a run of one rank, at
+            // most MAX_BATCH pages; the model carries commands out in this order too.
+            let mut cmds = engine.take_commands(vm).into_iter().peekable();
+            while let Some(c) = cmds.next() {
+                let kind = match c {
                     // An agent that does not answer its clock slices is sent no more
                     // until it does: each would wait in `batches` for good (the engine
                     // asks for a slice every period, answered or not).
                     Command::ClockScan { .. } if self.clocks_under_way(vm) >= MAX_CLOCKS => {
-                        engine.outcome(vm, &c, Outcome::NotSent)
+                        engine.outcome(vm, &c, Outcome::NotSent);
+                        continue;
                     }
                     Command::ClockScan { .. } => {
-                        self.send(engine, guests, vm, Kind::Clock, vec![c])
+                        self.send(engine, guests, vm, Kind::Clock, vec![c]);
+                        continue;
+                    }
+                    Command::Fill { .. } | Command::Share { .. } => Kind::Share,
+                    Command::Stash { .. } => Kind::Stash,
+                    Command::Reclaim { .. } => Kind::Reclaim,
+                    Command::TakeBack { .. } => Kind::TakeBack,
+                    Command::Watch { .. } => Kind::Watch,
+                    Command::DiscardFree { .. } => Kind::Discard,
+                    Command::PageOut { .. } => Kind::PageOut,
+                };
+                let rank = send_rank(&c);
+                let mut batch = vec![c];
+                while batch.len() < MAX_BATCH {
+                    match cmds.next_if(|n| send_rank(n) == rank) {
+                        Some(n) => batch.push(n),
+                        None => break,
                     }
                 }
-            }
-            // Fills first: a device waits for each.
-            for (_, cmds) in fills {
-                let mut cmds = cmds;
-                while !cmds.is_empty() {
-                    let rest = cmds.split_off(cmds.len().min(MAX_BATCH));
-                    self.send(engine, guests, vm, Kind::Share, cmds);
-                    cmds = rest;
-                }
-            }
-            let kinds = [
-                Kind::Stash,
-                Kind::Share,
-                Kind::Reclaim,
-                Kind::TakeBack,
-                Kind::Watch,
-                Kind::Discard,
-                Kind::PageOut,
-            ];
-            for (kind, cmds) in kinds.into_iter().zip(by_kind) {
-                let mut cmds = cmds;
-                while !cmds.is_empty() {
-                    let rest = cmds.split_off(cmds.len().min(MAX_BATCH));
-                    self.send(engine, guests, vm, kind, cmds);
-                    cmds = rest;
-                }
+                self.send(engine, guests, vm, kind, batch);
             }
         }
     }
