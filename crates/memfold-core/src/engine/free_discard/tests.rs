@@ -57,6 +57,19 @@ fn runs_of(pages: u32, free: impl Fn(u32) -> bool) -> Vec<CategoryRun> {
         .collect()
 }
 
+/// One watch round over the pages `free` (all private or held, with data): the report,
+/// a watch of each, carried out; the round it armed.
+fn armed_round(r: &mut Rig, free: &[u32]) -> super::WatchRound {
+    report(r, free);
+    assert_eq!(
+        r.engine.discard_free(r.vm, None, true),
+        free.len(),
+        "watches"
+    );
+    r.carry_out();
+    r.engine.watch_armed(r.vm).expect("armed")
+}
+
 /// Bytes of pages 0..4 in [`shared_rig`].
 const DUP: [u8; PAGE_SIZE] = [0x5a; PAGE_SIZE];
 
@@ -201,10 +214,7 @@ fn shared_pages_reported_free_are_dropped_from_their_frame_without_a_copy() {
     let mut r = shared_rig();
     let dup = DUP;
     let shared_before = r.engine.books().vms[0].books.shared_pages;
-    report(&mut r, &[0, 1, 2]);
-    assert_eq!(r.engine.discard_free(r.vm, None, true), 3, "watches");
-    r.carry_out();
-    let round = r.engine.watch_armed(r.vm).expect("armed");
+    let round = armed_round(&mut r, &[0, 1, 2]);
     // The guest writes page 1 after its watch: a CoW break, its own bytes again.
     r.agent.write(Gfn(1), 0, b"mine").unwrap();
     r.report();
@@ -244,10 +254,7 @@ fn shared_pages_reported_free_are_dropped_from_their_frame_without_a_copy() {
 fn a_page_written_and_shared_again_after_the_sample_is_not_discarded() {
     let mut r = shared_rig();
     let dup = DUP;
-    report(&mut r, &[0]);
-    assert_eq!(r.engine.discard_free(r.vm, None, true), 1);
-    r.carry_out();
-    let round = r.engine.watch_armed(r.vm).expect("armed");
+    let round = armed_round(&mut r, &[0]);
     // The guest's report: sampled now, page 0 free...
     let sampled = sample(&[0]);
     // ...then page 0 allocated and written (a CoW break), and shared again.
@@ -316,10 +323,7 @@ fn stored_pages_reported_free_release_their_blobs() {
         .collect();
     assert!(stored.len() >= 8, "stored: {stored:?}");
     let free: Vec<u32> = stored[..6].to_vec();
-    report(&mut r, &free);
-    assert_eq!(r.engine.discard_free(r.vm, None, true), free.len());
-    r.carry_out();
-    let round = r.engine.watch_armed(r.vm).expect("armed");
+    let round = armed_round(&mut r, &free);
     // A read decodes the first one: a new home, its watch over.
     assert_eq!(r.agent.read(Gfn(free[0])).unwrap().to_vec(), text(free[0]));
     r.report();
@@ -500,10 +504,7 @@ fn a_round_stops_inside_a_long_run_and_the_next_lists_no_page_twice() {
 #[test]
 fn a_refill_before_its_shared_page_s_discard_answer_leaves_the_page_private() {
     let mut r = shared_rig();
-    report(&mut r, &[0]);
-    assert_eq!(r.engine.discard_free(r.vm, None, true), 1, "watches");
-    r.carry_out();
-    let round = r.engine.watch_armed(r.vm).expect("armed");
+    let round = armed_round(&mut r, &[0]);
     report(&mut r, &[0]);
     assert_eq!(r.engine.discard_free(r.vm, Some(round), true), 1);
     let mut held = Vec::new();
@@ -581,10 +582,7 @@ fn a_page_broken_to_be_unmapped_before_its_discard_s_answer_is_left_for_it() {
 #[test]
 fn a_page_whose_discard_waits_is_not_watched_again_by_a_new_round() {
     let mut r = shared_rig();
-    report(&mut r, &[0]);
-    assert_eq!(r.engine.discard_free(r.vm, None, true), 1, "watch");
-    r.carry_out();
-    let round = r.engine.watch_armed(r.vm).expect("armed");
+    let round = armed_round(&mut r, &[0]);
     report(&mut r, &[0]);
     assert_eq!(r.engine.discard_free(r.vm, Some(round), true), 1, "discard");
     let waiting = r.engine.take_commands(r.vm);
