@@ -179,7 +179,7 @@ impl Agent {
                 }
             }
             ToAgent::PageOut { batch, gfns } => {
-                let o = self.page_out(gfns)?;
+                let o = self.page_out(gfns);
                 ToDaemon::PageOutDone {
                     batch,
                     paged: o.done,
