@@ -158,7 +158,11 @@ impl Engine {
                 v.books.page_outs += 1;
             }
             // Never sent: the page is as it was, and may be paged out at the next pass.
+            // Not going: the page changed state since it was asked (shared, filled or
+            // punched by a request sent ahead of the page-out, `send_order`), which is
+            // why the agent refused: not a page that stays in RAM.
             Outcome::Done | Outcome::Lost | Outcome::NotSent => {}
+            Outcome::Changed | Outcome::Refused if !going => {}
             Outcome::Changed | Outcome::Refused => {
                 v.books.page_outs_kept += 1;
                 // Not tried again until the guest writes it (as a page that neither
@@ -543,12 +547,34 @@ mod tests {
     #[test]
     fn a_page_touched_since_its_arming_stays_in_ram_and_is_counted_kept() {
         let mut r = rig(CompressBacking::Zswap, 8);
+        r.engine.queue_page_out(r.vm, Gfn(3));
         r.engine
             .outcome(r.vm, &Command::PageOut { gfn: Gfn(3) }, Outcome::Changed);
         let b = &r.engine.books().vms[0].books;
         assert_eq!((b.paged_out_pages, b.page_outs_kept), (0, 1));
+        assert!(r.engine.vms[&r.vm].hints.de_failed(Gfn(3)), "held back");
         // A mark for a page that is not private any more is not set.
         r.engine.paged_in(r.vm, &[Gfn(3)]);
         assert_eq!(r.engine.books().vms[0].books.paged_ins, 0);
+    }
+
+    #[test]
+    fn a_page_out_refused_after_the_page_changed_state_counts_nothing() {
+        // A page-out queued, then a request for the same page sent ahead of it (the send
+        // order puts shares, fills and discards first): its state change ends the
+        // page-out, which the agent then refuses (not private). Seen failing with the
+        // refusal counted: kept 1, the page held back from the Difference Engine.
+        let mut r = rig(CompressBacking::Zswap, 8);
+        r.engine.queue_page_out(r.vm, Gfn(3));
+        r.engine
+            .vms
+            .get_mut(&r.vm)
+            .unwrap()
+            .set(Gfn(3), PageState::Reclaiming);
+        r.engine
+            .outcome(r.vm, &Command::PageOut { gfn: Gfn(3) }, Outcome::Refused);
+        let v = &r.engine.vms[&r.vm];
+        assert_eq!(v.books.page_outs_kept, 0);
+        assert!(!v.hints.de_failed(Gfn(3)));
     }
 }
