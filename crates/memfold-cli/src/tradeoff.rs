@@ -19,7 +19,8 @@
 //! The verdict per guest set follows the goal: memfold's best (least memory)
 //! unmarked point against the best unmarked peer point (least memory, any setting), over
 //! the same workloads; met when memfold leaves ≤ 0.75× its memory at a slowdown no larger
-//! than the peer's (within two standard errors) and at no more CPU.
+//! than the peer's (within two standard errors) and at no more CPU per second of run (the
+//! best points may come from runs of different lengths).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -394,9 +395,15 @@ fn verdict(points: &[&Point]) -> String {
         }
         _ => why.push("no slowdown measured (run with --plain-twins)".into()),
     }
-    // A missing figure fails: NaN would compare false and pass.
-    match (m.cpu_s, p.cpu_s) {
-        (Some(mc), Some(pc)) if mc > pc => why.push(format!("CPU {mc:.1} s > {pc:.1} s")),
+    // A missing figure fails: NaN would compare false and pass. Per second of run: the
+    // best points of two sides may come from runs of different lengths (600 s, 240 s).
+    let per_s = |cpu: Option<f64>, secs: u64| cpu.filter(|_| secs > 0).map(|c| c / secs as f64);
+    match (per_s(m.cpu_s, m.secs), per_s(p.cpu_s, p.secs)) {
+        (Some(mc), Some(pc)) if mc > pc => why.push(format!(
+            "CPU {:.1}% of a core > {:.1}%",
+            mc * 100.0,
+            pc * 100.0
+        )),
         (Some(_), Some(_)) => {}
         _ => why.push("CPU not measured".into()),
     }
@@ -648,6 +655,15 @@ mod tests {
         // PSI on both sides, and memfold's waits on its agents (2.5% over two guests).
         assert!(t.contains("| 0.00 | 2.50 | — |"), "{t}");
         assert!(t.contains("| 2.50 | — | 0 |"), "{t}");
+        // CPU is compared per second of run: 40 s in 600 s (6.7% of a core) is less than
+        // the peer's 30 s in 240 s (12.5%), 40 s in 240 s more.
+        let mut long = run_json(140.0, 250.0, 0.95, 0.90, 40.0);
+        long["secs"] = serde_json::json!(600);
+        let long = written(dir.path(), "l.json", long);
+        let v = verdict(&[&long[0], &both[1]]);
+        assert!(v.ends_with("goal met"), "{v}");
+        let v = verdict(&[&both[2], &both[1]]);
+        assert!(v.contains("CPU 16.7% of a core > 12.5%"), "{v}");
         // No CPU figure for the peer: not met, not passed by a NaN.
         let mut no_cpu = run_json(140.0, 250.0, 0.95, 0.90, 20.0);
         no_cpu.as_object_mut().unwrap().remove("peer_cpu_s");
