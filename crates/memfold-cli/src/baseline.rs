@@ -126,9 +126,10 @@ impl Comparison {
             static_resident_zero_bytes: all.zero_pages as f64 * 4096.0,
             ksm_saved_bytes: run.saved_bytes,
             ksm_pages_sharing_bytes: run.ksm_sharing_bytes,
-            ksm_zero_and_split_bytes: run.saved_bytes - run.ksm_sharing_bytes,
+            // Gross of KSM's rmap items, as pages_sharing is.
+            ksm_zero_and_split_bytes: run.saved_bytes + run.own_bytes - run.ksm_sharing_bytes,
             nonzero_identical_vs_pages_sharing: rel(nonzero, run.ksm_sharing_bytes),
-            static_sharing_vs_ksm: rel(sharing, run.saved_bytes),
+            static_sharing_vs_ksm: rel(sharing, run.saved_bytes + run.own_bytes),
         }
     }
 

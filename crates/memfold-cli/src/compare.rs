@@ -15,7 +15,7 @@ use memfold_vm::launcher::RamBackend;
 mod ksm_side;
 pub use ksm_side::{ksm_side, KsmSide};
 
-use crate::run::measure::{t95_text, MemfoldRun, Throughput, MIB};
+use crate::run::measure::{t95_text, tail_mean, MemfoldRun, Throughput, MIB};
 use crate::run::{self, MemfoldArgs, RunArgs, Twins};
 
 /// Arguments of `memfold compare`.
@@ -258,6 +258,8 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "ksm_used_after_bytes": k.used_before as f64 - k.saved_bytes,
         "memfold_books_saved_bytes": m.books_saved_bytes,
         "ksm_pages_sharing_bytes": k.ksm_sharing_bytes,
+        "memfold_own_bytes": tail_mean(&m.samples, |s| s.t, |s| s.own_bytes as f64),
+        "ksm_own_bytes": k.own_bytes,
         "memfold_t95_s": m.t95_s,
         "ksm_t95_s": k.t95_s,
         "memfold_cpu_s": m.cpu_s,
@@ -482,6 +484,20 @@ fn compare_kit(
     // Set apart: one `json!` this long passes the macro's recursion limit.
     for (k, v) in [
         ("memfold_blk_cpu_s", serde_json::json!(m.blk_cpu_s)),
+        // Of what each side leaves, the mechanism's own memory (memfoldd's heap; KSM's
+        // rmap items), and memfold-blk's, counted in neither: means over the last 10 s.
+        (
+            "memfold_own_bytes",
+            tail_mean(&m.samples, |s| s.t, |s| s.own_bytes as f64).into(),
+        ),
+        (
+            "memfold_blk_bytes",
+            tail_mean(&m.samples, |s| s.t, |s| s.blk_bytes as f64).into(),
+        ),
+        (
+            "peer_own_bytes",
+            tail_mean(&p.samples, |s| s.t, |s| s.own_bytes as f64).into(),
+        ),
         ("memfold_guest_mismatches", m.mismatches.len().into()),
         ("memfold_marks", serde_json::json!(m.marks())),
         ("memfold_page_cluster", serde_json::json!(m.page_cluster)),
@@ -608,6 +624,7 @@ mod tests {
                 used_before: 0,
                 saved_bytes: 0.0,
                 ksm_sharing_bytes: 0.0,
+                own_bytes: 0.0,
                 t95_s: None,
                 census_cpu_s: 0.0,
                 interrupted,
@@ -645,6 +662,8 @@ mod tests {
         paused.samples.push(crate::run::measure::Sample {
             t: 40.0,
             used_bytes: 0,
+            own_bytes: 0,
+            blk_bytes: 0,
             stats: Default::default(),
             daemon_restarts: 0,
             paused: vec!["db-1".into()],

@@ -41,8 +41,12 @@ pub struct KsmSample {
     /// KSM counters.
     pub ksm: KsmStats,
     /// Host memory used by guest RAM (`memfold_vm::hostmem` for anonymous RAM: Pss over
-    /// guests, plus guest RAM's share of the zswap pool when any is swapped), bytes.
+    /// guests, plus guest RAM's share of the zswap pool when any is swapped), and KSM's
+    /// own (`own_bytes`), bytes.
     pub used_bytes: u64,
+    /// Of `used_bytes`, KSM's own memory in the kernel, bytes ([`KsmStats::rmap_bytes`]):
+    /// the mechanism's cost, counted as memfold's own is.
+    pub own_bytes: u64,
     /// Rss of guest RAM over guests, bytes.
     pub rss_bytes: u64,
     /// The sharing potential and what KSM captured of it, when a census was taken.
@@ -61,6 +65,9 @@ pub struct KsmRun {
     pub saved_bytes: f64,
     /// Mean over the last 10 s: pages_sharing × 4096 (KSM's own count), bytes.
     pub ksm_sharing_bytes: f64,
+    /// Mean over the last 10 s: KSM's own memory (its rmap items), bytes; `saved_bytes`
+    /// is net of it.
+    pub own_bytes: f64,
     /// Seconds until the saving first reached 95% of its plateau.
     pub t95_s: Option<f64>,
     /// CPU seconds the censuses took (`--census`): read in this process's sampling thread,
@@ -100,7 +107,7 @@ pub fn run_mode(
     census: Option<u64>,
     stop: Option<&AtomicBool>,
 ) -> Result<KsmRun> {
-    let (used_before, _) = used(guests)?;
+    let used_before = used(guests)?.0 + ksm.stats()?.rmap_bytes();
     ksm.start(mode)?;
     let mut samples = Vec::new();
     let mut censuses = crate::census::CensusEvery::new(census);
@@ -113,10 +120,12 @@ pub fn run_mode(
         }
         let (u, rss) = used(guests)?;
         let t = start.elapsed().as_secs_f64();
+        let stats = ksm.stats()?;
         let s = KsmSample {
             t,
-            ksm: ksm.stats()?,
-            used_bytes: u,
+            ksm: stats,
+            used_bytes: u + stats.rmap_bytes(),
+            own_bytes: stats.rmap_bytes(),
             rss_bytes: rss,
             census: if censuses.due(t) {
                 Some(timed(&mut census_cpu_s, || {
@@ -131,7 +140,7 @@ pub fn run_mode(
             "\r  ksm {:<10} {:>5.0} s  saved {:>7.1} MiB  pages_sharing {:>7}   ",
             mode.name,
             s.t,
-            saved_mib(used_before, u),
+            saved_mib(used_before, s.used_bytes),
             s.ksm.pages_sharing
         );
         samples.push(s);
@@ -140,11 +149,13 @@ pub fn run_mode(
     eprintln!();
     let (saved_bytes, t95_s) = plateau(used_before, samples.iter().map(|s| (s.t, s.used_bytes)));
     let ksm_sharing_bytes = tail_mean(&samples, |s| s.t, |s| s.ksm.pages_sharing as f64 * 4096.0);
+    let own_bytes = tail_mean(&samples, |s| s.t, |s| s.own_bytes as f64);
     Ok(KsmRun {
         mode: mode.name,
         used_before,
         saved_bytes,
         ksm_sharing_bytes,
+        own_bytes,
         t95_s,
         census_cpu_s,
         interrupted: sampled_s < secs as f64 && stop.is_some_and(|s| s.load(Ordering::SeqCst)),
@@ -156,21 +167,24 @@ pub fn run_mode(
 pub fn write_outputs(out: &Path, runs: &[KsmRun]) -> Result<()> {
     let csv = out.join("ksm.csv");
     let mut f = crate::create_output(&csv)?;
-    writeln!(f, "mode,t_s,used_bytes,rss_bytes,saved_bytes,pages_shared,pages_sharing,ksm_zero_pages,general_profit,full_scans")?;
+    writeln!(f, "mode,t_s,used_bytes,own_bytes,rss_bytes,saved_bytes,pages_shared,pages_sharing,ksm_zero_pages,general_profit,full_scans")?;
     for r in runs {
         for s in &r.samples {
             writeln!(
                 f,
-                "{},{:.1},{},{},{},{},{},{},{},{}",
+                "{},{:.1},{},{},{},{},{},{},{},{},{}",
                 r.mode,
                 s.t,
                 s.used_bytes,
+                s.own_bytes,
                 s.rss_bytes,
                 r.used_before as i64 - s.used_bytes as i64,
                 s.ksm.pages_shared,
                 s.ksm.pages_sharing,
                 s.ksm.ksm_zero_pages,
-                s.ksm.general_profit,
+                s.ksm
+                    .general_profit
+                    .map_or(String::new(), |p| p.to_string()),
                 s.ksm.full_scans
             )?;
         }

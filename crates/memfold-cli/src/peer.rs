@@ -51,8 +51,11 @@ pub struct PeerSample {
     /// Seconds since KSM and the controller started.
     pub t: f64,
     /// Host memory the guests' RAM takes: `pss_bytes` + guest RAM's share of
-    /// `zswap_pool_bytes` ([`peer_used`]).
+    /// `zswap_pool_bytes` ([`peer_used`]), and KSM's own (`own_bytes`).
     pub used_bytes: u64,
+    /// Of `used_bytes`, KSM's own memory in the kernel, bytes (its rmap items,
+    /// `KsmStats::rmap_bytes`): the kit's cost, counted as memfoldd's is on memfold's side.
+    pub own_bytes: u64,
     /// Pss of the guests' RAM mappings, bytes.
     pub pss_bytes: u64,
     /// The zswap pool's own bytes (host-wide).
@@ -267,10 +270,12 @@ fn guests_pss(guests: &[Guest]) -> Result<u64> {
 
 /// Host memory guest RAM `ram` uses by the peer's measure, bytes: its Pss plus its share
 /// of the zswap pool (`pool` × its swap / `zswapped`, [`zswap_share`]): the pool holds
-/// QEMU's own swapped memory too.
+/// QEMU's own swapped memory too. Its swap is `SwapPss`: a KSM page swapped out is one
+/// slot for all its sharers, which `Swap:` counts once per guest mapping it (before
+/// 2026-12-03 it did, and the share reached the whole pool in the 600 s runs).
 fn peer_used(ram: &[memfold_vm::hostmem::RamUsage], pool: u64, zswapped: u64) -> u64 {
     let pss: u64 = ram.iter().map(|u| u.pss).sum();
-    let swap: u64 = ram.iter().map(|u| u.swap).sum();
+    let swap: u64 = ram.iter().map(|u| u.anon_swap_pss).sum();
     pss + zswap_share(pool, zswapped, swap)
 }
 
@@ -393,7 +398,7 @@ pub fn run_ksm_zswap(
     }
     let ksm = Ksm::take_control()?;
     ksm.unmerge()?;
-    let used_before = guests_used(&gs)?;
+    let used_before = guests_used(&gs)? + ksm.stats()?.rmap_bytes();
     let plain_pss = |plain: &[Guest]| -> Result<Option<u64>> {
         Ok(if plain.is_empty() {
             None
@@ -539,9 +544,11 @@ pub fn run_ksm_zswap(
         let (pool, zswapped) = reclaim::zswap_pool()?;
         let pss = ram.iter().map(|u| u.pss).sum();
         let pressure = second.lap()?;
+        let ksm_now = ksm.stats()?;
         let s = PeerSample {
             t: start.elapsed().as_secs_f64(),
-            used_bytes: peer_used(&ram, pool, zswapped),
+            used_bytes: peer_used(&ram, pool, zswapped) + ksm_now.rmap_bytes(),
+            own_bytes: ksm_now.rmap_bytes(),
             pss_bytes: pss,
             zswap_pool_bytes: pool,
             zswapped_bytes: zswapped,
@@ -549,7 +556,7 @@ pub fn run_ksm_zswap(
             usage_bytes: group.usage()?,
             limit_bytes: group.limit()?,
             pressure,
-            pages_sharing: ksm.stats()?.pages_sharing,
+            pages_sharing: ksm_now.pages_sharing,
             swap_free_bytes: SwapSpace::now()?.free,
             under_oom: group.oom()?.under_oom,
             plain_pss_bytes: plain_pss(&plain)?,
@@ -637,14 +644,15 @@ pub fn run_ksm_zswap(
 pub fn write_csv(path: &std::path::Path, p: &PeerRun) -> Result<()> {
     use std::io::Write;
     let mut f = crate::create_output(path)?;
-    writeln!(f, "t_s,used_bytes,saved_bytes,pss_bytes,zswap_pool_bytes,zswapped_bytes,swapped_bytes,usage_bytes,limit_bytes,pressure_pct,pages_sharing,swap_free_bytes,under_oom,plain_pss_bytes")?;
+    writeln!(f, "t_s,used_bytes,saved_bytes,own_bytes,pss_bytes,zswap_pool_bytes,zswapped_bytes,swapped_bytes,usage_bytes,limit_bytes,pressure_pct,pages_sharing,swap_free_bytes,under_oom,plain_pss_bytes")?;
     for s in &p.samples {
         writeln!(
             f,
-            "{:.1},{},{},{},{},{},{},{},{},{:.3},{},{},{},{}",
+            "{:.1},{},{},{},{},{},{},{},{},{},{:.3},{},{},{},{}",
             s.t,
             s.used_bytes,
             p.used_before as i64 - s.used_bytes as i64,
+            s.own_bytes,
             s.pss_bytes,
             s.zswap_pool_bytes,
             s.zswapped_bytes,
@@ -704,11 +712,24 @@ mod tests {
         let ram = [memfold_vm::hostmem::RamUsage {
             pss: 100 * MIB,
             swap: 300 * MIB,
+            anon_swap_pss: 300 * MIB,
             ..Default::default()
         }];
         assert_eq!(peer_used(&ram, 130 * MIB, 390 * MIB), 200 * MIB);
         // Pages written on to the swap file: never more than the pool.
         assert_eq!(peer_used(&ram, 130 * MIB, 100 * MIB), 230 * MIB);
+        // Two guests sharing 150 MiB of KSM pages, swapped out: 150 MiB of slots, which
+        // each guest's `Swap:` shows whole.
+        let sharer = memfold_vm::hostmem::RamUsage {
+            pss: 50 * MIB,
+            swap: 150 * MIB,
+            anon_swap_pss: 75 * MIB,
+            ..Default::default()
+        };
+        assert_eq!(
+            peer_used(&[sharer.clone(), sharer], 130 * MIB, 390 * MIB),
+            150 * MIB
+        );
     }
 
     #[test]

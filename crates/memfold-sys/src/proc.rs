@@ -110,6 +110,13 @@ pub fn rss_bytes(pid: u32) -> u64 {
     status_kib(pid, "VmRSS:") * 1024
 }
 
+/// Anonymous resident memory of process `pid` (`RssAnon` of `/proc/PID/status`), bytes:
+/// its heap and stacks, not its binary and libraries (file pages, shared with every
+/// process that maps them) nor the shared memory it maps; 0 if `/proc` does not say.
+pub fn rss_anon_bytes(pid: u32) -> u64 {
+    status_kib(pid, "RssAnon:") * 1024
+}
+
 /// The KiB of field `key` of `/proc/PID/status`; 0 if absent.
 fn status_kib(pid: u32, key: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -152,18 +159,50 @@ mod tests {
         let _alone = RSS_READERS.lock().unwrap_or_else(|e| e.into_inner());
         let me = std::process::id();
         let before = rss_bytes(me);
+        let anon_before = rss_anon_bytes(me);
         assert!(before > 0, "this process has a resident set");
+        // A shared memfd mapped and touched: resident, but not anonymous (as memfoldd's
+        // pool and store, counted as files).
+        let len = 128usize << 20;
+        let fd = crate::memfd::create("not-anonymous").unwrap();
+        crate::memfd::set_len(std::os::fd::AsFd::as_fd(&fd), len as u64).unwrap();
+        // SAFETY: a new shared mapping of a memfd this test owns, at an address the kernel
+        // picks, written only through `shared` below and unmapped at the test's end.
+        let shared = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                std::os::fd::AsRawFd::as_raw_fd(&fd),
+                0,
+            )
+        };
+        assert_ne!(shared, libc::MAP_FAILED);
+        for i in (0..len).step_by(4096) {
+            // SAFETY: within the mapping made above.
+            unsafe { *(shared as *mut u8).add(i) = 1 };
+        }
         let mut v = vec![0u8; 64 << 20];
         for p in v.chunks_mut(4096) {
             p[0] = 1;
         }
         let during = rss_bytes(me);
+        let anon_during = rss_anon_bytes(me);
         assert!(
             during >= before + (48 << 20),
             "64 MiB touched: rss {before} -> {during}"
         );
+        assert!(
+            // The upper bound leaves other tests' allocations 64 MiB.
+            (anon_before + (48 << 20)..anon_before + (128 << 20)).contains(&anon_during),
+            "64 MiB of heap touched, 128 MiB of a memfd mapped: RssAnon {anon_before} -> {anon_during}"
+        );
         drop(std::hint::black_box(v));
+        // SAFETY: the mapping made above, no longer used.
+        unsafe { libc::munmap(shared, len) };
         assert_eq!(rss_bytes(u32::MAX), 0, "no such process");
+        assert_eq!(rss_anon_bytes(u32::MAX), 0, "no such process");
     }
 
     #[test]

@@ -21,7 +21,8 @@
 //! A page used by guest RAM in host RAM is thus counted exactly once either way, and
 //! unused or swapped pages never, so KSM and memfold are measured alike; the zswap pool
 //! holding swapped pages of either kind is the caller's to add ([`total_swapped`] and
-//! [`RamUsage::anon_swap`] say how much of the swap is guest RAM's).
+//! [`RamUsage::anon_swap_pss`] say how much of the swap is guest RAM's), as is the
+//! mechanism's own memory (memfoldd's heap, KSM's rmap items: `memfold run`, the peer).
 
 use serde::Serialize;
 
@@ -39,6 +40,11 @@ pub struct RamUsage {
     /// Of `anon_used`, the swap of the anonymous RAM mappings (not host RAM: taken off
     /// in [`total_used`], as a memfd's swapped bytes are).
     pub anon_swap: u64,
+    /// The anonymous RAM mappings' proportional swap (`SwapPss`), bytes: a swap slot
+    /// that n mappings share (a KSM page swapped out, one slot for all its sharers)
+    /// counted 1/n in each, so once over all guests, where `anon_swap` counts it n
+    /// times. What guest RAM holds in the zswap pool is measured by this.
+    pub anon_swap_pss: u64,
     /// The memfd files mapped: (inode, bytes allocated to the file).
     pub memfd_files: Vec<(u64, u64)>,
     /// Of those, the bytes in the kernel's swap: (inode, bytes), the file's allocated
@@ -150,6 +156,20 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
             "process {pid} has no memory map: it has exited"
         )));
     }
+    let (mut total, inodes) = ram_mappings(&smaps, min_bytes);
+    let files = memfd_allocations(pid, &inodes)?;
+    total.memfd_files = files.iter().map(|&(ino, a, _)| (ino, a)).collect();
+    total.memfd_swapped = files
+        .iter()
+        .filter(|&&(_, _, s)| s > 0)
+        .map(|&(ino, _, s)| (ino, s))
+        .collect();
+    Ok(total)
+}
+
+/// The sums of [`guest_ram_usage`] over the guest-RAM mappings of `smaps` (the text of
+/// `/proc/PID/smaps`), and the inodes of the memfds mapped (their files not yet read).
+fn ram_mappings(smaps: &str, min_bytes: u64) -> (RamUsage, std::collections::BTreeSet<u64>) {
     let mut total = RamUsage::default();
     let mut counting = false;
     let mut anonymous = false;
@@ -206,17 +226,11 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
                     total.anon_used += v;
                 }
             }
+            "SwapPss:" if anonymous => total.anon_swap_pss += kb(),
             _ => {}
         }
     }
-    let files = memfd_allocations(pid, &inodes)?;
-    total.memfd_files = files.iter().map(|&(ino, a, _)| (ino, a)).collect();
-    total.memfd_swapped = files
-        .iter()
-        .filter(|&&(_, _, s)| s > 0)
-        .map(|&(ino, _, s)| (ino, s))
-        .collect();
-    Ok(total)
+    (total, inodes)
 }
 
 #[cfg(test)]
@@ -249,6 +263,34 @@ mod tests {
         assert_eq!(total_used(&[g(300), g(200)]), 20 + 1500 - 300);
         // Counted a moment before a punch: never more than the file holds.
         assert_eq!(total_swapped(&[g(5000)]), 1000);
+    }
+
+    #[test]
+    fn an_anonymous_mapping_s_proportional_swap_is_read_apart_from_its_swap() {
+        // Guest RAM (1 GiB, anonymous) with KSM pages swapped out that a second guest
+        // maps too: Swap counts their slots whole, SwapPss half. A small anonymous
+        // mapping and a memfd's swap are not guest RAM's anonymous swap.
+        let smaps = "\
+7f0000000000-7f0040000000 rw-p 00000000 00:00 0 
+Rss:              409600 kB
+Pss:              204800 kB
+Swap:             102400 kB
+SwapPss:           51200 kB
+7f0050000000-7f0050100000 rw-p 00000000 00:00 0 
+Pss:                1024 kB
+Swap:                512 kB
+SwapPss:             512 kB
+7f0060000000-7f0070000000 rw-s 00000000 00:01 4242                       /memfd:memory-backend-memfd (deleted)
+Pss:                4096 kB
+Swap:                 64 kB
+SwapPss:              64 kB
+";
+        let (u, inodes) = ram_mappings(smaps, 1 << 29);
+        assert_eq!(u.swap, (102400 + 64) << 10);
+        assert_eq!(u.anon_swap, 102400 << 10);
+        assert_eq!(u.anon_swap_pss, 51200 << 10);
+        assert_eq!(u.pss, (204800 + 4096) << 10);
+        assert_eq!(inodes.into_iter().collect::<Vec<_>>(), vec![4242]);
     }
 
     #[test]

@@ -67,7 +67,7 @@ pub fn t95_text(t95_s: Option<f64>) -> String {
 pub fn used(guests: &[Guest]) -> Result<(u64, u64)> {
     let usages = ram_usages(guests)?;
     let swapped = memfold_vm::hostmem::total_swapped(&usages)
-        + usages.iter().map(|u| u.anon_swap).sum::<u64>();
+        + usages.iter().map(|u| u.anon_swap_pss).sum::<u64>();
     let pool = if swapped > 0 {
         memfold_sys::reclaim::zswap_pool()
             .map_or(0, |(pool, zswapped)| zswap_share(pool, zswapped, swapped))
@@ -177,8 +177,15 @@ pub struct Sample {
     /// Seconds since memfoldd started.
     pub t: f64,
     /// Host memory used by guest RAM (`memfold_vm::hostmem` for memfd RAM: the bytes
-    /// allocated to the guests' memfds, memfold's pool and its store, each counted once).
+    /// allocated to the guests' memfds, memfold's pool and its store, each counted once),
+    /// and memfold's own (`own_bytes`).
     pub used_bytes: u64,
+    /// Of `used_bytes`, memfold's own memory: memfoldd's anonymous resident memory
+    /// (`RssAnon`: its heap, not the pool and store it maps), bytes.
+    pub own_bytes: u64,
+    /// Not in `used_bytes`: the guests' memfold-blk processes' `RssAnon`, bytes (mostly a
+    /// block device's own buffers, which the kit's QEMUs hold uncounted).
+    pub blk_bytes: u64,
     /// memfoldd's statistics at that time.
     pub stats: Stats,
     /// memfoldd restarts so far in the run (deliberate kills included): a sample after a
@@ -488,6 +495,8 @@ mod tests {
         let sample = |t: f64, vms: Vec<memfold_wire::VmStats>| Sample {
             t,
             used_bytes: 0,
+            own_bytes: 0,
+            blk_bytes: 0,
             stats: Stats {
                 vms,
                 ..Default::default()
@@ -528,6 +537,8 @@ mod tests {
         r.samples.push(Sample {
             t: 12.0,
             used_bytes: 0,
+            own_bytes: 0,
+            blk_bytes: 0,
             stats: Stats::default(),
             daemon_restarts: 0,
             paused: vec!["web-1".into()],
@@ -576,6 +587,8 @@ mod tests {
         let sample = |t: f64, paused: &[&str]| Sample {
             t,
             used_bytes: 0,
+            own_bytes: 0,
+            blk_bytes: 0,
             stats: Stats::default(),
             daemon_restarts: 0,
             paused: paused.iter().map(|p| p.to_string()).collect(),

@@ -266,6 +266,8 @@ mod tests {
         let sample = |t: f64, rss: u64, maps: u64, meta_mib: u64| Sample {
             t,
             used_bytes: 0,
+            own_bytes: 0,
+            blk_bytes: 0,
             stats: Stats {
                 cpu_s: 2.0,
                 metadata_bytes: meta_mib << 20,
