@@ -29,14 +29,9 @@ fn bytes(g: usize) -> Vec<u8> {
 
 /// This process's virtual size (bytes), from `/proc/self/status`.
 fn vm_size() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kb = s
-        .lines()
-        .find_map(|l| l.strip_prefix("VmSize:"))
-        .and_then(|v| v.trim().strip_suffix("kB"))
-        .map(|v| v.trim().parse::<u64>().unwrap())
-        .expect("VmSize in /proc/self/status");
-    kb << 10
+    let size = memfold_sys::proc::status_bytes(std::process::id(), "VmSize:");
+    assert!(size > 0, "VmSize in /proc/self/status");
+    size
 }
 
 /// The address space capped; lifted when dropped (also when the test fails under it:

@@ -258,7 +258,7 @@ pub fn run(a: &CompareArgs) -> Result<()> {
         "ksm_used_after_bytes": k.used_before as f64 - k.saved_bytes,
         "memfold_books_saved_bytes": m.books_saved_bytes,
         "ksm_pages_sharing_bytes": k.ksm_sharing_bytes,
-        "memfold_own_bytes": tail_mean(&m.samples, |s| s.t, |s| s.own_bytes as f64),
+        "memfold_own_bytes": m.own_bytes(),
         "ksm_own_bytes": k.own_bytes,
         "memfold_t95_s": m.t95_s,
         "ksm_t95_s": k.t95_s,
@@ -486,10 +486,7 @@ fn compare_kit(
         ("memfold_blk_cpu_s", serde_json::json!(m.blk_cpu_s)),
         // Of what each side leaves, the mechanism's own memory (memfoldd's heap; KSM's
         // rmap items), and memfold-blk's, counted in neither: means over the last 10 s.
-        (
-            "memfold_own_bytes",
-            tail_mean(&m.samples, |s| s.t, |s| s.own_bytes as f64).into(),
-        ),
+        ("memfold_own_bytes", m.own_bytes().into()),
         (
             "memfold_blk_bytes",
             tail_mean(&m.samples, |s| s.t, |s| s.blk_bytes as f64).into(),

@@ -107,14 +107,20 @@ fn host_meminfo(key: &str) -> Option<u64> {
 /// Resident set of process `pid` (`VmRSS` of `/proc/PID/status`), bytes; 0 if `/proc`
 /// does not say (the process is gone, or a kernel thread).
 pub fn rss_bytes(pid: u32) -> u64 {
-    status_kib(pid, "VmRSS:") * 1024
+    status_bytes(pid, "VmRSS:")
 }
 
 /// Anonymous resident memory of process `pid` (`RssAnon` of `/proc/PID/status`), bytes:
 /// its heap and stacks, not its binary and libraries (file pages, shared with every
 /// process that maps them) nor the shared memory it maps; 0 if `/proc` does not say.
 pub fn rss_anon_bytes(pid: u32) -> u64 {
-    status_kib(pid, "RssAnon:") * 1024
+    status_bytes(pid, "RssAnon:")
+}
+
+/// Field `key` (with its colon, e.g. `VmSize:`) of `/proc/PID/status`, a size the
+/// kernel gives in KiB, in bytes; 0 if absent.
+pub fn status_bytes(pid: u32, key: &str) -> u64 {
+    status_kib(pid, key) * 1024
 }
 
 /// The KiB of field `key` of `/proc/PID/status`; 0 if absent.

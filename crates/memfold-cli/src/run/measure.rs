@@ -204,6 +204,11 @@ impl MemfoldRun {
     pub fn captured(&self) -> Option<crate::census::CapturedOverTime> {
         crate::census::CapturedOverTime::of(self.samples.iter().filter_map(|s| s.census))
     }
+
+    /// memfoldd's own memory ([`Sample::own_bytes`]), mean over the last 10 s, bytes.
+    pub fn own_bytes(&self) -> f64 {
+        tail_mean(&self.samples, |s| s.t, |s| s.own_bytes as f64)
+    }
 }
 
 /// Each guest found paused (fail closed) in `samples`, with the time of the first sample

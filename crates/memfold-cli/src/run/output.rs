@@ -344,7 +344,7 @@ pub fn print_summary(a: &MemfoldArgs, r: &MemfoldRun, out: &Path) -> Result<()> 
         "memfold saved {:.1} MiB of {:.1} MiB (measured, mean of the last 10 s, net of memfoldd's own {:.1} MiB; memfoldd's books: {:.1} MiB); 95% of it after {} s; memfoldd + agents used {:.1} CPU s (and memfold-blk {:.1})",
         r.saved_bytes / MIB,
         r.used_before as f64 / MIB,
-        super::measure::tail_mean(&r.samples, |s| s.t, |s| s.own_bytes as f64) / MIB,
+        r.own_bytes() / MIB,
         r.books_saved_bytes / MIB,
         t95_text(r.t95_s),
         r.cpu_s,
