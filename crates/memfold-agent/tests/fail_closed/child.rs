@@ -296,7 +296,9 @@ fn fill_memory_cgroup() {
     // Channels of room made now: a send must not allocate once the cgroup is full.
     let (go_tx, go) = std::sync::mpsc::sync_channel::<()>(1);
     let (full_tx, full) = std::sync::mpsc::sync_channel(1);
+    let (started_tx, started) = std::sync::mpsc::sync_channel::<()>(1);
     std::thread::spawn(move || {
+        started_tx.send(()).expect("the child waits for the start");
         go.recv().expect("the child joined the cgroup");
         let ballast = memfd::create("ballast").unwrap();
         // Grows the ballast by `step`s to the limit; returns its length.
@@ -317,6 +319,10 @@ fn fill_memory_cgroup() {
             fill(PAGE_SIZE as u64);
         }
     });
+    // The thread's start maps its signal stack read-write, then makes its guard page
+    // PROT_NONE: maps read in between lists the guard as rw-p, and mlock over it, by
+    // then PROT_NONE, fails with ENOMEM (seen in CI, 2 runs in 9). Read them after.
+    started.recv().expect("the ballast thread started");
     let locked = lock_private_memory();
     std::fs::write(dir.join("cgroup.procs"), "0").unwrap();
     go_tx.send(()).unwrap();
