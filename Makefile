@@ -20,10 +20,11 @@ main: setup
 # (scripts/libvirt-check.sh --optional: about 2 minutes; skipped, saying why, without
 # root, debootstrap, cargo-deb, the tiny image or Debian's mirror), and a short fuzz of
 # every decoder (skipped, saying so, where there is no nightly toolchain).
-# The build comes first: live tests preload the agent library into QEMU.
+# The build comes first: live tests preload the agent library into QEMU. Every test
+# binary runs even after one fails, so that one run shows every failure.
 test: setup
 	cargo build --workspace --release
-	cargo test --workspace --release
+	cargo test --workspace --release --no-fail-fast
 	cargo clippy --workspace --all-targets --release -- -D warnings
 	RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 	bash scripts/libvirt-check.sh --optional
