@@ -33,7 +33,7 @@ const LANE: usize = 64;
 /// Lanes: a writer is recognised only when two of its breaks come within
 /// `SEQUENTIAL_WITHIN` (2 ms), which a loaded host can miss for all ten of a writer's
 /// pairs; the test then tries the next lane, and fails only if every lane missed.
-const LANES: usize = 3;
+const LANES: usize = 8;
 /// The private page in each lane the writer's break-ahead must stop at.
 const PRIVATE: usize = 30;
 

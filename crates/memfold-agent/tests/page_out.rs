@@ -34,7 +34,7 @@ fn text(g: usize) -> Vec<u8> {
 #[test]
 fn armed_pages_go_to_zswap_come_back_by_the_kernel_and_are_reported_back() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(_zswap) = zswap_on_one_cpu(dir.path()) else {
+    let Some(_zswap) = zswap_on_one_cpu() else {
         return;
     };
     let (fd, ptr) = region(PAGES);

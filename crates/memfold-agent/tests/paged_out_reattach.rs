@@ -30,7 +30,7 @@ fn page_out(c: &Conn, batch: u64, gfns: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>
 #[test]
 fn pages_an_earlier_memfoldd_paged_out_are_not_refused_after_a_re_attach() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(_zswap) = zswap_on_one_cpu(dir.path()) else {
+    let Some(_zswap) = zswap_on_one_cpu() else {
         return;
     };
     let (_fd, ptr) = region(PAGES);

@@ -181,7 +181,8 @@ fn a_stored_page_written_outside_qemus_mapping_fails_closed_at_the_re_attach() {
         }
         assert!(q.0.try_wait().unwrap().is_none(), "exited:\n{}", log());
         assert!(
-            t.elapsed() < Duration::from_secs(20),
+            // As fail_closed's: a loaded CI host starts and re-attaches the child slowly.
+            t.elapsed() < Duration::from_secs(120),
             "not stopped:\n{}",
             log()
         );

@@ -38,11 +38,11 @@ fn frames_nothing_maps_leave_ram_read_back_as_written_and_leave_the_measure() {
         libc::CPU_SET(libc::sched_getcpu() as usize, &mut set);
         libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
     }
-    let dir = tempfile::tempdir().unwrap();
     let (_zswap, _) = memfold_sys::reclaim::Zswap::enable_first(&["lzo-rle", "lzo"], 20)
         .expect("zswap (CONFIG_ZSWAP)");
-    let _swap =
-        memfold_sys::reclaim::SwapFile::create(&dir.path().join("t.swap"), 16 << 20).unwrap();
+    // On /var/tmp: the temporary folder may be a tmpfs, where swapon refuses a file.
+    let swap_path = format!("/var/tmp/memfold-test-{}-pool.swap", std::process::id());
+    let _swap = memfold_sys::reclaim::SwapFile::create(swap_path.as_ref(), 16 << 20).unwrap();
 
     let mut pool = FileBacking::memfd("pool").unwrap();
     pool.resize(FRAMES * PAGE as u64).unwrap();

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use memfold_agent::{AgentConfig, ClockRBits, FailMode};
@@ -347,15 +347,27 @@ pub fn clock_scan_zapping(
     })
 }
 
-/// zswap on and a 16 MiB swap file in `dir` for a test that pages out (both put back when
+/// A path for a test's swap file: on `/var/tmp`, not the temporary folder, which may be a
+/// tmpfs (Debian 13's default), where `swapon` refuses a file. Unique to this process and
+/// test thread; the swap file's guard removes it.
+pub fn swap_file_path() -> PathBuf {
+    let thread = std::thread::current()
+        .name()
+        .unwrap_or("main")
+        .replace("::", "-");
+    PathBuf::from(format!(
+        "/var/tmp/memfold-test-{}-{thread}.swap",
+        std::process::id()
+    ))
+}
+
+/// zswap on and a 16 MiB swap file (on `/var/tmp`) for a test that pages out (both put back when
 /// the guards drop), with this thread and the threads it starts (the agent's) on one CPU:
 /// a page just unmapped can wait off the LRU in a CPU's activation batch, and
 /// `MADV_PAGEOUT` drains only its own CPU's, so on two CPUs a page zapped a moment before
 /// could stay (seen: nothing paged out, now and then; live, a page is paged out a clock
 /// cycle after its zap, long after). `None` (the test skips, saying so) without root.
-pub fn zswap_on_one_cpu(
-    dir: &Path,
-) -> Option<(memfold_sys::reclaim::Zswap, memfold_sys::reclaim::SwapFile)> {
+pub fn zswap_on_one_cpu() -> Option<(memfold_sys::reclaim::Zswap, memfold_sys::reclaim::SwapFile)> {
     if !rustix::process::geteuid().is_root() {
         memfold_sys::testing::skipped(
             // libtest names each test's thread after the test.
@@ -369,6 +381,6 @@ pub fn zswap_on_one_cpu(
     rustix::thread::sched_setaffinity(None, &one).unwrap();
     let (zswap, _) = memfold_sys::reclaim::Zswap::enable_first(&["lzo-rle", "lzo"], 20)
         .expect("zswap (CONFIG_ZSWAP)");
-    let swap = memfold_sys::reclaim::SwapFile::create(&dir.join("t.swap"), 16 << 20).unwrap();
+    let swap = memfold_sys::reclaim::SwapFile::create(&swap_file_path(), 16 << 20).unwrap();
     Some((zswap, swap))
 }
