@@ -362,8 +362,8 @@ pub fn swap_file_path() -> PathBuf {
 }
 
 /// zswap on and a 16 MiB swap file (on `/var/tmp`) for a test that pages out (both put
-/// back when the guards drop), with this thread and the threads it starts (the agent's) on one CPU:
-/// a page just unmapped can wait off the LRU in a CPU's activation batch, and
+/// back when the guards drop), with this thread and the threads it starts (the agent's)
+/// on one CPU: a page just unmapped can wait off the LRU in a CPU's activation batch, and
 /// `MADV_PAGEOUT` drains only its own CPU's, so on two CPUs a page zapped a moment before
 /// could stay (seen: nothing paged out, now and then; live, a page is paged out a clock
 /// cycle after its zap, long after). `None` (the test skips, saying so) without root.
