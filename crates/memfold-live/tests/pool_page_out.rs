@@ -22,27 +22,11 @@ fn text(f: u64) -> Vec<u8> {
 
 #[test]
 fn frames_nothing_maps_leave_ram_read_back_as_written_and_leave_the_measure() {
-    // SAFETY: geteuid takes nothing and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        memfold_sys::testing::skipped(
-            "frames_nothing_maps_leave_ram_read_back_as_written_and_leave_the_measure",
-            "needs root (a swap file and zswap)",
-        );
-        return;
-    }
     // One CPU: a page just written waits in this CPU's LRU batch, which MADV_PAGEOUT
-    // drains only on its own CPU (as in memfold-agent's tests/page_out.rs).
-    // SAFETY: a cpu_set_t filled by the CPU_* helpers, passed by pointer with its size.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(libc::sched_getcpu() as usize, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-    }
-    let (_zswap, _) = memfold_sys::reclaim::Zswap::enable_first(&["lzo-rle", "lzo"], 20)
-        .expect("zswap (CONFIG_ZSWAP)");
-    // On /var/tmp: the temporary folder may be a tmpfs, where swapon refuses a file.
-    let swap_path = format!("/var/tmp/memfold-test-{}-pool.swap", std::process::id());
-    let _swap = memfold_sys::reclaim::SwapFile::create(swap_path.as_ref(), 16 << 20).unwrap();
+    // drains only on its own CPU.
+    let Some(_zswap) = memfold_sys::testing::zswap_on_one_cpu() else {
+        return;
+    };
 
     let mut pool = FileBacking::memfd("pool").unwrap();
     pool.resize(FRAMES * PAGE as u64).unwrap();

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use memfold_agent::{AgentConfig, ClockRBits, FailMode};
@@ -82,6 +82,38 @@ pub fn page_out(c: &Conn, batch: u64, gfns: &[u32]) -> (Vec<Gfn>, Vec<Gfn>, Vec<
         } if *b == batch => Some((paged.clone(), resident.clone(), refused.clone())),
         _ => None,
     })
+}
+
+/// [`page_out`], with each page answered still in RAM for which `should_leave` holds
+/// asked again, up to four more times (batches `1000 * batch + k`): under load the kernel
+/// may keep a page it could not isolate from its LRU (seen with memfold-live's
+/// `pool_page_out` in CI: 28–30 of 32), which memfoldd asks again at a later round. The
+/// pages that left (sorted), those still in RAM at the end, and the first answer's
+/// refusals.
+pub fn page_out_retrying(
+    c: &Conn,
+    batch: u64,
+    gfns: &[u32],
+    should_leave: impl Fn(u32) -> bool,
+) -> (Vec<Gfn>, Vec<Gfn>, Vec<Gfn>) {
+    let (mut paged, mut resident, refused) = page_out(c, batch, gfns);
+    for k in 1..=4 {
+        let again: Vec<u32> = resident
+            .iter()
+            .map(|g| g.0)
+            .filter(|&g| should_leave(g))
+            .collect();
+        if again.is_empty() {
+            break;
+        }
+        resident.retain(|g| !should_leave(g.0));
+        let (p, r, _) = page_out(c, 1000 * batch + k, &again);
+        paged.extend(p);
+        resident.extend(r);
+    }
+    paged.sort_unstable();
+    resident.sort_unstable();
+    (paged, resident, refused)
 }
 
 /// Listens as memfoldd at `socket` and starts the agent in this process under a VMA
@@ -347,40 +379,8 @@ pub fn clock_scan_zapping(
     })
 }
 
-/// A path for a test's swap file: on `/var/tmp`, not the temporary folder, which may be a
-/// tmpfs (Debian 13's default), where `swapon` refuses a file. Unique to this process and
-/// test thread; the swap file's guard removes it.
-pub fn swap_file_path() -> PathBuf {
-    let thread = std::thread::current()
-        .name()
-        .unwrap_or("main")
-        .replace("::", "-");
-    PathBuf::from(format!(
-        "/var/tmp/memfold-test-{}-{thread}.swap",
-        std::process::id()
-    ))
-}
-
-/// zswap on and a 16 MiB swap file (on `/var/tmp`) for a test that pages out (both put
-/// back when the guards drop), with this thread and the threads it starts (the agent's)
-/// on one CPU: a page just unmapped can wait off the LRU in a CPU's activation batch, and
-/// `MADV_PAGEOUT` drains only its own CPU's, so on two CPUs a page zapped a moment before
-/// could stay (seen: nothing paged out, now and then; live, a page is paged out a clock
-/// cycle after its zap, long after). `None` (the test skips, saying so) without root.
-pub fn zswap_on_one_cpu() -> Option<(memfold_sys::reclaim::Zswap, memfold_sys::reclaim::SwapFile)> {
-    if !rustix::process::geteuid().is_root() {
-        memfold_sys::testing::skipped(
-            // libtest names each test's thread after the test.
-            std::thread::current().name().unwrap_or("zswap_on_one_cpu"),
-            "needs root (a swap file and zswap)",
-        );
-        return None;
-    }
-    let mut one = rustix::thread::CpuSet::new();
-    one.set(rustix::thread::sched_getcpu());
-    rustix::thread::sched_setaffinity(None, &one).unwrap();
-    let (zswap, _) = memfold_sys::reclaim::Zswap::enable_first(&["lzo-rle", "lzo"], 20)
-        .expect("zswap (CONFIG_ZSWAP)");
-    let swap = memfold_sys::reclaim::SwapFile::create(&swap_file_path(), 16 << 20).unwrap();
-    Some((zswap, swap))
+/// zswap and a swap file for the page-out tests, this thread on one CPU
+/// ([`memfold_sys::testing::zswap_on_one_cpu`]; `None`: skipped, said why).
+pub fn zswap_on_one_cpu() -> Option<memfold_sys::testing::ZswapOnOneCpu> {
+    memfold_sys::testing::zswap_on_one_cpu()
 }
