@@ -15,7 +15,9 @@
 mod common;
 
 use common::zswap_on_one_cpu;
-use common::{agent_with_pool_rbits, clock_scan, next, page_of, page_out, region, write};
+use common::{
+    agent_with_pool_rbits, clock_scan, next, page_of, page_out, page_out_retrying, region, write,
+};
 use memfold_agent::ClockRBits;
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::pageout::PageOutWindow;
@@ -51,8 +53,12 @@ fn armed_pages_go_to_zswap_come_back_by_the_kernel_and_are_reported_back() {
     assert_eq!(page_of(ptr, 11), text(11));
     // 0–9 armed and untouched go; 10, 11 (used) and 12–15 (never armed: QEMU maps them)
     // stay; page 99 is past RAM.
-    let (paged, resident, refused) =
-        page_out(&c, 2, &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 99]);
+    let (paged, resident, refused) = page_out_retrying(
+        &c,
+        2,
+        &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 99],
+        |g| g < 10,
+    );
     let ids = |v: &[Gfn]| v.iter().map(|g| g.0).collect::<Vec<u32>>();
     assert_eq!(ids(&paged), (0..10).collect::<Vec<u32>>(), "paged out");
     assert_eq!(ids(&resident), vec![10, 11, 12], "in use: left in RAM");
@@ -107,7 +113,7 @@ fn armed_pages_go_to_zswap_come_back_by_the_kernel_and_are_reported_back() {
     // `MADV_DONTNEED`): that one is reported back — the kernel holds it no more — and its
     // paged-out neighbours, in the same remove event's range, are not.
     clock_scan(&c, 6, PAGES as u32, 0xf000, 0);
-    let (paged, _, _) = page_out(&c, 7, &[12, 13, 14, 15]);
+    let (paged, _, _) = page_out_retrying(&c, 7, &[12, 13, 14, 15], |_| true);
     assert_eq!(ids(&paged), vec![12, 13, 14, 15]);
     assert!(memfold_sys::memfd::punch_hole(
         fd.as_fd(),
