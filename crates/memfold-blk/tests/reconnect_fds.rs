@@ -87,15 +87,25 @@ fn fds(pid: u32) -> Vec<(u32, bool)> {
 }
 
 /// Connects, lets the device take the connection up (accepted, its daemon's worker
-/// thread started), and counts its descriptors, the connection still open.
+/// thread started: more descriptors than while it listened, and the count unchanged over
+/// three reads 100 ms apart, 10 s at most, so a loaded host's slow start is not counted
+/// half-done), and counts its descriptors, the connection still open.
 fn count_connected(pid: u32, sock: &Path, log: &Path) -> Vec<(u32, bool)> {
     let n = ended(log);
+    let listening = fds(pid).len();
     let conn = connect(sock, log);
-    std::thread::sleep(Duration::from_millis(300));
-    let fds = fds(pid);
+    let t = Instant::now();
+    let mut held = fds(pid);
+    let mut same = 0;
+    while (same < 3 || held.len() <= listening) && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = fds(pid);
+        same = if now.len() == held.len() { same + 1 } else { 0 };
+        held = now;
+    }
     drop(conn);
     wait_ended(n + 1, log);
-    fds
+    held
 }
 
 #[test]
