@@ -14,13 +14,13 @@
 
 mod common;
 
-use common::zswap_on_one_cpu;
 use common::{
     agent_with_pool_rbits, clock_scan, next, page_of, page_out, page_out_retrying, region, write,
 };
 use memfold_agent::ClockRBits;
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::pageout::PageOutWindow;
+use memfold_sys::testing::zswap_on_one_cpu;
 use memfold_wire::{Gfn, ToDaemon};
 use std::os::fd::AsFd;
 

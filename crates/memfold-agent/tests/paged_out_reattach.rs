@@ -12,10 +12,11 @@ mod common;
 use std::os::fd::AsFd;
 
 use common::{accept_hello, clock_scan, region, start_agent_with, welcome, write};
-use common::{page_of, text, zswap_on_one_cpu};
+use common::{page_of, text};
 use memfold_agent::ClockRBits;
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd;
+use memfold_sys::testing::zswap_on_one_cpu;
 use memfold_wire::{Conn, Gfn};
 
 const PAGES: usize = 8;

@@ -17,13 +17,12 @@ mod common;
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use common::{
-    agent_with_pool_rbits, clock_scan_zapping, page_of, region, share, write, zswap_on_one_cpu,
-};
+use common::{agent_with_pool_rbits, clock_scan_zapping, page_of, region, share, write};
 use memfold_agent::ClockRBits;
 use memfold_codecs::PAGE_SIZE;
 use memfold_sys::memfd::pread_exact;
 use memfold_sys::pageout::PageOutWindow;
+use memfold_sys::testing::zswap_on_one_cpu;
 use memfold_wire::{BatchId, FrameId, Gfn, ToDaemon};
 
 const PAGES: usize = 16;

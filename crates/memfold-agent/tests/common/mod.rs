@@ -378,9 +378,3 @@ pub fn clock_scan_zapping(
         _ => None,
     })
 }
-
-/// zswap and a swap file for the page-out tests, this thread on one CPU
-/// ([`memfold_sys::testing::zswap_on_one_cpu`]; `None`: skipped, said why).
-pub fn zswap_on_one_cpu() -> Option<memfold_sys::testing::ZswapOnOneCpu> {
-    memfold_sys::testing::zswap_on_one_cpu()
-}
