@@ -453,7 +453,12 @@ impl Watch {
         let mut refused: std::collections::BTreeSet<u64> = Default::default();
         loop {
             std::thread::sleep(WATCH_PERIOD);
-            let Ok(text) = std::fs::read_to_string("/proc/self/maps") else {
+            // The same read counts the mappings for the agent's report (`vmas.rs`).
+            let read = || {
+                let text = std::fs::read_to_string("/proc/self/maps").ok()?;
+                Some((crate::vmas::count_mappings(text.as_bytes()), text))
+            };
+            let Some(text) = crate::vmas::PROCESS.read_with(read) else {
                 tracing::warn!(
                     "cannot read /proc/self/maps: no longer watching for hot-plugged RAM"
                 );

@@ -51,6 +51,11 @@ pub(crate) const MAPS_STALE: Duration = Duration::from_secs(10);
 /// old plus the agents' changes since is still an upper bound: it can only refuse more.
 const EXACT_EVERY: Duration = Duration::from_secs(1);
 
+/// Oldest read of `/proc/self/maps` the agent's report of its mappings relies on
+/// ([`Vmas::mappings_read`]): longer than the hot-plug watch's period, whose reads it
+/// takes, so that in a QEMU the report reads none of its own.
+pub(crate) const REPORT_STALE: Duration = Duration::from_secs(3);
+
 /// The process's mappings and pages on frames, for the VMA budget of shares.
 pub(crate) struct Vmas {
     /// Most mappings the agents' own changes added since the last read (2 a change).
@@ -70,6 +75,8 @@ struct Count {
     read_at: Option<Instant>,
     /// Room reserved by shares in progress (`R`: 3 a page).
     reserved: usize,
+    /// Reads taken so far: [`Vmas::read_with`] takes its own only if none ended during it.
+    reads: u64,
 }
 
 impl Vmas {
@@ -83,19 +90,50 @@ impl Vmas {
                 seen: 0,
                 read_at: None,
                 reserved: 0,
+                reads: 0,
             }),
         }
     }
 
-    /// The process's mappings, read again if the last read is over `exact_every` old (so
-    /// at most once a second in the agent): what the agent reports. The upper bound
-    /// (the last read plus the agents' changes since) grows by 2 with each change, and memfoldd's take-backs under
-    /// VMA pressure make thousands a second, which took a 4 GiB guest's reported count
-    /// past `vm.max_map_count` (68 567) though shares and breaks went on.
+    /// The process's mappings, read again if the last read is over [`REPORT_STALE`] old:
+    /// what the agent reports each second (memfoldd's books and its VMA warning; no
+    /// decision takes it). In a QEMU the hot-plug watch reads `/proc/self/maps` every
+    /// [`crate::regions::WATCH_PERIOD`] and hands its count here ([`Vmas::read_with`]), so
+    /// the report reads none of its own: reading each second for it was half the agents'
+    /// reads of the file, ~1.5 CPU s per 90 s over four QEMUs of 4 000–6 000 mappings each
+    /// (perf, docs/peer.md, "Where the agents' CPU goes"). The upper bound (the last read
+    /// plus the agents' changes since) grows by 2 with each change, and memfoldd's
+    /// take-backs under VMA pressure make thousands a second, which took a 4 GiB guest's
+    /// reported count past `vm.max_map_count` (68 567) when it went unread: a read at
+    /// most [`REPORT_STALE`] old bounds that.
     pub(crate) fn mappings_read(&self, read_maps: impl Fn() -> usize) -> usize {
         let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
-        self.refresh(&mut c, true, &read_maps);
+        self.refresh(&mut c, REPORT_STALE, &read_maps);
         c.seen + self.added.load(Ordering::SeqCst)
+    }
+
+    /// Takes a read of the mappings made by another reader of `/proc/self/maps` (the
+    /// hot-plug watch, which needs the text too): `read_maps` returns the count of
+    /// mappings and what else it read, or `None` if the read failed (the count is then
+    /// left as it was). The read runs outside the lock, so that no share admission or
+    /// CoW break ([`Vmas::break_fits`]) waits for it; its count replaces the last only if
+    /// no other read ended meanwhile (whose count is as fresh, and whose subtraction of
+    /// the changes it saw would otherwise be made twice, undercounting).
+    pub(crate) fn read_with<T>(&self, read_maps: impl FnOnce() -> Option<(usize, T)>) -> Option<T> {
+        let (last, before) = {
+            let c = self.count.lock().unwrap_or_else(|e| e.into_inner());
+            (c.reads, self.added.load(Ordering::SeqCst))
+        };
+        let (seen, out) = read_maps()?;
+        let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
+        if c.reads == last {
+            // Changes made while reading stay counted, as in `refresh`.
+            c.seen = seen;
+            self.added.fetch_sub(before, Ordering::SeqCst);
+            c.read_at = Some(Instant::now());
+            c.reads += 1;
+        }
+        Some(out)
     }
 
     /// An agent changed one mapping: a move of pool frames over guest pages or guest RAM
@@ -140,11 +178,11 @@ impl Vmas {
     /// instead, which adds no mapping (the module docs).
     pub(crate) fn break_fits(&self, budget: usize, read_maps: impl Fn() -> usize) -> bool {
         let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
-        self.refresh(&mut c, false, &read_maps);
+        self.refresh(&mut c, MAPS_STALE, &read_maps);
         if self.used(&c) + 2 <= budget {
             return true;
         }
-        self.refresh(&mut c, true, &read_maps);
+        self.refresh(&mut c, self.exact_every, &read_maps);
         self.used(&c) + 2 <= budget
     }
 
@@ -157,7 +195,8 @@ impl Vmas {
         exact: bool,
         read_maps: &impl Fn() -> usize,
     ) -> usize {
-        self.refresh(c, exact, read_maps);
+        let max_age = if exact { self.exact_every } else { MAPS_STALE };
+        self.refresh(c, max_age, read_maps);
         limit.saturating_sub(self.used(c)) / 3
     }
 
@@ -167,17 +206,19 @@ impl Vmas {
         c.seen + self.added.load(Ordering::SeqCst) + c.reserved
     }
 
-    /// Reads the mappings again when the last read is over [`MAPS_STALE`] old, or when
-    /// `exact` and over `exact_every` old.
-    fn refresh(&self, c: &mut Count, exact: bool, read_maps: &impl Fn() -> usize) {
-        let older = |d: Duration| c.read_at.is_none_or(|t| t.elapsed() > d);
-        if older(MAPS_STALE) || (exact && older(self.exact_every)) {
+    /// Reads the mappings again when the last read is over `max_age` (at most
+    /// [`MAPS_STALE`]) old.
+    fn refresh(&self, c: &mut Count, max_age: Duration, read_maps: &impl Fn() -> usize) {
+        if c.read_at
+            .is_none_or(|t| t.elapsed() > max_age.min(MAPS_STALE))
+        {
             // Changes made while reading stay counted (twice if the read saw them: more,
             // never fewer).
             let before = self.added.load(Ordering::SeqCst);
             c.seen = read_maps();
             self.added.fetch_sub(before, Ordering::SeqCst);
             c.read_at = Some(Instant::now());
+            c.reads += 1;
         }
     }
 }
@@ -249,8 +290,13 @@ impl Drop for Admission<'_> {
 /// sharing alone"), hence [`MAPS_STALE`].
 pub(crate) fn read_self_maps() -> usize {
     std::fs::read("/proc/self/maps")
-        .map(|m| m.iter().filter(|&&b| b == b'\n').count())
+        .map(|m| count_mappings(&m))
         .unwrap_or(0)
+}
+
+/// Mappings listed in the text of a `/proc/PID/maps`: one a line.
+pub(crate) fn count_mappings(maps: &[u8]) -> usize {
+    maps.iter().filter(|&&b| b == b'\n').count()
 }
 
 #[cfg(test)]
@@ -371,5 +417,60 @@ mod tests {
             assert_eq!(eager.admit(112, 1, full).pages, 0);
         }
         assert_eq!(reads.get(), 6, "the first read and one per refusal");
+    }
+
+    /// The hot-plug watch's read serves the report: no read of its own while it is
+    /// fresh, its count plus the changes made since (those made during the read too).
+    #[test]
+    fn the_report_takes_the_watchs_read() {
+        let vmas = Vmas::new(Duration::ZERO);
+        for _ in 0..5 {
+            vmas.changed();
+        }
+        let got = vmas.read_with(|| {
+            vmas.changed();
+            Some((40, "maps text"))
+        });
+        assert_eq!(got, Some("maps text"));
+        assert_eq!(
+            vmas.mappings_read(|| panic!("the report read on its own")),
+            42
+        );
+        vmas.changed();
+        assert_eq!(
+            vmas.mappings_read(|| panic!("the report read on its own")),
+            44
+        );
+        // A failed read leaves the count as it was.
+        assert_eq!(vmas.read_with(|| None::<(usize, ())>), None);
+        assert_eq!(
+            vmas.mappings_read(|| panic!("the report read on its own")),
+            44
+        );
+    }
+
+    /// A read that ends while the watch reads wins: the watch's count is dropped, and the
+    /// changes the watch saw at its start are not subtracted a second time (which would
+    /// wrap the count and refuse every share).
+    #[test]
+    fn a_read_ending_during_the_watchs_is_not_undone() {
+        let vmas = Vmas::new(Duration::ZERO);
+        for _ in 0..5 {
+            vmas.changed();
+        }
+        let reads = std::cell::Cell::new(0);
+        let got = vmas.read_with(|| {
+            vmas.changed();
+            // Never read before: the report reads now, 50 mappings, changes replaced.
+            let n = vmas.mappings_read(|| {
+                reads.set(reads.get() + 1);
+                50
+            });
+            assert_eq!(n, 50);
+            Some((40, ()))
+        });
+        assert_eq!((got, reads.get()), (Some(()), 1));
+        assert_eq!(vmas.mappings_read(|| panic!("read again")), 50);
+        assert_eq!(vmas.admit(1000, 10, || panic!("read again")).pages, 10);
     }
 }
