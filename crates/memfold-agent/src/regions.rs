@@ -455,8 +455,10 @@ impl Watch {
             std::thread::sleep(WATCH_PERIOD);
             // The same read counts the mappings for the agent's report (`vmas.rs`).
             let read = || {
-                let text = std::fs::read_to_string("/proc/self/maps").ok()?;
-                Some((crate::vmas::count_mappings(text.as_bytes()), text))
+                // Bytes, not UTF-8: one mapped file's name that is not would stop the watch.
+                let bytes = std::fs::read("/proc/self/maps").ok()?;
+                let n = crate::vmas::count_mappings(&bytes);
+                Some((n, String::from_utf8_lossy(&bytes).into_owned()))
             };
             let Some(text) = crate::vmas::PROCESS.read_with(read) else {
                 tracing::warn!(

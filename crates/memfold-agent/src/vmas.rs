@@ -55,6 +55,7 @@ const EXACT_EVERY: Duration = Duration::from_secs(1);
 /// ([`Vmas::mappings_read`]): longer than the hot-plug watch's period, whose reads it
 /// takes, so that in a QEMU the report reads none of its own.
 pub(crate) const REPORT_STALE: Duration = Duration::from_secs(3);
+const _: () = assert!(REPORT_STALE.as_millis() > crate::regions::WATCH_PERIOD.as_millis());
 
 /// The process's mappings and pages on frames, for the VMA budget of shares.
 pub(crate) struct Vmas {
@@ -106,7 +107,7 @@ impl Vmas {
     /// take-backs under VMA pressure make thousands a second, which took a 4 GiB guest's
     /// reported count past `vm.max_map_count` (68 567) when it went unread: a read at
     /// most [`REPORT_STALE`] old bounds that.
-    pub(crate) fn mappings_read(&self, read_maps: impl Fn() -> usize) -> usize {
+    pub(crate) fn mappings_read(&self, read_maps: impl Fn() -> Option<usize>) -> usize {
         let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
         self.refresh(&mut c, REPORT_STALE, &read_maps);
         c.seen + self.added.load(Ordering::SeqCst)
@@ -124,13 +125,14 @@ impl Vmas {
             let c = self.count.lock().unwrap_or_else(|e| e.into_inner());
             (c.reads, self.added.load(Ordering::SeqCst))
         };
+        let started = Instant::now();
         let (seen, out) = read_maps()?;
         let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
         if c.reads == last {
             // Changes made while reading stay counted, as in `refresh`.
             c.seen = seen;
             self.added.fetch_sub(before, Ordering::SeqCst);
-            c.read_at = Some(Instant::now());
+            c.read_at = Some(started);
             c.reads += 1;
         }
         Some(out)
@@ -154,7 +156,7 @@ impl Vmas {
         &self,
         budget: usize,
         want: usize,
-        read_maps: impl Fn() -> usize,
+        read_maps: impl Fn() -> Option<usize>,
     ) -> Admission<'_> {
         let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
         let shares = budget - budget / 8;
@@ -176,7 +178,7 @@ impl Vmas {
     /// mappings) within `budget`: `M + R + 2 ≤ budget` on the count, read again (at most
     /// once per `exact_every`) before saying no. No: the break un-shares its whole run
     /// instead, which adds no mapping (the module docs).
-    pub(crate) fn break_fits(&self, budget: usize, read_maps: impl Fn() -> usize) -> bool {
+    pub(crate) fn break_fits(&self, budget: usize, read_maps: impl Fn() -> Option<usize>) -> bool {
         let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
         self.refresh(&mut c, MAPS_STALE, &read_maps);
         if self.used(&c) + 2 <= budget {
@@ -193,7 +195,7 @@ impl Vmas {
         c: &mut Count,
         limit: usize,
         exact: bool,
-        read_maps: &impl Fn() -> usize,
+        read_maps: &impl Fn() -> Option<usize>,
     ) -> usize {
         let max_age = if exact { self.exact_every } else { MAPS_STALE };
         self.refresh(c, max_age, read_maps);
@@ -207,17 +209,24 @@ impl Vmas {
     }
 
     /// Reads the mappings again when the last read is over `max_age` (at most
-    /// [`MAPS_STALE`]) old.
-    fn refresh(&self, c: &mut Count, max_age: Duration, read_maps: &impl Fn() -> usize) {
+    /// [`MAPS_STALE`]) old. A failed read (`None`) leaves the count as it was: the last
+    /// read plus every change since is still an upper bound, where taking 0 (as before
+    /// 2026-12-03) dropped the count under the true one and could admit shares past the
+    /// budget.
+    fn refresh(&self, c: &mut Count, max_age: Duration, read_maps: &impl Fn() -> Option<usize>) {
         if c.read_at
             .is_none_or(|t| t.elapsed() > max_age.min(MAPS_STALE))
         {
             // Changes made while reading stay counted (twice if the read saw them: more,
-            // never fewer).
+            // never fewer). Its age runs from its start.
+            let started = Instant::now();
             let before = self.added.load(Ordering::SeqCst);
-            c.seen = read_maps();
+            let Some(seen) = read_maps() else {
+                return;
+            };
+            c.seen = seen;
             self.added.fetch_sub(before, Ordering::SeqCst);
-            c.read_at = Some(Instant::now());
+            c.read_at = Some(started);
             c.reads += 1;
         }
     }
@@ -285,13 +294,13 @@ impl Drop for Admission<'_> {
     }
 }
 
-/// This process's mappings now: the lines of `/proc/self/maps` (0 if it cannot be read).
+/// This process's mappings now: the lines of `/proc/self/maps`; `None` if it cannot be read.
 /// Costs milliseconds for a QEMU with thousands of shared runs (docs/peer.md, "CPU of
 /// sharing alone"), hence [`MAPS_STALE`].
-pub(crate) fn read_self_maps() -> usize {
+pub(crate) fn read_self_maps() -> Option<usize> {
     std::fs::read("/proc/self/maps")
+        .ok()
         .map(|m| count_mappings(&m))
-        .unwrap_or(0)
 }
 
 /// Mappings listed in the text of a `/proc/PID/maps`: one a line.
@@ -312,7 +321,7 @@ mod tests {
         let vmas = Vmas::new(Duration::ZERO);
         let budget = 160;
         let m = std::cell::Cell::new(10);
-        let maps = || m.get();
+        let maps = || Some(m.get());
         // (160 − 20 − 10) / 3 = 43.
         let first = vmas.admit(budget, 64, maps);
         assert_eq!(first.pages, 43);
@@ -345,7 +354,7 @@ mod tests {
         let reads = std::cell::Cell::new(0);
         let maps = || {
             reads.set(reads.get() + 1);
-            10
+            Some(10)
         };
         assert_eq!(vmas.admit(100, 1, maps).pages, 1);
         assert_eq!(reads.get(), 1);
@@ -369,7 +378,7 @@ mod tests {
         let read = || LIMIT.load(Ordering::SeqCst) as u64;
         let budget = Budget::new(None, read, Duration::ZERO);
         let vmas = Vmas::new(Duration::ZERO);
-        let maps = || 140;
+        let maps = || Some(140);
         assert_eq!(budget.get(), 160);
         // Shares stop at 160 − 20 = 140: none admitted.
         assert_eq!(vmas.admit(budget.get(), 10, maps).pages, 0);
@@ -393,7 +402,7 @@ mod tests {
         let reads = std::cell::Cell::new(0);
         let maps = || {
             reads.set(reads.get() + 1);
-            95
+            Some(95)
         };
         // Shares stop at 112 − 14 = 98: (98 − 95) / 3 = 1 page of room. A share of 2
         // reads once (its count is fresh for the exact check too) and gets 1.
@@ -410,7 +419,7 @@ mod tests {
         let eager = Vmas::new(Duration::ZERO);
         let full = || {
             reads.set(reads.get() + 1);
-            98
+            Some(98)
         };
         reads.set(0);
         for _ in 0..5 {
@@ -464,7 +473,7 @@ mod tests {
             // Never read before: the report reads now, 50 mappings, changes replaced.
             let n = vmas.mappings_read(|| {
                 reads.set(reads.get() + 1);
-                50
+                Some(50)
             });
             assert_eq!(n, 50);
             Some((40, ()))
@@ -472,5 +481,22 @@ mod tests {
         assert_eq!((got, reads.get()), (Some(()), 1));
         assert_eq!(vmas.mappings_read(|| panic!("read again")), 50);
         assert_eq!(vmas.admit(1000, 10, || panic!("read again")).pages, 10);
+    }
+
+    /// A failed read of the mappings leaves the count (the last read plus the changes
+    /// since) as it was: taken for 0, it admitted shares and breaks past the budget.
+    #[test]
+    fn a_failed_read_keeps_the_count() {
+        let vmas = Vmas::new(Duration::ZERO);
+        assert_eq!(vmas.mappings_read(|| Some(100)), 100);
+        for _ in 0..5 {
+            vmas.changed();
+        }
+        // Shares stop at 200 − 25 = 175; 110 used: 21 pages. Asked 100, the exact read
+        // fails: still 21.
+        assert_eq!(vmas.admit(200, 100, || None).pages, 21);
+        assert!(vmas.break_fits(112, || None), "110 + 2 <= 112");
+        assert!(!vmas.break_fits(111, || None), "110 + 2 > 111, read or not");
+        assert_eq!(vmas.mappings_read(|| None), 110);
     }
 }
