@@ -101,12 +101,12 @@ impl Vmas {
     /// decision takes it). In a QEMU the hot-plug watch reads `/proc/self/maps` every
     /// [`crate::regions::WATCH_PERIOD`] and hands its count here ([`Vmas::read_with`]), so
     /// the report reads none of its own: reading each second for it was half the agents'
-    /// reads of the file, ~1.5 CPU s per 90 s over four QEMUs of 4 000–6 000 mappings each
-    /// (perf, docs/peer.md, "Where the agents' CPU goes"). The upper bound (the last read
-    /// plus the agents' changes since) grows by 2 with each change, and memfoldd's
-    /// take-backs under VMA pressure make thousands a second, which took a 4 GiB guest's
-    /// reported count past `vm.max_map_count` (68 567) when it went unread: a read at
-    /// most [`REPORT_STALE`] old bounds that.
+    /// reads of the file, ~1.5 CPU s per 90 s over four QEMUs of 3 900–6 400 mappings each
+    /// (perf, docs/peer.md, "Where memfold's CPU goes with frames paged out"). The upper
+    /// bound (the last read plus the agents' changes since) grows by 2 with each change,
+    /// and memfoldd's take-backs under VMA pressure make thousands a second, which took a
+    /// 4 GiB guest's reported count past `vm.max_map_count` (68 567) when it went unread:
+    /// a read at most [`REPORT_STALE`] old bounds that.
     pub(crate) fn mappings_read(&self, read_maps: impl Fn() -> Option<usize>) -> usize {
         let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
         self.refresh(&mut c, REPORT_STALE, &read_maps);
