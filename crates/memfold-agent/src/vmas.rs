@@ -129,11 +129,7 @@ impl Vmas {
         let (seen, out) = read_maps()?;
         let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
         if c.reads == last {
-            // Changes made while reading stay counted, as in `refresh`.
-            c.seen = seen;
-            self.added.fetch_sub(before, Ordering::SeqCst);
-            c.read_at = Some(started);
-            c.reads += 1;
+            self.take_read(&mut c, seen, before, started);
         }
         Some(out)
     }
@@ -217,18 +213,24 @@ impl Vmas {
         if c.read_at
             .is_none_or(|t| t.elapsed() > max_age.min(MAPS_STALE))
         {
-            // Changes made while reading stay counted (twice if the read saw them: more,
-            // never fewer). Its age runs from its start.
             let started = Instant::now();
             let before = self.added.load(Ordering::SeqCst);
-            let Some(seen) = read_maps() else {
-                return;
-            };
-            c.seen = seen;
-            self.added.fetch_sub(before, Ordering::SeqCst);
-            c.read_at = Some(started);
-            c.reads += 1;
+            if let Some(seen) = read_maps() {
+                self.take_read(c, seen, before, started);
+            }
         }
+    }
+
+    /// Takes a read of `seen` mappings, started at `started` when the agents' changes
+    /// counted `before`: the count becomes `seen` plus only the changes made since the
+    /// read began (those made while reading stay counted, twice if the read saw them:
+    /// more, never fewer), and the read's age runs from its start. The one place the
+    /// count is replaced ([`Vmas::refresh`], [`Vmas::read_with`]); under the lock.
+    fn take_read(&self, c: &mut Count, seen: usize, before: usize, started: Instant) {
+        c.seen = seen;
+        self.added.fetch_sub(before, Ordering::SeqCst);
+        c.read_at = Some(started);
+        c.reads += 1;
     }
 }
 
