@@ -36,8 +36,14 @@
 //! `tests/regions.rs`: requests for the first gfn past a region's end are refused.
 //!
 //! **Regions that appear later** (pc-dimm or virtio-mem hot-plug with `object_add`): a
-//! watcher thread reads `/proc/self/maps` every [`WATCH_PERIOD`] and attaches each new
-//! region as `NAME/ramK`, logging it. A region whose range holds neither its memfd's
+//! watcher thread reads `/proc/self/maps` and attaches each new region as `NAME/ramK`,
+//! logging it. It reads at the first [`WATCH_PERIOD`] after a QEMU thread mapped a file
+//! shared (QEMU maps a new backend's memfd so, with libc's `mmap`, which the agent
+//! interposes: `unplug.rs`, [`note_shared_map`]), and at least every [`WATCH_BACKSTOP`]
+//! for a mapping made some other way (a raw system call). Reading every period whatever
+//! happened was the agents' largest single cost with frames paged out: 1.4–1.9 CPU s per
+//! 90 s over four QEMUs of 3 900–6 400 mappings (perf, docs/peer.md, "Where memfold's
+//! CPU goes with frames paged out"). A region whose range holds neither its memfd's
 //! mapping nor a pool frame's, at two looks in a row (hot-unplug, `object_del`), is
 //! logged and its agent detaches (a region shared whole maps only frames: taken for
 //! unplugged, its agent's userfaultfd closed and left them writable by the guest): its range is no longer registered, so
@@ -56,8 +62,33 @@ use crate::{AgentConfig, PAGE};
 /// The memfd name QEMU gives every `memory-backend-memfd` object.
 pub(crate) const QEMU_MEMFD_NAME: &str = "/memfd:memory-backend-memfd";
 
-/// How often the watcher looks for regions plugged or unplugged after attach.
+/// How often the watcher asks whether to look for regions plugged or unplugged after
+/// attach ([`look_due`]).
 pub(crate) const WATCH_PERIOD: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Longest time between two looks of the watcher, whatever the interposer saw: a region
+/// QEMU mapped without libc's `mmap` is attached within this (plus a period).
+pub(crate) const WATCH_BACKSTOP: std::time::Duration = std::time::Duration::from_secs(8);
+
+/// Shared file mappings made by QEMU's own threads (not the agents'), counted by the
+/// interposed `mmap`: a new one may be a hot-plugged region.
+static SHARED_MAPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Counts an `mmap` with `flags` of file descriptor `fd` if it maps a file shared from a
+/// thread not an agent's. Called by the interposer before every `mmap`: no lock, no
+/// allocation (an allocator may be mapping memory).
+pub(crate) fn note_shared_map(fd: std::ffi::c_int, flags: std::ffi::c_int) {
+    if fd >= 0 && flags & libc::MAP_SHARED != 0 && !crate::ram_sends::is_agent_thread() {
+        SHARED_MAPS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Whether the watcher looks at `/proc/self/maps` now: a shared file mapped since its
+/// last look (`mapped_since`), a region found missing at the last look (`confirming`:
+/// two looks in a row detach it), or the last look [`WATCH_BACKSTOP`] old.
+fn look_due(mapped_since: bool, confirming: bool, since_look: std::time::Duration) -> bool {
+    mapped_since || confirming || since_look >= WATCH_BACKSTOP
+}
 
 /// `statfs` magic of hugetlbfs: a `hugetlb=on` memfd.
 const HUGETLBFS_MAGIC: u64 = 0x9584_58f6;
@@ -443,16 +474,27 @@ impl Watch {
         gone
     }
 
-    /// Every [`WATCH_PERIOD`]: attaches regions that appeared (hot-plug) and
-    /// tells the agents of regions that disappeared (hot-unplug) to detach. Ends only if
-    /// `/proc/self/maps` cannot be read.
+    /// Every [`WATCH_PERIOD`] a look is due at ([`look_due`]): attaches regions that
+    /// appeared (hot-plug) and tells the agents of regions that disappeared (hot-unplug)
+    /// to detach. Ends only if `/proc/self/maps` cannot be read.
     pub(crate) fn watch(&self) {
         use std::sync::atomic::Ordering;
         // Its unmaps (none so far) are the agent's own (`unplug.rs`).
         crate::ram_sends::mark_agent_thread();
         let mut refused: std::collections::BTreeSet<u64> = Default::default();
+        // The count of shared mappings at the last look and when it began; none yet.
+        let mut looked: Option<(u64, std::time::Instant)> = None;
+        let mut confirming = false;
         loop {
             std::thread::sleep(WATCH_PERIOD);
+            let maps_now = SHARED_MAPS.load(Ordering::SeqCst);
+            if let Some((maps_then, at)) = looked {
+                if !look_due(maps_now != maps_then, confirming, at.elapsed()) {
+                    continue;
+                }
+            }
+            // Taken before reading: a mapping made while reading is looked at next period.
+            looked = Some((maps_now, std::time::Instant::now()));
             // The same read counts the mappings for the agent's report (`vmas.rs`).
             let read = || {
                 // Bytes, not UTF-8: one mapped file's name that is not would stop the watch.
@@ -470,6 +512,7 @@ impl Watch {
             let pools = POOLS.lock().unwrap_or_else(|e| e.into_inner()).clone();
             let known: Vec<u64> = match self.known.lock() {
                 Ok(mut k) => {
+                    confirming = false;
                     for w in k.iter_mut().filter(|w| !w.gone.load(Ordering::SeqCst)) {
                         // Shared and writable: the agent's read-only page-out window onto
                         // the same memfd (`pageout.rs`) does not keep a region alive. Two
@@ -479,6 +522,7 @@ impl Watch {
                             w.missing_once = false;
                         } else if !w.missing_once {
                             w.missing_once = true;
+                            confirming = true;
                         } else {
                             tracing::warn!(
                                 "a guest RAM region (memfd inode {}) is no longer mapped (hot-unplug): its agent detaches",

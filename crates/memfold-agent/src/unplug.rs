@@ -225,7 +225,8 @@ fn replaces(flags: c_int) -> bool {
 macro_rules! mmap_like {
     ($name:ident, $sym:literal) => {
         #[doc = concat!("`", stringify!($name), "`; with `MAP_FIXED` over a managed region, ")]
-        /// the region is marked gone first (the invariant above).
+        /// the region is marked gone first (the invariant above). A file mapped shared
+        /// is counted for the hot-plug watch (`regions::note_shared_map`).
         ///
         /// # Safety
         /// As libc's.
@@ -241,6 +242,7 @@ macro_rules! mmap_like {
             if replaces(flags) {
                 closing(addr as u64, len as u64);
             }
+            crate::regions::note_shared_map(fd, flags);
             match real!($sym, Mmap) {
                 // SAFETY: the caller's arguments, to libc's call of the same name.
                 Some(f) => unsafe { f(addr, len, prot, flags, fd, off) },

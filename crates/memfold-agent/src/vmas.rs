@@ -36,7 +36,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// The process's one [`Vmas`]: every agent (every region) of this process counts here.
-pub(crate) static PROCESS: Vmas = Vmas::new(EXACT_EVERY);
+pub(crate) static PROCESS: Vmas = Vmas::new(EXACT_EVERY, REPORT_STALE);
 
 /// Longest time a share request relies on the count of mappings last read (plus the
 /// agents' own changes since) before reading `/proc/self/maps` again. Re-read every second
@@ -52,10 +52,21 @@ pub(crate) const MAPS_STALE: Duration = Duration::from_secs(10);
 const EXACT_EVERY: Duration = Duration::from_secs(1);
 
 /// Oldest read of `/proc/self/maps` the agent's report of its mappings relies on
-/// ([`Vmas::mappings_read`]): longer than the hot-plug watch's period, whose reads it
-/// takes, so that in a QEMU the report reads none of its own.
+/// ([`Vmas::mappings_read`]) once the agents' changes since the read could put its count
+/// over [`REPORT_SLACK`] above the true one; with fewer changes, a read up to
+/// [`MAPS_STALE`] old (the hot-plug watch's, every [`crate::regions::WATCH_BACKSTOP`]
+/// at least).
 pub(crate) const REPORT_STALE: Duration = Duration::from_secs(3);
-const _: () = assert!(REPORT_STALE.as_millis() > crate::regions::WATCH_PERIOD.as_millis());
+
+/// Most mappings the reported count may run over the true one (the agents' changes since
+/// the last read, 2 each, the worst case) before the report reads again at
+/// [`REPORT_STALE`]: 256 of a budget of ~61 000 (`vm.max_map_count` 65 530 less 4 096) is
+/// well inside the margin of memfoldd's VMA warning (7/8 of the budget).
+pub(crate) const REPORT_SLACK: usize = 256;
+const _: () = assert!(
+    crate::regions::WATCH_BACKSTOP.as_millis() + crate::regions::WATCH_PERIOD.as_millis()
+        <= MAPS_STALE.as_millis()
+);
 
 /// The process's mappings and pages on frames, for the VMA budget of shares.
 pub(crate) struct Vmas {
@@ -66,6 +77,8 @@ pub(crate) struct Vmas {
     count: Mutex<Count>,
     /// Shortest time between two reads made to refuse on an exact count.
     exact_every: Duration,
+    /// Oldest read the report takes past [`REPORT_SLACK`] ([`REPORT_STALE`]).
+    report_stale: Duration,
 }
 
 /// What [`Vmas::admit`] keeps under its lock.
@@ -82,10 +95,12 @@ struct Count {
 
 impl Vmas {
     /// No mappings counted, no page on a frame; a refusal reads the mappings again if
-    /// the last read is older than `exact_every`.
-    pub(crate) const fn new(exact_every: Duration) -> Vmas {
+    /// the last read is older than `exact_every`, a report past the slack if older than
+    /// `report_stale`.
+    pub(crate) const fn new(exact_every: Duration, report_stale: Duration) -> Vmas {
         Vmas {
             exact_every,
+            report_stale,
             added: AtomicUsize::new(0),
             count: Mutex::new(Count {
                 seen: 0,
@@ -96,20 +111,27 @@ impl Vmas {
         }
     }
 
-    /// The process's mappings, read again if the last read is over [`REPORT_STALE`] old:
-    /// what the agent reports each second (memfoldd's books and its VMA warning; no
-    /// decision takes it). In a QEMU the hot-plug watch reads `/proc/self/maps` every
-    /// [`crate::regions::WATCH_PERIOD`] and hands its count here ([`Vmas::read_with`]), so
-    /// the report reads none of its own: reading each second for it was half the agents'
-    /// reads of the file, ~1.5 CPU s per 90 s over four QEMUs of 3 900–6 400 mappings each
-    /// (perf, docs/peer.md, "Where memfold's CPU goes with frames paged out"). The upper
-    /// bound (the last read plus the agents' changes since) grows by 2 with each change,
-    /// and memfoldd's take-backs under VMA pressure make thousands a second, which took a
-    /// 4 GiB guest's reported count past `vm.max_map_count` (68 567) when it went unread:
-    /// a read at most [`REPORT_STALE`] old bounds that.
+    /// The process's mappings, read again if the last read is over [`MAPS_STALE`] old, or
+    /// over [`REPORT_STALE`] old when the agents changed more than [`REPORT_SLACK`] / 2
+    /// mappings since: what the agent reports each second (memfoldd's books and its VMA
+    /// warning; no decision takes it). The hot-plug watch's reads (at least every
+    /// [`crate::regions::WATCH_BACKSTOP`]) come here ([`Vmas::read_with`]), so a report
+    /// reads on its own only when its count could be off by more than the slack: reading
+    /// each second for it was half the agents' reads of the file, ~1.5 CPU s per 90 s
+    /// over four QEMUs of 3 900–6 400 mappings each (perf, docs/peer.md, "Where
+    /// memfold's CPU goes with frames paged out"). The upper bound (the last read plus the
+    /// agents' changes since) grows by 2 with each change, and memfoldd's take-backs
+    /// under VMA pressure make thousands a second, which took a 4 GiB guest's reported
+    /// count past `vm.max_map_count` (68 567) when it went unread: with that many
+    /// changes a read at most [`REPORT_STALE`] old bounds it.
     pub(crate) fn mappings_read(&self, read_maps: impl Fn() -> Option<usize>) -> usize {
         let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
-        self.refresh(&mut c, REPORT_STALE, &read_maps);
+        let max_age = if self.added.load(Ordering::SeqCst) > REPORT_SLACK {
+            self.report_stale
+        } else {
+            MAPS_STALE
+        };
+        self.refresh(&mut c, max_age, &read_maps);
         c.seen + self.added.load(Ordering::SeqCst)
     }
 
@@ -320,7 +342,7 @@ mod tests {
     /// until the mappings reach the budget itself.
     #[test]
     fn shares_leave_an_eighth_to_breaks_and_pages_on_frames_cost_no_room() {
-        let vmas = Vmas::new(Duration::ZERO);
+        let vmas = Vmas::new(Duration::ZERO, REPORT_STALE);
         let budget = 160;
         let m = std::cell::Cell::new(10);
         let maps = || Some(m.get());
@@ -352,7 +374,7 @@ mod tests {
     /// them; a stale count is read again only before refusing.
     #[test]
     fn changes_count_until_the_next_read() {
-        let vmas = Vmas::new(Duration::ZERO);
+        let vmas = Vmas::new(Duration::ZERO, REPORT_STALE);
         let reads = std::cell::Cell::new(0);
         let maps = || {
             reads.set(reads.get() + 1);
@@ -379,7 +401,7 @@ mod tests {
         static LIMIT: AtomicUsize = AtomicUsize::new(4096 + 160);
         let read = || LIMIT.load(Ordering::SeqCst) as u64;
         let budget = Budget::new(None, read, Duration::ZERO);
-        let vmas = Vmas::new(Duration::ZERO);
+        let vmas = Vmas::new(Duration::ZERO, REPORT_STALE);
         let maps = || Some(140);
         assert_eq!(budget.get(), 160);
         // Shares stop at 160 − 20 = 140: none admitted.
@@ -400,7 +422,7 @@ mod tests {
     /// refusal still on a count that is an upper bound.
     #[test]
     fn refusals_at_the_budget_read_the_mappings_once_a_second_not_each_time() {
-        let vmas = Vmas::new(Duration::from_secs(3600));
+        let vmas = Vmas::new(Duration::from_secs(3600), REPORT_STALE);
         let reads = std::cell::Cell::new(0);
         let maps = || {
             reads.set(reads.get() + 1);
@@ -418,7 +440,7 @@ mod tests {
         drop(first);
         assert_eq!(vmas.admit(112, 1, maps).pages, 1, "its room given back");
         // With exact_every 0, each refusal reads again (the old behaviour).
-        let eager = Vmas::new(Duration::ZERO);
+        let eager = Vmas::new(Duration::ZERO, REPORT_STALE);
         let full = || {
             reads.set(reads.get() + 1);
             Some(98)
@@ -434,7 +456,7 @@ mod tests {
     /// fresh, its count plus the changes made since (those made during the read too).
     #[test]
     fn the_report_takes_the_watchs_read() {
-        let vmas = Vmas::new(Duration::ZERO);
+        let vmas = Vmas::new(Duration::ZERO, REPORT_STALE);
         for _ in 0..5 {
             vmas.changed();
         }
@@ -465,7 +487,7 @@ mod tests {
     /// wrap the count and refuse every share).
     #[test]
     fn a_read_ending_during_the_watchs_is_not_undone() {
-        let vmas = Vmas::new(Duration::ZERO);
+        let vmas = Vmas::new(Duration::ZERO, REPORT_STALE);
         for _ in 0..5 {
             vmas.changed();
         }
@@ -489,7 +511,7 @@ mod tests {
     /// since) as it was: taken for 0, it admitted shares and breaks past the budget.
     #[test]
     fn a_failed_read_keeps_the_count() {
-        let vmas = Vmas::new(Duration::ZERO);
+        let vmas = Vmas::new(Duration::ZERO, REPORT_STALE);
         assert_eq!(vmas.mappings_read(|| Some(100)), 100);
         for _ in 0..5 {
             vmas.changed();
@@ -500,5 +522,27 @@ mod tests {
         assert!(vmas.break_fits(112, || None), "110 + 2 <= 112");
         assert!(!vmas.break_fits(111, || None), "110 + 2 > 111, read or not");
         assert_eq!(vmas.mappings_read(|| None), 110);
+    }
+
+    /// The report reads on its own only when the agents' changes since the last read
+    /// could put its count more than the slack over the true one (here at once: its
+    /// staleness past the slack is 0); under it, a read up to `MAPS_STALE` old serves.
+    #[test]
+    fn the_report_reads_on_its_own_only_past_the_slack() {
+        let vmas = Vmas::new(Duration::ZERO, Duration::ZERO);
+        let reads = std::cell::Cell::new(0);
+        let maps = || {
+            reads.set(reads.get() + 1);
+            Some(1000)
+        };
+        assert_eq!(vmas.mappings_read(maps), 1000);
+        for _ in 0..REPORT_SLACK / 2 {
+            vmas.changed();
+        }
+        assert_eq!(vmas.mappings_read(maps), 1000 + REPORT_SLACK);
+        assert_eq!(reads.get(), 1, "within the slack: no read");
+        vmas.changed();
+        assert_eq!(vmas.mappings_read(maps), 1000, "past it: read again");
+        assert_eq!(reads.get(), 2);
     }
 }

@@ -1,11 +1,13 @@
 //! A region whose every page is shared is not a region unplugged: once each page is on a
 //! pool frame, the region's memfd is mapped nowhere in the process (the frames' mappings
 //! replaced it), and the hot-unplug watcher, which looked only for the memfd's own
-//! mapping, detached the agent within `WATCH_PERIOD` (2 s). Its userfaultfd closed with
-//! it, so the pool frames stayed mapped writable with no write-protection: the guest's
-//! next write went into the frame every sharer of it reads. Here the "guest" shares all
-//! of its 8 pages, waits past two watch periods, and writes one page: the agent is still
-//! attached (no `RegionUnmapped`), breaks copy-on-write, and the frame keeps its bytes.
+//! mapping, detached the agent at its second look. Its userfaultfd closed with it, so the
+//! pool frames stayed mapped writable with no write-protection: the guest's next write
+//! went into the frame every sharer of it reads. Here the "guest" shares all of its 8
+//! pages, waits past two watch periods (2 s each), mapping a file shared each second so
+//! that the watcher looks at each period (it looks after such a mapping, else only every
+//! 8 s), and writes one page: the agent is still attached (no `RegionUnmapped`), breaks
+//! copy-on-write, and the frame keeps its bytes.
 //!
 //! Seen failing with the watcher's old rule (the memfd's mapping anywhere): the frame was
 //! written, and the agent said `RegionUnmapped`.
@@ -29,10 +31,16 @@ fn a_region_shared_whole_stays_attached_and_write_protected() {
     let dir = tempfile::tempdir().unwrap();
     let (_fd, ptr, c, pool, _store) = shared_page_by_page(dir.path(), PAGES, text);
 
-    // Past two watch periods (2 s each), reading what the agent says meanwhile.
+    // Past two watch periods (2 s each), reading what the agent says meanwhile and
+    // mapping a file shared each second (the watcher looks after each).
     c.set_recv_timeout(Duration::from_millis(100)).unwrap();
     let t = Instant::now();
+    let mut mapped = 0;
     while t.elapsed() < Duration::from_millis(5000) {
+        if t.elapsed().as_secs() >= mapped {
+            map_a_file_shared();
+            mapped += 1;
+        }
         match c.recv::<ToDaemon>() {
             Ok(Some((ToDaemon::RegionUnmapped, _))) => {
                 panic!("a region shared whole was taken for one unplugged")
@@ -58,4 +66,25 @@ fn a_region_shared_whole_stays_attached_and_write_protected() {
         _ => None,
     });
     assert_eq!(broken.len(), 1, "one break: {broken:?}");
+}
+
+/// Maps and unmaps a page of a new memfd shared, as QEMU maps a hot-plugged backend (an
+/// `mmap` the agent's interposer counts), so that the watcher looks at its next period.
+fn map_a_file_shared() {
+    let fd = memfold_sys::memfd::create("not-guest-ram").unwrap();
+    memfold_sys::memfd::set_len(fd.as_fd(), PAGE_SIZE as u64).unwrap();
+    // SAFETY: a new shared mapping of a memfd this test owns, at an address the kernel
+    // picks, unmapped at once and never touched.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            PAGE_SIZE,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            0,
+        );
+        assert_ne!(p, libc::MAP_FAILED);
+        assert_eq!(libc::munmap(p, PAGE_SIZE), 0);
+    }
 }
