@@ -152,16 +152,12 @@ impl Engine {
         let d = v.domain;
         self.refresh_similarity_index(d);
         let v = &self.vms[&id];
-        let mut todo = Vec::new();
-        let mut from = first;
-        while let Some((a, b)) = v.ram.next_data_run(from, end) {
-            todo.extend((a.0..b.0).map(Gfn).filter(|&g| {
-                v.state(g) == PageState::Private
-                    && !v.paged_out_or_going(g)
-                    && self.acts(policy.for_state(v.clock.page(g.0).last_state()))
-            }));
-            from = b;
-        }
+        let candidate = |g: Gfn| {
+            v.state(g) == PageState::Private
+                && !v.paged_out_or_going(g)
+                && self.acts(policy.for_state(v.clock.page(g.0).last_state()))
+        };
+        let todo = candidates_with_data(first, end, candidate, |a, b| v.ram.next_data_run(a, b));
         let mut buf = vec![0u8; READ_PAGES * PAGE_SIZE];
         let mut i = 0;
         while i < todo.len() {
@@ -776,6 +772,9 @@ pub(crate) fn guest_lru_mask(
     }
     m
 }
+
+mod runs;
+use runs::candidates_with_data;
 
 #[cfg(test)]
 mod tests;
