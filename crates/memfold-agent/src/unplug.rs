@@ -3,7 +3,7 @@
 //! closed to the agent before QEMU unmaps it, so that nothing the agent maps lands on
 //! what QEMU puts at that address next (its heap, a thread's stack, a new DIMM).
 //!
-//! The watcher (`regions.rs`) sees an unplug only 2–4 s later; meanwhile memfoldd's
+//! The watcher (`regions.rs`) sees an unplug only 2–10 s later; meanwhile memfoldd's
 //! requests and the faults the agent defers would still `mmap(MAP_FIXED)` or `mremap`
 //! at `base + gfn * 4096`. So every managed region has a [`Gate`]: a lock and the
 //! region's gone flag (the watcher's, which `serve` reads and detaches on).

@@ -1,6 +1,6 @@
 //! A region hot-unplugged (QEMU's `object_del`: `munmap` of guest RAM) whose address QEMU
 //! reuses at once (its heap, a thread's stack, a new DIMM) gets nothing of the agent's
-//! mapped over it. The watcher sees an unplug only 2–4 s later; a request meanwhile (here
+//! mapped over it. The watcher sees an unplug only 2–10 s later; a request meanwhile (here
 //! a take-back of a shared page: a CoW break, `mmap(MAP_FIXED)` of guest RAM's memfd at
 //! `base + gfn * 4096`) would overwrite what QEMU put there. The agent interposes QEMU's
 //! `munmap`, marking the region gone under its gate before the unmap (`unplug.rs`): the
