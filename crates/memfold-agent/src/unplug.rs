@@ -242,15 +242,19 @@ macro_rules! mmap_like {
             if replaces(flags) {
                 closing(addr as u64, len as u64);
             }
-            crate::regions::note_shared_map(fd, flags);
-            match real!($sym, Mmap) {
+            let mapped = match real!($sym, Mmap) {
                 // SAFETY: the caller's arguments, to libc's call of the same name.
                 Some(f) => unsafe { f(addr, len, prot, flags, fd, off) },
                 // SAFETY: the system call with the caller's arguments, as libc makes it.
                 None => unsafe {
                     libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) as *mut c_void
                 },
+            };
+            // Counted once the mapping exists: a look that saw the count sees the mapping.
+            if mapped != libc::MAP_FAILED {
+                crate::regions::note_shared_map(fd, flags);
             }
+            mapped
         }
     };
 }

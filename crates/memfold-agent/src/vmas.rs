@@ -124,14 +124,24 @@ impl Vmas {
     /// under VMA pressure make thousands a second, which took a 4 GiB guest's reported
     /// count past `vm.max_map_count` (68 567) when it went unread: with that many
     /// changes a read at most [`REPORT_STALE`] old bounds it.
+    /// The report's own read runs outside the lock ([`Vmas::read_with`]), as the watch's
+    /// does: under it, every CoW break ([`Vmas::break_fits`]) would wait the read's
+    /// milliseconds.
     pub(crate) fn mappings_read(&self, read_maps: impl Fn() -> Option<usize>) -> usize {
-        let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
-        let max_age = if self.added.load(Ordering::SeqCst) > REPORT_SLACK {
-            self.report_stale
-        } else {
-            MAPS_STALE
+        let stale = {
+            let c = self.count.lock().unwrap_or_else(|e| e.into_inner());
+            let max_age = if self.added.load(Ordering::SeqCst) > REPORT_SLACK {
+                self.report_stale
+            } else {
+                MAPS_STALE
+            };
+            c.read_at
+                .is_none_or(|t| t.elapsed() > max_age.min(MAPS_STALE))
         };
-        self.refresh(&mut c, max_age, &read_maps);
+        if stale {
+            let _ = self.read_with(|| read_maps().map(|n| (n, ())));
+        }
+        let c = self.count.lock().unwrap_or_else(|e| e.into_inner());
         c.seen + self.added.load(Ordering::SeqCst)
     }
 
@@ -544,5 +554,19 @@ mod tests {
         vmas.changed();
         assert_eq!(vmas.mappings_read(maps), 1000, "past it: read again");
         assert_eq!(reads.get(), 2);
+        // Read outside the lock: a CoW break's check meanwhile does not wait for it.
+        for _ in 0..=REPORT_SLACK / 2 {
+            vmas.changed();
+        }
+        let outside = || {
+            reads.set(reads.get() + 1);
+            assert!(
+                vmas.count.try_lock().is_ok(),
+                "the report reads under the lock"
+            );
+            Some(1000)
+        };
+        assert_eq!(vmas.mappings_read(outside), 1000);
+        assert_eq!(reads.get(), 3);
     }
 }

@@ -4,10 +4,11 @@
 //! mapping, detached the agent at its second look. Its userfaultfd closed with it, so the
 //! pool frames stayed mapped writable with no write-protection: the guest's next write
 //! went into the frame every sharer of it reads. Here the "guest" shares all of its 8
-//! pages, waits past two watch periods (2 s each), mapping a file shared each second so
-//! that the watcher looks at each period (it looks after such a mapping, else only every
-//! 8 s), and writes one page: the agent is still attached (no `RegionUnmapped`), breaks
-//! copy-on-write, and the frame keeps its bytes.
+//! pages, waits 7 s (two watch periods of 2 s each, and room for a detach to be told on a
+//! loaded machine), mapping a file shared each second so that the watcher looks at each
+//! period (it looks after such a mapping, else only every 8 s), and writes one page: the
+//! agent is still attached (no `RegionUnmapped`), breaks copy-on-write, and the frame
+//! keeps its bytes.
 //!
 //! Seen failing with the watcher's old rule (the memfd's mapping anywhere): the frame was
 //! written, and the agent said `RegionUnmapped`.
@@ -31,12 +32,12 @@ fn a_region_shared_whole_stays_attached_and_write_protected() {
     let dir = tempfile::tempdir().unwrap();
     let (_fd, ptr, c, pool, _store) = shared_page_by_page(dir.path(), PAGES, text);
 
-    // Past two watch periods (2 s each), reading what the agent says meanwhile and
+    // 7 s: past two watch periods (2 s each), reading what the agent says meanwhile and
     // mapping a file shared each second (the watcher looks after each).
     c.set_recv_timeout(Duration::from_millis(100)).unwrap();
     let t = Instant::now();
     let mut mapped = 0;
-    while t.elapsed() < Duration::from_millis(5000) {
+    while t.elapsed() < Duration::from_millis(7000) {
         if t.elapsed().as_secs() >= mapped {
             map_a_file_shared();
             mapped += 1;

@@ -33,7 +33,9 @@ pub(crate) fn candidates_with_data(
             None => break,
             // A hole up to `a`: its candidates hold nothing to read.
             Some((a, _)) if g < a => g = a,
-            Some(_) => {
+            Some((_, b)) => {
+                // `next_data_run`'s contract: `from <= a < b <= end`.
+                debug_assert!(g < b, "an empty or backward data run ending at {b:?}");
                 todo.push(g);
                 g = Gfn(g.0 + 1);
             }
