@@ -75,8 +75,9 @@ pub(crate) const WATCH_BACKSTOP: std::time::Duration = std::time::Duration::from
 static SHARED_MAPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Counts an `mmap` with `flags` of file descriptor `fd` if it maps a file shared from a
-/// thread not an agent's. Called by the interposer before every `mmap`: no lock, no
-/// allocation (an allocator may be mapping memory).
+/// thread not an agent's. Called by the interposer after every `mmap` that succeeded
+/// (so a look that saw the count sees the mapping): no lock, no allocation (an
+/// allocator may be mapping memory).
 pub(crate) fn note_shared_map(fd: std::ffi::c_int, flags: std::ffi::c_int) {
     if fd >= 0 && flags & libc::MAP_SHARED != 0 && !crate::ram_sends::is_agent_thread() {
         SHARED_MAPS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -484,11 +485,15 @@ impl Watch {
         let mut refused: std::collections::BTreeSet<u64> = Default::default();
         // The count of shared mappings at the last look and when it began; none yet.
         let mut looked: Option<(u64, std::time::Instant)> = None;
-        let mut confirming = false;
         loop {
             std::thread::sleep(WATCH_PERIOD);
             let maps_now = SHARED_MAPS.load(Ordering::SeqCst);
             if let Some((maps_then, at)) = looked {
+                // A region the last look found missing and not yet gone is looked at again.
+                let confirming = self.known.lock().is_ok_and(|k| {
+                    k.iter()
+                        .any(|w| w.missing_once && !w.gone.load(Ordering::SeqCst))
+                });
                 if !look_due(maps_now != maps_then, confirming, at.elapsed()) {
                     continue;
                 }
@@ -512,7 +517,6 @@ impl Watch {
             let pools = POOLS.lock().unwrap_or_else(|e| e.into_inner()).clone();
             let known: Vec<u64> = match self.known.lock() {
                 Ok(mut k) => {
-                    confirming = false;
                     for w in k.iter_mut().filter(|w| !w.gone.load(Ordering::SeqCst)) {
                         // Shared and writable: the agent's read-only page-out window onto
                         // the same memfd (`pageout.rs`) does not keep a region alive. Two
@@ -522,7 +526,6 @@ impl Watch {
                             w.missing_once = false;
                         } else if !w.missing_once {
                             w.missing_once = true;
-                            confirming = true;
                         } else {
                             tracing::warn!(
                                 "a guest RAM region (memfd inode {}) is no longer mapped (hot-unplug): its agent detaches",

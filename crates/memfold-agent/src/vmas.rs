@@ -135,8 +135,7 @@ impl Vmas {
             } else {
                 MAPS_STALE
             };
-            c.read_at
-                .is_none_or(|t| t.elapsed() > max_age.min(MAPS_STALE))
+            c.older_than(max_age)
         };
         if stale {
             let _ = self.read_with(|| read_maps().map(|n| (n, ())));
@@ -242,9 +241,7 @@ impl Vmas {
     /// 2026-12-03) dropped the count under the true one and could admit shares past the
     /// budget.
     fn refresh(&self, c: &mut Count, max_age: Duration, read_maps: &impl Fn() -> Option<usize>) {
-        if c.read_at
-            .is_none_or(|t| t.elapsed() > max_age.min(MAPS_STALE))
-        {
+        if c.older_than(max_age) {
             let started = Instant::now();
             let before = self.added.load(Ordering::SeqCst);
             if let Some(seen) = read_maps() {
@@ -309,6 +306,15 @@ impl Budget {
         let b = limit.saturating_sub(QEMU_OWN);
         self.last.set(Some((b, Instant::now())));
         b
+    }
+}
+
+impl Count {
+    /// Whether the last read is over `max_age` (at most [`MAPS_STALE`]) old, or none was
+    /// made: when [`Vmas::refresh`] and [`Vmas::mappings_read`] read again.
+    fn older_than(&self, max_age: Duration) -> bool {
+        self.read_at
+            .is_none_or(|t| t.elapsed() > max_age.min(MAPS_STALE))
     }
 }
 

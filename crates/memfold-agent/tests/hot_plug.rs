@@ -89,20 +89,8 @@ fn hot_plugged_ram_is_found_by_the_interposer_soon_and_by_the_backstop_anyway() 
     assert_eq!(name1, "g/ram1");
 
     // Mapped with libc's `mmap` right after that look: found at the next period.
-    let (fd2, len) = backend();
     let mapped = Instant::now();
-    // SAFETY: as above.
-    let p2 = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd2.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(p2, libc::MAP_FAILED);
+    let (_fd2, _p2) = common::region(PAGES);
     let (_c2, name2) = agents.recv_timeout(ATTACH).unwrap();
     assert_eq!(name2, "g/ram2");
     let took = mapped.elapsed();

@@ -69,23 +69,8 @@ fn a_region_shared_whole_stays_attached_and_write_protected() {
     assert_eq!(broken.len(), 1, "one break: {broken:?}");
 }
 
-/// Maps and unmaps a page of a new memfd shared, as QEMU maps a hot-plugged backend (an
-/// `mmap` the agent's interposer counts), so that the watcher looks at its next period.
+/// Maps a page of a new memfd shared, as QEMU maps a hot-plugged backend (an `mmap` the
+/// agent's interposer counts), so that the watcher looks at its next period.
 fn map_a_file_shared() {
-    let fd = memfold_sys::memfd::create("not-guest-ram").unwrap();
-    memfold_sys::memfd::set_len(fd.as_fd(), PAGE_SIZE as u64).unwrap();
-    // SAFETY: a new shared mapping of a memfd this test owns, at an address the kernel
-    // picks, unmapped at once and never touched.
-    unsafe {
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            PAGE_SIZE,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            std::os::fd::AsRawFd::as_raw_fd(&fd),
-            0,
-        );
-        assert_ne!(p, libc::MAP_FAILED);
-        assert_eq!(libc::munmap(p, PAGE_SIZE), 0);
-    }
+    common::filled_region("not-guest-ram", 1, |_| Vec::new());
 }

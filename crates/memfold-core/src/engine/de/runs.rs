@@ -2,6 +2,7 @@
 //! data, found with few asks of where guest RAM's data lies.
 
 use crate::ids::Gfn;
+
 /// The pages of `[first, end)` that are `candidate`s and hold data, in order, asking
 /// `next_data_run` (guest RAM's `SEEK_DATA`/`SEEK_HOLE`: the run of data at or after a
 /// page, clamped to an end) only from a candidate past the run last returned: a data run
