@@ -83,6 +83,10 @@ pub(crate) struct Counters {
     pub(crate) ahead_breaks: u64,
     /// Pages broken without a copy under a writer's whole-page declaration (`nocopy.rs`).
     pub(crate) nocopy_breaks: u64,
+    /// Runs whose PTEs a clock scan dropped (private pages armed, pages on frames).
+    pub(crate) clock_zaps: u64,
+    /// Runs a clock scan found unmapped and did not zap (`rbits::Mapped`).
+    pub(crate) clock_zaps_skipped: u64,
     /// Minor-fault service.
     pub(crate) track: OpLatency,
     /// Share, per page.
@@ -111,6 +115,8 @@ impl Counters {
             run_breaks: 0,
             ahead_breaks: 0,
             nocopy_breaks: 0,
+            clock_zaps: 0,
+            clock_zaps_skipped: 0,
             track: OpLatency::default(),
             share: OpLatency::default(),
             cow: OpLatency::default(),
@@ -133,6 +139,8 @@ impl Counters {
             run_breaks: self.run_breaks,
             ahead_breaks: self.ahead_breaks,
             nocopy_breaks: self.nocopy_breaks,
+            clock_zaps: self.clock_zaps,
+            clock_zaps_skipped: self.clock_zaps_skipped,
             wp_faults: self.wp_faults,
             missing_faults: self.missing_faults,
             minor_faults: self.minor_faults,

@@ -329,6 +329,10 @@ struct Agent {
     opted_out: bool,
     /// The page tables' reader in the clock's `pagemap` mode (`rbits.rs`).
     rbits: Option<memfold_sys::pagemap::Pagemap>,
+    /// Which pages of the slice the clock scan in progress found mapped, read with its R
+    /// bits in the `pagemap` mode (`rbits.rs`): the scan's zap of pages on frames skips
+    /// runs with none mapped.
+    mapped_at_scan: Option<rbits::Mapped>,
     /// The read-only window onto guest RAM's memfd that pages go to the kernel's swap
     /// through (`pageout.rs`), made at the first page-out.
     window: Option<memfold_sys::pageout::PageOutWindow>,
@@ -647,6 +651,7 @@ fn run_region(
         vma_budget,
         opted_out: false,
         rbits,
+        mapped_at_scan: None,
         window: None,
         last_break: None,
     };

@@ -137,6 +137,11 @@ impl Agent {
     /// for these ranges are dropped as the agent's own (`Job::ZapFrames`), not taken for
     /// QEMU discarding the pages.
     ///
+    /// In the clock's `pagemap` mode a run none of whose pages had a PTE when the scan
+    /// read its R bits ([`crate::rbits::Mapped`]) is write-protected but not zapped: no
+    /// PTE to drop, and most runs of a pass are on frames no guest read since the last
+    /// (each zap is a `MADV_DONTNEED` and a remove event read back, for nothing).
+    ///
     /// Errors: the zap failed (the pages stay on their frames, mapped or not, protected
     /// either way); a run whose write-protection fails is left as it is, logged.
     pub(crate) fn zap_shared(&mut self, first: Gfn, n: u32) -> io::Result<()> {
@@ -144,6 +149,8 @@ impl Agent {
             PageHome::Frame(f) => Some(f.0),
             _ => None,
         };
+        // The scan's own reading of the page tables, if it made one of this slice.
+        let mapped = self.mapped_at_scan.take().filter(|m| m.covers(first, n));
         let mut k = 0;
         while k < n {
             // A chunk of runs at a time, then the faults read meanwhile: the kernel
@@ -167,16 +174,22 @@ impl Agent {
                     (e - k) as u64 * PAGE,
                 );
                 // Only a run just protected is zapped, so that its dropped PTEs leave
-                // markers; one the kernel refuses to protect keeps its PTEs.
+                // markers; one the kernel refuses to protect keeps its PTEs. A run with
+                // no PTE is protected all the same (a marker on every page of it).
                 match self.uffd.write_protect(addr, len, true) {
+                    Ok(()) if mapped.as_ref().is_some_and(|m| m.span(k, e).is_none()) => {
+                        self.counters.clock_zaps_skipped += 1;
+                    }
                     Ok(()) => runs.push((addr, len)),
                     Err(e) => tracing::warn!("{len} bytes at {addr:#x} on frames: {e}"),
                 }
                 k = e;
             }
+            // Empty only at the slice's end (runs left alone do not fill a chunk).
             if runs.is_empty() {
                 break;
             }
+            self.counters.clock_zaps += runs.len() as u64;
             let errno = self.helper(Job::ZapFrames(runs));
             for ev in std::mem::take(&mut self.deferred) {
                 self.handle_or_retry(ev);

@@ -66,27 +66,88 @@ impl Agent {
     /// guest waited on the agent). An access between this read and the scan's zap is lost
     /// if the zap re-arms the page (its PTE dropped again): a heuristic's miss, which the
     /// userfault mode does not have. Nothing in the userfault mode.
+    ///
+    /// What it reads is also kept for the scan's zap of pages on frames
+    /// ([`Agent::mapped_at_scan`]): which of the slice's pages have a PTE now.
     pub(crate) fn read_rbits(&mut self, first: Gfn, n: u32) {
+        self.mapped_at_scan = None;
         let start = self.page_addr(first);
         let Some(pm) = self.rbits.as_mut() else {
             return;
         };
         let (base, pages, minor) = (self.base, &mut self.pages, &mut self.counters.minor_faults);
+        let mut mapped = Mapped::none(first, n);
         let read = pm.scan_regions(start, n as u64 * PAGE, PAGE_IS_PRESENT, 0, |region| {
             for a in (region.start..region.end).step_by(PAGE as usize) {
-                if pages.present(Gfn(((a - base) / PAGE) as u32)) {
+                let g = Gfn(((a - base) / PAGE) as u32);
+                mapped.set(g);
+                if pages.present(g) {
                     *minor += 1;
                 }
             }
         });
-        if let Err(e) = read {
-            // It worked at the probe; should it fail now, the slice's armed pages are
-            // taken as used (none thought idle for want of a reading) and the scan goes
-            // on: R is a heuristic, and the connection is no reason to drop.
-            tracing::warn!(
-                "reading R bits: PAGEMAP_SCAN: {e}; the slice's armed pages count as used"
-            );
-            self.pages.all_zapped_referenced(first, n as u64);
+        match read {
+            Ok(_) => self.mapped_at_scan = Some(mapped),
+            Err(e) => {
+                // It worked at the probe; should it fail now, the slice's armed pages
+                // are taken as used (none thought idle for want of a reading) and the
+                // scan goes on: R is a heuristic, and the connection is no reason to
+                // drop. No reading is kept: the scan's zaps then zap every run.
+                tracing::warn!(
+                    "reading R bits: PAGEMAP_SCAN: {e}; the slice's armed pages count as used"
+                );
+                self.pages.all_zapped_referenced(first, n as u64);
+            }
         }
+    }
+}
+
+/// Which pages of a clock slice had a PTE when the scan read its R bits (`PAGEMAP_SCAN`,
+/// `PAGE_IS_PRESENT`), a bit a page.
+///
+/// Kept for the scan's zap of pages on pool frames (`Agent::zap_shared`): a run of which
+/// no page was mapped has no PTE to drop, and zapping it would cost a `MADV_DONTNEED`
+/// and a remove event for nothing. A page mapped after the read (the guest read it
+/// meanwhile) is only kept mapped until the next scan: its frame stays in RAM a pass
+/// longer, no byte depends on it (the run is write-protected all the same).
+pub(crate) struct Mapped {
+    /// The slice's first page.
+    first: Gfn,
+    /// Pages in the slice.
+    n: u32,
+    /// Bit k of word k / 64: page `first + k` was mapped.
+    bits: Vec<u64>,
+}
+
+impl Mapped {
+    /// A slice of `n` pages from `first`, none mapped yet.
+    pub(crate) fn none(first: Gfn, n: u32) -> Mapped {
+        Mapped {
+            first,
+            n,
+            bits: vec![0; (n as usize).div_ceil(64)],
+        }
+    }
+
+    /// Page `g` is mapped (ignored outside the slice).
+    pub(crate) fn set(&mut self, g: Gfn) {
+        if let Some(k) = g.0.checked_sub(self.first.0).filter(|&k| k < self.n) {
+            self.bits[k as usize / 64] |= 1 << (k % 64);
+        }
+    }
+
+    /// Whether this reading covers pages `[first, first + n)` of a scan.
+    pub(crate) fn covers(&self, first: Gfn, n: u32) -> bool {
+        self.first == first && n <= self.n
+    }
+
+    /// The pages of `[first + from, first + to)` (slice offsets) from the first mapped
+    /// to the last mapped, as slice offsets `[lo, hi)`; `None` if none was mapped.
+    pub(crate) fn span(&self, from: u32, to: u32) -> Option<(u32, u32)> {
+        let is = |k: &u32| self.bits[*k as usize / 64] >> (k % 64) & 1 == 1;
+        let to = to.min(self.n);
+        let lo = (from..to).find(is)?;
+        let hi = (lo..to).rev().find(is)?;
+        Some((lo, hi + 1))
     }
 }

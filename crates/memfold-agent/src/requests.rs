@@ -640,6 +640,11 @@ impl Agent {
         };
         // Pages memfoldd takes R for from the guest's LRU: write-protected, not zapped.
         let wp_only = |k: u32| bit(wp_only, k);
+        // What the page tables showed when the R bits were read (the `pagemap` mode).
+        let mapped = self.mapped_at_scan.as_ref().filter(|m| m.covers(first, n));
+        // Runs armed: every page of them zapped, or unmapped already (the same state).
+        let mut armed = Vec::new();
+        let mut skipped = 0;
         let mut runs = Vec::new();
         let mut k = 0;
         while k < n {
@@ -667,24 +672,25 @@ impl Agent {
                 while ze < e && !wp_only(ze) {
                     ze += 1;
                 }
-                runs.push((
-                    self.page_addr(plus(first, z as usize)),
-                    (ze - z) as u64 * PAGE,
-                ));
+                armed.push((plus(first, z as usize), (ze - z) as u64));
+                // Only from the first page mapped to the last: a cold page, zapped at
+                // the last pass and untouched since, has no PTE to drop (and a run of
+                // them no zap at all).
+                match mapped.map_or(Some((z, ze)), |m| m.span(z, ze)) {
+                    Some((lo, hi)) => runs.push((
+                        self.page_addr(plus(first, lo as usize)),
+                        (hi - lo) as u64 * PAGE,
+                    )),
+                    None => skipped += 1,
+                }
                 z = ze;
             }
             k = e;
         }
+        self.counters.clock_zaps_skipped += skipped;
         // On the helper thread: the caller of MADV_DONTNEED waits for its remove event.
         if !runs.is_empty() {
-            // The pagemap clock reads these pages' presence at the next scan.
-            let zapped: Vec<(Gfn, u64)> = match self.rbits {
-                Some(_) => runs
-                    .iter()
-                    .map(|&(addr, len)| (Gfn(((addr - self.base) / PAGE) as u32), len / PAGE))
-                    .collect(),
-                None => Vec::new(),
-            };
+            self.counters.clock_zaps += runs.len() as u64;
             let errno = self.helper(Job::Zap(runs));
             if errno != 0 {
                 return Err(io::Error::other(format!(
@@ -692,7 +698,10 @@ impl Agent {
                     io::Error::from_raw_os_error(errno)
                 )));
             }
-            for (g, k) in zapped {
+        }
+        // The pagemap clock reads these pages' presence at the next scan.
+        if self.rbits.is_some() {
+            for (g, k) in armed {
                 self.pages.zapped(g, k);
             }
         }

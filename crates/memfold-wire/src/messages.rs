@@ -200,6 +200,17 @@ pub struct AgentReport {
     /// pages at the first fault of its call.
     #[serde(default)]
     pub nocopy_breaks: u64,
+    /// Runs of pages whose PTEs a clock scan dropped, each one `MADV_DONTNEED` and one
+    /// remove event the agent reads back: private pages armed (DE §4.2's R bit) and
+    /// pages on pool frames, so that their frames can leave RAM
+    /// (`ToAgent::ClockScan::zap_shared`).
+    #[serde(default)]
+    pub clock_zaps: u64,
+    /// Runs such a scan protected but left mapped as they were because the page tables
+    /// showed none of their pages mapped (nothing to drop; the clock's `pagemap` mode
+    /// only).
+    #[serde(default)]
+    pub clock_zaps_skipped: u64,
 }
 
 /// Messages to memfoldd.

@@ -240,6 +240,14 @@ pub struct VmStats {
     /// overwrites them whole (cumulative; each also a CoW break; Satori §4.3).
     #[serde(default)]
     pub nocopy_breaks: u64,
+    /// Runs of pages its agent's clock scans zapped (private pages armed, pages on
+    /// frames), cumulative: each a `MADV_DONTNEED` and a remove event in its QEMU.
+    #[serde(default)]
+    pub clock_zaps: u64,
+    /// Runs its agent's clock scans protected but did not zap, none of their pages being
+    /// mapped (cumulative; the clock's `pagemap` mode).
+    #[serde(default)]
+    pub clock_zaps_skipped: u64,
     /// Host memory this guest holds alone, bytes: its RAM memfd and its store memfd as
     /// allocated (holes take none; its sharing domain's pool is counted apart, in
     /// [`HeldBytes::pool`], as its frames serve every guest of the domain).

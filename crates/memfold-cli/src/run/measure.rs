@@ -409,6 +409,11 @@ pub struct GuestEvents {
     pub wp_faults: u64,
     /// Patched or compressed pages decoded back on access.
     pub unstashes: u64,
+    /// Runs of pages the agents' clock scans zapped (each a `MADV_DONTNEED` and a
+    /// remove event in a QEMU).
+    pub clock_zaps: u64,
+    /// Runs the clock scans left alone, none of their pages mapped (`pagemap` mode).
+    pub clock_zaps_skipped: u64,
 }
 
 impl GuestEvents {
@@ -434,6 +439,8 @@ impl GuestEvents {
             minor_faults: sum(|v| v.minor_faults),
             wp_faults: sum(|v| v.wp_faults),
             unstashes: sum(|v| v.unstashes),
+            clock_zaps: sum(|v| v.clock_zaps),
+            clock_zaps_skipped: sum(|v| v.clock_zaps_skipped),
         }
     }
 }

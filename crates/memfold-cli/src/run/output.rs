@@ -466,7 +466,7 @@ fn print_end_books(s: &Stats) {
 fn print_churn(s: &Stats) {
     let e = GuestEvents::of(s);
     println!(
-        "guest events: {} shares ({} at disk read, {} of them filled from frames), {} CoW breaks ({} copies avoided: shared pages the guest freed, dropped, or a device overwrote whole), {} zero reclaims, {} refills, {} free pages discarded ({} stored ones), {} C1 pages left unshared; clock faults {} minor (R), {} write-protect; {} decoded back",
+        "guest events: {} shares ({} at disk read, {} of them filled from frames), {} CoW breaks ({} copies avoided: shared pages the guest freed, dropped, or a device overwrote whole), {} zero reclaims, {} refills, {} free pages discarded ({} stored ones), {} C1 pages left unshared; clock faults {} minor (R), {} write-protect; clock zaps {} ({} runs found unmapped, left alone); {} decoded back",
         e.shares,
         e.read_shares,
         e.read_fills,
@@ -479,6 +479,8 @@ fn print_churn(s: &Stats) {
         e.hot_skipped,
         e.minor_faults,
         e.wp_faults,
+        e.clock_zaps,
+        e.clock_zaps_skipped,
         e.unstashes,
     );
 }

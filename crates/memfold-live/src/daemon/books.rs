@@ -29,6 +29,8 @@ fn vm_stats(v: &VmReport, guests: &Guests, claims: &Claims, agent_cpu_s: f64) ->
         run_breaks: g.map_or(0, |g| g.run_breaks),
         ahead_breaks: g.map_or(0, |g| g.ahead_breaks),
         nocopy_breaks: g.map_or(0, |g| g.nocopy_breaks),
+        clock_zaps: g.map_or(0, |g| g.clock_zaps.0),
+        clock_zaps_skipped: g.map_or(0, |g| g.clock_zaps.1),
         shared_pages: b.shared_pages,
         zero_shared_pages: b.zero_shared_pages,
         zero_reclaimed_pages: b.zero_reclaimed_pages,

@@ -44,6 +44,8 @@ pub(crate) struct Guest {
     pub(crate) ahead_breaks: u64,
     /// Pages broken without a copy under a device's whole-page declaration.
     pub(crate) nocopy_breaks: u64,
+    /// Runs the agent's clock scans zapped, and left alone as unmapped.
+    pub(crate) clock_zaps: (u64, u64),
 }
 
 impl Guest {
@@ -70,6 +72,7 @@ impl Guest {
             run_breaks: 0,
             ahead_breaks: 0,
             nocopy_breaks: 0,
+            clock_zaps: (0, 0),
         }
     }
 }
@@ -226,6 +229,7 @@ impl Guests {
         g.run_breaks = r.run_breaks;
         g.ahead_breaks = r.ahead_breaks;
         g.nocopy_breaks = r.nocopy_breaks;
+        g.clock_zaps = (r.clock_zaps, r.clock_zaps_skipped);
         g.latency = [
             &r.share_ns,
             &r.cow_break_ns,
