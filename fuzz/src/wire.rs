@@ -206,8 +206,8 @@ pub enum DaemonMsg {
     },
     AgentStats {
         /// wp, missing, minor faults; state bytes; mappings; run breaks; ahead breaks; VMA
-        /// budget; no-copy breaks.
-        faults: [u64; 9],
+        /// budget; no-copy breaks; clock zaps done and skipped.
+        faults: [u64; 11],
         hists: [Vec<(u64, u64)>; 7],
     },
     ClientHello(u32),
@@ -476,6 +476,8 @@ impl DaemonMsg {
                 ahead_breaks: faults[6],
                 vma_budget: faults[7],
                 nocopy_breaks: faults[8],
+                clock_zaps: faults[9],
+                clock_zaps_skipped: faults[10],
             }),
             DaemonMsg::ClientHello(v) => ToDaemon::ClientHello { version: *v },
             DaemonMsg::DeviceHello(v, b) => ToDaemon::DeviceHello {
