@@ -96,25 +96,33 @@ impl Agent {
     /// RAM again lose their bits and are reported to memfoldd with the next events
     /// (`ToDaemon::PagedIn`). Should reading residency fail (it worked when the window
     /// was made), the pages stay marked and are asked about at the next scan.
+    ///
+    /// Residency is read only over the spans holding paged-out pages
+    /// ([`MINCORE_GAP`]), not the whole slice: `mincore` looks each page up in the
+    /// page cache (and a swapped one in the swap cache), and most of a slice is not
+    /// paged out.
     pub(crate) fn paged_in(&mut self, first: Gfn, n: u32) {
-        if !self.pages.any_paged_out(first, n) {
+        let spans = self.pages.paged_out_spans(first, n, MINCORE_GAP);
+        if spans.is_empty() {
             return;
         }
         let Some(w) = self.window.as_ref() else {
             return;
         };
-        let resident = match w.resident(first.0 as u64, n as u64) {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!("reading which paged-out pages are back: mincore: {e}");
-                return;
-            }
-        };
-        for (k, back) in resident.into_iter().enumerate() {
-            let g = Gfn(first.0 + k as u32);
-            if back && self.pages.is_paged_out(g) {
-                self.pages.paged_in(g);
-                self.pending.paged_in.push(g);
+        for (s, len) in spans {
+            let resident = match w.resident(s.0 as u64, len as u64) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!("reading which paged-out pages are back: mincore: {e}");
+                    return;
+                }
+            };
+            for (k, back) in resident.into_iter().enumerate() {
+                let g = Gfn(s.0 + k as u32);
+                if back && self.pages.is_paged_out(g) {
+                    self.pages.paged_in(g);
+                    self.pending.paged_in.push(g);
+                }
             }
         }
     }
@@ -204,6 +212,10 @@ impl Agent {
         Ok(())
     }
 }
+
+/// Pages not paged out that [`Agent::paged_in`] reads residency across rather than make
+/// another `mincore` call: a call costs about what looking up this many pages does.
+const MINCORE_GAP: u32 = 16;
 
 /// Most runs of shared pages zapped in one job of [`Agent::zap_shared`] before the faults
 /// read meanwhile are served.

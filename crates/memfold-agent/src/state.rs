@@ -318,6 +318,30 @@ impl Pages {
         (first.0..(first.0 + n).min(self.len())).any(|g| self.is_paged_out(Gfn(g)))
     }
 
+    /// The paged-out pages of `[first, first+n)` (in RAM) as spans (first page, pages),
+    /// ascending: each span begins and ends on a paged-out page, and two spans are apart
+    /// only where more than `gap` pages between them are not paged out. Empty if none is.
+    pub(crate) fn paged_out_spans(&self, first: Gfn, n: u32, gap: u32) -> Vec<(Gfn, u32)> {
+        let end = first.0.saturating_add(n).min(self.len());
+        let mut spans: Vec<(Gfn, u32)> = Vec::new();
+        let mut g = first.0;
+        while g < end {
+            // A word with no page out is passed whole.
+            if g % 64 == 0 && self.paged_out[g as usize / 64] == 0 {
+                g += 64;
+                continue;
+            }
+            if self.is_paged_out(Gfn(g)) {
+                match spans.last_mut() {
+                    Some((s, len)) if g - (s.0 + *len) <= gap => *len = g - s.0 + 1,
+                    _ => spans.push((Gfn(g), 1)),
+                }
+            }
+            g += 1;
+        }
+        spans
+    }
+
     /// Renumbers the stash records of stashed pages densely and gives back the rest
     /// (issue 19: after a burst of stores taken back, the table kept its peak — 6.8 MB
     /// against 3.4 in two runs of one 2 GiB guest that differed by an early burst of
