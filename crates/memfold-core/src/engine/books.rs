@@ -37,10 +37,13 @@ pub struct VmBooks {
     pub category_refused: u64,
     /// Resident pages the sharing scan passed over as of a skipped category (slab by
     /// default; [`super::EngineConfig::guest_skip`]), as the guest
-    /// reported them ([`super::EngineConfig::guest_categories`]), page-scans.
+    /// reported them ([`super::EngineConfig::guest_categories`]), page-scans. Resident as
+    /// the books know it where the scan passes pages before asking where data lies: a
+    /// page never written, or discarded by the guest while private, is counted too.
     pub category_skipped: u64,
     /// Resident pages the sharing scan left out of a full scan as quiet (read before with
-    /// nothing found; [`super::EngineConfig::quiet_scan_period`]), page-scans.
+    /// nothing found; [`super::EngineConfig::quiet_scan_period`]), page-scans; resident
+    /// as [`VmBooks::category_skipped`] counts it.
     pub skipped_pages: u64,
     /// Pages shared.
     pub shares: u64,

@@ -106,6 +106,28 @@ impl super::Vm {
         }
     }
 
+    /// Books page `g`, which the scan passes over as `passed`, as skipped: quiet pages and
+    /// pages of a skipped category are counted if they hold data by the books (the
+    /// guest's own or in flight, not a hole memfold punched: zero, shared, stored, moving
+    /// or unmapped) — the scan passes over them before asking where data lies, so it
+    /// does not know what the memfd holds there. A page never written, or discarded by
+    /// the guest while private, is counted too.
+    fn pass_over(&mut self, g: u32, passed: Visit) {
+        let data = !matches!(
+            self.state(Gfn(g)),
+            PageState::Zero
+                | PageState::Shared(_)
+                | PageState::Stored(_)
+                | PageState::Moving(_)
+                | PageState::Unmapped(_)
+        );
+        match passed {
+            Visit::Quiet if data => self.books.skipped_pages += 1,
+            Visit::Kernel if data => self.books.category_skipped += 1,
+            _ => {}
+        }
+    }
+
     /// The cursor reached the end of its RAM: with categories in use, the first sweep
     /// (page cache) is followed by the second (the rest) from gfn 0; else its part of the
     /// full scan is done. Returns whether it is.
@@ -305,6 +327,26 @@ impl Engine {
         let mut asks = 0;
         loop {
             if v.cursor >= v.run_end {
+                // Pages this scan passes over are passed before asking where data lies, so
+                // that the ask is made from a page it reads: a data run holding none is
+                // never asked for (issue 15: pages shared, stored and paged out leave guest
+                // RAM a sieve of thousands of runs, most of them quiet in a given scan).
+                // The same pages are read as when every run was walked: those passed here
+                // are read by neither, and from the page asked from the walk goes on as it
+                // did (pages between it and the run found are holes).
+                while v.cursor < end {
+                    match v.visit(v.cursor, pass, max_period, use_cats, skip) {
+                        Visit::Read => break,
+                        passed => v.pass_over(v.cursor, passed),
+                    }
+                    v.cursor += 1;
+                }
+                if v.cursor >= end {
+                    if v.end_sweep(use_cats) {
+                        return None;
+                    }
+                    continue;
+                }
                 if asks >= max {
                     return Some((Gfn(v.cursor), 0, asks));
                 }
@@ -323,6 +365,7 @@ impl Engine {
             while v.cursor < v.run_end {
                 match v.visit(v.cursor, pass, max_period, use_cats, skip) {
                     Visit::Read => break,
+                    // In a data run: resident, whatever the books say.
                     Visit::Quiet => v.books.skipped_pages += 1,
                     Visit::Kernel => v.books.category_skipped += 1,
                     Visit::OtherSweep | Visit::PagedOut => {}
