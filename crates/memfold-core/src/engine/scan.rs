@@ -107,20 +107,21 @@ impl super::Vm {
     }
 
     /// Books page `g`, which the scan passes over as `passed`, as skipped: quiet pages and
-    /// pages of a skipped category are counted if they hold data by the books (the
-    /// guest's own or in flight, not a hole memfold punched: zero, shared, stored, moving
-    /// or unmapped) — the scan passes over them before asking where data lies, so it
-    /// does not know what the memfd holds there. A page never written, or discarded by
-    /// the guest while private, is counted too.
-    fn pass_over(&mut self, g: u32, passed: Visit) {
-        let data = !matches!(
-            self.state(Gfn(g)),
-            PageState::Zero
-                | PageState::Shared(_)
-                | PageState::Stored(_)
-                | PageState::Moving(_)
-                | PageState::Unmapped(_)
-        );
+    /// pages of a skipped category are counted if they hold data — `in_run` (a page of a
+    /// data run the memfd named) or else by the books (the guest's own or in flight, not a
+    /// hole memfold punched: zero, shared, stored, moving or unmapped), as the scan passes
+    /// pages before asking where data lies and does not know what the memfd holds there.
+    /// A page never written, or discarded by the guest while private, is then counted too.
+    fn pass_over(&mut self, g: u32, passed: Visit, in_run: bool) {
+        let data = in_run
+            || !matches!(
+                self.state(Gfn(g)),
+                PageState::Zero
+                    | PageState::Shared(_)
+                    | PageState::Stored(_)
+                    | PageState::Moving(_)
+                    | PageState::Unmapped(_)
+            );
         match passed {
             Visit::Quiet if data => self.books.skipped_pages += 1,
             Visit::Kernel if data => self.books.category_skipped += 1,
@@ -337,7 +338,7 @@ impl Engine {
                 while v.cursor < end {
                     match v.visit(v.cursor, pass, max_period, use_cats, skip) {
                         Visit::Read => break,
-                        passed => v.pass_over(v.cursor, passed),
+                        passed => v.pass_over(v.cursor, passed, false),
                     }
                     v.cursor += 1;
                 }
@@ -366,9 +367,7 @@ impl Engine {
                 match v.visit(v.cursor, pass, max_period, use_cats, skip) {
                     Visit::Read => break,
                     // In a data run: resident, whatever the books say.
-                    Visit::Quiet => v.books.skipped_pages += 1,
-                    Visit::Kernel => v.books.category_skipped += 1,
-                    Visit::OtherSweep | Visit::PagedOut => {}
+                    passed => v.pass_over(v.cursor, passed, true),
                 }
                 v.cursor += 1;
             }
