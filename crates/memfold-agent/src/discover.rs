@@ -78,7 +78,7 @@ pub(crate) fn discover(
             let (found, huge) = regions::open(&named)?;
             if !huge.is_empty() && warned.as_ref() != Some(&named) {
                 warned = Some(named.clone());
-                tracing::warn!("not shareable, left alone: {}", huge.join(", "));
+                tracing::warn!("not shareable, left alone: {}", huge.join("; "));
             }
             if !found.is_empty() && (cfg.ram_bytes == 0 || found.len() == named.len()) {
                 return Ok((found, true));
@@ -130,11 +130,13 @@ pub(crate) fn discover(
     }
 }
 
-/// The error of guest RAM found but not shareable: `huge` says what and why.
-fn not_shareable(huge: &[String]) -> io::Error {
+/// The error of guest RAM found but not shareable, from QEMU's command line or from its
+/// mappings: each of `why` says what and why (joined with "; ", as a reason may hold a
+/// comma).
+pub(crate) fn not_shareable(why: &[String]) -> io::Error {
     io::Error::other(format!(
         "guest RAM is not shareable, memfold leaves this guest alone: {}",
-        huge.join(", ")
+        why.join("; ")
     ))
 }
 

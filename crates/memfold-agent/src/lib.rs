@@ -378,10 +378,7 @@ pub fn run(cfg: AgentConfig) -> io::Result<std::convert::Infallible> {
     if let Some(plan) = &plan {
         let problems: Vec<String> = plan.problems().iter().map(|p| p.to_string()).collect();
         if !plan.any_shareable_ram() {
-            return Err(io::Error::other(format!(
-                "guest RAM is not shareable, memfold leaves this guest alone: {}",
-                problems.join("; ")
-            )));
+            return Err(discover::not_shareable(&problems));
         }
         if !plan.unfenced_io.is_empty() {
             return Err(io::Error::other(format!(

@@ -432,7 +432,8 @@ fn the_reattach_list_names_frames_and_zero_pages() {
 /// nothing outside it, begin and end on paged-out pages, and split only at gaps wider
 /// than asked — against a plain walk, over pseudo-random marks of every density. Seen
 /// failing with an unmarked word skipped from mid-word (the next word's first pages were
-/// missed) and with a gap of exactly `gap` splitting.
+/// missed) and with a gap of exactly `gap` splitting; `any_paged_out` against the same
+/// walk, seen failing with the last page of a word left out of its mask.
 #[test]
 fn paged_out_spans_cover_every_paged_out_page_and_split_only_at_wide_gaps() {
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
