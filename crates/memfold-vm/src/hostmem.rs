@@ -156,8 +156,49 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
             "process {pid} has no memory map: it has exited"
         )));
     }
-    let (mut total, inodes) = ram_mappings(&smaps, min_bytes);
-    let files = memfd_allocations(pid, &inodes)?;
+    let (total, inodes) = ram_mappings(&smaps, min_bytes);
+    with_files(pid, total, &inodes)
+}
+
+/// [`guest_ram_usage`] with only what [`total_used`] and [`total_swapped`] need: the memfd
+/// files come from `/proc/PID/maps` (their headers, no page-table walk), and
+/// `/proc/PID/smaps` is read only if QEMU maps anonymous guest RAM (its Pss and swap are
+/// the used bytes: KSM runs). So `rss`, `pss` and `swap` are 0 for a QEMU whose guest RAM
+/// is all memfds (memfold runs), whose used bytes are the files' allocations; otherwise
+/// as [`guest_ram_usage`]'s. The used bytes are the same either way
+/// (`lean_usage_counts_as_the_full_one`).
+///
+/// Why: the harness samples every guest once a second, and on memfold's side a QEMU maps
+/// thousands of pool frames apart, whose smaps walk was most of the sampler's CPU
+/// (docs/peer.md, "Where memfold's CPU goes"), taken from the guests it measures.
+///
+/// Errors: as [`guest_ram_usage`].
+pub fn guest_ram_usage_lean(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    if maps.is_empty() {
+        return Err(std::io::Error::other(format!(
+            "process {pid} has no memory map: it has exited"
+        )));
+    }
+    let anonymous_ram = maps
+        .lines()
+        .filter_map(mapping_header)
+        .any(|m| m.is_anonymous_ram(min_bytes));
+    if anonymous_ram {
+        return guest_ram_usage(pid, min_bytes);
+    }
+    let (total, inodes) = ram_mappings(&maps, min_bytes);
+    with_files(pid, total, &inodes)
+}
+
+/// The memfd files of process `pid` (those of `inodes`, memfold's store and pool) added
+/// to `total`.
+fn with_files(
+    pid: u32,
+    mut total: RamUsage,
+    inodes: &std::collections::BTreeSet<u64>,
+) -> std::io::Result<RamUsage> {
+    let files = memfd_allocations(pid, inodes)?;
     total.memfd_files = files.iter().map(|&(ino, a, _)| (ino, a)).collect();
     total.memfd_swapped = files
         .iter()
@@ -165,6 +206,57 @@ pub fn guest_ram_usage(pid: u32, min_bytes: u64) -> std::io::Result<RamUsage> {
         .map(|&(ino, _, s)| (ino, s))
         .collect();
     Ok(total)
+}
+
+/// One header line of `/proc/PID/maps` or `/proc/PID/smaps`:
+/// "start-end perms offset dev inode [path]".
+struct Mapping<'a> {
+    /// Bytes mapped.
+    size: u64,
+    /// "rw-p" and the like.
+    perms: &'a str,
+    /// The file's inode (0 for anonymous memory).
+    inode: u64,
+    /// The path, "" for anonymous memory.
+    path: String,
+}
+
+impl Mapping<'_> {
+    /// A memfd's mapping (memfold's guest RAM, its pool).
+    fn is_memfd(&self) -> bool {
+        self.path.contains("memfd:")
+    }
+
+    /// An anonymous read-write mapping of at least `min_bytes`: QEMU's guest RAM
+    /// without a memory backend (KSM runs); its other anonymous mappings are smaller.
+    fn is_anonymous_ram(&self, min_bytes: u64) -> bool {
+        self.path.is_empty() && self.perms.starts_with("rw") && self.size >= min_bytes
+    }
+}
+
+/// `line` as a mapping header, or `None` for a field line of smaps ("Rss:   4 kB").
+fn mapping_header(line: &str) -> Option<Mapping<'_>> {
+    let mut parts = line.split_whitespace();
+    let first = parts.next()?;
+    if !(first.contains('-')
+        && first.chars().next().is_some_and(|c| c.is_ascii_hexdigit())
+        && !first.ends_with(':'))
+    {
+        return None;
+    }
+    let (s, e) = first.split_once('-').unwrap_or(("0", "0"));
+    let size = u64::from_str_radix(e, 16)
+        .unwrap_or(0)
+        .saturating_sub(u64::from_str_radix(s, 16).unwrap_or(0));
+    let perms = parts.next().unwrap_or("");
+    let inode: u64 = parts.nth(2).and_then(|i| i.parse().ok()).unwrap_or(0);
+    let path: Vec<&str> = parts.collect();
+    Some(Mapping {
+        size,
+        perms,
+        inode,
+        path: path.join(" "),
+    })
 }
 
 /// The sums of [`guest_ram_usage`] over the guest-RAM mappings of `smaps` (the text of
@@ -175,31 +267,19 @@ fn ram_mappings(smaps: &str, min_bytes: u64) -> (RamUsage, std::collections::BTr
     let mut anonymous = false;
     let mut inodes = std::collections::BTreeSet::new();
     for line in smaps.lines() {
-        let mut parts = line.split_whitespace();
-        let first = parts.next().unwrap_or("");
-        if first.contains('-')
-            && first.chars().next().is_some_and(|c| c.is_ascii_hexdigit())
-            && !first.ends_with(':')
-        {
-            // A mapping header: "start-end perms offset dev inode [path]".
-            let (s, e) = first.split_once('-').unwrap_or(("0", "0"));
-            let size = u64::from_str_radix(e, 16)
-                .unwrap_or(0)
-                .saturating_sub(u64::from_str_radix(s, 16).unwrap_or(0));
-            let perms = parts.next().unwrap_or("");
-            let inode: u64 = parts.nth(2).and_then(|i| i.parse().ok()).unwrap_or(0);
-            let path: Vec<&str> = parts.collect();
-            let path = path.join(" ");
+        if let Some(m) = mapping_header(line) {
             anonymous = false;
-            counting = if path.contains("memfd:") {
-                inodes.insert(inode);
+            counting = if m.is_memfd() {
+                inodes.insert(m.inode);
                 true
             } else {
-                anonymous = path.is_empty() && perms.starts_with("rw") && size >= min_bytes;
+                anonymous = m.is_anonymous_ram(min_bytes);
                 anonymous
             };
             continue;
         }
+        let mut parts = line.split_whitespace();
+        let first = parts.next().unwrap_or("");
         if !counting {
             continue;
         }
@@ -245,6 +325,54 @@ mod tests {
         assert!(u.rss >= len as u64 / 2, "{u:?}");
         assert!(u.pss >= len as u64 / 2 && u.pss <= u.rss, "{u:?}");
         assert!(u.used() >= len as u64 / 2, "{u:?}");
+        drop(v);
+    }
+
+    /// The lean read finds the same memfd files with the same allocations as the full
+    /// one, and reads no mapping sizes where guest RAM is all memfds; with anonymous
+    /// guest RAM it is the full read. Seen failing with the lean read's memfds left out.
+    #[test]
+    fn lean_usage_counts_as_the_full_one() {
+        use std::os::fd::AsFd;
+        use std::os::unix::fs::MetadataExt;
+        let len = 4 << 20;
+        let fd = memfold_sys::memfd::create("lean-usage-test").unwrap();
+        memfold_sys::memfd::set_len(fd.as_fd(), len as u64).unwrap();
+        memfold_sys::memfd::pwrite_all(fd.as_fd(), &vec![3u8; len / 2], 0).unwrap();
+        let ino = std::fs::File::from(fd.try_clone().unwrap())
+            .metadata()
+            .unwrap()
+            .ino();
+        // SAFETY: a fresh shared mapping of the memfd, unmapped below; nothing else
+        // points into it.
+        let addr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                rustix::mm::ProtFlags::READ,
+                rustix::mm::MapFlags::SHARED,
+                fd.as_fd(),
+                0,
+            )
+        }
+        .unwrap();
+        // No anonymous mapping of this process is 1 TiB: guest RAM is the memfd alone.
+        let min = 1 << 40;
+        let full = guest_ram_usage(std::process::id(), min).unwrap();
+        let lean = guest_ram_usage_lean(std::process::id(), min).unwrap();
+        // SAFETY: the mapping made above, unmapped once.
+        unsafe { rustix::mm::munmap(addr, len) }.unwrap();
+        let file = |u: &RamUsage| u.memfd_files.iter().find(|f| f.0 == ino).copied();
+        assert_eq!(file(&lean), Some((ino, len as u64 / 2)), "{lean:?}");
+        assert_eq!(file(&lean), file(&full));
+        assert_eq!((lean.rss, lean.pss, lean.anon_used), (0, 0, 0), "{lean:?}");
+
+        // Anonymous guest RAM: the full read, Pss and all.
+        let anon = 32 << 20;
+        let v = std::hint::black_box(vec![1u8; anon]);
+        let lean = guest_ram_usage_lean(std::process::id(), anon as u64).unwrap();
+        assert!(lean.anon_used >= anon as u64 / 2, "{lean:?}");
+        assert!(lean.pss >= anon as u64 / 2, "{lean:?}");
         drop(v);
     }
 

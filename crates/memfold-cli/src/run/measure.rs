@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use memfold_vm::hostmem::{guest_ram_usage, total_used, RamUsage};
+use memfold_vm::hostmem::{guest_ram_usage, guest_ram_usage_lean, total_used, RamUsage};
 use memfold_vm::launcher::{Guest, RamBackend};
 use memfold_wire::{Stats, VmStats};
 use serde::Serialize;
@@ -64,8 +64,18 @@ pub fn t95_text(t95_s: Option<f64>) -> String {
 /// by this one function. Guest RAM in the kernel's swap (issue 15's zswap backing, or
 /// reclaim of anonymous RAM) counts as its share of the zswap pool ([`zswap_share`]), as
 /// the peer's does (`peer.rs`).
+///
+/// Reads each QEMU's mappings the lean way ([`guest_ram_usage_lean`]: no smaps walk where
+/// guest RAM is all memfds), so the rss returned counts anonymous guest RAM only (KSM
+/// runs, where it is the whole of guest RAM).
 pub fn used(guests: &[Guest]) -> Result<(u64, u64)> {
-    let usages = ram_usages(guests)?;
+    let usages = guests
+        .iter()
+        .map(|g| {
+            guest_ram_usage_lean(g.pid, g.mem_bytes / 2)
+                .with_context(|| format!("guest {}: QEMU gone?", g.name))
+        })
+        .collect::<Result<Vec<_>>>()?;
     let swapped = memfold_vm::hostmem::total_swapped(&usages)
         + usages.iter().map(|u| u.anon_swap_pss).sum::<u64>();
     let pool = if swapped > 0 {
