@@ -180,15 +180,16 @@ pub fn guest_ram_usage_lean(pid: u32, min_bytes: u64) -> std::io::Result<RamUsag
             "process {pid} has no memory map: it has exited"
         )));
     }
-    let anonymous_ram = maps
-        .lines()
-        .filter_map(mapping_header)
-        .any(|m| m.is_anonymous_ram(min_bytes));
-    if anonymous_ram {
+    let mappings: Vec<Mapping> = maps.lines().filter_map(mapping_header).collect();
+    if mappings.iter().any(|m| m.is_anonymous_ram(min_bytes)) {
         return guest_ram_usage(pid, min_bytes);
     }
-    let (total, inodes) = ram_mappings(&maps, min_bytes);
-    with_files(pid, total, &inodes)
+    let inodes = mappings
+        .iter()
+        .filter(|m| m.is_memfd())
+        .map(|m| m.inode)
+        .collect();
+    with_files(pid, RamUsage::default(), &inodes)
 }
 
 /// The memfd files of process `pid` (those of `inodes`, memfold's store and pool) added

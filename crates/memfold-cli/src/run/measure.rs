@@ -69,13 +69,7 @@ pub fn t95_text(t95_s: Option<f64>) -> String {
 /// guest RAM is all memfds), so the rss returned counts anonymous guest RAM only (KSM
 /// runs, where it is the whole of guest RAM).
 pub fn used(guests: &[Guest]) -> Result<(u64, u64)> {
-    let usages = guests
-        .iter()
-        .map(|g| {
-            guest_ram_usage_lean(g.pid, g.mem_bytes / 2)
-                .with_context(|| format!("guest {}: QEMU gone?", g.name))
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let usages = read_each(guests, guest_ram_usage_lean)?;
     let swapped = memfold_vm::hostmem::total_swapped(&usages)
         + usages.iter().map(|u| u.anon_swap_pss).sum::<u64>();
     let pool = if swapped > 0 {
@@ -106,11 +100,20 @@ pub fn zswap_share(pool: u64, zswapped: u64, swapped: u64) -> u64 {
 ///
 /// Errors: a guest's QEMU is gone.
 pub fn ram_usages(guests: &[Guest]) -> Result<Vec<RamUsage>> {
+    read_each(guests, guest_ram_usage)
+}
+
+/// `read` (a `memfold_vm::hostmem` reader: QEMU's pid, the smallest anonymous mapping
+/// taken for guest RAM, bytes) of each guest, its RAM's anonymous mapping at least half
+/// its size.
+fn read_each(
+    guests: &[Guest],
+    read: fn(u32, u64) -> std::io::Result<RamUsage>,
+) -> Result<Vec<RamUsage>> {
     guests
         .iter()
         .map(|g| {
-            guest_ram_usage(g.pid, g.mem_bytes / 2)
-                .with_context(|| format!("guest {}: QEMU gone?", g.name))
+            read(g.pid, g.mem_bytes / 2).with_context(|| format!("guest {}: QEMU gone?", g.name))
         })
         .collect()
 }
