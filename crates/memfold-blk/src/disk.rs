@@ -37,11 +37,13 @@ use imago::{FormatAccess, ShallowMapping};
 use crate::aligned::{fits_direct, read_fully, Aligned};
 use crate::landed::{DiskId, Source};
 
+mod error;
 mod guard;
 mod open;
 mod repair;
 mod stamp;
 mod sync_latch;
+pub use error::DiskError;
 pub use guard::{BaseGuard, BaseStamp, Mismatch};
 pub use open::check_overlay;
 pub use repair::dirty_path;
@@ -51,127 +53,6 @@ pub use stamp::stamp_path;
 pub const SECTOR: u64 = 512;
 /// Block size the device announces and reads in (`O_DIRECT` alignment), bytes.
 pub const BLOCK: u64 = 4096;
-
-/// Errors of disk images.
-#[derive(Debug, thiserror::Error)]
-pub enum DiskError {
-    /// An image could not be opened.
-    #[error("disk image {path}: {source}")]
-    Open {
-        /// The image.
-        path: PathBuf,
-        /// The OS or format error.
-        source: std::io::Error,
-    },
-    /// An I/O request failed.
-    #[error("disk image {path}: {op} of {len} bytes at byte {off}: {source}")]
-    Io {
-        /// The image.
-        path: PathBuf,
-        /// `read`, `write`, `flush`, `discard`.
-        op: &'static str,
-        /// Disk byte offset.
-        off: u64,
-        /// Length, bytes.
-        len: u64,
-        /// The OS or format error.
-        source: std::io::Error,
-    },
-    /// A request reaches past the end of the disk.
-    #[error("disk image {path}: {op} of {len} bytes at byte {off} is past its end ({size} bytes)")]
-    OutOfRange {
-        /// The image.
-        path: PathBuf,
-        /// The request.
-        op: &'static str,
-        /// Disk byte offset.
-        off: u64,
-        /// Length, bytes.
-        len: u64,
-        /// The disk's size, bytes.
-        size: u64,
-    },
-    /// A write to a read-only disk.
-    #[error("disk image {path} is read-only")]
-    ReadOnly {
-        /// The image.
-        path: PathBuf,
-    },
-    /// The base image changed since the device opened it ([`BaseGuard`]): its bytes are
-    /// no longer those the overlay and memfold's names of its blocks are about.
-    #[error("base image {path} changed under the device ({what}): refused")]
-    BaseChanged {
-        /// The base image.
-        path: PathBuf,
-        /// What changed (size, mtime, ctime, the file at the path).
-        what: String,
-    },
-    /// The base differs from the one the overlay was first served over (its stamp file,
-    /// [`stamp_path`]): the overlay's clusters were copied from the old base's bytes, so
-    /// serving it over this one would mix the two.
-    #[error("base image {base} changed since overlay {overlay} was first served over it ({what}; recorded in {stamp}): refused, nothing is served and neither file is written (docs/blk-faults.md says what to do)")]
-    BaseChangedSinceStamp {
-        /// The base image.
-        base: PathBuf,
-        /// The overlay.
-        overlay: PathBuf,
-        /// The stamp file.
-        stamp: PathBuf,
-        /// What differs (device and inode, size, mtime).
-        what: String,
-    },
-    /// The overlay's stamp file cannot be read, understood or written.
-    #[error("base stamp {stamp} of overlay {overlay}: {source}")]
-    Stamp {
-        /// The stamp file.
-        stamp: PathBuf,
-        /// The overlay.
-        overlay: PathBuf,
-        /// The OS error, or what is wrong with its contents.
-        source: std::io::Error,
-    },
-    /// Another open holds the overlay's lock (another memfold-blk, a QEMU, a qemu-img).
-    #[error("overlay {path} is in use by another process (another memfold-blk, a QEMU or a qemu-img holds a lock on it): refused, nothing is served")]
-    InUse {
-        /// The overlay.
-        path: PathBuf,
-    },
-    /// The overlay's dirty marker ([`dirty_path`]) cannot be made, read or removed.
-    #[error("dirty marker {marker} of overlay {overlay}: {source}; the overlay is not served without it (it says whether the overlay needs a repair after a crash)")]
-    Marker {
-        /// The marker file.
-        marker: PathBuf,
-        /// The overlay.
-        overlay: PathBuf,
-        /// The OS error.
-        source: std::io::Error,
-    },
-    /// The overlay was not closed cleanly by its last device (its dirty marker exists:
-    /// killed, or the host crashed) and `qemu-img check -r all` did not repair it.
-    #[error("overlay {overlay} was not closed cleanly by its last device ({marker} exists: killed, or the host crashed), so it may map a cluster it does not count, and its repair failed: `{command}` (the overlay by its descriptor): {status}: {output}; refused, nothing is served. Run `qemu-img check -r all -f qcow2 {overlay}` by hand with no device serving the overlay: once it reports no errors (or only leaked clusters) the next open serves it; if errors remain, restore the overlay from a backup (removing {marker} serves it unchecked: data can be silently overwritten)")]
-    Unrepaired {
-        /// The overlay.
-        overlay: PathBuf,
-        /// Its dirty marker.
-        marker: PathBuf,
-        /// The command run, as a shell line (qemu-img given the overlay's descriptor).
-        command: String,
-        /// How it ended (`exit status 2`, `could not run`).
-        status: String,
-        /// What it said (error output then standard output, as one line).
-        output: String,
-    },
-    /// A qcow2 overlay is not over the base it is served with ([`check_overlay`]).
-    #[error("overlay {overlay} does not match the base {base}: {why}; nothing is served and neither file is written")]
-    OverlayMismatch {
-        /// The overlay.
-        overlay: PathBuf,
-        /// The base it was given with.
-        base: PathBuf,
-        /// How it does not match.
-        why: Mismatch,
-    },
-}
 
 /// A run of a read's bytes and where they came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -217,7 +98,8 @@ pub trait Disk: Send + Sync {
     fn size(&self) -> u64;
     /// Whether writes are refused (`VIRTIO_BLK_F_RO`).
     fn read_only(&self) -> bool;
-    /// Whether discard is supported.
+    /// Whether discard and write-zeroes are supported (a writable disk whose ranges can
+    /// be dropped: an overlay).
     fn can_discard(&self) -> bool;
     /// Reads `buf.len()` bytes at `off` into `buf`, writing every byte of it (the device
     /// reuses its buffer: a byte left unwritten would be an earlier read's); returns
@@ -238,6 +120,14 @@ pub trait Disk: Send + Sync {
     ///
     /// Errors: [`DiskError::ReadOnly`], [`DiskError::OutOfRange`], [`DiskError::Io`].
     fn discard(&mut self, off: u64, len: u64) -> Result<(), DiskError>;
+    /// Makes `[off, off + len)` read as zeros (virtio-blk's write-zeroes). `unmap`: the
+    /// range's whole clusters may be dropped to zero clusters, freeing their space (the
+    /// request's `VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP`); without it they stay allocated,
+    /// marked zero. Either way, never the base's bytes again: a later read of the range
+    /// is zeros, reported as [`ExtentSource::Zero`] where whole clusters were zeroed.
+    ///
+    /// Errors: [`DiskError::ReadOnly`], [`DiskError::OutOfRange`], [`DiskError::Io`].
+    fn write_zeroes(&mut self, off: u64, len: u64, unmap: bool) -> Result<(), DiskError>;
     /// Whether its base image changed under the device ([`BaseGuard`]): from then on
     /// its base reads are refused, and no (base, block) name of it may be reported.
     fn base_changed(&self) -> bool {
@@ -428,6 +318,11 @@ impl Disk for RawDisk {
         Ok(())
     }
     fn discard(&mut self, _off: u64, _len: u64) -> Result<(), DiskError> {
+        Err(DiskError::ReadOnly {
+            path: self.path.clone(),
+        })
+    }
+    fn write_zeroes(&mut self, _off: u64, _len: u64, _unmap: bool) -> Result<(), DiskError> {
         Err(DiskError::ReadOnly {
             path: self.path.clone(),
         })
@@ -735,6 +630,24 @@ impl Disk for OverlayDisk {
         self.overlay
             .flush()
             .map_err(self.io_err("discard (its metadata)", off, len))
+    }
+    /// Zero clusters where the range covers whole clusters (dropped first with `unmap`),
+    /// zeros written into the partial ones at its ends (which copies their rest from the
+    /// base, as a write does), then imago's metadata written (as [`Disk::write`]).
+    /// Refused when the base changed (that copy reads it).
+    fn write_zeroes(&mut self, off: u64, len: u64, unmap: bool) -> Result<(), DiskError> {
+        check_range(&self.path, "write zeroes", off, len, self.size())?;
+        self.check_open("write zeroes", off, len)?;
+        self.base.check_unchanged()?;
+        let r = if unmap {
+            self.overlay.discard_to_zero(off, len)
+        } else {
+            self.overlay.write_zeroes(off, len)
+        };
+        r.map_err(|e| self.io_err("write zeroes", off, len)(self.with_room(e)))?;
+        self.overlay
+            .flush()
+            .map_err(self.io_err("write zeroes (its metadata)", off, len))
     }
     fn base_changed(&self) -> bool {
         self.base.base_changed()

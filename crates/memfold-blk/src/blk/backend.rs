@@ -40,6 +40,9 @@ impl BlkBackend {
                 44,
                 &((crate::disk::BLOCK / SECTOR) as u32).to_le_bytes(),
             );
+            put(&mut c, 48, &((MAX_DATA / SECTOR) as u32).to_le_bytes()); // max_write_zeroes_sectors
+            put(&mut c, 52, &MAX_DISCARD_SEG.to_le_bytes()); // max_write_zeroes_seg
+            c[56] = 1; // write_zeroes_may_unmap
         }
         c
     }
@@ -74,7 +77,7 @@ impl VhostUserBackendMut for BlkBackend {
             f |= bit(vb::VIRTIO_BLK_F_RO);
         }
         if self.disk.can_discard() {
-            f |= bit(vb::VIRTIO_BLK_F_DISCARD);
+            f |= bit(vb::VIRTIO_BLK_F_DISCARD) | bit(vb::VIRTIO_BLK_F_WRITE_ZEROES);
         }
         f
     }

@@ -13,6 +13,8 @@ pub struct Counters {
     pub flushes: u64,
     /// Discards.
     pub discards: u64,
+    /// Write-zeroes completed OK.
+    pub write_zeroes: u64,
     /// Requests answered `VIRTIO_BLK_S_IOERR`.
     pub io_errors: u64,
     /// Requests answered `VIRTIO_BLK_S_UNSUPP`.
@@ -50,7 +52,7 @@ impl Counters {
     /// One line, `key=value` pairs (the binary's `--stats` file and its exit log).
     pub fn line(&self) -> String {
         format!(
-            "reads={} read_bytes={} writes={} flushes={} discards={} io_errors={} unsupported={} dropped={} landed_base={} landed_overlay={} landed_zero={} fill_asked={} filled={} reads_from_frames={} disk_read_bytes={} read_ahead={} read_ahead_dropped={} ring_reads={}",
+            "reads={} read_bytes={} writes={} flushes={} discards={} io_errors={} unsupported={} dropped={} landed_base={} landed_overlay={} landed_zero={} fill_asked={} filled={} reads_from_frames={} disk_read_bytes={} read_ahead={} read_ahead_dropped={} ring_reads={} write_zeroes={}",
             self.reads,
             self.read_bytes,
             self.writes,
@@ -68,7 +70,8 @@ impl Counters {
             self.disk_read_bytes,
             self.read_ahead,
             self.read_ahead_dropped,
-            self.ring_reads
+            self.ring_reads,
+            self.write_zeroes
         )
     }
 }

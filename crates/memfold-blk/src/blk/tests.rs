@@ -433,6 +433,7 @@ mod full_disk;
 mod hostile_ring;
 mod read_ahead;
 mod write_through;
+mod write_zeroes;
 
 /// memfoldd and the agent as a fill sees them (Satori §5.2): blocks held, and a fill
 /// that maps a "frame" over each asked page still beginning with the nonce. Its frames
@@ -617,6 +618,9 @@ impl Disk for FailingReads {
     }
     fn discard(&mut self, off: u64, len: u64) -> Result<(), DiskError> {
         self.0.discard(off, len)
+    }
+    fn write_zeroes(&mut self, off: u64, len: u64, unmap: bool) -> Result<(), DiskError> {
+        self.0.write_zeroes(off, len, unmap)
     }
     fn sources(&self, off: u64, len: u64) -> Result<Option<Vec<crate::disk::Extent>>, DiskError> {
         self.0.sources(off, len)

@@ -41,7 +41,7 @@ fn a_raw_disk_reads_any_range_and_names_its_base() {
 /// The device's reads land in its reused aligned buffer, holding an earlier request's
 /// bytes (`blk/read.rs`), which the disks read into straight (`O_DIRECT`, no bounce):
 /// every byte of the range is the disk's — the base, an overlay cluster, a discarded
-/// one — whatever the buffer held, at aligned offsets and not.
+/// one, zeroed ones — whatever the buffer held, at aligned offsets and not.
 #[test]
 fn reads_into_a_reused_aligned_buffer_get_every_byte_from_the_disk() {
     use crate::aligned::{fits_direct, Aligned};
@@ -53,8 +53,14 @@ fn reads_into_a_reused_aligned_buffer_get_every_byte_from_the_disk() {
     o.write(128 << 10, &[7u8; 64 << 10]).unwrap();
     o.write(64 << 10, &[8u8; 64 << 10]).unwrap();
     o.discard(64 << 10, 64 << 10).unwrap();
+    // Zeroed: a whole cluster the base held (a zero cluster), and a page inside a
+    // cluster of 7s (zeros written into it).
+    o.write_zeroes(192 << 10, 64 << 10, true).unwrap();
+    o.write_zeroes(132 << 10, 4096, false).unwrap();
     let mut expect = data.clone();
     expect[128 << 10..192 << 10].fill(7);
+    expect[132 << 10..136 << 10].fill(0);
+    expect[192 << 10..256 << 10].fill(0);
     let mut buf = Aligned::new(0);
     for (off, len) in [
         (0u64, 256usize << 10),
@@ -260,7 +266,8 @@ fn a_base_that_changes_under_the_device_is_refused_and_the_overlay_is_untouched(
     let msg = e.to_string();
     assert!(msg.contains("base.img") && msg.contains("mtime"), "{msg}");
     assert!(o.base_changed());
-    // Writes (a partial cluster copies from the base) and discards are refused too...
+    // Writes (a partial cluster copies from the base), discards and write-zeroes are
+    // refused too...
     assert!(matches!(
         o.write(300_000, &[1u8; 512]),
         Err(DiskError::BaseChanged { .. })
@@ -269,6 +276,12 @@ fn a_base_that_changes_under_the_device_is_refused_and_the_overlay_is_untouched(
         o.discard(0, 65536),
         Err(DiskError::BaseChanged { .. })
     ));
+    for unmap in [true, false] {
+        assert!(matches!(
+            o.write_zeroes(0, 65536, unmap),
+            Err(DiskError::BaseChanged { .. })
+        ));
+    }
     // ...the overlay's own clusters still read, and the overlay is untouched.
     o.read(0, &mut b).unwrap();
     assert_eq!(b, [9u8; 8192]);

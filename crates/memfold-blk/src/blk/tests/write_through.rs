@@ -47,6 +47,11 @@ impl Disk for CountingSyncs {
             .expect("the rig's disk, held by nothing else")
             .discard(off, len)
     }
+    fn write_zeroes(&mut self, off: u64, len: u64, unmap: bool) -> Result<(), DiskError> {
+        Arc::get_mut(&mut self.disk)
+            .expect("the rig's disk, held by nothing else")
+            .write_zeroes(off, len, unmap)
+    }
 }
 
 /// An overlay rig whose driver accepted the device's features less `VIRTIO_BLK_F_FLUSH`
@@ -81,17 +86,23 @@ fn write_4k(r: &mut Rig) -> u8 {
 
 /// One discard of the first 64 KiB cluster; returns its status.
 fn discard_cluster(r: &mut Rig) -> u8 {
+    drop_cluster(r, vb::VIRTIO_BLK_T_DISCARD)
+}
+
+/// One request of `kind` (discard, write-zeroes) over the first 64 KiB cluster; returns
+/// its status.
+fn drop_cluster(r: &mut Rig, kind: u32) -> u8 {
     let mut d = [0u8; 16];
     d[8..12].copy_from_slice(&128u32.to_le_bytes());
     r.gm.write_slice(&d, GuestAddress(0x8100)).unwrap();
-    r.header(0x8000, vb::VIRTIO_BLK_T_DISCARD, 0);
+    r.header(0x8000, kind, 0);
     r.submit(&[(0x8000, 16, false), (0x8100, 16, false), (STATUS, 1, true)]);
     assert_eq!(r.run(), vec![1]);
     r.status()
 }
 
 /// Without `VIRTIO_BLK_F_FLUSH` accepted, a 4 KiB write is synced once before it
-/// completes OK, and a discard too. Before, it completed with the data and qcow2 metadata
+/// completes OK, and a discard and a write-zeroes too. Before, it completed with the data and qcow2 metadata
 /// only written to the file (no sync): lost at a host crash though the driver never
 /// flushes. Fails if the device ignores the features the driver accepted.
 #[test]
@@ -101,8 +112,18 @@ fn without_flush_accepted_each_write_and_discard_is_synced_before_it_completes()
     assert_eq!(syncs.load(Ordering::SeqCst), 1, "syncs after one write");
     assert_eq!(discard_cluster(&mut r), vb::VIRTIO_BLK_S_OK as u8);
     assert_eq!(syncs.load(Ordering::SeqCst), 2, "syncs after a discard");
+    let zeroes = drop_cluster(&mut r, vb::VIRTIO_BLK_T_WRITE_ZEROES);
+    assert_eq!(zeroes, vb::VIRTIO_BLK_S_OK as u8);
+    assert_eq!(
+        syncs.load(Ordering::SeqCst),
+        3,
+        "syncs after a write-zeroes"
+    );
     let c = r.dev.counters();
-    assert_eq!((c.writes, c.discards, c.flushes), (1, 1, 0));
+    assert_eq!(
+        (c.writes, c.discards, c.write_zeroes, c.flushes),
+        (1, 1, 1, 0)
+    );
 }
 
 /// With `VIRTIO_BLK_F_FLUSH` accepted the cache is the guest's to flush: no sync.

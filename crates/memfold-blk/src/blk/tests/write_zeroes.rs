@@ -1,0 +1,158 @@
+//! Write-zeroes (`VIRTIO_BLK_F_WRITE_ZEROES`): a range reads as zeros afterwards, whatever
+//! the overlay or the base held there, with or without unmap; flags a request's type does
+//! not know are UNSUPP and change nothing; a request with one bad range changes nothing.
+
+use super::*;
+
+/// Submits one range request of `kind` with the ranges `(sector, sectors, flags)`;
+/// returns its status.
+fn ranges(r: &mut Rig, kind: u32, ranges: &[(u64, u32, u32)]) -> u8 {
+    let mut d = Vec::new();
+    for &(sector, n, flags) in ranges {
+        d.extend_from_slice(&sector.to_le_bytes());
+        d.extend_from_slice(&n.to_le_bytes());
+        d.extend_from_slice(&flags.to_le_bytes());
+    }
+    r.gm.write_slice(&d, GuestAddress(0x8100)).unwrap();
+    r.header(0x8000, kind, 0);
+    r.submit(&[
+        (0x8000, 16, false),
+        (0x8100, d.len() as u32, false),
+        (STATUS, 1, true),
+    ]);
+    assert_eq!(r.run(), vec![1]);
+    r.status()
+}
+
+/// Reads `len` bytes at disk byte `off` into the data buffer; returns them and the
+/// sources the device reported for their pages.
+fn read(r: &mut Rig, off: u64, len: u32) -> (Vec<u8>, Vec<Source>) {
+    r.rec.0.lock().unwrap().clear();
+    r.header(0x8000, vb::VIRTIO_BLK_T_IN, off / 512);
+    r.submit(&[(0x8000, 16, false), (DATA, len, true), (STATUS, 1, true)]);
+    r.run();
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8);
+    let b = r.local.bytes()[DATA as usize..DATA as usize + len as usize].to_vec();
+    let got = r.rec.0.lock().unwrap().iter().map(|x| x.1.source).collect();
+    (b, got)
+}
+
+fn write_5a(r: &mut Rig, off: u64, len: u32) {
+    r.gm.write_slice(&vec![0x5a; len as usize], GuestAddress(DATA))
+        .unwrap();
+    r.header(0x8000, vb::VIRTIO_BLK_T_OUT, off / 512);
+    r.submit(&[(0x8000, 16, false), (DATA, len, false), (STATUS, 1, true)]);
+    assert_eq!(r.run(), vec![1]);
+    assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8);
+}
+
+const UNMAP: u32 = vb::VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP;
+
+#[test]
+fn an_overlay_offers_write_zeroes_with_unmap_and_a_read_only_disk_does_not() {
+    let r = rig(true);
+    assert_ne!(r.dev.features() & 1 << vb::VIRTIO_BLK_F_WRITE_ZEROES, 0);
+    let c = r.dev.config_space();
+    let u32_at = |at: usize| u32::from_le_bytes(c[at..at + 4].try_into().unwrap());
+    assert_eq!(
+        u32_at(48),
+        (MAX_DATA / 512) as u32,
+        "max_write_zeroes_sectors"
+    );
+    assert_eq!(u32_at(52), MAX_DISCARD_SEG, "max_write_zeroes_seg");
+    assert_eq!(c[56], 1, "write_zeroes_may_unmap");
+    let mut raw = rig(false);
+    assert_eq!(raw.dev.features() & 1 << vb::VIRTIO_BLK_F_WRITE_ZEROES, 0);
+    // Asked all the same: UNSUPP, the base untouched.
+    assert_eq!(
+        ranges(&mut raw, vb::VIRTIO_BLK_T_WRITE_ZEROES, &[(0, 8, 0)]),
+        vb::VIRTIO_BLK_S_UNSUPP as u8
+    );
+    let want = raw.data[..4096].to_vec();
+    assert_eq!(read(&mut raw, 0, 4096).0, want);
+}
+
+#[test]
+fn write_zeroes_make_written_and_base_ranges_read_as_zeros_with_and_without_unmap() {
+    let mut r = rig(true);
+    // The base is never zero where the tests zero it.
+    assert!(r.data[..256 << 10]
+        .chunks(4096)
+        .all(|p| p.iter().any(|&b| b != 0)));
+    // A written page inside the first cluster.
+    write_5a(&mut r, 4096, 4096);
+    // Unmap over two whole 64 KiB clusters: the written one and one only the base holds.
+    assert_eq!(
+        ranges(&mut r, vb::VIRTIO_BLK_T_WRITE_ZEROES, &[(0, 256, UNMAP)]),
+        vb::VIRTIO_BLK_S_OK as u8
+    );
+    let (b, src) = read(&mut r, 0, 128 << 10);
+    assert!(b.iter().all(|&x| x == 0), "unmapped range not zeros");
+    assert_eq!(src, vec![Source::Zero; 32]);
+    // Without unmap, one page inside the third cluster (base only) and one range
+    // across the fourth's end: zeros exactly there, the base's bytes around them.
+    let third = 128u64 << 10;
+    assert_eq!(
+        ranges(
+            &mut r,
+            vb::VIRTIO_BLK_T_WRITE_ZEROES,
+            &[(third / 512 + 8, 8, 0), ((third + 120 * 1024) / 512, 16, 0)]
+        ),
+        vb::VIRTIO_BLK_S_OK as u8
+    );
+    let (b, _) = read(&mut r, third, 128 << 10);
+    let mut want = r.data[third as usize..third as usize + (128 << 10)].to_vec();
+    want[4096..8192].fill(0);
+    want[120 * 1024..128 * 1024].fill(0);
+    assert!(
+        b == want,
+        "zeros not where asked, or base bytes lost beside them"
+    );
+    // Zeros are not the base again: a discard would have been.
+    let c = r.dev.counters();
+    assert_eq!((c.write_zeroes, c.discards, c.io_errors), (2, 0, 0));
+}
+
+#[test]
+fn unknown_flags_are_unsupported_and_change_nothing() {
+    let mut r = rig(true);
+    write_5a(&mut r, 0, 4096);
+    // A discard with the unmap flag (write-zeroes' alone), a write-zeroes with a flag
+    // it does not know: UNSUPP, the written page still there.
+    for (kind, flags) in [
+        (vb::VIRTIO_BLK_T_DISCARD, UNMAP),
+        (vb::VIRTIO_BLK_T_WRITE_ZEROES, 2),
+        (vb::VIRTIO_BLK_T_WRITE_ZEROES, UNMAP | 1 << 31),
+    ] {
+        assert_eq!(
+            ranges(&mut r, kind, &[(0, 8, flags)]),
+            vb::VIRTIO_BLK_S_UNSUPP as u8,
+            "type {kind} flags {flags:#x}"
+        );
+    }
+    assert_eq!(read(&mut r, 0, 4096).0, vec![0x5a; 4096]);
+    let c = r.dev.counters();
+    assert_eq!((c.unsupported, c.discards, c.write_zeroes), (3, 0, 0));
+}
+
+#[test]
+fn a_request_with_one_bad_range_changes_nothing() {
+    let mut r = rig(true);
+    write_5a(&mut r, 0, 4096);
+    let past_end = (1u64 << 20) / 512 - 4;
+    for kind in [vb::VIRTIO_BLK_T_WRITE_ZEROES, vb::VIRTIO_BLK_T_DISCARD] {
+        assert_eq!(
+            ranges(&mut r, kind, &[(0, 8, 0), (past_end, 8, 0)]),
+            vb::VIRTIO_BLK_S_IOERR as u8,
+            "type {kind}"
+        );
+        assert_eq!(read(&mut r, 0, 4096).0, vec![0x5a; 4096], "type {kind}");
+    }
+    // Too many ranges: IOERR before any is read.
+    let many = vec![(0, 8, 0); MAX_DISCARD_SEG as usize + 1];
+    assert_eq!(
+        ranges(&mut r, vb::VIRTIO_BLK_T_WRITE_ZEROES, &many),
+        vb::VIRTIO_BLK_S_IOERR as u8
+    );
+    assert_eq!(read(&mut r, 0, 4096).0, vec![0x5a; 4096]);
+}
