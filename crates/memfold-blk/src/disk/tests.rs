@@ -386,3 +386,4 @@ mod across_opens;
 mod one_open;
 mod planted;
 mod repair;
+mod two_guests;
