@@ -1,8 +1,9 @@
 //! kill -9 of memfold-blk under I/O (issue 16, "Correct"): a tiny guest writes its data
 //! disk (a memfold-blk qcow2 overlay over a random base) and reads it back with
 //! `O_DIRECT`, round after round (images/tiny-init, `memfold.disk_rw`); the device is
-//! killed with SIGKILL three times while it does (once anywhere, twice while it sleeps
-//! inside a read request under its read throttle); the launcher's supervisor restarts it
+//! killed with SIGKILL four times while it does (once anywhere, twice while it sleeps
+//! inside a read request under its read throttle, once inside the system call that
+//! writes a request's bytes or the overlay's metadata); the launcher's supervisor restarts it
 //! on the same socket and QEMU reconnects. Checked: every read the guest made of every
 //! slot it wrote and of the never-written base matched (no `MEMFOLD-RW-MISMATCH`); the
 //! base's sums the guest read are the host's; every I/O error the guest saw was retried
@@ -26,9 +27,9 @@ use memfold_vm::launcher::{Accel, BlkDisks, DataDisk, Guest, GuestSpec, RamBacke
 const DISK_MIB: u64 = 16;
 const SLOT: u64 = 256 << 10;
 /// Rounds the guest runs (each: a slot written, every written slot and a base MiB read).
-const ROUNDS: usize = 45;
+const ROUNDS: usize = 60;
 /// Kills, and the rounds done before each.
-const KILL_AT: [usize; 3] = [8, 20, 32];
+const KILL_AT: [usize; 4] = [8, 20, 32, 38];
 /// The device's read rate, bytes/s: each read request sleeps in the device (256 KiB:
 /// 16 ms), so that a kill can be made inside one.
 const READ_RATE: u64 = 16 << 20;
@@ -51,6 +52,31 @@ fn wait_mid_request(pid: u32) -> bool {
             }
         }
         std::thread::sleep(Duration::from_millis(1));
+    }
+    false
+}
+
+/// Waits until a `vring_worker` thread of `pid` is inside a write system call
+/// (`pwrite64`, `pwritev`, `pwritev2`, `fsync`, `fdatasync`: the guest's bytes, or
+/// imago's metadata after them, going to the overlay): inside a write request, between
+/// taking it and completing it. A write takes ~1 ms of a round of ~1 s, so the wait
+/// polls without a pause, up to 60 s.
+fn wait_mid_write(pid: u32) -> bool {
+    const WRITES: [&str; 5] = ["18", "296", "328", "74", "75"];
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(60) {
+        for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .flatten()
+        {
+            let p = task.path();
+            let comm = std::fs::read_to_string(p.join("comm")).unwrap_or_default();
+            let sys = std::fs::read_to_string(p.join("syscall")).unwrap_or_default();
+            let nr = sys.split_whitespace().next().unwrap_or("");
+            if comm.trim() == "vring_worker" && WRITES.contains(&nr) {
+                return true;
+            }
+        }
     }
     false
 }
@@ -161,18 +187,22 @@ fn memfold_blk_killed_under_io_is_restarted_and_the_guest_loses_nothing() {
             !g.serial().contains("MEMFOLD-RW-DONE"),
             "the guest finished before kill {i}: raise ROUNDS"
         );
-        // Kill 0 wherever the device is; kills 1 and 2 inside a read request.
-        let mid = i > 0 && wait_mid_request(pid);
-        assert!(i == 0 || mid, "kill {i}: never inside a request");
+        // Kill 0 wherever the device is; kills 1 and 2 inside a read request, kill 3
+        // inside a write.
+        let (mid, inside) = match i {
+            0 => (true, ""),
+            3 => (wait_mid_write(pid), ", inside a write"),
+            _ => (wait_mid_request(pid), ", inside a read request"),
+        };
+        assert!(mid, "kill {i}: never inside a request");
         rustix::process::kill_process(
             rustix::process::Pid::from_raw(pid as i32).unwrap(),
             rustix::process::Signal::KILL,
         )
         .unwrap();
         eprintln!(
-            "kill {i}: memfold-blk pid {pid} at round {}{}",
-            rounds(&g),
-            if mid { ", inside a read request" } else { "" }
+            "kill {i}: memfold-blk pid {pid} at round {}{inside}",
+            rounds(&g)
         );
         // Restarted, and the guest goes on.
         let t = Instant::now();
@@ -237,7 +267,7 @@ fn memfold_blk_killed_under_io_is_restarted_and_the_guest_loses_nothing() {
     assert_eq!(
         log.matches("memfold-vm supervisor: restarted as pid")
             .count(),
-        3,
+        KILL_AT.len(),
         "{log}"
     );
     // What each restarted device found waiting in the ring: the requests the killed one
@@ -255,9 +285,9 @@ fn memfold_blk_killed_under_io_is_restarted_and_the_guest_loses_nothing() {
         })
         .collect();
     eprintln!("requests waiting at each restart: {waiting:?}");
-    // Kills 1 and 2 were inside a request: it waits at the restart, served again.
+    // Kills 1, 2 and 3 were inside a request: it waits at the restart, served again.
     assert!(
-        waiting.len() == 3 && waiting[1] > 0 && waiting[2] > 0,
+        waiting.len() == KILL_AT.len() && waiting[1..].iter().all(|&w| w > 0),
         "{waiting:?}: {log}"
     );
     // Each slot holds the guest's last completed write to it, the rest the base.
