@@ -34,37 +34,12 @@ const KILL_AT: [usize; 4] = [8, 20, 32, 38];
 /// 16 ms), so that a kill can be made inside one.
 const READ_RATE: u64 = 16 << 20;
 
-/// Waits until a `vring_worker` thread of `pid` is asleep in the read throttle
-/// (`clock_nanosleep`, syscall 230): inside a request it has taken and not completed.
-/// The stats thread sleeps too, but is not named so.
-fn wait_mid_request(pid: u32) -> bool {
+/// Waits until a `vring_worker` thread of `pid` is in one of the system calls `nrs`
+/// (x86-64 numbers, as `/proc/PID/task/TID/syscall` shows them), for at most `within`,
+/// looking every `pause`. The stats thread makes system calls too, but is not named so.
+fn wait_worker_in(pid: u32, nrs: &[&str], within: Duration, pause: Duration) -> bool {
     let t = Instant::now();
-    while t.elapsed() < Duration::from_secs(30) {
-        for task in std::fs::read_dir(format!("/proc/{pid}/task"))
-            .unwrap()
-            .flatten()
-        {
-            let p = task.path();
-            let comm = std::fs::read_to_string(p.join("comm")).unwrap_or_default();
-            let sys = std::fs::read_to_string(p.join("syscall")).unwrap_or_default();
-            if comm.trim() == "vring_worker" && sys.split_whitespace().next() == Some("230") {
-                return true;
-            }
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    false
-}
-
-/// Waits until a `vring_worker` thread of `pid` is inside a write system call
-/// (`pwrite64`, `pwritev`, `pwritev2`, `fsync`, `fdatasync`: the guest's bytes, or
-/// imago's metadata after them, going to the overlay): inside a write request, between
-/// taking it and completing it. A write takes ~1 ms of a round of ~1 s, so the wait
-/// polls without a pause, up to 60 s.
-fn wait_mid_write(pid: u32) -> bool {
-    const WRITES: [&str; 5] = ["18", "296", "328", "74", "75"];
-    let t = Instant::now();
-    while t.elapsed() < Duration::from_secs(60) {
+    while t.elapsed() < within {
         for task in std::fs::read_dir(format!("/proc/{pid}/task"))
             .unwrap()
             .flatten()
@@ -73,12 +48,29 @@ fn wait_mid_write(pid: u32) -> bool {
             let comm = std::fs::read_to_string(p.join("comm")).unwrap_or_default();
             let sys = std::fs::read_to_string(p.join("syscall")).unwrap_or_default();
             let nr = sys.split_whitespace().next().unwrap_or("");
-            if comm.trim() == "vring_worker" && WRITES.contains(&nr) {
+            if comm.trim() == "vring_worker" && nrs.contains(&nr) {
                 return true;
             }
         }
+        std::thread::sleep(pause);
     }
     false
+}
+
+/// Waits until the device is asleep in the read throttle (`clock_nanosleep`): inside a
+/// read request it has taken and not completed.
+fn wait_mid_request(pid: u32) -> bool {
+    let ms = Duration::from_millis;
+    wait_worker_in(pid, &["230"], ms(30_000), ms(1))
+}
+
+/// Waits until the device is inside a write system call (`pwrite64`, `pwritev`,
+/// `pwritev2`, `fsync`, `fdatasync`: the guest's bytes, or imago's metadata after them,
+/// going to the overlay): inside a write request, between taking it and completing it.
+/// A write takes ~1 ms of a round of ~1 s, so the wait looks without a pause, up to 60 s.
+fn wait_mid_write(pid: u32) -> bool {
+    let writes = ["18", "296", "328", "74", "75"];
+    wait_worker_in(pid, &writes, Duration::from_secs(60), Duration::ZERO)
 }
 
 fn md5(bytes: &[u8]) -> String {
