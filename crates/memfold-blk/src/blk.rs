@@ -156,31 +156,6 @@ enum ReqError {
     Unsupported(String),
 }
 
-/// What a range request drops: [`BlkBackend::discard`]'s two kinds.
-#[derive(Clone, Copy)]
-enum RangeOp {
-    /// `VIRTIO_BLK_T_DISCARD`: the range reads as the base again (any bytes are allowed).
-    Discard,
-    /// `VIRTIO_BLK_T_WRITE_ZEROES`: the range reads as zeros.
-    Zeroes,
-}
-
-impl RangeOp {
-    fn op(self) -> &'static str {
-        match self {
-            RangeOp::Discard => "discard",
-            RangeOp::Zeroes => "write zeroes",
-        }
-    }
-    /// The range flags this kind knows.
-    fn flags(self) -> u32 {
-        match self {
-            RangeOp::Discard => 0,
-            RangeOp::Zeroes => vb::VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
-        }
-    }
-}
-
 /// A request's device-readable and device-writable bytes, as guest-physical runs.
 struct Chain {
     head: u16,
@@ -693,50 +668,6 @@ impl BlkBackend {
         Ok(())
     }
 
-    /// A discard or write-zeroes request: `len` bytes of 16-byte ranges (`struct
-    /// virtio_blk_discard_write_zeroes`: sector u64, sectors u32, flags u32), each checked
-    /// before any is applied, then applied in order. A flag the request's type does not
-    /// know (for a discard, any: its unmap flag is write-zeroes' alone) is UNSUPP, as the
-    /// virtio spec (1.2 §5.2.6.2) has the device answer; nothing is changed.
-    fn discard(
-        &mut self,
-        mem: &RemoteMemory,
-        c: &Chain,
-        len: u64,
-        kind: RangeOp,
-    ) -> Result<(), ReqError> {
-        if len == 0 || len % 16 != 0 || len / 16 > MAX_DISCARD_SEG as u64 {
-            return Err(ReqError::Malformed(format!(
-                "{} of {len} bytes of ranges (1 to {MAX_DISCARD_SEG} ranges of 16 bytes)",
-                kind.op()
-            )));
-        }
-        let buf = gather(mem, &c.readable, HEADER, len)?;
-        let mut ranges = Vec::with_capacity(buf.len() / 16);
-        for r in buf.chunks_exact(16) {
-            let sector = u64::from_le_bytes(r[0..8].try_into().expect("8 bytes"));
-            let n = u32::from_le_bytes(r[8..12].try_into().expect("4 bytes")) as u64;
-            let flags = u32::from_le_bytes(r[12..16].try_into().expect("4 bytes"));
-            if flags & !kind.flags() != 0 {
-                return Err(ReqError::Unsupported(format!(
-                    "{} with flags {flags:#x} (known: {:#x})",
-                    kind.op(),
-                    kind.flags()
-                )));
-            }
-            let unmap = flags & vb::VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
-            ranges.push((self.data_range(sector, n * SECTOR)?, n * SECTOR, unmap));
-        }
-        for (off, n, unmap) in ranges {
-            let disk = self.disk_mut(kind.op())?;
-            match kind {
-                RangeOp::Discard => disk.discard(off, n)?,
-                RangeOp::Zeroes => disk.write_zeroes(off, n, unmap)?,
-            }
-        }
-        self.write_through()
-    }
-
     /// Writes the status of a request that ended with `r` (OK with `n` data bytes written,
     /// or IOERR); returns the used length, or why no status byte could be written.
     fn finish(
@@ -792,6 +723,8 @@ mod ahead;
 mod backend;
 mod counters;
 mod fill;
+mod ranges;
+use ranges::RangeOp;
 mod read;
 #[cfg(test)]
 mod tests;

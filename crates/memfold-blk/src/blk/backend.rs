@@ -13,7 +13,8 @@ impl BlkBackend {
         self.disk_mut("close")?.close_clean()
     }
 
-    /// The virtio-blk configuration space (`struct virtio_blk_config`, 60 bytes).
+    /// The virtio-blk configuration space (`struct virtio_blk_config` as virtio-bindings
+    /// sizes it, 96 bytes; the fields past write-zeroes' are left 0).
     pub fn config_space(&self) -> Vec<u8> {
         let mut c = vec![0u8; std::mem::size_of::<vb::virtio_blk_config>()];
         let put = |c: &mut Vec<u8>, at: usize, b: &[u8]| c[at..at + b.len()].copy_from_slice(b);
@@ -40,9 +41,20 @@ impl BlkBackend {
                 44,
                 &((crate::disk::BLOCK / SECTOR) as u32).to_le_bytes(),
             );
-            put(&mut c, 48, &((MAX_DATA / SECTOR) as u32).to_le_bytes()); // max_write_zeroes_sectors
-            put(&mut c, 52, &MAX_DISCARD_SEG.to_le_bytes()); // max_write_zeroes_seg
-            c[56] = 1; // write_zeroes_may_unmap
+            use std::mem::offset_of;
+            use vb::virtio_blk_config as C;
+            let sectors = (MAX_DATA / SECTOR) as u32;
+            put(
+                &mut c,
+                offset_of!(C, max_write_zeroes_sectors),
+                &sectors.to_le_bytes(),
+            );
+            put(
+                &mut c,
+                offset_of!(C, max_write_zeroes_seg),
+                &MAX_DISCARD_SEG.to_le_bytes(),
+            );
+            c[offset_of!(C, write_zeroes_may_unmap)] = 1;
         }
         c
     }

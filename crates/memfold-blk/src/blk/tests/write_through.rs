@@ -106,7 +106,7 @@ fn drop_cluster(r: &mut Rig, kind: u32) -> u8 {
 /// only written to the file (no sync): lost at a host crash though the driver never
 /// flushes. Fails if the device ignores the features the driver accepted.
 #[test]
-fn without_flush_accepted_each_write_and_discard_is_synced_before_it_completes() {
+fn without_flush_accepted_each_write_discard_and_write_zeroes_is_synced_before_it_completes() {
     let (mut r, syncs) = rig_acking(false, false);
     assert_eq!(write_4k(&mut r), vb::VIRTIO_BLK_S_OK as u8);
     assert_eq!(syncs.load(Ordering::SeqCst), 1, "syncs after one write");
