@@ -52,7 +52,11 @@ fn wait_worker_in(pid: u32, nrs: &[&str], within: Duration, pause: Duration) -> 
                 return true;
             }
         }
-        std::thread::sleep(pause);
+        if pause.is_zero() {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(pause);
+        }
     }
     false
 }
@@ -67,7 +71,8 @@ fn wait_mid_request(pid: u32) -> bool {
 /// Waits until the device is inside a write system call (`pwrite64`, `pwritev`,
 /// `pwritev2`, `fsync`, `fdatasync`: the guest's bytes, or imago's metadata after them,
 /// going to the overlay): inside a write request, between taking it and completing it.
-/// A write takes ~1 ms of a round of ~1 s, so the wait looks without a pause, up to 60 s.
+/// A write takes ~1 ms of a round of ~1 s, so the wait looks again at once (yielding the
+/// core), up to 60 s.
 fn wait_mid_write(pid: u32) -> bool {
     let writes = ["18", "296", "328", "74", "75"];
     wait_worker_in(pid, &writes, Duration::from_secs(60), Duration::ZERO)
