@@ -114,7 +114,7 @@ fn write_zeroes_make_written_and_base_ranges_read_as_zeros_with_and_without_unma
     for &(off, len) in &zeroed {
         want[off as usize..(off + len) as usize].fill(0);
     }
-    // Two reads of 160 KiB (the rig's buffer holds 188 KiB; its ring, few requests).
+    // Two reads of 160 KiB (the rig's buffer holds 188 KiB, its ring 8 requests).
     for at in [128 * k, 288 * k] {
         let (b, src) = read(&mut r, at, 160 << 10);
         assert!(
