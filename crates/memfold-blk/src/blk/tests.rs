@@ -32,6 +32,8 @@ struct Rig {
     _dir: tempfile::TempDir,
     data: Vec<u8>,
     rec: Recorder,
+    /// Requests submitted so far (the mock's ring holds 8, see `submit`).
+    submitted: usize,
 }
 
 fn pattern(len: usize) -> Vec<u8> {
@@ -88,6 +90,7 @@ fn rig(overlay: bool) -> Rig {
         _dir: dir,
         data,
         rec,
+        submitted: 0,
     }
 }
 
@@ -99,6 +102,11 @@ impl Rig {
         // ring does not wrap, and virtio-queue 0.18's mock lays the used ring right
         // after 8 of its entries (avail at 256, used at 276 for a queue of 16), so a 9th
         // entry lands on the used ring (measured: the 9th request's head read back as 1).
+        assert!(
+            self.submitted < 8,
+            "a 9th request on one rig: the mock's avail ring would spill onto its used ring"
+        );
+        self.submitted += 1;
         if self.next_desc as usize + descs.len() > 16 {
             self.next_desc = 0;
         }
