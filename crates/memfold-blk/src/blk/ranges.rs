@@ -48,27 +48,28 @@ impl BlkBackend {
             )));
         }
         let buf = gather(mem, &c.readable, HEADER, len)?;
-        let field = |r: &[u8], at: usize, n: usize| {
-            let mut b = [0u8; 8];
-            b[..n].copy_from_slice(&r[at..at + n]);
-            u64::from_le_bytes(b)
+        let le = |b: &[u8]| {
+            let mut w = [0u8; 8];
+            w[..b.len()].copy_from_slice(b);
+            u64::from_le_bytes(w)
         };
+        // (sector, sectors, flags) of each range, read once.
+        let asked: Vec<(u64, u64, u32)> = buf
+            .chunks_exact(16)
+            .map(|r| (le(&r[0..8]), le(&r[8..12]), le(&r[12..16]) as u32))
+            .collect();
         // Every range's flags first: an unknown flag is UNSUPP even when another range
         // is out of bounds (the spec's MUST), and nothing is applied.
-        for r in buf.chunks_exact(16) {
-            let flags = field(r, 12, 4) as u32;
-            if flags & !kind.flags() != 0 {
-                return Err(ReqError::Unsupported(format!(
-                    "{} with flags {flags:#x} (known: {:#x})",
-                    kind.op(),
-                    kind.flags()
-                )));
-            }
+        if let Some(&(_, _, flags)) = asked.iter().find(|a| a.2 & !kind.flags() != 0) {
+            return Err(ReqError::Unsupported(format!(
+                "{} with flags {flags:#x} (known: {:#x})",
+                kind.op(),
+                kind.flags()
+            )));
         }
-        let mut ranges = Vec::with_capacity(buf.len() / 16);
-        for r in buf.chunks_exact(16) {
-            let (sector, n) = (field(r, 0, 8), field(r, 8, 4));
-            let unmap = field(r, 12, 4) as u32 & vb::VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
+        let mut ranges = Vec::with_capacity(asked.len());
+        for (sector, n, flags) in asked {
+            let unmap = flags & vb::VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
             ranges.push((self.data_range(sector, n * SECTOR)?, n * SECTOR, unmap));
         }
         for (off, n, unmap) in ranges {
