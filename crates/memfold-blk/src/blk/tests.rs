@@ -159,6 +159,27 @@ impl Rig {
         self.gm.read_obj::<u8>(GuestAddress(STATUS)).unwrap()
     }
 
+    /// Submits one discard or write-zeroes request, `kind`, of the ranges `(sector,
+    /// sectors, flags)` (`struct virtio_blk_discard_write_zeroes`, at 0x8100 behind its
+    /// header at 0x8000) and runs the device; returns the request's status.
+    fn ranges(&mut self, kind: u32, ranges: &[(u64, u32, u32)]) -> u8 {
+        let mut d = Vec::new();
+        for &(sector, n, flags) in ranges {
+            d.extend_from_slice(&sector.to_le_bytes());
+            d.extend_from_slice(&n.to_le_bytes());
+            d.extend_from_slice(&flags.to_le_bytes());
+        }
+        self.gm.write_slice(&d, GuestAddress(0x8100)).unwrap();
+        self.header(0x8000, kind, 0);
+        self.submit(&[
+            (0x8000, 16, false),
+            (0x8100, d.len() as u32, false),
+            (STATUS, 1, true),
+        ]);
+        assert_eq!(self.run(), vec![1]);
+        self.status()
+    }
+
     /// The driver's reset of a broken queue, as vhost-user-backend ends it
     /// (`SET_VRING_KICK` marks the queue ready); the ring is the rig's as it was.
     fn reset_queue(&mut self) {
@@ -417,13 +438,8 @@ fn an_overlay_disk_takes_writes_reads_them_back_as_overlay_and_discards_to_the_b
     let got: Vec<Source> = r.rec.0.lock().unwrap().iter().map(|x| x.1.source).collect();
     assert_eq!(got, vec![Source::Overlay, Source::Overlay]);
     // Discard the cluster: it reads as the base again, reported as base blocks.
-    let mut d = [0u8; 16];
-    d[8..12].copy_from_slice(&128u32.to_le_bytes());
-    r.gm.write_slice(&d, GuestAddress(0x8100)).unwrap();
-    r.header(0x8000, vb::VIRTIO_BLK_T_DISCARD, 0);
-    r.submit(&[(0x8000, 16, false), (0x8100, 16, false), (STATUS, 1, true)]);
-    r.run();
-    assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8);
+    let discarded = r.ranges(vb::VIRTIO_BLK_T_DISCARD, &[(0, 128, 0)]);
+    assert_eq!(discarded, vb::VIRTIO_BLK_S_OK as u8);
     r.rec.0.lock().unwrap().clear();
     r.header(0x8000, vb::VIRTIO_BLK_T_IN, 8);
     r.submit(&[(0x8000, 16, false), (DATA, 4096, true), (STATUS, 1, true)]);

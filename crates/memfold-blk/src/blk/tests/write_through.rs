@@ -84,21 +84,10 @@ fn write_4k(r: &mut Rig) -> u8 {
     r.status()
 }
 
-/// One discard of the first 64 KiB cluster; returns its status.
-fn discard_cluster(r: &mut Rig) -> u8 {
-    drop_cluster(r, vb::VIRTIO_BLK_T_DISCARD)
-}
-
 /// One request of `kind` (discard, write-zeroes) over the first 64 KiB cluster; returns
 /// its status.
 fn drop_cluster(r: &mut Rig, kind: u32) -> u8 {
-    let mut d = [0u8; 16];
-    d[8..12].copy_from_slice(&128u32.to_le_bytes());
-    r.gm.write_slice(&d, GuestAddress(0x8100)).unwrap();
-    r.header(0x8000, kind, 0);
-    r.submit(&[(0x8000, 16, false), (0x8100, 16, false), (STATUS, 1, true)]);
-    assert_eq!(r.run(), vec![1]);
-    r.status()
+    r.ranges(kind, &[(0, 128, 0)])
 }
 
 /// Without `VIRTIO_BLK_F_FLUSH` accepted, a 4 KiB write is synced once before it
@@ -110,7 +99,10 @@ fn without_flush_accepted_each_write_discard_and_write_zeroes_is_synced_before_i
     let (mut r, syncs) = rig_acking(false, false);
     assert_eq!(write_4k(&mut r), vb::VIRTIO_BLK_S_OK as u8);
     assert_eq!(syncs.load(Ordering::SeqCst), 1, "syncs after one write");
-    assert_eq!(discard_cluster(&mut r), vb::VIRTIO_BLK_S_OK as u8);
+    assert_eq!(
+        drop_cluster(&mut r, vb::VIRTIO_BLK_T_DISCARD),
+        vb::VIRTIO_BLK_S_OK as u8
+    );
     assert_eq!(syncs.load(Ordering::SeqCst), 2, "syncs after a discard");
     let zeroes = drop_cluster(&mut r, vb::VIRTIO_BLK_T_WRITE_ZEROES);
     assert_eq!(zeroes, vb::VIRTIO_BLK_S_OK as u8);
@@ -131,7 +123,10 @@ fn without_flush_accepted_each_write_discard_and_write_zeroes_is_synced_before_i
 fn with_flush_accepted_a_write_is_not_synced() {
     let (mut r, syncs) = rig_acking(true, false);
     assert_eq!(write_4k(&mut r), vb::VIRTIO_BLK_S_OK as u8);
-    assert_eq!(discard_cluster(&mut r), vb::VIRTIO_BLK_S_OK as u8);
+    assert_eq!(
+        drop_cluster(&mut r, vb::VIRTIO_BLK_T_DISCARD),
+        vb::VIRTIO_BLK_S_OK as u8
+    );
     assert_eq!(syncs.load(Ordering::SeqCst), 0);
 }
 

@@ -4,26 +4,6 @@
 
 use super::*;
 
-/// Submits one range request of `kind` with the ranges `(sector, sectors, flags)`;
-/// returns its status.
-fn ranges(r: &mut Rig, kind: u32, ranges: &[(u64, u32, u32)]) -> u8 {
-    let mut d = Vec::new();
-    for &(sector, n, flags) in ranges {
-        d.extend_from_slice(&sector.to_le_bytes());
-        d.extend_from_slice(&n.to_le_bytes());
-        d.extend_from_slice(&flags.to_le_bytes());
-    }
-    r.gm.write_slice(&d, GuestAddress(0x8100)).unwrap();
-    r.header(0x8000, kind, 0);
-    r.submit(&[
-        (0x8000, 16, false),
-        (0x8100, d.len() as u32, false),
-        (STATUS, 1, true),
-    ]);
-    assert_eq!(r.run(), vec![1]);
-    r.status()
-}
-
 /// Reads `len` bytes at disk byte `off` into the data buffer; returns them and the
 /// sources the device reported for their pages.
 fn read(r: &mut Rig, off: u64, len: u32) -> (Vec<u8>, Vec<Source>) {
@@ -67,7 +47,7 @@ fn an_overlay_offers_write_zeroes_with_unmap_and_a_read_only_disk_does_not() {
     assert_eq!(raw.dev.features() & 1 << vb::VIRTIO_BLK_F_WRITE_ZEROES, 0);
     // Asked all the same: UNSUPP, the base untouched.
     assert_eq!(
-        ranges(&mut raw, vb::VIRTIO_BLK_T_WRITE_ZEROES, &[(0, 8, 0)]),
+        raw.ranges(vb::VIRTIO_BLK_T_WRITE_ZEROES, &[(0, 8, 0)]),
         vb::VIRTIO_BLK_S_UNSUPP as u8
     );
     let want = raw.data[..4096].to_vec();
@@ -85,7 +65,7 @@ fn write_zeroes_make_written_and_base_ranges_read_as_zeros_with_and_without_unma
     write_5a(&mut r, 4096, 4096);
     // Unmap over two whole 64 KiB clusters: the written one and one only the base holds.
     assert_eq!(
-        ranges(&mut r, vb::VIRTIO_BLK_T_WRITE_ZEROES, &[(0, 256, UNMAP)]),
+        r.ranges(vb::VIRTIO_BLK_T_WRITE_ZEROES, &[(0, 256, UNMAP)]),
         vb::VIRTIO_BLK_S_OK as u8
     );
     let (b, src) = read(&mut r, 0, 128 << 10);
@@ -107,7 +87,7 @@ fn write_zeroes_make_written_and_base_ranges_read_as_zeros_with_and_without_unma
         .map(|&(off, len)| (off / 512, (len / 512) as u32, 0))
         .collect();
     assert_eq!(
-        ranges(&mut r, vb::VIRTIO_BLK_T_WRITE_ZEROES, &asked),
+        r.ranges(vb::VIRTIO_BLK_T_WRITE_ZEROES, &asked),
         vb::VIRTIO_BLK_S_OK as u8
     );
     let mut want = r.data.clone();
@@ -157,7 +137,7 @@ fn unknown_flags_are_unsupported_and_change_nothing() {
         ),
     ] {
         assert_eq!(
-            ranges(&mut r, kind, &asked),
+            r.ranges(kind, &asked),
             vb::VIRTIO_BLK_S_UNSUPP as u8,
             "type {kind} ranges {asked:?}"
         );
@@ -176,7 +156,7 @@ fn a_request_with_one_bad_range_changes_nothing() {
     let past_end = (1u64 << 20) / 512 - 4;
     for kind in [vb::VIRTIO_BLK_T_WRITE_ZEROES, vb::VIRTIO_BLK_T_DISCARD] {
         assert_eq!(
-            ranges(&mut r, kind, &[(0, 128, 0), (past_end, 8, 0)]),
+            r.ranges(kind, &[(0, 128, 0), (past_end, 8, 0)]),
             vb::VIRTIO_BLK_S_IOERR as u8,
             "type {kind}"
         );
@@ -189,7 +169,7 @@ fn a_request_with_one_bad_range_changes_nothing() {
     // Too many ranges: IOERR before any is read.
     let many = vec![(0, 128, 0); MAX_DISCARD_SEG as usize + 1];
     assert_eq!(
-        ranges(&mut r, vb::VIRTIO_BLK_T_WRITE_ZEROES, &many),
+        r.ranges(vb::VIRTIO_BLK_T_WRITE_ZEROES, &many),
         vb::VIRTIO_BLK_S_IOERR as u8
     );
     assert!(read(&mut r, 0, 64 << 10).0 == vec![0x5a; 64 << 10]);
