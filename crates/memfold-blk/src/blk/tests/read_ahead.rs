@@ -96,14 +96,9 @@ fn a_write_or_discard_drops_what_was_read_ahead_of_its_range() {
     let disk = Arc::clone(&r.dev.disk);
     r.dev.ahead.start(&disk, off, BIG as u64);
     drop(disk);
-    let mut range = [0u8; 16];
-    range[..8].copy_from_slice(&(off / SECTOR).to_le_bytes());
-    range[8..12].copy_from_slice(&((BIG as u64 / SECTOR) as u32).to_le_bytes());
-    r.gm.write_slice(&range, GuestAddress(0x8210)).unwrap();
-    r.header(0x8200, vb::VIRTIO_BLK_T_DISCARD, 0);
-    r.submit(&[(0x8200, 16, false), (0x8210, 16, false), (STATUS, 1, true)]);
-    assert_eq!(r.run(), vec![1]);
-    assert_eq!(r.status(), vb::VIRTIO_BLK_S_OK as u8);
+    let range = (off / SECTOR, (BIG as u64 / SECTOR) as u32, 0);
+    let discarded = r.ranges(vb::VIRTIO_BLK_T_DISCARD, &[range]);
+    assert_eq!(discarded, vb::VIRTIO_BLK_S_OK as u8);
     submit_read(&mut r, 0x8300, off, DATA, BIG);
     assert_eq!(r.run(), vec![BIG + 1]);
     let d = r.data.clone();
